@@ -1,0 +1,166 @@
+"""The Engine port: what the serving loops need from a model runtime, as a Protocol.
+
+The interpreter and the HTTP adapters talk to an engine only through this port; the MLX
+implementation lives in `adapters.engine_mlx`, and `effects.fakes` has an in-memory one for
+tests. Everything here is plain data plus one Protocol. This module may import `statecore`
+and trio; it must never import httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from statecore.ids import RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples. temperature 0 means greedy; seed None means unseeded."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTravel:
+    """Whether one layer's cache class can be handed off, and why not if it cannot."""
+
+    index: int
+    class_name: str
+    can_travel: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a node knows about its loaded model, reported once at load."""
+
+    name: str
+    fingerprint: str  # hash of config, dtype, kv_bits and prefill chunk size
+    context_length: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    prefill_chunk_size: int
+    layers: tuple[LayerTravel, ...] = field(default=())
+
+    @property
+    def can_travel(self) -> bool:
+        """True only when there is at least one layer and every layer can travel.
+
+        An empty layer list is *not* "all supported": that vacuous truth is the bug the
+        project started from.
+        """
+        return bool(self.layers) and all(layer.can_travel for layer in self.layers)
+
+    @property
+    def untravelable_classes(self) -> tuple[str, ...]:
+        if not self.layers:
+            return ("<no cache layers reported>",)
+        return tuple(sorted({lay.class_name for lay in self.layers if not lay.can_travel}))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    """The result of prefilling one prompt: the first sampled token, the cache held."""
+
+    first_token: int
+    prompt_tokens: int
+    held_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedToken:
+    """One token out of the decoder. `finish_reason` is set on the last one only."""
+
+    token: int
+    is_eos: bool = False
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens reached)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A frozen snapshot of what the engine holds right now (for leak checks and metrics)."""
+
+    decoding: int  # requests live in the batched decoder (or the solo lane)
+    held_caches: int  # prefilled caches held for a handoff
+    held_bytes: int
+    device_thread_alive: bool
+
+
+class Engine(Protocol):
+    """A model runtime driven from trio; every method is safe to call from the event loop.
+
+    Errors are raised as `statecore.errors.StatecoreError` with a typed `ErrorInfo`.
+    """
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    async def prefill(
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+    ) -> PrefillOutcome:
+        """Prefill prompt[:-1] in fixed chunks, then the last token alone; sample the first
+        token at position len(prompt). The cache stays held under `request_id`."""
+        ...
+
+    async def export_held(self, request_id: RequestId) -> bytes:
+        """Encode the held cache in the KV wire format. The cache stays held."""
+        ...
+
+    async def release_held(self, request_id: RequestId) -> int:
+        """Drop a held cache; returns the bytes freed (0 if none). Idempotent."""
+        ...
+
+    async def decode_held(
+        self,
+        request_id: RequestId,
+        prompt: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        """Move a held cache straight into the local decoder (no wire)."""
+        ...
+
+    async def install(
+        self,
+        request_id: RequestId,
+        payload: bytes,
+        prompt: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        """Validate a KV payload fully, then insert it into the running decoder. On any
+        error nothing is installed."""
+        ...
+
+    def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
+        """Tokens after the first one, until EOS or max_tokens; then the iterator ends."""
+        ...
+
+    async def cancel(self, request_id: RequestId) -> None:
+        """Stop decoding and free everything held for the request. Idempotent."""
+        ...
+
+    def statistics(self) -> EngineStatistics: ...
+
+    async def aclose(self) -> None: ...
+
+
+__all__ = [
+    "Engine",
+    "EngineStatistics",
+    "GeneratedToken",
+    "LayerTravel",
+    "ModelInfo",
+    "PrefillOutcome",
+    "SamplingParams",
+]
