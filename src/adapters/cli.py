@@ -1,0 +1,109 @@
+"""The `statecore` command line: `run`, `diagram`, `spec`.
+
+Parses arguments and hands off to the adapters that do the work. The `run` flags are a
+public contract (see README): keep them stable. This module may import anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from statecore.diagram import render, render_markdown
+from statecore.spec import compare, load_spec, render_toml, spec_from_machine
+from statecore.table import MACHINES
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = sub.add_parser("run", help="serve a model (no arguments: a local demo cluster)")
+    run.add_argument(
+        "--role",
+        choices=["cluster", "single", "prefill", "decode", "router"],
+        default="cluster",
+        help="what this process is (default: a local router+prefill+decode cluster)",
+    )
+    run.add_argument("--model", type=Path, default=None, help="model directory (mlx-lm layout)")
+    run.add_argument("--host", default="127.0.0.1")
+    run.add_argument("--port", type=int, default=8000)
+    run.add_argument("--prefill", action="append", default=[], metavar="URL")
+    run.add_argument("--decode", action="append", default=[], metavar="URL")
+    run.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model directory to bring its own architecture file (model_file)",
+    )
+
+
+def _add_diagram(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    diagram = sub.add_parser("diagram", help="render the state machines from their tables")
+    diagram.add_argument("--machine", choices=sorted(MACHINES), default=None)
+    diagram.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
+    diagram.add_argument(
+        "--markdown", action="store_true", help="print docs/state-machines.md instead"
+    )
+
+
+def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    spec = sub.add_parser("spec", help="compare specs/ with the tables, or write them")
+    spec.add_argument("--dir", type=Path, default=Path("specs"))
+    spec.add_argument("--write", action="store_true", help="overwrite the specs from the tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="statecore",
+        description="Disaggregated LLM serving on MLX, every request an explicit state machine.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_diagram(sub)
+    _add_spec(sub)
+    return parser
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(render_markdown())
+        return 0
+    names = [args.machine] if args.machine else list(MACHINES)
+    blocks = [render(MACHINES[name], args.format) for name in names]
+    sys.stdout.write("\n".join(blocks))
+    return 0
+
+
+def _spec(args: argparse.Namespace) -> int:
+    status = 0
+    for machine in MACHINES.values():
+        path = args.dir / f"{machine.name}.toml"
+        from_table = spec_from_machine(machine)
+        if args.write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(render_toml(from_table))
+            print(f"wrote {path}")
+            continue
+        problems = compare(load_spec(path), from_table)
+        for line in problems:
+            print(f"{machine.name}: {line}")
+        status |= bool(problems)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    from adapters.serve import run_command
+
+    return run_command(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "diagram":
+        return _diagram(args)
+    if args.command == "spec":
+        return _spec(args)
+    return _run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

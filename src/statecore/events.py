@@ -1,0 +1,315 @@
+"""Inbound events: everything that can happen to a request, a loop or a peer.
+
+Events are frozen, slotted dataclasses tagged with a `kind`; the transition tables are keyed
+on `(phase, kind)`. Time enters the core only as `TimerFired`, transport loss only as
+`TransportLost`, the client going away only as `ClientCancelled`. This module must never
+import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from statecore.errors import ErrorInfo
+
+
+class EventKind(enum.Enum):
+    # request life
+    ADMITTED = "admitted"
+    REJECTED = "rejected"
+    DISPATCHED = "dispatched"
+    PREFILL_DONE = "prefill_done"
+    FIRST_TOKEN = "first_token"
+    DECODE_STARTED = "decode_started"
+    TOKEN = "token"
+    FINISHED = "finished"
+    STOP_MATCHED = "stop_matched"
+    RETRY = "retry"
+    PREFILL_LOCALLY = "prefill_locally"
+    KV_REQUESTED = "kv_requested"
+    KV_TAKEN = "kv_taken"
+    KV_RECEIVED = "kv_received"
+    KV_INSTALLED = "kv_installed"
+    PEER_FAILED = "peer_failed"
+    ENGINE_FAILED = "engine_failed"
+    CLIENT_CANCELLED = "client_cancelled"
+    TIMER_FIRED = "timer_fired"
+    TRANSPORT_LOST = "transport_lost"
+    # loop life
+    LOOP_READY = "loop_ready"
+    DRAIN_REQUESTED = "drain_requested"
+    DRAIN_COMPLETE = "drain_complete"
+    # peer health
+    PROBE_SUCCEEDED = "probe_succeeded"
+    PROBE_FAILED = "probe_failed"
+
+
+class Timer(enum.Enum):
+    """Which timer fired. The phase decides what it means; stale timers are cancelled."""
+
+    DEADLINE = "deadline"  # the request's overall deadline
+    KV_LEASE = "kv_lease"  # a held cache was never taken
+    PEER_COOLDOWN = "peer_cooldown"  # a down peer may be probed again
+    DRAIN = "drain"  # the drain deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Intake validated the request; for the router, nodes were chosen."""
+
+    kind: ClassVar[EventKind] = EventKind.ADMITTED
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Intake found the request unservable (bad input, unsupported cache, overload)."""
+
+    kind: ClassVar[EventKind] = EventKind.REJECTED
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """A peer accepted the request (router) and is working on it."""
+
+    kind: ClassVar[EventKind] = EventKind.DISPATCHED
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """The engine prefilled the prompt and sampled the first token; the cache is held."""
+
+    kind: ClassVar[EventKind] = EventKind.PREFILL_DONE
+    first_token: int
+    held_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The router received the first token (before the KV moves)."""
+
+    kind: ClassVar[EventKind] = EventKind.FIRST_TOKEN
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStarted:
+    """The decode node installed the cache and is decoding."""
+
+    kind: ClassVar[EventKind] = EventKind.DECODE_STARTED
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGenerated:
+    kind: ClassVar[EventKind] = EventKind.TOKEN
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Generation ended normally: "stop" (EOS or stop string) or "length"."""
+
+    kind: ClassVar[EventKind] = EventKind.FINISHED
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopMatched:
+    """The router found a stop string in the text; the nodes must stop."""
+
+    kind: ClassVar[EventKind] = EventKind.STOP_MATCHED
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRequested:
+    """A peer failed before the first token reached the client and retry budget remains."""
+
+    kind: ClassVar[EventKind] = EventKind.RETRY
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLocally:
+    """The decode node prefills this (short) prompt itself instead of pulling KV."""
+
+    kind: ClassVar[EventKind] = EventKind.PREFILL_LOCALLY
+
+
+@dataclass(frozen=True, slots=True)
+class KvRequested:
+    """A decode node asked for the held cache."""
+
+    kind: ClassVar[EventKind] = EventKind.KV_REQUESTED
+
+
+@dataclass(frozen=True, slots=True)
+class KvTaken:
+    """The decode node pulled the held cache and confirmed the install."""
+
+    kind: ClassVar[EventKind] = EventKind.KV_TAKEN
+
+
+@dataclass(frozen=True, slots=True)
+class KvReceived:
+    """The whole KV payload arrived, end frame included."""
+
+    kind: ClassVar[EventKind] = EventKind.KV_RECEIVED
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvInstalled:
+    kind: ClassVar[EventKind] = EventKind.KV_INSTALLED
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFailed:
+    """A peer answered with an error or sent something invalid."""
+
+    kind: ClassVar[EventKind] = EventKind.PEER_FAILED
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The local engine failed this request (or its device thread died)."""
+
+    kind: ClassVar[EventKind] = EventKind.ENGINE_FAILED
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCancelled:
+    kind: ClassVar[EventKind] = EventKind.CLIENT_CANCELLED
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    kind: ClassVar[EventKind] = EventKind.TIMER_FIRED
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class TransportLost:
+    """A connection this machine depends on is gone (wsproto's receive_data(None))."""
+
+    kind: ClassVar[EventKind] = EventKind.TRANSPORT_LOST
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopReady:
+    kind: ClassVar[EventKind] = EventKind.LOOP_READY
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    kind: ClassVar[EventKind] = EventKind.DRAIN_REQUESTED
+
+
+@dataclass(frozen=True, slots=True)
+class DrainComplete:
+    kind: ClassVar[EventKind] = EventKind.DRAIN_COMPLETE
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSucceeded:
+    kind: ClassVar[EventKind] = EventKind.PROBE_SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFailed:
+    kind: ClassVar[EventKind] = EventKind.PROBE_FAILED
+    detail: str = ""
+
+
+Event = (
+    Admitted
+    | Rejected
+    | Dispatched
+    | PrefillDone
+    | FirstToken
+    | DecodeStarted
+    | TokenGenerated
+    | Finished
+    | StopMatched
+    | RetryRequested
+    | PrefillLocally
+    | KvRequested
+    | KvTaken
+    | KvReceived
+    | KvInstalled
+    | PeerFailed
+    | EngineFailed
+    | ClientCancelled
+    | TimerFired
+    | TransportLost
+    | LoopReady
+    | DrainRequested
+    | DrainComplete
+    | ProbeSucceeded
+    | ProbeFailed
+)
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    Admitted,
+    Rejected,
+    Dispatched,
+    PrefillDone,
+    FirstToken,
+    DecodeStarted,
+    TokenGenerated,
+    Finished,
+    StopMatched,
+    RetryRequested,
+    PrefillLocally,
+    KvRequested,
+    KvTaken,
+    KvReceived,
+    KvInstalled,
+    PeerFailed,
+    EngineFailed,
+    ClientCancelled,
+    TimerFired,
+    TransportLost,
+    LoopReady,
+    DrainRequested,
+    DrainComplete,
+    ProbeSucceeded,
+    ProbeFailed,
+)
+
+__all__ = [
+    "EVENT_TYPES",
+    "Admitted",
+    "ClientCancelled",
+    "DecodeStarted",
+    "Dispatched",
+    "DrainComplete",
+    "DrainRequested",
+    "EngineFailed",
+    "Event",
+    "EventKind",
+    "Finished",
+    "FirstToken",
+    "KvInstalled",
+    "KvReceived",
+    "KvRequested",
+    "KvTaken",
+    "LoopReady",
+    "PeerFailed",
+    "PrefillDone",
+    "PrefillLocally",
+    "ProbeFailed",
+    "ProbeSucceeded",
+    "Rejected",
+    "RetryRequested",
+    "StopMatched",
+    "Timer",
+    "TimerFired",
+    "TokenGenerated",
+    "TransportLost",
+]

@@ -1,0 +1,195 @@
+"""Intents: the effects the core asks for, as data. The core never performs anything.
+
+The transition tables name intents by `IntentKind`; `statecore.step` builds the concrete
+intent values from the record and the event. The effects layer performs them through ports
+and feeds the outcomes back as events. This module must never import trio, httpx, mlx or
+mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from statecore.errors import ErrorInfo
+from statecore.events import Timer
+from statecore.ids import RequestId
+
+
+class IntentKind(enum.Enum):
+    START_PREFILL = "start_prefill"
+    START_DECODE = "start_decode"
+    FETCH_KV = "fetch_kv"
+    INSTALL_KV = "install_kv"
+    SEND_KV = "send_kv"
+    RELEASE_KV = "release_kv"
+    STOP_DECODING = "stop_decoding"
+    CANCEL_REMOTE = "cancel_remote"
+    ARM_DEADLINE = "arm_deadline"
+    ARM_LEASE = "arm_lease"
+    CANCEL_TIMER = "cancel_timer"
+    RESPOND_TOKEN = "respond_token"
+    COMPLETE = "complete"
+    REJECT = "reject"
+    # loop
+    START_ACCEPTING = "start_accepting"
+    STOP_ACCEPTING = "stop_accepting"
+    ARM_DRAIN = "arm_drain"
+    STOP_LOOP = "stop_loop"
+    REPORT_BUG = "report_bug"
+    # peer health
+    MARK_AVAILABLE = "mark_available"
+    MARK_UNAVAILABLE = "mark_unavailable"
+    ARM_COOLDOWN = "arm_cooldown"
+    SEND_PROBE = "send_probe"
+
+
+@dataclass(frozen=True, slots=True)
+class StartPrefill:
+    kind: ClassVar[IntentKind] = IntentKind.START_PREFILL
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class StartDecode:
+    kind: ClassVar[IntentKind] = IntentKind.START_DECODE
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class FetchKv:
+    kind: ClassVar[IntentKind] = IntentKind.FETCH_KV
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class InstallKv:
+    kind: ClassVar[IntentKind] = IntentKind.INSTALL_KV
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class SendKv:
+    kind: ClassVar[IntentKind] = IntentKind.SEND_KV
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseKv:
+    """Free a held cache (prefill side) or tell its owner it is taken (decode side)."""
+
+    kind: ClassVar[IntentKind] = IntentKind.RELEASE_KV
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class StopDecoding:
+    """Free the request's decoder slot."""
+
+    kind: ClassVar[IntentKind] = IntentKind.STOP_DECODING
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRemote:
+    """Tell the peers working on this request to stop and free what they hold."""
+
+    kind: ClassVar[IntentKind] = IntentKind.CANCEL_REMOTE
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer:
+    """Arm (or re-arm) the request's single timer; the interpreter knows the durations."""
+
+    request_id: RequestId
+    timer: Timer
+
+    @property
+    def kind(self) -> IntentKind:
+        return IntentKind.ARM_LEASE if self.timer is Timer.KV_LEASE else IntentKind.ARM_DEADLINE
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    kind: ClassVar[IntentKind] = IntentKind.CANCEL_TIMER
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class RespondToken:
+    kind: ClassVar[IntentKind] = IntentKind.RESPOND_TOKEN
+    request_id: RequestId
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    kind: ClassVar[IntentKind] = IntentKind.COMPLETE
+    request_id: RequestId
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """End the request with an error (a 4xx/5xx, or an error event if streaming began)."""
+
+    kind: ClassVar[IntentKind] = IntentKind.REJECT
+    request_id: RequestId
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class LoopIntent:
+    """An intent about the loop itself (start/stop accepting, stop, arm drain, report bug)."""
+
+    kind: IntentKind
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIntent:
+    """An intent about one peer's routing state (mark, probe, cool down)."""
+
+    kind: IntentKind
+    peer: str
+
+
+Intent = (
+    StartPrefill
+    | StartDecode
+    | FetchKv
+    | InstallKv
+    | SendKv
+    | ReleaseKv
+    | StopDecoding
+    | CancelRemote
+    | ArmTimer
+    | CancelTimer
+    | RespondToken
+    | Complete
+    | Reject
+    | LoopIntent
+    | PeerIntent
+)
+
+__all__ = [
+    "ArmTimer",
+    "CancelRemote",
+    "CancelTimer",
+    "Complete",
+    "FetchKv",
+    "InstallKv",
+    "Intent",
+    "IntentKind",
+    "LoopIntent",
+    "PeerIntent",
+    "Reject",
+    "ReleaseKv",
+    "RespondToken",
+    "SendKv",
+    "StartDecode",
+    "StartPrefill",
+    "StopDecoding",
+]

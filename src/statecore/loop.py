@@ -1,0 +1,136 @@
+"""The serving-role loop as a pure machine that hosts many requests.
+
+`LoopState` holds the loop's own record and every live request's record. `loop_step` routes
+one envelope: a loop event goes through the loop's table (and, for `TransportLost`, to every
+live request too); a request event goes to that request alone, so one request's failure can
+change no other. A request that reaches a terminal phase leaves the live set and its outcome
+is counted; a draining loop with nothing live finishes its drain. Only `TransportLost` or a
+finished drain stops the loop. This module must never import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar
+
+from statecore.errors import Code, ErrorInfo, Fault, client_error
+from statecore.events import DrainComplete, Event, TransportLost
+from statecore.ids import RequestId
+from statecore.intents import Intent, Reject
+from statecore.phases import LoopPhase
+from statecore.step import LoopRecord, RequestRecord, new_request, step_loop, step_request
+from statecore.table import Machine
+
+P = TypeVar("P", bound=enum.Enum)
+
+
+@dataclass(frozen=True, slots=True)
+class ForLoop:
+    """An event for the loop itself."""
+
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class ForRequest:
+    """An event for one request."""
+
+    request_id: RequestId
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRequest:
+    """A new request arrives at intake."""
+
+    request_id: RequestId
+
+
+Envelope = ForLoop | ForRequest | OpenRequest
+
+
+@dataclass(frozen=True, slots=True)
+class LoopState(Generic[P]):
+    machine: Machine[P]
+    loop: LoopRecord = field(default_factory=LoopRecord)
+    live: Mapping[RequestId, RequestRecord[P]] = field(default_factory=dict)
+    outcomes: Mapping[RequestId, P] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        return self.loop.phase is LoopPhase.STOPPED
+
+    @property
+    def accepting(self) -> bool:
+        return self.loop.phase is LoopPhase.SERVING
+
+
+def new_loop(machine: Machine[P]) -> LoopState[P]:
+    return LoopState(machine=machine)
+
+
+def _not_accepting(phase: LoopPhase) -> ErrorInfo:
+    if phase is LoopPhase.DRAINING:
+        return ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "the node is draining; retry elsewhere")
+    return ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, f"the node is {phase.value}; retry later")
+
+
+def _settle(state: LoopState[P], record: RequestRecord[P]) -> LoopState[P]:
+    """Put a moved request back: live if not terminal, counted as an outcome if it is."""
+    live = dict(state.live)
+    outcomes = dict(state.outcomes)
+    if state.machine.is_terminal(record.phase):
+        live.pop(record.request_id, None)
+        outcomes[record.request_id] = record.phase
+    else:
+        live[record.request_id] = record
+    return replace(state, live=live, outcomes=outcomes)
+
+
+def _finish_drain(state: LoopState[P], intents: list[Intent]) -> LoopState[P]:
+    if state.loop.phase is LoopPhase.DRAINING and not state.live:
+        loop, more = step_loop(state.loop, DrainComplete())
+        intents.extend(more)
+        return replace(state, loop=loop)
+    return state
+
+
+def loop_step(state: LoopState[P], envelope: Envelope) -> tuple[LoopState[P], list[Intent]]:
+    """Route one envelope. Total and pure: never raises, whatever the envelope."""
+    intents: list[Intent] = []
+    match envelope:
+        case OpenRequest(request_id=rid):
+            if not state.accepting:
+                return state, [Reject(rid, _not_accepting(state.loop.phase))]
+            if rid in state.live or rid in state.outcomes:
+                return state, [Reject(rid, client_error(f"duplicate request id {rid!r}"))]
+            state = _settle(state, new_request(state.machine, rid))
+        case ForRequest(request_id=rid, event=event):
+            record = state.live.get(rid)
+            if record is None:
+                return state, []  # late event for a finished or unknown request: absorbed
+            moved, intents = step_request(state.machine, record, event)
+            state = _settle(state, moved)
+        case ForLoop(event=event):
+            loop, intents = step_loop(state.loop, event)
+            state = replace(state, loop=loop)
+            if isinstance(event, TransportLost) and loop.phase is LoopPhase.STOPPED:
+                for record in list(state.live.values()):
+                    moved, more = step_request(state.machine, record, event)
+                    intents.extend(more)
+                    state = _settle(state, moved)
+    state = _finish_drain(state, intents)
+    return state, intents
+
+
+__all__ = [
+    "Envelope",
+    "ForLoop",
+    "ForRequest",
+    "LoopState",
+    "OpenRequest",
+    "loop_step",
+    "new_loop",
+]

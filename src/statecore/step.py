@@ -1,0 +1,262 @@
+"""Pure step functions: (record, event) -> (record, intents), read off the tables.
+
+`step_request`, `step_loop` and `step_peer` look the edge up in the machine's total table,
+move the record with `dataclasses.replace`, and build each intent the edge names from the
+record and the event. They never raise for any (phase, event) pair: an undeclared pair is a
+table edge too (a request fails with ILLEGAL_TRANSITION; a loop or a peer reports a bug and
+stays). This module must never import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar, assert_never
+
+from statecore.errors import Code, ErrorInfo, Fault
+from statecore.events import (
+    Admitted,
+    ClientCancelled,
+    DecodeStarted,
+    Dispatched,
+    DrainComplete,
+    DrainRequested,
+    EngineFailed,
+    Event,
+    Finished,
+    FirstToken,
+    KvInstalled,
+    KvReceived,
+    KvRequested,
+    KvTaken,
+    LoopReady,
+    PeerFailed,
+    PrefillDone,
+    PrefillLocally,
+    ProbeFailed,
+    ProbeSucceeded,
+    Rejected,
+    RetryRequested,
+    StopMatched,
+    Timer,
+    TimerFired,
+    TokenGenerated,
+    TransportLost,
+)
+from statecore.ids import PeerId, RequestId
+from statecore.intents import (
+    ArmTimer,
+    CancelRemote,
+    CancelTimer,
+    Complete,
+    FetchKv,
+    InstallKv,
+    Intent,
+    IntentKind,
+    LoopIntent,
+    PeerIntent,
+    Reject,
+    ReleaseKv,
+    RespondToken,
+    SendKv,
+    StartDecode,
+    StartPrefill,
+    StopDecoding,
+)
+from statecore.phases import LoopPhase, PeerPhase
+from statecore.table import PEER_HEALTH, SERVING_LOOP, Edge, Machine
+
+P = TypeVar("P", bound=enum.Enum)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord(Generic[P]):
+    """One request's life on one node."""
+
+    request_id: RequestId
+    phase: P
+    error: ErrorInfo | None = None
+    finish_reason: str | None = None
+    tokens_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoopRecord:
+    phase: LoopPhase = LoopPhase.STARTING
+    bugs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRecord:
+    peer: PeerId
+    phase: PeerPhase = PeerPhase.UNKNOWN
+    bugs: tuple[str, ...] = ()
+
+
+def new_request(machine: Machine[P], request_id: RequestId) -> RequestRecord[P]:
+    return RequestRecord(request_id=request_id, phase=machine.initial)
+
+
+def event_error(event: Event) -> ErrorInfo | None:
+    """The error an event carries, if it is a failure event."""
+    match event:
+        case Rejected(error=error) | PeerFailed(error=error) | EngineFailed(error=error):
+            return error
+        case RetryRequested(error=error):
+            return error
+        case (
+            Admitted() | Dispatched() | PrefillDone() | FirstToken() | DecodeStarted()
+            | TokenGenerated() | Finished() | StopMatched() | PrefillLocally() | KvRequested()
+            | KvTaken() | KvReceived() | KvInstalled() | ClientCancelled() | TimerFired()
+            | TransportLost() | LoopReady() | DrainRequested() | DrainComplete()
+            | ProbeSucceeded() | ProbeFailed()
+        ):
+            return None
+        case _:
+            assert_never(event)
+
+
+def _token_of(event: Event) -> int | None:
+    match event:
+        case FirstToken(token=token) | TokenGenerated(token=token):
+            return token
+        case PrefillDone(first_token=token):
+            return token
+        case _:
+            return None
+
+
+_MESSAGES: dict[Code, str] = {
+    Code.TIMEOUT: "the request's deadline passed while it was {phase}",
+    Code.LEASE_EXPIRED: "the held KV cache was never taken before its lease expired",
+    Code.TRANSPORT_LOST: "a connection this request depended on was lost while it was {phase}",
+    Code.CANCELLED: "the request was cancelled while it was {phase}",
+    Code.ILLEGAL_TRANSITION: "event '{event}' is not expected while a request is {phase}",
+}
+_FAULTS: dict[Code, Fault] = {
+    Code.TIMEOUT: Fault.PEER,
+    Code.LEASE_EXPIRED: Fault.PEER,
+    Code.TRANSPORT_LOST: Fault.TRANSPORT,
+    Code.CANCELLED: Fault.CANCELLED,
+    Code.ILLEGAL_TRANSITION: Fault.BUG,
+}
+
+
+def _edge_error(edge: Edge[P], phase: P, event: Event) -> ErrorInfo:
+    """The error for a failure edge: the event's own, else one made from the edge's code."""
+    carried = event_error(event)
+    if carried is not None:
+        return carried
+    code = edge.code or Code.INTERNAL
+    template = _MESSAGES.get(code, "request failed while {phase}")
+    message = template.format(phase=str(phase.value), event=event.kind.value)
+    return ErrorInfo(_FAULTS.get(code, Fault.BUG), code, message)
+
+
+def _build_request_intent(
+    kind: IntentKind, rid: RequestId, edge: Edge[P], phase: P, event: Event
+) -> Intent:
+    match kind:
+        case IntentKind.START_PREFILL:
+            return StartPrefill(rid)
+        case IntentKind.START_DECODE:
+            return StartDecode(rid)
+        case IntentKind.FETCH_KV:
+            return FetchKv(rid)
+        case IntentKind.INSTALL_KV:
+            return InstallKv(rid)
+        case IntentKind.SEND_KV:
+            return SendKv(rid)
+        case IntentKind.RELEASE_KV:
+            return ReleaseKv(rid)
+        case IntentKind.STOP_DECODING:
+            return StopDecoding(rid)
+        case IntentKind.CANCEL_REMOTE:
+            return CancelRemote(rid)
+        case IntentKind.ARM_DEADLINE:
+            return ArmTimer(rid, Timer.DEADLINE)
+        case IntentKind.ARM_LEASE:
+            return ArmTimer(rid, Timer.KV_LEASE)
+        case IntentKind.CANCEL_TIMER:
+            return CancelTimer(rid)
+        case IntentKind.RESPOND_TOKEN:
+            token = _token_of(event)
+            if token is None:  # a table edge names RESPOND_TOKEN on a token-less event
+                return Reject(rid, _bug(f"no token in '{event.kind.value}' at {phase.value}"))
+            return RespondToken(rid, token)
+        case IntentKind.COMPLETE:
+            reason = event.finish_reason if isinstance(event, Finished) else "stop"
+            return Complete(rid, reason)
+        case IntentKind.REJECT:
+            return Reject(rid, _edge_error(edge, phase, event))
+        case (
+            IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN
+            | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG | IntentKind.MARK_AVAILABLE
+            | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN | IntentKind.SEND_PROBE
+        ):
+            return Reject(rid, _bug(f"loop/peer intent {kind.value} on a request edge"))
+        case _:
+            assert_never(kind)
+
+
+def _bug(message: str) -> ErrorInfo:
+    return ErrorInfo(Fault.BUG, Code.ILLEGAL_TRANSITION, message)
+
+
+def step_request(
+    machine: Machine[P], record: RequestRecord[P], event: Event
+) -> tuple[RequestRecord[P], list[Intent]]:
+    """Move one request by one event. Total: every (phase, event) pair has an outcome."""
+    edge = machine.edge(record.phase, event.kind)
+    if machine.is_terminal(record.phase):
+        return record, []  # terminal phases absorb
+    intents = [
+        _build_request_intent(kind, record.request_id, edge, record.phase, event)
+        for kind in edge.intents
+    ]
+    error = record.error
+    if machine.is_unsuccessful(edge.target):
+        error = _edge_error(edge, record.phase, event)
+    finish = event.finish_reason if isinstance(event, Finished) else record.finish_reason
+    if isinstance(event, StopMatched) and machine.is_terminal(edge.target):
+        finish = "stop"
+    tokens = record.tokens_out + sum(isinstance(i, RespondToken) for i in intents)
+    moved = replace(
+        record, phase=edge.target, error=error, finish_reason=finish, tokens_out=tokens
+    )
+    return moved, intents
+
+
+def _loop_intents(edge: Edge[LoopPhase], phase: LoopPhase, event: Event) -> list[Intent]:
+    detail = "" if edge.declared else f"event '{event.kind.value}' in loop phase {phase.value}"
+    return [LoopIntent(kind, detail) for kind in edge.intents]
+
+
+def step_loop(record: LoopRecord, event: Event) -> tuple[LoopRecord, list[Intent]]:
+    edge = SERVING_LOOP.edge(record.phase, event.kind)
+    intents = _loop_intents(edge, record.phase, event)
+    bugs = record.bugs
+    if not edge.declared and not SERVING_LOOP.is_terminal(record.phase):
+        bugs = (*bugs, f"illegal transition: {event.kind.value} in {record.phase.value}")
+    return replace(record, phase=edge.target, bugs=bugs), intents
+
+
+def step_peer(record: PeerRecord, event: Event) -> tuple[PeerRecord, list[Intent]]:
+    edge = PEER_HEALTH.edge(record.phase, event.kind)
+    intents: list[Intent] = [PeerIntent(kind, record.peer) for kind in edge.intents]
+    bugs = record.bugs
+    if not edge.declared:
+        bugs = (*bugs, f"illegal transition: {event.kind.value} in {record.phase.value}")
+    return replace(record, phase=edge.target, bugs=bugs), intents
+
+
+__all__ = [
+    "LoopRecord",
+    "PeerRecord",
+    "RequestRecord",
+    "event_error",
+    "new_request",
+    "step_loop",
+    "step_peer",
+    "step_request",
+]
