@@ -1,0 +1,685 @@
+"""The KV wire format: a prefilled prompt cache as bytes, and back, bit for bit.
+
+A prefill node encodes the per-layer cache objects of one prompt into frames (a small,
+strictly validated JSON header, raw tensor-data chunks, an end frame with the total length
+and a CRC-32); a decode node validates the whole payload before it builds any cache object.
+The codec is generic over mlx-lm's cache classes: a layer travels as its class name plus its
+``state`` (arrays, ints, ``None``, strings, nested lists/tuples), and is rebuilt with the
+class's own ``from_state``. The one class-aware piece is `_live_view`, which cuts
+over-allocated buffers down to what the next decode step reads (see its docstring).
+``docs/wire-format.md`` documents the format byte by byte. This is an adapter: it may import
+anything, and nothing in `statecore` or `effects` may import it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal, NoReturn, TypeAlias, Union
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as cache_module
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from effects.engine_port import LayerTravel
+from statecore.errors import Code, StatecoreError, bug, peer_error, unsupported_cache
+
+FORMAT_VERSION: Final[int] = 1
+MAGIC: Final[bytes] = b"\x89SCKV\r\n\x1a"
+
+_PREAMBLE: Final = struct.Struct("<8sH")  # magic, format version
+_FRAME: Final = struct.Struct("<cI")  # frame type, payload length
+_END: Final = struct.Struct("<QI")  # total tensor bytes, crc32
+_HEADER_FRAME: Final = b"H"
+_DATA_FRAME: Final = b"D"
+_END_FRAME: Final = b"E"
+
+_MAX_HEADER_BYTES: Final = 4 << 20
+_MAX_FRAME_BYTES: Final = (1 << 32) - 1
+_MAX_DEPTH: Final = 16
+_MAX_STR: Final = 256
+_MAX_FINGERPRINT: Final = 1024
+_INT_BOUND: Final = 1 << 63
+_CLASS_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+# --------------------------------------------------------------------------- dtypes
+
+# wire name -> (mlx dtype, little-endian numpy dtype the bytes are moved as).
+# numpy has no bfloat16: its bits travel as uint16 and are viewed back.
+_DTYPES: Final[dict[str, tuple[Any, np.dtype[Any]]]] = {
+    "bool": (mx.bool_, np.dtype("|b1")),
+    "uint8": (mx.uint8, np.dtype("|u1")),
+    "uint16": (mx.uint16, np.dtype("<u2")),
+    "uint32": (mx.uint32, np.dtype("<u4")),
+    "uint64": (mx.uint64, np.dtype("<u8")),
+    "int8": (mx.int8, np.dtype("|i1")),
+    "int16": (mx.int16, np.dtype("<i2")),
+    "int32": (mx.int32, np.dtype("<i4")),
+    "int64": (mx.int64, np.dtype("<i8")),
+    "float16": (mx.float16, np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, np.dtype("<u2")),
+    "float32": (mx.float32, np.dtype("<f4")),
+    "float64": (mx.float64, np.dtype("<f8")),
+    "complex64": (mx.complex64, np.dtype("<c8")),
+}
+_DTYPE_NAMES: Final[dict[Any, str]] = {mxd: name for name, (mxd, _) in _DTYPES.items()}
+DtypeName: TypeAlias = Literal[
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex64",
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- header schema
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ArrayNode(_Strict):
+    kind: Literal["array"]
+    dtype: DtypeName
+    shape: Annotated[list[Annotated[int, Field(ge=0, lt=_INT_BOUND)]], Field(max_length=16)]
+    nbytes: Annotated[int, Field(ge=0, lt=_INT_BOUND)]
+
+
+class IntNode(_Strict):
+    kind: Literal["int"]
+    value: Annotated[int, Field(ge=-_INT_BOUND, lt=_INT_BOUND)]
+
+
+class NoneNode(_Strict):
+    kind: Literal["none"]
+
+
+class StrNode(_Strict):
+    kind: Literal["str"]
+    value: Annotated[str, Field(max_length=_MAX_STR)]
+
+
+class ListNode(_Strict):
+    kind: Literal["list"]
+    items: Annotated[list[Node], Field(max_length=4096)]
+
+
+class TupleNode(_Strict):
+    kind: Literal["tuple"]
+    items: Annotated[list[Node], Field(max_length=4096)]
+
+
+Node: TypeAlias = Annotated[
+    Union[ArrayNode, IntNode, NoneNode, StrNode, ListNode, TupleNode],  # noqa: UP007
+    Field(discriminator="kind"),
+]
+
+
+class LayerHeader(_Strict):
+    class_name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+    state: Node
+
+
+class Header(_Strict):
+    fingerprint: Annotated[str, Field(max_length=_MAX_FINGERPRINT)]
+    token_count: Annotated[int, Field(ge=0, lt=_INT_BOUND)]
+    layers: Annotated[list[LayerHeader], Field(min_length=1, max_length=65536)]
+
+
+ListNode.model_rebuild()
+TupleNode.model_rebuild()
+LayerHeader.model_rebuild()
+Header.model_rebuild()
+_HEADER_ADAPTER: Final = TypeAdapter(Header)
+
+
+# --------------------------------------------------------------------------- public types
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedKv:
+    """A validated payload, rebuilt: one cache object per layer, ready for the decoder."""
+
+    caches: list[Any]
+    token_count: int
+    class_names: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- class resolution
+
+
+def _resolve_class(name: str) -> type[Any] | None:
+    """The mlx-lm cache class called `name`, or None: only classes defined in
+    `mlx_lm.models.cache` that have a `from_state` classmethod can be rebuilt by name."""
+    if not _CLASS_NAME_RE.fullmatch(name):
+        return None
+    cls = getattr(cache_module, name, None)
+    if not isinstance(cls, type) or cls.__module__ != cache_module.__name__:
+        return None
+    if not isinstance(inspect.getattr_static(cls, "from_state", None), classmethod):
+        return None
+    return cls
+
+
+def _qualified(cls: type[Any]) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# --------------------------------------------------------------------------- trimming to live
+
+
+def _cut(x: Any, n: int) -> Any:
+    """The first `n` positions of a [..., seq, dim] buffer."""
+    return x[..., :n, :]
+
+
+def _live_kv(c: Any) -> Any:
+    keys, values, offset = c.state
+    if keys is None or keys.shape[-2] == offset:
+        return c
+    return type(c).from_state((_cut(keys, offset), _cut(values, offset), offset))
+
+
+def _live_quantized(c: Any) -> Any:
+    keys, values, offset, group_size, bits = c.state
+    if keys is None or keys[0].shape[-2] == offset:
+        return c
+    keys = type(keys)(_cut(x, offset) for x in keys)
+    values = type(values)(_cut(x, offset) for x in values)
+    return type(c).from_state((keys, values, offset, group_size, bits))
+
+
+def _live_chunked(c: Any) -> Any:
+    keys, values, offset, chunk_size, start = c.state
+    live = offset - start
+    if keys is None or keys.shape[-2] == live:
+        return c
+    return type(c).from_state((_cut(keys, live), _cut(values, live), offset, chunk_size, start))
+
+
+def _live_rotating(c: Any) -> Any:
+    keys, values, offset, keep, max_size, idx = c.state
+    if keys is None:
+        return c
+    size = keys.shape[-2]
+    if size > max_size and idx == size:
+        # A multi-token update left the whole chunk in temporal order (size up to
+        # max_size + S - 1). Both next-step paths (in place: trim to max_size, rotate to
+        # `keep`; concat: keep the last max_size - 1) read only `keep` sink tokens and
+        # the newest max_size - keep ones, so that is exactly what travels; idx = max_size
+        # makes the rebuilt cache take the same path to the same buffer.
+        drop = size - max_size
+
+        def window(x: Any) -> Any:
+            return mx.concatenate([x[..., :keep, :], x[..., keep + drop :, :]], axis=2)
+
+        return type(c).from_state((window(keys), window(values), offset, keep, max_size, max_size))
+    if idx == offset < size:
+        # Never wrapped; the tail of the step-sized buffer is unwritten.
+        return type(c).from_state(
+            (_cut(keys, offset), _cut(values, offset), offset, keep, max_size, idx)
+        )
+    return c  # wrapped in place: exactly max_size slots, all live
+
+
+def _live_list(c: Any) -> Any:
+    members = [_live_view(m) for m in c.caches]
+    if all(m is o for m, o in zip(members, c.caches, strict=True)):
+        return c
+    return type(c)(*members)
+
+
+_LIVE_VIEWS: Final[dict[str, Callable[[Any], Any]]] = {
+    "KVCache": _live_kv,
+    "QuantizedKVCache": _live_quantized,
+    "ChunkedKVCache": _live_chunked,
+    "RotatingKVCache": _live_rotating,
+    "CacheList": _live_list,
+}
+
+
+def _live_view(cache: Any) -> Any:
+    """An equivalent cache object holding only what the next decode step reads.
+
+    This is the one class-aware function of the codec, and it is unavoidable: mlx-lm
+    0.32.2 has no "trim to live" API, and `state` returns the raw buffers (a `KVCache`
+    after 33 tokens hands out a 256-slot buffer; a `RotatingKVCache` after a long prefill
+    holds the whole prompt). Each entry rewrites the class's own `state` tuple and goes
+    back through the class's own `from_state`, so the format itself never sees a class:
+    the result travels through the generic state walk like any other cache. Classes not
+    listed (and any future mlx-lm class) travel untrimmed: bigger, still exact. Keys are
+    class names resolved in `mlx_lm.models.cache`; a model's own class of the same name is
+    not matched (it cannot travel at all).
+    """
+    name = type(cache).__name__
+    view = _LIVE_VIEWS.get(name)
+    if view is None or _resolve_class(name) is not type(cache):
+        return cache
+    return view(cache)
+
+
+# --------------------------------------------------------------------------- state <-> nodes
+
+
+class _NotPlain(Exception):
+    """A state leaf the wire cannot carry (internal; becomes a travel reason)."""
+
+
+def _describe(value: Any, arrays: list[Any], path: str, depth: int) -> dict[str, Any]:
+    """The header node for one state value; appends its arrays, depth-first, to `arrays`."""
+    if depth > _MAX_DEPTH:
+        raise _NotPlain(f"state nests deeper than {_MAX_DEPTH} at {path}")
+    if isinstance(value, mx.array):
+        name = _DTYPE_NAMES.get(value.dtype)
+        if name is None:
+            raise _NotPlain(f"state holds an array of dtype {value.dtype} at {path}")
+        arrays.append(value)
+        shape = [int(d) for d in value.shape]
+        return {
+            "kind": "array",
+            "dtype": name,
+            "shape": shape,
+            "nbytes": math.prod(shape) * _DTYPES[name][1].itemsize,
+        }
+    if value is None:
+        return {"kind": "none"}
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        raise _NotPlain(f"state holds a bool at {path}")
+    if isinstance(value, int):
+        if not -_INT_BOUND <= value < _INT_BOUND:
+            raise _NotPlain(f"state holds an int outside 64 bits at {path}")
+        return {"kind": "int", "value": value}
+    if isinstance(value, str):
+        if len(value) > _MAX_STR:
+            raise _NotPlain(f"state holds a string longer than {_MAX_STR} at {path}")
+        return {"kind": "str", "value": value}
+    if type(value) in (list, tuple):
+        items = [_describe(v, arrays, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        return {"kind": "list" if type(value) is list else "tuple", "items": items}
+    raise _NotPlain(f"state holds a {type(value).__qualname__} at {path}")
+
+
+def _plan(cache: Any) -> tuple[str, dict[str, Any], list[Any]]:
+    """(class name, header node of the live state, the live arrays) for one travelable layer.
+
+    Raises `_NotPlain` with a reason when the layer cannot travel. Besides checking the
+    state's leaves, it rebuilds the class from that state (arrays are shared, nothing is
+    copied) and requires the rebuilt object to report the same state: that catches, with no
+    class knowledge, e.g. a `CacheList` holding a member class mlx-lm cannot rebuild by name.
+    """
+    cls = type(cache)
+    name = cls.__name__
+    if _resolve_class(name) is not cls:
+        raise _NotPlain(
+            f"cache class {_qualified(cls)} is not an mlx-lm cache class that can be rebuilt "
+            "by name"
+        )
+    try:
+        live = _live_view(cache)
+        state = live.state
+    except Exception as exc:
+        raise _NotPlain(f"{name}: reading its state failed: {type(exc).__name__}: {exc}") from exc
+    arrays: list[Any] = []
+    node = _describe(state, arrays, "state", 0)
+    try:
+        rebuilt = cls.from_state(state)
+        again = _describe(rebuilt.state, [], "state", 0)
+    except _NotPlain:
+        raise
+    except Exception as exc:
+        raise _NotPlain(
+            f"{name}: rebuilding from its state failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if type(rebuilt) is not cls or again != node:
+        raise _NotPlain(f"{name}: from_state does not reproduce its state")
+    return name, node, arrays
+
+
+def travel_report(caches: Sequence[Any]) -> tuple[LayerTravel, ...]:
+    """Per layer: can this cache object be handed off, and if not, why not.
+
+    Empty input gives an empty tuple, which callers must treat as *not* travelable.
+    """
+    report = []
+    for index, cache in enumerate(caches):
+        name = type(cache).__name__
+        try:
+            _plan(cache)
+        except _NotPlain as exc:
+            report.append(LayerTravel(index, name, False, str(exc)))
+        else:
+            report.append(LayerTravel(index, name, True))
+    return tuple(report)
+
+
+def raw_tensor_bytes(caches: Sequence[Any]) -> int:
+    """Bytes of the live tensors (after trimming to live): the payload's floor."""
+    total = 0
+    for cache in caches:
+        arrays: list[Any] = []
+        _describe(_live_view(cache).state, arrays, "state", 0)
+        total += sum(int(a.nbytes) for a in arrays)
+    return total
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def _wire_view(array: Any) -> memoryview:
+    """The array's bytes, C order, little-endian, as a flat byte view (no copy if possible)."""
+    wire = _DTYPES[_DTYPE_NAMES[array.dtype]][1]
+    host = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    host = np.ascontiguousarray(host, dtype=wire)
+    flat: memoryview = host.reshape(-1).view(np.uint8).data
+    return flat
+
+
+def encode_cache(
+    caches: Sequence[Any],
+    *,
+    fingerprint: str,
+    token_count: int,
+    chunk_bytes: int = 1 << 20,
+) -> list[bytes]:
+    """Encode per-layer caches as frames: header frame, data frames, end frame.
+
+    `b"".join(frames)` is the payload. Raises `StatecoreError` (UNSUPPORTED_CACHE) when a
+    layer cannot travel, and a BUG-fault error for invalid arguments.
+    """
+    if not isinstance(fingerprint, str) or len(fingerprint) > _MAX_FINGERPRINT:
+        raise StatecoreError(bug(f"fingerprint must be a str of at most {_MAX_FINGERPRINT}"))
+    if isinstance(token_count, bool) or not 0 <= token_count < _INT_BOUND:
+        raise StatecoreError(bug(f"token_count must be a non-negative int, got {token_count!r}"))
+    if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
+        raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
+    if not caches:
+        raise StatecoreError(unsupported_cache(["<no cache layers>"]))
+
+    layers: list[dict[str, Any]] = []
+    arrays: list[Any] = []
+    refused: list[str] = []
+    for cache in caches:
+        try:
+            name, node, layer_arrays = _plan(cache)
+        except _NotPlain:
+            refused.append(type(cache).__name__)
+            continue
+        layers.append({"class_name": name, "state": node})
+        arrays.extend(layer_arrays)
+    if refused:
+        raise StatecoreError(unsupported_cache(refused))
+
+    header = {"fingerprint": fingerprint, "token_count": token_count, "layers": layers}
+    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    if len(header_bytes) > _MAX_HEADER_BYTES:
+        raise StatecoreError(unsupported_cache([layer["class_name"] for layer in layers]))
+    _HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
+
+    host = [mx.contiguous(a) for a in arrays]
+    mx.eval(*host)
+    crc = zlib.crc32(header_bytes)
+    frames = [
+        _PREAMBLE.pack(MAGIC, FORMAT_VERSION)
+        + _FRAME.pack(_HEADER_FRAME, len(header_bytes))
+        + header_bytes
+    ]
+    pending: list[memoryview] = []
+    pending_len = 0
+    total = 0
+    for array in host:
+        view = _wire_view(array)
+        pos = 0
+        while pos < len(view):
+            piece = view[pos : pos + chunk_bytes - pending_len]
+            crc = zlib.crc32(piece, crc)
+            pending.append(piece)
+            pending_len += len(piece)
+            pos += len(piece)
+            if pending_len == chunk_bytes:
+                frames.append(b"".join([_FRAME.pack(_DATA_FRAME, pending_len), *pending]))
+                total += pending_len
+                pending, pending_len = [], 0
+    if pending:
+        frames.append(b"".join([_FRAME.pack(_DATA_FRAME, pending_len), *pending]))
+        total += pending_len
+    frames.append(_FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc))
+    return frames
+
+
+def encoded_size(frames: Sequence[bytes]) -> int:
+    """Bytes on the wire for these frames."""
+    return sum(len(frame) for frame in frames)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _fail(code: Code, message: str) -> NoReturn:
+    raise StatecoreError(peer_error(message, code))
+
+
+@dataclass(frozen=True, slots=True)
+class _Framing:
+    header: memoryview
+    data: list[tuple[int, int]]  # (start, stop) offsets of each data frame's payload
+    data_bytes: int
+    declared_total: int
+    declared_crc: int
+
+
+def _split_frames(payload: memoryview) -> _Framing:
+    """Walk the framing: preamble, one header frame, data frames, one end frame, nothing after."""
+    size = len(payload)
+    if size < _PREAMBLE.size:
+        if MAGIC.startswith(bytes(payload[: len(MAGIC)])):
+            _fail(Code.KV_TRUNCATED, f"payload ends inside the preamble ({size} bytes)")
+        _fail(Code.KV_MALFORMED, "not a statecore KV payload (bad magic)")
+    magic, version = _PREAMBLE.unpack_from(payload, 0)
+    if magic != MAGIC:
+        _fail(Code.KV_MALFORMED, "not a statecore KV payload (bad magic)")
+    if version != FORMAT_VERSION:
+        _fail(
+            Code.KV_MALFORMED,
+            f"unsupported KV format version {version} (this node speaks {FORMAT_VERSION})",
+        )
+    pos = _PREAMBLE.size
+    header: memoryview | None = None
+    data: list[tuple[int, int]] = []
+    data_bytes = 0
+    while True:
+        if size - pos < _FRAME.size:
+            where = "before the end frame" if header is not None else "before the header"
+            _fail(Code.KV_TRUNCATED, f"payload ends {where} (at byte {size})")
+        kind, length = _FRAME.unpack_from(payload, pos)
+        pos += _FRAME.size
+        if header is None:
+            if kind != _HEADER_FRAME:
+                _fail(Code.KV_MALFORMED, f"first frame must be the header, got {kind!r}")
+            if length > _MAX_HEADER_BYTES:
+                _fail(Code.KV_MALFORMED, f"header frame of {length} bytes exceeds the limit")
+        elif kind == _END_FRAME:
+            if length != _END.size:
+                _fail(Code.KV_MALFORMED, f"end frame must hold {_END.size} bytes, not {length}")
+        elif kind != _DATA_FRAME:
+            _fail(Code.KV_MALFORMED, f"unexpected frame type {kind!r} at byte {pos - _FRAME.size}")
+        if length > size - pos:
+            _fail(Code.KV_TRUNCATED, f"frame {kind!r} of {length} bytes runs past the payload end")
+        if header is None:
+            header = payload[pos : pos + length]
+        elif kind == _END_FRAME:
+            total, crc = _END.unpack_from(payload, pos)
+            pos += length
+            if pos != size:
+                _fail(Code.KV_MALFORMED, f"{size - pos} trailing bytes after the end frame")
+            return _Framing(header, data, data_bytes, total, crc)
+        else:
+            data.append((pos, pos + length))
+            data_bytes += length
+        pos += length
+
+
+class _Body:
+    """Reads consecutive tensor byte ranges out of the data frames, copying only when a
+    tensor straddles a frame boundary."""
+
+    def __init__(self, payload: memoryview, segments: list[tuple[int, int]]) -> None:
+        self._payload = payload
+        self._segments = segments
+        self._seg = 0
+        self._pos = segments[0][0] if segments else 0
+
+    def take(self, n: int) -> memoryview | bytes:
+        pieces: list[memoryview] = []
+        while n > 0:
+            stop = self._segments[self._seg][1]
+            step = min(n, stop - self._pos)
+            pieces.append(self._payload[self._pos : self._pos + step])
+            self._pos += step
+            n -= step
+            if self._pos == stop and self._seg + 1 < len(self._segments):
+                self._seg += 1
+                self._pos = self._segments[self._seg][0]
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
+
+
+def _check_node(node: Node, path: str, depth: int) -> int:
+    """Validate a header node's internal consistency; returns its tensor byte count."""
+    if depth > _MAX_DEPTH:
+        _fail(Code.KV_MALFORMED, f"header state nests deeper than {_MAX_DEPTH} at {path}")
+    if isinstance(node, ArrayNode):
+        expect = math.prod(node.shape) * _DTYPES[node.dtype][1].itemsize
+        if node.nbytes != expect:
+            _fail(
+                Code.KV_MALFORMED,
+                f"{path}: {node.dtype}{node.shape} needs {expect} bytes, header says {node.nbytes}",
+            )
+        return expect
+    if isinstance(node, ListNode | TupleNode):
+        return sum(
+            _check_node(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.items)
+        )
+    return 0
+
+
+def _build(node: Node, body: _Body) -> Any:
+    """The state value for a validated node, reading its arrays from the body in order."""
+    if isinstance(node, ArrayNode):
+        mxd, wire = _DTYPES[node.dtype]
+        host = np.frombuffer(body.take(node.nbytes), dtype=wire, count=math.prod(node.shape))
+        if not host.flags.aligned:
+            host = host.copy()
+        array = mx.array(host.reshape(node.shape))
+        return array.view(mxd) if node.dtype == "bfloat16" else array
+    if isinstance(node, IntNode | StrNode):
+        return node.value
+    if isinstance(node, NoneNode):
+        return None
+    items = [_build(item, body) for item in node.items]
+    return items if isinstance(node, ListNode) else tuple(items)
+
+
+def decode_cache(
+    payload: bytes,
+    *,
+    fingerprint: str,
+    expected_classes: Sequence[str] | None = None,
+    max_bytes: int = 1 << 34,
+) -> DecodedKv:
+    """Validate a payload completely, then rebuild its caches.
+
+    Validation order: size limit, magic, version, framing (truncation, frame types, trailing
+    bytes), end-frame total, checksum, header schema, fingerprint, layer count and classes,
+    per-tensor dtype/shape/byte counts against the body. Every failure raises
+    `StatecoreError` with KV_TOO_LARGE, KV_MALFORMED, KV_TRUNCATED, KV_CHECKSUM,
+    KV_WRONG_MODEL or UNSUPPORTED_CACHE; nothing is returned half-built.
+    """
+    view = memoryview(payload).cast("B")
+    if len(view) > max_bytes:
+        _fail(Code.KV_TOO_LARGE, f"KV payload of {len(view)} bytes exceeds {max_bytes}")
+    framing = _split_frames(view)
+    if framing.data_bytes != framing.declared_total:
+        short = framing.data_bytes < framing.declared_total
+        _fail(
+            Code.KV_TRUNCATED if short else Code.KV_MALFORMED,
+            f"data frames hold {framing.data_bytes} bytes, the end frame declares "
+            f"{framing.declared_total}",
+        )
+    crc = zlib.crc32(framing.header)
+    for start, stop in framing.data:
+        crc = zlib.crc32(view[start:stop], crc)
+    if crc != framing.declared_crc:
+        _fail(Code.KV_CHECKSUM, f"checksum mismatch: {crc:#010x} != {framing.declared_crc:#010x}")
+
+    try:
+        header = _HEADER_ADAPTER.validate_json(bytes(framing.header))
+    except (ValidationError, ValueError, RecursionError) as exc:
+        _fail(Code.KV_MALFORMED, f"invalid KV header: {exc}")
+    if header.fingerprint != fingerprint:
+        _fail(
+            Code.KV_WRONG_MODEL,
+            f"KV payload is for model {header.fingerprint[:64]!r}, this node serves "
+            f"{fingerprint[:64]!r}",
+        )
+    names = tuple(layer.class_name for layer in header.layers)
+    if expected_classes is not None and tuple(expected_classes) != names:
+        if len(expected_classes) != len(names):
+            detail = f"{len(names)} layers, expected {len(expected_classes)}"
+        else:
+            detail = f"classes {list(names)}, expected {list(expected_classes)}"
+        _fail(Code.KV_WRONG_MODEL, f"KV payload has {detail}")
+    classes = [_resolve_class(name) for name in names]
+    unknown = [name for name, cls in zip(names, classes, strict=True) if cls is None]
+    if unknown:
+        raise StatecoreError(unsupported_cache(unknown))
+    needed = sum(_check_node(layer.state, f"layer {i}", 0) for i, layer in enumerate(header.layers))
+    if needed != framing.data_bytes:
+        _fail(
+            Code.KV_MALFORMED,
+            f"header describes {needed} tensor bytes, the body holds {framing.data_bytes}",
+        )
+
+    body = _Body(view, framing.data)
+    built: list[Any] = []
+    for i, (layer, cls) in enumerate(zip(header.layers, classes, strict=True)):
+        assert cls is not None
+        state = _build(layer.state, body)
+        try:
+            cache = cls.from_state(state)
+            again = _describe(cache.state, [], "state", 0)
+        except Exception as exc:
+            _fail(
+                Code.KV_MALFORMED,
+                f"layer {i}: {layer.class_name} cannot be rebuilt from the state sent: "
+                f"{type(exc).__name__}: {exc}",
+            )
+        if again != layer.state.model_dump():
+            _fail(Code.KV_MALFORMED, f"layer {i}: {layer.class_name} did not accept its state")
+        built.append(cache)
+    mx.eval([a for c in built for a in _arrays_of(c)])
+    return DecodedKv(caches=built, token_count=header.token_count, class_names=names)
+
+
+def _arrays_of(cache: Any) -> list[Any]:
+    arrays: list[Any] = []
+    _describe(cache.state, arrays, "state", 0)
+    return arrays
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "DecodedKv",
+    "decode_cache",
+    "encode_cache",
+    "encoded_size",
+    "raw_tensor_bytes",
+    "travel_report",
+]
