@@ -24,7 +24,7 @@ class _Model:
     """transitions binds triggers onto a model object; diagrams need nothing else."""
 
 
-def _graph_machine(machine: Machine[Any], engine: str) -> Any:
+def _graph_machine(machine: Machine[Any], engine: Literal["mermaid", "graphviz"]) -> Any:
     transitions: list[dict[str, str]] = []
     for (source, kind), edge in machine.declared.items():
         intents = ", ".join(i.value for i in edge.intents)
@@ -33,7 +33,7 @@ def _graph_machine(machine: Machine[Any], engine: str) -> Any:
     model = _Model()
     GraphMachine(
         model=model,
-        states=[p.value for p in machine.phases],
+        states=[p.value for p in machine.all_phases],
         transitions=transitions,
         initial=machine.initial.value,
         graph_engine=engine,
@@ -53,7 +53,7 @@ def render(machine: Machine[Any], fmt: DiagramFormat = "mermaid") -> str:
         text = str(_graph_machine(machine, "mermaid").draw(None))
         # transitions marks the model's current (initial) phase as "active"; a doc has none
         text = _ACTIVE_STYLE.sub(r"\n  Class \1 s_default", text)
-        finals = [f"  {p.value} --> [*]" for p in machine.phases if p in machine.terminal]
+        finals = [f"  {p.value} --> [*]" for p in machine.all_phases if p in machine.terminal]
         return text.rstrip("\n") + ("\n" + "\n".join(finals) if finals else "") + "\n"
     source: str = _graph_machine(machine, "graphviz").source
     return source
@@ -92,8 +92,8 @@ def render_markdown() -> str:
             "",
             f"## {machine.title} (`{machine.name}`)",
             "",
-            f"Phases: {_phase_list(machine.phases)}. Terminal: "
-            f"{_phase_list(p for p in machine.phases if p in machine.terminal) or 'none'}.",
+            f"Phases: {_phase_list(machine.all_phases)}. Terminal: "
+            f"{_phase_list(p for p in machine.all_phases if p in machine.terminal) or 'none'}.",
             "",
             _undeclared_rule(machine),
             "",

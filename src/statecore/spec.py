@@ -50,7 +50,7 @@ class MachineSpec(BaseModel):
 def spec_from_machine(machine: Machine[Any]) -> MachineSpec:
     """The spec a machine's table implies (declared edges only, in table order)."""
     transitions: list[TransitionSpec] = []
-    phases: list[enum.Enum] = list(machine.phases)
+    phases: list[enum.Enum] = list(machine.all_phases)
     for phase in phases:
         for (source, kind), edge in machine.declared.items():
             if source is not phase:

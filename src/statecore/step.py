@@ -143,9 +143,11 @@ _FAULTS: dict[Code, Fault] = {
 
 
 def _edge_error(edge: Edge[P], phase: P, event: Event) -> ErrorInfo:
-    """The error for a failure edge: the event's own, else one made from the edge's code."""
+    """The error for a failure edge: the event's own, else one made from the edge's code.
+
+    An undeclared pair is always an illegal transition, whatever the event carries."""
     carried = event_error(event)
-    if carried is not None:
+    if carried is not None and edge.declared:
         return carried
     code = edge.code or Code.INTERNAL
     template = _MESSAGES.get(code, "request failed while {phase}")

@@ -71,9 +71,13 @@ class Machine(Generic[P]):
     def table(self) -> Mapping[tuple[P, EventKind], Edge[P]]:
         """The total table: every (phase, event kind) pair has exactly one edge."""
         total: dict[tuple[P, EventKind], Edge[P]] = {}
-        for phase, kind in itertools.product(self.phases, EventKind):
+        for phase, kind in itertools.product(self.all_phases, EventKind):
             total[(phase, kind)] = self.declared.get((phase, kind)) or self._undeclared(phase)
         return total
+
+    @property
+    def all_phases(self) -> tuple[P, ...]:
+        return tuple(self.phases)
 
     def edge(self, phase: P, kind: EventKind) -> Edge[P]:
         return self.table[(phase, kind)]

@@ -1,0 +1,215 @@
+"""Pure step functions, table-driven: each case asserts the exact next phase and intents."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from statecore.errors import Code, ErrorInfo, Fault, client_error, peer_error
+from statecore.events import (
+    Admitted,
+    ClientCancelled,
+    DrainComplete,
+    DrainRequested,
+    Event,
+    Finished,
+    FirstToken,
+    KvInstalled,
+    KvReceived,
+    KvRequested,
+    KvTaken,
+    LoopReady,
+    PeerFailed,
+    PrefillDone,
+    PrefillLocally,
+    ProbeFailed,
+    ProbeSucceeded,
+    Rejected,
+    RetryRequested,
+    StopMatched,
+    Timer,
+    TimerFired,
+    TokenGenerated,
+    TransportLost,
+)
+from statecore.ids import PeerId, RequestId
+from statecore.intents import (
+    ArmTimer,
+    CancelRemote,
+    CancelTimer,
+    Complete,
+    FetchKv,
+    InstallKv,
+    Intent,
+    IntentKind,
+    LoopIntent,
+    PeerIntent,
+    Reject,
+    ReleaseKv,
+    RespondToken,
+    SendKv,
+    StartDecode,
+    StartPrefill,
+    StopDecoding,
+)
+from statecore.phases import DecodePhase, LoopPhase, PeerPhase, PrefillPhase, RouterPhase
+from statecore.step import (
+    LoopRecord,
+    PeerRecord,
+    RequestRecord,
+    step_loop,
+    step_peer,
+    step_request,
+)
+from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST, Machine
+
+RID = RequestId("r1")
+BAD = client_error("prompt is empty")
+PEER = peer_error("decode node said no")
+
+
+@dataclass(frozen=True)
+class Case:
+    machine: Machine[Any]
+    phase: enum.Enum
+    event: Event
+    target: enum.Enum
+    intents: list[Intent]
+
+
+CASES = [
+    # router: the happy path
+    Case(ROUTER_REQUEST, RouterPhase.INTAKE, Admitted(5), RouterPhase.ROUTED,
+         [ArmTimer(RID, Timer.DEADLINE), StartPrefill(RID)]),
+    Case(ROUTER_REQUEST, RouterPhase.PREFILLING, FirstToken(42), RouterPhase.HANDING_OFF,
+         [RespondToken(RID, 42), StartDecode(RID)]),
+    Case(ROUTER_REQUEST, RouterPhase.DECODING, TokenGenerated(7), RouterPhase.DECODING,
+         [RespondToken(RID, 7)]),
+    Case(ROUTER_REQUEST, RouterPhase.DECODING, Finished("length"), RouterPhase.DONE,
+         [CancelTimer(RID), Complete(RID, "length")]),
+    Case(ROUTER_REQUEST, RouterPhase.DECODING, StopMatched(), RouterPhase.DONE,
+         [CancelTimer(RID), CancelRemote(RID), Complete(RID, "stop")]),
+    Case(ROUTER_REQUEST, RouterPhase.PREFILLING, RetryRequested(PEER), RouterPhase.ROUTED,
+         [CancelRemote(RID), StartPrefill(RID)]),
+    # router: failure and cancellation free what the phase holds
+    Case(ROUTER_REQUEST, RouterPhase.INTAKE, Rejected(BAD), RouterPhase.FAILED, [Reject(RID, BAD)]),
+    Case(ROUTER_REQUEST, RouterPhase.HANDING_OFF, PeerFailed(PEER), RouterPhase.FAILED,
+         [CancelTimer(RID), CancelRemote(RID), Reject(RID, PEER)]),
+    Case(ROUTER_REQUEST, RouterPhase.DECODING, ClientCancelled(), RouterPhase.CANCELLED,
+         [CancelTimer(RID), CancelRemote(RID)]),
+    # prefill node
+    Case(PREFILL_REQUEST, PrefillPhase.INTAKE, Admitted(3), PrefillPhase.PREFILL,
+         [ArmTimer(RID, Timer.DEADLINE), StartPrefill(RID)]),
+    Case(PREFILL_REQUEST, PrefillPhase.PREFILL, PrefillDone(9, 1024), PrefillPhase.HANDOFF,
+         [ArmTimer(RID, Timer.KV_LEASE), RespondToken(RID, 9)]),
+    Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvRequested(), PrefillPhase.HANDOFF, [SendKv(RID)]),
+    Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvTaken(), PrefillPhase.DONE,
+         [CancelTimer(RID), ReleaseKv(RID)]),
+    Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, TimerFired(Timer.KV_LEASE), PrefillPhase.FAILED,
+         [CancelTimer(RID), ReleaseKv(RID), Reject(RID, ErrorInfo(
+             Fault.PEER, Code.LEASE_EXPIRED,
+             "the held KV cache was never taken before its lease expired"))]),
+    # decode node
+    Case(DECODE_REQUEST, DecodePhase.INTAKE, Admitted(3), DecodePhase.RECEIVING_KV,
+         [ArmTimer(RID, Timer.DEADLINE), FetchKv(RID)]),
+    Case(DECODE_REQUEST, DecodePhase.INTAKE, PrefillLocally(), DecodePhase.PREFILLING_LOCALLY,
+         [ArmTimer(RID, Timer.DEADLINE), StartPrefill(RID)]),
+    Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, KvReceived(100), DecodePhase.INSTALLING,
+         [InstallKv(RID)]),
+    Case(DECODE_REQUEST, DecodePhase.INSTALLING, KvInstalled(), DecodePhase.DECODING,
+         [ReleaseKv(RID), StartDecode(RID)]),
+    Case(DECODE_REQUEST, DecodePhase.DECODING, TransportLost("peer EOF"), DecodePhase.FAILED,
+         [CancelTimer(RID), StopDecoding(RID), Reject(RID, ErrorInfo(
+             Fault.TRANSPORT, Code.TRANSPORT_LOST,
+             "a connection this request depended on was lost while it was decoding"))]),
+    Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, PeerFailed(PEER), DecodePhase.FAILED,
+         [CancelTimer(RID), CancelRemote(RID), Reject(RID, PEER)]),
+]
+
+
+def _case_id(case: Case) -> str:
+    return f"{case.machine.name}:{case.phase.value}:{case.event.kind.value}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_step_request(case: Case) -> None:
+    record = RequestRecord(RID, case.phase)
+    moved, intents = step_request(case.machine, record, case.event)
+    assert moved.phase is case.target
+    assert intents == case.intents
+
+
+def test_failure_records_the_error_and_terminal_absorbs() -> None:
+    record = RequestRecord(RID, RouterPhase.DECODING)
+    failed, _ = step_request(ROUTER_REQUEST, record, PeerFailed(PEER))
+    assert failed.error == PEER
+    again, intents = step_request(ROUTER_REQUEST, failed, TokenGenerated(3))
+    assert again == failed and intents == []
+
+
+def test_undeclared_pair_fails_the_request_with_a_reason() -> None:
+    record = RequestRecord(RID, PrefillPhase.PREFILL)
+    moved, intents = step_request(PREFILL_REQUEST, record, KvInstalled())
+    assert moved.phase is PrefillPhase.FAILED
+    assert moved.error is not None and moved.error.code is Code.ILLEGAL_TRANSITION
+    assert [i.kind for i in intents] == [
+        IntentKind.CANCEL_TIMER, IntentKind.RELEASE_KV, IntentKind.REJECT]
+
+
+def test_cancelled_records_a_cancellation_error() -> None:
+    record = RequestRecord(RID, RouterPhase.PREFILLING)
+    moved, _ = step_request(ROUTER_REQUEST, record, ClientCancelled())
+    assert moved.phase is RouterPhase.CANCELLED
+    assert moved.error is not None and moved.error.code is Code.CANCELLED
+
+
+@pytest.mark.parametrize(
+    ("phase", "event", "target", "kinds"),
+    [
+        (LoopPhase.STARTING, LoopReady(), LoopPhase.SERVING, [IntentKind.START_ACCEPTING]),
+        (LoopPhase.SERVING, PeerFailed(PEER), LoopPhase.SERVING, []),
+        (LoopPhase.SERVING, DrainRequested(), LoopPhase.DRAINING,
+         [IntentKind.STOP_ACCEPTING, IntentKind.ARM_DRAIN]),
+        (LoopPhase.DRAINING, DrainComplete(), LoopPhase.STOPPED, [IntentKind.STOP_LOOP]),
+        (LoopPhase.SERVING, TransportLost(), LoopPhase.STOPPED,
+         [IntentKind.STOP_ACCEPTING, IntentKind.STOP_LOOP]),
+        (LoopPhase.SERVING, KvTaken(), LoopPhase.SERVING, [IntentKind.REPORT_BUG]),
+    ],
+)
+def test_step_loop(
+    phase: LoopPhase, event: Event, target: LoopPhase, kinds: list[IntentKind]
+) -> None:
+    moved, intents = step_loop(LoopRecord(phase), event)
+    assert moved.phase is target
+    assert [i.kind for i in intents] == kinds
+    assert all(isinstance(i, LoopIntent) for i in intents)
+
+
+def test_loop_illegal_transition_is_reported_not_raised() -> None:
+    moved, intents = step_loop(LoopRecord(LoopPhase.SERVING), Finished("stop"))
+    assert moved.phase is LoopPhase.SERVING
+    assert moved.bugs and "finished" in moved.bugs[0]
+    assert isinstance(intents[0], LoopIntent) and "finished" in intents[0].detail
+
+
+def test_peer_circuit_breaker_walk() -> None:
+    peer = PeerId("http://decode-1")
+    record = PeerRecord(peer)
+    walk: list[tuple[Event, PeerPhase, list[IntentKind]]] = [
+        (ProbeSucceeded(), PeerPhase.UP, [IntentKind.MARK_AVAILABLE]),
+        (ProbeFailed(), PeerPhase.SUSPECT, []),
+        (ProbeFailed(), PeerPhase.DOWN, [IntentKind.MARK_UNAVAILABLE, IntentKind.ARM_COOLDOWN]),
+        (ProbeSucceeded(), PeerPhase.DOWN, []),  # half-open only after the cooldown
+        (TimerFired(Timer.PEER_COOLDOWN), PeerPhase.PROBING, [IntentKind.SEND_PROBE]),
+        (ProbeFailed(), PeerPhase.DOWN, [IntentKind.ARM_COOLDOWN]),
+        (TimerFired(Timer.PEER_COOLDOWN), PeerPhase.PROBING, [IntentKind.SEND_PROBE]),
+        (ProbeSucceeded(), PeerPhase.UP, [IntentKind.MARK_AVAILABLE]),
+    ]
+    for event, target, kinds in walk:
+        record, intents = step_peer(record, event)
+        assert record.phase is target
+        assert [i.kind for i in intents] == kinds
+        assert all(isinstance(i, PeerIntent) and i.peer == peer for i in intents)
