@@ -1,0 +1,141 @@
+"""Ports: the Protocols the effects layer drives, and the plain data they exchange.
+
+`Engine` (a model runtime, re-exported from `engine_port`), `Peers` (calls to other nodes),
+and `Backend` (what an OpenAI-style front end needs from whatever generates tokens: a local
+engine on a single node, or prefill and decode peers behind a router). Adapters implement
+them; `effects.fakes` has in-memory versions for tests. This module may import `statecore`
+and trio; it must never import httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from effects.engine_port import (
+    Engine,
+    EngineStatistics,
+    GeneratedToken,
+    LayerTravel,
+    ModelInfo,
+    PrefillOutcome,
+    SamplingParams,
+)
+from statecore.errors import ErrorInfo
+from statecore.ids import RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation, already tokenized: what a front end hands a backend."""
+
+    request_id: RequestId
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """A generated token. The EOS token is never sent: `GenerationEnd("stop")` is."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEnd:
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationError:
+    error: ErrorInfo
+
+
+Output = TokenOut | GenerationEnd | GenerationError
+
+
+class Generation(Protocol):
+    """One running generation. Iterate for outputs; the last is an end or an error."""
+
+    def __aiter__(self) -> AsyncIterator[Output]: ...
+
+    async def stop(self) -> None:
+        """The front end matched a stop string: end normally and free everything."""
+        ...
+
+    async def cancel(self) -> None:
+        """The client went away: cancel and free everything. Idempotent."""
+        ...
+
+
+class Backend(Protocol):
+    """What generates tokens behind an OpenAI-style front end."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def ready(self) -> bool:
+        """True only while the serving loop is alive and accepting requests."""
+        ...
+
+    async def start(self, request: GenerationRequest) -> Generation:
+        """Admit a request. Errors at intake raise StatecoreError (the front end maps it)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    first_token: int
+    is_eos: bool
+    held_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """What the router asks of a decode node."""
+
+    request_id: RequestId
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    first_token: int | None  # None: prefill locally (short prompt)
+    prefill_url: str | None  # where to pull the KV from; None when prefilling locally
+
+
+class Peers(Protocol):
+    """Calls to other nodes. Transport failures raise StatecoreError with TRANSPORT_LOST."""
+
+    async def prefill(
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+    ) -> PrefillReply: ...
+
+    def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]: ...
+
+    async def fetch_kv(self, node: str, request_id: RequestId) -> bytes: ...
+
+    async def release_kv(self, node: str, request_id: RequestId) -> None: ...
+
+    async def cancel(self, node: str, request_id: RequestId, *, stopped: bool) -> None: ...
+
+    async def health(self, node: str) -> bool: ...
+
+
+__all__ = [
+    "Backend",
+    "DecodeCall",
+    "Engine",
+    "EngineStatistics",
+    "GeneratedToken",
+    "Generation",
+    "GenerationEnd",
+    "GenerationError",
+    "GenerationRequest",
+    "LayerTravel",
+    "ModelInfo",
+    "Output",
+    "Peers",
+    "PrefillOutcome",
+    "PrefillReply",
+    "SamplingParams",
+    "TokenOut",
+]
