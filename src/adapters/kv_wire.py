@@ -156,8 +156,9 @@ class DecodedKv:
 
 def _resolve_class(name: str) -> type[Any] | None:
     """The mlx-lm cache class called `name`, or None: only classes defined in
-    `mlx_lm.models.cache` that have a `from_state` classmethod can be rebuilt by name."""
-    if not _CLASS_NAME_RE.fullmatch(name):
+    `mlx_lm.models.cache` (public names only) that have a `from_state` classmethod can be
+    rebuilt by name."""
+    if not _CLASS_NAME_RE.fullmatch(name) or name.startswith("_"):
         return None
     cls = getattr(cache_module, name, None)
     if not isinstance(cls, type) or cls.__module__ != cache_module.__name__:
@@ -222,9 +223,7 @@ def _live_rotating(c: Any) -> Any:
         return type(c).from_state((window(keys), window(values), offset, keep, max_size, max_size))
     if idx == offset < size:
         # Never wrapped; the tail of the step-sized buffer is unwritten.
-        return type(c).from_state(
-            (_cut(keys, offset), _cut(values, offset), offset, keep, max_size, idx)
-        )
+        return type(c).from_state((_cut(keys, offset), _cut(values, offset), offset, keep, max_size, idx))
     return c  # wrapped in place: exactly max_size slots, all live
 
 
@@ -317,8 +316,7 @@ def _plan(cache: Any) -> tuple[str, dict[str, Any], list[Any]]:
     name = cls.__name__
     if _resolve_class(name) is not cls:
         raise _NotPlain(
-            f"cache class {_qualified(cls)} is not an mlx-lm cache class that can be rebuilt "
-            "by name"
+            f"cache class {_qualified(cls)} is not an mlx-lm cache class that can be rebuilt by name"
         )
     try:
         live = _live_view(cache)
@@ -333,9 +331,7 @@ def _plan(cache: Any) -> tuple[str, dict[str, Any], list[Any]]:
     except _NotPlain:
         raise
     except Exception as exc:
-        raise _NotPlain(
-            f"{name}: rebuilding from its state failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise _NotPlain(f"{name}: rebuilding from its state failed: {type(exc).__name__}: {exc}") from exc
     if type(rebuilt) is not cls or again != node:
         raise _NotPlain(f"{name}: from_state does not reproduce its state")
     return name, node, arrays
@@ -425,9 +421,7 @@ def encode_cache(
     mx.eval(*host)
     crc = zlib.crc32(header_bytes)
     frames = [
-        _PREAMBLE.pack(MAGIC, FORMAT_VERSION)
-        + _FRAME.pack(_HEADER_FRAME, len(header_bytes))
-        + header_bytes
+        _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes
     ]
     pending: list[memoryview] = []
     pending_len = 0
@@ -563,9 +557,7 @@ def _check_node(node: Node, path: str, depth: int) -> int:
             )
         return expect
     if isinstance(node, ListNode | TupleNode):
-        return sum(
-            _check_node(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.items)
-        )
+        return sum(_check_node(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.items))
     return 0
 
 
@@ -587,7 +579,7 @@ def _build(node: Node, body: _Body) -> Any:
 
 
 def decode_cache(
-    payload: bytes,
+    payload: bytes | bytearray | memoryview,
     *,
     fingerprint: str,
     expected_classes: Sequence[str] | None = None,
@@ -609,8 +601,7 @@ def decode_cache(
         short = framing.data_bytes < framing.declared_total
         _fail(
             Code.KV_TRUNCATED if short else Code.KV_MALFORMED,
-            f"data frames hold {framing.data_bytes} bytes, the end frame declares "
-            f"{framing.declared_total}",
+            f"data frames hold {framing.data_bytes} bytes, the end frame declares {framing.declared_total}",
         )
     crc = zlib.crc32(framing.header)
     for start, stop in framing.data:
@@ -625,8 +616,7 @@ def decode_cache(
     if header.fingerprint != fingerprint:
         _fail(
             Code.KV_WRONG_MODEL,
-            f"KV payload is for model {header.fingerprint[:64]!r}, this node serves "
-            f"{fingerprint[:64]!r}",
+            f"KV payload is for model {header.fingerprint[:64]!r}, this node serves {fingerprint[:64]!r}",
         )
     names = tuple(layer.class_name for layer in header.layers)
     if expected_classes is not None and tuple(expected_classes) != names:
