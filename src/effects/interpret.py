@@ -1,0 +1,291 @@
+"""Role performers: how each role carries out the core's work intents through ports.
+
+`EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and
+`Peers` to pull KV from a prefill node); `RouterPerformer` serves the router through `Peers`
+alone. Each keeps a small per-request context (prompt, sampling, chosen nodes) that the runner
+tells it to forget once the request's cleanup has run. Outcomes come back as events; a
+StatecoreError raised here fails only its own request. This module may import `statecore`
+and trio; it must never import httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from effects.ports import (
+    DecodeCall,
+    Engine,
+    GenerationEnd,
+    GenerationError,
+    Output,
+    Peers,
+    PrefillReply,
+    SamplingParams,
+    TokenOut,
+)
+from effects.runner import CleanupIntent, Post, WorkIntent
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.events import (
+    Dispatched,
+    Finished,
+    FirstToken,
+    KvInstalled,
+    KvReceived,
+    PrefillDone,
+    RetryRequested,
+    TokenGenerated,
+)
+from statecore.ids import RequestId
+from statecore.intents import (
+    CancelRemote,
+    FetchKv,
+    InstallKv,
+    ReleaseKv,
+    SendKv,
+    StartDecode,
+    StartPrefill,
+    StopDecoding,
+)
+
+log = logging.getLogger("statecore.interpret")
+
+
+@dataclass(slots=True)
+class NodeRequest:
+    """What an engine-backed node keeps for one request."""
+
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    first_token: int | None = None
+    prefill_url: str | None = None  # pull the KV from here; None: the cache is local
+    payload: bytes | None = None
+    kv_out: trio.MemorySendChannel[bytes] | None = None
+
+
+def _bug(message: str) -> StatecoreError:
+    return StatecoreError(ErrorInfo(Fault.BUG, Code.INTERNAL, message))
+
+
+class EnginePerformer:
+    """Prefill, decode and single nodes: work through the local engine."""
+
+    def __init__(self, engine: Engine, peers: Peers | None = None) -> None:
+        self.engine = engine
+        self.peers = peers
+        self.requests: dict[RequestId, NodeRequest] = {}
+
+    def register(self, request_id: RequestId, request: NodeRequest) -> None:
+        self.requests[request_id] = request
+
+    def forget(self, request_id: RequestId) -> None:
+        self.requests.pop(request_id, None)
+
+    def _get(self, request_id: RequestId) -> NodeRequest:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise _bug(f"no context for request {request_id}") from None
+
+    async def work(self, intent: WorkIntent, post: Post) -> None:
+        rid = intent.request_id
+        ctx = self._get(rid)
+        eos = self.engine.info.eos_token_ids
+        match intent:
+            case StartPrefill():
+                outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
+                ctx.first_token = outcome.first_token
+                if outcome.first_token in eos and ctx.prefill_url is None and ctx.kv_out is None:
+                    await post(Finished("stop"))  # a local request whose first token ends it
+                else:
+                    await post(PrefillDone(outcome.first_token, outcome.held_bytes))
+            case FetchKv():
+                if self.peers is None or ctx.prefill_url is None:
+                    raise _bug("FetchKv without a prefill node")
+                ctx.payload = await self.peers.fetch_kv(ctx.prefill_url, rid)
+                await post(KvReceived(len(ctx.payload)))
+            case InstallKv():
+                if ctx.first_token is None:
+                    raise _bug("InstallKv before the first token")
+                if ctx.sampling.max_tokens <= 1:
+                    await post(Finished("length"))
+                    return
+                if ctx.payload is not None:
+                    payload, ctx.payload = ctx.payload, None
+                    await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
+                else:
+                    await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
+                await post(KvInstalled())
+            case StartDecode():
+                async for generated in self.engine.stream(rid):
+                    if generated.is_eos:
+                        await post(Finished("stop"))
+                        return
+                    await post(TokenGenerated(generated.token))
+                    if generated.finish_reason is not None:
+                        await post(Finished(generated.finish_reason))
+                        return
+                raise StatecoreError(
+                    ErrorInfo(Fault.BUG, Code.ENGINE_FAILED, "the decoder ended a stream early")
+                )
+            case SendKv():
+                if ctx.kv_out is None:
+                    raise _bug("SendKv with nobody to send to")
+                payload = await self.engine.export_held(rid)
+                await ctx.kv_out.send(payload)
+
+    async def cleanup(self, intent: CleanupIntent) -> None:
+        rid = intent.request_id
+        ctx = self.requests.get(rid)
+        match intent:
+            case ReleaseKv():
+                await self.engine.release_held(rid)
+                if ctx and ctx.prefill_url and self.peers:
+                    await self.peers.release_kv(ctx.prefill_url, rid)
+                    ctx.prefill_url = None  # tell the owner once
+            case StopDecoding():
+                await self.engine.cancel(rid)
+            case CancelRemote():
+                await self.engine.cancel(rid)
+                await self.engine.release_held(rid)
+                if ctx and ctx.prefill_url and self.peers:
+                    await self.peers.cancel(ctx.prefill_url, rid, stopped=False)
+
+
+@dataclass(slots=True)
+class RoutedRequest:
+    """What the router keeps for one request."""
+
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    local: bool  # prefill on the decode node
+    first_token: int | None = None
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    attempts: int = 0
+    stopped: bool = False
+    tried: set[str] = field(default_factory=set)
+
+
+NodePicker = Callable[[str, set[str]], str]  # (role, nodes to avoid) -> url; raises when none
+
+
+class RouterPerformer:
+    """The router: prefill on a prefill node (or the decode node for short prompts), then
+    decode on a decode node; relay every token as an event."""
+
+    def __init__(self, peers: Peers, pick: NodePicker, *, max_attempts: int = 3) -> None:
+        self.peers = peers
+        self.pick = pick
+        self.max_attempts = max_attempts
+        self.requests: dict[RequestId, RoutedRequest] = {}
+        self.in_flight: dict[str, int] = {}
+
+    def register(self, request_id: RequestId, request: RoutedRequest) -> None:
+        self.requests[request_id] = request
+
+    def forget(self, request_id: RequestId) -> None:
+        ctx = self.requests.pop(request_id, None)
+        if ctx:
+            self._release_nodes(ctx)
+
+    def _take(self, node: str) -> str:
+        self.in_flight[node] = self.in_flight.get(node, 0) + 1
+        return node
+
+    def _release_nodes(self, ctx: RoutedRequest) -> None:
+        for node in (ctx.prefill_node, ctx.decode_node):
+            if node is not None and self.in_flight.get(node, 0) > 0:
+                self.in_flight[node] -= 1
+
+    async def work(self, intent: WorkIntent, post: Post) -> None:
+        rid = intent.request_id
+        ctx = self.requests.get(rid)
+        if ctx is None:
+            raise _bug(f"no context for request {rid}")
+        match intent:
+            case StartPrefill():
+                await self._start(rid, ctx, post)
+            case StartDecode():
+                if ctx.local:
+                    return  # the decode node's stream, opened at StartPrefill, carries on
+                if ctx.sampling.max_tokens <= 1:
+                    await post(Finished("length"))
+                    return
+                assert ctx.decode_node is not None and ctx.first_token is not None
+                call = DecodeCall(rid, ctx.prompt, ctx.sampling, ctx.first_token, ctx.prefill_node)
+                await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
+            case FetchKv() | InstallKv() | SendKv():
+                raise _bug(f"{intent.kind.value} is not a router intent")
+
+    async def _start(self, rid: RequestId, ctx: RoutedRequest, post: Post) -> None:
+        self._release_nodes(ctx)
+        ctx.prefill_node = ctx.decode_node = None
+        ctx.attempts += 1
+        try:
+            ctx.decode_node = self._take(self.pick("decode", ctx.tried))
+            if not ctx.local:
+                ctx.prefill_node = self._take(self.pick("prefill", ctx.tried))
+            await post(Dispatched())
+            if ctx.local:
+                call = DecodeCall(rid, ctx.prompt, ctx.sampling, None, None)
+                await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
+                return
+            reply = await self.peers.prefill(ctx.prefill_node or "", rid, ctx.prompt, ctx.sampling)
+        except StatecoreError as exc:
+            retryable = exc.info.fault in (Fault.PEER, Fault.TRANSPORT, Fault.OVERLOADED)
+            if retryable and ctx.first_token is None and ctx.attempts < self.max_attempts:
+                ctx.tried |= {n for n in (ctx.prefill_node, ctx.decode_node) if n}
+                await trio.sleep(0.05 * 2 ** (ctx.attempts - 1))  # bounded backoff
+                await post(RetryRequested(exc.info))
+                return
+            raise
+        await self._first(reply, ctx, post)
+
+    async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
+        if reply.is_eos:
+            await post(Finished("stop"))
+            return
+        ctx.first_token = reply.first_token
+        await post(FirstToken(reply.first_token))
+
+    async def _relay(
+        self, ctx: RoutedRequest, messages: AsyncIterator[Output | PrefillReply], post: Post
+    ) -> None:
+        """Turn a decode node's messages into events (the first token, if it prefilled)."""
+        async for message in messages:
+            match message:
+                case PrefillReply(is_eos=is_eos):
+                    await self._first(message, ctx, post)
+                    if is_eos:
+                        return
+                case TokenOut(token=token):
+                    await post(TokenGenerated(token))
+                case GenerationEnd(finish_reason=reason):
+                    await post(Finished(reason))
+                    return
+                case GenerationError(error=error):
+                    raise StatecoreError(error)
+        raise StatecoreError(
+            ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the decode node's stream ended early")
+        )
+
+    async def cleanup(self, intent: CleanupIntent) -> None:
+        rid = intent.request_id
+        ctx = self.requests.get(rid)
+        if ctx is None:
+            return
+        match intent:
+            case CancelRemote():
+                nodes: Sequence[str | None] = (ctx.decode_node, ctx.prefill_node)
+                for node in nodes:
+                    if node is not None:
+                        await self.peers.cancel(node, rid, stopped=ctx.stopped)
+            case ReleaseKv() | StopDecoding():
+                pass
+
+
+__all__ = ["EnginePerformer", "NodePicker", "NodeRequest", "RoutedRequest", "RouterPerformer"]
