@@ -46,7 +46,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -185,12 +185,8 @@ class _Job(Generic[_T]):
     outcome: _Outcome[_T] | None = None
 
 
-@dataclass(eq=False)
 class _Stop:
-    """Sentinel job: leave the device loop (then set `done` in trio, if given)."""
-
-    token: trio.lowlevel.TrioToken | None = None
-    done: trio.Event | None = None
+    """Sentinel job: leave the device loop."""
 
 
 class _InjectedCrash(Exception):
@@ -261,9 +257,7 @@ def _deliver(
         if item is not None:
             # WouldBlock cannot happen (the bound is max_tokens); the others mean the consumer
             # is gone, and its stream's exit already asked for a cancel.
-            with contextlib.suppress(
-                trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError
-            ):
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait(item)
         if close:
             send.close()
@@ -340,7 +334,7 @@ class MlxEngine:
         try:
             engine._info = await engine._call(engine._load_on_device)
         except BaseException:
-            engine._stop_nowait()
+            await engine.aclose()
             raise
         return engine
 
@@ -363,7 +357,7 @@ class MlxEngine:
                 raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
             sampler = _PositionSampler(sampling, seed, len(tokens))
             cache, first, _ = self._prefill_compute(tokens, sampler)
-            nbytes = kv_wire.raw_tensor_bytes(cache)
+            nbytes = self._cache_bytes(cache)
             self._held[request_id] = _Held(cache, len(tokens), nbytes)
             self._publish()
             return PrefillOutcome(first_token=first, prompt_tokens=len(tokens), held_bytes=nbytes)
@@ -439,8 +433,7 @@ class MlxEngine:
                     ErrorInfo(
                         Fault.PEER,
                         Code.KV_MALFORMED,
-                        f"the KV payload covers {decoded.token_count} tokens, "
-                        f"the prompt has {len(tokens)}",
+                        f"the KV payload covers {decoded.token_count} tokens, the prompt has {len(tokens)}",
                     )
                 )
             caches: list[Any] = decoded.caches
@@ -448,7 +441,7 @@ class MlxEngine:
 
         await self._start(request_id, tokens, first_token, sampling, take_cache)
 
-    async def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
         receive = self._streams.pop(request_id, None)
         if receive is None:
@@ -456,8 +449,7 @@ class MlxEngine:
                 ErrorInfo(
                     Fault.BUG,
                     Code.INTERNAL,
-                    f"no stream for request {request_id!r} (never started, already taken, "
-                    "or cancelled)",
+                    f"no stream for request {request_id!r} (never started, already taken, or cancelled)",
                 )
             )
         finished = False
@@ -489,14 +481,10 @@ class MlxEngine:
         for receive in self._streams.values():
             receive.close()
         self._streams.clear()
-        done = trio.Event()
-        with self._state_lock:
-            if not self._alive:
-                return
-            self._closed = True
-            self._queue.put(_Stop(trio.lowlevel.current_trio_token(), done))
+        self._stop_nowait()
         with trio.CancelScope(shield=True):
-            await done.wait()  # within one decode step
+            # Within one decode step; joining lets MLX's thread-local state go before exit.
+            await trio.to_thread.run_sync(self._thread.join)
 
     # -- test hooks ----------------------------------------------------------------------------
 
@@ -517,8 +505,7 @@ class MlxEngine:
         if len(tokens) > self.info.context_length:
             raise StatecoreError(
                 client_error(
-                    f"the prompt has {len(tokens)} tokens; the context length is "
-                    f"{self.info.context_length}",
+                    f"the prompt has {len(tokens)} tokens; the context length is {self.info.context_length}",
                     Code.CONTEXT_LENGTH_EXCEEDED,
                 )
             )
@@ -537,9 +524,7 @@ class MlxEngine:
             raise StatecoreError(client_error(f"{what} {token!r} is not an integer"))
         if not 0 <= token < self.info.vocab_size:
             raise StatecoreError(
-                client_error(
-                    f"{what} {token} is outside the vocabulary (0..{self.info.vocab_size - 1})"
-                )
+                client_error(f"{what} {token} is outside the vocabulary (0..{self.info.vocab_size - 1})")
             )
 
     async def _start(
@@ -565,8 +550,7 @@ class MlxEngine:
                     ErrorInfo(
                         Fault.OVERLOADED,
                         Code.OVERLOADED,
-                        f"{len(self._live)} requests are decoding (max_batch "
-                        f"{self._settings.max_batch})",
+                        f"{len(self._live)} requests are decoding (max_batch {self._settings.max_batch})",
                     )
                 )
             cache = take_cache()  # validates; raises before anything changes
@@ -626,9 +610,7 @@ class MlxEngine:
     def _submit(self, job: _Job[Any]) -> None:
         with self._state_lock:
             if not self._alive:
-                raise _engine_failed(
-                    "the engine is closed" if self._closed else "the device thread has died"
-                )
+                raise _engine_failed("the engine is closed" if self._closed else "the device thread has died")
             self._queue.put(job)
 
     def _submit_nowait(self, work: Callable[[], object]) -> None:
@@ -669,8 +651,6 @@ class MlxEngine:
             for job in jobs:
                 if isinstance(job, _Stop):
                     self._die(_engine_failed("the engine is closed"))
-                    if job.done is not None:
-                        _post(job.token, job.done.set)
                     return
                 if isinstance(job, _Crash):
                     raise _InjectedCrash("device loop crash injected by a test")
@@ -770,9 +750,7 @@ class MlxEngine:
                 )
             )
         try:
-            loaded: tuple[Any, ...] = mlx_lm_load(
-                str(s.model_dir), trust_remote_code=s.trust_remote_code
-            )
+            loaded: tuple[Any, ...] = mlx_lm_load(str(s.model_dir), trust_remote_code=s.trust_remote_code)
         except Exception as exc:
             raise StatecoreError(
                 ErrorInfo(
@@ -812,9 +790,7 @@ class MlxEngine:
             if layer.can_travel:
                 logger.info("layer %d: %s can travel", layer.index, layer.class_name)
             else:
-                logger.warning(
-                    "layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason
-                )
+                logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
         self._batch = self._new_batch()
 
         fingerprint_fields = {
@@ -825,9 +801,7 @@ class MlxEngine:
             "kv_group_size": s.kv_group_size if s.kv_bits is not None else None,
             "prefill_chunk_size": s.prefill_chunk_size,
         }
-        fingerprint = hashlib.sha256(
-            json.dumps(fingerprint_fields, sort_keys=True).encode()
-        ).hexdigest()[:32]
+        fingerprint = hashlib.sha256(json.dumps(fingerprint_fields, sort_keys=True).encode()).hexdigest()[:32]
         info = ModelInfo(
             name=s.model_dir.name,
             fingerprint=fingerprint,
@@ -856,6 +830,12 @@ class MlxEngine:
             prefill_batch_size=min(8, self._settings.max_batch),
             prefill_step_size=self._settings.prefill_chunk_size,
         )
+
+    def _cache_bytes(self, cache: list[Any]) -> int:
+        """What a held cache weighs: its live tensors, as the wire would carry them."""
+        if self.info.can_travel:
+            return kv_wire.raw_tensor_bytes(cache)
+        return sum(int(getattr(c, "nbytes", 0)) for c in cache)
 
     def _quantize(self, cache: list[Any]) -> None:
         maybe_quantize_kv_cache(  # type: ignore[no-untyped-call]
