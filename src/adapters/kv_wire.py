@@ -367,11 +367,30 @@ def raw_tensor_bytes(caches: Sequence[Any]) -> int:
 # --------------------------------------------------------------------------- encode
 
 
-def _wire_view(array: Any) -> memoryview:
-    """The array's bytes, C order, little-endian, as a flat byte view (no copy if possible)."""
+_MIN_RUN_BYTES: Final = 4096
+
+
+def _byte_runs(array: Any) -> list[memoryview]:
+    """The array's bytes in C order, little-endian, as flat byte views of its own memory.
+
+    Live views are usually strided (a [B, H, seq, D] buffer cut on the seq axis), but made
+    of contiguous blocks (one per leading index): those blocks are handed out as they are,
+    so the only copy of the tensor data is the one into the frames. Fragmented layouts
+    (blocks under 4 KiB) are compacted first.
+    """
     wire = _DTYPES[_DTYPE_NAMES[array.dtype]][1]
     host = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
-    host = np.ascontiguousarray(host, dtype=wire)
+    if host.dtype != wire:  # big-endian hosts only
+        host = host.astype(wire)
+    if not host.flags.c_contiguous:
+        lead = next(k for k in range(1, host.ndim + 1) if host[(0,) * k].flags.c_contiguous)
+        if host[(0,) * lead].nbytes >= _MIN_RUN_BYTES:
+            return [_flat(host[index]) for index in np.ndindex(*host.shape[:lead])]
+        host = np.ascontiguousarray(host)
+    return [_flat(host)]
+
+
+def _flat(host: np.ndarray[Any, Any]) -> memoryview:
     flat: memoryview = host.reshape(-1).view(np.uint8).data
     return flat
 
@@ -417,8 +436,7 @@ def encode_cache(
         raise StatecoreError(unsupported_cache([layer["class_name"] for layer in layers]))
     _HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
 
-    host = [mx.contiguous(a) for a in arrays]
-    mx.eval(*host)
+    mx.eval(*arrays)
     crc = zlib.crc32(header_bytes)
     frames = [
         _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes
@@ -426,8 +444,7 @@ def encode_cache(
     pending: list[memoryview] = []
     pending_len = 0
     total = 0
-    for array in host:
-        view = _wire_view(array)
+    for view in (run for array in arrays for run in _byte_runs(array)):
         pos = 0
         while pos < len(view):
             piece = view[pos : pos + chunk_bytes - pending_len]
