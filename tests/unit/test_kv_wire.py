@@ -219,7 +219,7 @@ def _prefill(model: Any, prompt: Sequence[int], cache: list[Any] | None = None) 
 
 
 def _bits(a: mx.array) -> np.ndarray[Any, Any]:
-    return np.array(a.view(mx.uint8))
+    return np.array(a.reshape(-1).view(mx.uint8))
 
 
 def _roundtrip(cache: list[Any], token_count: int = 0, **kw: Any) -> DecodedKv:
@@ -360,6 +360,27 @@ def test_wire_size_at_2100_tokens_is_within_one_percent_of_live_tensors(dtype: s
     assert len(frames) == 2 + -(-raw // (1 << 20))  # header, 1 MiB chunks, end
     decoded = decode_cache(b"".join(frames), fingerprint=FP)
     _assert_same_continuation(model, original, decoded.caches, prompt[-1:], steps=2)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_strided_and_fragmented_arrays_travel_exactly(dtype: str) -> None:
+    rng = np.random.default_rng(5)
+    kv = C.KVCache()
+    big = mx.array(rng.standard_normal((2, 3, 300, 64)).astype(np.float32)).astype(DTYPES[dtype])
+    kv.update_and_fetch(big, big[..., :48])  # live view: 6 strided blocks of 300 x 64
+    arrays = C.ArraysCache(3)
+    arrays[0] = mx.transpose(big, (3, 1, 0, 2))  # fragmented: compacted before sending
+    arrays[1] = mx.array(7, dtype=mx.int32)
+    restored = _roundtrip([kv, arrays], chunk_bytes=999).caches
+    assert restored[1][2] is None
+    for a, b in [
+        (kv.keys[..., :300, :], restored[0].keys),
+        (kv.values[..., :300, :], restored[0].values),
+        (arrays[0], restored[1][0]),
+        (arrays[1], restored[1][1]),
+    ]:
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert np.array_equal(_bits(mx.contiguous(a)), _bits(b))
 
 
 def test_chunk_size_does_not_change_the_decoded_cache() -> None:
