@@ -91,13 +91,12 @@ class RunnerStatistics:
 
 
 class _RequestScope:
-    """What the runner holds for one live request: its cancel scope, timer, reply sink."""
+    """What the runner holds for one live request: its work tasks' scopes, timer, reply sink."""
 
     def __init__(self, sink: trio.MemorySendChannel[Reply] | None) -> None:
-        self.scope = trio.CancelScope()
+        self.work: set[trio.CancelScope] = set()
         self.timer: trio.CancelScope | None = None
         self.sink = sink
-        self.tasks = 0
 
 
 class NodeRunner(Generic[P]):
@@ -217,7 +216,8 @@ class NodeRunner(Generic[P]):
         held = self._scopes.pop(rid, None)
         if held is None:
             return
-        held.scope.cancel()
+        for scope in held.work:
+            scope.cancel()
         if held.timer is not None:
             held.timer.cancel()
         if held.sink is not None:
@@ -289,8 +289,11 @@ class NodeRunner(Generic[P]):
         async def post(event: Event) -> None:
             await self.post(rid, event)
 
+        scope = trio.CancelScope()
+        held.work.add(scope)
+
         async def work() -> None:
-            with held.scope:
+            with scope:
                 try:
                     await self.performer.work(intent, post)
                 except StatecoreError as exc:
@@ -300,6 +303,8 @@ class NodeRunner(Generic[P]):
                     await self._post_failure(
                         rid, ErrorInfo(Fault.BUG, Code.INTERNAL, f"internal error: {exc!r}")
                     )
+                finally:
+                    held.work.discard(scope)
 
         self._spawn(work, rid)
 
@@ -340,9 +345,8 @@ class NodeRunner(Generic[P]):
                 await self.post_loop(TimerFired(Timer.DRAIN))
 
             self._spawn(drain_deadline, None)
-        elif kind is IntentKind.STOP_LOOP:
-            for rid in list(self._scopes):
-                self._finish(rid)
+        # STOP_LOOP needs nothing here: the core has already ended every live request, and
+        # `run` leaves its receive loop once the loop phase is `stopped`
 
     def _bug(self, detail: str) -> None:
         self._bugs += 1

@@ -1,0 +1,144 @@
+"""`Backend`s built on a `NodeRunner`: what the OpenAI front end drives.
+
+A single node (and a decode node serving its own short prompts) runs the decode request
+machine and prefills locally; the router runs the router request machine over its peers.
+Either way the front end sees one `Generation`: replies from the runner turned into
+`TokenOut` / `GenerationEnd` / `GenerationError`. This module may import `statecore` and
+trio; it must never import httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import trio
+
+from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
+from effects.ports import (
+    GenerationEnd,
+    GenerationError,
+    GenerationRequest,
+    ModelInfo,
+    Output,
+    TokenOut,
+)
+from effects.runner import NodeRunner, Reply
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, unsupported_cache
+from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, StopMatched
+from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
+
+# replies a request can produce beyond its tokens: a completion or a rejection, plus slack
+_REPLY_SLACK = 4
+
+
+class RunnerGeneration:
+    def __init__(
+        self,
+        runner: NodeRunner[Any],
+        request_id: RequestId,
+        replies: trio.MemoryReceiveChannel[Reply],
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.request_id = request_id
+        self.replies = replies
+        self.on_stop = on_stop
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        async with self.replies:
+            async for reply in self.replies:
+                match reply:
+                    case RespondToken(token=token):
+                        yield TokenOut(token)
+                    case Complete(finish_reason=reason):
+                        yield GenerationEnd(reason)
+                        return
+                    case Reject(error=error):
+                        yield GenerationError(error)
+                        return
+        yield GenerationError(
+            ErrorInfo(Fault.BUG, Code.INTERNAL, "the request ended without a completion")
+        )
+
+    async def stop(self) -> None:
+        if self.on_stop:
+            self.on_stop()
+        await self.runner.post(self.request_id, StopMatched())
+
+    async def cancel(self) -> None:
+        await self.runner.post(self.request_id, ClientCancelled())
+
+
+class RunnerBackend:
+    """A `Backend` whose requests live in a `NodeRunner`."""
+
+    def __init__(
+        self,
+        runner: NodeRunner[Any],
+        model_info: Callable[[], ModelInfo],
+        admit: Callable[[GenerationRequest], tuple[Event, Callable[[], None] | None]],
+    ) -> None:
+        self.runner = runner
+        self._model_info = model_info
+        self._admit = admit
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info()
+
+    def ready(self) -> bool:
+        return self.runner.ready()
+
+    async def start(self, request: GenerationRequest) -> RunnerGeneration:
+        if not self.runner.ready():
+            raise StatecoreError(
+                ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "the node is not accepting requests")
+            )
+        first_event, on_stop = self._admit(request)
+        replies = await self.runner.open(
+            request.request_id, request.sampling.max_tokens + _REPLY_SLACK
+        )
+        await self.runner.post(request.request_id, first_event)
+        return RunnerGeneration(self.runner, request.request_id, replies, on_stop)
+
+
+def local_backend(runner: NodeRunner[Any], performer: EnginePerformer) -> RunnerBackend:
+    """A single node: every request prefills and decodes here."""
+
+    def admit(request: GenerationRequest) -> tuple[Event, Callable[[], None] | None]:
+        performer.register(request.request_id, NodeRequest(request.prompt, request.sampling))
+        return PrefillLocally(), None
+
+    return RunnerBackend(runner, lambda: performer.engine.info, admit)
+
+
+def router_backend(
+    runner: NodeRunner[Any],
+    performer: RouterPerformer,
+    model_info: Callable[[], ModelInfo],
+    *,
+    local_prefill_below: int,
+) -> RunnerBackend:
+    """The router: short prompts prefill on the decode node, long ones on a prefill node.
+
+    A model whose cache cannot travel is refused at intake for every request that would
+    need a handoff, with a typed error naming the class — never mid-stream."""
+    def admit(request: GenerationRequest) -> tuple[Event, Callable[[], None] | None]:
+        info = model_info()
+        local = len(request.prompt) < local_prefill_below
+        if not local and not info.can_travel:
+            raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
+        routed = RoutedRequest(request.prompt, request.sampling, local=local)
+        performer.register(request.request_id, routed)
+
+        def mark_stopped() -> None:
+            routed.stopped = True
+
+        return Admitted(len(request.prompt)), mark_stopped
+
+    return RunnerBackend(runner, model_info, admit)
+
+
+__all__ = ["RunnerBackend", "RunnerGeneration", "local_backend", "router_backend"]

@@ -1,0 +1,162 @@
+"""In-memory fakes of the ports, for tests: a deterministic engine with fault hooks.
+
+`FakeEngine` "generates" token ids from a simple rule over the prompt so tests can predict
+them, holds caches as byte strings, and can be told to fail or stall a phase for requests
+whose prompt contains a marker token. This module may import `statecore` and trio; it must
+never import httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from effects.engine_port import (
+    EngineStatistics,
+    GeneratedToken,
+    LayerTravel,
+    ModelInfo,
+    PrefillOutcome,
+    SamplingParams,
+)
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.ids import RequestId
+
+EOS = 0
+
+
+@dataclass
+class Faults:
+    """Which phases fail (or stall) for prompts containing `marker`."""
+
+    marker: int = 999
+    fail: set[str] = field(default_factory=set)  # "prefill", "install", "decode"
+    stall: set[str] = field(default_factory=set)
+
+
+def fake_info(*, can_travel: bool = True) -> ModelInfo:
+    layer = LayerTravel(0, "KVCache" if can_travel else "OpaqueCache", can_travel)
+    return ModelInfo(
+        name="fake",
+        fingerprint="fake-1",
+        context_length=4096,
+        vocab_size=1000,
+        eos_token_ids=frozenset({EOS}),
+        prefill_chunk_size=64,
+        layers=(layer,),
+    )
+
+
+def next_token(history: Sequence[int]) -> int:
+    """The fake model: a deterministic function of the history, never EOS by itself."""
+    return 1 + (sum(history) * 31 + len(history)) % 997
+
+
+class FakeEngine:
+    def __init__(self, faults: Faults | None = None, info: ModelInfo | None = None) -> None:
+        self.faults = faults or Faults()
+        self._info = info or fake_info()
+        self.held: dict[RequestId, bytes] = {}
+        self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
+        self._streams: dict[RequestId, trio.MemoryReceiveChannel[GeneratedToken]] = {}
+        self._cancelled: set[RequestId] = set()
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    async def _phase(self, name: str, prompt: Sequence[int]) -> None:
+        await trio.sleep(0)
+        if self.faults.marker in prompt:
+            if name in self.faults.stall:
+                await trio.sleep_forever()
+            if name in self.faults.fail:
+                raise StatecoreError(
+                    ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, f"injected fault in {name}")
+                )
+
+    async def prefill(
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+    ) -> PrefillOutcome:
+        await self._phase("prefill", prompt)
+        payload = bytes(t % 256 for t in prompt)
+        self.held[request_id] = payload
+        return PrefillOutcome(next_token(prompt), len(prompt), len(payload))
+
+    async def export_held(self, request_id: RequestId) -> bytes:
+        try:
+            return b"FAKE" + self.held[request_id]
+        except KeyError:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, "no such cache")) from None
+
+    async def release_held(self, request_id: RequestId) -> int:
+        return len(self.held.pop(request_id, b""))
+
+    async def _begin(
+        self, request_id: RequestId, prompt: Sequence[int], first: int, sampling: SamplingParams
+    ) -> None:
+        await self._phase("install", prompt)
+        send, receive = trio.open_memory_channel[GeneratedToken](sampling.max_tokens + 1)
+        history = [*prompt, first]
+        for produced in range(2, sampling.max_tokens + 1):
+            token = next_token(history)
+            history.append(token)
+            reason = "length" if produced == sampling.max_tokens else None
+            send.send_nowait(GeneratedToken(token, False, reason))
+        self.decoding[request_id] = send
+        self._streams[request_id] = receive
+        if self.faults.marker in prompt and "decode" in self.faults.fail:
+            send.close()  # the stream ends early: the performer must fail the request
+
+    async def decode_held(
+        self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams
+    ) -> None:
+        self.held.pop(request_id, None)
+        await self._begin(request_id, prompt, first_token, sampling)
+
+    async def install(
+        self,
+        request_id: RequestId,
+        payload: bytes,
+        prompt: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        if not payload.startswith(b"FAKE"):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake payload"))
+        await self._begin(request_id, prompt, first_token, sampling)
+
+    async def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
+        receive = self._streams.get(request_id)
+        if receive is None:
+            return
+        async with receive:
+            async for token in receive:
+                await trio.sleep(0.001)  # a decode step takes time
+                if token.finish_reason is not None:  # the decoder frees a finished slot itself
+                    self.decoding.pop(request_id, None)
+                    self._streams.pop(request_id, None)
+                yield token
+
+    async def cancel(self, request_id: RequestId) -> None:
+        send = self.decoding.pop(request_id, None)
+        if send is not None:
+            send.close()
+        self._streams.pop(request_id, None)
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            decoding=len(self.decoding),
+            held_caches=len(self.held),
+            held_bytes=sum(len(v) for v in self.held.values()),
+            device_thread_alive=True,
+        )
+
+    async def aclose(self) -> None:
+        for rid in list(self.decoding):
+            await self.cancel(rid)
+
+
+__all__ = ["EOS", "FakeEngine", "Faults", "fake_info", "next_token"]

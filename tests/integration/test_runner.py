@@ -1,0 +1,164 @@
+"""The runner with a fake engine: per-request failure, deadlines, cancellation, drain,
+transport loss — and nothing left held afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from effects.backend import local_backend
+from effects.engine_port import SamplingParams
+from effects.fakes import FakeEngine, Faults, next_token
+from effects.interpret import EnginePerformer
+from effects.ports import GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
+from effects.runner import NodeRunner, Timeouts
+from statecore.errors import Code
+from statecore.events import DrainRequested, TransportLost
+from statecore.ids import RequestId
+from statecore.table import DECODE_REQUEST
+
+MARKER = 999
+
+
+class Node:
+    def __init__(self, nursery: trio.Nursery, faults: Faults, timeouts: Timeouts) -> None:
+        self.engine = FakeEngine(faults)
+        self.performer = EnginePerformer(self.engine)
+        self.runner = NodeRunner(DECODE_REQUEST, self.performer, timeouts=timeouts, name="test")
+        self.backend = local_backend(self.runner, self.performer)
+        self.counter = 0
+
+    async def generate(self, prompt: list[int], max_tokens: int = 6) -> list[Output]:
+        self.counter += 1
+        request = GenerationRequest(
+            RequestId(f"r{self.counter}"), tuple(prompt), SamplingParams(max_tokens)
+        )
+        generation = await self.backend.start(request)
+        return [out async for out in generation]
+
+    def assert_nothing_held(self) -> None:
+        stats = self.engine.statistics()
+        assert (stats.decoding, stats.held_caches) == (0, 0)
+        runner = self.runner.statistics()
+        assert runner.live_requests == 0
+        assert self.performer.requests == {}
+
+
+@pytest.fixture
+async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
+    built = Node(nursery, Faults(marker=MARKER, fail={"prefill"}), Timeouts(deadline_s=5.0))
+    await nursery.start(built.runner.run)
+    yield built
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(n):
+        history.append(next_token(history))
+    return history[len(prompt) :]
+
+
+async def settle() -> None:
+    for _ in range(50):
+        await trio.sleep(0.01)
+
+
+async def test_a_request_generates_the_predicted_tokens(node: Node) -> None:
+    outputs = await node.generate([5, 6, 7], max_tokens=6)
+    assert outputs[:-1] == [TokenOut(t) for t in expected_tokens([5, 6, 7], 6)]
+    assert outputs[-1] == GenerationEnd("length")
+    await settle()
+    node.assert_nothing_held()
+
+
+async def test_one_failing_request_changes_no_other(node: Node) -> None:
+    results: dict[int, list[Output]] = {}
+
+    async def one(i: int, prompt: list[int]) -> None:
+        results[i] = await node.generate(prompt)
+
+    async with trio.open_nursery() as n:
+        for i in range(6):
+            n.start_soon(one, i, [i + 1, 2, 3] if i != 3 else [MARKER, 1])
+    failed = results.pop(3)
+    assert isinstance(failed[-1], GenerationError)
+    assert failed[-1].error.code is Code.INJECTED_FAULT
+    for i, outputs in results.items():
+        assert outputs[-1] == GenerationEnd("length"), i
+    assert node.runner.ready()
+    assert (await node.generate([1, 2]))[-1] == GenerationEnd("length")  # the next one succeeds
+    await settle()
+    node.assert_nothing_held()
+    assert node.runner.statistics().outcomes == {"done": 6, "failed": 1}
+
+
+async def test_a_stalled_request_times_out_alone(nursery: trio.Nursery, autojump_clock: object) -> None:
+    node = Node(nursery, Faults(marker=MARKER, stall={"prefill"}), Timeouts(deadline_s=3.0))
+    await nursery.start(node.runner.run)
+    outputs = await node.generate([MARKER])
+    assert isinstance(outputs[-1], GenerationError) and outputs[-1].error.code is Code.TIMEOUT
+    assert (await node.generate([4]))[-1] == GenerationEnd("length")
+    await settle()
+    node.assert_nothing_held()
+    assert node.runner.statistics().live_tasks == 0
+
+
+async def test_client_cancel_frees_the_decoder_slot(node: Node) -> None:
+    request = GenerationRequest(RequestId("c1"), (1, 2, 3), SamplingParams(10_000))
+    generation = await node.backend.start(request)
+    seen = 0
+    async for output in generation:
+        assert isinstance(output, TokenOut)
+        seen += 1
+        if seen == 3:
+            await generation.cancel()
+            break
+    await settle()
+    node.assert_nothing_held()
+    assert node.runner.statistics().outcomes == {"failed": 1}
+
+
+async def test_stop_ends_the_request_as_done(node: Node) -> None:
+    generation = await node.backend.start(
+        GenerationRequest(RequestId("s1"), (1, 2), SamplingParams(10_000))
+    )
+    async for output in generation:
+        assert isinstance(output, TokenOut)
+        await generation.stop()
+        break
+    await settle()
+    node.assert_nothing_held()
+    assert node.runner.statistics().outcomes == {"done": 1}
+
+
+async def test_transport_lost_fails_live_requests_and_stops_the_loop(nursery: trio.Nursery) -> None:
+    node = Node(nursery, Faults(marker=MARKER, stall={"prefill"}), Timeouts())
+    await nursery.start(node.runner.run)
+    generation = await node.backend.start(
+        GenerationRequest(RequestId("t1"), (MARKER,), SamplingParams(4))
+    )
+    await node.runner.post_loop(TransportLost("device thread died"))
+    outputs = [out async for out in generation]
+    assert isinstance(outputs[-1], GenerationError)
+    assert outputs[-1].error.code is Code.TRANSPORT_LOST
+    with trio.fail_after(5):
+        await node.runner.wait_stopped()
+    assert not node.runner.ready()
+
+
+async def test_drain_finishes_in_flight_requests_then_stops(nursery: trio.Nursery) -> None:
+    node = Node(nursery, Faults(), Timeouts())
+    await nursery.start(node.runner.run)
+    generation = await node.backend.start(
+        GenerationRequest(RequestId("d1"), (3, 4), SamplingParams(20))
+    )
+    await node.runner.post_loop(DrainRequested())
+    outputs = [out async for out in generation]
+    assert outputs[-1] == GenerationEnd("length") and len(outputs) == 21
+    with trio.fail_after(5):
+        await node.runner.wait_stopped()
+    with pytest.raises(Exception, match="not accepting"):
+        await node.backend.start(GenerationRequest(RequestId("d2"), (1,), SamplingParams(2)))
