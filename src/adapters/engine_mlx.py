@@ -44,6 +44,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -384,7 +385,9 @@ class MlxEngine:
 
         if not self._alive:
             return 0
-        return await self._call(work)
+        with trio.CancelScope(shield=True):  # quick, and must not be skipped
+            freed = await self._call(work)
+        return freed
 
     async def decode_held(
         self,
@@ -394,7 +397,7 @@ class MlxEngine:
         sampling: SamplingParams,
     ) -> None:
         tokens = self._check_request(prompt, sampling)
-        self._check_token(first_token, "first_token")
+        first_token = self._check_token(first_token, "first_token")
 
         def take_cache() -> list[Any]:
             held = self._held.get(request_id)
@@ -420,7 +423,7 @@ class MlxEngine:
         sampling: SamplingParams,
     ) -> None:
         tokens = self._check_request(prompt, sampling)
-        self._check_token(first_token, "first_token")
+        first_token = self._check_token(first_token, "first_token")
 
         def take_cache() -> list[Any]:
             decoded = kv_wire.decode_cache(
@@ -471,7 +474,8 @@ class MlxEngine:
             receive.close()
         if not self._alive:
             return
-        await self._call(lambda: self._drop(request_id))
+        with trio.CancelScope(shield=True):  # within one decode step; must not be skipped
+            await self._call(lambda: self._drop(request_id))
 
     def statistics(self) -> EngineStatistics:
         return replace(self._stats, device_thread_alive=self._alive)
@@ -497,11 +501,9 @@ class MlxEngine:
     def _check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
         if not self._alive:
             raise _engine_failed("the device thread is not running")
-        tokens = list(prompt)
+        tokens = [self._check_token(t, "prompt token") for t in prompt]
         if not tokens:
             raise StatecoreError(client_error("the prompt is empty"))
-        for t in tokens:
-            self._check_token(t, "prompt token")
         if len(tokens) > self.info.context_length:
             raise StatecoreError(
                 client_error(
@@ -519,13 +521,18 @@ class MlxEngine:
             raise StatecoreError(client_error("top_k must be >= 0"))
         return tokens
 
-    def _check_token(self, token: int, what: str) -> None:
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise StatecoreError(client_error(f"{what} {token!r} is not an integer"))
-        if not 0 <= token < self.info.vocab_size:
-            raise StatecoreError(
-                client_error(f"{what} {token} is outside the vocabulary (0..{self.info.vocab_size - 1})")
-            )
+    def _check_token(self, token: object, what: str) -> int:
+        """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            value = operator.index(token)  # type: ignore[arg-type]
+        except TypeError:
+            raise StatecoreError(client_error(f"{what} {token!r} is not an integer")) from None
+        vocab = self.info.vocab_size
+        if not 0 <= value < vocab:
+            raise StatecoreError(client_error(f"{what} {value} is outside the vocabulary of {vocab}"))
+        return value
 
     async def _start(
         self,
