@@ -237,6 +237,38 @@ async def test_model_info(open_engine: Opener) -> None:
 # Batching
 
 
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [
+        ("qwen3", "float32"),
+        ("gemma3_text", "float32"),
+        ("qwen3_next", "float32"),
+        ("falcon_h1", "float32"),
+        ("mamba2", "float32"),
+        ("llama", "bfloat16"),
+        ("gemma3_text", "bfloat16"),
+        ("qwen3_next", "float16"),
+        ("llama4", "float32"),  # solo lane next to nothing: still exact
+    ],
+)
+async def test_every_family_decodes_exactly_next_to_others(
+    open_engine: Opener, fresh_dirs: dict[str, Path], family: str, dtype: str
+) -> None:
+    path = cached_checkpoint(family, dtype=dtype) if family != "llama4" else fresh_dirs[family]
+    prefill_node = await open_engine(path)
+    decode_node = await open_engine(path)
+    prompts = {RequestId(f"f{i}"): prompt_of(n, salt=i) for i, n in enumerate((3, 21, 40))}
+    got: dict[RequestId, list[int]] = {}
+
+    async def run(rid: RequestId) -> None:
+        got[rid] = await handoff(prefill_node, decode_node, rid, prompts[rid])
+
+    async with trio.open_nursery() as nursery:
+        for rid in prompts:
+            nursery.start_soon(run, rid)
+    assert got == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+
+
 async def test_handoff_joins_running_batch_unchanged(open_engine: Opener) -> None:
     path = cached_checkpoint("llama")
     prefill_node = await open_engine(path)
