@@ -34,6 +34,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="allow a model directory to bring its own architecture file (model_file)",
     )
+    from adapters.serve import add_serving_flags
+
+    add_serving_flags(run)
 
 
 def _add_diagram(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,13 +1,329 @@
-"""`statecore run`: start a node of the chosen role, or a local cluster.
+"""`statecore run`: start a node of the chosen role, or a local cluster of child processes.
 
-Placeholder until the serving issue lands. This module may import anything.
+A node process is one trio run: the engine (for single, prefill and decode), one
+`NodeRunner`, the HTTP app on hypercorn's trio worker, and two watchers: SIGTERM/SIGINT ask
+the loop to drain (health goes non-200, in-flight requests finish, exit 0), and a dead MLX
+device thread is the node's `TransportLost` (health non-200 at once, exit 1). The router also
+runs its peer-health machines. `statecore run` with no role starts router + prefill + decode
+as children on free ports and stops them cleanly on Ctrl-C or SIGTERM. This module may import
+anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from adapters.internal_wire import info_json
+from adapters.node_api import NodeApi, guarded
+from adapters.openai_api import Frontend, build_app
+from adapters.peers_httpx import HttpxPeers
+from effects.backend import local_backend, router_backend
+from effects.health import PeerSet
+from effects.interpret import EnginePerformer, RouterPerformer
+from effects.ports import ModelInfo
+from effects.runner import NodeRunner, Timeouts
+from statecore.errors import ErrorInfo, StatecoreError
+from statecore.events import DrainRequested, TransportLost
+from statecore.ids import RequestId
+from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
+
+log = logging.getLogger("statecore")
+
+EXIT_TRANSPORT_LOST = 3
+
+
+def demo_model_dir() -> Path:
+    return Path(__file__).resolve().parent / "demo_model"
+
+
+def add_serving_flags(run: argparse.ArgumentParser) -> None:
+    """Flags beyond the public contract in cli.py; all optional with sane defaults."""
+    run.add_argument("--local-prefill-below", type=int, default=1000, metavar="TOKENS",
+                     help="router: prompts shorter than this prefill on the decode node (default 1000)")
+    run.add_argument("--force-disaggregation", action="store_true",
+                     help="router: send every request through a prefill node")
+    run.add_argument("--prefill-chunk-size", type=int, default=2048,
+                     help="tokens per prefill chunk; must be equal on every node (default 2048)")
+    run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
+    run.add_argument("--max-batch", type=int, default=32, help="decode batch size (default 32)")
+    run.add_argument("--internal-token", default=os.environ.get("STATECORE_INTERNAL_TOKEN"),
+                     help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    run.add_argument("--kv-lease", type=float, default=60.0, help="seconds a held KV waits (default 60)")
+    run.add_argument("--request-deadline", type=float, default=600.0,
+                     help="seconds a request may live (default 600)")
+    run.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds to finish in-flight requests on SIGTERM (default 30)")
+    run.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    run.add_argument("--log-level", default="INFO")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"ts": record.created, "level": record.levelname,
+                               "logger": record.name, "msg": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        return json.dumps(doc)
+
+
+def setup_logging(args: argparse.Namespace, role: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if args.log_json:
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {role:7s} %(levelname)s %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per peer call is noise
+
+
+def log_transitions(runner: NodeRunner[Any], role: str) -> None:
+    def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
+        reason = f" reason={error.code.value}: {error.message}" if error else ""
+        fields = {"request_id": rid, "role": role, "from": old, "to": new, "event": event,
+                  "reason": error.code.value if error else None}
+        log.info("request %s %s -> %s on %s%s", rid, old, new, event, reason, extra={"fields": fields})
+
+    runner.on_transition = on_transition
+
+
+def _timeouts(args: argparse.Namespace) -> Timeouts:
+    return Timeouts(deadline_s=args.request_deadline, kv_lease_s=args.kv_lease, drain_s=args.drain_timeout)
+
+
+async def _watch_signals(runner: NodeRunner[Any]) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: draining", signal.Signals(signum).name)
+            await runner.post_loop(DrainRequested())
+
+
+async def _watch_device(runner: NodeRunner[Any], alive: Any) -> None:
+    while alive():
+        await trio.sleep(0.1)
+    log.error("the MLX device thread died: the loop's transport is lost")
+    await runner.post_loop(TransportLost("MLX device thread died"))
+
+
+async def _serve(app: Starlette, args: argparse.Namespace, runner: NodeRunner[Any],
+                 nursery: trio.Nursery) -> None:
+    config = Config()
+    config.bind = [f"{args.host}:{args.port}"]
+    config.accesslog = None
+    config.graceful_timeout = 5.0
+    nursery.start_soon(_watch_signals, runner)
+    await serve(app, config, shutdown_trigger=runner.wait_stopped)  # type: ignore[arg-type]
+
+
+def _stats_route(token: str | None, stats: Any) -> BaseRoute:
+    async def handler(request: Request) -> Response:
+        return JSONResponse(stats())
+
+    return Route("/internal/stats", guarded(token, handler), methods=["GET"])
+
+
+async def run_engine_node(args: argparse.Namespace, role: str) -> int:
+    from adapters.engine_mlx import MlxEngine
+
+    model = args.model or demo_model_dir()
+    log.info("loading %s for role %s", model, role)
+    engine = await MlxEngine.load(
+        model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
+    )
+    for layer in engine.info.layers:
+        if not layer.can_travel:
+            log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
+                        layer.reason)
+    peers = HttpxPeers(token=args.internal_token) if role == "decode" else None
+    performer = EnginePerformer(engine, peers)
+    machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
+    runner: NodeRunner[Any] = NodeRunner(machine, performer, timeouts=_timeouts(args), name=role)
+    log_transitions(runner, role)
+    api = NodeApi(role, engine, runner, performer, token=args.internal_token)
+    if role == "single":
+        frontend = Frontend.load(model, local_backend(runner, performer))
+        app = build_app(frontend, extra_routes=api.routes())
+    else:
+        app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes()])
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            nursery.start_soon(_watch_device, runner, lambda: engine.statistics().device_thread_alive)
+            log.info("%s node serving on http://%s:%d", role, args.host, args.port)
+            await _serve(app, args, runner, nursery)
+            nursery.cancel_scope.cancel()
+    finally:
+        await engine.aclose()
+        if peers:
+            await peers.aclose()
+    return 0 if engine.statistics().device_thread_alive else EXIT_TRANSPORT_LOST
+
+
+async def _fetch_info(peers: HttpxPeers, nodes: list[str], deadline_s: float = 600.0) -> ModelInfo:
+    """The model's info from the first node that answers; waits while nodes load."""
+    with trio.move_on_after(deadline_s):
+        while True:
+            for node in nodes:
+                try:
+                    return await peers.info(node)
+                except StatecoreError:
+                    continue
+            await trio.sleep(0.5)
+    raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}")
+
+
+async def run_router(args: argparse.Namespace) -> int:
+    if not args.prefill or not args.decode:
+        raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
+    model = args.model or demo_model_dir()
+    peers = HttpxPeers(token=args.internal_token)
+    prefill = [u.rstrip("/") for u in args.prefill]
+    decode = [u.rstrip("/") for u in args.decode]
+    info = await _fetch_info(peers, prefill + decode)
+    fingerprints: dict[str, str | None] = {}
+    for node in prefill + decode:
+        try:
+            fingerprints[node] = (await peers.info(node)).fingerprint
+        except StatecoreError:
+            fingerprints[node] = None
+    if len({f for f in fingerprints.values() if f}) > 1:
+        log.warning("nodes serve different model fingerprints: %s", fingerprints)
+    peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health)
+    performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
+                                on_peer_failure=peer_set.report_failure)
+    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
+    log_transitions(runner, "router")
+    threshold = 0 if args.force_disaggregation else args.local_prefill_below
+    backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold)
+    frontend = Frontend.load(model, backend)
+
+    def stats() -> dict[str, object]:
+        s = runner.statistics()
+        return {"role": "router", "loop_phase": s.phase.value, "live_requests": s.live_requests,
+                "live_tasks": s.live_tasks, "contexts": len(performer.requests), "outcomes": s.outcomes,
+                "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
+                "model": info_json(info)["name"]}
+
+    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats)])
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(peer_set.run)
+            await nursery.start(runner.run)
+            log.info("router serving on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
+                     prefill, decode)
+            await _serve(app, args, runner, nursery)
+            nursery.cancel_scope.cancel()
+    finally:
+        await peers.aclose()
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise SystemExit(f"statecore: {url} exited with code {child.returncode} while starting")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"statecore: {url} was not healthy within {timeout_s:.0f} s")
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all."""
+    model = str(args.model or demo_model_dir())
+    common = ["--model", model, "--prefill-chunk-size", str(args.prefill_chunk_size)]
+    if args.trust_remote_code:
+        common.append("--trust-remote-code")
+    if args.kv_bits:
+        common += ["--kv-bits", str(args.kv_bits)]
+    ports = {"prefill": free_port(), "decode": free_port()}
+    base = [sys.executable, "-m", "adapters.cli", "run"]
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for role, port in ports.items():
+            children[role] = subprocess.Popen([*base, "--role", role, "--port", str(port), *common])
+        urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+        print("statecore: starting prefill and decode nodes ...", flush=True)
+        for role in ports:
+            _wait_healthy(urls[role], children[role], 600)
+        router_cmd = [*base, "--role", "router", "--host", args.host, "--port", str(args.port),
+                      "--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
+                      "--local-prefill-below", str(args.local_prefill_below)]
+        if args.force_disaggregation:
+            router_cmd.append("--force-disaggregation")
+        children["router"] = subprocess.Popen(router_cmd)
+        router = f"http://{args.host}:{args.port}"
+        _wait_healthy(router, children["router"], 120)
+        name = Path(model).name
+        print(f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
+              f"decode {urls['decode']})\n\nTry:\n  curl -s {router}/v1/chat/completions "
+              f"-H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{name}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"Tell me a story.\"}}], \"max_tokens\": 64}}'\n\n"
+              "Ctrl-C stops every node.", flush=True)
+        while not stopping:
+            for role, child in children.items():
+                if child.poll() is not None:
+                    print(f"statecore: the {role} node exited with {child.returncode}; stopping",
+                          flush=True)
+                    stopping = True
+            time.sleep(0.2)
+        return 0
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children.values():
+            try:
+                child.wait(timeout=args.drain_timeout + 5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def run_command(args: argparse.Namespace) -> int:
-    print(f"statecore run --role {args.role}: not implemented yet")
-    return 0
+    role = args.role
+    setup_logging(args, role)
+    if args.model is not None and not Path(args.model).is_dir():
+        raise SystemExit(f"statecore: model directory {args.model} does not exist")
+    if role == "cluster":
+        return run_cluster(args)
+    if role == "router":
+        return trio.run(run_router, args)
+    return trio.run(run_engine_node, args, role)

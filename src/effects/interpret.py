@@ -62,8 +62,9 @@ class NodeRequest:
     sampling: SamplingParams
     first_token: int | None = None
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
+    hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: bytes | None = None
-    kv_out: trio.MemorySendChannel[bytes] | None = None
+    kv_out: trio.MemorySendChannel[bytes] | None = None  # set while a decode node pulls
 
 
 def _bug(message: str) -> StatecoreError:
@@ -98,7 +99,7 @@ class EnginePerformer:
             case StartPrefill():
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
-                if outcome.first_token in eos and ctx.prefill_url is None and ctx.kv_out is None:
+                if outcome.first_token in eos and not ctx.hands_off:
                     await post(Finished("stop"))  # a local request whose first token ends it
                 else:
                     await post(PrefillDone(outcome.first_token, outcome.held_bytes))
@@ -177,12 +178,21 @@ class RouterPerformer:
     """The router: prefill on a prefill node (or the decode node for short prompts), then
     decode on a decode node; relay every token as an event."""
 
-    def __init__(self, peers: Peers, pick: NodePicker, *, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        peers: Peers,
+        pick: NodePicker,
+        *,
+        max_attempts: int = 3,
+        in_flight: dict[str, int] | None = None,
+        on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
+    ) -> None:
         self.peers = peers
         self.pick = pick
         self.max_attempts = max_attempts
         self.requests: dict[RequestId, RoutedRequest] = {}
-        self.in_flight: dict[str, int] = {}
+        self.in_flight = in_flight if in_flight is not None else {}
+        self.on_peer_failure = on_peer_failure
 
     def register(self, request_id: RequestId, request: RoutedRequest) -> None:
         self.requests[request_id] = request
@@ -217,7 +227,11 @@ class RouterPerformer:
                     return
                 assert ctx.decode_node is not None and ctx.first_token is not None
                 call = DecodeCall(rid, ctx.prompt, ctx.sampling, ctx.first_token, ctx.prefill_node)
-                await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
+                try:
+                    await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
+                except StatecoreError as exc:
+                    self._blame(ctx, exc.info)
+                    raise
             case FetchKv() | InstallKv() | SendKv():
                 raise _bug(f"{intent.kind.value} is not a router intent")
 
@@ -236,6 +250,7 @@ class RouterPerformer:
                 return
             reply = await self.peers.prefill(ctx.prefill_node or "", rid, ctx.prompt, ctx.sampling)
         except StatecoreError as exc:
+            self._blame(ctx, exc.info)
             retryable = exc.info.fault in (Fault.PEER, Fault.TRANSPORT, Fault.OVERLOADED)
             if retryable and ctx.first_token is None and ctx.attempts < self.max_attempts:
                 ctx.tried |= {n for n in (ctx.prefill_node, ctx.decode_node) if n}
@@ -244,6 +259,14 @@ class RouterPerformer:
                 return
             raise
         await self._first(reply, ctx, post)
+
+    def _blame(self, ctx: RoutedRequest, error: ErrorInfo) -> None:
+        """Tell peer health which node failed at the transport level."""
+        if self.on_peer_failure is None or error.fault is not Fault.TRANSPORT:
+            return
+        for node in (ctx.prefill_node, ctx.decode_node):
+            if node is not None:
+                self.on_peer_failure(node, error)
 
     async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
         if reply.is_eos:

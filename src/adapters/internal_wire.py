@@ -1,0 +1,174 @@
+"""The JSON shapes nodes exchange on their internal endpoints, validated with pydantic.
+
+Shared by the server side (`adapters.node_api`) and the client side (`adapters.peers_httpx`)
+so the two can never drift. Token ids, sampling and errors travel as small JSON documents;
+KV bytes never do (they use `adapters.kv_wire`). This module may import anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from effects.ports import (
+    GenerationEnd,
+    GenerationError,
+    LayerTravel,
+    ModelInfo,
+    Output,
+    PrefillReply,
+    SamplingParams,
+    TokenOut,
+)
+from statecore.errors import Code, ErrorInfo, Fault
+
+TOKEN_HEADER = "x-statecore-token"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingBody(_Strict):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, sampling: SamplingParams) -> SamplingBody:
+        return cls(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+        )
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+
+
+class PrefillBody(_Strict):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt: list[int] = Field(min_length=1)
+    sampling: SamplingBody
+
+
+class PrefillReplyBody(_Strict):
+    first_token: int
+    is_eos: bool
+    held_bytes: int = 0
+
+
+class DecodeBody(_Strict):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt: list[int] = Field(min_length=1)
+    sampling: SamplingBody
+    first_token: int | None = None
+    prefill_url: str | None = None
+
+
+class ErrorBody(_Strict):
+    message: str
+    type: str
+    code: str
+    fault: str = "peer"
+
+
+def error_json(error: ErrorInfo) -> dict[str, object]:
+    body = error.to_openai()
+    return {"error": {**body["error"], "fault": error.fault.value}}
+
+
+def error_from_json(data: object, status: int) -> ErrorInfo:
+    """An ErrorInfo from a peer's error body; anything unreadable is the peer's fault."""
+    try:
+        body = ErrorBody.model_validate(data["error"] if isinstance(data, dict) else None)
+        return ErrorInfo(Fault(body.fault), Code(body.code), body.message)
+    except (ValueError, KeyError, TypeError):
+        return ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"peer answered HTTP {status}")
+
+
+def output_line(item: Output | PrefillReply) -> bytes:
+    """One NDJSON line of a decode node's stream."""
+    match item:
+        case PrefillReply(first_token=first, is_eos=is_eos):
+            doc: dict[str, object] = {"first_token": first, "is_eos": is_eos}
+        case TokenOut(token=token):
+            doc = {"token": token}
+        case GenerationEnd(finish_reason=reason):
+            doc = {"finish_reason": reason}
+        case GenerationError(error=error):
+            doc = error_json(error)
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def parse_output_line(line: bytes) -> Output | PrefillReply:
+    try:
+        doc = json.loads(line)
+        if "token" in doc:
+            return TokenOut(int(doc["token"]))
+        if "first_token" in doc:
+            return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0)
+        if "finish_reason" in doc:
+            return GenerationEnd(str(doc["finish_reason"]))
+        return GenerationError(error_from_json(doc, 200))
+    except (ValueError, TypeError, KeyError):
+        return GenerationError(
+            ErrorInfo(Fault.PEER, Code.PEER_FAILED, "a decode node sent an unreadable line")
+        )
+
+
+def info_json(info: ModelInfo) -> dict[str, object]:
+    return {
+        "name": info.name,
+        "fingerprint": info.fingerprint,
+        "context_length": info.context_length,
+        "vocab_size": info.vocab_size,
+        "eos_token_ids": sorted(info.eos_token_ids),
+        "prefill_chunk_size": info.prefill_chunk_size,
+        "layers": [
+            {"index": lay.index, "class_name": lay.class_name, "can_travel": lay.can_travel,
+             "reason": lay.reason}
+            for lay in info.layers
+        ],
+    }
+
+
+def info_from_json(doc: dict[str, object]) -> ModelInfo:
+    layers = doc.get("layers")
+    eos = doc.get("eos_token_ids")
+    if not isinstance(layers, list) or not isinstance(eos, list):
+        raise ValueError("malformed model info")
+    return ModelInfo(
+        name=str(doc["name"]),
+        fingerprint=str(doc["fingerprint"]),
+        context_length=int(str(doc["context_length"])),
+        vocab_size=int(str(doc["vocab_size"])),
+        eos_token_ids=frozenset(int(e) for e in eos),
+        prefill_chunk_size=int(str(doc["prefill_chunk_size"])),
+        layers=tuple(
+            LayerTravel(int(d["index"]), str(d["class_name"]), bool(d["can_travel"]), str(d["reason"]))
+            for d in layers
+        ),
+    )
+
+
+__all__ = [
+    "REQUEST_ID_HEADER",
+    "TOKEN_HEADER",
+    "DecodeBody",
+    "PrefillBody",
+    "PrefillReplyBody",
+    "SamplingBody",
+    "error_from_json",
+    "error_json",
+    "info_from_json",
+    "info_json",
+    "output_line",
+    "parse_output_line",
+]

@@ -1,0 +1,243 @@
+"""Internal HTTP endpoints of prefill and decode nodes, and every node's info and stats.
+
+Prefill node: `POST /internal/prefill` (prefill, answer the first token, hold the KV under a
+lease), `GET /internal/kv/{id}` (the held KV in the wire format), `DELETE /internal/kv/{id}`
+(taken: release it), `POST /internal/cancel/{id}`. Decode node: `POST /internal/decode`
+(pull the KV from a prefill node, or prefill locally, then stream NDJSON lines of token ids),
+`POST /internal/cancel/{id}?stopped=1|0`. Every node: `GET /internal/info` (the model's
+fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts for leak
+checks). When a shared token is configured, internal endpoints require it in the
+`X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
+is the core's state machine. This module may import anything.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from adapters.internal_wire import (
+    TOKEN_HEADER,
+    DecodeBody,
+    PrefillBody,
+    PrefillReplyBody,
+    error_json,
+    info_json,
+    output_line,
+)
+from effects.backend import RunnerGeneration
+from effects.interpret import EnginePerformer, NodeRequest
+from effects.ports import Engine, GenerationEnd, GenerationError, PrefillReply, TokenOut
+from effects.runner import NodeRunner
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.events import (
+    Admitted,
+    ClientCancelled,
+    KvRequested,
+    KvTaken,
+    PrefillLocally,
+    StopMatched,
+)
+from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
+from statecore.phases import PrefillPhase
+
+log = logging.getLogger("statecore.node_api")
+
+Handler = Callable[[Request], Awaitable[Response]]
+KV_SEND_TIMEOUT_S = 60.0
+MAX_INTERNAL_BODY = 64 << 20
+
+
+def error_response(error: ErrorInfo) -> JSONResponse:
+    return JSONResponse(error_json(error), status_code=error.http_status)
+
+
+def guarded(token: str | None, handler: Handler) -> Handler:
+    """Require the shared token (when one is set) and map StatecoreError to its response."""
+
+    async def wrapped(request: Request) -> Response:
+        if token is not None:
+            given = request.headers.get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return error_response(
+                    ErrorInfo(Fault.CLIENT, Code.UNAUTHORIZED, "missing or wrong internal token")
+                )
+        try:
+            return await handler(request)
+        except StatecoreError as exc:
+            return error_response(exc.info)
+
+    return wrapped
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    if len(body) > MAX_INTERNAL_BODY:
+        raise StatecoreError(client_error("body too large", Code.BODY_TOO_LARGE))
+    return body
+
+
+def _validated(model: type[PrefillBody] | type[DecodeBody], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise StatecoreError(client_error(f"invalid internal request: {exc.errors()[:3]}")) from exc
+
+
+class NodeApi:
+    """The internal routes of one engine-backed node."""
+
+    def __init__(
+        self,
+        role: str,
+        engine: Engine,
+        runner: NodeRunner[Any],
+        performer: EnginePerformer,
+        *,
+        token: str | None = None,
+    ) -> None:
+        self.role = role
+        self.engine = engine
+        self.runner = runner
+        self.performer = performer
+        self.token = token
+
+    def routes(self) -> list[BaseRoute]:
+        g = self.token
+        common: list[BaseRoute] = [
+            Route("/internal/info", guarded(g, self.info), methods=["GET"]),
+            Route("/internal/stats", guarded(g, self.stats), methods=["GET"]),
+            Route("/internal/cancel/{request_id}", guarded(g, self.cancel), methods=["POST"]),
+        ]
+        if self.role == "prefill":
+            return [
+                *common,
+                Route("/internal/prefill", guarded(g, self.prefill), methods=["POST"]),
+                Route("/internal/kv/{request_id}", guarded(g, self.send_kv), methods=["GET"]),
+                Route("/internal/kv/{request_id}", guarded(g, self.kv_taken), methods=["DELETE"]),
+            ]
+        return [*common, Route("/internal/decode", guarded(g, self.decode), methods=["POST"])]
+
+    async def health(self, request: Request) -> Response:
+        if self.runner.ready() and self.engine.statistics().device_thread_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse(info_json(self.engine.info))
+
+    def statistics(self) -> dict[str, object]:
+        engine = self.engine.statistics()
+        runner = self.runner.statistics()
+        return {
+            "role": self.role,
+            "loop_phase": runner.phase.value,
+            "live_requests": runner.live_requests,
+            "live_tasks": runner.live_tasks,
+            "contexts": len(self.performer.requests),
+            "outcomes": runner.outcomes,
+            "bugs": runner.bugs,
+            "decoding": engine.decoding,
+            "held_caches": engine.held_caches,
+            "held_bytes": engine.held_bytes,
+            "device_thread_alive": engine.device_thread_alive,
+        }
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.statistics())
+
+    async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
+        if not self.runner.ready():
+            raise StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "node not accepting"))
+        self.performer.register(rid, context)
+        replies = await self.runner.open(rid, capacity)
+        return RunnerGeneration(self.runner, rid, replies)
+
+    async def prefill(self, request: Request) -> Response:
+        body: PrefillBody = _validated(PrefillBody, await read_json(request))
+        rid = RequestId(body.request_id)
+        context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True)
+        generation = await self._admit(rid, context, 4)
+        await self.runner.post(rid, Admitted(len(body.prompt)))
+        try:
+            reply = await generation.replies.receive()
+        except trio.EndOfChannel:
+            reply = Reject(rid, ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill ended silently"))
+        match reply:
+            case RespondToken(token=token):
+                is_eos = token in self.engine.info.eos_token_ids
+                held = self.engine.statistics().held_bytes
+                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos,
+                                                     held_bytes=held).model_dump())
+            case Reject(error=error):
+                return error_response(error)
+            case Complete():
+                return error_response(ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill completed early"))
+
+    async def send_kv(self, request: Request) -> Response:
+        rid = RequestId(request.path_params["request_id"])
+        context = self.performer.requests.get(rid)
+        if self.runner.phase_of(rid) is not PrefillPhase.HANDOFF or context is None:
+            return error_response(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
+        send, receive = trio.open_memory_channel[bytes](1)
+        context.kv_out = send
+        await self.runner.post(rid, KvRequested())
+        with trio.move_on_after(KV_SEND_TIMEOUT_S):
+            payload = await receive.receive()
+            return Response(payload, media_type="application/octet-stream")
+        return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
+
+    async def kv_taken(self, request: Request) -> Response:
+        rid = RequestId(request.path_params["request_id"])
+        await self.runner.post(rid, KvTaken())
+        return JSONResponse({"released": rid})
+
+    async def cancel(self, request: Request) -> Response:
+        rid = RequestId(request.path_params["request_id"])
+        stopped = request.query_params.get("stopped") == "1"
+        await self.runner.post(rid, StopMatched() if stopped else ClientCancelled())
+        return JSONResponse({"cancelled": rid})
+
+    async def decode(self, request: Request) -> Response:
+        body: DecodeBody = _validated(DecodeBody, await read_json(request))
+        rid = RequestId(body.request_id)
+        local = body.prefill_url is None or body.first_token is None
+        context = NodeRequest(
+            tuple(body.prompt),
+            body.sampling.params(),
+            first_token=None if local else body.first_token,
+            prefill_url=None if local else body.prefill_url,
+        )
+        generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
+        await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))
+        return StreamingResponse(self._lines(generation, first_is_prefill=local),
+                                 media_type="application/x-ndjson")
+
+    async def _lines(self, generation: RunnerGeneration, *, first_is_prefill: bool) -> AsyncIterator[bytes]:
+        eos = self.engine.info.eos_token_ids
+        first = first_is_prefill
+        finished = False
+        try:
+            async for output in generation:
+                if first and isinstance(output, TokenOut):
+                    first = False
+                    yield output_line(PrefillReply(output.token, output.token in eos, 0))
+                    continue
+                finished = isinstance(output, GenerationEnd | GenerationError)
+                yield output_line(output)
+        finally:
+            if not finished:  # the router went away mid-stream: free the slot now
+                with trio.CancelScope(shield=True):
+                    await generation.cancel()
+
+
+__all__ = ["NodeApi", "error_response", "guarded"]

@@ -1,0 +1,162 @@
+"""`HttpxPeers`: the Peers port over httpx, node to node.
+
+Every transport failure is translated here, in one place (httpx's own
+map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
+StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
+The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. This
+module may import anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import httpx
+
+from adapters.internal_wire import (
+    TOKEN_HEADER,
+    DecodeBody,
+    PrefillBody,
+    PrefillReplyBody,
+    SamplingBody,
+    error_from_json,
+    info_from_json,
+    parse_output_line,
+)
+from effects.ports import DecodeCall, ModelInfo, Output, PrefillReply, SamplingParams
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.ids import RequestId
+
+DEFAULT_MAX_KV_BYTES = 1 << 34
+
+
+@contextlib.contextmanager
+def transport_errors(node: str) -> Iterator[None]:
+    """Map httpx's transport failures to TRANSPORT_LOST, naming the node."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise StatecoreError(
+            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out: {exc!r}")
+        ) from exc
+    except (httpx.TransportError, httpx.StreamError) as exc:
+        raise StatecoreError(
+            ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
+        ) from exc
+
+
+async def _raise_for_error(node: str, response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    await response.aread()
+    try:
+        data: object = response.json()
+    except ValueError:
+        data = None
+    info = error_from_json(data, response.status_code)
+    raise StatecoreError(info)
+
+
+class HttpxPeers:
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+    ) -> None:
+        headers = {TOKEN_HEADER: token} if token else {}
+        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        self.client = httpx.AsyncClient(
+            headers=headers, timeout=timeout, transport=transport, limits=limits
+        )
+        self.max_kv_bytes = max_kv_bytes
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def prefill(
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+    ) -> PrefillReply:
+        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling))
+        with transport_errors(node):
+            response = await self.client.post(f"{node}/internal/prefill", json=body.model_dump())
+            await _raise_for_error(node, response)
+            try:
+                reply = PrefillReplyBody.model_validate(response.json())
+            except ValueError as exc:
+                raise StatecoreError(
+                    ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
+                ) from exc
+        return PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes)
+
+    async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]:
+        body = DecodeBody(
+            request_id=call.request_id,
+            prompt=list(call.prompt),
+            sampling=SamplingBody.of(call.sampling),
+            first_token=call.first_token,
+            prefill_url=call.prefill_url,
+        )
+        with transport_errors(node):
+            async with self.client.stream(
+                "POST", f"{node}/internal/decode", json=body.model_dump()
+            ) as response:
+                await _raise_for_error(node, response)
+                async for line in response.aiter_lines():
+                    if line:
+                        yield parse_output_line(line.encode())
+
+    async def fetch_kv(self, node: str, request_id: RequestId) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        with transport_errors(node):
+            async with self.client.stream("GET", f"{node}/internal/kv/{request_id}") as response:
+                await _raise_for_error(node, response)
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > self.max_kv_bytes:
+                        raise StatecoreError(
+                            ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit")
+                        )
+                    chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def release_kv(self, node: str, request_id: RequestId) -> None:
+        with transport_errors(node):
+            response = await self.client.delete(f"{node}/internal/kv/{request_id}")
+            if response.status_code not in (200, 404):
+                await _raise_for_error(node, response)
+
+    async def cancel(self, node: str, request_id: RequestId, *, stopped: bool) -> None:
+        with transport_errors(node):
+            await self.client.post(
+                f"{node}/internal/cancel/{request_id}", params={"stopped": "1" if stopped else "0"}
+            )
+
+    async def health(self, node: str) -> bool:
+        try:
+            response = await self.client.get(f"{node}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def info(self, node: str) -> ModelInfo:
+        with transport_errors(node):
+            response = await self.client.get(f"{node}/internal/info", timeout=5.0)
+            await _raise_for_error(node, response)
+            return info_from_json(response.json())
+
+    async def stats(self, node: str) -> dict[str, object]:
+        with transport_errors(node):
+            response = await self.client.get(f"{node}/internal/stats", timeout=5.0)
+            await _raise_for_error(node, response)
+            data: dict[str, object] = response.json()
+            return data
+
+
+__all__ = ["HttpxPeers", "transport_errors"]
