@@ -1,0 +1,762 @@
+"""The OpenAI-compatible front end, shared by a single node and the router.
+
+Both serve the public API through this module over a `Backend` (see `effects.ports`): on a
+single node the backend is the local engine, on the router it is prefill and decode peers. The
+backend only ever yields token ids; everything a client sees (text, stop strings, usage, the
+JSON bodies and the SSE framing) is made here, so the output through the cluster is byte-identical
+to a single node's by construction. For identical backend outputs, two responses differ only in
+`id` and `created`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE through
+sse-starlette, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`).
+
+Defaults and limits (vLLM's where OpenAI leaves a choice):
+- `max_tokens`: completions 16 (cut to the room left in the context); chat: the whole room left
+  in the context. An explicit `max_tokens` (chat also `max_completion_tokens`) must be at least
+  1 and fit: prompt + max_tokens > context is `context_length_exceeded` (400).
+- `temperature` 1.0, `top_p` 1.0, `top_k` 0 (off; -1 also means off), `seed` none (the engine
+  then derives one from the request id), `n` 1 only.
+- `stop`: a string or a list of at most 16 strings of at most 256 characters; empty strings are
+  ignored. The text ends before the earliest stop string, with finish_reason "stop".
+- The request id is the `X-Request-Id` header when it is given (1-128 of `A-Za-z0-9._-`),
+  otherwise a fresh uuid4 hex; it is echoed in the `X-Request-Id` response header, and the
+  response `id` is `cmpl-<request id>` or `chatcmpl-<request id>`.
+- Bodies above `max_body_bytes` (4 MiB) are refused with 413.
+
+Validation: strict pydantic models (no coercion: `"5"` is not a number, `true` is not 1).
+Parameters that would change the result and are not served (`n` > 1, `best_of`, `logprobs`,
+`top_logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools`, `tool_choice`, `functions`,
+`function_call`, a non-text `response_format`, ...) are refused with 422 `unsupported_parameter`
+unless they carry their neutral value (`n: 1`, `logprobs: false`, `tools: []`, ...). Other
+unknown fields (`user`, `metadata`, vendor extras) are ignored, as vLLM does. Every error has
+OpenAI's shape `{"error": {"message", "type", "code"}}` and the status of its `ErrorInfo`.
+
+A streaming response waits for the first piece of text (or the end) before it sends its headers,
+so that a failure before any output still gets its own HTTP status; later failures become an SSE
+event `data: {"error": {...}}` followed by `data: [DONE]`. A client that goes away (streaming or
+not) cancels its generation. This is an adapter: it may import anything, and nothing in
+`statecore` or `effects` may import it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import trio
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive
+
+from effects.ports import (
+    Backend,
+    Generation,
+    GenerationEnd,
+    GenerationError,
+    GenerationRequest,
+    Output,
+    SamplingParams,
+    TokenOut,
+)
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, client_error
+from statecore.ids import RequestId
+
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_STOP_STRINGS", "Frontend", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_CANCEL_GRACE_S = 10.0
+"""How long a cancel or stop sent to the backend may take while the request is being torn down."""
+_MAX_ERRORS_SHOWN = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints; None means "not given" everywhere."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+
+
+class _CompletionBody(_Sampling):
+    prompt: str | list[int]
+
+
+class _TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+    name: str | None = None
+
+    def to_template(self) -> dict[str, str]:
+        if isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "\n".join(part.text for part in self.content)
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class _ChatBody(_Sampling):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def _same(value: object, neutral: object) -> bool:
+    return type(value) is type(neutral) and value == neutral
+
+
+def _neutral(*values: object) -> Callable[[object], bool]:
+    return lambda value: value is None or any(_same(value, v) for v in values)
+
+
+# Parameters that change what is generated and are not served: refused unless neutral.
+_UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "best_of": _neutral(1),
+    "logprobs": _neutral(False),
+    "top_logprobs": _neutral(0),
+    "echo": _neutral(False),
+    "suffix": _neutral(""),
+    "logit_bias": _neutral({}),
+    "presence_penalty": _neutral(0, 0.0),
+    "frequency_penalty": _neutral(0, 0.0),
+    "repetition_penalty": _neutral(1, 1.0),
+    "min_tokens": _neutral(0),
+    "tools": _neutral([]),
+    "tool_choice": _neutral("none"),
+    "functions": _neutral([]),
+    "function_call": _neutral("none"),
+    "response_format": _neutral({"type": "text"}),
+    "guided_json": _neutral(),
+    "guided_regex": _neutral(),
+    "guided_choice": _neutral(),
+    "guided_grammar": _neutral(),
+    "modalities": _neutral(["text"]),
+    "audio": _neutral(),
+    "prediction": _neutral(),
+}
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors(include_url=False)[:_MAX_ERRORS_SHOWN]:
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        parts.append(f"{where}: {error['msg']}")
+    more = exc.error_count() - _MAX_ERRORS_SHOWN
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "invalid request: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text: incremental detokenization and stop strings
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while i != -1 and len(text) - i > best:
+            if stop.startswith(text[i:]):
+                best = len(text) - i
+                break
+            i = text.find(stop[0], i + 1)
+    return best
+
+
+class _StopText:
+    """Token ids in, text out: mlx-lm's streaming detokenizer plus stop strings.
+
+    Text is released only when no stop string can still begin inside it, so a stop string split
+    across tokens is never half sent.
+    """
+
+    def __init__(self, detokenizer: Any, stops: Sequence[str]) -> None:
+        self._detokenizer = detokenizer
+        self._stops = tuple(stops)
+        self._pending = ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Text that may be sent now, and whether a stop string was matched."""
+        self._detokenizer.add_token(token)
+        return self._scan(self._detokenizer.last_segment, final=False)
+
+    def close(self) -> tuple[str, bool]:
+        """Flush everything held back at the end of the generation."""
+        self._detokenizer.finalize()
+        return self._scan(self._detokenizer.last_segment, final=True)
+
+    def _scan(self, segment: str, *, final: bool) -> tuple[str, bool]:
+        text = self._pending + segment
+        cuts = [i for i in (text.find(stop) for stop in self._stops) if i != -1]
+        if cuts:
+            self._pending = ""
+            return text[: min(cuts)], True
+        keep = 0 if final else _held_back(text, self._stops)
+        self._pending = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    reason: str
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """Some text (maybe empty) and, on the last step, how the generation ended."""
+
+    text: str
+    end: _Finish | ErrorInfo | None = None
+
+
+class _Run:
+    """Drives one generation: outputs in, text steps out. Never raises for backend errors."""
+
+    def __init__(self, generation: Generation, text: _StopText) -> None:
+        self.generation = generation
+        self.finished = False  # the backend is done with it: ended, failed, or stopped by us
+        self._outputs = aiter(generation)
+        self._text = text
+        self._tokens = 0
+
+    async def advance(self) -> _Step:
+        """The next step with some text, or the last step."""
+        assert not self.finished
+        while True:
+            try:
+                output: Output = await anext(self._outputs)
+            except StopAsyncIteration:
+                self.finished = True
+                return _Step("", bug("the backend ended a generation without an end or an error"))
+            match output:
+                case TokenOut(token=token):
+                    self._tokens += 1
+                    text, stopped = self._text.add(token)
+                    if stopped:
+                        await self.generation.stop()
+                        self.finished = True
+                        return _Step(text, _Finish("stop", self._tokens))
+                    if text:
+                        return _Step(text)
+                case GenerationEnd(finish_reason=reason):
+                    self.finished = True
+                    text, stopped = self._text.close()
+                    return _Step(text, _Finish("stop" if stopped else reason, self._tokens))
+                case GenerationError(error=error):
+                    self.finished = True
+                    return _Step("", error)
+
+    async def cancel(self) -> None:
+        """Tear the generation down (shielded, bounded): the client is gone or we failed."""
+        if self.finished:
+            return
+        self.finished = True
+        with trio.move_on_after(_CANCEL_GRACE_S, shield=True):
+            try:
+                await self.generation.cancel()
+            except Exception:
+                logger.exception("cancelling a generation failed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class _Kind(enum.Enum):
+    COMPLETION = "text_completion"
+    CHAT = "chat.completion"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A validated, tokenized request."""
+
+    kind: _Kind
+    request_id: RequestId
+    created: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def response_id(self) -> str:
+        prefix = "cmpl-" if self.kind is _Kind.COMPLETION else "chatcmpl-"
+        return prefix + self.request_id
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = len(self.prompt)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+
+def _dumps(obj: object) -> str:
+    """The one JSON encoding of every body and event (Starlette's JSONResponse's settings)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def _event(obj: object) -> ServerSentEvent:
+    return ServerSentEvent(obj if isinstance(obj, str) else _dumps(obj), sep="\n")
+
+
+def _error_response(info: ErrorInfo, request_id: str | None = None) -> JSONResponse:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else None
+    return JSONResponse(info.to_openai(), status_code=info.http_status, headers=headers)
+
+
+class _Reject(Exception):
+    """An error answer decided while reading a request (internal control flow)."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
+class _Disconnected(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class _Watch:
+    disconnected: bool = False
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(receive: Receive) -> AsyncIterator[_Watch]:
+    """Run the body until it ends or the client disconnects (then the body is cancelled)."""
+    watch = _Watch()
+    async with trio.open_nursery() as nursery:
+
+        async def wait_disconnect() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    watch.disconnected = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(wait_disconnect)
+        try:
+            yield watch
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# The front end
+
+
+class Frontend:
+    """The OpenAI-compatible API over one `Backend`: tokenizer, model name, backend, limits."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        backend: Backend,
+        *,
+        model_name: str | None = None,
+        max_body_bytes: int = 4 << 20,
+    ) -> None:
+        """`tokenizer` is an mlx-lm `TokenizerWrapper`; the model name defaults to the backend's."""
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.model_name = model_name if model_name is not None else backend.model_info.name
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self._tokenizing = trio.CapacityLimiter(1)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        backend: Backend,
+        *,
+        model_name: str | None = None,
+        max_body_bytes: int = 4 << 20,
+    ) -> Frontend:
+        """Load only the tokenizer and chat template from `model_dir` (never the weights)."""
+        from mlx_lm.utils import load_tokenizer
+
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            # mlx-lm would take a missing path for a Hugging Face repo and try to download it.
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        tokenizer = load_tokenizer(model_dir)  # type: ignore[no-untyped-call]
+        return cls(tokenizer, backend, model_name=model_name, max_body_bytes=max_body_bytes)
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.backend.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "statecore"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, _Kind.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, _Kind.CHAT)
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, kind: _Kind) -> Response:
+        incoming = request.headers.get(REQUEST_ID_HEADER)
+        if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
+            info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
+            return _error_response(info, uuid.uuid4().hex)
+        request_id = RequestId(incoming if incoming is not None else uuid.uuid4().hex)
+        try:
+            job = await self._prepare(request, kind, request_id)
+            generation = await self.backend.start(GenerationRequest(request_id, job.prompt, job.sampling))
+        except _Reject as exc:
+            return _error_response(exc.info, request_id)
+        except StatecoreError as exc:
+            return _error_response(exc.info, request_id)
+        except ClientDisconnect:
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: request_id})
+        except Exception:
+            logger.exception("request %s: unexpected error before generation", request_id)
+            return _error_response(bug("internal error while starting the request"), request_id)
+        run = _Run(generation, _StopText(self.tokenizer.detokenizer, job.stops))
+        try:
+            return await self._respond(request, job, run)
+        except Exception:
+            logger.exception("request %s: unexpected error", request_id)
+            await run.cancel()
+            return _error_response(bug("internal error while generating"), request_id)
+
+    async def _respond(self, request: Request, job: _Job, run: _Run) -> Response:
+        headers = {REQUEST_ID_HEADER: job.request_id}
+        texts: list[str] = []
+        step = _Step("")
+        async with _cancel_on_disconnect(request.receive) as watch:
+            while True:
+                step = await run.advance()
+                if job.stream or step.end is not None:
+                    break
+                texts.append(step.text)
+        if watch.disconnected:
+            await run.cancel()
+            return Response(status_code=499, headers=headers)
+        if isinstance(step.end, ErrorInfo):
+            return _error_response(step.end, job.request_id)
+        if job.stream:
+            return EventSourceResponse(self._events(job, run, step), headers=headers, ping=0, sep="\n")
+        assert step.end is not None
+        texts.append(step.text)
+        return JSONResponse(self._body(job, "".join(texts), step.end), headers=headers)
+
+    async def _events(self, job: _Job, run: _Run, step: _Step) -> AsyncIterator[ServerSentEvent]:
+        """The SSE stream of a started generation, from its first step on."""
+        try:
+            if job.kind is _Kind.CHAT:
+                yield _event(self._chunk(job, {"role": "assistant", "content": ""}))
+            while True:
+                if step.text:
+                    yield _event(self._chunk(job, step.text))
+                if isinstance(step.end, _Finish):
+                    yield _event(self._chunk(job, None, step.end.reason))
+                    if job.include_usage:
+                        yield _event(self._usage_chunk(job, step.end.completion_tokens))
+                    break
+                if isinstance(step.end, ErrorInfo):
+                    yield _event(step.end.to_openai())
+                    break
+                try:
+                    step = await run.advance()
+                except Exception:
+                    logger.exception("request %s: unexpected error while streaming", job.request_id)
+                    await run.cancel()
+                    step = _Step("", bug("internal error while generating"))
+            yield _event("[DONE]")
+        finally:
+            # The client went away (we were cancelled or closed at a yield): free the backend.
+            await run.cancel()
+
+    # -- bodies ------------------------------------------------------------------------------
+
+    def _head(self, job: _Job, object_name: str) -> dict[str, Any]:
+        return {
+            "id": job.response_id,
+            "object": object_name,
+            "created": job.created,
+            "model": self.model_name,
+        }
+
+    def _body(self, job: _Job, text: str, finish: _Finish) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if job.kind is _Kind.CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish.reason
+        return {
+            **self._head(job, job.kind.value),
+            "choices": [choice],
+            "usage": job.usage(finish.completion_tokens),
+        }
+
+    def _chunk(
+        self, job: _Job, content: str | dict[str, str] | None, finish: str | None = None
+    ) -> dict[str, Any]:
+        """One streamed chunk: `content` is text, a chat delta, or None for the final chunk."""
+        choice: dict[str, Any] = {"index": 0}
+        if job.kind is _Kind.CHAT:
+            object_name = "chat.completion.chunk"
+            if isinstance(content, dict):
+                choice["delta"] = content
+            else:
+                choice["delta"] = {} if content is None else {"content": content}
+        else:
+            object_name = "text_completion"
+            choice["text"] = content if isinstance(content, str) else ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        chunk = {**self._head(job, object_name), "choices": [choice]}
+        if job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage_chunk(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
+        object_name = "chat.completion.chunk" if job.kind is _Kind.CHAT else "text_completion"
+        return {**self._head(job, object_name), "choices": [], "usage": job.usage(completion_tokens)}
+
+    # -- reading a request -------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_large = ErrorInfo(
+            Fault.CLIENT, Code.BODY_TOO_LARGE, f"the request body exceeds {self.max_body_bytes} bytes"
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _Reject(too_large)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _Reject(too_large)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId) -> _Job:
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise _Reject(
+                client_error(f"the request body is not valid JSON: {exc}", Code.INVALID_JSON)
+            ) from None
+        if not isinstance(data, dict):
+            raise _Reject(client_error("the request body must be a JSON object"))
+        schema: type[_CompletionBody | _ChatBody] = _CompletionBody if kind is _Kind.COMPLETION else _ChatBody
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            raise _Reject(client_error(_validation_message(exc))) from None
+        if body.model is not None and body.model != self.model_name:
+            raise _Reject(
+                ErrorInfo(
+                    Fault.CLIENT,
+                    Code.MODEL_NOT_FOUND,
+                    f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                )
+            )
+        self._check_unsupported(data, body)
+        stream = bool(body.stream)
+        if body.stream_options is not None and not stream:
+            raise _Reject(client_error("stream_options is only allowed when stream is true"))
+        stops = self._stops(body.stop)
+
+        if isinstance(body, _CompletionBody):
+            prompt = await self._encode_prompt(body.prompt)
+            max_tokens = body.max_tokens
+        else:
+            prompt = await self._encode_chat(body.messages)
+            both = (body.max_tokens, body.max_completion_tokens)
+            if None not in both and both[0] != both[1]:
+                raise _Reject(client_error("max_tokens and max_completion_tokens disagree"))
+            max_tokens = body.max_completion_tokens or body.max_tokens
+
+        context = self.backend.model_info.context_length
+        room = context - len(prompt)
+        if room < 1:
+            raise _Reject(
+                client_error(
+                    f"the prompt has {len(prompt)} tokens, which leaves no room in this model's "
+                    f"context of {context} tokens",
+                    Code.CONTEXT_LENGTH_EXCEEDED,
+                )
+            )
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if kind is _Kind.COMPLETION else room
+        elif max_tokens > room:
+            raise _Reject(
+                client_error(
+                    f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together "
+                    f"more than this model's context of {context} tokens",
+                    Code.CONTEXT_LENGTH_EXCEEDED,
+                )
+            )
+        top_k = body.top_k if body.top_k is not None else 0
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature if body.temperature is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=max(top_k, 0),
+            seed=body.seed,
+        )
+        return _Job(
+            kind=kind,
+            request_id=request_id,
+            created=int(time.time()),
+            prompt=prompt,
+            sampling=sampling,
+            stops=stops,
+            stream=stream,
+            include_usage=stream and body.stream_options is not None and body.stream_options.include_usage,
+        )
+
+    @staticmethod
+    def _check_unsupported(data: Mapping[str, object], body: _Sampling) -> None:
+        names = [name for name, neutral in _UNSUPPORTED.items() if name in data and not neutral(data[name])]
+        if body.n is not None and body.n > 1:
+            names.insert(0, "n")
+        if names:
+            raise _Reject(
+                ErrorInfo(
+                    Fault.UNSUPPORTED,
+                    Code.UNSUPPORTED_PARAMETER,
+                    f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
+                    "(only n=1, no logprobs, no tools, no penalties are served)",
+                )
+            )
+
+    @staticmethod
+    def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+        given = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(given) > MAX_STOP_STRINGS:
+            raise _Reject(client_error(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed"))
+        if any(len(s) > MAX_STOP_LENGTH for s in given):
+            raise _Reject(client_error(f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters"))
+        return tuple(dict.fromkeys(s for s in given if s))
+
+    async def _encode_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
+        if not prompt:
+            raise _Reject(client_error("prompt must not be empty"))
+        if isinstance(prompt, list):
+            vocab = self.backend.model_info.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise _Reject(
+                    client_error(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                )
+            return tuple(prompt)
+        ids = await trio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
+        return tuple(int(t) for t in ids)
+
+    async def _encode_chat(self, messages: list[_Message]) -> tuple[int, ...]:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise _Reject(
+                ErrorInfo(
+                    Fault.UNSUPPORTED,
+                    Code.UNSUPPORTED_PARAMETER,
+                    "this model has no chat template: use /v1/completions",
+                )
+            )
+        apply = partial(
+            self.tokenizer.apply_chat_template,
+            [m.to_template() for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        try:
+            ids = await trio.to_thread.run_sync(apply, limiter=self._tokenizing)
+        except TemplateError as exc:
+            raise _Reject(client_error(f"messages: the chat template refused them: {exc}")) from None
+        return tuple(int(t) for t in ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    info = client_error(f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(info.to_openai(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(bug("internal error"))
+
+
+def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """The ASGI app: the OpenAI routes plus `extra_routes` (a node's or the router's own)."""
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", frontend.completions, methods=["POST"]),
+        Route("/v1/chat/completions", frontend.chat_completions, methods=["POST"]),
+        Route("/v1/models", frontend.models, methods=["GET"]),
+        Route("/health", frontend.health, methods=["GET"]),
+        *extra_routes,
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _unexpected})

@@ -1,0 +1,106 @@
+"""A scripted in-memory `Backend` for front-end tests: each generation yields a given script.
+
+A script is a list of outputs (`TokenOut`, `GenerationEnd`, `GenerationError`), exceptions to raise
+from the iterator, and `HANG` (block until the front end stops or cancels the generation). The
+fake records every request, stop and cancel so tests can assert on them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Final
+
+import trio
+
+from effects.ports import GenerationRequest, ModelInfo, Output
+
+__all__ = ["HANG", "FakeBackend", "FakeGeneration", "ScriptItem", "fake_model_info"]
+
+
+class _Hang:
+    def __repr__(self) -> str:
+        return "HANG"
+
+
+HANG: Final = _Hang()
+ScriptItem = Output | BaseException | _Hang
+
+
+def fake_model_info(
+    *, name: str = "tiny", context_length: int = 64, vocab_size: int = 512, eos: int = 1
+) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        fingerprint="fake",
+        context_length=context_length,
+        vocab_size=vocab_size,
+        eos_token_ids=frozenset({eos}),
+        prefill_chunk_size=32,
+    )
+
+
+class FakeGeneration:
+    def __init__(self, request: GenerationRequest, script: Sequence[ScriptItem]) -> None:
+        self.request = request
+        self.script = tuple(script)
+        self.stops = 0
+        self.cancels = 0
+        self.yielded = 0
+        self._closed = trio.Event()
+
+    def __aiter__(self) -> AsyncIterator[Output]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[Output]:
+        for item in self.script:
+            if self._closed.is_set():
+                return
+            if isinstance(item, _Hang):
+                await self._closed.wait()
+                return
+            if isinstance(item, BaseException):
+                raise item
+            await trio.lowlevel.checkpoint()
+            self.yielded += 1
+            yield item
+
+    async def stop(self) -> None:
+        self.stops += 1
+        self._closed.set()
+
+    async def cancel(self) -> None:
+        self.cancels += 1
+        self._closed.set()
+
+
+class FakeBackend:
+    """Hands out generations that play `scripts` in order, then `default_script` forever."""
+
+    def __init__(self, info: ModelInfo | None = None, *, ready: bool = True) -> None:
+        self.info = info if info is not None else fake_model_info()
+        self.is_ready = ready
+        self.scripts: deque[Sequence[ScriptItem]] = deque()
+        self.default_script: Sequence[ScriptItem] = ()
+        self.start_error: BaseException | None = None
+        self.generations: list[FakeGeneration] = []
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def start(self, request: GenerationRequest) -> FakeGeneration:
+        await trio.lowlevel.checkpoint()
+        if self.start_error is not None:
+            raise self.start_error
+        script = self.scripts.popleft() if self.scripts else self.default_script
+        generation = FakeGeneration(request, script)
+        self.generations.append(generation)
+        return generation
+
+    @property
+    def last(self) -> FakeGeneration:
+        return self.generations[-1]

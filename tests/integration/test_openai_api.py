@@ -1,0 +1,966 @@
+"""The OpenAI-compatible front end over a scripted fake backend, with real tiny tokenizers.
+
+The app is driven in-process through `httpx.ASGITransport` (which buffers a streamed body whole:
+fine for checking bodies), and through raw ASGI calls where a test needs the client to go away.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from adapters.openai_api import Frontend, build_app
+from adapters.tiny_models import build_tokenizer
+from effects.ports import GenerationEnd, GenerationError, TokenOut
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
+from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
+
+CONTEXT = 64
+MAX_BODY = 4096
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bpe")
+    build_tokenizer(path, "bpe")
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("byte_fallback")
+    build_tokenizer(path, "byte_fallback")
+    return path
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(fake_model_info(context_length=CONTEXT))
+
+
+@pytest.fixture
+def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(bpe_dir, backend, max_body_bytes=MAX_BODY)
+
+
+@pytest.fixture
+def app(frontend: Frontend) -> Starlette:
+    return build_app(frontend)
+
+
+@pytest.fixture
+async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        yield client
+
+
+def say(frontend: Frontend, text: str, end: str = "length") -> list[ScriptItem]:
+    """The script of a backend that generates exactly `text`, then ends with `end`."""
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    return [*(TokenOut(int(t)) for t in ids), GenerationEnd(end)]
+
+
+def events(body: str) -> list[Any]:
+    """SSE `data:` payloads of a streamed body, JSON-decoded except the final "[DONE]"."""
+    assert body.endswith("\n\n")
+    out: list[Any] = []
+    for block in body.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def strip_ids(obj: Any) -> Any:
+    return {k: v for k, v in obj.items() if k not in ("id", "created")} if isinstance(obj, dict) else obj
+
+
+def streamed_text(chunks: Sequence[Any]) -> str:
+    parts = []
+    for chunk in chunks:
+        if isinstance(chunk, dict) and chunk.get("choices"):
+            choice = chunk["choices"][0]
+            parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
+
+
+async def good_request(client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend) -> None:
+    backend.scripts.append(say(frontend, "Hello world"))
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "Hello world"
+
+
+# ---------------------------------------------------------------------------------------------
+# Happy paths
+
+
+async def test_completion_body_shape_and_usage(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world"))
+    response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "The quick brown fox"})
+    assert response.status_code == 200
+    body = response.json()
+    prompt_ids = frontend.tokenizer.encode("The quick brown fox")
+    n_out = len(say(frontend, "Hello world")) - 1
+    assert strip_ids(body) == {
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(prompt_ids) + n_out,
+        },
+    }
+    request_id = response.headers["x-request-id"]
+    assert len(request_id) == 32
+    assert body["id"] == f"cmpl-{request_id}"
+    assert isinstance(body["created"], int)
+    started = backend.last.request
+    assert started.request_id == request_id
+    assert started.prompt == tuple(prompt_ids)
+    assert started.prompt[0] == frontend.tokenizer.bos_token_id  # the tokenizer's default specials
+    assert started.sampling.max_tokens == 16
+    assert (started.sampling.temperature, started.sampling.top_p, started.sampling.top_k) == (1.0, 1.0, 0)
+    assert started.sampling.seed is None
+
+
+async def test_chat_body_shape_prompt_and_default_max_tokens(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world", end="stop"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    response = await client.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 200
+    body = response.json()
+    prompt = frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert strip_ids(body) == {
+        "object": "chat.completion",
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello world"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 7, "total_tokens": len(prompt) + 7},
+    }
+    assert body["id"] == "chatcmpl-" + response.headers["x-request-id"]
+    assert backend.last.request.prompt == tuple(prompt)
+    assert backend.last.request.sampling.max_tokens == CONTEXT - len(prompt)
+
+
+async def test_sampling_parameters_and_token_prompt(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, "ok")
+    params = {"temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 7, "max_tokens": 5}
+    response = await client.post("/v1/completions", json={"prompt": [5, 6, 7], **params})
+    assert response.status_code == 200
+    started = backend.last.request
+    assert started.prompt == (5, 6, 7)
+    sampling = started.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (0.5, 0.9, 0, 7)
+    assert sampling.max_tokens == 5
+    # chat: content parts, max_completion_tokens, integer temperature
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+    ]
+    body = {"messages": messages, "max_completion_tokens": 3, "temperature": 0, "top_k": 4}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    expected = frontend.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True, tokenize=True
+    )
+    assert backend.last.request.prompt == tuple(expected)
+    assert backend.last.request.sampling.max_tokens == 3
+    assert backend.last.request.sampling.greedy
+    assert backend.last.request.sampling.top_k == 4
+
+
+async def test_default_completion_max_tokens_is_cut_to_the_room_left(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, "ok")
+    prompt = list(range(10, 10 + CONTEXT - 5))
+    response = await client.post("/v1/completions", json={"prompt": prompt})
+    assert response.status_code == 200
+    assert backend.last.request.sampling.max_tokens == 5
+
+
+async def test_harmless_unknown_and_neutral_fields_are_accepted(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, "ok")
+    extras = {
+        "user": "me",
+        "metadata": {"a": "b"},
+        "some_vendor_extra": [1, 2],
+        "n": 1,
+        "logprobs": None,
+        "echo": False,
+        "best_of": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "stop": None,
+        "temperature": None,
+        "stream": False,
+        "stream_options": None,
+    }
+    response = await client.post("/v1/completions", json={"prompt": "Hi", **extras})
+    assert response.status_code == 200, response.text
+    chat_extras = {"tools": [], "logprobs": False, "response_format": {"type": "text"}, "user": "me"}
+    messages = [{"role": "user", "content": "Hi", "extra": 1}]
+    response = await client.post("/v1/chat/completions", json={"messages": messages, **chat_extras})
+    assert response.status_code == 200, response.text
+
+
+async def test_completion_streaming_matches_non_streaming(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "The quick brown fox jumps, café 日本"
+    backend.scripts.extend([say(frontend, text, "stop"), say(frontend, text, "stop")])
+    plain = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40})
+    streamed = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "stream": True})
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.headers["x-request-id"]
+    chunks = events(streamed.text)
+    assert chunks[-1] == "[DONE]"
+    assert streamed_text(chunks) == plain.json()["choices"][0]["text"] == text
+    assert len(chunks) > 3  # really incremental
+    head = {"object": "text_completion", "model": "tiny"}
+    response_id = "cmpl-" + streamed.headers["x-request-id"]
+    for chunk in chunks[:-1]:
+        assert chunk["id"] == response_id
+        assert strip_ids(chunk) == {**head, "choices": chunk["choices"]}
+        assert "usage" not in chunk
+    for chunk in chunks[:-2]:
+        assert chunk["choices"][0]["finish_reason"] is None
+        assert chunk["choices"][0]["text"]
+    assert chunks[-2]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+
+
+async def test_chat_streaming_with_usage(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world", "length"))
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    chunks = events(response.text)
+    assert chunks[-1] == "[DONE]"
+    first, *middle, final, usage, _ = chunks
+    assert strip_ids(first) == {
+        "object": "chat.completion.chunk",
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        "usage": None,
+    }
+    assert all(c["choices"][0]["delta"].keys() == {"content"} and c["usage"] is None for c in middle)
+    assert streamed_text(middle) == "Hello world"
+    assert final["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    assert final["usage"] is None
+    prompt = len(backend.last.request.prompt)
+    assert strip_ids(usage) == {
+        "object": "chat.completion.chunk",
+        "model": "tiny",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": 7, "total_tokens": prompt + 7},
+    }
+    assert {c["id"] for c in chunks[:-1]} == {"chatcmpl-" + response.headers["x-request-id"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_identical_outputs_give_identical_bodies_but_for_id_and_created(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend, path: str, stream: bool
+) -> None:
+    backend.default_script = say(frontend, "She opened the window, and the rain… stopped", "stop")
+    body: dict[str, Any] = {"max_tokens": 30, "stream": stream, "stop": ["zz"]}
+    body.update(
+        {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    first = await client.post(path, json=body)
+    second = await client.post(path, json=body)
+    assert first.status_code == second.status_code == 200
+    if stream:
+        a, b = events(first.text), events(second.text)
+        assert [strip_ids(c) for c in a] == [strip_ids(c) for c in b]
+        # the same encoding everywhere: compact JSON, UTF-8 kept as is
+        assert '"model":"tiny"' in first.text and "…" in first.text
+    else:
+        assert strip_ids(first.json()) == strip_ids(second.json())
+        assert '"model":"tiny"' in first.text and "…" in first.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop strings
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("stop", "text", "tokens"),
+    [
+        ("world", "Hello ", 7),  # " w" + "or" + "ld": matched on the "ld" token
+        (["xyz", "lo wor"], "Hel", 6),  # split across "ll", "o", " w", "or"
+        (["o", "ll"], "He", 3),  # the earliest match wins
+        ("Hello world", "", 7),
+    ],
+)
+async def test_stop_strings(
+    client: httpx.AsyncClient,
+    backend: FakeBackend,
+    frontend: Frontend,
+    stop: str | list[str],
+    text: str,
+    tokens: int,
+    stream: bool,
+) -> None:
+    script = say(frontend, "Hello world and more")
+    assert [frontend.tokenizer.decode([t.token]) for t in script[:7] if isinstance(t, TokenOut)] == [
+        "H",
+        "e",
+        "ll",
+        "o",
+        " w",
+        "or",
+        "ld",
+    ]
+    backend.scripts.append(script)
+    body = {"prompt": "Hi", "max_tokens": 10, "stop": stop, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    if stream:
+        chunks = events(response.text)
+        got = streamed_text(chunks)
+        finish = chunks[-3]["choices"][0]["finish_reason"]
+        usage = chunks[-2]["usage"]
+    else:
+        choice = response.json()["choices"][0]
+        got, finish, usage = choice["text"], choice["finish_reason"], response.json()["usage"]
+    assert got == text
+    assert finish == "stop"
+    assert usage["completion_tokens"] == tokens
+    assert backend.last.stops == 1
+    assert backend.last.cancels == 0
+    assert backend.last.yielded == tokens  # nothing was read past the stop
+
+
+async def test_streaming_never_sends_a_partial_stop_string(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """Text that could begin a stop string is held back, then released when it does not."""
+    backend.scripts.append(say(frontend, "Hello world"))
+    body = {"prompt": "Hi", "max_tokens": 10, "stop": "llo there", "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    chunks = events(response.text)
+    pieces = [c["choices"][0]["text"] for c in chunks[:-1]]
+    assert "".join(pieces) == "Hello world"
+    assert pieces[:3] == ["H", "e", "llo w"]  # "ll" and "llo" waited: they could begin "llo there"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert backend.last.stops == 0
+
+
+async def test_stop_string_matched_in_the_final_flush(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """The BPE detokenizer holds a trailing lone space until the end: a stop can match only then."""
+    script = say(frontend, "Hello world ")
+    last = script[-2]
+    assert isinstance(last, TokenOut) and frontend.tokenizer.decode([last.token]) == " "
+    backend.scripts.append(script)
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "stop": "d "})
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "Hello worl"
+    assert choice["finish_reason"] == "stop"
+    assert response.json()["usage"]["completion_tokens"] == len(script) - 1
+    assert backend.last.stops == 0  # it had ended already
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_byte_fallback_usage_counts_tokens_not_characters(
+    spm_dir: Path, backend: FakeBackend, stream: bool
+) -> None:
+    frontend = Frontend.load(spm_dir, backend)
+    text = "café 日本"
+    script = say(frontend, text)
+    n_tokens = len(script) - 1
+    assert n_tokens > len(text.replace(" ", "")) + 2  # several tokens make one character
+    backend.scripts.append(script)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=build_app(frontend)), base_url="http://n"
+    ) as c:
+        body = {"prompt": "Hi", "max_tokens": 30, "stream": stream, "stream_options": {"include_usage": True}}
+        if not stream:
+            del body["stream_options"]
+        response = await c.post("/v1/completions", json=body)
+    if stream:
+        chunks = events(response.text)
+        got, usage = streamed_text(chunks), chunks[-2]["usage"]
+        assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks[:-2])
+    else:
+        got, usage = response.json()["choices"][0]["text"], response.json()["usage"]
+    assert got.strip() == text
+    assert usage["completion_tokens"] == n_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad requests: the right status and shape, and the next good request still works
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+_USER = [{"role": "user", "content": "Hi"}]
+
+BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
+    ("malformed json", "/v1/completions", b'{"prompt": "Hi",', 400, "invalid_json"),
+    ("not utf-8", "/v1/completions", b'{"prompt": "\xff"}', 400, "invalid_json"),
+    ("deep nesting", "/v1/completions", b"[" * 4000, 400, "invalid_json"),
+    ("array body", "/v1/completions", b"[1, 2]", 400, "invalid_request"),
+    ("string body", "/v1/completions", b'"hi"', 400, "invalid_request"),
+    ("empty body", "/v1/completions", b"", 400, "invalid_json"),
+    ("missing prompt", "/v1/completions", _json({"max_tokens": 3}), 400, "invalid_request"),
+    ("prompt wrong type", "/v1/completions", _json({"prompt": 5}), 400, "invalid_request"),
+    ("batched prompt", "/v1/completions", _json({"prompt": ["a", "b"]}), 400, "invalid_request"),
+    (
+        "max_tokens string",
+        "/v1/completions",
+        _json({"prompt": "Hi", "max_tokens": "5"}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "max_tokens bool",
+        "/v1/completions",
+        _json({"prompt": "Hi", "max_tokens": True}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "max_tokens float",
+        "/v1/completions",
+        _json({"prompt": "Hi", "max_tokens": 5.0}),
+        400,
+        "invalid_request",
+    ),
+    ("max_tokens zero", "/v1/completions", _json({"prompt": "Hi", "max_tokens": 0}), 400, "invalid_request"),
+    (
+        "max_tokens negative",
+        "/v1/completions",
+        _json({"prompt": "Hi", "max_tokens": -2}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "temperature string",
+        "/v1/completions",
+        _json({"prompt": "Hi", "temperature": "hot"}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "temperature negative",
+        "/v1/completions",
+        _json({"prompt": "Hi", "temperature": -1}),
+        400,
+        "invalid_request",
+    ),
+    ("temperature NaN", "/v1/completions", b'{"prompt": "Hi", "temperature": NaN}', 400, "invalid_request"),
+    ("top_p zero", "/v1/completions", _json({"prompt": "Hi", "top_p": 0}), 400, "invalid_request"),
+    ("seed float", "/v1/completions", _json({"prompt": "Hi", "seed": 1.5}), 400, "invalid_request"),
+    ("stream string", "/v1/completions", _json({"prompt": "Hi", "stream": "yes"}), 400, "invalid_request"),
+    ("stop number", "/v1/completions", _json({"prompt": "Hi", "stop": 3}), 400, "invalid_request"),
+    (
+        "too many stops",
+        "/v1/completions",
+        _json({"prompt": "Hi", "stop": ["a"] * 17}),
+        400,
+        "invalid_request",
+    ),
+    ("empty prompt", "/v1/completions", _json({"prompt": ""}), 400, "invalid_request"),
+    ("empty token prompt", "/v1/completions", _json({"prompt": []}), 400, "invalid_request"),
+    ("token out of vocab", "/v1/completions", _json({"prompt": [1, 512]}), 400, "invalid_request"),
+    ("negative token", "/v1/completions", _json({"prompt": [-1]}), 400, "invalid_request"),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        _json({"prompt": "Hi", "stream_options": {"include_usage": True}}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "max_tokens beyond context",
+        "/v1/completions",
+        _json({"prompt": "Hi", "max_tokens": CONTEXT}),
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "prompt fills the context",
+        "/v1/completions",
+        _json({"prompt": list(range(CONTEXT))}),
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "long text prompt",
+        "/v1/completions",
+        _json({"prompt": "The quick brown fox jumps over the lazy dog. " * 10}),
+        400,
+        "context_length_exceeded",
+    ),
+    ("n is 2", "/v1/completions", _json({"prompt": "Hi", "n": 2}), 422, "unsupported_parameter"),
+    ("n is 0", "/v1/completions", _json({"prompt": "Hi", "n": 0}), 400, "invalid_request"),
+    ("logprobs", "/v1/completions", _json({"prompt": "Hi", "logprobs": 1}), 422, "unsupported_parameter"),
+    ("best_of", "/v1/completions", _json({"prompt": "Hi", "best_of": 3}), 422, "unsupported_parameter"),
+    ("echo", "/v1/completions", _json({"prompt": "Hi", "echo": True}), 422, "unsupported_parameter"),
+    (
+        "penalty",
+        "/v1/completions",
+        _json({"prompt": "Hi", "presence_penalty": 0.5}),
+        422,
+        "unsupported_parameter",
+    ),
+    ("unknown model", "/v1/completions", _json({"prompt": "Hi", "model": "gpt-4"}), 404, "model_not_found"),
+    ("body too large", "/v1/completions", _json({"prompt": "x" * MAX_BODY}), 413, "body_too_large"),
+    ("chat no messages", "/v1/chat/completions", _json({"messages": []}), 400, "invalid_request"),
+    ("chat missing messages", "/v1/chat/completions", _json({"prompt": "Hi"}), 400, "invalid_request"),
+    ("chat messages string", "/v1/chat/completions", _json({"messages": "Hi"}), 400, "invalid_request"),
+    (
+        "chat unknown role",
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "tool", "content": "x"}]}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "chat null content",
+        "/v1/chat/completions",
+        _json({"messages": [{"role": "user", "content": None}]}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "chat image part",
+        "/v1/chat/completions",
+        _json(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        ),
+        400,
+        "invalid_request",
+    ),
+    (
+        "chat max_completion_tokens zero",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "max_completion_tokens": 0}),
+        400,
+        "invalid_request",
+    ),
+    (
+        "chat max_tokens beyond context",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "max_tokens": CONTEXT}),
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "chat tools",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        422,
+        "unsupported_parameter",
+    ),
+    (
+        "chat logprobs",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "logprobs": True}),
+        422,
+        "unsupported_parameter",
+    ),
+    (
+        "chat json mode",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "response_format": {"type": "json_object"}}),
+        422,
+        "unsupported_parameter",
+    ),
+    (
+        "chat unknown model",
+        "/v1/chat/completions",
+        _json({"messages": _USER, "model": "x"}),
+        404,
+        "model_not_found",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "code"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+async def test_bad_request(
+    client: httpx.AsyncClient,
+    backend: FakeBackend,
+    frontend: Frontend,
+    path: str,
+    content: bytes,
+    status: int,
+    code: str,
+) -> None:
+    response = await client.post(path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+    assert response.headers["x-request-id"]
+    assert backend.generations == []  # nothing reached the backend
+    await good_request(client, backend, frontend)
+
+
+async def test_validation_message_names_the_field(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
+    assert "max_tokens" in response.json()["error"]["message"]
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "n": 3, "logprobs": 2})
+    assert response.json()["error"]["message"].startswith("unsupported parameters: n, logprobs")
+
+
+async def test_body_too_large_by_content_length_alone(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b"x" * 10
+        raise AssertionError("the body should not have been read")  # pragma: no cover
+
+    response = await client.post(
+        "/v1/completions", content=body(), headers={"content-length": str(MAX_BODY + 1)}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+    await good_request(client, backend, frontend)
+
+
+async def test_unknown_route_and_wrong_method_have_the_openai_shape(client: httpx.AsyncClient) -> None:
+    response = await client.get("/v1/nope")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    response = await client.get("/v1/completions")
+    assert response.status_code == 405
+    assert set(response.json()["error"]) == {"message", "type", "code"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend failures
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code", "kind"),
+    [
+        (
+            StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "busy")),
+            429,
+            "overloaded",
+            "server_overloaded",
+        ),
+        (
+            StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.NO_HEALTHY_PEER, "none")),
+            503,
+            "no_healthy_peer",
+            None,
+        ),
+        (
+            StatecoreError(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE, "no")),
+            422,
+            "unsupported_cache",
+            None,
+        ),
+        (RuntimeError("boom"), 500, "internal_error", "server_error"),
+    ],
+)
+async def test_backend_start_errors(
+    client: httpx.AsyncClient,
+    backend: FakeBackend,
+    frontend: Frontend,
+    error: BaseException,
+    status: int,
+    code: str,
+    kind: str | None,
+) -> None:
+    backend.start_error = error
+    response = await client.post("/v1/chat/completions", json={"messages": _USER, "stream": True})
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+    if kind is not None:
+        assert response.json()["error"]["type"] == kind
+    assert "boom" not in response.text  # internals are logged, not sent
+    backend.start_error = None
+    await good_request(client, backend, frontend)
+
+
+async def test_generation_error_non_streaming(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    info = peer_error("the decode node went away")
+    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(info)])
+    response = await client.post("/v1/completions", json={"prompt": "Hi"})
+    assert response.status_code == 502
+    assert response.json() == info.to_openai()
+    assert response.headers["x-request-id"]
+    assert backend.last.cancels == 0
+    await good_request(client, backend, frontend)
+
+
+async def test_generation_error_mid_stream(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    info = peer_error("the decode node went away")
+    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(info)])
+    body = {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    chunks = events(response.text)
+    assert streamed_text(chunks[:-2]) == "Hello"
+    assert chunks[-2] == info.to_openai()
+    assert chunks[-1] == "[DONE]"
+    await good_request(client, backend, frontend)
+
+
+async def test_generation_error_before_any_text_streaming_gets_its_status(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    info = ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE, "this cache cannot travel")
+    backend.scripts.append([GenerationError(info)])
+    response = await client.post("/v1/chat/completions", json={"messages": _USER, "stream": True})
+    assert response.status_code == 422
+    assert response.json() == info.to_openai()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_backend_iterator_raising_is_an_internal_error(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend, stream: bool
+) -> None:
+    backend.scripts.append([*say(frontend, "Hello world")[:-1], RuntimeError("kaboom")])
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "stream": stream})
+    if stream:
+        assert response.status_code == 200
+        chunks = events(response.text)
+        assert chunks[-2]["error"]["code"] == "internal_error"
+        assert chunks[-1] == "[DONE]"
+    else:
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "internal_error"
+    assert "kaboom" not in response.text
+    assert backend.last.cancels == 1
+    await good_request(client, backend, frontend)
+
+
+async def test_backend_ending_without_an_end_is_a_bug(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello")[:-1])
+    response = await client.post("/v1/completions", json={"prompt": "Hi"})
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_immediate_end_streams_an_empty_completion(
+    client: httpx.AsyncClient, backend: FakeBackend
+) -> None:
+    backend.scripts.append([GenerationEnd("stop")])
+    response = await client.post("/v1/chat/completions", json={"messages": _USER, "stream": True})
+    chunks = events(response.text)
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": ""}, {}]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# Health, models, request ids, extra routes
+
+
+async def test_health_follows_backend_ready(client: httpx.AsyncClient, backend: FakeBackend) -> None:
+    response = await client.get("/health")
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    backend.is_ready = False
+    response = await client.get("/health")
+    assert response.status_code == 503
+    backend.is_ready = True
+    assert (await client.get("/health")).status_code == 200
+
+
+async def test_models_lists_the_one_model(bpe_dir: Path, backend: FakeBackend) -> None:
+    frontend = Frontend.load(bpe_dir, backend, model_name="served-name")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=build_app(frontend)), base_url="http://n"
+    ) as c:
+        body = (await c.get("/v1/models")).json()
+        assert body["object"] == "list"
+        assert [(m["id"], m["object"]) for m in body["data"]] == [("served-name", "model")]
+        backend.default_script = [GenerationEnd("stop")]
+        ok = await c.post("/v1/completions", json={"prompt": "Hi", "model": "served-name"})
+        assert ok.status_code == 200
+        assert ok.json()["model"] == "served-name"
+        wrong = await c.post("/v1/completions", json={"prompt": "Hi", "model": "tiny"})
+        assert wrong.status_code == 404
+
+
+async def test_incoming_request_id_is_used_and_echoed(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, "ok")
+    response = await client.post(
+        "/v1/completions", json={"prompt": "Hi"}, headers={"X-Request-Id": "trace.42-a_b"}
+    )
+    assert response.headers["x-request-id"] == "trace.42-a_b"
+    assert response.json()["id"] == "cmpl-trace.42-a_b"
+    assert backend.last.request.request_id == "trace.42-a_b"
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": _USER, "stream": True}, headers={"X-Request-Id": "r2"}
+    )
+    assert response.headers["x-request-id"] == "r2"
+    assert events(response.text)[0]["id"] == "chatcmpl-r2"
+    bad = await client.post(
+        "/v1/completions", json={"prompt": "Hi"}, headers={"X-Request-Id": "no spaces/here"}
+    )
+    assert bad.status_code == 400
+    assert bad.headers["x-request-id"] != "no spaces/here"
+    error = await client.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-Id": "r3"})
+    assert error.headers["x-request-id"] == "r3"
+
+
+async def test_extra_routes_are_served(frontend: Frontend) -> None:
+    async def ping(request: Request) -> Response:
+        return PlainTextResponse("pong")
+
+    app = build_app(frontend, extra_routes=[Route("/internal/ping", ping)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n") as c:
+        assert (await c.get("/internal/ping")).text == "pong"
+        assert (await c.get("/health")).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Client disconnects
+
+
+async def _call_until_disconnect(
+    app: Starlette, path: str, body: dict[str, Any], disconnect: trio.Event
+) -> list[dict[str, Any]]:
+    """One raw ASGI request whose client disconnects once `disconnect` is set."""
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": _json(body), "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"node")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 8000),
+    }
+    with trio.fail_after(10):
+        await app(scope, receive, send)
+    return sent
+
+
+async def test_client_disconnect_mid_stream_cancels(
+    app: Starlette, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append([*say(frontend, "Hello world")[:-1], HANG])
+    disconnect = trio.Event()
+
+    async def watch() -> None:
+        while not (backend.generations and backend.last.yielded >= 3):
+            await trio.sleep(0.001)
+        disconnect.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        sent = await _call_until_disconnect(
+            app, "/v1/completions", {"prompt": "Hi", "stream": True}, disconnect
+        )
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert b"data: " in b"".join(m.get("body", b"") for m in sent)
+    assert backend.last.cancels == 1
+    assert backend.last.stops == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_before_output_cancels(
+    app: Starlette, backend: FakeBackend, stream: bool
+) -> None:
+    backend.scripts.append([HANG])
+    disconnect = trio.Event()
+
+    async def watch() -> None:
+        while not backend.generations:
+            await trio.sleep(0.001)
+        disconnect.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        body = {"messages": _USER, "stream": stream}
+        sent = await _call_until_disconnect(app, "/v1/chat/completions", body, disconnect)
+    assert sent[0]["status"] == 499
+    assert backend.last.cancels == 1
+
+
+async def test_completed_stream_does_not_cancel(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello"))
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "stream": True})
+    assert events(response.text)[-1] == "[DONE]"
+    assert backend.last.cancels == 0
+    assert backend.last.stops == 0
