@@ -47,6 +47,7 @@ _MAX_DEPTH: Final = 16
 _MAX_STR: Final = 256
 _MAX_FINGERPRINT: Final = 1024
 _INT_BOUND: Final = 1 << 63
+_DIM_BOUND: Final = 1 << 31  # mlx shapes are int32
 _CLASS_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
@@ -87,7 +88,7 @@ class _Strict(BaseModel):
 class ArrayNode(_Strict):
     kind: Literal["array"]
     dtype: DtypeName
-    shape: Annotated[list[Annotated[int, Field(ge=0, lt=_INT_BOUND)]], Field(max_length=16)]
+    shape: Annotated[list[Annotated[int, Field(ge=0, lt=_DIM_BOUND)]], Field(max_length=16)]
     nbytes: Annotated[int, Field(ge=0, lt=_INT_BOUND)]
 
 
@@ -657,8 +658,8 @@ def decode_cache(
     built: list[Any] = []
     for i, (layer, cls) in enumerate(zip(header.layers, classes, strict=True)):
         assert cls is not None
-        state = _build(layer.state, body)
         try:
+            state = _build(layer.state, body)
             cache = cls.from_state(state)
             again = _describe(cache.state, [], "state", 0)
         except Exception as exc:

@@ -556,6 +556,9 @@ def _resealed(mutate: Callable[[dict[str, Any]], Any]) -> bytes:
     return _seal(json.dumps(doc).encode(), data)
 
 
+_HUGE_EMPTY = {"kind": "array", "dtype": "float32", "shape": [0] + [(1 << 31) - 1] * 3, "nbytes": 0}
+
+
 def _first_array(doc: dict[str, Any]) -> dict[str, Any]:
     node: dict[str, Any] = doc["layers"][0]["state"]["items"][0]
     return node
@@ -578,6 +581,8 @@ def _first_array(doc: dict[str, Any]) -> dict[str, Any]:
         (lambda d: _first_array(d).update(dtype="float16"), Code.KV_MALFORMED),
         (lambda d: _first_array(d).update(shape=[1, 1, 8, 16], nbytes=512), Code.KV_MALFORMED),
         (lambda d: _first_array(d).update(shape=[-1, 1, 8, 32]), Code.KV_MALFORMED),
+        (lambda d: _first_array(d).update(shape=[1 << 31, 0], nbytes=0), Code.KV_MALFORMED),
+        (lambda d: d["layers"][0]["state"]["items"].append(_HUGE_EMPTY), Code.KV_MALFORMED),
         (lambda d: d["layers"][0]["state"]["items"].pop(), Code.KV_MALFORMED),  # arity
         (lambda d: d["layers"][0]["state"].update(kind="list"), Code.KV_MALFORMED),
         (lambda d: d["layers"][0]["state"].update(kind="dict"), Code.KV_MALFORMED),
@@ -632,7 +637,8 @@ _json = st.recursive(
     | st.integers(-(1 << 70), 1 << 70)
     | st.floats(allow_nan=False)
     | st.sampled_from(["array", "int", "none", "str", "list", "tuple", "KVCache", "float32"])
-    | st.text(max_size=4),
+    | st.text(max_size=4)
+    | st.lists(st.sampled_from([0, 1, 2, 8, 32, (1 << 31) - 1, 1 << 31, 1 << 62]), max_size=6),
     lambda inner: (
         st.lists(inner, max_size=4)
         | st.dictionaries(
