@@ -58,6 +58,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -481,6 +482,9 @@ class Frontend:
             logger.exception("request %s: unexpected error", request_id)
             await run.cancel()
             return _error_response(bug("internal error while generating"), request_id)
+        except BaseException:  # cancelled from outside (server shutdown): free the backend too
+            await run.cancel()
+            raise
 
     async def _respond(self, request: Request, job: _Job, run: _Run) -> Response:
         headers = {REQUEST_ID_HEADER: job.request_id}
@@ -498,7 +502,15 @@ class Frontend:
         if isinstance(step.end, ErrorInfo):
             return _error_response(step.end, job.request_id)
         if job.stream:
-            return EventSourceResponse(self._events(job, run, step), headers=headers, ping=0, sep="\n")
+            # The background cancel covers a client that leaves before the stream's first byte:
+            # the event generator then never starts, so its `finally` never runs.
+            return EventSourceResponse(
+                self._events(job, run, step),
+                headers=headers,
+                ping=0,
+                sep="\n",
+                background=BackgroundTask(run.cancel),
+            )
         assert step.end is not None
         texts.append(step.text)
         return JSONResponse(self._body(job, "".join(texts), step.end), headers=headers)

@@ -964,3 +964,39 @@ async def test_completed_stream_does_not_cancel(
     assert events(response.text)[-1] == "[DONE]"
     assert backend.last.cancels == 0
     assert backend.last.stops == 0
+
+
+async def test_disconnect_as_the_stream_opens_cancels(
+    app: Starlette, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """The client goes away between the first text and the first byte sent: still cancelled."""
+    for _ in range(20):
+        backend.scripts.append([*say(frontend, "Hello world")[:-1], HANG])
+        calls = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return {
+                    "type": "http.request",
+                    "body": _json({"prompt": "Hi", "stream": True}),
+                    "more_body": False,
+                }
+            if calls == 2:  # the front end's own watch while it waits for the first text
+                await trio.sleep_forever()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            await trio.lowlevel.checkpoint()
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [],
+            "query_string": b"",
+        }
+        with trio.fail_after(10):
+            await app(scope, receive, send)
+        assert backend.last.cancels == 1
