@@ -1,0 +1,175 @@
+"""Real `statecore run` processes on 127.0.0.1 for end-to-end tests.
+
+`Node` is one child process with its log file; `start_nodes` starts several in parallel and
+waits until each answers /health; `stop` sends SIGTERM (a drain) and returns the exit code.
+Every node's /internal/stats is checked for leaks by `assert_no_leaks`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Node:
+    role: str
+    args: list[str]
+    log: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "adapters.cli", "run", "--role", self.role,
+                 "--port", str(self.port), *self.args],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.role} exited {self.process.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{self.role} not healthy in {timeout_s} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(f"{self.url}/internal/stats", timeout=5.0).json()
+        return data
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_nodes(nodes: list[Node]) -> None:
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.wait_healthy()
+
+
+def router(model: Path, log: Path, prefill: list[Node], decode: list[Node], *extra: str) -> Node:
+    args = ["--model", str(model)]
+    for node in prefill:
+        args += ["--prefill", node.url]
+    for node in decode:
+        args += ["--decode", node.url]
+    return Node("router", [*args, *extra], log)
+
+
+@dataclass
+class Cluster:
+    """A single node and a router + prefill + decode cluster on the same model."""
+
+    single: Node
+    router: Node
+    prefill: list[Node]
+    decode: list[Node]
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.single, self.router, *self.prefill, *self.decode]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 1,
+                  router_args: tuple[str, ...] = ("--force-disaggregation",),
+                  node_args: tuple[str, ...] = ()) -> Cluster:
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(model), *node_args]
+    single = Node("single", common, logs / "single.log")
+    prefill = [Node("prefill", common, logs / f"prefill{i}.log") for i in range(prefills)]
+    decode = [Node("decode", common, logs / f"decode{i}.log") for i in range(decodes)]
+    start_nodes([single, *prefill, *decode])
+    front = router(model, logs / "router.log", prefill, decode, *router_args)
+    start_nodes([front])
+    return Cluster(single, front, prefill, decode)
+
+
+def assert_no_leaks(nodes: list[Node], timeout_s: float = 10.0) -> None:
+    """Every node's live counts return to zero (requests, tasks, contexts, KV, slots)."""
+    keys = ("live_requests", "live_tasks", "contexts", "decoding", "held_caches", "held_bytes")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaks = {}
+        for node in nodes:
+            stats = node.stats()
+            held = {k: stats[k] for k in keys if stats.get(k)}
+            if held:
+                leaks[node.url] = held
+        if not leaks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leaks: {json.dumps(leaks)}")
+        time.sleep(0.1)
+
+
+def post(node: Node, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{node.url}{path}", json=body, timeout=timeout)
+
+
+def stream_events(node: Node, path: str, body: dict[str, Any]) -> list[str]:
+    """The `data:` payloads of an SSE response, in order."""
+    events: list[str] = []
+    with httpx.stream("POST", f"{node.url}{path}", json=body, timeout=120.0) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    return events
+
+
+def without_ids(doc: Any) -> Any:
+    """A response body without `id` and `created`, the only fields allowed to differ."""
+    if isinstance(doc, dict):
+        return {k: without_ids(v) for k, v in doc.items() if k not in ("id", "created")}
+    if isinstance(doc, list):
+        return [without_ids(v) for v in doc]
+    return doc
