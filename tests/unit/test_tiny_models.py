@@ -84,7 +84,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str],
 
 
 def long_prompt(tokenizer: TokenizerWrapper, n: int) -> list[int]:
-    ids: list[int] = tokenizer.encode(tm._CORPUS * 3, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(tm.CORPUS * 3, add_special_tokens=False)
     assert len(ids) >= n
     return ids[:n]
 
