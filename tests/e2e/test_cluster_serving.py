@@ -1,0 +1,177 @@
+"""Serving behaviour a user would notice, on real processes: concurrency over 2 prefill + 2
+decode nodes, stop strings, byte-fallback usage, bad input, and a model whose cache cannot
+travel."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from adapters.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
+from tests.e2e.harness import (
+    Cluster,
+    Node,
+    assert_no_leaks,
+    post,
+    router,
+    start_cluster,
+    start_nodes,
+    stream_events,
+    without_ids,
+)
+
+pytestmark = pytest.mark.e2e
+
+STORY = "A small boat drifted past the harbour wall while the gulls argued over bread."
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-2x2"),
+                          prefills=2, decodes=2)
+    try:
+        yield built
+    finally:
+        built.stop()
+
+
+def _text(response: httpx.Response) -> str:
+    choice = response.json()["choices"][0]
+    text: str = choice["text"] if "text" in choice else choice["message"]["content"]
+    return text
+
+
+def test_eight_concurrent_requests_all_correct_on_both_decode_nodes(cluster: Cluster) -> None:
+    bodies = [{"prompt": f"{STORY} Number {i}.", "max_tokens": 12, "temperature": 0.5, "seed": i}
+              for i in range(8)]
+    expected = [post(cluster.single, "/v1/completions", b).json() for b in bodies]
+    before = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda b: post(cluster.router, "/v1/completions", b), bodies))
+    assert [r.status_code for r in got] == [200] * 8
+    assert [without_ids(r.json()) for r in got] == [without_ids(e) for e in expected]
+    after = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert all(p.stats()["outcomes"].get("done", 0) > 0 for p in cluster.prefill)
+    assert_no_leaks(cluster.nodes)
+
+
+def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None:
+    base = {"prompt": STORY, "max_tokens": 24, "temperature": 0}
+    full = _text(post(cluster.single, "/v1/completions", base))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop and stop in full
+    body = {**base, "stop": [stop]}
+    single = post(cluster.single, "/v1/completions", body).json()
+    routed = post(cluster.router, "/v1/completions", body).json()
+    assert without_ids(single) == without_ids(routed)
+    assert routed["choices"][0]["finish_reason"] == "stop"
+    assert routed["choices"][0]["text"] == full[: full.index(stop)]
+    streamed = {**body, "stream": True}
+    assert [without_ids(json.loads(e)) for e in stream_events(cluster.router, "/v1/completions", streamed)[:-1]] \
+        == [without_ids(json.loads(e)) for e in stream_events(cluster.single, "/v1/completions", streamed)[:-1]]
+    assert_no_leaks(cluster.nodes)
+
+
+BAD_BODIES: list[tuple[str, Any, int]] = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", [1, 2, 3], 400),
+    ("/v1/completions", {"prompt": 42, "max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}, 400),
+    ("/v1/completions", {"prompt": "", "max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 422),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": "hello"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_BODIES)
+def test_bad_input_gets_a_4xx_and_the_next_request_succeeds(
+    cluster: Cluster, path: str, body: Any, status: int
+) -> None:
+    for node in (cluster.router, cluster.single):
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(f"{node.url}{path}", content=raw,
+                              headers={"content-type": "application/json"}, timeout=30)
+        assert response.status_code == status, (node.role, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] and error["code"]
+        good = post(node, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+        assert good.status_code == 200
+
+
+def test_local_prefill_path_is_identical_too(cluster: Cluster, tmp_path: Path) -> None:
+    """A router that prefills short prompts on the decode node gives the same bytes."""
+    local = router(Path(cluster.single.args[1]), tmp_path / "router-local.log", cluster.prefill,
+                   cluster.decode)
+    start_nodes([local])
+    try:
+        for body in ({"prompt": STORY, "max_tokens": 10, "temperature": 0},
+                     {"prompt": STORY, "max_tokens": 10, "temperature": 1.0, "seed": 3}):
+            assert without_ids(post(local, "/v1/completions", body).json()) == without_ids(
+                post(cluster.single, "/v1/completions", body).json())
+    finally:
+        assert local.stop() == 0
+    assert_no_leaks(cluster.nodes)
+
+
+def test_byte_fallback_non_ascii_usage_is_exact(tmp_path: Path) -> None:
+    built = start_cluster(cached_checkpoint("llama", tokenizer="byte_fallback"), tmp_path / "logs")
+    try:
+        body = {"prompt": "Café au lait, s'il vous plaît: naïve façade", "max_tokens": 40,
+                "temperature": 1.0, "seed": 1}
+        single = post(built.single, "/v1/completions", body).json()
+        routed = post(built.router, "/v1/completions", body).json()
+        text = single["choices"][0]["text"]
+        assert any(ord(c) > 127 for c in text), f"premise: output must be non-ASCII: {text!r}"
+        assert without_ids(single) == without_ids(routed)
+        assert routed["usage"]["completion_tokens"] == 40
+        assert routed["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+        assert_no_leaks(built.nodes)
+    finally:
+        built.stop()
+
+
+def test_a_cache_that_cannot_travel_gets_a_clean_error_and_nothing_dies(tmp_path: Path) -> None:
+    model = build_custom_cache_checkpoint(tmp_path / "opaque")
+    built = start_cluster(model, tmp_path / "logs", node_args=("--trust-remote-code",))
+    try:
+        requests = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}),
+            ("/v1/completions", {"prompt": "hello there", "max_tokens": 5}),
+        ]
+        for path, body in requests:
+            first = post(built.router, path, body)
+            again = post(built.router, path, body)
+            assert first.status_code == again.status_code
+            assert 400 <= first.status_code < 500 and first.status_code != 503
+            assert first.json() == again.json()
+            assert "OpaqueCache" in first.json()["error"]["message"]
+            assert first.json()["error"]["code"] == "unsupported_cache"
+            assert post(built.single, path, body).status_code == 200  # one node serves it fine
+            for node in built.nodes:
+                assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
+        assert_no_leaks(built.nodes)
+    finally:
+        built.stop()
+
+
+def test_untrusted_custom_code_is_refused_at_start(tmp_path: Path) -> None:
+    model = build_custom_cache_checkpoint(tmp_path / "opaque")
+    node = Node("single", ["--model", str(model)], tmp_path / "refused.log")
+    node.start()
+    assert node.process is not None
+    assert node.process.wait(timeout=60) != 0
+    assert "trust-remote-code" in node.log.read_text() or "trust_remote_code" in node.log.read_text()
