@@ -83,7 +83,7 @@ LLAMA4_MIN_LAYERS = 4
 """llama4 reads the cache of layer 4 (its first global layer) for the mask: fewer layers fail."""
 
 # Bump when the generated files change, so that `cached_checkpoint` does not reuse stale builds.
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2  # 2: llama4 attn_temperature_tuning is a bool (transformers validates it)
 
 _BPE_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _SPM_SPECIALS = ("<unk>", "<s>", "</s>")
