@@ -1,0 +1,260 @@
+"""The processes of the cross-process handoff tests: one model, every prompt, per invocation.
+
+`python -m tests.integration.handoff_worker MODE WORK_DIR`, where WORK_DIR holds `spec.json`
+(a `Spec`: the model directory, kv_bits, chunk size, named prompts, greedy and seeded sampling
+and, for the batch test, neighbour prompts). Each mode writes `<MODE>.json` into WORK_DIR:
+
+- `prefill`: one `MlxEngine`; every prompt is prefilled twice (greedy, seeded), exported and
+  released. Payloads go to `<prompt>.<sampling>.kv`, first tokens and sizes to the JSON.
+- `decode`: the other side of the handoff, a process that never saw the prompts. Each payload
+  is installed into a fresh `MlxEngine` and decoded. With neighbours in the spec, that engine
+  first starts them (prefilled locally), waits until each has streamed a few tokens, and the
+  payload joins the decoder while they run.
+- `reference`: what the handoff must equal, in one process: mlx-lm's `generate_step` greedy
+  tokens (same `prefill_step_size`, kv_bits from the first model call), and one `MlxEngine`
+  doing everything itself (`prefill` + `decode_held`) for seeded sampling and the neighbours.
+
+The worker records; the test asserts. Only the engine's public port is used. A test helper: it
+imports mlx, mlx_lm and trio, and nothing in `src` may import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import trio
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load as mlx_lm_load
+
+from adapters.engine_mlx import MlxEngine
+from effects.engine_port import SamplingParams
+from statecore.ids import RequestId
+
+__all__ = ["MODES", "SAMPLINGS", "Spec", "main", "read_result"]
+
+SAMPLINGS = ("greedy", "seeded")
+MODES = ("prefill", "decode", "reference")
+NEIGHBOUR_WARMUP = 4
+"""Tokens each neighbour has streamed before the handed-off request joins."""
+KV_GROUP_SIZE = 64  # the engine's default
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What one worker invocation runs: one model, several prompts, two samplings."""
+
+    model: str
+    chunk: int
+    prompts: dict[str, list[int]]
+    greedy: SamplingParams
+    seeded: SamplingParams
+    kv_bits: int | None = None
+    neighbours: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+
+    def write(self, work: Path) -> None:
+        (work / "spec.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, work: Path) -> Spec:
+        raw = json.loads((work / "spec.json").read_text())
+        return cls(
+            model=raw["model"],
+            chunk=raw["chunk"],
+            prompts=raw["prompts"],
+            greedy=SamplingParams(**raw["greedy"]),
+            seeded=SamplingParams(**raw["seeded"]),
+            kv_bits=raw["kv_bits"],
+            neighbours=[(prompt, SamplingParams(**s)) for prompt, s in raw["neighbours"]],
+        )
+
+    def sampling(self, which: str) -> SamplingParams:
+        return self.greedy if which == "greedy" else self.seeded
+
+
+def read_result(work: Path, mode: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((work / f"{mode}.json").read_text())
+    return result
+
+
+def _payload_file(work: Path, prompt: str, sampling: str) -> Path:
+    return work / f"{prompt}.{sampling}.kv"
+
+
+async def _open(spec: Spec) -> MlxEngine:
+    return await MlxEngine.load(Path(spec.model), prefill_chunk_size=spec.chunk, kv_bits=spec.kv_bits)
+
+
+async def _collect(engine: MlxEngine, rid: RequestId, first_token: int) -> list[int]:
+    return [first_token] + [g.token async for g in engine.stream(rid)]
+
+
+async def _assert_idle(engine: MlxEngine) -> None:
+    await engine.release_held(RequestId("-flush-"))  # FIFO device queue: everything before has run
+    stats = engine.statistics()
+    if stats.decoding or stats.held_caches or stats.held_bytes:
+        raise AssertionError(f"the engine still holds something: {stats}")
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+
+async def run_prefill(spec: Spec, work: Path) -> dict[str, Any]:
+    engine = await _open(spec)
+    out: dict[str, Any] = {"fingerprint": engine.info.fingerprint}
+    try:
+        for name, prompt in spec.prompts.items():
+            for which in SAMPLINGS:
+                rid = RequestId(f"{name}.{which}")
+                outcome = await engine.prefill(rid, prompt, spec.sampling(which))
+                payload = await engine.export_held(rid)
+                if await engine.release_held(rid) != outcome.held_bytes:
+                    raise AssertionError(f"{rid}: release_held freed another byte count than held")
+                _payload_file(work, name, which).write_bytes(payload)
+                out[rid] = {
+                    "first_token": outcome.first_token,
+                    "prompt_tokens": outcome.prompt_tokens,
+                    "held_bytes": outcome.held_bytes,
+                    "payload_bytes": len(payload),
+                }
+        await _assert_idle(engine)
+    finally:
+        await engine.aclose()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+async def run_decode(spec: Spec, work: Path) -> dict[str, Any]:
+    prefilled = read_result(work, "prefill")
+    out: dict[str, Any] = {}
+    for name, prompt in spec.prompts.items():
+        for which in SAMPLINGS:
+            rid = RequestId(f"{name}.{which}")
+            payload = _payload_file(work, name, which).read_bytes()
+            first_token = int(prefilled[rid]["first_token"])
+            sampling = spec.sampling(which)
+            engine = await _open(spec)  # fresh: it has seen nothing of this prompt
+            try:
+                if engine.info.fingerprint != prefilled["fingerprint"]:
+                    raise AssertionError("prefill and decode loaded models with different fingerprints")
+                if spec.neighbours:
+                    out[rid] = await _join_running(engine, spec, rid, payload, prompt, first_token, sampling)
+                else:
+                    await engine.install(rid, payload, prompt, first_token, sampling)
+                    out[rid] = {"tokens": await _collect(engine, rid, first_token)}
+                await _assert_idle(engine)
+            finally:
+                await engine.aclose()
+    return out
+
+
+async def _join_running(
+    engine: MlxEngine,
+    spec: Spec,
+    rid: RequestId,
+    payload: bytes,
+    prompt: list[int],
+    first_token: int,
+    sampling: SamplingParams,
+) -> dict[str, Any]:
+    """The neighbours decode; the handed-off request joins them; everyone runs to its end."""
+    neighbours: dict[str, list[int]] = {}
+    warmed = [trio.Event() for _ in spec.neighbours]
+
+    async def run_neighbour(i: int) -> None:
+        nid = RequestId(f"neighbour{i}")
+        n_prompt, n_sampling = spec.neighbours[i]
+        outcome = await engine.prefill(nid, n_prompt, n_sampling)
+        await engine.decode_held(nid, n_prompt, outcome.first_token, n_sampling)
+        tokens = [outcome.first_token]
+        async for item in engine.stream(nid):
+            tokens.append(item.token)
+            if len(tokens) == NEIGHBOUR_WARMUP:
+                warmed[i].set()
+        warmed[i].set()  # (a neighbour shorter than the warm-up would hang the test otherwise)
+        neighbours[nid] = tokens
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(spec.neighbours)):
+            nursery.start_soon(run_neighbour, i)
+        for event in warmed:
+            await event.wait()
+        await engine.install(rid, payload, prompt, first_token, sampling)
+        decoding_at_join = engine.statistics().decoding
+        tokens = await _collect(engine, rid, first_token)
+    return {"tokens": tokens, "decoding_at_join": decoding_at_join, "neighbours": neighbours}
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+async def run_reference(spec: Spec, work: Path) -> dict[str, Any]:
+    model = mlx_lm_load(spec.model)[0]
+
+    def mlx_lm_greedy(prompt: Sequence[int], max_tokens: int) -> list[int]:
+        steps = generate_step(
+            mx.array(list(prompt)),
+            model,
+            max_tokens=max_tokens,
+            prefill_step_size=spec.chunk,
+            kv_bits=spec.kv_bits,
+            kv_group_size=KV_GROUP_SIZE,
+            quantized_kv_start=0,
+        )
+        return [int(token) for token, _ in steps]
+
+    engine = await _open(spec)
+
+    async def one_node(rid: RequestId, prompt: list[int], sampling: SamplingParams) -> list[int]:
+        outcome = await engine.prefill(rid, prompt, sampling)
+        await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+        return await _collect(engine, rid, outcome.first_token)
+
+    out: dict[str, Any] = {"neighbours": {}}
+    try:
+        for name, prompt in spec.prompts.items():
+            out[name] = {"mlx_lm": mlx_lm_greedy(prompt, spec.greedy.max_tokens)}
+            out[name]["seeded"] = await one_node(RequestId(f"{name}.seeded"), prompt, spec.seeded)
+        for i, (prompt, sampling) in enumerate(spec.neighbours):
+            nid = f"neighbour{i}"
+            out["neighbours"][nid] = await one_node(RequestId(nid), prompt, sampling)
+        await _assert_idle(engine)
+    finally:
+        await engine.aclose()
+    return out
+
+
+_RUNNERS = {"prefill": run_prefill, "decode": run_decode, "reference": run_reference}
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 2 or argv[0] not in _RUNNERS:
+        print(
+            f"usage: python -m tests.integration.handoff_worker {'|'.join(MODES)} WORK_DIR", file=sys.stderr
+        )
+        return 2
+    mode, work = argv[0], Path(argv[1])
+    result = trio.run(_RUNNERS[mode], Spec.read(work), work)
+    (work / f"{mode}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are written and closed. Skip the interpreter's teardown: about one run in
+    # twenty on a loaded 2-core machine aborted there, after a clean exit from main, with
+    # "terminate called without an active exception" (MLX's C++ teardown, not this code).
+    os._exit(code)
