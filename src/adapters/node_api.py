@@ -34,6 +34,7 @@ from adapters.internal_wire import (
     output_line,
 )
 from effects.backend import RunnerGeneration
+from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.ports import Engine, GenerationEnd, GenerationError, PrefillReply, TokenOut
 from effects.runner import NodeRunner
@@ -104,12 +105,15 @@ class NodeApi:
         performer: EnginePerformer,
         *,
         token: str | None = None,
+        max_live: int = 256,
     ) -> None:
         self.role = role
         self.engine = engine
         self.runner = runner
         self.performer = performer
         self.token = token
+        self.max_live = max_live
+        self.faults = performer.faults
 
     def routes(self) -> list[BaseRoute]:
         g = self.token
@@ -158,6 +162,9 @@ class NodeApi:
     async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
         if not self.runner.ready():
             raise StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "node not accepting"))
+        if self.runner.statistics().live_requests >= self.max_live:
+            raise StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "node at capacity"))
+        await self.faults.at(Phase.INTAKE, rid)
         self.performer.register(rid, context)
         replies = await self.runner.open(rid, capacity)
         return RunnerGeneration(self.runner, rid, replies)
@@ -188,13 +195,30 @@ class NodeApi:
         context = self.performer.requests.get(rid)
         if self.runner.phase_of(rid) is not PrefillPhase.HANDOFF or context is None:
             return error_response(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
-        send, receive = trio.open_memory_channel[bytes](1)
+        send, receive = trio.open_memory_channel[bytes | ErrorInfo](1)
         context.kv_out = send
         await self.runner.post(rid, KvRequested())
         with trio.move_on_after(KV_SEND_TIMEOUT_S):
-            payload = await receive.receive()
-            return Response(payload, media_type="application/octet-stream")
+            try:
+                payload = await receive.receive()
+            except trio.EndOfChannel:
+                payload = ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")
+            if isinstance(payload, ErrorInfo):
+                return error_response(payload)
+            return Response(self._damaged(rid, payload), media_type="application/octet-stream")
         return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
+
+    def _damaged(self, rid: RequestId, payload: bytes) -> bytes:
+        """Injected transfer faults (tests only): cut after the header's first bytes, cut
+        mid-body, or flip one byte."""
+        if self.faults.applies(Phase.SEND_HEADER, rid):
+            return payload[:16]
+        if self.faults.applies(Phase.MID_BODY, rid):
+            return payload[: len(payload) // 2]
+        if self.faults.applies(Phase.CHECKSUM, rid):
+            middle = len(payload) // 2
+            return payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1 :]
+        return payload
 
     async def kv_taken(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])
@@ -226,8 +250,12 @@ class NodeApi:
         eos = self.engine.info.eos_token_ids
         first = first_is_prefill
         finished = False
+        sent = 0
         try:
             async for output in generation:
+                sent += 1
+                if sent == 3 and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
+                    return  # the stream to the router breaks off (tests only)
                 if first and isinstance(output, TokenOut):
                     first = False
                     yield output_line(PrefillReply(output.token, output.token in eos, 0))

@@ -65,6 +65,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive
 
+from effects.faults import Faults, Phase
 from effects.ports import (
     Backend,
     Generation,
@@ -353,9 +354,14 @@ def _event(obj: object) -> ServerSentEvent:
     return ServerSentEvent(obj if isinstance(obj, str) else _dumps(obj), sep="\n")
 
 
+RETRY_AFTER_S = 1
+
+
 def _error_response(info: ErrorInfo, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else None
-    return JSONResponse(info.to_openai(), status_code=info.http_status, headers=headers)
+    headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else {}
+    if info.http_status in (429, 503):  # overloaded or draining: tell the client when to retry
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(info.to_openai(), status_code=info.http_status, headers=headers or None)
 
 
 class _Reject(Exception):
@@ -418,6 +424,7 @@ class Frontend:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._tokenizing = trio.CapacityLimiter(1)
+        self.faults = Faults.none()  # tests only: see effects.faults
 
     @classmethod
     def load(
@@ -610,6 +617,7 @@ class Frontend:
         return b"".join(chunks)
 
     async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId) -> _Job:
+        await self.faults.at(Phase.TOKENIZE, request_id)
         raw = await self._read_body(request)
         try:
             data = json.loads(raw)

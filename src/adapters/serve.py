@@ -33,10 +33,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.internal_wire import info_json
+from adapters.metrics import Metrics
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
 from adapters.peers_httpx import HttpxPeers
 from effects.backend import local_backend, router_backend
+from effects.faults import DEFAULT_MARKER, ENABLE_ENV, Faults
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.ports import ModelInfo
@@ -67,11 +69,19 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--max-batch", type=int, default=32, help="decode batch size (default 32)")
     run.add_argument("--internal-token", default=os.environ.get("STATECORE_INTERNAL_TOKEN"),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    run.add_argument("--max-kv-bytes", type=int, default=1 << 34,
+                     help="decode: refuse a KV payload larger than this (default 16 GiB)")
     run.add_argument("--kv-lease", type=float, default=60.0, help="seconds a held KV waits (default 60)")
     run.add_argument("--request-deadline", type=float, default=600.0,
                      help="seconds a request may live (default 600)")
     run.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds to finish in-flight requests on SIGTERM (default 30)")
+    run.add_argument("--max-in-flight", type=int, default=256,
+                     help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
+    run.add_argument("--inject-fault", action="append", default=[], metavar="PHASE[:slow=S]",
+                     help=f"tests only, needs {ENABLE_ENV}=1: fail (or slow) PHASE for marked requests")
+    run.add_argument("--fault-marker", default=DEFAULT_MARKER,
+                     help="request ids containing this string get the injected faults")
     run.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     run.add_argument("--log-level", default="INFO")
 
@@ -152,17 +162,25 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
                         layer.reason)
-    peers = HttpxPeers(token=args.internal_token) if role == "decode" else None
-    performer = EnginePerformer(engine, peers)
+    peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes) if role == "decode" else None
+    faults = Faults.parse(args.inject_fault, args.fault_marker)
+    performer = EnginePerformer(engine, peers, faults)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
-    runner: NodeRunner[Any] = NodeRunner(machine, performer, timeouts=_timeouts(args), name=role)
+    metrics = Metrics(role)
+    runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
+                                         name=role)
     log_transitions(runner, role)
-    api = NodeApi(role, engine, runner, performer, token=args.internal_token)
+    metrics.watch(runner, engine=engine)
+    api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight)
     if role == "single":
-        frontend = Frontend.load(model, local_backend(runner, performer))
-        app = build_app(frontend, extra_routes=api.routes())
+        frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
+                                                                      max_live=args.max_in_flight)))
+        frontend.faults = faults
+        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route()])
     else:
-        app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes()])
+        app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
+                                metrics.route()])
+    metrics.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -211,9 +229,14 @@ async def run_router(args: argparse.Namespace) -> int:
                                 on_peer_failure=peer_set.report_failure)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router")
+    metrics = Metrics("router")
+    metrics.watch(runner, peers=peer_set)
     threshold = 0 if args.force_disaggregation else args.local_prefill_below
-    backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold)
-    frontend = Frontend.load(model, backend)
+    faults = Faults.parse(args.inject_fault, args.fault_marker)
+    backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
+                             max_live=args.max_in_flight, faults=faults)
+    frontend = Frontend.load(model, metrics.backend(backend))
+    frontend.faults = faults
 
     def stats() -> dict[str, object]:
         s = runner.statistics()
@@ -222,7 +245,7 @@ async def run_router(args: argparse.Namespace) -> int:
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
                 "model": info_json(info)["name"]}
 
-    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats)])
+    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats), metrics.route()])
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)

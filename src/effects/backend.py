@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from effects.faults import Faults, Phase
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
 from effects.ports import (
     GenerationEnd,
@@ -79,10 +80,15 @@ class RunnerBackend:
         runner: NodeRunner[Any],
         model_info: Callable[[], ModelInfo],
         admit: Callable[[GenerationRequest], tuple[Event, Callable[[], None] | None]],
+        *,
+        max_live: int = 256,
+        faults: Faults | None = None,
     ) -> None:
         self.runner = runner
         self._model_info = model_info
         self._admit = admit
+        self.max_live = max_live
+        self.faults = faults or Faults.none()
 
     @property
     def model_info(self) -> ModelInfo:
@@ -96,6 +102,12 @@ class RunnerBackend:
             raise StatecoreError(
                 ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "the node is not accepting requests")
             )
+        if self.runner.statistics().live_requests >= self.max_live:  # admission control
+            raise StatecoreError(
+                ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED,
+                          f"too many requests in flight (limit {self.max_live}); retry shortly")
+            )
+        await self.faults.at(Phase.INTAKE, request.request_id)
         first_event, on_stop = self._admit(request)
         replies = await self.runner.open(
             request.request_id, request.sampling.max_tokens + _REPLY_SLACK
@@ -104,14 +116,18 @@ class RunnerBackend:
         return RunnerGeneration(self.runner, request.request_id, replies, on_stop)
 
 
-def local_backend(runner: NodeRunner[Any], performer: EnginePerformer) -> RunnerBackend:
+def local_backend(
+    runner: NodeRunner[Any], performer: EnginePerformer, *, max_live: int = 256
+) -> RunnerBackend:
     """A single node: every request prefills and decodes here."""
 
     def admit(request: GenerationRequest) -> tuple[Event, Callable[[], None] | None]:
         performer.register(request.request_id, NodeRequest(request.prompt, request.sampling))
         return PrefillLocally(), None
 
-    return RunnerBackend(runner, lambda: performer.engine.info, admit)
+    return RunnerBackend(
+        runner, lambda: performer.engine.info, admit, max_live=max_live, faults=performer.faults
+    )
 
 
 def router_backend(
@@ -120,6 +136,8 @@ def router_backend(
     model_info: Callable[[], ModelInfo],
     *,
     local_prefill_below: int,
+    max_live: int = 256,
+    faults: Faults | None = None,
 ) -> RunnerBackend:
     """The router: short prompts prefill on the decode node, long ones on a prefill node.
 
@@ -138,7 +156,7 @@ def router_backend(
 
         return Admitted(len(request.prompt)), mark_stopped
 
-    return RunnerBackend(runner, model_info, admit)
+    return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 
 
 __all__ = ["RunnerBackend", "RunnerGeneration", "local_backend", "router_backend"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from effects.faults import Faults, Phase
 from effects.ports import (
     DecodeCall,
     Engine,
@@ -64,7 +65,7 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: bytes | None = None
-    kv_out: trio.MemorySendChannel[bytes] | None = None  # set while a decode node pulls
+    kv_out: trio.MemorySendChannel[bytes | ErrorInfo] | None = None  # set while a decode node pulls
 
 
 def _bug(message: str) -> StatecoreError:
@@ -74,16 +75,19 @@ def _bug(message: str) -> StatecoreError:
 class EnginePerformer:
     """Prefill, decode and single nodes: work through the local engine."""
 
-    def __init__(self, engine: Engine, peers: Peers | None = None) -> None:
+    def __init__(self, engine: Engine, peers: Peers | None = None, faults: Faults | None = None) -> None:
         self.engine = engine
         self.peers = peers
+        self.faults = faults or Faults.none()
         self.requests: dict[RequestId, NodeRequest] = {}
 
     def register(self, request_id: RequestId, request: NodeRequest) -> None:
         self.requests[request_id] = request
 
     def forget(self, request_id: RequestId) -> None:
-        self.requests.pop(request_id, None)
+        ctx = self.requests.pop(request_id, None)
+        if ctx is not None and ctx.kv_out is not None:
+            ctx.kv_out.close()  # a puller still waiting learns the request is gone
 
     def _get(self, request_id: RequestId) -> NodeRequest:
         try:
@@ -97,6 +101,7 @@ class EnginePerformer:
         eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
+                await self.faults.at(Phase.PREFILL, rid)
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
                 if outcome.first_token in eos and not ctx.hands_off:
@@ -114,6 +119,7 @@ class EnginePerformer:
                 if ctx.sampling.max_tokens <= 1:
                     await post(Finished("length"))
                     return
+                await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is not None:
                     payload, ctx.payload = ctx.payload, None
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
@@ -121,7 +127,11 @@ class EnginePerformer:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                 await post(KvInstalled())
             case StartDecode():
+                produced = 0
                 async for generated in self.engine.stream(rid):
+                    produced += 1
+                    if produced == 3:  # a few tokens in, so the failure is mid-stream
+                        await self.faults.at(Phase.DECODE_STEP, rid)
                     if generated.is_eos:
                         await post(Finished("stop"))
                         return
@@ -135,8 +145,13 @@ class EnginePerformer:
             case SendKv():
                 if ctx.kv_out is None:
                     raise _bug("SendKv with nobody to send to")
-                payload = await self.engine.export_held(rid)
-                await ctx.kv_out.send(payload)
+                try:
+                    await self.faults.at(Phase.KV_ENCODE, rid)
+                    exported = await self.engine.export_held(rid)
+                except StatecoreError as exc:
+                    await ctx.kv_out.send(exc.info)  # the puller hears why; the request fails here
+                    raise
+                await ctx.kv_out.send(exported)
 
     async def cleanup(self, intent: CleanupIntent) -> None:
         rid = intent.request_id

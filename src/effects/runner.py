@@ -183,7 +183,7 @@ class NodeRunner(Generic[P]):
             )
         before = {rid: rec.phase for rid, rec in self.state.live.items()}
         self.state, intents = loop_step(self.state, envelope)
-        self._log_moves(envelope, before)
+        self._log_moves(envelope, before, intents)
         cleanups: dict[RequestId, list[CleanupIntent]] = {}
         for intent in intents:
             if isinstance(intent, ReleaseKv | StopDecoding | CancelRemote):
@@ -196,7 +196,7 @@ class NodeRunner(Generic[P]):
         for rid in {*cleanups, *ended}:
             self._spawn_cleanups(rid, cleanups.get(rid, []), forget=rid in ended)
 
-    def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any]) -> None:
+    def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any], intents: list[Intent]) -> None:
         if not isinstance(envelope, ForRequest | ForLoop):
             return
         event = envelope.event
@@ -205,7 +205,9 @@ class NodeRunner(Generic[P]):
             new = record.phase if record else self.state.outcomes.get(rid)
             if new is None or new is old:
                 continue
-            error = record.error if record else None
+            # a terminal record has left `live`: its error is the one its rejection carries
+            error = record.error if record else next(
+                (i.error for i in intents if isinstance(i, Reject) and i.request_id == rid), None)
             if self.on_transition:
                 self.on_transition(rid, old.value, new.value, event.kind.value, error)
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)

@@ -69,7 +69,9 @@ class Node:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stats(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.url}/internal/stats", timeout=5.0).json()
+        token = self.args[self.args.index("--internal-token") + 1] if "--internal-token" in self.args else ""
+        headers = {"x-statecore-token": token} if token else {}
+        data: dict[str, Any] = httpx.get(f"{self.url}/internal/stats", timeout=5.0, headers=headers).json()
         return data
 
     def stop(self, timeout_s: float = 30.0) -> int:
@@ -129,6 +131,8 @@ def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 
     decode = [Node("decode", common, logs / f"decode{i}.log") for i in range(decodes)]
     start_nodes([single, *prefill, *decode])
     front = router(model, logs / "router.log", prefill, decode, *router_args)
+    if any(a == "--internal-token" for a in node_args):
+        single.args.extend(())  # the single node serves no internal peers
     start_nodes([front])
     return Cluster(single, front, prefill, decode)
 

@@ -1,0 +1,106 @@
+"""Fault injection for tests: make a chosen phase fail or stall for marked requests.
+
+Off unless a node is started with `--inject-fault` *and* the environment variable
+`STATECORE_ENABLE_FAULT_INJECTION=1`, so a production flag typo cannot turn it on. A request
+is marked for a phase when its request id (the client's `X-Request-Id`, which travels router
+-> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed INJECTED_FAULT
+error) or `<marker>-slow-<phase>` (sleep there first), e.g. `inject-fault-install-7`. This module may import `statecore` and trio; never httpx, mlx or
+mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.ids import RequestId
+
+ENABLE_ENV = "STATECORE_ENABLE_FAULT_INJECTION"
+DEFAULT_MARKER = "inject-fault"
+
+
+class Phase(enum.Enum):
+    INTAKE = "intake"
+    TOKENIZE = "tokenize"
+    PREFILL = "prefill"
+    KV_ENCODE = "kv_encode"
+    SEND_HEADER = "send_header"  # the KV body stops right after its first bytes
+    MID_BODY = "mid_body"  # the KV body is cut in the middle
+    CHECKSUM = "checksum"  # one KV byte is flipped
+    INSTALL = "install"
+    DECODE_STEP = "decode_step"  # the decoder fails after a few tokens
+    STREAM_OUT = "stream_out"  # the decode node's stream to the router breaks
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    phase: Phase
+    slow_s: float = 0.0  # 0: fail instead of stalling
+
+
+@dataclass(frozen=True)
+class Faults:
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+    marker: str = DEFAULT_MARKER
+
+    @classmethod
+    def none(cls) -> Faults:
+        return cls()
+
+    @classmethod
+    def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER) -> Faults:
+        """`PHASE` (fail) or `PHASE:slow=SECONDS`; refuses to arm without the env switch."""
+        specs = list(specs)
+        if not specs:
+            return cls()
+        if os.environ.get(ENABLE_ENV) != "1":
+            raise SystemExit(
+                f"statecore: --inject-fault needs {ENABLE_ENV}=1 in the environment; "
+                "fault injection is for tests only"
+            )
+        rules: list[Rule] = []
+        for spec in specs:
+            name, _, option = spec.partition(":")
+            try:
+                phase = Phase(name)
+            except ValueError:
+                raise SystemExit(
+                    f"statecore: unknown fault phase {name!r}; one of {[p.value for p in Phase]}"
+                ) from None
+            slow = float(option.removeprefix("slow=")) if option.startswith("slow=") else 0.0
+            rules.append(Rule(phase, slow))
+        return cls(tuple(rules), marker)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self.rules)
+
+    def _rule(self, phase: Phase, request_id: str, *, slow: bool) -> Rule | None:
+        tag = f"{self.marker}-slow-{phase.value}" if slow else f"{self.marker}-{phase.value}"
+        if tag not in request_id:
+            return None
+        return next((r for r in self.rules if r.phase is phase and (r.slow_s > 0) == slow), None)
+
+    def applies(self, phase: Phase, request_id: str) -> bool:
+        """A fail rule for `phase` matches this request."""
+        return self._rule(phase, request_id, slow=False) is not None
+
+    async def at(self, phase: Phase, request_id: RequestId | str) -> None:
+        """Stall, then fail, here when this request is marked for `phase`."""
+        slow = self._rule(phase, request_id, slow=True)
+        if slow is not None:
+            await trio.sleep(slow.slow_s)
+        if self.applies(phase, request_id):
+            raise StatecoreError(injected(phase))
+
+
+def injected(phase: Phase) -> ErrorInfo:
+    return ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, f"injected fault at {phase.value}")
+
+
+__all__ = ["DEFAULT_MARKER", "ENABLE_ENV", "Faults", "Phase", "Rule", "injected"]

@@ -1,0 +1,273 @@
+"""Failure is per request, proven on a real 1 prefill + 2 decode cluster.
+
+Every fault phase is injected for one marked request while good requests run beside it: the
+marked one ends with a clear typed error (streaming: an error event, then [DONE]), the others
+complete with the single node's bytes, every loop stays alive, and every node's live counts
+return to zero. Also: hostile bodies, garbage KV, cancellation, the internal token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapters.tiny_models import cached_checkpoint
+from effects.faults import ENABLE_ENV, Phase
+from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, without_ids
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "t0ps3cret"
+GOOD = {"prompt": "The harbour lights came on one by one.", "max_tokens": 12, "temperature": 0}
+# which error code each injected phase must surface as
+EXPECTED_CODE = {
+    Phase.INTAKE: {"injected_fault"},
+    Phase.TOKENIZE: {"injected_fault"},
+    Phase.PREFILL: {"injected_fault"},
+    Phase.KV_ENCODE: {"injected_fault"},
+    Phase.SEND_HEADER: {"kv_truncated"},
+    Phase.MID_BODY: {"kv_truncated"},
+    Phase.CHECKSUM: {"kv_checksum_mismatch"},
+    Phase.INSTALL: {"injected_fault"},
+    Phase.DECODE_STEP: {"injected_fault"},
+    Phase.STREAM_OUT: {"transport_lost"},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    os.environ[ENABLE_ENV] = "1"
+    faults: list[str] = []
+    for phase in Phase:
+        faults += ["--inject-fault", phase.value]
+    faults += ["--inject-fault", "kv_encode:slow=2", "--inject-fault", "prefill:slow=2"]
+    built = start_cluster(
+        cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
+        node_args=("--internal-token", TOKEN, *faults),
+        router_args=("--force-disaggregation", "--internal-token", TOKEN, *faults),
+    )
+    try:
+        yield built
+    finally:
+        built.stop()
+
+
+def _call(cluster: Cluster, body: dict[str, Any], request_id: str, stream: bool) -> tuple[int, list[Any]]:
+    """(status, parsed pieces): the JSON body, or the SSE data payloads."""
+    headers = {"x-request-id": request_id}
+    if not stream:
+        r = httpx.post(f"{cluster.router.url}/v1/completions", json=body, headers=headers, timeout=60)
+        return r.status_code, [r.json()]
+    pieces: list[Any] = []
+    with httpx.stream("POST", f"{cluster.router.url}/v1/completions", json={**body, "stream": True},
+                      headers=headers, timeout=60) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, [r.json()]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                pieces.append(data if data == "[DONE]" else json.loads(data))
+    return 200, pieces
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
+def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bool) -> None:
+    expected_good = without_ids(post(cluster.single, "/v1/completions", GOOD).json())
+    marked = f"inject-fault-{phase.value}-{'s' if stream else 'j'}"
+    with ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(_call, cluster, {**GOOD, "max_tokens": 8}, marked, stream)
+        goods = [pool.submit(_call, cluster, GOOD, f"good-{phase.value}-{i}-{stream}", False)
+                 for i in range(3)]
+        status, pieces = bad.result()
+        for good in goods:
+            good_status, good_pieces = good.result()
+            assert good_status == 200 and without_ids(good_pieces[0]) == expected_good
+    if status != 200:  # failed before any output: an HTTP error in OpenAI's shape
+        error = pieces[0]["error"]
+        assert 400 <= status < 600 and status != 200
+    else:  # failed after output began (streaming): an error event, then [DONE]
+        assert stream, pieces
+        assert pieces[-1] == "[DONE]" and "error" in pieces[-2], pieces
+        error = pieces[-2]["error"]
+    assert error["code"] in EXPECTED_CODE[phase], error
+    assert error["message"]
+    assert_no_leaks(cluster.nodes[1:])  # the router and the three nodes of the cluster
+    for node in cluster.nodes:
+        assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
+    assert post(cluster.router, "/v1/completions", GOOD).status_code == 200  # the next one succeeds
+
+
+def test_client_disconnect_frees_the_decode_slot_within_a_second(cluster: Cluster) -> None:
+    body = {"prompt": "Tell me everything.", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{cluster.router.url}/v1/completions", json=body, timeout=60) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n == 10:  # still reading: the request is decoding on one node
+                assert sum(node.stats()["decoding"] for node in cluster.decode) == 1
+                break  # leaving the stream disconnects the client
+    gone = time.monotonic()
+    while sum(node.stats()["decoding"] for node in cluster.decode) > 0:
+        assert time.monotonic() - gone < 1.0, "decode slot still held a second after the disconnect"
+        time.sleep(0.02)
+    assert_no_leaks(cluster.nodes[1:])
+
+
+def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
+    """The prefill node stalls before sending the KV; the client leaves meanwhile."""
+    outcome: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=1.0,
+                       headers={"x-request-id": "inject-fault-slow-kv_encode-1"})
+        except httpx.ReadTimeout as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    deadline = time.monotonic() + 1.0
+    while cluster.prefill[0].stats()["held_caches"] != 1:  # the handoff is under way
+        assert time.monotonic() < deadline, "the KV was never held"
+        time.sleep(0.01)
+    thread.join()
+    assert outcome, "the client should have given up mid-handoff"
+    time.sleep(2.5)  # the stalled encode finishes into a cancelled request
+    assert_no_leaks(cluster.nodes[1:], timeout_s=5)
+
+
+def test_client_gone_during_prefill_frees_everything(cluster: Cluster) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=0.5,
+                   headers={"x-request-id": "inject-fault-slow-prefill-1"})
+    time.sleep(2.5)
+    assert_no_leaks(cluster.nodes[1:], timeout_s=5)
+
+
+def test_internal_endpoints_require_the_token(cluster: Cluster) -> None:
+    node = cluster.decode[0]
+    assert httpx.get(f"{node.url}/internal/stats", timeout=5).status_code == 401
+    body = {"request_id": "x", "prompt": [1, 2], "sampling": {"max_tokens": 2}}
+    assert httpx.post(f"{node.url}/internal/decode", json=body, timeout=5).status_code == 401
+    assert httpx.get(f"{node.url}/internal/stats", headers={"x-statecore-token": TOKEN},
+                     timeout=5).status_code == 200
+
+
+class _KvServer(ThreadingHTTPServer):
+    payload = b""
+
+
+class _KvHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        payload = self.server.payload  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_DELETE(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    do_POST = do_DELETE
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _wrong_model_payload() -> bytes:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from adapters.kv_wire import encode_cache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    return b"".join(encode_cache([cache, cache], fingerprint="some-other-model", token_count=3))
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b"\x00garbage" * 100, {"kv_malformed"}),
+        (b"", {"kv_truncated", "kv_malformed"}),
+        (None, {"kv_wrong_model"}),
+    ],
+    ids=["garbage", "empty", "wrong-model"],
+)
+def test_bad_kv_payloads_are_refused_with_nothing_installed(
+    cluster: Cluster, payload: bytes | None, code: set[str]
+) -> None:
+    server = _KvServer(("127.0.0.1", 0), _KvHandler)
+    server.payload = payload if payload is not None else _wrong_model_payload()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        decode = cluster.decode[0]
+        body = {"request_id": f"bad-kv-{len(server.payload)}", "prompt": [5, 6, 7],
+                "sampling": {"max_tokens": 4}, "first_token": 9,
+                "prefill_url": f"http://127.0.0.1:{server.server_address[1]}"}
+        r = httpx.post(f"{decode.url}/internal/decode", json=body, timeout=30,
+                       headers={"x-statecore-token": TOKEN})
+        lines = [json.loads(line) for line in r.text.splitlines() if line]
+        assert lines and "error" in lines[-1], lines
+        assert lines[-1]["error"]["code"] in code
+        assert_no_leaks([decode])
+    finally:
+        server.shutdown()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
+    | st.text(max_size=30),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "stream", "stream_options", "model", "logprobs", "max_completion_tokens"]
+bodies = st.one_of(
+    json_values,
+    st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6),
+    st.fixed_dictionaries(
+        {"prompt": st.text(max_size=40)},
+        optional={"max_tokens": st.integers(-5, 40), "temperature": st.floats(0, 3),
+                  "stop": st.lists(st.text(max_size=4), max_size=3), "stream": st.booleans()},
+    ),
+)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_hostile_bodies_never_get_a_5xx(cluster: Cluster, body: Any, path: str) -> None:
+    with httpx.Client(timeout=60) as client:
+        r = client.post(f"{cluster.router.url}{path}", content=json.dumps(body).encode(),
+                        headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text, body)
+
+
+def test_after_the_hostile_bodies_everything_is_clean(cluster: Cluster) -> None:
+    assert_no_leaks(cluster.nodes[1:], timeout_s=15)
+    assert post(cluster.router, "/v1/completions", GOOD).status_code == 200
+
+
+def test_oversized_body_is_refused(cluster: Cluster) -> None:
+    r = httpx.post(f"{cluster.router.url}/v1/completions", timeout=30,
+                   content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_logs_of_the_marked_requests_show_their_terminal_state(cluster: Cluster, tmp_path: Path) -> None:
+    log = cluster.router.log.read_text()
+    assert "inject-fault-prefill-j" in log and "-> failed" in log
