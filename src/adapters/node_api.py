@@ -202,7 +202,9 @@ class NodeApi:
             try:
                 payload = await receive.receive()
             except trio.EndOfChannel:
-                payload = ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")
+                payload = ErrorInfo(
+                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent"
+                )
             if isinstance(payload, ErrorInfo):
                 return error_response(payload)
             return Response(self._damaged(rid, payload), media_type="application/octet-stream")

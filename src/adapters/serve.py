@@ -162,7 +162,9 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
                         layer.reason)
-    peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes) if role == "decode" else None
+    peers = None
+    if role == "decode":
+        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes)
     faults = Faults.parse(args.inject_fault, args.fault_marker)
     performer = EnginePerformer(engine, peers, faults)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST

@@ -2,9 +2,10 @@
 
 Off unless a node is started with `--inject-fault` *and* the environment variable
 `STATECORE_ENABLE_FAULT_INJECTION=1`, so a production flag typo cannot turn it on. A request
-is marked for a phase when its request id (the client's `X-Request-Id`, which travels router
--> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed INJECTED_FAULT
-error) or `<marker>-slow-<phase>` (sleep there first), e.g. `inject-fault-install-7`. This module may import `statecore` and trio; never httpx, mlx or
+is marked for a phase when its request id (the client's `X-Request-Id`, which travels
+router -> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed
+INJECTED_FAULT error) or `<marker>-slow-<phase>` (sleep there first), e.g.
+`inject-fault-install-7`. This module may import `statecore` and trio; never httpx, mlx or
 mlx_lm.
 """
 

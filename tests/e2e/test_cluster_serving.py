@@ -74,8 +74,11 @@ def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None
     assert routed["choices"][0]["finish_reason"] == "stop"
     assert routed["choices"][0]["text"] == full[: full.index(stop)]
     streamed = {**body, "stream": True}
-    assert [without_ids(json.loads(e)) for e in stream_events(cluster.router, "/v1/completions", streamed)[:-1]] \
-        == [without_ids(json.loads(e)) for e in stream_events(cluster.single, "/v1/completions", streamed)[:-1]]
+    routed_events = stream_events(cluster.router, "/v1/completions", streamed)[:-1]
+    single_events = stream_events(cluster.single, "/v1/completions", streamed)[:-1]
+    assert [without_ids(json.loads(e)) for e in routed_events] == [
+        without_ids(json.loads(e)) for e in single_events
+    ]
     assert_no_leaks(cluster.nodes)
 
 

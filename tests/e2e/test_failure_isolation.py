@@ -193,8 +193,8 @@ def _wrong_model_payload() -> bytes:
 
     from adapters.kv_wire import encode_cache
 
-    cache = KVCache()
-    cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    cache = KVCache()  # type: ignore[no-untyped-call]
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))  # type: ignore[no-untyped-call]
     return b"".join(encode_cache([cache, cache], fingerprint="some-other-model", token_count=3))
 
 
@@ -231,7 +231,9 @@ def test_bad_kv_payloads_are_refused_with_nothing_installed(
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
     | st.text(max_size=30),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=12,
 )
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",

@@ -10,8 +10,8 @@ import pytest
 from adapters.cli import main
 from statecore.diagram import render, render_markdown
 from statecore.errors import Code
-from statecore.spec import compare, load_spec, render_toml, spec_from_machine
 from statecore.phases import PrefillPhase
+from statecore.spec import compare, load_spec, render_toml, spec_from_machine
 from statecore.table import MACHINES, PREFILL_REQUEST, Edge
 
 ROOT = Path(__file__).resolve().parents[2]
