@@ -1,0 +1,425 @@
+"""Prometheus metrics for one node: definitions, the hooks that feed them, and `/metrics`.
+
+Every node (single, prefill, decode, router) is its own process with its own
+`CollectorRegistry`, served at `GET /metrics` in Prometheus' text format; no multiprocess
+directory is needed because no two processes ever share a registry. Names follow vLLM's and
+SGLang's style with the `statecore:` prefix, and every family carries a `role` label.
+
+What feeds them, all from the outside of the serving code (nothing here may ever raise into
+it: a failing observation is logged and dropped):
+- `Metrics.backend` wraps a front end's `Backend` (single node, router): time to first token,
+  inter-token latency and end-to-end latency as the client sees them, prompt and generation
+  tokens equal to the `usage` the client gets, and requests refused at intake.
+- `Metrics.performer` wraps an engine node's `Performer`: the KV pull (bytes, seconds,
+  failures), prompt tokens by source (`transferred` or `computed_locally`), and on prefill and
+  decode nodes the node's own token timings and counts.
+- `Metrics.watch` chains the runner's `on_transition` hook (requests by terminal state and
+  reason, KV lease expiries) and adds scrape-time collectors for live counts (requests
+  running and waiting, KV held, peer up/down as the router sees it).
+- `Metrics.instrument` adds an ASGI middleware that counts the KV bytes a prefill node serves.
+
+This is an adapter: it may import anything, and nothing in `statecore` or `effects` imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from effects.engine_port import Engine
+from effects.health import PeerSet
+from effects.interpret import EnginePerformer
+from effects.ports import (
+    Backend,
+    Generation,
+    GenerationEnd,
+    GenerationError,
+    GenerationRequest,
+    ModelInfo,
+    Output,
+    TokenOut,
+)
+from effects.runner import CleanupIntent, NodeRunner, Post, WorkIntent
+from statecore.errors import Code, ErrorInfo, StatecoreError
+from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
+from statecore.ids import RequestId
+from statecore.intents import FetchKv, InstallKv, StartPrefill
+
+log = logging.getLogger("statecore.metrics")
+
+PREFIX = "statecore:"
+FRONT_END_ROLES = frozenset({"single", "router"})
+
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+KV_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                      30.0, 60.0)
+
+
+def metrics_route(registry: CollectorRegistry) -> BaseRoute:
+    """`GET /metrics`: the registry in Prometheus' text format (unauthenticated, as vLLM's)."""
+
+    async def handler(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", handler, methods=["GET"])
+
+
+def _safely(what: str, fn: Callable[[], None]) -> None:
+    """Run an observation; metrics never break serving."""
+    try:
+        fn()
+    except Exception:
+        log.exception("metrics: %s failed", what)
+
+
+@dataclass(slots=True)
+class _Timing:
+    """One request's token clock, from its admission on this node."""
+
+    start: float
+    last_token: float | None = None
+
+
+class Metrics:
+    """Every metric family of one node, in its own registry."""
+
+    def __init__(self, role: str, *, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self.front_end = role in FRONT_END_ROLES
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["role"], buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ["role", *labels], registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time from admission on this node to its first output token.",
+                              TTFT_BUCKETS).labels(role)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between two consecutive output tokens of a request.",
+                             ITL_BUCKETS).labels(role)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Time from admission on this node to a request's last output "
+                             "(requests that ran to an end; client cancellations excluded).",
+                             E2E_BUCKETS).labels(role)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(role)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(role)
+        self._by_source = counter("prompt_tokens_by_source",
+                                  "Prompt tokens whose KV cache this node holds, by where it came "
+                                  "from: transferred from a prefill node or computed locally.",
+                                  ("source",))
+        self.requests = counter("requests", "Requests that ended on this node, by terminal state "
+                                "and reason (an error code, or the event that ended it).",
+                                ("state", "reason"))
+        self.kv_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes: received "
+                                "(decode node, pulled) or served (prefill node).", ("direction",))
+        self.kv_seconds = histogram("kv_transfer_seconds",
+                                    "Time a decode node took to pull one request's KV cache.",
+                                    KV_SECONDS_BUCKETS).labels(role)
+        self.kv_failures = counter("kv_transfer_failures", "KV handoffs that failed (the pull, or "
+                                   "installing the pulled cache), by error code.",
+                                   ("reason",))
+        self.lease_expired = counter("kv_lease_expired", "Held KV caches never taken before their "
+                                     "lease expired.").labels(role)
+        # create the usual children, so a scrape shows zeros before the first request
+        for source in ("transferred", "computed_locally"):
+            self._by_source.labels(role, source)
+        for direction in ("received", "served"):
+            self.kv_bytes.labels(role, direction)
+        self._timings: dict[RequestId, _Timing] = {}
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def route(self) -> BaseRoute:
+        return metrics_route(self.registry)
+
+    def instrument(self, app: Starlette) -> None:
+        """Count the KV bytes this node serves (`GET /internal/kv/{id}` answered with 200)."""
+        app.add_middleware(_KvServed, count=self.kv_bytes.labels(self.role, "served").inc)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def backend(self, inner: Backend) -> Backend:
+        """A front end's backend, timed and counted as the client sees it."""
+        return _MeteredBackend(inner, self)
+
+    def performer(self, inner: EnginePerformer) -> _MeteredPerformer:
+        """An engine node's performer: KV pulls, prompt sources, and the node's own tokens."""
+        return _MeteredPerformer(inner, self)
+
+    def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,
+              peers: PeerSet | None = None) -> None:
+        """Chain the runner's transition hook (keeping the one already set, e.g. the logger's)
+        and collect live counts from the runner, the engine and the peers at scrape time."""
+        previous = runner.on_transition
+        terminal = {phase.value for phase in runner.machine.terminal}
+        initial = runner.machine.initial.value
+
+        def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
+            if previous is not None:
+                previous(rid, old, new, event, error)
+            _safely("transition", lambda: self._transition(rid, old, new, event, error, initial, terminal))
+
+        runner.on_transition = on_transition
+        self.registry.register(_LiveCollector(self.role, runner, engine, peers))
+
+    # -- observations ------------------------------------------------------------------------
+
+    def _transition(self, rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
+                    initial: str, terminal: set[str]) -> None:
+        if old == initial and not self.front_end:
+            self._timings.setdefault(rid, _Timing(time.monotonic()))
+        if new not in terminal:
+            return
+        self.requests.labels(self.role, new, error.code.value if error else event).inc()
+        if error is not None and error.code is Code.LEASE_EXPIRED:
+            self.lease_expired.inc()
+        timing = self._timings.pop(rid, None)
+        if timing is not None and event != "client_cancelled":
+            self.e2e.observe(time.monotonic() - timing.start)
+
+    def rejected(self, error: ErrorInfo) -> None:
+        """A request refused at intake, before the runner saw it (overloaded, draining, ...)."""
+        self.requests.labels(self.role, "rejected", error.code.value).inc()
+
+    def token(self, timing: _Timing) -> None:
+        now = time.monotonic()
+        if timing.last_token is None:
+            self.ttft.observe(now - timing.start)
+        else:
+            self.itl.observe(now - timing.last_token)
+        timing.last_token = now
+        self.generation_tokens.inc()
+
+    def engine_token(self, rid: RequestId) -> None:
+        """A token this (prefill or decode) node generated for a live request."""
+        timing = self._timings.get(rid)
+        if timing is not None:
+            self.token(timing)
+
+    def prompt_source(self, source: str, tokens: int) -> None:
+        self._by_source.labels(self.role, source).inc(tokens)
+        if not self.front_end:
+            self.prompt_tokens.inc(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The front end's view: a Backend wrapper
+
+
+class _MeteredBackend:
+    def __init__(self, inner: Backend, metrics: Metrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.inner.model_info
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    async def start(self, request: GenerationRequest) -> Generation:
+        timing = _Timing(time.monotonic())
+        try:
+            generation = await self.inner.start(request)
+        except StatecoreError as exc:
+            info = exc.info
+            _safely("rejected", lambda: self.metrics.rejected(info))
+            raise
+        _safely("prompt", lambda: self.metrics.prompt_tokens.inc(len(request.prompt)))
+        return _MeteredGeneration(generation, self.metrics, timing)
+
+
+class _MeteredGeneration:
+    def __init__(self, inner: Generation, metrics: Metrics, timing: _Timing) -> None:
+        self.inner = inner
+        self.metrics = metrics
+        self.timing = timing
+        self.ended = False
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        async for output in self.inner:
+            if isinstance(output, TokenOut):
+                _safely("token", lambda: self.metrics.token(self.timing))
+            elif isinstance(output, GenerationEnd | GenerationError):
+                self._end(observe=True)
+            yield output
+
+    def _end(self, *, observe: bool) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if observe:
+            _safely("e2e", lambda: self.metrics.e2e.observe(time.monotonic() - self.timing.start))
+
+    async def stop(self) -> None:
+        self._end(observe=True)  # a stop string ended it: the client got its last output
+        await self.inner.stop()
+
+    async def cancel(self) -> None:
+        self._end(observe=False)
+        await self.inner.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# An engine node's view: a Performer wrapper
+
+
+class _MeteredPerformer:
+    """The runner's `Performer` for an engine node, observing what the inner one does."""
+
+    def __init__(self, inner: EnginePerformer, metrics: Metrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    async def work(self, intent: WorkIntent, post: Post) -> None:
+        rid = intent.request_id
+        ctx = self.inner.requests.get(rid)
+        prompt = len(ctx.prompt) if ctx is not None else 0
+        # a pulled cache that fails to install (checksum, version, fingerprint) is a failed handoff
+        handoff = isinstance(intent, FetchKv) or (
+            isinstance(intent, InstallKv) and ctx is not None and ctx.payload is not None)
+        eos = self.inner.engine.info.eos_token_ids
+        started = time.monotonic()
+        counts_tokens = not self.metrics.front_end
+
+        async def metered_post(event: Event) -> None:
+            if counts_tokens and (isinstance(event, TokenGenerated)
+                                  or (isinstance(event, PrefillDone) and event.first_token not in eos)):
+                _safely("token", lambda: self.metrics.engine_token(rid))
+            elif isinstance(event, KvReceived):
+                def received(nbytes: int = event.nbytes) -> None:
+                    self.metrics.kv_bytes.labels(self.metrics.role, "received").inc(nbytes)
+                    self.metrics.kv_seconds.observe(time.monotonic() - started)
+                    self.metrics.prompt_source("transferred", prompt)
+
+                _safely("kv received", received)
+            await post(event)
+
+        try:
+            await self.inner.work(intent, metered_post)
+        except StatecoreError as exc:
+            if handoff:
+                code = exc.info.code.value
+                _safely("kv failure", lambda: self.metrics.kv_failures.labels(self.metrics.role, code).inc())
+            raise
+        except Exception:
+            if handoff:
+                _safely("kv failure",
+                        lambda: self.metrics.kv_failures.labels(self.metrics.role, "internal").inc())
+            raise
+        if isinstance(intent, StartPrefill):
+            _safely("prompt", lambda: self.metrics.prompt_source("computed_locally", prompt))
+
+    async def cleanup(self, intent: CleanupIntent) -> None:
+        await self.inner.cleanup(intent)
+
+    def forget(self, request_id: RequestId) -> None:
+        self.inner.forget(request_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scrape-time collection and the KV-served middleware
+
+
+class _LiveCollector:
+    """Live counts read when Prometheus scrapes, never pushed from the hot path."""
+
+    def __init__(self, role: str, runner: NodeRunner[Any], engine: Engine | None,
+                 peers: PeerSet | None) -> None:
+        self.role = role
+        self.runner = runner
+        self.engine = engine
+        self.peers = peers
+
+    def collect(self) -> Iterable[Metric]:
+        role = self.role
+        initial = self.runner.machine.initial
+        phases = [record.phase for record in self.runner.state.live.values()]
+        waiting = sum(1 for p in phases if p is initial)
+        for name, doc, value in (
+            ("num_requests_running", "Live requests past intake.", len(phases) - waiting),
+            ("num_requests_waiting", "Live requests still at intake.", waiting),
+            ("loop_ready", "1 while this node's serving loop accepts requests.", int(self.runner.ready())),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
+            gauge.add_metric([role], value)
+            yield gauge
+        by_phase = GaugeMetricFamily(PREFIX + "requests_in_phase", "Live requests by phase.",
+                                     labels=["role", "phase"])
+        for phase in self.runner.machine.all_phases:
+            if not self.runner.machine.is_terminal(phase):
+                by_phase.add_metric([role, phase.value], sum(1 for p in phases if p is phase))
+        yield by_phase
+        bugs = CounterMetricFamily(PREFIX + "loop_bugs", "Bugs the loop caught and survived.",
+                                   labels=["role"])
+        bugs.add_metric([role], self.runner.statistics().bugs)
+        yield bugs
+        if self.engine is not None:
+            stats = self.engine.statistics()
+            for name, doc, value in (
+                ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
+                ("kv_held_caches", "Prefilled KV caches held for a handoff.", stats.held_caches),
+                ("num_requests_decoding", "Requests in the engine's decoder.", stats.decoding),
+            ):
+                gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
+                gauge.add_metric([role], value)
+                yield gauge
+        if self.peers is not None:
+            up = GaugeMetricFamily(PREFIX + "peer_up", "1 while the router sends work to the node "
+                                   "(its health machine is up or suspect), else 0.",
+                                   labels=["role", "node", "node_role"])
+            for node_role, urls in self.peers.roles.items():
+                for url in urls:
+                    up.add_metric([role, url, node_role], int(url in self.peers.available))
+            yield up
+
+
+class _KvServed:
+    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` answered with 200."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[float], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "GET"
+                or not scope.get("path", "").startswith("/internal/kv/")):
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status == 200:
+                size = len(message.get("body", b""))
+                _safely("kv served", lambda: self.count(size))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+__all__ = ["FRONT_END_ROLES", "PREFIX", "Metrics", "metrics_route"]

@@ -1,0 +1,117 @@
+"""Metrics hooks over a real runner and a fake engine: token counts and timings, requests by
+terminal state and reason, prompt sources, the chained transition hook, KV bytes served, and
+`/metrics` itself."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from adapters.metrics import Metrics
+from effects.backend import local_backend
+from effects.engine_port import SamplingParams
+from effects.fakes import FakeEngine, Faults
+from effects.interpret import EnginePerformer
+from effects.ports import Backend, GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
+from effects.runner import NodeRunner, Timeouts
+from statecore.errors import ErrorInfo
+from statecore.ids import RequestId
+from statecore.table import DECODE_REQUEST
+
+MARKER = 999
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, {"role": metrics.role, **labels})
+    return value or 0.0
+
+
+class Node:
+    def __init__(self, role: str) -> None:
+        self.metrics = Metrics(role)
+        self.engine = FakeEngine(Faults(marker=MARKER, fail={"prefill"}))
+        performer = EnginePerformer(self.engine)
+        self.runner = NodeRunner(DECODE_REQUEST, self.metrics.performer(performer),
+                                 timeouts=Timeouts(deadline_s=5.0), name=role)
+        self.logged: list[tuple[str, str, str | None]] = []
+
+        def log(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
+            self.logged.append((old, new, error.code.value if error else None))
+
+        self.runner.on_transition = log
+        self.metrics.watch(self.runner, engine=self.engine)
+        backend: Backend = local_backend(self.runner, performer)
+        self.backend = self.metrics.backend(backend) if self.metrics.front_end else backend
+        self.count = 0
+
+    async def generate(self, prompt: list[int], max_tokens: int) -> list[Output]:
+        self.count += 1
+        request = GenerationRequest(RequestId(f"r{self.count}"), tuple(prompt), SamplingParams(max_tokens))
+        generation = await self.backend.start(request)
+        return [out async for out in generation]
+
+
+@pytest.fixture(params=["single", "decode"])
+async def node(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncIterator[Node]:
+    built = Node(request.param)
+    await nursery.start(built.runner.run)
+    yield built
+
+
+async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
+    outputs = await node.generate([3, 4, 5], max_tokens=5)
+    assert isinstance(outputs[-1], GenerationEnd)
+    assert sum(isinstance(o, TokenOut) for o in outputs) == 5
+    failed = await node.generate([3, MARKER], max_tokens=5)
+    assert isinstance(failed[-1], GenerationError)
+    await trio.sleep(0.05)
+    m = node.metrics
+    assert sample(m, "statecore:generation_tokens_total") == 5
+    assert sample(m, "statecore:time_to_first_token_seconds_count") == 1
+    assert sample(m, "statecore:inter_token_latency_seconds_count") == 4
+    assert sample(m, "statecore:e2e_request_latency_seconds_count") == 2
+    assert sample(m, "statecore:prompt_tokens_by_source_total", source="computed_locally") == 3
+    assert sample(m, "statecore:prompt_tokens_by_source_total", source="transferred") == 0
+    assert sample(m, "statecore:requests_total", state="done", reason="finished") == 1
+    failure = node.logged[-1]
+    assert failure[1] == "failed" and failure[2] is not None  # the logger still sees the reason
+    assert sample(m, "statecore:requests_total", state="failed", reason=failure[2]) == 1
+    assert sample(m, "statecore:num_requests_running") == 0
+    assert sample(m, "statecore:kv_held_bytes") == 0
+    assert sample(m, "statecore:loop_ready") == 1
+
+
+async def test_prompt_tokens_are_counted_once_per_node(node: Node) -> None:
+    await node.generate([3, 4, 5, 6], max_tokens=2)
+    assert sample(node.metrics, "statecore:prompt_tokens_total") == 4
+
+
+async def test_kv_bytes_served_and_the_metrics_route() -> None:
+    metrics = Metrics("prefill")
+
+    async def kv(request: Request) -> Response:
+        return Response(b"x" * 100, media_type="application/octet-stream")
+
+    async def missing(request: Request) -> Response:
+        return Response(b"nope", status_code=404)
+
+    app = Starlette(routes=[Route("/internal/kv/{rid}", kv, methods=["GET"]),
+                            Route("/internal/kv/{rid}/gone", missing, methods=["GET"]), metrics.route()])
+    metrics.instrument(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
+        assert (await client.get("/internal/kv/a")).status_code == 200
+        assert (await client.get("/internal/kv/a/gone")).status_code == 404
+        response = await client.get("/metrics")
+    assert response.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    served = [s.value for s in families["statecore:kv_transfer_bytes"].samples
+              if s.labels.get("direction") == "served" and s.name.endswith("_total")]
+    assert served == [100.0]
