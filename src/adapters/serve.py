@@ -166,7 +166,7 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
     if role == "decode":
         peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes)
     faults = Faults.parse(args.inject_fault, args.fault_marker)
-    performer = EnginePerformer(engine, peers, faults)
+    performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
     metrics = Metrics(role)
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
@@ -190,11 +190,17 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
             log.info("%s node serving on http://%s:%d", role, args.host, args.port)
             await _serve(app, args, runner, nursery)
             nursery.cancel_scope.cancel()
+        lost = not engine.statistics().device_thread_alive  # before aclose stops the thread
     finally:
         await engine.aclose()
         if peers:
             await peers.aclose()
-    return 0 if engine.statistics().device_thread_alive else EXIT_TRANSPORT_LOST
+    if lost:
+        log.error("exiting with %d: the loop's transport (the MLX device thread) was lost",
+                  EXIT_TRANSPORT_LOST)
+        return EXIT_TRANSPORT_LOST
+    log.info("drained; exiting 0")
+    return 0
 
 
 async def _fetch_info(peers: HttpxPeers, nodes: list[str], deadline_s: float = 600.0) -> ModelInfo:

@@ -36,6 +36,7 @@ class Phase(enum.Enum):
     INSTALL = "install"
     DECODE_STEP = "decode_step"  # the decoder fails after a few tokens
     STREAM_OUT = "stream_out"  # the decode node's stream to the router breaks
+    DEVICE_CRASH = "device_crash"  # the engine's device thread dies (the node's transport)
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,10 +75,17 @@ def _bug(message: str) -> StatecoreError:
 class EnginePerformer:
     """Prefill, decode and single nodes: work through the local engine."""
 
-    def __init__(self, engine: Engine, peers: Peers | None = None, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        peers: Peers | None = None,
+        faults: Faults | None = None,
+        crash_device: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.peers = peers
         self.faults = faults or Faults.none()
+        self.crash_device = crash_device  # tests only: the DEVICE_CRASH fault
         self.requests: dict[RequestId, NodeRequest] = {}
 
     def register(self, request_id: RequestId, request: NodeRequest) -> None:
@@ -101,6 +108,8 @@ class EnginePerformer:
         eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
+                if self.crash_device and self.faults.applies(Phase.DEVICE_CRASH, rid):
+                    self.crash_device()
                 await self.faults.at(Phase.PREFILL, rid)
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token

@@ -1,0 +1,107 @@
+"""Losing a decode node mid-stream, getting it back, and draining on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from adapters.tiny_models import cached_checkpoint
+from tests.e2e.harness import Node, assert_no_leaks, post, start_cluster, start_nodes
+
+pytestmark = pytest.mark.e2e
+
+LONG = {"prompt": "Write a very long story about the sea.", "max_tokens": 2500, "temperature": 0}
+
+
+def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_killing_a_decode_node_fails_its_request_only_and_it_comes_back(tmp_path: Path) -> None:
+    cluster = start_cluster(cached_checkpoint("llama"), tmp_path / "logs", prefills=1, decodes=2)
+    try:
+        peers = lambda: cluster.router.stats()["peers"]  # noqa: E731
+        events: list[Any] = []
+        started = time.monotonic()
+        victim: Node | None = None
+        with httpx.stream("POST", f"{cluster.router.url}/v1/completions", json={**LONG, "stream": True},
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if victim is None and len(events) == 5:
+                    victim = next(n for n in cluster.decode if n.stats()["decoding"] == 1)
+                    assert victim.process is not None
+                    victim.process.send_signal(signal.SIGKILL)
+                    killed = time.monotonic()
+        assert victim is not None
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+        assert time.monotonic() - killed < 30
+        assert time.monotonic() - started < 60
+        _wait_for(lambda: peers()[victim.url] == "down", 15, "the router to mark the node down")
+        survivor = next(n for n in cluster.decode if n is not victim)
+        for i in range(6):
+            r = post(cluster.router, "/v1/completions", {"prompt": f"Request {i}", "max_tokens": 5})
+            assert r.status_code == 200, r.text
+        assert survivor.stats()["outcomes"].get("done", 0) >= 6
+        victim.process = None
+        victim.start()
+        victim.wait_healthy()
+        _wait_for(lambda: peers()[victim.url] == "up", 20, "the router to mark the node up again")
+        assert_no_leaks([cluster.router, *cluster.prefill, *cluster.decode])
+    finally:
+        cluster.stop()
+
+
+def test_sigterm_during_a_long_request_finishes_it_and_exits_zero(tmp_path: Path) -> None:
+    node = Node("single", ["--model", str(cached_checkpoint("llama"))], tmp_path / "single.log")
+    start_nodes([node])
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        result["response"] = post(node, "/v1/completions", LONG, timeout=120)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    _wait_for(lambda: node.stats()["decoding"] == 1, 30, "the request to start decoding")
+    assert node.process is not None
+    node.process.send_signal(signal.SIGTERM)
+    _wait_for(lambda: httpx.get(f"{node.url}/health", timeout=2).status_code == 503, 5,
+              "health to go non-200 while draining")
+    refused = post(node, "/v1/completions", {"prompt": "late", "max_tokens": 3})
+    assert refused.status_code == 503 and refused.headers.get("retry-after")
+    thread.join(timeout=120)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert node.process.wait(timeout=30) == 0
+
+
+def test_a_dead_device_thread_is_transport_lost(tmp_path: Path) -> None:
+    """The engine thread dying ends the loop: health goes non-200 at once, exit code 3."""
+    import os
+
+    from effects.faults import ENABLE_ENV
+
+    os.environ[ENABLE_ENV] = "1"
+    node = Node("single", ["--model", str(cached_checkpoint("llama")), "--inject-fault", "device_crash"],
+                tmp_path / "single.log")
+    start_nodes([node])
+    r = httpx.post(f"{node.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30,
+                   headers={"x-request-id": "inject-fault-device_crash-1"})
+    assert r.status_code >= 500 and r.json()["error"]["code"] in {"engine_failed", "transport_lost"}
+    assert node.process is not None
+    assert node.process.wait(timeout=30) == 3
+    assert "transport" in node.log.read_text().lower()
