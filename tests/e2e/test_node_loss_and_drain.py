@@ -30,7 +30,10 @@ def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 def test_killing_a_decode_node_fails_its_request_only_and_it_comes_back(tmp_path: Path) -> None:
     cluster = start_cluster(cached_checkpoint("llama"), tmp_path / "logs", prefills=1, decodes=2)
     try:
-        peers = lambda: cluster.router.stats()["peers"]  # noqa: E731
+        def peers() -> dict[str, str]:
+            phases: dict[str, str] = cluster.router.stats()["peers"]
+            return phases
+
         events: list[Any] = []
         started = time.monotonic()
         victim: Node | None = None
