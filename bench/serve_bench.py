@@ -32,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -160,6 +160,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens_reported: int | None = None
     text: str = ""
+    skipped: bool = False  # never sent: the run was stopped first
 
 
 @dataclass(slots=True)
@@ -185,6 +186,7 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, float | int | None]:
+    results = [r for r in results if not r.skipped]
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -292,11 +294,13 @@ async def run_load(
     progress: str | None = None,
     seed: int = 0,
     timeout_s: float = 600.0,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every (prompt, prompt_tokens, max_tokens) with at most `concurrency` in flight.
 
     With `rate`, requests are released as a Poisson process of that many per second (still capped
-    by `concurrency`). Returns the per-request results and the wall time of the whole run.
+    by `concurrency`). Once `stop()` is true, requests not yet sent are skipped (in-flight ones
+    finish). Returns the per-request results and the wall time of the whole run.
     """
     from tqdm import tqdm
 
@@ -316,6 +320,10 @@ async def run_load(
             if delay:
                 await asyncio.sleep(delay)
             async with gate:
+                if stop is not None and stop():
+                    results[i].skipped = True
+                    bar.update(1)
+                    return
                 await _one(client, url, prompts[i][0], results[i], model)
             tokens += results[i].output_tokens
             bar.update(1)
@@ -344,8 +352,11 @@ def build_prompts(
 
 def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> None:
     """Output tokens/s, TTFT p50 and ITL p50 against concurrency; one line per (server, mix)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the GPU image: plot the JSON later with bench/plot_results.py
+        print(f"matplotlib is not installed: no {path}", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

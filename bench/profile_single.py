@@ -1,0 +1,164 @@
+"""Profile a statecore single node under load with py-spy (sampling; every thread; no code changes).
+
+Starts `statecore run --role single` (same environment as bench/side_by_side.py, so the same BLAS
+choice), warms it, then runs py-spy against its pid for --duration seconds while
+bench/serve_bench.py's load generator keeps --concurrency streaming requests in flight. Writes
+py-spy's raw collapsed stacks (profile.txt, flamegraph.pl's input), and prints the top
+functions by own ("self") samples and by inclusive samples, per thread, to stdout and top.txt.
+
+    .venv/bin/python bench/profile_single.py --model DIR --concurrency 32 --duration 20
+
+Bench code: may import anything; nothing under src/ imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serve_bench import Mix, PromptMaker, build_prompts, load_tokenizer, run_load, summarize  # noqa: E402
+from side_by_side import ROOT, default_model, make_servers, server_env  # noqa: E402
+
+
+def _device_wait_frame() -> str:
+    """`file:line` where the engine's device thread blocks for jobs when nothing decodes."""
+    src = ROOT / "src" / "adapters" / "engine_mlx.py"
+    for number, line in enumerate(src.read_text().splitlines(), 1):
+        if "self._queue.get()" in line:
+            return f"engine_mlx.py:{number})"
+    return "engine_mlx.py:?)"
+
+
+# Leaf frames that mean "this thread is waiting": trio's epoll wait, an idle trio worker thread,
+# the device thread blocked on its job queue.
+IDLE_LEAVES = ("_io_epoll.py:243)", "_thread_cache.py:211)")
+
+
+def _role(frames: list[str]) -> str:
+    text = ";".join(frames)
+    if "MlxEngine._thread_main" in text:
+        return "device thread (MLX)"
+    if "_thread_cache.py" in text:
+        return "trio worker threads"
+    if "trio/_core/_run.py" in text:
+        return "trio event loop (HTTP, SSE, state machines)"
+    return "other"
+
+
+def top_functions(raw: Path, wall_samples: int, limit: int = 12) -> str:
+    """Per thread role: share of wall time busy, and the busy frames (self and inclusive).
+
+    `raw` is py-spy's raw output recorded with --idle --threads; `wall_samples` the samples one
+    thread gets over the whole recording (duration x rate).
+    """
+    idle_leaves = (*IDLE_LEAVES, _device_wait_frame())
+    roles: dict[str, dict[str, collections.Counter[str]]] = {}
+    threads: dict[str, set[str]] = collections.defaultdict(set)
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        thread = next((f for f in frames if f.startswith("thread (")), "?")
+        frames = [f for f in frames if not f.startswith(("thread (", "process "))]
+        role = _role(frames)
+        threads[role].add(thread)
+        c = roles.setdefault(role, {"self": collections.Counter(), "incl": collections.Counter(),
+                                    "state": collections.Counter()})
+        idle = not frames or frames[-1].endswith(idle_leaves)
+        c["state"]["idle" if idle else "busy"] += count
+        if idle:
+            continue
+        c["self"][frames[-1]] += count
+        for frame in set(frames):
+            c["incl"][frame] += count
+    out = [f"wall samples per thread: {wall_samples}"]
+    for role, c in sorted(roles.items(), key=lambda kv: -kv[1]["state"]["busy"]):
+        n = max(1, len(threads[role]))
+        busy = c["state"]["busy"]
+        out += ["", f"== {role}: {n} thread(s), busy {100 * busy / (wall_samples * n):.0f}% of wall time"
+                f" per thread ({busy} busy samples)"]
+        if not busy:
+            continue
+        out += ["  self (top of stack), % of this role's busy samples:"]
+        out += [f"    {100 * k / busy:5.1f}%  {name}" for name, k in c["self"].most_common(limit)]
+        out += ["  inclusive, % of this role's busy samples:"]
+        out += [f"    {100 * k / busy:5.1f}%  {name}" for name, k in c["incl"].most_common(limit + 8)]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="at most this many (default 20 x concurrency); stops when py-spy does")
+    parser.add_argument("--duration", type=int, default=20)
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
+    spy_default = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    parser.add_argument("--py-spy", default=spy_default, help="the py-spy executable")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "profile")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run `finally`
+    model = args.model or default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env, blas = server_env(args.blas)
+    maker = PromptMaker(load_tokenizer(model))
+    (server,) = make_servers(model, args.out, ["single"], [])
+    server.start(env)
+    try:
+        server.wait_ready(900)
+        asyncio.run(run_load(server.url, build_prompts(maker, Mix("warm", 64, 8), 8, 99), concurrency=8))
+        n = args.requests or 20 * args.concurrency
+        prompts = build_prompts(maker, Mix("p", args.prompt_tokens, args.output_tokens), n, 7)
+        assert server.proc is not None
+        raw = args.out / "profile.txt"
+        spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
+               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking"]
+        result: dict[str, object] = {}
+
+        done = threading.Event()
+
+        def load() -> None:
+            results, wall = asyncio.run(run_load(server.url, prompts, concurrency=args.concurrency,
+                                                 progress="load", stop=done.is_set))
+            result.update(summarize(results, wall))
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        time.sleep(3)  # let the batch fill, then sample
+        try:
+            subprocess.run([*spy, "--format", "raw", "-o", str(raw)], check=True)
+        finally:
+            done.set()  # send nothing more; in-flight requests finish
+            loader.join()
+        summary = top_functions(raw, args.duration * args.rate)
+        header = (f"model {model} BLAS {blas}; load: {args.prompt_tokens}x{args.output_tokens} at "
+                  f"concurrency {args.concurrency}; output {result.get('output_tok_s')} tok/s; "
+                  f"py-spy {args.duration} s at {args.rate} Hz\n")
+        (args.out / "top.txt").write_text(header + summary + "\n")
+        print(header + summary)
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
