@@ -18,7 +18,7 @@ timeout 90 $PY bench/bare_decode.py --model $M --batch 1,8,32 --out "$OUT/bare.j
 timeout "${SBS_LIMIT:-300}" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 \
   --servers mlx_lm,single,cluster,single_shared \
   --mix 128x128 --mix 2000x16 --concurrency 1,8,32 --long-concurrency 1,8 --long-requests 8 \
-  --out "$OUT/sbs" 2>&1 | tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$' | tail -30
+  --startup-timeout 150 --out "$OUT/sbs" 2>&1 | tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$' | tail -30
 timeout "${PROF_LIMIT:-100}" $PY bench/profile_single.py --model $M --blas bundled --concurrency 32 \
   --duration 15 --py-spy "${PYSPY:-/tmp/site/bin/py-spy}" --out "$OUT/profile" 2>&1 | tr '\r' '\n' \
   | grep -v -E 'req/s|it/s|^\s*$' | head -60
