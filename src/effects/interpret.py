@@ -254,7 +254,7 @@ class RouterPerformer:
                 try:
                     await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 except StatecoreError as exc:
-                    self._blame(ctx, exc.info)
+                    self._blame(ctx.decode_node, exc.info)
                     raise
             case FetchKv() | InstallKv() | SendKv():
                 raise _bug(f"{intent.kind.value} is not a router intent")
@@ -274,7 +274,7 @@ class RouterPerformer:
                 return
             reply = await self.peers.prefill(ctx.prefill_node or "", rid, ctx.prompt, ctx.sampling)
         except StatecoreError as exc:
-            self._blame(ctx, exc.info)
+            self._blame(ctx.decode_node if ctx.local else ctx.prefill_node, exc.info)
             retryable = exc.info.fault in (Fault.PEER, Fault.TRANSPORT, Fault.OVERLOADED)
             if retryable and ctx.first_token is None and ctx.attempts < self.max_attempts:
                 ctx.tried |= {n for n in (ctx.prefill_node, ctx.decode_node) if n}
@@ -284,13 +284,10 @@ class RouterPerformer:
             raise
         await self._first(reply, ctx, post)
 
-    def _blame(self, ctx: RoutedRequest, error: ErrorInfo) -> None:
-        """Tell peer health which node failed at the transport level."""
-        if self.on_peer_failure is None or error.fault is not Fault.TRANSPORT:
-            return
-        for node in (ctx.prefill_node, ctx.decode_node):
-            if node is not None:
-                self.on_peer_failure(node, error)
+    def _blame(self, node: str | None, error: ErrorInfo) -> None:
+        """Tell peer health that this node failed at the transport level."""
+        if self.on_peer_failure is not None and node is not None and error.fault is Fault.TRANSPORT:
+            self.on_peer_failure(node, error)
 
     async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
         if reply.is_eos:

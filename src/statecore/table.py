@@ -280,7 +280,8 @@ _PEER_EDGES: dict[tuple[PeerPhase, EventKind], Edge[PeerPhase]] = {
     (H.UP, E.TIMER_FIRED): Edge(H.UP),
     (H.SUSPECT, E.PROBE_SUCCEEDED): Edge(H.UP),
     (H.SUSPECT, E.PROBE_FAILED): _GO_DOWN,
-    (H.SUSPECT, E.PEER_FAILED): _GO_DOWN,
+    # a request's failure only raises suspicion; the node's own health probe decides "down"
+    (H.SUSPECT, E.PEER_FAILED): Edge(H.SUSPECT),
     (H.SUSPECT, E.TRANSPORT_LOST): _GO_DOWN,
     (H.SUSPECT, E.TIMER_FIRED): Edge(H.SUSPECT),
     # half-open: a down peer is probed only once its cooldown has passed
