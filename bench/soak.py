@@ -25,9 +25,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.tiny_models import cached_checkpoint  # noqa: E402
-from effects.faults import ENABLE_ENV, Phase  # noqa: E402
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster  # noqa: E402
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
+
+from adapters.tiny_models import cached_checkpoint
+from effects.faults import ENABLE_ENV, Phase
 
 FAULTS = [p.value for p in Phase if p is not Phase.DEVICE_CRASH]
 
