@@ -233,7 +233,6 @@ JOIN_CASES = [
     Case("llama", "bfloat16"),
     Case("gemma3_text", "float32"),
     Case("gemma3_text", "bfloat16"),
-    Case("qwen3", "float16"),
     Case("qwen3_next", "float32"),
     Case("falcon_h1", "bfloat16"),
     Case("mamba2", "float32"),
