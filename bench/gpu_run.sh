@@ -15,11 +15,11 @@ export HF_HUB_OFFLINE=1
 M=${MODEL:-/tmp/llama1b}
 [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -2
 timeout 90 $PY bench/bare_decode.py --model $M --batch 1,8,32 --out "$OUT/bare.json" 2>&1 | tail -5
-timeout "${SBS_LIMIT:-300}" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 \
+timeout "${SBS_LIMIT:-270}" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 \
   --servers mlx_lm,single,cluster,single_shared \
-  --mix 128x128 --mix 2000x16 --concurrency 1,8,32 --long-concurrency 1,8 --long-requests 8 \
+  --mix 128x128 --mix 2000x16 --concurrency 1,8,32 --long-concurrency 1 --long-requests 4 \
   --startup-timeout 150 --out "$OUT/sbs" 2>&1 | tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$' | tail -30
-timeout "${PROF_LIMIT:-100}" $PY bench/profile_single.py --model $M --blas bundled --concurrency 32 \
+timeout "${PROF_LIMIT:-75}" $PY bench/profile_single.py --model $M --blas bundled --concurrency 32 \
   --duration 15 --py-spy "${PYSPY:-/tmp/site/bin/py-spy}" --out "$OUT/profile" 2>&1 | tr '\r' '\n' \
   | grep -v -E 'req/s|it/s|^\s*$' | head -60
 ls -la "$OUT" "$OUT"/*

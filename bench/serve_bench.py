@@ -351,7 +351,10 @@ def build_prompts(
 
 
 def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> None:
-    """Output tokens/s, TTFT p50 and ITL p50 against concurrency; one line per (server, mix)."""
+    """Output tokens/s, TTFT p50 and TPOT p50 against concurrency; one line per (server, mix).
+
+    TPOT rather than chunk gaps: a server may coalesce several tokens into one SSE chunk.
+    """
     try:
         import matplotlib
     except ImportError:  # e.g. the GPU image: plot the JSON later with bench/plot_results.py
@@ -361,7 +364,7 @@ def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("output_tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-              ("itl_p50_ms", "inter-token p50 (ms)")]
+              ("tpot_p50_ms", "time per output token p50 (ms)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     keys = sorted({(r.server, r.mix) for r in runs})
     for ax, (metric, label) in zip(axes, panels, strict=True):
