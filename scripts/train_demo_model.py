@@ -1,3 +1,6 @@
+# mlx ships partial stubs (nn.Module, nn.value_and_grad, mx.__version__ and array.item() are
+# missing or loosely typed there), so these codes are relaxed for this tool script only.
+# mypy: disable-error-code="name-defined,attr-defined,arg-type,no-untyped-call,no-any-return,str-unpack,union-attr"
 """Train the tiny demo model that ships inside the package (``src/adapters/demo_model/``).
 
 ``statecore run`` with no arguments serves this model, so it must be small (<= 20 MB on disk),
@@ -270,16 +273,14 @@ def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
 
 
 def evaluate(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig) -> float:
-    windows = [
-        tokens[s : s + cfg.seq_len + 1] for s in range(0, len(tokens) - cfg.seq_len - 1, cfg.seq_len)
-    ][:64]
+    windows = [tokens[s : s + cfg.seq_len + 1] for s in range(0, len(tokens) - cfg.seq_len - 1, cfg.seq_len)][
+        :64
+    ]
     losses = [loss_fn(model, mx.array(np.stack(windows[i : i + 16]))) for i in range(0, len(windows), 16)]
     return float(mx.mean(mx.stack(losses)).item())
 
 
-def calibrate_steps(
-    cfg: TrainConfig, config: dict[str, Any], tokens: np.ndarray, minutes: float
-) -> int:
+def calibrate_steps(cfg: TrainConfig, config: dict[str, Any], tokens: np.ndarray, minutes: float) -> int:
     """How many steps fit in ``minutes``, timed on a throwaway copy of the model."""
     model = llama.Model(llama.ModelArgs.from_dict(config))
     optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
@@ -313,7 +314,10 @@ def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, n: int = 40
 
 
 def train(
-    cfg: TrainConfig, model: nn.Module, tokenizer: Tokenizer, train_tokens: np.ndarray,
+    cfg: TrainConfig,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    train_tokens: np.ndarray,
     val_tokens: np.ndarray,
 ) -> dict[str, float]:
     warmup = min(cfg.warmup, max(1, cfg.steps // 10))
@@ -387,8 +391,10 @@ def train_torch(
     def lin(o: int, i: int) -> Any:
         return torch.nn.Parameter(torch.randn(o, i, device=dev) * (1.0 / math.sqrt(i)))
 
-    params: dict[str, Any] = {"model.embed_tokens.weight": lin(v, h), "model.norm.weight":
-                              torch.nn.Parameter(torch.ones(h, device=dev))}
+    params: dict[str, Any] = {
+        "model.embed_tokens.weight": lin(v, h),
+        "model.norm.weight": torch.nn.Parameter(torch.ones(h, device=dev)),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -397,9 +403,7 @@ def train_torch(
         params[p + "mlp.up_proj.weight"] = lin(ff, h)
         params[p + "mlp.down_proj.weight"] = lin(h, ff)
         params[p + "input_layernorm.weight"] = torch.nn.Parameter(torch.ones(h, device=dev))
-        params[p + "post_attention_layernorm.weight"] = torch.nn.Parameter(
-            torch.ones(h, device=dev)
-        )
+        params[p + "post_attention_layernorm.weight"] = torch.nn.Parameter(torch.ones(h, device=dev))
     inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2, device=dev).float() / hd))
     ang = torch.arange(cfg.context, device=dev).float()[:, None] * inv[None, :]
     cos, sin = torch.cos(ang), torch.sin(ang)
@@ -427,17 +431,16 @@ def train_torch(
             x = x + o.transpose(1, 2).reshape(bsz, t, h) @ params[p + "self_attn.o_proj.weight"].T
             y = norm(x, params[p + "post_attention_layernorm.weight"])
             g = F.silu(y @ params[p + "mlp.gate_proj.weight"].T)
-            x = x + (g * (y @ params[p + "mlp.up_proj.weight"].T)) @ params[
-                p + "mlp.down_proj.weight"].T
+            x = x + (g * (y @ params[p + "mlp.up_proj.weight"].T)) @ params[p + "mlp.down_proj.weight"].T
         x = norm(x, params["model.norm.weight"])
         return x @ params["model.embed_tokens.weight"].T
 
     decay = [p for n, p in params.items() if not n.endswith("norm.weight")]
     no_decay = [p for n, p in params.items() if n.endswith("norm.weight")]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay,
-                                                               "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
     )
     warmup = min(cfg.warmup, max(1, cfg.steps // 10))
 
@@ -477,8 +480,10 @@ def train_torch(
             )
             window, window_start = 0.0, now
     weights = {n: p.detach().float().cpu().numpy() for n, p in params.items()}
-    return weights, {"seconds": time.perf_counter() - start,
-                     "tokens_seen": float(cfg.steps * cfg.batch_size * cfg.seq_len)}
+    return weights, {
+        "seconds": time.perf_counter() - start,
+        "tokens_seen": float(cfg.steps * cfg.batch_size * cfg.seq_len),
+    }
 
 
 # --------------------------------------------------------------------------- output
@@ -603,9 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
     samples = {
         "plain": sample_text(model, tokenizer, "Once upon a time"),
-        "chat": sample_text(
-            model, tokenizer, f"{USER}\nWhat is your name?\n{ASSISTANT}\n"
-        ),
+        "chat": sample_text(model, tokenizer, f"{USER}\nWhat is your name?\n{ASSISTANT}\n"),
     }
     print(f"samples: {samples}", flush=True)
     stats.update(
