@@ -1,6 +1,7 @@
 # mlx ships partial stubs (nn.Module, nn.value_and_grad, mx.__version__ and array.item() are
 # missing or loosely typed there), so these codes are relaxed for this tool script only.
-# mypy: disable-error-code="name-defined,attr-defined,arg-type,no-untyped-call,no-any-return,str-unpack,union-attr"
+# mypy: disable-error-code="name-defined,attr-defined,arg-type,no-untyped-call"
+# mypy: disable-error-code="no-any-return,str-unpack,union-attr"
 """Train the tiny demo model that ships inside the package (``src/adapters/demo_model/``).
 
 ``statecore run`` with no arguments serves this model, so it must be small (<= 20 MB on disk),
