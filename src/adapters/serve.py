@@ -335,7 +335,6 @@ def run_cluster(args: argparse.Namespace) -> int:
                           flush=True)
                     stopping = True
             time.sleep(0.2)
-        return 0
     finally:
         for child in children.values():
             if child.poll() is None:
@@ -346,6 +345,12 @@ def run_cluster(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+    failed = {role: child.returncode for role, child in children.items() if child.returncode != 0}
+    if failed:
+        print(f"statecore: nodes exited uncleanly: {failed}", flush=True)
+        return 1
+    print("statecore: every node stopped cleanly", flush=True)
+    return 0
 
 
 def run_command(args: argparse.Namespace) -> int:

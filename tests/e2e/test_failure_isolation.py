@@ -30,6 +30,7 @@ from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, wit
 pytestmark = pytest.mark.e2e
 
 TOKEN = "t0ps3cret"
+MAX_KV_BYTES = 1 << 20  # far above what these prompts need
 GOOD = {"prompt": "The harbour lights came on one by one.", "max_tokens": 12, "temperature": 0}
 # which error code each injected phase must surface as
 EXPECTED_CODE = {
@@ -44,18 +45,19 @@ EXPECTED_CODE = {
     Phase.DECODE_STEP: {"injected_fault"},
     Phase.STREAM_OUT: {"transport_lost"},
 }
+MATRIX = list(EXPECTED_CODE)  # DEVICE_CRASH ends a node's loop: test_node_loss_and_drain covers it
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     os.environ[ENABLE_ENV] = "1"
     faults: list[str] = []
-    for phase in Phase:
+    for phase in MATRIX:
         faults += ["--inject-fault", phase.value]
     faults += ["--inject-fault", "kv_encode:slow=2", "--inject-fault", "prefill:slow=2"]
     built = start_cluster(
         cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
-        node_args=("--internal-token", TOKEN, *faults),
+        node_args=("--internal-token", TOKEN, "--max-kv-bytes", str(MAX_KV_BYTES), *faults),
         router_args=("--force-disaggregation", "--internal-token", TOKEN, *faults),
     )
     try:
@@ -84,7 +86,7 @@ def _call(cluster: Cluster, body: dict[str, Any], request_id: str, stream: bool)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
+@pytest.mark.parametrize("phase", MATRIX, ids=lambda p: p.value)
 def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bool) -> None:
     expected_good = without_ids(post(cluster.single, "/v1/completions", GOOD).json())
     marked = f"inject-fault-{phase.value}-{'s' if stream else 'j'}"
@@ -204,8 +206,9 @@ def _wrong_model_payload() -> bytes:
         (b"\x00garbage" * 100, {"kv_malformed"}),
         (b"", {"kv_truncated", "kv_malformed"}),
         (None, {"kv_wrong_model"}),
+        (b"\x89SCKV" + b"\x00" * (2 * MAX_KV_BYTES), {"kv_too_large"}),
     ],
-    ids=["garbage", "empty", "wrong-model"],
+    ids=["garbage", "empty", "wrong-model", "oversized"],
 )
 def test_bad_kv_payloads_are_refused_with_nothing_installed(
     cluster: Cluster, payload: bytes | None, code: set[str]
