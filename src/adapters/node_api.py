@@ -80,11 +80,16 @@ def guarded(token: str | None, handler: Handler) -> Handler:
     return wrapped
 
 
-async def read_json(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > MAX_INTERNAL_BODY:
-        raise StatecoreError(client_error("body too large", Code.BODY_TOO_LARGE))
-    return body
+async def read_body(request: Request) -> bytes:
+    """The request body, refused as soon as it grows past the limit (never buffered whole)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_INTERNAL_BODY:
+            raise StatecoreError(client_error("body too large", Code.BODY_TOO_LARGE))
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _validated(model: type[PrefillBody] | type[DecodeBody], raw: bytes) -> Any:
@@ -170,7 +175,7 @@ class NodeApi:
         return RunnerGeneration(self.runner, rid, replies)
 
     async def prefill(self, request: Request) -> Response:
-        body: PrefillBody = _validated(PrefillBody, await read_json(request))
+        body: PrefillBody = _validated(PrefillBody, await read_body(request))
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True)
         generation = await self._admit(rid, context, 4)
@@ -234,7 +239,7 @@ class NodeApi:
         return JSONResponse({"cancelled": rid})
 
     async def decode(self, request: Request) -> Response:
-        body: DecodeBody = _validated(DecodeBody, await read_json(request))
+        body: DecodeBody = _validated(DecodeBody, await read_body(request))
         rid = RequestId(body.request_id)
         local = body.prefill_url is None or body.first_token is None
         context = NodeRequest(

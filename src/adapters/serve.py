@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ async def _watch_signals(runner: NodeRunner[Any]) -> None:
             await runner.post_loop(DrainRequested())
 
 
-async def _watch_device(runner: NodeRunner[Any], alive: Any) -> None:
+async def _watch_device(runner: NodeRunner[Any], alive: Callable[[], bool]) -> None:
     while alive():
         await trio.sleep(0.1)
     log.error("the MLX device thread died: the loop's transport is lost")
