@@ -236,7 +236,7 @@ JOIN_CASES = [
     Case("qwen3_next", "float32"),
     Case("falcon_h1", "bfloat16"),
     Case("mamba2", "float32"),
-    Case("llama4", "float32"),  # ChunkedKVCache: the solo lane, next to three batched requests
+    Case("llama4", "float32"),  # ChunkedKVCache (no merge): all four decode in the solo lane
     Case("llama", "float32", kv_bits=4),  # QuantizedKVCache: everyone in the solo lane
 ]
 
