@@ -287,9 +287,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
               + ", ".join(f"{s.name} {s.url}" for s in servers), flush=True)
-        warm = build_prompts(maker, Mix("warm", 64, 8), 4, 12345)
+        # Warm every server at every concurrency the cells use (a GPU backend compiles kernels on
+        # first use of a shape; a cold server would pay that inside the first measured cell).
+        warm_concs = sorted({c for i, _ in enumerate(mixes) for c in (first_concs if i == 0 else
+                                                                       args.long_concurrency)})
         for s in servers:
-            asyncio.run(run_load(s.url, warm, concurrency=4))
+            for c in warm_concs:
+                warm = build_prompts(maker, Mix("warm", 64, 8), c, 12345 + c)
+                asyncio.run(run_load(s.url, warm, concurrency=c))
+            long = build_prompts(maker, Mix("warm-long", min(2000, max(m.prompt_tokens or 0 for m in mixes)),
+                                            4), 1, 777)
+            if long[0][1] > 64:
+                asyncio.run(run_load(s.url, long, concurrency=1))
         if not args.no_parity:
             meta["parity"] = parity(servers, maker)
             print(f"parity (greedy text equal per prompt): {meta['parity']}", flush=True)
