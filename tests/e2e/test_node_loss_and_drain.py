@@ -108,3 +108,25 @@ def test_a_dead_device_thread_is_transport_lost(tmp_path: Path) -> None:
     assert node.process is not None
     assert node.process.wait(timeout=30) == 3
     assert "transport" in node.log.read_text().lower()
+
+
+def test_a_dead_prefill_node_is_retried_around_before_the_first_token(tmp_path: Path) -> None:
+    """Requests sent right after a prefill node dies (before any probe notices) still succeed:
+    the router retries on the other prefill node, invisibly to the client."""
+    cluster = start_cluster(cached_checkpoint("llama"), tmp_path / "logs", prefills=2, decodes=1)
+    try:
+        dead = cluster.prefill[0]
+        assert dead.process is not None
+        dead.process.send_signal(signal.SIGKILL)
+        dead.process.wait()
+        bodies = [{"prompt": f"Failover {i}", "max_tokens": 6, "temperature": 0} for i in range(6)]
+        for body in bodies:
+            routed = post(cluster.router, "/v1/completions", body)
+            assert routed.status_code == 200, routed.text
+            single = post(cluster.single, "/v1/completions", body)
+            assert routed.json()["choices"] == single.json()["choices"]
+        assert cluster.prefill[1].stats()["outcomes"].get("done", 0) == len(bodies)
+        assert "-> routed on retry" in cluster.router.log.read_text()  # the retry path was taken
+        assert_no_leaks([cluster.router, cluster.prefill[1], *cluster.decode])
+    finally:
+        cluster.stop()
