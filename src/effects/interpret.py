@@ -10,8 +10,9 @@ and trio; it must never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -193,6 +194,13 @@ class RoutedRequest:
     attempts: int = 0
     stopped: bool = False
     tried: set[str] = field(default_factory=set)
+    # (node, the id this attempt used there): what the current attempt may hold remotely
+    remote: list[tuple[str, RequestId]] = field(default_factory=list)
+
+    def node_request_id(self, request_id: RequestId) -> RequestId:
+        """Each retry uses its own id on the nodes, so a late copy of a failed attempt can
+        never collide with the new one; the client's id stays a prefix (logs, fault markers)."""
+        return request_id if self.attempts <= 1 else RequestId(f"{request_id}.retry{self.attempts - 1}")
 
 
 NodePicker = Callable[[str, set[str]], str]  # (role, nodes to avoid) -> url; raises when none
@@ -250,7 +258,9 @@ class RouterPerformer:
                     await post(Finished("length"))
                     return
                 assert ctx.decode_node is not None and ctx.first_token is not None
-                call = DecodeCall(rid, ctx.prompt, ctx.sampling, ctx.first_token, ctx.prefill_node)
+                call = DecodeCall(
+                    ctx.node_request_id(rid), ctx.prompt, ctx.sampling, ctx.first_token, ctx.prefill_node
+                )
                 try:
                     await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 except StatecoreError as exc:
@@ -259,20 +269,32 @@ class RouterPerformer:
             case FetchKv() | InstallKv() | SendKv():
                 raise _bug(f"{intent.kind.value} is not a router intent")
 
+    async def _cancel_remote(self, ctx: RoutedRequest) -> None:
+        """Tell every node the current attempt used to stop and free what it holds."""
+        held, ctx.remote = ctx.remote, []
+        for node, node_rid in held:
+            with trio.move_on_after(5), contextlib.suppress(StatecoreError):
+                await self.peers.cancel(node, node_rid, stopped=ctx.stopped)
+
     async def _start(self, rid: RequestId, ctx: RoutedRequest, post: Post) -> None:
+        with trio.CancelScope(shield=True):
+            await self._cancel_remote(ctx)  # a previous, failed attempt's leftovers
         self._release_nodes(ctx)
         ctx.prefill_node = ctx.decode_node = None
         ctx.attempts += 1
+        nid = ctx.node_request_id(rid)
         try:
             ctx.decode_node = self._take(self.pick("decode", ctx.tried))
+            ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried))
+                ctx.remote.append((ctx.prefill_node, nid))
             await post(Dispatched())
             if ctx.local:
-                call = DecodeCall(rid, ctx.prompt, ctx.sampling, None, None)
+                call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, None)
                 await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 return
-            reply = await self.peers.prefill(ctx.prefill_node or "", rid, ctx.prompt, ctx.sampling)
+            reply = await self.peers.prefill(ctx.prefill_node or "", nid, ctx.prompt, ctx.sampling)
         except StatecoreError as exc:
             self._blame(ctx.decode_node if ctx.local else ctx.prefill_node, exc.info)
             retryable = exc.info.fault in (Fault.PEER, Fault.TRANSPORT, Fault.OVERLOADED)
@@ -324,10 +346,7 @@ class RouterPerformer:
             return
         match intent:
             case CancelRemote():
-                nodes: Sequence[str | None] = (ctx.decode_node, ctx.prefill_node)
-                for node in nodes:
-                    if node is not None:
-                        await self.peers.cancel(node, rid, stopped=ctx.stopped)
+                await self._cancel_remote(ctx)
             case ReleaseKv() | StopDecoding():
                 pass
 

@@ -167,8 +167,10 @@ ROUTER_REQUEST: Machine[RouterPhase] = _request_machine(
     progress=[
         (R.INTAKE, E.ADMITTED, Edge(R.ROUTED, (I.ARM_DEADLINE, I.START_PREFILL))),
         (R.ROUTED, E.DISPATCHED, Edge(R.PREFILLING)),
-        (R.ROUTED, E.RETRY, Edge(R.ROUTED, (I.CANCEL_REMOTE, I.START_PREFILL))),
-        (R.PREFILLING, E.RETRY, Edge(R.ROUTED, (I.CANCEL_REMOTE, I.START_PREFILL))),
+        # a new attempt frees what the failed one held on its nodes before it starts (inside
+        # START_PREFILL, so that can never race with the new attempt)
+        (R.ROUTED, E.RETRY, Edge(R.ROUTED, (I.START_PREFILL,))),
+        (R.PREFILLING, E.RETRY, Edge(R.ROUTED, (I.START_PREFILL,))),
         (R.PREFILLING, E.FIRST_TOKEN, Edge(R.HANDING_OFF, (I.RESPOND_TOKEN, I.START_DECODE))),
         (R.PREFILLING, E.FINISHED, Edge(R.DONE, (I.CANCEL_TIMER, I.CANCEL_REMOTE, I.COMPLETE))),
         (R.HANDING_OFF, E.DECODE_STARTED, Edge(R.DECODING)),

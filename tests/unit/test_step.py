@@ -93,7 +93,7 @@ CASES = [
     Case(ROUTER_REQUEST, RouterPhase.DECODING, StopMatched(), RouterPhase.DONE,
          [CancelTimer(RID), CancelRemote(RID), Complete(RID, "stop")]),
     Case(ROUTER_REQUEST, RouterPhase.PREFILLING, RetryRequested(PEER), RouterPhase.ROUTED,
-         [CancelRemote(RID), StartPrefill(RID)]),
+         [StartPrefill(RID)]),
     # router: failure and cancellation free what the phase holds
     Case(ROUTER_REQUEST, RouterPhase.INTAKE, Rejected(BAD), RouterPhase.FAILED, [Reject(RID, BAD)]),
     Case(ROUTER_REQUEST, RouterPhase.HANDING_OFF, PeerFailed(PEER), RouterPhase.FAILED,
