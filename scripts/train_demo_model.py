@@ -34,8 +34,8 @@ names and layout) with PyTorch on a CUDA GPU in about two minutes for 4,000 step
 the weights into ``mlx_lm.models.llama`` and re-measures the loss with MLX before writing; it is a
 faster way to experiment, not how the shipped weights were made.
 
-``--steps`` and ``--out`` change the length of training and where the model goes. This script is a tool, not part of the package:
-nothing under ``src/`` may import it.
+``--steps`` and ``--out`` change the length of training and where the model goes. This script
+is a tool, not part of the package: nothing under ``src/`` may import it.
 """
 
 from __future__ import annotations
