@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,15 +52,10 @@ from serve_bench import (  # noqa: E402
     summarize,
 )
 
+from adapters.serve import free_port, wait_healthy  # noqa: E402
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 SERVERS = ("mlx_lm", "single", "cluster", "single_shared")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -84,17 +78,9 @@ class Server:
 
     def wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"{self.name} not healthy within {timeout_s:.0f} s; see {self.log}")
+        problem = wait_healthy(self.url, self.proc, timeout_s)
+        if problem is not None:
+            raise SystemExit(f"{self.name}: {problem}; see {self.log}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

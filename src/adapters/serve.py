@@ -275,18 +275,26 @@ def free_port() -> int:
         return port
 
 
-def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
+def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """Poll a starting node's /health until it answers 200. None when it does; otherwise why
+    not (the process exited, or the time ran out), for the caller to raise as it sees fit."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise SystemExit(f"statecore: {url} exited with code {child.returncode} while starting")
+            return f"{url} exited with code {child.returncode} while starting"
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
+                return None
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    raise SystemExit(f"statecore: {url} was not healthy within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    return f"{url} was not healthy within {timeout_s:.0f} s"
+
+
+def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
+    problem = wait_healthy(url, child, timeout_s)
+    if problem is not None:
+        raise SystemExit(f"statecore: {problem}")
 
 
 def run_cluster(args: argparse.Namespace) -> int:

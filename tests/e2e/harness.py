@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from adapters.serve import free_port
+from adapters.serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,18 +46,10 @@ class Node:
             )
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.role} exited {self.process.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{self.role} not healthy in {timeout_s} s:\n{self.tail()}")
+        assert self.process is not None
+        problem = wait_healthy(self.url, self.process, timeout_s)
+        if problem is not None:
+            raise AssertionError(f"{self.role}: {problem}:\n{self.tail()}")
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
