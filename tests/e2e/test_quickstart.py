@@ -54,7 +54,7 @@ def test_statecore_run_with_no_arguments_answers_a_chat(tmp_path: Path) -> None:
         printable = all(c.isprintable() or c in "\n\t" for c in answer)
         assert len(words) >= 3 and letters >= 0.75 * len(answer) and printable, f"not readable: {answer!r}"
         parent.send_signal(signal.SIGTERM)
-        assert parent.wait(timeout=60) == 0
+        assert parent.wait(timeout=60) == 0, log.read_text()[-3000:]
         for pid in children:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     finally:
