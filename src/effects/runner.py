@@ -225,11 +225,12 @@ class NodeRunner(Generic[P]):
         if held.sink is not None:
             held.sink.close()
 
-    def _spawn(self, fn: Callable[[], Awaitable[None]], rid: RequestId | None) -> None:
+    def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         assert self._nursery is not None
-        self._nursery.start_soon(self._guarded, fn, rid)
+        self._nursery.start_soon(self._counted, fn)
 
-    async def _guarded(self, fn: Callable[[], Awaitable[None]], rid: RequestId | None) -> None:
+    async def _counted(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run a child task, counted in `live_tasks` (the leak checks read it)."""
         self._live_tasks += 1
         try:
             await fn()
@@ -280,7 +281,7 @@ class NodeRunner(Generic[P]):
                 await trio.sleep(seconds)
                 await self.post(rid, TimerFired(timer))
 
-        self._spawn(fire, rid)
+        self._spawn(fire)
 
     def _spawn_work(self, intent: WorkIntent) -> None:
         rid = intent.request_id
@@ -308,7 +309,7 @@ class NodeRunner(Generic[P]):
                 finally:
                     held.work.discard(scope)
 
-        self._spawn(work, rid)
+        self._spawn(work)
 
     async def _post_failure(self, rid: RequestId, error: ErrorInfo) -> None:
         if error.code is Code.TRANSPORT_LOST:
@@ -335,7 +336,7 @@ class NodeRunner(Generic[P]):
                 if forget:
                     self.performer.forget(rid)
 
-        self._spawn(run, None)
+        self._spawn(run)
 
     def _loop_intent(self, kind: IntentKind, detail: str) -> None:
         if kind is IntentKind.REPORT_BUG:
@@ -346,7 +347,7 @@ class NodeRunner(Generic[P]):
                 await trio.sleep(self.timeouts.drain_s)
                 await self.post_loop(TimerFired(Timer.DRAIN))
 
-            self._spawn(drain_deadline, None)
+            self._spawn(drain_deadline)
         # STOP_LOOP needs nothing here: the core has already ended every live request, and
         # `run` leaves its receive loop once the loop phase is `stopped`
 
