@@ -30,7 +30,7 @@ from effects.ports import (
     TokenOut,
 )
 from effects.runner import CleanupIntent, Post, WorkIntent
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 from statecore.events import (
     Dispatched,
     Finished,
@@ -70,7 +70,7 @@ class NodeRequest:
 
 
 def _bug(message: str) -> StatecoreError:
-    return StatecoreError(ErrorInfo(Fault.BUG, Code.INTERNAL, message))
+    return StatecoreError(bug(message))
 
 
 class EnginePerformer:

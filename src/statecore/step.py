@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar, assert_never
 
-from statecore.errors import Code, ErrorInfo, Fault
+from statecore.errors import Code, ErrorInfo, Fault, bug
 from statecore.events import (
     Admitted,
     ClientCancelled,
@@ -184,7 +184,8 @@ def _build_request_intent(
         case IntentKind.RESPOND_TOKEN:
             token = _token_of(event)
             if token is None:  # a table edge names RESPOND_TOKEN on a token-less event
-                return Reject(rid, _bug(f"no token in '{event.kind.value}' at {phase.value}"))
+                missing = f"no token in '{event.kind.value}' at {phase.value}"
+                return Reject(rid, bug(missing, Code.ILLEGAL_TRANSITION))
             return RespondToken(rid, token)
         case IntentKind.COMPLETE:
             reason = event.finish_reason if isinstance(event, Finished) else "stop"
@@ -196,13 +197,10 @@ def _build_request_intent(
             | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG | IntentKind.MARK_AVAILABLE
             | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN | IntentKind.SEND_PROBE
         ):
-            return Reject(rid, _bug(f"loop/peer intent {kind.value} on a request edge"))
+            misplaced = f"loop/peer intent {kind.value} on a request edge"
+            return Reject(rid, bug(misplaced, Code.ILLEGAL_TRANSITION))
         case _:
             assert_never(kind)
-
-
-def _bug(message: str) -> ErrorInfo:
-    return ErrorInfo(Fault.BUG, Code.ILLEGAL_TRANSITION, message)
 
 
 def step_request(

@@ -117,8 +117,6 @@ def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 
     decode = [Node("decode", common, logs / f"decode{i}.log") for i in range(decodes)]
     start_nodes([single, *prefill, *decode])
     front = router(model, logs / "router.log", prefill, decode, *router_args)
-    if any(a == "--internal-token" for a in node_args):
-        single.args.extend(())  # the single node serves no internal peers
     start_nodes([front])
     return Cluster(single, front, prefill, decode)
 
