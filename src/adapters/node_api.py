@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from adapters.blas import blas_in_use
 from adapters.internal_wire import (
     TOKEN_HEADER,
     DecodeBody,
@@ -142,7 +143,7 @@ class NodeApi:
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse(info_json(self.engine.info))
+        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use()})
 
     def statistics(self) -> dict[str, object]:
         engine = self.engine.statistics()

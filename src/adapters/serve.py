@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from adapters.blas import apply_blas_choice
 from adapters.internal_wire import info_json
 from adapters.metrics import Metrics
 from adapters.node_api import NodeApi, guarded
@@ -217,6 +218,17 @@ async def _fetch_info(peers: HttpxPeers, nodes: list[str], deadline_s: float = 6
     raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}")
 
 
+async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
+    """A node's model fingerprint and BLAS from its /internal/info; None when it does not answer."""
+    try:
+        response = await peers.client.get(f"{node}/internal/info", timeout=5.0)
+        doc = response.json()
+        blas = doc.get("blas")
+        return str(doc["fingerprint"]), str(blas) if blas else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 async def run_router(args: argparse.Namespace) -> int:
     if not args.prefill or not args.decode:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
@@ -225,14 +237,13 @@ async def run_router(args: argparse.Namespace) -> int:
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
     info = await _fetch_info(peers, prefill + decode)
-    fingerprints: dict[str, str | None] = {}
-    for node in prefill + decode:
-        try:
-            fingerprints[node] = (await peers.info(node)).fingerprint
-        except StatecoreError:
-            fingerprints[node] = None
-    if len({f for f in fingerprints.values() if f}) > 1:
-        log.warning("nodes serve different model fingerprints: %s", fingerprints)
+    builds = {node: await _node_build(peers, node) for node in prefill + decode}
+    answered = [b for b in builds.values() if b is not None]
+    if len({fp for fp, _ in answered}) > 1 or len({blas for _, blas in answered if blas}) > 1:
+        log.warning("nodes differ in model fingerprint or BLAS, so KV handoffs between them will be refused "
+                    "(start every node with the same model, flags and --blas): %s",
+                    {node: f"fingerprint {b[0]}, BLAS {b[1] or 'unreported'}" if b else "no answer"
+                     for node, b in builds.items()})
     peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health)
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
                                 on_peer_failure=peer_set.report_failure)
@@ -300,7 +311,12 @@ def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) ->
 def run_cluster(args: argparse.Namespace) -> int:
     """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all."""
     model = str(args.model or demo_model_dir())
+    # The parent resolves --blas once and hands the result to both engine nodes, so they cannot
+    # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
+    blas = apply_blas_choice(args.blas, may_reexec=False)
     common = ["--model", model, "--prefill-chunk-size", str(args.prefill_chunk_size)]
+    if blas in ("openblas", "bundled"):
+        common += ["--blas", blas]
     if args.trust_remote_code:
         common.append("--trust-remote-code")
     if args.kv_bits:
@@ -371,6 +387,7 @@ def run_command(args: argparse.Namespace) -> int:
         return run_cluster(args)
     if role == "router":
         return trio.run(run_router, args)
+    apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
     return _exit_now(trio.run(run_engine_node, args, role))
 
 
