@@ -457,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{model} has a context of {context} tokens; this load needs {needed}")
     args.out.mkdir(parents=True, exist_ok=True)
     env, blas = server_env(args.blas)
+    # `statecore run` resolves its own --blas default from STATECORE_BLAS (else "auto", which
+    # preloads OpenBLAS when installed): pin it to this bench's choice so --blas bundled holds.
+    env["STATECORE_BLAS"] = blas
     setups = make_setups(model, args.out, env, (gpus[0], gpus[1]), args.statecore_arg,
                          args.local_prefill_below)
     meta: dict[str, Any] = {
