@@ -52,6 +52,7 @@ from serve_bench import (  # noqa: E402
     summarize,
 )
 
+from adapters.blas import blas_of_process_tree  # noqa: E402
 from adapters.serve import free_port, wait_healthy  # noqa: E402
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
@@ -95,18 +96,30 @@ class Server:
             self._log_file.close()
 
 
-def server_env(blas: str) -> tuple[dict[str, str], str]:
+def server_env(blas: str, server: str | None = None) -> tuple[dict[str, str], str]:
+    """A server's environment and the BLAS it is given. `defaults` runs each server as its users
+    do: mlx_lm.server on MLX's bundled BLAS, statecore choosing its own (`--blas auto`)."""
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # An inherited preload would decide for us; the choice below sets it again where wanted.
+    kept = [e for e in env.pop("LD_PRELOAD", "").replace(":", " ").split() if "openblas" not in e]
+    if kept:
+        env["LD_PRELOAD"] = " ".join(kept)
+    if blas == "defaults":
+        if server != "mlx_lm":
+            env.pop("STATECORE_BLAS", None)
+            return env, "defaults (mlx_lm bundled, statecore auto)"
+        blas = "bundled"
     if blas == "auto":
         blas = "openblas" if Path(OPENBLAS).exists() else "bundled"
     if blas == "openblas":
         if not Path(OPENBLAS).exists():
             raise SystemExit(f"--blas openblas: {OPENBLAS} is missing (apt-get install libopenblas0)")
         env["LD_PRELOAD"] = OPENBLAS + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env["STATECORE_BLAS"] = blas  # else statecore's servers would pick their own (`--blas auto`)
     return env, blas
 
 
@@ -238,8 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="alternating repetitions per cell")
     parser.add_argument("--servers", default="mlx_lm,single,cluster",
                         help="subset of mlx_lm,single,cluster,single_shared (bench/exp_shared_greedy.py)")
-    parser.add_argument("--blas", choices=["auto", "openblas", "bundled"],
-                        default=os.environ.get("STATECORE_BLAS", "auto"))
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"],
+                        default=os.environ.get("STATECORE_BLAS", "auto"),
+                        help="the same BLAS for every server (auto: OpenBLAS if installed), or "
+                        "defaults: each server as its users run it (mlx_lm bundled, statecore auto)")
     parser.add_argument("--statecore-arg", action="append", default=[],
                         help="extra flag for the statecore servers (repeatable), e.g. --max-batch=64")
     parser.add_argument("--no-parity", action="store_true")
@@ -255,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"unknown servers {sorted(unknown)}")
     model = args.model or default_model()
     args.out.mkdir(parents=True, exist_ok=True)
-    env, blas = server_env(args.blas)
+    blas = server_env(args.blas)[1]  # exits here when OpenBLAS is asked for but missing
     maker = PromptMaker(load_tokenizer(model))
     print(f"model {model}\nBLAS {blas}  servers {names}  mixes {[m.name for m in mixes]}  "
           f"reps {args.reps}  out {args.out}", flush=True)
@@ -267,9 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         for s in servers:
-            s.start(env)
+            s.start(server_env(args.blas, s.name)[0])
         for s in servers:
             s.wait_ready(args.startup_timeout)
+        meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+        print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
               + ", ".join(f"{s.name} {s.url}" for s in servers), flush=True)
