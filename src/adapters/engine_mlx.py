@@ -47,6 +47,7 @@ import logging
 import operator
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,7 +57,7 @@ import mlx.core as mx
 import trio
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, generation_stream, maybe_quantize_kv_cache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -173,9 +174,27 @@ class _Outcome(Generic[_T]):
         return self.value  # type: ignore[return-value]
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillSpec:
+    """What a prefill job computes, so the device loop can batch it with its neighbours."""
+
+    request_id: RequestId
+    tokens: list[int]
+    sampling: SamplingParams
+    seed: int
+
+    def sampler(self) -> _PositionSampler:
+        """A fresh sampler for the first token (a failed batch retried alone draws again)."""
+        return _PositionSampler(self.sampling, self.seed, len(self.tokens))
+
+
 @dataclass(eq=False)
 class _Job(Generic[_T]):
-    """One unit of device work. `token` None: fire and forget (nobody waits)."""
+    """One unit of device work. `token` None: fire and forget (nobody waits).
+
+    `work` always computes the job on its own; a prefill job also carries its `prefill` spec,
+    which lets the device loop compute several of them in one batched model call instead.
+    """
 
     work: Callable[[], _T]
     token: trio.lowlevel.TrioToken | None
@@ -184,6 +203,7 @@ class _Job(Generic[_T]):
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     outcome: _Outcome[_T] | None = None
+    prefill: _PrefillSpec | None = None
 
 
 class _Stop:
@@ -248,6 +268,8 @@ class _Settings:
     kv_group_size: int
     trust_remote_code: bool
     max_batch: int
+    prefill_batch: int
+    prefill_batch_tokens: int
 
 
 def _deliver(
@@ -293,6 +315,10 @@ class MlxEngine:
         self._held: dict[RequestId, _Held] = {}
         self._live: dict[RequestId, _Live] = {}
         self._by_uid: dict[int, _Live] = {}
+        self._prefill_batching = False  # set at load: plain KVCache models only
+        self._profile: dict[str, tuple[int, float]] = {
+            kind: (0, 0.0) for kind in ("prefill", "prefill_batched", "other_job", "decode_step")
+        }
         self._thread = threading.Thread(target=self._thread_main, name="mlx-device", daemon=True)
         self._thread.start()
 
@@ -308,8 +334,16 @@ class MlxEngine:
         kv_group_size: int = 64,
         trust_remote_code: bool = False,
         max_batch: int = 32,
+        prefill_batch: int = 32,
+        prefill_batch_tokens: int = 16384,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
+
+        Prefills waiting together on the device thread with prompts of the same length are
+        computed in one batched model call, up to `prefill_batch` prompts and
+        `prefill_batch_tokens` prompt tokens per call (1 turns batching off): the same operations
+        in the same order, row by row, but a batched matmul may round differently in the last bit
+        than a single-row one (on the GPU; see docs/engine.md), as decoding in a batch already may.
 
         A model dir whose config.json names a `model_file` (custom Python) is refused unless
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
@@ -323,6 +357,8 @@ class MlxEngine:
             raise StatecoreError(client_error(f"kv_group_size must be one of {_KV_GROUP_SIZES}"))
         if max_batch < 1:
             raise StatecoreError(client_error("max_batch must be >= 1"))
+        if prefill_batch < 1 or prefill_batch_tokens < 1:
+            raise StatecoreError(client_error("prefill_batch and prefill_batch_tokens must be >= 1"))
         settings = _Settings(
             Path(model_dir),
             prefill_chunk_size,
@@ -330,6 +366,8 @@ class MlxEngine:
             kv_group_size,
             trust_remote_code,
             max_batch,
+            prefill_batch,
+            prefill_batch_tokens,
         )
         engine = cls(settings)
         try:
@@ -353,17 +391,14 @@ class MlxEngine:
         tokens = self._check_request(prompt, sampling)
         seed = request_seed(request_id, sampling)
 
-        def work() -> PrefillOutcome:
-            if request_id in self._held or request_id in self._live:
-                raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
-            sampler = _PositionSampler(sampling, seed, len(tokens))
-            cache, first, _ = self._prefill_compute(tokens, sampler)
-            nbytes = self._cache_bytes(cache)
-            self._held[request_id] = _Held(cache, len(tokens), nbytes)
-            self._publish()
-            return PrefillOutcome(first_token=first, prompt_tokens=len(tokens), held_bytes=nbytes)
+        spec = _PrefillSpec(request_id, tokens, sampling, seed)
 
-        return await self._call(work, undo=lambda _: self._drop(request_id))
+        def work() -> PrefillOutcome:
+            self._check_unused(request_id)
+            cache, first, _ = self._prefill_compute(tokens, spec.sampler())
+            return self._hold(spec, cache, first)
+
+        return await self._call(work, undo=lambda _: self._drop(request_id), prefill=spec)
 
     async def export_held(self, request_id: RequestId) -> bytes:
         def work() -> bytes:
@@ -571,12 +606,14 @@ class MlxEngine:
             live = _Live(request_id, send, token, remaining)
             sampler = _PositionSampler(sampling, seed, len(tokens) + 1)
             if all(hasattr(c, "merge") for c in cache):
+                # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
+                # sampler object is sampled in one call instead of row by row.
                 (uid,) = self._batch.insert(
                     prompts=[[first_token]],
                     max_tokens=[remaining],
                     caches=[cache],
                     all_tokens=[tokens],
-                    samplers=[sampler],
+                    samplers=[greedy_sampler if sampling.greedy else sampler],
                 )
                 live.uid = uid
                 self._by_uid[uid] = live
@@ -596,9 +633,14 @@ class MlxEngine:
             send.close()
             raise
 
-    async def _call(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None) -> _T:
+    async def _call(
+        self,
+        work: Callable[[], _T],
+        undo: Callable[[_T], None] | None = None,
+        prefill: _PrefillSpec | None = None,
+    ) -> _T:
         """Run `work` on the device thread; wait for it without blocking trio."""
-        job: _Job[_T] = _Job(work, trio.lowlevel.current_trio_token(), undo, trio.Event())
+        job: _Job[_T] = _Job(work, trio.lowlevel.current_trio_token(), undo, trio.Event(), prefill=prefill)
         self._submit(job)
         assert job.done is not None
         try:
@@ -655,20 +697,35 @@ class MlxEngine:
                     jobs.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            for job in jobs:
+            index = 0
+            while index < len(jobs):
+                job = jobs[index]
                 if isinstance(job, _Stop):
                     self._die(_engine_failed("the engine is closed"))
                     return
                 if isinstance(job, _Crash):
                     raise _InjectedCrash("device loop crash injected by a test")
+                if job.prefill is not None and self._prefill_batching:
+                    run: list[_Job[Any]] = []
+                    while index < len(jobs):
+                        following = jobs[index]
+                        if not isinstance(following, _Job) or following.prefill is None:
+                            break
+                        run.append(following)
+                        index += 1
+                    self._run_prefills(run)
+                    continue
                 self._run_job(job)
+                index += 1
             if self._live:
+                started = time.perf_counter()
                 self._step()
+                self._account("decode_step", started)
 
     def _run_job(self, job: _Job[Any]) -> None:
-        with job.lock:
-            if job.abandoned:
-                return
+        if _abandoned(job):
+            return
+        started = time.perf_counter()
         result: _Outcome[Any]
         try:
             result = _Outcome(value=job.work())
@@ -676,6 +733,62 @@ class MlxEngine:
             if not isinstance(exc, StatecoreError):
                 logger.exception("device job failed")
             result = _Outcome(error=_as_statecore(exc))
+        self._account("prefill" if job.prefill is not None else "other_job", started)
+        self._finish(job, result)
+
+    def _run_prefills(self, jobs: list[_Job[Any]]) -> None:
+        """Consecutive prefill jobs: same-length prompts in batches, the others one by one."""
+        groups: dict[int, list[list[_Job[Any]]]] = {}
+        for job in jobs:
+            if _abandoned(job):
+                continue
+            assert job.prefill is not None
+            length = len(job.prefill.tokens)
+            rows = max(1, min(self._settings.prefill_batch, self._settings.prefill_batch_tokens // length))
+            batches = groups.setdefault(length, [[]])
+            if len(batches[-1]) >= rows:
+                batches.append([])
+            batches[-1].append(job)
+        for batches in groups.values():
+            for batch in batches:
+                self._run_prefill_batch(batch)
+
+    def _run_prefill_batch(self, jobs: list[_Job[Any]]) -> None:
+        ready: list[_Job[Any]] = []
+        later: list[_Job[Any]] = []  # request ids already taken, or taken by an earlier row
+        seen: set[RequestId] = set()
+        for job in jobs:
+            assert job.prefill is not None
+            rid = job.prefill.request_id
+            if rid in seen or rid in self._held or rid in self._live:
+                later.append(job)
+            else:
+                seen.add(rid)
+                ready.append(job)
+        if len(ready) < 2:
+            later = ready + later
+        else:
+            self._compute_prefill_batch(ready)
+        for job in later:  # after the batch, as queued: each fails (or runs) on its own
+            self._run_job(job)
+
+    def _compute_prefill_batch(self, jobs: list[_Job[Any]]) -> None:
+        specs = [job.prefill for job in jobs if job.prefill is not None]
+        started = time.perf_counter()
+        try:
+            caches, firsts = self._prefill_compute_batch(specs)
+        except Exception:
+            # One prompt must not fail its neighbours: retry each alone, where errors are its own.
+            logger.exception("a batched prefill of %d prompts failed; computing them one by one", len(jobs))
+            for job in jobs:
+                self._run_job(job)
+            return
+        self._account("prefill_batched", started, len(jobs))
+        for job, spec, cache, first in zip(jobs, specs, caches, firsts, strict=True):
+            self._finish(job, _Outcome(value=self._hold(spec, cache, first)))
+
+    def _finish(self, job: _Job[Any], result: _Outcome[Any]) -> None:
+        """Hand a computed job its outcome, or undo it when its caller is gone."""
         with job.lock:
             job.outcome = result
             abandoned = job.abandoned
@@ -709,6 +822,25 @@ class MlxEngine:
         self._held.clear()
         self._batch = None
         self._model = None
+
+    def _account(self, what: str, started: float, calls: int = 1) -> None:
+        calls_before, seconds = self._profile[what]
+        self._profile[what] = (calls_before + calls, seconds + time.perf_counter() - started)
+
+    def device_profile(self) -> dict[str, tuple[int, float]]:
+        """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
+        return dict(self._profile)
+
+    def _check_unused(self, request_id: RequestId) -> None:
+        if request_id in self._held or request_id in self._live:
+            raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
+
+    def _hold(self, spec: _PrefillSpec, cache: list[Any], first_token: int) -> PrefillOutcome:
+        """Keep a prefilled cache for the handoff (or for decoding here)."""
+        nbytes = self._cache_bytes(cache)
+        self._held[spec.request_id] = _Held(cache, len(spec.tokens), nbytes)
+        self._publish()
+        return PrefillOutcome(first_token=first_token, prompt_tokens=len(spec.tokens), held_bytes=nbytes)
 
     def _publish(self) -> None:
         """Refresh the statistics snapshot (device thread only; one atomic assignment)."""
@@ -799,6 +931,11 @@ class MlxEngine:
             else:
                 logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
         self._batch = self._new_batch()
+        # Batched prefill builds one cache for many prompts and splits it by row: plain KVCache
+        # layers only (no quantization, no rotation, no recurrent state).
+        self._prefill_batching = (
+            s.prefill_batch > 1 and s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
+        )
 
         fingerprint_fields = {
             "format_version": FORMAT_VERSION,
@@ -834,7 +971,9 @@ class MlxEngine:
             stop_tokens=[[t] for t in sorted(self._eos)],
             sampler=greedy_sampler,
             completion_batch_size=self._settings.max_batch,
-            prefill_batch_size=min(8, self._settings.max_batch),
+            # Inserted rows bring their caches and a one-token "prompt": let a whole wave of them
+            # join the running batch in one step rather than eight at a time.
+            prefill_batch_size=self._settings.max_batch,
             prefill_step_size=self._settings.prefill_chunk_size,
         )
 
@@ -878,6 +1017,35 @@ class MlxEngine:
             sampled = sampler(logprobs)
             mx.eval(sampled, [c.state for c in cache])
         return cache, int(sampled.item()), int(logits.shape[-1])
+
+    def _prefill_compute_batch(self, specs: list[_PrefillSpec]) -> tuple[list[list[Any]], list[int]]:
+        """`_prefill_compute` for prompts of one length at once, row i being prompt i.
+
+        The same chunks in the same order with a batch dimension; then each row's cache is cut
+        out of the batch cache as its own KVCache, exactly as if it had been prefilled alone.
+        """
+        model = self._model
+        batch_cache: list[Any] = make_prompt_cache(model)
+        chunk = self._settings.prefill_chunk_size
+        length = len(specs[0].tokens)
+        prompt = mx.array([spec.tokens for spec in specs])
+        with mx.stream(generation_stream):
+            done = 0
+            while length - done > 1:
+                n = min(chunk, length - done - 1)
+                model(prompt[:, done : done + n], cache=batch_cache)
+                mx.eval([c.state for c in batch_cache])
+                done += n
+                mx.clear_cache()
+            logits = model(prompt[:, done:], cache=batch_cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = mx.concatenate(
+                [spec.sampler()(logprobs[row : row + 1]) for row, spec in enumerate(specs)], axis=0
+            )
+            caches = [[_cache_row(layer, row) for layer in batch_cache] for row in range(len(specs))]
+            mx.eval(sampled, [[c.state for c in cache] for cache in caches])
+        firsts: list[int] = sampled.tolist()  # type: ignore[assignment]
+        return caches, firsts
 
     def _step(self) -> None:
         """One decode step: the batch once, then every solo request once."""
@@ -942,6 +1110,20 @@ class MlxEngine:
         token = int(sampled.item())
         solo.last_token = token
         return token
+
+
+def _abandoned(job: _Job[Any]) -> bool:
+    with job.lock:
+        return job.abandoned
+
+
+def _cache_row(batch_layer: Any, row: int) -> Any:
+    """One row of a batched KVCache layer as a KVCache of its own."""
+    layer = KVCache()  # type: ignore[no-untyped-call]
+    layer.keys = batch_layer.keys[row : row + 1]
+    layer.values = batch_layer.values[row : row + 1]
+    layer.offset = batch_layer.offset
+    return layer
 
 
 def _not_held(request_id: RequestId) -> StatecoreError:

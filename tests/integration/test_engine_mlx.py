@@ -49,6 +49,7 @@ class Opener(Protocol):
         kv_group_size: int = ...,
         trust_remote_code: bool = ...,
         max_batch: int = ...,
+        prefill_batch: int = ...,
     ) -> Awaitable[MlxEngine]: ...
 
 
@@ -300,6 +301,60 @@ async def test_handoff_joins_running_batch_unchanged(open_engine: Opener) -> Non
     assert results[RequestId("new")] == reference(path, newcomer)
     for rid, prompt in others.items():
         assert results[rid] == reference(path, prompt, long.max_tokens)
+
+
+async def test_prefills_waiting_together_are_batched_and_exact(open_engine: Opener) -> None:
+    """Same-length prompts queued together share one model call; each row is its own request.
+
+    On the CPU a batched matmul rounds like a single-row one, so the tokens must equal mlx-lm's
+    own; a duplicate request id in the batch fails alone; other lengths run on their own.
+    """
+    path = cached_checkpoint("llama")
+    engine = await open_engine(path)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=7)
+    greedy = {RequestId(f"g{i}"): prompt_of(33, salt=i) for i in range(4)}
+    odd_length = prompt_of(20, salt=9)
+    results: dict[RequestId, list[int]] = {}
+    errors: list[StatecoreError] = []
+
+    async def run(rid: RequestId, prompt: list[int], sampling: SamplingParams = GREEDY) -> None:
+        results[rid] = await single(engine, rid, prompt, sampling)
+
+    async def duplicate() -> None:
+        try:
+            await engine.prefill(RequestId("g0"), prompt_of(33, salt=5), GREEDY)
+        except StatecoreError as exc:
+            errors.append(exc)
+
+    # Hold the device thread so that every prefill below is queued before it looks again.
+    engine._submit_nowait(lambda: trio_free_sleep(0.5))
+    await trio.sleep(0.1)
+    async with trio.open_nursery() as nursery:
+        for rid, prompt in greedy.items():
+            nursery.start_soon(run, rid, prompt)
+            await trio.sleep(0.01)
+        nursery.start_soon(run, RequestId("seeded"), prompt_of(33, salt=4), seeded)
+        nursery.start_soon(run, RequestId("odd"), odd_length)
+        await trio.sleep(0.05)
+        nursery.start_soon(duplicate)
+
+    calls, _ = engine.device_profile()["prefill_batched"]
+    assert calls == 5  # four greedy rows and the seeded one; the duplicate and "odd" ran alone
+    for rid, prompt in greedy.items():
+        assert results[rid] == reference(path, prompt)
+    assert results[RequestId("odd")] == reference(path, odd_length)
+    unbatched = await open_engine(path, prefill_batch=1)
+    alone = await single(unbatched, RequestId("seeded"), prompt_of(33, salt=4), seeded)
+    assert results[RequestId("seeded")] == alone
+    assert unbatched.device_profile()["prefill_batched"] == (0, 0.0)
+    assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
+
+
+def trio_free_sleep(seconds: float) -> None:
+    """Block the calling (device) thread."""
+    import time
+
+    time.sleep(seconds)
 
 
 # ---------------------------------------------------------------------------------------------
