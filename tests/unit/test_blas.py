@@ -1,0 +1,116 @@
+"""The BLAS choice: parsing, the pure start-up decision, and finding OpenBLAS from ldconfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapters.blas import (
+    INSTALL_HINT,
+    BlasChoice,
+    BlasDecision,
+    KeepProcess,
+    ReexecProcess,
+    RefuseBlas,
+    decide_blas,
+    default_blas_choice,
+    is_system_openblas,
+    openblas_from_ldconfig,
+    parse_blas_choice,
+)
+from adapters.cli import build_parser
+
+LIB = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+
+
+@pytest.mark.parametrize(("text", "choice"), [("auto", "auto"), ("OpenBLAS", "openblas"),
+                                              (" bundled\n", "bundled")])
+def test_parse_choice(text: str, choice: BlasChoice) -> None:
+    assert parse_blas_choice(text) == choice
+
+
+@pytest.mark.parametrize("text", ["", "mkl", "open blas", "autox"])
+def test_parse_choice_refuses_others(text: str) -> None:
+    with pytest.raises(ValueError, match="auto, openblas, bundled"):
+        parse_blas_choice(text)
+
+
+def test_flag_env_default_and_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert default_blas_choice({}) == "auto"
+    assert default_blas_choice({"STATECORE_BLAS": "bundled"}) == "bundled"
+    assert build_parser().parse_args(["run", "--blas", "OPENBLAS"]).blas == "openblas"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--blas", "fast"])
+    assert "argument --blas: BLAS choice must be one of" in capsys.readouterr().err
+
+
+def _decide(choice: BlasChoice, *, applies: bool = True, openblas: Path | None = LIB, mapped: bool = False,
+            reexecuted: bool = False, ld_preload: str = "") -> BlasDecision:
+    return decide_blas(choice, applies=applies, openblas=openblas, openblas_mapped=mapped,
+                       reexecuted=reexecuted, ld_preload=ld_preload)
+
+
+@pytest.mark.parametrize("choice", ["auto", "openblas", "bundled"])
+def test_off_linux_cpu_nothing_happens(choice: BlasChoice) -> None:
+    # a GPU build or macOS: no re-exec, no refusal, even when OpenBLAS is asked for and missing
+    assert _decide(choice, applies=False, openblas=None) == KeepProcess("n/a")
+
+
+@pytest.mark.parametrize("choice", ["auto", "openblas"])
+def test_openblas_wanted(choice: BlasChoice) -> None:
+    assert _decide(choice, ld_preload="libfoo.so") == ReexecProcess("openblas", f"{LIB} libfoo.so")
+    assert _decide(choice, mapped=True) == KeepProcess("openblas")  # already preloaded: no re-exec
+
+
+def test_openblas_missing() -> None:
+    refused = _decide("openblas", openblas=None)
+    assert isinstance(refused, RefuseBlas) and INSTALL_HINT in refused.message
+    fallback = _decide("auto", openblas=None)
+    assert isinstance(fallback, KeepProcess) and fallback.blas == "bundled"
+    assert fallback.note is not None and INSTALL_HINT in fallback.note
+
+
+def test_never_reexec_twice() -> None:
+    # the preload did not take: refuse or fall back, never loop
+    assert isinstance(_decide("openblas", reexecuted=True), RefuseBlas)
+    fallback = _decide("auto", reexecuted=True)
+    assert isinstance(fallback, KeepProcess) and fallback.blas == "bundled" and fallback.note
+    assert isinstance(_decide("bundled", mapped=True, reexecuted=True), RefuseBlas)
+
+
+def test_bundled_removes_an_inherited_preload() -> None:
+    assert _decide("bundled") == KeepProcess("bundled")
+    assert _decide("bundled", openblas=None) == KeepProcess("bundled")
+    assert _decide("bundled", mapped=True, ld_preload=f"/x/libfoo.so:{LIB}") == ReexecProcess(
+        "bundled", "/x/libfoo.so")
+    assert _decide("bundled", mapped=True, ld_preload=str(LIB)) == ReexecProcess("bundled", "")
+
+
+@pytest.mark.parametrize(("path", "system"), [
+    ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so", True),
+    ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", True),  # Debian's alternative
+    ("/usr/lib64/libopenblasp.so.0", True),
+    ("libopenblas.so.0", True),
+    # numpy's private copy (renamed symbols) never serves MLX
+    ("/v/lib/python3.11/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so", False),
+    ("/v/lib/python3.11/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0", False),
+    ("/usr/lib/x86_64-linux-gnu/libblas.so.3", False),
+])
+def test_which_mappings_are_a_system_openblas(path: str, system: bool) -> None:
+    assert is_system_openblas(path) is system
+
+
+LDCONFIG = """\
+1234 libs found in cache `/etc/ld.so.cache'
+\tlibopenblas.so.0 (libc6) => /usr/lib/i386-linux-gnu/libopenblas.so.0
+\tlibopenblas.so.0 (libc6,x86-64) => /lib/x86_64-linux-gnu/libopenblas.so.0
+\tlibblas.so.3 (libc6,x86-64) => /lib/x86_64-linux-gnu/libblas.so.3
+"""
+
+
+def test_openblas_from_ldconfig() -> None:
+    assert openblas_from_ldconfig(LDCONFIG, "x86_64") == Path("/lib/x86_64-linux-gnu/libopenblas.so.0")
+    assert openblas_from_ldconfig(LDCONFIG, "aarch64") is None  # only foreign-architecture copies
+    assert openblas_from_ldconfig("\tlibblas.so.3 (libc6,x86-64) => /x/libblas.so.3\n", "x86_64") is None
+    assert openblas_from_ldconfig("", "x86_64") is None
