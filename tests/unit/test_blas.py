@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,12 @@ def test_openblas_from_ldconfig() -> None:
     assert openblas_from_ldconfig(LDCONFIG, "aarch64") is None  # only foreign-architecture copies
     assert openblas_from_ldconfig("\tlibblas.so.3 (libc6,x86-64) => /x/libblas.so.3\n", "x86_64") is None
     assert openblas_from_ldconfig("", "x86_64") is None
+
+
+def test_the_cli_reaches_the_blas_step_before_mlx_loads() -> None:
+    # LD_PRELOAD only works through a re-exec, which is cheap only while mlx is not loaded yet;
+    # and the router must stay a tokenizer-only process.
+    probe = ("import sys, adapters.cli, adapters.serve; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
