@@ -469,6 +469,19 @@ def encoded_size(frames: Sequence[bytes]) -> int:
     return sum(len(frame) for frame in frames)
 
 
+def declared_tensor_bytes(payload: bytes | bytearray | memoryview) -> int | None:
+    """The tensor bytes a payload's end frame declares, read from its last bytes alone (for
+    figures, not validation: nothing else is checked); None when it does not end in an end frame."""
+    tail = _FRAME.size + _END.size
+    if len(payload) < _PREAMBLE.size + tail:
+        return None
+    kind, length = _FRAME.unpack_from(payload, len(payload) - tail)
+    if kind != _END_FRAME or length != _END.size:
+        return None
+    total, _crc = _END.unpack_from(payload, len(payload) - _END.size)
+    return int(total)
+
+
 # --------------------------------------------------------------------------- decode
 
 
@@ -686,6 +699,7 @@ __all__ = [
     "MAGIC",
     "DecodedKv",
     "decode_cache",
+    "declared_tensor_bytes",
     "encode_cache",
     "encoded_size",
     "raw_tensor_bytes",

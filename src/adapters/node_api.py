@@ -6,9 +6,10 @@ lease), `GET /internal/kv/{id}` (the held KV in the wire format), `DELETE /inter
 (pull the KV from a prefill node, or prefill locally, then stream NDJSON lines of token ids),
 `POST /internal/cancel/{id}?stopped=1|0`. Every node: `GET /internal/info` (the model's
 fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts for leak
-checks). When a shared token is configured, internal endpoints require it in the
-`X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
-is the core's state machine. This module may import anything.
+checks), `GET /internal/handoffs` (the recent KV handoffs' bytes and timings). When a shared
+token is configured, internal endpoints require it in the `X-Statecore-Token` header. Every
+request goes through the node's `NodeRunner`, so its life is the core's state machine. This
+module may import anything.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class NodeApi:
         common: list[BaseRoute] = [
             Route("/internal/info", guarded(g, self.info), methods=["GET"]),
             Route("/internal/stats", guarded(g, self.stats), methods=["GET"]),
+            Route("/internal/handoffs", guarded(g, self.handoffs), methods=["GET"]),
             Route("/internal/cancel/{request_id}", guarded(g, self.cancel), methods=["POST"]),
         ]
         if self.role == "prefill":
@@ -164,6 +166,9 @@ class NodeApi:
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse(self.statistics())
+
+    async def handoffs(self, request: Request) -> Response:
+        return JSONResponse(self.performer.handoffs.snapshot())
 
     async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
         if not self.runner.ready():
@@ -213,8 +218,16 @@ class NodeApi:
                 )
             if isinstance(payload, ErrorInfo):
                 return error_response(payload)
+            self._note_raw_bytes(rid, payload)
             return Response(self._damaged(rid, payload), media_type="application/octet-stream")
         return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
+
+    def _note_raw_bytes(self, rid: RequestId, payload: bytes) -> None:
+        # Imported here, not at the top: kv_wire loads mlx, and the router imports this module
+        # without ever serving KV. Only a prefill node, which has mlx loaded already, gets here.
+        from adapters.kv_wire import declared_tensor_bytes
+
+        self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(payload)
 
     def _damaged(self, rid: RequestId, payload: bytes) -> bytes:
         """Injected transfer faults (tests only): cut after the header's first bytes, cut

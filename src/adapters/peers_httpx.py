@@ -3,17 +3,24 @@
 Every transport failure is translated here, in one place (httpx's own
 map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
-The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. This
-module may import anything.
+The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
+from plain http:// nodes go through `kv_pull` instead (the body straight into one buffer) unless
+a transport was injected; their errors are mapped here too, to the same codes. This module may
+import anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+import h11
 import httpx
+import trio
 
+from adapters import kv_pull
 from adapters.internal_wire import (
     TOKEN_HEADER,
     DecodeBody,
@@ -24,6 +31,7 @@ from adapters.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from effects.handoffs import HandoffLog
 from effects.ports import DecodeCall, ModelInfo, Output, PrefillReply, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
@@ -67,14 +75,21 @@ class HttpxPeers:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        handoffs: HandoffLog | None = None,
     ) -> None:
         headers = {TOKEN_HEADER: token} if token else {}
+        # KV pulls skip httpx (see kv_pull) unless a test injected a transport to route them
+        self._direct_kv = transport is None
+        self._headers = list(headers.items())
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         self.client = httpx.AsyncClient(
             headers=headers, timeout=timeout, transport=transport, limits=limits
         )
         self.max_kv_bytes = max_kv_bytes
+        self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -112,10 +127,53 @@ class HttpxPeers:
                         yield parse_output_line(line.encode())
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> bytes:
+        url = f"{node}/internal/kv/{request_id}"
+        if self._direct_kv and url.startswith("http://"):
+            pulled = await self._pull_direct(node, url)
+            payload, head_s, last_byte_s = pulled.body, pulled.head_s, pulled.last_byte_s
+        else:
+            payload, head_s, last_byte_s = await self._pull_httpx(node, url)
+        if self.handoffs is not None:
+            record = self.handoffs.record(request_id)
+            record.wire_bytes = len(payload)
+            record.first_byte_s = head_s
+            record.transfer_s = last_byte_s
+            record.body_s = last_byte_s - head_s
+        return payload
+
+    async def _pull_direct(self, node: str, url: str) -> kv_pull.PulledKv:
+        """The KV over kv_pull, its failures mapped as `transport_errors` maps httpx's."""
+        try:
+            with trio.fail_after(self._read_timeout_s):
+                pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
+                                            connect_timeout_s=self._connect_timeout_s)
+        except kv_pull.KvTooLarge as exc:
+            raise StatecoreError(
+                ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
+            ) from exc
+        except trio.TooSlowError as exc:
+            raise StatecoreError(
+                ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out sending the KV")
+            ) from exc
+        except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
+            raise StatecoreError(
+                ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
+            ) from exc
+        if pulled.status >= 400:
+            try:
+                data: object = json.loads(pulled.body)
+            except ValueError:
+                data = None
+            raise StatecoreError(error_from_json(data, pulled.status))
+        return pulled
+
+    async def _pull_httpx(self, node: str, url: str) -> tuple[bytes, float, float]:
         chunks: list[bytes] = []
         size = 0
         with transport_errors(node):
-            async with self.client.stream("GET", f"{node}/internal/kv/{request_id}") as response:
+            started = time.perf_counter()
+            async with self.client.stream("GET", url) as response:
+                head = time.perf_counter()
                 await _raise_for_error(node, response)
                 async for chunk in response.aiter_bytes():
                     size += len(chunk)
@@ -124,7 +182,8 @@ class HttpxPeers:
                             ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit")
                         )
                     chunks.append(chunk)
-        return b"".join(chunks)
+                last_byte = time.perf_counter()
+        return b"".join(chunks), head - started, last_byte - started
 
     async def release_kv(self, node: str, request_id: RequestId) -> None:
         with transport_errors(node):

@@ -41,6 +41,7 @@ from adapters.openai_api import Frontend, build_app
 from adapters.peers_httpx import HttpxPeers
 from effects.backend import local_backend, router_backend
 from effects.faults import DEFAULT_MARKER, ENABLE_ENV, Faults
+from effects.handoffs import HandoffLog
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.ports import ModelInfo
@@ -164,11 +165,13 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
                         layer.reason)
+    handoffs = HandoffLog(role)
     peers = None
     if role == "decode":
-        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes)
+        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs)
     faults = Faults.parse(args.inject_fault, args.fault_marker)
-    performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests)
+    performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests,
+                                handoffs=handoffs)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
     metrics = Metrics(role)
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),

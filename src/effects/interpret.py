@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
 
 from effects.faults import Faults, Phase
+from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
     Engine,
@@ -82,11 +84,14 @@ class EnginePerformer:
         peers: Peers | None = None,
         faults: Faults | None = None,
         crash_device: Callable[[], None] | None = None,
+        handoffs: HandoffLog | None = None,
     ) -> None:
         self.engine = engine
         self.peers = peers
         self.faults = faults or Faults.none()
         self.crash_device = crash_device  # tests only: the DEVICE_CRASH fault
+        # per-request handoff figures; the HTTP client fills the pull's part of the same records
+        self.handoffs = handoffs if handoffs is not None else HandoffLog("node")
         self.requests: dict[RequestId, NodeRequest] = {}
 
     def register(self, request_id: RequestId, request: NodeRequest) -> None:
@@ -132,7 +137,9 @@ class EnginePerformer:
                 await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is not None:
                     payload, ctx.payload = ctx.payload, None
+                    started = time.perf_counter()
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
+                    self.handoffs.record(rid).install_s = time.perf_counter() - started
                 else:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                 await post(KvInstalled())
@@ -157,10 +164,14 @@ class EnginePerformer:
                     raise _bug("SendKv with nobody to send to")
                 try:
                     await self.faults.at(Phase.KV_ENCODE, rid)
+                    started = time.perf_counter()
                     exported = await self.engine.export_held(rid)
                 except StatecoreError as exc:
                     await ctx.kv_out.send(exc.info)  # the puller hears why; the request fails here
                     raise
+                record = self.handoffs.record(rid)
+                record.encode_s = time.perf_counter() - started
+                record.wire_bytes = len(exported)
                 await ctx.kv_out.send(exported)
 
     async def cleanup(self, intent: CleanupIntent) -> None:

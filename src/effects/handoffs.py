@@ -1,0 +1,76 @@
+"""Per-request KV handoff records: a small bounded ring of the recent handoffs on one node.
+
+A prefill node notes how long exporting (encoding) a held cache took and how many bytes it
+served; a decode node notes its pull of those bytes (GET sent to the response head, GET sent to
+the last byte, response head to the last byte) and the install. The records are read by
+operators and benchmarks through `GET /internal/handoffs`; nothing feeds them back into the
+loop. They cost a few clock reads and field stores per handoff, never per-token work. This
+module uses only the standard library; it must never import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_CAPACITY = 256
+
+
+@dataclass(slots=True)
+class HandoffRecord:
+    """What one node saw of one request's handoff. Fields a node does not measure stay None:
+    the prefill node fills `encode_s`, the decode node the pull and `install_s`; both fill the
+    byte counts they saw."""
+
+    request_id: str
+    role: str
+    opened_at: float = field(default_factory=time.time)  # wall clock, to line records up by eye
+    wire_bytes: int | None = None  # the KV payload, as served (prefill) or received (decode)
+    raw_bytes: int | None = None  # tensor bytes the payload declares in its end frame
+    encode_s: float | None = None  # prefill: Engine.export_held, device-thread queueing included
+    first_byte_s: float | None = None  # decode: GET sent -> response head (covers the remote encode)
+    transfer_s: float | None = None  # decode: GET sent -> last byte received
+    body_s: float | None = None  # decode: response head -> last byte received (the bytes in flight)
+    install_s: float | None = None  # decode: Engine.install (validate, rebuild, join the batch)
+
+
+class HandoffLog:
+    """The last `capacity` handoffs a node took part in, oldest first.
+
+    `record(request_id)` opens a record or returns the open one, so the pieces of one handoff
+    measured in different places (the HTTP client, the performer) land in one record. When full,
+    opening a new record drops the oldest: memory stays bounded whatever the traffic.
+    """
+
+    def __init__(self, role: str, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.role = role
+        self.capacity = capacity
+        self._records: OrderedDict[str, HandoffRecord] = OrderedDict()
+        self.total = 0  # records ever opened, so a reader can tell how many fell off
+
+    def record(self, request_id: str) -> HandoffRecord:
+        found = self._records.get(request_id)
+        if found is not None:
+            return found
+        opened = HandoffRecord(request_id, self.role)
+        self._records[request_id] = opened
+        self.total += 1
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+        return opened
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-ready copy: the role, the counts, and the records oldest first."""
+        return {
+            "role": self.role,
+            "capacity": self.capacity,
+            "total": self.total,
+            "records": [asdict(r) for r in self._records.values()],
+        }
+
+
+__all__ = ["DEFAULT_CAPACITY", "HandoffLog", "HandoffRecord"]
