@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vocab-hi", type=int, default=512)
     parser.add_argument("--rungs", default="bare,batchgen,prefill,engine")
+    parser.add_argument("--switch-interval", default="",
+                        help="comma-separated sys.setswitchinterval values (s) to run the engine rung with")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from mlx_lm import load
@@ -196,9 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         if "prefill" in rungs:
             row["prefill"] = prefill_compare(model, b, args.prompt_len, args.vocab_hi)
         if "engine" in rungs:
+            default_interval = sys.getswitchinterval()
             for prefill_batch in (1, 32):
                 row[f"engine_prefill_batch_{prefill_batch}"] = engine_rate(
                     args.model, b, args.prompt_len, args.max_tokens, args.vocab_hi, prefill_batch)
+            for interval in (float(x) for x in args.switch_interval.split(",") if x):
+                sys.setswitchinterval(interval)
+                row[f"engine_prefill_batch_32_switch_{interval:g}"] = engine_rate(
+                    args.model, b, args.prompt_len, args.max_tokens, args.vocab_hi, 32)
+                sys.setswitchinterval(default_interval)
         result[f"batch_{b}"] = row
         print(json.dumps({f"batch_{b}": row}), flush=True)
     if args.out:

@@ -62,6 +62,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
 from adapters import kv_wire
+from adapters.blas import blas_in_use
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -944,6 +945,9 @@ class MlxEngine:
             "kv_bits": s.kv_bits,
             "kv_group_size": s.kv_group_size if s.kv_bits is not None else None,
             "prefill_chunk_size": s.prefill_chunk_size,
+            # Two BLAS libraries round float32 matmuls differently: nodes on different ones
+            # must refuse each other's KV.
+            "blas": blas_in_use(),
         }
         fingerprint = hashlib.sha256(json.dumps(fingerprint_fields, sort_keys=True).encode()).hexdigest()[:32]
         info = ModelInfo(

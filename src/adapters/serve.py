@@ -60,6 +60,10 @@ def demo_model_dir() -> Path:
     return Path(__file__).resolve().parent / "demo_model"
 
 
+ENGINE_SWITCH_INTERVAL = 0.0005
+"""sys.setswitchinterval for engine nodes (seconds; env STATECORE_SWITCH_INTERVAL overrides)."""
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
     run.add_argument("--local-prefill-below", type=int, default=1000, metavar="TOKENS",
@@ -70,6 +74,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="tokens per prefill chunk; must be equal on every node (default 2048)")
     run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
     run.add_argument("--max-batch", type=int, default=32, help="decode batch size (default 32)")
+    run.add_argument("--prefill-batch", type=int, default=32,
+                     help="most same-length prompts prefilled in one model call; 1 = one at a time "
+                          "(default 32)")
     run.add_argument("--internal-token", default=os.environ.get("STATECORE_INTERNAL_TOKEN"),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--max-kv-bytes", type=int, default=1 << 34,
@@ -157,9 +164,14 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
 
     model = args.model or demo_model_dir()
     log.info("loading %s for role %s", model, role)
+    # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
+    # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
+    # than a decode step): hand it over sooner.
+    sys.setswitchinterval(float(os.environ.get("STATECORE_SWITCH_INTERVAL", ENGINE_SWITCH_INTERVAL)))
     engine = await MlxEngine.load(
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch,
     )
     for layer in engine.info.layers:
         if not layer.can_travel:
@@ -317,7 +329,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # The parent resolves --blas once and hands the result to both engine nodes, so they cannot
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
-    common = ["--model", model, "--prefill-chunk-size", str(args.prefill_chunk_size)]
+    common = ["--model", model, "--prefill-chunk-size", str(args.prefill_chunk_size),
+              "--max-batch", str(args.max_batch), "--prefill-batch", str(args.prefill_batch)]
     if blas in ("openblas", "bundled"):
         common += ["--blas", blas]
     if args.trust_remote_code:
