@@ -7,8 +7,8 @@ JSON bodies and the SSE framing) is made here, so the output through the cluster
 to a single node's by construction. For identical backend outputs, two responses differ only in
 `id` and `created`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE through
-sse-starlette, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
+server-sent events, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`).
 
 Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `max_tokens`: completions 16 (cut to the room left in the context); chat: the whole room left
@@ -46,7 +46,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -56,14 +56,12 @@ from typing import Any, Literal
 import trio
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from effects.faults import Faults, Phase
 from effects.ports import (
@@ -350,8 +348,47 @@ def _dumps(obj: object) -> str:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
-def _event(obj: object) -> ServerSentEvent:
-    return ServerSentEvent(obj if isinstance(obj, str) else _dumps(obj), sep="\n")
+def _event(obj: object) -> bytes:
+    """One server-sent event: `data: <json or [DONE]>` and a blank line (JSON has no raw newline)."""
+    return b"data: " + (obj if isinstance(obj, str) else _dumps(obj)).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A text/event-stream response whose events go out the moment they are made.
+
+    Lean on purpose: it runs once per generated token per stream, so there is no per-event
+    timeout scope or extra task. The client leaving cancels the stream; the event generator is
+    always closed and `on_close` always runs (it cancels the generation), also when the client
+    left before the generator ever started.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        headers: Mapping[str, str],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(
+            events,
+            headers={**headers, "Cache-Control": "no-store", "Connection": "keep-alive",
+                     "X-Accel-Buffering": "no"},
+            media_type="text/event-stream",
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with _cancel_on_disconnect(receive):
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for event in self._events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._on_close()
 
 
 RETRY_AFTER_S = 1
@@ -509,20 +546,12 @@ class Frontend:
         if isinstance(step.end, ErrorInfo):
             return _error_response(step.end, job.request_id)
         if job.stream:
-            # The background cancel covers a client that leaves before the stream's first byte:
-            # the event generator then never starts, so its `finally` never runs.
-            return EventSourceResponse(
-                self._events(job, run, step),
-                headers=headers,
-                ping=0,
-                sep="\n",
-                background=BackgroundTask(run.cancel),
-            )
+            return _EventStream(self._events(job, run, step), headers, run.cancel)
         assert step.end is not None
         texts.append(step.text)
         return JSONResponse(self._body(job, "".join(texts), step.end), headers=headers)
 
-    async def _events(self, job: _Job, run: _Run, step: _Step) -> AsyncIterator[ServerSentEvent]:
+    async def _events(self, job: _Job, run: _Run, step: _Step) -> AsyncGenerator[bytes, None]:
         """The SSE stream of a started generation, from its first step on."""
         try:
             if job.kind is _Kind.CHAT:

@@ -56,7 +56,9 @@ class LoopState(Generic[P]):
     machine: Machine[P]
     loop: LoopRecord = field(default_factory=LoopRecord)
     live: Mapping[RequestId, RequestRecord[P]] = field(default_factory=dict)
-    outcomes: Mapping[RequestId, P] = field(default_factory=dict)
+    # Only the requests that reached a terminal phase in the last step: the host counts them.
+    # Keeping every outcome ever would make each step copy a map that grows without bound.
+    settled: Mapping[RequestId, P] = field(default_factory=dict)
 
     @property
     def stopped(self) -> bool:
@@ -78,15 +80,13 @@ def _not_accepting(phase: LoopPhase) -> ErrorInfo:
 
 
 def _settle(state: LoopState[P], record: RequestRecord[P]) -> LoopState[P]:
-    """Put a moved request back: live if not terminal, counted as an outcome if it is."""
+    """Put a moved request back: live if not terminal, settled (this step) if it is."""
     live = dict(state.live)
-    outcomes = dict(state.outcomes)
     if state.machine.is_terminal(record.phase):
         live.pop(record.request_id, None)
-        outcomes[record.request_id] = record.phase
-    else:
-        live[record.request_id] = record
-    return replace(state, live=live, outcomes=outcomes)
+        return replace(state, live=live, settled={**state.settled, record.request_id: record.phase})
+    live[record.request_id] = record
+    return replace(state, live=live)
 
 
 def _finish_drain(state: LoopState[P], intents: list[Intent]) -> LoopState[P]:
@@ -100,11 +100,13 @@ def _finish_drain(state: LoopState[P], intents: list[Intent]) -> LoopState[P]:
 def loop_step(state: LoopState[P], envelope: Envelope) -> tuple[LoopState[P], list[Intent]]:
     """Route one envelope. Total and pure: never raises, whatever the envelope."""
     intents: list[Intent] = []
+    if state.settled:
+        state = replace(state, settled={})
     match envelope:
         case OpenRequest(request_id=rid):
             if not state.accepting:
                 return state, [Reject(rid, _not_accepting(state.loop.phase))]
-            if rid in state.live or rid in state.outcomes:
+            if rid in state.live:
                 return state, [Reject(rid, client_error(f"duplicate request id {rid!r}"))]
             state = _settle(state, new_request(state.machine, rid))
         case ForRequest(request_id=rid, event=event):
