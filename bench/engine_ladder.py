@@ -168,6 +168,55 @@ def engine_rate(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, v
     return trio.run(run)
 
 
+def engine_closed_loop(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, vocab_hi: int,
+                       seconds: float) -> dict[str, Any]:
+    """B workers, each sending its next request when the last one ends (as the HTTP bench does,
+    minus HTTP): rows join and leave the decode batch at staggered times."""
+    import trio
+
+    from adapters.engine_mlx import MlxEngine
+    from effects.engine_port import SamplingParams
+    from statecore.ids import RequestId
+
+    prompts = _prompts(batch * 64, prompt_len, vocab_hi, 900 + batch)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    gaps: list[float] = []
+    produced = [0]
+
+    async def worker(engine: MlxEngine, index: int, deadline: float) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            rid = RequestId(f"loop-{index}-{n}")
+            prompt = prompts[(index * 64 + n) % len(prompts)]
+            n += 1
+            outcome = await engine.prefill(rid, prompt, sampling)
+            await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+            last = time.perf_counter()
+            produced[0] += 1
+            async for _ in engine.stream(rid):
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+                produced[0] += 1
+
+    async def run() -> dict[str, Any]:
+        engine = await MlxEngine.load(model_dir, max_batch=max(32, batch))
+        try:
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(batch):
+                    nursery.start_soon(worker, engine, i, start + seconds)
+            elapsed = time.perf_counter() - start
+            profile = engine.device_profile()
+        finally:
+            await engine.aclose()
+        return {"batch": batch, "tok_s": produced[0] / elapsed,
+                "gap_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+                "device_profile": {k: [n, round(sec, 4)] for k, (n, sec) in profile.items()}}
+
+    return trio.run(run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -197,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[name] = batchgen_rate(model, b, args.prompt_len, args.steps, args.vocab_hi, per_row)
         if "prefill" in rungs:
             row["prefill"] = prefill_compare(model, b, args.prompt_len, args.vocab_hi)
+        if "closed_loop" in rungs:
+            row["engine_closed_loop"] = engine_closed_loop(
+                args.model, b, args.prompt_len, args.max_tokens, args.vocab_hi, 8.0)
         if "engine" in rungs:
             default_interval = sys.getswitchinterval()
             for prefill_batch in (1, 32):
