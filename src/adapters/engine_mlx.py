@@ -402,16 +402,18 @@ class MlxEngine:
         return await self._call(work, undo=lambda _: self._drop(request_id), prefill=spec)
 
     async def export_held(self, request_id: RequestId) -> bytes:
-        def work() -> bytes:
+        def work() -> kv_wire.HostTensors:
             held = self._held.get(request_id)
             if held is None:
                 raise _not_held(request_id)
-            chunks = kv_wire.encode_cache(
+            return kv_wire.host_tensors(
                 held.cache, fingerprint=self.info.fingerprint, token_count=held.prompt_tokens
             )
-            return b"".join(chunks)
 
-        return await self._call(work)
+        tensors = await self._call(work)
+        # Checksum and framing need no MLX: a worker thread does them, the device thread
+        # meanwhile goes on with other requests.
+        return await trio.to_thread.run_sync(lambda: b"".join(kv_wire.frame_payload(tensors)))
 
     async def release_held(self, request_id: RequestId) -> int:
         def work() -> int:
@@ -461,21 +463,25 @@ class MlxEngine:
         tokens = self._check_request(prompt, sampling)
         first_token = self._check_token(first_token, "first_token")
 
-        def take_cache() -> list[Any]:
-            decoded = kv_wire.decode_cache(
-                payload,
-                fingerprint=self.info.fingerprint,
-                expected_classes=self._expected_classes,
+        # Every check that needs no MLX (framing, checksum, header: most of the time for a large
+        # payload) runs in a worker thread, so a big handoff never stalls the decode batch.
+        validated = await trio.to_thread.run_sync(
+            lambda: kv_wire.validate_payload(
+                payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
             )
-            if decoded.token_count != len(tokens):
-                raise StatecoreError(
-                    ErrorInfo(
-                        Fault.PEER,
-                        Code.KV_MALFORMED,
-                        f"the KV payload covers {decoded.token_count} tokens, the prompt has {len(tokens)}",
-                    )
+        )
+        if validated.header.token_count != len(tokens):
+            raise StatecoreError(
+                ErrorInfo(
+                    Fault.PEER,
+                    Code.KV_MALFORMED,
+                    f"the KV payload covers {validated.header.token_count} tokens, "
+                    f"the prompt has {len(tokens)}",
                 )
-            caches: list[Any] = decoded.caches
+            )
+
+        def take_cache() -> list[Any]:
+            caches: list[Any] = kv_wire.build_caches(validated).caches
             return caches
 
         await self._start(request_id, tokens, first_token, sampling, take_cache)

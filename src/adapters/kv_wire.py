@@ -396,6 +396,14 @@ def _flat(host: np.ndarray[Any, Any]) -> memoryview:
     return flat
 
 
+@dataclass(frozen=True, slots=True)
+class HostTensors:
+    """A cache's header and its tensors' bytes in host memory: what `frame_payload` frames."""
+
+    header_bytes: bytes
+    runs: list[memoryview]
+
+
 def encode_cache(
     caches: Sequence[Any],
     *,
@@ -405,15 +413,23 @@ def encode_cache(
 ) -> list[bytes]:
     """Encode per-layer caches as frames: header frame, data frames, end frame.
 
-    `b"".join(frames)` is the payload. Raises `StatecoreError` (UNSUPPORTED_CACHE) when a
-    layer cannot travel, and a BUG-fault error for invalid arguments.
+    `b"".join(frames)` is the payload (`host_tensors`, then `frame_payload`). Raises
+    `StatecoreError` (UNSUPPORTED_CACHE) when a layer cannot travel, and a BUG-fault error for
+    invalid arguments.
+    """
+    return frame_payload(host_tensors(caches, fingerprint=fingerprint, token_count=token_count),
+                         chunk_bytes=chunk_bytes)
+
+
+def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -> HostTensors:
+    """The header and the live tensors' bytes in host memory (on the thread that owns the caches).
+
+    The returned views keep their arrays alive, so the caches may be dropped meanwhile.
     """
     if not isinstance(fingerprint, str) or len(fingerprint) > _MAX_FINGERPRINT:
         raise StatecoreError(bug(f"fingerprint must be a str of at most {_MAX_FINGERPRINT}"))
     if isinstance(token_count, bool) or not 0 <= token_count < _INT_BOUND:
         raise StatecoreError(bug(f"token_count must be a non-negative int, got {token_count!r}"))
-    if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
-        raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
     if not caches:
         raise StatecoreError(unsupported_cache(["<no cache layers>"]))
 
@@ -438,6 +454,15 @@ def encode_cache(
     _HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
 
     mx.eval(*arrays)
+    return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)])
+
+
+def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
+    """Frames with the running checksum: bytes only, no MLX, so safe off the device thread
+    (zlib releases the GIL over large buffers)."""
+    if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
+        raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
+    header_bytes = tensors.header_bytes
     crc = zlib.crc32(header_bytes)
     frames = [
         _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes
@@ -445,7 +470,7 @@ def encode_cache(
     pending: list[memoryview] = []
     pending_len = 0
     total = 0
-    for view in (run for array in arrays for run in _byte_runs(array)):
+    for view in tensors.runs:
         pos = 0
         while pos < len(view):
             piece = view[pos : pos + chunk_bytes - pending_len]
@@ -609,6 +634,16 @@ def _build(node: Node, body: _Body) -> Any:
     return items if isinstance(node, ListNode) else tuple(items)
 
 
+@dataclass(frozen=True, slots=True)
+class ValidatedKv:
+    """A payload that passed every check `validate_payload` makes; `build_caches` rebuilds it."""
+
+    view: memoryview
+    data: list[tuple[int, int]]
+    header: Any
+    classes: list[type[Any]]
+
+
 def decode_cache(
     payload: bytes | bytearray | memoryview,
     *,
@@ -616,13 +651,30 @@ def decode_cache(
     expected_classes: Sequence[str] | None = None,
     max_bytes: int = 1 << 34,
 ) -> DecodedKv:
-    """Validate a payload completely, then rebuild its caches.
+    """Validate a payload completely, then rebuild its caches (`validate_payload`, then
+    `build_caches`)."""
+    return build_caches(
+        validate_payload(payload, fingerprint=fingerprint, expected_classes=expected_classes,
+                         max_bytes=max_bytes)
+    )
+
+
+def validate_payload(
+    payload: bytes | bytearray | memoryview,
+    *,
+    fingerprint: str,
+    expected_classes: Sequence[str] | None = None,
+    max_bytes: int = 1 << 34,
+) -> ValidatedKv:
+    """Every check on a payload that needs no MLX array: safe off the device thread.
 
     Validation order: size limit, magic, version, framing (truncation, frame types, trailing
     bytes), end-frame total, checksum, header schema, fingerprint, layer count and classes,
     per-tensor dtype/shape/byte counts against the body. Every failure raises
     `StatecoreError` with KV_TOO_LARGE, KV_MALFORMED, KV_TRUNCATED, KV_CHECKSUM,
-    KV_WRONG_MODEL or UNSUPPORTED_CACHE; nothing is returned half-built.
+    KV_WRONG_MODEL or UNSUPPORTED_CACHE. The checksum (zlib, which releases the GIL) is most of
+    the time for a large payload, so a decode node runs this in a worker thread and keeps its
+    device thread decoding meanwhile.
     """
     view = memoryview(payload).cast("B")
     if len(view) > max_bytes:
@@ -667,10 +719,19 @@ def decode_cache(
             f"header describes {needed} tensor bytes, the body holds {framing.data_bytes}",
         )
 
-    body = _Body(view, framing.data)
+    return ValidatedKv(view, framing.data, header, [cls for cls in classes if cls is not None])
+
+
+def build_caches(validated: ValidatedKv) -> DecodedKv:
+    """The caches of a validated payload, as MLX arrays (on the thread that will use them).
+
+    A state that its cache class does not accept raises KV_MALFORMED; nothing half-built escapes.
+    """
+    header = validated.header
+    names = tuple(layer.class_name for layer in header.layers)
+    body = _Body(validated.view, validated.data)
     built: list[Any] = []
-    for i, (layer, cls) in enumerate(zip(header.layers, classes, strict=True)):
-        assert cls is not None
+    for i, (layer, cls) in enumerate(zip(header.layers, validated.classes, strict=True)):
         try:
             state = _build(layer.state, body)
             cache = cls.from_state(state)
@@ -698,10 +759,16 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "DecodedKv",
+    "HostTensors",
+    "ValidatedKv",
+    "build_caches",
     "decode_cache",
     "declared_tensor_bytes",
     "encode_cache",
     "encoded_size",
+    "frame_payload",
+    "host_tensors",
     "raw_tensor_bytes",
     "travel_report",
+    "validate_payload",
 ]
