@@ -29,10 +29,8 @@ import json
 import os
 import platform
 import secrets
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,9 +44,11 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.e2e.harness: the e2e tests' node launcher
 sys.path.insert(0, str(ROOT / "src"))
 
-from adapters.serve import free_port, wait_healthy  # noqa: E402
+from tests.e2e.harness import Node  # noqa: E402
+
 from adapters.tiny_models import CORPUS, cached_checkpoint  # noqa: E402
 
 TOKEN_HEADER = "X-Statecore-Token"
@@ -140,59 +140,26 @@ class Loopback:
 # --------------------------------------------------------------------------- the cluster
 
 
-@dataclass
-class Server:
-    role: str
-    args: list[str]
-    log: Path
-    port: int
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "adapters.cli", "run", "--role", self.role,
-                 "--port", str(self.port), *self.args],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            )
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        assert self.process is not None
-        problem = wait_healthy(self.url, self.process, timeout_s)
-        if problem is not None:
-            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-            raise SystemExit(f"{self.role}: {problem}\n{tail}")
-
-    def stop(self) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+def wait_healthy(node: Node, timeout_s: float) -> None:
+    """The harness's check, ending the bench with the node's log tail rather than a traceback."""
+    try:
+        node.wait_healthy(timeout_s)
+    except AssertionError as exc:
+        raise SystemExit(str(exc)) from None
 
 
-def start_cluster(model: Path, logs: Path, token: str, extra: list[str]) -> dict[str, Server]:
+def start_cluster(model: Path, logs: Path, token: str, extra: list[str]) -> dict[str, Node]:
     common = ["--model", str(model), "--internal-token", token, *extra]
-    nodes = {role: Server(role, common, logs / f"{role}.log", free_port()) for role in ("prefill", "decode")}
+    nodes = {role: Node(role, common, logs / f"{role}.log") for role in ("prefill", "decode")}
     for node in nodes.values():
         node.start()
     for node in nodes.values():
-        node.wait_healthy(900)
+        wait_healthy(node, 900)
     router_args = ["--model", str(model), "--internal-token", token, "--force-disaggregation",
                    "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url]
-    router = Server("router", router_args, logs / "router.log", free_port())
+    router = Node("router", router_args, logs / "router.log")
     router.start()
-    router.wait_healthy(300)
+    wait_healthy(router, 300)
     return {**nodes, "router": router}
 
 
@@ -221,7 +188,7 @@ def complete(client: httpx.Client, router: str, request_id: str, prompt: list[in
     return elapsed
 
 
-def records(client: httpx.Client, node: Server, token: str) -> dict[str, dict[str, Any]]:
+def records(client: httpx.Client, node: Node, token: str) -> dict[str, dict[str, Any]]:
     response = client.get(f"{node.url}/internal/handoffs", headers={TOKEN_HEADER: token})
     response.raise_for_status()
     return {r["request_id"]: r for r in response.json()["records"]}
@@ -343,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max_tokens {args.max_tokens}; loopback medians of {args.loopback_reps}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
 
-    servers: dict[str, Server] = {}
+    servers: dict[str, Node] = {}
     loopback = Loopback()
     try:
         print("starting prefill, decode and router ...", file=sys.stderr, flush=True)

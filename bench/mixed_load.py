@@ -18,12 +18,15 @@ sent to the last one finished. For the decode streams it reports the gaps betwee
 token, and the long prompts' time to first token; then cluster / colocated ratios, with ITL p99
 in the window as the headline. Writes results.json and results.png under --out.
 
+The defaults are sized for GPUs: 16 decode streams of 128 tokens in and 2,048 out, long enough to
+outlive the window of 8 long prompts of 4,000 tokens; a CPU run asks for shorter streams.
+
     .venv/bin/python bench/mixed_load.py --long-prompt 1000 --decode-streams 4 --decode-tokens 768 \\
         --long-requests 2 --reps 1                             # CPU smoke, ~2 minutes on 2 cores
-    python3 bench/mixed_load.py --model /tmp/llama1b --blas bundled --gpus 0,1   # 2 GPUs, defaults
+    python3 bench/mixed_load.py --model /tmp/llama1b --blas bundled --gpus 0,1   # 2 GPUs: 16 x 128x2048
 
 Bench code: it may import anything (it reuses side_by_side's server launcher and serve_bench's
-exact-length prompts), and nothing under src/ may import it.
+exact-length prompts, and sse_client's streaming reader), and nothing under src/ may import it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from serve_bench import Mix, PromptMaker, build_prompts, load_tokenizer  # noqa: E402
 from side_by_side import Server, default_model, server_env  # noqa: E402
+from sse_client import CompletionStreamError, completion_stream  # noqa: E402
 
 from adapters.serve import free_port  # noqa: E402
 
@@ -154,32 +158,20 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: str, tr
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     trace.sent = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")[:200]
-                trace.error = f"HTTP {response.status_code}: {detail}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                doc = json.loads(data)
-                if "error" in doc:
-                    trace.error = f"stream error: {json.dumps(doc['error'])[:200]}"
-                    return
-                if usage := doc.get("usage"):
-                    trace.output_tokens = int(usage.get("completion_tokens", 0))
-                    trace.prompt_tokens_reported = usage.get("prompt_tokens")
-                if any(choice.get("text") for choice in doc.get("choices") or []):
-                    trace.chunk_times.append(time.perf_counter())
-                    if streaming is not None and len(trace.chunk_times) == after_chunks:
-                        streaming.set()
+        async for texts, usage in completion_stream(client, url, body):
+            if usage:
+                trace.output_tokens = int(usage.get("completion_tokens", 0))
+                trace.prompt_tokens_reported = usage.get("prompt_tokens")
+            if texts:
+                trace.chunk_times.append(time.perf_counter())
+                if streaming is not None and len(trace.chunk_times) == after_chunks:
+                    streaming.set()
         if not trace.chunk_times:
             trace.error = "no output"
         elif trace.output_tokens == 0:
             trace.output_tokens = len(trace.chunk_times)
+    except CompletionStreamError as exc:
+        trace.error = str(exc)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
@@ -422,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="model dir (default: the 2.4M random llama of side_by_side, context 4096)")
     parser.add_argument("--decode-streams", type=int, default=16)
     parser.add_argument("--decode-prompt", type=int, default=128, help="prompt tokens of a decode stream")
-    parser.add_argument("--decode-tokens", type=int, default=512, help="output tokens of a decode stream")
+    parser.add_argument("--decode-tokens", type=int, default=2048,
+                        help="output tokens of a decode stream (enough to outlive the long-prompt window "
+                             "on a GPU; a CPU run wants fewer)")
     parser.add_argument("--long-prompt", type=int, default=4000, help="prompt tokens of a long request")
     parser.add_argument("--long-tokens", type=int, default=16, help="output tokens of a long request")
     parser.add_argument("--long-requests", type=int, default=8, help="long prompts per run")

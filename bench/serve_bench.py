@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from sse_client import CompletionStreamError, completion_stream
 
 __all__ = [
     "Mix",
@@ -242,37 +243,19 @@ async def _one(
     chunks = 0
     parts: list[str] = []
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")[:200]
-                result.error = f"HTTP {response.status_code}: {detail}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                doc = json.loads(data)
-                if "error" in doc:
-                    result.error = f"stream error: {json.dumps(doc['error'])[:200]}"
-                    return
-                usage = doc.get("usage")
-                if usage:
-                    result.output_tokens = int(usage.get("completion_tokens", 0))
-                    result.prompt_tokens_reported = usage.get("prompt_tokens")
-                for choice in doc.get("choices") or []:
-                    text = choice.get("text") or ""
-                    if not text:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft_s = now - start
-                    else:
-                        result.chunk_gaps_s.append(now - last)
-                    last = now
-                    chunks += 1
-                    parts.append(text)
+        async for texts, usage in completion_stream(client, url, body):
+            if usage:
+                result.output_tokens = int(usage.get("completion_tokens", 0))
+                result.prompt_tokens_reported = usage.get("prompt_tokens")
+            for text in texts:
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.chunk_gaps_s.append(now - last)
+                last = now
+                chunks += 1
+                parts.append(text)
         result.e2e_s = time.perf_counter() - start
         if result.output_tokens == 0:
             result.output_tokens = chunks
@@ -280,6 +263,8 @@ async def _one(
         result.ok = result.ttft_s is not None
         if not result.ok:
             result.error = "no output"
+    except CompletionStreamError as exc:
+        result.error = str(exc)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
 

@@ -56,7 +56,7 @@ from adapters.blas import blas_of_process_tree  # noqa: E402
 from adapters.serve import free_port, wait_healthy  # noqa: E402
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-SERVERS = ("mlx_lm", "single", "cluster", "single_shared")
+SERVERS = ("mlx_lm", "single", "cluster")
 
 
 @dataclass
@@ -131,9 +131,8 @@ def make_servers(model: Path, out: Path, which: Sequence[str], extra_sc: list[st
         if name == "mlx_lm":
             argv = [py, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1",
                     "--port", str(port), "--log-level", "WARNING"]
-        elif name in ("single", "single_shared"):
-            launcher = ["-m", "adapters.cli"] if name == "single" else [str(HERE / "exp_shared_greedy.py")]
-            argv = [py, *launcher, "run", "--role", "single", "--model", str(model),
+        elif name == "single":
+            argv = [py, "-m", "adapters.cli", "run", "--role", "single", "--model", str(model),
                     "--port", str(port), "--log-level", "WARNING", *extra_sc]
         else:
             argv = [py, "-m", "adapters.cli", "run", "--model", str(model), "--port", str(port),
@@ -195,8 +194,6 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
         head += " | tok/s s/m  TTFT s/m"
     if "cluster" in names and "single" in names:
         head += "  TTFT c/s"
-    if "single_shared" in names and "single" in names:
-        head += "  tok/s sh/s"
     lines.append(head)
     for mix, c in cells:
         cell = {n: [r for r in runs if r.server == n and r.mix == mix.name and r.concurrency == c]
@@ -220,10 +217,6 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
             ct = _ratio(median_metric(cell["cluster"], "ttft_p50_ms"),
                         median_metric(cell["single"], "ttft_p50_ms"))
             line += f"  {_fmt(ct, 9, 2)}"
-        if "single_shared" in names and "single" in names:
-            sh = _ratio(median_metric(cell["single_shared"], "output_tok_s"),
-                        median_metric(cell["single"], "output_tok_s"))
-            line += f"  {_fmt(sh, 10, 2)}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -250,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long-requests", type=int, default=3, help="requests per run of later mixes")
     parser.add_argument("--reps", type=int, default=2, help="alternating repetitions per cell")
     parser.add_argument("--servers", default="mlx_lm,single,cluster",
-                        help="subset of mlx_lm,single,cluster,single_shared (bench/exp_shared_greedy.py)")
+                        help="subset of mlx_lm,single,cluster")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"],
                         default=os.environ.get("STATECORE_BLAS", "auto"),
                         help="the same BLAS for every server (auto: OpenBLAS if installed), or "
@@ -336,8 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "table.txt").write_text(text + "\n")
     plot_runs(runs, args.out / "results.png", f"{Path(model).name} BLAS={blas} (median of reps)")
     print("\n" + text)
-    print(f"\nratios: s/m = statecore single / mlx_lm.server; c/s = cluster / single; "
-          f"sh/s = single_shared / single. "
+    print(f"\nratios: s/m = statecore single / mlx_lm.server; c/s = cluster / single. "
           f"Total {meta['wall_s']:.0f} s. Wrote {args.out}/results.json, table.txt, results.png")
     return 0
 
