@@ -15,7 +15,8 @@ Computation order (identical to mlx-lm's `generate_step`, on every node): prompt
 `prefill_chunk_size` into a fresh `make_prompt_cache(model)`, then the last prompt token alone,
 whose logits give the first token (sampled on the prefill node). Decoding continues from
 `first_token` with the cache covering exactly the prompt, so one node and prefill + handoff +
-decode compute the same thing.
+decode compute the same thing. Prefills queued together with prompts of one length (plain KV
+caches only) run in one batched call, row by row the same operations (`prefill_batch`).
 
 Sampling. Greedy (temperature 0) is argmax. Otherwise the token at absolute position p (the first
 token sits at p = len(prompt)) is drawn with the key `mx.random.key(blake2b("statecore-sample-v1",

@@ -213,3 +213,22 @@ def test_peer_circuit_breaker_walk() -> None:
         assert record.phase is target
         assert [i.kind for i in intents] == kinds
         assert all(isinstance(i, PeerIntent) and i.peer == peer for i in intents)
+
+
+def test_the_loop_state_does_not_grow_with_requests_served() -> None:
+    """A finished request is reported in `settled` for one step only, then the state forgets it:
+    what one event costs never depends on how many requests the node has served, and a finished
+    request id may be used again."""
+    from statecore.loop import ForLoop, ForRequest, OpenRequest, loop_step, new_loop
+    from statecore.table import DECODE_REQUEST
+
+    state, _ = loop_step(new_loop(DECODE_REQUEST), ForLoop(LoopReady()))
+    for n in range(50):
+        rid = RequestId(f"r{n % 3}")  # ids come back once their request has ended
+        state, intents = loop_step(state, OpenRequest(rid))
+        assert intents == []
+        state, _ = loop_step(state, ForRequest(rid, ClientCancelled()))
+        assert list(state.settled) == [rid] and DECODE_REQUEST.is_terminal(state.settled[rid])
+        assert not state.live
+    state, _ = loop_step(state, ForRequest(RequestId("gone"), ClientCancelled()))  # absorbed
+    assert not state.settled and not state.live
