@@ -350,6 +350,32 @@ async def test_prefills_waiting_together_are_batched_and_exact(open_engine: Open
     assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
 
 
+async def test_a_failing_prefill_batch_is_retried_one_by_one(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bad batch never fails its rows: each prompt is computed again on its own."""
+    path = cached_checkpoint("llama")
+    engine = await open_engine(path)
+
+    def broken(specs: Any) -> Any:
+        raise RuntimeError("injected: the batched call failed")
+
+    monkeypatch.setattr(engine, "_prefill_compute_batch", broken)
+    prompts = {RequestId(f"b{i}"): prompt_of(17, salt=i) for i in range(3)}
+    results: dict[RequestId, list[int]] = {}
+
+    async def run(rid: RequestId) -> None:
+        results[rid] = await single(engine, rid, prompts[rid])
+
+    engine._submit_nowait(lambda: trio_free_sleep(0.3))
+    await trio.sleep(0.05)
+    async with trio.open_nursery() as nursery:
+        for rid in prompts:
+            nursery.start_soon(run, rid)
+    assert engine.device_profile()["prefill"][0] == 3  # all three, one by one
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+
+
 def trio_free_sleep(seconds: float) -> None:
     """Block the calling (device) thread."""
     import time
