@@ -64,6 +64,22 @@ ENGINE_SWITCH_INTERVAL = 0.0005
 """sys.setswitchinterval for engine nodes (seconds; env STATECORE_SWITCH_INTERVAL overrides)."""
 
 
+def _switch_interval(raw: str | None) -> float:
+    """STATECORE_SWITCH_INTERVAL as seconds; a value that is not a positive number is ignored,
+    with one warning, rather than stopping the node."""
+    if raw is None:
+        return ENGINE_SWITCH_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        log.warning("STATECORE_SWITCH_INTERVAL=%r is not in (0, 1] seconds; using %g", raw,
+                    ENGINE_SWITCH_INTERVAL)
+        return ENGINE_SWITCH_INTERVAL
+    return value
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
     run.add_argument("--local-prefill-below", type=int, default=1000, metavar="TOKENS",
@@ -167,7 +183,7 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
     # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
-    sys.setswitchinterval(float(os.environ.get("STATECORE_SWITCH_INTERVAL", ENGINE_SWITCH_INTERVAL)))
+    sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
     engine = await MlxEngine.load(
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
