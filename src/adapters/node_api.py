@@ -101,6 +101,23 @@ def _validated(model: type[PrefillBody] | type[DecodeBody], raw: bytes) -> Any:
         raise StatecoreError(client_error(f"invalid internal request: {exc.errors()[:3]}")) from exc
 
 
+KV_SEND_SLICE = 4 << 20
+"""Bytes per ASGI body message of a KV payload (see `_kv_body`)."""
+
+
+def _kv_body(payload: bytes) -> Response:
+    """A KV payload sent in slices with its Content-Length: the server frames each slice as it
+    goes, so the first bytes leave at once instead of after one more copy of the whole body."""
+
+    async def slices() -> AsyncIterator[memoryview]:
+        view = memoryview(payload)
+        for start in range(0, len(view), KV_SEND_SLICE):
+            yield view[start : start + KV_SEND_SLICE]
+
+    return StreamingResponse(slices(), media_type="application/octet-stream",
+                             headers={"content-length": str(len(payload))})
+
+
 class NodeApi:
     """The internal routes of one engine-backed node."""
 
@@ -219,7 +236,10 @@ class NodeApi:
             if isinstance(payload, ErrorInfo):
                 return error_response(payload)
             self._note_raw_bytes(rid, payload)
-            return Response(self._damaged(rid, payload), media_type="application/octet-stream")
+            damaged = self._damaged(rid, payload)
+            if damaged is not payload:
+                return Response(damaged, media_type="application/octet-stream")
+            return _kv_body(payload)
         return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
     def _note_raw_bytes(self, rid: RequestId, payload: bytes) -> None:
