@@ -397,7 +397,7 @@ class MlxEngine:
 
         def work() -> PrefillOutcome:
             self._check_unused(request_id)
-            cache, first, _ = self._prefill_compute(tokens, spec.sampler())
+            (cache,), (first,), _ = self._prefill_compute([tokens], [spec.sampler()])
             return self._hold(spec, cache, first)
 
         return await self._call(work, undo=lambda _: self._drop(request_id), prefill=spec)
@@ -768,7 +768,7 @@ class MlxEngine:
         for job in jobs:
             assert job.prefill is not None
             rid = job.prefill.request_id
-            if rid in seen or rid in self._held or rid in self._live:
+            if rid in seen or self._in_use(rid):
                 later.append(job)
             else:
                 seen.add(rid)
@@ -784,7 +784,9 @@ class MlxEngine:
         specs = [job.prefill for job in jobs if job.prefill is not None]
         started = time.perf_counter()
         try:
-            caches, firsts = self._prefill_compute_batch(specs)
+            caches, firsts, _ = self._prefill_compute(
+                [spec.tokens for spec in specs], [spec.sampler() for spec in specs]
+            )
         except Exception:
             # One prompt must not fail its neighbours: retry each alone, where errors are its own.
             logger.exception("a batched prefill of %d prompts failed; computing them one by one", len(jobs))
@@ -839,8 +841,11 @@ class MlxEngine:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
         return dict(self._profile)
 
+    def _in_use(self, request_id: RequestId) -> bool:
+        return request_id in self._held or request_id in self._live
+
     def _check_unused(self, request_id: RequestId) -> None:
-        if request_id in self._held or request_id in self._live:
+        if self._in_use(request_id):
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
 
     def _hold(self, spec: _PrefillSpec, cache: list[Any], first_token: int) -> PrefillOutcome:
@@ -921,7 +926,7 @@ class MlxEngine:
         # A one-token probe through the real prefill path: the cache classes as they travel
         # (QuantizedKVCache when kv_bits is set) and the true vocabulary size.
         try:
-            probe_cache, _, vocab_size = self._prefill_compute([0], greedy_sampler)
+            (probe_cache,), _, vocab_size = self._prefill_compute([[0]], [greedy_sampler])
         except Exception as exc:
             raise StatecoreError(
                 ErrorInfo(
@@ -1003,60 +1008,42 @@ class MlxEngine:
         )
 
     def _prefill_compute(
-        self, tokens: list[int], sampler: Callable[[Any], Any]
-    ) -> tuple[list[Any], int, int]:
-        """generate_step's order: prompt[:-1] in fixed chunks, then the last token alone.
+        self, rows: list[list[int]], samplers: Sequence[Callable[[Any], Any]]
+    ) -> tuple[list[list[Any]], list[int], int]:
+        """generate_step's order for prompts of one length, row i being prompt i: prompt[:-1] in
+        fixed chunks, then the last token alone, whose logits give the first token.
 
-        Returns the cache (covering the whole prompt), the sampled token and the vocab width.
+        One row is exactly generate_step. Several rows (plain KVCache models only) run the same
+        chunks in the same order with a batch dimension, and each row's cache is then cut out of
+        the batch cache as its own KVCache, as if it had been prefilled alone. Returns each
+        row's cache (covering its whole prompt), each row's sampled token and the vocab width.
         """
         model = self._model
         cache: list[Any] = make_prompt_cache(model)
         chunk = self._settings.prefill_chunk_size
-        prompt = mx.array(tokens)
-        with mx.stream(generation_stream):
-            done = 0
-            while len(tokens) - done > 1:
-                n = min(chunk, len(tokens) - done - 1)
-                model(prompt[done : done + n][None], cache=cache)
-                self._quantize(cache)
-                mx.eval([c.state for c in cache])
-                done += n
-                mx.clear_cache()
-            logits = model(prompt[done:][None], cache=cache)[:, -1, :]
-            self._quantize(cache)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = sampler(logprobs)
-            mx.eval(sampled, [c.state for c in cache])
-        return cache, int(sampled.item()), int(logits.shape[-1])
-
-    def _prefill_compute_batch(self, specs: list[_PrefillSpec]) -> tuple[list[list[Any]], list[int]]:
-        """`_prefill_compute` for prompts of one length at once, row i being prompt i.
-
-        The same chunks in the same order with a batch dimension; then each row's cache is cut
-        out of the batch cache as its own KVCache, exactly as if it had been prefilled alone.
-        """
-        model = self._model
-        batch_cache: list[Any] = make_prompt_cache(model)
-        chunk = self._settings.prefill_chunk_size
-        length = len(specs[0].tokens)
-        prompt = mx.array([spec.tokens for spec in specs])
+        length = len(rows[0])
+        prompt = mx.array(rows)
         with mx.stream(generation_stream):
             done = 0
             while length - done > 1:
                 n = min(chunk, length - done - 1)
-                model(prompt[:, done : done + n], cache=batch_cache)
-                mx.eval([c.state for c in batch_cache])
+                model(prompt[:, done : done + n], cache=cache)
+                self._quantize(cache)
+                mx.eval([c.state for c in cache])
                 done += n
                 mx.clear_cache()
-            logits = model(prompt[:, done:], cache=batch_cache)[:, -1, :]
+            logits = model(prompt[:, done:], cache=cache)[:, -1, :]
+            self._quantize(cache)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = mx.concatenate(
-                [spec.sampler()(logprobs[row : row + 1]) for row, spec in enumerate(specs)], axis=0
+                [sampler(logprobs[row : row + 1]) for row, sampler in enumerate(samplers)], axis=0
             )
-            caches = [[_cache_row(layer, row) for layer in batch_cache] for row in range(len(specs))]
-            mx.eval(sampled, [[c.state for c in cache] for cache in caches])
+            caches = [cache] if len(rows) == 1 else [
+                [_cache_row(layer, row) for layer in cache] for row in range(len(rows))
+            ]
+            mx.eval(sampled, [[c.state for c in row_cache] for row_cache in caches])
         firsts: list[int] = sampled.tolist()  # type: ignore[assignment]
-        return caches, firsts
+        return caches, firsts, int(logits.shape[-1])
 
     def _step(self) -> None:
         """One decode step: the batch once, then every solo request once."""

@@ -357,10 +357,14 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
 
-    def broken(specs: Any) -> Any:
-        raise RuntimeError("injected: the batched call failed")
+    compute = engine._prefill_compute
 
-    monkeypatch.setattr(engine, "_prefill_compute_batch", broken)
+    def broken(rows: list[list[int]], samplers: Any) -> Any:
+        if len(rows) > 1:
+            raise RuntimeError("injected: the batched call failed")
+        return compute(rows, samplers)
+
+    monkeypatch.setattr(engine, "_prefill_compute", broken)
     prompts = {RequestId(f"b{i}"): prompt_of(17, salt=i) for i in range(3)}
     results: dict[RequestId, list[int]] = {}
 
