@@ -203,7 +203,11 @@ class NodeRunner(Generic[P]):
                 cleanups.setdefault(intent.request_id, []).append(intent)
             else:
                 self._perform(intent)
-        ended = [rid for rid in self._scopes if rid not in self.state.live]
+        # A scope ends when its request settles, or when it is rejected at the door; the loop
+        # names both, so no scan over every open request per token.
+        ended = [rid for rid in self.state.settled if rid in self._scopes]
+        if isinstance(envelope, OpenRequest) and envelope.request_id not in self.state.live:
+            ended.append(envelope.request_id)
         for rid in ended:
             self._finish(rid)  # terminal, or rejected at the door
         for rid in {*cleanups, *ended}:
