@@ -205,10 +205,19 @@ class HttpxPeers:
         return response.status_code == 200
 
     async def info(self, node: str) -> ModelInfo:
+        return info_from_json(await self.info_document(node))
+
+    async def info_document(self, node: str) -> dict[str, object]:
+        """A node's whole /internal/info, fields beyond `ModelInfo` (its BLAS) included."""
         with transport_errors(node):
             response = await self.client.get(f"{node}/internal/info", timeout=5.0)
             await _raise_for_error(node, response)
-            return info_from_json(response.json())
+            doc = response.json()
+        if not isinstance(doc, dict):
+            raise StatecoreError(
+                ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed model info")
+            )
+        return doc
 
     async def stats(self, node: str) -> dict[str, object]:
         with transport_errors(node):

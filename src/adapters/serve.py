@@ -252,12 +252,13 @@ async def _fetch_info(peers: HttpxPeers, nodes: list[str], deadline_s: float = 6
 async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
     """A node's model fingerprint and BLAS from its /internal/info; None when it does not answer."""
     try:
-        response = await peers.client.get(f"{node}/internal/info", timeout=5.0)
-        doc = response.json()
-        blas = doc.get("blas")
-        return str(doc["fingerprint"]), str(blas) if blas else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        doc = await peers.info_document(node)
+    except (StatecoreError, ValueError):
         return None
+    fingerprint, blas = doc.get("fingerprint"), doc.get("blas")
+    if fingerprint is None:
+        return None
+    return str(fingerprint), str(blas) if blas else None
 
 
 async def run_router(args: argparse.Namespace) -> int:
