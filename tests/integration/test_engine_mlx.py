@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,6 +144,21 @@ async def single(
     return [outcome.first_token] + [g.token for g in await collect(engine, rid)]
 
 
+async def all_at_once(
+    call: Callable[[RequestId, list[int]], Awaitable[list[int]]], prompts: dict[RequestId, list[int]]
+) -> dict[RequestId, list[int]]:
+    """`call` for every prompt at the same time; each request's tokens."""
+    got: dict[RequestId, list[int]] = {}
+
+    async def run(rid: RequestId) -> None:
+        got[rid] = await call(rid, prompts[rid])
+
+    async with trio.open_nursery() as nursery:
+        for rid in prompts:
+            nursery.start_soon(run, rid)
+    return got
+
+
 def quantizable_llama(out_dir: Path) -> Path:
     """A tiny llama with head_dim 64, so its KV cache quantizes with group size 64."""
     build_tiny_checkpoint(out_dir, "llama")
@@ -259,14 +275,7 @@ async def test_every_family_decodes_exactly_next_to_others(
     prefill_node = await open_engine(path)
     decode_node = await open_engine(path)
     prompts = {RequestId(f"f{i}"): prompt_of(n, salt=i) for i, n in enumerate((3, 21, 40))}
-    got: dict[RequestId, list[int]] = {}
-
-    async def run(rid: RequestId) -> None:
-        got[rid] = await handoff(prefill_node, decode_node, rid, prompts[rid])
-
-    async with trio.open_nursery() as nursery:
-        for rid in prompts:
-            nursery.start_soon(run, rid)
+    got = await all_at_once(partial(handoff, prefill_node, decode_node), prompts)
     assert got == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
 
 
@@ -366,16 +375,9 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
 
     monkeypatch.setattr(engine, "_prefill_compute", broken)
     prompts = {RequestId(f"b{i}"): prompt_of(17, salt=i) for i in range(3)}
-    results: dict[RequestId, list[int]] = {}
-
-    async def run(rid: RequestId) -> None:
-        results[rid] = await single(engine, rid, prompts[rid])
-
     engine._submit_nowait(lambda: trio_free_sleep(0.3))
     await trio.sleep(0.05)
-    async with trio.open_nursery() as nursery:
-        for rid in prompts:
-            nursery.start_soon(run, rid)
+    results = await all_at_once(partial(single, engine), prompts)
     assert engine.device_profile()["prefill"][0] == 3  # all three, one by one
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
 
@@ -460,15 +462,7 @@ async def test_quantized_solo_lane_matches_single_node(
 
     # Two quantized requests decoding side by side, next to a request in the batch
     # (unquantized engines batch; here everything goes through the solo lane).
-    got: dict[RequestId, list[int]] = {}
-
-    async def run(rid: RequestId) -> None:
-        got[rid] = await handoff(prefill_node, decode_node, rid, prompts[rid])
-
-    async with trio.open_nursery() as nursery:
-        for rid in prompts:
-            nursery.start_soon(run, rid)
-    assert got == expected
+    assert await all_at_once(partial(handoff, prefill_node, decode_node), prompts) == expected
 
 
 async def test_kv_bits_refused_at_load_when_a_cache_cannot_quantize(
