@@ -5,8 +5,10 @@ A node process is one trio run: the engine (for single, prefill and decode), one
 the loop to drain (health goes non-200, in-flight requests finish, exit 0), and a dead MLX
 device thread is the node's `TransportLost` (health non-200 at once, exit 1). The router also
 runs its peer-health machines. `statecore run` with no role starts router + prefill + decode
-as children on free ports and stops them cleanly on Ctrl-C or SIGTERM. This module may import
-anything.
+as children and stops them cleanly on Ctrl-C or SIGTERM. Every node binds its port before it
+loads anything (a port in use fails at once, with one line); a parent that starts nodes binds
+their sockets itself and hands them down (`--listen-fd`), so no other process can take a port
+between the choice and the child's bind. This module may import anything.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help=f"tests only, needs {ENABLE_ENV}=1: fail (or slow) PHASE for marked requests")
     run.add_argument("--fault-marker", default=DEFAULT_MARKER,
                      help="request ids containing this string get the injected faults")
+    run.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                     help="serve on this inherited, already listening socket instead of binding "
+                          "--host:--port (how `statecore run` and test harnesses start children)")
     run.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     run.add_argument("--log-level", default="INFO")
 
@@ -158,10 +163,10 @@ async def _watch_device(runner: NodeRunner[Any], alive: Callable[[], bool]) -> N
     await runner.post_loop(TransportLost("MLX device thread died"))
 
 
-async def _serve(app: Starlette, args: argparse.Namespace, runner: NodeRunner[Any],
+async def _serve(app: Starlette, listener: socket.socket, runner: NodeRunner[Any],
                  nursery: trio.Nursery) -> None:
     config = Config()
-    config.bind = [f"{args.host}:{args.port}"]
+    config.bind = [f"fd://{listener.detach()}"]  # hypercorn owns the descriptor from here
     config.accesslog = None
     config.graceful_timeout = 5.0
     nursery.start_soon(_watch_signals, runner)
@@ -175,7 +180,7 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
-async def run_engine_node(args: argparse.Namespace, role: str) -> int:
+async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket) -> int:
     from adapters.engine_mlx import MlxEngine
 
     model = args.model or demo_model_dir()
@@ -220,8 +225,8 @@ async def run_engine_node(args: argparse.Namespace, role: str) -> int:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
             nursery.start_soon(_watch_device, runner, lambda: engine.statistics().device_thread_alive)
-            log.info("%s node serving on http://%s:%d", role, args.host, args.port)
-            await _serve(app, args, runner, nursery)
+            log.info("%s node serving on %s", role, listener_url(listener))
+            await _serve(app, listener, runner, nursery)
             nursery.cancel_scope.cancel()
         lost = not engine.statistics().device_thread_alive  # before aclose stops the thread
     finally:
@@ -261,7 +266,7 @@ async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | 
     return str(fingerprint), str(blas) if blas else None
 
 
-async def run_router(args: argparse.Namespace) -> int:
+async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     if not args.prefill or not args.decode:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
     model = args.model or demo_model_dir()
@@ -302,16 +307,61 @@ async def run_router(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)
             await nursery.start(runner.run)
-            log.info("router serving on http://%s:%d (prefill %s, decode %s)", args.host, args.port,
+            log.info("router serving on %s (prefill %s, decode %s)", listener_url(listener),
                      prefill, decode)
-            await _serve(app, args, runner, nursery)
+            await _serve(app, listener, runner, nursery)
             nursery.cancel_scope.cancel()
     finally:
         await peers.aclose()
     return 0
 
 
+LISTEN_BACKLOG = 1024
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket on host:port (0: any free port), inheritable so that a child
+    started with `pass_fds` can serve on it (`--listen-fd`). Raises OSError (port in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may find TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def listener_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _listener_for(args: argparse.Namespace) -> socket.socket:
+    """The socket this node serves on: the inherited one, or --host:--port bound now, before
+    anything slow, so that a port in use is one clear line instead of a traceback after loading."""
+    if args.listen_fd is not None:
+        try:
+            sock = socket.socket(fileno=args.listen_fd)
+            sock.getsockname()
+        except OSError as exc:
+            raise SystemExit(f"statecore: --listen-fd {args.listen_fd} is not an open socket: "
+                             f"{exc.strerror}") from exc
+        if sock.type != socket.SOCK_STREAM:
+            raise SystemExit(f"statecore: --listen-fd {args.listen_fd} is not a TCP socket")
+        return sock
+    try:
+        return open_listener(args.host, args.port)
+    except OSError as exc:
+        raise SystemExit(f"statecore: cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+
+
 def free_port() -> int:
+    """A port that was free a moment ago, for servers that cannot take an inherited socket
+    (mlx_lm.server in the benchmarks); another process may take it before they bind."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -354,7 +404,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         common.append("--trust-remote-code")
     if args.kv_bits:
         common += ["--kv-bits", str(args.kv_bits)]
-    ports = {"prefill": free_port(), "decode": free_port()}
+    sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
+               "router": _listener_for(args)}
+    urls = {role: listener_url(sock) for role, sock in sockets.items()}
     base = [sys.executable, "-m", "adapters.cli", "run"]
     children: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
@@ -363,22 +415,26 @@ def run_cluster(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
+    def start(role: str, flags: list[str]) -> None:
+        sock = sockets[role]
+        children[role] = subprocess.Popen([*base, "--role", role, "--listen-fd", str(sock.fileno()), *flags],
+                                          pass_fds=(sock.fileno(),))
+        sock.close()  # the child holds it now
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        for role, port in ports.items():
-            children[role] = subprocess.Popen([*base, "--role", role, "--port", str(port), *common])
-        urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+        for role in ("prefill", "decode"):
+            start(role, common)
         print("statecore: starting prefill and decode nodes ...", flush=True)
-        for role in ports:
+        for role in ("prefill", "decode"):
             _wait_healthy(urls[role], children[role], 600)
-        router_cmd = [*base, "--role", "router", "--host", args.host, "--port", str(args.port),
-                      "--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
-                      "--local-prefill-below", str(args.local_prefill_below)]
+        router_flags = ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
+                        "--local-prefill-below", str(args.local_prefill_below)]
         if args.force_disaggregation:
-            router_cmd.append("--force-disaggregation")
-        children["router"] = subprocess.Popen(router_cmd)
-        router = f"http://{args.host}:{args.port}"
+            router_flags.append("--force-disaggregation")
+        start("router", router_flags)
+        router = urls["router"]
         _wait_healthy(router, children["router"], 120)
         name = Path(model).name
         print(f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
@@ -394,6 +450,8 @@ def run_cluster(args: argparse.Namespace) -> int:
                     stopping = True
             time.sleep(0.2)
     finally:
+        for sock in sockets.values():
+            sock.close()  # those not handed to a child yet (no-op for the others)
         for child in children.values():
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -419,9 +477,9 @@ def run_command(args: argparse.Namespace) -> int:
     if role == "cluster":
         return run_cluster(args)
     if role == "router":
-        return trio.run(run_router, args)
+        return trio.run(run_router, args, _listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
-    return _exit_now(trio.run(run_engine_node, args, role))
+    return _exit_now(trio.run(run_engine_node, args, role, _listener_for(args)))
 
 
 def _exit_now(code: int) -> int:

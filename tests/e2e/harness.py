@@ -1,8 +1,9 @@
 """Real `statecore run` processes on 127.0.0.1 for end-to-end tests.
 
-`Node` is one child process with its log file; `start_nodes` starts several in parallel and
-waits until each answers /health; `stop` sends SIGTERM (a drain) and returns the exit code.
-Every node's /internal/stats is checked for leaks by `assert_no_leaks`.
+`Node` is one child process with its log file, serving on a socket the harness bound and handed
+down (`--listen-fd`), so no other process can take its port while it loads; `start_nodes`
+starts several in parallel and waits until each answers /health; `stop` sends SIGTERM (a
+drain) and returns the exit code. Every node's /internal/stats is checked for leaks by `assert_no_leaks`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from adapters.serve import free_port, wait_healthy
+from adapters.serve import open_listener, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,20 +31,28 @@ class Node:
     role: str
     args: list[str]
     log: Path
-    port: int = field(default_factory=free_port)
+    listener: socket.socket | None = field(default_factory=lambda: open_listener("127.0.0.1", 0), repr=False)
+    port: int = 0
     process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.listener is not None:
+            self.port = self.listener.getsockname()[1]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Start the process; a restart binds the node's port again (it was freed by the exit)."""
+        sock = self.listener if self.listener is not None else open_listener("127.0.0.1", self.port)
+        self.listener = None
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log.open("ab") as out:
+        with sock, self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "adapters.cli", "run", "--role", self.role,
-                 "--port", str(self.port), *self.args],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                 "--listen-fd", str(sock.fileno()), *self.args],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, pass_fds=(sock.fileno(),),
             )
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
@@ -61,6 +71,9 @@ class Node:
         return data
 
     def stop(self, timeout_s: float = 30.0) -> int:
+        if self.listener is not None:  # never started
+            self.listener.close()
+            self.listener = None
         if self.process is None:
             return 0
         if self.process.poll() is None:

@@ -5,6 +5,8 @@ travel."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,8 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from adapters.serve import open_listener
 from adapters.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
 from tests.e2e.harness import (
+    ROOT,
     Cluster,
     Node,
     assert_no_leaks,
@@ -178,3 +182,19 @@ def test_untrusted_custom_code_is_refused_at_start(tmp_path: Path) -> None:
     assert node.process is not None
     assert node.process.wait(timeout=60) != 0
     assert "trust-remote-code" in node.log.read_text() or "trust_remote_code" in node.log.read_text()
+
+
+@pytest.mark.parametrize("role", ["single", "router", "cluster"])
+def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path, role: str) -> None:
+    taken = open_listener("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    flags = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"] if role == "router" else []
+    with taken:
+        done = subprocess.run(
+            [sys.executable, "-m", "adapters.cli", "run", "--role", role, "--port", str(port), *flags],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"statecore: cannot listen on 127.0.0.1:{port}: Address already in use"), done.stderr
+    assert "Traceback" not in done.stderr and "loading" not in done.stderr, done.stderr
