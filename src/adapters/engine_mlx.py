@@ -67,6 +67,7 @@ from adapters.blas import blas_in_use
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
+    KvBytes,
     ModelInfo,
     PrefillOutcome,
     SamplingParams,
@@ -456,7 +457,7 @@ class MlxEngine:
     async def install(
         self,
         request_id: RequestId,
-        payload: bytes,
+        payload: KvBytes,
         prompt: Sequence[int],
         first_token: int,
         sampling: SamplingParams,

@@ -6,7 +6,8 @@ iterator layers and a scheduler round trip, and the pieces are joined at the end
 loopback that ran at 15-20% of what the socket itself moves (bench/results/handoff_http.md).
 Here h11 (sans-IO) writes the request and parses the response head only; the body, whose length
 the head declares, is `recv_into` a preallocated buffer, so each byte is copied once out of the
-kernel. One connection per pull (`Connection: close`): a pull is one large transfer, and a
+kernel, into a buffer kept from an earlier pull (`ReceiveBuffers`) so its pages are already
+mapped. One connection per pull (`Connection: close`): a pull is one large transfer, and a
 fresh loopback or LAN connection costs far less than the bytes it carries.
 
 `HttpxPeers.fetch_kv` uses this for plain `http://` nodes when no test transport is injected,
@@ -17,6 +18,7 @@ nothing in `statecore` or `effects` may import it.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +29,71 @@ import trio
 
 READ_BYTES = 1 << 16  # the head and any body of unknown length are read in pieces this big
 MAX_ERROR_BODY = 1 << 20  # an error answer is a small JSON document; more is the peer's fault
+
+
+# While a buffer sits in the pool and nothing else refers to it, `sys.getrefcount(pool[i])`
+# sees two references: the pool's list and the call's own argument.
+_ONLY_THE_POOL = 2
+_ROUND_BYTES = 1 << 20  # capacities round up to this, so nearby prompt lengths share buffers
+
+
+class ReceiveBuffers:
+    """Reusable buffers for the bodies of KV pulls.
+
+    A fresh buffer of tens of megabytes takes a page fault (and the kernel zeroing the page)
+    for every 4 KiB the first time it is written; measured on loopback, landing a pull in fresh
+    memory ran at about a third of the speed of landing it in memory written before. So a
+    buffer, once used, is kept and handed out again. A caller gets a memoryview of a buffer's
+    first `length` bytes and never gives it back: a buffer is reused only once nothing refers to
+    it any more (no memoryview, no numpy array over it - CPython's reference count says so), so
+    a view kept by mistake can never be overwritten under its holder. Buffers are kept up to
+    `keep_bytes` in all; beyond that, idle ones are dropped, smallest first. Used from one
+    thread (the node's trio thread); other threads only drop their references.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        if keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, not {keep_bytes}")
+        self.keep_bytes = keep_bytes
+        self._buffers: list[bytearray] = []
+
+    def take(self, length: int) -> memoryview:
+        index = self._best_idle(length)
+        if index is None:
+            capacity = -(-max(length, 1) // _ROUND_BYTES) * _ROUND_BYTES
+            self._buffers.append(bytearray(capacity))
+            index = len(self._buffers) - 1
+        view = memoryview(self._buffers[index])[:length]
+        self._trim()
+        return view
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(len(buffer) for buffer in self._buffers)
+
+    def _idle(self, index: int) -> bool:
+        return sys.getrefcount(self._buffers[index]) <= _ONLY_THE_POOL
+
+    def _best_idle(self, length: int) -> int | None:
+        """The smallest idle buffer that holds `length` bytes."""
+        best: int | None = None
+        for i in range(len(self._buffers)):
+            size = len(self._buffers[i])
+            if size >= length and self._idle(i) and (best is None or size < len(self._buffers[best])):
+                best = i
+        return best
+
+    def _trim(self) -> None:
+        """Drop idle buffers, smallest first, while more than `keep_bytes` are kept."""
+        excess = self.kept_bytes - self.keep_bytes
+        dropped: set[int] = set()
+        for i in sorted(range(len(self._buffers)), key=lambda i: len(self._buffers[i])):
+            if excess <= 0:
+                break
+            if self._idle(i):
+                excess -= len(self._buffers[i])
+                dropped.add(i)
+        self._buffers = [buffer for i, buffer in enumerate(self._buffers) if i not in dropped]
 
 
 class KvPullError(Exception):
@@ -40,7 +107,7 @@ class KvTooLarge(Exception):
 @dataclass(frozen=True, slots=True)
 class PulledKv:
     status: int
-    body: bytes
+    body: bytes | memoryview  # a view into `ReceiveBuffers`: read it, then let it go
     head_s: float  # GET sent -> response head parsed
     last_byte_s: float  # GET sent -> last body byte received
 
@@ -82,10 +149,10 @@ async def _receive_framed(stream: trio.SocketStream, conn: h11.Connection, limit
             raise KvPullError(f"unexpected {type(event).__name__} in a response body")
 
 
-async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, length: int) -> bytearray:
-    """Exactly `length` body bytes: what h11 already holds, then straight from the socket."""
-    buffer = bytearray(length)
-    view = memoryview(buffer)
+async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, view: memoryview) -> memoryview:
+    """Exactly `len(view)` body bytes into `view`: what h11 already holds, then straight from
+    the socket."""
+    length = len(view)
     early, closed = conn.trailing_data  # body bytes that arrived together with the head
     if len(early) > length:
         raise KvPullError(f"{len(early) - length} bytes beyond the declared Content-Length")
@@ -98,14 +165,14 @@ async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, length
         if n == 0:
             raise KvPullError(f"the peer closed the connection after {got} of {length} body bytes")
         got += n
-    view.release()
-    return buffer
+    return view
 
 
 async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
-               connect_timeout_s: float) -> PulledKv:
+               connect_timeout_s: float, buffers: ReceiveBuffers) -> PulledKv:
     """GET `url` (plain http) and return its status and whole body. A 200 answer may be up to
-    `max_bytes`; any other answer up to MAX_ERROR_BODY (it is read for its error document)."""
+    `max_bytes`, and lands in one of `buffers`; any other answer up to MAX_ERROR_BODY (it is
+    read for its error document)."""
     parts = urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise ValueError(f"kv_pull handles plain http:// URLs only, not {url!r}")
@@ -124,7 +191,7 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
         response = await _receive_head(stream, conn)
         head = time.perf_counter()
         length = _content_length(response)
-        body: bytes | bytearray
+        body: bytes | memoryview
         if response.status_code != 200:
             body = await _receive_framed(stream, conn, MAX_ERROR_BODY)
         elif length is None:
@@ -132,10 +199,9 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
         elif length > max_bytes:
             raise KvTooLarge(f"the answer declares {length} bytes, the limit is {max_bytes}")
         else:
-            body = await _receive_sized(stream, conn, length)
+            body = await _receive_sized(stream, conn, buffers.take(length))
         last_byte = time.perf_counter()
-    # the one copy after the clock stops: the Engine port takes immutable bytes
-    return PulledKv(response.status_code, bytes(body), head - started, last_byte - started)
+    return PulledKv(response.status_code, body, head - started, last_byte - started)
 
 
-__all__ = ["KvPullError", "KvTooLarge", "PulledKv", "pull"]
+__all__ = ["KvPullError", "KvTooLarge", "PulledKv", "ReceiveBuffers", "pull"]

@@ -32,11 +32,12 @@ from adapters.internal_wire import (
     parse_output_line,
 )
 from effects.handoffs import HandoffLog
-from effects.ports import DecodeCall, ModelInfo, Output, PrefillReply, SamplingParams
+from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
+DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
 
 
 @contextlib.contextmanager
@@ -76,6 +77,7 @@ class HttpxPeers:
         read_timeout_s: float = 600.0,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         handoffs: HandoffLog | None = None,
+        kv_buffer_bytes: int = DEFAULT_KV_BUFFER_BYTES,
     ) -> None:
         headers = {TOKEN_HEADER: token} if token else {}
         # KV pulls skip httpx (see kv_pull) unless a test injected a transport to route them
@@ -90,6 +92,7 @@ class HttpxPeers:
         )
         self.max_kv_bytes = max_kv_bytes
         self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
+        self.receive_buffers = kv_pull.ReceiveBuffers(kv_buffer_bytes)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -126,7 +129,7 @@ class HttpxPeers:
                     if line:
                         yield parse_output_line(line.encode())
 
-    async def fetch_kv(self, node: str, request_id: RequestId) -> bytes:
+    async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
         url = f"{node}/internal/kv/{request_id}"
         if self._direct_kv and url.startswith("http://"):
             pulled = await self._pull_direct(node, url)
@@ -146,7 +149,8 @@ class HttpxPeers:
         try:
             with trio.fail_after(self._read_timeout_s):
                 pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
-                                            connect_timeout_s=self._connect_timeout_s)
+                                            connect_timeout_s=self._connect_timeout_s,
+                                            buffers=self.receive_buffers)
         except kv_pull.KvTooLarge as exc:
             raise StatecoreError(
                 ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
@@ -161,7 +165,7 @@ class HttpxPeers:
             ) from exc
         if pulled.status >= 400:
             try:
-                data: object = json.loads(pulled.body)
+                data: object = json.loads(bytes(pulled.body))  # an error document: small
             except ValueError:
                 data = None
             raise StatecoreError(error_from_json(data, pulled.status))

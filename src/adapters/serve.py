@@ -40,7 +40,7 @@ from adapters.internal_wire import info_json
 from adapters.metrics import Metrics
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
-from adapters.peers_httpx import HttpxPeers
+from adapters.peers_httpx import DEFAULT_KV_BUFFER_BYTES, HttpxPeers
 from effects.backend import local_backend, router_backend
 from effects.faults import DEFAULT_MARKER, ENABLE_ENV, Faults
 from effects.handoffs import HandoffLog
@@ -82,6 +82,16 @@ def _switch_interval(raw: str | None) -> float:
     return value
 
 
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
     run.add_argument("--local-prefill-below", type=int, default=1000, metavar="TOKENS",
@@ -99,6 +109,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--max-kv-bytes", type=int, default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
+    run.add_argument("--kv-buffer-bytes", type=_byte_count, default=DEFAULT_KV_BUFFER_BYTES,
+                     help="decode: receive buffers kept for reuse by KV pulls, in bytes "
+                          "(default 1 GiB; 0 = a fresh buffer per pull)")
     run.add_argument("--kv-lease", type=float, default=60.0, help="seconds a held KV waits (default 60)")
     run.add_argument("--request-deadline", type=float, default=600.0,
                      help="seconds a request may live (default 600)")
@@ -201,7 +214,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     handoffs = HandoffLog(role)
     peers = None
     if role == "decode":
-        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs)
+        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
+                           kv_buffer_bytes=args.kv_buffer_bytes)
     faults = Faults.parse(args.inject_fault, args.fault_marker)
     performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests,
                                 handoffs=handoffs)

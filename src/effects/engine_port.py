@@ -14,6 +14,11 @@ from typing import Protocol
 
 from statecore.ids import RequestId
 
+# A KV payload as it arrives: a decode node receives into reusable buffers and passes a view of
+# one. Whoever takes one reads it within the call and keeps no reference after returning, so the
+# buffer can serve the next pull.
+KvBytes = bytes | bytearray | memoryview
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -133,7 +138,7 @@ class Engine(Protocol):
     async def install(
         self,
         request_id: RequestId,
-        payload: bytes,
+        payload: KvBytes,
         prompt: Sequence[int],
         first_token: int,
         sampling: SamplingParams,
@@ -156,6 +161,7 @@ class Engine(Protocol):
 
 
 __all__ = [
+    "KvBytes",
     "Engine",
     "EngineStatistics",
     "GeneratedToken",

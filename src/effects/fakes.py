@@ -16,6 +16,7 @@ import trio
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
+    KvBytes,
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
@@ -119,12 +120,12 @@ class FakeEngine:
     async def install(
         self,
         request_id: RequestId,
-        payload: bytes,
+        payload: KvBytes,
         prompt: Sequence[int],
         first_token: int,
         sampling: SamplingParams,
     ) -> None:
-        if not payload.startswith(b"FAKE"):
+        if bytes(payload[:4]) != b"FAKE":
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake payload"))
         await self._begin(request_id, prompt, first_token, sampling)
 

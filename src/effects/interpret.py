@@ -25,6 +25,7 @@ from effects.ports import (
     Engine,
     GenerationEnd,
     GenerationError,
+    KvBytes,
     Output,
     Peers,
     PrefillReply,
@@ -67,7 +68,7 @@ class NodeRequest:
     first_token: int | None = None
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
-    payload: bytes | None = None
+    payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     kv_out: trio.MemorySendChannel[bytes | ErrorInfo] | None = None  # set while a decode node pulls
 
 

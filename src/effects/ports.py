@@ -17,6 +17,7 @@ from effects.engine_port import (
     Engine,
     EngineStatistics,
     GeneratedToken,
+    KvBytes,
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
@@ -111,7 +112,7 @@ class Peers(Protocol):
 
     def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]: ...
 
-    async def fetch_kv(self, node: str, request_id: RequestId) -> bytes: ...
+    async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes: ...
 
     async def release_kv(self, node: str, request_id: RequestId) -> None: ...
 
@@ -130,6 +131,7 @@ __all__ = [
     "GenerationEnd",
     "GenerationError",
     "GenerationRequest",
+    "KvBytes",
     "LayerTravel",
     "ModelInfo",
     "Output",

@@ -137,7 +137,7 @@ async def test_a_pull_over_a_real_socket_records_the_same_fields(nursery: trio.N
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from adapters.serve import free_port
+    from adapters.serve import listener_url, open_listener
 
     prefill_runner, prefill_app = _node("prefill", None, HandoffLog("prefill"))
     decode_log = HandoffLog("decode")
@@ -146,13 +146,13 @@ async def test_a_pull_over_a_real_socket_records_the_same_fields(nursery: trio.N
     await nursery.start(prefill_runner.run)
     await nursery.start(decode_runner.run)
     config = Config()
-    port = free_port()
-    config.bind = [f"127.0.0.1:{port}"]
+    listener = open_listener("127.0.0.1", 0)
+    url = listener_url(listener)
+    config.bind = [f"fd://{listener.detach()}"]
     config.accesslog = None
     stop = trio.Event()
     await nursery.start(lambda task_status: serve(prefill_app, config,  # type: ignore[arg-type]
                                                   shutdown_trigger=stop.wait, task_status=task_status))
-    url = f"http://127.0.0.1:{port}"
     headers = {TOKEN_HEADER: TOKEN}
     try:
         async with (
