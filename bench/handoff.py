@@ -133,7 +133,7 @@ async def measure(family: str, dtype: str, args: argparse.Namespace) -> Row:
             start = time.perf_counter()
             outcome = await prefill_node.prefill(rid, prompt, ONE_TOKEN)
             prefill_s.append(time.perf_counter() - start)
-            payload = await prefill_node.export_held(rid)
+            payload = (await prefill_node.export_held(rid)).joined()
             await prefill_node.release_held(rid)
 
             start = time.perf_counter()

@@ -68,6 +68,7 @@ from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
     KvBytes,
+    KvPieces,
     ModelInfo,
     PrefillOutcome,
     SamplingParams,
@@ -403,7 +404,7 @@ class MlxEngine:
 
         return await self._call(work, undo=lambda _: self._drop(request_id), prefill=spec)
 
-    async def export_held(self, request_id: RequestId) -> bytes:
+    async def export_held(self, request_id: RequestId) -> KvPieces:
         def work() -> kv_wire.HostTensors:
             held = self._held.get(request_id)
             if held is None:
@@ -413,9 +414,10 @@ class MlxEngine:
             )
 
         tensors = await self._call(work)
-        # Checksum and framing need no MLX: a worker thread does them, the device thread
-        # meanwhile goes on with other requests.
-        return await trio.to_thread.run_sync(lambda: b"".join(kv_wire.frame_payload(tensors)))
+        # The checksum needs no MLX: a worker thread computes it, the device thread meanwhile
+        # goes on with other requests. The tensors are not copied: the pieces reference them.
+        pieces = await trio.to_thread.run_sync(lambda: kv_wire.payload_pieces(tensors))
+        return KvPieces(tuple(pieces))
 
     async def release_held(self, request_id: RequestId) -> int:
         def work() -> int:

@@ -457,17 +457,18 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -
     return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)])
 
 
-def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
-    """Frames with the running checksum: bytes only, no MLX, so safe off the device thread
+def _framed_pieces(tensors: HostTensors, chunk_bytes: int) -> list[list[bytes | memoryview]]:
+    """Each frame as the pieces it is made of, with the running checksum: the tensors' own
+    memory is referenced, never copied. Bytes only, no MLX, so safe off the device thread
     (zlib releases the GIL over large buffers)."""
     if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
         raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
     header_bytes = tensors.header_bytes
     crc = zlib.crc32(header_bytes)
-    frames = [
-        _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes
+    frames: list[list[bytes | memoryview]] = [
+        [_PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes]
     ]
-    pending: list[memoryview] = []
+    pending: list[bytes | memoryview] = []
     pending_len = 0
     total = 0
     for view in tensors.runs:
@@ -479,14 +480,31 @@ def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[b
             pending_len += len(piece)
             pos += len(piece)
             if pending_len == chunk_bytes:
-                frames.append(b"".join([_FRAME.pack(_DATA_FRAME, pending_len), *pending]))
+                frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
                 total += pending_len
                 pending, pending_len = [], 0
     if pending:
-        frames.append(b"".join([_FRAME.pack(_DATA_FRAME, pending_len), *pending]))
+        frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
         total += pending_len
-    frames.append(_FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc))
+    frames.append([_FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc)])
     return frames
+
+
+def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
+    """The payload's frames, each as one bytes object (header frame, data frames, end frame)."""
+    return [b"".join(pieces) for pieces in _framed_pieces(tensors, chunk_bytes)]
+
+
+EXPORT_FRAME_BYTES = 16 << 20
+"""Data bytes per frame of an engine export: large, since the frames are never copied."""
+
+
+def payload_pieces(tensors: HostTensors, *,
+                   chunk_bytes: int = EXPORT_FRAME_BYTES) -> list[bytes | memoryview]:
+    """The payload as an ordered list of buffers whose concatenation is the wire bytes: frame
+    headers plus views of the tensors' own host memory (kept alive by the views). Sending these
+    one after another skips the two copies that framing and joining a body would make."""
+    return [piece for pieces in _framed_pieces(tensors, chunk_bytes) for piece in pieces]
 
 
 def encoded_size(frames: Sequence[bytes]) -> int:
@@ -767,6 +785,7 @@ __all__ = [
     "encode_cache",
     "encoded_size",
     "frame_payload",
+    "payload_pieces",
     "host_tensors",
     "raw_tensor_bytes",
     "travel_report",

@@ -38,7 +38,7 @@ from adapters.internal_wire import (
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
-from effects.ports import Engine, GenerationEnd, GenerationError, PrefillReply, TokenOut
+from effects.ports import Engine, GenerationEnd, GenerationError, KvPieces, PrefillReply, TokenOut
 from effects.runner import NodeRunner
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import (
@@ -105,17 +105,30 @@ KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `_kv_body`)."""
 
 
-def _kv_body(payload: bytes) -> Response:
-    """A KV payload sent in slices with its Content-Length: the server frames each slice as it
-    goes, so the first bytes leave at once instead of after one more copy of the whole body."""
+def _kv_body(payload: KvPieces) -> Response:
+    """A KV payload sent with its Content-Length in messages of KV_SEND_SLICE bytes, each
+    gathered from the export's pieces as it goes: the first bytes leave at once, the tensors
+    are copied once (into the message, which the server then sends as it is), and a cache of
+    many small blocks does not cost one server round per block."""
 
-    async def slices() -> AsyncIterator[memoryview]:
-        view = memoryview(payload)
-        for start in range(0, len(view), KV_SEND_SLICE):
-            yield view[start : start + KV_SEND_SLICE]
+    async def messages() -> AsyncIterator[bytes]:
+        batch: list[memoryview] = []
+        size = 0
+        for piece in payload.pieces:
+            view = memoryview(piece).cast("B")
+            while len(view):
+                take = view[: KV_SEND_SLICE - size]
+                view = view[len(take):]
+                batch.append(take)
+                size += len(take)
+                if size == KV_SEND_SLICE:
+                    yield b"".join(batch)
+                    batch, size = [], 0
+        if batch:
+            yield b"".join(batch)
 
-    return StreamingResponse(slices(), media_type="application/octet-stream",
-                             headers={"content-length": str(len(payload))})
+    return StreamingResponse(messages(), media_type="application/octet-stream",
+                             headers={"content-length": str(payload.nbytes)})
 
 
 class NodeApi:
@@ -223,7 +236,7 @@ class NodeApi:
         context = self.performer.requests.get(rid)
         if self.runner.phase_of(rid) is not PrefillPhase.HANDOFF or context is None:
             return error_response(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
-        send, receive = trio.open_memory_channel[bytes | ErrorInfo](1)
+        send, receive = trio.open_memory_channel[KvPieces | ErrorInfo](1)
         context.kv_out = send
         await self.runner.post(rid, KvRequested())
         with trio.move_on_after(KV_SEND_TIMEOUT_S):
@@ -237,29 +250,32 @@ class NodeApi:
                 return error_response(payload)
             self._note_raw_bytes(rid, payload)
             damaged = self._damaged(rid, payload)
-            if damaged is not payload:
+            if damaged is not None:
                 return Response(damaged, media_type="application/octet-stream")
             return _kv_body(payload)
         return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
-    def _note_raw_bytes(self, rid: RequestId, payload: bytes) -> None:
+    def _note_raw_bytes(self, rid: RequestId, payload: KvPieces) -> None:
         # Imported here, not at the top: kv_wire loads mlx, and the router imports this module
         # without ever serving KV. Only a prefill node, which has mlx loaded already, gets here.
         from adapters.kv_wire import declared_tensor_bytes
 
-        self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(payload)
+        # the end frame is the export's last piece
+        self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(payload.pieces[-1])
 
-    def _damaged(self, rid: RequestId, payload: bytes) -> bytes:
+    def _damaged(self, rid: RequestId, pieces: KvPieces) -> bytes | None:
         """Injected transfer faults (tests only): cut after the header's first bytes, cut
-        mid-body, or flip one byte."""
+        mid-body, or flip one byte. None when no fault applies."""
         if self.faults.applies(Phase.SEND_HEADER, rid):
-            return payload[:16]
+            return pieces.joined()[:16]
         if self.faults.applies(Phase.MID_BODY, rid):
+            payload = pieces.joined()
             return payload[: len(payload) // 2]
         if self.faults.applies(Phase.CHECKSUM, rid):
+            payload = pieces.joined()
             middle = len(payload) // 2
             return payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1 :]
-        return payload
+        return None
 
     async def kv_taken(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])

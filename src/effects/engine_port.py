@@ -21,6 +21,22 @@ KvBytes = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
+class KvPieces:
+    """An exported KV payload as the buffers it is made of, in order: the wire bytes are their
+    concatenation. The tensors' own memory is sent piece by piece instead of being copied into
+    one body first."""
+
+    pieces: tuple[KvBytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(piece).nbytes for piece in self.pieces)
+
+    def joined(self) -> bytes:
+        return b"".join(self.pieces)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples. temperature 0 means greedy; seed None means unseeded."""
 
@@ -117,7 +133,7 @@ class Engine(Protocol):
         token at position len(prompt). The cache stays held under `request_id`."""
         ...
 
-    async def export_held(self, request_id: RequestId) -> bytes:
+    async def export_held(self, request_id: RequestId) -> KvPieces:
         """Encode the held cache in the KV wire format. The cache stays held."""
         ...
 
@@ -162,6 +178,7 @@ class Engine(Protocol):
 
 __all__ = [
     "KvBytes",
+    "KvPieces",
     "Engine",
     "EngineStatistics",
     "GeneratedToken",

@@ -17,6 +17,7 @@ from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
     KvBytes,
+    KvPieces,
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
@@ -86,9 +87,9 @@ class FakeEngine:
         self.held[request_id] = payload
         return PrefillOutcome(next_token(prompt), len(prompt), len(payload))
 
-    async def export_held(self, request_id: RequestId) -> bytes:
+    async def export_held(self, request_id: RequestId) -> KvPieces:
         try:
-            return b"FAKE" + self.held[request_id]
+            return KvPieces((b"FAKE", self.held[request_id]))
         except KeyError:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, "no such cache")) from None
 

@@ -26,6 +26,7 @@ from effects.ports import (
     GenerationEnd,
     GenerationError,
     KvBytes,
+    KvPieces,
     Output,
     Peers,
     PrefillReply,
@@ -69,7 +70,7 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
-    kv_out: trio.MemorySendChannel[bytes | ErrorInfo] | None = None  # set while a decode node pulls
+    kv_out: trio.MemorySendChannel[KvPieces | ErrorInfo] | None = None  # set while a decode node pulls
 
 
 def _bug(message: str) -> StatecoreError:
@@ -172,7 +173,7 @@ class EnginePerformer:
                     raise
                 record = self.handoffs.record(rid)
                 record.encode_s = time.perf_counter() - started
-                record.wire_bytes = len(exported)
+                record.wire_bytes = exported.nbytes
                 await ctx.kv_out.send(exported)
 
     async def cleanup(self, intent: CleanupIntent) -> None:

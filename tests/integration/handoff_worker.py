@@ -114,7 +114,7 @@ async def run_prefill(spec: Spec, work: Path) -> dict[str, Any]:
             for which in SAMPLINGS:
                 rid = RequestId(f"{name}.{which}")
                 outcome = await engine.prefill(rid, prompt, spec.sampling(which))
-                payload = await engine.export_held(rid)
+                payload = (await engine.export_held(rid)).joined()
                 if await engine.release_held(rid) != outcome.held_bytes:
                     raise AssertionError(f"{rid}: release_held freed another byte count than held")
                 _payload_file(work, name, which).write_bytes(payload)

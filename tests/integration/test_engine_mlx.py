@@ -129,7 +129,7 @@ async def handoff(
     outcome = await prefill.prefill(rid, prompt, sampling)
     assert outcome.prompt_tokens == len(prompt)
     assert prefill.statistics().held_bytes >= outcome.held_bytes > 0
-    payload = await prefill.export_held(rid)
+    payload = (await prefill.export_held(rid)).joined()
     assert await prefill.release_held(rid) == outcome.held_bytes
     await decode.install(rid, payload, prompt, outcome.first_token, sampling)
     return [outcome.first_token] + [g.token for g in await collect(decode, rid)]
@@ -616,12 +616,12 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
     await decode_node.decode_held(RequestId("run"), prompt, outcome.first_token, running)
 
     outcome = await prefill_node.prefill(RequestId("p"), prompt, GREEDY)
-    payload = await prefill_node.export_held(RequestId("p"))
+    payload = (await prefill_node.export_held(RequestId("p"))).joined()
     await prefill_node.release_held(RequestId("p"))
     flipped = bytearray(payload)
     flipped[len(flipped) // 2] ^= 0xFF
     await other_chunking.prefill(RequestId("w"), prompt, GREEDY)
-    foreign = await other_chunking.export_held(RequestId("w"))
+    foreign = (await other_chunking.export_held(RequestId("w"))).joined()
     await other_chunking.release_held(RequestId("w"))
 
     cases: list[tuple[bytes, list[int], Code]] = [

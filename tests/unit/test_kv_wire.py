@@ -32,6 +32,9 @@ from adapters.kv_wire import (
     decode_cache,
     encode_cache,
     encoded_size,
+    frame_payload,
+    host_tensors,
+    payload_pieces,
     raw_tensor_bytes,
     travel_report,
 )
@@ -735,3 +738,16 @@ def test_encode_refuses_what_cannot_travel() -> None:
     with pytest.raises(StatecoreError) as info:
         encode_cache([C.KVCache()], fingerprint=FP, token_count=-1)
     assert info.value.info.code is Code.INTERNAL
+
+
+def test_export_pieces_are_the_frames_bytes_without_copying_the_tensors() -> None:
+    model = _model("llama", "float32")
+    original = _prefill(model, _prompt(300))
+    tensors = host_tensors(original, fingerprint=FP, token_count=299)
+    assert b"".join(payload_pieces(tensors, chunk_bytes=1 << 20)) == b"".join(frame_payload(tensors))
+    pieces = payload_pieces(tensors)  # the export's default: large frames
+    views = [p for p in pieces if isinstance(p, memoryview)]
+    assert sum(v.nbytes for v in views) == raw_tensor_bytes(original)  # every tensor byte, by reference
+    assert all(v.obj is not None for v in views)
+    decoded = decode_cache(b"".join(pieces), fingerprint=FP)
+    _assert_same_continuation(model, original, decoded.caches, _prompt(300)[-1:], steps=2)
