@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import trio
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
@@ -35,6 +35,7 @@ from adapters.internal_wire import (
     info_json,
     output_line,
 )
+from adapters.streaming import WatchedStream
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
@@ -111,7 +112,7 @@ def _kv_body(payload: KvPieces) -> Response:
     are copied once (into the message, which the server then sends as it is), and a cache of
     many small blocks does not cost one server round per block."""
 
-    async def messages() -> AsyncIterator[bytes]:
+    async def messages() -> AsyncGenerator[bytes, None]:
         batch: list[memoryview] = []
         size = 0
         for piece in payload.pieces:
@@ -127,8 +128,8 @@ def _kv_body(payload: KvPieces) -> Response:
         if batch:
             yield b"".join(batch)
 
-    return StreamingResponse(messages(), media_type="application/octet-stream",
-                             headers={"content-length": str(payload.nbytes)})
+    return WatchedStream(messages(), media_type="application/octet-stream",
+                         headers={"content-length": str(payload.nbytes)})
 
 
 class NodeApi:
@@ -300,10 +301,11 @@ class NodeApi:
         )
         generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))
-        return StreamingResponse(self._lines(generation, first_is_prefill=local),
-                                 media_type="application/x-ndjson")
+        return WatchedStream(self._lines(generation, first_is_prefill=local),
+                             media_type="application/x-ndjson")
 
-    async def _lines(self, generation: RunnerGeneration, *, first_is_prefill: bool) -> AsyncIterator[bytes]:
+    async def _lines(self, generation: RunnerGeneration, *,
+                     first_is_prefill: bool) -> AsyncGenerator[bytes, None]:
         eos = self.engine.info.eos_token_ids
         first = first_is_prefill
         finished = False

@@ -46,8 +46,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -59,10 +58,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
+from adapters.streaming import WatchedStream, cancel_on_disconnect
 from effects.faults import Faults, Phase
 from effects.ports import (
     Backend,
@@ -353,42 +352,11 @@ def _event(obj: object) -> bytes:
     return b"data: " + (obj if isinstance(obj, str) else _dumps(obj)).encode() + b"\n\n"
 
 
-class _EventStream(StreamingResponse):
-    """A text/event-stream response whose events go out the moment they are made.
-
-    Lean on purpose: it runs once per generated token per stream, so there is no per-event
-    timeout scope or extra task. The client leaving cancels the stream; the event generator is
-    always closed and `on_close` always runs (it cancels the generation), also when the client
-    left before the generator ever started.
-    """
-
-    def __init__(
-        self,
-        events: AsyncGenerator[bytes, None],
-        headers: Mapping[str, str],
-        on_close: Callable[[], Awaitable[None]],
-    ) -> None:
-        super().__init__(
-            events,
-            headers={**headers, "Cache-Control": "no-store", "Connection": "keep-alive",
-                     "X-Accel-Buffering": "no"},
-            media_type="text/event-stream",
-        )
-        self._events = events
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with _cancel_on_disconnect(receive):
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                async for event in self._events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._events.aclose()
-                await self._on_close()
+def _event_stream(events: AsyncGenerator[bytes, None], headers: Mapping[str, str],
+                  on_close: Callable[[], Awaitable[None]]) -> WatchedStream:
+    """A text/event-stream response whose events go out the moment they are made."""
+    return WatchedStream(events, media_type="text/event-stream", on_close=on_close,
+                         headers={**headers, "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 RETRY_AFTER_S = 1
@@ -411,32 +379,6 @@ class _Reject(Exception):
 
 class _Disconnected(Exception):
     pass
-
-
-@dataclass(slots=True)
-class _Watch:
-    disconnected: bool = False
-
-
-@asynccontextmanager
-async def _cancel_on_disconnect(receive: Receive) -> AsyncIterator[_Watch]:
-    """Run the body until it ends or the client disconnects (then the body is cancelled)."""
-    watch = _Watch()
-    async with trio.open_nursery() as nursery:
-
-        async def wait_disconnect() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    watch.disconnected = True
-                    nursery.cancel_scope.cancel()
-                    return
-
-        nursery.start_soon(wait_disconnect)
-        try:
-            yield watch
-        finally:
-            nursery.cancel_scope.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +476,7 @@ class Frontend:
         headers = {REQUEST_ID_HEADER: job.request_id}
         texts: list[str] = []
         step = _Step("")
-        async with _cancel_on_disconnect(request.receive) as watch:
+        async with cancel_on_disconnect(request.receive) as watch:
             while True:
                 step = await run.advance()
                 if job.stream or step.end is not None:
@@ -546,7 +488,7 @@ class Frontend:
         if isinstance(step.end, ErrorInfo):
             return _error_response(step.end, job.request_id)
         if job.stream:
-            return _EventStream(self._events(job, run, step), headers, run.cancel)
+            return _event_stream(self._events(job, run, step), headers, run.cancel)
         assert step.end is not None
         texts.append(step.text)
         return JSONResponse(self._body(job, "".join(texts), step.end), headers=headers)

@@ -1000,3 +1000,55 @@ async def test_disconnect_as_the_stream_opens_cancels(
         with trio.fail_after(10):
             await app(scope, receive, send)
         assert backend.last.cancels == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Over a real socket (hypercorn): how a streamed exchange ends
+
+
+async def _raw_exchange(stream: trio.SocketStream, request: bytes) -> bytes:
+    """Send one request; read until the chunked body's last chunk."""
+    await stream.send_all(request)
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"the connection closed mid-response: {received[-200:]!r}"
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize("connection", ["close", "keep-alive"])
+async def test_a_streamed_response_ends_the_exchange_as_the_client_asked(
+    app: Starlette, backend: FakeBackend, frontend: Frontend, nursery: trio.Nursery, connection: str
+) -> None:
+    """`Connection: close`: the server closes the socket after the stream. Keep-alive: the same
+    connection serves the next request. (The disconnect watcher once cancelled the server's own
+    end-of-exchange work: a `close` client waited forever for the socket to close.)"""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    from adapters.serve import open_listener
+
+    listener = open_listener("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    config = Config()
+    config.bind = [f"fd://{listener.detach()}"]
+    config.accesslog = None
+    stop = trio.Event()
+    await nursery.start(lambda task_status: serve(app, config,  # type: ignore[arg-type]
+                                                  shutdown_trigger=stop.wait, task_status=task_status))
+    body = json.dumps({"prompt": "Hi", "max_tokens": 8, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: n\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: %s\r\n\r\n%s" % (len(body), connection.encode(), body))
+    try:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            for _ in range(1 if connection == "close" else 2):
+                backend.scripts.append(say(frontend, "Hello world"))
+                answer = await _raw_exchange(stream, request)
+                assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+            if connection == "close":
+                with trio.fail_after(5):
+                    assert await stream.receive_some(65536) == b""
+    finally:
+        stop.set()
