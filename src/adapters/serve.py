@@ -56,6 +56,7 @@ from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 log = logging.getLogger("statecore")
 
 EXIT_TRANSPORT_LOST = 3
+INTERNAL_TOKEN_ENV = "STATECORE_INTERNAL_TOKEN"
 
 
 def demo_model_dir() -> Path:
@@ -105,7 +106,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--prefill-batch", type=int, default=32,
                      help="most same-length prompts prefilled in one model call; 1 = one at a time "
                           "(default 32)")
-    run.add_argument("--internal-token", default=os.environ.get("STATECORE_INTERNAL_TOKEN"),
+    run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--max-kv-bytes", type=int, default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
@@ -131,8 +132,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
 
 
 class _JsonFormatter(logging.Formatter):
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role  # several nodes may share one log stream (a local cluster does)
+
     def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {"ts": record.created, "level": record.levelname,
+        doc: dict[str, Any] = {"ts": record.created, "level": record.levelname, "role": self.role,
                                "logger": record.name, "msg": record.getMessage()}
         doc.update(getattr(record, "fields", {}))
         return json.dumps(doc)
@@ -141,7 +146,7 @@ class _JsonFormatter(logging.Formatter):
 def setup_logging(args: argparse.Namespace, role: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if args.log_json:
-        handler.setFormatter(_JsonFormatter())
+        handler.setFormatter(_JsonFormatter(role))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {role:7s} %(levelname)s %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
@@ -404,20 +409,47 @@ def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) ->
         raise SystemExit(f"statecore: {problem}")
 
 
+# Per child (its own socket) or passed another way (the token: through the environment).
+_NOT_FORWARDED = frozenset({"listen_fd", "internal_token"})
+
+
+def _forwarded_serving_flags(args: argparse.Namespace) -> list[str]:
+    """Every serving flag (`add_serving_flags`) set to other than its default, as arguments
+    for a local cluster's children: what the user asked of the cluster reaches its nodes (a
+    flag a role does not use is accepted and ignored there)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_serving_flags(probe)
+    flags: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest in _NOT_FORWARDED or value == action.default:
+            continue
+        option = action.option_strings[0]
+        if isinstance(value, bool):
+            flags.append(option)
+        elif isinstance(value, list):
+            flags += [item for entry in value for item in (option, str(entry))]
+        else:
+            flags += [option, str(value)]
+    return flags
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all."""
     model = str(args.model or demo_model_dir())
     # The parent resolves --blas once and hands the result to both engine nodes, so they cannot
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
-    common = ["--model", model, "--prefill-chunk-size", str(args.prefill_chunk_size),
-              "--max-batch", str(args.max_batch), "--prefill-batch", str(args.prefill_batch)]
+    forwarded = _forwarded_serving_flags(args)
+    common = ["--model", model, *forwarded]
     if blas in ("openblas", "bundled"):
         common += ["--blas", blas]
     if args.trust_remote_code:
         common.append("--trust-remote-code")
-    if args.kv_bits:
-        common += ["--kv-bits", str(args.kv_bits)]
+    # the shared secret reaches the children through their environment, not their command lines
+    child_env = dict(os.environ)
+    if args.internal_token:
+        child_env[INTERNAL_TOKEN_ENV] = args.internal_token
     sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
                "router": _listener_for(args)}
     urls = {role: listener_url(sock) for role, sock in sockets.items()}
@@ -432,7 +464,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     def start(role: str, flags: list[str]) -> None:
         sock = sockets[role]
         children[role] = subprocess.Popen([*base, "--role", role, "--listen-fd", str(sock.fileno()), *flags],
-                                          pass_fds=(sock.fileno(),))
+                                          pass_fds=(sock.fileno(),), env=child_env)
         sock.close()  # the child holds it now
 
     signal.signal(signal.SIGTERM, stop)
@@ -443,11 +475,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         print("statecore: starting prefill and decode nodes ...", flush=True)
         for role in ("prefill", "decode"):
             _wait_healthy(urls[role], children[role], 600)
-        router_flags = ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
-                        "--local-prefill-below", str(args.local_prefill_below)]
-        if args.force_disaggregation:
-            router_flags.append("--force-disaggregation")
-        start("router", router_flags)
+        start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
+                         *forwarded])
         router = urls["router"]
         _wait_healthy(router, children["router"], 120)
         name = Path(model).name

@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -213,3 +214,38 @@ def test_a_kv_cache_nobody_takes_is_held_then_expires(cluster: Cluster) -> None:
     eventually(expired, timeout_s=LEASE_S + 10)
     line = f"request {rid} handoff -> failed on timer_fired reason=kv_lease_expired"
     assert line in prefill.log.read_text()
+
+
+def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
+    """`statecore run --log-json --internal-token T --max-in-flight 7`: every child logs JSON, the
+    router and the engine nodes all want the token, and the secret is on no command line."""
+    cluster = Node("cluster", ["--log-json", "--internal-token", "s3cret", "--max-in-flight", "7"],
+                   tmp_path / "cluster.log")
+    cluster.start()
+    try:
+        cluster.wait_healthy()
+        assert cluster.process is not None
+        children = {_role(pid): pid for pid in _children(cluster.process.pid)}
+        assert set(children) == {"router", "prefill", "decode"}, children
+        for pid in children.values():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert b"s3cret" not in argv and b"--log-json" in argv
+            assert argv[argv.index(b"--max-in-flight") + 1] == b"7"
+        stats = httpx.get(f"{cluster.url}/internal/stats", timeout=5)
+        assert stats.status_code == 401
+        assert httpx.get(f"{cluster.url}/internal/stats", timeout=5,
+                         headers={"x-statecore-token": "s3cret"}).status_code == 200
+        lines = [line for line in cluster.log.read_text().splitlines() if line.startswith("{")]
+        roles = {json.loads(line).get("role") for line in lines}
+        assert {"prefill", "decode", "router"} <= roles, cluster.tail()
+    finally:
+        assert cluster.stop() == 0, cluster.tail()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _role(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--role") + 1].decode()
