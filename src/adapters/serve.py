@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -83,42 +84,64 @@ def _switch_interval(raw: str | None) -> float:
     return value
 
 
-def _byte_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= minimum (checked before anything loads)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below the least allowed, {minimum}")
+        return value
+
+    return parse
+
+
+def _seconds(*, zero_allowed: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 where zero means "at once")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not a usable number of seconds (must be {'>=' if zero_allowed else '>'} 0)")
+        return value
+
+    return parse
 
 
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
-    run.add_argument("--local-prefill-below", type=int, default=1000, metavar="TOKENS",
+    run.add_argument("--local-prefill-below", type=_whole(0), default=1000, metavar="TOKENS",
                      help="router: prompts shorter than this prefill on the decode node (default 1000)")
     run.add_argument("--force-disaggregation", action="store_true",
                      help="router: send every request through a prefill node")
-    run.add_argument("--prefill-chunk-size", type=int, default=2048,
+    run.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
                      help="tokens per prefill chunk; must be equal on every node (default 2048)")
     run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
-    run.add_argument("--max-batch", type=int, default=32, help="decode batch size (default 32)")
-    run.add_argument("--prefill-batch", type=int, default=32,
+    run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
+    run.add_argument("--prefill-batch", type=_whole(1), default=32,
                      help="most same-length prompts prefilled in one model call; 1 = one at a time "
                           "(default 32)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
-    run.add_argument("--max-kv-bytes", type=int, default=1 << 34,
+    run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
-    run.add_argument("--kv-buffer-bytes", type=_byte_count, default=DEFAULT_KV_BUFFER_BYTES,
+    run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
                      help="decode: receive buffers kept for reuse by KV pulls, in bytes "
                           "(default 1 GiB; 0 = a fresh buffer per pull)")
-    run.add_argument("--kv-lease", type=float, default=60.0, help="seconds a held KV waits (default 60)")
-    run.add_argument("--request-deadline", type=float, default=600.0,
+    run.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
+                     help="seconds a held KV waits (default 60)")
+    run.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
                      help="seconds a request may live (default 600)")
-    run.add_argument("--drain-timeout", type=float, default=30.0,
+    run.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
                      help="seconds to finish in-flight requests on SIGTERM (default 30)")
-    run.add_argument("--max-in-flight", type=int, default=256,
+    run.add_argument("--max-in-flight", type=_whole(1), default=256,
                      help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
     run.add_argument("--inject-fault", action="append", default=[], metavar="PHASE[:slow=S]",
                      help=f"tests only, needs {ENABLE_ENV}=1: fail (or slow) PHASE for marked requests")

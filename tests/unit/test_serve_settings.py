@@ -44,3 +44,24 @@ def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and
 
 def test_a_default_cluster_hands_nothing_on() -> None:
     assert _forwarded_serving_flags(build_parser().parse_args(["run"])) == []
+
+
+@pytest.mark.parametrize("flags", [
+    ["--max-batch", "0"], ["--prefill-batch", "0"], ["--prefill-chunk-size", "-1"],
+    ["--max-in-flight", "0"], ["--max-kv-bytes", "0"], ["--kv-buffer-bytes", "-1"],
+    ["--local-prefill-below", "-1"], ["--kv-lease", "0"], ["--kv-lease", "inf"],
+    ["--request-deadline", "nan"], ["--drain-timeout", "-5"], ["--max-batch", "two"],
+])
+def test_a_nonsense_setting_is_refused_when_parsed(flags: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", *flags])
+    assert exit_.value.code == 2
+    assert f"argument {flags[0]}" in capsys.readouterr().err
+
+
+def test_sane_settings_parse() -> None:
+    args = build_parser().parse_args(["run", "--drain-timeout", "0", "--kv-buffer-bytes", "0",
+                                      "--local-prefill-below", "0", "--kv-lease", "0.5"])
+    settings = (args.drain_timeout, args.kv_buffer_bytes, args.local_prefill_below, args.kv_lease)
+    assert settings == (0, 0, 0, 0.5)
