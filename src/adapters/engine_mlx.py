@@ -414,10 +414,10 @@ class MlxEngine:
             )
 
         tensors = await self._call(work)
-        # The checksum needs no MLX: a worker thread computes it, the device thread meanwhile
-        # goes on with other requests. The tensors are not copied: the pieces reference them.
-        pieces = await trio.to_thread.run_sync(lambda: kv_wire.payload_pieces(tensors))
-        return KvPieces(tuple(pieces))
+        # The tensors are not copied: the pieces reference them. The checksum (the end frame)
+        # needs no MLX: a thread computes it while the pieces are already being sent.
+        return KvPieces(tuple(kv_wire.unsealed_pieces(tensors)),
+                        seal=kv_wire.end_frame_in_background(tensors), seal_nbytes=kv_wire.END_FRAME_BYTES)
 
     async def release_held(self, request_id: RequestId) -> int:
         def work() -> int:

@@ -18,8 +18,10 @@ import json
 import math
 import re
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal, NoReturn, TypeAlias, Union
 
@@ -458,53 +460,83 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -
 
 
 def _framed_pieces(tensors: HostTensors, chunk_bytes: int) -> list[list[bytes | memoryview]]:
-    """Each frame as the pieces it is made of, with the running checksum: the tensors' own
-    memory is referenced, never copied. Bytes only, no MLX, so safe off the device thread
-    (zlib releases the GIL over large buffers)."""
+    """The header frame and the data frames, each as the pieces it is made of: the tensors' own
+    memory is referenced, never copied. The end frame is `end_frame`'s."""
     if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
         raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
     header_bytes = tensors.header_bytes
-    crc = zlib.crc32(header_bytes)
     frames: list[list[bytes | memoryview]] = [
         [_PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes]
     ]
     pending: list[bytes | memoryview] = []
     pending_len = 0
-    total = 0
     for view in tensors.runs:
         pos = 0
         while pos < len(view):
             piece = view[pos : pos + chunk_bytes - pending_len]
-            crc = zlib.crc32(piece, crc)
             pending.append(piece)
             pending_len += len(piece)
             pos += len(piece)
             if pending_len == chunk_bytes:
                 frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
-                total += pending_len
                 pending, pending_len = [], 0
     if pending:
         frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
-        total += pending_len
-    frames.append([_FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc)])
     return frames
+
+
+END_FRAME_BYTES: Final = _FRAME.size + _END.size
+
+
+def end_frame(tensors: HostTensors) -> bytes:
+    """The end frame: the data byte count and the CRC-32 of the header and every data byte.
+    Bytes only, no MLX, so safe off the device thread (zlib releases the GIL over large
+    buffers); the checksum is most of an export's time."""
+    crc = zlib.crc32(tensors.header_bytes)
+    total = 0
+    for view in tensors.runs:
+        crc = zlib.crc32(view, crc)
+        total += len(view)
+    return _FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc)
+
+
+def end_frame_in_background(tensors: HostTensors) -> Callable[[], bytes]:
+    """Start computing `end_frame` on its own thread; the returned call blocks until it is done
+    (and raises what it raised). The thread only reads the tensors' host memory."""
+    done: Future[bytes] = Future()
+
+    def compute() -> None:
+        try:
+            done.set_result(end_frame(tensors))
+        except BaseException as exc:  # handed to whoever waits for the frame
+            done.set_exception(exc)
+
+    threading.Thread(target=compute, name="kv-end-frame", daemon=True).start()
+    return done.result
 
 
 def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
     """The payload's frames, each as one bytes object (header frame, data frames, end frame)."""
-    return [b"".join(pieces) for pieces in _framed_pieces(tensors, chunk_bytes)]
+    return [*(b"".join(pieces) for pieces in _framed_pieces(tensors, chunk_bytes)), end_frame(tensors)]
 
 
 EXPORT_FRAME_BYTES = 16 << 20
 """Data bytes per frame of an engine export: large, since the frames are never copied."""
 
 
+def unsealed_pieces(tensors: HostTensors, *,
+                    chunk_bytes: int = EXPORT_FRAME_BYTES) -> list[bytes | memoryview]:
+    """The payload but its end frame, as an ordered list of buffers: frame headers plus views of
+    the tensors' own host memory (kept alive by the views). Sending these one after another
+    skips the copies that framing and joining a body would make, and they can go out while
+    `end_frame` is still computing the checksum."""
+    return [piece for pieces in _framed_pieces(tensors, chunk_bytes) for piece in pieces]
+
+
 def payload_pieces(tensors: HostTensors, *,
                    chunk_bytes: int = EXPORT_FRAME_BYTES) -> list[bytes | memoryview]:
-    """The payload as an ordered list of buffers whose concatenation is the wire bytes: frame
-    headers plus views of the tensors' own host memory (kept alive by the views). Sending these
-    one after another skips the two copies that framing and joining a body would make."""
-    return [piece for pieces in _framed_pieces(tensors, chunk_bytes) for piece in pieces]
+    """The whole payload as an ordered list of buffers (`unsealed_pieces`, then the end frame)."""
+    return [*unsealed_pieces(tensors, chunk_bytes=chunk_bytes), end_frame(tensors)]
 
 
 def encoded_size(frames: Sequence[bytes]) -> int:
@@ -784,8 +816,12 @@ __all__ = [
     "declared_tensor_bytes",
     "encode_cache",
     "encoded_size",
+    "END_FRAME_BYTES",
+    "end_frame",
+    "end_frame_in_background",
     "frame_payload",
     "payload_pieces",
+    "unsealed_pieces",
     "host_tensors",
     "raw_tensor_bytes",
     "travel_report",

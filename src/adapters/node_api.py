@@ -39,7 +39,15 @@ from adapters.streaming import WatchedStream
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
-from effects.ports import Engine, GenerationEnd, GenerationError, KvPieces, PrefillReply, TokenOut
+from effects.ports import (
+    Engine,
+    GenerationEnd,
+    GenerationError,
+    KvBytes,
+    KvPieces,
+    PrefillReply,
+    TokenOut,
+)
 from effects.runner import NodeRunner
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import (
@@ -106,11 +114,12 @@ KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `_kv_body`)."""
 
 
-def _kv_body(payload: KvPieces) -> Response:
+def _kv_body(payload: KvPieces, on_end: Callable[[KvBytes], None]) -> Response:
     """A KV payload sent with its Content-Length in messages of KV_SEND_SLICE bytes, each
-    gathered from the export's pieces as it goes: the first bytes leave at once, the tensors
-    are copied once (into the message, which the server then sends as it is), and a cache of
-    many small blocks does not cost one server round per block."""
+    gathered from the export's pieces as it goes: the first bytes leave at once (while the end
+    frame's checksum is still being computed), the tensors are copied once (into the message,
+    which the server then sends as it is), and a cache of many small blocks does not cost one
+    server round per block. `on_end` gets the payload's last bytes once they are known."""
 
     async def messages() -> AsyncGenerator[bytes, None]:
         batch: list[memoryview] = []
@@ -125,6 +134,12 @@ def _kv_body(payload: KvPieces) -> Response:
                 if size == KV_SEND_SLICE:
                     yield b"".join(batch)
                     batch, size = [], 0
+        if payload.seal is not None:
+            end = await trio.to_thread.run_sync(payload.seal)
+            batch.append(memoryview(end))
+            on_end(end)
+        elif payload.pieces:
+            on_end(payload.pieces[-1])
         if batch:
             yield b"".join(batch)
 
@@ -249,34 +264,34 @@ class NodeApi:
                 )
             if isinstance(payload, ErrorInfo):
                 return error_response(payload)
-            self._note_raw_bytes(rid, payload)
-            damaged = self._damaged(rid, payload)
+            damaged = await self._damaged(rid, payload)
             if damaged is not None:
                 return Response(damaged, media_type="application/octet-stream")
-            return _kv_body(payload)
+            return _kv_body(payload, lambda end: self._note_raw_bytes(rid, end))
         return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
-    def _note_raw_bytes(self, rid: RequestId, payload: KvPieces) -> None:
+    def _note_raw_bytes(self, rid: RequestId, tail: KvBytes) -> None:
+        """Record the tensor bytes that the payload's end (`tail`: its last bytes) declares."""
         # Imported here, not at the top: kv_wire loads mlx, and the router imports this module
         # without ever serving KV. Only a prefill node, which has mlx loaded already, gets here.
         from adapters.kv_wire import declared_tensor_bytes
 
-        # the end frame is the export's last piece
-        self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(payload.pieces[-1])
+        self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(tail)
 
-    def _damaged(self, rid: RequestId, pieces: KvPieces) -> bytes | None:
+    async def _damaged(self, rid: RequestId, pieces: KvPieces) -> bytes | None:
         """Injected transfer faults (tests only): cut after the header's first bytes, cut
         mid-body, or flip one byte. None when no fault applies."""
-        if self.faults.applies(Phase.SEND_HEADER, rid):
-            return pieces.joined()[:16]
-        if self.faults.applies(Phase.MID_BODY, rid):
-            payload = pieces.joined()
-            return payload[: len(payload) // 2]
-        if self.faults.applies(Phase.CHECKSUM, rid):
-            payload = pieces.joined()
-            middle = len(payload) // 2
-            return payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1 :]
-        return None
+        phases = (Phase.SEND_HEADER, Phase.MID_BODY, Phase.CHECKSUM)
+        fault = next((phase for phase in phases if self.faults.applies(phase, rid)), None)
+        if fault is None:
+            return None
+        payload = await trio.to_thread.run_sync(pieces.joined)  # waits for the end frame
+        if fault is Phase.SEND_HEADER:
+            return payload[:16]
+        middle = len(payload) // 2
+        if fault is Phase.MID_BODY:
+            return payload[:middle]
+        return payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1 :]
 
     async def kv_taken(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])

@@ -8,7 +8,7 @@ and trio; it must never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,17 +23,22 @@ KvBytes = bytes | bytearray | memoryview
 @dataclass(frozen=True, slots=True)
 class KvPieces:
     """An exported KV payload as the buffers it is made of, in order: the wire bytes are their
-    concatenation. The tensors' own memory is sent piece by piece instead of being copied into
-    one body first."""
+    concatenation, then `seal()`'s bytes. The tensors' own memory is sent piece by piece instead
+    of being copied into one body first, and the pieces can go out while `seal` (the end frame:
+    a checksum over all of them) is still being computed. `seal` blocks until it is ready, so
+    call it from a worker thread; None when the pieces are already the whole payload."""
 
     pieces: tuple[KvBytes, ...]
+    seal: Callable[[], bytes] | None = None
+    seal_nbytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(piece).nbytes for piece in self.pieces)
+        return sum(memoryview(piece).nbytes for piece in self.pieces) + self.seal_nbytes
 
     def joined(self) -> bytes:
-        return b"".join(self.pieces)
+        """The whole payload as one bytes object (blocks on `seal`)."""
+        return b"".join([*self.pieces, self.seal() if self.seal is not None else b""])
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,17 +26,21 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import falcon_h1, gemma3_text, llama, llama4, mamba2, qwen3_next
 
 from adapters.kv_wire import (
+    END_FRAME_BYTES,
     FORMAT_VERSION,
     MAGIC,
     DecodedKv,
+    HostTensors,
     decode_cache,
     encode_cache,
     encoded_size,
+    end_frame_in_background,
     frame_payload,
     host_tensors,
     payload_pieces,
     raw_tensor_bytes,
     travel_report,
+    unsealed_pieces,
 )
 from statecore.errors import Code, StatecoreError
 
@@ -751,3 +755,14 @@ def test_export_pieces_are_the_frames_bytes_without_copying_the_tensors() -> Non
     assert all(v.obj is not None for v in views)
     decoded = decode_cache(b"".join(pieces), fingerprint=FP)
     _assert_same_continuation(model, original, decoded.caches, _prompt(300)[-1:], steps=2)
+
+
+def test_the_end_frame_computed_in_the_background_seals_the_unsealed_pieces() -> None:
+    model = _model("llama", "float32")
+    tensors = host_tensors(_prefill(model, _prompt(100)), fingerprint=FP, token_count=99)
+    seal = end_frame_in_background(tensors)
+    assert b"".join([*unsealed_pieces(tensors), seal()]) == b"".join(payload_pieces(tensors))
+    assert len(seal()) == END_FRAME_BYTES  # the result stays available
+    broken = end_frame_in_background(HostTensors(b"{}", [memoryview(b"ab"), object()]))  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        broken()  # what the thread raised reaches whoever waits for the frame
