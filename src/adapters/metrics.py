@@ -168,7 +168,7 @@ class Metrics:
         return _MeteredPerformer(inner, self)
 
     def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,
-              peers: PeerSet | None = None) -> None:
+              peers: PeerSet | None = None, kv_buffer_bytes: Callable[[], int] | None = None) -> None:
         """Chain the runner's transition hook (keeping the one already set, e.g. the logger's)
         and collect live counts from the runner, the engine and the peers at scrape time."""
         previous = runner.on_transition
@@ -181,7 +181,7 @@ class Metrics:
             _safely("transition", lambda: self._transition(rid, old, new, event, error, initial, terminal))
 
         runner.on_transition = on_transition
-        self.registry.register(_LiveCollector(self.role, runner, engine, peers))
+        self.registry.register(_LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes))
 
     # -- observations ------------------------------------------------------------------------
 
@@ -347,11 +347,12 @@ class _LiveCollector:
     """Live counts read when Prometheus scrapes, never pushed from the hot path."""
 
     def __init__(self, role: str, runner: NodeRunner[Any], engine: Engine | None,
-                 peers: PeerSet | None) -> None:
+                 peers: PeerSet | None, kv_buffer_bytes: Callable[[], int] | None) -> None:
         self.role = role
         self.runner = runner
         self.engine = engine
         self.peers = peers
+        self.kv_buffer_bytes = kv_buffer_bytes
 
     def collect(self) -> Iterable[Metric]:
         role = self.role
@@ -386,6 +387,12 @@ class _LiveCollector:
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
                 gauge.add_metric([role], value)
                 yield gauge
+        if self.kv_buffer_bytes is not None:
+            kept = GaugeMetricFamily(PREFIX + "kv_receive_buffer_bytes", "Bytes of receive buffers kept "
+                                     "for reuse by KV pulls (bounded by --kv-buffer-bytes; not a leak).",
+                                     labels=["role"])
+            kept.add_metric([role], self.kv_buffer_bytes())
+            yield kept
         if self.peers is not None:
             up = GaugeMetricFamily(PREFIX + "peer_up", "1 while the router sends work to the node "
                                    "(its health machine is up or suspect), else 0.",

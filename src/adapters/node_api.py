@@ -159,8 +159,10 @@ class NodeApi:
         *,
         token: str | None = None,
         max_live: int = 256,
+        kv_buffer_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         self.role = role
+        self.kv_buffer_bytes = kv_buffer_bytes  # a decode node's kept receive buffers
         self.engine = engine
         self.runner = runner
         self.performer = performer
@@ -208,6 +210,7 @@ class NodeApi:
             "held_caches": engine.held_caches,
             "held_bytes": engine.held_bytes,
             "device_thread_alive": engine.device_thread_alive,
+            "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
         }
 
     async def stats(self, request: Request) -> Response:

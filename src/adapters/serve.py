@@ -252,8 +252,10 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
                                          name=role)
     log_transitions(runner, role)
-    metrics.watch(runner, engine=engine)
-    api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight)
+    kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
+    metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes)
+    api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
+                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0))
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
                                                                       max_live=args.max_in_flight)))

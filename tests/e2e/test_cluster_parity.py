@@ -84,3 +84,5 @@ def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:
 def test_handoffs_really_happened(cluster: Cluster, tmp_path: Path) -> None:
     """The forced-disaggregation router sent every request through the prefill node."""
     assert cluster.prefill[0].stats()["outcomes"].get("done", 0) >= 2 * len(CASES)
+    # the pulls landed in receive buffers the decode node keeps for the next ones
+    assert 0 < cluster.decode[0].stats()["kv_receive_buffer_bytes"] <= 1 << 30

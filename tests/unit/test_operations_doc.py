@@ -33,7 +33,8 @@ def test_every_metric_family_is_documented() -> None:
         return True
 
     runner = NodeRunner(DECODE_REQUEST, metrics.performer(EnginePerformer(engine)))
-    metrics.watch(runner, engine=engine, peers=PeerSet({"decode": ["http://d"]}, probe))
+    metrics.watch(runner, engine=engine, peers=PeerSet({"decode": ["http://d"]}, probe),
+                  kv_buffer_bytes=lambda: 0)
     names = {metric.name for metric in metrics.registry.collect()}
     assert names
     missing = sorted(n for n in names if f"`{n}" not in DOC)
