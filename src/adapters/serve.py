@@ -364,8 +364,9 @@ LISTEN_BACKLOG = 1024
 
 
 def open_listener(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket on host:port (0: any free port), inheritable so that a child
-    started with `pass_fds` can serve on it (`--listen-fd`). Raises OSError (port in use)."""
+    """A bound, listening TCP socket on host:port (0: any free port). A child started with
+    `pass_fds=(sock.fileno(),)` inherits it (and only it) and can serve on it (`--listen-fd`).
+    Raises OSError (port in use)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -375,7 +376,6 @@ def open_listener(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
