@@ -281,7 +281,8 @@ def apply_blas_choice(choice: BlasChoice, *, may_reexec: bool = True,
             assert_never(decision)
 
 
-def _role_of(pid: int) -> str:
+def process_role(pid: int) -> str:
+    """A process's `--role` from its command line (else its program's name; "?" when gone)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
@@ -289,7 +290,8 @@ def _role_of(pid: int) -> str:
     return argv[argv.index("--role") + 1] if "--role" in argv[:-1] else Path(argv[0]).name
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """The pids of a process's children, from /proc ([] when it is gone)."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
@@ -310,16 +312,18 @@ def blas_of_process_tree(pid: int) -> dict[str, str]:
     pending = [pid]
     while pending:
         current = pending.pop(0)
-        pending += _children(current)
+        pending += child_pids(current)
         files = mapped_files(current)
         # The router loads mlx only for its tokenizer and never multiplies: its BLAS is moot.
-        if _role_of(current) != "router" and any("libmlx" in Path(f).name for f in files):
+        if process_role(current) != "router" and any("libmlx" in Path(f).name for f in files):
             blas = "openblas" if any(is_system_openblas(f) for f in files) else "bundled"
-            report[f"{_role_of(current)} (pid {current})"] = blas
+            report[f"{process_role(current)} (pid {current})"] = blas
     return report
 
 
 __all__ = [
+    "child_pids",
+    "process_role",
     "BLAS_CHOICES",
     "CHOICE_ENV",
     "INSTALL_HINT",

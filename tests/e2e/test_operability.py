@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from adapters.blas import child_pids, process_role
 from adapters.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
 
@@ -225,7 +226,7 @@ def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
     try:
         cluster.wait_healthy()
         assert cluster.process is not None
-        children = {_role(pid): pid for pid in _children(cluster.process.pid)}
+        children = {process_role(pid): pid for pid in child_pids(cluster.process.pid)}
         assert set(children) == {"router", "prefill", "decode"}, children
         for pid in children.values():
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -241,11 +242,3 @@ def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
     finally:
         assert cluster.stop() == 0, cluster.tail()
 
-
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _role(pid: int) -> str:
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return argv[argv.index(b"--role") + 1].decode()

@@ -14,15 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from adapters.blas import child_pids
 from adapters.serve import demo_model_dir, free_port
 from tests.e2e.harness import ROOT
 
 pytestmark = pytest.mark.e2e
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def test_statecore_run_with_no_arguments_answers_a_chat(tmp_path: Path) -> None:
@@ -42,7 +38,7 @@ def test_statecore_run_with_no_arguments_answers_a_chat(tmp_path: Path) -> None:
             time.sleep(0.2)
         text = log.read_text()
         assert f"http://127.0.0.1:{port}" in text and "curl" in text
-        children = _children(parent.pid)
+        children = child_pids(parent.pid)
         assert len(children) == 3
         body = {"messages": [{"role": "user", "content": "Tell me a story about a king."}],
                 "max_tokens": 60, "temperature": 0}
