@@ -30,7 +30,7 @@ import numpy as np
 from mlx_lm.models import cache as cache_module
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from effects.engine_port import LayerTravel
+from effects.engine_port import KvBytes, LayerTravel
 from statecore.errors import Code, StatecoreError, bug, peer_error, unsupported_cache
 
 FORMAT_VERSION: Final[int] = 1
@@ -533,24 +533,17 @@ def unsealed_pieces(tensors: HostTensors, *,
     return [piece for pieces in _framed_pieces(tensors, chunk_bytes) for piece in pieces]
 
 
-def payload_pieces(tensors: HostTensors, *,
-                   chunk_bytes: int = EXPORT_FRAME_BYTES) -> list[bytes | memoryview]:
-    """The whole payload as an ordered list of buffers (`unsealed_pieces`, then the end frame)."""
-    return [*unsealed_pieces(tensors, chunk_bytes=chunk_bytes), end_frame(tensors)]
-
-
 def encoded_size(frames: Sequence[bytes]) -> int:
     """Bytes on the wire for these frames."""
     return sum(len(frame) for frame in frames)
 
 
-def declared_tensor_bytes(payload: bytes | bytearray | memoryview) -> int | None:
+def declared_tensor_bytes(payload: KvBytes) -> int | None:
     """The tensor bytes a payload's end frame declares, read from its last bytes alone (for
     figures, not validation: nothing else is checked); None when it does not end in an end frame."""
-    tail = _FRAME.size + _END.size
-    if len(payload) < _PREAMBLE.size + tail:
+    if len(payload) < _PREAMBLE.size + END_FRAME_BYTES:
         return None
-    kind, length = _FRAME.unpack_from(payload, len(payload) - tail)
+    kind, length = _FRAME.unpack_from(payload, len(payload) - END_FRAME_BYTES)
     if kind != _END_FRAME or length != _END.size:
         return None
     total, _crc = _END.unpack_from(payload, len(payload) - _END.size)
@@ -695,7 +688,7 @@ class ValidatedKv:
 
 
 def decode_cache(
-    payload: bytes | bytearray | memoryview,
+    payload: KvBytes,
     *,
     fingerprint: str,
     expected_classes: Sequence[str] | None = None,
@@ -710,7 +703,7 @@ def decode_cache(
 
 
 def validate_payload(
-    payload: bytes | bytearray | memoryview,
+    payload: KvBytes,
     *,
     fingerprint: str,
     expected_classes: Sequence[str] | None = None,
@@ -820,7 +813,6 @@ __all__ = [
     "end_frame",
     "end_frame_in_background",
     "frame_payload",
-    "payload_pieces",
     "unsealed_pieces",
     "host_tensors",
     "raw_tensor_bytes",

@@ -34,10 +34,10 @@ from adapters.kv_wire import (
     decode_cache,
     encode_cache,
     encoded_size,
+    end_frame,
     end_frame_in_background,
     frame_payload,
     host_tensors,
-    payload_pieces,
     raw_tensor_bytes,
     travel_report,
     unsealed_pieces,
@@ -748,8 +748,9 @@ def test_export_pieces_are_the_frames_bytes_without_copying_the_tensors() -> Non
     model = _model("llama", "float32")
     original = _prefill(model, _prompt(300))
     tensors = host_tensors(original, fingerprint=FP, token_count=299)
-    assert b"".join(payload_pieces(tensors, chunk_bytes=1 << 20)) == b"".join(frame_payload(tensors))
-    pieces = payload_pieces(tensors)  # the export's default: large frames
+    in_1mib_frames = [*unsealed_pieces(tensors, chunk_bytes=1 << 20), end_frame(tensors)]
+    assert b"".join(in_1mib_frames) == b"".join(frame_payload(tensors))
+    pieces = [*unsealed_pieces(tensors), end_frame(tensors)]  # the export's default: large frames
     views = [p for p in pieces if isinstance(p, memoryview)]
     assert sum(v.nbytes for v in views) == raw_tensor_bytes(original)  # every tensor byte, by reference
     assert all(v.obj is not None for v in views)
@@ -761,7 +762,7 @@ def test_the_end_frame_computed_in_the_background_seals_the_unsealed_pieces() ->
     model = _model("llama", "float32")
     tensors = host_tensors(_prefill(model, _prompt(100)), fingerprint=FP, token_count=99)
     seal = end_frame_in_background(tensors)
-    assert b"".join([*unsealed_pieces(tensors), seal()]) == b"".join(payload_pieces(tensors))
+    assert seal() == end_frame(tensors)
     assert len(seal()) == END_FRAME_BYTES  # the result stays available
     broken = end_frame_in_background(HostTensors(b"{}", [memoryview(b"ab"), object()]))  # type: ignore[list-item]
     with pytest.raises(TypeError):
