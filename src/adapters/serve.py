@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import apply_blas_choice
-from adapters.internal_wire import info_json
+from adapters.internal_wire import info_from_json, info_json
 from adapters.metrics import Metrics
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
@@ -285,29 +285,36 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     return 0
 
 
-async def _fetch_info(peers: HttpxPeers, nodes: list[str], deadline_s: float = 600.0) -> ModelInfo:
-    """The model's info from the first node that answers; waits while nodes load."""
+async def _fetch_info(peers: HttpxPeers, nodes: list[str],
+                      deadline_s: float = 600.0) -> tuple[str, dict[str, object], ModelInfo]:
+    """The first node that answers /internal/info, its whole document and the model's info;
+    waits while nodes load."""
     with trio.move_on_after(deadline_s):
         while True:
             for node in nodes:
                 try:
-                    return await peers.info(node)
+                    doc = await peers.info_document(node)
+                    return node, doc, info_from_json(doc)
                 except StatecoreError:
                     continue
             await trio.sleep(0.5)
     raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}")
 
 
-async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
-    """A node's model fingerprint and BLAS from its /internal/info; None when it does not answer."""
-    try:
-        doc = await peers.info_document(node)
-    except (StatecoreError, ValueError):
-        return None
+def _build_of(doc: dict[str, object]) -> tuple[str, str | None] | None:
+    """A node's model fingerprint and BLAS from its /internal/info document."""
     fingerprint, blas = doc.get("fingerprint"), doc.get("blas")
     if fingerprint is None:
         return None
     return str(fingerprint), str(blas) if blas else None
+
+
+async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
+    """`_build_of` a node's /internal/info; None when it does not answer."""
+    try:
+        return _build_of(await peers.info_document(node))
+    except (StatecoreError, ValueError):
+        return None
 
 
 async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
@@ -317,8 +324,9 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     peers = HttpxPeers(token=args.internal_token)
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
-    info = await _fetch_info(peers, prefill + decode)
-    builds = {node: await _node_build(peers, node) for node in prefill + decode}
+    first, first_doc, info = await _fetch_info(peers, prefill + decode)
+    builds = {node: _build_of(first_doc) if node == first else await _node_build(peers, node)
+              for node in prefill + decode}
     answered = [b for b in builds.values() if b is not None]
     if len({fp for fp, _ in answered}) > 1 or len({blas for _, blas in answered if blas}) > 1:
         log.warning("nodes differ in model fingerprint or BLAS, so KV handoffs between them will be refused "

@@ -198,3 +198,25 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path, r
     assert done.stderr.strip().splitlines()[-1] == (
         f"statecore: cannot listen on 127.0.0.1:{port}: Address already in use"), done.stderr
     assert "Traceback" not in done.stderr and "loading" not in done.stderr, done.stderr
+
+
+def test_the_router_warns_at_start_when_its_nodes_serve_different_builds(tmp_path: Path) -> None:
+    """A prefill chunk size that differs changes the fingerprint: handoffs between the two nodes
+    will be refused, and the router says so once at start, naming every node's build."""
+    model = cached_checkpoint("llama")
+    prefill = Node("prefill", ["--model", str(model), "--prefill-chunk-size", "1024"], tmp_path / "p.log")
+    decode = Node("decode", ["--model", str(model)], tmp_path / "d.log")
+    start_nodes([prefill, decode])
+    front = router(model, tmp_path / "router.log", [prefill], [decode])
+    try:
+        start_nodes([front])
+        warning = next(line for line in front.log.read_text().splitlines() if "nodes differ" in line)
+        fingerprints = {node.url: httpx.get(f"{node.url}/internal/info", timeout=5).json()["fingerprint"]
+                        for node in (prefill, decode)}
+        assert len(set(fingerprints.values())) == 2
+        for url, fingerprint in fingerprints.items():
+            assert f"'{url}': 'fingerprint {fingerprint}, BLAS " in warning, warning
+        assert "no answer" not in warning
+    finally:
+        for node in (front, prefill, decode):
+            node.stop()
