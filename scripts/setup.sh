@@ -29,3 +29,17 @@ if [ "$(uname -s)" = Linux ] \
         echo "setup: no system OpenBLAS; statecore uses MLX's bundled BLAS (apt-get install libopenblas0 for ~3-10x faster CPU prefill)"
     fi
 fi
+# The live view's browser test (tests/e2e/test_live_view.py) drives the system Chromium through
+# Playwright's Python package (never a browser download of Playwright's own). Install it when
+# that is quiet and safe; without it the test is skipped, except under CI, where it fails.
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing chromium (for the live view's browser test)"
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get install -y -qq chromium >/dev/null 2>&1 \
+          || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; } \
+          || echo "setup: could not install chromium; tests/e2e/test_live_view.py cannot run"
+    else
+        echo "setup: no chromium; tests/e2e/test_live_view.py is skipped (apt-get install chromium runs it)"
+    fi
+fi

@@ -38,6 +38,7 @@ from starlette.routing import BaseRoute, Route
 
 from adapters.blas import apply_blas_choice
 from adapters.internal_wire import info_from_json, info_json
+from adapters.live_view import LiveView
 from adapters.metrics import Metrics
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
@@ -254,20 +255,22 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     log_transitions(runner, role)
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
     metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes)
+    live = LiveView(role, runner, metrics.registry)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0))
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
                                                                       max_live=args.max_in_flight)))
         frontend.faults = faults
-        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route()])
+        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route(), *live.routes()])
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
-                                metrics.route()])
+                                metrics.route(), *live.routes()])
     metrics.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
+            await nursery.start(live.run)
             nursery.start_soon(_watch_device, runner, lambda: engine.statistics().device_thread_alive)
             log.info("%s node serving on %s", role, listener_url(listener))
             await _serve(app, listener, runner, nursery)
@@ -340,6 +343,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     log_transitions(runner, "router")
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
+    live = LiveView("router", runner, metrics.registry, peers=peer_set)
     threshold = 0 if args.force_disaggregation else args.local_prefill_below
     faults = Faults.parse(args.inject_fault, args.fault_marker)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
@@ -354,11 +358,13 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
                 "model": info_json(info)["name"]}
 
-    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats), metrics.route()])
+    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats), metrics.route(),
+                                            *live.routes()])
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)
             await nursery.start(runner.run)
+            await nursery.start(live.run)
             log.info("router serving on %s (prefill %s, decode %s)", listener_url(listener),
                      prefill, decode)
             await _serve(app, listener, runner, nursery)
