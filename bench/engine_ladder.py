@@ -121,7 +121,7 @@ def engine_rate(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, v
                 prefill_batch: int) -> dict[str, Any]:
     import trio
 
-    from adapters.engine_mlx import MlxEngine
+    from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
     from statecore.ids import RequestId
 
@@ -174,7 +174,7 @@ def engine_closed_loop(model_dir: Path, batch: int, prompt_len: int, max_tokens:
     minus HTTP): rows join and leave the decode batch at staggered times."""
     import trio
 
-    from adapters.engine_mlx import MlxEngine
+    from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
     from statecore.ids import RequestId
 

@@ -41,7 +41,7 @@ import trio
 from tokenizers import Tokenizer
 
 from adapters import kv_wire
-from adapters.engine_mlx import MlxEngine
+from adapters.mlx import MlxEngine
 from adapters.tiny_models import CORPUS, FAMILIES, cached_checkpoint
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId

@@ -18,7 +18,7 @@ import os
 if os.environ.get("STATECORE_BENCH_FAKE_ENGINE") == "1":
     from typing import Any
 
-    from adapters import engine_mlx
+    from adapters import mlx as engine_mlx
     from effects.fakes import FakeEngine
 
     class _BenchFakeEngine(FakeEngine):

@@ -223,7 +223,7 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
 
 
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket) -> int:
-    from adapters.engine_mlx import MlxEngine
+    from adapters.mlx import MlxEngine
 
     model = args.model or demo_model_dir()
     log.info("loading %s for role %s", model, role)

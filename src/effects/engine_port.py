@@ -1,7 +1,7 @@
 """The Engine port: what the serving loops need from a model runtime, as a Protocol.
 
 The interpreter and the HTTP adapters talk to an engine only through this port; the MLX
-implementation lives in `adapters.engine_mlx`, and `effects.fakes` has an in-memory one for
+implementation lives in `adapters.mlx`, and `effects.fakes` has an in-memory one for
 tests. Everything here is plain data plus one Protocol. This module may import `statecore`
 and trio; it must never import httpx, mlx or mlx_lm.
 """

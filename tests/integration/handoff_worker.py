@@ -33,7 +33,7 @@ import trio
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
-from adapters.engine_mlx import MlxEngine
+from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 

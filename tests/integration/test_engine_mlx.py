@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.utils import load as mlx_lm_load
 
-from adapters.engine_mlx import MlxEngine
+from adapters.mlx import MlxEngine
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
     build_tiny_checkpoint,
@@ -312,17 +312,15 @@ async def test_handoff_joins_running_batch_unchanged(open_engine: Opener) -> Non
         assert results[rid] == reference(path, prompt, long.max_tokens)
 
 
-async def test_prefills_waiting_together_are_batched_and_exact(open_engine: Opener) -> None:
-    """Same-length prompts queued together share one model call; each row is its own request.
-
-    On the CPU a batched matmul rounds like a single-row one, so the tokens must equal mlx-lm's
-    own; a duplicate request id in the batch fails alone; other lengths run on their own.
-    """
+async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine: Opener) -> None:
+    """Short prompts of different lengths queued together share one padded call; each row is its
+    own request, and on the CPU its tokens equal mlx-lm's own. A prompt too long for one chunk
+    runs its chunks alone in the same steps; a duplicate request id fails alone."""
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=7)
-    greedy = {RequestId(f"g{i}"): prompt_of(33, salt=i) for i in range(4)}
-    odd_length = prompt_of(20, salt=9)
+    greedy = {RequestId(f"g{i}"): prompt_of(13 + i, salt=i) for i in range(4)}  # 13..16 tokens: one chunk
+    long = prompt_of(40, salt=9)
     results: dict[RequestId, list[int]] = {}
     errors: list[StatecoreError] = []
 
@@ -331,7 +329,7 @@ async def test_prefills_waiting_together_are_batched_and_exact(open_engine: Open
 
     async def duplicate() -> None:
         try:
-            await engine.prefill(RequestId("g0"), prompt_of(33, salt=5), GREEDY)
+            await engine.prefill(RequestId("g0"), prompt_of(14, salt=5), GREEDY)
         except StatecoreError as exc:
             errors.append(exc)
 
@@ -342,18 +340,18 @@ async def test_prefills_waiting_together_are_batched_and_exact(open_engine: Open
         for rid, prompt in greedy.items():
             nursery.start_soon(run, rid, prompt)
             await trio.sleep(0.01)
-        nursery.start_soon(run, RequestId("seeded"), prompt_of(33, salt=4), seeded)
-        nursery.start_soon(run, RequestId("odd"), odd_length)
+        nursery.start_soon(run, RequestId("seeded"), prompt_of(15, salt=4), seeded)
+        nursery.start_soon(run, RequestId("long"), long)
         await trio.sleep(0.05)
         nursery.start_soon(duplicate)
 
     calls, _ = engine.device_profile()["prefill_batched"]
-    assert calls == 5  # four greedy rows and the seeded one; the duplicate and "odd" ran alone
+    assert calls == 5  # four greedy rows and the seeded one; "long" needs three chunks
     for rid, prompt in greedy.items():
         assert results[rid] == reference(path, prompt)
-    assert results[RequestId("odd")] == reference(path, odd_length)
+    assert results[RequestId("long")] == reference(path, long)
     unbatched = await open_engine(path, prefill_batch=1)
-    alone = await single(unbatched, RequestId("seeded"), prompt_of(33, salt=4), seeded)
+    alone = await single(unbatched, RequestId("seeded"), prompt_of(15, salt=4), seeded)
     assert results[RequestId("seeded")] == alone
     assert unbatched.device_profile()["prefill_batched"] == (0, 0.0)
     assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
@@ -363,22 +361,20 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One bad batch never fails its rows: each prompt is computed again on its own."""
+    from adapters.mlx import device
+
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
 
-    compute = engine._prefill_compute
+    def broken(model: Any, tasks: Any) -> None:
+        raise RuntimeError("injected: the batched call failed")
 
-    def broken(rows: list[list[int]], samplers: Any) -> Any:
-        if len(rows) > 1:
-            raise RuntimeError("injected: the batched call failed")
-        return compute(rows, samplers)
-
-    monkeypatch.setattr(engine, "_prefill_compute", broken)
-    prompts = {RequestId(f"b{i}"): prompt_of(17, salt=i) for i in range(3)}
+    monkeypatch.setattr(device, "run_short_batch", broken)
+    prompts = {RequestId(f"b{i}"): prompt_of(12 + i, salt=i) for i in range(3)}
     engine._submit_nowait(lambda: trio_free_sleep(0.3))
     await trio.sleep(0.05)
     results = await all_at_once(partial(single, engine), prompts)
-    assert engine.device_profile()["prefill"][0] == 3  # all three, one by one
+    assert engine.device_profile()["prefill_batched"][0] == 0
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
 
 
@@ -781,7 +777,7 @@ async def test_numpy_token_ids_are_accepted(open_engine: Opener) -> None:
 
 
 def test_sampling_keys_are_pure() -> None:
-    from adapters.engine_mlx import position_key_seed, request_seed
+    from adapters.mlx import position_key_seed, request_seed
 
     assert position_key_seed(1, 10) == position_key_seed(1, 10)
     assert len({position_key_seed(1, p) for p in range(100)}) == 100

@@ -1,0 +1,543 @@
+"""The device loop: one thread that owns the model and every cache, and runs steps.
+
+Each step: drain the job queue (cancels, exports, joins take effect at once; new prompts queue as
+prefill tasks), ask the pure scheduler (`statecore.scheduling.plan_step`) what fits in the step's
+token budget, build that step's graph (every decoding row, then the planned prefill chunks), start
+it on the device with `mx.async_eval`, and only then read back the previous step's tokens and hand
+them out. Building step N+1 and delivering step N's tokens overlap the device computing step N;
+a row that ended in step N computes one throwaway token in step N+1.
+
+Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in the *slot lane*
+(`adapters.mlx.slots`): preallocated per-row KV, joining and leaving move no other row. Other
+families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
+caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
+the *solo lane*, one generate_step-style call per request and step. Prefill is scheduled the same
+way for every family. A failing step fails the requests of that step only; an exception escaping
+the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
+and trio (only for trio tokens); statecore and effects never import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import trio
+from mlx_lm.generate import BatchGenerator, generation_stream, maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import greedy_sampler
+
+from adapters.mlx.jobs import (
+    Crash,
+    Job,
+    Outcome,
+    Stop,
+    StreamItem,
+    as_statecore,
+    deliver,
+    engine_failed,
+    post,
+)
+from adapters.mlx.prefill import PrefillTask, run_chunks, run_short_batch
+from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
+from adapters.mlx.slots import SlotPool
+from effects.engine_port import GeneratedToken, PrefillOutcome
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.scheduling import StepBudget, WaitingPrefill, padding_groups, plan_step
+
+__all__ = ["DeviceLoop", "Held", "Live", "Settings"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+
+class InjectedCrash(Exception):
+    """Raised outside any job by a Crash sentinel."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    prefill_chunk_size: int
+    kv_bits: int | None
+    kv_group_size: int
+    max_batch: int
+    max_num_batched_tokens: int
+    prefill_batch: int
+    max_padding: float
+    max_slot_tokens: int
+
+
+@dataclass(eq=False)
+class Held:
+    """A prefilled cache waiting for its export or its local decode."""
+
+    cache: list[Any]
+    prompt_tokens: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Live:
+    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set)."""
+
+    request_id: str
+    send: trio.MemorySendChannel[StreamItem]
+    token: trio.lowlevel.TrioToken
+    remaining: int  # tokens still to produce
+    sampler: PositionSampler
+    last_token: int
+    slot: int | None = None
+    offset: int = 0  # slot lane: positions in the slot's cache before the next input
+    fed: bool = False  # slot lane: the first token went into a step (later inputs are on the device)
+    uid: int | None = None
+    solo_cache: list[Any] | None = None
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step handed to the device; read back after the next one is built."""
+
+    tokens: Any = None  # slot lane: (rows,) sampled tokens
+    owners: list[Live | None] = field(default_factory=list)
+    finished_prefills: list[PrefillTask] = field(default_factory=list)
+    failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
+
+
+class DeviceLoop:
+    """All device-thread state. Only the device thread calls its methods (after `load`)."""
+
+    def __init__(self, settings: Settings, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash],
+                 on_death: Callable[[StatecoreError], None]) -> None:
+        self.settings = settings
+        self.queue = queue_
+        self.on_death = on_death
+        self.model: Any = None
+        self.eos: frozenset[int] = frozenset()
+        self.vocab_size = 0
+        self.context_length = 0
+        self.slot_lane = False
+        self.short_batching = False
+        self.pool: SlotPool | None = None
+        self.batch: Any = None
+        self.held: dict[str, Held] = {}
+        self.live: dict[str, Live] = {}
+        self.by_uid: dict[int, Live] = {}
+        self.waiting: dict[str, PrefillTask] = {}
+        self.arrivals = 0
+        self.inflight: _InFlight | None = None
+        self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
+        self.publish: Callable[[], None] = lambda: None
+        self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
+        self.profile: dict[str, tuple[int, float]] = {
+            kind: (0, 0.0) for kind in ("step", "prefill_chunks", "prefill_batched", "other_job", "readback")
+        }
+
+    # -- configuration (after the model is loaded) ---------------------------------------------
+
+    def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
+                  probe_cache: list[Any]) -> None:
+        s = self.settings
+        self.model = model
+        self.eos = eos
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        plain = s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
+        self.slot_lane = plain
+        self.short_batching = plain and s.prefill_batch > 1
+        if plain:
+            self.pool = SlotPool(s.max_batch, len(probe_cache), min(context_length, s.max_slot_tokens) + 1)
+        self.batch = self.new_batch()
+
+    def new_batch(self) -> Any:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.eos)],
+            sampler=greedy_sampler,
+            completion_batch_size=self.settings.max_batch,
+            prefill_batch_size=self.settings.max_batch,
+            prefill_step_size=self.settings.prefill_chunk_size,
+        )
+
+    def quantize(self, cache: list[Any]) -> None:
+        if self.settings.kv_bits is None:
+            return
+        maybe_quantize_kv_cache(  # type: ignore[no-untyped-call]
+            cache, quantized_kv_start=0, kv_group_size=self.settings.kv_group_size,
+            kv_bits=self.settings.kv_bits,
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            busy = bool(self.live or self.waiting or self.inflight)
+            jobs: list[Job[Any] | Stop | Crash] = [] if busy else [self.queue.get()]
+            while True:
+                try:
+                    jobs.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            for job in jobs:
+                if isinstance(job, Stop):
+                    return
+                if isinstance(job, Crash):
+                    raise InjectedCrash("device loop crash injected by a test")
+                self.run_job(job)
+            self.step()
+
+    def run_job(self, job: Job[Any]) -> None:
+        if job.is_abandoned():
+            return
+        started = time.perf_counter()
+        try:
+            value = job.work()
+        except Exception as exc:
+            if not isinstance(exc, StatecoreError):
+                logger.exception("device job failed")
+            self.finish(job, Outcome(error=as_statecore(exc)))
+        else:
+            if not job.deferred:
+                self.finish(job, Outcome(value=value))
+        self.account("other_job", started)
+
+    def finish(self, job: Job[Any], result: Outcome[Any]) -> None:
+        """Hand a computed job its outcome, or undo it when its caller is gone."""
+        with job.lock:
+            job.outcome = result
+            abandoned = job.abandoned
+        if abandoned:
+            if result.error is None and job.undo is not None:
+                try:
+                    job.undo(result.value)
+                except Exception:
+                    logger.exception("undoing an abandoned job failed")
+            return
+        if job.done is not None:
+            post(job.token, job.done.set)
+
+    def account(self, what: str, started: float, calls: int = 1) -> None:
+        calls_before, seconds = self.profile[what]
+        self.profile[what] = (calls_before + calls, seconds + time.perf_counter() - started)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Build and start this step, then read back the previous one."""
+        started = time.perf_counter()
+        for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
+            del self.waiting[rid]
+        current = _InFlight()
+        outputs: list[Any] = []
+        slot_rows = [live for live in self.live.values() if live.slot is not None]
+        with mx.stream(generation_stream):
+            if slot_rows:
+                outputs.extend(self.build_slot_step(slot_rows, current))
+            plan = plan_step(
+                len(self.live),
+                [WaitingPrefill(t.request_id, t.order, t.chunks_left) for t in self.waiting.values()],
+                StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
+            )
+            outputs.extend(self.build_prefills(plan.prefills, current))
+            if outputs:
+                mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+        built = bool(outputs) or bool(current.failed_prefills)
+        previous, self.inflight = self.inflight, (current if built else None)
+        if previous is not None:
+            self.read_back(previous)
+        # Lanes that evaluate on their own: mlx-lm's BatchGenerator, then the solo requests.
+        if self.by_uid:
+            self.merge_step()
+        for live in [lv for lv in self.live.values() if lv.solo_cache is not None]:
+            self.solo_step(live)
+        if built and not self.live and not self.waiting:
+            # Nothing else will come: read this step back now rather than on the next one.
+            self.inflight = None
+            self.read_back(current)
+        self.account("step", started)
+        self.publish()
+
+    def build_slot_step(self, rows: list[Live], current: _InFlight) -> list[Any]:
+        pool = self.pool
+        assert pool is not None
+        count = pool.rows([live.slot for live in rows if live.slot is not None])
+        offsets = [0] * count
+        owners: list[Live | None] = [None] * count
+        samplers: list[PositionSampler | None] = [None] * count
+        host_tokens = [0] * count
+        from_host = [True] * count
+        previous = self.last_tokens
+        carried = 0 if previous is None else int(previous.shape[0])
+        for live in rows:
+            slot = live.slot
+            assert slot is not None
+            offsets[slot] = live.offset
+            owners[slot] = live
+            samplers[slot] = None if live.sampler.sampling.greedy else live.sampler
+            if live.fed and slot < carried:
+                from_host[slot] = False
+            else:
+                host_tokens[slot] = live.last_token
+            live.fed = True
+            live.offset += 1
+        inputs = mx.array(host_tokens, dtype=mx.uint32)
+        if not all(from_host):
+            if carried >= count:
+                on_device = previous[:count]
+            else:
+                on_device = mx.concatenate([previous, mx.zeros((count - carried,), dtype=previous.dtype)])
+            inputs = mx.where(mx.array(from_host), inputs, on_device.astype(mx.uint32))
+        logits = self.model(inputs[:, None], cache=pool.step_layers(offsets))[:, -1, :]
+        tokens = sample_rows(log_softmax(logits), samplers)
+        self.last_tokens = tokens
+        current.tokens = tokens
+        current.owners = owners
+        return [tokens, *pool.keys, *pool.values]
+
+    def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
+        started = time.perf_counter()
+        outputs: list[Any] = []
+        tasks = [(self.waiting[w.request_id], w.chunks) for w in work]
+        short = [task for task, _ in tasks if self.short_batching and task.is_short]
+        if len(short) > 1:
+            lengths = [len(task.tokens) for task in short]
+            for group in padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch):
+                members = [short[i] for i in group]
+                if len(members) < 2:
+                    continue
+                try:
+                    run_short_batch(self.model, members)
+                except Exception:
+                    # One prompt must not fail its neighbours: they run alone below.
+                    logger.exception("a batched prefill of %d prompts failed; running them alone",
+                                     len(members))
+                    for task in members:
+                        task.cache, task.first, task.done_chunks, task.done_tokens = None, None, 0, 0
+                    continue
+                self.account("prefill_batched", started, len(members))
+                for task in members:
+                    outputs.extend(self.prefill_outputs(task, current))
+        for task, chunks in tasks:
+            if task.first is not None:
+                continue
+            try:
+                run_chunks(self.model, task, chunks, self.quantize)
+            except Exception as exc:
+                logger.exception("prefill failed for %s", task.request_id)
+                del self.waiting[task.request_id]
+                current.failed_prefills.append((task, as_statecore(exc)))
+                continue
+            if task.first is not None:
+                outputs.extend(self.prefill_outputs(task, current))
+            else:
+                assert task.cache is not None
+                outputs.extend(c.state for c in task.cache)
+        self.account("prefill_chunks", started)
+        return outputs
+
+    def prefill_outputs(self, task: PrefillTask, current: _InFlight) -> list[Any]:
+        del self.waiting[task.request_id]
+        current.finished_prefills.append(task)
+        assert task.cache is not None
+        return [task.first, *(c.state for c in task.cache)]
+
+    def read_back(self, step: _InFlight) -> None:
+        """Wait for a step's results and hand them out (tokens, first tokens, failures)."""
+        started = time.perf_counter()
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        finished: list[tuple[PrefillTask, Outcome[Any]]] = []
+        try:
+            tokens: list[int] = step.tokens.tolist() if step.tokens is not None else []
+            firsts = [int(task.first.item()) for task in step.finished_prefills]
+        except Exception as exc:
+            logger.exception("a step failed on the device; failing its requests")
+            error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
+            for owner in step.owners:
+                if owner is not None and self.live.get(owner.request_id) is owner:
+                    self.end(owner, error, deliveries)
+            finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
+            self.last_tokens = None
+        else:
+            for owner, token in zip(step.owners, tokens, strict=False):
+                if owner is None or self.live.get(owner.request_id) is not owner:
+                    continue  # a free slot's row, or a request that ended meanwhile
+                owner.last_token = token
+                item = self.count_token(owner, token)
+                if item.finish_reason is not None:
+                    self.end(owner, item, deliveries)
+                else:
+                    deliveries.setdefault(owner.token, []).append((owner.send, item, False))
+            for task, first in zip(step.finished_prefills, firsts, strict=True):
+                assert task.cache is not None
+                nbytes = self.cache_bytes(task.cache)
+                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
+                finished.append((task, Outcome(value=PrefillOutcome(first, len(task.tokens), nbytes))))
+        finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
+        self.account("readback", started)
+        self.hand_out(deliveries, finished)
+
+    def hand_out(self, deliveries: dict[trio.lowlevel.TrioToken, list[Any]],
+                 finished: list[tuple[PrefillTask, Outcome[Any]]] = ()) -> None:  # type: ignore[assignment]
+        """Publish the statistics first, so that a caller woken by its result sees them."""
+        self.publish()
+        for task, outcome in finished:
+            self.finish(task.job, outcome)
+        for trio_token, items in deliveries.items():
+            post(trio_token, deliver, items)
+
+    def count_token(self, live: Live, token: int) -> GeneratedToken:
+        """Count one token; EOS ends with "stop", the last allowed token with "length"."""
+        live.remaining -= 1
+        if token in self.eos:
+            return GeneratedToken(token, is_eos=True, finish_reason="stop")
+        if live.remaining <= 0:
+            return GeneratedToken(token, finish_reason="length")
+        return GeneratedToken(token)
+
+    def end(self, live: Live, item: StreamItem,
+            deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
+        """A request leaves the decoder with its last item."""
+        self.remove(live)
+        deliveries.setdefault(live.token, []).append((live.send, item, True))
+
+    def remove(self, live: Live) -> None:
+        if self.live.get(live.request_id) is live:
+            del self.live[live.request_id]
+        if live.slot is not None and self.pool is not None:
+            self.pool.give_back(live.slot)
+            live.slot = None
+        if live.uid is not None:
+            self.by_uid.pop(live.uid, None)
+            if self.batch is not None:
+                self.batch.remove([live.uid])
+            live.uid = None
+
+    # -- the other lanes -----------------------------------------------------------------------
+
+    def merge_step(self) -> None:
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        try:
+            _, responses = self.batch.next()
+        except Exception as exc:
+            logger.exception("a batch decode step failed; failing every batched request")
+            error = engine_failed(f"batch decode step failed: {type(exc).__name__}: {exc}")
+            for live in list(self.by_uid.values()):
+                live.uid = None  # the generator is replaced below: nothing to remove from it
+                self.end(live, error, deliveries)
+            self.by_uid.clear()
+            self.batch = self.new_batch()
+        else:
+            for r in responses:
+                row = self.by_uid.get(r.uid)
+                if row is None:
+                    continue
+                item = self.count_token(row, int(r.token))
+                if item.finish_reason is not None:
+                    row.uid = None  # the generator drops a finished row itself
+                    self.by_uid.pop(r.uid, None)
+                    self.end(row, item, deliveries)
+                else:
+                    deliveries.setdefault(row.token, []).append((row.send, item, False))
+        self.hand_out(deliveries)
+
+    def solo_step(self, live: Live) -> None:
+        """One generate_step-style step for a single sequence."""
+        assert live.solo_cache is not None
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        try:
+            with mx.stream(generation_stream):
+                logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]
+                self.quantize(live.solo_cache)
+                sampled = live.sampler(log_softmax(logits))
+                mx.eval(sampled, [c.state for c in live.solo_cache])
+            token = int(sampled.item())
+        except Exception as exc:
+            logger.exception("a solo decode step failed for %s", live.request_id)
+            self.end(live, engine_failed(f"decode step failed: {type(exc).__name__}: {exc}"), deliveries)
+        else:
+            live.last_token = token
+            item = self.count_token(live, token)
+            if item.finish_reason is not None:
+                self.end(live, item, deliveries)
+            else:
+                deliveries.setdefault(live.token, []).append((live.send, item, False))
+        self.hand_out(deliveries)
+
+    # -- joining the decoder -------------------------------------------------------------------
+
+    def join(self, live: Live, cache: list[Any], prompt: list[int]) -> None:
+        """Put a request with its prompt's cache into a lane (the caller checked capacity)."""
+        plain = all(type(c) is KVCache for c in cache)
+        needed = len(prompt) + live.remaining + 2
+        if self.slot_lane and plain and self.pool is not None and needed <= self.pool.max_capacity:
+            slot = self.pool.take()
+            try:
+                self.pool.write_prompt(slot, cache, len(prompt))
+            except BaseException:
+                self.pool.give_back(slot)
+                raise
+            live.slot = slot
+            live.offset = len(prompt)
+        elif all(hasattr(c, "merge") for c in cache):
+            # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
+            # sampler object is sampled in one call instead of row by row.
+            (uid,) = self.batch.insert(
+                prompts=[[live.last_token]], max_tokens=[live.remaining], caches=[cache],
+                all_tokens=[prompt],
+                samplers=[greedy_sampler if live.sampler.sampling.greedy else live.sampler],
+            )
+            live.uid = uid
+            self.by_uid[uid] = live
+        else:
+            live.solo_cache = cache
+        self.live[live.request_id] = live
+
+    def overloaded(self) -> StatecoreError | None:
+        if len(self.live) >= self.settings.max_batch:
+            return StatecoreError(ErrorInfo(
+                Fault.OVERLOADED, Code.OVERLOADED,
+                f"{len(self.live)} requests are decoding (max_batch {self.settings.max_batch})",
+            ))
+        return None
+
+    def drop(self, request_id: str) -> None:
+        """Cancel: leave the decoder and free everything held for the request. Idempotent."""
+        self.held.pop(request_id, None)
+        task = self.waiting.pop(request_id, None)
+        if task is not None:
+            self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
+                Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
+        leaving = self.live.get(request_id)
+        if leaving is not None:
+            self.remove(leaving)
+            post(leaving.token, deliver, [(leaving.send, None, True)])
+
+    def die(self, error: StatecoreError) -> None:
+        """Leave everything dead: fail queued jobs, waiting prefills and live streams."""
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job) and job.done is not None:
+                job.outcome = Outcome(error=error)
+                post(job.token, job.done.set)
+        for task in self.waiting.values():
+            if task.job.done is not None:
+                task.job.outcome = Outcome(error=error)
+                post(task.job.token, task.job.done.set)
+        for live in self.live.values():
+            post(live.token, deliver, [(live.send, error, True)])
+        self.waiting.clear()
+        self.live.clear()
+        self.by_uid.clear()
+        self.held.clear()
+        self.batch = None
+        self.model = None
+        self.pool = None
+        self.last_tokens = None
+        self.inflight = None
+

@@ -1,0 +1,514 @@
+"""`MlxEngine`: the Engine port over mlx / mlx-lm, driven from trio, computed on one device thread.
+
+Every async method validates its arguments in trio (pure Python), then posts a job to the device
+thread (`adapters.mlx.device.DeviceLoop`) and waits without blocking the event loop. `prefill`
+queues the prompt for the scheduler and returns when its last chunk has produced the first token;
+`decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after the
+first. A caller cancelled while its job waits gets it skipped; one cancelled after the job ran gets
+its effect undone, so a cancellation never leaks a cache. An exception escaping the device loop
+kills the engine: `statistics().device_thread_alive` turns False and every later call raises
+`ENGINE_FAILED` (`cancel` and `release_held` stay quiet no-ops). See docs/engine.md.
+This is an adapter: nothing in `statecore` or `effects` may import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import queue
+import threading
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import trio
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from adapters import kv_wire
+from adapters.mlx.device import DeviceLoop, Live, Settings
+from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
+from adapters.mlx.loading import load_model, model_fingerprint
+from adapters.mlx.prefill import PrefillTask
+from adapters.mlx.sampling import PositionSampler, request_seed
+from effects.engine_port import (
+    EngineStatistics,
+    GeneratedToken,
+    KvBytes,
+    KvPieces,
+    ModelInfo,
+    PrefillOutcome,
+    SamplingParams,
+)
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.ids import RequestId
+from statecore.scheduling import prefill_chunks
+
+__all__ = ["MlxEngine"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+_KV_BITS = (2, 3, 4, 5, 6, 8)
+_KV_GROUP_SIZES = (32, 64, 128)
+_T = TypeVar("_T")
+
+
+class MlxEngine:
+    """The Engine port over mlx-lm. Build with `await MlxEngine.load(model_dir, ...)`."""
+
+    def __init__(self, model_dir: Path, settings: Settings, trust_remote_code: bool) -> None:
+        """Private: use `MlxEngine.load`."""
+        self._model_dir = model_dir
+        self._trust_remote_code = trust_remote_code
+        self._settings = settings
+        self._queue: queue.SimpleQueue[Job[Any] | Stop | Crash] = queue.SimpleQueue()
+        self._state_lock = threading.Lock()
+        self._alive = True
+        self._closed = False
+        self._info: ModelInfo | None = None
+        self._stats = EngineStatistics(0, 0, 0, True)
+        self._expected_classes: list[str] = []
+        # trio side: streams not yet taken by `stream()`.
+        self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
+        self._device = DeviceLoop(settings, self._queue, self._die)
+        self._device.publish = self._publish
+        self._device.cache_bytes = self._cache_bytes
+        self._thread = threading.Thread(target=self._thread_main, name="mlx-device", daemon=True)
+        self._thread.start()
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    async def load(
+        cls,
+        model_dir: Path,
+        *,
+        prefill_chunk_size: int = 2048,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        trust_remote_code: bool = False,
+        max_batch: int = 32,
+        max_num_batched_tokens: int | None = None,
+        prefill_batch: int = 32,
+        max_padding: float = 0.25,
+        max_slot_tokens: int = 32768,
+    ) -> MlxEngine:
+        """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
+
+        Each step decodes every live request (at most `max_batch`) and prefills whole chunks of
+        waiting prompts until `max_num_batched_tokens` (default: `max_batch` + the chunk size)
+        is spent, touching at most `prefill_batch` prompts. Short prompts waiting together are
+        prefilled in one padded call when the padding stays within `max_padding` of their tokens
+        (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
+        decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
+
+        A model dir whose config.json names a `model_file` (custom Python) is refused unless
+        trust_remote_code is True. A cache class that cannot travel is logged, not refused:
+        `info.can_travel` tells the serving roles whether handoffs are possible.
+        """
+        if prefill_chunk_size < 1:
+            raise StatecoreError(client_error("prefill_chunk_size must be >= 1"))
+        if kv_bits is not None and kv_bits not in _KV_BITS:
+            raise StatecoreError(client_error(f"kv_bits must be one of {_KV_BITS} or None"))
+        if kv_group_size not in _KV_GROUP_SIZES:
+            raise StatecoreError(client_error(f"kv_group_size must be one of {_KV_GROUP_SIZES}"))
+        if max_batch < 1:
+            raise StatecoreError(client_error("max_batch must be >= 1"))
+        if prefill_batch < 1:
+            raise StatecoreError(client_error("prefill_batch must be >= 1"))
+        budget = max_batch + prefill_chunk_size if max_num_batched_tokens is None else max_num_batched_tokens
+        if budget < max_batch + prefill_chunk_size:
+            raise StatecoreError(client_error(
+                f"max_num_batched_tokens ({budget}) must be at least max_batch + prefill_chunk_size "
+                f"({max_batch + prefill_chunk_size}): every step decodes every row and must fit one chunk"
+            ))
+        if not max_padding >= 0.0:
+            raise StatecoreError(client_error("max_padding must be >= 0"))
+        if max_slot_tokens < 1:
+            raise StatecoreError(client_error("max_slot_tokens must be >= 1"))
+        settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
+                            max_padding, max_slot_tokens)
+        engine = cls(Path(model_dir), settings, trust_remote_code)
+        try:
+            engine._info = await engine._call(engine._load_on_device)
+        except BaseException:
+            await engine.aclose()
+            raise
+        return engine
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise engine_failed("the engine has no model loaded")
+        return self._info
+
+    # -- the Engine port -----------------------------------------------------------------------
+
+    async def prefill(
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+    ) -> PrefillOutcome:
+        tokens = self._check_request(prompt, sampling)
+        seed = request_seed(request_id, sampling)
+        chunks = prefill_chunks(len(tokens), self._settings.prefill_chunk_size)
+        job: Job[PrefillOutcome]
+
+        def register() -> PrefillOutcome:
+            device = self._device
+            self._check_unused(request_id)
+            device.arrivals += 1
+            task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens)),
+                               device.arrivals, chunks, job=job)
+            device.waiting[request_id] = task
+            return None  # type: ignore[return-value]  # deferred: finished by the device loop
+
+        job = self._new_job(register, undo=lambda _: self._device.drop(request_id), deferred=True)
+        return await self._wait(job)
+
+    async def export_held(self, request_id: RequestId) -> KvPieces:
+        def work() -> kv_wire.HostTensors:
+            held = self._device.held.get(request_id)
+            if held is None:
+                raise _not_held(request_id)
+            return kv_wire.host_tensors(held.cache, fingerprint=self.info.fingerprint,
+                                        token_count=held.prompt_tokens)
+
+        tensors = await self._call(work)
+        # The tensors are not copied: the pieces reference them. The checksum (the end frame)
+        # needs no MLX: a thread computes it while the pieces are already being sent.
+        return KvPieces(tuple(kv_wire.unsealed_pieces(tensors)),
+                        seal=kv_wire.end_frame_in_background(tensors), seal_nbytes=kv_wire.END_FRAME_BYTES)
+
+    async def release_held(self, request_id: RequestId) -> int:
+        def work() -> int:
+            held = self._device.held.pop(request_id, None)
+            self._publish()
+            return 0 if held is None else held.nbytes
+
+        if not self._alive:
+            return 0
+        with trio.CancelScope(shield=True):  # quick, and must not be skipped
+            freed = await self._call(work)
+        return freed
+
+    async def decode_held(
+        self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams
+    ) -> None:
+        tokens = self._check_request(prompt, sampling)
+        first_token = self._check_token(first_token, "first_token")
+
+        def take_cache() -> list[Any]:
+            held = self._device.held.get(request_id)
+            if held is None:
+                raise _not_held(request_id)
+            if held.prompt_tokens != len(tokens):
+                raise StatecoreError(client_error(
+                    f"request {request_id!r}: the held cache covers {held.prompt_tokens} "
+                    f"tokens, the prompt has {len(tokens)}"
+                ))
+            return held.cache
+
+        await self._start(request_id, tokens, first_token, sampling, take_cache)
+
+    async def install(
+        self,
+        request_id: RequestId,
+        payload: KvBytes,
+        prompt: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        tokens = self._check_request(prompt, sampling)
+        first_token = self._check_token(first_token, "first_token")
+        # Every check that needs no MLX (framing, checksum, header: most of the time for a large
+        # payload) runs in a worker thread, so a big handoff never stalls the decode batch.
+        validated = await trio.to_thread.run_sync(
+            lambda: kv_wire.validate_payload(
+                payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
+            )
+        )
+        if validated.header.token_count != len(tokens):
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"the KV payload covers {validated.header.token_count} tokens, the prompt has {len(tokens)}",
+            ))
+
+        def take_cache() -> list[Any]:
+            caches: list[Any] = kv_wire.build_caches(validated).caches
+            return caches
+
+        await self._start(request_id, tokens, first_token, sampling, take_cache)
+
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
+        """Tokens after the first one. Leaving early cancels the request."""
+        receive = self._streams.pop(request_id, None)
+        if receive is None:
+            raise StatecoreError(ErrorInfo(
+                Fault.BUG, Code.INTERNAL,
+                f"no stream for request {request_id!r} (never started, already taken, or cancelled)",
+            ))
+        finished = False
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, StatecoreError):
+                        finished = True
+                        raise StatecoreError(item.info) from item
+                    yield item
+            finished = True
+        finally:
+            if not finished:
+                self._cancel_nowait(request_id)
+
+    async def cancel(self, request_id: RequestId) -> None:
+        receive = self._streams.pop(request_id, None)
+        if receive is not None:
+            receive.close()
+        if not self._alive:
+            return
+        with trio.CancelScope(shield=True):  # within one step; must not be skipped
+            await self._call(lambda: self._drop(request_id))
+
+    def statistics(self) -> EngineStatistics:
+        return replace(self._stats, device_thread_alive=self._alive)
+
+    def device_profile(self) -> dict[str, tuple[int, float]]:
+        """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
+        return dict(self._device.profile)
+
+    async def aclose(self) -> None:
+        """Stop the device thread; every held cache and live request is dropped."""
+        for receive in self._streams.values():
+            receive.close()
+        self._streams.clear()
+        self._stop_nowait()
+        with trio.CancelScope(shield=True):
+            # Within one step; joining lets MLX's thread-local state go before exit.
+            await trio.to_thread.run_sync(self._thread.join)
+
+    # -- test hooks ----------------------------------------------------------------------------
+
+    def _crash_device_thread_for_tests(self) -> None:
+        """Make the device loop itself raise (not a job): the engine must report itself dead."""
+        self._queue.put(Crash())
+
+    def _submit_nowait(self, work: Callable[[], object]) -> None:
+        """Fire and forget; silently nothing if the device thread is gone."""
+        with self._state_lock:
+            if self._alive:
+                self._queue.put(Job(work, None))
+
+    # -- trio-side helpers ---------------------------------------------------------------------
+
+    def _check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
+        if not self._alive:
+            raise engine_failed("the device thread is not running")
+        tokens = [self._check_token(t, "prompt token") for t in prompt]
+        if not tokens:
+            raise StatecoreError(client_error("the prompt is empty"))
+        if len(tokens) > self.info.context_length:
+            raise StatecoreError(client_error(
+                f"the prompt has {len(tokens)} tokens; the context length is {self.info.context_length}",
+                Code.CONTEXT_LENGTH_EXCEEDED,
+            ))
+        if sampling.max_tokens < 1:
+            raise StatecoreError(client_error("max_tokens must be >= 1"))
+        if sampling.temperature < 0.0 or sampling.temperature != sampling.temperature:
+            raise StatecoreError(client_error("temperature must be >= 0"))
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise StatecoreError(client_error("top_p must be in (0, 1]"))
+        if sampling.top_k < 0:
+            raise StatecoreError(client_error("top_k must be >= 0"))
+        return tokens
+
+    def _check_token(self, token: object, what: str) -> int:
+        """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            value = operator.index(token)  # type: ignore[arg-type]
+        except TypeError:
+            raise StatecoreError(client_error(f"{what} {token!r} is not an integer")) from None
+        vocab = self.info.vocab_size
+        if not 0 <= value < vocab:
+            raise StatecoreError(client_error(f"{what} {value} is outside the vocabulary of {vocab}"))
+        return value
+
+    async def _start(
+        self,
+        request_id: RequestId,
+        tokens: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        take_cache: Callable[[], list[Any]],
+    ) -> None:
+        """Open the request's stream, then put it into the decoder on the device thread."""
+        if request_id in self._streams:
+            raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
+        send, receive = trio.open_memory_channel[StreamItem](sampling.max_tokens)
+        token = trio.lowlevel.current_trio_token()
+        seed = request_seed(request_id, sampling)
+
+        def work() -> None:
+            device = self._device
+            if request_id in device.live:
+                raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
+            overloaded = device.overloaded()
+            if overloaded is not None:
+                raise overloaded
+            cache = take_cache()  # validates; raises before anything changes
+            remaining = sampling.max_tokens - 1
+            if remaining == 0 or first_token in device.eos:
+                # The first token already ended the request: an empty stream.
+                device.held.pop(request_id, None)
+                post(token, deliver, [(send, None, True)])
+                self._publish()
+                return
+            sampler = PositionSampler(sampling, seed, len(tokens) + 1)
+            live = Live(request_id, send, token, remaining, sampler, first_token)
+            device.join(live, cache, tokens)
+            device.held.pop(request_id, None)
+            self._publish()
+
+        self._streams[request_id] = receive
+        try:
+            await self._call(work, undo=lambda _: self._drop(request_id))
+        except BaseException:
+            if self._streams.get(request_id) is receive:
+                del self._streams[request_id]
+            receive.close()
+            send.close()
+            raise
+
+    def _new_job(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None,
+                 deferred: bool = False) -> Job[_T]:
+        return Job(work, trio.lowlevel.current_trio_token(), undo, trio.Event(), deferred=deferred)
+
+    async def _call(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None) -> _T:
+        """Run `work` on the device thread; wait for it without blocking trio."""
+        return await self._wait(self._new_job(work, undo))
+
+    async def _wait(self, job: Job[_T]) -> _T:
+        with self._state_lock:
+            if not self._alive:
+                raise engine_failed("the engine is closed" if self._closed else "the device thread has died")
+            self._queue.put(job)
+        assert job.done is not None
+        try:
+            await job.done.wait()
+        except BaseException:
+            with job.lock:
+                job.abandoned = True
+                result = job.outcome
+            undo = job.undo
+            if result is not None and result.error is None and undo is not None:
+                value = result.value
+                self._submit_nowait(lambda: undo(value))  # type: ignore[arg-type]
+            raise
+        assert job.outcome is not None
+        return job.outcome.unwrap()
+
+    def _cancel_nowait(self, request_id: RequestId) -> None:
+        self._submit_nowait(lambda: self._drop(request_id))
+
+    def _stop_nowait(self) -> None:
+        with self._state_lock:
+            if not self._alive:
+                return
+            self._closed = True
+            self._queue.put(Stop())
+
+    # -- device-thread side --------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            self._device.run()
+        except BaseException as exc:
+            logger.exception("the MLX device thread died")
+            self._die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
+        else:
+            self._die(engine_failed("the engine is closed"))
+
+    def _die(self, error: StatecoreError) -> None:
+        with self._state_lock:
+            self._alive = False
+        self._stats = EngineStatistics(0, 0, 0, False)
+        self._device.die(error)
+
+    def _drop(self, request_id: str) -> None:
+        self._device.drop(request_id)
+        self._publish()
+
+    def _check_unused(self, request_id: str) -> None:
+        device = self._device
+        if request_id in device.held or request_id in device.live or request_id in device.waiting:
+            raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
+
+    def _publish(self) -> None:
+        """Refresh the statistics snapshot (device thread only; one atomic assignment)."""
+        device = self._device
+        self._stats = EngineStatistics(
+            decoding=len(device.live),
+            held_caches=len(device.held),
+            held_bytes=sum(h.nbytes for h in device.held.values()),
+            device_thread_alive=True,
+        )
+
+    def _cache_bytes(self, cache: list[Any]) -> int:
+        """What a held cache weighs: its live tensors, as the wire would carry them."""
+        if self.info.can_travel:
+            return kv_wire.raw_tensor_bytes(cache)
+        return sum(int(getattr(c, "nbytes", 0)) for c in cache)
+
+    def _load_on_device(self) -> ModelInfo:
+        s = self._settings
+        loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code)
+        device = self._device
+        device.model = loaded.model
+        # A one-token probe through the real prefill path: the cache classes as they travel
+        # (QuantizedKVCache when kv_bits is set) and the true vocabulary size.
+        try:
+            with mx.stream(generation_stream):
+                probe_cache: list[Any] = make_prompt_cache(loaded.model)
+                logits = loaded.model(mx.array([[0]]), cache=probe_cache)
+                device.quantize(probe_cache)
+                mx.eval(logits, [c.state for c in probe_cache])
+        except Exception as exc:
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
+                f"model {self._model_dir.name!r} cannot prefill with kv_bits={s.kv_bits}: "
+                f"{type(exc).__name__}: {exc}",
+            )) from exc
+        vocab_size = int(logits.shape[-1])
+        layers = tuple(kv_wire.travel_report(probe_cache))
+        self._expected_classes = [layer.class_name for layer in layers]
+        for layer in layers:
+            if layer.can_travel:
+                logger.info("layer %d: %s can travel", layer.index, layer.class_name)
+            else:
+                logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
+        device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache)
+        info = ModelInfo(
+            name=self._model_dir.name,
+            fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
+                                          prefill_chunk_size=s.prefill_chunk_size),
+            context_length=loaded.context_length,
+            vocab_size=vocab_size,
+            eos_token_ids=loaded.eos,
+            prefill_chunk_size=s.prefill_chunk_size,
+            layers=layers,
+        )
+        logger.info(
+            "loaded %s (%s, kv_bits=%s, chunk=%d, lane=%s): can_travel=%s",
+            info.name, ",".join(loaded.dtypes),
+            s.kv_bits, s.prefill_chunk_size, "slots" if device.slot_lane else "mlx-lm batch", info.can_travel,
+        )
+        return info
+
+
+def _not_held(request_id: str) -> StatecoreError:
+    return StatecoreError(
+        client_error(f"no prefilled cache is held for request {request_id!r}", Code.KV_NOT_FOUND)
+    )
+

@@ -1,0 +1,120 @@
+"""Loading a model directory with mlx-lm, and what a node reports about it (ModelInfo).
+
+`load_model` runs on the device thread: it reads config.json, refuses custom model code without
+trust_remote_code, loads weights and tokenizer through mlx-lm, and collects the EOS ids.
+`model_fingerprint` is what two nodes must share to exchange KV: the engine's format version, the
+config's bytes, the parameter dtypes, kv_bits, the prefill chunk size and the BLAS in use.
+This module imports mlx and mlx_lm; it must never import trio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load as mlx_lm_load
+
+from adapters.blas import blas_in_use
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "FORMAT_VERSION", "LoadedModel", "load_model", "model_fingerprint"]
+
+FORMAT_VERSION = 1
+"""Bumped whenever the computation order or the sampling rule changes: part of the fingerprint."""
+
+DEFAULT_CONTEXT_LENGTH = 4096
+"""Used when config.json names no context length (e.g. pure state-space models)."""
+
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any
+    eos: frozenset[int]
+    config_bytes: bytes
+    dtypes: tuple[str, ...]
+    context_length: int
+
+
+def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
+    config_path = model_dir / "config.json"
+    try:
+        config_bytes = config_path.read_bytes()
+        config = json.loads(config_bytes)
+    except FileNotFoundError:
+        raise StatecoreError(
+            client_error(f"no model at {model_dir} (no config.json)", Code.MODEL_NOT_FOUND)
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise StatecoreError(client_error(f"cannot read {config_path}: {exc}", Code.MODEL_NOT_FOUND)) from exc
+    if not isinstance(config, dict):
+        raise StatecoreError(client_error(f"{config_path} is not a JSON object"))
+    model_file = config.get("model_file")
+    if model_file is not None and not trust_remote_code:
+        raise StatecoreError(
+            ErrorInfo(
+                Fault.UNSUPPORTED,
+                Code.UNSUPPORTED_PARAMETER,
+                f"model {model_dir.name!r} needs custom Python code (config.json "
+                f"model_file={model_file!r}); refusing to run it without trust_remote_code",
+            )
+        )
+    try:
+        loaded: tuple[Any, ...] = mlx_lm_load(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise StatecoreError(
+            ErrorInfo(
+                Fault.UNSUPPORTED,
+                Code.MODEL_NOT_FOUND,
+                f"mlx-lm cannot load {model_dir}: {type(exc).__name__}: {exc}",
+            )
+        ) from exc
+    model, tokenizer = loaded[0], loaded[1]
+    eos = {int(t) for t in tokenizer.eos_token_ids}
+    raw_eos = config.get("eos_token_id")
+    if isinstance(raw_eos, int):
+        eos.add(raw_eos)
+    elif isinstance(raw_eos, list):
+        eos.update(int(t) for t in raw_eos)
+    params: Any = tree_flatten(model.parameters())
+    dtypes = tuple(sorted({str(v.dtype) for _, v in params}))
+    return LoadedModel(model, frozenset(eos), config_bytes, dtypes, _context_length(config))
+
+
+def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
+                      prefill_chunk_size: int) -> str:
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "config_sha256": hashlib.sha256(loaded.config_bytes).hexdigest(),
+        "dtype": ",".join(loaded.dtypes),
+        "kv_bits": kv_bits,
+        "kv_group_size": kv_group_size if kv_bits is not None else None,
+        "prefill_chunk_size": prefill_chunk_size,
+        # Two BLAS libraries round float32 matmuls differently: nodes on different ones must
+        # refuse each other's KV.
+        "blas": blas_in_use(),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _context_length(config: dict[str, Any]) -> int:
+    for source in (config, config.get("text_config") or {}):
+        if not isinstance(source, dict):
+            continue
+        for key in _CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return DEFAULT_CONTEXT_LENGTH

@@ -1,0 +1,139 @@
+"""The batch's KV layout: one preallocated slot per decoding row, for models of plain KVCache layers.
+
+Each layer keeps one key and one value buffer of shape (slots, kv_heads, capacity, head_dim). A
+request joins by taking the lowest free slot and having its prompt's KV written there; it leaves by
+giving the slot back. Nothing of the other rows moves: a step writes each row's new key and value
+at that row's own position (one scatter per buffer) and attends over the first `rows` slots with a
+mask that hides what lies past each row's length (rows of free slots compute a throwaway token at
+position 0). Buffers grow (by doubling, up to the model's context) only when a request needs more
+room than any before it; that copy is the one time rows move. `SlotStepLayer` is what the model
+sees as a layer's cache during one decode step: mlx-lm's attention calls `update_and_fetch` and
+`make_mask`, and RoPE reads the per-row `offset` array. This module imports mlx; never trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["SlotPool", "SlotStepLayer"]
+
+_FIRST_CAPACITY = 256
+
+
+class SlotPool:
+    """Per-layer slot buffers and the free-slot list (device thread only)."""
+
+    def __init__(self, num_slots: int, num_layers: int, max_capacity: int) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.max_capacity = max_capacity
+        self.capacity = 0
+        self.keys: list[Any] = [None] * num_layers
+        self.values: list[Any] = [None] * num_layers
+        self._free = list(range(num_slots))
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """The lowest free slot (keeps the used range dense, so steps compute few idle rows)."""
+        self._free.sort()
+        return self._free.pop(0)
+
+    def give_back(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self._free.append(slot)
+
+    def rows(self, used: Sequence[int]) -> int:
+        """How many leading slots a step must cover to include every used one."""
+        return max(used) + 1 if used else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in (*self.keys, *self.values) if b is not None)
+
+    # -- contents ------------------------------------------------------------------------------
+
+    def reserve(self, tokens: int, like: Sequence[Any]) -> None:
+        """Make room for `tokens` positions per slot (buffers shaped after `like`'s KVCache layers)."""
+        if tokens > self.max_capacity:
+            raise ValueError(f"{tokens} positions exceed the slot capacity limit {self.max_capacity}")
+        if tokens <= self.capacity and self.keys[0] is not None:
+            return
+        capacity = max(self.capacity, _FIRST_CAPACITY)
+        while capacity < tokens:
+            capacity *= 2
+        capacity = min(capacity, self.max_capacity)
+        for index, layer in enumerate(like):
+            for buffers, sample in ((self.keys, layer.keys), (self.values, layer.values)):
+                _, heads, _, dim = sample.shape
+                old = buffers[index]
+                if old is None:
+                    buffers[index] = mx.zeros((self.num_slots, heads, capacity, dim), dtype=sample.dtype)
+                else:
+                    extra = mx.zeros((self.num_slots, heads, capacity - old.shape[2], dim), dtype=old.dtype)
+                    buffers[index] = mx.concatenate([old, extra], axis=2)
+        self.capacity = capacity
+
+    def write_prompt(self, slot: int, layers: Sequence[Any], tokens: int) -> None:
+        """Copy a request's KVCache layers (covering `tokens` positions) into its slot."""
+        self.reserve(tokens + 1, layers)
+        for index, layer in enumerate(layers):
+            self.keys[index][slot : slot + 1, :, :tokens, :] = layer.keys[..., :tokens, :]
+            self.values[index][slot : slot + 1, :, :tokens, :] = layer.values[..., :tokens, :]
+
+    def step_layers(self, offsets: Sequence[int]) -> list[SlotStepLayer]:
+        """The caches one decode step hands the model: row i is slot i, writing at offsets[i]."""
+        rows = len(offsets)
+        length = max(offsets) + 1
+        positions = mx.array(list(offsets), dtype=mx.int32)
+        # Row i may see positions 0..offsets[i] (its history and the token it adds now).
+        mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+        row_index = mx.arange(rows)[:, None]
+        head_index: dict[int, Any] = {}
+        layers = []
+        for index in range(self.num_layers):
+            heads = self.keys[index].shape[1]
+            if heads not in head_index:
+                head_index[heads] = mx.arange(heads)[None, :]
+            layers.append(SlotStepLayer(self, index, positions, row_index, head_index[heads], mask, length))
+        return layers
+
+
+class SlotStepLayer:
+    """One layer's cache as the model sees it during one decode step over the pool's first rows."""
+
+    def __init__(self, pool: SlotPool, index: int, positions: Any, row_index: Any, head_index: Any,
+                 mask: Any, length: int) -> None:
+        self._pool = pool
+        self._index = index
+        self.offset = positions  # per-row RoPE offsets (mx.fast.rope takes an array)
+        self._rows = row_index
+        self._heads = head_index
+        self._mask = mask
+        self._length = length
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        pool, i = self._pool, self._index
+        rows = keys.shape[0]
+        where = (self._rows, self._heads, self.offset[:, None])
+        # Rebinding the pool's buffer before evaluation lets MLX update it in place.
+        k = pool.keys[i]
+        k[where] = keys[:, :, 0, :]
+        pool.keys[i] = k
+        v = pool.values[i]
+        v[where] = values[:, :, 0, :]
+        pool.values[i] = v
+        return k[:rows, :, : self._length, :], v[:rows, :, : self._length, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if n != 1 or window_size is not None:
+            raise ValueError("a slot step decodes one token per row, without a window")
+        return self._mask

@@ -1,0 +1,128 @@
+"""The engine's scheduling policy: what one device step computes, as a pure function.
+
+Every step of an engine node runs all of its decoding rows (one token each) and, with what is
+left of a per-step token budget, the next prefill chunks of waiting prompts, oldest first
+(FCFS). A prompt is cut into fixed chunks once, when it arrives (`prefill_chunks`: generate_step's
+order, so the computation is the same whatever the load), and a step takes whole chunks: a long
+prompt advances a few chunks per step while the rows already decoding keep streaming, so no
+stream waits longer than one step's budget. `padding_groups` decides which short prompts share
+one padded model call. The engine (`adapters.mlx`) performs the plan; nothing here touches a
+device. This module must never import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "PrefillWork",
+    "StepBudget",
+    "StepPlan",
+    "WaitingPrefill",
+    "padding_groups",
+    "plan_step",
+    "prefill_chunks",
+]
+
+
+def prefill_chunks(prompt_tokens: int, chunk_size: int) -> tuple[int, ...]:
+    """The token counts of a prompt's prefill calls, in order: prompt[:-1] in chunks of at most
+    `chunk_size`, then the last prompt token alone (its logits give the first token)."""
+    if prompt_tokens < 1 or chunk_size < 1:
+        raise ValueError("a prompt has at least one token and a chunk at least one")
+    head = prompt_tokens - 1
+    full, rest = divmod(head, chunk_size)
+    return (chunk_size,) * full + ((rest,) if rest else ()) + (1,)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    """How much one step may compute.
+
+    `tokens` bounds decode rows plus prefill tokens; `prefill_rows` bounds how many prompts
+    advance in one step (each is at least one model call). The engine guarantees `tokens` >= its
+    largest decode batch + its chunk size, so the oldest waiting prompt always advances.
+    """
+
+    tokens: int
+    prefill_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingPrefill:
+    """A prompt with prefill work left: `order` is its arrival number (FCFS)."""
+
+    request_id: str
+    order: int
+    chunks_left: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """Run the next `chunks` chunks of one prompt this step (`tokens` tokens in all)."""
+
+    request_id: str
+    chunks: int
+    tokens: int
+    finishes: bool  # its last chunk runs: the first token is sampled this step
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    decode_rows: int
+    prefills: tuple[PrefillWork, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + sum(work.tokens for work in self.prefills)
+
+
+def plan_step(decode_rows: int, waiting: Sequence[WaitingPrefill], budget: StepBudget) -> StepPlan:
+    """Every decode row, then whole chunks of the oldest prompts while the budget lasts.
+
+    A prompt whose next chunk does not fit is passed over (a smaller, later one may fit), but it
+    keeps its place: the oldest prompt is always first in line, so none starves. The plan never
+    exceeds `budget.tokens`; decode rows alone may (they are never made to wait), which the
+    engine prevents by sizing the budget above its batch.
+    """
+    if decode_rows < 0:
+        raise ValueError("decode_rows must be >= 0")
+    left = budget.tokens - decode_rows
+    chosen: list[PrefillWork] = []
+    for prompt in sorted(waiting, key=lambda w: w.order):
+        if len(chosen) >= budget.prefill_rows or left <= 0:
+            break
+        taken = tokens = 0
+        for size in prompt.chunks_left:
+            if tokens + size > left:
+                break
+            taken += 1
+            tokens += size
+        if taken:
+            chosen.append(PrefillWork(prompt.request_id, taken, tokens, taken == len(prompt.chunks_left)))
+            left -= tokens
+    return StepPlan(decode_rows, tuple(chosen))
+
+
+def padding_groups(lengths: Sequence[int], max_waste: float, max_rows: int) -> list[list[int]]:
+    """Group indices of `lengths` into padded batches: each group is padded to its longest
+    member, and a group's padding stays within `max_waste` of its real tokens. Shortest first;
+    every index lands in exactly one group of at most `max_rows`."""
+    if not max_waste >= 0.0 or max_rows < 1:
+        raise ValueError("max_waste must be >= 0 and max_rows >= 1")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for index in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        size = lengths[index]
+        # Sorted ascending: the newcomer is the group's longest, so padding = its length * rows - real.
+        padded = size * (len(current) + 1)
+        if current and (len(current) >= max_rows or padded - (real + size) > max_waste * (real + size)):
+            groups.append(current)
+            current, real = [], 0
+        current.append(index)
+        real += size
+    if current:
+        groups.append(current)
+    return groups
