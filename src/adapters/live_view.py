@@ -197,11 +197,11 @@ class LiveView:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._close_when_stopped)
             task_status.started()
-            before, then = read_totals(self.registry, self.role), time.monotonic()
+            before, then = read_totals(self.registry, self.role), trio.current_time()
             seq = 0
             while True:
                 await trio.sleep(self.sample_interval_s)
-                after, now = read_totals(self.registry, self.role), time.monotonic()
+                after, now = read_totals(self.registry, self.role), trio.current_time()
                 seq += 1
                 self.samples.append(sample_between(seq, time.time(), before, after, now - then))
                 before, then = after, now
