@@ -160,6 +160,6 @@ def test_live_view_follows_a_request_through_every_node(cluster: dict[str, Node]
             started = time.monotonic()
             assert decode.stop() == 0
             assert time.monotonic() - started < 4.5  # hypercorn's graceful wait is 5 s
-            expect(pages["decode"].locator("#status")).not_to_have_text("live", timeout=POLL_MS)
+            expect(pages["decode"].locator("#status")).to_have_text("node stopped", timeout=POLL_MS)
         finally:
             browser.close()

@@ -13,6 +13,7 @@
   const view = {
     role: "",
     boot: "",
+    closing: false,
     requestMachine: "",
     phases: new Map(),   // "machine/phase" -> <g>
     edges: new Map(),    // "machine/source>target" -> <g>
@@ -235,7 +236,10 @@
     showTransitions(doc.transitions);
     showSamples(doc.samples);
     showPeers(doc.peers);
-    if (doc.closing) setStatus("node stopping", "down");
+    if (doc.closing) {  // the node's loop has stopped; the stream ends after this message
+      view.closing = true;
+      setStatus("node stopping", "down");
+    }
   }
 
   function setStatus(words, kind) {
@@ -254,8 +258,9 @@
     for (const machine of graph.machines) drawMachine(machine, container);
     if (graph.role === "router") noteRouterKv();
     const events = new EventSource("/ui/events");
-    events.onopen = () => setStatus("live", "live");
-    events.onerror = () => setStatus("reconnecting", "down");
+    events.onopen = () => { view.closing = false; setStatus("live", "live"); };
+    // the browser retries by itself; a node that comes back is followed again
+    events.onerror = () => setStatus(view.closing ? "node stopped" : "reconnecting", "down");
     events.onmessage = message => apply(JSON.parse(message.data));
   }
 
