@@ -20,6 +20,7 @@ or `effects` imports it.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections import deque
@@ -43,6 +44,8 @@ from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
 from statecore.phases import PeerPhase
 from statecore.table import PEER_HEALTH, SERVING_LOOP
+
+log = logging.getLogger("statecore.live_view")
 
 TRANSITIONS_KEPT = 200  # what a newly opened page can scroll back through
 SAMPLES_KEPT = 120  # two minutes of sparkline at one sample a second
@@ -201,7 +204,11 @@ class LiveView:
             seq = 0
             while True:
                 await trio.sleep(self.sample_interval_s)
-                after, now = read_totals(self.registry, self.role), trio.current_time()
+                try:
+                    after, now = read_totals(self.registry, self.role), trio.current_time()
+                except Exception:  # a broken collector costs the sparklines a point, never the node
+                    log.exception("live view: reading the metrics failed")
+                    continue
                 seq += 1
                 self.samples.append(sample_between(seq, time.time(), before, after, now - then))
                 before, then = after, now

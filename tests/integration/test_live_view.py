@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import Metric
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
@@ -141,3 +142,29 @@ def test_static_files_and_graph_are_served_from_the_node_alone() -> None:
     assert graph["request_machine"] == "request_decode"
     assert [m["name"] for m in graph["machines"]] == ["request_decode", "role_loop"]
     assert client.get("/ui/nothing").status_code == 404
+
+
+class _FailsOnce:
+    """A collector that raises on its first scrape only."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def collect(self) -> list[Metric]:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a broken collector")
+        return []
+
+
+async def test_a_failing_metrics_read_costs_a_point_not_the_node(
+        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+    node = Node()
+    await nursery.start(node.runner.run)
+    broken = _FailsOnce()
+    await nursery.start(node.live.run)  # its first reading, at start, works
+    node.metrics.registry.register(broken)
+    await _wait_for(lambda: node.live.samples, "a sample after the failed reading")
+    assert broken.failed
+    assert node.live.samples[0].seq == 1
+    await node.generate("after")  # the node still serves
