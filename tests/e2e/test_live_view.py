@@ -1,6 +1,6 @@
 """The live view at `/ui`, in a real headless Chromium (Debian's `chromium`, driven by
-Playwright through `executable_path`): on a router + prefill + decode cluster, each node's
-page draws its machines, follows a request whose prefill is held for a moment (fault
+Playwright through `executable_path`): on a router + prefill + decode cluster and a single
+node, each node's page draws its machines, follows a request whose prefill is held for a moment (fault
 injection's `slow`) through its phases, shows the router's peers and each node's rates, and
 an open page does not hold a node's drain. Every wait is Playwright's polling `expect` or
 `wait_for_function`, never a fixed sleep.
@@ -63,9 +63,10 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[st
     prefill = Node("prefill", ["--model", str(model), "--inject-fault", f"prefill:slow={SLOW_PREFILL_S}"],
                    tmp_path / "prefill.log")
     decode = Node("decode", ["--model", str(model)], tmp_path / "decode.log")
-    nodes = {"prefill": prefill, "decode": decode}
+    single = Node("single", ["--model", str(model)], tmp_path / "single.log")
+    nodes = {"prefill": prefill, "decode": decode, "single": single}
     try:
-        start_nodes([prefill, decode])
+        start_nodes([prefill, decode, single])
         nodes["router"] = router(model, tmp_path / "router.log", [prefill], [decode],
                                  "--force-disaggregation")
         start_nodes([nodes["router"]])
@@ -104,13 +105,18 @@ def test_live_view_follows_a_request_through_every_node(cluster: dict[str, Node]
         browser = playwright.chromium.launch(executable_path=_chromium())
         try:
             pages: dict[str, Page] = {}
-            for role, node in (("router", front), ("prefill", prefill), ("decode", decode)):
+            for role, node in (("router", front), ("prefill", prefill), ("decode", decode),
+                               ("single", cluster["single"])):
                 page = browser.new_page(viewport={"width": 1360, "height": 820})
                 page.goto(f"{node.url}/ui")
                 expect(page.locator("#status")).to_have_text("live", timeout=POLL_MS)
                 expect(page.locator("#role")).to_have_text(role)
                 pages[role] = page
             router_page = pages["router"]
+            # a single node draws the request machine it runs (the decode node's), and no peers
+            expect(pages["single"].locator('[data-machine="request_decode"][data-phase="prefilling_locally"]')
+                   ).to_have_attribute("data-count", "0")
+            expect(pages["single"].locator("#peers")).to_be_hidden()
             # the router's peers: both up, in the table and counted in the peer machine
             expect(router_page.locator("#peers td.phase-up")).to_have_count(2, timeout=POLL_MS)
             expect(router_page.locator('[data-machine="peer_health"][data-phase="up"]')).to_have_attribute(
