@@ -36,7 +36,7 @@ from tests.e2e.harness import ROOT, Node, router, start_nodes
 pytestmark = pytest.mark.e2e
 
 SLOW_PREFILL_S = 2.0  # long enough for a page to see the request sitting in its prefill phases
-WARM_UP_REQUESTS = 6  # traffic before the watched request, so the sparklines have a shape
+WARM_UP_REQUESTS = 4  # traffic before the watched request, so the sparklines have a shape
 POLL_MS = 20_000
 SCREENSHOT = ROOT / "docs" / "img" / "live-view.png"
 

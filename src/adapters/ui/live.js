@@ -215,12 +215,13 @@
       const chart = box.querySelector("svg");
       chart.setAttribute("viewBox", `0 0 ${SAMPLES_SHOWN} 36`);
       chart.setAttribute("preserveAspectRatio", "none");
+      // one bar per second, newest on the right: a lone second of traffic still shows
       const top = Math.max(...known, 1e-9);
       const offset = SAMPLES_SHOWN - values.length;
-      const points = values.map((v, i) => v === null || v === undefined ? null
-        : `${offset + i},${(34 - (v / top) * 32).toFixed(1)}`).filter(p => p !== null);
-      let line = chart.querySelector("polyline") || svg("polyline", {}, chart);
-      line.setAttribute("points", points.join(" "));
+      const bars = values.map((v, i) => v === null || v === undefined || v <= 0 ? ""
+        : `M ${offset + i + 0.5} 36 V ${(35 - (v / top) * 33).toFixed(1)}`).join(" ");
+      const path = chart.querySelector("path") || svg("path", {}, chart);
+      path.setAttribute("d", bars);
     }
   }
 
