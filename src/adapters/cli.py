@@ -25,11 +25,19 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="cluster",
         help="what this process is (default: a local router+prefill+decode cluster)",
     )
-    run.add_argument("--model", type=Path, default=None, help="model directory (mlx-lm layout)")
-    run.add_argument("--host", default="127.0.0.1")
-    run.add_argument("--port", type=int, default=8000)
-    run.add_argument("--prefill", action="append", default=[], metavar="URL")
-    run.add_argument("--decode", action="append", default=[], metavar="URL")
+    run.add_argument("--model", type=Path, default=None, metavar="DIR|REPO",
+                     help="a model directory (mlx-lm layout) or a Hugging Face repo id such as "
+                          "mlx-community/Qwen3-0.6B-4bit (taken from the Hugging Face cache, else "
+                          "downloaded, as mlx-lm does); default: the embedded demo model")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; a local cluster's router)")
+    run.add_argument("--port", type=int, default=8000,
+                     help="port to listen on (default 8000; a local cluster's router, its nodes "
+                          "take free ports)")
+    run.add_argument("--prefill", action="append", default=[], metavar="URL",
+                     help="router: a prefill node's URL; repeat for several (at least one)")
+    run.add_argument("--decode", action="append", default=[], metavar="URL",
+                     help="router: a decode node's URL; repeat for several (at least one)")
     run.add_argument(
         "--trust-remote-code",
         action="store_true",

@@ -175,27 +175,29 @@ class Metrics:
         terminal = {phase.value for phase in runner.machine.terminal}
         initial = runner.machine.initial.value
 
-        def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
+        def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
+                          outcome: str | None) -> None:
             if previous is not None:
-                previous(rid, old, new, event, error)
-            _safely("transition", lambda: self._transition(rid, old, new, event, error, initial, terminal))
+                previous(rid, old, new, event, error, outcome)
+            _safely("transition",
+                    lambda: self._transition(rid, old, new, outcome, error, initial, terminal))
 
         runner.on_transition = on_transition
         self.registry.register(_LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes))
 
     # -- observations ------------------------------------------------------------------------
 
-    def _transition(self, rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
-                    initial: str, terminal: set[str]) -> None:
+    def _transition(self, rid: RequestId, old: str, new: str, outcome: str | None,
+                    error: ErrorInfo | None, initial: str, terminal: set[str]) -> None:
         if old == initial and not self.front_end:
             self._timings.setdefault(rid, _Timing(time.monotonic()))
         if new not in terminal:
             return
-        self.requests.labels(self.role, new, error.code.value if error else event).inc()
-        if error is not None and error.code is Code.LEASE_EXPIRED:
+        self.requests.labels(self.role, new, outcome or "unknown").inc()
+        if new == "failed" and error is not None and error.code is Code.LEASE_EXPIRED:
             self.lease_expired.inc()
         timing = self._timings.pop(rid, None)
-        if timing is not None and event != "client_cancelled":
+        if timing is not None and new != "cancelled":
             self.e2e.observe(time.monotonic() - timing.start)
 
     def rejected(self, error: ErrorInfo) -> None:

@@ -2,11 +2,12 @@
 
 Prefill node: `POST /internal/prefill` (prefill, answer the first token, hold the KV under a
 lease), `GET /internal/kv/{id}` (the held KV in the wire format), `DELETE /internal/kv/{id}`
-(taken: release it), `POST /internal/cancel/{id}`. Decode node: `POST /internal/decode`
-(pull the KV from a prefill node, or prefill locally, then stream NDJSON lines of token ids),
-`POST /internal/cancel/{id}?stopped=1|0`. Every node: `GET /internal/info` (the model's
-fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts for leak
-checks), `GET /internal/handoffs` (the recent KV handoffs' bytes and timings). When a shared
+(taken: release it). Decode node: `POST /internal/decode` (pull the KV from a prefill node,
+or prefill locally, then stream NDJSON lines of token ids). Both: `POST /internal/cancel/{id}`,
+with `?finished=stop|length` when the router's request ended normally (the node's part then
+ends as done with that reason), without it a cancellation. Every node: `GET /internal/info`
+(the model's fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts
+for leak checks), `GET /internal/handoffs` (the recent KV handoffs' bytes and timings). When a shared
 token is configured, internal endpoints require it in the `X-Statecore-Token` header. Every
 request goes through the node's `NodeRunner`, so its life is the core's state machine. This
 module may import anything.
@@ -66,6 +67,7 @@ log = logging.getLogger("statecore.node_api")
 
 Handler = Callable[[Request], Awaitable[Response]]
 KV_SEND_TIMEOUT_S = 60.0
+FINISH_REASONS = frozenset({"stop", "length"})
 MAX_INTERNAL_BODY = 64 << 20
 
 
@@ -160,8 +162,10 @@ class NodeApi:
         token: str | None = None,
         max_live: int = 256,
         kv_buffer_bytes: Callable[[], int] = lambda: 0,
+        warnings: list[str] | None = None,
     ) -> None:
         self.role = role
+        self.warnings = warnings or []  # start-up warnings, repeated in /health
         self.kv_buffer_bytes = kv_buffer_bytes  # a decode node's kept receive buffers
         self.engine = engine
         self.runner = runner
@@ -188,9 +192,10 @@ class NodeApi:
         return [*common, Route("/internal/decode", guarded(g, self.decode), methods=["POST"])]
 
     async def health(self, request: Request) -> Response:
+        details = {"warnings": self.warnings} if self.warnings else {}
         if self.runner.ready() and self.engine.statistics().device_thread_alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "ok", **details})
+        return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:
         return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use()})
@@ -238,7 +243,8 @@ class NodeApi:
         try:
             reply = await generation.replies.receive()
         except trio.EndOfChannel:
-            reply = Reject(rid, ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill ended silently"))
+            # cancelled before its first token (a cancellation sends no rejection)
+            reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token):
                 is_eos = token in self.engine.info.eos_token_ids
@@ -303,8 +309,12 @@ class NodeApi:
 
     async def cancel(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])
-        stopped = request.query_params.get("stopped") == "1"
-        await self.runner.post(rid, StopMatched() if stopped else ClientCancelled())
+        finished = request.query_params.get("finished")
+        if finished is None and request.query_params.get("stopped") == "1":
+            finished = "stop"  # a router of an older version
+        if finished is not None and finished not in FINISH_REASONS:
+            raise StatecoreError(client_error(f"finished must be one of {sorted(FINISH_REASONS)}"))
+        await self.runner.post(rid, StopMatched(finished) if finished else ClientCancelled())
         return JSONResponse({"cancelled": rid})
 
     async def decode(self, request: Request) -> Response:

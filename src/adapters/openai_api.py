@@ -404,6 +404,7 @@ class Frontend:
         self.created = int(time.time())
         self._tokenizing = trio.CapacityLimiter(1)
         self.faults = Faults.none()  # tests only: see effects.faults
+        self.warnings: list[str] = []  # start-up warnings, repeated in /health
 
     @classmethod
     def load(
@@ -427,9 +428,10 @@ class Frontend:
     # -- endpoints ---------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        details = {"warnings": self.warnings} if self.warnings else {}
         if self.backend.ready():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "ok", **details})
+        return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "statecore"}

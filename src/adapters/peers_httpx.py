@@ -195,11 +195,13 @@ class HttpxPeers:
             if response.status_code not in (200, 404):
                 await _raise_for_error(node, response)
 
-    async def cancel(self, node: str, request_id: RequestId, *, stopped: bool) -> None:
+    async def cancel(self, node: str, request_id: RequestId, *, finish_reason: str | None = None) -> None:
+        # `stopped` too, for a node of an older version during a rolling upgrade
+        params = {"stopped": "1" if finish_reason == "stop" else "0"}
+        if finish_reason is not None:
+            params["finished"] = finish_reason
         with transport_errors(node):
-            await self.client.post(
-                f"{node}/internal/cancel/{request_id}", params={"stopped": "1" if stopped else "0"}
-            )
+            await self.client.post(f"{node}/internal/cancel/{request_id}", params=params)
 
     async def health(self, node: str) -> bool:
         try:

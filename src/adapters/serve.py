@@ -14,6 +14,7 @@ between the choice and the child's bind. This module may import anything.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import math
@@ -36,10 +37,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from adapters.blas import apply_blas_choice
-from adapters.internal_wire import info_from_json, info_json
+from adapters.blas import apply_blas_choice, blas_in_use
+from adapters.internal_wire import TOKEN_HEADER, info_from_json, info_json
 from adapters.live_view import LiveView
 from adapters.metrics import Metrics
+from adapters.model_source import ModelNotFound, resolve_model
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
 from adapters.peers_httpx import DEFAULT_KV_BUFFER_BYTES, HttpxPeers
@@ -116,10 +118,33 @@ def _seconds(*, zero_allowed: bool) -> Callable[[str], float]:
     return parse
 
 
+LOCAL_PREFILL_BELOW_MAX = 1000
+
+
+def local_prefill_below(chosen: int | None, context_length: int) -> int:
+    """The router's threshold: prompts shorter than this prefill on the decode node itself.
+
+    By default an eighth of the model's context, at most 1000 tokens: a fixed 1000 meant a model
+    with a short context (the demo model's is 512) never used its prefill node at all."""
+    if chosen is not None:
+        return chosen
+    return min(LOCAL_PREFILL_BELOW_MAX, context_length // 8)
+
+
+def handoff_rule(threshold: int) -> str:
+    """Which prompts go through a prefill node, in words (start-up lines)."""
+    if threshold <= 0:
+        return "every prompt prefills on a prefill node and hands its KV cache to a decode node"
+    return (f"prompts of {threshold} tokens or more prefill on a prefill node and hand their KV "
+            f"cache to a decode node; shorter ones prefill on the decode node")
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
-    run.add_argument("--local-prefill-below", type=_whole(0), default=1000, metavar="TOKENS",
-                     help="router: prompts shorter than this prefill on the decode node (default 1000)")
+    run.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
+                     help="router: prompts shorter than this prefill on the decode node, longer ones "
+                          "on a prefill node with a KV handoff (default: the model's context / 8, "
+                          f"at most {LOCAL_PREFILL_BELOW_MAX})")
     run.add_argument("--force-disaggregation", action="store_true",
                      help="router: send every request through a prefill node")
     run.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
@@ -178,11 +203,15 @@ def setup_logging(args: argparse.Namespace, role: str) -> None:
 
 
 def log_transitions(runner: NodeRunner[Any], role: str) -> None:
-    def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
-        reason = f" reason={error.code.value}: {error.message}" if error else ""
+    def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
+                      outcome: str | None) -> None:
+        # a failure names its code and message; any other end its reason (stop, length, ...)
+        failed = error is not None and outcome == error.code.value
+        said = (f" reason={outcome}: {error.message}" if failed and error else
+                f" reason={outcome}" if outcome else "")
         fields = {"request_id": rid, "role": role, "from": old, "to": new, "event": event,
-                  "reason": error.code.value if error else None}
-        log.info("request %s %s -> %s on %s%s", rid, old, new, event, reason, extra={"fields": fields})
+                  "reason": outcome}
+        log.info("request %s %s -> %s on %s%s", rid, old, new, event, said, extra={"fields": fields})
 
     runner.on_transition = on_transition
 
@@ -191,11 +220,56 @@ def _timeouts(args: argparse.Namespace) -> Timeouts:
     return Timeouts(deadline_s=args.request_deadline, kv_lease_s=args.kv_lease, drain_s=args.drain_timeout)
 
 
+LOCAL_CLUSTER_PARENT_ENV = "STATECORE_LOCAL_CLUSTER_PARENT"
+"""Set by a local cluster for its children: the parent's pid. A child drains when its parent is
+gone, and leaves the stop's story to the parent's one line (its own drain lines are DEBUG)."""
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_signals_seen: list[int] = []
+
+
+def _note_stop_signal(signum: int, frame: object) -> None:
+    _signals_seen.append(signum)
+
+
+def hold_stop_signals() -> None:
+    """From the start of a node's process to its end, SIGTERM and SIGINT are noted instead of
+    ending it: trio's receiver only listens while the node serves, and outside that window the
+    default actions would end a node that is still loading, or one that has drained already,
+    with -15 or a KeyboardInterrupt traceback (a terminal's Ctrl-C and a launcher's SIGTERM
+    can both arrive). A signal noted while loading drains the node as soon as it serves."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _note_stop_signal)
+
+
+def _cluster_parent() -> int | None:
+    raw = os.environ.get(LOCAL_CLUSTER_PARENT_ENV, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def _stop_log_level() -> int:
+    """A local cluster's parent reports the stop in one line; its children keep theirs quiet."""
+    return logging.DEBUG if _cluster_parent() is not None else logging.INFO
+
+
 async def _watch_signals(runner: NodeRunner[Any]) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s: draining", signal.Signals(signum).name)
+    with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+        if _signals_seen:  # arrived while the node was loading
+            log.log(_stop_log_level(), "received %s while starting: draining",
+                    signal.Signals(_signals_seen[0]).name)
             await runner.post_loop(DrainRequested())
+        async for signum in signals:
+            log.log(_stop_log_level(), "received %s: draining", signal.Signals(signum).name)
+            await runner.post_loop(DrainRequested())
+
+
+async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
+    """A local cluster's child drains when its parent is gone (killed without a chance to stop
+    its children): the children live in their own process group, so nothing else would stop them."""
+    while os.getppid() == parent:
+        await trio.sleep(0.5)
+    log.warning("the local cluster's parent process is gone: draining")
+    await runner.post_loop(DrainRequested())
 
 
 async def _watch_device(runner: NodeRunner[Any], alive: Callable[[], bool]) -> None:
@@ -205,14 +279,60 @@ async def _watch_device(runner: NodeRunner[Any], alive: Callable[[], bool]) -> N
     await runner.post_loop(TransportLost("MLX device thread died"))
 
 
+def hypercorn_config(listener: socket.socket) -> Config:
+    """hypercorn's settings for serving on `listener` (which it owns from here on)."""
+    config = Config()
+    config.bind = [f"fd://{listener.detach()}"]
+    config.accesslog = None
+    # A logger object, not hypercorn's default "-": that one gets a stderr handler of its own
+    # and also propagates to ours, so every line ("Running on ...") came out twice.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 5.0
+    return config
+
+
 async def _serve(app: Starlette, listener: socket.socket, runner: NodeRunner[Any],
                  nursery: trio.Nursery) -> None:
-    config = Config()
-    config.bind = [f"fd://{listener.detach()}"]  # hypercorn owns the descriptor from here
-    config.accesslog = None
-    config.graceful_timeout = 5.0
+    config = hypercorn_config(listener)
     nursery.start_soon(_watch_signals, runner)
+    parent = _cluster_parent()
+    if parent is not None:
+        nursery.start_soon(_watch_parent, runner, parent)
     await serve(app, config, shutdown_trigger=runner.wait_stopped)  # type: ignore[arg-type]
+
+
+def exposure_warning(listener: socket.socket, token: str | None, role: str) -> str | None:
+    """Why this node's internal endpoints are open to more than this host, or None: they are
+    bound beyond loopback and no --internal-token guards them."""
+    if token:
+        return None
+    host = str(listener.getsockname()[0])
+    try:
+        if ipaddress.ip_address(host.split("%")[0]).is_loopback:
+            return None
+    except ValueError:
+        pass
+    what = ("live request counts (/internal/stats)" if role == "router" else
+            "held KV caches and can start work past the router's admission (/internal/...)")
+    return (f"internal endpoints are open on {host} without a token: anyone who reaches this port "
+            f"can read {what}; set the same --internal-token (or {INTERNAL_TOKEN_ENV}) on every "
+            "node and the router, or bind to 127.0.0.1")
+
+
+def _blas_words(blas: str) -> str:
+    """What MLX computes with, for the start-up lines."""
+    return {"openblas": "the system OpenBLAS", "bundled": "MLX's bundled reference BLAS (slow; "
+            "apt-get install libopenblas0 for ~10x faster prefill)", "accelerate": "Accelerate",
+            "gpu": "the GPU", "n/a": "the GPU"}.get(blas, blas)
+
+
+def _warn_if_exposed(listener: socket.socket, token: str | None, role: str) -> list[str]:
+    """The start-up warnings that /health repeats in its details."""
+    warning = exposure_warning(listener, token, role)
+    if warning is None:
+        return []
+    log.warning("%s", warning)
+    return [warning]
 
 
 def _stats_route(token: str | None, stats: Any) -> BaseRoute:
@@ -256,12 +376,15 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
     metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes)
     live = LiveView(role, runner, metrics.registry)
+    warnings = _warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
-                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0))
+                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings)
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
-                                                                      max_live=args.max_in_flight)))
+                                                                      max_live=args.max_in_flight)),
+                                 model_name=getattr(args, "served_model_name", None))
         frontend.faults = faults
+        frontend.warnings = warnings
         app = build_app(frontend, extra_routes=[*api.routes(), metrics.route(), *live.routes()])
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
@@ -272,7 +395,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
             await nursery.start(runner.run)
             await nursery.start(live.run)
             nursery.start_soon(_watch_device, runner, lambda: engine.statistics().device_thread_alive)
-            log.info("%s node serving on %s", role, listener_url(listener))
+            log.info("%s node serving on %s (MLX computes with: %s)", role, listener_url(listener),
+                     _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery)
             nursery.cancel_scope.cancel()
         lost = not engine.statistics().device_thread_alive  # before aclose stops the thread
@@ -284,7 +408,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         log.error("exiting with %d: the loop's transport (the MLX device thread) was lost",
                   EXIT_TRANSPORT_LOST)
         return EXIT_TRANSPORT_LOST
-    log.info("drained; exiting 0")
+    log.log(_stop_log_level(), "drained; exiting 0")
     return 0
 
 
@@ -344,19 +468,22 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
-    threshold = 0 if args.force_disaggregation else args.local_prefill_below
+    threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
+                                                                       info.context_length)
     faults = Faults.parse(args.inject_fault, args.fault_marker)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
-    frontend = Frontend.load(model, metrics.backend(backend))
+    frontend = Frontend.load(model, metrics.backend(backend),
+                             model_name=getattr(args, "served_model_name", None))
     frontend.faults = faults
+    frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
 
     def stats() -> dict[str, object]:
         s = runner.statistics()
         return {"role": "router", "loop_phase": s.phase.value, "live_requests": s.live_requests,
                 "live_tasks": s.live_tasks, "contexts": len(performer.requests), "outcomes": s.outcomes,
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
-                "model": info_json(info)["name"]}
+                "model": info_json(info)["name"], "local_prefill_below": threshold}
 
     app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats), metrics.route(),
                                             *live.routes()])
@@ -365,8 +492,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
             await nursery.start(peer_set.run)
             await nursery.start(runner.run)
             await nursery.start(live.run)
-            log.info("router serving on %s (prefill %s, decode %s)", listener_url(listener),
-                     prefill, decode)
+            log.info("router serving on %s (prefill %s, decode %s): %s", listener_url(listener),
+                     prefill, decode, handoff_rule(threshold))
             await _serve(app, listener, runner, nursery)
             nursery.cancel_scope.cancel()
     finally:
@@ -473,9 +600,44 @@ def _forwarded_serving_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+HANDOFF_PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an "
+                  "old king with three daughters. One winter the king fell ill, and a wise woman "
+                  "told him that only water from the well at the end of the world could heal him. "
+                  "Tell me what happened to each daughter on the road.")
+"""The prompt the start-up banner (and the README) suggests: long enough for the demo model's
+router to send it through the prefill node."""
+
+
+def _router_threshold(router: str, token: str | None) -> int | None:
+    """The running router's local-prefill threshold (its /internal/stats), for the banner."""
+    headers = {TOKEN_HEADER: token} if token else {}
+    try:
+        value = httpx.get(f"{router}/internal/stats", headers=headers, timeout=5.0).json()
+        threshold = value.get("local_prefill_below")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return threshold if isinstance(threshold, int) else None
+
+
+def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None, blas: str) -> str:
+    body = json.dumps({"model": model, "max_tokens": 64,
+                       "messages": [{"role": "user", "content": HANDOFF_PROMPT}]})
+    rule = "" if threshold is None else f"Routing: {handoff_rule(threshold)}.\n"
+    rule += f"MLX computes with {_blas_words(blas)}.\n"
+    return (f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
+            f"decode {urls['decode']})\n{rule}\nTry (a prompt long enough to go through the "
+            f"prefill node):\n  curl -s {router}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' \\\n    -d '{body}'\n\nCtrl-C stops every node.")
+
+
 def run_cluster(args: argparse.Namespace) -> int:
-    """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all."""
-    model = str(args.model or demo_model_dir())
+    """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all.
+
+    The children run in their own process group, so a terminal's Ctrl-C (SIGINT to the whole
+    foreground group) reaches only this parent, which then stops each child with exactly one
+    SIGTERM: a child that got both signals used to be killed by the second one mid-drain. A child
+    whose parent disappears drains by itself (LOCAL_CLUSTER_PARENT_ENV)."""
+    model = str(getattr(args, "model_given", None) or args.model or demo_model_dir())
     # The parent resolves --blas once and hands the result to both engine nodes, so they cannot
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
@@ -486,7 +648,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     if args.trust_remote_code:
         common.append("--trust-remote-code")
     # the shared secret reaches the children through their environment, not their command lines
-    child_env = dict(os.environ)
+    child_env = {**os.environ, LOCAL_CLUSTER_PARENT_ENV: str(os.getpid())}
     if args.internal_token:
         child_env[INTERNAL_TOKEN_ENV] = args.internal_token
     sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
@@ -494,42 +656,46 @@ def run_cluster(args: argparse.Namespace) -> int:
     urls = {role: listener_url(sock) for role, sock in sockets.items()}
     base = [sys.executable, "-m", "adapters.cli", "run"]
     children: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = False
+    received: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        received.append(signum)
 
     def start(role: str, flags: list[str]) -> None:
         sock = sockets[role]
         children[role] = subprocess.Popen([*base, "--role", role, "--listen-fd", str(sock.fileno()), *flags],
-                                          pass_fds=(sock.fileno(),), env=child_env)
+                                          pass_fds=(sock.fileno(),), env=child_env, process_group=0)
         sock.close()  # the child holds it now
+
+    def wait_healthy_or_stop(role: str, timeout_s: float) -> bool:
+        """True once the child is healthy; False when a stop signal came first."""
+        deadline = time.monotonic() + timeout_s
+        while not received:
+            problem = wait_healthy(urls[role], children[role], min(1.0, deadline - time.monotonic()))
+            if problem is None:
+                return True
+            if children[role].poll() is not None or time.monotonic() >= deadline:
+                raise SystemExit(f"statecore: {problem}")
+        return False
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    exited: str | None = None
     try:
         for role in ("prefill", "decode"):
             start(role, common)
         print("statecore: starting prefill and decode nodes ...", flush=True)
-        for role in ("prefill", "decode"):
-            _wait_healthy(urls[role], children[role], 600)
-        start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
-                         *forwarded])
-        router = urls["router"]
-        _wait_healthy(router, children["router"], 120)
-        name = Path(model).name
-        print(f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
-              f"decode {urls['decode']})\n\nTry:\n  curl -s {router}/v1/chat/completions "
-              f"-H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{name}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"Tell me a story.\"}}], \"max_tokens\": 64}}'\n\n"
-              "Ctrl-C stops every node.", flush=True)
-        while not stopping:
+        if all(wait_healthy_or_stop(role, 600) for role in ("prefill", "decode")):
+            start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
+                             *forwarded])
+            if wait_healthy_or_stop("router", 120):
+                threshold = _router_threshold(urls["router"], args.internal_token)
+                served = getattr(args, "served_model_name", None) or Path(model).name
+                print(_banner(urls["router"], urls, served, threshold, blas), flush=True)
+        while not received and exited is None:
             for role, child in children.items():
                 if child.poll() is not None:
-                    print(f"statecore: the {role} node exited with {child.returncode}; stopping",
-                          flush=True)
-                    stopping = True
+                    exited = f"the {role} node exited with {child.returncode}"
             time.sleep(0.2)
     finally:
         for sock in sockets.values():
@@ -543,24 +709,43 @@ def run_cluster(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+    why = exited or f"stopped on {signal.Signals(received[0]).name}"
     failed = {role: child.returncode for role, child in children.items() if child.returncode != 0}
-    if failed:
-        print(f"statecore: nodes exited uncleanly: {failed}", flush=True)
+    if failed or exited:
+        print(f"statecore: {why}; nodes exited uncleanly: {failed}" if failed else
+              f"statecore: {why}; the others stopped cleanly", flush=True)
         return 1
-    print("statecore: every node stopped cleanly", flush=True)
+    print(f"statecore: {why}: every node drained and stopped cleanly", flush=True)
     return 0
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """`--model` as a directory (a Hugging Face repo id is fetched from the cache or the hub);
+    `args.model_given` keeps what the user typed (a local cluster passes it on to its children,
+    which find it in the cache), `args.served_model_name` the name clients use for it."""
+    args.model_given = args.model
+    args.served_model_name = None
+    if args.model is None:
+        return
+    try:
+        source = resolve_model(args.model)
+    except ModelNotFound as exc:
+        raise SystemExit(f"statecore: {exc}") from None
+    args.model = source.directory
+    args.served_model_name = source.served_name
 
 
 def run_command(args: argparse.Namespace) -> int:
     role = args.role
     setup_logging(args, role)
-    if args.model is not None and not Path(args.model).is_dir():
-        raise SystemExit(f"statecore: model directory {args.model} does not exist")
+    _resolve_model(args)
     if role == "cluster":
         return run_cluster(args)
     if role == "router":
+        hold_stop_signals()
         return trio.run(run_router, args, _listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
+    hold_stop_signals()
     return _exit_now(trio.run(run_engine_node, args, role, _listener_for(args)))
 
 

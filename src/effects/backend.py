@@ -40,12 +40,10 @@ class RunnerGeneration:
         runner: NodeRunner[Any],
         request_id: RequestId,
         replies: trio.MemoryReceiveChannel[Reply],
-        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
         self.request_id = request_id
         self.replies = replies
-        self.on_stop = on_stop
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         async with self.replies:
@@ -64,8 +62,6 @@ class RunnerGeneration:
         )
 
     async def stop(self) -> None:
-        if self.on_stop:
-            self.on_stop()
         await self.runner.post(self.request_id, StopMatched())
 
     async def cancel(self) -> None:
@@ -79,7 +75,7 @@ class RunnerBackend:
         self,
         runner: NodeRunner[Any],
         model_info: Callable[[], ModelInfo],
-        admit: Callable[[GenerationRequest], tuple[Event, Callable[[], None] | None]],
+        admit: Callable[[GenerationRequest], Event],
         *,
         max_live: int = 256,
         faults: Faults | None = None,
@@ -108,12 +104,12 @@ class RunnerBackend:
                           f"too many requests in flight (limit {self.max_live}); retry shortly")
             )
         await self.faults.at(Phase.INTAKE, request.request_id)
-        first_event, on_stop = self._admit(request)
+        first_event = self._admit(request)
         replies = await self.runner.open(
             request.request_id, request.sampling.max_tokens + _REPLY_SLACK
         )
         await self.runner.post(request.request_id, first_event)
-        return RunnerGeneration(self.runner, request.request_id, replies, on_stop)
+        return RunnerGeneration(self.runner, request.request_id, replies)
 
 
 def local_backend(
@@ -121,9 +117,9 @@ def local_backend(
 ) -> RunnerBackend:
     """A single node: every request prefills and decodes here."""
 
-    def admit(request: GenerationRequest) -> tuple[Event, Callable[[], None] | None]:
+    def admit(request: GenerationRequest) -> Event:
         performer.register(request.request_id, NodeRequest(request.prompt, request.sampling))
-        return PrefillLocally(), None
+        return PrefillLocally()
 
     return RunnerBackend(
         runner, lambda: performer.engine.info, admit, max_live=max_live, faults=performer.faults
@@ -143,18 +139,13 @@ def router_backend(
 
     A model whose cache cannot travel is refused at intake for every request that would
     need a handoff, with a typed error naming the class — never mid-stream."""
-    def admit(request: GenerationRequest) -> tuple[Event, Callable[[], None] | None]:
+    def admit(request: GenerationRequest) -> Event:
         info = model_info()
         local = len(request.prompt) < local_prefill_below
         if not local and not info.can_travel:
             raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
-        routed = RoutedRequest(request.prompt, request.sampling, local=local)
-        performer.register(request.request_id, routed)
-
-        def mark_stopped() -> None:
-            routed.stopped = True
-
-        return Admitted(len(request.prompt)), mark_stopped
+        performer.register(request.request_id, RoutedRequest(request.prompt, request.sampling, local=local))
+        return Admitted(len(request.prompt))
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 

@@ -187,11 +187,11 @@ class EnginePerformer:
                     ctx.prefill_url = None  # tell the owner once
             case StopDecoding():
                 await self.engine.cancel(rid)
-            case CancelRemote():
+            case CancelRemote(finish_reason=reason):
                 await self.engine.cancel(rid)
                 await self.engine.release_held(rid)
                 if ctx and ctx.prefill_url and self.peers:
-                    await self.peers.cancel(ctx.prefill_url, rid, stopped=False)
+                    await self.peers.cancel(ctx.prefill_url, rid, finish_reason=reason)
 
 
 @dataclass(slots=True)
@@ -205,7 +205,6 @@ class RoutedRequest:
     prefill_node: str | None = None
     decode_node: str | None = None
     attempts: int = 0
-    stopped: bool = False
     tried: set[str] = field(default_factory=set)
     # (node, the id this attempt used there): what the current attempt may hold remotely
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
@@ -282,12 +281,13 @@ class RouterPerformer:
             case FetchKv() | InstallKv() | SendKv():
                 raise _bug(f"{intent.kind.value} is not a router intent")
 
-    async def _cancel_remote(self, ctx: RoutedRequest) -> None:
-        """Tell every node the current attempt used to stop and free what it holds."""
+    async def _cancel_remote(self, ctx: RoutedRequest, finish_reason: str | None = None) -> None:
+        """Tell every node the current attempt used to stop and free what it holds (as a normal
+        end when the request ended normally here)."""
         held, ctx.remote = ctx.remote, []
         for node, node_rid in held:
             with trio.move_on_after(5), contextlib.suppress(StatecoreError):
-                await self.peers.cancel(node, node_rid, stopped=ctx.stopped)
+                await self.peers.cancel(node, node_rid, finish_reason=finish_reason)
 
     async def _start(self, rid: RequestId, ctx: RoutedRequest, post: Post) -> None:
         with trio.CancelScope(shield=True):
@@ -358,8 +358,8 @@ class RouterPerformer:
         if ctx is None:
             return
         match intent:
-            case CancelRemote():
-                await self._cancel_remote(ctx)
+            case CancelRemote(finish_reason=reason):
+                await self._cancel_remote(ctx, reason)
             case ReleaseKv() | StopDecoding():
                 pass
 

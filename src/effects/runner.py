@@ -46,12 +46,14 @@ from statecore.intents import (
 )
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
+from statecore.step import outcome_reason
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
 log = logging.getLogger("statecore.runner")
 
 Post = Callable[[Event], Awaitable[None]]
+TransitionHook = Callable[[RequestId, str, str, str, ErrorInfo | None, str | None], None]
 WorkIntent = StartPrefill | StartDecode | FetchKv | InstallKv | SendKv
 CleanupIntent = ReleaseKv | StopDecoding | CancelRemote
 Reply = RespondToken | Complete | Reject
@@ -121,7 +123,9 @@ class NodeRunner(Generic[P]):
         self._outcomes: Counter[str] = Counter()
         self._live_tasks = 0
         self._bugs = 0
-        self.on_transition: Callable[[RequestId, str, str, str, ErrorInfo | None], None] | None = None
+        # (request, from, to, event, error, outcome): `outcome` is set when `to` is terminal, in
+        # the same words on every node (statecore.step.outcome_reason)
+        self.on_transition: TransitionHook | None = None
 
     # -- the public face -------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ class NodeRunner(Generic[P]):
             )
         before = self._phases_touched_by(envelope)
         self.state, intents = loop_step(self.state, envelope)
-        self._log_moves(envelope, before, intents)
+        self._log_moves(envelope, before)
         cleanups: dict[RequestId, list[CleanupIntent]] = {}
         for intent in intents:
             if isinstance(intent, ReleaseKv | StopDecoding | CancelRemote):
@@ -224,20 +228,18 @@ class NodeRunner(Generic[P]):
             return {rid: rec.phase for rid, rec in self.state.live.items()}
         return {}
 
-    def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any], intents: list[Intent]) -> None:
+    def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any]) -> None:
         if not isinstance(envelope, ForRequest | ForLoop):
             return
         event = envelope.event
         for rid, old in before.items():
-            record = self.state.live.get(rid)
-            new = record.phase if record else self.state.settled.get(rid)
-            if new is None or new is old:
+            record = self.state.live.get(rid) or self.state.settled.get(rid)
+            if record is None or record.phase is old:
                 continue
-            # a terminal record has left `live`: its error is the one its rejection carries
-            error = record.error if record else next(
-                (i.error for i in intents if isinstance(i, Reject) and i.request_id == rid), None)
+            new = record.phase
+            outcome = outcome_reason(self.machine, record) if self.machine.is_terminal(new) else None
             if self.on_transition:
-                self.on_transition(rid, old.value, new.value, event.kind.value, error)
+                self.on_transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)
             if self.machine.is_terminal(new):
                 self._outcomes[new.value] += 1

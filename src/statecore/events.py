@@ -118,9 +118,12 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class StopMatched:
-    """The router found a stop string in the text; the nodes must stop."""
+    """The front end ended the request normally before the engine did (a stop string matched;
+    on a node: the router's request ended, e.g. at its first token); the nodes must stop.
+    `finish_reason` is how it ended: "stop" or "length"."""
 
     kind: ClassVar[EventKind] = EventKind.STOP_MATCHED
+    finish_reason: str = "stop"
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,10 +93,13 @@ class StopDecoding:
 
 @dataclass(frozen=True, slots=True)
 class CancelRemote:
-    """Tell the peers working on this request to stop and free what they hold."""
+    """Tell the peers working on this request to stop and free what they hold. `finish_reason`
+    is set when the request ended normally here ("stop", "length"): the peers then end it as
+    done with that reason, not as cancelled."""
 
     kind: ClassVar[IntentKind] = IntentKind.CANCEL_REMOTE
     request_id: RequestId
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

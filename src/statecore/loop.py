@@ -58,7 +58,7 @@ class LoopState(Generic[P]):
     live: Mapping[RequestId, RequestRecord[P]] = field(default_factory=dict)
     # Only the requests that reached a terminal phase in the last step: the host counts them.
     # Keeping every outcome ever would make each step copy a map that grows without bound.
-    settled: Mapping[RequestId, P] = field(default_factory=dict)
+    settled: Mapping[RequestId, RequestRecord[P]] = field(default_factory=dict)
 
     @property
     def stopped(self) -> bool:
@@ -84,7 +84,7 @@ def _settle(state: LoopState[P], record: RequestRecord[P]) -> LoopState[P]:
     live = dict(state.live)
     if state.machine.is_terminal(record.phase):
         live.pop(record.request_id, None)
-        return replace(state, live=live, settled={**state.settled, record.request_id: record.phase})
+        return replace(state, live=live, settled={**state.settled, record.request_id: record})
     live[record.request_id] = record
     return replace(state, live=live)
 

@@ -30,6 +30,7 @@ class PrefillPhase(enum.Enum):
     HANDOFF = "handoff"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 class DecodePhase(enum.Enum):
@@ -42,6 +43,7 @@ class DecodePhase(enum.Enum):
     DECODING = "decoding"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 class LoopPhase(enum.Enum):
@@ -64,8 +66,8 @@ class PeerPhase(enum.Enum):
 
 
 ROUTER_TERMINAL = frozenset({RouterPhase.DONE, RouterPhase.FAILED, RouterPhase.CANCELLED})
-PREFILL_TERMINAL = frozenset({PrefillPhase.DONE, PrefillPhase.FAILED})
-DECODE_TERMINAL = frozenset({DecodePhase.DONE, DecodePhase.FAILED})
+PREFILL_TERMINAL = frozenset({PrefillPhase.DONE, PrefillPhase.FAILED, PrefillPhase.CANCELLED})
+DECODE_TERMINAL = frozenset({DecodePhase.DONE, DecodePhase.FAILED, DecodePhase.CANCELLED})
 LOOP_TERMINAL = frozenset({LoopPhase.STOPPED})
 PEER_TERMINAL: frozenset[PeerPhase] = frozenset()
 

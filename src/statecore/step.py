@@ -116,6 +116,30 @@ def event_error(event: Event) -> ErrorInfo | None:
             assert_never(event)
 
 
+def _normal_end(event: Event) -> str | None:
+    """How an event ends a request normally ("stop", "length"), or None if it does not."""
+    match event:
+        case Finished(finish_reason=reason) | StopMatched(finish_reason=reason):
+            return reason
+        case _:
+            return None
+
+
+HANDED_OFF = "handed_off"
+CANCELLED = "cancelled"
+
+
+def outcome_reason(machine: Machine[P], record: RequestRecord[P]) -> str:
+    """Why a terminal request ended, in the same words on every node: for `done` how it ended
+    ("stop", "length", or "handed_off": a prefill node's part ended when the decode node took
+    the cache); for `cancelled` "cancelled"; for `failed` the error code."""
+    if record.phase is machine.cancelled and machine.cancelled is not machine.failure:
+        return CANCELLED
+    if record.phase is machine.failure:
+        return (record.error.code if record.error else Code.INTERNAL).value
+    return record.finish_reason or HANDED_OFF
+
+
 def _token_of(event: Event) -> int | None:
     match event:
         case FirstToken(token=token) | TokenGenerated(token=token):
@@ -174,7 +198,7 @@ def _build_request_intent(
         case IntentKind.STOP_DECODING:
             return StopDecoding(rid)
         case IntentKind.CANCEL_REMOTE:
-            return CancelRemote(rid)
+            return CancelRemote(rid, _normal_end(event))
         case IntentKind.ARM_DEADLINE:
             return ArmTimer(rid, Timer.DEADLINE)
         case IntentKind.ARM_LEASE:
@@ -188,8 +212,7 @@ def _build_request_intent(
                 return Reject(rid, bug(missing, Code.ILLEGAL_TRANSITION))
             return RespondToken(rid, token)
         case IntentKind.COMPLETE:
-            reason = event.finish_reason if isinstance(event, Finished) else "stop"
-            return Complete(rid, reason)
+            return Complete(rid, _normal_end(event) or "stop")
         case IntentKind.REJECT:
             return Reject(rid, _edge_error(edge, phase, event))
         case (
@@ -219,7 +242,7 @@ def step_request(
         error = _edge_error(edge, record.phase, event)
     finish = event.finish_reason if isinstance(event, Finished) else record.finish_reason
     if isinstance(event, StopMatched) and machine.is_terminal(edge.target):
-        finish = "stop"
+        finish = event.finish_reason
     tokens = record.tokens_out + sum(isinstance(i, RespondToken) for i in intents)
     moved = replace(
         record, phase=edge.target, error=error, finish_reason=finish, tokens_out=tokens
@@ -256,6 +279,7 @@ __all__ = [
     "RequestRecord",
     "event_error",
     "new_request",
+    "outcome_reason",
     "step_loop",
     "step_peer",
     "step_request",

@@ -191,7 +191,7 @@ PREFILL_REQUEST: Machine[PrefillPhase] = _request_machine(
     initial=F.INTAKE,
     terminal=PREFILL_TERMINAL,
     failure=F.FAILED,
-    cancelled=F.FAILED,
+    cancelled=F.CANCELLED,
     cleanup={
         F.PREFILL: (I.CANCEL_TIMER, I.RELEASE_KV),
         F.HANDOFF: (I.CANCEL_TIMER, I.RELEASE_KV),
@@ -201,6 +201,9 @@ PREFILL_REQUEST: Machine[PrefillPhase] = _request_machine(
         (F.PREFILL, E.PREFILL_DONE, Edge(F.HANDOFF, (I.ARM_LEASE, I.RESPOND_TOKEN))),
         (F.HANDOFF, E.KV_REQUESTED, Edge(F.HANDOFF, (I.SEND_KV,))),
         (F.HANDOFF, E.KV_TAKEN, Edge(F.DONE, (I.CANCEL_TIMER, I.RELEASE_KV))),
+        # the router's request ended at its first token (EOS, max_tokens 1, a stop string):
+        # a normal end, not a cancellation
+        (F.HANDOFF, E.STOP_MATCHED, Edge(F.DONE, (I.CANCEL_TIMER, I.RELEASE_KV))),
     ],
     timeout_code={F.HANDOFF: Code.LEASE_EXPIRED},
 )
@@ -213,7 +216,7 @@ DECODE_REQUEST: Machine[DecodePhase] = _request_machine(
     initial=D.INTAKE,
     terminal=DECODE_TERMINAL,
     failure=D.FAILED,
-    cancelled=D.FAILED,
+    cancelled=D.CANCELLED,
     cleanup={
         D.PREFILLING_LOCALLY: (I.CANCEL_TIMER, I.RELEASE_KV),
         D.RECEIVING_KV: (I.CANCEL_TIMER, I.CANCEL_REMOTE),
@@ -223,6 +226,9 @@ DECODE_REQUEST: Machine[DecodePhase] = _request_machine(
     progress=[
         (D.INTAKE, E.ADMITTED, Edge(D.RECEIVING_KV, (I.ARM_DEADLINE, I.FETCH_KV))),
         (D.INTAKE, E.PREFILL_LOCALLY, Edge(D.PREFILLING_LOCALLY, (I.ARM_DEADLINE, I.START_PREFILL))),
+        # the router's request ended (a stop string in the first token) before this node decoded
+        (D.INTAKE, E.STOP_MATCHED, Edge(D.DONE, (I.COMPLETE,))),
+        (D.RECEIVING_KV, E.STOP_MATCHED, Edge(D.DONE, (I.CANCEL_TIMER, I.RELEASE_KV, I.COMPLETE))),
         (D.PREFILLING_LOCALLY, E.PREFILL_DONE, Edge(D.INSTALLING, (I.RESPOND_TOKEN, I.INSTALL_KV))),
         (D.PREFILLING_LOCALLY, E.FINISHED, Edge(D.DONE, (I.CANCEL_TIMER, I.RELEASE_KV, I.COMPLETE))),
         (D.RECEIVING_KV, E.KV_RECEIVED, Edge(D.INSTALLING, (I.INSTALL_KV,))),

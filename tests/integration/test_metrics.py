@@ -43,7 +43,8 @@ class Node:
                                  timeouts=Timeouts(deadline_s=5.0), name=role)
         self.logged: list[tuple[str, str, str | None]] = []
 
-        def log(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None) -> None:
+        def log(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
+                outcome: str | None) -> None:
             self.logged.append((old, new, error.code.value if error else None))
 
         self.runner.on_transition = log
@@ -80,13 +81,31 @@ async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
     assert sample(m, "statecore:e2e_request_latency_seconds_count") == 2
     assert sample(m, "statecore:prompt_tokens_by_source_total", source="computed_locally") == 3
     assert sample(m, "statecore:prompt_tokens_by_source_total", source="transferred") == 0
-    assert sample(m, "statecore:requests_total", state="done", reason="finished") == 1
+    assert sample(m, "statecore:requests_total", state="done", reason="length") == 1
     failure = node.logged[-1]
     assert failure[1] == "failed" and failure[2] is not None  # the logger still sees the reason
     assert sample(m, "statecore:requests_total", state="failed", reason=failure[2]) == 1
     assert sample(m, "statecore:num_requests_running") == 0
     assert sample(m, "statecore:kv_held_bytes") == 0
     assert sample(m, "statecore:loop_ready") == 1
+
+
+async def test_a_cancellation_and_a_stop_are_not_failures(node: Node) -> None:
+    request = GenerationRequest(RequestId("gone"), (3, 4, 5), SamplingParams(10_000))
+    cancelled = await node.backend.start(request)
+    stopped = await node.backend.start(
+        GenerationRequest(RequestId("stop"), (3, 4, 6), SamplingParams(10_000)))
+    async for _ in cancelled:
+        await cancelled.cancel()
+        break
+    async for _ in stopped:
+        await stopped.stop()
+        break
+    await trio.sleep(0.05)
+    m = node.metrics
+    assert sample(m, "statecore:requests_total", state="cancelled", reason="cancelled") == 1
+    assert sample(m, "statecore:requests_total", state="done", reason="stop") == 1
+    assert not [entry for entry in node.logged if entry[1] == "failed"]
 
 
 async def test_prompt_tokens_are_counted_once_per_node(node: Node) -> None:

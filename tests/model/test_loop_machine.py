@@ -48,10 +48,10 @@ class LoopWithRequests(RuleBasedStateMachine):
     def step(self, envelope: Any) -> list[Any]:
         """One loop step; collect the requests it settled (each exactly once, ever)."""
         self.state, intents = loop_step(self.state, envelope)
-        for rid, phase in self.state.settled.items():
+        for rid, record in self.state.settled.items():
             assert rid not in self.outcomes, f"{rid} settled twice"
             assert rid not in self.state.live
-            self.outcomes[rid] = phase
+            self.outcomes[rid] = record.phase
         return intents
 
     @initialize()

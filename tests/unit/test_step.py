@@ -60,6 +60,7 @@ from statecore.step import (
     LoopRecord,
     PeerRecord,
     RequestRecord,
+    outcome_reason,
     step_loop,
     step_peer,
     step_request,
@@ -91,7 +92,10 @@ CASES = [
     Case(ROUTER_REQUEST, RouterPhase.DECODING, Finished("length"), RouterPhase.DONE,
          [CancelTimer(RID), Complete(RID, "length")]),
     Case(ROUTER_REQUEST, RouterPhase.DECODING, StopMatched(), RouterPhase.DONE,
-         [CancelTimer(RID), CancelRemote(RID), Complete(RID, "stop")]),
+         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop")]),
+    # the first token ends it: the nodes hear it was a normal end, not a cancellation
+    Case(ROUTER_REQUEST, RouterPhase.PREFILLING, Finished("stop"), RouterPhase.DONE,
+         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop")]),
     Case(ROUTER_REQUEST, RouterPhase.PREFILLING, RetryRequested(PEER), RouterPhase.ROUTED,
          [StartPrefill(RID)]),
     # router: failure and cancellation free what the phase holds
@@ -107,6 +111,10 @@ CASES = [
          [ArmTimer(RID, Timer.KV_LEASE), RespondToken(RID, 9)]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvRequested(), PrefillPhase.HANDOFF, [SendKv(RID)]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvTaken(), PrefillPhase.DONE,
+         [CancelTimer(RID), ReleaseKv(RID)]),
+    Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, StopMatched("length"), PrefillPhase.DONE,
+         [CancelTimer(RID), ReleaseKv(RID)]),
+    Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, ClientCancelled(), PrefillPhase.CANCELLED,
          [CancelTimer(RID), ReleaseKv(RID)]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, TimerFired(Timer.KV_LEASE), PrefillPhase.FAILED,
          [CancelTimer(RID), ReleaseKv(RID), Reject(RID, ErrorInfo(
@@ -127,6 +135,10 @@ CASES = [
              "a connection this request depended on was lost while it was decoding"))]),
     Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, PeerFailed(PEER), DecodePhase.FAILED,
          [CancelTimer(RID), CancelRemote(RID), Reject(RID, PEER)]),
+    Case(DECODE_REQUEST, DecodePhase.DECODING, ClientCancelled(), DecodePhase.CANCELLED,
+         [CancelTimer(RID), StopDecoding(RID)]),
+    Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, StopMatched(), DecodePhase.DONE,
+         [CancelTimer(RID), ReleaseKv(RID), Complete(RID, "stop")]),
 ]
 
 
@@ -228,7 +240,36 @@ def test_the_loop_state_does_not_grow_with_requests_served() -> None:
         state, intents = loop_step(state, OpenRequest(rid))
         assert intents == []
         state, _ = loop_step(state, ForRequest(rid, ClientCancelled()))
-        assert list(state.settled) == [rid] and DECODE_REQUEST.is_terminal(state.settled[rid])
+        assert list(state.settled) == [rid] and DECODE_REQUEST.is_terminal(state.settled[rid].phase)
         assert not state.live
     state, _ = loop_step(state, ForRequest(RequestId("gone"), ClientCancelled()))  # absorbed
     assert not state.settled and not state.live
+
+
+OUTCOMES: list[tuple[Machine[Any], enum.Enum, Event, str, str]] = [
+    (ROUTER_REQUEST, RouterPhase.DECODING, Finished("length"), "done", "length"),
+    (ROUTER_REQUEST, RouterPhase.DECODING, StopMatched(), "done", "stop"),
+    (ROUTER_REQUEST, RouterPhase.DECODING, ClientCancelled(), "cancelled", "cancelled"),
+    (ROUTER_REQUEST, RouterPhase.HANDING_OFF, PeerFailed(PEER), "failed", "peer_failed"),
+    (PREFILL_REQUEST, PrefillPhase.HANDOFF, KvTaken(), "done", "handed_off"),
+    (PREFILL_REQUEST, PrefillPhase.HANDOFF, StopMatched("stop"), "done", "stop"),
+    (PREFILL_REQUEST, PrefillPhase.HANDOFF, StopMatched("length"), "done", "length"),
+    (PREFILL_REQUEST, PrefillPhase.HANDOFF, ClientCancelled(), "cancelled", "cancelled"),
+    (PREFILL_REQUEST, PrefillPhase.HANDOFF, TimerFired(Timer.KV_LEASE), "failed", "kv_lease_expired"),
+    (DECODE_REQUEST, DecodePhase.DECODING, Finished("stop"), "done", "stop"),
+    (DECODE_REQUEST, DecodePhase.DECODING, StopMatched(), "done", "stop"),
+    (DECODE_REQUEST, DecodePhase.DECODING, ClientCancelled(), "cancelled", "cancelled"),
+    (DECODE_REQUEST, DecodePhase.RECEIVING_KV, StopMatched(), "done", "stop"),
+    (DECODE_REQUEST, DecodePhase.DECODING, TransportLost(), "failed", "transport_lost"),
+]
+
+
+@pytest.mark.parametrize(("machine", "phase", "event", "state", "reason"), OUTCOMES,
+                         ids=[f"{m.name}:{p.value}:{e.kind.value}" for m, p, e, _, _ in OUTCOMES])
+def test_terminal_reasons_are_the_same_words_on_every_node(
+    machine: Machine[Any], phase: enum.Enum, event: Event, state: str, reason: str
+) -> None:
+    """done/stop, done/length, cancelled, failed/<code>: a normal end or a cancellation is
+    never `failed`, on any node."""
+    moved, _ = step_request(machine, RequestRecord(RID, phase), event)
+    assert (moved.phase.value, outcome_reason(machine, moved)) == (state, reason)
