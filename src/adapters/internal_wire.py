@@ -37,6 +37,7 @@ class SamplingBody(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
+    ignore_eos: bool = False
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:
@@ -46,10 +47,12 @@ class SamplingBody(_Strict):
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
         )
 
     def params(self) -> SamplingParams:
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
+                              self.ignore_eos)
 
 
 class PrefillBody(_Strict):

@@ -265,6 +265,9 @@ class _MeteredGeneration:
             if isinstance(output, TokenOut):
                 _safely("token", lambda: self.metrics.token(self.timing))
             elif isinstance(output, GenerationEnd | GenerationError):
+                if isinstance(output, GenerationEnd) and output.finish_reason == "stop":
+                    # the EOS token, counted as usage.completion_tokens counts it
+                    _safely("eos", self.metrics.generation_tokens.inc)
                 self._end(observe=True)
             yield output
 

@@ -247,7 +247,7 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token):
-                is_eos = token in self.engine.info.eos_token_ids
+                is_eos = token in self.engine.info.eos_token_ids and not context.sampling.ignore_eos
                 held = self.engine.statistics().held_bytes
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos,
                                                      held_bytes=held).model_dump())
@@ -329,12 +329,13 @@ class NodeApi:
         )
         generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))
-        return WatchedStream(self._lines(generation, first_is_prefill=local),
+        return WatchedStream(self._lines(generation, first_is_prefill=local,
+                                         ignore_eos=context.sampling.ignore_eos),
                              media_type="application/x-ndjson")
 
-    async def _lines(self, generation: RunnerGeneration, *,
-                     first_is_prefill: bool) -> AsyncGenerator[bytes, None]:
-        eos = self.engine.info.eos_token_ids
+    async def _lines(self, generation: RunnerGeneration, *, first_is_prefill: bool,
+                     ignore_eos: bool = False) -> AsyncGenerator[bytes, None]:
+        eos = frozenset() if ignore_eos else self.engine.info.eos_token_ids
         first = first_is_prefill
         finished = False
         sent = 0

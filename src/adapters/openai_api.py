@@ -15,7 +15,10 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   in the context. An explicit `max_tokens` (chat also `max_completion_tokens`) must be at least
   1 and fit: prompt + max_tokens > context is `context_length_exceeded` (400).
 - `temperature` 1.0, `top_p` 1.0, `top_k` 0 (off; -1 also means off), `seed` none (the engine
-  then derives one from the request id), `n` 1 only.
+  then derives one from the request id), `n` 1 only. `ignore_eos` (vLLM's) generates through
+  EOS until max_tokens.
+- `usage.completion_tokens` counts the EOS token that ended a reply (it makes no text), as vLLM
+  and mlx-lm do: a reply whose first token is EOS is empty with completion_tokens 1.
 - `stop`: a string or a list of at most 16 strings of at most 256 characters; empty strings are
   ignored. The text ends before the earliest stop string, with finish_reason "stop".
 - The request id is the `X-Request-Id` header when it is given (1-128 of `A-Za-z0-9._-`),
@@ -111,6 +114,7 @@ class _Sampling(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    ignore_eos: bool | None = None  # vLLM's: generate through EOS until max_tokens
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = None
@@ -288,6 +292,8 @@ class _Run:
                         return _Step(text)
                 case GenerationEnd(finish_reason=reason):
                     self.finished = True
+                    if reason == "stop":
+                        self._tokens += 1  # the EOS token: no text, but generated (vLLM, mlx-lm)
                     text, stopped = self._text.close()
                     return _Step(text, _Finish("stop" if stopped else reason, self._tokens))
                 case GenerationError(error=error):
@@ -656,6 +662,7 @@ class Frontend:
             top_p=body.top_p if body.top_p is not None else 1.0,
             top_k=max(top_k, 0),
             seed=body.seed,
+            ignore_eos=bool(body.ignore_eos),
         )
         return _Job(
             kind=kind,

@@ -50,6 +50,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # vLLM's ignore_eos: an EOS token is an ordinary token (`GeneratedToken.is_eos` False, the
+    # stream goes on) and the request ends only at max_tokens, with finish_reason "length"
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -57,8 +57,13 @@ def next_token(history: Sequence[int]) -> int:
 
 
 class FakeEngine:
-    def __init__(self, faults: Faults | None = None, info: ModelInfo | None = None) -> None:
+    """`eos_at`: the n-th generated token (1: the one prefill samples) is EOS, for tests of how
+    a generation ends on it; the engine honours `SamplingParams.ignore_eos` as the port says."""
+
+    def __init__(self, faults: Faults | None = None, info: ModelInfo | None = None,
+                 eos_at: int | None = None) -> None:
         self.faults = faults or Faults()
+        self.eos_at = eos_at
         self._info = info or fake_info()
         self.held: dict[RequestId, bytes] = {}
         self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
@@ -85,7 +90,8 @@ class FakeEngine:
         await self._phase("prefill", prompt)
         payload = bytes(t % 256 for t in prompt)
         self.held[request_id] = payload
-        return PrefillOutcome(next_token(prompt), len(prompt), len(payload))
+        first = EOS if self.eos_at == 1 else next_token(prompt)
+        return PrefillOutcome(first, len(prompt), len(payload))
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         try:
@@ -103,8 +109,11 @@ class FakeEngine:
         send, receive = trio.open_memory_channel[GeneratedToken](sampling.max_tokens + 1)
         history = [*prompt, first]
         for produced in range(2, sampling.max_tokens + 1):
-            token = next_token(history)
+            token = EOS if produced == self.eos_at else next_token(history)
             history.append(token)
+            if token == EOS and not sampling.ignore_eos:
+                send.send_nowait(GeneratedToken(token, True, "stop"))
+                break
             reason = "length" if produced == sampling.max_tokens else None
             send.send_nowait(GeneratedToken(token, False, reason))
         self.decoding[request_id] = send

@@ -121,7 +121,7 @@ class EnginePerformer:
                 await self.faults.at(Phase.PREFILL, rid)
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
-                if outcome.first_token in eos and not ctx.hands_off:
+                if outcome.first_token in eos and not ctx.hands_off and not ctx.sampling.ignore_eos:
                     await post(Finished("stop"))  # a local request whose first token ends it
                 else:
                     await post(PrefillDone(outcome.first_token, outcome.held_bytes))
@@ -151,7 +151,7 @@ class EnginePerformer:
                     produced += 1
                     if produced == 3:  # a few tokens in, so the failure is mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
-                    if generated.is_eos:
+                    if generated.is_eos and not ctx.sampling.ignore_eos:
                         await post(Finished("stop"))
                         return
                     await post(TokenGenerated(generated.token))

@@ -46,7 +46,9 @@ class TokenOut:
 
 @dataclass(frozen=True, slots=True)
 class GenerationEnd:
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    # "stop": the engine generated an EOS token (it makes no text, but it is a generated token:
+    # usage counts it, as vLLM and mlx-lm do); "length": max_tokens reached
+    finish_reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,95 @@
+"""How a generation ends on EOS: the EOS token counts as a generated token (as vLLM and mlx-lm
+count it: a reply whose first token is EOS reports completion_tokens 1), and `ignore_eos`
+(vLLM's, sent by GuideLLM and AIPerf) generates through EOS to max_tokens, on a single node and
+through the cluster's internal wire."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from adapters.internal_wire import SamplingBody
+from adapters.metrics import Metrics
+from adapters.openai_api import Frontend, build_app
+from adapters.tiny_models import build_tokenizer
+from effects.backend import local_backend
+from effects.fakes import EOS, FakeEngine
+from effects.interpret import EnginePerformer
+from effects.ports import GenerationEnd, GenerationRequest, Output, SamplingParams, TokenOut
+from effects.runner import NodeRunner
+from statecore.ids import RequestId
+from statecore.table import DECODE_REQUEST
+from tests.integration.fake_backend import FakeBackend, fake_model_info
+
+
+async def generate(eos_at: int, sampling: SamplingParams) -> list[Output]:
+    engine = FakeEngine(eos_at=eos_at)
+    performer = EnginePerformer(engine)
+    runner = NodeRunner(DECODE_REQUEST, performer)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        generation = await local_backend(runner, performer).start(
+            GenerationRequest(RequestId("r"), (3, 4, 5), sampling))
+        outputs = [out async for out in generation]
+        nursery.cancel_scope.cancel()
+    return outputs
+
+
+async def test_eos_ends_a_generation_with_stop() -> None:
+    outputs = await generate(3, SamplingParams(max_tokens=8))
+    assert [type(o) for o in outputs] == [TokenOut, TokenOut, GenerationEnd]
+    assert outputs[-1] == GenerationEnd("stop")
+
+
+async def test_eos_as_the_first_token_ends_it_at_once() -> None:
+    assert await generate(1, SamplingParams(max_tokens=8)) == [GenerationEnd("stop")]
+
+
+@pytest.mark.parametrize("eos_at", [1, 3])
+async def test_ignore_eos_generates_through_eos_to_max_tokens(eos_at: int) -> None:
+    outputs = await generate(eos_at, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = [o.token for o in outputs if isinstance(o, TokenOut)]
+    assert len(tokens) == 6 and tokens[eos_at - 1] == EOS
+    assert outputs[-1] == GenerationEnd("length")
+
+
+def test_ignore_eos_crosses_the_internal_wire() -> None:
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert SamplingBody.model_validate_json(SamplingBody.of(sampling).model_dump_json()).params() == sampling
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bpe")
+    build_tokenizer(path, "bpe")
+    return path
+
+
+async def test_a_reply_that_is_only_eos_reports_one_completion_token(tokenizer_dir: Path) -> None:
+    backend = FakeBackend(fake_model_info(context_length=256))
+    backend.scripts.append([GenerationEnd("stop")])
+    metrics = Metrics("single")
+    frontend = Frontend.load(tokenizer_dir, metrics.backend(backend))
+    transport = httpx.ASGITransport(app=build_app(frontend))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        reply = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    body = reply.json()
+    assert body["choices"][0]["text"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 1
+    sent = metrics.registry.get_sample_value("statecore:generation_tokens_total", {"role": "single"})
+    assert sent == 1  # the metric equals the usage clients get
+
+
+async def test_ignore_eos_reaches_the_backend(tokenizer_dir: Path) -> None:
+    backend = FakeBackend(fake_model_info(context_length=256))
+    backend.scripts.append([GenerationEnd("length")])
+    frontend = Frontend.load(tokenizer_dir, backend)
+    transport = httpx.ASGITransport(app=build_app(frontend))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+        reply = await client.post("/v1/completions",
+                                  json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert backend.generations[-1].request.sampling.ignore_eos
