@@ -102,6 +102,10 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _spec(args: argparse.Namespace) -> int:
+    if not args.write and not args.dir.is_dir():
+        print(f"statecore spec: no specs directory at {args.dir.resolve()}: run it from the "
+              "repository root, or give --dir", file=sys.stderr)
+        return 2
     status = 0
     for machine in MACHINES.values():
         path = args.dir / f"{machine.name}.toml"
@@ -110,6 +114,10 @@ def _spec(args: argparse.Namespace) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(render_toml(from_table))
             print(f"wrote {path}")
+            continue
+        if not path.is_file():
+            print(f"{machine.name}: {path} is missing (statecore spec --write creates it)")
+            status = 1
             continue
         problems = compare(load_spec(path), from_table)
         for line in problems:

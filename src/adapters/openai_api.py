@@ -47,6 +47,7 @@ import enum
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -110,7 +111,7 @@ class _Sampling(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # OpenAI's range
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
@@ -186,15 +187,33 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
 }
 
 
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors(include_url=False)[:_MAX_ERRORS_SHOWN]:
-        where = ".".join(str(p) for p in error["loc"]) or "body"
-        parts.append(f"{where}: {error['msg']}")
-    more = exc.error_count() - _MAX_ERRORS_SHOWN
-    if more > 0:
-        parts.append(f"and {more} more")
-    return "invalid request: " + "; ".join(parts)
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list|dict|none)(\[.*\])?$|^_[A-Z]\w*$|.*\[.*\]$")
+
+
+def _param_path(loc: Sequence[int | str]) -> str:
+    """A field's path as a client wrote it (`messages[0].content`): pydantic's own steps, the
+    union branch it tried (`list[_TextPart]`, `str`), are no business of the client's."""
+    path = ""
+    for step in loc:
+        if isinstance(step, int):
+            path += f"[{step}]"
+        elif not _UNION_BRANCH.match(step):
+            path += f".{step}" if path else step
+    return path or "body"
+
+
+def _validation_error(exc: ValidationError) -> ErrorInfo:
+    """One 400 naming the fields at fault (the first one as OpenAI's `param`)."""
+    found: dict[str, str] = {}
+    # deepest first: of a union's branches, the one that went furthest says what is wrong
+    for error in sorted(exc.errors(include_url=False), key=lambda e: -len(e["loc"])):
+        found.setdefault(_param_path(error["loc"]), error["msg"])
+    shown = [f"{where}: {message}" for where, message in list(found.items())[:_MAX_ERRORS_SHOWN]]
+    if len(found) > _MAX_ERRORS_SHOWN:
+        shown.append(f"and {len(found) - _MAX_ERRORS_SHOWN} more")
+    first = next(iter(found), None)
+    return ErrorInfo(Fault.CLIENT, Code.INVALID_REQUEST, "invalid request: " + "; ".join(shown),
+                     param=None if first == "body" else first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +448,11 @@ class Frontend:
             # mlx-lm would take a missing path for a Hugging Face repo and try to download it.
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
         tokenizer = load_tokenizer(model_dir)  # type: ignore[no-untyped-call]
+        inner = getattr(tokenizer, "_tokenizer", None)
+        if inner is not None and hasattr(inner, "model_max_length"):
+            # The context is checked here, after tokenizing, with a clear 400; transformers'
+            # "Token indices sequence length is longer than ..." warning only added a log line.
+            inner.model_max_length = sys.maxsize
         return cls(tokenizer, backend, model_name=model_name, max_body_bytes=max_body_bytes)
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -439,9 +463,19 @@ class Frontend:
             return JSONResponse({"status": "ok", **details})
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
+    def _card(self) -> dict[str, object]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "statecore"}
+
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "statecore"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}` (an id may hold slashes: `mlx-community/...`)."""
+        if request.path_params["model_id"] != self.model_name:
+            return _error_response(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND,
+                                             f"the model {request.path_params['model_id']!r} does not "
+                                             f"exist; this server serves {self.model_name!r}", "model"))
+        return JSONResponse(self._card())
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, _Kind.COMPLETION)
@@ -610,7 +644,7 @@ class Frontend:
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
-            raise _Reject(client_error(_validation_message(exc))) from None
+            raise _Reject(_validation_error(exc)) from None
         if body.model is not None and body.model != self.model_name:
             raise _Reject(
                 ErrorInfo(
@@ -756,6 +790,7 @@ def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = ()) -> 
         Route("/v1/completions", frontend.completions, methods=["POST"]),
         Route("/v1/chat/completions", frontend.chat_completions, methods=["POST"]),
         Route("/v1/models", frontend.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", frontend.model, methods=["GET"]),
         Route("/health", frontend.health, methods=["GET"]),
         *extra_routes,
     ]

@@ -96,6 +96,7 @@ class ErrorInfo:
     fault: Fault
     code: Code
     message: str
+    param: str | None = None  # the request field at fault, when one is (OpenAI's `param`)
 
     @property
     def http_status(self) -> int:
@@ -105,10 +106,11 @@ class ErrorInfo:
     def openai_type(self) -> str:
         return _OPENAI_TYPE_BY_FAULT[self.fault]
 
-    def to_openai(self) -> dict[str, dict[str, str]]:
-        """OpenAI's error body: {"error": {"message", "type", "code"}}."""
+    def to_openai(self) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
         return {
-            "error": {"message": self.message, "type": self.openai_type, "code": self.code.value}
+            "error": {"message": self.message, "type": self.openai_type, "param": self.param,
+                      "code": self.code.value}
         }
 
 

@@ -683,7 +683,38 @@ async def test_unknown_route_and_wrong_method_have_the_openai_shape(client: http
     assert response.json()["error"]["type"] == "invalid_request_error"
     response = await client.get("/v1/completions")
     assert response.status_code == 405
-    assert set(response.json()["error"]) == {"message", "type", "code"}
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_one_model_by_its_id(client: httpx.AsyncClient) -> None:
+    response = await client.get("/v1/models/tiny")
+    assert response.status_code == 200
+    assert {k: v for k, v in response.json().items() if k != "created"} == {
+        "id": "tiny", "object": "model", "owned_by": "statecore"}
+    missing = await client.get("/v1/models/mlx-community/other")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+    assert missing.json()["error"]["param"] == "model"
+
+
+async def test_validation_errors_name_the_field_as_the_client_wrote_it(client: httpx.AsyncClient) -> None:
+    """No pydantic internals (`messages.0.content.list[_TextPart]...`); OpenAI's `param`."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    error = (await client.post("/v1/chat/completions", json=body)).json()["error"]
+    assert error["param"] == "messages[0].content[0].text", error
+    assert "_TextPart" not in error["message"] and "list[" not in error["message"], error
+    assert error["message"].startswith("invalid request: messages[0].content"), error
+
+
+@pytest.mark.parametrize(("temperature", "status"), [(0.0, 200), (2.0, 200), (2.5, 400), (5, 400)])
+async def test_temperature_is_in_openais_range(client: httpx.AsyncClient, backend: FakeBackend,
+                                               frontend: Frontend, temperature: float, status: int) -> None:
+    backend.default_script = say(frontend, "Hi")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": temperature}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert response.json()["error"]["param"] == "temperature"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""The command line as a new user meets it: `run --help` explains every public flag and shows
+no test-only ones; `statecore spec` away from the repository says so in one line; a too-long
+prompt is refused without transformers' own warning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import trio
+
+from adapters.cli import build_parser, main
+from adapters.openai_api import Frontend
+from adapters.serve import demo_model_dir
+from tests.integration.fake_backend import FakeBackend
+
+
+def run_help() -> str:
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr,index]
+    text: str = run.format_help()
+    return text
+
+
+def test_run_help_explains_every_public_flag_and_hides_test_only_ones() -> None:
+    text = run_help()
+    for flag in ("--host", "--port", "--prefill", "--decode", "--log-level", "--model"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(flag))
+        described = line.split(flag, 1)[1].split(maxsplit=1)
+        assert len(described) == 2 or text.split(line, 1)[1].startswith("\n" + " " * 10), line
+    assert "--inject-fault" not in text and "--fault-marker" not in text
+    assert "Hugging Face" in text
+
+
+def test_spec_outside_the_repository_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["spec"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "no specs directory" in captured.err
+
+
+def test_spec_with_a_missing_file_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "specs").mkdir()
+    assert main(["spec", "--dir", str(tmp_path / "specs")]) == 1
+    assert "request_router.toml is missing" in capsys.readouterr().out
+
+
+def test_a_too_long_prompt_logs_no_transformers_warning() -> None:
+    frontend = Frontend.load(demo_model_dir(), FakeBackend())
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    transformers_log = logging.getLogger("transformers")  # it does not propagate to the root
+    transformers_log.addHandler(handler)
+    try:
+        ids = trio.run(frontend._encode_prompt, "word " * 2000)
+    finally:
+        transformers_log.removeHandler(handler)
+    assert len(ids) > 512  # longer than the demo model's context: the front end refuses it later
+    assert not [m for m in seen if "sequence length" in m], seen
