@@ -79,6 +79,7 @@ class ErrorBody(_Strict):
     message: str
     type: str
     code: str
+    param: str | None = None
     fault: str = "peer"
 
 
@@ -91,7 +92,7 @@ def error_from_json(data: object, status: int) -> ErrorInfo:
     """An ErrorInfo from a peer's error body; anything unreadable is the peer's fault."""
     try:
         body = ErrorBody.model_validate(data["error"] if isinstance(data, dict) else None)
-        return ErrorInfo(Fault(body.fault), Code(body.code), body.message)
+        return ErrorInfo(Fault(body.fault), Code(body.code), body.message, body.param)
     except (ValueError, KeyError, TypeError):
         return ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"peer answered HTTP {status}")
 

@@ -93,3 +93,14 @@ async def test_ignore_eos_reaches_the_backend(tokenizer_dir: Path) -> None:
                                   json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     assert reply.status_code == 200, reply.text
     assert backend.generations[-1].request.sampling.ignore_eos
+
+
+def test_a_peer_error_with_a_param_crosses_the_internal_wire() -> None:
+    """OpenAI's `param` is in every error body now; a node's error still reads back whole."""
+    from adapters.internal_wire import error_from_json, error_json
+    from statecore.errors import Code, ErrorInfo, Fault
+
+    error = ErrorInfo(Fault.CLIENT, Code.INVALID_REQUEST, "bad temperature", "temperature")
+    assert error_from_json(error_json(error), 400) == error
+    plain = ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, "no such cache")
+    assert error_from_json(error_json(plain), 404) == plain
