@@ -235,7 +235,11 @@ class DeviceLoop:
         slot_rows = [live for live in self.live.values() if live.slot is not None]
         with mx.stream(generation_stream):
             if slot_rows:
-                outputs.extend(self.build_slot_step(slot_rows, current))
+                try:
+                    outputs.extend(self.build_slot_step(slot_rows, current))
+                except Exception as exc:
+                    self.fail_rows(slot_rows, exc)
+                    current = _InFlight()
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.chunks_left) for t in self.waiting.values()],
@@ -338,6 +342,16 @@ class DeviceLoop:
         self.account("prefill_chunks", started)
         return outputs
 
+    def fail_rows(self, rows: list[Live], exc: Exception) -> None:
+        """A step that could not be built fails its rows only; the loop goes on."""
+        logger.exception("a decode step failed for %d requests", len(rows))
+        error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        for live in rows:
+            self.end(live, error, deliveries)
+        self.last_tokens = None
+        self.hand_out(deliveries)
+
     def prefill_outputs(self, task: PrefillTask, current: _InFlight) -> list[Any]:
         del self.waiting[task.request_id]
         current.finished_prefills.append(task)
@@ -391,7 +405,7 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int) -> GeneratedToken:
         """Count one token; EOS ends with "stop", the last allowed token with "length"."""
         live.remaining -= 1
-        if token in self.eos:
+        if token in self.eos and not live.sampler.sampling.ignore_eos:
             return GeneratedToken(token, is_eos=True, finish_reason="stop")
         if live.remaining <= 0:
             return GeneratedToken(token, finish_reason="length")
@@ -475,13 +489,15 @@ class DeviceLoop:
         if self.slot_lane and plain and self.pool is not None and needed <= self.pool.max_capacity:
             slot = self.pool.take()
             try:
+                self.pool.reserve(needed, cache)
                 self.pool.write_prompt(slot, cache, len(prompt))
             except BaseException:
                 self.pool.give_back(slot)
                 raise
             live.slot = slot
             live.offset = len(prompt)
-        elif all(hasattr(c, "merge") for c in cache):
+        elif all(hasattr(c, "merge") for c in cache) and not live.sampler.sampling.ignore_eos:
+            # (mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo.)
             # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
             # sampler object is sampled in one call instead of row by row.
             (uid,) = self.batch.insert(

@@ -221,21 +221,25 @@ class MlxEngine:
     ) -> None:
         tokens = self._check_request(prompt, sampling)
         first_token = self._check_token(first_token, "first_token")
-        # Every check that needs no MLX (framing, checksum, header: most of the time for a large
-        # payload) runs in a worker thread, so a big handoff never stalls the decode batch.
-        validated = await trio.to_thread.run_sync(
-            lambda: kv_wire.validate_payload(
+        # Everything before the copy into the decoder runs in a worker thread, so a big handoff
+        # never stalls the decode batch: framing, checksum and header checks, then the arrays
+        # themselves (made from host memory, no lazy computation: no device stream is involved).
+        def validate_and_build() -> list[Any]:
+            validated = kv_wire.validate_payload(
                 payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
             )
-        )
-        if validated.header.token_count != len(tokens):
-            raise StatecoreError(ErrorInfo(
-                Fault.PEER, Code.KV_MALFORMED,
-                f"the KV payload covers {validated.header.token_count} tokens, the prompt has {len(tokens)}",
-            ))
+            if validated.header.token_count != len(tokens):
+                raise StatecoreError(ErrorInfo(
+                    Fault.PEER, Code.KV_MALFORMED,
+                    f"the KV payload covers {validated.header.token_count} tokens, "
+                    f"the prompt has {len(tokens)}",
+                ))
+            built: list[Any] = kv_wire.build_caches(validated).caches
+            return built
+
+        caches = await trio.to_thread.run_sync(validate_and_build)
 
         def take_cache() -> list[Any]:
-            caches: list[Any] = kv_wire.build_caches(validated).caches
             return caches
 
         await self._start(request_id, tokens, first_token, sampling, take_cache)
@@ -359,7 +363,7 @@ class MlxEngine:
                 raise overloaded
             cache = take_cache()  # validates; raises before anything changes
             remaining = sampling.max_tokens - 1
-            if remaining == 0 or first_token in device.eos:
+            if remaining == 0 or (first_token in device.eos and not sampling.ignore_eos):
                 # The first token already ended the request: an empty stream.
                 device.held.pop(request_id, None)
                 post(token, deliver, [(send, None, True)])

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The engine's GPU runs (one H200; see ../shared/gpu/README.md): after call 1 (carry .gpu/a:
+# `cp -r .gpu/a /tmp/gpu-a`), call 2 with carry .gpu/b:
+#   source .gpu/b/install.sh && bash bench/gpu_engine.sh serving
+# later calls while warm: bash bench/gpu_engine.sh second | mixed
+# `serving`: the Llama-3.2-1B-shaped model: bare decode vs the engine alone (no HTTP), then
+# mlx_lm.server vs statecore single on realish and 128x128 at concurrency 8 and 32.
+# `second`: the same side by side on a shape not benchmarked before (hidden 1024, 28 layers,
+# 512-token vocabulary). `mixed`: long prompts arriving while 16 streams decode, prefill and decode
+# nodes on the same GPU (the stand-in for two GPUs), against one colocated node.
+set -u
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+[ -f /tmp/gpu-env.sh ] && source /tmp/gpu-env.sh
+PY=${PY:-python3}
+export HF_HUB_OFFLINE=1
+quiet() { tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$'; }
+M=/tmp/llama1b
+M2=/tmp/llama06-v512
+case "${1:-serving}" in
+  serving)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; $PY --version; } \
+      > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 150 $PY bench/engine_ladder.py --model $M --batch 32 --rungs bare,engine --max-tokens 128 \
+      --out "$OUT/ladder.json" 2>&1 | tail -3
+    timeout "${SBS_LIMIT:-330}" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 \
+      --servers mlx_lm,single --mix realish --mix 128x128 --concurrency 8,32 --no-parity \
+      --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -30
+    ;;
+  second)
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    timeout "${SBS_LIMIT:-330}" $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 \
+      --servers mlx_lm,single --mix realish --concurrency 8,32 --no-parity \
+      --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -20
+    ;;
+  mixed)
+    timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    ;;
+esac
