@@ -152,8 +152,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
     run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
     run.add_argument("--prefill-batch", type=_whole(1), default=32,
-                     help="most same-length prompts prefilled in one model call; 1 = one at a time "
-                          "(default 32)")
+                     help="most prompts advanced in one step; short prompts waiting together share one "
+                          "padded model call; 1 = one at a time (default 32)")
+    run.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
+                     help="tokens one engine step may compute: every decoding row plus whole prefill "
+                          "chunks (default and minimum: --max-batch + --prefill-chunk-size)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
@@ -354,7 +357,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     engine = await MlxEngine.load(
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
-        prefill_batch=args.prefill_batch,
+        prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     for layer in engine.info.layers:
         if not layer.can_travel:
