@@ -26,6 +26,7 @@ case "${1:-serving}" in
       --out "$OUT/ladder.json" 2>&1 | tail -3
     timeout "${SBS_LIMIT:-330}" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 \
       --servers mlx_lm,single --mix realish --mix 128x128 --concurrency 8,32 --no-parity \
+      --requests-per-slot 4 --max-requests 96 \
       --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -30
     ;;
   second)
@@ -33,6 +34,7 @@ case "${1:-serving}" in
       --vocab 512 --seed 3 2>&1 | tail -1
     timeout "${SBS_LIMIT:-330}" $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 \
       --servers mlx_lm,single --mix realish --concurrency 8,32 --no-parity \
+      --requests-per-slot 4 --max-requests 96 \
       --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -20
     ;;
   mixed)

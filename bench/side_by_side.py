@@ -291,8 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in warm_concs:
                 warm = build_prompts(maker, Mix("warm", 64, 8), c, 12345 + c)
                 asyncio.run(run_load(s.url, warm, concurrency=c))
-            long = build_prompts(maker, Mix("warm-long", min(2000, max(m.prompt_tokens or 0 for m in mixes)),
-                                            4), 1, 777)
+            # realish has no fixed length (prompt_tokens None): warm up with its longest, 1536.
+            longest = max(m.prompt_tokens or 1536 for m in mixes)
+            long = build_prompts(maker, Mix("warm-long", min(2000, longest), 4), 1, 777)
             if long[0][1] > 64:
                 asyncio.run(run_load(s.url, long, concurrency=1))
         if not args.no_parity:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -333,16 +334,14 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
         except StatecoreError as exc:
             errors.append(exc)
 
-    # Hold the device thread so that every prefill below is queued before it looks again.
-    engine._submit_nowait(lambda: trio_free_sleep(0.5))
-    await trio.sleep(0.1)
+    # Hold the device thread until every prefill below is queued.
+    gate = await hold_device(engine)
     async with trio.open_nursery() as nursery:
         for rid, prompt in greedy.items():
             nursery.start_soon(run, rid, prompt)
-            await trio.sleep(0.01)
         nursery.start_soon(run, RequestId("seeded"), prompt_of(15, salt=4), seeded)
         nursery.start_soon(run, RequestId("long"), long)
-        await trio.sleep(0.05)
+        await release_when_queued(engine, gate, 6)
         nursery.start_soon(duplicate)
 
     calls, _ = engine.device_profile()["prefill_batched"]
@@ -371,18 +370,38 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
 
     monkeypatch.setattr(device, "run_short_batch", broken)
     prompts = {RequestId(f"b{i}"): prompt_of(12 + i, salt=i) for i in range(3)}
-    engine._submit_nowait(lambda: trio_free_sleep(0.3))
-    await trio.sleep(0.05)
-    results = await all_at_once(partial(single, engine), prompts)
+    gate = await hold_device(engine)
+    results: dict[RequestId, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _gather(results, all_at_once(partial(single, engine), prompts)))
+        await release_when_queued(engine, gate, len(prompts))
     assert engine.device_profile()["prefill_batched"][0] == 0
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
 
 
-def trio_free_sleep(seconds: float) -> None:
-    """Block the calling (device) thread."""
-    import time
+async def hold_device(engine: MlxEngine) -> threading.Event:
+    """Block the device thread (inside a job, its queue drained) until the returned event is set."""
+    running, gate = threading.Event(), threading.Event()
 
-    time.sleep(seconds)
+    def hold() -> None:
+        running.set()
+        gate.wait()
+
+    engine._submit_nowait(hold)
+    while not running.is_set():
+        await trio.sleep(0.005)
+    return gate
+
+
+async def release_when_queued(engine: MlxEngine, gate: threading.Event, jobs: int) -> None:
+    """Set `gate` once `jobs` jobs wait behind it (polled)."""
+    while engine._queue.qsize() < jobs:
+        await trio.sleep(0.005)
+    gate.set()
+
+
+async def _gather(into: dict[RequestId, list[int]], results: Awaitable[dict[RequestId, list[int]]]) -> None:
+    into.update(await results)
 
 
 # ---------------------------------------------------------------------------------------------
