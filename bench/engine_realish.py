@@ -34,10 +34,10 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any]) -> dict[str, Any]:
     import trio
+    from serve_bench import Mix
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
-    from serve_bench import Mix
     from statecore.ids import RequestId
 
     rng = random.Random(f"engine-realish:{concurrency}")
@@ -87,20 +87,23 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
         profile = {k: [after[k][0] - before[k][0], round(after[k][1] - before[k][1], 3)] for k in after}
         return {"concurrency": concurrency, "tok_s": produced[0] / elapsed, "seconds": elapsed,
                 "ttft_p50_ms": 1000 * (statistics.median(ttfts) if ttfts else 0),
-                "gap_p50_ms": 1000 * (percentile(gaps, 0.5) or 0), "gap_p99_ms": 1000 * (percentile(gaps, 0.99) or 0),
+                "gap_p50_ms": 1000 * (percentile(gaps, 0.5) or 0),
+                "gap_p99_ms": 1000 * (percentile(gaps, 0.99) or 0),
                 "device_profile": profile}
 
     return trio.run(main)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--engine-arg", action="append", default=[], help="NAME=INT passed to MlxEngine.load")
     parser.add_argument("--switch-interval", type=float, default=None,
-                        help="sys.setswitchinterval for the run (a node sets its own; Python's default is 5 ms)")
+                        help="sys.setswitchinterval for the run "
+                             "(a node sets its own; Python's default is 5 ms)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.switch_interval is not None:

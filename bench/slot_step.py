@@ -25,7 +25,7 @@ def main() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from adapters.mlx.slots import SlotPool
+    from adapters.mlx.slots import SlotPool, SlotStepLayer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -71,6 +71,18 @@ def main() -> None:
         return mx.argmax(model(t[:, None], cache=layers)[:, -1, :], axis=-1)
 
     timed(slot_step, "slots (mask, scatter)")
+
+    # The same step with the mask dropped (wrong numbers, timing only): what the mask costs.
+    def unmasked_step(t):
+        layers = pool.step_layers(offsets)
+        for layer in layers:
+            layer._mask = None
+        for i in range(b):
+            offsets[i] += 1
+        return mx.argmax(model(t[:, None], cache=layers)[:, -1, :], axis=-1)
+
+    SlotStepLayer.make_mask = lambda self, n, return_array=False, window_size=None: self._mask
+    timed(unmasked_step, "slots without the mask (timing only)")
 
 
 if __name__ == "__main__":
