@@ -384,6 +384,15 @@ class _LiveCollector:
         yield bugs
         if self.engine is not None:
             stats = self.engine.statistics()
+            for name, doc, count in (
+                ("engine_step_retries", "Model calls the engine computed again after one raised "
+                 "(a transient error that failed no request).", stats.step_retries),
+                ("engine_rows_isolated", "Requests failed alone because their row's model call kept "
+                 "raising; the rest of their batch step went on.", stats.rows_isolated),
+            ):
+                counter = CounterMetricFamily(PREFIX + name, doc, labels=["role"])
+                counter.add_metric([role], count)
+                yield counter
             for name, doc, value in (
                 ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
                 ("kv_held_caches", "Prefilled KV caches held for a handoff.", stats.held_caches),

@@ -215,6 +215,8 @@ class NodeApi:
             "held_caches": engine.held_caches,
             "held_bytes": engine.held_bytes,
             "device_thread_alive": engine.device_thread_alive,
+            "engine_step_retries": engine.step_retries,
+            "engine_rows_isolated": engine.rows_isolated,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
         }
 

@@ -354,10 +354,12 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
     sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
+    faults = Faults.parse(args.inject_fault, args.fault_marker)
     engine = await MlxEngine.load(
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        model_call_hook=faults.model_call_hook(),
     )
     for layer in engine.info.layers:
         if not layer.can_travel:
@@ -368,7 +370,6 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     if role == "decode":
         peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
                            kv_buffer_bytes=args.kv_buffer_bytes)
-    faults = Faults.parse(args.inject_fault, args.fault_marker)
     performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests,
                                 handoffs=handoffs)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST

@@ -123,6 +123,10 @@ class EngineStatistics:
     held_caches: int  # prefilled caches held for a handoff
     held_bytes: int
     device_thread_alive: bool
+    # Counters since start: model calls computed again after one raised, and requests failed
+    # alone because their row kept raising (the rest of their step went on).
+    step_retries: int = 0
+    rows_isolated: int = 0
 
 
 class Engine(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -37,6 +37,11 @@ class Phase(enum.Enum):
     DECODE_STEP = "decode_step"  # the decoder fails after a few tokens
     STREAM_OUT = "stream_out"  # the decode node's stream to the router breaks
     DEVICE_CRASH = "device_crash"  # the engine's device thread dies (the node's transport)
+    # The engine's decode model call raises an untyped RuntimeError inside a step that computes
+    # the request: once (a transient device error: no request may fail), or every time (a
+    # poisoned row: only that request may fail, the rows batched with it decode on).
+    DECODE_CALL_ONCE = "decode_call_once"
+    DECODE_CALL_ALWAYS = "decode_call_always"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,28 @@ class Faults:
             await trio.sleep(slow.slow_s)
         if self.applies(phase, request_id):
             raise StatecoreError(injected(phase))
+
+
+    def model_call_hook(self) -> Callable[[str, Sequence[str]], None] | None:
+        """A check the engine runs inside each model call with its stage ("prefill" or "decode")
+        and the request ids it computes, or None when no model-call fault is armed. Device
+        thread only (it keeps which requests already failed once)."""
+        once, always = Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS
+        if not any(r.phase in (once, always) for r in self.rules):
+            return None
+        fired: set[str] = set()
+
+        def check(stage: str, request_ids: Sequence[str]) -> None:
+            if stage != "decode":
+                return
+            for rid in request_ids:
+                if self.applies(always, rid):
+                    raise RuntimeError(f"injected fault at {always.value} ({rid})")
+                if self.applies(once, rid) and rid not in fired:
+                    fired.add(rid)
+                    raise RuntimeError(f"injected fault at {once.value} ({rid})")
+
+        return check
 
 
 def injected(phase: Phase) -> ErrorInfo:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from adapters.tiny_models import cached_checkpoint
 from effects.faults import ENABLE_ENV, Phase
-from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, without_ids
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, start_cluster, without_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for phase in MATRIX:
         faults += ["--inject-fault", phase.value]
     faults += ["--inject-fault", "kv_encode:slow=2", "--inject-fault", "prefill:slow=2"]
+    for batch_fault in (Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS):
+        faults += ["--inject-fault", batch_fault.value]
     built = start_cluster(
         cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
         node_args=("--internal-token", TOKEN, "--max-kv-bytes", str(MAX_KV_BYTES), *faults),
@@ -66,14 +68,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         built.stop()
 
 
-def _call(cluster: Cluster, body: dict[str, Any], request_id: str, stream: bool) -> tuple[int, list[Any]]:
+def _call(node: Node, body: dict[str, Any], request_id: str, stream: bool) -> tuple[int, list[Any]]:
     """(status, parsed pieces): the JSON body, or the SSE data payloads."""
     headers = {"x-request-id": request_id}
     if not stream:
-        r = httpx.post(f"{cluster.router.url}/v1/completions", json=body, headers=headers, timeout=60)
+        r = httpx.post(f"{node.url}/v1/completions", json=body, headers=headers, timeout=60)
         return r.status_code, [r.json()]
     pieces: list[Any] = []
-    with httpx.stream("POST", f"{cluster.router.url}/v1/completions", json={**body, "stream": True},
+    with httpx.stream("POST", f"{node.url}/v1/completions", json={**body, "stream": True},
                       headers=headers, timeout=60) as r:
         if r.status_code != 200:
             r.read()
@@ -91,8 +93,8 @@ def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bo
     expected_good = without_ids(post(cluster.single, "/v1/completions", GOOD).json())
     marked = f"inject-fault-{phase.value}-{'s' if stream else 'j'}"
     with ThreadPoolExecutor(4) as pool:
-        bad = pool.submit(_call, cluster, {**GOOD, "max_tokens": 8}, marked, stream)
-        goods = [pool.submit(_call, cluster, GOOD, f"good-{phase.value}-{i}-{stream}", False)
+        bad = pool.submit(_call, cluster.router, {**GOOD, "max_tokens": 8}, marked, stream)
+        goods = [pool.submit(_call, cluster.router, GOOD, f"good-{phase.value}-{i}-{stream}", False)
                  for i in range(3)]
         status, pieces = bad.result()
         for good in goods:
@@ -111,6 +113,57 @@ def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bo
     for node in cluster.nodes:
         assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
     assert post(cluster.router, "/v1/completions", GOOD).status_code == 200  # the next one succeeds
+
+
+def _error_of(status: int, pieces: list[Any], stream: bool) -> dict[str, Any]:
+    """The OpenAI-shaped error a failed call carried: its HTTP body, or (once output began) its
+    last event before [DONE]."""
+    if status != 200:
+        assert 400 <= status < 600, status
+        error: dict[str, Any] = pieces[0]["error"]
+        return error
+    assert stream and pieces[-1] == "[DONE]" and "error" in pieces[-2], pieces
+    error = pieces[-2]["error"]
+    return error
+
+
+def _text(status: int, pieces: list[Any], stream: bool) -> str:
+    assert status == 200, pieces
+    if not stream:
+        text: str = pieces[0]["choices"][0]["text"]
+        return text
+    assert pieces[-1] == "[DONE]" and not any("error" in p for p in pieces[:-1]), pieces
+    return "".join(p["choices"][0]["text"] for p in pieces[:-1] if p["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("through", ["single", "cluster"])
+def test_a_failing_batch_step_fails_only_its_culprit(cluster: Cluster, through: str, stream: bool) -> None:
+    """An untyped error inside a decode step's model call: raised once (transient), no request
+    fails; raised every time one row is in the call (poisoned), only that request fails."""
+    entry = cluster.single if through == "single" else cluster.router
+    decoders = [cluster.single] if through == "single" else cluster.decode
+    before = [node.stats() for node in decoders]
+    expected = post(cluster.single, "/v1/completions", GOOD).json()["choices"][0]["text"]
+    tag = f"{through}-{'s' if stream else 'j'}"
+    with ThreadPoolExecutor(5) as pool:
+        transient = pool.submit(_call, entry, GOOD, f"inject-fault-decode_call_once-{tag}", stream)
+        poisoned = pool.submit(_call, entry, GOOD, f"inject-fault-decode_call_always-{tag}", stream)
+        goods = [pool.submit(_call, entry, GOOD, f"good-batch-{tag}-{i}", stream) for i in range(3)]
+        assert _text(*transient.result(), stream) == expected
+        for good in goods:
+            assert _text(*good.result(), stream) == expected
+        error = _error_of(*poisoned.result(), stream)
+    assert error["code"] == "engine_failed" and "decode_call_always" in error["message"], error
+    after = [node.stats() for node in decoders]
+    grew = {key: sum(a[key] - b[key] for a, b in zip(after, before, strict=True))
+            for key in ("engine_step_retries", "engine_rows_isolated")}
+    # At least one retry: two when the transient and the poisoned row raised in separate steps.
+    assert grew["engine_rows_isolated"] == 1 and grew["engine_step_retries"] >= 1, grew
+    assert_no_leaks([entry, *decoders])
+    for node in decoders:
+        assert node.stats()["bugs"] == 0
+        assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
 
 
 def test_client_disconnect_frees_the_decode_slot_within_a_second(cluster: Cluster) -> None:

@@ -12,6 +12,7 @@ import json
 import shutil
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +53,7 @@ class Opener(Protocol):
         trust_remote_code: bool = ...,
         max_batch: int = ...,
         prefill_batch: int = ...,
+        model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
 
@@ -71,7 +73,7 @@ async def open_engine() -> AsyncIterator[Opener]:
         for engine in opened:
             if engine.statistics().device_thread_alive:
                 await flush(engine)
-                assert engine.statistics() == IDLE
+                assert replace(engine.statistics(), step_retries=0, rows_isolated=0) == IDLE
     finally:
         for engine in opened:
             await engine.aclose()
@@ -377,6 +379,116 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
         await release_when_queued(engine, gate, len(prompts))
     assert engine.device_profile()["prefill_batched"][0] == 0
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model calls that raise: a transient error fails no request, a poisoned row only itself
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+
+
+async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]], sampling: SamplingParams
+                       ) -> dict[RequestId, list[int] | StatecoreError]:
+    """Every prompt prefilled in one step (the device is held until all are queued), then
+    decoded side by side; each request's tokens, or the error it ended with."""
+    got: dict[RequestId, list[int] | StatecoreError] = {}
+
+    async def one(rid: RequestId) -> None:
+        try:
+            got[rid] = await single(engine, rid, prompts[rid], sampling)
+        except StatecoreError as exc:
+            got[rid] = exc
+
+    gate = await hold_device(engine)
+    async with trio.open_nursery() as nursery:
+        for rid in prompts:
+            nursery.start_soon(one, rid)
+        await release_when_queued(engine, gate, len(prompts))
+    return got
+
+
+def six_prompts(tag: str) -> dict[RequestId, list[int]]:
+    return {RequestId(f"{tag}{i}"): prompt_of(9 + 4 * i, salt=i) for i in range(6)}
+
+
+async def clean_run(open_engine: Opener, path: Path, prompts: dict[RequestId, list[int]],
+                    sampling: SamplingParams) -> dict[RequestId, list[int] | StatecoreError]:
+    return await run_together(await open_engine(path), prompts, sampling)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Opener, sampling: SamplingParams
+                                                               ) -> None:
+    path = cached_checkpoint("llama")
+    failed: list[list[str]] = []
+
+    def once(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and len(request_ids) > 1 and not failed:
+            failed.append(list(request_ids))
+            raise RuntimeError("injected: a transient error in a batched decode step")
+
+    prompts = six_prompts("t")
+    expected = await clean_run(open_engine, path, prompts, sampling)
+    engine = await open_engine(path, model_call_hook=once)
+    got = await run_together(engine, prompts, sampling)
+    assert len(failed) == 1 and len(failed[0]) > 1  # it raised in a batch of several rows
+    assert got == expected
+    if sampling is GREEDY:
+        assert got == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    stats = engine.statistics()
+    assert (stats.step_retries, stats.rows_isolated) == (1, 0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: Opener,
+                                                                   sampling: SamplingParams) -> None:
+    path = cached_checkpoint("llama")
+    poisoned = RequestId("p3")
+    batch_sizes: list[int] = []
+
+    def poison(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and poisoned in request_ids:
+            batch_sizes.append(len(request_ids))
+            raise RuntimeError("injected: this row always breaks its decode step")
+
+    prompts = six_prompts("p")
+    expected = await clean_run(open_engine, path, prompts, sampling)
+    engine = await open_engine(path, model_call_hook=poison)
+    got = await run_together(engine, prompts, sampling)
+    error = got.pop(poisoned)
+    assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+    assert "RuntimeError" in error.info.message
+    assert got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
+    assert max(batch_sizes) > 1 and min(batch_sizes) == 1  # found in a batch, failed alone
+    stats = engine.statistics()
+    assert stats.rows_isolated == 1 and stats.step_retries >= 1 and stats.device_thread_alive
+    assert await single(engine, RequestId("after"), prompt_of(20)) == reference(path, prompt_of(20))
+
+
+async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raising_fails_alone(
+    open_engine: Opener,
+) -> None:
+    path = cached_checkpoint("llama")
+    flaky, broken = RequestId("f1"), RequestId("f4")
+    raised: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage != "prefill":
+            return
+        if broken in request_ids or (flaky in request_ids and flaky not in raised):
+            raised.extend(request_ids)
+            raise RuntimeError("injected: a prefill call raised")
+
+    # Long prompts (several chunks each) so that each is prefilled on its own, chunk by chunk.
+    prompts = {RequestId(f"f{i}"): prompt_of(40 + 5 * i, salt=i) for i in range(6)}
+    engine = await open_engine(path, model_call_hook=hook)
+    got = await run_together(engine, prompts, GREEDY)
+    error = got.pop(broken)
+    assert isinstance(error, StatecoreError) and error.info.code is Code.INTERNAL, error
+    assert got == {rid: reference(path, p) for rid, p in prompts.items() if rid != broken}
+    assert raised.count(flaky) == 1 and raised.count(broken) == 2  # the broken one: tried twice
+    assert engine.statistics().step_retries == 2
 
 
 async def hold_device(engine: MlxEngine) -> threading.Event:

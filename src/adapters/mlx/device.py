@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,25 @@ class _InFlight:
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
 
 
+class _CheckedModel:
+    """The model with the test hook in its call (only when a test armed one, e.g. `--inject-fault
+    decode_call_once`): the hook sees the call's stage ("prefill" or "decode") and the requests
+    it computes, and may raise from inside the call."""
+
+    def __init__(self, model: Any, loop: DeviceLoop) -> None:
+        self._model = model
+        self._loop = loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hook = self._loop.model_call_hook
+        if hook is not None:
+            hook(*self._loop.computing)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 class DeviceLoop:
     """All device-thread state. Only the device thread calls its methods (after `load`)."""
 
@@ -132,6 +151,12 @@ class DeviceLoop:
         self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
         self.publish: Callable[[], None] = lambda: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
+        self.step_retries = 0  # model calls computed again after one raised
+        self.rows_isolated = 0  # requests failed alone because their row's model call kept raising
+        # Tests only (--inject-fault model_call_*): runs before each model call with the request
+        # ids it computes, inside the model's call, and may raise.
+        self.model_call_hook: Callable[[str, Sequence[str]], None] | None = None
+        self.computing: tuple[str, Sequence[str]] = ("", ())  # (stage, request ids) of the next call
         self.profile: dict[str, tuple[int, float]] = {
             kind: (0, 0.0) for kind in ("step", "prefill_chunks", "prefill_batched", "other_job", "readback")
         }
@@ -141,7 +166,7 @@ class DeviceLoop:
     def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
                   probe_cache: list[Any]) -> None:
         s = self.settings
-        self.model = model
+        self.model = model if self.model_call_hook is None else _CheckedModel(model, self)
         self.eos = eos
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -246,6 +271,7 @@ class DeviceLoop:
                 StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
+            self.computing = ("", ())
             if outputs:
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
         built = bool(outputs) or bool(current.failed_prefills)
@@ -265,12 +291,44 @@ class DeviceLoop:
         self.publish()
 
     def build_slot_step(self, rows: list[Live], current: _InFlight) -> list[Any]:
+        """Every slot row's token in one model call.
+
+        A call that raises while it is built changes nothing the next call reads (each row's
+        new key and value land at the row's own position, which a second call writes again),
+        so it is built once more; if that raises too, the rows are split in halves until each
+        failing row stands alone: that request fails, every other row decodes this step.
+        """
         pool = self.pool
         assert pool is not None
         count = pool.rows([live.slot for live in rows if live.slot is not None])
-        offsets = [0] * count
+        inputs = self.slot_inputs(rows, count)
+        positions = [live.sampler.position for live in rows]
+        try:
+            tokens = self.slot_call(rows, inputs, count)
+        except Exception as exc:
+            self.step_retries += 1
+            logger.warning("a decode step of %d rows raised (%s: %s); computing it again",
+                           len(rows), type(exc).__name__, exc)
+            self.rewind(rows, positions)
+            try:
+                tokens = self.slot_call(rows, inputs, count)
+            except Exception:
+                self.rewind(rows, positions)
+                tokens, rows = self.isolate(rows, inputs, count)
         owners: list[Live | None] = [None] * count
-        samplers: list[PositionSampler | None] = [None] * count
+        for live in rows:
+            assert live.slot is not None
+            owners[live.slot] = live
+            live.fed = True
+            live.offset += 1
+        self.last_tokens = tokens
+        current.tokens = tokens
+        current.owners = owners
+        return [tokens, *pool.keys, *pool.values]
+
+    def slot_inputs(self, rows: list[Live], count: int) -> Any:
+        """The (count,) input tokens of a slot step: a row fed before takes the previous step's
+        token straight from the device; a new row (or one after a reset) its host token."""
         host_tokens = [0] * count
         from_host = [True] * count
         previous = self.last_tokens
@@ -278,28 +336,80 @@ class DeviceLoop:
         for live in rows:
             slot = live.slot
             assert slot is not None
-            offsets[slot] = live.offset
-            owners[slot] = live
-            samplers[slot] = None if live.sampler.sampling.greedy else live.sampler
             if live.fed and slot < carried:
                 from_host[slot] = False
             else:
                 host_tokens[slot] = live.last_token
-            live.fed = True
-            live.offset += 1
         inputs = mx.array(host_tokens, dtype=mx.uint32)
-        if not all(from_host):
-            if carried >= count:
-                on_device = previous[:count]
-            else:
-                on_device = mx.concatenate([previous, mx.zeros((count - carried,), dtype=previous.dtype)])
-            inputs = mx.where(mx.array(from_host), inputs, on_device.astype(mx.uint32))
+        if all(from_host):
+            return inputs
+        if carried >= count:
+            on_device = previous[:count]
+        else:
+            on_device = mx.concatenate([previous, mx.zeros((count - carried,), dtype=previous.dtype)])
+        return mx.where(mx.array(from_host), inputs, on_device.astype(mx.uint32))
+
+    def slot_call(self, rows: list[Live], inputs: Any, count: int) -> Any:
+        """Build one model call over the first `count` slots; the (count,) sampled tokens
+        (free slots in that range compute a throwaway row at position 0)."""
+        pool = self.pool
+        assert pool is not None
+        offsets = [0] * count
+        samplers: list[PositionSampler | None] = [None] * count
+        for live in rows:
+            assert live.slot is not None
+            offsets[live.slot] = live.offset
+            samplers[live.slot] = None if live.sampler.sampling.greedy else live.sampler
+        self.computing = ("decode", [live.request_id for live in rows])
         logits = self.model(inputs[:, None], cache=pool.step_layers(offsets))[:, -1, :]
-        tokens = sample_rows(log_softmax(logits), samplers)
-        self.last_tokens = tokens
-        current.tokens = tokens
-        current.owners = owners
-        return [tokens, *pool.keys, *pool.values]
+        return sample_rows(log_softmax(logits), samplers)
+
+    def isolate(self, rows: list[Live], inputs: Any, count: int) -> tuple[Any, list[Live]]:
+        """Compute the step in ever smaller groups of rows; a row whose call raises even alone
+        fails. Returns the (count,) tokens of the rows that computed, and those rows."""
+        pool = self.pool
+        assert pool is not None
+        tokens = mx.zeros((count,), dtype=mx.uint32)
+        survivors: list[Live] = []
+        culprits: list[tuple[Live, Exception]] = []
+        groups = [rows[: len(rows) // 2], rows[len(rows) // 2 :]] if len(rows) > 1 else [rows]
+        while groups:
+            group = groups.pop()
+            if not group:
+                continue
+            slots = [live.slot for live in group]
+            positions = [live.sampler.position for live in group]
+            self.computing = ("decode", [live.request_id for live in group])
+            try:
+                where = mx.array(slots, dtype=mx.int32)
+                layers = pool.step_layers([live.offset for live in group], slots)  # type: ignore[arg-type]
+                logits = self.model(inputs[where][:, None], cache=layers)[:, -1, :]
+                sampled = sample_rows(log_softmax(logits), [
+                    None if live.sampler.sampling.greedy else live.sampler for live in group])
+                tokens[where] = sampled.astype(mx.uint32)
+            except Exception as exc:
+                self.rewind(group, positions)
+                if len(group) == 1:
+                    culprits.append((group[0], exc))
+                else:
+                    groups += [group[: len(group) // 2], group[len(group) // 2 :]]
+            else:
+                survivors.extend(group)
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        for live, raised in culprits:
+            self.rows_isolated += 1
+            logger.error("request %s fails alone: its decode step raised %s: %s",
+                         live.request_id, type(raised).__name__, raised)
+            error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
+            self.end(live, error, deliveries)
+        self.hand_out(deliveries)
+        return tokens, survivors
+
+    @staticmethod
+    def rewind(rows: Sequence[Live], positions: Sequence[int]) -> None:
+        """Undo what a failed call's sampling advanced (each seeded draw takes the next position)."""
+        for live, position in zip(rows, positions, strict=True):
+            live.sampler.position = position
 
     def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
         started = time.perf_counter()
@@ -312,14 +422,16 @@ class DeviceLoop:
                 members = [short[i] for i in group]
                 if len(members) < 2:
                     continue
+                self.computing = ("prefill", [task.request_id for task in members])
                 try:
                     run_short_batch(self.model, members)
                 except Exception:
                     # One prompt must not fail its neighbours: they run alone below.
                     logger.exception("a batched prefill of %d prompts failed; running them alone",
                                      len(members))
+                    self.step_retries += 1
                     for task in members:
-                        task.cache, task.first, task.done_chunks, task.done_tokens = None, None, 0, 0
+                        task.restart()
                     continue
                 self.account("prefill_batched", started, len(members))
                 for task in members:
@@ -327,9 +439,18 @@ class DeviceLoop:
         for task, chunks in tasks:
             if task.first is not None:
                 continue
+            self.computing = ("prefill", [task.request_id])
             try:
                 run_chunks(self.model, task, chunks, self.quantize)
             except Exception as exc:
+                if not task.retried and not isinstance(exc, StatecoreError):
+                    # Once more from its first token, in a later step: prefill is a pure function
+                    # of the prompt, so a transient error costs time, not the request.
+                    self.step_retries += 1
+                    logger.warning("prefill of %s raised (%s: %s); starting it again",
+                                   task.request_id, type(exc).__name__, exc)
+                    task.restart()
+                    continue
                 logger.exception("prefill failed for %s", task.request_id)
                 del self.waiting[task.request_id]
                 current.failed_prefills.append((task, as_statecore(exc)))
@@ -433,6 +554,7 @@ class DeviceLoop:
 
     def merge_step(self) -> None:
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        self.computing = ("decode", [live.request_id for live in self.by_uid.values()])
         try:
             _, responses = self.batch.next()
         except Exception as exc:
@@ -461,6 +583,7 @@ class DeviceLoop:
         """One generate_step-style step for a single sequence."""
         assert live.solo_cache is not None
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        self.computing = ("decode", [live.request_id])
         try:
             with mx.stream(generation_stream):
                 logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]

@@ -94,6 +94,7 @@ class MlxEngine:
         prefill_batch: int = 32,
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
+        model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
 
@@ -103,6 +104,9 @@ class MlxEngine:
         prefilled in one padded call when the padding stays within `max_padding` of their tokens
         (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
         decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
+
+        `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
+        stage ("prefill" or "decode") and the request ids it computes, and may raise.
 
         A model dir whose config.json names a `model_file` (custom Python) is refused unless
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
@@ -131,6 +135,7 @@ class MlxEngine:
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens)
         engine = cls(Path(model_dir), settings, trust_remote_code)
+        engine._device.model_call_hook = model_call_hook
         try:
             engine._info = await engine._call(engine._load_on_device)
         except BaseException:
@@ -437,7 +442,7 @@ class MlxEngine:
     def _die(self, error: StatecoreError) -> None:
         with self._state_lock:
             self._alive = False
-        self._stats = EngineStatistics(0, 0, 0, False)
+        self._stats = EngineStatistics(0, 0, 0, False, self._device.step_retries, self._device.rows_isolated)
         self._device.die(error)
 
     def _drop(self, request_id: str) -> None:
@@ -457,6 +462,8 @@ class MlxEngine:
             held_caches=len(device.held),
             held_bytes=sum(h.nbytes for h in device.held.values()),
             device_thread_alive=True,
+            step_retries=device.step_retries,
+            rows_isolated=device.rows_isolated,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

@@ -39,6 +39,13 @@ class PrefillTask:
     cache: list[Any] | None = None
     first: Any = None  # the first token, lazily, once the last chunk is built
     job: Any = field(default=None, repr=False)
+    retried: bool = False  # restarted once after its model call raised
+
+    def restart(self) -> None:
+        """Forget what was computed: the next step starts the prompt again from its first chunk."""
+        self.cache, self.first, self.done_chunks, self.done_tokens = None, None, 0, 0
+        self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
+        self.retried = True
 
     @property
     def chunks_left(self) -> tuple[int, ...]:

@@ -89,21 +89,29 @@ class SlotPool:
             self.keys[index][slot : slot + 1, :, :tokens, :] = layer.keys[..., :tokens, :]
             self.values[index][slot : slot + 1, :, :tokens, :] = layer.values[..., :tokens, :]
 
-    def step_layers(self, offsets: Sequence[int]) -> list[SlotStepLayer]:
-        """The caches one decode step hands the model: row i is slot i, writing at offsets[i]."""
+    def step_layers(self, offsets: Sequence[int], slots: Sequence[int] | None = None) -> list[SlotStepLayer]:
+        """The caches one decode step hands the model: row i is slot i (or `slots[i]` when a
+        subset of slots is given, as when a failed step is retried in parts), writing at
+        offsets[i]. The whole leading range reads the buffers in place; a subset gathers its rows."""
         rows = len(offsets)
         length = max(offsets) + 1
         positions = mx.array(list(offsets), dtype=mx.int32)
         # Row i may see positions 0..offsets[i] (its history and the token it adds now).
         mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
-        row_index = mx.arange(rows)[:, None]
+        if slots is None:
+            row_index = mx.arange(rows)[:, None]
+        else:
+            if len(slots) != rows:
+                raise ValueError("one offset per slot")
+            row_index = mx.array(list(slots), dtype=mx.int32)[:, None]
         head_index: dict[int, Any] = {}
         layers = []
         for index in range(self.num_layers):
             heads = self.keys[index].shape[1]
             if heads not in head_index:
                 head_index[heads] = mx.arange(heads)[None, :]
-            layers.append(SlotStepLayer(self, index, positions, row_index, head_index[heads], mask, length))
+            layers.append(SlotStepLayer(self, index, positions, row_index, head_index[heads], mask, length,
+                                        gather=slots is not None))
         return layers
 
 
@@ -111,7 +119,7 @@ class SlotStepLayer:
     """One layer's cache as the model sees it during one decode step over the pool's first rows."""
 
     def __init__(self, pool: SlotPool, index: int, positions: Any, row_index: Any, head_index: Any,
-                 mask: Any, length: int) -> None:
+                 mask: Any, length: int, gather: bool = False) -> None:
         self._pool = pool
         self._index = index
         self.offset = positions  # per-row RoPE offsets (mx.fast.rope takes an array)
@@ -119,6 +127,7 @@ class SlotStepLayer:
         self._heads = head_index
         self._mask = mask
         self._length = length
+        self._gather = gather
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         pool, i = self._pool, self._index
@@ -131,6 +140,9 @@ class SlotStepLayer:
         v = pool.values[i]
         v[where] = values[:, :, 0, :]
         pool.values[i] = v
+        if self._gather:
+            slots = self._rows[:, 0]
+            return k[slots, :, : self._length, :], v[slots, :, : self._length, :]
         return k[:rows, :, : self._length, :], v[:rows, :, : self._length, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
