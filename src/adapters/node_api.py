@@ -166,6 +166,7 @@ class NodeApi:
     ) -> None:
         self.role = role
         self.warnings = warnings or []  # start-up warnings, repeated in /health
+        self.lost_reason: str | None = None  # why the engine (this node's transport) is lost
         self.kv_buffer_bytes = kv_buffer_bytes  # a decode node's kept receive buffers
         self.engine = engine
         self.runner = runner
@@ -191,10 +192,16 @@ class NodeApi:
             ]
         return [*common, Route("/internal/decode", guarded(g, self.decode), methods=["POST"])]
 
+    def lose(self, reason: str) -> None:
+        """The engine (this node's transport) is lost: health says why from now on."""
+        self.lost_reason = reason
+
     async def health(self, request: Request) -> Response:
-        details = {"warnings": self.warnings} if self.warnings else {}
-        if self.runner.ready() and self.engine.statistics().device_thread_alive:
+        details: dict[str, object] = {"warnings": self.warnings} if self.warnings else {}
+        if self.lost_reason is None and self.runner.ready() and self.engine.statistics().device_thread_alive:
             return JSONResponse({"status": "ok", **details})
+        if self.lost_reason is not None:
+            details["reason"] = self.lost_reason
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:

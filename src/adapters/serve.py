@@ -46,6 +46,7 @@ from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
 from adapters.peers_httpx import DEFAULT_KV_BUFFER_BYTES, HttpxPeers
 from effects.backend import local_backend, router_backend
+from effects.engine_port import EngineStatistics
 from effects.faults import DEFAULT_MARKER, Faults
 from effects.handoffs import HandoffLog
 from effects.health import PeerSet
@@ -168,6 +169,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="seconds a held KV waits (default 60)")
     run.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
                      help="seconds a request may live (default 600)")
+    run.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
+                     help="engine nodes: seconds the engine may be busy without finishing a step "
+                          "before the node counts as hung: its requests fail, /health turns 503 and "
+                          "it exits 3 for its supervisor to restart (default 180; 0 = never)")
     run.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
                      help="seconds to finish in-flight requests on SIGTERM (default 30)")
     run.add_argument("--max-in-flight", type=_whole(1), default=256,
@@ -275,11 +280,25 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
     await runner.post_loop(DrainRequested())
 
 
-async def _watch_device(runner: NodeRunner[Any], alive: Callable[[], bool]) -> None:
-    while alive():
+async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
+                        stall_timeout_s: float, lost: Callable[[str], None]) -> None:
+    """The engine is the node's transport: it is lost when its device thread dies, or when it
+    has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
+    cannot be interrupted, so only a restart gets the node back). Either way every live request
+    fails (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
+    while True:
+        now = stats()
+        if not now.device_thread_alive:
+            reason = "the MLX device thread died"
+            break
+        if stall_timeout_s > 0 and now.stalled_s > stall_timeout_s:
+            reason = (f"the engine made no progress for {now.stalled_s:.1f} s with work live "
+                      f"(--stall-timeout {stall_timeout_s:g})")
+            break
         await trio.sleep(0.1)
-    log.error("the MLX device thread died: the loop's transport is lost")
-    await runner.post_loop(TransportLost("MLX device thread died"))
+    log.error("%s: the loop's transport is lost", reason)
+    lost(reason)
+    await runner.post_loop(TransportLost(reason))
 
 
 def hypercorn_config(listener: socket.socket) -> Config:
@@ -398,19 +417,23 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
             await nursery.start(live.run)
-            nursery.start_soon(_watch_device, runner, lambda: engine.statistics().device_thread_alive)
+            def lose_engine(reason: str) -> None:
+                api.lose(reason)
+                engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
+
+            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine)
             log.info("%s node serving on %s (MLX computes with: %s)", role, listener_url(listener),
                      _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery)
             nursery.cancel_scope.cancel()
-        lost = not engine.statistics().device_thread_alive  # before aclose stops the thread
+        lost = api.lost_reason is not None
     finally:
-        await engine.aclose()
+        # A stalled device thread never finishes its step: do not wait for it.
+        await engine.aclose(join_timeout_s=1.0 if api.lost_reason is not None else None)
         if peers:
             await peers.aclose()
     if lost:
-        log.error("exiting with %d: the loop's transport (the MLX device thread) was lost",
-                  EXIT_TRANSPORT_LOST)
+        log.error("exiting with %d: the loop's transport was lost (%s)", EXIT_TRANSPORT_LOST, api.lost_reason)
         return EXIT_TRANSPORT_LOST
     log.log(_stop_log_level(), "drained; exiting 0")
     return 0

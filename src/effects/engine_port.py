@@ -127,6 +127,9 @@ class EngineStatistics:
     # alone because their row kept raising (the rest of their step went on).
     step_retries: int = 0
     rows_isolated: int = 0
+    # Seconds the engine has been busy without finishing a step or a job (0 while idle): what
+    # the node's progress watchdog reads (--stall-timeout).
+    stalled_s: float = 0.0
 
 
 class Engine(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ class Phase(enum.Enum):
     # poisoned row: only that request may fail, the rows batched with it decode on).
     DECODE_CALL_ONCE = "decode_call_once"
     DECODE_CALL_ALWAYS = "decode_call_always"
+    DECODE_CALL_HANG = "decode_call_hang"  # the decode model call never returns (a device hang)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +112,8 @@ class Faults:
         """A check the engine runs inside each model call with its stage ("prefill" or "decode")
         and the request ids it computes, or None when no model-call fault is armed. Device
         thread only (it keeps which requests already failed once)."""
-        once, always = Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS
-        if not any(r.phase in (once, always) for r in self.rules):
+        once, always, hang = Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS, Phase.DECODE_CALL_HANG
+        if not any(r.phase in (once, always, hang) for r in self.rules):
             return None
         fired: set[str] = set()
 
@@ -119,6 +121,8 @@ class Faults:
             if stage != "decode":
                 return
             for rid in request_ids:
+                if self.applies(hang, rid):
+                    threading.Event().wait()  # forever: only the watchdog gets the node out
                 if self.applies(always, rid):
                     raise RuntimeError(f"injected fault at {always.value} ({rid})")
                 if self.applies(once, rid) and rid not in fired:

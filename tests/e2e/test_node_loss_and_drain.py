@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -130,3 +131,39 @@ def test_a_dead_prefill_node_is_retried_around_before_the_first_token(tmp_path: 
         assert_no_leaks([cluster.router, cluster.prefill[1], *cluster.decode])
     finally:
         cluster.stop()
+
+
+def test_a_hung_engine_is_caught_by_the_watchdog(tmp_path: Path) -> None:
+    """The model call never returns: after --stall-timeout the node fails its requests with a
+    typed error, says why in /health and its log, and exits 3 (for its supervisor to restart)."""
+    import os
+
+    from effects.faults import ENABLE_ENV
+
+    os.environ[ENABLE_ENV] = "1"
+    node = Node("single", ["--model", str(cached_checkpoint("llama")), "--stall-timeout", "1",
+                           "--inject-fault", "decode_call_hang"], tmp_path / "single.log")
+    start_nodes([node])
+    healths: list[httpx.Response] = []
+
+    def watch_health() -> None:
+        while node.process is not None and node.process.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                healths.append(httpx.get(f"{node.url}/health", timeout=2))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    started = time.monotonic()
+    r = httpx.post(f"{node.url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60,
+                   headers={"x-request-id": "inject-fault-decode_call_hang-1"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "transport_lost", r.text
+    assert "no progress" in r.json()["error"]["message"]
+    assert node.process is not None
+    assert node.process.wait(timeout=30) == 3
+    assert time.monotonic() - started < 30
+    watcher.join()
+    assert healths and healths[0].status_code == 200  # healthy while it worked
+    stalled = [h.json() for h in healths if h.status_code == 503]
+    assert not stalled or "no progress" in stalled[-1]["reason"], stalled  # it may exit first
+    assert "made no progress" in node.log.read_text()

@@ -4,7 +4,7 @@ terminal state and reason, prompt sources, the chained transition hook, KV bytes
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -27,6 +27,13 @@ from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST
 
 MARKER = 999
+
+
+async def settled(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll until `condition` holds: both requests' ends are counted as their loops finish."""
+    with trio.fail_after(timeout_s):
+        while not condition():
+            await trio.sleep(0.01)
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
@@ -73,8 +80,8 @@ async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
     assert sum(isinstance(o, TokenOut) for o in outputs) == 5
     failed = await node.generate([3, MARKER], max_tokens=5)
     assert isinstance(failed[-1], GenerationError)
-    await trio.sleep(0.05)
     m = node.metrics
+    await settled(lambda: sample(m, "statecore:e2e_request_latency_seconds_count") == 2)
     assert sample(m, "statecore:generation_tokens_total") == 5
     assert sample(m, "statecore:time_to_first_token_seconds_count") == 1
     assert sample(m, "statecore:inter_token_latency_seconds_count") == 4
@@ -101,8 +108,9 @@ async def test_a_cancellation_and_a_stop_are_not_failures(node: Node) -> None:
     async for _ in stopped:
         await stopped.stop()
         break
-    await trio.sleep(0.05)
     m = node.metrics
+    await settled(lambda: sum(sample(m, "statecore:requests_total", state=state, reason=reason)
+                              for state, reason in (("cancelled", "cancelled"), ("done", "stop"))) == 2)
     assert sample(m, "statecore:requests_total", state="cancelled", reason="cancelled") == 1
     assert sample(m, "statecore:requests_total", state="done", reason="stop") == 1
     assert not [entry for entry in node.logged if entry[1] == "failed"]

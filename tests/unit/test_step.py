@@ -132,7 +132,7 @@ CASES = [
     Case(DECODE_REQUEST, DecodePhase.DECODING, TransportLost("peer EOF"), DecodePhase.FAILED,
          [CancelTimer(RID), StopDecoding(RID), Reject(RID, ErrorInfo(
              Fault.TRANSPORT, Code.TRANSPORT_LOST,
-             "a connection this request depended on was lost while it was decoding"))]),
+             "a connection this request depended on was lost while it was decoding: peer EOF"))]),
     Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, PeerFailed(PEER), DecodePhase.FAILED,
          [CancelTimer(RID), CancelRemote(RID), Reject(RID, PEER)]),
     Case(DECODE_REQUEST, DecodePhase.DECODING, ClientCancelled(), DecodePhase.CANCELLED,

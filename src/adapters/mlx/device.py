@@ -151,6 +151,9 @@ class DeviceLoop:
         self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
         self.publish: Callable[[], None] = lambda: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
+        self.running: Job[Any] | None = None  # the job being computed now
+        self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
+        self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
         self.rows_isolated = 0  # requests failed alone because their row's model call kept raising
         # Tests only (--inject-fault model_call_*): runs before each model call with the request
@@ -200,7 +203,13 @@ class DeviceLoop:
     def run(self) -> None:
         while True:
             busy = bool(self.live or self.waiting or self.inflight)
-            jobs: list[Job[Any] | Stop | Crash] = [] if busy else [self.queue.get()]
+            jobs: list[Job[Any] | Stop | Crash] = []
+            if not busy:
+                self.idle = True
+                jobs.append(self.queue.get())
+                # progress_at before idle: a reader that sees busy also sees a fresh start time.
+                self.progress_at = time.monotonic()
+                self.idle = False
             while True:
                 try:
                     jobs.append(self.queue.get_nowait())
@@ -212,12 +221,22 @@ class DeviceLoop:
                 if isinstance(job, Crash):
                     raise InjectedCrash("device loop crash injected by a test")
                 self.run_job(job)
+                self.progress_at = time.monotonic()
             self.step()
+            self.progress_at = time.monotonic()
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has been busy without finishing a job or a step (0 while it waits
+        for work). Read from any thread: the watchdog's one input."""
+        if self.idle:
+            return 0.0
+        return max(0.0, time.monotonic() - self.progress_at)
 
     def run_job(self, job: Job[Any]) -> None:
         if job.is_abandoned():
             return
         started = time.perf_counter()
+        self.running = job
         try:
             value = job.work()
         except Exception as exc:
@@ -227,6 +246,8 @@ class DeviceLoop:
         else:
             if not job.deferred:
                 self.finish(job, Outcome(value=value))
+        finally:
+            self.running = None
         self.account("other_job", started)
 
     def finish(self, job: Job[Any], result: Outcome[Any]) -> None:
@@ -655,7 +676,12 @@ class DeviceLoop:
             post(leaving.token, deliver, [(leaving.send, None, True)])
 
     def die(self, error: StatecoreError) -> None:
-        """Leave everything dead: fail queued jobs, waiting prefills and live streams."""
+        """Leave everything dead: fail the running and queued jobs, waiting prefills and live
+        streams. Also called from trio when the watchdog abandons a stalled thread."""
+        running = self.running
+        if running is not None and running.done is not None:
+            running.outcome = Outcome(error=error)
+            post(running.token, running.done.set)
         while True:
             try:
                 job = self.queue.get_nowait()

@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -280,21 +281,27 @@ class MlxEngine:
             await self._call(lambda: self._drop(request_id))
 
     def statistics(self) -> EngineStatistics:
-        return replace(self._stats, device_thread_alive=self._alive)
+        stalled = self._device.stalled_s() if self._alive else 0.0
+        return replace(self._stats, device_thread_alive=self._alive, stalled_s=stalled)
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
         return dict(self._device.profile)
 
-    async def aclose(self) -> None:
-        """Stop the device thread; every held cache and live request is dropped."""
+    async def aclose(self, join_timeout_s: float | None = None) -> None:
+        """Stop the device thread; every held cache and live request is dropped.
+
+        Waits for the thread's current step (joining lets MLX's thread-local state go before
+        exit), at most `join_timeout_s` when given: a stalled thread is left behind (it is a
+        daemon, so the process can still exit)."""
         for receive in self._streams.values():
             receive.close()
         self._streams.clear()
         self._stop_nowait()
         with trio.CancelScope(shield=True):
-            # Within one step; joining lets MLX's thread-local state go before exit.
-            await trio.to_thread.run_sync(self._thread.join)
+            await trio.to_thread.run_sync(partial(self._thread.join, join_timeout_s))
+        if self._thread.is_alive():
+            logger.error("the device thread did not stop within %.1f s; leaving it behind", join_timeout_s)
 
     # -- test hooks ----------------------------------------------------------------------------
 
@@ -438,6 +445,17 @@ class MlxEngine:
             self._die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
         else:
             self._die(engine_failed("the engine is closed"))
+
+    def abandon(self, reason: str) -> None:
+        """Give up on a device thread that stopped making progress (the node's watchdog): every
+        waiting caller and live stream fails now with ENGINE_FAILED, as does every later call.
+        The thread is left to itself: nothing can interrupt it inside MLX."""
+        with self._state_lock:
+            if not self._alive:
+                return
+            self._alive = False
+        logger.error("abandoning the device thread: %s", reason)
+        self._die(engine_failed(f"the engine was abandoned: {reason}"))
 
     def _die(self, error: StatecoreError) -> None:
         with self._state_lock:
