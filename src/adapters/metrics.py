@@ -397,6 +397,10 @@ class _LiveCollector:
                 ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
                 ("kv_held_caches", "Prefilled KV caches held for a handoff.", stats.held_caches),
                 ("num_requests_decoding", "Requests in the engine's decoder.", stats.decoding),
+                ("kv_reserved_bytes", "KV bytes live requests reserved for their own caches.",
+                 stats.kv_reserved_bytes),
+                ("kv_budget_bytes", "KV bytes requests may reserve in all (--kv-memory-bytes less the "
+                 "slot layout's share).", stats.kv_budget_bytes),
             ):
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
                 gauge.add_metric([role], value)

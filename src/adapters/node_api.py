@@ -224,6 +224,8 @@ class NodeApi:
             "device_thread_alive": engine.device_thread_alive,
             "engine_step_retries": engine.step_retries,
             "engine_rows_isolated": engine.rows_isolated,
+            "kv_reserved_bytes": engine.kv_reserved_bytes,
+            "kv_budget_bytes": engine.kv_budget_bytes,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
         }
 

@@ -160,6 +160,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "chunks (default and minimum: --max-batch + --prefill-chunk-size)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
+                     help="engine nodes: what every KV cache together may take; each request reserves "
+                          "its worst case before anything is allocated, and waits (429 with Retry-After) "
+                          "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
+                          "device's memory)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
     run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
@@ -378,6 +383,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
         model_call_hook=faults.model_call_hook(),
     )
     for layer in engine.info.layers:

@@ -130,6 +130,10 @@ class EngineStatistics:
     # Seconds the engine has been busy without finishing a step or a job (0 while idle): what
     # the node's progress watchdog reads (--stall-timeout).
     stalled_s: float = 0.0
+    # KV memory: bytes reserved by live requests for their own caches, of what they may take in
+    # all (the node's KV budget less what the slot layout has set aside).
+    kv_reserved_bytes: int = 0
+    kv_budget_bytes: int = 0
 
 
 class Engine(Protocol):

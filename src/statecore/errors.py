@@ -32,6 +32,7 @@ class Code(enum.Enum):
     INVALID_JSON = "invalid_json"
     BODY_TOO_LARGE = "body_too_large"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # its KV cache can never fit the node's budget
     MODEL_NOT_FOUND = "model_not_found"
     UNSUPPORTED_CACHE = "unsupported_cache"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"

@@ -6,20 +6,24 @@ left of a per-step token budget, the next prefill chunks of waiting prompts, old
 order, so the computation is the same whatever the load), and a step takes whole chunks: a long
 prompt advances a few chunks per step while the rows already decoding keep streaming, so no
 stream waits longer than one step's budget. `padding_groups` decides which short prompts share
-one padded model call. The engine (`adapters.mlx`) performs the plan; nothing here touches a
+one padded model call. `kv_admission` decides whether a request's KV cache fits the node's memory
+budget now, later, or never. The engine (`adapters.mlx`) performs the plan; nothing here touches a
 device. This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "KvAdmission",
     "PrefillWork",
     "StepBudget",
     "StepPlan",
     "WaitingPrefill",
+    "kv_admission",
     "padding_groups",
     "plan_step",
     "prefill_chunks",
@@ -126,3 +130,22 @@ def padding_groups(lengths: Sequence[int], max_waste: float, max_rows: int) -> l
     if current:
         groups.append(current)
     return groups
+
+
+class KvAdmission(enum.Enum):
+    FITS = "fits"  # take it now
+    LATER = "later"  # it fits once others leave: refuse for now, with a retry hint
+    NEVER = "never"  # it does not fit even an idle node: the client must ask for less
+
+
+def kv_admission(need: int, reserved: int, fixed: int, budget: int) -> KvAdmission:
+    """Whether a request whose KV cache takes `need` more bytes fits a budget of `budget` bytes,
+    of which `fixed` are set aside for good (the slot pool) and `reserved` are held by the
+    requests live now. Nothing is allocated before this answer."""
+    if min(need, reserved, fixed, budget) < 0:
+        raise ValueError("byte counts are >= 0")
+    if fixed + need > budget:
+        return KvAdmission.NEVER
+    if fixed + reserved + need > budget:
+        return KvAdmission.LATER
+    return KvAdmission.FITS

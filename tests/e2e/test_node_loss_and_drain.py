@@ -167,3 +167,31 @@ def test_a_hung_engine_is_caught_by_the_watchdog(tmp_path: Path) -> None:
     stalled = [h.json() for h in healths if h.status_code == 503]
     assert not stalled or "no progress" in stalled[-1]["reason"], stalled  # it may exit first
     assert "made no progress" in node.log.read_text()
+
+
+def test_kv_memory_admission_answers_429_then_400_never_an_oom(tmp_path: Path) -> None:
+    """--kv-memory-bytes 2000000 on the tiny llama (512 bytes of KV per position, too little for a
+    slot layout): a request of 4 + 3000 tokens reserves 512 x (3004 + 256) bytes, so a second one
+    while it decodes gets 429 with Retry-After; one of 4 + 3800 tokens could never fit: 400."""
+    node = Node("single", ["--model", str(cached_checkpoint("llama")), "--kv-memory-bytes", "2000000"],
+                tmp_path / "single.log")
+    start_nodes([node])
+    url = f"{node.url}/v1/completions"
+    body = {"prompt": "The tide", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    never = httpx.post(url, json={**body, "max_tokens": 3800}, timeout=30)
+    assert never.status_code == 400, never.text
+    assert never.json()["error"]["code"] == "kv_memory_exceeded"
+    assert "--kv-memory-bytes" in never.json()["error"]["message"]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is decoding now
+        second = httpx.post(url, json=body, timeout=30)
+        assert second.status_code == 429, second.text
+        assert second.json()["error"]["code"] == "overloaded" and second.headers["retry-after"]
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert_no_leaks([node])
+    assert node.stats()["kv_reserved_bytes"] == 0
+    again = httpx.post(url, json={**body, "max_tokens": 8}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+    assert node.stop() == 0

@@ -42,6 +42,12 @@ GREEDY = SamplingParams(max_tokens=32)
 IDLE = EngineStatistics(decoding=0, held_caches=0, held_bytes=0, device_thread_alive=True)
 
 
+def holdings(engine: MlxEngine) -> EngineStatistics:
+    """What the engine holds now (its counters, stall clock and budget set aside): to compare with
+    IDLE, whose reservations are zero too."""
+    return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0)
+
+
 class Opener(Protocol):
     def __call__(
         self,
@@ -53,6 +59,8 @@ class Opener(Protocol):
         trust_remote_code: bool = ...,
         max_batch: int = ...,
         prefill_batch: int = ...,
+        max_num_batched_tokens: int | None = ...,
+        kv_memory_bytes: int | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -73,7 +81,7 @@ async def open_engine() -> AsyncIterator[Opener]:
         for engine in opened:
             if engine.statistics().device_thread_alive:
                 await flush(engine)
-                assert replace(engine.statistics(), step_retries=0, rows_isolated=0) == IDLE
+                assert holdings(engine) == IDLE
     finally:
         for engine in opened:
             await engine.aclose()
@@ -320,7 +328,8 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
     own request, and on the CPU its tokens equal mlx-lm's own. A prompt too long for one chunk
     runs its chunks alone in the same steps; a duplicate request id fails alone."""
     path = cached_checkpoint("llama")
-    engine = await open_engine(path)
+    # A budget that takes every prompt below in one step, whatever order they arrive in.
+    engine = await open_engine(path, max_num_batched_tokens=256)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=7)
     greedy = {RequestId(f"g{i}"): prompt_of(13 + i, salt=i) for i in range(4)}  # 13..16 tokens: one chunk
     long = prompt_of(40, salt=9)
@@ -491,6 +500,58 @@ async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raisin
     assert engine.statistics().step_retries == 2
 
 
+# ---------------------------------------------------------------------------------------------
+# KV memory admission: every cache reserved at its worst case before anything is allocated
+
+# The tiny llama's KV cache: 512 bytes per position (2 layers, float32). With 32 slots, a budget
+# under 2 x 32 x 64 x 512 bytes leaves no room for the slot layout.
+SMALL_BUDGET = 1_000_000  # no slots; 1,000,000 // (512 x (tokens + 256)) requests of their own
+
+
+async def test_a_request_that_could_never_fit_is_refused_at_once(open_engine: Opener) -> None:
+    engine = await open_engine(cached_checkpoint("llama"), kv_memory_bytes=SMALL_BUDGET)
+    assert engine.statistics().kv_budget_bytes == SMALL_BUDGET  # nothing set aside: no slots
+    for prompt, max_tokens in ((2000, 8), (20, 2000)):  # the prompt alone, or with its output
+        with pytest.raises(StatecoreError) as caught:
+            await engine.prefill(RequestId(f"big{prompt}"), prompt_of(prompt), SamplingParams(max_tokens))
+        assert caught.value.info.code is Code.KV_MEMORY_EXCEEDED and caught.value.info.http_status == 400
+        assert "--kv-memory-bytes" in caught.value.info.message
+    assert holdings(engine) == IDLE
+
+
+async def test_requests_beyond_the_kv_budget_wait_their_turn(open_engine: Opener) -> None:
+    """Six requests of 9..29 + 32 tokens each reserve 512 x (their tokens + 256) bytes, about
+    157,000, from their prefill on (they will decode outside the slots): three fit a budget of
+    600,000; the others are refused as OVERLOADED (429) and fit once those leave."""
+    path = cached_checkpoint("llama")
+    engine = await open_engine(path, kv_memory_bytes=600_000)
+    prompts = six_prompts("m")
+    got = await run_together(engine, prompts, GREEDY)
+    refused = {rid: e for rid, e in got.items() if isinstance(e, StatecoreError)}
+    assert len(refused) == 3, got
+    assert {e.info.code for e in refused.values()} == {Code.OVERLOADED}
+    assert {e.info.http_status for e in refused.values()} == {429}
+    for rid, tokens in got.items():
+        if rid not in refused:
+            assert tokens == reference(path, prompts[rid])
+    await flush(engine)
+    assert holdings(engine) == IDLE  # every reservation went back
+    for rid in refused:  # one at a time they all fit
+        assert await single(engine, rid, prompts[rid]) == reference(path, prompts[rid])
+
+
+async def test_the_slot_layout_shrinks_to_half_the_budget_and_longer_rows_decode_beside_it(
+    open_engine: Opener,
+) -> None:
+    path = cached_checkpoint("llama")
+    budget = 2 * 32 * 128 * 512  # half of it: 32 slots of 128 positions
+    engine = await open_engine(path, kv_memory_bytes=budget)
+    assert engine.statistics().kv_budget_bytes == budget // 2
+    short, long = prompt_of(30), prompt_of(120, salt=3)  # 30 + 32 fits a slot; 120 + 32 does not
+    got = await all_at_once(partial(single, engine), {RequestId("short"): short, RequestId("long"): long})
+    assert got == {RequestId("short"): reference(path, short), RequestId("long"): reference(path, long)}
+
+
 async def hold_device(engine: MlxEngine) -> threading.Event:
     """Block the device thread (inside a job, its queue drained) until the returned event is set."""
     running, gate = threading.Event(), threading.Event()
@@ -652,7 +713,7 @@ async def test_finish_reasons_eos_length_and_first_token(open_engine: Opener, tm
     await engine.prefill(RequestId("first"), prompt, GREEDY)
     await engine.decode_held(RequestId("first"), prompt, eos_token, GREEDY)
     assert await collect(engine, RequestId("first")) == []
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -672,24 +733,24 @@ async def test_cancel_frees_the_slot_and_ends_the_stream(open_engine: Opener) ->
         seen.append(item)
         if len(seen) == 3:
             await engine.cancel(rid)
-            assert engine.statistics() == IDLE
+            assert holdings(engine) == IDLE
     # The stream ends after what was already buffered, long before max_tokens.
     assert 3 <= len(seen) < long.max_tokens - 1
     assert seen[-1].finish_reason is None
     await engine.cancel(rid)  # idempotent
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
     # Cancel before the stream was ever read.
     outcome = await engine.prefill(RequestId("d"), prompt, long)
     await engine.decode_held(RequestId("d"), prompt, outcome.first_token, long)
     await engine.cancel(RequestId("d"))
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
     # Cancel frees a held (prefilled, not yet decoding) cache too.
     await engine.prefill(RequestId("h"), prompt, long)
     assert engine.statistics().held_caches == 1
     await engine.cancel(RequestId("h"))
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
 
 async def test_leaving_a_stream_early_cancels_the_request(open_engine: Opener) -> None:
@@ -703,7 +764,7 @@ async def test_leaving_a_stream_early_cancels_the_request(open_engine: Opener) -
         break
     await stream.aclose()
     await flush(engine)
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
 
 async def test_cancelled_callers_leak_nothing(open_engine: Opener) -> None:
@@ -716,14 +777,14 @@ async def test_cancelled_callers_leak_nothing(open_engine: Opener) -> None:
         if not scope.cancelled_caught:  # it finished in time: an ordinary held cache
             await engine.release_held(rid)
         await flush(engine)
-        assert engine.statistics() == IDLE, delay
+        assert holdings(engine) == IDLE, delay
     outcome = await engine.prefill(RequestId("i"), prompt, GREEDY)
     with trio.CancelScope() as scope:
         scope.cancel()
         await engine.decode_held(RequestId("i"), prompt, outcome.first_token, GREEDY)
     await flush(engine)
     await engine.cancel(RequestId("i"))
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -758,13 +819,13 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
         (foreign, prompt, Code.KV_WRONG_MODEL),
         (payload, prompt[:-1], Code.KV_MALFORMED),  # covers another prompt length
     ]
-    before = decode_node.statistics()
+    before = holdings(decode_node)
     for i, (body, for_prompt, code) in enumerate(cases):
         rid = RequestId(f"bad{i}")
         with pytest.raises(StatecoreError) as caught:
             await decode_node.install(rid, body, for_prompt, outcome.first_token, GREEDY)
         assert caught.value.info.code is code, caught.value
-        assert decode_node.statistics() == before
+        assert holdings(decode_node) == before
         with pytest.raises(StatecoreError):
             await collect(decode_node, rid)  # no stream was left behind
 
@@ -794,7 +855,7 @@ async def test_bad_requests_fail_alone(
         await engine.prefill(RequestId("bad"), prompt, sampling)
     assert caught.value.info.fault is Fault.CLIENT
     assert caught.value.info.code is code
-    assert engine.statistics() == IDLE
+    assert holdings(engine) == IDLE
     good = prompt_of(5)
     assert await single(engine, RequestId("good"), good) == reference(cached_checkpoint("llama"), good)
 

@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore.scheduling import (
+    KvAdmission,
     PrefillWork,
     StepBudget,
     StepPlan,
     WaitingPrefill,
+    kv_admission,
     padding_groups,
     plan_step,
     prefill_chunks,
@@ -105,3 +107,36 @@ def test_padding_groups_partition_within_the_bound(lengths: list[int], waste: fl
 def test_equal_lengths_share_one_group() -> None:
     assert padding_groups([5, 5, 5], 0.0, 8) == [[0, 1, 2]]
     assert padding_groups([5, 9, 5], 0.0, 8) == [[0, 2], [1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# KV memory admission
+
+
+@pytest.mark.parametrize(("need", "reserved", "fixed", "budget", "verdict"), [
+    (10, 0, 0, 10, KvAdmission.FITS),  # exactly full
+    (11, 0, 0, 10, KvAdmission.NEVER),
+    (5, 6, 0, 10, KvAdmission.LATER),  # others hold it now
+    (5, 0, 6, 10, KvAdmission.NEVER),  # the set-aside share is never given back
+    (4, 0, 6, 10, KvAdmission.FITS),
+    (0, 10, 0, 10, KvAdmission.FITS),  # a request that needs nothing more always fits
+])
+def test_kv_admission_table(need: int, reserved: int, fixed: int, budget: int, verdict: KvAdmission) -> None:
+    assert kv_admission(need, reserved, fixed, budget) is verdict
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6))
+def test_kv_admission_never_overcommits_and_never_means_never(need: int, reserved: int, fixed: int,
+                                                             budget: int) -> None:
+    verdict = kv_admission(need, reserved, fixed, budget)
+    if verdict is KvAdmission.FITS:
+        assert fixed + reserved + need <= budget
+    # NEVER does not depend on what others hold; LATER turns into FITS once they leave.
+    assert (verdict is KvAdmission.NEVER) == (kv_admission(need, 0, fixed, budget) is KvAdmission.NEVER)
+    if verdict is KvAdmission.LATER:
+        assert kv_admission(need, 0, fixed, budget) is KvAdmission.FITS
+
+
+def test_kv_admission_refuses_negative_counts() -> None:
+    with pytest.raises(ValueError):
+        kv_admission(-1, 0, 0, 10)

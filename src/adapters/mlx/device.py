@@ -43,16 +43,27 @@ from adapters.mlx.jobs import (
     engine_failed,
     post,
 )
+from adapters.mlx.memory import KvCost
 from adapters.mlx.prefill import PrefillTask, run_chunks, run_short_batch
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
-from statecore.scheduling import StepBudget, WaitingPrefill, padding_groups, plan_step
+from statecore.scheduling import (
+    KvAdmission,
+    StepBudget,
+    WaitingPrefill,
+    kv_admission,
+    padding_groups,
+    plan_step,
+)
 
 __all__ = ["DeviceLoop", "Held", "Live", "Settings"]
 
 logger = logging.getLogger("adapters.engine_mlx")
+
+
+_MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 
 
 class InjectedCrash(Exception):
@@ -69,6 +80,8 @@ class Settings:
     prefill_batch: int
     max_padding: float
     max_slot_tokens: int
+    kv_memory_bytes: int  # what KV caches may take in all: the slot pool and every request's own
+    decodes_locally: bool  # False on a prefill node: a prefilled cache never grows here
 
 
 @dataclass(eq=False)
@@ -152,6 +165,10 @@ class DeviceLoop:
         self.publish: Callable[[], None] = lambda: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
         self.running: Job[Any] | None = None  # the job being computed now
+        self.cost = KvCost(0, 0, 0)
+        self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
+        self.reserved: dict[str, int] = {}  # each request's own KV bytes (outside the slot pool)
+        self.reserved_bytes = 0
         self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
         self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
@@ -167,18 +184,68 @@ class DeviceLoop:
     # -- configuration (after the model is loaded) ---------------------------------------------
 
     def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
-                  probe_cache: list[Any]) -> None:
+                  probe_cache: list[Any], cost: KvCost) -> None:
         s = self.settings
         self.model = model if self.model_call_hook is None else _CheckedModel(model, self)
         self.eos = eos
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.cost = cost
         plain = s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
-        self.slot_lane = plain
         self.short_batching = plain and s.prefill_batch > 1
         if plain:
-            self.pool = SlotPool(s.max_batch, len(probe_cache), min(context_length, s.max_slot_tokens) + 1)
+            # The pool may grow to half the KV budget at most; that half is set aside for it.
+            fitting = (s.kv_memory_bytes // 2) // max(1, s.max_batch * cost.slot_per_token)
+            capacity = min(context_length, s.max_slot_tokens) + 1
+            if fitting < min(capacity, _MIN_SLOT_TOKENS):
+                logger.warning("a KV budget of %d bytes leaves no room for the slot layout; "
+                               "decoding in mlx-lm's batch generator", s.kv_memory_bytes)
+            else:
+                capacity = min(capacity, fitting)
+                self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
+                self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
+        self.slot_lane = self.pool is not None
         self.batch = self.new_batch()
+
+    # -- KV memory -----------------------------------------------------------------------------
+
+    def admit(self, request_id: str, need: int, tokens: int) -> None:
+        """Reserve `need` bytes for the request's own KV cache (replacing what it had), or raise:
+        OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits."""
+        budget = self.settings.kv_memory_bytes
+        others = self.reserved_bytes - self.reserved.get(request_id, 0)
+        verdict = kv_admission(need, others, self.pool_reserved, budget)
+        if verdict is KvAdmission.NEVER:
+            raise self.never_fits(need, tokens)
+        if verdict is KvAdmission.LATER:
+            raise StatecoreError(ErrorInfo(
+                Fault.OVERLOADED, Code.OVERLOADED,
+                f"KV memory is taken by live requests ({others:,} of {budget - self.pool_reserved:,} "
+                f"bytes); this one needs {need:,}: try again shortly",
+            ))
+        self.reserved[request_id] = need
+        self.reserved_bytes = others + need
+
+    def prefill_reservation(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
+        """(bytes, tokens) a new prompt reserves: its own cache, and on a node that decodes it,
+        the whole request's when it will decode outside the slot layout (a slot is set aside)."""
+        total = prompt_tokens + max_tokens
+        fits_a_slot = self.pool is not None and total + 2 <= self.pool.max_capacity
+        if self.settings.decodes_locally and not fits_a_slot:
+            return self.cost.of(total), total
+        return self.cost.of(prompt_tokens), prompt_tokens
+
+    def never_fits(self, need: int, tokens: int) -> StatecoreError:
+        budget = self.settings.kv_memory_bytes
+        aside = f", {self.pool_reserved:,} set aside for the slot layout" if self.pool_reserved else ""
+        return StatecoreError(ErrorInfo(
+            Fault.CLIENT, Code.KV_MEMORY_EXCEEDED,
+            f"this request's KV cache ({tokens} tokens) needs up to {need:,} bytes; this node's KV "
+            f"budget is {budget:,} bytes (--kv-memory-bytes){aside}: ask for fewer tokens",
+        ))
+
+    def unreserve(self, request_id: str) -> None:
+        self.reserved_bytes -= self.reserved.pop(request_id, 0)
 
     def new_batch(self) -> Any:
         return BatchGenerator(
@@ -276,6 +343,7 @@ class DeviceLoop:
         started = time.perf_counter()
         for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
             del self.waiting[rid]
+            self.unreserve(rid)
         current = _InFlight()
         outputs: list[Any] = []
         slot_rows = [live for live in self.live.values() if live.slot is not None]
@@ -474,6 +542,7 @@ class DeviceLoop:
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
                 del self.waiting[task.request_id]
+                self.unreserve(task.request_id)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             if task.first is not None:
@@ -515,6 +584,8 @@ class DeviceLoop:
                 if owner is not None and self.live.get(owner.request_id) is owner:
                     self.end(owner, error, deliveries)
             finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
+            for task in step.finished_prefills:
+                self.unreserve(task.request_id)
             self.last_tokens = None
         else:
             for owner, token in zip(step.owners, tokens, strict=False):
@@ -562,6 +633,7 @@ class DeviceLoop:
     def remove(self, live: Live) -> None:
         if self.live.get(live.request_id) is live:
             del self.live[live.request_id]
+            self.unreserve(live.request_id)
         if live.slot is not None and self.pool is not None:
             self.pool.give_back(live.slot)
             live.slot = None
@@ -626,11 +698,22 @@ class DeviceLoop:
 
     # -- joining the decoder -------------------------------------------------------------------
 
-    def join(self, live: Live, cache: list[Any], prompt: list[int]) -> None:
-        """Put a request with its prompt's cache into a lane (the caller checked capacity)."""
-        plain = all(type(c) is KVCache for c in cache)
+    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool) -> str:
+        """Where a request decodes: "slot", "merge" (mlx-lm's batch generator) or "solo"."""
+        needed = prompt_tokens + remaining + 2
+        if (self.pool is not None and all(type(c) is KVCache for c in cache)
+                and needed <= self.pool.max_capacity):
+            return "slot"
+        # mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo.
+        if all(hasattr(c, "merge") for c in cache) and not ignore_eos:
+            return "merge"
+        return "solo"
+
+    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
+        """Put a request with its prompt's cache into `lane` (the caller checked capacity)."""
         needed = len(prompt) + live.remaining + 2
-        if self.slot_lane and plain and self.pool is not None and needed <= self.pool.max_capacity:
+        if lane == "slot":
+            assert self.pool is not None
             slot = self.pool.take()
             try:
                 self.pool.reserve(needed, cache)
@@ -640,8 +723,8 @@ class DeviceLoop:
                 raise
             live.slot = slot
             live.offset = len(prompt)
-        elif all(hasattr(c, "merge") for c in cache) and not live.sampler.sampling.ignore_eos:
-            # (mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo.)
+            self.unreserve(live.request_id)  # its KV lives in the pool now
+        elif lane == "merge":
             # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
             # sampler object is sampled in one call instead of row by row.
             (uid,) = self.batch.insert(
@@ -666,6 +749,7 @@ class DeviceLoop:
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
         self.held.pop(request_id, None)
+        self.unreserve(request_id)
         task = self.waiting.pop(request_id, None)
         if task is not None:
             self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
@@ -700,6 +784,8 @@ class DeviceLoop:
         self.live.clear()
         self.by_uid.clear()
         self.held.clear()
+        self.reserved.clear()
+        self.reserved_bytes = 0
         self.batch = None
         self.model = None
         self.pool = None

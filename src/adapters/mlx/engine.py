@@ -26,12 +26,13 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import trio
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from adapters import kv_wire
 from adapters.mlx.device import DeviceLoop, Live, Settings
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
+from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
@@ -95,6 +96,8 @@ class MlxEngine:
         prefill_batch: int = 32,
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
+        kv_memory_bytes: int | None = None,
+        decodes_locally: bool = True,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
@@ -105,6 +108,13 @@ class MlxEngine:
         prefilled in one padded call when the padding stays within `max_padding` of their tokens
         (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
         decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
+
+        `kv_memory_bytes` (default: 40 % of the device's memory) bounds every KV cache together:
+        half of it at most is set aside for the slot layout; each other request reserves its
+        cache's worst case (prompt, or prompt + max_tokens once it decodes outside the slots)
+        before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
+        it can never fit) otherwise. `decodes_locally` False (a prefill node) reserves only a
+        prompt's cache for its prefill.
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
@@ -133,8 +143,11 @@ class MlxEngine:
             raise StatecoreError(client_error("max_padding must be >= 0"))
         if max_slot_tokens < 1:
             raise StatecoreError(client_error("max_slot_tokens must be >= 1"))
+        memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
+        if memory < 1:
+            raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
-                            max_padding, max_slot_tokens)
+                            max_padding, max_slot_tokens, memory, decodes_locally)
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
         try:
@@ -163,6 +176,7 @@ class MlxEngine:
         def register() -> PrefillOutcome:
             device = self._device
             self._check_unused(request_id)
+            device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
             task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens)),
                                device.arrivals, chunks, job=job)
@@ -188,7 +202,10 @@ class MlxEngine:
 
     async def release_held(self, request_id: RequestId) -> int:
         def work() -> int:
-            held = self._device.held.pop(request_id, None)
+            device = self._device
+            held = device.held.pop(request_id, None)
+            if held is not None and request_id not in device.live:  # (decoding: it keeps its share)
+                device.unreserve(request_id)
             self._publish()
             return 0 if held is None else held.nbytes
 
@@ -281,8 +298,10 @@ class MlxEngine:
             await self._call(lambda: self._drop(request_id))
 
     def statistics(self) -> EngineStatistics:
-        stalled = self._device.stalled_s() if self._alive else 0.0
-        return replace(self._stats, device_thread_alive=self._alive, stalled_s=stalled)
+        device = self._device
+        stalled = device.stalled_s() if self._alive else 0.0
+        return replace(self._stats, device_thread_alive=self._alive, stalled_s=stalled,
+                       kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved)
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
@@ -378,12 +397,17 @@ class MlxEngine:
             if remaining == 0 or (first_token in device.eos and not sampling.ignore_eos):
                 # The first token already ended the request: an empty stream.
                 device.held.pop(request_id, None)
+                device.unreserve(request_id)
                 post(token, deliver, [(send, None, True)])
                 self._publish()
                 return
+            lane = device.lane_for(cache, len(tokens), remaining, sampling.ignore_eos)
+            if lane != "slot":  # its cache grows to the whole request, outside the pool
+                total = len(tokens) + sampling.max_tokens
+                device.admit(request_id, device.cost.of(total), total)
             sampler = PositionSampler(sampling, seed, len(tokens) + 1)
             live = Live(request_id, send, token, remaining, sampler, first_token)
-            device.join(live, cache, tokens)
+            device.join(live, cache, tokens, lane)
             device.held.pop(request_id, None)
             self._publish()
 
@@ -421,6 +445,10 @@ class MlxEngine:
             if result is not None and result.error is None and undo is not None:
                 value = result.value
                 self._submit_nowait(lambda: undo(value))  # type: ignore[arg-type]
+            elif result is None and job.deferred and undo is not None:
+                # Registered work (a queued prefill) is undone at once, not when its turn comes:
+                # what it reserved goes back with it. A no-op if it never registered.
+                self._submit_nowait(lambda: undo(None))  # type: ignore[arg-type]
             raise
         assert job.outcome is not None
         return job.outcome.unwrap()
@@ -482,6 +510,7 @@ class MlxEngine:
             device_thread_alive=True,
             step_retries=device.step_retries,
             rows_isolated=device.rows_isolated,
+            kv_reserved_bytes=device.reserved_bytes,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:
@@ -517,7 +546,18 @@ class MlxEngine:
                 logger.info("layer %d: %s can travel", layer.index, layer.class_name)
             else:
                 logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
-        device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache)
+        def probe(tokens: int) -> list[Any]:
+            with mx.stream(generation_stream):
+                cache: list[Any] = make_prompt_cache(loaded.model)
+                loaded.model(mx.array([[0] * tokens]), cache=cache)
+                device.quantize(cache)
+                mx.eval([c.state for c in cache])
+            return cache
+
+        plain = s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
+        travels = all(layer.can_travel for layer in layers)
+        cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes, plain)
+        device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         info = ModelInfo(
             name=self._model_dir.name,
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
@@ -529,9 +569,12 @@ class MlxEngine:
             layers=layers,
         )
         logger.info(
-            "loaded %s (%s, kv_bits=%s, chunk=%d, lane=%s): can_travel=%s",
+            "loaded %s (%s, kv_bits=%s, chunk=%d, lane=%s): can_travel=%s; KV %d bytes + %d per token, "
+            "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
             s.kv_bits, s.prefill_chunk_size, "slots" if device.slot_lane else "mlx-lm batch", info.can_travel,
+            cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
+            f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )
         return info
 
