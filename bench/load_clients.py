@@ -51,9 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from side_by_side import SERVERS, Server, default_model, make_servers, server_env  # noqa: E402
-
-from adapters.blas import blas_of_process_tree  # noqa: E402
+from side_by_side import SERVERS, Server, default_model, make_servers, server_env, start_all  # noqa: E402
 
 CLIENTS_VENV = HERE / ".clients-venv"
 SETUP = HERE / "setup_clients.sh"
@@ -388,11 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           indent=1))
 
     try:
-        for s in servers:
-            s.start(server_env(args.blas, s.name)[0])
-        for s in servers:
-            s.wait_ready(args.startup_timeout)
-        meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+        start_all(servers, args.blas, args.startup_timeout, meta)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
               + ", ".join(f"{s.name} {s.url}" for s in servers), flush=True)

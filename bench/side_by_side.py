@@ -141,6 +141,15 @@ def make_servers(model: Path, out: Path, which: Sequence[str], extra_sc: list[st
     return servers
 
 
+def start_all(servers: Sequence[Server], blas: str, timeout_s: float, meta: dict[str, Any]) -> None:
+    """Start every server in the same environment, wait for each, and note the BLAS each uses."""
+    for s in servers:
+        s.start(server_env(blas, s.name)[0])
+    for s in servers:
+        s.wait_ready(timeout_s)
+    meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+
+
 def default_model() -> Path:
     from adapters.tiny_models import cached_checkpoint
 
@@ -274,11 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     t0 = time.monotonic()
     try:
-        for s in servers:
-            s.start(server_env(args.blas, s.name)[0])
-        for s in servers:
-            s.wait_ready(args.startup_timeout)
-        meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+        start_all(servers, args.blas, args.startup_timeout, meta)
         print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "

@@ -421,9 +421,15 @@ def six_prompts(tag: str) -> dict[RequestId, list[int]]:
     return {RequestId(f"{tag}{i}"): prompt_of(9 + 4 * i, salt=i) for i in range(6)}
 
 
-async def clean_run(open_engine: Opener, path: Path, prompts: dict[RequestId, list[int]],
-                    sampling: SamplingParams) -> dict[RequestId, list[int] | StatecoreError]:
-    return await run_together(await open_engine(path), prompts, sampling)
+async def with_and_without(open_engine: Opener, path: Path, prompts: dict[RequestId, list[int]],
+                           sampling: SamplingParams, hook: Callable[[str, Sequence[str]], None],
+                           ) -> tuple[dict[RequestId, list[int] | StatecoreError],
+                                      dict[RequestId, list[int] | StatecoreError], MlxEngine]:
+    """The same prompts run together on a clean engine, then on one whose model calls go through
+    `hook`: (clean results, hooked results, the hooked engine)."""
+    expected = await run_together(await open_engine(path), prompts, sampling)
+    engine = await open_engine(path, model_call_hook=hook)
+    return expected, await run_together(engine, prompts, sampling), engine
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -438,9 +444,7 @@ async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Open
             raise RuntimeError("injected: a transient error in a batched decode step")
 
     prompts = six_prompts("t")
-    expected = await clean_run(open_engine, path, prompts, sampling)
-    engine = await open_engine(path, model_call_hook=once)
-    got = await run_together(engine, prompts, sampling)
+    expected, got, engine = await with_and_without(open_engine, path, prompts, sampling, once)
     assert len(failed) == 1 and len(failed[0]) > 1  # it raised in a batch of several rows
     assert got == expected
     if sampling is GREEDY:
@@ -462,9 +466,7 @@ async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: 
             raise RuntimeError("injected: this row always breaks its decode step")
 
     prompts = six_prompts("p")
-    expected = await clean_run(open_engine, path, prompts, sampling)
-    engine = await open_engine(path, model_call_hook=poison)
-    got = await run_together(engine, prompts, sampling)
+    expected, got, engine = await with_and_without(open_engine, path, prompts, sampling, poison)
     error = got.pop(poisoned)
     assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
     assert "RuntimeError" in error.info.message
