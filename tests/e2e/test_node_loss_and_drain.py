@@ -144,29 +144,33 @@ def test_a_hung_engine_is_caught_by_the_watchdog(tmp_path: Path) -> None:
     node = Node("single", ["--model", str(cached_checkpoint("llama")), "--stall-timeout", "1",
                            "--inject-fault", "decode_call_hang"], tmp_path / "single.log")
     start_nodes([node])
-    healths: list[httpx.Response] = []
+    try:
+        healths: list[httpx.Response] = []
 
-    def watch_health() -> None:
-        while node.process is not None and node.process.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                healths.append(httpx.get(f"{node.url}/health", timeout=2))
-            time.sleep(0.05)
+        def watch_health() -> None:
+            while node.process is not None and node.process.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    healths.append(httpx.get(f"{node.url}/health", timeout=2))
+                time.sleep(0.05)
 
-    watcher = threading.Thread(target=watch_health)
-    watcher.start()
-    started = time.monotonic()
-    r = httpx.post(f"{node.url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60,
-                   headers={"x-request-id": "inject-fault-decode_call_hang-1"})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "transport_lost", r.text
-    assert "no progress" in r.json()["error"]["message"]
-    assert node.process is not None
-    assert node.process.wait(timeout=30) == 3
-    assert time.monotonic() - started < 30
-    watcher.join()
-    assert healths and healths[0].status_code == 200  # healthy while it worked
-    stalled = [h.json() for h in healths if h.status_code == 503]
-    assert not stalled or "no progress" in stalled[-1]["reason"], stalled  # it may exit first
-    assert "made no progress" in node.log.read_text()
+        watcher = threading.Thread(target=watch_health)
+        watcher.start()
+        started = time.monotonic()
+        r = httpx.post(f"{node.url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60,
+                       headers={"x-request-id": "inject-fault-decode_call_hang-1"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "transport_lost", r.text
+        assert "no progress" in r.json()["error"]["message"]
+        assert node.process is not None
+        assert node.process.wait(timeout=30) == 3
+        assert time.monotonic() - started < 30
+        watcher.join()
+        assert healths and healths[0].status_code == 200  # healthy while it worked
+        stalled = [h.json() for h in healths if h.status_code == 503]
+        assert not stalled or "no progress" in stalled[-1]["reason"], stalled  # it may exit first
+        assert "made no progress" in node.log.read_text()
+    finally:
+        if node.process is not None and node.process.poll() is None:
+            node.process.kill()  # a hung node never stops by itself
 
 
 def test_kv_memory_admission_answers_429_then_400_never_an_oom(tmp_path: Path) -> None:
@@ -176,22 +180,25 @@ def test_kv_memory_admission_answers_429_then_400_never_an_oom(tmp_path: Path) -
     node = Node("single", ["--model", str(cached_checkpoint("llama")), "--kv-memory-bytes", "2000000"],
                 tmp_path / "single.log")
     start_nodes([node])
-    url = f"{node.url}/v1/completions"
-    body = {"prompt": "The tide", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
-    never = httpx.post(url, json={**body, "max_tokens": 3800}, timeout=30)
-    assert never.status_code == 400, never.text
-    assert never.json()["error"]["code"] == "kv_memory_exceeded"
-    assert "--kv-memory-bytes" in never.json()["error"]["message"]
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as first:
-        assert first.status_code == 200
-        lines = first.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # it is decoding now
-        second = httpx.post(url, json=body, timeout=30)
-        assert second.status_code == 429, second.text
-        assert second.json()["error"]["code"] == "overloaded" and second.headers["retry-after"]
-        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
-    assert_no_leaks([node])
-    assert node.stats()["kv_reserved_bytes"] == 0
-    again = httpx.post(url, json={**body, "max_tokens": 8}, timeout=60)
-    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
-    assert node.stop() == 0
+    try:
+        url = f"{node.url}/v1/completions"
+        body = {"prompt": "The tide", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+        never = httpx.post(url, json={**body, "max_tokens": 3800}, timeout=30)
+        assert never.status_code == 400, never.text
+        assert never.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "--kv-memory-bytes" in never.json()["error"]["message"]
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it is decoding now
+            second = httpx.post(url, json=body, timeout=30)
+            assert second.status_code == 429, second.text
+            assert second.json()["error"]["code"] == "overloaded" and second.headers["retry-after"]
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+        assert_no_leaks([node])
+        assert node.stats()["kv_reserved_bytes"] == 0
+        again = httpx.post(url, json={**body, "max_tokens": 8}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+        assert node.stop() == 0
+    finally:
+        node.stop()
