@@ -651,12 +651,14 @@ class Frontend:
                     Fault.CLIENT,
                     Code.MODEL_NOT_FOUND,
                     f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                    "model",
                 )
             )
         self._check_unsupported(data, body)
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
-            raise _Reject(client_error("stream_options is only allowed when stream is true"))
+            raise _Reject(client_error("stream_options is only allowed when stream is true",
+                                       param="stream_options"))
         stops = self._stops(body.stop)
 
         if isinstance(body, _CompletionBody):
@@ -666,7 +668,8 @@ class Frontend:
             prompt = await self._encode_chat(body.messages)
             both = (body.max_tokens, body.max_completion_tokens)
             if None not in both and both[0] != both[1]:
-                raise _Reject(client_error("max_tokens and max_completion_tokens disagree"))
+                raise _Reject(client_error("max_tokens and max_completion_tokens disagree",
+                                           param="max_completion_tokens"))
             max_tokens = body.max_completion_tokens or body.max_tokens
 
         context = self.backend.model_info.context_length
@@ -677,6 +680,7 @@ class Frontend:
                     f"the prompt has {len(prompt)} tokens, which leaves no room in this model's "
                     f"context of {context} tokens",
                     Code.CONTEXT_LENGTH_EXCEEDED,
+                    "prompt" if kind is _Kind.COMPLETION else "messages",
                 )
             )
         if max_tokens is None:
@@ -687,6 +691,7 @@ class Frontend:
                     f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together "
                     f"more than this model's context of {context} tokens",
                     Code.CONTEXT_LENGTH_EXCEEDED,
+                    "max_tokens",
                 )
             )
         top_k = body.top_k if body.top_k is not None else 0
@@ -721,6 +726,7 @@ class Frontend:
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
                     "(only n=1, no logprobs, no tools, no penalties are served)",
+                    names[0],
                 )
             )
 
@@ -728,21 +734,22 @@ class Frontend:
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         given = [stop] if isinstance(stop, str) else list(stop or [])
         if len(given) > MAX_STOP_STRINGS:
-            raise _Reject(client_error(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed"))
+            raise _Reject(client_error(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed",
+                                       param="stop"))
         if any(len(s) > MAX_STOP_LENGTH for s in given):
-            raise _Reject(client_error(f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters"))
+            raise _Reject(client_error(f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters",
+                                       param="stop"))
         return tuple(dict.fromkeys(s for s in given if s))
 
     async def _encode_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
         if not prompt:
-            raise _Reject(client_error("prompt must not be empty"))
+            raise _Reject(client_error("prompt must not be empty", param="prompt"))
         if isinstance(prompt, list):
             vocab = self.backend.model_info.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise _Reject(
-                    client_error(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-                )
+                raise _Reject(client_error(
+                    f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"))
             return tuple(prompt)
         ids = await trio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
         return tuple(int(t) for t in ids)
@@ -765,7 +772,8 @@ class Frontend:
         try:
             ids = await trio.to_thread.run_sync(apply, limiter=self._tokenizing)
         except TemplateError as exc:
-            raise _Reject(client_error(f"messages: the chat template refused them: {exc}")) from None
+            raise _Reject(client_error(f"messages: the chat template refused them: {exc}",
+                                       param="messages")) from None
         return tuple(int(t) for t in ids)
 
 

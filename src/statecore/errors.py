@@ -123,8 +123,8 @@ class StatecoreError(Exception):
         self.info = info
 
 
-def client_error(message: str, code: Code = Code.INVALID_REQUEST) -> ErrorInfo:
-    return ErrorInfo(Fault.CLIENT, code, message)
+def client_error(message: str, code: Code = Code.INVALID_REQUEST, param: str | None = None) -> ErrorInfo:
+    return ErrorInfo(Fault.CLIENT, code, message, param)
 
 
 def peer_error(message: str, code: Code = Code.PEER_FAILED) -> ErrorInfo:

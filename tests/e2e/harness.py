@@ -116,8 +116,22 @@ class Cluster:
         return [self.single, self.router, *self.prefill, *self.decode]
 
     def stop(self) -> None:
+        """Stop every node; then fail if a node that was still running had caught bugs (its
+        runner's `bugs` counter) or did not exit 0. Nodes a test killed on purpose are skipped."""
+        problems: list[str] = []
         for node in self.nodes:
-            node.stop()
+            running = node.process is not None and node.process.poll() is None
+            if running:
+                try:
+                    bugs = node.stats()["bugs"]
+                except httpx.HTTPError as exc:
+                    bugs = f"unreadable ({exc!r})"
+                if bugs != 0:
+                    problems.append(f"{node.role} {node.url}: bugs {bugs}")
+            code = node.stop()
+            if running and code != 0:
+                problems.append(f"{node.role} {node.url}: exit code {code} (log {node.log})")
+        assert not problems, "; ".join(problems)
 
 
 def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 1,
@@ -134,15 +148,20 @@ def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 
     return Cluster(single, front, prefill, decode)
 
 
+LIVE_KEYS = ("live_requests", "live_tasks", "contexts")
+ENGINE_KEYS = ("decoding", "held_caches", "held_bytes", "kv_reserved_bytes")
+
+
 def assert_no_leaks(nodes: list[Node], timeout_s: float = 10.0) -> None:
-    """Every node's live counts return to zero (requests, tasks, contexts, KV, slots)."""
-    keys = ("live_requests", "live_tasks", "contexts", "decoding", "held_caches", "held_bytes")
+    """Every node's live counts return to zero (requests, tasks, contexts; on engine nodes also
+    decoding rows, held KV and KV reservations). A count a node does not report is an error."""
     deadline = time.monotonic() + timeout_s
     while True:
         leaks = {}
         for node in nodes:
             stats = node.stats()
-            held = {k: stats[k] for k in keys if stats.get(k)}
+            keys = LIVE_KEYS if node.role == "router" else LIVE_KEYS + ENGINE_KEYS
+            held = {k: stats[k] for k in keys if stats[k]}
             if held:
                 leaks[node.url] = held
         if not leaks:

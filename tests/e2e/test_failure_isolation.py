@@ -305,13 +305,101 @@ bodies = st.one_of(
 )
 
 
+def _answer(cluster: Cluster, path: str, body: Any) -> httpx.Response:
+    with httpx.Client(timeout=60) as client:
+        return client.post(f"{cluster.router.url}{path}", content=json.dumps(body).encode(),
+                           headers={"content-type": "application/json"})
+
+
+def _assert_well_formed(response: httpx.Response, body: Any) -> None:
+    """A 200 is a whole answer: JSON with a choice and usage, or an SSE stream of JSON chunks that
+    ends in [DONE] and carries no error event."""
+    assert response.status_code == 200, (response.status_code, response.text, body)
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", (events, body)
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert chunks and not any("error" in chunk for chunk in chunks), (chunks, body)
+        assert all(isinstance(chunk["choices"], list) for chunk in chunks)
+        return
+    answer = response.json()
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] in ("stop", "length"), answer
+    assert isinstance(choice.get("text", choice.get("message", {}).get("content")), str), answer
+    assert answer["usage"]["completion_tokens"] >= 1, answer
+
+
+def _assert_openai_error(response: httpx.Response, body: Any) -> dict[str, Any]:
+    assert 400 <= response.status_code < 500, (response.status_code, response.text, body)
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], (error, body)
+    return error
+
+
+WORDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ,.", min_size=1, max_size=40)
+valid_sampling = st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 12)},
+    optional={"temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(0, 50),
+              "seed": st.integers(0, 1000), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+              "stream": st.booleans()},
+)
+valid_calls = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.builds(lambda p, s: {"prompt": p, **s}, WORDS, valid_sampling)),
+    st.tuples(st.just("/v1/chat/completions"), st.builds(
+        lambda p, s: {"messages": [{"role": "user", "content": p}], **s}, WORDS, valid_sampling)),
+)
+# One known violation each: (field, value, status, code, the param the error must name).
+VIOLATIONS = [
+    ("max_tokens", 0, 400, "invalid_request", "max_tokens"),
+    ("max_tokens", -3, 400, "invalid_request", "max_tokens"),
+    ("max_tokens", "many", 400, "invalid_request", "max_tokens"),
+    ("temperature", 2.5, 400, "invalid_request", "temperature"),
+    ("temperature", -0.1, 400, "invalid_request", "temperature"),
+    ("top_p", 1.5, 400, "invalid_request", "top_p"),
+    ("top_p", 0, 400, "invalid_request", "top_p"),
+    ("top_k", -2, 400, "invalid_request", "top_k"),
+    ("seed", "a", 400, "invalid_request", "seed"),
+    ("stream", "yes", 400, "invalid_request", "stream"),
+    ("stop", 5, 400, "invalid_request", "stop"),
+    ("n", 2, 422, "unsupported_parameter", "n"),
+    ("presence_penalty", 0.5, 422, "unsupported_parameter", "presence_penalty"),
+    ("model", "no-such-model", 404, "model_not_found", "model"),
+]
+checked_bodies = [0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(call=valid_calls)
+def test_valid_bodies_get_a_well_formed_answer(cluster: Cluster, call: tuple[str, dict[str, Any]]) -> None:
+    path, body = call
+    _assert_well_formed(_answer(cluster, path, body), body)
+    checked_bodies[0] += 1
+    if checked_bodies[0] % 20 == 0:  # nothing piles up between batches of bodies
+        assert_no_leaks(cluster.nodes[1:], timeout_s=15)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(call=valid_calls, violation=st.sampled_from(VIOLATIONS))
+def test_each_violation_gets_its_own_error(cluster: Cluster, call: tuple[str, dict[str, Any]],
+                                           violation: tuple[str, Any, int, str, str]) -> None:
+    path, body = call
+    field, value, status, code, param = violation
+    bad = {**body, field: value}
+    response = _answer(cluster, path, bad)
+    assert response.status_code == status, (response.text, bad)
+    error = _assert_openai_error(response, bad)
+    assert (error["code"], error["param"]) == (code, param), (error, bad)
+
+
 @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_hostile_bodies_never_get_a_5xx(cluster: Cluster, body: Any, path: str) -> None:
-    with httpx.Client(timeout=60) as client:
-        r = client.post(f"{cluster.router.url}{path}", content=json.dumps(body).encode(),
-                        headers={"content-type": "application/json"})
-    assert r.status_code < 500, (r.status_code, r.text, body)
+    """Anything at all: a whole answer when it happens to be valid, else an OpenAI-shaped 4xx."""
+    response = _answer(cluster, path, body)
+    if response.status_code == 200:
+        _assert_well_formed(response, body)
+    else:
+        _assert_openai_error(response, body)
 
 
 def test_after_the_hostile_bodies_everything_is_clean(cluster: Cluster) -> None:
