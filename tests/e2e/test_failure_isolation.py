@@ -191,6 +191,7 @@ def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
         except httpx.ReadTimeout as exc:
             outcome.append(exc)
 
+    ended = _ended(cluster.prefill[0])
     thread = threading.Thread(target=client)
     thread.start()
     deadline = time.monotonic() + 1.0
@@ -199,16 +200,30 @@ def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
         time.sleep(0.01)
     thread.join()
     assert outcome, "the client should have given up mid-handoff"
-    time.sleep(2.5)  # the stalled encode finishes into a cancelled request
+    _wait_until_ended(cluster.prefill[0], ended + 1)  # the stalled encode finished into a cancel
     assert_no_leaks(cluster.nodes[1:], timeout_s=5)
 
 
 def test_client_gone_during_prefill_frees_everything(cluster: Cluster) -> None:
+    ended = _ended(cluster.prefill[0])
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=0.5,
                    headers={"x-request-id": "inject-fault-slow-prefill-1"})
-    time.sleep(2.5)
+    _wait_until_ended(cluster.prefill[0], ended + 1)  # the stalled prefill ended on its node
     assert_no_leaks(cluster.nodes[1:], timeout_s=5)
+
+
+def _ended(node: Node) -> int:
+    """How many requests the node's loop has seen end, whatever their terminal state."""
+    outcomes: dict[str, int] = node.stats()["outcomes"]
+    return sum(outcomes.values())
+
+
+def _wait_until_ended(node: Node, count: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _ended(node) < count:
+        assert time.monotonic() < deadline, f"{node.role} never ended {count} requests"
+        time.sleep(0.05)
 
 
 def test_internal_endpoints_require_the_token(cluster: Cluster) -> None:

@@ -502,6 +502,28 @@ async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raisin
     assert engine.statistics().step_retries == 2
 
 
+async def test_an_install_whose_copy_raises_once_still_decodes_exactly(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adapters.mlx.slots import SlotPool
+
+    path = cached_checkpoint("llama")
+    prefill_node, decode_node = await open_engine(path), await open_engine(path)
+    copies: list[int] = []
+    write = SlotPool.write_prompt
+
+    def flaky(pool: SlotPool, slot: int, layers: Any, tokens: int) -> None:
+        copies.append(slot)
+        if len(copies) == 1:
+            raise RuntimeError("injected: the copy into the slot failed")
+        write(pool, slot, layers, tokens)
+
+    monkeypatch.setattr(SlotPool, "write_prompt", flaky)
+    prompt = prompt_of(33)
+    assert await handoff(prefill_node, decode_node, RequestId("i1"), prompt) == reference(path, prompt)
+    assert len(copies) == 2 and decode_node.statistics().step_retries == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # KV memory admission: every cache reserved at its worst case before anything is allocated
 

@@ -716,8 +716,7 @@ class DeviceLoop:
             assert self.pool is not None
             slot = self.pool.take()
             try:
-                self.pool.reserve(needed, cache)
-                self.pool.write_prompt(slot, cache, len(prompt))
+                self.copy_into_slot(slot, cache, len(prompt), needed)
             except BaseException:
                 self.pool.give_back(slot)
                 raise
@@ -737,6 +736,23 @@ class DeviceLoop:
         else:
             live.solo_cache = cache
         self.live[live.request_id] = live
+
+    def copy_into_slot(self, slot: int, cache: list[Any], prompt_tokens: int, needed: int) -> None:
+        """Copy a prompt's cache into its slot; a copy that raises is made once more (it writes
+        the same positions again), as a failed step is computed again."""
+        pool = self.pool
+        assert pool is not None
+        try:
+            pool.reserve(needed, cache)
+            pool.write_prompt(slot, cache, prompt_tokens)
+        except StatecoreError:
+            raise
+        except Exception as exc:
+            self.step_retries += 1
+            logger.warning("copying a cache into slot %d raised (%s: %s); copying it again",
+                           slot, type(exc).__name__, exc)
+            pool.reserve(needed, cache)
+            pool.write_prompt(slot, cache, prompt_tokens)
 
     def overloaded(self) -> StatecoreError | None:
         if len(self.live) >= self.settings.max_batch:
