@@ -401,6 +401,8 @@ class _LiveCollector:
                  stats.kv_reserved_bytes),
                 ("kv_budget_bytes", "KV bytes requests may reserve in all (--kv-memory-bytes less the "
                  "slot layout's share).", stats.kv_budget_bytes),
+                ("device_memory_bytes", "Bytes the device allocator holds now (weights, caches, "
+                 "activations).", stats.device_memory_bytes),
             ):
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
                 gauge.add_metric([role], value)

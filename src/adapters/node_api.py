@@ -226,6 +226,8 @@ class NodeApi:
             "engine_rows_isolated": engine.rows_isolated,
             "kv_reserved_bytes": engine.kv_reserved_bytes,
             "kv_budget_bytes": engine.kv_budget_bytes,
+            "device_memory_bytes": engine.device_memory_bytes,
+            "device_peak_bytes": engine.device_peak_bytes,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
         }
 

@@ -134,6 +134,9 @@ class EngineStatistics:
     # all (the node's KV budget less what the slot layout has set aside).
     kv_reserved_bytes: int = 0
     kv_budget_bytes: int = 0
+    # The device allocator's bytes in use now and at most so far (weights, caches, activations).
+    device_memory_bytes: int = 0
+    device_peak_bytes: int = 0
 
 
 class Engine(Protocol):
