@@ -372,13 +372,13 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket) -> int:
     from adapters.mlx import MlxEngine
 
+    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before the model loads
     model = args.model or demo_model_dir()
     log.info("loading %s for role %s", model, role)
     # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
     sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
-    faults = Faults.parse(args.inject_fault, args.fault_marker)
     engine = await MlxEngine.load(
         model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
@@ -480,6 +480,7 @@ async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | 
 async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     if not args.prefill or not args.decode:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
+    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before any waiting
     model = args.model or demo_model_dir()
     peers = HttpxPeers(token=args.internal_token)
     prefill = [u.rstrip("/") for u in args.prefill]
@@ -503,7 +504,6 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
     threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
                                                                        info.context_length)
-    faults = Faults.parse(args.inject_fault, args.fault_marker)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     frontend = Frontend.load(model, metrics.backend(backend),
