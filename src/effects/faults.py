@@ -4,7 +4,8 @@ Off unless a node is started with `--inject-fault` *and* the environment variabl
 `STATECORE_ENABLE_FAULT_INJECTION=1`, so a production flag typo cannot turn it on. A request
 is marked for a phase when its request id (the client's `X-Request-Id`, which travels
 router -> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed
-INJECTED_FAULT error) or `<marker>-slow-<phase>` (sleep there first), e.g.
+INJECTED_FAULT error), `<marker>-untyped-<phase>` (raise a plain RuntimeError there, armed with
+`PHASE:untyped`) or `<marker>-slow-<phase>` (sleep there first), e.g.
 `inject-fault-install-7`. This module may import `statecore` and trio; never httpx, mlx or
 mlx_lm.
 """
@@ -50,6 +51,11 @@ class Phase(enum.Enum):
 class Rule:
     phase: Phase
     slow_s: float = 0.0  # 0: fail instead of stalling
+    untyped: bool = False  # raise a plain RuntimeError (a bug's shape), not a typed error
+
+    @property
+    def kind(self) -> str:
+        return "slow" if self.slow_s > 0 else "untyped" if self.untyped else "fail"
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class Faults:
 
     @classmethod
     def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER) -> Faults:
-        """`PHASE` (fail) or `PHASE:slow=SECONDS`; refuses to arm without the env switch."""
+        """`PHASE` (fail), `PHASE:untyped` (fail with an untyped exception) or
+        `PHASE:slow=SECONDS`; refuses to arm without the env switch."""
         specs = list(specs)
         if not specs:
             return cls()
@@ -82,28 +89,31 @@ class Faults:
                     f"statecore: unknown fault phase {name!r}; one of {[p.value for p in Phase]}"
                 ) from None
             slow = float(option.removeprefix("slow=")) if option.startswith("slow=") else 0.0
-            rules.append(Rule(phase, slow))
+            rules.append(Rule(phase, slow, untyped=option == "untyped"))
         return cls(tuple(rules), marker)
 
     @property
     def armed(self) -> bool:
         return bool(self.rules)
 
-    def _rule(self, phase: Phase, request_id: str, *, slow: bool) -> Rule | None:
-        tag = f"{self.marker}-slow-{phase.value}" if slow else f"{self.marker}-{phase.value}"
+    def _rule(self, phase: Phase, request_id: str, kind: str) -> Rule | None:
+        tag = f"{self.marker}-{phase.value}" if kind == "fail" else f"{self.marker}-{kind}-{phase.value}"
         if tag not in request_id:
             return None
-        return next((r for r in self.rules if r.phase is phase and (r.slow_s > 0) == slow), None)
+        return next((r for r in self.rules if r.phase is phase and r.kind == kind), None)
 
     def applies(self, phase: Phase, request_id: str) -> bool:
         """A fail rule for `phase` matches this request."""
-        return self._rule(phase, request_id, slow=False) is not None
+        return self._rule(phase, request_id, "fail") is not None
 
     async def at(self, phase: Phase, request_id: RequestId | str) -> None:
-        """Stall, then fail, here when this request is marked for `phase`."""
-        slow = self._rule(phase, request_id, slow=True)
+        """Stall, then fail, here when this request is marked for `phase` (`-slow-`: stall;
+        `-untyped-`: raise a RuntimeError, as a bug would; else a typed INJECTED_FAULT)."""
+        slow = self._rule(phase, request_id, "slow")
         if slow is not None:
             await trio.sleep(slow.slow_s)
+        if self._rule(phase, request_id, "untyped") is not None:
+            raise RuntimeError(f"injected untyped fault at {phase.value}")
         if self.applies(phase, request_id):
             raise StatecoreError(injected(phase))
 

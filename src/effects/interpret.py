@@ -171,6 +171,9 @@ class EnginePerformer:
                 except StatecoreError as exc:
                     await ctx.kv_out.send(exc.info)  # the puller hears why; the request fails here
                     raise
+                except Exception as exc:  # a bug: the puller hears that too, not just "gone"
+                    await ctx.kv_out.send(bug(f"the prefill node failed to export the KV: {exc!r}"))
+                    raise
                 record = self.handoffs.record(rid)
                 record.encode_s = time.perf_counter() - started
                 record.wire_bytes = exported.nbytes

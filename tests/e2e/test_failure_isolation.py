@@ -46,6 +46,16 @@ EXPECTED_CODE = {
     Phase.STREAM_OUT: {"transport_lost"},
 }
 MATRIX = list(EXPECTED_CODE)  # DEVICE_CRASH ends a node's loop: test_node_loss_and_drain covers it
+# The same phases failing with a plain RuntimeError (a bug's shape, not a typed error): which
+# error code the client sees then.
+UNTYPED = {
+    Phase.INTAKE: {"internal_error"},
+    Phase.TOKENIZE: {"internal_error"},
+    Phase.PREFILL: {"internal_error"},
+    Phase.KV_ENCODE: {"internal_error"},
+    Phase.INSTALL: {"internal_error"},
+    Phase.DECODE_STEP: {"internal_error"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     faults += ["--inject-fault", "kv_encode:slow=2", "--inject-fault", "prefill:slow=2"]
     for batch_fault in (Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS):
         faults += ["--inject-fault", batch_fault.value]
+    for phase in UNTYPED:
+        faults += ["--inject-fault", f"{phase.value}:untyped"]
     built = start_cluster(
         cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
         node_args=("--internal-token", TOKEN, "--max-kv-bytes", str(MAX_KV_BYTES), *faults),
@@ -88,10 +100,12 @@ def _call(node: Node, body: dict[str, Any], request_id: str, stream: bool) -> tu
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-@pytest.mark.parametrize("phase", MATRIX, ids=lambda p: p.value)
-def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bool) -> None:
+@pytest.mark.parametrize(("phase", "untyped"), [(p, False) for p in MATRIX] + [(p, True) for p in UNTYPED],
+                         ids=lambda v: v.value if isinstance(v, Phase) else "untyped" if v else "typed")
+def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, untyped: bool, stream: bool) -> None:
     expected_good = without_ids(post(cluster.single, "/v1/completions", GOOD).json())
-    marked = f"inject-fault-{phase.value}-{'s' if stream else 'j'}"
+    kind = "untyped-" if untyped else ""
+    marked = f"inject-fault-{kind}{phase.value}-{'s' if stream else 'j'}"
     with ThreadPoolExecutor(4) as pool:
         bad = pool.submit(_call, cluster.router, {**GOOD, "max_tokens": 8}, marked, stream)
         goods = [pool.submit(_call, cluster.router, GOOD, f"good-{phase.value}-{i}-{stream}", False)
@@ -107,7 +121,7 @@ def test_fault_fails_one_request_only(cluster: Cluster, phase: Phase, stream: bo
         assert stream, pieces
         assert pieces[-1] == "[DONE]" and "error" in pieces[-2], pieces
         error = pieces[-2]["error"]
-    assert error["code"] in EXPECTED_CODE[phase], error
+    assert error["code"] in (UNTYPED if untyped else EXPECTED_CODE)[phase], error
     assert error["message"]
     assert_no_leaks(cluster.nodes[1:])  # the router and the three nodes of the cluster
     for node in cluster.nodes:
