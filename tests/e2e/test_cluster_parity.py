@@ -1,8 +1,10 @@
 """Through a 3-node cluster, responses are byte-identical to a single node's.
 
-For each family (plain KV, sliding window, hybrid linear attention, CacheList): completions
-and chat, streaming and not, greedy and seeded; bodies equal once `id` and `created` are
-dropped; every SSE chunk equal; usage equal; prompts long enough to wrap gemma3's window.
+For every cache family (plain KV, sliding window, hybrid linear attention, CacheList, SSM state,
+chunked attention) and in bfloat16 and float16 too: completions and chat, streaming and not,
+greedy and seeded; bodies equal once `id` and `created` are dropped; every SSE chunk equal; usage
+equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
+the decode node's receive buffers, each one equal to the single node.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
+from adapters.tiny_models import build_tiny_checkpoint, cached_checkpoint
 from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, stream_events, without_ids
 
 pytestmark = pytest.mark.e2e
@@ -37,11 +39,27 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_next", "falcon_h1"])
+# Every cache family mlx-lm has, and the dtypes models ship in: (family, dtype).
+MODELS = [
+    ("llama", "float32"),  # plain KV (the slot layout)
+    ("gemma3_text", "float32"),  # rotating KV (sliding window)
+    ("qwen3_next", "float32"),  # arrays (linear attention) + KV
+    ("falcon_h1", "float32"),  # CacheList
+    ("mamba2", "float32"),  # arrays only (SSM state)
+    ("llama4", "float32"),  # chunked KV (decodes in the solo lane)
+    ("llama", "bfloat16"),
+    ("gemma3_text", "float16"),
+]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    family: str = request.param
-    model = cached_checkpoint(family)
-    built = start_cluster(model, tmp_path_factory.mktemp(f"logs-{family}"))
+    family, dtype = request.param
+    if family == "llama4":  # built fresh: see test_engine_mlx's fresh_dirs (an older cache entry)
+        model = build_tiny_checkpoint(tmp_path_factory.mktemp("llama4"), "llama4")
+    else:
+        model = cached_checkpoint(family, dtype=dtype)
+    built = start_cluster(model, tmp_path_factory.mktemp(f"logs-{family}-{dtype}"))
     try:
         yield built
     finally:
@@ -86,3 +104,16 @@ def test_handoffs_really_happened(cluster: Cluster, tmp_path: Path) -> None:
     assert cluster.prefill[0].stats()["outcomes"].get("done", 0) >= 2 * len(CASES)
     # the pulls landed in receive buffers the decode node keeps for the next ones
     assert 0 < cluster.decode[0].stats()["kv_receive_buffer_bytes"] <= 1 << 30
+
+
+def test_many_pulls_back_to_back_stay_identical(cluster: Cluster) -> None:
+    """Prompts of growing then shrinking length, one after another: each pull lands in a receive
+    buffer a previous pull used (bigger or smaller than it), and every answer stays the single
+    node's."""
+    for words in (*range(4, 60, 8), *range(60, 4, -12)):
+        body = {"prompt": " ".join(LONG.split()[:words]), "max_tokens": 6, "temperature": 0}
+        single = post(cluster.single, "/v1/completions", body)
+        routed = post(cluster.router, "/v1/completions", body)
+        assert single.status_code == routed.status_code == 200, (single.text, routed.text)
+        assert without_ids(routed.json()) == without_ids(single.json()), words
+    assert_no_leaks(cluster.nodes)

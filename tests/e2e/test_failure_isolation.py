@@ -309,6 +309,8 @@ def test_bad_kv_payloads_are_refused_with_nothing_installed(
         assert lines and "error" in lines[-1], lines
         assert lines[-1]["error"]["code"] in code
         assert_no_leaks([decode])
+        assert httpx.get(f"{decode.url}/health", timeout=5).status_code == 200  # it still serves
+        assert decode.stats()["device_thread_alive"] and decode.stats()["bugs"] == 0
     finally:
         server.shutdown()
 

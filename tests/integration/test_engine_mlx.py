@@ -43,9 +43,10 @@ IDLE = EngineStatistics(decoding=0, held_caches=0, held_bytes=0, device_thread_a
 
 
 def holdings(engine: MlxEngine) -> EngineStatistics:
-    """What the engine holds now (its counters, stall clock and budget set aside): to compare with
-    IDLE, whose reservations are zero too."""
-    return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0)
+    """What the engine holds now (its counters, stall clock, budget and the allocator's figures set
+    aside): to compare with IDLE, whose reservations are zero too."""
+    return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
+                   device_memory_bytes=0, device_peak_bytes=0)
 
 
 class Opener(Protocol):
