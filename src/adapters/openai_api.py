@@ -387,6 +387,15 @@ def _event_stream(events: AsyncGenerator[bytes, None], headers: Mapping[str, str
 RETRY_AFTER_S = 1
 
 
+def _unless_body_unread(request: Request, response: Response) -> Response:
+    """An answer given before the request's body was read whole (too large, a fault at intake)
+    closes the connection: the unread rest would otherwise be taken for the next request, and
+    the server drops it anyway; `Connection: close` tells a keep-alive client so."""
+    if not getattr(request.state, "body_read", False):
+        response.headers["Connection"] = "close"
+    return response
+
+
 def _error_response(info: ErrorInfo, request_id: str | None = None) -> JSONResponse:
     headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else {}
     if info.http_status in (429, 503):  # overloaded or draining: tell the client when to retry
@@ -495,14 +504,15 @@ class Frontend:
             job = await self._prepare(request, kind, request_id)
             generation = await self.backend.start(GenerationRequest(request_id, job.prompt, job.sampling))
         except _Reject as exc:
-            return _error_response(exc.info, request_id)
+            return _unless_body_unread(request, _error_response(exc.info, request_id))
         except StatecoreError as exc:
-            return _error_response(exc.info, request_id)
+            return _unless_body_unread(request, _error_response(exc.info, request_id))
         except ClientDisconnect:
             return Response(status_code=499, headers={REQUEST_ID_HEADER: request_id})
         except Exception:
             logger.exception("request %s: unexpected error before generation", request_id)
-            return _error_response(bug("internal error while starting the request"), request_id)
+            return _unless_body_unread(
+                request, _error_response(bug("internal error while starting the request"), request_id))
         run = _Run(generation, _StopText(self.tokenizer.detokenizer, job.stops))
         try:
             return await self._respond(request, job, run)
@@ -627,6 +637,7 @@ class Frontend:
             if size > self.max_body_bytes:
                 raise _Reject(too_large)
             chunks.append(chunk)
+        request.state.body_read = True
         return b"".join(chunks)
 
     async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId) -> _Job:

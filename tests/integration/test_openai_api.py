@@ -1084,3 +1084,14 @@ async def test_a_streamed_response_ends_the_exchange_as_the_client_asked(
                     assert await stream.receive_some(65536) == b""
     finally:
         stop.set()
+
+
+async def test_an_answer_before_the_body_was_read_closes_the_connection(client: httpx.AsyncClient) -> None:
+    """A 413 on the declared length leaves the body unread: the server must say it closes the
+    connection, or a keep-alive client sends its next request into a dropped one."""
+    big = await client.post("/v1/completions", content=b"x" * (MAX_BODY + 1),
+                            headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.headers["connection"] == "close"
+    read = await client.post("/v1/completions", content=b'{"prompt": 5',
+                             headers={"content-type": "application/json"})
+    assert read.status_code == 400 and read.headers.get("connection") != "close"
