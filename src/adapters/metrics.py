@@ -348,6 +348,15 @@ class _MeteredPerformer:
 # Scrape-time collection and the KV-served middleware
 
 
+def _per_role(family: type[CounterMetricFamily] | type[GaugeMetricFamily], role: str,
+              rows: Iterable[tuple[str, str, float]]) -> Iterable[Metric]:
+    """One metric family per (name, doc, value), each with the node's role as its one label."""
+    for name, doc, value in rows:
+        metric = family(PREFIX + name, doc, labels=["role"])
+        metric.add_metric([role], value)
+        yield metric
+
+
 class _LiveCollector:
     """Live counts read when Prometheus scrapes, never pushed from the hot path."""
 
@@ -384,16 +393,13 @@ class _LiveCollector:
         yield bugs
         if self.engine is not None:
             stats = self.engine.statistics()
-            for name, doc, count in (
+            yield from _per_role(CounterMetricFamily, role, (
                 ("engine_step_retries", "Model calls the engine computed again after one raised "
                  "(a transient error that failed no request).", stats.step_retries),
                 ("engine_rows_isolated", "Requests failed alone because their row's model call kept "
                  "raising; the rest of their batch step went on.", stats.rows_isolated),
-            ):
-                counter = CounterMetricFamily(PREFIX + name, doc, labels=["role"])
-                counter.add_metric([role], count)
-                yield counter
-            for name, doc, value in (
+            ))
+            yield from _per_role(GaugeMetricFamily, role, (
                 ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
                 ("kv_held_caches", "Prefilled KV caches held for a handoff.", stats.held_caches),
                 ("num_requests_decoding", "Requests in the engine's decoder.", stats.decoding),
@@ -403,10 +409,7 @@ class _LiveCollector:
                  "slot layout's share).", stats.kv_budget_bytes),
                 ("device_memory_bytes", "Bytes the device allocator holds now (weights, caches, "
                  "activations).", stats.device_memory_bytes),
-            ):
-                gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["role"])
-                gauge.add_metric([role], value)
-                yield gauge
+            ))
         if self.kv_buffer_bytes is not None:
             kept = GaugeMetricFamily(PREFIX + "kv_receive_buffer_bytes", "Bytes of receive buffers kept "
                                      "for reuse by KV pulls (bounded by --kv-buffer-bytes; not a leak).",
