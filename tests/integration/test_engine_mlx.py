@@ -478,6 +478,31 @@ async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: 
     assert await single(engine, RequestId("after"), prompt_of(20)) == reference(path, prompt_of(20))
 
 
+async def test_a_transient_error_first_seen_while_isolating_a_poisoned_row_fails_nothing_else(
+    open_engine: Opener,
+) -> None:
+    """The poisoned row raises first, so the transient one raises for the first time only once
+    the rows are split: alone, it gets its second chance like any step."""
+    path = cached_checkpoint("llama")
+    poisoned, transient = RequestId("q0"), RequestId("q1")  # two rows: split, each is alone
+    fired: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage != "decode":
+            return
+        if poisoned in request_ids:
+            raise RuntimeError("injected: poisoned")
+        if transient in request_ids and not fired:
+            fired.append(transient)
+            raise RuntimeError("injected: transient")
+
+    prompts = {rid: prompt for rid, prompt in six_prompts("q").items() if rid in (poisoned, transient)}
+    expected, got, engine = await with_and_without(open_engine, path, prompts, GREEDY, hook)
+    assert isinstance(got.pop(poisoned), StatecoreError)
+    assert fired and got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
+    assert engine.statistics().rows_isolated == 1
+
+
 async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raising_fails_alone(
     open_engine: Opener,
 ) -> None:

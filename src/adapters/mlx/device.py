@@ -454,7 +454,7 @@ class DeviceLoop:
         return sample_rows(log_softmax(logits), samplers)
 
     def isolate(self, rows: list[Live], inputs: Any, count: int) -> tuple[Any, list[Live]]:
-        """Compute the step in ever smaller groups of rows; a row whose call raises even alone
+        """Compute the step in ever smaller groups of rows; a row whose call raises alone, twice,
         fails. Returns the (count,) tokens of the rows that computed, and those rows."""
         pool = self.pool
         assert pool is not None
@@ -462,6 +462,7 @@ class DeviceLoop:
         survivors: list[Live] = []
         culprits: list[tuple[Live, Exception]] = []
         groups = [rows[: len(rows) // 2], rows[len(rows) // 2 :]] if len(rows) > 1 else [rows]
+        tried_alone: set[str] = set()
         while groups:
             group = groups.pop()
             if not group:
@@ -478,7 +479,12 @@ class DeviceLoop:
                 tokens[where] = sampled.astype(mx.uint32)
             except Exception as exc:
                 self.rewind(group, positions)
-                if len(group) == 1:
+                if len(group) == 1 and group[0].request_id not in tried_alone:
+                    # Alone for the first time: a transient error gets its second chance here too.
+                    tried_alone.add(group[0].request_id)
+                    self.step_retries += 1
+                    groups.append(group)
+                elif len(group) == 1:
                     culprits.append((group[0], exc))
                 else:
                     groups += [group[: len(group) // 2], group[len(group) // 2 :]]
