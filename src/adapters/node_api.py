@@ -198,10 +198,10 @@ class NodeApi:
 
     async def health(self, request: Request) -> Response:
         details: dict[str, object] = {"warnings": self.warnings} if self.warnings else {}
-        if self.lost_reason is None and self.runner.ready() and self.engine.statistics().device_thread_alive:
-            return JSONResponse({"status": "ok", **details})
         if self.lost_reason is not None:
             details["reason"] = self.lost_reason
+        elif self.runner.ready() and self.engine.statistics().device_thread_alive:
+            return JSONResponse({"status": "ok", **details})
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:

@@ -117,7 +117,6 @@ class Faults:
         if self.applies(phase, request_id):
             raise StatecoreError(injected(phase))
 
-
     def model_call_hook(self) -> Callable[[str, Sequence[str]], None] | None:
         """A check the engine runs inside each model call with its stage ("prefill" or "decode")
         and the request ids it computes, or None when no model-call fault is armed. Device

@@ -168,7 +168,6 @@ class DeviceLoop:
         self.cost = KvCost(0, 0, 0)
         self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
         self.reserved: dict[str, int] = {}  # each request's own KV bytes (outside the slot pool)
-        self.reserved_bytes = 0
         self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
         self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
@@ -183,6 +182,10 @@ class DeviceLoop:
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
+    def plain(self, cache: list[Any]) -> bool:
+        """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's."""
+        return self.settings.kv_bits is None and all(type(c) is KVCache for c in cache)
+
     def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
                   probe_cache: list[Any], cost: KvCost) -> None:
         s = self.settings
@@ -191,7 +194,7 @@ class DeviceLoop:
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.cost = cost
-        plain = s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
+        plain = self.plain(probe_cache)
         self.short_batching = plain and s.prefill_batch > 1
         if plain:
             # The pool may grow to half the KV budget at most; that half is set aside for it.
@@ -224,7 +227,6 @@ class DeviceLoop:
                 f"bytes); this one needs {need:,}: try again shortly",
             ))
         self.reserved[request_id] = need
-        self.reserved_bytes = others + need
 
     def prefill_reservation(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
         """(bytes, tokens) a new prompt reserves: its own cache, and on a node that decodes it,
@@ -244,8 +246,12 @@ class DeviceLoop:
             f"budget is {budget:,} bytes (--kv-memory-bytes){aside}: ask for fewer tokens",
         ))
 
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.reserved.values())
+
     def unreserve(self, request_id: str) -> None:
-        self.reserved_bytes -= self.reserved.pop(request_id, 0)
+        self.reserved.pop(request_id, None)
 
     def new_batch(self) -> Any:
         return BatchGenerator(
@@ -438,26 +444,31 @@ class DeviceLoop:
             on_device = mx.concatenate([previous, mx.zeros((count - carried,), dtype=previous.dtype)])
         return mx.where(mx.array(from_host), inputs, on_device.astype(mx.uint32))
 
-    def slot_call(self, rows: list[Live], inputs: Any, count: int) -> Any:
-        """Build one model call over the first `count` slots; the (count,) sampled tokens
-        (free slots in that range compute a throwaway row at position 0)."""
+    def slot_call(self, rows: list[Live], inputs: Any, count: int, only: Any = None) -> Any:
+        """Build one model call over the first `count` slots and return its (count,) sampled
+        tokens (free slots in that range compute a throwaway row at position 0); or, given
+        `only` (an array of `rows`' slots), over just those rows, in that order."""
         pool = self.pool
         assert pool is not None
-        offsets = [0] * count
-        samplers: list[PositionSampler | None] = [None] * count
-        for live in rows:
-            assert live.slot is not None
-            offsets[live.slot] = live.offset
-            samplers[live.slot] = None if live.sampler.sampling.greedy else live.sampler
+        if only is None:
+            offsets = [0] * count
+            samplers: list[PositionSampler | None] = [None] * count
+            for live in rows:
+                assert live.slot is not None
+                offsets[live.slot] = live.offset
+                samplers[live.slot] = None if live.sampler.sampling.greedy else live.sampler
+            layers, step_inputs = pool.step_layers(offsets), inputs
+        else:
+            slots = [live.slot for live in rows if live.slot is not None]
+            samplers = [None if live.sampler.sampling.greedy else live.sampler for live in rows]
+            layers, step_inputs = pool.step_layers([live.offset for live in rows], slots), inputs[only]
         self.computing = ("decode", [live.request_id for live in rows])
-        logits = self.model(inputs[:, None], cache=pool.step_layers(offsets))[:, -1, :]
+        logits = self.model(step_inputs[:, None], cache=layers)[:, -1, :]
         return sample_rows(log_softmax(logits), samplers)
 
     def isolate(self, rows: list[Live], inputs: Any, count: int) -> tuple[Any, list[Live]]:
         """Compute the step in ever smaller groups of rows; a row whose call raises alone, twice,
         fails. Returns the (count,) tokens of the rows that computed, and those rows."""
-        pool = self.pool
-        assert pool is not None
         tokens = mx.zeros((count,), dtype=mx.uint32)
         survivors: list[Live] = []
         culprits: list[tuple[Live, Exception]] = []
@@ -467,16 +478,10 @@ class DeviceLoop:
             group = groups.pop()
             if not group:
                 continue
-            slots = [live.slot for live in group]
             positions = [live.sampler.position for live in group]
-            self.computing = ("decode", [live.request_id for live in group])
             try:
-                where = mx.array(slots, dtype=mx.int32)
-                layers = pool.step_layers([live.offset for live in group], slots)  # type: ignore[arg-type]
-                logits = self.model(inputs[where][:, None], cache=layers)[:, -1, :]
-                sampled = sample_rows(log_softmax(logits), [
-                    None if live.sampler.sampling.greedy else live.sampler for live in group])
-                tokens[where] = sampled.astype(mx.uint32)
+                where = mx.array([live.slot for live in group], dtype=mx.int32)
+                tokens[where] = self.slot_call(group, inputs, count, only=where).astype(mx.uint32)
             except Exception as exc:
                 self.rewind(group, positions)
                 if len(group) == 1 and group[0].request_id not in tried_alone:
@@ -807,7 +812,6 @@ class DeviceLoop:
         self.by_uid.clear()
         self.held.clear()
         self.reserved.clear()
-        self.reserved_bytes = 0
         self.batch = None
         self.model = None
         self.pool = None

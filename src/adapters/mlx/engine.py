@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import trio
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from adapters import kv_wire
 from adapters.mlx.device import DeviceLoop, Live, Settings
@@ -555,9 +555,9 @@ class MlxEngine:
                 mx.eval([c.state for c in cache])
             return cache
 
-        plain = s.kv_bits is None and all(type(c) is KVCache for c in probe_cache)
         travels = all(layer.can_travel for layer in layers)
-        cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes, plain)
+        cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes,
+                               probe_cache if device.plain(probe_cache) else None)
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         info = ModelInfo(
             name=self._model_dir.name,

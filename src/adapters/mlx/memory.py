@@ -52,18 +52,15 @@ def state_bytes(cache: Sequence[Any]) -> int:
 
 
 def measure_kv_cost(probe: Callable[[int], Sequence[Any]], live_bytes: Callable[[Sequence[Any]], int],
-                    plain: bool) -> KvCost:
+                    slot_layers: Sequence[Any] | None) -> KvCost:
     """Fit bytes = fixed + per_token x tokens through two probe caches (`probe(n)` prefills n
     tokens and returns the evaluated cache; `live_bytes` weighs one, trimmed to what it holds);
-    `plain` models also get the slot layout's cost."""
+    `slot_layers`, a plain-KVCache model's cache, gives the slot layout's cost too."""
     short, long = _PROBE_LENGTHS
     small, large = live_bytes(probe(short)), live_bytes(probe(long))
     per_token = max(0, -(-(large - small) // (long - short)))  # rounded up
     fixed = max(0, small - per_token * short)
-    slot = 0
-    if plain:
-        layers = probe(1)
-        slot = sum(2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size for c in layers)
+    slot = sum(2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.dtype.size for c in slot_layers or ())
     return KvCost(fixed, per_token, slot)
 
 
