@@ -32,7 +32,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any]) -> dict[str, Any]:
+def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any],
+        on_measure: Any = None) -> dict[str, Any]:
+    """`on_measure` (if given) is called when the warm-up is over and the measured window starts."""
     import trio
     from serve_bench import Mix
 
@@ -76,6 +78,8 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
             ttfts.clear()
             produced[0] = 0
             before = engine.device_profile()
+            if on_measure is not None:
+                on_measure()
             start = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for i in range(concurrency):

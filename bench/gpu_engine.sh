@@ -37,6 +37,27 @@ case "${1:-serving}" in
       --requests-per-slot 4 --max-requests 96 \
       --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -20
     ;;
+  profile)
+    # Where the time goes on realish: the engine alone (no HTTP) at two chunk sizes, the engine's
+    # device thread under py-spy, then a single node under HTTP load under py-spy.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    timeout 120 $PY bench/engine_realish.py --model $M --concurrency 8,32 --seconds 12 \
+      --out "$OUT/er_default.json" 2>&1 | tail -4
+    timeout 90 $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 \
+      --engine-arg prefill_chunk_size=512 --out "$OUT/er_chunk512.json" 2>&1 | tail -2
+    timeout 90 "$SPY" record --rate 100 --format raw -o "$OUT/er_spy.txt" -- \
+      $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 2>&1 | tail -3
+    timeout 150 $PY bench/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+      --duration 15 --py-spy "$SPY" --out "$OUT/profile_http" 2>&1 | quiet | tail -60
+    ;;
+  breakdown)
+    # Each kind of device work evaluated alone and timed (decode call, prefills, copies into
+    # slots), and the slot step at ragged lengths against KVCache, kernels only.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 200 $PY bench/engine_breakdown.py --model $M --concurrency 32 --seconds 12 \
+      --out "$OUT/breakdown.json" 2>&1 | tail -60
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24

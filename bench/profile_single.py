@@ -27,17 +27,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serve_bench import Mix, PromptMaker, build_prompts, load_tokenizer, run_load, summarize  # noqa: E402
+from serve_bench import Mix, PromptMaker, build_prompts, load_tokenizer, parse_mix, run_load, summarize  # noqa: E402
 from side_by_side import ROOT, default_model, make_servers, server_env  # noqa: E402
 
 
 def _device_wait_frame() -> str:
     """`file:line` where the engine's device thread blocks for jobs when nothing decodes."""
-    src = ROOT / "src" / "adapters" / "engine_mlx.py"
+    src = ROOT / "src" / "adapters" / "mlx" / "device.py"
     for number, line in enumerate(src.read_text().splitlines(), 1):
-        if "self._queue.get()" in line:
-            return f"engine_mlx.py:{number})"
-    return "engine_mlx.py:?)"
+        if "self.queue.get()" in line:
+            return f"device.py:{number})"
+    return "device.py:?)"
 
 
 # Leaf frames that mean "this thread is waiting": trio's epoll wait, an idle trio worker thread,
@@ -47,7 +47,7 @@ IDLE_LEAVES = ("_io_epoll.py:243)", "_thread_cache.py:211)")
 
 def _role(frames: list[str]) -> str:
     text = ";".join(frames)
-    if "MlxEngine._thread_main" in text:
+    if "_thread_main" in text:
         return "device thread (MLX)"
     if "_thread_cache.py" in text:
         return "trio worker threads"
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--mix", default=None,
+                        help="'realish' or PxO: overrides --prompt-tokens/--output-tokens")
+    parser.add_argument("--statecore-arg", action="append", default=[], help="extra flag for the node")
     parser.add_argument("--requests", type=int, default=None,
                         help="at most this many (default 20 x concurrency); stops when py-spy does")
     parser.add_argument("--duration", type=int, default=20)
@@ -121,13 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env, blas = server_env(args.blas)
     maker = PromptMaker(load_tokenizer(model))
-    (server,) = make_servers(model, args.out, ["single"], [])
+    (server,) = make_servers(model, args.out, ["single"], args.statecore_arg)
     server.start(env)
     try:
         server.wait_ready(900)
         asyncio.run(run_load(server.url, build_prompts(maker, Mix("warm", 64, 8), 8, 99), concurrency=8))
         n = args.requests or 20 * args.concurrency
-        prompts = build_prompts(maker, Mix("p", args.prompt_tokens, args.output_tokens), n, 7)
+        mix = parse_mix(args.mix) if args.mix else Mix("p", args.prompt_tokens, args.output_tokens)
+        prompts = build_prompts(maker, mix, n, 7)
         assert server.proc is not None
         raw = args.out / "profile.txt"
         spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             done.set()  # send nothing more; in-flight requests finish
             loader.join()
         summary = top_functions(raw, args.duration * args.rate)
-        header = (f"model {model} BLAS {blas}; load: {args.prompt_tokens}x{args.output_tokens} at "
+        header = (f"model {model} BLAS {blas}; load: {mix.name} at "
                   f"concurrency {args.concurrency}; output {result.get('output_tok_s')} tok/s; "
                   f"py-spy {args.duration} s at {args.rate} Hz\n")
         (args.out / "top.txt").write_text(header + summary + "\n")

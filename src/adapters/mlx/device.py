@@ -177,7 +177,8 @@ class DeviceLoop:
         self.model_call_hook: Callable[[str, Sequence[str]], None] | None = None
         self.computing: tuple[str, Sequence[str]] = ("", ())  # (stage, request ids) of the next call
         self.profile: dict[str, tuple[int, float]] = {
-            kind: (0, 0.0) for kind in ("step", "prefill_chunks", "prefill_batched", "other_job", "readback")
+            kind: (0, 0.0) for kind in ("step", "decode_build", "prefill_chunks", "prefill_batched",
+                                        "launch", "readback", "other_job")
         }
 
     # -- configuration (after the model is loaded) ---------------------------------------------
@@ -355,11 +356,13 @@ class DeviceLoop:
         slot_rows = [live for live in self.live.values() if live.slot is not None]
         with mx.stream(generation_stream):
             if slot_rows:
+                building = time.perf_counter()
                 try:
                     outputs.extend(self.build_slot_step(slot_rows, current))
                 except Exception as exc:
                     self.fail_rows(slot_rows, exc)
                     current = _InFlight()
+                self.account("decode_build", building)
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.chunks_left) for t in self.waiting.values()],
@@ -368,7 +371,9 @@ class DeviceLoop:
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())
             if outputs:
+                launching = time.perf_counter()
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                self.account("launch", launching)
         built = bool(outputs) or bool(current.failed_prefills)
         previous, self.inflight = self.inflight, (current if built else None)
         if previous is not None:
