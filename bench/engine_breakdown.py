@@ -57,15 +57,15 @@ def instrument() -> None:
         _costs["decode_length"].append((0.0, 0.0, longest))
         return outputs
 
-    def run_chunks(model: Any, task: Any, count: int, quantize: Any) -> None:
+    def run_chunks(model: Any, task: Any, count: int, quantize: Any, bucket: int = 0) -> None:
         started = time.perf_counter()
         before = task.done_tokens
-        original_chunks(model, task, count, quantize)
+        original_chunks(model, task, count, quantize, bucket)
         _timed("prefill", started, [task.first, *(c.state for c in task.cache)], task.done_tokens - before)
 
-    def run_short_batch(model: Any, tasks: Any) -> None:
+    def run_short_batch(model: Any, tasks: Any, bucket: int = 0) -> None:
         started = time.perf_counter()
-        original_short(model, tasks)
+        original_short(model, tasks, bucket)
         outputs = [t.first for t in tasks] + [c.state for t in tasks for c in t.cache]
         _timed("prefill_batch", started, outputs, sum(len(t.tokens) for t in tasks))
 
@@ -135,15 +135,17 @@ def ragged_step(model_dir: Path, batch: int, steps: int) -> dict[str, Any]:
         c = KVCache()  # type: ignore[no-untyped-call]
         c.keys, c.values, c.offset = layer.keys[:1], layer.values[:1], longest
         one.append(c)
-    for name, offsets in (("slots_ragged_ms", list(lengths)), ("slots_uniform_ms", [longest] * batch)):
+    cases = (("slots_ragged_ms", list(lengths), 0), ("slots_ragged_bucket128_ms", list(lengths), 128),
+             ("slots_uniform_ms", [longest] * batch, 0))
+    for name, offsets, bucket in cases:
         pool = SlotPool(batch, len(cache), 1 << 15)
         pool.reserve(longest + steps + 64, one)
         for slot in range(batch):
             pool.write_prompt(slot, one, offsets[slot])
         mx.eval(pool.keys, pool.values)
 
-        def slot_step(t: Any, pool: Any = pool, offsets: list[int] = offsets) -> Any:
-            layers = pool.step_layers(offsets)
+        def slot_step(t: Any, pool: Any = pool, offsets: list[int] = offsets, bucket: int = bucket) -> Any:
+            layers = pool.step_layers(offsets, bucket=bucket)
             for i in range(batch):
                 offsets[i] += 1
             return mx.argmax(model(t[:, None], cache=layers)[:, -1, :], axis=-1)
@@ -160,18 +162,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--engine-arg", action="append", default=[], help="NAME=INT passed to MlxEngine.load")
+    parser.add_argument("--no-ragged", action="store_true", help="skip the kernels-only slot step")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from engine_realish import run
 
-    results: dict[str, Any] = {"ragged": ragged_step(args.model, args.concurrency, 50)}
-    print(json.dumps(results["ragged"]), flush=True)
+    results: dict[str, Any] = {}
+    if not args.no_ragged:
+        results["ragged"] = ragged_step(args.model, args.concurrency, 50)
+        print(json.dumps(results["ragged"]), flush=True)
     instrument()
     engine_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
     results["engine_timed"] = run(args.model, args.concurrency, args.seconds, engine_args,
                                   on_measure=_costs.clear)
     results["breakdown"] = summary(results["engine_timed"]["seconds"])
-    print(json.dumps({k: results[k] for k in ("engine_timed", "breakdown")}, indent=1), flush=True)
+    timed = {k: v for k, v in results["engine_timed"].items() if k != "device_profile"}
+    print(json.dumps({"engine_args": engine_args, "engine_timed": timed, "breakdown": results["breakdown"]}),
+          flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

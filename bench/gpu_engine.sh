@@ -56,7 +56,9 @@ case "${1:-serving}" in
     # slots), and the slot step at ragged lengths against KVCache, kernels only.
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
     timeout 200 $PY bench/engine_breakdown.py --model $M --concurrency 32 --seconds 12 \
-      --out "$OUT/breakdown.json" 2>&1 | tail -60
+      --out "$OUT/breakdown.json" 2>&1 | tail -3
+    timeout 120 $PY bench/engine_breakdown.py --model $M --concurrency 32 --seconds 12 --no-ragged \
+      --engine-arg shape_bucket=0 --out "$OUT/breakdown_nobucket.json" 2>&1 | tail -2
     ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \

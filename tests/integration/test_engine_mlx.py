@@ -62,6 +62,7 @@ class Opener(Protocol):
         prefill_batch: int = ...,
         max_num_batched_tokens: int | None = ...,
         kv_memory_bytes: int | None = ...,
+        shape_bucket: int | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -368,6 +369,59 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
     assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
 
 
+def test_a_padded_chunk_leaves_the_cache_an_unpadded_one_would() -> None:
+    """Padding a chunk to its shape bucket and trimming the padding off again gives the cache,
+    first token and positions of the unpadded chunks (attention is causal)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from adapters.mlx.prefill import PrefillTask, run_chunks
+    from adapters.mlx.sampling import PositionSampler
+    from statecore.scheduling import prefill_chunks
+
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
+    prompt = prompt_of(45, salt=3)
+    tasks = []
+    for bucket in (0, 24):
+        task = PrefillTask("r", prompt, PositionSampler(GREEDY, 0, len(prompt)), 0, prefill_chunks(45, CHUNK))
+        while task.first is None:
+            run_chunks(model, task, 1, lambda cache: None, bucket)
+        assert task.cache is not None
+        mx.eval(task.first, [c.state for c in task.cache])
+        tasks.append(task)
+    plain, padded = tasks
+    assert plain.cache is not None and padded.cache is not None
+    assert int(padded.first.item()) == int(plain.first.item())
+    assert len(make_prompt_cache(model)) == len(padded.cache)
+    for ours, theirs in zip(padded.cache, plain.cache, strict=True):
+        assert ours.offset == theirs.offset == len(prompt)
+        # What lies past the offset (zeros, or the padding's keys) is never read: compare the rest.
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            np.testing.assert_allclose(np.array(a[..., : len(prompt), :]), np.array(b[..., : len(prompt), :]),
+                                       rtol=1e-5, atol=1e-5)
+
+
+async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
+    """With a shape bucket (the GPU's default) prefill chunks and batched short prompts are padded
+    and the slot lane attends over a rounded-up length: greedy tokens still equal mlx-lm's,
+    seeded ones the unbucketed engine's, and the fingerprint tells the two settings apart."""
+    path = cached_checkpoint("llama")
+    bucketed = await open_engine(path, shape_bucket=24, max_num_batched_tokens=256)
+    plain = await open_engine(path, shape_bucket=0)
+    assert bucketed.info.fingerprint != plain.info.fingerprint
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (5, 13, 14, 33, 70)}
+    gate = await hold_device(bucketed)
+    results: dict[RequestId, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _gather(results, all_at_once(partial(single, bucketed), prompts)))
+        await release_when_queued(bucketed, gate, len(prompts))
+    assert bucketed.device_profile()["prefill_batched"][0] >= 2  # the short ones shared a call
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
+    prompt = prompt_of(40, salt=2)
+    assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(
+        plain, RequestId("s"), prompt, seeded)
+
+
 async def test_a_failing_prefill_batch_is_retried_one_by_one(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -377,7 +431,7 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
 
-    def broken(model: Any, tasks: Any) -> None:
+    def broken(model: Any, tasks: Any, bucket: int = 0) -> None:
         raise RuntimeError("injected: the batched call failed")
 
     monkeypatch.setattr(device, "run_short_batch", broken)

@@ -47,7 +47,7 @@ def test_a_default_cluster_hands_nothing_on() -> None:
 
 
 @pytest.mark.parametrize("flags", [
-    ["--max-batch", "0"], ["--prefill-batch", "0"], ["--prefill-chunk-size", "-1"],
+    ["--max-batch", "0"], ["--prefill-batch", "0"], ["--shape-bucket", "-1"], ["--prefill-chunk-size", "-1"],
     ["--max-in-flight", "0"], ["--max-kv-bytes", "0"], ["--kv-buffer-bytes", "-1"],
     ["--local-prefill-below", "-1"], ["--kv-lease", "0"], ["--kv-lease", "inf"],
     ["--request-deadline", "nan"], ["--drain-timeout", "-5"], ["--max-batch", "two"],

@@ -82,6 +82,7 @@ class Settings:
     max_slot_tokens: int
     kv_memory_bytes: int  # what KV caches may take in all: the slot pool and every request's own
     decodes_locally: bool  # False on a prefill node: a prefilled cache never grows here
+    shape_bucket: int  # prefill chunks and the slot lane's attended length round up to it (0: off)
 
 
 @dataclass(eq=False)
@@ -153,6 +154,7 @@ class DeviceLoop:
         self.context_length = 0
         self.slot_lane = False
         self.short_batching = False
+        self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.pool: SlotPool | None = None
         self.batch: Any = None
         self.held: dict[str, Held] = {}
@@ -197,6 +199,8 @@ class DeviceLoop:
         self.cost = cost
         plain = self.plain(probe_cache)
         self.short_batching = plain and s.prefill_batch > 1
+        # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
+        self.bucket = s.shape_bucket if plain else 0
         if plain:
             # The pool may grow to half the KV budget at most; that half is set aside for it.
             fitting = (s.kv_memory_bytes // 2) // max(1, s.max_batch * cost.slot_per_token)
@@ -462,11 +466,12 @@ class DeviceLoop:
                 assert live.slot is not None
                 offsets[live.slot] = live.offset
                 samplers[live.slot] = None if live.sampler.sampling.greedy else live.sampler
-            layers, step_inputs = pool.step_layers(offsets), inputs
+            layers, step_inputs = pool.step_layers(offsets, bucket=self.bucket), inputs
         else:
             slots = [live.slot for live in rows if live.slot is not None]
             samplers = [None if live.sampler.sampling.greedy else live.sampler for live in rows]
-            layers, step_inputs = pool.step_layers([live.offset for live in rows], slots), inputs[only]
+            layers = pool.step_layers([live.offset for live in rows], slots, bucket=self.bucket)
+            step_inputs = inputs[only]
         self.computing = ("decode", [live.request_id for live in rows])
         logits = self.model(step_inputs[:, None], cache=layers)[:, -1, :]
         return sample_rows(log_softmax(logits), samplers)
@@ -529,7 +534,7 @@ class DeviceLoop:
                     continue
                 self.computing = ("prefill", [task.request_id for task in members])
                 try:
-                    run_short_batch(self.model, members)
+                    run_short_batch(self.model, members, self.bucket)
                 except Exception:
                     # One prompt must not fail its neighbours: they run alone below.
                     logger.exception("a batched prefill of %d prompts failed; running them alone",
@@ -546,7 +551,7 @@ class DeviceLoop:
                 continue
             self.computing = ("prefill", [task.request_id])
             try:
-                run_chunks(self.model, task, chunks, self.quantize)
+                run_chunks(self.model, task, chunks, self.quantize, self.bucket)
             except Exception as exc:
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function

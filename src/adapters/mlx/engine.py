@@ -33,7 +33,7 @@ from adapters.mlx.device import DeviceLoop, Live, Settings
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
-from adapters.mlx.prefill import PrefillTask
+from adapters.mlx.prefill import PrefillTask, default_shape_bucket, widen_attention_graph_cache
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
     EngineStatistics,
@@ -98,6 +98,7 @@ class MlxEngine:
         max_slot_tokens: int = 32768,
         kv_memory_bytes: int | None = None,
         decodes_locally: bool = True,
+        shape_bucket: int | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
@@ -115,6 +116,12 @@ class MlxEngine:
         before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
         it can never fit) otherwise. `decodes_locally` False (a prefill node) reserves only a
         prompt's cache for its prefill.
+
+        `shape_bucket` (default: `default_shape_bucket()`, 128 on MLX's CUDA backend and 0 = off
+        elsewhere) pads prefill chunks, and rounds the slot lane's attended length, up to a
+        multiple of it, on plain KVCache models: the device meets a few shapes, not one per
+        prompt length. Like the chunk size it changes the computation's last bits, so it is part
+        of the model fingerprint.
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
@@ -143,11 +150,15 @@ class MlxEngine:
             raise StatecoreError(client_error("max_padding must be >= 0"))
         if max_slot_tokens < 1:
             raise StatecoreError(client_error("max_slot_tokens must be >= 1"))
+        bucket = default_shape_bucket() if shape_bucket is None else shape_bucket
+        if bucket < 0:
+            raise StatecoreError(client_error("shape_bucket must be >= 0"))
         memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
-                            max_padding, max_slot_tokens, memory, decodes_locally)
+                            max_padding, max_slot_tokens, memory, decodes_locally, bucket)
+        widen_attention_graph_cache()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
         try:
@@ -562,7 +573,8 @@ class MlxEngine:
         info = ModelInfo(
             name=self._model_dir.name,
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
-                                          prefill_chunk_size=s.prefill_chunk_size),
+                                          prefill_chunk_size=s.prefill_chunk_size,
+                                          shape_bucket=device.bucket),
             context_length=loaded.context_length,
             vocab_size=vocab_size,
             eos_token_ids=loaded.eos,
@@ -570,10 +582,12 @@ class MlxEngine:
             layers=layers,
         )
         logger.info(
-            "loaded %s (%s, kv_bits=%s, chunk=%d, lane=%s): can_travel=%s; KV %d bytes + %d per token, "
+            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s): can_travel=%s; "
+            "KV %d bytes + %d per token, "
             "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
-            s.kv_bits, s.prefill_chunk_size, "slots" if device.slot_lane else "mlx-lm batch", info.can_travel,
+            s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "mlx-lm batch",
+            info.can_travel,
             cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )

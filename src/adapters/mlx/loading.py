@@ -94,7 +94,7 @@ def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
 
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
-                      prefill_chunk_size: int) -> str:
+                      prefill_chunk_size: int, shape_bucket: int = 0) -> str:
     fields = {
         "format_version": FORMAT_VERSION,
         "config_sha256": hashlib.sha256(loaded.config_bytes).hexdigest(),
@@ -102,6 +102,7 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "kv_bits": kv_bits,
         "kv_group_size": kv_group_size if kv_bits is not None else None,
         "prefill_chunk_size": prefill_chunk_size,
+        **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
         # Two BLAS libraries round float32 matmuls differently: nodes on different ones must
         # refuse each other's KV.
         "blas": blas_in_use(),

@@ -9,12 +9,14 @@ calls mlx-lm's `generate_step` makes, in the same order, on the task's own `make
 `run_short_batch` computes several short prompts (each one chunk plus the last token) in one padded
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
 each row's positions and attention its own), then every last token at once; each row's cache is
-then cut out as a plain `KVCache`. Plain KVCache models without kv_bits only. This module imports
+then cut out as a plain `KVCache`. Plain KVCache models without kv_bits only. Both may round their
+call's length up to a *shape bucket* (see `run_chunks`). This module imports
 mlx and mlx_lm; it must never import trio.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,14 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
 
-__all__ = ["PrefillTask", "run_chunks", "run_short_batch"]
+__all__ = [
+    "PrefillTask",
+    "bucketed",
+    "default_shape_bucket",
+    "run_chunks",
+    "run_short_batch",
+    "widen_attention_graph_cache",
+]
 
 
 @dataclass(eq=False)
@@ -57,15 +66,48 @@ class PrefillTask:
         return self.done_chunks == 0 and len(self.chunks) == 2
 
 
-def run_chunks(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None]) -> None:
-    """Build the graph of the task's next `count` chunks; the last one samples the first token."""
+_CUDA_SHAPE_BUCKET = 128
+_CUDA_ATTENTION_GRAPHS = 2048
+
+
+def default_shape_bucket() -> int:
+    """128 on MLX's CUDA backend, whose prefill attention builds a cuDNN graph for every new
+    (query, key) shape; 0 elsewhere (on the CPU and Metal a new shape costs nothing, padding
+    would only add work and change last bits against mlx-lm's generate_step)."""
+    return _CUDA_SHAPE_BUCKET if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+
+
+def widen_attention_graph_cache() -> None:
+    """Let MLX's CUDA backend keep more cuDNN attention graphs than its default (a few dozen to a
+    few hundred, by version): a node meets one per chunk shape and chunk position. Read once, at
+    the process's first attention call, so this runs before the model does."""
+    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(_CUDA_ATTENTION_GRAPHS))
+
+
+def bucketed(tokens: int, bucket: int) -> int:
+    """`tokens` rounded up to a multiple of `bucket` (0: no rounding)."""
+    return tokens if bucket <= 1 else -(-tokens // bucket) * bucket
+
+
+def run_chunks(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
+               bucket: int = 0) -> None:
+    """Build the graph of the task's next `count` chunks; the last one samples the first token.
+
+    With `bucket` (plain KVCache layers only) a chunk of several tokens is padded at its end to a
+    multiple of `bucket` and the padding's positions are trimmed off the cache again: attention is
+    causal, so no real position sees them, and the GPU meets a few chunk shapes instead of one per
+    prompt length (MLX's CUDA attention builds a cuDNN graph per shape, tens of ms each)."""
     if task.cache is None:
         task.cache = make_prompt_cache(model)
     for _ in range(count):
         size = task.chunks[task.done_chunks]
         start = task.done_tokens
-        piece = mx.array([task.tokens[start : start + size]])
+        padding = bucketed(size, bucket) - size if size > 1 else 0
+        piece = mx.array([task.tokens[start : start + size] + [0] * padding])
         out = model(piece, cache=task.cache)
+        if padding:
+            for layer in task.cache:
+                layer.trim(padding)
         quantize(task.cache)
         task.done_chunks += 1
         task.done_tokens += size
@@ -73,10 +115,11 @@ def run_chunks(model: Any, task: PrefillTask, count: int, quantize: Callable[[li
             task.first = task.sampler(log_softmax(out[:, -1, :]))
 
 
-def run_short_batch(model: Any, tasks: Sequence[PrefillTask]) -> None:
-    """Several short prompts in one padded call pair; each task ends with its own cache and first token."""
+def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -> None:
+    """Several short prompts in one padded call pair; each task ends with its own cache and first
+    token. With `bucket`, the padded length is a multiple of it (fewer shapes, as in run_chunks)."""
     heads = [task.tokens[:-1] for task in tasks]
-    longest = max(len(head) for head in heads)
+    longest = bucketed(max(len(head) for head in heads), bucket)
     padding = [longest - len(head) for head in heads]
     layers = len(make_prompt_cache(model))
     batch_cache = [BatchKVCache(padding) for _ in range(layers)]

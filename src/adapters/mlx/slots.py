@@ -89,12 +89,17 @@ class SlotPool:
             self.keys[index][slot : slot + 1, :, :tokens, :] = layer.keys[..., :tokens, :]
             self.values[index][slot : slot + 1, :, :tokens, :] = layer.values[..., :tokens, :]
 
-    def step_layers(self, offsets: Sequence[int], slots: Sequence[int] | None = None) -> list[SlotStepLayer]:
+    def step_layers(self, offsets: Sequence[int], slots: Sequence[int] | None = None,
+                    bucket: int = 0) -> list[SlotStepLayer]:
         """The caches one decode step hands the model: row i is slot i (or `slots[i]` when a
         subset of slots is given, as when a failed step is retried in parts), writing at
-        offsets[i]. The whole leading range reads the buffers in place; a subset gathers its rows."""
+        offsets[i]. The whole leading range reads the buffers in place; a subset gathers its rows.
+        With `bucket` the attended length is rounded up to a multiple of it (the mask hides the
+        extra positions), so the GPU meets a few shapes rather than a new one every step."""
         rows = len(offsets)
         length = max(offsets) + 1
+        if bucket > 1:
+            length = min(self.capacity, -(-length // bucket) * bucket)
         positions = mx.array(list(offsets), dtype=mx.int32)
         # Row i may see positions 0..offsets[i] (its history and the token it adds now).
         mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
