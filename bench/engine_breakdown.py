@@ -152,7 +152,42 @@ def ragged_step(model_dir: Path, batch: int, steps: int) -> dict[str, Any]:
 
         result[name] = timed(slot_step)
         result[name.replace("_ms", "_capacity")] = pool.capacity
+        if name != "slots_ragged_ms":
+            continue
+        # Timing only (wrong numbers): the same step without the mask, then without the scatter.
+        from adapters.mlx.slots import SlotStepLayer
+
+        real_mask, real_update = SlotStepLayer.make_mask, SlotStepLayer.update_and_fetch
+        SlotStepLayer.make_mask = lambda self, n, return_array=False, window_size=None: None  # type: ignore
+        result["slots_ragged_nomask_ms"] = timed(slot_step)
+        SlotStepLayer.make_mask = real_mask  # type: ignore[method-assign]
+
+        def fetch_only(self: Any, keys: Any, values: Any) -> tuple[Any, Any]:
+            k, v = self._pool.keys[self._index], self._pool.values[self._index]
+            rows = keys.shape[0]
+            return k[:rows, :, : self._length, :], v[:rows, :, : self._length, :]
+
+        SlotStepLayer.update_and_fetch = fetch_only  # type: ignore[method-assign]
+        result["slots_ragged_noscatter_ms"] = timed(slot_step)
+        SlotStepLayer.update_and_fetch = real_update  # type: ignore[method-assign]
+    result["prefill"] = prefill_shapes(model)
     return result
+
+
+def prefill_shapes(model: Any) -> dict[str, float]:
+    """ms of one prefill call on a fresh cache: the first of its shape (cold) and again (warm)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out: dict[str, float] = {}
+    for rows, length in ((1, 384), (1, 1024), (1, 2048), (8, 384)):
+        for label in ("cold", "warm"):
+            cache = make_prompt_cache(model)
+            tokens = mx.random.randint(3, 500, (rows, length))
+            mx.eval(tokens)
+            start = time.perf_counter()
+            mx.eval(model(tokens, cache=cache))
+            out[f"{rows}x{length}_{label}_ms"] = round(1000 * (time.perf_counter() - start), 2)
+    return out
 
 
 def main() -> None:

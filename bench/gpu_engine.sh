@@ -60,6 +60,12 @@ case "${1:-serving}" in
     timeout 120 $PY bench/engine_breakdown.py --model $M --concurrency 32 --seconds 12 --no-ragged \
       --engine-arg shape_bucket=0 --out "$OUT/breakdown_nobucket.json" 2>&1 | tail -2
     ;;
+  kernels)
+    # The slot step's parts at realish-like lengths (mask, scatter) and prefill calls cold and warm.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 150 $PY -c "import sys, json; sys.path[:0] = ['bench', 'src']; from pathlib import Path; \
+from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'), 32, 50)))" 2>&1 | tail -3
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
