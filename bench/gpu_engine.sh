@@ -60,6 +60,22 @@ case "${1:-serving}" in
     timeout 120 $PY bench/engine_breakdown.py --model $M --concurrency 32 --seconds 12 --no-ragged \
       --engine-arg shape_bucket=0 --out "$OUT/breakdown_nobucket.json" 2>&1 | tail -2
     ;;
+  final)
+    # One call, the GPU cells: the 1B shape and the second shape on realish (more
+    # requests per client than `serving`, so ramp-up and tail weigh less), then the mixed load.
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 200 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
+      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 6 --max-requests 192 \
+      --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    timeout 130 $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
+      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
+      --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+    timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    ;;
   kernels)
     # The slot step's parts at realish-like lengths (mask, scatter) and prefill calls cold and warm.
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
