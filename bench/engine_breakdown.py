@@ -45,7 +45,7 @@ def instrument() -> None:
     import adapters.mlx.device as device
 
     original_slot = device.DeviceLoop.build_slot_step
-    original_chunks = device.run_chunks
+    original_units = device.run_units
     original_short = device.run_short_batch
     original_copy = device.DeviceLoop.copy_into_slot
 
@@ -57,11 +57,12 @@ def instrument() -> None:
         _costs["decode_length"].append((0.0, 0.0, longest))
         return outputs
 
-    def run_chunks(model: Any, task: Any, count: int, quantize: Any, bucket: int = 0) -> None:
+    def run_units(model: Any, task: Any, count: int, quantize: Any, bucket: int = 0) -> list[Any]:
         started = time.perf_counter()
         before = task.done_tokens
-        original_chunks(model, task, count, quantize, bucket)
-        _timed("prefill", started, [task.first, *(c.state for c in task.cache)], task.done_tokens - before)
+        pieces = original_units(model, task, count, quantize, bucket)
+        _timed("prefill", started, [task.first, *pieces], task.done_tokens - before)
+        return pieces
 
     def run_short_batch(model: Any, tasks: Any, bucket: int = 0) -> None:
         started = time.perf_counter()
@@ -75,7 +76,7 @@ def instrument() -> None:
         _timed("copy_into_slot", started, [*self.pool.keys, *self.pool.values], prompt_tokens)
 
     device.DeviceLoop.build_slot_step = build_slot_step  # type: ignore[method-assign]
-    device.run_chunks = run_chunks  # type: ignore[assignment]
+    device.run_units = run_units  # type: ignore[assignment]
     device.run_short_batch = run_short_batch  # type: ignore[assignment]
     device.DeviceLoop.copy_into_slot = copy_into_slot  # type: ignore[method-assign]
 

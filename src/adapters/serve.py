@@ -160,8 +160,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="most prompts advanced in one step; short prompts waiting together share one "
                           "padded model call; 1 = one at a time (default 32)")
     run.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
-                     help="tokens one engine step may compute: every decoding row plus whole prefill "
-                          "chunks (default and minimum: --max-batch + --prefill-chunk-size)")
+                     help="tokens one engine step may compute: every decoding row plus prefill work, "
+                          "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
+                          "+ --prefill-chunk-size on MLX's CUDA backend, --max-batch + 512 elsewhere; "
+                          "minimum: --max-batch + chunk size / layers)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",

@@ -1,14 +1,16 @@
 """The engine's scheduling policy: what one device step computes, as a pure function.
 
 Every step of an engine node runs all of its decoding rows (one token each) and, with what is
-left of a per-step token budget, the next prefill chunks of waiting prompts, oldest first
-(FCFS). A prompt is cut into fixed chunks once, when it arrives (`prefill_chunks`: generate_step's
-order, so the computation is the same whatever the load), and a step takes whole chunks: a long
-prompt advances a few chunks per step while the rows already decoding keep streaming, so no
-stream waits longer than one step's budget. `padding_groups` decides which short prompts share
-one padded model call. `kv_admission` decides whether a request's KV cache fits the node's memory
-budget now, later, or never. The engine (`adapters.mlx`) performs the plan; nothing here touches a
-device. This module must never import trio, httpx, mlx or mlx_lm.
+left of a per-step token budget, the next prefill work of waiting prompts, oldest first (FCFS).
+A prompt is cut into fixed chunks once, when it arrives (`prefill_chunks`: generate_step's order,
+so the computation is the same whatever the load), and each chunk's evaluation into *work units*
+(`prefill_units`): consecutive slices of the model's layers, each at most a unit's worth of
+tokens x layers. A step takes whole units: a long chunk is evaluated a few layers per step while
+the rows already decoding keep streaming, so no stream waits longer than one step's budget, and
+the numbers are those of one call (the same graph, evaluated in pieces). `padding_groups` decides
+which short prompts share one padded model call. `kv_admission` decides whether a request's KV
+cache fits the node's memory budget now, later, or never. The engine (`adapters.mlx`) performs
+the plan; nothing here touches a device. This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "KvAdmission",
+    "PrefillUnit",
     "PrefillWork",
     "StepBudget",
     "StepPlan",
@@ -27,6 +30,7 @@ __all__ = [
     "padding_groups",
     "plan_step",
     "prefill_chunks",
+    "prefill_units",
 ]
 
 
@@ -41,12 +45,42 @@ def prefill_chunks(prompt_tokens: int, chunk_size: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillUnit:
+    """One piece of a prompt's prefill: chunk `chunk`'s layers [first_layer, end_layer), worth
+    `tokens` (the chunk's tokens times the share of the layers, rounded up)."""
+
+    chunk: int
+    first_layer: int
+    end_layer: int
+    tokens: int
+
+    @property
+    def starts_chunk(self) -> bool:
+        return self.first_layer == 0
+
+
+def prefill_units(chunks: Sequence[int], layers: int, unit_tokens: int) -> tuple[PrefillUnit, ...]:
+    """Each chunk's layers in slices of at most `unit_tokens` worth (at least one layer a slice,
+    as equal as the layers allow); a chunk that fits is one unit of all its layers."""
+    if layers < 1 or unit_tokens < 1:
+        raise ValueError("a model has at least one layer and a unit at least one token")
+    units: list[PrefillUnit] = []
+    for index, size in enumerate(chunks):
+        per_unit = max(1, min(layers, (unit_tokens * layers) // size))
+        pieces = -(-layers // per_unit)
+        for piece in range(pieces):
+            first, end = piece * layers // pieces, (piece + 1) * layers // pieces
+            units.append(PrefillUnit(index, first, end, -(-size * (end - first) // layers)))
+    return tuple(units)
+
+
+@dataclass(frozen=True, slots=True)
 class StepBudget:
     """How much one step may compute.
 
     `tokens` bounds decode rows plus prefill tokens; `prefill_rows` bounds how many prompts
     advance in one step (each is at least one model call). The engine guarantees `tokens` >= its
-    largest decode batch + its chunk size, so the oldest waiting prompt always advances.
+    largest decode batch + its largest unit, so the oldest waiting prompt always advances.
     """
 
     tokens: int
@@ -55,21 +89,22 @@ class StepBudget:
 
 @dataclass(frozen=True, slots=True)
 class WaitingPrefill:
-    """A prompt with prefill work left: `order` is its arrival number (FCFS)."""
+    """A prompt with prefill work left: `order` is its arrival number (FCFS), `units_left` the
+    tokens each of its remaining work units is worth."""
 
     request_id: str
     order: int
-    chunks_left: tuple[int, ...]
+    units_left: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillWork:
-    """Run the next `chunks` chunks of one prompt this step (`tokens` tokens in all)."""
+    """Run the next `units` work units of one prompt this step (`tokens` tokens in all)."""
 
     request_id: str
-    chunks: int
+    units: int
     tokens: int
-    finishes: bool  # its last chunk runs: the first token is sampled this step
+    finishes: bool  # its last unit runs: the first token is sampled this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +118,9 @@ class StepPlan:
 
 
 def plan_step(decode_rows: int, waiting: Sequence[WaitingPrefill], budget: StepBudget) -> StepPlan:
-    """Every decode row, then whole chunks of the oldest prompts while the budget lasts.
+    """Every decode row, then whole units of the oldest prompts while the budget lasts.
 
-    A prompt whose next chunk does not fit is passed over (a smaller, later one may fit), but it
+    A prompt whose next unit does not fit is passed over (a smaller, later one may fit), but it
     keeps its place: the oldest prompt is always first in line, so none starves. The plan never
     exceeds `budget.tokens`; decode rows alone may (they are never made to wait), which the
     engine prevents by sizing the budget above its batch.
@@ -98,13 +133,13 @@ def plan_step(decode_rows: int, waiting: Sequence[WaitingPrefill], budget: StepB
         if len(chosen) >= budget.prefill_rows or left <= 0:
             break
         taken = tokens = 0
-        for size in prompt.chunks_left:
+        for size in prompt.units_left:
             if tokens + size > left:
                 break
             taken += 1
             tokens += size
         if taken:
-            chosen.append(PrefillWork(prompt.request_id, taken, tokens, taken == len(prompt.chunks_left)))
+            chosen.append(PrefillWork(prompt.request_id, taken, tokens, taken == len(prompt.units_left)))
             left -= tokens
     return StepPlan(decode_rows, tuple(chosen))
 

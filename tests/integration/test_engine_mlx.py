@@ -374,17 +374,19 @@ def test_a_padded_chunk_leaves_the_cache_an_unpadded_one_would() -> None:
     first token and positions of the unpadded chunks (attention is causal)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from adapters.mlx.prefill import PrefillTask, run_chunks
+    from adapters.mlx.prefill import PrefillTask, run_units
     from adapters.mlx.sampling import PositionSampler
-    from statecore.scheduling import prefill_chunks
+    from statecore.scheduling import prefill_chunks, prefill_units
 
     model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
     prompt = prompt_of(45, salt=3)
+    chunks = prefill_chunks(45, CHUNK)
     tasks = []
     for bucket in (0, 24):
-        task = PrefillTask("r", prompt, PositionSampler(GREEDY, 0, len(prompt)), 0, prefill_chunks(45, CHUNK))
-        while task.first is None:
-            run_chunks(model, task, 1, lambda cache: None, bucket)
+        task = PrefillTask("r", prompt, PositionSampler(GREEDY, 0, len(prompt)), 0, chunks,
+                           prefill_units(chunks, len(make_prompt_cache(model)), CHUNK))
+        while not task.finished:
+            run_units(model, task, 1, lambda cache: None, bucket)
         assert task.cache is not None
         mx.eval(task.first, [c.state for c in task.cache])
         tasks.append(task)
@@ -422,6 +424,28 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     prompt = prompt_of(40, salt=2)
     assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(
         plain, RequestId("s"), prompt, seeded)
+
+
+async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:
+    """A budget smaller than a chunk slices each chunk's evaluation by layers over several steps
+    (streams decode in between); the graph is the one call's, so tokens equal mlx-lm's, seeded ones
+    the unsliced engine's, and a budget below one layer's worth is refused at load."""
+    path = cached_checkpoint("llama")  # 2 layers: a 16-token chunk is two units of 8
+    sliced = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 8)
+    whole = await open_engine(path, max_batch=4)
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (9, 33, 70)}
+    steps_before = sliced.device_profile()["step"][0]
+    results = await all_at_once(partial(single, sliced), prompts)
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    # 70 tokens: four chunks of 16 and one of 5, two units each, and the last token: 11 units of
+    # at most 8 tokens, one step each at least.
+    assert sliced.device_profile()["step"][0] - steps_before >= 11
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=5)
+    prompt = prompt_of(50, salt=6)
+    assert await single(sliced, RequestId("s"), prompt, seeded) == await single(
+        whole, RequestId("s"), prompt, seeded)
+    with pytest.raises(StatecoreError, match="at least one layer"):
+        await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 7)
 
 
 async def test_a_failing_prefill_batch_is_retried_one_by_one(

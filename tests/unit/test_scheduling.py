@@ -1,6 +1,7 @@
 """The engine's scheduling policy (statecore.scheduling): tables for the exact plans, hypothesis for
-the properties — the budget is never exceeded, the oldest prompt always advances, and every
-prompt reaches its first token within a bounded number of steps."""
+the properties — work units cover every layer of every chunk once, in order, within their size;
+the budget is never exceeded, the oldest prompt always advances, and every prompt reaches its
+first token within a bounded number of steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from statecore.scheduling import (
     KvAdmission,
+    PrefillUnit,
     PrefillWork,
     StepBudget,
     StepPlan,
@@ -18,6 +20,7 @@ from statecore.scheduling import (
     padding_groups,
     plan_step,
     prefill_chunks,
+    prefill_units,
 )
 
 
@@ -36,8 +39,43 @@ def test_prefill_chunks_follow_generate_step(prompt: int, chunk: int, expected: 
     assert sum(expected) == prompt
 
 
-def wait(rid: str, order: int, *chunks: int) -> WaitingPrefill:
-    return WaitingPrefill(rid, order, chunks)
+@pytest.mark.parametrize(
+    ("chunks", "layers", "unit_tokens", "expected"),
+    [
+        # A chunk that fits is one unit of every layer.
+        ((16, 1), 4, 16, [(0, 0, 4, 16), (1, 0, 4, 1)]),
+        # 1,535 tokens over 6 layers, 512 a unit: two layers a unit.
+        ((1535, 1), 6, 512, [(0, 0, 2, 512), (0, 2, 4, 512), (0, 4, 6, 512), (1, 0, 6, 1)]),
+        # Less than one layer's worth still takes a whole layer.
+        ((16, 16, 1), 2, 4, [(0, 0, 1, 8), (0, 1, 2, 8), (1, 0, 1, 8), (1, 1, 2, 8), (2, 0, 2, 1)]),
+        # Slices as even as the layers allow: 7 layers, at most 3 a unit -> 2, 2, 3.
+        ((70, 1), 7, 30, [(0, 0, 2, 20), (0, 2, 4, 20), (0, 4, 7, 30), (1, 0, 7, 1)]),
+    ],
+)
+def test_prefill_units_table(chunks: tuple[int, ...], layers: int, unit_tokens: int,
+                             expected: list[tuple[int, int, int, int]]) -> None:
+    assert prefill_units(chunks, layers, unit_tokens) == tuple(PrefillUnit(*u) for u in expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 2048), st.integers(1, 80), st.integers(1, 4096))
+def test_prefill_units_cover_every_layer_once_in_order(prompt: int, chunk: int, layers: int,
+                                                       unit_tokens: int) -> None:
+    chunks = prefill_chunks(prompt, chunk)
+    units = prefill_units(chunks, layers, unit_tokens)
+    walked = [(u.chunk, layer) for u in units for layer in range(u.first_layer, u.end_layer)]
+    assert walked == [(c, layer) for c in range(len(chunks)) for layer in range(layers)]
+    for unit in units:
+        assert unit.end_layer > unit.first_layer
+        one_layer = -(-chunks[unit.chunk] // layers)
+        assert unit.tokens <= max(unit_tokens, one_layer)
+    for index, size in enumerate(chunks):
+        mine = [u.tokens for u in units if u.chunk == index]
+        assert size <= sum(mine) < size + len(mine)  # rounded up, never lost
+
+
+def wait(rid: str, order: int, *units: int) -> WaitingPrefill:
+    return WaitingPrefill(rid, order, units)
 
 
 @pytest.mark.parametrize(
@@ -45,10 +83,10 @@ def wait(rid: str, order: int, *chunks: int) -> WaitingPrefill:
     [
         # Nothing waits: every decode row, nothing else.
         (5, [], StepBudget(100, 8), StepPlan(5, ())),
-        # Oldest first, whole chunks: "a" takes two of its chunks, "b" its first, "c" nothing.
+        # Oldest first, whole units: "a" takes two of its units, "b" its first, "c" nothing.
         (4, [wait("b", 2, 30, 10), wait("a", 1, 40, 20, 50), wait("c", 3, 50, 1)], StepBudget(100, 8),
          StepPlan(4, (PrefillWork("a", 2, 60, False), PrefillWork("b", 1, 30, False)))),
-        # A chunk that does not fit is passed over; a later, smaller one may use the room.
+        # A unit that does not fit is passed over; a later, smaller one may use the room.
         (0, [wait("a", 1, 80, 1), wait("b", 2, 30, 1), wait("c", 3, 19, 1)], StepBudget(100, 8),
          StepPlan(0, (PrefillWork("a", 2, 81, True), PrefillWork("c", 1, 19, False)))),
         # The row cap: at most two prompts advance.
@@ -65,17 +103,21 @@ prompts = st.lists(st.integers(1, 300), min_size=0, max_size=12)
 
 
 @settings(max_examples=200, deadline=None)
-@given(prompts, st.integers(1, 64), st.integers(0, 32), st.integers(1, 8), st.integers(0, 200))
-def test_no_prompt_starves_and_the_budget_holds(lengths: list[int], chunk: int, decode_rows: int,
-                                                rows: int, slack: int) -> None:
-    # The engine's rule: the budget covers the largest decode batch plus one chunk.
-    budget = StepBudget(decode_rows + chunk + slack, rows)
-    waiting = {f"r{i}": wait(f"r{i}", i, *prefill_chunks(n, chunk)) for i, n in enumerate(lengths)}
-    total_chunks = sum(len(w.chunks_left) for w in waiting.values())
+@given(prompts, st.integers(1, 64), st.integers(1, 6), st.integers(0, 32), st.integers(1, 8),
+       st.integers(1, 200))
+def test_no_prompt_starves_and_the_budget_holds(lengths: list[int], chunk: int, layers: int,
+                                                decode_rows: int, rows: int, room: int) -> None:
+    # The engine's rule: the budget covers the largest decode batch plus its largest unit.
+    unit_tokens = max(room, -(-chunk // layers))
+    budget = StepBudget(decode_rows + unit_tokens, rows)
+    waiting = {f"r{i}": wait(f"r{i}", i, *(u.tokens for u in prefill_units(prefill_chunks(n, chunk), layers,
+                                                                              unit_tokens)))
+               for i, n in enumerate(lengths)}
+    total_units = sum(len(w.units_left) for w in waiting.values())
     steps = 0
     while waiting:
         steps += 1
-        assert steps <= total_chunks, "some prompt made no progress"
+        assert steps <= total_units, "some prompt made no progress"
         plan = plan_step(decode_rows, list(waiting.values()), budget)
         assert plan.tokens <= budget.tokens
         assert len(plan.prefills) <= rows
@@ -83,8 +125,8 @@ def test_no_prompt_starves_and_the_budget_holds(lengths: list[int], chunk: int, 
         assert plan.prefills and plan.prefills[0].request_id == oldest.request_id
         for work in plan.prefills:
             prompt = waiting[work.request_id]
-            assert work.tokens == sum(prompt.chunks_left[: work.chunks])
-            left = prompt.chunks_left[work.chunks :]
+            assert work.tokens == sum(prompt.units_left[: work.units])
+            left = prompt.units_left[work.units :]
             assert work.finishes == (not left)
             if left:
                 waiting[work.request_id] = WaitingPrefill(prompt.request_id, prompt.order, left)

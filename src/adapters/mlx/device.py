@@ -44,11 +44,11 @@ from adapters.mlx.jobs import (
     post,
 )
 from adapters.mlx.memory import KvCost
-from adapters.mlx.prefill import PrefillTask, run_chunks, run_short_batch
+from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.scheduling import (
     KvAdmission,
     StepBudget,
@@ -155,6 +155,8 @@ class DeviceLoop:
         self.slot_lane = False
         self.short_batching = False
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
+        self.layers = 1  # cache layers of the model: what a prefill work unit slices
+        self.unit_tokens = 1  # the most one prefill work unit may be worth
         self.pool: SlotPool | None = None
         self.batch: Any = None
         self.held: dict[str, Held] = {}
@@ -197,6 +199,14 @@ class DeviceLoop:
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.cost = cost
+        self.layers = len(probe_cache)
+        self.unit_tokens = s.max_num_batched_tokens - s.max_batch
+        one_layer = -(-s.prefill_chunk_size // self.layers)
+        if one_layer > self.unit_tokens:
+            raise StatecoreError(client_error(
+                f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
+                f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
+                "least one layer of a chunk"))
         plain = self.plain(probe_cache)
         self.short_batching = plain and s.prefill_batch > 1
         # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
@@ -369,7 +379,7 @@ class DeviceLoop:
                 self.account("decode_build", building)
             plan = plan_step(
                 len(self.live),
-                [WaitingPrefill(t.request_id, t.order, t.chunks_left) for t in self.waiting.values()],
+                [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
                 StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
@@ -524,8 +534,11 @@ class DeviceLoop:
     def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
         started = time.perf_counter()
         outputs: list[Any] = []
-        tasks = [(self.waiting[w.request_id], w.chunks) for w in work]
-        short = [task for task, _ in tasks if self.short_batching and task.is_short]
+        tasks = [(self.waiting[w.request_id], w.units) for w in work]
+        # Only prompts planned to finish this step: a batched call computes all of each prompt.
+        finishing = {w.request_id for w in work if w.finishes}
+        short = [task for task, _ in tasks
+                 if self.short_batching and task.is_short and task.request_id in finishing]
         if len(short) > 1:
             lengths = [len(task.tokens) for task in short]
             for group in padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch):
@@ -546,12 +559,12 @@ class DeviceLoop:
                 self.account("prefill_batched", started, len(members))
                 for task in members:
                     outputs.extend(self.prefill_outputs(task, current))
-        for task, chunks in tasks:
-            if task.first is not None:
+        for task, units in tasks:
+            if task.finished:
                 continue
             self.computing = ("prefill", [task.request_id])
             try:
-                run_chunks(self.model, task, chunks, self.quantize, self.bucket)
+                pieces = run_units(self.model, task, units, self.quantize, self.bucket)
             except Exception as exc:
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
@@ -566,11 +579,10 @@ class DeviceLoop:
                 self.unreserve(task.request_id)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
-            if task.first is not None:
+            if task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
-                assert task.cache is not None
-                outputs.extend(c.state for c in task.cache)
+                outputs.extend(pieces)
         self.account("prefill_chunks", started)
         return outputs
 

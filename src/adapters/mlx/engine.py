@@ -34,7 +34,13 @@ from adapters.mlx.device import DeviceLoop, Live, Settings
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
-from adapters.mlx.prefill import PrefillTask, bucketed, default_shape_bucket, widen_attention_graph_cache
+from adapters.mlx.prefill import (
+    PrefillTask,
+    bucketed,
+    default_shape_bucket,
+    default_step_tokens,
+    widen_attention_graph_cache,
+)
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
     EngineStatistics,
@@ -47,7 +53,7 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
-from statecore.scheduling import prefill_chunks
+from statecore.scheduling import prefill_chunks, prefill_units
 
 __all__ = ["MlxEngine"]
 
@@ -104,9 +110,11 @@ class MlxEngine:
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
 
-        Each step decodes every live request (at most `max_batch`) and prefills whole chunks of
-        waiting prompts until `max_num_batched_tokens` (default: `max_batch` + the chunk size)
-        is spent, touching at most `prefill_batch` prompts. Short prompts waiting together are
+        Each step decodes every live request (at most `max_batch`) and prefills work units of
+        waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
+        `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
+        `prefill_batch` prompts (default budget: `default_step_tokens`, a whole chunk on MLX's
+        CUDA backend, 512 tokens' worth elsewhere). Short prompts waiting together are
         prefilled in one padded call when the padding stays within `max_padding` of their tokens
         (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
         decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
@@ -141,11 +149,12 @@ class MlxEngine:
             raise StatecoreError(client_error("max_batch must be >= 1"))
         if prefill_batch < 1:
             raise StatecoreError(client_error("prefill_batch must be >= 1"))
-        budget = max_batch + prefill_chunk_size if max_num_batched_tokens is None else max_num_batched_tokens
-        if budget < max_batch + prefill_chunk_size:
+        budget = (default_step_tokens(max_batch, prefill_chunk_size) if max_num_batched_tokens is None
+                  else max_num_batched_tokens)
+        if budget <= max_batch:
             raise StatecoreError(client_error(
-                f"max_num_batched_tokens ({budget}) must be at least max_batch + prefill_chunk_size "
-                f"({max_batch + prefill_chunk_size}): every step decodes every row and must fit one chunk"
+                f"max_num_batched_tokens ({budget}) must be more than max_batch ({max_batch}): every "
+                "step decodes every row and must leave room for prefill"
             ))
         if not max_padding >= 0.0:
             raise StatecoreError(client_error("max_padding must be >= 0"))
@@ -183,6 +192,7 @@ class MlxEngine:
         tokens = self._check_request(prompt, sampling)
         seed = request_seed(request_id, sampling)
         chunks = prefill_chunks(len(tokens), self._settings.prefill_chunk_size)
+        units = prefill_units(chunks, self._device.layers, self._device.unit_tokens)
         job: Job[PrefillOutcome]
 
         def register() -> PrefillOutcome:
@@ -191,7 +201,7 @@ class MlxEngine:
             device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
             task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens)),
-                               device.arrivals, chunks, job=job)
+                               device.arrivals, chunks, units, job=job)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 

@@ -4,14 +4,17 @@ A `PrefillTask` is one prompt on its way to its first token. Its chunks were fix
 (`statecore.scheduling.prefill_chunks`: prompt[:-1] in chunks of the node's chunk size, then the
 last token alone), so however the scheduler spreads them over steps, the model sees exactly the
 calls mlx-lm's `generate_step` makes, in the same order, on the task's own `make_prompt_cache`.
-`run_chunks` builds the next chunks' graph (lazily: the device loop evaluates a whole step at once).
+Each chunk's evaluation is cut into work units (`statecore.scheduling.prefill_units`): `run_units`
+builds a chunk's graph at its first unit (lazily) and hands the device loop the cache layers each
+unit evaluates, so a long chunk is computed a few layers per step; the graph is the one call's,
+so are the numbers.
 
 `run_short_batch` computes several short prompts (each one chunk plus the last token) in one padded
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
 each row's positions and attention its own), then every last token at once; each row's cache is
 then cut out as a plain `KVCache`. Plain KVCache models without kv_bits only. Both may round their
-call's length up to a *shape bucket* (see `run_chunks`). This module imports
-mlx and mlx_lm; it must never import trio.
+call's length up to a *shape bucket* (see `run_units`). This module imports mlx and mlx_lm; it
+must never import trio.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
+from statecore.scheduling import PrefillUnit
 
 __all__ = [
     "PrefillTask",
     "bucketed",
     "default_shape_bucket",
-    "run_chunks",
+    "default_step_tokens",
+    "run_units",
     "run_short_batch",
     "widen_attention_graph_cache",
 ]
@@ -43,8 +48,9 @@ class PrefillTask:
     sampler: PositionSampler
     order: int
     chunks: tuple[int, ...]
-    done_chunks: int = 0
-    done_tokens: int = 0
+    units: tuple[PrefillUnit, ...]
+    done_units: int = 0
+    done_tokens: int = 0  # prompt tokens whose chunks' graphs are built
     cache: list[Any] | None = None
     first: Any = None  # the first token, lazily, once the last chunk is built
     job: Any = field(default=None, repr=False)
@@ -52,18 +58,23 @@ class PrefillTask:
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk."""
-        self.cache, self.first, self.done_chunks, self.done_tokens = None, None, 0, 0
+        self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
         self.retried = True
 
     @property
-    def chunks_left(self) -> tuple[int, ...]:
-        return self.chunks[self.done_chunks :]
+    def units_left(self) -> tuple[int, ...]:
+        """The tokens each remaining work unit is worth (the scheduler's view)."""
+        return tuple(unit.tokens for unit in self.units[self.done_units :])
+
+    @property
+    def finished(self) -> bool:
+        return self.done_units == len(self.units)
 
     @property
     def is_short(self) -> bool:
         """Nothing computed yet, and all of it is one head chunk plus the last token."""
-        return self.done_chunks == 0 and len(self.chunks) == 2
+        return self.done_units == 0 and len(self.chunks) == 2
 
 
 _CUDA_SHAPE_BUCKET = 128
@@ -75,6 +86,17 @@ def default_shape_bucket() -> int:
     (query, key) shape; 0 elsewhere (on the CPU and Metal a new shape costs nothing, padding
     would only add work and change last bits against mlx-lm's generate_step)."""
     return _CUDA_SHAPE_BUCKET if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+
+
+_PREFILL_TOKENS_PER_STEP = 512  # off CUDA: a step's prefill work, so streams wait one slice, not a chunk
+
+
+def default_step_tokens(max_batch: int, chunk_size: int) -> int:
+    """The default token budget of a step: every decode row plus a whole chunk on MLX's CUDA
+    backend (a 2,048-token chunk takes ~12 ms on an H200), 512 tokens' worth elsewhere, where a
+    chunk's evaluation is sliced by layers (a 2,048-token chunk can take seconds on a CPU)."""
+    cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return max_batch + (chunk_size if cuda else min(chunk_size, _PREFILL_TOKENS_PER_STEP))
 
 
 def widen_attention_graph_cache() -> None:
@@ -89,35 +111,42 @@ def bucketed(tokens: int, bucket: int) -> int:
     return tokens if bucket <= 1 else -(-tokens // bucket) * bucket
 
 
-def run_chunks(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
-               bucket: int = 0) -> None:
-    """Build the graph of the task's next `count` chunks; the last one samples the first token.
+def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
+              bucket: int = 0) -> list[Any]:
+    """Build what the task's next `count` units need; return the arrays they evaluate this step.
 
-    With `bucket` (plain KVCache layers only) a chunk of several tokens is padded at its end to a
-    multiple of `bucket` and the padding's positions are trimmed off the cache again: attention is
-    causal, so no real position sees them, and the GPU meets a few chunk shapes instead of one per
-    prompt length (MLX's CUDA attention builds a cuDNN graph per shape, tens of ms each)."""
+    A unit that starts a chunk builds the chunk's whole graph (the last chunk's samples the first
+    token); every unit returns its layers' cache states. With `bucket` (plain KVCache layers only)
+    a chunk of several tokens is padded at its end to a multiple of `bucket` and the padding's
+    positions are trimmed off the cache again: attention is causal, so no real position sees them,
+    and the GPU meets a few chunk shapes instead of one per prompt length (MLX's CUDA attention
+    builds a cuDNN graph per shape, tens of ms each)."""
     if task.cache is None:
         task.cache = make_prompt_cache(model)
+    outputs: list[Any] = []
     for _ in range(count):
-        size = task.chunks[task.done_chunks]
-        start = task.done_tokens
-        padding = bucketed(size, bucket) - size if size > 1 else 0
-        piece = mx.array([task.tokens[start : start + size] + [0] * padding])
-        out = model(piece, cache=task.cache)
-        if padding:
-            for layer in task.cache:
-                layer.trim(padding)
-        quantize(task.cache)
-        task.done_chunks += 1
-        task.done_tokens += size
-        if task.done_chunks == len(task.chunks):
-            task.first = task.sampler(log_softmax(out[:, -1, :]))
+        unit = task.units[task.done_units]
+        if unit.starts_chunk:
+            size = task.chunks[unit.chunk]
+            start = task.done_tokens
+            padding = bucketed(size, bucket) - size if size > 1 else 0
+            piece = mx.array([task.tokens[start : start + size] + [0] * padding])
+            out = model(piece, cache=task.cache)
+            if padding:
+                for layer in task.cache:
+                    layer.trim(padding)
+            quantize(task.cache)
+            task.done_tokens += size
+            if unit.chunk == len(task.chunks) - 1:
+                task.first = task.sampler(log_softmax(out[:, -1, :]))
+        task.done_units += 1
+        outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])
+    return outputs
 
 
 def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -> None:
     """Several short prompts in one padded call pair; each task ends with its own cache and first
-    token. With `bucket`, the padded length is a multiple of it (fewer shapes, as in run_chunks)."""
+    token. With `bucket`, the padded length is a multiple of it (fewer shapes, as in run_units)."""
     heads = [task.tokens[:-1] for task in tasks]
     longest = bucketed(max(len(head) for head in heads), bucket)
     padding = [longest - len(head) for head in heads]
@@ -141,5 +170,5 @@ def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -
             cache.append(own)
         task.cache = cache
         task.first = firsts[row : row + 1]
-        task.done_chunks = len(task.chunks)
+        task.done_units = len(task.units)
         task.done_tokens = len(task.tokens)
