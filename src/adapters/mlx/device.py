@@ -44,7 +44,7 @@ from adapters.mlx.jobs import (
     post,
 )
 from adapters.mlx.memory import KvCost
-from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+from adapters.mlx.prefill import PrefillTask, default_step_tokens, run_short_batch, run_units
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
@@ -76,7 +76,7 @@ class Settings:
     kv_bits: int | None
     kv_group_size: int
     max_batch: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int | None  # None: default_step_tokens for the model's layers
     prefill_batch: int
     max_padding: float
     max_slot_tokens: int
@@ -157,6 +157,7 @@ class DeviceLoop:
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
         self.unit_tokens = 1  # the most one prefill work unit may be worth
+        self.step_tokens = 2  # a step's token budget: decode rows plus prefill units
         self.pool: SlotPool | None = None
         self.batch: Any = None
         self.held: dict[str, Held] = {}
@@ -200,11 +201,13 @@ class DeviceLoop:
         self.context_length = context_length
         self.cost = cost
         self.layers = len(probe_cache)
-        self.unit_tokens = s.max_num_batched_tokens - s.max_batch
+        self.step_tokens = (default_step_tokens(s.max_batch, s.prefill_chunk_size, self.layers)
+                            if s.max_num_batched_tokens is None else s.max_num_batched_tokens)
+        self.unit_tokens = self.step_tokens - s.max_batch
         one_layer = -(-s.prefill_chunk_size // self.layers)
         if one_layer > self.unit_tokens:
             raise StatecoreError(client_error(
-                f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
+                f"max_num_batched_tokens ({self.step_tokens}) must be at least max_batch + "
                 f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
                 "least one layer of a chunk"))
         plain = self.plain(probe_cache)
@@ -380,7 +383,7 @@ class DeviceLoop:
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
-                StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
+                StepBudget(self.step_tokens, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())

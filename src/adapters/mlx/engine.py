@@ -38,7 +38,6 @@ from adapters.mlx.prefill import (
     PrefillTask,
     bucketed,
     default_shape_bucket,
-    default_step_tokens,
     widen_attention_graph_cache,
 )
 from adapters.mlx.sampling import PositionSampler, request_seed
@@ -114,7 +113,7 @@ class MlxEngine:
         waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
         `prefill_batch` prompts (default budget: `default_step_tokens`, a whole chunk on MLX's
-        CUDA backend, 512 tokens' worth elsewhere). Short prompts waiting together are
+        CUDA backend, 512 tokens' worth or one layer of a chunk elsewhere). Short prompts waiting together are
         prefilled in one padded call when the padding stays within `max_padding` of their tokens
         (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
         decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
@@ -149,9 +148,8 @@ class MlxEngine:
             raise StatecoreError(client_error("max_batch must be >= 1"))
         if prefill_batch < 1:
             raise StatecoreError(client_error("prefill_batch must be >= 1"))
-        budget = (default_step_tokens(max_batch, prefill_chunk_size) if max_num_batched_tokens is None
-                  else max_num_batched_tokens)
-        if budget <= max_batch:
+        budget = max_num_batched_tokens  # None: default_step_tokens, once the layers are known
+        if budget is not None and budget <= max_batch:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({budget}) must be more than max_batch ({max_batch}): every "
                 "step decodes every row and must leave room for prefill"
