@@ -110,14 +110,19 @@ class EnginePerformer:
         except KeyError:
             raise _bug(f"no context for request {request_id}") from None
 
+    def _crash_if_marked(self, rid: RequestId) -> None:
+        """Tests only (the DEVICE_CRASH fault): kill the engine's device thread for this request,
+        on a node that computes its prompt (prefill) or installs its handed-off KV (decode)."""
+        if self.crash_device and self.faults.applies(Phase.DEVICE_CRASH, rid):
+            self.crash_device()
+
     async def work(self, intent: WorkIntent, post: Post) -> None:
         rid = intent.request_id
         ctx = self._get(rid)
         eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
-                if self.crash_device and self.faults.applies(Phase.DEVICE_CRASH, rid):
-                    self.crash_device()
+                self._crash_if_marked(rid)
                 await self.faults.at(Phase.PREFILL, rid)
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
@@ -138,6 +143,7 @@ class EnginePerformer:
                     return
                 await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is not None:
+                    self._crash_if_marked(rid)  # a decode node's device dies as a KV arrives
                     payload, ctx.payload = ctx.payload, None
                     started = time.perf_counter()
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
