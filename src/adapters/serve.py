@@ -162,8 +162,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
                      help="tokens one engine step may compute: every decoding row plus prefill work, "
                           "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
-                          "+ --prefill-chunk-size on MLX's CUDA backend, --max-batch + 512 or one "
-                          "layer's worth of a chunk elsewhere; minimum: --max-batch + chunk size / layers)")
+                          "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",

@@ -44,7 +44,7 @@ from adapters.mlx.jobs import (
     post,
 )
 from adapters.mlx.memory import KvCost
-from adapters.mlx.prefill import PrefillTask, default_step_tokens, run_short_batch, run_units
+from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
@@ -76,7 +76,7 @@ class Settings:
     kv_bits: int | None
     kv_group_size: int
     max_batch: int
-    max_num_batched_tokens: int | None  # None: default_step_tokens for the model's layers
+    max_num_batched_tokens: int
     prefill_batch: int
     max_padding: float
     max_slot_tokens: int
@@ -201,8 +201,7 @@ class DeviceLoop:
         self.context_length = context_length
         self.cost = cost
         self.layers = len(probe_cache)
-        self.step_tokens = (default_step_tokens(s.max_batch, s.prefill_chunk_size, self.layers)
-                            if s.max_num_batched_tokens is None else s.max_num_batched_tokens)
+        self.step_tokens = s.max_num_batched_tokens
         self.unit_tokens = self.step_tokens - s.max_batch
         one_layer = -(-s.prefill_chunk_size // self.layers)
         if one_layer > self.unit_tokens:

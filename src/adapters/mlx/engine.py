@@ -112,11 +112,12 @@ class MlxEngine:
         Each step decodes every live request (at most `max_batch`) and prefills work units of
         waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
-        `prefill_batch` prompts (default budget: `default_step_tokens`, a whole chunk on MLX's
-        CUDA backend, 512 tokens' worth or one layer of a chunk elsewhere). Short prompts waiting together are
-        prefilled in one padded call when the padding stays within `max_padding` of their tokens
-        (plain KVCache models; `prefill_batch` 1 turns it off). `max_slot_tokens` caps one
-        decoding row's preallocated KV (longer requests decode in mlx-lm's batch generator).
+        `prefill_batch` prompts (default budget: `max_batch` + the chunk size, a whole chunk per
+        step; a smaller one, down to `max_batch` + chunk size / layers, slices chunks by layers).
+        Short prompts waiting together are prefilled in one padded call when the padding stays
+        within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
+        off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
+        mlx-lm's batch generator).
 
         `kv_memory_bytes` (default: 40 % of the device's memory) bounds every KV cache together:
         half of it at most is set aside for the slot layout; each other request reserves its
@@ -148,8 +149,8 @@ class MlxEngine:
             raise StatecoreError(client_error("max_batch must be >= 1"))
         if prefill_batch < 1:
             raise StatecoreError(client_error("prefill_batch must be >= 1"))
-        budget = max_num_batched_tokens  # None: default_step_tokens, once the layers are known
-        if budget is not None and budget <= max_batch:
+        budget = max_batch + prefill_chunk_size if max_num_batched_tokens is None else max_num_batched_tokens
+        if budget <= max_batch:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({budget}) must be more than max_batch ({max_batch}): every "
                 "step decodes every row and must leave room for prefill"

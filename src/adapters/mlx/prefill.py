@@ -34,7 +34,6 @@ __all__ = [
     "PrefillTask",
     "bucketed",
     "default_shape_bucket",
-    "default_step_tokens",
     "run_units",
     "run_short_batch",
     "widen_attention_graph_cache",
@@ -86,19 +85,6 @@ def default_shape_bucket() -> int:
     (query, key) shape; 0 elsewhere (on the CPU and Metal a new shape costs nothing, padding
     would only add work and change last bits against mlx-lm's generate_step)."""
     return _CUDA_SHAPE_BUCKET if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
-
-
-_PREFILL_TOKENS_PER_STEP = 512  # off CUDA: a step's prefill work, so streams wait one slice, not a chunk
-
-
-def default_step_tokens(max_batch: int, chunk_size: int, layers: int) -> int:
-    """The default token budget of a step: every decode row plus a whole chunk on MLX's CUDA
-    backend (a 2,048-token chunk takes ~12 ms on an H200); elsewhere, where a chunk's evaluation
-    is sliced by layers (a 2,048-token chunk can take seconds on a CPU), 512 tokens' worth, or
-    one layer of a chunk when that is more."""
-    if mx.default_device() == mx.gpu and mx.cuda.is_available():
-        return max_batch + chunk_size
-    return max_batch + max(min(chunk_size, _PREFILL_TOKENS_PER_STEP), -(-chunk_size // layers))
 
 
 def widen_attention_graph_cache() -> None:
