@@ -498,7 +498,7 @@ class Soak:
     def print_sample(self, row: dict[str, Any]) -> None:
         print(f"-- {row['t'] / 60:5.2f} min  {_counts_line(row['counts'])}", flush=True)
         for name, entry in row["nodes"].items():
-            if entry["pid"] is None:
+            if entry["pid"] is None or entry["rss_mib"] is None:  # not started, or just killed
                 print(f"   {name:9s} (not running)")
                 continue
             live = "/".join("-" if entry.get(k) is None else str(entry[k]) for k in LIVE_KEYS)
