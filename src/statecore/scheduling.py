@@ -8,9 +8,10 @@ so the computation is the same whatever the load), and each chunk's evaluation i
 tokens x layers. A step takes whole units: a long chunk is evaluated a few layers per step while
 the rows already decoding keep streaming, so no stream waits longer than one step's budget, and
 the numbers are those of one call (the same graph, evaluated in pieces). `padding_groups` decides
-which short prompts share one padded model call. `kv_admission` decides whether a request's KV
-cache fits the node's memory budget now, later, or never. The engine (`adapters.mlx`) performs
-the plan; nothing here touches a device. This module must never import trio, httpx, mlx or mlx_lm.
+which short prompts share one padded model call; `bucketed` rounds a call's length up to a shape
+bucket. `kv_admission` decides whether a request's KV cache fits the node's memory budget now,
+later, or never. The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
+This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ __all__ = [
     "StepBudget",
     "StepPlan",
     "WaitingPrefill",
+    "bucketed",
     "kv_admission",
     "padding_groups",
     "plan_step",
     "prefill_chunks",
     "prefill_units",
 ]
+
+
+def bucketed(tokens: int, bucket: int) -> int:
+    """`tokens` rounded up to a multiple of `bucket` (a shape bucket; 0 or 1: no rounding)."""
+    return tokens if bucket <= 1 else -(-tokens // bucket) * bucket
 
 
 def prefill_chunks(prompt_tokens: int, chunk_size: int) -> tuple[int, ...]:

@@ -419,7 +419,9 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     assert bucketed.device_profile()["prefill_batched"][0] >= 2  # the short ones shared a call
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
     # What a GPU node does at load (one prefill per first-chunk shape) leaves nothing behind.
-    await bucketed._call(lambda: bucketed._warm_chunk_shapes(bucketed._device.model, 24))
+    from adapters.mlx.prefill import warm_chunk_shapes
+
+    assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 1
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
     prompt = prompt_of(40, salt=2)
     assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(

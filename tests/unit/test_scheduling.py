@@ -16,6 +16,7 @@ from statecore.scheduling import (
     StepBudget,
     StepPlan,
     WaitingPrefill,
+    bucketed,
     kv_admission,
     padding_groups,
     plan_step,
@@ -37,6 +38,12 @@ from statecore.scheduling import (
 def test_prefill_chunks_follow_generate_step(prompt: int, chunk: int, expected: tuple[int, ...]) -> None:
     assert prefill_chunks(prompt, chunk) == expected
     assert sum(expected) == prompt
+
+
+@pytest.mark.parametrize(("tokens", "bucket", "expected"),
+                         [(1, 0, 1), (130, 1, 130), (1, 128, 128), (128, 128, 128), (129, 128, 256)])
+def test_bucketed_rounds_up_to_a_multiple(tokens: int, bucket: int, expected: int) -> None:
+    assert bucketed(tokens, bucket) == expected
 
 
 @pytest.mark.parametrize(

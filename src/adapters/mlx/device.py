@@ -156,8 +156,6 @@ class DeviceLoop:
         self.short_batching = False
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
-        self.unit_tokens = 1  # the most one prefill work unit may be worth
-        self.step_tokens = 2  # a step's token budget: decode rows plus prefill units
         self.pool: SlotPool | None = None
         self.batch: Any = None
         self.held: dict[str, Held] = {}
@@ -188,6 +186,11 @@ class DeviceLoop:
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
+    @property
+    def unit_tokens(self) -> int:
+        """The most one prefill work unit may be worth: what a step leaves beside a full batch."""
+        return self.settings.max_num_batched_tokens - self.settings.max_batch
+
     def plain(self, cache: list[Any]) -> bool:
         """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's."""
         return self.settings.kv_bits is None and all(type(c) is KVCache for c in cache)
@@ -201,12 +204,10 @@ class DeviceLoop:
         self.context_length = context_length
         self.cost = cost
         self.layers = len(probe_cache)
-        self.step_tokens = s.max_num_batched_tokens
-        self.unit_tokens = self.step_tokens - s.max_batch
         one_layer = -(-s.prefill_chunk_size // self.layers)
         if one_layer > self.unit_tokens:
             raise StatecoreError(client_error(
-                f"max_num_batched_tokens ({self.step_tokens}) must be at least max_batch + "
+                f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
                 f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
                 "least one layer of a chunk"))
         plain = self.plain(probe_cache)
@@ -382,7 +383,7 @@ class DeviceLoop:
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
-                StepBudget(self.step_tokens, self.settings.prefill_batch),
+                StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())

@@ -36,8 +36,8 @@ from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
 from adapters.mlx.prefill import (
     PrefillTask,
-    bucketed,
     default_shape_bucket,
+    warm_chunk_shapes,
     widen_attention_graph_cache,
 )
 from adapters.mlx.sampling import PositionSampler, request_seed
@@ -581,7 +581,10 @@ class MlxEngine:
                                probe_cache if device.plain(probe_cache) else None)
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         if device.bucket and mx.default_device() == mx.gpu:
-            self._warm_chunk_shapes(loaded.model, device.bucket)
+            started = time.perf_counter()
+            with mx.stream(generation_stream):
+                shapes = warm_chunk_shapes(loaded.model, device.bucket, s.prefill_chunk_size)
+            logger.info("warmed %d prefill shapes in %.1f s", shapes, time.perf_counter() - started)
         info = ModelInfo(
             name=self._model_dir.name,
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
@@ -604,18 +607,6 @@ class MlxEngine:
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )
         return info
-
-
-    def _warm_chunk_shapes(self, model: Any, bucket: int) -> None:
-        """Run one prefill of every first-chunk shape now, so that no request pays for building
-        its attention graph (~90 ms per new shape on MLX's CUDA backend)."""
-        started = time.perf_counter()
-        sizes = range(bucket, bucketed(self._settings.prefill_chunk_size, bucket) + 1, bucket)
-        with mx.stream(generation_stream):
-            for size in sizes:
-                cache: list[Any] = make_prompt_cache(model)
-                mx.eval(model(mx.zeros((1, size), dtype=mx.uint32), cache=cache))
-        logger.info("warmed %d prefill shapes in %.1f s", len(sizes), time.perf_counter() - started)
 
 
 def _not_held(request_id: str) -> StatecoreError:

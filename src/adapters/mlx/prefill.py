@@ -28,14 +28,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
-from statecore.scheduling import PrefillUnit
+from statecore.scheduling import PrefillUnit, bucketed
 
 __all__ = [
     "PrefillTask",
-    "bucketed",
     "default_shape_bucket",
     "run_units",
     "run_short_batch",
+    "warm_chunk_shapes",
     "widen_attention_graph_cache",
 ]
 
@@ -94,9 +94,15 @@ def widen_attention_graph_cache() -> None:
     os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(_CUDA_ATTENTION_GRAPHS))
 
 
-def bucketed(tokens: int, bucket: int) -> int:
-    """`tokens` rounded up to a multiple of `bucket` (0: no rounding)."""
-    return tokens if bucket <= 1 else -(-tokens // bucket) * bucket
+def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
+    """Run one prefill of every first-chunk shape a node with this bucket and chunk size meets, so
+    that no request pays for building its attention graph (~90 ms per new shape on MLX's CUDA
+    backend). Returns how many shapes it ran."""
+    sizes = range(bucket, bucketed(chunk_size, bucket) + 1, bucket)
+    for size in sizes:
+        cache: list[Any] = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((1, size), dtype=mx.uint32), cache=cache))
+    return len(sizes)
 
 
 def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],

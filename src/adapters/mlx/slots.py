@@ -18,6 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from statecore.scheduling import bucketed
+
 __all__ = ["SlotPool", "SlotStepLayer"]
 
 _FIRST_CAPACITY = 256
@@ -97,9 +99,7 @@ class SlotPool:
         With `bucket` the attended length is rounded up to a multiple of it (the mask hides the
         extra positions), so the GPU meets a few shapes rather than a new one every step."""
         rows = len(offsets)
-        length = max(offsets) + 1
-        if bucket > 1:
-            length = min(self.capacity, -(-length // bucket) * bucket)
+        length = min(self.capacity, bucketed(max(offsets) + 1, bucket))
         positions = mx.array(list(offsets), dtype=mx.int32)
         # Row i may see positions 0..offsets[i] (its history and the token it adds now).
         mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
