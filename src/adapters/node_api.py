@@ -200,7 +200,11 @@ class NodeApi:
         details: dict[str, object] = {"warnings": self.warnings} if self.warnings else {}
         if self.lost_reason is not None:
             details["reason"] = self.lost_reason
-        elif self.runner.ready() and self.engine.statistics().device_thread_alive:
+        elif not self.engine.statistics().device_thread_alive:
+            details["reason"] = "the MLX device thread is not running"
+        elif not self.runner.ready():
+            details["reason"] = f"the serving loop is not accepting requests ({self.runner.statistics().phase.value})"
+        else:
             return JSONResponse({"status": "ok", **details})
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 

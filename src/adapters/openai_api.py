@@ -803,14 +803,16 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(bug("internal error"))
 
 
-def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
-    """The ASGI app: the OpenAI routes plus `extra_routes` (a node's or the router's own)."""
+def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = (),
+              health: Callable[[Request], Awaitable[Response]] | None = None) -> Starlette:
+    """The ASGI app: the OpenAI routes plus `extra_routes` (a node's or the router's own).
+    `health` replaces the front end's `/health` where a node knows more (why it is unavailable)."""
     routes: list[BaseRoute] = [
         Route("/v1/completions", frontend.completions, methods=["POST"]),
         Route("/v1/chat/completions", frontend.chat_completions, methods=["POST"]),
         Route("/v1/models", frontend.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", frontend.model, methods=["GET"]),
-        Route("/health", frontend.health, methods=["GET"]),
+        Route("/health", health or frontend.health, methods=["GET"]),
         *extra_routes,
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _unexpected})

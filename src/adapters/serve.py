@@ -420,7 +420,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                                  model_name=getattr(args, "served_model_name", None))
         frontend.faults = faults
         frontend.warnings = warnings
-        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route(), *live.routes()])
+        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route(), *live.routes()],
+                        health=api.health)
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
                                 metrics.route(), *live.routes()])
