@@ -203,7 +203,8 @@ class NodeApi:
         elif not self.engine.statistics().device_thread_alive:
             details["reason"] = "the MLX device thread is not running"
         elif not self.runner.ready():
-            details["reason"] = f"the serving loop is not accepting requests ({self.runner.statistics().phase.value})"
+            phase = self.runner.statistics().phase.value
+            details["reason"] = f"the serving loop is not accepting requests ({phase})"
         else:
             return JSONResponse({"status": "ok", **details})
         return JSONResponse({"status": "unavailable", **details}, status_code=503)

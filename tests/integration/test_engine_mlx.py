@@ -610,6 +610,80 @@ async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raisin
     assert engine.statistics().step_retries == 2
 
 
+class _RaisingLayer:
+    """Stands in for one of the model's layers: raises when `fires(inputs)` says so, after the
+    layers before it have advanced their caches (a call that fails part-way through)."""
+
+    def __init__(self, inner: Any, fires: Callable[[Any], bool]) -> None:
+        self.inner, self.fires = inner, fires
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fires(x):
+            raise RuntimeError("injected: a layer raised part-way through the model call")
+        return self.inner(x, *args, **kwargs)
+
+
+def raise_part_way(engine: MlxEngine, fires: Callable[[Any], bool]) -> None:
+    """Make the engine's model raise inside its last layer whenever `fires(layer input)`."""
+    model = engine._device.model
+    layers = getattr(model, "_model", model).layers
+    layers[-1] = _RaisingLayer(layers[-1], fires)
+
+
+# gemma3's sliding layers (rotating caches, wrapped past 16 tokens) and mamba2's arrays decode in
+# mlx-lm's batch generator: a failed step there is undone and retried, then split row by row.
+MERGE_FAMILIES = ["gemma3_text", "mamba2"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("family", MERGE_FAMILIES)
+async def test_a_batch_generator_step_that_raises_part_way_fails_no_request(
+    open_engine: Opener, family: str, sampling: SamplingParams
+) -> None:
+    path = cached_checkpoint(family)
+    prompts = six_prompts("m")
+    expected = await run_together(await open_engine(path), prompts, sampling)
+    engine = await open_engine(path)
+    batched_decodes: list[int] = []
+
+    def third_batched_decode(x: Any) -> bool:
+        if x.shape[0] > 1 and x.shape[1] == 1:
+            batched_decodes.append(x.shape[0])
+            return len(batched_decodes) == 3
+        return False
+
+    raise_part_way(engine, third_batched_decode)
+    got = await run_together(engine, prompts, sampling)
+    assert got == expected
+    stats = engine.statistics()
+    assert (stats.step_retries, stats.rows_isolated) == (1, 0)
+
+
+@pytest.mark.parametrize("family", MERGE_FAMILIES)
+async def test_a_row_that_breaks_every_batch_generator_step_fails_alone(open_engine: Opener, family: str
+                                                                         ) -> None:
+    """Both tries of the batch step raise: each row steps alone once, the poisoned one fails
+    there (twice), the others go back into the batch and end exactly as without it."""
+    path = cached_checkpoint(family)
+    poisoned = RequestId("r2")
+    calls: list[int] = []
+
+    def poison(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and poisoned in request_ids:
+            calls.append(len(request_ids))
+            raise RuntimeError("injected: this row breaks every decode step")
+
+    prompts = six_prompts("r")
+    expected, got, engine = await with_and_without(open_engine, path, prompts, GREEDY, poison)
+    error = got.pop(poisoned)
+    assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+    assert got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
+    assert max(calls) > 1 and calls[-1] == 1  # raised in the batch, failed alone
+    stats = engine.statistics()
+    assert stats.rows_isolated == 1 and stats.step_retries >= 2 and stats.device_thread_alive
+    assert await single(engine, RequestId("after"), prompt_of(20)) == reference(path, prompt_of(20))
+
+
 async def test_an_install_whose_copy_raises_once_still_decodes_exactly(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,6 +32,7 @@ from mlx_lm.generate import BatchGenerator, generation_stream, maybe_quantize_kv
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.jobs import (
     Crash,
     Job,
@@ -109,6 +110,7 @@ class Live:
     fed: bool = False  # slot lane: the first token went into a step (later inputs are on the device)
     uid: int | None = None
     solo_cache: list[Any] | None = None
+    rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
 
 
 @dataclass(eq=False)
@@ -682,57 +684,126 @@ class DeviceLoop:
     # -- the other lanes -----------------------------------------------------------------------
 
     def merge_step(self) -> None:
-        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-        self.computing = ("decode", [live.request_id for live in self.by_uid.values()])
+        """One step of mlx-lm's batch generator. A step that raises is undone (its generator and
+        caches as they were, each row's sampler rewound) and computed once more; if that raises
+        too, every row leaves the batch for one solo step of its own (where a row that keeps
+        raising fails alone) and the others then join the batch again."""
+        rows = list(self.by_uid.values())
+        positions = [live.sampler.position for live in rows]
+        self.computing = ("decode", [live.request_id for live in rows])
+        checkpoint = Checkpoint(self.batch)
         try:
             _, responses = self.batch.next()
         except Exception as exc:
-            logger.exception("a batch decode step failed; failing every batched request")
+            self.step_retries += 1
+            logger.warning("a batch decode step of %d rows raised (%s: %s); computing it again",
+                           len(rows), type(exc).__name__, exc)
+            checkpoint.restore()
+            self.rewind(rows, positions)
+            try:
+                _, responses = self.batch.next()
+            except Exception:
+                checkpoint.restore()
+                self.rewind(rows, positions)
+                self.split_batch(rows)
+                return
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        for r in responses:
+            row = self.by_uid.get(r.uid)
+            if row is None:
+                continue
+            item = self.count_token(row, int(r.token))
+            if item.finish_reason is not None:
+                row.uid = None  # the generator drops a finished row itself
+                self.by_uid.pop(r.uid, None)
+                self.end(row, item, deliveries)
+            else:
+                deliveries.setdefault(row.token, []).append((row.send, item, False))
+        self.hand_out(deliveries)
+
+    def split_batch(self, rows: list[Live]) -> None:
+        """Every row leaves the batch generator with its own cache, for the solo lane. A row the
+        generator had already sampled a token for (kept on the device, not yet delivered) gets
+        it delivered now: the solo step computes the one after it."""
+        generation = self.batch._generation_batch  # mlx-lm keeps those sampled tokens here
+        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+        try:
+            pending = dict(zip(generation.uids, generation._next_tokens.tolist(), strict=True)) \
+                if len(generation) else {}
+            caches = self.batch.remove([live.uid for live in rows], return_prompt_caches=True)
+        except Exception as exc:  # the batch's state itself is broken: nothing of it can be saved
+            logger.exception("a batch decode step failed and its rows could not be taken out")
             error = engine_failed(f"batch decode step failed: {type(exc).__name__}: {exc}")
-            for live in list(self.by_uid.values()):
+            for live in rows:
                 live.uid = None  # the generator is replaced below: nothing to remove from it
                 self.end(live, error, deliveries)
             self.by_uid.clear()
             self.batch = self.new_batch()
-        else:
-            for r in responses:
-                row = self.by_uid.get(r.uid)
-                if row is None:
-                    continue
-                item = self.count_token(row, int(r.token))
+            self.hand_out(deliveries)
+            return
+        logger.warning("a batch decode step of %d rows raised twice; each row steps alone", len(rows))
+        for live in rows:
+            uid = live.uid
+            assert uid is not None
+            self.by_uid.pop(uid, None)
+            live.uid = None
+            live.solo_cache, _ = caches[uid]
+            live.rejoin = True
+            if uid in pending:
+                live.last_token = int(pending[uid])
+                item = self.count_token(live, live.last_token)
                 if item.finish_reason is not None:
-                    row.uid = None  # the generator drops a finished row itself
-                    self.by_uid.pop(r.uid, None)
-                    self.end(row, item, deliveries)
+                    self.end(live, item, deliveries)
                 else:
-                    deliveries.setdefault(row.token, []).append((row.send, item, False))
+                    deliveries.setdefault(live.token, []).append((live.send, item, False))
         self.hand_out(deliveries)
 
     def solo_step(self, live: Live) -> None:
-        """One generate_step-style step for a single sequence."""
+        """One generate_step-style step for a single sequence; a step that raises is undone
+        and computed once more, and the request fails alone if it raises again."""
         assert live.solo_cache is not None
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         self.computing = ("decode", [live.request_id])
+        checkpoint = Checkpoint(live.solo_cache)
+        position = live.sampler.position
         try:
-            with mx.stream(generation_stream):
-                logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]
-                self.quantize(live.solo_cache)
-                sampled = live.sampler(log_softmax(logits))
-                mx.eval(sampled, [c.state for c in live.solo_cache])
-            token = int(sampled.item())
+            token = self.solo_call(live)
         except Exception as exc:
-            logger.exception("a solo decode step failed for %s", live.request_id)
-            self.end(live, engine_failed(f"decode step failed: {type(exc).__name__}: {exc}"), deliveries)
+            self.step_retries += 1
+            logger.warning("a solo decode step of %s raised (%s: %s); computing it again",
+                           live.request_id, type(exc).__name__, exc)
+            checkpoint.restore()
+            live.sampler.position = position
+            try:
+                token = self.solo_call(live)
+            except Exception as again:
+                self.rows_isolated += 1
+                logger.error("request %s fails alone: its decode step raised %s: %s",
+                             live.request_id, type(again).__name__, again)
+                self.end(live, engine_failed(
+                    f"a decode step failed for this request: {type(again).__name__}: {again}"), deliveries)
+                self.hand_out(deliveries)
+                return
+        live.last_token = token
+        item = self.count_token(live, token)
+        if item.finish_reason is not None:
+            self.end(live, item, deliveries)
         else:
-            live.last_token = token
-            item = self.count_token(live, token)
-            if item.finish_reason is not None:
-                self.end(live, item, deliveries)
-            else:
-                deliveries.setdefault(live.token, []).append((live.send, item, False))
+            deliveries.setdefault(live.token, []).append((live.send, item, False))
+            if live.rejoin:
+                live.rejoin = False
+                cache, live.solo_cache = live.solo_cache, None
+                self.merge_insert(live, cache, [])
         self.hand_out(deliveries)
 
-    # -- joining the decoder -------------------------------------------------------------------
+    def solo_call(self, live: Live) -> int:
+        assert live.solo_cache is not None
+        with mx.stream(generation_stream):
+            logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]
+            self.quantize(live.solo_cache)
+            sampled = live.sampler(log_softmax(logits))
+            mx.eval(sampled, [c.state for c in live.solo_cache])
+        return int(sampled.item())
 
     def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool) -> str:
         """Where a request decodes: "slot", "merge" (mlx-lm's batch generator) or "solo"."""
@@ -760,18 +831,21 @@ class DeviceLoop:
             live.offset = len(prompt)
             self.unreserve(live.request_id)  # its KV lives in the pool now
         elif lane == "merge":
-            # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
-            # sampler object is sampled in one call instead of row by row.
-            (uid,) = self.batch.insert(
-                prompts=[[live.last_token]], max_tokens=[live.remaining], caches=[cache],
-                all_tokens=[prompt],
-                samplers=[greedy_sampler if live.sampler.sampling.greedy else live.sampler],
-            )
-            live.uid = uid
-            self.by_uid[uid] = live
+            self.merge_insert(live, cache, prompt)
         else:
             live.solo_cache = cache
         self.live[live.request_id] = live
+
+    def merge_insert(self, live: Live, cache: list[Any], tokens: list[int]) -> None:
+        """Hand a row to mlx-lm's batch generator: `cache` holds everything before its last token."""
+        # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
+        # sampler object is sampled in one call instead of row by row.
+        (uid,) = self.batch.insert(
+            prompts=[[live.last_token]], max_tokens=[live.remaining], caches=[cache], all_tokens=[tokens],
+            samplers=[greedy_sampler if live.sampler.sampling.greedy else live.sampler],
+        )
+        live.uid = uid
+        self.by_uid[uid] = live
 
     def copy_into_slot(self, slot: int, cache: list[Any], prompt_tokens: int, needed: int) -> None:
         """Copy a prompt's cache into its slot; a copy that raises is made once more (it writes
