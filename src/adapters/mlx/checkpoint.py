@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 _SAVED_MODULES = frozenset({"mlx_lm.generate", "mlx_lm.models.cache"})
+_LEAVES = frozenset({int, float, bool, str, type(None), mx.array})
 _SMALL_ARRAY = 4096  # elements: held as their own array (a lazy no-op, evaluated only if restored)
 
 
@@ -39,7 +40,7 @@ class Checkpoint:
             self._visit(root)
 
     def _visit(self, value: Any) -> None:
-        if id(value) in self._seen:
+        if type(value) in _LEAVES or id(value) in self._seen:
             return
         if isinstance(value, list | deque):
             self._seen.add(id(value))
