@@ -38,21 +38,21 @@ class SamplingBody(_Strict):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = Field(default=0.0, ge=0.0)
+    repetition_context_size: int = Field(default=20, ge=0)
+    presence_penalty: float = 0.0
+    presence_context_size: int = Field(default=20, ge=0)
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = Field(default=20, ge=0)
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:
-        return cls(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            ignore_eos=sampling.ignore_eos,
-        )
+        return cls(**{name: getattr(sampling, name) for name in cls.model_fields})
 
     def params(self) -> SamplingParams:
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
-                              self.ignore_eos)
+        return SamplingParams(**{name: getattr(self, name) for name in type(self).model_fields})
 
 
 class PrefillBody(_Strict):

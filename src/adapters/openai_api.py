@@ -8,15 +8,24 @@ to a single node's by construction. For identical backend outputs, two responses
 `id` and `created`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
-server-sent events, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`).
+server-sent events, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`),
+and vLLM's `POST /tokenize` / `POST /detokenize` (the prompt ids a completion or a chat would be
+fed, and text back from ids; these two refuse unknown fields). `build_app` can put API keys
+(`adapters.api_keys`) and CORS in front.
 
 Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `max_tokens`: completions 16 (cut to the room left in the context); chat: the whole room left
   in the context. An explicit `max_tokens` (chat also `max_completion_tokens`) must be at least
   1 and fit: prompt + max_tokens > context is `context_length_exceeded` (400).
-- `temperature` 1.0, `top_p` 1.0, `top_k` 0 (off; -1 also means off), `seed` none (the engine
-  then derives one from the request id), `n` 1 only. `ignore_eos` (vLLM's) generates through
-  EOS until max_tokens.
+- `temperature` 1.0, `top_p` 1.0, `top_k` 0 (off; -1 also means off), `min_p` 0 (off), `seed`
+  none (the engine then derives one from the request id). `ignore_eos` (vLLM's) generates
+  through EOS until max_tokens.
+- `n` (1 to 16): each choice is a generation of its own; choice i > 0 runs as `<request id>.<i>`
+  with seed + i (when a seed is given), so the choices differ and repeat exactly. Streams send
+  each choice's steps in turn; usage counts the prompt once and every choice's tokens.
+- Logits shaping, as mlx_lm.server names and ranges it: `logit_bias` (`{"token id": bias}`),
+  `repetition_penalty` (>= 0), `presence_penalty`, `frequency_penalty`, each over the last
+  `*_context_size` tokens (default 20; 0 turns it off) of prompt + generated text.
 - `usage.completion_tokens` counts the EOS token that ended a reply (it makes no text), as vLLM
   and mlx-lm do: a reply whose first token is EOS is empty with completion_tokens 1.
 - `stop`: a string or a list of at most 16 strings of at most 256 characters; empty strings are
@@ -27,10 +36,10 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 - Bodies above `max_body_bytes` (4 MiB) are refused with 413.
 
 Validation: strict pydantic models (no coercion: `"5"` is not a number, `true` is not 1).
-Parameters that would change the result and are not served (`n` > 1, `best_of`, `logprobs`,
-`top_logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools`, `tool_choice`, `functions`,
+Parameters that would change the result and are not served (`best_of`, `logprobs`,
+`top_logprobs`, `echo`, `suffix`, `tools`, `tool_choice`, `functions`,
 `function_call`, a non-text `response_format`, ...) are refused with 422 `unsupported_parameter`
-unless they carry their neutral value (`n: 1`, `logprobs: false`, `tools: []`, ...). Other
+unless they carry their neutral value (`logprobs: false`, `tools: []`, ...). Other
 unknown fields (`user`, `metadata`, vendor extras) are ignored, as vLLM does. Every error has
 OpenAI's shape `{"error": {"message", "type", "code"}}` and the status of its `ErrorInfo`.
 
@@ -51,20 +60,23 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import trio
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from adapters.api_keys import ApiKeyGuard, ApiKeys
 from adapters.streaming import WatchedStream, cancel_on_disconnect
 from effects.faults import Faults, Phase
 from effects.ports import (
@@ -86,6 +98,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: each choice takes a row of the batch
 MAX_STOP_LENGTH = 256
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -96,6 +109,10 @@ _MAX_ERRORS_SHOWN = 3
 
 # ---------------------------------------------------------------------------------------------
 # Request bodies
+
+
+def _given(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 class _Strict(BaseModel):
@@ -116,8 +133,17 @@ class _Sampling(_Strict):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     ignore_eos: bool | None = None  # vLLM's: generate through EOS until max_tokens
+    # mlx_lm.server's names and ranges (a context size of 0 turns its penalty off)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> added to its logit
+    repetition_penalty: float | None = Field(default=None, ge=0.0)
+    repetition_context_size: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = None
+    presence_context_size: int | None = Field(default=None, ge=0)
+    frequency_penalty: float | None = None
+    frequency_context_size: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
 
@@ -167,10 +193,6 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "top_logprobs": _neutral(0),
     "echo": _neutral(False),
     "suffix": _neutral(""),
-    "logit_bias": _neutral({}),
-    "presence_penalty": _neutral(0, 0.0),
-    "frequency_penalty": _neutral(0, 0.0),
-    "repetition_penalty": _neutral(1, 1.0),
     "min_tokens": _neutral(0),
     "tools": _neutral([]),
     "tool_choice": _neutral("none"),
@@ -352,6 +374,17 @@ class _Job:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    choices: int = 1  # n: each choice is a generation of its own (a row of its own in the batch)
+
+    def choice_request(self, index: int) -> GenerationRequest:
+        """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
+        when a seed was given (else its seed derives from that id): both are the same on every
+        node, so the cluster's choices equal a single node's."""
+        if index == 0:
+            return GenerationRequest(self.request_id, self.prompt, self.sampling)
+        seed = None if self.sampling.seed is None else (self.sampling.seed + index) % 2**64
+        return GenerationRequest(RequestId(f"{self.request_id}.{index}"), self.prompt,
+                                 replace(self.sampling, seed=seed))
 
     @property
     def response_id(self) -> str:
@@ -492,6 +525,70 @@ class Frontend:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, _Kind.CHAT)
 
+    async def tokenize(self, request: Request) -> Response:
+        """`POST /tokenize` (vLLM's): `prompt` encoded as /v1/completions encodes it, or `messages`
+        through the chat template as /v1/chat/completions does; the ids and the context length."""
+        try:
+            data = await self._read_object(request)
+            if "prompt" in data and "messages" in data:
+                raise _Reject(client_error("give either prompt or messages, not both", param="messages"))
+            if "messages" in data:
+                chat = _parsed(_TokenizeChat, data)
+                self._check_model(chat.model)
+                if chat.add_special_tokens:
+                    raise _Reject(client_error(
+                        "add_special_tokens: with messages only false is allowed (the chat template "
+                        "places the special tokens, as in /v1/chat/completions)", param="add_special_tokens"))
+                tokens = await self._encode_chat(chat.messages)
+            else:
+                text = _parsed(_TokenizePrompt, data)
+                self._check_model(text.model)
+                encode = partial(self.tokenizer.encode, text.prompt,
+                                 add_special_tokens=text.add_special_tokens)
+                ids = await trio.to_thread.run_sync(encode, limiter=self._tokenizing)
+                tokens = tuple(int(t) for t in ids)
+        except _Reject as exc:
+            return _unless_body_unread(request, _error_response(exc.info))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse({"tokens": list(tokens), "count": len(tokens),
+                             "max_model_len": self.backend.model_info.context_length})
+
+    async def detokenize(self, request: Request) -> Response:
+        """`POST /detokenize` (vLLM's): the text of token ids, special tokens included."""
+        try:
+            body = _parsed(_Detokenize, await self._read_object(request))
+            self._check_model(body.model)
+            vocab = self.backend.model_info.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise _Reject(client_error(
+                    f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"))
+            decode = partial(self.tokenizer.decode, body.tokens)
+            text = await trio.to_thread.run_sync(decode, limiter=self._tokenizing)
+        except _Reject as exc:
+            return _unless_body_unread(request, _error_response(exc.info))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse({"prompt": str(text)})
+
+    async def _read_object(self, request: Request) -> dict[str, object]:
+        """The body as a JSON object (within `max_body_bytes`)."""
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise _Reject(
+                client_error(f"the request body is not valid JSON: {exc}", Code.INVALID_JSON)) from None
+        if not isinstance(data, dict):
+            raise _Reject(client_error("the request body must be a JSON object"))
+        return data
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise _Reject(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND, f"the model {model!r} does not "
+                                    f"exist; this server serves {self.model_name!r}", "model"))
+
     # -- one request -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, kind: _Kind) -> Response:
@@ -502,7 +599,7 @@ class Frontend:
         request_id = RequestId(incoming if incoming is not None else uuid.uuid4().hex)
         try:
             job = await self._prepare(request, kind, request_id)
-            generation = await self.backend.start(GenerationRequest(request_id, job.prompt, job.sampling))
+            runs = await self._start(job)
         except _Reject as exc:
             return _unless_body_unread(request, _error_response(exc.info, request_id))
         except StatecoreError as exc:
@@ -513,64 +610,107 @@ class Frontend:
             logger.exception("request %s: unexpected error before generation", request_id)
             return _unless_body_unread(
                 request, _error_response(bug("internal error while starting the request"), request_id))
-        run = _Run(generation, _StopText(self.tokenizer.detokenizer, job.stops))
+        async def cancel_all() -> None:
+            for run in runs:
+                await run.cancel()
+
         try:
-            return await self._respond(request, job, run)
+            return await self._respond(request, job, runs, cancel_all)
         except Exception:
             logger.exception("request %s: unexpected error", request_id)
-            await run.cancel()
+            await cancel_all()
             return _error_response(bug("internal error while generating"), request_id)
         except BaseException:  # cancelled from outside (server shutdown): free the backend too
-            await run.cancel()
+            await cancel_all()
             raise
 
-    async def _respond(self, request: Request, job: _Job, run: _Run) -> Response:
-        headers = {REQUEST_ID_HEADER: job.request_id}
-        texts: list[str] = []
-        step = _Step("")
-        async with cancel_on_disconnect(request.receive) as watch:
-            while True:
-                step = await run.advance()
-                if job.stream or step.end is not None:
-                    break
-                texts.append(step.text)
-        if watch.disconnected:
-            await run.cancel()
-            return Response(status_code=499, headers=headers)
-        if isinstance(step.end, ErrorInfo):
-            return _error_response(step.end, job.request_id)
-        if job.stream:
-            return _event_stream(self._events(job, run, step), headers, run.cancel)
-        assert step.end is not None
-        texts.append(step.text)
-        return JSONResponse(self._body(job, "".join(texts), step.end), headers=headers)
+    async def _start(self, job: _Job) -> list[_Run]:
+        """Start every choice's generation; if one cannot start, the started ones are cancelled."""
+        runs: list[_Run] = []
+        try:
+            for index in range(job.choices):
+                generation = await self.backend.start(job.choice_request(index))
+                runs.append(_Run(generation, _StopText(self.tokenizer.detokenizer, job.stops)))
+        except BaseException:
+            for run in runs:
+                await run.cancel()
+            raise
+        return runs
 
-    async def _events(self, job: _Job, run: _Run, step: _Step) -> AsyncGenerator[bytes, None]:
-        """The SSE stream of a started generation, from its first step on."""
+    async def _respond(self, request: Request, job: _Job, runs: list[_Run],
+                       cancel_all: Callable[[], Awaitable[None]]) -> Response:
+        """Read the choices in turn, one step each (a fixed order: the same bytes on every node,
+        while the backend computes them side by side). A stream starts once every choice has its
+        first step; a failure before then, or anywhere in a whole body, is the response's status."""
+        headers = {REQUEST_ID_HEADER: job.request_id}
+        texts: list[list[str]] = [[] for _ in runs]
+        steps: list[_Step] = [_Step("") for _ in runs]
+        async with cancel_on_disconnect(request.receive) as watch:
+            for index, run in enumerate(runs):
+                steps[index] = await run.advance()
+            while not job.stream and not any(isinstance(step.end, ErrorInfo) for step in steps):
+                open_choices = [i for i, step in enumerate(steps) if step.end is None]
+                if not open_choices:
+                    break
+                for index in open_choices:
+                    texts[index].append(steps[index].text)
+                    steps[index] = await runs[index].advance()
+        if watch.disconnected:
+            await cancel_all()
+            return Response(status_code=499, headers=headers)
+        failed = next((step.end for step in steps if isinstance(step.end, ErrorInfo)), None)
+        if failed is not None:
+            await cancel_all()
+            return _error_response(failed, job.request_id)
+        if job.stream:
+            return _event_stream(self._events(job, runs, steps), headers, cancel_all)
+        finishes: list[_Finish] = []
+        for index, step in enumerate(steps):
+            assert isinstance(step.end, _Finish)
+            texts[index].append(step.text)
+            finishes.append(step.end)
+        return JSONResponse(self._body(job, ["".join(t) for t in texts], finishes), headers=headers)
+
+    async def _events(self, job: _Job, runs: list[_Run], first_steps: list[_Step]
+                      ) -> AsyncGenerator[bytes, None]:
+        """The SSE stream of started generations, from their first steps on: each choice's steps
+        in turn, its own finish chunk as it ends; usage (all choices) after the last."""
+        pending: list[_Step | None] = list(first_steps)
+        completion_tokens = 0
         try:
             if job.kind is _Kind.CHAT:
-                yield _event(self._chunk(job, {"role": "assistant", "content": ""}))
-            while True:
-                if step.text:
-                    yield _event(self._chunk(job, step.text))
-                if isinstance(step.end, _Finish):
-                    yield _event(self._chunk(job, None, step.end.reason))
-                    if job.include_usage:
-                        yield _event(self._usage_chunk(job, step.end.completion_tokens))
-                    break
-                if isinstance(step.end, ErrorInfo):
-                    yield _event(step.end.to_openai())
-                    break
-                try:
-                    step = await run.advance()
-                except Exception:
-                    logger.exception("request %s: unexpected error while streaming", job.request_id)
-                    await run.cancel()
-                    step = _Step("", bug("internal error while generating"))
+                for index in range(len(runs)):
+                    yield _event(self._chunk(job, {"role": "assistant", "content": ""}, index=index))
+            failed: ErrorInfo | None = None
+            open_choices = list(range(len(runs)))
+            while open_choices and failed is None:
+                for index in list(open_choices):
+                    step = pending[index]
+                    pending[index] = None
+                    if step is None:
+                        try:
+                            step = await runs[index].advance()
+                        except Exception:
+                            logger.exception("request %s: unexpected error while streaming", job.request_id)
+                            step = _Step("", bug("internal error while generating"))
+                    if step.text:
+                        yield _event(self._chunk(job, step.text, index=index))
+                    if isinstance(step.end, _Finish):
+                        yield _event(self._chunk(job, None, step.end.reason, index=index))
+                        completion_tokens += step.end.completion_tokens
+                        open_choices.remove(index)
+                    elif isinstance(step.end, ErrorInfo):
+                        failed = step.end
+                        break
+            if failed is not None:
+                yield _event(failed.to_openai())
+            elif job.include_usage:
+                yield _event(self._usage_chunk(job, completion_tokens))
             yield _event("[DONE]")
         finally:
-            # The client went away (we were cancelled or closed at a yield): free the backend.
-            await run.cancel()
+            # Done, failed, or the client went away (cancelled or closed at a yield): free the backend.
+            for run in runs:
+                await run.cancel()
 
     # -- bodies ------------------------------------------------------------------------------
 
@@ -582,25 +722,29 @@ class Frontend:
             "model": self.model_name,
         }
 
-    def _body(self, job: _Job, text: str, finish: _Finish) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if job.kind is _Kind.CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = None
-        choice["finish_reason"] = finish.reason
+    def _body(self, job: _Job, texts: list[str], finishes: list[_Finish]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for index, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
+            choice: dict[str, Any] = {"index": index}
+            if job.kind is _Kind.CHAT:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = None
+            choice["finish_reason"] = finish.reason
+            choices.append(choice)
         return {
             **self._head(job, job.kind.value),
-            "choices": [choice],
-            "usage": job.usage(finish.completion_tokens),
+            "choices": choices,
+            "usage": job.usage(sum(finish.completion_tokens for finish in finishes)),
         }
 
     def _chunk(
-        self, job: _Job, content: str | dict[str, str] | None, finish: str | None = None
+        self, job: _Job, content: str | dict[str, str] | None, finish: str | None = None, *, index: int = 0
     ) -> dict[str, Any]:
-        """One streamed chunk: `content` is text, a chat delta, or None for the final chunk."""
-        choice: dict[str, Any] = {"index": 0}
+        """One streamed chunk of choice `index`: `content` is text, a chat delta, or None for its
+        final chunk."""
+        choice: dict[str, Any] = {"index": index}
         if job.kind is _Kind.CHAT:
             object_name = "chat.completion.chunk"
             if isinstance(content, dict):
@@ -642,29 +786,13 @@ class Frontend:
 
     async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId) -> _Job:
         await self.faults.at(Phase.TOKENIZE, request_id)
-        raw = await self._read_body(request)
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise _Reject(
-                client_error(f"the request body is not valid JSON: {exc}", Code.INVALID_JSON)
-            ) from None
-        if not isinstance(data, dict):
-            raise _Reject(client_error("the request body must be a JSON object"))
+        data = await self._read_object(request)
         schema: type[_CompletionBody | _ChatBody] = _CompletionBody if kind is _Kind.COMPLETION else _ChatBody
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
             raise _Reject(_validation_error(exc)) from None
-        if body.model is not None and body.model != self.model_name:
-            raise _Reject(
-                ErrorInfo(
-                    Fault.CLIENT,
-                    Code.MODEL_NOT_FOUND,
-                    f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                    "model",
-                )
-            )
+        self._check_model(body.model)
         self._check_unsupported(data, body)
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
@@ -713,6 +841,14 @@ class Frontend:
             top_k=max(top_k, 0),
             seed=body.seed,
             ignore_eos=bool(body.ignore_eos),
+            min_p=body.min_p or 0.0,
+            logit_bias=self._logit_bias(body.logit_bias),
+            repetition_penalty=body.repetition_penalty or 0.0,
+            repetition_context_size=_given(body.repetition_context_size, 20),
+            presence_penalty=body.presence_penalty or 0.0,
+            presence_context_size=_given(body.presence_context_size, 20),
+            frequency_penalty=body.frequency_penalty or 0.0,
+            frequency_context_size=_given(body.frequency_context_size, 20),
         )
         return _Job(
             kind=kind,
@@ -723,20 +859,33 @@ class Frontend:
             stops=stops,
             stream=stream,
             include_usage=stream and body.stream_options is not None and body.stream_options.include_usage,
+            choices=body.n or 1,
         )
+
+    def _logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs in id order; an id must be a token of the model."""
+        if not given:
+            return ()
+        vocab = self.backend.model_info.vocab_size
+        biases: dict[int, float] = {}
+        for key, bias in given.items():
+            token = int(key) if key.strip().isdigit() else -1
+            if not 0 <= token < vocab:
+                raise _Reject(client_error(f"logit_bias: {key!r} is not a token id of this model "
+                                           f"(0 to {vocab - 1})", param="logit_bias"))
+            biases[token] = bias
+        return tuple(sorted(biases.items()))
 
     @staticmethod
     def _check_unsupported(data: Mapping[str, object], body: _Sampling) -> None:
         names = [name for name, neutral in _UNSUPPORTED.items() if name in data and not neutral(data[name])]
-        if body.n is not None and body.n > 1:
-            names.insert(0, "n")
         if names:
             raise _Reject(
                 ErrorInfo(
                     Fault.UNSUPPORTED,
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-                    "(only n=1, no logprobs, no tools, no penalties are served)",
+                    "(no logprobs, no tools are served)",
                     names[0],
                 )
             )
@@ -789,6 +938,44 @@ class Frontend:
 
 
 # ---------------------------------------------------------------------------------------------
+# /tokenize and /detokenize: bodies and reading them
+
+
+class _Exact(BaseModel):
+    """Strict like the generation bodies, and an unknown field is refused: these bodies are small
+    and new, so a misspelt field would only ever have been a mistake."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _TokenizePrompt(_Exact):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # as /v1/completions encodes a text prompt
+
+
+class _TokenizeChat(_Exact):
+    model: str | None = None
+    messages: list[_Message] = Field(min_length=1)
+    add_special_tokens: bool = False  # vLLM's default; the chat template places them
+
+
+class _Detokenize(_Exact):
+    model: str | None = None
+    tokens: list[int]
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _parsed(schema: type[_Body], data: Mapping[str, object]) -> _Body:
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise _Reject(_validation_error(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
 # The app
 
 
@@ -803,16 +990,33 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return _error_response(bug("internal error"))
 
 
+CORS_EXPOSED_HEADERS = (REQUEST_ID_HEADER, "Retry-After")
+
+
 def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = (),
-              health: Callable[[Request], Awaitable[Response]] | None = None) -> Starlette:
+              health: Callable[[Request], Awaitable[Response]] | None = None,
+              api_keys: ApiKeys | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
     """The ASGI app: the OpenAI routes plus `extra_routes` (a node's or the router's own).
-    `health` replaces the front end's `/health` where a node knows more (why it is unavailable)."""
+    `health` replaces the front end's `/health` where a node knows more (why it is unavailable).
+    `api_keys` guards the public paths (`adapters.api_keys`); `allowed_origins` (`*` for any)
+    turns CORS on, outside the key check so that a browser's preflight needs no key and a 401
+    still reaches the page. Any request header is allowed (the SDKs send their own)."""
     routes: list[BaseRoute] = [
         Route("/v1/completions", frontend.completions, methods=["POST"]),
         Route("/v1/chat/completions", frontend.chat_completions, methods=["POST"]),
         Route("/v1/models", frontend.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", frontend.model, methods=["GET"]),
+        Route("/tokenize", frontend.tokenize, methods=["POST"]),
+        Route("/detokenize", frontend.detokenize, methods=["POST"]),
         Route("/health", health or frontend.health, methods=["GET"]),
         *extra_routes,
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    middleware: list[Middleware] = []  # the first is the outermost
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"],
+                                     expose_headers=list(CORS_EXPOSED_HEADERS)))
+    if api_keys is not None:
+        middleware.append(Middleware(ApiKeyGuard, keys=api_keys))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})

@@ -19,12 +19,13 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from adapters.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_key, parse_protects
 from adapters.blas import apply_blas_choice, blas_in_use
 from adapters.internal_wire import TOKEN_HEADER, info_from_json, info_json
 from adapters.live_view import LiveView
@@ -140,6 +142,38 @@ def handoff_rule(threshold: int) -> str:
             f"cache to a decode node; shorter ones prefill on the decode node")
 
 
+def _api_key(text: str) -> str:
+    """An argparse type: one usable API key (the error never repeats it)."""
+    try:
+        return parse_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _protects(text: str) -> str:
+    """An argparse type: a comma-separated list of PROTECTABLE names, kept as normalized text (so
+    that a local cluster hands it on as given)."""
+    try:
+        return ",".join(sorted(parse_protects(text)))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
+
+
+def _origins(text: str) -> str:
+    """An argparse type: `*` or comma-separated origins (`https://app.example.com:8443`: scheme,
+    host, port; no path, as browsers send them), kept as normalized text."""
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    bad = [o for o in origins if o != "*" and not _ORIGIN.fullmatch(o)]
+    if not origins or bad:
+        raise argparse.ArgumentTypeError(
+            f"{bad[0] if bad else text!r} is not an origin: give `*` or scheme://host[:port] "
+            "without a path, comma-separated")
+    return ",".join(origins)
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
     run.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
@@ -165,6 +199,16 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
     run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                      help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    run.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
+                     help="single, router: the public API (/v1/*, /tokenize, /detokenize) requires "
+                          "'Authorization: Bearer KEY' or 'x-api-key: KEY' (401 otherwise); repeat for "
+                          f"several; env {API_KEY_ENV} adds more, comma-separated")
+    run.add_argument("--api-key-protects", type=_protects, default="", metavar="LIST",
+                     help=f"with --api-key: also require it on these paths, open by default "
+                          f"(comma-separated of {', '.join(PROTECTABLE)})")
+    run.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                     help="single, router: answer CORS for these browser origins (comma-separated, "
+                          "* for any); default: no CORS headers")
     run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
                      help="engine nodes: what every KV cache together may take; each request reserves "
                           "its worst case before anything is allocated, and waits (429 with Retry-After) "
@@ -420,8 +464,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                                  model_name=getattr(args, "served_model_name", None))
         frontend.faults = faults
         frontend.warnings = warnings
-        app = build_app(frontend, extra_routes=[*api.routes(), metrics.route(), *live.routes()],
-                        health=api.health)
+        app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
                                 metrics.route(), *live.routes()])
@@ -525,8 +568,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
                 "model": info_json(info)["name"], "local_prefill_below": threshold}
 
-    app = build_app(frontend, extra_routes=[_stats_route(args.internal_token, stats), metrics.route(),
-                                            *live.routes()])
+    app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
+                                       *live.routes()])
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)
@@ -593,15 +636,17 @@ def free_port() -> int:
         return port
 
 
-def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float,
+                 headers: Mapping[str, str] | None = None) -> str | None:
     """Poll a starting node's /health until it answers 200. None when it does; otherwise why
-    not (the process exited, or the time ran out), for the caller to raise as it sees fit."""
+    not (the process exited, or the time ran out), for the caller to raise as it sees fit.
+    `headers`: an API key, where `--api-key-protects health` closes /health."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
             return f"{url} exited with code {child.returncode} while starting"
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1.0, headers=headers).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass
@@ -615,8 +660,8 @@ def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) ->
         raise SystemExit(f"statecore: {problem}")
 
 
-# Per child (its own socket) or passed another way (the token: through the environment).
-_NOT_FORWARDED = frozenset({"listen_fd", "internal_token"})
+# Per child (its own socket) or passed another way (the secrets: through the environment).
+_NOT_FORWARDED = frozenset({"listen_fd", "internal_token", "api_key"})
 
 
 def _forwarded_serving_flags(args: argparse.Namespace) -> list[str]:
@@ -659,15 +704,17 @@ def _router_threshold(router: str, token: str | None) -> int | None:
     return threshold if isinstance(threshold, int) else None
 
 
-def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None, blas: str) -> str:
+def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None, blas: str,
+            keyed: bool = False) -> str:
     body = json.dumps({"model": model, "max_tokens": 64,
                        "messages": [{"role": "user", "content": HANDOFF_PROMPT}]})
+    key = "-H 'Authorization: Bearer <your API key>' " if keyed else ""
     rule = "" if threshold is None else f"Routing: {handoff_rule(threshold)}.\n"
     rule += f"MLX computes with {_blas_words(blas)}.\n"
     return (f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
             f"decode {urls['decode']})\n{rule}\nTry (a prompt long enough to go through the "
             f"prefill node):\n  curl -s {router}/v1/chat/completions "
-            f"-H 'Content-Type: application/json' \\\n    -d '{body}'\n\nCtrl-C stops every node.")
+            f"-H 'Content-Type: application/json' {key}\\\n    -d '{body}'\n\nCtrl-C stops every node.")
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -691,6 +738,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     child_env = {**os.environ, LOCAL_CLUSTER_PARENT_ENV: str(os.getpid())}
     if args.internal_token:
         child_env[INTERNAL_TOKEN_ENV] = args.internal_token
+    keys: ApiKeys | None = args.api_keys
+    if keys is not None:
+        child_env[API_KEY_ENV] = ",".join(keys.keys)  # the router's (the engine nodes ignore it)
+    router_health = ({"Authorization": f"Bearer {keys.keys[0]}"}
+                     if keys is not None and "health" in keys.protects else None)
     sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
                "router": _listener_for(args)}
     urls = {role: listener_url(sock) for role, sock in sockets.items()}
@@ -711,7 +763,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         """True once the child is healthy; False when a stop signal came first."""
         deadline = time.monotonic() + timeout_s
         while not received:
-            problem = wait_healthy(urls[role], children[role], min(1.0, deadline - time.monotonic()))
+            problem = wait_healthy(urls[role], children[role], min(1.0, deadline - time.monotonic()),
+                                   router_health if role == "router" else None)
             if problem is None:
                 return True
             if children[role].poll() is not None or time.monotonic() >= deadline:
@@ -731,7 +784,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             if wait_healthy_or_stop("router", 120):
                 threshold = _router_threshold(urls["router"], args.internal_token)
                 served = getattr(args, "served_model_name", None) or Path(model).name
-                print(_banner(urls["router"], urls, served, threshold, blas), flush=True)
+                print(_banner(urls["router"], urls, served, threshold, blas, keys is not None), flush=True)
         while not received and exited is None:
             for role, child in children.items():
                 if child.poll() is not None:
@@ -775,10 +828,33 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.served_model_name = source.served_name
 
 
+def _resolve_api_keys(args: argparse.Namespace) -> None:
+    """`args.api_keys`: every --api-key and STATECORE_API_KEY key with what they protect, or None
+    (no key: the public API is open); refused before anything loads when it makes no sense."""
+    try:
+        keys = keys_from(args.api_key, os.environ.get(API_KEY_ENV))
+    except ValueError as exc:
+        raise SystemExit(f"statecore: {API_KEY_ENV}: {exc}") from None
+    protects = parse_protects(args.api_key_protects)
+    if protects and not keys:
+        raise SystemExit(f"statecore: --api-key-protects needs --api-key (or {API_KEY_ENV})")
+    args.api_keys = ApiKeys(keys, protects) if keys else None
+
+
+def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list[BaseRoute],
+                health: Callable[[Request], Awaitable[Response]] | None = None) -> Starlette:
+    """A single node's or the router's app: the public API behind the API keys and CORS asked for
+    (`_resolve_api_keys`, `--allowed-origins`), and the node's own routes."""
+    origins = args.allowed_origins.split(",") if args.allowed_origins else []
+    return build_app(frontend, extra_routes=extra_routes, health=health, api_keys=args.api_keys,
+                     allowed_origins=origins)
+
+
 def run_command(args: argparse.Namespace) -> int:
     role = args.role
     setup_logging(args, role)
     _resolve_model(args)
+    _resolve_api_keys(args)
     if role == "cluster":
         return run_cluster(args)
     if role == "router":

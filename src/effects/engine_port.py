@@ -53,10 +53,33 @@ class SamplingParams:
     # vLLM's ignore_eos: an EOS token is an ordinary token (`GeneratedToken.is_eos` False, the
     # stream goes on) and the request ends only at max_tokens, with finish_reason "length"
     ignore_eos: bool = False
+    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
+    # Logits shaping, before the log-softmax (greedy requests too), in this order; each penalty
+    # looks at the last `*_context_size` tokens of prompt + generated (0 or penalty 0: off).
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 0.0  # a repeated token's logit: x penalty if < 0, else / penalty
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0  # subtracted once from each repeated token's logit
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per repetition
+    frequency_context_size: int = 20
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalties(self) -> tuple[tuple[str, float, int], ...]:
+        """The penalties in force: (kind, penalty, context size)."""
+        candidates = (("repetition", self.repetition_penalty, self.repetition_context_size),
+                      ("presence", self.presence_penalty, self.presence_context_size),
+                      ("frequency", self.frequency_penalty, self.frequency_context_size))
+        return tuple(c for c in candidates if c[1] != 0.0 and c[2] > 0)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """The logits are changed before sampling (a bias or a penalty is in force)."""
+        return bool(self.logit_bias) or bool(self.penalties)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ class Code(enum.Enum):
     ILLEGAL_TRANSITION = "illegal_transition"
     INJECTED_FAULT = "injected_fault"
     UNAUTHORIZED = "unauthorized"
+    INVALID_API_KEY = "invalid_api_key"  # the public API's key (OpenAI's code)
     INTERNAL = "internal_error"
 
 
@@ -74,6 +75,7 @@ _STATUS_BY_CODE: dict[Code, int] = {
     Code.OVERLOADED: 429,
     Code.TIMEOUT: 504,
     Code.UNAUTHORIZED: 401,
+    Code.INVALID_API_KEY: 401,
     Code.KV_NOT_FOUND: 404,
     Code.LEASE_EXPIRED: 410,
 }

@@ -2,7 +2,8 @@
 
 For every cache family (plain KV, sliding window, hybrid linear attention, CacheList, SSM state,
 chunked attention) and in bfloat16 and float16 too: completions and chat, streaming and not,
-greedy and seeded; bodies equal once `id` and `created` are dropped; every SSE chunk equal; usage
+greedy and seeded, with and without logits shaping (bias, penalties, min_p); bodies equal once
+`id` and `created` are dropped; every SSE chunk equal; usage
 equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
 the decode node's receive buffers, each one equal to the single node.
 """
@@ -36,6 +37,16 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 20, "temperature": 0}),
+    # Logits shaping: the penalties look back on prompt + generated tokens on both nodes.
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 20, "temperature": 0, "repetition_penalty": 1.3,
+                         "presence_penalty": 0.5, "frequency_penalty": 0.3, "frequency_context_size": 8,
+                         "logit_bias": {"17": 4.0, "30": -100}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about ships."}],
+                              "max_tokens": 20, "temperature": 0.8, "min_p": 0.05, "seed": 3,
+                              "presence_penalty": 2.0, "repetition_context_size": 5}),
+    # n: choice 1 runs as its own request with seed + 1, on both.
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 4,
+                         "n": 2}),
 ]
 
 
@@ -89,7 +100,7 @@ def test_streaming_identical(cluster: Cluster, path: str, body: dict[str, Any]) 
     assert [without_ids(json.loads(e)) for e in routed[:-1]] == [
         without_ids(json.loads(e)) for e in single[:-1]
     ]
-    assert json.loads(single[-2])["usage"]["completion_tokens"] == body["max_tokens"]
+    assert json.loads(single[-2])["usage"]["completion_tokens"] == body["max_tokens"] * body.get("n", 1)
 
 
 def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:

@@ -372,7 +372,10 @@ valid_sampling = st.fixed_dictionaries(
     {"max_tokens": st.integers(1, 12)},
     optional={"temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(0, 50),
               "seed": st.integers(0, 1000), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
-              "stream": st.booleans()},
+              "stream": st.booleans(), "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0, 3),
+              "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+              "frequency_context_size": st.integers(0, 64),
+              "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100), max_size=3)},
 )
 valid_calls = st.one_of(
     st.tuples(st.just("/v1/completions"), st.builds(lambda p, s: {"prompt": p, **s}, WORDS, valid_sampling)),
@@ -392,8 +395,13 @@ VIOLATIONS = [
     ("seed", "a", 400, "invalid_request", "seed"),
     ("stream", "yes", 400, "invalid_request", "stream"),
     ("stop", 5, 400, "invalid_request", "stop"),
-    ("n", 2, 422, "unsupported_parameter", "n"),
-    ("presence_penalty", 0.5, 422, "unsupported_parameter", "presence_penalty"),
+    ("n", 17, 400, "invalid_request", "n"),
+    ("min_p", 1.5, 400, "invalid_request", "min_p"),
+    ("repetition_penalty", -1, 400, "invalid_request", "repetition_penalty"),
+    ("presence_context_size", 2.5, 400, "invalid_request", "presence_context_size"),
+    ("logit_bias", {"99999999": 1.0}, 400, "invalid_request", "logit_bias"),
+    ("logit_bias", {"a": 1.0}, 400, "invalid_request", "logit_bias"),
+    ("logprobs", True, 422, "unsupported_parameter", "logprobs"),
     ("model", "no-such-model", 404, "model_not_found", "model"),
 ]
 checked_bodies = [0]

@@ -19,6 +19,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.blas import child_pids, process_role
+from adapters.serve import HANDOFF_PROMPT
 from adapters.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
 
@@ -218,10 +219,12 @@ def test_a_kv_cache_nobody_takes_is_held_then_expires(cluster: Cluster) -> None:
 
 
 def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
-    """`statecore run --log-json --internal-token T --max-in-flight 7`: every child logs JSON, the
-    router and the engine nodes all want the token, and the secret is on no command line."""
-    cluster = Node("cluster", ["--log-json", "--internal-token", "s3cret", "--max-in-flight", "7"],
-                   tmp_path / "cluster.log")
+    """`statecore run --log-json --internal-token T --max-in-flight 7 --api-key K`: every child
+    logs JSON, the router and the engine nodes all want the token, the router's public API wants
+    the key (and still reaches its peers, which never see it), and neither secret is on a child's
+    command line."""
+    cluster = Node("cluster", ["--log-json", "--internal-token", "s3cret", "--max-in-flight", "7",
+                               "--api-key", "publ1c-key"], tmp_path / "cluster.log")
     cluster.start()
     try:
         cluster.wait_healthy()
@@ -230,12 +233,29 @@ def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
         assert set(children) == {"router", "prefill", "decode"}, children
         for pid in children.values():
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            assert b"s3cret" not in argv and b"--log-json" in argv
+            assert b"s3cret" not in argv and b"publ1c-key" not in argv and b"--log-json" in argv
             assert argv[argv.index(b"--max-in-flight") + 1] == b"7"
         stats = httpx.get(f"{cluster.url}/internal/stats", timeout=5)
         assert stats.status_code == 401
         assert httpx.get(f"{cluster.url}/internal/stats", timeout=5,
                          headers={"x-statecore-token": "s3cret"}).status_code == 200
+        refused = httpx.get(f"{cluster.url}/v1/models", timeout=5)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200
+        client = OpenAI(base_url=f"{cluster.url}/v1", api_key="publ1c-key", max_retries=0, timeout=60.0)
+        reply = client.chat.completions.create(model="demo_model", max_tokens=8,  # through prefill
+                                               messages=[{"role": "user", "content": HANDOFF_PROMPT}])
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        urls: list[str] = []
+
+        def banner_printed() -> None:  # it names the nodes
+            found = re.search(r"cluster ready: router \S+ +\(prefill (\S+), decode", cluster.log.read_text())
+            assert found, cluster.tail()
+            urls.append(found[1])
+
+        eventually(banner_printed)
+        prefill = httpx.get(f"{urls[0]}/internal/stats", timeout=5, headers={"x-statecore-token": "s3cret"})
+        assert prefill.json()["outcomes"].get("done", 0) == 1, prefill.json()  # the KV was handed off
         lines = [line for line in cluster.log.read_text().splitlines() if line.startswith("{")]
         roles = {json.loads(line).get("role") for line in lines}
         assert {"prefill", "decode", "router"} <= roles, cluster.tail()

@@ -478,6 +478,11 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
 
 
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+# Logits shaping: a bias that removes token 9, every penalty with its own context size.
+SHAPED = SamplingParams(max_tokens=32, logit_bias=((5, 3.0), (9, -100.0)), repetition_penalty=1.5,
+                        repetition_context_size=12, presence_penalty=0.7, presence_context_size=30,
+                        frequency_penalty=0.4, frequency_context_size=8)
+SHAPED_SEEDED = replace(SHAPED, max_tokens=24, temperature=0.9, min_p=0.05, seed=7, presence_penalty=4.0)
 
 
 async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]], sampling: SamplingParams
@@ -515,7 +520,7 @@ async def with_and_without(open_engine: Opener, path: Path, prompts: dict[Reques
     return expected, await run_together(engine, prompts, sampling), engine
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, SHAPED_SEEDED], ids=["greedy", "seeded", "shaped"])
 async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Opener, sampling: SamplingParams
                                                                ) -> None:
     path = cached_checkpoint("llama")
@@ -635,7 +640,7 @@ def raise_part_way(engine: MlxEngine, fires: Callable[[Any], bool]) -> None:
 MERGE_FAMILIES = ["gemma3_text", "mamba2"]
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, SHAPED_SEEDED], ids=["greedy", "seeded", "shaped"])
 @pytest.mark.parametrize("family", MERGE_FAMILIES)
 async def test_a_batch_generator_step_that_raises_part_way_fails_no_request(
     open_engine: Opener, family: str, sampling: SamplingParams
@@ -830,6 +835,65 @@ async def test_unseeded_sampling_derives_its_seed_from_the_request_id(
     again = await handoff(prefill_node, decode_node, RequestId("same"), prompt, unseeded)
     assert first == again
     assert await single(decode_node, RequestId("other"), prompt, unseeded) != first
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits shaping: logit_bias and penalties (greedy rows too), min_p
+
+def shaped_reference(model_dir: Path, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
+    """mlx-lm's generate_step with mlx-lm's own logits processors, each looking at the last
+    tokens of prompt + generated (generate_step hands them only what follows the prompt's last
+    token, so the rest of the prompt is put in front)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    reference(model_dir, [1])  # loads the model
+    model = _REFERENCE_MODELS[(model_dir, False)]
+    head = mx.array(list(prompt[:-1]))
+    processors = make_logits_processors(
+        logit_bias=dict(sampling.logit_bias), repetition_penalty=sampling.repetition_penalty,
+        repetition_context_size=sampling.repetition_context_size, presence_penalty=sampling.presence_penalty,
+        presence_context_size=sampling.presence_context_size, frequency_penalty=sampling.frequency_penalty,
+        frequency_context_size=sampling.frequency_context_size)
+
+    def with_prompt(processor: Any) -> Any:
+        return lambda tokens, logits: processor(mx.concatenate([head, tokens]), logits)
+
+    steps = generate_step(mx.array(list(prompt)), model, max_tokens=sampling.max_tokens,
+                          prefill_step_size=CHUNK,
+                          logits_processors=[with_prompt(p) for p in processors])
+    return [int(token) for token, _ in steps]
+
+
+# One model per lane: llama (slots), gemma3 (mlx-lm's batch generator), llama4 (solo).
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
+async def test_shaped_greedy_rows_decode_as_mlx_lms_processors_say(
+    open_engine: Opener, fresh_dirs: dict[str, Path], family: str
+) -> None:
+    path = fresh_dirs.get(family) or cached_checkpoint(family)
+    prompts = six_prompts("s")
+    engine = await open_engine(path)
+    got = await run_together(engine, prompts, SHAPED)
+    assert got == {rid: shaped_reference(path, prompt, SHAPED) for rid, prompt in prompts.items()}
+    plain = {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert sum(got[rid] != plain[rid] for rid in prompts) >= 3  # the shaping changed the output
+    assert all(9 not in tokens for tokens in got.values() if isinstance(tokens, list))  # biased out
+
+
+@pytest.mark.parametrize("sampling", [SHAPED, SHAPED_SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
+async def test_shaped_sampling_through_a_handoff_equals_one_node(
+    open_engine: Opener, fresh_dirs: dict[str, Path], family: str, sampling: SamplingParams
+) -> None:
+    """The penalties look back on prompt and generated tokens: the decode node starts from the
+    prompt and the first token, and draws what the single node draws."""
+    path = fresh_dirs.get(family) or cached_checkpoint(family)
+    prefill_node, decode_node = await open_engine(path), await open_engine(path)
+    prompt = prompt_of(40, salt=3)
+    alone = await single(prefill_node, RequestId("a"), prompt, sampling)
+    assert await handoff(prefill_node, decode_node, RequestId("a"), prompt, sampling) == alone
+    unshaped = replace(sampling, logit_bias=(), repetition_penalty=0.0, presence_penalty=0.0,
+                       frequency_penalty=0.0)
+    assert alone != await single(prefill_node, RequestId("a"), prompt, unshaped)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from adapters.api_keys import ApiKeys
 from adapters.openai_api import Frontend, build_app
 from adapters.tiny_models import build_tokenizer
 from effects.ports import GenerationEnd, GenerationError, TokenOut
@@ -194,6 +195,25 @@ async def test_sampling_parameters_and_token_prompt(
     assert backend.last.request.sampling.top_k == 4
 
 
+async def test_logits_shaping_parameters_reach_the_engine_under_mlx_lms_names(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, "ok")
+    params = {"min_p": 0.1, "logit_bias": {"12": 2.5, "3": -100}, "repetition_penalty": 1.2,
+              "repetition_context_size": 40, "presence_penalty": -0.5, "frequency_penalty": 1,
+              "frequency_context_size": 0}
+    response = await client.post("/v1/completions", json={"prompt": "Hi", **params})
+    assert response.status_code == 200, response.text
+    sampling = backend.last.request.sampling
+    assert sampling.min_p == 0.1 and sampling.logit_bias == ((3, -100.0), (12, 2.5))
+    assert (sampling.repetition_penalty, sampling.repetition_context_size) == (1.2, 40)
+    assert (sampling.presence_penalty, sampling.presence_context_size) == (-0.5, 20)
+    assert sampling.penalties == (("repetition", 1.2, 40), ("presence", -0.5, 20))  # context 0: off
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": 0.3}
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200 and backend.last.request.sampling.presence_penalty == 0.3
+
+
 async def test_default_completion_max_tokens_is_cut_to_the_room_left(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
@@ -256,6 +276,59 @@ async def test_completion_streaming_matches_non_streaming(
         assert chunk["choices"][0]["finish_reason"] is None
         assert chunk["choices"][0]["text"]
     assert chunks[-2]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+
+
+async def test_n_choices_are_generations_of_their_own_in_one_body(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    texts = ["alpha beta", "gamma", "delta epsilon zeta"]
+    backend.scripts.extend(say(frontend, text, "stop") for text in texts)
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 9, "n": 3, "seed": 7},
+                                 headers={"x-request-id": "abc"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (i, text, "stop") for i, text in enumerate(texts)]
+    generated = [len(frontend.tokenizer.encode(t, add_special_tokens=False)) + 1 for t in texts]  # + EOS
+    assert body["usage"]["completion_tokens"] == sum(generated)
+    assert body["usage"]["prompt_tokens"] == len(backend.last.request.prompt)
+    requests = [g.request for g in backend.generations]
+    assert [r.request_id for r in requests] == ["abc", "abc.1", "abc.2"]
+    assert [r.sampling.seed for r in requests] == [7, 8, 9]
+    backend.scripts.extend(say(frontend, text, "stop") for text in texts[:2])
+    await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 9, "n": 2})
+    assert [g.request.sampling.seed for g in backend.generations[-2:]] == [None, None]  # from the ids
+
+
+async def test_n_choices_stream_in_turn_with_their_own_finish_and_one_usage(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    texts = ["one two three four", "five"]
+    backend.scripts.extend(say(frontend, text, "length") for text in texts)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = events((await client.post("/v1/chat/completions", json=body)).text)
+    assert chunks[-1] == "[DONE]"
+    deltas = [c for c in chunks[:-1] if c["choices"]]
+    assert [c["choices"][0]["delta"] for c in deltas[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for index, text in enumerate(texts):
+        mine = [c["choices"][0] for c in deltas if c["choices"][0]["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == text
+        assert [c["finish_reason"] for c in mine][-1] == "length" and mine[-1]["delta"] == {}
+    assert [c["choices"][0]["index"] for c in deltas[2:5]] == [0, 1, 0]  # in turn, while both run
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == sum(
+        len(frontend.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failing_choice_fails_the_request_and_frees_the_others(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend, stream: bool
+) -> None:
+    overloaded = GenerationError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "full"))
+    backend.scripts.extend([[*say(frontend, "fine")[:-1], HANG], [overloaded]])
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "n": 2, "stream": stream})
+    assert response.status_code == 429 and response.json()["error"]["code"] == "overloaded"
+    assert backend.generations[0].cancels == 1
 
 
 async def test_chat_streaming_with_usage(
@@ -545,18 +618,20 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
         400,
         "context_length_exceeded",
     ),
-    ("n is 2", "/v1/completions", _json({"prompt": "Hi", "n": 2}), 422, "unsupported_parameter"),
+    ("n is 17", "/v1/completions", _json({"prompt": "Hi", "n": 17}), 400, "invalid_request"),
     ("n is 0", "/v1/completions", _json({"prompt": "Hi", "n": 0}), 400, "invalid_request"),
     ("logprobs", "/v1/completions", _json({"prompt": "Hi", "logprobs": 1}), 422, "unsupported_parameter"),
     ("best_of", "/v1/completions", _json({"prompt": "Hi", "best_of": 3}), 422, "unsupported_parameter"),
     ("echo", "/v1/completions", _json({"prompt": "Hi", "echo": True}), 422, "unsupported_parameter"),
-    (
-        "penalty",
-        "/v1/completions",
-        _json({"prompt": "Hi", "presence_penalty": 0.5}),
-        422,
-        "unsupported_parameter",
-    ),
+    ("min_p over 1", "/v1/completions", _json({"prompt": "Hi", "min_p": 1.5}), 400, "invalid_request"),
+    ("negative repetition penalty", "/v1/completions", _json({"prompt": "Hi", "repetition_penalty": -1}), 400,
+     "invalid_request"),
+    ("logit_bias id outside the vocabulary", "/v1/completions",
+     _json({"prompt": "Hi", "logit_bias": {"99999999": 5}}), 400, "invalid_request"),
+    ("logit_bias key not a number", "/v1/completions", _json({"prompt": "Hi", "logit_bias": {"x": 5}}), 400,
+     "invalid_request"),
+    ("logit_bias value not a number", "/v1/completions",
+     _json({"prompt": "Hi", "logit_bias": {"3": "up"}}), 400, "invalid_request"),
     ("unknown model", "/v1/completions", _json({"prompt": "Hi", "model": "gpt-4"}), 404, "model_not_found"),
     ("body too large", "/v1/completions", _json({"prompt": "x" * MAX_BODY}), 413, "body_too_large"),
     ("chat no messages", "/v1/chat/completions", _json({"messages": []}), 400, "invalid_request"),
@@ -658,8 +733,8 @@ async def test_bad_request(
 async def test_validation_message_names_the_field(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
     assert "max_tokens" in response.json()["error"]["message"]
-    response = await client.post("/v1/completions", json={"prompt": "Hi", "n": 3, "logprobs": 2})
-    assert response.json()["error"]["message"].startswith("unsupported parameters: n, logprobs")
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 2})
+    assert response.json()["error"]["message"].startswith("unsupported parameters: logprobs, echo")
 
 
 async def test_body_too_large_by_content_length_alone(
@@ -1095,3 +1170,194 @@ async def test_an_answer_before_the_body_was_read_closes_the_connection(client: 
     read = await client.post("/v1/completions", content=b'{"prompt": 5',
                              headers={"content-type": "application/json"})
     assert read.status_code == 400 and read.headers.get("connection") != "close"
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize and /detokenize
+
+
+async def test_tokenize_gives_the_ids_a_completion_is_fed_and_detokenize_gives_the_text_back(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "The quick brown fox"
+    backend.default_script = say(frontend, "ok")
+    completion = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+    fed = list(backend.last.request.prompt)
+    response = await client.post("/tokenize", json={"prompt": text, "model": "tiny"})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"tokens": fed, "count": len(fed), "max_model_len": CONTEXT}
+    assert response.json()["count"] == completion.json()["usage"]["prompt_tokens"]
+    assert fed[0] == frontend.tokenizer.bos_token_id  # the completions path adds the specials
+    plain = (await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()
+    assert plain["tokens"] == fed[1:]
+    back = await client.post("/detokenize", json={"tokens": plain["tokens"], "model": "tiny"})
+    assert (back.status_code, back.json()) == (200, {"prompt": text})
+    with_bos = (await client.post("/detokenize", json={"tokens": fed})).json()["prompt"]
+    assert with_bos == frontend.tokenizer.decode(fed) and with_bos != text  # specials are kept
+    empty = await client.post("/detokenize", json={"tokens": []})
+    assert (empty.status_code, empty.json()) == (200, {"prompt": ""})
+
+
+async def test_tokenize_messages_gives_what_a_chat_completion_is_fed(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    backend.default_script = say(frontend, "ok")
+    chat = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    fed = list(backend.last.request.prompt)
+    response = await client.post("/tokenize", json={"messages": messages, "add_special_tokens": False})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"tokens": fed, "count": len(fed), "max_model_len": CONTEXT}
+    assert response.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    prompt_only = (await client.post("/tokenize", json={"prompt": "Hi there"})).json()
+    assert prompt_only["tokens"] != fed  # the template made a difference
+
+
+BAD_TOKENIZE: list[tuple[str, str, bytes, int, str, str | None]] = [
+    ("not json", "/tokenize", b"{nope", 400, "invalid_json", None),
+    ("not an object", "/tokenize", _json(["Hi"]), 400, "invalid_request", None),
+    ("nothing to tokenize", "/tokenize", _json({}), 400, "invalid_request", "prompt"),
+    ("prompt not a string", "/tokenize", _json({"prompt": [1, 2]}), 400, "invalid_request", "prompt"),
+    ("unknown field", "/tokenize", _json({"prompt": "Hi", "max_tokens": 3}), 400, "invalid_request",
+     "max_tokens"),
+    ("both prompt and messages", "/tokenize", _json({"prompt": "Hi", "messages": _USER}), 400,
+     "invalid_request", "messages"),
+    ("no messages", "/tokenize", _json({"messages": []}), 400, "invalid_request", "messages"),
+    ("chat special tokens", "/tokenize", _json({"messages": _USER, "add_special_tokens": True}), 400,
+     "invalid_request", "add_special_tokens"),
+    ("specials not a bool", "/tokenize", _json({"prompt": "Hi", "add_special_tokens": 1}), 400,
+     "invalid_request", "add_special_tokens"),
+    ("unknown model", "/tokenize", _json({"prompt": "Hi", "model": "x"}), 404, "model_not_found", "model"),
+    ("too large", "/tokenize", _json({"prompt": "x" * MAX_BODY}), 413, "body_too_large", None),
+    ("id past the vocabulary", "/detokenize", _json({"tokens": [5, 512]}), 400, "invalid_request", "tokens"),
+    ("negative id", "/detokenize", _json({"tokens": [-1]}), 400, "invalid_request", "tokens"),
+    ("id not an int", "/detokenize", _json({"tokens": [5.0]}), 400, "invalid_request", "tokens[0]"),
+    ("no tokens", "/detokenize", _json({"prompt": "Hi"}), 400, "invalid_request", "tokens"),
+    ("detokenize unknown model", "/detokenize", _json({"tokens": [5], "model": "x"}), 404, "model_not_found",
+     "model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "code", "param"),
+    [case[1:] for case in BAD_TOKENIZE],
+    ids=[case[0] for case in BAD_TOKENIZE],
+)
+async def test_bad_tokenize_bodies(client: httpx.AsyncClient, path: str, content: bytes, status: int,
+                                   code: str, param: str | None) -> None:
+    response = await client.post(path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["type"]) == (code, "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    assert (await client.post("/tokenize", json={"prompt": "Hi"})).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# API keys and CORS
+
+KEYS = ApiKeys(("key-one", "key-two"))
+ORIGIN = "https://app.example"
+
+
+PUBLIC_REQUESTS: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": _USER, "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [5, 6]}),
+]
+
+
+def _keyed_client(frontend: Frontend, **options: Any) -> httpx.AsyncClient:
+    """A client of an app with `build_app(**options)` and a node's other paths beside the API."""
+    extra = [Route("/metrics", lambda r: PlainTextResponse("m 1\n"), methods=["GET"]),
+             Route("/internal/stats", lambda r: PlainTextResponse("{}"), methods=["GET"]),
+             Route("/ui", lambda r: PlainTextResponse("<html>"), methods=["GET"])]
+    app = build_app(frontend, extra_routes=extra, **options)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
+
+
+async def test_every_public_path_needs_one_of_the_keys(backend: FakeBackend, frontend: Frontend) -> None:
+    backend.default_script = say(frontend, "ok")
+    async with _keyed_client(frontend, api_keys=KEYS) as c:
+        for method, path, body in [*PUBLIC_REQUESTS, ("GET", "/v1/nope", None)]:
+            wrong = 'Bearer error="invalid_token"'
+            for headers, challenge in [({}, "Bearer"), ({"Authorization": "Bearer key-three"}, wrong),
+                                       ({"x-api-key": "key-one-and-more"}, wrong),
+                                       ({"Authorization": "Basic key-one"}, "Bearer")]:
+                refused = await c.request(method, path, json=body, headers=headers)
+                assert refused.status_code == 401, (path, headers, refused.text)
+                assert refused.headers["www-authenticate"] == challenge
+                error = refused.json()["error"]
+                assert (error["code"], error["type"]) == ("invalid_api_key", "invalid_request_error")
+                assert error["message"]
+                assert (refused.headers.get("connection") == "close") == (body is not None)
+        assert backend.generations == []  # nothing got past the guard
+        for method, path, body in PUBLIC_REQUESTS:
+            for headers in [{"Authorization": "Bearer key-one"}, {"authorization": "bearer key-two"},
+                            {"x-api-key": "key-two"}]:
+                served = await c.request(method, path, json=body, headers=headers)
+                assert served.status_code == 200, (path, headers, served.text)
+        assert len(backend.generations) == 6
+
+
+async def test_health_and_metrics_stay_open_unless_the_key_protects_them(frontend: Frontend) -> None:
+    key = {"x-api-key": "key-one"}
+    async with _keyed_client(frontend, api_keys=KEYS) as c:
+        for path in ("/health", "/metrics", "/ui", "/internal/stats"):
+            assert (await c.get(path)).status_code == 200, path
+        assert (await c.get("/v1/models")).status_code == 401
+    protected = ApiKeys(KEYS.keys, frozenset({"health", "metrics"}))
+    async with _keyed_client(frontend, api_keys=protected) as c:
+        for path in ("/health", "/metrics"):
+            assert (await c.get(path)).status_code == 401, path
+            assert (await c.get(path, headers=key)).status_code == 200, path
+        assert (await c.get("/ui")).status_code == 200
+        assert (await c.get("/internal/stats")).status_code == 200  # its own token, not the API key
+    assert not ApiKeys(KEYS.keys, frozenset({"ui"})).guards("/internal/kv/1")
+    assert ApiKeys(KEYS.keys, frozenset({"ui"})).guards("/ui/events")
+    with pytest.raises(ValueError, match="docs"):
+        ApiKeys(KEYS.keys, frozenset({"docs"}))
+
+
+async def test_cors_answers_a_preflight_without_a_key_and_marks_real_responses(
+    backend: FakeBackend, frontend: Frontend
+) -> None:
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, x-api-key, content-type, x-stainless-os"}
+    async with _keyed_client(frontend, api_keys=KEYS, allowed_origins=[ORIGIN]) as c:
+        answer = await c.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-origin"] == ORIGIN
+        allowed = {h.strip().lower() for h in answer.headers["access-control-allow-headers"].split(",")}
+        assert {"authorization", "x-api-key", "content-type"} <= allowed
+        assert "POST" in answer.headers["access-control-allow-methods"]
+        stranger = await c.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+        real = await c.post("/tokenize", json={"prompt": "Hi"},
+                            headers={"Origin": ORIGIN, "x-api-key": "key-one"})
+        assert real.status_code == 200
+        assert real.headers["access-control-allow-origin"] == ORIGIN
+        assert "x-request-id" in real.headers["access-control-expose-headers"].lower()
+        refused = await c.post("/tokenize", json={"prompt": "Hi"}, headers={"Origin": ORIGIN})
+        assert refused.status_code == 401  # and the page may read why
+        assert refused.headers["access-control-allow-origin"] == ORIGIN
+        other = await c.get("/v1/models", headers={"Origin": "https://evil.example", "x-api-key": "key-one"})
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    async with _keyed_client(frontend, allowed_origins=["*"]) as c:
+        anyone = await c.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert anyone.headers["access-control-allow-origin"] == "*"
+
+
+async def test_no_cors_headers_by_default(client: httpx.AsyncClient) -> None:
+    preflight = await client.options("/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405
+    real = await client.post("/tokenize", json={"prompt": "Hi"}, headers={"Origin": ORIGIN})
+    assert real.status_code == 200
+    for response in (preflight, real):
+        assert not [h for h in response.headers if h.startswith("access-control-")], response.headers

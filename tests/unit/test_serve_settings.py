@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from adapters.api_keys import keys_from
 from adapters.cli import build_parser
-from adapters.serve import ENGINE_SWITCH_INTERVAL, _forwarded_serving_flags, _switch_interval
+from adapters.serve import (
+    ENGINE_SWITCH_INTERVAL,
+    _forwarded_serving_flags,
+    _resolve_api_keys,
+    _switch_interval,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,14 +37,16 @@ def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and
         "run", "--log-json", "--log-level", "DEBUG", "--max-in-flight", "7", "--kv-lease", "5",
         "--inject-fault", "prefill", "--inject-fault", "install:slow=1", "--force-disaggregation",
         "--internal-token", "s3cret", "--listen-fd", "5", "--max-batch", "32",  # 32: the default
+        "--api-key", "k3y", "--api-key-protects", "metrics, health", "--allowed-origins", "*",
     ])
     forwarded = _forwarded_serving_flags(args)
     assert forwarded == [  # in the order the flags are declared
-        "--force-disaggregation", "--kv-lease", "5.0", "--max-in-flight", "7",
+        "--force-disaggregation", "--api-key-protects", "health,metrics", "--allowed-origins", "*",
+        "--kv-lease", "5.0", "--max-in-flight", "7",
         "--inject-fault", "prefill", "--inject-fault", "install:slow=1",
         "--log-json", "--log-level", "DEBUG",
     ]
-    assert "s3cret" not in forwarded and "--listen-fd" not in forwarded
+    assert "s3cret" not in forwarded and "k3y" not in forwarded and "--listen-fd" not in forwarded
     assert build_parser().parse_args(["run", *forwarded]).max_in_flight == 7  # children accept them
 
 
@@ -51,6 +59,8 @@ def test_a_default_cluster_hands_nothing_on() -> None:
     ["--max-in-flight", "0"], ["--max-kv-bytes", "0"], ["--kv-buffer-bytes", "-1"],
     ["--local-prefill-below", "-1"], ["--kv-lease", "0"], ["--kv-lease", "inf"],
     ["--request-deadline", "nan"], ["--drain-timeout", "-5"], ["--max-batch", "two"],
+    ["--api-key", ""], ["--api-key", "two words"], ["--api-key", "a,b"], ["--api-key-protects", "docs"],
+    ["--allowed-origins", "https://app.example/"], ["--allowed-origins", "app.example"],
 ])
 def test_a_nonsense_setting_is_refused_when_parsed(flags: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,3 +75,21 @@ def test_sane_settings_parse() -> None:
                                       "--local-prefill-below", "0", "--kv-lease", "0.5"])
     settings = (args.drain_timeout, args.kv_buffer_bytes, args.local_prefill_below, args.kv_lease)
     assert settings == (0, 0, 0, 0.5)
+
+
+def test_api_keys_come_from_the_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert keys_from(["k1"], " k2, ,k1,k3 ") == ("k1", "k2", "k3")
+    assert keys_from([], None) == ()
+    monkeypatch.setenv("STATECORE_API_KEY", "from-env")
+    args = build_parser().parse_args(["run", "--api-key", "k1", "--api-key-protects", "health"])
+    _resolve_api_keys(args)
+    assert args.api_keys.keys == ("k1", "from-env") and args.api_keys.protects == {"health"}
+    monkeypatch.setenv("STATECORE_API_KEY", "bad key")
+    with pytest.raises(SystemExit, match="STATECORE_API_KEY: an API key must be printable"):
+        _resolve_api_keys(build_parser().parse_args(["run"]))
+    monkeypatch.delenv("STATECORE_API_KEY")
+    args = build_parser().parse_args(["run"])
+    _resolve_api_keys(args)
+    assert args.api_keys is None  # no key: the public API is open
+    with pytest.raises(SystemExit, match="--api-key-protects needs --api-key"):
+        _resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))

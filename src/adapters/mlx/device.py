@@ -46,7 +46,7 @@ from adapters.mlx.jobs import (
 )
 from adapters.mlx.memory import KvCost
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
-from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
+from adapters.mlx.sampling import PositionSampler, mlx_lm_processors, sample_rows
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -421,18 +421,18 @@ class DeviceLoop:
         assert pool is not None
         count = pool.rows([live.slot for live in rows if live.slot is not None])
         inputs = self.slot_inputs(rows, count)
-        positions = [live.sampler.position for live in rows]
+        marks = [live.sampler.mark() for live in rows]
         try:
             tokens = self.slot_call(rows, inputs, count)
         except Exception as exc:
             self.step_retries += 1
             logger.warning("a decode step of %d rows raised (%s: %s); computing it again",
                            len(rows), type(exc).__name__, exc)
-            self.rewind(rows, positions)
+            self.rewind(rows, marks)
             try:
                 tokens = self.slot_call(rows, inputs, count)
             except Exception:
-                self.rewind(rows, positions)
+                self.rewind(rows, marks)
                 tokens, rows = self.isolate(rows, inputs, count)
         owners: list[Live | None] = [None] * count
         for live in rows:
@@ -480,16 +480,16 @@ class DeviceLoop:
             for live in rows:
                 assert live.slot is not None
                 offsets[live.slot] = live.offset
-                samplers[live.slot] = None if live.sampler.sampling.greedy else live.sampler
+                samplers[live.slot] = None if live.sampler.plain_greedy else live.sampler
             layers, step_inputs = pool.step_layers(offsets, bucket=self.bucket), inputs
         else:
             slots = [live.slot for live in rows if live.slot is not None]
-            samplers = [None if live.sampler.sampling.greedy else live.sampler for live in rows]
+            samplers = [None if live.sampler.plain_greedy else live.sampler for live in rows]
             layers = pool.step_layers([live.offset for live in rows], slots, bucket=self.bucket)
             step_inputs = inputs[only]
         self.computing = ("decode", [live.request_id for live in rows])
         logits = self.model(step_inputs[:, None], cache=layers)[:, -1, :]
-        return sample_rows(log_softmax(logits), samplers)
+        return sample_rows(logits, samplers)
 
     def isolate(self, rows: list[Live], inputs: Any, count: int) -> tuple[Any, list[Live]]:
         """Compute the step in ever smaller groups of rows; a row whose call raises alone, twice,
@@ -503,12 +503,12 @@ class DeviceLoop:
             group = groups.pop()
             if not group:
                 continue
-            positions = [live.sampler.position for live in group]
+            marks = [live.sampler.mark() for live in group]
             try:
                 where = mx.array([live.slot for live in group], dtype=mx.int32)
                 tokens[where] = self.slot_call(group, inputs, count, only=where).astype(mx.uint32)
             except Exception as exc:
-                self.rewind(group, positions)
+                self.rewind(group, marks)
                 if len(group) == 1 and group[0].request_id not in tried_alone:
                     # Alone for the first time: a transient error gets its second chance here too.
                     tried_alone.add(group[0].request_id)
@@ -531,10 +531,11 @@ class DeviceLoop:
         return tokens, survivors
 
     @staticmethod
-    def rewind(rows: Sequence[Live], positions: Sequence[int]) -> None:
-        """Undo what a failed call's sampling advanced (each seeded draw takes the next position)."""
-        for live, position in zip(rows, positions, strict=True):
-            live.sampler.position = position
+    def rewind(rows: Sequence[Live], marks: Sequence[tuple[int, Any]]) -> None:
+        """Undo what a failed call's sampling advanced (each seeded draw takes the next position;
+        a penalized row's recent tokens take the drawn one)."""
+        for live, mark in zip(rows, marks, strict=True):
+            live.sampler.reset(mark)
 
     def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
         started = time.perf_counter()
@@ -689,7 +690,7 @@ class DeviceLoop:
         too, every row leaves the batch for one solo step of its own (where a row that keeps
         raising fails alone) and the others then join the batch again."""
         rows = list(self.by_uid.values())
-        positions = [live.sampler.position for live in rows]
+        marks = [live.sampler.mark() for live in rows]
         self.computing = ("decode", [live.request_id for live in rows])
         checkpoint = Checkpoint(self.batch)
         try:
@@ -699,12 +700,12 @@ class DeviceLoop:
             logger.warning("a batch decode step of %d rows raised (%s: %s); computing it again",
                            len(rows), type(exc).__name__, exc)
             checkpoint.restore()
-            self.rewind(rows, positions)
+            self.rewind(rows, marks)
             try:
                 _, responses = self.batch.next()
             except Exception:
                 checkpoint.restore()
-                self.rewind(rows, positions)
+                self.rewind(rows, marks)
                 self.split_batch(rows)
                 return
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
@@ -747,10 +748,12 @@ class DeviceLoop:
             assert uid is not None
             self.by_uid.pop(uid, None)
             live.uid = None
-            live.solo_cache, _ = caches[uid]
+            live.solo_cache, in_cache = caches[uid]
             live.rejoin = True
             if uid in pending:
                 live.last_token = int(pending[uid])
+            live.sampler.restart([*in_cache, live.last_token])
+            if uid in pending:
                 item = self.count_token(live, live.last_token)
                 if item.finish_reason is not None:
                     self.end(live, item, deliveries)
@@ -765,7 +768,7 @@ class DeviceLoop:
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         self.computing = ("decode", [live.request_id])
         checkpoint = Checkpoint(live.solo_cache)
-        position = live.sampler.position
+        mark = live.sampler.mark()
         try:
             token = self.solo_call(live)
         except Exception as exc:
@@ -773,7 +776,7 @@ class DeviceLoop:
             logger.warning("a solo decode step of %s raised (%s: %s); computing it again",
                            live.request_id, type(exc).__name__, exc)
             checkpoint.restore()
-            live.sampler.position = position
+            live.sampler.reset(mark)
             try:
                 token = self.solo_call(live)
             except Exception as again:
@@ -793,7 +796,8 @@ class DeviceLoop:
             if live.rejoin:
                 live.rejoin = False
                 cache, live.solo_cache = live.solo_cache, None
-                self.merge_insert(live, cache, [])
+                recent = [] if live.sampler.recent is None else live.sampler.recent.tolist()
+                self.merge_insert(live, cache, recent[:-1])  # what its penalties look back on
         self.hand_out(deliveries)
 
     def solo_call(self, live: Live) -> int:
@@ -801,7 +805,7 @@ class DeviceLoop:
         with mx.stream(generation_stream):
             logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]
             self.quantize(live.solo_cache)
-            sampled = live.sampler(log_softmax(logits))
+            sampled = live.sampler.next_token(logits)
             mx.eval(sampled, [c.state for c in live.solo_cache])
         return int(sampled.item())
 
@@ -843,6 +847,7 @@ class DeviceLoop:
         (uid,) = self.batch.insert(
             prompts=[[live.last_token]], max_tokens=[live.remaining], caches=[cache], all_tokens=[tokens],
             samplers=[greedy_sampler if live.sampler.sampling.greedy else live.sampler],
+            logits_processors=[mlx_lm_processors(live.sampler.sampling)],
         )
         live.uid = uid
         self.by_uid[uid] = live

@@ -199,7 +199,7 @@ class MlxEngine:
             self._check_unused(request_id)
             device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
-            task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens)),
+            task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens), tokens),
                                device.arrivals, chunks, units, job=job)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
@@ -427,7 +427,7 @@ class MlxEngine:
             if lane != "slot":  # its cache grows to the whole request, outside the pool
                 total = len(tokens) + sampling.max_tokens
                 device.admit(request_id, device.cost.of(total), total)
-            sampler = PositionSampler(sampling, seed, len(tokens) + 1)
+            sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token])
             live = Live(request_id, send, token, remaining, sampler, first_token)
             device.join(live, cache, tokens, lane)
             device.held.pop(request_id, None)

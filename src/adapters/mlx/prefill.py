@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from adapters.mlx.sampling import PositionSampler, log_softmax, sample_rows
+from adapters.mlx.sampling import PositionSampler, sample_rows
 from statecore.scheduling import PrefillUnit, bucketed
 
 __all__ = [
@@ -59,6 +59,7 @@ class PrefillTask:
         """Forget what was computed: the next step starts the prompt again from its first chunk."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
+        self.sampler.restart(self.tokens)
         self.retried = True
 
     @property
@@ -132,7 +133,7 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
             quantize(task.cache)
             task.done_tokens += size
             if unit.chunk == len(task.chunks) - 1:
-                task.first = task.sampler(log_softmax(out[:, -1, :]))
+                task.first = task.sampler.next_token(out[:, -1, :])
         task.done_units += 1
         outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])
     return outputs
@@ -150,7 +151,7 @@ def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -
     model(padded, cache=batch_cache)
     last = mx.array([[task.tokens[-1]] for task in tasks])
     out = model(last, cache=batch_cache)
-    firsts = sample_rows(log_softmax(out[:, -1, :]), [task.sampler for task in tasks])
+    firsts = sample_rows(out[:, -1, :], [task.sampler for task in tasks])
     end = longest + 1
     for row, (task, pad) in enumerate(zip(tasks, padding, strict=True)):
         cache = []

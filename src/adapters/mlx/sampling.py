@@ -5,22 +5,31 @@ at p = len(prompt)) is drawn with the key `mx.random.key(blake2b("statecore-samp
 after temperature, top-k and top-p filtering; MLX's global RNG is never used, so a draw does not
 depend on the node, the batch or its neighbours. An unseeded request gets its seed from a hash of
 its request id: both nodes of a handoff derive the same one. `sample_rows` samples a whole batch:
-greedy rows in one argmax, seeded rows each with its own key. This module imports mlx; it must
-never import trio.
+greedy rows in one argmax, seeded rows each with its own key.
+
+Logits shaping (`logit_bias`, then the repetition, presence and frequency penalties, as mlx-lm
+defines them) comes before the log-softmax, greedy rows included. The penalties look at the
+request's last tokens (prompt, then generated), which each sampler keeps on the device: the token
+it just drew joins them without a round trip to the host, so a batch step is built before the
+previous one is read back. Both nodes of a handoff start from the same tokens (the prefill node
+from the prompt, the decode node from the prompt and the first token): the same draws follow.
+This module imports mlx; it must never import trio.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from effects.engine_port import SamplingParams
 
-__all__ = ["PositionSampler", "log_softmax", "position_key_seed", "request_seed", "sample", "sample_rows"]
+__all__ = ["PositionSampler", "log_softmax", "mlx_lm_processors", "position_key_seed", "request_seed",
+           "sample", "sample_rows", "shape_logits"]
 
 _SAMPLE_KEY_DOMAIN = b"statecore-sample-v1"
 
@@ -49,7 +58,8 @@ def log_softmax(logits: Any) -> Any:
 def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) -> Any:
     """One token from a (1, vocab) row of log-probabilities; returns a (1,) array.
 
-    temperature scales the logits first; top_k keeps the k most likely tokens; top_p keeps the
+    temperature scales the logits first; min_p keeps the tokens at least min_p times as likely as
+    the most likely one; top_k keeps the k most likely tokens; top_p keeps the
     smallest set of the most likely tokens whose probability reaches top_p (the most likely one
     always stays); then a categorical draw with the position's own key.
     """
@@ -59,6 +69,9 @@ def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) ->
     x = x - mx.logsumexp(x, axis=-1, keepdims=True)
     vocab = x.shape[-1]
     neg_inf = mx.array(-float("inf"), dtype=x.dtype)
+    if sampling.min_p > 0.0:
+        floor = mx.max(x, axis=-1, keepdims=True) + math.log(sampling.min_p)
+        x = mx.where(x >= floor, x, neg_inf)
     if 0 < sampling.top_k < vocab:
         dropped = mx.argpartition(-x, kth=sampling.top_k - 1, axis=-1)[..., sampling.top_k :]
         x = mx.put_along_axis(x, dropped, neg_inf, axis=-1)
@@ -73,28 +86,105 @@ def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) ->
     return mx.random.categorical(x, axis=-1, key=key)
 
 
-class PositionSampler:
-    """A per-request sampler: each call draws the token at the next position."""
+def shape_logits(logits: Any, sampling: SamplingParams, recent: Any) -> Any:
+    """`logit_bias`, then each penalty over its last `context_size` of the `recent` tokens, on
+    a (1, vocab) row of logits (mlx-lm's processors: a repeated token counts once for the
+    repetition and presence penalties, once per occurrence for the frequency penalty)."""
+    if sampling.logit_bias:
+        ids = mx.array([token for token, _ in sampling.logit_bias])
+        biases = mx.array([bias for _, bias in sampling.logit_bias], dtype=logits.dtype)
+        logits = logits.at[:, ids].add(biases)
+    for kind, penalty, size in sampling.penalties:
+        tokens = recent[-size:]
+        if kind == "frequency":
+            logits = logits.at[:, tokens].subtract(penalty)
+            continue
+        chosen = logits[:, tokens]
+        if kind == "repetition":
+            changed = mx.where(chosen < 0, chosen * penalty, chosen / penalty)
+        else:
+            changed = chosen - penalty
+        logits = mx.put_along_axis(logits, tokens[None], changed.astype(logits.dtype), axis=-1)
+    return logits
 
-    def __init__(self, sampling: SamplingParams, seed: int, position: int) -> None:
+
+def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
+    """The same shaping as mlx-lm's logits processors, for rows in mlx-lm's batch generator
+    (which keeps each row's recent tokens itself)."""
+    if not sampling.shapes_logits:
+        return []
+    penalties = {kind: (penalty, size) for kind, penalty, size in sampling.penalties}
+
+    def penalty(kind: str) -> float | None:
+        return penalties[kind][0] if kind in penalties else None
+
+    def size(kind: str) -> int:
+        return penalties[kind][1] if kind in penalties else 1
+
+    processors: list[Any] = make_logits_processors(
+        logit_bias=dict(sampling.logit_bias) or None,
+        repetition_penalty=penalty("repetition"), repetition_context_size=size("repetition"),
+        presence_penalty=penalty("presence"), presence_context_size=size("presence"),
+        frequency_penalty=penalty("frequency"), frequency_context_size=size("frequency"),
+    )
+    return processors
+
+
+class PositionSampler:
+    """A per-request sampler: each call draws the token at the next position. With a penalty
+    in force it also keeps the request's last tokens (`recent`, on the device) from `context`."""
+
+    def __init__(self, sampling: SamplingParams, seed: int, position: int,
+                 context: Sequence[int] = ()) -> None:
         self.sampling = sampling
         self.seed = seed
         self.position = position
+        self.window = max((size for _, _, size in sampling.penalties), default=0)
+        self.recent: Any = None
+        self.restart(context)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """An argmax of the log-probabilities, as any other greedy row's (batched in one call)."""
+        return self.sampling.greedy and not self.sampling.shapes_logits
+
+    def restart(self, context: Sequence[int]) -> None:
+        """The tokens before the next draw are `context` (the prompt and what was generated)."""
+        if self.window:
+            self.recent = mx.array(list(context[-self.window :]), dtype=mx.int32)
+
+    def mark(self) -> tuple[int, Any]:
+        return self.position, self.recent
+
+    def reset(self, mark: tuple[int, Any]) -> None:
+        """Back to `mark`: undo what a failed call's draws advanced."""
+        self.position, self.recent = mark
 
     def __call__(self, logprobs: Any) -> Any:
         position = self.position
         self.position += 1
         return sample(logprobs, self.sampling, self.seed, position)
 
+    def next_token(self, logits: Any) -> Any:
+        """The next token from a (1, vocab) row of logits: shaped, log-softmaxed, drawn; it
+        joins the recent tokens. Returns a (1,) array."""
+        if self.sampling.shapes_logits:
+            logits = shape_logits(logits, self.sampling, self.recent)
+        token = self(log_softmax(logits))
+        if self.window:
+            joined = mx.concatenate([self.recent, token.astype(mx.int32)])
+            self.recent = joined[-self.window :]
+        return token
 
-def sample_rows(logprobs: Any, samplers: Sequence[PositionSampler | None]) -> Any:
-    """One token per row of a (rows, vocab) batch: a None or greedy sampler takes the argmax
-    (all of them in one call), the others draw their own; returns a (rows,) array."""
-    greedy = greedy_sampler(logprobs)
-    if all(s is None or s.sampling.greedy for s in samplers):
+
+def sample_rows(logits: Any, samplers: Sequence[PositionSampler | None]) -> Any:
+    """One token per row of a (rows, vocab) batch of logits: a None or plain greedy sampler takes
+    the argmax (all of them in one call), the others draw their own; returns a (rows,) array."""
+    greedy = greedy_sampler(log_softmax(logits))
+    if all(s is None or s.plain_greedy for s in samplers):
         return greedy
     parts = [
-        greedy[row : row + 1] if s is None or s.sampling.greedy else s(logprobs[row : row + 1])
+        greedy[row : row + 1] if s is None or s.plain_greedy else s.next_token(logits[row : row + 1])
         for row, s in enumerate(samplers)
     ]
     return mx.concatenate(parts, axis=0)
