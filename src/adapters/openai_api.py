@@ -23,6 +23,13 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `n` (1 to 16): each choice is a generation of its own; choice i > 0 runs as `<request id>.<i>`
   with seed + i (when a seed is given), so the choices differ and repeat exactly. Streams send
   each choice's steps in turn; usage counts the prompt once and every choice's tokens.
+- `tools` with `tool_choice` "auto" (the default) or "none": the tools go through the model's
+  chat template; the reply's text between the tokenizer's tool-call markers is parsed by mlx-lm's
+  parser for the model (`adapters.tool_calls`) and answered as OpenAI `tool_calls` (streamed as
+  one delta per complete call), finish_reason "tool_calls"; ids are `call_<request id>_<n>`.
+  "required" or a named function would need constrained decoding: 422. A model whose template
+  has no tool-call markers mlx-lm knows: 400. Messages may carry an assistant's `tool_calls`
+  (arguments as JSON text) and `tool` answers (`tool_call_id`).
 - Logits shaping, as mlx_lm.server names and ranges it: `logit_bias` (`{"token id": bias}`),
   `repetition_penalty` (>= 0), `presence_penalty`, `frequency_penalty`, each over the last
   `*_context_size` tokens (default 20; 0 turns it off) of prompt + generated text.
@@ -37,9 +44,9 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 
 Validation: strict pydantic models (no coercion: `"5"` is not a number, `true` is not 1).
 Parameters that would change the result and are not served (`best_of`, `logprobs`,
-`top_logprobs`, `echo`, `suffix`, `tools`, `tool_choice`, `functions`,
+`top_logprobs`, `echo`, `suffix`, `functions`,
 `function_call`, a non-text `response_format`, ...) are refused with 422 `unsupported_parameter`
-unless they carry their neutral value (`logprobs: false`, `tools: []`, ...). Other
+unless they carry their neutral value (`logprobs: false`, ...). Other
 unknown fields (`user`, `metadata`, vendor extras) are ignored, as vLLM does. Every error has
 OpenAI's shape `{"error": {"message", "type", "code"}}` and the status of its `ErrorInfo`.
 
@@ -67,7 +74,7 @@ from typing import Any, Literal, TypeVar
 
 import trio
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -78,6 +85,7 @@ from starlette.routing import BaseRoute, Route
 
 from adapters.api_keys import ApiKeyGuard, ApiKeys
 from adapters.streaming import WatchedStream, cancel_on_disconnect
+from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.faults import Faults, Phase
 from effects.ports import (
     Backend,
@@ -157,25 +165,89 @@ class _TextPart(_Strict):
     text: str
 
 
-class _Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
-    name: str | None = None
+class _FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def to_template(self) -> dict[str, str]:
-        if isinstance(self.content, str):
-            content = self.content
+    @model_validator(mode="after")
+    def _arguments_are_json(self) -> _FunctionCall:
+        try:
+            json.loads(self.arguments)
+        except ValueError:
+            raise ValueError(f"arguments must be JSON text, got {self.arguments[:80]!r}") from None
+        return self
+
+
+class _ToolCallIn(_Strict):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class _Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None  # None only for an assistant turn of tool calls
+    name: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this answers
+
+    @model_validator(mode="after")
+    def _fits_its_role(self) -> _Message:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant turn of tool calls)")
+        return self
+
+    def to_template(self) -> dict[str, Any]:
+        if self.content is None or isinstance(self.content, str):
+            content = self.content or ""
         else:
             content = "\n".join(part.text for part in self.content)
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Chat templates read the arguments as a mapping (Hugging Face's convention; mlx-lm's too).
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
         return message
+
+
+class _FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    function: _FunctionSpec
+
+
+class _NamedFunction(_Strict):
+    name: str
+
+
+class _ToolChoice(_Strict):
+    type: Literal["function"]
+    function: _NamedFunction
 
 
 class _ChatBody(_Sampling):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _same(value: object, neutral: object) -> bool:
@@ -194,8 +266,6 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": _neutral(False),
     "suffix": _neutral(""),
     "min_tokens": _neutral(0),
-    "tools": _neutral([]),
-    "tool_choice": _neutral("none"),
     "functions": _neutral([]),
     "function_call": _neutral("none"),
     "response_format": _neutral({"type": "text"}),
@@ -353,6 +423,40 @@ class _Run:
                 logger.exception("cancelling a generation failed")
 
 
+class _Reply:
+    """One choice's text as the client gets it: as generated, or, when the model was offered
+    tools, split into content and numbered tool calls (ids from the choice's request id, the
+    same on every node)."""
+
+    def __init__(self, splitter: ToolCallSplitter | None, request_id: str) -> None:
+        self._splitter = splitter
+        self._request_id = request_id
+        self._calls = 0
+
+    def add(self, text: str) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+        if self._splitter is None:
+            return text, []
+        content, calls = self._splitter.feed(text)
+        return content, self._numbered(calls)
+
+    def close(self) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+        if self._splitter is None:
+            return "", []
+        content, calls = self._splitter.close()
+        return content, self._numbered(calls)
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self._calls and reason == "stop" else reason
+
+    def _numbered(self, calls: list[ToolCall]) -> list[tuple[int, dict[str, Any]]]:
+        numbered = []
+        for call in calls:
+            numbered.append((self._calls, {"id": f"call_{self._request_id}_{self._calls}", "type": "function",
+                                           "function": {"name": call.name, "arguments": call.arguments}}))
+            self._calls += 1
+        return numbered
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses
 
@@ -375,6 +479,7 @@ class _Job:
     stream: bool
     include_usage: bool
     choices: int = 1  # n: each choice is a generation of its own (a row of its own in the batch)
+    tools: tuple[dict[str, Any], ...] = ()  # offered to the model: its replies are split into text and calls
 
     def choice_request(self, index: int) -> GenerationRequest:
         """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
@@ -678,6 +783,7 @@ class Frontend:
         pending: list[_Step | None] = list(first_steps)
         completion_tokens = 0
         try:
+            replies = [self._reply(job, index) for index in range(len(runs))]
             if job.kind is _Kind.CHAT:
                 for index in range(len(runs)):
                     yield _event(self._chunk(job, {"role": "assistant", "content": ""}, index=index))
@@ -693,10 +799,19 @@ class Frontend:
                         except Exception:
                             logger.exception("request %s: unexpected error while streaming", job.request_id)
                             step = _Step("", bug("internal error while generating"))
-                    if step.text:
-                        yield _event(self._chunk(job, step.text, index=index))
+                    reply = replies[index]
+                    pieces = [reply.add(step.text)]
                     if isinstance(step.end, _Finish):
-                        yield _event(self._chunk(job, None, step.end.reason, index=index))
+                        pieces.append(reply.close())
+                    for text, calls in pieces:
+                        if text:
+                            yield _event(self._chunk(job, text, index=index))
+                        if calls:
+                            yield _event(self._chunk(job, {"tool_calls": [
+                                {"index": number, **call} for number, call in calls]}, index=index))
+                    if isinstance(step.end, _Finish):
+                        reason = reply.finish_reason(step.end.reason)
+                        yield _event(self._chunk(job, None, reason, index=index))
                         completion_tokens += step.end.completion_tokens
                         open_choices.remove(index)
                     elif isinstance(step.end, ErrorInfo):
@@ -722,16 +837,29 @@ class Frontend:
             "model": self.model_name,
         }
 
+    def _reply(self, job: _Job, index: int) -> _Reply:
+        if not job.tools:
+            return _Reply(None, "")
+        t = self.tokenizer
+        return _Reply(ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, job.tools),
+                      job.choice_request(index).request_id)
+
     def _body(self, job: _Job, texts: list[str], finishes: list[_Finish]) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for index, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
             choice: dict[str, Any] = {"index": index}
+            reply = self._reply(job, index)
+            pieces = [reply.add(text), reply.close()]
+            content = "".join(piece for piece, _ in pieces)
+            calls = [call for _, found in pieces for _, call in found]
             if job.kind is _Kind.CHAT:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
             else:
-                choice["text"] = text
+                choice["text"] = content
             choice["logprobs"] = None
-            choice["finish_reason"] = finish.reason
+            choice["finish_reason"] = reply.finish_reason(finish.reason)
             choices.append(choice)
         return {
             **self._head(job, job.kind.value),
@@ -740,7 +868,7 @@ class Frontend:
         }
 
     def _chunk(
-        self, job: _Job, content: str | dict[str, str] | None, finish: str | None = None, *, index: int = 0
+        self, job: _Job, content: str | dict[str, Any] | None, finish: str | None = None, *, index: int = 0
     ) -> dict[str, Any]:
         """One streamed chunk of choice `index`: `content` is text, a chat delta, or None for its
         final chunk."""
@@ -804,7 +932,8 @@ class Frontend:
             prompt = await self._encode_prompt(body.prompt)
             max_tokens = body.max_tokens
         else:
-            prompt = await self._encode_chat(body.messages)
+            tools = self._tools(body)
+            prompt = await self._encode_chat(body.messages, tools)
             both = (body.max_tokens, body.max_completion_tokens)
             if None not in both and both[0] != both[1]:
                 raise _Reject(client_error("max_tokens and max_completion_tokens disagree",
@@ -860,7 +989,22 @@ class Frontend:
             stream=stream,
             include_usage=stream and body.stream_options is not None and body.stream_options.include_usage,
             choices=body.n or 1,
+            tools=tools if isinstance(body, _ChatBody) else (),
         )
+
+    def _tools(self, body: _ChatBody) -> tuple[dict[str, Any], ...]:
+        """The tools the model is offered (none with `tool_choice: "none"`), checked against what
+        it can do: only `auto` is served (forcing a call needs constrained decoding)."""
+        if not body.tools or body.tool_choice == "none":
+            return ()
+        if body.tool_choice is not None and body.tool_choice != "auto":
+            raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                                    "tool_choice: only \"auto\" and \"none\" are served (forcing a tool call "
+                                    "needs constrained decoding)", "tool_choice"))
+        if not getattr(self.tokenizer, "has_tool_calling", False):
+            raise _Reject(client_error("tools: this model's chat template has no tool calling "
+                                       "(no tool-call markers that mlx-lm knows)", param="tools"))
+        return tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
 
     def _logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs in id order; an id must be a token of the model."""
@@ -885,7 +1029,7 @@ class Frontend:
                     Fault.UNSUPPORTED,
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-                    "(no logprobs, no tools are served)",
+                    "(no logprobs, echo, suffix, best_of, functions or structured output are served)",
                     names[0],
                 )
             )
@@ -914,7 +1058,8 @@ class Frontend:
         ids = await trio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
         return tuple(int(t) for t in ids)
 
-    async def _encode_chat(self, messages: list[_Message]) -> tuple[int, ...]:
+    async def _encode_chat(self, messages: list[_Message],
+                           tools: Sequence[Mapping[str, Any]] = ()) -> tuple[int, ...]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise _Reject(
                 ErrorInfo(
@@ -928,6 +1073,7 @@ class Frontend:
             [m.to_template() for m in messages],
             add_generation_prompt=True,
             tokenize=True,
+            **({"tools": list(tools)} if tools else {}),
         )
         try:
             ids = await trio.to_thread.run_sync(apply, limiter=self._tokenizing)

@@ -83,16 +83,25 @@ LLAMA4_MIN_LAYERS = 4
 """llama4 reads the cache of layer 4 (its first global layer) for the mask: fewer layers fail."""
 
 # Bump when the generated files change, so that `cached_checkpoint` does not reuse stale builds.
-_GENERATOR_VERSION = 2  # 2: llama4 attn_temperature_tuning is a bool (transformers validates it)
+# 2: llama4 attn_temperature_tuning is a bool (transformers validates it); 3: the chat template calls tools
+_GENERATOR_VERSION = 3
 
 _BPE_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _SPM_SPECIALS = ("<unk>", "<s>", "</s>")
 _SPM_SPACE = "\u2581"
 
+# Tools in the json_tools style mlx-lm recognises (`<tool_call>` ... `tool_call.name`): the tools
+# listed first, an assistant turn's calls as `<tool_call>` JSON, a tool's answer as its own turn.
 _CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<tools>\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    "{{ '</tools>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<' + message['role'] + '>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<' + message['role'] + '>\\n' + message['content'] }}"
+    "{% for tool_call in message.get('tool_calls') or [] %}{% set tool_call = tool_call.function %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + tool_call.arguments | tojson"
+    " + '}\\n</tool_call>' }}{% endfor %}"
+    "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<assistant>\\n' }}{% endif %}"
 )

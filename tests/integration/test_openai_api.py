@@ -675,9 +675,9 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
         "context_length_exceeded",
     ),
     (
-        "chat tools",
+        "chat legacy functions",
         "/v1/chat/completions",
-        _json({"messages": _USER, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        _json({"messages": _USER, "functions": [{"name": "f"}]}),
         422,
         "unsupported_parameter",
     ),

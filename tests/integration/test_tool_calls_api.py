@@ -1,0 +1,148 @@
+"""Tool calls through /v1/chat/completions, on a scripted backend and through the official
+`openai` client: the tools reach the chat template, the reply's `<tool_call>` text comes back as
+OpenAI `tool_calls` (whole or streamed), earlier calls and their results go back into the prompt,
+and what cannot be served is a clear 4xx."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from adapters.openai_api import Frontend, build_app
+from adapters.tiny_models import build_tokenizer
+from effects.ports import GenerationEnd, TokenOut
+from tests.integration.fake_backend import FakeBackend, ScriptItem, fake_model_info
+
+TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tools")
+    build_tokenizer(path, "bpe")  # its chat template lists tools and writes calls as <tool_call> JSON
+    return path
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(fake_model_info(context_length=2048))
+
+
+@pytest.fixture
+def frontend(tokenizer_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(tokenizer_dir, backend)
+
+
+@pytest.fixture
+async def client(frontend: Frontend) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)),
+                                 base_url="http://node") as client:
+        yield client
+
+
+def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
+    return [*(TokenOut(int(t)) for t in frontend.tokenizer.encode(text, add_special_tokens=False)),
+            GenerationEnd(end)]
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"messages": ASK, "max_tokens": 60, "tools": TOOLS, **extra}
+
+
+async def test_the_tools_reach_the_template_and_a_call_comes_back_as_tool_calls(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Checking." + CALL))
+    response = await client.post("/v1/chat/completions", json=chat(), headers={"x-request-id": "r1"})
+    assert response.status_code == 200, response.text
+    expected = frontend.tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True,
+                                                      tokenize=True)
+    assert backend.last.request.prompt == tuple(expected)
+    assert "get_weather" in frontend.tokenizer.decode(backend.last.request.prompt)
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_r1_0", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+async def test_the_openai_client_gets_calls_whole_and_streamed_and_sends_the_results_back(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    # Typed loosely: the SDK's own httpx fork takes our httpx client (the ASGI app) at run time.
+    sdk: Any = AsyncOpenAI(base_url="http://node/v1", api_key="none", http_client=cast(Any, client))
+    backend.scripts.extend([say(frontend, CALL), say(frontend, "Sun" + CALL.replace("Paris", "Rome"))])
+    whole = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
+    call = whole.choices[0].message.tool_calls[0]
+    assert whole.choices[0].message.content is None
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    streamed = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True)
+    content, deltas, finish = "", list[Any](), None
+    async for chunk in streamed:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        deltas += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Sun" and finish == "tool_calls"
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", '{"city": "Rome"}')]
+
+    # The next turn: the assistant's call and the tool's answer go into the prompt.
+    backend.scripts.append(say(frontend, "It is sunny."))
+    earlier = {"id": call.id, "type": "function",
+               "function": {"name": "get_weather", "arguments": call.function.arguments}}
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [earlier]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    answer = await sdk.chat.completions.create(model="tiny", messages=turn, tools=TOOLS)
+    assert answer.choices[0].message.content == "It is sunny." and answer.choices[0].finish_reason == "stop"
+    prompt = frontend.tokenizer.decode(backend.last.request.prompt)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt and "sunny, 24 C" in prompt
+
+
+async def test_without_tools_the_same_text_is_plain_content(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.extend([say(frontend, CALL), say(frontend, CALL)])
+    for body in ({"messages": ASK, "max_tokens": 60}, chat(tool_choice="none")):
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": CALL}
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (chat(tool_choice="required"), 422, "tool_choice"),
+    (chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}), 422, "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools[0].function.name"),
+    ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 5}, 400, "messages[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}], "max_tokens": 5},
+     400, "messages[0].tool_calls[0].function"),
+])
+async def test_what_cannot_be_served_is_a_clear_error(client: httpx.AsyncClient, body: dict[str, Any],
+                                                      status: int, param: str) -> None:
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+async def test_a_model_without_tool_calling_refuses_tools(tmp_path: Path, backend: FakeBackend) -> None:
+    build_tokenizer(tmp_path, "bpe")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    transport = httpx.ASGITransport(app=build_app(Frontend.load(tmp_path, backend)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as plain:
+        response = await plain.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
+        assert "no tool calling" in response.json()["error"]["message"]
+        backend.default_script = [GenerationEnd("stop")]
+        assert (await plain.post("/v1/chat/completions", json=chat(tool_choice="none"))).status_code == 200
