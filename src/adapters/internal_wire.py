@@ -22,6 +22,7 @@ from effects.ports import (
     TokenOut,
 )
 from statecore.errors import Code, ErrorInfo, Fault
+from statecore.events import TokenLogprobs
 
 TOKEN_HEADER = "x-statecore-token"
 REQUEST_ID_HEADER = "x-request-id"
@@ -46,6 +47,7 @@ class SamplingBody(_Strict):
     presence_context_size: int = Field(default=20, ge=0)
     frequency_penalty: float = 0.0
     frequency_context_size: int = Field(default=20, ge=0)
+    logprobs: int | None = Field(default=None, ge=0)
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:
@@ -61,10 +63,23 @@ class PrefillBody(_Strict):
     sampling: SamplingBody
 
 
+class LogprobsBody(_Strict):
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, logprobs: TokenLogprobs | None) -> LogprobsBody | None:
+        return None if logprobs is None else cls(logprob=logprobs.logprob, top=logprobs.top)
+
+    def value(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, self.top)
+
+
 class PrefillReplyBody(_Strict):
     first_token: int
     is_eos: bool
     held_bytes: int = 0
+    logprobs: LogprobsBody | None = None
 
 
 class DecodeBody(_Strict):
@@ -97,13 +112,17 @@ def error_from_json(data: object, status: int) -> ErrorInfo:
         return ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"peer answered HTTP {status}")
 
 
+def _logprobs_json(logprobs: TokenLogprobs | None) -> dict[str, object]:
+    return {} if logprobs is None else {"logprobs": [logprobs.logprob, logprobs.top]}
+
+
 def output_line(item: Output | PrefillReply) -> bytes:
     """One NDJSON line of a decode node's stream."""
     match item:
-        case PrefillReply(first_token=first, is_eos=is_eos):
-            doc: dict[str, object] = {"first_token": first, "is_eos": is_eos}
-        case TokenOut(token=token):
-            doc = {"token": token}
+        case PrefillReply(first_token=first, is_eos=is_eos, logprobs=logprobs):
+            doc: dict[str, object] = {"first_token": first, "is_eos": is_eos, **_logprobs_json(logprobs)}
+        case TokenOut(token=token, logprobs=logprobs):
+            doc = {"token": token, **_logprobs_json(logprobs)}
         case GenerationEnd(finish_reason=reason):
             doc = {"finish_reason": reason}
         case GenerationError(error=error):
@@ -114,10 +133,13 @@ def output_line(item: Output | PrefillReply) -> bytes:
 def parse_output_line(line: bytes) -> Output | PrefillReply:
     try:
         doc = json.loads(line)
+        carried = doc.get("logprobs")
+        logprobs = None if carried is None else TokenLogprobs(
+            float(carried[0]), tuple((int(token), float(lp)) for token, lp in carried[1]))
         if "token" in doc:
-            return TokenOut(int(doc["token"]))
+            return TokenOut(int(doc["token"]), logprobs)
         if "first_token" in doc:
-            return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0)
+            return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0, logprobs)
         if "finish_reason" in doc:
             return GenerationEnd(str(doc["finish_reason"]))
         return GenerationError(error_from_json(doc, 200))

@@ -8,16 +8,20 @@ Here h11 (sans-IO) writes the request and parses the response head only; the bod
 the head declares, is `recv_into` a preallocated buffer, so each byte is copied once out of the
 kernel, into a buffer kept from an earlier pull (`ReceiveBuffers`) so its pages are already
 mapped. One connection per pull (`Connection: close`): a pull is one large transfer, and a
-fresh loopback or LAN connection costs far less than the bytes it carries.
+fresh loopback or LAN connection costs far less than the bytes it carries. An `https://` pull
+runs the same GET over trio's `SSLStream`, the peer's certificate verified against the caller's
+context (`adapters.tls.client_context`); its body comes out of the TLS layer a record at a time
+and is copied into the same kind of buffer.
 
-`HttpxPeers.fetch_kv` uses this for plain `http://` nodes when no test transport is injected,
-and maps its errors (OSError, trio's broken-stream and timeout errors, h11's protocol errors,
+`HttpxPeers.fetch_kv` uses this for `http://` and `https://` nodes when no test transport is
+injected, and maps its errors (OSError, trio's broken-stream and timeout errors, h11's protocol errors,
 `KvPullError`) to typed errors in one place. This is an adapter: it may import anything, and
 nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
 
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +30,8 @@ from urllib.parse import urlsplit
 
 import h11
 import trio
+
+from adapters.tls import client_context
 
 READ_BYTES = 1 << 16  # the head and any body of unknown length are read in pieces this big
 MAX_ERROR_BODY = 1 << 20  # an error answer is a small JSON document; more is the peer's fault
@@ -119,25 +125,25 @@ def _content_length(response: h11.Response) -> int | None:
     return None
 
 
-async def _receive_head(stream: trio.SocketStream, conn: h11.Connection) -> h11.Response:
+async def _receive_head(stream: trio.abc.ReceiveStream, conn: h11.Connection) -> h11.Response:
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(READ_BYTES))
+            conn.receive_data(bytes(await stream.receive_some(READ_BYTES)))
         elif isinstance(event, h11.Response):
             return event
         elif not isinstance(event, h11.InformationalResponse):
             raise KvPullError(f"expected a response head, got {type(event).__name__}")
 
 
-async def _receive_framed(stream: trio.SocketStream, conn: h11.Connection, limit: int) -> bytes:
+async def _receive_framed(stream: trio.abc.ReceiveStream, conn: h11.Connection, limit: int) -> bytes:
     """A body of no declared length (or an error answer), through h11, at most `limit` bytes."""
     chunks: list[bytes] = []
     size = 0
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(READ_BYTES))
+            conn.receive_data(bytes(await stream.receive_some(READ_BYTES)))
         elif isinstance(event, h11.Data):
             size += len(event.data)
             if size > limit:
@@ -149,9 +155,10 @@ async def _receive_framed(stream: trio.SocketStream, conn: h11.Connection, limit
             raise KvPullError(f"unexpected {type(event).__name__} in a response body")
 
 
-async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, view: memoryview) -> memoryview:
+async def _receive_sized(stream: trio.abc.ReceiveStream, conn: h11.Connection,
+                         view: memoryview) -> memoryview:
     """Exactly `len(view)` body bytes into `view`: what h11 already holds, then straight from
-    the socket."""
+    the socket (over TLS: from the TLS layer, one record at a time)."""
     length = len(view)
     early, closed = conn.trailing_data  # body bytes that arrived together with the head
     if len(early) > length:
@@ -161,7 +168,12 @@ async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, view: 
     while got < length:
         if closed:
             raise KvPullError(f"the peer closed the connection after {got} of {length} body bytes")
-        n = await stream.socket.recv_into(view[got:], length - got)
+        if isinstance(stream, trio.SocketStream):
+            n = await stream.socket.recv_into(view[got:], length - got)
+        else:
+            chunk = await stream.receive_some(min(length - got, READ_BYTES))
+            n = len(chunk)
+            view[got : got + n] = chunk
         if n == 0:
             raise KvPullError(f"the peer closed the connection after {got} of {length} body bytes")
         got += n
@@ -169,18 +181,27 @@ async def _receive_sized(stream: trio.SocketStream, conn: h11.Connection, view: 
 
 
 async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
-               connect_timeout_s: float, buffers: ReceiveBuffers) -> PulledKv:
-    """GET `url` (plain http) and return its status and whole body. A 200 answer may be up to
-    `max_bytes`, and lands in one of `buffers`; any other answer up to MAX_ERROR_BODY (it is
-    read for its error document)."""
+               connect_timeout_s: float, buffers: ReceiveBuffers,
+               ssl_context: ssl.SSLContext | None = None) -> PulledKv:
+    """GET `url` (http, or https verified against `ssl_context`: the system store when None)
+    and return its status and whole body. A 200 answer may be up to `max_bytes`, and lands in one
+    of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document)."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or parts.hostname is None:
-        raise ValueError(f"kv_pull handles plain http:// URLs only, not {url!r}")
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        raise ValueError(f"kv_pull handles http:// and https:// URLs only, not {url!r}")
+    secure = parts.scheme == "https"
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     started = time.perf_counter()
     with trio.fail_after(connect_timeout_s):
-        stream = await trio.open_tcp_stream(parts.hostname, parts.port or 80)
+        tcp = await trio.open_tcp_stream(parts.hostname, parts.port or (443 if secure else 80))
+    stream: trio.abc.Stream = tcp
+    if secure:
+        context = ssl_context if ssl_context is not None else client_context(None)
+        stream = trio.SSLStream(tcp, context, server_hostname=parts.hostname, https_compatible=True)
     async with stream:
+        if isinstance(stream, trio.SSLStream):
+            with trio.fail_after(connect_timeout_s):
+                await stream.do_handshake()  # an unverified certificate ends the pull here
         conn = h11.Connection(h11.CLIENT)
         request = h11.Request(method="GET", target=target,
                               headers=[("Host", parts.netloc), ("Connection", "close"), *headers])

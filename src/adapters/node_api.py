@@ -30,6 +30,7 @@ from adapters.blas import blas_in_use
 from adapters.internal_wire import (
     TOKEN_HEADER,
     DecodeBody,
+    LogprobsBody,
     PrefillBody,
     PrefillReplyBody,
     error_json,
@@ -264,11 +265,11 @@ class NodeApi:
             # cancelled before its first token (a cancellation sends no rejection)
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
-            case RespondToken(token=token):
+            case RespondToken(token=token, logprobs=logprobs):
                 is_eos = token in self.engine.info.eos_token_ids and not context.sampling.ignore_eos
                 held = self.engine.statistics().held_bytes
-                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos,
-                                                     held_bytes=held).model_dump())
+                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos, held_bytes=held,
+                                                     logprobs=LogprobsBody.of(logprobs)).model_dump())
             case Reject(error=error):
                 return error_response(error)
             case Complete():
@@ -364,7 +365,7 @@ class NodeApi:
                     return  # the stream to the router breaks off (tests only)
                 if first and isinstance(output, TokenOut):
                     first = False
-                    yield output_line(PrefillReply(output.token, output.token in eos, 0))
+                    yield output_line(PrefillReply(output.token, output.token in eos, 0, output.logprobs))
                     continue
                 finished = isinstance(output, GenerationEnd | GenerationError)
                 yield output_line(output)

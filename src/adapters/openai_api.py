@@ -10,8 +10,9 @@ to a single node's by construction. For identical backend outputs, two responses
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 server-sent events, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`),
 and vLLM's `POST /tokenize` / `POST /detokenize` (the prompt ids a completion or a chat would be
-fed, and text back from ids; these two refuse unknown fields). `build_app` can put API keys
-(`adapters.api_keys`) and CORS in front.
+fed, and text back from ids; these two refuse unknown fields). `build_app` also serves
+Anthropic's `POST /v1/messages` and OpenAI's `POST /v1/responses` (`adapters.other_apis`, as chats
+started by `Frontend.start_chat`), and can put API keys (`adapters.api_keys`) and CORS in front.
 
 Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `max_tokens`: completions 16 (cut to the room left in the context); chat: the whole room left
@@ -30,6 +31,9 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   "required" or a named function would need constrained decoding: 422. A model whose template
   has no tool-call markers mlx-lm knows: 400. Messages may carry an assistant's `tool_calls`
   (arguments as JSON text) and `tool` answers (`tool_call_id`).
+- `logprobs`: chat `logprobs: true` + `top_logprobs` (0-20), completions `logprobs` (0-20):
+  each token's log-probability under the shaped distribution before temperature (mlx-lm's),
+  and the most likely alternatives, in OpenAI's shapes; a token's text is its own decoding.
 - Logits shaping, as mlx_lm.server names and ranges it: `logit_bias` (`{"token id": bias}`),
   `repetition_penalty` (>= 0), `presence_penalty`, `frequency_penalty`, each over the last
   `*_context_size` tokens (default 20; 0 turns it off) of prompt + generated text.
@@ -43,8 +47,8 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 - Bodies above `max_body_bytes` (4 MiB) are refused with 413.
 
 Validation: strict pydantic models (no coercion: `"5"` is not a number, `true` is not 1).
-Parameters that would change the result and are not served (`best_of`, `logprobs`,
-`top_logprobs`, `echo`, `suffix`, `functions`,
+Parameters that would change the result and are not served (`best_of`, `echo`, `suffix`,
+`functions`,
 `function_call`, a non-text `response_format`, ...) are refused with 422 `unsupported_parameter`
 unless they carry their neutral value (`logprobs: false`, ...). Other
 unknown fields (`user`, `metadata`, vendor extras) are ignored, as vLLM does. Every error has
@@ -84,6 +88,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.api_keys import ApiKeyGuard, ApiKeys
+from adapters.other_apis import other_api_routes
 from adapters.streaming import WatchedStream, cancel_on_disconnect
 from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.faults import Faults, Phase
@@ -98,15 +103,17 @@ from effects.ports import (
     TokenOut,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, client_error
+from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
 
-__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_STOP_STRINGS", "Frontend", "build_app"]
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_STOP_STRINGS", "ChatEnd", "ChatRun", "Frontend", "build_app"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice takes a row of the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; vLLM allows 20 for both)
 MAX_STOP_LENGTH = 256
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -158,6 +165,7 @@ class _Sampling(_Strict):
 
 class _CompletionBody(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy shape: a count
 
 
 class _TextPart(_Strict):
@@ -245,6 +253,8 @@ class _ToolChoice(_Strict):
 class _ChatBody(_Sampling):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -261,8 +271,6 @@ def _neutral(*values: object) -> Callable[[object], bool]:
 # Parameters that change what is generated and are not served: refused unless neutral.
 _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "best_of": _neutral(1),
-    "logprobs": _neutral(False),
-    "top_logprobs": _neutral(0),
     "echo": _neutral(False),
     "suffix": _neutral(""),
     "min_tokens": _neutral(0),
@@ -336,6 +344,7 @@ class _StopText:
         self._detokenizer = detokenizer
         self._stops = tuple(stops)
         self._pending = ""
+        self.matched: str | None = None  # the stop string the text ended before, once one has
 
     def add(self, token: int) -> tuple[str, bool]:
         """Text that may be sent now, and whether a stop string was matched."""
@@ -349,10 +358,11 @@ class _StopText:
 
     def _scan(self, segment: str, *, final: bool) -> tuple[str, bool]:
         text = self._pending + segment
-        cuts = [i for i in (text.find(stop) for stop in self._stops) if i != -1]
+        cuts = [(i, stop) for stop in self._stops if (i := text.find(stop)) != -1]
         if cuts:
             self._pending = ""
-            return text[: min(cuts)], True
+            cut, self.matched = min(cuts, key=lambda found: found[0])  # the earliest (a tie: first listed)
+            return text[:cut], True
         keep = 0 if final else _held_back(text, self._stops)
         self._pending = text[len(text) - keep :]
         return text[: len(text) - keep], False
@@ -366,10 +376,12 @@ class _Finish:
 
 @dataclass(frozen=True, slots=True)
 class _Step:
-    """Some text (maybe empty) and, on the last step, how the generation ended."""
+    """Some text (maybe empty) and, on the last step, how the generation ended; with the
+    logprobs of the tokens this step consumed when the request asked for them."""
 
     text: str
     end: _Finish | ErrorInfo | None = None
+    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
 
 
 class _Run:
@@ -385,6 +397,7 @@ class _Run:
     async def advance(self) -> _Step:
         """The next step with some text, or the last step."""
         assert not self.finished
+        logprobs: list[tuple[int, TokenLogprobs]] = []
         while True:
             try:
                 output: Output = await anext(self._outputs)
@@ -392,21 +405,23 @@ class _Run:
                 self.finished = True
                 return _Step("", bug("the backend ended a generation without an end or an error"))
             match output:
-                case TokenOut(token=token):
+                case TokenOut(token=token, logprobs=carried):
                     self._tokens += 1
+                    if carried is not None:
+                        logprobs.append((token, carried))
                     text, stopped = self._text.add(token)
                     if stopped:
                         await self.generation.stop()
                         self.finished = True
-                        return _Step(text, _Finish("stop", self._tokens))
+                        return _Step(text, _Finish("stop", self._tokens), tuple(logprobs))
                     if text:
-                        return _Step(text)
+                        return _Step(text, logprobs=tuple(logprobs))
                 case GenerationEnd(finish_reason=reason):
                     self.finished = True
                     if reason == "stop":
                         self._tokens += 1  # the EOS token: no text, but generated (vLLM, mlx-lm)
                     text, stopped = self._text.close()
-                    return _Step(text, _Finish("stop" if stopped else reason, self._tokens))
+                    return _Step(text, _Finish("stop" if stopped else reason, self._tokens), tuple(logprobs))
                 case GenerationError(error=error):
                     self.finished = True
                     return _Step("", error)
@@ -421,6 +436,39 @@ class _Run:
                 await self.generation.cancel()
             except Exception:
                 logger.exception("cancelling a generation failed")
+
+
+class _LogprobsFormat:
+    """One choice's logprobs as OpenAI shapes them: chat `{"content": [{token, logprob, bytes,
+    top_logprobs}]}`, completions `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets
+    run on across a stream's chunks). A token's text is its own decoding; None when not asked."""
+
+    def __init__(self, tokenizer: Any, chat: bool, top: int | None) -> None:
+        self._tokenizer, self._chat, self._top = tokenizer, chat, top
+        self._offset = 0
+
+    def _text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def of(self, entries: Sequence[tuple[int, TokenLogprobs]]) -> dict[str, Any] | None:
+        if self._top is None:
+            return None
+        if self._chat:
+            content = [{**self._entry(token, lp.logprob),
+                        "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for token, lp in entries]
+            return {"content": content, "refusal": None}
+        texts = [self._text(token) for token, _ in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in entries],
+                "top_logprobs": [{self._text(t): v for t, v in lp.top} for _, lp in entries],
+                "text_offset": offsets}
 
 
 class _Reply:
@@ -534,11 +582,23 @@ def _unless_body_unread(request: Request, response: Response) -> Response:
     return response
 
 
-def _error_response(info: ErrorInfo, request_id: str | None = None) -> JSONResponse:
+def _error_response(info: ErrorInfo, request_id: str | None = None, body: object = None) -> JSONResponse:
+    """`info` as an answer: its status, OpenAI's shape unless `body` is given (another API's)."""
     headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else {}
     if info.http_status in (429, 503):  # overloaded or draining: tell the client when to retry
         headers["Retry-After"] = str(RETRY_AFTER_S)
-    return JSONResponse(info.to_openai(), status_code=info.http_status, headers=headers or None)
+    return JSONResponse(info.to_openai() if body is None else body, status_code=info.http_status,
+                        headers=headers or None)
+
+
+def _request_id(request: Request) -> tuple[RequestId, ErrorInfo | None]:
+    """The request's id: its `X-Request-Id` header, else a fresh one (also when the header is bad,
+    which the error says)."""
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
+        info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
+        return RequestId(uuid.uuid4().hex), info
+    return RequestId(incoming if incoming is not None else uuid.uuid4().hex), None
 
 
 class _Reject(Exception):
@@ -551,6 +611,55 @@ class _Reject(Exception):
 
 class _Disconnected(Exception):
     pass
+
+
+# ---------------------------------------------------------------------------------------------
+# A chat started for another API (adapters.other_apis: /v1/messages, /v1/responses)
+
+
+_Parsed = TypeVar("_Parsed")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatEnd:
+    """How a chat started by `Frontend.start_chat` ended."""
+
+    reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    completion_tokens: int  # counts the EOS token, as /v1/chat/completions' usage does
+    stop_string: str | None  # the stop string the text ends before, when one ended it
+
+
+class ChatRun:
+    """One generation of a chat started by `Frontend.start_chat`: its text comes out as
+    /v1/chat/completions sends it (stop strings applied); the caller only shapes the answer."""
+
+    def __init__(self, job: _Job, run: _Run, error_body: Callable[[ErrorInfo], object]) -> None:
+        self.request_id = job.request_id
+        self.created = job.created
+        self.prompt_tokens = len(job.prompt)
+        self.headers = {REQUEST_ID_HEADER: job.request_id}
+        self._run = run
+        self._error_body = error_body
+
+    async def advance(self) -> tuple[str, ChatEnd | ErrorInfo | None]:
+        """The next piece of text and, on the last step, how it ended (backend errors included)."""
+        step = await self._run.advance()
+        if isinstance(step.end, _Finish):
+            stop_string = self._run._text.matched
+            return step.text, ChatEnd(step.end.reason, step.end.completion_tokens, stop_string)
+        return step.text, step.end
+
+    async def cancel(self) -> None:
+        """Free the backend (shielded, bounded; nothing if it is done already)."""
+        await self._run.cancel()
+
+    def error_response(self, info: ErrorInfo) -> Response:
+        """`info` with its status and headers, in the caller's error shape."""
+        return _error_response(info, self.request_id, self._error_body(info))
+
+    def event_stream(self, events: AsyncGenerator[bytes, None]) -> Response:
+        """An SSE response of `events`, sent as they come; the client leaving cancels the generation."""
+        return _event_stream(events, self.headers, self.cancel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -694,14 +803,45 @@ class Frontend:
             raise _Reject(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND, f"the model {model!r} does not "
                                     f"exist; this server serves {self.model_name!r}", "model"))
 
+    # -- for the other APIs ------------------------------------------------------------------
+
+    async def start_chat(
+        self,
+        request: Request,
+        parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
+        error_body: Callable[[ErrorInfo], object],
+    ) -> tuple[ChatRun, _Parsed] | Response:
+        """Start another API's request (`adapters.other_apis`) as the /v1/chat/completions body that
+        `parse` maps its JSON body to, with whatever else `parse` keeps of it. Everything but the
+        shapes is the chat's: request id, body limit, validation, template, stop strings, admission,
+        backend. `parse` may raise pydantic's ValidationError or StatecoreError; a refusal comes
+        back as the answer to send, its body `error_body(info)`."""
+        request_id, bad = _request_id(request)
+        try:
+            if bad is not None:
+                raise _Reject(bad)
+            try:
+                chat, parsed = parse(await self._read_object(request))
+            except ValidationError as exc:
+                raise _Reject(_validation_error(exc)) from None
+            job = await self._prepare(request, _Kind.CHAT, request_id, chat)
+            [run] = await self._start(job)
+        except (_Reject, StatecoreError) as exc:
+            return _unless_body_unread(request, _error_response(exc.info, request_id, error_body(exc.info)))
+        except ClientDisconnect:
+            return Response(status_code=499, headers={REQUEST_ID_HEADER: request_id})
+        except Exception:
+            logger.exception("request %s: unexpected error before generation", request_id)
+            info = bug("internal error while starting the request")
+            return _unless_body_unread(request, _error_response(info, request_id, error_body(info)))
+        return ChatRun(job, run, error_body), parsed
+
     # -- one request -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, kind: _Kind) -> Response:
-        incoming = request.headers.get(REQUEST_ID_HEADER)
-        if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
-            info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
-            return _error_response(info, uuid.uuid4().hex)
-        request_id = RequestId(incoming if incoming is not None else uuid.uuid4().hex)
+        request_id, bad = _request_id(request)
+        if bad is not None:
+            return _error_response(bad, request_id)
         try:
             job = await self._prepare(request, kind, request_id)
             runs = await self._start(job)
@@ -749,6 +889,7 @@ class Frontend:
         first step; a failure before then, or anywhere in a whole body, is the response's status."""
         headers = {REQUEST_ID_HEADER: job.request_id}
         texts: list[list[str]] = [[] for _ in runs]
+        logprobs: list[list[tuple[int, TokenLogprobs]]] = [[] for _ in runs]
         steps: list[_Step] = [_Step("") for _ in runs]
         async with cancel_on_disconnect(request.receive) as watch:
             for index, run in enumerate(runs):
@@ -759,6 +900,7 @@ class Frontend:
                     break
                 for index in open_choices:
                     texts[index].append(steps[index].text)
+                    logprobs[index].extend(steps[index].logprobs)
                     steps[index] = await runs[index].advance()
         if watch.disconnected:
             await cancel_all()
@@ -773,8 +915,9 @@ class Frontend:
         for index, step in enumerate(steps):
             assert isinstance(step.end, _Finish)
             texts[index].append(step.text)
+            logprobs[index].extend(step.logprobs)
             finishes.append(step.end)
-        return JSONResponse(self._body(job, ["".join(t) for t in texts], finishes), headers=headers)
+        return JSONResponse(self._body(job, ["".join(t) for t in texts], finishes, logprobs), headers=headers)
 
     async def _events(self, job: _Job, runs: list[_Run], first_steps: list[_Step]
                       ) -> AsyncGenerator[bytes, None]:
@@ -784,6 +927,7 @@ class Frontend:
         completion_tokens = 0
         try:
             replies = [self._reply(job, index) for index in range(len(runs))]
+            formats = [self._logprobs_format(job) for _ in runs]
             if job.kind is _Kind.CHAT:
                 for index in range(len(runs)):
                     yield _event(self._chunk(job, {"role": "assistant", "content": ""}, index=index))
@@ -803,12 +947,16 @@ class Frontend:
                     pieces = [reply.add(step.text)]
                     if isinstance(step.end, _Finish):
                         pieces.append(reply.close())
+                    unsent = formats[index].of(step.logprobs)  # goes with this step's first chunk
                     for text, calls in pieces:
                         if text:
-                            yield _event(self._chunk(job, text, index=index))
+                            yield _event(self._chunk(job, text, index=index, logprobs=unsent))
+                            unsent = None
                         if calls:
                             yield _event(self._chunk(job, {"tool_calls": [
                                 {"index": number, **call} for number, call in calls]}, index=index))
+                    if unsent is not None and step.logprobs:  # tokens whose text is held back
+                        yield _event(self._chunk(job, "", index=index, logprobs=unsent))
                     if isinstance(step.end, _Finish):
                         reason = reply.finish_reason(step.end.reason)
                         yield _event(self._chunk(job, None, reason, index=index))
@@ -844,7 +992,8 @@ class Frontend:
         return _Reply(ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, job.tools),
                       job.choice_request(index).request_id)
 
-    def _body(self, job: _Job, texts: list[str], finishes: list[_Finish]) -> dict[str, Any]:
+    def _body(self, job: _Job, texts: list[str], finishes: list[_Finish],
+              logprobs: list[list[tuple[int, TokenLogprobs]]]) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for index, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
             choice: dict[str, Any] = {"index": index}
@@ -858,7 +1007,7 @@ class Frontend:
                     choice["message"]["tool_calls"] = calls
             else:
                 choice["text"] = content
-            choice["logprobs"] = None
+            choice["logprobs"] = self._logprobs_format(job).of(logprobs[index])
             choice["finish_reason"] = reply.finish_reason(finish.reason)
             choices.append(choice)
         return {
@@ -867,8 +1016,12 @@ class Frontend:
             "usage": job.usage(sum(finish.completion_tokens for finish in finishes)),
         }
 
+    def _logprobs_format(self, job: _Job) -> _LogprobsFormat:
+        return _LogprobsFormat(self.tokenizer, job.kind is _Kind.CHAT, job.sampling.logprobs)
+
     def _chunk(
-        self, job: _Job, content: str | dict[str, Any] | None, finish: str | None = None, *, index: int = 0
+        self, job: _Job, content: str | dict[str, Any] | None, finish: str | None = None, *, index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk of choice `index`: `content` is text, a chat delta, or None for its
         final chunk."""
@@ -882,7 +1035,7 @@ class Frontend:
         else:
             object_name = "text_completion"
             choice["text"] = content if isinstance(content, str) else ""
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         chunk = {**self._head(job, object_name), "choices": [choice]}
         if job.include_usage:
@@ -912,9 +1065,12 @@ class Frontend:
         request.state.body_read = True
         return b"".join(chunks)
 
-    async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId) -> _Job:
+    async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId,
+                       data: dict[str, object] | None = None) -> _Job:
+        """The request's job; `data` is its body when already read (another API's, as a chat's)."""
         await self.faults.at(Phase.TOKENIZE, request_id)
-        data = await self._read_object(request)
+        if data is None:
+            data = await self._read_object(request)
         schema: type[_CompletionBody | _ChatBody] = _CompletionBody if kind is _Kind.COMPLETION else _ChatBody
         try:
             body = schema.model_validate(data)
@@ -978,6 +1134,7 @@ class Frontend:
             presence_context_size=_given(body.presence_context_size, 20),
             frequency_penalty=body.frequency_penalty or 0.0,
             frequency_context_size=_given(body.frequency_context_size, 20),
+            logprobs=self._logprobs(body),
         )
         return _Job(
             kind=kind,
@@ -991,6 +1148,15 @@ class Frontend:
             choices=body.n or 1,
             tools=tools if isinstance(body, _ChatBody) else (),
         )
+
+    @staticmethod
+    def _logprobs(body: _CompletionBody | _ChatBody) -> int | None:
+        """How many alternatives each token's logprobs list (None: no logprobs)."""
+        if isinstance(body, _CompletionBody):
+            return body.logprobs
+        if body.top_logprobs is not None and not body.logprobs:
+            raise _Reject(client_error("top_logprobs needs logprobs: true", param="top_logprobs"))
+        return (body.top_logprobs or 0) if body.logprobs else None
 
     def _tools(self, body: _ChatBody) -> tuple[dict[str, Any], ...]:
         """The tools the model is offered (none with `tool_choice: "none"`), checked against what
@@ -1154,6 +1320,7 @@ def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = (),
         Route("/v1/models/{model_id:path}", frontend.model, methods=["GET"]),
         Route("/tokenize", frontend.tokenize, methods=["POST"]),
         Route("/detokenize", frontend.detokenize, methods=["POST"]),
+        *other_api_routes(frontend),  # /v1/messages, /v1/responses
         Route("/health", health or frontend.health, methods=["GET"]),
         *extra_routes,
     ]

@@ -4,15 +4,18 @@ Every transport failure is translated here, in one place (httpx's own
 map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
 The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
-from plain http:// nodes go through `kv_pull` instead (the body straight into one buffer) unless
-a transport was injected; their errors are mapped here too, to the same codes. This module may
-import anything.
+go through `kv_pull` instead (the body straight into one buffer) unless a transport was injected;
+their errors are mapped here too, to the same codes. https:// peers are verified against one
+`ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else the system
+store), for every call and the KV pulls alike; http:// peers stay plain. This module may import
+anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -31,6 +34,7 @@ from adapters.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -78,8 +82,11 @@ class HttpxPeers:
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
         handoffs: HandoffLog | None = None,
         kv_buffer_bytes: int = DEFAULT_KV_BUFFER_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         headers = {TOKEN_HEADER: token} if token else {}
+        # what https:// peers are verified against (never nothing): the system store by default
+        self._ssl_context = ssl_context if ssl_context is not None else client_context(None)
         # KV pulls skip httpx (see kv_pull) unless a test injected a transport to route them
         self._direct_kv = transport is None
         self._headers = list(headers.items())
@@ -88,7 +95,7 @@ class HttpxPeers:
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         self.client = httpx.AsyncClient(
-            headers=headers, timeout=timeout, transport=transport, limits=limits
+            headers=headers, timeout=timeout, transport=transport, limits=limits, verify=self._ssl_context
         )
         self.max_kv_bytes = max_kv_bytes
         self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
@@ -110,7 +117,8 @@ class HttpxPeers:
                 raise StatecoreError(
                     ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
                 ) from exc
-        return PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes)
+        return PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes,
+                            None if reply.logprobs is None else reply.logprobs.value())
 
     async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]:
         body = DecodeBody(
@@ -131,7 +139,7 @@ class HttpxPeers:
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
         url = f"{node}/internal/kv/{request_id}"
-        if self._direct_kv and url.startswith("http://"):
+        if self._direct_kv and url.startswith(("http://", "https://")):
             pulled = await self._pull_direct(node, url)
             payload, head_s, last_byte_s = pulled.body, pulled.head_s, pulled.last_byte_s
         else:
@@ -150,7 +158,7 @@ class HttpxPeers:
             with trio.fail_after(self._read_timeout_s):
                 pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
                                             connect_timeout_s=self._connect_timeout_s,
-                                            buffers=self.receive_buffers)
+                                            buffers=self.receive_buffers, ssl_context=self._ssl_context)
         except kv_pull.KvTooLarge as exc:
             raise StatecoreError(
                 ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")

@@ -8,7 +8,10 @@ runs its peer-health machines. `statecore run` with no role starts router + pref
 as children and stops them cleanly on Ctrl-C or SIGTERM. Every node binds its port before it
 loads anything (a port in use fails at once, with one line); a parent that starts nodes binds
 their sockets itself and hands them down (`--listen-fd`), so no other process can take a port
-between the choice and the child's bind. This module may import anything.
+between the choice and the child's bind. With `--tls-certfile`/`--tls-keyfile` a node serves
+HTTPS, and with `--tls-ca-file` it verifies its https:// peers against that CA (`adapters.tls`);
+a local cluster hands the TLS flags to its children and waits on their health over https. This
+module may import anything.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -47,6 +51,7 @@ from adapters.model_source import ModelNotFound, resolve_model
 from adapters.node_api import NodeApi, guarded
 from adapters.openai_api import Frontend, build_app
 from adapters.peers_httpx import DEFAULT_KV_BUFFER_BYTES, HttpxPeers
+from adapters.tls import TlsConfigError, TlsFiles, certificate_refused, client_context, tls_files
 from effects.backend import local_backend, router_backend
 from effects.engine_port import EngineStatistics
 from effects.faults import DEFAULT_MARKER, Faults
@@ -209,6 +214,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                      help="single, router: answer CORS for these browser origins (comma-separated, "
                           "* for any); default: no CORS headers")
+    run.add_argument("--tls-certfile", default=None, metavar="PATH",
+                     help="serve HTTPS with this PEM certificate (chain); needs --tls-keyfile")
+    run.add_argument("--tls-keyfile", default=None, metavar="PATH",
+                     help="the unencrypted PEM private key of --tls-certfile")
+    run.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                     help="PEM CA bundle that https:// peers' certificates must chain to (the router's "
+                          "calls, a decode node's KV pulls, a local cluster's health checks); default: "
+                          "the system's store")
     run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
                      help="engine nodes: what every KV cache together may take; each request reserves "
                           "its worst case before anything is allocated, and waits (429 with Retry-After) "
@@ -355,10 +368,13 @@ async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStati
     await runner.post_loop(TransportLost(reason))
 
 
-def hypercorn_config(listener: socket.socket) -> Config:
-    """hypercorn's settings for serving on `listener` (which it owns from here on)."""
+def hypercorn_config(listener: socket.socket, tls: TlsFiles | None = None) -> Config:
+    """hypercorn's settings for serving on `listener` (which it owns from here on), over TLS when
+    `tls` names a certificate and key."""
     config = Config()
     config.bind = [f"fd://{listener.detach()}"]
+    if tls is not None and tls.serves_https:
+        config.certfile, config.keyfile = tls.certfile, tls.keyfile
     config.accesslog = None
     # A logger object, not hypercorn's default "-": that one gets a stderr handler of its own
     # and also propagates to ours, so every line ("Running on ...") came out twice.
@@ -368,8 +384,8 @@ def hypercorn_config(listener: socket.socket) -> Config:
 
 
 async def _serve(app: Starlette, listener: socket.socket, runner: NodeRunner[Any],
-                 nursery: trio.Nursery) -> None:
-    config = hypercorn_config(listener)
+                 nursery: trio.Nursery, tls: TlsFiles) -> None:
+    config = hypercorn_config(listener, tls)
     nursery.start_soon(_watch_signals, runner)
     parent = _cluster_parent()
     if parent is not None:
@@ -444,7 +460,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     peers = None
     if role == "decode":
         peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
-                           kv_buffer_bytes=args.kv_buffer_bytes)
+                           kv_buffer_bytes=args.kv_buffer_bytes,
+                           ssl_context=client_context(args.tls.ca_file))
     performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests,
                                 handoffs=handoffs)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
@@ -478,9 +495,9 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
             nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine)
-            log.info("%s node serving on %s (MLX computes with: %s)", role, listener_url(listener),
-                     _blas_words(blas_in_use()))
-            await _serve(app, listener, runner, nursery)
+            log.info("%s node serving on %s (MLX computes with: %s)", role,
+                     listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
+            await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
         lost = api.lost_reason is not None
     finally:
@@ -498,17 +515,24 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
 async def _fetch_info(peers: HttpxPeers, nodes: list[str],
                       deadline_s: float = 600.0) -> tuple[str, dict[str, object], ModelInfo]:
     """The first node that answers /internal/info, its whole document and the model's info;
-    waits while nodes load."""
+    waits while nodes load. A node whose TLS certificate does not verify is logged once."""
+    refused: set[str] = set()
     with trio.move_on_after(deadline_s):
         while True:
             for node in nodes:
                 try:
                     doc = await peers.info_document(node)
                     return node, doc, info_from_json(doc)
-                except StatecoreError:
+                except StatecoreError as exc:
+                    why = certificate_refused(exc)
+                    if why is not None and node not in refused:
+                        refused.add(node)
+                        log.error("%s: its TLS certificate does not verify (%s); is --tls-ca-file the CA "
+                                  "that signed it?", node, why)
                     continue
             await trio.sleep(0.5)
-    raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}")
+    raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}"
+                     + (f" (TLS certificates refused: {sorted(refused)})" if refused else ""))
 
 
 def _build_of(doc: dict[str, object]) -> tuple[str, str | None] | None:
@@ -532,7 +556,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
     faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before any waiting
     model = args.model or demo_model_dir()
-    peers = HttpxPeers(token=args.internal_token)
+    peers = HttpxPeers(token=args.internal_token, ssl_context=client_context(args.tls.ca_file))
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
     first, first_doc, info = await _fetch_info(peers, prefill + decode)
@@ -575,9 +599,10 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
             await nursery.start(peer_set.run)
             await nursery.start(runner.run)
             await nursery.start(live.run)
-            log.info("router serving on %s (prefill %s, decode %s): %s", listener_url(listener),
-                     prefill, decode, handoff_rule(threshold))
-            await _serve(app, listener, runner, nursery)
+            log.info("router serving on %s (prefill %s, decode %s): %s",
+                     listener_url(listener, https=args.tls.serves_https), prefill, decode,
+                     handoff_rule(threshold))
+            await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
     finally:
         await peers.aclose()
@@ -603,9 +628,10 @@ def open_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def listener_url(sock: socket.socket) -> str:
+def listener_url(sock: socket.socket, *, https: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _listener_for(args: argparse.Namespace) -> socket.socket:
@@ -637,27 +663,31 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float,
-                 headers: Mapping[str, str] | None = None) -> str | None:
+                 headers: Mapping[str, str] | None = None, *, verify: ssl.SSLContext | None = None,
+                 stop: Callable[[], bool] | None = None) -> str | None:
     """Poll a starting node's /health until it answers 200. None when it does; otherwise why
-    not (the process exited, or the time ran out), for the caller to raise as it sees fit.
-    `headers`: an API key, where `--api-key-protects health` closes /health."""
+    not (the process exited, the time ran out, its TLS certificate was refused: waiting cannot
+    mend that, or `stop()` turned true), for the caller to raise as it sees fit.
+    `headers`: an API key, where `--api-key-protects health` closes /health. `verify`: what an
+    https:// node's certificate must chain to (default: the system store)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            return f"{url} exited with code {child.returncode} while starting"
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0, headers=headers).status_code == 200:
-                return None
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    context = verify if verify is not None else client_context(None)
+    with httpx.Client(verify=context, timeout=1.0, headers=headers) as client:
+        while time.monotonic() < deadline:
+            if stop is not None and stop():
+                return f"stopped waiting for {url}"
+            if child.poll() is not None:
+                return f"{url} exited with code {child.returncode} while starting"
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return None
+            except httpx.HTTPError as exc:
+                refused = certificate_refused(exc)
+                if refused is not None:
+                    return (f"{url}: its TLS certificate does not verify ({refused}); give the CA that "
+                            "signed it with --tls-ca-file, and a certificate for that host name or IP")
+            time.sleep(0.1)
     return f"{url} was not healthy within {timeout_s:.0f} s"
-
-
-def _wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
-    problem = wait_healthy(url, child, timeout_s)
-    if problem is not None:
-        raise SystemExit(f"statecore: {problem}")
 
 
 # Per child (its own socket) or passed another way (the secrets: through the environment).
@@ -693,11 +723,11 @@ HANDOFF_PROMPT = ("Once upon a time, in a small village at the edge of a great f
 router to send it through the prefill node."""
 
 
-def _router_threshold(router: str, token: str | None) -> int | None:
+def _router_threshold(router: str, token: str | None, verify: ssl.SSLContext) -> int | None:
     """The running router's local-prefill threshold (its /internal/stats), for the banner."""
     headers = {TOKEN_HEADER: token} if token else {}
     try:
-        value = httpx.get(f"{router}/internal/stats", headers=headers, timeout=5.0).json()
+        value = httpx.get(f"{router}/internal/stats", headers=headers, timeout=5.0, verify=verify).json()
         threshold = value.get("local_prefill_below")
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
@@ -705,10 +735,11 @@ def _router_threshold(router: str, token: str | None) -> int | None:
 
 
 def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None, blas: str,
-            keyed: bool = False) -> str:
+            keyed: bool = False, cacert: str | None = None) -> str:
     body = json.dumps({"model": model, "max_tokens": 64,
                        "messages": [{"role": "user", "content": HANDOFF_PROMPT}]})
     key = "-H 'Authorization: Bearer <your API key>' " if keyed else ""
+    key += f"--cacert {cacert} " if cacert and router.startswith("https://") else ""
     rule = "" if threshold is None else f"Routing: {handoff_rule(threshold)}.\n"
     rule += f"MLX computes with {_blas_words(blas)}.\n"
     return (f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
@@ -745,7 +776,12 @@ def run_cluster(args: argparse.Namespace) -> int:
                      if keys is not None and "health" in keys.protects else None)
     sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
                "router": _listener_for(args)}
-    urls = {role: listener_url(sock) for role, sock in sockets.items()}
+    tls: TlsFiles = args.tls  # the children get the TLS flags with the others (`forwarded`)
+    urls = {role: listener_url(sock, https=tls.serves_https) for role, sock in sockets.items()}
+    # this process's own calls reach a router bound to every address on loopback
+    local = {role: url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+             for role, url in urls.items()}
+    verify = client_context(tls.ca_file)
     base = [sys.executable, "-m", "adapters.cli", "run"]
     children: dict[str, subprocess.Popen[bytes]] = {}
     received: list[int] = []
@@ -761,15 +797,14 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     def wait_healthy_or_stop(role: str, timeout_s: float) -> bool:
         """True once the child is healthy; False when a stop signal came first."""
-        deadline = time.monotonic() + timeout_s
-        while not received:
-            problem = wait_healthy(urls[role], children[role], min(1.0, deadline - time.monotonic()),
-                                   router_health if role == "router" else None)
-            if problem is None:
-                return True
-            if children[role].poll() is not None or time.monotonic() >= deadline:
-                raise SystemExit(f"statecore: {problem}")
-        return False
+        problem = wait_healthy(local[role], children[role], timeout_s,
+                               router_health if role == "router" else None, verify=verify,
+                               stop=lambda: bool(received))
+        if received:
+            return False
+        if problem is not None:
+            raise SystemExit(f"statecore: {problem}")
+        return True
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -782,9 +817,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
                              *forwarded])
             if wait_healthy_or_stop("router", 120):
-                threshold = _router_threshold(urls["router"], args.internal_token)
+                threshold = _router_threshold(local["router"], args.internal_token, verify)
                 served = getattr(args, "served_model_name", None) or Path(model).name
-                print(_banner(urls["router"], urls, served, threshold, blas, keys is not None), flush=True)
+                print(_banner(urls["router"], urls, served, threshold, blas, keys is not None, tls.ca_file),
+                      flush=True)
         while not received and exited is None:
             for role, child in children.items():
                 if child.poll() is not None:
@@ -850,9 +886,19 @@ def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list
                      allowed_origins=origins)
 
 
+def _resolve_tls(args: argparse.Namespace) -> None:
+    """`args.tls`: the checked TLS files (`adapters.tls.tls_files`); refused with one line, before
+    anything loads, when they cannot work."""
+    try:
+        args.tls = tls_files(args.tls_certfile, args.tls_keyfile, args.tls_ca_file)
+    except TlsConfigError as exc:
+        raise SystemExit(f"statecore: {exc}") from None
+
+
 def run_command(args: argparse.Namespace) -> int:
     role = args.role
     setup_logging(args, role)
+    _resolve_tls(args)
     _resolve_model(args)
     _resolve_api_keys(args)
     if role == "cluster":

@@ -49,8 +49,8 @@ class RunnerGeneration:
         async with self.replies:
             async for reply in self.replies:
                 match reply:
-                    case RespondToken(token=token):
-                        yield TokenOut(token)
+                    case RespondToken(token=token, logprobs=logprobs):
+                        yield TokenOut(token, logprobs)
                     case Complete(finish_reason=reason):
                         yield GenerationEnd(reason)
                         return

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
 
 # A KV payload as it arrives: a decode node receives into reusable buffers and passes a view of
@@ -63,6 +64,9 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0  # subtracted from a token's logit per repetition
     frequency_context_size: int = 20
+    # With each token, its log-probability and the `logprobs` most likely alternatives' (None:
+    # none of it). The distribution is the shaped one, before temperature (mlx-lm's choice).
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +131,7 @@ class PrefillOutcome:
     first_token: int
     prompt_tokens: int
     held_bytes: int
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +141,7 @@ class GeneratedToken:
     token: int
     is_eos: bool = False
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens reached)
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

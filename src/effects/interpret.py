@@ -129,7 +129,7 @@ class EnginePerformer:
                 if outcome.first_token in eos and not ctx.hands_off and not ctx.sampling.ignore_eos:
                     await post(Finished("stop"))  # a local request whose first token ends it
                 else:
-                    await post(PrefillDone(outcome.first_token, outcome.held_bytes))
+                    await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
             case FetchKv():
                 if self.peers is None or ctx.prefill_url is None:
                     raise _bug("FetchKv without a prefill node")
@@ -160,7 +160,7 @@ class EnginePerformer:
                     if generated.is_eos and not ctx.sampling.ignore_eos:
                         await post(Finished("stop"))
                         return
-                    await post(TokenGenerated(generated.token))
+                    await post(TokenGenerated(generated.token, generated.logprobs))
                     if generated.finish_reason is not None:
                         await post(Finished(generated.finish_reason))
                         return
@@ -338,7 +338,7 @@ class RouterPerformer:
             await post(Finished("stop"))
             return
         ctx.first_token = reply.first_token
-        await post(FirstToken(reply.first_token))
+        await post(FirstToken(reply.first_token, reply.logprobs))
 
     async def _relay(
         self, ctx: RoutedRequest, messages: AsyncIterator[Output | PrefillReply], post: Post
@@ -350,8 +350,8 @@ class RouterPerformer:
                     await self._first(message, ctx, post)
                     if is_eos:
                         return
-                case TokenOut(token=token):
-                    await post(TokenGenerated(token))
+                case TokenOut(token=token, logprobs=logprobs):
+                    await post(TokenGenerated(token, logprobs))
                 case GenerationEnd(finish_reason=reason):
                     await post(Finished(reason))
                     return

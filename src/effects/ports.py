@@ -25,6 +25,7 @@ from effects.engine_port import (
     SamplingParams,
 )
 from statecore.errors import ErrorInfo
+from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
 
 
@@ -42,6 +43,7 @@ class TokenOut:
     """A generated token. The EOS token is never sent: `GenerationEnd("stop")` is."""
 
     token: int
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ class PrefillReply:
     first_token: int
     is_eos: bool
     held_bytes: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

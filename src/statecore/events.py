@@ -79,12 +79,23 @@ class Dispatched:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """What a request that asked for logprobs gets with each token: the token's log-probability
+    and the `top` most likely tokens' (id, log-probability), most likely first. The core only
+    carries it from the event to the token it answers."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillDone:
     """The engine prefilled the prompt and sampled the first token; the cache is held."""
 
     kind: ClassVar[EventKind] = EventKind.PREFILL_DONE
     first_token: int
     held_bytes: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +104,7 @@ class FirstToken:
 
     kind: ClassVar[EventKind] = EventKind.FIRST_TOKEN
     token: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,7 @@ class DecodeStarted:
 class TokenGenerated:
     kind: ClassVar[EventKind] = EventKind.TOKEN
     token: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,5 +327,6 @@ __all__ = [
     "Timer",
     "TimerFired",
     "TokenGenerated",
+    "TokenLogprobs",
     "TransportLost",
 ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from statecore.errors import ErrorInfo
-from statecore.events import Timer
+from statecore.events import Timer, TokenLogprobs
 from statecore.ids import RequestId
 
 
@@ -125,6 +125,7 @@ class RespondToken:
     kind: ClassVar[IntentKind] = IntentKind.RESPOND_TOKEN
     request_id: RequestId
     token: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from statecore.events import (
     Timer,
     TimerFired,
     TokenGenerated,
+    TokenLogprobs,
     TransportLost,
 )
 from statecore.ids import PeerId, RequestId
@@ -140,12 +141,12 @@ def outcome_reason(machine: Machine[P], record: RequestRecord[P]) -> str:
     return record.finish_reason or HANDED_OFF
 
 
-def _token_of(event: Event) -> int | None:
+def _token_of(event: Event) -> tuple[int, TokenLogprobs | None] | None:
     match event:
-        case FirstToken(token=token) | TokenGenerated(token=token):
-            return token
-        case PrefillDone(first_token=token):
-            return token
+        case FirstToken(token=token, logprobs=logprobs) | TokenGenerated(token=token, logprobs=logprobs):
+            return token, logprobs
+        case PrefillDone(first_token=token, logprobs=logprobs):
+            return token, logprobs
         case _:
             return None
 
@@ -208,11 +209,11 @@ def _build_request_intent(
         case IntentKind.CANCEL_TIMER:
             return CancelTimer(rid)
         case IntentKind.RESPOND_TOKEN:
-            token = _token_of(event)
-            if token is None:  # a table edge names RESPOND_TOKEN on a token-less event
+            carried = _token_of(event)
+            if carried is None:  # a table edge names RESPOND_TOKEN on a token-less event
                 missing = f"no token in '{event.kind.value}' at {phase.value}"
                 return Reject(rid, bug(missing, Code.ILLEGAL_TRANSITION))
-            return RespondToken(rid, token)
+            return RespondToken(rid, *carried)
         case IntentKind.COMPLETE:
             return Complete(rid, _normal_end(event) or "stop")
         case IntentKind.REJECT:

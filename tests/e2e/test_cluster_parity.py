@@ -44,6 +44,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 20, "temperature": 0.8, "min_p": 0.05, "seed": 3,
                               "presence_penalty": 2.0, "repetition_context_size": 5}),
+    # Logprobs: the first token's come from the prefill node, the rest from the decode node.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 12,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 3}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 8,
+                         "logprobs": 2}),
     # n: choice 1 runs as its own request with seed + 1, on both.
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 4,
                          "n": 2}),

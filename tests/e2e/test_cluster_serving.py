@@ -5,6 +5,7 @@ travel."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -86,6 +87,33 @@ def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None
     assert_no_leaks(cluster.nodes)
 
 
+def test_messages_and_responses_answer_byte_identically_through_the_cluster(cluster: Cluster) -> None:
+    """Anthropic's /v1/messages and OpenAI's /v1/responses, greedy, whole and streamed, with the
+    same request id: the router's bytes are the single node's (a response's `created_at` aside)."""
+    model = httpx.get(f"{cluster.single.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/messages", {"model": model, "max_tokens": 12, "temperature": 0, "system": "Be brief.",
+                          "messages": [{"role": "user", "content": STORY}]}),
+        ("/v1/responses", {"model": model, "max_output_tokens": 12, "temperature": 0,
+                           "instructions": "Be brief.", "input": STORY}),
+    ]
+    for path, body in calls:
+        for stream in (False, True):
+            answers = []
+            for node in (cluster.router, cluster.single):
+                response = httpx.post(f"{node.url}{path}", json={**body, "stream": stream},
+                                      headers={"X-Request-Id": f"same{path.replace('/', '-')}-{stream}"},
+                                      timeout=120)
+                assert response.status_code == 200, (node.role, response.text)
+                answers.append(re.sub(rb'"created_at":\d+', b'"created_at":0', response.content))
+            assert answers[0] == answers[1], (path, stream)
+            if not stream:
+                doc = json.loads(answers[0])
+                content = doc["content"] if path == "/v1/messages" else doc["output"][0]["content"]
+                assert content[0]["text"], doc  # something was generated to compare
+    assert_no_leaks(cluster.nodes)
+
+
 BAD_BODIES: list[tuple[str, Any, int]] = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", [1, 2, 3], 400),
@@ -95,7 +123,8 @@ BAD_BODIES: list[tuple[str, Any, int]] = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}, 400),
     ("/v1/completions", {"prompt": "", "max_tokens": 5}, 400),
     ("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 5}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, 422),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 422),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": "hello"}, 400),

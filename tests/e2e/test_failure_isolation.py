@@ -401,7 +401,7 @@ VIOLATIONS = [
     ("presence_context_size", 2.5, 400, "invalid_request", "presence_context_size"),
     ("logit_bias", {"99999999": 1.0}, 400, "invalid_request", "logit_bias"),
     ("logit_bias", {"a": 1.0}, 400, "invalid_request", "logit_bias"),
-    ("logprobs", True, 422, "unsupported_parameter", "logprobs"),
+    ("echo", True, 422, "unsupported_parameter", "echo"),
     ("model", "no-such-model", 404, "model_not_found", "model"),
 ]
 checked_bodies = [0]

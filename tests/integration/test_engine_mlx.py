@@ -520,6 +520,18 @@ async def with_and_without(open_engine: Opener, path: Path, prompts: dict[Reques
     return expected, await run_together(engine, prompts, sampling), engine
 
 
+def poisoning(poisoned: str, batch_sizes: list[int]) -> Callable[[str, Sequence[str]], None]:
+    """A model-call hook whose every decode call that computes `poisoned` raises; each such
+    call's number of rows goes into `batch_sizes`."""
+
+    def poison(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and poisoned in request_ids:
+            batch_sizes.append(len(request_ids))
+            raise RuntimeError("injected: this row always breaks its decode step")
+
+    return poison
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED, SHAPED_SEEDED], ids=["greedy", "seeded", "shaped"])
 async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Opener, sampling: SamplingParams
                                                                ) -> None:
@@ -547,12 +559,7 @@ async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: 
     path = cached_checkpoint("llama")
     poisoned = RequestId("p3")
     batch_sizes: list[int] = []
-
-    def poison(stage: str, request_ids: Sequence[str]) -> None:
-        if stage == "decode" and poisoned in request_ids:
-            batch_sizes.append(len(request_ids))
-            raise RuntimeError("injected: this row always breaks its decode step")
-
+    poison = poisoning(poisoned, batch_sizes)
     prompts = six_prompts("p")
     expected, got, engine = await with_and_without(open_engine, path, prompts, sampling, poison)
     error = got.pop(poisoned)
@@ -672,12 +679,7 @@ async def test_a_row_that_breaks_every_batch_generator_step_fails_alone(open_eng
     path = cached_checkpoint(family)
     poisoned = RequestId("r2")
     calls: list[int] = []
-
-    def poison(stage: str, request_ids: Sequence[str]) -> None:
-        if stage == "decode" and poisoned in request_ids:
-            calls.append(len(request_ids))
-            raise RuntimeError("injected: this row breaks every decode step")
-
+    poison = poisoning(poisoned, calls)
     prompts = six_prompts("r")
     expected, got, engine = await with_and_without(open_engine, path, prompts, GREEDY, poison)
     error = got.pop(poisoned)
@@ -894,6 +896,68 @@ async def test_shaped_sampling_through_a_handoff_equals_one_node(
     unshaped = replace(sampling, logit_bias=(), repetition_penalty=0.0, presence_penalty=0.0,
                        frequency_penalty=0.0)
     assert alone != await single(prefill_node, RequestId("a"), prompt, unshaped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs: each token's log-probability and the most likely alternatives
+
+
+async def logprobs_of(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      decode: MlxEngine | None = None) -> list[tuple[int, Any]]:
+    """(token, its TokenLogprobs) for every token, the first from the prefill; with `decode`, the
+    rest from there after a handoff."""
+    outcome = await engine.prefill(rid, prompt, sampling)
+    if decode is None:
+        await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+    else:
+        payload = (await engine.export_held(rid)).joined()
+        await engine.release_held(rid)
+        await decode.install(rid, payload, prompt, outcome.first_token, sampling)
+    rest = [(g.token, g.logprobs) for g in await collect(decode or engine, rid)]
+    return [(outcome.first_token, outcome.first_logprobs), *rest]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
+async def test_logprobs_are_mlx_lms_and_equal_after_a_handoff(
+    open_engine: Opener, fresh_dirs: dict[str, Path], family: str
+) -> None:
+    path = fresh_dirs.get(family) or cached_checkpoint(family)
+    prefill_node, decode_node = await open_engine(path), await open_engine(path)
+    prompt = prompt_of(30, salt=2)
+    sampling = SamplingParams(max_tokens=12, logprobs=4)
+    alone = await logprobs_of(prefill_node, RequestId("a"), prompt, sampling)
+    handed = await logprobs_of(prefill_node, RequestId("b"), prompt, sampling, decode=decode_node)
+    assert handed == alone  # the same floats, to the bit
+    reference(path, [1])  # loads the model
+    steps = generate_step(mx.array(prompt), _REFERENCE_MODELS[(path, False)], max_tokens=12,
+                          prefill_step_size=CHUNK)
+    for (token, logprobs), (expected, row) in zip(alone, steps, strict=True):
+        assert token == int(expected) and logprobs is not None
+        assert logprobs.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert logprobs.top[0][0] == token  # greedy: the most likely one
+        values = [v for _, v in logprobs.top]
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert values == pytest.approx(sorted(np.array(row).tolist(), reverse=True)[:4], abs=1e-4)
+    plain = await logprobs_of(prefill_node, RequestId("c"), prompt, replace(sampling, logprobs=None))
+    assert [t for t, _ in plain] == [t for t, _ in alone] and all(lp is None for _, lp in plain)
+
+
+async def test_seeded_logprobs_in_a_batch_come_with_every_token(open_engine: Opener) -> None:
+    engine = await open_engine(cached_checkpoint("llama"))
+    sampling = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=0)
+    got: dict[RequestId, list[tuple[int, Any]]] = {}
+
+    async def one(rid: RequestId, prompt: list[int]) -> None:
+        got[rid] = await logprobs_of(engine, rid, prompt, sampling)
+
+    async with trio.open_nursery() as nursery:  # side by side: one batch
+        for i in range(4):
+            nursery.start_soon(one, RequestId(f"l{i}"), prompt_of(10 + i, salt=i))
+    assert len(got) == 4
+    for pairs in got.values():
+        assert len(pairs) == 10
+        for _, logprobs in pairs:
+            assert logprobs is not None and logprobs.top == () and logprobs.logprob <= 0.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from adapters.openai_api import Frontend, build_app
 from adapters.tiny_models import build_tokenizer
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
+from statecore.events import TokenLogprobs
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
 
 CONTEXT = 64
@@ -331,6 +332,51 @@ async def test_one_failing_choice_fails_the_request_and_frees_the_others(
     assert backend.generations[0].cancels == 1
 
 
+def with_logprobs(frontend: Frontend, text: str) -> list[ScriptItem]:
+    """`say`, each token carrying a made-up logprob (-0.5 x its place) and two alternatives."""
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    tokens = [TokenOut(int(t), TokenLogprobs(-0.5 * i, ((int(t), -0.5 * i), (7, -9.0))))
+              for i, t in enumerate(ids)]
+    return [*tokens, GenerationEnd("length")]
+
+
+async def test_chat_logprobs_whole_and_streamed_are_openais_shape(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "Hello world, again"
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    backend.scripts.extend([with_logprobs(frontend, text), with_logprobs(frontend, text)])
+    body = {"messages": _USER, "max_tokens": 30, "logprobs": True, "top_logprobs": 2}
+    whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"]
+    assert backend.last.request.sampling.logprobs == 2
+    pieces = [frontend.tokenizer.decode([t]) for t in ids]
+    assert [e["token"] for e in whole["content"]] == pieces and "".join(pieces) == text
+    first, seven = whole["content"][0], frontend.tokenizer.decode([7])
+    assert first == {"token": pieces[0], "logprob": 0.0, "bytes": list(pieces[0].encode()), "top_logprobs": [
+        {"token": pieces[0], "logprob": 0.0, "bytes": list(pieces[0].encode())},
+        {"token": seven, "logprob": -9.0, "bytes": list(seven.encode())}]}
+    chunks = events((await client.post("/v1/chat/completions", json={**body, "stream": True})).text)
+    streamed = [e for c in chunks[:-1] if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == whole["content"]  # every token once, in order, over the chunks
+
+
+async def test_completion_logprobs_are_the_legacy_shape_and_off_unless_asked(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "one two"
+    backend.scripts.extend([with_logprobs(frontend, text), with_logprobs(frontend, text)])
+    got = (await client.post("/v1/completions", json={"prompt": "Hi", "logprobs": 1})).json()["choices"][0]
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    pieces = [frontend.tokenizer.decode([t]) for t in ids]
+    assert got["logprobs"]["tokens"] == pieces
+    assert got["logprobs"]["token_logprobs"] == [-0.5 * i for i in range(len(pieces))]
+    assert got["logprobs"]["text_offset"] == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    assert got["logprobs"]["top_logprobs"][0] == {pieces[0]: 0.0, frontend.tokenizer.decode([7]): -9.0}
+    plain = (await client.post("/v1/completions", json={"prompt": "Hi"})).json()["choices"][0]
+    assert plain["logprobs"] is None and backend.last.request.sampling.logprobs is None
+
+
 async def test_chat_streaming_with_usage(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
@@ -620,7 +666,11 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
     ),
     ("n is 17", "/v1/completions", _json({"prompt": "Hi", "n": 17}), 400, "invalid_request"),
     ("n is 0", "/v1/completions", _json({"prompt": "Hi", "n": 0}), 400, "invalid_request"),
-    ("logprobs", "/v1/completions", _json({"prompt": "Hi", "logprobs": 1}), 422, "unsupported_parameter"),
+    ("logprobs over 20", "/v1/completions", _json({"prompt": "Hi", "logprobs": 21}), 400, "invalid_request"),
+    ("logprobs as a bool on completions", "/v1/completions", _json({"prompt": "Hi", "logprobs": True}), 400,
+     "invalid_request"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     _json({"messages": _USER, "top_logprobs": 2}), 400, "invalid_request"),
     ("best_of", "/v1/completions", _json({"prompt": "Hi", "best_of": 3}), 422, "unsupported_parameter"),
     ("echo", "/v1/completions", _json({"prompt": "Hi", "echo": True}), 422, "unsupported_parameter"),
     ("min_p over 1", "/v1/completions", _json({"prompt": "Hi", "min_p": 1.5}), 400, "invalid_request"),
@@ -682,11 +732,11 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
         "unsupported_parameter",
     ),
     (
-        "chat logprobs",
+        "chat logprobs as a count",
         "/v1/chat/completions",
-        _json({"messages": _USER, "logprobs": True}),
-        422,
-        "unsupported_parameter",
+        _json({"messages": _USER, "logprobs": 2}),
+        400,
+        "invalid_request",
     ),
     (
         "chat json mode",
@@ -733,8 +783,8 @@ async def test_bad_request(
 async def test_validation_message_names_the_field(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
     assert "max_tokens" in response.json()["error"]["message"]
-    response = await client.post("/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 2})
-    assert response.json()["error"]["message"].startswith("unsupported parameters: logprobs, echo")
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "echo": True, "best_of": 2})
+    assert response.json()["error"]["message"].startswith("unsupported parameters: best_of, echo")
 
 
 async def test_body_too_large_by_content_length_alone(

@@ -24,7 +24,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import trio
@@ -46,10 +46,17 @@ from adapters.mlx.jobs import (
 )
 from adapters.mlx.memory import KvCost
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
-from adapters.mlx.sampling import PositionSampler, mlx_lm_processors, sample_rows
+from adapters.mlx.sampling import (
+    PositionSampler,
+    mlx_lm_processors,
+    pick_logprobs,
+    read_logprobs,
+    sample_rows,
+)
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.events import TokenLogprobs
 from statecore.scheduling import (
     KvAdmission,
     StepBudget,
@@ -64,6 +71,7 @@ __all__ = ["DeviceLoop", "Held", "Live", "Settings"]
 logger = logging.getLogger("adapters.engine_mlx")
 
 
+_T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 
 
@@ -119,6 +127,7 @@ class _InFlight:
 
     tokens: Any = None  # slot lane: (rows,) sampled tokens
     owners: list[Live | None] = field(default_factory=list)
+    logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
     finished_prefills: list[PrefillTask] = field(default_factory=list)
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
 
@@ -423,27 +432,24 @@ class DeviceLoop:
         inputs = self.slot_inputs(rows, count)
         marks = [live.sampler.mark() for live in rows]
         try:
-            tokens = self.slot_call(rows, inputs, count)
-        except Exception as exc:
-            self.step_retries += 1
-            logger.warning("a decode step of %d rows raised (%s: %s); computing it again",
-                           len(rows), type(exc).__name__, exc)
-            self.rewind(rows, marks)
-            try:
-                tokens = self.slot_call(rows, inputs, count)
-            except Exception:
-                self.rewind(rows, marks)
-                tokens, rows = self.isolate(rows, inputs, count)
+            tokens = self.twice(lambda: self.slot_call(rows, inputs, count), lambda: self.rewind(rows, marks),
+                                f"a decode step of {len(rows)} rows")
+        except Exception:
+            tokens, rows = self.isolate(rows, inputs, count)
         owners: list[Live | None] = [None] * count
         for live in rows:
             assert live.slot is not None
             owners[live.slot] = live
             live.fed = True
             live.offset += 1
+            picked = live.sampler.take_logprobs()
+            if picked is not None:
+                current.logprobs[live.slot] = picked
         self.last_tokens = tokens
         current.tokens = tokens
         current.owners = owners
-        return [tokens, *pool.keys, *pool.values]
+        logprobs = [array for picked in current.logprobs.values() for array in picked]
+        return [tokens, *logprobs, *pool.keys, *pool.values]
 
     def slot_inputs(self, rows: list[Live], count: int) -> Any:
         """The (count,) input tokens of a slot step: a row fed before takes the previous step's
@@ -522,13 +528,33 @@ class DeviceLoop:
                 survivors.extend(group)
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         for live, raised in culprits:
-            self.rows_isolated += 1
-            logger.error("request %s fails alone: its decode step raised %s: %s",
-                         live.request_id, type(raised).__name__, raised)
-            error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
-            self.end(live, error, deliveries)
+            self.fail_alone(live, raised, deliveries)
         self.hand_out(deliveries)
         return tokens, survivors
+
+    def twice(self, call: Callable[[], _T], undo: Callable[[], None], what: str) -> _T:
+        """`call()`; if it raises, undo what it changed and call once more (a transient error
+        costs a retry, not a request). A second raise is undone too, then raised."""
+        try:
+            return call()
+        except Exception as exc:
+            self.step_retries += 1
+            logger.warning("%s raised (%s: %s); computing it again", what, type(exc).__name__, exc)
+            undo()
+        try:
+            return call()
+        except Exception:
+            undo()
+            raise
+
+    def fail_alone(self, live: Live, raised: Exception, deliveries: dict[trio.lowlevel.TrioToken, list[Any]]
+                   ) -> None:
+        """End a request whose own row's decode step kept raising."""
+        self.rows_isolated += 1
+        logger.error("request %s fails alone: its decode step raised %s: %s",
+                     live.request_id, type(raised).__name__, raised)
+        error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
+        self.end(live, error, deliveries)
 
     @staticmethod
     def rewind(rows: Sequence[Live], marks: Sequence[tuple[int, Any]]) -> None:
@@ -627,11 +653,12 @@ class DeviceLoop:
                 self.unreserve(task.request_id)
             self.last_tokens = None
         else:
-            for owner, token in zip(step.owners, tokens, strict=False):
+            for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
                 if owner is None or self.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
                 owner.last_token = token
-                item = self.count_token(owner, token)
+                picked = step.logprobs.get(slot)
+                item = self.count_token(owner, token, None if picked is None else read_logprobs(picked))
                 if item.finish_reason is not None:
                     self.end(owner, item, deliveries)
                 else:
@@ -640,7 +667,10 @@ class DeviceLoop:
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
-                finished.append((task, Outcome(value=PrefillOutcome(first, len(task.tokens), nbytes))))
+                picked = task.sampler.take_logprobs()
+                logprobs = None if picked is None else read_logprobs(picked)
+                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs)
+                finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         self.account("readback", started)
         self.hand_out(deliveries, finished)
@@ -654,14 +684,14 @@ class DeviceLoop:
         for trio_token, items in deliveries.items():
             post(trio_token, deliver, items)
 
-    def count_token(self, live: Live, token: int) -> GeneratedToken:
+    def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; EOS ends with "stop", the last allowed token with "length"."""
         live.remaining -= 1
         if token in self.eos and not live.sampler.sampling.ignore_eos:
-            return GeneratedToken(token, is_eos=True, finish_reason="stop")
+            return GeneratedToken(token, is_eos=True, finish_reason="stop", logprobs=logprobs)
         if live.remaining <= 0:
-            return GeneratedToken(token, finish_reason="length")
-        return GeneratedToken(token)
+            return GeneratedToken(token, finish_reason="length", logprobs=logprobs)
+        return GeneratedToken(token, logprobs=logprobs)
 
     def end(self, live: Live, item: StreamItem,
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
@@ -693,27 +723,22 @@ class DeviceLoop:
         marks = [live.sampler.mark() for live in rows]
         self.computing = ("decode", [live.request_id for live in rows])
         checkpoint = Checkpoint(self.batch)
-        try:
-            _, responses = self.batch.next()
-        except Exception as exc:
-            self.step_retries += 1
-            logger.warning("a batch decode step of %d rows raised (%s: %s); computing it again",
-                           len(rows), type(exc).__name__, exc)
+
+        def undo() -> None:
             checkpoint.restore()
             self.rewind(rows, marks)
-            try:
-                _, responses = self.batch.next()
-            except Exception:
-                checkpoint.restore()
-                self.rewind(rows, marks)
-                self.split_batch(rows)
-                return
+
+        try:
+            _, responses = self.twice(self.batch.next, undo, f"a batch decode step of {len(rows)} rows")
+        except Exception:
+            self.split_batch(rows)
+            return
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         for r in responses:
             row = self.by_uid.get(r.uid)
             if row is None:
                 continue
-            item = self.count_token(row, int(r.token))
+            item = self.count_token(row, int(r.token), self.merge_logprobs(row, r.logprobs, int(r.token)))
             if item.finish_reason is not None:
                 row.uid = None  # the generator drops a finished row itself
                 self.by_uid.pop(r.uid, None)
@@ -721,6 +746,14 @@ class DeviceLoop:
             else:
                 deliveries.setdefault(row.token, []).append((row.send, item, False))
         self.hand_out(deliveries)
+
+    @staticmethod
+    def merge_logprobs(live: Live, logprobs: Any, token: int) -> TokenLogprobs | None:
+        """A merge-lane token's logprobs from the (vocab,) row mlx-lm drew it from, if asked for."""
+        top = live.sampler.sampling.logprobs
+        if top is None:
+            return None
+        return read_logprobs(pick_logprobs(logprobs[None], mx.array([token]), top))
 
     def split_batch(self, rows: list[Live]) -> None:
         """Every row leaves the batch generator with its own cache, for the solo lane. A row the
@@ -730,6 +763,8 @@ class DeviceLoop:
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         try:
             pending = dict(zip(generation.uids, generation._next_tokens.tolist(), strict=True)) \
+                if len(generation) else {}
+            pending_logprobs = dict(zip(generation.uids, generation._next_logprobs, strict=True)) \
                 if len(generation) else {}
             caches = self.batch.remove([live.uid for live in rows], return_prompt_caches=True)
         except Exception as exc:  # the batch's state itself is broken: nothing of it can be saved
@@ -754,7 +789,8 @@ class DeviceLoop:
                 live.last_token = int(pending[uid])
             live.sampler.restart([*in_cache, live.last_token])
             if uid in pending:
-                item = self.count_token(live, live.last_token)
+                logprobs = self.merge_logprobs(live, pending_logprobs[uid], live.last_token)
+                item = self.count_token(live, live.last_token, logprobs)
                 if item.finish_reason is not None:
                     self.end(live, item, deliveries)
                 else:
@@ -769,26 +805,20 @@ class DeviceLoop:
         self.computing = ("decode", [live.request_id])
         checkpoint = Checkpoint(live.solo_cache)
         mark = live.sampler.mark()
-        try:
-            token = self.solo_call(live)
-        except Exception as exc:
-            self.step_retries += 1
-            logger.warning("a solo decode step of %s raised (%s: %s); computing it again",
-                           live.request_id, type(exc).__name__, exc)
+
+        def undo() -> None:
             checkpoint.restore()
             live.sampler.reset(mark)
-            try:
-                token = self.solo_call(live)
-            except Exception as again:
-                self.rows_isolated += 1
-                logger.error("request %s fails alone: its decode step raised %s: %s",
-                             live.request_id, type(again).__name__, again)
-                self.end(live, engine_failed(
-                    f"a decode step failed for this request: {type(again).__name__}: {again}"), deliveries)
-                self.hand_out(deliveries)
-                return
+
+        try:
+            token = self.twice(lambda: self.solo_call(live), undo, f"a solo decode step of {live.request_id}")
+        except Exception as raised:
+            self.fail_alone(live, raised, deliveries)
+            self.hand_out(deliveries)
+            return
         live.last_token = token
-        item = self.count_token(live, token)
+        picked = live.sampler.take_logprobs()
+        item = self.count_token(live, token, None if picked is None else read_logprobs(picked))
         if item.finish_reason is not None:
             self.end(live, item, deliveries)
         else:

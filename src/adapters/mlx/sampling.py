@@ -27,9 +27,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from effects.engine_port import SamplingParams
+from statecore.events import TokenLogprobs
 
-__all__ = ["PositionSampler", "log_softmax", "mlx_lm_processors", "position_key_seed", "request_seed",
-           "sample", "sample_rows", "shape_logits"]
+__all__ = ["PositionSampler", "log_softmax", "mlx_lm_processors", "pick_logprobs", "position_key_seed",
+           "read_logprobs", "request_seed", "sample", "sample_rows", "shape_logits"]
 
 _SAMPLE_KEY_DOMAIN = b"statecore-sample-v1"
 
@@ -108,6 +109,27 @@ def shape_logits(logits: Any, sampling: SamplingParams, recent: Any) -> Any:
     return logits
 
 
+def pick_logprobs(logprobs: Any, token: Any, top: int) -> tuple[Any, ...]:
+    """From a (1, vocab) row of log-probabilities and the (1,) token drawn from it: the token's
+    log-probability and the `top` most likely tokens' ids and log-probabilities, most likely
+    first, as lazy arrays (`read_logprobs` turns them into values once evaluated)."""
+    row = logprobs[0].astype(mx.float32)
+    chosen = mx.take(row, token.astype(mx.int32))
+    if top == 0:
+        return (chosen,)
+    ids = mx.argpartition(-row, kth=top - 1)[:top]
+    values = row[ids]
+    order = mx.argsort(-values)
+    return chosen, ids[order], values[order]
+
+
+def read_logprobs(picked: tuple[Any, ...]) -> TokenLogprobs:
+    chosen = float(picked[0].item())
+    if len(picked) == 1:
+        return TokenLogprobs(chosen)
+    return TokenLogprobs(chosen, tuple(zip(picked[1].tolist(), picked[2].tolist(), strict=True)))
+
+
 def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
     """The same shaping as mlx-lm's logits processors, for rows in mlx-lm's batch generator
     (which keeps each row's recent tokens itself)."""
@@ -141,12 +163,19 @@ class PositionSampler:
         self.position = position
         self.window = max((size for _, _, size in sampling.penalties), default=0)
         self.recent: Any = None
+        self.pending_logprobs: Any = None
         self.restart(context)
 
     @property
     def plain_greedy(self) -> bool:
         """An argmax of the log-probabilities, as any other greedy row's (batched in one call)."""
-        return self.sampling.greedy and not self.sampling.shapes_logits
+        return self.sampling.greedy and not self.sampling.shapes_logits and self.sampling.logprobs is None
+
+    def take_logprobs(self) -> Any:
+        """The last draw's log-probability arrays (`pick_logprobs`), lazily; None when the request
+        did not ask for them. Taken once."""
+        pending, self.pending_logprobs = self.pending_logprobs, None
+        return pending
 
     def restart(self, context: Sequence[int]) -> None:
         """The tokens before the next draw are `context` (the prompt and what was generated)."""
@@ -170,7 +199,10 @@ class PositionSampler:
         joins the recent tokens. Returns a (1,) array."""
         if self.sampling.shapes_logits:
             logits = shape_logits(logits, self.sampling, self.recent)
-        token = self(log_softmax(logits))
+        logprobs = log_softmax(logits)
+        token = self(logprobs)
+        if self.sampling.logprobs is not None:
+            self.pending_logprobs = pick_logprobs(logprobs, token, self.sampling.logprobs)
         if self.window:
             joined = mx.concatenate([self.recent, token.astype(mx.int32)])
             self.recent = joined[-self.window :]

@@ -1,0 +1,493 @@
+"""Anthropic's Messages API (`POST /v1/messages`) and OpenAI's Responses API (`POST /v1/responses`),
+text in and text out, on the single node and the router alike.
+
+Each request is mapped onto the /v1/chat/completions body it means (system, then the messages,
+through the model's chat template) and started by `openai_api.Frontend.start_chat`, so it shares
+everything with a chat completion but the shapes: the request id (`X-Request-Id`), the body limit,
+the validation ranges, the template, the stop strings, admission, cancel-on-disconnect and the
+backend. Only the answers are made here: the JSON bodies, the SSE event sequences and the error
+bodies, each in its API's own shape with the status of the `ErrorInfo`; an error about a field of
+the mapped chat names the field as this API's client wrote it. What would change the output and is
+not served yet (tools, images and other non-text content, thinking, previous_response_id,
+background, ...) is refused with 422 `unsupported_parameter`, never ignored; fields that change
+nothing (`metadata`, `store`, `user`, ...) are ignored, as unknown fields are on the chat. An
+adapter: `openai_api` imports it to serve its routes, so it imports `openai_api` for types only;
+nothing in `statecore` or `effects` may import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from adapters.streaming import cancel_on_disconnect
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
+
+if TYPE_CHECKING:
+    from adapters.openai_api import ChatEnd, ChatRun, Frontend
+
+__all__ = ["other_api_routes"]
+
+logger = logging.getLogger(__name__)
+
+_Step = tuple[str, "ChatEnd | ErrorInfo | None"]
+
+
+def other_api_routes(frontend: Frontend) -> list[BaseRoute]:
+    """`POST /v1/messages` and `POST /v1/responses` over `frontend`."""
+    apis = _OtherApis(frontend)
+    return [Route("/v1/messages", apis.messages, methods=["POST"]),
+            Route("/v1/responses", apis.responses, methods=["POST"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared: refusals, field names, SSE
+
+
+class _Strict(BaseModel):
+    """As strict as the chat's bodies: no coercion, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _unsupported(message: str, param: str) -> StatecoreError:
+    return StatecoreError(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER, message, param))
+
+
+def _refuse_unsupported(data: Mapping[str, object], neutral: Mapping[str, Callable[[object], bool]]) -> None:
+    """Parameters that would change the output and are not served: refused unless neutral."""
+    names = [name for name, is_neutral in neutral.items() if name in data and not is_neutral(data[name])]
+    if names:
+        raise _unsupported(f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
+                           "(not served yet on this endpoint)", names[0])
+
+
+def _absent(value: object) -> bool:
+    return value is None
+
+
+def _empty(value: object) -> bool:
+    return value is None or (isinstance(value, list | dict) and not value)
+
+
+def _typed(*types: str) -> Callable[[object], bool]:
+    """Neutral when absent, or an object whose `type` is one of `types`."""
+    return lambda value: value is None or (isinstance(value, dict) and value.get("type") in types)
+
+
+def _refuse_other_types(where: str, items: object, allowed: tuple[str, ...], what: str,
+                        default: str | None = None) -> None:
+    """An entry of the list `items` whose `type` (else `default`) is not `allowed` (images, tool
+    calls, ...) is refused with its place; a missing or non-string type is left to validation."""
+    if not isinstance(items, list):
+        return
+    for index, item in enumerate(items):
+        kind = item.get("type", default) if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind not in allowed:
+            raise _unsupported(f"{where}[{index}]: {what} of type {kind!r} are not served yet "
+                               f"(only {' and '.join(allowed)})", f"{where}[{index}]")
+
+
+def _renamed(info: ErrorInfo, names: Mapping[str, str]) -> ErrorInfo:
+    """An error about the mapped chat, naming its fields as this API's client wrote them."""
+    message, param = info.message, info.param
+    for chat_name, own in names.items():
+        message = re.sub(rf"\b{chat_name}(?=: | is )", own, message)
+        if param is not None and re.match(rf"{chat_name}\b", param):
+            param = own + param[len(chat_name):]
+    return replace(info, message=message, param=param)
+
+
+def _sse(event: str, data: object) -> bytes:
+    """One server-sent event with its name (both APIs name theirs); JSON has no raw newline."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return f"event: {event}\ndata: {text}\n\n".encode()
+
+
+def _given(**fields: object) -> dict[str, object]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _parts(content: str | Sequence[_Text | _InputText]) -> str | list[dict[str, str]]:
+    """Content as the chat takes it: a string, or text parts (which its template joins with newlines)."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": part.text} for part in content]
+
+
+async def _advance(run: ChatRun) -> _Step:
+    try:
+        return await run.advance()
+    except Exception:
+        logger.exception("request %s: unexpected error while generating", run.request_id)
+        return "", bug("internal error while generating")
+
+
+async def _answer(request: Request, run: ChatRun, *, stream: bool,
+                  body: Callable[[str, ChatEnd], object],
+                  events: Callable[[_Step], AsyncGenerator[bytes, None]]) -> Response:
+    """As /v1/chat/completions answers: a whole body, or a stream that starts with the first text
+    (or the end), so that a failure before any output still gets its own status; the client
+    going away before then cancels the generation."""
+    texts: list[str] = []
+    end: ChatEnd | ErrorInfo | None = None
+    try:
+        async with cancel_on_disconnect(request.receive) as watch:
+            text, end = await _advance(run)
+            texts.append(text)
+            while not stream and end is None:
+                text, end = await _advance(run)
+                texts.append(text)
+        if watch.disconnected:
+            await run.cancel()
+            return Response(status_code=499, headers=run.headers)
+        if isinstance(end, ErrorInfo):
+            await run.cancel()
+            return run.error_response(end)
+        if stream:
+            return run.event_stream(events((texts[0], end)))
+        assert end is not None
+        return JSONResponse(body("".join(texts), end), headers=run.headers)
+    except Exception:
+        logger.exception("request %s: unexpected error", run.request_id)
+        await run.cancel()
+        return run.error_response(bug("internal error while generating"))
+    except BaseException:  # cancelled from outside (server shutdown): free the backend too
+        await run.cancel()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Anthropic's Messages API
+
+
+class _Text(_Strict):
+    type: Literal["text"]
+    text: str  # cache_control, citations: ignored (hints that change no output)
+
+
+class _AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[_Text]
+
+
+class _MessagesBody(_Strict):
+    model: str  # required, as Anthropic requires it
+    max_tokens: int  # required, as Anthropic requires it; its range is the chat's
+    messages: list[_AnthropicMessage] = Field(min_length=1)
+    system: str | list[_Text] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None  # the chat's range (0 to 2), not Anthropic's (0 to 1)
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = None
+
+
+_MESSAGES_NEUTRAL: dict[str, Callable[[object], bool]] = {
+    "tools": _empty,
+    "tool_choice": _typed("auto", "none"),  # with no tools, neither can call one
+    "thinking": _typed("disabled"),
+    "mcp_servers": _empty,
+    "container": _absent,
+    "output_format": _absent,
+}
+
+
+def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _MessagesBody]:
+    _refuse_unsupported(data, _MESSAGES_NEUTRAL)
+    _refuse_other_types("system", data.get("system"), ("text",), "content blocks")
+    messages = data.get("messages")
+    for index, message in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict):
+            _refuse_other_types(f"messages[{index}].content", message.get("content"), ("text",),
+                                "content blocks")
+    body = _MessagesBody.model_validate(data)
+    if body.messages[-1].role == "assistant":
+        raise _unsupported("messages: a last message from the assistant (a prefill for the reply to "
+                           "continue) is not served yet", f"messages[{len(body.messages) - 1}]")
+    chat: list[dict[str, object]] = []
+    if body.system:
+        chat.append({"role": "system", "content": _parts(body.system)})
+    chat += [{"role": message.role, "content": _parts(message.content)} for message in body.messages]
+    return _given(model=body.model, max_tokens=body.max_tokens, messages=chat, stop=body.stop_sequences,
+                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k), body
+
+
+_MESSAGES_NAMES = {"stop": "stop_sequences"}
+
+
+def _anthropic_error_type(info: ErrorInfo) -> str:
+    """Anthropic's `error.type` for our status (their vocabulary; 422 is an invalid request too)."""
+    by_status = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error"}
+    if info.http_status in by_status:
+        return by_status[info.http_status]
+    if info.http_status < 500:
+        return "invalid_request_error"
+    return "overloaded_error" if info.fault is Fault.OVERLOADED else "api_error"
+
+
+def _anthropic_error(info: ErrorInfo) -> dict[str, object]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    info = _renamed(info, _MESSAGES_NAMES)
+    return {"type": "error", "error": {"type": _anthropic_error_type(info), "message": info.message}}
+
+
+def _stop_reason(end: ChatEnd) -> str:
+    if end.stop_string is not None:
+        return "stop_sequence"
+    return "max_tokens" if end.reason == "length" else "end_turn"
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI's Responses API
+
+
+class _InputText(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str  # an output_text's annotations and logprobs: ignored
+
+
+class _InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[_InputText]  # id, status (of an earlier output message): ignored
+
+
+class _ResponsesBody(_Strict):
+    model: str | None = None
+    input: str | list[_InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None  # the chat's max_tokens: its range and default
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    metadata: dict[str, str] | None = None  # echoed, as OpenAI does; nothing is kept
+
+
+_RESPONSES_NEUTRAL: dict[str, Callable[[object], bool]] = {
+    "tools": _empty,
+    "tool_choice": lambda value: value is None or value in ("auto", "none"),
+    "previous_response_id": _absent,  # nothing is stored to continue from
+    "conversation": _absent,
+    "prompt": _absent,
+    "background": lambda value: value is None or value is False,
+    "text": lambda value: value is None or (isinstance(value, dict) and _typed("text")(value.get("format"))),
+    "reasoning": _empty,
+    "include": _empty,
+    "top_logprobs": lambda value: value is None or (type(value) is int and value == 0),
+    "truncation": lambda value: value is None or value == "disabled",
+}
+
+
+def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _ResponsesBody]:
+    _refuse_unsupported(data, _RESPONSES_NEUTRAL)
+    items = data.get("input")
+    # an item without a type is a message (OpenAI's "easy input message")
+    _refuse_other_types("input", items, ("message",), "input items", default="message")
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, dict):
+            _refuse_other_types(f"input[{index}].content", item.get("content"),
+                                ("input_text", "output_text"), "content parts")
+    body = _ResponsesBody.model_validate(data)
+    chat: list[dict[str, object]] = []
+    if body.instructions:
+        chat.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        chat.append({"role": "user", "content": body.input})
+    else:
+        chat += [{"role": item.role, "content": _parts(item.content)} for item in body.input]
+    return _given(model=body.model, max_tokens=body.max_output_tokens, messages=chat,
+                  temperature=body.temperature, top_p=body.top_p), body
+
+
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _status(end: ChatEnd) -> str:
+    return "incomplete" if end.reason == "length" else "completed"
+
+
+def _openai_error(info: ErrorInfo) -> object:
+    return _renamed(info, _RESPONSES_NAMES).to_openai()
+
+
+# ---------------------------------------------------------------------------------------------
+# The endpoints
+
+
+class _OtherApis:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    # -- /v1/messages ------------------------------------------------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        started = await self.frontend.start_chat(request, _parse_messages, _anthropic_error)
+        if isinstance(started, Response):
+            return started
+        run, body = started
+        return await _answer(request, run, stream=bool(body.stream),
+                             body=lambda text, end: self._message(run, text, end),
+                             events=lambda first: self._message_events(run, first))
+
+    def _message(self, run: ChatRun, text: str | None, end: ChatEnd | None) -> dict[str, object]:
+        """The message: whole, or (no text, no end) as `message_start` announces it."""
+        return {
+            "id": f"msg_{run.request_id}",
+            "type": "message",
+            "role": "assistant",
+            "content": [] if text is None else [{"type": "text", "text": text}],
+            "model": self.frontend.model_name,
+            "stop_reason": None if end is None else _stop_reason(end),
+            "stop_sequence": None if end is None else end.stop_string,
+            "usage": {"input_tokens": run.prompt_tokens,
+                      "output_tokens": 0 if end is None else end.completion_tokens},
+        }
+
+    async def _message_events(self, run: ChatRun, first: _Step) -> AsyncGenerator[bytes, None]:
+        """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
+        message_delta (stop reason, usage), message_stop; a failure on the way: an `error` event."""
+        text, end = first
+        try:
+            yield _sse("message_start", {"type": "message_start", "message": self._message(run, None, None)})
+            yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})
+            yield _sse("ping", {"type": "ping"})
+            while True:
+                if text:
+                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                       "delta": {"type": "text_delta", "text": text}})
+                if end is not None:
+                    break
+                text, end = await _advance(run)
+            if isinstance(end, ErrorInfo):
+                yield _sse("error", _anthropic_error(end))
+                return
+            yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            yield _sse("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": _stop_reason(end),
+                                                   "stop_sequence": end.stop_string},
+                                         "usage": {"output_tokens": end.completion_tokens}})
+            yield _sse("message_stop", {"type": "message_stop"})
+        finally:
+            await run.cancel()
+
+    # -- /v1/responses -----------------------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        started = await self.frontend.start_chat(request, _parse_responses, _openai_error)
+        if isinstance(started, Response):
+            return started
+        run, body = started
+        return await _answer(request, run, stream=bool(body.stream),
+                             body=lambda text, end: self._response(run, body, text, end),
+                             events=lambda first: self._response_events(run, body, first))
+
+    def _item(self, run: ChatRun, text: str | None, status: str) -> dict[str, object]:
+        """The one output message (no content while it is only announced)."""
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"id": f"msg_{run.request_id}", "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    def _response(self, run: ChatRun, body: _ResponsesBody, text: str | None,
+                  end: ChatEnd | ErrorInfo | None) -> dict[str, object]:
+        """The response object: in progress (no text, no end), completed, incomplete, or failed."""
+        output: list[dict[str, object]] = []
+        usage: dict[str, object] | None = None
+        error: dict[str, str] | None = None
+        incomplete: dict[str, str] | None = None
+        if end is None:
+            status = "in_progress"
+        elif isinstance(end, ErrorInfo):
+            status = "failed"
+            error = {"code": end.code.value, "message": end.message}
+            if text:
+                output.append(self._item(run, text, "incomplete"))
+        else:
+            status = _status(end)
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
+            output.append(self._item(run, text or "", status))
+            usage = {"input_tokens": run.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                     "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": run.prompt_tokens + end.completion_tokens}
+        return {
+            "id": f"resp_{run.request_id}",
+            "object": "response",
+            "created_at": run.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.frontend.model_name,
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,  # nothing is stored, whatever `store` asked
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": body.metadata or {},
+        }
+
+    async def _response_events(self, run: ChatRun, body: _ResponsesBody, first: _Step
+                               ) -> AsyncGenerator[bytes, None]:
+        """response.created, response.in_progress, response.output_item.added,
+        response.content_part.added, response.output_text.delta..., response.output_text.done,
+        response.content_part.done, response.output_item.done, then response.completed (or
+        response.incomplete at max_output_tokens, as OpenAI sends it); each with its
+        sequence_number. A failure on the way: response.failed."""
+        sequence = 0
+        item_id = f"msg_{run.request_id}"
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+
+        def event(kind: str, **fields: object) -> bytes:
+            nonlocal sequence
+            sequence += 1
+            return _sse(kind, {"type": kind, **fields, "sequence_number": sequence - 1})
+
+        text, end = first
+        texts: list[str] = []
+        try:
+            yield event("response.created", response=self._response(run, body, None, None))
+            yield event("response.in_progress", response=self._response(run, body, None, None))
+            yield event("response.output_item.added", output_index=0,
+                        item=self._item(run, None, "in_progress"))
+            yield event("response.content_part.added", **where,
+                        part={"type": "output_text", "text": "", "annotations": []})
+            while True:
+                if text:
+                    texts.append(text)
+                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+                if end is not None:
+                    break
+                text, end = await _advance(run)
+            whole = "".join(texts)
+            if isinstance(end, ErrorInfo):
+                yield event("response.failed", response=self._response(run, body, whole, end))
+                return
+            yield event("response.output_text.done", **where, text=whole, logprobs=[])
+            yield event("response.content_part.done", **where,
+                        part={"type": "output_text", "text": whole, "annotations": []})
+            yield event("response.output_item.done", output_index=0,
+                        item=self._item(run, whole, _status(end)))
+            yield event(f"response.{_status(end)}", response=self._response(run, body, whole, end))
+        finally:
+            await run.cancel()
+

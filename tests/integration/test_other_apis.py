@@ -1,0 +1,509 @@
+"""Anthropic's `POST /v1/messages` and OpenAI's `POST /v1/responses` over a scripted fake backend,
+through the official `anthropic` and `openai` clients and raw HTTP: the prompt is the chat
+template's encoding of the equivalent chat completion, stop sequences, max tokens, streaming event
+sequences, errors in each API's own shape, refusals of what is not served, and cancel on
+disconnect.
+
+The SDKs talk HTTP through `httpx2`, so they get an `httpx2.AsyncClient` over the ASGI app; raw
+requests use httpx as the other front-end tests do. Both transports buffer a streamed body whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+import trio
+from starlette.applications import Starlette
+
+from adapters.openai_api import Frontend, build_app
+from adapters.tiny_models import build_tokenizer
+from effects.ports import GenerationEnd, GenerationError, TokenOut
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
+from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
+
+CONTEXT = 256
+SYSTEM = "Be brief."
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bpe")
+    build_tokenizer(path, "bpe")
+    return path
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(fake_model_info(context_length=CONTEXT))
+
+
+@pytest.fixture
+def frontend(tokenizer_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(tokenizer_dir, backend)
+
+
+@pytest.fixture
+def app(frontend: Frontend) -> Starlette:
+    return build_app(frontend)
+
+
+@pytest.fixture
+async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
+        yield client
+
+
+@pytest.fixture
+async def sdk_http(app: Starlette) -> AsyncIterator[httpx2.AsyncClient]:
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://node") as http:
+        yield http
+
+
+@pytest.fixture
+def claude(sdk_http: httpx2.AsyncClient) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(api_key="none", base_url="http://node", http_client=sdk_http,
+                                    max_retries=0)
+
+
+@pytest.fixture
+def gpt(sdk_http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="none", base_url="http://node/v1", http_client=sdk_http, max_retries=0)
+
+
+def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
+    """The script of a backend that generates exactly `text`, then ends with `end`."""
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    return [*(TokenOut(int(t)) for t in ids), GenerationEnd(end)]
+
+
+def tokens(frontend: Frontend, text: str) -> int:
+    return len(frontend.tokenizer.encode(text, add_special_tokens=False))
+
+
+def no_ids(doc: Any) -> Any:
+    """A body without its ids and creation time, the only fields two answers may differ in."""
+    if isinstance(doc, dict):
+        return {k: no_ids(v) for k, v in doc.items() if k not in ("id", "created_at")}
+    if isinstance(doc, list):
+        return [no_ids(v) for v in doc]
+    return doc
+
+
+def named_events(body: str) -> list[tuple[str, Any]]:
+    """(event name, JSON data) of each server-sent event; each names itself as its `type` says."""
+    assert body.endswith("\n\n")
+    out: list[tuple[str, Any]] = []
+    for block in body.split("\n\n")[:-1]:
+        name_line, data_line = block.split("\n")
+        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
+        assert (name_line, data["type"]) == (f"event: {name}", name)
+        out.append((name, data))
+    return out
+
+
+async def chat_prompt(client: httpx.AsyncClient, backend: FakeBackend, body: dict[str, Any]) -> Any:
+    """The prompt and sampling the backend gets for a chat completion `body`."""
+    backend.scripts.append([GenerationEnd("stop")])
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return backend.last.request.prompt, backend.last.request.sampling
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/messages
+
+
+async def test_a_message_is_the_chat_of_system_and_messages(
+    claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world"))
+    messages: Any = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                     {"role": "user", "content": [{"type": "text", "text": "How"},
+                                                  {"type": "text", "text": "are you?", "cache_control":
+                                                   {"type": "ephemeral"}}]}]
+    message = await claude.messages.create(
+        model="tiny", max_tokens=20, system=[{"type": "text", "text": SYSTEM}], messages=messages,
+        metadata={"user_id": "u1"}, extra_headers={"X-Request-Id": "m1"},
+        # anthropic 1.x dropped these from its signature; the API (and older clients) still send them
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 4})
+    got = backend.last.request
+    assert got.request_id == "m1"
+    assert message.id == "msg_m1" and message.model == "tiny" and message.role == "assistant"
+    assert [(block.type, block.text) for block in message.content] == [("text", "Hello world")]  # type: ignore[union-attr]
+    assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+    # the EOS token that ended it is counted, as the chat's completion_tokens counts it
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+        len(got.prompt), tokens(frontend, "Hello world") + 1)
+    chat = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}, *messages]
+    assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
+        "messages": chat, "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 4})
+    assert "Hi" in frontend.tokenizer.decode(list(got.prompt))
+
+
+async def test_a_message_ends_at_the_earliest_stop_sequence_and_names_it(
+    claude: anthropic.AsyncAnthropic, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world. Bye now", end="length"))
+    message = await claude.messages.create(model="tiny", max_tokens=30, messages=HI,  # type: ignore[arg-type]
+                                           stop_sequences=["Bye", "zz", "world."])
+    assert message.content[0].text == "Hello "  # type: ignore[union-attr]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "world.")
+    assert backend.last.stops == 1
+    assert backend.last.request.sampling.max_tokens == 30
+    backend.scripts.append(say(frontend, "Hello world", end="length"))
+    cut = await claude.messages.create(model="tiny", max_tokens=30, messages=HI)  # type: ignore[arg-type]
+    assert (cut.content[0].text, cut.stop_reason, cut.stop_sequence) == (  # type: ignore[union-attr]
+        "Hello world", "max_tokens", None)
+
+
+async def test_a_streamed_message_has_anthropics_event_sequence(
+    claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    body: Any = {"model": "tiny", "max_tokens": 30, "messages": HI, "stop_sequences": ["now"]}
+    backend.scripts.append(say(frontend, "Hello world. Bye now"))
+    whole = (await client.post("/v1/messages", json=body)).json()
+    backend.scripts.append(say(frontend, "Hello world. Bye now"))
+    response = await client.post("/v1/messages", json={**body, "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = named_events(response.text)
+    names = [name for name, _ in events]
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert names == ["message_start", "content_block_start", "ping", *["content_block_delta"] * len(deltas),
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert len(deltas) > 1 and {d["type"] for d in deltas} == {"text_delta"}
+    assert "".join(d["text"] for d in deltas) == whole["content"][0]["text"] == "Hello world. Bye "
+    start = events[0][1]["message"]
+    assert start == {**whole, "id": start["id"], "content": [], "stop_reason": None, "stop_sequence": None,
+                     "usage": {"input_tokens": whole["usage"]["input_tokens"], "output_tokens": 0}}
+    assert start["id"] == "msg_" + response.headers["x-request-id"]
+    assert events[-2][1] == {"type": "message_delta", "delta": {"stop_reason": "stop_sequence",
+                                                                "stop_sequence": "now"},
+                             "usage": {"output_tokens": whole["usage"]["output_tokens"]}}
+    # the SDK's stream helper puts the same message together
+    backend.scripts.append(say(frontend, "Hello world. Bye now"))
+    async with claude.messages.stream(**body) as stream:
+        texts = [text async for text in stream.text_stream]
+        final = await stream.get_final_message()
+    assert "".join(texts) == "Hello world. Bye "
+    assert {**final.model_dump(exclude_none=True), "id": whole["id"]} == {
+        **whole, "content": [{"type": "text", "text": "Hello world. Bye "}]}
+
+
+BAD_MESSAGES: list[tuple[dict[str, Any], int, str, str]] = [
+    ({"model": "tiny", "messages": HI}, 400, "invalid_request_error", "max_tokens: Field required"),
+    ({"model": "tiny", "max_tokens": "5", "messages": HI}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": "tiny", "max_tokens": 0, "messages": HI}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 5, "messages": HI}, 400, "invalid_request_error", "model: Field required"),
+    ({"model": "tiny", "max_tokens": 5, "messages": []}, 400, "invalid_request_error", "messages"),
+    ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
+     "invalid_request_error", "messages[0].role"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "temperature": 2.5}, 400, "invalid_request_error",
+     "temperature"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "stop_sequences": ["x"] * 17}, 400,
+     "invalid_request_error", "stop_sequences: at most 16"),
+    ({"model": "tiny", "max_tokens": 5000, "messages": HI}, 400, "invalid_request_error",
+     "max_tokens is 5000"),
+    ({"model": "other", "max_tokens": 5, "messages": HI}, 404, "not_found_error", "'other'"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {}}]}, 422,
+     "invalid_request_error", "unsupported parameter: tools"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "tool_choice": {"type": "any"}}, 422,
+     "invalid_request_error", "tool_choice"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 9}},
+     422, "invalid_request_error", "thinking"),
+    ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+     422, "invalid_request_error", "messages[0].content[1]: content blocks of type 'image'"),
+    ({"model": "tiny", "max_tokens": 5, "messages": [*HI, {"role": "assistant", "content": "Sure,"}]}, 422,
+     "invalid_request_error", "prefill"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "says"), BAD_MESSAGES)
+async def test_bad_messages_get_anthropics_error_shape(
+    client: httpx.AsyncClient, backend: FakeBackend, body: dict[str, Any], status: int, kind: str, says: str
+) -> None:
+    response = await client.post("/v1/messages", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error == {"type": "error", "error": {"type": kind, "message": error["error"]["message"]}}
+    assert says in error["error"]["message"]
+    assert backend.generations == []
+
+
+async def test_the_anthropic_client_raises_on_refusals_and_backend_errors(
+    claude: anthropic.AsyncAnthropic, backend: FakeBackend, frontend: Frontend
+) -> None:
+    tools: Any = [{"name": "f", "input_schema": {"type": "object"}}]
+    with pytest.raises(anthropic.UnprocessableEntityError, match="tools"):
+        await claude.messages.create(model="tiny", max_tokens=5, messages=HI, tools=tools)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        await claude.messages.create(model="tiny", max_tokens=0, messages=HI)  # type: ignore[arg-type]
+    backend.start_error = StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "the queue is full"))
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        await claude.messages.create(model="tiny", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert limited.value.response.headers["retry-after"] == "1"
+    assert limited.value.body == {"type": "error", "error": {"type": "rate_limit_error",
+                                                             "message": "the queue is full"}}
+    backend.start_error = None
+    backend.scripts.append([GenerationError(peer_error("the decode node failed"))])
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        await claude.messages.create(model="tiny", max_tokens=5, messages=HI)  # type: ignore[arg-type]
+    assert failed.value.status_code == 502 and "decode node failed" in failed.value.message
+    # a failure after the stream began: an `error` event, which the client raises
+    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    with pytest.raises(anthropic.APIStatusError, match="lost mid-way"):
+        async with claude.messages.stream(model="tiny", max_tokens=5, messages=HI) as stream:  # type: ignore[arg-type]
+            await stream.get_final_message()
+
+
+async def test_a_mid_stream_failure_is_anthropics_error_event(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    response = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": HI,
+                                                       "stream": True})
+    assert response.status_code == 200
+    events = named_events(response.text)
+    assert [name for name, _ in events][-2:] == ["content_block_delta", "error"]
+    assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "lost mid-way"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/responses
+
+
+async def test_a_response_is_the_chat_of_instructions_and_input(
+    gpt: openai.AsyncOpenAI, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.scripts.append(say(frontend, "Hello world"))
+    items: Any = [
+        {"role": "developer", "content": "Answer in English."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                     {"type": "input_text", "text": "there"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello.", "annotations": []}]},
+        {"role": "user", "content": "How are you?"},
+    ]
+    response = await gpt.responses.create(
+        model="tiny", input=items, instructions=SYSTEM, max_output_tokens=20, temperature=0.5, top_p=0.9,
+        metadata={"k": "v"}, store=True, user="u1", extra_headers={"X-Request-Id": "r1"})
+    got = backend.last.request
+    assert got.request_id == "r1"
+    assert (response.id, response.object, response.status, response.model) == ("resp_r1", "response",
+                                                                               "completed", "tiny")
+    assert response.output_text == "Hello world"
+    [item] = response.output
+    assert (item.type, item.id, item.status, item.role) == ("message", "msg_r1", "completed", "assistant")  # type: ignore[union-attr]
+    echoed = response.to_dict()  # nothing is stored, whatever `store` asked; metadata comes back
+    assert (echoed["store"], echoed["metadata"], echoed["incomplete_details"]) == (False, {"k": "v"}, None)
+    assert response.usage is not None
+    out = tokens(frontend, "Hello world") + 1
+    assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (
+        len(got.prompt), out, len(got.prompt) + out)
+    chat = [{"role": "system", "content": SYSTEM}, items[0],
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}, items[3]]
+    assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
+        "messages": chat, "max_tokens": 20, "temperature": 0.5, "top_p": 0.9})
+    # a string input is one user message
+    backend.scripts.append(say(frontend, "ok"))
+    await gpt.responses.create(model="tiny", input="Hi")
+    plain = backend.last.request
+    assert (plain.prompt, plain.sampling) == await chat_prompt(client, backend, {"messages": HI})
+
+
+async def test_a_response_cut_at_max_output_tokens_is_incomplete(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    body = {"input": "Hi", "max_output_tokens": 3}
+    backend.scripts.append(say(frontend, "Hello", end="length"))
+    whole = (await client.post("/v1/responses", json=body)).json()
+    assert (whole["status"], whole["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert whole["output"][0]["status"] == "incomplete"
+    assert whole["output"][0]["content"] == [{"type": "output_text", "text": "Hello", "annotations": []}]
+    backend.scripts.append(say(frontend, "Hello", end="length"))
+    streamed = named_events((await client.post("/v1/responses", json={**body, "stream": True})).text)
+    assert streamed[-1][0] == "response.incomplete"  # as OpenAI ends such a stream
+    last = streamed[-1][1]["response"]
+    assert no_ids(last) == no_ids(whole)
+
+
+async def test_a_streamed_response_has_the_responses_event_sequence(
+    gpt: openai.AsyncOpenAI, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    body = {"model": "tiny", "input": "Hi", "instructions": SYSTEM}
+    backend.scripts.append(say(frontend, "Hello world"))
+    whole = (await client.post("/v1/responses", json=body)).json()
+    backend.scripts.append(say(frontend, "Hello world"))
+    response = await client.post("/v1/responses", json={**body, "stream": True})
+    assert response.status_code == 200
+    events = named_events(response.text)
+    names = [name for name, _ in events]
+    deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert len(deltas) > 1 and "".join(deltas) == "Hello world"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    request_id = response.headers["x-request-id"]
+    created = events[0][1]["response"]
+    assert (created["id"], created["status"], created["output"], created["usage"]) == (
+        f"resp_{request_id}", "in_progress", [], None)
+    item = {"id": f"msg_{request_id}", "type": "message", "role": "assistant"}
+    assert events[2][1]["item"] == {**item, "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "Hello world", "annotations": []}
+    assert events[-4][1]["text"] == "Hello world" and events[-3][1]["part"] == part
+    assert events[-2][1]["item"] == {**item, "status": "completed", "content": [part]}
+    assert no_ids(events[-1][1]["response"]) == no_ids(whole)
+    # the official client, streaming
+    backend.scripts.append(say(frontend, "Hello world"))
+    stream = await gpt.responses.create(model="tiny", input="Hi", instructions=SYSTEM, stream=True)
+    got = [event async for event in stream]
+    assert [event.type for event in got] == names
+    assert got[-1].response.output_text == "Hello world"  # type: ignore[union-attr]
+    backend.scripts.append(say(frontend, "Hello world"))
+    async with gpt.responses.stream(model="tiny", input="Hi") as helper:
+        assert (await helper.get_final_response()).output_text == "Hello world"
+
+
+BAD_RESPONSES: list[tuple[dict[str, Any], int, str, str]] = [
+    ({}, 400, "input", "Field required"),
+    ({"input": 5}, 400, "input", "input"),
+    ({"input": "Hi", "temperature": "hot"}, 400, "temperature", "temperature"),
+    ({"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens: Input should be"),
+    ({"input": "Hi", "max_output_tokens": 5000}, 400, "max_output_tokens", "max_output_tokens is 5000"),
+    ({"input": "word " * 400}, 400, "input", "leaves no room"),
+    ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role", "input[0].role"),
+    ({"input": "Hi", "model": "other"}, 404, "model", "'other'"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, 422, "tools", "tools"),
+    ({"input": "Hi", "previous_response_id": "resp_1"}, 422, "previous_response_id", "previous_response_id"),
+    ({"input": "Hi", "background": True}, 422, "background", "background"),
+    ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, 422, "text", "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"},
+                                             {"type": "input_image", "image_url": "https://x/y.png"}]}]},
+     422, "input[0].content[1]", "content parts of type 'input_image'"),
+    ({"input": [*HI, {"type": "function_call_output", "call_id": "c", "output": "1"}]}, 422, "input[1]",
+     "input items of type 'function_call_output'"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "says"), BAD_RESPONSES)
+async def test_bad_responses_requests_get_openais_error_shape(
+    client: httpx.AsyncClient, backend: FakeBackend, body: dict[str, Any], status: int, param: str, says: str
+) -> None:
+    response = await client.post("/v1/responses", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and says in error["message"], error
+    assert error["code"] == {400: error["code"], 404: "model_not_found", 422: "unsupported_parameter"}[status]
+    assert backend.generations == []
+
+
+async def test_the_openai_client_raises_on_refusals_and_sees_a_failed_stream(
+    gpt: openai.AsyncOpenAI, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
+        await gpt.responses.create(model="tiny", input="Hi", max_output_tokens=0)
+    with pytest.raises(openai.UnprocessableEntityError, match="previous_response_id"):
+        await gpt.responses.create(model="tiny", input="Hi", previous_response_id="resp_1")
+    backend.scripts.append([GenerationError(peer_error("the decode node failed"))])
+    with pytest.raises(openai.APIStatusError) as failed:
+        await gpt.responses.create(model="tiny", input="Hi", stream=True)
+    assert failed.value.status_code == 502
+    # after the stream began: response.failed, with the error and what was made
+    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    stream = await gpt.responses.create(model="tiny", input="Hi", stream=True)
+    last = [event async for event in stream][-1]
+    assert last.type == "response.failed"
+    assert last.response.status == "failed" and last.response.error is not None
+    assert (last.response.error.code, last.response.error.message) == ("peer_failed", "lost mid-way")
+    assert last.response.output_text == "Hello"
+
+
+# ---------------------------------------------------------------------------------------------
+# Both: request ids, disconnects
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": HI}), ("/v1/responses", {"input": "Hi"})])
+async def test_a_bad_request_id_is_refused_in_each_apis_shape(
+    client: httpx.AsyncClient, backend: FakeBackend, path: str, body: dict[str, Any]
+) -> None:
+    response = await client.post(path, json=body, headers={"X-Request-Id": "no spaces"})
+    assert response.status_code == 400
+    assert "X-Request-Id" in json.dumps(response.json())
+    assert ("type" in response.json()) is (path == "/v1/messages")
+    assert len(response.headers["x-request-id"]) == 32
+    assert backend.generations == []
+
+
+@pytest.mark.parametrize(("path", "shape"), [
+    ("/v1/messages", lambda status, message: {"type": "error", "error": {
+        "type": {400: "invalid_request_error", 413: "request_too_large"}[status], "message": message}}),
+    ("/v1/responses", lambda status, message: {"error": {
+        "message": message, "type": "invalid_request_error", "param": None,
+        "code": {400: "invalid_json", 413: "body_too_large"}[status]}}),
+])
+async def test_unreadable_bodies_get_each_apis_error_shape(
+    client: httpx.AsyncClient, backend: FakeBackend, path: str, shape: Any
+) -> None:
+    response = await client.post(path, content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json() == shape(400, response.json()["error"]["message"])
+    assert "not valid JSON" in response.json()["error"]["message"]
+    response = await client.post(path, content=b"x" * (5 << 20))
+    assert response.status_code == 413
+    assert response.json() == shape(413, response.json()["error"]["message"])
+    assert response.headers["connection"] == "close"  # the unread rest is not taken for a request
+    assert backend.generations == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": HI}), ("/v1/responses", {"input": "Hi"})])
+async def test_a_client_that_goes_away_cancels_its_generation(
+    app: Starlette, backend: FakeBackend, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    backend.scripts.append([HANG])
+    gone = trio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            raw = json.dumps({**body, "stream": stream}).encode()
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def leave_once_started() -> None:
+        while not backend.generations:
+            await trio.sleep(0.001)
+        gone.set()
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leave_once_started)
+        with trio.fail_after(10):
+            await app(scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert backend.last.cancels == 1
