@@ -106,7 +106,8 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, client
 from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
 
-__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_STOP_STRINGS", "ChatEnd", "ChatRun", "Frontend", "build_app"]
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_STOP_STRINGS", "CalledTool", "ChatEnd", "ChatRun",
+           "ChatStep", "Frontend", "build_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -624,30 +625,59 @@ _Parsed = TypeVar("_Parsed")
 class ChatEnd:
     """How a chat started by `Frontend.start_chat` ended."""
 
-    reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    reason: str  # "stop" (EOS or a stop string), "length" (max_tokens) or "tool_calls"
     completion_tokens: int  # counts the EOS token, as /v1/chat/completions' usage does
     stop_string: str | None  # the stop string the text ends before, when one ended it
 
 
+@dataclass(frozen=True, slots=True)
+class CalledTool:
+    """A tool call the model made: its id (`call_<request id>_<n>`), name and JSON arguments."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatStep:
+    """Some text (maybe empty), the tool calls completed with it, and on the last step the end."""
+
+    text: str
+    calls: tuple[CalledTool, ...] = ()
+    end: ChatEnd | ErrorInfo | None = None
+
+
 class ChatRun:
     """One generation of a chat started by `Frontend.start_chat`: its text comes out as
-    /v1/chat/completions sends it (stop strings applied); the caller only shapes the answer."""
+    /v1/chat/completions sends it (stop strings applied, tool calls split off when the chat
+    offered tools); the caller only shapes the answer."""
 
-    def __init__(self, job: _Job, run: _Run, error_body: Callable[[ErrorInfo], object]) -> None:
+    def __init__(self, job: _Job, run: _Run, reply: _Reply,
+                 error_body: Callable[[ErrorInfo], object]) -> None:
         self.request_id = job.request_id
         self.created = job.created
         self.prompt_tokens = len(job.prompt)
         self.headers = {REQUEST_ID_HEADER: job.request_id}
         self._run = run
+        self._reply = reply
         self._error_body = error_body
 
-    async def advance(self) -> tuple[str, ChatEnd | ErrorInfo | None]:
-        """The next piece of text and, on the last step, how it ended (backend errors included)."""
+    async def advance(self) -> ChatStep:
+        """The next piece of text and tool calls and, on the last step, how it ended (backend
+        errors included)."""
         step = await self._run.advance()
+        pieces = [self._reply.add(step.text)]
         if isinstance(step.end, _Finish):
-            stop_string = self._run._text.matched
-            return step.text, ChatEnd(step.end.reason, step.end.completion_tokens, stop_string)
-        return step.text, step.end
+            pieces.append(self._reply.close())
+        text = "".join(piece for piece, _ in pieces)
+        calls = tuple(CalledTool(call["id"], call["function"]["name"], call["function"]["arguments"])
+                      for _, found in pieces for _, call in found)
+        if isinstance(step.end, _Finish):
+            end = ChatEnd(self._reply.finish_reason(step.end.reason), step.end.completion_tokens,
+                          self._run._text.matched)
+            return ChatStep(text, calls, end)
+        return ChatStep(text, calls, step.end)
 
     async def cancel(self) -> None:
         """Free the backend (shielded, bounded; nothing if it is done already)."""
@@ -834,7 +864,7 @@ class Frontend:
             logger.exception("request %s: unexpected error before generation", request_id)
             info = bug("internal error while starting the request")
             return _unless_body_unread(request, _error_response(info, request_id, error_body(info)))
-        return ChatRun(job, run, error_body), parsed
+        return ChatRun(job, run, self._reply(job, 0), error_body), parsed
 
     # -- one request -------------------------------------------------------------------------
 

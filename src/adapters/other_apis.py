@@ -7,8 +7,9 @@ everything with a chat completion but the shapes: the request id (`X-Request-Id`
 the validation ranges, the template, the stop strings, admission, cancel-on-disconnect and the
 backend. Only the answers are made here: the JSON bodies, the SSE event sequences and the error
 bodies, each in its API's own shape with the status of the `ErrorInfo`; an error about a field of
-the mapped chat names the field as this API's client wrote it. What would change the output and is
-not served yet (tools, images and other non-text content, thinking, previous_response_id,
+the mapped chat names the field as this API's client wrote it. Tools map onto the chat's (its
+tool calls come back as `tool_use` blocks or `function_call` items). What would change the output
+and is not served yet (images and other non-text content, thinking, previous_response_id,
 background, ...) is refused with 422 `unsupported_parameter`, never ignored; fields that change
 nothing (`metadata`, `store`, `user`, ...) are ignored, as unknown fields are on the chat. An
 adapter: `openai_api` imports it to serve its routes, so it imports `openai_api` for types only;
@@ -22,9 +23,9 @@ import logging
 import re
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -33,13 +34,11 @@ from adapters.streaming import cancel_on_disconnect
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 
 if TYPE_CHECKING:
-    from adapters.openai_api import ChatEnd, ChatRun, Frontend
+    from adapters.openai_api import CalledTool, ChatEnd, ChatRun, ChatStep, Frontend
 
 __all__ = ["other_api_routes"]
 
 logger = logging.getLogger(__name__)
-
-_Step = tuple[str, "ChatEnd | ErrorInfo | None"]
 
 
 def other_api_routes(frontend: Frontend) -> list[BaseRoute]:
@@ -124,39 +123,40 @@ def _parts(content: str | Sequence[_Text | _InputText]) -> str | list[dict[str, 
     return [{"type": "text", "text": part.text} for part in content]
 
 
-async def _advance(run: ChatRun) -> _Step:
+async def _advance(run: ChatRun) -> ChatStep:
+    from adapters.openai_api import ChatStep
+
     try:
         return await run.advance()
     except Exception:
         logger.exception("request %s: unexpected error while generating", run.request_id)
-        return "", bug("internal error while generating")
+        return ChatStep("", (), bug("internal error while generating"))
 
 
 async def _answer(request: Request, run: ChatRun, *, stream: bool,
-                  body: Callable[[str, ChatEnd], object],
-                  events: Callable[[_Step], AsyncGenerator[bytes, None]]) -> Response:
+                  body: Callable[[str, Sequence[CalledTool], ChatEnd], object],
+                  events: Callable[[ChatStep], AsyncGenerator[bytes, None]]) -> Response:
     """As /v1/chat/completions answers: a whole body, or a stream that starts with the first text
     (or the end), so that a failure before any output still gets its own status; the client
     going away before then cancels the generation."""
-    texts: list[str] = []
-    end: ChatEnd | ErrorInfo | None = None
+    steps: list[ChatStep] = []
     try:
         async with cancel_on_disconnect(request.receive) as watch:
-            text, end = await _advance(run)
-            texts.append(text)
-            while not stream and end is None:
-                text, end = await _advance(run)
-                texts.append(text)
+            steps.append(await _advance(run))
+            while not stream and steps[-1].end is None:
+                steps.append(await _advance(run))
         if watch.disconnected:
             await run.cancel()
             return Response(status_code=499, headers=run.headers)
+        end = steps[-1].end
         if isinstance(end, ErrorInfo):
             await run.cancel()
             return run.error_response(end)
         if stream:
-            return run.event_stream(events((texts[0], end)))
+            return run.event_stream(events(steps[0]))
         assert end is not None
-        return JSONResponse(body("".join(texts), end), headers=run.headers)
+        calls = [call for step in steps for call in step.calls]
+        return JSONResponse(body("".join(step.text for step in steps), calls, end), headers=run.headers)
     except Exception:
         logger.exception("request %s: unexpected error", run.request_id)
         await run.cancel()
@@ -175,9 +175,91 @@ class _Text(_Strict):
     text: str  # cache_control, citations: ignored (hints that change no output)
 
 
+class _ToolUse(_Strict):
+    """An earlier assistant turn's tool call, sent back by the client."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class _ToolResult(_Strict):
+    """A tool's answer to a `tool_use`, in a user turn."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[_Text] = ""
+    is_error: bool | None = None
+
+
+def _by_type(*models: type[BaseModel]) -> Any:
+    """A union of `models` told apart by their `type` field, each branch tagged with its class
+    name (which an error's field path leaves out, as it leaves out any union branch)."""
+    tags: dict[str, str] = {}
+    for model in models:
+        for kind in get_args(model.model_fields["type"].annotation):
+            tags[kind] = model.__name__
+
+    def tag_of(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    branches = tuple(Annotated[model, Tag(model.__name__)] for model in models)
+    return Annotated[Union[branches], Discriminator(tag_of)]  # noqa: UP007 (a tuple of branches)
+
+
+if TYPE_CHECKING:
+    _Block = _Text | _ToolUse | _ToolResult
+else:
+    _Block = _by_type(_Text, _ToolUse, _ToolResult)
+
+
 class _AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[_Text]
+    content: str | list[_Block]
+
+    def to_chat(self) -> list[dict[str, object]]:
+        """The chat messages this turn is: a user turn's tool results become `tool` messages
+        (before its text), an assistant turn's tool uses its `tool_calls`."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        texts = [block for block in self.content if isinstance(block, _Text)]
+        uses = [block for block in self.content if isinstance(block, _ToolUse)]
+        results = [block for block in self.content if isinstance(block, _ToolResult)]
+        chat: list[dict[str, object]] = [{"role": "tool", "tool_call_id": result.tool_use_id,
+                                          "content": _parts(result.content)} for result in results]
+        if uses:
+            chat.append({"role": "assistant", "content": _parts(texts) if texts else None, "tool_calls": [
+                {"id": use.id, "type": "function",
+                 "function": {"name": use.name, "arguments": json.dumps(use.input, ensure_ascii=False)}}
+                for use in uses]})
+        elif texts or not results:
+            chat.append({"role": self.role, "content": _parts(texts)})
+        return chat
+
+
+class _AnthropicTool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # server tools (web search, ...) are refused
+
+    def to_chat(self) -> dict[str, object]:
+        return {"type": "function", "function": _given(name=self.name, description=self.description,
+                                                       parameters=self.input_schema)}
+
+
+class _AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    def to_chat(self) -> object:
+        """The chat's tool_choice: "any" and a named tool force a call (the chat refuses those)."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name or ""}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
 class _MessagesBody(_Strict):
@@ -190,11 +272,11 @@ class _MessagesBody(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = None
+    tools: list[_AnthropicTool] | None = None
+    tool_choice: _AnthropicToolChoice | None = None
 
 
 _MESSAGES_NEUTRAL: dict[str, Callable[[object], bool]] = {
-    "tools": _empty,
-    "tool_choice": _typed("auto", "none"),  # with no tools, neither can call one
     "thinking": _typed("disabled"),
     "mcp_servers": _empty,
     "container": _absent,
@@ -208,8 +290,8 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
     messages = data.get("messages")
     for index, message in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(message, dict):
-            _refuse_other_types(f"messages[{index}].content", message.get("content"), ("text",),
-                                "content blocks")
+            _refuse_other_types(f"messages[{index}].content", message.get("content"),
+                                ("text", "tool_use", "tool_result"), "content blocks")
     body = _MessagesBody.model_validate(data)
     if body.messages[-1].role == "assistant":
         raise _unsupported("messages: a last message from the assistant (a prefill for the reply to "
@@ -217,9 +299,11 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
     chat: list[dict[str, object]] = []
     if body.system:
         chat.append({"role": "system", "content": _parts(body.system)})
-    chat += [{"role": message.role, "content": _parts(message.content)} for message in body.messages]
+    chat += [turn for message in body.messages for turn in message.to_chat()]
+    tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_tokens, messages=chat, stop=body.stop_sequences,
-                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k), body
+                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, tools=tools,
+                  tool_choice=None if body.tool_choice is None else body.tool_choice.to_chat()), body
 
 
 _MESSAGES_NAMES = {"stop": "stop_sequences"}
@@ -245,7 +329,21 @@ def _anthropic_error(info: ErrorInfo) -> dict[str, object]:
 def _stop_reason(end: ChatEnd) -> str:
     if end.stop_string is not None:
         return "stop_sequence"
-    return "max_tokens" if end.reason == "length" else "end_turn"
+    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(end.reason, "end_turn")
+
+
+def _arguments(call: CalledTool) -> dict[str, object]:
+    """A call's arguments as the object both APIs' clients expect (text that is not a JSON object
+    is kept whole under "arguments")."""
+    try:
+        parsed = json.loads(call.arguments)
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"arguments": call.arguments}
+
+
+def _tool_use(call: CalledTool) -> dict[str, object]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": _arguments(call)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,20 +361,85 @@ class _InputMessage(_Strict):
     content: str | list[_InputText]  # id, status (of an earlier output message): ignored
 
 
+class _FunctionCallItem(_Strict):
+    """An earlier output's function call, sent back by the client."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text; id, status: ignored
+
+
+class _FunctionCallOutput(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+if TYPE_CHECKING:
+    _Item = _InputMessage | _FunctionCallItem | _FunctionCallOutput
+else:
+    _Item = _by_type(_InputMessage, _FunctionCallItem, _FunctionCallOutput)
+
+
+class _FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat(self) -> dict[str, object]:
+        return {"type": "function", "function": _given(name=self.name, description=self.description,
+                                                       parameters=self.parameters)}
+
+
+class _NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+def _items_to_chat(items: Sequence[_InputMessage | _FunctionCallItem | _FunctionCallOutput]
+                   ) -> list[dict[str, object]]:
+    """Input items as chat messages: consecutive function calls are one assistant turn's
+    tool_calls, a call's output a `tool` message."""
+    chat: list[dict[str, object]] = []
+    calls: list[dict[str, object]] | None = None  # the open assistant turn's tool calls
+    for item in items:
+        if isinstance(item, _FunctionCallItem):
+            if calls is None:
+                calls = []
+                chat.append({"role": "assistant", "content": None, "tool_calls": calls})
+            calls.append({"id": item.call_id, "type": "function",
+                          "function": {"name": item.name, "arguments": item.arguments}})
+            continue
+        calls = None
+        if isinstance(item, _InputMessage):
+            chat.append({"role": item.role, "content": _parts(item.content)})
+        else:
+            chat.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return chat
+
+
 class _ResponsesBody(_Strict):
     model: str | None = None
-    input: str | list[_InputMessage]
+    input: str | list[_Item]
     instructions: str | None = None
     max_output_tokens: int | None = None  # the chat's max_tokens: its range and default
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = None
     metadata: dict[str, str] | None = None  # echoed, as OpenAI does; nothing is kept
+    tools: list[_FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | _NamedFunction | None = None
+
+    def chat_tool_choice(self) -> object:
+        if isinstance(self.tool_choice, _NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice
 
 
 _RESPONSES_NEUTRAL: dict[str, Callable[[object], bool]] = {
-    "tools": _empty,
-    "tool_choice": lambda value: value is None or value in ("auto", "none"),
     "previous_response_id": _absent,  # nothing is stored to continue from
     "conversation": _absent,
     "prompt": _absent,
@@ -293,11 +456,15 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
     _refuse_unsupported(data, _RESPONSES_NEUTRAL)
     items = data.get("input")
     # an item without a type is a message (OpenAI's "easy input message")
-    _refuse_other_types("input", items, ("message",), "input items", default="message")
+    _refuse_other_types("input", items, ("message", "function_call", "function_call_output"), "input items",
+                        default="message")
     for index, item in enumerate(items if isinstance(items, list) else []):
         if isinstance(item, dict):
             _refuse_other_types(f"input[{index}].content", item.get("content"),
                                 ("input_text", "output_text"), "content parts")
+    if isinstance(items, list):  # typed, for the validation that tells the items apart
+        data = {**data, "input": [{"type": "message", **item} if isinstance(item, dict) and "type" not in item
+                                  else item for item in items]}
     body = _ResponsesBody.model_validate(data)
     chat: list[dict[str, object]] = []
     if body.instructions:
@@ -305,9 +472,11 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
     if isinstance(body.input, str):
         chat.append({"role": "user", "content": body.input})
     else:
-        chat += [{"role": item.role, "content": _parts(item.content)} for item in body.input]
+        chat += _items_to_chat(body.input)
+    tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_output_tokens, messages=chat,
-                  temperature=body.temperature, top_p=body.top_p), body
+                  temperature=body.temperature, top_p=body.top_p, tools=tools,
+                  tool_choice=body.chat_tool_choice()), body
 
 
 _RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
@@ -337,16 +506,19 @@ class _OtherApis:
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, end: self._message(run, text, end),
+                             body=lambda text, calls, end: self._message(run, text, end, calls),
                              events=lambda first: self._message_events(run, first))
 
-    def _message(self, run: ChatRun, text: str | None, end: ChatEnd | None) -> dict[str, object]:
+    def _message(self, run: ChatRun, text: str | None, end: ChatEnd | None,
+                 calls: Sequence[CalledTool] = ()) -> dict[str, object]:
         """The message: whole, or (no text, no end) as `message_start` announces it."""
+        content: list[dict[str, object]] = [] if text is None or (not text and calls) else [
+            {"type": "text", "text": text}]
         return {
             "id": f"msg_{run.request_id}",
             "type": "message",
             "role": "assistant",
-            "content": [] if text is None else [{"type": "text", "text": text}],
+            "content": content + [_tool_use(call) for call in calls],
             "model": self.frontend.model_name,
             "stop_reason": None if end is None else _stop_reason(end),
             "stop_sequence": None if end is None else end.stop_string,
@@ -354,26 +526,49 @@ class _OtherApis:
                       "output_tokens": 0 if end is None else end.completion_tokens},
         }
 
-    async def _message_events(self, run: ChatRun, first: _Step) -> AsyncGenerator[bytes, None]:
+    async def _message_events(self, run: ChatRun, first: ChatStep) -> AsyncGenerator[bytes, None]:
         """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
-        message_delta (stop reason, usage), message_stop; a failure on the way: an `error` event."""
-        text, end = first
+        message_delta (stop reason, usage), message_stop; a failure on the way: an `error` event.
+        A text block is open from the start; each tool call is a `tool_use` block of its own (its
+        arguments in one `input_json_delta`), and text after it opens a new text block."""
+        step = first
+        blocks = 0  # blocks started so far; the last one is open while `text_open`
+        text_open = True
         try:
             yield _sse("message_start", {"type": "message_start", "message": self._message(run, None, None)})
             yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
                                                "content_block": {"type": "text", "text": ""}})
+            blocks = 1
             yield _sse("ping", {"type": "ping"})
             while True:
-                if text:
-                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                       "delta": {"type": "text_delta", "text": text}})
-                if end is not None:
+                if step.text:
+                    if not text_open:
+                        yield _sse("content_block_start", {"type": "content_block_start", "index": blocks,
+                                                           "content_block": {"type": "text", "text": ""}})
+                        blocks, text_open = blocks + 1, True
+                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": blocks - 1,
+                                                       "delta": {"type": "text_delta", "text": step.text}})
+                for call in step.calls:
+                    if text_open:
+                        yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
+                        text_open = False
+                    yield _sse("content_block_start", {"type": "content_block_start", "index": blocks,
+                                                       "content_block": {**_tool_use(call), "input": {}}})
+                    arguments = json.dumps(_arguments(call), ensure_ascii=False)
+                    delta = {"type": "input_json_delta", "partial_json": arguments}
+                    yield _sse("content_block_delta",
+                               {"type": "content_block_delta", "index": blocks, "delta": delta})
+                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks})
+                    blocks += 1
+                if step.end is not None:
                     break
-                text, end = await _advance(run)
+                step = await _advance(run)
+            end = step.end
             if isinstance(end, ErrorInfo):
                 yield _sse("error", _anthropic_error(end))
                 return
-            yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            if text_open:
+                yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
             yield _sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": _stop_reason(end),
                                                    "stop_sequence": end.stop_string},
@@ -390,7 +585,7 @@ class _OtherApis:
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, end: self._response(run, body, text, end),
+                             body=lambda text, calls, end: self._response(run, body, text, end, calls),
                              events=lambda first: self._response_events(run, body, first))
 
     def _item(self, run: ChatRun, text: str | None, status: str) -> dict[str, object]:
@@ -399,9 +594,25 @@ class _OtherApis:
         return {"id": f"msg_{run.request_id}", "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
+    @staticmethod
+    def _tool_choice(body: _ResponsesBody) -> object:
+        """The tool_choice in force, as the response object echoes it."""
+        if body.tool_choice is None:
+            return "auto" if body.tools else "none"
+        return body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump()
+
+    @staticmethod
+    def _function_call(call: CalledTool, arguments: str | None = None, status: str = "completed"
+                       ) -> dict[str, object]:
+        """A function call output item (`arguments` "" while it is only announced)."""
+        return {"id": f"fc_{call.id}", "type": "function_call", "status": status, "call_id": call.id,
+                "name": call.name, "arguments": call.arguments if arguments is None else arguments}
+
     def _response(self, run: ChatRun, body: _ResponsesBody, text: str | None,
-                  end: ChatEnd | ErrorInfo | None) -> dict[str, object]:
-        """The response object: in progress (no text, no end), completed, incomplete, or failed."""
+                  end: ChatEnd | ErrorInfo | None, calls: Sequence[CalledTool] = (), *,
+                  streamed: bool = False) -> dict[str, object]:
+        """The response object: in progress (no text, no end), completed, incomplete, or failed.
+        A reply of tool calls alone has no message item, unless a stream announced it already."""
         output: list[dict[str, object]] = []
         usage: dict[str, object] | None = None
         error: dict[str, str] | None = None
@@ -417,7 +628,9 @@ class _OtherApis:
             status = _status(end)
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
-            output.append(self._item(run, text or "", status))
+            if text or not calls or streamed:
+                output.append(self._item(run, text or "", status))
+            output += [self._function_call(call) for call in calls]
             usage = {"input_tokens": run.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                      "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": run.prompt_tokens + end.completion_tokens}
@@ -438,21 +651,22 @@ class _OtherApis:
             "store": False,  # nothing is stored, whatever `store` asked
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": self._tool_choice(body),
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": "disabled",
             "usage": usage,
             "metadata": body.metadata or {},
         }
 
-    async def _response_events(self, run: ChatRun, body: _ResponsesBody, first: _Step
+    async def _response_events(self, run: ChatRun, body: _ResponsesBody, first: ChatStep
                                ) -> AsyncGenerator[bytes, None]:
         """response.created, response.in_progress, response.output_item.added,
         response.content_part.added, response.output_text.delta..., response.output_text.done,
-        response.content_part.done, response.output_item.done, then response.completed (or
-        response.incomplete at max_output_tokens, as OpenAI sends it); each with its
-        sequence_number. A failure on the way: response.failed."""
+        response.content_part.done, response.output_item.done, then each function call as an
+        item of its own (added, function_call_arguments.delta and .done, output_item.done), then
+        response.completed (or response.incomplete at max_output_tokens, as OpenAI sends it); each
+        with its sequence_number. A failure on the way: response.failed."""
         sequence = 0
         item_id = f"msg_{run.request_id}"
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
@@ -462,8 +676,9 @@ class _OtherApis:
             sequence += 1
             return _sse(kind, {"type": kind, **fields, "sequence_number": sequence - 1})
 
-        text, end = first
+        step = first
         texts: list[str] = []
+        calls: list[CalledTool] = []
         try:
             yield event("response.created", response=self._response(run, body, None, None))
             yield event("response.in_progress", response=self._response(run, body, None, None))
@@ -472,13 +687,14 @@ class _OtherApis:
             yield event("response.content_part.added", **where,
                         part={"type": "output_text", "text": "", "annotations": []})
             while True:
-                if text:
-                    texts.append(text)
-                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-                if end is not None:
+                if step.text:
+                    texts.append(step.text)
+                    yield event("response.output_text.delta", **where, delta=step.text, logprobs=[])
+                calls += step.calls
+                if step.end is not None:
                     break
-                text, end = await _advance(run)
-            whole = "".join(texts)
+                step = await _advance(run)
+            whole, end = "".join(texts), step.end
             if isinstance(end, ErrorInfo):
                 yield event("response.failed", response=self._response(run, body, whole, end))
                 return
@@ -487,7 +703,17 @@ class _OtherApis:
                         part={"type": "output_text", "text": whole, "annotations": []})
             yield event("response.output_item.done", output_index=0,
                         item=self._item(run, whole, _status(end)))
-            yield event(f"response.{_status(end)}", response=self._response(run, body, whole, end))
+            for index, call in enumerate(calls, start=1):
+                item_id = f"fc_{call.id}"
+                yield event("response.output_item.added", output_index=index,
+                            item=self._function_call(call, "", "in_progress"))
+                yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                            delta=call.arguments)
+                yield event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                            arguments=call.arguments)
+                yield event("response.output_item.done", output_index=index, item=self._function_call(call))
+            final = self._response(run, body, whole, end, calls, streamed=True)
+            yield event(f"response.{_status(end)}", response=final)
         finally:
             await run.cancel()
 

@@ -214,10 +214,10 @@ BAD_MESSAGES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"model": "tiny", "max_tokens": 5000, "messages": HI}, 400, "invalid_request_error",
      "max_tokens is 5000"),
     ({"model": "other", "max_tokens": 5, "messages": HI}, 404, "not_found_error", "'other'"),
-    ({"model": "tiny", "max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {}}]}, 422,
-     "invalid_request_error", "unsupported parameter: tools"),
-    ({"model": "tiny", "max_tokens": 5, "messages": HI, "tool_choice": {"type": "any"}}, 422,
-     "invalid_request_error", "tool_choice"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI,
+      "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400, "invalid_request_error", "tools[0]"),
+    ({"model": "tiny", "max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {}}],
+      "tool_choice": {"type": "any"}}, 422, "invalid_request_error", "tool_choice"),
     ({"model": "tiny", "max_tokens": 5, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 9}},
      422, "invalid_request_error", "thinking"),
     ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
@@ -245,8 +245,10 @@ async def test_the_anthropic_client_raises_on_refusals_and_backend_errors(
     claude: anthropic.AsyncAnthropic, backend: FakeBackend, frontend: Frontend
 ) -> None:
     tools: Any = [{"name": "f", "input_schema": {"type": "object"}}]
-    with pytest.raises(anthropic.UnprocessableEntityError, match="tools"):
-        await claude.messages.create(model="tiny", max_tokens=5, messages=HI, tools=tools)  # type: ignore[arg-type]
+    forced: Any = {"type": "any"}
+    with pytest.raises(anthropic.UnprocessableEntityError, match="tool_choice"):
+        await claude.messages.create(model="tiny", max_tokens=5, messages=HI, tools=tools,  # type: ignore[arg-type]
+                                     tool_choice=forced)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         await claude.messages.create(model="tiny", max_tokens=0, messages=HI)  # type: ignore[arg-type]
     backend.start_error = StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "the queue is full"))
@@ -387,15 +389,17 @@ BAD_RESPONSES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"input": "word " * 400}, 400, "input", "leaves no room"),
     ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role", "input[0].role"),
     ({"input": "Hi", "model": "other"}, 404, "model", "'other'"),
-    ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, 422, "tools", "tools"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}],
+      "tool_choice": "required"}, 422, "tool_choice", "tool_choice"),
+    ({"input": "Hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type", "tools[0].type"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, 422, "previous_response_id", "previous_response_id"),
     ({"input": "Hi", "background": True}, 422, "background", "background"),
     ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, 422, "text", "text"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"},
                                              {"type": "input_image", "image_url": "https://x/y.png"}]}]},
      422, "input[0].content[1]", "content parts of type 'input_image'"),
-    ({"input": [*HI, {"type": "function_call_output", "call_id": "c", "output": "1"}]}, 422, "input[1]",
-     "input items of type 'function_call_output'"),
+    ({"input": [*HI, {"type": "web_search_call", "id": "ws_1"}]}, 422, "input[1]",
+     "input items of type 'web_search_call'"),
 ]
 
 
@@ -507,3 +511,71 @@ async def test_a_client_that_goes_away_cancels_its_generation(
             await app(scope, receive, send)
     assert sent[0]["status"] == 499
     assert backend.last.cancels == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool calls: the tools through the chat template, the model's calls back in each API's shape
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+async def test_the_anthropic_client_gets_tool_use_blocks_whole_and_streamed_and_sends_results_back(
+    claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.info = fake_model_info(context_length=2048)  # the tools take room in each prompt
+    tools: Any = [{"name": "get_weather", "description": "The weather", "input_schema": SCHEMA}]
+    backend.scripts.append(say(frontend, "Checking." + CALL))
+    whole = await claude.messages.create(model="tiny", max_tokens=60, messages=HI,  # type: ignore[arg-type]
+                                         tools=tools)
+    chat = {"messages": HI, "max_tokens": 60,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                                        "parameters": SCHEMA}}]}
+    sent = backend.generations[-1].request.prompt
+    assert sent == (await chat_prompt(client, backend, chat))[0]
+    assert whole.stop_reason == "tool_use"
+    assert [block.type for block in whole.content] == ["text", "tool_use"]
+    use: Any = whole.content[1]
+    assert (whole.content[0].text, use.name, use.input) == ("Checking.", "get_weather", {"city": "Paris"})  # type: ignore[union-attr]
+    backend.scripts.append(say(frontend, "Checking." + CALL))
+    async with claude.messages.stream(model="tiny", max_tokens=60, messages=HI, tools=tools) as stream:  # type: ignore[arg-type]
+        streamed = await stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and streamed.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
+
+    backend.scripts.append(say(frontend, "Sunny."))
+    turn: Any = [*HI, {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                                        {"type": "tool_use", "id": use.id, "name": use.name,
+                                                         "input": use.input}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": "24 C"}]}]
+    answer = await claude.messages.create(model="tiny", max_tokens=60, messages=turn, tools=tools)
+    assert answer.stop_reason == "end_turn" and answer.content[0].text == "Sunny."  # type: ignore[union-attr]
+    prompt = frontend.tokenizer.decode(backend.generations[-1].request.prompt)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt and "<tool>\n24 C" in prompt
+
+
+async def test_the_openai_client_gets_function_calls_whole_and_streamed_and_sends_outputs_back(
+    gpt: openai.AsyncOpenAI, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.info = fake_model_info(context_length=2048)  # the tools take room in each prompt
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    backend.scripts.extend([say(frontend, CALL), say(frontend, CALL)])
+    whole = await gpt.responses.create(model="tiny", input="Weather in Paris?", tools=tools)
+    [call] = [item for item in whole.output if item.type == "function_call"]
+    assert [item.type for item in whole.output] == ["function_call"] and whole.status == "completed"
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert whole.tool_choice == "auto" and whole.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    async with gpt.responses.stream(model="tiny", input="Weather in Paris?", tools=tools) as stream:
+        streamed = await stream.get_final_response()
+    calls = [item for item in streamed.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(call.name, call.arguments)]
+
+    backend.scripts.append(say(frontend, "Sunny."))
+    items: Any = [{"role": "user", "content": "Weather in Paris?"},
+                  {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+                   "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "24 C"}]
+    answer = await gpt.responses.create(model="tiny", input=items, tools=tools)
+    assert answer.output_text == "Sunny."
+    prompt = frontend.tokenizer.decode(backend.generations[-1].request.prompt)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt and "<tool>\n24 C" in prompt
