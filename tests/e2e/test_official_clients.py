@@ -1,0 +1,163 @@
+"""The official `openai` and `anthropic` clients against a single node and a 1 prefill + 1 decode
+cluster on real processes: every served parameter and endpoint, whole and streamed, and the same
+answer from both where the output is deterministic (greedy, or seeded), ids and times aside.
+
+The tiny random model never calls a tool by itself, so tools are checked here for what reaches
+the model (the same prompt on both paths, and a reply); parsing calls is tested on a scripted
+backend (tests/integration/test_tool_calls_api.py, test_other_apis.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from openai import OpenAI
+
+from adapters.tiny_models import cached_checkpoint
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
+
+pytestmark = pytest.mark.e2e
+
+STORY = ("The lighthouse keeper counted the steps every evening and wrote the colour of the sky "
+         "in a small notebook, with the names of the ships that passed the rocks.")
+USER = [{"role": "user", "content": STORY}]
+TOOLS: Any = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+MODEL = cached_checkpoint("llama").name  # the served name: the model directory's
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-clients"))
+    try:
+        yield built
+    finally:
+        built.stop()
+
+
+# Typed loosely: these calls pass parameters the SDKs' typed signatures do not list.
+def openai_client(node: Node) -> Any:
+    return OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+def anthropic_client(node: Node) -> Any:
+    return anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=60.0)
+
+
+_DIFFERENT = ("id", "item_id", "created", "created_at", "call_id")
+
+
+def stable(doc: Any) -> Any:
+    """A client's answer as data, without what differs between two answers to one request."""
+    if isinstance(doc, dict):
+        return {k: stable(v) for k, v in doc.items() if k not in _DIFFERENT}
+    if isinstance(doc, list):
+        return [stable(v) for v in doc]
+    return doc
+
+
+def same_on_both(cluster: Cluster, call: Callable[[Node], Any]) -> Any:
+    """`call` on the single node and through the router: the answers must agree; returns one."""
+    alone, routed = stable(call(cluster.single)), stable(call(cluster.router))
+    assert routed == alone
+    return alone
+
+
+def dumped(items: Any) -> list[Any]:
+    return [item.model_dump() for item in items]
+
+
+CHAT_CASES: list[dict[str, Any]] = [
+    {"max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3},
+    {"max_tokens": 12, "temperature": 0.8, "seed": 5, "top_p": 0.9, "stop": ["the"],
+     "extra_body": {"top_k": 30, "min_p": 0.05}},
+    {"max_tokens": 12, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5,
+     "logit_bias": {"17": 5.0}, "extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 8}},
+    {"max_tokens": 8, "temperature": 0.9, "seed": 2, "n": 3},
+    {"max_tokens": 8, "temperature": 0, "tools": TOOLS},
+]
+
+
+@pytest.mark.parametrize("params", CHAT_CASES)
+def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str, Any]) -> None:
+    whole = same_on_both(cluster, lambda node: openai_client(node).chat.completions.create(
+        model=MODEL, messages=USER, **params).model_dump())
+    assert len(whole["choices"]) == params.get("n", 1)
+    assert all(choice["message"]["content"] for choice in whole["choices"])
+    if params.get("logprobs"):
+        entries = whole["choices"][0]["logprobs"]["content"]
+        assert len(entries) == whole["usage"]["completion_tokens"] and len(entries[0]["top_logprobs"]) == 3
+
+    def streamed(node: Node) -> Any:
+        stream = openai_client(node).chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                                             stream_options={"include_usage": True}, **params)
+        return dumped(stream)
+
+    chunks = same_on_both(cluster, streamed)
+    for index, choice in enumerate(whole["choices"]):
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"] and c["choices"][0]["index"] == index)
+        assert text == choice["message"]["content"]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+def test_completions_with_logprobs_and_the_tokenizer_endpoints(cluster: Cluster) -> None:
+    whole = same_on_both(cluster, lambda node: openai_client(node).completions.create(
+        model=MODEL, prompt=STORY, max_tokens=10, temperature=0, logprobs=2).model_dump())
+    choice = whole["choices"][0]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    tokens = same_on_both(cluster, lambda node: httpx.post(f"{node.url}/tokenize",
+                                                           json={"prompt": STORY}).json())
+    assert tokens["count"] == whole["usage"]["prompt_tokens"]
+    text = same_on_both(cluster, lambda node: httpx.post(f"{node.url}/detokenize",
+                                                         json={"tokens": tokens["tokens"]}).json())
+    assert STORY in text["prompt"]
+
+
+def test_responses_whole_and_streamed(cluster: Cluster) -> None:
+    params: dict[str, Any] = {"model": MODEL, "input": STORY, "instructions": "Be brief.",
+                              "max_output_tokens": 10, "temperature": 0}
+    whole = same_on_both(cluster, lambda node: openai_client(node).responses.create(**params).model_dump())
+    assert whole["status"] == "incomplete" and whole["output"][0]["content"][0]["text"]
+
+    def streamed(node: Node) -> Any:  # the events (the SDK's stream helper wants response.completed)
+        return dumped(openai_client(node).responses.create(**params, stream=True))
+
+    events = same_on_both(cluster, streamed)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == whole["output"][0]["content"][0]["text"] and events[-1]["type"] == "response.incomplete"
+    with_tools = same_on_both(cluster, lambda node: openai_client(node).responses.create(
+        **params, tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    ).model_dump())
+    assert with_tools["tools"][0]["name"] == "get_weather"
+
+
+def test_messages_whole_and_streamed(cluster: Cluster) -> None:
+    params: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "system": "Be brief.",
+                              "messages": [{"role": "user", "content": STORY}], "stop_sequences": ["the"],
+                              "extra_body": {"temperature": 0}}
+    whole = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(**params).model_dump())
+    assert whole["stop_reason"] in ("max_tokens", "stop_sequence") and whole["content"][0]["text"]
+
+    def streamed(node: Node) -> Any:
+        with anthropic_client(node).messages.stream(**params) as stream:
+            return stream.get_final_message().model_dump()
+
+    assert same_on_both(cluster, streamed)["content"] == whole["content"]
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}}]
+    with_tools = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(
+        **params, tools=tools).model_dump())
+    assert with_tools["content"]
+
+
+def test_nothing_is_left_behind(cluster: Cluster) -> None:
+    assert_no_leaks(cluster.nodes)
+    for node in (*cluster.prefill, *cluster.decode):
+        outcomes = node.stats()["outcomes"]
+        assert outcomes.get("done", 0) > 0 and not outcomes.get("failed"), outcomes
