@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from openai import OpenAI
 
 from adapters.serve import open_listener, wait_healthy
 
@@ -132,6 +133,11 @@ class Cluster:
             if running and code != 0:
                 problems.append(f"{node.role} {node.url}: exit code {code} (log {node.log})")
         assert not problems, "; ".join(problems)
+
+
+def openai_client(node: Node) -> OpenAI:
+    """The official client on a node's public API (no key, no retries)."""
+    return OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
 
 
 def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 1,

@@ -14,10 +14,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from openai import OpenAI
 
 from adapters.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, openai_client, start_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +41,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 # Typed loosely: these calls pass parameters the SDKs' typed signatures do not list.
-def openai_client(node: Node) -> Any:
-    return OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+def client(node: Node) -> Any:
+    return openai_client(node)
 
 
 def anthropic_client(node: Node) -> Any:
@@ -86,7 +85,7 @@ CHAT_CASES: list[dict[str, Any]] = [
 
 @pytest.mark.parametrize("params", CHAT_CASES)
 def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str, Any]) -> None:
-    whole = same_on_both(cluster, lambda node: openai_client(node).chat.completions.create(
+    whole = same_on_both(cluster, lambda node: client(node).chat.completions.create(
         model=MODEL, messages=USER, **params).model_dump())
     assert len(whole["choices"]) == params.get("n", 1)
     assert all(choice["message"]["content"] for choice in whole["choices"])
@@ -95,7 +94,7 @@ def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str,
         assert len(entries) == whole["usage"]["completion_tokens"] and len(entries[0]["top_logprobs"]) == 3
 
     def streamed(node: Node) -> Any:
-        stream = openai_client(node).chat.completions.create(model=MODEL, messages=USER, stream=True,
+        stream = client(node).chat.completions.create(model=MODEL, messages=USER, stream=True,
                                                              stream_options={"include_usage": True}, **params)
         return dumped(stream)
 
@@ -108,7 +107,7 @@ def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str,
 
 
 def test_completions_with_logprobs_and_the_tokenizer_endpoints(cluster: Cluster) -> None:
-    whole = same_on_both(cluster, lambda node: openai_client(node).completions.create(
+    whole = same_on_both(cluster, lambda node: client(node).completions.create(
         model=MODEL, prompt=STORY, max_tokens=10, temperature=0, logprobs=2).model_dump())
     choice = whole["choices"][0]
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
@@ -123,16 +122,16 @@ def test_completions_with_logprobs_and_the_tokenizer_endpoints(cluster: Cluster)
 def test_responses_whole_and_streamed(cluster: Cluster) -> None:
     params: dict[str, Any] = {"model": MODEL, "input": STORY, "instructions": "Be brief.",
                               "max_output_tokens": 10, "temperature": 0}
-    whole = same_on_both(cluster, lambda node: openai_client(node).responses.create(**params).model_dump())
+    whole = same_on_both(cluster, lambda node: client(node).responses.create(**params).model_dump())
     assert whole["status"] == "incomplete" and whole["output"][0]["content"][0]["text"]
 
     def streamed(node: Node) -> Any:  # the events (the SDK's stream helper wants response.completed)
-        return dumped(openai_client(node).responses.create(**params, stream=True))
+        return dumped(client(node).responses.create(**params, stream=True))
 
     events = same_on_both(cluster, streamed)
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == whole["output"][0]["content"][0]["text"] and events[-1]["type"] == "response.incomplete"
-    with_tools = same_on_both(cluster, lambda node: openai_client(node).responses.create(
+    with_tools = same_on_both(cluster, lambda node: client(node).responses.create(
         **params, tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
     ).model_dump())
     assert with_tools["tools"][0]["name"] == "get_weather"

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters.blas import child_pids, process_role
 from adapters.serve import HANDOFF_PROMPT
 from adapters.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, start_cluster
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, openai_client, start_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -40,10 +40,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield built
     finally:
         built.stop()
-
-
-def _client(node: Node) -> OpenAI:
-    return OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
 
 
 def scrape(node: Node) -> Samples:
@@ -106,7 +102,7 @@ def _four_requests(client: OpenAI, model: str) -> list[tuple[int, int]]:
 
 def test_metrics_on_every_node_agree_with_the_openai_client(cluster: Cluster) -> None:
     router, prefill, decode = cluster.router, cluster.prefill[0], cluster.decode[0]
-    client = _client(router)
+    client = openai_client(router)
     model = client.models.list().data[0].id
     before = {node.role: scrape(node) for node in (router, prefill, decode)}
     usages = _four_requests(client, model)
@@ -156,7 +152,7 @@ def test_metrics_on_every_node_agree_with_the_openai_client(cluster: Cluster) ->
 
 
 def test_single_node_metrics_agree_with_usage(cluster: Cluster) -> None:
-    client = _client(cluster.single)
+    client = openai_client(cluster.single)
     model = client.models.list().data[0].id
     before = scrape(cluster.single)
     usages = _four_requests(client, model)
@@ -171,7 +167,7 @@ def test_single_node_metrics_agree_with_usage(cluster: Cluster) -> None:
 
 def test_a_request_id_is_echoed_and_logged_by_every_node(cluster: Cluster) -> None:
     rid = f"ops-{uuid.uuid4().hex[:12]}"
-    client = _client(cluster.router)
+    client = openai_client(cluster.router)
     model = client.models.list().data[0].id
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": STORY}], max_tokens=6, temperature=0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -25,7 +25,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 
+from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
@@ -485,15 +487,18 @@ SHAPED = SamplingParams(max_tokens=32, logit_bias=((5, 3.0), (9, -100.0)), repet
 SHAPED_SEEDED = replace(SHAPED, max_tokens=24, temperature=0.9, min_p=0.05, seed=7, presence_penalty=4.0)
 
 
-async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]], sampling: SamplingParams
+async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]],
+                       sampling: SamplingParams | Mapping[RequestId, SamplingParams]
                        ) -> dict[RequestId, list[int] | StatecoreError]:
     """Every prompt prefilled in one step (the device is held until all are queued), then
-    decoded side by side; each request's tokens, or the error it ended with."""
+    decoded side by side (with `sampling`, or each with its own); each request's tokens, or the
+    error it ended with."""
     got: dict[RequestId, list[int] | StatecoreError] = {}
 
     async def one(rid: RequestId) -> None:
+        own = sampling if isinstance(sampling, SamplingParams) else sampling[rid]
         try:
-            got[rid] = await single(engine, rid, prompts[rid], sampling)
+            got[rid] = await single(engine, rid, prompts[rid], own)
         except StatecoreError as exc:
             got[rid] = exc
 
@@ -510,7 +515,8 @@ def six_prompts(tag: str) -> dict[RequestId, list[int]]:
 
 
 async def with_and_without(open_engine: Opener, path: Path, prompts: dict[RequestId, list[int]],
-                           sampling: SamplingParams, hook: Callable[[str, Sequence[str]], None],
+                           sampling: SamplingParams | Mapping[RequestId, SamplingParams],
+                           hook: Callable[[str, Sequence[str]], None],
                            ) -> tuple[dict[RequestId, list[int] | StatecoreError],
                                       dict[RequestId, list[int] | StatecoreError], MlxEngine]:
     """The same prompts run together on a clean engine, then on one whose model calls go through
@@ -532,9 +538,23 @@ def poisoning(poisoned: str, batch_sizes: list[int]) -> Callable[[str, Sequence[
     return poison
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, SHAPED_SEEDED], ids=["greedy", "seeded", "shaped"])
-async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Opener, sampling: SamplingParams
-                                                               ) -> None:
+# Structured output (response_format): a bounded schema, so that a random tiny model finishes too.
+BOUNDED_SCHEMA = {"type": "object",
+                  "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+                  "required": ["ok", "color"], "additionalProperties": False}
+JSON_SCHEMA = response_format_text("json_schema", BOUNDED_SCHEMA)
+JSON_OBJECT = response_format_text("json_object")
+# Rows under a grammar (greedy, seeded) between free ones, for the six prompts of `six_prompts("t")`.
+CONSTRAINED_AMONG_FREE = {RequestId(f"t{i}"): sampling for i, sampling in enumerate(
+    [replace(GREEDY, response_format=JSON_SCHEMA), GREEDY, SEEDED,
+     replace(SEEDED, response_format=JSON_SCHEMA), replace(GREEDY, response_format=JSON_OBJECT), SEEDED])}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, SHAPED_SEEDED, CONSTRAINED_AMONG_FREE],
+                         ids=["greedy", "seeded", "shaped", "constrained"])
+async def test_a_decode_step_that_raises_once_fails_no_request(
+    open_engine: Opener, sampling: SamplingParams | Mapping[RequestId, SamplingParams]
+) -> None:
     path = cached_checkpoint("llama")
     failed: list[list[str]] = []
 
@@ -553,20 +573,26 @@ async def test_a_decode_step_that_raises_once_fails_no_request(open_engine: Open
     assert (stats.step_retries, stats.rows_isolated) == (1, 0)
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: Opener,
+# The slot lane (llama) bisects the batch; mlx-lm's batch generator (gemma3's rotating caches,
+# mamba2's arrays) steps each row alone once, and the rows that do not raise join it again.
+POISON_CASES = [("llama", GREEDY), ("llama", SEEDED), ("gemma3_text", GREEDY), ("mamba2", GREEDY)]
+
+
+@pytest.mark.parametrize(("family", "sampling"), POISON_CASES,
+                         ids=["llama-greedy", "llama-seeded", "gemma3_text", "mamba2"])
+async def test_a_poisoned_row_fails_alone_and_its_batch_decodes_on(open_engine: Opener, family: str,
                                                                    sampling: SamplingParams) -> None:
-    path = cached_checkpoint("llama")
+    path = cached_checkpoint(family)
     poisoned = RequestId("p3")
     batch_sizes: list[int] = []
-    poison = poisoning(poisoned, batch_sizes)
     prompts = six_prompts("p")
-    expected, got, engine = await with_and_without(open_engine, path, prompts, sampling, poison)
+    expected, got, engine = await with_and_without(open_engine, path, prompts, sampling,
+                                                   poisoning(poisoned, batch_sizes))
     error = got.pop(poisoned)
     assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
     assert "RuntimeError" in error.info.message
     assert got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
-    assert max(batch_sizes) > 1 and min(batch_sizes) == 1  # found in a batch, failed alone
+    assert max(batch_sizes) > 1 and batch_sizes[-1] == 1  # found in a batch, failed alone
     stats = engine.statistics()
     assert stats.rows_isolated == 1 and stats.step_retries >= 1 and stats.device_thread_alive
     assert await single(engine, RequestId("after"), prompt_of(20)) == reference(path, prompt_of(20))
@@ -669,26 +695,6 @@ async def test_a_batch_generator_step_that_raises_part_way_fails_no_request(
     assert got == expected
     stats = engine.statistics()
     assert (stats.step_retries, stats.rows_isolated) == (1, 0)
-
-
-@pytest.mark.parametrize("family", MERGE_FAMILIES)
-async def test_a_row_that_breaks_every_batch_generator_step_fails_alone(open_engine: Opener, family: str
-                                                                         ) -> None:
-    """Both tries of the batch step raise: each row steps alone once, the poisoned one fails
-    there (twice), the others go back into the batch and end exactly as without it."""
-    path = cached_checkpoint(family)
-    poisoned = RequestId("r2")
-    calls: list[int] = []
-    poison = poisoning(poisoned, calls)
-    prompts = six_prompts("r")
-    expected, got, engine = await with_and_without(open_engine, path, prompts, GREEDY, poison)
-    error = got.pop(poisoned)
-    assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
-    assert got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
-    assert max(calls) > 1 and calls[-1] == 1  # raised in the batch, failed alone
-    stats = engine.statistics()
-    assert stats.rows_isolated == 1 and stats.step_retries >= 2 and stats.device_thread_alive
-    assert await single(engine, RequestId("after"), prompt_of(20)) == reference(path, prompt_of(20))
 
 
 async def test_an_install_whose_copy_raises_once_still_decodes_exactly(
@@ -961,6 +967,88 @@ async def test_seeded_logprobs_in_a_batch_come_with_every_token(open_engine: Ope
 
 
 # ---------------------------------------------------------------------------------------------
+# Structured output: response_format by constrained decoding
+
+
+def bounded_answer(doc: object) -> bool:
+    """`doc` validates against BOUNDED_SCHEMA."""
+    return (isinstance(doc, dict) and set(doc) == {"ok", "color"} and isinstance(doc["ok"], bool)
+            and doc["color"] in ("red", "green", "blue"))
+
+
+async def finished(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                   decode: MlxEngine | None = None) -> tuple[list[int], str | None]:
+    """Every token and the finish reason; with `decode`, decoded there after a handoff."""
+    outcome = await engine.prefill(rid, prompt, sampling)
+    if decode is None:
+        await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+    else:
+        payload = (await engine.export_held(rid)).joined()
+        await engine.release_held(rid)
+        await decode.install(rid, payload, prompt, outcome.first_token, sampling)
+    items = await collect(decode or engine, rid)
+    return [outcome.first_token] + [g.token for g in items], items[-1].finish_reason if items else None
+
+
+def json_of(path: Path, tokens: Sequence[int], eos: frozenset[int]) -> object:
+    """The output's text (its EOS left out), parsed as JSON."""
+    assert tokens[-1] in eos and not eos & set(tokens[:-1])
+    return json.loads(load_tokenizer(path).decode(list(tokens[:-1])))  # type: ignore[no-untyped-call]
+
+
+# llama decodes constrained rows in the slot lane, gemma3 (mlx-lm's batch generator) in the solo lane.
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+async def test_structured_output_parses_validates_and_is_the_same_after_a_handoff(
+    open_engine: Opener, family: str
+) -> None:
+    path = cached_checkpoint(family)
+    prefill_node, decode_node = await open_engine(path), await open_engine(path)
+    eos = prefill_node.info.eos_token_ids
+    prompt = prompt_of(30, salt=5)
+    for sampling in (replace(GREEDY, max_tokens=48), replace(SEEDED, max_tokens=48)):
+        for response_format, valid in ((JSON_SCHEMA, bounded_answer), (JSON_OBJECT, dict)):
+            constrained = replace(sampling, response_format=response_format)
+            alone, finish = await finished(prefill_node, RequestId("a"), prompt, constrained)
+            assert finish == "stop", (sampling, response_format, alone)
+            doc = json_of(path, alone, eos)
+            assert valid(doc), doc  # type: ignore[operator]
+            handed = await finished(prefill_node, RequestId("a"), prompt, constrained, decode=decode_node)
+            assert handed == (alone, "stop")
+        assert alone[: len(alone) - 1] != (await finished(prefill_node, RequestId("f"), prompt, sampling))[0][
+            : len(alone) - 1]  # the grammar changed the output
+    # A first token the grammar refuses is a client error, and the cache stays held for a good one.
+    outcome = await prefill_node.prefill(RequestId("b"), prompt, replace(GREEDY, response_format=JSON_SCHEMA))
+    with pytest.raises(StatecoreError) as caught:
+        await prefill_node.decode_held(RequestId("b"), prompt, 9, replace(GREEDY, response_format=JSON_SCHEMA))
+    assert caught.value.info.fault is Fault.CLIENT and caught.value.info.param == "response_format"
+    await prefill_node.decode_held(RequestId("b"), prompt, outcome.first_token,
+                                   replace(GREEDY, response_format=JSON_SCHEMA))
+    assert bounded_answer(json_of(path, [outcome.first_token] + [g.token for g in await collect(
+        prefill_node, RequestId("b"))], eos))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+async def test_constrained_rows_leave_the_free_rows_beside_them_as_they_were(
+    open_engine: Opener, family: str
+) -> None:
+    path = cached_checkpoint(family)
+    engine = await open_engine(path)
+    prompts = six_prompts("t")
+    free = {rid: prompt for rid, prompt in prompts.items() if CONSTRAINED_AMONG_FREE[rid].response_format is None}
+    alone = await run_together(engine, free, CONSTRAINED_AMONG_FREE)
+    together = await run_together(engine, prompts, CONSTRAINED_AMONG_FREE)
+    assert {rid: together[rid] for rid in free} == alone
+    if family == "llama":
+        assert alone[RequestId("t1")] == reference(path, prompts[RequestId("t1")])
+    for rid in prompts.keys() - free.keys():
+        tokens = together[rid]
+        assert isinstance(tokens, list)
+        doc = json_of(path, tokens, engine.info.eos_token_ids)
+        assert bounded_answer(doc) if CONSTRAINED_AMONG_FREE[rid].response_format == JSON_SCHEMA \
+            else isinstance(doc, dict)
+
+
+# ---------------------------------------------------------------------------------------------
 # Quantized KV: the solo lane
 
 
@@ -1179,6 +1267,9 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
         ([3, 4], SamplingParams(max_tokens=0), Code.INVALID_REQUEST),
         ([3, 4], SamplingParams(max_tokens=4, temperature=1.0, top_p=0.0), Code.INVALID_REQUEST),
         ([5] * 4097, GREEDY, Code.CONTEXT_LENGTH_EXCEEDED),
+        ([3, 4], SamplingParams(max_tokens=4, response_format='{"type":"json_schema","schema":{"anyOf":[]}}'),
+         Code.INVALID_REQUEST),
+        ([3, 4], SamplingParams(max_tokens=4, ignore_eos=True, response_format=JSON_OBJECT), Code.INVALID_REQUEST),
     ],
 )
 async def test_bad_requests_fail_alone(
