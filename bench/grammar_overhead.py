@@ -16,11 +16,16 @@ numbers per library:
    The same script also decodes without a grammar, pipelined the way mlx-lm's `generate_step`
    does (`ratio` = constrained ms/token over that) and without a grammar but with the same
    read-back (`sync_ratio`), which separates what the lost overlap costs from the library's share.
+4. `engine`: `MlxEngine` itself (llguidance, the library it uses) on the demo model: a batch of
+   `--engine-rows` requests decoding `--engine-tokens` each, none, one or all of them under a
+   grammar that runs that long (a JSON string); ms per device step (`step_ratio` against none).
 
-xgrammar imports torch at import time (its wheel depends on torch and, on Linux, the CUDA
-wheels: 5.6 GB installed); it is measured only when it can be imported, e.g. with
-`--extra-path DIR` after `pip install --target DIR xgrammar==0.2.9`. Missing libraries are
-reported, not fatal.
+llguidance is the project's own dependency; outlines-core is not (`.venv/bin/pip install
+outlines-core==0.2.14` to measure it). xgrammar imports torch at import time (its wheel depends on
+torch and, on Linux, the CUDA wheels: 5.6 GB installed); it is measured only when it can be
+imported, e.g. with `--extra-path DIR` after `pip install --target DIR xgrammar==0.2.9`. Missing
+libraries are reported, not fatal. outlines-core takes one whitespace pattern for every place in the JSON
+(here `[ ]?`), so its greedy document may differ from the others' in spaces.
 
     .venv/bin/python bench/grammar_overhead.py --out grammar.json
     .venv/bin/python bench/grammar_overhead.py --extra-path /tmp/xgr --vocabs demo,bpe128k
@@ -31,6 +36,7 @@ Bench code: may import anything; nothing under src/ imports it.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -51,7 +57,8 @@ sys.path.insert(0, str(REPO / "src"))
 # The bounded schema of the engine tests, and one of the shape a real API client sends.
 SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "bounded": (
-        {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+        {"type": "object",
+         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
          "required": ["ok", "color"], "additionalProperties": False},
         {"ok": True, "color": "green"},
     ),
@@ -129,7 +136,7 @@ class Vocab:
         self.tokenizer = tokenizer
         self.eos = eos
         self.size = int(tokenizer.get_vocab_size(with_added_tokens=True))
-        self.hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+        self.hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer,  # type: ignore[no-untyped-call]
                                           eos_token=tokenizer.id_to_token(eos))
         decoder = _byte_decoder()
         specials = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
@@ -232,16 +239,17 @@ class Xgrammar:
     name = "xgrammar"
 
     def __init__(self, vocab: Vocab) -> None:
-        import torch
-        import xgrammar
+        import torch  # type: ignore[import-not-found]
+        import xgrammar  # type: ignore[import-not-found]
 
         self.xg, self.torch = xgrammar, torch
-        info = xgrammar.TokenizerInfo.from_huggingface(vocab.hf, vocab_size=vocab.size, stop_token_ids=[vocab.eos])
+        info = xgrammar.TokenizerInfo.from_huggingface(vocab.hf, vocab_size=vocab.size,
+                                                       stop_token_ids=[vocab.eos])
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
 
     def compile(self, schema: dict[str, Any]) -> Any:
-        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS,
-                                                 strict_mode=True)
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                 separators=SEPARATORS, strict_mode=True)
 
     def matcher(self, compiled: Any) -> Matcher:
         return _Xg(self.xg.GrammarMatcher(compiled), self.torch)
@@ -265,7 +273,7 @@ class OutlinesCore:
     name = "outlines-core"
 
     def __init__(self, vocab: Vocab) -> None:
-        import outlines_core
+        import outlines_core  # type: ignore[import-untyped]
 
         self.oc = outlines_core
         grouped: dict[bytes, list[int]] = {}
@@ -371,7 +379,7 @@ def decode_ratios(libs: dict[str, Library], vocab: Vocab, reps: int) -> dict[str
 
     model, tokenizer = load(str(REPO / "src/adapters/demo_model"))[:2]
     messages = [{"role": "user", "content": "Answer in JSON: is the sky green? Pick a colour too."}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))  # type: ignore[no-untyped-call]
     eos = {vocab.eos}
     schema = SCHEMAS["bounded"][0]
     results: dict[str, Any] = {}
@@ -404,14 +412,75 @@ def decode_ratios(libs: dict[str, Library], vocab: Vocab, reps: int) -> dict[str
             round(synced_ms, 3), "constrained": results}
 
 
+# ---------------------------------------------------------------------------------------------
+# The engine itself: what constrained rows cost a batch (MlxEngine, llguidance)
+
+
+def engine_ratios(rows: int, max_tokens: int, reps: int) -> dict[str, Any]:
+    """A batch of `rows` requests on the demo model, none, one or all of them under a grammar
+    that runs to max_tokens (a JSON string); ms per device step, each scenario against the free one."""
+    import trio
+
+    from adapters.grammar import response_format_text
+    from adapters.mlx import MlxEngine
+    from effects.engine_port import SamplingParams
+    from statecore.ids import RequestId
+
+    free = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=max_tokens,
+                                 response_format=response_format_text("json_schema", {"type": "string"}))
+    scenarios = {"free": 0, "one_constrained": 1, "all_constrained": rows}
+
+    async def run() -> dict[str, Any]:
+        engine = await MlxEngine.load(REPO / "src/adapters/demo_model", max_batch=rows)
+        out: dict[str, Any] = {}
+
+        async def one(rid: RequestId, i: int, sampling: SamplingParams, counted: list[int]) -> None:
+            prompt = [1, *range(40 + 7 * i, 70 + 7 * i)]
+            first = await engine.prefill(rid, prompt, sampling)
+            await engine.decode_held(rid, prompt, first.first_token, sampling)
+            counted.append(1 + len([g async for g in engine.stream(rid)]))
+
+        try:
+            for attempt in range(reps + 1):
+                for name, constrained_rows in scenarios.items():
+                    before = engine.device_profile()["step"]
+                    counted: list[int] = []
+                    started = time.perf_counter()
+                    async with trio.open_nursery() as nursery:
+                        for i in range(rows):
+                            sampling = constrained if i < constrained_rows else free
+                            nursery.start_soon(one, RequestId(f"{name}-{attempt}-{i}"), i, sampling, counted)
+                    tokens = sum(counted)
+                    after = engine.device_profile()["step"]
+                    if attempt == 0:
+                        continue  # warm-up
+                    entry = out.setdefault(name, {"ms_per_step": [], "tokens_per_s": []})
+                    entry["ms_per_step"].append(1000 * (after[1] - before[1]) / (after[0] - before[0]))
+                    entry["tokens_per_s"].append(tokens / (time.perf_counter() - started))
+        finally:
+            await engine.aclose()
+        base = statistics.median(out["free"]["ms_per_step"])
+        return {name: {"ms_per_step": round(statistics.median(e["ms_per_step"]), 3),
+                       "tokens_per_s": round(statistics.median(e["tokens_per_s"]), 1),
+                       "step_ratio": round(statistics.median(e["ms_per_step"]) / base, 3)}
+                for name, e in out.items()}
+
+    return {"rows": rows, "max_tokens": max_tokens, **trio.run(run)}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", default="tiny,demo,bpe32k,bpe128k")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "statecore-grammar-bench")
     parser.add_argument("--extra-path", action="append", default=[],
                         help="appended to sys.path (e.g. a --target install of xgrammar and torch)")
+    parser.add_argument("--engine-rows", type=int, default=4,
+                        help="the engine section's batch (0: skip it)")
+    parser.add_argument("--engine-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.extend(args.extra_path)
@@ -419,15 +488,14 @@ def main() -> None:
 
     report: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version(), "mlx": mx.__version__,
+                    "python": platform.python_version(), "mlx": importlib.metadata.version("mlx"),
                     "device": str(mx.default_device()), "blas": blas_in_use()},
         "versions": {}, "skipped": {}, "per_token": {}, "decode": None,
     }
     for lib_name in args.libraries.split(","):
-        module = {"llguidance": "llguidance", "xgrammar": "xgrammar", "outlines-core": "outlines_core"}[lib_name]
+        module = {"llguidance": "llguidance", "xgrammar": "xgrammar",
+                  "outlines-core": "outlines_core"}[lib_name]
         try:
-            import importlib.metadata
-
             __import__(module)
             report["versions"][lib_name] = importlib.metadata.version(lib_name)
         except Exception as exc:
@@ -445,6 +513,9 @@ def main() -> None:
         if vocab_name == "demo":
             report["decode"] = decode_ratios(libs, vocab, args.reps)
             print("decode", report["decode"], file=sys.stderr, flush=True)
+    if args.engine_rows:
+        report["engine"] = engine_ratios(args.engine_rows, args.engine_tokens, args.reps)
+        print("engine", report["engine"], file=sys.stderr, flush=True)
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

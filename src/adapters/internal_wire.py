@@ -48,6 +48,7 @@ class SamplingBody(_Strict):
     frequency_penalty: float = 0.0
     frequency_context_size: int = Field(default=20, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
+    response_format: str | None = Field(default=None, min_length=1)
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:

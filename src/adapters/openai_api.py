@@ -24,6 +24,12 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `n` (1 to 16): each choice is a generation of its own; choice i > 0 runs as `<request id>.<i>`
   with seed + i (when a seed is given), so the choices differ and repeat exactly. Streams send
   each choice's steps in turn; usage counts the prompt once and every choice's tokens.
+- `response_format` (both endpoints): `{"type": "text"}` (the default) is free text;
+  `{"type": "json_object"}` any JSON object and `{"type": "json_schema", "json_schema": {"name",
+  "schema", "strict"}}` JSON valid against the schema, by constrained decoding (`adapters.grammar`,
+  llguidance; the schema is enforced whatever `strict` says). A schema llguidance refuses is a
+  400 naming `response_format`; with stop strings or `ignore_eos` (which would cut or run past the
+  JSON) a 400; with tools a 422 (the grammar would keep the model from calling one).
 - `tools` with `tool_choice` "auto" (the default) or "none": the tools go through the model's
   chat template; the reply's text between the tokenizer's tool-call markers is parsed by mlx-lm's
   parser for the model (`adapters.tool_calls`) and answered as OpenAI `tool_calls` (streamed as
@@ -49,7 +55,7 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
 Validation: strict pydantic models (no coercion: `"5"` is not a number, `true` is not 1).
 Parameters that would change the result and are not served (`best_of`, `echo`, `suffix`,
 `functions`,
-`function_call`, a non-text `response_format`, ...) are refused with 422 `unsupported_parameter`
+`function_call`, vLLM's `guided_*`, ...) are refused with 422 `unsupported_parameter`
 unless they carry their neutral value (`logprobs: false`, ...). Other
 unknown fields (`user`, `metadata`, vendor extras) are ignored, as vLLM does. Every error has
 OpenAI's shape `{"error": {"message", "type", "code"}}` and the status of its `ErrorInfo`.
@@ -88,6 +94,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.api_keys import ApiKeyGuard, ApiKeys
+from adapters.grammar import format_error, refused, response_format_text
 from adapters.other_apis import other_api_routes
 from adapters.streaming import WatchedStream, cancel_on_disconnect
 from adapters.tool_calls import ToolCall, ToolCallSplitter
@@ -139,6 +146,24 @@ class _StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class _JsonSchema(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; it changes nothing here
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any JSON value
+    strict: bool | None = None
+
+
+class _ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> _ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only there")
+        return self
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints; None means "not given" everywhere."""
 
@@ -162,6 +187,7 @@ class _Sampling(_Strict):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
+    response_format: _ResponseFormat | None = None
 
 
 class _CompletionBody(_Sampling):
@@ -277,7 +303,6 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "min_tokens": _neutral(0),
     "functions": _neutral([]),
     "function_call": _neutral("none"),
-    "response_format": _neutral({"type": "text"}),
     "guided_json": _neutral(),
     "guided_regex": _neutral(),
     "guided_choice": _neutral(),
@@ -1113,6 +1138,8 @@ class Frontend:
             raise _Reject(client_error("stream_options is only allowed when stream is true",
                                        param="stream_options"))
         stops = self._stops(body.stop)
+        offers_tools = isinstance(body, _ChatBody) and bool(body.tools) and body.tool_choice != "none"
+        response_format = await self._response_format(body, stops, offers_tools)
 
         if isinstance(body, _CompletionBody):
             prompt = await self._encode_prompt(body.prompt)
@@ -1165,6 +1192,7 @@ class Frontend:
             frequency_penalty=body.frequency_penalty or 0.0,
             frequency_context_size=_given(body.frequency_context_size, 20),
             logprobs=self._logprobs(body),
+            response_format=response_format,
         )
         return _Job(
             kind=kind,
@@ -1187,6 +1215,33 @@ class Frontend:
         if body.top_logprobs is not None and not body.logprobs:
             raise _Reject(client_error("top_logprobs needs logprobs: true", param="top_logprobs"))
         return (body.top_logprobs or 0) if body.logprobs else None
+
+    @staticmethod
+    async def _response_format(body: _Sampling, stops: Sequence[str], offers_tools: bool) -> str | None:
+        """A non-text `response_format` as the constraint's canonical text (None: free text),
+        checked by llguidance here, before any engine; what would break the JSON is refused."""
+        given = body.response_format
+        if given is None or given.type == "text":
+            return None
+        if stops:
+            raise _Reject(client_error("stop: stop strings would cut the JSON that response_format asks for",
+                                       param="stop"))
+        if body.ignore_eos:
+            raise _Reject(client_error("ignore_eos: the JSON that response_format asks for ends with EOS",
+                                       param="ignore_eos"))
+        if offers_tools:
+            raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                                    "response_format with tools: the grammar would keep the model from "
+                                    "calling a tool", "response_format"))
+        schema = given.json_schema.schema_ if given.json_schema is not None else None
+        try:
+            text = response_format_text(given.type, schema)
+        except ValueError as exc:  # NaN or Infinity in the schema: not JSON
+            raise _Reject(refused(str(exc)).info) from None
+        error = await trio.to_thread.run_sync(format_error, text)
+        if error is not None:
+            raise _Reject(refused(error).info)
+        return text
 
     def _tools(self, body: _ChatBody) -> tuple[dict[str, Any], ...]:
         """The tools the model is offered (none with `tool_choice: "none"`), checked against what
@@ -1225,7 +1280,7 @@ class Frontend:
                     Fault.UNSUPPORTED,
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-                    "(no logprobs, echo, suffix, best_of, functions or structured output are served)",
+                    "(no echo, suffix, best_of, functions or guided_* decoding are served)",
                     names[0],
                 )
             )

@@ -67,6 +67,10 @@ class SamplingParams:
     # With each token, its log-probability and the `logprobs` most likely alternatives' (None:
     # none of it). The distribution is the shaped one, before temperature (mlx-lm's choice).
     logprobs: int | None = None
+    # Structured output: the canonical JSON text of the constraint (`adapters.grammar`:
+    # `{"type":"json_object"}` or `{"type":"json_schema","schema":{...}}`); every draw, the first
+    # one on the prefill node included, takes only what its grammar allows. None: free text.
+    response_format: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,8 @@
 
 For every cache family (plain KV, sliding window, hybrid linear attention, CacheList, SSM state,
 chunked attention) and in bfloat16 and float16 too: completions and chat, streaming and not,
-greedy and seeded, with and without logits shaping (bias, penalties, min_p); bodies equal once
+greedy and seeded, with and without logits shaping (bias, penalties, min_p), under a JSON schema
+(response_format); bodies equal once
 `id` and `created` are dropped; every SSE chunk equal; usage
 equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
 the decode node's receive buffers, each one equal to the single node.
@@ -28,6 +29,9 @@ LONG = (
     "the direction of the wind and the names of the ships that passed the rocks. "
 ) * 3
 
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+                 "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
+
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": LONG, "max_tokens": 24, "temperature": 0}),
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9,
@@ -52,6 +56,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     # n: choice 1 runs as its own request with seed + 1, on both.
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 4,
                          "n": 2}),
+    # Structured output: the decode node's grammar starts from the prefill node's first token.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the sea blue? Answer in JSON."}],
+                              "max_tokens": 48, "temperature": 0.8, "seed": 7,
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}}),
 ]
 
 
@@ -94,6 +103,9 @@ def test_non_streaming_identical(cluster: Cluster, path: str, body: dict[str, An
     assert without_ids(routed.json()) == without_ids(single.json())
     choice = single.json()["choices"][0]
     _distinct_text(choice["text"] if "text" in choice else choice["message"]["content"])
+    if "response_format" in body:  # a bounded schema always ends, and its answer validates
+        answer = json.loads(choice["message"]["content"])
+        assert choice["finish_reason"] == "stop" and set(answer) == {"ok", "color"}, answer
 
 
 @pytest.mark.parametrize(("path", "body"), CASES)
@@ -105,7 +117,11 @@ def test_streaming_identical(cluster: Cluster, path: str, body: dict[str, Any]) 
     assert [without_ids(json.loads(e)) for e in routed[:-1]] == [
         without_ids(json.loads(e)) for e in single[:-1]
     ]
-    assert json.loads(single[-2])["usage"]["completion_tokens"] == body["max_tokens"] * body.get("n", 1)
+    completion_tokens = json.loads(single[-2])["usage"]["completion_tokens"]
+    if "response_format" in body:  # ends with EOS, as its grammar says
+        assert completion_tokens < body["max_tokens"]
+    else:
+        assert completion_tokens == body["max_tokens"] * body.get("n", 1)
 
 
 def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:

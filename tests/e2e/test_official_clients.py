@@ -8,6 +8,7 @@ backend (tests/integration/test_tool_calls_api.py, test_other_apis.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,6 +81,10 @@ CHAT_CASES: list[dict[str, Any]] = [
      "logit_bias": {"17": 5.0}, "extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 8}},
     {"max_tokens": 8, "temperature": 0.9, "seed": 2, "n": 3},
     {"max_tokens": 8, "temperature": 0, "tools": TOOLS},
+    {"max_tokens": 40, "temperature": 0.7, "seed": 9, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}}}},
 ]
 
 
@@ -89,6 +94,9 @@ def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str,
         model=MODEL, messages=USER, **params).model_dump())
     assert len(whole["choices"]) == params.get("n", 1)
     assert all(choice["message"]["content"] for choice in whole["choices"])
+    if "response_format" in params:
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        assert isinstance(json.loads(whole["choices"][0]["message"]["content"])["ok"], bool)
     if params.get("logprobs"):
         entries = whole["choices"][0]["logprobs"]["content"]
         assert len(entries) == whole["usage"]["completion_tokens"] and len(entries[0]["top_logprobs"]) == 3

@@ -215,6 +215,75 @@ async def test_logits_shaping_parameters_reach_the_engine_under_mlx_lms_names(
     assert response.status_code == 200 and backend.last.request.sampling.presence_penalty == 0.3
 
 
+_BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+            "required": ["ok", "color"], "additionalProperties": False}
+
+
+async def test_response_format_reaches_the_engine_as_its_canonical_text(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    backend.default_script = say(frontend, '{"ok": true}', "stop")
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    formats: list[tuple[dict[str, Any], str | None]] = [
+        ({"type": "json_schema", "json_schema": {"name": "answer", "schema": _BOUNDED, "strict": True}},
+         json.dumps({"type": "json_schema", "schema": _BOUNDED}, separators=(",", ":"))),
+        ({"type": "json_object"}, '{"type":"json_object"}'),
+        ({"type": "json_schema", "json_schema": {"name": "anything"}}, '{"type":"json_schema","schema":{}}'),
+        ({"type": "text"}, None),
+    ]
+    for given, canonical in formats:
+        response = await client.post("/v1/chat/completions", json={**chat, "response_format": given})
+        assert response.status_code == 200, response.text
+        assert backend.last.request.sampling.response_format == canonical
+    # the schema's own key order is kept: it is the order the object's properties are written in
+    assert list(json.loads(str(formats[0][1]))["schema"]["properties"]) == ["ok", "color"]
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "response_format": formats[1][0]})
+    assert response.status_code == 200, response.text
+    assert backend.last.request.sampling.response_format == '{"type":"json_object"}'
+    assert response.json()["choices"][0]["text"] == '{"ok": true}'
+
+
+@pytest.mark.parametrize(("extra", "status", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
+     400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "required": ["x"], "additionalProperties": False}}}},
+     400, "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "a", "schema": {"$ref": "#/nowhere"}}}},
+     400, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}}},
+     400, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, 400, "stop"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "ignore_eos"),
+    ({"response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 422, "response_format"),
+], ids=["bad type", "unsatisfiable", "dangling ref", "no json_schema", "json_schema with json_object",
+        "bad name", "stop", "ignore_eos", "tools"])
+async def test_a_response_format_that_cannot_be_enforced_is_refused_naming_it(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend, extra: dict[str, Any], status: int,
+    param: str,
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert backend.generations == []
+    await good_request(client, backend, frontend)
+
+
+async def test_a_schema_with_nan_is_refused(client: httpx.AsyncClient, backend: FakeBackend) -> None:
+    body = ('{"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "a", '
+            '"schema": {"type": "number", "maximum": NaN}}}}')
+    headers = {"content-type": "application/json"}
+    response = await client.post("/v1/completions", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"
+    assert backend.generations == []
+
+
 async def test_default_completion_max_tokens_is_cut_to_the_room_left(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
@@ -739,11 +808,11 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
         "invalid_request",
     ),
     (
-        "chat json mode",
+        "chat response_format of an unknown type",
         "/v1/chat/completions",
-        _json({"messages": _USER, "response_format": {"type": "json_object"}}),
-        422,
-        "unsupported_parameter",
+        _json({"messages": _USER, "response_format": {"type": "regex"}}),
+        400,
+        "invalid_request",
     ),
     (
         "chat unknown model",

@@ -11,7 +11,8 @@ Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in
 (`adapters.mlx.slots`): preallocated per-row KV, joining and leaving move no other row. Other
 families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
 caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
-the *solo lane*, one generate_step-style call per request and step. Prefill is scheduled the same
+the *solo lane*, one generate_step-style call per request and step; so do requests under a
+grammar (`response_format`) in families outside the slot lane. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
 the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
 and trio (only for trio tokens); statecore and effects never import it.
@@ -48,6 +49,7 @@ from adapters.mlx.memory import KvCost
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
 from adapters.mlx.sampling import (
     PositionSampler,
+    SamplerMark,
     mlx_lm_processors,
     pick_logprobs,
     read_logprobs,
@@ -557,9 +559,9 @@ class DeviceLoop:
         self.end(live, error, deliveries)
 
     @staticmethod
-    def rewind(rows: Sequence[Live], marks: Sequence[tuple[int, Any]]) -> None:
+    def rewind(rows: Sequence[Live], marks: Sequence[SamplerMark]) -> None:
         """Undo what a failed call's sampling advanced (each seeded draw takes the next position;
-        a penalized row's recent tokens take the drawn one)."""
+        a penalized row's recent tokens take the drawn one; a grammar consumed the one before)."""
         for live, mark in zip(rows, marks, strict=True):
             live.sampler.reset(mark)
 
@@ -839,14 +841,17 @@ class DeviceLoop:
             mx.eval(sampled, [c.state for c in live.solo_cache])
         return int(sampled.item())
 
-    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool) -> str:
+    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool,
+                 constrained: bool = False) -> str:
         """Where a request decodes: "slot", "merge" (mlx-lm's batch generator) or "solo"."""
         needed = prompt_tokens + remaining + 2
         if (self.pool is not None and all(type(c) is KVCache for c in cache)
                 and needed <= self.pool.max_capacity):
             return "slot"
-        # mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo.
-        if all(hasattr(c, "merge") for c in cache) and not ignore_eos:
+        # mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo. A row under a
+        # grammar (response_format) needs its mask before each draw: solo too, rather than
+        # teaching mlx-lm's generator to read each token back.
+        if all(hasattr(c, "merge") for c in cache) and not ignore_eos and not constrained:
             return "merge"
         return "solo"
 

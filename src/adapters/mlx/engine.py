@@ -30,7 +30,9 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from adapters import kv_wire
+from adapters.grammar import Grammars
 from adapters.mlx.device import DeviceLoop, Live, Settings
+from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
@@ -78,6 +80,7 @@ class MlxEngine:
         self._info: ModelInfo | None = None
         self._stats = EngineStatistics(0, 0, 0, True)
         self._expected_classes: list[str] = []
+        self._grammars: Grammars | None = None  # structured output: set at load
         # trio side: streams not yet taken by `stream()`.
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
         self._device = DeviceLoop(settings, self._queue, self._die)
@@ -192,6 +195,7 @@ class MlxEngine:
         seed = request_seed(request_id, sampling)
         chunks = prefill_chunks(len(tokens), self._settings.prefill_chunk_size)
         units = prefill_units(chunks, self._device.layers, self._device.unit_tokens)
+        matcher = await self._matcher(sampling)
         job: Job[PrefillOutcome]
 
         def register() -> PrefillOutcome:
@@ -199,8 +203,8 @@ class MlxEngine:
             self._check_unused(request_id)
             device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
-            task = PrefillTask(request_id, tokens, PositionSampler(sampling, seed, len(tokens), tokens),
-                               device.arrivals, chunks, units, job=job)
+            sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
+            task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
@@ -377,7 +381,31 @@ class MlxEngine:
             raise StatecoreError(client_error("top_p must be in (0, 1]"))
         if sampling.top_k < 0:
             raise StatecoreError(client_error("top_k must be >= 0"))
+        if sampling.response_format is not None and sampling.ignore_eos:
+            raise StatecoreError(client_error(
+                "ignore_eos cannot go with a response_format: the grammar ends the output with EOS",
+                param="ignore_eos"))
         return tokens
+
+    async def _matcher(self, sampling: SamplingParams) -> Any:
+        """A fresh grammar matcher for a request with a response_format (None without one),
+        compiled in a worker thread: a schema never stalls the device loop."""
+        if sampling.response_format is None:
+            return None
+        grammars = self._grammars
+        if grammars is None:
+            raise engine_failed("the engine has no model loaded")
+        return await trio.to_thread.run_sync(grammars.matcher, sampling.response_format)
+
+    def _constraint(self, matcher: Any, generated: Sequence[int]) -> TokenConstraint | None:
+        """On the device thread: the request's grammar state after `generated` (None: free text)."""
+        if matcher is None:
+            return None
+        try:
+            return TokenConstraint(matcher, self.info.vocab_size, self.info.eos_token_ids, generated)
+        except RuntimeError as exc:
+            raise StatecoreError(client_error(f"the first token does not fit the response_format: {exc}",
+                                              param="response_format")) from exc
 
     def _check_token(self, token: object, what: str) -> int:
         """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
@@ -401,6 +429,7 @@ class MlxEngine:
         take_cache: Callable[[], list[Any]],
     ) -> None:
         """Open the request's stream, then put it into the decoder on the device thread."""
+        matcher = await self._matcher(sampling)
         if request_id in self._streams:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
         send, receive = trio.open_memory_channel[StreamItem](sampling.max_tokens)
@@ -423,11 +452,13 @@ class MlxEngine:
                 post(token, deliver, [(send, None, True)])
                 self._publish()
                 return
-            lane = device.lane_for(cache, len(tokens), remaining, sampling.ignore_eos)
+            # The grammar's state after the first token, which the prefill node drew under it.
+            constraint = self._constraint(matcher, (first_token,))
+            lane = device.lane_for(cache, len(tokens), remaining, sampling.ignore_eos, constraint is not None)
             if lane != "slot":  # its cache grows to the whole request, outside the pool
                 total = len(tokens) + sampling.max_tokens
                 device.admit(request_id, device.cost.of(total), total)
-            sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token])
+            sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token], constraint)
             live = Live(request_id, send, token, remaining, sampler, first_token)
             device.join(live, cache, tokens, lane)
             device.held.pop(request_id, None)
@@ -580,6 +611,7 @@ class MlxEngine:
         cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes,
                                probe_cache if device.plain(probe_cache) else None)
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
+        self._grammars = Grammars(loaded.tokenizer, vocab_size, loaded.eos)
         if device.bucket and mx.default_device() == mx.gpu:
             started = time.perf_counter()
             with mx.stream(generation_stream):

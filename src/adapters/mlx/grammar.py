@@ -28,7 +28,8 @@ ConstraintMark = tuple[int, Any]  # (tokens consumed, the last draw not yet cons
 
 
 class TokenConstraint:
-    def __init__(self, matcher: Any, vocab_size: int, eos: frozenset[int], generated: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos: frozenset[int],
+                 generated: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
         self._eos = eos

@@ -46,6 +46,7 @@ class LoadedModel:
     config_bytes: bytes
     dtypes: tuple[str, ...]
     context_length: int
+    tokenizer: Any = None  # mlx-lm's TokenizerWrapper (structured output compiles grammars over it)
 
 
 def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
@@ -90,7 +91,7 @@ def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
         eos.update(int(t) for t in raw_eos)
     params: Any = tree_flatten(model.parameters())
     dtypes = tuple(sorted({str(v.dtype) for _, v in params}))
-    return LoadedModel(model, frozenset(eos), config_bytes, dtypes, _context_length(config))
+    return LoadedModel(model, frozenset(eos), config_bytes, dtypes, _context_length(config), tokenizer)
 
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,

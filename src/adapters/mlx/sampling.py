@@ -7,6 +7,12 @@ depend on the node, the batch or its neighbours. An unseeded request gets its se
 its request id: both nodes of a handoff derive the same one. `sample_rows` samples a whole batch:
 greedy rows in one argmax, seeded rows each with its own key.
 
+Structured output: a request with a `response_format` samples under its grammar
+(`adapters.mlx.grammar.TokenConstraint`): after the shaping, every token the grammar does not
+allow next gets -inf, then the log-softmax and the draw as for any other row (logprobs are those
+of the masked distribution). Its state follows from the tokens generated, so the decode node
+rebuilds it from the first token.
+
 Logits shaping (`logit_bias`, then the repetition, presence and frequency penalties, as mlx-lm
 defines them) comes before the log-softmax, greedy rows included. The penalties look at the
 request's last tokens (prompt, then generated), which each sampler keeps on the device: the token
@@ -26,13 +32,16 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
+from adapters.mlx.grammar import ConstraintMark, TokenConstraint
 from effects.engine_port import SamplingParams
 from statecore.events import TokenLogprobs
 
-__all__ = ["PositionSampler", "log_softmax", "mlx_lm_processors", "pick_logprobs", "position_key_seed",
-           "read_logprobs", "request_seed", "sample", "sample_rows", "shape_logits"]
+__all__ = ["PositionSampler", "SamplerMark", "log_softmax", "mlx_lm_processors", "pick_logprobs",
+           "position_key_seed", "read_logprobs", "request_seed", "sample", "sample_rows", "shape_logits"]
 
 _SAMPLE_KEY_DOMAIN = b"statecore-sample-v1"
+
+SamplerMark = tuple[int, Any, ConstraintMark | None]  # (position, recent tokens, grammar state)
 
 
 def request_seed(request_id: str, sampling: SamplingParams) -> int:
@@ -124,10 +133,12 @@ def pick_logprobs(logprobs: Any, token: Any, top: int) -> tuple[Any, ...]:
 
 
 def read_logprobs(picked: tuple[Any, ...]) -> TokenLogprobs:
+    """Values of `pick_logprobs`' arrays; alternatives a grammar ruled out (-inf) are left out."""
     chosen = float(picked[0].item())
     if len(picked) == 1:
         return TokenLogprobs(chosen)
-    return TokenLogprobs(chosen, tuple(zip(picked[1].tolist(), picked[2].tolist(), strict=True)))
+    pairs = zip(picked[1].tolist(), picked[2].tolist(), strict=True)
+    return TokenLogprobs(chosen, tuple((token, value) for token, value in pairs if value != -math.inf))
 
 
 def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
@@ -154,22 +165,26 @@ def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
 
 class PositionSampler:
     """A per-request sampler: each call draws the token at the next position. With a penalty
-    in force it also keeps the request's last tokens (`recent`, on the device) from `context`."""
+    in force it also keeps the request's last tokens (`recent`, on the device) from `context`;
+    with a `constraint` (a response_format) it draws only what the grammar allows."""
 
     def __init__(self, sampling: SamplingParams, seed: int, position: int,
-                 context: Sequence[int] = ()) -> None:
+                 context: Sequence[int] = (), constraint: TokenConstraint | None = None) -> None:
         self.sampling = sampling
         self.seed = seed
         self.position = position
         self.window = max((size for _, _, size in sampling.penalties), default=0)
         self.recent: Any = None
         self.pending_logprobs: Any = None
+        self.constraint: TokenConstraint | None = None
         self.restart(context)
+        self.constraint = constraint  # as given: its grammar may already have taken the first token
 
     @property
     def plain_greedy(self) -> bool:
         """An argmax of the log-probabilities, as any other greedy row's (batched in one call)."""
-        return self.sampling.greedy and not self.sampling.shapes_logits and self.sampling.logprobs is None
+        return (self.sampling.greedy and not self.sampling.shapes_logits and self.sampling.logprobs is None
+                and self.constraint is None)
 
     def take_logprobs(self) -> Any:
         """The last draw's log-probability arrays (`pick_logprobs`), lazily; None when the request
@@ -178,16 +193,22 @@ class PositionSampler:
         return pending
 
     def restart(self, context: Sequence[int]) -> None:
-        """The tokens before the next draw are `context` (the prompt and what was generated)."""
+        """The tokens before the next draw are `context` (the prompt and what was generated); a
+        grammar starts again from its beginning (only a prefill computed again restarts a
+        constrained sampler: constrained rows never decode in mlx-lm's batch generator)."""
         if self.window:
             self.recent = mx.array(list(context[-self.window :]), dtype=mx.int32)
+        if self.constraint is not None:
+            self.constraint.restart()
 
-    def mark(self) -> tuple[int, Any]:
-        return self.position, self.recent
+    def mark(self) -> SamplerMark:
+        return self.position, self.recent, None if self.constraint is None else self.constraint.mark()
 
-    def reset(self, mark: tuple[int, Any]) -> None:
+    def reset(self, mark: SamplerMark) -> None:
         """Back to `mark`: undo what a failed call's draws advanced."""
-        self.position, self.recent = mark
+        self.position, self.recent, constraint = mark
+        if self.constraint is not None and constraint is not None:
+            self.constraint.reset(constraint)
 
     def __call__(self, logprobs: Any) -> Any:
         position = self.position
@@ -199,8 +220,12 @@ class PositionSampler:
         joins the recent tokens. Returns a (1,) array."""
         if self.sampling.shapes_logits:
             logits = shape_logits(logits, self.sampling, self.recent)
+        if self.constraint is not None:
+            logits = mx.where(self.constraint.allowed(), logits, mx.array(-math.inf, dtype=logits.dtype))
         logprobs = log_softmax(logits)
         token = self(logprobs)
+        if self.constraint is not None:
+            self.constraint.drew(token)
         if self.sampling.logprobs is not None:
             self.pending_logprobs = pick_logprobs(logprobs, token, self.sampling.logprobs)
         if self.window:
