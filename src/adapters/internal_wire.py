@@ -40,6 +40,9 @@ class SamplingBody(_Strict):
     seed: int | None = None
     ignore_eos: bool = False
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=0.5)
+    xtc_special_tokens: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = Field(default=0.0, ge=0.0)
     repetition_context_size: int = Field(default=20, ge=0)

@@ -37,6 +37,9 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   "required" or a named function would need constrained decoding: 422. A model whose template
   has no tool-call markers mlx-lm knows: 400. Messages may carry an assistant's `tool_calls`
   (arguments as JSON text) and `tool` answers (`tool_call_id`).
+- `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
+  (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
+  them are left out; a newline and EOS never are.
 - `logprobs`: chat `logprobs: true` + `top_logprobs` (0-20), completions `logprobs` (0-20):
   each token's log-probability under the shaped distribution before temperature (mlx-lm's),
   and the most likely alternatives, in OpenAI's shapes; a token's text is its own decoding.
@@ -176,6 +179,8 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = None  # vLLM's: generate through EOS until max_tokens
     # mlx_lm.server's names and ranges (a context size of 0 turns its penalty off)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
+    xtc_threshold: float | None = Field(default=None, ge=0.0, le=0.5)  # mlx-lm's sampler refuses more
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=0.0)
     repetition_context_size: int | None = Field(default=None, ge=0)
@@ -301,6 +306,7 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": _neutral(False),
     "suffix": _neutral(""),
     "min_tokens": _neutral(0),
+    "adapters": _neutral(),  # mlx_lm.server's LoRA adapter per request
     "functions": _neutral([]),
     "function_call": _neutral("none"),
     "guided_json": _neutral(),
@@ -1184,6 +1190,7 @@ class Frontend:
             seed=body.seed,
             ignore_eos=bool(body.ignore_eos),
             min_p=body.min_p or 0.0,
+            **self._xtc(body),
             logit_bias=self._logit_bias(body.logit_bias),
             repetition_penalty=body.repetition_penalty or 0.0,
             repetition_context_size=_given(body.repetition_context_size, 20),
@@ -1206,6 +1213,16 @@ class Frontend:
             choices=body.n or 1,
             tools=tools if isinstance(body, _ChatBody) else (),
         )
+
+    def _xtc(self, body: _Sampling) -> dict[str, Any]:
+        """XTC's settings; the tokens it never leaves out are mlx_lm.server's: a newline and EOS."""
+        if not body.xtc_probability:
+            return {}
+        newline = self.tokenizer.encode("\n", add_special_tokens=False)
+        special = sorted({*(int(t) for t in newline), *self.backend.model_info.eos_token_ids})
+        return {"xtc_probability": body.xtc_probability,
+                "xtc_threshold": 0.1 if body.xtc_threshold is None else body.xtc_threshold,
+                "xtc_special_tokens": tuple(special)}
 
     @staticmethod
     def _logprobs(body: _CompletionBody | _ChatBody) -> int | None:

@@ -55,6 +55,11 @@ class SamplingParams:
     # stream goes on) and the request ends only at max_tokens, with finish_reason "length"
     ignore_eos: bool = False
     min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
+    # XTC ("exclude top choices", mlx-lm's): with probability xtc_probability a draw leaves out every
+    # token above xtc_threshold but the least likely of them; never the special tokens (newline, EOS)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] = ()
     # Logits shaping, before the log-softmax (greedy requests too), in this order; each penalty
     # looks at the last `*_context_size` tokens of prompt + generated (0 or penalty 0: off).
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)

@@ -76,7 +76,7 @@ def dumped(items: Any) -> list[Any]:
 CHAT_CASES: list[dict[str, Any]] = [
     {"max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3},
     {"max_tokens": 12, "temperature": 0.8, "seed": 5, "top_p": 0.9, "stop": ["the"],
-     "extra_body": {"top_k": 30, "min_p": 0.05}},
+     "extra_body": {"top_k": 30, "min_p": 0.05, "xtc_probability": 0.5, "xtc_threshold": 0.05}},
     {"max_tokens": 12, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5,
      "logit_bias": {"17": 5.0}, "extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 8}},
     {"max_tokens": 8, "temperature": 0.9, "seed": 2, "n": 3},

@@ -888,7 +888,10 @@ async def test_shaped_greedy_rows_decode_as_mlx_lms_processors_say(
     assert all(9 not in tokens for tokens in got.values() if isinstance(tokens, list))  # biased out
 
 
-@pytest.mark.parametrize("sampling", [SHAPED, SHAPED_SEEDED], ids=["greedy", "seeded"])
+XTC_SEEDED = replace(SHAPED_SEEDED, xtc_probability=0.5, xtc_threshold=0.01, xtc_special_tokens=(1,))
+
+
+@pytest.mark.parametrize("sampling", [SHAPED, SHAPED_SEEDED, XTC_SEEDED], ids=["greedy", "seeded", "xtc"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
 async def test_shaped_sampling_through_a_handoff_equals_one_node(
     open_engine: Opener, fresh_dirs: dict[str, Path], family: str, sampling: SamplingParams

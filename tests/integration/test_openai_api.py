@@ -210,6 +210,14 @@ async def test_logits_shaping_parameters_reach_the_engine_under_mlx_lms_names(
     assert (sampling.repetition_penalty, sampling.repetition_context_size) == (1.2, 40)
     assert (sampling.presence_penalty, sampling.presence_context_size) == (-0.5, 20)
     assert sampling.penalties == (("repetition", 1.2, 40), ("presence", -0.5, 20))  # context 0: off
+    assert sampling.xtc_probability == 0.0  # XTC off unless asked
+    response = await client.post("/v1/completions", json={"prompt": "Hi", "xtc_probability": 0.3})
+    xtc = backend.last.request.sampling
+    newline = frontend.tokenizer.encode("\n", add_special_tokens=False)
+    assert (xtc.xtc_probability, xtc.xtc_threshold) == (0.3, 0.1)  # mlx_lm.server's default threshold
+    assert set(xtc.xtc_special_tokens) == {*newline, *backend.model_info.eos_token_ids}
+    refused = await client.post("/v1/completions", json={"prompt": "Hi", "xtc_threshold": 0.6})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "xtc_threshold"
     chat = {"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": 0.3}
     response = await client.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200 and backend.last.request.sampling.presence_penalty == 0.3

@@ -36,8 +36,9 @@ from adapters.mlx.grammar import ConstraintMark, TokenConstraint
 from effects.engine_port import SamplingParams
 from statecore.events import TokenLogprobs
 
-__all__ = ["PositionSampler", "SamplerMark", "log_softmax", "mlx_lm_processors", "pick_logprobs",
-           "position_key_seed", "read_logprobs", "request_seed", "sample", "sample_rows", "shape_logits"]
+__all__ = ["PositionSampler", "SamplerMark", "exclude_top_choices", "log_softmax", "mlx_lm_processors",
+           "pick_logprobs", "position_key_seed", "read_logprobs", "request_seed", "sample", "sample_rows",
+           "shape_logits"]
 
 _SAMPLE_KEY_DOMAIN = b"statecore-sample-v1"
 
@@ -69,9 +70,10 @@ def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) ->
     """One token from a (1, vocab) row of log-probabilities; returns a (1,) array.
 
     temperature scales the logits first; min_p keeps the tokens at least min_p times as likely as
-    the most likely one; top_k keeps the k most likely tokens; top_p keeps the
-    smallest set of the most likely tokens whose probability reaches top_p (the most likely one
-    always stays); then a categorical draw with the position's own key.
+    the most likely one; XTC (when its coin, drawn with the position's own key, comes up) leaves
+    out the tokens above its threshold but the least likely of them; top_k keeps the k most likely
+    tokens; top_p keeps the smallest set of the most likely tokens whose probability reaches top_p
+    (the most likely one always stays); then a categorical draw with the position's own key.
     """
     if sampling.greedy:
         return greedy_sampler(logprobs)
@@ -82,6 +84,8 @@ def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) ->
     if sampling.min_p > 0.0:
         floor = mx.max(x, axis=-1, keepdims=True) + math.log(sampling.min_p)
         x = mx.where(x >= floor, x, neg_inf)
+    if sampling.xtc_probability > 0.0:
+        x = exclude_top_choices(x, sampling, seed, position)
     if 0 < sampling.top_k < vocab:
         dropped = mx.argpartition(-x, kth=sampling.top_k - 1, axis=-1)[..., sampling.top_k :]
         x = mx.put_along_axis(x, dropped, neg_inf, axis=-1)
@@ -94,6 +98,22 @@ def sample(logprobs: Any, sampling: SamplingParams, seed: int, position: int) ->
         x = mx.put_along_axis(x, order, ranked, axis=-1)
     key = mx.random.key(position_key_seed(seed, position))
     return mx.random.categorical(x, axis=-1, key=key)
+
+
+_XTC_DOMAIN = 0x58544320  # "XTC ": the coin's key is the position's, moved to another domain
+
+
+def exclude_top_choices(x: Any, sampling: SamplingParams, seed: int, position: int) -> Any:
+    """mlx-lm's XTC on a (1, vocab) row of log-probabilities: with probability xtc_probability,
+    every token more likely than xtc_threshold but the least likely of them is left out (the
+    special tokens never are). The coin is seeded by (seed, position), as the draw is."""
+    probs = mx.exp(x)
+    above = mx.where(probs > sampling.xtc_threshold, probs, mx.inf)
+    left_out = probs > mx.min(above, axis=-1, keepdims=True)
+    if sampling.xtc_special_tokens:
+        left_out[..., list(sampling.xtc_special_tokens)] = False
+    coin = mx.random.uniform(key=mx.random.key(position_key_seed(seed ^ _XTC_DOMAIN, position)))
+    return mx.where(coin < sampling.xtc_probability, mx.where(left_out, -mx.inf, x), x)
 
 
 def shape_logits(logits: Any, sampling: SamplingParams, recent: Any) -> Any:
