@@ -912,10 +912,10 @@ async def test_shaped_sampling_through_a_handoff_equals_one_node(
 # Logprobs: each token's log-probability and the most likely alternatives
 
 
-async def logprobs_of(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                      decode: MlxEngine | None = None) -> list[tuple[int, Any]]:
-    """(token, its TokenLogprobs) for every token, the first from the prefill; with `decode`, the
-    rest from there after a handoff."""
+async def run_request(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      decode: MlxEngine | None = None) -> tuple[Any, list[GeneratedToken]]:
+    """(the prefill's outcome, every token after the first); with `decode`, decoded there after a
+    handoff, else where it was prefilled."""
     outcome = await engine.prefill(rid, prompt, sampling)
     if decode is None:
         await engine.decode_held(rid, prompt, outcome.first_token, sampling)
@@ -923,8 +923,14 @@ async def logprobs_of(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], 
         payload = (await engine.export_held(rid)).joined()
         await engine.release_held(rid)
         await decode.install(rid, payload, prompt, outcome.first_token, sampling)
-    rest = [(g.token, g.logprobs) for g in await collect(decode or engine, rid)]
-    return [(outcome.first_token, outcome.first_logprobs), *rest]
+    return outcome, await collect(decode or engine, rid)
+
+
+async def logprobs_of(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      decode: MlxEngine | None = None) -> list[tuple[int, Any]]:
+    """(token, its TokenLogprobs) for every token, the first from the prefill."""
+    outcome, rest = await run_request(engine, rid, prompt, sampling, decode)
+    return [(outcome.first_token, outcome.first_logprobs), *((g.token, g.logprobs) for g in rest)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
@@ -993,14 +999,7 @@ PROMPTS = {JSON_SCHEMA: prompt_of(30, salt=5), JSON_OBJECT: prompt_of(30)}
 async def finished(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                    decode: MlxEngine | None = None) -> tuple[list[int], str | None]:
     """Every token and the finish reason; with `decode`, decoded there after a handoff."""
-    outcome = await engine.prefill(rid, prompt, sampling)
-    if decode is None:
-        await engine.decode_held(rid, prompt, outcome.first_token, sampling)
-    else:
-        payload = (await engine.export_held(rid)).joined()
-        await engine.release_held(rid)
-        await decode.install(rid, payload, prompt, outcome.first_token, sampling)
-    items = await collect(decode or engine, rid)
+    outcome, items = await run_request(engine, rid, prompt, sampling, decode)
     return [outcome.first_token] + [g.token for g in items], items[-1].finish_reason if items else None
 
 
