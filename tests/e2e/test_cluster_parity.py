@@ -47,8 +47,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                          "presence_penalty": 0.5, "frequency_penalty": 0.3, "frequency_context_size": 8,
                          "logit_bias": {"17": 4.0, "30": -100}, "logprobs": 2}),
     # Seeded shaping and XTC; n: choice 1 runs as its own request with seed + 1, on both. Not with
-    # logprobs: on gemma3_text (mlx-lm's batch generator) choice 1's logprobs differed between the
-    # single node and the cluster (seen 2026-12-02, cause not pinned down; docs/api.md says so).
+    # logprobs: in mlx-lm's batch generator (gemma3_text) the choices' logprob floats vary from run
+    # to run even on one node (they join at different steps); docs/api.md says so.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 14, "temperature": 0.8, "min_p": 0.05, "seed": 3,
                               "presence_penalty": 2.0, "repetition_context_size": 5, "xtc_probability": 0.5,
