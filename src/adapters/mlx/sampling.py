@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.grammar import ConstraintMark, TokenConstraint
 from effects.engine_port import SamplingParams
@@ -162,25 +162,11 @@ def read_logprobs(picked: tuple[Any, ...]) -> TokenLogprobs:
 
 
 def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
-    """The same shaping as mlx-lm's logits processors, for rows in mlx-lm's batch generator
-    (which keeps each row's recent tokens itself)."""
+    """`shape_logits` as a logits processor, for rows in mlx-lm's batch generator (which hands
+    it each row's tokens so far, prompt included, itself)."""
     if not sampling.shapes_logits:
         return []
-    penalties = {kind: (penalty, size) for kind, penalty, size in sampling.penalties}
-
-    def penalty(kind: str) -> float | None:
-        return penalties[kind][0] if kind in penalties else None
-
-    def size(kind: str) -> int:
-        return penalties[kind][1] if kind in penalties else 1
-
-    processors: list[Any] = make_logits_processors(
-        logit_bias=dict(sampling.logit_bias) or None,
-        repetition_penalty=penalty("repetition"), repetition_context_size=size("repetition"),
-        presence_penalty=penalty("presence"), presence_context_size=size("presence"),
-        frequency_penalty=penalty("frequency"), frequency_context_size=size("frequency"),
-    )
-    return processors
+    return [lambda tokens, logits: shape_logits(logits, sampling, tokens)]
 
 
 class PositionSampler:
