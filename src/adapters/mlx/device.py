@@ -659,18 +659,13 @@ class DeviceLoop:
                 if owner is None or self.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
                 owner.last_token = token
-                picked = step.logprobs.get(slot)
-                item = self.count_token(owner, token, None if picked is None else read_logprobs(picked))
-                if item.finish_reason is not None:
-                    self.end(owner, item, deliveries)
-                else:
-                    deliveries.setdefault(owner.token, []).append((owner.send, item, False))
+                item = self.count_token(owner, token, read_logprobs(step.logprobs.get(slot)))
+                self.hand_token(owner, item, deliveries)
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
-                picked = task.sampler.take_logprobs()
-                logprobs = None if picked is None else read_logprobs(picked)
+                logprobs = read_logprobs(task.sampler.take_logprobs())
                 outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs)
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
@@ -694,6 +689,15 @@ class DeviceLoop:
         if live.remaining <= 0:
             return GeneratedToken(token, finish_reason="length", logprobs=logprobs)
         return GeneratedToken(token, logprobs=logprobs)
+
+    def hand_token(self, live: Live, item: GeneratedToken,
+                   deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> bool:
+        """Give a request its next token; its last one ends it (True then)."""
+        if item.finish_reason is not None:
+            self.end(live, item, deliveries)
+            return True
+        deliveries.setdefault(live.token, []).append((live.send, item, False))
+        return False
 
     def end(self, live: Live, item: StreamItem,
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
@@ -744,9 +748,7 @@ class DeviceLoop:
             if item.finish_reason is not None:
                 row.uid = None  # the generator drops a finished row itself
                 self.by_uid.pop(r.uid, None)
-                self.end(row, item, deliveries)
-            else:
-                deliveries.setdefault(row.token, []).append((row.send, item, False))
+            self.hand_token(row, item, deliveries)
         self.hand_out(deliveries)
 
     @staticmethod
@@ -792,11 +794,7 @@ class DeviceLoop:
             live.sampler.restart([*in_cache, live.last_token])
             if uid in pending:
                 logprobs = self.merge_logprobs(live, pending_logprobs[uid], live.last_token)
-                item = self.count_token(live, live.last_token, logprobs)
-                if item.finish_reason is not None:
-                    self.end(live, item, deliveries)
-                else:
-                    deliveries.setdefault(live.token, []).append((live.send, item, False))
+                self.hand_token(live, self.count_token(live, live.last_token, logprobs), deliveries)
         self.hand_out(deliveries)
 
     def solo_step(self, live: Live) -> None:
@@ -819,17 +817,12 @@ class DeviceLoop:
             self.hand_out(deliveries)
             return
         live.last_token = token
-        picked = live.sampler.take_logprobs()
-        item = self.count_token(live, token, None if picked is None else read_logprobs(picked))
-        if item.finish_reason is not None:
-            self.end(live, item, deliveries)
-        else:
-            deliveries.setdefault(live.token, []).append((live.send, item, False))
-            if live.rejoin:
-                live.rejoin = False
-                cache, live.solo_cache = live.solo_cache, None
-                recent = [] if live.sampler.recent is None else live.sampler.recent.tolist()
-                self.merge_insert(live, cache, recent[:-1])  # what its penalties look back on
+        item = self.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
+        if not self.hand_token(live, item, deliveries) and live.rejoin:
+            live.rejoin = False
+            cache, live.solo_cache = live.solo_cache, None
+            recent = [] if live.sampler.recent is None else live.sampler.recent.tolist()
+            self.merge_insert(live, cache, recent[:-1])  # what its penalties look back on
         self.hand_out(deliveries)
 
     def solo_call(self, live: Live) -> int:

@@ -152,8 +152,11 @@ def pick_logprobs(logprobs: Any, token: Any, top: int) -> tuple[Any, ...]:
     return chosen, ids[order], values[order]
 
 
-def read_logprobs(picked: tuple[Any, ...]) -> TokenLogprobs:
-    """Values of `pick_logprobs`' arrays; alternatives a grammar ruled out (-inf) are left out."""
+def read_logprobs(picked: tuple[Any, ...] | None) -> TokenLogprobs | None:
+    """Values of `pick_logprobs`' arrays (None: none were picked); alternatives a grammar ruled out
+    (-inf) are left out."""
+    if picked is None:
+        return None
     chosen = float(picked[0].item())
     if len(picked) == 1:
         return TokenLogprobs(chosen)
