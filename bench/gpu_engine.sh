@@ -7,7 +7,8 @@
 # mlx_lm.server vs statecore single on realish and 128x128 at concurrency 8 and 32.
 # `second`: the same side by side on a shape not benchmarked before (hidden 1024, 28 layers,
 # 512-token vocabulary). `mixed`: long prompts arriving while 16 streams decode, prefill and decode
-# nodes on the same GPU (the stand-in for two GPUs), against one colocated node.
+# nodes on the same GPU (the stand-in for two GPUs), against one colocated node. `attention`: the
+# slot lane's attention kernel checked and timed against MLX's masked attention.
 set -u
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
@@ -75,6 +76,12 @@ case "${1:-serving}" in
       --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
     timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    ;;
+  attention)
+    # The slot lane's attention kernel: self-checks, one call against MLX's masked attention, and
+    # the whole slot step masked vs kernel (exit 1 when a check disagrees).
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 200 $PY bench/decode_attention.py --model $M --out "$OUT/attention.json" 2>&1 | tail -40
     ;;
   kernels)
     # The slot step's parts at realish-like lengths (mask, scatter) and prefill calls cold and warm.

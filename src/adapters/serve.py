@@ -193,6 +193,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="pad prefill chunks (and round decode's attended length) up to a multiple "
                           "of this, so the GPU meets few distinct shapes; must be equal on every node "
                           "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
+    run.add_argument("--decode-attention", default="auto", metavar="MODE",
+                     help="the decode batch's attention (plain-KV models): auto (statecore's CUDA "
+                          "kernel on MLX's CUDA backend when its load-time self-check passes, else "
+                          "MLX's masked attention), kernel (required), masked, reference (MLX ops; "
+                          "tests) (default auto)")
     run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
     run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
     run.add_argument("--prefill-batch", type=_whole(1), default=32,
@@ -449,7 +454,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
-        shape_bucket=args.shape_bucket,
+        shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
         model_call_hook=faults.model_call_hook(),
     )
     for layer in engine.info.layers:

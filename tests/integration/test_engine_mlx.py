@@ -66,6 +66,7 @@ class Opener(Protocol):
         max_num_batched_tokens: int | None = ...,
         kv_memory_bytes: int | None = ...,
         shape_bucket: int | None = ...,
+        decode_attention: str = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -429,6 +430,40 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     prompt = prompt_of(40, salt=2)
     assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(
         plain, RequestId("s"), prompt, seeded)
+
+
+async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_exact(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `decode_attention` routed (the GPU kernel's contract, here in MLX ops) every slot step's
+    attention goes through it instead of the masked views: rows of different lengths decoding
+    together still give mlx-lm's greedy tokens and the masked engine's seeded ones. The kernel
+    itself is refused off CUDA, and an unknown mode at load."""
+    from adapters.mlx import attention
+
+    calls = []
+    plain_reference = attention.reference_attention
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[-1])
+        return plain_reference(*args)
+
+    monkeypatch.setattr(attention, "reference_attention", counted)
+    path = cached_checkpoint("llama")
+    routed = await open_engine(path, decode_attention="reference")
+    masked = await open_engine(path, decode_attention="masked")
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (5, 33, 70)}
+    results = await all_at_once(partial(single, routed), prompts)
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert calls and max(calls) >= 70  # each call attends up to the longest row, not the capacity
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
+    prompt = prompt_of(40, salt=2)
+    assert await single(routed, RequestId("s"), prompt, seeded) == await single(
+        masked, RequestId("s"), prompt, seeded)
+    with pytest.raises(StatecoreError, match="CUDA"):
+        await open_engine(path, decode_attention="kernel")
+    with pytest.raises(StatecoreError, match="decode_attention must be one of"):
+        await open_engine(path, decode_attention="fast")
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:

@@ -33,6 +33,7 @@ from mlx_lm.generate import BatchGenerator, generation_stream, maybe_quantize_kv
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.jobs import (
     Crash,
@@ -94,6 +95,7 @@ class Settings:
     kv_memory_bytes: int  # what KV caches may take in all: the slot pool and every request's own
     decodes_locally: bool  # False on a prefill node: a prefilled cache never grows here
     shape_bucket: int  # prefill chunks and the slot lane's attended length round up to it (0: off)
+    decode_attention: str  # the slot lane's attention: auto | kernel | masked | reference
 
 
 @dataclass(eq=False)
@@ -170,6 +172,7 @@ class DeviceLoop:
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
         self.pool: SlotPool | None = None
+        self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
         self.batch: Any = None
         self.held: dict[str, Held] = {}
         self.live: dict[str, Live] = {}
@@ -238,8 +241,18 @@ class DeviceLoop:
                 capacity = min(capacity, fitting)
                 self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
                 self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
+                self.pool.attention, self.attention = self.slot_attention(model, probe_cache)
         self.slot_lane = self.pool is not None
         self.batch = self.new_batch()
+
+    def slot_attention(self, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
+        _, kv_heads, _, dim = probe_cache[0].keys.shape
+        query_heads = getattr(getattr(model, "args", None), "num_attention_heads", None) or kv_heads
+        try:
+            return choose_attention(self.settings.decode_attention, query_heads, kv_heads, dim,
+                                    probe_cache[0].keys.dtype)
+        except ValueError as exc:
+            raise StatecoreError(client_error(str(exc))) from exc
 
     # -- KV memory -----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from adapters import kv_wire
 from adapters.grammar import Grammars
+from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -108,6 +109,7 @@ class MlxEngine:
         kv_memory_bytes: int | None = None,
         decodes_locally: bool = True,
         shape_bucket: int | None = None,
+        decode_attention: str = "auto",
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
@@ -134,6 +136,12 @@ class MlxEngine:
         multiple of it, on plain KVCache models: the device meets a few shapes, not one per
         prompt length. Like the chunk size it changes the computation's last bits, so it is part
         of the model fingerprint.
+
+        `decode_attention` (slot lane): "auto" runs the rows' attention in statecore's own CUDA
+        kernel (`adapters.mlx.attention`: each row read in place up to its length, no mask) on
+        MLX's CUDA backend when its load-time self-check passes, else MLX's masked attention;
+        "kernel" requires the kernel (the load fails without it); "masked" never uses it;
+        "reference" routes through the kernel's contract in plain MLX ops (any backend: tests).
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
@@ -165,11 +173,14 @@ class MlxEngine:
         bucket = default_shape_bucket() if shape_bucket is None else shape_bucket
         if bucket < 0:
             raise StatecoreError(client_error("shape_bucket must be >= 0"))
+        if decode_attention not in DECODE_ATTENTION_MODES:
+            raise StatecoreError(client_error(
+                f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}"))
         memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
-                            max_padding, max_slot_tokens, memory, decodes_locally, bucket)
+                            max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention)
         widen_attention_graph_cache()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
@@ -629,11 +640,12 @@ class MlxEngine:
             layers=layers,
         )
         logger.info(
-            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s): can_travel=%s; "
+            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s): can_travel=%s; "
             "KV %d bytes + %d per token, "
             "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
             s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "mlx-lm batch",
+            device.attention if device.slot_lane else "-",
             info.can_travel,
             cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",

@@ -8,7 +8,11 @@ mask that hides what lies past each row's length (rows of free slots compute a t
 position 0). Buffers grow (by doubling, up to the model's context) only when a request needs more
 room than any before it; that copy is the one time rows move. `SlotStepLayer` is what the model
 sees as a layer's cache during one decode step: mlx-lm's attention calls `update_and_fetch` and
-`make_mask`, and RoPE reads the per-row `offset` array. This module imports mlx; never trio.
+`make_mask`, and RoPE reads the per-row `offset` array. With a pool `attention`
+(`adapters.mlx.attention`) each layer also offers `fused_attention`: the rows' attention read in
+place from the pool's buffers up to each row's length, no mask and no gather (the masked views
+are still built, lazily, for models whose attention is not routed). This module imports mlx;
+never trio.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from adapters.mlx.attention import DecodeAttention
 from statecore.scheduling import bucketed
 
 __all__ = ["SlotPool", "SlotStepLayer"]
@@ -35,6 +40,7 @@ class SlotPool:
         self.capacity = 0
         self.keys: list[Any] = [None] * num_layers
         self.values: list[Any] = [None] * num_layers
+        self.attention: DecodeAttention | None = None  # set: layers offer `fused_attention`
         self._free = list(range(num_slots))
 
     # -- slots ---------------------------------------------------------------------------------
@@ -104,11 +110,14 @@ class SlotPool:
         # Row i may see positions 0..offsets[i] (its history and the token it adds now).
         mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
         if slots is None:
-            row_index = mx.arange(rows)[:, None]
+            slot_array = mx.arange(rows, dtype=mx.int32)
         else:
             if len(slots) != rows:
                 raise ValueError("one offset per slot")
-            row_index = mx.array(list(slots), dtype=mx.int32)[:, None]
+            slot_array = mx.array(list(slots), dtype=mx.int32)
+        row_index = slot_array[:, None]
+        reads = None if self.attention is None else _Reads(self.attention, slot_array, positions + 1,
+                                                          max(offsets) + 1)
         head_index: dict[int, Any] = {}
         layers = []
         for index in range(self.num_layers):
@@ -116,15 +125,25 @@ class SlotPool:
             if heads not in head_index:
                 head_index[heads] = mx.arange(heads)[None, :]
             layers.append(SlotStepLayer(self, index, positions, row_index, head_index[heads], mask, length,
-                                        gather=slots is not None))
+                                        gather=slots is not None, reads=reads))
         return layers
+
+
+class _Reads:
+    """What one step's fused attention needs besides a layer's buffers (shared by its layers)."""
+
+    def __init__(self, attention: DecodeAttention, slots: Any, lengths: Any, longest: int) -> None:
+        self.attention = attention
+        self.slots = slots
+        self.lengths = lengths
+        self.longest = longest
 
 
 class SlotStepLayer:
     """One layer's cache as the model sees it during one decode step over the pool's first rows."""
 
     def __init__(self, pool: SlotPool, index: int, positions: Any, row_index: Any, head_index: Any,
-                 mask: Any, length: int, gather: bool = False) -> None:
+                 mask: Any, length: int, gather: bool = False, reads: _Reads | None = None) -> None:
         self._pool = pool
         self._index = index
         self.offset = positions  # per-row RoPE offsets (mx.fast.rope takes an array)
@@ -133,6 +152,16 @@ class SlotStepLayer:
         self._mask = mask
         self._length = length
         self._gather = gather
+        self._reads = reads
+        self.fused_attention = None if reads is None else self._attend
+
+    def _attend(self, queries: Any, scale: float) -> Any:
+        # Called after update_and_fetch: the pool's buffers hold this step's keys and values.
+        reads = self._reads
+        assert reads is not None
+        pool, i = self._pool, self._index
+        return reads.attention(queries, pool.keys[i], pool.values[i], reads.slots, reads.lengths, scale,
+                               reads.longest)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         pool, i = self._pool, self._index

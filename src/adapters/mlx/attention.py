@@ -1,0 +1,323 @@
+"""The slot lane's decode attention: one query per row over that row's own slot, without a mask.
+
+A slot step attends every row over the pool's buffers, each row up to its own length. Through
+`mx.fast.scaled_dot_product_attention` that takes a boolean mask, and MLX's CUDA backend has no
+fused kernel for a masked one-token query: it falls back to separate matmul, mask and softmax
+kernels, about 2 ms of a 7 ms batch-32 step on the H200 (docs/performance.md). Here a kernel of our
+own (`mx.fast.cuda_kernel`) reads each row's slot in place and stops at its length: the keys are
+split into chunks of `_CHUNK` positions, one thread block per (row, query head, chunk) keeps a
+running max and sum (exp2, float32), and a second kernel merges the chunks. `route_attention`
+points mlx-lm's attention at it for caches that offer `fused_attention`; every other cache goes
+to mlx-lm's own function unchanged. `reference_attention` is the same contract in plain MLX ops:
+the load-time self-check compares the kernel against it, and CPU tests route through it. This
+module imports mlx and mlx_lm's model base; never trio, never the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = [
+    "DECODE_ATTENTION_MODES",
+    "DecodeAttention",
+    "check_kernel",
+    "choose_attention",
+    "kernel_attention",
+    "reference_attention",
+    "route_attention",
+]
+
+logger = logging.getLogger(__name__)
+
+# (queries, keys, values, slots, lengths, scale, longest) -> (rows, query heads, 1, head dim);
+# keys and values are whole pool buffers (slots, kv heads, capacity, head dim), slots and lengths
+# (rows,) int32 arrays, longest the largest length (known on the host).
+DecodeAttention = Callable[[Any, Any, Any, Any, Any, float, int], Any]
+
+DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "reference")
+
+_CHUNK = 256  # key positions per thread block: long rows spread over more blocks
+_WARPS = 8  # warps per block; warp w takes every _WARPS-th position of the chunk
+
+# NVRTC has no math.h, so no INFINITY.
+_HEADER = """
+#define NEG_INF (__int_as_float(0xff800000))
+"""
+
+_PARTIAL_SOURCE = """
+    constexpr int PER_LANE = D / 32;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int row = blockIdx.x / HQ;
+    const int head = blockIdx.x % HQ;
+    const int kv_head = head / (HQ / HKV);
+    const int chunk = blockIdx.y;
+    const int chunks = gridDim.y;
+    const int capacity = keys_shape[2];
+    const int length = lengths[row];
+    const size_t part = (size_t(row) * HQ + head) * chunks + chunk;
+
+    float q[PER_LANE];
+    float acc[PER_LANE];
+    const float scale_log2 = scale[0] * 1.4426950408889634f;
+    const T* query = queries + (size_t(row) * HQ + head) * D + lane * PER_LANE;
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        q[i] = scale_log2 * static_cast<float>(query[i]);
+        acc[i] = 0.0f;
+    }
+    const size_t base = (size_t(slots[row]) * HKV + kv_head) * size_t(capacity) * D + lane * PER_LANE;
+    const T* key = keys + base;
+    const T* value = values + base;
+    float running_max = NEG_INF;
+    float running_sum = 0.0f;
+    const int end = min(length, (chunk + 1) * CHUNK);
+    for (int j = chunk * CHUNK + warp; j < end; j += WARPS) {
+        float score = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            score += q[i] * static_cast<float>(key[size_t(j) * D + i]);
+        }
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+            score += __shfl_xor_sync(0xffffffff, score, offset);
+        }
+        const float new_max = fmaxf(running_max, score);
+        const float factor = exp2f(running_max - new_max);
+        const float weight = exp2f(score - new_max);
+        running_sum = running_sum * factor + weight;
+        #pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            acc[i] = acc[i] * factor + weight * static_cast<float>(value[size_t(j) * D + i]);
+        }
+        running_max = new_max;
+    }
+
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][D + 1];
+    if (lane == 0) {
+        warp_max[warp] = running_max;
+        warp_sum[warp] = running_sum;
+    }
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        warp_acc[warp][lane * PER_LANE + i] = acc[i];
+    }
+    __syncthreads();
+    if (warp != 0) {
+        return;
+    }
+    float block_max = NEG_INF;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        block_max = fmaxf(block_max, warp_max[w]);
+    }
+    float block_sum = 0.0f;
+    float out[PER_LANE];
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        out[i] = 0.0f;
+    }
+    if (block_max != NEG_INF) {
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float factor = exp2f(warp_max[w] - block_max);
+            block_sum += warp_sum[w] * factor;
+            #pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                out[i] += warp_acc[w][lane * PER_LANE + i] * factor;
+            }
+        }
+    }
+    if (lane == 0) {
+        part_max[part] = block_max;
+        part_sum[part] = block_sum;
+    }
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        part_acc[part * D + lane * PER_LANE + i] = out[i];
+    }
+"""
+
+_MERGE_SOURCE = """
+    constexpr int PER_LANE = D / 32;
+    const int lane = threadIdx.x % 32;
+    const int pair = blockIdx.x;  // row * HQ + head
+    const int chunks = part_max_shape[2];
+    float total_max = NEG_INF;
+    for (int c = 0; c < chunks; ++c) {
+        total_max = fmaxf(total_max, part_max[size_t(pair) * chunks + c]);
+    }
+    float total_sum = 0.0f;
+    float out[PER_LANE];
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        out[i] = 0.0f;
+    }
+    for (int c = 0; c < chunks; ++c) {
+        const size_t part = size_t(pair) * chunks + c;
+        const float m = part_max[part];
+        if (m == NEG_INF) {
+            continue;
+        }
+        const float factor = exp2f(m - total_max);
+        total_sum += part_sum[part] * factor;
+        #pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            out[i] += part_acc[part * D + lane * PER_LANE + i] * factor;
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        output[size_t(pair) * D + lane * PER_LANE + i] = static_cast<T>(out[i] / total_sum);
+    }
+"""
+
+_kernels: tuple[Any, Any] | None = None
+
+
+def _compiled() -> tuple[Any, Any]:
+    global _kernels
+    if _kernels is None:
+        partial = mx.fast.cuda_kernel(
+            name="statecore_slot_attention_partial",
+            input_names=["queries", "keys", "values", "slots", "lengths", "scale"],
+            output_names=["part_max", "part_sum", "part_acc"],
+            source=_PARTIAL_SOURCE,
+            header=_HEADER,
+        )
+        merge = mx.fast.cuda_kernel(
+            name="statecore_slot_attention_merge",
+            input_names=["part_max", "part_sum", "part_acc"],
+            output_names=["output"],
+            source=_MERGE_SOURCE,
+            header=_HEADER,
+        )
+        _kernels = (partial, merge)
+    return _kernels
+
+
+def kernel_attention(queries: Any, keys: Any, values: Any, slots: Any, lengths: Any,
+                     scale: float, longest: int) -> Any:
+    """The CUDA kernels; `longest` sets how many chunks each row's keys are split into."""
+    rows, query_heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    chunks = max(1, -(-longest // _CHUNK))
+    template = [("T", queries.dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
+                ("CHUNK", _CHUNK), ("WARPS", _WARPS)]
+    partial, merge = _compiled()
+    part_max, part_sum, part_acc = partial(
+        inputs=[queries, keys, values, slots, lengths, mx.array([scale], dtype=mx.float32)],
+        template=template,
+        grid=(rows * query_heads * _WARPS * 32, chunks, 1),
+        threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(rows, query_heads, chunks), (rows, query_heads, chunks),
+                       (rows, query_heads, chunks, dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    (output,) = merge(
+        inputs=[part_max, part_sum, part_acc],
+        template=[("T", queries.dtype), ("D", dim)],
+        grid=(rows * query_heads * 32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(rows, query_heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return output
+
+
+def reference_attention(queries: Any, keys: Any, values: Any, slots: Any, lengths: Any,
+                        scale: float, longest: int) -> Any:
+    """The same contract in MLX ops: gather the rows' slots, mask past each length, attend."""
+    k = keys[slots, :, :longest, :]
+    v = values[slots, :, :longest, :]
+    mask = (mx.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def check_kernel(query_heads: int, kv_heads: int, dim: int, dtype: Any) -> str | None:
+    """Run the kernel once against `reference_attention` on random ragged rows shaped like the
+    model's; None when they agree, else why the kernel must not be used."""
+    if dim % 32 != 0 or dim > 256 or query_heads % kv_heads != 0:
+        return f"head dim {dim} / {query_heads} query heads over {kv_heads} kv heads: not supported"
+    try:
+        rows, capacity = 5, 3 * _CHUNK + 64
+        lengths = mx.array([1, 7, _CHUNK, _CHUNK + 1, 3 * _CHUNK + 50], dtype=mx.int32)
+        slots = mx.array([4, 0, 2, 1, 3], dtype=mx.int32)
+        key = mx.random.key(7)
+        q_key, k_key, v_key = mx.random.split(key, 3)
+        queries = mx.random.normal((rows, query_heads, 1, dim), key=q_key).astype(dtype)
+        keys = mx.random.normal((rows, kv_heads, capacity, dim), key=k_key).astype(dtype)
+        values = mx.random.normal((rows, kv_heads, capacity, dim), key=v_key).astype(dtype)
+        scale = dim ** -0.5
+        longest = 3 * _CHUNK + 50
+        got = kernel_attention(queries, keys, values, slots, lengths, scale, longest)
+        want = reference_attention(queries, keys, values, slots, lengths, scale, longest)
+        error = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())  # type: ignore[arg-type]
+    except Exception as exc:  # a kernel that does not compile or launch here is not used
+        return f"{type(exc).__name__}: {exc}"
+    tolerance = 1e-4 if dtype == mx.float32 else 3e-2
+    if not error <= tolerance:
+        return f"max error {error:.3g} against the reference exceeds {tolerance}"
+    return None
+
+
+def _routed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def scaled_dot_product_attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float,
+                                     mask: Any, sinks: Any = None) -> Any:
+        fused = getattr(cache, "fused_attention", None)
+        if fused is not None and sinks is None and queries.shape[2] == 1:
+            return fused(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.statecore_routed = True  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def route_attention() -> int:
+    """Point every loaded mlx-lm model module that calls mlx-lm's own attention function at one
+    that honours `fused_attention` (idempotent); returns how many modules are routed now. Models
+    that call MLX's attention directly keep the masked path, which stays correct."""
+    from mlx_lm.models import base
+
+    routed = _routed(base.scaled_dot_product_attention)
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mlx_lm.models.") or module is None:
+            continue
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is None:
+            continue
+        if getattr(current, "statecore_routed", False):
+            count += 1
+        elif current is base.scaled_dot_product_attention and name != "mlx_lm.models.base":
+            setattr(module, "scaled_dot_product_attention", routed)
+            count += 1
+    return count
+
+
+def choose_attention(mode: str, query_heads: int, kv_heads: int, dim: int, dtype: Any) -> tuple[
+        DecodeAttention | None, str]:
+    """The slot lane's attention for `mode` (DECODE_ATTENTION_MODES) and a model of these
+    shapes, and a phrase for the load log; raises ValueError when "kernel" cannot be had."""
+    if mode == "masked":
+        return None, "masked (MLX)"
+    if mode == "reference":
+        route_attention()
+        return reference_attention, "reference (MLX ops)"
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    why_not = check_kernel(query_heads, kv_heads, dim, dtype) if on_cuda else "needs MLX's CUDA backend"
+    if why_not is None:
+        route_attention()
+        return kernel_attention, "statecore kernel"
+    if mode == "kernel":
+        raise ValueError(f"decode_attention kernel cannot be used: {why_not}")
+    if on_cuda:
+        logger.warning("the slot lane's attention kernel is not used (%s); masked attention instead", why_not)
+    return None, "masked (MLX)"

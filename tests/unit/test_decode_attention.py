@@ -1,0 +1,34 @@
+"""The slot lane's attention contract (`adapters.mlx.attention.reference_attention`, the oracle the
+CUDA kernel is checked against at load): each row attends over its own slot up to its own length,
+as MLX's attention over that row alone would."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from adapters.mlx.attention import choose_attention, reference_attention
+
+
+def test_each_row_attends_its_own_slot_up_to_its_length() -> None:
+    slots_n, kv_heads, query_heads, capacity, dim = 4, 2, 6, 40, 16
+    key = mx.random.key(3)
+    q_key, k_key, v_key = mx.random.split(key, 3)
+    keys = mx.random.normal((slots_n, kv_heads, capacity, dim), key=k_key)
+    values = mx.random.normal((slots_n, kv_heads, capacity, dim), key=v_key)
+    slots = [2, 0, 3]
+    lengths = [1, 17, 33]
+    queries = mx.random.normal((len(slots), query_heads, 1, dim), key=q_key)
+    got = reference_attention(queries, keys, values, mx.array(slots, dtype=mx.int32),
+                              mx.array(lengths, dtype=mx.int32), 0.25, max(lengths))
+    assert got.shape == (3, query_heads, 1, dim)
+    for row, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
+        alone = mx.fast.scaled_dot_product_attention(
+            queries[row : row + 1], keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length],
+            scale=0.25)
+        np.testing.assert_allclose(np.array(got[row]), np.array(alone[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_the_masked_attention_off_cuda() -> None:
+    assert choose_attention("auto", 8, 2, 64, mx.float32) == (None, "masked (MLX)")
+    assert choose_attention("masked", 8, 2, 64, mx.float32)[0] is None
