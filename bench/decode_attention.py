@@ -44,7 +44,8 @@ def checks() -> dict[str, str]:
     from adapters.mlx.attention import check_kernel
 
     found = {}
-    for heads, kv_heads, dim in ((32, 8, 64), (16, 8, 64), (16, 8, 128), (14, 2, 64), (8, 8, 128), (32, 4, 256)):
+    layouts = ((32, 8, 64), (16, 8, 64), (16, 8, 128), (14, 2, 64), (8, 8, 128), (32, 4, 256))
+    for heads, kv_heads, dim in layouts:
         for dtype in (mx.bfloat16, mx.float16, mx.float32):
             why = check_kernel(heads, kv_heads, dim, dtype)
             found[f"{heads}/{kv_heads}x{dim} {dtype}"] = why or "ok"

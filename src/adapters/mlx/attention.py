@@ -297,7 +297,7 @@ def route_attention() -> int:
         if getattr(current, "statecore_routed", False):
             count += 1
         elif current is base.scaled_dot_product_attention and name != "mlx_lm.models.base":
-            setattr(module, "scaled_dot_product_attention", routed)
+            module.__dict__["scaled_dot_product_attention"] = routed
             count += 1
     return count
 
