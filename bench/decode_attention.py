@@ -81,7 +81,7 @@ def one_call(batch: int, lengths: list[int], repeats: int) -> dict[str, Any]:
         queries, keys[:, :, :longest], values[:, :, :longest], scale=0.125), repeats)
     want = attention.reference_attention(queries, keys, values, slots, lens, 0.125, longest)
     default = (attention._CHUNK, attention._WARPS)
-    for chunk, warps in ((256, 8), (128, 4), (512, 8), (512, 16), (1024, 32)):
+    for chunk, warps in ((512, 16), (256, 8), (1024, 32), (2048, 32)):
         attention._CHUNK, attention._WARPS = chunk, warps
         got = attention.kernel_attention(queries, keys, values, slots, lens, 0.125, longest)
         error = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
@@ -110,8 +110,24 @@ def slot_steps(model_dir: Path, batch: int, lengths: list[int], steps: int) -> d
         c.keys, c.values, c.offset = layer.keys, layer.values, longest
         one.append(c)
     result: dict[str, Any] = {"batch": batch, "longest": longest, "p50": sorted(lengths)[batch // 2]}
+    # The bare model over mlx-lm's KVCache at the longest length: the step without slots.
+    wide = make_prompt_cache(model)
+    mx.eval(model(mx.random.randint(3, 500, (batch, longest)), cache=wide))
+    bare = {"tok": mx.zeros((batch,), dtype=mx.uint32)}
+
+    def bare_step(state: dict[str, Any] = bare) -> Any:
+        state["tok"] = mx.argmax(model(state["tok"][:, None], cache=wide)[:, -1, :], axis=-1)
+        return state["tok"]
+
+    result["kvcache_longest_ms"] = timed_ms(bare_step, steps)
+    del wide
     tokens: dict[str, list[list[int]]] = {}
-    for name, fused in (("masked", None), ("kernel", attention.kernel_attention)):
+    default = (attention._CHUNK, attention._WARPS)
+    variants = (("masked", None, default), ("kernel", attention.kernel_attention, default),
+                ("kernel_1024x32", attention.kernel_attention, (1024, 32)),
+                ("kernel_2048x32", attention.kernel_attention, (2048, 32)))
+    for name, fused, (chunk, warps) in variants:
+        attention._CHUNK, attention._WARPS = chunk, warps
         pool = SlotPool(batch, len(cache), 1 << 15)
         pool.reserve(longest + 2 * steps + 64, one)
         for slot in range(batch):
@@ -126,11 +142,14 @@ def slot_steps(model_dir: Path, batch: int, lengths: list[int], steps: int) -> d
                 offsets[i] += 1
             return mx.argmax(model(t[:, None], cache=layers)[:, -1, :], axis=-1).astype(mx.uint32)
 
-        # The same start for both: greedy tokens of `steps` steps, then the timing.
+        # The same start for every variant: greedy tokens of `steps` steps, then the timing.
         tok = mx.array([(7 * i + 3) % 500 for i in range(batch)], dtype=mx.uint32)
         seen = []
+        building = []
         for _ in range(steps):
+            started = time.perf_counter()
             tok = step(tok)
+            building.append(time.perf_counter() - started)  # host: graph building only
             seen.append(tok.tolist())
         tokens[name] = seen
         state = {"tok": tok}
@@ -140,6 +159,8 @@ def slot_steps(model_dir: Path, batch: int, lengths: list[int], steps: int) -> d
             return state["tok"]
 
         result[f"{name}_ms"] = timed_ms(timed_step, steps)
+        result[f"{name}_build_ms"] = round(1000 * sorted(building)[len(building) // 2], 3)
+    attention._CHUNK, attention._WARPS = default
     same = sum(a == b for ra, rb in zip(tokens["masked"], tokens["kernel"], strict=True)
                for a, b in zip(ra, rb, strict=True))
     result["greedy_tokens_equal"] = f"{same}/{batch * steps}"

@@ -6,7 +6,8 @@ fused kernel for a masked one-token query: it falls back to separate matmul, mas
 kernels, about 2 ms of a 7 ms batch-32 step on the H200 (docs/performance.md). Here a kernel of our
 own (`mx.fast.cuda_kernel`) reads each row's slot in place and stops at its length: the keys are
 split into chunks of `_CHUNK` positions, one thread block per (row, query head, chunk) keeps a
-running max and sum (exp2, float32), and a second kernel merges the chunks. `route_attention`
+running max and sum (exp2, float32), and a second kernel merges the chunks (when every row fits
+in one chunk, the block writes the result itself: one launch per layer). `route_attention`
 points mlx-lm's attention at it for caches that offer `fused_attention`; every other cache goes
 to mlx-lm's own function unchanged. `reference_attention` is the same contract in plain MLX ops:
 the load-time self-check compares the kernel against it, and CPU tests route through it. This
@@ -41,15 +42,15 @@ DecodeAttention = Callable[[Any, Any, Any, Any, Any, float, int], Any]
 
 DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "reference")
 
-_CHUNK = 256  # key positions per thread block: long rows spread over more blocks
-_WARPS = 8  # warps per block; warp w takes every _WARPS-th position of the chunk
+_CHUNK = 512  # key positions per thread block: long rows spread over more blocks
+_WARPS = 16  # warps per block; warp w takes every _WARPS-th position of the chunk
 
 # NVRTC has no math.h, so no INFINITY.
 _HEADER = """
 #define NEG_INF (__int_as_float(0xff800000))
 """
 
-_PARTIAL_SOURCE = """
+_BLOCK_SOURCE = """
     constexpr int PER_LANE = D / 32;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -135,6 +136,10 @@ _PARTIAL_SOURCE = """
             }
         }
     }
+"""
+
+# Several chunks: each block leaves its max, sum and weighted values for the merge kernel.
+_PARTIAL_EPILOGUE = """
     if (lane == 0) {
         part_max[part] = block_max;
         part_sum[part] = block_sum;
@@ -142,6 +147,14 @@ _PARTIAL_SOURCE = """
     #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
         part_acc[part * D + lane * PER_LANE + i] = out[i];
+    }
+"""
+
+# One chunk covers every row: the block's result is the row's attention (no merge launch).
+_DIRECT_EPILOGUE = """
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        output[part * D + lane * PER_LANE + i] = static_cast<T>(out[i] / block_sum);
     }
 """
 
@@ -179,55 +192,61 @@ _MERGE_SOURCE = """
     }
 """
 
-_kernels: tuple[Any, Any] | None = None
+_kernels: dict[str, Any] = {}
+_scales: dict[float, Any] = {}
+_templates: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}
 
 
-def _compiled() -> tuple[Any, Any]:
-    global _kernels
-    if _kernels is None:
-        partial = mx.fast.cuda_kernel(
-            name="statecore_slot_attention_partial",
-            input_names=["queries", "keys", "values", "slots", "lengths", "scale"],
-            output_names=["part_max", "part_sum", "part_acc"],
-            source=_PARTIAL_SOURCE,
-            header=_HEADER,
-        )
-        merge = mx.fast.cuda_kernel(
-            name="statecore_slot_attention_merge",
-            input_names=["part_max", "part_sum", "part_acc"],
-            output_names=["output"],
-            source=_MERGE_SOURCE,
-            header=_HEADER,
-        )
-        _kernels = (partial, merge)
-    return _kernels
+def _kernel(name: str) -> Any:
+    if name not in _kernels:
+        outputs = {"direct": ["output"], "partial": ["part_max", "part_sum", "part_acc"], "merge": ["output"]}
+        inputs = (["part_max", "part_sum", "part_acc"] if name == "merge"
+                  else ["queries", "keys", "values", "slots", "lengths", "scale"])
+        source = {"direct": _BLOCK_SOURCE + _DIRECT_EPILOGUE, "partial": _BLOCK_SOURCE + _PARTIAL_EPILOGUE,
+                  "merge": _MERGE_SOURCE}[name]
+        _kernels[name] = mx.fast.cuda_kernel(name=f"statecore_slot_attention_{name}", input_names=inputs,
+                                             output_names=outputs[name], source=source, header=_HEADER)
+    return _kernels[name]
+
+
+def _template(dtype: Any, dim: int, query_heads: int, kv_heads: int) -> list[tuple[str, Any]]:
+    # Built once per shape: a step calls this once per layer, and host time is step time.
+    key = (dtype, dim, query_heads, kv_heads, _CHUNK, _WARPS)
+    if key not in _templates:
+        _templates[key] = [("T", dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
+                           ("CHUNK", _CHUNK), ("WARPS", _WARPS)]
+    return _templates[key]
+
+
+def _scale(value: float) -> Any:
+    if value not in _scales:
+        _scales[value] = mx.array([value], dtype=mx.float32)
+    return _scales[value]
 
 
 def kernel_attention(queries: Any, keys: Any, values: Any, slots: Any, lengths: Any,
                      scale: float, longest: int) -> Any:
     """The CUDA kernels; `longest` sets how many chunks each row's keys are split into."""
     rows, query_heads, _, dim = queries.shape
-    kv_heads = keys.shape[1]
-    chunks = max(1, -(-longest // _CHUNK))
-    template = [("T", queries.dtype), ("D", dim), ("HQ", query_heads), ("HKV", kv_heads),
-                ("CHUNK", _CHUNK), ("WARPS", _WARPS)]
-    partial, merge = _compiled()
-    part_max, part_sum, part_acc = partial(
-        inputs=[queries, keys, values, slots, lengths, mx.array([scale], dtype=mx.float32)],
-        template=template,
-        grid=(rows * query_heads * _WARPS * 32, chunks, 1),
-        threadgroup=(_WARPS * 32, 1, 1),
+    chunks = -(-longest // _CHUNK)
+    template = _template(queries.dtype, dim, query_heads, keys.shape[1])
+    inputs = [queries, keys, values, slots, lengths, _scale(scale)]
+    block = (_WARPS * 32, 1, 1)
+    pairs = rows * query_heads
+    if chunks <= 1:
+        (output,) = _kernel("direct")(
+            inputs=inputs, template=template, grid=(pairs * _WARPS * 32, 1, 1), threadgroup=block,
+            output_shapes=[(rows, query_heads, 1, dim)], output_dtypes=[queries.dtype])
+        return output
+    part_max, part_sum, part_acc = _kernel("partial")(
+        inputs=inputs, template=template, grid=(pairs * _WARPS * 32, chunks, 1), threadgroup=block,
         output_shapes=[(rows, query_heads, chunks), (rows, query_heads, chunks),
                        (rows, query_heads, chunks, dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    (output,) = merge(
-        inputs=[part_max, part_sum, part_acc],
-        template=[("T", queries.dtype), ("D", dim)],
-        grid=(rows * query_heads * 32, 1, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(rows, query_heads, 1, dim)],
-        output_dtypes=[queries.dtype],
+    (output,) = _kernel("merge")(
+        inputs=[part_max, part_sum, part_acc], template=template, grid=(pairs * 32, 1, 1),
+        threadgroup=(32, 1, 1), output_shapes=[(rows, query_heads, 1, dim)], output_dtypes=[queries.dtype],
     )
     return output
 
@@ -246,9 +265,9 @@ def check_kernel(query_heads: int, kv_heads: int, dim: int, dtype: Any) -> str |
     model's; None when they agree, else why the kernel must not be used."""
     if dim % 32 != 0 or dim > 256 or query_heads % kv_heads != 0:
         return f"head dim {dim} / {query_heads} query heads over {kv_heads} kv heads: not supported"
+    error = 0.0
     try:
         rows, capacity = 5, 3 * _CHUNK + 64
-        lengths = mx.array([1, 7, _CHUNK, _CHUNK + 1, 3 * _CHUNK + 50], dtype=mx.int32)
         slots = mx.array([4, 0, 2, 1, 3], dtype=mx.int32)
         key = mx.random.key(7)
         q_key, k_key, v_key = mx.random.split(key, 3)
@@ -256,10 +275,13 @@ def check_kernel(query_heads: int, kv_heads: int, dim: int, dtype: Any) -> str |
         keys = mx.random.normal((rows, kv_heads, capacity, dim), key=k_key).astype(dtype)
         values = mx.random.normal((rows, kv_heads, capacity, dim), key=v_key).astype(dtype)
         scale = dim ** -0.5
-        longest = 3 * _CHUNK + 50
-        got = kernel_attention(queries, keys, values, slots, lengths, scale, longest)
-        want = reference_attention(queries, keys, values, slots, lengths, scale, longest)
-        error = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())  # type: ignore[arg-type]
+        # Rows within one chunk (the one-kernel path), then rows over several (partials + merge).
+        for ragged in ([1, 7, _CHUNK // 2, _CHUNK - 1, _CHUNK], [1, 7, _CHUNK, _CHUNK + 1, 3 * _CHUNK + 50]):
+            lengths = mx.array(ragged, dtype=mx.int32)
+            got = kernel_attention(queries, keys, values, slots, lengths, scale, max(ragged))
+            want = reference_attention(queries, keys, values, slots, lengths, scale, max(ragged))
+            gap = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
+            error = max(error, float(gap))  # type: ignore[arg-type]
     except Exception as exc:  # a kernel that does not compile or launch here is not used
         return f"{type(exc).__name__}: {exc}"
     tolerance = 1e-4 if dtype == mx.float32 else 3e-2
