@@ -44,11 +44,11 @@ def checks() -> dict[str, str]:
     from adapters.mlx.attention import check_kernel
 
     found = {}
-    layouts = ((32, 8, 64), (16, 8, 64), (16, 8, 128), (14, 2, 64), (8, 8, 128), (32, 4, 256))
-    for heads, kv_heads, dim in layouts:
-        for dtype in (mx.bfloat16, mx.float16, mx.float32):
-            why = check_kernel(heads, kv_heads, dim, dtype)
-            found[f"{heads}/{kv_heads}x{dim} {dtype}"] = why or "ok"
+    # Each layout and dtype compiles its kernels (NVRTC, seconds each): a few representative ones.
+    layouts = ((32, 8, 64, mx.bfloat16), (16, 8, 128, mx.float16), (14, 2, 64, mx.float32))
+    for heads, kv_heads, dim, dtype in layouts:
+        why = check_kernel(heads, kv_heads, dim, dtype)
+        found[f"{heads}/{kv_heads}x{dim} {dtype}"] = why or "ok"
     return found
 
 
@@ -81,7 +81,7 @@ def one_call(batch: int, lengths: list[int], repeats: int) -> dict[str, Any]:
         queries, keys[:, :, :longest], values[:, :, :longest], scale=0.125), repeats)
     want = attention.reference_attention(queries, keys, values, slots, lens, 0.125, longest)
     default = (attention._CHUNK, attention._WARPS)
-    for chunk, warps in ((512, 16), (256, 8), (1024, 32), (2048, 32)):
+    for chunk, warps in ((512, 16), (256, 8), (2048, 32)):
         attention._CHUNK, attention._WARPS = chunk, warps
         got = attention.kernel_attention(queries, keys, values, slots, lens, 0.125, longest)
         error = float(mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item())
@@ -120,12 +120,10 @@ def slot_steps(model_dir: Path, batch: int, lengths: list[int], steps: int) -> d
         return state["tok"]
 
     result["kvcache_longest_ms"] = timed_ms(bare_step, steps)
-    del wide
     tokens: dict[str, list[list[int]]] = {}
     default = (attention._CHUNK, attention._WARPS)
     variants = (("masked", None, default), ("kernel", attention.kernel_attention, default),
-                ("kernel_1024x32", attention.kernel_attention, (1024, 32)),
-                ("kernel_2048x32", attention.kernel_attention, (2048, 32)))
+                ("kernel_256x8", attention.kernel_attention, (256, 8)))
     for name, fused, (chunk, warps) in variants:
         attention._CHUNK, attention._WARPS = chunk, warps
         pool = SlotPool(batch, len(cache), 1 << 15)
@@ -173,14 +171,13 @@ def slot_steps(model_dir: Path, batch: int, lengths: list[int], steps: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path)
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     report: dict[str, Any] = {"device": str(mx.default_device()), "checks": checks()}
     print(json.dumps(report["checks"], indent=1), flush=True)
     bad = [k for k, v in report["checks"].items() if v != "ok"]
-    report["one_call"] = [one_call(32, ragged_lengths(32), 200), one_call(8, ragged_lengths(8, 9), 200),
-                          one_call(16, [4000] * 4 + ragged_lengths(12, 3), 200)]
+    report["one_call"] = [one_call(32, ragged_lengths(32), 200)]
     for row in report["one_call"]:
         print(json.dumps(row), flush=True)
     if args.model is not None and not bad:
