@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="at most this many (default 20 x concurrency); stops when py-spy does")
     parser.add_argument("--duration", type=int, default=20)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--gil", action="store_true",
+                        help="sample only the thread holding the GIL: 'busy' is then each thread's "
+                             "share of wall time holding it")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     spy_default = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     parser.add_argument("--py-spy", default=spy_default, help="the py-spy executable")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         assert server.proc is not None
         raw = args.out / "profile.txt"
         spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
-               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking"]
+               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking", *(["--gil"] if args.gil else [])]
         result: dict[str, object] = {}
 
         done = threading.Event()
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = top_functions(raw, args.duration * args.rate)
         header = (f"model {model} BLAS {blas}; load: {mix.name} at "
                   f"concurrency {args.concurrency}; output {result.get('output_tok_s')} tok/s; "
-                  f"py-spy {args.duration} s at {args.rate} Hz\n")
+                  f"py-spy {args.duration} s at {args.rate} Hz{' (GIL holder only)' if args.gil else ''}\n")
         (args.out / "top.txt").write_text(header + summary + "\n")
         print(header + summary)
     finally:
