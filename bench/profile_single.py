@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         assert server.proc is not None
         raw = args.out / "profile.txt"
         spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
-               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking", *(["--gil"] if args.gil else [])]
+               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking"]
+        spy += ["--gil"] if args.gil else []
         result: dict[str, object] = {}
 
         done = threading.Event()
