@@ -262,6 +262,16 @@ class _AnthropicToolChoice(_Strict):
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]
 
 
+class _OutputFormat(_Strict):
+    """Anthropic's structured outputs: the reply is JSON valid against `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    def to_chat(self) -> dict[str, object]:
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.schema_}}
+
+
 class _MessagesBody(_Strict):
     model: str  # required, as Anthropic requires it
     max_tokens: int  # required, as Anthropic requires it; its range is the chat's
@@ -274,13 +284,13 @@ class _MessagesBody(_Strict):
     stream: bool | None = None
     tools: list[_AnthropicTool] | None = None
     tool_choice: _AnthropicToolChoice | None = None
+    output_format: _OutputFormat | None = None
 
 
 _MESSAGES_NEUTRAL: dict[str, Callable[[object], bool]] = {
     "thinking": _typed("disabled"),
     "mcp_servers": _empty,
     "container": _absent,
-    "output_format": _absent,
 }
 
 
@@ -303,10 +313,11 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
     tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_tokens, messages=chat, stop=body.stop_sequences,
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, tools=tools,
-                  tool_choice=None if body.tool_choice is None else body.tool_choice.to_chat()), body
+                  tool_choice=None if body.tool_choice is None else body.tool_choice.to_chat(),
+                  response_format=None if body.output_format is None else body.output_format.to_chat()), body
 
 
-_MESSAGES_NAMES = {"stop": "stop_sequences"}
+_MESSAGES_NAMES = {"stop": "stop_sequences", "response_format": "output_format"}
 
 
 def _anthropic_error_type(info: ErrorInfo) -> str:
@@ -421,6 +432,32 @@ def _items_to_chat(items: Sequence[_InputMessage | _FunctionCallItem | _Function
     return chat
 
 
+class _TextFormat(_Strict):
+    """The Responses API's `text.format`: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def to_chat(self) -> dict[str, object] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": _given(name=self.name, schema=self.schema_,
+                                                             description=self.description, strict=self.strict)}
+
+    def echoed(self) -> dict[str, object]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class _TextConfig(_Strict):
+    format: _TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one that asks for nothing different
+
+
 class _ResponsesBody(_Strict):
     model: str | None = None
     input: str | list[_Item]
@@ -432,6 +469,15 @@ class _ResponsesBody(_Strict):
     metadata: dict[str, str] | None = None  # echoed, as OpenAI does; nothing is kept
     tools: list[_FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | _NamedFunction | None = None
+    text: _TextConfig | None = None
+
+    def response_format(self) -> dict[str, object] | None:
+        return None if self.text is None or self.text.format is None else self.text.format.to_chat()
+
+    def text_format(self) -> dict[str, object]:
+        if self.text is None or self.text.format is None:
+            return {"type": "text"}
+        return self.text.format.echoed()
 
     def chat_tool_choice(self) -> object:
         if isinstance(self.tool_choice, _NamedFunction):
@@ -444,7 +490,6 @@ _RESPONSES_NEUTRAL: dict[str, Callable[[object], bool]] = {
     "conversation": _absent,
     "prompt": _absent,
     "background": lambda value: value is None or value is False,
-    "text": lambda value: value is None or (isinstance(value, dict) and _typed("text")(value.get("format"))),
     "reasoning": _empty,
     "include": _empty,
     "top_logprobs": lambda value: value is None or (type(value) is int and value == 0),
@@ -476,10 +521,10 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
     tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_output_tokens, messages=chat,
                   temperature=body.temperature, top_p=body.top_p, tools=tools,
-                  tool_choice=body.chat_tool_choice()), body
+                  tool_choice=body.chat_tool_choice(), response_format=body.response_format()), body
 
 
-_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 def _status(end: ChatEnd) -> str:
@@ -650,7 +695,7 @@ class _OtherApis:
             "reasoning": {"effort": None, "summary": None},
             "store": False,  # nothing is stored, whatever `store` asked
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": body.text_format()},
             "tool_choice": self._tool_choice(body),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p,

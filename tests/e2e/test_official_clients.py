@@ -73,6 +73,9 @@ def dumped(items: Any) -> list[Any]:
     return [item.model_dump() for item in items]
 
 
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
 CHAT_CASES: list[dict[str, Any]] = [
     {"max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3},
     {"max_tokens": 12, "temperature": 0.8, "seed": 5, "top_p": 0.9, "stop": ["the"],
@@ -82,9 +85,7 @@ CHAT_CASES: list[dict[str, Any]] = [
     {"max_tokens": 8, "temperature": 0.9, "seed": 2, "n": 3},
     {"max_tokens": 8, "temperature": 0, "tools": TOOLS},
     {"max_tokens": 40, "temperature": 0.7, "seed": 9, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "answer", "schema": {
-            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-            "additionalProperties": False}}}},
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": OK_SCHEMA}}},
 ]
 
 
@@ -143,6 +144,11 @@ def test_responses_whole_and_streamed(cluster: Cluster) -> None:
         **params, tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
     ).model_dump())
     assert with_tools["tools"][0]["name"] == "get_weather"
+    as_json = same_on_both(cluster, lambda node: client(node).responses.create(
+        **{**params, "max_output_tokens": 40}, text={"format": {"type": "json_schema", "name": "answer",
+                                                                "schema": OK_SCHEMA}}).model_dump())
+    assert as_json["status"] == "completed" and as_json["text"]["format"]["name"] == "answer"
+    assert isinstance(json.loads(as_json["output"][0]["content"][0]["text"])["ok"], bool)
 
 
 def test_messages_whole_and_streamed(cluster: Cluster) -> None:
@@ -161,6 +167,12 @@ def test_messages_whole_and_streamed(cluster: Cluster) -> None:
     with_tools = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(
         **params, tools=tools).model_dump())
     assert with_tools["content"]
+    as_json = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(
+        **{**params, "max_tokens": 40, "stop_sequences": None},
+        extra_body={"temperature": 0, "output_format": {"type": "json_schema", "schema": OK_SCHEMA}},
+    ).model_dump())
+    assert as_json["stop_reason"] == "end_turn"
+    assert isinstance(json.loads(as_json["content"][0]["text"])["ok"], bool)
 
 
 def test_nothing_is_left_behind(cluster: Cluster) -> None:

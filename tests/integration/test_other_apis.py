@@ -394,7 +394,7 @@ BAD_RESPONSES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"input": "Hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type", "tools[0].type"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, 422, "previous_response_id", "previous_response_id"),
     ({"input": "Hi", "background": True}, 422, "background", "background"),
-    ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, 422, "text", "text"),
+    ({"input": "Hi", "text": {"format": {"type": "grammar"}}}, 400, "text.format.type", "text.format.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"},
                                              {"type": "input_image", "image_url": "https://x/y.png"}]}]},
      422, "input[0].content[1]", "content parts of type 'input_image'"),
@@ -579,3 +579,48 @@ async def test_the_openai_client_gets_function_calls_whole_and_streamed_and_send
     assert answer.output_text == "Sunny."
     prompt = frontend.tokenizer.decode(backend.generations[-1].request.prompt)
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt and "<tool>\n24 C" in prompt
+
+
+_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+async def test_structured_output_is_the_chats_response_format_in_both_apis(
+    gpt: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend,
+    frontend: Frontend
+) -> None:
+    """Responses' `text.format` and Messages' `output_format` reach the engine as the chat's
+    `response_format` would (same prompt, same sampling), the format is echoed, and a schema the
+    grammar refuses is a 400 naming each API's own field."""
+    chat_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": _SCHEMA, "strict": True}}
+    backend.scripts.append(say(frontend, '{"ok": true}'))
+    response = await gpt.responses.create(model="tiny", input="Hi", text={"format": {
+        "type": "json_schema", "name": "answer", "schema": _SCHEMA, "strict": True}})
+    assert response.to_dict()["text"]["format"] == {"type": "json_schema", "name": "answer", "schema": _SCHEMA,
+                                                    "strict": True}
+    got = backend.last.request
+    assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
+        "messages": HI, "response_format": chat_format})
+    backend.scripts.append(say(frontend, "{}"))
+    await gpt.responses.create(model="tiny", input="Hi", text={"format": {"type": "json_object"}})
+    assert backend.last.request.sampling.response_format == '{"type":"json_object"}'
+    backend.scripts.append(say(frontend, "free"))
+    plain = await gpt.responses.create(model="tiny", input="Hi", text={"format": {"type": "text"}})
+    assert backend.last.request.sampling.response_format is None
+    assert plain.to_dict()["text"]["format"] == {"type": "text"}
+
+    backend.scripts.append(say(frontend, '{"ok": true}'))
+    message = await claude.messages.create(model="tiny", max_tokens=16, messages=HI, extra_body={
+        "output_format": {"type": "json_schema", "schema": _SCHEMA}})
+    assert message.content[0].text == '{"ok": true}'  # type: ignore[union-attr]
+    got = backend.last.request
+    assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
+        "messages": HI, "max_tokens": 16,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": _SCHEMA}}})
+
+    bad = {"type": "objekt"}
+    refused = await client.post("/v1/responses", json={"input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": bad}}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.format", refused.text
+    refused = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 8, "messages": HI,
+                                                      "output_format": {"type": "json_schema", "schema": bad}})
+    assert refused.status_code == 400 and "output_format" in refused.text, refused.text
