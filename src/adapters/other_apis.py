@@ -524,7 +524,8 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
                   tool_choice=body.chat_tool_choice(), response_format=body.response_format()), body
 
 
-_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
+                    "response_format": "text.format"}
 
 
 def _status(end: ChatEnd) -> str:

@@ -585,18 +585,19 @@ _SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "require
 
 
 async def test_structured_output_is_the_chats_response_format_in_both_apis(
-    gpt: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend,
-    frontend: Frontend
+    gpt: openai.AsyncOpenAI, claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient,
+    backend: FakeBackend, frontend: Frontend
 ) -> None:
     """Responses' `text.format` and Messages' `output_format` reach the engine as the chat's
     `response_format` would (same prompt, same sampling), the format is echoed, and a schema the
     grammar refuses is a 400 naming each API's own field."""
-    chat_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": _SCHEMA, "strict": True}}
+    chat_format = {"type": "json_schema",
+                   "json_schema": {"name": "answer", "schema": _SCHEMA, "strict": True}}
     backend.scripts.append(say(frontend, '{"ok": true}'))
     response = await gpt.responses.create(model="tiny", input="Hi", text={"format": {
         "type": "json_schema", "name": "answer", "schema": _SCHEMA, "strict": True}})
-    assert response.to_dict()["text"]["format"] == {"type": "json_schema", "name": "answer", "schema": _SCHEMA,
-                                                    "strict": True}
+    echoed = {"type": "json_schema", "name": "answer", "schema": _SCHEMA, "strict": True}
+    assert response.to_dict()["text"]["format"] == echoed
     got = backend.last.request
     assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
         "messages": HI, "response_format": chat_format})
@@ -621,6 +622,6 @@ async def test_structured_output_is_the_chats_response_format_in_both_apis(
     refused = await client.post("/v1/responses", json={"input": "Hi", "text": {"format": {
         "type": "json_schema", "name": "a", "schema": bad}}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.format", refused.text
-    refused = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 8, "messages": HI,
-                                                      "output_format": {"type": "json_schema", "schema": bad}})
+    refused = await client.post("/v1/messages", json={
+        "model": "tiny", "max_tokens": 8, "messages": HI, "output_format": {"type": "json_schema", "schema": bad}})
     assert refused.status_code == 400 and "output_format" in refused.text, refused.text
