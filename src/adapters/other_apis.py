@@ -446,8 +446,8 @@ class _TextFormat(_Strict):
             return None
         if self.type == "json_object":
             return {"type": "json_object"}
-        return {"type": "json_schema", "json_schema": _given(name=self.name, schema=self.schema_,
-                                                             description=self.description, strict=self.strict)}
+        schema = _given(name=self.name, schema=self.schema_, description=self.description, strict=self.strict)
+        return {"type": "json_schema", "json_schema": schema}
 
     def echoed(self) -> dict[str, object]:
         return self.model_dump(by_alias=True, exclude_none=True)
