@@ -622,6 +622,7 @@ async def test_structured_output_is_the_chats_response_format_in_both_apis(
     refused = await client.post("/v1/responses", json={"input": "Hi", "text": {"format": {
         "type": "json_schema", "name": "a", "schema": bad}}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "text.format", refused.text
-    refused = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 8, "messages": HI,
-                                                      "output_format": {"type": "json_schema", "schema": bad}})
+    body = {"model": "tiny", "max_tokens": 8, "messages": HI,
+            "output_format": {"type": "json_schema", "schema": bad}}
+    refused = await client.post("/v1/messages", json=body)
     assert refused.status_code == 400 and "output_format" in refused.text, refused.text
