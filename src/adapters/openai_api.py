@@ -897,6 +897,27 @@ class Frontend:
             return _unless_body_unread(request, _error_response(info, request_id, error_body(info)))
         return ChatRun(job, run, self._reply(job, 0), error_body), parsed
 
+    async def count_chat(
+        self,
+        request: Request,
+        parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
+        error_body: Callable[[ErrorInfo], object],
+    ) -> int | Response:
+        """How many prompt tokens another API's body is, mapped by `parse` to a chat body as
+        `start_chat` maps it (template, tools), without generating; or the refusal to send."""
+        try:
+            try:
+                chat, _ = parse(await self._read_object(request))
+                body = _ChatBody.model_validate(chat)
+            except ValidationError as exc:
+                raise _Reject(_validation_error(exc)) from None
+            self._check_model(body.model)
+            return len(await self._encode_chat(body.messages, self._tools(body)))
+        except (_Reject, StatecoreError) as exc:
+            return _unless_body_unread(request, _error_response(exc.info, body=error_body(exc.info)))
+        except ClientDisconnect:
+            return Response(status_code=499)
+
     # -- one request -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, kind: _Kind) -> Response:

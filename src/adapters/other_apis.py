@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (`POST /v1/messages`) and OpenAI's Responses API (`POST /v1/responses`),
-text in and text out, on the single node and the router alike.
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) and OpenAI's
+Responses API (`POST /v1/responses`), text in and text out, on the single node and the router alike.
 
 Each request is mapped onto the /v1/chat/completions body it means (system, then the messages,
 through the model's chat template) and started by `openai_api.Frontend.start_chat`, so it shares
@@ -45,6 +45,7 @@ def other_api_routes(frontend: Frontend) -> list[BaseRoute]:
     """`POST /v1/messages` and `POST /v1/responses` over `frontend`."""
     apis = _OtherApis(frontend)
     return [Route("/v1/messages", apis.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", apis.count_tokens, methods=["POST"]),
             Route("/v1/responses", apis.responses, methods=["POST"])]
 
 
@@ -554,6 +555,15 @@ class _OtherApis:
         return await _answer(request, run, stream=bool(body.stream),
                              body=lambda text, calls, end: self._message(run, text, end, calls),
                              events=lambda first: self._message_events(run, first))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """`POST /v1/messages/count_tokens`: the prompt tokens the same body would be (no
+        `max_tokens` needed), as the chat template encodes it with its tools."""
+        counted = await self.frontend.count_chat(
+            request, lambda data: _parse_messages({"max_tokens": 1, **data}), _anthropic_error)
+        if isinstance(counted, Response):
+            return counted
+        return JSONResponse({"input_tokens": counted})
 
     def _message(self, run: ChatRun, text: str | None, end: ChatEnd | None,
                  calls: Sequence[CalledTool] = ()) -> dict[str, object]:

@@ -168,10 +168,13 @@ def test_messages_whole_and_streamed(cluster: Cluster) -> None:
         **params, tools=tools).model_dump())
     assert with_tools["content"]
     as_json = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(
-        **{**params, "max_tokens": 40, "stop_sequences": None},
-        extra_body={"temperature": 0, "output_format": {"type": "json_schema", "schema": OK_SCHEMA}},
+        **{**params, "max_tokens": 40, "stop_sequences": None, "extra_body": {
+            "temperature": 0, "output_format": {"type": "json_schema", "schema": OK_SCHEMA}}},
     ).model_dump())
     assert as_json["stop_reason"] == "end_turn"
+    counted = same_on_both(cluster, lambda node: anthropic_client(node).messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=params["messages"]).model_dump())
+    assert counted["input_tokens"] == whole["usage"]["input_tokens"]
     assert isinstance(json.loads(as_json["content"][0]["text"])["ok"], bool)
 
 

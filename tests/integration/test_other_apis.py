@@ -626,3 +626,20 @@ async def test_structured_output_is_the_chats_response_format_in_both_apis(
             "output_format": {"type": "json_schema", "schema": bad}}
     refused = await client.post("/v1/messages", json=body)
     assert refused.status_code == 400 and "output_format" in refused.text, refused.text
+
+
+async def test_count_tokens_is_the_prompt_a_message_would_be(
+    claude: anthropic.AsyncAnthropic, client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """`/v1/messages/count_tokens` counts the prompt the same body sends to the backend (system,
+    messages, the template), without generating, and refuses as /v1/messages does."""
+    messages: Any = [{"role": "user", "content": "Hi there"}]
+    counted = await claude.messages.count_tokens(model="tiny", system=SYSTEM, messages=messages)
+    assert backend.generations == []
+    backend.scripts.append(say(frontend, "ok"))
+    await claude.messages.create(model="tiny", max_tokens=4, system=SYSTEM, messages=messages)
+    assert counted.input_tokens == len(backend.last.request.prompt)
+    wrong = await client.post("/v1/messages/count_tokens", json={"model": "other", "messages": messages})
+    assert wrong.status_code == 404 and wrong.json()["type"] == "error", wrong.text
+    empty = await client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": []})
+    assert empty.status_code == 400 and empty.json()["error"]["type"] == "invalid_request_error", empty.text
