@@ -3,12 +3,15 @@
 A constraint travels as `SamplingParams.response_format`: the canonical JSON text of what to
 produce, `{"type":"json_object"}` or `{"type":"json_schema","schema":{...}}` (no spaces; the schema's
 keys in the client's order, which is the order its properties are written in;
-`response_format_text` makes it from what a client sent). Every node compiles the same
-grammar from the same text, and equal formats share one compiled grammar. `format_error` tells
-the API (the router or a single node, before any engine sees the request) what llguidance refuses,
-without a tokenizer. `Grammars` is the engine's: it wraps the model's tokenizer for llguidance on
-first use and hands every constrained request a fresh `LLMatcher` (a deep copy, ~1 us, of one
-compiled per format, ~1 ms, kept in a small LRU).
+`response_format_text` makes it from what a client sent), or a forced tool call
+(`tool_choice` "required" or a named function, `tool_call_text`):
+`{"type":"tool_call","start":...,"end":...,"schema":{...}}`, one call written between the model's
+tool-call markers as JSON `{"name": ..., "arguments": ...}` valid against `schema`. Every node
+compiles the same grammar from the same text, and equal formats share one compiled grammar.
+`format_error` tells the API (the router or a single node, before any engine sees the request) what
+llguidance refuses, without a tokenizer. `Grammars` is the engine's: it wraps the model's
+tokenizer for llguidance on first use and hands every constrained request a fresh `LLMatcher` (a
+deep copy, ~1 us, of one compiled per format, ~1 ms, kept in a small LRU).
 
 JSON is written the way `json.dumps` writes it, `", "` and `": "` and no other whitespace
 (llguidance's `whitespace_flexible: false`): a bounded schema then has a bounded output, a model
@@ -24,7 +27,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 __all__ = ["JSON_OBJECT", "JSON_OPTIONS", "Grammars", "format_error", "grammar_of", "refused",
-           "response_format_text"]
+           "response_format_text", "tool_call_text"]
 
 JSON_OBJECT = '{"type":"json_object"}'
 JSON_OPTIONS: JsonCompileOptions = {
@@ -59,6 +62,28 @@ def response_format_text(kind: Literal["json_object", "json_schema"], schema: Ma
                       separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def tool_call_text(start: str, end: str, tools: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
+    """The canonical text of a forced tool call: one call of one of `tools` (each its name and
+    its parameters' schema; none: any object), written between the markers `start` and `end`."""
+    calls = [{"type": "object", "properties": {"name": {"const": name},
+                                              "arguments": dict(parameters or {"type": "object"})},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, parameters in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return json.dumps({"type": "tool_call", "start": start, "end": end, "schema": schema},
+                      separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _tool_call_grammar(doc: Mapping[str, Any]) -> str:
+    # The markers on lines of their own around the JSON, as chat templates write a call.
+    start, end, schema = doc.get("start"), doc.get("end"), doc.get("schema")
+    if not (isinstance(start, str) and isinstance(end, str) and start and end and isinstance(schema, dict)):
+        raise ValueError("a tool_call constraint needs its start and end markers and a schema")
+    call = json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False, allow_nan=False)
+    lark = (f"start: {json.dumps(start + chr(10), ensure_ascii=False)} call "
+            f"{json.dumps(chr(10) + end, ensure_ascii=False)}\ncall: %json {call}")
+    return str(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
 def _schema_of(text: str) -> dict[str, Any]:
     doc = json.loads(text)
     if not isinstance(doc, dict):
@@ -72,7 +97,10 @@ def _schema_of(text: str) -> dict[str, Any]:
 
 
 def grammar_of(text: str) -> str:
-    """llguidance's grammar for a canonical response_format (ValueError when it is not one)."""
+    """llguidance's grammar for a canonical constraint (ValueError when it is not one)."""
+    doc = json.loads(text)
+    if isinstance(doc, dict) and doc.get("type") == "tool_call":
+        return _tool_call_grammar(doc)
     return str(llguidance.LLMatcher.grammar_from_json_schema(_schema_of(text), overrides=JSON_OPTIONS))
 
 

@@ -34,9 +34,12 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   chat template; the reply's text between the tokenizer's tool-call markers is parsed by mlx-lm's
   parser for the model (`adapters.tool_calls`) and answered as OpenAI `tool_calls` (streamed as
   one delta per complete call), finish_reason "tool_calls"; ids are `call_<request id>_<n>`.
-  "required" or a named function would need constrained decoding: 422. A model whose template
-  has no tool-call markers mlx-lm knows: 400. Messages may carry an assistant's `tool_calls`
-  (arguments as JSON text) and `tool` answers (`tool_call_id`).
+  "required" or a named function forces one call by constrained decoding (`adapters.grammar`):
+  the model writes a call of one of the tools (of that one) between its markers, as JSON valid
+  against the tool's parameters, and then ends; served where mlx-lm's parser for the model is
+  json_tools (else 422). A model whose template has no tool-call markers mlx-lm knows: 400.
+  Messages may carry an assistant's `tool_calls` (arguments as JSON text) and `tool` answers
+  (`tool_call_id`).
 - `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
   (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
   them are left out; a newline and EOS never are.
@@ -97,7 +100,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.api_keys import ApiKeyGuard, ApiKeys
-from adapters.grammar import format_error, refused, response_format_text
+from adapters.grammar import format_error, refused, response_format_text, tool_call_text
 from adapters.other_apis import other_api_routes
 from adapters.streaming import WatchedStream, cancel_on_disconnect
 from adapters.tool_calls import ToolCall, ToolCallSplitter
@@ -1166,7 +1169,8 @@ class Frontend:
                                        param="stream_options"))
         stops = self._stops(body.stop)
         offers_tools = isinstance(body, _ChatBody) and bool(body.tools) and body.tool_choice != "none"
-        response_format = await self._response_format(body, stops, offers_tools)
+        response_format = await self._response_format(body, stops, offers_tools) or await self._forced_call(
+            body, stops)
 
         if isinstance(body, _CompletionBody):
             prompt = await self._encode_prompt(body.prompt)
@@ -1283,17 +1287,52 @@ class Frontend:
 
     def _tools(self, body: _ChatBody) -> tuple[dict[str, Any], ...]:
         """The tools the model is offered (none with `tool_choice: "none"`), checked against what
-        it can do: only `auto` is served (forcing a call needs constrained decoding)."""
+        it can do."""
         if not body.tools or body.tool_choice == "none":
             return ()
-        if body.tool_choice is not None and body.tool_choice != "auto":
-            raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
-                                    "tool_choice: only \"auto\" and \"none\" are served (forcing a tool call "
-                                    "needs constrained decoding)", "tool_choice"))
         if not getattr(self.tokenizer, "has_tool_calling", False):
             raise _Reject(client_error("tools: this model's chat template has no tool calling "
                                        "(no tool-call markers that mlx-lm knows)", param="tools"))
         return tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
+
+    async def _forced_call(self, body: _Sampling, stops: Sequence[str]) -> str | None:
+        """`tool_choice` "required" or a named function as the constraint of one call (None when
+        nothing is forced): the model writes a call of one of the tools (of that one) between its
+        tool-call markers, as JSON valid against the tool's parameters, and then ends."""
+        if not isinstance(body, _ChatBody) or not body.tools or body.tool_choice in (None, "auto", "none"):
+            return None
+        parser = getattr(self.tokenizer, "tool_parser", None)
+        if not getattr(self.tokenizer, "has_tool_calling", False):
+            return None  # `_tools` refuses the tools themselves
+        if not getattr(parser, "__module__", "").endswith(".json_tools"):
+            raise _Reject(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                f"tool_choice: forcing a call is served for models whose calls are JSON between markers "
+                f"(mlx-lm's json_tools parser); this model's parser is {getattr(parser, '__module__', '?')}",
+                "tool_choice"))
+        tools = [(tool.function.name, tool.function.parameters) for tool in body.tools]
+        if isinstance(body.tool_choice, _ToolChoice):
+            wanted = body.tool_choice.function.name
+            tools = [tool for tool in tools if tool[0] == wanted]
+            if not tools:
+                raise _Reject(client_error(f"tool_choice: no tool is named {wanted!r}",
+                                           param="tool_choice.function.name"))
+        if stops:
+            raise _Reject(client_error("stop: stop strings would cut the tool call that tool_choice forces",
+                                       param="stop"))
+        if body.ignore_eos:
+            raise _Reject(client_error("ignore_eos: the reply that tool_choice forces ends after its call",
+                                       param="ignore_eos"))
+        try:
+            text = tool_call_text(self.tokenizer.tool_call_start, self.tokenizer.tool_call_end, tools)
+        except ValueError as exc:  # NaN or Infinity in a schema: not JSON
+            raise _Reject(client_error(f"tools: a parameters schema is not JSON: {exc}",
+                                       param="tools")) from None
+        error = await trio.to_thread.run_sync(format_error, text)
+        if error is not None:
+            raise _Reject(client_error(f"tools: the parameters cannot be enforced for tool_choice: {error}",
+                                       param="tools"))
+        return text
 
     def _logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs in id order; an id must be a token of the model."""

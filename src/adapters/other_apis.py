@@ -257,7 +257,7 @@ class _AnthropicToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
     def to_chat(self) -> object:
-        """The chat's tool_choice: "any" and a named tool force a call (the chat refuses those)."""
+        """The chat's tool_choice: "any" is "required", a named tool the chat's named function."""
         if self.type == "tool":
             return {"type": "function", "function": {"name": self.name or ""}}
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]
@@ -318,7 +318,8 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
                   response_format=None if body.output_format is None else body.output_format.to_chat()), body
 
 
-_MESSAGES_NAMES = {"stop": "stop_sequences", "response_format": "output_format"}
+_MESSAGES_NAMES = {"stop": "stop_sequences", "response_format": "output_format",
+                   "tool_choice.function.name": "tool_choice.name"}
 
 
 def _anthropic_error_type(info: ErrorInfo) -> str:
@@ -526,7 +527,7 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
 
 
 _RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
-                    "response_format": "text.format"}
+                    "response_format": "text.format", "tool_choice.function.name": "tool_choice.name"}
 
 
 def _status(end: ChatEnd) -> str:

@@ -29,6 +29,11 @@ TOOLS: Any = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
+BOUNDED_TOOLS: Any = [{"type": "function", "function": {
+    "name": "set_unit", "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                                       "required": ["unit"], "additionalProperties": False}}}]
+
+
 MODEL = cached_checkpoint("llama").name  # the served name: the model directory's
 
 
@@ -84,6 +89,7 @@ CHAT_CASES: list[dict[str, Any]] = [
      "logit_bias": {"17": 5.0}, "extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 8}},
     {"max_tokens": 8, "temperature": 0.9, "seed": 2, "n": 3},
     {"max_tokens": 8, "temperature": 0, "tools": TOOLS},
+    {"max_tokens": 120, "temperature": 0.8, "seed": 4, "tools": BOUNDED_TOOLS, "tool_choice": "required"},
     {"max_tokens": 40, "temperature": 0.7, "seed": 9, "response_format": {
         "type": "json_schema", "json_schema": {"name": "answer", "schema": OK_SCHEMA}}},
 ]
@@ -94,7 +100,14 @@ def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str,
     whole = same_on_both(cluster, lambda node: client(node).chat.completions.create(
         model=MODEL, messages=USER, **params).model_dump())
     assert len(whole["choices"]) == params.get("n", 1)
-    assert all(choice["message"]["content"] for choice in whole["choices"])
+    if params.get("tool_choice") == "required":  # the grammar forces one call, and nothing else
+        [choice] = whole["choices"]
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "set_unit"
+        assert json.loads(call["function"]["arguments"])["unit"] in ("c", "f")
+    else:
+        assert all(choice["message"]["content"] for choice in whole["choices"])
     if "response_format" in params:
         assert whole["choices"][0]["finish_reason"] == "stop"
         assert isinstance(json.loads(whole["choices"][0]["message"]["content"])["ok"], bool)
@@ -111,7 +124,7 @@ def test_chat_completions_whole_and_streamed(cluster: Cluster, params: dict[str,
     for index, choice in enumerate(whole["choices"]):
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
                        if c["choices"] and c["choices"][0]["index"] == index)
-        assert text == choice["message"]["content"]
+        assert text == (choice["message"]["content"] or "")
     assert chunks[-1]["usage"] == whole["usage"]
 
 

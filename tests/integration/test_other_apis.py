@@ -217,7 +217,7 @@ BAD_MESSAGES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"model": "tiny", "max_tokens": 5, "messages": HI,
       "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400, "invalid_request_error", "tools[0]"),
     ({"model": "tiny", "max_tokens": 5, "messages": HI, "tools": [{"name": "f", "input_schema": {}}],
-      "tool_choice": {"type": "any"}}, 422, "invalid_request_error", "tool_choice"),
+      "tool_choice": {"type": "tool", "name": "g"}}, 400, "invalid_request_error", "no tool is named 'g'"),
     ({"model": "tiny", "max_tokens": 5, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 9}},
      422, "invalid_request_error", "thinking"),
     ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
@@ -245,8 +245,8 @@ async def test_the_anthropic_client_raises_on_refusals_and_backend_errors(
     claude: anthropic.AsyncAnthropic, backend: FakeBackend, frontend: Frontend
 ) -> None:
     tools: Any = [{"name": "f", "input_schema": {"type": "object"}}]
-    forced: Any = {"type": "any"}
-    with pytest.raises(anthropic.UnprocessableEntityError, match="tool_choice"):
+    forced: Any = {"type": "tool", "name": "g"}
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         await claude.messages.create(model="tiny", max_tokens=5, messages=HI, tools=tools,  # type: ignore[arg-type]
                                      tool_choice=forced)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
@@ -390,7 +390,7 @@ BAD_RESPONSES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role", "input[0].role"),
     ({"input": "Hi", "model": "other"}, 404, "model", "'other'"),
     ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}],
-      "tool_choice": "required"}, 422, "tool_choice", "tool_choice"),
+      "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice.name", "no tool is named 'g'"),
     ({"input": "Hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type", "tools[0].type"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, 422, "previous_response_id", "previous_response_id"),
     ({"input": "Hi", "background": True}, 422, "background", "background"),

@@ -119,8 +119,12 @@ async def test_without_tools_the_same_text_is_plain_content(
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
-    (chat(tool_choice="required"), 422, "tool_choice"),
-    (chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}), 422, "tool_choice"),
+    (chat(tool_choice={"type": "function", "function": {"name": "get_time"}}), 400,
+     "tool_choice.function.name"),
+    (chat(tool_choice="required", stop=["x"]), 400, "stop"),
+    (chat(tool_choice="required", ignore_eos=True), 400, "ignore_eos"),
+    (chat(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}]), 400, "tools"),
     (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools[0].function.name"),
     ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 5}, 400, "messages[0]"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
@@ -132,6 +136,33 @@ async def test_what_cannot_be_served_is_a_clear_error(client: httpx.AsyncClient,
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+async def test_a_forced_call_is_a_constraint_of_one_call_between_the_markers(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """`tool_choice` "required" constrains the reply to one call of any of the tools, a named
+    function to a call of that one: the engine gets the grammar's canonical text, and the reply
+    (the call the grammar let through) is answered as a tool call."""
+    from adapters.grammar import tool_call_text
+
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    weather = TOOLS[0]["function"]["parameters"]
+    backend.default_script = say(frontend, CALL)
+    cases: list[tuple[Any, list[tuple[str, Any]]]] = [
+        ("required", [("get_weather", weather), ("get_time", {"type": "object"})]),
+        ({"type": "function", "function": {"name": "get_weather"}}, [("get_weather", weather)]),
+    ]
+    for choice, allowed in cases:
+        body = chat(tools=[*TOOLS, other], tool_choice=choice)
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert backend.last.request.sampling.response_format == tool_call_text("<tool_call>", "</tool_call>",
+                                                                               allowed)
+        assert response.json()["choices"][0]["finish_reason"] == "tool_calls"
+    # nothing forced: free text, as before
+    await client.post("/v1/chat/completions", json=chat(tool_choice="auto"))
+    assert backend.last.request.sampling.response_format is None
 
 
 async def test_a_model_without_tool_calling_refuses_tools(tmp_path: Path, backend: FakeBackend) -> None:
