@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from adapters.grammar import JSON_OBJECT, Grammars, format_error, response_format_text
+from adapters.grammar import JSON_OBJECT, Grammars, format_error, response_format_text, tool_call_text
 from adapters.mlx.grammar import TokenConstraint
 from adapters.tiny_models import TOKENIZER_VOCAB_SIZE, build_tokenizer
 from statecore.errors import StatecoreError
@@ -72,6 +72,29 @@ def test_a_document_walks_its_masks_and_only_then_may_end(grammars: Grammars, to
     assert allowed(constraint) == EOS  # whole: nothing but EOS
     free = TokenConstraint(grammars.matcher(JSON_OBJECT), TOKENIZER_VOCAB_SIZE, EOS)
     assert allowed(free) == set(tokenizer.encode("{", add_special_tokens=False))
+
+
+def test_a_forced_tool_call_walks_the_markers_around_one_call_of_a_named_tool(
+        grammars: Grammars, tokenizer: Any) -> None:
+    unit = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+    text = tool_call_text("<tool_call>", "</tool_call>", [("get_weather", SCHEMA), ("set_unit", unit)])
+    assert format_error(text) is None
+
+    def walk(reply: str) -> bool:
+        """Whether the grammar lets `reply` through and then allows only EOS."""
+        constraint = TokenConstraint(grammars.matcher(text), TOKENIZER_VOCAB_SIZE, EOS)
+        for token in tokenizer.encode(reply, add_special_tokens=False):
+            if token not in allowed(constraint):
+                return False
+            constraint.drew(mx.array([token]))
+        return allowed(constraint) == EOS
+
+    assert walk('<tool_call>\n{"name": "set_unit", "arguments": {"unit": "f"}}\n</tool_call>')
+    weather = '{"name": "get_weather", "arguments": {"ok": true, "color": "red"}}'
+    assert walk(f"<tool_call>\n{weather}\n</tool_call>")
+    assert not walk('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not walk('<tool_call>\n{"name": "set_unit", "arguments": {"unit": "k"}}\n</tool_call>')
+    assert not walk('Sure! <tool_call>')
 
 
 def test_a_failed_call_is_rolled_back_and_a_restart_starts_over(grammars: Grammars, tokenizer: Any) -> None:
