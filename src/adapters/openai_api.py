@@ -375,11 +375,12 @@ class _StopText:
     across tokens is never half sent.
     """
 
-    def __init__(self, detokenizer: Any, stops: Sequence[str]) -> None:
+    def __init__(self, detokenizer: Any, stops: Sequence[str], quiet: Sequence[str] = ()) -> None:
         self._detokenizer = detokenizer
-        self._stops = tuple(stops)
+        self._given = tuple(stops)
+        self._stops = (*stops, *(q for q in quiet if q not in stops))
         self._pending = ""
-        self.matched: str | None = None  # the stop string the text ended before, once one has
+        self.matched: str | None = None  # the client's stop string the text ended before, once one has
 
     def add(self, token: int) -> tuple[str, bool]:
         """Text that may be sent now, and whether a stop string was matched."""
@@ -396,7 +397,8 @@ class _StopText:
         cuts = [(i, stop) for stop in self._stops if (i := text.find(stop)) != -1]
         if cuts:
             self._pending = ""
-            cut, self.matched = min(cuts, key=lambda found: found[0])  # the earliest (a tie: first listed)
+            cut, stop = min(cuts, key=lambda found: found[0])  # the earliest (a tie: first listed)
+            self.matched = stop if stop in self._given else None  # a quiet stop is the server's own
             return text[:cut], True
         keep = 0 if final else _held_back(text, self._stops)
         self._pending = text[len(text) - keep :]
@@ -563,6 +565,7 @@ class _Job:
     include_usage: bool
     choices: int = 1  # n: each choice is a generation of its own (a row of its own in the batch)
     tools: tuple[dict[str, Any], ...] = ()  # offered to the model: its replies are split into text and calls
+    quiet_stops: tuple[str, ...] = ()  # the server's own stop strings (not reported as the client's)
 
     def choice_request(self, index: int) -> GenerationRequest:
         """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
@@ -960,7 +963,8 @@ class Frontend:
         try:
             for index in range(job.choices):
                 generation = await self.backend.start(job.choice_request(index))
-                runs.append(_Run(generation, _StopText(self.tokenizer.detokenizer, job.stops)))
+                stops = _StopText(self.tokenizer.detokenizer, job.stops, job.quiet_stops)
+                runs.append(_Run(generation, stops))
         except BaseException:
             for run in runs:
                 await run.cancel()
@@ -1237,7 +1241,18 @@ class Frontend:
             include_usage=stream and body.stream_options is not None and body.stream_options.include_usage,
             choices=body.n or 1,
             tools=tools if isinstance(body, _ChatBody) else (),
+            quiet_stops=self._one_call_only(body, tools if isinstance(body, _ChatBody) else (),
+                                            response_format),
         )
+
+    def _one_call_only(self, body: _Sampling, tools: Sequence[Mapping[str, Any]], constraint: str | None
+                       ) -> tuple[str, ...]:
+        """`parallel_tool_calls: false`: the generation stops where the first call's end marker
+        would be (the open call is parsed as it stands), so a reply holds at most one call. A
+        forced call needs nothing: its grammar allows one call."""
+        if not tools or constraint is not None or not isinstance(body, _ChatBody):
+            return ()
+        return (self.tokenizer.tool_call_end,) if body.parallel_tool_calls is False else ()
 
     def _xtc(self, body: _Sampling) -> dict[str, Any]:
         """XTC's settings; the tokens it never leaves out are mlx_lm.server's: a newline and EOS."""

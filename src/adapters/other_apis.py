@@ -315,7 +315,9 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
     return _given(model=body.model, max_tokens=body.max_tokens, messages=chat, stop=body.stop_sequences,
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, tools=tools,
                   tool_choice=None if body.tool_choice is None else body.tool_choice.to_chat(),
-                  response_format=None if body.output_format is None else body.output_format.to_chat()), body
+                  response_format=None if body.output_format is None else body.output_format.to_chat(),
+                  parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use
+                  else None), body
 
 
 _MESSAGES_NAMES = {"stop": "stop_sequences", "response_format": "output_format",
@@ -472,6 +474,7 @@ class _ResponsesBody(_Strict):
     tools: list[_FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | _NamedFunction | None = None
     text: _TextConfig | None = None
+    parallel_tool_calls: bool | None = None
 
     def response_format(self) -> dict[str, object] | None:
         return None if self.text is None or self.text.format is None else self.text.format.to_chat()
@@ -523,7 +526,8 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
     tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_output_tokens, messages=chat,
                   temperature=body.temperature, top_p=body.top_p, tools=tools,
-                  tool_choice=body.chat_tool_choice(), response_format=body.response_format()), body
+                  tool_choice=body.chat_tool_choice(), response_format=body.response_format(),
+                  parallel_tool_calls=body.parallel_tool_calls), body
 
 
 _RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
@@ -702,7 +706,7 @@ class _OtherApis:
             "max_output_tokens": body.max_output_tokens,
             "model": self.frontend.model_name,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "store": False,  # nothing is stored, whatever `store` asked

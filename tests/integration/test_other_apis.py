@@ -565,6 +565,12 @@ async def test_the_openai_client_gets_function_calls_whole_and_streamed_and_send
     assert [item.type for item in whole.output] == ["function_call"] and whole.status == "completed"
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
     assert whole.tool_choice == "auto" and whole.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    assert whole.parallel_tool_calls is True
+    # parallel_tool_calls false: the reply stops after its first call
+    backend.scripts.insert(0, say(frontend, CALL + "\n" + CALL))
+    one = await gpt.responses.create(model="tiny", input="Weather?", tools=tools, parallel_tool_calls=False)
+    assert one.parallel_tool_calls is False
+    assert [item.type for item in one.output] == ["function_call"]
     async with gpt.responses.stream(model="tiny", input="Weather in Paris?", tools=tools) as stream:
         streamed = await stream.get_final_response()
     calls = [item for item in streamed.output if item.type == "function_call"]

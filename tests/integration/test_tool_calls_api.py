@@ -165,6 +165,33 @@ async def test_a_forced_call_is_a_constraint_of_one_call_between_the_markers(
     assert backend.last.request.sampling.response_format is None
 
 
+async def test_parallel_tool_calls_false_keeps_one_call_and_stops_there(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """With `parallel_tool_calls: false` the generation stops where the first call's end marker
+    would be: one call, finish_reason "tool_calls", the rest never generated; by default both."""
+    backend.default_script = say(frontend, CALL + "\n" + CALL + " and more text")
+    both = (await client.post("/v1/chat/completions", json=chat())).json()["choices"][0]
+    assert len(both["message"]["tool_calls"]) == 2
+    for stream in (False, True):
+        body = chat(parallel_tool_calls=False, stream=stream)
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                      if line.startswith("data: {")]
+            calls = [c for chunk in chunks for choice in chunk["choices"]
+                     for c in choice["delta"].get("tool_calls") or []]
+            assert len(calls) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            [choice] = response.json()["choices"]
+            [call] = choice["message"]["tool_calls"]
+            assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+            assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        last = backend.last
+        assert (last.stops or last.cancels) and last.yielded < len(last.script)
+
+
 async def test_a_model_without_tool_calling_refuses_tools(tmp_path: Path, backend: FakeBackend) -> None:
     build_tokenizer(tmp_path, "bpe")
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
