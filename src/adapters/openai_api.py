@@ -620,6 +620,15 @@ def _unless_body_unread(request: Request, response: Response) -> Response:
     return response
 
 
+def _check_grammar_ends(body: _Sampling, stops: Sequence[str], what: str) -> None:
+    """A constrained reply ends where its grammar is whole (EOS): stop strings could cut it short
+    and `ignore_eos` would run past it, so both are refused."""
+    if stops:
+        raise _Reject(client_error(f"stop: stop strings would cut {what}", param="stop"))
+    if body.ignore_eos:
+        raise _Reject(client_error(f"ignore_eos: {what} ends with EOS", param="ignore_eos"))
+
+
 def _error_response(info: ErrorInfo, request_id: str | None = None, body: object = None) -> JSONResponse:
     """`info` as an answer: its status, OpenAI's shape unless `body` is given (another API's)."""
     headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else {}
@@ -1280,12 +1289,7 @@ class Frontend:
         given = body.response_format
         if given is None or given.type == "text":
             return None
-        if stops:
-            raise _Reject(client_error("stop: stop strings would cut the JSON that response_format asks for",
-                                       param="stop"))
-        if body.ignore_eos:
-            raise _Reject(client_error("ignore_eos: the JSON that response_format asks for ends with EOS",
-                                       param="ignore_eos"))
+        _check_grammar_ends(body, stops, "the JSON that response_format asks for")
         if offers_tools:
             raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
                                     "response_format with tools: the grammar would keep the model from "
@@ -1332,12 +1336,7 @@ class Frontend:
             if not tools:
                 raise _Reject(client_error(f"tool_choice: no tool is named {wanted!r}",
                                            param="tool_choice.function.name"))
-        if stops:
-            raise _Reject(client_error("stop: stop strings would cut the tool call that tool_choice forces",
-                                       param="stop"))
-        if body.ignore_eos:
-            raise _Reject(client_error("ignore_eos: the reply that tool_choice forces ends after its call",
-                                       param="ignore_eos"))
+        _check_grammar_ends(body, stops, "the tool call that tool_choice forces")
         try:
             text = tool_call_text(self.tokenizer.tool_call_start, self.tokenizer.tool_call_end, tools)
         except ValueError as exc:  # NaN or Infinity in a schema: not JSON
