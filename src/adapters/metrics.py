@@ -398,6 +398,10 @@ class _LiveCollector:
                  "(a transient error that failed no request).", stats.step_retries),
                 ("engine_rows_isolated", "Requests failed alone because their row's model call kept "
                  "raising; the rest of their batch step went on.", stats.rows_isolated),
+                ("prefix_cache_hits", "Prompts that started from blocks the prefix cache kept.",
+                 stats.prefix_cache_hits),
+                ("prefix_cache_tokens_reused", "Prompt tokens not computed because the prefix cache kept "
+                 "them.", stats.prefix_tokens_reused),
             ))
             yield from _per_role(GaugeMetricFamily, role, (
                 ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
@@ -409,6 +413,8 @@ class _LiveCollector:
                  "slot layout's share).", stats.kv_budget_bytes),
                 ("device_memory_bytes", "Bytes the device allocator holds now (weights, caches, "
                  "activations).", stats.device_memory_bytes),
+                ("prefix_cache_bytes", "Bytes of prompt blocks the prefix cache keeps (they give way to "
+                 "requests).", stats.prefix_cache_bytes),
             ))
         if self.kv_buffer_bytes is not None:
             kept = GaugeMetricFamily(PREFIX + "kv_receive_buffer_bytes", "Bytes of receive buffers kept "

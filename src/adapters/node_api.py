@@ -234,6 +234,9 @@ class NodeApi:
             "kv_budget_bytes": engine.kv_budget_bytes,
             "device_memory_bytes": engine.device_memory_bytes,
             "device_peak_bytes": engine.device_peak_bytes,
+            "prefix_cache_bytes": engine.prefix_cache_bytes,
+            "prefix_cache_hits": engine.prefix_cache_hits,
+            "prefix_tokens_reused": engine.prefix_tokens_reused,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
         }
 

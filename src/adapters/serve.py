@@ -232,6 +232,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "its worst case before anything is allocated, and waits (429 with Retry-After) "
                           "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
                           "device's memory)")
+    run.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
+                     help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
+                          "prompts that start with the same tokens, within this many bytes of the KV "
+                          "budget; kept blocks give way to any request that needs the memory (default: "
+                          "a quarter of --kv-memory-bytes; 0 = off)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
     run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
@@ -455,6 +460,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
+        prefix_cache_bytes=args.prefix_cache_bytes,
         model_call_hook=faults.model_call_hook(),
     )
     for layer in engine.info.layers:

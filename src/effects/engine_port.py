@@ -175,6 +175,11 @@ class EngineStatistics:
     # The device allocator's bytes in use now and at most so far (weights, caches, activations).
     device_memory_bytes: int = 0
     device_peak_bytes: int = 0
+    # The prefix cache: bytes of kept prompt blocks (they give way to requests), prompts that
+    # started from kept blocks, and the prompt tokens those did not compute.
+    prefix_cache_bytes: int = 0
+    prefix_cache_hits: int = 0
+    prefix_tokens_reused: int = 0
 
 
 class Engine(Protocol):

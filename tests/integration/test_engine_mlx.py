@@ -46,10 +46,12 @@ IDLE = EngineStatistics(decoding=0, held_caches=0, held_bytes=0, device_thread_a
 
 
 def holdings(engine: MlxEngine) -> EngineStatistics:
-    """What the engine holds now (its counters, stall clock, budget and the allocator's figures set
-    aside): to compare with IDLE, whose reservations are zero too."""
+    """What the engine holds now (its counters, stall clock, budget, the allocator's figures and the
+    prefix cache, which keeps blocks on purpose, set aside): to compare with IDLE, whose
+    reservations are zero too."""
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
-                   device_memory_bytes=0, device_peak_bytes=0)
+                   device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
+                   prefix_tokens_reused=0)
 
 
 class Opener(Protocol):
@@ -67,6 +69,7 @@ class Opener(Protocol):
         kv_memory_bytes: int | None = ...,
         shape_bucket: int | None = ...,
         decode_attention: str = ...,
+        prefix_cache_bytes: int | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -464,6 +467,46 @@ async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_
         await open_engine(path, decode_attention="kernel")
     with pytest.raises(StatecoreError, match="decode_attention must be one of"):
         await open_engine(path, decode_attention="fast")
+
+
+async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_its_tokens_are_exact(
+    open_engine: Opener
+) -> None:
+    """Whole prefill chunks are kept: a prompt that starts with the same tokens computes only
+    from its first new chunk, and gives the same tokens as an engine without the cache (greedy:
+    mlx-lm's; seeded: the cache-less engine's). Kept blocks are stored once, stay within their
+    capacity, and give way to a request that needs the memory."""
+    path = cached_checkpoint("llama")
+    cached = await open_engine(path)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+    first = prompt_of(70, salt=4)  # chunks of 16: blocks end at 16, 32, 48 and 64
+    assert await single(cached, RequestId("a"), first) == reference(path, first)
+    kept = cached.statistics().prefix_cache_bytes
+    assert kept > 0 and cached.statistics().prefix_cache_hits == 0
+    follow_up = first[:50] + prompt_of(30, salt=9)  # shares three whole blocks (48 tokens)
+    assert await single(cached, RequestId("b"), follow_up) == reference(path, follow_up)
+    stats = cached.statistics()
+    assert (stats.prefix_cache_hits, stats.prefix_tokens_reused) == (1, 48)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=3)
+    again = [*first[:66], 5, 6, 7]
+    assert await single(cached, RequestId("s"), again, seeded) == await single(
+        plain, RequestId("s"), again, seeded)
+    assert cached.statistics().prefix_tokens_reused == 48 + 64
+    assert plain.statistics().prefix_cache_bytes == 0
+    # at most its capacity (one block here): still exact, the older blocks forgotten
+    one_block = kept // 4
+    small = await open_engine(path, prefix_cache_bytes=one_block)
+    for rid, prompt in (("c", first), ("d", follow_up)):
+        assert await single(small, RequestId(rid), prompt) == reference(path, prompt)
+        assert small.statistics().prefix_cache_bytes <= one_block
+    # kept blocks give way: SMALL_BUDGET holds one of these requests (~650 KB reserved) or the
+    # blocks of one (~500 KB), not both, and nothing else is live: the second is not refused
+    tight = await open_engine(path, kv_memory_bytes=SMALL_BUDGET, prefix_cache_bytes=SMALL_BUDGET)
+    long_a, long_b = prompt_of(1000, salt=1), prompt_of(1000, salt=2)
+    eight = SamplingParams(max_tokens=8)
+    assert await single(tight, RequestId("la"), long_a, eight) == reference(path, long_a, 8)
+    assert tight.statistics().prefix_cache_bytes > SMALL_BUDGET - 650_000
+    assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:

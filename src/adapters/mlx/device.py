@@ -48,6 +48,7 @@ from adapters.mlx.jobs import (
 )
 from adapters.mlx.memory import KvCost
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.sampling import (
     PositionSampler,
     SamplerMark,
@@ -96,6 +97,7 @@ class Settings:
     decodes_locally: bool  # False on a prefill node: a prefilled cache never grows here
     shape_bucket: int  # prefill chunks and the slot lane's attended length round up to it (0: off)
     decode_attention: str  # the slot lane's attention: auto | kernel | masked | reference
+    prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
 
 
 @dataclass(eq=False)
@@ -173,6 +175,7 @@ class DeviceLoop:
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
         self.pool: SlotPool | None = None
         self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
+        self.prefix: PrefixCache | None = None  # whole prefill chunks kept for prompts that repeat them
         self.batch: Any = None
         self.held: dict[str, Held] = {}
         self.live: dict[str, Live] = {}
@@ -243,6 +246,8 @@ class DeviceLoop:
                 self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
                 self.pool.attention, self.attention = self.slot_attention(model, probe_cache)
         self.slot_lane = self.pool is not None
+        if plain and s.prefix_cache_bytes > 0:
+            self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
 
     def slot_attention(self, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
@@ -261,7 +266,10 @@ class DeviceLoop:
         OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits."""
         budget = self.settings.kv_memory_bytes
         others = self.reserved_bytes - self.reserved.get(request_id, 0)
-        verdict = kv_admission(need, others, self.pool_reserved, budget)
+        if self.prefix is not None:  # kept prefixes give way to requests
+            self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
+        kept = 0 if self.prefix is None else self.prefix.nbytes
+        verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
         if verdict is KvAdmission.NEVER:
             raise self.never_fits(need, tokens)
         if verdict is KvAdmission.LATER:
@@ -611,7 +619,8 @@ class DeviceLoop:
                 continue
             self.computing = ("prefill", [task.request_id])
             try:
-                pieces = run_units(self.model, task, units, self.quantize, self.bucket)
+                pieces = run_units(self.model, task, units, self.quantize, self.bucket,
+                                   None if self.prefix is None else self.keep_chunk)
             except Exception as exc:
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
@@ -632,6 +641,22 @@ class DeviceLoop:
                 outputs.extend(pieces)
         self.account("prefill_chunks", started)
         return outputs
+
+    def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
+        """A whole chunk just built: into the prefix cache."""
+        assert self.prefix is not None and task.cache is not None
+        return self.prefix.keep(task.tokens, chunk, task.cache)
+
+    def start_from_prefix(self, task: PrefillTask) -> None:
+        """A new prompt whose first whole chunks are cached starts after them."""
+        if self.prefix is None:
+            return
+        count, cache = self.prefix.start(task.tokens)
+        if cache is None:
+            return
+        task.cache = cache
+        task.done_tokens = count * self.settings.prefill_chunk_size
+        task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""

@@ -110,6 +110,7 @@ class MlxEngine:
         decodes_locally: bool = True,
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
+        prefix_cache_bytes: int | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
@@ -142,6 +143,11 @@ class MlxEngine:
         MLX's CUDA backend when its load-time self-check passes, else MLX's masked attention;
         "kernel" requires the kernel (the load fails without it); "masked" never uses it;
         "reference" routes through the kernel's contract in plain MLX ops (any backend: tests).
+
+        `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
+        whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
+        (`adapters.mlx.prefix_cache`): they start after the cached chunks, with the same numbers.
+        The kept blocks give way to any request that needs their memory.
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
@@ -179,8 +185,12 @@ class MlxEngine:
         memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
+        prefix_bytes = memory // 4 if prefix_cache_bytes is None else prefix_cache_bytes
+        if prefix_bytes < 0:
+            raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
-                            max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention)
+                            max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
+                            prefix_bytes)
         widen_attention_graph_cache()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
@@ -216,6 +226,7 @@ class MlxEngine:
             device.arrivals += 1
             sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
             task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job)
+            device.start_from_prefix(task)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
@@ -575,6 +586,9 @@ class MlxEngine:
             step_retries=device.step_retries,
             rows_isolated=device.rows_isolated,
             kv_reserved_bytes=device.reserved_bytes,
+            prefix_cache_bytes=0 if device.prefix is None else device.prefix.nbytes,
+            prefix_cache_hits=0 if device.prefix is None else device.prefix.hits,
+            prefix_tokens_reused=0 if device.prefix is None else device.prefix.tokens_reused,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

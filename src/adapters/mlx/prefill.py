@@ -107,7 +107,7 @@ def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
 
 
 def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
-              bucket: int = 0) -> list[Any]:
+              bucket: int = 0, built: Callable[[PrefillTask, int], list[Any]] | None = None) -> list[Any]:
     """Build what the task's next `count` units need; return the arrays they evaluate this step.
 
     A unit that starts a chunk builds the chunk's whole graph (the last chunk's samples the first
@@ -115,7 +115,8 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
     a chunk of several tokens is padded at its end to a multiple of `bucket` and the padding's
     positions are trimmed off the cache again: attention is causal, so no real position sees them,
     and the GPU meets a few chunk shapes instead of one per prompt length (MLX's CUDA attention
-    builds a cuDNN graph per shape, tens of ms each)."""
+    builds a cuDNN graph per shape, tens of ms each). `built(task, chunk)` (the prefix cache) is
+    told of every chunk built and returns more arrays for the step to evaluate."""
     if task.cache is None:
         task.cache = make_prompt_cache(model)
     outputs: list[Any] = []
@@ -132,6 +133,8 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
                     layer.trim(padding)
             quantize(task.cache)
             task.done_tokens += size
+            if built is not None:
+                outputs.extend(built(task, unit.chunk))
             if unit.chunk == len(task.chunks) - 1:
                 task.first = task.sampler.next_token(out[:, -1, :])
         task.done_units += 1
