@@ -15,6 +15,7 @@ capacity, and on demand (`evict`) when admission needs the memory. The engine ke
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ def block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
     keys: list[bytes] = []
     parent = b""
     for end in range(chunk_size, len(tokens), chunk_size):  # a block ends before the last token
-        block = b"".join(int(t).to_bytes(4, "little") for t in tokens[end - chunk_size : end])
+        block = array("I", tokens[end - chunk_size : end]).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         keys.append(parent)
     return keys

@@ -645,13 +645,14 @@ class DeviceLoop:
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
         assert self.prefix is not None and task.cache is not None
-        return self.prefix.keep(task.tokens, chunk, task.cache)
+        return self.prefix.keep(task.block_keys, chunk, task.cache)
 
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
         if self.prefix is None:
             return
-        count, cache = self.prefix.start(task.tokens)
+        task.block_keys = self.prefix.keys_of(task.tokens)
+        count, cache = self.prefix.start(task.block_keys)
         if cache is None:
             return
         task.cache = cache

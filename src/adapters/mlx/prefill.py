@@ -54,6 +54,7 @@ class PrefillTask:
     first: Any = None  # the first token, lazily, once the last chunk is built
     job: Any = field(default=None, repr=False)
     retried: bool = False  # restarted once after its model call raised
+    block_keys: list[bytes] = field(default_factory=list)  # the prefix cache's names of its whole chunks
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk."""

@@ -39,12 +39,12 @@ class PrefixCache:
         return self.index.nbytes
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
+        """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
         return block_keys(tokens, self.chunk_size)
 
-    def start(self, tokens: Sequence[int]) -> tuple[int, list[Any] | None]:
-        """How many leading whole chunks of `tokens` are cached, and a fresh cache holding them
-        (None when none is)."""
-        keys = self.keys_of(tokens)
+    def start(self, keys: Sequence[bytes]) -> tuple[int, list[Any] | None]:
+        """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
+        them (None when none is)."""
         count = self.index.cached(keys)
         if count == 0:
             return 0, None
@@ -60,10 +60,10 @@ class PrefixCache:
         self.tokens_reused += count * self.chunk_size
         return count, cache
 
-    def keep(self, tokens: Sequence[int], chunk: int, cache: Sequence[Any]) -> list[Any]:
-        """Keep chunk `chunk` of `tokens` (just built into `cache`) unless it is kept already;
-        returns the arrays to evaluate with this step (none when nothing new is kept)."""
-        keys = self.keys_of(tokens)
+    def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any]) -> list[Any]:
+        """Keep chunk `chunk` of the prompt whose block keys are `keys` (just built into `cache`)
+        unless it is kept already; returns the arrays to evaluate with this step (none when
+        nothing new is kept)."""
         if chunk >= len(keys) or keys[chunk] in self.index:
             return []
         parent = keys[chunk - 1] if chunk else None
