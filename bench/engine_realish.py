@@ -98,6 +98,21 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
     return trio.run(main)
 
 
+def start_gil_neighbour(busy_s: float, idle_s: float) -> None:
+    """A daemon thread holding the GIL busy_s at a time (Python bytecode), then sleeping idle_s."""
+    import threading
+
+    def spin() -> None:
+        while True:
+            until = time.perf_counter() + busy_s
+            count = 0
+            while time.perf_counter() < until:
+                count += 1
+            time.sleep(idle_s)
+
+    threading.Thread(target=spin, daemon=True, name="gil-neighbour").start()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,8 +123,14 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run "
                              "(a node sets its own; Python's default is 5 ms)")
+    parser.add_argument("--gil-neighbour", default=None, metavar="BUSY_MS/IDLE_MS",
+                        help="a thread that runs pure Python for BUSY_MS then sleeps IDLE_MS, over and "
+                             "over: a stand-in for an HTTP front end sharing the GIL")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.gil_neighbour:
+        busy_ms, idle_ms = (float(x) for x in args.gil_neighbour.split("/"))
+        start_gil_neighbour(busy_ms / 1000, idle_ms / 1000)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     engine_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}

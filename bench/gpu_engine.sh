@@ -52,6 +52,33 @@ case "${1:-serving}" in
     timeout 150 $PY bench/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
       --duration 15 --py-spy "$SPY" --out "$OUT/profile_http" 2>&1 | quiet | tail -60
     ;;
+  diagnose)
+    # The node vs the engine alone on one host: the engine alone on realish at 32, then again with
+    # a thread holding the GIL half the time; the HTTP side alone (fake engine); then the node
+    # under realish at 32 under py-spy --native with its device time by kind, and once more with
+    # a shorter GIL switch interval.
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; nproc; } > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    timeout 100 $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 \
+      --out "$OUT/er.json" 2>&1 | tail -2
+    timeout 100 $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 --gil-neighbour 0.3/0.3 \
+      --out "$OUT/er_neighbour.json" 2>&1 | tail -2
+    $PY bench/frontend_only.py --port 18777 > "$OUT/frontend_only.log" 2>&1 &
+    FO=$!
+    sleep 4
+    T0=$(awk '{print $14+$15}' /proc/$FO/stat)
+    timeout 60 $PY bench/serve_bench.py --url http://127.0.0.1:18777 --tokenizer $M --mix 128x128 \
+      --concurrency 32 --num-requests 640 --out "$OUT/frontend_only" 2>&1 | quiet | tail -2
+    T1=$(awk '{print $14+$15}' /proc/$FO/stat)
+    echo "frontend_only server cpu s: $(( (T1 - T0) / 100 ))"
+    kill $FO
+    timeout 150 $PY bench/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+      --duration 15 --native --rate 40 --py-spy "$SPY" --out "$OUT/profile_native" 2>&1 | quiet | tail -70
+    STATECORE_SWITCH_INTERVAL=0.0001 timeout 120 $PY bench/profile_single.py --model $M --blas bundled \
+      --mix realish --concurrency 32 --duration 10 --py-spy "$SPY" --out "$OUT/profile_switch" 2>&1 \
+      | quiet | grep -E "output|device thread|decode rows|step |launch|readback|decode_build"
+    ;;
   breakdown)
     # Each kind of device work evaluated alone and timed (decode call, prefills, copies into
     # slots), and the slot step at ragged lengths against KVCache, kernels only.

@@ -99,6 +99,27 @@ def top_functions(raw: Path, wall_samples: int, limit: int = 12) -> str:
     return "\n".join(out)
 
 
+def device_time(url: str) -> dict[str, tuple[int, float]]:
+    """The node's device-thread time by kind so far ({kind: (calls, seconds)}, /internal/stats)."""
+    import httpx
+
+    stats = httpx.get(f"{url}/internal/stats", timeout=10).json()
+    return {kind: (v["calls"], v["seconds"]) for kind, v in stats.get("device_time", {}).items()}
+
+
+def device_time_report(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> str:
+    """Per kind of device work in the window: calls, total seconds, ms per call; rows per step."""
+    grew = {k: (after[k][0] - before.get(k, (0, 0.0))[0], after[k][1] - before.get(k, (0, 0.0))[1])
+            for k in after}
+    lines = ["device thread in the window (kind: calls, seconds, ms per call):"]
+    for kind, (calls, seconds) in grew.items():
+        if kind != "decode_rows":
+            lines.append(f"  {kind:16s} {calls:7d} {seconds:8.3f} s {1000 * seconds / max(calls, 1):8.3f} ms")
+    steps = grew.get("step", (0, 0.0))[0]
+    lines.append(f"  decode rows per step {grew.get('decode_rows', (0, 0.0))[0] / max(steps, 1):.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -117,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gil", action="store_true",
                         help="sample only the thread holding the GIL: 'busy' is then each thread's "
                              "share of wall time holding it")
+    parser.add_argument("--native", action="store_true",
+                        help="py-spy --native: C/C++ frames too (where MLX's own calls spend their "
+                             "time); pauses the node at each sample, so use a low --rate")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     spy_default = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     parser.add_argument("--py-spy", default=spy_default, help="the py-spy executable")
@@ -138,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         assert server.proc is not None
         raw = args.out / "profile.txt"
         spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
-               "--rate", str(args.rate), "--idle", "--threads", "--nonblocking"]
+               "--rate", str(args.rate), "--idle", "--threads"]
         spy += ["--gil"] if args.gil else []
+        # Native frames need the process paused at each sample (it perturbs; keep the rate low).
+        spy += ["--native"] if args.native else ["--nonblocking"]
         result: dict[str, object] = {}
 
         done = threading.Event()
@@ -153,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         loader.start()
         time.sleep(3)  # let the batch fill, then sample
         try:
+            before = device_time(server.url)
             subprocess.run([*spy, "--format", "raw", "-o", str(raw)], check=True)
+            device = device_time_report(before, device_time(server.url))
         finally:
             done.set()  # send nothing more; in-flight requests finish
             loader.join()
-        summary = top_functions(raw, args.duration * args.rate)
+        summary = top_functions(raw, args.duration * args.rate) + "\n" + device
         header = (f"model {model} BLAS {blas}; load: {mix.name} at "
                   f"concurrency {args.concurrency}; output {result.get('output_tok_s')} tok/s; "
                   f"py-spy {args.duration} s at {args.rate} Hz{' (GIL holder only)' if args.gil else ''}\n")

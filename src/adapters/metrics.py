@@ -403,6 +403,18 @@ class _LiveCollector:
                 ("prefix_cache_tokens_reused", "Prompt tokens not computed because the prefix cache kept "
                  "them.", stats.prefix_tokens_reused),
             ))
+            seconds = CounterMetricFamily(PREFIX + "engine_device_seconds", "Device-thread time by kind "
+                                          "of work (step, decode_build, launch, readback, prefill_chunks, "
+                                          "prefill_batched, other_job).", labels=["role", "kind"])
+            calls = CounterMetricFamily(PREFIX + "engine_device_calls", "Device-thread calls by kind of "
+                                        "work; decode_rows counts decoded rows (rows per step = "
+                                        "decode_rows / step).", labels=["role", "kind"])
+            for kind, count, spent in stats.device_time:
+                calls.add_metric([role, kind], count)
+                if kind != "decode_rows":
+                    seconds.add_metric([role, kind], spent)
+            yield seconds
+            yield calls
             yield from _per_role(GaugeMetricFamily, role, (
                 ("kv_held_bytes", "Bytes of prefilled KV caches held for a handoff.", stats.held_bytes),
                 ("kv_held_caches", "Prefilled KV caches held for a handoff.", stats.held_caches),

@@ -238,6 +238,8 @@ class NodeApi:
             "prefix_cache_hits": engine.prefix_cache_hits,
             "prefix_tokens_reused": engine.prefix_tokens_reused,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
+            "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
+                            for kind, calls, seconds in engine.device_time},
         }
 
     async def stats(self, request: Request) -> Response:

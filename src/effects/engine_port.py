@@ -180,6 +180,10 @@ class EngineStatistics:
     prefix_cache_bytes: int = 0
     prefix_cache_hits: int = 0
     prefix_tokens_reused: int = 0
+    # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
+    # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
+    # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.
+    device_time: tuple[tuple[str, int, float], ...] = ()
 
 
 class Engine(Protocol):

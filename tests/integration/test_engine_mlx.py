@@ -51,7 +51,7 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
     reservations are zero too."""
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
-                   prefix_tokens_reused=0)
+                   prefix_tokens_reused=0, device_time=())
 
 
 class Opener(Protocol):
@@ -467,6 +467,21 @@ async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_
         await open_engine(path, decode_attention="kernel")
     with pytest.raises(StatecoreError, match="decode_attention must be one of"):
         await open_engine(path, decode_attention="fast")
+
+
+async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine: Opener) -> None:
+    """The device thread's time by kind: a lone slot-lane request of 32 tokens decodes one row per
+    step after its first token: 31 rows kept, and one more that the pipelined loop had already
+    launched when the 32nd token's readback ended the request."""
+    engine = await open_engine(cached_checkpoint("llama"))
+    before = {kind: (calls, seconds) for kind, calls, seconds in engine.statistics().device_time}
+    assert len(await single(engine, RequestId("t"), prompt_of(40, salt=2))) == 32
+    after = {kind: (calls, seconds) for kind, calls, seconds in engine.statistics().device_time}
+    grew = {kind: after[kind][0] - before[kind][0] for kind in after}
+    assert grew["decode_rows"] == 32 and grew["decode_build"] == 32, grew
+    assert grew["step"] >= 32 and grew["prefill_chunks"] >= 1 and grew["readback"] >= 31, grew
+    assert after["step"][1] >= after["decode_build"][1] > before["decode_build"][1]
+    assert after["decode_rows"][1] == 0.0
 
 
 async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_its_tokens_are_exact(

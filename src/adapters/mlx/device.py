@@ -199,8 +199,8 @@ class DeviceLoop:
         self.model_call_hook: Callable[[str, Sequence[str]], None] | None = None
         self.computing: tuple[str, Sequence[str]] = ("", ())  # (stage, request ids) of the next call
         self.profile: dict[str, tuple[int, float]] = {
-            kind: (0, 0.0) for kind in ("step", "decode_build", "prefill_chunks", "prefill_batched",
-                                        "launch", "readback", "other_job")
+            kind: (0, 0.0) for kind in ("step", "decode_build", "decode_rows", "prefill_chunks",
+                                        "prefill_batched", "launch", "readback", "other_job")
         }
 
     # -- configuration (after the model is loaded) ---------------------------------------------
@@ -414,6 +414,8 @@ class DeviceLoop:
                     self.fail_rows(slot_rows, exc)
                     current = _InFlight()
                 self.account("decode_build", building)
+                calls, _ = self.profile["decode_rows"]
+                self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],

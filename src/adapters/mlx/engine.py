@@ -349,7 +349,9 @@ class MlxEngine:
         stalled = device.stalled_s() if self._alive else 0.0
         return replace(self._stats, device_thread_alive=self._alive, stalled_s=stalled,
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
-                       device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory())
+                       device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
+                       device_time=tuple((kind, calls, seconds)
+                                         for kind, (calls, seconds) in device.profile.items()))
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
