@@ -33,7 +33,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any],
-        on_measure: Any = None) -> dict[str, Any]:
+        on_measure: Any = None, warmup_s: float = 2.0) -> dict[str, Any]:
     """`on_measure` (if given) is called when the warm-up is over and the measured window starts."""
     import trio
     from serve_bench import Mix
@@ -73,7 +73,7 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
         try:
             async with trio.open_nursery() as nursery:  # warm-up
                 for i in range(concurrency):
-                    nursery.start_soon(worker, engine, 1000 + i, time.perf_counter() + 2.0)
+                    nursery.start_soon(worker, engine, 1000 + i, time.perf_counter() + warmup_s)
             gaps.clear()
             ttfts.clear()
             produced[0] = 0
@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--gil-neighbour", default=None, metavar="BUSY_MS/IDLE_MS",
                         help="a thread that runs pure Python for BUSY_MS then sleeps IDLE_MS, over and "
                              "over: a stand-in for an HTTP front end sharing the GIL")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0,
+                        help="unmeasured load first (the GPU meets most of its kernel shapes in it)")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare model's decode")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.gil_neighbour:
@@ -139,12 +142,13 @@ def main() -> None:
 
     results: dict[str, Any] = {"engine_args": engine_args}
     for c in (int(x) for x in args.concurrency.split(",")):
-        results[f"engine_c{c}"] = run(args.model, c, args.seconds, engine_args)
+        results[f"engine_c{c}"] = run(args.model, c, args.seconds, engine_args, warmup_s=args.warmup_seconds)
         print(json.dumps(results[f"engine_c{c}"]), flush=True)
-    model = load(str(args.model))[0]
-    for c in (int(x) for x in args.concurrency.split(",")):
-        results[f"bare_b{c}"] = decode_rate(model, c, 256, 64, 500)
-        print(json.dumps({f"bare_b{c}": results[f"bare_b{c}"]}), flush=True)
+    if not args.no_bare:
+        model = load(str(args.model))[0]
+        for c in (int(x) for x in args.concurrency.split(",")):
+            results[f"bare_b{c}"] = decode_rate(model, c, 256, 64, 500)
+            print(json.dumps({f"bare_b{c}": results[f"bare_b{c}"]}), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

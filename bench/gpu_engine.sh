@@ -79,6 +79,27 @@ case "${1:-serving}" in
       --mix realish --concurrency 32 --duration 10 --py-spy "$SPY" --out "$OUT/profile_switch" 2>&1 \
       | quiet | grep -E "output|device thread|decode rows|step |launch|readback|decode_build"
     ;;
+  knobs)
+    # The engine alone on realish at 32 under MLX's CUDA knobs (graphs on/off, their cache, ops
+    # per graph), each after a long warm-up; then the node under two of them.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    er() { timeout 100 $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 --no-bare "$@" 2>&1 \
+      | tail -1 | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); p=r['device_profile']; \
+print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p99_ms'],1), 'ms/step', \
+{k: round(1000*v[1]/max(p['step'][0],1),2) for k,v in p.items() if k!='decode_rows'}, 'rows', round(p['decode_rows'][0]/max(p['step'][0],1),1))"; }
+    echo "warm 2 s:"; er --warmup-seconds 2
+    echo "warm 20 s:"; er --warmup-seconds 20
+    echo "graphs off:"; MLX_USE_CUDA_GRAPHS=0 er --warmup-seconds 20
+    echo "graph cache 1000:"; MLX_CUDA_GRAPH_CACHE_SIZE=1000 er --warmup-seconds 20
+    echo "ops per graph 100, cache 1000:"; MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000 er --warmup-seconds 20
+    for knob in "" MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_GRAPH_CACHE_SIZE=1000; do
+      echo "node ${knob:-default}:"
+      env $knob timeout 100 $PY bench/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+        --duration 10 --py-spy "$SPY" --out "$OUT/node_${knob:-default}" 2>&1 | quiet \
+        | grep -E "output|decode rows|step |launch|readback|decode_build|prefill"
+    done
+    ;;
   breakdown)
     # Each kind of device work evaluated alone and timed (decode call, prefills, copies into
     # slots), and the slot step at ragged lengths against KVCache, kernels only.
