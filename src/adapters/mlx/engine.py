@@ -40,8 +40,8 @@ from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
+    tune_cuda_backend,
     warm_chunk_shapes,
-    widen_attention_graph_cache,
 )
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
@@ -191,7 +191,7 @@ class MlxEngine:
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes)
-        widen_attention_graph_cache()
+        tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
         try:
