@@ -18,6 +18,7 @@ from effects.ports import (
     ModelInfo,
     Output,
     PrefillReply,
+    PrefixSummary,
     SamplingParams,
     TokenOut,
 )
@@ -100,6 +101,28 @@ class ErrorBody(_Strict):
     code: str
     param: str | None = None
     fault: str = "peer"
+
+
+class PrefixSummaryBody(_Strict):
+    """GET /internal/prefix: the node's prefix-cache summary; `unchanged` (no keys) when the
+    caller's `since` is the current version."""
+
+    block_tokens: int = Field(ge=0)
+    version: int = Field(ge=0)
+    keys: tuple[str, ...] = ()  # hex of each kept block's summary key
+    unchanged: bool = False
+
+    @classmethod
+    def of(cls, summary: PrefixSummary | None, since: int | None) -> PrefixSummaryBody:
+        if summary is None:
+            return cls(block_tokens=0, version=since or 0, unchanged=True)
+        return cls(block_tokens=summary.block_tokens, version=summary.version,
+                   keys=tuple(key.hex() for key in summary.keys))
+
+    def summary(self) -> PrefixSummary | None:
+        if self.unchanged:
+            return None
+        return PrefixSummary(self.block_tokens, self.version, tuple(bytes.fromhex(key) for key in self.keys))
 
 
 def error_json(error: ErrorInfo) -> dict[str, object]:
@@ -194,6 +217,7 @@ __all__ = [
     "DecodeBody",
     "PrefillBody",
     "PrefillReplyBody",
+    "PrefixSummaryBody",
     "SamplingBody",
     "error_from_json",
     "error_json",

@@ -442,6 +442,20 @@ class _LiveCollector:
                 for url in urls:
                     up.add_metric([role, url, node_role], int(url in self.peers.available))
             yield up
+            routed = CounterMetricFamily(PREFIX + "router_routed", "Requests the router sent to a node, "
+                                         "by the node's role and the basis of the choice (prefix: the node "
+                                         "was expected to hold some of the prompt; load: least new work "
+                                         "and load without that).",
+                                         labels=["role", "node", "node_role", "basis"])
+            for (node_role, url, basis), count in sorted(self.peers.routed.items()):
+                routed.add_metric([role, url, node_role, basis], count)
+            yield routed
+            expected = CounterMetricFamily(PREFIX + "router_expected_cached_tokens", "Prompt tokens the "
+                                           "router expected the chosen node's prefix cache to hold.",
+                                           labels=["role", "node"])
+            for url, tokens in sorted(self.peers.expected_cached_tokens.items()):
+                expected.add_metric([role, url], tokens)
+            yield expected
 
 
 class _KvServed:

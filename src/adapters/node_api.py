@@ -33,6 +33,7 @@ from adapters.internal_wire import (
     LogprobsBody,
     PrefillBody,
     PrefillReplyBody,
+    PrefixSummaryBody,
     error_json,
     info_json,
     output_line,
@@ -183,6 +184,7 @@ class NodeApi:
             Route("/internal/stats", guarded(g, self.stats), methods=["GET"]),
             Route("/internal/handoffs", guarded(g, self.handoffs), methods=["GET"]),
             Route("/internal/cancel/{request_id}", guarded(g, self.cancel), methods=["POST"]),
+            Route("/internal/prefix", guarded(g, self.prefix), methods=["GET"]),
         ]
         if self.role == "prefill":
             return [
@@ -241,6 +243,15 @@ class NodeApi:
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},
         }
+
+    async def prefix(self, request: Request) -> Response:
+        """The prefix cache's summary for the router (`?since=VERSION`: only whether it changed)."""
+        raw = request.query_params.get("since")
+        if raw is not None and not raw.isdigit():
+            return error_response(client_error("since must be a version number (a non-negative integer)"))
+        since = None if raw is None else int(raw)
+        summary = await self.engine.prefix_summary(since)
+        return JSONResponse(PrefixSummaryBody.of(summary, since).model_dump())
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse(self.statistics())

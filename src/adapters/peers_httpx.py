@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import h11
 import httpx
+import pydantic
 import trio
 
 from adapters import kv_pull
@@ -29,6 +30,7 @@ from adapters.internal_wire import (
     DecodeBody,
     PrefillBody,
     PrefillReplyBody,
+    PrefixSummaryBody,
     SamplingBody,
     error_from_json,
     info_from_json,
@@ -36,7 +38,7 @@ from adapters.internal_wire import (
 )
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
-from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, SamplingParams
+from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, PrefixSummary, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 
@@ -232,6 +234,17 @@ class HttpxPeers:
                 ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed model info")
             )
         return doc
+
+    async def prefix_summary(self, node: str, since: int | None) -> PrefixSummary | None:
+        params = {} if since is None else {"since": str(since)}
+        with transport_errors(node):
+            response = await self.client.get(f"{node}/internal/prefix", params=params, timeout=5.0)
+            await _raise_for_error(node, response)
+            try:
+                return PrefixSummaryBody.model_validate(response.json()).summary()
+            except (ValueError, pydantic.ValidationError) as exc:
+                raise StatecoreError(ErrorInfo(
+                    Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefix summary: {exc}")) from exc
 
     async def stats(self, node: str) -> dict[str, object]:
         with transport_errors(node):

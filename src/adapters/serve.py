@@ -59,10 +59,12 @@ from effects.handoffs import HandoffLog
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.ports import ModelInfo
+from effects.routing import PrefixSummaries
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import ErrorInfo, StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.ids import RequestId
+from statecore.routing import DEFAULT_LOAD_TOKENS
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 log = logging.getLogger("statecore")
@@ -187,6 +189,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           f"at most {LOCAL_PREFILL_BELOW_MAX})")
     run.add_argument("--force-disaggregation", action="store_true",
                      help="router: send every request through a prefill node")
+    run.add_argument("--prefix-routing", choices=["on", "off"], default="on",
+                     help="router: send a prompt to the node whose prefix cache holds the most of it, "
+                          "weighed against load (on, the default), or to the least loaded node (off)")
+    run.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
+                     help="router: what one request in flight on a node weighs against prompt tokens "
+                          f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
     run.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
                      help="tokens per prefill chunk; must be equal on every node (default 2048)")
     run.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
@@ -579,7 +587,10 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
                     "(start every node with the same model, flags and --blas): %s",
                     {node: f"fingerprint {b[0]}, BLAS {b[1] or 'unreported'}" if b else "no answer"
                      for node, b in builds.items()})
-    peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health)
+    routes_by_prefix = args.prefix_routing == "on"
+    summaries = PrefixSummaries(prefill + decode, peers.prefix_summary) if routes_by_prefix else None
+    peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health, summaries=summaries,
+                       load_tokens=args.route_load_tokens)
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
                                 on_peer_failure=peer_set.report_failure)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
@@ -601,6 +612,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         return {"role": "router", "loop_phase": s.phase.value, "live_requests": s.live_requests,
                 "live_tasks": s.live_tasks, "contexts": len(performer.requests), "outcomes": s.outcomes,
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
+                # blocks each node's fresh prefix summary lists (what prefix routing sees)
+                "prefix_blocks": {u: summaries.blocks(u) for u in summaries.nodes} if summaries else {},
                 "model": info_json(info)["name"], "local_prefill_below": threshold}
 
     app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
@@ -608,6 +621,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)
+            if summaries is not None:
+                await nursery.start(summaries.run)
             await nursery.start(runner.run)
             await nursery.start(live.run)
             log.info("router serving on %s (prefill %s, decode %s): %s",

@@ -186,6 +186,17 @@ class EngineStatistics:
     device_time: tuple[tuple[str, int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSummary:
+    """What a node's prefix cache holds, for the router: the first bytes of every kept block's key
+    (`statecore.routing.summary_key`), blocks of `block_tokens` prompt tokens (0: no prefix
+    cache), as of `version`."""
+
+    block_tokens: int
+    version: int
+    keys: tuple[bytes, ...] = ()
+
+
 class Engine(Protocol):
     """A model runtime driven from trio; every method is safe to call from the event loop.
 
@@ -242,6 +253,10 @@ class Engine(Protocol):
 
     def statistics(self) -> EngineStatistics: ...
 
+    async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
+        """The prefix cache's summary, or None when it is unchanged since version `since`."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -254,5 +269,6 @@ __all__ = [
     "LayerTravel",
     "ModelInfo",
     "PrefillOutcome",
+    "PrefixSummary",
     "SamplingParams",
 ]

@@ -21,6 +21,7 @@ from effects.engine_port import (
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
+    PrefixSummary,
     SamplingParams,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -164,6 +165,10 @@ class FakeEngine:
             held_bytes=sum(len(v) for v in self.held.values()),
             device_thread_alive=True,
         )
+
+    async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
+        """The fake keeps no prefix cache."""
+        return None if since == 0 else PrefixSummary(block_tokens=0, version=0)
 
     async def aclose(self) -> None:
         for rid in list(self.decoding):

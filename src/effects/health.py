@@ -2,23 +2,28 @@
 
 `PeerSet` steps each node's `PeerRecord` through the core's peer table (a circuit breaker:
 unknown -> up -> suspect -> down -> probing -> up) on probe results and on request failures,
-performs the intents (mark available or not, arm the cooldown, probe now), and picks the
-least-loaded available node for a role. A node's health is its own loop's `/health`, never
-its peers'. This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
+performs the intents (mark available or not, arm the cooldown, probe now), and picks an
+available node for a role: by the core's `statecore.routing.choose_node` (new prefill work plus
+load) when it knows the nodes' prefix summaries (`effects.routing`), else the least loaded. A
+node's health is its own loop's `/health`, never its peers'. This module may import `statecore`
+and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import trio
 
+from effects.routing import PrefixSummaries
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import Event, PeerFailed, ProbeFailed, ProbeSucceeded, Timer, TimerFired
 from statecore.ids import PeerId
 from statecore.intents import IntentKind, PeerIntent
 from statecore.phases import PeerPhase
+from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, choose_node
 from statecore.step import PeerRecord, step_peer
 
 log = logging.getLogger("statecore.health")
@@ -34,6 +39,8 @@ class PeerSet:
         *,
         interval_s: float = 1.0,
         cooldown_s: float = 3.0,
+        summaries: PrefixSummaries | None = None,
+        load_tokens: int = DEFAULT_LOAD_TOKENS,
     ) -> None:
         self.roles = {role: list(urls) for role, urls in nodes.items()}
         self.records = {
@@ -46,6 +53,12 @@ class PeerSet:
         self.cooldown_s = cooldown_s
         self._nursery: trio.Nursery | None = None
         self.on_change: Callable[[str, PeerPhase], None] | None = None
+        self.summaries = summaries
+        self.load_tokens = load_tokens
+        # Choices made: (role, node, basis) -> count; basis "prefix" when the chosen node was
+        # expected to hold some of the prompt, else "load". And the prompt tokens so expected.
+        self.routed: Counter[tuple[str, str, str]] = Counter()
+        self.expected_cached_tokens: Counter[str] = Counter()
 
     def phase(self, url: str) -> PeerPhase:
         return self.records[url].phase
@@ -102,16 +115,31 @@ class PeerSet:
                     if record.phase not in (PeerPhase.DOWN, PeerPhase.PROBING):
                         nursery.start_soon(self._probe_once, url)
 
-    def pick(self, role: str, avoid: set[str]) -> str:
-        """The least-loaded available node of a role; suspect ones only if nothing else."""
-        candidates = [u for u in self.roles.get(role, []) if u in self.available and u not in avoid]
-        if not candidates:
-            candidates = [u for u in self.roles.get(role, []) if u in self.available]
-        if not candidates:
+    def pick(self, role: str, avoid: set[str], prompt: Sequence[int] | None = None,
+             request_id: str | None = None) -> str:
+        """An available node of a role, avoiding `avoid` unless nothing else is left; suspect ones
+        only if nothing else. With a prompt to prefill and fresh prefix summaries, the node with the
+        least new prefill work plus load (`choose_node`); else the least loaded."""
+        urls = [u for u in self.roles.get(role, []) if u in self.available and u not in avoid]
+        if not urls:
+            urls = [u for u in self.roles.get(role, []) if u in self.available]
+        if not urls:
             raise StatecoreError(
                 ErrorInfo(Fault.OVERLOADED, Code.NO_HEALTHY_PEER, f"no healthy {role} node")
             )
-        return min(candidates, key=lambda u: (self.phase(u) is PeerPhase.SUSPECT, self.in_flight.get(u, 0)))
+        summaries = self.summaries if prompt else None
+        candidates = [RouteCandidate(u, self.in_flight.get(u, 0), self.phase(u) is PeerPhase.SUSPECT,
+                                     0 if summaries is None else summaries.cached_tokens(u, prompt or ()))
+                      for u in urls]
+        chosen = choose_node(len(prompt or ()), candidates, self.load_tokens)
+        basis = "prefix" if chosen.cached_tokens > 0 else "load"
+        self.routed[(role, chosen.node, basis)] += 1
+        self.expected_cached_tokens[chosen.node] += chosen.cached_tokens
+        if prompt is not None:
+            log.info("request %s: %s on %s by %s (%d of %d prompt tokens expected cached, %d in "
+                     "flight there)", request_id or "-", role, chosen.node, basis, chosen.cached_tokens,
+                     len(prompt), chosen.in_flight)
+        return chosen.node
 
 
 __all__ = ["PeerSet", "Probe"]

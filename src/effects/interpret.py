@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -224,7 +224,8 @@ class RoutedRequest:
         return request_id if self.attempts <= 1 else RequestId(f"{request_id}.retry{self.attempts - 1}")
 
 
-NodePicker = Callable[[str, set[str]], str]  # (role, nodes to avoid) -> url; raises when none
+# (role, nodes to avoid, the prompt it will prefill or None, request id) -> url; raises when none
+NodePicker = Callable[[str, set[str], Sequence[int] | None, str], str]
 
 
 class RouterPerformer:
@@ -306,10 +307,11 @@ class RouterPerformer:
         ctx.attempts += 1
         nid = ctx.node_request_id(rid)
         try:
-            ctx.decode_node = self._take(self.pick("decode", ctx.tried))
+            local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
+            ctx.decode_node = self._take(self.pick("decode", ctx.tried, local_prompt, nid))
             ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
-                ctx.prefill_node = self._take(self.pick("prefill", ctx.tried))
+                ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
                 ctx.remote.append((ctx.prefill_node, nid))
             await post(Dispatched())
             if ctx.local:

@@ -22,6 +22,7 @@ from effects.engine_port import (
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
+    PrefixSummary,
     SamplingParams,
 )
 from statecore.errors import ErrorInfo
@@ -129,6 +130,10 @@ class Peers(Protocol):
 
     async def health(self, node: str) -> bool: ...
 
+    async def prefix_summary(self, node: str, since: int | None) -> PrefixSummary | None:
+        """The node's prefix-cache summary; None when unchanged since version `since`."""
+        ...
+
 
 __all__ = [
     "Backend",
@@ -148,6 +153,7 @@ __all__ = [
     "Peers",
     "PrefillOutcome",
     "PrefillReply",
+    "PrefixSummary",
     "SamplingParams",
     "TokenOut",
 ]

@@ -49,12 +49,17 @@ class PrefixIndex:
         self.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
         self.nbytes = 0
+        self.version = 0  # grows whenever a block is added or forgotten (summaries are cached by it)
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
+
+    def cached_keys(self) -> list[bytes]:
+        """Every cached block's key (least recently used first)."""
+        return list(self._blocks)
 
     def cached(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`' leading blocks are cached; those become the most recently used."""
@@ -79,6 +84,7 @@ class PrefixIndex:
             return [key]
         self._blocks[key] = _Block(parent, nbytes)
         self.nbytes += nbytes
+        self.version += 1
         if parent is not None:
             self._blocks[parent].children += 1
         forgotten = self.evict(self.nbytes - self.capacity_bytes, keep=key)
@@ -105,6 +111,7 @@ class PrefixIndex:
     def _forget(self, key: bytes) -> int:
         block = self._blocks.pop(key)
         self.nbytes -= block.nbytes
+        self.version += 1
         if block.parent is not None:
             self._blocks[block.parent].children -= 1
         return block.nbytes

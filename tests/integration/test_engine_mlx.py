@@ -36,9 +36,11 @@ from adapters.tiny_models import (
     cached_checkpoint,
     is_degenerate,
 )
-from effects.engine_port import Engine, EngineStatistics, GeneratedToken, SamplingParams
+from effects.engine_port import Engine, EngineStatistics, GeneratedToken, PrefixSummary, SamplingParams
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
+from statecore.prefix import block_keys
+from statecore.routing import summary_key
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -482,6 +484,24 @@ async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine:
     assert grew["step"] >= 32 and grew["prefill_chunks"] >= 1 and grew["readback"] >= 31, grew
     assert after["step"][1] >= after["decode_build"][1] > before["decode_build"][1]
     assert after["decode_rows"][1] == 0.0
+
+
+async def test_the_prefix_summary_lists_kept_blocks_and_says_when_nothing_changed(
+    open_engine: Opener
+) -> None:
+    """What the router routes by: the first bytes of each kept block's key, and its version."""
+    path = cached_checkpoint("llama")
+    engine = await open_engine(path)
+    empty = await engine.prefix_summary()
+    assert empty is not None and (empty.block_tokens, empty.keys) == (CHUNK, ())
+    first = prompt_of(70, salt=4)  # blocks end at 16, 32, 48 and 64
+    await single(engine, RequestId("a"), first)
+    summary = await engine.prefix_summary(empty.version)
+    assert summary is not None and summary.version > empty.version
+    assert set(summary.keys) == {summary_key(key) for key in block_keys(first, CHUNK)}
+    assert await engine.prefix_summary(summary.version) is None
+    off = await open_engine(path, prefix_cache_bytes=0)
+    assert await off.prefix_summary() == PrefixSummary(0, 0) and await off.prefix_summary(0) is None
 
 
 async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_its_tokens_are_exact(

@@ -51,10 +51,12 @@ from effects.engine_port import (
     KvPieces,
     ModelInfo,
     PrefillOutcome,
+    PrefixSummary,
     SamplingParams,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
+from statecore.routing import summary_key
 from statecore.scheduling import prefill_chunks, prefill_units
 
 __all__ = ["MlxEngine"]
@@ -352,6 +354,20 @@ class MlxEngine:
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)
                                          for kind, (calls, seconds) in device.profile.items()))
+
+    async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
+        prefix = self._device.prefix
+        if prefix is None:
+            return None if since == 0 else PrefixSummary(block_tokens=0, version=0)
+        if since is not None and since == prefix.index.version:  # an int read: no device job
+            return None
+
+        def snapshot() -> PrefixSummary:
+            index = prefix.index
+            keys = tuple(summary_key(key) for key in index.cached_keys())
+            return PrefixSummary(prefix.chunk_size, index.version, keys)
+
+        return await self._call(snapshot)
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""

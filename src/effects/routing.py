@@ -1,0 +1,93 @@
+"""The router's knowledge of what each node's prefix cache holds: summaries pulled on a timer.
+
+Every `interval_s` the router asks each node for its prefix-cache summary (`Peers.prefix_summary`,
+with the version it has, so an unchanged summary costs one small answer). A summary older than
+`stale_after_s`, or one the node could not give, is not used: the node then counts as holding
+nothing, and when no node has a fresh summary the choice is the plain least-loaded one
+(`statecore.routing`). This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from effects.engine_port import PrefixSummary
+from statecore.errors import StatecoreError
+from statecore.routing import cached_prefix_tokens
+
+log = logging.getLogger("statecore.routing")
+
+FetchSummary = Callable[[str, int | None], Awaitable[PrefixSummary | None]]  # (node, since) -> summary
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    block_tokens: int
+    version: int
+    keys: frozenset[bytes]
+    fetched_at: float
+
+
+class PrefixSummaries:
+    def __init__(self, nodes: Iterable[str], fetch: FetchSummary, *, interval_s: float = 1.0,
+                 stale_after_s: float = 5.0, clock: Callable[[], float] = trio.current_time) -> None:
+        self.nodes = list(dict.fromkeys(nodes))
+        self.fetch = fetch
+        self.interval_s = interval_s
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self._held: dict[str, _Held] = {}
+
+    def fresh(self, node: str) -> bool:
+        held = self._held.get(node)
+        return (held is not None and held.block_tokens > 0
+                and self.clock() - held.fetched_at <= self.stale_after_s)
+
+    def blocks(self, node: str) -> int:
+        """Blocks the node's fresh summary lists (0 without one)."""
+        return len(self._held[node].keys) if self.fresh(node) else 0
+
+    def cached_tokens(self, node: str, prompt: Sequence[int]) -> int:
+        """The prompt's leading tokens the node's fresh summary says it holds (0 without one)."""
+        if not self.fresh(node):
+            return 0
+        held = self._held[node]
+        return cached_prefix_tokens(prompt, held.block_tokens, held.keys)
+
+    def record(self, node: str, summary: PrefixSummary | None) -> None:
+        """A fetch's answer: a new summary, or None for "unchanged" (it is fresh again)."""
+        now = self.clock()
+        if summary is not None:
+            self._held[node] = _Held(summary.block_tokens, summary.version, frozenset(summary.keys), now)
+        elif node in self._held:
+            held = self._held[node]
+            self._held[node] = _Held(held.block_tokens, held.version, held.keys, now)
+
+    async def refresh(self, node: str) -> None:
+        held = self._held.get(node)
+        try:
+            with trio.fail_after(self.stale_after_s):  # a node that does not answer must not hold up the rest
+                summary = await self.fetch(node, None if held is None else held.version)
+        except trio.TooSlowError:
+            log.debug("no prefix summary from %s within %.1f s", node, self.stale_after_s)
+            return
+        except StatecoreError as exc:
+            # Unused from now on (stale), not wrong: routing falls back to load for this node.
+            log.debug("no prefix summary from %s: %s", node, exc.info.message)
+            return
+        self.record(node, summary)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            async with trio.open_nursery() as nursery:
+                for node in self.nodes:
+                    nursery.start_soon(self.refresh, node)
+            await trio.sleep(self.interval_s)
+
+
+__all__ = ["FetchSummary", "PrefixSummaries"]

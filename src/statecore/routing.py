@@ -1,0 +1,71 @@
+"""The router's choice of node: expected new prefill work plus load, from what each node says it holds.
+
+Every engine node keeps the KV of whole prompt blocks it computed (`statecore.prefix`) and
+publishes a summary of their keys. For a prompt, a candidate's `cached_tokens` is how many of the
+prompt's leading tokens its summary says it holds (`cached_prefix_tokens`); a candidate without a
+fresh summary counts as holding nothing, so when no summary is fresh the choice is the plain
+least-loaded one. The cost of sending the prompt to a node is the prompt tokens it would still
+compute plus `load_tokens` for each request already in flight there (what one more running
+request is worth in prefill tokens, like the load term of Dynamo's KV router). A suspect node is
+chosen only when no healthy one is left. Pure: this module must never import trio, httpx, mlx or
+mlx_lm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from statecore.prefix import block_keys
+
+__all__ = ["DEFAULT_LOAD_TOKENS", "SUMMARY_KEY_BYTES", "RouteCandidate", "cached_prefix_tokens",
+           "choose_node", "route_cost", "summary_key"]
+
+DEFAULT_LOAD_TOKENS = 512
+"""What one request in flight on a node weighs against prompt tokens it would not recompute."""
+
+SUMMARY_KEY_BYTES = 8
+"""Summaries carry each block key's first 8 bytes: a false match only costs a worse choice (the
+node checks its full keys itself), and a summary of a thousand blocks stays a few kilobytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteCandidate:
+    node: str
+    in_flight: int
+    suspect: bool = False
+    cached_tokens: int = 0  # the prompt's leading tokens the node's fresh summary holds (0: none)
+
+
+def summary_key(key: bytes) -> bytes:
+    """A block key as a node's summary carries it."""
+    return key[:SUMMARY_KEY_BYTES]
+
+
+def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collection[bytes]) -> int:
+    """How many of the prompt's leading tokens a node holding blocks `held` (summary keys, of
+    `block_tokens` tokens each) would not compute: whole leading blocks only, as the node reuses."""
+    count = 0
+    for key in block_keys(prompt, block_tokens):
+        if summary_key(key) not in held:
+            break
+        count += 1
+    return count * block_tokens
+
+
+def route_cost(prompt_tokens: int, candidate: RouteCandidate, load_tokens: int) -> int:
+    """Prompt tokens the node would compute, plus `load_tokens` per request in flight there."""
+    new_tokens = max(0, prompt_tokens - candidate.cached_tokens)
+    return new_tokens + load_tokens * max(0, candidate.in_flight)
+
+
+def choose_node(prompt_tokens: int, candidates: Sequence[RouteCandidate], load_tokens: int) -> RouteCandidate:
+    """The cheapest candidate: healthy before suspect, then by cost, then fewer in flight, then
+    the first listed (so equal nodes are taken in a stable order)."""
+    if not candidates:
+        raise ValueError("choose_node needs at least one candidate")
+    if load_tokens < 0:
+        raise ValueError("load_tokens must be >= 0")
+    _, best = min(enumerate(candidates), key=lambda pair: (
+        pair[1].suspect, route_cost(prompt_tokens, pair[1], load_tokens), pair[1].in_flight, pair[0]))
+    return best

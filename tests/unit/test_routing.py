@@ -1,0 +1,170 @@
+"""Prefix-aware routing: the core's scoring (`statecore.routing`), the router's summaries
+(`effects.routing`) and its pick (`effects.health.PeerSet.pick`)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from effects.engine_port import PrefixSummary
+from effects.health import PeerSet
+from effects.routing import PrefixSummaries
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.prefix import block_keys
+from statecore.routing import RouteCandidate, cached_prefix_tokens, choose_node, route_cost, summary_key
+
+PROMPT = list(range(100))  # blocks of 16 end at 16, 32, 48, 64, 80, 96
+
+
+def held(tokens: list[int], blocks: int, size: int = 16) -> set[bytes]:
+    return {summary_key(key) for key in block_keys(tokens, size)[:blocks]}
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [(0, 0), (1, 16), (3, 48), (6, 96)])
+def test_cached_tokens_are_the_leading_whole_blocks_a_summary_holds(blocks: int, expected: int) -> None:
+    assert cached_prefix_tokens(PROMPT, 16, held(PROMPT, blocks)) == expected
+
+
+def test_a_gap_ends_the_cached_prefix_and_another_block_size_matches_nothing() -> None:
+    keys = held(PROMPT, 6) - held(PROMPT, 2) | held(PROMPT, 1)  # blocks 0, 2..5: block 1 missing
+    assert cached_prefix_tokens(PROMPT, 16, keys) == 16
+    assert cached_prefix_tokens(PROMPT, 32, held(PROMPT, 6)) == 0
+    other = [*PROMPT[:20], 999, *PROMPT[21:]]  # differs inside block 1
+    assert cached_prefix_tokens(other, 16, held(PROMPT, 6)) == 16
+
+
+@pytest.mark.parametrize(("candidates", "load_tokens", "chosen"), [
+    # no summaries: least loaded, the first listed on a tie (the router's old rule)
+    ([RouteCandidate("a", 2), RouteCandidate("b", 1)], 512, "b"),
+    ([RouteCandidate("a", 1), RouteCandidate("b", 1)], 512, "a"),
+    # a held prefix outweighs a busier node while it saves more than the load costs
+    ([RouteCandidate("a", 0), RouteCandidate("b", 1, cached_tokens=2048)], 512, "b"),
+    ([RouteCandidate("a", 0), RouteCandidate("b", 5, cached_tokens=2048)], 512, "a"),
+    # load_tokens 0: prefix only, load breaks ties
+    ([RouteCandidate("a", 0), RouteCandidate("b", 9, cached_tokens=16)], 0, "b"),
+    # a suspect node only when nothing healthy is left, whatever it holds
+    ([RouteCandidate("a", 3), RouteCandidate("b", 0, suspect=True, cached_tokens=4000)], 512, "a"),
+    ([RouteCandidate("b", 0, suspect=True)], 512, "b"),
+])
+def test_the_choice_weighs_new_prefill_work_against_load(candidates: list[RouteCandidate], load_tokens: int,
+                                                         chosen: str) -> None:
+    assert choose_node(4096, candidates, load_tokens).node == chosen
+
+
+def test_choose_node_refuses_nothing_to_choose_and_negative_load() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        choose_node(10, [], 512)
+    with pytest.raises(ValueError, match="load_tokens"):
+        choose_node(10, [RouteCandidate("a", 0)], -1)
+
+
+candidate = st.builds(RouteCandidate, st.sampled_from("abcdef"), st.integers(0, 40), st.booleans(),
+                      st.integers(0, 5000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.lists(candidate, min_size=1, max_size=8), st.integers(0, 2000))
+def test_the_choice_is_the_cheapest_healthy_candidate(prompt: int, candidates: list[RouteCandidate],
+                                                     load_tokens: int) -> None:
+    chosen = choose_node(prompt, candidates, load_tokens)
+    assert chosen in candidates
+    pool = [c for c in candidates if not c.suspect] or candidates
+    assert chosen in pool
+    cost = route_cost(prompt, chosen, load_tokens)
+    assert cost >= 0 and all(cost <= route_cost(prompt, c, load_tokens) for c in pool)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.lists(candidate, min_size=1, max_size=8), st.integers(0, 2000),
+       st.data())
+def test_holding_more_of_the_prompt_never_makes_a_node_less_preferred(
+    prompt: int, candidates: list[RouteCandidate], load_tokens: int, data: st.DataObject
+) -> None:
+    chosen = choose_node(prompt, candidates, load_tokens)
+    index = candidates.index(chosen)
+    more = data.draw(st.integers(0, 5000))
+    better = RouteCandidate(chosen.node, chosen.in_flight, chosen.suspect, chosen.cached_tokens + more)
+    assert choose_node(prompt, [*candidates[:index], better, *candidates[index + 1:]], load_tokens) is better
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=8), st.integers(0, 2000))
+def test_without_summaries_the_choice_is_the_least_loaded_healthy_node(
+    loads: list[tuple[int, bool]], load_tokens: int
+) -> None:
+    candidates = [RouteCandidate(f"n{i}", load, suspect) for i, (load, suspect) in enumerate(loads)]
+    expected = min(candidates, key=lambda c: (c.suspect, c.in_flight))  # the first such one
+    assert choose_node(777, candidates, load_tokens) is expected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_summaries_go_stale_and_an_unchanged_answer_refreshes_them() -> None:
+    clock = Clock()
+    answers: list[PrefixSummary | StatecoreError | None] = []
+    asked: list[int | None] = []
+
+    async def fetch(node: str, since: int | None) -> PrefixSummary | None:
+        asked.append(since)
+        answer = answers.pop(0)
+        if isinstance(answer, StatecoreError):
+            raise answer
+        return answer
+
+    summaries = PrefixSummaries(["http://p"], fetch, stale_after_s=5.0, clock=clock)
+    keys = tuple(held(PROMPT, 3))
+    answers.append(PrefixSummary(16, 7, keys))
+    trio.run(summaries.refresh, "http://p")
+    assert summaries.cached_tokens("http://p", PROMPT) == 48 and summaries.blocks("http://p") == 3
+    clock.now = 4.0
+    answers.append(None)  # unchanged since version 7
+    trio.run(summaries.refresh, "http://p")
+    assert asked == [None, 7]
+    clock.now = 8.0  # 4 s after the last answer: still fresh
+    assert summaries.cached_tokens("http://p", PROMPT) == 48
+    answers.append(StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone")))
+    trio.run(summaries.refresh, "http://p")
+    clock.now = 9.5  # no answer since 4.0: stale, so it counts as holding nothing
+    assert summaries.cached_tokens("http://p", PROMPT) == 0 and summaries.blocks("http://p") == 0
+    assert summaries.cached_tokens("http://elsewhere", PROMPT) == 0
+
+
+def test_a_node_without_a_prefix_cache_counts_as_holding_nothing() -> None:
+    async def fetch(node: str, since: int | None) -> PrefixSummary | None:
+        return PrefixSummary(0, 0)
+
+    summaries = PrefixSummaries(["http://p"], fetch, clock=Clock())
+    trio.run(summaries.refresh, "http://p")
+    assert not summaries.fresh("http://p") and summaries.cached_tokens("http://p", PROMPT) == 0
+
+
+def test_the_router_sends_a_prompt_where_its_prefix_is_and_counts_why() -> None:
+    nodes = ["http://p0", "http://p1"]
+
+    async def probe(url: str) -> bool:
+        return True
+
+    async def fetch(node: str, since: int | None) -> PrefixSummary | None:
+        return PrefixSummary(16, 1, tuple(held(PROMPT, 4)) if node == "http://p1" else ())
+
+    summaries = PrefixSummaries(nodes, fetch, clock=Clock())
+    peers = PeerSet({"prefill": nodes}, probe, summaries=summaries, load_tokens=16)
+    peers.available.update(nodes)
+    assert peers.pick("prefill", set(), PROMPT, "r0") == "http://p0"  # no summary yet: least loaded
+    for node in nodes:
+        trio.run(summaries.refresh, node)
+    assert peers.pick("prefill", set(), PROMPT, "r1") == "http://p1"  # holds 64 of the 100 tokens
+    peers.in_flight["http://p1"] = 4  # 4 x 16 load tokens = what it saves: the tie goes to fewer in flight
+    assert peers.pick("prefill", set(), PROMPT, "r2") == "http://p0"
+    assert peers.pick("prefill", {"http://p0"}, PROMPT, "r3") == "http://p1"  # p0 avoided (a retry)
+    assert peers.pick("prefill", set(), None) == "http://p0"  # nothing to prefill: load only
+    assert peers.routed == {("prefill", "http://p0", "load"): 3, ("prefill", "http://p1", "prefix"): 2}
+    assert peers.expected_cached_tokens == {"http://p0": 0, "http://p1": 128}
