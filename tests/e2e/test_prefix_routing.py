@@ -1,0 +1,92 @@
+"""Prefix-aware routing on real processes: a follow-up prompt goes to the prefill node whose prefix
+cache holds its start (not the least-loaded one), reuses the blocks there, and its output is the
+single node's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from adapters.tiny_models import cached_checkpoint
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, router, start_cluster, start_nodes
+
+pytestmark = pytest.mark.e2e
+
+# A prompt of ~90 tokens: five whole blocks of 16 before its last token.
+OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for i in range(9))
+FOLLOW_UP = OPENING + " Then the fog rolled in and every bell in the harbour rang."
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Node]]:
+    logs = tmp_path_factory.mktemp("logs-prefix")
+    built = start_cluster(cached_checkpoint("llama"), logs, prefills=2, decodes=1,
+                          node_args=("--prefill-chunk-size", "16"))
+    # A second router that knows only the second prefill node: it puts the opening's blocks there,
+    # where least-loaded routing (which prefers the first node on a tie) would never send it.
+    primer = router(cached_checkpoint("llama"), logs / "primer.log", built.prefill[1:], built.decode,
+                    "--force-disaggregation")
+    start_nodes([primer])
+    try:
+        yield built, primer
+    finally:
+        primer.stop()
+        built.stop()
+
+
+def _metric(server: Node, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name}{{{wanted}}} in /metrics")
+
+
+def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(
+    cluster: tuple[Cluster, Node]
+) -> None:
+    built, primer = cluster
+    first, second = built.prefill
+    body = {"prompt": OPENING, "max_tokens": 8, "temperature": 0}
+    assert post(primer, "/v1/completions", body).status_code == 200
+    assert second.stats()["prefix_cache_bytes"] > 0 and first.stats()["prefix_cache_bytes"] == 0
+    deadline = time.monotonic() + 20
+    while built.router.stats()["prefix_blocks"].get(second.url, 0) == 0:  # its next pull of summaries
+        assert time.monotonic() < deadline, built.router.stats()
+        time.sleep(0.1)
+    hits = second.stats()["prefix_cache_hits"]
+    follow = {"prompt": FOLLOW_UP, "max_tokens": 12, "temperature": 0}
+    routed = post(built.router, "/v1/completions", follow)
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["choices"][0]["text"] == post(built.single, "/v1/completions", follow).json()[
+        "choices"][0]["text"]
+    assert second.stats()["prefix_cache_hits"] == hits + 1 and first.stats()["prefix_cache_hits"] == 0
+    assert _metric(built.router, "statecore:router_routed_total", node=second.url, basis="prefix",
+                   node_role="prefill") == 1
+    assert _metric(built.router, "statecore:router_expected_cached_tokens_total", node=second.url) >= 16
+    assert "by prefix" in built.router.log.read_text()
+    assert_no_leaks([*built.nodes, primer])
+
+
+def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_node(
+    cluster: tuple[Cluster, Node], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    built, _ = cluster
+    plain = router(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-plain") / "router.log",
+                   built.prefill, built.decode, "--force-disaggregation", "--prefix-routing", "off")
+    start_nodes([plain])
+    try:
+        assert plain.stats()["prefix_blocks"] == {}
+        reference = [n.stats()["prefix_cache_hits"] for n in built.prefill]
+        follow = {"prompt": FOLLOW_UP + " Once more.", "max_tokens": 4, "temperature": 0}
+        assert post(plain, "/v1/completions", follow).status_code == 200
+        # the first node, least loaded on a tie, though only the second holds the opening
+        assert [n.stats()["prefix_cache_hits"] for n in built.prefill] == reference
+        assert _metric(plain, "statecore:router_routed_total", node=built.prefill[0].url, basis="load",
+                       node_role="prefill") == 1
+    finally:
+        assert plain.stop() == 0
