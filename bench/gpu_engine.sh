@@ -125,6 +125,20 @@ print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p99_ms'],1), 'ms/step', \
     timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
     ;;
+  headline)
+    # The headline cells in the least device time: both shapes on realish at 8 and 32,
+    # 4 requests per client (96 at most).
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout 170 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
+      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
+      --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    timeout 140 $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
+      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
+      --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+    ;;
   attention)
     # The slot lane's attention kernel: self-checks, one call against MLX's masked attention, and
     # the whole slot step masked vs kernel (exit 1 when a check disagrees).
