@@ -18,6 +18,20 @@ export HF_HUB_OFFLINE=1
 quiet() { tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$'; }
 M=/tmp/llama1b
 M2=/tmp/llama06-v512
+# Both shapes, mlx_lm.server vs single on realish at 8 and 32:
+# headline_cells REQUESTS_PER_SLOT MAX_REQUESTS_1B LIMIT_1B_S LIMIT_SECOND_S
+headline_cells() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
+  [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+  timeout "$3" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
+    --mix realish --concurrency 8,32 --no-parity --requests-per-slot "$1" --max-requests "$2" \
+    --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
+  [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+    --vocab 512 --seed 3 2>&1 | tail -1
+  timeout "$4" $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
+    --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
+    --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+}
 case "${1:-serving}" in
   serving)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; $PY --version; } \
@@ -110,34 +124,15 @@ print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p99_ms'],1), 'ms/step', \
       --engine-arg shape_bucket=0 --out "$OUT/breakdown_nobucket.json" 2>&1 | tail -2
     ;;
   final)
-    # One call, the GPU cells: the 1B shape and the second shape on realish (more
-    # requests per client than `serving`, so ramp-up and tail weigh less), then the mixed load.
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
-    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
-    timeout 200 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
-      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 6 --max-requests 192 \
-      --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
-    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
-      --vocab 512 --seed 3 2>&1 | tail -1
-    timeout 130 $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
-      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
-      --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+    # One call, the GPU cells: the 1B shape (6 requests per client, so ramp-up and tail
+    # weigh less) and the second shape on realish, then the mixed load.
+    headline_cells 6 192 200 130
     timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
     ;;
   headline)
-    # The headline cells in the least device time: both shapes on realish at 8 and 32,
-    # 4 requests per client (96 at most).
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
-    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
-    timeout 170 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
-      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
-      --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
-    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
-      --vocab 512 --seed 3 2>&1 | tail -1
-    timeout 140 $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
-      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
-      --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+    # The headline cells in the least device time: 4 requests per client, 96 at most.
+    headline_cells 4 96 170 140
     ;;
   attention)
     # The slot lane's attention kernel: self-checks, one call against MLX's masked attention, and
