@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--engine-arg", action="append", default=[], help="NAME=INT passed to MlxEngine.load")
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="NAME=VALUE passed to MlxEngine.load (an int when it is one)")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run "
                              "(a node sets its own; Python's default is 5 ms)")
@@ -136,7 +137,8 @@ def main() -> None:
         start_gil_neighbour(busy_ms / 1000, idle_ms / 1000)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    engine_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    engine_args = {k: int(v) if v.lstrip("-").isdigit() else v
+                   for k, v in (a.split("=", 1) for a in args.engine_arg)}
     from bare_decode import decode_rate
     from mlx_lm import load
 

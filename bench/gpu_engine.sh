@@ -32,7 +32,35 @@ headline_cells() {
     --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
     --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
 }
+# The engine alone on realish (bench/engine_realish.py ARGS...): tok/s, gap p99, ms per step by kind.
+engine_alone() {
+  timeout 100 $PY bench/engine_realish.py --seconds 12 --no-bare --out "$OUT/er_last.json" "$@" > /dev/null 2>&1
+  $PY -c "import json,sys; r=json.load(open('$OUT/er_last.json')); r=[v for k,v in r.items() if k.startswith('engine_c')][0]; \
+p=r['device_profile']; print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p99_ms'],1), 'ms/step', \
+{k: round(1000*v[1]/max(p['step'][0],1),2) for k,v in p.items() if k!='decode_rows'}, 'rows', \
+round(p['decode_rows'][0]/max(p['step'][0],1),1))" 2>&1 | tail -1
+}
 case "${1:-serving}" in
+  compiled)
+    # The slot lane's traced step (--compile-decode) against the untraced one, both shapes, realish
+    # at 32: the engine alone, then the node under HTTP load; then a long prompt's cold shapes.
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    for model in $M $M2; do
+      for mode in on off; do
+        echo "$model compile $mode, engine alone c32: $(engine_alone --model $model --concurrency 32 \
+          --engine-arg compile_decode=$mode)"
+        echo "$model compile $mode, node c32:"
+        timeout 110 $PY bench/profile_single.py --model $model --blas bundled --mix realish --concurrency 32 \
+          --duration 10 --rate 20 --py-spy "$SPY" --statecore-arg=--compile-decode=$mode \
+          --out "$OUT/node_compile_$mode" 2>&1 | quiet | grep -E "output|decode rows|step |launch|decode_build"
+      done
+    done
+    timeout 150 $PY bench/cold_prefill.py --model $M 2>&1 | tail -12
+    ;;
   serving)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; $PY --version; } \
       > "$OUT/machine.txt" 2>&1
@@ -98,10 +126,7 @@ case "${1:-serving}" in
     # per graph), each after a long warm-up; then the node under two of them.
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
     SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-    er() { timeout 100 $PY bench/engine_realish.py --model $M --concurrency 32 --seconds 12 --no-bare "$@" 2>&1 \
-      | tail -1 | $PY -c "import json,sys; r=json.loads(sys.stdin.read()); p=r['device_profile']; \
-print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p99_ms'],1), 'ms/step', \
-{k: round(1000*v[1]/max(p['step'][0],1),2) for k,v in p.items() if k!='decode_rows'}, 'rows', round(p['decode_rows'][0]/max(p['step'][0],1),1))"; }
+    er() { engine_alone --model $M --concurrency 32 "$@"; }
     echo "warm 2 s:"; er --warmup-seconds 2
     echo "warm 20 s:"; er --warmup-seconds 20
     echo "graphs off:"; MLX_USE_CUDA_GRAPHS=0 er --warmup-seconds 20

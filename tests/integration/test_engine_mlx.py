@@ -71,6 +71,7 @@ class Opener(Protocol):
         kv_memory_bytes: int | None = ...,
         shape_bucket: int | None = ...,
         decode_attention: str = ...,
+        compile_decode: str = ...,
         prefix_cache_bytes: int | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -469,6 +470,62 @@ async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_
         await open_engine(path, decode_attention="kernel")
     with pytest.raises(StatecoreError, match="decode_attention must be one of"):
         await open_engine(path, decode_attention="fast")
+
+
+@pytest.mark.parametrize("attention", ["reference", "masked"])
+async def test_a_traced_decode_step_is_replayed_with_the_same_tokens(
+    open_engine: Opener, attention: str
+) -> None:
+    """`compile_decode` on: the slot lane's model call is traced once per shape (rows rounded up
+    to a multiple of 8, the attended length to 128) and replayed; rows of different lengths
+    decoding together still give mlx-lm's greedy tokens and the untraced engine's seeded ones,
+    and a test's model-call hook still runs on every call (the model's own code does not)."""
+    path = cached_checkpoint("llama")
+    hooked: list[str] = []
+    traced = await open_engine(path, decode_attention=attention, compile_decode="on",
+                               model_call_hook=lambda stage, ids: hooked.append(stage))
+    plain = await open_engine(path, decode_attention=attention, compile_decode="off")
+    compiled = traced._device.compiled
+    assert compiled is not None and plain._device.compiled is None
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (5, 33, 70)}
+    results = await all_at_once(partial(single, traced), prompts)
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    steps = dict((kind, calls) for kind, calls, _ in traced.statistics().device_time)["decode_build"]
+    assert 1 <= compiled.traces <= 3 < steps  # one shape per (rows, length bucket): the rest replays
+    assert hooked.count("decode") == steps
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
+    prompt = prompt_of(40, salt=2)
+    assert await single(traced, RequestId("s"), prompt, seeded) == await single(
+        plain, RequestId("s"), prompt, seeded)
+    with pytest.raises(StatecoreError, match="compile_decode must be one of"):
+        await open_engine(path, compile_decode="yes")
+
+
+def test_a_traced_step_writes_the_pool_in_place() -> None:
+    """The pool's buffers go through the traced call and come back: MLX updates them in place, so
+    a step allocates far less than one buffer (a copy would be the whole pool, every step)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from adapters.mlx.compiled import CompiledSlotStep
+    from adapters.mlx.slots import SlotPool
+
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
+    probe = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=probe)
+    pool = SlotPool(8, len(probe), 2048)
+    pool.reserve(2000, probe)
+    mx.eval(pool.keys, pool.values)
+    step = CompiledSlotStep(model, pool, bucket=0)
+    tokens = mx.array([3, 4, 5, 6, 7, 8, 9, 10], dtype=mx.uint32)
+    logits = step(tokens, [1, 2, 3, 4, 5, 6, 7, 8])  # traced here
+    mx.eval(logits, pool.keys, pool.values)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for position in range(9, 14):
+        logits = step(tokens, [position] * 8)
+        mx.eval(logits, pool.keys, pool.values)
+    assert step.traces == 1
+    assert mx.get_peak_memory() - before < pool.keys[0].nbytes // 4
 
 
 async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine: Opener) -> None:

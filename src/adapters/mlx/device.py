@@ -35,6 +35,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.checkpoint import Checkpoint
+from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.jobs import (
     Crash,
     Job,
@@ -70,13 +71,21 @@ from statecore.scheduling import (
     plan_step,
 )
 
-__all__ = ["DeviceLoop", "Held", "Live", "Settings"]
+__all__ = ["DeviceLoop", "Held", "Live", "Settings", "compiles"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 
 _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
+
+
+def compiles(mode: str) -> bool:
+    """Whether the slot lane's model call is traced: "auto" on MLX's CUDA backend only (on the
+    CPU a traced step would pay a C++ build per fused kernel, and gains little)."""
+    if mode == "auto":
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return mode == "on"
 
 
 class InjectedCrash(Exception):
@@ -98,6 +107,7 @@ class Settings:
     shape_bucket: int  # prefill chunks and the slot lane's attended length round up to it (0: off)
     decode_attention: str  # the slot lane's attention: auto | kernel | masked | reference
     prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
+    compile_decode: str = "off"  # the slot lane's model call traced per shape: auto | on | off
 
 
 @dataclass(eq=False)
@@ -174,6 +184,7 @@ class DeviceLoop:
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
         self.pool: SlotPool | None = None
+        self.compiled: CompiledSlotStep | None = None  # the slot lane's traced model call, when on
         self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
         self.prefix: PrefixCache | None = None  # whole prefill chunks kept for prompts that repeat them
         self.batch: Any = None
@@ -245,10 +256,17 @@ class DeviceLoop:
                 self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
                 self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
                 self.pool.attention, self.attention = self.slot_attention(model, probe_cache)
+                if compiles(s.compile_decode):
+                    self.compiled = CompiledSlotStep(model, self.pool, self.bucket, self.call_hook)
         self.slot_lane = self.pool is not None
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
+
+    def call_hook(self) -> None:
+        """The test hook of a model call, for the traced step (whose model code does not run)."""
+        if self.model_call_hook is not None:
+            self.model_call_hook(*self.computing)
 
     def slot_attention(self, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
         _, kv_heads, _, dim = probe_cache[0].keys.shape
@@ -454,6 +472,8 @@ class DeviceLoop:
         pool = self.pool
         assert pool is not None
         count = pool.rows([live.slot for live in rows if live.slot is not None])
+        if self.compiled is not None:
+            count = self.compiled.rows(count)
         inputs = self.slot_inputs(rows, count)
         marks = [live.sampler.mark() for live in rows]
         try:
@@ -512,6 +532,9 @@ class DeviceLoop:
                 assert live.slot is not None
                 offsets[live.slot] = live.offset
                 samplers[live.slot] = None if live.sampler.plain_greedy else live.sampler
+            if self.compiled is not None:
+                self.computing = ("decode", [live.request_id for live in rows])
+                return sample_rows(self.compiled(inputs, offsets), samplers)
             layers, step_inputs = pool.step_layers(offsets, bucket=self.bucket), inputs
         else:
             slots = [live.slot for live in rows if live.slot is not None]

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from adapters import kv_wire
 from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
+from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -112,6 +113,7 @@ class MlxEngine:
         decodes_locally: bool = True,
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
+        compile_decode: str = "auto",
         prefix_cache_bytes: int | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
@@ -145,6 +147,10 @@ class MlxEngine:
         MLX's CUDA backend when its load-time self-check passes, else MLX's masked attention;
         "kernel" requires the kernel (the load fails without it); "masked" never uses it;
         "reference" routes through the kernel's contract in plain MLX ops (any backend: tests).
+
+        `compile_decode` (slot lane): "auto" traces the step's model call once per shape and
+        replays it (`adapters.mlx.compiled`) on MLX's CUDA backend, where building the graph from
+        Python is a large share of a step; "on" everywhere; "off" never.
 
         `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
         whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
@@ -184,6 +190,8 @@ class MlxEngine:
         if decode_attention not in DECODE_ATTENTION_MODES:
             raise StatecoreError(client_error(
                 f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}"))
+        if compile_decode not in COMPILE_MODES:
+            raise StatecoreError(client_error(f"compile_decode must be one of {', '.join(COMPILE_MODES)}"))
         memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
@@ -192,7 +200,7 @@ class MlxEngine:
             raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
-                            prefix_bytes)
+                            prefix_bytes, compile_decode)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
@@ -672,12 +680,14 @@ class MlxEngine:
             layers=layers,
         )
         logger.info(
-            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s): can_travel=%s; "
+            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s): "
+            "can_travel=%s; "
             "KV %d bytes + %d per token, "
             "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
             s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "mlx-lm batch",
             device.attention if device.slot_lane else "-",
+            "yes" if device.compiled is not None else "no",
             info.can_travel,
             cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",

@@ -18,14 +18,14 @@ never trio.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from adapters.mlx.attention import DecodeAttention
 from statecore.scheduling import bucketed
 
-__all__ = ["SlotPool", "SlotStepLayer"]
+__all__ = ["Buffers", "SlotPool", "SlotStepLayer", "layers_over"]
 
 _FIRST_CAPACITY = 256
 
@@ -105,28 +105,50 @@ class SlotPool:
         With `bucket` the attended length is rounded up to a multiple of it (the mask hides the
         extra positions), so the GPU meets a few shapes rather than a new one every step."""
         rows = len(offsets)
-        length = min(self.capacity, bucketed(max(offsets) + 1, bucket))
-        positions = mx.array(list(offsets), dtype=mx.int32)
-        # Row i may see positions 0..offsets[i] (its history and the token it adds now).
-        mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+        longest = max(offsets) + 1
         if slots is None:
             slot_array = mx.arange(rows, dtype=mx.int32)
         else:
             if len(slots) != rows:
                 raise ValueError("one offset per slot")
             slot_array = mx.array(list(slots), dtype=mx.int32)
-        row_index = slot_array[:, None]
-        reads = None if self.attention is None else _Reads(self.attention, slot_array, positions + 1,
-                                                          max(offsets) + 1)
-        head_index: dict[int, Any] = {}
-        layers = []
-        for index in range(self.num_layers):
-            heads = self.keys[index].shape[1]
-            if heads not in head_index:
-                head_index[heads] = mx.arange(heads)[None, :]
-            layers.append(SlotStepLayer(self, index, positions, row_index, head_index[heads], mask, length,
-                                        gather=slots is not None, reads=reads))
-        return layers
+        return layers_over(self, mx.array(list(offsets), dtype=mx.int32), slot_array,
+                           min(self.capacity, bucketed(longest, bucket)), longest, gather=slots is not None)
+
+    def attended_length(self, offsets: Sequence[int], bucket: int) -> int:
+        """The length a step over rows at `offsets` attends, rounded up to a multiple of `bucket`."""
+        return min(self.capacity, bucketed(max(offsets) + 1, bucket))
+
+
+class Buffers(Protocol):
+    """Where a step's layers read and write each layer's key and value buffer: the pool itself,
+    or the stand-ins a traced (compiled) step is given."""
+
+    keys: list[Any]
+    values: list[Any]
+    attention: DecodeAttention | None
+    num_layers: int
+
+
+def layers_over(buffers: Buffers, positions: Any, slot_array: Any, length: int, longest: int,
+                gather: bool = False) -> list[SlotStepLayer]:
+    """One step's layers over `buffers`: row i is slot `slot_array[i]`, writing at positions[i]
+    and attending `length` positions (`longest` of them at most hold keys: the fused attention's
+    bound, any value from the longest row's length up to `length`)."""
+    # Row i may see positions 0..positions[i] (its history and the token it adds now).
+    mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+    row_index = slot_array[:, None]
+    attention = buffers.attention
+    reads = None if attention is None else _Reads(attention, slot_array, positions + 1, longest)
+    head_index: dict[int, Any] = {}
+    layers = []
+    for index in range(buffers.num_layers):
+        heads = buffers.keys[index].shape[1]
+        if heads not in head_index:
+            head_index[heads] = mx.arange(heads)[None, :]
+        layers.append(SlotStepLayer(buffers, index, positions, row_index, head_index[heads], mask, length,
+                                    gather=gather, reads=reads))
+    return layers
 
 
 class _Reads:
@@ -142,7 +164,7 @@ class _Reads:
 class SlotStepLayer:
     """One layer's cache as the model sees it during one decode step over the pool's first rows."""
 
-    def __init__(self, pool: SlotPool, index: int, positions: Any, row_index: Any, head_index: Any,
+    def __init__(self, pool: Buffers, index: int, positions: Any, row_index: Any, head_index: Any,
                  mask: Any, length: int, gather: bool = False, reads: _Reads | None = None) -> None:
         self._pool = pool
         self._index = index
