@@ -72,6 +72,7 @@ class Opener(Protocol):
         shape_bucket: int | None = ...,
         decode_attention: str = ...,
         compile_decode: str = ...,
+        preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -428,10 +429,11 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
         await release_when_queued(bucketed, gate, len(prompts))
     assert bucketed.device_profile()["prefill_batched"][0] >= 2  # the short ones shared a call
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
-    # What a GPU node does at load (one prefill per first-chunk shape) leaves nothing behind.
+    # What a GPU node does at load (one prefill per chunk shape of prompts up to two chunks)
+    # leaves nothing behind.
     from adapters.mlx.prefill import warm_chunk_shapes
 
-    assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 1
+    assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 2
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
     prompt = prompt_of(40, salt=2)
     assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(
@@ -499,6 +501,21 @@ async def test_a_traced_decode_step_is_replayed_with_the_same_tokens(
         plain, RequestId("s"), prompt, seeded)
     with pytest.raises(StatecoreError, match="compile_decode must be one of"):
         await open_engine(path, compile_decode="yes")
+
+
+async def test_a_preallocated_slot_pool_never_grows(open_engine: Opener) -> None:
+    """`preallocate_slots` (the GPU's default): the pool has its whole capacity from the load on,
+    so a long row joining copies no other row; tokens stay mlx-lm's."""
+    path = cached_checkpoint("llama")
+    engine = await open_engine(path, preallocate_slots=True, kv_memory_bytes=2 * 32 * 1024 * 512)
+    pool = engine._device.pool
+    assert pool is not None and pool.capacity == pool.max_capacity == 1024
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (5, 300, 700)}
+    assert await all_at_once(partial(single, engine), prompts) == {
+        rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert pool.capacity == 1024
+    lazy = await open_engine(path, preallocate_slots=False)
+    assert lazy._device.pool is not None and lazy._device.pool.capacity == 0
 
 
 def test_a_traced_step_writes_the_pool_in_place() -> None:

@@ -48,7 +48,7 @@ from adapters.mlx.jobs import (
     post,
 )
 from adapters.mlx.memory import KvCost
-from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+from adapters.mlx.prefill import PrefillTask, on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.sampling import (
     PositionSampler,
@@ -84,7 +84,7 @@ def compiles(mode: str) -> bool:
     """Whether the slot lane's model call is traced: "auto" on MLX's CUDA backend only (on the
     CPU a traced step would pay a C++ build per fused kernel, and gains little)."""
     if mode == "auto":
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+        return on_cuda()
     return mode == "on"
 
 
@@ -108,6 +108,7 @@ class Settings:
     decode_attention: str  # the slot lane's attention: auto | kernel | masked | reference
     prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
     compile_decode: str = "off"  # the slot lane's model call traced per shape: auto | on | off
+    preallocate_slots: bool = False  # the slot pool at its full capacity from the load on
 
 
 @dataclass(eq=False)
@@ -256,6 +257,11 @@ class DeviceLoop:
                 self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
                 self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
                 self.pool.attention, self.attention = self.slot_attention(model, probe_cache)
+                if s.preallocate_slots:
+                    # Set aside from the budget anyway; allocated now, it never grows (a copy of
+                    # every row, and on the GPU new shapes) while streams decode.
+                    self.pool.reserve(capacity, probe_cache)
+                    mx.eval(self.pool.keys, self.pool.values)
                 if compiles(s.compile_decode):
                     self.compiled = CompiledSlotStep(model, self.pool, self.bucket, self.call_hook)
         self.slot_lane = self.pool is not None

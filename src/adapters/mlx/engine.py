@@ -41,6 +41,7 @@ from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
+    on_cuda,
     tune_cuda_backend,
     warm_chunk_shapes,
 )
@@ -114,6 +115,7 @@ class MlxEngine:
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
         compile_decode: str = "auto",
+        preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
@@ -127,7 +129,9 @@ class MlxEngine:
         Short prompts waiting together are prefilled in one padded call when the padding stays
         within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
         off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
-        mlx-lm's batch generator).
+        mlx-lm's batch generator). `preallocate_slots` (default: on MLX's CUDA backend only)
+        allocates the slot pool at its full capacity at load (it is set aside from the budget
+        either way); otherwise it grows as rows need it, a copy of every row each time.
 
         `kv_memory_bytes` (default: 40 % of the device's memory) bounds every KV cache together:
         half of it at most is set aside for the slot layout; each other request reserves its
@@ -200,7 +204,8 @@ class MlxEngine:
             raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
-                            prefix_bytes, compile_decode)
+                            prefix_bytes, compile_decode,
+                            on_cuda() if preallocate_slots is None else preallocate_slots)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -82,11 +83,16 @@ _CUDA_SHAPE_BUCKET = 128
 _CUDA_ATTENTION_GRAPHS = 2048
 
 
+def on_cuda() -> bool:
+    """Whether the model runs on MLX's CUDA backend (where the GPU-only defaults apply)."""
+    return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
 def default_shape_bucket() -> int:
     """128 on MLX's CUDA backend, whose prefill attention builds a cuDNN graph for every new
     (query, key) shape; 0 elsewhere (on the CPU and Metal a new shape costs nothing, padding
     would only add work and change last bits against mlx-lm's generate_step)."""
-    return _CUDA_SHAPE_BUCKET if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+    return _CUDA_SHAPE_BUCKET if on_cuda() else 0
 
 
 def tune_cuda_backend() -> None:
@@ -106,14 +112,26 @@ def tune_cuda_backend() -> None:
 
 
 def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
-    """Run one prefill of every first-chunk shape a node with this bucket and chunk size meets, so
-    that no request pays for building its attention graph (~90 ms per new shape on MLX's CUDA
-    backend). Returns how many shapes it ran."""
+    """Run one prefill of every chunk shape a node with this bucket and chunk size meets in prompts
+    of up to two chunks (a first chunk of each padded size, and each size after one whole
+    chunk), so that no such request pays for building its attention graph (~90 ms per new
+    (query, key) shape on MLX's CUDA backend, a stall of every stream decoding beside it).
+    Returns how many shapes it ran."""
     sizes = range(bucket, bucketed(chunk_size, bucket) + 1, bucket)
+    zeros = partial(mx.zeros, dtype=mx.uint32)
     for size in sizes:
         cache: list[Any] = make_prompt_cache(model)
-        mx.eval(model(mx.zeros((1, size), dtype=mx.uint32), cache=cache))
-    return len(sizes)
+        mx.eval(model(zeros((1, size)), cache=cache))
+    after: list[Any] = make_prompt_cache(model)  # one whole chunk, as a longer prompt's first
+    padded = bucketed(chunk_size, bucket)
+    mx.eval(model(zeros((1, padded)), cache=after))
+    for layer in after:
+        layer.trim(padded - chunk_size)
+    for size in sizes:
+        mx.eval(model(zeros((1, size)), cache=after))
+        for layer in after:
+            layer.trim(size)
+    return 2 * len(sizes)
 
 
 def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
