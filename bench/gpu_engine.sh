@@ -171,6 +171,18 @@ case "${1:-serving}" in
     timeout 150 $PY -c "import sys, json; sys.path[:0] = ['bench', 'src']; from pathlib import Path; \
 from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'), 32, 50)))" 2>&1 | tail -3
     ;;
+  round2)
+    # The rest of the issue's GPU cells: the mixed load, cluster vs single TTFT at 2,000-token
+    # prompts (prefill and decode nodes on this one GPU), the bare model vs the engine at batch 32.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    timeout 200 $PY bench/side_by_side.py --model $M --blas bundled --reps 2 --servers single,cluster \
+      --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 6 --max-requests 16 \
+      --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -12
+    timeout 150 $PY bench/engine_ladder.py --model $M --batch 32 --rungs bare,engine --max-tokens 128 \
+      --out "$OUT/ladder.json" 2>&1 | tail -4
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
