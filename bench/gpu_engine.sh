@@ -171,6 +171,22 @@ case "${1:-serving}" in
     timeout 150 $PY -c "import sys, json; sys.path[:0] = ['bench', 'src']; from pathlib import Path; \
 from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'), 32, 50)))" 2>&1 | tail -3
     ;;
+  decide)
+    # MLX's CUDA graphs again, now that traced steps repeat their shapes: the engine alone at 32 and
+    # 8 with graphs off and on; the headline cells (6 requests per client) then run with the
+    # faster setting at 32 (mlx_lm.server keeps its own default, graphs on, either way).
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    for g in 0 1; do
+      for c in 32 8; do
+        line=$(MLX_USE_CUDA_GRAPHS=$g engine_alone --model $M --concurrency $c --warmup-seconds 5)
+        echo "graphs $g c$c: $line"
+        [ $c = 32 ] && eval "tok_$g=${line%% *}"
+      done
+    done
+    if [ "${tok_1:-0}" -gt $(( ${tok_0:-0} * 105 / 100 )) ]; then export MLX_USE_CUDA_GRAPHS=1; fi
+    echo "headline with MLX_USE_CUDA_GRAPHS=${MLX_USE_CUDA_GRAPHS:-statecore default 0}"
+    headline_cells 6 192 200 130
+    ;;
   round2)
     # The rest of the issue's GPU cells: the mixed load, cluster vs single TTFT at 2,000-token
     # prompts (prefill and decode nodes on this one GPU), the bare model vs the engine at batch 32.
