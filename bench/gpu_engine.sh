@@ -180,7 +180,7 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       for c in 32 8; do
         line=$(MLX_USE_CUDA_GRAPHS=$g engine_alone --model $M --concurrency $c --warmup-seconds 5)
         echo "graphs $g c$c: $line"
-        [ $c = 32 ] && eval "tok_$g=${line%% *}"
+        case "$c:${line%% *}" in 32:*[!0-9]*|32:) ;; 32:*) eval "tok_$g=${line%% *}" ;; esac
       done
     done
     if [ "${tok_1:-0}" -gt $(( ${tok_0:-0} * 105 / 100 )) ]; then export MLX_USE_CUDA_GRAPHS=1; fi
