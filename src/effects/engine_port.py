@@ -197,6 +197,12 @@ class PrefixSummary:
     keys: tuple[bytes, ...] = ()
 
 
+def no_prefix_cache(since: int | None) -> PrefixSummary | None:
+    """`Engine.prefix_summary`'s answer from an engine without a prefix cache: an empty summary,
+    unchanged since version 0."""
+    return None if since == 0 else PrefixSummary(block_tokens=0, version=0)
+
+
 class Engine(Protocol):
     """A model runtime driven from trio; every method is safe to call from the event loop.
 
@@ -261,6 +267,7 @@ class Engine(Protocol):
 
 
 __all__ = [
+    "no_prefix_cache",
     "KvBytes",
     "KvPieces",
     "Engine",

@@ -23,6 +23,7 @@ from effects.engine_port import (
     PrefillOutcome,
     PrefixSummary,
     SamplingParams,
+    no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
@@ -168,7 +169,7 @@ class FakeEngine:
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         """The fake keeps no prefix cache."""
-        return None if since == 0 else PrefixSummary(block_tokens=0, version=0)
+        return no_prefix_cache(since)
 
     async def aclose(self) -> None:
         for rid in list(self.decoding):

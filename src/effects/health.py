@@ -127,9 +127,9 @@ class PeerSet:
             raise StatecoreError(
                 ErrorInfo(Fault.OVERLOADED, Code.NO_HEALTHY_PEER, f"no healthy {role} node")
             )
-        summaries = self.summaries if prompt else None
+        cached = self.summaries.cached_tokens(urls, prompt) if self.summaries is not None and prompt else {}
         candidates = [RouteCandidate(u, self.in_flight.get(u, 0), self.phase(u) is PeerPhase.SUSPECT,
-                                     0 if summaries is None else summaries.cached_tokens(u, prompt or ()))
+                                     cached.get(u, 0))
                       for u in urls]
         chosen = choose_node(len(prompt or ()), candidates, self.load_tokens)
         basis = "prefix" if chosen.cached_tokens > 0 else "load"

@@ -17,7 +17,7 @@ import trio
 
 from effects.engine_port import PrefixSummary
 from statecore.errors import StatecoreError
-from statecore.routing import cached_prefix_tokens
+from statecore.routing import held_prefix_tokens, prompt_summary_keys
 
 log = logging.getLogger("statecore.routing")
 
@@ -51,12 +51,20 @@ class PrefixSummaries:
         """Blocks the node's fresh summary lists (0 without one)."""
         return len(self._held[node].keys) if self.fresh(node) else 0
 
-    def cached_tokens(self, node: str, prompt: Sequence[int]) -> int:
-        """The prompt's leading tokens the node's fresh summary says it holds (0 without one)."""
-        if not self.fresh(node):
-            return 0
-        held = self._held[node]
-        return cached_prefix_tokens(prompt, held.block_tokens, held.keys)
+    def cached_tokens(self, nodes: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
+        """Per node, the prompt's leading tokens its fresh summary says it holds (0 without one);
+        the prompt's block keys are hashed once per block size, not once per node."""
+        keys: dict[int, list[bytes]] = {}
+        cached: dict[str, int] = {}
+        for node in nodes:
+            if not self.fresh(node):
+                cached[node] = 0
+                continue
+            held = self._held[node]
+            if held.block_tokens not in keys:
+                keys[held.block_tokens] = prompt_summary_keys(prompt, held.block_tokens)
+            cached[node] = held_prefix_tokens(keys[held.block_tokens], held.block_tokens, held.keys)
+        return cached
 
     def record(self, node: str, summary: PrefixSummary | None) -> None:
         """A fetch's answer: a new summary, or None for "unchanged" (it is fresh again)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from statecore.prefix import block_keys
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "SUMMARY_KEY_BYTES", "RouteCandidate", "cached_prefix_tokens",
-           "choose_node", "route_cost", "summary_key"]
+           "choose_node", "held_prefix_tokens", "prompt_summary_keys", "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -42,15 +42,26 @@ def summary_key(key: bytes) -> bytes:
     return key[:SUMMARY_KEY_BYTES]
 
 
-def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collection[bytes]) -> int:
-    """How many of the prompt's leading tokens a node holding blocks `held` (summary keys, of
-    `block_tokens` tokens each) would not compute: whole leading blocks only, as the node reuses."""
+def prompt_summary_keys(prompt: Sequence[int], block_tokens: int) -> list[bytes]:
+    """The summary keys of the prompt's whole blocks of `block_tokens`, in order."""
+    return [summary_key(key) for key in block_keys(prompt, block_tokens)]
+
+
+def held_prefix_tokens(keys: Sequence[bytes], block_tokens: int, held: Collection[bytes]) -> int:
+    """How many leading tokens of a prompt whose block summary keys are `keys` a node holding
+    `held` would not compute: whole leading blocks only, as the node reuses."""
     count = 0
-    for key in block_keys(prompt, block_tokens):
-        if summary_key(key) not in held:
+    for key in keys:
+        if key not in held:
             break
         count += 1
     return count * block_tokens
+
+
+def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collection[bytes]) -> int:
+    """How many of the prompt's leading tokens a node holding blocks `held` (summary keys, of
+    `block_tokens` tokens each) would not compute."""
+    return held_prefix_tokens(prompt_summary_keys(prompt, block_tokens), block_tokens, held)
 
 
 def route_cost(prompt_tokens: int, candidate: RouteCandidate, load_tokens: int) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import trio
 from hypothesis import given, settings
@@ -123,18 +125,46 @@ def test_summaries_go_stale_and_an_unchanged_answer_refreshes_them() -> None:
     keys = tuple(held(PROMPT, 3))
     answers.append(PrefixSummary(16, 7, keys))
     trio.run(summaries.refresh, "http://p")
-    assert summaries.cached_tokens("http://p", PROMPT) == 48 and summaries.blocks("http://p") == 3
+    assert summaries.cached_tokens(["http://p"], PROMPT) == {"http://p": 48}
+    assert summaries.blocks("http://p") == 3
     clock.now = 4.0
     answers.append(None)  # unchanged since version 7
     trio.run(summaries.refresh, "http://p")
     assert asked == [None, 7]
     clock.now = 8.0  # 4 s after the last answer: still fresh
-    assert summaries.cached_tokens("http://p", PROMPT) == 48
+    assert summaries.cached_tokens(["http://p"], PROMPT)["http://p"] == 48
     answers.append(StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone")))
     trio.run(summaries.refresh, "http://p")
     clock.now = 9.5  # no answer since 4.0: stale, so it counts as holding nothing
-    assert summaries.cached_tokens("http://p", PROMPT) == 0 and summaries.blocks("http://p") == 0
-    assert summaries.cached_tokens("http://elsewhere", PROMPT) == 0
+    assert summaries.cached_tokens(["http://p"], PROMPT) == {"http://p": 0}
+    assert summaries.blocks("http://p") == 0
+    assert summaries.cached_tokens(["http://elsewhere"], PROMPT)["http://elsewhere"] == 0
+
+
+def test_the_prompt_is_hashed_once_per_block_size_for_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from effects import routing
+
+    hashed: list[int] = []
+    original = routing.prompt_summary_keys
+
+    def counted(prompt: Sequence[int], block_tokens: int) -> list[bytes]:
+        hashed.append(block_tokens)
+        return original(prompt, block_tokens)
+
+    monkeypatch.setattr(routing, "prompt_summary_keys", counted)
+    nodes = ["http://a", "http://b", "http://c"]
+    answers = {"http://a": PrefixSummary(16, 1, tuple(held(PROMPT, 3))),
+               "http://b": PrefixSummary(16, 1, tuple(held(PROMPT, 1))),
+               "http://c": PrefixSummary(32, 1, tuple(held(PROMPT, 1)))}
+
+    async def fetch(node: str, since: int | None) -> PrefixSummary | None:
+        return answers[node]
+
+    summaries = PrefixSummaries(nodes, fetch, clock=Clock())
+    for node in nodes:
+        trio.run(summaries.refresh, node)
+    assert summaries.cached_tokens(nodes, PROMPT) == {"http://a": 48, "http://b": 16, "http://c": 0}
+    assert sorted(hashed) == [16, 32]
 
 
 def test_a_node_without_a_prefix_cache_counts_as_holding_nothing() -> None:
@@ -143,7 +173,7 @@ def test_a_node_without_a_prefix_cache_counts_as_holding_nothing() -> None:
 
     summaries = PrefixSummaries(["http://p"], fetch, clock=Clock())
     trio.run(summaries.refresh, "http://p")
-    assert not summaries.fresh("http://p") and summaries.cached_tokens("http://p", PROMPT) == 0
+    assert not summaries.fresh("http://p") and summaries.cached_tokens(["http://p"], PROMPT)["http://p"] == 0
 
 
 def test_the_router_sends_a_prompt_where_its_prefix_is_and_counts_why() -> None:

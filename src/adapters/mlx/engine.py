@@ -55,6 +55,7 @@ from effects.engine_port import (
     PrefillOutcome,
     PrefixSummary,
     SamplingParams,
+    no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
@@ -371,7 +372,7 @@ class MlxEngine:
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         prefix = self._device.prefix
         if prefix is None:
-            return None if since == 0 else PrefixSummary(block_tokens=0, version=0)
+            return no_prefix_cache(since)
         if since is not None and since == prefix.index.version:  # an int read: no device job
             return None
 
