@@ -262,14 +262,23 @@ class _MeteredGeneration:
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         async for output in self.inner:
-            if isinstance(output, TokenOut):
-                _safely("token", lambda: self.metrics.token(self.timing))
-            elif isinstance(output, GenerationEnd | GenerationError):
-                if isinstance(output, GenerationEnd) and output.finish_reason == "stop":
-                    # the EOS token, counted as usage.completion_tokens counts it
-                    _safely("eos", self.metrics.generation_tokens.inc)
-                self._end(observe=True)
+            self._observe(output)
             yield output
+
+    def receive_nowait(self) -> Output | None:
+        output = self.inner.receive_nowait()
+        if output is not None:
+            self._observe(output)
+        return output
+
+    def _observe(self, output: Output) -> None:
+        if isinstance(output, TokenOut):
+            _safely("token", lambda: self.metrics.token(self.timing))
+        elif isinstance(output, GenerationEnd | GenerationError):
+            if isinstance(output, GenerationEnd) and output.finish_reason == "stop":
+                # the EOS token, counted as usage.completion_tokens counts it
+                _safely("eos", self.metrics.generation_tokens.inc)
+            self._end(observe=True)
 
     def _end(self, *, observe: bool) -> None:
         if self.ended:

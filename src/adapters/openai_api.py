@@ -86,7 +86,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, assert_never
 
 import trio
 from jinja2 import TemplateError
@@ -430,38 +430,60 @@ class _Run:
         self._outputs = aiter(generation)
         self._text = text
         self._tokens = 0
+        self._logprobs: list[tuple[int, TokenLogprobs]] = []  # of the tokens the next step consumes
 
     async def advance(self) -> _Step:
         """The next step with some text, or the last step."""
         assert not self.finished
-        logprobs: list[tuple[int, TokenLogprobs]] = []
         while True:
             try:
                 output: Output = await anext(self._outputs)
             except StopAsyncIteration:
                 self.finished = True
                 return _Step("", bug("the backend ended a generation without an end or an error"))
-            match output:
-                case TokenOut(token=token, logprobs=carried):
-                    self._tokens += 1
-                    if carried is not None:
-                        logprobs.append((token, carried))
-                    text, stopped = self._text.add(token)
-                    if stopped:
-                        await self.generation.stop()
-                        self.finished = True
-                        return _Step(text, _Finish("stop", self._tokens), tuple(logprobs))
-                    if text:
-                        return _Step(text, logprobs=tuple(logprobs))
-                case GenerationEnd(finish_reason=reason):
+            step = await self._take(output)
+            if step is not None:
+                return step
+
+    async def advance_ready(self) -> _Step | None:
+        """`advance` from the outputs already waiting only: None when they run out before a
+        step is whole (what they gave is kept for the next one). It never waits for the
+        backend (it may await telling it a stop string matched)."""
+        assert not self.finished
+        while (output := self.generation.receive_nowait()) is not None:
+            step = await self._take(output)
+            if step is not None:
+                return step
+        return None
+
+    async def _take(self, output: Output) -> _Step | None:
+        """One output in; the step it completes, if it does."""
+        match output:
+            case TokenOut(token=token, logprobs=carried):
+                self._tokens += 1
+                if carried is not None:
+                    self._logprobs.append((token, carried))
+                text, stopped = self._text.add(token)
+                if stopped:
+                    await self.generation.stop()
                     self.finished = True
-                    if reason == "stop":
-                        self._tokens += 1  # the EOS token: no text, but generated (vLLM, mlx-lm)
-                    text, stopped = self._text.close()
-                    return _Step(text, _Finish("stop" if stopped else reason, self._tokens), tuple(logprobs))
-                case GenerationError(error=error):
-                    self.finished = True
-                    return _Step("", error)
+                    return self._step(text, _Finish("stop", self._tokens))
+                return self._step(text) if text else None
+            case GenerationEnd(finish_reason=reason):
+                self.finished = True
+                if reason == "stop":
+                    self._tokens += 1  # the EOS token: no text, but generated (vLLM, mlx-lm)
+                text, stopped = self._text.close()
+                return self._step(text, _Finish("stop" if stopped else reason, self._tokens))
+            case GenerationError(error=error):
+                self.finished = True
+                return _Step("", error)
+            case _:
+                assert_never(output)
+
+    def _step(self, text: str, end: _Finish | None = None) -> _Step:
+        logprobs, self._logprobs = tuple(self._logprobs), []
+        return _Step(text, end, logprobs)
 
     async def cancel(self) -> None:
         """Tear the generation down (shielded, bounded): the client is gone or we failed."""
@@ -599,6 +621,40 @@ def _dumps(obj: object) -> str:
 def _event(obj: object) -> bytes:
     """One server-sent event: `data: <json or [DONE]>` and a blank line (JSON has no raw newline)."""
     return b"data: " + (obj if isinstance(obj, str) else _dumps(obj)).encode() + b"\n\n"
+
+
+# What `_dumps` writes for a string (json.dumps' own encoder with ensure_ascii=False): quotes,
+# backslashes and control characters escaped, everything else as it is.
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
+_TEXT_MARK = "\ue000text\ue001"  # stands in for the text when a template is made
+
+
+@dataclass(frozen=True, slots=True)
+class _TextEvent:
+    """A template of one choice's text chunk event: its bytes before and after the text. A
+    stream's text chunks differ only in the text, so their JSON is made once per choice; `of`
+    gives exactly the bytes `_event` would for the chunk with that text."""
+
+    head: bytes
+    tail: bytes
+
+    @classmethod
+    def around(cls, event: bytes) -> _TextEvent | None:
+        """The template of `event`, a chunk whose text is `_TEXT_MARK`; None unless the mark is
+        in it exactly once (a model name could hold it too)."""
+        mark = _json_string(_TEXT_MARK).encode()
+        head, found, tail = event.partition(mark)
+        if not found or mark in tail:
+            return None
+        return cls(head, tail)
+
+    def of(self, text: str) -> bytes:
+        return self.head + _json_string(text).encode() + self.tail
+
+
+# A stream sends the events it has made in one body write (one ASGI message) before it waits
+# for the backend, or once this many are waiting.
+_EVENTS_PER_WRITE = 64
 
 
 def _event_stream(events: AsyncGenerator[bytes, None], headers: Mapping[str, str],
@@ -1020,15 +1076,23 @@ class Frontend:
     async def _events(self, job: _Job, runs: list[_Run], first_steps: list[_Step]
                       ) -> AsyncGenerator[bytes, None]:
         """The SSE stream of started generations, from their first steps on: each choice's steps
-        in turn, its own finish chunk as it ends; usage (all choices) after the last."""
+        in turn, its own finish chunk as it ends; usage (all choices) after the last.
+
+        Each item is one body write: the events made since the last one. A choice whose next
+        step needs outputs that are not there yet sends what is made before it waits, so
+        nothing is held back while the backend works; steps whose outputs are already waiting
+        (a stream behind its tokens) go out together, a write per `_EVENTS_PER_WRITE` events.
+        Text chunks without logprobs come from a template per choice (`_text_event`)."""
         pending: list[_Step | None] = list(first_steps)
         completion_tokens = 0
+        frames: list[bytes] = []
         try:
             replies = [self._reply(job, index) for index in range(len(runs))]
             formats = [self._logprobs_format(job) for _ in runs]
+            text_events = [self._text_event(job, index) for index in range(len(runs))]
             if job.kind is _Kind.CHAT:
                 for index in range(len(runs)):
-                    yield _event(self._chunk(job, {"role": "assistant", "content": ""}, index=index))
+                    frames.append(_event(self._chunk(job, {"role": "assistant", "content": ""}, index=index)))
             failed: ErrorInfo | None = None
             open_choices = list(range(len(runs)))
             while open_choices and failed is None:
@@ -1036,11 +1100,16 @@ class Frontend:
                     step = pending[index]
                     pending[index] = None
                     if step is None:
-                        try:
-                            step = await runs[index].advance()
-                        except Exception:
-                            logger.exception("request %s: unexpected error while streaming", job.request_id)
-                            step = _Step("", bug("internal error while generating"))
+                        if len(frames) >= _EVENTS_PER_WRITE:
+                            yield b"".join(frames)
+                            frames = []
+                        step = await self._stream_step(job, runs[index], wait=False)
+                        if step is None:
+                            if frames:
+                                yield b"".join(frames)
+                                frames = []
+                            step = await self._stream_step(job, runs[index], wait=True)
+                    assert step is not None
                     reply = replies[index]
                     pieces = [reply.add(step.text)]
                     if isinstance(step.end, _Finish):
@@ -1048,30 +1117,44 @@ class Frontend:
                     unsent = formats[index].of(step.logprobs)  # goes with this step's first chunk
                     for text, calls in pieces:
                         if text:
-                            yield _event(self._chunk(job, text, index=index, logprobs=unsent))
+                            if unsent is None:
+                                frames.append(text_events[index](text))
+                            else:
+                                frames.append(_event(self._chunk(job, text, index=index, logprobs=unsent)))
                             unsent = None
                         if calls:
-                            yield _event(self._chunk(job, {"tool_calls": [
-                                {"index": number, **call} for number, call in calls]}, index=index))
+                            frames.append(_event(self._chunk(job, {"tool_calls": [
+                                {"index": number, **call} for number, call in calls]}, index=index)))
                     if unsent is not None and step.logprobs:  # tokens whose text is held back
-                        yield _event(self._chunk(job, "", index=index, logprobs=unsent))
+                        frames.append(_event(self._chunk(job, "", index=index, logprobs=unsent)))
                     if isinstance(step.end, _Finish):
                         reason = reply.finish_reason(step.end.reason)
-                        yield _event(self._chunk(job, None, reason, index=index))
+                        frames.append(_event(self._chunk(job, None, reason, index=index)))
                         completion_tokens += step.end.completion_tokens
                         open_choices.remove(index)
                     elif isinstance(step.end, ErrorInfo):
                         failed = step.end
                         break
             if failed is not None:
-                yield _event(failed.to_openai())
+                frames.append(_event(failed.to_openai()))
             elif job.include_usage:
-                yield _event(self._usage_chunk(job, completion_tokens))
-            yield _event("[DONE]")
+                frames.append(_event(self._usage_chunk(job, completion_tokens)))
+            frames.append(_event("[DONE]"))
+            yield b"".join(frames)
         finally:
             # Done, failed, or the client went away (cancelled or closed at a yield): free the backend.
             for run in runs:
                 await run.cancel()
+
+    @staticmethod
+    async def _stream_step(job: _Job, run: _Run, *, wait: bool) -> _Step | None:
+        """`run`'s next step (None: not without waiting, when `wait` is False); an unexpected
+        error is the step's failure."""
+        try:
+            return await run.advance() if wait else await run.advance_ready()
+        except Exception:
+            logger.exception("request %s: unexpected error while streaming", job.request_id)
+            return _Step("", bug("internal error while generating"))
 
     # -- bodies ------------------------------------------------------------------------------
 
@@ -1139,6 +1222,14 @@ class Frontend:
         if job.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def _text_event(self, job: _Job, index: int) -> Callable[[str], bytes]:
+        """The event of choice `index`'s chunk of some text without logprobs: from a template
+        made here (the bytes `_event(self._chunk(job, text, index=index))` would be)."""
+        template = _TextEvent.around(_event(self._chunk(job, _TEXT_MARK, index=index)))
+        if template is not None:
+            return template.of
+        return lambda text: _event(self._chunk(job, text, index=index))
 
     def _usage_chunk(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
         object_name = "chat.completion.chunk" if job.kind is _Kind.CHAT else "text_completion"

@@ -10,7 +10,7 @@ trio; it must never import httpx, mlx or mlx_lm.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, assert_never
 
 import trio
 
@@ -44,22 +44,51 @@ class RunnerGeneration:
         self.runner = runner
         self.request_id = request_id
         self.replies = replies
+        self._ended = False  # the last output (an end or an error) was given
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         async with self.replies:
-            async for reply in self.replies:
-                match reply:
-                    case RespondToken(token=token, logprobs=logprobs):
-                        yield TokenOut(token, logprobs)
-                    case Complete(finish_reason=reason):
-                        yield GenerationEnd(reason)
-                        return
-                    case Reject(error=error):
-                        yield GenerationError(error)
-                        return
-        yield GenerationError(
+            while not self._ended:
+                try:
+                    reply = await self.replies.receive()
+                except trio.EndOfChannel:
+                    yield self._unfinished()
+                    return
+                yield self._output(reply)
+
+    def receive_nowait(self) -> Output | None:
+        if self._ended:
+            return None
+        try:
+            reply = self.replies.receive_nowait()
+        except trio.WouldBlock:
+            return None
+        except trio.EndOfChannel:
+            return self._unfinished()
+        return self._output(reply)
+
+    def _output(self, reply: Reply) -> Output:
+        match reply:
+            case RespondToken(token=token, logprobs=logprobs):
+                return TokenOut(token, logprobs)
+            case Complete(finish_reason=reason):
+                self._end()
+                return GenerationEnd(reason)
+            case Reject(error=error):
+                self._end()
+                return GenerationError(error)
+            case _:
+                assert_never(reply)
+
+    def _unfinished(self) -> GenerationError:
+        self._end()
+        return GenerationError(
             ErrorInfo(Fault.BUG, Code.INTERNAL, "the request ended without a completion")
         )
+
+    def _end(self) -> None:
+        self._ended = True
+        self.replies.close()  # nothing more is read; also when the iterator is never resumed
 
     async def stop(self) -> None:
         await self.runner.post(self.request_id, StopMatched())

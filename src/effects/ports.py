@@ -67,6 +67,12 @@ class Generation(Protocol):
 
     def __aiter__(self) -> AsyncIterator[Output]: ...
 
+    def receive_nowait(self) -> Output | None:
+        """The next output if it is already waiting, taken without waiting (the iterator goes on
+        after it); None when none is, or the last one was given. Call it only between outputs
+        of the iterator, never while it is waiting for one."""
+        ...
+
     async def stop(self) -> None:
         """The front end matched a stop string: end normally and free everything."""
         ...

@@ -2,7 +2,8 @@
 
 A script is a list of outputs (`TokenOut`, `GenerationEnd`, `GenerationError`), exceptions to raise
 from the iterator, and `HANG` (block until the front end stops or cancels the generation). The
-fake records every request, stop and cancel so tests can assert on them.
+fake records every request, stop and cancel so tests can assert on them. Outputs not behind an
+exception or `HANG` are "already waiting" (`receive_nowait`) unless `ready_ahead` is turned off.
 """
 
 from __future__ import annotations
@@ -41,21 +42,30 @@ def fake_model_info(
 
 
 class FakeGeneration:
-    def __init__(self, request: GenerationRequest, script: Sequence[ScriptItem]) -> None:
+    """Plays its script. With `ready_ahead` the outputs up to the next exception or `HANG` count
+    as already waiting (`receive_nowait` takes them), as tokens queued by a busy engine are."""
+
+    def __init__(self, request: GenerationRequest, script: Sequence[ScriptItem],
+                 *, ready_ahead: bool = True) -> None:
         self.request = request
         self.script = tuple(script)
+        self.ready_ahead = ready_ahead
         self.stops = 0
         self.cancels = 0
         self.yielded = 0
+        self.taken_nowait = 0  # of `yielded`, the outputs `receive_nowait` gave
+        self._next = 0
         self._closed = trio.Event()
 
     def __aiter__(self) -> AsyncIterator[Output]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[Output]:
-        for item in self.script:
+        while self._next < len(self.script):
             if self._closed.is_set():
                 return
+            item = self.script[self._next]
+            self._next += 1
             if isinstance(item, _Hang):
                 await self._closed.wait()
                 return
@@ -64,6 +74,17 @@ class FakeGeneration:
             await trio.lowlevel.checkpoint()
             self.yielded += 1
             yield item
+
+    def receive_nowait(self) -> Output | None:
+        if not self.ready_ahead or self._closed.is_set() or self._next >= len(self.script):
+            return None
+        item = self.script[self._next]
+        if isinstance(item, _Hang | BaseException):
+            return None
+        self._next += 1
+        self.yielded += 1
+        self.taken_nowait += 1
+        return item
 
     async def stop(self) -> None:
         self.stops += 1
@@ -83,6 +104,7 @@ class FakeBackend:
         self.scripts: deque[Sequence[ScriptItem]] = deque()
         self.default_script: Sequence[ScriptItem] = ()
         self.start_error: BaseException | None = None
+        self.ready_ahead = True  # generations' queued outputs can be taken without waiting
         self.generations: list[FakeGeneration] = []
 
     @property
@@ -97,7 +119,7 @@ class FakeBackend:
         if self.start_error is not None:
             raise self.start_error
         script = self.scripts.popleft() if self.scripts else self.default_script
-        generation = FakeGeneration(request, script)
+        generation = FakeGeneration(request, script, ready_ahead=self.ready_ahead)
         self.generations.append(generation)
         return generation
 
