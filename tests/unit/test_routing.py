@@ -142,16 +142,15 @@ def test_summaries_go_stale_and_an_unchanged_answer_refreshes_them() -> None:
 
 
 def test_the_prompt_is_hashed_once_per_block_size_for_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from effects import routing
+    from statecore.routing import prompt_summary_keys as original
 
     hashed: list[int] = []
-    original = routing.prompt_summary_keys
 
     def counted(prompt: Sequence[int], block_tokens: int) -> list[bytes]:
         hashed.append(block_tokens)
         return original(prompt, block_tokens)
 
-    monkeypatch.setattr(routing, "prompt_summary_keys", counted)
+    monkeypatch.setattr("effects.routing.prompt_summary_keys", counted)
     nodes = ["http://a", "http://b", "http://c"]
     answers = {"http://a": PrefixSummary(16, 1, tuple(held(PROMPT, 3))),
                "http://b": PrefixSummary(16, 1, tuple(held(PROMPT, 1))),
