@@ -411,6 +411,10 @@ class _LiveCollector:
                  stats.prefix_cache_hits),
                 ("prefix_cache_tokens_reused", "Prompt tokens not computed because the prefix cache kept "
                  "them.", stats.prefix_tokens_reused),
+                ("prefix_cache_queries", "Prompts looked up in the prefix cache (those with at least one "
+                 "whole block).", stats.prefix_cache_queries),
+                ("prefix_cache_evictions", "Prompt blocks the prefix cache forgot, for its capacity or "
+                 "for a request that needed the memory.", stats.prefix_cache_evictions),
             ))
             seconds = CounterMetricFamily(PREFIX + "engine_device_seconds", "Device-thread time by kind "
                                           "of work (step, decode_build, launch, readback, prefill_chunks, "

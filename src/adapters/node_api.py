@@ -239,6 +239,8 @@ class NodeApi:
             "prefix_cache_bytes": engine.prefix_cache_bytes,
             "prefix_cache_hits": engine.prefix_cache_hits,
             "prefix_tokens_reused": engine.prefix_tokens_reused,
+            "prefix_cache_queries": engine.prefix_cache_queries,
+            "prefix_cache_evictions": engine.prefix_cache_evictions,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},

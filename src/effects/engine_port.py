@@ -175,11 +175,14 @@ class EngineStatistics:
     # The device allocator's bytes in use now and at most so far (weights, caches, activations).
     device_memory_bytes: int = 0
     device_peak_bytes: int = 0
-    # The prefix cache: bytes of kept prompt blocks (they give way to requests), prompts that
-    # started from kept blocks, and the prompt tokens those did not compute.
+    # The prefix cache: bytes of kept prompt blocks (they give way to requests), prompts looked
+    # up, prompts that started from kept blocks, the prompt tokens those did not compute, and
+    # blocks forgotten (for capacity, or for a request that needed the memory).
     prefix_cache_bytes: int = 0
     prefix_cache_hits: int = 0
     prefix_tokens_reused: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_evictions: int = 0
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

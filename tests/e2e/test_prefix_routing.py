@@ -58,13 +58,15 @@ def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(
     while built.router.stats()["prefix_blocks"].get(second.url, 0) == 0:  # its next pull of summaries
         assert time.monotonic() < deadline, built.router.stats()
         time.sleep(0.1)
-    hits = second.stats()["prefix_cache_hits"]
+    hits, queries = second.stats()["prefix_cache_hits"], second.stats()["prefix_cache_queries"]
     follow = {"prompt": FOLLOW_UP, "max_tokens": 12, "temperature": 0}
     routed = post(built.router, "/v1/completions", follow)
     assert routed.status_code == 200, routed.text
     assert routed.json()["choices"][0]["text"] == post(built.single, "/v1/completions", follow).json()[
         "choices"][0]["text"]
     assert second.stats()["prefix_cache_hits"] == hits + 1 and first.stats()["prefix_cache_hits"] == 0
+    assert second.stats()["prefix_cache_queries"] == queries + 1
+    assert _metric(second, "statecore:prefix_cache_queries_total") == queries + 1
     assert _metric(built.router, "statecore:router_routed_total", node=second.url, basis="prefix",
                    node_role="prefill") == 1
     assert _metric(built.router, "statecore:router_expected_cached_tokens_total", node=second.url) >= 16

@@ -53,7 +53,8 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
     reservations are zero too."""
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
-                   prefix_tokens_reused=0, device_time=())
+                   prefix_tokens_reused=0, prefix_cache_queries=0, prefix_cache_evictions=0,
+                   device_time=())
 
 
 class Opener(Protocol):
@@ -595,7 +596,7 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     follow_up = first[:50] + prompt_of(30, salt=9)  # shares three whole blocks (48 tokens)
     assert await single(cached, RequestId("b"), follow_up) == reference(path, follow_up)
     stats = cached.statistics()
-    assert (stats.prefix_cache_hits, stats.prefix_tokens_reused) == (1, 48)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_tokens_reused) == (2, 1, 48)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=3)
     again = [*first[:66], 5, 6, 7]
     assert await single(cached, RequestId("s"), again, seeded) == await single(
@@ -615,7 +616,9 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     eight = SamplingParams(max_tokens=8)
     assert await single(tight, RequestId("la"), long_a, eight) == reference(path, long_a, 8)
     assert tight.statistics().prefix_cache_bytes > SMALL_BUDGET - 650_000
+    assert tight.statistics().prefix_cache_evictions == 0
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
+    assert tight.statistics().prefix_cache_evictions > 0
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:

@@ -621,6 +621,8 @@ class MlxEngine:
             prefix_cache_bytes=0 if device.prefix is None else device.prefix.nbytes,
             prefix_cache_hits=0 if device.prefix is None else device.prefix.hits,
             prefix_tokens_reused=0 if device.prefix is None else device.prefix.tokens_reused,
+            prefix_cache_queries=0 if device.prefix is None else device.prefix.queries,
+            prefix_cache_evictions=0 if device.prefix is None else device.prefix.evictions,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

@@ -31,8 +31,10 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.index = PrefixIndex(capacity_bytes)
         self._blocks: dict[bytes, list[tuple[Any, Any]]] = {}  # key -> per layer (keys, values)
+        self.queries = 0  # prompts looked up (every prompt with at least one whole block)
         self.hits = 0  # prompts that started from cached blocks
         self.tokens_reused = 0  # prompt tokens not computed thanks to them
+        self.evictions = 0  # blocks forgotten, for capacity or because admission needed memory
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +47,8 @@ class PrefixCache:
     def start(self, keys: Sequence[bytes]) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
         them (None when none is)."""
+        if keys:
+            self.queries += 1
         count = self.index.cached(keys)
         if count == 0:
             return 0, None
@@ -74,6 +78,7 @@ class PrefixCache:
                   mx.contiguous(layer.values[..., start:end, :])) for layer in cache]
         nbytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in block)
         forgotten = self.index.add(keys[chunk], parent, nbytes)
+        self.evictions += sum(1 for key in forgotten if key in self._blocks)
         if keys[chunk] in forgotten:
             return []
         self._blocks[keys[chunk]] = block
@@ -84,4 +89,5 @@ class PrefixCache:
     def evict(self, nbytes: int) -> None:
         """Free at least `nbytes` (admission needs them), least recently used blocks first."""
         for key in self.index.evict(nbytes):
-            self._blocks.pop(key, None)
+            if self._blocks.pop(key, None) is not None:
+                self.evictions += 1

@@ -1,0 +1,142 @@
+"""Multi-turn conversations side by side: mlx_lm.server (its prompt cache on), statecore single with
+its prefix cache, and statecore single without it.
+
+Each of --conversations clients holds one conversation of --turns turns, all at once. Every
+conversation starts with the same system prompt (--system-tokens); turn k sends the system prompt,
+every earlier user message and answer, then a new user message (--user-tokens), and asks for
+--answer-tokens greedy tokens (ignore_eos); the answer's text joins the history. Prints TTFT
+p50/p99 of the first turns and of the later ones (where a prefix cache can help), and output
+tokens/s over the run, per server; writes results.json.
+
+    .venv/bin/python bench/multi_turn.py --conversations 8 --turns 6
+
+statecore caches whole prefill chunks, so the chunk size is the reuse granularity: the servers
+get `--prefill-chunk-size` (default 256 here) through --statecore-arg unless one is given.
+
+Bench code: may import anything; nothing under src/ imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serve_bench import PromptMaker, RequestResult, _one, _pct, load_tokenizer  # noqa: E402
+from side_by_side import ROOT, default_model, make_servers, start_all  # noqa: E402
+
+SERVERS = ("mlx_lm", "single", "single_nocache")
+
+
+async def conversation(url: str, maker: PromptMaker, system: str, index: int, turns: int, user_tokens: int,
+                       answer_tokens: int) -> list[RequestResult]:
+    """One conversation's turns in order; each turn's result."""
+    rng = random.Random(f"multi-turn:{index}")
+    history = system
+    results = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(turns):
+            history += "\nUser: " + maker.make(user_tokens, rng) + "\nAssistant:"
+            result = RequestResult(prompt_tokens_sent=maker.count(history), max_tokens=answer_tokens)
+            await _one(client, url, history, result, None)
+            results.append(result)
+            if not result.ok:
+                break
+            history += result.text
+    return results
+
+
+async def run(url: str, maker: PromptMaker,
+              args: argparse.Namespace) -> tuple[list[list[RequestResult]], float]:
+    system = maker.make(args.system_tokens, random.Random("multi-turn:system"))
+    started = time.perf_counter()
+    done = await asyncio.gather(*(conversation(url, maker, system, i, args.turns, args.user_tokens,
+                                               args.answer_tokens) for i in range(args.conversations)))
+    return list(done), time.perf_counter() - started
+
+
+def summary(conversations: list[list[RequestResult]], wall_s: float) -> dict[str, Any]:
+    first = [c[0].ttft_s for c in conversations if c and c[0].ttft_s is not None]
+    later = [r.ttft_s for c in conversations for r in c[1:] if r.ttft_s is not None]
+    every = [r for c in conversations for r in c]
+    failed = sum(1 for r in every if not r.ok)
+    tokens = sum(r.output_tokens for r in every if r.ok)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(1000 * value, 1)
+
+    return {"turns": len(every), "failed": failed, "output_tok_s": round(tokens / wall_s, 1),
+            "ttft_first_p50_ms": ms(statistics.median(first) if first else None),
+            "ttft_later_p50_ms": ms(statistics.median(later) if later else None),
+            "ttft_later_p99_ms": ms(_pct(later, 0.99)),
+            "longest_prompt_tokens": max((r.prompt_tokens_sent for r in every), default=0)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model dir (default: the bench's tiny llama)")
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"], default="auto")
+    parser.add_argument("--statecore-arg", action="append", default=[])
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multi_turn")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    names = [n for n in args.servers.split(",") if n]
+    if unknown := set(names) - set(SERVERS):
+        raise SystemExit(f"unknown servers {sorted(unknown)}")
+    extra = list(args.statecore_arg)
+    if not any(a.startswith("--prefill-chunk-size") for a in extra):
+        extra.append("--prefill-chunk-size=256")
+    model = args.model or default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    maker = PromptMaker(load_tokenizer(model))
+    servers = []
+    for name in names:
+        flags = [*extra, "--prefix-cache-bytes=0"] if name == "single_nocache" else extra
+        (server,) = make_servers(model, args.out, ["mlx_lm" if name == "mlx_lm" else "single"], flags)
+        server.name, server.log = name, args.out / f"{name}.log"
+        servers.append(server)
+    results: dict[str, Any] = {"model": str(model), "argv": sys.argv, "statecore_args": extra,
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        start_all(servers, args.blas, args.startup_timeout, results)
+        for server in servers:  # one at a time, so they do not share the CPU
+            conversations, wall = asyncio.run(run(server.url, maker, args))
+            results[server.name] = summary(conversations, wall)
+            print(server.name, json.dumps(results[server.name]), flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    base = results.get("mlx_lm")
+    if base:
+        for name in names[1:]:
+            if name in results and base.get("ttft_later_p50_ms") and results[name].get("ttft_later_p50_ms"):
+                print(f"{name} / mlx_lm: later-turn TTFT p50 "
+                      f"{results[name]['ttft_later_p50_ms'] / base['ttft_later_p50_ms']:.2f}x, tok/s "
+                      f"{results[name]['output_tok_s'] / base['output_tok_s']:.2f}x")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
