@@ -616,9 +616,9 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     eight = SamplingParams(max_tokens=8)
     assert await single(tight, RequestId("la"), long_a, eight) == reference(path, long_a, 8)
     assert tight.statistics().prefix_cache_bytes > SMALL_BUDGET - 650_000
-    assert tight.statistics().prefix_cache_evictions == 0
+    evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
-    assert tight.statistics().prefix_cache_evictions > 0
+    assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:
