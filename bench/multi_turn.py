@@ -80,7 +80,7 @@ def summary(conversations: list[list[RequestResult]], wall_s: float) -> dict[str
     return {"turns": len(every), "failed": failed, "output_tok_s": round(tokens / wall_s, 1),
             "ttft_first_p50_ms": ms(statistics.median(first) if first else None),
             "ttft_later_p50_ms": ms(statistics.median(later) if later else None),
-            "ttft_later_p99_ms": ms(_pct(later, 0.99)),
+            "ttft_later_p99_ms": ms(_pct(later, 99)),
             "longest_prompt_tokens": max((r.prompt_tokens_sent for r in every), default=0)}
 
 

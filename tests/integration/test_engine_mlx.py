@@ -169,6 +169,14 @@ async def single(
     return [outcome.first_token] + [g.token for g in await collect(engine, rid)]
 
 
+async def same_seeded_tokens(one: MlxEngine, other: MlxEngine) -> bool:
+    """Whether two engines give one seeded request (temperature 1, top-k 40) the same tokens."""
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
+    prompt = prompt_of(40, salt=2)
+    mine = await single(one, RequestId("s"), prompt, seeded)
+    return mine == await single(other, RequestId("s"), prompt, seeded)
+
+
 async def all_at_once(
     call: Callable[[RequestId, list[int]], Awaitable[list[int]]], prompts: dict[RequestId, list[int]]
 ) -> dict[RequestId, list[int]]:
@@ -435,10 +443,7 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     from adapters.mlx.prefill import warm_chunk_shapes
 
     assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 2
-    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
-    prompt = prompt_of(40, salt=2)
-    assert await single(bucketed, RequestId("s"), prompt, seeded) == await single(
-        plain, RequestId("s"), prompt, seeded)
+    assert await same_seeded_tokens(bucketed, plain)
 
 
 async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_exact(
@@ -465,10 +470,7 @@ async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_
     results = await all_at_once(partial(single, routed), prompts)
     assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
     assert calls and max(calls) >= 70  # each call attends up to the longest row, not the capacity
-    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
-    prompt = prompt_of(40, salt=2)
-    assert await single(routed, RequestId("s"), prompt, seeded) == await single(
-        masked, RequestId("s"), prompt, seeded)
+    assert await same_seeded_tokens(routed, masked)
     with pytest.raises(StatecoreError, match="CUDA"):
         await open_engine(path, decode_attention="kernel")
     with pytest.raises(StatecoreError, match="decode_attention must be one of"):
@@ -496,10 +498,7 @@ async def test_a_traced_decode_step_is_replayed_with_the_same_tokens(
     steps = dict((kind, calls) for kind, calls, _ in traced.statistics().device_time)["decode_build"]
     assert 1 <= compiled.traces <= 3 < steps  # one shape per (rows, length bucket): the rest replays
     assert hooked.count("decode") == steps
-    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=11)
-    prompt = prompt_of(40, salt=2)
-    assert await single(traced, RequestId("s"), prompt, seeded) == await single(
-        plain, RequestId("s"), prompt, seeded)
+    assert await same_seeded_tokens(traced, plain)
     with pytest.raises(StatecoreError, match="compile_decode must be one of"):
         await open_engine(path, compile_decode="yes")
 
