@@ -14,7 +14,6 @@ import trio
 from adapters.internal_wire import SamplingBody
 from adapters.metrics import Metrics
 from adapters.openai_api import Frontend, build_app
-from adapters.tiny_models import build_tokenizer
 from effects.backend import local_backend
 from effects.fakes import EOS, FakeEngine
 from effects.interpret import EnginePerformer
@@ -61,18 +60,11 @@ def test_ignore_eos_crosses_the_internal_wire() -> None:
     assert SamplingBody.model_validate_json(SamplingBody.of(sampling).model_dump_json()).params() == sampling
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bpe")
-    build_tokenizer(path, "bpe")
-    return path
-
-
-async def test_a_reply_that_is_only_eos_reports_one_completion_token(tokenizer_dir: Path) -> None:
+async def test_a_reply_that_is_only_eos_reports_one_completion_token(bpe_dir: Path) -> None:
     backend = FakeBackend(fake_model_info(context_length=256))
     backend.scripts.append([GenerationEnd("stop")])
     metrics = Metrics("single")
-    frontend = Frontend.load(tokenizer_dir, metrics.backend(backend))
+    frontend = Frontend.load(bpe_dir, metrics.backend(backend))
     transport = httpx.ASGITransport(app=build_app(frontend))
     async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
         reply = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
@@ -83,10 +75,10 @@ async def test_a_reply_that_is_only_eos_reports_one_completion_token(tokenizer_d
     assert sent == 1  # the metric equals the usage clients get
 
 
-async def test_ignore_eos_reaches_the_backend(tokenizer_dir: Path) -> None:
+async def test_ignore_eos_reaches_the_backend(bpe_dir: Path) -> None:
     backend = FakeBackend(fake_model_info(context_length=256))
     backend.scripts.append([GenerationEnd("length")])
-    frontend = Frontend.load(tokenizer_dir, backend)
+    frontend = Frontend.load(bpe_dir, backend)
     transport = httpx.ASGITransport(app=build_app(frontend))
     async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
         reply = await client.post("/v1/completions",

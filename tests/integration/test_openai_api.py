@@ -32,13 +32,6 @@ MAX_BODY = 4096
 
 
 @pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bpe")
-    build_tokenizer(path, "bpe")
-    return path
-
-
-@pytest.fixture(scope="module")
 def spm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("byte_fallback")
     build_tokenizer(path, "byte_fallback")

@@ -24,7 +24,6 @@ import trio
 from starlette.applications import Starlette
 
 from adapters.openai_api import Frontend, build_app
-from adapters.tiny_models import build_tokenizer
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
@@ -34,21 +33,14 @@ SYSTEM = "Be brief."
 HI = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bpe")
-    build_tokenizer(path, "bpe")
-    return path
-
-
 @pytest.fixture
 def backend() -> FakeBackend:
     return FakeBackend(fake_model_info(context_length=CONTEXT))
 
 
 @pytest.fixture
-def frontend(tokenizer_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(tokenizer_dir, backend)
+def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(bpe_dir, backend)
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import trio
 from starlette.applications import Starlette
 
 from adapters.openai_api import _EVENTS_PER_WRITE, Frontend, build_app
-from adapters.tiny_models import build_tokenizer
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
@@ -31,13 +30,6 @@ _TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 _CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 _TEXT = 'The "quick" brown\\fox\n jumps, café 日本'
-
-
-@pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bpe")
-    build_tokenizer(path, "bpe")
-    return path
 
 
 @pytest.fixture

@@ -26,21 +26,14 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tools")
-    build_tokenizer(path, "bpe")  # its chat template lists tools and writes calls as <tool_call> JSON
-    return path
-
-
 @pytest.fixture
 def backend() -> FakeBackend:
     return FakeBackend(fake_model_info(context_length=2048))
 
 
 @pytest.fixture
-def frontend(tokenizer_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(tokenizer_dir, backend)
+def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(bpe_dir, backend)
 
 
 @pytest.fixture
