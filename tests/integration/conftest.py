@@ -1,4 +1,5 @@
-"""Fixtures the integration tests share: the test tokenizer's directory, built once per session."""
+"""Fixtures the integration tests share: the test tokenizer's directory (built once per session),
+and a front end over a fake backend (modules that need other limits define their own)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from adapters.openai_api import Frontend
 from adapters.tiny_models import build_tokenizer
+from tests.integration.fake_backend import FakeBackend, fake_model_info
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +19,14 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("bpe")
     build_tokenizer(path, "bpe")
     return path
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    """A scripted backend whose model has a 2,048-token context."""
+    return FakeBackend(fake_model_info(context_length=2048))
+
+
+@pytest.fixture
+def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
+    return Frontend.load(bpe_dir, backend)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,23 +22,13 @@ from adapters.openai_api import _EVENTS_PER_WRITE, Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
-from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
+from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem
 
 _USER = [{"role": "user", "content": "Hi"}]
 _TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 _CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 _TEXT = 'The "quick" brown\\fox\n jumps, café 日本'
-
-
-@pytest.fixture
-def backend() -> FakeBackend:
-    return FakeBackend(fake_model_info(context_length=2048))
-
-
-@pytest.fixture
-def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(bpe_dir, backend)
 
 
 def _ids(frontend: Frontend, text: str) -> list[int]:

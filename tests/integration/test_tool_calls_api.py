@@ -17,23 +17,13 @@ from openai import AsyncOpenAI
 from adapters.openai_api import Frontend, build_app
 from adapters.tiny_models import build_tokenizer
 from effects.ports import GenerationEnd, TokenOut
-from tests.integration.fake_backend import FakeBackend, ScriptItem, fake_model_info
+from tests.integration.fake_backend import FakeBackend, ScriptItem
 
 TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture
-def backend() -> FakeBackend:
-    return FakeBackend(fake_model_info(context_length=2048))
-
-
-@pytest.fixture
-def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(bpe_dir, backend)
 
 
 @pytest.fixture
