@@ -61,8 +61,7 @@ class CompiledSlotStep:
     def __call__(self, tokens: Any, offsets: Sequence[int]) -> Any:
         """The (rows, vocab) last-position logits; row i writes at offsets[i] of slot i."""
         pool = self._pool
-        length = min(pool.capacity, bucketed(max(offsets) + 1, self._bucket))
-        step = self._step(len(offsets), length)
+        step = self._step(len(offsets), pool.attended_length(offsets, self._bucket))
         if self._before_call is not None:
             self._before_call()
         outputs = step(tokens, mx.array(list(offsets), dtype=mx.int32), *pool.keys, *pool.values)

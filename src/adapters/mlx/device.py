@@ -71,7 +71,7 @@ from statecore.scheduling import (
     plan_step,
 )
 
-__all__ = ["DeviceLoop", "Held", "Live", "Settings", "compiles"]
+__all__ = ["DeviceLoop", "Held", "Live", "Settings"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -531,6 +531,7 @@ class DeviceLoop:
         `only` (an array of `rows`' slots), over just those rows, in that order."""
         pool = self.pool
         assert pool is not None
+        self.computing = ("decode", [live.request_id for live in rows])
         if only is None:
             offsets = [0] * count
             samplers: list[PositionSampler | None] = [None] * count
@@ -539,7 +540,6 @@ class DeviceLoop:
                 offsets[live.slot] = live.offset
                 samplers[live.slot] = None if live.sampler.plain_greedy else live.sampler
             if self.compiled is not None:
-                self.computing = ("decode", [live.request_id for live in rows])
                 return sample_rows(self.compiled(inputs, offsets), samplers)
             layers, step_inputs = pool.step_layers(offsets, bucket=self.bucket), inputs
         else:
@@ -547,7 +547,6 @@ class DeviceLoop:
             samplers = [None if live.sampler.plain_greedy else live.sampler for live in rows]
             layers = pool.step_layers([live.offset for live in rows], slots, bucket=self.bucket)
             step_inputs = inputs[only]
-        self.computing = ("decode", [live.request_id for live in rows])
         logits = self.model(step_inputs[:, None], cache=layers)[:, -1, :]
         return sample_rows(logits, samplers)
 

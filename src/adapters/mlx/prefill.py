@@ -117,14 +117,14 @@ def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
     chunk), so that no such request pays for building its attention graph (~90 ms per new
     (query, key) shape on MLX's CUDA backend, a stall of every stream decoding beside it).
     Returns how many shapes it ran."""
-    sizes = range(bucket, bucketed(chunk_size, bucket) + 1, bucket)
+    padded = bucketed(chunk_size, bucket)
+    sizes = range(bucket, padded + 1, bucket)
     zeros = partial(mx.zeros, dtype=mx.uint32)
     for size in sizes:
         cache: list[Any] = make_prompt_cache(model)
         mx.eval(model(zeros((1, size)), cache=cache))
-    after: list[Any] = make_prompt_cache(model)  # one whole chunk, as a longer prompt's first
-    padded = bucketed(chunk_size, bucket)
-    mx.eval(model(zeros((1, padded)), cache=after))
+    # The last of them is a whole chunk (padded): trimmed to it, a longer prompt's first chunk.
+    after = cache
     for layer in after:
         layer.trim(padded - chunk_size)
     for size in sizes:

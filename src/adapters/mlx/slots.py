@@ -113,7 +113,7 @@ class SlotPool:
                 raise ValueError("one offset per slot")
             slot_array = mx.array(list(slots), dtype=mx.int32)
         return layers_over(self, mx.array(list(offsets), dtype=mx.int32), slot_array,
-                           min(self.capacity, bucketed(longest, bucket)), longest, gather=slots is not None)
+                           self.attended_length(offsets, bucket), longest, gather=slots is not None)
 
     def attended_length(self, offsets: Sequence[int], bucket: int) -> int:
         """The length a step over rows at `offsets` attends, rounded up to a multiple of `bucket`."""
