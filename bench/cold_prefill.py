@@ -66,6 +66,7 @@ def main() -> None:
         sampling = SamplingParams(max_tokens=8, ignore_eos=True)
         rid = RequestId(f"long{salt}")
         sent = time.perf_counter()
+        sent_wall = time.time()
         mark = len(arrivals)
         outcome = await engine.prefill(rid, prompt, sampling)
         ttft = time.perf_counter() - sent
@@ -76,7 +77,13 @@ def main() -> None:
         window = [sent, *[t for t in arrivals[mark:] if t <= ended + 0.5]]
         gaps = [(b - a, a) for a, b in itertools.pairwise(window)]
         worst, began = max(gaps) if gaps else (0.0, sent)
-        return {"tokens": tokens, "salt": salt, "ttft_s": round(ttft, 3), "max_gap_s": round(worst, 3),
+        slow = sorted((s for s in engine.slow_steps() if s.at >= sent_wall), key=lambda s: -s.seconds)
+        slowest = [{"ms": round(s.seconds * 1000, 1), "decode_rows": s.decode_rows,
+                    "prefill_units": s.prefill_units, "new_traces": s.new_traces,
+                    "parts_ms": {kind: round(seconds * 1000, 1) for kind, seconds in s.parts}}
+                   for s in slow[:3]]
+        return {"slowest_steps": slowest,
+                "tokens": tokens, "salt": salt, "ttft_s": round(ttft, 3), "max_gap_s": round(worst, 3),
                 "gap_began_s": round(began - sent, 3), "capacity_before": capacity,
                 "capacity_after": pool.capacity if pool is not None else None}
 

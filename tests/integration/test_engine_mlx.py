@@ -29,6 +29,7 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
+from adapters.mlx import device as device_module
 from adapters.mlx.sampling import PositionSampler
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
@@ -558,6 +559,22 @@ async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine:
     assert grew["step"] >= 32 and grew["prefill_chunks"] >= 1 and grew["readback"] >= 31, grew
     assert after["step"][1] >= after["decode_build"][1] > before["decode_build"][1]
     assert after["decode_rows"][1] == 0.0
+
+
+async def test_a_slow_step_is_kept_with_where_its_time_went(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the threshold at 0 every step counts as slow: the prefill's step lists its prefill
+    unit and its prefill time, each decode step its row, and no part exceeds the step."""
+    monkeypatch.setattr(device_module, "SLOW_STEP_S", 0.0)
+    engine = await open_engine(cached_checkpoint("llama"))
+    assert len(await single(engine, RequestId("t"), prompt_of(40, salt=3), replace(GREEDY, max_tokens=8))) == 8
+    steps = engine.slow_steps()
+    assert any(step.prefill_units == 1 and dict(step.parts).get("prefill_chunks", 0.0) > 0 for step in steps)
+    assert sum(step.decode_rows for step in steps) >= 7
+    for step in steps:
+        assert all(0 < seconds <= step.seconds for _, seconds in step.parts), step
+        assert [seconds for _, seconds in step.parts] == sorted((s for _, s in step.parts), reverse=True)
 
 
 async def test_the_prefix_summary_lists_kept_blocks_and_says_when_nothing_changed(

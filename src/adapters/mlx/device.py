@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -71,13 +72,15 @@ from statecore.scheduling import (
     plan_step,
 )
 
-__all__ = ["DeviceLoop", "Held", "Live", "Settings"]
+__all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 
 _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
+SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
+_SLOW_STEPS_KEPT = 32
 
 
 def compiles(mode: str) -> bool:
@@ -90,6 +93,18 @@ def compiles(mode: str) -> bool:
 
 class InjectedCrash(Exception):
     """Raised outside any job by a Crash sentinel."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlowStep:
+    """One step that took `SLOW_STEP_S` or more: what it computed and where its time went."""
+
+    at: float  # time.time() when it ended
+    seconds: float
+    decode_rows: int
+    prefill_units: int
+    new_traces: int  # slot-step shapes traced in this step (each a graph build, then MLX's compile)
+    parts: tuple[tuple[str, float], ...]  # (profile kind, seconds in this step), largest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +229,7 @@ class DeviceLoop:
             kind: (0, 0.0) for kind in ("step", "decode_build", "decode_rows", "prefill_chunks",
                                         "prefill_batched", "launch", "readback", "other_job")
         }
+        self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -423,6 +439,8 @@ class DeviceLoop:
     def step(self) -> None:
         """Build and start this step, then read back the previous one."""
         started = time.perf_counter()
+        spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
+        traces_before = 0 if self.compiled is None else self.compiled.traces
         for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
             del self.waiting[rid]
             self.unreserve(rid)
@@ -465,7 +483,21 @@ class DeviceLoop:
             self.inflight = None
             self.read_back(current)
         self.account("step", started)
+        elapsed = time.perf_counter() - started
+        if elapsed >= SLOW_STEP_S:
+            self.note_slow_step(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces_before)
         self.publish()
+
+    def note_slow_step(self, elapsed: float, rows: int, units: int, spent_before: dict[str, float],
+                       traces_before: int) -> None:
+        parts = sorted(((kind, seconds - spent_before[kind]) for kind, (_, seconds) in self.profile.items()
+                        if kind not in ("step", "decode_rows") and seconds > spent_before[kind]),
+                       key=lambda part: -part[1])
+        traces = 0 if self.compiled is None else self.compiled.traces - traces_before
+        self.slow_steps.append(SlowStep(time.time(), elapsed, rows, units, traces, tuple(parts)))
+        where = ", ".join(f"{kind} {seconds * 1000:.0f} ms" for kind, seconds in parts)
+        logger.debug("slow step: %.0f ms, %d decode rows, %d prefill units, %d new traces, %s",
+                     elapsed * 1000, rows, units, traces, where)
 
     def build_slot_step(self, rows: list[Live], current: _InFlight) -> list[Any]:
         """Every slot row's token in one model call.

@@ -33,7 +33,7 @@ from adapters import kv_wire
 from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
-from adapters.mlx.device import DeviceLoop, Live, Settings
+from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
@@ -386,6 +386,10 @@ class MlxEngine:
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
         return dict(self._device.profile)
+
+    def slow_steps(self) -> list[SlowStep]:
+        """The latest steps that took `SLOW_STEP_S` or more, oldest first (for benchmarks)."""
+        return list(self._device.slow_steps)
 
     async def aclose(self, join_timeout_s: float | None = None) -> None:
         """Stop the device thread; every held cache and live request is dropped.
