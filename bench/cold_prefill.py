@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--settle", type=float, default=2.0, help="seconds between long prompts")
+    parser.add_argument("--warm-request", choices=["default", "on", "off"], default="default",
+                        help="MlxEngine.load's warm-up request (default: on with MLX's CUDA backend)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=None, help="0: no prefix cache")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -89,7 +92,8 @@ def main() -> None:
 
     async def run() -> list[dict[str, Any]]:
         started = time.perf_counter()
-        engine = await MlxEngine.load(args.model)
+        warm = None if args.warm_request == "default" else args.warm_request == "on"
+        engine = await MlxEngine.load(args.model, warm_request=warm, prefix_cache_bytes=args.prefix_cache_bytes)
         print(f"loaded in {time.perf_counter() - started:.1f} s", flush=True)
         results = []
         try:

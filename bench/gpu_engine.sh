@@ -245,6 +245,17 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     timeout 150 $PY bench/engine_ladder.py --model $M --batch 32 --rungs bare,engine --max-tokens 128 \
       --out "$OUT/ladder.json" 2>&1 | tail -4
     ;;
+  cold)
+    # The first long prompt into 16 decoding streams: without the load's warm-up request, without
+    # it and without the prefix cache, and with the defaults (warm-up on); then the mixed load.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    for args in "--warm-request off" "--warm-request off --prefix-cache-bytes 0" ""; do
+      echo "cold_prefill ${args:-defaults}:"
+      timeout 100 $PY bench/cold_prefill.py --model $M $args 2>&1 | grep -E '^\{|loaded' | cut -c1-420
+    done
+    timeout "${MIXED_LIMIT:-170}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24

@@ -561,6 +561,20 @@ async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine:
     assert after["decode_rows"][1] == 0.0
 
 
+async def test_the_load_warm_up_request_leaves_nothing_behind(open_engine: Opener) -> None:
+    """Forced on (it runs by default on MLX's CUDA backend only): after the load's request of two
+    chunks and a token, nothing is held or reserved, the prefix cache is empty with its counters
+    at 0, and a request is still exactly mlx-lm's."""
+    engine = await open_engine(cached_checkpoint("llama"), warm_request=True, prefix_cache_bytes=1 << 26)
+    assert engine.device_profile()["prefill_chunks"][0] >= 3  # its chunks did run
+    stats = holdings(engine)
+    assert stats == IDLE, stats
+    full = engine.statistics()
+    assert (full.prefix_cache_bytes, full.prefix_cache_queries, full.prefix_cache_hits) == (0, 0, 0)
+    prompt = prompt_of(40, salt=4)
+    assert await single(engine, RequestId("after"), prompt) == reference(cached_checkpoint("llama"), prompt)
+
+
 async def test_a_slow_step_is_kept_with_where_its_time_went(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

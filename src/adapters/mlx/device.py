@@ -709,6 +709,11 @@ class DeviceLoop:
         assert self.prefix is not None and task.cache is not None
         return self.prefix.keep(task.block_keys, chunk, task.cache)
 
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache, counters included (after the load's warm-up request)."""
+        if self.prefix is not None:
+            self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
         if self.prefix is None:
