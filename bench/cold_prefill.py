@@ -93,7 +93,8 @@ def main() -> None:
     async def run() -> list[dict[str, Any]]:
         started = time.perf_counter()
         warm = None if args.warm_request == "default" else args.warm_request == "on"
-        engine = await MlxEngine.load(args.model, warm_request=warm, prefix_cache_bytes=args.prefix_cache_bytes)
+        engine = await MlxEngine.load(args.model, warm_request=warm,
+                                      prefix_cache_bytes=args.prefix_cache_bytes)
         print(f"loaded in {time.perf_counter() - started:.1f} s", flush=True)
         results = []
         try:
