@@ -263,6 +263,7 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     timeout "${MIXED_LIMIT:-170}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
     timeout 150 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers single,cluster \
+      --statecore-arg=--kv-memory-bytes=25769803776 \
       --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 6 --max-requests 16 \
       --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -12
     ;;
