@@ -743,11 +743,15 @@ class CalledTool:
 
 @dataclass(frozen=True, slots=True)
 class ChatStep:
-    """Some text (maybe empty), the tool calls completed with it, and on the last step the end."""
+    """Some text (maybe empty), the tool calls completed with it, and on the last step the end;
+    when the chat asked for logprobs, those of the tokens this step consumed, each as an entry
+    of the chat's `logprobs.content` (`{token, logprob, bytes, top_logprobs}`), the same numbers
+    /v1/chat/completions sends (tokens whose text is held back or became a tool call included)."""
 
     text: str
     calls: tuple[CalledTool, ...] = ()
     end: ChatEnd | ErrorInfo | None = None
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 class ChatRun:
@@ -755,7 +759,7 @@ class ChatRun:
     /v1/chat/completions sends it (stop strings applied, tool calls split off when the chat
     offered tools); the caller only shapes the answer."""
 
-    def __init__(self, job: _Job, run: _Run, reply: _Reply,
+    def __init__(self, job: _Job, run: _Run, reply: _Reply, logprobs: _LogprobsFormat,
                  error_body: Callable[[ErrorInfo], object]) -> None:
         self.request_id = job.request_id
         self.created = job.created
@@ -764,6 +768,7 @@ class ChatRun:
         self._run = run
         self._reply = reply
         self._error_body = error_body
+        self._logprobs = logprobs
 
     async def advance(self) -> ChatStep:
         """The next piece of text and tool calls and, on the last step, how it ended (backend
@@ -775,11 +780,13 @@ class ChatRun:
         text = "".join(piece for piece, _ in pieces)
         calls = tuple(CalledTool(call["id"], call["function"]["name"], call["function"]["arguments"])
                       for _, found in pieces for _, call in found)
+        shaped = self._logprobs.of(step.logprobs) if step.logprobs else None
+        logprobs = tuple(shaped["content"]) if shaped is not None else ()
         if isinstance(step.end, _Finish):
             end = ChatEnd(self._reply.finish_reason(step.end.reason), step.end.completion_tokens,
                           self._run._text.matched)
-            return ChatStep(text, calls, end)
-        return ChatStep(text, calls, step.end)
+            return ChatStep(text, calls, end, logprobs)
+        return ChatStep(text, calls, step.end, logprobs)
 
     async def cancel(self) -> None:
         """Free the backend (shielded, bounded; nothing if it is done already)."""
@@ -966,7 +973,7 @@ class Frontend:
             logger.exception("request %s: unexpected error before generation", request_id)
             info = bug("internal error while starting the request")
             return _unless_body_unread(request, _error_response(info, request_id, error_body(info)))
-        return ChatRun(job, run, self._reply(job, 0), error_body), parsed
+        return ChatRun(job, run, self._reply(job, 0), self._logprobs_format(job), error_body), parsed
 
     async def count_chat(
         self,
