@@ -620,6 +620,40 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
 
 
+async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
+    open_engine: Opener
+) -> None:
+    """`PrefillOutcome.cached_tokens`: what a client's usage reports (prompt_tokens_details). A
+    first prompt computes everything; one that starts like it takes its whole shared chunks; a
+    prefill that raised and started again computed them all after all; no cache, nothing."""
+    path = cached_checkpoint("llama")
+    flaky = RequestId("again")
+    raised: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "prefill" and flaky in request_ids and not raised:
+            raised.append(flaky)
+            raise RuntimeError("injected: a prefill call raised")
+
+    cached = await open_engine(path, model_call_hook=hook)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+
+    async def cached_tokens(engine: MlxEngine, rid: str, prompt: Sequence[int]) -> int:
+        outcome = await engine.prefill(RequestId(rid), prompt, GREEDY)
+        await engine.release_held(RequestId(rid))
+        return outcome.cached_tokens
+
+    first = prompt_of(70, salt=4)  # chunks of 16: blocks end at 16, 32, 48 and 64
+    follow_up = first[:50] + prompt_of(30, salt=9)  # shares three whole blocks
+    assert await cached_tokens(cached, "a", first) == 0
+    assert await cached_tokens(cached, "b", follow_up) == 48
+    assert await cached_tokens(cached, "c", first) == 64  # the last 6 are computed, as always
+    assert await cached_tokens(cached, "d", first[:40]) == 32
+    assert await cached_tokens(cached, flaky, [*first[:66], 5, 6, 7]) == 0 and raised == [flaky]
+    assert cached.statistics().prefix_tokens_reused == 48 + 64 + 32 + 64  # the flaky one's lookup
+    assert [await cached_tokens(plain, rid, first) for rid in ("a", "c")] == [0, 0]
+
+
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:
     """A budget smaller than a chunk slices each chunk's evaluation by layers over several steps
     (streams decode in between); the graph is the one call's, so tokens equal mlx-lm's, seeded ones
