@@ -629,9 +629,18 @@ class _OtherApis:
             "model": self.frontend.model_name,
             "stop_reason": None if end is None else _stop_reason(end),
             "stop_sequence": None if end is None else end.stop_string,
-            "usage": {"input_tokens": run.prompt_tokens,
-                      "output_tokens": 0 if end is None else end.completion_tokens},
+            "usage": self._message_usage(run, 0 if end is None else end.completion_tokens),
         }
+
+    @staticmethod
+    def _message_usage(run: ChatRun, output_tokens: int) -> dict[str, object]:
+        """A message's usage; with prompt tokens details on, also the prompt tokens read from the
+        prefix cache, which Anthropic's `input_tokens` leaves out (the prompt is the sum of both)."""
+        cached = run.cached_tokens
+        if cached is None:
+            return {"input_tokens": run.prompt_tokens, "output_tokens": output_tokens}
+        return {"input_tokens": run.prompt_tokens - cached, "cache_read_input_tokens": cached,
+                "output_tokens": output_tokens}
 
     async def _message_events(self, run: ChatRun, first: ChatStep) -> AsyncGenerator[bytes, None]:
         """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
@@ -757,7 +766,8 @@ class _OtherApis:
             if text or not calls or streamed:
                 output.append(self._item(run, text or "", status, logprobs))
             output += [self._function_call(call) for call in calls]
-            usage = {"input_tokens": run.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": run.prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": run.cached_tokens or 0},
                      "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": run.prompt_tokens + end.completion_tokens}
         return {

@@ -76,6 +76,7 @@ class Opener(Protocol):
         compile_decode: str = ...,
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
+        warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -582,7 +583,8 @@ async def test_a_slow_step_is_kept_with_where_its_time_went(
     unit and its prefill time, each decode step its row, and no part exceeds the step."""
     monkeypatch.setattr(device_module, "SLOW_STEP_S", 0.0)
     engine = await open_engine(cached_checkpoint("llama"))
-    assert len(await single(engine, RequestId("t"), prompt_of(40, salt=3), replace(GREEDY, max_tokens=8))) == 8
+    tokens = await single(engine, RequestId("t"), prompt_of(40, salt=3), replace(GREEDY, max_tokens=8))
+    assert len(tokens) == 8
     steps = engine.slow_steps()
     assert any(step.prefill_units == 1 and dict(step.parts).get("prefill_chunks", 0.0) > 0 for step in steps)
     assert sum(step.decode_rows for step in steps) >= 7
@@ -649,6 +651,40 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
+
+
+async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
+    open_engine: Opener
+) -> None:
+    """`PrefillOutcome.cached_tokens`: what a client's usage reports (prompt_tokens_details). A
+    first prompt computes everything; one that starts like it takes its whole shared chunks; a
+    prefill that raised and started again computed them all after all; no cache, nothing."""
+    path = cached_checkpoint("llama")
+    flaky = RequestId("again")
+    raised: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "prefill" and flaky in request_ids and not raised:
+            raised.append(flaky)
+            raise RuntimeError("injected: a prefill call raised")
+
+    cached = await open_engine(path, model_call_hook=hook)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+
+    async def cached_tokens(engine: MlxEngine, rid: str, prompt: Sequence[int]) -> int:
+        outcome = await engine.prefill(RequestId(rid), prompt, GREEDY)
+        await engine.release_held(RequestId(rid))
+        return outcome.cached_tokens
+
+    first = prompt_of(70, salt=4)  # chunks of 16: blocks end at 16, 32, 48 and 64
+    follow_up = first[:50] + prompt_of(30, salt=9)  # shares three whole blocks
+    assert await cached_tokens(cached, "a", first) == 0
+    assert await cached_tokens(cached, "b", follow_up) == 48
+    assert await cached_tokens(cached, "c", first) == 64  # the last 6 are computed, as always
+    assert await cached_tokens(cached, "d", first[:40]) == 32
+    assert await cached_tokens(cached, flaky, [*first[:66], 5, 6, 7]) == 0 and raised == [flaky]
+    assert cached.statistics().prefix_tokens_reused == 48 + 64 + 32 + 64  # the flaky one's lookup
+    assert [await cached_tokens(plain, rid, first) for rid in ("a", "c")] == [0, 0]
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:

@@ -723,7 +723,7 @@ class DeviceLoop:
         if cache is None:
             return
         task.cache = cache
-        task.done_tokens = count * self.settings.prefill_chunk_size
+        task.done_tokens = task.cached_tokens = count * self.settings.prefill_chunk_size
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
@@ -772,7 +772,7 @@ class DeviceLoop:
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
                 logprobs = read_logprobs(task.sampler.take_logprobs())
-                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs)
+                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens)
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         self.account("readback", started)
