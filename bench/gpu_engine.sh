@@ -267,6 +267,29 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 6 --max-requests 16 \
       --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -12
     ;;
+  fusion)
+    # Fused projections (--fuse-projections) on vs off, the engine alone at 8 and 32 rows on both
+    # shapes, alternating; then where a 2,000-token request's first token goes, single vs cluster
+    # (the nodes' transition logs, bench/phase_times.py).
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    for model in $M $M2; do
+      for c in 8 32; do
+        for f in on off; do
+          echo "$(basename $model) c$c fuse $f: $(engine_alone --model $model --concurrency $c --warmup-seconds 4 \
+            --engine-arg fuse_projections=$f)"
+        done
+      done
+    done
+    timeout 150 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers single,cluster \
+      --statecore-arg=--kv-memory-bytes=25769803776 --statecore-arg=--log-level=INFO \
+      --mix 2000x16 --concurrency 1 --requests-per-slot 8 --min-requests 8 --max-requests 8 \
+      --startup-timeout 120 --out "$OUT/sbs_ttft" 2>&1 | quiet | tail -4
+    for who in single cluster; do
+      echo "$who:"; $PY bench/phase_times.py "$OUT/sbs_ttft/$who.log" --last 1 2>&1 | tail -16
+    done
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24

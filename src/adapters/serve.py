@@ -210,6 +210,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="trace the decode batch's model call once per shape and replay it "
                           "(mx.compile; plain-KV models): auto (on MLX's CUDA backend), on, off "
                           "(default auto)")
+    run.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
+                     help="compute each layer's query/key/value projections, and its MLP's gate/up "
+                          "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
+                          "CUDA backend), on, off (default auto)")
     run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
     run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
     run.add_argument("--prefill-batch", type=_whole(1), default=32,
@@ -478,7 +482,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
-        compile_decode=args.compile_decode,
+        compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
         prefix_cache_bytes=args.prefix_cache_bytes,
         model_call_hook=faults.model_call_hook(),
     )

@@ -74,6 +74,7 @@ class Opener(Protocol):
         shape_bucket: int | None = ...,
         decode_attention: str = ...,
         compile_decode: str = ...,
+        fuse_projections: str = ...,
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
         warm_request: bool | None = ...,
@@ -503,6 +504,29 @@ async def test_a_traced_decode_step_is_replayed_with_the_same_tokens(
     assert await same_seeded_tokens(traced, plain)
     with pytest.raises(StatecoreError, match="compile_decode must be one of"):
         await open_engine(path, compile_decode="yes")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_fused_projections_keep_the_tokens_and_change_the_fingerprint(
+    open_engine: Opener, family: str
+) -> None:
+    """`fuse_projections` on (the CUDA default): each layer's q/k/v and gate/up projections are one
+    matmul whose slices the model's own code receives; the greedy tokens stay mlx-lm's (these
+    small matmuls round the same here), seeded ones the unfused engine's, and the fingerprint
+    says the node fuses (its KV may differ from an unfused node's in the last bits)."""
+    path = cached_checkpoint(family)
+    fused = await open_engine(path, fuse_projections="on")
+    plain = await open_engine(path, fuse_projections="off")
+    attention = fused._device.model.layers[0].self_attn
+    assert type(attention.q_proj).__name__ == "_Slice" and "q_proj" not in attention
+    assert type(plain._device.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+    prompts = {RequestId(f"f{n}"): prompt_of(n, salt=n) for n in (5, 33, 70)}
+    results = await all_at_once(partial(single, fused), prompts)
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert await same_seeded_tokens(fused, plain)
+    assert fused.info.fingerprint != plain.info.fingerprint
+    with pytest.raises(StatecoreError, match="fuse_projections must be one of"):
+        await open_engine(path, fuse_projections="yes")
 
 
 async def test_a_preallocated_slot_pool_never_grows(open_engine: Opener) -> None:

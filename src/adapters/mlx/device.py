@@ -49,7 +49,7 @@ from adapters.mlx.jobs import (
     post,
 )
 from adapters.mlx.memory import KvCost
-from adapters.mlx.prefill import PrefillTask, on_cuda, run_short_batch, run_units
+from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.sampling import (
     PositionSampler,
@@ -82,13 +82,6 @@ _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
 
-
-def compiles(mode: str) -> bool:
-    """Whether the slot lane's model call is traced: "auto" on MLX's CUDA backend only (on the
-    CPU a traced step would pay a C++ build per fused kernel, and gains little)."""
-    if mode == "auto":
-        return on_cuda()
-    return mode == "on"
 
 
 class InjectedCrash(Exception):
@@ -124,6 +117,7 @@ class Settings:
     prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
     compile_decode: str = "off"  # the slot lane's model call traced per shape: auto | on | off
     preallocate_slots: bool = False  # the slot pool at its full capacity from the load on
+    fuse_projections: str = "off"  # sibling projections as one matmul (adapters.mlx.fusion): auto | on | off
 
 
 @dataclass(eq=False)
@@ -278,7 +272,7 @@ class DeviceLoop:
                     # every row, and on the GPU new shapes) while streams decode.
                     self.pool.reserve(capacity, probe_cache)
                     mx.eval(self.pool.keys, self.pool.values)
-                if compiles(s.compile_decode):
+                if enabled_on_cuda(s.compile_decode):  # (a traced CPU step builds C++ per kernel)
                     self.compiled = CompiledSlotStep(model, self.pool, self.bucket, self.call_hook)
         self.slot_lane = self.pool is not None
         if plain and s.prefix_cache_bytes > 0:

@@ -34,6 +34,7 @@ from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
+from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
@@ -41,6 +42,7 @@ from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
+    enabled_on_cuda,
     on_cuda,
     tune_cuda_backend,
     warm_chunk_shapes,
@@ -116,6 +118,7 @@ class MlxEngine:
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
         compile_decode: str = "auto",
+        fuse_projections: str = "auto",
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
         warm_request: bool | None = None,
@@ -157,6 +160,11 @@ class MlxEngine:
         `compile_decode` (slot lane): "auto" traces the step's model call once per shape and
         replays it (`adapters.mlx.compiled`) on MLX's CUDA backend, where building the graph from
         Python is a large share of a step; "on" everywhere; "off" never.
+
+        `fuse_projections`: "auto" (on MLX's CUDA backend) computes each layer's query, key and
+        value projections, and its MLP's gate and up projections, as one matmul each
+        (`adapters.mlx.fusion`): fewer kernels to launch per step; "on" everywhere; "off" never.
+        Part of the fingerprint when it fuses.
 
         `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
         whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
@@ -204,6 +212,9 @@ class MlxEngine:
                 f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}"))
         if compile_decode not in COMPILE_MODES:
             raise StatecoreError(client_error(f"compile_decode must be one of {', '.join(COMPILE_MODES)}"))
+        if fuse_projections not in FUSION_MODES:
+            raise StatecoreError(client_error(
+                f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
         memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
@@ -213,7 +224,8 @@ class MlxEngine:
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
-                            on_cuda() if preallocate_slots is None else preallocate_slots)
+                            on_cuda() if preallocate_slots is None else preallocate_slots,
+                            fuse_projections)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
@@ -676,6 +688,7 @@ class MlxEngine:
     def _load_on_device(self) -> ModelInfo:
         s = self._settings
         loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code)
+        fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device = self._device
         device.model = loaded.model
         # A one-token probe through the real prefill path: the cache classes as they travel
@@ -722,7 +735,7 @@ class MlxEngine:
             name=self._model_dir.name,
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
                                           prefill_chunk_size=s.prefill_chunk_size,
-                                          shape_bucket=device.bucket),
+                                          shape_bucket=device.bucket, fused=fused > 0),
             context_length=loaded.context_length,
             vocab_size=vocab_size,
             eos_token_ids=loaded.eos,
@@ -730,14 +743,15 @@ class MlxEngine:
             layers=layers,
         )
         logger.info(
-            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s): "
+            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s, "
+            "fused projection groups=%d): "
             "can_travel=%s; "
             "KV %d bytes + %d per token, "
             "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
             s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "mlx-lm batch",
             device.attention if device.slot_lane else "-",
-            "yes" if device.compiled is not None else "no",
+            "yes" if device.compiled is not None else "no", fused,
             info.can_travel,
             cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",

@@ -95,7 +95,7 @@ def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
 
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
-                      prefill_chunk_size: int, shape_bucket: int = 0) -> str:
+                      prefill_chunk_size: int, shape_bucket: int = 0, fused: bool = False) -> str:
     fields = {
         "format_version": FORMAT_VERSION,
         "config_sha256": hashlib.sha256(loaded.config_bytes).hexdigest(),
@@ -104,6 +104,7 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "kv_group_size": kv_group_size if kv_bits is not None else None,
         "prefill_chunk_size": prefill_chunk_size,
         **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
+        **({"fused_projections": True} if fused else {}),  # one matmul rounds as three may not
         # Two BLAS libraries round float32 matmuls differently: nodes on different ones must
         # refuse each other's KV.
         "blas": blas_in_use(),

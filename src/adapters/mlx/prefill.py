@@ -34,6 +34,8 @@ from statecore.scheduling import PrefillUnit, bucketed
 __all__ = [
     "PrefillTask",
     "default_shape_bucket",
+    "enabled_on_cuda",
+    "on_cuda",
     "run_units",
     "run_short_batch",
     "warm_chunk_shapes",
@@ -89,6 +91,11 @@ _CUDA_ATTENTION_GRAPHS = 2048
 def on_cuda() -> bool:
     """Whether the model runs on MLX's CUDA backend (where the GPU-only defaults apply)."""
     return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
+def enabled_on_cuda(mode: str) -> bool:
+    """An auto | on | off setting whose "auto" means on with MLX's CUDA backend only."""
+    return on_cuda() if mode == "auto" else mode == "on"
 
 
 def default_shape_bucket() -> int:
