@@ -54,6 +54,7 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
                    prefix_tokens_reused=0, prefix_cache_queries=0, prefix_cache_evictions=0,
+                   prefill_capped_steps=0, activation_overruns=0, activation_estimate_peak_bytes=0,
                    device_time=())
 
 
@@ -75,6 +76,7 @@ class Opener(Protocol):
         compile_decode: str = ...,
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
+        prefill_memory_cap: str = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -387,6 +389,146 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
     assert results[RequestId("seeded")] == alone
     assert unbatched.device_profile()["prefill_batched"] == (0, 0.0)
     assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
+
+
+def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every batched prefill call from now on (the real call still runs)."""
+    from adapters.mlx import device
+    from adapters.mlx.prefill import run_short_batch
+
+    sizes: list[int] = []
+
+    def recording(model: Any, tasks: Any, bucket: int = 0) -> None:
+        sizes.append(len(tasks))
+        run_short_batch(model, tasks, bucket)
+
+    monkeypatch.setattr(device, "run_short_batch", recording)
+    return sizes
+
+
+async def capped_run(engine: MlxEngine, prompts: Mapping[RequestId, list[int]]) -> dict[RequestId, list[int]]:
+    """Every prompt queued while the device thread is held, then all at once (greedy)."""
+    gate = await hold_device(engine)
+    results: dict[RequestId, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _gather(results, all_at_once(partial(single, engine), dict(prompts))))
+        await release_when_queued(engine, gate, len(prompts))
+    return results
+
+
+async def test_a_memory_budget_splits_batched_prefills_and_keeps_the_tokens(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a small --kv-memory-bytes the planned batched prefill of six short prompts (one padded
+    call without the cap) is cut to what fits beside the KV reserved: groups of two, in three
+    steps; every row's greedy tokens stay mlx-lm's and the uncapped engine's."""
+    from statecore.scheduling import batched_prefill_bytes
+
+    path = cached_checkpoint("llama")
+    prompts = {RequestId(f"p{i}"): prompt_of(12 + i, salt=i) for i in range(6)}  # 12..17: one chunk each
+    common: dict[str, Any] = {"max_num_batched_tokens": 256, "prefix_cache_bytes": 0}
+    sizes = record_batches(monkeypatch)
+    uncapped = await open_engine(path, **common)
+    assert not uncapped._device.settings.prefill_memory_cap  # no --kv-memory-bytes: no cap
+    expected = await capped_run(uncapped, prompts)
+    assert sizes == [6]
+    assert uncapped.statistics().prefill_capped_steps == 0
+    # The budget: every request's reservation (no slot lane fits a budget this small: each reserves
+    # prompt + max_tokens), plus room for a batched call of two rows but not of three.
+    device = uncapped._device
+    shape = device.shape
+    assert shape is not None
+    reserved = sum(device.cost.of(len(p) + GREEDY.max_tokens) for p in prompts.values())
+
+    def pair(rows: int, head: int) -> int:
+        return batched_prefill_bytes(shape, rows, head, device.cost.per_token, 256)
+
+    budget = reserved + (pair(2, 16) + pair(3, 11)) // 2
+    sizes.clear()
+    capped = await open_engine(path, kv_memory_bytes=budget, **common)
+    assert not capped._device.slot_lane
+    got = await capped_run(capped, prompts)
+    assert got == expected == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert sizes == [2, 2, 2]
+    stats = capped.statistics()
+    assert stats.prefill_capped_steps == 2 and stats.activation_overruns == 0
+    assert pair(2, 11) <= stats.activation_estimate_peak_bytes <= budget - reserved
+    # The same budget with the cap turned off: one call of six again.
+    sizes.clear()
+    off = await open_engine(path, kv_memory_bytes=budget, prefill_memory_cap="off", **common)
+    assert await capped_run(off, prompts) == expected
+    assert sizes == [6] and off.statistics().prefill_capped_steps == 0
+
+
+async def test_a_unit_over_the_budget_runs_alone(open_engine: Opener,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget with no room beside the reservations: the oldest prompt's next unit runs alone each
+    step (counted as an overrun), nothing is batched, nothing starves, the tokens are the same."""
+    path = cached_checkpoint("llama")
+    prompts = {RequestId(f"p{i}"): prompt_of(14 + i, salt=i) for i in range(3)}
+    prompts[RequestId("long")] = prompt_of(40, salt=9)  # three chunks
+    sizes = record_batches(monkeypatch)
+    probe = await open_engine(path)
+    reserved = sum(probe._device.cost.of(len(p) + GREEDY.max_tokens) for p in prompts.values())
+    engine = await open_engine(path, kv_memory_bytes=reserved, max_num_batched_tokens=256,
+                               prefix_cache_bytes=0)
+    got = await capped_run(engine, prompts)
+    assert got == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert sizes == []
+    stats = engine.statistics()
+    assert stats.activation_overruns >= len(prompts) and stats.prefill_capped_steps >= len(prompts) - 1
+
+
+def test_the_activation_estimate_bounds_a_prefill_s_measured_peak() -> None:
+    """`statecore.scheduling`'s estimate against the allocator on the CPU (where attention scores
+    are materialized): one prompt's prefill and batched short prompts each peak (above what
+    they leave allocated) below their estimate, and not far below."""
+    import gc
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from adapters.mlx.memory import model_shape
+    from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+    from adapters.mlx.sampling import PositionSampler
+    from statecore.scheduling import (
+        batched_prefill_bytes,
+        chunk_activation_bytes,
+        prefill_chunks,
+        prefill_units,
+    )
+
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
+    layers = len(make_prompt_cache(model))
+    shape = model_shape(model, 512, make_prompt_cache(model))
+    kv_per_token = 2 * layers * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+
+    def task(n: int, salt: int) -> PrefillTask:
+        chunks = prefill_chunks(n, 2048)
+        return PrefillTask(f"r{salt}", prompt_of(n, salt), PositionSampler(GREEDY, 0, n), salt, chunks,
+                           prefill_units(chunks, layers, 4096))
+
+    def transient(tasks: list[PrefillTask], batched: bool) -> int:
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        if batched:
+            run_short_batch(model, tasks)
+        else:
+            for one in tasks:
+                run_units(model, one, len(one.units), lambda cache: None)
+        mx.eval([t.first for t in tasks], [[c.state for c in t.cache or ()] for t in tasks])
+        return mx.get_peak_memory() - mx.get_active_memory()  # above what the prefill leaves held
+
+    for n in (64, 256, 600):
+        alone = task(n, 0)
+        measured = transient([alone], batched=False)
+        estimate = sum(chunk_activation_bytes(shape, alone.chunks))
+        assert measured <= estimate <= 1.6 * measured, (n, measured, estimate)
+    for rows in (2, 4):
+        tasks = [task(200 + i, i) for i in range(rows)]
+        measured = transient(tasks, batched=True)
+        estimate = batched_prefill_bytes(shape, rows, 200 + rows - 2, kv_per_token, 256)
+        assert measured <= estimate <= 1.6 * measured, (rows, measured, estimate)
 
 
 def test_a_padded_chunk_leaves_the_cache_an_unpadded_one_would() -> None:
