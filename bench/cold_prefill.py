@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--settle", type=float, default=2.0, help="seconds between long prompts")
+    parser.add_argument("--warm-request", choices=["default", "on", "off"], default="default",
+                        help="MlxEngine.load's warm-up request (default: on with MLX's CUDA backend)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=None, help="0: no prefix cache")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -66,6 +69,7 @@ def main() -> None:
         sampling = SamplingParams(max_tokens=8, ignore_eos=True)
         rid = RequestId(f"long{salt}")
         sent = time.perf_counter()
+        sent_wall = time.time()
         mark = len(arrivals)
         outcome = await engine.prefill(rid, prompt, sampling)
         ttft = time.perf_counter() - sent
@@ -76,13 +80,21 @@ def main() -> None:
         window = [sent, *[t for t in arrivals[mark:] if t <= ended + 0.5]]
         gaps = [(b - a, a) for a, b in itertools.pairwise(window)]
         worst, began = max(gaps) if gaps else (0.0, sent)
-        return {"tokens": tokens, "salt": salt, "ttft_s": round(ttft, 3), "max_gap_s": round(worst, 3),
+        slow = sorted((s for s in engine.slow_steps() if s.at >= sent_wall), key=lambda s: -s.seconds)
+        slowest = [{"ms": round(s.seconds * 1000, 1), "decode_rows": s.decode_rows,
+                    "prefill_units": s.prefill_units, "new_traces": s.new_traces,
+                    "parts_ms": {kind: round(seconds * 1000, 1) for kind, seconds in s.parts}}
+                   for s in slow[:3]]
+        return {"slowest_steps": slowest,
+                "tokens": tokens, "salt": salt, "ttft_s": round(ttft, 3), "max_gap_s": round(worst, 3),
                 "gap_began_s": round(began - sent, 3), "capacity_before": capacity,
                 "capacity_after": pool.capacity if pool is not None else None}
 
     async def run() -> list[dict[str, Any]]:
         started = time.perf_counter()
-        engine = await MlxEngine.load(args.model)
+        warm = None if args.warm_request == "default" else args.warm_request == "on"
+        engine = await MlxEngine.load(args.model, warm_request=warm,
+                                      prefix_cache_bytes=args.prefix_cache_bytes)
         print(f"loaded in {time.perf_counter() - started:.1f} s", flush=True)
         results = []
         try:

@@ -18,19 +18,23 @@ export HF_HUB_OFFLINE=1
 quiet() { tr '\r' '\n' | grep -v -E 'req/s|it/s|^\s*$'; }
 M=/tmp/llama1b
 M2=/tmp/llama06-v512
+# MLX settings for the statecore servers only (`graphs` below writes the best it measured there).
+SC_ENV=()
+if [ -f /tmp/best-graphs.env ]; then for v in $(cat /tmp/best-graphs.env); do SC_ENV+=(--statecore-env "$v"); done; fi
 # Both shapes, mlx_lm.server vs single on realish at 8 and 32:
 # headline_cells REQUESTS_PER_SLOT MAX_REQUESTS_1B LIMIT_1B_S LIMIT_SECOND_S
 headline_cells() {
+  echo "statecore env: ${SC_ENV[*]:-none}"
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
   [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
   timeout "$3" $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers mlx_lm,single \
     --mix realish --concurrency 8,32 --no-parity --requests-per-slot "$1" --max-requests "$2" \
-    --startup-timeout 120 --out "$OUT/sbs" 2>&1 | quiet | tail -6
+    --startup-timeout 120 "${SC_ENV[@]}" --out "$OUT/sbs" 2>&1 | quiet | tail -6
   [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
     --vocab 512 --seed 3 2>&1 | tail -1
   timeout "$4" $PY bench/side_by_side.py --model $M2 --blas bundled --reps 1 --servers mlx_lm,single \
     --mix realish --concurrency 8,32 --no-parity --requests-per-slot 4 --max-requests 96 \
-    --startup-timeout 120 --out "$OUT/sbs2" 2>&1 | quiet | tail -6
+    --startup-timeout 120 "${SC_ENV[@]}" --out "$OUT/sbs2" 2>&1 | quiet | tail -6
 }
 # The engine alone on realish (bench/engine_realish.py ARGS...): tok/s, gap p99, ms per step by kind.
 engine_alone() {
@@ -41,6 +45,47 @@ p=r['device_profile']; print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p9
 round(p['decode_rows'][0]/max(p['step'][0],1),1))" 2>&1 | tail -1
 }
 case "${1:-serving}" in
+  graphs)
+    # MLX's CUDA graphs with its per-graph byte limit lifted: MLX ends a graph once the arrays its
+    # kernels read pass MLX_MAX_MB_PER_BUFFER (400 MB on an H100/H200), and every slot-pool buffer
+    # (32 rows x the whole capacity) is larger than that, so with graphs on each layer's KV write
+    # and attention ended a graph of its own. The engine alone at 32 on both shapes per setting;
+    # the best (if 5 % over graphs off on average) goes to /tmp/best-graphs.env for `final`; then 8
+    # rows, and the first long prompt's stall with the slow steps it caused.
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; date -u; } > "$OUT/machine.txt" 2>&1
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 --layers 28 \
+      --vocab 512 --seed 3 2>&1 | tail -1
+    rm -f /tmp/best-graphs.env
+    LIFT="MLX_MAX_MB_PER_BUFFER=1000000"
+    SETTINGS=("MLX_USE_CUDA_GRAPHS=0" "MLX_USE_CUDA_GRAPHS=1 $LIFT" "MLX_USE_CUDA_GRAPHS=1 $LIFT MLX_MAX_OPS_PER_BUFFER=100")
+    best=0; best_score=0
+    for i in "${!SETTINGS[@]}"; do
+      score=0
+      for model in $M $M2; do
+        line=$(export ${SETTINGS[$i]}; engine_alone --model $model --concurrency 32 --warmup-seconds 5)
+        echo "${SETTINGS[$i]} | $model c32: $line"
+        tok=${line%% *}; case "$tok" in ''|*[!0-9]*) tok=0 ;; esac
+        if [ "$i" = 0 ]; then eval "off_$(basename $model | tr -c 'a-z0-9\n' _)=$tok"; fi
+        off=$(eval echo \${off_$(basename $model | tr -c 'a-z0-9\n' _):-0})
+        [ "$off" -gt 0 ] && score=$(( score + tok * 1000 / off ))
+      done
+      [ "$i" = 0 ] && continue
+      echo "  score (per mille of graphs off, summed over both shapes): $score"
+      if [ "$score" -gt 2100 ] && [ "$score" -gt "$best_score" ]; then best=$i; best_score=$score; fi
+    done
+    echo "best: ${SETTINGS[$best]}"
+    [ "$best" != 0 ] && echo "${SETTINGS[$best]}" > /tmp/best-graphs.env
+    for model in $M $M2; do
+      for i in 0 $best; do
+        [ "$i" = 0 ] && [ "$best" = 0 ] && [ -n "${once:-}" ] && continue
+        once=1
+        echo "${SETTINGS[$i]} | $model c8: $(export ${SETTINGS[$i]}; engine_alone --model $model --concurrency 8 --warmup-seconds 5)"
+      done
+      once=
+    done
+    env ${SETTINGS[$best]} timeout 150 $PY bench/cold_prefill.py --model $M 2>&1 | tail -5
+    ;;
   compiled)
     # The slot lane's traced step (--compile-decode) against the untraced one, both shapes, realish
     # at 32: the engine alone, then the node under HTTP load; then a long prompt's cold shapes.
@@ -152,6 +197,7 @@ case "${1:-serving}" in
     # One call, the issue's GPU cells: the 1B shape (6 requests per client, so ramp-up and tail
     # weigh less) and the second shape on realish, then the mixed load.
     headline_cells 6 192 200 130
+    [ -f /tmp/best-graphs.env ] && export $(cat /tmp/best-graphs.env)
     timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
     ;;
@@ -188,16 +234,38 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     headline_cells 6 192 200 130
     ;;
   round2)
-    # The rest of the issue's GPU cells: the mixed load, cluster vs single TTFT at 2,000-token
-    # prompts (prefill and decode nodes on this one GPU), the bare model vs the engine at batch 32.
+    # The rest of the issue's GPU cells (the mixed load is in `final`): cluster vs single TTFT at
+    # 2,000-token prompts (prefill and decode nodes on this one GPU), the bare model vs the engine
+    # at batch 32; under the MLX settings `graphs` chose, if any.
+    [ -f /tmp/best-graphs.env ] && export $(cat /tmp/best-graphs.env) && echo "env: $(cat /tmp/best-graphs.env)"
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
-    timeout "${MIXED_LIMIT:-150}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
-      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
-    timeout 200 $PY bench/side_by_side.py --model $M --blas bundled --reps 2 --servers single,cluster \
+    timeout 240 $PY bench/side_by_side.py --model $M --blas bundled --reps 2 --servers single,cluster \
       --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 6 --max-requests 16 \
       --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -12
     timeout 150 $PY bench/engine_ladder.py --model $M --batch 32 --rungs bare,engine --max-tokens 128 \
       --out "$OUT/ladder.json" 2>&1 | tail -4
+    ;;
+  cold)
+    # The first long prompt into 16 decoding streams: without the load's warm-up request, without
+    # it and without the prefix cache, and with the defaults (warm-up on); then the mixed load.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    for args in "--warm-request off" "--warm-request off --prefix-cache-bytes 0" ""; do
+      echo "cold_prefill ${args:-defaults}:"
+      timeout 100 $PY bench/cold_prefill.py --model $M $args 2>&1 | grep -E '^\{|loaded' | cut -c1-420
+    done
+    timeout "${MIXED_LIMIT:-170}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    ;;
+  last)
+    # The headline cells (6 requests per client), the mixed load, then cluster vs single TTFT at
+    # 2,000-token prompts (one repetition): the most of the issue's cells in one call.
+    headline_cells 6 192 200 130
+    timeout "${MIXED_LIMIT:-170}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
+      --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
+    timeout 150 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers single,cluster \
+      --statecore-arg=--kv-memory-bytes=25769803776 \
+      --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 6 --max-requests 16 \
+      --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -12
     ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \

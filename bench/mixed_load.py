@@ -83,18 +83,20 @@ def pinned_env(base: dict[str, str], gpu: str) -> dict[str, str]:
 
 
 def make_setups(model: Path, out: Path, env: dict[str, str], gpus: tuple[str, str],
-                extra: list[str], local_prefill_below: int) -> list[Setup]:
+                extra: list[str], local_prefill_below: int,
+                kv_memory_bytes: int | None = None) -> list[Setup]:
     base = [sys.executable, "-m", "adapters.cli", "run", "--model", str(model), "--log-level", "WARNING",
             *extra]
+    budget = [] if kv_memory_bytes is None else ["--kv-memory-bytes", str(kv_memory_bytes)]
 
     def server(name: str, role: str, *more: str) -> Server:
         port = free_port()
         return Server(name, [*base, "--role", role, "--port", str(port), *more], port,
                       out / f"{name}.log")
 
-    single = server("colocated", "single")
-    prefill = server("prefill", "prefill")
-    decode = server("decode", "decode")
+    single = server("colocated", "single", *budget)
+    prefill = server("prefill", "prefill", *budget)
+    decode = server("decode", "decode", *budget)
     routing = (["--force-disaggregation"] if local_prefill_below <= 0
                else ["--local-prefill-below", str(local_prefill_below)])
     # The router holds no model on a device (it tokenizes); it shares the prefill node's GPU.
@@ -433,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=os.environ.get("STATECORE_BLAS", "auto"))
     parser.add_argument("--statecore-arg", action="append", default=[],
                         help="extra flag for every statecore process (repeatable), e.g. --max-batch=64")
+    parser.add_argument("--kv-memory-bytes", type=int, default=None,
+                        help="each engine node's KV budget (default: the node's own, a share of its "
+                        "device; with both --gpus the same, 24 GiB each, since three nodes share one)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_load")
@@ -454,8 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `statecore run` resolves its own --blas default from STATECORE_BLAS (else "auto", which
     # preloads OpenBLAS when installed): pin it to this bench's choice so --blas bundled holds.
     env["STATECORE_BLAS"] = blas
+    budget = args.kv_memory_bytes
+    if budget is None and gpus[0] == gpus[1]:
+        budget = 24 << 30
     setups = make_setups(model, args.out, env, (gpus[0], gpus[1]), args.statecore_arg,
-                         args.local_prefill_below)
+                         args.local_prefill_below, budget)
     meta: dict[str, Any] = {
         "model": str(model), "blas": blas, "argv": sys.argv, "gpus": list(gpus),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -141,10 +141,16 @@ def make_servers(model: Path, out: Path, which: Sequence[str], extra_sc: list[st
     return servers
 
 
-def start_all(servers: Sequence[Server], blas: str, timeout_s: float, meta: dict[str, Any]) -> None:
-    """Start every server in the same environment, wait for each, and note the BLAS each uses."""
+def start_all(servers: Sequence[Server], blas: str, timeout_s: float, meta: dict[str, Any],
+              statecore_env: Sequence[str] = ()) -> None:
+    """Start every server in the same environment (plus `statecore_env`'s NAME=VALUE settings for
+    statecore's servers only), wait for each, and note the BLAS each uses."""
     for s in servers:
-        s.start(server_env(blas, s.name)[0])
+        env = server_env(blas, s.name)[0]
+        for setting in statecore_env if s.name != "mlx_lm" else ():
+            name, value = setting.split("=", 1)
+            env[name] = value
+        s.start(env)
     for s in servers:
         s.wait_ready(timeout_s)
     meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
@@ -259,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "defaults: each server as its users run it (mlx_lm bundled, statecore auto)")
     parser.add_argument("--statecore-arg", action="append", default=[],
                         help="extra flag for the statecore servers (repeatable), e.g. --max-batch=64")
+    parser.add_argument("--statecore-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment setting for the statecore servers only (repeatable), e.g. "
+                        "MLX_USE_CUDA_GRAPHS=1; mlx_lm.server keeps the environment as it is")
     parser.add_argument("--no-parity", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -279,11 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     servers = make_servers(model, args.out, names, args.statecore_arg)
     runs: list[RunResult] = []
+    if bad := [setting for setting in args.statecore_env if "=" not in setting]:
+        raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")
     meta: dict[str, Any] = {"model": str(model), "blas": blas, "argv": sys.argv,
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     t0 = time.monotonic()
     try:
-        start_all(servers, args.blas, args.startup_timeout, meta)
+        start_all(servers, args.blas, args.startup_timeout, meta, args.statecore_env)
         print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "

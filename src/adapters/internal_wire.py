@@ -27,6 +27,11 @@ from statecore.events import TokenLogprobs
 
 TOKEN_HEADER = "x-statecore-token"
 REQUEST_ID_HEADER = "x-request-id"
+# `?cached_tokens=1` on /internal/prefill and /internal/decode: the router asks for the prompt
+# tokens the node's prefill took from its prefix cache (`cached_tokens` in the prefill reply or the
+# stream's first line). Only then does a node send them: a router of an older version, whose
+# strict reply model refuses unknown fields, never asks; a node of an older version ignores it.
+CACHED_TOKENS_PARAM = "cached_tokens"
 
 
 class _Strict(BaseModel):
@@ -85,6 +90,11 @@ class PrefillReplyBody(_Strict):
     is_eos: bool
     held_bytes: int = 0
     logprobs: LogprobsBody | None = None
+    cached_tokens: int | None = Field(default=None, ge=0)  # only when asked (CACHED_TOKENS_PARAM)
+
+    def document(self) -> dict[str, object]:
+        """The reply as sent: `cached_tokens` only when it is reported."""
+        return self.model_dump(exclude=None if self.cached_tokens is not None else {"cached_tokens"})
 
 
 class DecodeBody(_Strict):
@@ -146,8 +156,10 @@ def _logprobs_json(logprobs: TokenLogprobs | None) -> dict[str, object]:
 def output_line(item: Output | PrefillReply) -> bytes:
     """One NDJSON line of a decode node's stream."""
     match item:
-        case PrefillReply(first_token=first, is_eos=is_eos, logprobs=logprobs):
+        case PrefillReply(first_token=first, is_eos=is_eos, logprobs=logprobs, cached_tokens=cached):
             doc: dict[str, object] = {"first_token": first, "is_eos": is_eos, **_logprobs_json(logprobs)}
+            if cached is not None:
+                doc["cached_tokens"] = cached
         case TokenOut(token=token, logprobs=logprobs):
             doc = {"token": token, **_logprobs_json(logprobs)}
         case GenerationEnd(finish_reason=reason):
@@ -166,7 +178,10 @@ def parse_output_line(line: bytes) -> Output | PrefillReply:
         if "token" in doc:
             return TokenOut(int(doc["token"]), logprobs)
         if "first_token" in doc:
-            return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0, logprobs)
+            cached = None if doc.get("cached_tokens") is None else int(doc["cached_tokens"])
+            if cached is not None and cached < 0:
+                raise ValueError("negative cached_tokens")
+            return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0, logprobs, cached)
         if "finish_reason" in doc:
             return GenerationEnd(str(doc["finish_reason"]))
         return GenerationError(error_from_json(doc, 200))
@@ -212,6 +227,7 @@ def info_from_json(doc: dict[str, object]) -> ModelInfo:
 
 
 __all__ = [
+    "CACHED_TOKENS_PARAM",
     "REQUEST_ID_HEADER",
     "TOKEN_HEADER",
     "DecodeBody",

@@ -295,6 +295,10 @@ class _MeteredGeneration:
         self._end(observe=False)
         await self.inner.cancel()
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.inner.cached_tokens
+
 
 # ---------------------------------------------------------------------------------------------
 # An engine node's view: a Performer wrapper

@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
 from adapters.internal_wire import (
+    CACHED_TOKENS_PARAM,
     TOKEN_HEADER,
     DecodeBody,
     LogprobsBody,
@@ -272,7 +273,7 @@ class NodeApi:
         await self.faults.at(Phase.INTAKE, rid)
         self.performer.register(rid, context)
         replies = await self.runner.open(rid, capacity)
-        return RunnerGeneration(self.runner, rid, replies)
+        return RunnerGeneration(self.runner, rid, replies, context)
 
     async def prefill(self, request: Request) -> Response:
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
@@ -289,8 +290,10 @@ class NodeApi:
             case RespondToken(token=token, logprobs=logprobs):
                 is_eos = token in self.engine.info.eos_token_ids and not context.sampling.ignore_eos
                 held = self.engine.statistics().held_bytes
+                cached = context.cached_tokens if _asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos, held_bytes=held,
-                                                     logprobs=LogprobsBody.of(logprobs)).model_dump())
+                                                     logprobs=LogprobsBody.of(logprobs),
+                                                     cached_tokens=cached).document())
             case Reject(error=error):
                 return error_response(error)
             case Complete():
@@ -369,13 +372,16 @@ class NodeApi:
         )
         generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))
-        return WatchedStream(self._lines(generation, first_is_prefill=local,
-                                         ignore_eos=context.sampling.ignore_eos),
+        return WatchedStream(self._lines(generation, context, first_is_prefill=local,
+                                         cached_tokens=_asks_cached_tokens(request)),
                              media_type="application/x-ndjson")
 
-    async def _lines(self, generation: RunnerGeneration, *, first_is_prefill: bool,
-                     ignore_eos: bool = False) -> AsyncGenerator[bytes, None]:
-        eos = frozenset() if ignore_eos else self.engine.info.eos_token_ids
+    async def _lines(self, generation: RunnerGeneration, context: NodeRequest, *, first_is_prefill: bool,
+                     cached_tokens: bool = False) -> AsyncGenerator[bytes, None]:
+        """The decode stream's NDJSON lines. A local prefill's first token goes first as a prefill
+        reply (with the prompt tokens it took from the prefix cache when the router asked: then a
+        first token that is EOS, which ends the request at once, is sent as one too)."""
+        eos = frozenset() if context.sampling.ignore_eos else self.engine.info.eos_token_ids
         first = first_is_prefill
         finished = False
         sent = 0
@@ -384,9 +390,17 @@ class NodeApi:
                 sent += 1
                 if sent == 3 and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
                     return  # the stream to the router breaks off (tests only)
+                cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, TokenOut):
                     first = False
-                    yield output_line(PrefillReply(output.token, output.token in eos, 0, output.logprobs))
+                    yield output_line(PrefillReply(output.token, output.token in eos, 0, output.logprobs,
+                                                   cached))
+                    continue
+                if (first and cached is not None and output == GenerationEnd("stop")
+                        and context.first_token in eos):
+                    assert context.first_token is not None
+                    finished = True
+                    yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue
                 finished = isinstance(output, GenerationEnd | GenerationError)
                 yield output_line(output)
@@ -394,6 +408,11 @@ class NodeApi:
             if not finished:  # the router went away mid-stream: free the slot now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
+
+
+def _asks_cached_tokens(request: Request) -> bool:
+    """Whether the router asked for the prefill's cached prompt tokens (`?cached_tokens=1`)."""
+    return request.query_params.get(CACHED_TOKENS_PARAM) == "1"
 
 
 __all__ = ["NodeApi", "error_response", "guarded"]

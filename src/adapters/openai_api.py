@@ -51,6 +51,11 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   `*_context_size` tokens (default 20; 0 turns it off) of prompt + generated text.
 - `usage.completion_tokens` counts the EOS token that ended a reply (it makes no text), as vLLM
   and mlx-lm do: a reply whose first token is EOS is empty with completion_tokens 1.
+- `usage.prompt_tokens_details.cached_tokens` (only with `prompt_tokens_details`, vLLM's
+  `--enable-prompt-tokens-details`; always there then, 0 included, as OpenAI sends it): the
+  prompt tokens the prefill took from the node's prefix cache (choice 0's prefill when `n` > 1).
+  Off by default: where the prompt was cached depends on the node, so this is the one number by
+  which a cluster's body may differ from a single node's.
 - `stop`: a string or a list of at most 16 strings of at most 256 characters; empty strings are
   ignored. The text ends before the earliest stop string, with finish_reason "stop".
 - The request id is the `X-Request-Id` header when it is given (1-128 of `A-Za-z0-9._-`),
@@ -604,13 +609,17 @@ class _Job:
         prefix = "cmpl-" if self.kind is _Kind.COMPLETION else "chatcmpl-"
         return prefix + self.request_id
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+        """Usage; with `cached_tokens` (prompt tokens details on) also `prompt_tokens_details`."""
         prompt_tokens = len(self.prompt)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
 
 
 def _dumps(obj: object) -> str:
@@ -743,11 +752,15 @@ class CalledTool:
 
 @dataclass(frozen=True, slots=True)
 class ChatStep:
-    """Some text (maybe empty), the tool calls completed with it, and on the last step the end."""
+    """Some text (maybe empty), the tool calls completed with it, and on the last step the end;
+    when the chat asked for logprobs, those of the tokens this step consumed, each as an entry
+    of the chat's `logprobs.content` (`{token, logprob, bytes, top_logprobs}`), the same numbers
+    /v1/chat/completions sends (tokens whose text is held back or became a tool call included)."""
 
     text: str
     calls: tuple[CalledTool, ...] = ()
     end: ChatEnd | ErrorInfo | None = None
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 class ChatRun:
@@ -755,8 +768,8 @@ class ChatRun:
     /v1/chat/completions sends it (stop strings applied, tool calls split off when the chat
     offered tools); the caller only shapes the answer."""
 
-    def __init__(self, job: _Job, run: _Run, reply: _Reply,
-                 error_body: Callable[[ErrorInfo], object]) -> None:
+    def __init__(self, job: _Job, run: _Run, reply: _Reply, logprobs: _LogprobsFormat,
+                 error_body: Callable[[ErrorInfo], object], *, details: bool = False) -> None:
         self.request_id = job.request_id
         self.created = job.created
         self.prompt_tokens = len(job.prompt)
@@ -764,6 +777,14 @@ class ChatRun:
         self._run = run
         self._reply = reply
         self._error_body = error_body
+        self._logprobs = logprobs
+        self._details = details
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the prefill took from a prefix cache (known after the first step);
+        None unless the front end reports prompt tokens details."""
+        return self._run.generation.cached_tokens if self._details else None
 
     async def advance(self) -> ChatStep:
         """The next piece of text and tool calls and, on the last step, how it ended (backend
@@ -775,11 +796,13 @@ class ChatRun:
         text = "".join(piece for piece, _ in pieces)
         calls = tuple(CalledTool(call["id"], call["function"]["name"], call["function"]["arguments"])
                       for _, found in pieces for _, call in found)
+        shaped = self._logprobs.of(step.logprobs) if step.logprobs else None
+        logprobs = tuple(shaped["content"]) if shaped is not None else ()
         if isinstance(step.end, _Finish):
             end = ChatEnd(self._reply.finish_reason(step.end.reason), step.end.completion_tokens,
                           self._run._text.matched)
-            return ChatStep(text, calls, end)
-        return ChatStep(text, calls, step.end)
+            return ChatStep(text, calls, end, logprobs)
+        return ChatStep(text, calls, step.end, logprobs)
 
     async def cancel(self) -> None:
         """Free the backend (shielded, bounded; nothing if it is done already)."""
@@ -808,12 +831,17 @@ class Frontend:
         *,
         model_name: str | None = None,
         max_body_bytes: int = 4 << 20,
+        prompt_tokens_details: bool = False,
     ) -> None:
-        """`tokenizer` is an mlx-lm `TokenizerWrapper`; the model name defaults to the backend's."""
+        """`tokenizer` is an mlx-lm `TokenizerWrapper`; the model name defaults to the backend's.
+        `prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`) reports the prompt tokens
+        each prefill took from a prefix cache in usage (`prompt_tokens_details.cached_tokens`, the
+        Responses API's `input_tokens_details`, Messages' `cache_read_input_tokens`)."""
         self.tokenizer = tokenizer
         self.backend = backend
         self.model_name = model_name if model_name is not None else backend.model_info.name
         self.max_body_bytes = max_body_bytes
+        self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
         self._tokenizing = trio.CapacityLimiter(1)
         self.faults = Faults.none()  # tests only: see effects.faults
@@ -827,6 +855,7 @@ class Frontend:
         *,
         model_name: str | None = None,
         max_body_bytes: int = 4 << 20,
+        prompt_tokens_details: bool = False,
     ) -> Frontend:
         """Load only the tokenizer and chat template from `model_dir` (never the weights)."""
         from mlx_lm.utils import load_tokenizer
@@ -841,7 +870,8 @@ class Frontend:
             # The context is checked here, after tokenizing, with a clear 400; transformers'
             # "Token indices sequence length is longer than ..." warning only added a log line.
             inner.model_max_length = sys.maxsize
-        return cls(tokenizer, backend, model_name=model_name, max_body_bytes=max_body_bytes)
+        return cls(tokenizer, backend, model_name=model_name, max_body_bytes=max_body_bytes,
+                   prompt_tokens_details=prompt_tokens_details)
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -966,7 +996,8 @@ class Frontend:
             logger.exception("request %s: unexpected error before generation", request_id)
             info = bug("internal error while starting the request")
             return _unless_body_unread(request, _error_response(info, request_id, error_body(info)))
-        return ChatRun(job, run, self._reply(job, 0), error_body), parsed
+        return ChatRun(job, run, self._reply(job, 0), self._logprobs_format(job), error_body,
+                       details=self.prompt_tokens_details), parsed
 
     async def count_chat(
         self,
@@ -1071,7 +1102,8 @@ class Frontend:
             texts[index].append(step.text)
             logprobs[index].extend(step.logprobs)
             finishes.append(step.end)
-        return JSONResponse(self._body(job, ["".join(t) for t in texts], finishes, logprobs), headers=headers)
+        body = self._body(job, ["".join(t) for t in texts], finishes, logprobs, self._cached_tokens(runs))
+        return JSONResponse(body, headers=headers)
 
     async def _events(self, job: _Job, runs: list[_Run], first_steps: list[_Step]
                       ) -> AsyncGenerator[bytes, None]:
@@ -1138,7 +1170,7 @@ class Frontend:
             if failed is not None:
                 frames.append(_event(failed.to_openai()))
             elif job.include_usage:
-                frames.append(_event(self._usage_chunk(job, completion_tokens)))
+                frames.append(_event(self._usage_chunk(job, completion_tokens, self._cached_tokens(runs))))
             frames.append(_event("[DONE]"))
             yield b"".join(frames)
         finally:
@@ -1173,8 +1205,14 @@ class Frontend:
         return _Reply(ToolCallSplitter(t.tool_call_start, t.tool_call_end, t.tool_parser, job.tools),
                       job.choice_request(index).request_id)
 
+    def _cached_tokens(self, runs: Sequence[_Run]) -> int | None:
+        """The prompt tokens choice 0's prefill took from a prefix cache (the prompt is counted
+        once, as usage counts it); None unless prompt tokens details are on."""
+        return runs[0].generation.cached_tokens if self.prompt_tokens_details else None
+
     def _body(self, job: _Job, texts: list[str], finishes: list[_Finish],
-              logprobs: list[list[tuple[int, TokenLogprobs]]]) -> dict[str, Any]:
+              logprobs: list[list[tuple[int, TokenLogprobs]]], cached_tokens: int | None = None
+              ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for index, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
             choice: dict[str, Any] = {"index": index}
@@ -1194,7 +1232,7 @@ class Frontend:
         return {
             **self._head(job, job.kind.value),
             "choices": choices,
-            "usage": job.usage(sum(finish.completion_tokens for finish in finishes)),
+            "usage": job.usage(sum(finish.completion_tokens for finish in finishes), cached_tokens),
         }
 
     def _logprobs_format(self, job: _Job) -> _LogprobsFormat:
@@ -1231,9 +1269,11 @@ class Frontend:
             return template.of
         return lambda text: _event(self._chunk(job, text, index=index))
 
-    def _usage_chunk(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
+    def _usage_chunk(self, job: _Job, completion_tokens: int, cached_tokens: int | None = None
+                     ) -> dict[str, Any]:
         object_name = "chat.completion.chunk" if job.kind is _Kind.CHAT else "text_completion"
-        return {**self._head(job, object_name), "choices": [], "usage": job.usage(completion_tokens)}
+        return {**self._head(job, object_name), "choices": [],
+                "usage": job.usage(completion_tokens, cached_tokens)}
 
     # -- reading a request -------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ the validation ranges, the template, the stop strings, admission, cancel-on-disc
 backend. Only the answers are made here: the JSON bodies, the SSE event sequences and the error
 bodies, each in its API's own shape with the status of the `ErrorInfo`; an error about a field of
 the mapped chat names the field as this API's client wrote it. Tools map onto the chat's (its
-tool calls come back as `tool_use` blocks or `function_call` items). What would change the output
+tool calls come back as `tool_use` blocks or `function_call` items), and so do the Responses
+API's logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`: the chat's
+`logprobs: true` and `top_logprobs`, the same numbers in the output text and the text events,
+in OpenAI's Responses shapes). What would change the output
 and is not served yet (images and other non-text content, thinking, previous_response_id,
 background, ...) is refused with 422 `unsupported_parameter`, never ignored; fields that change
 nothing (`metadata`, `store`, `user`, ...) are ignored, as unknown fields are on the chat. An
@@ -31,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.streaming import cancel_on_disconnect
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, client_error
 
 if TYPE_CHECKING:
     from adapters.openai_api import CalledTool, ChatEnd, ChatRun, ChatStep, Frontend
@@ -134,12 +137,16 @@ async def _advance(run: ChatRun) -> ChatStep:
         return ChatStep("", (), bug("internal error while generating"))
 
 
+_Logprob = dict[str, Any]  # an entry of the chat's logprobs.content: {token, logprob, bytes, top_logprobs}
+
+
 async def _answer(request: Request, run: ChatRun, *, stream: bool,
-                  body: Callable[[str, Sequence[CalledTool], ChatEnd], object],
+                  body: Callable[[str, Sequence[CalledTool], ChatEnd, Sequence[_Logprob]], object],
                   events: Callable[[ChatStep], AsyncGenerator[bytes, None]]) -> Response:
-    """As /v1/chat/completions answers: a whole body, or a stream that starts with the first text
-    (or the end), so that a failure before any output still gets its own status; the client
-    going away before then cancels the generation."""
+    """As /v1/chat/completions answers: a whole body (with every token's logprobs, when the chat
+    asked for them), or a stream that starts with the first text (or the end), so that a failure
+    before any output still gets its own status; the client going away before then cancels the
+    generation."""
     steps: list[ChatStep] = []
     try:
         async with cancel_on_disconnect(request.receive) as watch:
@@ -157,7 +164,9 @@ async def _answer(request: Request, run: ChatRun, *, stream: bool,
             return run.event_stream(events(steps[0]))
         assert end is not None
         calls = [call for step in steps for call in step.calls]
-        return JSONResponse(body("".join(step.text for step in steps), calls, end), headers=run.headers)
+        logprobs = [entry for step in steps for entry in step.logprobs]
+        text = "".join(step.text for step in steps)
+        return JSONResponse(body(text, calls, end, logprobs), headers=run.headers)
     except Exception:
         logger.exception("request %s: unexpected error", run.request_id)
         await run.cancel()
@@ -462,6 +471,16 @@ class _TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None  # the only one that asks for nothing different
 
 
+_OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's `include` values (openai.types.responses.ResponseIncludable): only the output text's
+# logprobs are served; the others are refused as not served yet, anything else is invalid
+_Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                      "message.input_image.image_url", "computer_call_output.output.image_url",
+                      "code_interpreter_call.outputs", "reasoning.encrypted_content",
+                      "message.output_text.logprobs"]
+_MAX_TOP_LOGPROBS = 20  # the chat's range (openai_api.MAX_TOP_LOGPROBS; OpenAI's too)
+
+
 class _ResponsesBody(_Strict):
     model: str | None = None
     input: str | list[_Item]
@@ -475,6 +494,13 @@ class _ResponsesBody(_Strict):
     tool_choice: Literal["auto", "none", "required"] | _NamedFunction | None = None
     text: _TextConfig | None = None
     parallel_tool_calls: bool | None = None
+    include: list[_Includable] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text comes with its tokens' logprobs (`include` asks for them)."""
+        return _OUTPUT_LOGPROBS in (self.include or ())
 
     def response_format(self) -> dict[str, object] | None:
         return None if self.text is None or self.text.format is None else self.text.format.to_chat()
@@ -496,14 +522,22 @@ _RESPONSES_NEUTRAL: dict[str, Callable[[object], bool]] = {
     "prompt": _absent,
     "background": lambda value: value is None or value is False,
     "reasoning": _empty,
-    "include": _empty,
-    "top_logprobs": lambda value: value is None or (type(value) is int and value == 0),
     "truncation": lambda value: value is None or value == "disabled",
 }
 
 
+def _refuse_other_includes(include: object) -> None:
+    """`include` values OpenAI knows but that are not served (a value it does not know is left
+    to validation: a 400)."""
+    for index, value in enumerate(include if isinstance(include, list) else []):
+        if value != _OUTPUT_LOGPROBS and value in get_args(_Includable):
+            raise _unsupported(f"include[{index}]: {value!r} is not served yet (only {_OUTPUT_LOGPROBS!r})",
+                               f"include[{index}]")
+
+
 def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _ResponsesBody]:
     _refuse_unsupported(data, _RESPONSES_NEUTRAL)
+    _refuse_other_includes(data.get("include"))
     items = data.get("input")
     # an item without a type is a message (OpenAI's "easy input message")
     _refuse_other_types("input", items, ("message", "function_call", "function_call_output"), "input items",
@@ -523,15 +557,27 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
         chat.append({"role": "user", "content": body.input})
     else:
         chat += _items_to_chat(body.input)
+    if body.top_logprobs and not body.logprobs:
+        raise StatecoreError(client_error(f"top_logprobs needs include: [{_OUTPUT_LOGPROBS!r}] (the "
+                                          "logprobs come with the output text)", param="top_logprobs"))
     tools = [tool.to_chat() for tool in body.tools] if body.tools else None
     return _given(model=body.model, max_tokens=body.max_output_tokens, messages=chat,
                   temperature=body.temperature, top_p=body.top_p, tools=tools,
                   tool_choice=body.chat_tool_choice(), response_format=body.response_format(),
-                  parallel_tool_calls=body.parallel_tool_calls), body
+                  parallel_tool_calls=body.parallel_tool_calls, logprobs=body.logprobs or None,
+                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else None), body
 
 
 _RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
                     "response_format": "text.format", "tool_choice.function.name": "tool_choice.name"}
+
+
+def _event_logprobs(entries: Sequence[_Logprob]) -> list[dict[str, object]]:
+    """Logprobs as the stream's text events carry them (OpenAI's ResponseTextDeltaEvent and
+    ResponseTextDoneEvent): `{token, logprob, top_logprobs: [{token, logprob}]}`, no `bytes`."""
+    return [{"token": entry["token"], "logprob": entry["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]}
+                              for top in entry["top_logprobs"]]} for entry in entries]
 
 
 def _status(end: ChatEnd) -> str:
@@ -558,7 +604,7 @@ class _OtherApis:
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, calls, end: self._message(run, text, end, calls),
+                             body=lambda text, calls, end, _: self._message(run, text, end, calls),
                              events=lambda first: self._message_events(run, first))
 
     async def count_tokens(self, request: Request) -> Response:
@@ -583,9 +629,18 @@ class _OtherApis:
             "model": self.frontend.model_name,
             "stop_reason": None if end is None else _stop_reason(end),
             "stop_sequence": None if end is None else end.stop_string,
-            "usage": {"input_tokens": run.prompt_tokens,
-                      "output_tokens": 0 if end is None else end.completion_tokens},
+            "usage": self._message_usage(run, 0 if end is None else end.completion_tokens),
         }
+
+    @staticmethod
+    def _message_usage(run: ChatRun, output_tokens: int) -> dict[str, object]:
+        """A message's usage; with prompt tokens details on, also the prompt tokens read from the
+        prefix cache, which Anthropic's `input_tokens` leaves out (the prompt is the sum of both)."""
+        cached = run.cached_tokens
+        if cached is None:
+            return {"input_tokens": run.prompt_tokens, "output_tokens": output_tokens}
+        return {"input_tokens": run.prompt_tokens - cached, "cache_read_input_tokens": cached,
+                "output_tokens": output_tokens}
 
     async def _message_events(self, run: ChatRun, first: ChatStep) -> AsyncGenerator[bytes, None]:
         """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
@@ -646,12 +701,22 @@ class _OtherApis:
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, calls, end: self._response(run, body, text, end, calls),
+                             body=lambda text, calls, end, logprobs: self._response(
+                                 run, body, text, end, calls, logprobs if body.logprobs else None),
                              events=lambda first: self._response_events(run, body, first))
 
-    def _item(self, run: ChatRun, text: str | None, status: str) -> dict[str, object]:
+    @staticmethod
+    def _text_part(text: str, logprobs: Sequence[_Logprob] | None) -> dict[str, object]:
+        """An output_text part; with the logprobs of its tokens when `include` asked for them."""
+        part: dict[str, object] = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = list(logprobs)
+        return part
+
+    def _item(self, run: ChatRun, text: str | None, status: str,
+              logprobs: Sequence[_Logprob] | None = None) -> dict[str, object]:
         """The one output message (no content while it is only announced)."""
-        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        content = [] if text is None else [self._text_part(text, logprobs)]
         return {"id": f"msg_{run.request_id}", "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
@@ -669,11 +734,20 @@ class _OtherApis:
         return {"id": f"fc_{call.id}", "type": "function_call", "status": status, "call_id": call.id,
                 "name": call.name, "arguments": call.arguments if arguments is None else arguments}
 
+    @staticmethod
+    def _top_logprobs(body: _ResponsesBody) -> dict[str, object]:
+        """`top_logprobs` as the response object echoes it: where the request gave it or asked for
+        logprobs (a body without either stays as it was before logprobs were served)."""
+        if body.top_logprobs is None and not body.logprobs:
+            return {}
+        return {"top_logprobs": body.top_logprobs or 0}
+
     def _response(self, run: ChatRun, body: _ResponsesBody, text: str | None,
-                  end: ChatEnd | ErrorInfo | None, calls: Sequence[CalledTool] = (), *,
-                  streamed: bool = False) -> dict[str, object]:
+                  end: ChatEnd | ErrorInfo | None, calls: Sequence[CalledTool] = (),
+                  logprobs: Sequence[_Logprob] | None = None, *, streamed: bool = False) -> dict[str, object]:
         """The response object: in progress (no text, no end), completed, incomplete, or failed.
-        A reply of tool calls alone has no message item, unless a stream announced it already."""
+        A reply of tool calls alone has no message item, unless a stream announced it already.
+        `logprobs` (when `include` asked for them) are every generated token's, as the chat's."""
         output: list[dict[str, object]] = []
         usage: dict[str, object] | None = None
         error: dict[str, str] | None = None
@@ -684,15 +758,16 @@ class _OtherApis:
             status = "failed"
             error = {"code": end.code.value, "message": end.message}
             if text:
-                output.append(self._item(run, text, "incomplete"))
+                output.append(self._item(run, text, "incomplete", logprobs))
         else:
             status = _status(end)
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
             if text or not calls or streamed:
-                output.append(self._item(run, text or "", status))
+                output.append(self._item(run, text or "", status, logprobs))
             output += [self._function_call(call) for call in calls]
-            usage = {"input_tokens": run.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": run.prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": run.cached_tokens or 0},
                      "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": run.prompt_tokens + end.completion_tokens}
         return {
@@ -714,6 +789,7 @@ class _OtherApis:
             "text": {"format": body.text_format()},
             "tool_choice": self._tool_choice(body),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            **self._top_logprobs(body),
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -727,7 +803,13 @@ class _OtherApis:
         response.content_part.done, response.output_item.done, then each function call as an
         item of its own (added, function_call_arguments.delta and .done, output_item.done), then
         response.completed (or response.incomplete at max_output_tokens, as OpenAI sends it); each
-        with its sequence_number. A failure on the way: response.failed."""
+        with its sequence_number. A failure on the way: response.failed.
+
+        With `include` asking for logprobs, each delta carries those of the tokens its step
+        consumed, and a step whose tokens show no text yet (held back for a stop string, a tool
+        call's) sends them in a delta of "" (as the chat's stream sends them in a chunk of ""), so
+        the deltas' logprobs are the done event's and the final output text's, in order; the
+        events' entries are OpenAI's (no `bytes`), the output text's have them."""
         sequence = 0
         item_id = f"msg_{run.request_id}"
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
@@ -740,30 +822,33 @@ class _OtherApis:
         step = first
         texts: list[str] = []
         calls: list[CalledTool] = []
+        logprobs: list[_Logprob] = []  # the steps' (none unless `include` asked for them)
+        shown = logprobs if body.logprobs else None  # as the output text carries them
         try:
             yield event("response.created", response=self._response(run, body, None, None))
             yield event("response.in_progress", response=self._response(run, body, None, None))
             yield event("response.output_item.added", output_index=0,
                         item=self._item(run, None, "in_progress"))
-            yield event("response.content_part.added", **where,
-                        part={"type": "output_text", "text": "", "annotations": []})
+            yield event("response.content_part.added", **where, part=self._text_part("", shown))
             while True:
-                if step.text:
+                logprobs += step.logprobs
+                if step.text or step.logprobs:
                     texts.append(step.text)
-                    yield event("response.output_text.delta", **where, delta=step.text, logprobs=[])
+                    yield event("response.output_text.delta", **where, delta=step.text,
+                                logprobs=_event_logprobs(step.logprobs))
                 calls += step.calls
                 if step.end is not None:
                     break
                 step = await _advance(run)
             whole, end = "".join(texts), step.end
             if isinstance(end, ErrorInfo):
-                yield event("response.failed", response=self._response(run, body, whole, end))
+                yield event("response.failed", response=self._response(run, body, whole, end, (), shown))
                 return
-            yield event("response.output_text.done", **where, text=whole, logprobs=[])
-            yield event("response.content_part.done", **where,
-                        part={"type": "output_text", "text": whole, "annotations": []})
+            yield event("response.output_text.done", **where, text=whole,
+                        logprobs=_event_logprobs(logprobs))
+            yield event("response.content_part.done", **where, part=self._text_part(whole, shown))
             yield event("response.output_item.done", output_index=0,
-                        item=self._item(run, whole, _status(end)))
+                        item=self._item(run, whole, _status(end), shown))
             for index, call in enumerate(calls, start=1):
                 item_id = f"fc_{call.id}"
                 yield event("response.output_item.added", output_index=index,
@@ -773,7 +858,7 @@ class _OtherApis:
                 yield event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                             arguments=call.arguments)
                 yield event("response.output_item.done", output_index=index, item=self._function_call(call))
-            final = self._response(run, body, whole, end, calls, streamed=True)
+            final = self._response(run, body, whole, end, calls, shown, streamed=True)
             yield event(f"response.{_status(end)}", response=final)
         finally:
             await run.cancel()

@@ -26,6 +26,7 @@ import trio
 
 from adapters import kv_pull
 from adapters.internal_wire import (
+    CACHED_TOKENS_PARAM,
     TOKEN_HEADER,
     DecodeBody,
     PrefillBody,
@@ -85,8 +86,12 @@ class HttpxPeers:
         handoffs: HandoffLog | None = None,
         kv_buffer_bytes: int = DEFAULT_KV_BUFFER_BYTES,
         ssl_context: ssl.SSLContext | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
+        """`prompt_tokens_details` (a router with --enable-prompt-tokens-details): ask the nodes
+        how many prompt tokens each prefill took from their prefix cache (`PrefillReply.cached_tokens`)."""
         headers = {TOKEN_HEADER: token} if token else {}
+        self._details = {CACHED_TOKENS_PARAM: "1"} if prompt_tokens_details else None
         # what https:// peers are verified against (never nothing): the system store by default
         self._ssl_context = ssl_context if ssl_context is not None else client_context(None)
         # KV pulls skip httpx (see kv_pull) unless a test injected a transport to route them
@@ -111,7 +116,8 @@ class HttpxPeers:
     ) -> PrefillReply:
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling))
         with transport_errors(node):
-            response = await self.client.post(f"{node}/internal/prefill", json=body.model_dump())
+            response = await self.client.post(f"{node}/internal/prefill", json=body.model_dump(),
+                                              params=self._details)
             await _raise_for_error(node, response)
             try:
                 reply = PrefillReplyBody.model_validate(response.json())
@@ -120,7 +126,7 @@ class HttpxPeers:
                     ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
                 ) from exc
         return PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes,
-                            None if reply.logprobs is None else reply.logprobs.value())
+                            None if reply.logprobs is None else reply.logprobs.value(), reply.cached_tokens)
 
     async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]:
         body = DecodeBody(
@@ -132,7 +138,7 @@ class HttpxPeers:
         )
         with transport_errors(node):
             async with self.client.stream(
-                "POST", f"{node}/internal/decode", json=body.model_dump()
+                "POST", f"{node}/internal/decode", json=body.model_dump(), params=self._details
             ) as response:
                 await _raise_for_error(node, response)
                 async for line in response.aiter_lines():

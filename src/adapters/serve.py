@@ -271,6 +271,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="seconds to finish in-flight requests on SIGTERM (default 30)")
     run.add_argument("--max-in-flight", type=_whole(1), default=256,
                      help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
+    run.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="single, router: report in usage the prompt tokens each request's prefill "
+                          "took from a prefix cache (prompt_tokens_details.cached_tokens, as vLLM's "
+                          "flag; the Responses API's input_tokens_details, Messages' "
+                          "cache_read_input_tokens). Off by default: through a cluster that number "
+                          "may differ from a single node's")
     # tests only (refused unless ENABLE_ENV=1; docs/operations.md): kept out of --help
     run.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
     run.add_argument("--fault-marker", default=DEFAULT_MARKER, help=argparse.SUPPRESS)
@@ -508,7 +514,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
                                                                       max_live=args.max_in_flight)),
-                                 model_name=getattr(args, "served_model_name", None))
+                                 model_name=getattr(args, "served_model_name", None),
+                                 prompt_tokens_details=args.enable_prompt_tokens_details)
         frontend.faults = faults
         frontend.warnings = warnings
         app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
@@ -586,7 +593,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
     faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before any waiting
     model = args.model or demo_model_dir()
-    peers = HttpxPeers(token=args.internal_token, ssl_context=client_context(args.tls.ca_file))
+    peers = HttpxPeers(token=args.internal_token, ssl_context=client_context(args.tls.ca_file),
+                       prompt_tokens_details=args.enable_prompt_tokens_details)
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
     first, first_doc, info = await _fetch_info(peers, prefill + decode)
@@ -614,7 +622,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     frontend = Frontend.load(model, metrics.backend(backend),
-                             model_name=getattr(args, "served_model_name", None))
+                             model_name=getattr(args, "served_model_name", None),
+                             prompt_tokens_details=args.enable_prompt_tokens_details)
     frontend.faults = faults
     frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
 

@@ -40,11 +40,19 @@ class RunnerGeneration:
         runner: NodeRunner[Any],
         request_id: RequestId,
         replies: trio.MemoryReceiveChannel[Reply],
+        context: NodeRequest | RoutedRequest | None = None,
     ) -> None:
         self.runner = runner
         self.request_id = request_id
         self.replies = replies
+        # what the role's performer keeps for the request (its prefill's cached tokens): held
+        # here, since the performer forgets it when the request ends, maybe before it is read
+        self.context = context
         self._ended = False  # the last output (an end or an error) was given
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.context is None else self.context.cached_tokens
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         async with self.replies:
@@ -104,7 +112,7 @@ class RunnerBackend:
         self,
         runner: NodeRunner[Any],
         model_info: Callable[[], ModelInfo],
-        admit: Callable[[GenerationRequest], Event],
+        admit: Callable[[GenerationRequest], tuple[Event, NodeRequest | RoutedRequest]],
         *,
         max_live: int = 256,
         faults: Faults | None = None,
@@ -133,12 +141,12 @@ class RunnerBackend:
                           f"too many requests in flight (limit {self.max_live}); retry shortly")
             )
         await self.faults.at(Phase.INTAKE, request.request_id)
-        first_event = self._admit(request)
+        first_event, context = self._admit(request)
         replies = await self.runner.open(
             request.request_id, request.sampling.max_tokens + _REPLY_SLACK
         )
         await self.runner.post(request.request_id, first_event)
-        return RunnerGeneration(self.runner, request.request_id, replies)
+        return RunnerGeneration(self.runner, request.request_id, replies, context)
 
 
 def local_backend(
@@ -146,9 +154,10 @@ def local_backend(
 ) -> RunnerBackend:
     """A single node: every request prefills and decodes here."""
 
-    def admit(request: GenerationRequest) -> Event:
-        performer.register(request.request_id, NodeRequest(request.prompt, request.sampling))
-        return PrefillLocally()
+    def admit(request: GenerationRequest) -> tuple[Event, NodeRequest]:
+        context = NodeRequest(request.prompt, request.sampling)
+        performer.register(request.request_id, context)
+        return PrefillLocally(), context
 
     return RunnerBackend(
         runner, lambda: performer.engine.info, admit, max_live=max_live, faults=performer.faults
@@ -168,13 +177,14 @@ def router_backend(
 
     A model whose cache cannot travel is refused at intake for every request that would
     need a handoff, with a typed error naming the class — never mid-stream."""
-    def admit(request: GenerationRequest) -> Event:
+    def admit(request: GenerationRequest) -> tuple[Event, RoutedRequest]:
         info = model_info()
         local = len(request.prompt) < local_prefill_below
         if not local and not info.can_travel:
             raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
-        performer.register(request.request_id, RoutedRequest(request.prompt, request.sampling, local=local))
-        return Admitted(len(request.prompt))
+        context = RoutedRequest(request.prompt, request.sampling, local=local)
+        performer.register(request.request_id, context)
+        return Admitted(len(request.prompt)), context
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 

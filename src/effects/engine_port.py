@@ -135,12 +135,14 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class PrefillOutcome:
-    """The result of prefilling one prompt: the first sampled token, the cache held."""
+    """The result of prefilling one prompt: the first sampled token, the cache held, and how many
+    of the prompt's tokens came from the prefix cache instead of being computed (whole chunks)."""
 
     first_token: int
     prompt_tokens: int
     held_bytes: int
     first_logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,7 @@ class FakeEngine:
                  eos_at: int | None = None) -> None:
         self.faults = faults or Faults()
         self.eos_at = eos_at
+        self.cached_tokens = 0  # what every prefill reports it took from a prefix cache
         self._info = info or fake_info()
         self.held: dict[RequestId, bytes] = {}
         self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
@@ -93,7 +94,7 @@ class FakeEngine:
         payload = bytes(t % 256 for t in prompt)
         self.held[request_id] = payload
         first = EOS if self.eos_at == 1 else next_token(prompt)
-        return PrefillOutcome(first, len(prompt), len(payload))
+        return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=self.cached_tokens)
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         try:

@@ -71,6 +71,7 @@ class NodeRequest:
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     kv_out: trio.MemorySendChannel[KvPieces | ErrorInfo] | None = None  # set while a decode node pulls
+    cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
 
 
 def _bug(message: str) -> StatecoreError:
@@ -126,6 +127,7 @@ class EnginePerformer:
                 await self.faults.at(Phase.PREFILL, rid)
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
+                ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
                 if outcome.first_token in eos and not ctx.hands_off and not ctx.sampling.ignore_eos:
                     await post(Finished("stop"))  # a local request whose first token ends it
                 else:
@@ -217,6 +219,7 @@ class RoutedRequest:
     tried: set[str] = field(default_factory=set)
     # (node, the id this attempt used there): what the current attempt may hold remotely
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
+    cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
         """Each retry uses its own id on the nodes, so a late copy of a failed attempt can
@@ -336,6 +339,7 @@ class RouterPerformer:
             self.on_peer_failure(node, error)
 
     async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
+        ctx.cached_tokens = reply.cached_tokens or 0  # set before the first token's event
         if reply.is_eos:
             await post(Finished("stop"))
             return

@@ -81,6 +81,12 @@ class Generation(Protocol):
         """The client went away: cancel and free everything. Idempotent."""
         ...
 
+    @property
+    def cached_tokens(self) -> int:
+        """How many of the prompt's tokens its prefill took from a prefix cache instead of computing
+        them (0 when none did); known once the first output is out."""
+        ...
+
 
 class Backend(Protocol):
     """What generates tokens behind an OpenAI-style front end."""
@@ -103,6 +109,9 @@ class PrefillReply:
     is_eos: bool
     held_bytes: int
     logprobs: TokenLogprobs | None = None
+    # the prompt tokens the prefill took from the node's prefix cache; None: not reported (only a
+    # router that asks for them is told: `Peers(prompt_tokens_details=True)`)
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,8 @@ def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None
 
 
 def test_messages_and_responses_answer_byte_identically_through_the_cluster(cluster: Cluster) -> None:
-    """Anthropic's /v1/messages and OpenAI's /v1/responses, greedy, whole and streamed, with the
+    """Anthropic's /v1/messages and OpenAI's /v1/responses (also with logprobs: the first token's
+    from the prefill node, the rest from the decode node), greedy, whole and streamed, with the
     same request id: the router's bytes are the single node's (a response's `created_at` aside)."""
     model = httpx.get(f"{cluster.single.url}/v1/models", timeout=30).json()["data"][0]["id"]
     calls: list[tuple[str, dict[str, Any]]] = [
@@ -96,14 +97,16 @@ def test_messages_and_responses_answer_byte_identically_through_the_cluster(clus
                           "messages": [{"role": "user", "content": STORY}]}),
         ("/v1/responses", {"model": model, "max_output_tokens": 12, "temperature": 0,
                            "instructions": "Be brief.", "input": STORY}),
+        ("/v1/responses", {"model": model, "max_output_tokens": 12, "temperature": 0, "input": STORY,
+                           "include": ["message.output_text.logprobs"], "top_logprobs": 3}),
     ]
-    for path, body in calls:
+    for number, (path, body) in enumerate(calls):
         for stream in (False, True):
             answers = []
+            request_id = f"same{path.replace('/', '-')}-{number}-{stream}"
             for node in (cluster.router, cluster.single):
                 response = httpx.post(f"{node.url}{path}", json={**body, "stream": stream},
-                                      headers={"X-Request-Id": f"same{path.replace('/', '-')}-{stream}"},
-                                      timeout=120)
+                                      headers={"X-Request-Id": request_id}, timeout=120)
                 assert response.status_code == 200, (node.role, response.text)
                 answers.append(re.sub(rb'"created_at":\d+', b'"created_at":0', response.content))
             assert answers[0] == answers[1], (path, stream)
@@ -111,6 +114,8 @@ def test_messages_and_responses_answer_byte_identically_through_the_cluster(clus
                 doc = json.loads(answers[0])
                 content = doc["content"] if path == "/v1/messages" else doc["output"][0]["content"]
                 assert content[0]["text"], doc  # something was generated to compare
+                if "include" in body:
+                    assert content[0]["logprobs"], doc
     assert_no_leaks(cluster.nodes)
 
 

@@ -164,6 +164,29 @@ def test_responses_whole_and_streamed(cluster: Cluster) -> None:
     assert isinstance(json.loads(as_json["output"][0]["content"][0]["text"])["ok"], bool)
 
 
+def test_responses_logprobs_are_the_chats_whole_and_streamed(cluster: Cluster) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the numbers the chat's
+    `logprobs` gives for the same prompt (greedy), on a single node and through the cluster."""
+    params: dict[str, Any] = {"model": MODEL, "input": STORY, "instructions": "Be brief.",
+                              "max_output_tokens": 10, "temperature": 0, "top_logprobs": 3,
+                              "include": ["message.output_text.logprobs"]}
+    chat = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *USER], max_tokens=10,
+        temperature=0, logprobs=True, top_logprobs=3).model_dump())
+    expected = chat["choices"][0]["logprobs"]["content"]
+    assert len(expected) == 10 and all(len(entry["top_logprobs"]) == 3 for entry in expected)
+    whole = same_on_both(cluster, lambda node: client(node).responses.create(**params).model_dump())
+    [part] = whole["output"][0]["content"]
+    assert whole["top_logprobs"] == 3 and part["logprobs"] == expected
+    assert part["text"] == chat["choices"][0]["message"]["content"]
+    events = same_on_both(cluster, lambda node: dumped(client(node).responses.create(**params, stream=True)))
+    in_events = [{"token": e["token"], "logprob": e["logprob"], "top_logprobs": [
+        {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]} for e in expected]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [entry for delta in deltas for entry in delta["logprobs"]] == in_events
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+
+
 def test_messages_whole_and_streamed(cluster: Cluster) -> None:
     params: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "system": "Be brief.",
                               "messages": [{"role": "user", "content": STORY}], "stop_sequences": ["the"],

@@ -1,9 +1,11 @@
 """Prefix-aware routing on real processes: a follow-up prompt goes to the prefill node whose prefix
 cache holds its start (not the least-loaded one), reuses the blocks there, and its output is the
-single node's."""
+single node's. A router with --enable-prompt-tokens-details tells the client how many prompt
+tokens came from that cache."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -11,7 +13,17 @@ import httpx
 import pytest
 
 from adapters.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, router, start_cluster, start_nodes
+from tests.e2e.harness import (
+    Cluster,
+    Node,
+    assert_no_leaks,
+    post,
+    router,
+    start_cluster,
+    start_nodes,
+    stream_events,
+    without_ids,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -92,3 +104,33 @@ def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_nod
                        node_role="prefill") == 1
     finally:
         assert plain.stop() == 0
+
+
+def test_with_prompt_tokens_details_the_client_sees_the_prefill_nodes_cached_tokens(
+    cluster: tuple[Cluster, Node], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The count travels from the prefill node's engine through its reply to the router's usage
+    (whole and streamed); the router without the flag answers today's body, less the details."""
+    built, _ = cluster
+    detailed = router(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-details") / "router.log",
+                      built.prefill, built.decode, "--force-disaggregation", "--enable-prompt-tokens-details")
+    start_nodes([detailed])
+    try:
+        prompt = " ".join(f"A gull circled mast {i} of the old schooner." for i in range(8))
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+        first = post(detailed, "/v1/completions", body).json()
+        tokens = first["usage"]["prompt_tokens"]
+        assert tokens > 32 and first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        hits = sum(node.stats()["prefix_cache_hits"] for node in built.prefill)
+        events = stream_events(detailed, "/v1/completions",
+                               {**body, "stream": True, "stream_options": {"include_usage": True}})
+        usage = json.loads(events[-2])["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": (tokens - 1) // 16 * 16}  # whole blocks
+        assert sum(node.stats()["prefix_cache_hits"] for node in built.prefill) == hits + 1
+        plain = post(built.router, "/v1/completions", body).json()
+        assert "prompt_tokens_details" not in plain["usage"]
+        del first["usage"]["prompt_tokens_details"]
+        assert without_ids(plain) == without_ids(first)
+        assert_no_leaks([*built.nodes, detailed])
+    finally:
+        assert detailed.stop() == 0

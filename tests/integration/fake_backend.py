@@ -54,6 +54,7 @@ class FakeGeneration:
         self.cancels = 0
         self.yielded = 0
         self.taken_nowait = 0  # of `yielded`, the outputs `receive_nowait` gave
+        self.cached_tokens = 0  # what the prefill would have taken from a prefix cache
         self._next = 0
         self._closed = trio.Event()
 

@@ -29,6 +29,7 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
+from adapters.mlx import device as device_module
 from adapters.mlx.sampling import PositionSampler
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
@@ -77,6 +78,7 @@ class Opener(Protocol):
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
         prefill_memory_cap: str = ...,
+        warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
 
@@ -702,6 +704,37 @@ async def test_device_time_counts_the_steps_and_rows_a_request_took(open_engine:
     assert after["decode_rows"][1] == 0.0
 
 
+async def test_the_load_warm_up_request_leaves_nothing_behind(open_engine: Opener) -> None:
+    """Forced on (it runs by default on MLX's CUDA backend only): after the load's request of two
+    chunks and a token, nothing is held or reserved, the prefix cache is empty with its counters
+    at 0, and a request is still exactly mlx-lm's."""
+    engine = await open_engine(cached_checkpoint("llama"), warm_request=True, prefix_cache_bytes=1 << 26)
+    assert engine.device_profile()["prefill_chunks"][0] >= 3  # its chunks did run
+    stats = holdings(engine)
+    assert stats == IDLE, stats
+    full = engine.statistics()
+    assert (full.prefix_cache_bytes, full.prefix_cache_queries, full.prefix_cache_hits) == (0, 0, 0)
+    prompt = prompt_of(40, salt=4)
+    assert await single(engine, RequestId("after"), prompt) == reference(cached_checkpoint("llama"), prompt)
+
+
+async def test_a_slow_step_is_kept_with_where_its_time_went(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the threshold at 0 every step counts as slow: the prefill's step lists its prefill
+    unit and its prefill time, each decode step its row, and no part exceeds the step."""
+    monkeypatch.setattr(device_module, "SLOW_STEP_S", 0.0)
+    engine = await open_engine(cached_checkpoint("llama"))
+    tokens = await single(engine, RequestId("t"), prompt_of(40, salt=3), replace(GREEDY, max_tokens=8))
+    assert len(tokens) == 8
+    steps = engine.slow_steps()
+    assert any(step.prefill_units == 1 and dict(step.parts).get("prefill_chunks", 0.0) > 0 for step in steps)
+    assert sum(step.decode_rows for step in steps) >= 7
+    for step in steps:
+        assert all(0 < seconds <= step.seconds for _, seconds in step.parts), step
+        assert [seconds for _, seconds in step.parts] == sorted((s for _, s in step.parts), reverse=True)
+
+
 async def test_the_prefix_summary_lists_kept_blocks_and_says_when_nothing_changed(
     open_engine: Opener
 ) -> None:
@@ -760,6 +793,40 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
+
+
+async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
+    open_engine: Opener
+) -> None:
+    """`PrefillOutcome.cached_tokens`: what a client's usage reports (prompt_tokens_details). A
+    first prompt computes everything; one that starts like it takes its whole shared chunks; a
+    prefill that raised and started again computed them all after all; no cache, nothing."""
+    path = cached_checkpoint("llama")
+    flaky = RequestId("again")
+    raised: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "prefill" and flaky in request_ids and not raised:
+            raised.append(flaky)
+            raise RuntimeError("injected: a prefill call raised")
+
+    cached = await open_engine(path, model_call_hook=hook)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+
+    async def cached_tokens(engine: MlxEngine, rid: str, prompt: Sequence[int]) -> int:
+        outcome = await engine.prefill(RequestId(rid), prompt, GREEDY)
+        await engine.release_held(RequestId(rid))
+        return outcome.cached_tokens
+
+    first = prompt_of(70, salt=4)  # chunks of 16: blocks end at 16, 32, 48 and 64
+    follow_up = first[:50] + prompt_of(30, salt=9)  # shares three whole blocks
+    assert await cached_tokens(cached, "a", first) == 0
+    assert await cached_tokens(cached, "b", follow_up) == 48
+    assert await cached_tokens(cached, "c", first) == 64  # the last 6 are computed, as always
+    assert await cached_tokens(cached, "d", first[:40]) == 32
+    assert await cached_tokens(cached, flaky, [*first[:66], 5, 6, 7]) == 0 and raised == [flaky]
+    assert cached.statistics().prefix_tokens_reused == 48 + 64 + 32 + 64  # the flaky one's lookup
+    assert [await cached_tokens(plain, rid, first) for rid in ("a", "c")] == [0, 0]
 
 
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:

@@ -26,6 +26,7 @@ from starlette.applications import Starlette
 from adapters.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
+from statecore.events import TokenLogprobs
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
 
 CONTEXT = 256
@@ -392,6 +393,15 @@ BAD_RESPONSES: list[tuple[dict[str, Any], int, str, str]] = [
      422, "input[0].content[1]", "content parts of type 'input_image'"),
     ({"input": [*HI, {"type": "web_search_call", "id": "ws_1"}]}, 422, "input[1]",
      "input items of type 'web_search_call'"),
+    ({"input": "Hi", "top_logprobs": 21}, 400, "top_logprobs", "top_logprobs: Input should be less than"),
+    ({"input": "Hi", "top_logprobs": "2"}, 400, "top_logprobs", "top_logprobs: Input should be a valid int"),
+    ({"input": "Hi", "top_logprobs": 2}, 400, "top_logprobs",
+     "needs include: ['message.output_text.logprobs']"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, 422,
+     "include[1]", "'reasoning.encrypted_content' is not served yet"),
+    ({"input": "Hi", "include": ["message.output_text.logprob"]}, 400, "include[0]",
+     "include[0]: Input should be"),
+    ({"input": "Hi", "include": "message.output_text.logprobs"}, 400, "include", "include: Input should be"),
 ]
 
 
@@ -641,3 +651,163 @@ async def test_count_tokens_is_the_prompt_a_message_would_be(
     assert wrong.status_code == 404 and wrong.json()["type"] == "error", wrong.text
     empty = await client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": []})
     assert empty.status_code == 400 and empty.json()["error"]["type"] == "invalid_request_error", empty.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs on /v1/responses: the chat's, in the output text and the stream's text events
+
+LOGPROBS: Any = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+
+def with_logprobs(frontend: Frontend, text: str) -> list[ScriptItem]:
+    """`say`, each token carrying a made-up logprob (-0.25 x its place) and two alternatives."""
+    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
+    return [*(TokenOut(int(t), TokenLogprobs(-0.25 * i, ((int(t), -0.25 * i), (7, -9.5))))
+              for i, t in enumerate(ids)), GenerationEnd("stop")]
+
+
+def in_events(entries: list[Any]) -> list[Any]:
+    """The chat's logprobs entries as the Responses stream's text events carry them (no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
+async def chat_logprobs(client: httpx.AsyncClient, backend: FakeBackend, body: dict[str, Any]) -> Any:
+    """The chat's logprobs content for `body` (its script already queued) and its sampling."""
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["content"], backend.last.request.sampling
+
+
+async def test_response_logprobs_are_the_chats_in_the_output_text_and_each_text_event(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "Hello world, and again"
+    backend.scripts.extend([with_logprobs(frontend, text) for _ in range(5)])
+    expected, sampling = await chat_logprobs(client, backend, {"messages": HI, "logprobs": True,
+                                                               "top_logprobs": 2})
+    whole = (await client.post("/v1/responses", json={"input": "Hi", **LOGPROBS})).json()
+    assert backend.last.request.sampling == sampling and sampling.logprobs == 2
+    assert whole["top_logprobs"] == 2
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": expected}
+    assert whole["output"][0]["content"] == [part] and len(expected) == tokens(frontend, text)
+
+    events = named_events((await client.post("/v1/responses", json={"input": "Hi", "stream": True,
+                                                                    **LOGPROBS})).text)
+    by_name = dict(events)
+    assert by_name["response.content_part.added"]["part"] == {**part, "text": "", "logprobs": []}
+    deltas = [data for name, data in events if name == "response.output_text.delta"]
+    assert len(deltas) > 1
+    for delta in deltas:  # each delta carries its own tokens'
+        assert delta["delta"] and "".join(entry["token"] for entry in delta["logprobs"]) == delta["delta"]
+    assert [entry for delta in deltas for entry in delta["logprobs"]] == in_events(expected)
+    assert by_name["response.output_text.done"]["logprobs"] == in_events(expected)
+    assert by_name["response.content_part.done"]["part"] == part
+    assert by_name["response.output_item.done"]["item"]["content"] == [part]
+    assert no_ids(by_name["response.completed"]["response"]) == no_ids(whole)
+    assert by_name["response.created"]["response"]["top_logprobs"] == 2
+
+    # include alone asks for the chosen tokens' logprobs without alternatives (top_logprobs 0)
+    expected, sampling = await chat_logprobs(client, backend, {"messages": HI, "logprobs": True})
+    alone = (await client.post("/v1/responses", json={"input": "Hi", "include": LOGPROBS["include"]})).json()
+    assert backend.last.request.sampling == sampling and sampling.logprobs == 0
+    assert alone["top_logprobs"] == 0 and alone["output"][0]["content"][0]["logprobs"] == expected
+    # a stream that fails on the way: response.failed has the text made so far, with its logprobs
+    backend.scripts.append([*with_logprobs(frontend, "Hello")[:-1], GenerationError(peer_error("lost"))])
+    events = named_events((await client.post("/v1/responses", json={"input": "Hi", "stream": True,
+                                                                    **LOGPROBS})).text)
+    assert events[-1][0] == "response.failed"
+    [part] = events[-1][1]["response"]["output"][0]["content"]
+    assert part["text"] == "Hello" == "".join(entry["token"] for entry in part["logprobs"])
+
+
+async def test_without_include_a_response_has_no_logprobs_as_before(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """No `include`: nothing asked of the engine, and the body and events are what they were
+    before logprobs were served (`logprobs: []` on the text events, as OpenAI sends them)."""
+    bodies: list[dict[str, Any]] = [{"input": "Hi"}, {"input": "Hi", "include": [], "top_logprobs": None}]
+    for body in bodies:
+        backend.scripts.append(with_logprobs(frontend, "Hello world"))
+        whole = (await client.post("/v1/responses", json=body)).json()
+        assert backend.last.request.sampling.logprobs is None
+        assert "top_logprobs" not in whole
+        assert whole["output"][0]["content"] == [
+            {"type": "output_text", "text": "Hello world", "annotations": []}]
+        backend.scripts.append(with_logprobs(frontend, "Hello world"))
+        events = named_events((await client.post("/v1/responses", json={**body, "stream": True})).text)
+        assert [data["logprobs"] for name, data in events if name.startswith("response.output_text.")] == [
+            [] for name, _ in events if name.startswith("response.output_text.")]
+        assert "top_logprobs" not in events[0][1]["response"] and '"logprobs":[{' not in json.dumps(events)
+    # top_logprobs 0 without include asks for nothing either; it is echoed
+    backend.scripts.append(with_logprobs(frontend, "Hello world"))
+    zero = (await client.post("/v1/responses", json={"input": "Hi", "top_logprobs": 0})).json()
+    assert backend.last.request.sampling.logprobs is None and zero["top_logprobs"] == 0
+    assert "logprobs" not in zero["output"][0]["content"][0]
+
+
+async def test_a_response_range_error_on_top_logprobs_is_the_chats(client: httpx.AsyncClient) -> None:
+    for value in (21, -1, 2.5):
+        chat = await client.post("/v1/chat/completions", json={"messages": HI, "logprobs": True,
+                                                               "top_logprobs": value})
+        response = await client.post("/v1/responses", json={"input": "Hi", **LOGPROBS, "top_logprobs": value})
+        assert response.status_code == chat.status_code == 400 and response.json() == chat.json()
+
+
+async def test_logprobs_of_text_held_back_for_a_tool_call_come_in_empty_deltas(
+    client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
+) -> None:
+    """The tokens of a call's text show no output text: their logprobs still come, in deltas of
+    "" (as the chat's stream sends them in chunks of ""), and the output text has every token's."""
+    backend.info = fake_model_info(context_length=2048)  # the tools take room in each prompt
+    reply = "Let me look. " + CALL
+    backend.scripts.extend([with_logprobs(frontend, reply) for _ in range(3)])
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    expected, sampling = await chat_logprobs(client, backend, {
+        "messages": HI, "tools": chat_tools, "logprobs": True, "top_logprobs": 2})
+    body = {"input": "Hi", "tools": [{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+            **LOGPROBS}
+    same = {"X-Request-Id": "held"}  # the call ids are the request's
+    whole = (await client.post("/v1/responses", json=body, headers=same)).json()
+    assert backend.last.request.sampling == sampling
+    assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    [part] = whole["output"][0]["content"]
+    assert part["logprobs"] == expected and len(expected) == tokens(frontend, reply)
+    streamed = await client.post("/v1/responses", json={**body, "stream": True}, headers=same)
+    events = named_events(streamed.text)
+    deltas = [data for name, data in events if name == "response.output_text.delta"]
+    assert "".join(delta["delta"] for delta in deltas) == part["text"]
+    assert [delta["delta"] for delta in deltas if not delta["delta"]]  # the call's tokens'
+    assert [entry for delta in deltas for entry in delta["logprobs"]] == in_events(expected)
+    assert no_ids(events[-1][1]["response"]) == no_ids(whole)
+
+
+async def test_the_openai_client_reads_response_logprobs_whole_and_streamed(
+    gpt: openai.AsyncOpenAI, backend: FakeBackend, frontend: Frontend
+) -> None:
+    text = "Hello world, and again"
+    backend.scripts.extend([with_logprobs(frontend, text) for _ in range(4)])
+    messages: Any = HI
+    chat = await gpt.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    asked: Any = {"model": "tiny", "input": "Hi", "top_logprobs": 2,
+                  "include": ["message.output_text.logprobs"]}
+    response = await gpt.responses.create(**asked)
+    assert response.top_logprobs == 2 and response.output_text == text
+    item: Any = response.output[0]
+    part = item.content[0]
+    assert part.type == "output_text" and [entry.model_dump() for entry in part.logprobs] == expected
+
+    stream = await gpt.responses.create(**asked, stream=True)
+    got: list[Any] = [event async for event in stream]
+    deltas = [event for event in got if event.type == "response.output_text.delta"]
+    assert [entry.model_dump() for event in deltas for entry in event.logprobs] == in_events(expected)
+    [done] = [event for event in got if event.type == "response.output_text.done"]
+    assert [entry.model_dump() for entry in done.logprobs] == in_events(expected)
+    final = got[-1].response.output[0].content[0]
+    assert [entry.model_dump() for entry in final.logprobs] == expected
+    async with gpt.responses.stream(**asked) as helper:
+        finished: Any = await helper.get_final_response()
+    assert [entry.model_dump() for entry in finished.output[0].content[0].logprobs] == expected

@@ -38,11 +38,12 @@ def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and
         "--inject-fault", "prefill", "--inject-fault", "install:slow=1", "--force-disaggregation",
         "--internal-token", "s3cret", "--listen-fd", "5", "--max-batch", "32",  # 32: the default
         "--api-key", "k3y", "--api-key-protects", "metrics, health", "--allowed-origins", "*",
+        "--enable-prompt-tokens-details",
     ])
     forwarded = _forwarded_serving_flags(args)
     assert forwarded == [  # in the order the flags are declared
         "--force-disaggregation", "--api-key-protects", "health,metrics", "--allowed-origins", "*",
-        "--kv-lease", "5.0", "--max-in-flight", "7",
+        "--kv-lease", "5.0", "--max-in-flight", "7", "--enable-prompt-tokens-details",
         "--inject-fault", "prefill", "--inject-fault", "install:slow=1",
         "--log-json", "--log-level", "DEBUG",
     ]

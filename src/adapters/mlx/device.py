@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -79,13 +80,15 @@ from statecore.scheduling import (
     prefill_work_bytes,
 )
 
-__all__ = ["DeviceLoop", "Held", "Live", "Settings"]
+__all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 
 _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
+SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
+_SLOW_STEPS_KEPT = 32
 
 
 def compiles(mode: str) -> bool:
@@ -98,6 +101,18 @@ def compiles(mode: str) -> bool:
 
 class InjectedCrash(Exception):
     """Raised outside any job by a Crash sentinel."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlowStep:
+    """One step that took `SLOW_STEP_S` or more: what it computed and where its time went."""
+
+    at: float  # time.time() when it ended
+    seconds: float
+    decode_rows: int
+    prefill_units: int
+    new_traces: int  # slot-step shapes traced in this step (each a graph build, then MLX's compile)
+    parts: tuple[tuple[str, float], ...]  # (profile kind, seconds in this step), largest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +245,7 @@ class DeviceLoop:
             kind: (0, 0.0) for kind in ("step", "decode_build", "decode_rows", "prefill_chunks",
                                         "prefill_batched", "launch", "readback", "other_job")
         }
+        self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -449,6 +465,8 @@ class DeviceLoop:
     def step(self) -> None:
         """Build and start this step, then read back the previous one."""
         started = time.perf_counter()
+        spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
+        traces_before = 0 if self.compiled is None else self.compiled.traces
         for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
             del self.waiting[rid]
             self.unreserve(rid)
@@ -491,7 +509,21 @@ class DeviceLoop:
             self.inflight = None
             self.read_back(current)
         self.account("step", started)
+        elapsed = time.perf_counter() - started
+        if elapsed >= SLOW_STEP_S:
+            self.note_slow_step(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces_before)
         self.publish()
+
+    def note_slow_step(self, elapsed: float, rows: int, units: int, spent_before: dict[str, float],
+                       traces_before: int) -> None:
+        parts = sorted(((kind, seconds - spent_before[kind]) for kind, (_, seconds) in self.profile.items()
+                        if kind not in ("step", "decode_rows") and seconds > spent_before[kind]),
+                       key=lambda part: -part[1])
+        traces = 0 if self.compiled is None else self.compiled.traces - traces_before
+        self.slow_steps.append(SlowStep(time.time(), elapsed, rows, units, traces, tuple(parts)))
+        where = ", ".join(f"{kind} {seconds * 1000:.0f} ms" for kind, seconds in parts)
+        logger.debug("slow step: %.0f ms, %d decode rows, %d prefill units, %d new traces, %s",
+                     elapsed * 1000, rows, units, traces, where)
 
     def build_slot_step(self, rows: list[Live], current: _InFlight) -> list[Any]:
         """Every slot row's token in one model call.
@@ -775,6 +807,11 @@ class DeviceLoop:
         assert self.prefix is not None and task.cache is not None
         return self.prefix.keep(task.block_keys, chunk, task.cache)
 
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache, counters included (after the load's warm-up request)."""
+        if self.prefix is not None:
+            self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
         if self.prefix is None:
@@ -784,7 +821,7 @@ class DeviceLoop:
         if cache is None:
             return
         task.cache = cache
-        task.done_tokens = count * self.settings.prefill_chunk_size
+        task.done_tokens = task.cached_tokens = count * self.settings.prefill_chunk_size
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
@@ -833,7 +870,7 @@ class DeviceLoop:
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
                 logprobs = read_logprobs(task.sampler.take_logprobs())
-                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs)
+                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens)
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         self.account("readback", started)

@@ -33,7 +33,7 @@ from adapters import kv_wire
 from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
-from adapters.mlx.device import DeviceLoop, Live, Settings
+from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
@@ -120,6 +120,7 @@ class MlxEngine:
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
         prefill_memory_cap: str = "auto",
+        warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
@@ -171,6 +172,12 @@ class MlxEngine:
         whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
         (`adapters.mlx.prefix_cache`): they start after the cached chunks, with the same numbers.
         The kept blocks give way to any request that needs their memory.
+
+        `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
+        MLX's CUDA backend) sends one request of two chunks and a token through the serving path
+        at the end of the load, then forgets it: every kind of work a long prompt brings (its
+        chunks, the prefix cache's copies, its row in the slot pool, the traced step at a long
+        length) has then run once before the first client's request.
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
@@ -226,10 +233,41 @@ class MlxEngine:
         engine._device.model_call_hook = model_call_hook
         try:
             engine._info = await engine._call(engine._load_on_device)
+            if (engine._device.bucket > 0 and on_cuda()) if warm_request is None else warm_request:
+                await engine._warm_serving_path()
         except BaseException:
             await engine.aclose()
             raise
         return engine
+
+    async def _warm_serving_path(self) -> None:
+        """One request of two chunks and a token, prefilled and decoded a few tokens as any other,
+        then forgotten (the prefix cache starts empty again). On MLX's CUDA backend the first use
+        of a kind of work (a kernel compiled at run time, a cuBLASLt plan) costs up to ~0.5 s on
+        the host; paid here, it does not stall the streams decoding beside the first long prompt.
+        A model or budget too small for such a request is warmed as far as it goes."""
+        started = time.perf_counter()
+        info = self.info
+        length = max(1, min(2 * self._settings.prefill_chunk_size + 1, info.context_length - 8))
+        prompt = [1 + i % max(1, min(info.vocab_size - 1, 997)) for i in range(length)]
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+        rid = RequestId("statecore-warm-up")
+        try:
+            outcome = await self.prefill(rid, prompt, sampling)
+            await self.decode_held(rid, prompt, outcome.first_token, sampling)
+            async for _ in self.stream(rid):
+                pass
+        except StatecoreError as exc:
+            logger.info("the load's warm-up request stopped early: %s", exc)
+            await self.cancel(rid)
+            await self.release_held(rid)
+        def forget() -> None:
+            self._device.forget_prefixes()
+            self._publish()
+
+        await self._call(forget)
+        logger.info("warmed the serving path with a %d-token request in %.1f s", length,
+                    time.perf_counter() - started)
 
     @property
     def info(self) -> ModelInfo:
@@ -400,6 +438,10 @@ class MlxEngine:
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
         return dict(self._device.profile)
+
+    def slow_steps(self) -> list[SlowStep]:
+        """The latest steps that took `SLOW_STEP_S` or more, oldest first (for benchmarks)."""
+        return list(self._device.slow_steps)
 
     async def aclose(self, join_timeout_s: float | None = None) -> None:
         """Stop the device thread; every held cache and live request is dropped.

@@ -56,10 +56,13 @@ class PrefillTask:
     job: Any = field(default=None, repr=False)
     retried: bool = False  # restarted once after its model call raised
     block_keys: list[bytes] = field(default_factory=list)  # the prefix cache's names of its whole chunks
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
 
     def restart(self) -> None:
-        """Forget what was computed: the next step starts the prompt again from its first chunk."""
+        """Forget what was computed: the next step starts the prompt again from its first chunk
+        (computing the cached ones too)."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
+        self.cached_tokens = 0
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
         self.sampler.restart(self.tokens)
         self.retried = True
