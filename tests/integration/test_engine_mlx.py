@@ -481,6 +481,55 @@ async def test_a_unit_over_the_budget_runs_alone(open_engine: Opener,
     assert stats.activation_overruns >= len(prompts) and stats.prefill_capped_steps >= len(prompts) - 1
 
 
+async def test_kept_prefixes_give_way_to_the_oldest_prompt_s_prefill(open_engine: Opener) -> None:
+    """The blocks one prompt left in the prefix cache take the room a later prompt's chunks need
+    beside its reservation: they are evicted, not run over (no overrun), and the tokens stay
+    mlx-lm's."""
+    from statecore.scheduling import chunk_activation_bytes, prefill_chunks
+
+    path = cached_checkpoint("llama")
+    first, later = prompt_of(40, salt=4), prompt_of(40, salt=9)  # blocks end at 16 and 32
+    probe = await open_engine(path)
+    assert await single(probe, RequestId("a"), first) == reference(path, first)
+    kept = probe.statistics().prefix_cache_bytes
+    device = probe._device
+    assert device.shape is not None and kept > 0
+    chunks = prefill_chunks(len(later), CHUNK)
+    largest = max(chunk_activation_bytes(device.shape, chunks, device.bucket))
+    # The later prompt's reservation and its largest chunk fit; with the first's blocks beside
+    # them, not (the first's own chunks fit beside its own blocks, which grow as it goes).
+    budget = device.cost.of(len(later) + GREEDY.max_tokens) + largest + kept - 1
+    engine = await open_engine(path, kv_memory_bytes=budget, prefix_cache_bytes=budget)
+    assert not engine._device.slot_lane and engine._device.settings.prefill_memory_cap
+    assert await single(engine, RequestId("a"), first) == reference(path, first)
+    before = engine.statistics()
+    assert before.prefix_cache_bytes == kept and before.activation_overruns == 0
+    assert await single(engine, RequestId("b"), later) == reference(path, later)
+    after = engine.statistics()
+    assert after.prefix_cache_evictions > before.prefix_cache_evictions
+    assert after.activation_overruns == 0
+
+
+async def test_a_whole_chunk_over_the_budget_is_logged_at_load(open_engine: Opener,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where one whole prefill chunk's estimate alone is over the budget, every prompt that long
+    overruns it: the engine says so at load, naming the chunk size as the lever (not without the cap)."""
+    from statecore.scheduling import activation_bytes
+
+    path = cached_checkpoint("llama")
+    probe = await open_engine(path)
+    assert probe._device.shape is not None
+    chunk = activation_bytes(probe._device.shape, 1, CHUNK, CHUNK)
+    for cap, warned in (("off", False), ("on", True)):
+        caplog.clear()
+        await open_engine(path, kv_memory_bytes=chunk - 1, prefill_memory_cap=cap)
+        said = [r.getMessage() for r in caplog.records if "whole prefill chunk" in r.getMessage()]
+        assert bool(said) is warned and all("--prefill-chunk-size" in line for line in said)
+    caplog.clear()
+    await open_engine(path, kv_memory_bytes=chunk)
+    assert not [r for r in caplog.records if "whole prefill chunk" in r.getMessage()]
+
+
 def test_the_activation_estimate_bounds_a_prefill_s_measured_peak() -> None:
     """`statecore.scheduling`'s estimate against the allocator on the CPU (where attention scores
     are materialized): one prompt's prefill and batched short prompts each peak (above what

@@ -341,7 +341,8 @@ def test_under_the_cap_every_prompt_is_scheduled(prompts: list[list[tuple[int, i
         waiting = [WaitingPrefill(rid, order[rid], tuple(t for t, _ in left)) for rid, left in units.items()]
         plan = plan_step(0, waiting, budget)
         work = {w.request_id: w for w in plan.prefills}
-        finishing = sorted((rid for rid, w in work.items() if w.finishes and w.units == 1), key=order.__getitem__)
+        finishing = sorted((rid for rid, w in work.items() if w.finishes and w.units == 1),
+                           key=order.__getitem__)
         grouped = finishing if batch and len(finishing) > 1 else []
         calls: list[tuple[int, list[int], list[str]]] = []
         if grouped:

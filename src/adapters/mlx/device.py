@@ -738,8 +738,9 @@ class DeviceLoop:
         """Under a memory budget: of the planned prefill work, what fits beside the KV held and
         reserved now and the decode rows' activations (`statecore.scheduling.fit_activations`).
         A batched group keeps its oldest members (one left runs alone); a prompt keeps its first
-        units; the oldest planned prompt always advances, alone when even that is over. What is
-        left out waits for a later step, its place in line kept."""
+        units; the oldest planned prompt always advances, alone when even that is over (kept
+        prefix blocks are evicted first as far as that makes it fit). What is left out waits for
+        a later step, its place in line kept."""
         shape = self.shape
         assert shape is not None
         planned = {task.request_id: units for task, units in tasks}
@@ -771,8 +772,12 @@ class DeviceLoop:
         decode = activation_bytes(shape, rows, 1, max((live.limit for live in self.live.values()), default=1),
                                   sampled=True) if rows else 0
         pool = 0 if self.pool is None else self.pool.nbytes
-        kept_prefix = 0 if self.prefix is None else self.prefix.nbytes
-        room = self.settings.kv_memory_bytes - pool - self.reserved_bytes - kept_prefix
+        room = self.settings.kv_memory_bytes - pool - self.reserved_bytes
+        if self.prefix is not None:
+            # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
+            if calls:
+                self.prefix.evict(calls[0][1][0] + decode - (room - self.prefix.nbytes))
+            room -= self.prefix.nbytes
         kept = fit_activations([costs for _, costs, _, _ in calls], room - decode)
         fitted_groups: list[list[PrefillTask]] = []
         units_now: dict[str, int] = {}
@@ -811,6 +816,11 @@ class DeviceLoop:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
         if self.prefix is not None:
             self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+
+    def forget_activation_counts(self) -> None:
+        """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
+        count serving traffic."""
+        self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
 
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""

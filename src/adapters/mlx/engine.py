@@ -263,6 +263,7 @@ class MlxEngine:
             await self.release_held(rid)
         def forget() -> None:
             self._device.forget_prefixes()
+            self._device.forget_activation_counts()
             self._publish()
 
         await self._call(forget)
