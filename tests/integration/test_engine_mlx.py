@@ -834,7 +834,10 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
         assert small.statistics().prefix_cache_bytes <= one_block
     # kept blocks give way: SMALL_BUDGET holds one of these requests (~650 KB reserved) or the
     # blocks of one (~500 KB), not both, and nothing else is live: the second is not refused
-    tight = await open_engine(path, kv_memory_bytes=SMALL_BUDGET, prefix_cache_bytes=SMALL_BUDGET)
+    # (admission's eviction: the prefill memory cap, off here, would evict them earlier, for a
+    # chunk's activations; test_kept_prefixes_give_way_to_the_oldest_prompt_s_prefill)
+    tight = await open_engine(path, kv_memory_bytes=SMALL_BUDGET, prefix_cache_bytes=SMALL_BUDGET,
+                              prefill_memory_cap="off")
     long_a, long_b = prompt_of(1000, salt=1), prompt_of(1000, salt=2)
     eight = SamplingParams(max_tokens=8)
     assert await single(tight, RequestId("la"), long_a, eight) == reference(path, long_a, 8)
