@@ -512,21 +512,22 @@ async def test_kept_prefixes_give_way_to_the_oldest_prompt_s_prefill(open_engine
 
 async def test_a_whole_chunk_over_the_budget_is_logged_at_load(open_engine: Opener,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    """Where one whole prefill chunk's estimate alone is over the budget, every prompt that long
-    overruns it: the engine says so at load, naming the chunk size as the lever (not without the cap)."""
+    """Where one whole prefill chunk's estimate is over what the budget leaves beside its own KV
+    on an idle node, every prompt that long overruns it: the engine says so at load, naming the
+    chunk size as the lever (not without the cap)."""
     from statecore.scheduling import activation_bytes
 
     path = cached_checkpoint("llama")
     probe = await open_engine(path)
     assert probe._device.shape is not None
-    chunk = activation_bytes(probe._device.shape, 1, CHUNK, CHUNK)
+    least = activation_bytes(probe._device.shape, 1, CHUNK, CHUNK) + probe._device.cost.of(CHUNK)
     for cap, warned in (("off", False), ("on", True)):
         caplog.clear()
-        await open_engine(path, kv_memory_bytes=chunk - 1, prefill_memory_cap=cap)
+        await open_engine(path, kv_memory_bytes=least - 1, prefill_memory_cap=cap)
         said = [r.getMessage() for r in caplog.records if "whole prefill chunk" in r.getMessage()]
         assert bool(said) is warned and all("--prefill-chunk-size" in line for line in said)
     caplog.clear()
-    await open_engine(path, kv_memory_bytes=chunk)
+    await open_engine(path, kv_memory_bytes=least)
     assert not [r for r in caplog.records if "whole prefill chunk" in r.getMessage()]
 
 

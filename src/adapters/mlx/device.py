@@ -302,14 +302,19 @@ class DeviceLoop:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
         if s.prefill_memory_cap:
+            # Even on an idle node a whole chunk has beside it only the budget less the slot pool
+            # as allocated now and its own prompt's KV: over that, every such chunk overruns.
             whole = bucketed(s.prefill_chunk_size, self.bucket)
             chunk = activation_bytes(self.shape, 1, whole, whole)
-            if chunk > s.kv_memory_bytes:
+            room = s.kv_memory_bytes - (0 if self.pool is None else self.pool.nbytes) - cost.of(whole)
+            if chunk > room:
                 logger.warning(
-                    "one whole prefill chunk's activations are estimated at %d bytes, more than the KV "
-                    "budget (%d bytes): such a chunk runs alone, over the budget; a smaller "
-                    "--prefill-chunk-size bounds it (attention scores grow with its square)",
-                    chunk, s.kv_memory_bytes)
+                    "one whole prefill chunk's activations are estimated at %d bytes, more than the "
+                    "%d bytes the KV budget (%d) leaves beside it even on an idle node: every "
+                    "prompt of %d tokens or more will overrun the budget (engine_activation_overruns); "
+                    "a smaller --prefill-chunk-size bounds it (a chunk's attention scores grow with "
+                    "its size times the positions it attends)",
+                    chunk, max(0, room), s.kv_memory_bytes, s.prefill_chunk_size)
 
     def call_hook(self) -> None:
         """The test hook of a model call, for the traced step (whose model code does not run)."""
