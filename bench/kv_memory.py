@@ -1,13 +1,16 @@
 """KV memory admission under load: long prompts at high concurrency against a single node whose
 `--kv-memory-bytes` is far below what they would take together. Clients wait and retry on 429
 (as told by Retry-After); the node's device memory is sampled throughout and must stay within its
-idle footprint plus the budget (plus one step's activations); nothing may fail.
+idle footprint plus the budget (plus, where one prompt's prefill alone is estimated over it, that
+lone prefill's activations: `--prefill-memory-cap`); nothing may fail.
 
     .venv/bin/python bench/kv_memory.py [--model DIR] [--budget-mib 64] [--concurrency 32]
+        [--node-arg=--prefill-memory-cap=off] [--node-arg=--prefill-chunk-size=256]
 
-Prints requests by status, the device memory (idle, peak, peak - idle) against the budget, and
-writes a JSON summary with --out. The default model is the mid-size tiny llama (hidden 512, 6
-layers: 12 KiB of KV per position). Bench code: nothing under src/ may import it.
+Prints requests by status, the device memory (idle, peak, peak - idle) against the budget, the
+node's activation-cap counters, and writes a JSON summary with --out. The default model is the
+mid-size tiny llama (hidden 512, 6 layers: 12 KiB of KV per position). Bench code: nothing under
+src/ may import it.
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=600, help="words per prompt (~ tokens)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--node-arg", action="append", default=[],
+                        help="one more flag for the node (repeat; e.g. --node-arg=--prefill-memory-cap=off)")
     args = parser.parse_args()
     model = args.model or cached_checkpoint("llama", hidden_size=512, num_layers=6)
     logs = Path(tempfile.mkdtemp(prefix="statecore-kv-memory-"))
-    node = Node("single", ["--model", str(model), "--kv-memory-bytes", str(args.budget_mib * MIB)],
-                logs / "single.log")
+    node = Node("single", ["--model", str(model), "--kv-memory-bytes", str(args.budget_mib * MIB),
+                           *args.node_arg], logs / "single.log")
     start_nodes([node])
     statuses: Counter[str] = Counter()
     samples: list[int] = []
@@ -105,6 +110,10 @@ def main() -> int:
             "requests": dict(statuses), "wall_s": round(wall, 1), "idle_device_bytes": idle,
             "peak_device_bytes": peak, "peak_minus_idle_bytes": peak - idle,
             "allocator_peak_bytes": stats["device_peak_bytes"], "bugs": stats["bugs"],
+            "node_args": args.node_arg,
+            # The prefill memory cap's counters (absent from nodes older than it).
+            **{key: stats.get(key) for key in ("prefill_capped_steps", "activation_overruns",
+                                               "activation_estimate_peak_bytes")},
         }
         print(json.dumps(summary, indent=1))
         print(f"device memory: idle {idle / MIB:.1f} MiB, peak {peak / MIB:.1f} MiB, peak - idle "

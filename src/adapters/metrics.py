@@ -419,6 +419,11 @@ class _LiveCollector:
                  "whole block).", stats.prefix_cache_queries),
                 ("prefix_cache_evictions", "Prompt blocks the prefix cache forgot, for its capacity or "
                  "for a request that needed the memory.", stats.prefix_cache_evictions),
+                ("engine_prefill_capped_steps", "Steps whose planned prefill work was cut to fit "
+                 "--kv-memory-bytes beside the KV held (--prefill-memory-cap).", stats.prefill_capped_steps),
+                ("engine_activation_overruns", "Steps whose estimated activations went over the memory "
+                 "budget anyway: the oldest prompt's next prefill unit, run alone.",
+                 stats.activation_overruns),
             ))
             seconds = CounterMetricFamily(PREFIX + "engine_device_seconds", "Device-thread time by kind "
                                           "of work (step, decode_build, launch, readback, prefill_chunks, "
@@ -444,6 +449,9 @@ class _LiveCollector:
                  "activations).", stats.device_memory_bytes),
                 ("prefix_cache_bytes", "Bytes of prompt blocks the prefix cache keeps (they give way to "
                  "requests).", stats.prefix_cache_bytes),
+                ("engine_activation_estimate_peak_bytes", "The largest estimate of one step's transient "
+                 "activations so far (steps under --prefill-memory-cap).",
+                 stats.activation_estimate_peak_bytes),
             ))
         if self.kv_buffer_bytes is not None:
             kept = GaugeMetricFamily(PREFIX + "kv_receive_buffer_bytes", "Bytes of receive buffers kept "

@@ -248,6 +248,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "its worst case before anything is allocated, and waits (429 with Retry-After) "
                           "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
                           "device's memory)")
+    run.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
+                     help="engine nodes: cap each step's prefill work so that the KV held and reserved "
+                          "plus the step's estimated activations stay within --kv-memory-bytes (the "
+                          "oldest prompt still advances, alone if it must): auto (on when "
+                          "--kv-memory-bytes is given), on, off (default auto)")
     run.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
                      help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
                           "prompts that start with the same tokens, within this many bytes of the KV "
@@ -484,6 +489,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
         compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        prefill_memory_cap=args.prefill_memory_cap,
         model_call_hook=faults.model_call_hook(),
     )
     for layer in engine.info.layers:

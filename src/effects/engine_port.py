@@ -185,6 +185,12 @@ class EngineStatistics:
     prefix_tokens_reused: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_evictions: int = 0
+    # The prefill memory cap (--prefill-memory-cap): steps whose planned prefill work was cut
+    # to fit the budget beside the KV held, steps estimated over it anyway (the oldest prompt's
+    # next unit alone), and the largest estimate of one step's activations so far.
+    prefill_capped_steps: int = 0
+    activation_overruns: int = 0
+    activation_estimate_peak_bytes: int = 0
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

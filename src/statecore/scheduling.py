@@ -10,7 +10,12 @@ the rows already decoding keep streaming, so no stream waits longer than one ste
 the numbers are those of one call (the same graph, evaluated in pieces). `padding_groups` decides
 which short prompts share one padded model call; `bucketed` rounds a call's length up to a shape
 bucket. `kv_admission` decides whether a request's KV cache fits the node's memory budget now,
-later, or never. The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
+later, or never. Under a memory budget a step's prefill is also capped by its transient
+activations: `activation_bytes` estimates one model call's from the model's shape (`ModelShape`),
+`chunk_activation_bytes` / `prefill_work_bytes` / `batched_prefill_bytes` price a step's prefill
+work, and `fit_activations` keeps of the planned calls what fits beside the KV held (the oldest
+prompt always advances, alone if it must). The engine (`adapters.mlx`) performs the plan; nothing
+here touches a device.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
 
@@ -22,17 +27,23 @@ from dataclasses import dataclass
 
 __all__ = [
     "KvAdmission",
+    "ModelShape",
     "PrefillUnit",
     "PrefillWork",
     "StepBudget",
     "StepPlan",
     "WaitingPrefill",
+    "activation_bytes",
+    "batched_prefill_bytes",
     "bucketed",
+    "chunk_activation_bytes",
+    "fit_activations",
     "kv_admission",
     "padding_groups",
     "plan_step",
     "prefill_chunks",
     "prefill_units",
+    "prefill_work_bytes",
 ]
 
 
@@ -191,3 +202,112 @@ def kv_admission(need: int, reserved: int, fixed: int, budget: int) -> KvAdmissi
     if fixed + reserved + need > budget:
         return KvAdmission.LATER
     return KvAdmission.FITS
+
+
+# -- transient activations -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What a model call's transient activations grow with (read from the model's config by the
+    engine): `heads` query heads and `kv_heads` key/value heads of `head_dim`, the MLP's
+    `intermediate` size, the vocabulary, and the bytes of one activation element."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate, self.vocab,
+               self.dtype_bytes) < 1:
+            raise ValueError("every size of a model shape is >= 1")
+
+    @property
+    def token_bytes(self) -> int:
+        """One token's intermediates in one layer, all counted as live at once: the hidden state,
+        its two norms, the attention's output and the residual (5 x hidden); queries (projected,
+        rotated, scaled), the attention's output and its transposed copy (5 x heads x head_dim);
+        keys (projected, rotated) and values (3 x kv_heads x head_dim); the MLP's gate, up and
+        their product (3 x intermediate)."""
+        return self.dtype_bytes * (5 * self.hidden + 5 * self.heads * self.head_dim
+                                   + 3 * self.kv_heads * self.head_dim + 3 * self.intermediate)
+
+
+def activation_bytes(shape: ModelShape, rows: int, tokens: int, attended: int, sampled: bool = False) -> int:
+    """An upper estimate of one model call's transient bytes: `rows` sequences of `tokens` new
+    tokens, each attending `attended` positions (its context and itself).
+
+    Layers run one after another, so one layer's working set counts: the attention scores
+    (rows x heads x tokens x attended, materialized where no fused attention kernel runs, as on
+    the CPU) and every per-token intermediate (`ModelShape.token_bytes`); a call that samples
+    adds its logits (rows x tokens x vocab, in the model's dtype and a float32 copy). KV caches
+    are not counted here: the budget reserves them."""
+    if min(rows, tokens, attended) < 0:
+        raise ValueError("rows, tokens and attended are >= 0")
+    scores = shape.heads * tokens * attended * shape.dtype_bytes
+    logits = tokens * shape.vocab * (shape.dtype_bytes + 4) if sampled else 0
+    return rows * (scores + tokens * shape.token_bytes + logits)
+
+
+def chunk_activation_bytes(shape: ModelShape, chunks: Sequence[int], bucket: int = 0) -> tuple[int, ...]:
+    """Each prefill chunk's call alone (`prefill_chunks`' order): a chunk of several tokens is
+    padded to its shape bucket as the engine pads it, and attends every position before it and
+    its own; the last chunk samples the first token."""
+    estimates: list[int] = []
+    before = 0
+    for index, size in enumerate(chunks):
+        padded = bucketed(size, bucket) if size > 1 else size
+        estimates.append(activation_bytes(shape, 1, padded, before + padded, index == len(chunks) - 1))
+        before += size
+    return tuple(estimates)
+
+
+def prefill_work_bytes(chunk_bytes: Sequence[int], units: Sequence[PrefillUnit], start: int,
+                       count: int) -> int:
+    """What units [start, start + count) of one prompt take in one step: each chunk they touch once
+    (a chunk's work units slice its layers, and its layers run one after another)."""
+    return sum(chunk_bytes[chunk] for chunk in sorted({unit.chunk for unit in units[start : start + count]}))
+
+
+def batched_prefill_bytes(shape: ModelShape, rows: int, head_tokens: int, kv_per_token: int,
+                          cache_step: int) -> int:
+    """A padded call pair over `rows` short prompts (`head_tokens` each after padding, then every
+    last token, which samples), plus the batch cache they fill: rows x the head and last token
+    rounded up to the cache's allocation step, at `kv_per_token` bytes a position, held until
+    each row's cache is cut out (the cut-out copies are the rows' own, which their
+    reservations count)."""
+    return (activation_bytes(shape, rows, head_tokens, head_tokens)
+            + activation_bytes(shape, rows, 1, head_tokens + 1, sampled=True)
+            + rows * kv_per_token * bucketed(head_tokens + 1, cache_step))
+
+
+def fit_activations(calls: Sequence[Sequence[int]], allowance: int) -> tuple[int, ...]:
+    """How many items of each planned call to run so that their activations fit `allowance`.
+
+    `calls` are in priority order (the first holds the oldest prompt planned); `calls[j][i]` is
+    what call j takes with its first i + 1 items (its prompts, or its work units, oldest first),
+    non-decreasing in i. Each call keeps the most items that fit what is left, in order; the
+    first call always keeps at least one, so the oldest prompt advances every step even when
+    that item alone exceeds the allowance (it then runs alone: nothing else is kept). The kept
+    total exceeds `allowance` only in that case.
+    """
+    kept: list[int] = []
+    left = allowance
+    for index, prefix in enumerate(calls):
+        if any(b > a for a, b in zip(prefix[1:], prefix, strict=False)) or any(c < 0 for c in prefix):
+            raise ValueError("a call's prefix costs are >= 0 and non-decreasing")
+        count = 0
+        while count < len(prefix) and prefix[count] <= left:
+            count += 1
+        if index == 0 and count == 0 and prefix:
+            kept.append(1)
+            kept.extend(0 for _ in calls[1:])
+            return tuple(kept)  # the lone item: over the allowance, nothing beside it
+        kept.append(count)
+        if count:
+            left -= prefix[count - 1]
+    return tuple(kept)

@@ -196,7 +196,13 @@ def test_kv_memory_admission_answers_429_then_400_never_an_oom(tmp_path: Path) -
             assert second.json()["error"]["code"] == "overloaded" and second.headers["retry-after"]
             assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
         assert_no_leaks([node])
-        assert node.stats()["kv_reserved_bytes"] == 0
+        stats = node.stats()
+        assert stats["kv_reserved_bytes"] == 0
+        # --kv-memory-bytes given: the prefill memory cap is on (auto), and these short prompts'
+        # estimated activations fit beside the KV reserved
+        assert stats["activation_overruns"] == 0 and stats["activation_estimate_peak_bytes"] > 0
+        metrics = httpx.get(f"{node.url}/metrics", timeout=10).text
+        assert "statecore:engine_activation_overruns_total" in metrics
         again = httpx.post(url, json={**body, "max_tokens": 8}, timeout=60)
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
         assert node.stop() == 0

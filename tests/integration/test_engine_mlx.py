@@ -55,6 +55,7 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
                    prefix_tokens_reused=0, prefix_cache_queries=0, prefix_cache_evictions=0,
+                   prefill_capped_steps=0, activation_overruns=0, activation_estimate_peak_bytes=0,
                    device_time=())
 
 
@@ -77,6 +78,7 @@ class Opener(Protocol):
         fuse_projections: str = ...,
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
+        prefill_memory_cap: str = ...,
         warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -392,6 +394,198 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
     assert [e.info.code for e in errors] == [Code.INVALID_REQUEST]
 
 
+def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every batched prefill call from now on (the real call still runs)."""
+    from adapters.mlx import device
+    from adapters.mlx.prefill import run_short_batch
+
+    sizes: list[int] = []
+
+    def recording(model: Any, tasks: Any, bucket: int = 0) -> None:
+        sizes.append(len(tasks))
+        run_short_batch(model, tasks, bucket)
+
+    monkeypatch.setattr(device, "run_short_batch", recording)
+    return sizes
+
+
+async def capped_run(engine: MlxEngine, prompts: Mapping[RequestId, list[int]]) -> dict[RequestId, list[int]]:
+    """Every prompt queued while the device thread is held, then all at once (greedy)."""
+    gate = await hold_device(engine)
+    results: dict[RequestId, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _gather(results, all_at_once(partial(single, engine), dict(prompts))))
+        await release_when_queued(engine, gate, len(prompts))
+    return results
+
+
+async def test_a_memory_budget_splits_batched_prefills_and_keeps_the_tokens(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a small --kv-memory-bytes the planned batched prefill of six short prompts (one padded
+    call without the cap) is cut to what fits beside the KV reserved: groups of two, in three
+    steps; every row's greedy tokens stay mlx-lm's and the uncapped engine's."""
+    from statecore.scheduling import batched_prefill_bytes
+
+    path = cached_checkpoint("llama")
+    prompts = {RequestId(f"p{i}"): prompt_of(12 + i, salt=i) for i in range(6)}  # 12..17: one chunk each
+    common: dict[str, Any] = {"max_num_batched_tokens": 256, "prefix_cache_bytes": 0}
+    sizes = record_batches(monkeypatch)
+    uncapped = await open_engine(path, **common)
+    assert not uncapped._device.settings.prefill_memory_cap  # no --kv-memory-bytes: no cap
+    expected = await capped_run(uncapped, prompts)
+    assert sizes == [6]
+    assert uncapped.statistics().prefill_capped_steps == 0
+    # The budget: every request's reservation (no slot lane fits a budget this small: each reserves
+    # prompt + max_tokens), plus room for a batched call of two rows but not of three.
+    device = uncapped._device
+    shape = device.shape
+    assert shape is not None
+    reserved = sum(device.cost.of(len(p) + GREEDY.max_tokens) for p in prompts.values())
+
+    def pair(rows: int, head: int) -> int:
+        return batched_prefill_bytes(shape, rows, head, device.cost.per_token, 256)
+
+    budget = reserved + (pair(2, 16) + pair(3, 11)) // 2
+    sizes.clear()
+    capped = await open_engine(path, kv_memory_bytes=budget, **common)
+    assert not capped._device.slot_lane
+    got = await capped_run(capped, prompts)
+    assert got == expected == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert sizes == [2, 2, 2]
+    stats = capped.statistics()
+    assert stats.prefill_capped_steps == 2 and stats.activation_overruns == 0
+    assert pair(2, 11) <= stats.activation_estimate_peak_bytes <= budget - reserved
+    # The same budget with the cap turned off: one call of six again.
+    sizes.clear()
+    off = await open_engine(path, kv_memory_bytes=budget, prefill_memory_cap="off", **common)
+    assert await capped_run(off, prompts) == expected
+    assert sizes == [6] and off.statistics().prefill_capped_steps == 0
+
+
+async def test_a_unit_over_the_budget_runs_alone(open_engine: Opener,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget with no room beside the reservations: the oldest prompt's next unit runs alone each
+    step (counted as an overrun), nothing is batched, nothing starves, the tokens are the same."""
+    path = cached_checkpoint("llama")
+    prompts = {RequestId(f"p{i}"): prompt_of(14 + i, salt=i) for i in range(3)}
+    prompts[RequestId("long")] = prompt_of(40, salt=9)  # three chunks
+    sizes = record_batches(monkeypatch)
+    probe = await open_engine(path)
+    reserved = sum(probe._device.cost.of(len(p) + GREEDY.max_tokens) for p in prompts.values())
+    engine = await open_engine(path, kv_memory_bytes=reserved, max_num_batched_tokens=256,
+                               prefix_cache_bytes=0)
+    got = await capped_run(engine, prompts)
+    assert got == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert sizes == []
+    stats = engine.statistics()
+    assert stats.activation_overruns >= len(prompts) and stats.prefill_capped_steps >= len(prompts) - 1
+
+
+async def test_kept_prefixes_give_way_to_the_oldest_prompt_s_prefill(open_engine: Opener) -> None:
+    """The blocks one prompt left in the prefix cache take the room a later prompt's chunks need
+    beside its reservation: they are evicted, not run over (no overrun), and the tokens stay
+    mlx-lm's."""
+    from statecore.scheduling import chunk_activation_bytes, prefill_chunks
+
+    path = cached_checkpoint("llama")
+    first, later = prompt_of(40, salt=4), prompt_of(40, salt=9)  # blocks end at 16 and 32
+    probe = await open_engine(path)
+    assert await single(probe, RequestId("a"), first) == reference(path, first)
+    kept = probe.statistics().prefix_cache_bytes
+    device = probe._device
+    assert device.shape is not None and kept > 0
+    chunks = prefill_chunks(len(later), CHUNK)
+    largest = max(chunk_activation_bytes(device.shape, chunks, device.bucket))
+    # The later prompt's reservation and its largest chunk fit; with the first's blocks beside
+    # them, not (the first's own chunks fit beside its own blocks, which grow as it goes).
+    budget = device.cost.of(len(later) + GREEDY.max_tokens) + largest + kept - 1
+    engine = await open_engine(path, kv_memory_bytes=budget, prefix_cache_bytes=budget)
+    assert not engine._device.slot_lane and engine._device.settings.prefill_memory_cap
+    assert await single(engine, RequestId("a"), first) == reference(path, first)
+    before = engine.statistics()
+    assert before.prefix_cache_bytes == kept and before.activation_overruns == 0
+    assert await single(engine, RequestId("b"), later) == reference(path, later)
+    after = engine.statistics()
+    assert after.prefix_cache_evictions > before.prefix_cache_evictions
+    assert after.activation_overruns == 0
+
+
+async def test_a_whole_chunk_over_the_budget_is_logged_at_load(open_engine: Opener,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where one whole prefill chunk's estimate is over what the budget leaves beside its own KV
+    on an idle node, every prompt that long overruns it: the engine says so at load, naming the
+    chunk size as the lever (not without the cap)."""
+    from statecore.scheduling import activation_bytes
+
+    path = cached_checkpoint("llama")
+    probe = await open_engine(path)
+    assert probe._device.shape is not None
+    least = activation_bytes(probe._device.shape, 1, CHUNK, CHUNK) + probe._device.cost.of(CHUNK)
+    for cap, warned in (("off", False), ("on", True)):
+        caplog.clear()
+        await open_engine(path, kv_memory_bytes=least - 1, prefill_memory_cap=cap)
+        said = [r.getMessage() for r in caplog.records if "whole prefill chunk" in r.getMessage()]
+        assert bool(said) is warned and all("--prefill-chunk-size" in line for line in said)
+    caplog.clear()
+    await open_engine(path, kv_memory_bytes=least)
+    assert not [r for r in caplog.records if "whole prefill chunk" in r.getMessage()]
+
+
+def test_the_activation_estimate_bounds_a_prefill_s_measured_peak() -> None:
+    """`statecore.scheduling`'s estimate against the allocator on the CPU (where attention scores
+    are materialized): one prompt's prefill and batched short prompts each peak (above what
+    they leave allocated) below their estimate, and not far below."""
+    import gc
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from adapters.mlx.memory import model_shape
+    from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+    from adapters.mlx.sampling import PositionSampler
+    from statecore.scheduling import (
+        batched_prefill_bytes,
+        chunk_activation_bytes,
+        prefill_chunks,
+        prefill_units,
+    )
+
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
+    layers = len(make_prompt_cache(model))
+    shape = model_shape(model, 512, make_prompt_cache(model))
+    kv_per_token = 2 * layers * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+
+    def task(n: int, salt: int) -> PrefillTask:
+        chunks = prefill_chunks(n, 2048)
+        return PrefillTask(f"r{salt}", prompt_of(n, salt), PositionSampler(GREEDY, 0, n), salt, chunks,
+                           prefill_units(chunks, layers, 4096))
+
+    def transient(tasks: list[PrefillTask], batched: bool) -> int:
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        if batched:
+            run_short_batch(model, tasks)
+        else:
+            for one in tasks:
+                run_units(model, one, len(one.units), lambda cache: None)
+        mx.eval([t.first for t in tasks], [[c.state for c in t.cache or ()] for t in tasks])
+        return mx.get_peak_memory() - mx.get_active_memory()  # above what the prefill leaves held
+
+    for n in (64, 256, 600):
+        alone = task(n, 0)
+        measured = transient([alone], batched=False)
+        estimate = sum(chunk_activation_bytes(shape, alone.chunks))
+        # (a few hundred KiB at 64 tokens move with what the allocator already holds from the
+        # tests before: the ratio is asked of the larger prompts only)
+        assert measured <= estimate <= 1.6 * measured + (256 << 10), (n, measured, estimate)
+    for rows in (2, 4):
+        tasks = [task(200 + i, i) for i in range(rows)]
+        measured = transient(tasks, batched=True)
+        estimate = batched_prefill_bytes(shape, rows, 200 + rows - 2, kv_per_token, 256)
+        assert measured <= estimate <= 1.6 * measured, (rows, measured, estimate)
+
+
 def test_a_padded_chunk_leaves_the_cache_an_unpadded_one_would() -> None:
     """Padding a chunk to its shape bucket and trimming the padding off again gives the cache,
     first token and positions of the unpadded chunks (attention is causal)."""
@@ -667,7 +861,10 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
         assert small.statistics().prefix_cache_bytes <= one_block
     # kept blocks give way: SMALL_BUDGET holds one of these requests (~650 KB reserved) or the
     # blocks of one (~500 KB), not both, and nothing else is live: the second is not refused
-    tight = await open_engine(path, kv_memory_bytes=SMALL_BUDGET, prefix_cache_bytes=SMALL_BUDGET)
+    # (admission's eviction: the prefill memory cap, off here, would evict them earlier, for a
+    # chunk's activations; test_kept_prefixes_give_way_to_the_oldest_prompt_s_prefill)
+    tight = await open_engine(path, kv_memory_bytes=SMALL_BUDGET, prefix_cache_bytes=SMALL_BUDGET,
+                              prefill_memory_cap="off")
     long_a, long_b = prompt_of(1000, salt=1), prompt_of(1000, salt=2)
     eight = SamplingParams(max_tokens=8)
     assert await single(tight, RequestId("la"), long_a, eight) == reference(path, long_a, 8)
@@ -771,23 +968,43 @@ SHAPED_SEEDED = replace(SHAPED, max_tokens=24, temperature=0.9, min_p=0.05, seed
 async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]],
                        sampling: SamplingParams | Mapping[RequestId, SamplingParams]
                        ) -> dict[RequestId, list[int] | StatecoreError]:
-    """Every prompt prefilled in one step (the device is held until all are queued), then
-    decoded side by side (with `sampling`, or each with its own); each request's tokens, or the
-    error it ended with."""
+    """Every prompt prefilled in one step, then every held cache set decoding in one step (the
+    device is held until each phase's calls are all queued, so the rows join the batch together,
+    whatever the event loop's timing), then decoded side by side (with `sampling`, or each with
+    its own); each request's tokens, or the error it ended with."""
     got: dict[RequestId, list[int] | StatecoreError] = {}
+    first: dict[RequestId, int] = {}
 
-    async def one(rid: RequestId) -> None:
-        own = sampling if isinstance(sampling, SamplingParams) else sampling[rid]
+    def own(rid: RequestId) -> SamplingParams:
+        return sampling if isinstance(sampling, SamplingParams) else sampling[rid]
+
+    async def prefill(rid: RequestId) -> None:
         try:
-            got[rid] = await single(engine, rid, prompts[rid], own)
+            first[rid] = (await engine.prefill(rid, prompts[rid], own(rid))).first_token
         except StatecoreError as exc:
             got[rid] = exc
 
-    gate = await hold_device(engine)
-    async with trio.open_nursery() as nursery:
-        for rid in prompts:
-            nursery.start_soon(one, rid)
-        await release_when_queued(engine, gate, len(prompts))
+    async def decode(rid: RequestId) -> None:
+        try:
+            await engine.decode_held(rid, prompts[rid], first[rid], own(rid))
+        except StatecoreError as exc:
+            got[rid] = exc
+            del first[rid]
+
+    async def stream(rid: RequestId) -> None:
+        try:
+            got[rid] = [first[rid]] + [g.token for g in await collect(engine, rid)]
+        except StatecoreError as exc:
+            got[rid] = exc
+
+    for phase, rids in ((prefill, list(prompts)), (decode, None), (stream, None)):
+        todo = list(first) if rids is None else rids
+        gate = await hold_device(engine) if phase is not stream else None
+        async with trio.open_nursery() as nursery:
+            for rid in todo:
+                nursery.start_soon(phase, rid)
+            if gate is not None:
+                await release_when_queued(engine, gate, len(todo))
     return got
 
 

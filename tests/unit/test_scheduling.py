@@ -1,7 +1,8 @@
 """The engine's scheduling policy (statecore.scheduling): tables for the exact plans, hypothesis for
 the properties — work units cover every layer of every chunk once, in order, within their size;
 the budget is never exceeded, the oldest prompt always advances, and every prompt reaches its
-first token within a bounded number of steps."""
+first token within a bounded number of steps. Under a memory budget: the activation estimate's
+arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; nothing starves)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,23 @@ from hypothesis import strategies as st
 
 from statecore.scheduling import (
     KvAdmission,
+    ModelShape,
     PrefillUnit,
     PrefillWork,
     StepBudget,
     StepPlan,
     WaitingPrefill,
+    activation_bytes,
+    batched_prefill_bytes,
     bucketed,
+    chunk_activation_bytes,
+    fit_activations,
     kv_admission,
     padding_groups,
     plan_step,
     prefill_chunks,
     prefill_units,
+    prefill_work_bytes,
 )
 
 
@@ -189,3 +196,178 @@ def test_kv_admission_never_overcommits_and_never_means_never(need: int, reserve
 def test_kv_admission_refuses_negative_counts() -> None:
     with pytest.raises(ValueError):
         kv_admission(-1, 0, 0, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transient activations and the prefill memory cap
+
+# hidden 4, 2 query heads and 1 KV head of 2, MLP 8, vocabulary 10, float32: one token's layer
+# intermediates are 4 x (5*4 + 5*2*2 + 3*1*2 + 3*8) = 280 bytes.
+SMALL = ModelShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, dtype_bytes=4)
+# The mid-size tiny llama of bench/kv_memory.py (hidden 512, 32 heads of 16, MLP 1024, float32).
+MID = ModelShape(512, 32, 16, 16, 1024, 512, 4)
+MIB = 1 << 20
+
+
+def test_a_token_s_layer_intermediates() -> None:
+    assert SMALL.token_bytes == 280
+    with pytest.raises(ValueError):
+        ModelShape(4, 0, 1, 2, 8, 10, 4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "tokens", "attended", "sampled", "expected"),
+    [
+        (1, 3, 5, False, 2 * 3 * 5 * 4 + 3 * 280),  # scores heads x tokens x attended, then intermediates
+        (1, 3, 5, True, 2 * 3 * 5 * 4 + 3 * 280 + 3 * 10 * (4 + 4)),  # + logits (model dtype + float32)
+        (2, 3, 5, False, 2 * (2 * 3 * 5 * 4 + 3 * 280)),  # rows scale everything
+        (4, 1, 100, True, 4 * (2 * 100 * 4 + 280 + 10 * 8)),  # a decode step of 4 rows at 100 positions
+        (0, 3, 5, True, 0),
+    ],
+)
+def test_activation_bytes_table(rows: int, tokens: int, attended: int, sampled: bool, expected: int) -> None:
+    assert activation_bytes(SMALL, rows, tokens, attended, sampled) == expected
+
+
+def test_the_estimate_grows_with_the_square_of_a_chunk() -> None:
+    # What docs/performance.md measured on the CPU (MLX 0.32.4, peak - held of one prompt's
+    # prefill): 4.1, 20.1, 63.9, 214.6 and 583.6 MiB for prompts of 100, 300, 600, 1,200 and 2,047.
+    estimates = [sum(chunk_activation_bytes(MID, (n - 1, 1))) / MIB for n in (100, 300, 600, 1200, 2047)]
+    assert [round(e, 1) for e in estimates] == [4.6, 21.2, 64.4, 216.7, 581.2]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "bucket", "expected"),
+    [
+        # The head chunk attends itself; the last token attends everything, and samples.
+        ((3, 1), 0, ((1, 3, 3, False), (1, 1, 4, True))),
+        # A bucket pads a chunk of several tokens (not the last token alone); positions stay real.
+        ((3, 1), 4, ((1, 4, 4, False), (1, 1, 4, True))),
+        ((4, 4, 2, 1), 0, ((1, 4, 4, False), (1, 4, 8, False), (1, 2, 10, False), (1, 1, 11, True))),
+    ],
+)
+def test_chunk_activation_bytes_table(chunks: tuple[int, ...], bucket: int,
+                                      expected: tuple[tuple[int, int, int, bool], ...]) -> None:
+    assert chunk_activation_bytes(SMALL, chunks, bucket) == tuple(activation_bytes(SMALL, *e)
+                                                                   for e in expected)
+
+
+def test_prefill_work_bytes_counts_each_chunk_once() -> None:
+    units = prefill_units((16, 16, 1), 2, 8)  # chunk 0: 2 units, chunk 1: 2 units, chunk 2: 1
+    chunk_bytes = (10, 20, 5)
+    assert prefill_work_bytes(chunk_bytes, units, 0, 1) == 10
+    assert prefill_work_bytes(chunk_bytes, units, 0, 2) == 10  # both layer slices of chunk 0
+    assert prefill_work_bytes(chunk_bytes, units, 1, 2) == 30
+    assert prefill_work_bytes(chunk_bytes, units, 0, 5) == 35
+    assert prefill_work_bytes(chunk_bytes, units, 2, 0) == 0
+
+
+def test_batched_prefill_bytes_adds_the_batch_cache() -> None:
+    def calls(head: int) -> int:  # the heads' call, then the last tokens' (which samples)
+        return activation_bytes(SMALL, 3, head, head) + activation_bytes(SMALL, 3, 1, head + 1, True)
+
+    assert batched_prefill_bytes(SMALL, 3, 7, 100, 256) == calls(7) + 3 * 100 * 256
+    assert batched_prefill_bytes(SMALL, 3, 255, 100, 256) == calls(255) + 3 * 100 * 256  # head + last: 256
+    assert batched_prefill_bytes(SMALL, 3, 256, 100, 256) == calls(256) + 3 * 100 * 512  # one more step
+
+
+@pytest.mark.parametrize(
+    ("calls", "allowance", "expected"),
+    [
+        ([], 10, ()),
+        ([[5, 12], [3]], 10, (1, 1)),  # the first call's second item does not fit; the next call's does
+        ([[5, 12], [3]], 20, (2, 1)),
+        ([[5], [6], [4]], 10, (1, 0, 1)),  # a call that does not fit is passed over
+        ([[15, 20], [3]], 10, (1, 0)),  # the oldest's first item alone, over the allowance
+        ([[1], [1]], -5, (1, 0)),  # no room at all (decode rows took it): the oldest still advances
+        ([[0, 0], [0]], 0, (2, 1)),
+    ],
+)
+def test_fit_activations_table(calls: list[list[int]], allowance: int, expected: tuple[int, ...]) -> None:
+    assert fit_activations(calls, allowance) == expected
+
+
+def test_fit_activations_refuses_decreasing_costs() -> None:
+    with pytest.raises(ValueError):
+        fit_activations([[5, 4]], 10)
+    with pytest.raises(ValueError):
+        fit_activations([[-1]], 10)
+
+
+costs_of_calls = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=6), max_size=8).map(
+    lambda calls: [[sum(steps[: i + 1]) for i in range(len(steps))] for steps in calls])
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_of_calls, st.integers(-20, 200))
+def test_the_cap_holds_but_for_the_oldest_alone(calls: list[list[int]], allowance: int) -> None:
+    kept = fit_activations(calls, allowance)
+    assert len(kept) == len(calls)
+    assert all(0 <= k <= len(c) for k, c in zip(kept, calls, strict=True))
+    total = sum(c[k - 1] for k, c in zip(kept, calls, strict=True) if k)
+    if calls:
+        assert kept[0] >= 1  # the oldest prompt always advances
+    if calls and total > allowance:
+        assert kept == (1,) + (0,) * (len(calls) - 1)  # ... alone
+    else:
+        # Greedy, in order: no call could have kept one item more with what was left.
+        left = allowance
+        for k, c in zip(kept, calls, strict=True):
+            assert k == len(c) or c[k] > left
+            left -= c[k - 1] if k else 0
+
+
+waiting_prompts = st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 100)), min_size=1,
+                                    max_size=5), max_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(waiting_prompts, st.lists(st.integers(-50, 300), min_size=1, max_size=5), st.integers(1, 8),
+       st.booleans())
+def test_under_the_cap_every_prompt_is_scheduled(prompts: list[list[tuple[int, int]]], allowances: list[int],
+                                                 rows: int, batch: bool) -> None:
+    """plan_step, then fit_activations as the engine calls it (prompts that finish together in one
+    batched call, priced above their sum, when `batch`): the cap holds but for a lone unit, the
+    oldest prompt advances every step, and every prompt reaches its first token."""
+    budget = StepBudget(64, rows)
+    units = {f"r{i}": list(p) for i, p in enumerate(prompts)}  # (tokens, bytes) of each unit left
+    order = {f"r{i}": i for i in range(len(prompts))}
+    total_units = sum(len(p) for p in prompts)
+    steps = 0
+    while units:
+        allowance = allowances[steps % len(allowances)]
+        steps += 1
+        assert steps <= total_units, "some prompt made no progress"
+        waiting = [WaitingPrefill(rid, order[rid], tuple(t for t, _ in left)) for rid, left in units.items()]
+        plan = plan_step(0, waiting, budget)
+        work = {w.request_id: w for w in plan.prefills}
+        finishing = sorted((rid for rid, w in work.items() if w.finishes and w.units == 1),
+                           key=order.__getitem__)
+        grouped = finishing if batch and len(finishing) > 1 else []
+        calls: list[tuple[int, list[int], list[str]]] = []
+        if grouped:
+            alone = units[grouped[0]][0][1]
+            calls.append((order[grouped[0]], [alone] + [2 * sum(units[r][0][1] for r in grouped[:k]) + 1
+                                                        for k in range(2, len(grouped) + 1)], grouped))
+        for rid, w in work.items():
+            if rid not in grouped:
+                mine = [b for _, b in units[rid][: w.units]]
+                calls.append((order[rid], [sum(mine[: k + 1]) for k in range(w.units)], [rid]))
+        calls.sort(key=lambda call: call[0])
+        kept = fit_activations([c for _, c, _ in calls], allowance)
+        total = sum(c[k - 1] for (_, c, _), k in zip(calls, kept, strict=True) if k)
+        items = sum(kept)
+        assert total <= allowance or items == 1
+        oldest = min(units, key=order.__getitem__)
+        advanced: dict[str, int] = {}
+        for (_, _, members), k in zip(calls, kept, strict=True):
+            if members is grouped and grouped:
+                for rid in members[:k]:
+                    advanced[rid] = 1
+            elif k:
+                advanced[members[0]] = k
+        assert advanced.get(oldest, 0) >= 1
+        for rid, k in advanced.items():
+            del units[rid][:k]
+            if not units[rid]:
+                del units[rid]

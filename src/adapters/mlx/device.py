@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -48,7 +49,7 @@ from adapters.mlx.jobs import (
     engine_failed,
     post,
 )
-from adapters.mlx.memory import KvCost
+from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.sampling import (
@@ -65,11 +66,18 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 from statecore.events import TokenLogprobs
 from statecore.scheduling import (
     KvAdmission,
+    ModelShape,
     StepBudget,
     WaitingPrefill,
+    activation_bytes,
+    batched_prefill_bytes,
+    bucketed,
+    chunk_activation_bytes,
+    fit_activations,
     kv_admission,
     padding_groups,
     plan_step,
+    prefill_work_bytes,
 )
 
 __all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
@@ -117,6 +125,9 @@ class Settings:
     prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
     compile_decode: str = "off"  # the slot lane's model call traced per shape: auto | on | off
     preallocate_slots: bool = False  # the slot pool at its full capacity from the load on
+    # Each step's prefill work capped so that the KV held and reserved plus the step's estimated
+    # activations stay within kv_memory_bytes (on when --kv-memory-bytes is given).
+    prefill_memory_cap: bool = False
     fuse_projections: str = "off"  # sibling projections as one matmul (adapters.mlx.fusion): auto | on | off
 
 
@@ -145,6 +156,7 @@ class Live:
     uid: int | None = None
     solo_cache: list[Any] | None = None
     rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
+    limit: int = 0  # the most positions its cache may reach (prompt + max_tokens): what it attends at most
 
 
 @dataclass(eq=False)
@@ -215,6 +227,10 @@ class DeviceLoop:
         self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
         self.rows_isolated = 0  # requests failed alone because their row's model call kept raising
+        self.shape: ModelShape | None = None  # what a step's activations grow with (set at load)
+        self.prefill_capped_steps = 0  # steps whose planned prefill was cut to fit the memory budget
+        self.activation_overruns = 0  # steps estimated over the budget (the oldest prompt's unit alone)
+        self.activation_peak = 0  # the largest estimate of one step's activations so far (capped steps)
         # Tests only (--inject-fault model_call_*): runs before each model call with the request
         # ids it computes, inside the model's call, and may raise.
         self.model_call_hook: Callable[[str, Sequence[str]], None] | None = None
@@ -245,6 +261,7 @@ class DeviceLoop:
         self.context_length = context_length
         self.cost = cost
         self.layers = len(probe_cache)
+        self.shape = model_shape(model, vocab_size, probe_cache)
         one_layer = -(-s.prefill_chunk_size // self.layers)
         if one_layer > self.unit_tokens:
             raise StatecoreError(client_error(
@@ -278,6 +295,20 @@ class DeviceLoop:
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
+        if s.prefill_memory_cap:
+            # Even on an idle node a whole chunk has beside it only the budget less the slot pool
+            # as allocated now and its own prompt's KV: over that, every such chunk overruns.
+            whole = bucketed(s.prefill_chunk_size, self.bucket)
+            chunk = activation_bytes(self.shape, 1, whole, whole)
+            room = s.kv_memory_bytes - (0 if self.pool is None else self.pool.nbytes) - cost.of(whole)
+            if chunk > room:
+                logger.warning(
+                    "one whole prefill chunk's activations are estimated at %d bytes, more than the "
+                    "%d bytes the KV budget (%d) leaves beside it even on an idle node: every "
+                    "prompt of %d tokens or more will overrun the budget (engine_activation_overruns); "
+                    "a smaller --prefill-chunk-size bounds it (a chunk's attention scores grow with "
+                    "its size times the positions it attends)",
+                    chunk, max(0, room), s.kv_memory_bytes, s.prefill_chunk_size)
 
     def call_hook(self) -> None:
         """The test hook of a model call, for the traced step (whose model code does not run)."""
@@ -650,26 +681,29 @@ class DeviceLoop:
         finishing = {w.request_id for w in work if w.finishes}
         short = [task for task, _ in tasks
                  if self.short_batching and task.is_short and task.request_id in finishing]
+        groups: list[list[PrefillTask]] = []
         if len(short) > 1:
             lengths = [len(task.tokens) for task in short]
-            for group in padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch):
-                members = [short[i] for i in group]
-                if len(members) < 2:
-                    continue
-                self.computing = ("prefill", [task.request_id for task in members])
-                try:
-                    run_short_batch(self.model, members, self.bucket)
-                except Exception:
-                    # One prompt must not fail its neighbours: they run alone below.
-                    logger.exception("a batched prefill of %d prompts failed; running them alone",
-                                     len(members))
-                    self.step_retries += 1
-                    for task in members:
-                        task.restart()
-                    continue
-                self.account("prefill_batched", started, len(members))
+            groups = [[short[i] for i in group] for group in
+                      padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch)
+                      if len(group) > 1]
+        if self.settings.prefill_memory_cap and tasks:
+            groups, tasks = self.fit_prefills(groups, tasks)
+        for members in groups:
+            self.computing = ("prefill", [task.request_id for task in members])
+            try:
+                run_short_batch(self.model, members, self.bucket)
+            except Exception:
+                # One prompt must not fail its neighbours: they run alone below.
+                logger.exception("a batched prefill of %d prompts failed; running them alone",
+                                 len(members))
+                self.step_retries += 1
                 for task in members:
-                    outputs.extend(self.prefill_outputs(task, current))
+                    task.restart()
+                continue
+            self.account("prefill_batched", started, len(members))
+            for task in members:
+                outputs.extend(self.prefill_outputs(task, current))
         for task, units in tasks:
             if task.finished:
                 continue
@@ -698,6 +732,80 @@ class DeviceLoop:
         self.account("prefill_chunks", started)
         return outputs
 
+    def fit_prefills(self, groups: list[list[PrefillTask]], tasks: list[tuple[PrefillTask, int]]
+                     ) -> tuple[list[list[PrefillTask]], list[tuple[PrefillTask, int]]]:
+        """Under a memory budget: of the planned prefill work, what fits beside the KV held and
+        reserved now and the decode rows' activations (`statecore.scheduling.fit_activations`).
+        A batched group keeps its oldest members (one left runs alone); a prompt keeps its first
+        units; the oldest planned prompt always advances, alone when even that is over (kept
+        prefix blocks are evicted first as far as that makes it fit). What is left out waits for
+        a later step, its place in line kept."""
+        shape = self.shape
+        assert shape is not None
+        planned = {task.request_id: units for task, units in tasks}
+        chunk_bytes = {task.request_id: chunk_activation_bytes(shape, task.chunks, self.bucket)
+                       for task, _ in tasks}
+
+        def alone(task: PrefillTask, units: int) -> int:
+            return prefill_work_bytes(chunk_bytes[task.request_id], task.units, task.done_units, units)
+
+        def batched(members: Sequence[PrefillTask]) -> int:
+            head = bucketed(max(len(task.tokens) - 1 for task in members), self.bucket)
+            return batched_prefill_bytes(shape, len(members), head, self.cost.per_token, ALLOCATION_STEP)
+
+        calls: list[tuple[int, list[int], list[PrefillTask] | None, PrefillTask]] = []
+        grouped: set[str] = set()
+        for group in groups:
+            oldest_first = sorted(group, key=lambda task: task.order)
+            first = oldest_first[0]
+            costs = [alone(first, planned[first.request_id])]
+            costs += [batched(oldest_first[:count]) for count in range(2, len(group) + 1)]
+            calls.append((first.order, list(accumulate(costs, max)), group, first))
+            grouped.update(task.request_id for task in group)
+        for task, units in tasks:
+            if task.request_id not in grouped:
+                costs = [alone(task, count) for count in range(1, units + 1)]
+                calls.append((task.order, list(accumulate(costs, max)), None, task))
+        calls.sort(key=lambda call: call[0])
+        rows = len(self.live)
+        decode = activation_bytes(shape, rows, 1, max((live.limit for live in self.live.values()), default=1),
+                                  sampled=True) if rows else 0
+        pool = 0 if self.pool is None else self.pool.nbytes
+        room = self.settings.kv_memory_bytes - pool - self.reserved_bytes
+        if self.prefix is not None:
+            # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
+            if calls:
+                self.prefix.evict(calls[0][1][0] + decode - (room - self.prefix.nbytes))
+            room -= self.prefix.nbytes
+        kept = fit_activations([costs for _, costs, _, _ in calls], room - decode)
+        fitted_groups: list[list[PrefillTask]] = []
+        units_now: dict[str, int] = {}
+        estimate = decode
+        for (_, costs, batch, first), count in zip(calls, kept, strict=True):
+            if count:
+                estimate += costs[count - 1]
+            if batch is None:
+                units_now[first.request_id] = count
+                continue
+            chosen = {task.request_id for task in sorted(batch, key=lambda task: task.order)[:count]}
+            members = [task for task in batch if task.request_id in chosen]  # the group's own order
+            if len(members) > 1:
+                fitted_groups.append(members)
+            for task in members:
+                units_now[task.request_id] = planned[task.request_id]
+        if sum(kept) < sum(len(costs) for _, costs, _, _ in calls):
+            self.prefill_capped_steps += 1
+        if estimate > room:
+            if not self.activation_overruns:
+                logger.warning("a step's activations are estimated at %d bytes beside %d bytes of KV: over "
+                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
+                               "counted in activation_overruns", estimate,
+                               self.settings.kv_memory_bytes - room, self.settings.kv_memory_bytes)
+            self.activation_overruns += 1
+        self.activation_peak = max(self.activation_peak, estimate)
+        return fitted_groups, [(task, units_now[task.request_id]) for task, _ in tasks
+                               if units_now.get(task.request_id, 0) > 0]
+
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
         assert self.prefix is not None and task.cache is not None
@@ -707,6 +815,11 @@ class DeviceLoop:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
         if self.prefix is not None:
             self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+
+    def forget_activation_counts(self) -> None:
+        """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
+        count serving traffic."""
+        self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
 
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
@@ -951,6 +1064,7 @@ class DeviceLoop:
     def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
         """Put a request with its prompt's cache into `lane` (the caller checked capacity)."""
         needed = len(prompt) + live.remaining + 2
+        live.limit = needed
         if lane == "slot":
             assert self.pool is not None
             slot = self.pool.take()

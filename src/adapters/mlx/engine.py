@@ -64,12 +64,13 @@ from statecore.ids import RequestId
 from statecore.routing import summary_key
 from statecore.scheduling import prefill_chunks, prefill_units
 
-__all__ = ["MlxEngine"]
+__all__ = ["PREFILL_MEMORY_CAP_MODES", "MlxEngine"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 _KV_BITS = (2, 3, 4, 5, 6, 8)
 _KV_GROUP_SIZES = (32, 64, 128)
+PREFILL_MEMORY_CAP_MODES = ("auto", "on", "off")  # --prefill-memory-cap
 _T = TypeVar("_T")
 
 
@@ -121,6 +122,7 @@ class MlxEngine:
         fuse_projections: str = "auto",
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
+        prefill_memory_cap: str = "auto",
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
@@ -144,6 +146,14 @@ class MlxEngine:
         before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
         it can never fit) otherwise. `decodes_locally` False (a prefill node) reserves only a
         prompt's cache for its prefill.
+
+        `prefill_memory_cap` ("auto": on when `kv_memory_bytes` is given; "on"; "off") caps each
+        step's prefill work so that the KV held and reserved now (the slot pool as allocated,
+        every reservation, kept prefixes) plus the step's estimated activations
+        (`statecore.scheduling.activation_bytes`: attention scores, a layer's intermediates,
+        logits, a batched call's batch cache) stay within `kv_memory_bytes`: batched short
+        prompts go in smaller groups, a long prompt's units wait. The oldest waiting prompt
+        always advances, alone when even its next unit is over (counted); decode rows always run.
 
         `shape_bucket` (default: `default_shape_bucket()`, 128 on MLX's CUDA backend and 0 = off
         elsewhere) pads prefill chunks, and rounds the slot lane's attended length, up to a
@@ -221,10 +231,14 @@ class MlxEngine:
         prefix_bytes = memory // 4 if prefix_cache_bytes is None else prefix_cache_bytes
         if prefix_bytes < 0:
             raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
+        if prefill_memory_cap not in PREFILL_MEMORY_CAP_MODES:
+            raise StatecoreError(client_error(
+                f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
+        capped = kv_memory_bytes is not None if prefill_memory_cap == "auto" else prefill_memory_cap == "on"
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
-                            on_cuda() if preallocate_slots is None else preallocate_slots,
+                            on_cuda() if preallocate_slots is None else preallocate_slots, capped,
                             fuse_projections)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
@@ -261,6 +275,7 @@ class MlxEngine:
             await self.release_held(rid)
         def forget() -> None:
             self._device.forget_prefixes()
+            self._device.forget_activation_counts()
             self._publish()
 
         await self._call(forget)
@@ -677,6 +692,9 @@ class MlxEngine:
             prefix_tokens_reused=0 if device.prefix is None else device.prefix.tokens_reused,
             prefix_cache_queries=0 if device.prefix is None else device.prefix.queries,
             prefix_cache_evictions=0 if device.prefix is None else device.prefix.evictions,
+            prefill_capped_steps=device.prefill_capped_steps,
+            activation_overruns=device.activation_overruns,
+            activation_estimate_peak_bytes=device.activation_peak,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

@@ -6,7 +6,9 @@ without a table of classes: plain and quantized KV grow per token, SSM state is 
 rotating cache is over-counted past its window (the safe side); `KvCost.of` adds mlx-lm's
 allocation step. `slot_per_token` is one slot's
 bytes per position in the slot layout (plain KVCache models). `default_kv_memory_bytes` is the
-budget when `--kv-memory-bytes` is not given. This module imports mlx; never trio.
+budget when `--kv-memory-bytes` is not given. `model_shape` reads what a step's transient
+activations grow with (`statecore.scheduling.activation_bytes` does the arithmetic). This module
+imports mlx; never trio.
 """
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from statecore.scheduling import ModelShape
+
 __all__ = [
     "ALLOCATION_STEP",
     "DEFAULT_KV_MEMORY_FRACTION",
     "KvCost",
+    "activation_dtype_bytes",
     "default_kv_memory_bytes",
     "measure_kv_cost",
+    "model_shape",
     "state_bytes",
 ]
 
@@ -71,3 +78,45 @@ def default_kv_memory_bytes() -> int:
     if not isinstance(total, int) or total <= 0:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(total * DEFAULT_KV_MEMORY_FRACTION)
+
+
+def _config_int(args: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def activation_dtype_bytes(model: Any, probe_cache: Sequence[Any]) -> int:
+    """Bytes of one activation element: the dtype of the first plain KV cache's keys, else of the
+    model's first floating-point parameter (a quantized model's scales: its compute dtype)."""
+    for layer in probe_cache:
+        keys = getattr(layer, "keys", None)
+        dtype = getattr(keys, "dtype", None)
+        if dtype is not None and mx.issubdtype(dtype, mx.floating):
+            return int(dtype.size)
+    leaves: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for _, array in leaves:
+        if hasattr(array, "dtype") and mx.issubdtype(array.dtype, mx.floating):
+            return int(array.dtype.size)
+    return 4
+
+
+def model_shape(model: Any, vocab_size: int, probe_cache: Sequence[Any]) -> ModelShape:
+    """The sizes a model call's activations grow with, from the model's config (`model.args`, or
+    a `text_config` inside it); what a family does not name falls back on the safe side: heads
+    of 64 dimensions over the hidden size, as many KV heads as query heads, an MLP four times
+    the hidden size. Mixture-of-experts, sliding-window and state-space layers are priced as
+    dense attention (an over-estimate)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if isinstance(text, dict):
+        args = SimpleNamespace(**text)
+    hidden = _config_int(args, "hidden_size", "d_model", "dim", "n_embd") or 4096
+    heads = _config_int(args, "num_attention_heads", "n_heads", "n_head", "num_heads") or max(1, hidden // 64)
+    head_dim = _config_int(args, "head_dim") or max(1, hidden // heads)
+    kv_heads = _config_int(args, "num_key_value_heads", "n_kv_heads") or heads
+    intermediate = _config_int(args, "intermediate_size", "hidden_dim", "ffn_dim") or 4 * hidden
+    return ModelShape(hidden, heads, kv_heads, head_dim, intermediate, max(1, vocab_size),
+                      activation_dtype_bytes(model, probe_cache))
