@@ -290,6 +290,23 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       echo "$who:"; $PY bench/phase_times.py "$OUT/sbs_ttft/$who.log" --last 1 2>&1 | tail -16
     done
     ;;
+  fusion2)
+    # The headline cells with the defaults (projections fused), the 1B shape's cells again with
+    # --fuse-projections off (statecore only), then where a 2,000-token request's first token
+    # goes, single vs cluster, each node with an 8 GiB KV budget (three nodes share the GPU).
+    nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu,clocks.sm,clocks.max.sm --format=csv
+    headline_cells 6 192 200 130
+    timeout 100 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers single \
+      --mix realish --concurrency 8,32 --no-parity --requests-per-slot 6 --max-requests 192 \
+      --statecore-arg=--fuse-projections=off --startup-timeout 120 --out "$OUT/sbs_nofuse" 2>&1 | quiet | tail -3
+    timeout 110 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers single,cluster \
+      --statecore-arg=--kv-memory-bytes=8589934592 --statecore-arg=--log-level=INFO \
+      --mix 2000x16 --concurrency 1 --requests-per-slot 8 --min-requests 8 --max-requests 8 \
+      --startup-timeout 120 --out "$OUT/sbs_ttft" 2>&1 | quiet | tail -3
+    for who in single cluster; do
+      echo "$who:"; $PY bench/phase_times.py "$OUT/sbs_ttft/$who.log" --last 1 2>&1 | tail -16
+    done
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
