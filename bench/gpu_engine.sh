@@ -307,6 +307,20 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       echo "$who:"; $PY bench/phase_times.py "$OUT/sbs_ttft/$who.log" --last 1 2>&1 | tail -16
     done
     ;;
+  ttft)
+    # Why a 2,000-token request's first token comes later through the cluster: the cluster alone on
+    # the GPU, the single node alone, then the cluster with the prefill memory cap off; each with
+    # its phases (bench/phase_times.py).
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    for run in "cluster" "single" "cluster --statecore-arg=--prefill-memory-cap=off"; do
+      set -- $run
+      timeout 100 $PY bench/side_by_side.py --model $M --blas bundled --reps 1 --servers $1 \
+        --statecore-arg=--kv-memory-bytes=8589934592 --statecore-arg=--log-level=INFO "${@:2}" \
+        --mix 2000x16 --concurrency 1 --requests-per-slot 10 --min-requests 10 --max-requests 10 \
+        --no-parity --startup-timeout 120 --out "$OUT/ttft_$1" 2>&1 | quiet | grep -E "^2000x16"
+      $PY bench/phase_times.py "$OUT/ttft_$1/$1.log" --last 0 2>&1 | grep -E "prefill|router|single" | head -12
+    done
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24
