@@ -33,6 +33,8 @@ class IntentKind(enum.Enum):
     COMPLETE = "complete"
     REJECT = "reject"
     # loop
+    ADMIT_REQUEST = "admit_request"
+    REFUSE_REQUEST = "refuse_request"
     START_ACCEPTING = "start_accepting"
     STOP_ACCEPTING = "stop_accepting"
     ARM_DRAIN = "arm_drain"

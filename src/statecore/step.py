@@ -36,6 +36,7 @@ from statecore.events import (
     ProbeFailed,
     ProbeSucceeded,
     Rejected,
+    RequestOpened,
     RetryRequested,
     StopMatched,
     Timer,
@@ -109,7 +110,7 @@ def event_error(event: Event) -> ErrorInfo | None:
             Admitted() | Dispatched() | PrefillDone() | FirstToken() | DecodeStarted()
             | TokenGenerated() | Finished() | StopMatched() | PrefillLocally() | KvRequested()
             | KvTaken() | KvReceived() | KvInstalled() | ClientCancelled() | TimerFired()
-            | TransportLost() | LoopReady() | DrainRequested() | DrainComplete()
+            | TransportLost() | RequestOpened() | LoopReady() | DrainRequested() | DrainComplete()
             | ProbeSucceeded() | ProbeFailed()
         ):
             return None
@@ -219,7 +220,8 @@ def _build_request_intent(
         case IntentKind.REJECT:
             return Reject(rid, _edge_error(edge, phase, event))
         case (
-            IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN
+            IntentKind.ADMIT_REQUEST | IntentKind.REFUSE_REQUEST
+            | IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN
             | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG | IntentKind.MARK_AVAILABLE
             | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN | IntentKind.SEND_PROBE
         ):
