@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import assert_never
 
 import trio
 
@@ -23,6 +24,7 @@ from statecore.events import Event, PeerFailed, ProbeFailed, ProbeSucceeded, Tim
 from statecore.ids import PeerId
 from statecore.intents import IntentKind, PeerIntent
 from statecore.phases import PeerPhase
+from statecore.policy import blames_peer
 from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, choose_node
 from statecore.step import PeerRecord, step_peer
 
@@ -79,19 +81,34 @@ class PeerSet:
                 self._perform(url, intent.kind)
 
     def report_failure(self, url: str, error: ErrorInfo) -> None:
-        """A request saw this node fail at the transport level."""
-        if error.fault in (Fault.TRANSPORT, Fault.PEER):
+        """A request saw this node fail in a way the policy blames on the node."""
+        if blames_peer(error):
             self.feed(url, PeerFailed(error))
 
     def _perform(self, url: str, kind: IntentKind) -> None:
-        if kind is IntentKind.MARK_AVAILABLE:
-            self.available.add(url)
-        elif kind is IntentKind.MARK_UNAVAILABLE:
-            self.available.discard(url)
-        elif kind is IntentKind.ARM_COOLDOWN and self._nursery is not None:
-            self._nursery.start_soon(self._cooldown, url)
-        elif kind is IntentKind.SEND_PROBE and self._nursery is not None:
-            self._nursery.start_soon(self._probe_once, url)
+        match kind:
+            case IntentKind.MARK_AVAILABLE:
+                self.available.add(url)
+            case IntentKind.MARK_UNAVAILABLE:
+                self.available.discard(url)
+            case IntentKind.ARM_COOLDOWN:
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._cooldown, url)
+            case IntentKind.SEND_PROBE:
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._probe_once, url)
+            case (
+                IntentKind.START_PREFILL | IntentKind.START_DECODE | IntentKind.FETCH_KV
+                | IntentKind.INSTALL_KV | IntentKind.SEND_KV | IntentKind.RELEASE_KV
+                | IntentKind.STOP_DECODING | IntentKind.CANCEL_REMOTE | IntentKind.ARM_DEADLINE
+                | IntentKind.ARM_LEASE | IntentKind.CANCEL_TIMER | IntentKind.RESPOND_TOKEN
+                | IntentKind.COMPLETE | IntentKind.REJECT | IntentKind.ADMIT_REQUEST
+                | IntentKind.REFUSE_REQUEST | IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING
+                | IntentKind.ARM_DRAIN | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG
+            ):
+                log.error("peer %s: %s is not a peer intent", url, kind.value)
+            case _:
+                assert_never(kind)
 
     async def _cooldown(self, url: str) -> None:
         await trio.sleep(self.cooldown_s)
