@@ -120,7 +120,7 @@ class HttpxPeers:
                                               params=self._details)
             await _raise_for_error(node, response)
             try:
-                reply = PrefillReplyBody.model_validate(response.json())
+                reply = PrefillReplyBody.model_validate_json(response.content)
             except ValueError as exc:
                 raise StatecoreError(
                     ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
@@ -247,7 +247,7 @@ class HttpxPeers:
             response = await self.client.get(f"{node}/internal/prefix", params=params, timeout=5.0)
             await _raise_for_error(node, response)
             try:
-                return PrefixSummaryBody.model_validate(response.json()).summary()
+                return PrefixSummaryBody.model_validate_json(response.content).summary()
             except (ValueError, pydantic.ValidationError) as exc:
                 raise StatecoreError(ErrorInfo(
                     Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefix summary: {exc}")) from exc
