@@ -253,12 +253,16 @@ class NodeRunner(Generic[P]):
         """The phases an envelope may move: one request's, or every live one for a loop event.
 
         Per token this is one lookup, not a copy of every live request's phase."""
-        if isinstance(envelope, ForRequest):
-            record = self.state.live.get(envelope.request_id)
-            return {} if record is None else {envelope.request_id: record.phase}
-        if isinstance(envelope, ForLoop):
-            return {rid: rec.phase for rid, rec in self.state.live.items()}
-        return {}
+        match envelope:
+            case ForRequest(request_id=rid):
+                record = self.state.live.get(rid)
+                return {} if record is None else {rid: record.phase}
+            case ForLoop():
+                return {rid: rec.phase for rid, rec in self.state.live.items()}
+            case OpenRequest():
+                return {}
+            case _:
+                assert_never(envelope)
 
     def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any]) -> None:
         if not isinstance(envelope, ForRequest | ForLoop):
