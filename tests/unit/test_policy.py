@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from statecore import policy
 from statecore.errors import Code, ErrorInfo, Fault
-from statecore.events import EngineFailed, PeerFailed, TransportLost
+from statecore.events import DrainRequested, EngineFailed, EventKind, LoopReady, PeerFailed, TransportLost
+from statecore.ids import RequestId
+from statecore.intents import IntentKind, Reject
+from statecore.loop import ForLoop, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
 from statecore.policy import (
     admission,
@@ -18,6 +24,7 @@ from statecore.policy import (
     peer_failure,
     token_finish,
 )
+from statecore.table import DECODE_REQUEST, SERVING_LOOP, Edge
 
 
 def test_only_a_serving_loop_admits() -> None:
@@ -92,3 +99,26 @@ def test_which_event_an_error_becomes() -> None:
     assert isinstance(failure_event(_error(Fault.TRANSPORT, Code.TIMEOUT)), PeerFailed)
     for fault in (Fault.BUG, Fault.OVERLOADED, Fault.CLIENT, Fault.UNSUPPORTED):
         assert isinstance(failure_event(_error(fault, Code.INTERNAL)), EngineFailed)
+
+
+def test_the_loop_refuses_at_the_door_what_admission_refuses() -> None:
+    starting = new_loop(DECODE_REQUEST)
+    state, intents = loop_step(starting, OpenRequest(RequestId("early")))
+    assert [type(i) for i in intents] == [Reject] and not state.live
+    assert isinstance(intents[0], Reject) and intents[0].error.code is Code.DRAINING
+    state, _ = loop_step(starting, ForLoop(LoopReady()))
+    state, intents = loop_step(state, OpenRequest(RequestId("in")))
+    assert intents == [] and RequestId("in") in state.live
+    state, _ = loop_step(state, ForLoop(DrainRequested()))
+    state, intents = loop_step(state, OpenRequest(RequestId("late")))
+    assert isinstance(intents[0], Reject) and "draining" in intents[0].error.message
+
+
+def test_admission_is_read_off_the_loop_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's request_opened edge decides: a serving loop whose edge refused would refuse."""
+    declared = dict(SERVING_LOOP.declared)
+    declared[(LoopPhase.SERVING, EventKind.REQUEST_OPENED)] = Edge(
+        LoopPhase.SERVING, (IntentKind.REFUSE_REQUEST,))
+    monkeypatch.setattr(policy, "SERVING_LOOP", replace(SERVING_LOOP, declared=declared))
+    refused = policy.admission(LoopPhase.SERVING, 0)
+    assert refused is not None and refused.code is Code.DRAINING
