@@ -9,10 +9,10 @@ import pytest
 import trio
 import trio.testing
 
+from effects import faults as fault_injection
 from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults, next_token
-from effects import faults as fault_injection
 from effects.faults import NO_FAULTS, Phase
 from effects.interpret import EnginePerformer
 from effects.ports import GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
