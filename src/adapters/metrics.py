@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -273,13 +273,17 @@ class _MeteredGeneration:
         return output
 
     def _observe(self, output: Output) -> None:
-        if isinstance(output, TokenOut):
-            _safely("token", lambda: self.metrics.token(self.timing))
-        elif isinstance(output, GenerationEnd | GenerationError):
-            if isinstance(output, GenerationEnd) and output.finish_reason == STOP:
-                # the EOS token, counted as usage.completion_tokens counts it
-                _safely("eos", self.metrics.generation_tokens.inc)
-            self._end(observe=True)
+        match output:
+            case TokenOut():
+                _safely("token", lambda: self.metrics.token(self.timing))
+            case GenerationEnd(finish_reason=reason):
+                if reason == STOP:  # the EOS token, counted as usage.completion_tokens counts it
+                    _safely("eos", self.metrics.generation_tokens.inc)
+                self._end(observe=True)
+            case GenerationError():
+                self._end(observe=True)
+            case _:
+                assert_never(output)
 
     def _end(self, *, observe: bool) -> None:
         if self.ended:
