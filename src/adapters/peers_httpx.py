@@ -42,6 +42,7 @@ from effects.handoffs import HandoffLog
 from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, PrefixSummary, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
+from statecore.policy import STOP
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
@@ -213,7 +214,7 @@ class HttpxPeers:
 
     async def cancel(self, node: str, request_id: RequestId, *, finish_reason: str | None = None) -> None:
         # `stopped` too, for a node of an older version during a rolling upgrade
-        params = {"stopped": "1" if finish_reason == "stop" else "0"}
+        params = {"stopped": "1" if finish_reason == STOP else "0"}
         if finish_reason is not None:
             params["finished"] = finish_reason
         with transport_errors(node):
