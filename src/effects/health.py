@@ -22,7 +22,7 @@ from effects.routing import PrefixSummaries
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import Event, PeerFailed, ProbeFailed, ProbeSucceeded, Timer, TimerFired
 from statecore.ids import PeerId
-from statecore.intents import IntentKind, PeerIntent
+from statecore.intents import IntentKind, PeerIntent, PeerIntentKind
 from statecore.phases import PeerPhase
 from statecore.policy import blames_peer
 from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, choose_node
@@ -85,7 +85,7 @@ class PeerSet:
         if blames_peer(error):
             self.feed(url, PeerFailed(error))
 
-    def _perform(self, url: str, kind: IntentKind) -> None:
+    def _perform(self, url: str, kind: PeerIntentKind) -> None:
         match kind:
             case IntentKind.MARK_AVAILABLE:
                 self.available.add(url)
@@ -97,16 +97,6 @@ class PeerSet:
             case IntentKind.SEND_PROBE:
                 if self._nursery is not None:
                     self._nursery.start_soon(self._probe_once, url)
-            case (
-                IntentKind.START_PREFILL | IntentKind.START_DECODE | IntentKind.FETCH_KV
-                | IntentKind.INSTALL_KV | IntentKind.SEND_KV | IntentKind.RELEASE_KV
-                | IntentKind.STOP_DECODING | IntentKind.CANCEL_REMOTE | IntentKind.ARM_DEADLINE
-                | IntentKind.ARM_LEASE | IntentKind.CANCEL_TIMER | IntentKind.RESPOND_TOKEN
-                | IntentKind.COMPLETE | IntentKind.REJECT | IntentKind.ADMIT_REQUEST
-                | IntentKind.REFUSE_REQUEST | IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING
-                | IntentKind.ARM_DRAIN | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG
-            ):
-                log.error("peer %s: %s is not a peer intent", url, kind.value)
             case _:
                 assert_never(kind)
 

@@ -39,6 +39,7 @@ from statecore.intents import (
     Intent,
     IntentKind,
     LoopIntent,
+    LoopIntentKind,
     PeerIntent,
     Reject,
     ReleaseKv,
@@ -415,7 +416,7 @@ class NodeRunner(Generic[P]):
             self._forgetting -= 1
         self.performer.forget(rid, None if entry is None else entry.context)
 
-    def _loop_intent(self, kind: IntentKind, detail: str) -> None:
+    def _loop_intent(self, kind: LoopIntentKind, detail: str) -> None:
         match kind:
             case IntentKind.REPORT_BUG:
                 self._bug(detail)
@@ -434,15 +435,6 @@ class NodeRunner(Generic[P]):
                 # receive loop once the loop phase is `stopped`; accepting is the loop phase itself,
                 # read by `admission_error` and `loop_step`, which also answer a request's admission
                 pass
-            case (
-                IntentKind.START_PREFILL | IntentKind.START_DECODE | IntentKind.FETCH_KV
-                | IntentKind.INSTALL_KV | IntentKind.SEND_KV | IntentKind.RELEASE_KV
-                | IntentKind.STOP_DECODING | IntentKind.CANCEL_REMOTE | IntentKind.ARM_DEADLINE
-                | IntentKind.ARM_LEASE | IntentKind.CANCEL_TIMER | IntentKind.RESPOND_TOKEN
-                | IntentKind.COMPLETE | IntentKind.REJECT | IntentKind.MARK_AVAILABLE
-                | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN | IntentKind.SEND_PROBE
-            ):
-                self._bug(f"request or peer intent {kind.value} as a loop intent")
             case _:
                 assert_never(kind)
 
