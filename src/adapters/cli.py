@@ -13,7 +13,7 @@ from pathlib import Path
 
 from adapters.blas import BlasChoice, default_blas_choice, parse_blas_choice
 from statecore.diagram import render, render_markdown
-from statecore.spec import compare, load_spec, render_toml, spec_from_machine
+from statecore.spec import compare, load_spec, spec_from_machine
 from statecore.table import MACHINES
 
 
@@ -74,9 +74,11 @@ def _add_diagram(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    spec = sub.add_parser("spec", help="compare specs/ with the tables, or write them")
+    spec = sub.add_parser("spec", help="compare specs/ (reviewed by hand) with the tables")
     spec.add_argument("--dir", type=Path, default=Path("specs"))
-    spec.add_argument("--write", action="store_true", help="overwrite the specs from the tables")
+    # specs/ are the model tests' oracle: a command that rewrote them from the tables would let
+    # the oracle follow a wrong table, so the old flag only says so
+    spec.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +104,12 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _spec(args: argparse.Namespace) -> int:
-    if not args.write and not args.dir.is_dir():
+    if args.write:
+        print("statecore spec: specs/ are reviewed documents, the model tests' oracle, and are "
+              "never written from the tables: edit the TOML by hand (`statecore spec` lists what "
+              "differs)", file=sys.stderr)
+        return 2
+    if not args.dir.is_dir():
         print(f"statecore spec: no specs directory at {args.dir.resolve()}: run it from the "
               "repository root, or give --dir", file=sys.stderr)
         return 2
@@ -110,13 +117,8 @@ def _spec(args: argparse.Namespace) -> int:
     for machine in MACHINES.values():
         path = args.dir / f"{machine.name}.toml"
         from_table = spec_from_machine(machine)
-        if args.write:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(render_toml(from_table))
-            print(f"wrote {path}")
-            continue
         if not path.is_file():
-            print(f"{machine.name}: {path} is missing (statecore spec --write creates it)")
+            print(f"{machine.name}: {path} is missing (write it by hand: it is the tests' oracle)")
             status = 1
             continue
         problems = compare(load_spec(path), from_table)

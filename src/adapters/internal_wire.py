@@ -35,7 +35,10 @@ CACHED_TOKENS_PARAM = "cached_tokens"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Every internal message: no unknown fields, no coercion (a "5" is not a 5, a 5.0 is not
+    an int). Read JSON with `model_validate_json`, so arrays become the tuples fields declare."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 class SamplingBody(_Strict):
@@ -143,7 +146,7 @@ def error_json(error: ErrorInfo) -> dict[str, object]:
 def error_from_json(data: object, status: int) -> ErrorInfo:
     """An ErrorInfo from a peer's error body; anything unreadable is the peer's fault."""
     try:
-        body = ErrorBody.model_validate(data["error"] if isinstance(data, dict) else None)
+        body = ErrorBody.model_validate(data["error"] if isinstance(data, dict) else None)  # strs only
         return ErrorInfo(Fault(body.fault), Code(body.code), body.message, body.param)
     except (ValueError, KeyError, TypeError):
         return ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"peer answered HTTP {status}")

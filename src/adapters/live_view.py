@@ -224,10 +224,8 @@ class LiveView:
     def message(self, *, after_transition: int, after_sample: int) -> dict[str, Any]:
         """What a viewer has not seen yet (transitions and samples past the given sequence
         numbers), with the counts as they are now."""
-        live: dict[str, int] = {}
-        for record in self.runner.state.live.values():
-            live[record.phase.value] = live.get(record.phase.value, 0) + 1
         stats = self.runner.statistics()
+        live = dict(stats.live_phases)
         doc: dict[str, Any] = {
             "role": self.role,
             "boot": self.boot,

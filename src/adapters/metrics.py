@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from effects.engine_port import Engine
 from effects.health import PeerSet
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, NodeRequest
 from effects.ports import (
     Backend,
     Generation,
@@ -55,6 +55,7 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import FetchKv, InstallKv, StartPrefill
+from statecore.policy import STOP, is_eos
 
 log = logging.getLogger("statecore.metrics")
 
@@ -272,13 +273,17 @@ class _MeteredGeneration:
         return output
 
     def _observe(self, output: Output) -> None:
-        if isinstance(output, TokenOut):
-            _safely("token", lambda: self.metrics.token(self.timing))
-        elif isinstance(output, GenerationEnd | GenerationError):
-            if isinstance(output, GenerationEnd) and output.finish_reason == "stop":
-                # the EOS token, counted as usage.completion_tokens counts it
-                _safely("eos", self.metrics.generation_tokens.inc)
-            self._end(observe=True)
+        match output:
+            case TokenOut():
+                _safely("token", lambda: self.metrics.token(self.timing))
+            case GenerationEnd(finish_reason=reason):
+                if reason == STOP:  # the EOS token, counted as usage.completion_tokens counts it
+                    _safely("eos", self.metrics.generation_tokens.inc)
+                self._end(observe=True)
+            case GenerationError():
+                self._end(observe=True)
+            case _:
+                assert_never(output)
 
     def _end(self, *, observe: bool) -> None:
         if self.ended:
@@ -311,20 +316,23 @@ class _MeteredPerformer:
         self.inner = inner
         self.metrics = metrics
 
-    async def work(self, intent: WorkIntent, post: Post) -> None:
+    async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
         rid = intent.request_id
-        ctx = self.inner.requests.get(rid)
+        ctx = context if isinstance(context, NodeRequest) else None
         prompt = len(ctx.prompt) if ctx is not None else 0
         # a pulled cache that fails to install (checksum, version, fingerprint) is a failed handoff
         handoff = isinstance(intent, FetchKv) or (
             isinstance(intent, InstallKv) and ctx is not None and ctx.payload is not None)
         eos = self.inner.engine.info.eos_token_ids
+        ignore_eos = ctx is not None and ctx.sampling.ignore_eos
         started = time.monotonic()
         counts_tokens = not self.metrics.front_end
 
         async def metered_post(event: Event) -> None:
+            first_eos = isinstance(event, PrefillDone) and is_eos(event.first_token, eos,
+                                                                   ignore_eos=ignore_eos)
             if counts_tokens and (isinstance(event, TokenGenerated)
-                                  or (isinstance(event, PrefillDone) and event.first_token not in eos)):
+                                  or (isinstance(event, PrefillDone) and not first_eos)):
                 _safely("token", lambda: self.metrics.engine_token(rid))
             elif isinstance(event, KvReceived):
                 def received(nbytes: int = event.nbytes) -> None:
@@ -336,7 +344,7 @@ class _MeteredPerformer:
             await post(event)
 
         try:
-            await self.inner.work(intent, metered_post)
+            await self.inner.work(intent, context, metered_post)
         except StatecoreError as exc:
             if handoff:
                 code = exc.info.code.value
@@ -350,11 +358,11 @@ class _MeteredPerformer:
         if isinstance(intent, StartPrefill):
             _safely("prompt", lambda: self.metrics.prompt_source("computed_locally", prompt))
 
-    async def cleanup(self, intent: CleanupIntent) -> None:
-        await self.inner.cleanup(intent)
+    async def cleanup(self, intent: CleanupIntent, context: object) -> None:
+        await self.inner.cleanup(intent, context)
 
-    def forget(self, request_id: RequestId) -> None:
-        self.inner.forget(request_id)
+    def forget(self, request_id: RequestId, context: object) -> None:
+        self.inner.forget(request_id, context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,10 +392,11 @@ class _LiveCollector:
     def collect(self) -> Iterable[Metric]:
         role = self.role
         initial = self.runner.machine.initial
-        phases = [record.phase for record in self.runner.state.live.values()]
-        waiting = sum(1 for p in phases if p is initial)
+        loop_stats = self.runner.statistics()
+        in_phase = dict(loop_stats.live_phases)
+        waiting = in_phase.get(initial.value, 0)
         for name, doc, value in (
-            ("num_requests_running", "Live requests past intake.", len(phases) - waiting),
+            ("num_requests_running", "Live requests past intake.", loop_stats.live_requests - waiting),
             ("num_requests_waiting", "Live requests still at intake.", waiting),
             ("loop_ready", "1 while this node's serving loop accepts requests.", int(self.runner.ready())),
         ):
@@ -398,11 +407,11 @@ class _LiveCollector:
                                      labels=["role", "phase"])
         for phase in self.runner.machine.all_phases:
             if not self.runner.machine.is_terminal(phase):
-                by_phase.add_metric([role, phase.value], sum(1 for p in phases if p is phase))
+                by_phase.add_metric([role, phase.value], in_phase.get(phase.value, 0))
         yield by_phase
         bugs = CounterMetricFamily(PREFIX + "loop_bugs", "Bugs the loop caught and survived.",
                                    labels=["role"])
-        bugs.add_metric([role], self.runner.statistics().bugs)
+        bugs.add_metric([role], loop_stats.bugs)
         yield bugs
         if self.engine is not None:
             stats = self.engine.statistics()

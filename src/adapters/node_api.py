@@ -9,8 +9,9 @@ ends as done with that reason), without it a cancellation. Every node: `GET /int
 (the model's fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts
 for leak checks), `GET /internal/handoffs` (the recent KV handoffs' bytes and timings). When a shared
 token is configured, internal endpoints require it in the `X-Statecore-Token` header. Every
-request goes through the node's `NodeRunner`, so its life is the core's state machine. This
-module may import anything.
+request goes through the node's `NodeRunner`, so its life is the core's state machine: admission
+is the runner's (`statecore.policy.admission`), whether a KV pull is expected is the table's, and
+EOS is `statecore.policy.is_eos`. This module may import anything.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 from statecore.events import (
     Admitted,
     ClientCancelled,
+    EventKind,
     KvRequested,
     KvTaken,
     PrefillLocally,
@@ -64,13 +66,12 @@ from statecore.events import (
 )
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.phases import PrefillPhase
+from statecore.policy import FINISH_REASONS, STOP, is_eos
 
 log = logging.getLogger("statecore.node_api")
 
 Handler = Callable[[Request], Awaitable[Response]]
 KV_SEND_TIMEOUT_S = 60.0
-FINISH_REASONS = frozenset({"stop", "length"})
 MAX_INTERNAL_BODY = 64 << 20
 
 
@@ -224,7 +225,7 @@ class NodeApi:
             "loop_phase": runner.phase.value,
             "live_requests": runner.live_requests,
             "live_tasks": runner.live_tasks,
-            "contexts": len(self.performer.requests),
+            "contexts": runner.entries,
             "outcomes": runner.outcomes,
             "bugs": runner.bugs,
             "decoding": engine.decoding,
@@ -266,13 +267,11 @@ class NodeApi:
         return JSONResponse(self.performer.handoffs.snapshot())
 
     async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
-        if not self.runner.ready():
-            raise StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "node not accepting"))
-        if self.runner.statistics().live_requests >= self.max_live:
-            raise StatecoreError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "node at capacity"))
+        refused = self.runner.admission_error(self.max_live)
+        if refused is not None:
+            raise StatecoreError(refused)
         await self.faults.at(Phase.INTAKE, rid)
-        self.performer.register(rid, context)
-        replies = await self.runner.open(rid, capacity)
+        replies = await self.runner.open(rid, capacity, context)
         return RunnerGeneration(self.runner, rid, replies, context)
 
     async def prefill(self, request: Request) -> Response:
@@ -288,10 +287,11 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                is_eos = token in self.engine.info.eos_token_ids and not context.sampling.ignore_eos
+                first_eos = is_eos(token, self.engine.info.eos_token_ids,
+                                   ignore_eos=context.sampling.ignore_eos)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
-                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=is_eos, held_bytes=held,
+                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
                                                      logprobs=LogprobsBody.of(logprobs),
                                                      cached_tokens=cached).document())
             case Reject(error=error):
@@ -301,11 +301,12 @@ class NodeApi:
 
     async def send_kv(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])
-        context = self.performer.requests.get(rid)
-        if self.runner.phase_of(rid) is not PrefillPhase.HANDOFF or context is None:
+        context = self.runner.context(rid)
+        # only a phase whose table edge takes a pull holds a KV to send (a pull at any other
+        # time is answered here, and leaves the request alone)
+        if not self.runner.expects(rid, EventKind.KV_REQUESTED) or not isinstance(context, NodeRequest):
             return error_response(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
-        send, receive = trio.open_memory_channel[KvPieces | ErrorInfo](1)
-        context.kv_out = send
+        receive = self.performer.open_kv_out(context)
         await self.runner.post(rid, KvRequested())
         with trio.move_on_after(KV_SEND_TIMEOUT_S):
             try:
@@ -354,7 +355,7 @@ class NodeApi:
         rid = RequestId(request.path_params["request_id"])
         finished = request.query_params.get("finished")
         if finished is None and request.query_params.get("stopped") == "1":
-            finished = "stop"  # a router of an older version
+            finished = STOP  # a router of an older version
         if finished is not None and finished not in FINISH_REASONS:
             raise StatecoreError(client_error(f"finished must be one of {sorted(FINISH_REASONS)}"))
         await self.runner.post(rid, StopMatched(finished) if finished else ClientCancelled())
@@ -381,7 +382,8 @@ class NodeApi:
         """The decode stream's NDJSON lines. A local prefill's first token goes first as a prefill
         reply (with the prompt tokens it took from the prefix cache when the router asked: then a
         first token that is EOS, which ends the request at once, is sent as one too)."""
-        eos = frozenset() if context.sampling.ignore_eos else self.engine.info.eos_token_ids
+        eos_ids = self.engine.info.eos_token_ids
+        ignore_eos = context.sampling.ignore_eos
         first = first_is_prefill
         finished = False
         sent = 0
@@ -393,12 +395,13 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, TokenOut):
                     first = False
-                    yield output_line(PrefillReply(output.token, output.token in eos, 0, output.logprobs,
-                                                   cached))
+                    yield output_line(PrefillReply(output.token, is_eos(output.token, eos_ids,
+                                                                        ignore_eos=ignore_eos),
+                                                   0, output.logprobs, cached))
                     continue
-                if (first and cached is not None and output == GenerationEnd("stop")
-                        and context.first_token in eos):
-                    assert context.first_token is not None
+                if (first and cached is not None and output == GenerationEnd(STOP)
+                        and context.first_token is not None
+                        and is_eos(context.first_token, eos_ids, ignore_eos=ignore_eos)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue

@@ -42,6 +42,7 @@ from effects.handoffs import HandoffLog
 from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, PrefixSummary, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
+from statecore.policy import STOP
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
@@ -120,7 +121,7 @@ class HttpxPeers:
                                               params=self._details)
             await _raise_for_error(node, response)
             try:
-                reply = PrefillReplyBody.model_validate(response.json())
+                reply = PrefillReplyBody.model_validate_json(response.content)
             except ValueError as exc:
                 raise StatecoreError(
                     ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
@@ -213,7 +214,7 @@ class HttpxPeers:
 
     async def cancel(self, node: str, request_id: RequestId, *, finish_reason: str | None = None) -> None:
         # `stopped` too, for a node of an older version during a rolling upgrade
-        params = {"stopped": "1" if finish_reason == "stop" else "0"}
+        params = {"stopped": "1" if finish_reason == STOP else "0"}
         if finish_reason is not None:
             params["finished"] = finish_reason
         with transport_errors(node):
@@ -247,7 +248,7 @@ class HttpxPeers:
             response = await self.client.get(f"{node}/internal/prefix", params=params, timeout=5.0)
             await _raise_for_error(node, response)
             try:
-                return PrefixSummaryBody.model_validate(response.json()).summary()
+                return PrefixSummaryBody.model_validate_json(response.content).summary()
             except (ValueError, pydantic.ValidationError) as exc:
                 raise StatecoreError(ErrorInfo(
                     Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefix summary: {exc}")) from exc

@@ -502,8 +502,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
                            kv_buffer_bytes=args.kv_buffer_bytes,
                            ssl_context=client_context(args.tls.ca_file))
-    performer = EnginePerformer(engine, peers, faults, engine._crash_device_thread_for_tests,
-                                handoffs=handoffs)
+    crash_device = engine.crash_device_thread if faults.armed else None  # the DEVICE_CRASH fault
+    performer = EnginePerformer(engine, peers, faults, crash_device, handoffs=handoffs)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
     metrics = Metrics(role)
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
@@ -634,7 +634,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     def stats() -> dict[str, object]:
         s = runner.statistics()
         return {"role": "router", "loop_phase": s.phase.value, "live_requests": s.live_requests,
-                "live_tasks": s.live_tasks, "contexts": len(performer.requests), "outcomes": s.outcomes,
+                "live_tasks": s.live_tasks, "contexts": s.entries, "outcomes": s.outcomes,
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
                 # blocks each node's fresh prefix summary lists (what prefix routing sees)
                 "prefix_blocks": {u: summaries.blocks(u) for u in summaries.nodes} if summaries else {},

@@ -3,4 +3,17 @@
 May import `statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
-__all__: list[str] = []
+# The package's public modules (import them by name: nothing is re-exported here, so importing
+# the package stays free).
+__all__ = [
+    "backend",
+    "engine_port",
+    "fakes",
+    "faults",
+    "handoffs",
+    "health",
+    "interpret",
+    "ports",
+    "routing",
+    "runner",
+]

@@ -3,7 +3,9 @@
 A single node (and a decode node serving its own short prompts) runs the decode request
 machine and prefills locally; the router runs the router request machine over its peers.
 Either way the front end sees one `Generation`: replies from the runner turned into
-`TokenOut` / `GenerationEnd` / `GenerationError`. This module may import `statecore` and
+`TokenOut` / `GenerationEnd` / `GenerationError`. Admission is the runner's
+(`statecore.policy.admission`); a stop string the front end matched reaches the core as the
+`StopMatched` event (`RunnerGeneration.stop`). This module may import `statecore` and
 trio; it must never import httpx, mlx or mlx_lm.
 """
 
@@ -14,7 +16,7 @@ from typing import Any, assert_never
 
 import trio
 
-from effects.faults import Faults, Phase
+from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
 from effects.ports import (
     GenerationEnd,
@@ -45,8 +47,8 @@ class RunnerGeneration:
         self.runner = runner
         self.request_id = request_id
         self.replies = replies
-        # what the role's performer keeps for the request (its prefill's cached tokens): held
-        # here, since the performer forgets it when the request ends, maybe before it is read
+        # the role's context for the request (its prefill's cached tokens): held here too, since
+        # the runner drops its entry when the request ends, maybe before this is read
         self.context = context
         self._ended = False  # the last output (an end or an error) was given
 
@@ -115,13 +117,13 @@ class RunnerBackend:
         admit: Callable[[GenerationRequest], tuple[Event, NodeRequest | RoutedRequest]],
         *,
         max_live: int = 256,
-        faults: Faults | None = None,
+        faults: FaultPort = NO_FAULTS,
     ) -> None:
         self.runner = runner
         self._model_info = model_info
         self._admit = admit
         self.max_live = max_live
-        self.faults = faults or Faults.none()
+        self.faults = faults
 
     @property
     def model_info(self) -> ModelInfo:
@@ -131,19 +133,13 @@ class RunnerBackend:
         return self.runner.ready()
 
     async def start(self, request: GenerationRequest) -> RunnerGeneration:
-        if not self.runner.ready():
-            raise StatecoreError(
-                ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "the node is not accepting requests")
-            )
-        if self.runner.statistics().live_requests >= self.max_live:  # admission control
-            raise StatecoreError(
-                ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED,
-                          f"too many requests in flight (limit {self.max_live}); retry shortly")
-            )
+        refused = self.runner.admission_error(self.max_live)
+        if refused is not None:
+            raise StatecoreError(refused)
         await self.faults.at(Phase.INTAKE, request.request_id)
         first_event, context = self._admit(request)
         replies = await self.runner.open(
-            request.request_id, request.sampling.max_tokens + _REPLY_SLACK
+            request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
         )
         await self.runner.post(request.request_id, first_event)
         return RunnerGeneration(self.runner, request.request_id, replies, context)
@@ -155,9 +151,7 @@ def local_backend(
     """A single node: every request prefills and decodes here."""
 
     def admit(request: GenerationRequest) -> tuple[Event, NodeRequest]:
-        context = NodeRequest(request.prompt, request.sampling)
-        performer.register(request.request_id, context)
-        return PrefillLocally(), context
+        return PrefillLocally(), NodeRequest(request.prompt, request.sampling)
 
     return RunnerBackend(
         runner, lambda: performer.engine.info, admit, max_live=max_live, faults=performer.faults
@@ -171,7 +165,7 @@ def router_backend(
     *,
     local_prefill_below: int,
     max_live: int = 256,
-    faults: Faults | None = None,
+    faults: FaultPort = NO_FAULTS,
 ) -> RunnerBackend:
     """The router: short prompts prefill on the decode node, long ones on a prefill node.
 
@@ -182,9 +176,7 @@ def router_backend(
         local = len(request.prompt) < local_prefill_below
         if not local and not info.can_travel:
             raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
-        context = RoutedRequest(request.prompt, request.sampling, local=local)
-        performer.register(request.request_id, context)
-        return Admitted(len(request.prompt)), context
+        return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling, local=local)
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 

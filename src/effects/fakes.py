@@ -27,6 +27,7 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
+from statecore.policy import STOP, token_finish
 
 EOS = 0
 
@@ -114,11 +115,12 @@ class FakeEngine:
         for produced in range(2, sampling.max_tokens + 1):
             token = EOS if produced == self.eos_at else next_token(history)
             history.append(token)
-            if token == EOS and not sampling.ignore_eos:
-                send.send_nowait(GeneratedToken(token, True, "stop"))
+            # the same decision the real engine's device loop asks for
+            reason = token_finish(token, {EOS}, ignore_eos=sampling.ignore_eos,
+                                  remaining=sampling.max_tokens - produced)
+            send.send_nowait(GeneratedToken(token, reason == STOP, reason))
+            if reason is not None:
                 break
-            reason = "length" if produced == sampling.max_tokens else None
-            send.send_nowait(GeneratedToken(token, False, reason))
         self.decoding[request_id] = send
         self._streams[request_id] = receive
         if self.faults.marker in prompt and "decode" in self.faults.fail:

@@ -6,8 +6,11 @@ is marked for a phase when its request id (the client's `X-Request-Id`, which tr
 router -> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed
 INJECTED_FAULT error), `<marker>-untyped-<phase>` (raise a plain RuntimeError there, armed with
 `PHASE:untyped`) or `<marker>-slow-<phase>` (sleep there first), e.g.
-`inject-fault-install-7`. This module may import `statecore` and trio; never httpx, mlx or
-mlx_lm.
+`inject-fault-install-7`.
+
+The code that serves requests sees only the `FaultPort`: production runs `NO_FAULTS`, whose every
+check is a no-op; `Faults.parse` builds the armed one only behind the switch above. This module
+may import `statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -47,6 +51,49 @@ class Phase(enum.Enum):
     DECODE_CALL_HANG = "decode_call_hang"  # the decode model call never returns (a device hang)
 
 
+ModelCallHook = Callable[[str, Sequence[str]], None]
+
+
+class FaultPort(Protocol):
+    """Where serving code may be made to fail on purpose (tests only). Every method is cheap
+    and does nothing for a request that is not marked."""
+
+    @property
+    def armed(self) -> bool: ...
+
+    def applies(self, phase: Phase, request_id: str) -> bool:
+        """A fail rule for `phase` matches this request."""
+        ...
+
+    async def at(self, phase: Phase, request_id: RequestId | str) -> None:
+        """Stall and/or fail here when this request is marked for `phase`."""
+        ...
+
+    def model_call_hook(self) -> ModelCallHook | None:
+        """A check for the engine to run inside each model call, or None."""
+        ...
+
+
+class NoFaults:
+    """The production `FaultPort`: nothing is ever injected."""
+
+    @property
+    def armed(self) -> bool:
+        return False
+
+    def applies(self, phase: Phase, request_id: str) -> bool:
+        return False
+
+    async def at(self, phase: Phase, request_id: RequestId | str) -> None:
+        return None
+
+    def model_call_hook(self) -> ModelCallHook | None:
+        return None
+
+
+NO_FAULTS: FaultPort = NoFaults()
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     phase: Phase
@@ -60,20 +107,22 @@ class Rule:
 
 @dataclass(frozen=True)
 class Faults:
+    """The armed `FaultPort`: rules by phase, matched on the marker in request ids."""
+
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     marker: str = DEFAULT_MARKER
 
     @classmethod
-    def none(cls) -> Faults:
-        return cls()
+    def none(cls) -> FaultPort:
+        return NO_FAULTS
 
     @classmethod
-    def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER) -> Faults:
+    def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER) -> FaultPort:
         """`PHASE` (fail), `PHASE:untyped` (fail with an untyped exception) or
-        `PHASE:slow=SECONDS`; refuses to arm without the env switch."""
+        `PHASE:slow=SECONDS`; refuses to arm without the env switch. No specs: `NO_FAULTS`."""
         specs = list(specs)
         if not specs:
-            return cls()
+            return NO_FAULTS
         if os.environ.get(ENABLE_ENV) != "1":
             raise SystemExit(
                 f"statecore: --inject-fault needs {ENABLE_ENV}=1 in the environment; "
@@ -117,7 +166,7 @@ class Faults:
         if self.applies(phase, request_id):
             raise StatecoreError(injected(phase))
 
-    def model_call_hook(self) -> Callable[[str, Sequence[str]], None] | None:
+    def model_call_hook(self) -> ModelCallHook | None:
         """A check the engine runs inside each model call with its stage ("prefill" or "decode")
         and the request ids it computes, or None when no model-call fault is armed. Device
         thread only (it keeps which requests already failed once)."""
@@ -145,4 +194,15 @@ def injected(phase: Phase) -> ErrorInfo:
     return ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, f"injected fault at {phase.value}")
 
 
-__all__ = ["DEFAULT_MARKER", "ENABLE_ENV", "Faults", "Phase", "Rule", "injected"]
+__all__ = [
+    "DEFAULT_MARKER",
+    "ENABLE_ENV",
+    "NO_FAULTS",
+    "FaultPort",
+    "Faults",
+    "ModelCallHook",
+    "NoFaults",
+    "Phase",
+    "Rule",
+    "injected",
+]

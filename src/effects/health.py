@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import assert_never
 
 import trio
 
@@ -21,8 +22,9 @@ from effects.routing import PrefixSummaries
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import Event, PeerFailed, ProbeFailed, ProbeSucceeded, Timer, TimerFired
 from statecore.ids import PeerId
-from statecore.intents import IntentKind, PeerIntent
+from statecore.intents import IntentKind, PeerIntent, PeerIntentKind
 from statecore.phases import PeerPhase
+from statecore.policy import blames_peer
 from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, choose_node
 from statecore.step import PeerRecord, step_peer
 
@@ -79,19 +81,24 @@ class PeerSet:
                 self._perform(url, intent.kind)
 
     def report_failure(self, url: str, error: ErrorInfo) -> None:
-        """A request saw this node fail at the transport level."""
-        if error.fault in (Fault.TRANSPORT, Fault.PEER):
+        """A request saw this node fail in a way the policy blames on the node."""
+        if blames_peer(error):
             self.feed(url, PeerFailed(error))
 
-    def _perform(self, url: str, kind: IntentKind) -> None:
-        if kind is IntentKind.MARK_AVAILABLE:
-            self.available.add(url)
-        elif kind is IntentKind.MARK_UNAVAILABLE:
-            self.available.discard(url)
-        elif kind is IntentKind.ARM_COOLDOWN and self._nursery is not None:
-            self._nursery.start_soon(self._cooldown, url)
-        elif kind is IntentKind.SEND_PROBE and self._nursery is not None:
-            self._nursery.start_soon(self._probe_once, url)
+    def _perform(self, url: str, kind: PeerIntentKind) -> None:
+        match kind:
+            case IntentKind.MARK_AVAILABLE:
+                self.available.add(url)
+            case IntentKind.MARK_UNAVAILABLE:
+                self.available.discard(url)
+            case IntentKind.ARM_COOLDOWN:
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._cooldown, url)
+            case IntentKind.SEND_PROBE:
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._probe_once, url)
+            case _:
+                assert_never(kind)
 
     async def _cooldown(self, url: str) -> None:
         await trio.sleep(self.cooldown_s)

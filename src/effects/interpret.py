@@ -2,9 +2,11 @@
 
 `EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and
 `Peers` to pull KV from a prefill node); `RouterPerformer` serves the router through `Peers`
-alone. Each keeps a small per-request context (prompt, sampling, chosen nodes) that the runner
-tells it to forget once the request's cleanup has run. Outcomes come back as events; a
-StatecoreError raised here fails only its own request. This module may import `statecore`
+alone. Each request's context (prompt, sampling, chosen nodes) lives in the runner's entry for
+it and is handed to every call; the performer keeps no map of its own. How a generation ends
+and what a peer's failure means are `statecore.policy`'s answers; fault injection is the
+`FaultPort` (a no-op in production). Outcomes come back as events; a StatecoreError raised here
+fails only its own request. This module may import `statecore`
 and trio; it must never import httpx, mlx or mlx_lm.
 """
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from effects.faults import Faults, Phase
+from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
@@ -56,6 +58,15 @@ from statecore.intents import (
     StartPrefill,
     StopDecoding,
 )
+from statecore.policy import (
+    LENGTH,
+    blames_peer,
+    decoded_token,
+    first_token_finish,
+    first_token_is_last,
+    is_eos,
+    peer_failure,
+)
 
 log = logging.getLogger("statecore.interpret")
 
@@ -78,6 +89,13 @@ def _bug(message: str) -> StatecoreError:
     return StatecoreError(bug(message))
 
 
+def node_context(context: object) -> NodeRequest:
+    """The runner's context for an engine node's request, or a bug."""
+    if not isinstance(context, NodeRequest):
+        raise _bug(f"no node context for this request (got {type(context).__name__})")
+    return context
+
+
 class EnginePerformer:
     """Prefill, decode and single nodes: work through the local engine."""
 
@@ -85,31 +103,29 @@ class EnginePerformer:
         self,
         engine: Engine,
         peers: Peers | None = None,
-        faults: Faults | None = None,
+        faults: FaultPort = NO_FAULTS,
         crash_device: Callable[[], None] | None = None,
         handoffs: HandoffLog | None = None,
     ) -> None:
         self.engine = engine
         self.peers = peers
-        self.faults = faults or Faults.none()
-        self.crash_device = crash_device  # tests only: the DEVICE_CRASH fault
+        self.faults = faults
+        # the DEVICE_CRASH fault's way to kill the engine's device thread; wired only when
+        # `faults` is armed
+        self.crash_device = crash_device
         # per-request handoff figures; the HTTP client fills the pull's part of the same records
         self.handoffs = handoffs if handoffs is not None else HandoffLog("node")
-        self.requests: dict[RequestId, NodeRequest] = {}
 
-    def register(self, request_id: RequestId, request: NodeRequest) -> None:
-        self.requests[request_id] = request
+    def forget(self, request_id: RequestId, context: object) -> None:
+        if isinstance(context, NodeRequest) and context.kv_out is not None:
+            context.kv_out.close()  # a puller still waiting learns the request is gone
 
-    def forget(self, request_id: RequestId) -> None:
-        ctx = self.requests.pop(request_id, None)
-        if ctx is not None and ctx.kv_out is not None:
-            ctx.kv_out.close()  # a puller still waiting learns the request is gone
-
-    def _get(self, request_id: RequestId) -> NodeRequest:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise _bug(f"no context for request {request_id}") from None
+    def open_kv_out(self, context: NodeRequest) -> trio.MemoryReceiveChannel[KvPieces | ErrorInfo]:
+        """A prefill node's puller waits here for the held KV (or why it cannot have it): the
+        request's `SendKv` sends it; the channel closes when the request is forgotten."""
+        send, receive = trio.open_memory_channel[KvPieces | ErrorInfo](1)
+        context.kv_out = send
+        return receive
 
     def _crash_if_marked(self, rid: RequestId) -> None:
         """Tests only (the DEVICE_CRASH fault): kill the engine's device thread for this request,
@@ -117,9 +133,9 @@ class EnginePerformer:
         if self.crash_device and self.faults.applies(Phase.DEVICE_CRASH, rid):
             self.crash_device()
 
-    async def work(self, intent: WorkIntent, post: Post) -> None:
+    async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
         rid = intent.request_id
-        ctx = self._get(rid)
+        ctx = node_context(context)
         eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
@@ -128,8 +144,9 @@ class EnginePerformer:
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
                 ctx.first_token = outcome.first_token
                 ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-                if outcome.first_token in eos and not ctx.hands_off and not ctx.sampling.ignore_eos:
-                    await post(Finished("stop"))  # a local request whose first token ends it
+                first_eos = is_eos(outcome.first_token, eos, ignore_eos=ctx.sampling.ignore_eos)
+                if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
+                    await post(Finished(finish))  # a local request whose first token ends it
                 else:
                     await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
             case FetchKv():
@@ -140,8 +157,8 @@ class EnginePerformer:
             case InstallKv():
                 if ctx.first_token is None:
                     raise _bug("InstallKv before the first token")
-                if ctx.sampling.max_tokens <= 1:
-                    await post(Finished("length"))
+                if first_token_is_last(ctx.sampling.max_tokens):
+                    await post(Finished(LENGTH))
                     return
                 await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is not None:
@@ -159,12 +176,12 @@ class EnginePerformer:
                     produced += 1
                     if produced == 3:  # a few tokens in, so the failure is mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
-                    if generated.is_eos and not ctx.sampling.ignore_eos:
-                        await post(Finished("stop"))
-                        return
-                    await post(TokenGenerated(generated.token, generated.logprobs))
-                    if generated.finish_reason is not None:
-                        await post(Finished(generated.finish_reason))
+                    send, finish = decoded_token(generated.is_eos, generated.finish_reason,
+                                                 ignore_eos=ctx.sampling.ignore_eos)
+                    if send:
+                        await post(TokenGenerated(generated.token, generated.logprobs))
+                    if finish is not None:
+                        await post(Finished(finish))
                         return
                 raise StatecoreError(
                     ErrorInfo(Fault.BUG, Code.ENGINE_FAILED, "the decoder ended a stream early")
@@ -187,9 +204,9 @@ class EnginePerformer:
                 record.wire_bytes = exported.nbytes
                 await ctx.kv_out.send(exported)
 
-    async def cleanup(self, intent: CleanupIntent) -> None:
+    async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         rid = intent.request_id
-        ctx = self.requests.get(rid)
+        ctx = context if isinstance(context, NodeRequest) else None
         match intent:
             case ReleaseKv():
                 await self.engine.release_held(rid)
@@ -247,17 +264,12 @@ class RouterPerformer:
         self.peers = peers
         self.pick = pick
         self.max_attempts = max_attempts
-        self.requests: dict[RequestId, RoutedRequest] = {}
         self.in_flight = in_flight if in_flight is not None else {}
         self.on_peer_failure = on_peer_failure
 
-    def register(self, request_id: RequestId, request: RoutedRequest) -> None:
-        self.requests[request_id] = request
-
-    def forget(self, request_id: RequestId) -> None:
-        ctx = self.requests.pop(request_id, None)
-        if ctx:
-            self._release_nodes(ctx)
+    def forget(self, request_id: RequestId, context: object) -> None:
+        if isinstance(context, RoutedRequest):
+            self._release_nodes(context)
 
     def _take(self, node: str) -> str:
         self.in_flight[node] = self.in_flight.get(node, 0) + 1
@@ -268,19 +280,19 @@ class RouterPerformer:
             if node is not None and self.in_flight.get(node, 0) > 0:
                 self.in_flight[node] -= 1
 
-    async def work(self, intent: WorkIntent, post: Post) -> None:
+    async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
         rid = intent.request_id
-        ctx = self.requests.get(rid)
-        if ctx is None:
+        if not isinstance(context, RoutedRequest):
             raise _bug(f"no context for request {rid}")
+        ctx = context
         match intent:
             case StartPrefill():
                 await self._start(rid, ctx, post)
             case StartDecode():
                 if ctx.local:
                     return  # the decode node's stream, opened at StartPrefill, carries on
-                if ctx.sampling.max_tokens <= 1:
-                    await post(Finished("length"))
+                if first_token_is_last(ctx.sampling.max_tokens):
+                    await post(Finished(LENGTH))
                     return
                 assert ctx.decode_node is not None and ctx.first_token is not None
                 call = DecodeCall(
@@ -324,24 +336,25 @@ class RouterPerformer:
             reply = await self.peers.prefill(ctx.prefill_node or "", nid, ctx.prompt, ctx.sampling)
         except StatecoreError as exc:
             self._blame(ctx.decode_node if ctx.local else ctx.prefill_node, exc.info)
-            retryable = exc.info.fault in (Fault.PEER, Fault.TRANSPORT, Fault.OVERLOADED)
-            if retryable and ctx.first_token is None and ctx.attempts < self.max_attempts:
+            verdict = peer_failure(exc.info, first_token_sent=ctx.first_token is not None,
+                                   attempts=ctx.attempts, max_attempts=self.max_attempts)
+            if verdict.retry:
                 ctx.tried |= {n for n in (ctx.prefill_node, ctx.decode_node) if n}
-                await trio.sleep(0.05 * 2 ** (ctx.attempts - 1))  # bounded backoff
+                await trio.sleep(verdict.backoff_s)
                 await post(RetryRequested(exc.info))
                 return
             raise
         await self._first(reply, ctx, post)
 
     def _blame(self, node: str | None, error: ErrorInfo) -> None:
-        """Tell peer health that this node failed at the transport level."""
-        if self.on_peer_failure is not None and node is not None and error.fault is Fault.TRANSPORT:
+        """Tell peer health that this node failed, when the policy blames it."""
+        if self.on_peer_failure is not None and node is not None and blames_peer(error):
             self.on_peer_failure(node, error)
 
     async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
         ctx.cached_tokens = reply.cached_tokens or 0  # set before the first token's event
-        if reply.is_eos:
-            await post(Finished("stop"))
+        if (finish := first_token_finish(reply.is_eos, hands_off=False)) is not None:
+            await post(Finished(finish))
             return
         ctx.first_token = reply.first_token
         await post(FirstToken(reply.first_token, reply.logprobs))
@@ -367,11 +380,10 @@ class RouterPerformer:
             ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the decode node's stream ended early")
         )
 
-    async def cleanup(self, intent: CleanupIntent) -> None:
-        rid = intent.request_id
-        ctx = self.requests.get(rid)
-        if ctx is None:
+    async def cleanup(self, intent: CleanupIntent, context: object) -> None:
+        if not isinstance(context, RoutedRequest):
             return
+        ctx = context
         match intent:
             case CancelRemote(finish_reason=reason):
                 await self._cancel_remote(ctx, reason)
@@ -379,4 +391,11 @@ class RouterPerformer:
                 pass
 
 
-__all__ = ["EnginePerformer", "NodePicker", "NodeRequest", "RoutedRequest", "RouterPerformer"]
+__all__ = [
+    "EnginePerformer",
+    "NodePicker",
+    "NodeRequest",
+    "RoutedRequest",
+    "RouterPerformer",
+    "node_context",
+]

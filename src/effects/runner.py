@@ -4,10 +4,14 @@
 each envelope it calls `loop_step` and performs the intents: timers and responses itself,
 the role's work (prefill, decode, KV moves) through a `Performer`. Work runs in child tasks
 inside the request's own cancel scope; a child that raises posts a failure event for *its*
-request and never reaches the nursery, so one request cannot end the loop (trio's strict
-exception groups would otherwise cancel everything). Cleanup intents run shielded, with a
-deadline, after a request's scope is cancelled. Only `TransportLost` or a finished drain
-stops the loop. This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
+request (`statecore.policy.failure_event` names it) and never reaches the nursery, so one
+request cannot end the loop (trio's strict exception groups would otherwise cancel
+everything). Cleanup intents run shielded, with a deadline, after a request's scope is
+cancelled. Each live request has one `RequestEntry` here (its reply channel, work scopes,
+timer and the role's context; its phase is the core's record), made by `open` and forgotten
+in one place once its cleanup ran; the performer keeps nothing of its own. Only
+`TransportLost` or a finished drain stops the loop. This module may import `statecore` and
+trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, assert_never
 
 import trio
 
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
-from statecore.events import EngineFailed, Event, LoopReady, PeerFailed, Timer, TimerFired, TransportLost
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.events import Event, EventKind, LoopReady, Timer, TimerFired
 from statecore.ids import RequestId
 from statecore.intents import (
     ArmTimer,
@@ -35,6 +39,7 @@ from statecore.intents import (
     Intent,
     IntentKind,
     LoopIntent,
+    LoopIntentKind,
     PeerIntent,
     Reject,
     ReleaseKv,
@@ -46,6 +51,7 @@ from statecore.intents import (
 )
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
+from statecore.policy import admission, failure_event
 from statecore.step import outcome_reason
 from statecore.table import Machine
 
@@ -64,14 +70,17 @@ ENVELOPE_CHANNEL_SIZE = 1024
 
 
 class Performer(Protocol):
-    """A role's way of doing work. Raise StatecoreError to fail the request cleanly."""
+    """A role's way of doing work. Raise StatecoreError to fail the request cleanly.
 
-    async def work(self, intent: WorkIntent, post: Post) -> None: ...
+    `context` is what the role keeps for the request (given to `NodeRunner.open`, held in the
+    runner's entry for it; None for a request opened without one)."""
 
-    async def cleanup(self, intent: CleanupIntent) -> None: ...
+    async def work(self, intent: WorkIntent, context: object, post: Post) -> None: ...
 
-    def forget(self, request_id: RequestId) -> None:
-        """The request is over and its cleanup ran: drop whatever the role kept for it."""
+    async def cleanup(self, intent: CleanupIntent, context: object) -> None: ...
+
+    def forget(self, request_id: RequestId, context: object) -> None:
+        """The request is over and its cleanup ran: let go of what the context still holds."""
         ...
 
 
@@ -90,15 +99,19 @@ class RunnerStatistics:
     live_tasks: int
     outcomes: dict[str, int]
     bugs: int
+    entries: int = 0  # requests the runner still keeps an entry for (live, or cleaning up)
+    live_phases: tuple[tuple[str, int], ...] = ()  # (phase, live requests in it), non-zero only
 
 
-class _RequestScope:
-    """What the runner holds for one live request: its work tasks' scopes, timer, reply sink."""
+class RequestEntry:
+    """Everything the shell keeps for one request, in one place: its reply sink, its work tasks'
+    scopes, its timer, and the role's context (prompt, sampling, chosen nodes, KV channels)."""
 
-    def __init__(self, sink: trio.MemorySendChannel[Reply] | None) -> None:
+    def __init__(self, sink: trio.MemorySendChannel[Reply], context: object) -> None:
+        self.sink = sink
+        self.context = context
         self.work: set[trio.CancelScope] = set()
         self.timer: trio.CancelScope | None = None
-        self.sink = sink
 
 
 class NodeRunner(Generic[P]):
@@ -116,8 +129,8 @@ class NodeRunner(Generic[P]):
         self.name = name
         self.state: LoopState[P] = new_loop(machine)
         self._send, self._receive = trio.open_memory_channel[Envelope](ENVELOPE_CHANNEL_SIZE)
-        self._scopes: dict[RequestId, _RequestScope] = {}
-        self._pending: dict[RequestId, trio.MemorySendChannel[Reply]] = {}
+        self._entries: dict[RequestId, RequestEntry] = {}
+        self._forgetting = 0  # entries of ended requests whose cleanup has not run yet
         self._nursery: trio.Nursery | None = None
         self._stopped = trio.Event()
         self._outcomes: Counter[str] = Counter()
@@ -133,25 +146,49 @@ class NodeRunner(Generic[P]):
         return self.state.accepting and not self._stopped.is_set()
 
     def statistics(self) -> RunnerStatistics:
+        phases = Counter(record.phase.value for record in self.state.live.values())
         return RunnerStatistics(
             phase=self.state.loop.phase,
             live_requests=len(self.state.live),
             live_tasks=self._live_tasks,
             outcomes=dict(self._outcomes),
             bugs=self._bugs,
+            entries=len(self._entries) + self._forgetting,
+            live_phases=tuple(sorted(phases.items())),
         )
 
     def phase_of(self, request_id: RequestId) -> P | None:
         record = self.state.live.get(request_id)
         return record.phase if record else None
 
-    async def open(self, request_id: RequestId, capacity: int) -> trio.MemoryReceiveChannel[Reply]:
-        """Admit a request; its replies (tokens, completion, rejection) arrive on the channel.
+    def expects(self, request_id: RequestId, kind: EventKind) -> bool:
+        """Whether the request is live and its table declares an edge for `kind` in its phase
+        now: what an endpoint asks before it starts work only that edge would use."""
+        record = self.state.live.get(request_id)
+        return record is not None and (record.phase, kind) in self.machine.declared
+
+    def context(self, request_id: RequestId) -> object:
+        """The role's context for a request the runner still keeps, else None."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.context
+
+    def admission_error(self, max_live: int | None = None) -> ErrorInfo | None:
+        """Why a new request would be refused now (`statecore.policy.admission`), else None."""
+        phase = LoopPhase.STOPPED if self._stopped.is_set() else self.state.loop.phase
+        return admission(phase, len(self.state.live), max_live)
+
+    async def open(
+        self, request_id: RequestId, capacity: int, context: object = None
+    ) -> trio.MemoryReceiveChannel[Reply]:
+        """Register a request (with the role's `context` for it) and ask the loop to admit it;
+        its replies (tokens, completion, rejection) arrive on the channel.
 
         `capacity` must bound every reply the request can produce (max_tokens + 2), so the
-        loop never blocks on a slow client."""
+        loop never blocks on a slow client. An id the runner still keeps is refused here."""
+        if request_id in self._entries:
+            raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
         send, receive = trio.open_memory_channel[Reply](capacity)
-        self._pending[request_id] = send
+        self._entries[request_id] = RequestEntry(send, context)
         await self._send.send(OpenRequest(request_id))
         return receive
 
@@ -194,10 +231,6 @@ class NodeRunner(Generic[P]):
     # -- the loop body ---------------------------------------------------------------------
 
     async def _apply(self, envelope: Envelope) -> None:
-        if isinstance(envelope, OpenRequest) and envelope.request_id not in self._scopes:
-            self._scopes[envelope.request_id] = _RequestScope(
-                self._pending.pop(envelope.request_id, None)
-            )
         before = self._phases_touched_by(envelope)
         self.state, intents = loop_step(self.state, envelope)
         self._log_moves(envelope, before)
@@ -209,24 +242,28 @@ class NodeRunner(Generic[P]):
                 self._perform(intent)
         # A scope ends when its request settles, or when it is rejected at the door; the loop
         # names both, so no scan over every open request per token.
-        ended = [rid for rid in self.state.settled if rid in self._scopes]
+        ended = [rid for rid in self.state.settled if rid in self._entries]
         if isinstance(envelope, OpenRequest) and envelope.request_id not in self.state.live:
             ended.append(envelope.request_id)
-        for rid in ended:
-            self._finish(rid)  # terminal, or rejected at the door
-        for rid in {*cleanups, *ended}:
-            self._spawn_cleanups(rid, cleanups.get(rid, []), forget=rid in ended)
+        finished = {rid: self._finish(rid) for rid in ended}  # terminal, or rejected at the door
+        for rid in {*cleanups, *finished}:
+            self._spawn_cleanups(rid, cleanups.get(rid, []), forget=rid in finished,
+                                 entry=finished.get(rid))
 
     def _phases_touched_by(self, envelope: Envelope) -> dict[RequestId, Any]:
         """The phases an envelope may move: one request's, or every live one for a loop event.
 
         Per token this is one lookup, not a copy of every live request's phase."""
-        if isinstance(envelope, ForRequest):
-            record = self.state.live.get(envelope.request_id)
-            return {} if record is None else {envelope.request_id: record.phase}
-        if isinstance(envelope, ForLoop):
-            return {rid: rec.phase for rid, rec in self.state.live.items()}
-        return {}
+        match envelope:
+            case ForRequest(request_id=rid):
+                record = self.state.live.get(rid)
+                return {} if record is None else {rid: record.phase}
+            case ForLoop():
+                return {rid: rec.phase for rid, rec in self.state.live.items()}
+            case OpenRequest():
+                return {}
+            case _:
+                assert_never(envelope)
 
     def _log_moves(self, envelope: Envelope, before: dict[RequestId, Any]) -> None:
         if not isinstance(envelope, ForRequest | ForLoop):
@@ -244,16 +281,19 @@ class NodeRunner(Generic[P]):
             if self.machine.is_terminal(new):
                 self._outcomes[new.value] += 1
 
-    def _finish(self, rid: RequestId) -> None:
-        held = self._scopes.pop(rid, None)
+    def _finish(self, rid: RequestId) -> RequestEntry | None:
+        """The request left the loop: cancel its tasks and timer, close its replies, and take its
+        entry out (the id is free again); it is forgotten once its cleanup has run."""
+        held = self._entries.pop(rid, None)
         if held is None:
-            return
+            return None
+        self._forgetting += 1
         for scope in held.work:
             scope.cancel()
         if held.timer is not None:
             held.timer.cancel()
-        if held.sink is not None:
-            held.sink.close()
+        held.sink.close()
+        return held
 
     def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         assert self._nursery is not None
@@ -274,7 +314,7 @@ class NodeRunner(Generic[P]):
             case ArmTimer(request_id=rid, timer=timer):
                 self._arm(rid, timer)
             case CancelTimer(request_id=rid):
-                held = self._scopes.get(rid)
+                held = self._entries.get(rid)
                 if held and held.timer:
                     held.timer.cancel()
                     held.timer = None
@@ -286,10 +326,12 @@ class NodeRunner(Generic[P]):
                 self._loop_intent(kind, detail)
             case PeerIntent():
                 self._bug(f"peer intent {intent.kind.value} reached a node runner")
+            case _:
+                assert_never(intent)
 
     def _reply(self, rid: RequestId, intent: Reply) -> None:
-        held = self._scopes.get(rid)
-        if held is None or held.sink is None:
+        held = self._entries.get(rid)
+        if held is None:
             return
         # the reader may be gone or hopelessly behind; the request then ends through
         # ClientCancelled, and the loop never waits on it
@@ -297,7 +339,7 @@ class NodeRunner(Generic[P]):
             held.sink.send_nowait(intent)
 
     def _arm(self, rid: RequestId, timer: Timer) -> None:
-        held = self._scopes.get(rid)
+        held = self._entries.get(rid)
         if held is None:
             return
         if held.timer is not None:
@@ -315,7 +357,7 @@ class NodeRunner(Generic[P]):
 
     def _spawn_work(self, intent: WorkIntent) -> None:
         rid = intent.request_id
-        held = self._scopes.get(rid)
+        held = self._entries.get(rid)
         if held is None:
             return
 
@@ -328,7 +370,7 @@ class NodeRunner(Generic[P]):
         async def work() -> None:
             with scope:
                 try:
-                    await self.performer.work(intent, post)
+                    await self.performer.work(intent, held.context, post)
                 except StatecoreError as exc:
                     await self._post_failure(rid, exc.info)
                 except Exception as exc:
@@ -342,44 +384,59 @@ class NodeRunner(Generic[P]):
         self._spawn(work)
 
     async def _post_failure(self, rid: RequestId, error: ErrorInfo) -> None:
-        if error.code is Code.TRANSPORT_LOST:
-            await self.post(rid, TransportLost(error.message))
-        elif error.fault in (Fault.PEER, Fault.TRANSPORT):
-            await self.post(rid, PeerFailed(error))
-        else:
-            await self.post(rid, EngineFailed(error))
+        await self.post(rid, failure_event(error))
 
-    def _spawn_cleanups(self, rid: RequestId, intents: list[CleanupIntent], *, forget: bool) -> None:
+    def _spawn_cleanups(self, rid: RequestId, intents: list[CleanupIntent], *, forget: bool,
+                        entry: RequestEntry | None = None) -> None:
         """Run cleanup intents in order, shielded, each under a deadline; then, for a finished
-        request, let the performer forget it."""
+        request (`entry`: what `_finish` took out), forget it."""
+        if entry is None:
+            entry = self._entries.get(rid)
+        context = None if entry is None else entry.context
 
         async def run() -> None:
             with trio.CancelScope(shield=True):
                 for intent in intents:
                     with trio.move_on_after(self.timeouts.cleanup_s):
                         try:
-                            await self.performer.cleanup(intent)
+                            await self.performer.cleanup(intent, context)
                         except Exception:
                             log.warning(
                                 "%s: cleanup %s failed", self.name, intent.kind.value, exc_info=True
                             )
                 if forget:
-                    self.performer.forget(rid)
+                    self._forget(rid, entry, counted=entry is not None)
 
         self._spawn(run)
 
-    def _loop_intent(self, kind: IntentKind, detail: str) -> None:
-        if kind is IntentKind.REPORT_BUG:
-            self._bug(detail)
-        elif kind is IntentKind.ARM_DRAIN:
+    def _forget(self, rid: RequestId, entry: RequestEntry | None, *, counted: bool) -> None:
+        """The one place a request is forgotten: its cleanup ran; the role lets go of what its
+        context still holds."""
+        if counted:
+            self._forgetting -= 1
+        self.performer.forget(rid, None if entry is None else entry.context)
 
-            async def drain_deadline() -> None:
-                await trio.sleep(self.timeouts.drain_s)
-                await self.post_loop(TimerFired(Timer.DRAIN))
+    def _loop_intent(self, kind: LoopIntentKind, detail: str) -> None:
+        match kind:
+            case IntentKind.REPORT_BUG:
+                self._bug(detail)
+            case IntentKind.ARM_DRAIN:
 
-            self._spawn(drain_deadline)
-        # STOP_LOOP needs nothing here: the core has already ended every live request, and
-        # `run` leaves its receive loop once the loop phase is `stopped`
+                async def drain_deadline() -> None:
+                    await trio.sleep(self.timeouts.drain_s)
+                    await self.post_loop(TimerFired(Timer.DRAIN))
+
+                self._spawn(drain_deadline)
+            case (
+                IntentKind.STOP_LOOP | IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING
+                | IntentKind.ADMIT_REQUEST | IntentKind.REFUSE_REQUEST
+            ):
+                # STOP_LOOP: the core has already ended every live request, and `run` leaves its
+                # receive loop once the loop phase is `stopped`; accepting is the loop phase itself,
+                # read by `admission_error` and `loop_step`, which also answer a request's admission
+                pass
+            case _:
+                assert_never(kind)
 
     def _bug(self, detail: str) -> None:
         self._bugs += 1
@@ -392,6 +449,7 @@ __all__ = [
     "Performer",
     "Post",
     "Reply",
+    "RequestEntry",
     "RunnerStatistics",
     "Timeouts",
     "WorkIntent",

@@ -3,4 +3,21 @@
 Nothing here performs I/O or imports trio, httpx, mlx or mlx_lm.
 """
 
-__all__: list[str] = []
+# The package's public modules (import them by name: nothing is re-exported here, so importing
+# the package stays free).
+__all__ = [
+    "diagram",
+    "errors",
+    "events",
+    "ids",
+    "intents",
+    "loop",
+    "phases",
+    "policy",
+    "prefix",
+    "routing",
+    "scheduling",
+    "spec",
+    "step",
+    "table",
+]

@@ -38,6 +38,7 @@ class EventKind(enum.Enum):
     TIMER_FIRED = "timer_fired"
     TRANSPORT_LOST = "transport_lost"
     # loop life
+    REQUEST_OPENED = "request_opened"
     LOOP_READY = "loop_ready"
     DRAIN_REQUESTED = "drain_requested"
     DRAIN_COMPLETE = "drain_complete"
@@ -217,6 +218,14 @@ class TransportLost:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestOpened:
+    """A new request asks to enter the loop; the loop's phase admits or refuses it
+    (`statecore.policy.admission` reads that edge)."""
+
+    kind: ClassVar[EventKind] = EventKind.REQUEST_OPENED
+
+
+@dataclass(frozen=True, slots=True)
 class LoopReady:
     kind: ClassVar[EventKind] = EventKind.LOOP_READY
 
@@ -263,6 +272,7 @@ Event = (
     | ClientCancelled
     | TimerFired
     | TransportLost
+    | RequestOpened
     | LoopReady
     | DrainRequested
     | DrainComplete
@@ -291,6 +301,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ClientCancelled,
     TimerFired,
     TransportLost,
+    RequestOpened,
     LoopReady,
     DrainRequested,
     DrainComplete,
@@ -322,6 +333,7 @@ __all__ = [
     "ProbeFailed",
     "ProbeSucceeded",
     "Rejected",
+    "RequestOpened",
     "RetryRequested",
     "StopMatched",
     "Timer",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from statecore.errors import ErrorInfo
 from statecore.events import Timer, TokenLogprobs
@@ -33,6 +33,8 @@ class IntentKind(enum.Enum):
     COMPLETE = "complete"
     REJECT = "reject"
     # loop
+    ADMIT_REQUEST = "admit_request"
+    REFUSE_REQUEST = "refuse_request"
     START_ACCEPTING = "start_accepting"
     STOP_ACCEPTING = "stop_accepting"
     ARM_DRAIN = "arm_drain"
@@ -144,11 +146,55 @@ class Reject:
     error: ErrorInfo
 
 
+# The kinds a loop or a peer intent can have, as types: their performers match on these alone,
+# exhaustively, and `loop_kind` / `peer_kind` are the one place an IntentKind is sorted.
+LoopIntentKind = Literal[
+    IntentKind.ADMIT_REQUEST,
+    IntentKind.REFUSE_REQUEST,
+    IntentKind.START_ACCEPTING,
+    IntentKind.STOP_ACCEPTING,
+    IntentKind.ARM_DRAIN,
+    IntentKind.STOP_LOOP,
+    IntentKind.REPORT_BUG,
+]
+PeerIntentKind = Literal[
+    IntentKind.MARK_AVAILABLE,
+    IntentKind.MARK_UNAVAILABLE,
+    IntentKind.ARM_COOLDOWN,
+    IntentKind.SEND_PROBE,
+]
+
+
+def loop_kind(kind: IntentKind) -> LoopIntentKind | None:
+    """`kind` if it is a loop intent's, else None."""
+    match kind:
+        case (
+            IntentKind.ADMIT_REQUEST | IntentKind.REFUSE_REQUEST | IntentKind.START_ACCEPTING
+            | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN | IntentKind.STOP_LOOP
+            | IntentKind.REPORT_BUG
+        ):
+            return kind
+        case _:
+            return None
+
+
+def peer_kind(kind: IntentKind) -> PeerIntentKind | None:
+    """`kind` if it is a peer intent's, else None."""
+    match kind:
+        case (
+            IntentKind.MARK_AVAILABLE | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN
+            | IntentKind.SEND_PROBE
+        ):
+            return kind
+        case _:
+            return None
+
+
 @dataclass(frozen=True, slots=True)
 class LoopIntent:
     """An intent about the loop itself (start/stop accepting, stop, arm drain, report bug)."""
 
-    kind: IntentKind
+    kind: LoopIntentKind
     detail: str = ""
 
 
@@ -156,7 +202,7 @@ class LoopIntent:
 class PeerIntent:
     """An intent about one peer's routing state (mark, probe, cool down)."""
 
-    kind: IntentKind
+    kind: PeerIntentKind
     peer: str
 
 
@@ -188,7 +234,9 @@ __all__ = [
     "Intent",
     "IntentKind",
     "LoopIntent",
+    "LoopIntentKind",
     "PeerIntent",
+    "PeerIntentKind",
     "Reject",
     "ReleaseKv",
     "RespondToken",
@@ -196,4 +244,6 @@ __all__ = [
     "StartDecode",
     "StartPrefill",
     "StopDecoding",
+    "loop_kind",
+    "peer_kind",
 ]

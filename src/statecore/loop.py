@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from statecore.errors import Code, ErrorInfo, Fault, client_error
+from statecore.errors import client_error
 from statecore.events import DrainComplete, Event, TransportLost
 from statecore.ids import RequestId
 from statecore.intents import Intent, Reject
 from statecore.phases import LoopPhase
+from statecore.policy import admission
 from statecore.step import LoopRecord, RequestRecord, new_request, step_loop, step_request
 from statecore.table import Machine
 
@@ -73,12 +74,6 @@ def new_loop(machine: Machine[P]) -> LoopState[P]:
     return LoopState(machine=machine)
 
 
-def _not_accepting(phase: LoopPhase) -> ErrorInfo:
-    if phase is LoopPhase.DRAINING:
-        return ErrorInfo(Fault.OVERLOADED, Code.DRAINING, "the node is draining; retry elsewhere")
-    return ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, f"the node is {phase.value}; retry later")
-
-
 def _settle(state: LoopState[P], record: RequestRecord[P]) -> LoopState[P]:
     """Put a moved request back: live if not terminal, settled (this step) if it is."""
     live = dict(state.live)
@@ -104,8 +99,9 @@ def loop_step(state: LoopState[P], envelope: Envelope) -> tuple[LoopState[P], li
         state = replace(state, settled={})
     match envelope:
         case OpenRequest(request_id=rid):
-            if not state.accepting:
-                return state, [Reject(rid, _not_accepting(state.loop.phase))]
+            refused = admission(state.loop.phase, len(state.live))
+            if refused is not None:
+                return state, [Reject(rid, refused)]
             if rid in state.live:
                 return state, [Reject(rid, client_error(f"duplicate request id {rid!r}"))]
             state = _settle(state, new_request(state.machine, rid))

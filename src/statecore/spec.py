@@ -3,8 +3,9 @@
 A spec lists a machine's phases, initial and terminal phases, the rule for undeclared
 pairs, and every declared transition with its intents and failure code. The tables in
 `statecore.table` must agree with the specs exactly; the model-based tests use the specs as
-their oracle. pydantic validates the files strictly. This module must never import trio,
-httpx, mlx or mlx_lm.
+their oracle, so the specs are written and reviewed by hand and no command writes them from the
+tables (`render_toml` drafts one for a person to read). pydantic validates the files strictly.
+This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from statecore.events import (
     ProbeFailed,
     ProbeSucceeded,
     Rejected,
+    RequestOpened,
     RetryRequested,
     StopMatched,
     Timer,
@@ -63,6 +64,8 @@ from statecore.intents import (
     StartDecode,
     StartPrefill,
     StopDecoding,
+    loop_kind,
+    peer_kind,
 )
 from statecore.phases import LoopPhase, PeerPhase
 from statecore.table import PEER_HEALTH, SERVING_LOOP, Edge, Machine
@@ -109,7 +112,7 @@ def event_error(event: Event) -> ErrorInfo | None:
             Admitted() | Dispatched() | PrefillDone() | FirstToken() | DecodeStarted()
             | TokenGenerated() | Finished() | StopMatched() | PrefillLocally() | KvRequested()
             | KvTaken() | KvReceived() | KvInstalled() | ClientCancelled() | TimerFired()
-            | TransportLost() | LoopReady() | DrainRequested() | DrainComplete()
+            | TransportLost() | RequestOpened() | LoopReady() | DrainRequested() | DrainComplete()
             | ProbeSucceeded() | ProbeFailed()
         ):
             return None
@@ -219,7 +222,8 @@ def _build_request_intent(
         case IntentKind.REJECT:
             return Reject(rid, _edge_error(edge, phase, event))
         case (
-            IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN
+            IntentKind.ADMIT_REQUEST | IntentKind.REFUSE_REQUEST
+            | IntentKind.START_ACCEPTING | IntentKind.STOP_ACCEPTING | IntentKind.ARM_DRAIN
             | IntentKind.STOP_LOOP | IntentKind.REPORT_BUG | IntentKind.MARK_AVAILABLE
             | IntentKind.MARK_UNAVAILABLE | IntentKind.ARM_COOLDOWN | IntentKind.SEND_PROBE
         ):
@@ -255,7 +259,14 @@ def step_request(
 
 def _loop_intents(edge: Edge[LoopPhase], phase: LoopPhase, event: Event) -> list[Intent]:
     detail = "" if edge.declared else f"event '{event.kind.value}' in loop phase {phase.value}"
-    return [LoopIntent(kind, detail) for kind in edge.intents]
+    intents: list[Intent] = []
+    for kind in edge.intents:
+        narrowed = loop_kind(kind)
+        if narrowed is None:  # a loop edge names a request's or a peer's intent: a table bug
+            intents.append(LoopIntent(IntentKind.REPORT_BUG, f"{kind.value} on a loop edge"))
+        else:
+            intents.append(LoopIntent(narrowed, detail))
+    return intents
 
 
 def step_loop(record: LoopRecord, event: Event) -> tuple[LoopRecord, list[Intent]]:
@@ -269,7 +280,8 @@ def step_loop(record: LoopRecord, event: Event) -> tuple[LoopRecord, list[Intent
 
 def step_peer(record: PeerRecord, event: Event) -> tuple[PeerRecord, list[Intent]]:
     edge = PEER_HEALTH.edge(record.phase, event.kind)
-    intents: list[Intent] = [PeerIntent(kind, record.peer) for kind in edge.intents]
+    intents: list[Intent] = [PeerIntent(k, record.peer) for kind in edge.intents
+                             if (k := peer_kind(kind)) is not None]
     bugs = record.bugs
     if not edge.declared:
         bugs = (*bugs, f"illegal transition: {event.kind.value} in {record.phase.value}")

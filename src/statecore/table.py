@@ -244,6 +244,10 @@ DECODE_REQUEST: Machine[DecodePhase] = _request_machine(
 
 L = LoopPhase
 _LOOP_EDGES: dict[tuple[LoopPhase, EventKind], Edge[LoopPhase]] = {
+    # admission: only a serving loop takes new requests (statecore.policy.admission reads these)
+    (L.STARTING, E.REQUEST_OPENED): Edge(L.STARTING, (I.REFUSE_REQUEST,)),
+    (L.SERVING, E.REQUEST_OPENED): Edge(L.SERVING, (I.ADMIT_REQUEST,)),
+    (L.DRAINING, E.REQUEST_OPENED): Edge(L.DRAINING, (I.REFUSE_REQUEST,)),
     (L.STARTING, E.LOOP_READY): Edge(L.SERVING, (I.START_ACCEPTING,)),
     (L.STARTING, E.DRAIN_REQUESTED): Edge(L.STOPPED, (I.STOP_LOOP,)),
     (L.STARTING, E.TRANSPORT_LOST): Edge(L.STOPPED, (I.STOP_LOOP,)),

@@ -1892,7 +1892,7 @@ async def test_dead_device_thread_fails_every_call(open_engine: Opener) -> None:
     stream = engine.stream(RequestId("live"))
     await stream.__anext__()
 
-    engine._crash_device_thread_for_tests()
+    engine.crash_device_thread()
     with pytest.raises(StatecoreError) as caught:
         async for _ in stream:
             pass

@@ -9,13 +9,15 @@ import pytest
 import trio
 import trio.testing
 
+from effects import faults as fault_injection
 from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults, next_token
+from effects.faults import NO_FAULTS, Phase
 from effects.interpret import EnginePerformer
 from effects.ports import GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
 from effects.runner import NodeRunner, Timeouts
-from statecore.errors import Code
+from statecore.errors import Code, StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST
@@ -44,7 +46,7 @@ class Node:
         assert (stats.decoding, stats.held_caches) == (0, 0)
         runner = self.runner.statistics()
         assert runner.live_requests == 0
-        assert self.performer.requests == {}
+        assert runner.entries == 0  # every request's entry forgotten, its context let go
 
 
 @pytest.fixture
@@ -162,3 +164,30 @@ async def test_drain_finishes_in_flight_requests_then_stops(nursery: trio.Nurser
         await node.runner.wait_stopped()
     with pytest.raises(Exception, match="not accepting"):
         await node.backend.start(GenerationRequest(RequestId("d2"), (1,), SamplingParams(2)))
+
+
+async def test_one_entry_per_request_from_open_to_forget(node: Node) -> None:
+    """`open` registers the request's one entry (with the role's context); a second request
+    under a live id is refused there and changes nothing; the entry goes once cleanup ran."""
+    generation = await node.backend.start(
+        GenerationRequest(RequestId("e1"), (1, 2), SamplingParams(10_000))
+    )
+    first = await generation.__aiter__().__anext__()
+    assert isinstance(first, TokenOut)
+    assert node.runner.statistics().entries == 1
+    assert node.runner.context(RequestId("e1")) is generation.context
+    with pytest.raises(StatecoreError, match="duplicate request id"):
+        await node.backend.start(GenerationRequest(RequestId("e1"), (3,), SamplingParams(2)))
+    assert node.runner.statistics().live_requests == 1
+    await generation.cancel()
+    await settle()
+    node.assert_nothing_held()
+    assert node.runner.context(RequestId("e1")) is None
+    assert (await node.generate([4, 5]))[-1] == GenerationEnd("length")  # the id space is free
+
+
+def test_production_faults_are_a_no_op_port() -> None:
+    assert fault_injection.Faults.parse([]) is NO_FAULTS and not NO_FAULTS.armed
+    assert not NO_FAULTS.applies(Phase.PREFILL, "inject-fault-prefill")
+    assert NO_FAULTS.model_call_hook() is None
+    trio.run(NO_FAULTS.at, Phase.PREFILL, "inject-fault-prefill")  # returns, raises nothing

@@ -29,6 +29,7 @@ from statecore.events import (
     ProbeFailed,
     ProbeSucceeded,
     Rejected,
+    RequestOpened,
     RetryRequested,
     StopMatched,
     Timer,
@@ -64,6 +65,7 @@ events: st.SearchStrategy[Event] = st.one_of(
     st.just(ClientCancelled()),
     st.builds(TimerFired, st.sampled_from(Timer)),
     st.builds(TransportLost, st.text(max_size=10)),
+    st.just(RequestOpened()),
     st.just(LoopReady()),
     st.just(DrainRequested()),
     st.just(DrainComplete()),
@@ -95,7 +97,7 @@ SAMPLE_EVENTS: dict[type[Event], Event] = {
         DecodeStarted(), TokenGenerated(2), Finished("stop"), StopMatched(),
         RetryRequested(_ERROR), PrefillLocally(), KvRequested(), KvTaken(), KvReceived(10),
         KvInstalled(), PeerFailed(_ERROR), EngineFailed(_ERROR), ClientCancelled(),
-        TimerFired(Timer.DEADLINE), TransportLost(), LoopReady(), DrainRequested(),
+        TimerFired(Timer.DEADLINE), TransportLost(), RequestOpened(), LoopReady(), DrainRequested(),
         DrainComplete(), ProbeSucceeded(), ProbeFailed(),
     )
 }

@@ -47,6 +47,14 @@ def test_spec_with_a_missing_file_names_it(tmp_path: Path, capsys: pytest.Captur
     assert "request_router.toml is missing" in capsys.readouterr().out
 
 
+def test_spec_never_writes_the_oracle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """specs/ are the model tests' hand-written oracle: no command regenerates them."""
+    (tmp_path / "specs").mkdir()
+    assert main(["spec", "--dir", str(tmp_path / "specs"), "--write"]) == 2
+    assert "reviewed documents" in capsys.readouterr().err
+    assert list((tmp_path / "specs").iterdir()) == []
+
+
 def test_a_too_long_prompt_logs_no_transformers_warning() -> None:
     frontend = Frontend.load(demo_model_dir(), FakeBackend())
     seen: list[str] = []

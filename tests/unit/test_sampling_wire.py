@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from adapters.internal_wire import SamplingBody
+import pytest
+from pydantic import ValidationError
+
+from adapters.internal_wire import PrefillBody, SamplingBody
 from effects.engine_port import SamplingParams
 
 
@@ -22,3 +25,15 @@ def test_every_sampling_field_crosses_the_wire_with_its_value() -> None:
     assert set(SamplingBody.model_fields) == {f.name for f in fields(SamplingParams)}
     crossed = SamplingBody.model_validate_json(SamplingBody.of(sampling).model_dump_json()).params()
     assert crossed == sampling
+
+
+def test_internal_messages_are_strict() -> None:
+    """No coercion on the internal wire: a string or a fraction where an int belongs is refused,
+    as is a field the model does not know."""
+    ok = '{"request_id": "r", "prompt": [1, 2], "sampling": {"max_tokens": 3, "temperature": 1}}'
+    assert PrefillBody.model_validate_json(ok).sampling.temperature == 1.0
+    for bad in ('{"request_id": "r", "prompt": ["1"], "sampling": {"max_tokens": 3}}',
+                '{"request_id": "r", "prompt": [1], "sampling": {"max_tokens": 3.0}}',
+                '{"request_id": "r", "prompt": [1], "sampling": {"max_tokens": 3}, "extra": 1}'):
+        with pytest.raises(ValidationError):
+            PrefillBody.model_validate_json(bad)

@@ -64,6 +64,7 @@ from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
+from statecore.policy import STOP, token_finish
 from statecore.scheduling import (
     KvAdmission,
     ModelShape,
@@ -895,13 +896,11 @@ class DeviceLoop:
             post(trio_token, deliver, items)
 
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
-        """Count one token; EOS ends with "stop", the last allowed token with "length"."""
+        """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
-        if token in self.eos and not live.sampler.sampling.ignore_eos:
-            return GeneratedToken(token, is_eos=True, finish_reason="stop", logprobs=logprobs)
-        if live.remaining <= 0:
-            return GeneratedToken(token, finish_reason="length", logprobs=logprobs)
-        return GeneratedToken(token, logprobs=logprobs)
+        finish = token_finish(token, self.eos, ignore_eos=live.sampler.sampling.ignore_eos,
+                              remaining=live.remaining)
+        return GeneratedToken(token, is_eos=finish == STOP, finish_reason=finish, logprobs=logprobs)
 
     def hand_token(self, live: Live, item: GeneratedToken,
                    deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> bool:

@@ -471,10 +471,11 @@ class MlxEngine:
         if self._thread.is_alive():
             logger.error("the device thread did not stop within %.1f s; leaving it behind", join_timeout_s)
 
-    # -- test hooks ----------------------------------------------------------------------------
+    # -- fault injection -----------------------------------------------------------------------
 
-    def _crash_device_thread_for_tests(self) -> None:
-        """Make the device loop itself raise (not a job): the engine must report itself dead."""
+    def crash_device_thread(self) -> None:
+        """Make the device loop itself raise (not a job): the engine must report itself dead.
+        What the DEVICE_CRASH fault drives; a node wires it only when faults are armed."""
         self._queue.put(Crash())
 
     def _submit_nowait(self, work: Callable[[], object]) -> None:

@@ -1,0 +1,124 @@
+"""The core's policy: admission, a peer's failure, how a generation ends, error to event."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from statecore import policy
+from statecore.errors import Code, ErrorInfo, Fault
+from statecore.events import DrainRequested, EngineFailed, EventKind, LoopReady, PeerFailed, TransportLost
+from statecore.ids import RequestId
+from statecore.intents import IntentKind, Reject
+from statecore.loop import ForLoop, OpenRequest, loop_step, new_loop
+from statecore.phases import LoopPhase
+from statecore.policy import (
+    admission,
+    blames_peer,
+    decoded_token,
+    failure_event,
+    first_token_finish,
+    first_token_is_last,
+    is_eos,
+    peer_failure,
+    token_finish,
+)
+from statecore.table import DECODE_REQUEST, SERVING_LOOP, Edge
+
+
+def test_only_a_serving_loop_admits() -> None:
+    assert admission(LoopPhase.SERVING, 0) is None
+    for phase in (LoopPhase.STARTING, LoopPhase.DRAINING, LoopPhase.STOPPED):
+        refused = admission(phase, 0)
+        assert refused is not None and refused.code is Code.DRAINING and refused.http_status == 503
+        assert "not accepting requests" in refused.message and phase.value in refused.message
+
+
+def test_the_in_flight_limit_answers_overloaded() -> None:
+    assert admission(LoopPhase.SERVING, 2, max_live=3) is None
+    refused = admission(LoopPhase.SERVING, 3, max_live=3)
+    assert refused is not None and refused.code is Code.OVERLOADED and refused.http_status == 429
+    assert "limit 3" in refused.message
+    # a loop that does not admit says so, whatever the count
+    draining = admission(LoopPhase.DRAINING, 3, max_live=3)
+    assert draining is not None and draining.code is Code.DRAINING
+
+
+def _error(fault: Fault, code: Code = Code.PEER_FAILED) -> ErrorInfo:
+    return ErrorInfo(fault, code, "x")
+
+
+@pytest.mark.parametrize(
+    ("fault", "retry", "blame"),
+    [
+        (Fault.PEER, True, False),
+        (Fault.TRANSPORT, True, True),
+        (Fault.OVERLOADED, True, False),
+        (Fault.CLIENT, False, False),
+        (Fault.UNSUPPORTED, False, False),
+        (Fault.BUG, False, False),
+        (Fault.CANCELLED, False, False),
+    ],
+)
+def test_a_peer_failure_is_retried_and_blamed_by_fault(fault: Fault, retry: bool, blame: bool) -> None:
+    verdict = peer_failure(_error(fault), first_token_sent=False, attempts=1, max_attempts=3)
+    assert (verdict.retry, verdict.blame) == (retry, blame)
+    assert blames_peer(_error(fault)) is blame
+
+
+def test_no_retry_after_the_first_token_or_the_last_attempt() -> None:
+    error = _error(Fault.TRANSPORT)
+    assert not peer_failure(error, first_token_sent=True, attempts=1, max_attempts=3).retry
+    assert not peer_failure(error, first_token_sent=False, attempts=3, max_attempts=3).retry
+    backoffs = [peer_failure(error, first_token_sent=False, attempts=n, max_attempts=9).backoff_s
+                for n in (1, 2, 3)]
+    assert backoffs == [0.05, 0.1, 0.2]
+
+
+def test_how_a_generation_ends() -> None:
+    eos = {7}
+    assert is_eos(7, eos, ignore_eos=False) and not is_eos(7, eos, ignore_eos=True)
+    assert token_finish(7, eos, ignore_eos=False, remaining=5) == "stop"
+    assert token_finish(7, eos, ignore_eos=True, remaining=5) is None
+    assert token_finish(3, eos, ignore_eos=False, remaining=0) == "length"
+    assert token_finish(3, eos, ignore_eos=False, remaining=1) is None
+    assert first_token_finish(True, hands_off=False) == "stop"
+    assert first_token_finish(True, hands_off=True) is None  # the router decides from is_eos
+    assert first_token_finish(False, hands_off=False) is None
+    assert first_token_is_last(1) and not first_token_is_last(2)
+    assert decoded_token(True, "stop", ignore_eos=False) == (False, "stop")
+    assert decoded_token(False, "length", ignore_eos=False) == (True, "length")
+    assert decoded_token(False, None, ignore_eos=False) == (True, None)
+
+
+def test_which_event_an_error_becomes() -> None:
+    lost = failure_event(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone"))
+    assert lost == TransportLost("gone")
+    assert isinstance(failure_event(_error(Fault.PEER)), PeerFailed)
+    assert isinstance(failure_event(_error(Fault.TRANSPORT, Code.TIMEOUT)), PeerFailed)
+    for fault in (Fault.BUG, Fault.OVERLOADED, Fault.CLIENT, Fault.UNSUPPORTED):
+        assert isinstance(failure_event(_error(fault, Code.INTERNAL)), EngineFailed)
+
+
+def test_the_loop_refuses_at_the_door_what_admission_refuses() -> None:
+    starting = new_loop(DECODE_REQUEST)
+    state, intents = loop_step(starting, OpenRequest(RequestId("early")))
+    assert [type(i) for i in intents] == [Reject] and not state.live
+    assert isinstance(intents[0], Reject) and intents[0].error.code is Code.DRAINING
+    state, _ = loop_step(starting, ForLoop(LoopReady()))
+    state, intents = loop_step(state, OpenRequest(RequestId("in")))
+    assert intents == [] and RequestId("in") in state.live
+    state, _ = loop_step(state, ForLoop(DrainRequested()))
+    state, intents = loop_step(state, OpenRequest(RequestId("late")))
+    assert isinstance(intents[0], Reject) and "draining" in intents[0].error.message
+
+
+def test_admission_is_read_off_the_loop_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's request_opened edge decides: a serving loop whose edge refused would refuse."""
+    declared = dict(SERVING_LOOP.declared)
+    declared[(LoopPhase.SERVING, EventKind.REQUEST_OPENED)] = Edge(
+        LoopPhase.SERVING, (IntentKind.REFUSE_REQUEST,))
+    monkeypatch.setattr(policy, "SERVING_LOOP", replace(SERVING_LOOP, declared=declared))
+    refused = policy.admission(LoopPhase.SERVING, 0)
+    assert refused is not None and refused.code is Code.DRAINING
