@@ -72,6 +72,7 @@ class Opener(Protocol):
         prefill_batch: int = ...,
         max_num_batched_tokens: int | None = ...,
         kv_memory_bytes: int | None = ...,
+        decodes_locally: bool = ...,
         shape_bucket: int | None = ...,
         decode_attention: str = ...,
         compile_decode: str = ...,
@@ -721,6 +722,20 @@ async def test_fused_projections_keep_the_tokens_and_change_the_fingerprint(
     assert fused.info.fingerprint != plain.info.fingerprint
     with pytest.raises(StatecoreError, match="fuse_projections must be one of"):
         await open_engine(path, fuse_projections="yes")
+
+
+async def test_a_prefill_node_sets_nothing_aside_for_slots(open_engine: Opener) -> None:
+    """A prefill node never decodes a client's request: no slot pool (not even allocated at
+    load), the whole KV budget left for prompts; a held cache still decodes (in mlx-lm's batch
+    generator) with mlx-lm's tokens, as the load's warm-up request needs."""
+    path = cached_checkpoint("llama")
+    budget = 2 * 32 * 1024 * 512
+    prefill = await open_engine(path, decodes_locally=False, preallocate_slots=True, kv_memory_bytes=budget)
+    decode = await open_engine(path, preallocate_slots=True, kv_memory_bytes=budget)
+    assert prefill._device.pool is None and prefill._device.pool_reserved == 0
+    assert decode._device.pool is not None and decode._device.pool_reserved > 0
+    prompt = prompt_of(30, salt=4)
+    assert await single(prefill, RequestId("p"), prompt) == reference(path, prompt)
 
 
 async def test_a_preallocated_slot_pool_never_grows(open_engine: Opener) -> None:

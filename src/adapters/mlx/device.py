@@ -273,8 +273,9 @@ class DeviceLoop:
         self.short_batching = plain and s.prefill_batch > 1
         # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
         self.bucket = s.shape_bucket if plain else 0
-        if plain:
-            # The pool may grow to half the KV budget at most; that half is set aside for it.
+        if plain and s.decodes_locally:
+            # The pool may grow to half the KV budget at most; that half is set aside for it. A
+            # prefill node never decodes a client's request: it keeps the whole budget for prompts.
             fitting = (s.kv_memory_bytes // 2) // max(1, s.max_batch * cost.slot_per_token)
             capacity = min(context_length, s.max_slot_tokens) + 1
             if fitting < min(capacity, _MIN_SLOT_TOKENS):

@@ -145,7 +145,7 @@ class MlxEngine:
         cache's worst case (prompt, or prompt + max_tokens once it decodes outside the slots)
         before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
         it can never fit) otherwise. `decodes_locally` False (a prefill node) reserves only a
-        prompt's cache for its prefill.
+        prompt's cache for its prefill, and sets nothing aside for a slot layout (it has none).
 
         `prefill_memory_cap` ("auto": on when `kv_memory_bytes` is given; "on"; "off") caps each
         step's prefill work so that the KV held and reserved now (the slot pool as allocated,
