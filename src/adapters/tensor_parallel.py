@@ -106,10 +106,11 @@ def _hand_to_mlx_launch(args: argparse.Namespace) -> int:
 
 
 def _reap(children: list[subprocess.Popen[bytes]], *, lost: bool) -> None:
-    """Rank 0 is leaving: the other ranks left with it (a Stop plan); after a loss they go now."""
+    """Rank 0 is leaving: the other ranks left with it (a Stop plan); after a loss they go now
+    (SIGKILL: a stalled rank may be stopped or stuck inside a collective)."""
     for child in children:
         if lost and child.poll() is None:
-            child.terminate()
+            child.kill()
     for child in children:
         try:
             child.wait(timeout=10)

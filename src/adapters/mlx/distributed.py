@@ -113,8 +113,7 @@ def watch_follower(loop: LockstepLoop, thread: threading.Thread, stall_timeout_s
     while thread.is_alive():
         thread.join(0.2)
         silent = time.monotonic() - loop.progress_at
-        loading = loop.plans <= 1  # the first plan is the load, as long as it takes
-        if stall_timeout_s > 0 and silent > stall_timeout_s and not loading:
+        if stall_timeout_s > 0 and silent > stall_timeout_s and not loop.loading:
             logger.error("rank %d: no plan from rank 0 for %.1f s (--stall-timeout %g): exiting %d",
                          loop.tensor.rank, silent, stall_timeout_s, EXIT_RANK_LOST)
             return EXIT_RANK_LOST
@@ -136,6 +135,7 @@ class LockstepLoop(DeviceLoop):
         self.replay = replay
         self.plans = 0  # plans broadcast (rank 0) or received (the others)
         self.stopped = False  # left the loop on rank 0's Stop
+        self.loading = False  # replaying the load, as long as it takes (silence is not a stall)
 
     def run(self) -> None:
         if self.tensor.rank == 0:
@@ -193,7 +193,9 @@ class LockstepLoop(DeviceLoop):
                 if isinstance(command, lockstep.Stop):
                     self.stopped = True
                     return
+                self.loading = isinstance(command, lockstep.Load)
                 self.compute_job(self.replay(command))
+                self.loading = False
                 self.progress_at = time.monotonic()
             self.step()
             self.progress_at = time.monotonic()
