@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import threading
@@ -122,8 +123,6 @@ def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> No
                     continue
                 events.append(json.loads(line[len("data: "):]))
                 if len(events) == 5:
-                    import os
-
                     os.kill(rank1, signal.SIGKILL)
                     killed.set()
         killed.set()
@@ -138,5 +137,30 @@ def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> No
         assert not lost or lost[-1]["reason"], lost  # it may exit before a probe sees the 503
         assert "transport is lost" in node.log.read_text()
     finally:
+        if node.process.poll() is None:
+            node.process.kill()
+
+
+def test_a_stalled_rank_fails_its_instance_within_the_stall_timeout(tmp_path: Path) -> None:
+    """A rank that stops answering (SIGSTOP) leaves rank 0 waiting inside a collective, which MLX
+    cannot time out: the watchdog turns it into a typed failure and exit 3 after --stall-timeout."""
+    node = Node("single", ["--model", str(cached_checkpoint("llama")), *TP2, "--stall-timeout", "2"],
+                tmp_path / "two.log")
+    start_nodes([node])
+    assert node.process is not None
+    found = re.search(r"started tensor-parallel rank 1 of 2 \(pid (\d+)\)", node.log.read_text())
+    assert found, node.tail()
+    rank1 = int(found.group(1))
+    try:
+        os.kill(rank1, signal.SIGSTOP)
+        started = time.monotonic()
+        r = httpx.post(f"{node.url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "transport_lost", r.text
+        assert "no progress" in r.json()["error"]["message"]
+        assert node.process.wait(timeout=30) == 3
+        assert time.monotonic() - started < 20
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1, signal.SIGKILL)
         if node.process.poll() is None:
             node.process.kill()
