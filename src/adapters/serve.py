@@ -392,13 +392,19 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
 
 
 async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
-                        stall_timeout_s: float, lost: Callable[[str], None]) -> None:
+                        stall_timeout_s: float, lost: Callable[[str], None],
+                        rank_lost: Callable[[], str | None] = lambda: None) -> None:
     """The engine is the node's transport: it is lost when its device thread dies, or when it
     has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
-    cannot be interrupted, so only a restart gets the node back). Either way every live request
-    fails (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
+    cannot be interrupted, so only a restart gets the node back), or when `rank_lost` names a
+    lost rank of its tensor-parallel instance. Either way every live request fails
+    (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
     while True:
         now = stats()
+        gone = rank_lost()
+        if gone is not None:
+            reason = gone
+            break
         if not now.device_thread_alive:
             reason = "the MLX device thread died"
             break
@@ -548,7 +554,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 api.lose(reason)
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
-            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine)
+            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+                               *([] if tensor is None else [tensor.rank_lost]))
             log.info("%s node serving on %s (MLX computes with: %s)", role,
                      listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery, args.tls)

@@ -43,7 +43,7 @@ def heartbeat_s(stall_timeout_s: float) -> float:
 
 
 def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
-    from adapters.mlx.distributed import RANK_ENV, join_group, start_local_ranks
+    from adapters.mlx.distributed import RANK_ENV, exited_rank, join_group, start_local_ranks
     from adapters.serve import _listener_for, hold_stop_signals, run_engine_node
 
     size = args.tensor_parallel
@@ -61,7 +61,8 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     hold_stop_signals()
     code = 1
     try:
-        tensor = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout))
+        tensor = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout),
+                            partial(exited_rank, children))
         log.info("rank 0 of a %s instance of %d ranks (%s backend)", role, size, args.distributed_backend)
         code = trio.run(run_engine_node, args, role, listener, tensor)
         return code
@@ -72,8 +73,9 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
 def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
     from adapters.mlx import MlxEngine
     from adapters.mlx.distributed import PARENT_ENV, watch_follower
-    from adapters.serve import demo_model_dir, engine_options
+    from adapters.serve import demo_model_dir, engine_options, setup_logging
 
+    setup_logging(args, f"{role}[{tensor.rank}]")  # its lines beside rank 0's in one stream
     # Ctrl-C reaches the whole process group: rank 0 drains and stops the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.environ.get(PARENT_ENV)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from adapters.tiny_models import cached_checkpoint
-from tests.e2e.harness import Node, router, start_nodes
+from tests.e2e.harness import Node, assert_no_leaks, router, start_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -61,6 +61,15 @@ def test_a_two_rank_single_node_answers_as_one_rank(tmp_path: Path) -> None:
         expected = answers(one, BODIES, together=False)
         assert answers(two, BODIES, together=False) == expected
         assert answers(two, BODIES, together=True) == expected
+        # Streams left after their first token: each cancel reaches rank 1 in a plan, so the ranks
+        # still hold the same rows and answer as before.
+        for index in range(3):
+            body = {"prompt": f"left early {index}", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=30) as response:
+                assert response.status_code == 200
+                next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert answers(two, BODIES, together=True) == expected
+        assert_no_leaks([two])
         log = two.log.read_text()
         assert "rank 0 of a single instance of 2 ranks" in log
     finally:
@@ -78,10 +87,9 @@ def test_kv_hands_off_between_instances_of_different_degrees(tmp_path: Path) -> 
     prefill1 = Node("prefill", common, tmp_path / "prefill1.log")
     decode2 = Node("decode", [*common, *TP2], tmp_path / "decode2.log")
     engines = [single, prefill2, decode1, prefill1, decode2]
-    start_nodes(engines)
     to_one = router(model, tmp_path / "router_a.log", [prefill2], [decode1], "--force-disaggregation")
     to_two = router(model, tmp_path / "router_b.log", [prefill1], [decode2], "--force-disaggregation")
-    start_nodes([to_one, to_two])
+    start_nodes([*engines, to_one, to_two])  # a router waits for its nodes
     try:
         expected = answers(single, BODIES, together=False)
         assert answers(to_one, BODIES, together=True) == expected

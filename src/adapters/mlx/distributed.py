@@ -47,8 +47,8 @@ from adapters.mlx.jobs import Crash, Job, Stop
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
 __all__ = [
-    "BACKENDS", "PARENT_ENV", "RANK_ENV", "LockstepLoop", "TensorGroup", "join_group", "start_local_ranks",
-    "watch_follower",
+    "BACKENDS", "PARENT_ENV", "RANK_ENV", "DivergedRanks", "LockstepLoop", "TensorGroup", "exited_rank",
+    "join_group", "start_local_ranks", "watch_follower",
 ]
 
 logger = logging.getLogger("adapters.engine_mlx")
@@ -68,9 +68,13 @@ class TensorGroup:
     rank: int
     size: int
     heartbeat_s: float  # rank 0 broadcasts at least this often, idle or not
+    # Rank 0 of locally started ranks: which one exited (None: all run). A dead rank is seen at
+    # once even when a collective in flight never fails.
+    rank_lost: Callable[[], str | None] = lambda: None
 
 
-def join_group(backend: str, size: int, heartbeat_s: float) -> TensorGroup:
+def join_group(backend: str, size: int, heartbeat_s: float,
+               rank_lost: Callable[[], str | None] = lambda: None) -> TensorGroup:
     """Join the instance's group (the environment mlx.launch or `start_local_ranks` set)."""
     try:
         group = mx.distributed.init(strict=True, backend=backend)
@@ -82,7 +86,7 @@ def join_group(backend: str, size: int, heartbeat_s: float) -> TensorGroup:
     if group.size() != size:
         raise StatecoreError(client_error(
             f"--tensor-parallel {size}, but MLX's {backend} group has {group.size()} ranks"))
-    return TensorGroup(group, group.rank(), size, heartbeat_s)
+    return TensorGroup(group, group.rank(), size, heartbeat_s, rank_lost)
 
 
 def start_local_ranks(size: int, argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
@@ -106,6 +110,15 @@ def start_local_ranks(size: int, argv: Sequence[str]) -> list[subprocess.Popen[b
     return children
 
 
+def exited_rank(children: Sequence[subprocess.Popen[bytes]]) -> str | None:
+    """The first locally started rank that has exited, in words (None: all run)."""
+    for rank, child in enumerate(children, start=1):
+        code = child.poll()
+        if code is not None:
+            return f"tensor-parallel rank {rank} (pid {child.pid}) exited with {code}"
+    return None
+
+
 def watch_follower(loop: LockstepLoop, thread: threading.Thread, stall_timeout_s: float,
                    parent: int | None) -> int:
     """A rank > 0's main thread: the exit code once its device thread ends, rank 0 has been silent
@@ -124,6 +137,10 @@ def watch_follower(loop: LockstepLoop, thread: threading.Thread, stall_timeout_s
     return 0 if loop.stopped else EXIT_RANK_LOST
 
 
+class DivergedRanks(RuntimeError):
+    """A rank holds other requests than rank 0 (a bug): the instance must restart."""
+
+
 class LockstepLoop(DeviceLoop):
     """The device loop of one rank of a tensor-parallel instance (see the module's paragraph)."""
 
@@ -136,6 +153,7 @@ class LockstepLoop(DeviceLoop):
         self.plans = 0  # plans broadcast (rank 0) or received (the others)
         self.stopped = False  # left the loop on rank 0's Stop
         self.loading = False  # replaying the load, as long as it takes (silence is not a stall)
+        self.leader_state: tuple[int, ...] = ()  # rank 0's state_digest with the last plan
 
     def run(self) -> None:
         if self.tensor.rank == 0:
@@ -189,6 +207,11 @@ class LockstepLoop(DeviceLoop):
         while True:
             plan = lockstep.decode_plan(self.broadcast(None))
             self.progress_at = time.monotonic()
+            if self.leader_state != self.state_digest():
+                raise DivergedRanks(
+                    f"rank {self.tensor.rank} holds (live, waiting, held, arrivals) "
+                    f"{self.state_digest()}, rank 0 {self.leader_state}: the ranks' model calls no "
+                    "longer match")
             for command in plan.commands:
                 if isinstance(command, lockstep.Stop):
                     self.stopped = True
@@ -214,15 +237,20 @@ class LockstepLoop(DeviceLoop):
 
     # -- collectives ---------------------------------------------------------------------------
 
+    def state_digest(self) -> tuple[int, ...]:
+        """What every rank must hold alike between two plans (a cheap check that they still do)."""
+        return (len(self.live), len(self.waiting), len(self.held), self.arrivals % (1 << 31))
+
     def broadcast(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (the others pass None): a length, then the bytes, each
-        summed with zeros from the other ranks. On the model's stream: ordered after the
-        collectives of the step before."""
+        """Rank 0's `data` on every rank (the others pass None): its length and rank 0's
+        `state_digest` (kept in `leader_state`), then the bytes, each summed with zeros from the
+        other ranks. On the model's stream: ordered after the collectives of the step before."""
         group = self.tensor.group
+        head = [len(data), *self.state_digest()] if data is not None else [0] * 5
         with mx.stream(generation_stream):
-            length = mx.distributed.all_sum(mx.array([0 if data is None else len(data)], dtype=mx.int32),
-                                            group=group)
-            size = int(length.item())  # type: ignore[arg-type]
+            summed_head = mx.distributed.all_sum(mx.array(head, dtype=mx.int32), group=group)
+            size, *leader_state = (int(v) for v in summed_head.tolist())  # type: ignore[union-attr,arg-type]
+            self.leader_state = tuple(leader_state)
             self.plans += 1
             if size == 0:
                 return b""
