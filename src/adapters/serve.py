@@ -560,6 +560,10 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                      listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
+        if api.lost_reason is None and not engine.statistics().device_thread_alive:
+            # Died while draining (a tensor-parallel rank's launcher stops every rank when one
+            # fails): still a loss, not a clean stop.
+            api.lose("the MLX device thread died")
         lost = api.lost_reason is not None
     finally:
         # A stalled device thread never finishes its step: do not wait for it.

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ import trio
 if TYPE_CHECKING:
     from adapters.mlx.distributed import TensorGroup
 
-__all__ = ["run_tensor_parallel"]
+__all__ = ["heartbeat_s", "mlx_launch_argv", "run_tensor_parallel"]
 
 log = logging.getLogger("statecore.serve")
 
@@ -87,10 +88,13 @@ def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
     return code
 
 
-def _hand_to_mlx_launch(args: argparse.Namespace) -> int:
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+def mlx_launch_argv(argv: Sequence[str], *, launcher: str, python: str, backend: str,
+                    hostfile: str) -> list[str]:
+    """`mlx.launch`'s command line for this `statecore` command line (`argv` without the program):
+    the same command on every host, without --hostfile, after `--` (so that none of its flags is
+    read as one of mlx.launch's: `--host` would abbreviate its `--hosts`)."""
     command, skip = [], False
-    for word in sys.argv[1:]:
+    for word in argv:
         if skip:
             skip = False
             continue
@@ -100,8 +104,14 @@ def _hand_to_mlx_launch(args: argparse.Namespace) -> int:
         if word.startswith(tuple(f"{flag}=" for flag in _LAUNCH_ONLY_FLAGS)):
             continue
         command.append(word)
-    statecore = shutil.which("statecore") or sys.argv[0]
-    argv = [launcher, "--backend", args.distributed_backend, "--hostfile", args.hostfile, statecore, *command]
+    return [launcher, "--backend", backend, "--hostfile", hostfile, "--",
+            python, "-m", "adapters.cli", *command]
+
+
+def _hand_to_mlx_launch(args: argparse.Namespace) -> int:
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    argv = mlx_launch_argv(sys.argv[1:], launcher=launcher, python=sys.executable,
+                           backend=args.distributed_backend, hostfile=args.hostfile)
     log.info("starting the ranks through %s", " ".join(argv))
     os.execv(launcher, argv)
     return 1  # not reached
