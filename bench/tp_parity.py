@@ -1,5 +1,8 @@
 """How often greedy tokens differ between a two-rank tensor-parallel model and one rank.
 
+The models: the tiny llama and qwen3 test checkpoints (float32, random weights) and the demo model
+(float16, trained).
+
 Starts itself as rank 1 over the ring backend on 127.0.0.1 (`start_local_ranks`); both ranks load
 their shard (`load_model(shard_group=...)`) and decode the same prompts greedily, token by token
 with mlx-lm's KV cache; rank 0 also decodes them with the whole model and counts: prompts whose
@@ -20,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from adapters.mlx.distributed import RANK_ENV, start_local_ranks
 from adapters.mlx.loading import load_model
+from adapters.serve import demo_model_dir
 from adapters.tiny_models import cached_checkpoint
 
 
@@ -43,15 +47,16 @@ def main() -> int:
     children = start_local_ranks(2, [__file__, *sys.argv[1:]]) if RANK_ENV not in os.environ else []
     group = mx.distributed.init(strict=True, backend="ring")
     rank = group.rank()
-    for family in ("llama", "qwen3"):
-        path = cached_checkpoint(family)
+    checkpoints = {"llama": cached_checkpoint("llama"), "qwen3": cached_checkpoint("qwen3"),
+                   "demo (float16)": demo_model_dir()}
+    for family, path in checkpoints.items():
         sharded = load_model(path, trust_remote_code=False, shard_group=group).model
         whole = load_model(path, trust_remote_code=False).model if rank == 0 else None
         rng = random.Random(0)
         diverged = equal_tokens = 0
         worst = 0.0
         for _ in range(args.prompts):
-            prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(8, 64))]
+            prompt = [rng.randrange(6, 500) for _ in range(rng.randrange(8, 64))]
             two, first_two = greedy(sharded, prompt, args.tokens)
             if whole is None:
                 continue
