@@ -271,6 +271,18 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                      help="engine nodes: seconds the engine may be busy without finishing a step "
                           "before the node counts as hung: its requests fail, /health turns 503 and "
                           "it exits 3 for its supervisor to restart (default 180; 0 = never)")
+    run.add_argument("--tensor-parallel", type=_whole(1), default=1, metavar="N",
+                     help="prefill, decode, single: run the instance as N processes (ranks), each with "
+                          "its tensor-parallel shard of the model (mlx-lm's model.shard: llama, qwen2, "
+                          "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
+                          "--hostfile or MLX's launch environment the ranks start on this machine "
+                          "(ring backend over 127.0.0.1) (default 1)")
+    run.add_argument("--distributed-backend", default="ring", choices=("ring", "nccl", "jaccl", "mpi", "any"),
+                     help="with --tensor-parallel: MLX's distributed backend (mlx.launch --backend; nccl "
+                          "on CUDA, jaccl for RDMA over Thunderbolt) (default ring)")
+    run.add_argument("--hostfile", default=None, metavar="PATH",
+                     help="with --tensor-parallel: start the ranks on these hosts through mlx.launch "
+                          "--hostfile (its JSON host list; statecore at the same path on each)")
     run.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
                      help="seconds to finish in-flight requests on SIGTERM (default 30)")
     run.add_argument("--max-in-flight", type=_whole(1), default=256,
@@ -385,13 +397,19 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
 
 
 async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
-                        stall_timeout_s: float, lost: Callable[[str], None]) -> None:
+                        stall_timeout_s: float, lost: Callable[[str], None],
+                        rank_lost: Callable[[], str | None] = lambda: None) -> None:
     """The engine is the node's transport: it is lost when its device thread dies, or when it
     has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
-    cannot be interrupted, so only a restart gets the node back). Either way every live request
-    fails (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
+    cannot be interrupted, so only a restart gets the node back), or when `rank_lost` names a
+    lost rank of its tensor-parallel instance. Either way every live request fails
+    (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
     while True:
         now = stats()
+        gone = rank_lost()
+        if gone is not None:
+            reason = gone
+            break
         if not now.device_thread_alive:
             reason = "the MLX device thread died"
             break
@@ -471,7 +489,22 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
-async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket) -> int:
+def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
+    return dict(
+        prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
+        shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
+        compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
+        prefix_cache_bytes=args.prefix_cache_bytes, prefill_memory_cap=args.prefill_memory_cap,
+    )
+
+
+async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
+                          tensor: Any = None) -> int:
+    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.tensor_parallel)."""
     from adapters.mlx import MlxEngine
 
     faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before the model loads
@@ -481,17 +514,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
     sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
-    engine = await MlxEngine.load(
-        model, prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
-        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
-        prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
-        shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
-        compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        prefill_memory_cap=args.prefill_memory_cap,
-        model_call_hook=faults.model_call_hook(),
-    )
+    engine = await MlxEngine.load(model, **engine_options(args, role),
+                                  model_call_hook=faults.model_call_hook(), tensor=tensor)
     for layer in engine.info.layers:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
@@ -535,11 +559,16 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 api.lose(reason)
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
-            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine)
+            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+                               *([] if tensor is None else [tensor.rank_lost]))
             log.info("%s node serving on %s (MLX computes with: %s)", role,
                      listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
+        if api.lost_reason is None and not engine.statistics().device_thread_alive:
+            # Died while draining (a tensor-parallel rank's launcher stops every rank when one
+            # fails): still a loss, not a clean stop.
+            api.lose("the MLX device thread died")
         lost = api.lost_reason is not None
     finally:
         # A stalled device thread never finishes its step: do not wait for it.
@@ -957,6 +986,10 @@ def run_command(args: argparse.Namespace) -> int:
         hold_stop_signals()
         return trio.run(run_router, args, _listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
+    if args.tensor_parallel > 1:
+        from adapters.tensor_parallel import run_tensor_parallel
+
+        return _exit_now(run_tensor_parallel(args, role))
     hold_stop_signals()
     return _exit_now(trio.run(run_engine_node, args, role, _listener_for(args)))
 

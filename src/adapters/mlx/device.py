@@ -427,6 +427,9 @@ class DeviceLoop:
     def run_job(self, job: Job[Any]) -> None:
         if job.is_abandoned():
             return
+        self.compute_job(job)
+
+    def compute_job(self, job: Job[Any]) -> None:
         started = time.perf_counter()
         self.running = job
         try:
@@ -449,13 +452,23 @@ class DeviceLoop:
             abandoned = job.abandoned
         if abandoned:
             if result.error is None and job.undo is not None:
-                try:
-                    job.undo(result.value)
-                except Exception:
-                    logger.exception("undoing an abandoned job failed")
+                self.undo_abandoned(job, result.value)
             return
         if job.done is not None:
             post(job.token, job.done.set)
+
+    def undo_abandoned(self, job: Job[Any], value: Any) -> None:
+        assert job.undo is not None
+        try:
+            job.undo(value)
+        except Exception:
+            logger.exception("undoing an abandoned job failed")
+
+    def drop_abandoned_waiting(self) -> None:
+        """Prompts whose caller left before their prefill finished stop taking steps."""
+        for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
+            del self.waiting[rid]
+            self.unreserve(rid)
 
     def account(self, what: str, started: float, calls: int = 1) -> None:
         calls_before, seconds = self.profile[what]
@@ -468,9 +481,7 @@ class DeviceLoop:
         started = time.perf_counter()
         spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
         traces_before = 0 if self.compiled is None else self.compiled.traces
-        for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
-            del self.waiting[rid]
-            self.unreserve(rid)
+        self.drop_abandoned_waiting()
         current = _InFlight()
         outputs: list[Any] = []
         slot_rows = [live for live in self.live.values() if live.slot is not None]

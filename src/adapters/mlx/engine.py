@@ -13,6 +13,7 @@ This is an adapter: nothing in `statecore` or `effects` may import it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import queue
@@ -22,18 +23,19 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never, cast
 
 import mlx.core as mx
 import trio
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from adapters import kv_wire
+from adapters import kv_wire, lockstep
 from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
+from adapters.mlx.distributed import LockstepLoop, TensorGroup
 from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -77,9 +79,11 @@ _T = TypeVar("_T")
 class MlxEngine:
     """The Engine port over mlx-lm. Build with `await MlxEngine.load(model_dir, ...)`."""
 
-    def __init__(self, model_dir: Path, settings: Settings, trust_remote_code: bool) -> None:
+    def __init__(self, model_dir: Path, settings: Settings, trust_remote_code: bool,
+                 tensor: TensorGroup | None = None) -> None:
         """Private: use `MlxEngine.load`."""
         self._model_dir = model_dir
+        self._tensor = tensor
         self._trust_remote_code = trust_remote_code
         self._settings = settings
         self._queue: queue.SimpleQueue[Job[Any] | Stop | Crash] = queue.SimpleQueue()
@@ -92,7 +96,8 @@ class MlxEngine:
         self._grammars: Grammars | None = None  # structured output: set at load
         # trio side: streams not yet taken by `stream()`.
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
-        self._device = DeviceLoop(settings, self._queue, self._die)
+        self._device = (DeviceLoop(settings, self._queue, self._die) if tensor is None
+                        else LockstepLoop(settings, self._queue, self._die, tensor, self._replay))
         self._device.publish = self._publish
         self._device.cache_bytes = self._cache_bytes
         self._thread = threading.Thread(target=self._thread_main, name="mlx-device", daemon=True)
@@ -125,6 +130,7 @@ class MlxEngine:
         prefill_memory_cap: str = "auto",
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
+        tensor: TensorGroup | None = None,
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
 
@@ -190,6 +196,12 @@ class MlxEngine:
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.
 
+        `tensor` (`adapters.mlx.distributed.join_group`): this process is one rank of a
+        tensor-parallel instance; each rank loads its shard, and the ranks run in lockstep. On rank
+        0 the engine is used as any other; on the others `load` returns at once and the device
+        thread replays rank 0's plans (the engine's port methods are not for them):
+        `follower_loop` is what `watch_follower` watches.
+
         A model dir whose config.json names a `model_file` (custom Python) is refused unless
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
         `info.can_travel` tells the serving roles whether handoffs are possible.
@@ -241,10 +253,13 @@ class MlxEngine:
                             on_cuda() if preallocate_slots is None else preallocate_slots, capped,
                             fuse_projections)
         tune_cuda_backend()
-        engine = cls(Path(model_dir), settings, trust_remote_code)
+        engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._device.model_call_hook = model_call_hook
+        if tensor is not None and tensor.rank > 0:
+            return engine  # its load comes in rank 0's first plan
         try:
-            engine._info = await engine._call(engine._load_on_device)
+            engine._info = await engine._call(engine._load_on_device,
+                                              command=lockstep.Load(dataclasses.asdict(settings)))
             if (engine._device.bucket > 0 and on_cuda()) if warm_request is None else warm_request:
                 await engine._warm_serving_path()
         except BaseException:
@@ -273,14 +288,24 @@ class MlxEngine:
             logger.info("the load's warm-up request stopped early: %s", exc)
             await self.cancel(rid)
             await self.release_held(rid)
-        def forget() -> None:
-            self._device.forget_prefixes()
-            self._device.forget_activation_counts()
-            self._publish()
-
-        await self._call(forget)
+        await self._call(self._forget_prefixes, command=lockstep.ForgetPrefixes())
         logger.info("warmed the serving path with a %d-token request in %.1f s", length,
                     time.perf_counter() - started)
+
+    def _forget_prefixes(self) -> None:
+        self._device.forget_prefixes()
+        self._device.forget_activation_counts()
+        self._publish()
+
+    @property
+    def follower_loop(self) -> LockstepLoop:
+        """A rank > 0's device loop (for `adapters.mlx.distributed.watch_follower`)."""
+        assert isinstance(self._device, LockstepLoop)
+        return self._device
+
+    @property
+    def device_thread(self) -> threading.Thread:
+        return self._thread
 
     @property
     def info(self) -> ModelInfo:
@@ -294,10 +319,16 @@ class MlxEngine:
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
     ) -> PrefillOutcome:
         tokens = self._check_request(prompt, sampling)
+        matcher = await self._matcher(sampling)
+        return await self._wait(self._prefill_job(request_id, tokens, sampling, matcher,
+                                                  trio.lowlevel.current_trio_token()))
+
+    def _prefill_job(self, request_id: str, tokens: list[int], sampling: SamplingParams, matcher: Any,
+                     trio_token: trio.lowlevel.TrioToken | None) -> Job[PrefillOutcome]:
+        """`trio_token` None: a replayed job (a rank > 0 of a tensor-parallel instance)."""
         seed = request_seed(request_id, sampling)
         chunks = prefill_chunks(len(tokens), self._settings.prefill_chunk_size)
         units = prefill_units(chunks, self._device.layers, self._device.unit_tokens)
-        matcher = await self._matcher(sampling)
         job: Job[PrefillOutcome]
 
         def register() -> PrefillOutcome:
@@ -311,56 +342,61 @@ class MlxEngine:
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
-        job = self._new_job(register, undo=lambda _: self._device.drop(request_id), deferred=True)
-        return await self._wait(job)
+        job = Job(register, trio_token, undo=lambda _: self._device.drop(request_id),
+                  done=None if trio_token is None else trio.Event(), deferred=True,
+                  command=lockstep.Prefill(request_id, tuple(tokens), sampling),
+                  undo_command=lockstep.Drop(request_id))
+        return job
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
-        def work() -> kv_wire.HostTensors:
-            held = self._device.held.get(request_id)
-            if held is None:
-                raise _not_held(request_id)
-            return kv_wire.host_tensors(held.cache, fingerprint=self.info.fingerprint,
-                                        token_count=held.prompt_tokens)
-
-        tensors = await self._call(work)
+        tensors = await self._call(partial(self._export, request_id), command=lockstep.Export(request_id))
         # The tensors are not copied: the pieces reference them. The checksum (the end frame)
         # needs no MLX: a thread computes it while the pieces are already being sent.
         return KvPieces(tuple(kv_wire.unsealed_pieces(tensors)),
                         seal=kv_wire.end_frame_in_background(tensors), seal_nbytes=kv_wire.END_FRAME_BYTES)
 
-    async def release_held(self, request_id: RequestId) -> int:
-        def work() -> int:
-            device = self._device
-            held = device.held.pop(request_id, None)
-            if held is not None and request_id not in device.live:  # (decoding: it keeps its share)
-                device.unreserve(request_id)
-            self._publish()
-            return 0 if held is None else held.nbytes
+    def _export(self, request_id: str) -> kv_wire.HostTensors:
+        held = self._device.held.get(request_id)
+        if held is None:
+            raise _not_held(request_id)
+        cache = held.cache
+        if isinstance(self._device, LockstepLoop):  # every rank's heads, gathered on each
+            cache = self._device.gather_heads(cache)
+        return kv_wire.host_tensors(cache, fingerprint=self.info.fingerprint, token_count=held.prompt_tokens)
 
+    async def release_held(self, request_id: RequestId) -> int:
         if not self._alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
-            freed = await self._call(work)
+            freed = await self._call(partial(self._release, request_id), command=lockstep.Release(request_id))
         return freed
+
+    def _release(self, request_id: str) -> int:
+        device = self._device
+        held = device.held.pop(request_id, None)
+        if held is not None and request_id not in device.live:  # (decoding: it keeps its share)
+            device.unreserve(request_id)
+        self._publish()
+        return 0 if held is None else held.nbytes
 
     async def decode_held(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams
     ) -> None:
         tokens = self._check_request(prompt, sampling)
         first_token = self._check_token(first_token, "first_token")
+        await self._start(request_id, tokens, first_token, sampling,
+                          partial(self._held_cache, request_id, len(tokens)))
 
-        def take_cache() -> list[Any]:
-            held = self._device.held.get(request_id)
-            if held is None:
-                raise _not_held(request_id)
-            if held.prompt_tokens != len(tokens):
-                raise StatecoreError(client_error(
-                    f"request {request_id!r}: the held cache covers {held.prompt_tokens} "
-                    f"tokens, the prompt has {len(tokens)}"
-                ))
-            return held.cache
-
-        await self._start(request_id, tokens, first_token, sampling, take_cache)
+    def _held_cache(self, request_id: str, prompt_tokens: int) -> list[Any]:
+        held = self._device.held.get(request_id)
+        if held is None:
+            raise _not_held(request_id)
+        if held.prompt_tokens != prompt_tokens:
+            raise StatecoreError(client_error(
+                f"request {request_id!r}: the held cache covers {held.prompt_tokens} "
+                f"tokens, the prompt has {prompt_tokens}"
+            ))
+        return held.cache
 
     async def install(
         self,
@@ -375,25 +411,29 @@ class MlxEngine:
         # Everything before the copy into the decoder runs in a worker thread, so a big handoff
         # never stalls the decode batch: framing, checksum and header checks, then the arrays
         # themselves (made from host memory, no lazy computation: no device stream is involved).
-        def validate_and_build() -> list[Any]:
-            validated = kv_wire.validate_payload(
-                payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
-            )
-            if validated.header.token_count != len(tokens):
-                raise StatecoreError(ErrorInfo(
-                    Fault.PEER, Code.KV_MALFORMED,
-                    f"the KV payload covers {validated.header.token_count} tokens, "
-                    f"the prompt has {len(tokens)}",
-                ))
-            built: list[Any] = kv_wire.build_caches(validated).caches
-            return built
+        caches = await trio.to_thread.run_sync(self._validate_and_build, payload, len(tokens))
+        # The other ranks of a tensor-parallel instance build their own heads from the same bytes.
+        sharded = isinstance(self._device, LockstepLoop)
+        await self._start(request_id, tokens, first_token, sampling, partial(self._own_heads, caches),
+                          payload=bytes(payload) if sharded else None)
 
-        caches = await trio.to_thread.run_sync(validate_and_build)
+    def _validate_and_build(self, payload: KvBytes, prompt_tokens: int) -> list[Any]:
+        validated = kv_wire.validate_payload(
+            payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
+        )
+        if validated.header.token_count != prompt_tokens:
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"the KV payload covers {validated.header.token_count} tokens, "
+                f"the prompt has {prompt_tokens}",
+            ))
+        built: list[Any] = kv_wire.build_caches(validated).caches
+        return built
 
-        def take_cache() -> list[Any]:
-            return caches
-
-        await self._start(request_id, tokens, first_token, sampling, take_cache)
+    def _own_heads(self, caches: list[Any]) -> list[Any]:
+        if isinstance(self._device, LockstepLoop):
+            return self._device.own_heads(caches)
+        return caches
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -423,7 +463,7 @@ class MlxEngine:
         if not self._alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
-            await self._call(lambda: self._drop(request_id))
+            await self._call(lambda: self._drop(request_id), command=lockstep.Drop(request_id))
 
     def statistics(self) -> EngineStatistics:
         device = self._device
@@ -478,11 +518,11 @@ class MlxEngine:
         What the DEVICE_CRASH fault drives; a node wires it only when faults are armed."""
         self._queue.put(Crash())
 
-    def _submit_nowait(self, work: Callable[[], object]) -> None:
+    def _submit_nowait(self, work: Callable[[], object], command: lockstep.Command | None = None) -> None:
         """Fire and forget; silently nothing if the device thread is gone."""
         with self._state_lock:
             if self._alive:
-                self._queue.put(Job(work, None))
+                self._queue.put(Job(work, None, command=command))
 
     # -- trio-side helpers ---------------------------------------------------------------------
 
@@ -551,13 +591,34 @@ class MlxEngine:
         first_token: int,
         sampling: SamplingParams,
         take_cache: Callable[[], list[Any]],
+        payload: bytes | None = None,
     ) -> None:
         """Open the request's stream, then put it into the decoder on the device thread."""
         matcher = await self._matcher(sampling)
         if request_id in self._streams:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
         send, receive = trio.open_memory_channel[StreamItem](sampling.max_tokens)
-        token = trio.lowlevel.current_trio_token()
+        work = self._start_work(request_id, tokens, first_token, sampling, take_cache, matcher, send,
+                                trio.lowlevel.current_trio_token())
+        self._streams[request_id] = receive
+        try:
+            replayed = lockstep.Decode(request_id, tuple(tokens), first_token, sampling, payload)
+            await self._call(work, undo=lambda _: self._drop(request_id), command=replayed,
+                             undo_command=lockstep.Drop(request_id))
+        except BaseException:
+            if self._streams.get(request_id) is receive:
+                del self._streams[request_id]
+            receive.close()
+            send.close()
+            raise
+
+    def _start_work(self, request_id: str, tokens: list[int], first_token: int, sampling: SamplingParams,
+                    take_cache: Callable[[], list[Any]], matcher: Any,
+                    send: trio.MemorySendChannel[StreamItem],
+                    trio_token: trio.lowlevel.TrioToken | None) -> Callable[[], None]:
+        """The device work that puts a request into the decoder (`trio_token` None: replayed,
+        its tokens go nowhere)."""
+        token = cast(trio.lowlevel.TrioToken, trio_token)  # None: post() delivers nothing
         seed = request_seed(request_id, sampling)
 
         def work() -> None:
@@ -588,23 +649,15 @@ class MlxEngine:
             device.held.pop(request_id, None)
             self._publish()
 
-        self._streams[request_id] = receive
-        try:
-            await self._call(work, undo=lambda _: self._drop(request_id))
-        except BaseException:
-            if self._streams.get(request_id) is receive:
-                del self._streams[request_id]
-            receive.close()
-            send.close()
-            raise
+        return work
 
-    def _new_job(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None,
-                 deferred: bool = False) -> Job[_T]:
-        return Job(work, trio.lowlevel.current_trio_token(), undo, trio.Event(), deferred=deferred)
-
-    async def _call(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None) -> _T:
-        """Run `work` on the device thread; wait for it without blocking trio."""
-        return await self._wait(self._new_job(work, undo))
+    async def _call(self, work: Callable[[], _T], undo: Callable[[_T], None] | None = None,
+                    command: lockstep.Command | None = None,
+                    undo_command: lockstep.Command | None = None) -> _T:
+        """Run `work` on the device thread; wait for it without blocking trio. `command`: how the
+        other ranks of a tensor-parallel instance replay it (None: it changes nothing they hold)."""
+        return await self._wait(Job(work, trio.lowlevel.current_trio_token(), undo, trio.Event(),
+                                    command=command, undo_command=undo_command))
 
     async def _wait(self, job: Job[_T]) -> _T:
         with self._state_lock:
@@ -621,17 +674,17 @@ class MlxEngine:
             undo = job.undo
             if result is not None and result.error is None and undo is not None:
                 value = result.value
-                self._submit_nowait(lambda: undo(value))  # type: ignore[arg-type]
+                self._submit_nowait(lambda: undo(value), job.undo_command)  # type: ignore[arg-type]
             elif result is None and job.deferred and undo is not None:
                 # Registered work (a queued prefill) is undone at once, not when its turn comes:
                 # what it reserved goes back with it. A no-op if it never registered.
-                self._submit_nowait(lambda: undo(None))  # type: ignore[arg-type]
+                self._submit_nowait(lambda: undo(None), job.undo_command)  # type: ignore[arg-type]
             raise
         assert job.outcome is not None
         return job.outcome.unwrap()
 
     def _cancel_nowait(self, request_id: RequestId) -> None:
-        self._submit_nowait(lambda: self._drop(request_id))
+        self._submit_nowait(lambda: self._drop(request_id), lockstep.Drop(request_id))
 
     def _stop_nowait(self) -> None:
         with self._state_lock:
@@ -667,6 +720,41 @@ class MlxEngine:
             self._alive = False
         self._stats = EngineStatistics(0, 0, 0, False, self._device.step_retries, self._device.rows_isolated)
         self._device.die(error)
+
+    def _replay(self, command: lockstep.Command) -> Job[Any]:
+        """On a rank > 0: the job rank 0 ran for `command`, rebuilt from its plain values."""
+        match command:
+            case lockstep.Load(settings):
+                def load() -> None:
+                    self._settings = self._device.settings = Settings(**settings)
+                    self._info = self._load_on_device()
+                return Job(load, None)
+            case lockstep.Prefill(request_id, tokens, sampling):
+                return self._prefill_job(request_id, list(tokens), sampling, self._replayed_matcher(sampling),
+                                         None)
+            case lockstep.Decode(request_id, tokens, first_token, sampling, payload):
+                take_cache = (partial(self._held_cache, request_id, len(tokens)) if payload is None
+                              else lambda: self._own_heads(self._validate_and_build(payload, len(tokens))))
+                send, _ = trio.open_memory_channel[StreamItem](0)
+                return Job(self._start_work(request_id, list(tokens), first_token, sampling, take_cache,
+                                            self._replayed_matcher(sampling), send, None), None)
+            case lockstep.Drop(request_id):
+                return Job(partial(self._drop, request_id), None)
+            case lockstep.Release(request_id):
+                return Job(partial(self._release, request_id), None)
+            case lockstep.Export(request_id):
+                return Job(partial(self._export, request_id), None)
+            case lockstep.ForgetPrefixes():
+                return Job(self._forget_prefixes, None)
+            case lockstep.Stop():
+                raise AssertionError("the lockstep loop handles Stop itself")
+            case _:
+                assert_never(command)
+
+    def _replayed_matcher(self, sampling: SamplingParams) -> Any:
+        if sampling.response_format is None or self._grammars is None:
+            return None
+        return self._grammars.matcher(sampling.response_format)
 
     def _drop(self, request_id: str) -> None:
         self._device.drop(request_id)
@@ -706,7 +794,8 @@ class MlxEngine:
 
     def _load_on_device(self) -> ModelInfo:
         s = self._settings
-        loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code)
+        group = None if self._tensor is None else self._tensor.group
+        loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code, shard_group=group)
         fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device = self._device
         device.model = loaded.model

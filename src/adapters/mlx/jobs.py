@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
+from adapters.lockstep import Command
 from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
@@ -41,7 +42,7 @@ class Outcome(Generic[T]):
 
 @dataclass(eq=False)
 class Job(Generic[T]):
-    """One unit of device work. `token` None: fire and forget (nobody waits).
+    """One unit of device work. `token` None: fire and forget (nobody waits), or a replayed job.
 
     A `deferred` job's `work` only registers what it asks for (a prefill task); the device loop
     finishes the job later, when that work is computed.
@@ -55,6 +56,10 @@ class Job(Generic[T]):
     abandoned: bool = False
     outcome: Outcome[T] | None = None
     deferred: bool = False
+    # A tensor-parallel instance replays the job on its other ranks from these plain records
+    # (adapters.lockstep); None: the job changes nothing they hold (a read of rank 0's state).
+    command: Command | None = None
+    undo_command: Command | None = None
 
     def is_abandoned(self) -> bool:
         with self.lock:

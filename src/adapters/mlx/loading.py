@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -49,7 +50,9 @@ class LoadedModel:
     tokenizer: Any = None  # mlx-lm's TokenizerWrapper (structured output compiles grammars over it)
 
 
-def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
+def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = None) -> LoadedModel:
+    """`shard_group` (an `mx.distributed.Group` of more than one rank): load lazily and keep this
+    rank's tensor-parallel shard only (mlx-lm's `model.shard`), so no rank holds the whole model."""
     config_path = model_dir / "config.json"
     try:
         config_bytes = config_path.read_bytes()
@@ -72,8 +75,11 @@ def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
                 f"model_file={model_file!r}); refusing to run it without trust_remote_code",
             )
         )
+    if shard_group is not None:
+        _check_shardable(config, int(shard_group.size()))
     try:
-        loaded: tuple[Any, ...] = mlx_lm_load(str(model_dir), trust_remote_code=trust_remote_code)
+        loaded: tuple[Any, ...] = mlx_lm_load(str(model_dir), trust_remote_code=trust_remote_code,
+                                              lazy=shard_group is not None)
     except Exception as exc:
         raise StatecoreError(
             ErrorInfo(
@@ -83,6 +89,14 @@ def load_model(model_dir: Path, *, trust_remote_code: bool) -> LoadedModel:
             )
         ) from exc
     model, tokenizer = loaded[0], loaded[1]
+    if shard_group is not None:
+        if not hasattr(model, "shard"):
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                f"mlx-lm has no tensor-parallel sharding for model type {config.get('model_type')!r} "
+                "(--tensor-parallel needs a model class with `shard`: llama, qwen2, qwen3, ...)"))
+        model.shard(shard_group)
+        mx.eval(model.parameters())
     eos = {int(t) for t in tokenizer.eos_token_ids}
     raw_eos = config.get("eos_token_id")
     if isinstance(raw_eos, int):
@@ -110,6 +124,17 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "blas": blas_in_use(),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _check_shardable(config: dict[str, Any], ranks: int) -> None:
+    """Each rank takes an equal share of the attention heads, KV heads and MLP columns."""
+    source = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(source, dict)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = source.get(key)
+        if isinstance(value, int) and value % ranks:
+            raise StatecoreError(client_error(
+                f"--tensor-parallel {ranks} does not divide the model's {key} ({value})"))
 
 
 def _context_length(config: dict[str, Any]) -> int:
