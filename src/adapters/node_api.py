@@ -242,6 +242,7 @@ class NodeApi:
             "prefix_tokens_reused": engine.prefix_tokens_reused,
             "prefix_cache_queries": engine.prefix_cache_queries,
             "prefix_cache_evictions": engine.prefix_cache_evictions,
+            "conversations_kept": engine.conversations_kept,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},

@@ -185,6 +185,10 @@ class EngineStatistics:
     prefix_tokens_reused: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_evictions: int = 0
+    # Finished requests whose conversation (prompt and generated tokens) was kept for its next
+    # turn, and the tokens of whole chunks their keep tasks computed again to keep it.
+    conversations_kept: int = 0
+    conversation_tokens_kept: int = 0
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

@@ -55,7 +55,7 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
     return replace(engine.statistics(), step_retries=0, rows_isolated=0, stalled_s=0.0, kv_budget_bytes=0,
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
                    prefix_tokens_reused=0, prefix_cache_queries=0, prefix_cache_evictions=0,
-                   device_time=())
+                   conversations_kept=0, conversation_tokens_kept=0, device_time=())
 
 
 class Opener(Protocol):
@@ -76,6 +76,8 @@ class Opener(Protocol):
         compile_decode: str = ...,
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
+        keep_conversations: bool = ...,
+        decodes_locally: bool = ...,
         warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -651,6 +653,75 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
+
+
+async def kept(engine: MlxEngine) -> EngineStatistics:
+    """The engine's statistics once every finished conversation's keep task has run (polled: a
+    keep task is the device loop's own work, no job anyone waits on)."""
+    with trio.fail_after(30):
+        while any(task.keeps_only for task in list(engine._device.waiting.values())):
+            await trio.sleep(0.01)
+    await flush(engine)
+    return engine.statistics()
+
+
+async def prefilled_from_cache(engine: MlxEngine, rid: str, prompt: Sequence[int],
+                               sampling: SamplingParams = GREEDY) -> tuple[int, list[int]]:
+    """One node's request, and how many of its prompt tokens came from the prefix cache."""
+    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
+    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
+    generated = [g.token for g in await collect(engine, RequestId(rid))]
+    return outcome.cached_tokens, [outcome.first_token, *generated]
+
+
+async def test_a_finished_conversation_is_kept_whole_and_its_next_turn_is_exact(open_engine: Opener) -> None:
+    """keep_conversations: after a turn, its prompt and generated tokens' whole chunks are computed
+    again as prefill chunks and kept, so the next turn (the conversation so far, then a new
+    message) takes them all from the cache, and its tokens are still mlx-lm's (greedy) and the
+    cache-less engine's (seeded). Without it only the prompt's own blocks are found."""
+    path = cached_checkpoint("llama")
+    keeping = await open_engine(path, keep_conversations=True)
+    prompts_only = await open_engine(path)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+    first = prompt_of(40, salt=6)  # chunks of 16: the prompt's blocks end at 16 and 32
+    answer = await single(keeping, RequestId("t1"), first)  # 32 tokens: the conversation has 72
+    assert answer == reference(path, first)
+    stats = await kept(keeping)
+    assert (stats.conversations_kept, stats.conversation_tokens_kept) == (1, 32)  # blocks at 48, 64
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (1, 0)  # keeping is not a query
+    second = [*first, *answer, *prompt_of(10, salt=7)]
+    cached, tokens = await prefilled_from_cache(keeping, "t2", second)
+    assert cached == 64 and tokens == reference(path, second)
+    await single(prompts_only, RequestId("t1"), first)
+    assert (await prefilled_from_cache(prompts_only, "t2", second))[0] == 32
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_k=40, seed=5)
+    answer = await single(keeping, RequestId("s1"), first, seeded)
+    assert answer == await single(plain, RequestId("s1"), first, seeded)
+    await kept(keeping)
+    third = [*first, *answer, *prompt_of(20, salt=8)]  # 80 tokens: blocks through 48 are the conversation's
+    cached, tokens = await prefilled_from_cache(keeping, "s2", third, seeded)
+    assert cached == 48 and tokens == (await prefilled_from_cache(plain, "s2", third, seeded))[1]
+    await kept(keeping)
+
+
+async def test_a_handed_off_prompt_is_kept_as_installed_and_its_next_turn_is_exact(
+    open_engine: Opener
+) -> None:
+    """On a decode node a handed-off prompt's whole chunks are kept as they arrive (the prefill
+    node computed the same calls), then its conversation's: the next turn, prefilled on the
+    decode node, finds all of them and gives mlx-lm's tokens."""
+    path = cached_checkpoint("llama")
+    prefill = await open_engine(path, decodes_locally=False)
+    decode = await open_engine(path, keep_conversations=True)
+    first = prompt_of(70, salt=3)  # blocks end at 16..64
+    answer = await handoff(prefill, decode, RequestId("h1"), first)
+    assert answer == reference(path, first)
+    stats = await kept(decode)
+    assert stats.conversations_kept == 1 and stats.conversation_tokens_kept == 32  # 64..96
+    second = [*first, *answer, *prompt_of(5, salt=4)]
+    cached, tokens = await prefilled_from_cache(decode, "h2", second)
+    assert cached == 96 and tokens == reference(path, second)
+    await kept(decode)
 
 
 async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(

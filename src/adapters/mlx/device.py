@@ -14,7 +14,17 @@ caches that cannot batch at all (quantized KV, llama4's chunked cache, custom cl
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
 grammar (`response_format`) in families outside the slot lane. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
-the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
+the loop itself kills the thread (the engine reports itself dead).
+
+Conversations (`Settings.keep_conversations`, decode and single nodes with a prefix cache): a
+request that ends normally leaves a *keep task* behind, a prefill task without a first token
+over its prompt and generated tokens' whole chunks, started from the cached ones
+(`statecore.prefix.conversation_blocks`): it computes the chunks after the prompt's kept blocks
+as any prompt would and keeps them, so the next turn finds the whole conversation cached with
+the numbers a cache-less prefill of it gives. It reserves its KV like a request and gives way
+to one (dropped when admission needs the memory). A handed-off prompt's whole chunks are kept
+as they are installed (the prefill node computed the same calls: same fingerprint, chunk size
+and bucket). This module imports mlx, mlx_lm
 and trio (only for trio tokens); statecore and effects never import it.
 """
 
@@ -60,9 +70,10 @@ from adapters.mlx.sampling import (
     sample_rows,
 )
 from adapters.mlx.slots import SlotPool
-from effects.engine_port import GeneratedToken, PrefillOutcome
+from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
+from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import (
     KvAdmission,
     StepBudget,
@@ -70,6 +81,7 @@ from statecore.scheduling import (
     kv_admission,
     padding_groups,
     plan_step,
+    prefill_units,
 )
 
 __all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
@@ -124,6 +136,7 @@ class Settings:
     prefix_cache_bytes: int  # the prefix cache's capacity (plain KVCache models; 0: off)
     compile_decode: str = "off"  # the slot lane's model call traced per shape: auto | on | off
     preallocate_slots: bool = False  # the slot pool at its full capacity from the load on
+    keep_conversations: bool = False  # a finished request's whole chunks go into the prefix cache
 
 
 @dataclass(eq=False)
@@ -151,6 +164,8 @@ class Live:
     uid: int | None = None
     solo_cache: list[Any] | None = None
     rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
+    prompt_tokens: int = 0
+    conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
 
 
 @dataclass(eq=False)
@@ -230,6 +245,8 @@ class DeviceLoop:
                                         "prefill_batched", "launch", "readback", "other_job")
         }
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
+        self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
+        self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -310,6 +327,9 @@ class DeviceLoop:
             self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
         kept = 0 if self.prefix is None else self.prefix.nbytes
         verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
+        if verdict is KvAdmission.LATER and self.drop_keep_tasks():  # keeping gives way too
+            others = self.reserved_bytes - self.reserved.get(request_id, 0)
+            verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
         if verdict is KvAdmission.NEVER:
             raise self.never_fits(need, tokens)
         if verdict is KvAdmission.LATER:
@@ -441,7 +461,8 @@ class DeviceLoop:
         started = time.perf_counter()
         spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
         traces_before = 0 if self.compiled is None else self.compiled.traces
-        for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
+        for rid in [rid for rid, task in self.waiting.items()
+                    if not task.keeps_only and task.job.is_abandoned()]:
             del self.waiting[rid]
             self.unreserve(rid)
         current = _InFlight()
@@ -684,6 +705,12 @@ class DeviceLoop:
                 pieces = run_units(self.model, task, units, self.quantize, self.bucket,
                                    None if self.prefix is None else self.keep_chunk)
             except Exception as exc:
+                if task.keeps_only:  # nobody waits for it: the conversation is just not kept
+                    logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
+                                   type(exc).__name__, exc)
+                    del self.waiting[task.request_id]
+                    self.unreserve(task.request_id)
+                    continue
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
                     # of the prompt, so a transient error costs time, not the request.
@@ -697,7 +724,11 @@ class DeviceLoop:
                 self.unreserve(task.request_id)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
-            if task.finished:
+            if task.finished and task.keeps_only:
+                del self.waiting[task.request_id]  # its kept blocks are among the pieces
+                self.unreserve(task.request_id)
+                outputs.extend(pieces)
+            elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
                 outputs.extend(pieces)
@@ -711,8 +742,70 @@ class DeviceLoop:
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
+        self.drop_keep_tasks()
+        self.conversations_kept = self.conversation_tokens_kept = 0
         if self.prefix is not None:
             self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+
+    def keep_conversation(self, live: Live) -> None:
+        """A request ended normally: queue the keep task of its conversation's whole chunks (when
+        its prompt's blocks are cached and the memory is free now; else nothing is kept)."""
+        prefix, conversation = self.prefix, live.conversation
+        if prefix is None or conversation is None:
+            return
+        chunk = self.settings.prefill_chunk_size
+        keys = conversation_block_keys(conversation, chunk)
+        cached = prefix.index.cached(keys)
+        blocks = conversation_blocks(live.prompt_tokens, len(conversation), cached, chunk)
+        keep_id = f"{live.request_id}#keep"
+        if not blocks or keep_id in self.waiting:
+            return
+        tokens = conversation[: blocks.stop * chunk]
+        need = self.cost.of(len(tokens))
+        fits = kv_admission(need, self.reserved_bytes + prefix.nbytes, self.pool_reserved,
+                            self.settings.kv_memory_bytes)
+        if fits is not KvAdmission.FITS:
+            return
+        chunks = (chunk,) * blocks.stop
+        self.arrivals += 1
+        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
+        task = PrefillTask(keep_id, tokens, sampler, self.arrivals, chunks,
+                           prefill_units(chunks, self.layers, self.unit_tokens), keeps_only=True)
+        task.block_keys = keys[: blocks.stop]
+        count, cache = prefix.start(task.block_keys, counted=False)
+        if cache is not None:
+            task.cache = cache
+            task.done_tokens = count * chunk
+            task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
+        self.reserved[keep_id] = need
+        self.waiting[keep_id] = task
+        self.conversations_kept += 1
+        self.conversation_tokens_kept += len(tokens) - task.done_tokens
+
+    def drop_keep_tasks(self) -> bool:
+        """Forget every keep task not yet done (admission needs their memory); whether any was."""
+        dropped = [rid for rid, task in self.waiting.items() if task.keeps_only]
+        for rid in dropped:
+            del self.waiting[rid]
+            self.unreserve(rid)
+        return bool(dropped)
+
+    def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """A handed-off prompt's whole chunks into the prefix cache, as they arrived. Only prompts
+        of more than one chunk before their last token: a prefill node may compute a shorter one
+        in a padded batch, whose numbers are not the chunk call's."""
+        prefix = self.prefix
+        chunk = self.settings.prefill_chunk_size
+        if prefix is None or not self.settings.keep_conversations or len(tokens) - 1 <= chunk:
+            return
+        if not self.plain(cache):
+            return
+        keys = prefix.keys_of(tokens)
+        kept: list[Any] = []
+        for index in range(len(keys)):
+            kept.extend(prefix.keep(keys, index, cache))
+        if kept:
+            mx.eval(kept)  # copies now: the installed cache itself goes on into a slot
 
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
@@ -790,6 +883,8 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; EOS ends with "stop", the last allowed token with "length"."""
         live.remaining -= 1
+        if live.conversation is not None:
+            live.conversation.append(token)
         if token in self.eos and not live.sampler.sampling.ignore_eos:
             return GeneratedToken(token, is_eos=True, finish_reason="stop", logprobs=logprobs)
         if live.remaining <= 0:
@@ -807,8 +902,11 @@ class DeviceLoop:
 
     def end(self, live: Live, item: StreamItem,
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
-        """A request leaves the decoder with its last item."""
+        """A request leaves the decoder with its last item (its conversation is kept when that
+        item ends it normally)."""
         self.remove(live)
+        if isinstance(item, GeneratedToken) and self.model is not None:
+            self.keep_conversation(live)
         deliveries.setdefault(live.token, []).append((live.send, item, True))
 
     def remove(self, live: Live) -> None:
@@ -1040,7 +1138,7 @@ class DeviceLoop:
                 job.outcome = Outcome(error=error)
                 post(job.token, job.done.set)
         for task in self.waiting.values():
-            if task.job.done is not None:
+            if task.job is not None and task.job.done is not None:
                 task.job.outcome = Outcome(error=error)
                 post(task.job.token, task.job.done.set)
         for live in self.live.values():

@@ -118,6 +118,7 @@ class MlxEngine:
         compile_decode: str = "auto",
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
+        keep_conversations: bool = False,
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
     ) -> MlxEngine:
@@ -161,7 +162,11 @@ class MlxEngine:
         `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
         whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
         (`adapters.mlx.prefix_cache`): they start after the cached chunks, with the same numbers.
-        The kept blocks give way to any request that needs their memory.
+        The kept blocks give way to any request that needs their memory. `keep_conversations`
+        (nodes that decode, with the prefix cache on) keeps a finished request's prompt and
+        generated tokens' whole chunks too, computed again as prefill chunks after it ends, and a
+        handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
+        turn starts after them.
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -213,7 +218,8 @@ class MlxEngine:
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
-                            on_cuda() if preallocate_slots is None else preallocate_slots)
+                            on_cuda() if preallocate_slots is None else preallocate_slots,
+                            keep_conversations=keep_conversations and decodes_locally)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code)
         engine._device.model_call_hook = model_call_hook
@@ -364,6 +370,7 @@ class MlxEngine:
         caches = await trio.to_thread.run_sync(validate_and_build)
 
         def take_cache() -> list[Any]:
+            self._device.keep_installed(tokens, caches)
             return caches
 
         await self._start(request_id, tokens, first_token, sampling, take_cache)
@@ -555,7 +562,9 @@ class MlxEngine:
                 total = len(tokens) + sampling.max_tokens
                 device.admit(request_id, device.cost.of(total), total)
             sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token], constraint)
-            live = Live(request_id, send, token, remaining, sampler, first_token)
+            live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
+            if device.settings.keep_conversations and device.prefix is not None:
+                live.conversation = [*tokens, first_token]
             device.join(live, cache, tokens, lane)
             device.held.pop(request_id, None)
             self._publish()
@@ -665,6 +674,8 @@ class MlxEngine:
             prefix_tokens_reused=0 if device.prefix is None else device.prefix.tokens_reused,
             prefix_cache_queries=0 if device.prefix is None else device.prefix.queries,
             prefix_cache_evictions=0 if device.prefix is None else device.prefix.evictions,
+            conversations_kept=device.conversations_kept,
+            conversation_tokens_kept=device.conversation_tokens_kept,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:
