@@ -30,6 +30,7 @@ from mlx_lm.utils import load_tokenizer
 from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
+from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.sampling import PositionSampler
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
@@ -42,6 +43,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
+from statecore.scheduling import prefill_units
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -722,6 +724,27 @@ async def test_a_handed_off_prompt_is_kept_as_installed_and_its_next_turn_is_exa
     cached, tokens = await prefilled_from_cache(decode, "h2", second)
     assert cached == 96 and tokens == reference(path, second)
     await kept(decode)
+
+
+async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(open_engine: Opener) -> None:
+    """Keeping a conversation is worth less than serving a request: admission that would refuse
+    one for memory drops the keep tasks not yet done (and their reservations) first."""
+    engine = await open_engine(cached_checkpoint("llama"), kv_memory_bytes=SMALL_BUDGET,
+                               keep_conversations=True)
+
+    def admit_beside_a_keep_task() -> bool:
+        device = engine._device
+        chunks = (CHUNK, CHUNK)
+        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
+        task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
+                           prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
+        device.waiting[task.request_id] = task
+        device.reserved[task.request_id] = SMALL_BUDGET - 100_000
+        device.admit("r", 200_000, 100)  # fits only once the keep task is gone
+        device.unreserve("r")
+        return task.request_id not in device.waiting and task.request_id not in device.reserved
+
+    assert await engine._call(admit_beside_a_keep_task)
 
 
 async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
