@@ -7,7 +7,8 @@ huge: a prompt whose start the decode node holds prefills only the rest there), 
 prompt through the prefill node (`--force-disaggregation`). A shared prefix of --prefix-tokens
 token ids is first sent through both, so both nodes hold its blocks; then, for each --suffixes
 size, --repeats turns of that prefix plus a new part of that many fresh ids go through each
-router in turn (streamed, ignore_eos, 4 tokens). Prints per size and route the median time to
+router in turn (streamed, ignore_eos, 4 tokens; each once the decode node has finished keeping
+the turn before). Prints per size and route the median time to
 the first token and to the second (which, through the prefill node, includes the KV handoff),
 and writes results.json.
 
@@ -71,6 +72,16 @@ def timed_turn(url: str, prompt: list[int]) -> tuple[float, float]:
     return marks[0], marks[1]
 
 
+def settle(decode: Server) -> None:
+    """Until the decode node reserves nothing: a turn's keep task (its conversation's chunks, kept
+    after it ends) is done, so the next turn does not pay for it."""
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{decode.url}/internal/stats", timeout=10).json()["kv_reserved_bytes"]:
+        if time.monotonic() > deadline:
+            raise SystemExit("the decode node still reserves KV a minute after a turn")
+        time.sleep(0.05)
+
+
 def route_counts(router: Server) -> dict[str, int]:
     counts = {}
     for line in httpx.get(f"{router.url}/metrics", timeout=10).text.splitlines():
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for name in runs:  # alternate, so drift on a shared box hits both
                     runs[name].append(timed_turn(made[name].url, [*prefix, *fresh(size)]))
+                    settle(made["decode"])
             for name, marks in runs.items():
                 cell[f"{name}_ttft_ms"] = round(1000 * statistics.median(m[0] for m in marks), 1)
                 cell[f"{name}_second_token_ms"] = round(1000 * statistics.median(m[1] for m in marks), 1)

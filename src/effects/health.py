@@ -145,6 +145,8 @@ class PeerSet:
         self.routed[("decode", node.node, basis)] += 1
         if choice.local:
             self.expected_cached_tokens[node.node] += node.cached_tokens
+            if self.summaries is not None:
+                self.summaries.expect(node.node, prompt)
         log.info("request %s: route %s, decode on %s by %s (%d of %d prompt tokens held by the "
                  "cheapest decode node, local prefill below %d uncached tokens, %d in flight there)",
                  request_id, choice.route.value, node.node, basis, choice.held_tokens, len(prompt),
@@ -161,6 +163,8 @@ class PeerSet:
         basis = "prefix" if chosen.cached_tokens > 0 else "load"
         self.routed[(role, chosen.node, basis)] += 1
         self.expected_cached_tokens[chosen.node] += chosen.cached_tokens
+        if prompt is not None and self.summaries is not None:
+            self.summaries.expect(chosen.node, prompt)
         if prompt is not None:
             log.info("request %s: %s on %s by %s (%d of %d prompt tokens expected cached, %d in "
                      "flight there)", request_id or "-", role, chosen.node, basis, chosen.cached_tokens,

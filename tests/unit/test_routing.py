@@ -199,12 +199,16 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_counts_why() -> None:
     for node in nodes:
         trio.run(summaries.refresh, node)
     assert peers.pick("prefill", set(), PROMPT, "r1") == "http://p1"  # holds 64 of the 100 tokens
-    peers.in_flight["http://p1"] = 4  # 4 x 16 load tokens = what it saves: the tie goes to fewer in flight
+    # ... and, sent PROMPT, is expected to hold its 96 from now on (before its next summary)
+    assert summaries.cached_tokens(nodes, PROMPT) == {"http://p0": 0, "http://p1": 96}
+    peers.in_flight["http://p1"] = 6  # 6 x 16 load tokens = what it saves: the tie goes to fewer in flight
     assert peers.pick("prefill", set(), PROMPT, "r2") == "http://p0"
     assert peers.pick("prefill", {"http://p0"}, PROMPT, "r3") == "http://p1"  # p0 avoided (a retry)
     assert peers.pick("prefill", set(), None) == "http://p0"  # nothing to prefill: load only
     assert peers.routed == {("prefill", "http://p0", "load"): 3, ("prefill", "http://p1", "prefix"): 2}
-    assert peers.expected_cached_tokens == {"http://p0": 0, "http://p1": 128}
+    assert peers.expected_cached_tokens == {"http://p0": 0, "http://p1": 64 + 96}
+    trio.run(summaries.refresh, "http://p1")  # a changed summary replaces the guess
+    assert summaries.cached_tokens(nodes, PROMPT)["http://p1"] == 64
 
 
 @pytest.mark.parametrize(("prompt", "candidates", "local_below", "route", "node"), [
@@ -276,6 +280,10 @@ def test_the_router_routes_a_turn_to_the_decode_node_holding_its_conversation_an
     assert peers.route({"http://d1"}, PROMPT, "r2", 50).route is Route.PREFILL_NODE  # d1 avoided: a retry
     assert peers.route(set(), PROMPT[:40], "r3", 50).route is Route.PREFIX_HIT_LOCAL
     assert peers.route(set(), [7] * 40, "r4", 50).route is Route.LOCAL  # short, nothing held
-    assert peers.routes == {"prefill_node": 2, "prefix_hit_local": 2, "local": 1}
+    # the next turn of r4's conversation, before any new summary: where r4 went (d0, first on a tie)
+    assert summaries.cached_tokens(decodes, [7] * 60)["http://d0"] == 32
+    peers.in_flight["http://d1"] = 1
+    assert peers.route(set(), [7] * 60, "r5", 50).decode.node == "http://d0"
+    assert peers.routes == {"prefill_node": 2, "prefix_hit_local": 3, "local": 1}
     assert peers.routed[("decode", "http://d1", "prefix")] == 2
     assert peers.expected_cached_tokens["http://d1"] == 96 + 32
