@@ -2,7 +2,7 @@
 decode node keeps its prompt and answer's whole chunks, the router sends the next turn to that
 node, which prefills only the new message (route prefix_hit_local, in the router's log and
 /metrics), the client sees the cached tokens (--enable-prompt-tokens-details), and the output is
-the single node's without any hit, greedy and seeded."""
+the single node's without any hit, and with one, greedy and seeded."""
 
 from __future__ import annotations
 
@@ -85,6 +85,10 @@ def _two_turns(built: Cluster, opening: str, sampling: dict[str, Any]) -> None:
     alone = post(built.single, "/v1/completions", second_body)
     assert alone.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second.json()["choices"] == alone.json()["choices"]
+    # and on the single node, the same turn again, now from its own cache: the same output still
+    again = post(built.single, "/v1/completions", second_body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_blocks
+    assert again["choices"] == alone.json()["choices"]
 
 
 def test_a_next_turn_goes_to_the_decode_node_holding_its_conversation_and_matches_a_single_node(
