@@ -57,6 +57,7 @@ def _wait_for_blocks(router: Node, node: Node, blocks: int) -> None:
 def _two_turns(built: Cluster, opening: str, sampling: dict[str, Any]) -> None:
     first_body = {"prompt": opening, "max_tokens": 24, "ignore_eos": True, **sampling}
     kept_before = [node.stats()["conversations_kept"] for node in built.decode]
+    blocks_before = dict(built.router.stats()["prefix_blocks"])  # what earlier tests left there
     first = post(built.router, "/v1/completions", first_body)
     assert first.status_code == 200, first.text
     assert first.json()["usage"]["prompt_tokens"] >= LOCAL_BELOW  # so it went through the prefill node
@@ -68,7 +69,8 @@ def _two_turns(built: Cluster, opening: str, sampling: dict[str, Any]) -> None:
                  if node.stats()["conversations_kept"] > before]
     history = opening + first.json()["choices"][0]["text"]
     usage = first.json()["usage"]
-    _wait_for_blocks(built.router, served, (usage["prompt_tokens"] + usage["completion_tokens"]) // CHUNK)
+    conversation_blocks = (usage["prompt_tokens"] + usage["completion_tokens"]) // CHUNK
+    _wait_for_blocks(built.router, served, blocks_before.get(served.url, 0) + conversation_blocks)
     hits = [node.stats()["prefix_cache_hits"] for node in built.decode]
     second_body = {"prompt": history + " And the fog?", "max_tokens": 12, **sampling}
     routed_locally = _metric(built.router, "statecore:router_routes_total", route="prefix_hit_local")
