@@ -21,11 +21,11 @@ request that ends normally leaves a *keep task* behind, a prefill task without a
 over its prompt and generated tokens' whole chunks, started from the cached ones
 (`statecore.prefix.conversation_blocks`): it computes the chunks after the prompt's kept blocks
 as any prompt would and keeps them, so the next turn finds the whole conversation cached with
-the numbers a cache-less prefill of it gives. It reserves its KV like a request and gives way
-to one (dropped when admission needs the memory). A handed-off prompt's whole chunks are kept
-as they are installed (the prefill node computed the same calls: same fingerprint, chunk size
-and bucket). This module imports mlx, mlx_lm
-and trio (only for trio tokens); statecore and effects never import it.
+the numbers a cache-less prefill of it gives. It gives way to requests: scheduled after every
+waiting prompt, and, though it reserves its KV like one, dropped when admission needs the
+memory. A handed-off prompt's whole chunks are kept as they are installed (the prefill node
+computed the same calls: same fingerprint, chunk size and bucket). This module imports mlx,
+mlx_lm and trio (only for trio tokens); statecore and effects never import it.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
+_KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
 
 
 def compiles(mode: str) -> bool:
@@ -769,7 +770,7 @@ class DeviceLoop:
         chunks = (chunk,) * blocks.stop
         self.arrivals += 1
         sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
-        task = PrefillTask(keep_id, tokens, sampler, self.arrivals, chunks,
+        task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + self.arrivals, chunks,
                            prefill_units(chunks, self.layers, self.unit_tokens), keeps_only=True)
         task.block_keys = keys[: blocks.stop]
         count, cache = prefix.start(task.block_keys, counted=False)
