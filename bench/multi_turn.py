@@ -1,5 +1,6 @@
 """Multi-turn conversations side by side: mlx_lm.server (its prompt cache on), statecore single with
-its prefix cache, and statecore single without it.
+its prefix cache, statecore single without it, and a statecore 1P2D cluster (one prefill node, two
+decode nodes and a router, each its own process: `cluster_1p2d`).
 
 Each of --conversations clients holds one conversation of --turns turns, all at once. Every
 conversation starts with the same system prompt (--system-tokens); turn k sends the system prompt,
@@ -12,6 +13,14 @@ tokens/s over the run, per server; writes results.json.
 
 statecore caches whole prefill chunks, so the chunk size is the reuse granularity: the servers
 get `--prefill-chunk-size` (default 256 here) through --statecore-arg unless one is given.
+
+The cluster against one node (issue 14's target: later turns' TTFT within 1.2x of one node's),
+16 conversations at once:
+
+    .venv/bin/python bench/multi_turn.py --servers single,cluster_1p2d --conversations 16
+
+Its router's turns by route (statecore:router_routes_total) and its decode nodes' kept
+conversations go into results.json and the printed line.
 
 Bench code: may import anything; nothing under src/ imports it.
 """
@@ -35,9 +44,43 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from serve_bench import PromptMaker, RequestResult, _one, _pct, load_tokenizer  # noqa: E402
-from side_by_side import ROOT, default_model, make_servers, start_all  # noqa: E402
+from side_by_side import ROOT, Server, default_model, make_servers, start_all  # noqa: E402
 
-SERVERS = ("mlx_lm", "single", "single_nocache")
+from adapters.serve import free_port  # noqa: E402
+
+SERVERS = ("mlx_lm", "single", "single_nocache", "cluster_1p2d")
+CLUSTER = "cluster_1p2d"
+
+
+def cluster_servers(model: Path, out: Path, extra: list[str]) -> list[Server]:
+    """One prefill node, two decode nodes and their router (last), each its own process."""
+    py = sys.executable
+    nodes = []
+    for role, name in (("prefill", "prefill"), ("decode", "decode0"), ("decode", "decode1")):
+        port = free_port()
+        argv = [py, "-m", "adapters.cli", "run", "--role", role, "--model", str(model), "--port", str(port),
+                "--log-level", "WARNING", *extra]
+        nodes.append(Server(f"{CLUSTER}.{name}", argv, port, out / f"{CLUSTER}.{name}.log"))
+    port = free_port()
+    argv = [py, "-m", "adapters.cli", "run", "--role", "router", "--model", str(model), "--port", str(port),
+            "--prefill", nodes[0].url, "--decode", nodes[1].url, "--decode", nodes[2].url,
+            "--log-level", "WARNING", *extra]
+    return [*nodes, Server(CLUSTER, argv, port, out / f"{CLUSTER}.log")]
+
+
+def cluster_counts(servers: list[Server]) -> dict[str, Any]:
+    """The router's turns by route and each decode node's kept conversations, from /metrics."""
+    counts: dict[str, Any] = {}
+    for server in servers:
+        if server.name != CLUSTER and ".decode" not in server.name:
+            continue
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("statecore:router_routes_total{"):
+                route = line.split('route="', 1)[1].split('"', 1)[0]
+                counts.setdefault("routes", {})[route] = int(float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("statecore:conversations_kept_total{"):
+                counts.setdefault("conversations_kept", {})[server.name] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 async def conversation(url: str, maker: PromptMaker, system: str, index: int, turns: int, user_tokens: int,
@@ -112,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     maker = PromptMaker(load_tokenizer(model))
     servers = []
     for name in names:
+        if name == CLUSTER:
+            servers += cluster_servers(model, args.out, extra)
+            continue
         flags = [*extra, "--prefix-cache-bytes=0"] if name == "single_nocache" else extra
         (server,) = make_servers(model, args.out, ["mlx_lm" if name == "mlx_lm" else "single"], flags)
         server.name, server.log = name, args.out / f"{name}.log"
@@ -121,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_all(servers, args.blas, args.startup_timeout, results)
         for server in servers:  # one at a time, so they do not share the CPU
+            if server.name not in names:
+                continue  # a cluster's node: its router is the one asked
             conversations, wall = asyncio.run(run(server.url, maker, args))
             results[server.name] = summary(conversations, wall)
+            if server.name == CLUSTER:
+                results[server.name].update(cluster_counts(servers))
             print(server.name, json.dumps(results[server.name]), flush=True)
     finally:
         for server in servers:
@@ -134,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} / mlx_lm: later-turn TTFT p50 "
                       f"{results[name]['ttft_later_p50_ms'] / base['ttft_later_p50_ms']:.2f}x, tok/s "
                       f"{results[name]['output_tok_s'] / base['output_tok_s']:.2f}x")
+    alone, cluster = results.get("single"), results.get(CLUSTER)
+    if alone and cluster:
+        for key in ("ttft_first_p50_ms", "ttft_later_p50_ms", "ttft_later_p99_ms"):
+            if alone.get(key) and cluster.get(key):
+                print(f"{CLUSTER} / single: {key} {cluster[key] / alone[key]:.2f}x")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -56,6 +56,7 @@ from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import FetchKv, InstallKv, StartPrefill
 from statecore.policy import STOP, is_eos
+from statecore.routing import Route as TurnRoute
 
 log = logging.getLogger("statecore.metrics")
 
@@ -426,6 +427,11 @@ class _LiveCollector:
                  "them.", stats.prefix_tokens_reused),
                 ("prefix_cache_queries", "Prompts looked up in the prefix cache (those with at least one "
                  "whole block).", stats.prefix_cache_queries),
+                ("conversations_kept", "Finished requests whose prompt and generated tokens' whole "
+                 "chunks were computed again and kept for their next turn (--keep-conversations).",
+                 stats.conversations_kept),
+                ("conversation_tokens_kept", "Tokens of whole chunks computed again to keep finished "
+                 "conversations.", stats.conversation_tokens_kept),
                 ("prefix_cache_evictions", "Prompt blocks the prefix cache forgot, for its capacity or "
                  "for a request that needed the memory.", stats.prefix_cache_evictions),
                 ("engine_prefill_capped_steps", "Steps whose planned prefill work was cut to fit "
@@ -490,6 +496,14 @@ class _LiveCollector:
             for url, tokens in sorted(self.peers.expected_cached_tokens.items()):
                 expected.add_metric([role, url], tokens)
             yield expected
+            routes = CounterMetricFamily(PREFIX + "router_routes", "Turns by where their prompt was "
+                                         "prefilled: prefix_hit_local (on the decode node holding its "
+                                         "start, only the rest), local (a short prompt, on a decode "
+                                         "node), prefill_node (on a prefill node, KV handed off).",
+                                         labels=["role", "route"])
+            for route in TurnRoute:
+                routes.add_metric([role, route.value], self.peers.routes.get(route.value, 0))
+            yield routes
 
 
 class _KvServed:

@@ -246,6 +246,7 @@ class NodeApi:
             "prefill_capped_steps": engine.prefill_capped_steps,
             "activation_overruns": engine.activation_overruns,
             "activation_estimate_peak_bytes": engine.activation_estimate_peak_bytes,
+            "conversations_kept": engine.conversations_kept,
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},

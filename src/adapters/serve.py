@@ -29,7 +29,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.errors import ErrorInfo, StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.ids import RequestId
-from statecore.routing import DEFAULT_LOAD_TOKENS
+from statecore.routing import DEFAULT_LOAD_TOKENS, RouteChoice
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 log = logging.getLogger("statecore")
@@ -258,6 +258,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "prompts that start with the same tokens, within this many bytes of the KV "
                           "budget; kept blocks give way to any request that needs the memory (default: "
                           "a quarter of --kv-memory-bytes; 0 = off)")
+    run.add_argument("--keep-conversations", choices=["on", "off"], default="on",
+                     help="decode and single nodes: when a request ends normally, compute its prompt and "
+                          "generated tokens' whole prefill chunks again and keep them in the prefix "
+                          "cache, so the conversation's next turn prefills only its new part (on, the "
+                          "default, when the prefix cache is on)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
                      help="decode: refuse a KV payload larger than this (default 16 GiB)")
     run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
@@ -499,6 +504,7 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
         compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
         prefix_cache_bytes=args.prefix_cache_bytes, prefill_memory_cap=args.prefill_memory_cap,
+        keep_conversations=role != "prefill" and args.keep_conversations == "on",
     )
 
 
@@ -643,15 +649,19 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     summaries = PrefixSummaries(prefill + decode, peers.prefix_summary) if routes_by_prefix else None
     peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health, summaries=summaries,
                        load_tokens=args.route_load_tokens)
+    threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
+                                                                       info.context_length)
+
+    def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
+        return peer_set.route(avoid, prompt, request_id, threshold)
+
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
-                                on_peer_failure=peer_set.report_failure)
+                                on_peer_failure=peer_set.report_failure, route=route)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router")
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
-    threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
-                                                                       info.context_length)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     frontend = Frontend.load(model, metrics.backend(backend),

@@ -191,6 +191,10 @@ class EngineStatistics:
     prefill_capped_steps: int = 0
     activation_overruns: int = 0
     activation_estimate_peak_bytes: int = 0
+    # Finished requests whose conversation (prompt and generated tokens) was kept for its next
+    # turn, and the tokens of whole chunks their keep tasks computed again to keep it.
+    conversations_kept: int = 0
+    conversation_tokens_kept: int = 0
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

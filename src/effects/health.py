@@ -4,7 +4,8 @@
 unknown -> up -> suspect -> down -> probing -> up) on probe results and on request failures,
 performs the intents (mark available or not, arm the cooldown, probe now), and picks an
 available node for a role: by the core's `statecore.routing.choose_node` (new prefill work plus
-load) when it knows the nodes' prefix summaries (`effects.routing`), else the least loaded. A
+load) when it knows the nodes' prefix summaries (`effects.routing`), else the least loaded; and
+chooses a turn's route (`route`: the core's `choose_route`, counted by route in `routes`). A
 node's health is its own loop's `/health`, never its peers'. This module may import `statecore`
 and trio; never httpx, mlx or mlx_lm.
 """
@@ -25,7 +26,7 @@ from statecore.ids import PeerId
 from statecore.intents import IntentKind, PeerIntent, PeerIntentKind
 from statecore.phases import PeerPhase
 from statecore.policy import blames_peer
-from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, choose_node
+from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, RouteChoice, choose_node, choose_route
 from statecore.step import PeerRecord, step_peer
 
 log = logging.getLogger("statecore.health")
@@ -61,6 +62,7 @@ class PeerSet:
         # expected to hold some of the prompt, else "load". And the prompt tokens so expected.
         self.routed: Counter[tuple[str, str, str]] = Counter()
         self.expected_cached_tokens: Counter[str] = Counter()
+        self.routes: Counter[str] = Counter()  # turns by route (statecore.routing.Route values)
 
     def phase(self, url: str) -> PeerPhase:
         return self.records[url].phase
@@ -122,11 +124,7 @@ class PeerSet:
                     if record.phase not in (PeerPhase.DOWN, PeerPhase.PROBING):
                         nursery.start_soon(self._probe_once, url)
 
-    def pick(self, role: str, avoid: set[str], prompt: Sequence[int] | None = None,
-             request_id: str | None = None) -> str:
-        """An available node of a role, avoiding `avoid` unless nothing else is left; suspect ones
-        only if nothing else. With a prompt to prefill and fresh prefix summaries, the node with the
-        least new prefill work plus load (`choose_node`); else the least loaded."""
+    def _available(self, role: str, avoid: set[str]) -> list[str]:
         urls = [u for u in self.roles.get(role, []) if u in self.available and u not in avoid]
         if not urls:
             urls = [u for u in self.roles.get(role, []) if u in self.available]
@@ -134,14 +132,46 @@ class PeerSet:
             raise StatecoreError(
                 ErrorInfo(Fault.OVERLOADED, Code.NO_HEALTHY_PEER, f"no healthy {role} node")
             )
+        return urls
+
+    def _candidates(self, urls: list[str], prompt: Sequence[int] | None) -> list[RouteCandidate]:
         cached = self.summaries.cached_tokens(urls, prompt) if self.summaries is not None and prompt else {}
-        candidates = [RouteCandidate(u, self.in_flight.get(u, 0), self.phase(u) is PeerPhase.SUSPECT,
-                                     cached.get(u, 0))
-                      for u in urls]
+        return [RouteCandidate(u, self.in_flight.get(u, 0), self.phase(u) is PeerPhase.SUSPECT,
+                               cached.get(u, 0))
+                for u in urls]
+
+    def route(self, avoid: set[str], prompt: Sequence[int], request_id: str, local_below: int) -> RouteChoice:
+        """A turn's route and decode node (`choose_route` over the available decode nodes), counted
+        and logged: prefilled on the decode node that holds its start, on a decode node because
+        it is short, or on a prefill node."""
+        candidates = self._candidates(self._available("decode", avoid), prompt)
+        choice = choose_route(len(prompt), candidates, local_below, self.load_tokens)
+        self.routes[choice.route.value] += 1
+        node = choice.decode
+        basis = "prefix" if node.cached_tokens > 0 and choice.local else "load"
+        self.routed[("decode", node.node, basis)] += 1
+        if choice.local:
+            self.expected_cached_tokens[node.node] += node.cached_tokens
+            if self.summaries is not None:
+                self.summaries.expect(node.node, prompt)
+        log.info("request %s: route %s, decode on %s by %s (%d of %d prompt tokens held by the "
+                 "cheapest decode node, local prefill below %d uncached tokens, %d in flight there)",
+                 request_id, choice.route.value, node.node, basis, choice.held_tokens, len(prompt),
+                 local_below, node.in_flight)
+        return choice
+
+    def pick(self, role: str, avoid: set[str], prompt: Sequence[int] | None = None,
+             request_id: str | None = None) -> str:
+        """An available node of a role, avoiding `avoid` unless nothing else is left; suspect ones
+        only if nothing else. With a prompt to prefill and fresh prefix summaries, the node with the
+        least new prefill work plus load (`choose_node`); else the least loaded."""
+        candidates = self._candidates(self._available(role, avoid), prompt)
         chosen = choose_node(len(prompt or ()), candidates, self.load_tokens)
         basis = "prefix" if chosen.cached_tokens > 0 else "load"
         self.routed[(role, chosen.node, basis)] += 1
         self.expected_cached_tokens[chosen.node] += chosen.cached_tokens
+        if prompt is not None and self.summaries is not None:
+            self.summaries.expect(chosen.node, prompt)
         if prompt is not None:
             log.info("request %s: %s on %s by %s (%d of %d prompt tokens expected cached, %d in "
                      "flight there)", request_id or "-", role, chosen.node, basis, chosen.cached_tokens,

@@ -67,6 +67,7 @@ from statecore.policy import (
     is_eos,
     peer_failure,
 )
+from statecore.routing import RouteChoice
 
 log = logging.getLogger("statecore.interpret")
 
@@ -246,6 +247,8 @@ class RoutedRequest:
 
 # (role, nodes to avoid, the prompt it will prefill or None, request id) -> url; raises when none
 NodePicker = Callable[[str, set[str], Sequence[int] | None, str], str]
+# (nodes to avoid, the prompt, request id) -> the turn's route and decode node; raises when none
+RoutePicker = Callable[[set[str], Sequence[int], str], RouteChoice]
 
 
 class RouterPerformer:
@@ -260,9 +263,13 @@ class RouterPerformer:
         max_attempts: int = 3,
         in_flight: dict[str, int] | None = None,
         on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
+        route: RoutePicker | None = None,
     ) -> None:
         self.peers = peers
         self.pick = pick
+        # With `route`, a prompt admitted for a prefill node is prefilled on a decode node
+        # instead when that node holds its start and the rest is short (statecore.routing).
+        self.route = route
         self.max_attempts = max_attempts
         self.in_flight = in_flight if in_flight is not None else {}
         self.on_peer_failure = on_peer_failure
@@ -322,8 +329,13 @@ class RouterPerformer:
         ctx.attempts += 1
         nid = ctx.node_request_id(rid)
         try:
-            local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
-            ctx.decode_node = self._take(self.pick("decode", ctx.tried, local_prompt, nid))
+            if self.route is not None:
+                choice = self.route(ctx.tried, ctx.prompt, nid)
+                ctx.local = choice.local
+                ctx.decode_node = self._take(choice.decode.node)
+            else:
+                local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
+                ctx.decode_node = self._take(self.pick("decode", ctx.tried, local_prompt, nid))
             ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
@@ -395,6 +407,7 @@ __all__ = [
     "EnginePerformer",
     "NodePicker",
     "NodeRequest",
+    "RoutePicker",
     "RoutedRequest",
     "RouterPerformer",
     "node_context",

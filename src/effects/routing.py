@@ -4,7 +4,11 @@ Every `interval_s` the router asks each node for its prefix-cache summary (`Peer
 with the version it has, so an unchanged summary costs one small answer). A summary older than
 `stale_after_s`, or one the node could not give, is not used: the node then counts as holding
 nothing, and when no node has a fresh summary the choice is the plain least-loaded one
-(`statecore.routing`). This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
+(`statecore.routing`). Between pulls, a node the router just sent a prompt to prefill counts as
+holding that prompt's whole blocks too (`expect`, as Dynamo's router tracks what it routed): a
+conversation's next turn, sent right after the answer, finds its node before the next pull says
+so; the next changed summary replaces the guess. This module may import `statecore` and trio;
+never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -65,6 +69,16 @@ class PrefixSummaries:
                 keys[held.block_tokens] = prompt_summary_keys(prompt, held.block_tokens)
             cached[node] = held_prefix_tokens(keys[held.block_tokens], held.block_tokens, held.keys)
         return cached
+
+    def expect(self, node: str, prompt: Sequence[int]) -> None:
+        """The node was sent `prompt` to prefill: count its whole blocks as held until the node's
+        next changed summary (only on a fresh summary, whose block size is known)."""
+        if not self.fresh(node):
+            return
+        held = self._held[node]
+        keys = prompt_summary_keys(prompt, held.block_tokens)
+        self._held[node] = _Held(held.block_tokens, held.version, held.keys | frozenset(keys),
+                                 held.fetched_at)
 
     def record(self, node: str, summary: PrefixSummary | None) -> None:
         """A fetch's answer: a new summary, or None for "unchanged" (it is fresh again)."""

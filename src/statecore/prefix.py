@@ -8,8 +8,12 @@ its end (`block_keys`), and a prompt whose first k blocks are cached starts at c
 same numbers as from token 0. A cut anywhere else would change the calls (and so the last bits).
 `PrefixIndex` keeps the cached blocks' keys and sizes: least recently used first out, a block
 only after every block that extends it (what is cached is always whole prefixes), within a byte
-capacity, and on demand (`evict`) when admission needs the memory. The engine keeps the arrays
-(`adapters.mlx.prefix_cache`). This module must never import trio, httpx, mlx or mlx_lm.
+capacity, and on demand (`evict`) when admission needs the memory. A finished request's
+conversation (its prompt and every generated token) is what its next turn starts with:
+`conversation_blocks` says which of its whole chunks a node computes again, as prefill chunks,
+to keep them (decode computed those tokens one at a time, whose numbers are not a chunk's).
+The engine keeps the arrays (`adapters.mlx.prefix_cache`). This module must never import trio,
+httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PrefixIndex", "block_keys"]
+__all__ = ["PrefixIndex", "block_keys", "conversation_block_keys", "conversation_blocks"]
 
 
 def block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
@@ -33,6 +37,28 @@ def block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         keys.append(parent)
     return keys
+
+
+def conversation_block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
+    """The keys of every whole chunk of a finished conversation, the last one included when it
+    ends exactly at the end: a next turn's prompt starts with all of `tokens` and goes on."""
+    return block_keys([*tokens, 0], chunk_size)  # one more token: block_keys stops before the last
+
+
+def conversation_blocks(prompt_tokens: int, conversation_tokens: int, cached_blocks: int,
+                        chunk_size: int) -> range:
+    """Which whole chunks of a finished request's conversation (prompt, then generated tokens)
+    to compute and keep, given that its first `cached_blocks` are cached: those after them, up to
+    the conversation's last whole chunk. None when some of the prompt's own blocks are not cached
+    (forgotten meanwhile, or the prompt came short-batched): keeping would then recompute the
+    prompt, which is prefill's work, not a turn's tail."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be > 0")
+    prompt_blocks = max(0, prompt_tokens - 1) // chunk_size
+    whole = max(0, conversation_tokens) // chunk_size
+    if cached_blocks < prompt_blocks:
+        return range(0)
+    return range(cached_blocks, whole)
 
 
 @dataclass(slots=True)

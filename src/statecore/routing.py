@@ -7,19 +7,29 @@ fresh summary counts as holding nothing, so when no summary is fresh the choice 
 least-loaded one. The cost of sending the prompt to a node is the prompt tokens it would still
 compute plus `load_tokens` for each request already in flight there (what one more running
 request is worth in prefill tokens, like the load term of Dynamo's KV router). A suspect node is
-chosen only when no healthy one is left. Pure: this module must never import trio, httpx, mlx or
-mlx_lm.
+chosen only when no healthy one is left.
+
+`choose_route` is the router's first decision for a turn: where its prompt is prefilled. A decode
+node that holds the start of the prompt (a conversation it served keeps its KV there) takes the
+turn and prefills only the rest, when that rest is shorter than the router's local-prefill
+threshold (PREFIX_HIT_LOCAL); a prompt shorter than the threshold is prefilled on a decode node
+anyway (LOCAL); anything else goes to a prefill node, whose KV is handed off (PREFILL_NODE). A
+prefill node cannot receive a decode node's cached prefix (not built), so a long rest is
+computed there from its own cache or from token 0. Pure: this module must never import trio,
+httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from statecore.prefix import block_keys
 
-__all__ = ["DEFAULT_LOAD_TOKENS", "SUMMARY_KEY_BYTES", "RouteCandidate", "cached_prefix_tokens",
-           "choose_node", "held_prefix_tokens", "prompt_summary_keys", "route_cost", "summary_key"]
+__all__ = ["DEFAULT_LOAD_TOKENS", "SUMMARY_KEY_BYTES", "Route", "RouteCandidate", "RouteChoice",
+           "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens",
+           "prompt_summary_keys", "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -80,3 +90,41 @@ def choose_node(prompt_tokens: int, candidates: Sequence[RouteCandidate], load_t
     _, best = min(enumerate(candidates), key=lambda pair: (
         pair[1].suspect, route_cost(prompt_tokens, pair[1], load_tokens), pair[1].in_flight, pair[0]))
     return best
+
+
+class Route(Enum):
+    """Where a turn's prompt is prefilled (the label of the router's log line and metric)."""
+
+    PREFIX_HIT_LOCAL = "prefix_hit_local"  # on the decode node holding its start: only the rest
+    LOCAL = "local"  # a short prompt, on a decode node
+    PREFILL_NODE = "prefill_node"  # on a prefill node; its KV is handed off to a decode node
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    route: Route
+    decode: RouteCandidate  # the decode node chosen (for PREFILL_NODE: by load alone)
+    held_tokens: int = 0  # the prompt's leading tokens the cheapest decode node holds (reused when local)
+
+    @property
+    def local(self) -> bool:
+        return self.route is not Route.PREFILL_NODE
+
+
+def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate], local_below: int,
+                 load_tokens: int) -> RouteChoice:
+    """The turn's route and decode node. The decode node is the cheapest by `choose_node` (new
+    prefill work plus load); if it holds some of the prompt and the rest is shorter than
+    `local_below`, it prefills that rest itself; a prompt shorter than `local_below` is prefilled
+    on it too; otherwise a prefill node takes the prompt and the decode node is the least loaded
+    (its cached tokens play no part in that turn). `local_below` 0: always a prefill node."""
+    if local_below < 0:
+        raise ValueError("local_below must be >= 0")
+    best = choose_node(prompt_tokens, decode_candidates, load_tokens)
+    if best.cached_tokens > 0 and prompt_tokens - best.cached_tokens < local_below:
+        return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
+    if prompt_tokens < local_below:
+        return RouteChoice(Route.LOCAL, best, best.cached_tokens)
+    unsummarized = [RouteCandidate(c.node, c.in_flight, c.suspect) for c in decode_candidates]
+    return RouteChoice(Route.PREFILL_NODE, choose_node(prompt_tokens, unsummarized, load_tokens),
+                       best.cached_tokens)

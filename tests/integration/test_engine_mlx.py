@@ -30,6 +30,7 @@ from mlx_lm.utils import load_tokenizer
 from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
+from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.sampling import PositionSampler
 from adapters.tiny_models import (
     build_custom_cache_checkpoint,
@@ -42,6 +43,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
+from statecore.scheduling import prefill_units
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -56,7 +58,7 @@ def holdings(engine: MlxEngine) -> EngineStatistics:
                    device_memory_bytes=0, device_peak_bytes=0, prefix_cache_bytes=0, prefix_cache_hits=0,
                    prefix_tokens_reused=0, prefix_cache_queries=0, prefix_cache_evictions=0,
                    prefill_capped_steps=0, activation_overruns=0, activation_estimate_peak_bytes=0,
-                   device_time=())
+                   conversations_kept=0, conversation_tokens_kept=0, device_time=())
 
 
 class Opener(Protocol):
@@ -80,6 +82,7 @@ class Opener(Protocol):
         preallocate_slots: bool | None = ...,
         prefix_cache_bytes: int | None = ...,
         prefill_memory_cap: str = ...,
+        keep_conversations: bool = ...,
         warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -887,6 +890,96 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
+
+
+async def kept(engine: MlxEngine) -> EngineStatistics:
+    """The engine's statistics once every finished conversation's keep task has run (polled: a
+    keep task is the device loop's own work, no job anyone waits on)."""
+    with trio.fail_after(30):
+        while any(task.keeps_only for task in list(engine._device.waiting.values())):
+            await trio.sleep(0.01)
+    await flush(engine)
+    return engine.statistics()
+
+
+async def prefilled_from_cache(engine: MlxEngine, rid: str, prompt: Sequence[int],
+                               sampling: SamplingParams = GREEDY) -> tuple[int, list[int]]:
+    """One node's request, and how many of its prompt tokens came from the prefix cache."""
+    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
+    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
+    generated = [g.token for g in await collect(engine, RequestId(rid))]
+    return outcome.cached_tokens, [outcome.first_token, *generated]
+
+
+async def test_a_finished_conversation_is_kept_whole_and_its_next_turn_is_exact(open_engine: Opener) -> None:
+    """keep_conversations: after a turn, its prompt and generated tokens' whole chunks are computed
+    again as prefill chunks and kept, so the next turn (the conversation so far, then a new
+    message) takes them all from the cache, and its tokens are still mlx-lm's (greedy) and the
+    cache-less engine's (seeded). Without it only the prompt's own blocks are found."""
+    path = cached_checkpoint("llama")
+    keeping = await open_engine(path, keep_conversations=True)
+    prompts_only = await open_engine(path)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+    first = prompt_of(40, salt=6)  # chunks of 16: the prompt's blocks end at 16 and 32
+    answer = await single(keeping, RequestId("t1"), first)  # 32 tokens: the conversation has 72
+    assert answer == reference(path, first)
+    stats = await kept(keeping)
+    assert (stats.conversations_kept, stats.conversation_tokens_kept) == (1, 32)  # blocks at 48, 64
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (1, 0)  # keeping is not a query
+    second = [*first, *answer, *prompt_of(10, salt=7)]
+    cached, tokens = await prefilled_from_cache(keeping, "t2", second)
+    assert cached == 64 and tokens == reference(path, second)
+    await single(prompts_only, RequestId("t1"), first)
+    assert (await prefilled_from_cache(prompts_only, "t2", second))[0] == 32
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_k=40, seed=5)
+    answer = await single(keeping, RequestId("s1"), first, seeded)
+    assert answer == await single(plain, RequestId("s1"), first, seeded)
+    await kept(keeping)
+    third = [*first, *answer, *prompt_of(20, salt=8)]  # 80 tokens: blocks through 48 are the conversation's
+    cached, tokens = await prefilled_from_cache(keeping, "s2", third, seeded)
+    assert cached == 48 and tokens == (await prefilled_from_cache(plain, "s2", third, seeded))[1]
+    await kept(keeping)
+
+
+async def test_a_handed_off_prompt_is_kept_as_installed_and_its_next_turn_is_exact(
+    open_engine: Opener
+) -> None:
+    """On a decode node a handed-off prompt's whole chunks are kept as they arrive (the prefill
+    node computed the same calls), then its conversation's: the next turn, prefilled on the
+    decode node, finds all of them and gives mlx-lm's tokens."""
+    path = cached_checkpoint("llama")
+    prefill = await open_engine(path, decodes_locally=False)
+    decode = await open_engine(path, keep_conversations=True)
+    first = prompt_of(70, salt=3)  # blocks end at 16..64
+    answer = await handoff(prefill, decode, RequestId("h1"), first)
+    assert answer == reference(path, first)
+    stats = await kept(decode)
+    assert stats.conversations_kept == 1 and stats.conversation_tokens_kept == 32  # 64..96
+    second = [*first, *answer, *prompt_of(5, salt=4)]
+    cached, tokens = await prefilled_from_cache(decode, "h2", second)
+    assert cached == 96 and tokens == reference(path, second)
+    await kept(decode)
+
+
+async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(open_engine: Opener) -> None:
+    """Keeping a conversation is worth less than serving a request: admission that would refuse
+    one for memory drops the keep tasks not yet done (and their reservations) first."""
+    engine = await open_engine(cached_checkpoint("llama"), kv_memory_bytes=SMALL_BUDGET,
+                               keep_conversations=True)
+
+    def admit_beside_a_keep_task() -> bool:
+        device = engine._device
+        chunks = (CHUNK, CHUNK)
+        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
+        task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
+                           prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
+        device.waiting[task.request_id] = task
+        device.reserved[task.request_id] = SMALL_BUDGET - 100_000
+        device.admit("r", 200_000, 100)  # fits only once the keep task is gone
+        device.unreserve("r")
+        return task.request_id not in device.waiting and task.request_id not in device.reserved
+
+    assert await engine._call(admit_beside_a_keep_task)
 
 
 async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(

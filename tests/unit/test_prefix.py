@@ -3,10 +3,11 @@ token, and the index keeps whole prefixes only, least recently used out first, w
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statecore.prefix import PrefixIndex, block_keys
+from statecore.prefix import PrefixIndex, block_keys, conversation_block_keys, conversation_blocks
 
 
 def test_a_block_is_a_whole_chunk_before_the_last_token_named_by_everything_before_it() -> None:
@@ -54,3 +55,44 @@ def test_random_use_never_exceeds_capacity_nor_keeps_an_orphan(ops: list[tuple[i
         for chain in prompts:  # what is kept of a prompt is always its first blocks
             kept = [key in index for key in chain]
             assert kept == sorted(kept, reverse=True)
+
+
+def test_a_conversations_keys_take_its_last_whole_chunk_and_extend_its_prompts() -> None:
+    conversation = list(range(48))
+    keys = conversation_block_keys(conversation, 16)
+    assert len(keys) == 3  # ends at 16, 32 and 48: a next turn goes on after token 47
+    assert keys == block_keys([*conversation, 99], 16)
+    assert keys[:2] == block_keys(conversation, 16)  # the prompt's own stop before its last token
+    assert conversation_block_keys(list(range(15)), 16) == []
+
+
+@pytest.mark.parametrize(("prompt", "conversation", "cached", "expected"), [
+    (40, 72, 2, range(2, 4)),  # the prompt's two blocks cached: compute the ones ending at 48, 64
+    (40, 72, 4, range(4, 4)),  # all kept already
+    (40, 72, 1, range(0)),  # a prompt block forgotten: keeping would be the prompt's prefill again
+    (10, 40, 0, range(0, 2)),  # a short prompt has no block of its own: the whole conversation
+    (17, 17, 1, range(1, 1)),  # nothing generated past a whole chunk
+    (33, 64, 2, range(2, 4)),
+])
+def test_a_conversation_keeps_the_chunks_after_its_prompts_cached_blocks(
+    prompt: int, conversation: int, cached: int, expected: range
+) -> None:
+    assert conversation_blocks(prompt, conversation, cached, 16) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 500), st.integers(0, 500), st.integers(0, 40), st.integers(1, 64))
+def test_keeping_never_recomputes_a_prompt_nor_goes_past_the_conversation(
+    prompt: int, generated: int, cached: int, chunk: int
+) -> None:
+    conversation = prompt + generated
+    blocks = conversation_blocks(prompt, conversation, cached, chunk)
+    if blocks:
+        assert blocks.start == cached >= (prompt - 1) // chunk  # every prompt block is cached
+        assert blocks.stop * chunk <= conversation
+        assert len(blocks) * chunk <= generated + chunk  # the tail: at most a chunk beyond the answer
+
+
+def test_conversation_blocks_refuses_a_chunk_of_nothing() -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        conversation_blocks(10, 20, 0, 0)

@@ -15,7 +15,15 @@ from effects.health import PeerSet
 from effects.routing import PrefixSummaries
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.prefix import block_keys
-from statecore.routing import RouteCandidate, cached_prefix_tokens, choose_node, route_cost, summary_key
+from statecore.routing import (
+    Route,
+    RouteCandidate,
+    cached_prefix_tokens,
+    choose_node,
+    choose_route,
+    route_cost,
+    summary_key,
+)
 
 PROMPT = list(range(100))  # blocks of 16 end at 16, 32, 48, 64, 80, 96
 
@@ -191,9 +199,91 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_counts_why() -> None:
     for node in nodes:
         trio.run(summaries.refresh, node)
     assert peers.pick("prefill", set(), PROMPT, "r1") == "http://p1"  # holds 64 of the 100 tokens
-    peers.in_flight["http://p1"] = 4  # 4 x 16 load tokens = what it saves: the tie goes to fewer in flight
+    # ... and, sent PROMPT, is expected to hold its 96 from now on (before its next summary)
+    assert summaries.cached_tokens(nodes, PROMPT) == {"http://p0": 0, "http://p1": 96}
+    peers.in_flight["http://p1"] = 6  # 6 x 16 load tokens = what it saves: the tie goes to fewer in flight
     assert peers.pick("prefill", set(), PROMPT, "r2") == "http://p0"
     assert peers.pick("prefill", {"http://p0"}, PROMPT, "r3") == "http://p1"  # p0 avoided (a retry)
     assert peers.pick("prefill", set(), None) == "http://p0"  # nothing to prefill: load only
     assert peers.routed == {("prefill", "http://p0", "load"): 3, ("prefill", "http://p1", "prefix"): 2}
-    assert peers.expected_cached_tokens == {"http://p0": 0, "http://p1": 128}
+    assert peers.expected_cached_tokens == {"http://p0": 0, "http://p1": 64 + 96}
+    trio.run(summaries.refresh, "http://p1")  # a changed summary replaces the guess
+    assert summaries.cached_tokens(nodes, PROMPT)["http://p1"] == 64
+
+
+@pytest.mark.parametrize(("prompt", "candidates", "local_below", "route", "node"), [
+    # the decode node holding 2,000 of 2,100 tokens prefills the last 100 itself
+    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefix_hit_local",
+     "b"),
+    # ... but not when the rest is the threshold or more: a prefill node, the least loaded decode node
+    (3000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node", "a"),
+    (3000, [RouteCandidate("a", 1), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node", "b"),
+    # a short prompt prefills on a decode node with or without a hit (where it is cheapest)
+    (500, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 1000, "local", "a"),
+    (500, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=256)], 1000, "prefix_hit_local", "b"),
+    # a hit on a node too busy for it: the cheaper node has none, so the rest is the whole prompt
+    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 9, cached_tokens=2000)], 1000, "prefill_node", "a"),
+    # threshold 0 (--force-disaggregation): always a prefill node, whatever a decode node holds
+    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2096)], 0, "prefill_node", "a"),
+    # a suspect decode node only when nothing healthy is left
+    (2100, [RouteCandidate("a", 3), RouteCandidate("b", 0, True, 2000)], 1000, "prefill_node", "a"),
+])
+def test_a_turn_is_prefilled_where_its_start_is_when_the_rest_is_short(
+    prompt: int, candidates: list[RouteCandidate], local_below: int, route: str, node: str
+) -> None:
+    choice = choose_route(prompt, candidates, local_below, 512)
+    assert (choice.route.value, choice.decode.node) == (route, node)
+    assert choice.local is (choice.route is not Route.PREFILL_NODE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.lists(candidate, min_size=1, max_size=8), st.integers(0, 3000),
+       st.integers(0, 2000))
+def test_the_route_is_local_exactly_when_the_uncached_rest_is_below_the_threshold(
+    prompt: int, candidates: list[RouteCandidate], local_below: int, load_tokens: int
+) -> None:
+    choice = choose_route(prompt, candidates, local_below, load_tokens)
+    best = choose_node(prompt, candidates, load_tokens)
+    rest = prompt - best.cached_tokens if best.cached_tokens > 0 else prompt
+    assert choice.local is (rest < local_below or prompt < local_below)
+    if choice.route is Route.PREFILL_NODE:  # the decode node by load alone
+        assert choice.decode.cached_tokens == 0
+        assert choice.decode.node == choose_node(
+            prompt, [RouteCandidate(c.node, c.in_flight, c.suspect) for c in candidates], load_tokens).node
+    else:
+        assert choice.decode is best
+    assert prompt >= local_below or choice.local  # a short prompt never goes to a prefill node
+
+
+def test_choose_route_refuses_a_negative_threshold() -> None:
+    with pytest.raises(ValueError, match="local_below"):
+        choose_route(10, [RouteCandidate("a", 0)], -1, 512)
+
+
+def test_the_router_routes_a_turn_to_the_decode_node_holding_its_conversation_and_counts_it() -> None:
+    decodes = ["http://d0", "http://d1"]
+
+    async def probe(url: str) -> bool:
+        return True
+
+    async def fetch(node: str, since: int | None) -> PrefixSummary | None:
+        return PrefixSummary(16, 1, tuple(held(PROMPT, 6)) if node == "http://d1" else ())
+
+    summaries = PrefixSummaries(decodes, fetch, clock=Clock())
+    peers = PeerSet({"prefill": ["http://p"], "decode": decodes}, probe, summaries=summaries)
+    peers.available.update([*decodes, "http://p"])
+    assert peers.route(set(), PROMPT, "r0", 50).route is Route.PREFILL_NODE  # no summaries yet
+    for node in decodes:
+        trio.run(summaries.refresh, node)
+    hit = peers.route(set(), PROMPT, "r1", 50)  # d1 holds 96 of 100: 4 left to prefill
+    assert (hit.route, hit.decode.node, hit.decode.cached_tokens) == (Route.PREFIX_HIT_LOCAL, "http://d1", 96)
+    assert peers.route({"http://d1"}, PROMPT, "r2", 50).route is Route.PREFILL_NODE  # d1 avoided: a retry
+    assert peers.route(set(), PROMPT[:40], "r3", 50).route is Route.PREFIX_HIT_LOCAL
+    assert peers.route(set(), [7] * 40, "r4", 50).route is Route.LOCAL  # short, nothing held
+    # the next turn of r4's conversation, before any new summary: where r4 went (d0, first on a tie)
+    assert summaries.cached_tokens(decodes, [7] * 60)["http://d0"] == 32
+    peers.in_flight["http://d1"] = 1
+    assert peers.route(set(), [7] * 60, "r5", 50).decode.node == "http://d0"
+    assert peers.routes == {"prefill_node": 2, "prefix_hit_local": 3, "local": 1}
+    assert peers.routed[("decode", "http://d1", "prefix")] == 2
+    assert peers.expected_cached_tokens["http://d1"] == 96 + 32

@@ -14,8 +14,18 @@ caches that cannot batch at all (quantized KV, llama4's chunked cache, custom cl
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
 grammar (`response_format`) in families outside the slot lane. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
-the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
-and trio (only for trio tokens); statecore and effects never import it.
+the loop itself kills the thread (the engine reports itself dead).
+
+Conversations (`Settings.keep_conversations`, decode and single nodes with a prefix cache): a
+request that ends normally leaves a *keep task* behind, a prefill task without a first token
+over its prompt and generated tokens' whole chunks, started from the cached ones
+(`statecore.prefix.conversation_blocks`): it computes the chunks after the prompt's kept blocks
+as any prompt would and keeps them, so the next turn finds the whole conversation cached with
+the numbers a cache-less prefill of it gives. It gives way to requests: scheduled after every
+waiting prompt, and, though it reserves its KV like one, dropped when admission needs the
+memory. A handed-off prompt's whole chunks are kept as they are installed (the prefill node
+computed the same calls: same fingerprint, chunk size and bucket). This module imports mlx,
+mlx_lm and trio (only for trio tokens); statecore and effects never import it.
 """
 
 from __future__ import annotations
@@ -61,10 +71,11 @@ from adapters.mlx.sampling import (
     sample_rows,
 )
 from adapters.mlx.slots import SlotPool
-from effects.engine_port import GeneratedToken, PrefillOutcome
+from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
+from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import (
     KvAdmission,
     ModelShape,
@@ -78,6 +89,7 @@ from statecore.scheduling import (
     kv_admission,
     padding_groups,
     plan_step,
+    prefill_units,
     prefill_work_bytes,
 )
 
@@ -90,6 +102,7 @@ _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
+_KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
 
 
 
@@ -130,6 +143,7 @@ class Settings:
     # activations stay within kv_memory_bytes (on when --kv-memory-bytes is given).
     prefill_memory_cap: bool = False
     fuse_projections: str = "off"  # sibling projections as one matmul (adapters.mlx.fusion): auto | on | off
+    keep_conversations: bool = False  # a finished request's whole chunks go into the prefix cache
 
 
 @dataclass(eq=False)
@@ -158,6 +172,8 @@ class Live:
     solo_cache: list[Any] | None = None
     rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
     limit: int = 0  # the most positions its cache may reach (prompt + max_tokens): what it attends at most
+    prompt_tokens: int = 0
+    conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
 
 
 @dataclass(eq=False)
@@ -241,6 +257,8 @@ class DeviceLoop:
                                         "prefill_batched", "launch", "readback", "other_job")
         }
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
+        self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
+        self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -337,6 +355,9 @@ class DeviceLoop:
             self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
         kept = 0 if self.prefix is None else self.prefix.nbytes
         verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
+        if verdict is KvAdmission.LATER and self.drop_keep_tasks():  # keeping gives way too
+            others = self.reserved_bytes - self.reserved.get(request_id, 0)
+            verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
         if verdict is KvAdmission.NEVER:
             raise self.never_fits(need, tokens)
         if verdict is KvAdmission.LATER:
@@ -466,7 +487,8 @@ class DeviceLoop:
 
     def drop_abandoned_waiting(self) -> None:
         """Prompts whose caller left before their prefill finished stop taking steps."""
-        for rid in [rid for rid, task in self.waiting.items() if task.job.is_abandoned()]:
+        for rid in [rid for rid, task in self.waiting.items()
+                    if not task.keeps_only and task.job.is_abandoned()]:
             del self.waiting[rid]
             self.unreserve(rid)
 
@@ -725,6 +747,12 @@ class DeviceLoop:
                 pieces = run_units(self.model, task, units, self.quantize, self.bucket,
                                    None if self.prefix is None else self.keep_chunk)
             except Exception as exc:
+                if task.keeps_only:  # nobody waits for it: the conversation is just not kept
+                    logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
+                                   type(exc).__name__, exc)
+                    del self.waiting[task.request_id]
+                    self.unreserve(task.request_id)
+                    continue
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
                     # of the prompt, so a transient error costs time, not the request.
@@ -738,7 +766,11 @@ class DeviceLoop:
                 self.unreserve(task.request_id)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
-            if task.finished:
+            if task.finished and task.keeps_only:
+                del self.waiting[task.request_id]  # its kept blocks are among the pieces
+                self.unreserve(task.request_id)
+                outputs.extend(pieces)
+            elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
                 outputs.extend(pieces)
@@ -826,6 +858,8 @@ class DeviceLoop:
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
+        self.drop_keep_tasks()
+        self.conversations_kept = self.conversation_tokens_kept = 0
         if self.prefix is not None:
             self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
 
@@ -833,6 +867,65 @@ class DeviceLoop:
         """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
         count serving traffic."""
         self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
+    def keep_conversation(self, live: Live) -> None:
+        """A request ended normally: queue the keep task of its conversation's whole chunks (when
+        its prompt's blocks are cached and the memory is free now; else nothing is kept)."""
+        prefix, conversation = self.prefix, live.conversation
+        if prefix is None or conversation is None:
+            return
+        chunk = self.settings.prefill_chunk_size
+        keys = conversation_block_keys(conversation, chunk)
+        cached = prefix.index.cached(keys)
+        blocks = conversation_blocks(live.prompt_tokens, len(conversation), cached, chunk)
+        keep_id = f"{live.request_id}#keep"
+        if not blocks or keep_id in self.waiting:
+            return
+        tokens = conversation[: blocks.stop * chunk]
+        need = self.cost.of(len(tokens))
+        fits = kv_admission(need, self.reserved_bytes + prefix.nbytes, self.pool_reserved,
+                            self.settings.kv_memory_bytes)
+        if fits is not KvAdmission.FITS:
+            return
+        chunks = (chunk,) * blocks.stop
+        self.arrivals += 1
+        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
+        task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + self.arrivals, chunks,
+                           prefill_units(chunks, self.layers, self.unit_tokens), keeps_only=True)
+        task.block_keys = keys[: blocks.stop]
+        count, cache = prefix.start(task.block_keys, counted=False)
+        if cache is not None:
+            task.cache = cache
+            task.done_tokens = count * chunk
+            task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
+        self.reserved[keep_id] = need
+        self.waiting[keep_id] = task
+        self.conversations_kept += 1
+        self.conversation_tokens_kept += len(tokens) - task.done_tokens
+
+    def drop_keep_tasks(self) -> bool:
+        """Forget every keep task not yet done (admission needs their memory); whether any was."""
+        dropped = [rid for rid, task in self.waiting.items() if task.keeps_only]
+        for rid in dropped:
+            del self.waiting[rid]
+            self.unreserve(rid)
+        return bool(dropped)
+
+    def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """A handed-off prompt's whole chunks into the prefix cache, as they arrived. Only prompts
+        of more than one chunk before their last token: a prefill node may compute a shorter one
+        in a padded batch, whose numbers are not the chunk call's."""
+        prefix = self.prefix
+        chunk = self.settings.prefill_chunk_size
+        if prefix is None or not self.settings.keep_conversations or len(tokens) - 1 <= chunk:
+            return
+        if not self.plain(cache):
+            return
+        keys = prefix.keys_of(tokens)
+        kept: list[Any] = []
+        for index in range(len(keys)):
+            kept.extend(prefix.keep(keys, index, cache))
+        if kept:
+            mx.eval(kept)  # copies now: the installed cache itself goes on into a slot
 
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
@@ -910,6 +1003,8 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
+        if live.conversation is not None:
+            live.conversation.append(token)
         finish = token_finish(token, self.eos, ignore_eos=live.sampler.sampling.ignore_eos,
                               remaining=live.remaining)
         return GeneratedToken(token, is_eos=finish == STOP, finish_reason=finish, logprobs=logprobs)
@@ -925,8 +1020,11 @@ class DeviceLoop:
 
     def end(self, live: Live, item: StreamItem,
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
-        """A request leaves the decoder with its last item."""
+        """A request leaves the decoder with its last item (its conversation is kept when that
+        item ends it normally)."""
         self.remove(live)
+        if isinstance(item, GeneratedToken) and self.model is not None:
+            self.keep_conversation(live)
         deliveries.setdefault(live.token, []).append((live.send, item, True))
 
     def remove(self, live: Live) -> None:
@@ -1159,7 +1257,7 @@ class DeviceLoop:
                 job.outcome = Outcome(error=error)
                 post(job.token, job.done.set)
         for task in self.waiting.values():
-            if task.job.done is not None:
+            if task.job is not None and task.job.done is not None:
                 task.job.outcome = Outcome(error=error)
                 post(task.job.token, task.job.done.set)
         for live in self.live.values():

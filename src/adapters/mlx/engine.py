@@ -128,6 +128,7 @@ class MlxEngine:
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
         prefill_memory_cap: str = "auto",
+        keep_conversations: bool = False,
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
         tensor: TensorGroup | None = None,
@@ -185,7 +186,11 @@ class MlxEngine:
         `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
         whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
         (`adapters.mlx.prefix_cache`): they start after the cached chunks, with the same numbers.
-        The kept blocks give way to any request that needs their memory.
+        The kept blocks give way to any request that needs their memory. `keep_conversations`
+        (nodes that decode, with the prefix cache on) keeps a finished request's prompt and
+        generated tokens' whole chunks too, computed again as prefill chunks after it ends, and a
+        handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
+        turn starts after them.
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -251,7 +256,8 @@ class MlxEngine:
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
                             on_cuda() if preallocate_slots is None else preallocate_slots, capped,
-                            fuse_projections)
+                            fuse_projections,
+                            keep_conversations=keep_conversations and decodes_locally)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._device.model_call_hook = model_call_hook
@@ -414,7 +420,7 @@ class MlxEngine:
         caches = await trio.to_thread.run_sync(self._validate_and_build, payload, len(tokens))
         # The other ranks of a tensor-parallel instance build their own heads from the same bytes.
         sharded = isinstance(self._device, LockstepLoop)
-        await self._start(request_id, tokens, first_token, sampling, partial(self._own_heads, caches),
+        await self._start(request_id, tokens, first_token, sampling, partial(self._installed, tokens, caches),
                           payload=bytes(payload) if sharded else None)
 
     def _validate_and_build(self, payload: KvBytes, prompt_tokens: int) -> list[Any]:
@@ -430,10 +436,12 @@ class MlxEngine:
         built: list[Any] = kv_wire.build_caches(validated).caches
         return built
 
-    def _own_heads(self, caches: list[Any]) -> list[Any]:
-        if isinstance(self._device, LockstepLoop):
-            return self._device.own_heads(caches)
-        return caches
+    def _installed(self, tokens: Sequence[int], caches: list[Any]) -> list[Any]:
+        """On the device thread: a handed-off cache as this rank decodes it (its own heads on a
+        tensor-parallel rank), its whole chunks kept for the conversation's next turn."""
+        own = self._device.own_heads(caches) if isinstance(self._device, LockstepLoop) else caches
+        self._device.keep_installed(tokens, own)
+        return own
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -644,7 +652,9 @@ class MlxEngine:
                 total = len(tokens) + sampling.max_tokens
                 device.admit(request_id, device.cost.of(total), total)
             sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token], constraint)
-            live = Live(request_id, send, token, remaining, sampler, first_token)
+            live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
+            if device.settings.keep_conversations and device.prefix is not None:
+                live.conversation = [*tokens, first_token]
             device.join(live, cache, tokens, lane)
             device.held.pop(request_id, None)
             self._publish()
@@ -733,8 +743,8 @@ class MlxEngine:
                 return self._prefill_job(request_id, list(tokens), sampling, self._replayed_matcher(sampling),
                                          None)
             case lockstep.Decode(request_id, tokens, first_token, sampling, payload):
-                take_cache = (partial(self._held_cache, request_id, len(tokens)) if payload is None
-                              else lambda: self._own_heads(self._validate_and_build(payload, len(tokens))))
+                take_cache = (partial(self._held_cache, request_id, len(tokens)) if payload is None else
+                              lambda: self._installed(tokens, self._validate_and_build(payload, len(tokens))))
                 send, _ = trio.open_memory_channel[StreamItem](0)
                 return Job(self._start_work(request_id, list(tokens), first_token, sampling, take_cache,
                                             self._replayed_matcher(sampling), send, None), None)
@@ -784,6 +794,8 @@ class MlxEngine:
             prefill_capped_steps=device.prefill_capped_steps,
             activation_overruns=device.activation_overruns,
             activation_estimate_peak_bytes=device.activation_peak,
+            conversations_kept=device.conversations_kept,
+            conversation_tokens_kept=device.conversation_tokens_kept,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

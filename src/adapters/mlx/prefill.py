@@ -59,6 +59,7 @@ class PrefillTask:
     retried: bool = False  # restarted once after its model call raised
     block_keys: list[bytes] = field(default_factory=list)  # the prefix cache's names of its whole chunks
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
+    keeps_only: bool = False  # a finished conversation's chunks, computed to be kept: no first token
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk
@@ -81,7 +82,7 @@ class PrefillTask:
     @property
     def is_short(self) -> bool:
         """Nothing computed yet, and all of it is one head chunk plus the last token."""
-        return self.done_units == 0 and len(self.chunks) == 2
+        return self.done_units == 0 and len(self.chunks) == 2 and not self.keeps_only
 
 
 _CUDA_SHAPE_BUCKET = 128
@@ -173,7 +174,7 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
             task.done_tokens += size
             if built is not None:
                 outputs.extend(built(task, unit.chunk))
-            if unit.chunk == len(task.chunks) - 1:
+            if unit.chunk == len(task.chunks) - 1 and not task.keeps_only:
                 task.first = task.sampler.next_token(out[:, -1, :])
         task.done_units += 1
         outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])

@@ -44,10 +44,10 @@ class PrefixCache:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
         return block_keys(tokens, self.chunk_size)
 
-    def start(self, keys: Sequence[bytes]) -> tuple[int, list[Any] | None]:
+    def start(self, keys: Sequence[bytes], counted: bool = True) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
-        them (None when none is)."""
-        if keys:
+        them (None when none is). Not `counted`: a conversation kept, not a prompt served."""
+        if keys and counted:
             self.queries += 1
         count = self.index.cached(keys)
         if count == 0:
@@ -60,8 +60,9 @@ class PrefixCache:
             own.values = mx.concatenate([self._blocks[key][layer][1] for key in keys[:count]], axis=2)
             own.offset = count * self.chunk_size
             cache.append(own)
-        self.hits += 1
-        self.tokens_reused += count * self.chunk_size
+        if counted:
+            self.hits += 1
+            self.tokens_reused += count * self.chunk_size
         return count, cache
 
     def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any]) -> list[Any]:
