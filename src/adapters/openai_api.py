@@ -597,12 +597,16 @@ class _Job:
     def choice_request(self, index: int) -> GenerationRequest:
         """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
         when a seed was given (else its seed derives from that id): both are the same on every
-        node, so the cluster's choices equal a single node's."""
-        if index == 0:
+        node, so the cluster's choices equal a single node's. With n > 1 each one says which
+        choice of the request it is, so that the engine decodes them side by side."""
+        if self.choices == 1:
             return GenerationRequest(self.request_id, self.prompt, self.sampling)
+        grouped = replace(self.sampling, choice_group=self.request_id, choice=index, choices=self.choices)
+        if index == 0:
+            return GenerationRequest(self.request_id, self.prompt, grouped)
         seed = None if self.sampling.seed is None else (self.sampling.seed + index) % 2**64
         return GenerationRequest(RequestId(f"{self.request_id}.{index}"), self.prompt,
-                                 replace(self.sampling, seed=seed))
+                                 replace(grouped, seed=seed))
 
     @property
     def response_id(self) -> str:

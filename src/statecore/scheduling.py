@@ -10,14 +10,16 @@ the rows already decoding keep streaming, so no stream waits longer than one ste
 the numbers are those of one call (the same graph, evaluated in pieces). `padding_groups` decides
 which short prompts share one padded model call; `bucketed` rounds a call's length up to a shape
 bucket. `kv_admission` decides whether a request's KV cache fits the node's memory budget now,
-later, or never. The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
+later, or never. `joining_choices` decides when the choices of one request (n > 1) join a batch
+whose rows are padded to each other (mlx-lm's batch generator): together, in choice order.
+The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "StepPlan",
     "WaitingPrefill",
     "bucketed",
+    "joining_choices",
     "kv_admission",
     "padding_groups",
     "plan_step",
@@ -191,3 +194,23 @@ def kv_admission(need: int, reserved: int, fixed: int, budget: int) -> KvAdmissi
     if fixed + reserved + need > budget:
         return KvAdmission.LATER
     return KvAdmission.FITS
+
+
+def joining_choices(choices: int, arrived: Collection[int], ended: Collection[int], waited_s: float,
+                    patience_s: float) -> tuple[int, ...]:
+    """Which of a request's `choices` choices that reached the batch (`arrived`) join it now, in
+    choice order (their rows' order); () while they wait.
+
+    A row's numbers in such a batch depend on the rows beside it and on how each was padded when
+    it joined, so the choices join in one step, once every one has arrived or `ended` (it ended
+    at its first token, failed or was cancelled): the same request then computes the same bytes
+    on every run and on every node. A missing choice that was last seen on this node `waited_s`
+    ago, `patience_s` or more, is not waited for (it decodes elsewhere, or ended unseen).
+    """
+    if choices < 1 or not patience_s >= 0.0:
+        raise ValueError("a request has at least one choice and patience is >= 0")
+    if not arrived:
+        return ()
+    if len(set(arrived) | set(ended)) < choices and waited_s < patience_s:
+        return ()
+    return tuple(sorted(arrived))

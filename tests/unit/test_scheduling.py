@@ -1,7 +1,7 @@
 """The engine's scheduling policy (statecore.scheduling): tables for the exact plans, hypothesis for
 the properties — work units cover every layer of every chunk once, in order, within their size;
 the budget is never exceeded, the oldest prompt always advances, and every prompt reaches its
-first token within a bounded number of steps."""
+first token within a bounded number of steps; the choices of one request join a batch together."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from statecore.scheduling import (
     StepPlan,
     WaitingPrefill,
     bucketed,
+    joining_choices,
     kv_admission,
     padding_groups,
     plan_step,
@@ -189,3 +190,32 @@ def test_kv_admission_never_overcommits_and_never_means_never(need: int, reserve
 def test_kv_admission_refuses_negative_counts() -> None:
     with pytest.raises(ValueError):
         kv_admission(-1, 0, 0, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choices of one request (n > 1) join a padded batch together
+
+
+@pytest.mark.parametrize(("choices", "arrived", "ended", "waited", "joining"), [
+    (2, {0}, set(), 0.0, ()),  # choice 1 is still on its way
+    (2, {1, 0}, set(), 0.0, (0, 1)),  # all here: together, in choice order
+    (3, {2, 0}, {1}, 0.0, (0, 2)),  # choice 1 ended at its first token
+    (3, {0}, {1}, 0.0, ()),
+    (2, {0}, set(), 0.5, ()),
+    (2, {1}, set(), 2.0, (1,)),  # choice 0 was not seen here for the whole patience
+    (2, set(), {0}, 9.0, ()),  # nobody to join
+    (1, {0}, set(), 0.0, (0,)),
+])
+def test_joining_choices_table(choices: int, arrived: set[int], ended: set[int], waited: float,
+                               joining: tuple[int, ...]) -> None:
+    assert joining_choices(choices, arrived, ended, waited, patience_s=2.0) == joining
+
+
+@given(st.integers(1, 8), st.sets(st.integers(0, 7)), st.sets(st.integers(0, 7)), st.floats(0.0, 10.0))
+def test_joining_choices_join_all_arrived_at_once_or_none(choices: int, arrived: set[int], ended: set[int],
+                                                         waited: float) -> None:
+    arrived, ended = {c for c in arrived if c < choices}, {c for c in ended if c < choices} - arrived
+    joining = joining_choices(choices, arrived, ended, waited, patience_s=2.0)
+    assert joining in ((), tuple(sorted(arrived)))
+    if arrived and (len(arrived) + len(ended) == choices or waited >= 2.0):
+        assert joining == tuple(sorted(arrived))  # never waits for nothing, never past its patience

@@ -12,7 +12,10 @@ Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in
 families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
 caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
-grammar (`response_format`) in families outside the slot lane. Prefill is scheduled the same
+grammar (`response_format`) in families outside the slot lane. The merge lane pads its rows to
+each other, so a row's numbers depend on when its neighbours joined: the choices of one request
+(n > 1) wait for each other and join it in one step, in choice order (`joining_choices`), which
+makes their bytes the same on every run and on every node. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
 the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
 and trio (only for trio tokens); statecore and effects never import it.
@@ -20,6 +23,7 @@ and trio (only for trio tokens); statecore and effects never import it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
@@ -60,19 +64,20 @@ from adapters.mlx.sampling import (
     sample_rows,
 )
 from adapters.mlx.slots import SlotPool
-from effects.engine_port import GeneratedToken, PrefillOutcome
+from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
 from statecore.scheduling import (
     KvAdmission,
     StepBudget,
     WaitingPrefill,
+    joining_choices,
     kv_admission,
     padding_groups,
     plan_step,
 )
 
-__all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
+__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -81,6 +86,9 @@ _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
+# How long the merge lane's arrived choices of a request wait for a missing one not seen on this
+# node (decoding elsewhere, or ended before it came here) before they join without it.
+CHOICE_PATIENCE_S = 2.0
 
 
 def compiles(mode: str) -> bool:
@@ -133,11 +141,13 @@ class Held:
     cache: list[Any]
     prompt_tokens: int
     nbytes: int
+    sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
 
 
 @dataclass(eq=False)
 class Live:
-    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set)."""
+    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set);
+    none yet while a choice of n > 1 waits for its siblings (`DeviceLoop.gathering`)."""
 
     request_id: str
     send: trio.MemorySendChannel[StreamItem]
@@ -151,6 +161,16 @@ class Live:
     uid: int | None = None
     solo_cache: list[Any] | None = None
     rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
+
+
+@dataclass(eq=False)
+class _Gathering:
+    """The choices of one request (n > 1) that reached the merge lane, waiting for the others."""
+
+    choices: int
+    seen: float  # time.monotonic() when a missing choice was last known to be on its way here
+    arrived: dict[int, tuple[Live, list[Any], list[int]]] = field(default_factory=dict)  # row, cache, prompt
+    ended: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -208,6 +228,7 @@ class DeviceLoop:
         self.live: dict[str, Live] = {}
         self.by_uid: dict[int, Live] = {}
         self.waiting: dict[str, PrefillTask] = {}
+        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for the merge lane
         self.arrivals = 0
         self.inflight: _InFlight | None = None
         self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
@@ -367,11 +388,14 @@ class DeviceLoop:
 
     def run(self) -> None:
         while True:
-            busy = bool(self.live or self.waiting or self.inflight)
+            gathered = sum(len(group.arrived) for group in self.gathering.values())
+            busy = bool(len(self.live) > gathered or self.waiting or self.inflight)
             jobs: list[Job[Any] | Stop | Crash] = []
             if not busy:
                 self.idle = True
-                jobs.append(self.queue.get())
+                # Choices waiting for each other wake the loop when their patience ends.
+                with contextlib.suppress(queue.Empty):
+                    jobs.append(self.queue.get(timeout=self.gathering_timeout()))
                 # progress_at before idle: a reader that sees busy also sees a fresh start time.
                 self.progress_at = time.monotonic()
                 self.idle = False
@@ -474,6 +498,7 @@ class DeviceLoop:
         if previous is not None:
             self.read_back(previous)
         # Lanes that evaluate on their own: mlx-lm's BatchGenerator, then the solo requests.
+        self.release_choices()
         if self.by_uid:
             self.merge_step()
         for live in [lv for lv in self.live.values() if lv.solo_cache is not None]:
@@ -695,6 +720,7 @@ class DeviceLoop:
                 logger.exception("prefill failed for %s", task.request_id)
                 del self.waiting[task.request_id]
                 self.unreserve(task.request_id)
+                self.choice_ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             if task.finished:
@@ -770,7 +796,7 @@ class DeviceLoop:
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
-                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
+                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
                 logprobs = read_logprobs(task.sampler.take_logprobs())
                 outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens)
                 finished.append((task, Outcome(value=outcome)))
@@ -815,6 +841,11 @@ class DeviceLoop:
         if self.live.get(live.request_id) is live:
             del self.live[live.request_id]
             self.unreserve(live.request_id)
+        sampling = live.sampler.sampling
+        group = self.gathering.get(sampling.choice_group) if sampling.choices > 1 else None
+        if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
+            del group.arrived[sampling.choice]
+            group.ended.add(sampling.choice)
         if live.slot is not None and self.pool is not None:
             self.pool.give_back(live.slot)
             live.slot = None
@@ -968,11 +999,81 @@ class DeviceLoop:
             live.slot = slot
             live.offset = len(prompt)
             self.unreserve(live.request_id)  # its KV lives in the pool now
+        elif lane == "merge" and live.sampler.sampling.choices > 1:
+            self.gather(live, cache, prompt)
         elif lane == "merge":
             self.merge_insert(live, cache, prompt)
         else:
             live.solo_cache = cache
         self.live[live.request_id] = live
+        if self.gathering:
+            self.release_choices()
+
+    # -- the choices of one request (n > 1) in the merge lane ----------------------------------
+
+    def gather(self, live: Live, cache: list[Any], prompt: list[int]) -> None:
+        """A choice reaches the merge lane: it waits for the request's other choices, and joins
+        with them. One that comes after its siblings already decode here joins at once."""
+        sampling = live.sampler.sampling
+        group = self.gathering.get(sampling.choice_group)
+        if group is None:
+            if any(other.uid is not None and other.sampler.sampling.choice_group == sampling.choice_group
+                   for other in self.live.values()):
+                self.merge_insert(live, cache, prompt)
+                return
+            group = self.gathering[sampling.choice_group] = _Gathering(sampling.choices, time.monotonic())
+        group.arrived[sampling.choice] = (live, cache, prompt)
+        group.seen = time.monotonic()
+
+    def choice_ended(self, sampling: SamplingParams | None) -> None:
+        """A choice that will not decode here (it ended at its first token, failed, or was
+        cancelled): its siblings stop waiting for it."""
+        if sampling is None or sampling.choices <= 1:
+            return
+        group = self.gathering.get(sampling.choice_group)
+        if group is not None:
+            group.ended.add(sampling.choice)
+        self.release_choices()
+
+    def release_choices(self) -> None:
+        """Every request whose arrived choices may join now joins: in one step, in choice order."""
+        now = time.monotonic()
+        for key, group in list(self.gathering.items()):
+            missing = set(range(group.choices)) - set(group.arrived) - group.ended
+            if missing and self.choices_on_their_way(key, missing):
+                group.seen = now
+            if not group.arrived:  # the arrived ones were cancelled: nobody waits
+                del self.gathering[key]
+                continue
+            joining = joining_choices(group.choices, group.arrived, group.ended, now - group.seen,
+                                      CHOICE_PATIENCE_S)
+            if not joining:
+                continue
+            del self.gathering[key]
+            rows = [group.arrived[choice] for choice in joining]
+            try:
+                for live, cache, prompt in rows:
+                    self.merge_insert(live, cache, prompt)
+            except Exception as exc:  # the generator refused them: those requests fail, nothing else
+                logger.exception("the choices of %s could not join the batch", key)
+                error = engine_failed(f"joining the batch failed: {type(exc).__name__}: {exc}")
+                deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+                for live, _, _ in rows:
+                    self.end(live, error, deliveries)
+                self.hand_out(deliveries)
+
+    def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
+        """Whether one of a request's `choices` is prefilling here, or prefilled and held here."""
+        samplings = [task.sampler.sampling for task in self.waiting.values()]
+        samplings += [held.sampling for held in self.held.values() if held.sampling is not None]
+        return any(s.choice_group == group and s.choice in choices for s in samplings)
+
+    def gathering_timeout(self) -> float | None:
+        """Seconds until the first waiting request's patience ends (None: nobody waits)."""
+        if not self.gathering:
+            return None
+        now = time.monotonic()
+        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
 
     def merge_insert(self, live: Live, cache: list[Any], tokens: list[int]) -> None:
         """Hand a row to mlx-lm's batch generator: `cache` holds everything before its last token."""
@@ -1013,10 +1114,13 @@ class DeviceLoop:
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
-        self.held.pop(request_id, None)
+        held = self.held.pop(request_id, None)
+        if held is not None and request_id not in self.live:
+            self.choice_ended(held.sampling)
         self.unreserve(request_id)
         task = self.waiting.pop(request_id, None)
         if task is not None:
+            self.choice_ended(task.sampler.sampling)
             self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
         leaving = self.live.get(request_id)
@@ -1046,6 +1150,7 @@ class DeviceLoop:
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
         self.waiting.clear()
+        self.gathering.clear()
         self.live.clear()
         self.by_uid.clear()
         self.held.clear()
