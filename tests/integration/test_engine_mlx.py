@@ -1233,7 +1233,8 @@ async def test_seeded_logprobs_in_a_batch_come_with_every_token(open_engine: Ope
 
 
 # ---------------------------------------------------------------------------------------------
-# n > 1: the choices of one request join mlx-lm's batch generator (gemma3) together
+# n > 1: the choices of one request enter a batched lane together: the slot lane (llama), mlx-lm's
+# batch generator (gemma3's rotating caches)
 
 
 def choice_of(group: str, choice: int) -> SamplingParams:
@@ -1253,11 +1254,25 @@ async def steps_taken_or_gathering(engine: MlxEngine, steps: int) -> None:
 async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], order: Sequence[int],
                           steps_apart: int, decode: MlxEngine | None = None) -> list[list[tuple[int, Any]]]:
     """Each choice's (token, logprobs), the first from its prefill: both choices prefilled on
-    `engine`, then put into the decoder (there, or on `decode` after a handoff) in `order`,
-    `steps_apart` device steps apart (as their prefills may finish on a loaded node)."""
+    `engine` (one after the other, or with `steps_apart` 0 queued in one step), then put into the
+    decoder (there, or on `decode` after a handoff) in `order`, `steps_apart` device steps apart
+    (as their prefills may finish on a loaded node)."""
     target = decode or engine
     rids = {c: RequestId(group if c == 0 else f"{group}.{c}") for c in order}
-    firsts = {c: await engine.prefill(rids[c], prompt, choice_of(group, c)) for c in order}
+    firsts: dict[int, Any] = {}
+
+    async def prefill(choice: int) -> None:
+        firsts[choice] = await engine.prefill(rids[choice], prompt, choice_of(group, choice))
+
+    if steps_apart:
+        for c in order:
+            await prefill(c)
+    else:
+        gate = await hold_device(engine)
+        async with trio.open_nursery() as nursery:
+            for c in order:
+                nursery.start_soon(prefill, c)
+            await release_when_queued(engine, gate, len(order))
     rest: dict[int, list[GeneratedToken]] = {}
 
     async def drain(choice: int) -> None:
@@ -1277,26 +1292,45 @@ async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], 
             for c in sorted(order)]
 
 
+# llama: a prompt of one chunk (short prompts waiting together may share a padded prefill call);
+# gemma3: one past its sliding window (16).
+@pytest.mark.parametrize(("family", "length"), [("llama", 14), ("gemma3_text", 40)])
 async def test_the_choices_of_one_request_decode_the_same_bytes_however_they_arrive(
-    open_engine: Opener,
+    open_engine: Opener, family: str, length: int
 ) -> None:
-    path = cached_checkpoint("gemma3_text")
-    engine, decode_node = await open_engine(path), await open_engine(path)
-    prompt = prompt_of(40, salt=1)  # past the sliding window: rotating caches, merge lane
-    arrivals = [((0, 1), 0), ((0, 1), 3), ((1, 0), 2), ((0, 1), 6)]
+    path = cached_checkpoint(family)
+    decodes: list[frozenset[str]] = []  # the requests each decode call computed
+
+    def note(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode":
+            decodes.append(frozenset(request_ids))
+
+    engine = await open_engine(path, model_call_hook=note)
+    decode_node = await open_engine(path, model_call_hook=note)
+    prompt = prompt_of(length, salt=1)
+    arrivals = [((0, 1), 3), ((0, 1), 0), ((1, 0), 2), ((0, 1), 6), ((1, 0), 0)]
     runs = [await choices_decoded(engine, f"r{i}", prompt, order, apart)
             for i, (order, apart) in enumerate(arrivals)]
     handed = await choices_decoded(engine, "h", prompt, (0, 1), 4, decode=decode_node)
     for run in [*runs[1:], handed]:
         assert run == runs[0]  # every token and every logprob float, to the bit
     assert runs[0][0] != runs[0][1]  # the choices differ
+    # From its first decode call on, a request's choices decode side by side. (The reference BLAS
+    # of these tests keeps a slot-lane row's bits when it decodes alone; OpenBLAS does not.)
+    for group in [*(f"r{i}" for i in range(len(arrivals))), "h"]:
+        first = next(ids for ids in decodes if group in ids or f"{group}.1" in ids)
+        assert first == {group, f"{group}.1"}, first
+    # Queued together, the choices' prefills never shared a padded call: under OpenBLAS its rows
+    # differ from a prompt's own call in their last bits.
+    assert engine.device_profile()["prefill_batched"][0] == 0
     assert all(len(choice) == 12 and all(lp is not None for _, lp in choice) for choice in runs[0])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
-    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:
-    engine = await open_engine(cached_checkpoint("gemma3_text"))
+    engine = await open_engine(cached_checkpoint(family))
     prompt = prompt_of(40)
     # Choice 1 never reaches this node (another one decodes it): choice 0 waits its patience out.
     monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 0.2)

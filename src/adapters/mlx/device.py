@@ -12,10 +12,11 @@ Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in
 families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
 caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
-grammar (`response_format`) in families outside the slot lane. The merge lane pads its rows to
-each other, so a row's numbers depend on when its neighbours joined: the choices of one request
-(n > 1) wait for each other and join it in one step, in choice order (`joining_choices`), which
-makes their bytes the same on every run and on every node. Prefill is scheduled the same
+grammar (`response_format`) in families outside the slot lane. A row's numbers in a batched lane
+depend on the rows beside it (the merge lane pads them to each other; a call's row count picks
+its kernels): the choices of one request (n > 1) wait for each other and enter their lane in one
+step, in choice order (`joining_choices`), which makes their bytes the same on every run and on
+every node. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
 the loop itself kills the thread (the engine reports itself dead). This module imports mlx, mlx_lm
 and trio (only for trio tokens); statecore and effects never import it.
@@ -165,11 +166,12 @@ class Live:
 
 @dataclass(eq=False)
 class _Gathering:
-    """The choices of one request (n > 1) that reached the merge lane, waiting for the others."""
+    """The choices of one request (n > 1) that reached a batched lane, waiting for the others."""
 
     choices: int
     seen: float  # time.monotonic() when a missing choice was last known to be on its way here
-    arrived: dict[int, tuple[Live, list[Any], list[int]]] = field(default_factory=dict)  # row, cache, prompt
+    # choice -> (its row, its prompt's cache, the prompt, its lane)
+    arrived: dict[int, tuple[Live, list[Any], list[int], str]] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
 
 
@@ -678,9 +680,13 @@ class DeviceLoop:
         outputs: list[Any] = []
         tasks = [(self.waiting[w.request_id], w.units) for w in work]
         # Only prompts planned to finish this step: a batched call computes all of each prompt.
+        # Not a choice of n > 1: whether its siblings' prefills wait beside it is a matter of
+        # timing, and the rows of a padded call differ from a prompt's own call in their last bits
+        # (OpenBLAS); alone, a choice prefills as on any other node.
         finishing = {w.request_id for w in work if w.finishes}
         short = [task for task, _ in tasks
-                 if self.short_batching and task.is_short and task.request_id in finishing]
+                 if self.short_batching and task.is_short and task.request_id in finishing
+                 and task.sampler.sampling.choices == 1]
         if len(short) > 1:
             lengths = [len(task.tokens) for task in short]
             for group in padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch):
@@ -986,7 +992,17 @@ class DeviceLoop:
         return "solo"
 
     def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """Put a request with its prompt's cache into `lane` (the caller checked capacity)."""
+        """Put a request with its prompt's cache into `lane` (the caller checked capacity); a
+        choice of n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
+        if lane != "solo" and live.sampler.sampling.choices > 1:
+            self.gather(live, cache, prompt, lane)
+        else:
+            self.enter(live, cache, prompt, lane)
+        self.live[live.request_id] = live
+        if self.gathering:
+            self.release_choices()
+
+    def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
         needed = len(prompt) + live.remaining + 2
         if lane == "slot":
             assert self.pool is not None
@@ -999,30 +1015,26 @@ class DeviceLoop:
             live.slot = slot
             live.offset = len(prompt)
             self.unreserve(live.request_id)  # its KV lives in the pool now
-        elif lane == "merge" and live.sampler.sampling.choices > 1:
-            self.gather(live, cache, prompt)
         elif lane == "merge":
             self.merge_insert(live, cache, prompt)
         else:
             live.solo_cache = cache
-        self.live[live.request_id] = live
-        if self.gathering:
-            self.release_choices()
 
-    # -- the choices of one request (n > 1) in the merge lane ----------------------------------
+    # -- the choices of one request (n > 1) in a batched lane ----------------------------------
 
-    def gather(self, live: Live, cache: list[Any], prompt: list[int]) -> None:
-        """A choice reaches the merge lane: it waits for the request's other choices, and joins
-        with them. One that comes after its siblings already decode here joins at once."""
+    def gather(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
+        """A choice reaches its lane: it waits for the request's other choices, and enters with
+        them. One that comes after its siblings already decode here enters at once."""
         sampling = live.sampler.sampling
         group = self.gathering.get(sampling.choice_group)
         if group is None:
-            if any(other.uid is not None and other.sampler.sampling.choice_group == sampling.choice_group
+            if any((other.uid is not None or other.slot is not None)
+                   and other.sampler.sampling.choice_group == sampling.choice_group
                    for other in self.live.values()):
-                self.merge_insert(live, cache, prompt)
+                self.enter(live, cache, prompt, lane)
                 return
             group = self.gathering[sampling.choice_group] = _Gathering(sampling.choices, time.monotonic())
-        group.arrived[sampling.choice] = (live, cache, prompt)
+        group.arrived[sampling.choice] = (live, cache, prompt, lane)
         group.seen = time.monotonic()
 
     def choice_ended(self, sampling: SamplingParams | None) -> None:
@@ -1036,7 +1048,8 @@ class DeviceLoop:
         self.release_choices()
 
     def release_choices(self) -> None:
-        """Every request whose arrived choices may join now joins: in one step, in choice order."""
+        """Every request whose arrived choices may enter their lane now enters it: in one step, in
+        choice order (in the slot lane each takes the lowest free slot, so the same ones)."""
         now = time.monotonic()
         for key, group in list(self.gathering.items()):
             missing = set(range(group.choices)) - set(group.arrived) - group.ended
@@ -1050,17 +1063,15 @@ class DeviceLoop:
             if not joining:
                 continue
             del self.gathering[key]
-            rows = [group.arrived[choice] for choice in joining]
-            try:
-                for live, cache, prompt in rows:
-                    self.merge_insert(live, cache, prompt)
-            except Exception as exc:  # the generator refused them: those requests fail, nothing else
-                logger.exception("the choices of %s could not join the batch", key)
-                error = engine_failed(f"joining the batch failed: {type(exc).__name__}: {exc}")
-                deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-                for live, _, _ in rows:
-                    self.end(live, error, deliveries)
-                self.hand_out(deliveries)
+            deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+            for choice in joining:
+                live, cache, prompt, lane = group.arrived[choice]
+                try:
+                    self.enter(live, cache, prompt, lane)
+                except Exception as exc:  # this choice fails (its slot's copy kept raising), nothing else
+                    logger.exception("request %s could not enter the %s lane", live.request_id, lane)
+                    self.end(live, as_statecore(exc), deliveries)
+            self.hand_out(deliveries)
 
     def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
         """Whether one of a request's `choices` is prefilling here, or prefilled and held here."""
