@@ -324,6 +324,7 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "modalities": _neutral(["text"]),
     "audio": _neutral(),
     "prediction": _neutral(),
+    "web_search_options": _neutral(),  # OpenAI searches the web before answering; nothing here does
 }
 
 
@@ -1506,7 +1507,7 @@ class Frontend:
                     Fault.UNSUPPORTED,
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-                    "(no echo, suffix, best_of, functions or guided_* decoding are served)",
+                    "(no echo, suffix, best_of, functions, guided_* decoding or web search are served)",
                     names[0],
                 )
             )

@@ -1245,9 +1245,10 @@ def choice_of(group: str, choice: int) -> SamplingParams:
 
 async def steps_taken_or_gathering(engine: MlxEngine, steps: int) -> None:
     """Until the device ran `steps` more steps, or holds choices waiting for each other (it takes
-    no step for them until all come)."""
+    no step for them until all come), or has nothing left to decode."""
     start = engine.device_profile()["step"][0]
-    while engine.device_profile()["step"][0] < start + steps and not engine._device.gathering:
+    while (engine.device_profile()["step"][0] < start + steps and not engine._device.gathering
+           and engine.statistics().decoding):
         await trio.sleep(0.005)
 
 
@@ -1287,7 +1288,8 @@ async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], 
                 await engine.release_held(rids[c])
                 await decode.install(rids[c], payload, prompt, firsts[c].first_token, choice_of(group, c))
             nursery.start_soon(drain, c)
-            await steps_taken_or_gathering(target, steps_apart)
+            if c != order[-1]:
+                await steps_taken_or_gathering(target, steps_apart)
     return [[(firsts[c].first_token, firsts[c].first_logprobs), *((g.token, g.logprobs) for g in rest[c])]
             for c in sorted(order)]
 

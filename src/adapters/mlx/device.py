@@ -852,6 +852,8 @@ class DeviceLoop:
         if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
             del group.arrived[sampling.choice]
             group.ended.add(sampling.choice)
+            if not group.arrived:  # nobody of it waits any more
+                del self.gathering[sampling.choice_group]
         if live.slot is not None and self.pool is not None:
             self.pool.give_back(live.slot)
             live.slot = None
@@ -1055,9 +1057,6 @@ class DeviceLoop:
             missing = set(range(group.choices)) - set(group.arrived) - group.ended
             if missing and self.choices_on_their_way(key, missing):
                 group.seen = now
-            if not group.arrived:  # the arrived ones were cancelled: nobody waits
-                del self.gathering[key]
-                continue
             joining = joining_choices(group.choices, group.arrived, group.ended, now - group.seen,
                                       CHOICE_PATIENCE_S)
             if not joining:
