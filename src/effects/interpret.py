@@ -311,7 +311,8 @@ class RouterPerformer:
         nid = ctx.node_request_id(rid)
         try:
             local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
-            ctx.decode_node = self._take(self.pick("decode", ctx.tried, local_prompt, nid))
+            decode_node = self._siblings_decode_node(ctx) or self.pick("decode", ctx.tried, local_prompt, nid)
+            ctx.decode_node = self._take(decode_node)
             ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
@@ -332,6 +333,20 @@ class RouterPerformer:
                 return
             raise
         await self._first(reply, ctx, post)
+
+    def _siblings_decode_node(self, ctx: RoutedRequest) -> str | None:
+        """Where another choice of the same client request (n > 1) decodes, unless this attempt
+        avoids it: the choices decode side by side there, as on a single node, whose bytes they
+        then are (a batched row's last bits depend on the rows beside it)."""
+        sampling = ctx.sampling
+        if sampling.choices <= 1:
+            return None
+        for other in self.requests.values():
+            node = other.decode_node
+            if (other is not ctx and node is not None and node not in ctx.tried
+                    and other.sampling.choice_group == sampling.choice_group and other.sampling.choices > 1):
+                return node
+        return None
 
     def _blame(self, node: str | None, error: ErrorInfo) -> None:
         """Tell peer health that this node failed at the transport level."""
