@@ -61,6 +61,9 @@ class SamplingBody(_Strict):
     frequency_context_size: int = Field(default=20, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     response_format: str | None = Field(default=None, min_length=1)
+    choice_group: str = Field(default="", max_length=200)
+    choice: int = Field(default=0, ge=0)
+    choices: int = Field(default=1, ge=1)
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:

@@ -324,6 +324,7 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "modalities": _neutral(["text"]),
     "audio": _neutral(),
     "prediction": _neutral(),
+    "web_search_options": _neutral(),  # OpenAI searches the web before answering; nothing here does
 }
 
 
@@ -597,12 +598,16 @@ class _Job:
     def choice_request(self, index: int) -> GenerationRequest:
         """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
         when a seed was given (else its seed derives from that id): both are the same on every
-        node, so the cluster's choices equal a single node's."""
-        if index == 0:
+        node, so the cluster's choices equal a single node's. With n > 1 each one says which
+        choice of the request it is, so that the engine decodes them side by side."""
+        if self.choices == 1:
             return GenerationRequest(self.request_id, self.prompt, self.sampling)
+        grouped = replace(self.sampling, choice_group=self.request_id, choice=index, choices=self.choices)
+        if index == 0:
+            return GenerationRequest(self.request_id, self.prompt, grouped)
         seed = None if self.sampling.seed is None else (self.sampling.seed + index) % 2**64
         return GenerationRequest(RequestId(f"{self.request_id}.{index}"), self.prompt,
-                                 replace(self.sampling, seed=seed))
+                                 replace(grouped, seed=seed))
 
     @property
     def response_id(self) -> str:
@@ -1502,7 +1507,7 @@ class Frontend:
                     Fault.UNSUPPORTED,
                     Code.UNSUPPORTED_PARAMETER,
                     f"unsupported parameter{'s' if len(names) > 1 else ''}: {', '.join(names)} "
-                    "(no echo, suffix, best_of, functions or guided_* decoding are served)",
+                    "(no echo, suffix, best_of, functions, guided_* decoding or web search are served)",
                     names[0],
                 )
             )

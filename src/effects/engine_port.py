@@ -76,6 +76,13 @@ class SamplingParams:
     # `{"type":"json_object"}` or `{"type":"json_schema","schema":{...}}`); every draw, the first
     # one on the prefill node included, takes only what its grammar allows. None: free text.
     response_format: str | None = None
+    # n > 1: this request is choice `choice` of the `choices` generations one client request asked
+    # for, all sharing `choice_group` (the client's request id). An engine decodes a group side by
+    # side in a fixed layout (in mlx-lm's batch generator they join its batch in one step, in choice
+    # order), so a choice's numbers do not depend on when each one arrived.
+    choice_group: str = ""
+    choice: int = 0
+    choices: int = 1
 
     @property
     def greedy(self) -> bool:

@@ -273,10 +273,19 @@ class RouterPerformer:
         self.max_attempts = max_attempts
         self.in_flight = in_flight if in_flight is not None else {}
         self.on_peer_failure = on_peer_failure
+        # The live choices of each client request with n > 1 (SamplingParams.choice_group): where
+        # one decodes, the others follow. Entries leave with `forget`.
+        self.choice_groups: dict[str, list[RoutedRequest]] = {}
 
     def forget(self, request_id: RequestId, context: object) -> None:
         if isinstance(context, RoutedRequest):
             self._release_nodes(context)
+            key = context.sampling.choice_group
+            group = self.choice_groups.get(key)
+            if group is not None:
+                group[:] = [other for other in group if other is not context]
+                if not group:
+                    del self.choice_groups[key]
 
     def _take(self, node: str) -> str:
         self.in_flight[node] = self.in_flight.get(node, 0) + 1
@@ -332,10 +341,12 @@ class RouterPerformer:
             if self.route is not None:
                 choice = self.route(ctx.tried, ctx.prompt, nid)
                 ctx.local = choice.local
-                ctx.decode_node = self._take(choice.decode.node)
+                routed = choice.decode.node
             else:
                 local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
-                ctx.decode_node = self._take(self.pick("decode", ctx.tried, local_prompt, nid))
+                routed = self.pick("decode", ctx.tried, local_prompt, nid)
+            # every choice of one request decodes where its first one went (the same bytes)
+            ctx.decode_node = self._take(self._siblings_decode_node(ctx) or routed)
             ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
@@ -357,6 +368,22 @@ class RouterPerformer:
                 return
             raise
         await self._first(reply, ctx, post)
+
+    def _siblings_decode_node(self, ctx: RoutedRequest) -> str | None:
+        """Where another choice of the same client request (n > 1) decodes, unless this attempt
+        avoids it: the choices decode side by side there, as on a single node, whose bytes they
+        then are (a batched row's last bits depend on the rows beside it)."""
+        sampling = ctx.sampling
+        if sampling.choices <= 1 or not sampling.choice_group:
+            return None
+        group = self.choice_groups.setdefault(sampling.choice_group, [])
+        if not any(other is ctx for other in group):
+            group.append(ctx)
+        for other in group:
+            node = other.decode_node
+            if other is not ctx and node is not None and node not in ctx.tried:
+                return node
+        return None
 
     def _blame(self, node: str | None, error: ErrorInfo) -> None:
         """Tell peer health that this node failed, when the policy blames it."""

@@ -14,15 +14,17 @@ later, or never. Under a memory budget a step's prefill is also capped by its tr
 activations: `activation_bytes` estimates one model call's from the model's shape (`ModelShape`),
 `chunk_activation_bytes` / `prefill_work_bytes` / `batched_prefill_bytes` price a step's prefill
 work, and `fit_activations` keeps of the planned calls what fits beside the KV held (the oldest
-prompt always advances, alone if it must). The engine (`adapters.mlx`) performs the plan; nothing
-here touches a device.
+prompt always advances, alone if it must). `joining_choices` decides when the choices of one
+request (n > 1) join a batch whose rows are padded to each other (mlx-lm's batch generator):
+together, in choice order.
+The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "bucketed",
     "chunk_activation_bytes",
     "fit_activations",
+    "joining_choices",
     "kv_admission",
     "padding_groups",
     "plan_step",
@@ -311,3 +314,21 @@ def fit_activations(calls: Sequence[Sequence[int]], allowance: int) -> tuple[int
         if count:
             left -= prefix[count - 1]
     return tuple(kept)
+def joining_choices(choices: int, arrived: Collection[int], ended: Collection[int], waited_s: float,
+                    patience_s: float) -> tuple[int, ...]:
+    """Which of a request's `choices` choices that reached the batch (`arrived`) join it now, in
+    choice order (their rows' order); () while they wait.
+
+    A row's numbers in such a batch depend on the rows beside it and on how each was padded when
+    it joined, so the choices join in one step, once every one has arrived or `ended` (it ended
+    at its first token, failed or was cancelled): the same request then computes the same bytes
+    on every run and on every node. A missing choice that was last seen on this node `waited_s`
+    ago, `patience_s` or more, is not waited for (it decodes elsewhere, or ended unseen).
+    """
+    if choices < 1 or not patience_s >= 0.0:
+        raise ValueError("a request has at least one choice and patience is >= 0")
+    if not arrived:
+        return ()
+    if len(set(arrived) | set(ended)) < choices and waited_s < patience_s:
+        return ()
+    return tuple(sorted(arrived))

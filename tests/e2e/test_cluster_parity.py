@@ -3,7 +3,7 @@
 For every cache family (plain KV, sliding window, hybrid linear attention, CacheList, SSM state,
 chunked attention) and in bfloat16 and float16 too: completions and chat, streaming and not,
 greedy and seeded, with and without logits shaping (bias, penalties, min_p), under a JSON schema
-(response_format); bodies equal once
+(response_format), several choices (n) with logprobs; bodies equal once
 `id` and `created` are dropped; every SSE chunk equal; usage
 equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
 the decode node's receive buffers, each one equal to the single node.
@@ -46,13 +46,15 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": LONG, "max_tokens": 16, "temperature": 0, "repetition_penalty": 1.3,
                          "presence_penalty": 0.5, "frequency_penalty": 0.3, "frequency_context_size": 8,
                          "logit_bias": {"17": 4.0, "30": -100}, "logprobs": 2}),
-    # Seeded shaping and XTC; n: choice 1 runs as its own request with seed + 1, on both. Not with
-    # logprobs: in mlx-lm's batch generator (gemma3_text) the choices' logprob floats vary from run
-    # to run even on one node (they join at different steps); docs/api.md says so.
+    # Seeded shaping and XTC; n: choice 1 runs as its own request with seed + 1, on both, and the
+    # two join mlx-lm's batch generator (gemma3_text, qwen3_next, falcon_h1, mamba2) in one step on
+    # either node, so even their logprob floats are equal.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 14, "temperature": 0.8, "min_p": 0.05, "seed": 3,
                               "presence_penalty": 2.0, "repetition_context_size": 5, "xtc_probability": 0.5,
-                              "xtc_threshold": 0.05, "n": 2}),
+                              "xtc_threshold": 0.05, "n": 2, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 12, "temperature": 0.9, "seed": 21, "n": 3,
+                         "logprobs": 3}),
     # Structured output: the decode node's grammar starts from the prefill node's first token.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the sea blue? Answer in JSON."}],
                               "max_tokens": 48, "temperature": 0.8, "seed": 7,

@@ -67,6 +67,21 @@ def test_eight_concurrent_requests_all_correct_on_both_decode_nodes(cluster: Clu
     assert_no_leaks(cluster.nodes)
 
 
+def test_the_choices_of_one_request_decode_side_by_side_on_one_decode_node(cluster: Cluster) -> None:
+    """n = 3 with logprobs over two decode nodes: the router sends every choice to the node the
+    first one went to, where they decode together as on the single node: the same floats."""
+    body = {"prompt": STORY, "max_tokens": 10, "temperature": 0.9, "seed": 4, "n": 3, "logprobs": 2}
+    expected = post(cluster.single, "/v1/completions", body).json()
+    for _ in range(2):  # each time on the decode node that the first choice was routed to
+        before = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
+        routed = post(cluster.router, "/v1/completions", body)
+        assert routed.status_code == 200, routed.text
+        assert without_ids(routed.json()) == without_ids(expected)
+        after = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
+        assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3], (before, after)
+    assert_no_leaks(cluster.nodes)
+
+
 def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None:
     base = {"prompt": STORY, "max_tokens": 24, "temperature": 0}
     full = _text(post(cluster.single, "/v1/completions", base))

@@ -1582,6 +1582,129 @@ async def test_seeded_logprobs_in_a_batch_come_with_every_token(open_engine: Ope
 
 
 # ---------------------------------------------------------------------------------------------
+# n > 1: the choices of one request enter a batched lane together: the slot lane (llama), mlx-lm's
+# batch generator (gemma3's rotating caches)
+
+
+def choice_of(group: str, choice: int) -> SamplingParams:
+    """Choice `choice` of a seeded n = 2 request with logprobs (seed + i, as the front end makes it)."""
+    return SamplingParams(max_tokens=12, temperature=0.8, seed=3 + choice, logprobs=2,
+                          choice_group=group, choice=choice, choices=2)
+
+
+async def steps_taken_or_gathering(engine: MlxEngine, steps: int) -> None:
+    """Until the device ran `steps` more steps, or holds choices waiting for each other (it takes
+    no step for them until all come), or has nothing left to decode."""
+    start = engine.device_profile()["step"][0]
+    while (engine.device_profile()["step"][0] < start + steps and not engine._device.gathering
+           and engine.statistics().decoding):
+        await trio.sleep(0.005)
+
+
+async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], order: Sequence[int],
+                          steps_apart: int, decode: MlxEngine | None = None) -> list[list[tuple[int, Any]]]:
+    """Each choice's (token, logprobs), the first from its prefill: both choices prefilled on
+    `engine` (one after the other, or with `steps_apart` 0 queued in one step), then put into the
+    decoder (there, or on `decode` after a handoff) in `order`, `steps_apart` device steps apart
+    (as their prefills may finish on a loaded node)."""
+    target = decode or engine
+    rids = {c: RequestId(group if c == 0 else f"{group}.{c}") for c in order}
+    firsts: dict[int, Any] = {}
+
+    async def prefill(choice: int) -> None:
+        firsts[choice] = await engine.prefill(rids[choice], prompt, choice_of(group, choice))
+
+    if steps_apart:
+        for c in order:
+            await prefill(c)
+    else:
+        gate = await hold_device(engine)
+        async with trio.open_nursery() as nursery:
+            for c in order:
+                nursery.start_soon(prefill, c)
+            await release_when_queued(engine, gate, len(order))
+    rest: dict[int, list[GeneratedToken]] = {}
+
+    async def drain(choice: int) -> None:
+        rest[choice] = await collect(target, rids[choice])
+
+    async with trio.open_nursery() as nursery:
+        for c in order:
+            if decode is None:
+                await engine.decode_held(rids[c], prompt, firsts[c].first_token, choice_of(group, c))
+            else:
+                payload = (await engine.export_held(rids[c])).joined()
+                await engine.release_held(rids[c])
+                await decode.install(rids[c], payload, prompt, firsts[c].first_token, choice_of(group, c))
+            nursery.start_soon(drain, c)
+            if c != order[-1]:
+                await steps_taken_or_gathering(target, steps_apart)
+    return [[(firsts[c].first_token, firsts[c].first_logprobs), *((g.token, g.logprobs) for g in rest[c])]
+            for c in sorted(order)]
+
+
+# llama: a prompt of one chunk (short prompts waiting together may share a padded prefill call);
+# gemma3: one past its sliding window (16).
+@pytest.mark.parametrize(("family", "length"), [("llama", 14), ("gemma3_text", 40)])
+async def test_the_choices_of_one_request_decode_the_same_bytes_however_they_arrive(
+    open_engine: Opener, family: str, length: int
+) -> None:
+    path = cached_checkpoint(family)
+    decodes: list[frozenset[str]] = []  # the requests each decode call computed
+
+    def note(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode":
+            decodes.append(frozenset(request_ids))
+
+    engine = await open_engine(path, model_call_hook=note)
+    decode_node = await open_engine(path, model_call_hook=note)
+    prompt = prompt_of(length, salt=1)
+    arrivals = [((0, 1), 3), ((0, 1), 0), ((1, 0), 2), ((0, 1), 6), ((1, 0), 0)]
+    runs = [await choices_decoded(engine, f"r{i}", prompt, order, apart)
+            for i, (order, apart) in enumerate(arrivals)]
+    handed = await choices_decoded(engine, "h", prompt, (0, 1), 4, decode=decode_node)
+    for run in [*runs[1:], handed]:
+        assert run == runs[0]  # every token and every logprob float, to the bit
+    assert runs[0][0] != runs[0][1]  # the choices differ
+    # From its first decode call on, a request's choices decode side by side. (The reference BLAS
+    # of these tests keeps a slot-lane row's bits when it decodes alone; OpenBLAS does not.)
+    for group in [*(f"r{i}" for i in range(len(arrivals))), "h"]:
+        first = next(ids for ids in decodes if group in ids or f"{group}.1" in ids)
+        assert first == {group, f"{group}.1"}, first
+    # Queued together, the choices' prefills never shared a padded call: under OpenBLAS its rows
+    # differ from a prompt's own call in their last bits.
+    assert engine.device_profile()["prefill_batched"][0] == 0
+    assert all(len(choice) == 12 and all(lp is not None for _, lp in choice) for choice in runs[0])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    engine = await open_engine(cached_checkpoint(family))
+    prompt = prompt_of(40)
+    # Choice 1 never reaches this node (another one decodes it): choice 0 waits its patience out.
+    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 0.2)
+    _, alone = await run_request(engine, RequestId("p"), prompt, choice_of("p", 0))
+    assert len(alone) == 11 and alone[-1].finish_reason == "length"
+    # Choice 1 ends at its first token (its held cache is released): nobody waits for it.
+    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 600.0)
+    first = await engine.prefill(RequestId("e"), prompt, choice_of("e", 0))
+    await engine.prefill(RequestId("e.1"), prompt, choice_of("e", 1))
+    await engine.decode_held(RequestId("e"), prompt, first.first_token, choice_of("e", 0))
+    assert engine._device.gathering  # choice 1 is held here: on its way
+    await engine.release_held(RequestId("e.1"))
+    with trio.fail_after(60):
+        assert len(await collect(engine, RequestId("e"))) == 11
+    # Cancelled while it waits: it leaves, and holds nothing.
+    first = await engine.prefill(RequestId("c"), prompt, choice_of("c", 0))
+    await engine.decode_held(RequestId("c"), prompt, first.first_token, choice_of("c", 0))
+    await engine.cancel(RequestId("c"))
+    await flush(engine)
+    assert not engine._device.gathering and holdings(engine) == IDLE
+
+
+# ---------------------------------------------------------------------------------------------
 # Structured output: response_format by constrained decoding
 
 

@@ -366,6 +366,9 @@ async def test_n_choices_are_generations_of_their_own_in_one_body(
     requests = [g.request for g in backend.generations]
     assert [r.request_id for r in requests] == ["abc", "abc.1", "abc.2"]
     assert [r.sampling.seed for r in requests] == [7, 8, 9]
+    # each says which choice of which request it is (the engine decodes them side by side)
+    assert [(r.sampling.choice_group, r.sampling.choice, r.sampling.choices) for r in requests] == [
+        ("abc", 0, 3), ("abc", 1, 3), ("abc", 2, 3)]
     backend.scripts.extend(say(frontend, text, "stop") for text in texts[:2])
     await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 9, "n": 2})
     assert [g.request.sampling.seed for g in backend.generations[-2:]] == [None, None]  # from the ids
@@ -743,6 +746,8 @@ BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
      _json({"messages": _USER, "top_logprobs": 2}), 400, "invalid_request"),
     ("best_of", "/v1/completions", _json({"prompt": "Hi", "best_of": 3}), 422, "unsupported_parameter"),
     ("echo", "/v1/completions", _json({"prompt": "Hi", "echo": True}), 422, "unsupported_parameter"),
+    ("web_search_options", "/v1/chat/completions", _json({"messages": _USER, "web_search_options": {}}), 422,
+     "unsupported_parameter"),
     ("min_p over 1", "/v1/completions", _json({"prompt": "Hi", "min_p": 1.5}), 400, "invalid_request"),
     ("negative repetition penalty", "/v1/completions", _json({"prompt": "Hi", "repetition_penalty": -1}), 400,
      "invalid_request"),

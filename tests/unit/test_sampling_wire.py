@@ -19,7 +19,8 @@ def test_every_sampling_field_crosses_the_wire_with_its_value() -> None:
                               repetition_penalty=1.1,
                               repetition_context_size=7, presence_penalty=-0.4, presence_context_size=3,
                               frequency_penalty=0.9, frequency_context_size=64, logprobs=3,
-                              response_format='{"type":"json_object"}')
+                              response_format='{"type":"json_object"}', choice_group="r", choice=1,
+                              choices=3)
     defaults = SamplingParams(max_tokens=1)
     assert all(getattr(sampling, f.name) != getattr(defaults, f.name) for f in fields(SamplingParams))
     assert set(SamplingBody.model_fields) == {f.name for f in fields(SamplingParams)}

@@ -2,7 +2,8 @@
 the properties — work units cover every layer of every chunk once, in order, within their size;
 the budget is never exceeded, the oldest prompt always advances, and every prompt reaches its
 first token within a bounded number of steps. Under a memory budget: the activation estimate's
-arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; nothing starves)."""
+arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; nothing starves).
+The choices of one request join a batch together."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from statecore.scheduling import (
     bucketed,
     chunk_activation_bytes,
     fit_activations,
+    joining_choices,
     kv_admission,
     padding_groups,
     plan_step,
@@ -371,3 +373,29 @@ def test_under_the_cap_every_prompt_is_scheduled(prompts: list[list[tuple[int, i
             del units[rid][:k]
             if not units[rid]:
                 del units[rid]
+# The choices of one request (n > 1) join a padded batch together
+
+
+@pytest.mark.parametrize(("choices", "arrived", "ended", "waited", "joining"), [
+    (2, {0}, set(), 0.0, ()),  # choice 1 is still on its way
+    (2, {1, 0}, set(), 0.0, (0, 1)),  # all here: together, in choice order
+    (3, {2, 0}, {1}, 0.0, (0, 2)),  # choice 1 ended at its first token
+    (3, {0}, {1}, 0.0, ()),
+    (2, {0}, set(), 0.5, ()),
+    (2, {1}, set(), 2.0, (1,)),  # choice 0 was not seen here for the whole patience
+    (2, set(), {0}, 9.0, ()),  # nobody to join
+    (1, {0}, set(), 0.0, (0,)),
+])
+def test_joining_choices_table(choices: int, arrived: set[int], ended: set[int], waited: float,
+                               joining: tuple[int, ...]) -> None:
+    assert joining_choices(choices, arrived, ended, waited, patience_s=2.0) == joining
+
+
+@given(st.integers(1, 8), st.sets(st.integers(0, 7)), st.sets(st.integers(0, 7)), st.floats(0.0, 10.0))
+def test_joining_choices_join_all_arrived_at_once_or_none(choices: int, arrived: set[int], ended: set[int],
+                                                         waited: float) -> None:
+    arrived, ended = {c for c in arrived if c < choices}, {c for c in ended if c < choices} - arrived
+    joining = joining_choices(choices, arrived, ended, waited, patience_s=2.0)
+    assert joining in ((), tuple(sorted(arrived)))
+    if arrived and (len(arrived) + len(ended) == choices or waited >= 2.0):
+        assert joining == tuple(sorted(arrived))  # never waits for nothing, never past its patience

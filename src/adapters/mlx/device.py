@@ -12,7 +12,11 @@ Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in
 families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
 caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
-grammar (`response_format`) in families outside the slot lane. Prefill is scheduled the same
+grammar (`response_format`) in families outside the slot lane. A row's numbers in a batched lane
+depend on the rows beside it (the merge lane pads them to each other; a call's row count picks
+its kernels): the choices of one request (n > 1) wait for each other and enter their lane in one
+step, in choice order (`joining_choices`), which makes their bytes the same on every run and on
+every node. Prefill is scheduled the same
 way for every family. A failing step fails the requests of that step only; an exception escaping
 the loop itself kills the thread (the engine reports itself dead).
 
@@ -30,6 +34,7 @@ mlx_lm and trio (only for trio tokens); statecore and effects never import it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
@@ -86,6 +91,7 @@ from statecore.scheduling import (
     bucketed,
     chunk_activation_bytes,
     fit_activations,
+    joining_choices,
     kv_admission,
     padding_groups,
     plan_step,
@@ -93,7 +99,7 @@ from statecore.scheduling import (
     prefill_work_bytes,
 )
 
-__all__ = ["SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
+__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -103,6 +109,9 @@ _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
 _KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
+# How long the merge lane's arrived choices of a request wait for a missing one not seen on this
+# node (decoding elsewhere, or ended before it came here) before they join without it.
+CHOICE_PATIENCE_S = 2.0
 
 
 
@@ -153,11 +162,13 @@ class Held:
     cache: list[Any]
     prompt_tokens: int
     nbytes: int
+    sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
 
 
 @dataclass(eq=False)
 class Live:
-    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set)."""
+    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set);
+    none yet while a choice of n > 1 waits for its siblings (`DeviceLoop.gathering`)."""
 
     request_id: str
     send: trio.MemorySendChannel[StreamItem]
@@ -174,6 +185,17 @@ class Live:
     limit: int = 0  # the most positions its cache may reach (prompt + max_tokens): what it attends at most
     prompt_tokens: int = 0
     conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
+
+
+@dataclass(eq=False)
+class _Gathering:
+    """The choices of one request (n > 1) that reached a batched lane, waiting for the others."""
+
+    choices: int
+    seen: float  # time.monotonic() when a missing choice was last known to be on its way here
+    # choice -> (its row, its prompt's cache, the prompt, its lane)
+    arrived: dict[int, tuple[Live, list[Any], list[int], str]] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -231,6 +253,7 @@ class DeviceLoop:
         self.live: dict[str, Live] = {}
         self.by_uid: dict[int, Live] = {}
         self.waiting: dict[str, PrefillTask] = {}
+        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for the merge lane
         self.arrivals = 0
         self.inflight: _InFlight | None = None
         self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
@@ -415,11 +438,14 @@ class DeviceLoop:
 
     def run(self) -> None:
         while True:
-            busy = bool(self.live or self.waiting or self.inflight)
+            gathered = sum(len(group.arrived) for group in self.gathering.values())
+            busy = bool(len(self.live) > gathered or self.waiting or self.inflight)
             jobs: list[Job[Any] | Stop | Crash] = []
             if not busy:
                 self.idle = True
-                jobs.append(self.queue.get())
+                # Choices waiting for each other wake the loop when their patience ends.
+                with contextlib.suppress(queue.Empty):
+                    jobs.append(self.queue.get(timeout=self.gathering_timeout()))
                 # progress_at before idle: a reader that sees busy also sees a fresh start time.
                 self.progress_at = time.monotonic()
                 self.idle = False
@@ -534,6 +560,7 @@ class DeviceLoop:
         if previous is not None:
             self.read_back(previous)
         # Lanes that evaluate on their own: mlx-lm's BatchGenerator, then the solo requests.
+        self.release_choices()
         if self.by_uid:
             self.merge_step()
         for live in [lv for lv in self.live.values() if lv.solo_cache is not None]:
@@ -713,9 +740,13 @@ class DeviceLoop:
         outputs: list[Any] = []
         tasks = [(self.waiting[w.request_id], w.units) for w in work]
         # Only prompts planned to finish this step: a batched call computes all of each prompt.
+        # Not a choice of n > 1: whether its siblings' prefills wait beside it is a matter of
+        # timing, and the rows of a padded call differ from a prompt's own call in their last bits
+        # (OpenBLAS); alone, a choice prefills as on any other node.
         finishing = {w.request_id for w in work if w.finishes}
         short = [task for task, _ in tasks
-                 if self.short_batching and task.is_short and task.request_id in finishing]
+                 if self.short_batching and task.is_short and task.request_id in finishing
+                 and task.sampler.sampling.choices == 1]
         groups: list[list[PrefillTask]] = []
         if len(short) > 1:
             lengths = [len(task.tokens) for task in short]
@@ -764,6 +795,7 @@ class DeviceLoop:
                 logger.exception("prefill failed for %s", task.request_id)
                 del self.waiting[task.request_id]
                 self.unreserve(task.request_id)
+                self.choice_ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             if task.finished and task.keeps_only:
@@ -983,7 +1015,7 @@ class DeviceLoop:
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
-                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes)
+                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
                 logprobs = read_logprobs(task.sampler.take_logprobs())
                 outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens)
                 finished.append((task, Outcome(value=outcome)))
@@ -1031,6 +1063,13 @@ class DeviceLoop:
         if self.live.get(live.request_id) is live:
             del self.live[live.request_id]
             self.unreserve(live.request_id)
+        sampling = live.sampler.sampling
+        group = self.gathering.get(sampling.choice_group) if sampling.choices > 1 else None
+        if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
+            del group.arrived[sampling.choice]
+            group.ended.add(sampling.choice)
+            if not group.arrived:  # nobody of it waits any more
+                del self.gathering[sampling.choice_group]
         if live.slot is not None and self.pool is not None:
             self.pool.give_back(live.slot)
             live.slot = None
@@ -1171,7 +1210,17 @@ class DeviceLoop:
         return "solo"
 
     def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """Put a request with its prompt's cache into `lane` (the caller checked capacity)."""
+        """Put a request with its prompt's cache into `lane` (the caller checked capacity); a
+        choice of n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
+        if lane != "solo" and live.sampler.sampling.choices > 1:
+            self.gather(live, cache, prompt, lane)
+        else:
+            self.enter(live, cache, prompt, lane)
+        self.live[live.request_id] = live
+        if self.gathering:
+            self.release_choices()
+
+    def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
         needed = len(prompt) + live.remaining + 2
         live.limit = needed
         if lane == "slot":
@@ -1189,7 +1238,69 @@ class DeviceLoop:
             self.merge_insert(live, cache, prompt)
         else:
             live.solo_cache = cache
-        self.live[live.request_id] = live
+
+    # -- the choices of one request (n > 1) in a batched lane ----------------------------------
+
+    def gather(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
+        """A choice reaches its lane: it waits for the request's other choices, and enters with
+        them. One that comes after its siblings already decode here enters at once."""
+        sampling = live.sampler.sampling
+        group = self.gathering.get(sampling.choice_group)
+        if group is None:
+            if any((other.uid is not None or other.slot is not None)
+                   and other.sampler.sampling.choice_group == sampling.choice_group
+                   for other in self.live.values()):
+                self.enter(live, cache, prompt, lane)
+                return
+            group = self.gathering[sampling.choice_group] = _Gathering(sampling.choices, time.monotonic())
+        group.arrived[sampling.choice] = (live, cache, prompt, lane)
+        group.seen = time.monotonic()
+
+    def choice_ended(self, sampling: SamplingParams | None) -> None:
+        """A choice that will not decode here (it ended at its first token, failed, or was
+        cancelled): its siblings stop waiting for it."""
+        if sampling is None or sampling.choices <= 1:
+            return
+        group = self.gathering.get(sampling.choice_group)
+        if group is not None:
+            group.ended.add(sampling.choice)
+        self.release_choices()
+
+    def release_choices(self) -> None:
+        """Every request whose arrived choices may enter their lane now enters it: in one step, in
+        choice order (in the slot lane each takes the lowest free slot, so the same ones)."""
+        now = time.monotonic()
+        for key, group in list(self.gathering.items()):
+            missing = set(range(group.choices)) - set(group.arrived) - group.ended
+            if missing and self.choices_on_their_way(key, missing):
+                group.seen = now
+            joining = joining_choices(group.choices, group.arrived, group.ended, now - group.seen,
+                                      CHOICE_PATIENCE_S)
+            if not joining:
+                continue
+            del self.gathering[key]
+            deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+            for choice in joining:
+                live, cache, prompt, lane = group.arrived[choice]
+                try:
+                    self.enter(live, cache, prompt, lane)
+                except Exception as exc:  # this choice fails (its slot's copy kept raising), nothing else
+                    logger.exception("request %s could not enter the %s lane", live.request_id, lane)
+                    self.end(live, as_statecore(exc), deliveries)
+            self.hand_out(deliveries)
+
+    def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
+        """Whether one of a request's `choices` is prefilling here, or prefilled and held here."""
+        samplings = [task.sampler.sampling for task in self.waiting.values()]
+        samplings += [held.sampling for held in self.held.values() if held.sampling is not None]
+        return any(s.choice_group == group and s.choice in choices for s in samplings)
+
+    def gathering_timeout(self) -> float | None:
+        """Seconds until the first waiting request's patience ends (None: nobody waits)."""
+        if not self.gathering:
+            return None
+        now = time.monotonic()
+        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
 
     def merge_insert(self, live: Live, cache: list[Any], tokens: list[int]) -> None:
         """Hand a row to mlx-lm's batch generator: `cache` holds everything before its last token."""
@@ -1230,10 +1341,13 @@ class DeviceLoop:
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
-        self.held.pop(request_id, None)
+        held = self.held.pop(request_id, None)
+        if held is not None and request_id not in self.live:
+            self.choice_ended(held.sampling)
         self.unreserve(request_id)
         task = self.waiting.pop(request_id, None)
         if task is not None:
+            self.choice_ended(task.sampler.sampling)
             self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
         leaving = self.live.get(request_id)
@@ -1263,6 +1377,7 @@ class DeviceLoop:
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
         self.waiting.clear()
+        self.gathering.clear()
         self.live.clear()
         self.by_uid.clear()
         self.held.clear()

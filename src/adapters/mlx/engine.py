@@ -382,6 +382,7 @@ class MlxEngine:
         held = device.held.pop(request_id, None)
         if held is not None and request_id not in device.live:  # (decoding: it keeps its share)
             device.unreserve(request_id)
+            device.choice_ended(held.sampling)  # it will not decode here
         self._publish()
         return 0 if held is None else held.nbytes
 
@@ -642,6 +643,7 @@ class MlxEngine:
                 # The first token already ended the request: an empty stream.
                 device.held.pop(request_id, None)
                 device.unreserve(request_id)
+                device.choice_ended(sampling)
                 post(token, deliver, [(send, None, True)])
                 self._publish()
                 return
