@@ -849,6 +849,13 @@ class DeviceLoop:
                                   sampled=True) if rows else 0
         pool = 0 if self.pool is None else self.pool.nbytes
         room = self.settings.kv_memory_bytes - pool - self.reserved_bytes
+        # A keep task is optional work: one whose next unit alone does not fit beside everything
+        # held (kept prefixes included) is dropped, never run over the budget nor evicting blocks.
+        kept_room = room - decode - (0 if self.prefix is None else self.prefix.nbytes)
+        for call in [call for call in calls if call[3].keeps_only and call[1][0] > kept_room]:
+            calls.remove(call)
+            del self.waiting[call[3].request_id]
+            self.unreserve(call[3].request_id)
         if self.prefix is not None:
             # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
             if calls:
@@ -899,6 +906,7 @@ class DeviceLoop:
         """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
         count serving traffic."""
         self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
+
     def keep_conversation(self, live: Live) -> None:
         """A request ended normally: queue the keep task of its conversation's whole chunks (when
         its prompt's blocks are cached and the memory is free now; else nothing is kept)."""
