@@ -3,14 +3,20 @@ backend on the CPU, each holding half the layers of a tiny qwen3_next (hybrid: l
 ArraysCache layers and full-attention KVCache layers on each rank). A two-rank single node answers
 as a one-rank node does (greedy and seeded, one at a time and batched); a model family mlx-lm
 cannot pipeline, or both modes at once, are refused before anything starts (exit 2); a handoff to
-or from a pipeline instance fails its request alone with a typed 422 `unsupported_cache`."""
+or from a pipeline instance fails its request alone with a typed 422 `unsupported_cache`; a rank
+killed mid-stream ends the stream with a typed error and the instance exits 3 (as tensor parallel)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -85,3 +91,30 @@ def test_a_handoff_to_or_from_a_pipeline_fails_its_request_typed(tmp_path: Path)
         assert_no_leaks([prefill2, decode2])
     finally:
         stop_all([from_two, to_two, *engines])
+
+
+def test_a_pipeline_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> None:
+    node = Node("single", ["--model", str(hybrid_model()), *PP2, "--stall-timeout", "5"],
+                tmp_path / "two.log")
+    start_nodes([node])
+    assert node.process is not None
+    try:
+        found = re.search(r"started tensor-parallel rank 1 of 2 \(pid (\d+)\)", node.log.read_text())
+        assert found, node.tail()
+        body = {"prompt": "A long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        events: list[Any] = []
+        started = time.monotonic()
+        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == 5:
+                    os.kill(int(found.group(1)), signal.SIGKILL)
+        assert time.monotonic() - started < 30
+        assert events[-1]["error"]["code"] in {"engine_failed", "transport_lost"}, events[-1]
+        assert node.process.wait(timeout=30) == 3
+    finally:
+        if node.process.poll() is None:
+            node.process.kill()
