@@ -282,6 +282,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
                           "--hostfile or MLX's launch environment the ranks start on this machine "
                           "(ring backend over 127.0.0.1) (default 1)")
+    run.add_argument("--pipeline-parallel", type=_whole(1), default=1, metavar="N",
+                     help="prefill, decode, single: run the instance as N ranks as --tensor-parallel does, "
+                          "each holding a share of the model's layers (mlx-lm's pipeline: qwen2, qwen3_moe, "
+                          "qwen3_next, qwen3_5, deepseek_v3, glm4_moe, ...; see docs/operations.md); not "
+                          "with --tensor-parallel; its caches do not hand off (default 1)")
     run.add_argument("--distributed-backend", default="ring", choices=("ring", "nccl", "jaccl", "mpi", "any"),
                      help="with --tensor-parallel: MLX's distributed backend (mlx.launch --backend; nccl "
                           "on CUDA, jaccl for RDMA over Thunderbolt) (default ring)")
@@ -996,7 +1001,7 @@ def run_command(args: argparse.Namespace) -> int:
         hold_stop_signals()
         return trio.run(run_router, args, _listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
-    if args.tensor_parallel > 1:
+    if args.tensor_parallel > 1 or args.pipeline_parallel > 1:
         from adapters.tensor_parallel import run_tensor_parallel
 
         return _exit_now(run_tensor_parallel(args, role))

@@ -9,12 +9,17 @@ given. Rank 0 is the node (HTTP front end, scheduler, engine); the others load t
 follow rank 0's plans (`adapters.mlx.distributed.LockstepLoop`) until it stops them, it goes
 silent for `--stall-timeout`, or the group breaks: then they exit 3, and so does rank 0 when a
 rank is lost (its engine dies or stalls: /health 503, its requests fail), for a supervisor to
-restart the instance. mlx is imported only after the BLAS choice (adapters.serve).
+restart the instance. `--pipeline-parallel N` starts the same N ranks, each holding a share of
+the layers instead of the heads (`adapters.mlx.distributed`'s paragraph); a model family that
+mlx-lm cannot pipeline is refused before any rank starts (exit 2), as is asking for both modes.
+mlx is imported only after the BLAS choice (adapters.serve).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -47,7 +52,15 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     from adapters.mlx.distributed import RANK_ENV, exited_rank, join_group, start_local_ranks
     from adapters.serve import _listener_for, hold_stop_signals, run_engine_node
 
-    size = args.tensor_parallel
+    pipeline = args.pipeline_parallel > 1
+    if pipeline and args.tensor_parallel > 1:
+        print("statecore: --tensor-parallel and --pipeline-parallel cannot be combined: an instance "
+              "shards its model by heads or by layers, not both", file=sys.stderr)
+        return 2
+    size = args.pipeline_parallel if pipeline else args.tensor_parallel
+    if pipeline and (refusal := _pipeline_refusal(args)) is not None:
+        print(f"statecore: {refusal}", file=sys.stderr)
+        return 2
     children: list[subprocess.Popen[bytes]] = []
     if RANK_ENV not in os.environ:
         if args.hostfile is not None:
@@ -58,17 +71,34 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
         listener = _listener_for(args)
     else:
         joined = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout))
-        return _follow(args, role, joined)
+        return _follow(args, role, dataclasses.replace(joined, pipeline=pipeline))
     hold_stop_signals()
     code = 1
     try:
-        tensor = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout),
+        joined = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout),
                             partial(exited_rank, children))
-        log.info("rank 0 of a %s instance of %d ranks (%s backend)", role, size, args.distributed_backend)
+        tensor = dataclasses.replace(joined, pipeline=pipeline)
+        log.info("rank 0 of a %s instance of %d ranks (%s parallel, %s backend)", role, size,
+                 "pipeline" if pipeline else "tensor", args.distributed_backend)
         code = trio.run(run_engine_node, args, role, listener, tensor)
         return code
     finally:
         _reap(children, lost=code != 0)
+
+
+def _pipeline_refusal(args: argparse.Namespace) -> str | None:
+    """Why the model cannot run as a pipeline (its config.json's model type), before any rank
+    starts; None when it can, or when the config cannot be read (the load says why)."""
+    from adapters.mlx.loading import pipeline_refusal
+    from adapters.serve import demo_model_dir
+
+    model = Path(args.model or demo_model_dir())
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return pipeline_refusal(model_type, args.pipeline_parallel)
 
 
 def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:

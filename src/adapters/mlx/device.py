@@ -35,6 +35,7 @@ mlx_lm and trio (only for trio tokens); statecore and effects never import it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import time
@@ -155,6 +156,23 @@ class Settings:
     keep_conversations: bool = False  # a finished request's whole chunks go into the prefix cache
 
 
+class _StepOutputs:
+    """The arrays a step's prefill calls evaluate. On a pipeline rank each call's are launched as
+    soon as it is built: its send/recv and all_gather then run in call order on every rank, which
+    one evaluation of several calls' graphs does not promise (MLX may order independent graphs
+    differently on each rank, and the ranks' graphs differ)."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.arrays: list[Any] = []
+
+    def extend(self, arrays: Sequence[Any]) -> None:
+        arrays = list(arrays)
+        if self.pipelined and arrays:
+            mx.async_eval(arrays)  # type: ignore[no-untyped-call]
+        self.arrays.extend(arrays)
+
+
 @dataclass(eq=False)
 class Held:
     """A prefilled cache waiting for its export or its local decode."""
@@ -244,6 +262,7 @@ class DeviceLoop:
         self.short_batching = False
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
+        self.pipelined = False  # a pipeline rank: its model holds a share of the layers
         self.pool: SlotPool | None = None
         self.compiled: CompiledSlotStep | None = None  # the slot lane's traced model call, when on
         self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
@@ -291,8 +310,11 @@ class DeviceLoop:
         return self.settings.max_num_batched_tokens - self.settings.max_batch
 
     def plain(self, cache: list[Any]) -> bool:
-        """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's."""
-        return self.settings.kv_bits is None and all(type(c) is KVCache for c in cache)
+        """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's. Never
+        on a pipeline rank: its layers' classes are not the whole model's, and every rank must
+        choose the same lanes (it decodes in mlx-lm's batch generator, without a prefix cache)."""
+        return (self.settings.kv_bits is None and not self.pipelined
+                and all(type(c) is KVCache for c in cache))
 
     def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
                   probe_cache: list[Any], cost: KvCost) -> None:
@@ -310,6 +332,16 @@ class DeviceLoop:
                 f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
                 f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
                 "least one layer of a chunk"))
+        if self.pipelined:
+            # A rank's layers wait on the previous rank's inside one model call: a step evaluates
+            # a whole chunk or nothing of it. Estimated activations would differ from rank to
+            # rank (their layers do), so no prefill is capped by them.
+            if s.prefill_chunk_size > self.unit_tokens:
+                raise StatecoreError(client_error(
+                    f"a pipeline-parallel instance computes a whole prefill chunk per step: "
+                    f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch "
+                    f"+ prefill_chunk_size ({s.max_batch} + {s.prefill_chunk_size})"))
+            s = self.settings = dataclasses.replace(s, prefill_memory_cap=False)
         plain = self.plain(probe_cache)
         self.short_batching = plain and s.prefill_batch > 1
         # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
@@ -737,7 +769,7 @@ class DeviceLoop:
 
     def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
         started = time.perf_counter()
-        outputs: list[Any] = []
+        outputs = _StepOutputs(self.pipelined)
         tasks = [(self.waiting[w.request_id], w.units) for w in work]
         # Only prompts planned to finish this step: a batched call computes all of each prompt.
         # Not a choice of n > 1: whether its siblings' prefills wait beside it is a matter of
@@ -807,7 +839,7 @@ class DeviceLoop:
             else:
                 outputs.extend(pieces)
         self.account("prefill_chunks", started)
-        return outputs
+        return outputs.arrays
 
     def fit_prefills(self, groups: list[list[PrefillTask]], tasks: list[tuple[PrefillTask, int]]
                      ) -> tuple[list[list[PrefillTask]], list[tuple[PrefillTask, int]]]:

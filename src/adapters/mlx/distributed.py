@@ -15,6 +15,11 @@ that stalls makes them wait, which the node's stall watchdog (--stall-timeout) a
 after the previous step's collectives; the price is that building a step no longer overlaps the
 previous step's computation. Handoffs carry every head: `gather_heads` collects a held cache's
 heads on rank 0 for an export, `own_heads` keeps a rank's heads of an installed one.
+A pipeline-parallel instance (`TensorGroup.pipeline`) runs the same lockstep: each rank holds
+its share of the layers (mlx-lm's `model.model.pipeline`: rank 0 the last ones) and the model
+call itself passes the activations from rank to rank (send/recv) and hands the last rank's output
+to all (all_gather); `agree_max` makes the decisions that depend on a rank's layers (KV bytes per
+token) the same on every rank. Its caches do not travel (`refuse_pipelined_handoff`).
 `start_local_ranks` starts ranks 1..N-1 of an instance on this machine over the ring backend
 (what `mlx.launch` does, without ssh). This module imports mlx; it must never import trio.
 """
@@ -47,8 +52,8 @@ from adapters.mlx.jobs import Crash, Job, Stop
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
 __all__ = [
-    "BACKENDS", "PARENT_ENV", "RANK_ENV", "DivergedRanks", "LockstepLoop", "TensorGroup", "exited_rank",
-    "join_group", "start_local_ranks", "watch_follower",
+    "BACKENDS", "PARENT_ENV", "RANK_ENV", "DivergedRanks", "LockstepLoop", "TensorGroup", "agree_max",
+    "exited_rank", "join_group", "refuse_pipelined_handoff", "start_local_ranks", "watch_follower",
 ]
 
 logger = logging.getLogger("adapters.engine_mlx")
@@ -71,6 +76,24 @@ class TensorGroup:
     # Rank 0 of locally started ranks: which one exited (None: all run). A dead rank is seen at
     # once even when a collective in flight never fails.
     rank_lost: Callable[[], str | None] = lambda: None
+    pipeline: bool = False  # each rank holds a share of the layers (not of the heads)
+
+
+def agree_max(group: Any, values: Sequence[int]) -> list[int]:
+    """Every rank's `values`, element by element the largest over the ranks (a collective: every
+    rank calls it at the same point)."""
+    with mx.stream(generation_stream):
+        top = mx.distributed.all_max(mx.array(list(values), dtype=mx.int64), group=group)
+        mx.eval(top)
+    return [int(v) for v in top.tolist()]  # type: ignore[union-attr,arg-type]
+
+
+def refuse_pipelined_handoff(what: str) -> StatecoreError:
+    return StatecoreError(ErrorInfo(
+        Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
+        f"a pipeline-parallel instance cannot {what}: each of its ranks holds the caches of its own "
+        "layers only, and the KV wire carries a whole model's layers (use --tensor-parallel, or a "
+        "single node, for a prefill or decode node that hands off)"))
 
 
 def join_group(backend: str, size: int, heartbeat_s: float,

@@ -35,12 +35,12 @@ from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
-from adapters.mlx.distributed import LockstepLoop, TensorGroup
+from adapters.mlx.distributed import LockstepLoop, TensorGroup, agree_max, refuse_pipelined_handoff
 from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
-from adapters.mlx.memory import default_kv_memory_bytes, measure_kv_cost, state_bytes
+from adapters.mlx.memory import KvCost, default_kv_memory_bytes, measure_kv_cost, state_bytes
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
@@ -304,6 +304,10 @@ class MlxEngine:
         self._publish()
 
     @property
+    def _pipelined(self) -> bool:
+        return self._tensor is not None and self._tensor.pipeline
+
+    @property
     def follower_loop(self) -> LockstepLoop:
         """A rank > 0's device loop (for `adapters.mlx.distributed.watch_follower`)."""
         assert isinstance(self._device, LockstepLoop)
@@ -325,6 +329,8 @@ class MlxEngine:
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
     ) -> PrefillOutcome:
         tokens = self._check_request(prompt, sampling)
+        if self._pipelined and not self._settings.decodes_locally:  # a prefill node only hands off
+            raise refuse_pipelined_handoff("hand off a prefilled cache")
         matcher = await self._matcher(sampling)
         return await self._wait(self._prefill_job(request_id, tokens, sampling, matcher,
                                                   trio.lowlevel.current_trio_token()))
@@ -355,6 +361,8 @@ class MlxEngine:
         return job
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
+        if self._pipelined:
+            raise refuse_pipelined_handoff("hand off a prefilled cache")
         tensors = await self._call(partial(self._export, request_id), command=lockstep.Export(request_id))
         # The tensors are not copied: the pieces reference them. The checksum (the end frame)
         # needs no MLX: a thread computes it while the pieces are already being sent.
@@ -415,6 +423,8 @@ class MlxEngine:
     ) -> None:
         tokens = self._check_request(prompt, sampling)
         first_token = self._check_token(first_token, "first_token")
+        if self._pipelined:
+            raise refuse_pipelined_handoff("install a handed-off cache")
         # Everything before the copy into the decoder runs in a worker thread, so a big handoff
         # never stalls the decode batch: framing, checksum and header checks, then the arrays
         # themselves (made from host memory, no lazy computation: no device stream is involved).
@@ -808,8 +818,13 @@ class MlxEngine:
 
     def _load_on_device(self) -> ModelInfo:
         s = self._settings
-        group = None if self._tensor is None else self._tensor.group
-        loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code, shard_group=group)
+        tensor = self._tensor
+        pipelined = tensor is not None and tensor.pipeline
+        group = None if tensor is None else tensor.group
+        loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code,
+                            shard_group=None if pipelined else group,
+                            pipeline_group=group if pipelined else None)
+        self._device.pipelined = pipelined
         fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device = self._device
         device.model = loaded.model
@@ -846,6 +861,9 @@ class MlxEngine:
         travels = all(layer.can_travel for layer in layers)
         cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes,
                                probe_cache if device.plain(probe_cache) else None)
+        if pipelined:  # each rank holds other layers: admission decides alike on the largest
+            assert tensor is not None
+            cost = KvCost(*agree_max(tensor.group, [cost.fixed, cost.per_token, cost.slot_per_token]))
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         self._grammars = Grammars(loaded.tokenizer, vocab_size, loaded.eos)
         if device.bucket and mx.default_device() == mx.gpu:

@@ -2,6 +2,8 @@
 
 `load_model` runs on the device thread: it reads config.json, refuses custom model code without
 trust_remote_code, loads weights and tokenizer through mlx-lm, and collects the EOS ids.
+With a `pipeline_group` each rank keeps only its share of the layers (mlx-lm's
+`model.model.pipeline`, in the families of `PIPELINE_FAMILIES`).
 `model_fingerprint` is what two nodes must share to exchange KV: the engine's format version, the
 config's bytes, the parameter dtypes, kv_bits, the prefill chunk size and the BLAS in use.
 This module imports mlx and mlx_lm; it must never import trio.
@@ -22,13 +24,21 @@ from mlx_lm.utils import load as mlx_lm_load
 from adapters.blas import blas_in_use
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
-__all__ = ["DEFAULT_CONTEXT_LENGTH", "FORMAT_VERSION", "LoadedModel", "load_model", "model_fingerprint"]
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "FORMAT_VERSION", "PIPELINE_FAMILIES", "LoadedModel", "load_model",
+           "model_fingerprint", "pipeline_refusal"]
 
 FORMAT_VERSION = 1
 """Bumped whenever the computation order or the sampling rule changes: part of the fingerprint."""
 
 DEFAULT_CONTEXT_LENGTH = 4096
 """Used when config.json names no context length (e.g. pure state-space models)."""
+
+PIPELINE_FAMILIES = (
+    "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41", "glm4_moe",
+    "glm4_moe_lite", "kimi_k25", "minimax_m3_vl", "ministral3", "mistral4", "muse_spark", "qwen2",
+    "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+)
+"""The config.json model types whose mlx-lm (0.32) model can pipeline (`model.model.pipeline`)."""
 
 _CONTEXT_KEYS = (
     "max_position_embeddings",
@@ -50,9 +60,20 @@ class LoadedModel:
     tokenizer: Any = None  # mlx-lm's TokenizerWrapper (structured output compiles grammars over it)
 
 
-def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = None) -> LoadedModel:
+def pipeline_refusal(model_type: object, ranks: int) -> str | None:
+    """Why a model of `model_type` cannot run as a pipeline of `ranks` ranks (None: it can)."""
+    if model_type in PIPELINE_FAMILIES:
+        return None
+    return (f"mlx-lm has no pipeline parallelism for model type {model_type!r}: --pipeline-parallel "
+            f"{ranks} needs one of {', '.join(PIPELINE_FAMILIES)} (--tensor-parallel shards llama, "
+            "qwen3 and others by heads instead)")
+
+
+def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = None,
+               pipeline_group: Any = None) -> LoadedModel:
     """`shard_group` (an `mx.distributed.Group` of more than one rank): load lazily and keep this
-    rank's tensor-parallel shard only (mlx-lm's `model.shard`), so no rank holds the whole model."""
+    rank's tensor-parallel shard only (mlx-lm's `model.shard`), so no rank holds the whole model.
+    `pipeline_group`: keep this rank's layers only (rank 0 the last ones, the last rank the first)."""
     config_path = model_dir / "config.json"
     try:
         config_bytes = config_path.read_bytes()
@@ -77,9 +98,12 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
         )
     if shard_group is not None:
         _check_shardable(config, int(shard_group.size()))
+    if pipeline_group is not None and (refusal := pipeline_refusal(
+            config.get("model_type"), int(pipeline_group.size()))) is not None:
+        raise StatecoreError(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER, refusal))
     try:
         loaded: tuple[Any, ...] = mlx_lm_load(str(model_dir), trust_remote_code=trust_remote_code,
-                                              lazy=shard_group is not None)
+                                              lazy=shard_group is not None or pipeline_group is not None)
     except Exception as exc:
         raise StatecoreError(
             ErrorInfo(
@@ -96,6 +120,18 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
                 f"mlx-lm has no tensor-parallel sharding for model type {config.get('model_type')!r} "
                 "(--tensor-parallel needs a model class with `shard`: llama, qwen2, qwen3, ...)"))
         model.shard(shard_group)
+        mx.eval(model.parameters())
+    if pipeline_group is not None:
+        inner: Any = getattr(model, "model", None)
+        ranks = int(pipeline_group.size())
+        if not hasattr(inner, "pipeline"):
+            raise StatecoreError(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                                           str(pipeline_refusal(config.get("model_type"), ranks))))
+        if len(inner.layers) < ranks:
+            raise StatecoreError(client_error(
+                f"--pipeline-parallel {ranks} needs at least {ranks} layers; the model has "
+                f"{len(inner.layers)}"))
+        inner.pipeline(pipeline_group)
         mx.eval(model.parameters())
     eos = {int(t) for t in tokenizer.eos_token_ids}
     raw_eos = config.get("eos_token_id")
