@@ -49,14 +49,17 @@ class Prefill:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """Put a request into the decoder: from its held cache (`payload` None) or from a KV payload
-    (full heads, as the wire carries it: each rank keeps its own heads)."""
+    """Put a request into the decoder: from its held cache (`payload` None, not `sliced`), from a
+    KV payload of every head (each rank keeps its own heads), or, `sliced`, from a payload rank 0
+    pulled, each rank receiving only its own heads from rank 0 as the job runs (point to point,
+    not in the plan)."""
 
     request_id: str
     tokens: tuple[int, ...]
     first_token: int
     sampling: SamplingParams
     payload: bytes | None = None
+    sliced: bool = False
     kind: str = "decode"
 
 

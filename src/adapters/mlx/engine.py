@@ -35,7 +35,7 @@ from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
-from adapters.mlx.distributed import LockstepLoop, TensorGroup
+from adapters.mlx.distributed import LockstepLoop, TensorGroup, rank_heads
 from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -412,12 +412,20 @@ class MlxEngine:
         # never stalls the decode batch: framing, checksum and header checks, then the arrays
         # themselves (made from host memory, no lazy computation: no device stream is involved).
         caches = await trio.to_thread.run_sync(self._validate_and_build, payload, len(tokens))
-        # The other ranks of a tensor-parallel instance build their own heads from the same bytes.
-        sharded = isinstance(self._device, LockstepLoop)
-        await self._start(request_id, tokens, first_token, sampling, partial(self._own_heads, caches),
-                          payload=bytes(payload) if sharded else None)
+        device = self._device
+        if not isinstance(device, LockstepLoop) or device.tensor.size == 1:
+            await self._start(request_id, tokens, first_token, sampling, lambda: caches)
+            return
+        # A tensor-parallel instance: the other ranks get their own heads from rank 0 as the job
+        # runs. Whether the cache splits is asked here, before any rank waits for its slice.
+        ranges = device.head_ranges(caches)
+        await self._start(request_id, tokens, first_token, sampling,
+                          partial(self._hand_out_heads, caches, ranges, len(tokens)), sliced=True)
 
-    def _validate_and_build(self, payload: KvBytes, prompt_tokens: int) -> list[Any]:
+    def _validate_and_build(self, payload: KvBytes, prompt_tokens: int,
+                            heads: tuple[int, int] | None = None) -> list[Any]:
+        """The caches of a payload for this node: every head (`heads` None), or the KV heads
+        (rank, size) of a tensor-parallel rank's slice, each layer's header naming that range."""
         validated = kv_wire.validate_payload(
             payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
         )
@@ -427,8 +435,44 @@ class MlxEngine:
                 f"the KV payload covers {validated.header.token_count} tokens, "
                 f"the prompt has {prompt_tokens}",
             ))
+        for index, layer in enumerate(validated.header.layers):
+            got = layer.heads
+            if got is None:
+                if heads is None:
+                    continue
+                held, want = "every head", f"its slice of rank {heads[0]} of {heads[1]}"
+            else:
+                need = (0, got.total) if heads is None else rank_heads(*heads, got.total)
+                if (got.start, got.stop) == need:
+                    continue
+                held, want = f"heads [{got.start}, {got.stop}) of {got.total}", f"heads {list(need)}"
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"layer {index} of the KV payload holds {held}, this node needs {want}"))
         built: list[Any] = kv_wire.build_caches(validated).caches
         return built
+
+    def _hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
+                        prompt_tokens: int) -> list[Any]:
+        """Rank 0 of a TP decode instance: each other rank's heads of an installed payload, sent to
+        it as a payload of that head range; rank 0 keeps its own."""
+        device = self._device
+        assert isinstance(device, LockstepLoop)
+        device.pass_on_slices([
+            b"".join(kv_wire.encode_cache(caches, fingerprint=self.info.fingerprint,
+                                          token_count=prompt_tokens, heads=heads,
+                                          chunk_bytes=kv_wire.EXPORT_FRAME_BYTES))
+            for heads in ranges[1:]
+        ])
+        return device.own_heads(caches)
+
+    def _received_heads(self, prompt_tokens: int) -> list[Any]:
+        """A rank > 0 of a TP decode instance: its heads of an installed payload, from rank 0."""
+        device = self._device
+        assert isinstance(device, LockstepLoop)
+        payload = device.receive_slice()
+        return self._validate_and_build(payload, prompt_tokens,
+                                        heads=(device.tensor.rank, device.tensor.size))
 
     def _own_heads(self, caches: list[Any]) -> list[Any]:
         if isinstance(self._device, LockstepLoop):
@@ -591,7 +635,8 @@ class MlxEngine:
         first_token: int,
         sampling: SamplingParams,
         take_cache: Callable[[], list[Any]],
-        payload: bytes | None = None,
+        *,
+        sliced: bool = False,
     ) -> None:
         """Open the request's stream, then put it into the decoder on the device thread."""
         matcher = await self._matcher(sampling)
@@ -602,7 +647,7 @@ class MlxEngine:
                                 trio.lowlevel.current_trio_token())
         self._streams[request_id] = receive
         try:
-            replayed = lockstep.Decode(request_id, tuple(tokens), first_token, sampling, payload)
+            replayed = lockstep.Decode(request_id, tuple(tokens), first_token, sampling, sliced=sliced)
             await self._call(work, undo=lambda _: self._drop(request_id), command=replayed,
                              undo_command=lockstep.Drop(request_id))
         except BaseException:
@@ -732,8 +777,9 @@ class MlxEngine:
             case lockstep.Prefill(request_id, tokens, sampling):
                 return self._prefill_job(request_id, list(tokens), sampling, self._replayed_matcher(sampling),
                                          None)
-            case lockstep.Decode(request_id, tokens, first_token, sampling, payload):
-                take_cache = (partial(self._held_cache, request_id, len(tokens)) if payload is None
+            case lockstep.Decode(request_id, tokens, first_token, sampling, payload, sliced):
+                take_cache = (partial(self._received_heads, len(tokens)) if sliced
+                              else partial(self._held_cache, request_id, len(tokens)) if payload is None
                               else lambda: self._own_heads(self._validate_and_build(payload, len(tokens))))
                 send, _ = trio.open_memory_channel[StreamItem](0)
                 return Job(self._start_work(request_id, list(tokens), first_token, sampling, take_cache,
