@@ -312,16 +312,24 @@ class LockstepLoop(DeviceLoop):
                 Fault.PEER, Code.KV_MALFORMED, "a handoff whose layers hold different numbers of KV heads"))
         return list(ranges.pop())
 
-    def pass_on_slices(self, slices: Sequence[bytes]) -> None:
-        """Rank 0: ranks 1..N-1's payloads (`slices[r - 1]`) down the chain of ranks, each of
-        which keeps its own and passes on the rest (`receive_slice`): MLX's ring backend reaches
-        only a rank's neighbours. Every rank receives its own bytes and the later ranks' only."""
-        lengths = mx.array([len(piece) for piece in slices], dtype=mx.int64)
-        data = mx.array(np.frombuffer(b"".join(slices), dtype=np.uint8))
-        self._send_on(lengths, data)
+    def pass_on_slices(self, slices: Sequence[Sequence[bytes | memoryview]]) -> None:
+        """Rank 0: ranks 1..N-1's payloads (`slices[r - 1]`, each as the byte pieces it is made
+        of) down the chain of ranks, each of which keeps its own and passes on the rest
+        (`receive_slice`): MLX's ring backend reaches only a rank's neighbours. Every rank
+        receives its own bytes and the later ranks' only. The pieces are copied once, into the
+        buffer that is sent."""
+        sizes = [sum(len(piece) for piece in pieces) for pieces in slices]
+        joined = np.empty(sum(sizes), dtype=np.uint8)
+        at = 0
+        for pieces in slices:
+            for piece in pieces:
+                joined[at:at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+                at += len(piece)
+        self._send_on(mx.array(sizes, dtype=mx.int64), mx.array(joined))
 
-    def receive_slice(self) -> bytes:
-        """A rank > 0: its own payload from `pass_on_slices` (the later ranks' it passes on)."""
+    def receive_slice(self) -> memoryview:
+        """A rank > 0: its own payload from `pass_on_slices` (the later ranks' it passes on), a
+        view of the received array's memory."""
         rank, group = self.tensor.rank, self.tensor.group
         with mx.stream(generation_stream):
             lengths = mx.distributed.recv((self.tensor.size - rank,), mx.int64, rank - 1, group=group)
@@ -330,7 +338,8 @@ class LockstepLoop(DeviceLoop):
             mx.eval(data)
         if rank + 1 < self.tensor.size:
             self._send_on(lengths[1:], data[sizes[0]:])
-        return bytes(np.array(data[:sizes[0]]))
+        mine: memoryview = np.asarray(data)[:sizes[0]].data
+        return mine
 
     def _send_on(self, lengths: Any, data: Any) -> None:
         group, to = self.tensor.group, self.tensor.rank + 1

@@ -458,12 +458,12 @@ class MlxEngine:
         it as a payload of that head range; rank 0 keeps its own."""
         device = self._device
         assert isinstance(device, LockstepLoop)
-        device.pass_on_slices([
-            b"".join(kv_wire.encode_cache(caches, fingerprint=self.info.fingerprint,
-                                          token_count=prompt_tokens, heads=heads,
-                                          chunk_bytes=kv_wire.EXPORT_FRAME_BYTES))
-            for heads in ranges[1:]
-        ])
+        slices = []
+        for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
+            tensors = kv_wire.host_tensors(caches, fingerprint=self.info.fingerprint,
+                                           token_count=prompt_tokens, heads=heads)
+            slices.append([*kv_wire.unsealed_pieces(tensors), kv_wire.end_frame(tensors)])
+        device.pass_on_slices(slices)
         return device.own_heads(caches)
 
     def _received_heads(self, prompt_tokens: int) -> list[Any]:
