@@ -474,11 +474,6 @@ class MlxEngine:
         return self._validate_and_build(payload, prompt_tokens,
                                         heads=(device.tensor.rank, device.tensor.size))
 
-    def _own_heads(self, caches: list[Any]) -> list[Any]:
-        if isinstance(self._device, LockstepLoop):
-            return self._device.own_heads(caches)
-        return caches
-
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
         receive = self._streams.pop(request_id, None)
@@ -777,10 +772,9 @@ class MlxEngine:
             case lockstep.Prefill(request_id, tokens, sampling):
                 return self._prefill_job(request_id, list(tokens), sampling, self._replayed_matcher(sampling),
                                          None)
-            case lockstep.Decode(request_id, tokens, first_token, sampling, payload, sliced):
+            case lockstep.Decode(request_id, tokens, first_token, sampling, sliced):
                 take_cache = (partial(self._received_heads, len(tokens)) if sliced
-                              else partial(self._held_cache, request_id, len(tokens)) if payload is None
-                              else lambda: self._own_heads(self._validate_and_build(payload, len(tokens))))
+                              else partial(self._held_cache, request_id, len(tokens)))
                 send, _ = trio.open_memory_channel[StreamItem](0)
                 return Job(self._start_work(request_id, list(tokens), first_token, sampling, take_cache,
                                             self._replayed_matcher(sampling), send, None), None)
