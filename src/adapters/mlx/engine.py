@@ -458,11 +458,17 @@ class MlxEngine:
         it as a payload of that head range; rank 0 keeps its own."""
         device = self._device
         assert isinstance(device, LockstepLoop)
-        slices = []
-        for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
-            tensors = kv_wire.host_tensors(caches, fingerprint=self.info.fingerprint,
-                                           token_count=prompt_tokens, heads=heads)
-            slices.append([*kv_wire.unsealed_pieces(tensors), kv_wire.end_frame(tensors)])
+        slices: list[list[bytes | memoryview]] = []
+        try:
+            for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
+                tensors = kv_wire.host_tensors(caches, fingerprint=self.info.fingerprint,
+                                               token_count=prompt_tokens, heads=heads)
+                slices.append([*kv_wire.unsealed_pieces(tensors), kv_wire.end_frame(tensors)])
+        except BaseException:
+            # The other ranks wait for their slice: a byte that is no payload makes their job
+            # fail as this one does, so every rank still holds the same requests.
+            device.pass_on_slices([[b"\x00"]] * (len(ranges) - 1))
+            raise
         device.pass_on_slices(slices)
         return device.own_heads(caches)
 
