@@ -7,8 +7,10 @@ The codec is generic over mlx-lm's cache classes: a layer travels as its class n
 ``state`` (arrays, ints, ``None``, strings, nested lists/tuples), and is rebuilt with the
 class's own ``from_state``. The one class-aware piece is `_live_view`, which cuts
 over-allocated buffers down to what the next decode step reads (see its docstring).
-``docs/wire-format.md`` documents the format byte by byte. This is an adapter: it may import
-anything, and nothing in `statecore` or `effects` may import it.
+A payload may hold a contiguous range of each plain `KVCache` layer's KV heads (version 2: a
+tensor-parallel instance's rank gets only its slice); one that holds every head is written as
+version 1, byte for byte as before. ``docs/wire-format.md`` documents the format byte by byte.
+This is an adapter: it may import anything, and nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from effects.engine_port import KvBytes, LayerTravel
 from statecore.errors import Code, StatecoreError, bug, peer_error, unsupported_cache
 
-FORMAT_VERSION: Final[int] = 1
+FORMAT_VERSION: Final[int] = 2  # the newest: layers may name the KV heads they hold
+ALL_HEADS_VERSION: Final[int] = 1  # written when every layer holds all its heads
+READ_VERSIONS: tuple[int, ...] = (ALL_HEADS_VERSION, FORMAT_VERSION)  # what this node decodes
 MAGIC: Final[bytes] = b"\x89SCKV\r\n\x1a"
 
 _PREAMBLE: Final = struct.Struct("<8sH")  # magic, format version
@@ -124,9 +128,18 @@ Node: TypeAlias = Annotated[
 ]
 
 
+class HeadRange(_Strict):
+    """KV heads [start, stop) of a layer's `total`: what a version-2 layer's arrays hold."""
+
+    start: Annotated[int, Field(ge=0, lt=_DIM_BOUND)]
+    stop: Annotated[int, Field(ge=1, lt=_DIM_BOUND)]
+    total: Annotated[int, Field(ge=1, lt=_DIM_BOUND)]
+
+
 class LayerHeader(_Strict):
     class_name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
     state: Node
+    heads: HeadRange | None = None  # version 2 only; absent: every head
 
 
 class Header(_Strict):
@@ -137,6 +150,7 @@ class Header(_Strict):
 
 ListNode.model_rebuild()
 TupleNode.model_rebuild()
+HeadRange.model_rebuild()
 LayerHeader.model_rebuild()
 Header.model_rebuild()
 _HEADER_ADAPTER: Final = TypeAdapter(Header)
@@ -152,6 +166,7 @@ class DecodedKv:
     caches: list[Any]
     token_count: int
     class_names: tuple[str, ...]
+    heads: tuple[HeadRange | None, ...]  # per layer; None: every head
 
 
 # --------------------------------------------------------------------------- class resolution
@@ -404,6 +419,7 @@ class HostTensors:
 
     header_bytes: bytes
     runs: list[memoryview]
+    version: int = ALL_HEADS_VERSION  # FORMAT_VERSION when the header names head ranges
 
 
 def encode_cache(
@@ -412,6 +428,7 @@ def encode_cache(
     fingerprint: str,
     token_count: int,
     chunk_bytes: int = 1 << 20,
+    heads: tuple[int, int] | None = None,
 ) -> list[bytes]:
     """Encode per-layer caches as frames: header frame, data frames, end frame.
 
@@ -419,13 +436,32 @@ def encode_cache(
     `StatecoreError` (UNSUPPORTED_CACHE) when a layer cannot travel, and a BUG-fault error for
     invalid arguments.
     """
-    return frame_payload(host_tensors(caches, fingerprint=fingerprint, token_count=token_count),
+    return frame_payload(host_tensors(caches, fingerprint=fingerprint, token_count=token_count,
+                                      heads=heads),
                          chunk_bytes=chunk_bytes)
 
 
-def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -> HostTensors:
+def _head_view(cache: Any, start: int, stop: int) -> tuple[Any, dict[str, int]]:
+    """KV heads [start, stop) of a plain `KVCache`'s live tokens, as a `KVCache` over views of its
+    buffers (nothing copied), and the range the header names."""
+    if _resolve_class(type(cache).__name__) is not type(cache) or type(cache).__name__ != "KVCache":
+        raise StatecoreError(unsupported_cache([f"{type(cache).__name__} (a head range needs KVCache)"]))
+    if cache.keys is None:
+        raise StatecoreError(unsupported_cache(["KVCache (empty: no heads to cut)"]))
+    keys, values, offset = _live_view(cache).state
+    total = int(keys.shape[1])
+    if not 0 <= start < stop <= total:
+        raise StatecoreError(bug(f"head range [{start}, {stop}) is not inside the {total} KV heads"))
+    view = type(cache).from_state((keys[:, start:stop], values[:, start:stop], offset))
+    return view, {"start": start, "stop": stop, "total": total}
+
+
+def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int,
+                 heads: tuple[int, int] | None = None) -> HostTensors:
     """The header and the live tensors' bytes in host memory (on the thread that owns the caches).
 
+    `heads` (start, stop): only those KV heads of every layer travel, each layer's header naming
+    the range (version 2; every layer must be a plain `KVCache`); None: every head (version 1).
     The returned views keep their arrays alive, so the caches may be dropped meanwhile.
     """
     if not isinstance(fingerprint, str) or len(fingerprint) > _MAX_FINGERPRINT:
@@ -439,12 +475,18 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -
     arrays: list[Any] = []
     refused: list[str] = []
     for cache in caches:
+        head_range: dict[str, int] | None = None
+        if heads is not None:
+            cache, head_range = _head_view(cache, *heads)
         try:
             name, node, layer_arrays = _plan(cache)
         except _NotPlain:
             refused.append(type(cache).__name__)
             continue
-        layers.append({"class_name": name, "state": node})
+        layer: dict[str, Any] = {"class_name": name, "state": node}
+        if head_range is not None:
+            layer["heads"] = head_range
+        layers.append(layer)
         arrays.extend(layer_arrays)
     if refused:
         raise StatecoreError(unsupported_cache(refused))
@@ -456,7 +498,8 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int) -
     _HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
 
     mx.eval(*arrays)
-    return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)])
+    return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)],
+                       ALL_HEADS_VERSION if heads is None else FORMAT_VERSION)
 
 
 def _framed_pieces(tensors: HostTensors, chunk_bytes: int) -> list[list[bytes | memoryview]]:
@@ -466,7 +509,8 @@ def _framed_pieces(tensors: HostTensors, chunk_bytes: int) -> list[list[bytes | 
         raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
     header_bytes = tensors.header_bytes
     frames: list[list[bytes | memoryview]] = [
-        [_PREAMBLE.pack(MAGIC, FORMAT_VERSION) + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes]
+        [_PREAMBLE.pack(MAGIC, tensors.version)
+         + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes]
     ]
     pending: list[bytes | memoryview] = []
     pending_len = 0
@@ -559,6 +603,7 @@ def _fail(code: Code, message: str) -> NoReturn:
 
 @dataclass(frozen=True, slots=True)
 class _Framing:
+    version: int
     header: memoryview
     data: list[tuple[int, int]]  # (start, stop) offsets of each data frame's payload
     data_bytes: int
@@ -576,10 +621,11 @@ def _split_frames(payload: memoryview) -> _Framing:
     magic, version = _PREAMBLE.unpack_from(payload, 0)
     if magic != MAGIC:
         _fail(Code.KV_MALFORMED, "not a statecore KV payload (bad magic)")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
+        spoken = ", ".join(str(v) for v in READ_VERSIONS)
         _fail(
             Code.KV_MALFORMED,
-            f"unsupported KV format version {version} (this node speaks {FORMAT_VERSION})",
+            f"unsupported KV format version {version} (this node reads versions {spoken})",
         )
     pos = _PREAMBLE.size
     header: memoryview | None = None
@@ -610,7 +656,7 @@ def _split_frames(payload: memoryview) -> _Framing:
             pos += length
             if pos != size:
                 _fail(Code.KV_MALFORMED, f"{size - pos} trailing bytes after the end frame")
-            return _Framing(header, data, data_bytes, total, crc)
+            return _Framing(version, header, data, data_bytes, total, crc)
         else:
             data.append((pos, pos + length))
             data_bytes += length
@@ -762,7 +808,30 @@ def validate_payload(
             f"header describes {needed} tensor bytes, the body holds {framing.data_bytes}",
         )
 
+    for i, layer in enumerate(header.layers):
+        if layer.heads is not None:
+            _check_heads(framing.version, i, layer)
+
     return ValidatedKv(view, framing.data, header, [cls for cls in classes if cls is not None])
+
+
+def _check_heads(version: int, index: int, layer: LayerHeader) -> None:
+    """A layer's head range: version 2 only, on a plain `KVCache` whose keys and values hold
+    exactly that many heads (axis 1)."""
+    heads = layer.heads
+    assert heads is not None
+    where = f"layer {index}: heads [{heads.start}, {heads.stop}) of {heads.total}"
+    if version < FORMAT_VERSION:
+        _fail(Code.KV_MALFORMED, f"{where} in a version {version} payload (head ranges are version 2)")
+    if layer.class_name != "KVCache":
+        _fail(Code.KV_MALFORMED, f"{where} on a {layer.class_name} (only KVCache layers are cut by heads)")
+    if not heads.start < heads.stop <= heads.total:
+        _fail(Code.KV_MALFORMED, f"{where} is not a range of its heads")
+    state = layer.state
+    arrays = state.items[:2] if isinstance(state, TupleNode) else []
+    if len(arrays) < 2 or not all(isinstance(a, ArrayNode) and len(a.shape) == 4 and
+                                  a.shape[1] == heads.stop - heads.start for a in arrays):
+        _fail(Code.KV_MALFORMED, f"{where}: its keys and values do not hold that many heads")
 
 
 def build_caches(validated: ValidatedKv) -> DecodedKv:
@@ -789,7 +858,8 @@ def build_caches(validated: ValidatedKv) -> DecodedKv:
             _fail(Code.KV_MALFORMED, f"layer {i}: {layer.class_name} did not accept its state")
         built.append(cache)
     mx.eval([a for c in built for a in _arrays_of(c)])
-    return DecodedKv(caches=built, token_count=header.token_count, class_names=names)
+    return DecodedKv(caches=built, token_count=header.token_count, class_names=names,
+                     heads=tuple(layer.heads for layer in header.layers))
 
 
 def _arrays_of(cache: Any) -> list[Any]:
@@ -799,9 +869,12 @@ def _arrays_of(cache: Any) -> list[Any]:
 
 
 __all__ = [
+    "ALL_HEADS_VERSION",
     "FORMAT_VERSION",
     "MAGIC",
+    "READ_VERSIONS",
     "DecodedKv",
+    "HeadRange",
     "HostTensors",
     "ValidatedKv",
     "build_caches",

@@ -5,9 +5,10 @@ the shards' collectives), so the ranks run in lockstep: rank 0 (HTTP front end, 
 decides, and before each step broadcasts a `Plan`, the commands that apply before that step, in
 order; the other ranks apply the same commands to their own device loop and run the same step
 with their own shard, discarding its outputs. A command carries only plain values (request id,
-tokens, sampling parameters, at most a KV payload's bytes): each rank rebuilds the device work
-from it. `encode_plan`/`decode_plan` are the bytes that travel: a JSON header (the commands), then
-the payloads raw, never through JSON. An empty plan encodes as no bytes (a heartbeat).
+tokens, sampling parameters), never KV: each rank rebuilds the device work from it, and an
+installed payload's heads reach each rank point to point as its job runs
+(`adapters.mlx.distributed`). `encode_plan`/`decode_plan` are the bytes that travel: a JSON
+document of the commands after a small preamble. An empty plan encodes as no bytes (a heartbeat).
 This module is pure: it must never import mlx, trio or httpx.
 """
 
@@ -26,7 +27,7 @@ __all__ = [
     "Release", "Stop", "decode_plan", "encode_plan",
 ]
 
-PLAN_VERSION: Final[int] = 1
+PLAN_VERSION: Final[int] = 2  # 2: no KV payload in a Decode command
 _MAGIC: Final[bytes] = b"SCLP"
 _PREAMBLE = struct.Struct("<4sII")  # magic, version, header length
 
@@ -49,14 +50,15 @@ class Prefill:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """Put a request into the decoder: from its held cache (`payload` None) or from a KV payload
-    (full heads, as the wire carries it: each rank keeps its own heads)."""
+    """Put a request into the decoder: from its held cache, or, `sliced`, from a payload rank 0
+    pulled, each rank receiving only its own heads from rank 0 as the job runs (point to point,
+    not in the plan)."""
 
     request_id: str
     tokens: tuple[int, ...]
     first_token: int
     sampling: SamplingParams
-    payload: bytes | None = None
+    sliced: bool = False
     kind: str = "decode"
 
 
@@ -105,19 +107,15 @@ class Plan:
 def encode_plan(plan: Plan) -> bytes:
     if not plan.commands:
         return b""
-    payloads: list[bytes] = []
     header: list[dict[str, Any]] = []
     for command in plan.commands:
         fields = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
         if isinstance(command, (Prefill, Decode)):
             fields["sampling"] = dataclasses.asdict(command.sampling)
             fields["tokens"] = list(command.tokens)
-        if isinstance(command, Decode) and command.payload is not None:
-            fields["payload"] = len(command.payload)
-            payloads.append(command.payload)
         header.append(fields)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join([_PREAMBLE.pack(_MAGIC, PLAN_VERSION, len(header_bytes)), header_bytes, *payloads])
+    return _PREAMBLE.pack(_MAGIC, PLAN_VERSION, len(header_bytes)) + header_bytes
 
 
 def decode_plan(data: KvBytes) -> Plan:
@@ -139,10 +137,6 @@ def decode_plan(data: KvBytes) -> Plan:
         if kind in ("prefill", "decode"):
             fields["sampling"] = _sampling(fields["sampling"])
             fields["tokens"] = tuple(fields["tokens"])
-        if kind == "decode" and fields.get("payload") is not None:
-            size = int(fields["payload"])
-            fields["payload"] = bytes(view[offset:offset + size])
-            offset += size
         commands.append(_KINDS[kind](**fields))
     if offset != len(view):
         raise ValueError(f"a lockstep plan with {len(view) - offset} trailing bytes")

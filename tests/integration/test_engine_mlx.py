@@ -27,6 +27,7 @@ from mlx_lm.models import llama
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
+from adapters import kv_wire
 from adapters.grammar import response_format_text
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
@@ -2000,6 +2001,9 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
     await other_chunking.prefill(RequestId("w"), prompt, GREEDY)
     foreign = (await other_chunking.export_held(RequestId("w"))).joined()
     await other_chunking.release_held(RequestId("w"))
+    whole = kv_wire.decode_cache(payload, fingerprint=decode_node.info.fingerprint)
+    one_head = b"".join(kv_wire.encode_cache(whole.caches, fingerprint=decode_node.info.fingerprint,
+                                             token_count=whole.token_count, heads=(0, 1)))
 
     cases: list[tuple[bytes, list[int], Code]] = [
         (bytes(flipped), prompt, Code.KV_CHECKSUM),
@@ -2007,6 +2011,7 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
         (b"not a kv payload at all", prompt, Code.KV_MALFORMED),
         (foreign, prompt, Code.KV_WRONG_MODEL),
         (payload, prompt[:-1], Code.KV_MALFORMED),  # covers another prompt length
+        (one_head, prompt, Code.KV_MALFORMED),  # a TP rank's slice: a one-rank node needs every head
     ]
     before = holdings(decode_node)
     for i, (body, for_prompt, code) in enumerate(cases):

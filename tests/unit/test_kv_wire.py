@@ -24,10 +24,13 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import falcon_h1, gemma3_text, llama, llama4, mamba2, qwen3_next
 
+from adapters import kv_wire
 from adapters.kv_wire import (
+    ALL_HEADS_VERSION,
     END_FRAME_BYTES,
     FORMAT_VERSION,
     MAGIC,
+    READ_VERSIONS,
     DecodedKv,
     HostTensors,
     decode_cache,
@@ -407,7 +410,7 @@ def test_chunk_size_does_not_change_the_decoded_cache() -> None:
 def _split(payload: bytes) -> tuple[bytes, bytes]:
     """(header JSON, concatenated tensor bytes), read independently of the codec."""
     magic, version = struct.unpack_from("<8sH", payload, 0)
-    assert (magic, version) == (MAGIC, FORMAT_VERSION)
+    assert magic == MAGIC and version in READ_VERSIONS
     pos, header, data = 10, b"", []
     while True:
         kind, length = struct.unpack_from("<cI", payload, pos)
@@ -425,7 +428,7 @@ def _split(payload: bytes) -> tuple[bytes, bytes]:
             return header, joined
 
 
-def _seal(header: bytes, data: bytes, version: int = FORMAT_VERSION) -> bytes:
+def _seal(header: bytes, data: bytes, version: int = ALL_HEADS_VERSION) -> bytes:
     """A payload written from the spec in docs/wire-format.md, with a valid checksum."""
     return b"".join(
         [
@@ -545,7 +548,7 @@ def test_framing_errors_are_malformed() -> None:
     payload = b"".join(frames)
     header, data = _split(payload)
     assert _code(payload + b"\x00") is Code.KV_MALFORMED  # trailing garbage
-    assert _code(_seal(header, data, version=2)) is Code.KV_MALFORMED
+    assert _code(_seal(header, data, version=FORMAT_VERSION + 1)) is Code.KV_MALFORMED
     swapped = bytearray(payload)
     swapped[len(frames[0])] = ord("X")  # unknown frame type
     assert _code(bytes(swapped)) is Code.KV_MALFORMED
@@ -784,3 +787,91 @@ def test_the_end_frame_computed_in_the_background_seals_the_unsealed_pieces() ->
     broken = end_frame_in_background(HostTensors(b"{}", [memoryview(b"ab"), object()]))  # type: ignore[list-item]
     with pytest.raises(TypeError):
         broken()  # what the thread raised reaches whoever waits for the frame
+
+
+# --------------------------------------------------------------------------- head ranges (version 2)
+
+
+def _many_heads(heads: int = 4, tokens: int = 40, layers: int = 2) -> list[Any]:
+    """Plain KVCaches of `heads` KV heads, over-allocated buffers (as after a prefill)."""
+    mx.random.seed(7)
+    caches = []
+    for _ in range(layers):
+        cache = C.KVCache()
+        shape = (1, heads, tokens, 8)
+        cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        caches.append(cache)
+    return caches
+
+
+def test_a_payload_of_every_head_stays_version_1_and_names_no_heads() -> None:
+    payload = b"".join(encode_cache(_many_heads(), fingerprint=FP, token_count=40))
+    assert struct.unpack_from("<8sH", payload) == (MAGIC, ALL_HEADS_VERSION)
+    assert all("heads" not in layer for layer in json.loads(_split(payload)[0])["layers"])
+    decoded = decode_cache(payload, fingerprint=FP)
+    assert decoded.heads == (None, None)
+
+
+def test_head_range_payloads_round_trip_and_join_to_the_whole() -> None:
+    caches = _many_heads()
+    whole = decode_cache(b"".join(encode_cache(caches, fingerprint=FP, token_count=40)), fingerprint=FP)
+    slices = []
+    for start, stop in [(0, 1), (1, 3), (3, 4)]:
+        payload = b"".join(encode_cache(caches, fingerprint=FP, token_count=40, heads=(start, stop),
+                                        chunk_bytes=1000))
+        assert struct.unpack_from("<8sH", payload) == (MAGIC, FORMAT_VERSION)
+        layers = json.loads(_split(payload)[0])["layers"]
+        assert [layer["heads"] for layer in layers] == [{"start": start, "stop": stop, "total": 4}] * 2
+        decoded = decode_cache(payload, fingerprint=FP, expected_classes=["KVCache", "KVCache"])
+        assert [(h.start, h.stop, h.total) for h in decoded.heads if h] == [(start, stop, 4)] * 2
+        assert decoded.caches[0].keys.shape == (1, stop - start, 40, 8)  # only the live tokens
+        slices.append(decoded.caches)
+    for index, layer in enumerate(whole.caches):
+        for part in ("keys", "values"):
+            joined = mx.concatenate([getattr(s[index], part) for s in slices], axis=1)
+            assert np.array_equal(_bits(joined), _bits(getattr(layer, part)))
+            assert all(s[index].offset == layer.offset for s in slices)
+
+
+def test_an_old_reader_refuses_a_head_range_payload_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = b"".join(encode_cache(_many_heads(), fingerprint=FP, token_count=40, heads=(0, 2)))
+    monkeypatch.setattr(kv_wire, "READ_VERSIONS", (ALL_HEADS_VERSION,))  # a version-1 node
+    with pytest.raises(StatecoreError) as info:
+        decode_cache(payload, fingerprint=FP)
+    assert info.value.info.code is Code.KV_MALFORMED
+    assert "unsupported KV format version 2 (this node reads versions 1)" in info.value.info.message
+    one_rank = b"".join(encode_cache(_many_heads(), fingerprint=FP, token_count=40))
+    assert decode_cache(one_rank, fingerprint=FP).token_count == 40  # it still reads one-rank payloads
+
+
+def _heads_doc() -> tuple[dict[str, Any], bytes]:
+    header, data = _split(b"".join(encode_cache(_many_heads(), fingerprint=FP, token_count=40,
+                                                heads=(0, 2))))
+    return json.loads(header), data
+
+
+@pytest.mark.parametrize(
+    ("mutate", "version"),
+    [
+        (lambda d: None, ALL_HEADS_VERSION),  # head ranges in a version-1 payload
+        (lambda d: d["layers"][0]["heads"].update(stop=3), FORMAT_VERSION),  # not what the arrays hold
+        (lambda d: d["layers"][0]["heads"].update(start=2, stop=2), FORMAT_VERSION),
+        (lambda d: d["layers"][0]["heads"].update(total=1), FORMAT_VERSION),
+        (lambda d: d["layers"][0]["heads"].update(start=-1), FORMAT_VERSION),
+        (lambda d: d["layers"][0]["heads"].update(extra=1), FORMAT_VERSION),
+        (lambda d: d["layers"][0].update(class_name="ChunkedKVCache"), FORMAT_VERSION),
+    ],
+)
+def test_invalid_head_ranges_are_malformed(mutate: Callable[[dict[str, Any]], Any], version: int) -> None:
+    doc, data = _heads_doc()
+    mutate(doc)
+    assert _code(_seal(json.dumps(doc).encode(), data, version=version)) is Code.KV_MALFORMED
+
+
+def test_head_ranges_cut_plain_kv_caches_only() -> None:
+    with pytest.raises(StatecoreError) as info:
+        encode_cache([C.RotatingKVCache(max_size=8)], fingerprint=FP, token_count=0, heads=(0, 1))
+    assert info.value.info.code is Code.UNSUPPORTED_CACHE
+    with pytest.raises(StatecoreError) as info:
+        encode_cache(_many_heads(), fingerprint=FP, token_count=40, heads=(2, 5))
+    assert info.value.info.code is Code.INTERNAL

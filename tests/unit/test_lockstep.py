@@ -14,8 +14,7 @@ EVERY_KIND = lockstep.Plan((
     lockstep.Load({"max_batch": 4, "kv_bits": None}),
     lockstep.Prefill("r1", (1, 2, 3), SAMPLING),
     lockstep.Decode("r1", (1, 2, 3), 4, SAMPLING),
-    lockstep.Decode("r2", (5,), 6, SamplingParams(max_tokens=2), payload=b"\x00KV\xff" * 3),
-    lockstep.Decode("r3", (7,), 8, SamplingParams(max_tokens=2), payload=b"x"),
+    lockstep.Decode("r2", (5,), 6, SamplingParams(max_tokens=2), sliced=True),
     lockstep.Drop("r1"), lockstep.Release("r2"), lockstep.Export("r3"), lockstep.ForgetPrefixes(),
     lockstep.Stop(),
 ))

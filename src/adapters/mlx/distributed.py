@@ -13,8 +13,10 @@ collective raise ("connection to a peer was lost": the device thread dies, the n
 that stalls makes them wait, which the node's stall watchdog (--stall-timeout) and
 `watch_follower` turn into an exit. The plan travels on the model's stream, so it is ordered
 after the previous step's collectives; the price is that building a step no longer overlaps the
-previous step's computation. Handoffs carry every head: `gather_heads` collects a held cache's
-heads on rank 0 for an export, `own_heads` keeps a rank's heads of an installed one.
+previous step's computation. An export carries every head: `gather_heads` collects a held cache's
+heads on rank 0. An install reaches each rank as its own heads only: rank 0 pulls the payload,
+keeps its heads (`own_heads`) and passes the other ranks' slices, each a payload of its own head
+range, point to point down the ranks (`pass_on_slices`, `receive_slice`).
 A pipeline-parallel instance (`TensorGroup.pipeline`) runs the same lockstep: each rank holds
 its share of the layers (mlx-lm's `model.model.pipeline`: rank 0 the last ones) and the model
 call itself passes the activations from rank to rank (send/recv) and hands the last rank's output
@@ -53,7 +55,8 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 
 __all__ = [
     "BACKENDS", "PARENT_ENV", "RANK_ENV", "DivergedRanks", "LockstepLoop", "TensorGroup", "agree_max",
-    "exited_rank", "join_group", "refuse_pipelined_handoff", "start_local_ranks", "watch_follower",
+    "exited_rank", "join_group", "rank_heads", "refuse_pipelined_handoff", "start_local_ranks",
+    "watch_follower",
 ]
 
 logger = logging.getLogger("adapters.engine_mlx")
@@ -131,6 +134,15 @@ def start_local_ranks(size: int, argv: Sequence[str]) -> list[subprocess.Popen[b
     os.environ[RANK_ENV] = "0"
     os.environ[HOSTFILE_ENV] = hostfile
     return children
+
+
+def rank_heads(rank: int, size: int, heads: int) -> tuple[int, int]:
+    """KV heads [start, stop) of `rank` among `size` (mlx-lm's `model.shard` splits heads in
+    contiguous equal ranges); KV_MALFORMED when `heads` does not split."""
+    if heads <= 0 or heads % size:
+        raise StatecoreError(ErrorInfo(
+            Fault.PEER, Code.KV_MALFORMED, f"a handoff of {heads} KV heads does not split over {size} ranks"))
+    return rank * heads // size, (rank + 1) * heads // size
 
 
 def exited_rank(children: Sequence[subprocess.Popen[bytes]]) -> str | None:
@@ -307,25 +319,67 @@ class LockstepLoop(DeviceLoop):
         together = mx.distributed.all_gather(mx.moveaxis(x, 1, 0), group=self.tensor.group)
         return mx.moveaxis(together, 0, 1)
 
-    def own_heads(self, cache: list[Any]) -> list[Any]:
-        """This rank's heads of a cache that holds them all (an installed handoff)."""
-        if self.tensor.size == 1:
-            return cache
-        rank, size = self.tensor.rank, self.tensor.size
-        mine = []
+    def head_ranges(self, cache: list[Any]) -> list[tuple[int, int]]:
+        """Each rank's KV heads (start, stop) of a cache that holds them all; raises the typed
+        error of a cache that cannot be split (rank 0 asks before any rank waits for a slice)."""
+        ranges: set[tuple[tuple[int, int], ...]] = set()
         for layer in cache:
             if type(layer) is not KVCache:
                 raise StatecoreError(ErrorInfo(
                     Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
                     f"a tensor-parallel instance installs plain KVCache layers only, not "
                     f"{type(layer).__name__}"))
-            keys, values = layer.keys_and_values()  # type: ignore[no-untyped-call]
-            heads = keys.shape[1]
-            if heads % size:
-                raise StatecoreError(ErrorInfo(
-                    Fault.PEER, Code.KV_MALFORMED,
-                    f"a handoff of {heads} KV heads does not split over {size} ranks"))
-            part = slice(rank * heads // size, (rank + 1) * heads // size)
+            heads = int(layer.keys.shape[1]) if layer.keys is not None else 0
+            ranges.add(tuple(rank_heads(rank, self.tensor.size, heads) for rank in range(self.tensor.size)))
+        if len(ranges) != 1:
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED, "a handoff whose layers hold different numbers of KV heads"))
+        return list(ranges.pop())
+
+    def pass_on_slices(self, slices: Sequence[Sequence[bytes | memoryview]]) -> None:
+        """Rank 0: ranks 1..N-1's payloads (`slices[r - 1]`, each as the byte pieces it is made
+        of) down the chain of ranks, each of which keeps its own and passes on the rest
+        (`receive_slice`): MLX's ring backend reaches only a rank's neighbours. Every rank
+        receives its own bytes and the later ranks' only. The pieces are copied once, into the
+        buffer that is sent."""
+        sizes = [sum(len(piece) for piece in pieces) for pieces in slices]
+        joined = np.empty(sum(sizes), dtype=np.uint8)
+        at = 0
+        for pieces in slices:
+            for piece in pieces:
+                joined[at:at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+                at += len(piece)
+        self._send_on(mx.array(sizes, dtype=mx.int64), mx.array(joined))
+
+    def receive_slice(self) -> memoryview:
+        """A rank > 0: its own payload from `pass_on_slices` (the later ranks' it passes on), a
+        view of the received array's memory."""
+        rank, group = self.tensor.rank, self.tensor.group
+        with mx.stream(generation_stream):
+            lengths = mx.distributed.recv((self.tensor.size - rank,), mx.int64, rank - 1, group=group)
+            sizes = [int(v) for v in lengths.tolist()]  # type: ignore[union-attr,arg-type]
+            data = mx.distributed.recv((sum(sizes),), mx.uint8, rank - 1, group=group)
+            mx.eval(data)
+        if rank + 1 < self.tensor.size:
+            self._send_on(lengths[1:], data[sizes[0]:])
+        mine: memoryview = np.asarray(data)[:sizes[0]].data
+        return mine
+
+    def _send_on(self, lengths: Any, data: Any) -> None:
+        group, to = self.tensor.group, self.tensor.rank + 1
+        with mx.stream(generation_stream):
+            mx.eval(mx.distributed.send(lengths, to, group=group))
+            mx.eval(mx.distributed.send(data, to, group=group))
+
+    def own_heads(self, cache: list[Any]) -> list[Any]:
+        """This rank's heads of a cache that holds them all (rank 0's copy of an installed handoff)."""
+        if self.tensor.size == 1:
+            return cache
+        start, stop = self.head_ranges(cache)[self.tensor.rank]
+        mine = []
+        for layer in cache:
+            keys, values = layer.keys_and_values()
+            part = slice(start, stop)
             own = KVCache()  # type: ignore[no-untyped-call]
             own.state = (mx.contiguous(keys[:, part]), mx.contiguous(values[:, part]), layer.offset)
             mine.append(own)

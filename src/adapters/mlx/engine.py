@@ -35,7 +35,13 @@ from adapters.grammar import Grammars
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
-from adapters.mlx.distributed import LockstepLoop, TensorGroup, agree_max, refuse_pipelined_handoff
+from adapters.mlx.distributed import (
+    LockstepLoop,
+    TensorGroup,
+    agree_max,
+    rank_heads,
+    refuse_pipelined_handoff,
+)
 from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -429,12 +435,21 @@ class MlxEngine:
         # never stalls the decode batch: framing, checksum and header checks, then the arrays
         # themselves (made from host memory, no lazy computation: no device stream is involved).
         caches = await trio.to_thread.run_sync(self._validate_and_build, payload, len(tokens))
-        # The other ranks of a tensor-parallel instance build their own heads from the same bytes.
-        sharded = isinstance(self._device, LockstepLoop)
-        await self._start(request_id, tokens, first_token, sampling, partial(self._installed, tokens, caches),
-                          payload=bytes(payload) if sharded else None)
+        device = self._device
+        if not isinstance(device, LockstepLoop) or device.tensor.size == 1:
+            await self._start(request_id, tokens, first_token, sampling,
+                              partial(self._installed, tokens, caches))
+            return
+        # A tensor-parallel instance: the other ranks get their own heads from rank 0 as the job
+        # runs. Whether the cache splits is asked here, before any rank waits for its slice.
+        ranges = device.head_ranges(caches)
+        await self._start(request_id, tokens, first_token, sampling,
+                          partial(self._hand_out_heads, caches, ranges, tokens), sliced=True)
 
-    def _validate_and_build(self, payload: KvBytes, prompt_tokens: int) -> list[Any]:
+    def _validate_and_build(self, payload: KvBytes, prompt_tokens: int,
+                            heads: tuple[int, int] | None = None) -> list[Any]:
+        """The caches of a payload for this node: every head (`heads` None), or the KV heads
+        (rank, size) of a tensor-parallel rank's slice, each layer's header naming that range."""
         validated = kv_wire.validate_payload(
             payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
         )
@@ -444,15 +459,56 @@ class MlxEngine:
                 f"the KV payload covers {validated.header.token_count} tokens, "
                 f"the prompt has {prompt_tokens}",
             ))
+        for index, layer in enumerate(validated.header.layers):
+            got = layer.heads
+            if got is None:
+                if heads is None:
+                    continue
+                held, want = "every head", f"its slice of rank {heads[0]} of {heads[1]}"
+            else:
+                need = (0, got.total) if heads is None else rank_heads(*heads, got.total)
+                if (got.start, got.stop) == need:
+                    continue
+                held, want = f"heads [{got.start}, {got.stop}) of {got.total}", f"heads {list(need)}"
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"layer {index} of the KV payload holds {held}, this node needs {want}"))
         built: list[Any] = kv_wire.build_caches(validated).caches
         return built
 
     def _installed(self, tokens: Sequence[int], caches: list[Any]) -> list[Any]:
-        """On the device thread: a handed-off cache as this rank decodes it (its own heads on a
-        tensor-parallel rank), its whole chunks kept for the conversation's next turn."""
-        own = self._device.own_heads(caches) if isinstance(self._device, LockstepLoop) else caches
-        self._device.keep_installed(tokens, own)
-        return own
+        """On the device thread: a handed-off cache as this rank decodes it, its whole chunks kept
+        for the conversation's next turn (on every rank of an instance alike)."""
+        self._device.keep_installed(tokens, caches)
+        return caches
+
+    def _hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
+                        tokens: Sequence[int]) -> list[Any]:
+        """Rank 0 of a TP decode instance: each other rank's heads of an installed payload, sent to
+        it as a payload of that head range; rank 0 keeps its own."""
+        device = self._device
+        assert isinstance(device, LockstepLoop)
+        slices: list[list[bytes | memoryview]] = []
+        try:
+            for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
+                tensors = kv_wire.host_tensors(caches, fingerprint=self.info.fingerprint,
+                                               token_count=len(tokens), heads=heads)
+                slices.append([*kv_wire.unsealed_pieces(tensors), kv_wire.end_frame(tensors)])
+        except BaseException:
+            # The other ranks wait for their slice: a byte that is no payload makes their job
+            # fail as this one does, so every rank still holds the same requests.
+            device.pass_on_slices([[b"\x00"]] * (len(ranges) - 1))
+            raise
+        device.pass_on_slices(slices)
+        return self._installed(tokens, device.own_heads(caches))
+
+    def _received_heads(self, tokens: Sequence[int]) -> list[Any]:
+        """A rank > 0 of a TP decode instance: its heads of an installed payload, from rank 0."""
+        device = self._device
+        assert isinstance(device, LockstepLoop)
+        payload = device.receive_slice()
+        return self._installed(tokens, self._validate_and_build(
+            payload, len(tokens), heads=(device.tensor.rank, device.tensor.size)))
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -610,7 +666,8 @@ class MlxEngine:
         first_token: int,
         sampling: SamplingParams,
         take_cache: Callable[[], list[Any]],
-        payload: bytes | None = None,
+        *,
+        sliced: bool = False,
     ) -> None:
         """Open the request's stream, then put it into the decoder on the device thread."""
         matcher = await self._matcher(sampling)
@@ -621,7 +678,7 @@ class MlxEngine:
                                 trio.lowlevel.current_trio_token())
         self._streams[request_id] = receive
         try:
-            replayed = lockstep.Decode(request_id, tuple(tokens), first_token, sampling, payload)
+            replayed = lockstep.Decode(request_id, tuple(tokens), first_token, sampling, sliced=sliced)
             await self._call(work, undo=lambda _: self._drop(request_id), command=replayed,
                              undo_command=lockstep.Drop(request_id))
         except BaseException:
@@ -754,9 +811,9 @@ class MlxEngine:
             case lockstep.Prefill(request_id, tokens, sampling):
                 return self._prefill_job(request_id, list(tokens), sampling, self._replayed_matcher(sampling),
                                          None)
-            case lockstep.Decode(request_id, tokens, first_token, sampling, payload):
-                take_cache = (partial(self._held_cache, request_id, len(tokens)) if payload is None else
-                              lambda: self._installed(tokens, self._validate_and_build(payload, len(tokens))))
+            case lockstep.Decode(request_id, tokens, first_token, sampling, sliced):
+                take_cache = (partial(self._received_heads, tokens) if sliced
+                              else partial(self._held_cache, request_id, len(tokens)))
                 send, _ = trio.open_memory_channel[StreamItem](0)
                 return Job(self._start_work(request_id, list(tokens), first_token, sampling, take_cache,
                                             self._replayed_matcher(sampling), send, None), None)
