@@ -468,24 +468,29 @@ class DeviceLoop:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def take_jobs(self, *, wait: bool, timeout: float | None) -> list[Job[Any] | Stop | Crash]:
+        """Every job queued now; with `wait` (nothing to compute), first the next one to come, or
+        none after `timeout` seconds (None: as long as it takes)."""
+        jobs: list[Job[Any] | Stop | Crash] = []
+        if wait:
+            self.idle = True
+            with contextlib.suppress(queue.Empty):
+                jobs.append(self.queue.get(timeout=timeout))
+            # progress_at before idle: a reader that sees busy also sees a fresh start time.
+            self.progress_at = time.monotonic()
+            self.idle = False
+        while True:
+            try:
+                jobs.append(self.queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
     def run(self) -> None:
         while True:
             gathered = sum(len(group.arrived) for group in self.gathering.values())
             busy = bool(len(self.live) > gathered or self.waiting or self.inflight)
-            jobs: list[Job[Any] | Stop | Crash] = []
-            if not busy:
-                self.idle = True
-                # Choices waiting for each other wake the loop when their patience ends.
-                with contextlib.suppress(queue.Empty):
-                    jobs.append(self.queue.get(timeout=self.gathering_timeout()))
-                # progress_at before idle: a reader that sees busy also sees a fresh start time.
-                self.progress_at = time.monotonic()
-                self.idle = False
-            while True:
-                try:
-                    jobs.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
+            # Choices waiting for each other wake the loop when their patience ends.
+            jobs = self.take_jobs(wait=not busy, timeout=self.gathering_timeout())
             for job in jobs:
                 if isinstance(job, Stop):
                     return

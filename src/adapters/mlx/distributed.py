@@ -28,7 +28,6 @@ token) the same on every rank. Its caches do not travel (`refuse_pipelined_hando
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -198,18 +197,9 @@ class LockstepLoop(DeviceLoop):
 
     def lead(self) -> None:
         while True:
-            jobs: list[Job[Any] | Stop | Crash] = []
-            if not (self.live or self.waiting or self.inflight):
-                self.idle = True
-                with contextlib.suppress(queue.Empty):  # a heartbeat: an empty plan
-                    jobs.append(self.queue.get(timeout=self.tensor.heartbeat_s))
-                self.progress_at = time.monotonic()
-                self.idle = False
-            while True:
-                try:
-                    jobs.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
+            # Idle, an empty plan goes out every heartbeat.
+            jobs = self.take_jobs(wait=not (self.live or self.waiting or self.inflight),
+                                  timeout=self.tensor.heartbeat_s)
             taken: list[Job[Any]] = []
             commands: list[lockstep.Command] = []
             stop = False
