@@ -9,7 +9,7 @@ given. Rank 0 is the node (HTTP front end, scheduler, engine); the others load t
 follow rank 0's plans (`adapters.mlx.distributed.LockstepLoop`) until it stops them, it goes
 silent for `--stall-timeout`, or the group breaks: then they exit 3, and so does rank 0 when a
 rank is lost (its engine dies or stalls: /health 503, its requests fail), for a supervisor to
-restart the instance. mlx is imported only after the BLAS choice (adapters.serve).
+restart the instance. mlx is imported only after the BLAS choice (adapters.serve.command).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def heartbeat_s(stall_timeout_s: float) -> float:
 
 def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     from adapters.mlx.distributed import RANK_ENV, exited_rank, join_group, start_local_ranks
-    from adapters.serve import _listener_for, hold_stop_signals, run_engine_node
+    from adapters.serve.listeners import _listener_for
+    from adapters.serve.node import hold_stop_signals, run_engine_node
 
     size = args.tensor_parallel
     children: list[subprocess.Popen[bytes]] = []
@@ -74,7 +75,9 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
 def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
     from adapters.mlx import MlxEngine
     from adapters.mlx.distributed import PARENT_ENV, watch_follower
-    from adapters.serve import demo_model_dir, engine_options, setup_logging
+    from adapters.serve.flags import demo_model_dir
+    from adapters.serve.logs import setup_logging
+    from adapters.serve.node import engine_options
 
     setup_logging(args, f"{role}[{tensor.rank}]")  # its lines beside rank 0's in one stream
     # Ctrl-C reaches the whole process group: rank 0 drains and stops the others.
