@@ -23,6 +23,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent))  # support/: the tiny checkpoints
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 SIZES = ((256, 4), (512, 6), (1024, 4))
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not Path(OPENBLAS).exists():
         raise SystemExit(f"{OPENBLAS} is missing: apt-get install libopenblas0")
-    from adapters.tiny_models import cached_checkpoint
+    from support.tiny_models import cached_checkpoint
 
     models: list[Path] = args.model or [cached_checkpoint("llama", hidden_size=h, num_layers=n)
                                         for h, n in SIZES]

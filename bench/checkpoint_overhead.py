@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # support/: the tiny checkpoints
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     from mlx_lm.utils import load
 
     from adapters.mlx.checkpoint import Checkpoint
-    from adapters.tiny_models import cached_checkpoint
+    from support.tiny_models import cached_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="an mlx-lm model directory (default: a tiny checkpoint of --family)")

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from side_by_side import ROOT, Server, default_model, start_all  # noqa: E402
 
-from adapters.serve import free_port  # noqa: E402
+from adapters.serve.listeners import free_port  # noqa: E402
 
 
 def servers(model: Path, out: Path, extra: list[str]) -> dict[str, Server]:

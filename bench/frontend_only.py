@@ -24,8 +24,8 @@ from hypercorn.trio import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from adapters.openai_api import Frontend, build_app
-from adapters.serve import demo_model_dir
+from adapters.http.openai_api import Frontend, build_app
+from adapters.serve.flags import demo_model_dir
 from effects.backend import local_backend
 from effects.engine_port import GeneratedToken
 from effects.fakes import FakeEngine

@@ -53,6 +53,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))  # support/: the tiny checkpoints
 
 # The bounded schema of the engine tests, and one of the shape a real API client sends.
 SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -155,7 +156,7 @@ def load_vocab(name: str, cache: Path) -> Vocab:
     from tokenizers import Tokenizer
 
     if name == "tiny":
-        from adapters.tiny_models import build_tokenizer
+        from support.tiny_models import build_tokenizer
 
         with tempfile.TemporaryDirectory() as tmp:
             build_tokenizer(Path(tmp), "bpe")

@@ -42,9 +42,11 @@ from tokenizers import Tokenizer
 
 from adapters import kv_wire
 from adapters.mlx import MlxEngine
-from adapters.tiny_models import CORPUS, FAMILIES, cached_checkpoint
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/: the tiny checkpoints
+from support.tiny_models import CORPUS, FAMILIES, cached_checkpoint
 
 ONE_TOKEN = SamplingParams(max_tokens=2)  # the first token, then one decode step
 

@@ -17,7 +17,7 @@ least 50% of loopback; wire bytes at most 1.01x the raw tensor bytes).
     .venv/bin/python bench/handoff_http.py --out handoff.json --lengths 128 512 2000 --per-length 3
 
 The default model is a random-weight llama (hidden 256, 4 layers, head dim 16, 8 KV heads,
-context 4,096: 4 KiB of float32 KV per token) built once by `adapters.tiny_models.cached_checkpoint`.
+context 4,096: 4 KiB of float32 KV per token) built once by `support.tiny_models.cached_checkpoint`.
 Bench code: it may import anything, and nothing under src/ may import it.
 """
 
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tests.e2e.harness import Node  # noqa: E402
 
-from adapters.tiny_models import CORPUS, cached_checkpoint  # noqa: E402
+from support.tiny_models import CORPUS, cached_checkpoint  # noqa: E402
 
 TOKEN_HEADER = "X-Statecore-Token"
 BODY_TARGET = 0.5  # body throughput / loopback throughput

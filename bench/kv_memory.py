@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from tests.e2e.harness import Node, assert_no_leaks, start_nodes  # noqa: E402
 
-from adapters.tiny_models import cached_checkpoint  # noqa: E402
+from support.tiny_models import cached_checkpoint  # noqa: E402
 
 MIB = 1 << 20
 

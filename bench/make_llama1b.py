@@ -3,7 +3,7 @@
 Shape as meta-llama/Llama-3.2-1B's config.json: hidden 2048, 16 layers, 32 query / 8 KV heads of
 64, MLP 8192, vocab 128,256, tied embeddings, llama3 RoPE scaling: 1.24 B parameters, 2.5 GB in
 bf16. Weights are drawn with `mx.random` on the default device (the GPU when MLX has one), seeded.
-The tokenizer is statecore's 512-token byte-level BPE (`adapters.tiny_models.build_tokenizer`); the
+The tokenizer is statecore's 512-token byte-level BPE (`support.tiny_models.build_tokenizer`); the
 embedding rows of its special tokens and of every id >= 512 are zero, so with tied embeddings their
 logits are 0 while real tokens' logits have a std of ~45: greedy decoding never emits EOS nor an id
 the tokenizer cannot decode, and every matmul keeps the real model's size.
@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # support/: the tiny checkpoints
 
 TOKENIZER_TOKENS = 512
 SPECIAL_IDS = (0, 1, 2)  # bos, eos, pad of the "bpe" tokenizer
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from adapters.tiny_models import build_tokenizer
+    from support.tiny_models import build_tokenizer
 
     start = time.perf_counter()
     config = llama_1b_config(args.hidden_size, args.layers, args.vocab)

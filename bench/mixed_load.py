@@ -58,7 +58,7 @@ from serve_bench import Mix, PromptMaker, build_prompts, load_tokenizer  # noqa:
 from side_by_side import Server, default_model, server_env  # noqa: E402
 from sse_client import CompletionStreamError, completion_stream  # noqa: E402
 
-from adapters.serve import free_port  # noqa: E402
+from adapters.serve.listeners import free_port  # noqa: E402
 
 SETUPS = ("colocated", "cluster")
 # The decoding node's prompt-token counter by where the KV came from: it shows whether the long

@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 from serve_bench import PromptMaker, RequestResult, _one, _pct, load_tokenizer  # noqa: E402
 from side_by_side import ROOT, Server, default_model, make_servers, start_all  # noqa: E402
 
-from adapters.serve import free_port  # noqa: E402
+from adapters.serve.listeners import free_port  # noqa: E402
 
 SERVERS = ("mlx_lm", "single", "single_nocache", "cluster_1p2d")
 CLUSTER = "cluster_1p2d"

@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # support/: the tiny checkpoints
 
 
 async def one_setting(model: Path, chunk: int, cache_bytes: int,
@@ -51,7 +52,7 @@ async def one_setting(model: Path, chunk: int, cache_bytes: int,
 
 
 async def main() -> None:
-    from adapters.tiny_models import cached_checkpoint
+    from support.tiny_models import cached_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=None)

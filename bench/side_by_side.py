@@ -10,7 +10,7 @@ in, and writes results.json and results.png under --out.
     .venv/bin/python bench/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
 The default model is a random-weight llama (hidden 256, 4 layers, head dim 16, vocab 512: 2.4M
-parameters, float32) built once by `adapters.tiny_models.cached_checkpoint` (~/.cache/statecore/tiny). `--blas
+parameters, float32) built once by `support.tiny_models.cached_checkpoint` (~/.cache/statecore/tiny). `--blas
 auto` (the default; env STATECORE_BLAS) preloads the system OpenBLAS
 (/usr/lib/x86_64-linux-gnu/libopenblas.so.0, Debian's `libopenblas0`) into every server when it is
 installed: MLX's CPU wheel bundles the reference (netlib) BLAS, about 10x slower at matmul. Bench
@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # support/: the tiny checkpoints
 
 from serve_bench import (  # noqa: E402
     Mix,
@@ -53,7 +54,8 @@ from serve_bench import (  # noqa: E402
 )
 
 from adapters.blas import blas_of_process_tree  # noqa: E402
-from adapters.serve import free_port, wait_healthy  # noqa: E402
+from adapters.serve.cluster import wait_healthy  # noqa: E402
+from adapters.serve.listeners import free_port  # noqa: E402
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 SERVERS = ("mlx_lm", "single", "cluster")
@@ -157,7 +159,7 @@ def start_all(servers: Sequence[Server], blas: str, timeout_s: float, meta: dict
 
 
 def default_model() -> Path:
-    from adapters.tiny_models import cached_checkpoint
+    from support.tiny_models import cached_checkpoint
 
     return cached_checkpoint("llama", hidden_size=256, num_layers=4)
 

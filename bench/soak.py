@@ -669,7 +669,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ[ENABLE_ENV] = "1"
     if args.model is None:
-        from adapters.tiny_models import cached_checkpoint  # loads mlx: only when needed
+        from support.tiny_models import cached_checkpoint  # loads mlx: only when needed
 
         args.model = cached_checkpoint("llama")
     kill_at = args.minutes / 2 if args.kill_at_minute is None else args.kill_at_minute

@@ -16,6 +16,7 @@ import argparse
 import os
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -23,8 +24,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from adapters.mlx.distributed import RANK_ENV, start_local_ranks
 from adapters.mlx.loading import load_model
-from adapters.serve import demo_model_dir
-from adapters.tiny_models import cached_checkpoint
+from adapters.serve.flags import demo_model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support/: the tiny checkpoints
+from support.tiny_models import cached_checkpoint
 
 
 def greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], Any]:

@@ -52,7 +52,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(~3-10x faster prefill), else MLX's bundled one. Every node of a cluster needs the same "
         "(env STATECORE_BLAS, default auto)",
     )
-    from adapters.serve import add_serving_flags
+    from adapters.serve.flags import add_serving_flags
 
     add_serving_flags(run)
 
@@ -129,7 +129,7 @@ def _spec(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from adapters.serve import run_command
+    from adapters.serve.command import run_command
 
     return run_command(args)
 

@@ -12,7 +12,7 @@ rank is lost (its engine dies or stalls: /health 503, its requests fail), for a 
 restart the instance. `--pipeline-parallel N` starts the same N ranks, each holding a share of
 the layers instead of the heads (`adapters.mlx.distributed`'s paragraph); a model family that
 mlx-lm cannot pipeline is refused before any rank starts (exit 2), as is asking for both modes.
-mlx is imported only after the BLAS choice (adapters.serve).
+mlx is imported only after the BLAS choice (adapters.serve.command).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def heartbeat_s(stall_timeout_s: float) -> float:
 
 def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     from adapters.mlx.distributed import RANK_ENV, exited_rank, join_group, start_local_ranks
-    from adapters.serve import _listener_for, hold_stop_signals, run_engine_node
+    from adapters.serve.listeners import _listener_for
+    from adapters.serve.node import hold_stop_signals, run_engine_node
 
     pipeline = args.pipeline_parallel > 1
     if pipeline and args.tensor_parallel > 1:
@@ -90,7 +91,7 @@ def _pipeline_refusal(args: argparse.Namespace) -> str | None:
     """Why the model cannot run as a pipeline (its config.json's model type), before any rank
     starts; None when it can, or when the config cannot be read (the load says why)."""
     from adapters.mlx.loading import pipeline_refusal
-    from adapters.serve import demo_model_dir
+    from adapters.serve.flags import demo_model_dir
 
     model = Path(args.model or demo_model_dir())
     try:
@@ -104,7 +105,9 @@ def _pipeline_refusal(args: argparse.Namespace) -> str | None:
 def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
     from adapters.mlx import MlxEngine
     from adapters.mlx.distributed import PARENT_ENV, watch_follower
-    from adapters.serve import demo_model_dir, engine_options, setup_logging
+    from adapters.serve.flags import demo_model_dir
+    from adapters.serve.logs import setup_logging
+    from adapters.serve.node import engine_options
 
     setup_logging(args, f"{role}[{tensor.rank}]")  # its lines beside rank 0's in one stream
     # Ctrl-C reaches the whole process group: rank 0 drains and stops the others.

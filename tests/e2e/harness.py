@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from adapters.serve import open_listener, wait_healthy
+from adapters.serve.cluster import wait_healthy
+from adapters.serve.listeners import open_listener
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from adapters.tiny_models import build_tiny_checkpoint, cached_checkpoint
+from support.tiny_models import build_tiny_checkpoint, cached_checkpoint
 from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, stream_events, without_ids
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.serve import open_listener
-from adapters.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
+from adapters.serve.listeners import open_listener
+from support.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
 from tests.e2e.harness import (
     ROOT,
     Cluster,

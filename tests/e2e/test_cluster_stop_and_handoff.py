@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from adapters.blas import child_pids
-from adapters.serve import free_port
+from adapters.serve.listeners import free_port
 from tests.e2e.harness import ROOT
 
 pytestmark = pytest.mark.e2e

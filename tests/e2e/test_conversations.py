@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, start_cluster
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
 from effects.faults import ENABLE_ENV
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, router, start_nodes
 
 pytestmark = pytest.mark.e2e

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.tiny_models import cached_checkpoint
 from effects.faults import ENABLE_ENV, Phase
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, start_cluster, without_ids
 
 pytestmark = pytest.mark.e2e

@@ -29,8 +29,8 @@ if os.environ.get("CI") != "true":  # under CI a missing package fails at the im
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/setup.sh does)")
 from playwright.sync_api import Page, expect, sync_playwright
 
-from adapters.tiny_models import cached_checkpoint
 from effects.faults import DEFAULT_MARKER, ENABLE_ENV
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import ROOT, Node, router, start_nodes
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, openai_client, start_cluster
 
 pytestmark = pytest.mark.e2e

@@ -19,8 +19,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.blas import child_pids, process_role
-from adapters.serve import HANDOFF_PROMPT
-from adapters.tiny_models import cached_checkpoint
+from adapters.serve.cluster import HANDOFF_PROMPT
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, openai_client, start_cluster
 
 pytestmark = pytest.mark.e2e

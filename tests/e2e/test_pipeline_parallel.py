@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Node, assert_no_leaks, router, start_nodes
 from tests.e2e.test_tensor_parallel import BODIES, answers, stop_all
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from adapters.tiny_models import cached_checkpoint
+from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import (
     Cluster,
     Node,

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from adapters.blas import child_pids
-from adapters.serve import demo_model_dir, free_port
+from adapters.serve.flags import demo_model_dir
+from adapters.serve.listeners import free_port
 from tests.e2e.harness import ROOT
 
 pytestmark = pytest.mark.e2e

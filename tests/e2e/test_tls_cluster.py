@@ -17,7 +17,7 @@ import pytest
 import trustme
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapters.serve import HANDOFF_PROMPT, wait_healthy
+from adapters.serve.cluster import HANDOFF_PROMPT, wait_healthy
 from adapters.tls import certificate_refused, client_context
 from tests.e2e.harness import Node
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.openai_api import Frontend
-from adapters.tiny_models import build_tokenizer
+from adapters.http.openai_api import Frontend
+from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import FakeBackend, fake_model_info
 
 

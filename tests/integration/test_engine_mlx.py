@@ -33,18 +33,18 @@ from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.sampling import PositionSampler
-from adapters.tiny_models import (
-    build_custom_cache_checkpoint,
-    build_tiny_checkpoint,
-    cached_checkpoint,
-    is_degenerate,
-)
 from effects.engine_port import Engine, EngineStatistics, GeneratedToken, PrefixSummary, SamplingParams
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
 from statecore.scheduling import prefill_units
+from support.tiny_models import (
+    build_custom_cache_checkpoint,
+    build_tiny_checkpoint,
+    cached_checkpoint,
+    is_degenerate,
+)
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import trio
 
-from adapters.internal_wire import SamplingBody
+from adapters.http.internal_wire import SamplingBody
+from adapters.http.openai_api import Frontend, build_app
 from adapters.metrics import Metrics
-from adapters.openai_api import Frontend, build_app
 from effects.backend import local_backend
 from effects.fakes import EOS, FakeEngine
 from effects.interpret import EnginePerformer
@@ -89,7 +89,7 @@ async def test_ignore_eos_reaches_the_backend(bpe_dir: Path) -> None:
 
 def test_a_peer_error_with_a_param_crosses_the_internal_wire() -> None:
     """OpenAI's `param` is in every error body now; a node's error still reads back whole."""
-    from adapters.internal_wire import error_from_json, error_json
+    from adapters.http.internal_wire import error_from_json, error_json
     from statecore.errors import Code, ErrorInfo, Fault
 
     error = ErrorInfo(Fault.CLIENT, Code.INVALID_REQUEST, "bad temperature", "temperature")

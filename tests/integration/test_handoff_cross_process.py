@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from adapters.tiny_models import CORPUS, DTYPES, FAMILIES, cached_checkpoint, is_degenerate
 from effects.engine_port import SamplingParams
+from support.tiny_models import CORPUS, DTYPES, FAMILIES, cached_checkpoint, is_degenerate
 from tests.integration.handoff_worker import Spec, read_result
 
 ROOT = Path(__file__).resolve().parents[2]

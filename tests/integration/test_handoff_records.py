@@ -17,9 +17,9 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.internal_wire import TOKEN_HEADER
-from adapters.node_api import NodeApi
-from adapters.peers_httpx import HttpxPeers
+from adapters.http.internal_wire import TOKEN_HEADER
+from adapters.http.node_api import NodeApi
+from adapters.http.peers_httpx import HttpxPeers
 from effects.fakes import FakeEngine
 from effects.handoffs import HandoffLog
 from effects.interpret import EnginePerformer
@@ -137,7 +137,7 @@ async def test_a_pull_over_a_real_socket_records_the_same_fields(nursery: trio.N
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from adapters.serve import listener_url, open_listener
+    from adapters.serve.listeners import listener_url, open_listener
 
     prefill_runner, prefill_app = _node("prefill", None, HandoffLog("prefill"))
     decode_log = HandoffLog("decode")

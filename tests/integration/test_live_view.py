@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from adapters.live_view import LiveView, read_totals, sample_between
+from adapters.http.live_view import LiveView, read_totals, sample_between
 from adapters.metrics import Metrics
 from effects.backend import local_backend
 from effects.engine_port import SamplingParams

@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from adapters.api_keys import ApiKeys
-from adapters.openai_api import Frontend, build_app
-from adapters.tiny_models import build_tokenizer
+from adapters.http.api_keys import ApiKeys
+from adapters.http.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
+from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
 
 CONTEXT = 64
@@ -1259,7 +1259,7 @@ async def test_a_streamed_response_ends_the_exchange_as_the_client_asked(
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from adapters.serve import open_listener
+    from adapters.serve.listeners import open_listener
 
     listener = open_listener("127.0.0.1", 0)
     port = listener.getsockname()[1]

@@ -23,7 +23,7 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.openai_api import Frontend, build_app
+from adapters.http.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs

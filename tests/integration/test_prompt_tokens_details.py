@@ -22,12 +22,11 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.internal_wire import PrefillReplyBody, output_line, parse_output_line
+from adapters.http.internal_wire import PrefillReplyBody, output_line, parse_output_line
+from adapters.http.node_api import NodeApi
+from adapters.http.openai_api import Frontend, build_app
+from adapters.http.peers_httpx import HttpxPeers
 from adapters.mlx import MlxEngine
-from adapters.node_api import NodeApi
-from adapters.openai_api import Frontend, build_app
-from adapters.peers_httpx import HttpxPeers
-from adapters.tiny_models import cached_checkpoint
 from effects.backend import local_backend, router_backend
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer, RouterPerformer
@@ -35,6 +34,7 @@ from effects.ports import GenerationEnd, GenerationRequest, PrefillReply, Sampli
 from effects.runner import NodeRunner, Timeouts
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
+from support.tiny_models import cached_checkpoint
 
 CHUNK = 16  # the prefix cache keeps whole prefill chunks: small ones, so short prompts share some
 OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for i in range(6))

@@ -18,7 +18,7 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.openai_api import _EVENTS_PER_WRITE, Frontend, build_app
+from adapters.http.openai_api import _EVENTS_PER_WRITE, Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs

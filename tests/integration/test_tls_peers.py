@@ -20,8 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from adapters.peers_httpx import HttpxPeers
-from adapters.serve import hypercorn_config, listener_url, open_listener
+from adapters.http.peers_httpx import HttpxPeers
+from adapters.serve.listeners import listener_url, open_listener
+from adapters.serve.node import hypercorn_config
 from adapters.tls import TlsFiles, certificate_refused, client_context
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId

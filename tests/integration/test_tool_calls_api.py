@@ -14,9 +14,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from adapters.openai_api import Frontend, build_app
-from adapters.tiny_models import build_tokenizer
+from adapters.http.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, TokenOut
+from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import FakeBackend, ScriptItem
 
 TOOLS: list[Any] = [{"type": "function", "function": {

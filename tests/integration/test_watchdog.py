@@ -1,4 +1,4 @@
-"""The progress watchdog of an engine node (`adapters.serve._watch_engine`) over a fake engine
+"""The progress watchdog of an engine node (`adapters.serve.node._watch_engine`) over a fake engine
 whose reported stall is set by the test, on trio's autojump clock: below `--stall-timeout`
 nothing happens; past it the node says why in `/health` (503), and its loop stops on
 `TransportLost`, failing what was live; a dead device thread is lost the same way.
@@ -14,8 +14,8 @@ import trio
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from adapters.node_api import NodeApi
-from adapters.serve import _watch_engine
+from adapters.http.node_api import NodeApi
+from adapters.serve.node import _watch_engine
 from effects.engine_port import EngineStatistics
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer

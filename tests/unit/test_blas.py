@@ -121,7 +121,7 @@ def test_openblas_from_ldconfig() -> None:
 def test_the_cli_reaches_the_blas_step_before_mlx_loads() -> None:
     # LD_PRELOAD only works through a re-exec, which is cheap only while mlx is not loaded yet;
     # and the router must stay a tokenizer-only process.
-    probe = ("import sys, adapters.cli, adapters.serve; "
+    probe = ("import sys, adapters.cli, adapters.serve.command; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from adapters.cli import build_parser, main
-from adapters.openai_api import Frontend
-from adapters.serve import demo_model_dir
+from adapters.http.openai_api import Frontend
+from adapters.serve.flags import demo_model_dir
 from tests.integration.fake_backend import FakeBackend
 
 

@@ -15,8 +15,8 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import JSON_OBJECT, Grammars, format_error, response_format_text, tool_call_text
 from adapters.mlx.grammar import TokenConstraint
-from adapters.tiny_models import TOKENIZER_VOCAB_SIZE, build_tokenizer
 from statecore.errors import StatecoreError
+from support.tiny_models import TOKENIZER_VOCAB_SIZE, build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
           "required": ["ok", "color"], "additionalProperties": False}

@@ -50,6 +50,16 @@ def test_importing_the_package_loads_no_forbidden_module(package: str) -> None:
     assert out == "[]"
 
 
+def test_nothing_shipped_imports_the_test_support() -> None:
+    # support/ (the tiny checkpoints) and tests/ are not packaged: a shipped module that imports
+    # them would fail at run time on an installed copy
+    offenders = {
+        str(path.relative_to(SRC)): sorted(_imported_roots(path) & {"support", "tests"})
+        for path in SRC.rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_the_walker_sees_a_forbidden_import(tmp_path: Path) -> None:
     sample = tmp_path / "m.py"
     sample.write_text("import trio\nfrom mlx_lm.models import cache\nfrom . import x\n")

@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import constants
 
 from adapters.model_source import ModelNotFound, looks_like_repo_id, resolve_model
-from adapters.serve import demo_model_dir
+from adapters.serve.flags import demo_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -73,7 +73,7 @@ def test_the_cli_serves_a_cached_repo_under_its_repo_id(tmp_path: Path, offline:
     read by huggingface_hub at import, so the test points its constant there)."""
     import argparse
 
-    from adapters.serve import _resolve_model
+    from adapters.serve.flags import _resolve_model
 
     snapshot = fake_hub_cache(tmp_path, "mlx-community/statecore-demo")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))

@@ -11,8 +11,10 @@ import pytest
 import trio
 from hypercorn.logging import Logger
 
-from adapters.openai_api import Frontend, build_app
-from adapters.serve import _warn_if_exposed, exposure_warning, hypercorn_config, open_listener, setup_logging
+from adapters.http.openai_api import Frontend, build_app
+from adapters.serve.listeners import open_listener
+from adapters.serve.logs import setup_logging
+from adapters.serve.node import _warn_if_exposed, exposure_warning, hypercorn_config
 from tests.integration.fake_backend import FakeBackend
 
 

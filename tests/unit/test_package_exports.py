@@ -8,7 +8,9 @@ import importlib.util
 import pytest
 
 
-@pytest.mark.parametrize("package", ["statecore", "effects", "adapters"])
+@pytest.mark.parametrize(
+    "package", ["statecore", "effects", "adapters", "adapters.http", "adapters.serve", "support"]
+)
 def test_every_listed_module_exists(package: str) -> None:
     names = importlib.import_module(package).__all__
     assert names, f"{package}.__all__ is empty"

@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 from pydantic import ValidationError
 
-from adapters.internal_wire import PrefillBody, SamplingBody
+from adapters.http.internal_wire import PrefillBody, SamplingBody
 from effects.engine_port import SamplingParams
 
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.api_keys import keys_from
 from adapters.cli import build_parser
-from adapters.serve import (
-    ENGINE_SWITCH_INTERVAL,
-    _forwarded_serving_flags,
-    _resolve_api_keys,
-    _switch_interval,
-)
+from adapters.http.api_keys import keys_from
+from adapters.serve.cluster import _forwarded_serving_flags
+from adapters.serve.flags import _resolve_api_keys
+from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval
 
 
 @pytest.mark.parametrize(

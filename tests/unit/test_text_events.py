@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from adapters.openai_api import _TEXT_MARK, Frontend, _event, _Job, _Kind, _TextEvent
+from adapters.http.openai_api import _TEXT_MARK, Frontend, _event, _Job, _Kind, _TextEvent
 from effects.ports import SamplingParams
 from statecore.ids import RequestId
 from tests.integration.fake_backend import FakeBackend

@@ -28,7 +28,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load
 from transformers import AutoTokenizer
 
-from adapters import tiny_models as tm
+from support import tiny_models as tm
 
 EXPECTED_CACHES: dict[str, list[str]] = {
     "llama": ["KVCache", "KVCache"],
@@ -385,7 +385,8 @@ def test_cli_builds_a_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     args = ["--family", "mamba2", "--dtype", "bfloat16", "--tokenizer", "byte_fallback"]
     done = subprocess.run(
-        [sys.executable, "-m", "adapters.tiny_models", str(out), *args],
+        [sys.executable, "-m", "support.tiny_models", str(out), *args],
+        cwd=Path(__file__).resolve().parents[2],  # support/ sits at the repository's root
         capture_output=True,
         text=True,
         check=True,

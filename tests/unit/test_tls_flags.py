@@ -12,7 +12,9 @@ import pytest
 import trustme
 
 from adapters.cli import build_parser, main
-from adapters.serve import _forwarded_serving_flags, hypercorn_config, listener_url, open_listener
+from adapters.serve.cluster import _forwarded_serving_flags
+from adapters.serve.listeners import listener_url, open_listener
+from adapters.serve.node import hypercorn_config
 from adapters.tls import TlsConfigError, TlsFiles, client_context, tls_files
 
 ROLES = ["cluster", "single", "prefill", "decode", "router"]
@@ -37,7 +39,7 @@ def refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     def went_on(args: object) -> None:
         raise AssertionError(f"statecore run {' '.join(argv)} went on to resolve the model")
 
-    monkeypatch.setattr("adapters.serve._resolve_model", went_on)
+    monkeypatch.setattr("adapters.serve.command._resolve_model", went_on)
     with pytest.raises(SystemExit) as stopped:
         main(["run", *argv])
     said = str(stopped.value.code)

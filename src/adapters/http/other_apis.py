@@ -33,11 +33,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from adapters.streaming import cancel_on_disconnect
+from adapters.http.streaming import cancel_on_disconnect
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, client_error
 
 if TYPE_CHECKING:
-    from adapters.openai_api import CalledTool, ChatEnd, ChatRun, ChatStep, Frontend
+    from adapters.http.openai_api import CalledTool, ChatEnd, ChatRun, ChatStep, Frontend
 
 __all__ = ["other_api_routes"]
 
@@ -128,7 +128,7 @@ def _parts(content: str | Sequence[_Text | _InputText]) -> str | list[dict[str, 
 
 
 async def _advance(run: ChatRun) -> ChatStep:
-    from adapters.openai_api import ChatStep
+    from adapters.http.openai_api import ChatStep
 
     try:
         return await run.advance()

@@ -4,8 +4,8 @@ gemma3_text, qwen3_next, falcon_h1, mamba2, llama4), in mlx-lm's own layout so t
 `mlx_lm.utils.load` reads it like a downloaded model. Weights are random but seeded, and scaled so
 that greedy output depends on the whole context; the same arguments give byte-identical files.
 Tokenizers (a byte-level BPE, or a SentencePiece-style BPE with byte fallback) are trained here from
-built-in text. An adapter: it imports mlx, mlx_lm and tokenizers, and nothing in `statecore` or
-`effects` may import it.
+built-in text. It imports mlx, mlx_lm and tokenizers; nothing under `src/` may import it (it is
+not shipped).
 """
 
 from __future__ import annotations
@@ -720,8 +720,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m adapters.tiny_models OUT_DIR --family llama --dtype float32 --tokenizer bpe`."""
-    parser = argparse.ArgumentParser(prog="python -m adapters.tiny_models", description=__doc__)
+    """`python -m support.tiny_models OUT_DIR --family llama --dtype float32 --tokenizer bpe`."""
+    parser = argparse.ArgumentParser(prog="python -m support.tiny_models", description=__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")

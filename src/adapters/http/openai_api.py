@@ -11,8 +11,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 server-sent events, or not), `GET /v1/models`, `GET /health` (200 only while `backend.ready()`),
 and vLLM's `POST /tokenize` / `POST /detokenize` (the prompt ids a completion or a chat would be
 fed, and text back from ids; these two refuse unknown fields). `build_app` also serves
-Anthropic's `POST /v1/messages` and OpenAI's `POST /v1/responses` (`adapters.other_apis`, as chats
-started by `Frontend.start_chat`), and can put API keys (`adapters.api_keys`) and CORS in front.
+Anthropic's `POST /v1/messages` and OpenAI's `POST /v1/responses` (`adapters.http.other_apis`, as chats
+started by `Frontend.start_chat`), and can put API keys (`adapters.http.api_keys`) and CORS in front.
 
 Defaults and limits (vLLM's where OpenAI leaves a choice):
 - `max_tokens`: completions 16 (cut to the room left in the context); chat: the whole room left
@@ -104,10 +104,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from adapters.api_keys import ApiKeyGuard, ApiKeys
 from adapters.grammar import format_error, refused, response_format_text, tool_call_text
-from adapters.other_apis import other_api_routes
-from adapters.streaming import WatchedStream, cancel_on_disconnect
+from adapters.http.api_keys import ApiKeyGuard, ApiKeys
+from adapters.http.other_apis import other_api_routes
+from adapters.http.streaming import WatchedStream, cancel_on_disconnect
 from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.faults import Faults, Phase
 from effects.ports import (
@@ -731,7 +731,7 @@ class _Disconnected(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# A chat started for another API (adapters.other_apis: /v1/messages, /v1/responses)
+# A chat started for another API (adapters.http.other_apis: /v1/messages, /v1/responses)
 
 
 _Parsed = TypeVar("_Parsed")
@@ -978,7 +978,7 @@ class Frontend:
         parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
         error_body: Callable[[ErrorInfo], object],
     ) -> tuple[ChatRun, _Parsed] | Response:
-        """Start another API's request (`adapters.other_apis`) as the /v1/chat/completions body that
+        """Start another API's request (`adapters.http.other_apis`) as the /v1/chat/completions body that
         `parse` maps its JSON body to, with whatever else `parse` keeps of it. Everything but the
         shapes is the chat's: request id, body limit, validation, template, stop strings, admission,
         backend. `parse` may raise pydantic's ValidationError or StatecoreError; a refusal comes
@@ -1622,7 +1622,7 @@ def build_app(frontend: Frontend, *, extra_routes: Sequence[BaseRoute] = (),
               api_keys: ApiKeys | None = None, allowed_origins: Sequence[str] = ()) -> Starlette:
     """The ASGI app: the OpenAI routes plus `extra_routes` (a node's or the router's own).
     `health` replaces the front end's `/health` where a node knows more (why it is unavailable).
-    `api_keys` guards the public paths (`adapters.api_keys`); `allowed_origins` (`*` for any)
+    `api_keys` guards the public paths (`adapters.http.api_keys`); `allowed_origins` (`*` for any)
     turns CORS on, outside the key check so that a browser's preflight needs no key and a 401
     still reaches the page. Any request header is allowed (the SDKs send their own)."""
     routes: list[BaseRoute] = [

@@ -1,6 +1,6 @@
 """The JSON shapes nodes exchange on their internal endpoints, validated with pydantic.
 
-Shared by the server side (`adapters.node_api`) and the client side (`adapters.peers_httpx`)
+Shared by the server side (`adapters.http.node_api`) and the client side (`adapters.http.peers_httpx`)
 so the two can never drift. Token ids, sampling and errors travel as small JSON documents;
 KV bytes never do (they use `adapters.kv_wire`). This module may import anything.
 """

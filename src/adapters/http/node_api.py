@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
-from adapters.internal_wire import (
+from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
     TOKEN_HEADER,
     DecodeBody,
@@ -40,7 +40,7 @@ from adapters.internal_wire import (
     info_json,
     output_line,
 )
-from adapters.streaming import WatchedStream
+from adapters.http.streaming import WatchedStream
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest

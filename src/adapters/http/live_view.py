@@ -35,8 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from adapters.http.streaming import WatchedStream
 from adapters.metrics import PREFIX
-from adapters.streaming import WatchedStream
 from effects.health import PeerSet
 from effects.runner import NodeRunner
 from statecore.diagram import graph_data

@@ -25,7 +25,7 @@ import pydantic
 import trio
 
 from adapters import kv_pull
-from adapters.internal_wire import (
+from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
     TOKEN_HEADER,
     DecodeBody,

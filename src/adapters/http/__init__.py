@@ -1,0 +1,20 @@
+"""HTTP: what nodes serve and how they call each other. The public API (OpenAI's routes and the
+other vendors' beside them), API keys, the node's internal API and its wire models, the live view,
+streaming responses that notice a gone client, and the httpx client that calls peers (the KV
+itself travels through `adapters.kv_pull` and `adapters.kv_wire`).
+
+May import anything; nothing in `statecore` or `effects` may import this package.
+"""
+
+# The package's modules (import them by name: nothing is re-exported here, so importing the
+# package stays free).
+__all__ = [
+    "api_keys",
+    "internal_wire",
+    "live_view",
+    "node_api",
+    "openai_api",
+    "other_apis",
+    "peers_httpx",
+    "streaming",
+]

@@ -1,0 +1,282 @@
+"""The flags of `statecore run` (`add_serving_flags`) and what they become once parsed: the
+model directory, the API keys and the TLS files, each refused with one line before anything loads.
+Also the demo model's place (`demo_model_dir`, shipped in `adapters/demo_model`). This module may
+import anything; it starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from adapters.http.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_key, parse_protects
+from adapters.http.peers_httpx import DEFAULT_KV_BUFFER_BYTES
+from adapters.model_source import ModelNotFound, resolve_model
+from adapters.tls import TlsConfigError, tls_files
+from effects.faults import DEFAULT_MARKER
+from statecore.routing import DEFAULT_LOAD_TOKENS
+
+INTERNAL_TOKEN_ENV = "STATECORE_INTERNAL_TOKEN"
+
+
+def demo_model_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "demo_model"
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= minimum (checked before anything loads)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below the least allowed, {minimum}")
+        return value
+
+    return parse
+
+
+def _seconds(*, zero_allowed: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 where zero means "at once")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not a usable number of seconds (must be {'>=' if zero_allowed else '>'} 0)")
+        return value
+
+    return parse
+
+
+LOCAL_PREFILL_BELOW_MAX = 1000
+
+
+def local_prefill_below(chosen: int | None, context_length: int) -> int:
+    """The router's threshold: prompts shorter than this prefill on the decode node itself.
+
+    By default an eighth of the model's context, at most 1000 tokens: a fixed 1000 meant a model
+    with a short context (the demo model's is 512) never used its prefill node at all."""
+    if chosen is not None:
+        return chosen
+    return min(LOCAL_PREFILL_BELOW_MAX, context_length // 8)
+
+
+def handoff_rule(threshold: int) -> str:
+    """Which prompts go through a prefill node, in words (start-up lines)."""
+    if threshold <= 0:
+        return "every prompt prefills on a prefill node and hands its KV cache to a decode node"
+    return (f"prompts of {threshold} tokens or more prefill on a prefill node and hand their KV "
+            f"cache to a decode node; shorter ones prefill on the decode node")
+
+
+def _api_key(text: str) -> str:
+    """An argparse type: one usable API key (the error never repeats it)."""
+    try:
+        return parse_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _protects(text: str) -> str:
+    """An argparse type: a comma-separated list of PROTECTABLE names, kept as normalized text (so
+    that a local cluster hands it on as given)."""
+    try:
+        return ",".join(sorted(parse_protects(text)))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
+
+
+def _origins(text: str) -> str:
+    """An argparse type: `*` or comma-separated origins (`https://app.example.com:8443`: scheme,
+    host, port; no path, as browsers send them), kept as normalized text."""
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    bad = [o for o in origins if o != "*" and not _ORIGIN.fullmatch(o)]
+    if not origins or bad:
+        raise argparse.ArgumentTypeError(
+            f"{bad[0] if bad else text!r} is not an origin: give `*` or scheme://host[:port] "
+            "without a path, comma-separated")
+    return ",".join(origins)
+
+
+def add_serving_flags(run: argparse.ArgumentParser) -> None:
+    """Flags beyond the public contract in cli.py; all optional with sane defaults."""
+    run.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
+                     help="router: prompts shorter than this prefill on the decode node, longer ones "
+                          "on a prefill node with a KV handoff (default: the model's context / 8, "
+                          f"at most {LOCAL_PREFILL_BELOW_MAX})")
+    run.add_argument("--force-disaggregation", action="store_true",
+                     help="router: send every request through a prefill node")
+    run.add_argument("--prefix-routing", choices=["on", "off"], default="on",
+                     help="router: send a prompt to the node whose prefix cache holds the most of it, "
+                          "weighed against load (on, the default), or to the least loaded node (off)")
+    run.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
+                     help="router: what one request in flight on a node weighs against prompt tokens "
+                          f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
+    run.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
+                     help="tokens per prefill chunk; must be equal on every node (default 2048)")
+    run.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
+                     help="pad prefill chunks (and round decode's attended length) up to a multiple "
+                          "of this, so the GPU meets few distinct shapes; must be equal on every node "
+                          "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
+    run.add_argument("--decode-attention", default="auto", metavar="MODE",
+                     help="the decode batch's attention (plain-KV models): auto (statecore's CUDA "
+                          "kernel on MLX's CUDA backend when its load-time self-check passes, else "
+                          "MLX's masked attention), kernel (required), masked, reference (MLX ops; "
+                          "tests) (default auto)")
+    run.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"),
+                     help="trace the decode batch's model call once per shape and replay it "
+                          "(mx.compile; plain-KV models): auto (on MLX's CUDA backend), on, off "
+                          "(default auto)")
+    run.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
+                     help="compute each layer's query/key/value projections, and its MLP's gate/up "
+                          "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
+                          "CUDA backend), on, off (default auto)")
+    run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
+    run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
+    run.add_argument("--prefill-batch", type=_whole(1), default=32,
+                     help="most prompts advanced in one step; short prompts waiting together share one "
+                          "padded model call; 1 = one at a time (default 32)")
+    run.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
+                     help="tokens one engine step may compute: every decoding row plus prefill work, "
+                          "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
+                          "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
+    run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                     help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    run.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
+                     help="single, router: the public API (/v1/*, /tokenize, /detokenize) requires "
+                          "'Authorization: Bearer KEY' or 'x-api-key: KEY' (401 otherwise); repeat for "
+                          f"several; env {API_KEY_ENV} adds more, comma-separated")
+    run.add_argument("--api-key-protects", type=_protects, default="", metavar="LIST",
+                     help=f"with --api-key: also require it on these paths, open by default "
+                          f"(comma-separated of {', '.join(PROTECTABLE)})")
+    run.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                     help="single, router: answer CORS for these browser origins (comma-separated, "
+                          "* for any); default: no CORS headers")
+    run.add_argument("--tls-certfile", default=None, metavar="PATH",
+                     help="serve HTTPS with this PEM certificate (chain); needs --tls-keyfile")
+    run.add_argument("--tls-keyfile", default=None, metavar="PATH",
+                     help="the unencrypted PEM private key of --tls-certfile")
+    run.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                     help="PEM CA bundle that https:// peers' certificates must chain to (the router's "
+                          "calls, a decode node's KV pulls, a local cluster's health checks); default: "
+                          "the system's store")
+    run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
+                     help="engine nodes: what every KV cache together may take; each request reserves "
+                          "its worst case before anything is allocated, and waits (429 with Retry-After) "
+                          "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
+                          "device's memory)")
+    run.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
+                     help="engine nodes: cap each step's prefill work so that the KV held and reserved "
+                          "plus the step's estimated activations stay within --kv-memory-bytes (the "
+                          "oldest prompt still advances, alone if it must): auto (on when "
+                          "--kv-memory-bytes is given), on, off (default auto)")
+    run.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
+                     help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
+                          "prompts that start with the same tokens, within this many bytes of the KV "
+                          "budget; kept blocks give way to any request that needs the memory (default: "
+                          "a quarter of --kv-memory-bytes; 0 = off)")
+    run.add_argument("--keep-conversations", choices=["on", "off"], default="on",
+                     help="decode and single nodes: when a request ends normally, compute its prompt and "
+                          "generated tokens' whole prefill chunks again and keep them in the prefix "
+                          "cache, so the conversation's next turn prefills only its new part (on, the "
+                          "default, when the prefix cache is on)")
+    run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
+                     help="decode: refuse a KV payload larger than this (default 16 GiB)")
+    run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
+                     help="decode: receive buffers kept for reuse by KV pulls, in bytes "
+                          "(default 1 GiB; 0 = a fresh buffer per pull)")
+    run.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
+                     help="seconds a held KV waits (default 60)")
+    run.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
+                     help="seconds a request may live (default 600)")
+    run.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
+                     help="engine nodes: seconds the engine may be busy without finishing a step "
+                          "before the node counts as hung: its requests fail, /health turns 503 and "
+                          "it exits 3 for its supervisor to restart (default 180; 0 = never)")
+    run.add_argument("--tensor-parallel", type=_whole(1), default=1, metavar="N",
+                     help="prefill, decode, single: run the instance as N processes (ranks), each with "
+                          "its tensor-parallel shard of the model (mlx-lm's model.shard: llama, qwen2, "
+                          "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
+                          "--hostfile or MLX's launch environment the ranks start on this machine "
+                          "(ring backend over 127.0.0.1) (default 1)")
+    run.add_argument("--pipeline-parallel", type=_whole(1), default=1, metavar="N",
+                     help="prefill, decode, single: run the instance as N ranks as --tensor-parallel does, "
+                          "each holding a share of the model's layers (mlx-lm's pipeline: qwen2, qwen3_moe, "
+                          "qwen3_next, qwen3_5, deepseek_v3, glm4_moe, ...; see docs/operations.md); not "
+                          "with --tensor-parallel; its caches do not hand off (default 1)")
+    run.add_argument("--distributed-backend", default="ring", choices=("ring", "nccl", "jaccl", "mpi", "any"),
+                     help="with --tensor-parallel: MLX's distributed backend (mlx.launch --backend; nccl "
+                          "on CUDA, jaccl for RDMA over Thunderbolt) (default ring)")
+    run.add_argument("--hostfile", default=None, metavar="PATH",
+                     help="with --tensor-parallel: start the ranks on these hosts through mlx.launch "
+                          "--hostfile (its JSON host list; statecore at the same path on each)")
+    run.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
+                     help="seconds to finish in-flight requests on SIGTERM (default 30)")
+    run.add_argument("--max-in-flight", type=_whole(1), default=256,
+                     help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
+    run.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="single, router: report in usage the prompt tokens each request's prefill "
+                          "took from a prefix cache (prompt_tokens_details.cached_tokens, as vLLM's "
+                          "flag; the Responses API's input_tokens_details, Messages' "
+                          "cache_read_input_tokens). Off by default: through a cluster that number "
+                          "may differ from a single node's")
+    # tests only (refused unless ENABLE_ENV=1; docs/operations.md): kept out of --help
+    run.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
+    run.add_argument("--fault-marker", default=DEFAULT_MARKER, help=argparse.SUPPRESS)
+    run.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                     help="serve on this inherited, already listening socket instead of binding "
+                          "--host:--port (how `statecore run` and test harnesses start children)")
+    run.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    run.add_argument("--log-level", default="INFO",
+                     help="Python logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """`--model` as a directory (a Hugging Face repo id is fetched from the cache or the hub);
+    `args.model_given` keeps what the user typed (a local cluster passes it on to its children,
+    which find it in the cache), `args.served_model_name` the name clients use for it."""
+    args.model_given = args.model
+    args.served_model_name = None
+    if args.model is None:
+        return
+    try:
+        source = resolve_model(args.model)
+    except ModelNotFound as exc:
+        raise SystemExit(f"statecore: {exc}") from None
+    args.model = source.directory
+    args.served_model_name = source.served_name
+
+
+def _resolve_api_keys(args: argparse.Namespace) -> None:
+    """`args.api_keys`: every --api-key and STATECORE_API_KEY key with what they protect, or None
+    (no key: the public API is open); refused before anything loads when it makes no sense."""
+    try:
+        keys = keys_from(args.api_key, os.environ.get(API_KEY_ENV))
+    except ValueError as exc:
+        raise SystemExit(f"statecore: {API_KEY_ENV}: {exc}") from None
+    protects = parse_protects(args.api_key_protects)
+    if protects and not keys:
+        raise SystemExit(f"statecore: --api-key-protects needs --api-key (or {API_KEY_ENV})")
+    args.api_keys = ApiKeys(keys, protects) if keys else None
+
+def _resolve_tls(args: argparse.Namespace) -> None:
+    """`args.tls`: the checked TLS files (`adapters.tls.tls_files`); refused with one line, before
+    anything loads, when they cannot work."""
+    try:
+        args.tls = tls_files(args.tls_certfile, args.tls_keyfile, args.tls_ca_file)
+    except TlsConfigError as exc:
+        raise SystemExit(f"statecore: {exc}") from None

@@ -1,0 +1,62 @@
+"""The sockets nodes serve on. Every node binds its port before it loads anything (a port in use
+fails at once, with one line); a parent that starts nodes binds their sockets itself and hands them
+down (`--listen-fd`), so no other process can take a port between the choice and the child's bind.
+This module may import anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+LISTEN_BACKLOG = 1024
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket on host:port (0: any free port). A child started with
+    `pass_fds=(sock.fileno(),)` inherits it (and only it) and can serve on it (`--listen-fd`).
+    Raises OSError (port in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may find TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listener_url(sock: socket.socket, *, https: bool = False) -> str:
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _listener_for(args: argparse.Namespace) -> socket.socket:
+    """The socket this node serves on: the inherited one, or --host:--port bound now, before
+    anything slow, so that a port in use is one clear line instead of a traceback after loading."""
+    if args.listen_fd is not None:
+        try:
+            sock = socket.socket(fileno=args.listen_fd)
+            sock.getsockname()
+        except OSError as exc:
+            raise SystemExit(f"statecore: --listen-fd {args.listen_fd} is not an open socket: "
+                             f"{exc.strerror}") from exc
+        if sock.type != socket.SOCK_STREAM:
+            raise SystemExit(f"statecore: --listen-fd {args.listen_fd} is not a TCP socket")
+        return sock
+    try:
+        return open_listener(args.host, args.port)
+    except OSError as exc:
+        raise SystemExit(f"statecore: cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, for servers that cannot take an inherited socket
+    (mlx_lm.server in the benchmarks); another process may take it before they bind."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

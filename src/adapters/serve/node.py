@@ -1,0 +1,440 @@
+"""A node process: one trio run of the engine (for single, prefill and decode) or the router's
+peer set, one `NodeRunner`, and the HTTP app on hypercorn's trio worker, with two watchers:
+SIGTERM/SIGINT ask the loop to drain (health goes non-200, in-flight requests finish, exit 0), and
+a dead MLX device thread is the node's `TransportLost` (health non-200 at once, exit 3). The
+router also runs its peer-health machines. With `--tls-certfile`/`--tls-keyfile` a node serves
+HTTPS, and with `--tls-ca-file` it verifies its https:// peers against that CA (`adapters.tls`).
+This module may import anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from adapters.blas import blas_in_use
+from adapters.http.internal_wire import info_from_json, info_json
+from adapters.http.live_view import LiveView
+from adapters.http.node_api import NodeApi, guarded
+from adapters.http.openai_api import Frontend, build_app
+from adapters.http.peers_httpx import HttpxPeers
+from adapters.metrics import Metrics
+from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
+from adapters.serve.listeners import listener_url
+from adapters.serve.logs import log_transitions
+from adapters.tls import TlsFiles, certificate_refused, client_context
+from effects.backend import local_backend, router_backend
+from effects.engine_port import EngineStatistics
+from effects.faults import Faults
+from effects.handoffs import HandoffLog
+from effects.health import PeerSet
+from effects.interpret import EnginePerformer, RouterPerformer
+from effects.ports import ModelInfo
+from effects.routing import PrefixSummaries
+from effects.runner import NodeRunner, Timeouts
+from statecore.errors import StatecoreError
+from statecore.events import DrainRequested, TransportLost
+from statecore.routing import RouteChoice
+from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
+
+log = logging.getLogger("statecore")
+
+
+EXIT_TRANSPORT_LOST = 3
+
+
+ENGINE_SWITCH_INTERVAL = 0.0005
+"""sys.setswitchinterval for engine nodes (seconds; env STATECORE_SWITCH_INTERVAL overrides)."""
+
+
+def _switch_interval(raw: str | None) -> float:
+    """STATECORE_SWITCH_INTERVAL as seconds; a value that is not a positive number is ignored,
+    with one warning, rather than stopping the node."""
+    if raw is None:
+        return ENGINE_SWITCH_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        log.warning("STATECORE_SWITCH_INTERVAL=%r is not in (0, 1] seconds; using %g", raw,
+                    ENGINE_SWITCH_INTERVAL)
+        return ENGINE_SWITCH_INTERVAL
+    return value
+
+
+def _timeouts(args: argparse.Namespace) -> Timeouts:
+    return Timeouts(deadline_s=args.request_deadline, kv_lease_s=args.kv_lease, drain_s=args.drain_timeout)
+
+
+LOCAL_CLUSTER_PARENT_ENV = "STATECORE_LOCAL_CLUSTER_PARENT"
+"""Set by a local cluster for its children: the parent's pid. A child drains when its parent is
+gone, and leaves the stop's story to the parent's one line (its own drain lines are DEBUG)."""
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_signals_seen: list[int] = []
+
+
+def _note_stop_signal(signum: int, frame: object) -> None:
+    _signals_seen.append(signum)
+
+
+def hold_stop_signals() -> None:
+    """From the start of a node's process to its end, SIGTERM and SIGINT are noted instead of
+    ending it: trio's receiver only listens while the node serves, and outside that window the
+    default actions would end a node that is still loading, or one that has drained already,
+    with -15 or a KeyboardInterrupt traceback (a terminal's Ctrl-C and a launcher's SIGTERM
+    can both arrive). A signal noted while loading drains the node as soon as it serves."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _note_stop_signal)
+
+
+def _cluster_parent() -> int | None:
+    raw = os.environ.get(LOCAL_CLUSTER_PARENT_ENV, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def _stop_log_level() -> int:
+    """A local cluster's parent reports the stop in one line; its children keep theirs quiet."""
+    return logging.DEBUG if _cluster_parent() is not None else logging.INFO
+
+
+async def _watch_signals(runner: NodeRunner[Any]) -> None:
+    with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+        if _signals_seen:  # arrived while the node was loading
+            log.log(_stop_log_level(), "received %s while starting: draining",
+                    signal.Signals(_signals_seen[0]).name)
+            await runner.post_loop(DrainRequested())
+        async for signum in signals:
+            log.log(_stop_log_level(), "received %s: draining", signal.Signals(signum).name)
+            await runner.post_loop(DrainRequested())
+
+
+async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
+    """A local cluster's child drains when its parent is gone (killed without a chance to stop
+    its children): the children live in their own process group, so nothing else would stop them."""
+    while os.getppid() == parent:
+        await trio.sleep(0.5)
+    log.warning("the local cluster's parent process is gone: draining")
+    await runner.post_loop(DrainRequested())
+
+
+async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
+                        stall_timeout_s: float, lost: Callable[[str], None],
+                        rank_lost: Callable[[], str | None] = lambda: None) -> None:
+    """The engine is the node's transport: it is lost when its device thread dies, or when it
+    has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
+    cannot be interrupted, so only a restart gets the node back), or when `rank_lost` names a
+    lost rank of its tensor-parallel instance. Either way every live request fails
+    (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
+    while True:
+        now = stats()
+        gone = rank_lost()
+        if gone is not None:
+            reason = gone
+            break
+        if not now.device_thread_alive:
+            reason = "the MLX device thread died"
+            break
+        if stall_timeout_s > 0 and now.stalled_s > stall_timeout_s:
+            reason = (f"the engine made no progress for {now.stalled_s:.1f} s with work live "
+                      f"(--stall-timeout {stall_timeout_s:g})")
+            break
+        await trio.sleep(0.1)
+    log.error("%s: the loop's transport is lost", reason)
+    lost(reason)
+    await runner.post_loop(TransportLost(reason))
+
+
+def hypercorn_config(listener: socket.socket, tls: TlsFiles | None = None) -> Config:
+    """hypercorn's settings for serving on `listener` (which it owns from here on), over TLS when
+    `tls` names a certificate and key."""
+    config = Config()
+    config.bind = [f"fd://{listener.detach()}"]
+    if tls is not None and tls.serves_https:
+        config.certfile, config.keyfile = tls.certfile, tls.keyfile
+    config.accesslog = None
+    # A logger object, not hypercorn's default "-": that one gets a stderr handler of its own
+    # and also propagates to ours, so every line ("Running on ...") came out twice.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 5.0
+    return config
+
+
+async def _serve(app: Starlette, listener: socket.socket, runner: NodeRunner[Any],
+                 nursery: trio.Nursery, tls: TlsFiles) -> None:
+    config = hypercorn_config(listener, tls)
+    nursery.start_soon(_watch_signals, runner)
+    parent = _cluster_parent()
+    if parent is not None:
+        nursery.start_soon(_watch_parent, runner, parent)
+    await serve(app, config, shutdown_trigger=runner.wait_stopped)  # type: ignore[arg-type]
+
+
+def exposure_warning(listener: socket.socket, token: str | None, role: str) -> str | None:
+    """Why this node's internal endpoints are open to more than this host, or None: they are
+    bound beyond loopback and no --internal-token guards them."""
+    if token:
+        return None
+    host = str(listener.getsockname()[0])
+    try:
+        if ipaddress.ip_address(host.split("%")[0]).is_loopback:
+            return None
+    except ValueError:
+        pass
+    what = ("live request counts (/internal/stats)" if role == "router" else
+            "held KV caches and can start work past the router's admission (/internal/...)")
+    return (f"internal endpoints are open on {host} without a token: anyone who reaches this port "
+            f"can read {what}; set the same --internal-token (or {INTERNAL_TOKEN_ENV}) on every "
+            "node and the router, or bind to 127.0.0.1")
+
+
+def _blas_words(blas: str) -> str:
+    """What MLX computes with, for the start-up lines."""
+    return {"openblas": "the system OpenBLAS", "bundled": "MLX's bundled reference BLAS (slow; "
+            "apt-get install libopenblas0 for ~10x faster prefill)", "accelerate": "Accelerate",
+            "gpu": "the GPU", "n/a": "the GPU"}.get(blas, blas)
+
+
+def _warn_if_exposed(listener: socket.socket, token: str | None, role: str) -> list[str]:
+    """The start-up warnings that /health repeats in its details."""
+    warning = exposure_warning(listener, token, role)
+    if warning is None:
+        return []
+    log.warning("%s", warning)
+    return [warning]
+
+
+def _stats_route(token: str | None, stats: Any) -> BaseRoute:
+    async def handler(request: Request) -> Response:
+        return JSONResponse(stats())
+
+    return Route("/internal/stats", guarded(token, handler), methods=["GET"])
+
+
+def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
+    return dict(
+        prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
+        shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
+        compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
+        prefix_cache_bytes=args.prefix_cache_bytes, prefill_memory_cap=args.prefill_memory_cap,
+        keep_conversations=role != "prefill" and args.keep_conversations == "on",
+    )
+
+
+async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
+                          tensor: Any = None) -> int:
+    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.tensor_parallel)."""
+    from adapters.mlx import MlxEngine
+
+    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before the model loads
+    model = args.model or demo_model_dir()
+    log.info("loading %s for role %s", model, role)
+    # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
+    # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
+    # than a decode step): hand it over sooner.
+    sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
+    engine = await MlxEngine.load(model, **engine_options(args, role),
+                                  model_call_hook=faults.model_call_hook(), tensor=tensor)
+    for layer in engine.info.layers:
+        if not layer.can_travel:
+            log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
+                        layer.reason)
+    handoffs = HandoffLog(role)
+    peers = None
+    if role == "decode":
+        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
+                           kv_buffer_bytes=args.kv_buffer_bytes,
+                           ssl_context=client_context(args.tls.ca_file))
+    crash_device = engine.crash_device_thread if faults.armed else None  # the DEVICE_CRASH fault
+    performer = EnginePerformer(engine, peers, faults, crash_device, handoffs=handoffs)
+    machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
+    metrics = Metrics(role)
+    runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
+                                         name=role)
+    log_transitions(runner, role)
+    kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
+    metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes)
+    live = LiveView(role, runner, metrics.registry)
+    warnings = _warn_if_exposed(listener, args.internal_token, role)
+    api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
+                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings)
+    if role == "single":
+        frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
+                                                                      max_live=args.max_in_flight)),
+                                 model_name=getattr(args, "served_model_name", None),
+                                 prompt_tokens_details=args.enable_prompt_tokens_details)
+        frontend.faults = faults
+        frontend.warnings = warnings
+        app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
+    else:
+        app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
+                                metrics.route(), *live.routes()])
+    metrics.instrument(app)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            await nursery.start(live.run)
+            def lose_engine(reason: str) -> None:
+                api.lose(reason)
+                engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
+
+            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+                               *([] if tensor is None else [tensor.rank_lost]))
+            log.info("%s node serving on %s (MLX computes with: %s)", role,
+                     listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
+            await _serve(app, listener, runner, nursery, args.tls)
+            nursery.cancel_scope.cancel()
+        if api.lost_reason is None and not engine.statistics().device_thread_alive:
+            # Died while draining (a tensor-parallel rank's launcher stops every rank when one
+            # fails): still a loss, not a clean stop.
+            api.lose("the MLX device thread died")
+        lost = api.lost_reason is not None
+    finally:
+        # A stalled device thread never finishes its step: do not wait for it.
+        await engine.aclose(join_timeout_s=1.0 if api.lost_reason is not None else None)
+        if peers:
+            await peers.aclose()
+    if lost:
+        log.error("exiting with %d: the loop's transport was lost (%s)", EXIT_TRANSPORT_LOST, api.lost_reason)
+        return EXIT_TRANSPORT_LOST
+    log.log(_stop_log_level(), "drained; exiting 0")
+    return 0
+
+
+async def _fetch_info(peers: HttpxPeers, nodes: list[str],
+                      deadline_s: float = 600.0) -> tuple[str, dict[str, object], ModelInfo]:
+    """The first node that answers /internal/info, its whole document and the model's info;
+    waits while nodes load. A node whose TLS certificate does not verify is logged once."""
+    refused: set[str] = set()
+    with trio.move_on_after(deadline_s):
+        while True:
+            for node in nodes:
+                try:
+                    doc = await peers.info_document(node)
+                    return node, doc, info_from_json(doc)
+                except StatecoreError as exc:
+                    why = certificate_refused(exc)
+                    if why is not None and node not in refused:
+                        refused.add(node)
+                        log.error("%s: its TLS certificate does not verify (%s); is --tls-ca-file the CA "
+                                  "that signed it?", node, why)
+                    continue
+            await trio.sleep(0.5)
+    raise SystemExit(f"statecore: no node answered /internal/info within {deadline_s:.0f} s: {nodes}"
+                     + (f" (TLS certificates refused: {sorted(refused)})" if refused else ""))
+
+
+def _build_of(doc: dict[str, object]) -> tuple[str, str | None] | None:
+    """A node's model fingerprint and BLAS from its /internal/info document."""
+    fingerprint, blas = doc.get("fingerprint"), doc.get("blas")
+    if fingerprint is None:
+        return None
+    return str(fingerprint), str(blas) if blas else None
+
+
+async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
+    """`_build_of` a node's /internal/info; None when it does not answer."""
+    try:
+        return _build_of(await peers.info_document(node))
+    except (StatecoreError, ValueError):
+        return None
+
+
+async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
+    if not args.prefill or not args.decode:
+        raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
+    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before any waiting
+    model = args.model or demo_model_dir()
+    peers = HttpxPeers(token=args.internal_token, ssl_context=client_context(args.tls.ca_file),
+                       prompt_tokens_details=args.enable_prompt_tokens_details)
+    prefill = [u.rstrip("/") for u in args.prefill]
+    decode = [u.rstrip("/") for u in args.decode]
+    first, first_doc, info = await _fetch_info(peers, prefill + decode)
+    builds = {node: _build_of(first_doc) if node == first else await _node_build(peers, node)
+              for node in prefill + decode}
+    answered = [b for b in builds.values() if b is not None]
+    if len({fp for fp, _ in answered}) > 1 or len({blas for _, blas in answered if blas}) > 1:
+        log.warning("nodes differ in model fingerprint or BLAS, so KV handoffs between them will be refused "
+                    "(start every node with the same model, flags and --blas): %s",
+                    {node: f"fingerprint {b[0]}, BLAS {b[1] or 'unreported'}" if b else "no answer"
+                     for node, b in builds.items()})
+    routes_by_prefix = args.prefix_routing == "on"
+    summaries = PrefixSummaries(prefill + decode, peers.prefix_summary) if routes_by_prefix else None
+    peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health, summaries=summaries,
+                       load_tokens=args.route_load_tokens)
+    threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
+                                                                       info.context_length)
+
+    def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
+        return peer_set.route(avoid, prompt, request_id, threshold)
+
+    performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
+                                on_peer_failure=peer_set.report_failure, route=route)
+    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
+    log_transitions(runner, "router")
+    metrics = Metrics("router")
+    metrics.watch(runner, peers=peer_set)
+    live = LiveView("router", runner, metrics.registry, peers=peer_set)
+    backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
+                             max_live=args.max_in_flight, faults=faults)
+    frontend = Frontend.load(model, metrics.backend(backend),
+                             model_name=getattr(args, "served_model_name", None),
+                             prompt_tokens_details=args.enable_prompt_tokens_details)
+    frontend.faults = faults
+    frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
+
+    def stats() -> dict[str, object]:
+        s = runner.statistics()
+        return {"role": "router", "loop_phase": s.phase.value, "live_requests": s.live_requests,
+                "live_tasks": s.live_tasks, "contexts": s.entries, "outcomes": s.outcomes,
+                "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
+                # blocks each node's fresh prefix summary lists (what prefix routing sees)
+                "prefix_blocks": {u: summaries.blocks(u) for u in summaries.nodes} if summaries else {},
+                "model": info_json(info)["name"], "local_prefill_below": threshold}
+
+    app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
+                                       *live.routes()])
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(peer_set.run)
+            if summaries is not None:
+                await nursery.start(summaries.run)
+            await nursery.start(runner.run)
+            await nursery.start(live.run)
+            log.info("router serving on %s (prefill %s, decode %s): %s",
+                     listener_url(listener, https=args.tls.serves_https), prefill, decode,
+                     handoff_rule(threshold))
+            await _serve(app, listener, runner, nursery, args.tls)
+            nursery.cancel_scope.cancel()
+    finally:
+        await peers.aclose()
+    return 0
+
+
+def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list[BaseRoute],
+                health: Callable[[Request], Awaitable[Response]] | None = None) -> Starlette:
+    """A single node's or the router's app: the public API behind the API keys and CORS asked for
+    (`_resolve_api_keys`, `--allowed-origins`), and the node's own routes."""
+    origins = args.allowed_origins.split(",") if args.allowed_origins else []
+    return build_app(frontend, extra_routes=extra_routes, health=health, api_keys=args.api_keys,
+                     allowed_origins=origins)
