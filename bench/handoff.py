@@ -40,7 +40,7 @@ import mlx.core as mx
 import trio
 from tokenizers import Tokenizer
 
-from adapters import kv_wire
+from adapters.kv import codec
 from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
@@ -149,11 +149,11 @@ async def measure(family: str, dtype: str, args: argparse.Namespace) -> Row:
         del prefill_s[0], install_s[0], first_step_s[0]
 
         # The codec alone, on this thread (it evaluates every array it builds, here).
-        decoded = kv_wire.decode_cache(payload, fingerprint=info.fingerprint)
-        raw = kv_wire.raw_tensor_bytes(decoded.caches)
+        decoded = codec.decode_cache(payload, fingerprint=info.fingerprint)
+        raw = codec.raw_tensor_bytes(decoded.caches)
 
         def encode() -> bytes:
-            frames = kv_wire.encode_cache(
+            frames = codec.encode_cache(
                 decoded.caches, fingerprint=info.fingerprint, token_count=len(prompt)
             )
             return b"".join(frames)
@@ -162,7 +162,7 @@ async def measure(family: str, dtype: str, args: argparse.Namespace) -> Row:
             raise AssertionError(f"{family}/{dtype}: re-encoding the decoded caches changed the bytes")
         encode_ms = _median_ms(encode, args.reps * 5)
         decode_ms = _median_ms(
-            lambda: kv_wire.decode_cache(payload, fingerprint=info.fingerprint), args.reps * 5
+            lambda: codec.decode_cache(payload, fingerprint=info.fingerprint), args.reps * 5
         )
         socket_ms = loopback_ms(payload, args.reps * 5)
     finally:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import trio
 from mlx_lm.models.cache import KVCache
 
-from adapters import kv_wire
+from adapters.kv import codec
 from adapters.mlx import MlxEngine
 from adapters.mlx.distributed import RANK_ENV, join_group, start_local_ranks, watch_follower
 from effects.engine_port import SamplingParams
@@ -45,7 +45,7 @@ def payload(model_dir: Path, fingerprint: str, tokens: int) -> bytes:
         layer.update_and_fetch(mx.random.normal(shape).astype(dtype),  # type: ignore[no-untyped-call]
                                mx.random.normal(shape).astype(dtype))
         caches.append(layer)
-    return b"".join(kv_wire.encode_cache(caches, fingerprint=fingerprint, token_count=tokens))
+    return b"".join(codec.encode_cache(caches, fingerprint=fingerprint, token_count=tokens))
 
 
 async def lead(model_dir: Path, tokens: int, repeat: int, ranks: int) -> None:

@@ -275,7 +275,7 @@ def _wrong_model_payload() -> bytes:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from adapters.kv_wire import encode_cache
+    from adapters.kv.codec import encode_cache
 
     cache = KVCache()  # type: ignore[no-untyped-call]
     cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))  # type: ignore[no-untyped-call]

@@ -27,8 +27,8 @@ from mlx_lm.models import llama
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
-from adapters import kv_wire
 from adapters.grammar import response_format_text
+from adapters.kv import codec
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
@@ -2001,8 +2001,8 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
     await other_chunking.prefill(RequestId("w"), prompt, GREEDY)
     foreign = (await other_chunking.export_held(RequestId("w"))).joined()
     await other_chunking.release_held(RequestId("w"))
-    whole = kv_wire.decode_cache(payload, fingerprint=decode_node.info.fingerprint)
-    one_head = b"".join(kv_wire.encode_cache(whole.caches, fingerprint=decode_node.info.fingerprint,
+    whole = codec.decode_cache(payload, fingerprint=decode_node.info.fingerprint)
+    one_head = b"".join(codec.encode_cache(whole.caches, fingerprint=decode_node.info.fingerprint,
                                              token_count=whole.token_count, heads=(0, 1)))
 
     cases: list[tuple[bytes, list[int], Code]] = [

@@ -121,15 +121,15 @@ def test_declared_tensor_bytes_reads_the_end_frame() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from adapters import kv_wire
+    from adapters.kv import codec, frames
 
     make_cache: Any = KVCache  # mlx-lm is untyped
     cache = make_cache()
     cache.update_and_fetch(mx.ones((1, 2, 7, 8)), mx.zeros((1, 2, 7, 8)))
-    payload = b"".join(kv_wire.encode_cache([cache], fingerprint="f", token_count=7))
-    assert kv_wire.declared_tensor_bytes(payload) == kv_wire.raw_tensor_bytes([cache]) == 2 * 7 * 2 * 8 * 4
-    assert kv_wire.declared_tensor_bytes(payload[:-1]) is None
-    assert kv_wire.declared_tensor_bytes(b"FAKE") is None
+    payload = b"".join(codec.encode_cache([cache], fingerprint="f", token_count=7))
+    assert frames.declared_tensor_bytes(payload) == codec.raw_tensor_bytes([cache]) == 2 * 7 * 2 * 8 * 4
+    assert frames.declared_tensor_bytes(payload[:-1]) is None
+    assert frames.declared_tensor_bytes(b"FAKE") is None
 
 
 async def test_a_pull_over_a_real_socket_records_the_same_fields(nursery: trio.Nursery) -> None:

@@ -50,6 +50,16 @@ def test_importing_the_package_loads_no_forbidden_module(package: str) -> None:
     assert out == "[]"
 
 
+def test_the_kv_frames_and_pull_load_no_mlx() -> None:
+    # a router handles KV bytes (framing, the end frame, declared sizes) without MLX
+    code = (
+        "import sys, adapters.kv.frames, adapters.kv.pull, adapters.http.node_api\n"
+        "print(sorted({n.split('.')[0] for n in sys.modules} & {'mlx', 'mlx_lm', 'numpy'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_nothing_shipped_imports_the_test_support() -> None:
     # support/ (the tiny checkpoints) and tests/ are not packaged: a shipped module that imports
     # them would fail at run time on an installed copy

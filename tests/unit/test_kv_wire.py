@@ -24,24 +24,26 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import falcon_h1, gemma3_text, llama, llama4, mamba2, qwen3_next
 
-from adapters import kv_wire
-from adapters.kv_wire import (
+from adapters.kv import frames
+from adapters.kv.codec import (
+    DecodedKv,
+    decode_cache,
+    encode_cache,
+    host_tensors,
+    raw_tensor_bytes,
+    travel_report,
+)
+from adapters.kv.frames import (
     ALL_HEADS_VERSION,
     END_FRAME_BYTES,
     FORMAT_VERSION,
     MAGIC,
     READ_VERSIONS,
-    DecodedKv,
     HostTensors,
-    decode_cache,
-    encode_cache,
     encoded_size,
     end_frame,
     end_frame_in_background,
     frame_payload,
-    host_tensors,
-    raw_tensor_bytes,
-    travel_report,
     unsealed_pieces,
 )
 from statecore.errors import Code, StatecoreError
@@ -835,7 +837,7 @@ def test_head_range_payloads_round_trip_and_join_to_the_whole() -> None:
 
 def test_an_old_reader_refuses_a_head_range_payload_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     payload = b"".join(encode_cache(_many_heads(), fingerprint=FP, token_count=40, heads=(0, 2)))
-    monkeypatch.setattr(kv_wire, "READ_VERSIONS", (ALL_HEADS_VERSION,))  # a version-1 node
+    monkeypatch.setattr(frames, "READ_VERSIONS", (ALL_HEADS_VERSION,))  # a version-1 node
     with pytest.raises(StatecoreError) as info:
         decode_cache(payload, fingerprint=FP)
     assert info.value.info.code is Code.KV_MALFORMED

@@ -1,4 +1,4 @@
-"""`kv_pull.ReceiveBuffers`: a buffer is handed out again only once nothing refers to it.
+"""`adapters.kv.pull.ReceiveBuffers`: a buffer is handed out again only once nothing refers to it.
 
 The property that matters is safety: a view (or a numpy array over it) that someone still holds
 is never overwritten by a later pull. Reuse is the point of the pool, so it is checked too, and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.kv_pull import ReceiveBuffers
+from adapters.kv.pull import ReceiveBuffers
 
 MIB = 1 << 20
 

@@ -1,7 +1,7 @@
 """HTTP: what nodes serve and how they call each other. The public API (OpenAI's routes and the
 other vendors' beside them), API keys, the node's internal API and its wire models, the live view,
 streaming responses that notice a gone client, and the httpx client that calls peers (the KV
-itself travels through `adapters.kv_pull` and `adapters.kv_wire`).
+itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
 
 May import anything; nothing in `statecore` or `effects` may import this package.
 """

@@ -2,7 +2,7 @@
 
 Shared by the server side (`adapters.http.node_api`) and the client side (`adapters.http.peers_httpx`)
 so the two can never drift. Token ids, sampling and errors travel as small JSON documents;
-KV bytes never do (they use `adapters.kv_wire`). This module may import anything.
+KV bytes never do (they use `adapters.kv`). This module may import anything.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from adapters.http.internal_wire import (
     output_line,
 )
 from adapters.http.streaming import WatchedStream
+from adapters.kv.frames import declared_tensor_bytes
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
@@ -326,10 +327,6 @@ class NodeApi:
 
     def _note_raw_bytes(self, rid: RequestId, tail: KvBytes) -> None:
         """Record the tensor bytes that the payload's end (`tail`: its last bytes) declares."""
-        # Imported here, not at the top: kv_wire loads mlx, and the router imports this module
-        # without ever serving KV. Only a prefill node, which has mlx loaded already, gets here.
-        from adapters.kv_wire import declared_tensor_bytes
-
         self.performer.handoffs.record(rid).raw_bytes = declared_tensor_bytes(tail)
 
     async def _damaged(self, rid: RequestId, pieces: KvPieces) -> bytes | None:

@@ -24,7 +24,6 @@ import httpx
 import pydantic
 import trio
 
-from adapters import kv_pull
 from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
     TOKEN_HEADER,
@@ -37,6 +36,7 @@ from adapters.http.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from adapters.kv import pull as kv_pull
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, PrefixSummary, SamplingParams

@@ -30,8 +30,9 @@ import trio
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from adapters import kv_wire, lockstep
+from adapters import lockstep
 from adapters.grammar import Grammars
+from adapters.kv import codec, frames
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
@@ -372,17 +373,17 @@ class MlxEngine:
         tensors = await self._call(partial(self._export, request_id), command=lockstep.Export(request_id))
         # The tensors are not copied: the pieces reference them. The checksum (the end frame)
         # needs no MLX: a thread computes it while the pieces are already being sent.
-        return KvPieces(tuple(kv_wire.unsealed_pieces(tensors)),
-                        seal=kv_wire.end_frame_in_background(tensors), seal_nbytes=kv_wire.END_FRAME_BYTES)
+        return KvPieces(tuple(frames.unsealed_pieces(tensors)),
+                        seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
 
-    def _export(self, request_id: str) -> kv_wire.HostTensors:
+    def _export(self, request_id: str) -> frames.HostTensors:
         held = self._device.held.get(request_id)
         if held is None:
             raise _not_held(request_id)
         cache = held.cache
         if isinstance(self._device, LockstepLoop):  # every rank's heads, gathered on each
             cache = self._device.gather_heads(cache)
-        return kv_wire.host_tensors(cache, fingerprint=self.info.fingerprint, token_count=held.prompt_tokens)
+        return codec.host_tensors(cache, fingerprint=self.info.fingerprint, token_count=held.prompt_tokens)
 
     async def release_held(self, request_id: RequestId) -> int:
         if not self._alive:
@@ -450,7 +451,7 @@ class MlxEngine:
                             heads: tuple[int, int] | None = None) -> list[Any]:
         """The caches of a payload for this node: every head (`heads` None), or the KV heads
         (rank, size) of a tensor-parallel rank's slice, each layer's header naming that range."""
-        validated = kv_wire.validate_payload(
+        validated = codec.validate_payload(
             payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes
         )
         if validated.header.token_count != prompt_tokens:
@@ -473,7 +474,7 @@ class MlxEngine:
             raise StatecoreError(ErrorInfo(
                 Fault.PEER, Code.KV_MALFORMED,
                 f"layer {index} of the KV payload holds {held}, this node needs {want}"))
-        built: list[Any] = kv_wire.build_caches(validated).caches
+        built: list[Any] = codec.build_caches(validated).caches
         return built
 
     def _installed(self, tokens: Sequence[int], caches: list[Any]) -> list[Any]:
@@ -491,9 +492,9 @@ class MlxEngine:
         slices: list[list[bytes | memoryview]] = []
         try:
             for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
-                tensors = kv_wire.host_tensors(caches, fingerprint=self.info.fingerprint,
+                tensors = codec.host_tensors(caches, fingerprint=self.info.fingerprint,
                                                token_count=len(tokens), heads=heads)
-                slices.append([*kv_wire.unsealed_pieces(tensors), kv_wire.end_frame(tensors)])
+                slices.append([*frames.unsealed_pieces(tensors), frames.end_frame(tensors)])
         except BaseException:
             # The other ranks wait for their slice: a byte that is no payload makes their job
             # fail as this one does, so every rank still holds the same requests.
@@ -870,7 +871,7 @@ class MlxEngine:
     def _cache_bytes(self, cache: list[Any]) -> int:
         """What a held cache weighs: its live tensors, as the wire would carry them."""
         if self.info.can_travel:
-            return kv_wire.raw_tensor_bytes(cache)
+            return codec.raw_tensor_bytes(cache)
         return sum(int(getattr(c, "nbytes", 0)) for c in cache)
 
     def _load_on_device(self) -> ModelInfo:
@@ -900,7 +901,7 @@ class MlxEngine:
                 f"{type(exc).__name__}: {exc}",
             )) from exc
         vocab_size = int(logits.shape[-1])
-        layers = tuple(kv_wire.travel_report(probe_cache))
+        layers = tuple(codec.travel_report(probe_cache))
         self._expected_classes = [layer.class_name for layer in layers]
         for layer in layers:
             if layer.can_travel:
@@ -916,7 +917,7 @@ class MlxEngine:
             return cache
 
         travels = all(layer.can_travel for layer in layers)
-        cost = measure_kv_cost(probe, kv_wire.raw_tensor_bytes if travels else state_bytes,
+        cost = measure_kv_cost(probe, codec.raw_tensor_bytes if travels else state_bytes,
                                probe_cache if device.plain(probe_cache) else None)
         if pipelined:  # each rank holds other layers: admission decides alike on the largest
             assert tensor is not None

@@ -188,7 +188,7 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
     of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or parts.hostname is None:
-        raise ValueError(f"kv_pull handles http:// and https:// URLs only, not {url!r}")
+        raise ValueError(f"adapters.kv.pull handles http:// and https:// URLs only, not {url!r}")
     secure = parts.scheme == "https"
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     started = time.perf_counter()

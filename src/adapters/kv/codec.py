@@ -1,16 +1,15 @@
-"""The KV wire format: a prefilled prompt cache as bytes, and back, bit for bit.
+"""The KV wire format's codec: a prefilled prompt cache as bytes, and back, bit for bit.
 
-A prefill node encodes the per-layer cache objects of one prompt into frames (a small,
-strictly validated JSON header, raw tensor-data chunks, an end frame with the total length
-and a CRC-32); a decode node validates the whole payload before it builds any cache object.
-The codec is generic over mlx-lm's cache classes: a layer travels as its class name plus its
-``state`` (arrays, ints, ``None``, strings, nested lists/tuples), and is rebuilt with the
-class's own ``from_state``. The one class-aware piece is `_live_view`, which cuts
-over-allocated buffers down to what the next decode step reads (see its docstring).
-A payload may hold a contiguous range of each plain `KVCache` layer's KV heads (version 2: a
-tensor-parallel instance's rank gets only its slice); one that holds every head is written as
-version 1, byte for byte as before. ``docs/wire-format.md`` documents the format byte by byte.
-This is an adapter: it may import anything, and nothing in `statecore` or `effects` may import it.
+A prefill node turns the per-layer cache objects of one prompt into `HostTensors` (the header
+and the tensors' bytes in host memory, which `adapters.kv.frames` frames); a decode node
+validates the whole payload before it builds any cache object. The codec is generic over
+mlx-lm's cache classes: a layer travels as its class name plus its ``state`` (arrays, ints,
+``None``, strings, nested lists/tuples), and is rebuilt with the class's own ``from_state``. The
+one class-aware piece is `_live_view`, which cuts over-allocated buffers down to what the next
+decode step reads (see its docstring). A payload may hold a contiguous range of each plain
+`KVCache` layer's KV heads (version 2: a tensor-parallel instance's rank gets only its slice);
+one that holds every head is written as version 1. This module imports mlx and mlx_lm; nothing
+in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
@@ -19,43 +18,47 @@ import inspect
 import json
 import math
 import re
-import struct
-import threading
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, NoReturn, TypeAlias, Union
+from typing import Any, Final
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_module
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
+from adapters.kv.frames import (
+    ALL_HEADS_VERSION,
+    FORMAT_VERSION,
+    HEADER_ADAPTER,
+    INT_BOUND,
+    MAX_DEPTH,
+    MAX_FINGERPRINT,
+    MAX_HEADER_BYTES,
+    MAX_STR,
+    ArrayNode,
+    Body,
+    Header,
+    HeadRange,
+    HostTensors,
+    IntNode,
+    LayerHeader,
+    ListNode,
+    Node,
+    NoneNode,
+    StrNode,
+    TupleNode,
+    check_heads,
+    check_node,
+    fail,
+    frame_payload,
+    split_frames,
+)
 from effects.engine_port import KvBytes, LayerTravel
-from statecore.errors import Code, StatecoreError, bug, peer_error, unsupported_cache
+from statecore.errors import Code, StatecoreError, bug, unsupported_cache
 
-FORMAT_VERSION: Final[int] = 2  # the newest: layers may name the KV heads they hold
-ALL_HEADS_VERSION: Final[int] = 1  # written when every layer holds all its heads
-READ_VERSIONS: tuple[int, ...] = (ALL_HEADS_VERSION, FORMAT_VERSION)  # what this node decodes
-MAGIC: Final[bytes] = b"\x89SCKV\r\n\x1a"
-
-_PREAMBLE: Final = struct.Struct("<8sH")  # magic, format version
-_FRAME: Final = struct.Struct("<cI")  # frame type, payload length
-_END: Final = struct.Struct("<QI")  # total tensor bytes, crc32
-_HEADER_FRAME: Final = b"H"
-_DATA_FRAME: Final = b"D"
-_END_FRAME: Final = b"E"
-
-_MAX_HEADER_BYTES: Final = 4 << 20
-_MAX_FRAME_BYTES: Final = (1 << 32) - 1
-_MAX_DEPTH: Final = 16
-_MAX_STR: Final = 256
-_MAX_FINGERPRINT: Final = 1024
-_INT_BOUND: Final = 1 << 63
-_DIM_BOUND: Final = 1 << 31  # mlx shapes are int32
 _CLASS_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-
 
 # --------------------------------------------------------------------------- dtypes
 
@@ -78,74 +81,6 @@ _DTYPES: Final[dict[str, tuple[Any, np.dtype[Any]]]] = {
     "complex64": (mx.complex64, np.dtype("<c8")),
 }
 _DTYPE_NAMES: Final[dict[Any, str]] = {mxd: name for name, (mxd, _) in _DTYPES.items()}
-DtypeName: TypeAlias = Literal[
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64", "complex64",
-]  # fmt: skip
-
-
-# --------------------------------------------------------------------------- header schema
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-
-class ArrayNode(_Strict):
-    kind: Literal["array"]
-    dtype: DtypeName
-    shape: Annotated[list[Annotated[int, Field(ge=0, lt=_DIM_BOUND)]], Field(max_length=16)]
-    nbytes: Annotated[int, Field(ge=0, lt=_INT_BOUND)]
-
-
-class IntNode(_Strict):
-    kind: Literal["int"]
-    value: Annotated[int, Field(ge=-_INT_BOUND, lt=_INT_BOUND)]
-
-
-class NoneNode(_Strict):
-    kind: Literal["none"]
-
-
-class StrNode(_Strict):
-    kind: Literal["str"]
-    value: Annotated[str, Field(max_length=_MAX_STR)]
-
-
-class ListNode(_Strict):
-    kind: Literal["list"]
-    items: Annotated[list[Node], Field(max_length=4096)]
-
-
-class TupleNode(_Strict):
-    kind: Literal["tuple"]
-    items: Annotated[list[Node], Field(max_length=4096)]
-
-
-Node: TypeAlias = Annotated[
-    Union[ArrayNode, IntNode, NoneNode, StrNode, ListNode, TupleNode],  # noqa: UP007
-    Field(discriminator="kind"),
-]
-
-
-class HeadRange(_Strict):
-    """KV heads [start, stop) of a layer's `total`: what a version-2 layer's arrays hold."""
-
-    start: Annotated[int, Field(ge=0, lt=_DIM_BOUND)]
-    stop: Annotated[int, Field(ge=1, lt=_DIM_BOUND)]
-    total: Annotated[int, Field(ge=1, lt=_DIM_BOUND)]
-
-
-class LayerHeader(_Strict):
-    class_name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-    state: Node
-    heads: HeadRange | None = None  # version 2 only; absent: every head
-
-
-class Header(_Strict):
-    fingerprint: Annotated[str, Field(max_length=_MAX_FINGERPRINT)]
-    token_count: Annotated[int, Field(ge=0, lt=_INT_BOUND)]
-    layers: Annotated[list[LayerHeader], Field(min_length=1, max_length=65536)]
 
 
 ListNode.model_rebuild()
@@ -153,7 +88,6 @@ TupleNode.model_rebuild()
 HeadRange.model_rebuild()
 LayerHeader.model_rebuild()
 Header.model_rebuild()
-_HEADER_ADAPTER: Final = TypeAdapter(Header)
 
 
 # --------------------------------------------------------------------------- public types
@@ -290,8 +224,8 @@ class _NotPlain(Exception):
 
 def _describe(value: Any, arrays: list[Any], path: str, depth: int) -> dict[str, Any]:
     """The header node for one state value; appends its arrays, depth-first, to `arrays`."""
-    if depth > _MAX_DEPTH:
-        raise _NotPlain(f"state nests deeper than {_MAX_DEPTH} at {path}")
+    if depth > MAX_DEPTH:
+        raise _NotPlain(f"state nests deeper than {MAX_DEPTH} at {path}")
     if isinstance(value, mx.array):
         name = _DTYPE_NAMES.get(value.dtype)
         if name is None:
@@ -309,12 +243,12 @@ def _describe(value: Any, arrays: list[Any], path: str, depth: int) -> dict[str,
     if isinstance(value, bool):  # before int: bool is an int subclass
         raise _NotPlain(f"state holds a bool at {path}")
     if isinstance(value, int):
-        if not -_INT_BOUND <= value < _INT_BOUND:
+        if not -INT_BOUND <= value < INT_BOUND:
             raise _NotPlain(f"state holds an int outside 64 bits at {path}")
         return {"kind": "int", "value": value}
     if isinstance(value, str):
-        if len(value) > _MAX_STR:
-            raise _NotPlain(f"state holds a string longer than {_MAX_STR} at {path}")
+        if len(value) > MAX_STR:
+            raise _NotPlain(f"state holds a string longer than {MAX_STR} at {path}")
         return {"kind": "str", "value": value}
     if type(value) in (list, tuple):
         items = [_describe(v, arrays, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
@@ -413,15 +347,6 @@ def _flat(host: np.ndarray[Any, Any]) -> memoryview:
     return flat
 
 
-@dataclass(frozen=True, slots=True)
-class HostTensors:
-    """A cache's header and its tensors' bytes in host memory: what `frame_payload` frames."""
-
-    header_bytes: bytes
-    runs: list[memoryview]
-    version: int = ALL_HEADS_VERSION  # FORMAT_VERSION when the header names head ranges
-
-
 def encode_cache(
     caches: Sequence[Any],
     *,
@@ -464,9 +389,9 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int,
     the range (version 2; every layer must be a plain `KVCache`); None: every head (version 1).
     The returned views keep their arrays alive, so the caches may be dropped meanwhile.
     """
-    if not isinstance(fingerprint, str) or len(fingerprint) > _MAX_FINGERPRINT:
-        raise StatecoreError(bug(f"fingerprint must be a str of at most {_MAX_FINGERPRINT}"))
-    if isinstance(token_count, bool) or not 0 <= token_count < _INT_BOUND:
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT:
+        raise StatecoreError(bug(f"fingerprint must be a str of at most {MAX_FINGERPRINT}"))
+    if isinstance(token_count, bool) or not 0 <= token_count < INT_BOUND:
         raise StatecoreError(bug(f"token_count must be a non-negative int, got {token_count!r}"))
     if not caches:
         raise StatecoreError(unsupported_cache(["<no cache layers>"]))
@@ -493,220 +418,17 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int,
 
     header = {"fingerprint": fingerprint, "token_count": token_count, "layers": layers}
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
-    if len(header_bytes) > _MAX_HEADER_BYTES:
+    if len(header_bytes) > MAX_HEADER_BYTES:
         raise StatecoreError(unsupported_cache([layer["class_name"] for layer in layers]))
-    _HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
+    HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
 
     mx.eval(*arrays)
     return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)],
                        ALL_HEADS_VERSION if heads is None else FORMAT_VERSION)
-
-
-def _framed_pieces(tensors: HostTensors, chunk_bytes: int) -> list[list[bytes | memoryview]]:
-    """The header frame and the data frames, each as the pieces it is made of: the tensors' own
-    memory is referenced, never copied. The end frame is `end_frame`'s."""
-    if not 1 <= chunk_bytes <= _MAX_FRAME_BYTES:
-        raise StatecoreError(bug(f"chunk_bytes must be in [1, 2**32 - 1], got {chunk_bytes}"))
-    header_bytes = tensors.header_bytes
-    frames: list[list[bytes | memoryview]] = [
-        [_PREAMBLE.pack(MAGIC, tensors.version)
-         + _FRAME.pack(_HEADER_FRAME, len(header_bytes)) + header_bytes]
-    ]
-    pending: list[bytes | memoryview] = []
-    pending_len = 0
-    for view in tensors.runs:
-        pos = 0
-        while pos < len(view):
-            piece = view[pos : pos + chunk_bytes - pending_len]
-            pending.append(piece)
-            pending_len += len(piece)
-            pos += len(piece)
-            if pending_len == chunk_bytes:
-                frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
-                pending, pending_len = [], 0
-    if pending:
-        frames.append([_FRAME.pack(_DATA_FRAME, pending_len), *pending])
-    return frames
-
-
-END_FRAME_BYTES: Final = _FRAME.size + _END.size
-
-
-def end_frame(tensors: HostTensors) -> bytes:
-    """The end frame: the data byte count and the CRC-32 of the header and every data byte.
-    Bytes only, no MLX, so safe off the device thread (zlib releases the GIL over large
-    buffers); the checksum is most of an export's time."""
-    crc = zlib.crc32(tensors.header_bytes)
-    total = 0
-    for view in tensors.runs:
-        crc = zlib.crc32(view, crc)
-        total += len(view)
-    return _FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc)
-
-
-def end_frame_in_background(tensors: HostTensors) -> Callable[[], bytes]:
-    """Start computing `end_frame` on its own thread; the returned call blocks until it is done
-    (and raises what it raised). The thread only reads the tensors' host memory."""
-    done: Future[bytes] = Future()
-
-    def compute() -> None:
-        try:
-            done.set_result(end_frame(tensors))
-        except BaseException as exc:  # handed to whoever waits for the frame
-            done.set_exception(exc)
-
-    threading.Thread(target=compute, name="kv-end-frame", daemon=True).start()
-    return done.result
-
-
-def frame_payload(tensors: HostTensors, *, chunk_bytes: int = 1 << 20) -> list[bytes]:
-    """The payload's frames, each as one bytes object (header frame, data frames, end frame)."""
-    return [*(b"".join(pieces) for pieces in _framed_pieces(tensors, chunk_bytes)), end_frame(tensors)]
-
-
-EXPORT_FRAME_BYTES = 16 << 20
 """Data bytes per frame of an engine export: large, since the frames are never copied."""
 
 
-def unsealed_pieces(tensors: HostTensors, *,
-                    chunk_bytes: int = EXPORT_FRAME_BYTES) -> list[bytes | memoryview]:
-    """The payload but its end frame, as an ordered list of buffers: frame headers plus views of
-    the tensors' own host memory (kept alive by the views). Sending these one after another
-    skips the copies that framing and joining a body would make, and they can go out while
-    `end_frame` is still computing the checksum."""
-    return [piece for pieces in _framed_pieces(tensors, chunk_bytes) for piece in pieces]
-
-
-def encoded_size(frames: Sequence[bytes]) -> int:
-    """Bytes on the wire for these frames."""
-    return sum(len(frame) for frame in frames)
-
-
-def declared_tensor_bytes(payload: KvBytes) -> int | None:
-    """The tensor bytes a payload's end frame declares, read from its last bytes alone (for
-    figures, not validation: nothing else is checked); None when it does not end in an end frame."""
-    if len(payload) < _PREAMBLE.size + END_FRAME_BYTES:
-        return None
-    kind, length = _FRAME.unpack_from(payload, len(payload) - END_FRAME_BYTES)
-    if kind != _END_FRAME or length != _END.size:
-        return None
-    total, _crc = _END.unpack_from(payload, len(payload) - _END.size)
-    return int(total)
-
-
-# --------------------------------------------------------------------------- decode
-
-
-def _fail(code: Code, message: str) -> NoReturn:
-    raise StatecoreError(peer_error(message, code))
-
-
-@dataclass(frozen=True, slots=True)
-class _Framing:
-    version: int
-    header: memoryview
-    data: list[tuple[int, int]]  # (start, stop) offsets of each data frame's payload
-    data_bytes: int
-    declared_total: int
-    declared_crc: int
-
-
-def _split_frames(payload: memoryview) -> _Framing:
-    """Walk the framing: preamble, one header frame, data frames, one end frame, nothing after."""
-    size = len(payload)
-    if size < _PREAMBLE.size:
-        if MAGIC.startswith(bytes(payload[: len(MAGIC)])):
-            _fail(Code.KV_TRUNCATED, f"payload ends inside the preamble ({size} bytes)")
-        _fail(Code.KV_MALFORMED, "not a statecore KV payload (bad magic)")
-    magic, version = _PREAMBLE.unpack_from(payload, 0)
-    if magic != MAGIC:
-        _fail(Code.KV_MALFORMED, "not a statecore KV payload (bad magic)")
-    if version not in READ_VERSIONS:
-        spoken = ", ".join(str(v) for v in READ_VERSIONS)
-        _fail(
-            Code.KV_MALFORMED,
-            f"unsupported KV format version {version} (this node reads versions {spoken})",
-        )
-    pos = _PREAMBLE.size
-    header: memoryview | None = None
-    data: list[tuple[int, int]] = []
-    data_bytes = 0
-    while True:
-        if size - pos < _FRAME.size:
-            where = "before the end frame" if header is not None else "before the header"
-            _fail(Code.KV_TRUNCATED, f"payload ends {where} (at byte {size})")
-        kind, length = _FRAME.unpack_from(payload, pos)
-        pos += _FRAME.size
-        if header is None:
-            if kind != _HEADER_FRAME:
-                _fail(Code.KV_MALFORMED, f"first frame must be the header, got {kind!r}")
-            if length > _MAX_HEADER_BYTES:
-                _fail(Code.KV_MALFORMED, f"header frame of {length} bytes exceeds the limit")
-        elif kind == _END_FRAME:
-            if length != _END.size:
-                _fail(Code.KV_MALFORMED, f"end frame must hold {_END.size} bytes, not {length}")
-        elif kind != _DATA_FRAME:
-            _fail(Code.KV_MALFORMED, f"unexpected frame type {kind!r} at byte {pos - _FRAME.size}")
-        if length > size - pos:
-            _fail(Code.KV_TRUNCATED, f"frame {kind!r} of {length} bytes runs past the payload end")
-        if header is None:
-            header = payload[pos : pos + length]
-        elif kind == _END_FRAME:
-            total, crc = _END.unpack_from(payload, pos)
-            pos += length
-            if pos != size:
-                _fail(Code.KV_MALFORMED, f"{size - pos} trailing bytes after the end frame")
-            return _Framing(version, header, data, data_bytes, total, crc)
-        else:
-            data.append((pos, pos + length))
-            data_bytes += length
-        pos += length
-
-
-class _Body:
-    """Reads consecutive tensor byte ranges out of the data frames, copying only when a
-    tensor straddles a frame boundary."""
-
-    def __init__(self, payload: memoryview, segments: list[tuple[int, int]]) -> None:
-        self._payload = payload
-        self._segments = segments
-        self._seg = 0
-        self._pos = segments[0][0] if segments else 0
-
-    def take(self, n: int) -> memoryview | bytes:
-        pieces: list[memoryview] = []
-        while n > 0:
-            stop = self._segments[self._seg][1]
-            step = min(n, stop - self._pos)
-            pieces.append(self._payload[self._pos : self._pos + step])
-            self._pos += step
-            n -= step
-            if self._pos == stop and self._seg + 1 < len(self._segments):
-                self._seg += 1
-                self._pos = self._segments[self._seg][0]
-        if len(pieces) == 1:
-            return pieces[0]
-        return b"".join(pieces)
-
-
-def _check_node(node: Node, path: str, depth: int) -> int:
-    """Validate a header node's internal consistency; returns its tensor byte count."""
-    if depth > _MAX_DEPTH:
-        _fail(Code.KV_MALFORMED, f"header state nests deeper than {_MAX_DEPTH} at {path}")
-    if isinstance(node, ArrayNode):
-        expect = math.prod(node.shape) * _DTYPES[node.dtype][1].itemsize
-        if node.nbytes != expect:
-            _fail(
-                Code.KV_MALFORMED,
-                f"{path}: {node.dtype}{node.shape} needs {expect} bytes, header says {node.nbytes}",
-            )
-        return expect
-    if isinstance(node, ListNode | TupleNode):
-        return sum(_check_node(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.items))
-    return 0
-
-
-def _build(node: Node, body: _Body) -> Any:
+def _build(node: Node, body: Body) -> Any:
     """The state value for a validated node, reading its arrays from the body in order."""
     if isinstance(node, ArrayNode):
         mxd, wire = _DTYPES[node.dtype]
@@ -767,11 +489,11 @@ def validate_payload(
     """
     view = memoryview(payload).cast("B")
     if len(view) > max_bytes:
-        _fail(Code.KV_TOO_LARGE, f"KV payload of {len(view)} bytes exceeds {max_bytes}")
-    framing = _split_frames(view)
+        fail(Code.KV_TOO_LARGE, f"KV payload of {len(view)} bytes exceeds {max_bytes}")
+    framing = split_frames(view)
     if framing.data_bytes != framing.declared_total:
         short = framing.data_bytes < framing.declared_total
-        _fail(
+        fail(
             Code.KV_TRUNCATED if short else Code.KV_MALFORMED,
             f"data frames hold {framing.data_bytes} bytes, the end frame declares {framing.declared_total}",
         )
@@ -779,14 +501,14 @@ def validate_payload(
     for start, stop in framing.data:
         crc = zlib.crc32(view[start:stop], crc)
     if crc != framing.declared_crc:
-        _fail(Code.KV_CHECKSUM, f"checksum mismatch: {crc:#010x} != {framing.declared_crc:#010x}")
+        fail(Code.KV_CHECKSUM, f"checksum mismatch: {crc:#010x} != {framing.declared_crc:#010x}")
 
     try:
-        header = _HEADER_ADAPTER.validate_json(bytes(framing.header))
+        header = HEADER_ADAPTER.validate_json(bytes(framing.header))
     except (ValidationError, ValueError, RecursionError) as exc:
-        _fail(Code.KV_MALFORMED, f"invalid KV header: {exc}")
+        fail(Code.KV_MALFORMED, f"invalid KV header: {exc}")
     if header.fingerprint != fingerprint:
-        _fail(
+        fail(
             Code.KV_WRONG_MODEL,
             f"KV payload is for model {header.fingerprint[:64]!r}, this node serves {fingerprint[:64]!r}",
         )
@@ -796,42 +518,23 @@ def validate_payload(
             detail = f"{len(names)} layers, expected {len(expected_classes)}"
         else:
             detail = f"classes {list(names)}, expected {list(expected_classes)}"
-        _fail(Code.KV_WRONG_MODEL, f"KV payload has {detail}")
+        fail(Code.KV_WRONG_MODEL, f"KV payload has {detail}")
     classes = [_resolve_class(name) for name in names]
     unknown = [name for name, cls in zip(names, classes, strict=True) if cls is None]
     if unknown:
         raise StatecoreError(unsupported_cache(unknown))
-    needed = sum(_check_node(layer.state, f"layer {i}", 0) for i, layer in enumerate(header.layers))
+    needed = sum(check_node(layer.state, f"layer {i}", 0) for i, layer in enumerate(header.layers))
     if needed != framing.data_bytes:
-        _fail(
+        fail(
             Code.KV_MALFORMED,
             f"header describes {needed} tensor bytes, the body holds {framing.data_bytes}",
         )
 
     for i, layer in enumerate(header.layers):
         if layer.heads is not None:
-            _check_heads(framing.version, i, layer)
+            check_heads(framing.version, i, layer)
 
     return ValidatedKv(view, framing.data, header, [cls for cls in classes if cls is not None])
-
-
-def _check_heads(version: int, index: int, layer: LayerHeader) -> None:
-    """A layer's head range: version 2 only, on a plain `KVCache` whose keys and values hold
-    exactly that many heads (axis 1)."""
-    heads = layer.heads
-    assert heads is not None
-    where = f"layer {index}: heads [{heads.start}, {heads.stop}) of {heads.total}"
-    if version < FORMAT_VERSION:
-        _fail(Code.KV_MALFORMED, f"{where} in a version {version} payload (head ranges are version 2)")
-    if layer.class_name != "KVCache":
-        _fail(Code.KV_MALFORMED, f"{where} on a {layer.class_name} (only KVCache layers are cut by heads)")
-    if not heads.start < heads.stop <= heads.total:
-        _fail(Code.KV_MALFORMED, f"{where} is not a range of its heads")
-    state = layer.state
-    arrays = state.items[:2] if isinstance(state, TupleNode) else []
-    if len(arrays) < 2 or not all(isinstance(a, ArrayNode) and len(a.shape) == 4 and
-                                  a.shape[1] == heads.stop - heads.start for a in arrays):
-        _fail(Code.KV_MALFORMED, f"{where}: its keys and values do not hold that many heads")
 
 
 def build_caches(validated: ValidatedKv) -> DecodedKv:
@@ -841,7 +544,7 @@ def build_caches(validated: ValidatedKv) -> DecodedKv:
     """
     header = validated.header
     names = tuple(layer.class_name for layer in header.layers)
-    body = _Body(validated.view, validated.data)
+    body = Body(validated.view, validated.data)
     built: list[Any] = []
     for i, (layer, cls) in enumerate(zip(header.layers, validated.classes, strict=True)):
         try:
@@ -849,13 +552,13 @@ def build_caches(validated: ValidatedKv) -> DecodedKv:
             cache = cls.from_state(state)
             again = _describe(cache.state, [], "state", 0)
         except Exception as exc:
-            _fail(
+            fail(
                 Code.KV_MALFORMED,
                 f"layer {i}: {layer.class_name} cannot be rebuilt from the state sent: "
                 f"{type(exc).__name__}: {exc}",
             )
         if again != layer.state.model_dump():
-            _fail(Code.KV_MALFORMED, f"layer {i}: {layer.class_name} did not accept its state")
+            fail(Code.KV_MALFORMED, f"layer {i}: {layer.class_name} did not accept its state")
         built.append(cache)
     mx.eval([a for c in built for a in _arrays_of(c)])
     return DecodedKv(caches=built, token_count=header.token_count, class_names=names,
@@ -869,24 +572,11 @@ def _arrays_of(cache: Any) -> list[Any]:
 
 
 __all__ = [
-    "ALL_HEADS_VERSION",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "READ_VERSIONS",
     "DecodedKv",
-    "HeadRange",
-    "HostTensors",
     "ValidatedKv",
     "build_caches",
     "decode_cache",
-    "declared_tensor_bytes",
     "encode_cache",
-    "encoded_size",
-    "END_FRAME_BYTES",
-    "end_frame",
-    "end_frame_in_background",
-    "frame_payload",
-    "unsealed_pieces",
     "host_tensors",
     "raw_tensor_bytes",
     "travel_report",
