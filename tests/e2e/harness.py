@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,3 +202,30 @@ def without_ids(doc: Any) -> Any:
     if isinstance(doc, list):
         return [without_ids(v) for v in doc]
     return doc
+
+
+def rank_pid(node: Node, rank: int = 1) -> int:
+    """The pid of a tensor- or pipeline-parallel instance's rank, from rank 0's log."""
+    found = re.search(rf"started tensor-parallel rank {rank} of \d+ \(pid (\d+)\)", node.log.read_text())
+    assert found, node.tail()
+    return int(found.group(1))
+
+
+def stream_killing_a_rank(node: Node, pid: int, after: int = 5,
+                          killed: Callable[[], None] | None = None) -> tuple[list[Any], float]:
+    """A long streamed completion on `node` whose rank `pid` is SIGKILLed after `after` events:
+    the events received (the last one should be the typed error) and the seconds it took."""
+    body = {"prompt": "A long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    events: list[Any] = []
+    started = time.monotonic()
+    with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == after:
+                os.kill(pid, signal.SIGKILL)
+                if killed is not None:
+                    killed()
+    return events, time.monotonic() - started

@@ -8,21 +8,16 @@ killed mid-stream ends the stream with a typed error and the instance exits 3 (a
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Node, assert_no_leaks, router, start_nodes
+from tests.e2e.harness import Node, assert_no_leaks, rank_pid, router, start_nodes, stream_killing_a_rank
 from tests.e2e.test_tensor_parallel import BODIES, answers, stop_all
 
 pytestmark = pytest.mark.e2e
@@ -100,20 +95,8 @@ def test_a_pipeline_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Pa
     start_nodes([node])
     assert node.process is not None
     try:
-        found = re.search(r"started tensor-parallel rank 1 of 2 \(pid (\d+)\)", node.log.read_text())
-        assert found, node.tail()
-        body = {"prompt": "A long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        events: list[Any] = []
-        started = time.monotonic()
-        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=30) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[len("data: "):]))
-                if len(events) == 5:
-                    os.kill(int(found.group(1)), signal.SIGKILL)
-        assert time.monotonic() - started < 30
+        events, took = stream_killing_a_rank(node, rank_pid(node))
+        assert took < 30
         assert events[-1]["error"]["code"] in {"engine_failed", "transport_lost"}, events[-1]
         assert node.process.wait(timeout=30) == 3
     finally:

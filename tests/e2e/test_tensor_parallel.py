@@ -7,9 +7,7 @@ mid-stream ends its instance's requests with a typed error and the instance exit
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import signal
 import threading
 import time
@@ -21,7 +19,7 @@ import httpx
 import pytest
 
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Node, assert_no_leaks, router, start_nodes
+from tests.e2e.harness import Node, assert_no_leaks, rank_pid, router, start_nodes, stream_killing_a_rank
 
 pytestmark = pytest.mark.e2e
 
@@ -106,9 +104,7 @@ def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> No
     start_nodes([node])
     assert node.process is not None
     try:
-        found = re.search(r"started tensor-parallel rank 1 of 2 \(pid (\d+)\)", node.log.read_text())
-        assert found, node.tail()
-        rank1 = int(found.group(1))
+        rank1 = rank_pid(node)
         healths: list[httpx.Response] = []
         killed = threading.Event()
 
@@ -121,21 +117,10 @@ def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> No
 
         watcher = threading.Thread(target=watch_health)
         watcher.start()
-        body = {"prompt": "A long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        events: list[Any] = []
-        started = time.monotonic()
-        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=30) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line[len("data: "):]))
-                if len(events) == 5:
-                    os.kill(rank1, signal.SIGKILL)
-                    killed.set()
+        events, took = stream_killing_a_rank(node, rank1, killed=killed.set)
         killed.set()
         watcher.join()
-        assert time.monotonic() - started < 30
+        assert took < 30
         assert "error" in events[-1], events[-1]
         assert events[-1]["error"]["code"] in {"engine_failed", "transport_lost"}, events[-1]
         assert len(events) < 3000
@@ -156,9 +141,7 @@ def test_a_stalled_rank_fails_its_instance_within_the_stall_timeout(tmp_path: Pa
                 tmp_path / "two.log")
     start_nodes([node])
     assert node.process is not None
-    found = re.search(r"started tensor-parallel rank 1 of 2 \(pid (\d+)\)", node.log.read_text())
-    assert found, node.tail()
-    rank1 = int(found.group(1))
+    rank1 = rank_pid(node)
     try:
         os.kill(rank1, signal.SIGSTOP)
         started = time.monotonic()
