@@ -289,12 +289,7 @@ class LockstepLoop(DeviceLoop):
         """A held cache with every rank's heads (each rank calls it in the same plan)."""
         if self.tensor.size == 1:
             return cache
-        for layer in cache:
-            if type(layer) is not KVCache:
-                raise StatecoreError(ErrorInfo(
-                    Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
-                    f"a tensor-parallel instance hands off plain KVCache layers only, not "
-                    f"{type(layer).__name__}"))
+        _plain_layers_only(cache, "hands off")
         gathered = []
         with mx.stream(generation_stream):
             for layer in cache:
@@ -313,12 +308,8 @@ class LockstepLoop(DeviceLoop):
         """Each rank's KV heads (start, stop) of a cache that holds them all; raises the typed
         error of a cache that cannot be split (rank 0 asks before any rank waits for a slice)."""
         ranges: set[tuple[tuple[int, int], ...]] = set()
+        _plain_layers_only(cache, "installs")
         for layer in cache:
-            if type(layer) is not KVCache:
-                raise StatecoreError(ErrorInfo(
-                    Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
-                    f"a tensor-parallel instance installs plain KVCache layers only, not "
-                    f"{type(layer).__name__}"))
             heads = int(layer.keys.shape[1]) if layer.keys is not None else 0
             ranges.add(tuple(rank_heads(rank, self.tensor.size, heads) for rank in range(self.tensor.size)))
         if len(ranges) != 1:
@@ -375,3 +366,12 @@ class LockstepLoop(DeviceLoop):
             mine.append(own)
         mx.eval([layer.keys for layer in mine], [layer.values for layer in mine])
         return mine
+
+
+def _plain_layers_only(cache: list[Any], doing: str) -> None:
+    """A tensor-parallel instance splits plain KVCache layers by head, and no other kind."""
+    for layer in cache:
+        if type(layer) is not KVCache:
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
+                f"a tensor-parallel instance {doing} plain KVCache layers only, not {type(layer).__name__}"))
