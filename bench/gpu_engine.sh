@@ -321,6 +321,24 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       $PY bench/phase_times.py "$OUT/ttft_$1/$1.log" --last 0 2>&1 | grep -E "prefill|router|single" | head -12
     done
     ;;
+  multiturn)
+    # Issue 14's multi-turn workload: mlx_lm.server (prompt cache on), statecore single with and
+    # without its prefix cache, and a 1P2D cluster (three nodes on this one GPU), 8 then 32
+    # conversations of 6 turns on a shared 1,536-token system prompt, 64-token answers.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout "${MULTITURN_LIMIT:-540}" $PY bench/multi_turn.py --model $M --blas bundled \
+      --servers mlx_lm,single,cluster_1p2d,single_nocache --conversations 8,32 --turns 6 \
+      --system-tokens 1536 --answer-tokens 64 --statecore-arg=--kv-memory-bytes=8589934592 \
+      --startup-timeout 180 --out "$OUT/multi_turn" 2>&1 | quiet | tail -30
+    ;;
+  handoff)
+    # Issue 18 item 2 on one GPU: per-request encode / transfer / install against raw loopback at
+    # 128 / 2,000 / 8,000 tokens, with 16 streams decoding on the decode node throughout (the stall).
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff_http.py --model $M --lengths 128 2000 8000 \
+      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
+      --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
+    ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \
       --startup-timeout 120 --out "$OUT/mixed" 2>&1 | quiet | tail -24

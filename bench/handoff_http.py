@@ -12,6 +12,16 @@ last byte; response head -> last byte), install ms, the transfer's and the body'
 loopback's MB/s and the ratios; then medians and whether the targets hold (body throughput at
 least 50% of loopback; wire bytes at most 1.01x the raw tensor bytes).
 
+With `--background-streams N`, N streaming completions decode on the decode node the whole
+time (short prompts, restarted when they end); each token's arrival is timed, and for every
+handoff the longest gap between two tokens of any stream that overlaps the decode node's part
+of it (the body in flight and the install: [last byte - body, last byte + install], from the
+decode node's record) is reported in steps, a step being the median gap while no measured
+request is in flight. The engine issue's target: an 8,000-token handoff stalls no running row
+longer than one step (a gap of at most 2 steps).
+
+    .venv/bin/python bench/handoff_http.py --lengths 128 2000 8000 --background-streams 8
+
     .venv/bin/python bench/handoff_http.py                         # CPU: tiny llama, ~1 min
     .venv/bin/python bench/handoff_http.py --model /tmp/llama1b    # a real checkpoint (GPU)
     .venv/bin/python bench/handoff_http.py --out handoff.json --lengths 128 512 2000 --per-length 3
@@ -25,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
+import math
 import os
 import platform
 import secrets
@@ -56,6 +68,9 @@ BODY_TARGET = 0.5  # body throughput / loopback throughput
 WIRE_TARGET = 1.01  # wire bytes / raw tensor bytes
 
 
+STALL_TARGET_STEPS = 2.0  # the longest gap overlapping a handoff, in median steps
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     request_id: str
@@ -69,6 +84,7 @@ class Row:
     install_ms: float
     request_ms: float  # the client's whole completion, through the router
     loopback_ms: float  # median over --loopback-reps of the same byte count on raw TCP
+    stall_steps: float | None = None  # with background streams: the longest overlapping gap / a step
 
     @property
     def wire_ratio(self) -> float | None:
@@ -163,6 +179,73 @@ def start_cluster(model: Path, logs: Path, token: str, extra: list[str]) -> dict
     return {**nodes, "router": router}
 
 
+# --------------------------------------------------------------------------- background streams
+
+
+class BackgroundStreams:
+    """`count` streaming completions through the router, each restarted when it ends, every
+    token's arrival time (wall clock, as the nodes' records) kept per stream; `stop` ends them."""
+
+    def __init__(self, router: str, prompt: list[int], count: int, max_tokens: int) -> None:
+        self.router, self.prompt, self.max_tokens = router, prompt, max_tokens
+        self.arrivals: list[list[float]] = [[] for _ in range(count)]
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
+
+    def start(self, warm_tokens: int = 8) -> None:
+        for thread in self.threads:
+            thread.start()
+        deadline = time.monotonic() + 600
+        while any(len(a) < warm_tokens for a in self.arrivals):  # every stream is decoding
+            if time.monotonic() > deadline:
+                raise SystemExit("the background streams did not start decoding within 600 s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+    def _run(self, index: int) -> None:
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=900) as client:
+            while not self.done.is_set():
+                with client.stream("POST", f"{self.router}/v1/completions", json=body,
+                                   headers={"X-Request-Id": f"bg{index}-{time.monotonic_ns()}"}) as response:
+                    if response.status_code != 200:
+                        raise SystemExit(f"background stream {index}: HTTP {response.status_code}")
+                    for line in response.iter_lines():
+                        if self.done.is_set():
+                            return
+                        if line.startswith("data:") and '"text"' in line:
+                            self.arrivals[index].append(time.time())
+                # a new request: its first token waits for a prefill, not a step of the batch
+                self.arrivals[index].append(float("nan"))
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """Every (start, end) between two tokens of one stream (not across a restart)."""
+        out = []
+        for times in self.arrivals:
+            out.extend((a, b) for a, b in itertools.pairwise(times) if not (math.isnan(a) or math.isnan(b)))
+        return out
+
+
+def stall_steps(gaps: list[tuple[float, float]], window: tuple[float, float], step_s: float) -> float:
+    """The longest gap overlapping `window`, in steps (0 when none overlaps)."""
+    start, end = window
+    overlapping = [b - a for a, b in gaps if b > start and a < end]
+    return max(overlapping, default=0.0) / step_s
+
+
+def quiet_step_s(gaps: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """The median gap outside every measured request's time (the batch's plain step)."""
+    quiet = [b - a for a, b in gaps if not any(b > s and a < e for s, e in busy)]
+    if not quiet:
+        raise SystemExit("no token gap fell outside the measured requests: run longer streams")
+    return statistics.median(quiet)
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -175,7 +258,10 @@ def prompt_pool(model: Path, need: int) -> list[int]:
     return (ids * (need // len(ids) + 1))[:need]
 
 
-def complete(client: httpx.Client, router: str, request_id: str, prompt: list[int], max_tokens: int) -> float:
+def complete(client: httpx.Client, router: str, request_id: str, prompt: list[int], max_tokens: int,
+             busy: list[tuple[float, float]] | None = None) -> float:
+    """One completion through the router; its wall-clock span goes into `busy` when given."""
+    wall = time.time()
     start = time.perf_counter()
     response = client.post(
         f"{router}/v1/completions",
@@ -183,6 +269,8 @@ def complete(client: httpx.Client, router: str, request_id: str, prompt: list[in
         headers={"X-Request-Id": request_id},
     )
     elapsed = time.perf_counter() - start
+    if busy is not None:
+        busy.append((wall, wall + elapsed))
     if response.status_code != 200:
         raise SystemExit(f"request {request_id}: HTTP {response.status_code}: {response.text[:500]}")
     return elapsed
@@ -211,7 +299,7 @@ def machine() -> str:
 def table(rows: list[Row]) -> str:
     head = ("| request | tokens | wire bytes | raw bytes | wire/raw | encode ms | first byte ms "
             "| transfer ms | body ms | install ms | transfer MB/s | body MB/s | loopback MB/s "
-            "| transfer/loop | body/loop |")
+            "| transfer/loop | body/loop | stall steps |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         ratio = f"{r.wire_ratio:.4f}" if r.wire_ratio is not None else "-"
@@ -220,7 +308,8 @@ def table(rows: list[Row]) -> str:
             f"| {r.request_id} | {r.prompt_tokens} | {r.wire_bytes:,} | {raw} | {ratio} | {r.encode_ms:.2f} "
             f"| {r.first_byte_ms:.2f} | {r.transfer_ms:.2f} | {r.body_ms:.2f} | {r.install_ms:.2f} "
             f"| {r.transfer_mb_s:,.0f} | {r.body_mb_s:,.0f} | {r.loopback_mb_s:,.0f} "
-            f"| {r.transfer_mb_s / r.loopback_mb_s:.2f} | {r.body_mb_s / r.loopback_mb_s:.2f} |"
+            f"| {r.transfer_mb_s / r.loopback_mb_s:.2f} | {r.body_mb_s / r.loopback_mb_s:.2f} "
+            f"| {'-' if r.stall_steps is None else f'{r.stall_steps:.2f}'} |"
         )
     return "\n".join(lines)
 
@@ -245,6 +334,7 @@ def summary(rows: list[Row]) -> dict[str, Any]:
             "loopback_mb_s": med([r.loopback_mb_s for r in some]),
             "transfer_over_loopback": med([r.transfer_mb_s / r.loopback_mb_s for r in some]),
             "body_over_loopback": med([r.body_mb_s / r.loopback_mb_s for r in some]),
+            "stall_steps_max": max((r.stall_steps for r in some if r.stall_steps is not None), default=None),
         }
     ratios = [r.wire_ratio for r in rows if r.wire_ratio is not None]
     body = statistics.median(r.body_mb_s / r.loopback_mb_s for r in rows)
@@ -274,6 +364,12 @@ def print_summary(s: dict[str, Any]) -> None:
     if wire is not None:
         print(f"wire / raw tensor bytes (max): {wire:.4f} -> target <= {WIRE_TARGET}: "
               f"{'met' if s['wire_target_met'] else 'NOT met'}")
+    if s.get("step_ms") is not None:
+        print(f"background streams: a step (median quiet gap) {s['step_ms']:.2f} ms")
+        for tokens, m in s["by_length"].items():
+            steps = m["stall_steps_max"]
+            print(f"  {tokens}-token handoffs: longest overlapping gap {steps:.2f} steps -> target <= "
+                  f"{STALL_TARGET_STEPS:g}: {'met' if steps <= STALL_TARGET_STEPS else 'NOT met'}")
 
 
 # --------------------------------------------------------------------------- main
@@ -292,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loopback-reps", type=int, default=5)
     parser.add_argument("--node-arg", action="append", default=[],
                         help="extra argument for the prefill and decode nodes (repeatable)")
+    parser.add_argument("--background-streams", type=int, default=0,
+                        help="streams decoding on the decode node throughout (the stall measure)")
+    parser.add_argument("--background-max-tokens", type=int, default=1000,
+                        help="each background stream's max_tokens (it restarts when done)")
     parser.add_argument("--logs", type=Path, help="keep the nodes' logs here (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the rows and the summary here as JSON")
     args = parser.parse_args(argv)
@@ -312,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: dict[str, Node] = {}
     loopback = Loopback()
+    background: BackgroundStreams | None = None
+    busy: list[tuple[float, float]] = []
+    step_s: float | None = None
     try:
         print("starting prefill, decode and router ...", file=sys.stderr, flush=True)
         servers = start_cluster(model, logs, token, args.node_arg)
@@ -319,10 +422,18 @@ def main(argv: list[str] | None = None) -> int:
         timings: dict[str, tuple[int, float]] = {}
         with httpx.Client(timeout=900) as client:
             complete(client, router, "warmup", pool[: min(args.lengths)], args.max_tokens)  # not counted
+            if args.background_streams > 0:
+                background = BackgroundStreams(router, pool[:32], args.background_streams,
+                                               args.background_max_tokens)
+                background.start()
+                time.sleep(2.0)  # quiet gaps before the first measured request: the step's baseline
             for k, (tokens, i) in enumerate(tqdm(plan, desc="requests", unit="req")):
                 rid = f"h{tokens}-{i}"
                 prompt = pool[k + 1 : k + 1 + tokens]  # each request its own window of the corpus
-                timings[rid] = (tokens, complete(client, router, rid, prompt, args.max_tokens))
+                timings[rid] = (tokens, complete(client, router, rid, prompt, args.max_tokens, busy))
+            if background is not None:
+                background.stop()
+                step_s = quiet_step_s(background.gaps(), busy)
             sent = records(client, servers["prefill"], token)
             got = records(client, servers["decode"], token)
 
@@ -335,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(
                     f"request {rid}: served {out['wire_bytes']} bytes, received {into['wire_bytes']}")
             wire = int(into["wire_bytes"])
+            stall = None
+            if background is not None and step_s is not None:
+                # the decode node's record opens as the pull's last byte lands
+                landed = float(into["opened_at"])
+                window = (landed - float(into["body_s"]), landed + float(into["install_s"]))
+                stall = stall_steps(background.gaps(), window, step_s)
             rows.append(Row(
                 request_id=rid, prompt_tokens=tokens, wire_bytes=wire, raw_bytes=out["raw_bytes"],
                 encode_ms=_ms(out["encode_s"], "encode_s", rid),
@@ -344,8 +461,11 @@ def main(argv: list[str] | None = None) -> int:
                 install_ms=_ms(into["install_s"], "install_s", rid),
                 request_ms=request_s * 1e3,
                 loopback_ms=loopback.median_ms(wire, args.loopback_reps),
+                stall_steps=stall,
             ))
     finally:
+        if background is not None:
+            background.stop()
         loopback.close()
         codes = {role: server.stop() for role, server in servers.items()}
         if any(code not in (0, None) for code in codes.values()):
@@ -353,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(table(rows))
     result = summary(rows)
+    result["step_ms"] = None if step_s is None else step_s * 1e3
     print_summary(result)
     if args.out is not None:
         report = {

@@ -2,14 +2,17 @@
 its prefix cache, statecore single without it, and a statecore 1P2D cluster (one prefill node, two
 decode nodes and a router, each its own process: `cluster_1p2d`).
 
-Each of --conversations clients holds one conversation of --turns turns, all at once. Every
+Each of --conversations clients holds one conversation of --turns turns, all at once (a list,
+e.g. `--conversations 8,32`, runs each count on every server, one run after another; each run's
+conversations are its own, so no run finds an earlier one's turns cached, only the shared system
+prompt). Every
 conversation starts with the same system prompt (--system-tokens); turn k sends the system prompt,
 every earlier user message and answer, then a new user message (--user-tokens), and asks for
 --answer-tokens greedy tokens (ignore_eos); the answer's text joins the history. Prints TTFT
 p50/p99 of the first turns and of the later ones (where a prefix cache can help), and output
 tokens/s over the run, per server; writes results.json.
 
-    .venv/bin/python bench/multi_turn.py --conversations 8 --turns 6
+    .venv/bin/python bench/multi_turn.py --conversations 8,32 --turns 6
 
 statecore caches whole prefill chunks, so the chunk size is the reuse granularity: the servers
 get `--prefill-chunk-size` (default 256 here) through --statecore-arg unless one is given.
@@ -83,10 +86,10 @@ def cluster_counts(servers: list[Server]) -> dict[str, Any]:
     return counts
 
 
-async def conversation(url: str, maker: PromptMaker, system: str, index: int, turns: int, user_tokens: int,
+async def conversation(url: str, maker: PromptMaker, system: str, seed: str, turns: int, user_tokens: int,
                        answer_tokens: int) -> list[RequestResult]:
     """One conversation's turns in order; each turn's result."""
-    rng = random.Random(f"multi-turn:{index}")
+    rng = random.Random(seed)
     history = system
     results = []
     async with httpx.AsyncClient(timeout=600) as client:
@@ -101,12 +104,13 @@ async def conversation(url: str, maker: PromptMaker, system: str, index: int, tu
     return results
 
 
-async def run(url: str, maker: PromptMaker,
-              args: argparse.Namespace) -> tuple[list[list[RequestResult]], float]:
+async def run(url: str, maker: PromptMaker, args: argparse.Namespace,
+              count: int) -> tuple[list[list[RequestResult]], float]:
     system = maker.make(args.system_tokens, random.Random("multi-turn:system"))
+    seeds = [f"multi-turn:{count}:{i}" for i in range(count)]  # each run's conversations its own
     started = time.perf_counter()
-    done = await asyncio.gather(*(conversation(url, maker, system, i, args.turns, args.user_tokens,
-                                               args.answer_tokens) for i in range(args.conversations)))
+    done = await asyncio.gather(*(conversation(url, maker, system, seed, args.turns, args.user_tokens,
+                                               args.answer_tokens) for seed in seeds))
     return list(done), time.perf_counter() - started
 
 
@@ -127,13 +131,31 @@ def summary(conversations: list[list[RequestResult]], wall_s: float) -> dict[str
             "longest_prompt_tokens": max((r.prompt_tokens_sent for r in every), default=0)}
 
 
+def print_ratios(count: str, names: list[str], results: dict[str, Any]) -> None:
+    """One run's ratios: each server against mlx_lm.server, the cluster against the single node."""
+    base = results.get("mlx_lm")
+    if base:
+        for name in names:
+            if name != "mlx_lm" and name in results and base.get("ttft_later_p50_ms") \
+                    and results[name].get("ttft_later_p50_ms"):
+                print(f"{count} conversations: {name} / mlx_lm: later-turn TTFT p50 "
+                      f"{results[name]['ttft_later_p50_ms'] / base['ttft_later_p50_ms']:.2f}x, tok/s "
+                      f"{results[name]['output_tok_s'] / base['output_tok_s']:.2f}x")
+    alone, cluster = results.get("single"), results.get(CLUSTER)
+    if alone and cluster:
+        for key in ("ttft_first_p50_ms", "ttft_later_p50_ms", "ttft_later_p99_ms"):
+            if alone.get(key) and cluster.get(key):
+                print(f"{count} conversations: {CLUSTER} / single: {key} {cluster[key] / alone[key]:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
                         help="model dir (default: the bench's tiny llama)")
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}")
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--conversations", default="8",
+                        help="conversations at once; a comma list runs each count in turn")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--user-tokens", type=int, default=64)
@@ -143,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multi_turn")
     args = parser.parse_args(argv)
+    args.counts = [int(c) for c in args.conversations.split(",") if c]
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     names = [n for n in args.servers.split(",") if n]
     if unknown := set(names) - set(SERVERS):
@@ -166,29 +189,21 @@ def main(argv: list[str] | None = None) -> int:
                                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
         start_all(servers, args.blas, args.startup_timeout, results)
-        for server in servers:  # one at a time, so they do not share the CPU
-            if server.name not in names:
-                continue  # a cluster's node: its router is the one asked
-            conversations, wall = asyncio.run(run(server.url, maker, args))
-            results[server.name] = summary(conversations, wall)
-            if server.name == CLUSTER:
-                results[server.name].update(cluster_counts(servers))
-            print(server.name, json.dumps(results[server.name]), flush=True)
+        for count in args.counts:
+            for server in servers:  # one at a time, so they do not share the device
+                if server.name not in names:
+                    continue  # a cluster's node: its router is the one asked
+                conversations, wall = asyncio.run(run(server.url, maker, args, count))
+                record = summary(conversations, wall)
+                if server.name == CLUSTER:
+                    record.update(cluster_counts(servers))  # counted since the cluster started
+                results.setdefault("runs", {}).setdefault(str(count), {})[server.name] = record
+                print(f"{count} conversations: {server.name}", json.dumps(record), flush=True)
     finally:
         for server in servers:
             server.stop()
-    base = results.get("mlx_lm")
-    if base:
-        for name in names[1:]:
-            if name in results and base.get("ttft_later_p50_ms") and results[name].get("ttft_later_p50_ms"):
-                print(f"{name} / mlx_lm: later-turn TTFT p50 "
-                      f"{results[name]['ttft_later_p50_ms'] / base['ttft_later_p50_ms']:.2f}x, tok/s "
-                      f"{results[name]['output_tok_s'] / base['output_tok_s']:.2f}x")
-    alone, cluster = results.get("single"), results.get(CLUSTER)
-    if alone and cluster:
-        for key in ("ttft_first_p50_ms", "ttft_later_p50_ms", "ttft_later_p99_ms"):
-            if alone.get(key) and cluster.get(key):
-                print(f"{CLUSTER} / single: {key} {cluster[key] / alone[key]:.2f}x")
+    for count, run_results in results.get("runs", {}).items():
+        print_ratios(count, names, run_results)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 
