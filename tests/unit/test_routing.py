@@ -297,7 +297,8 @@ def test_the_router_routes_a_turn_to_the_decode_node_holding_its_conversation_an
     assert peers.route({"http://d1"}, PROMPT, "r2", 50).route is Route.PREFILL_NODE  # d1 avoided: a retry
     # a long rest: a prefill node, handing off to (and told of) d1, which holds the start
     pulled = peers.route(set(), [*PROMPT, *range(100, 200)], "r2b", 50)
-    assert (pulled.route, pulled.decode.node, pulled.held_tokens) == (Route.PREFILL_NODE_PREFIX, "http://d1", 96)
+    assert (pulled.route, pulled.decode.node, pulled.held_tokens) == (
+        Route.PREFILL_NODE_PREFIX, "http://d1", 96)
     assert peers.route(set(), PROMPT[:40], "r3", 50).route is Route.PREFIX_HIT_LOCAL
     assert peers.route(set(), [7] * 40, "r4", 50).route is Route.LOCAL  # short, nothing held
     # the next turn of r4's conversation, before any new summary: where r4 went (d0, first on a tie)
