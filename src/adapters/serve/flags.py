@@ -201,9 +201,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "them is quicker), always (whenever it holds more than this node's own "
                           "cache), never (default auto)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
-                     help="decode: refuse a KV payload larger than this (default 16 GiB)")
+                     help="decode, prefill: refuse a KV payload (a handoff, a pulled prefix) larger than "
+                          "this (default 16 GiB)")
     run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
-                     help="decode: receive buffers kept for reuse by KV pulls, in bytes "
+                     help="decode, prefill: receive buffers kept for reuse by KV pulls, in bytes "
                           "(default 1 GiB; 0 = a fresh buffer per pull)")
     run.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
                      help="seconds a held KV waits (default 60)")
