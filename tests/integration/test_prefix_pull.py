@@ -5,18 +5,23 @@ The imported blocks must be the ones the importing engine's own chunks would hav
 prompt starting with them reports them as cached, and its first token, its held KV (to the bit)
 and its tokens equal an engine's without any cache. A payload of another chunk size is refused
 typed (the fingerprint says so) and the prefill still works. Whatever fails in a pull, the
-puller counts it and the prefill goes on.
+puller counts it and the prefill goes on. On the wire, the router's hint is sent only when set
+(a node of an older version sees the body it knows), and a pull posts the prefix's tokens.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
+from adapters.http.internal_wire import PrefillBody, PrefixFromBody, error_json
+from adapters.http.peers_httpx import HttpxPeers
 from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine
@@ -197,3 +202,37 @@ async def test_a_pull_slower_than_its_deadline_is_given_up() -> None:
     puller = PrefixPuller(fake_with_cache(), stalled, "always", timeout_s=0.05)  # type: ignore[arg-type]
     assert await puller.before_prefill("r", PROMPT, HINT) == 0
     assert puller.statistics().failed == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The wire: the hint travels only when set; fetch_prefix posts the tokens and maps errors
+
+
+async def test_the_hint_is_sent_only_when_set_and_a_prefix_pull_posts_its_tokens() -> None:
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        seen.append((request.method, request.url.path, body))
+        if request.url.path == "/internal/prefill":
+            return httpx.Response(200, json={"first_token": 7, "is_eos": False, "held_bytes": 1})
+        if body.get("tokens") == [1, 2, 3]:
+            return httpx.Response(200, content=b"FAKP-bytes")
+        missing = ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED, "none held")
+        return httpx.Response(404, json=error_json(missing))
+
+    peers = HttpxPeers(transport=httpx.MockTransport(answer))
+    try:
+        await peers.prefill("http://p", RequestId("a"), [1, 2, 3], GREEDY)
+        await peers.prefill("http://p", RequestId("b"), [1, 2, 3], GREEDY, PrefixSource("http://d", 2))
+        pulled = await peers.fetch_prefix("http://d", [1, 2, 3])
+        with pytest.raises(StatecoreError) as missing:
+            await peers.fetch_prefix("http://d", [4, 5])
+    finally:
+        await peers.aclose()
+    assert "prefix_from" not in seen[0][2]  # what a node of an older version accepts
+    assert seen[1][2]["prefix_from"] == {"url": "http://d", "tokens": 2}
+    assert PrefillBody.model_validate_json(json.dumps(seen[1][2])).prefix_from == PrefixFromBody(
+        url="http://d", tokens=2)
+    assert seen[2][:2] == ("POST", "/internal/prefix_kv") and bytes(pulled.payload) == b"FAKP-bytes"
+    assert missing.value.info.code is Code.PREFIX_NOT_CACHED
