@@ -1,16 +1,23 @@
 """Where should a conversation's next turn prefill its new part: on the decode node that holds the
-conversation (route prefix_hit_local), or on a prefill node whose KV is then handed off
-(route prefill_node)? Measured for a few sizes of the new part on one prefill and one decode node.
+conversation (route prefix_hit_local), on a prefill node that computes the whole prompt (route
+prefill_node, its own cache not holding the conversation), or on a prefill node that pulls the
+conversation's blocks from the decode node and computes only the new part (route
+prefill_node_prefix)? Measured for a few sizes of the new part on two prefill nodes and one
+decode node.
 
-Two routers share the nodes: one sends every prompt to the decode node (`--local-prefill-below`
-huge: a prompt whose start the decode node holds prefills only the rest there), the other every
-prompt through the prefill node (`--force-disaggregation`). A shared prefix of --prefix-tokens
-token ids is first sent through both, so both nodes hold its blocks; then, for each --suffixes
-size, --repeats turns of that prefix plus a new part of that many fresh ids go through each
-router in turn (streamed, ignore_eos, 4 tokens; each once the decode node has finished keeping
-the turn before). Prints per size and route the median time to
-the first token and to the second (which, through the prefill node, includes the KV handoff),
-and writes results.json.
+Three routers share the decode node: "local" sends every prompt to it (`--local-prefill-below`
+huge: a prompt whose start the decode node holds prefills only the rest there); "prefill_node"
+sends every prompt through a prefill node with no prefix cache (`--prefix-cache-bytes 0
+--prefix-pull never`: it computes every prompt from token 0); "prefill_pull" through a prefill
+node with `--prefix-pull always` (`--force-disaggregation` for both). Each repeat first sends a
+fresh shared prefix of --prefix-tokens token ids through "local", so that only the decode node
+holds its blocks (the pulling prefill node's cache holds the prefix only after its own pull, so
+a prefix is never reused across repeats), waits until the other routers' summaries list them,
+then sends that prefix plus a new part of --suffixes fresh ids through each router in turn
+(streamed, ignore_eos, 4 tokens; each once the decode node has finished keeping the turn
+before). Prints per size and route the median time to the first token and to the second
+(which, through a prefill node, includes the KV handoff), the routes and pulls counted, and
+writes results.json.
 
     .venv/bin/python bench/conversation_route.py --suffixes 64,256,1024,2048
 
@@ -37,20 +44,27 @@ from side_by_side import ROOT, Server, default_model, start_all  # noqa: E402
 
 from adapters.serve.listeners import free_port  # noqa: E402
 
+ROUTES = ("local", "prefill_node", "prefill_pull")
+
 
 def servers(model: Path, out: Path, extra: list[str]) -> dict[str, Server]:
     py = sys.executable
     made: dict[str, Server] = {}
-    for role in ("prefill", "decode"):
+    nodes = (("prefill", "prefill", ["--prefix-cache-bytes", "0", "--prefix-pull", "never"]),
+             ("prefill_pulling", "prefill", ["--prefix-pull", "always"]),
+             ("decode", "decode", []))
+    for name, role, flags in nodes:
         port = free_port()
         argv = [py, "-m", "adapters.cli", "run", "--role", role, "--model", str(model), "--port", str(port),
-                "--log-level", "WARNING", *extra]
-        made[role] = Server(role, argv, port, out / f"{role}.log")
-    routers = (("local", ["--local-prefill-below", "1000000"]), ("prefill_node", ["--force-disaggregation"]))
-    for name, flags in routers:
+                "--log-level", "WARNING", *extra, *flags]
+        made[name] = Server(name, argv, port, out / f"{name}.log")
+    routers = (("local", "prefill", ["--local-prefill-below", "1000000"]),
+               ("prefill_node", "prefill", ["--force-disaggregation"]),
+               ("prefill_pull", "prefill_pulling", ["--force-disaggregation"]))
+    for name, prefill, flags in routers:
         port = free_port()
         argv = [py, "-m", "adapters.cli", "run", "--role", "router", "--model", str(model),
-                "--port", str(port), "--prefill", made["prefill"].url, "--decode", made["decode"].url,
+                "--port", str(port), "--prefill", made[prefill].url, "--decode", made["decode"].url,
                 "--log-level", "WARNING", *flags, *extra]
         made[name] = Server(name, argv, port, out / f"router-{name}.log")
     return made
@@ -82,13 +96,25 @@ def settle(decode: Server) -> None:
         time.sleep(0.05)
 
 
-def route_counts(router: Server) -> dict[str, int]:
-    counts = {}
-    for line in httpx.get(f"{router.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("statecore:router_routes_total{"):
-            route = line.split('route="', 1)[1].split('"', 1)[0]
-            counts[route] = int(float(line.rsplit(" ", 1)[1]))
-    return counts
+def counts(server: Server, family: str, label: str) -> dict[str, int]:
+    """A server's counter family by one label's values."""
+    found = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(family + "{"):
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            found[value] = int(float(line.rsplit(" ", 1)[1]))
+    return found
+
+
+def wait_for_summaries(routers: list[Server], decode: Server, blocks: int) -> None:
+    """Until every router's pulled summary of the decode node lists at least `blocks` blocks."""
+    deadline = time.monotonic() + 30
+    for router in routers:
+        while httpx.get(f"{router.url}/internal/stats", timeout=10).json()["prefix_blocks"].get(
+                decode.url, 0) < blocks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{router.name}: the decode node's summary never listed the prefix")
+            time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,26 +142,36 @@ def main(argv: list[str] | None = None) -> int:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(10, 500) for _ in range(n)]  # within the tiny model's 512
 
+    chunk = int(next(a for a in extra if a.startswith("--prefill-chunk-size")).split("=", 1)[1])
     try:
         start_all(list(made.values()), args.blas, 600.0, results)
-        prefix = fresh(args.prefix_tokens)
-        for name in ("local", "prefill_node"):  # both nodes hold the prefix's blocks from now on
-            timed_turn(made[name].url, [*prefix, *fresh(8)])
-        time.sleep(2.5)  # the routers pull the nodes' summaries every second
+        decode = made["decode"]
         for size in (int(s) for s in args.suffixes.split(",") if s):
             cell: dict[str, Any] = {"suffix_tokens": size}
-            runs: dict[str, list[tuple[float, float]]] = {"local": [], "prefill_node": []}
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ROUTES}
             for _ in range(args.repeats):
-                for name in runs:  # alternate, so drift on a shared box hits both
+                # a fresh prefix, held by the decode node alone (prefilled there)
+                before = httpx.get(f"{made['prefill_pull'].url}/internal/stats",
+                                   timeout=10).json()["prefix_blocks"].get(decode.url, 0)
+                prefix = fresh(args.prefix_tokens)
+                timed_turn(made["local"].url, [*prefix, *fresh(8)])
+                settle(decode)
+                wait_for_summaries([made["prefill_node"], made["prefill_pull"]], decode,
+                                   before + args.prefix_tokens // chunk)
+                for name in ROUTES:  # alternate, so drift on a shared box hits each alike
                     runs[name].append(timed_turn(made[name].url, [*prefix, *fresh(size)]))
-                    settle(made["decode"])
+                    settle(decode)
             for name, marks in runs.items():
                 cell[f"{name}_ttft_ms"] = round(1000 * statistics.median(m[0] for m in marks), 1)
                 cell[f"{name}_second_token_ms"] = round(1000 * statistics.median(m[1] for m in marks), 1)
             results["cells"].append(cell)
             print(json.dumps(cell), flush=True)
-        results["routes"] = {name: route_counts(made[name]) for name in ("local", "prefill_node")}
+        results["routes"] = {name: counts(made[name], "statecore:router_routes_total", "route")
+                             for name in ROUTES}
+        results["prefix_pulls"] = {name: counts(made[name], "statecore:prefix_pulls_total", "outcome")
+                                   for name in ("prefill", "prefill_pulling")}
         print("routes:", json.dumps(results["routes"]))
+        print("prefix pulls:", json.dumps(results["prefix_pulls"]))
     finally:
         for server in made.values():
             server.stop()

@@ -50,6 +50,7 @@ from effects.ports import (
     Output,
     TokenOut,
 )
+from effects.prefix_pull import PULL_OUTCOMES, PrefixPullStatistics
 from effects.runner import CleanupIntent, NodeRunner, Post, WorkIntent
 from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
@@ -170,7 +171,8 @@ class Metrics:
         return _MeteredPerformer(inner, self)
 
     def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,
-              peers: PeerSet | None = None, kv_buffer_bytes: Callable[[], int] | None = None) -> None:
+              peers: PeerSet | None = None, kv_buffer_bytes: Callable[[], int] | None = None,
+              prefix_pulls: Callable[[], PrefixPullStatistics] | None = None) -> None:
         """Chain the runner's transition hook (keeping the one already set, e.g. the logger's)
         and collect live counts from the runner, the engine and the peers at scrape time."""
         previous = runner.on_transition
@@ -185,7 +187,8 @@ class Metrics:
                     lambda: self._transition(rid, old, new, outcome, error, initial, terminal))
 
         runner.on_transition = on_transition
-        self.registry.register(_LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes))
+        self.registry.register(_LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes,
+                                              prefix_pulls))
 
     # -- observations ------------------------------------------------------------------------
 
@@ -383,7 +386,9 @@ class _LiveCollector:
     """Live counts read when Prometheus scrapes, never pushed from the hot path."""
 
     def __init__(self, role: str, runner: NodeRunner[Any], engine: Engine | None,
-                 peers: PeerSet | None, kv_buffer_bytes: Callable[[], int] | None) -> None:
+                 peers: PeerSet | None, kv_buffer_bytes: Callable[[], int] | None,
+                 prefix_pulls: Callable[[], PrefixPullStatistics] | None = None) -> None:
+        self.prefix_pulls = prefix_pulls
         self.role = role
         self.runner = runner
         self.engine = engine
@@ -468,6 +473,22 @@ class _LiveCollector:
                  "activations so far (steps under --prefill-memory-cap).",
                  stats.activation_estimate_peak_bytes),
             ))
+        if self.prefix_pulls is not None:
+            pulls = self.prefix_pulls()
+            by_outcome = CounterMetricFamily(PREFIX + "prefix_pulls", "Prompts the router said a decode "
+                                             "node holds the start of, by what this prefill node did: "
+                                             "pulled its blocks, skipped (--prefix-pull, its own cache, "
+                                             "or it would not pay), or failed (then computed).",
+                                             labels=["role", "outcome"])
+            for outcome in PULL_OUTCOMES:
+                by_outcome.add_metric([role, outcome], getattr(pulls, outcome))
+            yield by_outcome
+            yield from _per_role(CounterMetricFamily, role, (
+                ("prefix_pull_tokens", "Prompt tokens pulled from decode nodes' prefix caches instead "
+                 "of computed.", pulls.tokens),
+                ("prefix_pull_bytes", "KV bytes of those pulls.", pulls.nbytes),
+                ("prefix_pull_seconds", "Time those pulls took, their import included.", pulls.seconds),
+            ))
         if self.kv_buffer_bytes is not None:
             kept = GaugeMetricFamily(PREFIX + "kv_receive_buffer_bytes", "Bytes of receive buffers kept "
                                      "for reuse by KV pulls (bounded by --kv-buffer-bytes; not a leak).",
@@ -499,7 +520,9 @@ class _LiveCollector:
             routes = CounterMetricFamily(PREFIX + "router_routes", "Turns by where their prompt was "
                                          "prefilled: prefix_hit_local (on the decode node holding its "
                                          "start, only the rest), local (a short prompt, on a decode "
-                                         "node), prefill_node (on a prefill node, KV handed off).",
+                                         "node), prefill_node (on a prefill node, KV handed off), "
+                                         "prefill_node_prefix (likewise, the prefill node told which "
+                                         "decode node holds the start, for it to pull).",
                                          labels=["role", "route"])
             for route in TurnRoute:
                 routes.add_metric([role, route.value], self.peers.routes.get(route.value, 0))

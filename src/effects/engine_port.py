@@ -245,6 +245,19 @@ class Engine(Protocol):
         """Encode the held cache in the KV wire format. The cache stays held."""
         ...
 
+    async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
+        """The leading whole blocks of `tokens` that the prefix cache holds, in the KV wire format
+        (its token count: how many tokens they cover). Only the prefix cache's own blocks, never
+        a live request's cache. PREFIX_NOT_CACHED when none is held."""
+        ...
+
+    async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
+        """Validate a payload of `export_prefix` (this node's fingerprint: the same chunk size)
+        over the start of `tokens`, and keep its whole blocks in the prefix cache, so a prompt
+        starting with them starts after them. Returns the tokens kept (0: nothing, e.g. no
+        prefix cache). Raises on a payload that does not fit; nothing is kept then."""
+        ...
+
     async def release_held(self, request_id: RequestId) -> int:
         """Drop a held cache; returns the bytes freed (0 if none). Idempotent."""
         ...

@@ -68,6 +68,10 @@ class FakeEngine:
         self.faults = faults or Faults()
         self.eos_at = eos_at
         self.cached_tokens = 0  # what every prefill reports it took from a prefix cache
+        # prompt starts "kept" (exported from here, or imported): a prefill starting with one
+        # reports its length as cached, if more than `cached_tokens`
+        self.prefixes: set[tuple[int, ...]] = set()
+        self.summary_block_tokens = 0  # > 0: its prefix summary says it has a prefix cache (empty)
         self._info = info or fake_info()
         self.held: dict[RequestId, bytes] = {}
         self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
@@ -95,7 +99,31 @@ class FakeEngine:
         payload = bytes(t % 256 for t in prompt)
         self.held[request_id] = payload
         first = EOS if self.eos_at == 1 else next_token(prompt)
-        return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=self.cached_tokens)
+        cached = max([self.cached_tokens, *(len(p) for p in self.prefixes if tuple(prompt[: len(p)]) == p)])
+        return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=cached)
+
+    def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
+        found = [p for p in self.prefixes if len(p) <= len(tokens) and tuple(tokens[: len(p)]) == p]
+        return max(found, key=len, default=None)
+
+    async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
+        """The longest kept start of `tokens`: b"FAKP", then its token ids (4 bytes each)."""
+        await trio.sleep(0)
+        kept = self._longest_prefix(tokens)
+        if kept is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED, "no such prefix"))
+        return KvPieces((b"FAKP", b"".join(t.to_bytes(4, "little") for t in kept)))
+
+    async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
+        await trio.sleep(0)
+        data = bytes(payload)
+        if data[:4] != b"FAKP" or len(data) % 4:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake prefix payload"))
+        kept = tuple(int.from_bytes(data[i : i + 4], "little") for i in range(4, len(data), 4))
+        if kept != tuple(tokens[: len(kept)]):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "the prefix is not the prompt's"))
+        self.prefixes.add(kept)
+        return len(kept)
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         try:
@@ -171,8 +199,11 @@ class FakeEngine:
         )
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
-        """The fake keeps no prefix cache."""
-        return no_prefix_cache(since)
+        """The fake's summary is empty: its kept prefixes are not blocks (a puller then skips, as on
+        a node without a prefix cache, unless `summary_block_tokens` says otherwise)."""
+        if self.summary_block_tokens <= 0:
+            return no_prefix_cache(since)
+        return PrefixSummary(self.summary_block_tokens, len(self.prefixes))
 
     async def aclose(self) -> None:
         for rid in list(self.decoding):

@@ -34,6 +34,10 @@ class HandoffRecord:
     transfer_s: float | None = None  # decode: GET sent -> last byte received
     body_s: float | None = None  # decode: response head -> last byte received (the bytes in flight)
     install_s: float | None = None  # decode: Engine.install (validate, rebuild, join the batch)
+    # prefill: the decode node's cached prefix pulled before the prefill (route prefill_node_prefix)
+    prefix_pull_tokens: int | None = None  # prompt tokens kept from it
+    prefix_pull_bytes: int | None = None
+    prefix_pull_s: float | None = None  # the pull and the import into the prefix cache
 
 
 class HandoffLog:

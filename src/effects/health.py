@@ -26,7 +26,14 @@ from statecore.ids import PeerId
 from statecore.intents import IntentKind, PeerIntent, PeerIntentKind
 from statecore.phases import PeerPhase
 from statecore.policy import blames_peer
-from statecore.routing import DEFAULT_LOAD_TOKENS, RouteCandidate, RouteChoice, choose_node, choose_route
+from statecore.routing import (
+    DEFAULT_LOAD_TOKENS,
+    Route,
+    RouteCandidate,
+    RouteChoice,
+    choose_node,
+    choose_route,
+)
 from statecore.step import PeerRecord, step_peer
 
 log = logging.getLogger("statecore.health")
@@ -143,17 +150,19 @@ class PeerSet:
     def route(self, avoid: set[str], prompt: Sequence[int], request_id: str, local_below: int) -> RouteChoice:
         """A turn's route and decode node (`choose_route` over the available decode nodes), counted
         and logged: prefilled on the decode node that holds its start, on a decode node because
-        it is short, or on a prefill node."""
+        it is short, or on a prefill node (told where the start is when a decode node holds it)."""
         candidates = self._candidates(self._available("decode", avoid), prompt)
         choice = choose_route(len(prompt), candidates, local_below, self.load_tokens)
         self.routes[choice.route.value] += 1
         node = choice.decode
-        basis = "prefix" if node.cached_tokens > 0 and choice.local else "load"
+        # chosen for what it holds: it prefills the rest, or a prefill node may pull its blocks
+        basis = "prefix" if node.cached_tokens > 0 and choice.route is not Route.PREFILL_NODE else "load"
         self.routed[("decode", node.node, basis)] += 1
         if choice.local:
             self.expected_cached_tokens[node.node] += node.cached_tokens
-            if self.summaries is not None:
-                self.summaries.expect(node.node, prompt)
+        if self.summaries is not None and (choice.local or basis == "prefix"):
+            # it keeps the prompt's blocks: computed there, or installed from the handoff
+            self.summaries.expect(node.node, prompt)
         log.info("request %s: route %s, decode on %s by %s (%d of %d prompt tokens held by the "
                  "cheapest decode node, local prefill below %d uncached tokens, %d in flight there)",
                  request_id, choice.route.value, node.node, basis, choice.held_tokens, len(prompt),

@@ -32,9 +32,11 @@ from effects.ports import (
     Output,
     Peers,
     PrefillReply,
+    PrefixSource,
     SamplingParams,
     TokenOut,
 )
+from effects.prefix_pull import PrefixPuller
 from effects.runner import CleanupIntent, Post, WorkIntent
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 from statecore.events import (
@@ -67,7 +69,7 @@ from statecore.policy import (
     is_eos,
     peer_failure,
 )
-from statecore.routing import RouteChoice
+from statecore.routing import Route, RouteChoice
 
 log = logging.getLogger("statecore.interpret")
 
@@ -84,6 +86,7 @@ class NodeRequest:
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     kv_out: trio.MemorySendChannel[KvPieces | ErrorInfo] | None = None  # set while a decode node pulls
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
+    prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
 
 
 def _bug(message: str) -> StatecoreError:
@@ -107,9 +110,12 @@ class EnginePerformer:
         faults: FaultPort = NO_FAULTS,
         crash_device: Callable[[], None] | None = None,
         handoffs: HandoffLog | None = None,
+        prefix_pull: PrefixPuller | None = None,
     ) -> None:
         self.engine = engine
         self.peers = peers
+        # a prefill node's pulls of the prompt's start from the decode node the router names
+        self.prefix_pull = prefix_pull
         self.faults = faults
         # the DEVICE_CRASH fault's way to kill the engine's device thread; wired only when
         # `faults` is armed
@@ -142,7 +148,15 @@ class EnginePerformer:
             case StartPrefill():
                 self._crash_if_marked(rid)
                 await self.faults.at(Phase.PREFILL, rid)
+                if ctx.prefix_from is not None and self.prefix_pull is not None:
+                    # never raises for the pull's own failures: the prefill then computes it all
+                    await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
+                                                          self.handoffs.record(rid))
+                started = time.perf_counter()
                 outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
+                if self.prefix_pull is not None:
+                    self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
+                                               self.engine.info.prefill_chunk_size)
                 ctx.first_token = outcome.first_token
                 ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
                 first_eos = is_eos(outcome.first_token, eos, ignore_eos=ctx.sampling.ignore_eos)
@@ -337,11 +351,14 @@ class RouterPerformer:
         ctx.prefill_node = ctx.decode_node = None
         ctx.attempts += 1
         nid = ctx.node_request_id(rid)
+        prefix_from: PrefixSource | None = None
         try:
             if self.route is not None:
                 choice = self.route(ctx.tried, ctx.prompt, nid)
                 ctx.local = choice.local
                 routed = choice.decode.node
+                if choice.route is Route.PREFILL_NODE_PREFIX:
+                    prefix_from = PrefixSource(routed, choice.held_tokens)
             else:
                 local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
                 routed = self.pick("decode", ctx.tried, local_prompt, nid)
@@ -356,7 +373,8 @@ class RouterPerformer:
                 call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, None)
                 await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 return
-            reply = await self.peers.prefill(ctx.prefill_node or "", nid, ctx.prompt, ctx.sampling)
+            reply = await self.peers.prefill(ctx.prefill_node or "", nid, ctx.prompt, ctx.sampling,
+                                             prefix_from)
         except StatecoreError as exc:
             self._blame(ctx.decode_node if ctx.local else ctx.prefill_node, exc.info)
             verdict = peer_failure(exc.info, first_token_sent=ctx.first_token is not None,

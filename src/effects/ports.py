@@ -115,6 +115,25 @@ class PrefillReply:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """Where a prefill node may pull the start of its prompt from: the decode node it hands off
+    to holds the prompt's first `tokens` tokens (whole blocks) in its prefix cache, by the
+    router's summary of it."""
+
+    node: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PulledPrefix:
+    """A decode node's cached prefix blocks in the KV wire format, and how long the pull took."""
+
+    payload: KvBytes  # a view of a receive buffer: read it within the call that got it
+    first_byte_s: float  # the request sent -> the answer's head
+    transfer_s: float  # the request sent -> its last byte
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeCall:
     """What the router asks of a decode node."""
 
@@ -129,12 +148,21 @@ class Peers(Protocol):
     """Calls to other nodes. Transport failures raise StatecoreError with TRANSPORT_LOST."""
 
     async def prefill(
-        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
-    ) -> PrefillReply: ...
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        prefix_from: PrefixSource | None = None,
+    ) -> PrefillReply:
+        """`prefix_from`: the decode node the KV goes to holds the prompt's start (a hint: the
+        prefill node may pull it from there instead of computing it)."""
+        ...
 
     def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]: ...
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes: ...
+
+    async def fetch_prefix(self, node: str, tokens: Sequence[int]) -> PulledPrefix:
+        """The leading whole blocks of `tokens` that the node's prefix cache holds (the payload's
+        token count says how many tokens); PREFIX_NOT_CACHED when it holds none."""
+        ...
 
     async def release_kv(self, node: str, request_id: RequestId) -> None: ...
 
@@ -168,7 +196,9 @@ __all__ = [
     "Peers",
     "PrefillOutcome",
     "PrefillReply",
+    "PrefixSource",
     "PrefixSummary",
+    "PulledPrefix",
     "SamplingParams",
     "TokenOut",
 ]

@@ -45,6 +45,7 @@ class Code(enum.Enum):
     KV_CHECKSUM = "kv_checksum_mismatch"
     KV_TOO_LARGE = "kv_too_large"
     KV_NOT_FOUND = "kv_not_found"
+    PREFIX_NOT_CACHED = "prefix_not_cached"  # the node's prefix cache holds none of those blocks
     LEASE_EXPIRED = "kv_lease_expired"
     PEER_FAILED = "peer_failed"
     ENGINE_FAILED = "engine_failed"
@@ -77,6 +78,7 @@ _STATUS_BY_CODE: dict[Code, int] = {
     Code.UNAUTHORIZED: 401,
     Code.INVALID_API_KEY: 401,
     Code.KV_NOT_FOUND: 404,
+    Code.PREFIX_NOT_CACHED: 404,
     Code.LEASE_EXPIRED: 410,
 }
 

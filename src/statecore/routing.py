@@ -13,23 +13,30 @@ chosen only when no healthy one is left.
 node that holds the start of the prompt (a conversation it served keeps its KV there) takes the
 turn and prefills only the rest, when that rest is shorter than the router's local-prefill
 threshold (PREFIX_HIT_LOCAL); a prompt shorter than the threshold is prefilled on a decode node
-anyway (LOCAL); anything else goes to a prefill node, whose KV is handed off (PREFILL_NODE). A
-prefill node cannot receive a decode node's cached prefix (not built), so a long rest is
-computed there from its own cache or from token 0. Pure: this module must never import trio,
-httpx, mlx or mlx_lm.
+anyway (LOCAL); anything else goes to a prefill node, whose KV is handed off. When the cheapest
+decode node holds some of that prompt, it is the turn's decode node and the prefill node is told
+where those blocks are (PREFILL_NODE_PREFIX): the prefill node may pull them from it instead of
+computing them, and hands off to it as always; when no decode node holds any of it, the decode
+node is the least loaded (PREFILL_NODE).
+
+Whether the pull pays is the prefill node's call (`prefix_pull_pays`): it pulls when moving the
+blocks it lacks costs less time than computing them, by rates it measured itself (`PullRates`:
+its prefill tokens per second, its pulls' bytes per second and latency, the KV bytes per token).
+Pure: this module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from statecore.prefix import block_keys
 
-__all__ = ["DEFAULT_LOAD_TOKENS", "SUMMARY_KEY_BYTES", "Route", "RouteCandidate", "RouteChoice",
+__all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
+           "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens",
-           "prompt_summary_keys", "route_cost", "summary_key"]
+           "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -98,17 +105,21 @@ class Route(Enum):
     PREFIX_HIT_LOCAL = "prefix_hit_local"  # on the decode node holding its start: only the rest
     LOCAL = "local"  # a short prompt, on a decode node
     PREFILL_NODE = "prefill_node"  # on a prefill node; its KV is handed off to a decode node
+    # on a prefill node told that the decode node it hands off to holds the prompt's start
+    PREFILL_NODE_PREFIX = "prefill_node_prefix"
 
 
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
     route: Route
     decode: RouteCandidate  # the decode node chosen (for PREFILL_NODE: by load alone)
-    held_tokens: int = 0  # the prompt's leading tokens the cheapest decode node holds (reused when local)
+    # the prompt's leading tokens the cheapest decode node holds: reused there when local; for
+    # PREFILL_NODE_PREFIX, what the prefill node may pull from it
+    held_tokens: int = 0
 
     @property
     def local(self) -> bool:
-        return self.route is not Route.PREFILL_NODE
+        return self.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX)
 
 
 def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate], local_below: int,
@@ -116,8 +127,9 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     """The turn's route and decode node. The decode node is the cheapest by `choose_node` (new
     prefill work plus load); if it holds some of the prompt and the rest is shorter than
     `local_below`, it prefills that rest itself; a prompt shorter than `local_below` is prefilled
-    on it too; otherwise a prefill node takes the prompt and the decode node is the least loaded
-    (its cached tokens play no part in that turn). `local_below` 0: always a prefill node."""
+    on it too; otherwise a prefill node takes the prompt: handing off to that cheapest node when
+    it holds some of the prompt (the prefill node may pull those blocks), else to the least
+    loaded. `local_below` 0: always a prefill node."""
     if local_below < 0:
         raise ValueError("local_below must be >= 0")
     best = choose_node(prompt_tokens, decode_candidates, load_tokens)
@@ -125,6 +137,69 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
         return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
     if prompt_tokens < local_below:
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
+    if best.cached_tokens > 0:
+        return RouteChoice(Route.PREFILL_NODE_PREFIX, best, best.cached_tokens)
     unsummarized = [RouteCandidate(c.node, c.in_flight, c.suspect) for c in decode_candidates]
     return RouteChoice(Route.PREFILL_NODE, choose_node(prompt_tokens, unsummarized, load_tokens),
                        best.cached_tokens)
+
+
+DEFAULT_PULL_BYTES_PER_S = 1e9
+"""What a prefix pull is assumed to move per second before the node has measured one."""
+DEFAULT_PULL_LATENCY_S = 0.005
+"""What a prefix pull is assumed to cost before its first byte, before the node has measured one."""
+_EWMA_WEIGHT = 0.25  # a new measurement's share of a rate
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + _EWMA_WEIGHT * (new - old)
+
+
+@dataclass(frozen=True, slots=True)
+class PullRates:
+    """What a prefill node measured of itself, for `prefix_pull_pays`: exponentially weighted
+    averages; None until measured (a prefill rate is needed, the others have priors)."""
+
+    prefill_tokens_per_s: float | None = None
+    pull_bytes_per_s: float = DEFAULT_PULL_BYTES_PER_S
+    pull_latency_s: float = DEFAULT_PULL_LATENCY_S
+    kv_bytes_per_token: float | None = None
+    pulls_measured: int = 0
+
+    def prefilled(self, computed_tokens: int, seconds: float) -> PullRates:
+        """A prefill that computed `computed_tokens` in `seconds` (only calls of at least a chunk
+        are worth measuring: the caller decides)."""
+        if computed_tokens <= 0 or seconds <= 0:
+            return self
+        return replace(self, prefill_tokens_per_s=_ewma(self.prefill_tokens_per_s, computed_tokens / seconds))
+
+    def held(self, nbytes: int, tokens: int) -> PullRates:
+        """A cache of `tokens` tokens weighs `nbytes` (the first such figure is kept: it is the
+        model's, not the traffic's)."""
+        if self.kv_bytes_per_token is not None or tokens <= 0 or nbytes <= 0:
+            return self
+        return replace(self, kv_bytes_per_token=nbytes / tokens)
+
+    def pulled(self, nbytes: int, latency_s: float, body_s: float) -> PullRates:
+        """A pull of `nbytes`: `latency_s` until its first byte, `body_s` for the body."""
+        if nbytes <= 0:
+            return self
+        first = self.pulls_measured == 0  # the priors give way to the first measurement at once
+        rate = self.pull_bytes_per_s if body_s <= 0 else nbytes / body_s
+        return replace(self, pull_bytes_per_s=rate if first else _ewma(self.pull_bytes_per_s, rate),
+                       pull_latency_s=max(0.0, latency_s) if first else _ewma(self.pull_latency_s,
+                                                                               max(0.0, latency_s)),
+                       pulls_measured=self.pulls_measured + 1)
+
+
+def prefix_pull_pays(held_tokens: int, own_cached_tokens: int, rates: PullRates) -> bool:
+    """Whether pulling the `held_tokens` a decode node holds of a prompt costs a prefill node
+    less time than computing those it does not hold itself (`own_cached_tokens`):
+    latency + missing * bytes per token / pull rate < missing / prefill rate. Never when it holds
+    as much already, never before it has measured its own prefill rate and KV bytes per token."""
+    missing = held_tokens - own_cached_tokens
+    if (missing <= 0 or rates.prefill_tokens_per_s is None or rates.prefill_tokens_per_s <= 0
+            or rates.kv_bytes_per_token is None or rates.pull_bytes_per_s <= 0):
+        return False
+    pull_s = rates.pull_latency_s + missing * rates.kv_bytes_per_token / rates.pull_bytes_per_s
+    return pull_s < missing / rates.prefill_tokens_per_s

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import trio
@@ -16,11 +17,14 @@ from effects.routing import PrefixSummaries
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.prefix import block_keys
 from statecore.routing import (
+    DEFAULT_PULL_BYTES_PER_S,
+    PullRates,
     Route,
     RouteCandidate,
     cached_prefix_tokens,
     choose_node,
     choose_route,
+    prefix_pull_pays,
     route_cost,
     summary_key,
 )
@@ -215,16 +219,23 @@ def test_the_router_sends_a_prompt_where_its_prefix_is_and_counts_why() -> None:
     # the decode node holding 2,000 of 2,100 tokens prefills the last 100 itself
     (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefix_hit_local",
      "b"),
-    # ... but not when the rest is the threshold or more: a prefill node, the least loaded decode node
-    (3000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node", "a"),
-    (3000, [RouteCandidate("a", 1), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node", "b"),
+    # ... but not when the rest is the threshold or more: a prefill node, told where the start is,
+    # handing off to the node that holds it
+    (3000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node_prefix",
+     "b"),
+    (3000, [RouteCandidate("a", 1), RouteCandidate("b", 0, cached_tokens=2000)], 1000, "prefill_node_prefix",
+     "b"),
+    # nothing held anywhere: a prefill node, the least loaded decode node
+    (3000, [RouteCandidate("a", 1), RouteCandidate("b", 0)], 1000, "prefill_node", "b"),
     # a short prompt prefills on a decode node with or without a hit (where it is cheapest)
     (500, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 1000, "local", "a"),
     (500, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=256)], 1000, "prefix_hit_local", "b"),
     # a hit on a node too busy for it: the cheaper node has none, so the rest is the whole prompt
     (2100, [RouteCandidate("a", 0), RouteCandidate("b", 9, cached_tokens=2000)], 1000, "prefill_node", "a"),
     # threshold 0 (--force-disaggregation): always a prefill node, whatever a decode node holds
-    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2096)], 0, "prefill_node", "a"),
+    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=2096)], 0, "prefill_node_prefix",
+     "b"),
+    (2100, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 0, "prefill_node", "a"),
     # a suspect decode node only when nothing healthy is left
     (2100, [RouteCandidate("a", 3), RouteCandidate("b", 0, True, 2000)], 1000, "prefill_node", "a"),
 ])
@@ -233,7 +244,9 @@ def test_a_turn_is_prefilled_where_its_start_is_when_the_rest_is_short(
 ) -> None:
     choice = choose_route(prompt, candidates, local_below, 512)
     assert (choice.route.value, choice.decode.node) == (route, node)
-    assert choice.local is (choice.route is not Route.PREFILL_NODE)
+    assert choice.local is (choice.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX))
+    if choice.route is Route.PREFILL_NODE_PREFIX:
+        assert choice.held_tokens == choice.decode.cached_tokens > 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -246,12 +259,16 @@ def test_the_route_is_local_exactly_when_the_uncached_rest_is_below_the_threshol
     best = choose_node(prompt, candidates, load_tokens)
     rest = prompt - best.cached_tokens if best.cached_tokens > 0 else prompt
     assert choice.local is (rest < local_below or prompt < local_below)
-    if choice.route is Route.PREFILL_NODE:  # the decode node by load alone
-        assert choice.decode.cached_tokens == 0
+    if choice.route is Route.PREFILL_NODE:  # nothing held where it is cheapest: by load alone
+        assert best.cached_tokens == 0 and choice.decode.cached_tokens == 0
         assert choice.decode.node == choose_node(
             prompt, [RouteCandidate(c.node, c.in_flight, c.suspect) for c in candidates], load_tokens).node
     else:
         assert choice.decode is best
+    # a prefill node is told where the prompt's start is exactly when the chosen node holds some
+    assert (choice.route is Route.PREFILL_NODE_PREFIX) is (not choice.local and best.cached_tokens > 0)
+    if not choice.local:
+        assert choice.held_tokens == best.cached_tokens
     assert prompt >= local_below or choice.local  # a short prompt never goes to a prefill node
 
 
@@ -278,12 +295,82 @@ def test_the_router_routes_a_turn_to_the_decode_node_holding_its_conversation_an
     hit = peers.route(set(), PROMPT, "r1", 50)  # d1 holds 96 of 100: 4 left to prefill
     assert (hit.route, hit.decode.node, hit.decode.cached_tokens) == (Route.PREFIX_HIT_LOCAL, "http://d1", 96)
     assert peers.route({"http://d1"}, PROMPT, "r2", 50).route is Route.PREFILL_NODE  # d1 avoided: a retry
+    # a long rest: a prefill node, handing off to (and told of) d1, which holds the start
+    pulled = peers.route(set(), [*PROMPT, *range(100, 200)], "r2b", 50)
+    assert (pulled.route, pulled.decode.node, pulled.held_tokens) == (
+        Route.PREFILL_NODE_PREFIX, "http://d1", 96)
     assert peers.route(set(), PROMPT[:40], "r3", 50).route is Route.PREFIX_HIT_LOCAL
     assert peers.route(set(), [7] * 40, "r4", 50).route is Route.LOCAL  # short, nothing held
     # the next turn of r4's conversation, before any new summary: where r4 went (d0, first on a tie)
     assert summaries.cached_tokens(decodes, [7] * 60)["http://d0"] == 32
     peers.in_flight["http://d1"] = 1
     assert peers.route(set(), [7] * 60, "r5", 50).decode.node == "http://d0"
-    assert peers.routes == {"prefill_node": 2, "prefix_hit_local": 3, "local": 1}
-    assert peers.routed[("decode", "http://d1", "prefix")] == 2
+    assert peers.routes == {"prefill_node": 2, "prefix_hit_local": 3, "local": 1, "prefill_node_prefix": 1}
+    assert peers.routed[("decode", "http://d1", "prefix")] == 3
     assert peers.expected_cached_tokens["http://d1"] == 96 + 32
+
+
+# 1000 tokens/s of prefill, 1 MB/s of pull, 100 bytes a token, 10 ms before the first byte:
+# a missing token costs 1 ms to compute and 0.1 ms to pull.
+RATES = PullRates(prefill_tokens_per_s=1000.0, pull_bytes_per_s=1e6, pull_latency_s=0.01,
+                  kv_bytes_per_token=100.0)
+
+
+@pytest.mark.parametrize(("held", "own", "rates", "pays"), [
+    (512, 0, RATES, True),  # 61 ms of pull against 512 ms of prefill
+    (512, 256, RATES, True),  # only the missing 256 count: 35.6 ms against 256 ms
+    (512, 512, RATES, False),  # it holds them already
+    (256, 512, RATES, False),  # it holds more than the decode node
+    (10, 0, RATES, False),  # 11 ms against 10 ms: not quite
+    (12, 0, RATES, True),  # 11.2 ms against 12 ms
+    (12, 0, replace(RATES, pull_latency_s=0.02), False),  # 21.2 ms against 12 ms
+    (512, 0, replace(RATES, pull_bytes_per_s=50_000.0), False),  # 1.03 s against 0.512 s
+    (512, 0, replace(RATES, prefill_tokens_per_s=None), False),  # no measured prefill rate yet
+    (512, 0, replace(RATES, kv_bytes_per_token=None), False),  # nor the KV's size
+    (512, 0, replace(RATES, pull_bytes_per_s=0.0), False),
+])
+def test_a_prefill_node_pulls_a_held_prefix_when_moving_it_costs_less_than_computing_it(
+    held: int, own: int, rates: PullRates, pays: bool
+) -> None:
+    assert prefix_pull_pays(held, own, rates) is pays
+
+
+rates = st.builds(PullRates, st.floats(1.0, 1e6), st.floats(1.0, 1e12), st.floats(0.0, 1.0),
+                  st.floats(1.0, 1e6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 100_000), st.integers(0, 100_000), rates, st.floats(1.0, 1e6))
+def test_a_pull_pays_less_as_the_network_slows_and_more_as_prefill_slows(
+    held: int, own: int, measured: PullRates, factor: float
+) -> None:
+    pays = prefix_pull_pays(held, own, measured)
+    if held <= own:
+        assert not pays
+    slower_pull = replace(measured, pull_bytes_per_s=measured.pull_bytes_per_s / factor,
+                          pull_latency_s=measured.pull_latency_s * factor)
+    assert measured.prefill_tokens_per_s is not None
+    slower_prefill = replace(measured, prefill_tokens_per_s=measured.prefill_tokens_per_s / factor)
+    if not pays:
+        assert not prefix_pull_pays(held, own, slower_pull)
+    else:
+        assert prefix_pull_pays(held, own, slower_prefill)
+    # holding more itself never makes a pull pay that did not
+    if not pays and own < held:
+        assert not prefix_pull_pays(held, own + 1, measured)
+
+
+def test_the_rates_start_from_priors_and_follow_what_the_node_measures() -> None:
+    fresh = PullRates()
+    assert (fresh.prefill_tokens_per_s, fresh.kv_bytes_per_token) == (None, None)
+    assert fresh.pull_bytes_per_s == DEFAULT_PULL_BYTES_PER_S
+    measured = fresh.prefilled(2000, 2.0).held(4000, 100).held(999, 1)  # the first size stays
+    assert (measured.prefill_tokens_per_s, measured.kv_bytes_per_token) == (1000.0, 40.0)
+    assert measured.prefilled(0, 1.0) == measured and measured.prefilled(10, 0.0) == measured
+    later = measured.prefilled(4000, 2.0)  # 2000 tokens/s, weighted in: between the two
+    assert later.prefill_tokens_per_s is not None and 1000.0 < later.prefill_tokens_per_s < 2000.0
+    pulled = measured.pulled(1_000_000, 0.002, 0.5)  # the first pull replaces the priors
+    assert (pulled.pull_bytes_per_s, pulled.pull_latency_s, pulled.pulls_measured) == (2e6, 0.002, 1)
+    again = pulled.pulled(1_000_000, 0.004, 0.25)
+    assert 2e6 < again.pull_bytes_per_s < 4e6 and 0.002 < again.pull_latency_s < 0.004
+    assert pulled.pulled(0, 1.0, 1.0) == pulled

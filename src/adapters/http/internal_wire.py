@@ -18,6 +18,7 @@ from effects.ports import (
     ModelInfo,
     Output,
     PrefillReply,
+    PrefixSource,
     PrefixSummary,
     SamplingParams,
     TokenOut,
@@ -73,10 +74,33 @@ class SamplingBody(_Strict):
         return SamplingParams(**{name: getattr(self, name) for name in type(self).model_fields})
 
 
+class PrefixFromBody(_Strict):
+    """The router's hint on /internal/prefill: the decode node at `url` holds the prompt's first
+    `tokens` tokens in its prefix cache (`effects.ports.PrefixSource`)."""
+
+    url: str = Field(min_length=1, max_length=2000)
+    tokens: int = Field(ge=1)
+
+    def source(self) -> PrefixSource:
+        return PrefixSource(self.url, self.tokens)
+
+
 class PrefillBody(_Strict):
     request_id: str = Field(min_length=1, max_length=200)
     prompt: list[int] = Field(min_length=1)
     sampling: SamplingBody
+    # Optional, and sent only when set: a node of an older version, whose strict model refuses
+    # unknown fields, sees the same body as before from a router that gives no hint.
+    prefix_from: PrefixFromBody | None = None
+
+    def document(self) -> dict[str, object]:
+        return self.model_dump(exclude=None if self.prefix_from is not None else {"prefix_from"})
+
+
+class PrefixKvBody(_Strict):
+    """POST /internal/prefix_kv: the token ids whose leading whole blocks the caller wants."""
+
+    tokens: list[int] = Field(min_length=1)
 
 
 class LogprobsBody(_Strict):
@@ -239,6 +263,8 @@ __all__ = [
     "DecodeBody",
     "PrefillBody",
     "PrefillReplyBody",
+    "PrefixFromBody",
+    "PrefixKvBody",
     "PrefixSummaryBody",
     "SamplingBody",
     "error_from_json",

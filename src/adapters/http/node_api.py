@@ -2,16 +2,20 @@
 
 Prefill node: `POST /internal/prefill` (prefill, answer the first token, hold the KV under a
 lease), `GET /internal/kv/{id}` (the held KV in the wire format), `DELETE /internal/kv/{id}`
-(taken: release it). Decode node: `POST /internal/decode` (pull the KV from a prefill node,
-or prefill locally, then stream NDJSON lines of token ids). Both: `POST /internal/cancel/{id}`,
-with `?finished=stop|length` when the router's request ended normally (the node's part then
-ends as done with that reason), without it a cancellation. Every node: `GET /internal/info`
-(the model's fingerprint and per-layer cache travel report), `GET /internal/stats` (live counts
-for leak checks), `GET /internal/handoffs` (the recent KV handoffs' bytes and timings). When a shared
-token is configured, internal endpoints require it in the `X-Statecore-Token` header. Every
-request goes through the node's `NodeRunner`, so its life is the core's state machine: admission
-is the runner's (`statecore.policy.admission`), whether a KV pull is expected is the table's, and
-EOS is `statecore.policy.is_eos`. This module may import anything.
+(taken: release it); `/internal/prefill`'s body may name the decode node holding the prompt's
+start (`prefix_from`), which the node may pull first. Decode node: `POST /internal/decode` (pull
+the KV from a prefill node, or prefill locally, then stream NDJSON lines of token ids). Decode and
+single nodes: `POST /internal/prefix_kv` (the prefix cache's leading whole blocks of the posted
+token ids, in the KV wire format; 404 `prefix_not_cached` when none is held). Both:
+`POST /internal/cancel/{id}`, with `?finished=stop|length` when the router's request ended
+normally (the node's part then ends as done with that reason), without it a cancellation.
+Every node: `GET /internal/info` (the model's fingerprint and per-layer cache travel report),
+`GET /internal/stats` (live counts for leak checks), `GET /internal/handoffs` (the recent KV
+handoffs' bytes and timings). When a shared token is configured, internal endpoints require it
+in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
+is the core's state machine: admission is the runner's (`statecore.policy.admission`), whether a
+KV pull is expected is the table's, and EOS is `statecore.policy.is_eos`. This module may import
+anything.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from adapters.http.internal_wire import (
     LogprobsBody,
     PrefillBody,
     PrefillReplyBody,
+    PrefixKvBody,
     PrefixSummaryBody,
     error_json,
     info_json,
@@ -110,7 +115,7 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _validated(model: type[PrefillBody] | type[DecodeBody], raw: bytes) -> Any:
+def _validated(model: type[PrefillBody] | type[DecodeBody] | type[PrefixKvBody], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -196,7 +201,8 @@ class NodeApi:
                 Route("/internal/kv/{request_id}", guarded(g, self.send_kv), methods=["GET"]),
                 Route("/internal/kv/{request_id}", guarded(g, self.kv_taken), methods=["DELETE"]),
             ]
-        return [*common, Route("/internal/decode", guarded(g, self.decode), methods=["POST"])]
+        return [*common, Route("/internal/decode", guarded(g, self.decode), methods=["POST"]),
+                Route("/internal/prefix_kv", guarded(g, self.prefix_kv), methods=["POST"])]
 
     def lose(self, reason: str) -> None:
         """The engine (this node's transport) is lost: health says why from now on."""
@@ -279,7 +285,8 @@ class NodeApi:
     async def prefill(self, request: Request) -> Response:
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
         rid = RequestId(body.request_id)
-        context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True)
+        context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
+                              prefix_from=None if body.prefix_from is None else body.prefix_from.source())
         generation = await self._admit(rid, context, 4)
         await self.runner.post(rid, Admitted(len(body.prompt)))
         try:
@@ -300,6 +307,14 @@ class NodeApi:
                 return error_response(error)
             case Complete():
                 return error_response(ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill completed early"))
+
+    async def prefix_kv(self, request: Request) -> Response:
+        """The prefix cache's leading whole blocks of the posted tokens, in the KV wire format (a
+        prefill node about to prefill a prompt that starts with them pulls them), or
+        PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
+        body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
+        payload = await self.engine.export_prefix(body.tokens)
+        return _kv_body(payload, lambda end: None)
 
     async def send_kv(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])

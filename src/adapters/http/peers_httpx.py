@@ -4,8 +4,9 @@ Every transport failure is translated here, in one place (httpx's own
 map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
 The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
-go through `kv_pull` instead (the body straight into one buffer) unless a transport was injected;
-their errors are mapped here too, to the same codes. https:// peers are verified against one
+and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go through `kv_pull`
+instead (the body straight into one buffer) unless a transport was injected; their errors are
+mapped here too, to the same codes. https:// peers are verified against one
 `ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else the system
 store), for every call and the KV pulls alike; http:// peers stay plain. This module may import
 anything.
@@ -30,6 +31,8 @@ from adapters.http.internal_wire import (
     DecodeBody,
     PrefillBody,
     PrefillReplyBody,
+    PrefixFromBody,
+    PrefixKvBody,
     PrefixSummaryBody,
     SamplingBody,
     error_from_json,
@@ -39,7 +42,17 @@ from adapters.http.internal_wire import (
 from adapters.kv import pull as kv_pull
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
-from effects.ports import DecodeCall, KvBytes, ModelInfo, Output, PrefillReply, PrefixSummary, SamplingParams
+from effects.ports import (
+    DecodeCall,
+    KvBytes,
+    ModelInfo,
+    Output,
+    PrefillReply,
+    PrefixSource,
+    PrefixSummary,
+    PulledPrefix,
+    SamplingParams,
+)
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.policy import STOP
@@ -113,11 +126,15 @@ class HttpxPeers:
         await self.client.aclose()
 
     async def prefill(
-        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        prefix_from: PrefixSource | None = None,
     ) -> PrefillReply:
-        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling))
+        hint = (None if prefix_from is None
+                else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
+        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
+                           prefix_from=hint)
         with transport_errors(node):
-            response = await self.client.post(f"{node}/internal/prefill", json=body.model_dump(),
+            response = await self.client.post(f"{node}/internal/prefill", json=body.document(),
                                               params=self._details)
             await _raise_for_error(node, response)
             try:
@@ -147,12 +164,7 @@ class HttpxPeers:
                         yield parse_output_line(line.encode())
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
-        url = f"{node}/internal/kv/{request_id}"
-        if self._direct_kv and url.startswith(("http://", "https://")):
-            pulled = await self._pull_direct(node, url)
-            payload, head_s, last_byte_s = pulled.body, pulled.head_s, pulled.last_byte_s
-        else:
-            payload, head_s, last_byte_s = await self._pull_httpx(node, url)
+        payload, head_s, last_byte_s = await self._pull(node, f"{node}/internal/kv/{request_id}")
         if self.handoffs is not None:
             record = self.handoffs.record(request_id)
             record.wire_bytes = len(payload)
@@ -161,13 +173,28 @@ class HttpxPeers:
             record.body_s = last_byte_s - head_s
         return payload
 
-    async def _pull_direct(self, node: str, url: str) -> kv_pull.PulledKv:
+    async def fetch_prefix(self, node: str, tokens: Sequence[int]) -> PulledPrefix:
+        body = PrefixKvBody(tokens=list(tokens)).model_dump_json().encode()
+        payload, head_s, last_byte_s = await self._pull(node, f"{node}/internal/prefix_kv", body)
+        return PulledPrefix(payload, head_s, last_byte_s)
+
+    async def _pull(self, node: str, url: str, json_body: bytes | None = None
+                    ) -> tuple[KvBytes, float, float]:
+        """A KV payload (GET, or POST of `json_body`): its bytes, seconds to the head and to the
+        last byte; over kv_pull unless a test injected a transport."""
+        if self._direct_kv and url.startswith(("http://", "https://")):
+            pulled = await self._pull_direct(node, url, json_body)
+            return pulled.body, pulled.head_s, pulled.last_byte_s
+        return await self._pull_httpx(node, url, json_body)
+
+    async def _pull_direct(self, node: str, url: str, json_body: bytes | None = None) -> kv_pull.PulledKv:
         """The KV over kv_pull, its failures mapped as `transport_errors` maps httpx's."""
         try:
             with trio.fail_after(self._read_timeout_s):
                 pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
                                             connect_timeout_s=self._connect_timeout_s,
-                                            buffers=self.receive_buffers, ssl_context=self._ssl_context)
+                                            buffers=self.receive_buffers, ssl_context=self._ssl_context,
+                                            json_body=json_body)
         except kv_pull.KvTooLarge as exc:
             raise StatecoreError(
                 ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
@@ -188,12 +215,15 @@ class HttpxPeers:
             raise StatecoreError(error_from_json(data, pulled.status))
         return pulled
 
-    async def _pull_httpx(self, node: str, url: str) -> tuple[bytes, float, float]:
+    async def _pull_httpx(self, node: str, url: str, json_body: bytes | None = None
+                          ) -> tuple[bytes, float, float]:
         chunks: list[bytes] = []
         size = 0
+        method = "GET" if json_body is None else "POST"
+        headers = None if json_body is None else {"content-type": "application/json"}
         with transport_errors(node):
             started = time.perf_counter()
-            async with self.client.stream("GET", url) as response:
+            async with self.client.stream(method, url, content=json_body, headers=headers) as response:
                 head = time.perf_counter()
                 await _raise_for_error(node, response)
                 async for chunk in response.aiter_bytes():

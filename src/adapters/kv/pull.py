@@ -1,4 +1,5 @@
-"""One KV pull: an HTTP/1.1 GET on a trio socket whose body lands in one buffer sized for it.
+"""One KV pull: an HTTP/1.1 GET (or a POST naming what it wants) on a trio socket whose body lands in
+one buffer sized for it.
 
 A decode node's `GET /internal/kv/{id}` moves megabytes to gigabytes. Through httpx every 64 KiB
 read becomes its own bytes object, is copied into and out of h11's receive buffer, climbs three
@@ -13,9 +14,10 @@ runs the same GET over trio's `SSLStream`, the peer's certificate verified again
 context (`adapters.tls.client_context`); its body comes out of the TLS layer a record at a time
 and is copied into the same kind of buffer.
 
-`HttpxPeers.fetch_kv` uses this for `http://` and `https://` nodes when no test transport is
-injected, and maps its errors (OSError, trio's broken-stream and timeout errors, h11's protocol errors,
-`KvPullError`) to typed errors in one place. This is an adapter: it may import anything, and
+`HttpxPeers.fetch_kv` (a GET) and `HttpxPeers.fetch_prefix` (a POST of the prefix's token ids)
+use this for `http://` and `https://` nodes when no test transport is injected, and map its
+errors (OSError, trio's broken-stream and timeout errors, h11's protocol errors, `KvPullError`)
+to typed errors in one place. This is an adapter: it may import anything, and
 nothing in `statecore` or `effects` may import it.
 """
 
@@ -182,10 +184,11 @@ async def _receive_sized(stream: trio.abc.ReceiveStream, conn: h11.Connection,
 
 async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
                connect_timeout_s: float, buffers: ReceiveBuffers,
-               ssl_context: ssl.SSLContext | None = None) -> PulledKv:
+               ssl_context: ssl.SSLContext | None = None, json_body: bytes | None = None) -> PulledKv:
     """GET `url` (http, or https verified against `ssl_context`: the system store when None)
     and return its status and whole body. A 200 answer may be up to `max_bytes`, and lands in one
-    of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document)."""
+    of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document).
+    `json_body`: POST it instead (a request for a prefix's blocks names their tokens)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or parts.hostname is None:
         raise ValueError(f"adapters.kv.pull handles http:// and https:// URLs only, not {url!r}")
@@ -203,12 +206,16 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
             with trio.fail_after(connect_timeout_s):
                 await stream.do_handshake()  # an unverified certificate ends the pull here
         conn = h11.Connection(h11.CLIENT)
-        request = h11.Request(method="GET", target=target,
-                              headers=[("Host", parts.netloc), ("Connection", "close"), *headers])
+        fields = [("Host", parts.netloc), ("Connection", "close"), *headers]
+        if json_body is not None:
+            fields += [("Content-Type", "application/json"), ("Content-Length", str(len(json_body)))]
+        request = h11.Request(method="GET" if json_body is None else "POST", target=target, headers=fields)
         data = conn.send(request)
+        body_data = b"" if json_body is None else conn.send(h11.Data(data=json_body))
         end = conn.send(h11.EndOfMessage())
-        assert data is not None and end is not None  # h11 returns bytes for every client event
-        await stream.send_all(data + end)
+        # h11 returns bytes for every client event
+        assert data is not None and body_data is not None and end is not None
+        await stream.send_all(data + body_data + end)
         response = await _receive_head(stream, conn)
         head = time.perf_counter()
         length = _content_length(response)

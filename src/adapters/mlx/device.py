@@ -1004,6 +1004,22 @@ class DeviceLoop:
         if kept:
             mx.eval(kept)  # copies now: the installed cache itself goes on into a slot
 
+    def keep_imported(self, tokens: Sequence[int], cache: list[Any]) -> int:
+        """Another node's prefix-cache blocks covering `tokens` (whole chunks, computed as chunks
+        there: the same fingerprint) into this prefix cache; the leading tokens now cached. Unlike
+        `keep_installed` it needs neither a long prompt nor `keep_conversations`: these are kept
+        blocks, never a padded batch's numbers."""
+        prefix = self.prefix
+        if prefix is None or not self.plain(cache):
+            return 0
+        keys = conversation_block_keys(tokens, prefix.chunk_size)
+        kept: list[Any] = []
+        for index in range(len(keys)):
+            kept.extend(prefix.keep(keys, index, cache))
+        if kept:
+            mx.eval(kept)  # copies now, so the imported cache can go
+        return prefix.index.cached(keys) * prefix.chunk_size
+
     def start_from_prefix(self, task: PrefillTask) -> None:
         """A new prompt whose first whole chunks are cached starts after them."""
         if self.prefix is None:

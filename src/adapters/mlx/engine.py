@@ -70,6 +70,7 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
+from statecore.prefix import conversation_block_keys
 from statecore.routing import summary_key
 from statecore.scheduling import prefill_chunks, prefill_units
 
@@ -384,6 +385,72 @@ class MlxEngine:
         if isinstance(self._device, LockstepLoop):  # every rank's heads, gathered on each
             cache = self._device.gather_heads(cache)
         return codec.host_tensors(cache, fingerprint=self.info.fingerprint, token_count=held.prompt_tokens)
+
+    async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
+        checked = self._check_prefix(tokens)
+        if self._tensor is not None:
+            raise _refuse_prefix_move("send")
+        tensors = await self._call(partial(self._export_prefix, checked))
+        return KvPieces(tuple(frames.unsealed_pieces(tensors)),
+                        seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
+
+    def _export_prefix(self, tokens: list[int]) -> frames.HostTensors:
+        """On the device thread: a fresh cache of the prefix cache's blocks of `tokens` (their
+        concatenation; the blocks themselves are never handed out), as host tensors."""
+        prefix = self._device.prefix
+        count, cache = (0, None) if prefix is None else prefix.start(
+            conversation_block_keys(tokens, prefix.chunk_size), counted=False)
+        if cache is None or prefix is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED,
+                                           "the prefix cache holds no whole block of these tokens"))
+        mx.eval([c.state for c in cache])
+        return codec.host_tensors(cache, fingerprint=self.info.fingerprint,
+                                  token_count=count * prefix.chunk_size)
+
+    async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
+        checked = self._check_prefix(tokens)
+        if self._tensor is not None:
+            raise _refuse_prefix_move("receive")
+        if self._device.prefix is None:
+            return 0
+        # Validated and rebuilt in a worker thread, as `install` does: the fingerprint (the chunk
+        # size among it) is what makes the blocks the ones this node's own chunks would compute.
+        count, caches = await trio.to_thread.run_sync(self._validate_prefix, payload, len(checked))
+        kept = await self._call(partial(self._keep_imported, checked[:count], caches))
+        return kept
+
+    def _validate_prefix(self, payload: KvBytes, most_tokens: int) -> tuple[int, list[Any]]:
+        validated = codec.validate_payload(
+            payload, fingerprint=self.info.fingerprint, expected_classes=self._expected_classes)
+        count = validated.header.token_count
+        chunk = self._settings.prefill_chunk_size
+        if not 0 < count <= most_tokens or count % chunk:
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"a prefix payload must cover whole blocks of {chunk} of the {most_tokens} tokens "
+                f"asked for; it covers {count}"))
+        if any(layer.heads is not None for layer in validated.header.layers):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "a prefix payload carries every head of every layer"))
+        built: list[Any] = codec.build_caches(validated).caches
+        return count, built
+
+    def _keep_imported(self, tokens: list[int], caches: list[Any]) -> int:
+        kept = self._device.keep_imported(tokens, caches)
+        self._publish()
+        return kept
+
+    def _check_prefix(self, tokens: Sequence[int]) -> list[int]:
+        if not self._alive:
+            raise engine_failed("the device thread is not running")
+        checked = [self._check_token(t, "prefix token") for t in tokens]
+        if not checked:
+            raise StatecoreError(client_error("the prefix is empty"))
+        if len(checked) > self.info.context_length:
+            raise StatecoreError(client_error(
+                f"the prefix has {len(checked)} tokens; the context length is {self.info.context_length}",
+                Code.CONTEXT_LENGTH_EXCEEDED))
+        return checked
 
     async def release_held(self, request_id: RequestId) -> int:
         if not self._alive:
@@ -955,6 +1022,13 @@ class MlxEngine:
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )
         return info
+
+
+def _refuse_prefix_move(what: str) -> StatecoreError:
+    return StatecoreError(ErrorInfo(
+        Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
+        f"a tensor- or pipeline-parallel instance does not {what} prefix-cache blocks: its ranks hold "
+        "shares of each cache (the wire carries whole layers), so they would need a gather first"))
 
 
 def _not_held(request_id: str) -> StatecoreError:

@@ -18,6 +18,7 @@ from adapters.http.peers_httpx import DEFAULT_KV_BUFFER_BYTES
 from adapters.model_source import ModelNotFound, resolve_model
 from adapters.tls import TlsConfigError, tls_files
 from effects.faults import DEFAULT_MARKER
+from effects.prefix_pull import PULL_MODES
 from statecore.routing import DEFAULT_LOAD_TOKENS
 
 INTERNAL_TOKEN_ENV = "STATECORE_INTERNAL_TOKEN"
@@ -193,10 +194,17 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           "generated tokens' whole prefill chunks again and keep them in the prefix "
                           "cache, so the conversation's next turn prefills only its new part (on, the "
                           "default, when the prefix cache is on)")
+    run.add_argument("--prefix-pull", choices=PULL_MODES, default="auto",
+                     help="prefill nodes: when the router says the decode node a prompt hands off to "
+                          "holds its start in its prefix cache, pull those blocks from it instead of "
+                          "computing them: auto (when this node's measured prefill rate says moving "
+                          "them is quicker), always (whenever it holds more than this node's own "
+                          "cache), never (default auto)")
     run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
-                     help="decode: refuse a KV payload larger than this (default 16 GiB)")
+                     help="decode, prefill: refuse a KV payload (a handoff, a pulled prefix) larger than "
+                          "this (default 16 GiB)")
     run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
-                     help="decode: receive buffers kept for reuse by KV pulls, in bytes "
+                     help="decode, prefill: receive buffers kept for reuse by KV pulls, in bytes "
                           "(default 1 GiB; 0 = a fresh buffer per pull)")
     run.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
                      help="seconds a held KV waits (default 60)")

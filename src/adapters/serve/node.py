@@ -45,6 +45,7 @@ from effects.handoffs import HandoffLog
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.ports import ModelInfo
+from effects.prefix_pull import PrefixPuller
 from effects.routing import PrefixSummaries
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import StatecoreError
@@ -261,19 +262,26 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                         layer.reason)
     handoffs = HandoffLog(role)
     peers = None
-    if role == "decode":
-        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes, handoffs=handoffs,
+    if role in ("decode", "prefill"):  # a decode node pulls handed-off KV, a prefill node prefixes
+        peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes,
+                           handoffs=handoffs if role == "decode" else None,
                            kv_buffer_bytes=args.kv_buffer_bytes,
                            ssl_context=client_context(args.tls.ca_file))
+    # a tensor- or pipeline-parallel prefill node does not take other nodes' blocks (its ranks
+    # would each need their share): the router's hints are then ignored
+    prefix_pull = (PrefixPuller(engine, peers, args.prefix_pull)
+                   if role == "prefill" and peers is not None and tensor is None else None)
     crash_device = engine.crash_device_thread if faults.armed else None  # the DEVICE_CRASH fault
-    performer = EnginePerformer(engine, peers, faults, crash_device, handoffs=handoffs)
+    performer = EnginePerformer(engine, peers, faults, crash_device, handoffs=handoffs,
+                                prefix_pull=prefix_pull)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
     metrics = Metrics(role)
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
                                          name=role)
     log_transitions(runner, role)
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
-    metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes)
+    metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes,
+                  prefix_pulls=None if prefix_pull is None else prefix_pull.statistics)
     live = LiveView(role, runner, metrics.registry)
     warnings = _warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
