@@ -8,5 +8,5 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy src tests support
 echo "== pytest"
-# pytest exits 5 when it collected no test: that is a failure here too (set -e).
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in CI's log. pytest exits 5 when it collected no test: that is a failure here too (set -e).
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

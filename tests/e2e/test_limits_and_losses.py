@@ -80,15 +80,18 @@ def test_the_in_flight_limit_answers_429_with_retry_after(tmp_path: Path) -> Non
 def test_fault_flags_refuse_to_arm_without_the_environment_switch(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != ENABLE_ENV}
     peers = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
-    for role in ("single", "router"):
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    for role in ("single", "router"):  # side by side: each is refused before it loads anything
         extra = peers if role == "router" else []
-        done = subprocess.run(
+        started[role] = subprocess.Popen(
             [sys.executable, "-m", "adapters.cli", "run", "--role", role, "--model",
              str(cached_checkpoint("llama")), "--port", "0", *extra, "--inject-fault", "prefill"],
-            env=env, cwd=ROOT, capture_output=True, timeout=120,
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
-        said = (done.stdout + done.stderr).decode()
-        assert done.returncode != 0 and f"needs {ENABLE_ENV}=1" in said, (role, done.returncode, said)
+    for role, process in started.items():
+        output, _ = process.communicate(timeout=120)
+        said = output.decode()
+        assert process.returncode != 0 and f"needs {ENABLE_ENV}=1" in said, (role, process.returncode, said)
         assert "Traceback" not in said
 
 

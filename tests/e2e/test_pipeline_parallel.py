@@ -48,18 +48,26 @@ def test_a_two_rank_pipeline_answers_as_one_rank(tmp_path: Path) -> None:
     assert "rank 1 exiting 0" in two.log.read_text()
 
 
-def refused(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adapters.cli", "run", "--role", "single", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def refused(*argvs: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Each `statecore run --role single ARGV` run to its end, all started at once (each is
+    refused before it loads anything, so the time is Python's start-up, paid side by side)."""
+    command = [sys.executable, "-m", "adapters.cli", "run", "--role", "single"]
+    started = [(argv, subprocess.Popen([*command, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+               for argv in argvs]
+    done: list[subprocess.CompletedProcess[str]] = []
+    for argv, process in started:
+        out, err = process.communicate(timeout=60)
+        done.append(subprocess.CompletedProcess(argv, process.returncode, out, err))
+    return done
 
 
 def test_what_cannot_pipeline_is_refused_before_it_starts() -> None:
-    llama = refused("--model", str(cached_checkpoint("llama")), *PP2, "--port", "0")
+    llama, both = refused(["--model", str(cached_checkpoint("llama")), *PP2, "--port", "0"],
+                          ["--model", str(hybrid_model()), *PP2, "--tensor-parallel", "2", "--port", "0"])
     assert llama.returncode == 2, llama.stderr
     assert "no pipeline parallelism for model type 'llama'" in llama.stderr
     assert "qwen3_next" in llama.stderr  # the message names the families that have it
-    both = refused("--model", str(hybrid_model()), *PP2, "--tensor-parallel", "2", "--port", "0")
     assert both.returncode == 2, both.stderr
     assert "cannot be combined" in both.stderr
 

@@ -32,20 +32,28 @@ OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for
 FOLLOW_UP = OPENING + " Then the fog rolled in and every bell in the harbour rang."
 
 
+Routers = tuple[Cluster, Node, Node, Node]  # the cluster; the primer, plain and detailed routers
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Node]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     logs = tmp_path_factory.mktemp("logs-prefix")
-    built = start_cluster(cached_checkpoint("llama"), logs, prefills=2, decodes=1,
-                          node_args=("--prefill-chunk-size", "16"))
+    model = cached_checkpoint("llama")
+    built = start_cluster(model, logs, prefills=2, decodes=1, node_args=("--prefill-chunk-size", "16"))
     # A second router that knows only the second prefill node: it puts the opening's blocks there,
     # where least-loaded routing (which prefers the first node on a tie) would never send it.
-    primer = router(cached_checkpoint("llama"), logs / "primer.log", built.prefill[1:], built.decode,
-                    "--force-disaggregation")
-    start_nodes([primer])
+    primer = router(model, logs / "primer.log", built.prefill[1:], built.decode, "--force-disaggregation")
+    # The routers of the last two tests, each used by its test alone: started beside the primer.
+    plain = router(model, logs / "plain.log", built.prefill, built.decode, "--force-disaggregation",
+                   "--prefix-routing", "off")
+    detailed = router(model, logs / "details.log", built.prefill, built.decode, "--force-disaggregation",
+                      "--enable-prompt-tokens-details")
     try:
-        yield built, primer
+        start_nodes([primer, plain, detailed])
+        yield built, primer, plain, detailed
     finally:
-        primer.stop()
+        for node in (primer, plain, detailed):
+            node.stop()
         built.stop()
 
 
@@ -58,10 +66,8 @@ def _metric(server: Node, name: str, **labels: str) -> float:
     raise AssertionError(f"no {name}{{{wanted}}} in /metrics")
 
 
-def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(
-    cluster: tuple[Cluster, Node]
-) -> None:
-    built, primer = cluster
+def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(cluster: Routers) -> None:
+    built, primer, _, _ = cluster
     first, second = built.prefill
     body = {"prompt": OPENING, "max_tokens": 8, "temperature": 0}
     assert post(primer, "/v1/completions", body).status_code == 200
@@ -86,13 +92,8 @@ def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(
     assert_no_leaks([*built.nodes, primer])
 
 
-def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_node(
-    cluster: tuple[Cluster, Node], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    built, _ = cluster
-    plain = router(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-plain") / "router.log",
-                   built.prefill, built.decode, "--force-disaggregation", "--prefix-routing", "off")
-    start_nodes([plain])
+def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_node(cluster: Routers) -> None:
+    built, _, plain, _ = cluster
     try:
         assert plain.stats()["prefix_blocks"] == {}
         reference = [n.stats()["prefix_cache_hits"] for n in built.prefill]
@@ -106,15 +107,10 @@ def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_nod
         assert plain.stop() == 0
 
 
-def test_with_prompt_tokens_details_the_client_sees_the_prefill_nodes_cached_tokens(
-    cluster: tuple[Cluster, Node], tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_with_prompt_tokens_details_the_client_sees_the_prefill_nodes_cached_tokens(cluster: Routers) -> None:
     """The count travels from the prefill node's engine through its reply to the router's usage
     (whole and streamed); the router without the flag answers today's body, less the details."""
-    built, _ = cluster
-    detailed = router(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-details") / "router.log",
-                      built.prefill, built.decode, "--force-disaggregation", "--enable-prompt-tokens-details")
-    start_nodes([detailed])
+    built, _, _, detailed = cluster
     try:
         prompt = " ".join(f"A gull circled mast {i} of the old schooner." for i in range(8))
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}

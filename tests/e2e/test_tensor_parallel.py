@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -98,10 +99,26 @@ def test_kv_hands_off_between_instances_of_different_degrees(tmp_path: Path) -> 
         stop_all([to_one, to_two, *engines])
 
 
-def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> None:
-    node = Node("single", ["--model", str(cached_checkpoint("llama")), *TP2, "--stall-timeout", "5"],
-                tmp_path / "two.log")
-    start_nodes([node])
+@pytest.fixture(scope="module")
+def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+    """A two-rank llama node for each test that kills or stops one of its ranks: started
+    together (a start is mostly waiting, so two cost about what one does), one per test."""
+    logs = tmp_path_factory.mktemp("doomed")
+    model = ["--model", str(cached_checkpoint("llama")), *TP2]
+    nodes = {"killed": Node("single", [*model, "--stall-timeout", "5"], logs / "killed.log"),
+             "stalled": Node("single", [*model, "--stall-timeout", "2"], logs / "stalled.log")}
+    try:
+        start_nodes(list(nodes.values()))
+        yield nodes
+    finally:
+        for node in nodes.values():
+            if node.process is not None and node.process.poll() is None:
+                node.process.kill()
+            node.stop()
+
+
+def test_a_rank_killed_mid_stream_fails_its_instance_typed(doomed: dict[str, Node]) -> None:
+    node = doomed["killed"]
     assert node.process is not None
     try:
         rank1 = rank_pid(node)
@@ -134,12 +151,10 @@ def test_a_rank_killed_mid_stream_fails_its_instance_typed(tmp_path: Path) -> No
             node.process.kill()
 
 
-def test_a_stalled_rank_fails_its_instance_within_the_stall_timeout(tmp_path: Path) -> None:
+def test_a_stalled_rank_fails_its_instance_within_the_stall_timeout(doomed: dict[str, Node]) -> None:
     """A rank that stops answering (SIGSTOP) leaves rank 0 waiting inside a collective, which MLX
     cannot time out: the watchdog turns it into a typed failure and exit 3 after --stall-timeout."""
-    node = Node("single", ["--model", str(cached_checkpoint("llama")), *TP2, "--stall-timeout", "2"],
-                tmp_path / "two.log")
-    start_nodes([node])
+    node = doomed["stalled"]
     assert node.process is not None
     rank1 = rank_pid(node)
     try:
