@@ -323,11 +323,11 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     ;;
   multiturn)
     # Issue 14's multi-turn workload: mlx_lm.server (prompt cache on), statecore single with and
-    # without its prefix cache, and a 1P2D cluster (three nodes on this one GPU), 8 then 32
+    # without its prefix cache, and a 1P2D cluster (three nodes on this one GPU), 8, 16 and 32
     # conversations of 6 turns on a shared 1,536-token system prompt, 64-token answers.
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
     timeout "${MULTITURN_LIMIT:-540}" $PY bench/multi_turn.py --model $M --blas bundled \
-      --servers mlx_lm,single,cluster_1p2d,single_nocache --conversations 8,32 --turns 6 \
+      --servers mlx_lm,single,cluster_1p2d,single_nocache --conversations 8,16,32 --turns 6 \
       --system-tokens 1536 --answer-tokens 64 --statecore-arg=--kv-memory-bytes=8589934592 \
       --startup-timeout 180 --out "$OUT/multi_turn" 2>&1 | quiet | tail -30
     ;;
@@ -338,6 +338,15 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff_http.py --model $M --lengths 128 2000 8000 \
       --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
       --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
+    ;;
+  route)
+    # Issue 14 item 2: a conversation's next turn with an 8,192-token start held by the decode node
+    # and a new part of 512 / 4,096 tokens: prefilled on the decode node, on a prefill node
+    # computing the whole prompt, or on one pulling the start from the decode node.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout "${ROUTE_LIMIT:-240}" $PY bench/conversation_route.py --model $M --blas bundled \
+      --prefix-tokens 8192 --suffixes 512,4096 --repeats 3 \
+      --statecore-arg=--kv-memory-bytes=8589934592 --out "$OUT/route" 2>&1 | quiet | tail -16
     ;;
   mixed)
     timeout "${MIXED_LIMIT:-400}" $PY bench/mixed_load.py --model $M --blas bundled --gpus 0,0 --reps 1 \

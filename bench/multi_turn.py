@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     record.update(cluster_counts(servers))  # counted since the cluster started
                 results.setdefault("runs", {}).setdefault(str(count), {})[server.name] = record
                 print(f"{count} conversations: {server.name}", json.dumps(record), flush=True)
+                # after every run, so a run cut short by a time limit keeps what it measured
+                (args.out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         for server in servers:
             server.stop()
