@@ -106,14 +106,16 @@ def counts(server: Server, family: str, label: str) -> dict[str, int]:
     return found
 
 
-def wait_for_summaries(routers: list[Server], decode: Server, blocks: int) -> None:
-    """Until every router's pulled summary of the decode node lists at least `blocks` blocks."""
+def wait_for_summaries(routers: list[Server], decode: Server) -> None:
+    """Until every router holds the decode node's current prefix summary (its version: a count of
+    blocks stops growing once the node's cache is full and evicts as it keeps)."""
+    version = httpx.get(f"{decode.url}/internal/prefix", timeout=10).json()["version"]
     deadline = time.monotonic() + 30
     for router in routers:
-        while httpx.get(f"{router.url}/internal/stats", timeout=10).json()["prefix_blocks"].get(
-                decode.url, 0) < blocks:
+        while (httpx.get(f"{router.url}/internal/stats", timeout=10).json()["prefix_versions"].get(
+                decode.url) or -1) < version:
             if time.monotonic() > deadline:
-                raise SystemExit(f"{router.name}: the decode node's summary never listed the prefix")
+                raise SystemExit(f"{router.name}: never pulled the decode node's summary {version}")
             time.sleep(0.1)
 
 
@@ -142,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(10, 500) for _ in range(n)]  # within the tiny model's 512
 
-    chunk = int(next(a for a in extra if a.startswith("--prefill-chunk-size")).split("=", 1)[1])
     try:
         start_all(list(made.values()), args.blas, 600.0, results)
         decode = made["decode"]
@@ -151,13 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ROUTES}
             for _ in range(args.repeats):
                 # a fresh prefix, held by the decode node alone (prefilled there)
-                before = httpx.get(f"{made['prefill_pull'].url}/internal/stats",
-                                   timeout=10).json()["prefix_blocks"].get(decode.url, 0)
                 prefix = fresh(args.prefix_tokens)
                 timed_turn(made["local"].url, [*prefix, *fresh(8)])
                 settle(decode)
-                wait_for_summaries([made["prefill_node"], made["prefill_pull"]], decode,
-                                   before + args.prefix_tokens // chunk)
+                wait_for_summaries([made["prefill_node"], made["prefill_pull"]], decode)
                 for name in ROUTES:  # alternate, so drift on a shared box hits each alike
                     runs[name].append(timed_turn(made[name].url, [*prefix, *fresh(size)]))
                     settle(decode)

@@ -55,6 +55,11 @@ class PrefixSummaries:
         """Blocks the node's fresh summary lists (0 without one)."""
         return len(self._held[node].keys) if self.fresh(node) else 0
 
+    def version(self, node: str) -> int | None:
+        """The version of the node's last summary the router holds (None before the first)."""
+        held = self._held.get(node)
+        return None if held is None else held.version
+
     def cached_tokens(self, nodes: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
         """Per node, the prompt's leading tokens its fresh summary says it holds (0 without one);
         the prompt's block keys are hashed once per block size, not once per node."""

@@ -19,13 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from openai import OpenAI
 
 from adapters.serve.cluster import wait_healthy
 from adapters.serve.listeners import open_listener
+
+if TYPE_CHECKING:  # the benchmarks borrow this harness where the official client is not installed
+    from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,6 +142,8 @@ class Cluster:
 
 def openai_client(node: Node) -> OpenAI:
     """The official client on a node's public API (no key, no retries)."""
+    from openai import OpenAI
+
     return OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
 
 

@@ -76,6 +76,8 @@ def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(c
     while built.router.stats()["prefix_blocks"].get(second.url, 0) == 0:  # its next pull of summaries
         assert time.monotonic() < deadline, built.router.stats()
         time.sleep(0.1)
+    held_version = httpx.get(f"{second.url}/internal/prefix", timeout=10).json()["version"]
+    assert 0 < built.router.stats()["prefix_versions"][second.url] <= held_version
     hits, queries = second.stats()["prefix_cache_hits"], second.stats()["prefix_cache_queries"]
     follow = {"prompt": FOLLOW_UP, "max_tokens": 12, "temperature": 0}
     routed = post(built.router, "/v1/completions", follow)
@@ -95,7 +97,7 @@ def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(c
 def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_node(cluster: Routers) -> None:
     built, _, plain, _ = cluster
     try:
-        assert plain.stats()["prefix_blocks"] == {}
+        assert plain.stats()["prefix_blocks"] == {} and plain.stats()["prefix_versions"] == {}
         reference = [n.stats()["prefix_cache_hits"] for n in built.prefill]
         follow = {"prompt": FOLLOW_UP + " Once more.", "max_tokens": 4, "temperature": 0}
         assert post(plain, "/v1/completions", follow).status_code == 200

@@ -139,6 +139,7 @@ def test_summaries_go_stale_and_an_unchanged_answer_refreshes_them() -> None:
     trio.run(summaries.refresh, "http://p")
     assert summaries.cached_tokens(["http://p"], PROMPT) == {"http://p": 48}
     assert summaries.blocks("http://p") == 3
+    assert (summaries.version("http://p"), summaries.version("http://elsewhere")) == (7, None)
     clock.now = 4.0
     answers.append(None)  # unchanged since version 7
     trio.run(summaries.refresh, "http://p")

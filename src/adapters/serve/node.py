@@ -418,6 +418,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
                 "bugs": s.bugs, "peers": {u: r.phase.value for u, r in peer_set.records.items()},
                 # blocks each node's fresh prefix summary lists (what prefix routing sees)
                 "prefix_blocks": {u: summaries.blocks(u) for u in summaries.nodes} if summaries else {},
+                # and the version of each node's summary it last pulled (how far behind it is)
+                "prefix_versions": {u: summaries.version(u) for u in summaries.nodes} if summaries else {},
                 "model": info_json(info)["name"], "local_prefill_below": threshold}
 
     app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
