@@ -327,7 +327,7 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
     # conversations of 6 turns on a shared 1,536-token system prompt, 64-token answers.
     [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
     timeout "${MULTITURN_LIMIT:-540}" $PY bench/multi_turn.py --model $M --blas bundled \
-      --servers mlx_lm,single,cluster_1p2d,single_nocache --conversations 8,16,32 --turns 6 \
+      --servers ${MT_SERVERS:-mlx_lm,single,cluster_1p2d,single_nocache} --conversations ${MT_COUNTS:-8,16,32} --turns 6 \
       --system-tokens 1536 --answer-tokens 64 --statecore-arg=--kv-memory-bytes=8589934592 \
       --startup-timeout 180 --out "$OUT/multi_turn" 2>&1 | quiet | tail -30
     ;;
