@@ -437,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="extra flag for every statecore process (repeatable), e.g. --max-batch=64")
     parser.add_argument("--kv-memory-bytes", type=int, default=None,
                         help="each engine node's KV budget (default: the node's own, a share of its "
-                        "device; with both --gpus the same, 24 GiB each, since three nodes share one)")
+                        "device; with both --gpus the same, 16 GiB each, since three nodes share one)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_load")
@@ -461,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["STATECORE_BLAS"] = blas
     budget = args.kv_memory_bytes
     if budget is None and gpus[0] == gpus[1]:
-        budget = 24 << 30
+        budget = 16 << 30  # with 24 GiB each the decode node once ran out of device memory
     setups = make_setups(model, args.out, env, (gpus[0], gpus[1]), args.statecore_arg,
                          args.local_prefill_below, budget)
     meta: dict[str, Any] = {
