@@ -983,6 +983,58 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
     assert await engine._call(admit_beside_a_keep_task)
 
 
+async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(open_engine: Opener) -> None:
+    """Kept blocks and keep tasks give way to a request only when that makes it fit: one refused
+    anyway (OVERLOADED beside a held prompt, KV_MEMORY_EXCEEDED on any node) leaves every block
+    and keep task where it was, and the next prompt that starts the same way still finds them."""
+    path = cached_checkpoint("llama")
+    probe = await open_engine(path)
+    first, other = prompt_of(70, salt=4), prompt_of(70, salt=9)  # four blocks each
+    reservation = probe._device.cost.of(len(first) + GREEDY.max_tokens)  # no slots: the whole request
+    blocks = 4 * CHUNK * probe._device.cost.per_token
+    budget = reservation + blocks + 1_000  # one request and its blocks; never two requests
+    engine = await open_engine(path, kv_memory_bytes=budget, prefix_cache_bytes=budget,
+                               prefill_memory_cap="off")
+    assert not engine._device.slot_lane
+    await engine.prefill(RequestId("a"), first, GREEDY)
+    assert engine.statistics().prefix_cache_bytes == blocks
+    for rid, prompt, sampling, code in ((RequestId("b"), other, GREEDY, Code.OVERLOADED),
+                                        (RequestId("c"), other, SamplingParams(max_tokens=2_000),
+                                         Code.KV_MEMORY_EXCEEDED)):
+        with pytest.raises(StatecoreError) as refused:
+            await engine.prefill(rid, prompt, sampling)
+        assert refused.value.info.code is code
+        stats = engine.statistics()
+        assert (stats.prefix_cache_bytes, stats.prefix_cache_evictions) == (blocks, 0)
+    await engine.release_held(RequestId("a"))
+    follow_up = first[:50] + prompt_of(20, salt=5)
+    cached, tokens = await prefilled_from_cache(engine, "d", follow_up)
+    assert cached == 48 and tokens == reference(path, follow_up)
+
+    def refused_beside_a_keep_task() -> bool:
+        device = engine._device
+        chunks = (CHUNK, CHUNK)
+        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
+        task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
+                           prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
+        device.waiting[task.request_id] = task
+        device.reserved[task.request_id] = 10_000
+        device.reserved["live"] = budget - 20_000
+        try:
+            device.admit("r", 30_000, 10)  # fits once "live" leaves, not for the keep task's room
+        except StatecoreError as exc:
+            overloaded = exc.info.code is Code.OVERLOADED
+        else:
+            overloaded = False
+        still_waiting = task.request_id in device.waiting and task.request_id in device.reserved
+        for rid in ("r", "live", task.request_id):
+            device.unreserve(rid)
+        device.waiting.pop(task.request_id, None)
+        return overloaded and still_waiting
+
+    assert await engine._call(refused_beside_a_keep_task)
+
+
 async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
     open_engine: Opener
 ) -> None:

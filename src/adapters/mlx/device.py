@@ -403,16 +403,20 @@ class DeviceLoop:
 
     def admit(self, request_id: str, need: int, tokens: int) -> None:
         """Reserve `need` bytes for the request's own KV cache (replacing what it had), or raise:
-        OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits."""
+        OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits. Kept
+        prefixes, then keep tasks, give way to it, as far as it needs, and only when that makes
+        it fit: a request refused anyway takes nothing from them."""
         budget = self.settings.kv_memory_bytes
         others = self.reserved_bytes - self.reserved.get(request_id, 0)
-        if self.prefix is not None:  # kept prefixes give way to requests
+        verdict = kv_admission(need, others, self.pool_reserved, budget)  # every kept block gone
+        if verdict is KvAdmission.LATER:
+            keeping = sum(self.reserved.get(rid, 0) for rid, task in self.waiting.items() if task.keeps_only)
+            if kv_admission(need, others - keeping, self.pool_reserved, budget) is KvAdmission.FITS:
+                self.drop_keep_tasks()
+                others = self.reserved_bytes - self.reserved.get(request_id, 0)
+                verdict = KvAdmission.FITS
+        if verdict is KvAdmission.FITS and self.prefix is not None:
             self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
-        kept = 0 if self.prefix is None else self.prefix.nbytes
-        verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
-        if verdict is KvAdmission.LATER and self.drop_keep_tasks():  # keeping gives way too
-            others = self.reserved_bytes - self.reserved.get(request_id, 0)
-            verdict = kv_admission(need, others + kept, self.pool_reserved, budget)
         if verdict is KvAdmission.NEVER:
             raise self.never_fits(need, tokens)
         if verdict is KvAdmission.LATER:

@@ -631,6 +631,31 @@ class MlxEngine:
 
         return await self._call(snapshot)
 
+    async def evict_prefixes(self, nbytes: int) -> int:
+        """Forget kept prefix-cache blocks until at least `nbytes` are freed or none is left, the
+        way admission does when a request needs their memory (least recently used first, a block
+        only after every block that extends it), between two steps; returns the bytes freed. A
+        running request keeps the cache it made from them, so it goes on unchanged. For whoever
+        wants that memory back now. Refused on a tensor-parallel instance: its ranks must keep
+        the same blocks, and no lockstep command tells them to forget any."""
+        if nbytes < 0:
+            raise StatecoreError(client_error("nbytes must be >= 0"))
+        if self._tensor is not None:
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                "a tensor- or pipeline-parallel instance evicts prefix-cache blocks only for its "
+                "requests: its ranks must forget the same blocks"))
+        return await self._call(partial(self._evict_prefixes, nbytes))
+
+    def _evict_prefixes(self, nbytes: int) -> int:
+        prefix = self._device.prefix
+        if prefix is None:
+            return 0
+        before = prefix.nbytes
+        prefix.evict(nbytes)
+        self._publish()
+        return before - prefix.nbytes
+
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
         return dict(self._device.profile)

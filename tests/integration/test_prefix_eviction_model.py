@@ -1,0 +1,348 @@
+"""Eviction under pressure never changes a running request: a model-based test of the prefix cache.
+
+Hypothesis writes short programs against one real `MlxEngine` (tiny llama, chunks of 16 tokens,
+a prefix cache of five blocks, and a KV budget that leaves beside the slot pool only two prompts'
+reservations, one chunk's activations and three blocks, so that admission and the prefill memory
+cap evict kept blocks on their own). Each program starts from the same full cache and runs its
+requests side by side: start a request whose prompt is one of a few shared prefixes (two to four
+blocks, three of them extending one another) plus a tail of its own, greedy or seeded; evict kept
+blocks at that moment (`MlxEngine.evict_prefixes`, what admission runs); let the engine deliver a
+few tokens; wait for the oldest request to end. Every request that finishes must have the tokens
+and log-probabilities, to the bit, of the same request alone on an engine without a prefix cache
+(computed once per prompt and sampling); a request may be refused (OVERLOADED), never fail
+otherwise; whenever looked at, the kept bytes are whole blocks within the capacity; after each
+program nothing is held, reserved or decoding, and the cache keeps exactly the arrays its index
+counts, whole prefixes only. Over the whole run blocks must have been evicted beside running
+requests, by the programs and by the engine itself, and prompts must have started from kept
+blocks: the test cannot pass by testing nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import assert_never
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapters.mlx import MlxEngine
+from effects.engine_port import SamplingParams
+from statecore.errors import Code, StatecoreError
+from statecore.events import TokenLogprobs
+from statecore.ids import RequestId
+from statecore.scheduling import chunk_activation_bytes, prefill_chunks
+from support.tiny_models import cached_checkpoint
+
+CHUNK = 16
+MAX_BATCH = 4
+SLOT_TOKENS = 100  # a slot's positions: every request below decodes in the slot lane
+CAPACITY_BLOCKS = 5
+LONGEST_TAIL = 20
+MOST_TOKENS = 6
+EXAMPLES = 50
+
+
+def tokens_of(n: int, salt: int) -> tuple[int, ...]:
+    return tuple((7 * i + 3 + 11 * salt) % 500 + 2 for i in range(n))
+
+
+_BASE = tokens_of(64, salt=1)
+# Whole blocks each; the first three extend one another, so their blocks are parents and children.
+PREFIXES = (_BASE[:32], _BASE[:48], _BASE, tokens_of(48, salt=2))
+LONGEST_PROMPT = max(len(p) for p in PREFIXES) + LONGEST_TAIL
+assert LONGEST_PROMPT + MOST_TOKENS + 2 <= SLOT_TOKENS
+
+Token = tuple[int, TokenLogprobs | None]
+
+
+# -- the program -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A new request: prompt PREFIXES[prefix] + tail; seed None is greedy, else seeded sampling."""
+
+    prefix: int
+    tail: tuple[int, ...]
+    seed: int | None
+    max_tokens: int
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return PREFIXES[self.prefix] + self.tail
+
+    @property
+    def sampling(self) -> SamplingParams:
+        if self.seed is None:
+            return SamplingParams(max_tokens=self.max_tokens, logprobs=2)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=1.0, top_k=40, seed=self.seed,
+                              logprobs=2)
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Free this many blocks' worth of kept bytes now (0: every block)."""
+
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Let the engine deliver this many more tokens (or end every running request)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Wait for the oldest running request to end."""
+
+
+Op = Start | Evict | Deliver | Finish
+
+starts = st.builds(
+    Start,
+    prefix=st.integers(0, len(PREFIXES) - 1),
+    tail=st.lists(st.integers(2, 511), min_size=1, max_size=LONGEST_TAIL).map(tuple),
+    seed=st.none() | st.integers(0, 3),
+    max_tokens=st.integers(1, MOST_TOKENS),
+)
+ops: st.SearchStrategy[Op] = st.one_of(
+    starts,
+    starts,
+    st.builds(Evict, st.integers(0, CAPACITY_BLOCKS)),
+    st.builds(Deliver, st.integers(1, 8)),
+    st.just(Finish()),
+)
+# Every program starts a request, and starting one is always among the choices.
+programs = st.tuples(starts, st.lists(ops, min_size=3, max_size=16)).map(lambda p: (p[0], *p[1]))
+
+
+# -- the engines ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Engines:
+    cached: MlxEngine
+    plain: MlxEngine  # no prefix cache: the reference
+    block: int  # one kept block's bytes
+    capacity: int
+    references: dict[tuple[tuple[int, ...], SamplingParams], list[Token]] = field(default_factory=dict)
+
+
+async def open_engine(path: Path, prefix_cache_bytes: int, kv_memory_bytes: int | None) -> MlxEngine:
+    return await MlxEngine.load(path, prefill_chunk_size=CHUNK, max_batch=MAX_BATCH,
+                                max_slot_tokens=SLOT_TOKENS - 1, prefix_cache_bytes=prefix_cache_bytes,
+                                kv_memory_bytes=kv_memory_bytes)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    """Both engines, shared by every example (each runs in its own trio.run; no request outlives
+    one). Closed at the end of the module."""
+    path = cached_checkpoint("llama")
+    plain = trio.run(open_engine, path, 0, None)
+    cost, pool, shape = plain._device.cost, plain._device.pool_reserved, plain._device.shape
+    assert shape is not None
+    block = CHUNK * cost.per_token
+    # Beside the slot pool: two of the longest prompts' reservations, the largest chunk's
+    # activations and three blocks. A second prompt beside a full cache evicts blocks at
+    # admission; two prompts' chunks evict more for their activations.
+    largest = max(chunk_activation_bytes(shape, prefill_chunks(LONGEST_PROMPT, CHUNK)))
+    budget = pool + 2 * cost.of(LONGEST_PROMPT) + largest + 3 * block
+    cached = trio.run(open_engine, path, CAPACITY_BLOCKS * block, budget)
+    try:
+        device = cached._device
+        assert device.slot_lane and device.pool_reserved == pool and device.settings.prefill_memory_cap
+        yield Engines(cached, plain, block, CAPACITY_BLOCKS * block)
+    finally:
+        trio.run(cached.aclose)
+        trio.run(plain.aclose)
+
+
+async def alone(engine: MlxEngine, rid: RequestId, prompt: tuple[int, ...], sampling: SamplingParams
+                ) -> list[Token]:
+    outcome = await engine.prefill(rid, prompt, sampling)
+    await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+    return [(outcome.first_token, outcome.first_logprobs),
+            *[(item.token, item.logprobs) async for item in engine.stream(rid)]]
+
+
+# -- running a program ---------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    """Over every example of the run."""
+
+    started: int = 0
+    finished: int = 0
+    refused: int = 0
+    forced_blocks: int = 0  # blocks the programs evicted
+    forced_beside_requests: int = 0  # evictions that freed blocks while requests were running
+    engine_blocks: int = 0  # blocks the engine evicted during the programs (capacity, admission, the cap)
+
+
+class Program:
+    """One program's requests on the cached engine, and what the driver waits on."""
+
+    def __init__(self, engines: Engines, totals: Totals) -> None:
+        self.engines = engines
+        self.totals = totals
+        self.running: list[int] = []  # request indices, oldest first
+        self.finished: dict[int, tuple[Start, list[Token]]] = {}
+        self.delivered = 0
+        self._changed = trio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def check_cache(self) -> None:
+        kept = self.engines.cached.statistics().prefix_cache_bytes
+        assert kept <= self.engines.capacity and kept % self.engines.block == 0, kept
+
+    async def request(self, index: int, start: Start) -> None:
+        engine = self.engines.cached
+        rid = RequestId(f"r{self.totals.started}")  # unique over the run: nothing left can clash
+        self.totals.started += 1
+        try:
+            tokens = await self.serve(rid, start)
+        except BaseException:
+            await engine.cancel(rid)  # (shielded) wherever it is, so that the next example starts idle
+            raise
+        finally:
+            self.running.remove(index)
+            self.changed()
+        if tokens is None:
+            self.totals.refused += 1
+        else:
+            self.finished[index] = (start, tokens)
+
+    async def serve(self, rid: RequestId, start: Start) -> list[Token] | None:
+        """The request's tokens; None when it is refused for now (OVERLOADED)."""
+        engine = self.engines.cached
+        try:
+            outcome = await engine.prefill(rid, start.prompt, start.sampling)
+        except StatecoreError as exc:
+            assert exc.info.code is Code.OVERLOADED, exc
+            return None
+        tokens: list[Token] = [(outcome.first_token, outcome.first_logprobs)]
+        self.token()
+        try:
+            await engine.decode_held(rid, start.prompt, outcome.first_token, start.sampling)
+        except StatecoreError as exc:  # every slot taken
+            assert exc.info.code is Code.OVERLOADED, exc
+            await engine.release_held(rid)
+            return None
+        async for item in engine.stream(rid):
+            tokens.append((item.token, item.logprobs))
+            self.token()
+        return tokens
+
+    def token(self) -> None:
+        self.delivered += 1
+        self.check_cache()
+        self.changed()
+
+    async def run(self, program: tuple[Op, ...]) -> None:
+        async with trio.open_nursery() as nursery:
+            for index, op in enumerate(program):
+                await self.perform(nursery, index, op)
+                self.check_cache()
+
+    async def perform(self, nursery: trio.Nursery, index: int, op: Op) -> None:
+        engine = self.engines.cached
+        match op:
+            case Start():
+                self.running.append(index)
+                nursery.start_soon(self.request, index, op)
+            case Evict(blocks):
+                freed = await engine.evict_prefixes(blocks * self.engines.block if blocks
+                                                    else self.engines.capacity)
+                self.totals.forced_blocks += freed // self.engines.block
+                if freed and self.running:
+                    self.totals.forced_beside_requests += 1
+            case Deliver(tokens):
+                target = self.delivered + tokens
+                await self.wait_until(lambda: self.delivered >= target or not self.running)
+            case Finish():
+                if self.running:
+                    oldest = self.running[0]
+                    await self.wait_until(lambda: oldest not in self.running)
+            case _:
+                assert_never(op)
+
+    async def check_idle(self) -> None:
+        """Nothing held, reserved or decoding; the cache keeps exactly what its index counts."""
+        engine = self.engines.cached
+        await engine.release_held(RequestId("-flush-"))  # every job posted before now has run
+        stats = engine.statistics()
+        assert (stats.decoding, stats.held_caches, stats.held_bytes, stats.kv_reserved_bytes) == (0, 0, 0, 0)
+        device = engine._device
+        assert device.pool is not None and device.pool.free_slots == MAX_BATCH
+        assert not device.waiting and not device.live and not device.held
+        prefix = device.prefix
+        assert prefix is not None
+        kept = prefix.index.cached_keys()
+        assert set(prefix._blocks) == set(kept), "arrays kept for blocks the index forgot, or none for some"
+        parents = [prefix.index._blocks[key].parent for key in kept]
+        assert all(parent is None or parent in prefix.index for parent in parents), "a block kept alone"
+        arrays = sum(int(k.nbytes) + int(v.nbytes) for block in prefix._blocks.values() for k, v in block)
+        assert arrays == prefix.nbytes == stats.prefix_cache_bytes
+        self.check_cache()
+
+    async def check_tokens(self) -> None:
+        """Each finished request against the same request alone, without a prefix cache."""
+        references = self.engines.references
+        for index, (start, tokens) in sorted(self.finished.items()):
+            key = (start.prompt, start.sampling)
+            if key not in references:
+                references[key] = await alone(self.engines.plain, RequestId("reference"), *key)
+            assert tokens == references[key], f"request {index} ({start}) differs"
+
+
+async def run_program(engines: Engines, totals: Totals, program: tuple[Op, ...]) -> None:
+    # Each example starts from the same full cache: the last prefix's three blocks, then the
+    # chain's four (the first of the three is left), each request alone.
+    await engines.cached.evict_prefixes(engines.capacity)
+    for prefix in (PREFIXES[3], PREFIXES[2]):
+        await alone(engines.cached, RequestId("warm"), (*prefix, 2), SamplingParams(max_tokens=1))
+    stats = engines.cached.statistics()
+    assert stats.prefix_cache_bytes == engines.capacity
+    warm, forced = stats.prefix_cache_evictions, totals.forced_blocks
+    checked = Program(engines, totals)
+    with trio.fail_after(60):
+        await checked.run(program)
+        await checked.check_idle()
+        await checked.check_tokens()
+    totals.finished += len(checked.finished)
+    evicted = engines.cached.statistics().prefix_cache_evictions - warm
+    totals.engine_blocks += evicted - (totals.forced_blocks - forced)
+
+
+def test_eviction_under_pressure_never_changes_a_running_request(engines: Engines) -> None:
+    totals = Totals()
+    before = engines.cached.statistics()
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(program=programs)
+    def example(program: tuple[Op, ...]) -> None:
+        trio.run(run_program, engines, totals, program)
+
+    example()
+    # The run tested something: blocks were evicted beside running requests, by the programs and
+    # by the engine itself, prompts started from kept blocks, and most requests were served.
+    after = engines.cached.statistics()
+    assert totals.forced_beside_requests > 0 and totals.engine_blocks > 0, totals
+    assert after.prefix_cache_evictions > before.prefix_cache_evictions
+    assert after.prefix_cache_hits > before.prefix_cache_hits
+    assert totals.finished > totals.refused, totals
