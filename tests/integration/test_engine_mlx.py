@@ -1035,6 +1035,29 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
     assert await engine._call(refused_beside_a_keep_task)
 
 
+async def test_a_prompt_s_own_cached_blocks_give_way_last_to_its_admission(open_engine: Opener) -> None:
+    """Admission evicts least recently used blocks before the prompt looks its own up: the
+    prompt's cached start counts as just used, so its admission takes other prompts' blocks and it
+    still starts from its own (here the oldest ones in the cache)."""
+    path = cached_checkpoint("llama")
+    probe = await open_engine(path)
+    first, second = prompt_of(70, salt=4), prompt_of(70, salt=9)  # four blocks each
+    reservation = probe._device.cost.of(len(first) + GREEDY.max_tokens)  # no slots: the whole request
+    block = CHUNK * probe._device.cost.per_token
+    budget = reservation + 4 * block + 1_000  # a request beside four blocks: the fifth gives way
+    engine = await open_engine(path, kv_memory_bytes=budget, prefix_cache_bytes=8 * block,
+                               prefill_memory_cap="off")
+    assert not engine._device.slot_lane
+    for rid, prompt in ((RequestId("a"), first), (RequestId("b"), second)):
+        await engine.prefill(rid, prompt, GREEDY)
+        await engine.release_held(rid)
+    assert engine.statistics().prefix_cache_bytes == 8 * block  # first's blocks the least recent
+    follow_up = first[:50] + prompt_of(20, salt=5)  # starts with first's three leading blocks
+    cached, tokens = await prefilled_from_cache(engine, "c", follow_up)
+    assert engine.statistics().prefix_cache_evictions >= 4  # first's fourth block, then second's
+    assert cached == 48 and tokens == reference(path, follow_up)
+
+
 async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_cache(
     open_engine: Opener
 ) -> None:

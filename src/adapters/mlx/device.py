@@ -1024,11 +1024,21 @@ class DeviceLoop:
             mx.eval(kept)  # copies now, so the imported cache can go
         return prefix.index.cached(keys) * prefix.chunk_size
 
-    def start_from_prefix(self, task: PrefillTask) -> None:
-        """A new prompt whose first whole chunks are cached starts after them."""
+    def touch_prefix(self, tokens: Sequence[int]) -> list[bytes]:
+        """The prompt's block keys, its cached leading blocks made the most recently used: called
+        before its admission, whose eviction then takes other prompts' blocks before its own."""
+        if self.prefix is None:
+            return []
+        keys = self.prefix.keys_of(tokens)
+        self.prefix.index.cached(keys)
+        return keys
+
+    def start_from_prefix(self, task: PrefillTask, keys: list[bytes]) -> None:
+        """A new prompt whose first whole chunks are cached starts after them (`keys`: its block
+        keys, from `touch_prefix`)."""
         if self.prefix is None:
             return
-        task.block_keys = self.prefix.keys_of(task.tokens)
+        task.block_keys = keys
         count, cache = self.prefix.start(task.block_keys)
         if cache is None:
             return

@@ -354,11 +354,12 @@ class MlxEngine:
         def register() -> PrefillOutcome:
             device = self._device
             self._check_unused(request_id)
+            keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
             device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
             sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
             task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job)
-            device.start_from_prefix(task)
+            device.start_from_prefix(task, keys)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
