@@ -962,6 +962,16 @@ async def test_a_handed_off_prompt_is_kept_as_installed_and_its_next_turn_is_exa
     await kept(decode)
 
 
+def waiting_keep_task(device: Any) -> PrefillTask:
+    """A conversation's keep task of two chunks, waiting on the device loop (device thread only)."""
+    chunks = (CHUNK, CHUNK)
+    sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
+    task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
+                       prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
+    device.waiting[task.request_id] = task
+    return task
+
+
 async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(open_engine: Opener) -> None:
     """Keeping a conversation is worth less than serving a request: admission that would refuse
     one for memory drops the keep tasks not yet done (and their reservations) first."""
@@ -970,11 +980,7 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
 
     def admit_beside_a_keep_task() -> bool:
         device = engine._device
-        chunks = (CHUNK, CHUNK)
-        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
-        task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
-                           prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
-        device.waiting[task.request_id] = task
+        task = waiting_keep_task(device)
         device.reserved[task.request_id] = SMALL_BUDGET - 100_000
         device.admit("r", 200_000, 100)  # fits only once the keep task is gone
         device.unreserve("r")
@@ -1013,11 +1019,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
 
     def refused_beside_a_keep_task() -> bool:
         device = engine._device
-        chunks = (CHUNK, CHUNK)
-        sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
-        task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
-                           prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
-        device.waiting[task.request_id] = task
+        task = waiting_keep_task(device)
         device.reserved[task.request_id] = 10_000
         device.reserved["live"] = budget - 20_000
         try:
