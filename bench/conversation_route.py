@@ -106,14 +106,19 @@ def counts(server: Server, family: str, label: str) -> dict[str, int]:
     return found
 
 
+def held_since(router: Server, decode: Server, version: int) -> bool:
+    """Whether the router holds the decode node's summary of `version` or later (none yet: no)."""
+    held = httpx.get(f"{router.url}/internal/stats", timeout=10).json()["prefix_versions"].get(decode.url)
+    return held is not None and held >= version
+
+
 def wait_for_summaries(routers: list[Server], decode: Server) -> None:
     """Until every router holds the decode node's current prefix summary (its version: a count of
     blocks stops growing once the node's cache is full and evicts as it keeps)."""
     version = httpx.get(f"{decode.url}/internal/prefix", timeout=10).json()["version"]
     deadline = time.monotonic() + 30
     for router in routers:
-        while (httpx.get(f"{router.url}/internal/stats", timeout=10).json()["prefix_versions"].get(
-                decode.url) or -1) < version:
+        while not held_since(router, decode, version):
             if time.monotonic() > deadline:
                 raise SystemExit(f"{router.name}: never pulled the decode node's summary {version}")
             time.sleep(0.1)
