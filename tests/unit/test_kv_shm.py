@@ -117,6 +117,44 @@ def test_a_small_put_does_not_take_a_much_larger_idle_region(outbox: ShmOutbox) 
     assert small.region != big.region
 
 
+def test_bytes_written_in_place_through_reserve_are_read_back(outbox: ShmOutbox, inbox: ShmInbox) -> None:
+    array = np.arange(4096, dtype=np.float32)
+    writer = outbox.reserve("r1", array.nbytes)
+    place = np.frombuffer(writer.view, dtype=np.float32)
+    np.copyto(place, array)  # the copy that makes the bytes lands in shared memory
+    del place
+    ref = writer.commit()
+    assert ref.nbytes == array.nbytes and ref.crc32 is not None
+    np.testing.assert_array_equal(np.frombuffer(inbox.read(ref), dtype=np.float32), array)
+
+
+def test_a_reserved_region_is_invisible_until_committed_and_abort_gives_it_back(
+        outbox: ShmOutbox, inbox: ShmInbox) -> None:
+    writer = outbox.reserve("r1", 16)
+    writer.view[:] = b"x" * 16
+    unpublished = ShmRef(region=outbox.region_names()[0], offset=DATA_OFFSET, nbytes=16, generation=1)
+    with pytest.raises(StatecoreError) as excinfo:
+        inbox.read(unpublished)
+    assert _code(excinfo) is Code.KV_SHM_GONE
+    writer.abort()
+    writer.abort()
+    assert outbox.statistics().held_regions == 0
+    with pytest.raises(StatecoreError) as twice:
+        writer.commit()
+    assert twice.value.info.fault is Fault.BUG
+
+
+def test_a_request_released_during_its_write_publishes_nothing(outbox: ShmOutbox, inbox: ShmInbox) -> None:
+    writer = outbox.reserve("r1", 3)
+    writer.view[:] = b"abc"
+    outbox.release("r1")
+    ref = writer.commit()
+    with pytest.raises(StatecoreError) as excinfo:
+        inbox.read(ref)
+    assert _code(excinfo) is Code.KV_SHM_GONE
+    assert outbox.put("r2", [b"def"]).region == ref.region  # the region is free again
+
+
 # --------------------------------------------------------------------------- failures, typed
 
 

@@ -3,8 +3,10 @@
 A prefill node's `ShmOutbox` copies each piece of KV it hands off (a segment: header, tensor
 bytes, checksum, whatever the caller frames) once into a region of shared memory and returns a
 `ShmRef`, a small JSON-able reference that travels to the decode node over the ordinary HTTP
-stream. The decode node's `ShmInbox.read` maps the region and returns a read-only view of the
-bytes, validated (the region exists and its owner is alive, the range is inside it, the region
+stream (or, with `reserve`, lets the copy that makes the bytes - a device-to-host copy - write
+them in place, and `ShmWriter.commit` publishes them: then shared memory adds no copy at all).
+The decode node's `ShmInbox.read` maps the region and returns a read-only view of the bytes,
+validated (the region exists and its owner is alive, the range is inside it, the region
 still holds the generation the reference names, the CRC-32 matches); the caller copies from the
 view into place, calls `ShmInbox.done` (which says whether the region changed while it was read)
 and sends the reference back, and the producer's `ShmOutbox.free` makes the region reusable.
@@ -269,6 +271,40 @@ def _close_all(regions: dict[str, _Region], probe: list[_Region], directory: Pat
     probe.clear()
 
 
+class ShmWriter:
+    """A region reserved by `ShmOutbox.reserve`: fill `view` (exactly the bytes asked for, writable
+    shared memory), then `commit` for the reference to send, or `abort` to give the region back.
+    Blocking (the checksum): call `commit` from a worker thread."""
+
+    def __init__(self, outbox: ShmOutbox, region: _Region, generation: int, nbytes: int) -> None:
+        self._outbox = outbox
+        self._region = region
+        self._generation = generation
+        self._done = False
+        self.nbytes = nbytes
+        self.view = memoryview(region.mapped)[DATA_OFFSET : DATA_OFFSET + nbytes]
+
+    def commit(self) -> ShmRef:
+        """Publish the bytes: the reference for the consumer. Once only."""
+        if self._done:
+            raise StatecoreError(bug("ShmWriter committed or aborted twice"))
+        crc = zlib.crc32(self.view) if self._outbox.checksum else None  # releases the GIL
+        self._close(commit=True)
+        return ShmRef(region=self._region.name, offset=DATA_OFFSET, nbytes=self.nbytes,
+                      generation=self._generation, crc32=crc)
+
+    def abort(self) -> None:
+        """Give the region back unpublished (idempotent; nothing after a commit)."""
+        if not self._done:
+            self._close(commit=False)
+
+    def _close(self, *, commit: bool) -> None:
+        self._done = True
+        with contextlib.suppress(BufferError):  # the caller still holds an array over it: fine
+            self.view.release()
+        self._outbox._finish(self._region, self._generation, self.nbytes, commit=commit)
+
+
 class ShmOutbox:
     """A producer's regions of shared memory (one outbox per node process).
 
@@ -309,41 +345,49 @@ class ShmOutbox:
         return ShmAdvert(directory=str(self.directory), probe=f"{self._stem}-probe", nonce=self._nonce)
 
     def put(self, request_id: str, pieces: Sequence[bytes | memoryview]) -> ShmRef:
-        """Copy `pieces` (in order, contiguous) into one region held for `request_id`. Blocks
-        for the copy and the checksum: call it from a worker thread. `overloaded` when the
-        budget is held by requests or the tmpfs is full (send over HTTP instead)."""
+        """Copy `pieces` (in order, contiguous) into one region held for `request_id`: `reserve`,
+        the copy, `commit`. Blocks for the copy and the checksum: call it from a worker thread.
+        `overloaded` when the budget is held by requests or the tmpfs is full (send over HTTP
+        instead)."""
         try:
             views = [memoryview(piece).cast("B") for piece in pieces]
         except TypeError as exc:
             raise StatecoreError(bug(f"put takes C-contiguous buffers: {exc}")) from exc
-        nbytes = sum(len(view) for view in views)
-        crc: int | None = None
-        if self.checksum:
-            crc = 0
-            for view in views:
-                crc = zlib.crc32(view, crc)  # releases the GIL over large buffers
-        with self._lock:
-            region = self._take(nbytes, request_id)
-            region.generation += 1
-            generation = region.generation
-            region.writing = True
-            _HEADER.pack_into(region.mapped, 0, REGION_MAGIC, generation, nbytes, _WRITING)
+        writer = self.reserve(request_id, sum(len(view) for view in views))
         try:
-            pos = DATA_OFFSET
+            pos = 0
             for view in views:
                 for start in range(0, len(view), COPY_SLICE):
                     piece = view[start : start + COPY_SLICE]
-                    region.mapped[pos : pos + len(piece)] = piece
+                    writer.view[pos : pos + len(piece)] = piece
                     pos += len(piece)
-        except ValueError as exc:  # the outbox was closed under the copy: the node is stopping
-            _no_room(f"shared memory closed during a put: {exc}")
-        finally:
-            with self._lock:
-                region.writing = False
-                if region.generation == generation and not self._closed:
-                    _HEADER.pack_into(region.mapped, 0, REGION_MAGIC, generation, nbytes, _LIVE)
-        return ShmRef(region=region.name, offset=DATA_OFFSET, nbytes=nbytes, generation=generation,
-                      crc32=crc)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit()
+
+    def reserve(self, request_id: str, nbytes: int) -> ShmWriter:
+        """A region held for `request_id` with room for `nbytes`, to be written in place (the
+        copy that makes the bytes, e.g. a device-to-host copy, lands in shared memory and `put`'s
+        copy is saved), then committed. Readers see it only once committed."""
+        if nbytes < 0:
+            raise StatecoreError(bug(f"reserve takes nbytes >= 0, not {nbytes}"))
+        with self._lock:
+            region = self._take(nbytes, request_id)
+            region.generation += 1
+            region.writing = True
+            _HEADER.pack_into(region.mapped, 0, REGION_MAGIC, region.generation, nbytes, _WRITING)
+            return ShmWriter(self, region, region.generation, nbytes)
+
+    def _finish(self, region: _Region, generation: int, nbytes: int, *, commit: bool) -> None:
+        with self._lock:
+            region.writing = False
+            if region.generation != generation or self._closed:
+                return  # released (or closed) meanwhile: the reference reads as gone
+            if commit:
+                _HEADER.pack_into(region.mapped, 0, REGION_MAGIC, generation, nbytes, _LIVE)
+            else:
+                self._idle(region)
 
     def free(self, ref: ShmRef) -> bool:
         """The consumer is done with `ref`: its region becomes idle. False (and nothing changes)
@@ -621,6 +665,7 @@ __all__ = [
     "ShmOutbox",
     "ShmOutboxStatistics",
     "ShmRef",
+    "ShmWriter",
     "default_directory",
     "parse_advert",
     "parse_ref",
