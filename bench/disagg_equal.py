@@ -448,8 +448,13 @@ def handoff_timeline(run: RunTrace, prefill: dict[str, dict[str, Any]],
         if out is not None:
             row["encode_s"] = out.get("encode_s")
             row["wire_bytes"] = out.get("wire_bytes")
-        if into is not None and into.get("transfer_s") is not None:
-            # The decode node opens its record as the pull's last byte lands.
+        if into is not None and into.get("streamed"):
+            # A streamed handoff (the KV sent while the prompt is computed): the node's own times.
+            for key in ("stream_s", "first_token_s", "overlap", "first_to_second_s", "install_s"):
+                row[key] = into.get(key)
+            row["transport"] = into.get("transport")
+        elif into is not None and into.get("transfer_s") is not None:
+            # A pull after the first token: the decode node opens its record as the last byte lands.
             landed = float(into["opened_at"]) - run.wall_minus_perf - t.sent
             row["pull_start_s"] = landed - float(into["transfer_s"])
             row["pull_end_s"] = landed
@@ -469,9 +474,12 @@ def handoff_medians(timeline: list[dict[str, Any]]) -> dict[str, float | None]:
     # and every other duration the nodes record (a later version may record more)
     for role in ("prefill", "decode"):
         records = [rec for r in timeline if (rec := (r.get("records") or {}).get(role)) is not None]
-        for key in sorted({k for rec in records for k in rec if k.endswith("_s")}):
-            values = [float(v) for rec in records if isinstance(v := rec.get(key), int | float)]
-            if values:
+        for key in sorted({k for rec in records for k in rec if k.endswith("_s") or k == "overlap"}):
+            values = [float(v) for rec in records if isinstance(v := rec.get(key), int | float)
+                      and not isinstance(v, bool)]
+            if values and key == "overlap":
+                out[f"{role}.overlap"] = statistics.median(values)
+            elif values:
                 out[f"{role}.{key.removesuffix('_s')}_ms"] = statistics.median(values) * MS
     # Where the first-to-second token gap goes: first token -> pull start (the router's POST to
     # the decode node and its queue), the pull, the install, install end -> second token.
