@@ -13,7 +13,9 @@ processes on 127.0.0.1:
   written before), and tuned variants (`MSG_WAITALL`; the bytes striped over 2 and 4
   connections);
 - `http`: the project's KV pull (`adapters.kv.pull.pull` into `ReceiveBuffers`) from a hypercorn
-  (trio) + starlette server answering with the node's own body path (`node_api._kv_body`);
+  (trio) + starlette server answering with the node's own body path (`node_api._kv_body`), and
+  (`http tuned`) the same pull from a bare socket server that writes the head and `sendall`s the
+  payload's own memory: how much of the gap is the server's body path;
 - the external engines issue 30 names, each from its own throwaway virtual environment given by
   a flag, and skipped with the reason when it is missing or fails: MLX's `mx.distributed`
   `send`/`recv` on the ring backend (two processes, the ring's environment variables), NIXL with
@@ -415,12 +417,40 @@ def worker_http_server(nbytes: int) -> None:
     trio.run(main)
 
 
-def measure_http(nbytes: int, reps: int) -> Row:
+def worker_http_bare_server(nbytes: int) -> None:
+    """The body path without hypercorn and starlette: read a request head, answer with a
+    Content-Length head and `sendall` the payload's own memory (no slices joined, no copy in
+    Python). What the pull could reach if KV bodies were served beside the ASGI app."""
+    src = _payload(nbytes)
+    view = memoryview(src.data).cast("B")
+    listener = socket.create_server(("127.0.0.1", 0))
+    head = (f"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: {nbytes}"
+            "\r\nconnection: close\r\n\r\n").encode()
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                conn.sendall(head)
+                conn.sendall(view)
+
+    threading.Thread(target=serve, daemon=True).start()
+    _say(port=listener.getsockname()[1], body_path="a bare socket server: head, then sendall of the payload")
+    sys.stdin.readline()  # "exit"
+
+
+def measure_http(nbytes: int, reps: int, *, bare: bool = False) -> Row:
     import trio
 
     from adapters.kv.pull import ReceiveBuffers, pull
 
-    server = Worker(_worker_argv(sys.executable, "http-server", str(nbytes)),
+    server = Worker(_worker_argv(sys.executable, "http-bare-server" if bare else "http-server", str(nbytes)),
                     env={"PYTHONPATH": str(ROOT / "src")})
     buffers = ReceiveBuffers(keep_bytes=2 * nbytes)
     with _workers(server):
@@ -440,8 +470,8 @@ def measure_http(nbytes: int, reps: int) -> Row:
             return [await one() for _ in range(reps)]
 
         seconds = trio.run(run)
-    return Row("http", f"KV pull (h11 head, recv_into body) from {hello['body_path']}", "across hosts",
-               "tcp", nbytes, seconds)
+    variant = f"KV pull (h11 head, recv_into body) from {hello['body_path']}"
+    return Row("http tuned" if bare else "http", variant, "across hosts", "tcp", nbytes, seconds)
 
 
 # --------------------------------------------------------------------------- mx.distributed (ring)
@@ -634,6 +664,8 @@ def worker_main(argv: list[str]) -> int:
     if role == "http-server":
         sys.path.insert(0, str(ROOT / "src"))
         return _guard_worker(lambda: worker_http_server(int(rest[0])))
+    if role == "http-bare-server":
+        return _guard_worker(lambda: worker_http_bare_server(int(rest[0])))
     if role == "mlx-ring":
         return _guard_worker(lambda: worker_mlx_ring(int(rest[0]), int(rest[1])))
     if role == "nixl":
@@ -747,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("tcp", lambda n: measure_tcp(n, args.reps, connections=2)),
                  ("tcp", lambda n: measure_tcp(n, args.reps, connections=4))]
     if "http" in only:
-        plan.append(("http", lambda n: measure_http(n, args.reps)))
+        plan += [("http", lambda n: measure_http(n, args.reps)),
+                 ("http tuned", lambda n: measure_http(n, args.reps, bare=True))]
     if "mlx" in only:
         plan.append(("mx.distributed", lambda n: measure_mlx_ring(n, args.reps, args.mlx_python)))
     failures: dict[str, str] = {}
