@@ -100,8 +100,13 @@ class Worker:
         self.log = log
         self.role = " ".join(argv[3:5])
         self._err = self.log.open("wb")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env={**os.environ, **(env or {})}, text=True)
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self._err, env={**os.environ, **(env or {})}, text=True)
+        except OSError:
+            self._err.close()
+            self.log.unlink(missing_ok=True)
+            raise
 
     def send(self, message: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -113,8 +118,9 @@ class Worker:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
+            why = self.why()
             self.stop()
-            raise RuntimeError(f"worker {self.role} said nothing ({self.why()})")
+            raise RuntimeError(f"worker {self.role} said nothing ({why})")
         document: dict[str, Any] = json.loads(line)
         if "error" in document:
             raise RuntimeError(document["error"])
@@ -137,6 +143,7 @@ class Worker:
             if stream is not None:
                 stream.close()
         self._err.close()
+        self.log.unlink(missing_ok=True)  # what it said that mattered was read by `why`
 
 
 def _worker_argv(python: str, role: str, *extra: str) -> list[str]:
