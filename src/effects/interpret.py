@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
-from effects.handoffs import HandoffLog
+from effects.handoffs import HandoffLog, HandoffRecord
 from effects.ports import (
     DecodeCall,
     Engine,
@@ -171,30 +171,19 @@ class EnginePerformer:
     async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
         rid = intent.request_id
         ctx = node_context(context)
-        eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
-                self._crash_if_marked(rid)
-                await self.faults.at(Phase.PREFILL, rid)
-                if ctx.prefix_from is not None and self.prefix_pull is not None:
-                    # never raises for the pull's own failures: the prefill then computes it all
-                    await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
-                                                          self.handoffs.record(rid))
-                started = time.perf_counter()
-                if ctx.stream_out is not None:
-                    await self._prefill_streamed(rid, ctx, post)
+                if ctx.stream_out is None:
+                    await self._prefill(rid, ctx, post)
                     return
-                outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
-                if self.prefix_pull is not None:
-                    self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
-                                               self.engine.info.prefill_chunk_size)
-                ctx.first_token = outcome.first_token
-                ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-                first_eos = is_eos(outcome.first_token, eos, ignore_eos=ctx.sampling.ignore_eos)
-                if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
-                    await post(Finished(finish))  # a local request whose first token ends it
-                else:
-                    await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
+                try:
+                    await self._prefill(rid, ctx, post)
+                except StatecoreError as exc:
+                    self._stream_out(ctx, exc.info)  # the decode node hears why; the request fails here
+                    raise
+                except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
+                    self._stream_out(ctx, bug(f"the prefill node failed to stream the KV: {exc!r}"))
+                    raise
             case FetchKv():
                 if self.peers is None or ctx.prefill_url is None:
                     raise _bug("FetchKv without a prefill node")
@@ -260,10 +249,44 @@ class EnginePerformer:
                 record.wire_bytes = exported.nbytes
                 await ctx.kv_out.send(exported)
 
-    async def _prefill_streamed(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
-        """A prefill node's streamed handoff: each computed piece of the cache goes out as the
-        engine hands it over, then the first token, then what the engine could not cut into
-        pieces (the whole cache of a family that travels whole), then the end."""
+    async def _prefill(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
+        """Prefill the prompt here (after pulling its start from the decode node holding it,
+        when the router said so). A streamed handoff's pieces go out as the engine computes
+        them (`_streamed_pieces`), then its first token, then what the engine could not cut into
+        pieces (the whole cache of a family that travels whole), then its end."""
+        self._crash_if_marked(rid)
+        await self.faults.at(Phase.PREFILL, rid)
+        if ctx.prefix_from is not None and self.prefix_pull is not None:
+            # never raises for the pull's own failures: the prefill then computes it all
+            await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
+                                                  self.handoffs.record(rid))
+        started = time.perf_counter()
+        sink = None if ctx.stream_out is None else self._streamed_pieces(rid, ctx)
+        outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
+        if self.prefix_pull is not None:
+            self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
+                                       self.engine.info.prefill_chunk_size)
+        ctx.first_token = outcome.first_token
+        ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
+        first_eos = is_eos(outcome.first_token, self.engine.info.eos_token_ids,
+                           ignore_eos=ctx.sampling.ignore_eos)
+        if sink is not None:
+            self._stream_out(ctx, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
+                                               outcome.first_logprobs, outcome.cached_tokens))
+            await self.faults.at(Phase.KV_ENCODE, rid)
+            if not outcome.streamed:
+                started = time.perf_counter()
+                whole = await self.engine.export_held(rid)
+                self.handoffs.record(rid).encode_s = time.perf_counter() - started
+                sink(KvSegment(0, len(ctx.prompt), 0, len(self.engine.info.layers), whole))
+            self._stream_out(ctx, None)
+        if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
+            await post(Finished(finish))  # a local request whose first token ends it
+        else:
+            await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
+
+    def _streamed_pieces(self, rid: RequestId, ctx: NodeRequest) -> Callable[[KvSegment], None]:
+        """Where a streamed prefill's pieces go: the request's stream, counted in its record."""
         record = self.handoffs.record(rid)
         record.streamed = True
         record.segments = 0
@@ -273,41 +296,27 @@ class EnginePerformer:
             record.segments = (record.segments or 0) + 1
             self._stream_out(ctx, segment)
 
-        try:
-            outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sent)
-            ctx.first_token = outcome.first_token
-            ctx.cached_tokens = outcome.cached_tokens
-            first_eos = is_eos(outcome.first_token, self.engine.info.eos_token_ids,
-                               ignore_eos=ctx.sampling.ignore_eos)
-            self._stream_out(ctx, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
-                                               outcome.first_logprobs, outcome.cached_tokens))
-            if not outcome.streamed:
-                await self.faults.at(Phase.KV_ENCODE, rid)
-                started = time.perf_counter()
-                whole = await self.engine.export_held(rid)
-                record.encode_s = time.perf_counter() - started
-                sent(KvSegment(0, len(ctx.prompt), 0, len(self.engine.info.layers), whole))
-        except StatecoreError as exc:
-            self._stream_out(ctx, exc.info)  # the decode node hears why; the request fails here
-            raise
-        except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
-            self._stream_out(ctx, bug(f"the prefill node failed to stream the KV: {exc!r}"))
-            raise
-        self._stream_out(ctx, None)
-        await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
+        return sent
 
     async def _receive_stream(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
         """A decode node's streamed handoff: open the stream to the prefill node (which computes
         the prompt now), validate and keep each piece as it arrives, pass the first token on at
         once, and post the KV received at the stream's end."""
         assert self.peers is not None and ctx.prefill_url is not None
-        finish: str | None = None
-        received = segments = 0
         record = self.handoffs.record(rid)
         record.streamed = True
         opened = time.perf_counter()
-        async for item in self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling,
-                                                    ctx.prefix_from, layers=len(self.engine.info.layers)):
+        stream = self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling, ctx.prefix_from,
+                                           layers=len(self.engine.info.layers))
+        async with contextlib.aclosing(stream):
+            await self._receive_items(rid, ctx, post, stream, record, opened)
+
+    async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
+                             stream: AsyncIterator[KvSegment | PrefillReply],
+                             record: HandoffRecord, opened: float) -> None:
+        finish: str | None = None
+        received = segments = 0
+        async for item in stream:
             if isinstance(item, KvSegment):
                 if received == 0:
                     self._crash_if_marked(rid)  # a decode node's device dies as the KV arrives

@@ -9,7 +9,7 @@ and trio; it must never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -167,12 +167,13 @@ class Peers(Protocol):
     def prefill_stream(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, layers: int,
-    ) -> AsyncIterator[KvSegment | PrefillReply]:
+    ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         """Ask a prefill node to prefill and stream the KV while it computes: its pieces in
         order (each a whole wire payload, not yet validated), and the first token among them;
         `layers`: the model's, which the pieces must cover.
         The iterator ends when the stream's end record came and every layer's pieces covered the
-        prompt; the prefill node's typed error, a broken stream or a malformed one raise."""
+        prompt; the prefill node's typed error, a broken stream or a malformed one raise. Close
+        it where it is read (`contextlib.aclosing`): it holds the connection."""
         ...
 
     async def fetch_prefix(self, node: str, tokens: Sequence[int]) -> PulledPrefix:

@@ -313,6 +313,16 @@ def test_a_full_tmpfs_is_overloaded_and_leaves_no_file(
     assert sorted(os.listdir(where)) == before
 
 
+def test_a_file_system_that_cannot_reserve_still_gets_regions(
+        outbox: ShmOutbox, inbox: ShmInbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported, raising=False)
+    ref = outbox.put("r1", [b"abc"])
+    assert bytes(inbox.read(ref)) == b"abc"
+
+
 def test_a_non_contiguous_piece_is_our_bug(outbox: ShmOutbox) -> None:
     strided = np.arange(10, dtype=np.uint8).data[::2]
     with pytest.raises(StatecoreError) as excinfo:

@@ -18,7 +18,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 
 import h11
@@ -90,6 +90,27 @@ async def _raise_for_error(node: str, response: httpx.Response) -> None:
         data = None
     info = error_from_json(data, response.status_code)
     raise StatecoreError(info)
+
+
+@contextlib.contextmanager
+def _stream_errors(node: str) -> Iterator[None]:
+    """A KV stream's failures as typed errors named after the node (so the router, hearing of it
+    through the decode node, blames the right one)."""
+    try:
+        yield
+    except StatecoreError as exc:
+        if node in exc.info.message:
+            raise
+        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
+    except kv_pull.KvStreamCut as exc:
+        raise StatecoreError(ErrorInfo(
+            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}")) from exc
+    except trio.TooSlowError as exc:
+        raise StatecoreError(
+            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
+        raise StatecoreError(ErrorInfo(
+            Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
 
 
 def _raise_error_document(status: int, body: bytes) -> None:
@@ -181,7 +202,7 @@ class HttpxPeers:
     async def prefill_stream(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, layers: int,
-    ) -> AsyncIterator[KvSegment | PrefillReply]:
+    ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         hint = (None if prefix_from is None
                 else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
@@ -190,30 +211,28 @@ class HttpxPeers:
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = "http"
         document = json.dumps(body.document()).encode()
-        try:
-            with trio.fail_after(self._read_timeout_s):
-                if self._direct_kv and url.startswith(("http://", "https://")):
-                    async with kv_pull.open_stream(url, self._headers, document,
-                                                   connect_timeout_s=self._connect_timeout_s,
-                                                   ssl_context=self._ssl_context) as (status, answer):
-                        if isinstance(answer, kv_pull.StreamBody):
-                            async for item in self._stream_items(answer.read_into, len(prompt), layers):
-                                yield item
-                            return
+        # No cancel scope may span a yield of this generator: each read has its own deadline.
+        with _stream_errors(node):
+            if self._direct_kv and url.startswith(("http://", "https://")):
+                async with kv_pull.open_stream(url, self._headers, document,
+                                               connect_timeout_s=self._connect_timeout_s,
+                                               ssl_context=self._ssl_context) as (status, answer):
+                    if not isinstance(answer, kv_pull.StreamBody):
                         _raise_error_document(status, answer)
-                else:
-                    async for item in self._stream_httpx(node, url, document, len(prompt), layers):
-                        yield item
-        except StatecoreError as exc:  # named after the node, so the router blames the right one
-            if node in exc.info.message:
-                raise
-            raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
-        except trio.TooSlowError as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-            raise StatecoreError(ErrorInfo(
-                Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
+                    else:
+                        read_into = self._deadline(answer.read_into)
+                        async for item in self._stream_items(read_into, len(prompt), layers):
+                            yield item
+            else:
+                async for item in self._stream_httpx(node, url, document, len(prompt), layers):
+                    yield item
+
+    def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
+        """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
+        async def read(view: memoryview) -> None:
+            with trio.fail_after(self._read_timeout_s):
+                await read_into(view)
+        return read
 
     async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int
                             ) -> AsyncIterator[KvSegment | PrefillReply]:
@@ -259,7 +278,7 @@ class HttpxPeers:
                         try:
                             pending.extend(await chunks.__anext__())
                         except StopAsyncIteration:
-                            raise kv_pull.KvPullError("the KV stream ended early") from None
+                            raise kv_pull.KvStreamCut("the KV stream ended early") from None
                     view[:] = pending[: len(view)]
                     del pending[: len(view)]
 

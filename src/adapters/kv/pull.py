@@ -109,6 +109,10 @@ class KvPullError(Exception):
     """The peer broke HTTP/1.1 or the connection mid-answer: the transport is lost."""
 
 
+class KvStreamCut(Exception):
+    """A stream's body ended cleanly before its own end: the peer sent an incomplete stream."""
+
+
 class KvTooLarge(Exception):
     """The answer declares (or grows to) more bytes than the caller allows."""
 
@@ -286,7 +290,7 @@ class StreamBody:
         except ValueError:
             raise KvPullError(f"bad chunk size {size_field[:32]!r}") from None
         if size == 0:
-            raise KvPullError("the stream ended before its end record")
+            raise KvStreamCut("the stream ended before its end record")
         self._chunks += 1
         self._left = size
 
@@ -298,7 +302,7 @@ class StreamBody:
             want = len(view) - got
             if self._left is not None:
                 if self._left == 0:
-                    raise KvPullError("the body ended before the stream's end record")
+                    raise KvStreamCut("the body ended before the stream's end record")
                 want = min(want, self._left)
             n = await self._receive_into(view[got : got + want])
             got += n
@@ -345,4 +349,5 @@ async def open_stream(url: str, headers: Sequence[tuple[str, str]], json_body: b
         yield 200, StreamBody(stream, bytes(early), chunked=chunked, length=_content_length(response))
 
 
-__all__ = ["KvPullError", "KvTooLarge", "PulledKv", "ReceiveBuffers", "StreamBody", "open_stream", "pull"]
+__all__ = ["KvPullError", "KvStreamCut", "KvTooLarge", "PulledKv", "ReceiveBuffers", "StreamBody",
+           "open_stream", "pull"]

@@ -29,6 +29,7 @@ themselves); nothing in `statecore` or `effects` may import it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import mmap
@@ -160,10 +161,14 @@ def _make_region(directory: Path, name: str, capacity: int) -> tuple[int, mmap.m
         fcntl.flock(fd, fcntl.LOCK_SH)
         size = DATA_OFFSET + capacity
         fallocate = getattr(os, "posix_fallocate", None)
-        if fallocate is not None:
+        try:
+            if fallocate is None:
+                raise OSError(errno.ENOSYS, "no posix_fallocate")
             fallocate(fd, 0, size)  # tmpfs pages reserved now: ENOSPC here, never SIGBUS later
-        else:
-            os.ftruncate(fd, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)  # a file system (or OS: macOS) that cannot reserve
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         _HEADER.pack_into(mapped, 0, REGION_MAGIC, 0, 0, _FREE)
