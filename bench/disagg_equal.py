@@ -30,16 +30,19 @@ and as 1P1D / DP2 ratios:
   second token, in seconds and in steps;
 - output tokens/s (all requests' tokens over first sent -> last finished);
 - goodput as AIPerf and DistServe define it: requests/s (and the share of requests) meeting both
-  a TTFT SLO and an ITL SLO, the ITL of a request being its mean gap ((end - first token) /
-  (tokens - 1), AIPerf's inter_token_latency); a strict variant takes each request's worst gap
-  instead. The SLOs are --ttft-slo-ms / --itl-slo-ms, else --slo-factor times a baseline
-  measured on DP2 before the rounds with nothing else running (a long prompt's TTFT
-  alone, the decode streams' step alone);
+  a TTFT SLO and an ITL SLO, the ITL of a request being its mean gap ((last token - first) /
+  (tokens - 1), AIPerf's inter_token_latency; a cut stream counts with what it streamed); a
+  strict variant takes each request's worst gap instead; and which SLO the misses broke. The
+  SLOs are --ttft-slo-ms / --itl-slo-ms, else --slo-factor times the latency with nothing else
+  running, measured before the rounds (DistServe's way), the larger of the two setups' (a long
+  prompt's TTFT alone; the decode streams' step alone: all on 1P1D's decode node, half on each
+  DP2 replica);
 - from `GET /internal/handoffs` on the 1P1D nodes, each handoff's encode (prefill node), first
   byte, transfer, body and install times (decode node), and a timeline per handed-off prompt:
-  sent, first token, how long it arrived while an earlier long prompt was still prefilling
-  (queueing on the one prefill node: the nodes expose no prefill start), the decode node's pull
-  start and end, the install's end and the second token.
+  sent, first token, how much of its TTFT is more than a long prompt's TTFT alone and how long
+  it arrived while an earlier long prompt was still prefilling (queueing on, or sharing, the one
+  prefill node: the nodes expose no prefill start), the decode node's pull start and end, the
+  install's end and the second token (a streamed handoff: the decode node's own times).
 
 It checks, per run, that the long prompts really were handed off in 1P1D (the decode node's
 `statecore:prompt_tokens_by_source_total{source="transferred"}` grew by their prompt tokens)
@@ -367,19 +370,27 @@ def goodput(run: RunTrace, slo: Slo) -> dict[str, float | int]:
     every = [*run.decode, *run.long]
     begin = min(t.sent for t in every)
     end = max(t.ended for t in every)
-    good_mean = good_strict = 0
+    good: dict[str, list[bool]] = {"mean": [], "strict": [], "ttft": [], "itl": []}
     for t in every:
-        if not t.ok or t.ttft > slo.ttft_s:
-            continue
-        itl = t.mean_itl()
-        if itl is None or itl <= slo.itl_s:
-            good_mean += 1
-        if max(t.gaps(), default=0.0) <= slo.itl_s:
-            good_strict += 1
+        ttft_ok = t.ok and t.ttft <= slo.ttft_s
+        itl = t.mean_itl() if t.ok else None
+        itl_ok = t.ok and (itl is None or itl <= slo.itl_s)
+        good["ttft"].append(ttft_ok)
+        good["itl"].append(itl_ok)
+        good["mean"].append(ttft_ok and itl_ok)
+        good["strict"].append(ttft_ok and t.ok and max(t.gaps(), default=0.0) <= slo.itl_s)
     span = end - begin
-    return {"requests": len(every), "good": good_mean, "good_strict": good_strict,
-            "goodput_rps": good_mean / span, "goodput_strict_rps": good_strict / span,
-            "attainment": good_mean / len(every), "attainment_strict": good_strict / len(every)}
+    n_decode = len(run.decode)
+
+    def share(flags: list[bool]) -> float:
+        return sum(flags) / len(flags) if flags else 0.0
+
+    return {"requests": len(every), "good": sum(good["mean"]), "good_strict": sum(good["strict"]),
+            "goodput_rps": sum(good["mean"]) / span, "goodput_strict_rps": sum(good["strict"]) / span,
+            "attainment": share(good["mean"]), "attainment_strict": share(good["strict"]),
+            # which SLO the misses broke: the streams' ITL, the long prompts' TTFT
+            "decode_meeting_itl": share(good["itl"][:n_decode]),
+            "long_meeting_ttft": share(good["ttft"][n_decode:])}
 
 
 def second_token_gaps(run: RunTrace) -> list[float]:
@@ -427,9 +438,10 @@ def run_metrics(run: RunTrace, slo: Slo) -> dict[str, float | int | None]:
 
 
 def handoff_timeline(run: RunTrace, prefill: dict[str, dict[str, Any]],
-                     decode: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per long prompt, seconds from its `sent`: the first token, how long it arrived while an
-    earlier long prompt was still waiting for its first token (queueing on the prefill node),
+                     decode: dict[str, dict[str, Any]], ttft_alone_s: float) -> list[dict[str, Any]]:
+    """Per long prompt, seconds from its `sent`: the first token and how much of it is more than
+    a long prompt's TTFT alone (`over_alone`: queueing on, or sharing, the one prefill node), how
+    long it arrived while an earlier long prompt was still waiting for its first token,
     the decode node's pull (start, end), the install's end, the second token; and the nodes'
     own durations."""
     rows = []
@@ -440,6 +452,7 @@ def handoff_timeline(run: RunTrace, prefill: dict[str, dict[str, Any]],
             continue
         earlier = [u.chunk_times[0] for u in run.long[:i] if u.ok]
         row["ttft_s"] = t.ttft
+        row["over_alone_s"] = t.ttft - ttft_alone_s
         row["behind_earlier_s"] = max(0.0, max(earlier, default=t.sent) - t.sent)
         if len(t.chunk_times) > 1:
             row["second_token_s"] = t.chunk_times[1] - t.sent
@@ -468,7 +481,8 @@ def handoff_timeline(run: RunTrace, prefill: dict[str, dict[str, Any]],
 
 def handoff_medians(timeline: list[dict[str, Any]]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
-    for key in ("encode_s", "first_byte_s", "transfer_s", "body_s", "install_s", "behind_earlier_s"):
+    for key in ("encode_s", "first_byte_s", "transfer_s", "body_s", "install_s", "behind_earlier_s",
+                "over_alone_s"):
         values = [float(r[key]) for r in timeline if r.get(key) is not None]
         out[key.removesuffix("_s") + "_ms"] = statistics.median(values) * MS if values else None
     # and every other duration the nodes record (a later version may record more)
@@ -543,9 +557,12 @@ ROWS = (
     ("attainment", "SLO attainment (mean ITL)", 2),
     ("goodput_strict_rps", "goodput strict (req/s, worst gap)", 3),
     ("attainment_strict", "SLO attainment strict", 2),
+    ("decode_meeting_itl", "share of streams meeting the ITL SLO", 2),
+    ("long_meeting_ttft", "share of long meeting the TTFT SLO", 2),
     ("window_s", "window (s)", 2),
 )
 HANDOFF_ROWS = ("encode_ms", "first_byte_ms", "transfer_ms", "body_ms", "install_ms", "behind_earlier_ms",
+                "over_alone_ms",
                 "first_token_to_pull_ms", "pull_ms", "pull_end_to_install_end_ms",
                 "install_end_to_second_token_ms")
 
@@ -847,9 +864,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   lead_chunks=args.lead_chunks, long_interval_s=args.long_interval,
                                   timeout_s=args.request_timeout, tail_s=0.0))
         meta["calibration"] = {s.name: calibrate(s, maker, args, tag) for s in setups}
-        base = meta["calibration"]["DP2"]
-        slo = Slo(ttft_s=(args.ttft_slo_ms or args.slo_factor * base["ttft_long_ms"]) / MS,
-                  itl_s=(args.itl_slo_ms or args.slo_factor * base["step_ms"]) / MS)
+        # DistServe's way: SLOs a multiple of the latency with nothing else running, each the
+        # larger of the two setups' (1P1D decodes every stream on one node, DP2 half on each).
+        alone = meta["calibration"].values()
+        slo = Slo(ttft_s=(args.ttft_slo_ms or args.slo_factor * max(c["ttft_long_ms"] for c in alone)) / MS,
+                  itl_s=(args.itl_slo_ms or args.slo_factor * max(c["step_ms"] for c in alone)) / MS)
         print("alone (nothing else running): " + "; ".join(
             f"{name} step {c['step_ms']:.1f} ms, long TTFT {c['ttft_long_ms']:,.0f} ms, 1st->2nd "
             f"{c['second_token_gap_ms'] or 0:,.0f} ms" for name, c in meta["calibration"].items())
@@ -873,7 +892,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeline: list[dict[str, Any]] = []
                 if setup.prefill is not None:
                     timeline = handoff_timeline(run, handoff_records(setup.prefill, token),
-                                                handoff_records(setup.decoders[0], token))
+                                                handoff_records(setup.decoders[0], token),
+                                                meta["calibration"][setup.name]["ttft_long_ms"] / MS)
                 runs.append({"setup": setup.name, "rep": rep, "valid": problem is None, "problem": problem,
                              "load_average": {"before": load_before, "after": os.getloadavg()},
                              "metrics": metrics, "handoff": handoff_medians(timeline) if timeline else None,
