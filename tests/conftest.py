@@ -16,10 +16,10 @@ import os
 
 from hypothesis import HealthCheck, Phase, settings
 
-_SHARED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
-settings.register_profile("ci", derandomize=True, database=None, max_examples=100,
-                          phases=[Phase.explicit, Phase.generate], **_SHARED)
-settings.register_profile("dev", max_examples=100, **_SHARED)
-settings.register_profile("nightly", max_examples=2000, stateful_step_count=120, **_SHARED)
+_SHARED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("ci", _SHARED, derandomize=True, database=None, max_examples=100,
+                          phases=[Phase.explicit, Phase.generate])
+settings.register_profile("dev", _SHARED, max_examples=100)
+settings.register_profile("nightly", _SHARED, max_examples=2000, stateful_step_count=120)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
                       or ("ci" if os.environ.get("CI") == "true" else "dev"))
