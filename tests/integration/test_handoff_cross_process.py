@@ -35,6 +35,9 @@ from effects.engine_port import SamplingParams
 from support.tiny_models import CORPUS, DTYPES, FAMILIES, cached_checkpoint, is_degenerate
 from tests.integration.handoff_worker import Spec, read_result
 
+# worker processes for every family and dtype: not in `pytest -m quick`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256
 LENGTHS = (1, 33, 257, 2100)
