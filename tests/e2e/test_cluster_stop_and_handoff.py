@@ -23,7 +23,7 @@ import pytest
 
 from adapters.blas import child_pids
 from adapters.serve.listeners import free_port
-from tests.e2e.harness import ROOT
+from tests.e2e.harness import ROOT, outcomes
 
 pytestmark = pytest.mark.e2e
 
@@ -108,18 +108,6 @@ def metric(url: str, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {labels} not in {url}/metrics")
-
-
-def outcomes(url: str) -> dict[tuple[str, str], float]:
-    """statecore:requests_total on one node, by (state, reason)."""
-    found: dict[tuple[str, str], float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("statecore:requests_total{"):
-            state = re.search(r'state="([^"]*)"', line)
-            reason = re.search(r'reason="([^"]*)"', line)
-            assert state and reason, line
-            found[(state.group(1), reason.group(1))] = float(line.rsplit(" ", 1)[1])
-    return found
 
 
 def wait_idle(urls: list[str]) -> None:
