@@ -9,7 +9,7 @@ phase fails there on every route the router takes, and exactly the node where it
 failure: a handoff (the prefill node), a decode node's local prefill, a kept conversation's next
 turn (the decode node holding it), a retry on another node (a peer's failure on the first decode
 node; the request succeeds on the other, the router counts no failure) and one choice of an
-n > 1 request. (A prefix pull's faults: tests/e2e/test_prefix_pull.py.)"""
+n > 1 request. (A prefix pull's route: tests/e2e/test_prefix_pull.py.)"""
 
 from __future__ import annotations
 
