@@ -165,22 +165,22 @@ LONG = " ".join(f"Buoy {i} rang as the tide turned over the sandbar." for i in r
 SHORT = "Fog at noon."  # prefilled on a decode node
 
 
-def test_a_fault_in_a_handoffs_prefill_fails_on_the_prefill_node(cluster: Cluster) -> None:
+@pytest.mark.parametrize(("route", "prompt", "where", "router_and_prefill"), ids=["handoff", "local"],
+                         argvalues=[
+    # the decode node the router paired a handoff with, streaming its KV from the prefill node,
+    # hears why and fails its part with the same error: the message says where it fired
+    ("handoff", LONG, "prefill", [1, 1]),
+    ("local", SHORT, "decode", [1, 0]),
+])
+def test_a_fault_in_a_prefill_fails_where_it_fired(cluster: Cluster, route: str, prompt: str, where: str,
+                                                   router_and_prefill: list[int]) -> None:
+    """A handoff's prefill fails on the prefill node, a short prompt's on the decode node that
+    prefilled it; one decode node counts it (the handoff's: the one it was paired with)."""
     before = _failed(cluster)
-    _assert_fired(_marked(cluster, {"prompt": LONG, "max_tokens": 4}, "route-handoff-inject-fault-prefill"),
-                  "prefill")
-    # the decode node the router paired it with, streaming its KV from the prefill node, hears
-    # why and fails its part with the same error: the message says where it fired
+    response = _marked(cluster, {"prompt": prompt, "max_tokens": 4}, f"route-{route}-inject-fault-prefill")
+    _assert_fired(response, where)
     moved = _moved(cluster, before)
-    assert moved[:2] == [1, 1] and sorted(moved[2:]) == [0, 1], moved
-
-
-def test_a_fault_in_a_local_prefill_fails_on_the_decode_node_that_prefilled(cluster: Cluster) -> None:
-    before = _failed(cluster)
-    _assert_fired(_marked(cluster, {"prompt": SHORT, "max_tokens": 4}, "route-local-inject-fault-prefill"),
-                  "decode")
-    moved = _moved(cluster, before)
-    assert moved[:2] == [1, 0] and sorted(moved[2:]) == [0, 1], moved
+    assert moved[:2] == router_and_prefill and sorted(moved[2:]) == [0, 1], moved
 
 
 def test_a_fault_in_a_kept_conversations_next_turn_fails_on_the_node_holding_it(cluster: Cluster) -> None:
