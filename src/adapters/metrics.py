@@ -135,7 +135,8 @@ class Metrics:
                                 "and reason (an error code, or the event that ended it).",
                                 ("state", "reason"))
         self.kv_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes: received "
-                                "(decode node, pulled) or served (prefill node).", ("direction",))
+                                "(decode node) or served (prefill node); a stream's pieces by their "
+                                "payload bytes, over HTTP or shared memory alike.", ("direction",))
         self.kv_seconds = histogram("kv_transfer_seconds",
                                     "Time a decode node took to pull one request's KV cache.",
                                     KV_SECONDS_BUCKETS).labels(role)
@@ -165,6 +166,10 @@ class Metrics:
     def backend(self, inner: Backend) -> Backend:
         """A front end's backend, timed and counted as the client sees it."""
         return _MeteredBackend(inner, self)
+
+    def kv_served(self, nbytes: int) -> None:
+        """A streamed piece of KV sent (its payload bytes, however it travelled)."""
+        _safely("kv served", lambda: self.kv_bytes.labels(self.role, "served").inc(nbytes))
 
     def performer(self, inner: EnginePerformer) -> _MeteredPerformer:
         """An engine node's performer: KV pulls, prompt sources, and the node's own tokens."""
@@ -532,18 +537,16 @@ class _LiveCollector:
 
 
 class _KvServed:
-    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` and of every KV stream
-    (`POST /internal/prefill_stream`) answered with 200."""
+    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` answered with 200 (a
+    streamed handoff's pieces are counted by the node API as it sends them, whatever carried them)."""
 
     def __init__(self, app: ASGIApp, count: Callable[[float], None]) -> None:
         self.app = app
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        pulled = scope.get("method") == "GET" and path.startswith("/internal/kv/")
-        streamed = scope.get("method") == "POST" and path == "/internal/prefill_stream"
-        if scope["type"] != "http" or not (pulled or streamed):
+        if (scope["type"] != "http" or scope.get("method") != "GET"
+                or not scope.get("path", "").startswith("/internal/kv/")):
             await self.app(scope, receive, send)
             return
         status = 0
