@@ -258,6 +258,9 @@ class NodeApi:
             "decoding": engine.decoding,
             "held_caches": engine.held_caches,
             "held_bytes": engine.held_bytes,
+            "kv_arriving": engine.arriving,  # streamed handoffs' pieces kept, not yet installed
+            # shared memory held for streamed pieces not yet taken (a prefill node's)
+            "kv_shm_held_bytes": 0 if self.shm is None else self.shm.statistics().held_bytes,
             "device_thread_alive": engine.device_thread_alive,
             "engine_step_retries": engine.step_retries,
             "engine_rows_isolated": engine.rows_isolated,
