@@ -1,6 +1,8 @@
-"""A streamed handoff that loses its prefill node, over each transport (shared memory between
-nodes of one host, HTTP): the request fails alone with a typed error, the decode node frees the
-pieces it kept, the other prefill node takes the next requests, and nothing is left in /dev/shm."""
+"""Streamed handoffs over each transport: byte-identical to a single node over HTTP and with the
+whole-payload pull (shared memory: the parity module, whose nodes share this host); and one that
+loses its prefill node mid-stream: the request fails alone with a typed error, the decode node
+frees the pieces it kept, the other prefill node takes the next requests, nothing is left in
+/dev/shm."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from effects.faults import ENABLE_ENV
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Node, assert_no_leaks, post, start_cluster
+from tests.e2e.harness import Node, assert_no_leaks, post, router, start_cluster, start_nodes, without_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +25,47 @@ BODY = {"prompt": "The harbour lights came on one by one over the water.", "max_
         "temperature": 0, "stream": True}
 # the prefill node waits 30 s between its last piece (and the first token) and the stream's end
 SLOW_END = ("--inject-fault", "kv_encode:slow=30")
+
+
+PARITY = [
+    {"prompt": "The old lighthouse keeper climbed the stairs every evening, counting each step. "
+               "He listened to the sea and wrote down the names of the ships.", "max_tokens": 10,
+     "temperature": 0},
+    {"prompt": "Once upon a time in a village by a forest there lived a king with three daughters.",
+     "max_tokens": 10, "temperature": 0.9, "seed": 5},
+]
+
+
+def test_streamed_over_http_and_pulled_answers_are_the_single_nodes(tmp_path: Path) -> None:
+    model = cached_checkpoint("llama")
+    cluster = start_cluster(model, tmp_path / "logs", node_args=("--kv-transport", "http"))
+    pull = router(model, tmp_path / "logs" / "router-pull.log", cluster.prefill, cluster.decode,
+                  "--force-disaggregation", "--kv-handoff", "pull")
+    try:
+        start_nodes([pull])
+        for body in PARITY:
+            for stream in (False, True):
+                asked = {**body, "stream": stream}
+                single = post(cluster.single, "/v1/completions", asked)
+                for front in (cluster.router, pull):
+                    routed = post(front, "/v1/completions", asked)
+                    assert routed.status_code == single.status_code == 200, routed.text
+                    assert _answer(routed, stream) == _answer(single, stream), (front.args, asked)
+        records = httpx.get(f"{cluster.decode[0].url}/internal/handoffs", timeout=5).json()["records"]
+        transports = {(r["streamed"], r["transport"]) for r in records}
+        assert transports == {(True, "http"), (False, None)}, transports  # both ways were taken
+        assert_no_leaks([cluster.router, pull, *cluster.prefill, *cluster.decode])
+    finally:
+        pull.stop()
+        cluster.stop()
+
+
+def _answer(response: httpx.Response, stream: bool) -> Any:
+    """The body without the fields allowed to differ; a stream's events in order."""
+    if not stream:
+        return without_ids(response.json())
+    return [line[6:] if line == "data: [DONE]" else without_ids(json.loads(line[6:]))
+            for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 def _shm_regions(pid: int) -> list[str]:
