@@ -83,6 +83,7 @@ class Sample:
     overhead_s: float | None = None  # prefill done -> joined the decode node's batch
     overlap: float | None = None
     stall_steps: float | None = None
+    node_gap_s: float | None = None  # the decode node's own: first token passed on -> second out
 
     @property
     def gap_steps(self) -> float:
@@ -202,7 +203,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
             windows[rid] = (done, joined + 1.0)
             sample = Sample(setup, tokens, rid, ttft, sample.second_gap_s, step,
                             prefill_s=float(out["prefill_s"]), overhead_s=joined - done,
-                            overlap=into.get("overlap"))
+                            overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"))
         samples.append(sample)
     if background is not None and gaps:
         busy = list(windows.values())
@@ -238,6 +239,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                     "overhead_ms": med(s.overhead_s or 0.0 for s in some) * 1e3,
                     "overhead_share": med((s.overhead_s or 0.0) / (s.prefill_s or 1.0) for s in some),
                     "overlap": med(s.overlap or 0.0 for s in some),
+                    "node_gap_ms": med(s.node_gap_s for s in some if s.node_gap_s is not None) * 1e3
+                    if any(s.node_gap_s is not None for s in some) else None,
                     "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
                                            default=None),
                     "ttft_over_single": med(s.ttft_s for s in some) / row["single"]["ttft_s_raw"]
@@ -256,14 +259,16 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def print_table(summary: dict[str, Any]) -> None:
     print("\n| tokens | setup | TTFT ms | TTFT / single | prefill ms | overhead ms | overhead / prefill "
-          "| 1st->2nd ms | in steps | step ms | KV before 1st token | stall steps (max) |")
-    print("|" + "---|" * 12)
+          "| 1st->2nd ms | in steps | decode node's 1st->2nd ms | step ms | KV before 1st token "
+          "| stall steps (max) |")
+    print("|" + "---|" * 13)
     for tokens, row in summary.items():
         for setup, m in row.items():
             print(f"| {tokens} | {setup} | {m['ttft_ms']:.1f} | {_cell(m, 'ttft_over_single', '.2f')} "
                   f"| {_cell(m, 'prefill_ms', '.1f')} | {_cell(m, 'overhead_ms', '.1f')} "
                   f"| {_cell(m, 'overhead_share', '.3f')} "
-                  f"| {m['second_gap_ms']:.1f} | {m['gap_steps']:.2f} | {m['step_ms']:.1f} "
+                  f"| {m['second_gap_ms']:.1f} | {m['gap_steps']:.2f} | {_cell(m, 'node_gap_ms', '.1f')} "
+                  f"| {m['step_ms']:.1f} "
                   f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} |")
     print(f"\ntargets: overhead / prefill <= {OVERHEAD_TARGET} at >= 2,000 tokens; 1st->2nd <= "
           f"{GAP_TARGET_STEPS:g} steps; TTFT / single <= {TTFT_TARGET} (concurrency 1)")
