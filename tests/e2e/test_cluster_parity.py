@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from support.tiny_models import cached_checkpoint
@@ -132,8 +133,13 @@ def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:
 def test_handoffs_really_happened(cluster: Cluster, tmp_path: Path) -> None:
     """The forced-disaggregation router sent every request through the prefill node."""
     assert cluster.prefill[0].stats()["outcomes"].get("done", 0) >= 2 * len(CASES)
-    # the pulls landed in receive buffers the decode node keeps for the next ones
-    assert 0 < cluster.decode[0].stats()["kv_receive_buffer_bytes"] <= 1 << 30
+    # the KV streamed to the decode node, through shared memory (the nodes share this host)
+    token = cluster.decode[0].args[cluster.decode[0].args.index("--internal-token") + 1] \
+        if "--internal-token" in cluster.decode[0].args else ""
+    records = httpx.get(f"{cluster.decode[0].url}/internal/handoffs", timeout=5,
+                        headers={"x-statecore-token": token}).json()["records"]
+    assert records and all(r["streamed"] and r["transport"] == "shm" for r in records), records[:2]
+    assert cluster.decode[0].stats()["kv_receive_buffer_bytes"] <= 1 << 30
 
 
 def test_many_pulls_back_to_back_stay_identical(cluster: Cluster) -> None:

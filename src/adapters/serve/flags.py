@@ -120,6 +120,13 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           f"at most {LOCAL_PREFILL_BELOW_MAX})")
     run.add_argument("--force-disaggregation", action="store_true",
                      help="router: send every request through a prefill node")
+    run.add_argument("--kv-transport", choices=["auto", "shm", "http"], default="auto",
+                     help="prefill and decode nodes: how a streamed handoff's pieces move: auto (shared "
+                          "memory when the prefill node's advert shows it is on this host, else HTTP), "
+                          "shm (shared memory or a kv_shm_gone error), http (never shared memory)")
+    run.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
+                     help="prefill nodes: the most shared memory held for pieces not yet taken "
+                          "(default 2 GiB); a piece that finds no room goes over HTTP")
     run.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
                      help="router: how a prompt's KV moves from its prefill node to its decode node: "
                           "stream (the decode node learns of the request at once and receives each "
