@@ -202,4 +202,5 @@ def test_the_readme_prompt_hands_off_and_ctrl_c_under_load_finishes_every_reques
     assert endings == ["data: [DONE]"] * 4, endings
     assert after.strip().splitlines()[-1:] == [STOP_LINE], after
     assert "exited uncleanly" not in after and "Traceback" not in after, after
+    assert " peer " not in after, after  # a deliberate stop: the nodes going down is no news
     cluster.assert_nothing_left()

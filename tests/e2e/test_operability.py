@@ -34,7 +34,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-ops"),
-                          router_args=("--force-disaggregation", "--log-json", "--log-transitions"),
+                          router_args=("--force-disaggregation", "--log-json"),
                           node_args=("--kv-lease", str(LEASE_S)))
     try:
         yield built

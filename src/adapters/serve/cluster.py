@@ -209,9 +209,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     finally:
         for sock in sockets.values():
             sock.close()  # those not handed to a child yet (no-op for the others)
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        # the router first: it stops logging its peers' health before they start draining
+        for role in sorted(children, key=lambda r: r != "router"):
+            if children[role].poll() is None:
+                children[role].send_signal(signal.SIGTERM)
         for child in children.values():
             try:
                 child.wait(timeout=args.drain_timeout + 5)
