@@ -8,7 +8,7 @@ bookkeeping and leaves the HTTP status, the `data:` lines, `[DONE]` and error do
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
@@ -21,13 +21,14 @@ class CompletionStreamError(Exception):
 
 
 async def completion_stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> AsyncIterator[tuple[list[str], dict[str, Any] | None]]:
     """POST a streaming `/v1/completions` and yield, per `data:` document up to `[DONE]`, its
     non-empty choice texts and its `usage` (None when absent). Raises CompletionStreamError with
     a short message for a non-200 status or an error document; transport errors and bad JSON
-    propagate as httpx / json exceptions."""
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    propagate as httpx / json exceptions. `headers`: extra request headers (e.g. X-Request-Id, so
+    that the nodes' records can be joined with the client's timings)."""
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:200]
             raise CompletionStreamError(f"HTTP {response.status_code}: {detail}")

@@ -43,6 +43,22 @@ class KvPieces:
 
 
 @dataclass(frozen=True, slots=True)
+class KvSegment:
+    """One piece of a cache streamed while its prompt is computed: tokens [start, stop) of
+    layers [first_layer, end_layer), as a complete KV wire-format payload of its own."""
+
+    start: int
+    stop: int
+    first_layer: int
+    end_layer: int
+    payload: KvPieces
+
+
+# Called in trio, in order, with each piece of a streamed prefill's cache; never blocks.
+SegmentSink = Callable[[KvSegment], None]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples. temperature 0 means greedy; seed None means unseeded."""
 
@@ -150,6 +166,7 @@ class PrefillOutcome:
     held_bytes: int
     first_logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0
+    streamed: bool = False  # every piece of the cache went to the prefill's segment sink
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,10 +252,13 @@ class Engine(Protocol):
     def info(self) -> ModelInfo: ...
 
     async def prefill(
-        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        segments: SegmentSink | None = None,
     ) -> PrefillOutcome:
         """Prefill prompt[:-1] in fixed chunks, then the last token alone; sample the first
-        token at position len(prompt). The cache stays held under `request_id`."""
+        token at position len(prompt). The cache stays held under `request_id`. With `segments`,
+        each piece of the cache goes there as soon as it is computed, where the engine can cut
+        its cache so (`PrefillOutcome.streamed` says whether it did)."""
         ...
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
@@ -284,6 +304,22 @@ class Engine(Protocol):
         error nothing is installed."""
         ...
 
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+        """Validate one streamed piece of a handed-off cache completely and keep it for
+        `install_segments` (raises on any error; nothing is kept then)."""
+        ...
+
+    async def install_segments(
+        self,
+        request_id: RequestId,
+        prompt: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        """Insert the pieces received for the request into the running decoder, as `install`
+        does with a whole payload."""
+        ...
+
     def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
         """Tokens after the first one, until EOS or max_tokens; then the iterator ends."""
         ...
@@ -305,6 +341,8 @@ __all__ = [
     "no_prefix_cache",
     "KvBytes",
     "KvPieces",
+    "KvSegment",
+    "SegmentSink",
     "Engine",
     "EngineStatistics",
     "GeneratedToken",

@@ -8,6 +8,7 @@ never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -18,11 +19,13 @@ from effects.engine_port import (
     GeneratedToken,
     KvBytes,
     KvPieces,
+    KvSegment,
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
     PrefixSummary,
     SamplingParams,
+    SegmentSink,
     no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -74,6 +77,7 @@ class FakeEngine:
         self.summary_block_tokens = 0  # > 0: its prefix summary says it has a prefix cache (empty)
         self._info = info or fake_info()
         self.held: dict[RequestId, bytes] = {}
+        self.arriving: dict[RequestId, list[tuple[int, int]]] = {}  # streamed pieces' token ranges
         self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[GeneratedToken]] = {}
         self._cancelled: set[RequestId] = set()
@@ -93,14 +97,23 @@ class FakeEngine:
                 )
 
     async def prefill(
-        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        segments: SegmentSink | None = None,
     ) -> PrefillOutcome:
+        """With `segments`, the fake payload goes there in two pieces, as the prompt's head and
+        its last token (every layer each) would: b"FAKE", then one byte per token."""
         await self._phase("prefill", prompt)
         payload = bytes(t % 256 for t in prompt)
         self.held[request_id] = payload
+        layers = len(self._info.layers)
+        if segments is not None:
+            cuts = [0, len(prompt) - 1, len(prompt)] if len(prompt) > 1 else [0, 1]
+            for start, stop in itertools.pairwise(cuts):
+                segments(KvSegment(start, stop, 0, layers, KvPieces((b"FAKE", payload[start:stop]))))
         first = EOS if self.eos_at == 1 else next_token(prompt)
         cached = max([self.cached_tokens, *(len(p) for p in self.prefixes if tuple(prompt[: len(p)]) == p)])
-        return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=cached)
+        return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=cached,
+                              streamed=segments is not None)
 
     def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
         found = [p for p in self.prefixes if len(p) <= len(tokens) and tuple(tokens[: len(p)]) == p]
@@ -132,6 +145,7 @@ class FakeEngine:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, "no such cache")) from None
 
     async def release_held(self, request_id: RequestId) -> int:
+        self.arriving.pop(request_id, None)
         return len(self.held.pop(request_id, b""))
 
     async def _begin(
@@ -172,6 +186,21 @@ class FakeEngine:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake payload"))
         await self._begin(request_id, prompt, first_token, sampling)
 
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+        await trio.sleep(0)
+        data = segment.payload.joined()
+        if data[:4] != b"FAKE" or len(data) - 4 != segment.stop - segment.start:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake segment"))
+        self.arriving.setdefault(request_id, []).append((segment.start, segment.stop))
+
+    async def install_segments(
+        self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
+    ) -> None:
+        covered = sum(stop - start for start, stop in self.arriving.pop(request_id, []))
+        if covered != len(prompt):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED, "segments miss tokens"))
+        await self._begin(request_id, prompt, first_token, sampling)
+
     async def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
         receive = self._streams.get(request_id)
         if receive is None:
@@ -185,6 +214,7 @@ class FakeEngine:
                 yield token
 
     async def cancel(self, request_id: RequestId) -> None:
+        self.arriving.pop(request_id, None)
         send = self.decoding.pop(request_id, None)
         if send is not None:
             send.close()

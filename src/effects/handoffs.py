@@ -38,6 +38,14 @@ class HandoffRecord:
     prefix_pull_tokens: int | None = None  # prompt tokens kept from it
     prefix_pull_bytes: int | None = None
     prefix_pull_s: float | None = None  # the pull and the import into the prefix cache
+    # a streamed handoff (the KV sent while the prompt is computed)
+    streamed: bool = False
+    transport: str | None = None  # how the tensor bytes moved: "http" or "shm"
+    segments: int | None = None  # pieces sent (prefill) or received (decode)
+    stream_s: float | None = None  # decode: stream opened -> its end (the prefill included)
+    first_token_s: float | None = None  # decode: stream opened -> the first token arrived
+    overlap: float | None = None  # decode: share of the KV bytes that arrived before the first token
+    first_to_second_s: float | None = None  # decode: the first token passed on -> the second token out
 
 
 class HandoffLog:

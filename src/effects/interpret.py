@@ -16,12 +16,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
-from effects.handoffs import HandoffLog
+from effects.handoffs import HandoffLog, HandoffRecord
 from effects.ports import (
     DecodeCall,
     Engine,
@@ -29,6 +29,7 @@ from effects.ports import (
     GenerationError,
     KvBytes,
     KvPieces,
+    KvSegment,
     Output,
     Peers,
     PrefillReply,
@@ -85,8 +86,19 @@ class NodeRequest:
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     kv_out: trio.MemorySendChannel[KvPieces | ErrorInfo] | None = None  # set while a decode node pulls
+    # A streamed handoff: on a prefill node, what its stream sends (pieces, then the first token,
+    # then None: the end); on a decode node, `streamed` says the KV comes as a stream that this
+    # node opens itself (to `prefill_url`, which then computes the prompt).
+    streamed: bool = False
+    stream_out: trio.MemorySendChannel[StreamItemOut] | None = None
+    first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
+
+
+# What a prefill node's streamed handoff sends, in order: pieces of the cache, the first token,
+# then None (the end); or an error, which ends it.
+StreamItemOut = KvSegment | PrefillReply | ErrorInfo | None
 
 
 def _bug(message: str) -> StatecoreError:
@@ -126,6 +138,22 @@ class EnginePerformer:
     def forget(self, request_id: RequestId, context: object) -> None:
         if isinstance(context, NodeRequest) and context.kv_out is not None:
             context.kv_out.close()  # a puller still waiting learns the request is gone
+        if isinstance(context, NodeRequest) and context.stream_out is not None:
+            context.stream_out.close()  # so does a stream still sending
+
+    def open_stream_out(self, context: NodeRequest, bound: int) -> trio.MemoryReceiveChannel[StreamItemOut]:
+        """A prefill node's streamed handoff reads what it sends here: `bound` is the most items
+        one prefill can produce (its pieces, the first token, the end), so the engine's hand-off of a
+        piece never waits."""
+        send, receive = trio.open_memory_channel[StreamItemOut](bound)
+        context.streamed = True
+        context.stream_out = send
+        return receive
+
+    def _stream_out(self, ctx: NodeRequest, item: StreamItemOut) -> None:
+        if ctx.stream_out is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                ctx.stream_out.send_nowait(item)
 
     def open_kv_out(self, context: NodeRequest) -> trio.MemoryReceiveChannel[KvPieces | ErrorInfo]:
         """A prefill node's puller waits here for the held KV (or why it cannot have it): the
@@ -143,30 +171,25 @@ class EnginePerformer:
     async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
         rid = intent.request_id
         ctx = node_context(context)
-        eos = self.engine.info.eos_token_ids
         match intent:
             case StartPrefill():
-                self._crash_if_marked(rid)
-                await self.faults.at(Phase.PREFILL, rid)
-                if ctx.prefix_from is not None and self.prefix_pull is not None:
-                    # never raises for the pull's own failures: the prefill then computes it all
-                    await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
-                                                          self.handoffs.record(rid))
-                started = time.perf_counter()
-                outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling)
-                if self.prefix_pull is not None:
-                    self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
-                                               self.engine.info.prefill_chunk_size)
-                ctx.first_token = outcome.first_token
-                ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-                first_eos = is_eos(outcome.first_token, eos, ignore_eos=ctx.sampling.ignore_eos)
-                if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
-                    await post(Finished(finish))  # a local request whose first token ends it
-                else:
-                    await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
+                if ctx.stream_out is None:
+                    await self._prefill(rid, ctx, post)
+                    return
+                try:
+                    await self._prefill(rid, ctx, post)
+                except StatecoreError as exc:
+                    self._stream_out(ctx, exc.info)  # the decode node hears why; the request fails here
+                    raise
+                except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
+                    self._stream_out(ctx, bug(f"the prefill node failed to stream the KV: {exc!r}"))
+                    raise
             case FetchKv():
                 if self.peers is None or ctx.prefill_url is None:
                     raise _bug("FetchKv without a prefill node")
+                if ctx.streamed:
+                    await self._receive_stream(rid, ctx, post)
+                    return
                 ctx.payload = await self.peers.fetch_kv(ctx.prefill_url, rid)
                 await post(KvReceived(len(ctx.payload)))
             case InstallKv():
@@ -182,6 +205,11 @@ class EnginePerformer:
                     started = time.perf_counter()
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
                     self.handoffs.record(rid).install_s = time.perf_counter() - started
+                elif ctx.streamed:
+                    self._crash_if_marked(rid)
+                    started = time.perf_counter()
+                    await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
+                    self.handoffs.record(rid).install_s = time.perf_counter() - started
                 else:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                 await post(KvInstalled())
@@ -189,6 +217,8 @@ class EnginePerformer:
                 produced = 0
                 async for generated in self.engine.stream(rid):
                     produced += 1
+                    if produced == 1 and ctx.first_token_at is not None:
+                        self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
                     if produced == 3:  # a few tokens in, so the failure is mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
                     send, finish = decoded_token(generated.is_eos, generated.finish_reason,
@@ -219,6 +249,110 @@ class EnginePerformer:
                 record.wire_bytes = exported.nbytes
                 await ctx.kv_out.send(exported)
 
+    async def _prefill(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
+        """Prefill the prompt here (after pulling its start from the decode node holding it,
+        when the router said so). A streamed handoff's pieces go out as the engine computes
+        them (`_streamed_pieces`), then its first token, then what the engine could not cut into
+        pieces (the whole cache of a family that travels whole), then its end."""
+        self._crash_if_marked(rid)
+        await self.faults.at(Phase.PREFILL, rid)
+        if ctx.prefix_from is not None and self.prefix_pull is not None:
+            # never raises for the pull's own failures: the prefill then computes it all
+            await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
+                                                  self.handoffs.record(rid))
+        started = time.perf_counter()
+        sink = None if ctx.stream_out is None else self._streamed_pieces(rid, ctx)
+        outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
+        if self.prefix_pull is not None:
+            self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
+                                       self.engine.info.prefill_chunk_size)
+        ctx.first_token = outcome.first_token
+        ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
+        first_eos = is_eos(outcome.first_token, self.engine.info.eos_token_ids,
+                           ignore_eos=ctx.sampling.ignore_eos)
+        if sink is not None:
+            self._stream_out(ctx, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
+                                               outcome.first_logprobs, outcome.cached_tokens))
+            await self.faults.at(Phase.KV_ENCODE, rid)
+            if not outcome.streamed:
+                started = time.perf_counter()
+                whole = await self.engine.export_held(rid)
+                self.handoffs.record(rid).encode_s = time.perf_counter() - started
+                sink(KvSegment(0, len(ctx.prompt), 0, len(self.engine.info.layers), whole))
+            self._stream_out(ctx, None)
+        if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
+            await post(Finished(finish))  # a local request whose first token ends it
+        else:
+            await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
+
+    def _streamed_pieces(self, rid: RequestId, ctx: NodeRequest) -> Callable[[KvSegment], None]:
+        """Where a streamed prefill's pieces go: the request's stream, counted in its record."""
+        record = self.handoffs.record(rid)
+        record.streamed = True
+        record.segments = 0
+
+        def sent(segment: KvSegment) -> None:
+            record.wire_bytes = (record.wire_bytes or 0) + segment.payload.nbytes
+            record.segments = (record.segments or 0) + 1
+            self._stream_out(ctx, segment)
+
+        return sent
+
+    async def _receive_stream(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
+        """A decode node's streamed handoff: open the stream to the prefill node (which computes
+        the prompt now), validate and keep each piece as it arrives, pass the first token on at
+        once, and post the KV received at the stream's end."""
+        assert self.peers is not None and ctx.prefill_url is not None
+        record = self.handoffs.record(rid)
+        record.streamed = True
+        opened = time.perf_counter()
+        stream = self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling, ctx.prefix_from,
+                                           layers=len(self.engine.info.layers))
+        async with contextlib.aclosing(stream):
+            await self._receive_items(rid, ctx, post, stream, record, opened)
+
+    async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
+                             stream: AsyncIterator[KvSegment | PrefillReply],
+                             record: HandoffRecord, opened: float) -> None:
+        finish: str | None = None
+        received = segments = 0
+        async for item in stream:
+            if isinstance(item, KvSegment):
+                if received == 0:
+                    self._crash_if_marked(rid)  # a decode node's device dies as the KV arrives
+                received += item.payload.nbytes
+                segments += 1
+                try:
+                    await self.engine.receive_segment(rid, item, len(ctx.prompt))
+                except StatecoreError as exc:  # a piece the prefill node sent: named after it
+                    if exc.info.fault is not Fault.PEER:
+                        raise
+                    named = f"{ctx.prefill_url}: {exc.info.message}"
+                    raise StatecoreError(replace(exc.info, message=named)) from exc
+                continue
+            record.first_token_s = time.perf_counter() - opened
+            record.overlap = received  # bytes so far; a share once the total is known
+            ctx.first_token_at = time.perf_counter()
+            ctx.first_token = item.first_token
+            ctx.cached_tokens = item.cached_tokens or 0
+            first_eos = is_eos(item.first_token, self.engine.info.eos_token_ids,
+                               ignore_eos=ctx.sampling.ignore_eos)
+            finish = first_token_finish(first_eos, hands_off=False)
+            if finish is None:
+                await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
+        if ctx.first_token is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
+                                           "the prefill node's stream ended without a first token"))
+        ctx.prefill_url = None  # the prefill node let go of the cache once the stream was out
+        record.wire_bytes = received
+        record.segments = segments
+        record.stream_s = time.perf_counter() - opened
+        record.overlap = (record.overlap or 0) / received if received else 0.0
+        if finish is not None:
+            await post(Finished(finish))
+        else:
+            await post(KvReceived(received))
+
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         rid = intent.request_id
         ctx = context if isinstance(context, NodeRequest) else None
@@ -244,6 +378,7 @@ class RoutedRequest:
     prompt: tuple[int, ...]
     sampling: SamplingParams
     local: bool  # prefill on the decode node
+    streamed: bool = False  # this attempt's KV streams from the prefill node as it is computed
     first_token: int | None = None
     prefill_node: str | None = None
     decode_node: str | None = None
@@ -278,9 +413,14 @@ class RouterPerformer:
         in_flight: dict[str, int] | None = None,
         on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
         route: RoutePicker | None = None,
+        streams: Callable[[str, str], bool] = lambda prefill, decode: False,
     ) -> None:
         self.peers = peers
         self.pick = pick
+        # (prefill node, decode node) -> whether a handoff between them streams the KV while the
+        # prompt is computed (the decode node asks the prefill node); else the decode node pulls
+        # the whole KV after the first token
+        self.streams = streams
         # With `route`, a prompt admitted for a prefill node is prefilled on a decode node
         # instead when that node holds its start and the rest is short (statecore.routing).
         self.route = route
@@ -319,7 +459,7 @@ class RouterPerformer:
             case StartPrefill():
                 await self._start(rid, ctx, post)
             case StartDecode():
-                if ctx.local:
+                if ctx.local or ctx.streamed:
                     return  # the decode node's stream, opened at StartPrefill, carries on
                 if first_token_is_last(ctx.sampling.max_tokens):
                     await post(Finished(LENGTH))
@@ -349,6 +489,7 @@ class RouterPerformer:
             await self._cancel_remote(ctx)  # a previous, failed attempt's leftovers
         self._release_nodes(ctx)
         ctx.prefill_node = ctx.decode_node = None
+        ctx.streamed = False
         ctx.attempts += 1
         nid = ctx.node_request_id(rid)
         prefix_from: PrefixSource | None = None
@@ -368,15 +509,19 @@ class RouterPerformer:
             if not ctx.local:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
                 ctx.remote.append((ctx.prefill_node, nid))
+            ctx.streamed = ctx.prefill_node is not None and self.streams(ctx.prefill_node, ctx.decode_node)
             await post(Dispatched())
-            if ctx.local:
-                call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, None)
+            if ctx.local or ctx.streamed:
+                # the decode node prefills, or has the prefill node prefill and stream it the KV:
+                # either way the first token comes first on its stream
+                call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, ctx.prefill_node,
+                                  kv_stream=ctx.streamed, prefix_from=prefix_from)
                 await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 return
             reply = await self.peers.prefill(ctx.prefill_node or "", nid, ctx.prompt, ctx.sampling,
                                              prefix_from)
         except StatecoreError as exc:
-            self._blame(ctx.decode_node if ctx.local else ctx.prefill_node, exc.info)
+            self._blame(self._culprit(ctx, exc.info), exc.info)
             verdict = peer_failure(exc.info, first_token_sent=ctx.first_token is not None,
                                    attempts=ctx.attempts, max_attempts=self.max_attempts)
             if verdict.retry:
@@ -402,6 +547,16 @@ class RouterPerformer:
             if other is not ctx and node is not None and node not in ctx.tried:
                 return node
         return None
+
+    @staticmethod
+    def _culprit(ctx: RoutedRequest, error: ErrorInfo) -> str | None:
+        """The node a failed attempt's error points at: the one prefilling, unless the decode node
+        prefilled, or a streamed handoff's decode node names no other node (its own failure)."""
+        if ctx.local:
+            return ctx.decode_node
+        if ctx.streamed and ctx.prefill_node is not None and ctx.prefill_node not in error.message:
+            return ctx.decode_node
+        return ctx.prefill_node
 
     def _blame(self, node: str | None, error: ErrorInfo) -> None:
         """Tell peer health that this node failed, when the policy blames it."""

@@ -9,7 +9,7 @@ and trio; it must never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +19,7 @@ from effects.engine_port import (
     GeneratedToken,
     KvBytes,
     KvPieces,
+    KvSegment,
     LayerTravel,
     ModelInfo,
     PrefillOutcome,
@@ -140,8 +141,12 @@ class DecodeCall:
     request_id: RequestId
     prompt: tuple[int, ...]
     sampling: SamplingParams
-    first_token: int | None  # None: prefill locally (short prompt)
+    first_token: int | None  # None: prefill locally (short prompt), or a streamed handoff
     prefill_url: str | None  # where to pull the KV from; None when prefilling locally
+    # A streamed handoff: the decode node asks `prefill_url` to prefill and stream the KV as it is
+    # computed (and the first token), and passes the first token on as a local prefill does.
+    kv_stream: bool = False
+    prefix_from: PrefixSource | None = None  # the streamed prefill's hint (see Peers.prefill)
 
 
 class Peers(Protocol):
@@ -158,6 +163,18 @@ class Peers(Protocol):
     def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]: ...
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes: ...
+
+    def prefill_stream(
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        prefix_from: PrefixSource | None = None, *, layers: int,
+    ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
+        """Ask a prefill node to prefill and stream the KV while it computes: its pieces in
+        order (each a whole wire payload, not yet validated), and the first token among them;
+        `layers`: the model's, which the pieces must cover.
+        The iterator ends when the stream's end record came and every layer's pieces covered the
+        prompt; the prefill node's typed error, a broken stream or a malformed one raise. Close
+        it where it is read (`contextlib.aclosing`): it holds the connection."""
+        ...
 
     async def fetch_prefix(self, node: str, tokens: Sequence[int]) -> PulledPrefix:
         """The leading whole blocks of `tokens` that the node's prefix cache holds (the payload's
@@ -190,6 +207,7 @@ __all__ = [
     "GenerationRequest",
     "KvBytes",
     "KvPieces",
+    "KvSegment",
     "LayerTravel",
     "ModelInfo",
     "Output",

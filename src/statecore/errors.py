@@ -46,6 +46,7 @@ class Code(enum.Enum):
     KV_CHECKSUM = "kv_checksum_mismatch"
     KV_TOO_LARGE = "kv_too_large"
     KV_NOT_FOUND = "kv_not_found"
+    KV_SHM_GONE = "kv_shm_gone"  # the shared memory a KV reference names was unlinked, reused or orphaned
     PREFIX_NOT_CACHED = "prefix_not_cached"  # the node's prefix cache holds none of those blocks
     LEASE_EXPIRED = "kv_lease_expired"
     PEER_FAILED = "peer_failed"

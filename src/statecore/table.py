@@ -232,6 +232,10 @@ DECODE_REQUEST: Machine[DecodePhase] = _request_machine(
         (D.PREFILLING_LOCALLY, E.PREFILL_DONE, Edge(D.INSTALLING, (I.RESPOND_TOKEN, I.INSTALL_KV))),
         (D.PREFILLING_LOCALLY, E.FINISHED, Edge(D.DONE, (I.CANCEL_TIMER, I.RELEASE_KV, I.COMPLETE))),
         (D.RECEIVING_KV, E.KV_RECEIVED, Edge(D.INSTALLING, (I.INSTALL_KV,))),
+        # a streamed handoff: the first token arrives amid the KV and is passed on at once; a first
+        # token that ends the request (EOS) ends it once the stream is in
+        (D.RECEIVING_KV, E.PREFILL_DONE, Edge(D.RECEIVING_KV, (I.RESPOND_TOKEN,))),
+        (D.RECEIVING_KV, E.FINISHED, Edge(D.DONE, (I.CANCEL_TIMER, I.RELEASE_KV, I.COMPLETE))),
         (D.INSTALLING, E.KV_INSTALLED, Edge(D.DECODING, (I.RELEASE_KV, I.START_DECODE))),
         (D.INSTALLING, E.FINISHED, Edge(D.DONE, (I.CANCEL_TIMER, I.RELEASE_KV, I.COMPLETE))),
         (D.INSTALLING, E.STOP_MATCHED,

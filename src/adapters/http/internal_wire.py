@@ -133,6 +133,14 @@ class DecodeBody(_Strict):
     sampling: SamplingBody
     first_token: int | None = None
     prefill_url: str | None = None
+    # A streamed handoff (sent only when set, so a node of an older version sees the same body):
+    # this node asks `prefill_url` to prefill and streams the KV from it as it is computed.
+    kv_stream: bool = False
+    prefix_from: PrefixFromBody | None = None
+
+    def document(self) -> dict[str, object]:
+        unset = {name for name in ("kv_stream", "prefix_from") if not getattr(self, name)}
+        return self.model_dump(exclude=unset or None)
 
 
 class ErrorBody(_Strict):

@@ -46,16 +46,18 @@ from adapters.http.internal_wire import (
     output_line,
 )
 from adapters.http.streaming import WatchedStream
+from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
-from effects.interpret import EnginePerformer, NodeRequest
+from effects.interpret import EnginePerformer, NodeRequest, StreamItemOut
 from effects.ports import (
     Engine,
     GenerationEnd,
     GenerationError,
     KvBytes,
     KvPieces,
+    KvSegment,
     PrefillReply,
     TokenOut,
 )
@@ -73,6 +75,7 @@ from statecore.events import (
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
 from statecore.policy import FINISH_REASONS, STOP, is_eos
+from statecore.scheduling import prefill_chunks
 
 log = logging.getLogger("statecore.node_api")
 
@@ -133,30 +136,33 @@ def _kv_body(payload: KvPieces, on_end: Callable[[KvBytes], None]) -> Response:
     which the server then sends as it is), and a cache of many small blocks does not cost one
     server round per block. `on_end` gets the payload's last bytes once they are known."""
 
-    async def messages() -> AsyncGenerator[bytes, None]:
-        batch: list[memoryview] = []
-        size = 0
-        for piece in payload.pieces:
-            view = memoryview(piece).cast("B")
-            while len(view):
-                take = view[: KV_SEND_SLICE - size]
-                view = view[len(take):]
-                batch.append(take)
-                size += len(take)
-                if size == KV_SEND_SLICE:
-                    yield b"".join(batch)
-                    batch, size = [], 0
-        if payload.seal is not None:
-            end = await trio.to_thread.run_sync(payload.seal)
-            batch.append(memoryview(end))
-            on_end(end)
-        elif payload.pieces:
-            on_end(payload.pieces[-1])
-        if batch:
-            yield b"".join(batch)
-
-    return WatchedStream(messages(), media_type="application/octet-stream",
+    return WatchedStream(_sliced(payload, on_end), media_type="application/octet-stream",
                          headers={"content-length": str(payload.nbytes)})
+
+
+async def _sliced(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
+                  head: bytes = b"") -> AsyncGenerator[bytes, None]:
+    """`head`, then a payload's pieces and its end frame, as messages of KV_SEND_SLICE bytes."""
+    batch: list[memoryview] = [memoryview(head)] if head else []
+    size = len(head)
+    for piece in payload.pieces:
+        view = memoryview(piece).cast("B")
+        while len(view):
+            take = view[: KV_SEND_SLICE - size]
+            view = view[len(take):]
+            batch.append(take)
+            size += len(take)
+            if size == KV_SEND_SLICE:
+                yield b"".join(batch)
+                batch, size = [], 0
+    if payload.seal is not None:
+        end = await trio.to_thread.run_sync(payload.seal)
+        batch.append(memoryview(end))
+        on_end(end)
+    elif payload.pieces:
+        on_end(payload.pieces[-1])
+    if batch:
+        yield b"".join(batch)
 
 
 class NodeApi:
@@ -173,8 +179,11 @@ class NodeApi:
         max_live: int = 256,
         kv_buffer_bytes: Callable[[], int] = lambda: 0,
         warnings: list[str] | None = None,
+        kv_stream: bool = True,
     ) -> None:
         self.role = role
+        # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
+        self.kv_stream = kv_stream
         self.warnings = warnings or []  # start-up warnings, repeated in /health
         self.lost_reason: str | None = None  # why the engine (this node's transport) is lost
         self.kv_buffer_bytes = kv_buffer_bytes  # a decode node's kept receive buffers
@@ -198,6 +207,7 @@ class NodeApi:
             return [
                 *common,
                 Route("/internal/prefill", guarded(g, self.prefill), methods=["POST"]),
+                Route("/internal/prefill_stream", guarded(g, self.prefill_stream), methods=["POST"]),
                 Route("/internal/kv/{request_id}", guarded(g, self.send_kv), methods=["GET"]),
                 Route("/internal/kv/{request_id}", guarded(g, self.kv_taken), methods=["DELETE"]),
             ]
@@ -222,7 +232,8 @@ class NodeApi:
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use()})
+        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
+                             "kv_stream": self.kv_stream and self.role in ("prefill", "decode")})
 
     def statistics(self) -> dict[str, object]:
         engine = self.engine.statistics()
@@ -308,6 +319,71 @@ class NodeApi:
             case Complete():
                 return error_response(ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill completed early"))
 
+    async def prefill_stream(self, request: Request) -> Response:
+        """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
+        stream its KV as it is computed (`adapters.kv.stream`), the first token among it. Once the
+        stream's end is out the decode node holds everything: the request ends as handed off."""
+        body: PrefillBody = _validated(PrefillBody, await read_body(request))
+        rid = RequestId(body.request_id)
+        context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
+                              prefix_from=None if body.prefix_from is None else body.prefix_from.source())
+        info = self.engine.info
+        # at most one piece per chunk and layer, then the first token and the end (or an error)
+        bound = len(prefill_chunks(len(body.prompt), info.prefill_chunk_size)) * max(1, len(info.layers)) + 3
+        items = self.performer.open_stream_out(context, bound)
+        generation = await self._admit(rid, context, 4)
+        await self.runner.post(rid, Admitted(len(body.prompt)))
+        return WatchedStream(self._stream_records(generation, items, len(body.prompt)),
+                             media_type="application/octet-stream")
+
+    async def _stream_records(self, generation: RunnerGeneration,
+                              items: trio.MemoryReceiveChannel[StreamItemOut],
+                              prompt_tokens: int) -> AsyncGenerator[bytes, None]:
+        rid = generation.request_id
+        ended = False
+        segments = 0
+        try:
+            yield kv_stream.preamble()
+            async with items:
+                async for item in items:
+                    match item:
+                        case KvSegment():
+                            where = kv_stream.SegmentRange(item.start, item.stop,
+                                                           item.first_layer, item.end_layer)
+                            head = kv_stream.segment_head(where, item.payload.nbytes)
+                            damaged = None if segments else await self._damaged(rid, item.payload)
+                            if damaged is not None:  # tests only: a cut or flipped first piece
+                                yield head + damaged
+                                if len(damaged) < item.payload.nbytes:
+                                    return  # cut: the stream ends here, without its end record
+                            else:
+                                async for message in _sliced(item.payload, head=head):
+                                    yield message
+                            segments += 1
+                        case PrefillReply():
+                            yield kv_stream.document_record(kv_stream.FIRST_TOKEN, PrefillReplyBody(
+                                first_token=item.first_token, is_eos=item.is_eos, held_bytes=item.held_bytes,
+                                logprobs=LogprobsBody.of(item.logprobs),
+                                cached_tokens=item.cached_tokens).document())
+                        case ErrorInfo():
+                            ended = True
+                            yield kv_stream.document_record(kv_stream.ERROR, error_json(item))
+                            return
+                        case None:
+                            ended = True
+                            yield kv_stream.end_record(prompt_tokens, segments)
+                            break
+            if not ended:  # the request ended here without its stream's end (cancelled, drained)
+                ended = True
+                yield kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
+                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))
+                return
+            await self.runner.post(rid, KvTaken())  # the decode node holds every piece now
+        finally:
+            if not ended:  # the decode node went away mid-stream: free the prefill now
+                with trio.CancelScope(shield=True):
+                    await generation.cancel()
+
     async def prefix_kv(self, request: Request) -> Response:
         """The prefix cache's leading whole blocks of the posted tokens, in the KV wire format (a
         prefill node about to prefill a prompt that starts with them pulls them), or
@@ -377,16 +453,22 @@ class NodeApi:
     async def decode(self, request: Request) -> Response:
         body: DecodeBody = _validated(DecodeBody, await read_body(request))
         rid = RequestId(body.request_id)
-        local = body.prefill_url is None or body.first_token is None
+        streamed = body.kv_stream and body.prefill_url is not None
+        if streamed and not self.kv_stream:
+            raise StatecoreError(client_error("this node takes no streamed handoff (tensor or pipeline "
+                                              "parallel): the router pulls the KV instead"))
+        local = not streamed and (body.prefill_url is None or body.first_token is None)
         context = NodeRequest(
             tuple(body.prompt),
             body.sampling.params(),
-            first_token=None if local else body.first_token,
+            first_token=None if local or streamed else body.first_token,
             prefill_url=None if local else body.prefill_url,
+            streamed=streamed,
+            prefix_from=None if body.prefix_from is None else body.prefix_from.source(),
         )
         generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))
-        return WatchedStream(self._lines(generation, context, first_is_prefill=local,
+        return WatchedStream(self._lines(generation, context, first_is_prefill=local or streamed,
                                          cached_tokens=_asks_cached_tokens(request)),
                              media_type="application/x-ndjson")
 

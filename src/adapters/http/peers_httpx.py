@@ -18,7 +18,8 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 
 import h11
 import httpx
@@ -40,11 +41,14 @@ from adapters.http.internal_wire import (
     parse_output_line,
 )
 from adapters.kv import pull as kv_pull
+from adapters.kv import stream as kv_stream
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
     KvBytes,
+    KvPieces,
+    KvSegment,
     ModelInfo,
     Output,
     PrefillReply,
@@ -86,6 +90,35 @@ async def _raise_for_error(node: str, response: httpx.Response) -> None:
         data = None
     info = error_from_json(data, response.status_code)
     raise StatecoreError(info)
+
+
+@contextlib.contextmanager
+def _stream_errors(node: str) -> Iterator[None]:
+    """A KV stream's failures as typed errors named after the node (so the router, hearing of it
+    through the decode node, blames the right one)."""
+    try:
+        yield
+    except StatecoreError as exc:
+        if node in exc.info.message:
+            raise
+        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
+    except kv_pull.KvStreamCut as exc:
+        raise StatecoreError(ErrorInfo(
+            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}")) from exc
+    except trio.TooSlowError as exc:
+        raise StatecoreError(
+            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
+        raise StatecoreError(ErrorInfo(
+            Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
+
+
+def _raise_error_document(status: int, body: bytes) -> None:
+    try:
+        data: object = json.loads(body)  # an error document: small
+    except ValueError:
+        data = None
+    raise StatecoreError(error_from_json(data, status))
 
 
 class HttpxPeers:
@@ -153,15 +186,104 @@ class HttpxPeers:
             sampling=SamplingBody.of(call.sampling),
             first_token=call.first_token,
             prefill_url=call.prefill_url,
+            kv_stream=call.kv_stream,
+            prefix_from=None if call.prefix_from is None else PrefixFromBody(
+                url=call.prefix_from.node, tokens=call.prefix_from.tokens),
         )
         with transport_errors(node):
             async with self.client.stream(
-                "POST", f"{node}/internal/decode", json=body.model_dump(), params=self._details
+                "POST", f"{node}/internal/decode", json=body.document(), params=self._details
             ) as response:
                 await _raise_for_error(node, response)
                 async for line in response.aiter_lines():
                     if line:
                         yield parse_output_line(line.encode())
+
+    async def prefill_stream(
+        self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        prefix_from: PrefixSource | None = None, *, layers: int,
+    ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
+        hint = (None if prefix_from is None
+                else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
+        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
+                           prefix_from=hint)
+        url = f"{node}/internal/prefill_stream"
+        if self.handoffs is not None:
+            self.handoffs.record(request_id).transport = "http"
+        document = json.dumps(body.document()).encode()
+        # No cancel scope may span a yield of this generator: each read has its own deadline.
+        with _stream_errors(node):
+            if self._direct_kv and url.startswith(("http://", "https://")):
+                async with kv_pull.open_stream(url, self._headers, document,
+                                               connect_timeout_s=self._connect_timeout_s,
+                                               ssl_context=self._ssl_context) as (status, answer):
+                    if not isinstance(answer, kv_pull.StreamBody):
+                        _raise_error_document(status, answer)
+                    else:
+                        read_into = self._deadline(answer.read_into)
+                        async for item in self._stream_items(read_into, len(prompt), layers):
+                            yield item
+            else:
+                async for item in self._stream_httpx(node, url, document, len(prompt), layers):
+                    yield item
+
+    def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
+        """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
+        async def read(view: memoryview) -> None:
+            with trio.fail_after(self._read_timeout_s):
+                await read_into(view)
+        return read
+
+    async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int
+                            ) -> AsyncIterator[KvSegment | PrefillReply]:
+        """A KV stream's records as the port's items; the stream's own checks on the way."""
+        await kv_stream.read_preamble(read_into)
+        coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
+        while True:
+            record = await kv_stream.read_record(read_into, self.receive_buffers.take, self.max_kv_bytes)
+            match record:
+                case kv_stream.Segment(where=where, payload=payload):
+                    coverage.add(where)
+                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
+                                    KvPieces((payload,)))
+                case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, value=value):
+                    try:
+                        reply = PrefillReplyBody.model_validate(value)
+                    except pydantic.ValidationError as exc:
+                        raise StatecoreError(ErrorInfo(
+                            Fault.PEER, Code.KV_MALFORMED,
+                            f"a malformed first token in the KV stream: {exc}")) from exc
+                    yield PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes,
+                                       None if reply.logprobs is None else reply.logprobs.value(),
+                                       reply.cached_tokens)
+                case kv_stream.Document(value=value):  # the prefill node's error
+                    raise StatecoreError(error_from_json(value, 502))
+                case kv_stream.StreamEnd():
+                    coverage.finish(record)
+                    return
+
+    async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int
+                            ) -> AsyncIterator[KvSegment | PrefillReply]:
+        """The stream through httpx (a test's injected transport): its bytes through a small
+        buffer, read as `read_into` asks."""
+        with transport_errors(node):
+            async with self.client.stream("POST", url, content=document,
+                                          headers={"content-type": "application/json"}) as response:
+                await _raise_for_error(node, response)
+                chunks = response.aiter_raw()
+                pending = bytearray()
+
+                async def read_into(view: memoryview) -> None:
+                    while len(pending) < len(view):
+                        try:
+                            pending.extend(await chunks.__anext__())
+                        except StopAsyncIteration:
+                            raise kv_pull.KvStreamCut("the KV stream ended early") from None
+                    view[:] = pending[: len(view)]
+                    del pending[: len(view)]
+
+                async for item in self._stream_items(read_into, prompt_tokens, layers):
+                    yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
         payload, head_s, last_byte_s = await self._pull(node, f"{node}/internal/kv/{request_id}")

@@ -23,10 +23,11 @@ nothing in `statecore` or `effects` may import it.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -106,6 +107,10 @@ class ReceiveBuffers:
 
 class KvPullError(Exception):
     """The peer broke HTTP/1.1 or the connection mid-answer: the transport is lost."""
+
+
+class KvStreamCut(Exception):
+    """A stream's body ended cleanly before its own end: the peer sent an incomplete stream."""
 
 
 class KvTooLarge(Exception):
@@ -232,4 +237,117 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
     return PulledKv(response.status_code, body, head - started, last_byte - started)
 
 
-__all__ = ["KvPullError", "KvTooLarge", "PulledKv", "ReceiveBuffers", "pull"]
+class StreamBody:
+    """A streamed answer's body, read exactly as asked: `read_into(view)` fills `view` from the
+    body, straight from the socket where it can (`recv_into`). The body may be chunked (an answer
+    of no declared length over HTTP/1.1, as the prefill node's KV stream is), sized, or end with
+    the connection; the chunk framing is parsed here, so the payload bytes are copied once, out
+    of the kernel into the caller's buffer."""
+
+    def __init__(self, stream: trio.abc.Stream, early: bytes, *, chunked: bool, length: int | None) -> None:
+        self._stream = stream
+        self._buffered = bytearray(early)  # bytes received but not handed out yet
+        self._chunked = chunked
+        self._left = length  # sized: body bytes left; chunked: left in the current chunk (None: none open)
+        self._chunks = 0
+        if chunked:
+            self._left = None
+
+    async def _receive_into(self, view: memoryview) -> int:
+        """Some bytes into `view` (at least one): buffered ones first, else from the stream."""
+        if self._buffered:
+            n = min(len(view), len(self._buffered))
+            view[:n] = self._buffered[:n]
+            del self._buffered[:n]
+            return n
+        if isinstance(self._stream, trio.SocketStream):
+            n = await self._stream.socket.recv_into(view, len(view))
+        else:
+            chunk = await self._stream.receive_some(min(len(view), READ_BYTES))
+            n = len(chunk)
+            view[:n] = chunk
+        if n == 0:
+            raise KvPullError("the peer closed the connection mid-stream")
+        return n
+
+    async def _line(self) -> bytes:
+        """One CRLF-ended line of the chunk framing (a few bytes), read byte by byte past the buffer."""
+        line = bytearray()
+        one = memoryview(bytearray(1))
+        while not line.endswith(b"\r\n"):
+            if len(line) > 1024:
+                raise KvPullError("a chunk header line runs past 1024 bytes")
+            await self._receive_into(one)
+            line += one
+        return bytes(line[:-2])
+
+    async def _open_chunk(self) -> None:
+        if self._chunks and await self._line() != b"":  # the CRLF after the previous chunk's data
+            raise KvPullError("a chunk's data is not followed by CRLF")
+        size_field = (await self._line()).split(b";", 1)[0].strip()
+        try:
+            size = int(size_field, 16)
+        except ValueError:
+            raise KvPullError(f"bad chunk size {size_field[:32]!r}") from None
+        if size == 0:
+            raise KvStreamCut("the stream ended before its end record")
+        self._chunks += 1
+        self._left = size
+
+    async def read_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            if self._chunked and not self._left:
+                await self._open_chunk()
+            want = len(view) - got
+            if self._left is not None:
+                if self._left == 0:
+                    raise KvStreamCut("the body ended before the stream's end record")
+                want = min(want, self._left)
+            n = await self._receive_into(view[got : got + want])
+            got += n
+            if self._left is not None:
+                self._left -= n
+
+
+@contextlib.asynccontextmanager
+async def open_stream(url: str, headers: Sequence[tuple[str, str]], json_body: bytes, *,
+                      connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None
+                      ) -> AsyncIterator[tuple[int, StreamBody | bytes]]:
+    """POST `json_body` to `url` and yield (status, body): a 200 answer's `StreamBody` to read as
+    it arrives, any other answer's whole (small) error document."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        raise ValueError(f"adapters.kv.pull handles http:// and https:// URLs only, not {url!r}")
+    secure = parts.scheme == "https"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    with trio.fail_after(connect_timeout_s):
+        tcp = await trio.open_tcp_stream(parts.hostname, parts.port or (443 if secure else 80))
+    stream: trio.abc.Stream = tcp
+    if secure:
+        context = ssl_context if ssl_context is not None else client_context(None)
+        stream = trio.SSLStream(tcp, context, server_hostname=parts.hostname, https_compatible=True)
+    async with stream:
+        if isinstance(stream, trio.SSLStream):
+            with trio.fail_after(connect_timeout_s):
+                await stream.do_handshake()
+        conn = h11.Connection(h11.CLIENT)
+        fields = [("Host", parts.netloc), ("Connection", "close"), *headers,
+                  ("Content-Type", "application/json"), ("Content-Length", str(len(json_body)))]
+        data = conn.send(h11.Request(method="POST", target=target, headers=fields))
+        body_data = conn.send(h11.Data(data=json_body))
+        end = conn.send(h11.EndOfMessage())
+        assert data is not None and body_data is not None and end is not None
+        await stream.send_all(data + body_data + end)
+        response = await _receive_head(stream, conn)
+        if response.status_code != 200:
+            yield response.status_code, await _receive_framed(stream, conn, MAX_ERROR_BODY)
+            return
+        chunked = any(name == b"transfer-encoding" and b"chunked" in value.lower()
+                      for name, value in response.headers)
+        early, _closed = conn.trailing_data
+        yield 200, StreamBody(stream, bytes(early), chunked=chunked, length=_content_length(response))
+
+
+__all__ = ["KvPullError", "KvStreamCut", "KvTooLarge", "PulledKv", "ReceiveBuffers", "StreamBody",
+           "open_stream", "pull"]

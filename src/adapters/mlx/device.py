@@ -225,6 +225,8 @@ class _InFlight:
     logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
     finished_prefills: list[PrefillTask] = field(default_factory=list)
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
+    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer)
+    segments: list[tuple[PrefillTask, tuple[int, int, int, int], list[Any]]] = field(default_factory=list)
 
 
 class _CheckedModel:
@@ -259,6 +261,7 @@ class DeviceLoop:
         self.vocab_size = 0
         self.context_length = 0
         self.slot_lane = False
+        self.streams_ranges = False  # plain KVCache layers: a handoff streams by token and layer range
         self.short_batching = False
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
@@ -367,6 +370,7 @@ class DeviceLoop:
                 if enabled_on_cuda(s.compile_decode):  # (a traced CPU step builds C++ per kernel)
                     self.compiled = CompiledSlotStep(model, self.pool, self.bucket, self.call_hook)
         self.slot_lane = self.pool is not None
+        self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
@@ -810,6 +814,7 @@ class DeviceLoop:
                 continue
             self.account("prefill_batched", started, len(members))
             for task in members:
+                outputs.extend(self.capture_segments(task, current))
                 outputs.extend(self.prefill_outputs(task, current))
         for task, units in tasks:
             if task.finished:
@@ -839,6 +844,7 @@ class DeviceLoop:
                 self.choice_ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
+            outputs.extend(self.capture_segments(task, current))
             if task.finished and task.keeps_only:
                 del self.waiting[task.request_id]  # its kept blocks are among the pieces
                 self.unreserve(task.request_id)
@@ -930,6 +936,38 @@ class DeviceLoop:
         self.activation_peak = max(self.activation_peak, estimate)
         return fitted_groups, [(task, units_now[task.request_id]) for task, _ in tasks
                                if units_now.get(task.request_id, 0) > 0]
+
+    def capture_segments(self, task: PrefillTask, current: _InFlight) -> list[Any]:
+        """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
+        units built since the last capture, cut out as their own arrays (evaluated with the step,
+        handed to the sink when it is read back). Cached leading chunks go in the first capture."""
+        if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
+            return []
+        arrays: list[Any] = []
+        units = task.units[task.streamed_units : task.done_units]
+        for chunk in sorted({unit.chunk for unit in units}):
+            mine = [unit for unit in units if unit.chunk == chunk]
+            first, end = mine[0].first_layer, mine[-1].end_layer
+            start = task.chunk_start(chunk)
+            stop = start + task.chunks[chunk]
+            pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
+                      for buffer in (layer.keys, layer.values)]
+            current.segments.append((task, (start, stop, first, end), pieces))
+            arrays.extend(pieces)
+        task.streamed_units = task.done_units
+        return arrays
+
+    def hand_segments(self, step: _InFlight) -> None:
+        """A read-back step's streamed pieces to their sinks (computed now), unless the request
+        left meanwhile."""
+        for task, where, pieces in step.segments:
+            if task.job is None or task.job.is_abandoned():
+                continue
+            try:
+                task.segment_sink(where, pieces)
+            except Exception:  # the sink's failure is its request's (it hears of it at export)
+                logger.exception("handing a KV segment of %s out failed", task.request_id)
+                task.segment_sink = None
 
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
@@ -1081,6 +1119,7 @@ class DeviceLoop:
                 self.unreserve(task.request_id)
             self.last_tokens = None
         else:
+            self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
             for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
                 if owner is None or self.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
@@ -1092,7 +1131,8 @@ class DeviceLoop:
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
                 logprobs = read_logprobs(task.sampler.take_logprobs())
-                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens)
+                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens,
+                                         streamed=task.segment_sink is not None)
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         self.account("readback", started)

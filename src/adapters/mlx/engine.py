@@ -28,7 +28,7 @@ from typing import Any, TypeVar, assert_never, cast
 import mlx.core as mx
 import trio
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from adapters import lockstep
 from adapters.grammar import Grammars
@@ -62,10 +62,12 @@ from effects.engine_port import (
     GeneratedToken,
     KvBytes,
     KvPieces,
+    KvSegment,
     ModelInfo,
     PrefillOutcome,
     PrefixSummary,
     SamplingParams,
+    SegmentSink,
     no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -104,6 +106,8 @@ class MlxEngine:
         self._grammars: Grammars | None = None  # structured output: set at load
         # trio side: streams not yet taken by `stream()`.
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
+        # trio side: a streamed handoff's pieces received so far, validated and built, by request
+        self._arriving: dict[RequestId, list[tuple[int, int, list[Any]]]] = {}  # (first, end layer, caches)
         self._device = (DeviceLoop(settings, self._queue, self._die) if tensor is None
                         else LockstepLoop(settings, self._queue, self._die, tensor, self._replay))
         self._device.publish = self._publish
@@ -316,6 +320,12 @@ class MlxEngine:
         return self._tensor is not None and self._tensor.pipeline
 
     @property
+    def streams_handoffs(self) -> bool:
+        """Whether this engine takes part in streamed handoffs: not a tensor- or pipeline-parallel
+        instance (those move whole payloads, sliced by rank)."""
+        return self._tensor is None
+
+    @property
     def follower_loop(self) -> LockstepLoop:
         """A rank > 0's device loop (for `adapters.mlx.distributed.watch_follower`)."""
         assert isinstance(self._device, LockstepLoop)
@@ -334,17 +344,41 @@ class MlxEngine:
     # -- the Engine port -----------------------------------------------------------------------
 
     async def prefill(
-        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams
+        self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+        segments: SegmentSink | None = None,
     ) -> PrefillOutcome:
         tokens = self._check_request(prompt, sampling)
         if self._pipelined and not self._settings.decodes_locally:  # a prefill node only hands off
             raise refuse_pipelined_handoff("hand off a prefilled cache")
         matcher = await self._matcher(sampling)
-        return await self._wait(self._prefill_job(request_id, tokens, sampling, matcher,
-                                                  trio.lowlevel.current_trio_token()))
+        trio_token = trio.lowlevel.current_trio_token()
+        # Pieces by token and layer range need a cache of plain KVCache layers that holds every
+        # head (not a tensor-parallel rank's share): otherwise the whole cache goes at the end.
+        cuts = self._device.streams_ranges and not isinstance(self._device, LockstepLoop)
+        sink = self._segment_sink(segments, trio_token) if cuts and segments is not None else None
+        return await self._wait(self._prefill_job(request_id, tokens, sampling, matcher, trio_token, sink))
+
+    def _segment_sink(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken
+                      ) -> Callable[[tuple[int, int, int, int], list[Any]], None]:
+        """On the device thread: a computed piece (its range; keys then values of each of its
+        layers) framed as a wire payload over its own host memory, handed to `segments` in trio.
+        The checksum is computed on its own thread while the pieces already travel."""
+        fingerprint = self.info.fingerprint
+
+        def hand(where: tuple[int, int, int, int], arrays: list[Any]) -> None:
+            start, stop, first_layer, end_layer = where
+            layers = [_kv_cache(arrays[i], arrays[i + 1], stop - start) for i in range(0, len(arrays), 2)]
+            tensors = codec.host_tensors(layers, fingerprint=fingerprint, token_count=stop - start)
+            pieces = KvPieces(tuple(frames.unsealed_pieces(tensors)), seal_nbytes=frames.END_FRAME_BYTES,
+                              seal=frames.end_frame_in_background(tensors))
+            post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces))
+
+        return hand
 
     def _prefill_job(self, request_id: str, tokens: list[int], sampling: SamplingParams, matcher: Any,
-                     trio_token: trio.lowlevel.TrioToken | None) -> Job[PrefillOutcome]:
+                     trio_token: trio.lowlevel.TrioToken | None,
+                     segment_sink: Callable[[tuple[int, int, int, int], list[Any]], None] | None = None,
+                     ) -> Job[PrefillOutcome]:
         """`trio_token` None: a replayed job (a rank > 0 of a tensor-parallel instance)."""
         seed = request_seed(request_id, sampling)
         chunks = prefill_chunks(len(tokens), self._settings.prefill_chunk_size)
@@ -358,7 +392,8 @@ class MlxEngine:
             device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
             sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
-            task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job)
+            task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
+                               segment_sink=segment_sink)
             device.start_from_prefix(task, keys)
             device.waiting[request_id] = task
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
@@ -454,6 +489,7 @@ class MlxEngine:
         return checked
 
     async def release_held(self, request_id: RequestId) -> int:
+        self._arriving.pop(request_id, None)
         if not self._alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -514,6 +550,67 @@ class MlxEngine:
         ranges = device.head_ranges(caches)
         await self._start(request_id, tokens, first_token, sampling,
                           partial(self._hand_out_heads, caches, ranges, tokens), sliced=True)
+
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+        if self._pipelined or (isinstance(self._device, LockstepLoop) and self._device.tensor.size > 1):
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                "this node installs whole payloads only (tensor or pipeline parallel)"))
+        # Validated and built in a worker thread, as `install` does, while the stream goes on.
+        built = await trio.to_thread.run_sync(self._validate_segment, segment, prompt_tokens)
+        await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
+        self._arriving.setdefault(request_id, []).append((segment.first_layer, segment.end_layer, built))
+
+    def _validate_segment(self, segment: KvSegment, prompt_tokens: int) -> list[Any]:
+        """A streamed piece's caches: a whole payload of its layers' classes, over its tokens."""
+        payload = segment.payload.joined() if len(segment.payload.pieces) != 1 else segment.payload.pieces[0]
+        classes = self._expected_classes[segment.first_layer : segment.end_layer]
+        whole = segment.start == 0 and segment.stop == prompt_tokens
+        if not whole and not self._device.streams_ranges:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "this model's cache travels whole, not in token ranges"))
+        validated = codec.validate_payload(payload, fingerprint=self.info.fingerprint,
+                                           expected_classes=classes)
+        if validated.header.token_count != segment.stop - segment.start:
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                f"a KV segment of tokens [{segment.start}, {segment.stop}) holds "
+                f"{validated.header.token_count}"))
+        if any(layer.heads is not None for layer in validated.header.layers):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "a KV segment holds every head"))
+        built: list[Any] = codec.build_caches(validated).caches
+        return built
+
+    async def install_segments(
+        self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
+    ) -> None:
+        pieces = self._arriving.pop(request_id, [])
+        tokens = self._check_request(prompt, sampling)
+        first_token = self._check_token(first_token, "first_token")
+        await self._start(request_id, tokens, first_token, sampling,
+                          partial(self._joined_segments, tokens, pieces))
+
+    def _joined_segments(self, tokens: Sequence[int], pieces: list[tuple[int, int, list[Any]]]) -> list[Any]:
+        """On the device thread: the received pieces as one cache per layer (each layer's token
+        ranges in order: the reader checked they follow one another)."""
+        layers = len(self._expected_classes)
+        if len(pieces) == 1 and pieces[0][:2] == (0, layers):
+            caches = pieces[0][2]
+        else:
+            keys: list[list[Any]] = [[] for _ in range(layers)]
+            values: list[list[Any]] = [[] for _ in range(layers)]
+            for first_layer, end_layer, built in pieces:
+                for index, cache in zip(range(first_layer, end_layer), built, strict=True):
+                    keys[index].append(cache.keys)
+                    values[index].append(cache.values)
+            if any(sum(int(k.shape[2]) for k in layer) != len(tokens) for layer in keys):
+                raise StatecoreError(ErrorInfo(
+                    Fault.PEER, Code.KV_TRUNCATED,
+                    f"the KV segments do not cover the prompt's {len(tokens)} tokens"))
+            caches = [_kv_cache(k[0] if len(k) == 1 else mx.concatenate(k, axis=2),
+                                v[0] if len(v) == 1 else mx.concatenate(v, axis=2), len(tokens))
+                      for k, v in zip(keys, values, strict=True)]
+        return self._installed(tokens, caches)
 
     def _validate_and_build(self, payload: KvBytes, prompt_tokens: int,
                             heads: tuple[int, int] | None = None) -> list[Any]:
@@ -601,6 +698,7 @@ class MlxEngine:
                 self._cancel_nowait(request_id)
 
     async def cancel(self, request_id: RequestId) -> None:
+        self._arriving.pop(request_id, None)
         receive = self._streams.pop(request_id, None)
         if receive is not None:
             receive.close()
@@ -1048,6 +1146,11 @@ class MlxEngine:
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )
         return info
+
+
+def _kv_cache(keys: Any, values: Any, tokens: int) -> Any:
+    """A plain KVCache over these arrays, holding `tokens` positions."""
+    return KVCache.from_state((keys, values, tokens))  # type: ignore[no-untyped-call]
 
 
 def _refuse_prefix_move(what: str) -> StatecoreError:

@@ -60,12 +60,17 @@ class PrefillTask:
     block_keys: list[bytes] = field(default_factory=list)  # the prefix cache's names of its whole chunks
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
     keeps_only: bool = False  # a finished conversation's chunks, computed to be kept: no first token
+    # A streamed handoff (plain KVCache layers): called on the device thread with each piece of
+    # the cache once it is computed, (tokens, layers, its arrays: keys then values per layer).
+    segment_sink: Any = field(default=None, repr=False)
+    streamed_units: int = 0  # units whose KV went to the sink (or was captured for it)
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk
         (computing the cached ones too)."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
         self.cached_tokens = 0
+        # What was streamed stays streamed: the same calls compute the same numbers again.
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
         self.sampler.restart(self.tokens)
         self.retried = True
@@ -74,6 +79,10 @@ class PrefillTask:
     def units_left(self) -> tuple[int, ...]:
         """The tokens each remaining work unit is worth (the scheduler's view)."""
         return tuple(unit.tokens for unit in self.units[self.done_units :])
+
+    def chunk_start(self, chunk: int) -> int:
+        """The prompt position where chunk `chunk` begins."""
+        return sum(self.chunks[:chunk])
 
     @property
     def finished(self) -> bool:

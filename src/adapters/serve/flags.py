@@ -208,6 +208,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              f"at most {LOCAL_PREFILL_BELOW_MAX})")
     router.add_argument("--force-disaggregation", action="store_true",
                         help="router: send every request through a prefill node")
+    router.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
+                        help="router: how a prompt's KV moves from its prefill node to its decode node: "
+                             "stream (the decode node learns of the request at once and receives each "
+                             "piece of the KV as the prefill node computes it; the default), or pull (the "
+                             "decode node fetches the whole KV after the first token)")
     router.add_argument("--prefix-routing", choices=["on", "off"], default="on",
                         help="router: send a prompt to the node whose prefix cache holds the most of it, "
                              "weighed against load (on, the default), or to the least loaded node (off)")

@@ -290,7 +290,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     live = LiveView(role, runner, metrics.registry)
     warnings = _warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
-                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings)
+                  kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
+                  kv_stream=engine.streams_handoffs)
     lines = RequestLines()
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
@@ -367,10 +368,10 @@ def _build_of(doc: dict[str, object]) -> tuple[str, str | None] | None:
     return str(fingerprint), str(blas) if blas else None
 
 
-async def _node_build(peers: HttpxPeers, node: str) -> tuple[str, str | None] | None:
-    """`_build_of` a node's /internal/info; None when it does not answer."""
+async def _node_document(peers: HttpxPeers, node: str) -> dict[str, object] | None:
+    """A node's /internal/info document; None when it does not answer."""
     try:
-        return _build_of(await peers.info_document(node))
+        return await peers.info_document(node)
     except (StatecoreError, ValueError):
         return None
 
@@ -385,8 +386,9 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
     first, first_doc, info = await _fetch_info(peers, prefill + decode)
-    builds = {node: _build_of(first_doc) if node == first else await _node_build(peers, node)
-              for node in prefill + decode}
+    docs = {node: first_doc if node == first else await _node_document(peers, node)
+            for node in prefill + decode}
+    builds = {node: None if doc is None else _build_of(doc) for node, doc in docs.items()}
     answered = [b for b in builds.values() if b is not None]
     if len({fp for fp, _ in answered}) > 1 or len({blas for _, blas in answered if blas}) > 1:
         log.warning("nodes differ in model fingerprint or BLAS, so KV handoffs between them will be refused "
@@ -407,8 +409,15 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         lines.routed(request_id, choice.route.value)
         return choice
 
+    # A node that says it takes no streamed handoff (tensor or pipeline parallel) is pulled from.
+    pulled_only = {node for node in prefill + decode
+                   if (doc := docs.get(node)) is not None and doc.get("kv_stream") is False}
+
+    def streams(prefill_node: str, decode_node: str) -> bool:
+        return args.kv_handoff == "stream" and not {prefill_node, decode_node} & pulled_only
+
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
-                                on_peer_failure=peer_set.report_failure, route=route)
+                                on_peer_failure=peer_set.report_failure, route=route, streams=streams)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, RetryLogged(performer), timeouts=_timeouts(args),
                                          name="router")
     log_transitions(runner, "router", every=args.log_transitions)
