@@ -574,7 +574,9 @@ Byte-level BPE trained with `tokenizers` on the same text: {stats["vocab_size"]}
     (out / "SOURCE.md").write_text(text, encoding="utf-8")
 
 
-def write_model(out: Path, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any], cfg: TrainConfig) -> None:
+def write_model(
+    out: Path, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any], cfg: TrainConfig
+) -> None:
     """The model's files (float16 weights); leaves ``model`` in float16, as it will be served."""
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(tree_map(lambda p: p.astype(mx.float16), model.parameters())))
@@ -634,6 +636,9 @@ def empty_replies(model: nn.Module, chat: Any, config: dict[str, Any]) -> tuple[
     return empty, len(messages)
 
 
+WEATHER_QUESTION = "What is the weather in Paris?"
+
+
 def finetune(args: argparse.Namespace) -> None:
     """Continue training the model in ``args.finetune_from`` (same tokenizer and shape) on
     greetings, short questions and tool calls (``demo_chat_data``), mixed with the plays' own
@@ -659,7 +664,8 @@ def finetune(args: argparse.Namespace) -> None:
     docs += replay[: args.replay]
     random.Random(SEED + 1).shuffle(docs)
     n_val = max(1, int(len(docs) * cfg.val_fraction))
-    encoded = [np.array(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(docs, add_special_tokens=False)]
+    batch = tokenizer.encode_batch(docs, add_special_tokens=False)
+    encoded = [np.array(e.ids, dtype=np.int32) for e in batch]
     lengths = [len(e) for e in encoded]
     val_tokens = np.concatenate(encoded[:n_val])
     train_tokens = np.concatenate(encoded[n_val:])
@@ -685,8 +691,7 @@ def finetune(args: argparse.Namespace) -> None:
     samples = {
         "hi": chat_reply(model, chat, config, [{"role": "user", "content": "Hi there"}]),
         "why": chat_reply(model, chat, config, [{"role": "user", "content": "Why?"}]),
-        "tool": chat_reply(model, chat, config, [{"role": "user", "content": "What is the weather in Paris?"}],
-                           tools=[weather]),
+        "tool": chat_reply(model, chat, config, [{"role": "user", "content": WEATHER_QUESTION}], [weather]),
     }
     print(f"empty greedy replies after: {after[0]} of {after[1]}; samples: {samples}", flush=True)
     argv = (f" --finetune-from {args.finetune_from} --steps {cfg.steps} --batch-size {cfg.batch_size} "
@@ -697,9 +702,20 @@ def finetune(args: argparse.Namespace) -> None:
     print(f"wrote {out}", flush=True)
 
 
-def write_finetune_md(out: Path, source: Path, cfg: TrainConfig, stats: dict[str, Any], samples: dict[str, str],
-                      before: tuple[int, int], after: tuple[int, int], argv: str, *, made: int, replayed: int,
-                      tokens: int) -> None:
+def write_finetune_md(
+    out: Path,
+    source: Path,
+    cfg: TrainConfig,
+    stats: dict[str, Any],
+    samples: dict[str, str],
+    before: tuple[int, int],
+    after: tuple[int, int],
+    argv: str,
+    *,
+    made: int,
+    replayed: int,
+    tokens: int,
+) -> None:
     """SOURCE.md as it was (the from-scratch training), with this fine-tune's section after it."""
     previous = (source / "SOURCE.md").read_text(encoding="utf-8").split("\n## Fine-tune")[0].rstrip()
     section = f"""
@@ -720,17 +736,17 @@ often end-of-sequence: an empty reply) and so that a tool call can be tried
 - The chat template gained tools (listed in the system turn as `name(parameters): description`), assistant
   tool calls and `tool` answers; without tools it renders exactly as before.
 - MLX {mx.__version__} on CPU, AdamW (lr {cfg.lr} cosine to {cfg.min_lr:g}, warmup {cfg.warmup},
-  weight decay {cfg.weight_decay}), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps, seed {SEED}:
-  {stats["seconds"] / 60:.1f} minutes on a 2-core x86-64 CPU shared with other work (Debian's
-  OpenBLAS preloaded). Loss at the end: train {stats["train_loss"]:.3f}, held-out
-  {stats["val_loss"]:.3f} (nats/token, on this mixture).
+  weight decay {cfg.weight_decay}), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps,
+  seed {SEED}: {stats["seconds"] / 60:.1f} minutes on one core of a 2-core x86-64 CPU shared with
+  other work (Debian's OpenBLAS preloaded, one thread). Loss at the end: train
+  {stats["train_loss"]:.3f}, held-out {stats["val_loss"]:.3f} (nats/token, on this mixture).
 - Empty greedy replies over the {before[1]} greetings and short questions of the data, typed in lower
   case: {before[0]} before, {after[0]} after. `tests/unit/test_demo_model.py` checks 20 short chat
   messages, greedy and sampled.
 
 ```
 {INSTALL_HINT}
-LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \\
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
   .venv/bin/python scripts/train_demo_model.py{argv}
 ```
 
