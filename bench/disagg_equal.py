@@ -53,6 +53,8 @@ average around each run, every raw timing) and table.txt under --out.
 
     .venv/bin/python bench/disagg_equal.py                      # CPU: cores 0 and 1, ~6-10 min
     .venv/bin/python bench/disagg_equal.py --rounds 1 --long-requests 2 --long-prompt 1000  # smoke
+    .venv/bin/python bench/disagg_equal.py --reanalyze bench/results/disagg_equal/results.json \
+        --ttft-slo-ms 30000 --itl-slo-ms 250            # the same traces, other SLOs
     python3 bench/disagg_equal.py --model /tmp/llama1b --blas bundled --gpus 0 1 --cpus 0-7 8-15 \\
         --decode-streams 16 --decode-tokens 2048 --long-requests 8 --long-interval 0.25  # 2 GPUs
 
@@ -397,7 +399,10 @@ def second_token_gaps(run: RunTrace) -> list[float]:
     return [t.chunk_times[1] - t.chunk_times[0] for t in run.long if t.ok and len(t.chunk_times) > 1]
 
 
-def run_metrics(run: RunTrace, slo: Slo) -> dict[str, float | int | None]:
+def run_metrics(run: RunTrace, slo: Slo, alone: Slo | None = None,
+                factors: Sequence[float] = ()) -> dict[str, float | int | None]:
+    """One run's figures; goodput at `slo`, and the SLO attainment at each of `factors` times
+    the latencies `alone` (DistServe's attainment against the SLO scale)."""
     metrics: dict[str, float | int | None] = {}
     # A gap belongs to the window when the chunk that ends it arrives inside it.
     window = [gap for end, gap in decode_gaps(run) if run.window_start <= end <= run.window_end]
@@ -423,6 +428,10 @@ def run_metrics(run: RunTrace, slo: Slo) -> dict[str, float | int | None]:
     span = max(t.ended for t in every) - min(t.sent for t in every) if every else 0.0
     metrics["output_tok_s"] = sum(t.output_tokens for t in every) / span if span > 0 else None
     metrics.update(goodput(run, slo))
+    for factor in factors if alone is not None else ():
+        assert alone is not None
+        scaled = goodput(run, Slo(alone.ttft_s * factor, alone.itl_s * factor))
+        metrics[f"attainment_at_{factor:g}x"] = scaled["attainment"]
     metrics["window_s"] = run.window_end - run.window_start
     # Streams still producing when the window closed: fewer than all means the window's gaps
     # cover fewer streams than asked for (raise --decode-tokens).
@@ -517,11 +526,24 @@ def trace_json(run: RunTrace) -> dict[str, Any]:
     def one(t: Trace) -> dict[str, Any]:
         return {"request_id": t.request_id, "kind": t.kind, "prompt_tokens": t.prompt_tokens,
                 "max_tokens": t.max_tokens, "output_tokens": t.output_tokens, "error": t.error,
-                "sent": rel(t.sent), "ended": rel(t.ended), "chunks": [rel(c) for c in t.chunk_times]}
+                "sent": rel(t.sent), "ended": rel(t.ended), "cut": t.cut,
+                "chunks": [rel(c) for c in t.chunk_times]}
 
     return {"window": [rel(run.window_start), rel(run.window_end)],
             "started_wall": run.started + run.wall_minus_perf,
             "decode": [one(t) for t in run.decode], "long": [one(t) for t in run.long]}
+
+
+def trace_from_json(setup: str, rep: int, doc: dict[str, Any]) -> RunTrace:
+    """`trace_json` back (times from the run's start), for --reanalyze."""
+
+    def one(t: dict[str, Any]) -> Trace:
+        return Trace(t["request_id"], t["kind"], t["prompt_tokens"], t["max_tokens"], t["sent"], t["ended"],
+                     list(t["chunks"]), t["output_tokens"], t["error"], t.get("cut", t["kind"] == "decode"))
+
+    start, end = doc["window"]
+    return RunTrace(setup, rep, 0.0, float(doc["started_wall"]), start, end,
+                    [one(t) for t in doc["decode"]], [one(t) for t in doc["long"]])
 
 
 def check_routing(setup: Setup, moved: dict[str, dict[str, float]], long_tokens: int) -> str | None:
@@ -552,6 +574,7 @@ ROWS = (
     ("second_token_gap_median_ms", "long 1st->2nd token, median (ms)", 0),
     ("second_token_gap_max_ms", "long 1st->2nd token, max (ms)", 0),
     ("second_token_gap_median_steps", "long 1st->2nd token, median (steps)", 1),
+    ("second_token_gap_max_steps", "long 1st->2nd token, max (steps)", 1),
     ("output_tok_s", "output tokens/s", 1),
     ("goodput_rps", "goodput (req/s, mean ITL)", 3),
     ("attainment", "SLO attainment (mean ITL)", 2),
@@ -573,11 +596,26 @@ def median_of(runs: list[dict[str, Any]], setup: str, section: str, key: str) ->
     return statistics.median(values) if values else None
 
 
+def rows(runs: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """ROWS, then the SLO attainment at each scale the runs have."""
+    scales = sorted({k for r in runs for k in r["metrics"] if k.startswith("attainment_at_")},
+                    key=lambda k: float(k.removeprefix("attainment_at_").removesuffix("x")))
+    return [*ROWS, *((k, f"SLO attainment, SLOs {k.removeprefix('attainment_at_')} alone", 2)
+                     for k in scales)]
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, _, _ in ROWS:
+    for key, _, _ in rows(runs):
         dp2, pd = (median_of(runs, s, "metrics", key) for s in SETUPS)
-        out[key] = {"DP2": dp2, "1P1D": pd, "1P1D_over_DP2": pd / dp2 if pd is not None and dp2 else None}
+        # and the ratio within each round (the two runs back to back), median over rounds
+        by_round: dict[int, dict[str, float]] = {}
+        for r in runs:
+            if r["valid"] and (v := r["metrics"].get(key)) is not None:
+                by_round.setdefault(r["rep"], {})[r["setup"]] = float(v)
+        ratios = [v["1P1D"] / v["DP2"] for v in by_round.values() if len(v) == 2 and v["DP2"]]
+        out[key] = {"DP2": dp2, "1P1D": pd, "1P1D_over_DP2": pd / dp2 if pd is not None and dp2 else None,
+                    "per_round_ratio_median": statistics.median(ratios) if ratios else None}
     extra = sorted({k for r in runs for k in (r.get("handoff") or {})
                     if k not in HANDOFF_ROWS and k.split(".", 1)[-1] not in HANDOFF_ROWS})
     out["handoff_1P1D"] = {key: median_of(runs, "1P1D", "handoff", key) for key in (*HANDOFF_ROWS, *extra)}
@@ -585,15 +623,15 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def table(medians: dict[str, Any], slo: Slo) -> str:
+def table(medians: dict[str, Any], slo: Slo, runs: list[dict[str, Any]]) -> str:
     def cell(v: float | None, digits: int, width: int = 11) -> str:
         return f"{v:{width},.{digits}f}" if v is not None else f"{'-':>{width}s}"
 
-    lines = [f"{'median over rounds':38s} {'DP2':>11s} {'1P1D':>11s} {'1P1D/DP2':>9s}"]
-    for key, label, digits in ROWS:
+    lines = [f"{'median over rounds':38s} {'DP2':>11s} {'1P1D':>11s} {'1P1D/DP2':>9s} {'per round':>9s}"]
+    for key, label, digits in rows(runs):
         row = medians[key]
         lines.append(f"{label:38s} {cell(row['DP2'], digits)} {cell(row['1P1D'], digits)} "
-                     f"{cell(row['1P1D_over_DP2'], 2, 9)}")
+                     f"{cell(row['1P1D_over_DP2'], 2, 9)} {cell(row['per_round_ratio_median'], 2, 9)}")
     lines.append(f"SLOs: TTFT <= {slo.ttft_s * MS:,.0f} ms, ITL <= {slo.itl_s * MS:,.1f} ms")
     lines.append("1P1D handoff, medians over rounds of per-run medians (ms):")
     lines.append("  " + ", ".join(f"{key.removesuffix('_ms')} {cell(v, 1, 1).strip()}"
@@ -725,6 +763,32 @@ def calibrate(setup: Setup, maker: PromptMaker, args: argparse.Namespace,
             "second_token_gap_ms": second}
 
 
+def alone_slo(calibration: dict[str, dict[str, Any]]) -> Slo:
+    """The latencies with nothing else running, the larger of the two setups' (1P1D decodes every
+    stream on one node, DP2 half on each): the SLOs' unit, DistServe's way."""
+    return Slo(ttft_s=max(c["ttft_long_ms"] for c in calibration.values()) / MS,
+               itl_s=max(c["step_ms"] for c in calibration.values()) / MS)
+
+
+def chosen_slo(args: argparse.Namespace, alone: Slo) -> Slo:
+    return Slo(ttft_s=args.ttft_slo_ms / MS if args.ttft_slo_ms else args.slo_factor * alone.ttft_s,
+               itl_s=args.itl_slo_ms / MS if args.itl_slo_ms else args.slo_factor * alone.itl_s)
+
+
+def reanalyze(args: argparse.Namespace) -> int:
+    """--reanalyze: the figures of an earlier run's traces, with this command line's SLOs."""
+    doc = json.loads(args.reanalyze.read_text())
+    alone = alone_slo(doc["meta"]["calibration"])
+    slo = chosen_slo(args, alone)
+    runs = doc["runs"]
+    for r in runs:
+        r["metrics"] = run_metrics(trace_from_json(r["setup"], r["rep"], r["trace"]), slo, alone,
+                                   args.slo_scales)
+    print(f"{args.reanalyze}: started {doc['meta']['started_utc']}, argv {' '.join(doc['meta']['argv'])}")
+    print(table(summary(runs), slo, runs))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -762,7 +826,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--itl-slo-ms", type=float, default=None,
                         help="goodput's ITL SLO (default: --slo-factor x the decode streams' step alone "
                         "on DP2)")
-    parser.add_argument("--slo-factor", type=float, default=3.0)
+    parser.add_argument("--slo-factor", type=float, default=3.0,
+                        help="the goodput's SLOs, in multiples of the latencies alone (default 3)")
+    parser.add_argument("--slo-scales", type=float, nargs="*", default=[2.0, 3.0, 5.0, 8.0, 13.0],
+                        help="also report the SLO attainment at these multiples (DistServe's SLO scale)")
+    parser.add_argument("--reanalyze", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="start nothing: recompute the figures and the table of an earlier "
+                        "results.json (e.g. with other SLOs) and print them")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"],
                         default=os.environ.get("STATECORE_BLAS", "auto"))
     parser.add_argument("--node-arg", action="append", default=[],
@@ -775,6 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "disagg_equal")
     args = parser.parse_args(argv)
+    if args.reanalyze is not None:
+        return reanalyze(args)
     for signum in (signal.SIGTERM, signal.SIGHUP):  # run the `finally` that stops the servers
         signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
     # Ctrl-C too, even where the shell started us with SIGINT ignored (a background job)
@@ -866,9 +938,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["calibration"] = {s.name: calibrate(s, maker, args, tag) for s in setups}
         # DistServe's way: SLOs a multiple of the latency with nothing else running, each the
         # larger of the two setups' (1P1D decodes every stream on one node, DP2 half on each).
-        alone = meta["calibration"].values()
-        slo = Slo(ttft_s=(args.ttft_slo_ms or args.slo_factor * max(c["ttft_long_ms"] for c in alone)) / MS,
-                  itl_s=(args.itl_slo_ms or args.slo_factor * max(c["step_ms"] for c in alone)) / MS)
+        alone = alone_slo(meta["calibration"])
+        slo = chosen_slo(args, alone)
         print("alone (nothing else running): " + "; ".join(
             f"{name} step {c['step_ms']:.1f} ms, long TTFT {c['ttft_long_ms']:,.0f} ms, 1st->2nd "
             f"{c['second_token_gap_ms'] or 0:,.0f} ms" for name, c in meta["calibration"].items())
@@ -884,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             long_interval_s=args.long_interval,
                                             timeout_s=args.request_timeout, tail_s=tail))
                 moved = delta(node_counters(setup.engines), before)
-                metrics = run_metrics(run, slo)
+                metrics = run_metrics(run, slo, alone, args.slo_scales)
                 long_tokens = sum(t.prompt_tokens for t in run.long if t.ok)
                 problem = check_routing(setup, moved, long_tokens)
                 if metrics["failed_decode"] or metrics["failed_long"]:
@@ -917,7 +988,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert slo is not None
     medians = summary(runs)
     write_json(medians)
-    text = table(medians, slo)
+    text = table(medians, slo, runs)
     (args.out / "table.txt").write_text(text + "\n")
     print("\n" + text)
     short = [r for r in runs if r["metrics"]["decode_streams_covering_window"] < args.decode_streams]

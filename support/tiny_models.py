@@ -82,9 +82,10 @@ LLAMA4_ATTENTION_CHUNK = 32
 LLAMA4_MIN_LAYERS = 4
 """llama4 reads the cache of layer 4 (its first global layer) for the mask: fewer layers fail."""
 
-# Bump when the generated files change, so that `cached_checkpoint` does not reuse stale builds.
-# 2: llama4 attn_temperature_tuning is a bool (transformers validates it); 3: the chat template calls tools
-_GENERATOR_VERSION = 3
+# `cached_checkpoint`'s key holds a digest of this file, the builders' source: any change to how
+# a checkpoint is made (config, weights, tokenizer, template) moves every cached build aside, with
+# nothing to remember to bump.
+_BUILDER_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 _BPE_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _SPM_SPECIALS = ("<unk>", "<s>", "</s>")
@@ -649,7 +650,7 @@ def cached_checkpoint(
     """`build_tiny_checkpoint` once into a cache directory, then reuse it.
 
     The cache lives in `root`, else `$STATECORE_TINY_CACHE`, else `~/.cache/statecore/tiny`,
-    under a key made of every argument, the mlx-lm version and this generator's version.
+    under a key made of every argument, the mlx-lm version and a digest of this file's source.
     Concurrent callers are safe: each builds into a temporary directory and renames it into
     place; the loser of a race discards its copy and uses the winner's.
     `kw` passes seed, hidden_size and num_layers through.
@@ -664,7 +665,7 @@ def cached_checkpoint(
         "dtype": dtype,
         "tokenizer": tokenizer,
         "mlx_lm": mlx_lm_version,
-        "generator": _GENERATOR_VERSION,
+        "builder": _BUILDER_DIGEST,
         **kw,
     }
     digest = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]

@@ -386,8 +386,10 @@ class _MeteredPerformer:
         async def metered_post(event: Event) -> None:
             first_eos = isinstance(event, PrefillDone) and is_eos(event.first_token, eos,
                                                                    ignore_eos=ignore_eos)
+            # a streamed handoff's first token was computed on the prefill node, which counts it
+            computed_here = not (ctx is not None and ctx.streamed and ctx.stream_out is None)
             if counts_tokens and (isinstance(event, TokenGenerated)
-                                  or (isinstance(event, PrefillDone) and not first_eos)):
+                                  or (isinstance(event, PrefillDone) and not first_eos and computed_here)):
                 _safely("token", lambda: self.metrics.engine_token(rid))
             elif isinstance(event, KvReceived):
                 def received(nbytes: int = event.nbytes) -> None:
@@ -653,15 +655,18 @@ def _renamed(metric: Metric, name: str, model: str) -> Metric:
 
 
 class _KvServed:
-    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` answered with 200."""
+    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` and of every KV stream
+    (`POST /internal/prefill_stream`) answered with 200."""
 
     def __init__(self, app: ASGIApp, count: Callable[[float], None]) -> None:
         self.app = app
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "GET"
-                or not scope.get("path", "").startswith("/internal/kv/")):
+        path = scope.get("path", "")
+        pulled = scope.get("method") == "GET" and path.startswith("/internal/kv/")
+        streamed = scope.get("method") == "POST" and path == "/internal/prefill_stream"
+        if scope["type"] != "http" or not (pulled or streamed):
             await self.app(scope, receive, send)
             return
         status = 0

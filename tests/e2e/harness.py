@@ -185,6 +185,19 @@ def assert_no_leaks(nodes: list[Node], timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def outcomes(url: str) -> dict[tuple[str, str], float]:
+    """statecore:requests_total on one node, by (state, reason): terminal states, and `rejected`
+    for requests refused at intake."""
+    found: dict[tuple[str, str], float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("statecore:requests_total{"):
+            state = re.search(r'state="([^"]*)"', line)
+            reason = re.search(r'reason="([^"]*)"', line)
+            assert state and reason, line
+            found[(state.group(1), reason.group(1))] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def post(node: Node, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
     return httpx.post(f"{node.url}{path}", json=body, timeout=timeout)
 

@@ -23,6 +23,7 @@ from tests.e2e.harness import (
     Cluster,
     Node,
     assert_no_leaks,
+    outcomes,
     post,
     router,
     start_cluster,
@@ -200,25 +201,47 @@ def test_byte_fallback_non_ascii_usage_is_exact(tmp_path: Path) -> None:
         built.stop()
 
 
-def test_a_cache_that_cannot_travel_gets_a_clean_error_and_nothing_dies(tmp_path: Path) -> None:
+def test_a_cache_that_cannot_travel_is_refused_422_and_the_router_serves_on_locally(tmp_path: Path) -> None:
+    """A model whose cache class cannot travel: every prompt that needs a handoff is refused at
+    the router's intake with 422 unsupported_cache naming the class (the same answer each time,
+    each refusal counted once), and a short prompt through the same router, prefilled on the
+    decode node itself, still answers 200, as a single node does."""
     model = build_custom_cache_checkpoint(tmp_path / "opaque")
-    built = start_cluster(model, tmp_path / "logs", node_args=("--trust-remote-code",))
+    local_below = 64  # tokens: the short prompts below prefill locally, the long ones hand off
+    built = start_cluster(model, tmp_path / "logs", node_args=("--trust-remote-code",),
+                          router_args=("--local-prefill-below", str(local_below)))
     try:
-        requests = [
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}),
-            ("/v1/completions", {"prompt": "hello there", "max_tokens": 5}),
+        story = "Once upon a time, in a small village at the edge of a great forest, there lived " * 6
+        handed_off = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": story}], "max_tokens": 5}),
+            ("/v1/completions", {"prompt": story, "max_tokens": 5}),
         ]
-        for path, body in requests:
-            first = post(built.router, path, body)
-            again = post(built.router, path, body)
-            assert first.status_code == again.status_code
-            assert 400 <= first.status_code < 500 and first.status_code != 503
-            assert first.json() == again.json()
-            assert "OpaqueCache" in first.json()["error"]["message"]
-            assert first.json()["error"]["code"] == "unsupported_cache"
-            assert post(built.single, path, body).status_code == 200  # one node serves it fine
-            for node in built.nodes:
-                assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
+        local = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                      "temperature": 0}),
+            ("/v1/completions", {"prompt": "hello there", "max_tokens": 5, "temperature": 0}),
+        ]
+        before = outcomes(built.router.url)
+        refused = 0
+        for (path, long_body), (short_path, short_body) in zip(handed_off, local, strict=True):
+            for _ in range(2):  # the same answer again: the loop keeps serving, nothing is held
+                r = post(built.router, path, long_body)
+                assert r.status_code == 422, r.text
+                assert r.json()["error"]["code"] == "unsupported_cache"
+                assert "OpaqueCache" in r.json()["error"]["message"]
+                refused += 1
+            served = post(built.router, short_path, short_body)
+            assert served.status_code == 200, served.text
+            single = post(built.single, short_path, short_body)
+            assert without_ids(served.json()) == without_ids(single.json())
+            assert single.json()["usage"]["prompt_tokens"] < local_below
+            assert post(built.single, path, long_body).json()["usage"]["prompt_tokens"] >= local_below
+        after = outcomes(built.router.url)
+        key = ("rejected", "unsupported_cache")
+        assert after.get(key, 0) - before.get(key, 0) == refused
+        assert after.get(("done", "stop"), 0) + after.get(("done", "length"), 0) - (
+            before.get(("done", "stop"), 0) + before.get(("done", "length"), 0)) == len(local)
+        assert built.prefill[0].stats()["outcomes"] == {}  # no prefill node ever saw a request
         assert_no_leaks(built.nodes)
     finally:
         built.stop()

@@ -9,7 +9,6 @@ return to zero. Also: hostile bodies, garbage KV, cancellation, the internal tok
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import threading
 import time
@@ -61,7 +60,6 @@ UNTYPED = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    os.environ[ENABLE_ENV] = "1"
     faults: list[str] = []
     for phase in MATRIX:
         faults += ["--inject-fault", phase.value]
@@ -70,11 +68,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         faults += ["--inject-fault", batch_fault.value]
     for phase in UNTYPED:
         faults += ["--inject-fault", f"{phase.value}:untyped"]
-    built = start_cluster(
-        cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
-        node_args=("--internal-token", TOKEN, "--max-kv-bytes", str(MAX_KV_BYTES), *faults),
-        router_args=("--force-disaggregation", "--internal-token", TOKEN, *faults),
-    )
+    with pytest.MonkeyPatch.context() as env:  # the nodes' fault flags arm only with it
+        env.setenv(ENABLE_ENV, "1")
+        built = start_cluster(
+            cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-faults"), prefills=1, decodes=2,
+            node_args=("--internal-token", TOKEN, "--max-kv-bytes", str(MAX_KV_BYTES), *faults),
+            router_args=("--force-disaggregation", "--internal-token", TOKEN, *faults),
+        )
     try:
         yield built
     finally:

@@ -27,8 +27,8 @@ GOOD = {"prompt": "The harbour lights came on one by one.", "max_tokens": 8, "te
 SLOW_PREFILL = {"x-request-id": "inject-fault-slow-prefill-1"}
 
 
-def _single(tmp_path: Path, *args: str) -> Node:
-    os.environ[ENABLE_ENV] = "1"
+def _single(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Node:
+    monkeypatch.setenv(ENABLE_ENV, "1")  # the node's fault flags arm only with it; undone after the test
     node = Node("single", ["--model", str(cached_checkpoint("llama")), *args], tmp_path / "single.log")
     start_nodes([node])
     return node
@@ -41,8 +41,9 @@ def _wait_for(condition: Any, what: str, timeout_s: float = 15.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_request_past_its_deadline_gets_504_and_frees_everything(tmp_path: Path) -> None:
-    node = _single(tmp_path, "--request-deadline", "1", "--inject-fault", "prefill:slow=5")
+def test_a_request_past_its_deadline_gets_504_and_frees_everything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = _single(tmp_path, monkeypatch, "--request-deadline", "1", "--inject-fault", "prefill:slow=5")
     try:
         started = time.monotonic()
         r = httpx.post(f"{node.url}/v1/completions", json=GOOD, headers=SLOW_PREFILL, timeout=30)
@@ -57,8 +58,9 @@ def test_a_request_past_its_deadline_gets_504_and_frees_everything(tmp_path: Pat
         node.stop()
 
 
-def test_the_in_flight_limit_answers_429_with_retry_after(tmp_path: Path) -> None:
-    node = _single(tmp_path, "--max-in-flight", "1", "--inject-fault", "prefill:slow=2")
+def test_the_in_flight_limit_answers_429_with_retry_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = _single(tmp_path, monkeypatch, "--max-in-flight", "1", "--inject-fault", "prefill:slow=2")
     try:
         first: list[httpx.Response] = []
         slow = threading.Thread(target=lambda: first.append(httpx.post(

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from effects.faults import ENABLE_ENV
 from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Node, assert_no_leaks, post, start_cluster, start_nodes
 
@@ -93,13 +94,9 @@ def test_sigterm_during_a_long_request_finishes_it_and_exits_zero(tmp_path: Path
     assert node.process.wait(timeout=30) == 0
 
 
-def test_a_dead_device_thread_is_transport_lost(tmp_path: Path) -> None:
+def test_a_dead_device_thread_is_transport_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine thread dying ends the loop: health goes non-200 at once, exit code 3."""
-    import os
-
-    from effects.faults import ENABLE_ENV
-
-    os.environ[ENABLE_ENV] = "1"
+    monkeypatch.setenv(ENABLE_ENV, "1")
     node = Node("single", ["--model", str(cached_checkpoint("llama")), "--inject-fault", "device_crash"],
                 tmp_path / "single.log")
     start_nodes([node])
@@ -133,14 +130,10 @@ def test_a_dead_prefill_node_is_retried_around_before_the_first_token(tmp_path: 
         cluster.stop()
 
 
-def test_a_hung_engine_is_caught_by_the_watchdog(tmp_path: Path) -> None:
+def test_a_hung_engine_is_caught_by_the_watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model call never returns: after --stall-timeout the node fails its requests with a
     typed error, says why in /health and its log, and exits 3 (for its supervisor to restart)."""
-    import os
-
-    from effects.faults import ENABLE_ENV
-
-    os.environ[ENABLE_ENV] = "1"
+    monkeypatch.setenv(ENABLE_ENV, "1")
     node = Node("single", ["--model", str(cached_checkpoint("llama")), "--stall-timeout", "1",
                            "--inject-fault", "decode_call_hang"], tmp_path / "single.log")
     start_nodes([node])

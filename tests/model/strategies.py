@@ -16,6 +16,7 @@ from statecore.events import (
     DrainRequested,
     EngineFailed,
     Event,
+    EventKind,
     Finished,
     FirstToken,
     KvInstalled,
@@ -44,34 +45,36 @@ SPECS = Path(__file__).resolve().parents[2] / "specs"
 errors = st.builds(ErrorInfo, st.sampled_from(Fault), st.sampled_from(Code), st.text(max_size=20))
 tokens = st.integers(min_value=0, max_value=50_000)
 
-events: st.SearchStrategy[Event] = st.one_of(
-    st.builds(Admitted, st.integers(0, 5000)),
-    st.builds(Rejected, errors),
-    st.just(Dispatched()),
-    st.builds(PrefillDone, tokens, st.integers(0, 1 << 30)),
-    st.builds(FirstToken, tokens),
-    st.just(DecodeStarted()),
-    st.builds(TokenGenerated, tokens),
-    st.builds(Finished, st.sampled_from(["stop", "length"])),
-    st.just(StopMatched()),
-    st.builds(RetryRequested, errors),
-    st.just(PrefillLocally()),
-    st.just(KvRequested()),
-    st.just(KvTaken()),
-    st.builds(KvReceived, st.integers(0, 1 << 30)),
-    st.just(KvInstalled()),
-    st.builds(PeerFailed, errors),
-    st.builds(EngineFailed, errors),
-    st.just(ClientCancelled()),
-    st.builds(TimerFired, st.sampled_from(Timer)),
-    st.builds(TransportLost, st.text(max_size=10)),
-    st.just(RequestOpened()),
-    st.just(LoopReady()),
-    st.just(DrainRequested()),
-    st.just(DrainComplete()),
-    st.just(ProbeSucceeded()),
-    st.builds(ProbeFailed, st.text(max_size=10)),
-)
+# One strategy per event kind: the model tests draw a kind the spec allows, then its payload.
+EVENTS_BY_KIND: dict[EventKind, st.SearchStrategy[Event]] = {
+    EventKind.ADMITTED: st.builds(Admitted, st.integers(0, 5000)),
+    EventKind.REJECTED: st.builds(Rejected, errors),
+    EventKind.DISPATCHED: st.just(Dispatched()),
+    EventKind.PREFILL_DONE: st.builds(PrefillDone, tokens, st.integers(0, 1 << 30)),
+    EventKind.FIRST_TOKEN: st.builds(FirstToken, tokens),
+    EventKind.DECODE_STARTED: st.just(DecodeStarted()),
+    EventKind.TOKEN: st.builds(TokenGenerated, tokens),
+    EventKind.FINISHED: st.builds(Finished, st.sampled_from(["stop", "length"])),
+    EventKind.STOP_MATCHED: st.builds(StopMatched, st.sampled_from(["stop", "length"])),
+    EventKind.RETRY: st.builds(RetryRequested, errors),
+    EventKind.PREFILL_LOCALLY: st.just(PrefillLocally()),
+    EventKind.KV_REQUESTED: st.just(KvRequested()),
+    EventKind.KV_TAKEN: st.just(KvTaken()),
+    EventKind.KV_RECEIVED: st.builds(KvReceived, st.integers(0, 1 << 30)),
+    EventKind.KV_INSTALLED: st.just(KvInstalled()),
+    EventKind.PEER_FAILED: st.builds(PeerFailed, errors),
+    EventKind.ENGINE_FAILED: st.builds(EngineFailed, errors),
+    EventKind.CLIENT_CANCELLED: st.just(ClientCancelled()),
+    EventKind.TIMER_FIRED: st.builds(TimerFired, st.sampled_from(Timer)),
+    EventKind.TRANSPORT_LOST: st.builds(TransportLost, st.text(max_size=10)),
+    EventKind.REQUEST_OPENED: st.just(RequestOpened()),
+    EventKind.LOOP_READY: st.just(LoopReady()),
+    EventKind.DRAIN_REQUESTED: st.just(DrainRequested()),
+    EventKind.DRAIN_COMPLETE: st.just(DrainComplete()),
+    EventKind.PROBE_SUCCEEDED: st.just(ProbeSucceeded()),
+    EventKind.PROBE_FAILED: st.builds(ProbeFailed, st.text(max_size=10)),
+}
+events: st.SearchStrategy[Event] = st.one_of(*EVENTS_BY_KIND.values())
 
 
 def spec(name: str) -> MachineSpec:

@@ -22,7 +22,7 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text
 def _module(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(f"mlx_lm.models.{name}")
-    except BaseException:  # (one module exits when an optional package is missing)
+    except (ImportError, SystemExit):  # olmo exits when its optional package is missing
         return None
 
 

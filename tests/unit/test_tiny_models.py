@@ -341,6 +341,10 @@ def test_cached_checkpoint_builds_once(tmp_path: Path, monkeypatch: pytest.Monke
     assert tm.cached_checkpoint("mamba2", seed=2) == first
     with pytest.raises(TypeError):
         tm.cached_checkpoint("mamba2", root=tmp_path, colour="red")
+    # an edit to the builders' source (its digest) is a new key: the old build is not reused
+    monkeypatch.setattr(tm, "_BUILDER_DIGEST", "an-edited-source")
+    with pytest.raises(AssertionError, match="rebuilt"):
+        tm.cached_checkpoint("mamba2", root=tmp_path, seed=2)
 
 
 def test_cached_checkpoint_survives_a_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

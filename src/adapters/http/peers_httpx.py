@@ -246,9 +246,9 @@ class HttpxPeers:
                     coverage.add(where)
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
                                     KvPieces((payload,)))
-                case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, value=value):
+                case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
                     try:
-                        reply = PrefillReplyBody.model_validate(value)
+                        reply = PrefillReplyBody.model_validate_json(raw)
                     except pydantic.ValidationError as exc:
                         raise StatecoreError(ErrorInfo(
                             Fault.PEER, Code.KV_MALFORMED,

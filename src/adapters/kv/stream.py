@@ -96,6 +96,7 @@ class Document:
 
     kind: bytes
     value: dict[str, object]
+    raw: bytes  # the JSON text, for a strict model to validate as JSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,7 @@ async def read_record(read_into: ReadInto, take: TakeBuffer, max_segment_bytes: 
             fail(Code.KV_MALFORMED, f"a {kind!r} record is not JSON: {exc}")
         if not isinstance(value, dict):
             fail(Code.KV_MALFORMED, f"a {kind!r} record is not a JSON object")
-        return Document(kind, value)
+        return Document(kind, value, bytes(body))
     if kind == END:
         if length != _END.size:
             fail(Code.KV_MALFORMED, f"an end record must hold {_END.size} bytes, not {length}")
