@@ -70,7 +70,7 @@ def test_the_template_does_tool_calls_mlx_lm_reads() -> None:
     rest, more = splitter.close()
     (call,) = calls + more
     assert call.name == "get_weather", text
-    arguments = json.loads(call.arguments)  # a 6 M-parameter model's guess at the city: the shape is the point
+    arguments = json.loads(call.arguments)  # the city is a 6 M-parameter guess: the shape is the point
     assert list(arguments) == ["city"] and isinstance(arguments["city"], str) and arguments["city"], text
     assert not rest.strip(), text
 
