@@ -124,7 +124,8 @@ def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all.
+    """router + prefill + decode as children (the engine nodes on --prefill-port and --decode-port,
+    free ports by default); Ctrl-C or SIGTERM stops them all.
 
     The children run in their own process group, so a terminal's Ctrl-C (SIGINT to the whole
     foreground group) reaches only this parent, which then stops each child with exactly one
