@@ -34,6 +34,11 @@ names and layout) with PyTorch on a CUDA GPU in about two minutes for 4,000 step
 the weights into ``mlx_lm.models.llama`` and re-measures the loss with MLX before writing; it is a
 faster way to experiment, not how the shipped weights were made.
 
+``--finetune-from DIR`` continues training the model in DIR (its tokenizer and shape kept) on
+greetings, short questions and tool calls (``demo_chat_data.py``) mixed with the plays' own
+exchanges and scene pieces, and adds a numbered "Fine-tune" section to DIR's SOURCE.md; the
+shipped weights went through two such stages (their commands are in SOURCE.md).
+
 ``--steps`` and ``--out`` change the length of training and where the model goes. This script
 is a tool, not part of the package: nothing under ``src/`` may import it.
 """

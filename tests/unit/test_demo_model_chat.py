@@ -63,7 +63,7 @@ def test_the_template_does_tool_calls_mlx_lm_reads() -> None:
     assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
     assert tokenizer.tool_call_end == "</tool_call>"
     text = _reply([{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
-                  max_tokens=40)
+                  max_tokens=64)
     splitter = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser,
                                 [WEATHER])
     _, calls = splitter.feed(text)
