@@ -339,6 +339,18 @@ from engine_breakdown import ragged_step; print(json.dumps(ragged_step(Path('$M'
       --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
       --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
     ;;
+  stream)
+    # Issue 30 on one GPU (all three engine nodes on GPU 0): a handoff's cost at concurrency 1,
+    # streamed (shared memory) vs pulled vs one node, at 2,000 and 8,000 tokens; then the stall
+    # of 8,000-token streamed handoffs into a decode node with 16 streams decoding.
+    [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1
+    timeout "${STREAM_LIMIT:-280}" $PY bench/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
+      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=17179869184 --out "$OUT/stream.json" \
+      2>&1 | quiet | tail -12
+    timeout "${STALL_LIMIT:-250}" $PY bench/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 8000 \
+      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
+      --out "$OUT/stream_stall.json" 2>&1 | quiet | tail -8
+    ;;
   route)
     # Issue 14 item 2: a conversation's next turn with an 8,192-token start held by the decode node
     # and a new part of 512 / 4,096 tokens: prefilled on the decode node, on a prefill node

@@ -1,5 +1,8 @@
 """KV handoff per request over the real HTTP pull, against a raw loopback socket in the same run.
 
+(The whole-payload pull, `--kv-handoff pull`; `bench/handoff_overhead.py` measures the streamed
+handoff against it and against one node.)
+
 Starts a prefill node, a decode node and a router as separate `statecore run` processes on
 127.0.0.1 (the router with --force-disaggregation, so every request hands its KV off), sends
 completions of several prompt lengths through the router's /v1/completions, then reads each
@@ -172,7 +175,7 @@ def start_cluster(model: Path, logs: Path, token: str, extra: list[str]) -> dict
     for node in nodes.values():
         wait_healthy(node, 900)
     router_args = ["--model", str(model), "--internal-token", token, "--force-disaggregation",
-                   "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url]
+                   "--kv-handoff", "pull", "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url]
     router = Node("router", router_args, logs / "router.log")
     router.start()
     wait_healthy(router, 300)

@@ -1,4 +1,8 @@
-"""Settings every test shares: the hypothesis profiles, chosen explicitly.
+"""Settings every test shares: the hypothesis profiles, chosen explicitly, and the `quick` mark.
+
+`pytest -m quick` (README, "Tests") runs every test not marked `e2e` (real processes on
+127.0.0.1) or `slow` (a module that starts worker processes, e.g. the cross-process handoff
+matrix): the unit, model and in-process integration tests, in under three minutes.
 
 `ci` (the default under CI=true) is derandomized: a run's examples are the same on every
 machine and every run, so a red CI is reproducible and a green one is not luck; it does not
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 _SHARED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
@@ -23,3 +28,9 @@ settings.register_profile("dev", _SHARED, max_examples=100)
 settings.register_profile("nightly", _SHARED, max_examples=2000, stateful_step_count=120)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
                       or ("ci" if os.environ.get("CI") == "true" else "dev"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not (item.get_closest_marker("e2e") or item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.quick)

@@ -62,7 +62,7 @@ from effects.runner import CleanupIntent, NodeRunner, Post, WorkIntent
 from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
-from statecore.intents import FetchKv, InstallKv, StartPrefill
+from statecore.intents import FetchKv, InstallKv, StartDecode, StartPrefill
 from statecore.policy import STOP, is_eos
 from statecore.routing import Route as TurnRoute
 
@@ -137,9 +137,9 @@ class Metrics:
             on the others it still counts, unseen."""
             return r if role in roles else None
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...],
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = (),
                       roles: frozenset[str] = _EVERY_ROLE) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["role"], buckets=buckets, registry=exported(roles))
+            return Histogram(PREFIX + name, doc, ["role", *labels], buckets=buckets, registry=exported(roles))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = (),
                     roles: frozenset[str] = _EVERY_ROLE) -> Counter:
@@ -150,7 +150,7 @@ class Metrics:
                               TTFT_BUCKETS).labels(role)
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between two consecutive output tokens of a request.",
-                             ITL_BUCKETS, _TOKEN_STREAM_ROLES).labels(role)
+                             ITL_BUCKETS, roles=_TOKEN_STREAM_ROLES).labels(role)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from admission on this node to a request's last output "
                              "(requests that ran to an end; client cancellations excluded).",
@@ -165,14 +165,32 @@ class Metrics:
                                 "and reason (an error code, or the event that ended it).",
                                 ("state", "reason"))
         self.kv_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes: received "
-                                "(decode node, pulled) or served (prefill node).", ("direction",),
+                                "(decode node) or served (prefill node); a stream's pieces by their "
+                                "payload bytes, over HTTP or shared memory alike.", ("direction",),
                                 _HANDOFF_ROLES)
         self.kv_seconds = histogram("kv_transfer_seconds",
                                     "Time a decode node took to pull one request's KV cache.",
-                                    KV_SECONDS_BUCKETS, _DECODE_ROLES).labels(role)
+                                    KV_SECONDS_BUCKETS, roles=_DECODE_ROLES).labels(role)
         self.kv_failures = counter("kv_transfer_failures", "KV handoffs that failed (the pull, or "
                                    "installing the pulled cache), by error code.",
                                    ("reason",), _DECODE_ROLES)
+        # a streamed handoff as the decode node saw it, by how its pieces moved (http, shm)
+        self.stream_bytes = counter("kv_stream_bytes", "KV payload bytes a decode node received "
+                                    "in streamed handoffs, by transport.", ("transport",), _DECODE_ROLES)
+        self.stream_seconds = histogram("kv_stream_seconds", "A streamed handoff from its stream "
+                                        "opened to its end (the prefill included), by transport.",
+                                        KV_SECONDS_BUCKETS, ("transport",), _DECODE_ROLES)
+        self.stream_overlap = histogram("kv_stream_overlap_ratio", "Share of a streamed handoff's "
+                                        "KV bytes that arrived before its first token, by transport.",
+                                        (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), ("transport",), _DECODE_ROLES)
+        self.install_seconds = histogram("kv_install_seconds", "Installing a handed-off cache into "
+                                         "the decode node's batch, by transport (pull: the whole "
+                                         "payload's checks too).", KV_SECONDS_BUCKETS, ("transport",),
+                                         _DECODE_ROLES)
+        self.first_to_second = histogram("kv_first_to_second_token_seconds", "A handed-off request's "
+                                         "first token passed on to its second token out of the "
+                                         "decode node, by transport.", KV_SECONDS_BUCKETS, ("transport",),
+                                         _DECODE_ROLES)
         self.lease_expired = counter("kv_lease_expired", "Held KV caches never taken before their "
                                      "lease expired.", roles=_PREFILL_ROLES).labels(role)
         # create the usual children, so a scrape shows zeros before the first request
@@ -198,6 +216,10 @@ class Metrics:
         """A front end's backend, timed and counted as the client sees it; what each generation
         did is also noted for its request's log line (`lines`)."""
         return _MeteredBackend(inner, self, lines)
+
+    def kv_served(self, nbytes: int) -> None:
+        """A streamed piece of KV sent (its payload bytes, however it travelled)."""
+        _safely("kv served", lambda: self.kv_bytes.labels(self.role, "served").inc(nbytes))
 
     def performer(self, inner: EnginePerformer) -> _MeteredPerformer:
         """An engine node's performer: KV pulls, prompt sources, and the node's own tokens."""
@@ -402,6 +424,8 @@ class _MeteredPerformer:
 
         try:
             await self.inner.work(intent, context, metered_post)
+            if ctx is not None and ctx.stream_out is None and (ctx.streamed or ctx.prefill_url is not None):
+                _safely("kv handoff", lambda: self._observe_handoff(intent, rid, ctx.streamed))
         except StatecoreError as exc:
             if handoff:
                 code = exc.info.code.value
@@ -414,6 +438,22 @@ class _MeteredPerformer:
             raise
         if isinstance(intent, StartPrefill):
             _safely("prompt", lambda: self.metrics.prompt_source("computed_locally", prompt))
+
+    def _observe_handoff(self, intent: WorkIntent, rid: RequestId, streamed: bool) -> None:
+        """A decode node's handoff, from its record, as each part of it ends: a stream's by the
+        transport its pieces took (http, shm), a pulled one's as "pull"."""
+        record = self.inner.handoffs.record(rid)
+        transport = (record.transport or "http") if streamed else "pull"
+        m, role = self.metrics, self.metrics.role
+        if isinstance(intent, FetchKv) and record.stream_s is not None:
+            m.stream_bytes.labels(role, transport).inc(record.wire_bytes or 0)
+            m.stream_seconds.labels(role, transport).observe(record.stream_s)
+            if record.overlap is not None:
+                m.stream_overlap.labels(role, transport).observe(record.overlap)
+        elif isinstance(intent, InstallKv) and record.install_s is not None:
+            m.install_seconds.labels(role, transport).observe(record.install_s)
+        elif isinstance(intent, StartDecode) and record.first_to_second_s is not None:
+            m.first_to_second.labels(role, transport).observe(record.first_to_second_s)
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         await self.inner.cleanup(intent, context)
@@ -655,18 +695,16 @@ def _renamed(metric: Metric, name: str, model: str) -> Metric:
 
 
 class _KvServed:
-    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` and of every KV stream
-    (`POST /internal/prefill_stream`) answered with 200."""
+    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` answered with 200 (a
+    streamed handoff's pieces are counted by the node API as it sends them, whatever carried them)."""
 
     def __init__(self, app: ASGIApp, count: Callable[[float], None]) -> None:
         self.app = app
         self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        pulled = scope.get("method") == "GET" and path.startswith("/internal/kv/")
-        streamed = scope.get("method") == "POST" and path == "/internal/prefill_stream"
-        if scope["type"] != "http" or not (pulled or streamed):
+        if (scope["type"] != "http" or scope.get("method") != "GET"
+                or not scope.get("path", "").startswith("/internal/kv/")):
             await self.app(scope, receive, send)
             return
         status = 0

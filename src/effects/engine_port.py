@@ -187,6 +187,7 @@ class EngineStatistics:
     held_caches: int  # prefilled caches held for a handoff
     held_bytes: int
     device_thread_alive: bool
+    arriving: int = 0  # streamed handoffs whose pieces are arriving (kept, not yet installed)
     # Counters since start: model calls computed again after one raised, and requests failed
     # alone because their row kept raising (the rest of their step went on).
     step_retries: int = 0

@@ -226,6 +226,7 @@ class FakeEngine:
             held_caches=len(self.held),
             held_bytes=sum(len(v) for v in self.held.values()),
             device_thread_alive=True,
+            arriving=len(self.arriving),
         )
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:

@@ -46,6 +46,11 @@ class HandoffRecord:
     first_token_s: float | None = None  # decode: stream opened -> the first token arrived
     overlap: float | None = None  # decode: share of the KV bytes that arrived before the first token
     first_to_second_s: float | None = None  # decode: the first token passed on -> the second token out
+    # the handoff's overhead, on one host's wall clock: prefill done (prefill node) -> installed
+    # in the decode node's batch (decode node); the prefill's own time beside it
+    prefill_s: float | None = None  # prefill: Engine.prefill, queueing included
+    prefill_done_at: float | None = None  # prefill: wall clock when the first token was sampled
+    installed_at: float | None = None  # decode: wall clock when the request joined the batch
 
 
 class HandoffLog:

@@ -134,12 +134,16 @@ class EnginePerformer:
         self.crash_device = crash_device
         # per-request handoff figures; the HTTP client fills the pull's part of the same records
         self.handoffs = handoffs if handoffs is not None else HandoffLog("node")
+        # told of every request this node forgets (its end): what adapters hold for it goes too
+        self.on_forget: list[Callable[[RequestId], object]] = []
 
     def forget(self, request_id: RequestId, context: object) -> None:
         if isinstance(context, NodeRequest) and context.kv_out is not None:
             context.kv_out.close()  # a puller still waiting learns the request is gone
         if isinstance(context, NodeRequest) and context.stream_out is not None:
             context.stream_out.close()  # so does a stream still sending
+        for hook in self.on_forget:
+            hook(request_id)
 
     def open_stream_out(self, context: NodeRequest, bound: int) -> trio.MemoryReceiveChannel[StreamItemOut]:
         """A prefill node's streamed handoff reads what it sends here: `bound` is the most items
@@ -204,12 +208,14 @@ class EnginePerformer:
                     payload, ctx.payload = ctx.payload, None
                     started = time.perf_counter()
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
-                    self.handoffs.record(rid).install_s = time.perf_counter() - started
+                    record = self.handoffs.record(rid)
+                    record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 elif ctx.streamed:
                     self._crash_if_marked(rid)
                     started = time.perf_counter()
                     await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
-                    self.handoffs.record(rid).install_s = time.perf_counter() - started
+                    record = self.handoffs.record(rid)
+                    record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 else:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                 await post(KvInstalled())
@@ -263,6 +269,9 @@ class EnginePerformer:
         started = time.perf_counter()
         sink = None if ctx.stream_out is None else self._streamed_pieces(rid, ctx)
         outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
+        if ctx.hands_off:
+            record = self.handoffs.record(rid)
+            record.prefill_s, record.prefill_done_at = time.perf_counter() - started, time.time()
         if self.prefix_pull is not None:
             self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
                                        self.engine.info.prefill_chunk_size)
@@ -343,7 +352,8 @@ class EnginePerformer:
         if ctx.first_token is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
                                            "the prefill node's stream ended without a first token"))
-        ctx.prefill_url = None  # the prefill node let go of the cache once the stream was out
+        # the prefill node holds the cache (and any shared memory) until this node says it has
+        # taken it: the RELEASE_KV once installed, as a pulled cache
         record.wire_bytes = received
         record.segments = segments
         record.stream_s = time.perf_counter() - opened

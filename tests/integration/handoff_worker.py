@@ -2,14 +2,16 @@
 
 `python -m tests.integration.handoff_worker MODE WORK_DIR`, where WORK_DIR holds `spec.json`
 (a `Spec`: the model directory, kv_bits, chunk size, named prompts, greedy and seeded sampling
-and, for the batch test, neighbour prompts). Each mode writes `<MODE>.json` into WORK_DIR:
+and, for the batch test, neighbour prompts and the prompts that also join them). Each mode
+writes `<MODE>.json` into WORK_DIR:
 
 - `prefill`: one `MlxEngine`; every prompt is prefilled twice (greedy, seeded), exported and
   released. Payloads go to `<prompt>.<sampling>.kv`, first tokens and sizes to the JSON.
 - `decode`: the other side of the handoff, a process that never saw the prompts. Each payload
-  is installed into a fresh `MlxEngine` and decoded. With neighbours in the spec, that engine
-  first starts them (prefilled locally), waits until each has streamed a few tokens, and the
-  payload joins the decoder while they run.
+  is installed into a fresh `MlxEngine` and decoded alone. Each payload of a prompt named in
+  `join` is then installed again, into another fresh engine that first starts the neighbours
+  (prefilled locally) and waits until each has streamed a few tokens: it joins the decoder
+  while they run (results under `<prompt>.<sampling>.joined`).
 - `reference`: what the handoff must equal, in one process: mlx-lm's `generate_step` greedy
   tokens (same `prefill_step_size`, kv_bits from the first model call), and one `MlxEngine`
   doing everything itself (`prefill` + `decode_held`) for seeded sampling and the neighbours.
@@ -57,6 +59,7 @@ class Spec:
     seeded: SamplingParams
     kv_bits: int | None = None
     neighbours: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    join: list[str] = field(default_factory=list)  # prompts that also join the running neighbours
 
     def write(self, work: Path) -> None:
         (work / "spec.json").write_text(json.dumps(asdict(self)))
@@ -72,6 +75,7 @@ class Spec:
             seeded=SamplingParams(**raw["seeded"]),
             kv_bits=raw["kv_bits"],
             neighbours=[(prompt, SamplingParams(**s)) for prompt, s in raw["neighbours"]],
+            join=raw["join"],
         )
 
     def sampling(self, which: str) -> SamplingParams:
@@ -143,18 +147,20 @@ async def run_decode(spec: Spec, work: Path) -> dict[str, Any]:
             payload = _payload_file(work, name, which).read_bytes()
             first_token = int(prefilled[rid]["first_token"])
             sampling = spec.sampling(which)
-            engine = await _open(spec)  # fresh: it has seen nothing of this prompt
-            try:
-                if engine.info.fingerprint != prefilled["fingerprint"]:
-                    raise AssertionError("prefill and decode loaded models with different fingerprints")
-                if spec.neighbours:
-                    out[rid] = await _join_running(engine, spec, rid, payload, prompt, first_token, sampling)
-                else:
-                    await engine.install(rid, payload, prompt, first_token, sampling)
-                    out[rid] = {"tokens": await _collect(engine, rid, first_token)}
-                await _assert_idle(engine)
-            finally:
-                await engine.aclose()
+            for joins in (False, True) if name in spec.join else (False,):
+                engine = await _open(spec)  # fresh: it has seen nothing of this prompt
+                try:
+                    if engine.info.fingerprint != prefilled["fingerprint"]:
+                        raise AssertionError("prefill and decode loaded models with different fingerprints")
+                    if joins:
+                        out[f"{rid}.joined"] = await _join_running(engine, spec, rid, payload, prompt,
+                                                                   first_token, sampling)
+                    else:
+                        await engine.install(rid, payload, prompt, first_token, sampling)
+                        out[rid] = {"tokens": await _collect(engine, rid, first_token)}
+                    await _assert_idle(engine)
+                finally:
+                    await engine.aclose()
     return out
 
 

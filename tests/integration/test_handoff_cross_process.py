@@ -6,8 +6,10 @@ into a fresh engine and continues 32 tokens. Greedy tokens must equal mlx-lm's `
 (same `prefill_step_size`); seeded sampling must equal the same engine doing everything on one
 node. Then a handed-off request joining a decoder that already runs three others must produce
 the tokens it produces alone. The processes are `tests/integration/handoff_worker.py`: one
-invocation per (model, mode) covers every prompt and both samplings, and the prefill and
-reference processes run side by side.
+invocation per (model, mode) covers every prompt, both samplings and, for the cases that also
+join, the joins (the same payloads installed again beside running neighbours), and the prefill
+and reference processes run side by side. Each case's processes run once (`handoff_of`); both
+tests read their results.
 
 CHUNK is 256, so 257 tokens take one full chunk plus the last token, and 2,100 tokens nine chunks
 (the last one partial) plus the last token. Prompts are the tiny tokenizer's ids of CORPUS.
@@ -32,6 +34,9 @@ from tokenizers import Tokenizer
 from effects.engine_port import SamplingParams
 from support.tiny_models import CORPUS, DTYPES, FAMILIES, cached_checkpoint, is_degenerate
 from tests.integration.handoff_worker import Spec, read_result
+
+# worker processes for every family and dtype: not in `pytest -m quick`
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256
@@ -168,32 +173,63 @@ def run_handoff(spec: Spec, work: Path) -> Results:
     )
 
 
-def spec_for(
-    model_dir: Path,
-    case: Case,
-    lengths: tuple[int, ...] = LENGTHS,
-    neighbours: list[tuple[list[int], SamplingParams]] | None = None,
-) -> Spec:
+def spec_for(model_dir: Path, case: Case) -> Spec:
+    joins = case in JOIN_CASES
     return Spec(
         model=str(model_dir),
         chunk=CHUNK,
-        prompts={f"len{n}": corpus_ids(model_dir, n) for n in lengths},
+        prompts={f"len{n}": corpus_ids(model_dir, n) for n in LENGTHS},
         greedy=GREEDY,
         seeded=SEEDED,
         kv_bits=case.kv_bits,
-        neighbours=neighbours or [],
+        neighbours=[(corpus_ids(model_dir, n, start), sampling) for start, n, sampling in NEIGHBOURS]
+        if joins else [],
+        join=[f"len{n}" for n in JOIN_LENGTHS] if joins else [],
     )
 
 
+@pytest.fixture(scope="module")
+def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> Callable[[Case], Results]:
+    """Each case's three processes, run once for the module: the matrix and the join tests read
+    the same results (a case that joins does its joins in the same decode process)."""
+    done: dict[Case, Results] = {}
+
+    def results(case: Case) -> Results:
+        if case not in done:
+            done[case] = run_handoff(spec_for(model_for(case), case), tmp_path_factory.mktemp(case.id))
+        return done[case]
+
+    return results
+
+
 # ---------------------------------------------------------------------------------------------
-# The matrix
+# The matrix, and the cases that also join a running decoder
+
+JOIN_LENGTHS = (33, 2100)
+NEIGHBOURS = (  # (start in the corpus ids, length, sampling): greedy and seeded neighbours
+    (300, 5, SamplingParams(max_tokens=48)),
+    (500, 40, SamplingParams(max_tokens=48, temperature=0.7, seed=5)),
+    (700, 90, SamplingParams(max_tokens=48)),
+)
+JOIN_CASES = [
+    Case("llama", "float32"),
+    Case("llama", "bfloat16"),
+    Case("gemma3_text", "float32"),
+    Case("gemma3_text", "bfloat16"),
+    Case("qwen3_next", "float32"),
+    Case("falcon_h1", "bfloat16"),
+    Case("mamba2", "float32"),
+    Case("llama4", "float32"),  # ChunkedKVCache (no merge): all four decode in the solo lane
+    Case("llama", "float32", kv_bits=4),  # QuantizedKVCache: everyone in the solo lane
+]
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=[case.id for case in MATRIX])
 def test_cross_process_handoff_matches_mlx_lm_and_one_node(
-    case: Case, model_for: Callable[[Case], Path], tmp_path: Path
+    case: Case, handoff_of: Callable[[Case], Results]
 ) -> None:
-    results = run_handoff(spec_for(model_for(case), case), tmp_path)
+    results = handoff_of(case)
 
     failures: list[str] = []
     for n in LENGTHS:
@@ -222,37 +258,16 @@ def test_cross_process_handoff_matches_mlx_lm_and_one_node(
 # Joining a running decoder
 
 
-JOIN_LENGTHS = (33, 2100)
-NEIGHBOURS = (  # (start in the corpus ids, length, sampling): greedy and seeded neighbours
-    (300, 5, SamplingParams(max_tokens=48)),
-    (500, 40, SamplingParams(max_tokens=48, temperature=0.7, seed=5)),
-    (700, 90, SamplingParams(max_tokens=48)),
-)
-JOIN_CASES = [
-    Case("llama", "float32"),
-    Case("llama", "bfloat16"),
-    Case("gemma3_text", "float32"),
-    Case("gemma3_text", "bfloat16"),
-    Case("qwen3_next", "float32"),
-    Case("falcon_h1", "bfloat16"),
-    Case("mamba2", "float32"),
-    Case("llama4", "float32"),  # ChunkedKVCache (no merge): all four decode in the solo lane
-    Case("llama", "float32", kv_bits=4),  # QuantizedKVCache: everyone in the solo lane
-]
-
-
 @pytest.mark.parametrize("case", JOIN_CASES, ids=[case.id for case in JOIN_CASES])
 def test_cross_process_handoff_joining_three_running_requests_decodes_as_alone(
-    case: Case, model_for: Callable[[Case], Path], tmp_path: Path
+    case: Case, handoff_of: Callable[[Case], Results]
 ) -> None:
-    model_dir = model_for(case)
-    neighbours = [(corpus_ids(model_dir, n, start), sampling) for start, n, sampling in NEIGHBOURS]
-    results = run_handoff(spec_for(model_dir, case, JOIN_LENGTHS, neighbours), tmp_path)
+    results = handoff_of(case)
 
     failures: list[str] = []
     for n in JOIN_LENGTHS:
         for which in ("greedy", "seeded"):
-            got = results.decode[f"len{n}.{which}"]
+            got = results.decode[f"len{n}.{which}.joined"]
             alone = results.reference[f"len{n}"]["mlx_lm" if which == "greedy" else which]
             if got["decoding_at_join"] != 1 + len(NEIGHBOURS):
                 failures.append(

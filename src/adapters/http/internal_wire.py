@@ -92,9 +92,13 @@ class PrefillBody(_Strict):
     # Optional, and sent only when set: a node of an older version, whose strict model refuses
     # unknown fields, sees the same body as before from a router that gives no hint.
     prefix_from: PrefixFromBody | None = None
+    # /internal/prefill_stream only, sent only when set: the asking decode node maps this node's
+    # shared memory (it checked the advert in /internal/info), so pieces may go by reference
+    kv_shm: bool = False
 
     def document(self) -> dict[str, object]:
-        return self.model_dump(exclude=None if self.prefix_from is not None else {"prefix_from"})
+        unset = {name for name in ("prefix_from", "kv_shm") if not getattr(self, name)}
+        return self.model_dump(exclude=unset or None)
 
 
 class PrefixKvBody(_Strict):

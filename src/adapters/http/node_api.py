@@ -46,6 +46,7 @@ from adapters.http.internal_wire import (
     output_line,
 )
 from adapters.http.streaming import WatchedStream
+from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from effects.backend import RunnerGeneration
@@ -180,8 +181,15 @@ class NodeApi:
         kv_buffer_bytes: Callable[[], int] = lambda: 0,
         warnings: list[str] | None = None,
         kv_stream: bool = True,
+        shm: kv_shm.ShmOutbox | None = None,
+        kv_served: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         self.role = role
+        # a prefill node's shared memory for streamed pieces to decode nodes on this host
+        self.shm = shm
+        self.kv_served = kv_served  # a streamed piece's payload bytes, once sent (the metrics)
+        if shm is not None:
+            performer.on_forget.append(shm.release)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
         self.warnings = warnings or []  # start-up warnings, repeated in /health
@@ -232,8 +240,9 @@ class NodeApi:
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:
+        shared = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
         return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
-                             "kv_stream": self.kv_stream and self.role in ("prefill", "decode")})
+                             "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 
     def statistics(self) -> dict[str, object]:
         engine = self.engine.statistics()
@@ -249,6 +258,9 @@ class NodeApi:
             "decoding": engine.decoding,
             "held_caches": engine.held_caches,
             "held_bytes": engine.held_bytes,
+            "kv_arriving": engine.arriving,  # streamed handoffs' pieces kept, not yet installed
+            # shared memory held for streamed pieces not yet taken (a prefill node's)
+            "kv_shm_held_bytes": 0 if self.shm is None else self.shm.statistics().held_bytes,
             "device_thread_alive": engine.device_thread_alive,
             "engine_step_retries": engine.step_retries,
             "engine_rows_isolated": engine.rows_isolated,
@@ -333,12 +345,14 @@ class NodeApi:
         items = self.performer.open_stream_out(context, bound)
         generation = await self._admit(rid, context, 4)
         await self.runner.post(rid, Admitted(len(body.prompt)))
-        return WatchedStream(self._stream_records(generation, items, len(body.prompt)),
+        shared = self.shm if body.kv_shm else None
+        self.performer.handoffs.record(rid).transport = "http" if shared is None else "shm"
+        return WatchedStream(self._stream_records(generation, items, len(body.prompt), shared),
                              media_type="application/octet-stream")
 
     async def _stream_records(self, generation: RunnerGeneration,
-                              items: trio.MemoryReceiveChannel[StreamItemOut],
-                              prompt_tokens: int) -> AsyncGenerator[bytes, None]:
+                              items: trio.MemoryReceiveChannel[StreamItemOut], prompt_tokens: int,
+                              shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[bytes, None]:
         rid = generation.request_id
         ended = False
         segments = 0
@@ -356,10 +370,13 @@ class NodeApi:
                                 yield head + damaged
                                 if len(damaged) < item.payload.nbytes:
                                     return  # cut: the stream ends here, without its end record
+                            elif shared is not None and (ref := await _put_shared(shared, rid, item)):
+                                yield kv_stream.shared_segment_record(where, ref.model_dump())
                             else:
                                 async for message in _sliced(item.payload, head=head):
                                     yield message
                             segments += 1
+                            self.kv_served(item.payload.nbytes)
                         case PrefillReply():
                             yield kv_stream.document_record(kv_stream.FIRST_TOKEN, PrefillReplyBody(
                                 first_token=item.first_token, is_eos=item.is_eos, held_bytes=item.held_bytes,
@@ -377,8 +394,8 @@ class NodeApi:
                 ended = True
                 yield kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
                     Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))
-                return
-            await self.runner.post(rid, KvTaken())  # the decode node holds every piece now
+            # the request now waits in `handoff` for the decode node's DELETE once it installed
+            # the pieces (or its cancel, or the lease), as a pulled cache does
         finally:
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
@@ -506,6 +523,25 @@ class NodeApi:
             if not finished:  # the router went away mid-stream: free the slot now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
+
+
+async def _put_shared(shared: kv_shm.ShmOutbox, rid: RequestId, segment: KvSegment) -> kv_shm.ShmRef | None:
+    """A piece copied into shared memory (in a worker thread, its end frame included), or None
+    when the outbox has no room now: the piece then goes inline, over HTTP."""
+    def put() -> kv_shm.ShmRef:
+        pieces = [memoryview(piece) for piece in segment.payload.pieces]
+        if segment.payload.seal is not None:
+            pieces.append(memoryview(segment.payload.seal()))
+        return shared.put(rid, pieces)
+
+    try:
+        return await trio.to_thread.run_sync(put)
+    except StatecoreError as exc:
+        if exc.info.fault is not Fault.OVERLOADED:
+            raise
+        log.warning("request %s: no room in shared memory (%s); this piece goes over HTTP",
+                    rid, exc.info.message)
+        return None
 
 
 def _asks_cached_tokens(request: Request) -> bool:

@@ -41,6 +41,7 @@ from adapters.http.internal_wire import (
     parse_output_line,
 )
 from adapters.kv import pull as kv_pull
+from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
@@ -134,6 +135,7 @@ class HttpxPeers:
         kv_buffer_bytes: int = DEFAULT_KV_BUFFER_BYTES,
         ssl_context: ssl.SSLContext | None = None,
         prompt_tokens_details: bool = False,
+        kv_transport: str = "auto",
     ) -> None:
         """`prompt_tokens_details` (a router with --enable-prompt-tokens-details): ask the nodes
         how many prompt tokens each prefill took from their prefix cache (`PrefillReply.cached_tokens`)."""
@@ -154,6 +156,10 @@ class HttpxPeers:
         self.max_kv_bytes = max_kv_bytes
         self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
         self.receive_buffers = kv_pull.ReceiveBuffers(kv_buffer_bytes)
+        # a decode node's streamed pieces: "auto" maps a prefill node's shared memory when its
+        # advert proves it is on this host, "http" never does, "shm" insists (KV_SHM_GONE if not)
+        self.kv_transport = kv_transport
+        self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -205,11 +211,12 @@ class HttpxPeers:
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         hint = (None if prefix_from is None
                 else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
+        inbox = await self._inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=hint)
+                           prefix_from=hint, kv_shm=inbox is not None)
         url = f"{node}/internal/prefill_stream"
         if self.handoffs is not None:
-            self.handoffs.record(request_id).transport = "http"
+            self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
         with _stream_errors(node):
@@ -221,11 +228,30 @@ class HttpxPeers:
                         _raise_error_document(status, answer)
                     else:
                         read_into = self._deadline(answer.read_into)
-                        async for item in self._stream_items(read_into, len(prompt), layers):
+                        async for item in self._stream_items(read_into, len(prompt), layers, inbox):
                             yield item
             else:
-                async for item in self._stream_httpx(node, url, document, len(prompt), layers):
+                async for item in self._stream_httpx(node, url, document, len(prompt), layers, inbox):
                     yield item
+
+    async def _inbox(self, node: str) -> kv_shm.ShmInbox | None:
+        """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
+        node's advert (its /internal/info) proves it is on this host; probed once per node."""
+        if self.kv_transport == "http":
+            return None
+        if node not in self._inboxes:
+            try:
+                advert = kv_shm.parse_advert((await self.info_document(node)).get("kv_shm"))
+            except StatecoreError:
+                advert = None
+            same = advert is not None and await trio.to_thread.run_sync(kv_shm.same_host, advert)
+            self._inboxes[node] = kv_shm.ShmInbox(advert.directory) if same and advert else None
+        inbox = self._inboxes[node]
+        if inbox is None and self.kv_transport == "shm":
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
+                                           f"{node} offers no shared memory this node can map "
+                                           "(--kv-transport shm)"))
+        return inbox
 
     def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
         """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
@@ -234,8 +260,8 @@ class HttpxPeers:
                 await read_into(view)
         return read
 
-    async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int
-                            ) -> AsyncIterator[KvSegment | PrefillReply]:
+    async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int,
+                            inbox: kv_shm.ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
         """A KV stream's records as the port's items; the stream's own checks on the way."""
         await kv_stream.read_preamble(read_into)
         coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
@@ -246,6 +272,17 @@ class HttpxPeers:
                     coverage.add(where)
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
                                     KvPieces((payload,)))
+                case kv_stream.SharedSegment(where=where, reference=reference):
+                    if inbox is None:
+                        raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                                       "a piece in shared memory nobody asked for"))
+                    coverage.add(where)
+                    ref = kv_shm.parse_ref(reference)
+                    view = await trio.to_thread.run_sync(inbox.read, ref)
+                    # the caller builds its arrays from the view before asking for the next piece
+                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
+                                    KvPieces((view,)))
+                    inbox.done(ref)  # raises when the region changed under the copy
                 case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
                     try:
                         reply = PrefillReplyBody.model_validate_json(raw)
@@ -262,8 +299,8 @@ class HttpxPeers:
                     coverage.finish(record)
                     return
 
-    async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int
-                            ) -> AsyncIterator[KvSegment | PrefillReply]:
+    async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int,
+                            inbox: kv_shm.ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
         """The stream through httpx (a test's injected transport): its bytes through a small
         buffer, read as `read_into` asks."""
         with transport_errors(node):
@@ -282,7 +319,7 @@ class HttpxPeers:
                     view[:] = pending[: len(view)]
                     del pending[: len(view)]
 
-                async for item in self._stream_items(read_into, prompt_tokens, layers):
+                async for item in self._stream_items(read_into, prompt_tokens, layers, inbox):
                     yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:

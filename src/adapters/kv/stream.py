@@ -6,7 +6,9 @@ layer range, as a complete version-1 payload of its own (header, data frames, en
 CRC-32: each piece keeps every guarantee of the wire format and is validated alone, before
 anything is built from it); a *first token* record the prompt's first token as the prefill
 sampled it; an *end* record the token count the segments must cover; an *error* record the
-prefill node's typed error, when the prefill fails mid-stream. The decoder (`SegmentCoverage`)
+prefill node's typed error, when the prefill fails mid-stream; a *shared segment* record a
+segment whose payload the reader maps from shared memory (nodes on one host), by reference. The
+decoder (`SegmentCoverage`)
 checks that the segments fit together: each layer's token ranges follow one another from 0
 without a gap or an overlap, and at the end every layer covers exactly the declared tokens.
 
@@ -35,6 +37,7 @@ _RANGE: Final = struct.Struct("<IIII")  # tokens [start, stop), layers [first, e
 _END: Final = struct.Struct("<QI")  # tokens covered, segments sent
 
 SEGMENT: Final = b"S"
+SHARED_SEGMENT: Final = b"R"  # a segment whose payload lies in shared memory (adapters.kv.shm)
 FIRST_TOKEN: Final = b"T"
 ERROR: Final = b"X"
 END: Final = b"Z"
@@ -71,6 +74,14 @@ def segment_head(where: SegmentRange, payload_bytes: int) -> bytes:
             + _RANGE.pack(where.start, where.stop, where.first_layer, where.end_layer))
 
 
+def shared_segment_record(where: SegmentRange, reference: dict[str, object]) -> bytes:
+    """A segment whose payload the reader maps from shared memory: its range, then the JSON
+    reference (`adapters.kv.shm.ShmRef`)."""
+    body = json.dumps(reference, separators=(",", ":")).encode()
+    return (_RECORD.pack(SHARED_SEGMENT, _RANGE.size + len(body))
+            + _RANGE.pack(where.start, where.stop, where.first_layer, where.end_layer) + body)
+
+
 def document_record(kind: bytes, document: dict[str, object]) -> bytes:
     """A first-token or error record: its JSON document."""
     body = json.dumps(document, separators=(",", ":")).encode()
@@ -91,6 +102,14 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedSegment:
+    """A segment whose payload is in shared memory: `reference` is its JSON `ShmRef`."""
+
+    where: SegmentRange
+    reference: object
+
+
+@dataclass(frozen=True, slots=True)
 class Document:
     """A first-token (`kind` FIRST_TOKEN) or error (ERROR) record's parsed JSON object."""
 
@@ -105,7 +124,7 @@ class StreamEnd:
     segments: int
 
 
-Record = Segment | Document | StreamEnd
+Record = Segment | SharedSegment | Document | StreamEnd
 
 # Reads exactly len(view) bytes of the stream into view (raises when the stream ends first).
 ReadInto = Callable[[memoryview], Awaitable[None]]
@@ -140,6 +159,17 @@ async def read_record(read_into: ReadInto, take: TakeBuffer, max_segment_bytes: 
         payload = take(length - _RANGE.size)
         await read_into(payload)
         return Segment(SegmentRange(start, stop, first, end), payload)
+    if kind == SHARED_SEGMENT:
+        if not _RANGE.size < length <= _RANGE.size + MAX_DOCUMENT_BYTES:
+            fail(Code.KV_MALFORMED, f"a shared segment record of {length} bytes")
+        body = memoryview(bytearray(length))
+        await read_into(body)
+        start, stop, first, end = _RANGE.unpack_from(body)
+        try:
+            reference = json.loads(bytes(body[_RANGE.size :]))
+        except ValueError as exc:
+            fail(Code.KV_MALFORMED, f"a shared segment's reference is not JSON: {exc}")
+        return SharedSegment(SegmentRange(start, stop, first, end), reference)
     if kind in (FIRST_TOKEN, ERROR):
         if length > MAX_DOCUMENT_BYTES:
             fail(Code.KV_MALFORMED, f"a {kind!r} record of {length} bytes exceeds the limit")
@@ -204,6 +234,7 @@ __all__ = [
     "PREAMBLE_BYTES",
     "SEGMENT",
     "SEGMENT_HEAD_BYTES",
+    "SHARED_SEGMENT",
     "STREAM_VERSION",
     "Document",
     "ReadInto",
@@ -211,6 +242,7 @@ __all__ = [
     "Segment",
     "SegmentCoverage",
     "SegmentRange",
+    "SharedSegment",
     "StreamEnd",
     "TakeBuffer",
     "document_record",
@@ -219,4 +251,5 @@ __all__ = [
     "read_preamble",
     "read_record",
     "segment_head",
+    "shared_segment_record",
 ]

@@ -711,6 +711,7 @@ class MlxEngine:
         device = self._device
         stalled = device.stalled_s() if self._alive else 0.0
         return replace(self._stats, device_thread_alive=self._alive, stalled_s=stalled,
+                       arriving=len(self._arriving),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)

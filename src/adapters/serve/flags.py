@@ -152,6 +152,7 @@ _ROLES_OF_FLAG = {
     "trust_remote_code": _ENGINE, "blas": _ENGINE,
     "keep_conversations": frozenset({"cluster", "single", "decode"}),
     "prefix_pull": frozenset({"cluster", "prefill"}),
+    "kv_shm_bytes": frozenset({"cluster", "prefill"}),
 }
 
 
@@ -208,6 +209,13 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              f"at most {LOCAL_PREFILL_BELOW_MAX})")
     router.add_argument("--force-disaggregation", action="store_true",
                         help="router: send every request through a prefill node")
+    handoff.add_argument("--kv-transport", choices=["auto", "shm", "http"], default="auto",
+                         help="prefill and decode nodes: how a streamed handoff's pieces move: auto (shared "
+                              "memory when the prefill node's advert shows it is on this host, else HTTP), "
+                              "shm (shared memory or a kv_shm_gone error), http (never shared memory)")
+    handoff.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
+                         help="prefill nodes: the most shared memory held for pieces not yet taken "
+                              "(default 2 GiB); a piece that finds no room goes over HTTP")
     router.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
                         help="router: how a prompt's KV moves from its prefill node to its decode node: "
                              "stream (the decode node learns of the request at once and receives each "

@@ -33,6 +33,8 @@ from adapters.http.live_view import LiveView
 from adapters.http.node_api import NodeApi, guarded
 from adapters.http.openai_api import Frontend, build_app
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
+from adapters.kv.shm import ShmOutbox
 from adapters.metrics import Metrics
 from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
 from adapters.serve.listeners import listener_url
@@ -271,7 +273,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         peers = HttpxPeers(token=args.internal_token, max_kv_bytes=args.max_kv_bytes,
                            handoffs=handoffs if role == "decode" else None,
                            kv_buffer_bytes=args.kv_buffer_bytes,
-                           ssl_context=client_context(args.tls.ca_file))
+                           ssl_context=client_context(args.tls.ca_file), kv_transport=args.kv_transport)
+    shm = _kv_outbox(args) if role == "prefill" and tensor is None else None
     # a tensor- or pipeline-parallel prefill node does not take other nodes' blocks (its ranks
     # would each need their share): the router's hints are then ignored
     prefix_pull = (PrefixPuller(engine, peers, args.prefix_pull)
@@ -291,7 +294,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     warnings = _warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
-                  kv_stream=engine.streams_handoffs)
+                  kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
     lines = RequestLines()
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
@@ -330,11 +333,27 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         await engine.aclose(join_timeout_s=1.0 if api.lost_reason is not None else None)
         if peers:
             await peers.aclose()
+        if shm is not None:
+            shm.close()
     if lost:
         log.error("exiting with %d: the loop's transport was lost (%s)", EXIT_TRANSPORT_LOST, api.lost_reason)
         return EXIT_TRANSPORT_LOST
     log.log(_stop_log_level(), "drained; exiting 0")
     return 0
+
+
+def _kv_outbox(args: argparse.Namespace) -> ShmOutbox | None:
+    """A prefill node's shared memory for the pieces of streamed handoffs to decode nodes on this
+    host (unless `--kv-transport http`); None, with a warning, where none can be made."""
+    if args.kv_transport == "http":
+        return None
+    try:
+        # no checksum of its own: every piece carries its CRC-32 in its end frame
+        return ShmOutbox(max_bytes=args.kv_shm_bytes or KV_SHM_BYTES, checksum=False)
+    except StatecoreError as exc:
+        log.warning("no shared memory for KV handoffs (%s): streamed pieces go over HTTP",
+                    exc.info.message)
+        return None
 
 
 async def _fetch_info(peers: HttpxPeers, nodes: list[str],
