@@ -102,6 +102,18 @@ def test_a_port_in_use_is_one_line_naming_the_role_and_the_flag() -> None:
     assert said.startswith("statecore: router: cannot listen on") and "--port" in said, said
 
 
+def test_a_local_clusters_inner_port_in_use_names_its_flag() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "--port", "0", "--decode-port", str(port)])
+    said = one_line(exit_)
+    assert said.startswith(f"statecore: local cluster: cannot listen on 127.0.0.1:{port}"), said
+    assert "--decode-port" in said, said
+
+
 def test_a_bad_flag_value_is_one_line_naming_the_role(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--role", "decode", "--max-batch", "two"])
