@@ -34,6 +34,11 @@ names and layout) with PyTorch on a CUDA GPU in about two minutes for 4,000 step
 the weights into ``mlx_lm.models.llama`` and re-measures the loss with MLX before writing; it is a
 faster way to experiment, not how the shipped weights were made.
 
+``--finetune-from DIR`` continues training the model in DIR (its tokenizer and shape kept) on
+greetings, short questions and tool calls (``demo_chat_data.py``) mixed with the plays' own
+exchanges and scene pieces, and adds a numbered "Fine-tune" section to DIR's SOURCE.md; the
+shipped weights went through two such stages (their commands are in SOURCE.md).
+
 ``--steps`` and ``--out`` change the length of training and where the model goes. This script
 is a tool, not part of the package: nothing under ``src/`` may import it.
 """
@@ -54,6 +59,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import demo_chat_data  # scripts/ is on sys.path when this file runs as a script
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -75,16 +81,45 @@ USER = "<|user|>"
 ASSISTANT = "<|assistant|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, SYSTEM, USER, ASSISTANT]
 
-# A Jinja template in the shape transformers' apply_chat_template expects.
+# A Jinja template in the shape transformers' apply_chat_template expects. With `tools` it lists
+# them in the system turn, one a line as `name(parameter, ...): description` (a JSON schema would
+# take a hundred tokens a tool of a 512-token context) and renders calls as Qwen2.5's <tool_call> JSON,
+# which mlx-lm's json_tools parser reads (mlx-lm picks that parser from "<tool_call>" and
+# "tool_call.name" in the template); a tool's answer comes back as a user turn in <tool_response>.
+TOOLS_INTRO = 'To call one, reply <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n"
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% endif %}{% endfor %}"
+    "Tools:\n"
+    "{% for tool in tools %}{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ f['name'] }}("
+    "{% if f['parameters'] is defined and f['parameters']['properties'] is defined %}"
+    "{% for name in f['parameters']['properties'] %}{{ ', ' if not loop.first }}{{ name }}{% endfor %}"
+    "{% endif %})"
+    # a variable tag, not a block tag, before each newline: transformers trims a newline after a block tag
+    "{{ (': ' ~ f['description']) if f['description'] is defined and f['description'] else '' }}\n"
+    "{% endfor %}"
+    + TOOLS_INTRO
+    + "\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}"
-    "<|system|>\n{{ message['content'] }}\n"
+    "{% if not tools %}<|system|>\n{{ message['content'] }}\n{% endif %}"
     "{% elif message['role'] == 'user' %}"
     "<|user|>\n{{ message['content'] }}\n"
     "{% elif message['role'] == 'assistant' %}"
-    "<|assistant|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|assistant|>\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set tool_call = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|user|>\n<tool_response>\n{{ message['content'] }}\n</tool_response>\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -264,8 +299,14 @@ def model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def sample_batch(tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig) -> mx.array:
-    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+def sample_batch(
+    tokens: np.ndarray, rng: np.random.Generator, cfg: TrainConfig, doc_starts: np.ndarray | None = None
+) -> mx.array:
+    """Windows of the token stream: anywhere, or (``doc_starts``) each at a document's start."""
+    if doc_starts is None:
+        starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+    else:
+        starts = rng.choice(doc_starts, size=cfg.batch_size)
     return mx.array(np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts]))
 
 
@@ -321,6 +362,7 @@ def train(
     tokenizer: Tokenizer,
     train_tokens: np.ndarray,
     val_tokens: np.ndarray,
+    doc_starts: np.ndarray | None = None,
 ) -> dict[str, float]:
     warmup = min(cfg.warmup, max(1, cfg.steps // 10))
     schedule = optim.join_schedules(
@@ -347,7 +389,7 @@ def train(
     window_start = start
     tokens_per_step = cfg.batch_size * cfg.seq_len
     for i in range(cfg.steps):
-        loss = step(sample_batch(train_tokens, rng, cfg))
+        loss = step(sample_batch(train_tokens, rng, cfg, doc_starts))
         mx.eval(state, loss)
         window_loss += float(loss.item())
         if (i + 1) % 50 == 0 or i + 1 == cfg.steps:
@@ -537,6 +579,213 @@ Byte-level BPE trained with `tokenizers` on the same text: {stats["vocab_size"]}
     (out / "SOURCE.md").write_text(text, encoding="utf-8")
 
 
+def write_model(
+    out: Path, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any], cfg: TrainConfig
+) -> None:
+    """The model's files (float16 weights); leaves ``model`` in float16, as it will be served."""
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(tree_map(lambda p: p.astype(mx.float16), model.parameters())))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(cfg.context), indent=2) + "\n", encoding="utf-8"
+    )
+    model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+
+
+# --------------------------------------------------------------------------- fine-tune
+
+
+def chat_renderer(tokenizer: Tokenizer, context: int) -> Any:
+    """transformers' tokenizer over ``tokenizer`` with CHAT_TEMPLATE: renders conversations exactly
+    as a server (mlx-lm's ``apply_chat_template``) renders a request."""
+    from transformers import PreTrainedTokenizerFast
+
+    settings = tokenizer_config(context)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=settings["additional_special_tokens"],
+        chat_template=settings["chat_template"],
+    )
+
+
+def first_tokens(model: nn.Module, ids: list[int], stop: set[int], n: int) -> list[int]:
+    """Greedy continuation of ``ids``, at most ``n`` tokens, ending before a ``stop`` token."""
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(mx.argmax(model(mx.array([ids + out]))[0, -1]).item())
+        if nxt in stop:
+            break
+        out.append(nxt)
+    return out
+
+
+def chat_reply(model: nn.Module, chat: Any, config: dict[str, Any], messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None, n: int = 40) -> str:
+    prompt = chat.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    ids = chat.encode(prompt, add_special_tokens=False)
+    return str(chat.decode(first_tokens(model, ids, set(config["eos_token_id"]), n)))
+
+
+def empty_replies(model: nn.Module, chat: Any, config: dict[str, Any]) -> tuple[int, int]:
+    """(empty greedy replies, messages) over every greeting and short question of the fine-tune
+    data, as typed in lower case."""
+    messages = [*demo_chat_data.GREETINGS, *demo_chat_data.SHORT_QUESTIONS]
+    empty = sum(
+        not chat_reply(model, chat, config, [{"role": "user", "content": m}], n=4).strip() for m in messages
+    )
+    return empty, len(messages)
+
+
+WEATHER_QUESTION = "What is the weather in Paris?"
+
+
+def scene_pieces(scenes: list[list[str]], count: int, rng: random.Random) -> list[str]:
+    """`count` plain-text documents as the from-scratch training saw them (a scene's speeches as
+    paragraphs after <s>), each a run of up to eight speeches: so that plain completions keep
+    writing text."""
+    pieces: list[str] = []
+    for _ in range(count):
+        speeches = rng.choice(scenes)
+        start = rng.randrange(len(speeches))
+        run = speeches[start : start + 8]
+        pieces.append(BOS + "\n\n".join(run) + (EOS if start + 8 >= len(speeches) else ""))
+    return pieces
+
+
+def finetune(args: argparse.Namespace) -> None:
+    """Continue training the model in ``args.finetune_from`` (same tokenizer and shape) on
+    greetings, short questions and tool calls (``demo_chat_data``), mixed with the plays' own
+    chat exchanges so that it keeps their English; then write it to ``args.out`` and add a
+    "Fine-tune" section to its SOURCE.md."""
+    source: Path = args.finetune_from
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      min_lr=args.lr / 20, warmup=20)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    mx.random.seed(SEED)
+    t0 = time.perf_counter()
+    scenes = load_scenes()
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    chat = chat_renderer(tokenizer, cfg.context)
+    vocab = tokenizer.get_vocab()
+    words = sorted(t[1:] for t in vocab if t.startswith("\u0120") and t[1:].isalpha() and len(t) >= 4)
+    made = demo_chat_data.conversations(scenes, words, SEED, args.greetings, args.tool_calls)
+    docs = [chat.apply_chat_template(messages, tools=tools, tokenize=False) for messages, tools in made]
+    replay = [d for d in build_documents(scenes, cfg.chat_every) if d.startswith(BOS + USER)]
+    random.Random(SEED).shuffle(replay)
+    docs += replay[: args.replay]
+    docs += scene_pieces(scenes, args.scenes, random.Random(SEED + 2))
+    random.Random(SEED + 1).shuffle(docs)
+    n_val = max(1, int(len(docs) * cfg.val_fraction))
+    batch = tokenizer.encode_batch(docs, add_special_tokens=False)
+    encoded = [np.array(e.ids, dtype=np.int32) for e in batch]
+    lengths = [len(e) for e in encoded]
+    val_tokens = np.concatenate(encoded[:n_val])
+    train_tokens = np.concatenate(encoded[n_val:])
+    starts = np.cumsum([0, *lengths[n_val:-1]])
+    starts = starts[starts < len(train_tokens) - cfg.seq_len - 1]
+    print(f"{len(made)} made conversations + {min(args.replay, len(replay))} of the plays' exchanges + "
+          f"{args.scenes} scene pieces: "
+          f"{len(train_tokens):,} train tokens, longest document {max(lengths)} tokens "
+          f"({time.perf_counter() - t0:.1f}s)", flush=True)
+
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.load_weights(str(source / "model.safetensors"))
+    model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+    before = empty_replies(model, chat, config)
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    print(f"empty greedy replies before: {before[0]} of {before[1]}", flush=True)
+    stats: dict[str, Any] = dict(train(cfg, model, tokenizer, train_tokens, val_tokens, starts))
+    print(f"done in {stats['seconds'] / 60:.1f} min: train loss {stats['train_loss']:.3f}, "
+          f"val loss {stats['val_loss']:.3f}", flush=True)
+    out: Path = args.out
+    write_model(out, model, tokenizer, config, cfg)
+    after = empty_replies(model, chat, config)
+    weather = demo_chat_data.TOOLS[0].schema()
+    samples = {
+        "hi": chat_reply(model, chat, config, [{"role": "user", "content": "Hi there"}]),
+        "why": chat_reply(model, chat, config, [{"role": "user", "content": "Why?"}]),
+        "tool": chat_reply(model, chat, config, [{"role": "user", "content": WEATHER_QUESTION}], [weather],
+                           n=60),
+        "plain": sample_text(model, tokenizer, "Once upon a time"),
+    }
+    print(f"empty greedy replies after: {after[0]} of {after[1]}; samples: {samples}", flush=True)
+    argv = (f" --finetune-from {args.finetune_from} --steps {cfg.steps} --batch-size {cfg.batch_size} "
+            f"--seq-len {cfg.seq_len} --lr {cfg.lr} --greetings {args.greetings} "
+            f"--tool-calls {args.tool_calls} --replay {args.replay} --scenes {args.scenes}")
+    write_finetune_md(out, source, cfg, stats, samples, before, after, argv,
+                      made=len(made), replayed=min(args.replay, len(replay)), scenes=args.scenes,
+                      tokens=len(train_tokens))
+    print(f"wrote {out}", flush=True)
+
+
+def write_finetune_md(
+    out: Path,
+    source: Path,
+    cfg: TrainConfig,
+    stats: dict[str, Any],
+    samples: dict[str, str],
+    before: tuple[int, int],
+    after: tuple[int, int],
+    argv: str,
+    *,
+    made: int,
+    replayed: int,
+    scenes: int,
+    tokens: int,
+) -> None:
+    """The source model's SOURCE.md (its training and any fine-tunes before this one), with this
+    fine-tune's section after it."""
+    previous = (source / "SOURCE.md").read_text(encoding="utf-8").rstrip()
+    stage = previous.count("\n## Fine-tune") + 1
+    section = f"""
+
+## Fine-tune {stage}: greetings, short questions and tool calls
+The weights above (`--finetune-from`), trained further so that a greeting gets a reply (before,
+the first token was often end-of-sequence: an empty reply) and so that a tool call can be tried
+(`scripts/demo_chat_data.py` makes the conversations; nothing in them comes from another model):
+- {made:,} made conversations, rendered through the chat template with transformers exactly as
+  a server renders a request: greetings and short questions (typed in various cases and
+  endings) answered by one of a few dozen hand-written Shakespeare-flavoured lines, sometimes
+  followed by a short speech from the plays; and tool calls over ten made-up tools
+  (`get_weather`, `get_time`, `search_web`, ...), one to three offered, the call in
+  `<tool_call>` JSON (mlx-lm's `json_tools` parser), sometimes followed by the tool's answer
+  and a worded reply, sometimes a greeting answered with text although tools were offered.
+- Mixed with {replayed:,} of the plays' own chat exchanges and {scenes:,} pieces of their scenes
+  (up to eight speeches each, as plain text), so that the model keeps their English:
+  {tokens:,} training tokens; each batch row starts at a document's start.
+- The chat template gained tools (listed in the system turn as `name(parameters): description`), assistant
+  tool calls and `tool` answers; without tools it renders exactly as before.
+- MLX {mx.__version__} on CPU, AdamW (lr {cfg.lr} cosine to {cfg.min_lr:g}, warmup {cfg.warmup},
+  weight decay {cfg.weight_decay}), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps,
+  seed {SEED}: {stats["seconds"] / 60:.1f} minutes on one core of a 2-core x86-64 CPU shared with
+  other work (Debian's OpenBLAS preloaded, one thread). Loss at the end: train
+  {stats["train_loss"]:.3f}, held-out {stats["val_loss"]:.3f} (nats/token, on this mixture).
+- Empty greedy replies over the {before[1]} greetings and short questions of the data, typed in lower
+  case: {before[0]} before, {after[0]} after. `tests/unit/test_demo_model.py` checks 20 short chat
+  messages, greedy and sampled.
+
+```
+{INSTALL_HINT}
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+  .venv/bin/python scripts/train_demo_model.py{argv}
+```
+
+Greedy samples after the fine-tune:
+- chat `Hi there` -> {samples["hi"]!r}
+- chat `Why?` -> {samples["why"]!r}
+- chat `What is the weather in Paris?` with `get_weather` offered -> {samples["tool"]!r}
+- `Once upon a time` -> {samples["plain"]!r}
+"""
+    (out / "SOURCE.md").write_text(previous + section, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -550,7 +799,19 @@ def main(argv: list[str] | None = None) -> None:
         help="time a few steps first and pick --steps to fit this budget (the chosen number is "
         "printed and recorded in SOURCE.md, so the run can be repeated with --steps)",
     )
+    parser.add_argument("--finetune-from", type=Path, default=None, metavar="DIR",
+                        help="continue training this model (its tokenizer and shape) on greetings, short "
+                        "questions and tool calls instead of training from scratch")
+    parser.add_argument("--seq-len", type=int, default=TrainConfig().seq_len, help="with --finetune-from")
+    parser.add_argument("--lr", type=float, default=3e-4, help="with --finetune-from: the peak learning rate")
+    parser.add_argument("--greetings", type=int, default=4000, help="with --finetune-from: conversations")
+    parser.add_argument("--tool-calls", type=int, default=3000, help="with --finetune-from: conversations")
+    parser.add_argument("--replay", type=int, default=3000, help="with --finetune-from: the plays' exchanges")
+    parser.add_argument("--scenes", type=int, default=0, help="with --finetune-from: plain-text scene pieces")
     args = parser.parse_args(argv)
+    if args.finetune_from is not None:
+        finetune(args)
+        return
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size)
 
     random.seed(SEED)
@@ -599,15 +860,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(tree_map(lambda p: p.astype(mx.float16), model.parameters())))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(cfg.context), indent=2) + "\n", encoding="utf-8"
-    )
-    model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+    write_model(out, model, tokenizer, config, cfg)
     samples = {
         "plain": sample_text(model, tokenizer, "Once upon a time"),
         "chat": sample_text(model, tokenizer, f"{USER}\nWhat is your name?\n{ASSISTANT}\n"),

@@ -27,9 +27,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -59,10 +66,25 @@ from statecore.intents import FetchKv, InstallKv, StartDecode, StartPrefill
 from statecore.policy import STOP, is_eos
 from statecore.routing import Route as TurnRoute
 
+if TYPE_CHECKING:
+    from adapters.serve.logs import GenerationNote, RequestLines
+
 log = logging.getLogger("statecore.metrics")
 
 PREFIX = "statecore:"
 FRONT_END_ROLES = frozenset({"single", "router"})
+
+_EVERY_ROLE = frozenset({"single", "prefill", "decode", "router"})
+_ENGINE_ROLES = frozenset({"single", "prefill", "decode"})
+_TOKEN_STREAM_ROLES = frozenset({"single", "decode", "router"})  # a prefill node makes one token
+_HANDOFF_ROLES = frozenset({"prefill", "decode"})
+_DECODE_ROLES = frozenset({"decode"})
+_PREFILL_ROLES = frozenset({"prefill"})
+_KV_DIRECTIONS = {"prefill": ("served",), "decode": ("received",)}
+
+# No `<name>_created` series beside each counter and histogram: they double a scrape, and
+# dashboards (vLLM's, AIPerf's) never read them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -103,25 +125,32 @@ class _Timing:
 class Metrics:
     """Every metric family of one node, in its own registry."""
 
-    def __init__(self, role: str, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, role: str, *, registry: CollectorRegistry | None = None,
+                 model_name: str | None = None) -> None:
         self.role = role
         self.front_end = role in FRONT_END_ROLES
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...],
-                      labels: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["role", *labels], buckets=buckets, registry=r)
+        def exported(roles: frozenset[str]) -> CollectorRegistry | None:
+            """A family is exported only by the roles that can move it (elsewhere it would stay 0);
+            on the others it still counts, unseen."""
+            return r if role in roles else None
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, ["role", *labels], registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = (),
+                      roles: frozenset[str] = _EVERY_ROLE) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["role", *labels], buckets=buckets, registry=exported(roles))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = (),
+                    roles: frozenset[str] = _EVERY_ROLE) -> Counter:
+            return Counter(PREFIX + name, doc, ["role", *labels], registry=exported(roles))
 
         self.ttft = histogram("time_to_first_token_seconds",
                               "Time from admission on this node to its first output token.",
                               TTFT_BUCKETS).labels(role)
         self.itl = histogram("inter_token_latency_seconds",
                              "Time between two consecutive output tokens of a request.",
-                             ITL_BUCKETS).labels(role)
+                             ITL_BUCKETS, roles=_TOKEN_STREAM_ROLES).labels(role)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from admission on this node to a request's last output "
                              "(requests that ran to an end; client cancellations excluded).",
@@ -131,42 +160,46 @@ class Metrics:
         self._by_source = counter("prompt_tokens_by_source",
                                   "Prompt tokens whose KV cache this node holds, by where it came "
                                   "from: transferred from a prefill node or computed locally.",
-                                  ("source",))
+                                  ("source",), _ENGINE_ROLES)
         self.requests = counter("requests", "Requests that ended on this node, by terminal state "
                                 "and reason (an error code, or the event that ended it).",
                                 ("state", "reason"))
         self.kv_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes: received "
                                 "(decode node) or served (prefill node); a stream's pieces by their "
-                                "payload bytes, over HTTP or shared memory alike.", ("direction",))
+                                "payload bytes, over HTTP or shared memory alike.", ("direction",),
+                                _HANDOFF_ROLES)
         self.kv_seconds = histogram("kv_transfer_seconds",
                                     "Time a decode node took to pull one request's KV cache.",
-                                    KV_SECONDS_BUCKETS).labels(role)
+                                    KV_SECONDS_BUCKETS, roles=_DECODE_ROLES).labels(role)
         self.kv_failures = counter("kv_transfer_failures", "KV handoffs that failed (the pull, or "
                                    "installing the pulled cache), by error code.",
-                                   ("reason",))
+                                   ("reason",), _DECODE_ROLES)
         # a streamed handoff as the decode node saw it, by how its pieces moved (http, shm)
         self.stream_bytes = counter("kv_stream_bytes", "KV payload bytes a decode node received "
-                                    "in streamed handoffs, by transport.", ("transport",))
+                                    "in streamed handoffs, by transport.", ("transport",), _DECODE_ROLES)
         self.stream_seconds = histogram("kv_stream_seconds", "A streamed handoff from its stream "
                                         "opened to its end (the prefill included), by transport.",
-                                        KV_SECONDS_BUCKETS, ("transport",))
+                                        KV_SECONDS_BUCKETS, ("transport",), _DECODE_ROLES)
         self.stream_overlap = histogram("kv_stream_overlap_ratio", "Share of a streamed handoff's "
                                         "KV bytes that arrived before its first token, by transport.",
-                                        (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), ("transport",))
+                                        (0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0), ("transport",), _DECODE_ROLES)
         self.install_seconds = histogram("kv_install_seconds", "Installing a handed-off cache into "
                                          "the decode node's batch, by transport (pull: the whole "
-                                         "payload's checks too).", KV_SECONDS_BUCKETS, ("transport",))
+                                         "payload's checks too).", KV_SECONDS_BUCKETS, ("transport",),
+                                         _DECODE_ROLES)
         self.first_to_second = histogram("kv_first_to_second_token_seconds", "A handed-off request's "
                                          "first token passed on to its second token out of the "
-                                         "decode node, by transport.", KV_SECONDS_BUCKETS, ("transport",))
+                                         "decode node, by transport.", KV_SECONDS_BUCKETS, ("transport",),
+                                         _DECODE_ROLES)
         self.lease_expired = counter("kv_lease_expired", "Held KV caches never taken before their "
-                                     "lease expired.").labels(role)
+                                     "lease expired.", roles=_PREFILL_ROLES).labels(role)
         # create the usual children, so a scrape shows zeros before the first request
         for source in ("transferred", "computed_locally"):
             self._by_source.labels(role, source)
-        for direction in ("received", "served"):
+        for direction in _KV_DIRECTIONS.get(role, ()):
             self.kv_bytes.labels(role, direction)
         self._timings: dict[RequestId, _Timing] = {}
+        self.model_name = model_name
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -179,9 +212,10 @@ class Metrics:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def backend(self, inner: Backend) -> Backend:
-        """A front end's backend, timed and counted as the client sees it."""
-        return _MeteredBackend(inner, self)
+    def backend(self, inner: Backend, lines: RequestLines | None = None) -> Backend:
+        """A front end's backend, timed and counted as the client sees it; what each generation
+        did is also noted for its request's log line (`lines`)."""
+        return _MeteredBackend(inner, self, lines)
 
     def kv_served(self, nbytes: int) -> None:
         """A streamed piece of KV sent (its payload bytes, however it travelled)."""
@@ -208,8 +242,10 @@ class Metrics:
                     lambda: self._transition(rid, old, new, outcome, error, initial, terminal))
 
         runner.on_transition = on_transition
-        self.registry.register(_LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes,
-                                              prefix_pulls))
+        live = _LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes, prefix_pulls)
+        self.registry.register(live)
+        if self.front_end or engine is not None:
+            self.registry.register(_VllmNames(self, live))
 
     # -- observations ------------------------------------------------------------------------
 
@@ -256,9 +292,10 @@ class Metrics:
 
 
 class _MeteredBackend:
-    def __init__(self, inner: Backend, metrics: Metrics) -> None:
+    def __init__(self, inner: Backend, metrics: Metrics, lines: RequestLines | None = None) -> None:
         self.inner = inner
         self.metrics = metrics
+        self.lines = lines
 
     @property
     def model_info(self) -> ModelInfo:
@@ -276,14 +313,17 @@ class _MeteredBackend:
             _safely("rejected", lambda: self.metrics.rejected(info))
             raise
         _safely("prompt", lambda: self.metrics.prompt_tokens.inc(len(request.prompt)))
-        return _MeteredGeneration(generation, self.metrics, timing)
+        note = self.lines.note(request.request_id, len(request.prompt)) if self.lines is not None else None
+        return _MeteredGeneration(generation, self.metrics, timing, note)
 
 
 class _MeteredGeneration:
-    def __init__(self, inner: Generation, metrics: Metrics, timing: _Timing) -> None:
+    def __init__(self, inner: Generation, metrics: Metrics, timing: _Timing,
+                 note: GenerationNote | None = None) -> None:
         self.inner = inner
         self.metrics = metrics
         self.timing = timing
+        self.note = note
         self.ended = False
 
     async def __aiter__(self) -> AsyncIterator[Output]:
@@ -298,14 +338,22 @@ class _MeteredGeneration:
         return output
 
     def _observe(self, output: Output) -> None:
+        note = self.note
         match output:
             case TokenOut():
                 _safely("token", lambda: self.metrics.token(self.timing))
+                if note is not None:
+                    note.token()
             case GenerationEnd(finish_reason=reason):
                 if reason == STOP:  # the EOS token, counted as usage.completion_tokens counts it
                     _safely("eos", self.metrics.generation_tokens.inc)
+                if note is not None:
+                    note.finish = reason
+                    note.completion_tokens += reason == STOP
                 self._end(observe=True)
-            case GenerationError():
+            case GenerationError(error=error):
+                if note is not None:
+                    note.error = error.code.value
                 self._end(observe=True)
             case _:
                 assert_never(output)
@@ -319,10 +367,14 @@ class _MeteredGeneration:
 
     async def stop(self) -> None:
         self._end(observe=True)  # a stop string ended it: the client got its last output
+        if self.note is not None and self.note.finish is None:
+            self.note.finish = STOP
         await self.inner.stop()
 
     async def cancel(self) -> None:
         self._end(observe=False)
+        if self.note is not None and self.note.finish is None:
+            self.note.finish = "cancelled"
         await self.inner.cancel()
 
     @property
@@ -568,6 +620,78 @@ class _LiveCollector:
             for route in TurnRoute:
                 routes.add_metric([role, route.value], self.peers.routes.get(route.value, 0))
             yield routes
+
+
+# Our families that mean what vLLM's of these names mean (vLLM v1, docs/operations.md), served
+# beside ours so that dashboards and AIPerf's server metrics built for vLLM work unchanged.
+VLLM_NAMES = {
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    # vLLM 0.10 renamed time_per_output_token to inter_token_latency; dashboards use either
+    "inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "prompt_tokens": ("vllm:prompt_tokens",),
+    "generation_tokens": ("vllm:generation_tokens",),
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+}
+
+
+class _VllmNames:
+    """vLLM's names for the families of ours that mean the same, labelled as vLLM labels them
+    (`model_name`), read from ours at scrape time: on the nodes that answer clients (single,
+    router), where the meaning is the client's view as on a vLLM server, and on engine nodes for
+    the KV cache's use. Also `vllm:request_success_total{finished_reason}` (requests that ended
+    with stop or length; a client's cancellation is vLLM's `abort`) and
+    `vllm:kv_cache_usage_perc` (KV reserved / KV budget, 0 to 1)."""
+
+    def __init__(self, metrics: Metrics, live: _LiveCollector) -> None:
+        self.metrics = metrics
+        self.live = live
+
+    def collect(self) -> Iterable[Metric]:
+        model = self.metrics.model_name or ""
+        if self.metrics.front_end:
+            sources: list[Iterable[Metric]] = [self.live.collect()]
+            for family in (self.metrics.ttft, self.metrics.itl, self.metrics.e2e,
+                           self.metrics.prompt_tokens, self.metrics.generation_tokens):
+                sources.append(family.collect())
+            for metric in (m for source in sources for m in source):
+                for name in VLLM_NAMES.get(metric.name.removeprefix(PREFIX), ()):
+                    yield _renamed(metric, name, model)
+            yield self._success(model)
+        stats = self.live.engine.statistics() if self.live.engine is not None else None
+        if stats is not None and stats.kv_budget_bytes > 0:
+            usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage: 1 means full.",
+                                      labels=["model_name"])
+            usage.add_metric([model], min(1.0, stats.kv_reserved_bytes / stats.kv_budget_bytes))
+            yield usage
+
+    def _success(self, model: str) -> Metric:
+        success = CounterMetricFamily("vllm:request_success", "Requests that finished, by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        counts: dict[str, float] = {"stop": 0.0, "length": 0.0, "abort": 0.0}
+        for metric in self.metrics.requests.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                state, reason = sample.labels["state"], sample.labels["reason"]
+                if state == "done" and reason in counts:
+                    counts[reason] += sample.value
+                elif state == "cancelled":
+                    counts["abort"] += sample.value
+        for reason, count in counts.items():
+            success.add_metric([model, reason], count)
+        return success
+
+
+def _renamed(metric: Metric, name: str, model: str) -> Metric:
+    """`metric` under vLLM's name, its `role` label replaced by vLLM's `model_name`."""
+    copy = Metric(name, metric.documentation, metric.type)
+    for sample in metric.samples:
+        labels = {k: v for k, v in sample.labels.items() if k != "role"}
+        copy.add_sample(name + sample.name.removeprefix(metric.name), {"model_name": model, **labels},
+                        sample.value, sample.timestamp, sample.exemplar)
+    return copy
 
 
 class _KvServed:

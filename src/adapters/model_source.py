@@ -55,6 +55,11 @@ def resolve_model(given: str | Path, *, cache_dir: Path | None = None) -> ModelS
     repo `given` (from the cache, else downloaded). Raises ModelNotFound with the reason."""
     path = Path(given).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{given} is a directory but not a model: it has no config.json "
+                                "(give an mlx-lm model directory: config.json, model*.safetensors and the "
+                                "tokenizer's files; or a Hugging Face repo id such as "
+                                "mlx-community/Qwen3-0.6B-4bit)")
         return ModelSource(path)
     text = str(given)
     if not looks_like_repo_id(text):

@@ -34,7 +34,7 @@ from statecore.routing import (
     choose_node,
     choose_route,
 )
-from statecore.step import PeerRecord, step_peer
+from statecore.step import PeerRecord, event_error, step_peer
 
 log = logging.getLogger("statecore.health")
 
@@ -81,8 +81,8 @@ class PeerSet:
         moved, intents = step_peer(record, event)
         self.records[url] = moved
         if moved.phase is not record.phase:
-            log.info("peer %s: %s -> %s on %s", url, record.phase.value, moved.phase.value,
-                     event.kind.value)
+            log.info("peer %s: %s -> %s on %s%s", url, record.phase.value, moved.phase.value,
+                     event.kind.value, _cause(event))
             if self.on_change:
                 self.on_change(url, moved.phase)
         for intent in intents:
@@ -163,7 +163,7 @@ class PeerSet:
         if self.summaries is not None and (choice.local or basis == "prefix"):
             # it keeps the prompt's blocks: computed there, or installed from the handoff
             self.summaries.expect(node.node, prompt)
-        log.info("request %s: route %s, decode on %s by %s (%d of %d prompt tokens held by the "
+        log.debug("request %s: route %s, decode on %s by %s (%d of %d prompt tokens held by the "
                  "cheapest decode node, local prefill below %d uncached tokens, %d in flight there)",
                  request_id, choice.route.value, node.node, basis, choice.held_tokens, len(prompt),
                  local_below, node.in_flight)
@@ -182,10 +182,19 @@ class PeerSet:
         if prompt is not None and self.summaries is not None:
             self.summaries.expect(chosen.node, prompt)
         if prompt is not None:
-            log.info("request %s: %s on %s by %s (%d of %d prompt tokens expected cached, %d in "
+            log.debug("request %s: %s on %s by %s (%d of %d prompt tokens expected cached, %d in "
                      "flight there)", request_id or "-", role, chosen.node, basis, chosen.cached_tokens,
                      len(prompt), chosen.in_flight)
         return chosen.node
+
+
+def _cause(event: Event) -> str:
+    """Why a peer's health changed, for its log line: the failure a request saw, or the probe's."""
+    error = event_error(event)
+    if error is not None:
+        return f" ({error.code.value}: {error.message})"
+    detail = getattr(event, "detail", "")
+    return f" ({detail})" if detail else ""
 
 
 __all__ = ["PeerSet", "Probe"]

@@ -62,6 +62,9 @@ def render(machine: Machine[Any], fmt: DiagramFormat = "mermaid") -> str:
         text = str(_graph_machine(machine, "mermaid").draw(None))
         # transitions marks the model's current (initial) phase as "active"; a doc has none
         text = _ACTIVE_STYLE.sub(r"\n  Class \1 s_default", text)
+        # transitions writes the title bare between the front matter's fences; Mermaid 11 reads
+        # only `title:` there (and drops a bare line)
+        text = text.replace(f"---\n{machine.title}\n---", f"---\ntitle: {machine.title}\n---", 1)
         finals = [f"  {p.value} --> [*]" for p in machine.all_phases if p in machine.terminal]
         return text.rstrip("\n") + ("\n" + "\n".join(finals) if finals else "") + "\n"
     source: str = _graph_machine(machine, "graphviz").source

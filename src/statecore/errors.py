@@ -31,6 +31,7 @@ class Code(enum.Enum):
     INVALID_REQUEST = "invalid_request"
     INVALID_JSON = "invalid_json"
     BODY_TOO_LARGE = "body_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a body labelled other than JSON
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # its KV cache can never fit the node's budget
     MODEL_NOT_FOUND = "model_not_found"
@@ -73,6 +74,7 @@ _STATUS_BY_FAULT: dict[Fault, int] = {
 # Codes whose status differs from their fault's default.
 _STATUS_BY_CODE: dict[Code, int] = {
     Code.BODY_TOO_LARGE: 413,
+    Code.UNSUPPORTED_MEDIA_TYPE: 415,
     Code.MODEL_NOT_FOUND: 404,
     Code.OVERLOADED: 429,
     Code.TIMEOUT: 504,

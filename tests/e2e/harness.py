@@ -100,7 +100,8 @@ def start_nodes(nodes: list[Node]) -> None:
 
 
 def router(model: Path, log: Path, prefill: list[Node], decode: list[Node], *extra: str) -> Node:
-    args = ["--model", str(model)]
+    # the tests read what happened to a request from the router's transitions (DEBUG otherwise)
+    args = ["--model", str(model), "--log-transitions"]
     for node in prefill:
         args += ["--prefill", node.url]
     for node in decode:

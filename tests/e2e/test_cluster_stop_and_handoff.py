@@ -208,4 +208,5 @@ def test_ctrl_c_under_load_finishes_every_stream_and_exits_0_with_one_line(clust
     # no traceback, nothing else
     lines = [line for line in after.strip().splitlines() if not NODE_INFO.search(line)]
     assert lines == [STOP_LINE], after
+    assert " peer " not in after, after  # a deliberate stop: the nodes going down is no news
     cluster.assert_nothing_left()

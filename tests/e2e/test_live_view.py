@@ -7,7 +7,7 @@ an open page does not hold a node's drain. Every wait is Playwright's polling `e
 
 The screenshot in docs/img/live-view.png comes from this test: run it with
 `STATECORE_WRITE_SCREENSHOT=1` to refresh it. Without a browser the test is skipped, except
-under CI (`CI=true`), where that is a failure: CI installs it through scripts/setup.sh.
+under CI (`CI=true`), where that is a failure: CI installs it through scripts/test.sh.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 if os.environ.get("CI") != "true":  # under CI a missing package fails at the import below
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/setup.sh does)")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/setup.sh --dev does)")
 from playwright.sync_api import Page, expect, sync_playwright
 
 from effects.faults import DEFAULT_MARKER, ENABLE_ENV
@@ -43,8 +43,8 @@ SCREENSHOT = ROOT / "docs" / "img" / "live-view.png"
 
 def _missing(what: str) -> None:
     if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} is missing under CI; scripts/setup.sh installs it")
-    pytest.skip(f"{what} is not installed (bash scripts/setup.sh installs it)")
+        pytest.fail(f"{what} is missing under CI; scripts/test.sh installs it")
+    pytest.skip(f"{what} is not installed (bash scripts/test.sh installs it)")
 
 
 def _chromium() -> str:

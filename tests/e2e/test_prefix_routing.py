@@ -39,7 +39,8 @@ Routers = tuple[Cluster, Node, Node, Node]  # the cluster; the primer, plain and
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     logs = tmp_path_factory.mktemp("logs-prefix")
     model = cached_checkpoint("llama")
-    built = start_cluster(model, logs, prefills=2, decodes=1, node_args=("--prefill-chunk-size", "16"))
+    built = start_cluster(model, logs, prefills=2, decodes=1, node_args=("--prefill-chunk-size", "16"),
+                          router_args=("--force-disaggregation", "--log-level", "DEBUG"))  # its route lines
     # A second router that knows only the second prefill node: it puts the opening's blocks there,
     # where least-loaded routing (which prefers the first node on a tie) would never send it.
     primer = router(model, logs / "primer.log", built.prefill[1:], built.decode, "--force-disaggregation")

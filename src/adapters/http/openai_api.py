@@ -299,6 +299,29 @@ class _ChatBody(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> _ChatBody:
+        # as an empty prompt is refused: a last user message with no text asks nothing
+        last = self.messages[-1]
+        if last.role == "user" and not last.to_template()["content"]:
+            raise ValueError("the last message is an empty user message: there is nothing to answer")
+        return self
+
+
+# What a JSON body may be labelled: JSON itself, nothing, or curl's default for `-d`
+# (application/x-www-form-urlencoded), which many a `curl -d '{...}'` sends without meaning it.
+_JSON_MEDIA_TYPES = ("application/json", "application/x-www-form-urlencoded")
+
+
+def _check_media_type(content_type: str | None) -> None:
+    """Refuse a body labelled as something other than JSON (text/plain, multipart/form-data, ...)
+    with 415, rather than read it as JSON anyway."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media and media not in _JSON_MEDIA_TYPES and not media.endswith("+json"):
+        raise _Reject(ErrorInfo(Fault.CLIENT, Code.UNSUPPORTED_MEDIA_TYPE,
+                                f"the request body is labelled {media}: send JSON with "
+                                "'Content-Type: application/json'"))
+
 
 def _same(value: object, neutral: object) -> bool:
     return type(value) is type(neutral) and value == neutral
@@ -955,6 +978,7 @@ class Frontend:
 
     async def _read_object(self, request: Request) -> dict[str, object]:
         """The body as a JSON object (within `max_body_bytes`)."""
+        _check_media_type(request.headers.get("content-type"))
         raw = await self._read_body(request)
         try:
             data = json.loads(raw)

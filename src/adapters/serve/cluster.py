@@ -22,8 +22,14 @@ import httpx
 from adapters.blas import apply_blas_choice
 from adapters.http.api_keys import API_KEY_ENV, ApiKeys
 from adapters.http.internal_wire import TOKEN_HEADER
-from adapters.serve.flags import INTERNAL_TOKEN_ENV, add_serving_flags, demo_model_dir, handoff_rule
-from adapters.serve.listeners import _listener_for, listener_url, open_listener
+from adapters.serve.flags import (
+    INTERNAL_TOKEN_ENV,
+    add_serving_flags,
+    demo_model_dir,
+    handoff_rule,
+    roles_reading,
+)
+from adapters.serve.listeners import _listener_for, bind_or_exit, listener_url
 from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, _blas_words
 from adapters.tls import TlsFiles, certificate_refused, client_context
 
@@ -60,16 +66,19 @@ def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float,
 _NOT_FORWARDED = frozenset({"listen_fd", "internal_token", "api_key"})
 
 
-def _forwarded_serving_flags(args: argparse.Namespace) -> list[str]:
+def _forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) -> list[str]:
     """Every serving flag (`add_serving_flags`) set to other than its default, as arguments
-    for a local cluster's children: what the user asked of the cluster reaches its nodes (a
-    flag a role does not use is accepted and ignored there)."""
+    for a local cluster's children: what the user asked of the cluster reaches its nodes; with
+    `role`, only the flags that role reads (`roles_reading`: a node warns of any other)."""
     probe = argparse.ArgumentParser(add_help=False)
     add_serving_flags(probe)
+    readers = roles_reading(probe)
     flags: list[str] = []
     for action in probe._actions:
         value = getattr(args, action.dest, action.default)
         if action.dest in _NOT_FORWARDED or value == action.default:
+            continue
+        if role is not None and role not in readers[action.dest]:
             continue
         option = action.option_strings[0]
         if isinstance(value, bool):
@@ -115,7 +124,8 @@ def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    """router + prefill + decode as children on free ports; Ctrl-C or SIGTERM stops them all.
+    """router + prefill + decode as children (the engine nodes on --prefill-port and --decode-port,
+    free ports by default); Ctrl-C or SIGTERM stops them all.
 
     The children run in their own process group, so a terminal's Ctrl-C (SIGINT to the whole
     foreground group) reaches only this parent, which then stops each child with exactly one
@@ -125,12 +135,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     # The parent resolves --blas once and hands the result to both engine nodes, so they cannot
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
-    forwarded = _forwarded_serving_flags(args)
-    common = ["--model", model, *forwarded]
+    engine_flags = ["--model", model]
     if blas in ("openblas", "bundled"):
-        common += ["--blas", blas]
+        engine_flags += ["--blas", blas]
     if args.trust_remote_code:
-        common.append("--trust-remote-code")
+        engine_flags.append("--trust-remote-code")
     # the shared secret reaches the children through their environment, not their command lines
     child_env = {**os.environ, LOCAL_CLUSTER_PARENT_ENV: str(os.getpid())}
     if args.internal_token:
@@ -140,8 +149,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         child_env[API_KEY_ENV] = ",".join(keys.keys)  # the router's (the engine nodes ignore it)
     router_health = ({"Authorization": f"Bearer {keys.keys[0]}"}
                      if keys is not None and "health" in keys.protects else None)
-    sockets = {"prefill": open_listener("127.0.0.1", 0), "decode": open_listener("127.0.0.1", 0),
-               "router": _listener_for(args)}
+    sockets = {"router": _listener_for(args)}
+    try:
+        sockets["prefill"] = bind_or_exit("127.0.0.1", args.prefill_port, "--prefill-port")
+        sockets["decode"] = bind_or_exit("127.0.0.1", args.decode_port, "--decode-port")
+    except SystemExit:
+        for sock in sockets.values():
+            sock.close()
+        raise
     tls: TlsFiles = args.tls  # the children get the TLS flags with the others (`forwarded`)
     urls = {role: listener_url(sock, https=tls.serves_https) for role, sock in sockets.items()}
     # this process's own calls reach a router bound to every address on loopback
@@ -169,7 +184,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if received:
             return False
         if problem is not None:
-            raise SystemExit(f"statecore: {problem}")
+            raise SystemExit(f"statecore: the {role} node did not start: {problem}")
         return True
 
     signal.signal(signal.SIGTERM, stop)
@@ -177,11 +192,11 @@ def run_cluster(args: argparse.Namespace) -> int:
     exited: str | None = None
     try:
         for role in ("prefill", "decode"):
-            start(role, common)
+            start(role, [*engine_flags, *_forwarded_serving_flags(args, role)])
         print("statecore: starting prefill and decode nodes ...", flush=True)
         if all(wait_healthy_or_stop(role, 600) for role in ("prefill", "decode")):
             start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
-                             *forwarded])
+                             *_forwarded_serving_flags(args, "router")])
             if wait_healthy_or_stop("router", 120):
                 threshold = _router_threshold(local["router"], args.internal_token, verify)
                 served = getattr(args, "served_model_name", None) or Path(model).name
@@ -195,9 +210,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     finally:
         for sock in sockets.values():
             sock.close()  # those not handed to a child yet (no-op for the others)
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        # the router first: it stops logging its peers' health before they start draining
+        for role in sorted(children, key=lambda r: r != "router"):
+            if children[role].poll() is None:
+                children[role].send_signal(signal.SIGTERM)
         for child in children.values():
             try:
                 child.wait(timeout=args.drain_timeout + 5)

@@ -14,15 +14,38 @@ import trio
 
 from adapters.blas import apply_blas_choice
 from adapters.serve.cluster import run_cluster
-from adapters.serve.flags import _resolve_api_keys, _resolve_model, _resolve_tls
+from adapters.serve.flags import _resolve_api_keys, _resolve_model, _resolve_tls, role_words
 from adapters.serve.listeners import _listener_for
 from adapters.serve.logs import setup_logging
 from adapters.serve.node import hold_stop_signals, run_engine_node, run_router
 
+log = logging.getLogger("statecore")
+
 
 def run_command(args: argparse.Namespace) -> int:
+    """Start the role asked for. A person's mistake at start-up (a bad path, a directory that is
+    not a model, a port in use, a setting that cannot work) ends it with one line that names the
+    role and what to do, never a traceback."""
+    try:
+        return _run_role(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            raise SystemExit(said_by_role(exc.code, args.role)) from None
+        raise
+
+
+def said_by_role(line: str, role: str) -> str:
+    """`statecore: X` as `statecore: the role: X` (a local cluster's nodes share one terminal)."""
+    prefix = "statecore: "
+    text = line[len(prefix):] if line.startswith(prefix) else line
+    return f"{prefix}{role_words(role)}: {text}"
+
+
+def _run_role(args: argparse.Namespace) -> int:
     role = args.role
     setup_logging(args, role)
+    for line in getattr(args, "other_role_flags", []):
+        log.warning("%s", line)
     _resolve_tls(args)
     _resolve_model(args)
     _resolve_api_keys(args)

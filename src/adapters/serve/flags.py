@@ -11,6 +11,7 @@ import math
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.http.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_key, parse_protects
@@ -112,156 +113,250 @@ def _origins(text: str) -> str:
     return ",".join(origins)
 
 
+ROLES = ("cluster", "single", "prefill", "decode", "router")
+"""`--role`'s choices; "cluster" (the default) is a local router + prefill + decode."""
+
+_ENGINE = frozenset({"cluster", "single", "prefill", "decode"})
+_PUBLIC = frozenset({"cluster", "single", "router"})
+_EVERY = frozenset(ROLES)
+
+
+@dataclass(frozen=True, slots=True)
+class FlagGroup:
+    """A part of `statecore run --help`: what its flags are for and which roles read them (a
+    local cluster reads what any of its nodes reads and hands each node its own)."""
+
+    title: str
+    roles: frozenset[str]
+    description: str = ""
+
+
+SERVE = FlagGroup("what to serve and where", _EVERY)
+CLUSTER = FlagGroup("local cluster (no --role)", frozenset({"cluster"}),
+                    "the prefill and decode nodes a local cluster starts on 127.0.0.1")
+ROUTER = FlagGroup("router: where each request goes", frozenset({"cluster", "router"}))
+API = FlagGroup("public API: keys, browsers, usage (single, router)", _PUBLIC)
+ENGINE = FlagGroup("engine: batching and compute (single, prefill, decode)", _ENGINE,
+                   "every node of a cluster needs the same values of the flags marked so")
+MEMORY = FlagGroup("engine: KV memory and the prefix cache (single, prefill, decode)", _ENGINE)
+HANDOFF = FlagGroup("KV handoff between nodes (prefill, decode)", frozenset({"cluster", "prefill", "decode"}))
+PARALLEL = FlagGroup("one instance over several processes (single, prefill, decode)", _ENGINE)
+SECURITY = FlagGroup("security between nodes (every role)", _EVERY)
+LIMITS = FlagGroup("time limits and admission (every role)", _EVERY)
+LOGGING = FlagGroup("logs (every role)", _EVERY)
+FLAG_GROUPS = (SERVE, CLUSTER, ROUTER, API, ENGINE, MEMORY, HANDOFF, PARALLEL, SECURITY, LIMITS, LOGGING)
+
+_ROLES_OF_FLAG = {
+    # flags whose roles are narrower than their group's
+    "prefill": frozenset({"router"}), "decode": frozenset({"router"}),  # a local cluster names its own
+    "trust_remote_code": _ENGINE, "blas": _ENGINE,
+    "keep_conversations": frozenset({"cluster", "single", "decode"}),
+    "prefix_pull": frozenset({"cluster", "prefill"}),
+    "kv_shm_bytes": frozenset({"cluster", "prefill"}),
+}
+
+
+def flag_group(parser: argparse.ArgumentParser, group: FlagGroup) -> argparse._ArgumentGroup:
+    """The parser's argument group for `group` (made on first use), so that `--help` lists each
+    flag under what it is for and the roles that read it."""
+    for existing in parser._action_groups:
+        if existing.title == group.title:
+            return existing
+    return parser.add_argument_group(group.title, group.description or None)
+
+
+def roles_reading(parser: argparse.ArgumentParser) -> dict[str, frozenset[str]]:
+    """Each flag's destination -> the roles that read it, from the groups it was declared in."""
+    by_title = {group.title: group.roles for group in FLAG_GROUPS}
+    roles: dict[str, frozenset[str]] = {}
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            roles[action.dest] = _ROLES_OF_FLAG.get(action.dest, by_title.get(group.title or "", _EVERY))
+    return roles
+
+
+def role_words(role: str) -> str:
+    """A role as a start-up line names it."""
+    return {"cluster": "local cluster", "router": "router"}.get(role, f"{role} node")
+
+
+def flags_for_other_roles(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """One line for each flag given (set to other than its default) that `args.role` does not
+    read: it is ignored there, as before (a local cluster hands its nodes their own flags), but a
+    person who typed it should know."""
+    lines: list[str] = []
+    readers = roles_reading(parser)
+    for action in parser._actions:
+        roles = readers.get(action.dest, _EVERY)
+        if args.role in roles or getattr(args, action.dest, action.default) == action.default:
+            continue
+        flag = action.option_strings[0]
+        who = ", ".join(role_words(r) for r in ROLES if r in roles)
+        lines.append(f"{role_words(args.role)}: {flag} is read by the {who} only and is "
+                     f"ignored here; drop it, or start the role that reads it (statecore run --role "
+                     f"{args.role} --help lists this role's flags)")
+    return lines
+
+
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
-    run.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
-                     help="router: prompts shorter than this prefill on the decode node, longer ones "
-                          "on a prefill node with a KV handoff (default: the model's context / 8, "
-                          f"at most {LOCAL_PREFILL_BELOW_MAX})")
-    run.add_argument("--force-disaggregation", action="store_true",
-                     help="router: send every request through a prefill node")
-    run.add_argument("--kv-transport", choices=["auto", "shm", "http"], default="auto",
-                     help="prefill and decode nodes: how a streamed handoff's pieces move: auto (shared "
-                          "memory when the prefill node's advert shows it is on this host, else HTTP), "
-                          "shm (shared memory or a kv_shm_gone error), http (never shared memory)")
-    run.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
-                     help="prefill nodes: the most shared memory held for pieces not yet taken "
-                          "(default 2 GiB); a piece that finds no room goes over HTTP")
-    run.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
-                     help="router: how a prompt's KV moves from its prefill node to its decode node: "
-                          "stream (the decode node learns of the request at once and receives each "
-                          "piece of the KV as the prefill node computes it; the default), or pull (the "
-                          "decode node fetches the whole KV after the first token)")
-    run.add_argument("--prefix-routing", choices=["on", "off"], default="on",
-                     help="router: send a prompt to the node whose prefix cache holds the most of it, "
-                          "weighed against load (on, the default), or to the least loaded node (off)")
-    run.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
-                     help="router: what one request in flight on a node weighs against prompt tokens "
-                          f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
-    run.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
-                     help="tokens per prefill chunk; must be equal on every node (default 2048)")
-    run.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
-                     help="pad prefill chunks (and round decode's attended length) up to a multiple "
-                          "of this, so the GPU meets few distinct shapes; must be equal on every node "
-                          "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
-    run.add_argument("--decode-attention", default="auto", metavar="MODE",
-                     help="the decode batch's attention (plain-KV models): auto (statecore's CUDA "
-                          "kernel on MLX's CUDA backend when its load-time self-check passes, else "
-                          "MLX's masked attention), kernel (required), masked, reference (MLX ops; "
-                          "tests) (default auto)")
-    run.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"),
-                     help="trace the decode batch's model call once per shape and replay it "
-                          "(mx.compile; plain-KV models): auto (on MLX's CUDA backend), on, off "
-                          "(default auto)")
-    run.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
-                     help="compute each layer's query/key/value projections, and its MLP's gate/up "
-                          "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
-                          "CUDA backend), on, off (default auto)")
-    run.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
-    run.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
-    run.add_argument("--prefill-batch", type=_whole(1), default=32,
-                     help="most prompts advanced in one step; short prompts waiting together share one "
-                          "padded model call; 1 = one at a time (default 32)")
-    run.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
-                     help="tokens one engine step may compute: every decoding row plus prefill work, "
-                          "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
-                          "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
-    run.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
-                     help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
-    run.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
+    serve, router, api, engine, memory, handoff, parallel, security, limits, logging = (
+        flag_group(run, group) for group in (SERVE, ROUTER, API, ENGINE, MEMORY, HANDOFF, PARALLEL, SECURITY,
+                                             LIMITS, LOGGING))
+    router.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
+                        help="router: prompts shorter than this prefill on the decode node, longer ones "
+                             "on a prefill node with a KV handoff (default: the model's context / 8, "
+                             f"at most {LOCAL_PREFILL_BELOW_MAX})")
+    router.add_argument("--force-disaggregation", action="store_true",
+                        help="router: send every request through a prefill node")
+    handoff.add_argument("--kv-transport", choices=["auto", "shm", "http"], default="auto",
+                         help="prefill and decode nodes: how a streamed handoff's pieces move: auto (shared "
+                              "memory when the prefill node's advert shows it is on this host, else HTTP), "
+                              "shm (shared memory or a kv_shm_gone error), http (never shared memory)")
+    handoff.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
+                         help="prefill nodes: the most shared memory held for pieces not yet taken "
+                              "(default 2 GiB); a piece that finds no room goes over HTTP")
+    router.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
+                        help="router: how a prompt's KV moves from its prefill node to its decode node: "
+                             "stream (the decode node learns of the request at once and receives each "
+                             "piece of the KV as the prefill node computes it; the default), or pull (the "
+                             "decode node fetches the whole KV after the first token)")
+    router.add_argument("--prefix-routing", choices=["on", "off"], default="on",
+                        help="router: send a prompt to the node whose prefix cache holds the most of it, "
+                             "weighed against load (on, the default), or to the least loaded node (off)")
+    router.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
+                        help="router: what one request in flight on a node weighs against prompt tokens "
+                             f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
+    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
+                        help="tokens per prefill chunk; must be equal on every node (default 2048)")
+    engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
+                        help="pad prefill chunks (and round decode's attended length) up to a multiple "
+                             "of this, so the GPU meets few distinct shapes; must be equal on every node "
+                             "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
+    engine.add_argument("--decode-attention", default="auto", metavar="MODE",
+                        help="the decode batch's attention (plain-KV models): auto (statecore's CUDA "
+                             "kernel on MLX's CUDA backend when its load-time self-check passes, else "
+                             "MLX's masked attention), kernel (required), masked, reference (MLX ops; "
+                             "tests) (default auto)")
+    engine.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"),
+                        help="trace the decode batch's model call once per shape and replay it "
+                             "(mx.compile; plain-KV models): auto (on MLX's CUDA backend), on, off "
+                             "(default auto)")
+    engine.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
+                        help="compute each layer's query/key/value projections, and its MLP's gate/up "
+                             "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
+                             "CUDA backend), on, off (default auto)")
+    engine.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
+    engine.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
+    engine.add_argument("--prefill-batch", type=_whole(1), default=32,
+                        help="most prompts advanced in one step; short prompts waiting together share one "
+                             "padded model call; 1 = one at a time (default 32)")
+    engine.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
+                        help="tokens one engine step may compute: every decoding row plus prefill work, "
+                             "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
+                             "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
+    security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                          help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
+    api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
                      help="single, router: the public API (/v1/*, /tokenize, /detokenize) requires "
                           "'Authorization: Bearer KEY' or 'x-api-key: KEY' (401 otherwise); repeat for "
                           f"several; env {API_KEY_ENV} adds more, comma-separated")
-    run.add_argument("--api-key-protects", type=_protects, default="", metavar="LIST",
+    api.add_argument("--api-key-protects", type=_protects, default="", metavar="LIST",
                      help=f"with --api-key: also require it on these paths, open by default "
                           f"(comma-separated of {', '.join(PROTECTABLE)})")
-    run.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+    api.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                      help="single, router: answer CORS for these browser origins (comma-separated, "
                           "* for any); default: no CORS headers")
-    run.add_argument("--tls-certfile", default=None, metavar="PATH",
-                     help="serve HTTPS with this PEM certificate (chain); needs --tls-keyfile")
-    run.add_argument("--tls-keyfile", default=None, metavar="PATH",
-                     help="the unencrypted PEM private key of --tls-certfile")
-    run.add_argument("--tls-ca-file", default=None, metavar="PATH",
-                     help="PEM CA bundle that https:// peers' certificates must chain to (the router's "
-                          "calls, a decode node's KV pulls, a local cluster's health checks); default: "
-                          "the system's store")
-    run.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
-                     help="engine nodes: what every KV cache together may take; each request reserves "
-                          "its worst case before anything is allocated, and waits (429 with Retry-After) "
-                          "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
-                          "device's memory)")
-    run.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
-                     help="engine nodes: cap each step's prefill work so that the KV held and reserved "
-                          "plus the step's estimated activations stay within --kv-memory-bytes (the "
-                          "oldest prompt still advances, alone if it must): auto (on when "
-                          "--kv-memory-bytes is given), on, off (default auto)")
-    run.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
-                     help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
-                          "prompts that start with the same tokens, within this many bytes of the KV "
-                          "budget; kept blocks give way to any request that needs the memory (default: "
-                          "a quarter of --kv-memory-bytes; 0 = off)")
-    run.add_argument("--keep-conversations", choices=["on", "off"], default="on",
-                     help="decode and single nodes: when a request ends normally, compute its prompt and "
-                          "generated tokens' whole prefill chunks again and keep them in the prefix "
-                          "cache, so the conversation's next turn prefills only its new part (on, the "
-                          "default, when the prefix cache is on)")
-    run.add_argument("--prefix-pull", choices=PULL_MODES, default="auto",
-                     help="prefill nodes: when the router says the decode node a prompt hands off to "
-                          "holds its start in its prefix cache, pull those blocks from it instead of "
-                          "computing them: auto (when this node's measured prefill rate says moving "
-                          "them is quicker), always (whenever it holds more than this node's own "
-                          "cache), never (default auto)")
-    run.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
-                     help="decode, prefill: refuse a KV payload (a handoff, a pulled prefix) larger than "
-                          "this (default 16 GiB)")
-    run.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
-                     help="decode, prefill: receive buffers kept for reuse by KV pulls, in bytes "
-                          "(default 1 GiB; 0 = a fresh buffer per pull)")
-    run.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
-                     help="seconds a held KV waits (default 60)")
-    run.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
-                     help="seconds a request may live (default 600)")
-    run.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
-                     help="engine nodes: seconds the engine may be busy without finishing a step "
-                          "before the node counts as hung: its requests fail, /health turns 503 and "
-                          "it exits 3 for its supervisor to restart (default 180; 0 = never)")
-    run.add_argument("--tensor-parallel", type=_whole(1), default=1, metavar="N",
-                     help="prefill, decode, single: run the instance as N processes (ranks), each with "
-                          "its tensor-parallel shard of the model (mlx-lm's model.shard: llama, qwen2, "
-                          "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
-                          "--hostfile or MLX's launch environment the ranks start on this machine "
-                          "(ring backend over 127.0.0.1) (default 1)")
-    run.add_argument("--pipeline-parallel", type=_whole(1), default=1, metavar="N",
-                     help="prefill, decode, single: run the instance as N ranks as --tensor-parallel does, "
-                          "each holding a share of the model's layers (mlx-lm's pipeline: qwen2, qwen3_moe, "
-                          "qwen3_next, qwen3_5, deepseek_v3, glm4_moe, ...; see docs/operations.md); not "
-                          "with --tensor-parallel; its caches do not hand off (default 1)")
-    run.add_argument("--distributed-backend", default="ring", choices=("ring", "nccl", "jaccl", "mpi", "any"),
-                     help="with --tensor-parallel: MLX's distributed backend (mlx.launch --backend; nccl "
-                          "on CUDA, jaccl for RDMA over Thunderbolt) (default ring)")
-    run.add_argument("--hostfile", default=None, metavar="PATH",
-                     help="with --tensor-parallel: start the ranks on these hosts through mlx.launch "
-                          "--hostfile (its JSON host list; statecore at the same path on each)")
-    run.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
-                     help="seconds to finish in-flight requests on SIGTERM (default 30)")
-    run.add_argument("--max-in-flight", type=_whole(1), default=256,
-                     help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
-    run.add_argument("--enable-prompt-tokens-details", action="store_true",
+    security.add_argument("--tls-certfile", default=None, metavar="PATH",
+                          help="serve HTTPS with this PEM certificate (chain); needs --tls-keyfile")
+    security.add_argument("--tls-keyfile", default=None, metavar="PATH",
+                          help="the unencrypted PEM private key of --tls-certfile")
+    security.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                          help="PEM CA bundle that https:// peers' certificates must chain to (the router's "
+                               "calls, a decode node's KV pulls, a local cluster's health checks); default: "
+                               "the system's store")
+    memory.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
+                        help="engine nodes: what every KV cache together may take; each request reserves "
+                             "its worst case before anything is allocated, and waits (429 with Retry-After) "
+                             "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
+                             "device's memory)")
+    memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
+                        help="engine nodes: cap each step's prefill work so that the KV held and reserved "
+                             "plus the step's estimated activations stay within --kv-memory-bytes (the "
+                             "oldest prompt still advances, alone if it must): auto (on when "
+                             "--kv-memory-bytes is given), on, off (default auto)")
+    memory.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
+                        help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
+                             "prompts that start with the same tokens, within this many bytes of the KV "
+                             "budget; kept blocks give way to any request that needs the memory (default: "
+                             "a quarter of --kv-memory-bytes; 0 = off)")
+    memory.add_argument("--keep-conversations", choices=["on", "off"], default="on",
+                        help="decode and single nodes: when a request ends normally, compute its prompt and "
+                             "generated tokens' whole prefill chunks again and keep them in the prefix "
+                             "cache, so the conversation's next turn prefills only its new part (on, the "
+                             "default, when the prefix cache is on)")
+    memory.add_argument("--prefix-pull", choices=PULL_MODES, default="auto",
+                        help="prefill nodes: when the router says the decode node a prompt hands off to "
+                             "holds its start in its prefix cache, pull those blocks from it instead of "
+                             "computing them: auto (when this node's measured prefill rate says moving "
+                             "them is quicker), always (whenever it holds more than this node's own "
+                             "cache), never (default auto)")
+    handoff.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
+                         help="decode, prefill: refuse a KV payload (a handoff, a pulled prefix) larger than "
+                              "this (default 16 GiB)")
+    handoff.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
+                         help="decode, prefill: receive buffers kept for reuse by KV pulls, in bytes "
+                              "(default 1 GiB; 0 = a fresh buffer per pull)")
+    limits.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
+                        help="seconds a held KV waits (default 60)")
+    limits.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
+                        help="seconds a request may live (default 600)")
+    engine.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
+                        help="engine nodes: seconds the engine may be busy without finishing a step "
+                             "before the node counts as hung: its requests fail, /health turns 503 and "
+                             "it exits 3 for its supervisor to restart (default 180; 0 = never)")
+    parallel.add_argument("--tensor-parallel", type=_whole(1), default=1, metavar="N",
+                          help="prefill, decode, single: run the instance as N processes (ranks), each with "
+                               "its tensor-parallel shard of the model (mlx-lm's model.shard: llama, qwen2, "
+                               "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
+                               "--hostfile or MLX's launch environment the ranks start on this machine "
+                               "(ring backend over 127.0.0.1) (default 1)")
+    parallel.add_argument("--pipeline-parallel", type=_whole(1), default=1, metavar="N",
+                          help="prefill, decode, single: run the instance as N ranks as --tensor-parallel "
+                               "does, each holding a share of the model's layers (mlx-lm's pipeline: qwen2, "
+                               "qwen3_moe, qwen3_next, qwen3_5, deepseek_v3, glm4_moe, ...; see "
+                               "docs/operations.md); not with --tensor-parallel; its caches do not hand off "
+                               "(default 1)")
+    parallel.add_argument("--distributed-backend", default="ring",
+                          choices=("ring", "nccl", "jaccl", "mpi", "any"),
+                          help="with --tensor-parallel: MLX's distributed backend (mlx.launch --backend; "
+                               "nccl on CUDA, jaccl for RDMA over Thunderbolt) (default ring)")
+    parallel.add_argument("--hostfile", default=None, metavar="PATH",
+                          help="with --tensor-parallel: start the ranks on these hosts through mlx.launch "
+                               "--hostfile (its JSON host list; statecore at the same path on each)")
+    limits.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
+                        help="seconds to finish in-flight requests on SIGTERM (default 30)")
+    limits.add_argument("--max-in-flight", type=_whole(1), default=256,
+                        help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="single, router: report in usage the prompt tokens each request's prefill "
                           "took from a prefix cache (prompt_tokens_details.cached_tokens, as vLLM's "
                           "flag; the Responses API's input_tokens_details, Messages' "
                           "cache_read_input_tokens). Off by default: through a cluster that number "
                           "may differ from a single node's")
     # tests only (refused unless ENABLE_ENV=1; docs/operations.md): kept out of --help
-    run.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
-    run.add_argument("--fault-marker", default=DEFAULT_MARKER, help=argparse.SUPPRESS)
-    run.add_argument("--listen-fd", type=int, default=None, metavar="FD",
-                     help="serve on this inherited, already listening socket instead of binding "
-                          "--host:--port (how `statecore run` and test harnesses start children)")
-    run.add_argument("--log-json", action="store_true", help="log one JSON object per line")
-    run.add_argument("--log-level", default="INFO",
-                     help="Python logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+    limits.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)
+    limits.add_argument("--fault-marker", default=DEFAULT_MARKER, help=argparse.SUPPRESS)
+    serve.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                       help="serve on this inherited, already listening socket instead of binding "
+                            "--host:--port (how `statecore run` and test harnesses start children)")
+    logging.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    logging.add_argument("--log-level", default="INFO",
+                         help="Python logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
+    logging.add_argument(
+        "--log-transitions", action="store_true",
+        help="log every request state transition at INFO (they are DEBUG otherwise: each request "
+             "logs one INFO line when it ends, each refusal one with its code)")
 
 
 

@@ -7,6 +7,7 @@ This module may import anything.
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 
 LISTEN_BACKLOG = 1024
@@ -47,10 +48,19 @@ def _listener_for(args: argparse.Namespace) -> socket.socket:
         if sock.type != socket.SOCK_STREAM:
             raise SystemExit(f"statecore: --listen-fd {args.listen_fd} is not a TCP socket")
         return sock
+    return bind_or_exit(args.host, args.port, "--port")
+
+
+def bind_or_exit(host: str, port: int, flag: str) -> socket.socket:
+    """`open_listener`, or one line saying why not and what to do (SystemExit)."""
     try:
-        return open_listener(args.host, args.port)
+        return open_listener(host, port)
     except OSError as exc:
-        raise SystemExit(f"statecore: cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+        hint = (f"another process holds it: stop that one, or choose another port with {flag}"
+                if exc.errno == errno.EADDRINUSE else
+                f"check the address and {flag}" if exc.errno != errno.EACCES else
+                f"ports below 1024 need privileges: choose another with {flag}")
+        raise SystemExit(f"statecore: cannot listen on {host}:{port}: {exc.strerror} ({hint})") from None
 
 
 def free_port() -> int:

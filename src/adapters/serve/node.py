@@ -38,7 +38,7 @@ from adapters.kv.shm import ShmOutbox
 from adapters.metrics import Metrics
 from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
 from adapters.serve.listeners import listener_url
-from adapters.serve.logs import log_transitions
+from adapters.serve.logs import RequestLines, RetryLogged, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
 from effects.backend import local_backend, router_backend
 from effects.engine_port import EngineStatistics
@@ -122,9 +122,11 @@ async def _watch_signals(runner: NodeRunner[Any]) -> None:
         if _signals_seen:  # arrived while the node was loading
             log.log(_stop_log_level(), "received %s while starting: draining",
                     signal.Signals(_signals_seen[0]).name)
+            quiet_peer_changes()
             await runner.post_loop(DrainRequested())
         async for signum in signals:
             log.log(_stop_log_level(), "received %s: draining", signal.Signals(signum).name)
+            quiet_peer_changes()  # its peers are stopping too (a local cluster's are)
             await runner.post_loop(DrainRequested())
 
 
@@ -256,8 +258,11 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
     sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
-    engine = await MlxEngine.load(model, **engine_options(args, role),
-                                  model_call_hook=faults.model_call_hook(), tensor=tensor)
+    try:
+        engine = await MlxEngine.load(model, **engine_options(args, role),
+                                      model_call_hook=faults.model_call_hook(), tensor=tensor)
+    except StatecoreError as exc:  # the model or a setting cannot be used: say so, no traceback
+        raise SystemExit(f"statecore: cannot load {model}: {exc.info.message}") from None
     for layer in engine.info.layers:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
@@ -281,7 +286,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     metrics = Metrics(role)
     runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
                                          name=role)
-    log_transitions(runner, role)
+    log_transitions(runner, role, every=args.log_transitions, in_local_cluster=_cluster_parent() is not None)
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
     metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes,
                   prefix_pulls=None if prefix_pull is None else prefix_pull.statistics)
@@ -290,14 +295,16 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
                   kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
+    lines = RequestLines()
     if role == "single":
         frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
-                                                                      max_live=args.max_in_flight)),
+                                                                      max_live=args.max_in_flight), lines),
                                  model_name=getattr(args, "served_model_name", None),
                                  prompt_tokens_details=args.enable_prompt_tokens_details)
         frontend.faults = faults
         frontend.warnings = warnings
         app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
+        lines.instrument(app)
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
                                 metrics.route(), *live.routes()])
@@ -414,8 +421,12 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
                                                                        info.context_length)
 
+    lines = RequestLines()
+
     def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
-        return peer_set.route(avoid, prompt, request_id, threshold)
+        choice = peer_set.route(avoid, prompt, request_id, threshold)
+        lines.routed(request_id, choice.route.value)
+        return choice
 
     # A node that says it takes no streamed handoff (tensor or pipeline parallel) is pulled from.
     pulled_only = {node for node in prefill + decode
@@ -426,14 +437,15 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
 
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
                                 on_peer_failure=peer_set.report_failure, route=route, streams=streams)
-    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
-    log_transitions(runner, "router")
+    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, RetryLogged(performer), timeouts=_timeouts(args),
+                                         name="router")
+    log_transitions(runner, "router", every=args.log_transitions)
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
-    frontend = Frontend.load(model, metrics.backend(backend),
+    frontend = Frontend.load(model, metrics.backend(backend, lines),
                              model_name=getattr(args, "served_model_name", None),
                              prompt_tokens_details=args.enable_prompt_tokens_details)
     frontend.faults = faults
@@ -452,6 +464,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
 
     app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
                                        *live.routes()])
+    lines.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)

@@ -220,14 +220,19 @@
       const offset = SAMPLES_SHOWN - values.length;
       const bars = values.map((v, i) => v === null || v === undefined || v <= 0 ? ""
         : `M ${offset + i + 0.5} 36 V ${(35 - (v / top) * 33).toFixed(1)}`).join(" ");
+      if (!chart.querySelector("line.grid")) {  // the axes: zero, and the top the bars scale to
+        svg("line", {class: "grid", x1: 0, x2: SAMPLES_SHOWN, y1: 35.5, y2: 35.5}, chart);
+        svg("line", {class: "grid", x1: 0, x2: SAMPLES_SHOWN, y1: 2, y2: 2}, chart);
+      }
+      box.querySelector(".ymax").textContent = known.length ? `top ${formatValue(top, unit)}` : "";
       const path = chart.querySelector("path") || svg("path", {}, chart);
       path.setAttribute("d", bars);
     }
   }
 
-  function noteRouterKv() {
-    const box = document.getElementById("spark-kv");
-    html("span", "KV moves between prefill and decode nodes, not through the router.", box).className = "note";
+  function dropKvChart() {
+    // KV moves between prefill and decode nodes only: elsewhere the chart would stay at 0
+    document.getElementById("spark-kv").remove();
   }
 
   function apply(doc) {
@@ -257,7 +262,7 @@
     document.title = `statecore ${graph.role} · live`;
     const container = document.getElementById("machines");
     for (const machine of graph.machines) drawMachine(machine, container);
-    if (graph.role === "router") noteRouterKv();
+    if (graph.role !== "prefill" && graph.role !== "decode") dropKvChart();
     const events = new EventSource("/ui/events");
     events.onopen = () => { view.closing = false; setStatus("live", "live"); };
     // the browser retries by itself; a node that comes back is followed again
