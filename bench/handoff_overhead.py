@@ -53,6 +53,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
+from disagg_equal import node_env, parse_cpus  # noqa: E402
 from handoff_http import (  # noqa: E402
     BackgroundStreams,
     machine,
@@ -90,37 +91,29 @@ class Sample:
         return self.second_gap_s / self.step_s
 
 
-def cores_of(text: str) -> set[int]:
-    """"0", "0-3", "0,2": a taskset-style core list."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
 def pin(node: Node, cores: str | None) -> None:
     """Every thread of the node's process onto `cores` (threads it starts later inherit it)."""
     if not cores or node.process is None:
         return
     for task in Path(f"/proc/{node.process.pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
-            os.sched_setaffinity(int(task.name), cores_of(cores))
+            os.sched_setaffinity(int(task.name), parse_cpus(cores))
 
 
 def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
-    """Start the node with its GPU in its environment, pinned to `cores` from its first moment."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    """Start the node with its GPU and its BLAS threads (one per core) in its environment
+    (`disagg_equal.node_env`), pinned to `cores` from its first moment."""
+    extra = node_env({}, cores, gpu)
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
     try:
         node.start()
     finally:
-        if gpu is not None:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                os.environ[name] = value
     pin(node, cores)
     return node
 

@@ -139,6 +139,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     prefill_chunk_size: int
     layers: tuple[LayerTravel, ...] = field(default=())
+    # the model's parameter bytes each rank holds (one entry on a one-rank node; a tensor- or
+    # pipeline-parallel instance's ranks each hold a share); a report, not part of the identity
+    parameter_bytes_by_rank: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def can_travel(self) -> bool:

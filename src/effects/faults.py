@@ -5,8 +5,11 @@ Off unless a node is started with `--inject-fault` *and* the environment variabl
 is marked for a phase when its request id (the client's `X-Request-Id`, which travels
 router -> prefill -> decode) contains `<marker>-<phase>` (fail there with a typed
 INJECTED_FAULT error), `<marker>-untyped-<phase>` (raise a plain RuntimeError there, armed with
-`PHASE:untyped`) or `<marker>-slow-<phase>` (sleep there first), e.g.
-`inject-fault-install-7`.
+`PHASE:untyped`), `<marker>-peer-<phase>` (fail as a peer's error the router retries elsewhere,
+on a request's first attempt only, armed with `PHASE:peer`) or `<marker>-slow-<phase>` (sleep
+there first), e.g. `inject-fault-install-7`. A tag followed by `.choice<i>` marks only choice
+i > 0 of an n > 1 request (the node's id `<request id>.<i>`), e.g. `inject-fault-prefill.choice1`. An injected
+error says where it fired: "injected fault at prefill on the decode node".
 
 The code that serves requests sees only the `FaultPort`: production runs `NO_FAULTS`, whose every
 check is a no-op; `Faults.parse` builds the armed one only behind the switch above. This module
@@ -19,7 +22,7 @@ import enum
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import trio
@@ -29,6 +32,7 @@ from statecore.ids import RequestId
 
 ENABLE_ENV = "STATECORE_ENABLE_FAULT_INJECTION"
 DEFAULT_MARKER = "inject-fault"
+CHOICE = ".choice"  # after a tag: one choice of an n > 1 request
 
 
 class Phase(enum.Enum):
@@ -99,10 +103,11 @@ class Rule:
     phase: Phase
     slow_s: float = 0.0  # 0: fail instead of stalling
     untyped: bool = False  # raise a plain RuntimeError (a bug's shape), not a typed error
+    peer: bool = False  # a peer's error (the router retries it elsewhere), first attempts only
 
     @property
     def kind(self) -> str:
-        return "slow" if self.slow_s > 0 else "untyped" if self.untyped else "fail"
+        return "slow" if self.slow_s > 0 else "untyped" if self.untyped else "peer" if self.peer else "fail"
 
 
 @dataclass(frozen=True)
@@ -111,15 +116,17 @@ class Faults:
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     marker: str = DEFAULT_MARKER
+    where: str = ""  # the node's role, named in the errors it injects
 
     @classmethod
     def none(cls) -> FaultPort:
         return NO_FAULTS
 
     @classmethod
-    def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER) -> FaultPort:
-        """`PHASE` (fail), `PHASE:untyped` (fail with an untyped exception) or
-        `PHASE:slow=SECONDS`; refuses to arm without the env switch. No specs: `NO_FAULTS`."""
+    def parse(cls, specs: Iterable[str], marker: str = DEFAULT_MARKER, where: str = "") -> FaultPort:
+        """`PHASE` (fail), `PHASE:untyped` (fail with an untyped exception), `PHASE:peer` (fail as
+        a peer, retryable) or `PHASE:slow=SECONDS`; refuses to arm without the env switch. No
+        specs: `NO_FAULTS`. `where`: the node's role, for the errors' messages."""
         specs = list(specs)
         if not specs:
             return NO_FAULTS
@@ -138,8 +145,8 @@ class Faults:
                     f"statecore: unknown fault phase {name!r}; one of {[p.value for p in Phase]}"
                 ) from None
             slow = float(option.removeprefix("slow=")) if option.startswith("slow=") else 0.0
-            rules.append(Rule(phase, slow, untyped=option == "untyped"))
-        return cls(tuple(rules), marker)
+            rules.append(Rule(phase, slow, untyped=option == "untyped", peer=option == "peer"))
+        return cls(tuple(rules), marker, where)
 
     @property
     def armed(self) -> bool:
@@ -147,7 +154,15 @@ class Faults:
 
     def _rule(self, phase: Phase, request_id: str, kind: str) -> Rule | None:
         tag = f"{self.marker}-{phase.value}" if kind == "fail" else f"{self.marker}-{kind}-{phase.value}"
-        if tag not in request_id:
+        at = request_id.find(tag)
+        if at < 0:
+            return None
+        rest = request_id[at + len(tag):]
+        if rest.startswith(CHOICE):  # one choice only: `<tag>.choice<i>` marks the node request `<id>.<i>`
+            choice = rest[len(CHOICE):].partition("-")[0].partition(".")[0]
+            if not request_id.endswith(f".{choice}"):
+                return None
+        if kind == "peer" and ".retry" in request_id:  # the router's next attempt goes through
             return None
         return next((r for r in self.rules if r.phase is phase and r.kind == kind), None)
 
@@ -162,9 +177,11 @@ class Faults:
         if slow is not None:
             await trio.sleep(slow.slow_s)
         if self._rule(phase, request_id, "untyped") is not None:
-            raise RuntimeError(f"injected untyped fault at {phase.value}")
+            raise RuntimeError(f"injected untyped fault at {phase.value}{_on(where=self.where)}")
+        if self._rule(phase, request_id, "peer") is not None:
+            raise StatecoreError(replace(injected(phase, self.where), fault=Fault.PEER))
         if self.applies(phase, request_id):
-            raise StatecoreError(injected(phase))
+            raise StatecoreError(injected(phase, self.where))
 
     def model_call_hook(self) -> ModelCallHook | None:
         """A check the engine runs inside each model call with its stage ("prefill" or "decode")
@@ -190,11 +207,17 @@ class Faults:
         return check
 
 
-def injected(phase: Phase) -> ErrorInfo:
-    return ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, f"injected fault at {phase.value}")
+def _on(where: str) -> str:
+    return f" on the {where} node" if where else ""
+
+
+def injected(phase: Phase, where: str = "") -> ErrorInfo:
+    """The error a typed fault raises: where it fired, the phase and the node's role."""
+    return ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, f"injected fault at {phase.value}{_on(where)}")
 
 
 __all__ = [
+    "CHOICE",
     "DEFAULT_MARKER",
     "ENABLE_ENV",
     "NO_FAULTS",

@@ -32,6 +32,11 @@ pytestmark = pytest.mark.e2e
 
 TOKEN = "t0ps3cret"
 MAX_KV_BYTES = 1 << 20  # far above what these prompts need
+# A marked stall, and how long a client waits before it gives up during it: the client must
+# still be waiting when its request reaches the stall (a prefill of a short prompt, even on a
+# busy 2-core machine), and give up well before the stall ends.
+STALL_S = 5.0
+GIVE_UP_S = 2.5
 GOOD = {"prompt": "The harbour lights came on one by one.", "max_tokens": 12, "temperature": 0}
 # which error code each injected phase must surface as
 EXPECTED_CODE = {
@@ -64,7 +69,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     faults: list[str] = []
     for phase in MATRIX:
         faults += ["--inject-fault", phase.value]
-    faults += ["--inject-fault", "kv_encode:slow=2", "--inject-fault", "prefill:slow=2"]
+    faults += ["--inject-fault", f"kv_encode:slow={STALL_S}", "--inject-fault", f"prefill:slow={STALL_S}"]
     for batch_fault in (Phase.DECODE_CALL_ONCE, Phase.DECODE_CALL_ALWAYS):
         faults += ["--inject-fault", batch_fault.value]
     for phase in UNTYPED:
@@ -182,17 +187,25 @@ def test_a_failing_batch_step_fails_only_its_culprit(cluster: Cluster, through: 
         assert httpx.get(f"{node.url}/health", timeout=5).status_code == 200
 
 
-def test_client_disconnect_frees_the_decode_slot_within_a_second(cluster: Cluster) -> None:
-    body = {"prompt": "Tell me everything.", "max_tokens": 3000, "temperature": 0, "stream": True}
+def test_client_disconnect_frees_the_decode_slot_before_its_request_would_end(cluster: Cluster) -> None:
+    """The slot is freed because the client left, not because the request ran out: the decode
+    node counts it cancelled, not done (3,000 tokens take far longer than the wait here)."""
+    body = {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    before = [node.stats()["outcomes"] for node in cluster.decode]
     with httpx.stream("POST", f"{cluster.router.url}/v1/completions", json=body, timeout=60) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n == 10:  # still reading: the request is decoding on one node
                 assert sum(node.stats()["decoding"] for node in cluster.decode) == 1
                 break  # leaving the stream disconnects the client
-    gone = time.monotonic()
+    deadline = time.monotonic() + 30
     while sum(node.stats()["decoding"] for node in cluster.decode) > 0:
-        assert time.monotonic() - gone < 1.0, "decode slot still held a second after the disconnect"
+        assert time.monotonic() < deadline, "decode slot still held after the disconnect"
         time.sleep(0.02)
+    after = [node.stats()["outcomes"] for node in cluster.decode]
+    moved = {key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before, strict=True))
+             for key in ("cancelled", "done")}
+    assert moved == {"cancelled": 1, "done": 0}, moved
     assert_no_leaks(cluster.nodes[1:])
 
 
@@ -202,7 +215,7 @@ def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
 
     def client() -> None:
         try:
-            httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=1.0,
+            httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=GIVE_UP_S,
                        headers={"x-request-id": "inject-fault-slow-kv_encode-1"})
         except httpx.ReadTimeout as exc:
             outcome.append(exc)
@@ -210,9 +223,8 @@ def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
     ended = _ended(cluster.prefill[0])
     thread = threading.Thread(target=client)
     thread.start()
-    deadline = time.monotonic() + 1.0
     while cluster.prefill[0].stats()["held_caches"] != 1:  # the handoff is under way
-        assert time.monotonic() < deadline, "the KV was never held"
+        assert thread.is_alive(), "the KV was not held before the client gave up"
         time.sleep(0.01)
     thread.join()
     assert outcome, "the client should have given up mid-handoff"
@@ -223,7 +235,7 @@ def test_cancel_mid_handoff_leaves_nothing_held(cluster: Cluster) -> None:
 def test_client_gone_during_prefill_frees_everything(cluster: Cluster) -> None:
     ended = _ended(cluster.prefill[0])
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=0.5,
+        httpx.post(f"{cluster.router.url}/v1/completions", json=GOOD, timeout=GIVE_UP_S,
                    headers={"x-request-id": "inject-fault-slow-prefill-1"})
     _wait_until_ended(cluster.prefill[0], ended + 1)  # the stalled prefill ended on its node
     assert_no_leaks(cluster.nodes[1:], timeout_s=5)

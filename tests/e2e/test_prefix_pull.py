@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from effects.faults import ENABLE_ENV
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, start_cluster
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, outcomes, post, start_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -27,11 +28,14 @@ LOCAL_BELOW = 64
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-prefix-pull"),
-                          prefills=1, decodes=1,
-                          node_args=("--prefill-chunk-size", str(CHUNK), "--prefix-pull", "always"),
-                          router_args=("--local-prefill-below", str(LOCAL_BELOW),
-                                       "--enable-prompt-tokens-details"))
+    with pytest.MonkeyPatch.context() as env:  # the nodes' fault flag arms only with it
+        env.setenv(ENABLE_ENV, "1")
+        built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-prefix-pull"),
+                              prefills=1, decodes=1,
+                              node_args=("--prefill-chunk-size", str(CHUNK), "--prefix-pull", "always",
+                                         "--inject-fault", "prefill"),
+                              router_args=("--local-prefill-below", str(LOCAL_BELOW),
+                                           "--enable-prompt-tokens-details"))
     try:
         yield built
     finally:
@@ -57,13 +61,21 @@ def _wait_for_blocks(router: Node, node: Node, blocks: int) -> None:
         time.sleep(0.1)
 
 
-def _two_turns(built: Cluster, salt: int, sampling: dict[str, Any]) -> None:
-    (decode,), (prefill,), router = built.decode, built.prefill, built.router
-    opening = _tokens(60, salt)  # short: prefilled on the decode node, which keeps 3 blocks of 16
+def _held_start(built: Cluster, salt: int, sampling: dict[str, Any]) -> list[int]:
+    """A short first turn, prefilled on the decode node, which keeps 3 blocks of 16: its prompt,
+    once the router's summary of the decode node lists them."""
+    (decode,), router = built.decode, built.router
+    opening = _tokens(60, salt)
     blocks_before = router.stats()["prefix_blocks"].get(decode.url, 0)
     first = post(router, "/v1/completions", {"prompt": opening, "max_tokens": 8, **sampling})
     assert first.status_code == 200, first.text
     _wait_for_blocks(router, decode, blocks_before + 3)
+    return opening
+
+
+def _two_turns(built: Cluster, salt: int, sampling: dict[str, Any]) -> None:
+    (prefill,), router = built.prefill, built.router
+    opening = _held_start(built, salt, sampling)
     body = {"prompt": [*opening, *_tokens(120, salt + 50)], "max_tokens": 16, **sampling}
     routed = _metric(router, "statecore:router_routes_total", route="prefill_node_prefix")
     pulled = _metric(prefill, "statecore:prefix_pulls_total", outcome="pulled")
@@ -129,3 +141,22 @@ def test_a_pull_that_finds_nothing_costs_only_the_pull(cluster: Cluster) -> None
     alone = _decoded(cluster.single, {"request_id": "alone", "prompt": prompt, "sampling": sampling})
     assert handed_off == alone and len(alone) == 10
     assert_no_leaks(cluster.nodes)
+
+
+def test_a_fault_in_a_prefix_pulling_prefill_fails_on_the_prefill_node(cluster: Cluster) -> None:
+    """A next turn routed to the prefill node with the decode node's start to pull, marked to
+    fail at prefill: it fails there, the client is told where, and the prefill node counts it."""
+    opening = _held_start(cluster, 40, {"temperature": 0})
+    router, (prefill,) = cluster.router, cluster.prefill
+    failed = [outcomes(node.url).get(("failed", "injected_fault"), 0) for node in (router, prefill)]
+    routed = _metric(router, "statecore:router_routes_total", route="prefill_node_prefix")
+    body = {"prompt": [*opening, *_tokens(120, 90)], "max_tokens": 4}
+    response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120,
+                          headers={"x-request-id": "route-pull-inject-fault-prefill"})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "injected_fault" and "at prefill on the prefill node" in error["message"], error
+    assert _metric(router, "statecore:router_routes_total", route="prefill_node_prefix") == routed + 1
+    assert_no_leaks(cluster.nodes)
+    now = [outcomes(node.url).get(("failed", "injected_fault"), 0) for node in (router, prefill)]
+    assert [b - a for a, b in zip(failed, now, strict=True)] == [1, 1]

@@ -2,7 +2,8 @@
 backend on the CPU. A two-rank single node answers as a one-rank node does (greedy and seeded, one
 at a time and batched: on these models the shards' summation order changes no token, see
 docs/engine.md); KV hands off between instances of different degrees both ways; a rank killed
-mid-stream ends its instance's requests with a typed error and the instance exits 3, never a hang."""
+mid-stream ends its instance's requests with a typed error and the instance exits 3, never a hang.
+Each rank reports in `/internal/info` the parameter bytes it holds: its shard, not the model."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from support.tiny_models import cached_checkpoint
@@ -45,6 +47,27 @@ def answers(node: Node, bodies: list[dict[str, Any]], *, together: bool) -> list
         return list(pool.map(one, bodies))
 
 
+def parameter_bytes_by_rank(node: Node) -> list[int]:
+    by_rank: list[int] = httpx.get(f"{node.url}/internal/info", timeout=10).json()["parameter_bytes_by_rank"]
+    return by_rank
+
+
+def assert_each_rank_holds_a_shard(whole: Node, sharded: Node, model: Path, *, ranks: int) -> None:
+    """Each rank of `sharded` reports the parameter bytes it holds: 1/ranks of the weights
+    mlx-lm's `model.shard` splits (the attention and MLP projections), plus what it leaves whole
+    on every rank (embeddings, lm_head, norms: in a tiny model a large part). The one-rank node
+    `whole` holds the checkpoint's every byte. A rank that skipped `model.shard` would hold it all."""
+    loaded = mx.load(str(model / "model.safetensors"))
+    assert isinstance(loaded, dict)
+    sizes = {name: int(w.nbytes) for name, w in loaded.items()}
+    total = sum(sizes.values())
+    split = sum(size for name, size in sizes.items() if name.endswith("proj.weight"))
+    assert parameter_bytes_by_rank(whole) == [total]
+    held = parameter_bytes_by_rank(sharded)
+    assert held == [total - split + split // ranks] * ranks, (held, total, split)
+    assert split > total / 3  # the shards really are a large part of the model
+
+
 def stop_all(nodes: list[Node]) -> None:
     codes = {node.log.name: node.stop() for node in nodes}
     assert set(codes.values()) == {0}, codes
@@ -71,6 +94,7 @@ def test_a_two_rank_single_node_answers_as_one_rank(tmp_path: Path) -> None:
         assert_no_leaks([two])
         log = two.log.read_text()
         assert "rank 0 of a single instance of 2 ranks" in log
+        assert_each_rank_holds_a_shard(one, two, model, ranks=2)
     finally:
         stop_all([one, two])
     assert "rank 1 exiting 0" in two.log.read_text()  # rank 0's stop reached the other rank

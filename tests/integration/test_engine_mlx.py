@@ -45,6 +45,7 @@ from support.tiny_models import (
     cached_checkpoint,
     is_degenerate,
 )
+from tests.integration.engines import close_engine, load_engine
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -96,7 +97,7 @@ async def open_engine() -> AsyncIterator[Opener]:
 
     async def opener(model_dir: Path, **kw: Any) -> MlxEngine:
         kw.setdefault("prefill_chunk_size", CHUNK)
-        engine = await MlxEngine.load(model_dir, **kw)
+        engine = await load_engine(model_dir, **kw)
         opened.append(engine)
         return engine
 
@@ -108,7 +109,7 @@ async def open_engine() -> AsyncIterator[Opener]:
                 assert holdings(engine) == IDLE
     finally:
         for engine in opened:
-            await engine.aclose()
+            await close_engine(engine)
 
 
 async def flush(engine: MlxEngine) -> None:

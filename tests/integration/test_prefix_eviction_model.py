@@ -36,6 +36,7 @@ from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
 from statecore.scheduling import chunk_activation_bytes, prefill_chunks
 from support.tiny_models import cached_checkpoint
+from tests.integration.engines import load_engine
 
 CHUNK = 16
 MAX_BATCH = 4
@@ -135,7 +136,7 @@ class Engines:
 
 
 async def open_engine(path: Path, prefix_cache_bytes: int, kv_memory_bytes: int | None) -> MlxEngine:
-    return await MlxEngine.load(path, prefill_chunk_size=CHUNK, max_batch=MAX_BATCH,
+    return await load_engine(path, prefill_chunk_size=CHUNK, max_batch=MAX_BATCH,
                                 max_slot_tokens=SLOT_TOKENS - 1, prefix_cache_bytes=prefix_cache_bytes,
                                 kv_memory_bytes=kv_memory_bytes)
 

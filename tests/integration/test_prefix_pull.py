@@ -31,6 +31,7 @@ from effects.prefix_pull import PrefixPuller
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
+from tests.integration.engines import close_engine, load_engine
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=12)
@@ -46,12 +47,12 @@ async def engines() -> AsyncIterator[list[MlxEngine]]:
     opened: list[MlxEngine] = []
     yield opened
     for engine in opened:
-        await engine.aclose()
+        await close_engine(engine)
 
 
 async def load(opened: list[MlxEngine], path: Path, **kw: Any) -> MlxEngine:
     kw.setdefault("prefill_chunk_size", CHUNK)
-    engine = await MlxEngine.load(path, **kw)
+    engine = await load_engine(path, **kw)
     opened.append(engine)
     return engine
 

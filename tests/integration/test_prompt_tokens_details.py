@@ -35,6 +35,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 from support.tiny_models import cached_checkpoint
+from tests.integration.engines import close_engine, load_engine
 
 CHUNK = 16  # the prefix cache keeps whole prefill chunks: small ones, so short prompts share some
 OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for i in range(6))
@@ -54,7 +55,7 @@ class Single:
 @pytest.fixture
 async def single(nursery: trio.Nursery) -> AsyncIterator[Single]:
     path = cached_checkpoint("llama")
-    engine = await MlxEngine.load(path, prefill_chunk_size=CHUNK)
+    engine = await load_engine(path, prefill_chunk_size=CHUNK)
     performer = EnginePerformer(engine)
     runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer, name="single")
     await nursery.start(runner.run)
@@ -67,7 +68,7 @@ async def single(nursery: trio.Nursery) -> AsyncIterator[Single]:
         ):
             yield Single(on, off, engine)
     finally:
-        await engine.aclose()
+        await close_engine(engine)
 
 
 def _completion(prompt: str, stream: bool) -> dict[str, Any]:

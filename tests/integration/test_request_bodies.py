@@ -24,6 +24,7 @@ from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner
 from statecore.table import DECODE_REQUEST
 from support.tiny_models import cached_checkpoint
+from tests.integration.engines import close_engine, load_engine
 from tests.request_bodies import VIOLATIONS, assert_openai_error, assert_well_formed, bodies, valid_calls
 
 
@@ -59,8 +60,7 @@ class Node:
 @pytest.fixture
 async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
     path = cached_checkpoint("llama")
-    with trio.fail_after(120):
-        engine = await MlxEngine.load(path)
+    engine = await load_engine(path)
     performer = EnginePerformer(engine)
     runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer, name="single")
     await nursery.start(runner.run)
@@ -69,8 +69,7 @@ async def node(nursery: trio.Nursery) -> AsyncIterator[Node]:
         async with httpx.AsyncClient(transport=transport, base_url="http://single", timeout=60) as client:
             yield Node(client, engine, runner)
     finally:
-        with trio.fail_after(60):
-            await engine.aclose()
+        await close_engine(engine)
 
 
 # Hypothesis drives each test from a worker thread (`trio.to_thread`): every example reaches the

@@ -246,13 +246,15 @@ def info_json(info: ModelInfo) -> dict[str, object]:
              "reason": lay.reason}
             for lay in info.layers
         ],
+        "parameter_bytes_by_rank": list(info.parameter_bytes_by_rank),
     }
 
 
 def info_from_json(doc: dict[str, object]) -> ModelInfo:
     layers = doc.get("layers")
     eos = doc.get("eos_token_ids")
-    if not isinstance(layers, list) or not isinstance(eos, list):
+    by_rank = doc.get("parameter_bytes_by_rank", [])
+    if not isinstance(layers, list) or not isinstance(eos, list) or not isinstance(by_rank, list):
         raise ValueError("malformed model info")
     return ModelInfo(
         name=str(doc["name"]),
@@ -265,6 +267,7 @@ def info_from_json(doc: dict[str, object]) -> ModelInfo:
             LayerTravel(int(d["index"]), str(d["class_name"]), bool(d["can_travel"]), str(d["reason"]))
             for d in layers
         ),
+        parameter_bytes_by_rank=tuple(int(b) for b in by_rank),
     )
 
 

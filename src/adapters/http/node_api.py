@@ -188,8 +188,13 @@ class NodeApi:
         # a prefill node's shared memory for streamed pieces to decode nodes on this host
         self.shm = shm
         self.kv_served = kv_served  # a streamed piece's payload bytes, once sent (the metrics)
+        # Requests with pieces in shared memory. A region is released when the decode node says it
+        # is done with the request (its DELETE once installed, or its cancel): a region freed
+        # earlier could be reused while it still maps the piece. A request that ended here
+        # without that word keeps its regions for KV_SEND_TIMEOUT_S at most.
+        self._shared: set[RequestId] = set()
         if shm is not None:
-            performer.on_forget.append(shm.release)
+            performer.on_forget.append(self._release_later)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
         self.warnings = warnings or []  # start-up warnings, repeated in /health
@@ -371,6 +376,7 @@ class NodeApi:
                                 if len(damaged) < item.payload.nbytes:
                                     return  # cut: the stream ends here, without its end record
                             elif shared is not None and (ref := await _put_shared(shared, rid, item)):
+                                self._shared.add(rid)
                                 yield kv_stream.shared_segment_record(where, ref.model_dump())
                             else:
                                 async for message in _sliced(item.payload, head=head):
@@ -400,6 +406,26 @@ class NodeApi:
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
+            if self.runner.context(rid) is None:
+                self._release_later(rid)  # it ended before its last piece was put
+
+    def _release_shared(self, rid: RequestId) -> None:
+        """The decode node is done with the request: its shared memory may be reused."""
+        if self.shm is not None and rid in self._shared:
+            self._shared.discard(rid)
+            self.shm.release(rid)
+
+    def _release_later(self, rid: RequestId) -> None:
+        """A request ended here: its shared memory goes once the decode node says so, or after
+        KV_SEND_TIMEOUT_S (a decode node that never will: it died)."""
+        if rid not in self._shared:
+            return
+
+        async def release_when_overdue() -> None:
+            await trio.sleep(KV_SEND_TIMEOUT_S)
+            self._release_shared(rid)
+
+        trio.lowlevel.spawn_system_task(release_when_overdue)
 
     async def prefix_kv(self, request: Request) -> Response:
         """The prefix cache's leading whole blocks of the posted tokens, in the KV wire format (a
@@ -455,6 +481,7 @@ class NodeApi:
     async def kv_taken(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])
         await self.runner.post(rid, KvTaken())
+        self._release_shared(rid)
         return JSONResponse({"released": rid})
 
     async def cancel(self, request: Request) -> Response:
@@ -465,6 +492,7 @@ class NodeApi:
         if finished is not None and finished not in FINISH_REASONS:
             raise StatecoreError(client_error(f"finished must be one of {sorted(FINISH_REASONS)}"))
         await self.runner.post(rid, StopMatched(finished) if finished else ClientCancelled())
+        self._release_shared(rid)
         return JSONResponse({"cancelled": rid})
 
     async def decode(self, request: Request) -> Response:

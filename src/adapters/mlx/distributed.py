@@ -54,6 +54,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 
 __all__ = [
     "BACKENDS", "PARENT_ENV", "RANK_ENV", "DivergedRanks", "LockstepLoop", "TensorGroup", "agree_max",
+    "every_rank",
     "exited_rank", "join_group", "rank_heads", "refuse_pipelined_handoff", "start_local_ranks",
     "watch_follower",
 ]
@@ -88,6 +89,14 @@ def agree_max(group: Any, values: Sequence[int]) -> list[int]:
         top = mx.distributed.all_max(mx.array(list(values), dtype=mx.int64), group=group)
         mx.eval(top)
     return [int(v) for v in top.tolist()]  # type: ignore[union-attr,arg-type]
+
+
+def every_rank(group: Any, value: int) -> list[int]:
+    """Each rank's `value`, in rank order (a collective: every rank calls it at the same point)."""
+    with mx.stream(generation_stream):
+        gathered = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=group)
+        mx.eval(gathered)
+    return [int(v) for v in gathered.tolist()]  # type: ignore[union-attr,arg-type]
 
 
 def refuse_pipelined_handoff(what: str) -> StatecoreError:

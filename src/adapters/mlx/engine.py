@@ -40,6 +40,7 @@ from adapters.mlx.distributed import (
     LockstepLoop,
     TensorGroup,
     agree_max,
+    every_rank,
     rank_heads,
     refuse_pipelined_handoff,
 )
@@ -47,7 +48,7 @@ from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
-from adapters.mlx.memory import KvCost, default_kv_memory_bytes, measure_kv_cost, state_bytes
+from adapters.mlx.memory import KvCost, default_kv_memory_bytes, measure_kv_cost, parameter_bytes, state_bytes
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
@@ -1115,6 +1116,9 @@ class MlxEngine:
             assert tensor is not None
             cost = KvCost(*agree_max(tensor.group, [cost.fixed, cost.per_token, cost.slot_per_token]))
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
+        # what this rank holds of the model (a shard on a tensor-parallel rank), and every rank's
+        held = parameter_bytes(loaded.model)
+        by_rank = (held,) if tensor is None else tuple(every_rank(tensor.group, held))
         self._grammars = Grammars(loaded.tokenizer, vocab_size, loaded.eos)
         if device.bucket and mx.default_device() == mx.gpu:
             started = time.perf_counter()
@@ -1131,6 +1135,7 @@ class MlxEngine:
             eos_token_ids=loaded.eos,
             prefill_chunk_size=s.prefill_chunk_size,
             layers=layers,
+            parameter_bytes_by_rank=by_rank,
         )
         logger.info(
             "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s, "

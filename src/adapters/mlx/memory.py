@@ -32,6 +32,7 @@ __all__ = [
     "default_kv_memory_bytes",
     "measure_kv_cost",
     "model_shape",
+    "parameter_bytes",
     "state_bytes",
 ]
 
@@ -86,6 +87,12 @@ def _config_int(args: Any, *names: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def parameter_bytes(model: Any) -> int:
+    """The bytes of every parameter this process holds of `model` (a tensor-parallel rank: its shard)."""
+    leaves: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return sum(int(array.nbytes) for _, array in leaves)
 
 
 def activation_dtype_bytes(model: Any, probe_cache: Sequence[Any]) -> int:

@@ -251,7 +251,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.tensor_parallel)."""
     from adapters.mlx import MlxEngine
 
-    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before the model loads
+    faults = Faults.parse(args.inject_fault, args.fault_marker, role)  # refused before the model loads
     model = args.model or demo_model_dir()
     log.info("loading %s for role %s", model, role)
     # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
@@ -398,7 +398,7 @@ async def _node_document(peers: HttpxPeers, node: str) -> dict[str, object] | No
 async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     if not args.prefill or not args.decode:
         raise SystemExit("statecore: --role router needs at least one --prefill URL and one --decode URL")
-    faults = Faults.parse(args.inject_fault, args.fault_marker)  # refused before any waiting
+    faults = Faults.parse(args.inject_fault, args.fault_marker, "router")  # refused before any waiting
     model = args.model or demo_model_dir()
     peers = HttpxPeers(token=args.internal_token, ssl_context=client_context(args.tls.ca_file),
                        prompt_tokens_details=args.enable_prompt_tokens_details)
