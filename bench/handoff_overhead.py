@@ -36,6 +36,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import random
 import secrets
 import statistics
 import sys
@@ -169,12 +170,15 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
     with httpx.Client(timeout=args.request_timeout) as client:
         for warm in SETUPS:  # every setup's first request (compilation, buffers) is not counted
             url = servers["single" if warm == "single" else warm].url
-            streamed(client, url, f"warm-{warm}", pool[: min(args.lengths)], args.max_tokens)
+            streamed(client, url, f"warm-{warm}", random.Random(-1).choices(pool, k=min(args.lengths)),
+                     args.max_tokens)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
             for tokens in args.lengths:
                 offset += 1
-                prompt = pool[offset : offset + tokens]  # fresh per round, the same for each setup
+                # fresh per round, the same for each setup; drawn from the corpus's ids at random, not
+                # a window of it: the corpus repeats, so windows would share whole prefix blocks
+                prompt = random.Random(offset).choices(pool, k=tokens)
                 for setup in order:
                     rid = f"{setup}-{tokens}-{round_}"
                     url = servers["single" if setup == "single" else setup].url
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="handoff_overhead_"))
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
-    pool = prompt_pool(model, max(args.lengths) + 4 * args.rounds * len(args.lengths) + 64)
+    pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
     print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
           f"cpus {args.cpus} gpus {args.gpus}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
