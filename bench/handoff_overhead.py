@@ -36,6 +36,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import random
 import secrets
 import statistics
 import sys
@@ -53,6 +54,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
+from disagg_equal import node_env, parse_cpus  # noqa: E402
 from handoff_http import (  # noqa: E402
     BackgroundStreams,
     machine,
@@ -90,37 +92,29 @@ class Sample:
         return self.second_gap_s / self.step_s
 
 
-def cores_of(text: str) -> set[int]:
-    """"0", "0-3", "0,2": a taskset-style core list."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
 def pin(node: Node, cores: str | None) -> None:
     """Every thread of the node's process onto `cores` (threads it starts later inherit it)."""
     if not cores or node.process is None:
         return
     for task in Path(f"/proc/{node.process.pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
-            os.sched_setaffinity(int(task.name), cores_of(cores))
+            os.sched_setaffinity(int(task.name), parse_cpus(cores))
 
 
 def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
-    """Start the node with its GPU in its environment, pinned to `cores` from its first moment."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    """Start the node with its GPU and its BLAS threads (one per core) in its environment
+    (`disagg_equal.node_env`), pinned to `cores` from its first moment."""
+    extra = node_env({}, cores, gpu)
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
     try:
         node.start()
     finally:
-        if gpu is not None:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                os.environ[name] = value
     pin(node, cores)
     return node
 
@@ -176,12 +170,15 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
     with httpx.Client(timeout=args.request_timeout) as client:
         for warm in SETUPS:  # every setup's first request (compilation, buffers) is not counted
             url = servers["single" if warm == "single" else warm].url
-            streamed(client, url, f"warm-{warm}", pool[: min(args.lengths)], args.max_tokens)
+            streamed(client, url, f"warm-{warm}", random.Random(-1).choices(pool, k=min(args.lengths)),
+                     args.max_tokens)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
             for tokens in args.lengths:
                 offset += 1
-                prompt = pool[offset : offset + tokens]  # fresh per round, the same for each setup
+                # fresh per round, the same for each setup; drawn from the corpus's ids at random, not
+                # a window of it: the corpus repeats, so windows would share whole prefix blocks
+                prompt = random.Random(offset).choices(pool, k=tokens)
                 for setup in order:
                     rid = f"{setup}-{tokens}-{round_}"
                     url = servers["single" if setup == "single" else setup].url
@@ -303,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="handoff_overhead_"))
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
-    pool = prompt_pool(model, max(args.lengths) + 4 * args.rounds * len(args.lengths) + 64)
+    pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
     print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
           f"cpus {args.cpus} gpus {args.gpus}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")

@@ -267,8 +267,10 @@ def test_a_port_in_use_is_one_clear_line_before_anything_loads(tmp_path: Path, r
             capture_output=True, text=True, timeout=60, cwd=ROOT,
         )
     assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"statecore: cannot listen on 127.0.0.1:{port}: Address already in use"), done.stderr
+    words = {"single": "single node", "router": "router", "cluster": "local cluster"}[role]
+    assert done.stderr.strip().splitlines() == [  # the role, what happened, what to do: one line
+        f"statecore: {words}: cannot listen on 127.0.0.1:{port}: Address already in use (another process "
+        "holds it: stop that one, or choose another port with --port)"], done.stderr
     assert "Traceback" not in done.stderr and "loading" not in done.stderr, done.stderr
 
 

@@ -261,7 +261,7 @@ class HttpxPeers:
         return read
 
     async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int,
-                            inbox: kv_shm.ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
+                            inbox: kv_shm.ShmInbox | None) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         """A KV stream's records as the port's items; the stream's own checks on the way."""
         await kv_stream.read_preamble(read_into)
         coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)

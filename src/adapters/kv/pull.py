@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import h11
 import trio
@@ -187,19 +187,16 @@ async def _receive_sized(stream: trio.abc.ReceiveStream, conn: h11.Connection,
     return view
 
 
-async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
-               connect_timeout_s: float, buffers: ReceiveBuffers,
-               ssl_context: ssl.SSLContext | None = None, json_body: bytes | None = None) -> PulledKv:
-    """GET `url` (http, or https verified against `ssl_context`: the system store when None)
-    and return its status and whole body. A 200 answer may be up to `max_bytes`, and lands in one
-    of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document).
-    `json_body`: POST it instead (a request for a prefix's blocks names their tokens)."""
+@contextlib.asynccontextmanager
+async def _connected(url: str, connect_timeout_s: float, ssl_context: ssl.SSLContext | None
+                     ) -> AsyncIterator[tuple[trio.abc.Stream, SplitResult, str]]:
+    """A connection to `url`'s host (http, or https verified against `ssl_context`: the system
+    store when None), its handshake done; with the URL's parts and the request target."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or parts.hostname is None:
         raise ValueError(f"adapters.kv.pull handles http:// and https:// URLs only, not {url!r}")
     secure = parts.scheme == "https"
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    started = time.perf_counter()
     with trio.fail_after(connect_timeout_s):
         tcp = await trio.open_tcp_stream(parts.hostname, parts.port or (443 if secure else 80))
     stream: trio.abc.Stream = tcp
@@ -209,7 +206,19 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
     async with stream:
         if isinstance(stream, trio.SSLStream):
             with trio.fail_after(connect_timeout_s):
-                await stream.do_handshake()  # an unverified certificate ends the pull here
+                await stream.do_handshake()  # an unverified certificate ends the call here
+        yield stream, parts, target
+
+
+async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
+               connect_timeout_s: float, buffers: ReceiveBuffers,
+               ssl_context: ssl.SSLContext | None = None, json_body: bytes | None = None) -> PulledKv:
+    """GET `url` (http, or https verified against `ssl_context`: the system store when None)
+    and return its status and whole body. A 200 answer may be up to `max_bytes`, and lands in one
+    of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document).
+    `json_body`: POST it instead (a request for a prefix's blocks names their tokens)."""
+    started = time.perf_counter()
+    async with _connected(url, connect_timeout_s, ssl_context) as (stream, parts, target):
         conn = h11.Connection(h11.CLIENT)
         fields = [("Host", parts.netloc), ("Connection", "close"), *headers]
         if json_body is not None:
@@ -316,21 +325,7 @@ async def open_stream(url: str, headers: Sequence[tuple[str, str]], json_body: b
                       ) -> AsyncIterator[tuple[int, StreamBody | bytes]]:
     """POST `json_body` to `url` and yield (status, body): a 200 answer's `StreamBody` to read as
     it arrives, any other answer's whole (small) error document."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or parts.hostname is None:
-        raise ValueError(f"adapters.kv.pull handles http:// and https:// URLs only, not {url!r}")
-    secure = parts.scheme == "https"
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    with trio.fail_after(connect_timeout_s):
-        tcp = await trio.open_tcp_stream(parts.hostname, parts.port or (443 if secure else 80))
-    stream: trio.abc.Stream = tcp
-    if secure:
-        context = ssl_context if ssl_context is not None else client_context(None)
-        stream = trio.SSLStream(tcp, context, server_hostname=parts.hostname, https_compatible=True)
-    async with stream:
-        if isinstance(stream, trio.SSLStream):
-            with trio.fail_after(connect_timeout_s):
-                await stream.do_handshake()
+    async with _connected(url, connect_timeout_s, ssl_context) as (stream, parts, target):
         conn = h11.Connection(h11.CLIENT)
         fields = [("Host", parts.netloc), ("Connection", "close"), *headers,
                   ("Content-Type", "application/json"), ("Content-Length", str(len(json_body)))]

@@ -1098,7 +1098,7 @@ class MlxEngine:
         self._expected_classes = [layer.class_name for layer in layers]
         for layer in layers:
             if layer.can_travel:
-                logger.info("layer %d: %s can travel", layer.index, layer.class_name)
+                logger.debug("layer %d: %s can travel", layer.index, layer.class_name)
             else:
                 logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
         def probe(tokens: int) -> list[Any]:
