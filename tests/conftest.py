@@ -2,7 +2,7 @@
 
 `pytest -m quick` (README, "Tests") runs every test not marked `e2e` (real processes on
 127.0.0.1) or `slow` (a module that starts worker processes, e.g. the cross-process handoff
-matrix): the unit, model and in-process integration tests, in under three minutes.
+matrix): the unit, model and integration tests, in under three minutes.
 
 `ci` (the default under CI=true) is derandomized: a run's examples are the same on every
 machine and every run, so a red CI is reproducible and a green one is not luck; it does not
