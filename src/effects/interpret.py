@@ -203,21 +203,19 @@ class EnginePerformer:
                     await post(Finished(LENGTH))
                     return
                 await self.faults.at(Phase.INSTALL, rid)
-                if ctx.payload is not None:
-                    self._crash_if_marked(rid)  # a decode node's device dies as a KV arrives
-                    payload, ctx.payload = ctx.payload, None
-                    started = time.perf_counter()
-                    await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
-                    record = self.handoffs.record(rid)
-                    record.install_s, record.installed_at = time.perf_counter() - started, time.time()
-                elif ctx.streamed:
-                    self._crash_if_marked(rid)
-                    started = time.perf_counter()
-                    await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
-                    record = self.handoffs.record(rid)
-                    record.install_s, record.installed_at = time.perf_counter() - started, time.time()
-                else:
+                if ctx.payload is None and not ctx.streamed:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
+                    await post(KvInstalled())
+                    return
+                self._crash_if_marked(rid)  # a decode node's device dies as a KV arrives
+                started = time.perf_counter()
+                if ctx.payload is not None:
+                    payload, ctx.payload = ctx.payload, None
+                    await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
+                else:
+                    await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
+                record = self.handoffs.record(rid)
+                record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 await post(KvInstalled())
             case StartDecode():
                 produced = 0
@@ -324,11 +322,9 @@ class EnginePerformer:
                              stream: AsyncIterator[KvSegment | PrefillReply],
                              record: HandoffRecord, opened: float) -> None:
         finish: str | None = None
-        received = segments = 0
+        received = segments = before_first = 0
         async for item in stream:
             if isinstance(item, KvSegment):
-                if received == 0:
-                    self._crash_if_marked(rid)  # a decode node's device dies as the KV arrives
                 received += item.payload.nbytes
                 segments += 1
                 try:
@@ -340,7 +336,7 @@ class EnginePerformer:
                     raise StatecoreError(replace(exc.info, message=named)) from exc
                 continue
             record.first_token_s = time.perf_counter() - opened
-            record.overlap = received  # bytes so far; a share once the total is known
+            before_first = received
             ctx.first_token_at = time.perf_counter()
             ctx.first_token = item.first_token
             ctx.cached_tokens = item.cached_tokens or 0
@@ -357,7 +353,7 @@ class EnginePerformer:
         record.wire_bytes = received
         record.segments = segments
         record.stream_s = time.perf_counter() - opened
-        record.overlap = (record.overlap or 0) / received if received else 0.0
+        record.overlap = before_first / received if received else 0.0
         if finish is not None:
             await post(Finished(finish))
         else:

@@ -84,6 +84,16 @@ class PrefixFromBody(_Strict):
     def source(self) -> PrefixSource:
         return PrefixSource(self.url, self.tokens)
 
+    @classmethod
+    def of(cls, source: PrefixSource | None) -> PrefixFromBody | None:
+        """The hint as sent; None when there is none."""
+        return None if source is None else cls(url=source.node, tokens=source.tokens)
+
+
+def prefix_source(hint: PrefixFromBody | None) -> PrefixSource | None:
+    """A body's hint as the port's value; None when it gave none."""
+    return None if hint is None else hint.source()
+
 
 class PrefillBody(_Strict):
     request_id: str = Field(min_length=1, max_length=200)
@@ -129,6 +139,15 @@ class PrefillReplyBody(_Strict):
     def document(self) -> dict[str, object]:
         """The reply as sent: `cached_tokens` only when it is reported."""
         return self.model_dump(exclude=None if self.cached_tokens is not None else {"cached_tokens"})
+
+    @classmethod
+    def of(cls, reply: PrefillReply) -> PrefillReplyBody:
+        return cls(first_token=reply.first_token, is_eos=reply.is_eos, held_bytes=reply.held_bytes,
+                   logprobs=LogprobsBody.of(reply.logprobs), cached_tokens=reply.cached_tokens)
+
+    def reply(self) -> PrefillReply:
+        return PrefillReply(self.first_token, self.is_eos, self.held_bytes,
+                            None if self.logprobs is None else self.logprobs.value(), self.cached_tokens)
 
 
 class DecodeBody(_Strict):

@@ -44,6 +44,7 @@ from adapters.http.internal_wire import (
     error_json,
     info_json,
     output_line,
+    prefix_source,
 )
 from adapters.http.streaming import WatchedStream
 from adapters.kv import shm as kv_shm
@@ -314,7 +315,7 @@ class NodeApi:
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
-                              prefix_from=None if body.prefix_from is None else body.prefix_from.source())
+                              prefix_from=prefix_source(body.prefix_from))
         generation = await self._admit(rid, context, 4)
         await self.runner.post(rid, Admitted(len(body.prompt)))
         try:
@@ -338,12 +339,13 @@ class NodeApi:
 
     async def prefill_stream(self, request: Request) -> Response:
         """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
-        stream its KV as it is computed (`adapters.kv.stream`), the first token among it. Once the
-        stream's end is out the decode node holds everything: the request ends as handed off."""
+        stream its KV as it is computed (`adapters.kv.stream`), the first token among it. The
+        request then waits in `handoff`, holding the cache, for the decode node's DELETE once it
+        installed the pieces (or its cancel, or the lease), as a pulled cache does."""
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
-                              prefix_from=None if body.prefix_from is None else body.prefix_from.source())
+                              prefix_from=prefix_source(body.prefix_from))
         info = self.engine.info
         # at most one piece per chunk and layer, then the first token and the end (or an error)
         bound = len(prefill_chunks(len(body.prompt), info.prefill_chunk_size)) * max(1, len(info.layers)) + 3
@@ -384,10 +386,8 @@ class NodeApi:
                             segments += 1
                             self.kv_served(item.payload.nbytes)
                         case PrefillReply():
-                            yield kv_stream.document_record(kv_stream.FIRST_TOKEN, PrefillReplyBody(
-                                first_token=item.first_token, is_eos=item.is_eos, held_bytes=item.held_bytes,
-                                logprobs=LogprobsBody.of(item.logprobs),
-                                cached_tokens=item.cached_tokens).document())
+                            yield kv_stream.document_record(kv_stream.FIRST_TOKEN,
+                                                            PrefillReplyBody.of(item).document())
                         case ErrorInfo():
                             ended = True
                             yield kv_stream.document_record(kv_stream.ERROR, error_json(item))
@@ -400,8 +400,6 @@ class NodeApi:
                 ended = True
                 yield kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
                     Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))
-            # the request now waits in `handoff` for the decode node's DELETE once it installed
-            # the pieces (or its cancel, or the lease), as a pulled cache does
         finally:
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
@@ -509,7 +507,7 @@ class NodeApi:
             first_token=None if local or streamed else body.first_token,
             prefill_url=None if local else body.prefill_url,
             streamed=streamed,
-            prefix_from=None if body.prefix_from is None else body.prefix_from.source(),
+            prefix_from=prefix_source(body.prefix_from),
         )
         generation = await self._admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))

@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import replace
+from typing import NoReturn
 
 import h11
 import httpx
@@ -114,7 +115,8 @@ def _stream_errors(node: str) -> Iterator[None]:
             Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
 
 
-def _raise_error_document(status: int, body: bytes) -> None:
+def _raise_error_document(status: int, body: bytes) -> NoReturn:
+    """A peer's error answer (a small JSON document) as its typed error."""
     try:
         data: object = json.loads(body)  # an error document: small
     except ValueError:
@@ -168,10 +170,8 @@ class HttpxPeers:
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None,
     ) -> PrefillReply:
-        hint = (None if prefix_from is None
-                else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=hint)
+                           prefix_from=PrefixFromBody.of(prefix_from))
         with transport_errors(node):
             response = await self.client.post(f"{node}/internal/prefill", json=body.document(),
                                               params=self._details)
@@ -182,8 +182,7 @@ class HttpxPeers:
                 raise StatecoreError(
                     ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed prefill reply")
                 ) from exc
-        return PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes,
-                            None if reply.logprobs is None else reply.logprobs.value(), reply.cached_tokens)
+        return reply.reply()
 
     async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]:
         body = DecodeBody(
@@ -193,8 +192,7 @@ class HttpxPeers:
             first_token=call.first_token,
             prefill_url=call.prefill_url,
             kv_stream=call.kv_stream,
-            prefix_from=None if call.prefix_from is None else PrefixFromBody(
-                url=call.prefix_from.node, tokens=call.prefix_from.tokens),
+            prefix_from=PrefixFromBody.of(call.prefix_from),
         )
         with transport_errors(node):
             async with self.client.stream(
@@ -209,11 +207,9 @@ class HttpxPeers:
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, layers: int,
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
-        hint = (None if prefix_from is None
-                else PrefixFromBody(url=prefix_from.node, tokens=prefix_from.tokens))
         inbox = await self._inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=hint, kv_shm=inbox is not None)
+                           prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None)
         url = f"{node}/internal/prefill_stream"
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
@@ -290,9 +286,7 @@ class HttpxPeers:
                         raise StatecoreError(ErrorInfo(
                             Fault.PEER, Code.KV_MALFORMED,
                             f"a malformed first token in the KV stream: {exc}")) from exc
-                    yield PrefillReply(reply.first_token, reply.is_eos, reply.held_bytes,
-                                       None if reply.logprobs is None else reply.logprobs.value(),
-                                       reply.cached_tokens)
+                    yield reply.reply()
                 case kv_stream.Document(value=value):  # the prefill node's error
                     raise StatecoreError(error_from_json(value, 502))
                 case kv_stream.StreamEnd():
@@ -367,11 +361,7 @@ class HttpxPeers:
                 ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
             ) from exc
         if pulled.status >= 400:
-            try:
-                data: object = json.loads(bytes(pulled.body))  # an error document: small
-            except ValueError:
-                data = None
-            raise StatecoreError(error_from_json(data, pulled.status))
+            _raise_error_document(pulled.status, bytes(pulled.body))
         return pulled
 
     async def _pull_httpx(self, node: str, url: str, json_body: bytes | None = None

@@ -355,7 +355,7 @@ class MlxEngine:
         trio_token = trio.lowlevel.current_trio_token()
         # Pieces by token and layer range need a cache of plain KVCache layers that holds every
         # head (not a tensor-parallel rank's share): otherwise the whole cache goes at the end.
-        cuts = self._device.streams_ranges and not isinstance(self._device, LockstepLoop)
+        cuts = self._device.streams_ranges and self.streams_handoffs
         sink = self._segment_sink(segments, trio_token) if cuts and segments is not None else None
         return await self._wait(self._prefill_job(request_id, tokens, sampling, matcher, trio_token, sink))
 
@@ -553,7 +553,7 @@ class MlxEngine:
                           partial(self._hand_out_heads, caches, ranges, tokens), sliced=True)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
-        if self._pipelined or (isinstance(self._device, LockstepLoop) and self._device.tensor.size > 1):
+        if not self.streams_handoffs:
             raise StatecoreError(ErrorInfo(
                 Fault.PEER, Code.KV_MALFORMED,
                 "this node installs whole payloads only (tensor or pipeline parallel)"))
@@ -578,7 +578,8 @@ class MlxEngine:
                 f"a KV segment of tokens [{segment.start}, {segment.stop}) holds "
                 f"{validated.header.token_count}"))
         if any(layer.heads is not None for layer in validated.header.layers):
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "a KV segment holds every head"))
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "a KV segment names a head range: a piece carries every head"))
         built: list[Any] = codec.build_caches(validated).caches
         return built
 
