@@ -945,11 +945,16 @@ class DeviceLoop:
             return []
         arrays: list[Any] = []
         units = task.units[task.streamed_units : task.done_units]
+        ranges: list[tuple[int, int, int, int]] = []
         for chunk in sorted({unit.chunk for unit in units}):
             mine = [unit for unit in units if unit.chunk == chunk]
             first, end = mine[0].first_layer, mine[-1].end_layer
             start = task.chunk_start(chunk)
             stop = start + task.chunks[chunk]
+            if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
+                start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
+            ranges.append((start, stop, first, end))
+        for start, stop, first, end in ranges:
             pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
                       for buffer in (layer.keys, layer.values)]
             current.segments.append((task, (start, stop, first, end), pieces))
