@@ -40,6 +40,14 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   json_tools (else 422). A model whose template has no tool-call markers mlx-lm knows: 400.
   Messages may carry an assistant's `tool_calls` (arguments as JSON text) and `tool` answers
   (`tool_call_id`).
+- A reasoning model (think markers mlx-lm knows): a chat's reply is split by
+  `adapters.reasoning` into its thinking (`reasoning_content`, also as `reasoning`; streamed in
+  deltas of those) and its answer (`content`), markers left out; stop strings and tool calls are
+  looked for in the answer only; `usage.completion_tokens_details.reasoning_tokens`. Another API
+  may cap the thinking (`_ThinkBudget`: Anthropic's `budget_tokens`).
+- `chat_template_kwargs`: the template's extra variables, scalars only (not the names this module
+  passes itself); `reasoning_effort` is the template's own variable where it reads one, else
+  `enable_thinking`. What the template raises on is a 400 naming the field.
 - `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
   (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
   them are left out; a newline and EOS never are.
