@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 
 from adapters.http.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, TokenOut
-from support.tiny_models import THINK_END, build_tokenizer
+from support.tiny_models import THINK_END
 from tests.integration.fake_backend import FakeBackend, ScriptItem
 from tests.integration.test_tool_calls_api import CALL, TOOLS
 
@@ -25,13 +25,6 @@ ASK = [{"role": "user", "content": "What is two and two?"}]
 THOUGHT = "Two and two: count them.\nThat is four."
 ANSWER = "\n\nIt is four."
 REPLY = THOUGHT + THINK_END + ANSWER  # as the model writes it: the prompt opened the think block
-
-
-@pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("thinking")
-    build_tokenizer(path, "bpe", thinking=True)
-    return path
 
 
 @pytest.fixture
