@@ -11,8 +11,12 @@ the mapped chat names the field as this API's client wrote it. Tools map onto th
 tool calls come back as `tool_use` blocks or `function_call` items), and so do the Responses
 API's logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`: the chat's
 `logprobs: true` and `top_logprobs`, the same numbers in the output text and the text events,
-in OpenAI's Responses shapes). What would change the output
-and is not served yet (images and other non-text content, thinking, previous_response_id,
+in OpenAI's Responses shapes). A reasoning model's thinking (split off by the chat) comes back
+as `thinking` blocks and `reasoning` items, and earlier turns' go back to the template; Anthropic's
+`thinking` turns it on or off and may cap it (`budget_tokens`, enforced by the chat's
+`_ThinkBudget`), the Responses API's `reasoning.effort` is the chat's `reasoning_effort`, and both
+take the chat's `chat_template_kwargs`. What would change the output
+and is not served yet (images and other non-text content, previous_response_id,
 background, ...) is refused with 422 `unsupported_parameter`, never ignored; fields that change
 nothing (`metadata`, `store`, `user`, ...) are ignored, as unknown fields are on the chat. An
 adapter: `openai_api` imports it to serve its routes, so it imports `openai_api` for types only;
