@@ -1,7 +1,7 @@
 """Two well-kept load clients, AIPerf and GuideLLM, against mlx_lm.server and statecore on one model.
 
 What it is for: an independent check of bench/serving/side_by_side.py's numbers and of the API's
-compatibility, with clients nobody here wrote. It starts the same servers as side_by_side.py (its
+compatibility, with clients nobody here wrote. It starts the same servers as side_by_side.py (benchlib's
 `make_servers`, `server_env` and `default_model`: mlx_lm.server, a statecore single node and a
 statecore local cluster, router + prefill + decode, each on a free port with the same BLAS), then
 drives each with AIPerf 0.13 (streaming chat, synthetic prompts of mixed lengths, a fixed output
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
-                        help="model dir (default: side_by_side's 2.4M llama)")
+                        help="model dir (default: benchlib's 2.4M llama)")
     parser.add_argument("--servers", default="mlx_lm,single,cluster", help="subset of mlx_lm,single,cluster")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8], help="comma list (default 1,8)")
     parser.add_argument("--isl", type=int, default=256, help="prompt tokens, mean (default 256)")

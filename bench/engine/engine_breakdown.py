@@ -57,16 +57,16 @@ def instrument() -> None:
         _costs["decode_length"].append((0.0, 0.0, longest))
         return outputs
 
-    def run_units(model: Any, task: Any, count: int, quantize: Any, bucket: int = 0) -> list[Any]:
+    def run_units(model: Any, task: Any, *rest: Any, **named: Any) -> list[Any]:
         started = time.perf_counter()
         before = task.done_tokens
-        pieces = original_units(model, task, count, quantize, bucket)
+        pieces = original_units(model, task, *rest, **named)
         _timed("prefill", started, [task.first, *pieces], task.done_tokens - before)
         return pieces
 
-    def run_short_batch(model: Any, tasks: Any, bucket: int = 0) -> None:
+    def run_short_batch(model: Any, tasks: Any, *rest: Any, **named: Any) -> None:
         started = time.perf_counter()
-        original_short(model, tasks, bucket)
+        original_short(model, tasks, *rest, **named)
         outputs = [t.first for t in tasks] + [c.state for t in tasks for c in t.cache]
         _timed("prefill_batch", started, outputs, sum(len(t.tokens) for t in tasks))
 

@@ -1,6 +1,6 @@
 """The engine alone (no HTTP) on the realish mix, beside the bare model: where the serving path's
 time goes. C closed-loop workers (each sends its next request when the last ends) with realish
-prompt and output lengths (`serve_bench.Mix("realish")`), greedy, ignore_eos, for --seconds; prints
+prompt and output lengths (`benchlib.Mix("realish")`), greedy, ignore_eos, for --seconds; prints
 output tokens/s, the time to the first token (prefill call), the gaps between a stream's tokens,
 and the device thread's time by kind of work; then the bare model's pipelined batch-C decode.
 

@@ -58,12 +58,12 @@ import httpx
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.e2e.harness (the e2e tests' node launcher), support/
+sys.path.insert(0, str(ROOT / "src"))
+from tests.e2e.harness import Node  # noqa: E402
 
-
-from tests.e2e.harness import Node
-
-from support.tiny_models import CORPUS, cached_checkpoint
+from support.tiny_models import CORPUS, cached_checkpoint  # noqa: E402
 
 TOKEN_HEADER = "X-Statecore-Token"
 BODY_TARGET = 0.5  # body throughput / loopback throughput

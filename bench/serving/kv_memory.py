@@ -28,12 +28,12 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.e2e.harness (the e2e tests' node launcher), support/
+sys.path.insert(0, str(ROOT / "src"))
+from tests.e2e.harness import Node, assert_no_leaks, start_nodes  # noqa: E402
 
-
-from tests.e2e.harness import Node, assert_no_leaks, start_nodes
-
-from support.tiny_models import cached_checkpoint
+from support.tiny_models import cached_checkpoint  # noqa: E402
 
 MIB = 1 << 20
 

@@ -21,12 +21,12 @@ in the window as the headline. Writes results.json and results.png under --out.
 The defaults are sized for GPUs: 16 decode streams of 128 tokens in and 2,048 out, long enough to
 outlive the window of 8 long prompts of 4,000 tokens; a CPU run asks for shorter streams.
 
-    .venv/bin/python bench/serving/mixed_load.py --long-prompt 1000 --decode-streams 4 --decode-tokens 768 \\
-        --long-requests 2 --reps 1                             # CPU smoke, ~2 minutes on 2 cores
-    python3 bench/serving/mixed_load.py --model /tmp/llama1b --blas bundled --gpus 0,1   # 2 GPUs: 16 x 128x2048
+    .venv/bin/python bench/serving/mixed_load.py --long-prompt 1000 --decode-streams 4 \\
+        --decode-tokens 768 --long-requests 2 --reps 1        # CPU smoke, ~2 minutes on 2 cores
+    python3 bench/serving/mixed_load.py --model /tmp/llama1b --blas bundled --gpus 0,1  # 2 GPUs
 
-Bench code: it may import anything (it reuses side_by_side's server launcher and serve_bench's
-exact-length prompts, and sse_client's streaming reader), and nothing under src/ may import it.
+Bench code: it may import anything (its servers, prompts and streaming reader are benchlib's),
+and nothing under src/ may import it.
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=None,
-                        help="model dir (default: the 2.4M random llama of side_by_side, context 4096)")
+                        help="model dir (default: benchlib's 2.4M random llama, context 4096)")
     parser.add_argument("--decode-streams", type=int, default=16)
     parser.add_argument("--decode-prompt", type=int, default=128, help="prompt tokens of a decode stream")
     parser.add_argument("--decode-tokens", type=int, default=2048,

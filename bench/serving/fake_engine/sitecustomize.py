@@ -4,7 +4,8 @@ tokens appear at once, so a load generator measures the serving path alone (HTTP
 state machines, and in a cluster the router -> prefill -> decode hop). Python imports
 `sitecustomize` at start-up in every process, so a local cluster's children get it too.
 
-    STATECORE_BENCH_FAKE_ENGINE=1 PYTHONPATH=bench/serving/fake_engine .venv/bin/python bench/serving/side_by_side.py \\
+    STATECORE_BENCH_FAKE_ENGINE=1 PYTHONPATH=bench/serving/fake_engine \\
+        .venv/bin/python bench/serving/side_by_side.py \\
         --servers single,cluster --model src/adapters/demo_model --mix 128x16 --mix 2000x16 --concurrency 1
 
 The front end still tokenizes with the model directory's tokenizer (the demo model's has 4,096
