@@ -548,7 +548,7 @@ def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> None:
     """
     try:
         import matplotlib
-    except ImportError:  # e.g. the GPU image: plot the JSON later with bench/plot_results.py
+    except ImportError:  # e.g. the GPU image: results.json still has every number
         print(f"matplotlib is not installed: no {path}", file=sys.stderr)
         return
     matplotlib.use("Agg")
