@@ -23,8 +23,19 @@ if os.environ.get("STATECORE_BENCH_FAKE_ENGINE") == "1":
     from effects.fakes import FakeEngine
 
     class _BenchFakeEngine(FakeEngine):
-        def _crash_device_thread_for_tests(self) -> None:
+        """What the node asks of `MlxEngine` beyond the port: whole-payload handoffs (no streamed
+        pieces), no device thread to crash or abandon."""
+
+        streams_handoffs = False
+
+        def crash_device_thread(self) -> None:
             raise RuntimeError("the bench's fake engine has no device thread")
+
+        def abandon(self, reason: str) -> None:
+            pass
+
+        async def aclose(self, join_timeout_s: float | None = None) -> None:
+            await super().aclose()
 
     async def _load(cls: type[Any], *args: Any, **kwargs: Any) -> FakeEngine:
         return _BenchFakeEngine()
