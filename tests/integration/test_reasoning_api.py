@@ -197,3 +197,12 @@ async def test_a_model_without_think_markers_answers_as_before(
         refused = await client.post("/v1/chat/completions",
                                     json={"messages": ASK, "max_tokens": 5, "reasoning_effort": "low"})
         assert refused.status_code == 422 and refused.json()["error"]["param"] == "reasoning_effort"
+
+
+async def test_a_grammar_writes_the_answer_from_the_first_token_so_nothing_is_thinking(
+        client: httpx.AsyncClient, backend: FakeBackend, thinking: Frontend) -> None:
+    backend.scripts.append(say(thinking, '{"a": "<think>"}'))
+    body = (await client.post("/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 30, "response_format": {"type": "json_object"}})).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": '{"a": "<think>"}'}
+    assert backend.last.request.sampling.response_format is not None

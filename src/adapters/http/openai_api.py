@@ -1518,7 +1518,9 @@ class Frontend:
         else:
             tools = self._tools(body)
             prompt = await self._encode_chat(body.messages, tools, self._template_kwargs(body))
-            if self.think_markers is not None:
+            # a grammar (response_format, a forced call) writes the answer from the first token:
+            # nothing in it is thinking, whatever the prompt opened
+            if self.think_markers is not None and response_format is None:
                 thinking = opens_thinking(prompt, self.think_markers)
             both = (body.max_tokens, body.max_completion_tokens)
             if None not in both and both[0] != both[1]:
@@ -1590,10 +1592,13 @@ class Frontend:
         and only for a model with think markers."""
         if budget is None:
             return None
-        if thinking is None:
+        if self.think_markers is None:
             raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
                                     "thinking: this model has no think markers that mlx-lm knows, so "
                                     "its thinking cannot be told apart or capped", "thinking"))
+        if thinking is None:
+            raise _Reject(client_error("thinking: a structured output or forced tool call is written from "
+                                       "the first token, so there is no thinking to cap", param="thinking"))
         if budget >= max_tokens:
             raise _Reject(client_error(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                        f"({max_tokens})", param="thinking.budget_tokens"))
