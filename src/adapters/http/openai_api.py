@@ -313,7 +313,7 @@ _TEMPLATE_OWN_ARGUMENTS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-_Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's reasoning efforts
+_Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's reasoning efforts
 
 
 class _ChatBody(_Sampling):

@@ -578,7 +578,7 @@ class _ReasoningConfig(_Strict):
     are made (a reasoning item's `summary` is empty, its text the model's own), so `summary`
     changes nothing."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the old name of summary
 
