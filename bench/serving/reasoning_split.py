@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--end-bias", type=float, default=3.0, help="logit bias on the think end marker")
+    parser.add_argument("--end-bias", type=float, default=10.0, help="logit bias on the think end marker")
     parser.add_argument("--blas", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the servers to start")
     args = parser.parse_args()

@@ -71,7 +71,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                                            {"role": "assistant", "content": "Ships.", "reasoning": "Hm."},
                                            {"role": "user", "content": "Tell me about ships."}],
                               "max_tokens": 24, "temperature": 0.7, "seed": 13, "stop": [" the"],
-                              "logit_bias": {"511": 3.0}}),
+                              "logit_bias": {"511": 10.0}}),
 ]
 
 
@@ -146,7 +146,7 @@ def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> No
     if not model.name.startswith("llama-"):
         pytest.skip("only llama's checkpoint has think markers")
     messages = [{"role": "user", "content": LONG}]
-    shared = {"max_tokens": 32, "temperature": 0, "logit_bias": {"511": 3.0}}  # 511: "</think>"
+    shared = {"max_tokens": 32, "temperature": 0, "logit_bias": {"511": 10.0}}  # 511: "</think>"
     chat = {**shared, "messages": messages, "stream": True}
     for node in (cluster.single, cluster.router):
         events = stream_events(node, "/v1/chat/completions", chat)[:-1]
