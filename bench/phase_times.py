@@ -1,4 +1,4 @@
-"""Where a request's time went, from the nodes' transition logs (`--log-level INFO`).
+"""Where a request's time went, from the nodes' transition logs (`--log-level INFO --log-transitions`).
 
     .venv/bin/python bench/phase_times.py LOG [LOG ...] [--last N]
 
@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
     by_request = parse(args.logs)
     if not by_request:
-        print("no transition lines (run the nodes with --log-level INFO)")
+        print("no transition lines (run the nodes with --log-level INFO --log-transitions)")
         return 1
     ordered = sorted(by_request.items(), key=lambda item: item[1][0][0])
     for rid, lines in ordered[max(0, len(ordered) - args.last):]:

@@ -530,6 +530,13 @@ class _LiveCollector:
                  stats.conversations_kept),
                 ("conversation_tokens_kept", "Tokens of whole chunks computed again to keep finished "
                  "conversations.", stats.conversation_tokens_kept),
+                ("speculative_steps", "Verify steps of speculative decoding (--speculative).",
+                 stats.speculative_steps),
+                ("speculative_draft_tokens", "Draft tokens verify steps checked.", stats.speculative_drafted),
+                ("speculative_accepted_tokens", "Draft tokens that stood (acceptance rate = accepted / "
+                 "draft tokens).", stats.speculative_accepted),
+                ("speculative_emitted_tokens", "Tokens verify steps emitted (tokens per step = emitted / "
+                 "steps).", stats.speculative_emitted),
                 ("prefix_cache_evictions", "Prompt blocks the prefix cache forgot, for its capacity or "
                  "for a request that needed the memory.", stats.prefix_cache_evictions),
                 ("engine_prefill_capped_steps", "Steps whose planned prefill work was cut to fit "

@@ -223,6 +223,13 @@ class EngineStatistics:
     # turn, and the tokens of whole chunks their keep tasks computed again to keep it.
     conversations_kept: int = 0
     conversation_tokens_kept: int = 0
+    # Speculative decoding (--speculative): verify steps computed, the draft tokens they checked,
+    # those that stood (acceptance rate = accepted / drafted), and the tokens they emitted
+    # (tokens per verify step = emitted / steps).
+    speculative_steps: int = 0
+    speculative_drafted: int = 0
+    speculative_accepted: int = 0
+    speculative_emitted: int = 0
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

@@ -206,7 +206,7 @@ def test_kv_admission_refuses_negative_counts() -> None:
 # hidden 4, 2 query heads and 1 KV head of 2, MLP 8, vocabulary 10, float32: one token's layer
 # intermediates are 4 x (5*4 + 5*2*2 + 3*1*2 + 3*8) = 280 bytes.
 SMALL = ModelShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, dtype_bytes=4)
-# The mid-size tiny llama of bench/kv_memory.py (hidden 512, 32 heads of 16, MLP 1024, float32).
+# The mid-size tiny llama of bench/serving/kv_memory.py (hidden 512, 32 heads of 16, MLP 1024, float32).
 MID = ModelShape(512, 32, 16, 16, 1024, 512, 4)
 MIB = 1 << 20
 

@@ -77,6 +77,7 @@ from adapters.mlx.sampling import (
     sample_rows,
 )
 from adapters.mlx.slots import SlotPool
+from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
@@ -154,6 +155,10 @@ class Settings:
     prefill_memory_cap: bool = False
     fuse_projections: str = "off"  # sibling projections as one matmul (adapters.mlx.fusion): auto | on | off
     keep_conversations: bool = False  # a finished request's whole chunks go into the prefix cache
+    # Speculative decoding (adapters.mlx.speculative) while at most speculative_max_rows decode
+    speculative: str = "off"  # off | ngram | draft
+    num_draft_tokens: int = 3
+    speculative_max_rows: int = 1
 
 
 class _StepOutputs:
@@ -304,6 +309,7 @@ class DeviceLoop:
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
+        self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -374,6 +380,9 @@ class DeviceLoop:
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
+        if s.speculative != "off":
+            self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows)
+            self.speculator.measure(self)
         if s.prefill_memory_cap:
             # Even on an idle node a whole chunk has beside it only the budget less the slot pool
             # as allocated now and its own prompt's KV: over that, every such chunk overruns.
@@ -578,6 +587,8 @@ class DeviceLoop:
         current = _InFlight()
         outputs: list[Any] = []
         slot_rows = [live for live in self.live.values() if live.slot is not None]
+        if self.speculator is not None and slot_rows:  # a verify step may decode them instead
+            slot_rows = self.speculator.step(self, slot_rows)
         with mx.stream(generation_stream):
             if slot_rows:
                 building = time.perf_counter()
@@ -1155,6 +1166,8 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
+        if self.speculator is not None:
+            self.speculator.took(live, token)
         if live.conversation is not None:
             live.conversation.append(token)
         finish = token_finish(token, self.eos, ignore_eos=live.sampler.sampling.ignore_eos,
@@ -1183,6 +1196,8 @@ class DeviceLoop:
         if self.live.get(live.request_id) is live:
             del self.live[live.request_id]
             self.unreserve(live.request_id)
+            if self.speculator is not None:
+                self.speculator.left(live.request_id)
         sampling = live.sampler.sampling
         group = self.gathering.get(sampling.choice_group) if sampling.choices > 1 else None
         if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
@@ -1354,6 +1369,8 @@ class DeviceLoop:
             live.slot = slot
             live.offset = len(prompt)
             self.unreserve(live.request_id)  # its KV lives in the pool now
+            if self.speculator is not None:
+                self.speculator.joined(live, prompt)
         elif lane == "merge":
             self.merge_insert(live, cache, prompt)
         else:

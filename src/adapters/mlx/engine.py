@@ -142,6 +142,9 @@ class MlxEngine:
         prefix_cache_bytes: int | None = None,
         prefill_memory_cap: str = "auto",
         keep_conversations: bool = False,
+        speculative: str = "off",
+        num_draft_tokens: int = 3,
+        speculative_max_rows: int = 1,
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
         tensor: TensorGroup | None = None,
@@ -207,6 +210,12 @@ class MlxEngine:
         handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
         turn starts after them.
 
+        `speculative` ("off", "ngram"): while at most `speculative_max_rows` requests decode, each
+        step drafts up to `num_draft_tokens` tokens per row by prompt lookup and checks them in one
+        verify step (`adapters.mlx.speculative`); greedy and seeded rows emit exactly the tokens
+        they emit without it. It stays off (logged) where the load check finds that a verify step
+        would not compute an ordinary step's numbers.
+
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
         at the end of the load, then forgets it: every kind of work a long prompt brings (its
@@ -268,12 +277,18 @@ class MlxEngine:
             raise StatecoreError(client_error(
                 f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
         capped = kv_memory_bytes is not None if prefill_memory_cap == "auto" else prefill_memory_cap == "on"
+        if speculative not in ("off", "ngram"):
+            raise StatecoreError(client_error("speculative must be off or ngram"))
+        if num_draft_tokens < 1 or speculative_max_rows < 1:
+            raise StatecoreError(client_error("num_draft_tokens and speculative_max_rows must be >= 1"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
                             on_cuda() if preallocate_slots is None else preallocate_slots, capped,
                             fuse_projections,
-                            keep_conversations=keep_conversations and decodes_locally)
+                            keep_conversations=keep_conversations and decodes_locally,
+                            speculative=speculative if decodes_locally and tensor is None else "off",
+                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._device.model_call_hook = model_call_hook
@@ -1045,6 +1060,7 @@ class MlxEngine:
     def _publish(self) -> None:
         """Refresh the statistics snapshot (device thread only; one atomic assignment)."""
         device = self._device
+        speculator = device.speculator
         self._stats = EngineStatistics(
             decoding=len(device.live),
             held_caches=len(device.held),
@@ -1063,6 +1079,10 @@ class MlxEngine:
             activation_estimate_peak_bytes=device.activation_peak,
             conversations_kept=device.conversations_kept,
             conversation_tokens_kept=device.conversation_tokens_kept,
+            speculative_steps=0 if speculator is None else speculator.verify_steps,
+            speculative_drafted=0 if speculator is None else speculator.drafted,
+            speculative_accepted=0 if speculator is None else speculator.accepted,
+            speculative_emitted=0 if speculator is None else speculator.emitted,
         )
 
     def _cache_bytes(self, cache: list[Any]) -> int:

@@ -152,6 +152,9 @@ _ROLES_OF_FLAG = {
     "prefill": frozenset({"router"}), "decode": frozenset({"router"}),  # a local cluster names its own
     "trust_remote_code": _ENGINE, "blas": _ENGINE,
     "keep_conversations": frozenset({"cluster", "single", "decode"}),
+    "speculative": frozenset({"cluster", "single", "decode"}),
+    "num_draft_tokens": frozenset({"cluster", "single", "decode"}),
+    "speculative_max_rows": frozenset({"cluster", "single", "decode"}),
     "prefix_pull": frozenset({"cluster", "prefill"}),
     "kv_shm_bytes": frozenset({"cluster", "prefill"}),
 }
@@ -249,6 +252,19 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="compute each layer's query/key/value projections, and its MLP's gate/up "
                              "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
                              "CUDA backend), on, off (default auto)")
+    engine.add_argument("--speculative", default="off", choices=("off", "ngram"),
+                        help="decode and single nodes: speculative decoding while few requests decode "
+                             "(--speculative-max-rows): ngram drafts tokens by prompt lookup (what followed "
+                             "the latest earlier occurrence of the row's last tokens) and checks them in one "
+                             "verify step; every token is the one decoding without it gives (greedy and "
+                             "seeded); off where the load check finds a verify step would compute other "
+                             "numbers (default off)")
+    engine.add_argument("--num-draft-tokens", type=_whole(1), default=3, metavar="N",
+                        help="with --speculative: the most draft tokens a row's verify step checks "
+                             "(default 3)")
+    engine.add_argument("--speculative-max-rows", type=_whole(1), default=1, metavar="N",
+                        help="with --speculative: speculate only while at most this many requests "
+                             "decode (default 1: a lone stream)")
     engine.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
     engine.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
     engine.add_argument("--prefill-batch", type=_whole(1), default=32,

@@ -243,6 +243,8 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
         prefix_cache_bytes=args.prefix_cache_bytes, prefill_memory_cap=args.prefill_memory_cap,
         keep_conversations=role != "prefill" and args.keep_conversations == "on",
+        speculative=args.speculative if role != "prefill" else "off",
+        num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
     )
 
 

@@ -1,0 +1,160 @@
+"""The engine alone (no HTTP) on the realish mix, beside the bare model: where the serving path's
+time goes. C closed-loop workers (each sends its next request when the last ends) with realish
+prompt and output lengths (`benchlib.Mix("realish")`), greedy, ignore_eos, for --seconds; prints
+output tokens/s, the time to the first token (prefill call), the gaps between a stream's tokens,
+and the device thread's time by kind of work; then the bare model's pipelined batch-C decode.
+
+    python3 bench/engine/engine_realish.py --model /tmp/llama1b --concurrency 8,32
+
+Bench code: may import anything; nothing under src/ imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/: benchlib, which puts src/ on the path too
+sys.path.insert(0, str(HERE))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any],
+        on_measure: Any = None, warmup_s: float = 2.0) -> dict[str, Any]:
+    """`on_measure` (if given) is called when the warm-up is over and the measured window starts."""
+    import trio
+    from benchlib import Mix
+
+    from adapters.mlx import MlxEngine
+    from effects.engine_port import SamplingParams
+    from statecore.ids import RequestId
+
+    rng = random.Random(f"engine-realish:{concurrency}")
+    work = Mix("realish").lengths(4096, rng)
+    gaps: list[float] = []
+    ttfts: list[float] = []
+    produced = [0]
+
+    async def worker(engine: MlxEngine, index: int, deadline: float) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            p, o = work[(index * 131 + n) % len(work)]
+            rid = RequestId(f"w{index}-{n}")
+            n += 1
+            prompt = [3 + (7 * i + 11 * index + 13 * n) % 500 for i in range(p)]
+            sampling = SamplingParams(max_tokens=o, ignore_eos=True)
+            start = time.perf_counter()
+            outcome = await engine.prefill(rid, prompt, sampling)
+            ttfts.append(time.perf_counter() - start)
+            await engine.decode_held(rid, prompt, outcome.first_token, sampling)
+            produced[0] += 1
+            last = time.perf_counter()
+            async for _ in engine.stream(rid):
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+                produced[0] += 1
+
+    async def main() -> dict[str, Any]:
+        engine = await MlxEngine.load(model_dir, **engine_args)
+        try:
+            async with trio.open_nursery() as nursery:  # warm-up
+                for i in range(concurrency):
+                    nursery.start_soon(worker, engine, 1000 + i, time.perf_counter() + warmup_s)
+            gaps.clear()
+            ttfts.clear()
+            produced[0] = 0
+            before = engine.device_profile()
+            if on_measure is not None:
+                on_measure()
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(concurrency):
+                    nursery.start_soon(worker, engine, i, start + seconds)
+            elapsed = time.perf_counter() - start
+            after = engine.device_profile()
+        finally:
+            await engine.aclose()
+        profile = {k: [after[k][0] - before[k][0], round(after[k][1] - before[k][1], 3)] for k in after}
+        return {"concurrency": concurrency, "tok_s": produced[0] / elapsed, "seconds": elapsed,
+                "ttft_p50_ms": 1000 * (statistics.median(ttfts) if ttfts else 0),
+                "gap_p50_ms": 1000 * (percentile(gaps, 0.5) or 0),
+                "gap_p99_ms": 1000 * (percentile(gaps, 0.99) or 0),
+                "device_profile": profile}
+
+    return trio.run(main)
+
+
+def start_gil_neighbour(busy_s: float, idle_s: float) -> None:
+    """A daemon thread holding the GIL busy_s at a time (Python bytecode), then sleeping idle_s."""
+    import threading
+
+    def spin() -> None:
+        while True:
+            until = time.perf_counter() + busy_s
+            count = 0
+            while time.perf_counter() < until:
+                count += 1
+            time.sleep(idle_s)
+
+    threading.Thread(target=spin, daemon=True, name="gil-neighbour").start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="NAME=VALUE passed to MlxEngine.load (an int when it is one)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run "
+                             "(a node sets its own; Python's default is 5 ms)")
+    parser.add_argument("--gil-neighbour", default=None, metavar="BUSY_MS/IDLE_MS",
+                        help="a thread that runs pure Python for BUSY_MS then sleeps IDLE_MS, over and "
+                             "over: a stand-in for an HTTP front end sharing the GIL")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0,
+                        help="unmeasured load first (the GPU meets most of its kernel shapes in it)")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare model's decode")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.gil_neighbour:
+        busy_ms, idle_ms = (float(x) for x in args.gil_neighbour.split("/"))
+        start_gil_neighbour(busy_ms / 1000, idle_ms / 1000)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    engine_args = {k: int(v) if v.lstrip("-").isdigit() else v
+                   for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    from bare_decode import decode_rate
+    from mlx_lm import load
+
+    results: dict[str, Any] = {"engine_args": engine_args}
+    for c in (int(x) for x in args.concurrency.split(",")):
+        results[f"engine_c{c}"] = run(args.model, c, args.seconds, engine_args, warmup_s=args.warmup_seconds)
+        print(json.dumps(results[f"engine_c{c}"]), flush=True)
+    if not args.no_bare:
+        model = load(str(args.model))[0]
+        for c in (int(x) for x in args.concurrency.split(",")):
+            results[f"bare_b{c}"] = decode_rate(model, c, 256, 64, 500)
+            print(json.dumps({f"bare_b{c}": results[f"bare_b{c}"]}), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""What a handoff costs a request: streamed against pulled KV, and the cluster against one node.
+
+Starts one prefill and one decode node, two routers in front of that same pair (one with
+`--kv-handoff stream`, one with `--kv-handoff pull`, both `--force-disaggregation`) and a single
+node, each engine process pinned to its own cores (`--cpus`: prefill, decode, single; the single
+node gets the prefill node's cores, so it has the hardware of one cluster node). It sends prompts
+of each --lengths one at a time (concurrency 1), alternating single / stream / pull with a fresh
+prompt per round, streaming the answer (--max-tokens), and reports per setup and length, medians:
+
+- TTFT as the client sees it, and the cluster's over the single node's (target <= 1.10);
+- the handoff's overhead: the prefill node's "prefill done" to the decode node's "joined the
+  batch" (`GET /internal/handoffs` on both: one host's wall clock), against the prefill's own time
+  (target <= 10 % at >= 2,000 tokens);
+- the gap between the first and the second token at the client, in the request's own decode
+  steps (the median gap of its later tokens; target <= 3);
+- for the stream, the share of the KV bytes that reached the decode node before the first token.
+
+With --background-streams N, N streams decode on the decode node throughout (through the stream
+router, short prompts, restarted when they end), and each handoff's longest gap of theirs that
+overlaps [prefill done, joined the batch + 1 s] is reported in their median quiet step (target:
+the longest within one step of the median, i.e. <= 2 steps).
+
+    .venv/bin/python bench/handoff/handoff_overhead.py                          # CPU: 23 M llama, 2 cores
+    .venv/bin/python bench/handoff/handoff_overhead.py --lengths 8000 --background-streams 16 \\
+        --max-tokens 8 --gpus 0 0 0 --model /tmp/llama1b                  # the GPU stall cell
+
+Bench code: it may import anything (handoff_http's loopback and background streams, the e2e
+harness's node launcher), and nothing under src/ may import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import itertools
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+
+from benchlib import node_env, parse_cpus
+from handoff_http import (
+    BackgroundStreams,
+    machine,
+    prompt_pool,
+    records,
+    stall_steps,
+    wait_healthy,
+)
+from tests.e2e.harness import Node
+
+from support.tiny_models import cached_checkpoint
+
+SETUPS = ("single", "stream", "pull")
+OVERHEAD_TARGET = 0.10
+GAP_TARGET_STEPS = 3.0
+TTFT_TARGET = 1.10
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    setup: str
+    tokens: int
+    request_id: str
+    ttft_s: float
+    second_gap_s: float  # the client's first -> second token
+    step_s: float  # the median gap of the request's later tokens
+    prefill_s: float | None = None
+    overhead_s: float | None = None  # prefill done -> joined the decode node's batch
+    overlap: float | None = None
+    stall_steps: float | None = None
+    node_gap_s: float | None = None  # the decode node's own: first token passed on -> second out
+
+    @property
+    def gap_steps(self) -> float:
+        return self.second_gap_s / self.step_s
+
+
+def pin(node: Node, cores: str | None) -> None:
+    """Every thread of the node's process onto `cores` (threads it starts later inherit it)."""
+    if not cores or node.process is None:
+        return
+    for task in Path(f"/proc/{node.process.pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), parse_cpus(cores))
+
+
+def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
+    """Start the node with its GPU and its BLAS threads (one per core) in its environment
+    (`disagg_equal.node_env`), pinned to `cores` from its first moment."""
+    extra = node_env({}, cores, gpu)
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        node.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    pin(node, cores)
+    return node
+
+
+def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict[str, Node]:
+    cpus = args.cpus or [None, None, None]
+    gpus = args.gpus or [None, None, None]
+    common = ["--model", str(model), "--internal-token", token, *args.node_arg]
+    engines = {role: start_on(Node(role, common, logs / f"{role}.log"), cpus[i], gpus[i])
+               for i, role in enumerate(("prefill", "decode", "single"))}
+    for i, node in enumerate(engines.values()):
+        wait_healthy(node, args.startup_timeout)
+        pin(node, cpus[i])  # and the threads it started meanwhile
+    routers: dict[str, Node] = {}
+    for mode in ("stream", "pull"):
+        routers[mode] = Node("router", ["--model", str(model), "--internal-token", token,
+                                        "--force-disaggregation", "--kv-handoff", mode,
+                                        "--prefill", engines["prefill"].url,
+                                        "--decode", engines["decode"].url],
+                             logs / f"router-{mode}.log")
+        routers[mode].start()
+    for node in routers.values():
+        wait_healthy(node, 300)
+    return {**engines, **routers}
+
+
+def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
+             max_tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, every token's arrival after the request was sent)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    with client.stream("POST", f"{url}/v1/completions", json=body,
+                       headers={"X-Request-Id": request_id}) as response:
+        if response.status_code != 200:
+            response.read()
+            raise SystemExit(f"{request_id}: HTTP {response.status_code}: {response.text[:400]}")
+        for line in response.iter_lines():
+            if line.startswith("data:") and '"text"' in line:
+                arrivals.append(time.perf_counter() - sent)
+    if len(arrivals) < 4:
+        raise SystemExit(f"{request_id}: {len(arrivals)} tokens streamed; ask for more (--max-tokens)")
+    return arrivals[0], arrivals
+
+
+def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
+            background: BackgroundStreams | None) -> list[Sample]:
+    samples: list[Sample] = []
+    pending: list[tuple[str, int, str, float, list[float]]] = []
+    windows: dict[str, tuple[float, float]] = {}
+    offset = 0
+    with httpx.Client(timeout=args.request_timeout) as client:
+        for warm in SETUPS:  # every setup's first request (compilation, buffers) is not counted
+            url = servers["single" if warm == "single" else warm].url
+            streamed(client, url, f"warm-{warm}", random.Random(-1).choices(pool, k=min(args.lengths)),
+                     args.max_tokens)
+        for round_ in range(args.rounds):
+            order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
+            for tokens in args.lengths:
+                offset += 1
+                # fresh per round, the same for each setup; drawn from the corpus's ids at random, not
+                # a window of it: the corpus repeats, so windows would share whole prefix blocks
+                prompt = random.Random(offset).choices(pool, k=tokens)
+                for setup in order:
+                    rid = f"{setup}-{tokens}-{round_}"
+                    url = servers["single" if setup == "single" else setup].url
+                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens)
+                    pending.append((setup, tokens, rid, ttft, arrivals))
+        sent = records(client, servers["prefill"], token)
+        got = records(client, servers["decode"], token)
+    gaps = background.gaps() if background is not None else []
+    quiet_step = None
+    for setup, tokens, rid, ttft, arrivals in pending:
+        later = [b - a for a, b in itertools.pairwise(arrivals[1:])]
+        step = statistics.median(later)
+        sample = Sample(setup, tokens, rid, ttft, arrivals[1] - arrivals[0], step)
+        if setup != "single":
+            out, into = sent.get(rid), got.get(rid)
+            if out is None or into is None or into.get("installed_at") is None:
+                raise SystemExit(f"{rid}: no handoff records (prefill {out}, decode {into})")
+            done, joined = float(out["prefill_done_at"]), float(into["installed_at"])
+            windows[rid] = (done, joined + 1.0)
+            sample = Sample(setup, tokens, rid, ttft, sample.second_gap_s, step,
+                            prefill_s=float(out["prefill_s"]), overhead_s=joined - done,
+                            overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"))
+        samples.append(sample)
+    if background is not None and gaps:
+        busy = list(windows.values())
+        quiet = [b - a for a, b in gaps if not any(b > s and a < e for s, e in busy)]
+        quiet_step = statistics.median(quiet) if quiet else None
+        if quiet_step:
+            samples = [s if s.request_id not in windows else
+                       Sample(**{**asdict(s), "stall_steps": stall_steps(gaps, windows[s.request_id],
+                                                                          quiet_step)})
+                       for s in samples]
+    return samples
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tokens in sorted({s.tokens for s in samples}):
+        row: dict[str, Any] = {}
+        for setup in SETUPS:
+            some = [s for s in samples if s.tokens == tokens and s.setup == setup]
+            if not some:
+                continue
+            med = statistics.median
+            row[setup] = {
+                "n": len(some),
+                "ttft_ms": med(s.ttft_s for s in some) * 1e3,
+                "second_gap_ms": med(s.second_gap_s for s in some) * 1e3,
+                "step_ms": med(s.step_s for s in some) * 1e3,
+                "gap_steps": med(s.gap_steps for s in some),
+            }
+            if setup != "single":
+                row[setup].update({
+                    "prefill_ms": med(s.prefill_s or 0.0 for s in some) * 1e3,
+                    "overhead_ms": med(s.overhead_s or 0.0 for s in some) * 1e3,
+                    "overhead_share": med((s.overhead_s or 0.0) / (s.prefill_s or 1.0) for s in some),
+                    "overlap": med(s.overlap or 0.0 for s in some),
+                    "node_gap_ms": med(s.node_gap_s for s in some if s.node_gap_s is not None) * 1e3
+                    if any(s.node_gap_s is not None for s in some) else None,
+                    "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
+                                           default=None),
+                    "ttft_over_single": med(s.ttft_s for s in some) / row["single"]["ttft_s_raw"]
+                    if "single" in row else None,
+                })
+            else:
+                row[setup]["ttft_s_raw"] = med(s.ttft_s for s in some)
+        out[str(tokens)] = row
+    return out
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print("\n| tokens | setup | TTFT ms | TTFT / single | prefill ms | overhead ms | overhead / prefill "
+          "| 1st->2nd ms | in steps | decode node's 1st->2nd ms | step ms | KV before 1st token "
+          "| stall steps (max) |")
+    print("|" + "---|" * 13)
+    for tokens, row in summary.items():
+        for setup, m in row.items():
+            print(f"| {tokens} | {setup} | {m['ttft_ms']:.1f} | {_cell(m, 'ttft_over_single', '.2f')} "
+                  f"| {_cell(m, 'prefill_ms', '.1f')} | {_cell(m, 'overhead_ms', '.1f')} "
+                  f"| {_cell(m, 'overhead_share', '.3f')} "
+                  f"| {m['second_gap_ms']:.1f} | {m['gap_steps']:.2f} | {_cell(m, 'node_gap_ms', '.1f')} "
+                  f"| {m['step_ms']:.1f} "
+                  f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} |")
+    print(f"\ntargets: overhead / prefill <= {OVERHEAD_TARGET} at >= 2,000 tokens; 1st->2nd <= "
+          f"{GAP_TARGET_STEPS:g} steps; TTFT / single <= {TTFT_TARGET} (concurrency 1)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="checkpoint (default: a 23 M llama, built once)")
+    parser.add_argument("--hidden-size", type=int, default=512, help="the built llama only")
+    parser.add_argument("--num-layers", type=int, default=6, help="the built llama only")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds, a fresh prompt each")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--cpus", nargs=3, metavar="CORES", default=None,
+                        help="taskset cores of the prefill, decode and single node (e.g. 0 1 0)")
+    parser.add_argument("--gpus", nargs=3, metavar="GPU", default=None,
+                        help="CUDA_VISIBLE_DEVICES of the prefill, decode and single node")
+    parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
+    parser.add_argument("--background-streams", type=int, default=0)
+    parser.add_argument("--background-max-tokens", type=int, default=2000)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--request-timeout", type=float, default=900.0)
+    parser.add_argument("--logs", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the samples and summary as JSON")
+    args = parser.parse_args(argv)
+    if args.cpus is None and args.gpus is None and (os.cpu_count() or 1) >= 2:
+        args.cpus = ["0", "1", "0"]
+    model: Path = args.model or cached_checkpoint("llama", hidden_size=args.hidden_size,
+                                                  num_layers=args.num_layers)
+    started = dt.datetime.now(dt.UTC)
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="handoff_overhead_"))
+    logs.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
+    print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
+          f"cpus {args.cpus} gpus {args.gpus}")
+    print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
+    servers: dict[str, Node] = {}
+    background: BackgroundStreams | None = None
+    try:
+        servers = start(model, logs, token, args)
+        if args.background_streams:
+            background = BackgroundStreams(servers["stream"].url, pool[:32], args.background_streams,
+                                           args.background_max_tokens)
+            background.start()
+        samples = measure(args, servers, pool, token, background)
+    finally:
+        if background is not None:
+            background.stop()
+        for node in servers.values():
+            node.stop()
+    summary = summarize(samples)
+    print_table(summary)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
+                                        "model": str(model), "summary": summary,
+                                        "samples": [asdict(s) for s in samples]}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""mlx_lm.server vs statecore single node vs statecore 3-node cluster: same model, prompts, machine.
+
+Starts the three servers (each on a free port, all with the same environment, so the same BLAS),
+checks that statecore's single node and cluster give identical greedy text, then runs every
+(mix, concurrency) cell against each server in turn, alternating the order between repetitions,
+with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) that are the same
+for every server within a repetition. Prints a table and the ratios that the targets are stated
+in, and writes results.json and results.png under --out.
+
+    .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
+
+The default model is a random-weight llama (hidden 256, 4 layers, head dim 16, vocab 512: 2.4M
+parameters, float32) built once by `support.tiny_models.cached_checkpoint` (~/.cache/statecore/tiny). `--blas
+auto` (the default; env STATECORE_BLAS) preloads the system OpenBLAS
+(/usr/lib/x86_64-linux-gnu/libopenblas.so.0, Debian's `libopenblas0`) into every server when it is
+installed: MLX's CPU wheel bundles the reference (netlib) BLAS, about 10x slower at matmul. Bench
+code: it may import anything, and nothing under src/ may import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+
+from benchlib import (
+    ROOT,
+    SERVERS,
+    Mix,
+    PromptMaker,
+    RunResult,
+    Server,
+    build_prompts,
+    default_model,
+    load_tokenizer,
+    make_servers,
+    parse_mix,
+    plot_runs,
+    run_load,
+    server_env,
+    start_all,
+    summarize,
+)
+
+
+async def _greedy_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        texts = []
+        for prompt in prompts:
+            r = await client.post(f"{url}/v1/completions", json={
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+            r.raise_for_status()
+            texts.append(r.json()["choices"][0]["text"])
+        return texts
+
+
+def parity(servers: list[Server], maker: PromptMaker) -> dict[str, Any]:
+    """Greedy text of a few prompts (short: local prefill; 1,200 tokens: through the prefill node)."""
+    import random
+
+    rng = random.Random("parity")
+    prompts = [maker.make(n, rng) for n in (24, 200, 1200)]
+    texts = {s.name: asyncio.run(_greedy_texts(s.url, prompts, 24)) for s in servers}
+    report: dict[str, Any] = {"prompts_tokens": [24, 200, 1200]}
+    names = list(texts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            report[f"{a}=={b}"] = [x == y for x, y in zip(texts[a], texts[b], strict=True)]
+    return report
+
+
+def median_metric(runs: list[RunResult], key: str) -> float | None:
+    vals = [float(v) for r in runs if (v := r.metrics.get(key)) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _fmt(v: float | None, width: int = 8, digits: int = 1) -> str:
+    return f"{v:{width}.{digits}f}" if v is not None else " " * (width - 1) + "-"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str]) -> str:
+    lines = []
+    head = f"{'mix':9s} {'conc':>4s} | " + " | ".join(
+        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms TPOT50 ms fail" for n in names)
+    if "mlx_lm" in names and "single" in names:
+        head += " | tok/s s/m  TTFT s/m"
+    if "cluster" in names and "single" in names:
+        head += "  TTFT c/s"
+    lines.append(head)
+    for mix, c in cells:
+        cell = {n: [r for r in runs if r.server == n and r.mix == mix.name and r.concurrency == c]
+                for n in names}
+        parts = []
+        for n in names:
+            sel = cell[n]
+            fails = sum(int(r.metrics.get("failed") or 0) for r in sel)
+            parts.append(f"{_fmt(median_metric(sel, 'output_tok_s'), 13)} "
+                         f"{_fmt(median_metric(sel, 'ttft_p50_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'itl_p50_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} {fails:4d}")
+        line = f"{mix.name:9s} {c:4d} | " + " | ".join(parts)
+        if "mlx_lm" in names and "single" in names:
+            tok = _ratio(median_metric(cell["single"], "output_tok_s"),
+                         median_metric(cell["mlx_lm"], "output_tok_s"))
+            ttft = _ratio(median_metric(cell["single"], "ttft_p50_ms"),
+                          median_metric(cell["mlx_lm"], "ttft_p50_ms"))
+            line += f" | {_fmt(tok, 9, 2)} {_fmt(ttft, 9, 2)}"
+        if "cluster" in names and "single" in names:
+            ct = _ratio(median_metric(cell["cluster"], "ttft_p50_ms"),
+                        median_metric(cell["single"], "ttft_p50_ms"))
+            line += f"  {_fmt(ct, 9, 2)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: a built 2.4M llama)")
+    parser.add_argument("--mix", type=parse_mix, action="append", default=None,
+                        help="PxO or realish, repeatable (default: 128x128 and 2000x16)")
+    parser.add_argument("--concurrency", type=_int_list, default=None,
+                        help="comma list for the first mix (default 1,8,32)")
+    parser.add_argument("--long-concurrency", type=_int_list, default=[1],
+                        help="comma list for mixes after the first (default 1: TTFT at long prompts)")
+    parser.add_argument("--requests-per-slot", type=int, default=2,
+                        help="first mix: requests per run = max(min, min(this x concurrency, max))")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--max-requests", type=int, default=32)
+    parser.add_argument("--long-requests", type=int, default=3, help="requests per run of later mixes")
+    parser.add_argument("--reps", type=int, default=2, help="alternating repetitions per cell")
+    parser.add_argument("--servers", default="mlx_lm,single,cluster",
+                        help="subset of mlx_lm,single,cluster")
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"],
+                        default=os.environ.get("STATECORE_BLAS", "auto"),
+                        help="the same BLAS for every server (auto: OpenBLAS if installed), or "
+                        "defaults: each server as its users run it (mlx_lm bundled, statecore auto)")
+    parser.add_argument("--statecore-arg", action="append", default=[],
+                        help="extra flag for the statecore servers (repeatable), e.g. --max-batch=64")
+    parser.add_argument("--statecore-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment setting for the statecore servers only (repeatable), e.g. "
+                        "MLX_USE_CUDA_GRAPHS=1; mlx_lm.server keeps the environment as it is")
+    parser.add_argument("--no-parity", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run `finally`
+
+    mixes: list[Mix] = args.mix or [parse_mix("128x128"), parse_mix("2000x16")]
+    first_concs: list[int] = args.concurrency or [1, 8, 32]
+    names = [n for n in args.servers.split(",") if n]
+    if unknown := set(names) - set(SERVERS):
+        raise SystemExit(f"unknown servers {sorted(unknown)}")
+    model = args.model or default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    blas = server_env(args.blas)[1]  # exits here when OpenBLAS is asked for but missing
+    maker = PromptMaker(load_tokenizer(model))
+    print(f"model {model}\nBLAS {blas}  servers {names}  mixes {[m.name for m in mixes]}  "
+          f"reps {args.reps}  out {args.out}", flush=True)
+
+    servers = make_servers(model, args.out, names, args.statecore_arg)
+    runs: list[RunResult] = []
+    if bad := [setting for setting in args.statecore_env if "=" not in setting]:
+        raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")
+    meta: dict[str, Any] = {"model": str(model), "blas": blas, "argv": sys.argv,
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    t0 = time.monotonic()
+    try:
+        start_all(servers, args.blas, args.startup_timeout, meta, args.statecore_env)
+        print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
+        meta["startup_s"] = time.monotonic() - t0
+        print(f"servers ready in {meta['startup_s']:.0f} s: "
+              + ", ".join(f"{s.name} {s.url}" for s in servers), flush=True)
+        # Warm every server at every concurrency the cells use (a GPU backend compiles kernels on
+        # first use of a shape; a cold server would pay that inside the first measured cell).
+        warm_concs = sorted({c for i, _ in enumerate(mixes) for c in (first_concs if i == 0 else
+                                                                       args.long_concurrency)})
+        for s in servers:
+            for c in warm_concs:
+                warm = build_prompts(maker, Mix("warm", 64, 8), c, 12345 + c)
+                asyncio.run(run_load(s.url, warm, concurrency=c))
+            # realish has no fixed length (prompt_tokens None): warm up with its longest, 1536.
+            longest = max(m.prompt_tokens or 1536 for m in mixes)
+            long = build_prompts(maker, Mix("warm-long", min(2000, longest), 4), 1, 777)
+            if long[0][1] > 64:
+                asyncio.run(run_load(s.url, long, concurrency=1))
+        if not args.no_parity:
+            meta["parity"] = parity(servers, maker)
+            print(f"parity (greedy text equal per prompt): {meta['parity']}", flush=True)
+        cells = [(mix, c) for i, mix in enumerate(mixes)
+                 for c in (first_concs if i == 0 else args.long_concurrency)]
+        for mix, c in cells:
+            n = (max(args.min_requests, min(args.requests_per_slot * c, args.max_requests))
+                 if mix is mixes[0] else args.long_requests)
+            for rep in range(args.reps):
+                prompts = build_prompts(maker, mix, n, seed=1000 * rep + c)
+                order = servers if rep % 2 == 0 else servers[::-1]
+                for s in order:
+                    results, wall = asyncio.run(run_load(
+                        s.url, prompts, concurrency=c, progress=f"{s.name} {mix.name} c={c} rep {rep}"))
+                    run = RunResult(s.name, mix.name, c, None, n, wall, summarize(results, wall),
+                                    sorted({r.error for r in results if r.error})[:5], {"rep": rep})
+                    runs.append(run)
+                    m = run.metrics
+                    print(f"  {s.name:8s} {mix.name:9s} c={c:<3d} rep {rep}: "
+                          f"{_fmt(m['output_tok_s'] and float(m['output_tok_s']))} tok/s  TTFT p50 "
+                          f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  failed {m['failed']}",
+                          flush=True)
+                    (args.out / "results.json").write_text(json.dumps(
+                        {"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
+    finally:
+        for s in servers:
+            s.stop()
+    meta["wall_s"] = time.monotonic() - t0
+    text = table(runs, cells, names)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]},
+                                                      indent=1))
+    (args.out / "table.txt").write_text(text + "\n")
+    plot_runs(runs, args.out / "results.png", f"{Path(model).name} BLAS={blas} (median of reps)")
+    print("\n" + text)
+    print(f"\nratios: s/m = statecore single / mlx_lm.server; c/s = cluster / single. "
+          f"Total {meta['wall_s']:.0f} s. Wrote {args.out}/results.json, table.txt, results.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Speculative decoding in the slot lane: draft a few tokens, check them in one verify step, keep
+what the target model would have drawn anyway.
+
+When at most `max_rows` requests decode (one by default) and each may speculate (no grammar, no
+logits shaping, no logprobs asked for), a step first reads the previous step back (a draft needs
+the latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.
+NgramIndex`) and, if any, computes one *verify step*: every row's last token and its drafts as
+rows of one slot-lane call, all in the row's own slot at consecutive positions (each row attends
+its slot up to its own position, so row i sees the keys the rows before it wrote). A draft
+stands while it equals the token the target draws at its position (the argmax; for a seeded row
+the draw keyed by (seed, position)), so a request emits the tokens it emits without
+speculation. Those tokens come from the verify step's logits, which equal an ordinary step's
+only when the call's row count picks the same kernels: `measure` finds at load which row counts
+compute a row alike (`statecore.speculation.row_classes`), and a verify step carries only as
+many drafts as keep it in the ordinary step's class (`draft_room`); a literal comparison of a
+verify step with single steps must pass too, or speculation stays off (logged). Rejected drafts'
+keys lie past the row's position, hidden by the mask and overwritten by its next steps. A row
+whose tries keep nothing waits longer before the next (`SpeculationPace`); while it waits it
+decodes in the ordinary, overlapped steps.
+This module imports mlx and mlx_lm; never trio, never the engine (the device loop is its caller).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from adapters.mlx.sampling import log_softmax, sample
+from adapters.mlx.slots import SlotPool
+from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
+
+if TYPE_CHECKING:
+    from adapters.mlx.device import DeviceLoop, Live
+
+__all__ = ["Speculator"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+_PROBE_TOKENS = 24  # the load check's prompt: a few positions, so attention reads real keys
+_EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request's speculation state: its tokens so far (the prompt by reference, then what it
+    generated), the n-gram index built from them once it first tries, and its pace."""
+
+    prompt: Sequence[int]
+    generated: list[int] = field(default_factory=list)
+    index: NgramIndex | None = None
+    pace: SpeculationPace = field(default_factory=SpeculationPace)
+
+    @property
+    def history(self) -> list[int]:
+        return [*self.prompt, *self.generated]
+
+
+class Speculator:
+    """The device thread's speculation (one per `DeviceLoop`, when `--speculative` is not off)."""
+
+    def __init__(self, mode: str, num_draft_tokens: int, max_rows: int) -> None:
+        self.mode = mode
+        self.num_draft_tokens = num_draft_tokens
+        self.max_rows = max_rows
+        self.rows: dict[str, _Row] = {}
+        self.classes: tuple[int, ...] = ()
+        self.off_reason: str | None = None
+        # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
+        self.verify_steps = self.drafted = self.accepted = self.emitted = 0
+
+    # -- at load -------------------------------------------------------------------------------
+
+    def measure(self, loop: DeviceLoop) -> None:
+        """Which row counts compute a row alike on this device and BLAS, and whether a verify
+        step then equals single steps; sets `off_reason` when speculation cannot be exact here."""
+        pool = loop.pool
+        if pool is None:
+            self.off_reason = "the model decodes outside the slot layout (speculation runs in it only)"
+        elif loop.compiled is not None:
+            self.off_reason = ("the traced decode step (--compile-decode) computes other bits than "
+                               "a verify step; speculation needs --compile-decode off")
+        elif loop.pipelined:
+            self.off_reason = "pipeline- and tensor-parallel instances do not speculate"
+        if self.off_reason is not None or pool is None:
+            logger.warning("speculative decoding is off: %s", self.off_reason)
+            return
+        most = min(pool.num_slots, self.max_rows * (self.num_draft_tokens + 1) + _EXTRA_COUNTS)
+        with mx.stream(generation_stream):
+            cache, last = _probe_prompt(loop.model)
+            rows = [_probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
+            equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
+            self.classes = row_classes(equal)
+            room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
+            exact = room == 0 or _verify_equals_single_steps(loop, pool, cache, last, room)
+        if not exact:
+            self.off_reason = "a verify step's rows differ from single steps on this device (load check)"
+        elif draft_room(self.classes, 1, 1, 1) == 0:
+            self.off_reason = ("on this device and BLAS a step of two rows computes a lone row's numbers "
+                               "differently, so no verify step could be exact")
+        if self.off_reason is not None:
+            logger.warning("speculative decoding is off: %s", self.off_reason)
+        else:
+            logger.info("speculative decoding (%s): a lone row's verify step carries up to %d draft "
+                        "tokens (row counts computing alike: %s)", self.mode, room, self.classes)
+
+    # -- rows ----------------------------------------------------------------------------------
+
+    def joined(self, live: Live, prompt: Sequence[int]) -> None:
+        self.rows[live.request_id] = _Row(prompt, [live.last_token])
+
+    def took(self, live: Live, token: int) -> None:
+        row = self.rows.get(live.request_id)
+        if row is None:
+            return
+        row.generated.append(token)
+        if row.index is not None:
+            row.index.extend((token,))
+
+    def left(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    @staticmethod
+    def eligible(live: Live) -> bool:
+        sampler = live.sampler
+        sampling = sampler.sampling
+        return (live.slot is not None and sampler.constraint is None and not sampling.shapes_logits
+                and sampling.logprobs is None)
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def step(self, loop: DeviceLoop, rows: list[Live]) -> list[Live]:
+        """Speculate for `rows` (the slot lane's) when they may; returns the rows the ordinary
+        step still decodes (none when a verify step computed them)."""
+        due = (self.off_reason is None and 0 < len(rows) == len(loop.live) <= self.max_rows
+               and not loop.gathering and all(self.eligible(live) for live in rows)
+               and all(live.request_id in self.rows for live in rows)
+               and any(self.rows[live.request_id].pace.due for live in rows))
+        if not due:
+            self.pass_step(rows)
+            return rows
+        if loop.inflight is not None:  # drafts continue from the latest token: read it back now
+            previous, loop.inflight = loop.inflight, None
+            loop.read_back(previous)
+            rows = [live for live in loop.live.values() if live.slot is not None]
+            if not rows or len(rows) != len(loop.live):
+                return rows
+        pool = loop.pool
+        assert pool is not None
+        reference = pool.rows([live.slot for live in rows if live.slot is not None])
+        room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
+        drafts = self.propose(loop, rows, room)
+        if not any(drafts):
+            for live in rows:
+                self.tried(live, 0)
+            return rows
+        try:
+            self.verify(loop, rows, drafts)
+        except Exception as exc:  # the ordinary step decodes them instead; the rows wait a while
+            logger.warning("a verify step raised (%s: %s); decoding one token instead",
+                           type(exc).__name__, exc)
+            for live in rows:
+                self.tried(live, 0)
+            return [live for live in loop.live.values() if live.slot is not None]
+        return []
+
+    def pass_step(self, rows: Sequence[Live]) -> None:
+        for live in rows:
+            row = self.rows.get(live.request_id)
+            if row is not None:
+                row.pace = row.pace.stepped()
+
+    def tried(self, live: Live, kept: int) -> None:
+        row = self.rows.get(live.request_id)
+        if row is not None:
+            row.pace = row.pace.tried(kept)
+
+    def propose(self, loop: DeviceLoop, rows: Sequence[Live], room: int) -> list[list[int]]:
+        """Each due row's drafts, within `room` tokens in all; never past a row's last token."""
+        drafts: list[list[int]] = []
+        for live in rows:
+            row = self.rows[live.request_id]
+            wanted = min(self.num_draft_tokens, room, live.remaining - 1)
+            if not row.pace.due or wanted <= 0:
+                drafts.append([])
+                continue
+            if row.index is None:
+                row.index = NgramIndex(tokens=row.history)
+            proposed = row.index.draft(wanted)
+            room -= len(proposed)
+            drafts.append(proposed)
+        return drafts
+
+    def verify(self, loop: DeviceLoop, rows: list[Live], drafts: list[list[int]]) -> None:
+        """One verify step over `rows` and their drafts, computed now; each row gets the tokens
+        that stood and the one drawn after them."""
+        pool = loop.pool
+        assert pool is not None
+        inputs: list[int] = []
+        offsets: list[int] = []
+        slots: list[int] = []
+        for live, draft in zip(rows, drafts, strict=True):
+            assert live.slot is not None
+            for i, token in enumerate([live.last_token, *draft]):
+                inputs.append(token)
+                offsets.append(live.offset + i)
+                slots.append(live.slot)
+        with mx.stream(generation_stream):
+            loop.computing = ("decode", [live.request_id for live in rows])
+            layers = pool.step_layers(offsets, slots, bucket=loop.bucket)
+            logits = loop.model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
+            loop.computing = ("", ())
+            drawn = _draw(logits, rows, drafts)
+            mx.eval(drawn, pool.keys, pool.values)
+        tokens: list[int] = drawn.tolist()
+        loop.last_tokens = None  # every slot row's next input is its host token
+        deliveries: dict[Any, list[Any]] = {}
+        start = 0
+        self.verify_steps += 1
+        for live, draft in zip(rows, drafts, strict=True):
+            mine = tokens[start : start + len(draft) + 1]
+            start += len(draft) + 1
+            kept = kept_drafts(draft, mine)
+            self.drafted += len(draft)
+            self.accepted += kept
+            self.tried(live, kept if draft else 0)
+            live.fed = False
+            if not live.sampler.plain_greedy:
+                live.sampler.position += kept + 1
+            for token in mine[: kept + 1]:
+                self.emitted += 1
+                live.offset += 1
+                live.last_token = token
+                if loop.hand_token(live, loop.count_token(live, token), deliveries):
+                    break
+        loop.hand_out(deliveries)
+
+
+def _draw(logits: Any, rows: Sequence[Live], drafts: Sequence[Sequence[int]]) -> Any:
+    """The token each verify row's target draws, as `sample_rows` draws it in an ordinary step:
+    greedy rows the argmax of the log-probabilities, seeded rows with their position's key."""
+    greedy = greedy_sampler(log_softmax(logits))
+    if all(live.sampler.plain_greedy for live in rows):
+        return greedy
+    parts = []
+    start = 0
+    for live, draft in zip(rows, drafts, strict=True):
+        sampler = live.sampler
+        for i in range(len(draft) + 1):
+            row = start + i
+            if sampler.plain_greedy:
+                parts.append(greedy[row : row + 1])
+            else:
+                parts.append(sample(log_softmax(logits[row : row + 1]), sampler.sampling, sampler.seed,
+                                    sampler.position + i))
+        start += len(draft) + 1
+    return mx.concatenate(parts, axis=0)
+
+
+def _probe_prompt(model: Any) -> tuple[list[Any], int]:
+    """A short prompt's cache (all but its last token) and that last token."""
+    tokens = [1 + (7 * i) % 97 for i in range(_PROBE_TOKENS)]
+    cache: list[Any] = make_prompt_cache(model)
+    model(mx.array([tokens[:-1]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache, tokens[-1]
+
+
+def _fresh_pool(loop: DeviceLoop, pool: SlotPool, slots: int, cache: list[Any]) -> SlotPool:
+    """A small pool laid out as the node's, holding the probe prompt in slot 0."""
+    probe = SlotPool(slots, pool.num_layers, 2 * _PROBE_TOKENS + 2 * slots)
+    probe.attention = pool.attention
+    probe.write_prompt(0, cache, _PROBE_TOKENS - 1)
+    return probe
+
+
+def _probe_row(loop: DeviceLoop, pool: SlotPool, cache: list[Any], last: int, count: int) -> Any:
+    """The probe row's log-probabilities from an ordinary step of `count` rows (the others free
+    slots' throwaway rows at position 0)."""
+    probe = _fresh_pool(loop, pool, count, cache)
+    offsets = [_PROBE_TOKENS - 1] + [0] * (count - 1)
+    inputs = mx.array([last] + [0] * (count - 1), dtype=mx.uint32)
+    logits = loop.model(inputs[:, None], cache=probe.step_layers(offsets, bucket=loop.bucket))[:, -1, :]
+    row = log_softmax(logits)[0]
+    mx.eval(row)
+    return row
+
+
+def _verify_equals_single_steps(loop: DeviceLoop, pool: SlotPool, cache: list[Any], last: int,
+                                drafts: int) -> bool:
+    """A verify step of a lone row and `drafts` drafts against the same tokens fed one step at a
+    time: every row's log-probabilities equal, bit for bit."""
+    fed = [last] + [1 + (11 * i) % 89 for i in range(drafts)]
+    single = _fresh_pool(loop, pool, 1, cache)
+    expected = []
+    for i, token in enumerate(fed):
+        layers = single.step_layers([_PROBE_TOKENS - 1 + i], bucket=loop.bucket)
+        logits = loop.model(mx.array([token], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
+        expected.append(log_softmax(logits)[0])
+        mx.eval(expected[-1], single.keys, single.values)
+    verify = _fresh_pool(loop, pool, 1, cache)
+    offsets = [_PROBE_TOKENS - 1 + i for i in range(len(fed))]
+    layers = verify.step_layers(offsets, [0] * len(fed), bucket=loop.bucket)
+    got = log_softmax(loop.model(mx.array(fed, dtype=mx.uint32)[:, None], cache=layers)[:, -1, :])
+    mx.eval(got)
+    return all(bool(mx.array_equal(got[i], want).item()) for i, want in enumerate(expected))

@@ -1,0 +1,106 @@
+"""Speculative decoding (`--speculative ngram`) against the same engine without it, on a tiny
+model that mostly continues a fixed chain of tokens (`support.chain_model`): prompts holding the
+chain are drafted from, and the drafts mostly stand; every token must be the one decoding
+without speculation gives, greedy and seeded, on one node and after a handoff."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from adapters.mlx import MlxEngine
+from effects.engine_port import SamplingParams
+from statecore.ids import RequestId
+from support.chain_model import build_chain_checkpoint, chain
+from tests.integration.engines import close_engine, load_engine
+
+GREEDY = SamplingParams(max_tokens=80)
+SEEDED = SamplingParams(max_tokens=80, temperature=0.7, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def chain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_chain_checkpoint(tmp_path_factory.mktemp("chain"))
+
+
+@pytest.fixture
+async def engines(chain_dir: Path) -> AsyncIterator[tuple[MlxEngine, MlxEngine]]:
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    try:
+        speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram",
+                                        num_draft_tokens=4)
+        try:
+            yield plain, speculating
+        finally:
+            await close_engine(speculating)
+    finally:
+        await close_engine(plain)
+
+
+def edit_like(start: int, salt: int = 0) -> list[int]:
+    """A prompt that holds what the model will write: the chain from `start` on, then other
+    tokens, then `start` again."""
+    filler = [9 + (13 * i + salt) % 400 for i in range(12)]
+    return [*filler, *chain(start, 60), *filler[:5], start]
+
+
+async def single(engine: MlxEngine, rid: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
+    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
+    return [outcome.first_token] + [item.token async for item in engine.stream(RequestId(rid))]
+
+
+async def handed_off(prefill: MlxEngine, decode: MlxEngine, rid: str, prompt: list[int],
+                     sampling: SamplingParams) -> list[int]:
+    outcome = await prefill.prefill(RequestId(rid), prompt, sampling)
+    payload = (await prefill.export_held(RequestId(rid))).joined()
+    await prefill.release_held(RequestId(rid))
+    await decode.install(RequestId(rid), payload, prompt, outcome.first_token, sampling)
+    return [outcome.first_token] + [item.token async for item in decode.stream(RequestId(rid))]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_speculating_row_emits_the_tokens_it_emits_without_speculation(
+        engines: tuple[MlxEngine, MlxEngine], sampling: SamplingParams) -> None:
+    plain, speculating = engines
+    for n, start in enumerate((40, 200)):
+        prompt = edit_like(start, n)
+        expected = await single(plain, f"p{n}", prompt, sampling)
+        assert await single(speculating, f"s{n}", prompt, sampling) == expected
+    stats = speculating.statistics()
+    assert 0 < stats.speculative_accepted < stats.speculative_drafted  # drafts stood, and some fell
+    assert stats.speculative_emitted >= stats.speculative_accepted + stats.speculative_steps
+    assert stats.speculative_emitted > 2 * stats.speculative_steps  # several tokens per verify step
+    assert plain.statistics().speculative_steps == 0
+
+
+async def test_a_handed_off_request_speculates_on_the_decode_node_with_a_single_node_s_tokens(
+        engines: tuple[MlxEngine, MlxEngine]) -> None:
+    plain, speculating = engines
+    prompt = edit_like(123, 3)
+    expected = await single(plain, "p", prompt, GREEDY)
+    assert await handed_off(plain, speculating, "h", prompt, GREEDY) == expected
+    assert speculating.statistics().speculative_accepted > 0
+
+
+async def test_rows_beside_others_and_rows_asking_for_logprobs_decode_without_speculation(
+        engines: tuple[MlxEngine, MlxEngine]) -> None:
+    plain, speculating = engines
+    got: dict[str, list[int]] = {}
+
+    async def run(rid: str, start: int) -> None:
+        got[rid] = await single(speculating, rid, edit_like(start), GREEDY)
+
+    async with trio.open_nursery() as nursery:
+        for n, start in enumerate((50, 60, 70)):
+            nursery.start_soon(run, f"b{n}", start)
+    for n, start in enumerate((50, 60, 70)):
+        assert got[f"b{n}"] == await single(plain, f"p{n}", edit_like(start), GREEDY)
+    steps = speculating.statistics().speculative_steps
+    with_logprobs = SamplingParams(max_tokens=40, logprobs=2)
+    assert await single(speculating, "l", edit_like(80), with_logprobs) == await single(
+        plain, "pl", edit_like(80), with_logprobs)
+    assert speculating.statistics().speculative_steps == steps
