@@ -830,6 +830,9 @@ class DeviceLoop:
         for task, units in tasks:
             if task.finished:
                 continue
+            if task.done_units == 0 and task.block_keys and not task.retried and not task.keeps_only:
+                self.start_from_prefix(task, task.block_keys, again=True)
+                units = min(units, len(task.units) - task.done_units)
             self.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(self.model, task, units, self.quantize, self.bucket,
@@ -1087,13 +1090,16 @@ class DeviceLoop:
         self.prefix.index.cached(keys)
         return keys
 
-    def start_from_prefix(self, task: PrefillTask, keys: list[bytes]) -> None:
+    def start_from_prefix(self, task: PrefillTask, keys: list[bytes], again: bool = False) -> None:
         """A new prompt whose first whole chunks are cached starts after them (`keys`: its block
-        keys, from `touch_prefix`)."""
+        keys, from `touch_prefix`). `again`: a prompt that found none at arrival and has not
+        started, looked up once more as its first unit is built: a prompt that came with others
+        starting the same way (a shared system prompt) finds the blocks the first of them has
+        computed since, in an earlier step or earlier in this one."""
         if self.prefix is None:
             return
         task.block_keys = keys
-        count, cache = self.prefix.start(task.block_keys)
+        count, cache = self.prefix.start(task.block_keys, again=again)
         if cache is None:
             return
         task.cache = cache
