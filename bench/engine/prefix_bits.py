@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT))  # support/: the tiny checkpoints
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None, help="default: the tiny llama, hidden 256, 4 layers")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="default: the tiny llama, hidden 256, 4 layers")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     parser.add_argument("--tokens", type=int, default=1024)
     args = parser.parse_args()
@@ -83,7 +85,8 @@ def main() -> int:
     rows = mx.random.normal((2048, hidden), key=mx.random.key(2))
     all_rows = np.array(rows @ weights)
     report["ops"]["x @ W: rows equal to the 2,048-row product's, by row count"] = {
-        m: bool(np.array_equal(np.array(rows[:m] @ weights), all_rows[:m])) for m in (1, 7, 64, 255, 256, 1000)}
+        m: bool(np.array_equal(np.array(rows[:m] @ weights), all_rows[:m]))
+        for m in (1, 7, 64, 255, 256, 1000)}
     heads, dim = 4, 64
     q, k, v = (mx.random.normal((1, heads, n, dim), key=mx.random.key(seed)) for seed in (3, 4, 5))
 
@@ -94,7 +97,8 @@ def main() -> int:
     full = attention(0, n, n)
     attended = {}
     for start in (quarter, n // 2, n - 24):
-        attended[f"queries [{start},{n}) x keys [0,{n})"] = differs([attention(start, n, n)], [full[:, :, start:]])
+        attended[f"queries [{start},{n}) x keys [0,{n})"] = differs([attention(start, n, n)],
+                                                                     [full[:, :, start:]])
         attended[f"queries [0,{start}) x keys [0,{start})"] = differs([attention(0, start, start)],
                                                                        [full[:, :, :start]])
     report["ops"]["attention: max diff from the rows of one causal call over all keys"] = attended
