@@ -159,6 +159,10 @@ class Settings:
     speculative: str = "off"  # off | ngram | draft
     num_draft_tokens: int = 3
     speculative_max_rows: int = 1
+    # Set (a decode node's default): max_num_batched_tokens becomes max_batch plus this many
+    # prompt tokens' worth, or one layer of a chunk where that is more (a pipelined instance: a
+    # whole chunk), once the model's layers are known
+    prefill_step_tokens: int | None = None
 
 
 class _StepOutputs:
@@ -307,6 +311,10 @@ class DeviceLoop:
                                         "prefill_batched", "launch", "readback", "other_job")
         }
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
+        # A handed-off request joined since the last step: the next step decodes only, so that its
+        # second token waits for no prefill work (on a decode node that prefills some prompts
+        # itself, one step of that can be many decode steps long)
+        self.handoff_joined = False
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
@@ -336,6 +344,10 @@ class DeviceLoop:
         self.layers = len(probe_cache)
         self.shape = model_shape(model, vocab_size, probe_cache)
         one_layer = -(-s.prefill_chunk_size // self.layers)
+        if s.prefill_step_tokens is not None:
+            least = s.prefill_chunk_size if self.pipelined else one_layer
+            s = self.settings = dataclasses.replace(
+                s, max_num_batched_tokens=s.max_batch + max(s.prefill_step_tokens, least))
         if one_layer > self.unit_tokens:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
@@ -600,10 +612,12 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
+            budget = len(self.live) if self.handoff_joined else self.settings.max_num_batched_tokens
+            self.handoff_joined = False
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
-                StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
+                StepBudget(budget, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())

@@ -129,6 +129,7 @@ class MlxEngine:
         trust_remote_code: bool = False,
         max_batch: int = 32,
         max_num_batched_tokens: int | None = None,
+        prefill_step_tokens: int | None = None,
         prefill_batch: int = 32,
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
@@ -156,8 +157,10 @@ class MlxEngine:
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
         `prefill_batch` prompts (default budget: `max_batch` + 2,048 tokens or a whole chunk if
         larger, several chunks of a prompt per step; a smaller one, down to `max_batch` + chunk
-        size / layers, slices chunks by layers). A chunk (`prefill_chunk_size`, default 256) is
-        one prefill call and the prefix cache's block.
+        size / layers, slices chunks by layers; `prefill_step_tokens` instead of a budget:
+        `max_batch` + that many tokens' worth, or one layer of a chunk where that is more, as a
+        decode node runs by default). A chunk (`prefill_chunk_size`, default 256) is one prefill
+        call and the prefix cache's block.
         Short prompts waiting together are prefilled in one padded call when the padding stays
         within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
         off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
@@ -288,7 +291,9 @@ class MlxEngine:
                             fuse_projections,
                             keep_conversations=keep_conversations and decodes_locally,
                             speculative=speculative if decodes_locally and tensor is None else "off",
-                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows)
+                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
+                            prefill_step_tokens=None if max_num_batched_tokens is not None
+                            else prefill_step_tokens)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._device.model_call_hook = model_call_hook
@@ -664,8 +669,10 @@ class MlxEngine:
 
     def _installed(self, tokens: Sequence[int], caches: list[Any]) -> list[Any]:
         """On the device thread: a handed-off cache as this rank decodes it, its whole chunks kept
-        for the conversation's next turn (on every rank of an instance alike)."""
+        for the conversation's next turn (on every rank of an instance alike). The next step
+        decodes only: the request's second token waits for no prefill."""
         self._device.keep_installed(tokens, caches)
+        self._device.handoff_joined = True
         return caches
 
     def _hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
