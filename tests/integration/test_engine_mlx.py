@@ -38,6 +38,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
+from statecore.scheduling import plan_step as scheduled
 from statecore.scheduling import prefill_units
 from support.tiny_models import (
     build_custom_cache_checkpoint,
@@ -75,6 +76,7 @@ class Opener(Protocol):
         max_batch: int = ...,
         prefill_batch: int = ...,
         max_num_batched_tokens: int | None = ...,
+        prefill_step_tokens: int | None = ...,
         kv_memory_bytes: int | None = ...,
         decodes_locally: bool = ...,
         shape_bucket: int | None = ...,
@@ -1183,10 +1185,9 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     requests' tokens are exact."""
     path = cached_checkpoint("llama")
     plans: list[tuple[int, int, int]] = []  # (budget tokens, decode rows, prefill works) per step
-    plan_step = device_module.plan_step
 
     def recorded(decode_rows: int, waiting: Any, budget: Any) -> Any:
-        plan = plan_step(decode_rows, waiting, budget)
+        plan = scheduled(decode_rows, waiting, budget)
         if waiting:
             plans.append((budget.tokens, decode_rows, len(plan.prefills)))
         return plan
