@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
 
 from benchlib import (
     ROOT,
+    CompletionStreamError,
     PromptMaker,
     completion_stream,
     default_model,
@@ -52,17 +53,21 @@ _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: its TTFT and the cached prompt tokens its usage reports."""
+    """One streamed completion: its TTFT and the cached prompt tokens its usage reports (a
+    transport error or a refusal: no TTFT, and the error)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     started = time.perf_counter()
     ttft = None
     cached = None
-    async for texts, usage in completion_stream(client, url, body):
-        if texts and ttft is None:
-            ttft = time.perf_counter() - started
-        if usage:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    try:
+        async for texts, usage in completion_stream(client, url, body):
+            if texts and ttft is None:
+                ttft = time.perf_counter() - started
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (httpx.HTTPError, CompletionStreamError) as exc:
+        return {"ttft_s": None, "cached_tokens": None, "error": f"{type(exc).__name__}: {exc}"[:200]}
     return {"ttft_s": ttft, "cached_tokens": cached}
 
 
@@ -75,7 +80,8 @@ async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespa
         done = await asyncio.gather(*(one(client, url, p, args.answer_tokens) for p in prompts))
     ttfts = [d["ttft_s"] for d in done if d["ttft_s"] is not None]
     cached = [d["cached_tokens"] for d in done if d["cached_tokens"] is not None]
-    return {"ok": len(ttfts), "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+    return {"ok": len(ttfts), "failed": len(done) - len(ttfts),
+            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
             "ttft_p99_ms": round(1000 * (percentile(ttfts, 99) or 0), 1),
             "cached_tokens_p50": statistics.median(cached) if cached else None}
 
@@ -92,6 +98,8 @@ async def document_run(url: str, maker: PromptMaker, args: argparse.Namespace, n
                 question = maker.make(args.user_tokens, random.Random(f"{name}:q:{round_}:{index}"))
                 result = await one(client, url, document + "\nQuestion: " + question + "\nAnswer:",
                                    args.answer_tokens)
+                if result["ttft_s"] is None:
+                    raise SystemExit(f"{name}: a document request failed: {result}")
                 times.append(result["ttft_s"])
                 if index:
                     cached.append(result["cached_tokens"])
