@@ -39,6 +39,10 @@ from statecore.ids import RequestId
 async def main():
     engine = await MlxEngine.load({model!r}, prefix_cache_bytes=0, warm_request=False, **{settings!r})
     try:
+        for salt in {warm_salts!r}:  # the same length first, other tokens: the GPU's shapes met
+            await engine.prefill(RequestId("warm"), [(7 * i + 3 + 11 * salt) % 500 + 2
+                                                     for i in range({tokens})], SamplingParams(max_tokens=1))
+            await engine.release_held(RequestId("warm"))
         prompt = [(7 * i + 3 + 11 * {salt}) % 500 + 2 for i in range({tokens})]
         started = time.perf_counter()
         outcome = await engine.prefill(RequestId("long"), prompt, SamplingParams(max_tokens=1))
@@ -67,11 +71,11 @@ def long_context_model(work: Path, tokens: int) -> Path:
     return target
 
 
-def prefill_once(src: Path, chunk: int | None, model: Path, tokens: int, salt: int, blas: str
-                 ) -> dict[str, object]:
+def prefill_once(src: Path, chunk: int | None, model: Path, tokens: int, salt: int, blas: str,
+                 warm_first: bool) -> dict[str, object]:
     settings = {} if chunk is None else {"prefill_chunk_size": chunk}
     code = _CHILD.format(src=str(src), model=str(model), tokens=tokens, salt=salt, blas=blas,
-                         settings=settings)
+                         settings=settings, warm_salts=[salt + 1000] if warm_first else [])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the prefill from {src} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -89,6 +93,9 @@ def main() -> int:
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     parser.add_argument("--chunks", default="",
                         help="also this checkout at these chunk sizes (a comma list), e.g. 512,2048")
+    parser.add_argument("--warm-first", action="store_true",
+                        help="prefill one prompt of the same length (other tokens) before the timed one: "
+                             "on a GPU, what a serving node has met already (its attention shapes)")
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "results" / "long_cold")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -101,7 +108,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
         for side in order:
-            got = prefill_once(*sides[side], model, args.tokens, 100 + round_, args.blas)
+            got = prefill_once(*sides[side], model, args.tokens, 100 + round_, args.blas, args.warm_first)
             seconds[side].append(float(got["seconds"]))  # type: ignore[arg-type]
             print(f"round {round_} {side}: {json.dumps(got)}", flush=True)
     ratios = {side: [round(a / b, 3) for a, b in zip(seconds[side], seconds["base"], strict=True)]

@@ -614,6 +614,8 @@ class DeviceLoop:
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
             budget = len(self.live) if self.handoff_joined else self.settings.max_num_batched_tokens
             self.handoff_joined = False
+            for task in self.waiting.values():
+                self.look_again(task)  # blocks built since it arrived: the plan sees what is left
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
@@ -844,8 +846,7 @@ class DeviceLoop:
         for task, units in tasks:
             if task.finished:
                 continue
-            if task.done_units == 0 and task.block_keys and not task.retried and not task.keeps_only:
-                self.start_from_prefix(task, task.block_keys, again=True)
+            if self.look_again(task):  # blocks built earlier in this step
                 units = min(units, len(task.units) - task.done_units)
             self.computing = ("prefill", [task.request_id])
             try:
@@ -1119,6 +1120,15 @@ class DeviceLoop:
         task.cache = cache
         task.done_tokens = task.cached_tokens = count * self.settings.prefill_chunk_size
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
+
+    def look_again(self, task: PrefillTask) -> bool:
+        """A prompt that found no kept blocks at arrival and has not started looks again: prompts
+        that came together with one system prompt start after the blocks the first of them has
+        built since. Whether it starts later now."""
+        if task.done_units or not task.block_keys or task.retried or task.keeps_only:
+            return False
+        self.start_from_prefix(task, task.block_keys, again=True)
+        return task.done_units > 0
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
