@@ -80,6 +80,30 @@ def main() -> int:
     report["splits"]["one call, other tokens after the first third"] = {
         f"kv[0:{n // 3}] max diff": differs(kv(whole, 0, n // 3), kv(prefill([n], other), 0, n // 3))}
 
+    # A block's rows [p, block) computed in a call of their own, after rows [0, p) taken from the
+    # whole block's call (the same end): would a hit inside a block give the same bits?
+    from mlx_lm.models.cache import KVCache
+
+    block = quarter
+    within: dict[str, bool] = {}
+    whole_blocks = prefill([block] * 3, prompt)
+    for p in (1, 24, block // 2, block - 56, block - 24, block - 1):
+        first = prefill([block], prompt)
+        cache = []
+        for mine, theirs in zip(first, whole_blocks, strict=True):
+            own = KVCache()  # type: ignore[no-untyped-call]
+            own.keys, own.values = (
+                mx.concatenate([mine_part[..., :block, :], their_part[..., block : block + p, :]], axis=2)
+                for mine_part, their_part in ((mine.keys, theirs.keys), (mine.values, theirs.values)))
+            own.offset = block + p
+            cache.append(own)
+        for lo, hi in ((block + p, 2 * block), (2 * block, 3 * block)):
+            model(mx.array([prompt[lo:hi]]), cache=cache)
+            mx.eval([layer.state for layer in cache])
+        within[f"rows [{p},{block}) of block 1 alone ({block - p} rows)"] = differs(
+            kv(whole_blocks, block, 3 * block), kv(cache, block, 3 * block)) == 0.0
+    report["splits"]["inside a block: the KV of blocks 1-2 equal to whole blocks'"] = within
+
     hidden = model.args.hidden_size
     weights = mx.random.normal((hidden, 4 * hidden), key=mx.random.key(1))
     rows = mx.random.normal((2048, hidden), key=mx.random.key(2))
