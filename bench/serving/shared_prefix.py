@@ -47,9 +47,10 @@ from benchlib import (
     start_all,
 )
 
-SERVERS = ("mlx_lm", "single", "single_nocache", "single_chunk2048")
+SERVERS = ("mlx_lm", "single", "single_nocache", "single_chunk2048", "single_chunk128", "single_chunk256")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
-          "single_chunk2048": ["--prefill-chunk-size=2048"]}
+          "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
+          "single_chunk256": ["--prefill-chunk-size=256"]}
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
