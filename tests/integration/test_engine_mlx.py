@@ -1200,7 +1200,9 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
         return plan
 
     monkeypatch.setattr(device_module, "plan_step", recorded)
-    source = await open_engine(path)
+    # A chunk a step and no prefix cache: a streamed prompt leaves in several pieces (a step's
+    # chunks, cached ones included, go as one).
+    source = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 16, prefix_cache_bytes=0)
     decode = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 8)
     newcomer, long = prompt_of(33, salt=7), prompt_of(1500, salt=8)  # ~190 steps: the install lands mid-way
     outcome = await source.prefill(RequestId("new"), newcomer, GREEDY)
