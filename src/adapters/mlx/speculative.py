@@ -145,7 +145,13 @@ class Speculator:
         if not due:
             self.pass_step(rows)
             return rows
-        if loop.inflight is not None:  # drafts continue from the latest token: read it back now
+        if loop.inflight is not None and loop.inflight.tokens is not None:
+            # Drafts continue from the latest token, still on the device: read it back now, unless
+            # no draft could follow it anyway (the overlap of this step is kept then).
+            if not any(self.rows[live.request_id].pace.due and self.index(live).may_draft_next()
+                       for live in rows):
+                self.pass_step(rows)
+                return rows
             previous, loop.inflight = loop.inflight, None
             loop.read_back(previous)
             rows = [live for live in loop.live.values() if live.slot is not None]
@@ -155,7 +161,7 @@ class Speculator:
         assert pool is not None
         reference = pool.rows([live.slot for live in rows if live.slot is not None])
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
-        drafts = self.propose(loop, rows, room)
+        drafts = self.propose(rows, room)
         if not any(drafts):
             for live in rows:
                 self.tried(live, 0)
@@ -181,7 +187,14 @@ class Speculator:
         if row is not None:
             row.pace = row.pace.tried(kept)
 
-    def propose(self, loop: DeviceLoop, rows: Sequence[Live], room: int) -> list[list[int]]:
+    def index(self, live: Live) -> NgramIndex:
+        """The row's n-gram index, built from its tokens so far when first asked for."""
+        row = self.rows[live.request_id]
+        if row.index is None:
+            row.index = NgramIndex(tokens=row.history)
+        return row.index
+
+    def propose(self, rows: Sequence[Live], room: int) -> list[list[int]]:
         """Each due row's drafts, within `room` tokens in all; never past a row's last token."""
         drafts: list[list[int]] = []
         for live in rows:
@@ -190,9 +203,7 @@ class Speculator:
             if not row.pace.due or wanted <= 0:
                 drafts.append([])
                 continue
-            if row.index is None:
-                row.index = NgramIndex(tokens=row.history)
-            proposed = row.index.draft(wanted)
+            proposed = self.index(live).draft(wanted)
             room -= len(proposed)
             drafts.append(proposed)
         return drafts
