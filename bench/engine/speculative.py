@@ -58,20 +58,27 @@ async def decode_one(engine: Any, rid: str, prompt: list[int], tokens: int) -> t
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+
     from adapters.blas import blas_in_use
     from adapters.mlx.engine import MlxEngine
     from support.chain_model import build_chain_checkpoint
 
     model = build_chain_checkpoint(Path(tempfile.mkdtemp(prefix="chain-")), hidden_size=args.hidden_size,
-                                   num_layers=args.layers)
+                                   num_layers=args.layers, strength=args.strength, layer_gain=args.layer_gain,
+                                   dtype=args.dtype)
     names = ["off", *(f"ngram-k{k}" for k in args.draft_tokens)]
-    engines = {"off": await MlxEngine.load(model, prefill_chunk_size=256)}
+    common = {"prefill_chunk_size": 256, "compile_decode": args.compile_decode}
+    engines = {"off": await MlxEngine.load(model, **common)}
+    checks: dict[str, Any] = {}
     for k in args.draft_tokens:
-        engines[f"ngram-k{k}"] = await MlxEngine.load(model, prefill_chunk_size=256, speculative="ngram",
-                                                     num_draft_tokens=k)
+        engine = await MlxEngine.load(model, speculative="ngram", num_draft_tokens=k, **common)
+        engines[f"ngram-k{k}"] = engine
+        speculator = engine._device.speculator
+        checks[f"ngram-k{k}"] = {"off_reason": speculator.off_reason, "row_classes": speculator.classes}
     rates: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names for w in WORKLOADS}
     ratios: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names[1:] for w in WORKLOADS}
-    counters: dict[tuple[str, str], list[int]] = {(n, w): [0, 0, 0, 0] for n in names[1:] for w in WORKLOADS}
+    counters: dict[tuple[str, str], list[int]] = {(n, w): [0] * 5 for n in names[1:] for w in WORKLOADS}
     mismatches = 0
     for round_ in range(args.rounds):
         for workload in WORKLOADS:
@@ -79,15 +86,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             outputs: dict[str, list[int]] = {}
             for name in names:
                 engine = engines[name]
+                speculator = engine._device.speculator
                 before = engine.statistics()
+                reads = 0 if speculator is None else speculator.early_reads
                 seconds, outputs[name] = await decode_one(engine, f"{workload}{round_}", prompt, args.tokens)
                 after = engine.statistics()
                 rates[name, workload].append((args.tokens - 1) / seconds)
-                if name != "off":
+                if speculator is not None:
                     deltas = (after.speculative_steps - before.speculative_steps,
                               after.speculative_drafted - before.speculative_drafted,
                               after.speculative_accepted - before.speculative_accepted,
-                              after.speculative_emitted - before.speculative_emitted)
+                              after.speculative_emitted - before.speculative_emitted,
+                              speculator.early_reads - reads)
                     counters[name, workload] = [a + b for a, b in zip(counters[name, workload], deltas,
                                                                       strict=True)]
                     ratios[name, workload].append(rates[name, workload][-1] / rates["off", workload][-1])
@@ -100,14 +110,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"workload": workload, "engine": name,
                                    "tok_s_p50": round(statistics.median(rates[name, workload]), 1)}
             if name != "off":
-                steps, drafted, accepted, emitted = counters[name, workload]
+                steps, drafted, accepted, emitted, reads = counters[name, workload]
                 row |= {"ratio_p50": round(statistics.median(ratios[name, workload]), 2),
                         "ratios": [round(r, 2) for r in ratios[name, workload]],
                         "acceptance": round(accepted / drafted, 2) if drafted else None,
                         "tokens_per_verify_step": round(emitted / steps, 2) if steps else None,
-                        "verify_steps_share": round(steps / (args.rounds * (args.tokens - 1)), 3)}
+                        "verify_steps_share": round(steps / (args.rounds * (args.tokens - 1)), 3),
+                        "early_reads_per_token": round(reads / (args.rounds * (args.tokens - 1)), 3)}
             rows.append(row)
-    return {"blas": blas_in_use(), "hidden_size": args.hidden_size, "layers": args.layers,
+    return {"blas": blas_in_use(), "device": str(mx.default_device()), "load_checks": checks,
+            "model": {"hidden_size": args.hidden_size, "layers": args.layers, "strength": args.strength,
+                      "layer_gain": args.layer_gain, "dtype": args.dtype},
             "tokens": args.tokens, "rounds": args.rounds, "mismatched_outputs": mismatches, "rows": rows}
 
 
@@ -119,8 +132,18 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[3, 5])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--strength", type=float, default=2.5, help="the chain's pull (support.chain_model)")
+    parser.add_argument("--layer-gain", type=float, default=0.5, help="the layers' weight against the chain")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", choices=("default", "cpu"), default="default",
+                        help="cpu: MLX's CPU backend even where a GPU is there")
+    parser.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/speculative.json"))
     args = parser.parse_args()
+    if args.device == "cpu":
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)  # before mlx_lm makes its generation stream
     result = trio.run(main_async, args)
     print(json.dumps(result, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

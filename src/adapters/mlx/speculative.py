@@ -74,6 +74,7 @@ class Speculator:
         self.off_reason: str | None = None
         # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
+        self.early_reads = 0  # steps that read the previous one back before building (a try)
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class Speculator:
                        for live in rows):
                 self.pass_step(rows)
                 return rows
+            self.early_reads += 1
             previous, loop.inflight = loop.inflight, None
             loop.read_back(previous)
             rows = [live for live in loop.live.values() if live.slot is not None]
