@@ -38,6 +38,7 @@ from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_
 
 if TYPE_CHECKING:
     from adapters.mlx.device import DeviceLoop, Live
+    from adapters.mlx.draft_model import DraftModel
 
 __all__ = ["Speculator"]
 
@@ -65,10 +66,12 @@ class _Row:
 class Speculator:
     """The device thread's speculation (one per `DeviceLoop`, when `--speculative` is not off)."""
 
-    def __init__(self, mode: str, num_draft_tokens: int, max_rows: int) -> None:
+    def __init__(self, mode: str, num_draft_tokens: int, max_rows: int,
+                 draft: DraftModel | None = None) -> None:
         self.mode = mode
         self.num_draft_tokens = num_draft_tokens
         self.max_rows = max_rows
+        self.draft = draft  # mode "draft": the draft model guesses; else prompt lookup
         self.rows: dict[str, _Row] = {}
         self.classes: tuple[int, ...] = ()
         self.off_reason: str | None = None
@@ -126,6 +129,8 @@ class Speculator:
 
     def left(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     @staticmethod
     def eligible(live: Live) -> bool:
@@ -149,8 +154,8 @@ class Speculator:
         if loop.inflight is not None and loop.inflight.tokens is not None:
             # Drafts continue from the latest token, still on the device: read it back now, unless
             # no draft could follow it anyway (the overlap of this step is kept then).
-            if not any(self.rows[live.request_id].pace.due and self.index(live).may_draft_next()
-                       for live in rows):
+            if not any(self.rows[live.request_id].pace.due
+                       and (self.draft is not None or self.index(live).may_draft_next()) for live in rows):
                 self.pass_step(rows)
                 return rows
             self.early_reads += 1
@@ -205,7 +210,10 @@ class Speculator:
             if not row.pace.due or wanted <= 0:
                 drafts.append([])
                 continue
-            proposed = self.index(live).draft(wanted)
+            if self.draft is not None:
+                proposed = self.draft.propose(live.request_id, row.history, wanted, live.sampler)
+            else:
+                proposed = self.index(live).draft(wanted)
             room -= len(proposed)
             drafts.append(proposed)
         return drafts
