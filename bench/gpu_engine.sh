@@ -117,7 +117,7 @@ case "${1:-vs-mlx-lm}" in
     # the last request at 1; each node with an 8 GiB KV budget (three nodes share the GPU).
     machine; model_1b
     timeout 150 $PY bench/serving/side_by_side.py --model $M --blas bundled --reps 1 --servers single,cluster \
-      --statecore-arg=--kv-memory-bytes=8589934592 --statecore-arg=--log-transitions \
+      --statecore-arg=--kv-memory-bytes=8589934592 --statecore-arg=--log-level=INFO --statecore-arg=--log-transitions \
       --mix 2000x16 --concurrency 1,4 --requests-per-slot 4 --min-requests 8 --max-requests 16 \
       --startup-timeout 120 --out "$OUT/sbs_long" 2>&1 | quiet | tail -6
     for who in single cluster; do
