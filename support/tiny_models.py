@@ -93,18 +93,42 @@ _SPM_SPACE = "\u2581"
 
 # Tools in the json_tools style mlx-lm recognises (`<tool_call>` ... `tool_call.name`): the tools
 # listed first, an assistant turn's calls as `<tool_call>` JSON, a tool's answer as its own turn.
-_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
+_TEMPLATE_TOOLS = (
     "{% if tools %}{{ '<tools>\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
     "{{ '</tools>\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<' + message['role'] + '>\\n' + message['content'] }}"
+)
+_TEMPLATE_CALLS_AND_END = (
     "{% for tool_call in message.get('tool_calls') or [] %}{% set tool_call = tool_call.function %}"
     "{{ '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + tool_call.arguments | tojson"
     " + '}\\n</tool_call>' }}{% endfor %}"
     "{{ eos_token + '\\n' }}"
     "{% endfor %}"
+)
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}" + _TEMPLATE_TOOLS +
+    "{% for message in messages %}"
+    "{{ '<' + message['role'] + '>\\n' + message['content'] }}" + _TEMPLATE_CALLS_AND_END +
     "{% if add_generation_prompt %}{{ '<assistant>\\n' }}{% endif %}"
+)
+
+# A reasoning model's template (DeepSeek-R1's and Qwen3's habits, on the template above): the
+# generation prompt opens a think block (`<think>` and `</think>` are tokens of the vocabulary, as
+# mlx-lm looks for them), or writes an empty one closed when `enable_thinking` is false; an
+# earlier assistant turn shows its `reasoning_content` in a think block; `enable_thinking` that
+# is not a boolean makes the template raise, as real templates refuse bad arguments.
+THINK_START, THINK_END = "<think>", "</think>"
+_THINKING_CHAT_TEMPLATE = (
+    "{% if enable_thinking is defined and enable_thinking is not boolean %}"
+    "{{ raise_exception('enable_thinking must be true or false') }}{% endif %}"
+    "{{ bos_token }}" + _TEMPLATE_TOOLS +
+    "{% for message in messages %}"
+    "{{ '<' + message['role'] + '>\\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ message['content'] }}" + _TEMPLATE_CALLS_AND_END +
+    "{% if add_generation_prompt %}{{ '<assistant>\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
 )
 
 # Built-in training text for both tokenizers (ASCII only, so byte_fallback must spell any other
@@ -159,13 +183,13 @@ def _corpus_lines() -> list[str]:
     return [line for line in CORPUS.splitlines() if line.strip()]
 
 
-def _train_bpe() -> Tokenizer:
+def _train_bpe(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
     """A byte-level BPE (GPT-2 / Llama 3 style): every byte is a base token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(_BPE_SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -243,9 +267,15 @@ def _specials(kind: TokenizerKind) -> dict[str, str]:
     return {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": eos}
 
 
-def _tokenizer(kind: TokenizerKind) -> Tokenizer:
+def _tokenizer(kind: TokenizerKind, thinking: bool = False) -> Tokenizer:
+    if thinking and kind != "bpe":
+        raise ValueError("only the bpe tokenizer has a thinking variant")
     if kind == "bpe":
-        tok = _train_bpe()
+        # the thinking variant: two merges fewer, and the think markers as the last two tokens
+        # (ordinary added tokens, not special ones, as Qwen3's are)
+        tok = _train_bpe(TOKENIZER_VOCAB_SIZE - 2 if thinking else TOKENIZER_VOCAB_SIZE)
+        if thinking:
+            tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in (THINK_START, THINK_END)])
         specials = _BPE_SPECIALS
     elif kind == "byte_fallback":
         tok = _train_byte_fallback()
@@ -262,11 +292,13 @@ def _tokenizer(kind: TokenizerKind) -> Tokenizer:
     return tok
 
 
-def build_tokenizer(out_dir: Path, kind: TokenizerKind = "bpe") -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+def build_tokenizer(out_dir: Path, kind: TokenizerKind = "bpe", *, thinking: bool = False) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir.
+    `thinking`: a reasoning model's tokenizer (bpe only), with think markers and a template
+    that opens a think block (`_THINKING_CHAT_TEMPLATE`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(kind)
+    tok = _tokenizer(kind, thinking)
     tok.save(str(out_dir / "tokenizer.json"), pretty=True)
     specials = _specials(kind)
     config: dict[str, Any] = {
@@ -275,7 +307,7 @@ def build_tokenizer(out_dir: Path, kind: TokenizerKind = "bpe") -> None:
         "clean_up_tokenization_spaces": False,
         "add_bos_token": True,
         "add_eos_token": False,
-        "chat_template": _CHAT_TEMPLATE,
+        "chat_template": _THINKING_CHAT_TEMPLATE if thinking else _CHAT_TEMPLATE,
         **specials,
     }
     _write_json(out_dir / "tokenizer_config.json", config)
@@ -521,8 +553,10 @@ def build_tiny_checkpoint(
     seed: int = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
+    thinking: bool = False,
 ) -> Path:
     """Write a random `family` model that `mlx_lm.utils.load(out_dir)` loads; return out_dir.
+    `thinking`: with the reasoning model's tokenizer and template (`build_tokenizer`).
 
     Same arguments give byte-identical files.
     """
@@ -543,7 +577,7 @@ def build_tiny_checkpoint(
     }
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out_dir / "config.json", config)
-    build_tokenizer(out_dir, tokenizer)
+    build_tokenizer(out_dir, tokenizer, thinking=thinking)
     return out_dir
 
 
@@ -653,11 +687,11 @@ def cached_checkpoint(
     under a key made of every argument, the mlx-lm version and a digest of this file's source.
     Concurrent callers are safe: each builds into a temporary directory and renames it into
     place; the loser of a race discards its copy and uses the winner's.
-    `kw` passes seed, hidden_size and num_layers through.
+    `kw` passes seed, hidden_size, num_layers and thinking through.
     """
     from mlx_lm import __version__ as mlx_lm_version
 
-    allowed = {"seed", "hidden_size", "num_layers"}
+    allowed = {"seed", "hidden_size", "num_layers", "thinking"}
     if unknown := set(kw) - allowed:
         raise TypeError(f"cached_checkpoint got unexpected arguments {sorted(unknown)}")
     key_fields = {

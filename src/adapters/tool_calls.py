@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ToolCall", "ToolCallSplitter"]
+__all__ = ["ToolCall", "ToolCallSplitter", "partial_marker"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
 
-def _partial_marker(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (0 when none does)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:size]):
@@ -58,7 +58,7 @@ class ToolCallSplitter:
             else:
                 at = self._pending.find(self._start)
                 if at < 0:
-                    keep = _partial_marker(self._pending, self._start)
+                    keep = partial_marker(self._pending, self._start)
                     content.append(self._pending[: len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     break

@@ -4,7 +4,9 @@ For each cache layout whose path through a cluster differs (plain KV in slots, s
 hybrid linear attention, CacheList; the rest are pinned across processes by the handoff
 tests): completions and chat, streaming and not,
 greedy and seeded, with and without logits shaping (bias, penalties, min_p), under a JSON schema
-(response_format), several choices (n) with logprobs; bodies equal once
+(response_format), several choices (n) with logprobs, a reasoning model's thinking split from its
+answer (the llama checkpoint has think markers and a template that opens a think block; a bias on
+the end marker makes it answer too); bodies equal once
 `id` and `created` are dropped; every SSE chunk equal; usage
 equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
 the decode node's receive buffers, each one equal to the single node. The llama cluster's decode
@@ -64,6 +66,14 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                               "max_tokens": 48, "temperature": 0.8, "seed": 7,
                               "response_format": {"type": "json_schema", "json_schema": {
                                   "name": "answer", "strict": True, "schema": ANSWER_SCHEMA}}}),
+    # Thinking, then an answer (on the llama checkpoint, whose last token is the think end marker;
+    # elsewhere a bias on an ordinary token), a stop string in both parts, and the thinking of
+    # an earlier turn sent back.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG},
+                                           {"role": "assistant", "content": "Ships.", "reasoning": "Hm."},
+                                           {"role": "user", "content": "Tell me about ships."}],
+                              "max_tokens": 24, "temperature": 0.7, "seed": 13, "stop": [" the"],
+                              "logit_bias": {"511": 10.0}}),
 ]
 
 
@@ -84,7 +94,10 @@ MODELS = [
 @pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     family, dtype = request.param
-    model = cached_checkpoint(family, dtype=dtype)
+    # llama's tokenizer is a reasoning model's (think markers, a template that opens a think
+    # block), so every chat case through it has its thinking split off, on both paths
+    model = cached_checkpoint(family, dtype=dtype, thinking=True) if family == "llama" else cached_checkpoint(
+        family, dtype=dtype)
     speculating = ("--speculative", "ngram", "--num-draft-tokens", "4") if family == "llama" else ()
     built = start_cluster(model, tmp_path_factory.mktemp(f"logs-{family}-{dtype}"), decode_args=speculating)
     try:
@@ -104,7 +117,9 @@ def test_non_streaming_identical(cluster: Cluster, path: str, body: dict[str, An
     assert single.status_code == routed.status_code == 200, (single.text, routed.text)
     assert without_ids(routed.json()) == without_ids(single.json())
     choice = single.json()["choices"][0]
-    _distinct_text(choice["text"] if "text" in choice else choice["message"]["content"])
+    message = choice.get("message", {})
+    _distinct_text(choice["text"] if "text" in choice else
+                   (message.get("reasoning_content") or "") + (message["content"] or ""))
     if "response_format" in body:  # a bounded schema always ends, and its answer validates
         answer = json.loads(choice["message"]["content"])
         assert choice["finish_reason"] == "stop" and set(answer) == {"ok", "color"}, answer
@@ -122,8 +137,29 @@ def test_streaming_identical(cluster: Cluster, path: str, body: dict[str, Any]) 
     completion_tokens = json.loads(single[-2])["usage"]["completion_tokens"]
     if "response_format" in body:  # ends with EOS, as its grammar says
         assert completion_tokens < body["max_tokens"]
-    else:
+    elif "stop" not in body:
         assert completion_tokens == body["max_tokens"] * body.get("n", 1)
+
+
+def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> None:
+    """On the reasoning model (llama's checkpoint): a streamed chat's reasoning_content and content
+    are, with the end marker between them, the text a completion of the same prompt ids generates,
+    through the router as on the single node."""
+    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1])
+    if not model.name.startswith("llama-"):
+        pytest.skip("only llama's checkpoint has think markers")
+    messages = [{"role": "user", "content": LONG}]
+    shared = {"max_tokens": 32, "temperature": 0, "logit_bias": {"511": 10.0}}  # 511: "</think>"
+    chat = {**shared, "messages": messages, "stream": True}
+    for node in (cluster.single, cluster.router):
+        events = stream_events(node, "/v1/chat/completions", chat)[:-1]
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        prompt = post(node, "/tokenize", {"messages": messages}).json()["tokens"]
+        raw = post(node, "/v1/completions", {**shared, "prompt": prompt}).json()["choices"][0]["text"]
+        assert "</think>" in raw and content, raw  # it thought, then answered
+        assert reasoning + "</think>" + content == raw
 
 
 def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:

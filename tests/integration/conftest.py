@@ -21,6 +21,15 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tokenizer with think markers, and a template that opens a think block (closed
+    when `enable_thinking` is false), as a reasoning model's."""
+    path = tmp_path_factory.mktemp("thinking")
+    build_tokenizer(path, "bpe", thinking=True)
+    return path
+
+
 @pytest.fixture
 def backend() -> FakeBackend:
     """A scripted backend whose model has a 2,048-token context."""

@@ -40,6 +40,14 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   json_tools (else 422). A model whose template has no tool-call markers mlx-lm knows: 400.
   Messages may carry an assistant's `tool_calls` (arguments as JSON text) and `tool` answers
   (`tool_call_id`).
+- A reasoning model (think markers mlx-lm knows): a chat's reply is split by
+  `adapters.reasoning` into its thinking (`reasoning_content`, also as `reasoning`; streamed in
+  deltas of those) and its answer (`content`), markers left out; stop strings and tool calls are
+  looked for in the answer only; `usage.completion_tokens_details.reasoning_tokens`. Another API
+  may cap the thinking (`_ThinkBudget`: Anthropic's `budget_tokens`).
+- `chat_template_kwargs`: the template's extra variables, scalars only (not the names this module
+  passes itself); `reasoning_effort` is the template's own variable where it reads one, else
+  `enable_thinking`. What the template raises on is a 400 naming the field.
 - `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
   (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
   them are left out; a newline and EOS never are.
@@ -108,6 +116,7 @@ from adapters.grammar import format_error, refused, response_format_text, tool_c
 from adapters.http.api_keys import ApiKeyGuard, ApiKeys
 from adapters.http.other_apis import other_api_routes
 from adapters.http.streaming import WatchedStream, cancel_on_disconnect
+from adapters.reasoning import ReasoningSplitter, ThinkMarkers, opens_thinking
 from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.faults import Faults, Phase
 from effects.ports import (
@@ -240,6 +249,10 @@ class _Message(_Strict):
     name: str | None = None
     tool_calls: list[_ToolCallIn] | None = None  # assistant only
     tool_call_id: str | None = None  # tool only: the call this answers
+    # an earlier assistant turn's thinking, as this API answered it (either name); templates that
+    # show it (Qwen3's) read `reasoning_content`
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _fits_its_role(self) -> _Message:
@@ -261,6 +274,9 @@ class _Message(_Strict):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None and self.role == "assistant":
+            message["reasoning_content"] = thought
         if self.tool_calls:
             # Chat templates read the arguments as a mapping (Hugging Face's convention; mlx-lm's too).
             message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
@@ -290,8 +306,20 @@ class _ToolChoice(_Strict):
     function: _NamedFunction
 
 
+_TemplateValue = str | int | float | bool | None
+# apply_chat_template's own parameters (Hugging Face's), which the front end sets: never a template
+# variable a client may give
+_TEMPLATE_OWN_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+_Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's reasoning efforts
+
+
 class _ChatBody(_Sampling):
     messages: list[_Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, _TemplateValue] | None = None  # extra variables of the chat template
+    reasoning_effort: _Effort | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -397,29 +425,65 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class _Text:
+    """What some tokens make: reasoning and content that may be sent now, and whether a stop
+    string ended the content."""
+
+    reasoning: str
+    content: str
+    stopped: bool = False
+
+
 class _StopText:
-    """Token ids in, text out: mlx-lm's streaming detokenizer plus stop strings.
+    """Token ids in, text out: mlx-lm's streaming detokenizer, the reasoning split off (when the
+    model has think markers: `adapters.reasoning`), and stop strings, which end the content only
+    (the thinking is never cut by them).
 
     Text is released only when no stop string can still begin inside it, so a stop string split
     across tokens is never half sent.
     """
 
-    def __init__(self, detokenizer: Any, stops: Sequence[str], quiet: Sequence[str] = ()) -> None:
+    def __init__(self, detokenizer: Any, stops: Sequence[str], quiet: Sequence[str] = (),
+                 reasoning: ReasoningSplitter | None = None) -> None:
         self._detokenizer = detokenizer
         self._given = tuple(stops)
         self._stops = (*stops, *(q for q in quiet if q not in stops))
         self._pending = ""
+        self._reasoning = reasoning
+        self.reasoning_tokens = 0  # tokens generated inside the thinking, its markers included
         self.matched: str | None = None  # the client's stop string the text ended before, once one has
 
-    def add(self, token: int) -> tuple[str, bool]:
-        """Text that may be sent now, and whether a stop string was matched."""
-        self._detokenizer.add_token(token)
-        return self._scan(self._detokenizer.last_segment, final=False)
+    @property
+    def thinking(self) -> bool:
+        """Whether the text is inside the model's thinking now."""
+        return self._reasoning is not None and self._reasoning.thinking
 
-    def close(self) -> tuple[str, bool]:
+    def add(self, token: int) -> _Text:
+        """Text that may be sent now, and whether a stop string was matched."""
+        was_thinking = self.thinking
+        self._detokenizer.add_token(token)
+        text = self._split(self._detokenizer.last_segment, final=False)
+        if was_thinking or self.thinking:
+            self.reasoning_tokens += 1
+        return text
+
+    def close(self) -> _Text:
         """Flush everything held back at the end of the generation."""
         self._detokenizer.finalize()
-        return self._scan(self._detokenizer.last_segment, final=True)
+        return self._split(self._detokenizer.last_segment, final=True)
+
+    def _split(self, segment: str, *, final: bool) -> _Text:
+        if self._reasoning is None:
+            return _Text("", *self._scan(segment, final=final))
+        reasoning, content = self._reasoning.feed(segment)
+        if final:
+            rest = self._reasoning.close()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        text, stopped = self._scan(content, final=final)
+        if stopped:
+            self._reasoning = None  # the reply ends here: nothing after the stop string is sent
+        return _Text(reasoning, text, stopped)
 
     def _scan(self, segment: str, *, final: bool) -> tuple[str, bool]:
         text = self._pending + segment
@@ -448,17 +512,34 @@ class _Step:
     text: str
     end: _Finish | ErrorInfo | None = None
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
+    reasoning: str = ""  # the model's thinking, before `text` (a model without think markers: "")
+
+
+@dataclass(frozen=True, slots=True)
+class _ThinkBudget:
+    """A cap on a reply's thinking (Anthropic's `budget_tokens`): once `tokens` tokens of it are
+    generated, the generation is stopped, the think end marker (`end_tokens`) is written for the
+    model, and `resume` starts the rest of the reply (the prompt and everything generated so
+    far, with the max_tokens left) as a continuation, on whatever node the backend picks."""
+
+    tokens: int
+    max_tokens: int
+    end_tokens: tuple[int, ...]
+    resume: Callable[[tuple[int, ...], int], Awaitable[Generation]]  # (generated, max_tokens left)
 
 
 class _Run:
     """Drives one generation: outputs in, text steps out. Never raises for backend errors."""
 
-    def __init__(self, generation: Generation, text: _StopText) -> None:
-        self.generation = generation
+    def __init__(self, generation: Generation, text: _StopText, budget: _ThinkBudget | None = None) -> None:
+        self.generation = generation  # the one running now (a thinking budget may start a second)
+        self.first_generation = generation  # the one that prefilled the client's prompt
         self.finished = False  # the backend is done with it: ended, failed, or stopped by us
         self._outputs = aiter(generation)
         self._text = text
+        self._budget = budget
         self._tokens = 0
+        self._generated: list[int] = []  # kept only while a thinking budget may need them
         self._logprobs: list[tuple[int, TokenLogprobs]] = []  # of the tokens the next step consumes
 
     async def advance(self) -> _Step:
@@ -492,27 +573,58 @@ class _Run:
                 self._tokens += 1
                 if carried is not None:
                     self._logprobs.append((token, carried))
-                text, stopped = self._text.add(token)
-                if stopped:
+                text = self._text.add(token)
+                if text.stopped:
                     await self.generation.stop()
                     self.finished = True
                     return self._step(text, _Finish("stop", self._tokens))
-                return self._step(text) if text else None
+                if self._budget is not None:
+                    self._generated.append(token)
+                    if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
+                        return await self._end_thinking(self._budget, text)
+                return self._step(text) if text.reasoning or text.content else None
             case GenerationEnd(finish_reason=reason):
                 self.finished = True
                 if reason == "stop":
                     self._tokens += 1  # the EOS token: no text, but generated (vLLM, mlx-lm)
-                text, stopped = self._text.close()
-                return self._step(text, _Finish("stop" if stopped else reason, self._tokens))
+                text = self._text.close()
+                return self._step(text, _Finish("stop" if text.stopped else reason, self._tokens))
             case GenerationError(error=error):
                 self.finished = True
                 return _Step("", error)
             case _:
                 assert_never(output)
 
-    def _step(self, text: str, end: _Finish | None = None) -> _Step:
+    async def _end_thinking(self, budget: _ThinkBudget, text: _Text) -> _Step:
+        """The thinking budget is spent: stop, write the end marker for the model, and go on with
+        the continuation (none when max_tokens is reached)."""
+        self._budget = None
+        await self.generation.stop()
+        pieces = [text, *(self._text.add(token) for token in budget.end_tokens)]
+        self._tokens += len(budget.end_tokens)
+        self._generated += budget.end_tokens
+        step = _Text("".join(p.reasoning for p in pieces), "".join(p.content for p in pieces))
+        if self._tokens >= budget.max_tokens:
+            self.finished = True
+            rest = self._text.close()
+            return self._step(_Text(step.reasoning + rest.reasoning, step.content + rest.content),
+                              _Finish("length", self._tokens))
+        try:
+            self.generation = await budget.resume(tuple(self._generated), budget.max_tokens - self._tokens)
+        except StatecoreError as exc:
+            self.finished = True
+            return _Step("", exc.info)
+        self._outputs = aiter(self.generation)
+        self._generated = []
+        return self._step(step)
+
+    def _step(self, text: _Text, end: _Finish | None = None) -> _Step:
         logprobs, self._logprobs = tuple(self._logprobs), []
-        return _Step(text, end, logprobs)
+        return _Step(text.content, end, logprobs, text.reasoning)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._text.reasoning_tokens
 
     async def cancel(self) -> None:
         """Tear the generation down (shielded, bounded): the client is gone or we failed."""
@@ -617,6 +729,10 @@ class _Job:
     choices: int = 1  # n: each choice is a generation of its own (a row of its own in the batch)
     tools: tuple[dict[str, Any], ...] = ()  # offered to the model: its replies are split into text and calls
     quiet_stops: tuple[str, ...] = ()  # the server's own stop strings (not reported as the client's)
+    # a chat of a model with think markers: whether its reply starts inside the thinking (the
+    # prompt opened it); None: no reasoning is split off (completions, a model without markers)
+    thinking: bool | None = None
+    think_budget: int | None = None  # at most this many tokens of thinking (Anthropic's budget_tokens)
 
     def choice_request(self, index: int) -> GenerationRequest:
         """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
@@ -637,14 +753,18 @@ class _Job:
         prefix = "cmpl-" if self.kind is _Kind.COMPLETION else "chatcmpl-"
         return prefix + self.request_id
 
-    def usage(self, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-        """Usage; with `cached_tokens` (prompt tokens details on) also `prompt_tokens_details`."""
+    def usage(self, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int = 0
+              ) -> dict[str, Any]:
+        """Usage; with `cached_tokens` (prompt tokens details on) also `prompt_tokens_details`;
+        a chat of a reasoning model also `completion_tokens_details.reasoning_tokens` (OpenAI's)."""
         prompt_tokens = len(self.prompt)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if self.thinking is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
@@ -767,6 +887,7 @@ class ChatEnd:
     reason: str  # "stop" (EOS or a stop string), "length" (max_tokens) or "tool_calls"
     completion_tokens: int  # counts the EOS token, as /v1/chat/completions' usage does
     stop_string: str | None  # the stop string the text ends before, when one ended it
+    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking
 
 
 @dataclass(frozen=True, slots=True)
@@ -789,6 +910,7 @@ class ChatStep:
     calls: tuple[CalledTool, ...] = ()
     end: ChatEnd | ErrorInfo | None = None
     logprobs: tuple[dict[str, Any], ...] = ()
+    reasoning: str = ""  # the model's thinking (before `text`), for a model with think markers
 
 
 class ChatRun:
@@ -801,6 +923,7 @@ class ChatRun:
         self.request_id = job.request_id
         self.created = job.created
         self.prompt_tokens = len(job.prompt)
+        self.reasons = job.thinking is not None  # the model's thinking comes apart from its text
         self.headers = {REQUEST_ID_HEADER: job.request_id}
         self._run = run
         self._reply = reply
@@ -812,7 +935,7 @@ class ChatRun:
     def cached_tokens(self) -> int | None:
         """The prompt tokens the prefill took from a prefix cache (known after the first step);
         None unless the front end reports prompt tokens details."""
-        return self._run.generation.cached_tokens if self._details else None
+        return self._run.first_generation.cached_tokens if self._details else None
 
     async def advance(self) -> ChatStep:
         """The next piece of text and tool calls and, on the last step, how it ended (backend
@@ -828,9 +951,9 @@ class ChatRun:
         logprobs = tuple(shaped["content"]) if shaped is not None else ()
         if isinstance(step.end, _Finish):
             end = ChatEnd(self._reply.finish_reason(step.end.reason), step.end.completion_tokens,
-                          self._run._text.matched)
-            return ChatStep(text, calls, end, logprobs)
-        return ChatStep(text, calls, step.end, logprobs)
+                          self._run._text.matched, self._run.reasoning_tokens)
+            return ChatStep(text, calls, end, logprobs, step.reasoning)
+        return ChatStep(text, calls, step.end, logprobs, step.reasoning)
 
     async def cancel(self) -> None:
         """Free the backend (shielded, bounded; nothing if it is done already)."""
@@ -873,6 +996,11 @@ class Frontend:
         self.created = int(time.time())
         self._tokenizing = trio.CapacityLimiter(1)
         self.faults = Faults.none()  # tests only: see effects.faults
+        self.think_markers = ThinkMarkers.of(tokenizer)  # a reasoning model's (adapters.reasoning)
+        template = getattr(tokenizer, "chat_template", None)
+        sources = template.values() if isinstance(template, dict) else [template]
+        self._template_reads_effort = any(isinstance(source, str) and "reasoning_effort" in source
+                                          for source in sources)
         self.warnings: list[str] = []  # start-up warnings, repeated in /health
 
     @classmethod
@@ -943,7 +1071,7 @@ class Frontend:
                     raise _Reject(client_error(
                         "add_special_tokens: with messages only false is allowed (the chat template "
                         "places the special tokens, as in /v1/chat/completions)", param="add_special_tokens"))
-                tokens = await self._encode_chat(chat.messages)
+                tokens = await self._encode_chat(chat.messages, (), self._template_kwargs(chat))
             else:
                 text = _parsed(_TokenizePrompt, data)
                 self._check_model(text.model)
@@ -1001,12 +1129,14 @@ class Frontend:
         request: Request,
         parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
         error_body: Callable[[ErrorInfo], object],
+        think_budget: Callable[[_Parsed], int | None] = lambda _: None,
     ) -> tuple[ChatRun, _Parsed] | Response:
         """Start another API's request (`adapters.http.other_apis`) as the /v1/chat/completions body that
         `parse` maps its JSON body to, with whatever else `parse` keeps of it. Everything but the
         shapes is the chat's: request id, body limit, validation, template, stop strings, admission,
         backend. `parse` may raise pydantic's ValidationError or StatecoreError; a refusal comes
-        back as the answer to send, its body `error_body(info)`."""
+        back as the answer to send, its body `error_body(info)`. `think_budget` reads the cap on the
+        thinking (Anthropic's `budget_tokens`) from what `parse` kept, when the API has one."""
         request_id, bad = _request_id(request)
         try:
             if bad is not None:
@@ -1015,7 +1145,7 @@ class Frontend:
                 chat, parsed = parse(await self._read_object(request))
             except ValidationError as exc:
                 raise _Reject(_validation_error(exc)) from None
-            job = await self._prepare(request, _Kind.CHAT, request_id, chat)
+            job = await self._prepare(request, _Kind.CHAT, request_id, chat, think_budget(parsed))
             [run] = await self._start(job)
         except (_Reject, StatecoreError) as exc:
             return _unless_body_unread(request, _error_response(exc.info, request_id, error_body(exc.info)))
@@ -1043,7 +1173,7 @@ class Frontend:
             except ValidationError as exc:
                 raise _Reject(_validation_error(exc)) from None
             self._check_model(body.model)
-            return len(await self._encode_chat(body.messages, self._tools(body)))
+            return len(await self._encode_chat(body.messages, self._tools(body), self._template_kwargs(body)))
         except (_Reject, StatecoreError) as exc:
             return _unless_body_unread(request, _error_response(exc.info, body=error_body(exc.info)))
         except ClientDisconnect:
@@ -1088,13 +1218,30 @@ class Frontend:
         try:
             for index in range(job.choices):
                 generation = await self.backend.start(job.choice_request(index))
-                stops = _StopText(self.tokenizer.detokenizer, job.stops, job.quiet_stops)
-                runs.append(_Run(generation, stops))
+                reasoning = None
+                if job.thinking is not None and self.think_markers is not None:
+                    reasoning = ReasoningSplitter(self.think_markers, thinking=job.thinking)
+                stops = _StopText(self.tokenizer.detokenizer, job.stops, job.quiet_stops, reasoning)
+                runs.append(_Run(generation, stops, self._think_budget(job, index)))
         except BaseException:
             for run in runs:
                 await run.cancel()
             raise
         return runs
+
+    def _think_budget(self, job: _Job, index: int) -> _ThinkBudget | None:
+        if job.think_budget is None or self.think_markers is None:
+            return None
+        request = job.choice_request(index)
+
+        async def resume(generated: tuple[int, ...], max_tokens: int) -> Generation:
+            # one generation of its own (never grouped with other choices), its id derived from
+            # the choice's, so that its draws are the same on every node
+            sampling = replace(request.sampling, max_tokens=max_tokens, choice_group="", choice=0, choices=1)
+            return await self.backend.start(GenerationRequest(
+                RequestId(f"{request.request_id}.answer"), request.prompt + generated, sampling))
+
+        return _ThinkBudget(job.think_budget, job.sampling.max_tokens, self.think_markers.end_tokens, resume)
 
     async def _respond(self, request: Request, job: _Job, runs: list[_Run],
                        cancel_all: Callable[[], Awaitable[None]]) -> Response:
@@ -1103,6 +1250,7 @@ class Frontend:
         first step; a failure before then, or anywhere in a whole body, is the response's status."""
         headers = {REQUEST_ID_HEADER: job.request_id}
         texts: list[list[str]] = [[] for _ in runs]
+        reasonings: list[list[str]] = [[] for _ in runs]
         logprobs: list[list[tuple[int, TokenLogprobs]]] = [[] for _ in runs]
         steps: list[_Step] = [_Step("") for _ in runs]
         async with cancel_on_disconnect(request.receive) as watch:
@@ -1114,6 +1262,7 @@ class Frontend:
                     break
                 for index in open_choices:
                     texts[index].append(steps[index].text)
+                    reasonings[index].append(steps[index].reasoning)
                     logprobs[index].extend(steps[index].logprobs)
                     steps[index] = await runs[index].advance()
         if watch.disconnected:
@@ -1129,9 +1278,11 @@ class Frontend:
         for index, step in enumerate(steps):
             assert isinstance(step.end, _Finish)
             texts[index].append(step.text)
+            reasonings[index].append(step.reasoning)
             logprobs[index].extend(step.logprobs)
             finishes.append(step.end)
-        body = self._body(job, ["".join(t) for t in texts], finishes, logprobs, self._cached_tokens(runs))
+        body = self._body(job, ["".join(t) for t in texts], finishes, logprobs, self._cached_tokens(runs),
+                          ["".join(r) for r in reasonings], sum(run.reasoning_tokens for run in runs))
         return JSONResponse(body, headers=headers)
 
     async def _events(self, job: _Job, runs: list[_Run], first_steps: list[_Step]
@@ -1176,6 +1327,10 @@ class Frontend:
                     if isinstance(step.end, _Finish):
                         pieces.append(reply.close())
                     unsent = formats[index].of(step.logprobs)  # goes with this step's first chunk
+                    if step.reasoning:
+                        frames.append(_event(self._chunk(job, self._reasoning_delta(step.reasoning),
+                                                         index=index, logprobs=unsent)))
+                        unsent = None
                     for text, calls in pieces:
                         if text:
                             if unsent is None:
@@ -1199,7 +1354,8 @@ class Frontend:
             if failed is not None:
                 frames.append(_event(failed.to_openai()))
             elif job.include_usage:
-                frames.append(_event(self._usage_chunk(job, completion_tokens, self._cached_tokens(runs))))
+                frames.append(_event(self._usage_chunk(job, completion_tokens, self._cached_tokens(runs),
+                                                       sum(run.reasoning_tokens for run in runs))))
             frames.append(_event("[DONE]"))
             yield b"".join(frames)
         finally:
@@ -1237,11 +1393,11 @@ class Frontend:
     def _cached_tokens(self, runs: Sequence[_Run]) -> int | None:
         """The prompt tokens choice 0's prefill took from a prefix cache (the prompt is counted
         once, as usage counts it); None unless prompt tokens details are on."""
-        return runs[0].generation.cached_tokens if self.prompt_tokens_details else None
+        return runs[0].first_generation.cached_tokens if self.prompt_tokens_details else None
 
     def _body(self, job: _Job, texts: list[str], finishes: list[_Finish],
-              logprobs: list[list[tuple[int, TokenLogprobs]]], cached_tokens: int | None = None
-              ) -> dict[str, Any]:
+              logprobs: list[list[tuple[int, TokenLogprobs]]], cached_tokens: int | None,
+              reasonings: list[str], reasoning_tokens: int) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for index, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
             choice: dict[str, Any] = {"index": index}
@@ -1251,6 +1407,8 @@ class Frontend:
             calls = [call for _, found in pieces for _, call in found]
             if job.kind is _Kind.CHAT:
                 choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+                if job.thinking is not None:
+                    choice["message"].update(self._reasoning_delta(reasonings[index] or None))
                 if calls:
                     choice["message"]["tool_calls"] = calls
             else:
@@ -1261,8 +1419,15 @@ class Frontend:
         return {
             **self._head(job, job.kind.value),
             "choices": choices,
-            "usage": job.usage(sum(finish.completion_tokens for finish in finishes), cached_tokens),
+            "usage": job.usage(sum(finish.completion_tokens for finish in finishes), cached_tokens,
+                               reasoning_tokens),
         }
+
+    @staticmethod
+    def _reasoning_delta(reasoning: str | None) -> dict[str, Any]:
+        """The thinking under both names clients read: `reasoning_content` (vLLM's, DeepSeek's)
+        and `reasoning` (mlx_lm.server's)."""
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
 
     def _logprobs_format(self, job: _Job) -> _LogprobsFormat:
         return _LogprobsFormat(self.tokenizer, job.kind is _Kind.CHAT, job.sampling.logprobs)
@@ -1298,11 +1463,11 @@ class Frontend:
             return template.of
         return lambda text: _event(self._chunk(job, text, index=index))
 
-    def _usage_chunk(self, job: _Job, completion_tokens: int, cached_tokens: int | None = None
-                     ) -> dict[str, Any]:
+    def _usage_chunk(self, job: _Job, completion_tokens: int, cached_tokens: int | None,
+                     reasoning_tokens: int) -> dict[str, Any]:
         object_name = "chat.completion.chunk" if job.kind is _Kind.CHAT else "text_completion"
         return {**self._head(job, object_name), "choices": [],
-                "usage": job.usage(completion_tokens, cached_tokens)}
+                "usage": job.usage(completion_tokens, cached_tokens, reasoning_tokens)}
 
     # -- reading a request -------------------------------------------------------------------
 
@@ -1324,8 +1489,9 @@ class Frontend:
         return b"".join(chunks)
 
     async def _prepare(self, request: Request, kind: _Kind, request_id: RequestId,
-                       data: dict[str, object] | None = None) -> _Job:
-        """The request's job; `data` is its body when already read (another API's, as a chat's)."""
+                       data: dict[str, object] | None = None, think_budget: int | None = None) -> _Job:
+        """The request's job; `data` is its body when already read (another API's, as a chat's),
+        with its thinking budget if it has one."""
         await self.faults.at(Phase.TOKENIZE, request_id)
         if data is None:
             data = await self._read_object(request)
@@ -1345,12 +1511,17 @@ class Frontend:
         response_format = await self._response_format(body, stops, offers_tools) or await self._forced_call(
             body, stops)
 
+        thinking: bool | None = None
         if isinstance(body, _CompletionBody):
             prompt = await self._encode_prompt(body.prompt)
             max_tokens = body.max_tokens
         else:
             tools = self._tools(body)
-            prompt = await self._encode_chat(body.messages, tools)
+            prompt = await self._encode_chat(body.messages, tools, self._template_kwargs(body))
+            # a grammar (response_format, a forced call) writes the answer from the first token:
+            # nothing in it is thinking, whatever the prompt opened
+            if self.think_markers is not None and response_format is None:
+                thinking = opens_thinking(prompt, self.think_markers)
             both = (body.max_tokens, body.max_completion_tokens)
             if None not in both and both[0] != both[1]:
                 raise _Reject(client_error("max_tokens and max_completion_tokens disagree",
@@ -1412,7 +1583,50 @@ class Frontend:
             tools=tools if isinstance(body, _ChatBody) else (),
             quiet_stops=self._one_call_only(body, tools if isinstance(body, _ChatBody) else (),
                                             response_format),
+            thinking=thinking,
+            think_budget=self._checked_budget(think_budget, max_tokens, thinking),
         )
+
+    def _checked_budget(self, budget: int | None, max_tokens: int, thinking: bool | None) -> int | None:
+        """A thinking budget (Anthropic's `budget_tokens`): under max_tokens, as Anthropic wants it,
+        and only for a model with think markers."""
+        if budget is None:
+            return None
+        if self.think_markers is None:
+            raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                                    "thinking: this model has no think markers that mlx-lm knows, so "
+                                    "its thinking cannot be told apart or capped", "thinking"))
+        if thinking is None:
+            raise _Reject(client_error("thinking: a structured output or forced tool call is written from "
+                                       "the first token, so there is no thinking to cap", param="thinking"))
+        if budget >= max_tokens:
+            raise _Reject(client_error(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                       f"({max_tokens})", param="thinking.budget_tokens"))
+        return budget
+
+    def _template_kwargs(self, body: _ChatBody | _TokenizeChat) -> dict[str, Any]:
+        """The chat template's extra variables: `reasoning_effort` where the template reads it (else,
+        for a model with think markers, "none" turns the thinking off and any other effort on),
+        then the client's `chat_template_kwargs` over it; the names the front end gives the
+        template itself are refused."""
+        given = dict(body.chat_template_kwargs or {})
+        taken = sorted(_TEMPLATE_OWN_ARGUMENTS.intersection(given))
+        if taken:
+            raise _Reject(client_error(f"chat_template_kwargs: {', '.join(taken)} is set by the server, "
+                                       "not by a template argument", param="chat_template_kwargs"))
+        effort = body.reasoning_effort if isinstance(body, _ChatBody) else None
+        return {**self._effort(effort, "reasoning_effort"), **given}
+
+    def _effort(self, effort: str | None, param: str) -> dict[str, Any]:
+        if effort is None:
+            return {}
+        if self._template_reads_effort:
+            return {"reasoning_effort": effort}
+        if self.think_markers is not None:
+            return {"enable_thinking": effort != "none"}
+        raise _Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                                f"{param}: this model does not reason (its chat template reads no "
+                                "reasoning_effort and it has no think markers that mlx-lm knows)", param))
 
     def _one_call_only(self, body: _Sampling, tools: Sequence[Mapping[str, Any]], constraint: str | None
                        ) -> tuple[str, ...]:
@@ -1560,8 +1774,8 @@ class Frontend:
         ids = await trio.to_thread.run_sync(self.tokenizer.encode, prompt, limiter=self._tokenizing)
         return tuple(int(t) for t in ids)
 
-    async def _encode_chat(self, messages: list[_Message],
-                           tools: Sequence[Mapping[str, Any]] = ()) -> tuple[int, ...]:
+    async def _encode_chat(self, messages: list[_Message], tools: Sequence[Mapping[str, Any]] = (),
+                           template_kwargs: Mapping[str, Any] | None = None) -> tuple[int, ...]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise _Reject(
                 ErrorInfo(
@@ -1578,10 +1792,23 @@ class Frontend:
             **({"tools": list(tools)} if tools else {}),
         )
         try:
-            ids = await trio.to_thread.run_sync(apply, limiter=self._tokenizing)
-        except TemplateError as exc:
-            raise _Reject(client_error(f"messages: the chat template refused them: {exc}",
-                                       param="messages")) from None
+            ids = await trio.to_thread.run_sync(partial(apply, **(template_kwargs or {})),
+                                                limiter=self._tokenizing)
+        except (TemplateError, TypeError, ValueError) as exc:
+            if not template_kwargs:
+                if isinstance(exc, TemplateError):
+                    raise _Reject(client_error(f"messages: the chat template refused them: {exc}",
+                                               param="messages")) from None
+                raise
+            # whose fault: the messages alone, or the arguments given with them
+            try:
+                await trio.to_thread.run_sync(apply, limiter=self._tokenizing)
+            except TemplateError:
+                raise _Reject(client_error(f"messages: the chat template refused them: {exc}",
+                                           param="messages")) from None
+            raise _Reject(client_error(f"chat_template_kwargs: the chat template refused them: "
+                                       f"{type(exc).__name__}: {exc}",
+                                       param="chat_template_kwargs")) from None
         return tuple(int(t) for t in ids)
 
 
@@ -1605,6 +1832,7 @@ class _TokenizePrompt(_Exact):
 class _TokenizeChat(_Exact):
     model: str | None = None
     messages: list[_Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, _TemplateValue] | None = None  # as /v1/chat/completions takes them
     add_special_tokens: bool = False  # vLLM's default; the chat template places them
 
 

@@ -11,8 +11,12 @@ the mapped chat names the field as this API's client wrote it. Tools map onto th
 tool calls come back as `tool_use` blocks or `function_call` items), and so do the Responses
 API's logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`: the chat's
 `logprobs: true` and `top_logprobs`, the same numbers in the output text and the text events,
-in OpenAI's Responses shapes). What would change the output
-and is not served yet (images and other non-text content, thinking, previous_response_id,
+in OpenAI's Responses shapes). A reasoning model's thinking (split off by the chat) comes back
+as `thinking` blocks and `reasoning` items, and earlier turns' go back to the template; Anthropic's
+`thinking` turns it on or off and may cap it (`budget_tokens`, enforced by the chat's
+`_ThinkBudget`), the Responses API's `reasoning.effort` is the chat's `reasoning_effort`, and both
+take the chat's `chat_template_kwargs`. What would change the output
+and is not served yet (images and other non-text content, previous_response_id,
 background, ...) is refused with 422 `unsupported_parameter`, never ignored; fields that change
 nothing (`metadata`, `store`, `user`, ...) are ignored, as unknown fields are on the chat. An
 adapter: `openai_api` imports it to serve its routes, so it imports `openai_api` for types only;
@@ -28,7 +32,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -80,11 +84,6 @@ def _absent(value: object) -> bool:
 
 def _empty(value: object) -> bool:
     return value is None or (isinstance(value, list | dict) and not value)
-
-
-def _typed(*types: str) -> Callable[[object], bool]:
-    """Neutral when absent, or an object whose `type` is one of `types`."""
-    return lambda value: value is None or (isinstance(value, dict) and value.get("type") in types)
 
 
 def _refuse_other_types(where: str, items: object, allowed: tuple[str, ...], what: str,
@@ -141,10 +140,11 @@ _Logprob = dict[str, Any]  # an entry of the chat's logprobs.content: {token, lo
 
 
 async def _answer(request: Request, run: ChatRun, *, stream: bool,
-                  body: Callable[[str, Sequence[CalledTool], ChatEnd, Sequence[_Logprob]], object],
+                  body: Callable[[str, Sequence[CalledTool], ChatEnd, Sequence[_Logprob], str], object],
                   events: Callable[[ChatStep], AsyncGenerator[bytes, None]]) -> Response:
     """As /v1/chat/completions answers: a whole body (with every token's logprobs, when the chat
-    asked for them), or a stream that starts with the first text (or the end), so that a failure
+    asked for them; the model's thinking apart), or a stream that starts with the first text
+    (or the end), so that a failure
     before any output still gets its own status; the client going away before then cancels the
     generation."""
     steps: list[ChatStep] = []
@@ -166,7 +166,8 @@ async def _answer(request: Request, run: ChatRun, *, stream: bool,
         calls = [call for step in steps for call in step.calls]
         logprobs = [entry for step in steps for entry in step.logprobs]
         text = "".join(step.text for step in steps)
-        return JSONResponse(body(text, calls, end, logprobs), headers=run.headers)
+        reasoning = "".join(step.reasoning for step in steps)
+        return JSONResponse(body(text, calls, end, logprobs, reasoning), headers=run.headers)
     except Exception:
         logger.exception("request %s: unexpected error", run.request_id)
         await run.cancel()
@@ -192,6 +193,15 @@ class _ToolUse(_Strict):
     id: str
     name: str
     input: dict[str, Any]
+
+
+class _Thinking(_Strict):
+    """An earlier assistant turn's thinking, sent back by the client (its signature, ours or
+    another server's, is not checked: the text goes to the template as it is)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
 
 
 class _ToolResult(_Strict):
@@ -220,9 +230,9 @@ def _by_type(*models: type[BaseModel]) -> Any:
 
 
 if TYPE_CHECKING:
-    _Block = _Text | _ToolUse | _ToolResult
+    _Block = _Text | _ToolUse | _ToolResult | _Thinking
 else:
-    _Block = _by_type(_Text, _ToolUse, _ToolResult)
+    _Block = _by_type(_Text, _ToolUse, _ToolResult, _Thinking)
 
 
 class _AnthropicMessage(_Strict):
@@ -237,15 +247,17 @@ class _AnthropicMessage(_Strict):
         texts = [block for block in self.content if isinstance(block, _Text)]
         uses = [block for block in self.content if isinstance(block, _ToolUse)]
         results = [block for block in self.content if isinstance(block, _ToolResult)]
+        thoughts = [block.thinking for block in self.content if isinstance(block, _Thinking)]
+        thought = {"reasoning_content": "\n".join(thoughts)} if thoughts and self.role == "assistant" else {}
         chat: list[dict[str, object]] = [{"role": "tool", "tool_call_id": result.tool_use_id,
                                           "content": _parts(result.content)} for result in results]
         if uses:
-            chat.append({"role": "assistant", "content": _parts(texts) if texts else None, "tool_calls": [
-                {"id": use.id, "type": "function",
-                 "function": {"name": use.name, "arguments": json.dumps(use.input, ensure_ascii=False)}}
-                for use in uses]})
-        elif texts or not results:
-            chat.append({"role": self.role, "content": _parts(texts)})
+            chat.append({"role": "assistant", "content": _parts(texts) if texts else None, **thought,
+                         "tool_calls": [{"id": use.id, "type": "function", "function": {
+                             "name": use.name, "arguments": json.dumps(use.input, ensure_ascii=False)}}
+                             for use in uses]})
+        elif texts or not results or thought:
+            chat.append({"role": self.role, "content": _parts(texts), **thought})
         return chat
 
 
@@ -282,6 +294,25 @@ class _OutputFormat(_Strict):
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.schema_}}
 
 
+class _ThinkingConfig(_Strict):
+    """Anthropic's `thinking`: `enabled` (with a cap on the thinking's tokens), `adaptive` (the
+    model thinks as long as it likes) or `disabled`; `display: "omitted"` sends the thinking
+    blocks without their text."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> _ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("budget_tokens is given with type enabled, and only there")
+        return self
+
+    def template_kwargs(self) -> dict[str, object]:
+        return {"enable_thinking": self.type != "disabled"}
+
+
 class _MessagesBody(_Strict):
     model: str  # required, as Anthropic requires it
     max_tokens: int  # required, as Anthropic requires it; its range is the chat's
@@ -295,10 +326,27 @@ class _MessagesBody(_Strict):
     tools: list[_AnthropicTool] | None = None
     tool_choice: _AnthropicToolChoice | None = None
     output_format: _OutputFormat | None = None
+    thinking: _ThinkingConfig | None = None
+    chat_template_kwargs: dict[str, object] | None = None  # the chat's (checked there)
+
+    @property
+    def think_budget(self) -> int | None:
+        return None if self.thinking is None else self.thinking.budget_tokens
+
+    @property
+    def shows_thinking(self) -> bool:
+        return self.thinking is None or self.thinking.display != "omitted"
+
+    def template_kwargs(self) -> dict[str, object] | None:
+        """`thinking` as the template's `enable_thinking` (none: the template's default), then the
+        client's own `chat_template_kwargs` over it."""
+        if self.thinking is None and self.chat_template_kwargs is None:
+            return None
+        thinking = self.thinking.template_kwargs() if self.thinking else {}
+        return {**thinking, **(self.chat_template_kwargs or {})}
 
 
 _MESSAGES_NEUTRAL: dict[str, Callable[[object], bool]] = {
-    "thinking": _typed("disabled"),
     "mcp_servers": _empty,
     "container": _absent,
 }
@@ -311,7 +359,7 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
     for index, message in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(message, dict):
             _refuse_other_types(f"messages[{index}].content", message.get("content"),
-                                ("text", "tool_use", "tool_result"), "content blocks")
+                                ("text", "tool_use", "tool_result", "thinking"), "content blocks")
     body = _MessagesBody.model_validate(data)
     if body.messages[-1].role == "assistant":
         raise _unsupported("messages: a last message from the assistant (a prefill for the reply to "
@@ -325,6 +373,7 @@ def _parse_messages(data: dict[str, object]) -> tuple[dict[str, object], _Messag
                   temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, tools=tools,
                   tool_choice=None if body.tool_choice is None else body.tool_choice.to_chat(),
                   response_format=None if body.output_format is None else body.output_format.to_chat(),
+                  chat_template_kwargs=body.template_kwargs(),
                   parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use
                   else None), body
 
@@ -370,6 +419,19 @@ def _tool_use(call: CalledTool) -> dict[str, object]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": _arguments(call)}
 
 
+def _thinking_block(thinking: str) -> dict[str, object]:
+    """A thinking block. Its signature is empty: nothing here signs the thinking, and a block sent
+    back goes to the template as it is."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+def _thinking_shown(body: _MessagesBody, run: ChatRun, reasoning: str) -> str | None:
+    """The thinking block's text: none when the model did not think, "" when `display` omits it."""
+    if not run.reasons or not reasoning:
+        return None
+    return reasoning if body.shows_thinking else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # OpenAI's Responses API
 
@@ -400,10 +462,28 @@ class _FunctionCallOutput(_Strict):
     output: str
 
 
+class _ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class _ReasoningItem(_Strict):
+    """An earlier output's reasoning, sent back by the client: its text (this server's reasoning
+    items carry it; a summary or encrypted content, which only another server could read, is left
+    out) goes to the template as the next assistant turn's `reasoning_content`."""
+
+    type: Literal["reasoning"]
+    content: list[_ReasoningText] | None = None  # id, summary, encrypted_content, status: not read
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ())
+
+
 if TYPE_CHECKING:
-    _Item = _InputMessage | _FunctionCallItem | _FunctionCallOutput
+    _Item = _InputMessage | _FunctionCallItem | _FunctionCallOutput | _ReasoningItem
 else:
-    _Item = _by_type(_InputMessage, _FunctionCallItem, _FunctionCallOutput)
+    _Item = _by_type(_InputMessage, _FunctionCallItem, _FunctionCallOutput, _ReasoningItem)
 
 
 class _FunctionTool(_Strict):
@@ -423,23 +503,35 @@ class _NamedFunction(_Strict):
     name: str
 
 
-def _items_to_chat(items: Sequence[_InputMessage | _FunctionCallItem | _FunctionCallOutput]
+def _items_to_chat(items: Sequence[_InputMessage | _FunctionCallItem | _FunctionCallOutput | _ReasoningItem]
                    ) -> list[dict[str, object]]:
     """Input items as chat messages: consecutive function calls are one assistant turn's
-    tool_calls, a call's output a `tool` message."""
+    tool_calls, a call's output a `tool` message, reasoning the `reasoning_content` of the
+    assistant turn that follows it (dropped when none does)."""
     chat: list[dict[str, object]] = []
     calls: list[dict[str, object]] | None = None  # the open assistant turn's tool calls
+    thought: list[str] = []  # reasoning waiting for its assistant turn
+
+    def reasoning() -> dict[str, object]:
+        text = "".join(thought)
+        thought.clear()
+        return {"reasoning_content": text} if text else {}
+
     for item in items:
+        if isinstance(item, _ReasoningItem):
+            thought.append(item.text)
+            continue
         if isinstance(item, _FunctionCallItem):
             if calls is None:
                 calls = []
-                chat.append({"role": "assistant", "content": None, "tool_calls": calls})
+                chat.append({"role": "assistant", "content": None, "tool_calls": calls, **reasoning()})
             calls.append({"id": item.call_id, "type": "function",
                           "function": {"name": item.name, "arguments": item.arguments}})
             continue
         calls = None
         if isinstance(item, _InputMessage):
-            chat.append({"role": item.role, "content": _parts(item.content)})
+            shown = reasoning() if item.role == "assistant" else {}
+            chat.append({"role": item.role, "content": _parts(item.content), **shown})
         else:
             chat.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return chat
@@ -481,6 +573,19 @@ _Includable = Literal["file_search_call.results", "web_search_call.results", "we
 _MAX_TOP_LOGPROBS = 20  # the chat's range (openai_api.MAX_TOP_LOGPROBS; OpenAI's too)
 
 
+class _ReasoningConfig(_Strict):
+    """The Responses API's `reasoning`: `effort` is the chat's `reasoning_effort`; no summaries
+    are made (a reasoning item's `summary` is empty, its text the model's own), so `summary`
+    changes nothing."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the old name of summary
+
+    def echoed(self) -> dict[str, object]:
+        return {"effort": self.effort, "summary": self.summary or self.generate_summary}
+
+
 class _ResponsesBody(_Strict):
     model: str | None = None
     input: str | list[_Item]
@@ -496,6 +601,8 @@ class _ResponsesBody(_Strict):
     parallel_tool_calls: bool | None = None
     include: list[_Includable] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_TOP_LOGPROBS)
+    reasoning: _ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, object] | None = None  # the chat's (checked there)
 
     @property
     def logprobs(self) -> bool:
@@ -521,7 +628,6 @@ _RESPONSES_NEUTRAL: dict[str, Callable[[object], bool]] = {
     "conversation": _absent,
     "prompt": _absent,
     "background": lambda value: value is None or value is False,
-    "reasoning": _empty,
     "truncation": lambda value: value is None or value == "disabled",
 }
 
@@ -540,10 +646,10 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
     _refuse_other_includes(data.get("include"))
     items = data.get("input")
     # an item without a type is a message (OpenAI's "easy input message")
-    _refuse_other_types("input", items, ("message", "function_call", "function_call_output"), "input items",
-                        default="message")
+    _refuse_other_types("input", items, ("message", "function_call", "function_call_output", "reasoning"),
+                        "input items", default="message")
     for index, item in enumerate(items if isinstance(items, list) else []):
-        if isinstance(item, dict):
+        if isinstance(item, dict) and item.get("type") != "reasoning":  # its content is reasoning text
             _refuse_other_types(f"input[{index}].content", item.get("content"),
                                 ("input_text", "output_text"), "content parts")
     if isinstance(items, list):  # typed, for the validation that tells the items apart
@@ -565,11 +671,13 @@ def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _Respo
                   temperature=body.temperature, top_p=body.top_p, tools=tools,
                   tool_choice=body.chat_tool_choice(), response_format=body.response_format(),
                   parallel_tool_calls=body.parallel_tool_calls, logprobs=body.logprobs or None,
-                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else None), body
+                  top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                  reasoning_effort=body.reasoning.effort if body.reasoning else None,
+                  chat_template_kwargs=body.chat_template_kwargs), body
 
 
-_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input",
-                    "response_format": "text.format", "tool_choice.function.name": "tool_choice.name"}
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                    "tool_choice.function.name": "tool_choice.name", "reasoning_effort": "reasoning.effort"}
 
 
 def _event_logprobs(entries: Sequence[_Logprob]) -> list[dict[str, object]]:
@@ -578,6 +686,10 @@ def _event_logprobs(entries: Sequence[_Logprob]) -> list[dict[str, object]]:
     return [{"token": entry["token"], "logprob": entry["logprob"],
              "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]}
                               for top in entry["top_logprobs"]]} for entry in entries]
+
+
+def _reasoning_text(text: str) -> dict[str, object]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _status(end: ChatEnd) -> str:
@@ -599,13 +711,15 @@ class _OtherApis:
     # -- /v1/messages ------------------------------------------------------------------------
 
     async def messages(self, request: Request) -> Response:
-        started = await self.frontend.start_chat(request, _parse_messages, _anthropic_error)
+        started = await self.frontend.start_chat(request, _parse_messages, _anthropic_error,
+                                                 think_budget=lambda body: body.think_budget)
         if isinstance(started, Response):
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, calls, end, _: self._message(run, text, end, calls),
-                             events=lambda first: self._message_events(run, first))
+                             body=lambda text, calls, end, _, reasoning: self._message(
+                                 run, text, end, calls, _thinking_shown(body, run, reasoning)),
+                             events=lambda first: self._message_events(run, body, first))
 
     async def count_tokens(self, request: Request) -> Response:
         """`POST /v1/messages/count_tokens`: the prompt tokens the same body would be (no
@@ -617,15 +731,17 @@ class _OtherApis:
         return JSONResponse({"input_tokens": counted})
 
     def _message(self, run: ChatRun, text: str | None, end: ChatEnd | None,
-                 calls: Sequence[CalledTool] = ()) -> dict[str, object]:
-        """The message: whole, or (no text, no end) as `message_start` announces it."""
+                 calls: Sequence[CalledTool] = (), thinking: str | None = None) -> dict[str, object]:
+        """The message: whole, or (no text, no end) as `message_start` announces it; `thinking`
+        (None: no thinking block) first."""
         content: list[dict[str, object]] = [] if text is None or (not text and calls) else [
             {"type": "text", "text": text}]
+        thought = [] if thinking is None else [_thinking_block(thinking)]
         return {
             "id": f"msg_{run.request_id}",
             "type": "message",
             "role": "assistant",
-            "content": content + [_tool_use(call) for call in calls],
+            "content": thought + content + [_tool_use(call) for call in calls],
             "model": self.frontend.model_name,
             "stop_reason": None if end is None else _stop_reason(end),
             "stop_sequence": None if end is None else end.stop_string,
@@ -642,40 +758,70 @@ class _OtherApis:
         return {"input_tokens": run.prompt_tokens - cached, "cache_read_input_tokens": cached,
                 "output_tokens": output_tokens}
 
-    async def _message_events(self, run: ChatRun, first: ChatStep) -> AsyncGenerator[bytes, None]:
+    async def _message_events(self, run: ChatRun, body: _MessagesBody, first: ChatStep
+                              ) -> AsyncGenerator[bytes, None]:
         """message_start, content_block_start, ping, content_block_delta..., content_block_stop,
         message_delta (stop reason, usage), message_stop; a failure on the way: an `error` event.
-        A text block is open from the start; each tool call is a `tool_use` block of its own (its
-        arguments in one `input_json_delta`), and text after it opens a new text block."""
+        A block is open from the start: a thinking block when the reply starts with thinking
+        (`thinking_delta`s, unless `display` omits them, and an empty `signature_delta` before its
+        stop), else a text block; text after thinking or a tool call opens a new text block, and
+        each tool call is a `tool_use` block of its own (its arguments in one `input_json_delta`)."""
         step = first
-        blocks = 0  # blocks started so far; the last one is open while `text_open`
-        text_open = True
+        blocks = 0  # blocks started so far; the last one is open while `open_kind` is set
+        open_kind: str | None = None
+
+        def begin(block: dict[str, object]) -> bytes:
+            nonlocal blocks
+            blocks += 1
+            return _sse("content_block_start", {"type": "content_block_start", "index": blocks - 1,
+                                                "content_block": block})
+
+        def end_block() -> bytes:
+            return _sse("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
+
+        def start(kind: str) -> list[bytes]:
+            nonlocal open_kind
+            events = stop()
+            events.append(begin({"type": "text", "text": ""} if kind == "text" else _thinking_block("")))
+            open_kind = kind
+            return events
+
+        def delta(content: dict[str, object]) -> bytes:
+            return _sse("content_block_delta", {"type": "content_block_delta", "index": blocks - 1,
+                                                "delta": content})
+
+        def stop() -> list[bytes]:
+            nonlocal open_kind
+            events = []
+            if open_kind == "thinking":
+                events.append(delta({"type": "signature_delta", "signature": ""}))
+            if open_kind is not None:
+                events.append(end_block())
+            open_kind = None
+            return events
+
         try:
             yield _sse("message_start", {"type": "message_start", "message": self._message(run, None, None)})
-            yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                               "content_block": {"type": "text", "text": ""}})
-            blocks = 1
+            for event in start("thinking" if run.reasons and first.reasoning else "text"):
+                yield event
             yield _sse("ping", {"type": "ping"})
             while True:
+                events: list[bytes] = []
+                if step.reasoning:
+                    if open_kind != "thinking":
+                        events += start("thinking")
+                    if body.shows_thinking:
+                        events.append(delta({"type": "thinking_delta", "thinking": step.reasoning}))
                 if step.text:
-                    if not text_open:
-                        yield _sse("content_block_start", {"type": "content_block_start", "index": blocks,
-                                                           "content_block": {"type": "text", "text": ""}})
-                        blocks, text_open = blocks + 1, True
-                    yield _sse("content_block_delta", {"type": "content_block_delta", "index": blocks - 1,
-                                                       "delta": {"type": "text_delta", "text": step.text}})
+                    if open_kind != "text":
+                        events += start("text")
+                    events.append(delta({"type": "text_delta", "text": step.text}))
                 for call in step.calls:
-                    if text_open:
-                        yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
-                        text_open = False
-                    yield _sse("content_block_start", {"type": "content_block_start", "index": blocks,
-                                                       "content_block": {**_tool_use(call), "input": {}}})
                     arguments = json.dumps(_arguments(call), ensure_ascii=False)
-                    delta = {"type": "input_json_delta", "partial_json": arguments}
-                    yield _sse("content_block_delta",
-                               {"type": "content_block_delta", "index": blocks, "delta": delta})
-                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks})
-                    blocks += 1
+                    events += [*stop(), begin({**_tool_use(call), "input": {}}),
+                               delta({"type": "input_json_delta", "partial_json": arguments}), end_block()]
+                for event in events:
+                    yield event
                 if step.end is not None:
                     break
                 step = await _advance(run)
@@ -683,8 +829,8 @@ class _OtherApis:
             if isinstance(end, ErrorInfo):
                 yield _sse("error", _anthropic_error(end))
                 return
-            if text_open:
-                yield _sse("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
+            for event in stop():
+                yield event
             yield _sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": _stop_reason(end),
                                                    "stop_sequence": end.stop_string},
@@ -701,8 +847,9 @@ class _OtherApis:
             return started
         run, body = started
         return await _answer(request, run, stream=bool(body.stream),
-                             body=lambda text, calls, end, logprobs: self._response(
-                                 run, body, text, end, calls, logprobs if body.logprobs else None),
+                             body=lambda text, calls, end, logprobs, reasoning: self._response(
+                                 run, body, text, end, calls, logprobs if body.logprobs else None,
+                                 reasoning=[reasoning] if run.reasons and reasoning else []),
                              events=lambda first: self._response_events(run, body, first))
 
     @staticmethod
@@ -712,6 +859,14 @@ class _OtherApis:
         if logprobs is not None:
             part["logprobs"] = list(logprobs)
         return part
+
+    @staticmethod
+    def _reasoning_item(run: ChatRun, number: int, text: str | None, status: str) -> dict[str, object]:
+        """A reasoning output item: the model's thinking as it wrote it, no summary (no content
+        while it is only announced); the reply's first is `rs_<request id>`, a later one `..._<n>`."""
+        content = [] if text is None else [_reasoning_text(text)]
+        return {"id": f"rs_{run.request_id}" + (f"_{number}" if number else ""), "type": "reasoning",
+                "summary": [], "content": content, "encrypted_content": None, "status": status}
 
     def _item(self, run: ChatRun, text: str | None, status: str,
               logprobs: Sequence[_Logprob] | None = None) -> dict[str, object]:
@@ -744,11 +899,17 @@ class _OtherApis:
 
     def _response(self, run: ChatRun, body: _ResponsesBody, text: str | None,
                   end: ChatEnd | ErrorInfo | None, calls: Sequence[CalledTool] = (),
-                  logprobs: Sequence[_Logprob] | None = None, *, streamed: bool = False) -> dict[str, object]:
+                  logprobs: Sequence[_Logprob] | None = None, *, streamed: bool = False,
+                  reasoning: Sequence[str] = (), late_reasoning: str = "") -> dict[str, object]:
         """The response object: in progress (no text, no end), completed, incomplete, or failed.
         A reply of tool calls alone has no message item, unless a stream announced it already.
-        `logprobs` (when `include` asked for them) are every generated token's, as the chat's."""
-        output: list[dict[str, object]] = []
+        `logprobs` (when `include` asked for them) are every generated token's, as the chat's.
+        The model's thinking comes first as a reasoning item (`reasoning`), and thinking a stream
+        met after the answer began (`late_reasoning`) as one more after the message."""
+        thought_status = ("in_progress" if end is None else "incomplete" if isinstance(end, ErrorInfo)
+                          else _status(end))
+        output = [self._reasoning_item(run, 0, thought, thought_status) for thought in reasoning]
+        later = [self._reasoning_item(run, 1, late_reasoning, thought_status)] if late_reasoning else []
         usage: dict[str, object] | None = None
         error: dict[str, str] | None = None
         incomplete: dict[str, str] | None = None
@@ -765,10 +926,12 @@ class _OtherApis:
                 incomplete = {"reason": "max_output_tokens"}
             if text or not calls or streamed:
                 output.append(self._item(run, text or "", status, logprobs))
+            output += later
             output += [self._function_call(call) for call in calls]
             usage = {"input_tokens": run.prompt_tokens,
                      "input_tokens_details": {"cached_tokens": run.cached_tokens or 0},
-                     "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": end.completion_tokens,
+                     "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
                      "total_tokens": run.prompt_tokens + end.completion_tokens}
         return {
             "id": f"resp_{run.request_id}",
@@ -783,7 +946,7 @@ class _OtherApis:
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": body.reasoning.echoed() if body.reasoning else {"effort": None, "summary": None},
             "store": False,  # nothing is stored, whatever `store` asked
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text_format()},
@@ -805,51 +968,103 @@ class _OtherApis:
         response.completed (or response.incomplete at max_output_tokens, as OpenAI sends it); each
         with its sequence_number. A failure on the way: response.failed.
 
+        A reply that starts with thinking starts with a reasoning item (output_item.added,
+        content_part.added of a `reasoning_text`, response.reasoning_text.delta...,
+        reasoning_text.done, content_part.done, output_item.done) and its message item follows
+        once the answer begins; thinking after that is one more reasoning item after the message.
+
         With `include` asking for logprobs, each delta carries those of the tokens its step
         consumed, and a step whose tokens show no text yet (held back for a stop string, a tool
-        call's) sends them in a delta of "" (as the chat's stream sends them in a chunk of ""), so
-        the deltas' logprobs are the done event's and the final output text's, in order; the
-        events' entries are OpenAI's (no `bytes`), the output text's have them."""
+        call's, the thinking's) sends them in a delta of "" (as the chat's stream sends them in a
+        chunk of ""), so the deltas' logprobs are the done event's and the final output text's, in
+        order; the events' entries are OpenAI's (no `bytes`), the output text's have them."""
         sequence = 0
-        item_id = f"msg_{run.request_id}"
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        items = 0  # output items announced so far
 
         def event(kind: str, **fields: object) -> bytes:
             nonlocal sequence
             sequence += 1
             return _sse(kind, {"type": kind, **fields, "sequence_number": sequence - 1})
 
+        def reasoning_item(number: int, deltas: Sequence[str]) -> list[bytes]:
+            """A reasoning item's start, and `deltas` of its text."""
+            nonlocal items
+            index, items = items, items + 1
+            item = self._reasoning_item(run, number, None, "in_progress")
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [event("response.output_item.added", output_index=index, item=item),
+                    event("response.content_part.added", **where, part=_reasoning_text("")),
+                    *(event("response.reasoning_text.delta", **where, delta=delta) for delta in deltas)]
+
+        def reasoning_done(number: int, text: str, status: str) -> list[bytes]:
+            item = self._reasoning_item(run, number, text, status)
+            where = {"item_id": item["id"], "output_index": items - 1, "content_index": 0}
+            return [event("response.reasoning_text.done", **where, text=text),
+                    event("response.content_part.done", **where, part=_reasoning_text(text)),
+                    event("response.output_item.done", output_index=items - 1, item=item)]
+
         step = first
         texts: list[str] = []
+        thoughts: list[str] = []  # the first reasoning item's, while it is open
+        late: list[str] = []  # thinking after the answer began
         calls: list[CalledTool] = []
         logprobs: list[_Logprob] = []  # the steps' (none unless `include` asked for them)
+        unsent: list[_Logprob] = []  # of steps before the message began
         shown = logprobs if body.logprobs else None  # as the output text carries them
+        where: dict[str, object] = {}  # the message's place, once it is announced
         try:
             yield event("response.created", response=self._response(run, body, None, None))
             yield event("response.in_progress", response=self._response(run, body, None, None))
-            yield event("response.output_item.added", output_index=0,
-                        item=self._item(run, None, "in_progress"))
-            yield event("response.content_part.added", **where, part=self._text_part("", shown))
+            thinking = run.reasons and bool(first.reasoning)
+            if thinking:
+                for frame in reasoning_item(0, ()):
+                    yield frame
             while True:
+                frames: list[bytes] = []
                 logprobs += step.logprobs
-                if step.text or step.logprobs:
+                if step.reasoning:
+                    (thoughts if thinking else late).append(step.reasoning)
+                    if thinking:
+                        frames.append(event("response.reasoning_text.delta", item_id=f"rs_{run.request_id}",
+                                            output_index=0, content_index=0, delta=step.reasoning))
+                if not where and (step.text or step.end is not None or not thinking):
+                    if thinking:
+                        frames += reasoning_done(0, "".join(thoughts), "completed")
+                        thinking = False
+                    where = {"item_id": f"msg_{run.request_id}", "output_index": items, "content_index": 0}
+                    frames += [event("response.output_item.added", output_index=items,
+                                     item=self._item(run, None, "in_progress")),
+                               event("response.content_part.added", **where,
+                                     part=self._text_part("", [] if body.logprobs else None))]
+                    items += 1
+                if not where:
+                    unsent += step.logprobs
+                elif step.text or step.logprobs or unsent:
                     texts.append(step.text)
-                    yield event("response.output_text.delta", **where, delta=step.text,
-                                logprobs=_event_logprobs(step.logprobs))
+                    frames.append(event("response.output_text.delta", **where, delta=step.text,
+                                        logprobs=_event_logprobs([*unsent, *step.logprobs])))
+                    unsent = []
                 calls += step.calls
+                for frame in frames:
+                    yield frame
                 if step.end is not None:
                     break
                 step = await _advance(run)
             whole, end = "".join(texts), step.end
+            reasoning = ["".join(thoughts)] if thoughts else []
             if isinstance(end, ErrorInfo):
-                yield event("response.failed", response=self._response(run, body, whole, end, (), shown))
+                yield event("response.failed", response=self._response(
+                    run, body, whole, end, (), shown, reasoning=reasoning, late_reasoning="".join(late)))
                 return
             yield event("response.output_text.done", **where, text=whole,
                         logprobs=_event_logprobs(logprobs))
             yield event("response.content_part.done", **where, part=self._text_part(whole, shown))
-            yield event("response.output_item.done", output_index=0,
+            yield event("response.output_item.done", output_index=where["output_index"],
                         item=self._item(run, whole, _status(end), shown))
-            for index, call in enumerate(calls, start=1):
+            if late:
+                for frame in [*reasoning_item(1, late), *reasoning_done(1, "".join(late), _status(end))]:
+                    yield frame
+            for index, call in enumerate(calls, start=items):
                 item_id = f"fc_{call.id}"
                 yield event("response.output_item.added", output_index=index,
                             item=self._function_call(call, "", "in_progress"))
@@ -858,8 +1073,8 @@ class _OtherApis:
                 yield event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                             arguments=call.arguments)
                 yield event("response.output_item.done", output_index=index, item=self._function_call(call))
-            final = self._response(run, body, whole, end, calls, shown, streamed=True)
+            final = self._response(run, body, whole, end, calls, shown, streamed=True, reasoning=reasoning,
+                                   late_reasoning="".join(late))
             yield event(f"response.{_status(end)}", response=final)
         finally:
             await run.cancel()
-
