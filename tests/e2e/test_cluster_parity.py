@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, assert_no_leaks, post, start_cluster, stream_events, without_ids
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, post, start_cluster, stream_events, without_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +34,8 @@ LONG = (
     "listening to the sea. He kept a small notebook where he wrote the colour of the sky, "
     "the direction of the wind and the names of the ships that passed the rocks. "
 ) * 3
+
+ASK_LONG: Any = [{"role": "user", "content": LONG}]
 
 ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
                  "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
@@ -160,6 +162,40 @@ def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> No
         raw = post(node, "/v1/completions", {**shared, "prompt": prompt}).json()["choices"][0]["text"]
         assert "</think>" in raw and content, raw  # it thought, then answered
         assert reasoning + "</think>" + content == raw
+
+
+def test_thinking_through_the_official_clients_with_a_budget(cluster: Cluster) -> None:
+    """On the reasoning model: Anthropic's thinking blocks, capped by `budget_tokens` (the answer
+    goes on as a continuation request, handed off like any other), and the Responses API's
+    reasoning items, through the official clients: the same on the single node and the router."""
+    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1])
+    if not model.name.startswith("llama-"):
+        pytest.skip("only llama's checkpoint has think markers")
+    import anthropic
+
+    from tests.e2e.harness import openai_client
+
+    def message(node: Node) -> Any:
+        claude = anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=60.0)
+        return claude.messages.create(model=model.name, max_tokens=30, messages=ASK_LONG,
+                                      thinking={"type": "enabled", "budget_tokens": 6},
+                                      extra_body={"temperature": 0}).model_dump()
+
+    def response(node: Node) -> Any:
+        return openai_client(node).responses.create(model=model.name, input=LONG, max_output_tokens=24,
+                                                    temperature=0, reasoning={"effort": "high"}).model_dump()
+
+    capped = [message(node) for node in (cluster.single, cluster.router)]
+    assert without_ids(capped[0]) == without_ids(capped[1])
+    thought, answer = capped[0]["content"][0], capped[0]["content"][1]
+    assert thought["type"] == "thinking" and answer["type"] == "text" and answer["text"]
+    prompt = post(cluster.single, "/tokenize", {"messages": ASK_LONG}).json()["tokens"]
+    six = post(cluster.single, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert thought["thinking"] == six.json()["choices"][0]["text"]  # cut at the budget
+    reasoned = [without_ids({k: v for k, v in response(node).items() if k != "created_at"})
+                for node in (cluster.single, cluster.router)]
+    assert reasoned[0] == reasoned[1]
+    assert reasoned[0]["output"][0]["type"] == "reasoning"
 
 
 def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:
