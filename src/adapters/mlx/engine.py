@@ -99,6 +99,7 @@ class MlxEngine:
         self._trust_remote_code = trust_remote_code
         self._settings = settings
         self._draft_dir: Path | None = None  # --draft-model, loaded with the model
+        self._adapter_dir: Path | None = None  # --adapter-path, applied to the model at load
         self._queue: queue.SimpleQueue[Job[Any] | Stop | Crash] = queue.SimpleQueue()
         self._state_lock = threading.Lock()
         self._alive = True
@@ -148,6 +149,7 @@ class MlxEngine:
         num_draft_tokens: int = 3,
         speculative_max_rows: int = 1,
         draft_model: Path | None = None,
+        adapter_path: Path | None = None,
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
         tensor: TensorGroup | None = None,
@@ -217,6 +219,10 @@ class MlxEngine:
         "draft"), and checks them in one verify step (`adapters.mlx.speculative`); greedy and
         seeded rows emit exactly the tokens they emit without it. It stays off (logged) where the
         load check finds that a verify step would not compute an ordinary step's numbers.
+
+        `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
+        applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
+        only between nodes with the same adapter.
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -298,6 +304,7 @@ class MlxEngine:
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._draft_dir = None if draft_model is None else Path(draft_model)
+        engine._adapter_dir = None if adapter_path is None else Path(adapter_path)
         engine._device.model_call_hook = model_call_hook
         if tensor is not None and tensor.rank > 0:
             return engine  # its load comes in rank 0's first plan
@@ -1105,7 +1112,7 @@ class MlxEngine:
         group = None if tensor is None else tensor.group
         loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code,
                             shard_group=None if pipelined else group,
-                            pipeline_group=group if pipelined else None)
+                            pipeline_group=group if pipelined else None, adapter_path=self._adapter_dir)
         self._device.pipelined = pipelined
         fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device = self._device

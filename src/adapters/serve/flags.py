@@ -250,6 +250,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="compute each layer's query/key/value projections, and its MLP's gate/up "
                              "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
                              "CUDA backend), on, off (default auto)")
+    engine.add_argument("--adapter-path", type=Path, default=None, metavar="DIR",
+                        help="apply an mlx-lm LoRA/DoRA adapter (a directory with adapter_config.json and "
+                             "adapters.safetensors) to the model at load, as mlx-lm applies it; part of the "
+                             "model fingerprint: every node of a cluster needs the same one")
     engine.add_argument("--speculative", default="off", choices=("off", "ngram", "draft"),
                         help="decode and single nodes: speculative decoding while few requests decode "
                              "(--speculative-max-rows): ngram drafts tokens by prompt lookup (what followed "
