@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -40,21 +41,23 @@ def prompt_for(workload: str, tokens: int, salt: int) -> list[int]:
 
     filler = [FIRST_ORDINARY + (37 * i + 11 * salt) % 400 for i in range(64)]
     start = FIRST_ORDINARY + (97 * salt + 5) % 400
-    if workload == "edit":  # the answer is in the prompt, after some other text
-        return [*filler, *chain(start, tokens + 16), *filler[:32], start]
+    if workload == "edit":  # the answer is in the prompt (all of the chain), after some other text
+        return [*filler, *chain(start, 520), *filler[:32], start]
     return [*filler, *filler[::-1], start]
 
 
-async def decode_one(engine: Any, rid: str, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+async def decode_one(engine: Any, rid: str, prompt: list[int], tokens: int
+                     ) -> tuple[float, float, list[int]]:
+    """(wall seconds, this process's CPU seconds, tokens) of one request's decode."""
     from effects.engine_port import SamplingParams
     from statecore.ids import RequestId
 
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
     out = [item.token async for item in engine.stream(RequestId(rid))]
-    return time.perf_counter() - started, [outcome.first_token, *out]
+    return time.perf_counter() - started, time.process_time() - cpu, [outcome.first_token, *out]
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +81,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         checks[f"ngram-k{k}"] = {"off_reason": speculator.off_reason, "row_classes": speculator.classes}
     rates: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names for w in WORKLOADS}
     ratios: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names[1:] for w in WORKLOADS}
+    # tokens per CPU second of this process: what a busy shared machine's wall clock hides
+    cpu_rates: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names for w in WORKLOADS}
+    cpu_ratios: dict[tuple[str, str], list[float]] = {(n, w): [] for n in names[1:] for w in WORKLOADS}
     counters: dict[tuple[str, str], list[int]] = {(n, w): [0] * 5 for n in names[1:] for w in WORKLOADS}
     mismatches = 0
     for round_ in range(args.rounds):
@@ -89,9 +95,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 speculator = engine._device.speculator
                 before = engine.statistics()
                 reads = 0 if speculator is None else speculator.early_reads
-                seconds, outputs[name] = await decode_one(engine, f"{workload}{round_}", prompt, args.tokens)
+                seconds, cpu, outputs[name] = await decode_one(engine, f"{workload}{round_}", prompt,
+                                                               args.tokens)
                 after = engine.statistics()
                 rates[name, workload].append((args.tokens - 1) / seconds)
+                cpu_rates[name, workload].append((args.tokens - 1) / cpu)
                 if speculator is not None:
                     deltas = (after.speculative_steps - before.speculative_steps,
                               after.speculative_drafted - before.speculative_drafted,
@@ -101,6 +109,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     counters[name, workload] = [a + b for a, b in zip(counters[name, workload], deltas,
                                                                       strict=True)]
                     ratios[name, workload].append(rates[name, workload][-1] / rates["off", workload][-1])
+                    cpu_ratios[name, workload].append(
+                        cpu_rates[name, workload][-1] / cpu_rates["off", workload][-1])
             mismatches += sum(outputs[name] != outputs["off"] for name in names)
     for engine in engines.values():
         await engine.aclose()
@@ -108,17 +118,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for workload in WORKLOADS:
         for name in names:
             row: dict[str, Any] = {"workload": workload, "engine": name,
-                                   "tok_s_p50": round(statistics.median(rates[name, workload]), 1)}
+                                   "tok_s_p50": round(statistics.median(rates[name, workload]), 1),
+                                   "tok_per_cpu_s_p50": round(statistics.median(cpu_rates[name, workload]),
+                                                              1)}
             if name != "off":
                 steps, drafted, accepted, emitted, reads = counters[name, workload]
                 row |= {"ratio_p50": round(statistics.median(ratios[name, workload]), 2),
+                        "cpu_ratio_p50": round(statistics.median(cpu_ratios[name, workload]), 2),
+                        "cpu_ratios": [round(r, 2) for r in cpu_ratios[name, workload]],
                         "ratios": [round(r, 2) for r in ratios[name, workload]],
                         "acceptance": round(accepted / drafted, 2) if drafted else None,
                         "tokens_per_verify_step": round(emitted / steps, 2) if steps else None,
                         "verify_steps_share": round(steps / (args.rounds * (args.tokens - 1)), 3),
                         "early_reads_per_token": round(reads / (args.rounds * (args.tokens - 1)), 3)}
             rows.append(row)
-    return {"blas": blas_in_use(), "device": str(mx.default_device()), "load_checks": checks,
+    return {"blas": blas_in_use(), "load_average": os.getloadavg(), "device": str(mx.default_device()),
+            "load_checks": checks,
             "model": {"hidden_size": args.hidden_size, "layers": args.layers, "strength": args.strength,
                       "layer_gain": args.layer_gain, "dtype": args.dtype},
             "tokens": args.tokens, "rounds": args.rounds, "mismatched_outputs": mismatches, "rows": rows}
