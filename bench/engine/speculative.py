@@ -4,8 +4,10 @@ One engine (`MlxEngine`, no HTTP) without speculation and one per --draft-tokens
 this process on a model that mostly continues a fixed chain of tokens (`support.chain_model`,
 --hidden-size / --layers). Two workloads, one request at a time, engines in turn within each
 round: `edit`, a prompt that holds the answer (the chain from its last token on, as a code edit's
-prompt holds most of the new file), and `chat`, a prompt that does not (the answer is new
-tokens). Reports each engine's decode tokens/s (first token to last, greedy) per workload, its
+prompt holds most of the new file), `chat`, a prompt that does not (the answer is new
+tokens), and `mislead`, a prompt that holds the chain with every third token changed (drafts are
+found at almost every step, and the first of them is wrong: what speculation costs when it
+fails). Reports each engine's decode tokens/s (first token to last, greedy) per workload, its
 ratio to the engine without speculation in the same round (median over rounds), the acceptance
 rate and tokens per verify step, and checks that every engine wrote the same tokens. The BLAS is
 this process's: run it once as is (MLX's bundled BLAS) and once with
@@ -33,7 +35,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # support/: the tiny checkpoints
 
-WORKLOADS = ("edit", "chat")
+WORKLOADS = ("edit", "chat", "mislead")
 
 
 def prompt_for(workload: str, tokens: int, salt: int) -> list[int]:
@@ -43,6 +45,10 @@ def prompt_for(workload: str, tokens: int, salt: int) -> list[int]:
     start = FIRST_ORDINARY + (97 * salt + 5) % 400
     if workload == "edit":  # the answer is in the prompt (all of the chain), after some other text
         return [*filler, *chain(start, 520), *filler[:32], start]
+    if workload == "mislead":  # the chain with every third token changed: every draft is wrong
+        wrong = [token if i % 3 else FIRST_ORDINARY + (token * 7) % 400
+                 for i, token in enumerate(chain(start, 520))]
+        return [*filler, *wrong, *filler[:32], start]
     return [*filler, *filler[::-1], start]
 
 
