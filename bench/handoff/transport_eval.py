@@ -15,7 +15,8 @@ processes on 127.0.0.1:
 - `http`: the project's KV pull (`adapters.kv.pull.pull` into `ReceiveBuffers`) from a hypercorn
   (trio) + starlette server answering with the node's own body path (`node_api._kv_body`), and
   (`http tuned`) the same pull from a bare socket server that writes the head and `sendall`s the
-  payload's own memory: how much of the gap is the server's body path;
+  payload's own memory: how much of the gap is the server's body path, and (`http plane`) the same
+  pull from the node's KV plane (`adapters.kv.plane`, the body path nodes use beside hypercorn);
 - the external engines issue 30 names, each from its own throwaway virtual environment given by
   a flag, and skipped with the reason when it is missing or fails: MLX's `mx.distributed`
   `send`/`recv` on the ring backend (two processes, the ring's environment variables), NIXL with
@@ -452,12 +453,38 @@ def worker_http_bare_server(nbytes: int) -> None:
     sys.stdin.readline()  # "exit"
 
 
-def measure_http(nbytes: int, reps: int, *, bare: bool = False) -> Row:
+def worker_http_plane_server(nbytes: int) -> None:
+    """The node's KV plane (`adapters.kv.plane`) answering with the node's own body parts
+    (`node_api._payload_parts`: the payload's memory as it is, then its end frame)."""
+    import trio
+
+    from adapters.http.node_api import _payload_parts
+    from adapters.kv.plane import PlaneAnswer, PlaneRequest, serve_plane
+    from effects.engine_port import KvPieces
+
+    src = _payload(nbytes)
+
+    async def handler(request: PlaneRequest) -> PlaneAnswer:
+        return PlaneAnswer(200, _payload_parts(KvPieces((src.data,))), nbytes)
+
+    async def main() -> None:
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_plane, listener, handler)
+            _say(port=listener.socket.getsockname()[1], body_path="the node's KV plane (adapters.kv.plane)")
+            await trio.to_thread.run_sync(sys.stdin.readline)  # "exit"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def measure_http(nbytes: int, reps: int, *, bare: bool = False, plane: bool = False) -> Row:
     import trio
 
     from adapters.kv.pull import ReceiveBuffers, pull
 
-    server = Worker(_worker_argv(sys.executable, "http-bare-server" if bare else "http-server", str(nbytes)),
+    role = "http-plane-server" if plane else "http-bare-server" if bare else "http-server"
+    server = Worker(_worker_argv(sys.executable, role, str(nbytes)),
                     env={"PYTHONPATH": str(ROOT / "src")})
     buffers = ReceiveBuffers(keep_bytes=2 * nbytes)
     with _workers(server):
@@ -478,7 +505,8 @@ def measure_http(nbytes: int, reps: int, *, bare: bool = False) -> Row:
 
         seconds = trio.run(run)
     variant = f"KV pull (h11 head, recv_into body) from {hello['body_path']}"
-    return Row("http tuned" if bare else "http", variant, "across hosts", "tcp", nbytes, seconds)
+    return Row("http plane" if plane else "http tuned" if bare else "http", variant, "across hosts", "tcp",
+               nbytes, seconds)
 
 
 # --------------------------------------------------------------------------- mx.distributed (ring)
@@ -671,6 +699,9 @@ def worker_main(argv: list[str]) -> int:
     if role == "http-server":
         sys.path.insert(0, str(ROOT / "src"))
         return _guard_worker(lambda: worker_http_server(int(rest[0])))
+    if role == "http-plane-server":
+        sys.path.insert(0, str(ROOT / "src"))
+        return _guard_worker(lambda: worker_http_plane_server(int(rest[0])))
     if role == "http-bare-server":
         return _guard_worker(lambda: worker_http_bare_server(int(rest[0])))
     if role == "mlx-ring":
@@ -787,7 +818,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("tcp", lambda n: measure_tcp(n, args.reps, connections=4))]
     if "http" in only:
         plan += [("http", lambda n: measure_http(n, args.reps)),
-                 ("http tuned", lambda n: measure_http(n, args.reps, bare=True))]
+                 ("http tuned", lambda n: measure_http(n, args.reps, bare=True)),
+                 ("http plane", lambda n: measure_http(n, args.reps, plane=True))]
     if "mlx" in only:
         plan.append(("mx.distributed", lambda n: measure_mlx_ring(n, args.reps, args.mlx_python)))
     failures: dict[str, str] = {}

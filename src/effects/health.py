@@ -51,6 +51,7 @@ class PeerSet:
         cooldown_s: float = 3.0,
         summaries: PrefixSummaries | None = None,
         load_tokens: int = DEFAULT_LOAD_TOKENS,
+        overflow: bool = True,
     ) -> None:
         self.roles = {role: list(urls) for role, urls in nodes.items()}
         self.records = {
@@ -58,6 +59,10 @@ class PeerSet:
         }
         self.available: set[str] = set()
         self.in_flight: dict[str, int] = {}
+        # prompt tokens sent to each node to prefill whose first token is not back (the router's
+        # performer keeps it); with `overflow`, a busy prefill tier sends prompts to decode nodes
+        self.prefilling: dict[str, int] = {}
+        self.overflow = overflow
         self.probe = probe
         self.interval_s = interval_s
         self.cooldown_s = cooldown_s
@@ -144,15 +149,24 @@ class PeerSet:
     def _candidates(self, urls: list[str], prompt: Sequence[int] | None) -> list[RouteCandidate]:
         cached = self.summaries.cached_tokens(urls, prompt) if self.summaries is not None and prompt else {}
         return [RouteCandidate(u, self.in_flight.get(u, 0), self.phase(u) is PeerPhase.SUSPECT,
-                               cached.get(u, 0))
+                               cached.get(u, 0), self.prefilling.get(u, 0))
                 for u in urls]
+
+    def prefill_backlog(self, avoid: set[str]) -> int | None:
+        """The least prefill queued at an available prefill node (tokens; None: overflow is off,
+        or no prefill node is up)."""
+        urls = [u for u in self.roles.get("prefill", []) if u in self.available and u not in avoid]
+        if not self.overflow or not urls:
+            return None
+        return min(self.prefilling.get(u, 0) for u in urls)
 
     def route(self, avoid: set[str], prompt: Sequence[int], request_id: str, local_below: int) -> RouteChoice:
         """A turn's route and decode node (`choose_route` over the available decode nodes), counted
         and logged: prefilled on the decode node that holds its start, on a decode node because
         it is short, or on a prefill node (told where the start is when a decode node holds it)."""
         candidates = self._candidates(self._available("decode", avoid), prompt)
-        choice = choose_route(len(prompt), candidates, local_below, self.load_tokens)
+        choice = choose_route(len(prompt), candidates, local_below, self.load_tokens,
+                              self.prefill_backlog(avoid))
         self.routes[choice.route.value] += 1
         node = choice.decode
         # chosen for what it holds: it prefills the rest, or a prefill node may pull its blocks

@@ -393,6 +393,7 @@ class RoutedRequest:
     # (node, the id this attempt used there): what the current attempt may hold remotely
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
     cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
+    prefilling_on: str | None = None  # the node computing its prompt until the first token is back
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
         """Each retry uses its own id on the nodes, so a late copy of a failed attempt can
@@ -417,6 +418,7 @@ class RouterPerformer:
         *,
         max_attempts: int = 3,
         in_flight: dict[str, int] | None = None,
+        prefilling: dict[str, int] | None = None,
         on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
         route: RoutePicker | None = None,
         streams: Callable[[str, str], bool] = lambda prefill, decode: False,
@@ -432,6 +434,8 @@ class RouterPerformer:
         self.route = route
         self.max_attempts = max_attempts
         self.in_flight = in_flight if in_flight is not None else {}
+        # prompt tokens each node is computing for requests whose first token is not back
+        self.prefilling = prefilling if prefilling is not None else {}
         self.on_peer_failure = on_peer_failure
         # The live choices of each client request with n > 1 (SamplingParams.choice_group): where
         # one decodes, the others follow. Entries leave with `forget`.
@@ -451,7 +455,20 @@ class RouterPerformer:
         self.in_flight[node] = self.in_flight.get(node, 0) + 1
         return node
 
+    def _prefilling(self, ctx: RoutedRequest, node: str | None) -> None:
+        """The node now computing the request's prompt (None: none, its first token is back)."""
+        if ctx.prefilling_on is not None:
+            left = self.prefilling.get(ctx.prefilling_on, 0) - len(ctx.prompt)
+            if left > 0:
+                self.prefilling[ctx.prefilling_on] = left
+            else:
+                self.prefilling.pop(ctx.prefilling_on, None)
+        ctx.prefilling_on = node
+        if node is not None:
+            self.prefilling[node] = self.prefilling.get(node, 0) + len(ctx.prompt)
+
     def _release_nodes(self, ctx: RoutedRequest) -> None:
+        self._prefilling(ctx, None)
         for node in (ctx.prefill_node, ctx.decode_node):
             if node is not None and self.in_flight.get(node, 0) > 0:
                 self.in_flight[node] -= 1
@@ -516,6 +533,7 @@ class RouterPerformer:
                 ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
                 ctx.remote.append((ctx.prefill_node, nid))
             ctx.streamed = ctx.prefill_node is not None and self.streams(ctx.prefill_node, ctx.decode_node)
+            self._prefilling(ctx, ctx.decode_node if ctx.local else ctx.prefill_node)
             await post(Dispatched())
             if ctx.local or ctx.streamed:
                 # the decode node prefills, or has the prefill node prefill and stream it the KV:
@@ -570,6 +588,7 @@ class RouterPerformer:
             self.on_peer_failure(node, error)
 
     async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
+        self._prefilling(ctx, None)
         ctx.cached_tokens = reply.cached_tokens or 0  # set before the first token's event
         if (finish := first_token_finish(reply.is_eos, hands_off=False)) is not None:
             await post(Finished(finish))

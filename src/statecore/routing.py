@@ -17,7 +17,10 @@ anyway (LOCAL); anything else goes to a prefill node, whose KV is handed off. Wh
 decode node holds some of that prompt, it is the turn's decode node and the prefill node is told
 where those blocks are (PREFILL_NODE_PREFIX): the prefill node may pull them from it instead of
 computing them, and hands off to it as always; when no decode node holds any of it, the decode
-node is the least loaded (PREFILL_NODE).
+node is the least loaded (PREFILL_NODE). When every prefill node already has at least the prompt's
+worth of prefill queued and a decode node is prefilling nothing itself, that decode node takes
+the prompt (OVERFLOW): a queue at the prefill nodes would otherwise make a burst of long prompts
+wait one after another while the decode nodes' compute sits between decode steps.
 
 Whether the pull pays is the prefill node's call (`prefix_pull_pays`): it pulls when moving the
 blocks it lacks costs less time than computing them, by rates it measured itself (`PullRates`:
@@ -35,7 +38,7 @@ from statecore.prefix import block_keys
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice",
-           "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens",
+           "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
            "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
@@ -52,6 +55,7 @@ class RouteCandidate:
     in_flight: int
     suspect: bool = False
     cached_tokens: int = 0  # the prompt's leading tokens the node's fresh summary holds (0: none)
+    prefilling: int = 0  # prompt tokens the router sent it to prefill whose first token is not back
 
 
 def summary_key(key: bytes) -> bytes:
@@ -107,6 +111,8 @@ class Route(Enum):
     PREFILL_NODE = "prefill_node"  # on a prefill node; its KV is handed off to a decode node
     # on a prefill node told that the decode node it hands off to holds the prompt's start
     PREFILL_NODE_PREFIX = "prefill_node_prefix"
+    # bound for a prefill node, on a decode node instead: the prefill nodes are busy (`overflows`)
+    OVERFLOW = "overflow"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +128,26 @@ class RouteChoice:
         return self.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX)
 
 
+def overflows(prompt_tokens: int, prefill_backlog: int | None, decode_node: RouteCandidate) -> bool:
+    """Whether a prompt bound for a prefill node is prefilled on `decode_node` instead: every
+    prefill node already has at least this prompt's worth of prefill queued (`prefill_backlog`,
+    the least of theirs; None: no prefill node to ask), so the prompt would wait there about as
+    long as it takes to compute, and the decode node prefills nothing itself now. One such prompt
+    at a time per decode node: its own streams share their steps with it (in layer slices, see
+    `prefill_units`), so the prompt takes somewhat longer there than alone, but it starts at once."""
+    return (prefill_backlog is not None and prefill_backlog >= prompt_tokens
+            and decode_node.prefilling == 0 and not decode_node.suspect)
+
+
 def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate], local_below: int,
-                 load_tokens: int) -> RouteChoice:
+                 load_tokens: int, prefill_backlog: int | None = None) -> RouteChoice:
     """The turn's route and decode node. The decode node is the cheapest by `choose_node` (new
     prefill work plus load); if it holds some of the prompt and the rest is shorter than
     `local_below`, it prefills that rest itself; a prompt shorter than `local_below` is prefilled
     on it too; otherwise a prefill node takes the prompt: handing off to that cheapest node when
     it holds some of the prompt (the prefill node may pull those blocks), else to the least
-    loaded. `local_below` 0: always a prefill node."""
+    loaded; unless the prefill nodes are busy (`overflows`, given `prefill_backlog`): then that
+    decode node prefills it (OVERFLOW). `local_below` 0: always a prefill node."""
     if local_below < 0:
         raise ValueError("local_below must be >= 0")
     best = choose_node(prompt_tokens, decode_candidates, load_tokens)
@@ -138,10 +156,18 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     if prompt_tokens < local_below:
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
     if best.cached_tokens > 0:
+        if local_below > 0 and overflows(prompt_tokens, prefill_backlog, best):
+            return RouteChoice(Route.OVERFLOW, best, best.cached_tokens)
         return RouteChoice(Route.PREFILL_NODE_PREFIX, best, best.cached_tokens)
-    unsummarized = [RouteCandidate(c.node, c.in_flight, c.suspect) for c in decode_candidates]
-    return RouteChoice(Route.PREFILL_NODE, choose_node(prompt_tokens, unsummarized, load_tokens),
-                       best.cached_tokens)
+    unsummarized = [RouteCandidate(c.node, c.in_flight, c.suspect, prefilling=c.prefilling)
+                    for c in decode_candidates]
+    by_load = choose_node(prompt_tokens, unsummarized, load_tokens)
+    if local_below > 0:
+        idle = [c for c in unsummarized if overflows(prompt_tokens, prefill_backlog, c)]
+        if idle:
+            chosen = choose_node(prompt_tokens, idle, load_tokens)
+            return RouteChoice(Route.OVERFLOW, chosen, best.cached_tokens)
+    return RouteChoice(Route.PREFILL_NODE, by_load, best.cached_tokens)
 
 
 DEFAULT_PULL_BYTES_PER_S = 1e9

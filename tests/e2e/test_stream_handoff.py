@@ -54,6 +54,15 @@ def test_streamed_over_http_and_pulled_answers_are_the_single_nodes(tmp_path: Pa
         records = httpx.get(f"{cluster.decode[0].url}/internal/handoffs", timeout=5).json()["records"]
         transports = {(r["streamed"], r["transport"]) for r in records}
         assert transports == {(True, "http"), (False, None)}, transports  # both ways were taken
+        # every KV body left on the prefill nodes' KV plane (the socket beside the HTTP port)
+        for node in cluster.prefill:
+            info = httpx.get(f"{node.url}/internal/info", timeout=5).json()
+            plane = f"http://127.0.0.1:{info['kv_port']}"
+            stats = httpx.get(f"{node.url}/internal/stats", timeout=5).json()
+            assert stats["kv_plane_bodies"] >= 1, stats
+            unknown = httpx.get(f"{plane}/internal/kv/no-such-request", timeout=5)
+            assert unknown.status_code == 404, unknown.text
+            assert unknown.json()["error"]["code"] == "kv_not_found", unknown.text
         assert_no_leaks([cluster.router, pull, *cluster.prefill, *cluster.decode])
     finally:
         pull.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -190,6 +190,23 @@ class _Hosts(httpx.AsyncBaseTransport):
         return await self.transports[request.url.host].handle_async_request(request)
 
 
+class _WatchedPeers(HttpxPeers):
+    """The router's peers, noting what the router counted as being prefilled at each call."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prefilling: dict[str, int] = {}
+        self.seen: list[dict[str, int]] = []
+
+    async def prefill(self, node: str, *args: Any, **kwargs: Any) -> PrefillReply:
+        self.seen.append(dict(self.prefilling))
+        return await super().prefill(node, *args, **kwargs)
+
+    def decode(self, node: str, call: Any) -> Any:
+        self.seen.append(dict(self.prefilling))
+        return super().decode(node, call)
+
+
 @dataclass
 class FakeCluster:
     prefill: FakeEngine
@@ -197,15 +214,18 @@ class FakeCluster:
     hosts: _Hosts
     nursery: trio.Nursery
     routers: list[HttpxPeers]
+    performers: list[RouterPerformer] = field(default_factory=list)
 
     async def generate(self, prompt: Sequence[int], *, details: bool, local_prefill_below: int = 0,
                        rid: str = "r") -> tuple[list[Any], int]:
         """One request through a router of its own: its outputs, and the cached tokens its
         generation reports."""
-        peers = HttpxPeers(transport=self.hosts, prompt_tokens_details=details)
+        peers = _WatchedPeers(transport=self.hosts, prompt_tokens_details=details)
         self.routers.append(peers)
         urls = {"prefill": "http://prefill", "decode": "http://decode"}
         performer = RouterPerformer(peers, lambda role, *_: urls[role])
+        peers.prefilling = performer.prefilling
+        self.performers.append(performer)
         runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))
         await self.nursery.start(runner.run)
         backend = router_backend(runner, performer, lambda: self.prefill.info,
@@ -275,3 +295,18 @@ def test_the_wire_carries_the_count_only_when_it_is_reported() -> None:
     assert parse_output_line(b'{"token":5}') == TokenOut(5)
     assert not isinstance(parse_output_line(b'{"first_token":5,"is_eos":false,"cached_tokens":-1}'),
                           PrefillReply)
+
+
+async def test_the_router_counts_a_prompt_as_prefilling_on_its_node_until_its_first_token(
+    fake_cluster: FakeCluster
+) -> None:
+    prompt = list(range(1, 41))
+    await fake_cluster.generate(prompt, details=False, rid="handed-off")
+    await fake_cluster.generate(prompt, details=False, local_prefill_below=100, rid="local")
+    handed_off, local = fake_cluster.routers[-2:]
+    assert isinstance(handed_off, _WatchedPeers) and isinstance(local, _WatchedPeers)
+    # the prefill call saw the prompt counted on the prefill node; the decode call after the
+    # first token, nothing; a local prefill is counted on the decode node while it computes
+    assert handed_off.seen == [{"http://prefill": 40}, {}]
+    assert local.seen == [{"http://decode": 40}]
+    assert all(performer.prefilling == {} for performer in fake_cluster.performers)

@@ -182,12 +182,13 @@ async def test_display_omitted_sends_empty_thinking(
 async def test_responses_answer_with_a_reasoning_item_whole_and_streamed(
         gpt: openai.AsyncOpenAI, backend: FakeBackend, thinking: Frontend) -> None:
     backend.scripts.extend([say(thinking, REPLY), say(thinking, REPLY)])
-    whole = await gpt.responses.create(model="tiny", input=ASK,
+    whole = await gpt.responses.create(model="tiny", input=ASK, include=["reasoning.encrypted_content"],
                                        reasoning={"effort": "high", "summary": "auto"})
     reasoning, message = whole.output
     assert reasoning.type == "reasoning" and message.type == "message"
     assert reasoning.summary == [] and [(c.type, c.text) for c in reasoning.content or []] == [
         ("reasoning_text", THOUGHT)]
+    assert reasoning.encrypted_content is None  # nothing is encrypted: the text is in the content
     assert whole.output_text == ANSWER
     assert whole.usage is not None
     assert whole.usage.output_tokens_details.reasoning_tokens == len(tokens(thinking, THOUGHT + THINK_END))

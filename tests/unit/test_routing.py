@@ -24,6 +24,7 @@ from statecore.routing import (
     cached_prefix_tokens,
     choose_node,
     choose_route,
+    overflows,
     prefix_pull_pays,
     route_cost,
     summary_key,
@@ -271,6 +272,85 @@ def test_the_route_is_local_exactly_when_the_uncached_rest_is_below_the_threshol
     if not choice.local:
         assert choice.held_tokens == best.cached_tokens
     assert prompt >= local_below or choice.local  # a short prompt never goes to a prefill node
+
+
+@pytest.mark.parametrize(("prompt", "candidates", "local_below", "backlog", "route", "node"), [
+    # the prefill tier has a whole prompt queued: the idle decode node takes it (least loaded first)
+    (2000, [RouteCandidate("a", 2), RouteCandidate("b", 1)], 500, 2000, "overflow", "b"),
+    (2000, [RouteCandidate("a", 0, prefilling=300), RouteCandidate("b", 4)], 500, 4000, "overflow", "b"),
+    # less than the prompt queued there: the prefill node, whose queue is shorter than the prompt
+    (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 500, 1999, "prefill_node", "a"),
+    # every decode node is already prefilling something of its own
+    (2000, [RouteCandidate("a", 0, prefilling=1), RouteCandidate("b", 0, prefilling=900)], 500, 8000,
+     "prefill_node", "a"),
+    # no prefill node to ask (or overflow off)
+    (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 500, None, "prefill_node", "a"),
+    # --force-disaggregation (threshold 0): never
+    (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0)], 0, 8000, "prefill_node", "a"),
+    # a suspect decode node never takes the overflow
+    (2000, [RouteCandidate("a", 0, True), RouteCandidate("b", 0, prefilling=5)], 500, 8000,
+     "prefill_node", "b"),
+    # the node holding the prompt's start takes it when idle (it computes only the rest)...
+    (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=1024)], 500, 2000, "overflow", "b"),
+    # ... and when it is busy, a prefill node pulls from it as before
+    (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=1024, prefilling=10)], 500, 2000,
+     "prefill_node_prefix", "b"),
+])
+def test_a_busy_prefill_tier_overflows_to_an_idle_decode_node(
+    prompt: int, candidates: list[RouteCandidate], local_below: int, backlog: int | None, route: str,
+    node: str,
+) -> None:
+    choice = choose_route(prompt, candidates, local_below, 512, backlog)
+    assert (choice.route.value, choice.decode.node) == (route, node)
+    assert choice.local is (choice.route is Route.OVERFLOW)
+    if choice.route is Route.OVERFLOW:
+        assert overflows(prompt, backlog, choice.decode)
+
+
+busy_candidate = st.builds(RouteCandidate, st.sampled_from("abcdef"), st.integers(0, 40), st.booleans(),
+                           st.integers(0, 5000), st.sampled_from([0, 0, 1, 3000]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.lists(busy_candidate, min_size=1, max_size=8), st.integers(0, 3000),
+       st.none() | st.integers(0, 10000))
+def test_overflow_only_ever_moves_a_prefill_node_prompt_to_an_idle_decode_node(
+    prompt: int, candidates: list[RouteCandidate], local_below: int, backlog: int | None
+) -> None:
+    without = choose_route(prompt, candidates, local_below, 512)
+    choice = choose_route(prompt, candidates, local_below, 512, backlog)
+    if without.local:  # short prompts and prefix hits are untouched
+        assert choice == without
+    elif choice.route is Route.OVERFLOW:
+        assert local_below > 0 and backlog is not None and backlog >= prompt
+        assert choice.decode.prefilling == 0 and not choice.decode.suspect
+    else:
+        assert choice == without
+        # kept on a prefill node although the tier is busy: no decode node it could have gone to
+        if local_below > 0 and backlog is not None and backlog >= prompt:
+            eligible = candidates if without.route is Route.PREFILL_NODE else [without.decode]
+            assert not any(c.prefilling == 0 and not c.suspect for c in eligible)
+
+
+def test_the_router_counts_the_prefill_each_node_computes_until_the_first_token() -> None:
+    async def probe(url: str) -> bool:
+        return True
+
+    peers = PeerSet({"prefill": ["http://p"], "decode": ["http://d"]}, probe)
+    peers.available.update(["http://p", "http://d"])
+    long = list(range(2000))
+    assert peers.route(set(), long, "r0", 500).route is Route.PREFILL_NODE
+    peers.prefilling["http://p"] = 2000  # r0 is computed there
+    assert peers.route(set(), long, "r1", 500).route is Route.OVERFLOW
+    peers.prefilling["http://d"] = 2000  # r1 on the decode node: the next waits for the prefill node
+    assert peers.route(set(), long, "r2", 500).route is Route.PREFILL_NODE
+    # p avoided (a retry): no backlog known, no overflow
+    assert peers.route({"http://p"}, long, "r3", 500).route is Route.PREFILL_NODE
+    off = PeerSet({"prefill": ["http://p"], "decode": ["http://d"]}, probe, overflow=False)
+    off.available.update(["http://p", "http://d"])
+    off.prefilling["http://p"] = 9000
+    assert off.route(set(), long, "r4", 500).route is Route.PREFILL_NODE
+    assert peers.routes == {"prefill_node": 3, "overflow": 1}
 
 
 def test_choose_route_refuses_a_negative_threshold() -> None:

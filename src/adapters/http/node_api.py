@@ -20,9 +20,11 @@ anything.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -50,6 +52,7 @@ from adapters.http.streaming import WatchedStream
 from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
+from adapters.kv.plane import PlaneAnswer, PlaneRequest
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest, StreamItemOut
@@ -90,16 +93,20 @@ def error_response(error: ErrorInfo) -> JSONResponse:
     return JSONResponse(error_json(error), status_code=error.http_status)
 
 
+def token_refusal(token: str | None, given: str) -> ErrorInfo | None:
+    """Why a request that gave `given` as the internal token is refused (None: it is not)."""
+    if token is None or hmac.compare_digest(given.encode(), token.encode()):
+        return None
+    return ErrorInfo(Fault.CLIENT, Code.UNAUTHORIZED, "missing or wrong internal token")
+
+
 def guarded(token: str | None, handler: Handler) -> Handler:
     """Require the shared token (when one is set) and map StatecoreError to its response."""
 
     async def wrapped(request: Request) -> Response:
-        if token is not None:
-            given = request.headers.get(TOKEN_HEADER, "")
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                return error_response(
-                    ErrorInfo(Fault.CLIENT, Code.UNAUTHORIZED, "missing or wrong internal token")
-                )
+        refused = token_refusal(token, request.headers.get(TOKEN_HEADER, ""))
+        if refused is not None:
+            return error_response(refused)
         try:
             return await handler(request)
         except StatecoreError as exc:
@@ -127,44 +134,51 @@ def _validated(model: type[PrefillBody] | type[DecodeBody] | type[PrefixKvBody],
         raise StatecoreError(client_error(f"invalid internal request: {exc.errors()[:3]}")) from exc
 
 
+KV_PATH = "/internal/kv/"
 KV_SEND_SLICE = 4 << 20
-"""Bytes per ASGI body message of a KV payload (see `_kv_body`)."""
+"""Bytes per ASGI body message of a KV payload (see `_messages`)."""
 
 
 def _kv_body(payload: KvPieces, on_end: Callable[[KvBytes], None]) -> Response:
-    """A KV payload sent with its Content-Length in messages of KV_SEND_SLICE bytes, each
-    gathered from the export's pieces as it goes: the first bytes leave at once (while the end
-    frame's checksum is still being computed), the tensors are copied once (into the message,
-    which the server then sends as it is), and a cache of many small blocks does not cost one
-    server round per block. `on_end` gets the payload's last bytes once they are known."""
-
-    return WatchedStream(_sliced(payload, on_end), media_type="application/octet-stream",
+    """A KV payload sent through the ASGI server with its Content-Length (`_messages`)."""
+    return WatchedStream(_messages(_payload_parts(payload, on_end)), media_type="application/octet-stream",
                          headers={"content-length": str(payload.nbytes)})
 
 
-async def _sliced(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
-                  head: bytes = b"") -> AsyncGenerator[bytes, None]:
-    """`head`, then a payload's pieces and its end frame, as messages of KV_SEND_SLICE bytes."""
-    batch: list[memoryview] = [memoryview(head)] if head else []
-    size = len(head)
-    for piece in payload.pieces:
-        view = memoryview(piece).cast("B")
-        while len(view):
-            take = view[: KV_SEND_SLICE - size]
-            view = view[len(take):]
-            batch.append(take)
-            size += len(take)
-            if size == KV_SEND_SLICE:
-                yield b"".join(batch)
-                batch, size = [], 0
+async def _payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
+                         head: bytes = b"") -> AsyncGenerator[Sequence[KvBytes], None]:
+    """`head` and a payload's pieces as they are (the first bytes leave at once), then its end
+    frame once the checksum is computed; `on_end` gets the payload's last bytes."""
+    yield [head, *payload.pieces] if head else payload.pieces
     if payload.seal is not None:
         end = await trio.to_thread.run_sync(payload.seal)
-        batch.append(memoryview(end))
         on_end(end)
+        yield [end]
     elif payload.pieces:
         on_end(payload.pieces[-1])
-    if batch:
-        yield b"".join(batch)
+
+
+async def _messages(parts: AsyncIterator[Sequence[KvBytes]]) -> AsyncGenerator[bytes, None]:
+    """Buffers as ASGI body messages of KV_SEND_SLICE bytes, each gathered as it goes: the
+    tensors are copied once (into the message, which the server then sends as it is) and a cache
+    of many small blocks does not cost one server round per block. Each item of `parts` is sent
+    before the next is awaited (a streamed record must not wait for the next one)."""
+    async with contextlib.aclosing(parts) as items:  # type: ignore[type-var]
+        async for buffers in items:
+            batch: list[memoryview] = []
+            size = 0
+            for buffer in buffers:
+                view = memoryview(buffer).cast("B")
+                while len(view):
+                    take = view[: KV_SEND_SLICE - size]
+                    view = view[len(take):]
+                    batch.append(take)
+                    size += len(take)
+                    if size == KV_SEND_SLICE:
+                        yield b"".join(batch)
+                        batch, size = [], 0
+            if batch:
+                yield b"".join(batch)
 
 
 class NodeApi:
@@ -196,6 +210,8 @@ class NodeApi:
         self._shared: set[RequestId] = set()
         if shm is not None:
             performer.on_forget.append(self._release_later)
+        self.kv_port: int | None = None  # the KV plane's port, once it listens (a prefill node's)
+        self.kv_plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
         self.warnings = warnings or []  # start-up warnings, repeated in /health
@@ -246,7 +262,9 @@ class NodeApi:
         return JSONResponse({"status": "unavailable", **details}, status_code=503)
 
     async def info(self, request: Request) -> Response:
-        shared = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
+        shared: dict[str, object] = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
+        if self.kv_port is not None:
+            shared["kv_port"] = self.kv_port
         return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
                              "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 
@@ -267,6 +285,7 @@ class NodeApi:
             "kv_arriving": engine.arriving,  # streamed handoffs' pieces kept, not yet installed
             # shared memory held for streamed pieces not yet taken (a prefill node's)
             "kv_shm_held_bytes": 0 if self.shm is None else self.shm.statistics().held_bytes,
+            "kv_plane_bodies": self.kv_plane_bodies,  # KV bodies sent on the KV plane's socket
             "device_thread_alive": engine.device_thread_alive,
             "engine_step_retries": engine.step_retries,
             "engine_rows_isolated": engine.rows_isolated,
@@ -340,11 +359,42 @@ class NodeApi:
                 return error_response(ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill completed early"))
 
     async def prefill_stream(self, request: Request) -> Response:
+        """A streamed handoff through the ASGI server (`_open_prefill_stream`); the KV plane
+        (`plane`) serves the same stream on the socket directly."""
+        records = await self._open_prefill_stream(await read_body(request))
+        return WatchedStream(_messages(records), media_type="application/octet-stream")
+
+    async def plane(self, request: PlaneRequest) -> PlaneAnswer:
+        """The KV routes as the KV plane (`adapters.kv.plane`) serves them: a prefill node's
+        streamed handoff and held KV, their bodies written to the socket as they are."""
+        refused = token_refusal(self.token, request.headers.get(TOKEN_HEADER.lower(), ""))
+        try:
+            if refused is not None:
+                raise StatecoreError(refused)
+            path = request.target.split("?", 1)[0]
+            if self.role == "prefill" and request.method == "POST" and path == "/internal/prefill_stream":
+                records = await self._open_prefill_stream(request.body)
+                self.kv_plane_bodies += 1
+                return PlaneAnswer(200, records)
+            if self.role == "prefill" and request.method == "GET" and path.startswith(KV_PATH):
+                rid = RequestId(path.removeprefix(KV_PATH))
+                payload = await self._kv_to_send(rid)
+                self.kv_plane_bodies += 1
+                if isinstance(payload, bytes):  # a damaged payload (tests only)
+                    return PlaneAnswer(200, _payload_parts(KvPieces((payload,))), len(payload))
+                return PlaneAnswer(200, _payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)),
+                                   payload.nbytes)
+            unknown = client_error(f"the KV plane serves no {request.method} {path}")
+            return PlaneAnswer.document(404, json.dumps(error_json(unknown)).encode())
+        except StatecoreError as exc:
+            return PlaneAnswer.document(exc.info.http_status, json.dumps(error_json(exc.info)).encode())
+
+    async def _open_prefill_stream(self, raw: bytes) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
         stream its KV as it is computed (`adapters.kv.stream`), the first token among it. The
         request then waits in `handoff`, holding the cache, for the decode node's DELETE once it
         installed the pieces (or its cancel, or the lease), as a pulled cache does."""
-        body: PrefillBody = _validated(PrefillBody, await read_body(request))
+        body: PrefillBody = _validated(PrefillBody, raw)
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
                               prefix_from=prefix_source(body.prefix_from))
@@ -356,17 +406,16 @@ class NodeApi:
         await self.runner.post(rid, Admitted(len(body.prompt)))
         shared = self.shm if body.kv_shm else None
         self.performer.handoffs.record(rid).transport = "http" if shared is None else "shm"
-        return WatchedStream(self._stream_records(generation, items, len(body.prompt), shared),
-                             media_type="application/octet-stream")
+        return self._stream_records(generation, items, len(body.prompt), shared)
 
     async def _stream_records(self, generation: RunnerGeneration,
                               items: trio.MemoryReceiveChannel[StreamItemOut], prompt_tokens: int,
-                              shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[bytes, None]:
+                              shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         rid = generation.request_id
         ended = False
         segments = 0
         try:
-            yield kv_stream.preamble()
+            yield [kv_stream.preamble()]
             async with items:
                 async for item in items:
                     match item:
@@ -376,32 +425,32 @@ class NodeApi:
                             head = kv_stream.segment_head(where, item.payload.nbytes)
                             damaged = None if segments else await self._damaged(rid, item.payload)
                             if damaged is not None:  # tests only: a cut or flipped first piece
-                                yield head + damaged
+                                yield [head, damaged]
                                 if len(damaged) < item.payload.nbytes:
                                     return  # cut: the stream ends here, without its end record
                             elif shared is not None and (ref := await _put_shared(shared, rid, item)):
                                 self._shared.add(rid)
-                                yield kv_stream.shared_segment_record(where, ref.model_dump())
+                                yield [kv_stream.shared_segment_record(where, ref.model_dump())]
                             else:
-                                async for message in _sliced(item.payload, head=head):
-                                    yield message
+                                async for parts in _payload_parts(item.payload, head=head):
+                                    yield parts
                             segments += 1
                             self.kv_served(item.payload.nbytes)
                         case PrefillReply():
-                            yield kv_stream.document_record(kv_stream.FIRST_TOKEN,
-                                                            PrefillReplyBody.of(item).document())
+                            yield [kv_stream.document_record(kv_stream.FIRST_TOKEN,
+                                                             PrefillReplyBody.of(item).document())]
                         case ErrorInfo():
                             ended = True
-                            yield kv_stream.document_record(kv_stream.ERROR, error_json(item))
+                            yield [kv_stream.document_record(kv_stream.ERROR, error_json(item))]
                             return
                         case None:
                             ended = True
-                            yield kv_stream.end_record(prompt_tokens, segments)
+                            yield [kv_stream.end_record(prompt_tokens, segments)]
                             break
             if not ended:  # the request ended here without its stream's end (cancelled, drained)
                 ended = True
-                yield kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
-                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))
+                yield [kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
+                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))]
         finally:
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
@@ -437,11 +486,18 @@ class NodeApi:
 
     async def send_kv(self, request: Request) -> Response:
         rid = RequestId(request.path_params["request_id"])
+        payload = await self._kv_to_send(rid)
+        if isinstance(payload, bytes):
+            return Response(payload, media_type="application/octet-stream")
+        return _kv_body(payload, lambda end: self._note_raw_bytes(rid, end))
+
+    async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
+        """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
         context = self.runner.context(rid)
         # only a phase whose table edge takes a pull holds a KV to send (a pull at any other
         # time is answered here, and leaves the request alone)
         if not self.runner.expects(rid, EventKind.KV_REQUESTED) or not isinstance(context, NodeRequest):
-            return error_response(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
         receive = self.performer.open_kv_out(context)
         await self.runner.post(rid, KvRequested())
         with trio.move_on_after(KV_SEND_TIMEOUT_S):
@@ -452,12 +508,10 @@ class NodeApi:
                     Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent"
                 )
             if isinstance(payload, ErrorInfo):
-                return error_response(payload)
+                raise StatecoreError(payload)
             damaged = await self._damaged(rid, payload)
-            if damaged is not None:
-                return Response(damaged, media_type="application/octet-stream")
-            return _kv_body(payload, lambda end: self._note_raw_bytes(rid, end))
-        return error_response(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
+            return payload if damaged is None else damaged
+        raise StatecoreError(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
     def _note_raw_bytes(self, rid: RequestId, tail: KvBytes) -> None:
         """Record the tensor bytes that the payload's end (`tail`: its last bytes) declares."""

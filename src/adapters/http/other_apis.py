@@ -564,6 +564,10 @@ class _TextConfig(_Strict):
 
 
 _OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# served as it stands: a reasoning item's text is in its `content`, and `encrypted_content` is null
+# (nothing is encrypted, nothing stored: a client that sends the item back sends its text back)
+_ENCRYPTED_REASONING = "reasoning.encrypted_content"
+_SERVED_INCLUDES = (_OUTPUT_LOGPROBS, _ENCRYPTED_REASONING)
 # OpenAI's `include` values (openai.types.responses.ResponseIncludable): only the output text's
 # logprobs are served; the others are refused as not served yet, anything else is invalid
 _Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -636,9 +640,9 @@ def _refuse_other_includes(include: object) -> None:
     """`include` values OpenAI knows but that are not served (a value it does not know is left
     to validation: a 400)."""
     for index, value in enumerate(include if isinstance(include, list) else []):
-        if value != _OUTPUT_LOGPROBS and value in get_args(_Includable):
-            raise _unsupported(f"include[{index}]: {value!r} is not served yet (only {_OUTPUT_LOGPROBS!r})",
-                               f"include[{index}]")
+        if value not in _SERVED_INCLUDES and value in get_args(_Includable):
+            raise _unsupported(f"include[{index}]: {value!r} is not served yet (only "
+                               f"{' and '.join(map(repr, _SERVED_INCLUDES))})", f"include[{index}]")
 
 
 def _parse_responses(data: dict[str, object]) -> tuple[dict[str, object], _ResponsesBody]:

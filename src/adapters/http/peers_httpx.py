@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from typing import NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import h11
 import httpx
@@ -62,6 +64,8 @@ from effects.ports import (
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.policy import STOP
+
+log = logging.getLogger("statecore.peers")
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
@@ -162,6 +166,7 @@ class HttpxPeers:
         # advert proves it is on this host, "http" never does, "shm" insists (KV_SHM_GONE if not)
         self.kv_transport = kv_transport
         self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
+        self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -210,12 +215,12 @@ class HttpxPeers:
         inbox = await self._inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
                            prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None)
-        url = f"{node}/internal/prefill_stream"
+        url = await self._on_plane(node, f"{node}/internal/prefill_stream")
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
-        with _stream_errors(node):
+        with _stream_errors(node), self._plane_watched(node):
             if self._direct_kv and url.startswith(("http://", "https://")):
                 async with kv_pull.open_stream(url, self._headers, document,
                                                connect_timeout_s=self._connect_timeout_s,
@@ -229,6 +234,52 @@ class HttpxPeers:
             else:
                 async for item in self._stream_httpx(node, url, document, len(prompt), layers, inbox):
                     yield item
+
+    async def _on_plane(self, node: str, url: str) -> str:
+        """`url` moved to the node's KV plane (`adapters.kv.plane`) when it has one this node can
+        reach: plain http, KV bodies read directly (not through an injected transport), the port
+        in its /internal/info, a connection to it accepted. Probed once per node; a later
+        connection error (the node restarted elsewhere) makes the next call probe again."""
+        if not (self._direct_kv and url.startswith("http://")):
+            return url
+        if node not in self._planes:
+            self._planes[node] = await self._probe_plane(node)
+        port = self._planes[node]
+        if port is None:
+            return url
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+
+    async def _probe_plane(self, node: str) -> int | None:
+        try:
+            port = (await self.info_document(node)).get("kv_port")
+        except StatecoreError:
+            return None
+        if not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        try:
+            with trio.fail_after(self._connect_timeout_s):
+                probe = await trio.open_tcp_stream(urlsplit(node).hostname or "", port)
+        except (OSError, trio.TooSlowError):
+            log.warning("%s advertises a KV plane on port %d that cannot be reached: its KV comes "
+                        "through its HTTP port", node, port)
+            return None
+        await probe.aclose()
+        return port
+
+    @contextlib.contextmanager
+    def _plane_watched(self, node: str) -> Iterator[None]:
+        """A connection to the node's KV plane that fails makes the next call probe it again."""
+        try:
+            yield
+        except (OSError, trio.BrokenResourceError):
+            self._planes.pop(node, None)
+            raise
+        except StatecoreError as exc:
+            if exc.info.fault is Fault.TRANSPORT:
+                self._planes.pop(node, None)
+            raise
 
     async def _inbox(self, node: str) -> kv_shm.ShmInbox | None:
         """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
@@ -317,7 +368,9 @@ class HttpxPeers:
                     yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
-        payload, head_s, last_byte_s = await self._pull(node, f"{node}/internal/kv/{request_id}")
+        url = await self._on_plane(node, f"{node}/internal/kv/{request_id}")
+        with self._plane_watched(node):
+            payload, head_s, last_byte_s = await self._pull(node, url)
         if self.handoffs is not None:
             record = self.handoffs.record(request_id)
             record.wire_bytes = len(payload)
@@ -414,7 +467,10 @@ class HttpxPeers:
         with transport_errors(node):
             response = await self.client.get(f"{node}/internal/info", timeout=5.0)
             await _raise_for_error(node, response)
-            doc = response.json()
+            try:
+                doc = response.json()
+            except ValueError:
+                doc = None
         if not isinstance(doc, dict):
             raise StatecoreError(
                 ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"{node} sent a malformed model info")

@@ -160,6 +160,10 @@ class Settings:
     speculative: str = "off"  # off | ngram | draft
     num_draft_tokens: int = 3
     speculative_max_rows: int = 1
+    # Set (a decode node's default): max_num_batched_tokens becomes max_batch plus this many
+    # prompt tokens' worth, or one layer of a chunk where that is more (a pipelined instance: a
+    # whole chunk), once the model's layers are known
+    prefill_step_tokens: int | None = None
 
 
 class _StepOutputs:
@@ -338,6 +342,10 @@ class DeviceLoop:
         self.layers = len(probe_cache)
         self.shape = model_shape(model, vocab_size, probe_cache)
         one_layer = -(-s.prefill_chunk_size // self.layers)
+        if s.prefill_step_tokens is not None:
+            least = s.prefill_chunk_size if self.pipelined else one_layer
+            s = self.settings = dataclasses.replace(
+                s, max_num_batched_tokens=s.max_batch + max(s.prefill_step_tokens, least))
         if one_layer > self.unit_tokens:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "

@@ -132,6 +132,7 @@ class MlxEngine:
         trust_remote_code: bool = False,
         max_batch: int = 32,
         max_num_batched_tokens: int | None = None,
+        prefill_step_tokens: int | None = None,
         prefill_batch: int = 32,
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
@@ -160,7 +161,9 @@ class MlxEngine:
         waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
         `prefill_batch` prompts (default budget: `max_batch` + the chunk size, a whole chunk per
-        step; a smaller one, down to `max_batch` + chunk size / layers, slices chunks by layers).
+        step; a smaller one, down to `max_batch` + chunk size / layers, slices chunks by layers;
+        `prefill_step_tokens` instead of a budget: `max_batch` + that many tokens' worth, or one
+        layer of a chunk where that is more, as a decode node runs by default).
         Short prompts waiting together are prefilled in one padded call when the padding stays
         within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
         off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
@@ -300,7 +303,9 @@ class MlxEngine:
                             fuse_projections,
                             keep_conversations=keep_conversations and decodes_locally,
                             speculative=speculative if decodes_locally and tensor is None else "off",
-                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows)
+                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
+                            prefill_step_tokens=None if max_num_batched_tokens is not None
+                            else prefill_step_tokens)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._draft_dir = None if draft_model is None else Path(draft_model)

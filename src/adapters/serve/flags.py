@@ -29,6 +29,18 @@ def demo_model_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "demo_model"
 
 
+def _kv_port(text: str) -> int | None:
+    """`--kv-port`: a port number, `auto` (0: any free port) or `off` (None)."""
+    if text == "off":
+        return None
+    if text == "auto":
+        return 0
+    port = _whole(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number")
+    return port
+
+
 def _whole(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= minimum (checked before anything loads)."""
 
@@ -220,11 +232,22 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     handoff.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
                          help="prefill nodes: the most shared memory held for pieces not yet taken "
                               "(default 2 GiB); a piece that finds no room goes over HTTP")
+    handoff.add_argument("--kv-port", type=_kv_port, default=0, metavar="PORT|auto|off",
+                         help="prefill nodes: the port of the KV plane, a plain socket beside the HTTP port "
+                              "that writes KV bodies (streamed pieces, pulled caches) to the socket as they "
+                              "are; peers learn it from /internal/info and fall back to the HTTP port when "
+                              "it cannot be reached (default auto: a free port on the listen address; off: "
+                              "KV bodies go through the HTTP port, as they always do under TLS)")
     router.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
                         help="router: how a prompt's KV moves from its prefill node to its decode node: "
                              "stream (the decode node learns of the request at once and receives each "
                              "piece of the KV as the prefill node computes it; the default), or pull (the "
                              "decode node fetches the whole KV after the first token)")
+    router.add_argument("--prefill-overflow", choices=["on", "off"], default="on",
+                        help="router: when every prefill node already has at least a prompt's worth of "
+                             "prefill queued, a decode node that is prefilling nothing itself takes the "
+                             "prompt (its streams share their steps with it, in layer slices); off: long "
+                             "prompts always wait for a prefill node. --force-disaggregation turns it off")
     router.add_argument("--prefix-routing", choices=["on", "off"], default="on",
                         help="router: send a prompt to the node whose prefix cache holds the most of it, "
                              "weighed against load (on, the default), or to the least loaded node (off)")

@@ -33,6 +33,7 @@ from adapters.http.live_view import LiveView
 from adapters.http.node_api import NodeApi, guarded
 from adapters.http.openai_api import Frontend, build_app
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
 from adapters.kv.shm import ShmOutbox
 from adapters.metrics import Metrics
@@ -232,12 +233,19 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
+DECODE_NODE_PREFILL_TOKENS = 512
+"""A decode node's prefill per step by default: the prompts it prefills itself (short ones, and
+the prefill tier's overflow) go in layer slices of about this many tokens' worth, so that its
+streams wait a fraction of a chunk between tokens rather than the whole chunk."""
+
+
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
     return dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_step_tokens=DECODE_NODE_PREFILL_TOKENS if role == "decode" else None,
         kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
         compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
@@ -322,6 +330,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
 
             nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
                                *([] if tensor is None else [tensor.rank_lost]))
+            if role == "prefill" and args.kv_port is not None and not args.tls.serves_https:
+                api.kv_port = await _start_kv_plane(nursery, api, listener, args.kv_port)
             log.info("%s node serving on %s (MLX computes with: %s)", role,
                      listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery, args.tls)
@@ -343,6 +353,16 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         return EXIT_TRANSPORT_LOST
     log.log(_stop_log_level(), "drained; exiting 0")
     return 0
+
+
+async def _start_kv_plane(nursery: trio.Nursery, api: NodeApi, listener: socket.socket, port: int) -> int:
+    """The KV plane (`adapters.kv.plane`) on the HTTP listener's address; its port."""
+    host = str(listener.getsockname()[0])
+    plane = (await trio.open_tcp_listeners(port, host=host))[0]
+    await nursery.start(serve_plane, plane, api.plane)
+    bound = int(plane.socket.getsockname()[1])
+    log.info("KV plane on %s:%d", host, bound)
+    return bound
 
 
 def _kv_outbox(args: argparse.Namespace) -> ShmOutbox | None:
@@ -420,7 +440,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     routes_by_prefix = args.prefix_routing == "on"
     summaries = PrefixSummaries(prefill + decode, peers.prefix_summary) if routes_by_prefix else None
     peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health, summaries=summaries,
-                       load_tokens=args.route_load_tokens)
+                       load_tokens=args.route_load_tokens, overflow=args.prefill_overflow == "on")
     threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
                                                                        info.context_length)
 
@@ -439,7 +459,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         return args.kv_handoff == "stream" and not {prefill_node, decode_node} & pulled_only
 
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
-                                on_peer_failure=peer_set.report_failure, route=route, streams=streams)
+                                prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
+                                route=route, streams=streams)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, RetryLogged(performer), timeouts=_timeouts(args),
                                          name="router")
     log_transitions(runner, "router", every=args.log_transitions)
