@@ -538,7 +538,8 @@ def check_routing(setup: Setup, moved: dict[str, dict[str, float]], long_tokens:
         # each long prompt was handed off, or (the router's overflow: the prefill node busy) computed
         # on the decode node itself: together they account for every long prompt's tokens
         decoder = moved[setup.decoders[0].name]
-        got = decoder.get("prompt_tokens_transferred", 0.0) + decoder.get("prompt_tokens_computed", 0.0)
+        got = sum(decoder.get(f"prompt_tokens_{source}", 0.0)
+                  for source in ("transferred", "computed_locally"))
         if got < long_tokens:
             return (f"1P1D: the decode node received or computed {got:.0f} prompt tokens, fewer than the "
                     f"long prompts' {long_tokens}")

@@ -93,7 +93,16 @@ MODELS = [
 ]
 
 
-@pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
+def _model_id(model: tuple[str, str]) -> str:
+    return f"{model[0]}-{model[1]}"
+
+
+# Tests of the reasoning model run on llama's cluster only (the one with think markers): the same
+# module-scoped cluster, not one more.
+REASONING_CLUSTER = pytest.mark.parametrize("cluster", [MODELS[0]], indirect=True, ids=_model_id)
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=_model_id)
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     family, dtype = request.param
     # llama's tokenizer is a reasoning model's (think markers, a template that opens a think
@@ -143,13 +152,11 @@ def test_streaming_identical(cluster: Cluster, path: str, body: dict[str, Any]) 
         assert completion_tokens == body["max_tokens"] * body.get("n", 1)
 
 
+@REASONING_CLUSTER
 def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> None:
     """On the reasoning model (llama's checkpoint): a streamed chat's reasoning_content and content
     are, with the end marker between them, the text a completion of the same prompt ids generates,
     through the router as on the single node."""
-    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1])
-    if not model.name.startswith("llama-"):
-        pytest.skip("only llama's checkpoint has think markers")
     messages = [{"role": "user", "content": LONG}]
     shared = {"max_tokens": 32, "temperature": 0, "logit_bias": {"511": 10.0}}  # 511: "</think>"
     chat = {**shared, "messages": messages, "stream": True}
@@ -164,16 +171,16 @@ def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> No
         assert reasoning + "</think>" + content == raw
 
 
+@REASONING_CLUSTER
 def test_thinking_through_the_official_clients_with_a_budget(cluster: Cluster) -> None:
     """On the reasoning model: Anthropic's thinking blocks, capped by `budget_tokens` (the answer
     goes on as a continuation request, handed off like any other), and the Responses API's
     reasoning items, through the official clients: the same on the single node and the router."""
-    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1])
-    if not model.name.startswith("llama-"):
-        pytest.skip("only llama's checkpoint has think markers")
     import anthropic
 
     from tests.e2e.harness import openai_client
+
+    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1])
 
     def message(node: Node) -> Any:
         claude = anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=60.0)
