@@ -37,6 +37,7 @@ _FEED_CHUNK = 2048  # the most tokens one feeding call computes (a long prompt g
 class _DraftRow:
     cache: list[Any]
     fed: list[int] = field(default_factory=list)  # the tokens the cache holds, in order
+    guessed: int = 0  # how many of the last `fed` are drafts (all before them are the row's tokens)
 
 
 class DraftModel:
@@ -55,22 +56,24 @@ class DraftModel:
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
-    def propose(self, request_id: str, history: Sequence[int], count: int,
+    def propose(self, request_id: str, prompt: Sequence[int], generated: Sequence[int], count: int,
                 sampler: PositionSampler) -> list[int]:
-        """`count` draft tokens after `history` (the row's tokens, its latest one last)."""
+        """`count` draft tokens after the row's tokens (`prompt`, then `generated`, its latest
+        token last)."""
         row = self.rows.get(request_id)
         if row is None:
             row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
-        agree = 0
-        for held, token in zip(row.fed, history, strict=False):
-            if held != token:
-                break
+        length = len(prompt) + len(generated)
+        # Only the drafts fed last time can disagree with the row's tokens: compare those.
+        agree = len(row.fed) - row.guessed
+        history = _Tokens(prompt, generated)
+        while agree < min(len(row.fed), length) and row.fed[agree] == history[agree]:
             agree += 1
-        agree = min(agree, len(history) - 1)  # the latest token is always fed: its logits draft
+        agree = min(agree, length - 1)  # the latest token is always fed: its logits draft
         for layer in row.cache:
             layer.trim(len(row.fed) - agree)
         del row.fed[agree:]
-        missing = list(history[agree:])
+        missing = history.since(agree)
         for start in range(0, len(missing) - 1, _FEED_CHUNK):
             part = missing[start : min(start + _FEED_CHUNK, len(missing) - 1)]
             self.model(mx.array([part]), cache=row.cache)
@@ -86,7 +89,26 @@ class DraftModel:
         proposed: list[int] = cast(list[int], out.tolist())
         row.fed.extend(missing)
         row.fed.extend(proposed[:-1])  # the last draft is not fed yet
+        row.guessed = len(proposed) - 1
         return proposed
+
+
+class _Tokens:
+    """A row's tokens as one sequence, without copying its prompt."""
+
+    def __init__(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        self.prompt = prompt
+        self.generated = generated
+
+    def __getitem__(self, index: int) -> int:
+        split = len(self.prompt)
+        return self.prompt[index] if index < split else self.generated[index - split]
+
+    def since(self, start: int) -> list[int]:
+        split = len(self.prompt)
+        if start >= split:
+            return list(self.generated[start - split :])
+        return [*self.prompt[start:], *self.generated]
 
 
 def _draw(logits: Any, sampler: PositionSampler, ahead: int) -> Any:

@@ -211,7 +211,8 @@ class Speculator:
                 drafts.append([])
                 continue
             if self.draft is not None:
-                proposed = self.draft.propose(live.request_id, row.history, wanted, live.sampler)
+                proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
+                                              live.sampler)
             else:
                 proposed = self.index(live).draft(wanted)
             room -= len(proposed)
