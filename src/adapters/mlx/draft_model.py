@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -57,9 +57,10 @@ class DraftModel:
         self.rows.pop(request_id, None)
 
     def propose(self, request_id: str, prompt: Sequence[int], generated: Sequence[int], count: int,
-                sampler: PositionSampler) -> list[int]:
+                sampler: PositionSampler) -> Any:
         """`count` draft tokens after the row's tokens (`prompt`, then `generated`, its latest
-        token last)."""
+        token last), as a lazy (count,) array: they are evaluated with the verify step that
+        checks them, which then hands their values back (`drafted`)."""
         row = self.rows.get(request_id)
         if row is None:
             row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
@@ -84,13 +85,15 @@ class DraftModel:
             logits = self.model(last[None], cache=row.cache)[:, -1, :]
             last = _draw(logits, sampler, i)
             drafts.append(last)
-        out = mx.concatenate(drafts)
-        mx.eval(out, [layer.state for layer in row.cache])
-        proposed: list[int] = cast(list[int], out.tolist())
         row.fed.extend(missing)
-        row.fed.extend(proposed[:-1])  # the last draft is not fed yet
-        row.guessed = len(proposed) - 1
-        return proposed
+        return mx.concatenate(drafts).astype(mx.uint32)
+
+    def drafted(self, request_id: str, proposed: Sequence[int]) -> None:
+        """The values of the drafts `propose` gave last: all but the last are in the cache now."""
+        row = self.rows.get(request_id)
+        if row is not None:
+            row.fed.extend(proposed[:-1])
+            row.guessed = len(proposed) - 1
 
 
 class _Tokens:

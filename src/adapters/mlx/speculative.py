@@ -169,7 +169,7 @@ class Speculator:
         reference = pool.rows([live.slot for live in rows if live.slot is not None])
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
         drafts = self.propose(rows, room)
-        if not any(drafts):
+        if not any(_count(draft) for draft in drafts):
             for live in rows:
                 self.tried(live, 0)
             return rows
@@ -180,6 +180,8 @@ class Speculator:
                            type(exc).__name__, exc)
             for live in rows:
                 self.tried(live, 0)
+                if self.draft is not None:  # its cache may hold drafts whose values never came back
+                    self.draft.forget(live.request_id)
             return [live for live in loop.live.values() if live.slot is not None]
         return []
 
@@ -201,9 +203,10 @@ class Speculator:
             row.index = NgramIndex(tokens=row.history)
         return row.index
 
-    def propose(self, rows: Sequence[Live], room: int) -> list[list[int]]:
-        """Each due row's drafts, within `room` tokens in all; never past a row's last token."""
-        drafts: list[list[int]] = []
+    def propose(self, rows: Sequence[Live], room: int) -> list[Any]:
+        """Each due row's drafts, within `room` tokens in all; never past a row's last token: a
+        list of token ids (prompt lookup), or a lazy array of them (a draft model's)."""
+        drafts: list[Any] = []
         for live in rows:
             row = self.rows[live.request_id]
             wanted = min(self.num_draft_tokens, room, live.remaining - 1)
@@ -215,32 +218,37 @@ class Speculator:
                                               live.sampler)
             else:
                 proposed = self.index(live).draft(wanted)
-            room -= len(proposed)
+            room -= _count(proposed)
             drafts.append(proposed)
         return drafts
 
-    def verify(self, loop: DeviceLoop, rows: list[Live], drafts: list[list[int]]) -> None:
+    def verify(self, loop: DeviceLoop, rows: list[Live], proposed: list[Any]) -> None:
         """One verify step over `rows` and their drafts, computed now; each row gets the tokens
         that stood and the one drawn after them."""
         pool = loop.pool
         assert pool is not None
-        inputs: list[int] = []
+        pieces: list[Any] = []
         offsets: list[int] = []
         slots: list[int] = []
-        for live, draft in zip(rows, drafts, strict=True):
+        for live, draft in zip(rows, proposed, strict=True):
             assert live.slot is not None
-            for i, token in enumerate([live.last_token, *draft]):
-                inputs.append(token)
+            pieces += [mx.array([live.last_token], dtype=mx.uint32),
+                       mx.array(draft, dtype=mx.uint32) if isinstance(draft, list) else draft]
+            for i in range(1 + _count(draft)):
                 offsets.append(live.offset + i)
                 slots.append(live.slot)
         with mx.stream(generation_stream):
             loop.computing = ("decode", [live.request_id for live in rows])
             layers = pool.step_layers(offsets, slots, bucket=loop.bucket)
-            logits = loop.model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
+            logits = loop.model(mx.concatenate(pieces)[:, None], cache=layers)[:, -1, :]
             loop.computing = ("", ())
-            drawn = _draw(logits, rows, drafts)
-            mx.eval(drawn, pool.keys, pool.values)
+            drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
+            mx.eval(drawn, pieces, pool.keys, pool.values)
         tokens: list[int] = drawn.tolist()
+        drafts = [draft if isinstance(draft, list) else draft.tolist() for draft in proposed]
+        if self.draft is not None:
+            for live, draft in zip(rows, drafts, strict=True):
+                self.draft.drafted(live.request_id, draft)
         loop.last_tokens = None  # every slot row's next input is its host token
         deliveries: dict[Any, list[Any]] = {}
         start = 0
@@ -264,7 +272,12 @@ class Speculator:
         loop.hand_out(deliveries)
 
 
-def _draw(logits: Any, rows: Sequence[Live], drafts: Sequence[Sequence[int]]) -> Any:
+def _count(draft: Any) -> int:
+    """How many tokens a row's drafts hold (a list, or a lazy array)."""
+    return len(draft) if isinstance(draft, list) else int(draft.shape[0])
+
+
+def _draw(logits: Any, rows: Sequence[Live], counts: Sequence[int]) -> Any:
     """The token each verify row's target draws, as `sample_rows` draws it in an ordinary step:
     greedy rows the argmax of the log-probabilities, seeded rows with their position's key."""
     greedy = greedy_sampler(log_softmax(logits))
@@ -272,16 +285,16 @@ def _draw(logits: Any, rows: Sequence[Live], drafts: Sequence[Sequence[int]]) ->
         return greedy
     parts = []
     start = 0
-    for live, draft in zip(rows, drafts, strict=True):
+    for live, count in zip(rows, counts, strict=True):
         sampler = live.sampler
-        for i in range(len(draft) + 1):
+        for i in range(count + 1):
             row = start + i
             if sampler.plain_greedy:
                 parts.append(greedy[row : row + 1])
             else:
                 parts.append(sample(log_softmax(logits[row : row + 1]), sampler.sampling, sampler.seed,
                                     sampler.position + i))
-        start += len(draft) + 1
+        start += count + 1
     return mx.concatenate(parts, axis=0)
 
 
