@@ -147,3 +147,28 @@ async def test_a_draft_model_of_another_vocabulary_is_refused(chain_dir: Path, t
     path.write_text(json.dumps(tokenizer))
     with pytest.raises(StatecoreError, match="vocabulary"):
         await load_engine(chain_dir, prefill_chunk_size=16, draft_model=other)
+
+
+async def test_a_verify_step_that_raises_costs_a_token_s_time_not_the_request(chain_dir: Path) -> None:
+    """The first verify step's model call raises (a transient fault): the row decodes that token
+    in an ordinary step instead, tries again later, and its answer is unchanged."""
+    raised: list[str] = []
+    loaded: list[MlxEngine] = []  # the hook runs during the load too
+
+    def hook(stage: str, request_ids: object) -> None:
+        speculator = loaded[0]._device.speculator if loaded else None
+        if speculator is not None and speculator.verifying and not raised:
+            raised.append(stage)
+            raise RuntimeError("injected")
+
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram",
+                                    model_call_hook=hook)
+    loaded.append(speculating)
+    try:
+        prompt = edit_like(99, 5)
+        assert await single(speculating, "f", prompt, GREEDY) == await single(plain, "p", prompt, GREEDY)
+        assert raised == ["decode"] and speculating.statistics().speculative_accepted > 0
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)

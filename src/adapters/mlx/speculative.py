@@ -78,6 +78,7 @@ class Speculator:
         # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
+        self.verifying = False  # a verify step's model call is being built (a test hook reads it)
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -240,8 +241,12 @@ class Speculator:
         with mx.stream(generation_stream):
             loop.computing = ("decode", [live.request_id for live in rows])
             layers = pool.step_layers(offsets, slots, bucket=loop.bucket)
-            logits = loop.model(mx.concatenate(pieces)[:, None], cache=layers)[:, -1, :]
-            loop.computing = ("", ())
+            self.verifying = True
+            try:
+                logits = loop.model(mx.concatenate(pieces)[:, None], cache=layers)[:, -1, :]
+            finally:
+                self.verifying = False
+                loop.computing = ("", ())
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
             mx.eval(drawn, pieces, pool.keys, pool.values)
         tokens: list[int] = drawn.tolist()
