@@ -38,6 +38,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
+from statecore.scheduling import plan_step as scheduled
 from statecore.scheduling import prefill_units
 from support.tiny_models import (
     build_custom_cache_checkpoint,
@@ -75,6 +76,7 @@ class Opener(Protocol):
         max_batch: int = ...,
         prefill_batch: int = ...,
         max_num_batched_tokens: int | None = ...,
+        prefill_step_tokens: int | None = ...,
         kv_memory_bytes: int | None = ...,
         decodes_locally: bool = ...,
         shape_bucket: int | None = ...,
@@ -1115,6 +1117,61 @@ async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_e
         whole, RequestId("s"), prompt, seeded)
     with pytest.raises(StatecoreError, match="at least one layer"):
         await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 7)
+
+
+async def test_a_decode_node_s_step_target_slices_prefills_and_an_explicit_budget_wins(
+    open_engine: Opener
+) -> None:
+    """`prefill_step_tokens` (a decode node's default) sets the budget once the layers are known:
+    rows plus that many tokens, or one layer of a chunk where that is more; a budget given
+    outright is kept."""
+    path = cached_checkpoint("llama")  # 2 layers: one layer of a 16-token chunk is 8 tokens' worth
+    roomy = await open_engine(path, max_batch=4, prefill_step_tokens=12)
+    tight = await open_engine(path, max_batch=4, prefill_step_tokens=1)
+    given = await open_engine(path, max_batch=4, prefill_step_tokens=1, max_num_batched_tokens=4 + 16)
+    budgets = [engine._device.settings.max_num_batched_tokens for engine in (roomy, tight, given)]
+    assert budgets == [4 + 12, 4 + 8, 4 + 16]
+    prompt = prompt_of(40, salt=3)
+    assert await single(tight, RequestId("t"), prompt) == reference(path, prompt)
+
+
+async def test_the_step_after_a_handed_off_request_joins_decodes_only(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a prompt prefills a layer per step, a handed-off request joins: the step that follows
+    computes no prefill (its second token waits for none), the prompt goes on after it, and both
+    requests' tokens are exact."""
+    path = cached_checkpoint("llama")
+    plans: list[tuple[int, int, int]] = []  # (budget tokens, decode rows, prefill works) per step
+
+    def recorded(decode_rows: int, waiting: Any, budget: Any) -> Any:
+        plan = scheduled(decode_rows, waiting, budget)
+        if waiting:
+            plans.append((budget.tokens, decode_rows, len(plan.prefills)))
+        return plan
+
+    monkeypatch.setattr(device_module, "plan_step", recorded)
+    source = await open_engine(path)
+    decode = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 8)
+    newcomer, long = prompt_of(33, salt=7), prompt_of(1500, salt=8)  # ~190 steps: the install lands mid-way
+    outcome = await source.prefill(RequestId("new"), newcomer, GREEDY)
+    payload = (await source.export_held(RequestId("new"))).joined()
+    await source.release_held(RequestId("new"))
+    results: dict[str, list[int]] = {}
+
+    async def prefill_long() -> None:
+        results["long"] = await single(decode, RequestId("long"), long)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prefill_long)
+        while not plans:  # the long prompt is being prefilled, a layer a step
+            await trio.sleep(0.01)
+        await decode.install(RequestId("new"), payload, newcomer, outcome.first_token, GREEDY)
+        results["new"] = [outcome.first_token] + [g.token for g in await collect(decode, RequestId("new"))]
+    decode_only = [plan for plan in plans if plan[0] == plan[1]]
+    assert len(decode_only) == 1 and decode_only[0][2] == 0, plans
+    assert plans.index(decode_only[0]) < len(plans) - 1  # the prompt went on after it
+    assert results == {"long": reference(path, long), "new": reference(path, newcomer)}
 
 
 async def test_a_failing_prefill_batch_is_retried_one_by_one(

@@ -312,6 +312,10 @@ class DeviceLoop:
                                         "prefill_batched", "launch", "readback", "other_job")
         }
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
+        # A handed-off request joined since the last step: the next step decodes only, so that its
+        # second token waits for no prefill work (on a decode node that prefills some prompts
+        # itself, one step of that can be many decode steps long)
+        self.handoff_joined = False
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
@@ -611,10 +615,12 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
+            budget = len(self.live) if self.handoff_joined else self.settings.max_num_batched_tokens
+            self.handoff_joined = False
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
-                StepBudget(self.settings.max_num_batched_tokens, self.settings.prefill_batch),
+                StepBudget(budget, self.settings.prefill_batch),
             )
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())

@@ -683,8 +683,10 @@ class MlxEngine:
 
     def _installed(self, tokens: Sequence[int], caches: list[Any]) -> list[Any]:
         """On the device thread: a handed-off cache as this rank decodes it, its whole chunks kept
-        for the conversation's next turn (on every rank of an instance alike)."""
+        for the conversation's next turn (on every rank of an instance alike). The next step
+        decodes only: the request's second token waits for no prefill."""
         self._device.keep_installed(tokens, caches)
+        self._device.handoff_joined = True
         return caches
 
     def _hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
