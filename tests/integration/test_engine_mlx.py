@@ -33,7 +33,14 @@ from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.sampling import PositionSampler
-from effects.engine_port import Engine, EngineStatistics, GeneratedToken, PrefixSummary, SamplingParams
+from effects.engine_port import (
+    Engine,
+    EngineStatistics,
+    GeneratedToken,
+    KvSegment,
+    PrefixSummary,
+    SamplingParams,
+)
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
@@ -1159,19 +1166,45 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     await source.release_held(RequestId("new"))
     results: dict[str, list[int]] = {}
 
-    async def prefill_long() -> None:
-        results["long"] = await single(decode, RequestId("long"), long)
+    async def prefill_long(prompt: list[int]) -> None:
+        results["long"] = await single(decode, RequestId(f"long{len(results)}"), prompt)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(prefill_long)
-        while not plans:  # the long prompt is being prefilled, a layer a step
-            await trio.sleep(0.01)
+        nursery.start_soon(prefill_long, long)
+        with trio.fail_after(60):
+            while not plans:  # the long prompt is being prefilled, a layer a step
+                await trio.sleep(0.01)
         await decode.install(RequestId("new"), payload, newcomer, outcome.first_token, GREEDY)
         results["new"] = [outcome.first_token] + [g.token for g in await collect(decode, RequestId("new"))]
     decode_only = [plan for plan in plans if plan[0] == plan[1]]
     assert len(decode_only) == 1 and decode_only[0][2] == 0, plans
     assert plans.index(decode_only[0]) < len(plans) - 1  # the prompt went on after it
     assert results == {"long": reference(path, long), "new": reference(path, newcomer)}
+
+    # Streamed: from its last piece on, steps hold the prefill back until the request joins.
+    pieces: list[KvSegment] = []
+    outcome = await source.prefill(RequestId("piecewise"), newcomer, GREEDY, segments=pieces.append)
+    assert len(pieces) > 1
+    for piece in pieces[:-1]:
+        await decode.receive_segment(RequestId("piecewise"), piece, len(newcomer))
+    plans.clear()
+    another = prompt_of(1500, salt=9)  # not the first one, whose chunks the prefix cache now holds
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prefill_long, another)
+        with trio.fail_after(60):
+            while not plans:
+                await trio.sleep(0.01)
+            await decode.receive_segment(RequestId("piecewise"), pieces[-1], len(newcomer))
+            held_back = len(plans)
+            while len(plans) < held_back + 2:  # two steps after the last piece, before the join
+                await trio.sleep(0.001)
+        assert all(budget == rows and works == 0 for budget, rows, works in plans[held_back:held_back + 2])
+        await decode.install_segments(RequestId("piecewise"), newcomer, outcome.first_token, GREEDY)
+        tokens = [outcome.first_token] + [g.token for g in await collect(decode, RequestId("piecewise"))]
+    await source.release_held(RequestId("piecewise"))
+    assert tokens == reference(path, newcomer)
+    assert results["long"] == reference(path, another)  # it went on after the join
+    assert not decode._device.handoffs_coming
 
 
 async def test_a_failing_prefill_batch_is_retried_one_by_one(

@@ -110,6 +110,9 @@ logger = logging.getLogger("adapters.engine_mlx")
 _T = TypeVar("_T")
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
+# How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
+# soon as it is validated; a request that never does stops holding it back after this)
+HANDOFF_COMING_S = 2.0
 _SLOW_STEPS_KEPT = 32
 _KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
 # How long the merge lane's arrived choices of a request wait for a missing one not seen on this
@@ -312,10 +315,13 @@ class DeviceLoop:
                                         "prefill_batched", "launch", "readback", "other_job")
         }
         self.slow_steps: deque[SlowStep] = deque(maxlen=_SLOW_STEPS_KEPT)  # the latest slow steps
-        # A handed-off request joined since the last step: the next step decodes only, so that its
-        # second token waits for no prefill work (on a decode node that prefills some prompts
-        # itself, one step of that can be many decode steps long)
+        # A handed-off request joined since the last step, or one whose last piece has arrived
+        # (by request id: when, time.monotonic(); set and cleared by the engine in trio): steps
+        # decode only meanwhile, so that its second token waits for no prefill work (on a decode
+        # node that prefills some prompts itself, one step of that can be many decode steps
+        # long, and a step launched before the join still runs when the request joins)
         self.handoff_joined = False
+        self.handoffs_coming: dict[str, float] = {}
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
@@ -533,6 +539,11 @@ class DeviceLoop:
             self.step()
             self.progress_at = time.monotonic()
 
+    def handoff_imminent(self) -> bool:
+        """A handed-off request's last piece arrived within HANDOFF_COMING_S: it joins any moment."""
+        now = time.monotonic()
+        return any(now - since < HANDOFF_COMING_S for since in list(self.handoffs_coming.values()))
+
     def stalled_s(self) -> float:
         """Seconds the loop has been busy without finishing a job or a step (0 while it waits
         for work). Read from any thread: the watchdog's one input."""
@@ -615,7 +626,8 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
-            budget = len(self.live) if self.handoff_joined else self.settings.max_num_batched_tokens
+            budget = (len(self.live) if self.handoff_joined or self.handoff_imminent()
+                      else self.settings.max_num_batched_tokens)
             self.handoff_joined = False
             plan = plan_step(
                 len(self.live),

@@ -595,6 +595,9 @@ class MlxEngine:
                 Fault.PEER, Code.KV_MALFORMED,
                 "this node installs whole payloads only (tensor or pipeline parallel)"))
         # Validated and built in a worker thread, as `install` does, while the stream goes on.
+        if segment.stop == prompt_tokens and segment.end_layer == len(self._expected_classes):
+            # the last piece: the request joins once the pieces are checked and installed
+            self._device.handoffs_coming[request_id] = time.monotonic()
         built = await trio.to_thread.run_sync(self._validate_segment, segment, prompt_tokens)
         await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
         self._arriving.setdefault(request_id, []).append((segment.first_layer, segment.end_layer, built))
@@ -624,10 +627,13 @@ class MlxEngine:
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
     ) -> None:
         pieces = self._arriving.pop(request_id, [])
-        tokens = self._check_request(prompt, sampling)
-        first_token = self._check_token(first_token, "first_token")
-        await self._start(request_id, tokens, first_token, sampling,
-                          partial(self._joined_segments, tokens, pieces))
+        try:
+            tokens = self._check_request(prompt, sampling)
+            first_token = self._check_token(first_token, "first_token")
+            await self._start(request_id, tokens, first_token, sampling,
+                              partial(self._joined_segments, tokens, pieces))
+        finally:
+            self._device.handoffs_coming.pop(request_id, None)
 
     def _joined_segments(self, tokens: Sequence[int], pieces: list[tuple[int, int, list[Any]]]) -> list[Any]:
         """On the device thread: the received pieces as one cache per layer (each layer's token
@@ -740,6 +746,7 @@ class MlxEngine:
 
     async def cancel(self, request_id: RequestId) -> None:
         self._arriving.pop(request_id, None)
+        self._device.handoffs_coming.pop(request_id, None)
         receive = self._streams.pop(request_id, None)
         if receive is not None:
             receive.close()
