@@ -120,14 +120,15 @@ def server_env(blas: str, server: str | None = None) -> tuple[dict[str, str], st
     return env, blas
 
 
-def make_servers(model: Path, out: Path, which: Sequence[str], extra_sc: list[str]) -> list[Server]:
+def make_servers(model: Path, out: Path, which: Sequence[str], extra_sc: list[str],
+                 extra_mlx_lm: Sequence[str] = ()) -> list[Server]:
     py = sys.executable
     servers = []
     for name in which:
         port = free_port()
         if name == "mlx_lm":
             argv = [py, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1",
-                    "--port", str(port), "--log-level", "WARNING"]
+                    "--port", str(port), "--log-level", "WARNING", *extra_mlx_lm]
         elif name == "single":
             argv = [py, "-m", "adapters.cli", "run", "--role", "single", "--model", str(model),
                     "--port", str(port), "--log-level", "WARNING", *extra_sc]

@@ -159,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "defaults: each server as its users run it (mlx_lm bundled, statecore auto)")
     parser.add_argument("--statecore-arg", action="append", default=[],
                         help="extra flag for the statecore servers (repeatable), e.g. --max-batch=64")
+    parser.add_argument("--mlx-lm-arg", action="append", default=[],
+                        help="extra flag for mlx_lm.server (repeatable), e.g. --mlx-lm-arg=--draft-model=DIR")
     parser.add_argument("--statecore-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment setting for the statecore servers only (repeatable), e.g. "
                         "MLX_USE_CUDA_GRAPHS=1; mlx_lm.server keeps the environment as it is")
@@ -180,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model {model}\nBLAS {blas}  servers {names}  mixes {[m.name for m in mixes]}  "
           f"reps {args.reps}  out {args.out}", flush=True)
 
-    servers = make_servers(model, args.out, names, args.statecore_arg)
+    servers = make_servers(model, args.out, names, args.statecore_arg, args.mlx_lm_arg)
     runs: list[RunResult] = []
     if bad := [setting for setting in args.statecore_env if "=" not in setting]:
         raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")

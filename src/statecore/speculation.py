@@ -42,7 +42,8 @@ class NgramIndex:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, not {self.min_n}..{self.max_n}")
         seed, self.tokens = self.tokens, []
-        self._ends = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        # n = min_n - 1 too: whether a draft may follow the next token (`may_draft_next`)
+        self._ends = {n: {} for n in range(max(1, self.min_n - 1), self.max_n + 1)}
         self.extend(seed)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -57,13 +58,20 @@ class NgramIndex:
                 if end >= n:
                     self._pending[n] = (tuple(self.tokens[end - n : end]), end)
 
+    def may_draft_next(self) -> bool:
+        """Whether a draft could follow the row's next token, whatever it is: its last min_n - 1
+        tokens occurred before (the next min_n-gram must have). Lets a decode step that does not
+        know its row's latest token yet skip reading it back when no draft could follow."""
+        short = self.min_n - 1
+        return short == 0 or (len(self.tokens) >= short and tuple(self.tokens[-short:]) in self._ends[short])
+
     def draft(self, count: int) -> list[int]:
         """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix
         n-gram seen before (empty when none was)."""
         if count <= 0:
             return []
         tokens = self.tokens
-        for n in range(self.max_n, self.min_n - 1, -1):
+        for n in range(self.max_n, self.min_n - 1, -1):  # (n = min_n - 1 is kept, never drafted from)
             if len(tokens) < n:
                 continue
             start = self._ends[n].get(tuple(tokens[-n:]))

@@ -9,7 +9,9 @@ answer (the llama checkpoint has think markers and a template that opens a think
 the end marker makes it answer too); bodies equal once
 `id` and `created` are dropped; every SSE chunk equal; usage
 equal; prompts long enough to wrap gemma3's window. Then many pulls back to back, which reuse
-the decode node's receive buffers, each one equal to the single node.
+the decode node's receive buffers, each one equal to the single node. The llama cluster's decode
+node speculates (`--speculative ngram`) and the single node does not: every case above runs
+through it, and a prompt that repeats itself makes it draft and verify.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # block), so every chat case through it has its thinking split off, on both paths
     model = cached_checkpoint(family, dtype=dtype, thinking=True) if family == "llama" else cached_checkpoint(
         family, dtype=dtype)
-    built = start_cluster(model, tmp_path_factory.mktemp(f"logs-{family}-{dtype}"))
+    speculating = ("--speculative", "ngram", "--num-draft-tokens", "4") if family == "llama" else ()
+    built = start_cluster(model, tmp_path_factory.mktemp(f"logs-{family}-{dtype}"), decode_args=speculating)
     try:
         yield built
     finally:
@@ -232,3 +235,21 @@ def test_many_pulls_back_to_back_stay_identical(cluster: Cluster) -> None:
         assert single.status_code == routed.status_code == 200, (single.text, routed.text)
         assert without_ids(routed.json()) == without_ids(single.json()), words
     assert_no_leaks(cluster.nodes)
+
+
+def test_a_speculating_decode_node_answers_as_the_single_node(cluster: Cluster) -> None:
+    """The tiny llama's greedy answer to this prompt soon repeats itself: the decode node drafts
+    from it by prompt lookup, and every answer is still the single node's."""
+    if "--speculative" not in cluster.decode[0].args:
+        pytest.skip("only the llama cluster's decode node speculates")
+    prompt = ("The old lighthouse keeper climbed the stairs every evening, counting each step and "
+              "listening to the sea.")
+    for body in ({"prompt": prompt, "max_tokens": 40, "temperature": 0},
+                 {"prompt": f"{prompt} {prompt}", "max_tokens": 40, "temperature": 0.6, "seed": 4}):
+        single = post(cluster.single, "/v1/completions", body)
+        routed = post(cluster.router, "/v1/completions", body)
+        assert single.status_code == routed.status_code == 200, (single.text, routed.text)
+        assert without_ids(routed.json()) == without_ids(single.json())
+    speculated = cluster.decode[0].stats()["speculative"]
+    assert speculated["steps"] > 0 and speculated["accepted"] > 0, speculated
+    assert cluster.single.stats()["speculative"]["steps"] == 0

@@ -1,10 +1,12 @@
-"""Speculative decoding (`--speculative ngram`) against the same engine without it, on a tiny
-model that mostly continues a fixed chain of tokens (`support.chain_model`): prompts holding the
-chain are drafted from, and the drafts mostly stand; every token must be the one decoding
-without speculation gives, greedy and seeded, on one node and after a handoff."""
+"""Speculative decoding (`--speculative ngram`, `--draft-model`) against the same engine without
+it, on a tiny model that mostly continues a fixed chain of tokens (`support.chain_model`):
+prompts holding the chain are drafted from, and a smaller chain model drafts as well; the drafts
+mostly stand, and every token must be the one decoding without speculation gives, greedy and
+seeded, on one node and after a handoff."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import trio
 
 from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
+from statecore.errors import StatecoreError
 from statecore.ids import RequestId
 from support.chain_model import build_chain_checkpoint, chain
 from tests.integration.engines import close_engine, load_engine
@@ -104,3 +107,68 @@ async def test_rows_beside_others_and_rows_asking_for_logprobs_decode_without_sp
     assert await single(speculating, "l", edit_like(80), with_logprobs) == await single(
         plain, "pl", edit_like(80), with_logprobs)
     assert speculating.statistics().speculative_steps == steps
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model without its second layer: the same vocabulary, guesses that mostly stand."""
+    return build_chain_checkpoint(tmp_path_factory.mktemp("draft"), num_layers=1)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_draft_model_s_guesses_change_no_token(chain_dir: Path, draft_dir: Path,
+                                                         sampling: SamplingParams) -> None:
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    try:
+        drafted = await load_engine(chain_dir, prefill_chunk_size=16, draft_model=draft_dir,
+                                    num_draft_tokens=3)
+        try:
+            for n, prompt in enumerate((edit_like(77), [9 + (5 * i) % 300 for i in range(30)])):
+                expected = await single(plain, f"p{n}", prompt, sampling)
+                assert await single(drafted, f"d{n}", prompt, sampling) == expected
+            handed = await handed_off(plain, drafted, "h", edit_like(150, 2), sampling)
+            assert handed == await single(plain, "ph", edit_like(150, 2), sampling)
+            stats = drafted.statistics()
+            assert 0 < stats.speculative_accepted < stats.speculative_drafted
+            assert not drafted._device.draft_model.rows  # type: ignore[union-attr]  # every row's cache let go
+        finally:
+            await close_engine(drafted)
+    finally:
+        await close_engine(plain)
+
+
+async def test_a_draft_model_of_another_vocabulary_is_refused(chain_dir: Path, tmp_path: Path) -> None:
+    other = build_chain_checkpoint(tmp_path / "other", hidden_size=32, num_layers=1)
+    path = other / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens' ids swapped
+    path.write_text(json.dumps(tokenizer))
+    with pytest.raises(StatecoreError, match="vocabulary"):
+        await load_engine(chain_dir, prefill_chunk_size=16, draft_model=other)
+
+
+async def test_a_verify_step_that_raises_costs_a_token_s_time_not_the_request(chain_dir: Path) -> None:
+    """The first verify step's model call raises (a transient fault): the row decodes that token
+    in an ordinary step instead, tries again later, and its answer is unchanged."""
+    raised: list[str] = []
+    loaded: list[MlxEngine] = []  # the hook runs during the load too
+
+    def hook(stage: str, request_ids: object) -> None:
+        speculator = loaded[0]._device.speculator if loaded else None
+        if speculator is not None and speculator.verifying and not raised:
+            raised.append(stage)
+            raise RuntimeError("injected")
+
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram",
+                                    model_call_hook=hook)
+    loaded.append(speculating)
+    try:
+        prompt = edit_like(99, 5)
+        assert await single(speculating, "f", prompt, GREEDY) == await single(plain, "p", prompt, GREEDY)
+        assert raised == ["decode"] and speculating.statistics().speculative_accepted > 0
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)

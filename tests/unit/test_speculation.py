@@ -70,3 +70,11 @@ def test_a_failing_row_waits_ever_longer_and_a_success_resets_it() -> None:
     assert waits == [1, 2, 4, 8, 16, 16, 16]
     assert max(waits) == MAX_PAUSE
     assert pace.tried(2) == SpeculationPace()
+
+
+def test_a_row_may_draft_after_its_next_token_only_if_its_last_token_came_before() -> None:
+    index = NgramIndex(max_n=3, min_n=2, tokens=[4, 5, 6])
+    assert not index.may_draft_next()  # 6 never came before: no bigram "6 x" can have
+    index.extend([5])
+    assert index.may_draft_next()  # 5 came before (followed by 6)
+    assert NgramIndex(max_n=2, min_n=1, tokens=[1]).may_draft_next()

@@ -54,6 +54,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.compiled import CompiledSlotStep
+from adapters.mlx.draft_model import DraftModel
 from adapters.mlx.jobs import (
     Crash,
     Job,
@@ -324,6 +325,7 @@ class DeviceLoop:
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
+        self.draft_model: DraftModel | None = None  # --draft-model (set at load, before configure)
 
     # -- configuration (after the model is loaded) ---------------------------------------------
 
@@ -399,7 +401,8 @@ class DeviceLoop:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
         self.batch = self.new_batch()
         if s.speculative != "off":
-            self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows)
+            self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
+                                         self.draft_model)
             self.speculator.measure(self)
         if s.prefill_memory_cap:
             # Even on an idle node a whole chunk has beside it only the budget less the slot pool

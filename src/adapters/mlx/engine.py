@@ -44,6 +44,7 @@ from adapters.mlx.distributed import (
     rank_heads,
     refuse_pipelined_handoff,
 )
+from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
 from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
@@ -97,6 +98,8 @@ class MlxEngine:
         self._tensor = tensor
         self._trust_remote_code = trust_remote_code
         self._settings = settings
+        self._draft_dir: Path | None = None  # --draft-model, loaded with the model
+        self._adapter_dir: Path | None = None  # --adapter-path, applied to the model at load
         self._queue: queue.SimpleQueue[Job[Any] | Stop | Crash] = queue.SimpleQueue()
         self._state_lock = threading.Lock()
         self._alive = True
@@ -146,6 +149,8 @@ class MlxEngine:
         speculative: str = "off",
         num_draft_tokens: int = 3,
         speculative_max_rows: int = 1,
+        draft_model: Path | None = None,
+        adapter_path: Path | None = None,
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
         tensor: TensorGroup | None = None,
@@ -213,11 +218,16 @@ class MlxEngine:
         handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
         turn starts after them.
 
-        `speculative` ("off", "ngram"): while at most `speculative_max_rows` requests decode, each
-        step drafts up to `num_draft_tokens` tokens per row by prompt lookup and checks them in one
-        verify step (`adapters.mlx.speculative`); greedy and seeded rows emit exactly the tokens
-        they emit without it. It stays off (logged) where the load check finds that a verify step
-        would not compute an ordinary step's numbers.
+        `speculative` ("off", "ngram", "draft"): while at most `speculative_max_rows` requests
+        decode, each step drafts up to `num_draft_tokens` tokens per row, by prompt lookup or with
+        `draft_model` (a model directory of the same vocabulary; giving one turns "off" into
+        "draft"), and checks them in one verify step (`adapters.mlx.speculative`); greedy and
+        seeded rows emit exactly the tokens they emit without it. It stays off (logged) where the
+        load check finds that a verify step would not compute an ordinary step's numbers.
+
+        `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
+        applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
+        only between nodes with the same adapter.
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -280,8 +290,13 @@ class MlxEngine:
             raise StatecoreError(client_error(
                 f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
         capped = kv_memory_bytes is not None if prefill_memory_cap == "auto" else prefill_memory_cap == "on"
-        if speculative not in ("off", "ngram"):
-            raise StatecoreError(client_error("speculative must be off or ngram"))
+        if draft_model is not None and speculative == "off":
+            speculative = "draft"
+        if speculative not in ("off", "ngram", "draft"):
+            raise StatecoreError(client_error("speculative must be off, ngram or draft"))
+        if (speculative == "draft") != (draft_model is not None):
+            raise StatecoreError(client_error(
+                "speculative 'draft' needs a draft model, and a draft model needs speculative 'draft'"))
         if num_draft_tokens < 1 or speculative_max_rows < 1:
             raise StatecoreError(client_error("num_draft_tokens and speculative_max_rows must be >= 1"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
@@ -296,6 +311,8 @@ class MlxEngine:
                             else prefill_step_tokens)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
+        engine._draft_dir = None if draft_model is None else Path(draft_model)
+        engine._adapter_dir = None if adapter_path is None else Path(adapter_path)
         engine._device.model_call_hook = model_call_hook
         if tensor is not None and tensor.rank > 0:
             return engine  # its load comes in rank 0's first plan
@@ -1112,7 +1129,7 @@ class MlxEngine:
         group = None if tensor is None else tensor.group
         loaded = load_model(self._model_dir, trust_remote_code=self._trust_remote_code,
                             shard_group=None if pipelined else group,
-                            pipeline_group=group if pipelined else None)
+                            pipeline_group=group if pipelined else None, adapter_path=self._adapter_dir)
         self._device.pipelined = pipelined
         fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device = self._device
@@ -1153,6 +1170,10 @@ class MlxEngine:
         if pipelined:  # each rank holds other layers: admission decides alike on the largest
             assert tensor is not None
             cost = KvCost(*agree_max(tensor.group, [cost.fixed, cost.per_token, cost.slot_per_token]))
+        if self._draft_dir is not None and s.speculative == "draft":
+            drafting = load_model(self._draft_dir, trust_remote_code=self._trust_remote_code)
+            check_draft_vocabulary(loaded.tokenizer, drafting.tokenizer)
+            device.draft_model = DraftModel(drafting.model)
         device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         # what this rank holds of the model (a shard on a tensor-parallel rank), and every rank's
         held = parameter_bytes(loaded.model)

@@ -4,8 +4,11 @@
 trust_remote_code, loads weights and tokenizer through mlx-lm, and collects the EOS ids.
 With a `pipeline_group` each rank keeps only its share of the layers (mlx-lm's
 `model.model.pipeline`, in the families of `PIPELINE_FAMILIES`).
+With an `adapter_path` (`--adapter-path`, an mlx-lm LoRA/DoRA adapter directory) the adapter's
+layers are applied as mlx-lm applies them (not fused: the same numbers as mlx-lm with it).
 `model_fingerprint` is what two nodes must share to exchange KV: the engine's format version, the
-config's bytes, the parameter dtypes, kv_bits, the prefill chunk size and the BLAS in use.
+config's bytes, the parameter dtypes, kv_bits, the prefill chunk size, the BLAS in use and the
+adapter's bytes (when one is applied: a prompt's KV depends on it).
 This module imports mlx and mlx_lm; it must never import trio.
 """
 
@@ -58,6 +61,7 @@ class LoadedModel:
     dtypes: tuple[str, ...]
     context_length: int
     tokenizer: Any = None  # mlx-lm's TokenizerWrapper (structured output compiles grammars over it)
+    adapter_sha256: str | None = None  # the applied adapter's config and weights, hashed
 
 
 def pipeline_refusal(model_type: object, ranks: int) -> str | None:
@@ -70,7 +74,7 @@ def pipeline_refusal(model_type: object, ranks: int) -> str | None:
 
 
 def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = None,
-               pipeline_group: Any = None) -> LoadedModel:
+               pipeline_group: Any = None, adapter_path: Path | None = None) -> LoadedModel:
     """`shard_group` (an `mx.distributed.Group` of more than one rank): load lazily and keep this
     rank's tensor-parallel shard only (mlx-lm's `model.shard`), so no rank holds the whole model.
     `pipeline_group`: keep this rank's layers only (rank 0 the last ones, the last rank the first)."""
@@ -96,14 +100,22 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
                 f"model_file={model_file!r}); refusing to run it without trust_remote_code",
             )
         )
+    adapter_sha256 = None if adapter_path is None else _adapter_digest(adapter_path)
+    if adapter_path is not None and (shard_group is not None or pipeline_group is not None):
+        raise StatecoreError(ErrorInfo(
+            Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+            "--adapter-path is not served by tensor- or pipeline-parallel instances (their ranks "
+            "shard the base layers; the adapter's layers would need sharding too)"))
     if shard_group is not None:
         _check_shardable(config, int(shard_group.size()))
     if pipeline_group is not None and (refusal := pipeline_refusal(
             config.get("model_type"), int(pipeline_group.size()))) is not None:
         raise StatecoreError(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER, refusal))
     try:
+        adapter = None if adapter_path is None else str(adapter_path)
         loaded: tuple[Any, ...] = mlx_lm_load(str(model_dir), trust_remote_code=trust_remote_code,
-                                              lazy=shard_group is not None or pipeline_group is not None)
+                                              lazy=shard_group is not None or pipeline_group is not None,
+                                              adapter_path=adapter)
     except Exception as exc:
         raise StatecoreError(
             ErrorInfo(
@@ -141,7 +153,8 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
         eos.update(int(t) for t in raw_eos)
     params: Any = tree_flatten(model.parameters())
     dtypes = tuple(sorted({str(v.dtype) for _, v in params}))
-    return LoadedModel(model, frozenset(eos), config_bytes, dtypes, _context_length(config), tokenizer)
+    return LoadedModel(model, frozenset(eos), config_bytes, dtypes, _context_length(config), tokenizer,
+                       adapter_sha256)
 
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
@@ -155,11 +168,28 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "prefill_chunk_size": prefill_chunk_size,
         **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
         **({"fused_projections": True} if fused else {}),  # one matmul rounds as three may not
+        **({"adapter_sha256": loaded.adapter_sha256} if loaded.adapter_sha256 else {}),
         # Two BLAS libraries round float32 matmuls differently: nodes on different ones must
         # refuse each other's KV.
         "blas": blas_in_use(),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _adapter_digest(adapter_path: Path) -> str:
+    """The adapter's config and weights, hashed (what the fingerprint carries); refuses a directory
+    that is not an mlx-lm adapter."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        try:
+            with (adapter_path / name).open("rb") as stream:
+                for block in iter(lambda: stream.read(1 << 20), b""):
+                    digest.update(block)
+        except OSError as exc:
+            raise StatecoreError(client_error(
+                f"--adapter-path {adapter_path} is not an mlx-lm adapter directory (it needs "
+                f"adapter_config.json and adapters.safetensors): {exc}", Code.MODEL_NOT_FOUND)) from exc
+    return digest.hexdigest()
 
 
 def _check_shardable(config: dict[str, Any], ranks: int) -> None:

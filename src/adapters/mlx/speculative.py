@@ -38,6 +38,7 @@ from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_
 
 if TYPE_CHECKING:
     from adapters.mlx.device import DeviceLoop, Live
+    from adapters.mlx.draft_model import DraftModel
 
 __all__ = ["Speculator"]
 
@@ -65,15 +66,19 @@ class _Row:
 class Speculator:
     """The device thread's speculation (one per `DeviceLoop`, when `--speculative` is not off)."""
 
-    def __init__(self, mode: str, num_draft_tokens: int, max_rows: int) -> None:
+    def __init__(self, mode: str, num_draft_tokens: int, max_rows: int,
+                 draft: DraftModel | None = None) -> None:
         self.mode = mode
         self.num_draft_tokens = num_draft_tokens
         self.max_rows = max_rows
+        self.draft = draft  # mode "draft": the draft model guesses; else prompt lookup
         self.rows: dict[str, _Row] = {}
         self.classes: tuple[int, ...] = ()
         self.off_reason: str | None = None
         # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
+        self.early_reads = 0  # steps that read the previous one back before building (a try)
+        self.verifying = False  # a verify step's model call is being built (a test hook reads it)
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -125,6 +130,8 @@ class Speculator:
 
     def left(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     @staticmethod
     def eligible(live: Live) -> bool:
@@ -145,7 +152,14 @@ class Speculator:
         if not due:
             self.pass_step(rows)
             return rows
-        if loop.inflight is not None:  # drafts continue from the latest token: read it back now
+        if loop.inflight is not None and loop.inflight.tokens is not None:
+            # Drafts continue from the latest token, still on the device: read it back now, unless
+            # no draft could follow it anyway (the overlap of this step is kept then).
+            if not any(self.rows[live.request_id].pace.due
+                       and (self.draft is not None or self.index(live).may_draft_next()) for live in rows):
+                self.pass_step(rows)
+                return rows
+            self.early_reads += 1
             previous, loop.inflight = loop.inflight, None
             loop.read_back(previous)
             rows = [live for live in loop.live.values() if live.slot is not None]
@@ -155,8 +169,8 @@ class Speculator:
         assert pool is not None
         reference = pool.rows([live.slot for live in rows if live.slot is not None])
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
-        drafts = self.propose(loop, rows, room)
-        if not any(drafts):
+        drafts = self.propose(rows, room)
+        if not any(_count(draft) for draft in drafts):
             for live in rows:
                 self.tried(live, 0)
             return rows
@@ -167,6 +181,8 @@ class Speculator:
                            type(exc).__name__, exc)
             for live in rows:
                 self.tried(live, 0)
+                if self.draft is not None:  # its cache may hold drafts whose values never came back
+                    self.draft.forget(live.request_id)
             return [live for live in loop.live.values() if live.slot is not None]
         return []
 
@@ -181,44 +197,63 @@ class Speculator:
         if row is not None:
             row.pace = row.pace.tried(kept)
 
-    def propose(self, loop: DeviceLoop, rows: Sequence[Live], room: int) -> list[list[int]]:
-        """Each due row's drafts, within `room` tokens in all; never past a row's last token."""
-        drafts: list[list[int]] = []
+    def index(self, live: Live) -> NgramIndex:
+        """The row's n-gram index, built from its tokens so far when first asked for."""
+        row = self.rows[live.request_id]
+        if row.index is None:
+            row.index = NgramIndex(tokens=row.history)
+        return row.index
+
+    def propose(self, rows: Sequence[Live], room: int) -> list[Any]:
+        """Each due row's drafts, within `room` tokens in all; never past a row's last token: a
+        list of token ids (prompt lookup), or a lazy array of them (a draft model's)."""
+        drafts: list[Any] = []
         for live in rows:
             row = self.rows[live.request_id]
             wanted = min(self.num_draft_tokens, room, live.remaining - 1)
             if not row.pace.due or wanted <= 0:
                 drafts.append([])
                 continue
-            if row.index is None:
-                row.index = NgramIndex(tokens=row.history)
-            proposed = row.index.draft(wanted)
-            room -= len(proposed)
+            if self.draft is not None:
+                proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
+                                              live.sampler)
+            else:
+                proposed = self.index(live).draft(wanted)
+            room -= _count(proposed)
             drafts.append(proposed)
         return drafts
 
-    def verify(self, loop: DeviceLoop, rows: list[Live], drafts: list[list[int]]) -> None:
+    def verify(self, loop: DeviceLoop, rows: list[Live], proposed: list[Any]) -> None:
         """One verify step over `rows` and their drafts, computed now; each row gets the tokens
         that stood and the one drawn after them."""
         pool = loop.pool
         assert pool is not None
-        inputs: list[int] = []
+        pieces: list[Any] = []
         offsets: list[int] = []
         slots: list[int] = []
-        for live, draft in zip(rows, drafts, strict=True):
+        for live, draft in zip(rows, proposed, strict=True):
             assert live.slot is not None
-            for i, token in enumerate([live.last_token, *draft]):
-                inputs.append(token)
+            pieces += [mx.array([live.last_token], dtype=mx.uint32),
+                       mx.array(draft, dtype=mx.uint32) if isinstance(draft, list) else draft]
+            for i in range(1 + _count(draft)):
                 offsets.append(live.offset + i)
                 slots.append(live.slot)
         with mx.stream(generation_stream):
             loop.computing = ("decode", [live.request_id for live in rows])
             layers = pool.step_layers(offsets, slots, bucket=loop.bucket)
-            logits = loop.model(mx.array(inputs, dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
-            loop.computing = ("", ())
-            drawn = _draw(logits, rows, drafts)
-            mx.eval(drawn, pool.keys, pool.values)
+            self.verifying = True
+            try:
+                logits = loop.model(mx.concatenate(pieces)[:, None], cache=layers)[:, -1, :]
+            finally:
+                self.verifying = False
+                loop.computing = ("", ())
+            drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
+            mx.eval(drawn, pieces, pool.keys, pool.values)
         tokens: list[int] = drawn.tolist()
+        drafts = [draft if isinstance(draft, list) else draft.tolist() for draft in proposed]
+        if self.draft is not None:
+            for live, draft in zip(rows, drafts, strict=True):
+                self.draft.drafted(live.request_id, draft)
         loop.last_tokens = None  # every slot row's next input is its host token
         deliveries: dict[Any, list[Any]] = {}
         start = 0
@@ -242,7 +277,12 @@ class Speculator:
         loop.hand_out(deliveries)
 
 
-def _draw(logits: Any, rows: Sequence[Live], drafts: Sequence[Sequence[int]]) -> Any:
+def _count(draft: Any) -> int:
+    """How many tokens a row's drafts hold (a list, or a lazy array)."""
+    return len(draft) if isinstance(draft, list) else int(draft.shape[0])
+
+
+def _draw(logits: Any, rows: Sequence[Live], counts: Sequence[int]) -> Any:
     """The token each verify row's target draws, as `sample_rows` draws it in an ordinary step:
     greedy rows the argmax of the log-probabilities, seeded rows with their position's key."""
     greedy = greedy_sampler(log_softmax(logits))
@@ -250,16 +290,16 @@ def _draw(logits: Any, rows: Sequence[Live], drafts: Sequence[Sequence[int]]) ->
         return greedy
     parts = []
     start = 0
-    for live, draft in zip(rows, drafts, strict=True):
+    for live, count in zip(rows, counts, strict=True):
         sampler = live.sampler
-        for i in range(len(draft) + 1):
+        for i in range(count + 1):
             row = start + i
             if sampler.plain_greedy:
                 parts.append(greedy[row : row + 1])
             else:
                 parts.append(sample(log_softmax(logits[row : row + 1]), sampler.sampling, sampler.seed,
                                     sampler.position + i))
-        start += len(draft) + 1
+        start += count + 1
     return mx.concatenate(parts, axis=0)
 
 

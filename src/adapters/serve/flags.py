@@ -167,6 +167,7 @@ _ROLES_OF_FLAG = {
     "speculative": frozenset({"cluster", "single", "decode"}),
     "num_draft_tokens": frozenset({"cluster", "single", "decode"}),
     "speculative_max_rows": frozenset({"cluster", "single", "decode"}),
+    "draft_model": frozenset({"cluster", "single", "decode"}),
     "prefix_pull": frozenset({"cluster", "prefill"}),
     "kv_shm_bytes": frozenset({"cluster", "prefill"}),
 }
@@ -275,13 +276,22 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="compute each layer's query/key/value projections, and its MLP's gate/up "
                              "projections, as one matmul each (fewer kernels per step): auto (on MLX's "
                              "CUDA backend), on, off (default auto)")
-    engine.add_argument("--speculative", default="off", choices=("off", "ngram"),
+    engine.add_argument("--adapter-path", type=Path, default=None, metavar="DIR",
+                        help="apply an mlx-lm LoRA/DoRA adapter (a directory with adapter_config.json and "
+                             "adapters.safetensors) to the model at load, as mlx-lm applies it; part of the "
+                             "model fingerprint: every node of a cluster needs the same one")
+    engine.add_argument("--speculative", default="off", choices=("off", "ngram", "draft"),
                         help="decode and single nodes: speculative decoding while few requests decode "
                              "(--speculative-max-rows): ngram drafts tokens by prompt lookup (what followed "
-                             "the latest earlier occurrence of the row's last tokens) and checks them in one "
-                             "verify step; every token is the one decoding without it gives (greedy and "
-                             "seeded); off where the load check finds a verify step would compute other "
-                             "numbers (default off)")
+                             "the latest earlier occurrence of the row's last tokens), draft with "
+                             "--draft-model, and a verify step checks them; every token is the one decoding "
+                             "without it gives (greedy and seeded); off where the load check finds a verify "
+                             "step would compute other numbers (default off; draft when --draft-model is "
+                             "given)")
+    engine.add_argument("--draft-model", type=Path, default=None, metavar="DIR",
+                        help="decode and single nodes: a small model of the same tokenizer that drafts the "
+                             "tokens speculative decoding checks (an mlx-lm model directory; plain KV "
+                             "cache models)")
     engine.add_argument("--num-draft-tokens", type=_whole(1), default=3, metavar="N",
                         help="with --speculative: the most draft tokens a row's verify step checks "
                              "(default 3)")

@@ -253,6 +253,7 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         keep_conversations=role != "prefill" and args.keep_conversations == "on",
         speculative=args.speculative if role != "prefill" else "off",
         num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
+        draft_model=args.draft_model if role != "prefill" else None, adapter_path=args.adapter_path,
     )
 
 

@@ -1,0 +1,139 @@
+"""A draft model for speculative decoding (`--draft-model`): a small model of the same vocabulary
+that guesses the next few tokens of a speculating row.
+
+Each row keeps its own cache in the draft model and the tokens it holds (`_DraftRow.fed`). To
+draft, the cache is first cut back to where it still agrees with the row's tokens (a verify step
+may have dropped drafts it held), the tokens it lacks are fed in one call (all of the prompt, the
+first time: the draft model's prefill happens on the node that decodes), and then each draft is
+drawn from the last position and fed back, one call per draft. A greedy row drafts the argmax; a
+seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
+the target draws that position with, so the two draws share their noise and agree as often as
+the two models do (the verify step keeps a draft only where it equals the target's own draw, so
+the coupling changes how often drafts stand, never what a request emits). Only models whose every
+layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
+budget: they are a small model's, for the few rows that speculate.
+This module imports mlx and mlx_lm; never trio, never the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from adapters.mlx.sampling import PositionSampler, log_softmax, sample
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+
+__all__ = ["DraftModel", "check_draft_vocabulary"]
+
+_FEED_CHUNK = 2048  # the most tokens one feeding call computes (a long prompt goes in several)
+
+
+@dataclass(eq=False)
+class _DraftRow:
+    cache: list[Any]
+    fed: list[int] = field(default_factory=list)  # the tokens the cache holds, in order
+    guessed: int = 0  # how many of the last `fed` are drafts (all before them are the row's tokens)
+
+
+class DraftModel:
+    """The draft model and each speculating row's cache in it (device thread only)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.rows: dict[str, _DraftRow] = {}
+        probe: list[Any] = make_prompt_cache(model)
+        if not all(type(layer) is KVCache for layer in probe):
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                "a draft model must keep a plain KV cache in every layer (its cache is cut back to "
+                f"the tokens that stood); this one keeps {sorted({type(c).__name__ for c in probe})}"))
+
+    def forget(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    def propose(self, request_id: str, prompt: Sequence[int], generated: Sequence[int], count: int,
+                sampler: PositionSampler) -> Any:
+        """`count` draft tokens after the row's tokens (`prompt`, then `generated`, its latest
+        token last), as a lazy (count,) array: they are evaluated with the verify step that
+        checks them, which then hands their values back (`drafted`)."""
+        row = self.rows.get(request_id)
+        if row is None:
+            row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
+        length = len(prompt) + len(generated)
+        # Only the drafts fed last time can disagree with the row's tokens: compare those.
+        agree = len(row.fed) - row.guessed
+        history = _Tokens(prompt, generated)
+        while agree < min(len(row.fed), length) and row.fed[agree] == history[agree]:
+            agree += 1
+        agree = min(agree, length - 1)  # the latest token is always fed: its logits draft
+        for layer in row.cache:
+            layer.trim(len(row.fed) - agree)
+        del row.fed[agree:]
+        missing = history.since(agree)
+        for start in range(0, len(missing) - 1, _FEED_CHUNK):
+            part = missing[start : min(start + _FEED_CHUNK, len(missing) - 1)]
+            self.model(mx.array([part]), cache=row.cache)
+            mx.eval([layer.state for layer in row.cache])
+        drafts: list[Any] = []
+        last: Any = mx.array([missing[-1]])
+        for i in range(count):
+            logits = self.model(last[None], cache=row.cache)[:, -1, :]
+            last = _draw(logits, sampler, i)
+            drafts.append(last)
+        row.fed.extend(missing)
+        return mx.concatenate(drafts).astype(mx.uint32)
+
+    def drafted(self, request_id: str, proposed: Sequence[int]) -> None:
+        """The values of the drafts `propose` gave last: all but the last are in the cache now."""
+        row = self.rows.get(request_id)
+        if row is not None:
+            row.fed.extend(proposed[:-1])
+            row.guessed = len(proposed) - 1
+
+
+class _Tokens:
+    """A row's tokens as one sequence, without copying its prompt."""
+
+    def __init__(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        self.prompt = prompt
+        self.generated = generated
+
+    def __getitem__(self, index: int) -> int:
+        split = len(self.prompt)
+        return self.prompt[index] if index < split else self.generated[index - split]
+
+    def since(self, start: int) -> list[int]:
+        split = len(self.prompt)
+        if start >= split:
+            return list(self.generated[start - split :])
+        return [*self.prompt[start:], *self.generated]
+
+
+def _draw(logits: Any, sampler: PositionSampler, ahead: int) -> Any:
+    """The draft for the position `ahead` past the row's next one: its argmax, or for a seeded
+    row the draw with that position's key."""
+    logprobs = log_softmax(logits)
+    if sampler.plain_greedy:
+        return greedy_sampler(logprobs)
+    return sample(logprobs, sampler.sampling, sampler.seed, sampler.position + ahead)
+
+
+def check_draft_vocabulary(target: Any, draft: Any) -> None:
+    """Refuse a draft model whose tokenizer maps any token to another id than the target's."""
+    ours, theirs = _vocabulary(target), _vocabulary(draft)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise StatecoreError(ErrorInfo(
+            Fault.CLIENT, Code.UNSUPPORTED_PARAMETER,
+            f"the draft model's vocabulary ({len(theirs)} tokens) is not the model's ({len(ours)} "
+            "tokens): a draft model must share the model's tokenizer"))
+
+
+def _vocabulary(tokenizer: Any) -> dict[str, int] | None:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    get_vocab = getattr(inner, "get_vocab", None)
+    return None if get_vocab is None else dict(get_vocab())
