@@ -5,7 +5,9 @@ of the node's chunk size, then the last token). The KV cache after k whole chunk
 those k * chunk tokens, and the chunks after them are the same calls whether or not the first k
 were computed now: so a block is one whole chunk, named by a key chained over every token before
 its end (`block_keys`), and a prompt whose first k blocks are cached starts at chunk k with the
-same numbers as from token 0. A cut anywhere else would change the calls (and so the last bits).
+same numbers as from token 0. A cut anywhere else would change the calls (and so the last bits:
+a row's numbers depend on where its call ends, docs/engine.md); chunks are small (256 tokens by
+default) and a step computes several.
 `PrefixIndex` keeps the cached blocks' keys and sizes: least recently used first out, a block
 only after every block that extends it (what is cached is always whole prefixes), within a byte
 capacity, and on demand (`evict`) when admission needs the memory. A finished request's

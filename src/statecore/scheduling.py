@@ -28,6 +28,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_STEP_PREFILL_TOKENS",
     "KvAdmission",
     "ModelShape",
     "PrefillUnit",
@@ -39,6 +41,7 @@ __all__ = [
     "batched_prefill_bytes",
     "bucketed",
     "chunk_activation_bytes",
+    "default_step_tokens",
     "fit_activations",
     "joining_choices",
     "kv_admission",
@@ -48,6 +51,21 @@ __all__ = [
     "prefill_units",
     "prefill_work_bytes",
 ]
+
+
+DEFAULT_CHUNK_TOKENS = 256
+"""A prefill call's tokens unless the node says otherwise: the prefix cache's block (a prompt is
+reused in whole chunks), small enough for a shared system prompt to span several."""
+
+DEFAULT_STEP_PREFILL_TOKENS = 2048
+"""The prefill tokens one step computes by default (beside its decode rows): several chunks of a
+prompt per step, so a small chunk costs a long prompt no extra steps."""
+
+
+def default_step_tokens(max_batch: int, chunk_size: int) -> int:
+    """The default per-step token budget: a full decode batch plus a step's prefill, at least a
+    whole chunk of it."""
+    return max_batch + max(chunk_size, DEFAULT_STEP_PREFILL_TOKENS)
 
 
 def bucketed(tokens: int, bucket: int) -> int:

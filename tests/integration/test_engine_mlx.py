@@ -1104,6 +1104,48 @@ async def test_each_prefill_reports_the_prompt_tokens_it_took_from_the_prefix_ca
     assert [await cached_tokens(plain, rid, first) for rid in ("a", "c")] == [0, 0]
 
 
+async def test_prompts_that_arrive_together_compute_their_shared_system_prompt_once(
+    open_engine: Opener
+) -> None:
+    """Conversations that start with one system prompt and arrive in the same step find nothing
+    kept at arrival; each looks again as its first unit is built and starts after the blocks the
+    first of them computed (earlier in that step, several blocks a step): the system prompt's
+    blocks are computed once and the tokens are still the cache-less engine's, greedy and seeded."""
+    path = cached_checkpoint("llama")
+    gate, parked = threading.Event(), threading.Event()
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "prefill" and "gate" in request_ids and not gate.is_set():
+            parked.set()
+            gate.wait(30)  # the device thread waits while the conversations' jobs queue up
+
+    cached = await open_engine(path, model_call_hook=hook)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+    system = prompt_of(75, salt=5)  # four whole blocks of 16, then 11 tokens of a fifth
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=2)
+    prompts = {f"c{i}": [*system, *prompt_of(6 + i, salt=20 + i)] for i in range(4)}
+    samplings = {rid: GREEDY if i % 2 else seeded for i, rid in enumerate(prompts)}
+    got: dict[str, tuple[int, list[int]]] = {}
+
+    async def conversation(rid: str) -> None:
+        got[rid] = await prefilled_from_cache(cached, rid, prompts[rid], samplings[rid])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(single, cached, RequestId("gate"), prompt_of(20, salt=9)))
+        await trio.to_thread.run_sync(parked.wait, 30)
+        for rid in prompts:
+            nursery.start_soon(conversation, rid)
+        with trio.fail_after(30):
+            while cached._queue.qsize() < len(prompts):  # every one queued behind the gate
+                await trio.sleep(0.01)
+        gate.set()
+    assert sorted(cached for cached, _ in got.values()) == [0, 64, 64, 64]
+    stats = cached.statistics()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_tokens_reused) == (5, 3, 3 * 64)
+    for rid, (_, tokens) in got.items():
+        assert tokens == (await prefilled_from_cache(plain, rid, prompts[rid], samplings[rid]))[1], rid
+
+
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:
     """A budget smaller than a chunk slices each chunk's evaluation by layers over several steps
     (streams decode in between); the graph is the one call's, so tokens equal mlx-lm's, seeded ones
@@ -1158,7 +1200,9 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
         return plan
 
     monkeypatch.setattr(device_module, "plan_step", recorded)
-    source = await open_engine(path)
+    # A chunk a step and no prefix cache: a streamed prompt leaves in several pieces (a step's
+    # chunks, cached ones included, go as one).
+    source = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 16, prefix_cache_bytes=0)
     decode = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 8)
     newcomer, long = prompt_of(33, salt=7), prompt_of(1500, salt=8)  # ~190 steps: the install lands mid-way
     outcome = await source.prefill(RequestId("new"), newcomer, GREEDY)

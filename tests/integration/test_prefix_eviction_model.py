@@ -1,20 +1,24 @@
 """Eviction under pressure never changes a running request: a model-based test of the prefix cache.
 
-Hypothesis writes short programs against one real `MlxEngine` (tiny llama, chunks of 16 tokens,
-a prefix cache of five blocks, and a KV budget that leaves beside the slot pool only two prompts'
-reservations, one chunk's activations and three blocks, so that admission and the prefill memory
-cap evict kept blocks on their own). Each program starts from the same full cache and runs its
-requests side by side: start a request whose prompt is one of a few shared prefixes (two to four
-blocks, three of them extending one another) plus a tail of its own, greedy or seeded; evict kept
+Hypothesis writes short programs against one real `MlxEngine` (tiny llama, blocks (prefill
+chunks) of 16 tokens, at most four of a prompt's blocks computed per step, a prefix cache of five
+blocks, and a KV budget that leaves beside the slot pool only two prompts' reservations, one
+step's activations and three blocks, so that admission and the prefill memory cap evict kept
+blocks on their own). Each program starts from the same full cache and runs its requests side by
+side: start a request whose prompt is one of a few shared prefixes (two to four blocks, three of
+them extending one another, and one that ends halfway through a block of another: a system
+prompt that is not a whole number of blocks) plus a tail of its own, greedy or seeded; evict kept
 blocks at that moment (`MlxEngine.evict_prefixes`, what admission runs); let the engine deliver a
 few tokens; wait for the oldest request to end. Every request that finishes must have the tokens
 and log-probabilities, to the bit, of the same request alone on an engine without a prefix cache
 (computed once per prompt and sampling); a request may be refused (OVERLOADED), never fail
 otherwise; whenever looked at, the kept bytes are whole blocks within the capacity; after each
 program nothing is held, reserved or decoding, and the cache keeps exactly the arrays its index
-counts, whole prefixes only. Over the whole run blocks must have been evicted beside running
-requests, by the programs and by the engine itself, and prompts must have started from kept
-blocks: the test cannot pass by testing nothing.
+counts, whole prefixes only, and a prompt never starts after more than its shared prefix's whole
+blocks. Over the whole run blocks must have been evicted beside running requests, by the
+programs and by the engine itself, and prompts must have started from kept blocks, some of them
+at a block that is not where a step of the cache-less engine starts (its steps take four blocks
+from the first): the test cannot pass by testing nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tests.integration.engines import load_engine
 
 CHUNK = 16
 MAX_BATCH = 4
+STEP_BLOCKS = 4  # a step computes at most this many blocks of a prompt
 SLOT_TOKENS = 100  # a slot's positions: every request below decodes in the slot lane
 CAPACITY_BLOCKS = 5
 LONGEST_TAIL = 20
@@ -52,8 +57,9 @@ def tokens_of(n: int, salt: int) -> tuple[int, ...]:
 
 
 _BASE = tokens_of(64, salt=1)
-# Whole blocks each; the first three extend one another, so their blocks are parents and children.
-PREFIXES = (_BASE[:32], _BASE[:48], _BASE, tokens_of(48, salt=2))
+# The first three extend one another, so their blocks are parents and children; the last ends
+# halfway through the chain's third block (two whole blocks shared with it, then its own tokens).
+PREFIXES = (_BASE[:32], _BASE[:48], _BASE, tokens_of(48, salt=2), _BASE[:40])
 LONGEST_PROMPT = max(len(p) for p in PREFIXES) + LONGEST_TAIL
 assert LONGEST_PROMPT + MOST_TOKENS + 2 <= SLOT_TOKENS
 
@@ -137,8 +143,9 @@ class Engines:
 
 async def open_engine(path: Path, prefix_cache_bytes: int, kv_memory_bytes: int | None) -> MlxEngine:
     return await load_engine(path, prefill_chunk_size=CHUNK, max_batch=MAX_BATCH,
-                                max_slot_tokens=SLOT_TOKENS - 1, prefix_cache_bytes=prefix_cache_bytes,
-                                kv_memory_bytes=kv_memory_bytes)
+                             max_num_batched_tokens=MAX_BATCH + STEP_BLOCKS * CHUNK,
+                             max_slot_tokens=SLOT_TOKENS - 1, prefix_cache_bytes=prefix_cache_bytes,
+                             kv_memory_bytes=kv_memory_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +157,10 @@ def engines() -> Iterator[Engines]:
     cost, pool, shape = plain._device.cost, plain._device.pool_reserved, plain._device.shape
     assert shape is not None
     block = CHUNK * cost.per_token
-    # Beside the slot pool: two of the longest prompts' reservations, the largest chunk's
-    # activations and three blocks. A second prompt beside a full cache evicts blocks at
-    # admission; two prompts' chunks evict more for their activations.
-    largest = max(chunk_activation_bytes(shape, prefill_chunks(LONGEST_PROMPT, CHUNK)))
+    # Beside the slot pool: two of the longest prompts' reservations, the largest step's
+    # activations (its last blocks) and three blocks. A second prompt beside a full cache evicts
+    # blocks at admission; two prompts' steps evict more for their activations.
+    largest = sum(chunk_activation_bytes(shape, prefill_chunks(LONGEST_PROMPT, CHUNK))[-STEP_BLOCKS:])
     budget = pool + 2 * cost.of(LONGEST_PROMPT) + largest + 3 * block
     cached = trio.run(open_engine, path, CAPACITY_BLOCKS * block, budget)
     try:
@@ -173,6 +180,16 @@ async def alone(engine: MlxEngine, rid: RequestId, prompt: tuple[int, ...], samp
             *[(item.token, item.logprobs) async for item in engine.stream(rid)]]
 
 
+def _shared(prompt: tuple[int, ...], other: tuple[int, ...]) -> int:
+    """How many leading tokens of `prompt` before its last one `other` starts with."""
+    count = 0
+    for x, y in zip(prompt[:-1], other, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 # -- running a program ---------------------------------------------------------------------------
 
 
@@ -186,14 +203,17 @@ class Totals:
     forced_blocks: int = 0  # blocks the programs evicted
     forced_beside_requests: int = 0  # evictions that freed blocks while requests were running
     engine_blocks: int = 0  # blocks the engine evicted during the programs (capacity, admission, the cap)
+    hits: int = 0  # prompts that started from kept blocks
+    hits_within_a_step: int = 0  # ... after a number of blocks at which no cache-less step starts
 
 
 class Program:
     """One program's requests on the cached engine, and what the driver waits on."""
 
-    def __init__(self, engines: Engines, totals: Totals) -> None:
+    def __init__(self, engines: Engines, totals: Totals, seen: list[tuple[int, ...]]) -> None:
         self.engines = engines
         self.totals = totals
+        self.seen = seen  # every prompt computed since the cache was emptied
         self.running: list[int] = []  # request indices, oldest first
         self.finished: dict[int, tuple[Start, list[Token]]] = {}
         self.delivered = 0
@@ -231,11 +251,18 @@ class Program:
     async def serve(self, rid: RequestId, start: Start) -> list[Token] | None:
         """The request's tokens; None when it is refused for now (OVERLOADED)."""
         engine = self.engines.cached
+        # Whole blocks, never more than the prompt shares with one computed before it.
+        shared = max(_shared(start.prompt, other) for other in self.seen)
+        self.seen.append(start.prompt)
         try:
             outcome = await engine.prefill(rid, start.prompt, start.sampling)
         except StatecoreError as exc:
             assert exc.info.code is Code.OVERLOADED, exc
             return None
+        assert outcome.cached_tokens % CHUNK == 0 and outcome.cached_tokens <= shared, (outcome, start)
+        if outcome.cached_tokens:
+            self.totals.hits += 1
+            self.totals.hits_within_a_step += (outcome.cached_tokens // CHUNK) % STEP_BLOCKS != 0
         tokens: list[Token] = [(outcome.first_token, outcome.first_logprobs)]
         self.token()
         try:
@@ -315,12 +342,13 @@ async def run_program(engines: Engines, totals: Totals, program: tuple[Op, ...])
     # Each example starts from the same full cache: the last prefix's three blocks, then the
     # chain's four (the first of the three is left), each request alone.
     await engines.cached.evict_prefixes(engines.capacity)
-    for prefix in (PREFIXES[3], PREFIXES[2]):
-        await alone(engines.cached, RequestId("warm"), (*prefix, 2), SamplingParams(max_tokens=1))
+    seen = [(*prefix, 2) for prefix in (PREFIXES[3], PREFIXES[2])]
+    for prompt in seen:
+        await alone(engines.cached, RequestId("warm"), prompt, SamplingParams(max_tokens=1))
     stats = engines.cached.statistics()
     assert stats.prefix_cache_bytes == engines.capacity
     warm, forced = stats.prefix_cache_evictions, totals.forced_blocks
-    checked = Program(engines, totals)
+    checked = Program(engines, totals, seen)
     with trio.fail_after(60):
         await checked.run(program)
         await checked.check_idle()
@@ -346,4 +374,5 @@ def test_eviction_under_pressure_never_changes_a_running_request(engines: Engine
     assert totals.forced_beside_requests > 0 and totals.engine_blocks > 0, totals
     assert after.prefix_cache_evictions > before.prefix_cache_evictions
     assert after.prefix_cache_hits > before.prefix_cache_hits
+    assert totals.hits_within_a_step > 0, totals
     assert totals.finished > totals.refused, totals

@@ -629,6 +629,8 @@ class DeviceLoop:
             budget = (len(self.live) if self.handoff_joined or self.handoff_imminent()
                       else self.settings.max_num_batched_tokens)
             self.handoff_joined = False
+            for task in self.waiting.values():
+                self.look_again(task)  # blocks built since it arrived: the plan sees what is left
             plan = plan_step(
                 len(self.live),
                 [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
@@ -859,6 +861,8 @@ class DeviceLoop:
         for task, units in tasks:
             if task.finished:
                 continue
+            if self.look_again(task):  # blocks built earlier in this step
+                units = min(units, len(task.units) - task.done_units)
             self.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(self.model, task, units, self.quantize, self.bucket,
@@ -985,11 +989,16 @@ class DeviceLoop:
             return []
         arrays: list[Any] = []
         units = task.units[task.streamed_units : task.done_units]
+        ranges: list[tuple[int, int, int, int]] = []
         for chunk in sorted({unit.chunk for unit in units}):
             mine = [unit for unit in units if unit.chunk == chunk]
             first, end = mine[0].first_layer, mine[-1].end_layer
             start = task.chunk_start(chunk)
             stop = start + task.chunks[chunk]
+            if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
+                start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
+            ranges.append((start, stop, first, end))
+        for start, stop, first, end in ranges:
             pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
                       for buffer in (layer.keys, layer.values)]
             current.segments.append((task, (start, stop, first, end), pieces))
@@ -1111,18 +1120,30 @@ class DeviceLoop:
         self.prefix.index.cached(keys)
         return keys
 
-    def start_from_prefix(self, task: PrefillTask, keys: list[bytes]) -> None:
+    def start_from_prefix(self, task: PrefillTask, keys: list[bytes], again: bool = False) -> None:
         """A new prompt whose first whole chunks are cached starts after them (`keys`: its block
-        keys, from `touch_prefix`)."""
+        keys, from `touch_prefix`). `again`: a prompt that found none at arrival and has not
+        started, looked up once more as its first unit is built: a prompt that came with others
+        starting the same way (a shared system prompt) finds the blocks the first of them has
+        computed since, in an earlier step or earlier in this one."""
         if self.prefix is None:
             return
         task.block_keys = keys
-        count, cache = self.prefix.start(task.block_keys)
+        count, cache = self.prefix.start(task.block_keys, again=again)
         if cache is None:
             return
         task.cache = cache
         task.done_tokens = task.cached_tokens = count * self.settings.prefill_chunk_size
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
+
+    def look_again(self, task: PrefillTask) -> bool:
+        """A prompt that found no kept blocks at arrival and has not started looks again: prompts
+        that came together with one system prompt start after the blocks the first of them has
+        built since. Whether it starts later now."""
+        if task.done_units or not task.block_keys or task.retried or task.keeps_only:
+            return False
+        self.start_from_prefix(task, task.block_keys, again=True)
+        return task.done_units > 0
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""

@@ -76,7 +76,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 from statecore.ids import RequestId
 from statecore.prefix import conversation_block_keys
 from statecore.routing import summary_key
-from statecore.scheduling import prefill_chunks, prefill_units
+from statecore.scheduling import DEFAULT_CHUNK_TOKENS, default_step_tokens, prefill_chunks, prefill_units
 
 __all__ = ["PREFILL_MEMORY_CAP_MODES", "MlxEngine"]
 
@@ -126,7 +126,7 @@ class MlxEngine:
         cls,
         model_dir: Path,
         *,
-        prefill_chunk_size: int = 2048,
+        prefill_chunk_size: int = DEFAULT_CHUNK_TOKENS,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         trust_remote_code: bool = False,
@@ -160,10 +160,12 @@ class MlxEngine:
         Each step decodes every live request (at most `max_batch`) and prefills work units of
         waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
-        `prefill_batch` prompts (default budget: `max_batch` + the chunk size, a whole chunk per
-        step; a smaller one, down to `max_batch` + chunk size / layers, slices chunks by layers;
-        `prefill_step_tokens` instead of a budget: `max_batch` + that many tokens' worth, or one
-        layer of a chunk where that is more, as a decode node runs by default).
+        `prefill_batch` prompts (default budget: `max_batch` + 2,048 tokens or a whole chunk if
+        larger, several chunks of a prompt per step; a smaller one, down to `max_batch` + chunk
+        size / layers, slices chunks by layers; `prefill_step_tokens` instead of a budget:
+        `max_batch` + that many tokens' worth, or one layer of a chunk where that is more, as a
+        decode node runs by default). A chunk (`prefill_chunk_size`, default 256) is one prefill
+        call and the prefix cache's block.
         Short prompts waiting together are prefilled in one padded call when the padding stays
         within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
         off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
@@ -256,7 +258,8 @@ class MlxEngine:
             raise StatecoreError(client_error("max_batch must be >= 1"))
         if prefill_batch < 1:
             raise StatecoreError(client_error("prefill_batch must be >= 1"))
-        budget = max_batch + prefill_chunk_size if max_num_batched_tokens is None else max_num_batched_tokens
+        budget = (default_step_tokens(max_batch, prefill_chunk_size) if max_num_batched_tokens is None
+                  else max_num_batched_tokens)
         if budget <= max_batch:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({budget}) must be more than max_batch ({max_batch}): every "

@@ -44,10 +44,12 @@ class PrefixCache:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
         return block_keys(tokens, self.chunk_size)
 
-    def start(self, keys: Sequence[bytes], counted: bool = True) -> tuple[int, list[Any] | None]:
+    def start(self, keys: Sequence[bytes], counted: bool = True, again: bool = False
+              ) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
-        them (None when none is). Not `counted`: a conversation kept, not a prompt served."""
-        if keys and counted:
+        them (None when none is). Not `counted`: a conversation kept, not a prompt served;
+        `again`: a prompt looked up at arrival, looked up once more (a hit counts, not a query)."""
+        if keys and counted and not again:
             self.queries += 1
         count = self.index.cached(keys)
         if count == 0:

@@ -21,6 +21,7 @@ from adapters.tls import TlsConfigError, tls_files
 from effects.faults import DEFAULT_MARKER
 from effects.prefix_pull import PULL_MODES
 from statecore.routing import DEFAULT_LOAD_TOKENS
+from statecore.scheduling import DEFAULT_CHUNK_TOKENS, DEFAULT_STEP_PREFILL_TOKENS
 
 INTERNAL_TOKEN_ENV = "STATECORE_INTERNAL_TOKEN"
 
@@ -254,8 +255,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     router.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
                         help="router: what one request in flight on a node weighs against prompt tokens "
                              f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
-    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=2048,
-                        help="tokens per prefill chunk; must be equal on every node (default 2048)")
+    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=DEFAULT_CHUNK_TOKENS,
+                        help="tokens per prefill call, and the prefix cache's block (prompts are reused in "
+                             "whole chunks); must be equal on every node (default "
+                             f"{DEFAULT_CHUNK_TOKENS})")
     engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
@@ -303,7 +306,8 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
                         help="tokens one engine step may compute: every decoding row plus prefill work, "
                              "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
-                             "+ --prefill-chunk-size; minimum: --max-batch + chunk size / layers)")
+                             f"+ {DEFAULT_STEP_PREFILL_TOKENS}, or + --prefill-chunk-size when larger; "
+                             "minimum: --max-batch + chunk size / layers)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",

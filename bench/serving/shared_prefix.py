@@ -1,0 +1,167 @@
+"""Shared prefixes side by side: a system prompt many conversations start with, a document resent
+with a new question. mlx_lm.server (its prompt cache on), statecore single with its prefix cache,
+statecore single without it, and statecore single with 2,048-token chunks (the reuse granularity
+before chunks became 256-token blocks), one server at a time, the same client and BLAS for all.
+
+- **System prompt**: --conversations first turns at once, each the same --system-tokens system
+  prompt, then a user message of --user-tokens of its own; --answer-tokens greedy tokens each.
+  Prints the first turns' TTFT p50 and p99.
+- **Document**: --documents rounds, each a new document of --document-tokens tokens asked one
+  question (cold), then asked another (warm), one request at a time. Prints cold and warm TTFT
+  p50 and the prompt tokens each warm request reports as cached (statecore reports them with
+  `--enable-prompt-tokens-details`; mlx_lm.server reports none).
+
+Every ratio is against mlx_lm.server and against statecore without its cache, from this run.
+
+    .venv/bin/python bench/serving/shared_prefix.py --conversations 32 --documents 3
+
+Bench code: may import anything; nothing under src/ imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+
+from benchlib import (
+    ROOT,
+    CompletionStreamError,
+    PromptMaker,
+    completion_stream,
+    default_model,
+    load_tokenizer,
+    make_servers,
+    percentile,
+    start_all,
+)
+
+SERVERS = ("mlx_lm", "single", "single_nocache", "single_chunk2048", "single_chunk128", "single_chunk256")
+_FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
+          "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
+          "single_chunk256": ["--prefill-chunk-size=256"]}
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: its TTFT and the cached prompt tokens its usage reports (a
+    transport error or a refusal: no TTFT, and the error)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    started = time.perf_counter()
+    ttft = None
+    cached = None
+    try:
+        async for texts, usage in completion_stream(client, url, body):
+            if texts and ttft is None:
+                ttft = time.perf_counter() - started
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (httpx.HTTPError, CompletionStreamError) as exc:
+        return {"ttft_s": None, "cached_tokens": None, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    return {"ttft_s": ttft, "cached_tokens": cached}
+
+
+async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str
+                            ) -> dict[str, Any]:
+    system = maker.make(args.system_tokens, random.Random("shared-prefix:system"))
+    prompts = [system + "\nUser: " + maker.make(args.user_tokens, random.Random(f"{name}:{i}"))
+               + "\nAssistant:" for i in range(args.conversations)]
+    async with httpx.AsyncClient(timeout=1200) as client:
+        done = await asyncio.gather(*(one(client, url, p, args.answer_tokens) for p in prompts))
+    ttfts = [d["ttft_s"] for d in done if d["ttft_s"] is not None]
+    cached = [d["cached_tokens"] for d in done if d["cached_tokens"] is not None]
+    return {"ok": len(ttfts), "failed": len(done) - len(ttfts),
+            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+            "ttft_p99_ms": round(1000 * (percentile(ttfts, 99) or 0), 1),
+            "cached_tokens_p50": statistics.median(cached) if cached else None}
+
+
+async def document_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str
+                       ) -> dict[str, Any]:
+    cold: list[float] = []
+    warm: list[float] = []
+    cached: list[int | None] = []
+    async with httpx.AsyncClient(timeout=1200) as client:
+        for round_ in range(args.documents):
+            document = maker.make(args.document_tokens, random.Random(f"{name}:document:{round_}"))
+            for index, times in enumerate((cold, warm)):
+                question = maker.make(args.user_tokens, random.Random(f"{name}:q:{round_}:{index}"))
+                result = await one(client, url, document + "\nQuestion: " + question + "\nAnswer:",
+                                   args.answer_tokens)
+                if result["ttft_s"] is None:
+                    raise SystemExit(f"{name}: a document request failed: {result}")
+                times.append(result["ttft_s"])
+                if index:
+                    cached.append(result["cached_tokens"])
+    return {"cold_ttft_p50_ms": round(1000 * statistics.median(cold), 1),
+            "warm_ttft_p50_ms": round(1000 * statistics.median(warm), 1), "warm_cached_tokens": cached,
+            "document_prompt_tokens": maker.count(document)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="default: the bench's tiny llama")
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--documents", type=int, default=3)
+    parser.add_argument("--document-tokens", type=int, default=3700)
+    parser.add_argument("--scenarios", default="system,document")
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"], default="auto")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_prefix")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    names = [n for n in args.servers.split(",") if n]
+    if unknown := set(names) - set(SERVERS):
+        raise SystemExit(f"unknown servers {sorted(unknown)}")
+    model = args.model or default_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    maker = PromptMaker(load_tokenizer(model))
+    servers = []
+    for name in names:
+        flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name, [])]
+        (server,) = make_servers(model, args.out, ["mlx_lm" if name == "mlx_lm" else "single"], flags)
+        server.name, server.log = name, args.out / f"{name}.log"
+        servers.append(server)
+    results: dict[str, Any] = {"model": str(model), "argv": sys.argv,
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    scenarios = {"system": system_prompt_run, "document": document_run}
+    try:
+        start_all(servers, args.blas, args.startup_timeout, results)
+        for scenario in args.scenarios.split(","):
+            for server in servers:  # one at a time, so they do not share the CPU
+                run = scenarios[scenario]
+                record = asyncio.run(run(server.url, maker, args, f"{scenario}:{server.name}"))
+                results.setdefault(scenario, {})[server.name] = record
+                print(f"{scenario} {server.name}: {json.dumps(record)}", flush=True)
+                (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    finally:
+        for server in servers:
+            server.stop()
+    for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
+        got = results.get(scenario, {})
+        for base in ("mlx_lm", "single_nocache"):
+            for name, record in got.items():
+                if name != base and base in got and got[base][key]:
+                    print(f"{scenario}: {name} / {base} {key}: {record[key] / got[base][key]:.2f}x")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
