@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +34,9 @@ __all__ = ["PlaneAnswer", "PlaneHandler", "PlaneRequest", "serve_plane"]
 
 MAX_HEAD_BYTES = 64 << 10
 RECEIVE_BYTES = 64 << 10
-SEND_BUFFER_BYTES = 8 << 20
 REQUEST_TIMEOUT_S = 30.0  # a request (head and body) must arrive within this; the answer has no limit
+THREAD_SEND_BYTES = 1 << 20  # a buffer this large is written by a worker thread (`_BlockingSender`)
+SEND_STALL_S = 120.0  # a peer that takes no byte of a large buffer for this long is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +84,8 @@ async def serve_plane(listener: trio.SocketListener, handler: PlaneHandler, *,
 
 
 async def _connection(stream: trio.abc.Stream, handler: PlaneHandler) -> None:
-    if isinstance(stream, trio.SocketStream):
-        # a large send buffer: each of trio's sends moves more per wakeup
-        stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    # No SO_SNDBUF of its own: a fixed send buffer turns off the kernel's autotuning, which
+    # measured faster (bench/handoff/transport_eval.py, "http plane")
     async with stream:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         try:
@@ -148,18 +149,51 @@ async def _send_answer(stream: trio.abc.Stream, conn: h11.Connection, answer: Pl
     head = conn.send(h11.Response(status_code=answer.status, headers=fields))
     assert head is not None
     await stream.send_all(head)
-    async with contextlib.aclosing(answer.parts) as parts:  # type: ignore[type-var]
-        async for buffers in parts:
-            for buffer in buffers:
-                if len(buffer) == 0:
-                    continue
-                # the framing around the caller's own memory: nothing copied here
-                framed = conn.send_with_data_passthrough(h11.Data(data=_bytes_like(buffer)))
-                for piece in framed or ():
-                    await stream.send_all(piece)
+    with _BlockingSender(stream) as sender:
+        async with contextlib.aclosing(answer.parts) as parts:  # type: ignore[type-var]
+            async for buffers in parts:
+                for buffer in buffers:
+                    if len(buffer) == 0:
+                        continue
+                    # the framing around the caller's own memory: nothing copied here
+                    framed = conn.send_with_data_passthrough(h11.Data(data=_bytes_like(buffer)))
+                    for piece in framed or ():
+                        await sender.send_all(piece)
     end = conn.send(h11.EndOfMessage())
     if end:
         await stream.send_all(end)
+
+
+class _BlockingSender:
+    """Large buffers written by a worker thread's `sendall` on a duplicate of the connection's
+    socket (with a timeout: the loop runs in C, the GIL released), small ones through trio. Trio's
+    own `send_all` goes round its event loop for each socket-buffer's worth, which measured a
+    quarter slower than the thread on hundreds of megabytes. Nothing else uses the connection
+    while an answer is written."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self._socket: socket.socket | None = None
+        if isinstance(stream, trio.SocketStream):
+            duplicate = socket.socket(fileno=os.dup(stream.socket.fileno()))
+            duplicate.settimeout(SEND_STALL_S)
+            self._socket = duplicate
+
+    def __enter__(self) -> _BlockingSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._socket is not None:
+            self._socket.close()
+
+    async def send_all(self, data: Any) -> None:
+        if self._socket is None or len(data) < THREAD_SEND_BYTES:
+            await self._stream.send_all(data)
+            return
+        try:
+            await trio.to_thread.run_sync(self._socket.sendall, data, abandon_on_cancel=True)
+        except TimeoutError as exc:
+            raise trio.BrokenResourceError(f"the peer read nothing for {SEND_STALL_S:.0f} s") from exc
 
 
 def _bytes_like(buffer: KvBytes) -> Any:
