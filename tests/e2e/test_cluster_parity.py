@@ -97,9 +97,9 @@ def _model_id(model: tuple[str, str]) -> str:
     return f"{model[0]}-{model[1]}"
 
 
-# Tests of the reasoning model run on llama's cluster only (the one with think markers): the same
-# module-scoped cluster, not one more.
-REASONING_CLUSTER = pytest.mark.parametrize("cluster", [MODELS[0]], indirect=True, ids=_model_id)
+# Tests of what only llama's cluster has (a reasoning model's think markers, a speculating decode
+# node) run on it alone: the same module-scoped cluster, not one more.
+LLAMA_CLUSTER = pytest.mark.parametrize("cluster", [MODELS[0]], indirect=True, ids=_model_id)
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=_model_id)
@@ -152,7 +152,7 @@ def test_streaming_identical(cluster: Cluster, path: str, body: dict[str, Any]) 
         assert completion_tokens == body["max_tokens"] * body.get("n", 1)
 
 
-@REASONING_CLUSTER
+@LLAMA_CLUSTER
 def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> None:
     """On the reasoning model (llama's checkpoint): a streamed chat's reasoning_content and content
     are, with the end marker between them, the text a completion of the same prompt ids generates,
@@ -171,7 +171,7 @@ def test_thinking_and_answer_are_the_unparsed_completion(cluster: Cluster) -> No
         assert reasoning + "</think>" + content == raw
 
 
-@REASONING_CLUSTER
+@LLAMA_CLUSTER
 def test_thinking_through_the_official_clients_with_a_budget(cluster: Cluster) -> None:
     """On the reasoning model: Anthropic's thinking blocks, capped by `budget_tokens` (the answer
     goes on as a continuation request, handed off like any other), and the Responses API's
@@ -237,11 +237,12 @@ def test_many_pulls_back_to_back_stay_identical(cluster: Cluster) -> None:
     assert_no_leaks(cluster.nodes)
 
 
+@LLAMA_CLUSTER
 def test_a_speculating_decode_node_answers_as_the_single_node(cluster: Cluster) -> None:
     """The tiny llama's greedy answer to this prompt soon repeats itself: the decode node drafts
-    from it by prompt lookup, and every answer is still the single node's."""
-    if "--speculative" not in cluster.decode[0].args:
-        pytest.skip("only the llama cluster's decode node speculates")
+    from it by prompt lookup (only llama's cluster speculates), and every answer is still the
+    single node's."""
+    assert "--speculative" in cluster.decode[0].args
     prompt = ("The old lighthouse keeper climbed the stairs every evening, counting each step and "
               "listening to the sea.")
     for body in ({"prompt": prompt, "max_tokens": 40, "temperature": 0},
