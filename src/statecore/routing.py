@@ -5,9 +5,10 @@ publishes a summary of their keys. For a prompt, a candidate's `cached_tokens` i
 prompt's leading tokens its summary says it holds (`cached_prefix_tokens`); a candidate without a
 fresh summary counts as holding nothing, so when no summary is fresh the choice is the plain
 least-loaded one. The cost of sending the prompt to a node is the prompt tokens it would still
-compute plus `load_tokens` for each request already in flight there (what one more running
-request is worth in prefill tokens, like the load term of Dynamo's KV router). A suspect node is
-chosen only when no healthy one is left.
+compute, plus the prompt tokens it is still computing for earlier requests (`prefilling`, the
+router's own count: a queue ahead of this prompt), plus `load_tokens` for each request already in
+flight there (what one more running request is worth in prefill tokens, like the load term of
+Dynamo's KV router). A suspect node is chosen only when no healthy one is left.
 
 `choose_route` is the router's first decision for a turn: where its prompt is prefilled. A decode
 node that holds the start of the prompt (a conversation it served keeps its KV there) takes the
@@ -86,9 +87,10 @@ def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collect
 
 
 def route_cost(prompt_tokens: int, candidate: RouteCandidate, load_tokens: int) -> int:
-    """Prompt tokens the node would compute, plus `load_tokens` per request in flight there."""
+    """Prompt tokens the node would compute, plus those it is computing for earlier requests
+    (`prefilling`: they come first), plus `load_tokens` per request in flight there."""
     new_tokens = max(0, prompt_tokens - candidate.cached_tokens)
-    return new_tokens + load_tokens * max(0, candidate.in_flight)
+    return new_tokens + max(0, candidate.prefilling) + load_tokens * max(0, candidate.in_flight)
 
 
 def choose_node(prompt_tokens: int, candidates: Sequence[RouteCandidate], load_tokens: int) -> RouteCandidate:

@@ -59,6 +59,10 @@ def test_a_gap_ends_the_cached_prefix_and_another_block_size_matches_nothing() -
     ([RouteCandidate("a", 0), RouteCandidate("b", 5, cached_tokens=2048)], 512, "a"),
     # load_tokens 0: prefix only, load breaks ties
     ([RouteCandidate("a", 0), RouteCandidate("b", 9, cached_tokens=16)], 0, "b"),
+    # prompt tokens still being computed there queue ahead of this one
+    ([RouteCandidate("a", 1, prefilling=2000), RouteCandidate("b", 1)], 512, "b"),
+    ([RouteCandidate("a", 0, prefilling=300), RouteCandidate("b", 1)], 512, "a"),
+    ([RouteCandidate("a", 0, prefilling=3000), RouteCandidate("b", 4)], 512, "b"),
     # a suspect node only when nothing healthy is left, whatever it holds
     ([RouteCandidate("a", 3), RouteCandidate("b", 0, suspect=True, cached_tokens=4000)], 512, "a"),
     ([RouteCandidate("b", 0, suspect=True)], 512, "b"),
