@@ -2,7 +2,7 @@
 chunked answer arrives byte for byte across its parts (the payload's own memoryviews and small
 records), and each part leaves before the next is made; a sized answer is pulled whole; an
 answer whose parts fail midway reaches the client as a cut, never as a short success, and its
-`closing` runs; the request's method, target, headers and body reach the handler as sent; a
+parts' own cleanup runs; the request's method, target, headers and body reach the handler as sent; a
 connection that says nothing leaves the listener serving."""
 
 from __future__ import annotations
@@ -84,18 +84,18 @@ async def test_a_sized_answer_is_pulled_whole_and_an_error_document_keeps_its_st
         nursery.cancel_scope.cancel()
 
 
-async def test_an_answer_failing_midway_is_a_cut_and_its_closing_runs() -> None:
+async def test_an_answer_failing_midway_is_a_cut_and_its_parts_are_closed() -> None:
     closed = trio.Event()
 
     async def parts() -> AsyncIterator[Sequence[KvBytes]]:
-        yield [memoryview(PAYLOAD)[:4096]]
-        raise RuntimeError("the prefill failed")
-
-    async def close() -> None:
-        closed.set()
+        try:
+            yield [memoryview(PAYLOAD)[:4096]]
+            raise RuntimeError("the prefill failed")
+        finally:
+            closed.set()  # where the node's stream cancels its prefill
 
     async def handler(request: PlaneRequest) -> PlaneAnswer:
-        return PlaneAnswer(200, parts(), closing=[close])
+        return PlaneAnswer(200, parts())
 
     async with trio.open_nursery() as nursery:
         base = await _serving(handler, nursery)
@@ -106,5 +106,31 @@ async def test_an_answer_failing_midway_is_a_cut_and_its_closing_runs() -> None:
             with pytest.raises((kv_pull.KvPullError, kv_pull.KvStreamCut)):
                 await body.read_into(memoryview(bytearray(1)))
         with trio.fail_after(5):
+            await closed.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_leaves_mid_body_gets_the_parts_closed() -> None:
+    """The decode node going away mid-stream: the write fails, and the parts are closed (the
+    node's stream then cancels its prefill) though they never ended on their own."""
+    closed = trio.Event()
+    big = bytes(32 << 20)  # more than the socket buffers hold: the write is still going on
+
+    async def parts() -> AsyncIterator[Sequence[KvBytes]]:
+        try:
+            while True:
+                yield [memoryview(big)]
+        finally:
+            closed.set()
+
+    async def handler(request: PlaneRequest) -> PlaneAnswer:
+        return PlaneAnswer(200, parts())
+
+    async with trio.open_nursery() as nursery:
+        base = await _serving(handler, nursery)
+        async with kv_pull.open_stream(f"{base}/s", [], b"{}", connect_timeout_s=5) as (status, body):
+            assert status == 200 and isinstance(body, kv_pull.StreamBody)
+            await body.read_into(memoryview(bytearray(4096)))
+        with trio.fail_after(30):
             await closed.wait()
         nursery.cancel_scope.cancel()

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PlaneAnswer", "PlaneHandler", "PlaneRequest", "serve_plane"]
 
 MAX_HEAD_BYTES = 64 << 10
+MAX_BODY_BYTES = 16 << 20  # no KV route is asked with a body that big (a prompt's token ids)
 RECEIVE_BYTES = 64 << 10
 REQUEST_TIMEOUT_S = 30.0  # a request (head and body) must arrive within this; the answer has no limit
 THREAD_SEND_BYTES = 1 << 20  # a buffer this large is written by a worker thread (`_BlockingSender`)
@@ -50,14 +51,13 @@ class PlaneRequest:
 @dataclass(slots=True)
 class PlaneAnswer:
     """What the node answers. `parts`: the body, in order, as buffers written as they are;
-    sized (`length` set: exactly that many bytes) or chunked (`length` None). `closing` runs once
-    the answer is written or the connection failed, whichever comes first."""
+    sized (`length` set: exactly that many bytes) or chunked (`length` None). `parts` is closed
+    (`aclose`) once the answer is written or the connection failed, so its own cleanup runs."""
 
     status: int
     parts: AsyncIterator[Sequence[KvBytes]]
     length: int | None = None
     content_type: str = "application/octet-stream"
-    closing: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @classmethod
     def document(cls, status: int, body: bytes) -> PlaneAnswer:
@@ -107,10 +107,6 @@ async def _connection(stream: trio.abc.Stream, handler: PlaneHandler) -> None:
             log.debug("KV plane: the peer went away mid-answer (%s)", exc)
         except Exception:  # the client sees the body cut: the answer's framing never ends
             log.exception("KV plane: the answer to %s %s failed midway", request.method, request.target)
-        finally:
-            with trio.CancelScope(shield=True):
-                for close in answer.closing:
-                    await close()
 
 
 async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection) -> PlaneRequest | None:
@@ -128,7 +124,7 @@ async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection) -> Pla
             head = event
         elif isinstance(event, h11.Data):
             body += event.data
-            if len(body) > MAX_HEAD_BYTES * 256:  # 16 MiB: no KV route is asked with a body that big
+            if len(body) > MAX_BODY_BYTES:
                 raise h11.RemoteProtocolError("request body too large")
         elif isinstance(event, h11.EndOfMessage):
             assert head is not None
@@ -148,9 +144,9 @@ async def _send_answer(stream: trio.abc.Stream, conn: h11.Connection, answer: Pl
         fields.append(("Transfer-Encoding", "chunked"))
     head = conn.send(h11.Response(status_code=answer.status, headers=fields))
     assert head is not None
-    await stream.send_all(head)
-    with _BlockingSender(stream) as sender:
-        async with contextlib.aclosing(answer.parts) as parts:  # type: ignore[type-var]
+    async with contextlib.aclosing(answer.parts) as parts:  # type: ignore[type-var]
+        await stream.send_all(head)
+        with _BlockingSender(stream) as sender:
             async for buffers in parts:
                 for buffer in buffers:
                     if len(buffer) == 0:
