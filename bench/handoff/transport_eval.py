@@ -388,7 +388,7 @@ def worker_http_server(nbytes: int) -> None:
     from effects.engine_port import KvPieces
 
     try:
-        from adapters.http.node_api import _kv_body  # the node's own body path
+        from adapters.http.node_api import _kv_body, _payload_parts  # the node's own body path
 
         body_path = "adapters.http.node_api._kv_body"
     except ImportError:  # renamed by a rewrite: serve the bytes in 4 MiB messages as it did
@@ -399,7 +399,7 @@ def worker_http_server(nbytes: int) -> None:
     async def kv(request: Request) -> Response:
         pieces = KvPieces((src.data,))
         if _kv_body is not None:
-            return _kv_body(pieces, lambda end: None)
+            return _kv_body(_payload_parts(pieces), pieces.nbytes)
         from starlette.responses import StreamingResponse
 
         async def chunks() -> Any:

@@ -139,10 +139,11 @@ KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `_messages`)."""
 
 
-def _kv_body(payload: KvPieces, on_end: Callable[[KvBytes], None]) -> Response:
-    """A KV payload sent through the ASGI server with its Content-Length (`_messages`)."""
-    return WatchedStream(_messages(_payload_parts(payload, on_end)), media_type="application/octet-stream",
-                         headers={"content-length": str(payload.nbytes)})
+def _kv_body(parts: AsyncIterator[Sequence[KvBytes]], length: int) -> Response:
+    """A KV payload's parts (`_payload_parts`) sent through the ASGI server with their
+    Content-Length (`_messages`)."""
+    return WatchedStream(_messages(parts), media_type="application/octet-stream",
+                         headers={"content-length": str(length)})
 
 
 async def _payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
@@ -377,13 +378,9 @@ class NodeApi:
                 self.kv_plane_bodies += 1
                 return PlaneAnswer(200, records)
             if self.role == "prefill" and request.method == "GET" and path.startswith(KV_PATH):
-                rid = RequestId(path.removeprefix(KV_PATH))
-                payload = await self._kv_to_send(rid)
+                parts, length = await self._kv_parts(RequestId(path.removeprefix(KV_PATH)))
                 self.kv_plane_bodies += 1
-                if isinstance(payload, bytes):  # a damaged payload (tests only)
-                    return PlaneAnswer(200, _payload_parts(KvPieces((payload,))), len(payload))
-                return PlaneAnswer(200, _payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)),
-                                   payload.nbytes)
+                return PlaneAnswer(200, parts, length)
             unknown = client_error(f"the KV plane serves no {request.method} {path}")
             return PlaneAnswer.document(404, json.dumps(error_json(unknown)).encode())
         except StatecoreError as exc:
@@ -482,14 +479,18 @@ class NodeApi:
         PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
         body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
         payload = await self.engine.export_prefix(body.tokens)
-        return _kv_body(payload, lambda end: None)
+        return _kv_body(_payload_parts(payload), payload.nbytes)
 
     async def send_kv(self, request: Request) -> Response:
-        rid = RequestId(request.path_params["request_id"])
+        return _kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
+
+    async def _kv_parts(self, rid: RequestId) -> tuple[AsyncGenerator[Sequence[KvBytes], None], int]:
+        """The held KV the decode node pulls, as body parts and their length (the HTTP port's
+        answer and the KV plane's alike)."""
         payload = await self._kv_to_send(rid)
-        if isinstance(payload, bytes):
-            return Response(payload, media_type="application/octet-stream")
-        return _kv_body(payload, lambda end: self._note_raw_bytes(rid, end))
+        if isinstance(payload, bytes):  # a damaged payload (tests only): no end frame to read
+            return _payload_parts(KvPieces((payload,))), len(payload)
+        return _payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
