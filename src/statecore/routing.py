@@ -152,24 +152,23 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     decode node prefills it (OVERFLOW). `local_below` 0: always a prefill node."""
     if local_below < 0:
         raise ValueError("local_below must be >= 0")
+    if local_below == 0:  # every prompt through a prefill node: nothing overflows
+        prefill_backlog = None
     best = choose_node(prompt_tokens, decode_candidates, load_tokens)
     if best.cached_tokens > 0 and prompt_tokens - best.cached_tokens < local_below:
         return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
     if prompt_tokens < local_below:
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
     if best.cached_tokens > 0:
-        if local_below > 0 and overflows(prompt_tokens, prefill_backlog, best):
+        if overflows(prompt_tokens, prefill_backlog, best):
             return RouteChoice(Route.OVERFLOW, best, best.cached_tokens)
         return RouteChoice(Route.PREFILL_NODE_PREFIX, best, best.cached_tokens)
-    unsummarized = [RouteCandidate(c.node, c.in_flight, c.suspect, prefilling=c.prefilling)
-                    for c in decode_candidates]
-    by_load = choose_node(prompt_tokens, unsummarized, load_tokens)
-    if local_below > 0:
-        idle = [c for c in unsummarized if overflows(prompt_tokens, prefill_backlog, c)]
-        if idle:
-            chosen = choose_node(prompt_tokens, idle, load_tokens)
-            return RouteChoice(Route.OVERFLOW, chosen, best.cached_tokens)
-    return RouteChoice(Route.PREFILL_NODE, by_load, best.cached_tokens)
+    unsummarized = [replace(c, cached_tokens=0) for c in decode_candidates]
+    idle = [c for c in unsummarized if overflows(prompt_tokens, prefill_backlog, c)]
+    if idle:
+        return RouteChoice(Route.OVERFLOW, choose_node(prompt_tokens, idle, load_tokens), best.cached_tokens)
+    return RouteChoice(Route.PREFILL_NODE, choose_node(prompt_tokens, unsummarized, load_tokens),
+                       best.cached_tokens)
 
 
 DEFAULT_PULL_BYTES_PER_S = 1e9
