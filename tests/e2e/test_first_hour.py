@@ -49,7 +49,7 @@ def test_a_newcomers_cluster(tmp_path: Path) -> None:
         assert hi.status_code == 200, hi.text
         assert hi.json()["choices"][0]["message"]["content"].strip(), hi.text
 
-        tool = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        tool = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Request-Id": "first-tool"}, json={
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
             "temperature": 0})
         choice = tool.json()["choices"][0]
@@ -58,7 +58,9 @@ def test_a_newcomers_cluster(tmp_path: Path) -> None:
         assert call["function"]["name"] == "get_weather"
         assert list(json.loads(call["function"]["arguments"])) == ["city"]
 
-        text = log.read_text()
+        # The router logs a request's line after its answer has left: wait for both lines so that
+        # none of them is taken for a word of the shutdown below.
+        text = wait_for_log(log, ["first-hi", "first-tool"], parent)
         about_hi = [line for line in text.splitlines() if "first-hi" in line]
         assert len(about_hi) == 1 and "POST /v1/chat/completions 200" in about_hi[0], about_hi
         assert " -> " not in text.split("cluster ready", 1)[1], "transitions are DEBUG lines"
@@ -72,3 +74,13 @@ def test_a_newcomers_cluster(tmp_path: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def wait_for_log(log: Path, request_ids: list[str], parent: subprocess.Popen[bytes]) -> str:
+    deadline = time.monotonic() + 30
+    while True:
+        text = log.read_text()
+        if all(f"request {request_id}" in text for request_id in request_ids):
+            return text
+        assert parent.poll() is None and time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.1)
