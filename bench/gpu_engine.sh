@@ -20,6 +20,8 @@
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
 #                      stall it causes a decode node with 16 streams
 #   handoff-pull       the HTTP pull per request against a raw loopback socket
+#   memory-growth      the engine alone on realish at 8 with the allocator's memory traced: the
+#                      default, whole 2,048-token chunks, a bounded buffer cache, compile off
 set -u
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
@@ -156,6 +158,15 @@ case "${1:-vs-mlx-lm}" in
     timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff/handoff_http.py --model $M --lengths 128 2000 8000 \
       --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
       --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
+    ;;
+  memory-growth)
+    machine; model_1b
+    for variant in "" "--engine-arg=prefill_chunk_size=2048" "--cache-limit-bytes=4294967296" \
+        "--engine-arg=compile_decode=off"; do
+      echo "== ${variant:-default}"
+      timeout "${VARIANT_LIMIT:-60}" $PY bench/engine/engine_realish.py --model $M --concurrency 8 --seconds 14 \
+        --no-bare --memory-trace 2 $variant 2>&1 | grep -E "^memory|^\{|Error|error" | cut -c1-400 | tail -14
+    done
     ;;
   *)
     sed -n '/^#   [a-z-]*  /p' "$0"

@@ -98,6 +98,34 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
     return trio.run(main)
 
 
+def start_memory_trace(period_s: float) -> None:
+    """A thread printing, every `period_s`, what MLX's allocator holds (active, cached, peak) and,
+    on an NVIDIA GPU, what the device has in use: does memory grow step after step?"""
+    import shutil
+    import subprocess
+    import threading
+
+    import mlx.core as mx
+
+    def used_on_device() -> str:
+        if shutil.which("nvidia-smi") is None:
+            return "-"
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=False).stdout.split()
+        return f"{int(out[0]) / 1024:.1f}" if out else "-"
+
+    def trace() -> None:
+        start = time.perf_counter()
+        while True:
+            gib = 1 << 30
+            print(f"memory t={time.perf_counter() - start:6.1f}s active {mx.get_active_memory() / gib:6.2f} "
+                  f"cache {mx.get_cache_memory() / gib:6.2f} peak {mx.get_peak_memory() / gib:6.2f} "
+                  f"device used {used_on_device()} GiB", flush=True)
+            time.sleep(period_s)
+
+    threading.Thread(target=trace, daemon=True, name="memory-trace").start()
+
+
 def start_gil_neighbour(busy_s: float, idle_s: float) -> None:
     """A daemon thread holding the GIL busy_s at a time (Python bytecode), then sleeping idle_s."""
     import threading
@@ -129,12 +157,21 @@ def main() -> None:
                              "over: a stand-in for an HTTP front end sharing the GIL")
     parser.add_argument("--warmup-seconds", type=float, default=2.0,
                         help="unmeasured load first (the GPU meets most of its kernel shapes in it)")
+    parser.add_argument("--memory-trace", type=float, default=None, metavar="SECONDS",
+                        help="print the allocator's and the device's memory every SECONDS")
+    parser.add_argument("--cache-limit-bytes", type=int, default=None,
+                        help="mx.set_cache_limit before loading (MLX's default: its memory limit)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare model's decode")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.gil_neighbour:
         busy_ms, idle_ms = (float(x) for x in args.gil_neighbour.split("/"))
         start_gil_neighbour(busy_ms / 1000, idle_ms / 1000)
+    if args.memory_trace:
+        start_memory_trace(args.memory_trace)
+    if args.cache_limit_bytes is not None:
+        import mlx.core as mx
+        mx.set_cache_limit(args.cache_limit_bytes)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     engine_args = {k: int(v) if v.lstrip("-").isdigit() else v
