@@ -170,6 +170,7 @@ _ROLES_OF_FLAG = {
     "draft_model": frozenset({"cluster", "single", "decode"}),
     "prefix_pull": frozenset({"cluster", "prefill"}),
     "kv_shm_bytes": frozenset({"cluster", "prefill"}),
+    "preallocate_slots": frozenset({"cluster", "single", "decode"}),
 }
 
 
@@ -334,6 +335,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
                              "device's memory, at most 70%% of it less the weights, divided by "
                              "--device-shared-by)")
+    memory.add_argument("--preallocate-slots", default="auto", choices=("auto", "on", "off"),
+                        help="decode and single nodes: allocate the slot layout's whole share of "
+                             "--kv-memory-bytes at load, so that no request longer than any before "
+                             "it grows the buffers (a copy of every row that stalls the streams "
+                             "decoding, once per doubling): auto (on MLX's CUDA backend), on, off "
+                             "(default auto)")
     memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
                         help="engine nodes: how many engine nodes share this node's device; the default "
                              "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
