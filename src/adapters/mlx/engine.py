@@ -138,6 +138,7 @@ class MlxEngine:
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
         kv_memory_bytes: int | None = None,
+        device_shared_by: int = 1,
         decodes_locally: bool = True,
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
@@ -176,7 +177,7 @@ class MlxEngine:
         allocates the slot pool at its full capacity at load (it is set aside from the budget
         either way); otherwise it grows as rows need it, a copy of every row each time.
 
-        `kv_memory_bytes` (default: 40 % of the device's memory) bounds every KV cache together:
+        `kv_memory_bytes` (default: `memory.default_kv_memory_bytes`) bounds every KV cache together:
         half of it at most is set aside for the slot layout; each other request reserves its
         cache's worst case (prompt, or prompt + max_tokens once it decodes outside the slots)
         before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
@@ -287,7 +288,10 @@ class MlxEngine:
         if fuse_projections not in FUSION_MODES:
             raise StatecoreError(client_error(
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
-        memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
+        if device_shared_by < 1:
+            raise StatecoreError(client_error("device_shared_by must be >= 1"))
+        memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
+                  else kv_memory_bytes)
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
         prefix_bytes = memory // 4 if prefix_cache_bytes is None else prefix_cache_bytes

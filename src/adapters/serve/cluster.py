@@ -136,6 +136,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
     engine_flags = ["--model", model]
+    if args.device_shared_by == 1:  # both engine nodes run on this machine's one device
+        engine_flags += ["--device-shared-by", "2"]
     if blas in ("openblas", "bundled"):
         engine_flags += ["--blas", blas]
     if args.trust_remote_code:

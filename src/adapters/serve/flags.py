@@ -332,7 +332,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="engine nodes: what every KV cache together may take; each request reserves "
                              "its worst case before anything is allocated, and waits (429 with Retry-After) "
                              "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
-                             "device's memory)")
+                             "device's memory, at most 70%% of it less the weights, divided by "
+                             "--device-shared-by)")
+    memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
+                        help="engine nodes: how many engine nodes share this node's device; the default "
+                             "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
+                             "prefill and decode nodes) (default 1)")
     memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
                         help="engine nodes: cap each step's prefill work so that the KV held and reserved "
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "
