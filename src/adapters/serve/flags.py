@@ -355,6 +355,19 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "prompts that start with the same tokens, within this many bytes of the KV "
                              "budget; kept blocks give way to any request that needs the memory (default: "
                              "a quarter of --kv-memory-bytes; 0 = off)")
+    memory.add_argument("--prefix-host-bytes", type=_whole(0), default=None, metavar="BYTES",
+                        help="engine nodes: a second tier of the prefix cache in host memory, within this "
+                             "many bytes: blocks leaving the device are copied there instead of being "
+                             "forgotten, and come back on a hit (default: on where the device's memory is "
+                             "not the host's, MLX's CUDA backend: 4x --prefix-cache-bytes, at most an eighth "
+                             "of the host's memory; 0 = off, the default on unified memory: Apple silicon, "
+                             "the CPU backend)")
+    # (adapters.mlx.prefix_cache.HOST_PULL_MODES: the pulls' modes; this module loads no MLX)
+    memory.add_argument("--prefix-host-pull", choices=PULL_MODES, default="auto",
+                        help="engine nodes: when a prompt's next blocks are in the host tier, take them back "
+                             "to the device: auto (when the measured copy rate says that is quicker than "
+                             "this node's measured prefill, as --prefix-pull auto decides), always, never "
+                             "(default auto)")
     memory.add_argument("--keep-conversations", choices=["on", "off"], default="on",
                         help="decode and single nodes: when a request ends normally, compute its prompt and "
                              "generated tokens' whole prefill chunks again and keep them in the prefix "
