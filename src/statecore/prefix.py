@@ -167,18 +167,15 @@ class PrefixIndex:
         if parent is not None and parent not in self._device:
             raise ValueError("a block is cached only after the block before it")
         if key in self._host:
-            block = self._host.pop(key)
-            self.host_nbytes -= block.nbytes
-            if parent is not None:
-                self._device[parent].host_children -= 1
+            block = self._retier(key, DEVICE)
+            self.nbytes += nbytes - block.nbytes
             block.nbytes = nbytes
         else:
-            block = _Block(parent, nbytes)
+            self._device[key] = _Block(parent, nbytes)
+            self.nbytes += nbytes
             self.version += 1
-        self._device[key] = block
-        self.nbytes += nbytes
-        if parent is not None:
-            self._device[parent].device_children += 1
+            if parent is not None:
+                self._device[parent].device_children += 1
         moves = self.evict(self.nbytes - self.capacity_bytes, keep=key)
         if self.nbytes > self.capacity_bytes:  # only its own prefix is left, and it does not fit
             moves.extend(self._leave_device(key))
@@ -222,14 +219,7 @@ class PrefixIndex:
             prefix_bytes = sum(self._device[k].nbytes for k in self._ancestors(block.parent))
             if block.nbytes + prefix_bytes > self.capacity_bytes:
                 break  # not even beside its prefix alone: it stays where it is
-            del self._host[key]
-            self.host_nbytes -= block.nbytes
-            self._device[key] = block
-            self.nbytes += block.nbytes
-            if block.parent is not None:
-                parent = self._device[block.parent]
-                parent.host_children -= 1
-                parent.device_children += 1
+            self._retier(key, DEVICE)
             moves.append(Moved(key, DEVICE))
             moves.extend(self.evict(self.nbytes - self.capacity_bytes, keep=key))
         return moves
@@ -241,15 +231,22 @@ class PrefixIndex:
         block = self._device[key]
         if block.nbytes > self.host_capacity_bytes:
             return [*self._forget_extensions(key), self._forget(key)]
-        del self._device[key]
-        self.nbytes -= block.nbytes
-        self._host[key] = block
-        self.host_nbytes += block.nbytes
+        self._retier(key, HOST)
+        return [Moved(key, HOST), *self.evict_host(self.host_nbytes - self.host_capacity_bytes)]
+
+    def _retier(self, key: bytes, to: Tier) -> _Block:
+        """Move a held block into the other tier, as its most recently used; its bytes and its
+        parent's counts of extensions (the parent is on the device either way) go with it."""
+        source, target = (self._host, self._device) if to == DEVICE else (self._device, self._host)
+        block = target[key] = source.pop(key)
+        step = block.nbytes if to == DEVICE else -block.nbytes
+        self.nbytes += step
+        self.host_nbytes -= step
         if block.parent is not None:
             parent = self._device[block.parent]
-            parent.device_children -= 1
-            parent.host_children += 1
-        return [Moved(key, HOST), *self.evict_host(self.host_nbytes - self.host_capacity_bytes)]
+            parent.device_children += 1 if to == DEVICE else -1
+            parent.host_children -= 1 if to == DEVICE else -1
+        return block
 
     def _forget_extensions(self, key: bytes) -> list[Moved]:
         """Forget every host block that extends `key` (deepest first)."""

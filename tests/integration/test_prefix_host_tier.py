@@ -8,7 +8,7 @@ the CPU backend (unified memory: the host is the device).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,8 @@ import pytest
 from adapters.mlx import MlxEngine
 from adapters.mlx.prefix_cache import _to_device, _to_host
 from effects.engine_port import SamplingParams
-from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import load_into, opened_engines, served_whole
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=10)
@@ -33,26 +32,15 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[list[MlxEngine]]:
-    opened: list[MlxEngine] = []
-    yield opened
-    for engine in opened:
-        await close_engine(engine)
+    async with opened_engines() as opened:
+        yield opened
 
 
 async def load(opened: list[MlxEngine], path: Path, **kw: Any) -> MlxEngine:
-    engine = await load_engine(path, prefill_chunk_size=CHUNK, **kw)
-    opened.append(engine)
-    return engine
+    return await load_into(opened, path, prefill_chunk_size=CHUNK, **kw)
 
 
-async def served(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: SamplingParams
-                 ) -> tuple[int, int, bytes, list[int]]:
-    """(first token, cached tokens, the held KV's wire bytes, every token) of one request."""
-    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
-    held = (await engine.export_held(RequestId(rid))).joined()
-    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    tokens = [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
-    return outcome.first_token, outcome.cached_tokens, held, tokens
+served = served_whole
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
