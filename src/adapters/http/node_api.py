@@ -14,8 +14,8 @@ Every node: `GET /internal/info` (the model's fingerprint and per-layer cache tr
 handoffs' bytes and timings). When a shared token is configured, internal endpoints require it
 in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
 is the core's state machine: admission is the runner's (`statecore.policy.admission`), whether a
-KV pull is expected is the table's, and EOS is `statecore.policy.is_eos`. This module may import
-anything.
+KV pull is expected is the table's, and whether a first token ends its request is
+`statecore.policy.first_token_ends`. This module may import anything.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from statecore.events import (
 )
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import FINISH_REASONS, STOP, is_eos
+from statecore.policy import FINISH_REASONS, STOP, first_token_ends
 from statecore.scheduling import prefill_chunks
 
 log = logging.getLogger("statecore.node_api")
@@ -351,8 +351,8 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                first_eos = is_eos(token, self.engine.info.eos_token_ids,
-                                   ignore_eos=context.sampling.ignore_eos)
+                first_eos = first_token_ends(token, self.engine.info.eos_token_ids,
+                                             ignore_eos=context.sampling.ignore_eos)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
@@ -594,13 +594,13 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, TokenOut):
                     first = False
-                    yield output_line(PrefillReply(output.token, is_eos(output.token, eos_ids,
-                                                                        ignore_eos=ignore_eos),
+                    yield output_line(PrefillReply(output.token, first_token_ends(output.token, eos_ids,
+                                                                                  ignore_eos=ignore_eos),
                                                    0, output.logprobs, cached))
                     continue
                 if (first and cached is not None and output == GenerationEnd(STOP)
                         and context.first_token is not None
-                        and is_eos(context.first_token, eos_ids, ignore_eos=ignore_eos)):
+                        and first_token_ends(context.first_token, eos_ids, ignore_eos=ignore_eos)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue

@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
 from adapters.http.node_api import NodeApi, guarded
-from adapters.http.openai_api import Frontend, build_app
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
