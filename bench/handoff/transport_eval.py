@@ -17,7 +17,7 @@ processes on 127.0.0.1:
   written before), and tuned variants (`MSG_WAITALL`; the bytes striped over 2 and 4
   connections);
 - `http`: the project's KV pull (`adapters.kv.pull.pull` into `ReceiveBuffers`) from a hypercorn
-  (trio) + starlette server answering with the node's own body path (`node_api._kv_body`), and
+  (trio) + starlette server answering with the node's own body path (`node_api.kv_body`), and
   (`http tuned`) the same pull from a bare socket server that writes the head and `sendall`s the
   payload's own memory: how much of the gap is the server's body path, and (`http plane`) the same
   pull from the node's KV plane (`adapters.kv.plane`, the body path nodes use beside hypercorn);
@@ -441,18 +441,18 @@ def worker_http_server(nbytes: int) -> None:
     from effects.engine_port import KvPieces
 
     try:
-        from adapters.http.node_api import _kv_body, _payload_parts  # the node's own body path
+        from adapters.http.node_api import kv_body, payload_parts  # the node's own body path
 
-        body_path = "adapters.http.node_api._kv_body"
+        body_path = "adapters.http.node_api.kv_body"
     except ImportError:  # renamed by a rewrite: serve the bytes in 4 MiB messages as it did
-        _kv_body = None  # type: ignore[assignment]
+        kv_body = None  # type: ignore[assignment]
         body_path = "starlette StreamingResponse, 4 MiB messages"
     src = _payload(nbytes)
 
     async def kv(request: Request) -> Response:
         pieces = KvPieces((src.data,))
-        if _kv_body is not None:
-            return _kv_body(_payload_parts(pieces), pieces.nbytes)
+        if kv_body is not None:
+            return kv_body(payload_parts(pieces), pieces.nbytes)
         from starlette.responses import StreamingResponse
 
         async def chunks() -> Any:
@@ -508,17 +508,17 @@ def worker_http_bare_server(nbytes: int) -> None:
 
 def worker_http_plane_server(nbytes: int) -> None:
     """The node's KV plane (`adapters.kv.plane`) answering with the node's own body parts
-    (`node_api._payload_parts`: the payload's memory as it is, then its end frame)."""
+    (`node_api.payload_parts`: the payload's memory as it is, then its end frame)."""
     import trio
 
-    from adapters.http.node_api import _payload_parts
+    from adapters.http.node_api import payload_parts
     from adapters.kv.plane import PlaneAnswer, PlaneRequest, serve_plane
     from effects.engine_port import KvPieces
 
     src = _payload(nbytes)
 
     async def handler(request: PlaneRequest) -> PlaneAnswer:
-        return PlaneAnswer(200, _payload_parts(KvPieces((src.data,))), nbytes)
+        return PlaneAnswer(200, payload_parts(KvPieces((src.data,))), nbytes)
 
     async def main() -> None:
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
