@@ -55,6 +55,7 @@ from adapters.mlx.memory import (
     measure_kv_cost,
     out_of_memory_advice,
     parameter_bytes,
+    share_the_device,
     state_bytes,
 )
 from adapters.mlx.prefill import (
@@ -297,6 +298,7 @@ class MlxEngine:
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
         if device_shared_by < 1:
             raise StatecoreError(client_error("device_shared_by must be >= 1"))
+        share_the_device(device_shared_by)
         memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
                   else kv_memory_bytes)
         if memory < 1:

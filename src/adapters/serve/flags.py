@@ -343,8 +343,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "(default auto)")
     memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
                         help="engine nodes: how many engine nodes share this node's device; the default "
-                             "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
-                             "prefill and decode nodes) (default 1)")
+                             "--kv-memory-bytes and MLX's allocator limit are divided among them "
+                             "(`statecore run` passes 2 to its prefill and decode nodes on one device) "
+                             "(default 1)")
     memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
                         help="engine nodes: cap each step's prefill work so that the KV held and reserved "
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "
