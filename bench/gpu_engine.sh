@@ -36,6 +36,9 @@ machine() { { nvidia-smi --query-gpu=name,memory.total,driver_version --format=c
 model_1b() { [ -f $M/config.json ] || timeout 120 $PY bench/make_llama1b.py $M 2>&1 | tail -1; }
 model_second() { [ -f $M2/config.json ] || timeout 120 $PY bench/make_llama1b.py $M2 --hidden-size 1024 \
   --layers 28 --vocab 512 --seed 3 2>&1 | tail -1; }
+# Each of the three engine nodes sharing GPU 0 in the handoff targets: 3 x 8 GiB of KV and 3 x 2.5
+# GB of weights leave an 80 GB H100 room for activations (16 GiB each ran it out of memory).
+NODE_KV=8589934592
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 # The engine alone on realish (bench/engine/engine_realish.py ARGS...): tok/s, gap p99, ms per step by kind.
 engine_alone() {
@@ -146,17 +149,17 @@ case "${1:-vs-mlx-lm}" in
     # streamed handoffs into a decode node with 16 streams decoding.
     machine; model_1b
     timeout "${STREAM_LIMIT:-280}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
-      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=17179869184 --out "$OUT/stream.json" \
+      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=$NODE_KV --out "$OUT/stream.json" \
       2>&1 | quiet | tail -12
     timeout "${STALL_LIMIT:-250}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 8000 \
-      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
+      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV \
       --out "$OUT/stream_stall.json" 2>&1 | quiet | tail -8
     ;;
   handoff-pull)
     # 128 / 2,000 / 8,000 tokens with 16 streams decoding on the decode node throughout.
     machine; model_1b
     timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff/handoff_http.py --model $M --lengths 128 2000 8000 \
-      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=17179869184 \
+      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV \
       --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
     ;;
   memory-growth)

@@ -63,7 +63,7 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import FetchKv, InstallKv, StartDecode, StartPrefill
-from statecore.policy import STOP, is_eos
+from statecore.policy import STOP, first_token_ends
 from statecore.routing import Route as TurnRoute
 
 if TYPE_CHECKING:
@@ -406,8 +406,8 @@ class _MeteredPerformer:
         counts_tokens = not self.metrics.front_end
 
         async def metered_post(event: Event) -> None:
-            first_eos = isinstance(event, PrefillDone) and is_eos(event.first_token, eos,
-                                                                   ignore_eos=ignore_eos)
+            first_eos = isinstance(event, PrefillDone) and first_token_ends(event.first_token, eos,
+                                                                             ignore_eos=ignore_eos)
             # a streamed handoff's first token was computed on the prefill node, which counts it
             computed_here = not (ctx is not None and ctx.streamed and ctx.stream_out is None)
             if counts_tokens and (isinstance(event, TokenGenerated)
@@ -537,8 +537,15 @@ class _LiveCollector:
                  "draft tokens).", stats.speculative_accepted),
                 ("speculative_emitted_tokens", "Tokens verify steps emitted (tokens per step = emitted / "
                  "steps).", stats.speculative_emitted),
-                ("prefix_cache_evictions", "Prompt blocks the prefix cache forgot, for its capacity or "
-                 "for a request that needed the memory.", stats.prefix_cache_evictions),
+                ("prefix_cache_evictions", "Prompt blocks that left the device's prefix cache, for its "
+                 "capacity or for a request that needed the memory (into the host tier when it is on, "
+                 "else forgotten).", stats.prefix_cache_evictions),
+                ("prefix_host_blocks_out", "Prompt blocks copied into the prefix cache's host tier as they "
+                 "left the device.", stats.prefix_host_out),
+                ("prefix_host_blocks_back", "Host-tier blocks a prompt took back to the device instead of "
+                 "computing them.", stats.prefix_host_back),
+                ("prefix_host_blocks_forgotten", "Host-tier blocks forgotten to stay within "
+                 "--prefix-host-bytes.", stats.prefix_host_forgotten),
                 ("engine_prefill_capped_steps", "Steps whose planned prefill work was cut to fit "
                  "--kv-memory-bytes beside the KV held (--prefill-memory-cap).", stats.prefill_capped_steps),
                 ("engine_activation_overruns", "Steps whose estimated activations went over the memory "
@@ -569,6 +576,10 @@ class _LiveCollector:
                  "activations).", stats.device_memory_bytes),
                 ("prefix_cache_bytes", "Bytes of prompt blocks the prefix cache keeps (they give way to "
                  "requests).", stats.prefix_cache_bytes),
+                ("prefix_host_bytes", "Bytes of prompt blocks the prefix cache's host tier holds "
+                 "(host memory, within --prefix-host-bytes).", stats.prefix_host_bytes),
+                ("prefix_host_capacity_bytes", "The prefix cache's host tier's capacity "
+                 "(--prefix-host-bytes; 0: off).", stats.prefix_host_capacity_bytes),
                 ("engine_activation_estimate_peak_bytes", "The largest estimate of one step's transient "
                  "activations so far (steps under --prefill-memory-cap).",
                  stats.activation_estimate_peak_bytes),

@@ -213,6 +213,14 @@ class EngineStatistics:
     prefix_tokens_reused: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_evictions: int = 0
+    # Its host tier (where the device's memory is not the host's): bytes held and its capacity,
+    # blocks copied into it as they left the device, taken back to the device by a prompt, and
+    # forgotten to stay within the capacity.
+    prefix_host_bytes: int = 0
+    prefix_host_capacity_bytes: int = 0
+    prefix_host_out: int = 0
+    prefix_host_back: int = 0
+    prefix_host_forgotten: int = 0
     # The prefill memory cap (--prefill-memory-cap): steps whose planned prefill work was cut
     # to fit the budget beside the KV held, steps estimated over it anyway (the oldest prompt's
     # next unit alone), and the largest estimate of one step's activations so far.

@@ -8,9 +8,16 @@ its end (`block_keys`), and a prompt whose first k blocks are cached starts at c
 same numbers as from token 0. A cut anywhere else would change the calls (and so the last bits:
 a row's numbers depend on where its call ends, docs/engine.md); chunks are small (256 tokens by
 default) and a step computes several.
-`PrefixIndex` keeps the cached blocks' keys and sizes: least recently used first out, a block
-only after every block that extends it (what is cached is always whole prefixes), within a byte
-capacity, and on demand (`evict`) when admission needs the memory. A finished request's
+`PrefixIndex` keeps the cached blocks' keys and sizes in two tiers: the device's (what a prompt
+starts from) and, where the device's memory is not the host's, a bounded host pool. Each tier
+has its own byte capacity and least-recently-used order; a block is in one tier at most; a
+device block's parent is on the device and a host block's is on either (what is held is always
+whole prefixes). A block leaves the device, least recently used first and only after every
+device block that extends it, for its capacity or on demand (`evict`, when admission needs the
+memory): to the host pool when there is one, else forgotten; the host pool forgets its least
+recently used leaves to stay within its capacity. `promote` brings a prompt's host blocks back
+to the device (the engine decides when that beats computing them). Every operation returns the
+moves it made (`Moved`), in order, for the engine to do the same with the arrays. A finished request's
 conversation (its prompt and every generated token) is what its next turn starts with:
 `conversation_blocks` says which of its whole chunks a node computes again, as prefill chunks,
 to keep them (decode computed those tokens one at a time, whose numbers are not a chunk's).
@@ -25,8 +32,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["PrefixIndex", "block_keys", "conversation_block_keys", "conversation_blocks"]
+__all__ = ["DEVICE", "HOST", "Moved", "PrefixIndex", "Tier", "block_keys", "conversation_block_keys",
+           "conversation_blocks"]
+
+Tier = Literal["device", "host"]
+DEVICE: Tier = "device"
+HOST: Tier = "host"
 
 
 def block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
@@ -63,90 +76,211 @@ def conversation_blocks(prompt_tokens: int, conversation_tokens: int, cached_blo
     return range(cached_blocks, whole)
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """One block's move in an index operation: to the host pool, back to the device, or
+    forgotten (`to` None). The engine moves or drops the block's arrays in the same order."""
+
+    key: bytes
+    to: Tier | None
+
+
 @dataclass(slots=True)
 class _Block:
     parent: bytes | None
     nbytes: int
-    children: int = 0
+    device_children: int = 0  # blocks extending it on the device: it stays there while any does
+    host_children: int = 0  # ... and in the host pool: it is never forgotten while any does
 
 
 class PrefixIndex:
-    """Cached blocks by key, least recently used first; whole prefixes only."""
+    """Held blocks by key in two tiers (device, host), each least recently used first; whole
+    prefixes only. `host_capacity_bytes` 0: no host pool (a block leaving the device is forgotten)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, host_capacity_bytes: int = 0) -> None:
         self.capacity_bytes = capacity_bytes
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
-        self.nbytes = 0
+        self.host_capacity_bytes = host_capacity_bytes
+        self._device: OrderedDict[bytes, _Block] = OrderedDict()
+        self._host: OrderedDict[bytes, _Block] = OrderedDict()
+        self.nbytes = 0  # the device tier's
+        self.host_nbytes = 0
         self.version = 0  # grows whenever a block is added or forgotten (summaries are cached by it)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._device) + len(self._host)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+        """Held in either tier."""
+        return key in self._device or key in self._host
+
+    def tier(self, key: bytes) -> Tier | None:
+        if key in self._device:
+            return DEVICE
+        return HOST if key in self._host else None
+
+    def on_device(self, key: bytes) -> bool:
+        return key in self._device
+
+    def parent(self, key: bytes) -> bytes | None:
+        return self._entry(key).parent
 
     def cached_keys(self) -> list[bytes]:
-        """Every cached block's key (least recently used first)."""
-        return list(self._blocks)
+        """Every held block's key, the device's then the host pool's (each least recently used first)."""
+        return [*self._device, *self._host]
+
+    def device_keys(self) -> list[bytes]:
+        return list(self._device)
+
+    def host_keys(self) -> list[bytes]:
+        return list(self._host)
 
     def cached(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys`' leading blocks are cached; those become the most recently used."""
+        """How many of `keys`' leading blocks are on the device; those become its most recently used."""
         count = 0
         for key in keys:
-            if key not in self._blocks:
+            if key not in self._device:
                 break
             count += 1
         for key in keys[:count]:
-            self._blocks.move_to_end(key)
+            self._device.move_to_end(key)
         return count
 
-    def add(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bytes]:
-        """Cache a block (its parent, when it has one, must be cached) and return the keys
-        forgotten to keep within capacity: the new block itself when it cannot fit."""
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return []
-        if parent is not None and parent not in self._blocks:
-            raise ValueError("a block is cached only after the block before it")
-        if nbytes > self.capacity_bytes:
-            return [key]
-        self._blocks[key] = _Block(parent, nbytes)
-        self.nbytes += nbytes
-        self.version += 1
-        if parent is not None:
-            self._blocks[parent].children += 1
-        forgotten = self.evict(self.nbytes - self.capacity_bytes, keep=key)
-        if self.nbytes > self.capacity_bytes:  # only its own prefix is left, and it does not fit
-            self._forget(key)
-            forgotten.append(key)
-        return forgotten
+    def on_host(self, keys: Sequence[bytes], start: int) -> int:
+        """How many of `keys` from `start` on (the blocks after those on the device) are in the host pool."""
+        count = 0
+        for key in keys[start:]:
+            if key not in self._host:
+                break
+            count += 1
+        return count
 
-    def evict(self, nbytes: int, keep: bytes | None = None) -> list[bytes]:
-        """Forget least recently used blocks with no cached extension until `nbytes` are freed
-        (or nothing is left but `keep` and its ancestors); returns their keys."""
-        forgotten: list[bytes] = []
+    def add(self, key: bytes, parent: bytes | None, nbytes: int) -> list[Moved]:
+        """Put a block on the device (its parent, when it has one, must be there; a block held
+        in the host pool is taken from it: its new arrays replace the old), then make room: the
+        moves made, the block's own among them when it cannot stay (larger than the capacity,
+        or only its own prefix is left)."""
+        if key in self._device:
+            self._device.move_to_end(key)
+            return []
+        if parent is not None and parent not in self._device:
+            raise ValueError("a block is cached only after the block before it")
+        if key in self._host:
+            block = self._host.pop(key)
+            self.host_nbytes -= block.nbytes
+            if parent is not None:
+                self._device[parent].host_children -= 1
+            block.nbytes = nbytes
+        else:
+            block = _Block(parent, nbytes)
+            self.version += 1
+        self._device[key] = block
+        self.nbytes += nbytes
+        if parent is not None:
+            self._device[parent].device_children += 1
+        moves = self.evict(self.nbytes - self.capacity_bytes, keep=key)
+        if self.nbytes > self.capacity_bytes:  # only its own prefix is left, and it does not fit
+            moves.extend(self._leave_device(key))
+        return moves
+
+    def evict(self, nbytes: int, keep: bytes | None = None) -> list[Moved]:
+        """Free `nbytes` of the device tier (or all but `keep` and its ancestors): its least
+        recently used blocks that no device block extends go to the host pool (or are forgotten
+        without one); the moves made."""
+        moves: list[Moved] = []
         freed = 0
         protected = self._ancestors(keep)
         while freed < nbytes:
-            victim = next((key for key, block in self._blocks.items()
-                           if block.children == 0 and key not in protected), None)
+            victim = next((key for key, block in self._device.items()
+                           if block.device_children == 0 and key not in protected), None)
             if victim is None:
                 break
-            freed += self._forget(victim)
-            forgotten.append(victim)
-        return forgotten
+            freed += self._device[victim].nbytes
+            moves.extend(self._leave_device(victim))
+        return moves
 
-    def _forget(self, key: bytes) -> int:
-        block = self._blocks.pop(key)
+    def evict_host(self, nbytes: int) -> list[Moved]:
+        """Forget the host pool's least recently used leaves until `nbytes` are freed or it is empty."""
+        moves: list[Moved] = []
+        freed = 0
+        while freed < nbytes and self._host:
+            victim = next(k for k, b in self._host.items() if b.host_children == 0)
+            freed += self._host[victim].nbytes
+            moves.append(self._forget(victim))
+        return moves
+
+    def promote(self, keys: Sequence[bytes], start: int) -> list[Moved]:
+        """Bring `keys`' host blocks from `start` on (those right after the device's) back to the
+        device, in order, as far as they fit beside their own prefix; the moves made (each
+        promoted block's first, then what left the device for it)."""
+        moves: list[Moved] = []
+        for key in keys[start:]:
+            block = self._host.get(key)
+            if block is None or (block.parent is not None and block.parent not in self._device):
+                break
+            prefix_bytes = sum(self._device[k].nbytes for k in self._ancestors(block.parent))
+            if block.nbytes + prefix_bytes > self.capacity_bytes:
+                break  # not even beside its prefix alone: it stays where it is
+            del self._host[key]
+            self.host_nbytes -= block.nbytes
+            self._device[key] = block
+            self.nbytes += block.nbytes
+            if block.parent is not None:
+                parent = self._device[block.parent]
+                parent.host_children -= 1
+                parent.device_children += 1
+            moves.append(Moved(key, DEVICE))
+            moves.extend(self.evict(self.nbytes - self.capacity_bytes, keep=key))
+        return moves
+
+    def _leave_device(self, key: bytes) -> list[Moved]:
+        """A device block that no device block extends leaves it: to the host pool, which then
+        forgets its least recently used leaves to fit (this one too, last, if it must), or
+        forgotten with every host block extending it when there is no pool or it is larger."""
+        block = self._device[key]
+        if block.nbytes > self.host_capacity_bytes:
+            return [*self._forget_extensions(key), self._forget(key)]
+        del self._device[key]
         self.nbytes -= block.nbytes
+        self._host[key] = block
+        self.host_nbytes += block.nbytes
+        if block.parent is not None:
+            parent = self._device[block.parent]
+            parent.device_children -= 1
+            parent.host_children += 1
+        return [Moved(key, HOST), *self.evict_host(self.host_nbytes - self.host_capacity_bytes)]
+
+    def _forget_extensions(self, key: bytes) -> list[Moved]:
+        """Forget every host block that extends `key` (deepest first)."""
+        moves: list[Moved] = []
+        for child in [k for k, b in self._host.items() if b.parent == key]:
+            moves.extend(self._forget_extensions(child))
+            moves.append(self._forget(child))
+        return moves
+
+    def _forget(self, key: bytes) -> Moved:
+        tier = self._device if key in self._device else self._host
+        block = tier.pop(key)
+        if tier is self._device:
+            self.nbytes -= block.nbytes
+        else:
+            self.host_nbytes -= block.nbytes
         self.version += 1
         if block.parent is not None:
-            self._blocks[block.parent].children -= 1
-        return block.nbytes
+            parent = self._entry(block.parent)
+            if tier is self._device:
+                parent.device_children -= 1
+            else:
+                parent.host_children -= 1
+        return Moved(key, None)
+
+    def _entry(self, key: bytes) -> _Block:
+        return self._device[key] if key in self._device else self._host[key]
 
     def _ancestors(self, key: bytes | None) -> set[bytes]:
         found: set[bytes] = set()
-        while key is not None:
+        while key is not None and key in self:
             found.add(key)
-            key = self._blocks[key].parent if key in self._blocks else None
+            key = self._entry(key).parent
         return found

@@ -49,9 +49,9 @@ def test_a_newcomers_cluster(tmp_path: Path) -> None:
         assert hi.status_code == 200, hi.text
         assert hi.json()["choices"][0]["message"]["content"].strip(), hi.text
 
-        tool = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Request-Id": "first-tool"}, json={
-            "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER],
-            "temperature": 0})
+        tool = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Request-Id": "first-tool"},
+                          json={"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                                "tools": [WEATHER], "temperature": 0})
         choice = tool.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", tool.text
         (call,) = choice["message"]["tool_calls"]

@@ -18,13 +18,18 @@ counts, whole prefixes only, and a prompt never starts after more than its share
 blocks. Over the whole run blocks must have been evicted beside running requests, by the
 programs and by the engine itself, and prompts must have started from kept blocks, some of them
 at a block that is not where a step of the cache-less engine starts (its steps take four blocks
-from the first): the test cannot pass by testing nothing.
+from the first): the test cannot pass by testing nothing. It runs twice: without a host tier,
+and with one of four blocks (taken back on every hit, "always"), where every evicted block goes
+to the host pool and comes back: then the host copies are exactly what its index counts, never
+a block in both tiers, within its capacity, and blocks must have gone out, come back and been
+forgotten there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import assert_never
 
@@ -47,9 +52,10 @@ MAX_BATCH = 4
 STEP_BLOCKS = 4  # a step computes at most this many blocks of a prompt
 SLOT_TOKENS = 100  # a slot's positions: every request below decodes in the slot lane
 CAPACITY_BLOCKS = 5
+HOST_BLOCKS = 4  # the host tier's capacity, when it is on: fewer than the device's, so it forgets too
 LONGEST_TAIL = 20
 MOST_TOKENS = 6
-EXAMPLES = 50
+EXAMPLES = 40  # per engine: without a host tier, then with one
 
 
 def tokens_of(n: int, salt: int) -> tuple[int, ...]:
@@ -141,17 +147,20 @@ class Engines:
     references: dict[tuple[tuple[int, ...], SamplingParams], list[Token]] = field(default_factory=dict)
 
 
-async def open_engine(path: Path, prefix_cache_bytes: int, kv_memory_bytes: int | None) -> MlxEngine:
+async def open_engine(path: Path, prefix_cache_bytes: int, kv_memory_bytes: int | None,
+                      prefix_host_bytes: int = 0) -> MlxEngine:
     return await load_engine(path, prefill_chunk_size=CHUNK, max_batch=MAX_BATCH,
                              max_num_batched_tokens=MAX_BATCH + STEP_BLOCKS * CHUNK,
                              max_slot_tokens=SLOT_TOKENS - 1, prefix_cache_bytes=prefix_cache_bytes,
-                             kv_memory_bytes=kv_memory_bytes)
+                             kv_memory_bytes=kv_memory_bytes, prefix_host_bytes=prefix_host_bytes,
+                             prefix_host_pull="always")
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
+@pytest.fixture(scope="module", params=[0, HOST_BLOCKS], ids=["device only", "with a host tier"])
+def engines(request: pytest.FixtureRequest) -> Iterator[Engines]:
     """Both engines, shared by every example (each runs in its own trio.run; no request outlives
-    one). Closed at the end of the module."""
+    one). Closed at the end of the module. The cached one with or without a host tier of
+    `request.param` blocks (the CPU backend's default is without: turned on explicitly)."""
     path = cached_checkpoint("llama")
     plain = trio.run(open_engine, path, 0, None)
     cost, pool, shape = plain._device.cost, plain._device.pool_reserved, plain._device.shape
@@ -162,7 +171,7 @@ def engines() -> Iterator[Engines]:
     # blocks at admission; two prompts' steps evict more for their activations.
     largest = sum(chunk_activation_bytes(shape, prefill_chunks(LONGEST_PROMPT, CHUNK))[-STEP_BLOCKS:])
     budget = pool + 2 * cost.of(LONGEST_PROMPT) + largest + 3 * block
-    cached = trio.run(open_engine, path, CAPACITY_BLOCKS * block, budget)
+    cached = trio.run(open_engine, path, CAPACITY_BLOCKS * block, budget, request.param * block)
     try:
         device = cached._device
         assert device.slot_lane and device.pool_reserved == pool and device.settings.prefill_memory_cap
@@ -320,12 +329,20 @@ class Program:
         assert not device.waiting and not device.live and not device.held
         prefix = device.prefix
         assert prefix is not None
-        kept = prefix.index.cached_keys()
+        kept, on_host = prefix.index.device_keys(), prefix.index.host_keys()
         assert set(prefix._blocks) == set(kept), "arrays kept for blocks the index forgot, or none for some"
-        parents = [prefix.index._blocks[key].parent for key in kept]
-        assert all(parent is None or parent in prefix.index for parent in parents), "a block kept alone"
+        assert set(prefix._host) == set(on_host), "host copies the index does not count, or none for some"
+        assert not set(kept) & set(on_host), "a block in both tiers"
+        parents = [prefix.index.parent(key) for key in kept]
+        assert all(parent is None or prefix.index.on_device(parent) for parent in parents), \
+            "a block kept alone"
+        host_parents = [prefix.index.parent(key) for key in on_host]
+        assert all(parent is None or parent in prefix.index for parent in host_parents), \
+            "a host block without its parent"
         arrays = sum(int(k.nbytes) + int(v.nbytes) for block in prefix._blocks.values() for k, v in block)
         assert arrays == prefix.nbytes == stats.prefix_cache_bytes
+        copies = sum(k[0].nbytes + v[0].nbytes for block in prefix._host.values() for k, v in block)
+        assert copies == prefix.host_nbytes == stats.prefix_host_bytes <= stats.prefix_host_capacity_bytes
         self.check_cache()
 
     async def check_tokens(self) -> None:
@@ -340,8 +357,11 @@ class Program:
 
 async def run_program(engines: Engines, totals: Totals, program: tuple[Op, ...]) -> None:
     # Each example starts from the same full cache: the last prefix's three blocks, then the
-    # chain's four (the first of the three is left), each request alone.
+    # chain's four (the first of the three is left), each request alone; an empty host tier.
     await engines.cached.evict_prefixes(engines.capacity)
+    prefix = engines.cached._device.prefix
+    assert prefix is not None
+    await engines.cached._call(partial(prefix.evict_host, prefix.host_nbytes))  # (the device thread's)
     seen = [(*prefix, 2) for prefix in (PREFIXES[3], PREFIXES[2])]
     for prompt in seen:
         await alone(engines.cached, RequestId("warm"), prompt, SamplingParams(max_tokens=1))
@@ -376,3 +396,5 @@ def test_eviction_under_pressure_never_changes_a_running_request(engines: Engine
     assert after.prefix_cache_hits > before.prefix_cache_hits
     assert totals.hits_within_a_step > 0, totals
     assert totals.finished > totals.refused, totals
+    if after.prefix_host_capacity_bytes:  # blocks went to the host, came back, and were forgotten there
+        assert after.prefix_host_out and after.prefix_host_back and after.prefix_host_forgotten, after

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statecore.prefix import PrefixIndex, block_keys, conversation_block_keys, conversation_blocks
+from statecore.prefix import Moved, PrefixIndex, block_keys, conversation_block_keys, conversation_blocks
 
 
 def test_a_block_is_a_whole_chunk_before_the_last_token_named_by_everything_before_it() -> None:
@@ -28,11 +28,12 @@ def test_the_least_recently_used_leaf_goes_first_and_a_prefix_stays_whole() -> N
     x = block_keys([7] * 17, 16)[0]
     assert index.add(x, None, 100) == []
     assert index.cached([a, b, c]) == 2  # a and b now the most recent: x is the oldest leaf
-    assert index.add(c, b, 100) == [x]
+    assert index.add(c, b, 100) == [Moved(x, None)]  # no host tier: forgotten
     assert index.nbytes == 300 and index.cached([a, b, c]) == 3
     # a parent is never forgotten before its extensions
-    assert index.evict(100) == [c] and index.evict(150) == [b, a] and len(index) == 0
-    assert index.add(b, None, 400) == [b]  # larger than the capacity: not kept
+    assert index.evict(100) == [Moved(c, None)]
+    assert index.evict(150) == [Moved(b, None), Moved(a, None)] and len(index) == 0
+    assert index.add(b, None, 400) == [Moved(b, None)]  # larger than the capacity: not kept
 
 
 @settings(max_examples=60, deadline=None)

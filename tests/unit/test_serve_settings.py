@@ -7,9 +7,9 @@ import pytest
 
 from adapters.cli import build_parser
 from adapters.http.api_keys import keys_from
-from adapters.serve.cluster import _forwarded_serving_flags
+from adapters.serve.cluster import _forwarded_serving_flags, shared_device_flags
 from adapters.serve.flags import _resolve_api_keys
-from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval
+from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval, engine_options
 
 
 @pytest.mark.parametrize(
@@ -91,3 +91,20 @@ def test_api_keys_come_from_the_flags_and_the_environment(monkeypatch: pytest.Mo
     assert args.api_keys is None  # no key: the public API is open
     with pytest.raises(SystemExit, match="--api-key-protects needs --api-key"):
         _resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))
+
+
+@pytest.mark.parametrize(("given", "engine_gets"), [([], None), (["--preallocate-slots", "on"], True),
+                                                    (["--preallocate-slots", "off"], False)])
+def test_the_memory_flags_reach_the_engine(given: list[str], engine_gets: bool | None) -> None:
+    args = build_parser().parse_args(["run", "--role", "decode", "--device-shared-by", "3", *given])
+    options = engine_options(args, "decode")
+    assert options["preallocate_slots"] is engine_gets
+    assert options["device_shared_by"] == 3
+
+
+def test_a_local_cluster_tells_its_engine_nodes_they_share_one_device() -> None:
+    default = build_parser().parse_args(["run"])
+    assert shared_device_flags(default) == ["--device-shared-by", "2"]
+    given = build_parser().parse_args(["run", "--device-shared-by", "4"])
+    assert shared_device_flags(given) == []  # forwarded as given instead
+    assert _forwarded_serving_flags(given, "decode") == ["--device-shared-by", "4"]

@@ -167,6 +167,10 @@ class Settings:
     # 0 = off (max_num_batched_tokens every step). Off on a lockstep instance: its ranks must
     # plan alike, and each would measure its own times.
     step_target_ms: float | None = None
+    # The prefix cache's host tier (adapters.mlx.prefix_cache): its capacity (0: off), and when a
+    # host block comes back to the device rather than being computed
+    prefix_host_bytes: int = 0
+    prefix_host_pull: str = "auto"
 
 
 class _StepOutputs:
@@ -381,7 +385,8 @@ class DeviceLoop:
         self.slot_lane = self.pool is not None
         self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
         if plain and s.prefix_cache_bytes > 0:
-            self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes)
+            self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
+                                      s.prefix_host_pull)
         self.batch = BatchLane(self.model)
         if s.speculative != "off":
             self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
@@ -997,6 +1002,7 @@ class DeviceLoop:
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
         assert self.prefix is not None and task.cache is not None
+        self.prefix.prefill_computing(task.request_id)  # (its prefill rate decides host pulls)
         return self.prefix.keep(task.block_keys, chunk, task.cache)
 
     def forget_prefixes(self) -> None:
@@ -1004,7 +1010,7 @@ class DeviceLoop:
         self.drop_keep_tasks()
         self.conversations_kept = self.conversation_tokens_kept = 0
         if self.prefix is not None:
-            self.prefix = PrefixCache(self.settings.prefill_chunk_size, self.settings.prefix_cache_bytes)
+            self.prefix = self.prefix.emptied()
 
     def forget_activation_counts(self) -> None:
         """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
@@ -1165,6 +1171,8 @@ class DeviceLoop:
                 self.hand_token(owner, item, deliveries)
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
+                if self.prefix is not None:
+                    self.prefix.prefill_done(task.request_id, len(task.tokens) - task.cached_tokens)
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
                 logprobs = read_logprobs(task.sampler.take_logprobs())

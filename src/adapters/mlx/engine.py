@@ -49,7 +49,14 @@ from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
-from adapters.mlx.memory import KvCost, default_kv_memory_bytes, measure_kv_cost, parameter_bytes, state_bytes
+from adapters.mlx.memory import (
+    KvCost,
+    default_kv_memory_bytes,
+    measure_kv_cost,
+    out_of_memory_advice,
+    parameter_bytes,
+    state_bytes,
+)
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
@@ -58,6 +65,7 @@ from adapters.mlx.prefill import (
     tune_cuda_backend,
     warm_chunk_shapes,
 )
+from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
     EngineStatistics,
@@ -137,6 +145,7 @@ class MlxEngine:
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
         kv_memory_bytes: int | None = None,
+        device_shared_by: int = 1,
         decodes_locally: bool = True,
         shape_bucket: int | None = None,
         decode_attention: str = "auto",
@@ -144,6 +153,8 @@ class MlxEngine:
         fuse_projections: str = "auto",
         preallocate_slots: bool | None = None,
         prefix_cache_bytes: int | None = None,
+        prefix_host_bytes: int | None = None,
+        prefix_host_pull: str = "auto",
         prefill_memory_cap: str = "auto",
         keep_conversations: bool = False,
         speculative: str = "off",
@@ -176,7 +187,7 @@ class MlxEngine:
         allocates the slot pool at its full capacity at load (it is set aside from the budget
         either way); otherwise it grows as rows need it, a copy of every row each time.
 
-        `kv_memory_bytes` (default: 40 % of the device's memory) bounds every KV cache together:
+        `kv_memory_bytes` (default: `memory.default_kv_memory_bytes`) bounds every KV cache together:
         half of it at most is set aside for the slot layout; each other request reserves its
         cache's worst case (prompt, or prompt + max_tokens once it decodes outside the slots)
         before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
@@ -219,7 +230,11 @@ class MlxEngine:
         (nodes that decode, with the prefix cache on) keeps a finished request's prompt and
         generated tokens' whole chunks too, computed again as prefill chunks after it ends, and a
         handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
-        turn starts after them.
+        turn starts after them. `prefix_host_bytes` (default: on MLX's CUDA backend only, see
+        `adapters.mlx.prefix_cache.default_host_bytes`; 0 = off; always off on a tensor- or
+        pipeline-parallel instance, whose ranks must hold the same blocks) bounds a host-memory
+        tier that blocks leaving the device go to; `prefix_host_pull` (auto, always, never) says
+        when a prompt takes them back rather than computing them (auto: by measured rates).
 
         `speculative` ("off", "ngram", "draft"): while at most `speculative_max_rows` requests
         decode, each step drafts up to `num_draft_tokens` tokens per row, by prompt lookup or with
@@ -283,12 +298,21 @@ class MlxEngine:
         if fuse_projections not in FUSION_MODES:
             raise StatecoreError(client_error(
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
-        memory = default_kv_memory_bytes() if kv_memory_bytes is None else kv_memory_bytes
+        if device_shared_by < 1:
+            raise StatecoreError(client_error("device_shared_by must be >= 1"))
+        memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
+                  else kv_memory_bytes)
         if memory < 1:
             raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
         prefix_bytes = memory // 4 if prefix_cache_bytes is None else prefix_cache_bytes
         if prefix_bytes < 0:
             raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
+        host_bytes = default_host_bytes(prefix_bytes) if prefix_host_bytes is None else prefix_host_bytes
+        if host_bytes < 0:
+            raise StatecoreError(client_error("prefix_host_bytes must be >= 0"))
+        if prefix_host_pull not in HOST_PULL_MODES:
+            raise StatecoreError(client_error(
+                f"prefix_host_pull must be one of {', '.join(HOST_PULL_MODES)}"))
         if prefill_memory_cap not in PREFILL_MEMORY_CAP_MODES:
             raise StatecoreError(client_error(
                 f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
@@ -312,7 +336,9 @@ class MlxEngine:
                             keep_conversations=keep_conversations and decodes_locally,
                             speculative=speculative if decodes_locally and tensor is None else "off",
                             num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
-                            step_target_ms=0.0 if tensor is not None else step_target_ms)
+                            step_target_ms=0.0 if tensor is not None else step_target_ms,
+                            prefix_host_bytes=host_bytes if tensor is None else 0,
+                            prefix_host_pull=prefix_host_pull)
         tune_cuda_backend()
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._draft_dir = None if draft_model is None else Path(draft_model)
@@ -1027,6 +1053,8 @@ class MlxEngine:
             self._device.run()
         except BaseException as exc:
             logger.exception("the MLX device thread died")
+            if (advice := out_of_memory_advice(exc, self._settings.kv_memory_bytes)) is not None:
+                logger.error("%s", advice)
             self._die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
         else:
             self._die(engine_failed("the engine is closed"))
@@ -1109,6 +1137,12 @@ class MlxEngine:
             prefix_tokens_reused=0 if device.prefix is None else device.prefix.tokens_reused,
             prefix_cache_queries=0 if device.prefix is None else device.prefix.queries,
             prefix_cache_evictions=0 if device.prefix is None else device.prefix.evictions,
+            prefix_host_bytes=0 if device.prefix is None else device.prefix.host_nbytes,
+            prefix_host_capacity_bytes=(0 if device.prefix is None
+                                        else device.prefix.index.host_capacity_bytes),
+            prefix_host_out=0 if device.prefix is None else device.prefix.host_out,
+            prefix_host_back=0 if device.prefix is None else device.prefix.host_back,
+            prefix_host_forgotten=0 if device.prefix is None else device.prefix.host_forgotten,
             prefill_capped_steps=device.prefill_capped_steps,
             activation_overruns=device.activation_overruns,
             activation_estimate_peak_bytes=device.activation_peak,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +31,8 @@ __all__ = [
     "KvCost",
     "activation_dtype_bytes",
     "default_kv_memory_bytes",
+    "device_memory_bytes",
+    "out_of_memory_advice",
     "measure_kv_cost",
     "model_shape",
     "parameter_bytes",
@@ -39,6 +42,10 @@ __all__ = [
 # mlx-lm's KVCache grows its buffers 256 positions at a time: a cache may hold that many more.
 ALLOCATION_STEP = 256
 DEFAULT_KV_MEMORY_FRACTION = 0.4
+# Of the device's memory, what weights and KV may take together by default: MLX's CUDA allocator
+# starts giving its cache back at 80 %, and a step's activations need the rest.
+DEVICE_USABLE_FRACTION = 0.7
+MIN_DEFAULT_KV_MEMORY_BYTES = 256 << 20
 _PROBE_LENGTHS = (8, 24)
 
 
@@ -72,13 +79,39 @@ def measure_kv_cost(probe: Callable[[int], Sequence[Any]], live_bytes: Callable[
     return KvCost(fixed, per_token, slot)
 
 
-def default_kv_memory_bytes() -> int:
-    """A share of the device's memory (the GPU's, else the machine's RAM) for KV caches."""
+def default_kv_memory_bytes(model_dir: Path | None = None, shared_by: int = 1) -> int:
+    """A share of the device's memory (the GPU's, else the machine's RAM) for KV caches, never
+    more than what the weights (`model_dir`'s safetensors) leave of the device's usable part
+    (the rest is for the step's activations and the allocator); `shared_by` engine nodes on one
+    device (a local cluster's) split it."""
+    total = device_memory_bytes()
+    weights = 0 if model_dir is None else sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    left = int(total * DEVICE_USABLE_FRACTION) - shared_by * weights
+    return max(MIN_DEFAULT_KV_MEMORY_BYTES, min(int(total * DEFAULT_KV_MEMORY_FRACTION), left) // shared_by)
+
+
+def out_of_memory_advice(exc: BaseException, kv_memory_bytes: int) -> str | None:
+    """What to change when the device ran out of memory (None: `exc` is something else). MLX
+    raises a RuntimeError naming the allocation that failed (CUDA: cudaMalloc...; Metal:
+    "[malloc] Unable to allocate")."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not ("out of memory" in text or "Unable to allocate" in text):
+        return None
+    return (f"the device ran out of memory ({device_memory_bytes() / 2**30:.1f} GiB; the KV caches may take "
+            f"{kv_memory_bytes / 2**30:.1f} GiB of it): start the node with a smaller --kv-memory-bytes, "
+            "fewer prefill tokens per step (--max-num-batched-tokens), or --device-shared-by N when N "
+            "engine nodes share this device")
+
+
+def device_memory_bytes() -> int:
+    """The device's memory: MLX's device_info names it `memory_size` on Metal and `total_memory`
+    on CUDA; the CPU backend names none (the machine's RAM is the device's)."""
     info: dict[str, Any] = dict(mx.device_info())
-    total = info.get("memory_size")
-    if not isinstance(total, int) or total <= 0:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total * DEFAULT_KV_MEMORY_FRACTION)
+    for key in ("memory_size", "total_memory"):
+        total = info.get(key)
+        if isinstance(total, int) and total > 0:
+            return total
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _config_int(args: Any, *names: str) -> int | None:

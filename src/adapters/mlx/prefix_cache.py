@@ -8,37 +8,105 @@ never written) at its first uncached chunk: the calls after it are the ones it w
 from token 0, so its tokens are the same to the bit. A block is stored once, however many
 prompts share it. Plain `KVCache` models without kv_bits only (what the slot lane takes); the
 other families' state at a chunk boundary is not a slice of a cache (rotating windows, SSM
-state, chunked attention), so they are not cached. The blocks count against the node's KV budget:
-`PrefixIndex` keeps them within `capacity` and admission evicts them before it refuses a
-request. Device thread only. This module imports mlx and mlx_lm; never trio.
+state, chunked attention), so they are not cached. The device blocks count against the node's
+KV budget: `PrefixIndex` keeps them within `capacity` and admission evicts them before it
+refuses a request.
+
+The host tier (`host_bytes` > 0; by default only where the device's memory is not the host's,
+MLX's CUDA backend: `default_host_bytes`): a block evicted from the device is copied into a
+bounded pool of host memory (numpy arrays, bf16 as its bits) instead of being forgotten. A
+prompt whose next blocks are there takes them back to the device when that is quicker than
+computing them (`host_pull`: auto decides by `statecore.routing.prefix_pull_pays`, the rule of
+`--prefix-pull`, on rates measured here: the host-to-device copies' bytes per second and this
+node's prefill tokens per second; always; never). A block that came back holds the very bytes
+the device computed, so the prompt's tokens are still a cache-less run's. Device thread only.
+This module imports mlx, mlx_lm and numpy; never trio.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from statecore.prefix import PrefixIndex, block_keys
+from adapters.mlx.prefill import on_cuda
+from statecore.prefix import DEVICE, HOST, Moved, PrefixIndex, block_keys
+from statecore.routing import PullRates, prefix_pull_pays
 
-__all__ = ["PrefixCache"]
+__all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes"]
+
+HOST_PULL_MODES = ("auto", "always", "never")  # --prefix-host-pull, as --prefix-pull's
+_HOST_SHARE_OF_MEMORY = 8  # by default the host pool takes at most this fraction of the host's memory
+_HOST_TIMES_DEVICE = 4  # ... and at most this many times the device tier's capacity
+_PREFILLS_TIMED = 256  # prompts whose prefill clock runs at once at most (the oldest is dropped)
+
+_HostArray = tuple[np.ndarray[Any, Any], mx.Dtype]
+
+
+def default_host_bytes(device_bytes: int) -> int:
+    """The host pool's capacity when none is given: on MLX's CUDA backend (the device's memory is
+    not the host's) four times the device tier's, and at most an eighth of the host's memory;
+    0 (off) on unified memory (Apple silicon, the CPU backend), where the host is the device."""
+    if not on_cuda() or device_bytes <= 0:
+        return 0
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(_HOST_TIMES_DEVICE * device_bytes, physical // _HOST_SHARE_OF_MEMORY)
+
+
+def _to_host(array: Any) -> _HostArray:
+    """A device array's bytes in host memory (bf16, which numpy lacks, as its 16-bit words)."""
+    dtype = array.dtype
+    bits = array.view(mx.uint16) if dtype == mx.bfloat16 else array
+    return np.array(bits, copy=True), dtype
+
+
+def _to_device(held: _HostArray) -> Any:
+    data, dtype = held
+    array = mx.array(data)
+    return array.view(dtype) if dtype == mx.bfloat16 else array
 
 
 class PrefixCache:
-    def __init__(self, chunk_size: int, capacity_bytes: int) -> None:
+    def __init__(self, chunk_size: int, capacity_bytes: int, host_bytes: int = 0,
+                 host_pull: str = "auto", rates: PullRates | None = None) -> None:
+        if host_pull not in HOST_PULL_MODES:
+            raise ValueError(f"host_pull must be one of {', '.join(HOST_PULL_MODES)}, not {host_pull!r}")
         self.chunk_size = chunk_size
-        self.index = PrefixIndex(capacity_bytes)
-        self._blocks: dict[bytes, list[tuple[Any, Any]]] = {}  # key -> per layer (keys, values)
+        self.host_pull = host_pull
+        self.index = PrefixIndex(capacity_bytes, host_bytes)
+        self._blocks: dict[bytes, list[tuple[Any, Any]]] = {}  # device: key -> per layer (keys, values)
+        self._host: dict[bytes, list[tuple[_HostArray, _HostArray]]] = {}  # the host pool's copies
         self.queries = 0  # prompts looked up (every prompt with at least one whole block)
         self.hits = 0  # prompts that started from cached blocks
         self.tokens_reused = 0  # prompt tokens not computed thanks to them
-        self.evictions = 0  # blocks forgotten, for capacity or because admission needed memory
+        self.evictions = 0  # blocks that left the device, for capacity or because admission needed memory
+        self.host_out = 0  # ... of them, copied into the host pool
+        self.host_back = 0  # host blocks a prompt took back to the device
+        self.host_forgotten = 0  # host blocks forgotten to stay within the pool's capacity
+        self.host_declined = 0  # prompts that found host blocks and computed them (quicker, measured)
+        # what the host pulls weigh (statecore.routing.prefix_pull_pays): the copies have no
+        # latency to speak of; the rates are this node's and outlive an emptied cache
+        self.rates = PullRates(pull_latency_s=0.0) if rates is None else rates
+        self._prefill_started: OrderedDict[str, float] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
         return self.index.nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.index.host_nbytes
+
+    def emptied(self) -> PrefixCache:
+        """A new, empty cache of the same sizes (the measured rates kept: they are the node's)."""
+        return PrefixCache(self.chunk_size, self.index.capacity_bytes, self.index.host_capacity_bytes,
+                           self.host_pull, self.rates)
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
@@ -47,11 +115,19 @@ class PrefixCache:
     def start(self, keys: Sequence[bytes], counted: bool = True, again: bool = False
               ) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
-        them (None when none is). Not `counted`: a conversation kept, not a prompt served;
-        `again`: a prompt looked up at arrival, looked up once more (a hit counts, not a query)."""
+        them (None when none is); host blocks after the device's come back first when that
+        pays. Not `counted`: a conversation kept, not a prompt served; `again`: a prompt looked
+        up at arrival, looked up once more (a hit counts, not a query)."""
         if keys and counted and not again:
             self.queries += 1
         count = self.index.cached(keys)
+        on_host = self.index.on_host(keys, count)
+        if on_host:
+            if self._host_pays(count, on_host):
+                self._apply(self.index.promote(keys, count))
+                count = self.index.cached(keys)
+            elif counted:
+                self.host_declined += 1
         if count == 0:
             return 0, None
         layers = len(self._blocks[keys[0]])
@@ -69,28 +145,75 @@ class PrefixCache:
 
     def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any]) -> list[Any]:
         """Keep chunk `chunk` of the prompt whose block keys are `keys` (just built into `cache`)
-        unless it is kept already; returns the arrays to evaluate with this step (none when
-        nothing new is kept)."""
-        if chunk >= len(keys) or keys[chunk] in self.index:
+        on the device unless it is there already (a host copy gives way to it: a block is in one
+        tier); returns the arrays to evaluate with this step (none when nothing new is kept)."""
+        if chunk >= len(keys) or self.index.on_device(keys[chunk]):
             return []
         parent = keys[chunk - 1] if chunk else None
-        if parent is not None and parent not in self.index:
-            return []  # its prefix was forgotten meanwhile: a block is kept only after its parent
+        if parent is not None and not self.index.on_device(parent):
+            return []  # its prefix left the device meanwhile: a block is kept only after its parent
         start, end = chunk * self.chunk_size, (chunk + 1) * self.chunk_size
         block = [(mx.contiguous(layer.keys[..., start:end, :]),
                   mx.contiguous(layer.values[..., start:end, :])) for layer in cache]
         nbytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in block)
-        forgotten = self.index.add(keys[chunk], parent, nbytes)
-        self.evictions += sum(1 for key in forgotten if key in self._blocks)
-        if keys[chunk] in forgotten:
-            return []
+        self.rates = self.rates.held(nbytes, self.chunk_size)
+        self._host.pop(keys[chunk], None)
         self._blocks[keys[chunk]] = block
-        for key in forgotten:
-            self._blocks.pop(key, None)
+        self._apply(self.index.add(keys[chunk], parent, nbytes))
+        if keys[chunk] not in self._blocks:
+            return []
         return [array for pair in block for array in pair]
 
     def evict(self, nbytes: int) -> None:
-        """Free at least `nbytes` (admission needs them), least recently used blocks first."""
-        for key in self.index.evict(nbytes):
-            if self._blocks.pop(key, None) is not None:
+        """Free at least `nbytes` of device memory (admission needs them), least recently used
+        blocks first: into the host pool when there is one."""
+        self._apply(self.index.evict(nbytes))
+
+    def evict_host(self, nbytes: int) -> None:
+        """Forget at least `nbytes` of the host pool (or all of it), least recently used first."""
+        self._apply(self.index.evict_host(nbytes))
+
+    def _apply(self, moves: Sequence[Moved]) -> None:
+        """Do with the arrays what the index did with the keys, in the same order."""
+        copied = 0
+        started = time.perf_counter()
+        for moved in moves:
+            key = moved.key
+            if moved.to == HOST:
+                self._host[key] = [(_to_host(k), _to_host(v)) for k, v in self._blocks.pop(key)]
                 self.evictions += 1
+                self.host_out += 1
+            elif moved.to == DEVICE:
+                arrays = [(_to_device(k), _to_device(v)) for k, v in self._host.pop(key)]
+                mx.eval(arrays)
+                self._blocks[key] = arrays
+                copied += sum(int(k.nbytes) + int(v.nbytes) for k, v in arrays)
+                self.host_back += 1
+            elif self._blocks.pop(key, None) is not None:
+                self.evictions += 1
+            elif self._host.pop(key, None) is not None:
+                self.host_forgotten += 1
+        if copied:  # the copies back, timed with whatever left the device for them
+            self.rates = self.rates.pulled(copied, 0.0, time.perf_counter() - started)
+
+    def _host_pays(self, device_blocks: int, host_blocks: int) -> bool:
+        if self.host_pull != "auto":
+            return self.host_pull == "always"
+        return prefix_pull_pays((device_blocks + host_blocks) * self.chunk_size,
+                                device_blocks * self.chunk_size, self.rates)
+
+    # -- this node's prefill rate, for `_host_pays` ---------------------------------------------
+
+    def prefill_computing(self, request_id: str) -> None:
+        """A chunk of the prompt was just built: its clock starts at the first."""
+        if request_id not in self._prefill_started:
+            self._prefill_started[request_id] = time.perf_counter()
+            if len(self._prefill_started) > _PREFILLS_TIMED:
+                self._prefill_started.popitem(last=False)
+
+    def prefill_done(self, request_id: str, computed_tokens: int) -> None:
+        """The prompt's first token was read back, `computed_tokens` of it computed here (a rate
+        counts from a whole chunk on, as `--prefix-pull`'s does)."""
+        started = self._prefill_started.pop(request_id, None)
+        if started is not None and computed_tokens >= self.chunk_size:
+            self.rates = self.rates.prefilled(computed_tokens, time.perf_counter() - started)

@@ -90,6 +90,12 @@ def _forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) 
     return flags
 
 
+def shared_device_flags(args: argparse.Namespace) -> list[str]:
+    """Both engine nodes of a local cluster run on this machine's one device: each takes half of
+    a default KV budget, unless the user said how many share it (then it is forwarded as given)."""
+    return ["--device-shared-by", "2"] if args.device_shared_by == 1 else []
+
+
 HANDOFF_PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an "
                   "old king with three daughters. One winter the king fell ill, and a wise woman "
                   "told him that only water from the well at the end of the world could heal him. "
@@ -136,6 +142,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
     engine_flags = ["--model", model]
+    engine_flags += shared_device_flags(args)
     if blas in ("openblas", "bundled"):
         engine_flags += ["--blas", blas]
     if args.trust_remote_code:

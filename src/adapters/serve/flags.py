@@ -170,6 +170,7 @@ _ROLES_OF_FLAG = {
     "draft_model": frozenset({"cluster", "single", "decode"}),
     "prefix_pull": frozenset({"cluster", "prefill"}),
     "kv_shm_bytes": frozenset({"cluster", "prefill"}),
+    "preallocate_slots": frozenset({"cluster", "single", "decode"}),
 }
 
 
@@ -338,7 +339,18 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="engine nodes: what every KV cache together may take; each request reserves "
                              "its worst case before anything is allocated, and waits (429 with Retry-After) "
                              "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
-                             "device's memory)")
+                             "device's memory, at most 70%% of it less the weights, divided by "
+                             "--device-shared-by)")
+    memory.add_argument("--preallocate-slots", default="auto", choices=("auto", "on", "off"),
+                        help="decode and single nodes: allocate the slot layout's whole share of "
+                             "--kv-memory-bytes at load, so that no request longer than any before "
+                             "it grows the buffers (a copy of every row that stalls the streams "
+                             "decoding, once per doubling): auto (on MLX's CUDA backend), on, off "
+                             "(default auto)")
+    memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
+                        help="engine nodes: how many engine nodes share this node's device; the default "
+                             "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
+                             "prefill and decode nodes) (default 1)")
     memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
                         help="engine nodes: cap each step's prefill work so that the KV held and reserved "
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "
@@ -349,6 +361,19 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "prompts that start with the same tokens, within this many bytes of the KV "
                              "budget; kept blocks give way to any request that needs the memory (default: "
                              "a quarter of --kv-memory-bytes; 0 = off)")
+    memory.add_argument("--prefix-host-bytes", type=_whole(0), default=None, metavar="BYTES",
+                        help="engine nodes: a second tier of the prefix cache in host memory, within this "
+                             "many bytes: blocks leaving the device are copied there instead of being "
+                             "forgotten, and come back on a hit (default: on where the device's memory is "
+                             "not the host's, MLX's CUDA backend: 4x --prefix-cache-bytes, at most an eighth "
+                             "of the host's memory; 0 = off, the default on unified memory: Apple silicon, "
+                             "the CPU backend)")
+    # (adapters.mlx.prefix_cache.HOST_PULL_MODES: the pulls' modes; this module loads no MLX)
+    memory.add_argument("--prefix-host-pull", choices=PULL_MODES, default="auto",
+                        help="engine nodes: when a prompt's next blocks are in the host tier, take them back "
+                             "to the device: auto (when the measured copy rate says that is quicker than "
+                             "this node's measured prefill, as --prefix-pull auto decides), always, never "
+                             "(default auto)")
     memory.add_argument("--keep-conversations", choices=["on", "off"], default="on",
                         help="decode and single nodes: when a request ends normally, compute its prompt and "
                              "generated tokens' whole prefill chunks again and keep them in the prefix "

@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
-from adapters.http.node_api import NodeApi, guarded
-from adapters.http.openai_api import Frontend, build_app
+from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
@@ -240,10 +241,14 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
         step_target_ms=args.step_target_ms,
-        kv_memory_bytes=args.kv_memory_bytes, decodes_locally=role != "prefill",
+        kv_memory_bytes=args.kv_memory_bytes,
+        device_shared_by=args.device_shared_by,
+        preallocate_slots={"auto": None, "on": True, "off": False}[args.preallocate_slots],
+        decodes_locally=role != "prefill",
         shape_bucket=args.shape_bucket, decode_attention=args.decode_attention,
         compile_decode=args.compile_decode, fuse_projections=args.fuse_projections,
-        prefix_cache_bytes=args.prefix_cache_bytes, prefill_memory_cap=args.prefill_memory_cap,
+        prefix_cache_bytes=args.prefix_cache_bytes, prefix_host_bytes=args.prefix_host_bytes,
+        prefix_host_pull=args.prefix_host_pull, prefill_memory_cap=args.prefill_memory_cap,
         keep_conversations=role != "prefill" and args.keep_conversations == "on",
         speculative=args.speculative if role != "prefill" else "off",
         num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
@@ -353,7 +358,7 @@ async def _start_kv_plane(nursery: trio.Nursery, api: NodeApi, listener: socket.
     """The KV plane (`adapters.kv.plane`) on the HTTP listener's address; its port."""
     host = str(listener.getsockname()[0])
     plane = (await trio.open_tcp_listeners(port, host=host))[0]
-    await nursery.start(serve_plane, plane, api.plane)
+    await nursery.start(serve_plane, plane, api.plane, MAX_INTERNAL_BODY)
     bound = int(plane.socket.getsockname()[1])
     log.info("KV plane on %s:%d", host, bound)
     return bound
