@@ -309,6 +309,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
                              f"+ {DEFAULT_STEP_PREFILL_TOKENS}, or + --prefill-chunk-size when larger; "
                              "minimum: --max-batch + chunk size / layers)")
+    engine.add_argument("--step-target-ms", type=_seconds(zero_allowed=True), default=None, metavar="MS",
+                        help="while streams decode, size each step's prefill from the step times this node "
+                             "measures so that a step stays near MS milliseconds (at least the oldest "
+                             "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
+                             "stalls no stream for its whole prefill; 0 = off (default: 4 times a step "
+                             "without prefill)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
