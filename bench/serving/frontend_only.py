@@ -24,7 +24,8 @@ from hypercorn.trio import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.serve.flags import demo_model_dir
 from effects.backend import local_backend
 from effects.engine_port import GeneratedToken

@@ -50,8 +50,10 @@ from benchlib import (
     start_all,
 )
 
-SERVERS = ("mlx_lm", "single", "single_nocache", "single_chunk2048", "single_chunk128", "single_chunk256")
+SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
+           "single_chunk256")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
+          "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
           "single_chunk256": ["--prefill-chunk-size=256"]}
 

@@ -1,4 +1,5 @@
-"""Adapters: every concrete I/O (HTTP, peers, the KV wire codec, the MLX engine, the CLI).
+"""Adapters: every concrete I/O (the public API's front end, HTTP, peers, the KV wire codec, the MLX
+engine, the CLI).
 
 May import anything; nothing in `statecore` or `effects` may import this package.
 """
@@ -8,6 +9,7 @@ May import anything; nothing in `statecore` or `effects` may import this package
 __all__ = [
     "blas",
     "cli",
+    "frontend",
     "grammar",
     "http",
     "kv",

@@ -63,7 +63,7 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import FetchKv, InstallKv, StartDecode, StartPrefill
-from statecore.policy import STOP, is_eos
+from statecore.policy import STOP, first_token_ends
 from statecore.routing import Route as TurnRoute
 
 if TYPE_CHECKING:
@@ -406,8 +406,8 @@ class _MeteredPerformer:
         counts_tokens = not self.metrics.front_end
 
         async def metered_post(event: Event) -> None:
-            first_eos = isinstance(event, PrefillDone) and is_eos(event.first_token, eos,
-                                                                   ignore_eos=ignore_eos)
+            first_eos = isinstance(event, PrefillDone) and first_token_ends(event.first_token, eos,
+                                                                             ignore_eos=ignore_eos)
             # a streamed handoff's first token was computed on the prefill node, which counts it
             computed_here = not (ctx is not None and ctx.streamed and ctx.stream_out is None)
             if counts_tokens and (isinstance(event, TokenGenerated)

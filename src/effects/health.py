@@ -31,6 +31,7 @@ from statecore.routing import (
     Route,
     RouteCandidate,
     RouteChoice,
+    avoiding,
     choose_node,
     choose_route,
 )
@@ -137,9 +138,9 @@ class PeerSet:
                         nursery.start_soon(self._probe_once, url)
 
     def _available(self, role: str, avoid: set[str]) -> list[str]:
-        urls = [u for u in self.roles.get(role, []) if u in self.available and u not in avoid]
-        if not urls:
-            urls = [u for u in self.roles.get(role, []) if u in self.available]
+        """The available nodes of a role, those a retry avoids left out unless nothing else is
+        left (`statecore.routing.avoiding`)."""
+        urls = avoiding([u for u in self.roles.get(role, []) if u in self.available], avoid)
         if not urls:
             raise StatecoreError(
                 ErrorInfo(Fault.OVERLOADED, Code.NO_HEALTHY_PEER, f"no healthy {role} node")

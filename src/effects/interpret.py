@@ -63,12 +63,13 @@ from statecore.intents import (
 )
 from statecore.policy import (
     LENGTH,
+    RetryState,
+    attempt_failed,
     blames_peer,
     decoded_token,
     first_token_finish,
     first_token_is_last,
     is_eos,
-    peer_failure,
 )
 from statecore.routing import Route, RouteChoice
 
@@ -388,17 +389,14 @@ class RoutedRequest:
     first_token: int | None = None
     prefill_node: str | None = None
     decode_node: str | None = None
-    attempts: int = 0
-    tried: set[str] = field(default_factory=set)
+    retry: RetryState = field(default_factory=RetryState)
     # (node, the id this attempt used there): what the current attempt may hold remotely
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
     cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
     prefilling_on: str | None = None  # the node computing its prompt until the first token is back
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
-        """Each retry uses its own id on the nodes, so a late copy of a failed attempt can
-        never collide with the new one; the client's id stays a prefix (logs, fault markers)."""
-        return request_id if self.attempts <= 1 else RequestId(f"{request_id}.retry{self.attempts - 1}")
+        return self.retry.node_request_id(request_id)
 
 
 # (role, nodes to avoid, the prompt it will prefill or None, request id) -> url; raises when none
@@ -513,24 +511,25 @@ class RouterPerformer:
         self._release_nodes(ctx)
         ctx.prefill_node = ctx.decode_node = None
         ctx.streamed = False
-        ctx.attempts += 1
+        ctx.retry = ctx.retry.started()
         nid = ctx.node_request_id(rid)
+        avoid = set(ctx.retry.tried)
         prefix_from: PrefixSource | None = None
         try:
             if self.route is not None:
-                choice = self.route(ctx.tried, ctx.prompt, nid)
+                choice = self.route(avoid, ctx.prompt, nid)
                 ctx.local = choice.local
                 routed = choice.decode.node
                 if choice.route is Route.PREFILL_NODE_PREFIX:
                     prefix_from = PrefixSource(routed, choice.held_tokens)
             else:
                 local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
-                routed = self.pick("decode", ctx.tried, local_prompt, nid)
+                routed = self.pick("decode", avoid, local_prompt, nid)
             # every choice of one request decodes where its first one went (the same bytes)
             ctx.decode_node = self._take(self._siblings_decode_node(ctx) or routed)
             ctx.remote.append((ctx.decode_node, nid))
             if not ctx.local:
-                ctx.prefill_node = self._take(self.pick("prefill", ctx.tried, ctx.prompt, nid))
+                ctx.prefill_node = self._take(self.pick("prefill", avoid, ctx.prompt, nid))
                 ctx.remote.append((ctx.prefill_node, nid))
             ctx.streamed = ctx.prefill_node is not None and self.streams(ctx.prefill_node, ctx.decode_node)
             self._prefilling(ctx, ctx.decode_node if ctx.local else ctx.prefill_node)
@@ -546,10 +545,10 @@ class RouterPerformer:
                                              prefix_from)
         except StatecoreError as exc:
             self._blame(self._culprit(ctx, exc.info), exc.info)
-            verdict = peer_failure(exc.info, first_token_sent=ctx.first_token is not None,
-                                   attempts=ctx.attempts, max_attempts=self.max_attempts)
+            ctx.retry, verdict = attempt_failed(ctx.retry, exc.info, used=(ctx.prefill_node, ctx.decode_node),
+                                                first_token_sent=ctx.first_token is not None,
+                                                max_attempts=self.max_attempts)
             if verdict.retry:
-                ctx.tried |= {n for n in (ctx.prefill_node, ctx.decode_node) if n}
                 await trio.sleep(verdict.backoff_s)
                 await post(RetryRequested(exc.info))
                 return
@@ -568,7 +567,7 @@ class RouterPerformer:
             group.append(ctx)
         for other in group:
             node = other.decode_node
-            if other is not ctx and node is not None and node not in ctx.tried:
+            if other is not ctx and node is not None and node not in ctx.retry.tried:
                 return node
         return None
 

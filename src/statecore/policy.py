@@ -1,20 +1,23 @@
 """Policy: the decisions the shell would otherwise make in several places, made once, purely.
 
 Admission (may a new request enter this loop now?), what a peer's failure means (retry on
-another node, blame the node, or fail the request), how a generation ends (EOS, length, the
-first token being the last) and which event an error becomes. Effects and adapters ask these
-functions and decide nothing themselves; the tables in `statecore.table` stay the only place
-a phase moves. Admission reads the serving loop's own `request_opened` edge, so the diagram
-shows it. This module must never import trio, httpx, mlx or mlx_lm.
+another node, blame the node, or fail the request) and a routed request's retries
+(`RetryState`), what a request may ask (its context, a grammar's end), how a generation ends
+(EOS, length, the first token being the last, the finish reason a client reads) and which event
+an error becomes. Effects and adapters ask these functions and decide nothing themselves; the
+tables in `statecore.table` stay the only place a phase moves. Admission reads the serving
+loop's own `request_opened` edge, so the diagram shows it. This module must never import trio,
+httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from statecore.errors import Code, ErrorInfo, Fault
 from statecore.events import EngineFailed, EventKind, PeerFailed, TransportLost
+from statecore.ids import RequestId
 from statecore.intents import IntentKind
 from statecore.phases import LoopPhase
 from statecore.table import SERVING_LOOP
@@ -72,11 +75,42 @@ def peer_failure(
     return PeerFailureVerdict(blames_peer(error), retry, backoff)
 
 
+@dataclass(frozen=True, slots=True)
+class RetryState:
+    """A routed request's attempts, the core's record of its retries: how many have started, and
+    the nodes that failed ones used, which the next attempt avoids (unless nothing else is left:
+    `statecore.routing.avoiding`)."""
+
+    attempts: int = 0
+    tried: frozenset[str] = frozenset()
+
+    def started(self) -> RetryState:
+        """One more attempt starts."""
+        return replace(self, attempts=self.attempts + 1)
+
+    def node_request_id(self, request_id: RequestId) -> RequestId:
+        """Each retry uses its own id on the nodes, so a late copy of a failed attempt can never
+        collide with the new one; the client's id stays a prefix (logs, fault markers)."""
+        return request_id if self.attempts <= 1 else RequestId(f"{request_id}.retry{self.attempts - 1}")
+
+
+def attempt_failed(state: RetryState, error: ErrorInfo, *, used: Collection[str | None],
+                   first_token_sent: bool, max_attempts: int) -> tuple[RetryState, PeerFailureVerdict]:
+    """What one attempt's failure means (`peer_failure`: blame, retry, backoff) and the retry
+    state after it: a retried request avoids the nodes this attempt `used` from now on."""
+    verdict = peer_failure(error, first_token_sent=first_token_sent, attempts=state.attempts,
+                           max_attempts=max_attempts)
+    if verdict.retry:
+        state = replace(state, tried=state.tried | {node for node in used if node is not None})
+    return state, verdict
+
+
 # -- how a generation ends ----------------------------------------------------------------
 
 STOP = "stop"  # EOS, or a stop string the front end matched
 LENGTH = "length"  # max_tokens reached
 FINISH_REASONS = frozenset({STOP, LENGTH})
+TOOL_CALLS = "tool_calls"  # a reply that ended normally after calling tools (the client's reason only)
 
 
 def is_eos(token: int, eos_token_ids: Collection[int], *, ignore_eos: bool) -> bool:
@@ -119,6 +153,60 @@ def decoded_token(is_eos_token: bool, finish_reason: str | None, *,
     return True, finish_reason
 
 
+def counts_ending_token(finish_reason: str) -> bool:
+    """Whether the token that ended a generation counts as generated although it makes no text:
+    EOS does ("stop" from the engine), as vLLM and mlx-lm count it."""
+    return finish_reason == STOP
+
+
+def text_finish(engine_reason: str | None, *, stop_string_matched: bool) -> str:
+    """The finish reason of a reply's text: "stop" when a stop string ended it (the engine still
+    running, `engine_reason` None, or whatever it said of the tokens after it), else the
+    engine's reason."""
+    if stop_string_matched:
+        return STOP
+    assert engine_reason is not None, "a generation still running ended without a stop string"
+    return engine_reason
+
+
+def reply_finish(reason: str, *, called_tools: bool) -> str:
+    """The finish reason the client reads: a reply that called tools and then ended normally
+    ("stop") ended for its tool calls; "length" stays "length" (a call may be cut short)."""
+    return TOOL_CALLS if called_tools and reason == STOP else reason
+
+
+def first_token_ends(first_token: int, eos_token_ids: Collection[int], *, ignore_eos: bool) -> bool:
+    """Whether a prefill's first token ends its request as EOS: it is never sent as text nor
+    counted as an output token, and the router ends the request with "stop" when told so
+    (`first_token_finish`). The prefill node says it in its reply's `is_eos`."""
+    return is_eos(first_token, eos_token_ids, ignore_eos=ignore_eos)
+
+
+# -- what a request may ask ---------------------------------------------------------------
+
+
+def context_overflow(prompt_tokens: int, max_tokens: int | None, context_length: int) -> str | None:
+    """Which part of a request does not fit the model's context: "prompt" when the prompt leaves
+    no room for one generated token, "max_tokens" when the prompt and `max_tokens` (None: not
+    given) together exceed it; None when it fits."""
+    if context_length - prompt_tokens < 1:
+        return "prompt"
+    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
+        return "max_tokens"
+    return None
+
+
+def grammar_end_conflict(*, has_stop_strings: bool, ignore_eos: bool) -> str | None:
+    """A constrained reply (a response_format, a forced tool call) ends where its grammar is
+    whole, with EOS: stop strings could cut it short and `ignore_eos` would run past it. The
+    parameter that conflicts ("stop" first, then "ignore_eos"), None when neither does."""
+    if has_stop_strings:
+        return "stop"
+    if ignore_eos:
+        return "ignore_eos"
+    return None
+
+
 # -- which event an error becomes ---------------------------------------------------------
 
 
@@ -139,14 +227,23 @@ __all__ = [
     "LENGTH",
     "RETRYABLE_FAULTS",
     "STOP",
+    "TOOL_CALLS",
     "PeerFailureVerdict",
+    "RetryState",
     "admission",
+    "attempt_failed",
     "blames_peer",
+    "context_overflow",
+    "counts_ending_token",
     "decoded_token",
     "failure_event",
+    "first_token_ends",
     "first_token_finish",
     "first_token_is_last",
+    "grammar_end_conflict",
     "is_eos",
     "peer_failure",
+    "reply_finish",
+    "text_finish",
     "token_finish",
 ]

@@ -38,7 +38,7 @@ from enum import Enum
 from statecore.prefix import block_keys
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
-           "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice",
+           "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
            "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
 
@@ -57,6 +57,13 @@ class RouteCandidate:
     suspect: bool = False
     cached_tokens: int = 0  # the prompt's leading tokens the node's fresh summary holds (0: none)
     prefilling: int = 0  # prompt tokens the router sent it to prefill whose first token is not back
+
+
+def avoiding(nodes: Sequence[str], avoid: Collection[str]) -> list[str]:
+    """`nodes` but those in `avoid` (the nodes a retried request's failed attempts used), or all
+    of `nodes` when that would leave none: a node that failed this request once serves it better
+    than a refusal does."""
+    return [node for node in nodes if node not in avoid] or list(nodes)
 
 
 def summary_key(key: bytes) -> bytes:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.http.openai_api import Frontend
+from adapters.frontend.frontend import Frontend
 from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import FakeBackend, fake_model_info
 

@@ -11,8 +11,9 @@ import httpx
 import pytest
 import trio
 
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import SamplingBody
-from adapters.http.openai_api import Frontend, build_app
 from adapters.metrics import Metrics
 from effects.backend import local_backend
 from effects.fakes import EOS, FakeEngine

@@ -19,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.api_keys import ApiKeys
-from adapters.http.openai_api import Frontend, build_app
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs

@@ -22,9 +22,10 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import PrefillReplyBody, output_line, parse_output_line
 from adapters.http.node_api import NodeApi
-from adapters.http.openai_api import Frontend, build_app
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.mlx import MlxEngine
 from effects.backend import local_backend, router_backend

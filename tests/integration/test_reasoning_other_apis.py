@@ -16,7 +16,8 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from effects.ports import GenerationEnd, TokenOut
 from support.tiny_models import THINK_END
 from tests.integration.fake_backend import FakeBackend, ScriptItem

@@ -17,7 +17,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.mlx import MlxEngine
 from effects.backend import local_backend
 from effects.interpret import EnginePerformer

@@ -19,7 +19,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.metrics import Metrics
 from adapters.serve.flags import demo_model_dir
 from adapters.serve.logs import RequestLines, log_transitions

@@ -18,7 +18,9 @@ import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.http.openai_api import _EVENTS_PER_WRITE, Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
+from adapters.frontend.sse import EVENTS_PER_WRITE
 from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
@@ -68,7 +70,7 @@ _CASES: list[tuple[str, str, dict[str, Any], list[Callable[[Frontend], list[Scri
     ("tool calls", "/v1/chat/completions", {"messages": _USER, "max_tokens": 120, "tools": _TOOLS},
      [_say("Checking." + _CALL + " done", "stop")]),
     ("more events than one write takes", "/v1/completions", {"prompt": "Hi", "max_tokens": 400},
-     [_say(" word" * (3 * _EVENTS_PER_WRITE))]),
+     [_say(" word" * (3 * EVENTS_PER_WRITE))]),
 ]
 
 
@@ -142,7 +144,7 @@ async def test_waiting_events_go_out_together_with_the_same_bytes(
     assert len(batched) < len(one_by_one)
     if name == "more events than one write takes":  # a write once the cap's worth is waiting
         assert len(batched) > 2
-        assert all(write.count(b"data: ") == _EVENTS_PER_WRITE for write in batched[:-1])
+        assert all(write.count(b"data: ") == EVENTS_PER_WRITE for write in batched[:-1])
 
 
 async def test_events_are_not_held_while_the_backend_works(

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from effects.ports import GenerationEnd, TokenOut
 from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import FakeBackend, ScriptItem

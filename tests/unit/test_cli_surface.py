@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from adapters.cli import build_parser, main
-from adapters.http.openai_api import Frontend
+from adapters.frontend.frontend import Frontend
 from adapters.serve.flags import demo_model_dir
 from tests.integration.fake_backend import FakeBackend
 
@@ -63,7 +63,7 @@ def test_a_too_long_prompt_logs_no_transformers_warning() -> None:
     transformers_log = logging.getLogger("transformers")  # it does not propagate to the root
     transformers_log.addHandler(handler)
     try:
-        ids = trio.run(frontend._encode_prompt, "word " * 2000)
+        ids = trio.run(frontend.prompts.encode_prompt, "word " * 2000)
     finally:
         transformers_log.removeHandler(handler)
     assert len(ids) > 512  # longer than the demo model's context: the front end refuses it later

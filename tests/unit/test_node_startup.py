@@ -11,7 +11,8 @@ import pytest
 import trio
 from hypercorn.logging import Logger
 
-from adapters.http.openai_api import Frontend, build_app
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.serve.listeners import open_listener
 from adapters.serve.logs import setup_logging
 from adapters.serve.node import _warn_if_exposed, exposure_warning, hypercorn_config

@@ -10,7 +10,8 @@ import pytest
 
 @pytest.mark.parametrize(
     "package",
-    ["statecore", "effects", "adapters", "adapters.http", "adapters.kv", "adapters.serve", "support"],
+    ["statecore", "effects", "adapters", "adapters.frontend", "adapters.http", "adapters.kv",
+     "adapters.serve", "support"],
 )
 def test_every_listed_module_exists(package: str) -> None:
     names = importlib.import_module(package).__all__

@@ -24,6 +24,7 @@ from statecore.policy import (
     peer_failure,
     token_finish,
 )
+from statecore.routing import avoiding
 from statecore.table import DECODE_REQUEST, SERVING_LOOP, Edge
 
 
@@ -122,3 +123,67 @@ def test_admission_is_read_off_the_loop_table(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(policy, "SERVING_LOOP", replace(SERVING_LOOP, declared=declared))
     refused = policy.admission(LoopPhase.SERVING, 0)
     assert refused is not None and refused.code is Code.DRAINING
+
+
+# -- what a request may ask, the finish reason a client reads, a routed request's retries --------
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "context", "overflow"), [
+    (10, None, 16, None),
+    (15, None, 16, None),  # one token of room is enough
+    (16, None, 16, "prompt"),  # no room for one generated token
+    (17, 1, 16, "prompt"),  # the prompt is named first
+    (10, 6, 16, None),  # exactly the context
+    (10, 7, 16, "max_tokens"),
+])
+def test_the_context_names_what_does_not_fit(prompt: int, max_tokens: int | None, context: int,
+                                             overflow: str | None) -> None:
+    assert policy.context_overflow(prompt, max_tokens, context) == overflow
+
+
+@pytest.mark.parametrize(("stops", "ignore_eos", "conflict"), [
+    (False, False, None), (True, False, "stop"), (False, True, "ignore_eos"), (True, True, "stop")])
+def test_a_grammar_refuses_what_would_cut_it_or_run_past_it(stops: bool, ignore_eos: bool,
+                                                            conflict: str | None) -> None:
+    assert policy.grammar_end_conflict(has_stop_strings=stops, ignore_eos=ignore_eos) == conflict
+
+
+def test_the_finish_reason_a_client_reads() -> None:
+    assert policy.counts_ending_token("stop") and not policy.counts_ending_token("length")
+    assert policy.text_finish(None, stop_string_matched=True) == "stop"
+    assert policy.text_finish("length", stop_string_matched=True) == "stop"
+    assert policy.text_finish("length", stop_string_matched=False) == "length"
+    assert policy.reply_finish("stop", called_tools=True) == policy.TOOL_CALLS == "tool_calls"
+    assert policy.reply_finish("length", called_tools=True) == "length"  # a call may be cut short
+    assert policy.reply_finish("stop", called_tools=False) == "stop"
+
+
+def test_the_first_token_ends_a_request_only_as_eos() -> None:
+    assert policy.first_token_ends(2, {2}, ignore_eos=False)
+    assert not policy.first_token_ends(2, {2}, ignore_eos=True)
+    assert not policy.first_token_ends(3, {2}, ignore_eos=False)
+
+
+def test_a_retried_request_avoids_the_nodes_its_failed_attempts_used() -> None:
+    lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone")
+    state = policy.RetryState().started()
+    assert state.node_request_id(RequestId("r")) == "r"
+    state, verdict = policy.attempt_failed(state, lost, used=("p0", "d0"), first_token_sent=False,
+                                           max_attempts=3)
+    assert verdict == policy.PeerFailureVerdict(blame=True, retry=True, backoff_s=0.05)
+    assert state.tried == {"p0", "d0"}
+    state = state.started()
+    assert state.node_request_id(RequestId("r")) == "r.retry1"
+    state, verdict = policy.attempt_failed(state, lost, used=(None, "d1"), first_token_sent=False,
+                                           max_attempts=3)
+    assert verdict.retry and verdict.backoff_s == 0.1 and state.tried == {"p0", "d0", "d1"}
+    # a token already sent: no retry, and the nodes are not marked
+    after, verdict = policy.attempt_failed(state.started(), lost, used=("p2",), first_token_sent=True,
+                                           max_attempts=3)
+    assert not verdict.retry and after.tried == state.tried
+
+
+def test_avoiding_keeps_every_node_when_nothing_else_is_left() -> None:
+    assert avoiding(["a", "b", "c"], {"b"}) == ["a", "c"]
+    assert avoiding(["a", "b"], {"a", "b"}) == ["a", "b"]
+    assert avoiding([], {"a"}) == []

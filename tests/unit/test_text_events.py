@@ -12,7 +12,10 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from adapters.http.openai_api import _TEXT_MARK, Frontend, _event, _Job, _Kind, _TextEvent
+from adapters.frontend.frontend import Frontend
+from adapters.frontend.jobs import Job, Kind
+from adapters.frontend.openai_render import chunk, text_event
+from adapters.frontend.sse import TEXT_MARK, TextEvent, data_event
 from effects.ports import SamplingParams
 from statecore.ids import RequestId
 from tests.integration.fake_backend import FakeBackend
@@ -26,33 +29,33 @@ _ANY_TEXT = st.one_of(
 )
 
 
-def _job(kind: _Kind, include_usage: bool) -> _Job:
-    return _Job(kind=kind, request_id=RequestId("r-1"), created=1_700_000_000, prompt=(1, 2),
+def _job(kind: Kind, include_usage: bool) -> Job:
+    return Job(kind=kind, request_id=RequestId("r-1"), created=1_700_000_000, prompt=(1, 2),
                 sampling=SamplingParams(max_tokens=4), stops=(), stream=True,
                 include_usage=include_usage)
 
 
-def _rendered(frontend: Frontend, job: _Job, text: str, index: int) -> bytes | type[Exception]:
+def _rendered(frontend: Frontend, job: Job, text: str, index: int) -> bytes | type[Exception]:
     try:
-        return _event(frontend._chunk(job, text, index=index))
+        return data_event(chunk(job, frontend.model_name, text, index=index))
     except UnicodeEncodeError:  # a lone surrogate has no UTF-8
         return UnicodeEncodeError
 
 
-def _templated(frontend: Frontend, job: _Job, text: str, index: int) -> bytes | type[Exception]:
+def _templated(frontend: Frontend, job: Job, text: str, index: int) -> bytes | type[Exception]:
     try:
-        return frontend._text_event(job, index)(text)
+        return text_event(job, frontend.model_name, index)(text)
     except UnicodeEncodeError:
         return UnicodeEncodeError
 
 
-@given(text=_ANY_TEXT, model=_ANY_TEXT, kind=st.sampled_from(_Kind), include_usage=st.booleans(),
+@given(text=_ANY_TEXT, model=_ANY_TEXT, kind=st.sampled_from(Kind), include_usage=st.booleans(),
        index=st.integers(0, 15))
-@example(text=_ESCAPED + "\ud800", model="tiny", kind=_Kind.CHAT, include_usage=False, index=0)
-@example(text=_TEXT_MARK, model=_TEXT_MARK, kind=_Kind.COMPLETION, include_usage=True, index=3)
-@example(text="", model="m\"\\", kind=_Kind.CHAT, include_usage=True, index=1)
+@example(text=_ESCAPED + "\ud800", model="tiny", kind=Kind.CHAT, include_usage=False, index=0)
+@example(text=TEXT_MARK, model=TEXT_MARK, kind=Kind.COMPLETION, include_usage=True, index=3)
+@example(text="", model="m\"\\", kind=Kind.CHAT, include_usage=True, index=1)
 def test_a_templated_text_event_is_the_rendered_one(
-    text: str, model: str, kind: _Kind, include_usage: bool, index: int
+    text: str, model: str, kind: Kind, include_usage: bool, index: int
 ) -> None:
     frontend = Frontend(None, FakeBackend(), model_name=model)
     job = _job(kind, include_usage)
@@ -60,9 +63,9 @@ def test_a_templated_text_event_is_the_rendered_one(
 
 
 def test_the_common_case_has_a_template_and_a_clash_falls_back() -> None:
-    job = _job(_Kind.CHAT, False)
+    job = _job(Kind.CHAT, False)
     plain = Frontend(None, FakeBackend(), model_name="tiny")
-    assert _TextEvent.around(_event(plain._chunk(job, _TEXT_MARK))) is not None
-    clash = Frontend(None, FakeBackend(), model_name=_TEXT_MARK)  # the mark twice: no template
-    assert _TextEvent.around(_event(clash._chunk(job, _TEXT_MARK))) is None
-    assert clash._text_event(job, 0)("hi") == _event(clash._chunk(job, "hi"))
+    assert TextEvent.around(data_event(chunk(job, plain.model_name, TEXT_MARK))) is not None
+    clash = Frontend(None, FakeBackend(), model_name=TEXT_MARK)  # the mark twice: no template
+    assert TextEvent.around(data_event(chunk(job, clash.model_name, TEXT_MARK))) is None
+    assert text_event(job, clash.model_name, 0)("hi") == data_event(chunk(job, clash.model_name, "hi"))

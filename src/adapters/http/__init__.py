@@ -1,5 +1,5 @@
-"""HTTP: what nodes serve and how they call each other. The public API (OpenAI's routes and the
-other vendors' beside them), API keys, the node's internal API and its wire models, the live view,
+"""HTTP: what nodes serve and how they call each other. API keys for the public API (which is
+`adapters.frontend`), the node's internal API and its wire models, the live view,
 streaming responses that notice a gone client, and the httpx client that calls peers (the KV
 itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
 
@@ -13,8 +13,6 @@ __all__ = [
     "internal_wire",
     "live_view",
     "node_api",
-    "openai_api",
-    "other_apis",
     "peers_httpx",
     "streaming",
 ]

@@ -1,5 +1,5 @@
 """API keys on the public HTTP API: a pure ASGI middleware in front of the single node's and the
-router's app (`openai_api.build_app`), and the parsing of `--api-key` / `STATECORE_API_KEY`.
+router's app (`adapters.frontend.app.build_app`), and the parsing of `--api-key` / `STATECORE_API_KEY`.
 
 With keys set, a request needs one of them in `Authorization: Bearer KEY` (OpenAI's clients) or
 `x-api-key: KEY` (Anthropic's), compared in constant time against every key; otherwise it gets

@@ -14,8 +14,8 @@ Every node: `GET /internal/info` (the model's fingerprint and per-layer cache tr
 handoffs' bytes and timings). When a shared token is configured, internal endpoints require it
 in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
 is the core's state machine: admission is the runner's (`statecore.policy.admission`), whether a
-KV pull is expected is the table's, and EOS is `statecore.policy.is_eos`. This module may import
-anything.
+KV pull is expected is the table's, and whether a first token ends its request is
+`statecore.policy.first_token_ends`. This module may import anything.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from statecore.events import (
 )
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import FINISH_REASONS, STOP, is_eos
+from statecore.policy import FINISH_REASONS, STOP, first_token_ends
 from statecore.scheduling import prefill_chunks
 
 log = logging.getLogger("statecore.node_api")
@@ -139,15 +139,15 @@ KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `_messages`)."""
 
 
-def _kv_body(parts: AsyncIterator[Sequence[KvBytes]], length: int) -> Response:
-    """A KV payload's parts (`_payload_parts`) sent through the ASGI server with their
+def kv_body(parts: AsyncIterator[Sequence[KvBytes]], length: int) -> Response:
+    """A KV payload's parts (`payload_parts`) sent through the ASGI server with their
     Content-Length (`_messages`)."""
     return WatchedStream(_messages(parts), media_type="application/octet-stream",
                          headers={"content-length": str(length)})
 
 
-async def _payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
-                         head: bytes = b"") -> AsyncGenerator[Sequence[KvBytes], None]:
+async def payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
+                        head: bytes = b"") -> AsyncGenerator[Sequence[KvBytes], None]:
     """`head` and a payload's pieces as they are (the first bytes leave at once), then its end
     frame once the checksum is computed; `on_end` gets the payload's last bytes."""
     yield [head, *payload.pieces] if head else payload.pieces
@@ -351,8 +351,8 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                first_eos = is_eos(token, self.engine.info.eos_token_ids,
-                                   ignore_eos=context.sampling.ignore_eos)
+                first_eos = first_token_ends(token, self.engine.info.eos_token_ids,
+                                             ignore_eos=context.sampling.ignore_eos)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
@@ -433,7 +433,7 @@ class NodeApi:
                                 self._shared.add(rid)
                                 yield [kv_stream.shared_segment_record(where, ref.model_dump())]
                             else:
-                                async for parts in _payload_parts(item.payload, head=head):
+                                async for parts in payload_parts(item.payload, head=head):
                                     yield parts
                             segments += 1
                             self.kv_served(item.payload.nbytes)
@@ -483,18 +483,18 @@ class NodeApi:
         PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
         body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
         payload = await self.engine.export_prefix(body.tokens)
-        return _kv_body(_payload_parts(payload), payload.nbytes)
+        return kv_body(payload_parts(payload), payload.nbytes)
 
     async def send_kv(self, request: Request) -> Response:
-        return _kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
+        return kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
 
     async def _kv_parts(self, rid: RequestId) -> tuple[AsyncGenerator[Sequence[KvBytes], None], int]:
         """The held KV the decode node pulls, as body parts and their length (the HTTP port's
         answer and the KV plane's alike)."""
         payload = await self._kv_to_send(rid)
         if isinstance(payload, bytes):  # a damaged payload (tests only): no end frame to read
-            return _payload_parts(KvPieces((payload,))), len(payload)
-        return _payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
+            return payload_parts(KvPieces((payload,))), len(payload)
+        return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
@@ -594,13 +594,13 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, TokenOut):
                     first = False
-                    yield output_line(PrefillReply(output.token, is_eos(output.token, eos_ids,
-                                                                        ignore_eos=ignore_eos),
+                    yield output_line(PrefillReply(output.token, first_token_ends(output.token, eos_ids,
+                                                                                  ignore_eos=ignore_eos),
                                                    0, output.logprobs, cached))
                     continue
                 if (first and cached is not None and output == GenerationEnd(STOP)
                         and context.first_token is not None
-                        and is_eos(context.first_token, eos_ids, ignore_eos=ignore_eos)):
+                        and first_token_ends(context.first_token, eos_ids, ignore_eos=ignore_eos)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue
@@ -636,4 +636,4 @@ def _asks_cached_tokens(request: Request) -> bool:
     return request.query_params.get(CACHED_TOKENS_PARAM) == "1"
 
 
-__all__ = ["NodeApi", "error_response", "guarded"]
+__all__ = ["MAX_INTERNAL_BODY", "NodeApi", "error_response", "guarded", "kv_body", "payload_parts"]

@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.blas import blas_in_use
+from adapters.frontend.app import build_app
+from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
-from adapters.http.node_api import NodeApi, guarded
-from adapters.http.openai_api import Frontend, build_app
+from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
@@ -233,19 +234,13 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
-DECODE_NODE_PREFILL_TOKENS = 512
-"""A decode node's prefill per step by default: the prompts it prefills itself (short ones, and
-the prefill tier's overflow) go in layer slices of about this many tokens' worth, so that its
-streams wait a fraction of a chunk between tokens rather than the whole chunk."""
-
-
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
     return dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_step_tokens=DECODE_NODE_PREFILL_TOKENS if role == "decode" else None,
+        step_target_ms=args.step_target_ms,
         kv_memory_bytes=args.kv_memory_bytes,
         device_shared_by=args.device_shared_by,
         preallocate_slots={"auto": None, "on": True, "off": False}[args.preallocate_slots],
@@ -363,7 +358,7 @@ async def _start_kv_plane(nursery: trio.Nursery, api: NodeApi, listener: socket.
     """The KV plane (`adapters.kv.plane`) on the HTTP listener's address; its port."""
     host = str(listener.getsockname()[0])
     plane = (await trio.open_tcp_listeners(port, host=host))[0]
-    await nursery.start(serve_plane, plane, api.plane)
+    await nursery.start(serve_plane, plane, api.plane, MAX_INTERNAL_BODY)
     bound = int(plane.socket.getsockname()[1])
     log.info("KV plane on %s:%d", host, bound)
     return bound

@@ -1,0 +1,47 @@
+"""The public API's front end: everything a client sees is made here, from the token ids a
+`Backend` yields (the local engine on a single node, prefill and decode peers on the router), so
+the output through the cluster is byte-identical to a single node's.
+
+By idea, each module's first paragraph says more:
+
+| module | what |
+| --- | --- |
+| `intake` | reading any request: body limit, JSON, request id, validation errors, error answers |
+| `openai_bodies`, `messages_bodies`, `responses_bodies` | each API's request models and validation |
+| `prompts` | the tokenizer's side: prompts, the chat template, tools, forced calls |
+| `jobs` | a validated body as the job it asks for (sampling, stops, context) |
+| `generation` | the generation driver every API shares: tokens in, text steps out |
+| `chat_run` | one choice of a chat as the APIs served as a chat read it |
+| `frontend` | `Frontend`: the shared state and the verbs `prepare` and `start` |
+| `sse` | server-sent events' framing, the stream response |
+| `openai_render`, `openai_api` | OpenAI's answers and routes (chat, completions, models, health) |
+| `tokenize_api` | vLLM's `/tokenize` and `/detokenize` |
+| `as_chat`, `messages_api`, `responses_api` | Messages' and Responses' answers and routes |
+| `app` | `build_app`: every route, API keys and CORS in one ASGI app |
+
+Imports run down that table's dependencies, never back: the API modules import `frontend`,
+which imports none of them, and only `app` knows every API. May import anything; nothing in
+`statecore` or `effects` may import this package.
+"""
+
+# The package's modules (import them by name: nothing is re-exported here, so importing the
+# package stays free).
+__all__ = [
+    "app",
+    "as_chat",
+    "chat_run",
+    "frontend",
+    "generation",
+    "intake",
+    "jobs",
+    "messages_api",
+    "messages_bodies",
+    "openai_api",
+    "openai_bodies",
+    "openai_render",
+    "prompts",
+    "responses_api",
+    "responses_bodies",
+    "sse",
+    "tokenize_api",
+]
