@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -126,4 +127,6 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    code = cli()
+    sys.stdout.flush()
+    os._exit(code)  # MLX's C++ teardown aborts a few percent of exits (src/adapters/serve/command.py)
