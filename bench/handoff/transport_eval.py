@@ -5,15 +5,19 @@ For each payload size (4, 64 and 256 MiB by default, and one 2,000-token prefill
 token, 40,960,000 bytes) this measures, side by side, with the sender and the receiver in separate
 processes on 127.0.0.1:
 
-- same host, the reference: `memcpy` (numpy `copyto` into a buffer written before);
-- `shm`: `adapters.kv.shm` end to end (the producer's `put` -> the reference over a pipe -> the
-  consumer's `read` -> `copyto` a numpy array: the one copy into place -> `done` -> `free`), with
-  and without its CRC-32, and with a fresh outbox per transfer (no arena: every region new);
+- same host, the bound: `memcpy` (numpy `copyto` into a buffer written before, one process);
+- same host, the reference: `shm raw`, the bytes between two processes through shared memory
+  with nothing else (`copyto` into a mapped tmpfs file, a line over a pipe, `copyto` out: two
+  copies, which any move between processes through shared memory makes);
+- `shm` (judged against `shm raw`): `adapters.kv.shm` end to end (the producer's `put` -> the
+  reference over a pipe -> the consumer's `read` -> `copyto` a numpy array: the one copy into
+  place -> `done` -> `free`), with and without its CRC-32, and with a fresh outbox per transfer
+  (no arena: every region new);
 - across hosts, the reference: a raw TCP loopback socket (`sendall` / `recv_into` a buffer
   written before), and tuned variants (`MSG_WAITALL`; the bytes striped over 2 and 4
   connections);
 - `http`: the project's KV pull (`adapters.kv.pull.pull` into `ReceiveBuffers`) from a hypercorn
-  (trio) + starlette server answering with the node's own body path (`node_api._kv_body`), and
+  (trio) + starlette server answering with the node's own body path (`node_api.kv_body`), and
   (`http tuned`) the same pull from a bare socket server that writes the head and `sendall`s the
   payload's own memory: how much of the gap is the server's body path, and (`http plane`) the same
   pull from the node's KV plane (`adapters.kv.plane`, the body path nodes use beside hypercorn);
@@ -253,6 +257,55 @@ def worker_shm_producer(nbytes: int, checksum: bool, fresh: bool) -> None:
     box.close()
 
 
+def worker_shm_raw_producer(nbytes: int, path: str) -> None:
+    """The raw path between two processes through shared memory: `copyto` into a mapped tmpfs
+    file the consumer maps too, then one line over the pipe. No framing, no arena, no checks."""
+    import mmap
+
+    src = _payload(nbytes)
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), nbytes) as region:
+        shared = np.frombuffer(region, dtype=np.uint8)
+        _say(ready=True)
+        for message in _lines():
+            if message["op"] == "put":
+                np.copyto(shared, src)
+                _say(put=True)
+            elif message["op"] == "exit":
+                break
+        del shared
+
+
+def measure_shm_raw(nbytes: int, reps: int) -> Row:
+    """The same-host reference for `shm`: what any two processes pay to move the bytes through
+    shared memory (a copy in, a copy out), against which the project's shared memory is judged;
+    `memcpy` (one copy, one process) is the bound neither can reach."""
+    import mmap
+
+    directory = os.environ.get("TRANSPORT_EVAL_SHM_DIR") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else None)
+    handle, path = tempfile.mkstemp(prefix="transport_eval_raw_", dir=directory)
+    try:
+        os.ftruncate(handle, nbytes)
+        producer = Worker(_worker_argv(sys.executable, "shm-raw-producer", str(nbytes), path))
+        dst = _sink(nbytes)
+        with _workers(producer), mmap.mmap(handle, nbytes, prot=mmap.PROT_READ) as region:
+            producer.receive()
+
+            def once() -> float:
+                start = time.perf_counter()
+                producer.send({"op": "put"})
+                producer.receive()
+                np.copyto(dst, np.frombuffer(region, dtype=np.uint8))  # the view goes with the call
+                return time.perf_counter() - start
+
+            seconds = _timed(reps, once)
+    finally:
+        os.close(handle)
+        os.unlink(path)
+    return Row("shm raw", "two processes: copyto into a mapped tmpfs file, a line over a pipe, copyto out",
+               "same host", "memcpy", nbytes, seconds)
+
+
 def measure_shm(nbytes: int, reps: int, *, checksum: bool, fresh: bool) -> Row:
     from adapters.kv.shm import ShmInbox, parse_ref
 
@@ -295,7 +348,7 @@ def measure_shm(nbytes: int, reps: int, *, checksum: bool, fresh: bool) -> Row:
     extra = {"put_gb_s": nbytes / 1e9 / statistics.median(puts[1:]),
              "consumer_gb_s": nbytes / 1e9 / statistics.median(consumer[1:]),
              "pipe_rtt_ms": statistics.median(pings) * 1e3}
-    return Row("shm", variant, "same host", "memcpy", nbytes, seconds, extra)
+    return Row("shm", variant, "same host", "shm raw", nbytes, seconds, extra)
 
 
 # --------------------------------------------------------------------------- raw TCP
@@ -388,18 +441,18 @@ def worker_http_server(nbytes: int) -> None:
     from effects.engine_port import KvPieces
 
     try:
-        from adapters.http.node_api import _kv_body, _payload_parts  # the node's own body path
+        from adapters.http.node_api import kv_body, payload_parts  # the node's own body path
 
-        body_path = "adapters.http.node_api._kv_body"
+        body_path = "adapters.http.node_api.kv_body"
     except ImportError:  # renamed by a rewrite: serve the bytes in 4 MiB messages as it did
-        _kv_body = None  # type: ignore[assignment]
+        kv_body = None  # type: ignore[assignment]
         body_path = "starlette StreamingResponse, 4 MiB messages"
     src = _payload(nbytes)
 
     async def kv(request: Request) -> Response:
         pieces = KvPieces((src.data,))
-        if _kv_body is not None:
-            return _kv_body(_payload_parts(pieces), pieces.nbytes)
+        if kv_body is not None:
+            return kv_body(payload_parts(pieces), pieces.nbytes)
         from starlette.responses import StreamingResponse
 
         async def chunks() -> Any:
@@ -455,17 +508,17 @@ def worker_http_bare_server(nbytes: int) -> None:
 
 def worker_http_plane_server(nbytes: int) -> None:
     """The node's KV plane (`adapters.kv.plane`) answering with the node's own body parts
-    (`node_api._payload_parts`: the payload's memory as it is, then its end frame)."""
+    (`node_api.payload_parts`: the payload's memory as it is, then its end frame)."""
     import trio
 
-    from adapters.http.node_api import _payload_parts
+    from adapters.http.node_api import payload_parts
     from adapters.kv.plane import PlaneAnswer, PlaneRequest, serve_plane
     from effects.engine_port import KvPieces
 
     src = _payload(nbytes)
 
     async def handler(request: PlaneRequest) -> PlaneAnswer:
-        return PlaneAnswer(200, _payload_parts(KvPieces((src.data,))), nbytes)
+        return PlaneAnswer(200, payload_parts(KvPieces((src.data,))), nbytes)
 
     async def main() -> None:
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
@@ -694,6 +747,8 @@ def worker_main(argv: list[str]) -> int:
     if role == "shm-producer":
         sys.path.insert(0, str(ROOT / "src"))
         return _guard_worker(lambda: worker_shm_producer(int(rest[0]), rest[1] == "1", rest[2] == "1"))
+    if role == "shm-raw-producer":
+        return _guard_worker(lambda: worker_shm_raw_producer(int(rest[0]), rest[1]))
     if role == "tcp-sender":
         return _guard_worker(lambda: worker_tcp_sender(int(rest[0]), int(rest[1]), int(rest[2])))
     if role == "http-server":
@@ -808,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     if "memcpy" in only:
         plan.append(("memcpy", lambda n: measure_memcpy(n, args.reps)))
     if "shm" in only:
-        plan += [("shm", lambda n: measure_shm(n, args.reps, checksum=False, fresh=False)),
+        plan += [("shm raw", lambda n: measure_shm_raw(n, args.reps)),
+                 ("shm", lambda n: measure_shm(n, args.reps, checksum=False, fresh=False)),
                  ("shm", lambda n: measure_shm(n, args.reps, checksum=True, fresh=False)),
                  ("shm", lambda n: measure_shm(n, args.reps, checksum=False, fresh=True))]
     if "tcp" in only:
@@ -856,7 +912,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(rows)
 
     merged = merge(rounds)
-    references = {(r.transport, r.nbytes): r.gb_s for r in merged if r.transport in ("memcpy", "tcp")}
+    references = {(r.transport, r.nbytes): r.gb_s for r in merged
+                  if r.transport in ("memcpy", "shm raw", "tcp")}
     spreads = {key(r): spread(rounds, r) for r in merged}
     print(table(merged, references, spreads))
     for name, why in failures.items():

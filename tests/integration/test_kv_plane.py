@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+import h11
 import pytest
 import trio
 
+from adapters.http.node_api import MAX_INTERNAL_BODY
 from adapters.kv import pull as kv_pull
 from adapters.kv.plane import PlaneAnswer, PlaneRequest, serve_plane
 from effects.engine_port import KvBytes
@@ -20,9 +22,9 @@ PAYLOAD = bytes(range(256)) * 8192 + b"tail"  # 2 MiB and an odd tail
 
 
 async def _serving(handler: Callable[[PlaneRequest], Awaitable[PlaneAnswer]],
-                   nursery: trio.Nursery) -> str:
+                   nursery: trio.Nursery, max_body_bytes: int = MAX_INTERNAL_BODY) -> str:
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-    await nursery.start(serve_plane, listener, handler)
+    await nursery.start(serve_plane, listener, handler, max_body_bytes)
     return f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
 
 
@@ -134,3 +136,23 @@ async def test_a_client_that_leaves_mid_body_gets_the_parts_closed() -> None:
         with trio.fail_after(30):
             await closed.wait()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_body_over_the_nodes_bound_closes_its_connection_unanswered() -> None:
+    asked: list[PlaneRequest] = []
+
+    async def handler(request: PlaneRequest) -> PlaneAnswer:
+        asked.append(request)
+        return PlaneAnswer.document(200, b"{}")
+
+    async with trio.open_nursery() as nursery:
+        base = await _serving(handler, nursery, max_body_bytes=1024)
+        with pytest.raises((kv_pull.KvPullError, h11.ProtocolError)):  # open_stream's transport errors
+            async with kv_pull.open_stream(f"{base}/internal/prefill_stream", [], b"x" * 4096,
+                                           connect_timeout_s=5):
+                pass
+        async with kv_pull.open_stream(f"{base}/internal/prefill_stream", [], b"x" * 1024,
+                                       connect_timeout_s=5) as (status, _):
+            assert status == 200  # at the bound: answered
+        nursery.cancel_scope.cancel()
+    assert [len(request.body) for request in asked] == [1024]

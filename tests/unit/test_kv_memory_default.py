@@ -66,3 +66,14 @@ def test_nodes_sharing_a_device_split_it(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_this_backend_names_a_size() -> None:
     assert device_memory_bytes() > 0 and default_kv_memory_bytes() > 0
     assert isinstance(mx.device_info(), dict)
+
+
+def test_an_out_of_memory_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    describe_device(monkeypatch, {"total_memory": 80 * GIB})
+    cuda = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+    metal = RuntimeError("[malloc] Unable to allocate 17179869184 bytes.")
+    for exc in (cuda, metal):
+        advice = memory.out_of_memory_advice(exc, 51 * GIB)
+        assert advice is not None and "--kv-memory-bytes" in advice and "51.0 GiB" in advice, advice
+    assert memory.out_of_memory_advice(RuntimeError("shapes do not broadcast"), GIB) is None
+    assert memory.out_of_memory_advice(MemoryError(), GIB) is None  # the host's, not the device's

@@ -139,15 +139,15 @@ KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `_messages`)."""
 
 
-def _kv_body(parts: AsyncIterator[Sequence[KvBytes]], length: int) -> Response:
-    """A KV payload's parts (`_payload_parts`) sent through the ASGI server with their
+def kv_body(parts: AsyncIterator[Sequence[KvBytes]], length: int) -> Response:
+    """A KV payload's parts (`payload_parts`) sent through the ASGI server with their
     Content-Length (`_messages`)."""
     return WatchedStream(_messages(parts), media_type="application/octet-stream",
                          headers={"content-length": str(length)})
 
 
-async def _payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
-                         head: bytes = b"") -> AsyncGenerator[Sequence[KvBytes], None]:
+async def payload_parts(payload: KvPieces, on_end: Callable[[KvBytes], None] = lambda end: None,
+                        head: bytes = b"") -> AsyncGenerator[Sequence[KvBytes], None]:
     """`head` and a payload's pieces as they are (the first bytes leave at once), then its end
     frame once the checksum is computed; `on_end` gets the payload's last bytes."""
     yield [head, *payload.pieces] if head else payload.pieces
@@ -433,7 +433,7 @@ class NodeApi:
                                 self._shared.add(rid)
                                 yield [kv_stream.shared_segment_record(where, ref.model_dump())]
                             else:
-                                async for parts in _payload_parts(item.payload, head=head):
+                                async for parts in payload_parts(item.payload, head=head):
                                     yield parts
                             segments += 1
                             self.kv_served(item.payload.nbytes)
@@ -483,18 +483,18 @@ class NodeApi:
         PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
         body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
         payload = await self.engine.export_prefix(body.tokens)
-        return _kv_body(_payload_parts(payload), payload.nbytes)
+        return kv_body(payload_parts(payload), payload.nbytes)
 
     async def send_kv(self, request: Request) -> Response:
-        return _kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
+        return kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
 
     async def _kv_parts(self, rid: RequestId) -> tuple[AsyncGenerator[Sequence[KvBytes], None], int]:
         """The held KV the decode node pulls, as body parts and their length (the HTTP port's
         answer and the KV plane's alike)."""
         payload = await self._kv_to_send(rid)
         if isinstance(payload, bytes):  # a damaged payload (tests only): no end frame to read
-            return _payload_parts(KvPieces((payload,))), len(payload)
-        return _payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
+            return payload_parts(KvPieces((payload,))), len(payload)
+        return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
@@ -636,4 +636,4 @@ def _asks_cached_tokens(request: Request) -> bool:
     return request.query_params.get(CACHED_TOKENS_PARAM) == "1"
 
 
-__all__ = ["NodeApi", "error_response", "guarded"]
+__all__ = ["MAX_INTERNAL_BODY", "NodeApi", "error_response", "guarded", "kv_body", "payload_parts"]

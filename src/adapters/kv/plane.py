@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 __all__ = ["PlaneAnswer", "PlaneHandler", "PlaneRequest", "serve_plane"]
 
 MAX_HEAD_BYTES = 64 << 10
-MAX_BODY_BYTES = 16 << 20  # no KV route is asked with a body that big (a prompt's token ids)
 RECEIVE_BYTES = 64 << 10
 REQUEST_TIMEOUT_S = 30.0  # a request (head and body) must arrive within this; the answer has no limit
 THREAD_SEND_BYTES = 1 << 20  # a buffer this large is written by a worker thread (`_BlockingSender`)
@@ -72,25 +71,26 @@ async def _once(parts: Sequence[KvBytes]) -> AsyncIterator[Sequence[KvBytes]]:
     yield parts
 
 
-async def serve_plane(listener: trio.SocketListener, handler: PlaneHandler, *,
+async def serve_plane(listener: trio.SocketListener, handler: PlaneHandler, max_body_bytes: int, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `listener` until cancelled, each connection in its own task."""
+    """Serve `listener` until cancelled, each connection in its own task; a request body over
+    `max_body_bytes` (the node's bound for its internal routes) closes its connection."""
     async with trio.open_nursery() as nursery:
         task_status.started()
         async def connection(stream: trio.SocketStream) -> None:
-            await _connection(stream, handler)
+            await _connection(stream, handler, max_body_bytes)
 
         await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
 
 
-async def _connection(stream: trio.abc.Stream, handler: PlaneHandler) -> None:
+async def _connection(stream: trio.abc.Stream, handler: PlaneHandler, max_body_bytes: int) -> None:
     # No SO_SNDBUF of its own: a fixed send buffer turns off the kernel's autotuning, which
     # measured faster (bench/handoff/transport_eval.py, "http plane")
     async with stream:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
-                request = await _receive_request(stream, conn)
+                request = await _receive_request(stream, conn, max_body_bytes)
         except (h11.RemoteProtocolError, trio.TooSlowError, trio.BrokenResourceError, OSError) as exc:
             log.debug("KV plane: a request could not be read (%s)", exc)
             return
@@ -109,7 +109,8 @@ async def _connection(stream: trio.abc.Stream, handler: PlaneHandler) -> None:
             log.exception("KV plane: the answer to %s %s failed midway", request.method, request.target)
 
 
-async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection) -> PlaneRequest | None:
+async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection,
+                           max_body_bytes: int) -> PlaneRequest | None:
     head: h11.Request | None = None
     body = bytearray()
     while True:
@@ -124,7 +125,7 @@ async def _receive_request(stream: trio.abc.Stream, conn: h11.Connection) -> Pla
             head = event
         elif isinstance(event, h11.Data):
             body += event.data
-            if len(body) > MAX_BODY_BYTES:
+            if len(body) > max_body_bytes:
                 raise h11.RemoteProtocolError("request body too large")
         elif isinstance(event, h11.EndOfMessage):
             assert head is not None

@@ -49,7 +49,14 @@ from adapters.mlx.fusion import FUSION_MODES, fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Crash, Job, Stop, StreamItem, deliver, engine_failed, post
 from adapters.mlx.loading import load_model, model_fingerprint
-from adapters.mlx.memory import KvCost, default_kv_memory_bytes, measure_kv_cost, parameter_bytes, state_bytes
+from adapters.mlx.memory import (
+    KvCost,
+    default_kv_memory_bytes,
+    measure_kv_cost,
+    out_of_memory_advice,
+    parameter_bytes,
+    state_bytes,
+)
 from adapters.mlx.prefill import (
     PrefillTask,
     default_shape_bucket,
@@ -1042,6 +1049,8 @@ class MlxEngine:
             self._device.run()
         except BaseException as exc:
             logger.exception("the MLX device thread died")
+            if (advice := out_of_memory_advice(exc, self._settings.kv_memory_bytes)) is not None:
+                logger.error("%s", advice)
             self._die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
         else:
             self._die(engine_failed("the engine is closed"))

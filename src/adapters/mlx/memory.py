@@ -32,6 +32,7 @@ __all__ = [
     "activation_dtype_bytes",
     "default_kv_memory_bytes",
     "device_memory_bytes",
+    "out_of_memory_advice",
     "measure_kv_cost",
     "model_shape",
     "parameter_bytes",
@@ -87,6 +88,19 @@ def default_kv_memory_bytes(model_dir: Path | None = None, shared_by: int = 1) -
     weights = 0 if model_dir is None else sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     left = int(total * DEVICE_USABLE_FRACTION) - shared_by * weights
     return max(MIN_DEFAULT_KV_MEMORY_BYTES, min(int(total * DEFAULT_KV_MEMORY_FRACTION), left) // shared_by)
+
+
+def out_of_memory_advice(exc: BaseException, kv_memory_bytes: int) -> str | None:
+    """What to change when the device ran out of memory (None: `exc` is something else). MLX
+    raises a RuntimeError naming the allocation that failed (CUDA: cudaMalloc...; Metal:
+    "[malloc] Unable to allocate")."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not ("out of memory" in text or "Unable to allocate" in text):
+        return None
+    return (f"the device ran out of memory ({device_memory_bytes() / 2**30:.1f} GiB; the KV caches may take "
+            f"{kv_memory_bytes / 2**30:.1f} GiB of it): start the node with a smaller --kv-memory-bytes, "
+            "fewer prefill tokens per step (--max-num-batched-tokens), or --device-shared-by N when N "
+            "engine nodes share this device")
 
 
 def device_memory_bytes() -> int:

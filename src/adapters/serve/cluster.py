@@ -7,8 +7,10 @@ with the TLS flags) and prints the start-up banner. This module may import anyth
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -90,10 +92,41 @@ def _forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) 
     return flags
 
 
-def shared_device_flags(args: argparse.Namespace) -> list[str]:
-    """Both engine nodes of a local cluster run on this machine's one device: each takes half of
-    a default KV budget, unless the user said how many share it (then it is forwarded as given)."""
-    return ["--device-shared-by", "2"] if args.device_shared_by == 1 else []
+def shared_device_flags(args: argparse.Namespace, gpus: tuple[str, str] | None) -> list[str]:
+    """Both engine nodes of a local cluster on this machine's one device (no `gpus` of their own):
+    each takes half of a default KV budget, unless the user said how many share it (then it is
+    forwarded as given)."""
+    return ["--device-shared-by", "2"] if args.device_shared_by == 1 and gpus is None else []
+
+
+def engine_gpus(env: Mapping[str, str], cuda_backend: bool) -> tuple[str, str] | None:
+    """A GPU each for the prefill and the decode node (as CUDA names them), when MLX computes on
+    CUDA here and two or more are visible: the first two of CUDA_VISIBLE_DEVICES when it is set,
+    else of what `nvidia-smi` lists. Disaggregation is for separate devices: two nodes on one GPU
+    share its compute and memory. None: one device for both (one GPU, Apple silicon, the CPU)."""
+    if not cuda_backend:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    else:
+        smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+        if smi is None:
+            return None
+        try:
+            listed = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                    text=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        ids = listed.stdout.split() if listed.returncode == 0 else []
+    return (ids[0], ids[1]) if len(ids) >= 2 else None
+
+
+def mlx_computes_on_cuda() -> bool:
+    """Whether the installed MLX is its CUDA build (the `mlx-cuda-*` distribution), asked of the
+    package metadata: importing MLX here would open a CUDA context in this parent process."""
+    return any((dist.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda")
+               for dist in importlib.metadata.distributions())
 
 
 HANDOFF_PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an "
@@ -142,7 +175,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
     engine_flags = ["--model", model]
-    engine_flags += shared_device_flags(args)
+    gpus = engine_gpus(os.environ, mlx_computes_on_cuda())
+    engine_flags += shared_device_flags(args, gpus)
     if blas in ("openblas", "bundled"):
         engine_flags += ["--blas", blas]
     if args.trust_remote_code:
@@ -179,8 +213,11 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     def start(role: str, flags: list[str]) -> None:
         sock = sockets[role]
+        env = child_env
+        if gpus is not None and role != "router":
+            env = {**child_env, "CUDA_VISIBLE_DEVICES": gpus[0] if role == "prefill" else gpus[1]}
         children[role] = subprocess.Popen([*base, "--role", role, "--listen-fd", str(sock.fileno()), *flags],
-                                          pass_fds=(sock.fileno(),), env=child_env, process_group=0)
+                                          pass_fds=(sock.fileno(),), env=env, process_group=0)
         sock.close()  # the child holds it now
 
     def wait_healthy_or_stop(role: str, timeout_s: float) -> bool:
@@ -200,7 +237,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         for role in ("prefill", "decode"):
             start(role, [*engine_flags, *_forwarded_serving_flags(args, role)])
-        print("statecore: starting prefill and decode nodes ...", flush=True)
+        placement = "" if gpus is None else f" (prefill on GPU {gpus[0]}, decode on GPU {gpus[1]})"
+        print(f"statecore: starting prefill and decode nodes{placement} ...", flush=True)
         if all(wait_healthy_or_stop(role, 600) for role in ("prefill", "decode")):
             start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
                              *_forwarded_serving_flags(args, "router")])

@@ -32,7 +32,7 @@ from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
-from adapters.http.node_api import NodeApi, guarded
+from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
@@ -364,7 +364,7 @@ async def _start_kv_plane(nursery: trio.Nursery, api: NodeApi, listener: socket.
     """The KV plane (`adapters.kv.plane`) on the HTTP listener's address; its port."""
     host = str(listener.getsockname()[0])
     plane = (await trio.open_tcp_listeners(port, host=host))[0]
-    await nursery.start(serve_plane, plane, api.plane)
+    await nursery.start(serve_plane, plane, api.plane, MAX_INTERNAL_BODY)
     bound = int(plane.socket.getsockname()[1])
     log.info("KV plane on %s:%d", host, bound)
     return bound
