@@ -9,14 +9,19 @@ tokens x layers. A step takes whole units: a long chunk is evaluated a few layer
 the rows already decoding keep streaming, so no stream waits longer than one step's budget, and
 the numbers are those of one call (the same graph, evaluated in pieces). `padding_groups` decides
 which short prompts share one padded model call; `bucketed` rounds a call's length up to a shape
-bucket. `kv_admission` decides whether a request's KV cache fits the node's memory budget now,
-later, or never. Under a memory budget a step's prefill is also capped by its transient
-activations: `activation_bytes` estimates one model call's from the model's shape (`ModelShape`),
-`chunk_activation_bytes` / `prefill_work_bytes` / `batched_prefill_bytes` price a step's prefill
-work, and `fit_activations` keeps of the planned calls what fits beside the KV held (the oldest
-prompt always advances, alone if it must). `joining_choices` decides when the choices of one
-request (n > 1) join a batch whose rows are padded to each other (mlx-lm's batch generator):
-together, in choice order.
+bucket. `step_token_budget` is the one home of a step's token budget: the configured one while no
+stream decodes, the decode rows alone right after a handed-off request joins, and otherwise what
+the step-time target leaves for prefill at the rates the engine measures of its own steps
+(`StepRates`, `measured_step`): a prompt arriving beside streams advances a slice a step, and no
+stream waits the whole prompt's prefill between two tokens. `kv_admission` decides whether a
+request's KV cache fits the node's memory budget now, later, or never. Under a memory budget a
+step's prefill is also capped by its transient activations: `activation_bytes` estimates one
+model call's from the model's shape (`ModelShape`), `chunk_activation_bytes` /
+`prefill_work_bytes` / `batched_prefill_bytes` price a step's prefill work, and
+`fit_activations` keeps of the planned calls what fits beside the KV held (the oldest prompt
+always advances, alone if it must). `joining_choices` decides when the choices of one request
+(n > 1) join a batch whose rows are padded to each other (the batch lane): together, in choice
+order.
 The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
@@ -25,17 +30,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_STEP_PREFILL_TOKENS",
+    "STEP_TARGET_FLOOR_MULTIPLE",
     "KvAdmission",
     "ModelShape",
     "PrefillUnit",
     "PrefillWork",
     "StepBudget",
     "StepPlan",
+    "StepRates",
     "WaitingPrefill",
     "activation_bytes",
     "batched_prefill_bytes",
@@ -45,11 +52,14 @@ __all__ = [
     "fit_activations",
     "joining_choices",
     "kv_admission",
+    "measured_step",
     "padding_groups",
     "plan_step",
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
+    "step_token_budget",
+    "work_unit_tokens",
 ]
 
 
@@ -181,6 +191,96 @@ def plan_step(decode_rows: int, waiting: Sequence[WaitingPrefill], budget: StepB
             chosen.append(PrefillWork(prompt.request_id, taken, tokens, taken == len(prompt.units_left)))
             left -= tokens
     return StepPlan(decode_rows, tuple(chosen))
+
+
+# -- the step's budget: configured, or sized by a step-time target ---------------------------------
+
+STEP_TARGET_FLOOR_MULTIPLE = 4.0
+"""The step-time target when none is given: this many times a step without prefill (the decode
+step the streams see), so that a prompt arriving beside them makes a stream's worst gap a small
+multiple of its usual one."""
+
+_RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
+
+
+@dataclass(frozen=True, slots=True)
+class StepRates:
+    """What the engine measured of its own steps (moving averages; None until a step showed it).
+
+    `floor_s` is a step's seconds without prefill: its decode rows and the per-step host work.
+    `prefill_token_s` is the seconds each prefill token adds to a step, measured as the steps
+    with prefill exceeding the floor (`excess_s` over `prefill_tokens`, both averaged).
+    """
+
+    floor_s: float | None = None
+    excess_s: float = 0.0
+    prefill_tokens: float = 0.0
+
+    @property
+    def prefill_token_s(self) -> float | None:
+        return self.excess_s / self.prefill_tokens if self.prefill_tokens > 0 else None
+
+
+def measured_step(rates: StepRates, seconds: float, prefill_tokens: int) -> StepRates:
+    """`rates` after one step that took `seconds` and computed `prefill_tokens` of prefill work
+    beside its decode rows. A step without prefill moves the floor; one with prefill moves the
+    rate by what it took beyond the floor (all of it while no floor is known: an overestimate,
+    which only makes the next slices smaller)."""
+    if seconds < 0 or prefill_tokens < 0:
+        raise ValueError("a step's seconds and tokens are >= 0")
+    if prefill_tokens == 0:
+        floor = seconds if rates.floor_s is None else rates.floor_s + _RATE_WEIGHT * (seconds - rates.floor_s)
+        return replace(rates, floor_s=floor)
+    excess = max(0.0, seconds - (rates.floor_s or 0.0))
+    keep = 1.0 - _RATE_WEIGHT
+    if rates.prefill_tokens == 0:
+        return replace(rates, excess_s=excess, prefill_tokens=float(prefill_tokens))
+    return replace(rates, excess_s=keep * rates.excess_s + _RATE_WEIGHT * excess,
+                   prefill_tokens=keep * rates.prefill_tokens + _RATE_WEIGHT * prefill_tokens)
+
+
+def work_unit_tokens(step_tokens: int, max_batch: int, chunk_size: int, layers: int, *, timed: bool) -> int:
+    """The most one prefill work unit may be worth (`prefill_units`): what a step of `step_tokens`
+    leaves beside a full batch; when a step-time target sizes the steps (`timed`), at most one
+    layer of a chunk, the finest slice, so that the target can cut a step as fine as the model
+    allows (the units of one chunk that a step takes are still evaluated as its one graph)."""
+    room = step_tokens - max_batch
+    return min(room, -(-chunk_size // layers)) if timed else room
+
+
+def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
+                      target_s: float | None, rates: StepRates) -> int:
+    """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
+
+    - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
+      second token waits for no prefill.
+    - no stream decoding: the whole `configured` budget; nobody waits between tokens.
+    - streams decoding: the decode rows plus the prefill tokens that fit the step-time target at
+      the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
+      `STEP_TARGET_FLOOR_MULTIPLE` times the measured floor), never less than the oldest waiting
+      prompt's next unit (`oldest_unit`, 0 when none waits), so the oldest prompt always advances,
+      and never more than `configured`. Until a rate is measured, that one unit.
+    The engine keeps `configured` >= its largest decode batch + its largest unit.
+    """
+    if min(configured, decode_rows, oldest_unit) < 0 or (target_s is not None and not target_s >= 0):
+        raise ValueError("budgets, rows, units and the target are >= 0")
+    if decode_only:
+        return decode_rows
+    if decode_rows == 0 or target_s == 0:
+        return configured
+    least = decode_rows + oldest_unit
+    floor, per_token = rates.floor_s, rates.prefill_token_s
+    target = target_s
+    if target is None and floor is not None:
+        target = STEP_TARGET_FLOOR_MULTIPLE * floor
+    if target is None or per_token is None:
+        return min(configured, least)
+    room = target - (floor or 0.0)
+    if per_token <= 0 or room >= configured * per_token:  # (before dividing: a rate near 0 overflows)
+        fits = configured
+    else:
+        fits = int(room / per_token) if room > 0 else 0
+    return min(configured, max(least, decode_rows + fits))
 
 
 def padding_groups(lengths: Sequence[int], max_waste: float, max_rows: int) -> list[list[int]]:

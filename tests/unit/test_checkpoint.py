@@ -1,4 +1,5 @@
-"""`Checkpoint`: what a model call changed in mlx-lm's caches is undone, even MLX's in-place `+=`."""
+"""`Checkpoint`: what a model call changed in mlx-lm's caches is undone through their public `state`,
+even MLX's in-place `+=`, a `CacheList`'s members in place, a batch cache's index."""
 
 from __future__ import annotations
 
@@ -29,12 +30,20 @@ def test_restore_undoes_reassigned_and_in_place_changes_every_time() -> None:
         assert mx.array_equal(keys[..., :4, :], mx.ones((1, 1, 4, 2)))
 
 
-def test_objects_outside_mlx_lm_are_shared_not_saved() -> None:
-    class Sampler:
-        position = 3
-
-    sampler = Sampler()
-    checkpoint = Checkpoint([sampler, [1, 2, 3]])
-    sampler.position = 9
+def test_a_batch_cache_is_restored_through_its_public_state() -> None:
+    """A batch of two rows (merged, as the batch lane merges them) steps once; restored, its
+    offsets, index and contents are as before, and the next step computes as the first did."""
+    rows = []
+    for length in (3, 5):
+        row: Any = mlx_cache.KVCache()  # type: ignore[no-untyped-call]
+        row.update_and_fetch(mx.ones((1, 2, length, 4)), mx.ones((1, 2, length, 4)))
+        rows.append(row)
+    batch: Any = mlx_cache.BatchKVCache.merge(rows)
+    checkpoint = Checkpoint([batch])
+    before = batch.offset.tolist(), batch.size()
+    first = batch.update_and_fetch(mx.full((2, 2, 1, 4), 2.0), mx.full((2, 2, 1, 4), 2.0))
+    mx.eval(first)
     checkpoint.restore()
-    assert sampler.position == 9  # the engine rewinds its samplers itself
+    assert (batch.offset.tolist(), batch.size()) == before
+    again = batch.update_and_fetch(mx.full((2, 2, 1, 4), 2.0), mx.full((2, 2, 1, 4), 2.0))
+    assert all(mx.array_equal(a, b) for a, b in zip(first, again, strict=True))

@@ -3,7 +3,9 @@ the properties — work units cover every layer of every chunk once, in order, w
 the budget is never exceeded, the oldest prompt always advances, and every prompt reaches its
 first token within a bounded number of steps. Under a memory budget: the activation estimate's
 arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; nothing starves).
-The choices of one request join a batch together."""
+The choices of one request join a batch together. The step's token budget (`step_token_budget`):
+a table of its cases, the moving rates it reads, and hypothesis for the bounds (never over the
+configured budget, always the oldest prompt's next unit, so nothing starves under any rates)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from statecore.scheduling import (
     PrefillWork,
     StepBudget,
     StepPlan,
+    StepRates,
     WaitingPrefill,
     activation_bytes,
     batched_prefill_bytes,
@@ -26,11 +29,13 @@ from statecore.scheduling import (
     fit_activations,
     joining_choices,
     kv_admission,
+    measured_step,
     padding_groups,
     plan_step,
     prefill_chunks,
     prefill_units,
     prefill_work_bytes,
+    step_token_budget,
 )
 
 
@@ -116,6 +121,113 @@ def test_plan_step_table(decode_rows: int, waiting: list[WaitingPrefill], budget
 
 
 prompts = st.lists(st.integers(1, 300), min_size=0, max_size=12)
+
+
+# A node that measured a 10 ms step without prefill and 1 ms per prefill token.
+MEASURED = StepRates(floor_s=0.010, excess_s=0.050, prefill_tokens=50.0)
+
+
+@pytest.mark.parametrize(
+    ("configured", "rows", "oldest_unit", "decode_only", "target_s", "rates", "expected"),
+    [
+        # Right after a handed-off request joins: the decode rows alone.
+        (2052, 4, 256, True, None, MEASURED, 4),
+        # No stream decodes: the whole configured budget, whatever the target.
+        (2052, 0, 256, False, 0.001, MEASURED, 2052),
+        # Off: the configured budget.
+        (2052, 4, 256, False, 0.0, MEASURED, 2052),
+        # Nothing measured yet: the oldest prompt's next unit.
+        (2052, 4, 256, False, None, StepRates(), 4 + 256),
+        (2052, 4, 256, False, 0.050, StepRates(floor_s=0.010), 4 + 256),
+        # The default target, 4 floors (40 ms): 30 ms of prefill at 1 ms a token.
+        (2052, 4, 8, False, None, MEASURED, 4 + 30),
+        # A target of 510 ms: 500 tokens.
+        (2052, 4, 8, False, 0.510, MEASURED, 4 + 500),
+        # ... but never less than the oldest prompt's next unit,
+        (2052, 4, 256, False, 0.510, MEASURED, 4 + 500),
+        (2052, 4, 600, False, 0.510, MEASURED, 4 + 600),
+        (2052, 4, 600, False, 0.005, MEASURED, 4 + 600),
+        # ... nor more than the configured budget.
+        (2052, 4, 8, False, 60.0, MEASURED, 2052),
+        # Prefill measured free: the configured budget.
+        (2052, 4, 8, False, None, StepRates(floor_s=0.01, excess_s=0.0, prefill_tokens=10.0), 2052),
+    ],
+)
+def test_step_token_budget_table(configured: int, rows: int, oldest_unit: int, decode_only: bool,
+                                 target_s: float | None, rates: StepRates, expected: int) -> None:
+    assert step_token_budget(configured, rows, oldest_unit, decode_only=decode_only, target_s=target_s,
+                             rates=rates) == expected
+
+
+def test_step_token_budget_refuses_negative_inputs() -> None:
+    with pytest.raises(ValueError):
+        step_token_budget(100, 4, 8, decode_only=False, target_s=-1.0, rates=MEASURED)
+    with pytest.raises(ValueError):
+        step_token_budget(100, -1, 8, decode_only=False, target_s=None, rates=MEASURED)
+
+
+def test_measured_step_moves_the_floor_and_the_rate() -> None:
+    rates = measured_step(StepRates(), 0.010, 0)
+    assert rates.floor_s == 0.010 and rates.prefill_token_s is None
+    rates = measured_step(rates, 0.020, 0)
+    assert rates.floor_s == pytest.approx(0.012)  # a fifth of the way
+    rates = measured_step(rates, 0.112, 100)  # 100 ms beyond the floor for 100 tokens
+    assert rates.prefill_token_s == pytest.approx(0.001)
+    rates = measured_step(rates, 0.212, 100)  # twice as slow now: the rate moves a fifth of the way
+    assert rates.prefill_token_s == pytest.approx((0.8 * 0.1 + 0.2 * 0.2) / 100)
+    assert measured_step(StepRates(), 0.5, 10).prefill_token_s == pytest.approx(0.05)  # no floor yet
+    assert measured_step(MEASURED, 0.001, 10).prefill_token_s is not None  # faster than the floor: 0
+    with pytest.raises(ValueError):
+        measured_step(StepRates(), -0.1, 0)
+
+
+step_rates = st.builds(
+    StepRates, st.none() | st.floats(0.0, 1.0),
+    st.floats(0.0, 10.0), st.floats(0.0, 1000.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 64), st.integers(1, 6),
+       st.integers(0, 32), st.integers(1, 300), st.none() | st.floats(0.0, 2.0),
+       st.lists(st.tuples(step_rates, st.booleans()), min_size=1, max_size=20))
+def test_a_timed_budget_holds_and_starves_no_prompt(lengths: list[int], chunk: int, layers: int,
+                                                    decode_rows: int, room: int, target_s: float | None,
+                                                    rates: list[tuple[StepRates, bool]]) -> None:
+    """Whatever the rates and the target, a step's plan stays within the configured budget, and
+    every step but a decode-only one advances the oldest prompt: the prompts all finish within
+    their units' count of such steps."""
+    unit_tokens = max(room, -(-chunk // layers))
+    configured = 32 + unit_tokens  # the engine's rule: its largest batch plus its largest unit
+    waiting = {f"r{i}": wait(f"r{i}", i, *(u.tokens for u in prefill_units(prefill_chunks(n, chunk), layers,
+                                                                              unit_tokens)))
+               for i, n in enumerate(lengths)}
+    total_units = sum(len(w.units_left) for w in waiting.values())
+    steps = advancing = 0
+    decode_only = False
+    while waiting:
+        # A decode-only step is one step after a join (or a bounded wait for one): never two in a row here.
+        measured, joined = rates[steps % len(rates)]
+        decode_only = joined and not decode_only
+        steps += 1
+        advancing += not decode_only
+        assert advancing <= total_units, "some prompt made no progress"
+        oldest = min(waiting.values(), key=lambda w: w.order)
+        tokens = step_token_budget(configured, decode_rows, oldest.units_left[0], decode_only=decode_only,
+                                   target_s=target_s, rates=measured)
+        assert decode_rows <= tokens <= configured
+        plan = plan_step(decode_rows, list(waiting.values()), StepBudget(tokens, 8))
+        assert plan.tokens <= tokens
+        if decode_only:
+            assert not plan.prefills
+            continue
+        assert plan.prefills and plan.prefills[0].request_id == oldest.request_id
+        for work in plan.prefills:
+            prompt = waiting[work.request_id]
+            left = prompt.units_left[work.units :]
+            if left:
+                waiting[work.request_id] = WaitingPrefill(work.request_id, prompt.order, left)
+            else:
+                del waiting[work.request_id]
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,11 +9,12 @@ a row that ended in step N computes one throwaway token in step N+1.
 
 Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in the *slot lane*
 (`adapters.mlx.slots`): preallocated per-row KV, joining and leaving move no other row. Other
-families keep mlx-lm's `BatchGenerator` (*merge lane*: rotating, arrays/SSM, `CacheList`), and
+batchable families decode in the *batch lane* (`adapters.mlx.batch_lane`: rotating, arrays/SSM,
+`CacheList`, over the cache classes' public merge/extend/filter/extract), and
 caches that cannot batch at all (quantized KV, llama4's chunked cache, custom classes) decode in
 the *solo lane*, one generate_step-style call per request and step; so do requests under a
 grammar (`response_format`) in families outside the slot lane. A row's numbers in a batched lane
-depend on the rows beside it (the merge lane pads them to each other; a call's row count picks
+depend on the rows beside it (the batch lane pads them to each other; a call's row count picks
 its kernels): the choices of one request (n > 1) wait for each other and enter their lane in one
 step, in choice order (`joining_choices`), which makes their bytes the same on every run and on
 every node. Prefill is scheduled the same
@@ -47,11 +48,11 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import trio
-from mlx_lm.generate import BatchGenerator, generation_stream, maybe_quantize_kv_cache
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.attention import DecodeAttention, choose_attention
+from adapters.mlx.batch_lane import BatchLane, batchable
 from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
@@ -69,14 +70,8 @@ from adapters.mlx.jobs import (
 from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.sampling import (
-    PositionSampler,
-    SamplerMark,
-    mlx_lm_processors,
-    pick_logprobs,
-    read_logprobs,
-    sample_rows,
-)
+from adapters.mlx.rows import Live, rewind
+from adapters.mlx.sampling import PositionSampler, read_logprobs, sample_rows
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
@@ -88,6 +83,7 @@ from statecore.scheduling import (
     KvAdmission,
     ModelShape,
     StepBudget,
+    StepRates,
     WaitingPrefill,
     activation_bytes,
     batched_prefill_bytes,
@@ -96,10 +92,13 @@ from statecore.scheduling import (
     fit_activations,
     joining_choices,
     kv_admission,
+    measured_step,
     padding_groups,
     plan_step,
     prefill_units,
     prefill_work_bytes,
+    step_token_budget,
+    work_unit_tokens,
 )
 
 __all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
@@ -108,14 +107,14 @@ logger = logging.getLogger("adapters.engine_mlx")
 
 
 _T = TypeVar("_T")
-_MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the merge lane
+_MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the batch lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 # How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
 # soon as it is validated; a request that never does stops holding it back after this)
 HANDOFF_COMING_S = 2.0
 _SLOW_STEPS_KEPT = 32
 _KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
-# How long the merge lane's arrived choices of a request wait for a missing one not seen on this
+# How long the batched lanes' arrived choices of a request wait for a missing one not seen on this
 # node (decoding elsewhere, or ended before it came here) before they join without it.
 CHOICE_PATIENCE_S = 2.0
 
@@ -163,10 +162,11 @@ class Settings:
     speculative: str = "off"  # off | ngram | draft
     num_draft_tokens: int = 3
     speculative_max_rows: int = 1
-    # Set (a decode node's default): max_num_batched_tokens becomes max_batch plus this many
-    # prompt tokens' worth, or one layer of a chunk where that is more (a pipelined instance: a
-    # whole chunk), once the model's layers are known
-    prefill_step_tokens: int | None = None
+    # While streams decode, each step's prefill is sized to keep the step near this many ms
+    # (`statecore.scheduling.step_token_budget`): None = a multiple of the measured decode step,
+    # 0 = off (max_num_batched_tokens every step). Off on a lockstep instance: its ranks must
+    # plan alike, and each would measure its own times.
+    step_target_ms: float | None = None
     # The prefix cache's host tier (adapters.mlx.prefix_cache): its capacity (0: off), and when a
     # host block comes back to the device rather than being computed
     prefix_host_bytes: int = 0
@@ -201,28 +201,6 @@ class Held:
 
 
 @dataclass(eq=False)
-class Live:
-    """A request in the decoder, in one lane: slot (slot set), merge (uid set) or solo (solo_cache set);
-    none yet while a choice of n > 1 waits for its siblings (`DeviceLoop.gathering`)."""
-
-    request_id: str
-    send: trio.MemorySendChannel[StreamItem]
-    token: trio.lowlevel.TrioToken
-    remaining: int  # tokens still to produce
-    sampler: PositionSampler
-    last_token: int
-    slot: int | None = None
-    offset: int = 0  # slot lane: positions in the slot's cache before the next input
-    fed: bool = False  # slot lane: the first token went into a step (later inputs are on the device)
-    uid: int | None = None
-    solo_cache: list[Any] | None = None
-    rejoin: bool = False  # solo for now: its batch's step kept raising; back to the merge lane after one step
-    limit: int = 0  # the most positions its cache may reach (prompt + max_tokens): what it attends at most
-    prompt_tokens: int = 0
-    conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
-
-
-@dataclass(eq=False)
 class _Gathering:
     """The choices of one request (n > 1) that reached a batched lane, waiting for the others."""
 
@@ -241,6 +219,7 @@ class _InFlight:
     owners: list[Live | None] = field(default_factory=list)
     logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
     finished_prefills: list[PrefillTask] = field(default_factory=list)
+    prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
     # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer)
     segments: list[tuple[PrefillTask, tuple[int, int, int, int], list[Any]]] = field(default_factory=list)
@@ -287,12 +266,11 @@ class DeviceLoop:
         self.compiled: CompiledSlotStep | None = None  # the slot lane's traced model call, when on
         self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
         self.prefix: PrefixCache | None = None  # whole prefill chunks kept for prompts that repeat them
-        self.batch: Any = None
+        self.batch: BatchLane | None = None  # rows of the other batchable families
         self.held: dict[str, Held] = {}
         self.live: dict[str, Live] = {}
-        self.by_uid: dict[int, Live] = {}
         self.waiting: dict[str, PrefillTask] = {}
-        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for the merge lane
+        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for a batched lane
         self.arrivals = 0
         self.inflight: _InFlight | None = None
         self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
@@ -326,6 +304,7 @@ class DeviceLoop:
         # long, and a step launched before the join still runs when the request joins)
         self.handoff_joined = False
         self.handoffs_coming: dict[str, float] = {}
+        self.rates = StepRates()  # what this node's steps took: what the step-time target sizes by
         self.conversations_kept = 0  # finished requests whose conversation's chunks were kept
         self.conversation_tokens_kept = 0  # tokens of whole chunks those keep tasks computed
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
@@ -334,14 +313,22 @@ class DeviceLoop:
     # -- configuration (after the model is loaded) ---------------------------------------------
 
     @property
-    def unit_tokens(self) -> int:
-        """The most one prefill work unit may be worth: what a step leaves beside a full batch."""
+    def step_room(self) -> int:
+        """What a step's budget leaves beside a full batch: the most one step's prefill may be."""
         return self.settings.max_num_batched_tokens - self.settings.max_batch
+
+    @property
+    def unit_tokens(self) -> int:
+        """The most one prefill work unit may be worth (finer under a step-time target, on a node
+        whose streams it protects)."""
+        s = self.settings
+        return work_unit_tokens(s.max_num_batched_tokens, s.max_batch, s.prefill_chunk_size, self.layers,
+                                timed=s.step_target_ms != 0 and s.decodes_locally and not self.pipelined)
 
     def plain(self, cache: list[Any]) -> bool:
         """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's. Never
         on a pipeline rank: its layers' classes are not the whole model's, and every rank must
-        choose the same lanes (it decodes in mlx-lm's batch generator, without a prefix cache)."""
+        choose the same lanes (it decodes in the batch lane, without a prefix cache)."""
         return (self.settings.kv_bits is None and not self.pipelined
                 and all(type(c) is KVCache for c in cache))
 
@@ -356,11 +343,7 @@ class DeviceLoop:
         self.layers = len(probe_cache)
         self.shape = model_shape(model, vocab_size, probe_cache)
         one_layer = -(-s.prefill_chunk_size // self.layers)
-        if s.prefill_step_tokens is not None:
-            least = s.prefill_chunk_size if self.pipelined else one_layer
-            s = self.settings = dataclasses.replace(
-                s, max_num_batched_tokens=s.max_batch + max(s.prefill_step_tokens, least))
-        if one_layer > self.unit_tokens:
+        if one_layer > self.step_room:
             raise StatecoreError(client_error(
                 f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
                 f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
@@ -369,7 +352,7 @@ class DeviceLoop:
             # A rank's layers wait on the previous rank's inside one model call: a step evaluates
             # a whole chunk or nothing of it. Estimated activations would differ from rank to
             # rank (their layers do), so no prefill is capped by them.
-            if s.prefill_chunk_size > self.unit_tokens:
+            if s.prefill_chunk_size > self.step_room:
                 raise StatecoreError(client_error(
                     f"a pipeline-parallel instance computes a whole prefill chunk per step: "
                     f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch "
@@ -386,7 +369,7 @@ class DeviceLoop:
             capacity = min(context_length, s.max_slot_tokens) + 1
             if fitting < min(capacity, _MIN_SLOT_TOKENS):
                 logger.warning("a KV budget of %d bytes leaves no room for the slot layout; "
-                               "decoding in mlx-lm's batch generator", s.kv_memory_bytes)
+                               "decoding in the batch lane", s.kv_memory_bytes)
             else:
                 capacity = min(capacity, fitting)
                 self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
@@ -403,8 +386,8 @@ class DeviceLoop:
         self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
-                                      s.prefix_host_pull)
-        self.batch = self.new_batch()
+                                      s.prefix_host_pull, room=self.prefix_room)
+        self.batch = BatchLane(self.model)
         if s.speculative != "off":
             self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                          self.draft_model)
@@ -466,6 +449,12 @@ class DeviceLoop:
             ))
         self.reserved[request_id] = need
 
+    def prefix_room(self) -> int:
+        """What the KV budget leaves beside requests' reservations, the slot pool's share and the
+        kept prefix blocks: the most host blocks coming back may add (adapters.mlx.prefix_cache)."""
+        kept = 0 if self.prefix is None else self.prefix.nbytes
+        return self.settings.kv_memory_bytes - self.reserved_bytes - self.pool_reserved - kept
+
     def prefill_reservation(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
         """(bytes, tokens) a new prompt reserves: its own cache, and on a node that decodes it,
         the whole request's when it will decode outside the slot layout (a slot is set aside)."""
@@ -490,16 +479,6 @@ class DeviceLoop:
 
     def unreserve(self, request_id: str) -> None:
         self.reserved.pop(request_id, None)
-
-    def new_batch(self) -> Any:
-        return BatchGenerator(
-            self.model,
-            stop_tokens=[[t] for t in sorted(self.eos)],
-            sampler=greedy_sampler,
-            completion_batch_size=self.settings.max_batch,
-            prefill_batch_size=self.settings.max_batch,
-            prefill_step_size=self.settings.prefill_chunk_size,
-        )
 
     def quantize(self, cache: list[Any]) -> None:
         if self.settings.kv_bits is None:
@@ -631,16 +610,19 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
-            budget = (len(self.live) if self.handoff_joined or self.handoff_imminent()
-                      else self.settings.max_num_batched_tokens)
-            self.handoff_joined = False
             for task in self.waiting.values():
                 self.look_again(task)  # blocks built since it arrived: the plan sees what is left
-            plan = plan_step(
-                len(self.live),
-                [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()],
-                StepBudget(budget, self.settings.prefill_batch),
-            )
+            waiting = [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()]
+            oldest = min(waiting, key=lambda w: w.order, default=None)
+            target_ms = self.settings.step_target_ms
+            budget = step_token_budget(
+                self.settings.max_num_batched_tokens, len(self.live),
+                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
+                decode_only=self.handoff_joined or self.handoff_imminent(),
+                target_s=None if target_ms is None else target_ms / 1000, rates=self.rates)
+            self.handoff_joined = False
+            plan = plan_step(len(self.live), waiting, StepBudget(budget, self.settings.prefill_batch))
+            current.prefill_tokens = plan.tokens - plan.decode_rows
             outputs.extend(self.build_prefills(plan.prefills, current))
             self.computing = ("", ())
             if outputs:
@@ -651,18 +633,25 @@ class DeviceLoop:
         previous, self.inflight = self.inflight, (current if built else None)
         if previous is not None:
             self.read_back(previous)
-        # Lanes that evaluate on their own: mlx-lm's BatchGenerator, then the solo requests.
+        # Lanes that evaluate on their own: the batch lane, then the solo requests.
         self.release_choices()
-        if self.by_uid:
-            self.merge_step()
+        if self.batch is not None and len(self.batch):
+            self.batch_step()
         for live in [lv for lv in self.live.values() if lv.solo_cache is not None]:
             self.solo_step(live)
+        waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
         if built and not self.live and not self.waiting:
             # Nothing else will come: read this step back now rather than on the next one.
             self.inflight = None
             self.read_back(current)
+            waited_for.append(current)
         self.account("step", started)
         elapsed = time.perf_counter() - started
+        if waited_for or (not built and self.live):
+            # A step's time is the device's for the step read back in it (its launch waits for the
+            # one before, its read-back for the rest); a step that built nothing (the lanes that
+            # evaluate on their own) is a step without prefill.
+            self.rates = measured_step(self.rates, elapsed, sum(step.prefill_tokens for step in waited_for))
         if elapsed >= SLOW_STEP_S:
             self.note_slow_step(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces_before)
         self.publish()
@@ -694,7 +683,7 @@ class DeviceLoop:
         inputs = self.slot_inputs(rows, count)
         marks = [live.sampler.mark() for live in rows]
         try:
-            tokens = self.twice(lambda: self.slot_call(rows, inputs, count), lambda: self.rewind(rows, marks),
+            tokens = self.twice(lambda: self.slot_call(rows, inputs, count), lambda: rewind(rows, marks),
                                 f"a decode step of {len(rows)} rows")
         except Exception:
             tokens, rows = self.isolate(rows, inputs, count)
@@ -778,7 +767,7 @@ class DeviceLoop:
                 where = mx.array([live.slot for live in group], dtype=mx.int32)
                 tokens[where] = self.slot_call(group, inputs, count, only=where).astype(mx.uint32)
             except Exception as exc:
-                self.rewind(group, marks)
+                rewind(group, marks)
                 if len(group) == 1 and group[0].request_id not in tried_alone:
                     # Alone for the first time: a transient error gets its second chance here too.
                     tried_alone.add(group[0].request_id)
@@ -819,13 +808,6 @@ class DeviceLoop:
                      live.request_id, type(raised).__name__, raised)
         error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
         self.end(live, error, deliveries)
-
-    @staticmethod
-    def rewind(rows: Sequence[Live], marks: Sequence[SamplerMark]) -> None:
-        """Undo what a failed call's sampling advanced (each seeded draw takes the next position;
-        a penalized row's recent tokens take the drawn one; a grammar consumed the one before)."""
-        for live, mark in zip(rows, marks, strict=True):
-            live.sampler.reset(mark)
 
     def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
         started = time.perf_counter()
@@ -1261,90 +1243,60 @@ class DeviceLoop:
         if live.slot is not None and self.pool is not None:
             self.pool.give_back(live.slot)
             live.slot = None
-        if live.uid is not None:
-            self.by_uid.pop(live.uid, None)
-            if self.batch is not None:
-                self.batch.remove([live.uid])
-            live.uid = None
+        if live.batched and self.batch is not None:
+            self.batch.remove(live)
 
     # -- the other lanes -----------------------------------------------------------------------
 
-    def merge_step(self) -> None:
-        """One step of mlx-lm's batch generator. A step that raises is undone (its generator and
-        caches as they were, each row's sampler rewound) and computed once more; if that raises
-        too, every row leaves the batch for one solo step of its own (where a row that keeps
-        raising fails alone) and the others then join the batch again."""
-        rows = list(self.by_uid.values())
+    def batch_step(self) -> None:
+        """One step of the batch lane. A step that raises is undone (every batch cache as it was,
+        each row's sampler rewound) and computed once more; if that raises too, every row leaves
+        the batch for one solo step of its own (where a row that keeps raising fails alone) and
+        the others then join the batch again."""
+        batch = self.batch
+        assert batch is not None
+        rows = list(batch.rows)
         marks = [live.sampler.mark() for live in rows]
         self.computing = ("decode", [live.request_id for live in rows])
-        checkpoint = Checkpoint(self.batch)
+        checkpoint = batch.checkpoint()
 
         def undo() -> None:
             checkpoint.restore()
-            self.rewind(rows, marks)
+            rewind(rows, marks)
 
         try:
-            _, responses = self.twice(self.batch.next, undo, f"a batch decode step of {len(rows)} rows")
+            tokens = self.twice(batch.step, undo, f"a batch decode step of {len(rows)} rows")
         except Exception:
-            self.split_batch(rows)
+            self.split_batch()
             return
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-        for r in responses:
-            row = self.by_uid.get(r.uid)
-            if row is None:
-                continue
-            item = self.count_token(row, int(r.token), self.merge_logprobs(row, r.logprobs, int(r.token)))
-            if item.finish_reason is not None:
-                row.uid = None  # the generator drops a finished row itself
-                self.by_uid.pop(r.uid, None)
-            self.hand_token(row, item, deliveries)
+        for live, token in zip(rows, tokens, strict=True):
+            live.last_token = token
+            item = self.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
+            self.hand_token(live, item, deliveries)
         self.hand_out(deliveries)
 
-    @staticmethod
-    def merge_logprobs(live: Live, logprobs: Any, token: int) -> TokenLogprobs | None:
-        """A merge-lane token's logprobs from the (vocab,) row mlx-lm drew it from, if asked for."""
-        top = live.sampler.sampling.logprobs
-        if top is None:
-            return None
-        return read_logprobs(pick_logprobs(logprobs[None], mx.array([token]), top))
-
-    def split_batch(self, rows: list[Live]) -> None:
-        """Every row leaves the batch generator with its own cache, for the solo lane. A row the
-        generator had already sampled a token for (kept on the device, not yet delivered) gets
-        it delivered now: the solo step computes the one after it."""
-        generation = self.batch._generation_batch  # mlx-lm keeps those sampled tokens here
-        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
+    def split_batch(self) -> None:
+        """Every row leaves the batch lane with its own cache, for the solo lane (one step there,
+        then back: `Live.rejoin`)."""
+        batch = self.batch
+        assert batch is not None
+        rows = list(batch.rows)
         try:
-            pending = dict(zip(generation.uids, generation._next_tokens.tolist(), strict=True)) \
-                if len(generation) else {}
-            pending_logprobs = dict(zip(generation.uids, generation._next_logprobs, strict=True)) \
-                if len(generation) else {}
-            caches = self.batch.remove([live.uid for live in rows], return_prompt_caches=True)
+            taken = batch.split()
         except Exception as exc:  # the batch's state itself is broken: nothing of it can be saved
             logger.exception("a batch decode step failed and its rows could not be taken out")
             error = engine_failed(f"batch decode step failed: {type(exc).__name__}: {exc}")
+            batch.clear()
+            deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
             for live in rows:
-                live.uid = None  # the generator is replaced below: nothing to remove from it
                 self.end(live, error, deliveries)
-            self.by_uid.clear()
-            self.batch = self.new_batch()
             self.hand_out(deliveries)
             return
         logger.warning("a batch decode step of %d rows raised twice; each row steps alone", len(rows))
-        for live in rows:
-            uid = live.uid
-            assert uid is not None
-            self.by_uid.pop(uid, None)
-            live.uid = None
-            live.solo_cache, in_cache = caches[uid]
+        for live, cache in taken:
+            live.solo_cache = cache
             live.rejoin = True
-            if uid in pending:
-                live.last_token = int(pending[uid])
-            live.sampler.restart([*in_cache, live.last_token])
-            if uid in pending:
-                logprobs = self.merge_logprobs(live, pending_logprobs[uid], live.last_token)
-                self.hand_token(live, self.count_token(live, live.last_token, logprobs), deliveries)
-        self.hand_out(deliveries)
 
     def solo_step(self, live: Live) -> None:
         """One generate_step-style step for a single sequence; a step that raises is undone
@@ -1367,11 +1319,10 @@ class DeviceLoop:
             return
         live.last_token = token
         item = self.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
-        if not self.hand_token(live, item, deliveries) and live.rejoin:
+        if not self.hand_token(live, item, deliveries) and live.rejoin and self.batch is not None:
             live.rejoin = False
             cache, live.solo_cache = live.solo_cache, None
-            recent = [] if live.sampler.recent is None else live.sampler.recent.tolist()
-            self.merge_insert(live, cache, recent[:-1])  # what its penalties look back on
+            self.batch.insert(live, cache)
         self.hand_out(deliveries)
 
     def solo_call(self, live: Live) -> int:
@@ -1385,16 +1336,16 @@ class DeviceLoop:
 
     def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool,
                  constrained: bool = False) -> str:
-        """Where a request decodes: "slot", "merge" (mlx-lm's batch generator) or "solo"."""
+        """Where a request decodes: "slot", "batch" or "solo"."""
         needed = prompt_tokens + remaining + 2
         if (self.pool is not None and all(type(c) is KVCache for c in cache)
                 and needed <= self.pool.max_capacity):
             return "slot"
-        # mlx-lm's generator stops every row at EOS: an ignore_eos row decodes solo. A row under a
-        # grammar (response_format) needs its mask before each draw: solo too, rather than
-        # teaching mlx-lm's generator to read each token back.
-        if all(hasattr(c, "merge") for c in cache) and not ignore_eos and not constrained:
-            return "merge"
+        # A row under a grammar (response_format) waits on its grammar's mask before each draw:
+        # outside the slot lane it decodes solo, so that the rows of a batch keep their company.
+        del ignore_eos  # (every lane ends a row by `statecore.policy.token_finish`)
+        if batchable(cache) and not constrained:
+            return "batch"
         return "solo"
 
     def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
@@ -1424,8 +1375,9 @@ class DeviceLoop:
             self.unreserve(live.request_id)  # its KV lives in the pool now
             if self.speculator is not None:
                 self.speculator.joined(live, prompt)
-        elif lane == "merge":
-            self.merge_insert(live, cache, prompt)
+        elif lane == "batch":
+            assert self.batch is not None
+            self.batch.insert(live, cache)
         else:
             live.solo_cache = cache
 
@@ -1437,7 +1389,7 @@ class DeviceLoop:
         sampling = live.sampler.sampling
         group = self.gathering.get(sampling.choice_group)
         if group is None:
-            if any((other.uid is not None or other.slot is not None)
+            if any((other.batched or other.slot is not None)
                    and other.sampler.sampling.choice_group == sampling.choice_group
                    for other in self.live.values()):
                 self.enter(live, cache, prompt, lane)
@@ -1491,18 +1443,6 @@ class DeviceLoop:
             return None
         now = time.monotonic()
         return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
-
-    def merge_insert(self, live: Live, cache: list[Any], tokens: list[int]) -> None:
-        """Hand a row to mlx-lm's batch generator: `cache` holds everything before its last token."""
-        # Greedy rows share mlx-lm's own greedy sampler: a batch whose rows all share one
-        # sampler object is sampled in one call instead of row by row.
-        (uid,) = self.batch.insert(
-            prompts=[[live.last_token]], max_tokens=[live.remaining], caches=[cache], all_tokens=[tokens],
-            samplers=[greedy_sampler if live.sampler.sampling.greedy else live.sampler],
-            logits_processors=[mlx_lm_processors(live.sampler.sampling)],
-        )
-        live.uid = uid
-        self.by_uid[uid] = live
 
     def copy_into_slot(self, slot: int, cache: list[Any], prompt_tokens: int, needed: int) -> None:
         """Copy a prompt's cache into its slot; a copy that raises is made once more (it writes
@@ -1569,7 +1509,6 @@ class DeviceLoop:
         self.waiting.clear()
         self.gathering.clear()
         self.live.clear()
-        self.by_uid.clear()
         self.held.clear()
         self.reserved.clear()
         self.batch = None

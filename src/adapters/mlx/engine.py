@@ -55,6 +55,7 @@ from adapters.mlx.memory import (
     measure_kv_cost,
     out_of_memory_advice,
     parameter_bytes,
+    share_the_device,
     state_bytes,
 )
 from adapters.mlx.prefill import (
@@ -140,7 +141,7 @@ class MlxEngine:
         trust_remote_code: bool = False,
         max_batch: int = 32,
         max_num_batched_tokens: int | None = None,
-        prefill_step_tokens: int | None = None,
+        step_target_ms: float | None = None,
         prefill_batch: int = 32,
         max_padding: float = 0.25,
         max_slot_tokens: int = 32768,
@@ -173,14 +174,17 @@ class MlxEngine:
         `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
         `prefill_batch` prompts (default budget: `max_batch` + 2,048 tokens or a whole chunk if
         larger, several chunks of a prompt per step; a smaller one, down to `max_batch` + chunk
-        size / layers, slices chunks by layers; `prefill_step_tokens` instead of a budget:
-        `max_batch` + that many tokens' worth, or one layer of a chunk where that is more, as a
-        decode node runs by default). A chunk (`prefill_chunk_size`, default 256) is one prefill
+        size / layers, slices chunks by layers). While streams decode, `step_target_ms` sizes
+        each step's prefill from the rates the device loop measures of its own steps, so that a
+        step stays near the target (`statecore.scheduling.step_token_budget`: at least the oldest
+        prompt's next unit, at most the budget): None (default) = 4 times a step without prefill,
+        0 = off. A tensor- or pipeline-parallel instance runs without it (its ranks plan alike).
+        A chunk (`prefill_chunk_size`, default 256) is one prefill
         call and the prefix cache's block.
         Short prompts waiting together are prefilled in one padded call when the padding stays
         within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
         off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
-        mlx-lm's batch generator). `preallocate_slots` (default: on MLX's CUDA backend only)
+        the batch lane). `preallocate_slots` (default: on MLX's CUDA backend only)
         allocates the slot pool at its full capacity at load (it is set aside from the budget
         either way); otherwise it grows as rows need it, a copy of every row each time.
 
@@ -297,6 +301,7 @@ class MlxEngine:
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
         if device_shared_by < 1:
             raise StatecoreError(client_error("device_shared_by must be >= 1"))
+        share_the_device(device_shared_by)
         memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
                   else kv_memory_bytes)
         if memory < 1:
@@ -323,6 +328,8 @@ class MlxEngine:
                 "speculative 'draft' needs a draft model, and a draft model needs speculative 'draft'"))
         if num_draft_tokens < 1 or speculative_max_rows < 1:
             raise StatecoreError(client_error("num_draft_tokens and speculative_max_rows must be >= 1"))
+        if step_target_ms is not None and not step_target_ms >= 0:
+            raise StatecoreError(client_error("step_target_ms must be >= 0 (0: off)"))
         settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                             max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                             prefix_bytes, compile_decode,
@@ -331,8 +338,7 @@ class MlxEngine:
                             keep_conversations=keep_conversations and decodes_locally,
                             speculative=speculative if decodes_locally and tensor is None else "off",
                             num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
-                            prefill_step_tokens=None if max_num_batched_tokens is not None
-                            else prefill_step_tokens,
+                            step_target_ms=0.0 if tensor is not None else step_target_ms,
                             prefix_host_bytes=host_bytes if tensor is None else 0,
                             prefix_host_pull=prefix_host_pull)
         tune_cuda_backend()

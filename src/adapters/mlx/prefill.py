@@ -7,7 +7,8 @@ calls mlx-lm's `generate_step` makes, in the same order, on the task's own `make
 Each chunk's evaluation is cut into work units (`statecore.scheduling.prefill_units`): `run_units`
 builds a chunk's graph at its first unit (lazily) and hands the device loop the cache layers each
 unit evaluates, so a long chunk is computed a few layers per step; the graph is the one call's,
-so are the numbers.
+so are the numbers. A built chunk is handed to the prefix cache at its last unit, once every
+layer of it is evaluated.
 
 `run_short_batch` computes several short prompts (each one chunk plus the last token) in one padded
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
@@ -164,7 +165,7 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
     positions are trimmed off the cache again: attention is causal, so no real position sees them,
     and the GPU meets a few chunk shapes instead of one per prompt length (MLX's CUDA attention
     builds a cuDNN graph per shape, tens of ms each). `built(task, chunk)` (the prefix cache) is
-    told of every chunk built and returns more arrays for the step to evaluate."""
+    told of every chunk at its last unit and returns more arrays for the step to evaluate."""
     if task.cache is None:
         task.cache = make_prompt_cache(model)
     outputs: list[Any] = []
@@ -181,12 +182,14 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
                     layer.trim(padding)
             quantize(task.cache)
             task.done_tokens += size
-            if built is not None:
-                outputs.extend(built(task, unit.chunk))
             if unit.chunk == len(task.chunks) - 1 and not task.keeps_only:
                 task.first = task.sampler.next_token(out[:, -1, :])
         task.done_units += 1
         outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])
+        if built is not None and unit.end_layer == len(task.cache):
+            # Told at the chunk's last unit, not its first: what `built` evaluates (a copy of the
+            # chunk's every layer) would compute the whole chunk in its first unit's step.
+            outputs.extend(built(task, unit.chunk))
     return outputs
 
 

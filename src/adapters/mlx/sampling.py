@@ -36,7 +36,7 @@ from adapters.mlx.grammar import ConstraintMark, TokenConstraint
 from effects.engine_port import SamplingParams
 from statecore.events import TokenLogprobs
 
-__all__ = ["PositionSampler", "SamplerMark", "exclude_top_choices", "log_softmax", "mlx_lm_processors",
+__all__ = ["PositionSampler", "SamplerMark", "exclude_top_choices", "log_softmax",
            "pick_logprobs", "position_key_seed", "read_logprobs", "request_seed", "sample", "sample_rows",
            "shape_logits"]
 
@@ -164,14 +164,6 @@ def read_logprobs(picked: tuple[Any, ...] | None) -> TokenLogprobs | None:
     return TokenLogprobs(chosen, tuple((token, value) for token, value in pairs if value != -math.inf))
 
 
-def mlx_lm_processors(sampling: SamplingParams) -> list[Any]:
-    """`shape_logits` as a logits processor, for rows in mlx-lm's batch generator (which hands
-    it each row's tokens so far, prompt included, itself)."""
-    if not sampling.shapes_logits:
-        return []
-    return [lambda tokens, logits: shape_logits(logits, sampling, tokens)]
-
-
 class PositionSampler:
     """A per-request sampler: each call draws the token at the next position. With a penalty
     in force it also keeps the request's last tokens (`recent`, on the device) from `context`;
@@ -204,7 +196,7 @@ class PositionSampler:
     def restart(self, context: Sequence[int]) -> None:
         """The tokens before the next draw are `context` (the prompt and what was generated); a
         grammar starts again from its beginning (only a prefill computed again restarts a
-        constrained sampler: constrained rows never decode in mlx-lm's batch generator)."""
+        constrained sampler: constrained rows never decode in the batch lane)."""
         if self.window:
             self.recent = mx.array(list(context[-self.window :]), dtype=mx.int32)
         if self.constraint is not None:

@@ -309,6 +309,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
                              f"+ {DEFAULT_STEP_PREFILL_TOKENS}, or + --prefill-chunk-size when larger; "
                              "minimum: --max-batch + chunk size / layers)")
+    engine.add_argument("--step-target-ms", type=_seconds(zero_allowed=True), default=None, metavar="MS",
+                        help="while streams decode, size each step's prefill from the step times this node "
+                             "measures so that a step stays near MS milliseconds (at least the oldest "
+                             "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
+                             "stalls no stream for its whole prefill; 0 = off (default: 4 times a step "
+                             "without prefill)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
@@ -343,8 +349,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "(default auto)")
     memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
                         help="engine nodes: how many engine nodes share this node's device; the default "
-                             "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
-                             "prefill and decode nodes) (default 1)")
+                             "--kv-memory-bytes and MLX's allocator limit are divided among them "
+                             "(`statecore run` passes 2 to its prefill and decode nodes on one device) "
+                             "(default 1)")
     memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
                         help="engine nodes: cap each step's prefill work so that the KV held and reserved "
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "

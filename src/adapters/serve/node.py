@@ -234,19 +234,13 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
-DECODE_NODE_PREFILL_TOKENS = 512
-"""A decode node's prefill per step by default: the prompts it prefills itself (short ones, and
-the prefill tier's overflow) go in layer slices of about this many tokens' worth, so that its
-streams wait a fraction of a chunk between tokens rather than the whole chunk."""
-
-
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
     return dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_step_tokens=DECODE_NODE_PREFILL_TOKENS if role == "decode" else None,
+        step_target_ms=args.step_target_ms,
         kv_memory_bytes=args.kv_memory_bytes,
         device_shared_by=args.device_shared_by,
         preallocate_slots={"auto": None, "on": True, "off": False}[args.preallocate_slots],

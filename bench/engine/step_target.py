@@ -1,0 +1,155 @@
+"""The step-time target (`--step-target-ms`) against a fixed step budget, on the engine alone.
+
+What it answers: when a long prompt arrives while streams decode, does sizing each step's prefill
+from the measured step rates (the default target: 4 steps without prefill) shrink the streams'
+worst gap, and what does it cost on the realish mix? Two setups, the same engine but for
+`step_target_ms`: *target* (the default, or --target-ms) and *fixed* (0: the configured budget,
+2,048 prefill tokens a step, every step). Each repetition runs both, alternating which goes first.
+
+- burst: --streams greedy streams (64-token prompts, ignore_eos) decode; once each has streamed
+  8 tokens, --long-requests prompts of --long-prompt tokens arrive one after another (each sent as
+  the last one's first token came). For the streams' gaps between tokens inside that window it
+  reports max and p99, and the long prompts' time to first token.
+- realish: `engine_realish.run` (closed-loop workers on `benchlib.Mix("realish")`) at
+  --concurrency for --seconds: output tokens/s and the gap p99.
+
+Then target / fixed ratios of each (medians over the repetitions). `--cpus` pins the process to
+those cores (the device thread inherits it): on a shared box one core per run is steadier.
+
+    .venv/bin/python bench/engine/step_target.py --cpus 1 --reps 3 --out /tmp/step_target
+
+Bench code: may import anything; nothing under src/ imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/: benchlib, which puts src/ on the path too
+sys.path.insert(0, str(HERE))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_prompt: int,
+          long_requests: int, salt: int) -> dict[str, Any]:
+    import trio
+
+    from adapters.mlx import MlxEngine
+    from effects.engine_port import SamplingParams
+    from statecore.ids import RequestId
+
+    stream_sampling = SamplingParams(max_tokens=1500, ignore_eos=True)
+    long_sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    gaps: list[tuple[float, float]] = []  # (when the token came, the gap before it)
+    ttfts: list[float] = []
+
+    async def main() -> dict[str, Any]:
+        engine = await MlxEngine.load(model_dir, **engine_args)
+        streaming = [0] * streams
+        ready = trio.Event()
+        try:
+            # Warm-up: one long prompt and a stream alone, so that both setups start measured.
+            warm = [3 + (5 * i + salt) % 500 for i in range(long_prompt)]
+            outcome = await engine.prefill(RequestId("warm"), warm, long_sampling)
+            await engine.decode_held(RequestId("warm"), warm, outcome.first_token, long_sampling)
+            async for _ in engine.stream(RequestId("warm")):
+                pass
+
+            async def stream(index: int) -> None:
+                prompt = [3 + (7 * i + 11 * index + salt) % 500 for i in range(64)]
+                rid = RequestId(f"s{index}")
+                outcome = await engine.prefill(rid, prompt, stream_sampling)
+                await engine.decode_held(rid, prompt, outcome.first_token, stream_sampling)
+                last = time.perf_counter()
+                async for _ in engine.stream(rid):
+                    now = time.perf_counter()
+                    gaps.append((now, now - last))
+                    last = now
+                    streaming[index] += 1
+                    if min(streaming) >= 8:
+                        ready.set()
+
+            async with trio.open_nursery() as nursery:
+                for index in range(streams):
+                    nursery.start_soon(stream, index)
+                await ready.wait()
+                window_start = time.perf_counter()
+                for n in range(long_requests):
+                    prompt = [3 + (13 * i + 17 * n + salt) % 500 for i in range(long_prompt)]
+                    rid = RequestId(f"long{n}")
+                    sent = time.perf_counter()
+                    await engine.prefill(rid, prompt, long_sampling)
+                    ttfts.append(time.perf_counter() - sent)
+                    await engine.release_held(rid)
+                window_end = time.perf_counter()
+                nursery.cancel_scope.cancel()
+        finally:
+            await engine.aclose()
+        inside = [gap for at, gap in gaps if window_start < at <= window_end]
+        return {"gap_max_ms": 1000 * max(inside, default=0.0), "gap_p99_ms": 1000 * percentile(inside, 0.99),
+                "gap_p50_ms": 1000 * percentile(inside, 0.5), "gaps": len(inside),
+                "long_ttft_ms": 1000 * statistics.median(ttfts), "window_s": window_end - window_start}
+
+    return trio.run(main)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="default: benchlib.default_model()")
+    parser.add_argument("--target-ms", type=float, default=None, help="the target setup's step_target_ms "
+                        "(default: the engine's default)")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--long-prompt", type=int, default=2000)
+    parser.add_argument("--long-requests", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--cpus", default=None, help="pin to these cores (comma-separated)")
+    parser.add_argument("--skip-realish", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    from benchlib import default_model, machine
+    from engine_realish import run as realish
+
+    model = args.model or default_model()
+    setups = {"target": {"step_target_ms": args.target_ms}, "fixed": {"step_target_ms": 0.0}}
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in setups}
+    for rep in range(args.reps):
+        order = list(setups) if rep % 2 == 0 else list(reversed(setups))
+        for name in order:
+            measured = burst(model, setups[name], args.streams, args.long_prompt, args.long_requests, rep)
+            if not args.skip_realish:
+                mix = realish(model, args.concurrency, args.seconds, setups[name])
+                measured.update({"realish_tok_s": mix["tok_s"], "realish_gap_p99_ms": mix["gap_p99_ms"],
+                                 "realish_ttft_p50_ms": mix["ttft_p50_ms"]})
+            print(f"rep {rep} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), flush=True)
+            for key, value in measured.items():
+                results[name].setdefault(key, []).append(float(value))
+    medians = {name: {k: statistics.median(v) for k, v in got.items()} for name, got in results.items()}
+    ratios = {k: medians["target"][k] / medians["fixed"][k] for k in medians["target"] if medians["fixed"][k]}
+    print(json.dumps({"medians": medians, "target_over_fixed": ratios}, indent=1))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
+             "load_avg": os.getloadavg(), "runs": results, "medians": medians, "target_over_fixed": ratios},
+            indent=1))
+
+
+if __name__ == "__main__":
+    main()
