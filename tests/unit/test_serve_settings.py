@@ -10,7 +10,7 @@ import pytest
 from adapters.cli import build_parser
 from adapters.http.api_keys import keys_from
 from adapters.serve.cluster import _forwarded_serving_flags, engine_gpus, shared_device_flags
-from adapters.serve.flags import _resolve_api_keys
+from adapters.serve.flags import resolve_api_keys
 from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval, engine_options
 
 
@@ -82,17 +82,17 @@ def test_api_keys_come_from_the_flags_and_the_environment(monkeypatch: pytest.Mo
     assert keys_from([], None) == ()
     monkeypatch.setenv("STATECORE_API_KEY", "from-env")
     args = build_parser().parse_args(["run", "--api-key", "k1", "--api-key-protects", "health"])
-    _resolve_api_keys(args)
+    resolve_api_keys(args)
     assert args.api_keys.keys == ("k1", "from-env") and args.api_keys.protects == {"health"}
     monkeypatch.setenv("STATECORE_API_KEY", "bad key")
     with pytest.raises(SystemExit, match="STATECORE_API_KEY: an API key must be printable"):
-        _resolve_api_keys(build_parser().parse_args(["run"]))
+        resolve_api_keys(build_parser().parse_args(["run"]))
     monkeypatch.delenv("STATECORE_API_KEY")
     args = build_parser().parse_args(["run"])
-    _resolve_api_keys(args)
+    resolve_api_keys(args)
     assert args.api_keys is None  # no key: the public API is open
     with pytest.raises(SystemExit, match="--api-key-protects needs --api-key"):
-        _resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))
+        resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))
 
 
 @pytest.mark.parametrize(("given", "engine_gets"), [([], None), (["--preallocate-slots", "on"], True),

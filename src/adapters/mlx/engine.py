@@ -30,9 +30,9 @@ import trio
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from adapters import lockstep
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
+from adapters.mlx import lockstep
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep

@@ -31,8 +31,8 @@ from adapters.serve.flags import (
     handoff_rule,
     roles_reading,
 )
-from adapters.serve.listeners import _listener_for, bind_or_exit, listener_url
-from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, _blas_words
+from adapters.serve.listeners import bind_or_exit, listener_for, listener_url
+from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, blas_words
 from adapters.tls import TlsFiles, certificate_refused, client_context
 
 
@@ -155,7 +155,7 @@ def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None
     key = "-H 'Authorization: Bearer <your API key>' " if keyed else ""
     key += f"--cacert {cacert} " if cacert and router.startswith("https://") else ""
     rule = "" if threshold is None else f"Routing: {handoff_rule(threshold)}.\n"
-    rule += f"MLX computes with {_blas_words(blas)}.\n"
+    rule += f"MLX computes with {blas_words(blas)}.\n"
     return (f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
             f"decode {urls['decode']})\n{rule}\nTry (a prompt long enough to go through the "
             f"prefill node):\n  curl -s {router}/v1/chat/completions "
@@ -190,7 +190,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         child_env[API_KEY_ENV] = ",".join(keys.keys)  # the router's (the engine nodes ignore it)
     router_health = ({"Authorization": f"Bearer {keys.keys[0]}"}
                      if keys is not None and "health" in keys.protects else None)
-    sockets = {"router": _listener_for(args)}
+    sockets = {"router": listener_for(args)}
     try:
         sockets["prefill"] = bind_or_exit("127.0.0.1", args.prefill_port, "--prefill-port")
         sockets["decode"] = bind_or_exit("127.0.0.1", args.decode_port, "--decode-port")
