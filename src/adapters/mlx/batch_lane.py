@@ -19,18 +19,15 @@ This module imports mlx and mlx_lm; it must never import trio (but for the types
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.jobs import engine_failed
-from adapters.mlx.rows import Live, rewind
+from adapters.mlx.rows import Deliveries, LaneHost, Live, rewind
 from adapters.mlx.sampling import PositionSampler, read_logprobs, sample_rows
-
-if TYPE_CHECKING:
-    from adapters.mlx.device import DeviceLoop
 
 __all__ = ["BatchLane", "batchable"]
 
@@ -46,7 +43,7 @@ def batchable(cache: list[Any]) -> bool:
 class BatchLane:
     """The rows of the batch lane and their batch caches (see the module's paragraph)."""
 
-    def __init__(self, loop: DeviceLoop) -> None:
+    def __init__(self, loop: LaneHost) -> None:
         self.loop = loop
         self.rows: list[Live] = []
         self.cache: list[Any] = []  # one batch cache per layer; empty while no row decodes
@@ -55,7 +52,9 @@ class BatchLane:
         return len(self.rows)
 
     def insert(self, live: Live, cache: list[Any]) -> None:
-        """A row joins at the end: `cache` holds everything before its last token."""
+        """A row joins at the end: `cache` holds everything before its last token (a row back
+        from its solo step after a split: its own cache, which it leaves)."""
+        live.solo_cache, live.rejoin = None, False
         joining = [type(layer).merge([layer]) for layer in cache]
         if self.rows:
             for batch, one in zip(self.cache, joining, strict=True):
@@ -95,7 +94,7 @@ class BatchLane:
         except Exception:
             self.split()
             return
-        deliveries: dict[Any, list[Any]] = {}
+        deliveries: Deliveries = {}
         for live, token in zip(rows, tokens, strict=True):
             live.last_token = token
             item = loop.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
@@ -123,7 +122,7 @@ class BatchLane:
             logger.exception("a batch decode step failed and its rows could not be taken out")
             error = engine_failed(f"batch decode step failed: {type(exc).__name__}: {exc}")
             self.clear()
-            deliveries: dict[Any, list[Any]] = {}
+            deliveries: Deliveries = {}
             for live in rows:
                 self.loop.end(live, error, deliveries)
             self.loop.hand_out(deliveries)

@@ -598,7 +598,10 @@ class DeviceLoop:
             if slot_rows:
                 building = time.perf_counter()
                 try:
-                    outputs.extend(self.slots.build(slot_rows, current))
+                    slot_step = self.slots.build(slot_rows)
+                    current.tokens, current.owners = slot_step.tokens, slot_step.owners
+                    current.logprobs = slot_step.logprobs
+                    outputs.extend(slot_step.outputs)
                 except Exception as exc:
                     self.fail_rows(slot_rows, exc)
                     current = InFlight()
@@ -632,7 +635,9 @@ class DeviceLoop:
         self.release_choices()
         if len(self.batch):
             self.batch.step()
-        self.solo.step_all()
+        for live in self.solo.step([live for live in self.live.values() if live.solo_cache is not None]):
+            assert live.solo_cache is not None
+            self.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
         waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
         if built and not self.live and not self.waiting:
             # Nothing else will come: read this step back now rather than on the next one.

@@ -13,26 +13,35 @@ This module imports mlx; it must never import trio (but for the types of `Live`)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
-from adapters.mlx.rows import Live, rewind
+from adapters.mlx.rows import Deliveries, LaneHost, Live, rewind
 from adapters.mlx.sampling import PositionSampler, sample_rows
 from statecore.errors import StatecoreError
 
-if TYPE_CHECKING:
-    from adapters.mlx.device import DeviceLoop, InFlight
-
-__all__ = ["SlotLane"]
+__all__ = ["SlotLane", "SlotStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStep:
+    """A slot step as built: its (rows,) tokens, the row of each slot (None: a free slot's
+    throwaway row), the logprob arrays of the rows that asked, and every array it evaluates."""
+
+    tokens: Any
+    owners: list[Live | None]
+    logprobs: dict[int, tuple[Any, ...]]
+    outputs: list[Any]
 
 
 class SlotLane:
     """The slot lane's step over `loop.pool` (see the module's paragraph)."""
 
-    def __init__(self, loop: DeviceLoop) -> None:
+    def __init__(self, loop: LaneHost) -> None:
         self.loop = loop
         self.last_tokens: Any = None  # the previous step's (rows,) tokens, on the device
 
@@ -65,9 +74,8 @@ class SlotLane:
             self.loop.pool.give_back(live.slot)
             live.slot = None
 
-    def build(self, rows: list[Live], current: InFlight) -> list[Any]:
-        """Every slot row's token in one model call (built, not evaluated); the arrays the step
-        evaluates for it."""
+    def build(self, rows: list[Live]) -> SlotStep:
+        """Every slot row's token in one model call (built, not evaluated)."""
         loop, pool = self.loop, self.loop.pool
         assert pool is not None
         count = pool.rows([live.slot for live in rows if live.slot is not None])
@@ -81,6 +89,7 @@ class SlotLane:
         except Exception:
             tokens, rows = self.isolate(rows, inputs, count)
         owners: list[Live | None] = [None] * count
+        logprobs: dict[int, tuple[Any, ...]] = {}
         for live in rows:
             assert live.slot is not None
             owners[live.slot] = live
@@ -88,12 +97,10 @@ class SlotLane:
             live.offset += 1
             picked = live.sampler.take_logprobs()
             if picked is not None:
-                current.logprobs[live.slot] = picked
+                logprobs[live.slot] = picked
         self.last_tokens = tokens
-        current.tokens = tokens
-        current.owners = owners
-        logprobs = [array for picked in current.logprobs.values() for array in picked]
-        return [tokens, *logprobs, *pool.keys, *pool.values]
+        arrays = [array for picked in logprobs.values() for array in picked]
+        return SlotStep(tokens, owners, logprobs, [tokens, *arrays, *pool.keys, *pool.values])
 
     def inputs(self, rows: list[Live], count: int) -> Any:
         """The (count,) input tokens of a slot step: a row fed before takes the previous step's
@@ -173,7 +180,7 @@ class SlotLane:
                     groups += [group[: len(group) // 2], group[len(group) // 2 :]]
             else:
                 survivors.extend(group)
-        deliveries: dict[Any, list[Any]] = {}
+        deliveries: Deliveries = {}
         for live, raised in culprits:
             loop.fail_alone(live, raised, deliveries)
         loop.hand_out(deliveries)

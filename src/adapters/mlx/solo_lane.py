@@ -10,17 +10,12 @@ This module imports mlx and mlx_lm; it must never import trio (but for the types
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from adapters.mlx.checkpoint import Checkpoint
-from adapters.mlx.rows import Live
+from adapters.mlx.rows import Deliveries, LaneHost, Live
 from adapters.mlx.sampling import read_logprobs
-
-if TYPE_CHECKING:
-    from adapters.mlx.device import DeviceLoop
 
 __all__ = ["SoloLane"]
 
@@ -28,18 +23,19 @@ __all__ = ["SoloLane"]
 class SoloLane:
     """The solo lane's steps (see the module's paragraph)."""
 
-    def __init__(self, loop: DeviceLoop) -> None:
+    def __init__(self, loop: LaneHost) -> None:
         self.loop = loop
 
-    def step_all(self) -> None:
-        """One step of every solo request."""
-        for live in [live for live in self.loop.live.values() if live.solo_cache is not None]:
-            self.step(live)
+    def step(self, rows: list[Live]) -> list[Live]:
+        """One step of each of `rows` (the solo requests); those whose step after their batch's
+        split is done and that go on, to rejoin the batch lane."""
+        return [live for live in rows if self.step_one(live)]
 
-    def step(self, live: Live) -> None:
+    def step_one(self, live: Live) -> bool:
+        """One step of a solo request; whether it rejoins the batch lane now."""
         loop = self.loop
         assert live.solo_cache is not None
-        deliveries: dict[Any, list[Any]] = {}
+        deliveries: Deliveries = {}
         loop.computing = ("decode", [live.request_id])
         checkpoint = Checkpoint(live.solo_cache)
         mark = live.sampler.mark()
@@ -53,14 +49,12 @@ class SoloLane:
         except Exception as raised:
             loop.fail_alone(live, raised, deliveries)
             loop.hand_out(deliveries)
-            return
+            return False
         live.last_token = token
         item = loop.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
-        if not loop.hand_token(live, item, deliveries) and live.rejoin and loop.batch is not None:
-            live.rejoin = False
-            cache, live.solo_cache = live.solo_cache, None
-            loop.batch.insert(live, cache)
+        ended = loop.hand_token(live, item, deliveries)
         loop.hand_out(deliveries)
+        return live.rejoin and not ended
 
     def call(self, live: Live) -> int:
         assert live.solo_cache is not None

@@ -38,8 +38,8 @@ from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_
 
 if TYPE_CHECKING:
     from adapters.mlx.device import DeviceLoop
-    from adapters.mlx.rows import Live
     from adapters.mlx.draft_model import DraftModel
+    from adapters.mlx.rows import Live
 
 __all__ = ["Speculator"]
 
