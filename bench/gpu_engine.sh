@@ -20,6 +20,8 @@
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
 #                      stall it causes a decode node with 16 streams
 #   handoff-pull       the HTTP pull per request against a raw loopback socket
+#   essentials         one call's worth (~8 min): the allocator's memory under realish at 8 (does it
+#                      stay bounded?), vs-mlx-lm on the 1B shape, handoff-cost at concurrency 1
 #   memory-growth      the engine alone on realish at 8 with the allocator's memory traced: the
 #                      default, whole 2,048-token chunks, a bounded buffer cache, compile off
 set -u
@@ -149,18 +151,30 @@ case "${1:-vs-mlx-lm}" in
     # streamed handoffs into a decode node with 16 streams decoding.
     machine; model_1b
     timeout "${STREAM_LIMIT:-280}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
-      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=$NODE_KV --out "$OUT/stream.json" \
+      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/stream.json" \
       2>&1 | quiet | tail -12
     timeout "${STALL_LIMIT:-250}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 8000 \
-      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV \
+      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 \
       --out "$OUT/stream_stall.json" 2>&1 | quiet | tail -8
     ;;
   handoff-pull)
     # 128 / 2,000 / 8,000 tokens with 16 streams decoding on the decode node throughout.
     machine; model_1b
     timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff/handoff_http.py --model $M --lengths 128 2000 8000 \
-      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV \
+      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 \
       --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
+    ;;
+  essentials)
+    machine; model_1b
+    echo "== memory: the engine alone on realish at 8, default settings"
+    timeout 60 $PY bench/engine/engine_realish.py --model $M --concurrency 8 --seconds 14 --no-bare \
+      --memory-trace 4 2>&1 | grep -E "^memory|^\{|Error|error" | cut -c1-300 | tail -6
+    echo "== vs-mlx-lm, the 1B shape"
+    vs_mlx_lm $M 6 192 190 sbs
+    echo "== handoff-cost at concurrency 1 (2,000 and 8,000 tokens)"
+    timeout 200 $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
+      --rounds 2 --max-tokens 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/stream.json" \
+      2>&1 | quiet | tail -12
     ;;
   memory-growth)
     machine; model_1b

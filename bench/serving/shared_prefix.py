@@ -5,7 +5,10 @@ before chunks became 256-token blocks), one server at a time, the same client an
 
 - **System prompt**: --conversations first turns at once, each the same --system-tokens system
   prompt, then a user message of --user-tokens of its own; --answer-tokens greedy tokens each.
-  Prints the first turns' TTFT p50 and p99.
+  Prints the first turns' TTFT p50 and p99. With --rounds N, N rounds, each a new system prompt
+  (no server has seen it), the servers taking turns within a round, first in turn order in even
+  rounds and in reverse in odd ones: a busy box's load then weighs on each server alike, and the
+  per-round ratios show how much it moved.
 - **Document**: --documents rounds, each a new document of --document-tokens tokens asked one
   question (cold), then asked another (warm), one request at a time. Prints cold and warm TTFT
   p50 and the prompt tokens each warm request reports as cached (statecore reports them with
@@ -47,8 +50,10 @@ from benchlib import (
     start_all,
 )
 
-SERVERS = ("mlx_lm", "single", "single_nocache", "single_chunk2048", "single_chunk128", "single_chunk256")
+SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
+           "single_chunk256")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
+          "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
           "single_chunk256": ["--prefill-chunk-size=256"]}
 
@@ -72,10 +77,11 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
     return {"ttft_s": ttft, "cached_tokens": cached}
 
 
-async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str
-                            ) -> dict[str, Any]:
-    system = maker.make(args.system_tokens, random.Random("shared-prefix:system"))
-    prompts = [system + "\nUser: " + maker.make(args.user_tokens, random.Random(f"{name}:{i}"))
+async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str,
+                            round_: int = 0) -> dict[str, Any]:
+    salt = "" if round_ == 0 else f":{round_}"  # round 0's system prompt is the one earlier runs used
+    system = maker.make(args.system_tokens, random.Random(f"shared-prefix:system{salt}"))
+    prompts = [system + "\nUser: " + maker.make(args.user_tokens, random.Random(f"{name}{salt}:{i}"))
                + "\nAssistant:" for i in range(args.conversations)]
     async with httpx.AsyncClient(timeout=1200) as client:
         done = await asyncio.gather(*(one(client, url, p, args.answer_tokens) for p in prompts))
@@ -121,6 +127,7 @@ def main() -> int:
     parser.add_argument("--documents", type=int, default=3)
     parser.add_argument("--document-tokens", type=int, default=3700)
     parser.add_argument("--scenarios", default="system,document")
+    parser.add_argument("--rounds", type=int, default=1, help="system prompt: rounds, each a new prompt")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"], default="auto")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_prefix")
@@ -144,21 +151,31 @@ def main() -> int:
     try:
         start_all(servers, args.blas, args.startup_timeout, results)
         for scenario in args.scenarios.split(","):
-            for server in servers:  # one at a time, so they do not share the CPU
-                run = scenarios[scenario]
-                record = asyncio.run(run(server.url, maker, args, f"{scenario}:{server.name}"))
-                results.setdefault(scenario, {})[server.name] = record
-                print(f"{scenario} {server.name}: {json.dumps(record)}", flush=True)
-                (args.out / "results.json").write_text(json.dumps(results, indent=1))
+            rounds = args.rounds if scenario == "system" else 1
+            for round_ in range(rounds):
+                order = servers if round_ % 2 == 0 else servers[::-1]
+                for server in order:  # one at a time, so they do not share the CPU
+                    name = f"{scenario}:{server.name}"
+                    record = (asyncio.run(system_prompt_run(server.url, maker, args, name, round_))
+                              if scenario == "system" else asyncio.run(scenarios[scenario](server.url, maker,
+                                                                                           args, name)))
+                    record["at"] = time.strftime("%H:%M:%S")
+                    results.setdefault(scenario, {}).setdefault(server.name, []).append(record)
+                    print(f"{scenario} round {round_} {server.name}: {json.dumps(record)}", flush=True)
+                    (args.out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
         for server in servers:
             server.stop()
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
         for base in ("mlx_lm", "single_nocache"):
-            for name, record in got.items():
-                if name != base and base in got and got[base][key]:
-                    print(f"{scenario}: {name} / {base} {key}: {record[key] / got[base][key]:.2f}x")
+            for name, records in got.items():
+                if name == base or base not in got:
+                    continue
+                pairs = zip(records, got[base], strict=True)
+                ratios = [round(mine[key] / theirs[key], 2) for mine, theirs in pairs if theirs[key]]
+                print(f"{scenario}: {name} / {base} {key} by round: {ratios}, median "
+                      f"{statistics.median(ratios) if ratios else None}x")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -13,12 +13,10 @@ __all__ = [
     "grammar",
     "http",
     "kv",
-    "lockstep",
     "metrics",
     "mlx",
     "model_source",
     "serve",
-    "tensor_parallel",
     "tls",
     "tool_calls",
 ]

@@ -156,31 +156,30 @@ class PrefixIndex:
             count += 1
         return count
 
-    def add(self, key: bytes, parent: bytes | None, nbytes: int) -> list[Moved]:
+    def add(self, key: bytes, parent: bytes | None, nbytes: int, room: int | None = None) -> list[Moved]:
         """Put a block on the device (its parent, when it has one, must be there; a block held
         in the host pool is taken from it: its new arrays replace the old), then make room: the
         moves made, the block's own among them when it cannot stay (larger than the capacity,
-        or only its own prefix is left)."""
+        or only its own prefix is left). `room`: the most the device tier may grow by now, as in
+        `promote`."""
+        limit = self._limit(room)
         if key in self._device:
             self._device.move_to_end(key)
             return []
         if parent is not None and parent not in self._device:
             raise ValueError("a block is cached only after the block before it")
         if key in self._host:
-            block = self._host.pop(key)
-            self.host_nbytes -= block.nbytes
-            if parent is not None:
-                self._device[parent].host_children -= 1
+            block = self._retier(key, DEVICE)
+            self.nbytes += nbytes - block.nbytes
             block.nbytes = nbytes
         else:
-            block = _Block(parent, nbytes)
+            self._device[key] = _Block(parent, nbytes)
+            self.nbytes += nbytes
             self.version += 1
-        self._device[key] = block
-        self.nbytes += nbytes
-        if parent is not None:
-            self._device[parent].device_children += 1
-        moves = self.evict(self.nbytes - self.capacity_bytes, keep=key)
-        if self.nbytes > self.capacity_bytes:  # only its own prefix is left, and it does not fit
+            if parent is not None:
+                self._device[parent].device_children += 1
+        moves = self.evict(self.nbytes - limit, keep=key)
+        if self.nbytes > limit:  # only its own prefix is left, and it does not fit
             moves.extend(self._leave_device(key))
         return moves
 
@@ -210,28 +209,24 @@ class PrefixIndex:
             moves.append(self._forget(victim))
         return moves
 
-    def promote(self, keys: Sequence[bytes], start: int) -> list[Moved]:
+    def promote(self, keys: Sequence[bytes], start: int, room: int | None = None) -> list[Moved]:
         """Bring `keys`' host blocks from `start` on (those right after the device's) back to the
         device, in order, as far as they fit beside their own prefix; the moves made (each
-        promoted block's first, then what left the device for it)."""
+        promoted block's first, then what left the device for it). `room`: the most the device
+        tier may grow by now (what KV admission leaves free): beyond it, and beyond the capacity,
+        least recently used device blocks go to the host pool for them."""
+        limit = self._limit(room)
         moves: list[Moved] = []
         for key in keys[start:]:
             block = self._host.get(key)
             if block is None or (block.parent is not None and block.parent not in self._device):
                 break
             prefix_bytes = sum(self._device[k].nbytes for k in self._ancestors(block.parent))
-            if block.nbytes + prefix_bytes > self.capacity_bytes:
+            if block.nbytes + prefix_bytes > limit:
                 break  # not even beside its prefix alone: it stays where it is
-            del self._host[key]
-            self.host_nbytes -= block.nbytes
-            self._device[key] = block
-            self.nbytes += block.nbytes
-            if block.parent is not None:
-                parent = self._device[block.parent]
-                parent.host_children -= 1
-                parent.device_children += 1
+            self._retier(key, DEVICE)
             moves.append(Moved(key, DEVICE))
-            moves.extend(self.evict(self.nbytes - self.capacity_bytes, keep=key))
+            moves.extend(self.evict(self.nbytes - limit, keep=key))
         return moves
 
     def _leave_device(self, key: bytes) -> list[Moved]:
@@ -241,15 +236,27 @@ class PrefixIndex:
         block = self._device[key]
         if block.nbytes > self.host_capacity_bytes:
             return [*self._forget_extensions(key), self._forget(key)]
-        del self._device[key]
-        self.nbytes -= block.nbytes
-        self._host[key] = block
-        self.host_nbytes += block.nbytes
+        self._retier(key, HOST)
+        return [Moved(key, HOST), *self.evict_host(self.host_nbytes - self.host_capacity_bytes)]
+
+    def _limit(self, room: int | None) -> int:
+        """The device tier's bound for one operation: its capacity, and no more than `room` above
+        what it holds now (None: the capacity alone; a negative room counts as none)."""
+        return self.capacity_bytes if room is None else min(self.capacity_bytes, self.nbytes + max(0, room))
+
+    def _retier(self, key: bytes, to: Tier) -> _Block:
+        """Move a held block into the other tier, as its most recently used; its bytes and its
+        parent's counts of extensions (the parent is on the device either way) go with it."""
+        source, target = (self._host, self._device) if to == DEVICE else (self._device, self._host)
+        block = target[key] = source.pop(key)
+        step = block.nbytes if to == DEVICE else -block.nbytes
+        self.nbytes += step
+        self.host_nbytes -= step
         if block.parent is not None:
             parent = self._device[block.parent]
-            parent.device_children -= 1
-            parent.host_children += 1
-        return [Moved(key, HOST), *self.evict_host(self.host_nbytes - self.host_capacity_bytes)]
+            parent.device_children += 1 if to == DEVICE else -1
+            parent.host_children -= 1 if to == DEVICE else -1
+        return block
 
     def _forget_extensions(self, key: bytes) -> list[Moved]:
         """Forget every host block that extends `key` (deepest first)."""

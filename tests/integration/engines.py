@@ -1,15 +1,20 @@
 """Opening and closing a real `MlxEngine` in a test, each under a deadline: a tiny model loads
 and closes in seconds, so an engine that hangs (a device thread that never answers) fails its
-test here, at once and saying so, instead of running into the per-test timeout."""
+test here, at once and saying so, instead of running into the per-test timeout. Also a test's
+set of engines closed at its end, and one request served whole with what a parity check compares."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from adapters.mlx import MlxEngine
+from effects.engine_port import SamplingParams
+from statecore.ids import RequestId
 
 ENGINE_DEADLINE_S = 120.0  # generous: a loaded 2-core machine compiles and loads slowly
 
@@ -22,3 +27,31 @@ async def load_engine(model_dir: Path, **kw: Any) -> MlxEngine:
 async def close_engine(engine: MlxEngine) -> None:
     with trio.fail_after(ENGINE_DEADLINE_S):
         await engine.aclose()
+
+
+@asynccontextmanager
+async def opened_engines() -> AsyncIterator[list[MlxEngine]]:
+    """A list to append a test's engines to (`load_into`); each is closed on the way out."""
+    opened: list[MlxEngine] = []
+    try:
+        yield opened
+    finally:
+        for engine in opened:
+            await close_engine(engine)
+
+
+async def load_into(opened: list[MlxEngine], model_dir: Path, **kw: Any) -> MlxEngine:
+    engine = await load_engine(model_dir, **kw)
+    opened.append(engine)
+    return engine
+
+
+async def served_whole(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: SamplingParams
+                       ) -> tuple[int, int, bytes, list[int]]:
+    """(first token, cached tokens, the held KV's wire bytes, every token) of one request, prefilled
+    and decoded on `engine`."""
+    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
+    held = (await engine.export_held(RequestId(rid))).joined()
+    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
+    tokens = [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
+    return outcome.first_token, outcome.cached_tokens, held, tokens

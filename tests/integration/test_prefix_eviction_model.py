@@ -237,8 +237,11 @@ class Program:
             await self._changed.wait()
 
     def check_cache(self) -> None:
-        kept = self.engines.cached.statistics().prefix_cache_bytes
+        stats = self.engines.cached.statistics()
+        kept = stats.prefix_cache_bytes
         assert kept <= self.engines.capacity and kept % self.engines.block == 0, kept
+        # blocks coming back from the host tier never take what KV admission gave requests
+        assert kept + stats.kv_reserved_bytes <= stats.kv_budget_bytes, stats
 
     async def request(self, index: int, start: Start) -> None:
         engine = self.engines.cached

@@ -8,7 +8,7 @@ the CPU backend (unified memory: the host is the device).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from adapters.mlx.prefix_cache import _to_device, _to_host
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import load_into, opened_engines, served_whole
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=10)
@@ -33,26 +33,15 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[list[MlxEngine]]:
-    opened: list[MlxEngine] = []
-    yield opened
-    for engine in opened:
-        await close_engine(engine)
+    async with opened_engines() as opened:
+        yield opened
 
 
 async def load(opened: list[MlxEngine], path: Path, **kw: Any) -> MlxEngine:
-    engine = await load_engine(path, prefill_chunk_size=CHUNK, **kw)
-    opened.append(engine)
-    return engine
+    return await load_into(opened, path, prefill_chunk_size=CHUNK, **kw)
 
 
-async def served(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: SamplingParams
-                 ) -> tuple[int, int, bytes, list[int]]:
-    """(first token, cached tokens, the held KV's wire bytes, every token) of one request."""
-    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
-    held = (await engine.export_held(RequestId(rid))).joined()
-    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    tokens = [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
-    return outcome.first_token, outcome.cached_tokens, held, tokens
+served = served_whole
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -121,3 +110,40 @@ def test_a_block_s_bytes_survive_the_trip_to_the_host_and_back(dtype: mx.Dtype) 
     back = _to_device(_to_host(array))
     assert back.dtype == dtype and back.shape == array.shape
     assert back.view(mx.uint8).tolist() == array.view(mx.uint8).tolist()
+
+
+async def test_blocks_come_back_only_into_the_memory_kv_admission_leaves(engines: list[MlxEngine]) -> None:
+    """A prefill node (no slot pool) holding one prompt's cache for its handoff: a second prompt
+    finds its document's four blocks in the host pool but the budget, less both reservations,
+    leaves room for two and a half: two come back, the other two are computed (the same bits)."""
+    path = cached_checkpoint("llama")
+    fresh = await load(engines, path, prefix_cache_bytes=0)
+    probe = await load(engines, path, prefix_cache_bytes=1 << 30, decodes_locally=False)
+    document = prompt_of(4 * CHUNK + 5)
+    await probe.prefill(RequestId("measure"), document, GREEDY)
+    await probe.release_held(RequestId("measure"))
+    block = probe.statistics().prefix_cache_bytes // 4
+    other, question = prompt_of(4 * CHUNK + 5, salt=9), [*document[: 4 * CHUNK], *prompt_of(9, salt=3)]
+    cost = probe._device.cost
+    budget = cost.of(len(other)) + cost.of(len(question)) + 2 * block + block // 2
+    tiered = await load(engines, path, prefix_cache_bytes=8 * block, prefix_host_bytes=16 * block,
+                        prefix_host_pull="always", decodes_locally=False, kv_memory_bytes=budget,
+                        prefill_memory_cap="off")
+    assert tiered._device.pool_reserved == 0
+    await tiered.prefill(RequestId("document"), document, GREEDY)
+    await tiered.release_held(RequestId("document"))
+    await tiered.prefill(RequestId("other"), other, GREEDY)  # held: its reservation stays
+    await tiered.evict_prefixes(budget)  # every kept block into the host pool
+    assert tiered.statistics().prefix_host_bytes == 8 * block
+
+    outcome = await tiered.prefill(RequestId("question"), question, GREEDY)
+    assert outcome.cached_tokens == 2 * CHUNK
+    assert tiered.statistics().prefix_host_back == 2
+    held = (await tiered.export_held(RequestId("question"))).joined()
+    alone = await fresh.prefill(RequestId("question"), question, GREEDY)
+    assert outcome.first_token == alone.first_token
+    assert held == (await fresh.export_held(RequestId("question"))).joined()
+    stats = tiered.statistics()
+    assert stats.prefix_cache_bytes + stats.kv_reserved_bytes <= budget  # kept blocks stayed in the room too
+    for engine, rid in ((tiered, "other"), (tiered, "question"), (fresh, "question")):
+        await engine.release_held(RequestId(rid))

@@ -31,7 +31,7 @@ from effects.prefix_pull import PrefixPuller
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import load_into, opened_engines, served_whole
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=12)
@@ -44,27 +44,17 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 @pytest.fixture
 async def engines() -> AsyncIterator[list[MlxEngine]]:
-    opened: list[MlxEngine] = []
-    yield opened
-    for engine in opened:
-        await close_engine(engine)
+    async with opened_engines() as opened:
+        yield opened
 
 
 async def load(opened: list[MlxEngine], path: Path, **kw: Any) -> MlxEngine:
-    kw.setdefault("prefill_chunk_size", CHUNK)
-    engine = await load_engine(path, **kw)
-    opened.append(engine)
-    return engine
+    return await load_into(opened, path, **{"prefill_chunk_size": CHUNK, **kw})
 
 
 async def prefilled(engine: MlxEngine, rid: str, prompt: Sequence[int],
                     sampling: SamplingParams = GREEDY) -> tuple[int, int, bytes, list[int]]:
-    """(first token, cached tokens, the held KV's wire bytes, every token) of one request."""
-    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
-    held = (await engine.export_held(RequestId(rid))).joined()
-    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    tokens = [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
-    return outcome.first_token, outcome.cached_tokens, held, tokens
+    return await served_whole(engine, rid, prompt, sampling)
 
 
 async def test_imported_prefix_blocks_are_reused_and_give_a_cache_less_engine_s_numbers(

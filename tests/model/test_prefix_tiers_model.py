@@ -80,9 +80,12 @@ class TieredIndex(RuleBasedStateMachine):
     def extended_on(self, key: bytes, tier: Tier) -> bool:
         return any(self.parents[k] == key and t == tier for k, t in self.tiers.items())
 
-    def replay(self, moves: list[Moved], asked: int = 0, own: bytes | None = None) -> None:
+    def replay(self, moves: list[Moved], asked: int = 0, own: bytes | None = None,
+               limit: int | None = None) -> None:
         """Apply the index's moves to the mirror, checking each is the one LRU says. `own`: the
-        block just added, which may leave last, when nothing but its own prefix is left."""
+        block just added, which may leave last, when nothing but its own prefix is left; `limit`:
+        the device tier's bound in this operation (default its capacity)."""
+        limit = self.index.capacity_bytes if limit is None else limit
         device_bytes = sum(self.sizes[k] for k, t in self.tiers.items() if t == DEVICE)
         freed = 0
         for at, moved in enumerate(moves):
@@ -94,7 +97,7 @@ class TieredIndex(RuleBasedStateMachine):
                 if eligible or moved.key != own:
                     assert eligible and moved.key == eligible[0], (moved, eligible)
                 # only while over capacity or short of what was asked
-                assert device_bytes - freed > self.index.capacity_bytes or freed < asked, moved
+                assert device_bytes - freed > limit or freed < asked, moved
                 freed += self.sizes[moved.key]
             if old == HOST and moved.to is None:
                 leaves = [k for k in self.recent[HOST] if not self.extended_on(k, HOST)]
@@ -116,9 +119,11 @@ class TieredIndex(RuleBasedStateMachine):
 
     # -- the rules ----------------------------------------------------------------------------
 
-    @rule(prompt=st.integers(0, len(PROMPTS) - 1), depth=st.integers(1, 6), size=st.integers(10, 70))
-    def keep(self, prompt: int, depth: int, size: int) -> None:
-        """A prompt's first `depth` blocks are built: each kept on the device if it is not."""
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), depth=st.integers(1, 6), size=st.integers(10, 70),
+          room=st.none() | st.integers(0, 150))
+    def keep(self, prompt: int, depth: int, size: int, room: int | None) -> None:
+        """A prompt's first `depth` blocks are built: each kept on the device if it is not, the
+        device tier growing by `room` at most (what KV admission leaves; None: the capacity)."""
         keys = PROMPTS[prompt][:depth]
         for i, key in enumerate(keys):
             parent = keys[i - 1] if i else None
@@ -128,15 +133,20 @@ class TieredIndex(RuleBasedStateMachine):
                 break
             self.protected = self.ancestors(parent) | {key}
             device_before = sum(self.sizes[k] for k, t in self.tiers.items() if t == DEVICE)
-            moves = self.index.add(key, parent, size)
-            assert device_before + size > self.index.capacity_bytes or not moves, moves
+            limit = self.index.capacity_bytes if room is None else min(self.index.capacity_bytes,
+                                                                       device_before + room)
+            moves = self.index.add(key, parent, size, room)
+            assert device_before + size > limit or not moves, moves
             self.sizes[key], self.parents[key] = size, parent
             self.place(key, DEVICE)
-            self.replay(moves, own=key)
+            self.replay(moves, own=key, limit=limit)
+            assert self.index.nbytes <= max(device_before, limit)
 
-    @rule(prompt=st.integers(0, len(PROMPTS) - 1))
-    def request(self, prompt: int) -> None:
-        """A request looks its prompt up and takes its host blocks back; it starts from the device's."""
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), room=st.none() | st.integers(0, 150))
+    def request(self, prompt: int, room: int | None) -> None:
+        """A request looks its prompt up and takes its host blocks back, the device tier growing by
+        `room` at most (what KV admission leaves; None: the capacity alone); it starts from the
+        device's blocks."""
         keys = PROMPTS[prompt]
         count = self.index.cached(keys)
         for key in keys[:count]:
@@ -147,11 +157,14 @@ class TieredIndex(RuleBasedStateMachine):
         if not on_host:
             return
         self.protected = self.ancestors(keys[count - 1]) if count else set()
-        moves = self.index.promote(keys, count)
+        before = self.index.nbytes
+        limit = self.index.capacity_bytes if room is None else min(self.index.capacity_bytes, before + room)
+        moves = self.index.promote(keys, count, room)
         for moved in moves:
             if moved.to == DEVICE:
                 self.protected.add(moved.key)  # what it brought back stays for the request
-            self.replay([moved])
+            self.replay([moved], limit=limit)
+        assert self.index.nbytes <= max(before, limit)
         now = self.index.cached(keys)
         back = sum(1 for m in moves if m.to == DEVICE)
         assert now == count + back, (count, back, now)

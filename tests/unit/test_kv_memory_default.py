@@ -77,3 +77,11 @@ def test_an_out_of_memory_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -
         assert advice is not None and "--kv-memory-bytes" in advice and "51.0 GiB" in advice, advice
     assert memory.out_of_memory_advice(RuntimeError("shapes do not broadcast"), GIB) is None
     assert memory.out_of_memory_advice(MemoryError(), GIB) is None  # the host's, not the device's
+
+
+def test_processes_sharing_a_device_bound_their_allocators(monkeypatch: pytest.MonkeyPatch) -> None:
+    describe_device(monkeypatch, {"total_memory": 80 * GIB})
+    limits: list[int] = []
+    monkeypatch.setattr(memory.mx, "set_memory_limit", lambda limit: limits.append(limit) or 0)
+    assert memory.share_the_device(1) is None and limits == []  # alone: MLX's default stays
+    assert memory.share_the_device(2) == limits[-1] == int(80 * GIB * memory.ALLOCATOR_FRACTION) // 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters import lockstep
+from adapters.mlx import lockstep
 from effects.engine_port import SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=9, temperature=0.7, seed=3, xtc_special_tokens=(1, 2),

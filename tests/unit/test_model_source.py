@@ -73,15 +73,15 @@ def test_the_cli_serves_a_cached_repo_under_its_repo_id(tmp_path: Path, offline:
     read by huggingface_hub at import, so the test points its constant there)."""
     import argparse
 
-    from adapters.serve.flags import _resolve_model
+    from adapters.serve.flags import resolve_model_flag
 
     snapshot = fake_hub_cache(tmp_path, "mlx-community/statecore-demo")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     args = argparse.Namespace(model=Path("mlx-community/statecore-demo"))
-    _resolve_model(args)
+    resolve_model_flag(args)
     assert args.model == snapshot
     assert args.served_model_name == "mlx-community/statecore-demo"
     assert str(args.model_given) == "mlx-community/statecore-demo"
     missing = argparse.Namespace(model=Path("mlx-community/absent"))
     with pytest.raises(SystemExit, match=r"^statecore: mlx-community/absent is not in the Hugging Face"):
-        _resolve_model(missing)
+        resolve_model_flag(missing)

@@ -3,12 +3,14 @@ crash), and the flags a local cluster hands on to its children."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from adapters.cli import build_parser
 from adapters.http.api_keys import keys_from
-from adapters.serve.cluster import _forwarded_serving_flags, shared_device_flags
-from adapters.serve.flags import _resolve_api_keys
+from adapters.serve.cluster import _forwarded_serving_flags, engine_gpus, shared_device_flags
+from adapters.serve.flags import resolve_api_keys
 from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval, engine_options
 
 
@@ -80,17 +82,17 @@ def test_api_keys_come_from_the_flags_and_the_environment(monkeypatch: pytest.Mo
     assert keys_from([], None) == ()
     monkeypatch.setenv("STATECORE_API_KEY", "from-env")
     args = build_parser().parse_args(["run", "--api-key", "k1", "--api-key-protects", "health"])
-    _resolve_api_keys(args)
+    resolve_api_keys(args)
     assert args.api_keys.keys == ("k1", "from-env") and args.api_keys.protects == {"health"}
     monkeypatch.setenv("STATECORE_API_KEY", "bad key")
     with pytest.raises(SystemExit, match="STATECORE_API_KEY: an API key must be printable"):
-        _resolve_api_keys(build_parser().parse_args(["run"]))
+        resolve_api_keys(build_parser().parse_args(["run"]))
     monkeypatch.delenv("STATECORE_API_KEY")
     args = build_parser().parse_args(["run"])
-    _resolve_api_keys(args)
+    resolve_api_keys(args)
     assert args.api_keys is None  # no key: the public API is open
     with pytest.raises(SystemExit, match="--api-key-protects needs --api-key"):
-        _resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))
+        resolve_api_keys(build_parser().parse_args(["run", "--api-key-protects", "metrics"]))
 
 
 @pytest.mark.parametrize(("given", "engine_gets"), [([], None), (["--preallocate-slots", "on"], True),
@@ -104,7 +106,26 @@ def test_the_memory_flags_reach_the_engine(given: list[str], engine_gets: bool |
 
 def test_a_local_cluster_tells_its_engine_nodes_they_share_one_device() -> None:
     default = build_parser().parse_args(["run"])
-    assert shared_device_flags(default) == ["--device-shared-by", "2"]
+    assert shared_device_flags(default, None) == ["--device-shared-by", "2"]
+    assert shared_device_flags(default, ("0", "1")) == []  # a GPU each: nothing shared
     given = build_parser().parse_args(["run", "--device-shared-by", "4"])
-    assert shared_device_flags(given) == []  # forwarded as given instead
+    assert shared_device_flags(given, None) == []  # forwarded as given instead
     assert _forwarded_serving_flags(given, "decode") == ["--device-shared-by", "4"]
+
+
+def fake_nvidia_smi(tmp_path: Path, listing: str) -> dict[str, str]:
+    """A PATH whose only `nvidia-smi` prints `listing` (what `--query-gpu=index` prints)."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+    tool.chmod(0o755)
+    return {"PATH": str(tmp_path)}
+
+
+def test_a_local_cluster_puts_its_engine_nodes_on_a_gpu_each_where_there_are_two(tmp_path: Path) -> None:
+    assert engine_gpus(fake_nvidia_smi(tmp_path, "0\\n1\\n2\\n"), cuda_backend=True) == ("0", "1")
+    assert engine_gpus(fake_nvidia_smi(tmp_path, "0\\n"), cuda_backend=True) is None
+    assert engine_gpus({"PATH": str(tmp_path / "none")}, cuda_backend=True) is None
+    assert engine_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}, cuda_backend=True) == ("3", "5")
+    assert engine_gpus({"CUDA_VISIBLE_DEVICES": "3"}, cuda_backend=True) is None
+    # MLX on the CPU (or Metal) computes on one device whatever GPUs the machine has
+    assert engine_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}, cuda_backend=False) is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adapters.tensor_parallel import heartbeat_s, mlx_launch_argv
+from adapters.serve.tensor_parallel import heartbeat_s, mlx_launch_argv
 
 
 def test_the_command_reaches_every_host_without_the_hostfile_after_a_separator() -> None:

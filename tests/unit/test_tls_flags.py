@@ -39,7 +39,7 @@ def refusal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     def went_on(args: object) -> None:
         raise AssertionError(f"statecore run {' '.join(argv)} went on to resolve the model")
 
-    monkeypatch.setattr("adapters.serve.command._resolve_model", went_on)
+    monkeypatch.setattr("adapters.serve.command.resolve_model_flag", went_on)
     with pytest.raises(SystemExit) as stopped:
         main(["run", *argv])
     said = str(stopped.value.code)

@@ -388,7 +388,7 @@ class DeviceLoop:
         self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
-                                      s.prefix_host_pull)
+                                      s.prefix_host_pull, room=self.prefix_room)
         if s.speculative != "off":
             self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                          self.draft_model)
@@ -449,6 +449,12 @@ class DeviceLoop:
                 f"bytes); this one needs {need:,}: try again shortly",
             ))
         self.reserved[request_id] = need
+
+    def prefix_room(self) -> int:
+        """What the KV budget leaves beside requests' reservations, the slot pool's share and the
+        kept prefix blocks: the most host blocks coming back may add (adapters.mlx.prefix_cache)."""
+        kept = 0 if self.prefix is None else self.prefix.nbytes
+        return self.settings.kv_memory_bytes - self.reserved_bytes - self.pool_reserved - kept
 
     def prefill_reservation(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
         """(bytes, tokens) a new prompt reserves: its own cache, and on a node that decodes it,

@@ -47,7 +47,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from adapters import lockstep
+from adapters.mlx import lockstep
 from adapters.mlx.device import DeviceLoop, InjectedCrash, Settings
 from adapters.mlx.jobs import Crash, Job, Stop
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error

@@ -30,9 +30,9 @@ import trio
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from adapters import lockstep
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
+from adapters.mlx import lockstep
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Settings, SlowStep
@@ -55,6 +55,7 @@ from adapters.mlx.memory import (
     measure_kv_cost,
     out_of_memory_advice,
     parameter_bytes,
+    share_the_device,
     state_bytes,
 )
 from adapters.mlx.prefill import (
@@ -301,6 +302,7 @@ class MlxEngine:
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
         if device_shared_by < 1:
             raise StatecoreError(client_error("device_shared_by must be >= 1"))
+        share_the_device(device_shared_by)
         memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
                   else kv_memory_bytes)
         if memory < 1:

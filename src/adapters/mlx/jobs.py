@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from adapters.lockstep import Command
+from adapters.mlx.lockstep import Command
 from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 

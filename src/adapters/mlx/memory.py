@@ -33,6 +33,7 @@ __all__ = [
     "default_kv_memory_bytes",
     "device_memory_bytes",
     "out_of_memory_advice",
+    "share_the_device",
     "measure_kv_cost",
     "model_shape",
     "parameter_bytes",
@@ -45,6 +46,7 @@ DEFAULT_KV_MEMORY_FRACTION = 0.4
 # Of the device's memory, what weights and KV may take together by default: MLX's CUDA allocator
 # starts giving its cache back at 80 %, and a step's activations need the rest.
 DEVICE_USABLE_FRACTION = 0.7
+ALLOCATOR_FRACTION = 0.8  # MLX's CUDA allocator's own default limit, as a share of the device
 MIN_DEFAULT_KV_MEMORY_BYTES = 256 << 20
 _PROBE_LENGTHS = (8, 24)
 
@@ -88,6 +90,19 @@ def default_kv_memory_bytes(model_dir: Path | None = None, shared_by: int = 1) -
     weights = 0 if model_dir is None else sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     left = int(total * DEVICE_USABLE_FRACTION) - shared_by * weights
     return max(MIN_DEFAULT_KV_MEMORY_BYTES, min(int(total * DEFAULT_KV_MEMORY_FRACTION), left) // shared_by)
+
+
+def share_the_device(shared_by: int) -> int | None:
+    """With `shared_by` engine processes on one device, bound this process's MLX allocator (the
+    memory above which it gives its cache of freed buffers back) to its share: MLX's own limit
+    is a share of the whole device per process (80 % on CUDA), so two processes' caches could
+    together take more than the device has. Returns the limit set (None: one process, MLX's
+    default kept)."""
+    if shared_by <= 1:
+        return None
+    limit = int(device_memory_bytes() * ALLOCATOR_FRACTION) // shared_by
+    mx.set_memory_limit(limit)
+    return limit
 
 
 def out_of_memory_advice(exc: BaseException, kv_memory_bytes: int) -> str | None:

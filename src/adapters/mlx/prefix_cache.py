@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -74,11 +74,17 @@ def _to_device(held: _HostArray) -> Any:
 
 class PrefixCache:
     def __init__(self, chunk_size: int, capacity_bytes: int, host_bytes: int = 0,
-                 host_pull: str = "auto", rates: PullRates | None = None) -> None:
+                 host_pull: str = "auto", rates: PullRates | None = None,
+                 room: Callable[[], int] | None = None) -> None:
+        """`room`: the device bytes KV admission leaves free beside the kept blocks now (the
+        device loop's budget less what requests reserved, the slot pool and the blocks): blocks
+        kept or coming back from the host never take more; older blocks leave the device for
+        them (None: only the capacity bounds them)."""
         if host_pull not in HOST_PULL_MODES:
             raise ValueError(f"host_pull must be one of {', '.join(HOST_PULL_MODES)}, not {host_pull!r}")
         self.chunk_size = chunk_size
         self.host_pull = host_pull
+        self.room = room
         self.index = PrefixIndex(capacity_bytes, host_bytes)
         self._blocks: dict[bytes, list[tuple[Any, Any]]] = {}  # device: key -> per layer (keys, values)
         self._host: dict[bytes, list[tuple[_HostArray, _HostArray]]] = {}  # the host pool's copies
@@ -106,7 +112,7 @@ class PrefixCache:
     def emptied(self) -> PrefixCache:
         """A new, empty cache of the same sizes (the measured rates kept: they are the node's)."""
         return PrefixCache(self.chunk_size, self.index.capacity_bytes, self.index.host_capacity_bytes,
-                           self.host_pull, self.rates)
+                           self.host_pull, self.rates, self.room)
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
@@ -124,7 +130,7 @@ class PrefixCache:
         on_host = self.index.on_host(keys, count)
         if on_host:
             if self._host_pays(count, on_host):
-                self._apply(self.index.promote(keys, count))
+                self._apply(self.index.promote(keys, count, self._room()))
                 count = self.index.cached(keys)
             elif counted:
                 self.host_declined += 1
@@ -159,7 +165,7 @@ class PrefixCache:
         self.rates = self.rates.held(nbytes, self.chunk_size)
         self._host.pop(keys[chunk], None)
         self._blocks[keys[chunk]] = block
-        self._apply(self.index.add(keys[chunk], parent, nbytes))
+        self._apply(self.index.add(keys[chunk], parent, nbytes, self._room()))
         if keys[chunk] not in self._blocks:
             return []
         return [array for pair in block for array in pair]
@@ -195,6 +201,9 @@ class PrefixCache:
                 self.host_forgotten += 1
         if copied:  # the copies back, timed with whatever left the device for them
             self.rates = self.rates.pulled(copied, 0.0, time.perf_counter() - started)
+
+    def _room(self) -> int | None:
+        return None if self.room is None else self.room()
 
     def _host_pays(self, device_blocks: int, host_blocks: int) -> bool:
         if self.host_pull != "auto":

@@ -15,4 +15,5 @@ __all__ = [
     "listeners",
     "logs",
     "node",
+    "tensor_parallel",
 ]

@@ -7,8 +7,10 @@ with the TLS flags) and prints the start-up banner. This module may import anyth
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -29,8 +31,8 @@ from adapters.serve.flags import (
     handoff_rule,
     roles_reading,
 )
-from adapters.serve.listeners import _listener_for, bind_or_exit, listener_url
-from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, _blas_words
+from adapters.serve.listeners import bind_or_exit, listener_for, listener_url
+from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, blas_words
 from adapters.tls import TlsFiles, certificate_refused, client_context
 
 
@@ -90,10 +92,41 @@ def _forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) 
     return flags
 
 
-def shared_device_flags(args: argparse.Namespace) -> list[str]:
-    """Both engine nodes of a local cluster run on this machine's one device: each takes half of
-    a default KV budget, unless the user said how many share it (then it is forwarded as given)."""
-    return ["--device-shared-by", "2"] if args.device_shared_by == 1 else []
+def shared_device_flags(args: argparse.Namespace, gpus: tuple[str, str] | None) -> list[str]:
+    """Both engine nodes of a local cluster on this machine's one device (no `gpus` of their own):
+    each takes half of a default KV budget, unless the user said how many share it (then it is
+    forwarded as given)."""
+    return ["--device-shared-by", "2"] if args.device_shared_by == 1 and gpus is None else []
+
+
+def engine_gpus(env: Mapping[str, str], cuda_backend: bool) -> tuple[str, str] | None:
+    """A GPU each for the prefill and the decode node (as CUDA names them), when MLX computes on
+    CUDA here and two or more are visible: the first two of CUDA_VISIBLE_DEVICES when it is set,
+    else of what `nvidia-smi` lists. Disaggregation is for separate devices: two nodes on one GPU
+    share its compute and memory. None: one device for both (one GPU, Apple silicon, the CPU)."""
+    if not cuda_backend:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    else:
+        smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+        if smi is None:
+            return None
+        try:
+            listed = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                    text=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        ids = listed.stdout.split() if listed.returncode == 0 else []
+    return (ids[0], ids[1]) if len(ids) >= 2 else None
+
+
+def mlx_computes_on_cuda() -> bool:
+    """Whether the installed MLX is its CUDA build (the `mlx-cuda-*` distribution), asked of the
+    package metadata: importing MLX here would open a CUDA context in this parent process."""
+    return any((dist.metadata["Name"] or "").lower().replace("_", "-").startswith("mlx-cuda")
+               for dist in importlib.metadata.distributions())
 
 
 HANDOFF_PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an "
@@ -122,7 +155,7 @@ def _banner(router: str, urls: dict[str, str], model: str, threshold: int | None
     key = "-H 'Authorization: Bearer <your API key>' " if keyed else ""
     key += f"--cacert {cacert} " if cacert and router.startswith("https://") else ""
     rule = "" if threshold is None else f"Routing: {handoff_rule(threshold)}.\n"
-    rule += f"MLX computes with {_blas_words(blas)}.\n"
+    rule += f"MLX computes with {blas_words(blas)}.\n"
     return (f"\nstatecore cluster ready: router {router}  (prefill {urls['prefill']}, "
             f"decode {urls['decode']})\n{rule}\nTry (a prompt long enough to go through the "
             f"prefill node):\n  curl -s {router}/v1/chat/completions "
@@ -142,7 +175,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # end up on different BLAS (it also fails here, once, when OpenBLAS is asked for but missing).
     blas = apply_blas_choice(args.blas, may_reexec=False)
     engine_flags = ["--model", model]
-    engine_flags += shared_device_flags(args)
+    gpus = engine_gpus(os.environ, mlx_computes_on_cuda())
+    engine_flags += shared_device_flags(args, gpus)
     if blas in ("openblas", "bundled"):
         engine_flags += ["--blas", blas]
     if args.trust_remote_code:
@@ -156,7 +190,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         child_env[API_KEY_ENV] = ",".join(keys.keys)  # the router's (the engine nodes ignore it)
     router_health = ({"Authorization": f"Bearer {keys.keys[0]}"}
                      if keys is not None and "health" in keys.protects else None)
-    sockets = {"router": _listener_for(args)}
+    sockets = {"router": listener_for(args)}
     try:
         sockets["prefill"] = bind_or_exit("127.0.0.1", args.prefill_port, "--prefill-port")
         sockets["decode"] = bind_or_exit("127.0.0.1", args.decode_port, "--decode-port")
@@ -179,8 +213,11 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     def start(role: str, flags: list[str]) -> None:
         sock = sockets[role]
+        env = child_env
+        if gpus is not None and role != "router":
+            env = {**child_env, "CUDA_VISIBLE_DEVICES": gpus[0] if role == "prefill" else gpus[1]}
         children[role] = subprocess.Popen([*base, "--role", role, "--listen-fd", str(sock.fileno()), *flags],
-                                          pass_fds=(sock.fileno(),), env=child_env, process_group=0)
+                                          pass_fds=(sock.fileno(),), env=env, process_group=0)
         sock.close()  # the child holds it now
 
     def wait_healthy_or_stop(role: str, timeout_s: float) -> bool:
@@ -200,7 +237,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         for role in ("prefill", "decode"):
             start(role, [*engine_flags, *_forwarded_serving_flags(args, role)])
-        print("statecore: starting prefill and decode nodes ...", flush=True)
+        placement = "" if gpus is None else f" (prefill on GPU {gpus[0]}, decode on GPU {gpus[1]})"
+        print(f"statecore: starting prefill and decode nodes{placement} ...", flush=True)
         if all(wait_healthy_or_stop(role, 600) for role in ("prefill", "decode")):
             start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
                              *_forwarded_serving_flags(args, "router")])

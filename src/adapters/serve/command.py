@@ -14,8 +14,8 @@ import trio
 
 from adapters.blas import apply_blas_choice
 from adapters.serve.cluster import run_cluster
-from adapters.serve.flags import _resolve_api_keys, _resolve_model, _resolve_tls, role_words
-from adapters.serve.listeners import _listener_for
+from adapters.serve.flags import resolve_api_keys, resolve_model_flag, resolve_tls, role_words
+from adapters.serve.listeners import listener_for
 from adapters.serve.logs import setup_logging
 from adapters.serve.node import hold_stop_signals, run_engine_node, run_router
 
@@ -46,21 +46,21 @@ def _run_role(args: argparse.Namespace) -> int:
     setup_logging(args, role)
     for line in getattr(args, "other_role_flags", []):
         log.warning("%s", line)
-    _resolve_tls(args)
-    _resolve_model(args)
-    _resolve_api_keys(args)
+    resolve_tls(args)
+    resolve_model_flag(args)
+    resolve_api_keys(args)
     if role == "cluster":
         return run_cluster(args)
     if role == "router":
         hold_stop_signals()
-        return trio.run(run_router, args, _listener_for(args))
+        return trio.run(run_router, args, listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
     if args.tensor_parallel > 1 or args.pipeline_parallel > 1:
-        from adapters.tensor_parallel import run_tensor_parallel
+        from adapters.serve.tensor_parallel import run_tensor_parallel
 
         return _exit_now(run_tensor_parallel(args, role))
     hold_stop_signals()
-    return _exit_now(trio.run(run_engine_node, args, role, _listener_for(args)))
+    return _exit_now(trio.run(run_engine_node, args, role, listener_for(args)))
 
 
 def _exit_now(code: int) -> int:

@@ -349,8 +349,9 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "(default auto)")
     memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
                         help="engine nodes: how many engine nodes share this node's device; the default "
-                             "--kv-memory-bytes is divided among them (`statecore run` passes 2 to its "
-                             "prefill and decode nodes) (default 1)")
+                             "--kv-memory-bytes and MLX's allocator limit are divided among them "
+                             "(`statecore run` passes 2 to its prefill and decode nodes on one device) "
+                             "(default 1)")
     memory.add_argument("--prefill-memory-cap", default="auto", choices=("auto", "on", "off"),
                         help="engine nodes: cap each step's prefill work so that the KV held and reserved "
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "
@@ -444,7 +445,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
 
 
 
-def _resolve_model(args: argparse.Namespace) -> None:
+def resolve_model_flag(args: argparse.Namespace) -> None:
     """`--model` as a directory (a Hugging Face repo id is fetched from the cache or the hub);
     `args.model_given` keeps what the user typed (a local cluster passes it on to its children,
     which find it in the cache), `args.served_model_name` the name clients use for it."""
@@ -460,7 +461,7 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.served_model_name = source.served_name
 
 
-def _resolve_api_keys(args: argparse.Namespace) -> None:
+def resolve_api_keys(args: argparse.Namespace) -> None:
     """`args.api_keys`: every --api-key and STATECORE_API_KEY key with what they protect, or None
     (no key: the public API is open); refused before anything loads when it makes no sense."""
     try:
@@ -472,7 +473,7 @@ def _resolve_api_keys(args: argparse.Namespace) -> None:
         raise SystemExit(f"statecore: --api-key-protects needs --api-key (or {API_KEY_ENV})")
     args.api_keys = ApiKeys(keys, protects) if keys else None
 
-def _resolve_tls(args: argparse.Namespace) -> None:
+def resolve_tls(args: argparse.Namespace) -> None:
     """`args.tls`: the checked TLS files (`adapters.tls.tls_files`); refused with one line, before
     anything loads, when they cannot work."""
     try:

@@ -35,7 +35,7 @@ def listener_url(sock: socket.socket, *, https: bool = False) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def _listener_for(args: argparse.Namespace) -> socket.socket:
+def listener_for(args: argparse.Namespace) -> socket.socket:
     """The socket this node serves on: the inherited one, or --host:--port bound now, before
     anything slow, so that a port in use is one clear line instead of a traceback after loading."""
     if args.listen_fd is not None:

@@ -211,7 +211,7 @@ def exposure_warning(listener: socket.socket, token: str | None, role: str) -> s
             "node and the router, or bind to 127.0.0.1")
 
 
-def _blas_words(blas: str) -> str:
+def blas_words(blas: str) -> str:
     """What MLX computes with, for the start-up lines."""
     return {"openblas": "the system OpenBLAS", "bundled": "MLX's bundled reference BLAS (slow; "
             "apt-get install libopenblas0 for ~10x faster prefill)", "accelerate": "Accelerate",
@@ -258,7 +258,7 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
                           tensor: Any = None) -> int:
-    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.tensor_parallel)."""
+    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.serve.tensor_parallel)."""
     from adapters.mlx import MlxEngine
 
     faults = Faults.parse(args.inject_fault, args.fault_marker, role)  # refused before the model loads
@@ -332,7 +332,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
             if role == "prefill" and args.kv_port is not None and not args.tls.serves_https:
                 api.kv_port = await _start_kv_plane(nursery, api, listener, args.kv_port)
             log.info("%s node serving on %s (MLX computes with: %s)", role,
-                     listener_url(listener, https=args.tls.serves_https), _blas_words(blas_in_use()))
+                     listener_url(listener, https=args.tls.serves_https), blas_words(blas_in_use()))
             await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
         if api.lost_reason is None and not engine.statistics().device_thread_alive:
@@ -508,7 +508,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
 def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list[BaseRoute],
                 health: Callable[[Request], Awaitable[Response]] | None = None) -> Starlette:
     """A single node's or the router's app: the public API behind the API keys and CORS asked for
-    (`_resolve_api_keys`, `--allowed-origins`), and the node's own routes."""
+    (`resolve_api_keys`, `--allowed-origins`), and the node's own routes."""
     origins = args.allowed_origins.split(",") if args.allowed_origins else []
     return build_app(frontend, extra_routes=extra_routes, health=health, api_keys=args.api_keys,
                      allowed_origins=origins)

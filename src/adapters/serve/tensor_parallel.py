@@ -50,7 +50,7 @@ def heartbeat_s(stall_timeout_s: float) -> float:
 
 def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     from adapters.mlx.distributed import RANK_ENV, exited_rank, join_group, start_local_ranks
-    from adapters.serve.listeners import _listener_for
+    from adapters.serve.listeners import listener_for
     from adapters.serve.node import hold_stop_signals, run_engine_node
 
     pipeline = args.pipeline_parallel > 1
@@ -66,10 +66,10 @@ def run_tensor_parallel(args: argparse.Namespace, role: str) -> int:
     if RANK_ENV not in os.environ:
         if args.hostfile is not None:
             return _hand_to_mlx_launch(args)
-        listener = _listener_for(args)  # bound before the ranks start: a port in use fails fast
+        listener = listener_for(args)  # bound before the ranks start: a port in use fails fast
         children = start_local_ranks(size, ["-m", "adapters.cli", *sys.argv[1:]])
     elif os.environ[RANK_ENV] == "0":
-        listener = _listener_for(args)
+        listener = listener_for(args)
     else:
         joined = join_group(args.distributed_backend, size, heartbeat_s(args.stall_timeout))
         return _follow(args, role, dataclasses.replace(joined, pipeline=pipeline))
