@@ -43,11 +43,12 @@ def _timed(kind: str, build_started: float, outputs: list[Any], size: int) -> No
 def instrument() -> None:
     """Wrap the device loop's pieces so that each is evaluated and timed alone."""
     import adapters.mlx.device as device
+    from adapters.mlx.slot_lane import SlotLane
 
-    original_slot = device.DeviceLoop.build_slot_step
+    original_slot = SlotLane.build
     original_units = device.run_units
     original_short = device.run_short_batch
-    original_copy = device.DeviceLoop.copy_into_slot
+    original_copy = SlotLane.enter
 
     def build_slot_step(self: Any, rows: list[Any], current: Any) -> list[Any]:
         started = time.perf_counter()
@@ -70,15 +71,16 @@ def instrument() -> None:
         outputs = [t.first for t in tasks] + [c.state for t in tasks for c in t.cache]
         _timed("prefill_batch", started, outputs, sum(len(t.tokens) for t in tasks))
 
-    def copy_into_slot(self: Any, slot: int, cache: list[Any], prompt_tokens: int, needed: int) -> None:
+    def copy_into_slot(self: Any, live: Any, cache: list[Any], prompt_tokens: int, needed: int) -> None:
         started = time.perf_counter()
-        original_copy(self, slot, cache, prompt_tokens, needed)
-        _timed("copy_into_slot", started, [*self.pool.keys, *self.pool.values], prompt_tokens)
+        original_copy(self, live, cache, prompt_tokens, needed)
+        pool = self.loop.pool
+        _timed("copy_into_slot", started, [*pool.keys, *pool.values], prompt_tokens)
 
-    device.DeviceLoop.build_slot_step = build_slot_step  # type: ignore[method-assign]
+    SlotLane.build = build_slot_step  # type: ignore[method-assign]
     device.run_units = run_units  # type: ignore[assignment]
     device.run_short_batch = run_short_batch  # type: ignore[assignment]
-    device.DeviceLoop.copy_into_slot = copy_into_slot  # type: ignore[method-assign]
+    SlotLane.enter = copy_into_slot  # type: ignore[method-assign]
 
 
 def summary(seconds: float) -> dict[str, Any]:

@@ -13,8 +13,10 @@ worst gap, and what does it cost on the realish mix? Two setups, the same engine
 - realish: `engine_realish.run` (closed-loop workers on `benchlib.Mix("realish")`) at
   --concurrency for --seconds: output tokens/s and the gap p99.
 
-Then target / fixed ratios of each (medians over the repetitions). `--cpus` pins the process to
-those cores (the device thread inherits it): on a shared box one core per run is steadier.
+Then target / fixed ratios of each: the geometric mean over the repetitions of each repetition's
+ratio (the two setups of one repetition run back to back, so a busy neighbour weighs on both),
+with the smallest and largest. `--cpus` pins the process to those cores (the device thread
+inherits it): on a shared box one core per run is steadier.
 
     .venv/bin/python bench/engine/step_target.py --cpus 1 --reps 3 --out /tmp/step_target
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -141,7 +144,12 @@ def main() -> None:
             for key, value in measured.items():
                 results[name].setdefault(key, []).append(float(value))
     medians = {name: {k: statistics.median(v) for k, v in got.items()} for name, got in results.items()}
-    ratios = {k: medians["target"][k] / medians["fixed"][k] for k in medians["target"] if medians["fixed"][k]}
+    ratios: dict[str, dict[str, float]] = {}
+    for key, targets in results["target"].items():
+        paired = [t / f for t, f in zip(targets, results["fixed"][key], strict=True) if t > 0 and f > 0]
+        if paired:
+            ratios[key] = {"geomean": math.exp(statistics.fmean(math.log(r) for r in paired)),
+                           "min": min(paired), "max": max(paired)}
     print(json.dumps({"medians": medians, "target_over_fixed": ratios}, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

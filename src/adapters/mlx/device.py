@@ -53,7 +53,6 @@ from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.batch_lane import BatchLane, batchable
-from adapters.mlx.checkpoint import Checkpoint
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
 from adapters.mlx.jobs import (
@@ -70,9 +69,11 @@ from adapters.mlx.jobs import (
 from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.rows import Live, rewind
-from adapters.mlx.sampling import PositionSampler, read_logprobs, sample_rows
+from adapters.mlx.rows import Live
+from adapters.mlx.sampling import PositionSampler, read_logprobs
+from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
+from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -101,7 +102,7 @@ from statecore.scheduling import (
     work_unit_tokens,
 )
 
-__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Live", "Settings", "SlowStep"]
+__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -212,7 +213,7 @@ class _Gathering:
 
 
 @dataclass(eq=False)
-class _InFlight:
+class InFlight:
     """A step handed to the device; read back after the next one is built."""
 
     tokens: Any = None  # slot lane: (rows,) sampled tokens
@@ -266,14 +267,15 @@ class DeviceLoop:
         self.compiled: CompiledSlotStep | None = None  # the slot lane's traced model call, when on
         self.attention = "masked (MLX)"  # the slot lane's attention, for the load log
         self.prefix: PrefixCache | None = None  # whole prefill chunks kept for prompts that repeat them
-        self.batch: BatchLane | None = None  # rows of the other batchable families
+        self.slots = SlotLane(self)  # rows of plain KVCache models, in `pool`
+        self.batch = BatchLane(self)  # rows of the other batchable families
+        self.solo = SoloLane(self)  # rows that step alone
         self.held: dict[str, Held] = {}
         self.live: dict[str, Live] = {}
         self.waiting: dict[str, PrefillTask] = {}
         self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for a batched lane
         self.arrivals = 0
-        self.inflight: _InFlight | None = None
-        self.last_tokens: Any = None  # slot lane: the previous step's (rows,) tokens, on the device
+        self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
         self.running: Job[Any] | None = None  # the job being computed now
@@ -388,7 +390,6 @@ class DeviceLoop:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
                                       s.prefix_host_pull, room=self.prefix_room,
                                       prefill_token_s=lambda: self.rates.prefill_token_s)
-        self.batch = BatchLane(self.model)
         if s.speculative != "off":
             self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                          self.draft_model)
@@ -595,7 +596,7 @@ class DeviceLoop:
         spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
         traces_before = 0 if self.compiled is None else self.compiled.traces
         self.drop_abandoned_waiting()
-        current = _InFlight()
+        current = InFlight()
         outputs: list[Any] = []
         slot_rows = [live for live in self.live.values() if live.slot is not None]
         if self.speculator is not None and slot_rows:  # a verify step may decode them instead
@@ -604,10 +605,13 @@ class DeviceLoop:
             if slot_rows:
                 building = time.perf_counter()
                 try:
-                    outputs.extend(self.build_slot_step(slot_rows, current))
+                    slot_step = self.slots.build(slot_rows)
+                    current.tokens, current.owners = slot_step.tokens, slot_step.owners
+                    current.logprobs = slot_step.logprobs
+                    outputs.extend(slot_step.outputs)
                 except Exception as exc:
                     self.fail_rows(slot_rows, exc)
-                    current = _InFlight()
+                    current = InFlight()
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
@@ -636,10 +640,11 @@ class DeviceLoop:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         self.release_choices()
-        if self.batch is not None and len(self.batch):
-            self.batch_step()
-        for live in [lv for lv in self.live.values() if lv.solo_cache is not None]:
-            self.solo_step(live)
+        if len(self.batch):
+            self.batch.step()
+        for live in self.solo.step([live for live in self.live.values() if live.solo_cache is not None]):
+            assert live.solo_cache is not None
+            self.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
         waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
         if built and not self.live and not self.waiting:
             # Nothing else will come: read this step back now rather than on the next one.
@@ -668,124 +673,6 @@ class DeviceLoop:
         logger.debug("slow step: %.0f ms, %d decode rows, %d prefill units, %d new traces, %s",
                      elapsed * 1000, rows, units, traces, where)
 
-    def build_slot_step(self, rows: list[Live], current: _InFlight) -> list[Any]:
-        """Every slot row's token in one model call.
-
-        A call that raises while it is built changes nothing the next call reads (each row's
-        new key and value land at the row's own position, which a second call writes again),
-        so it is built once more; if that raises too, the rows are split in halves until each
-        failing row stands alone: that request fails, every other row decodes this step.
-        """
-        pool = self.pool
-        assert pool is not None
-        count = pool.rows([live.slot for live in rows if live.slot is not None])
-        if self.compiled is not None:
-            count = self.compiled.rows(count)
-        inputs = self.slot_inputs(rows, count)
-        marks = [live.sampler.mark() for live in rows]
-        try:
-            tokens = self.twice(lambda: self.slot_call(rows, inputs, count), lambda: rewind(rows, marks),
-                                f"a decode step of {len(rows)} rows")
-        except Exception:
-            tokens, rows = self.isolate(rows, inputs, count)
-        owners: list[Live | None] = [None] * count
-        for live in rows:
-            assert live.slot is not None
-            owners[live.slot] = live
-            live.fed = True
-            live.offset += 1
-            picked = live.sampler.take_logprobs()
-            if picked is not None:
-                current.logprobs[live.slot] = picked
-        self.last_tokens = tokens
-        current.tokens = tokens
-        current.owners = owners
-        logprobs = [array for picked in current.logprobs.values() for array in picked]
-        return [tokens, *logprobs, *pool.keys, *pool.values]
-
-    def slot_inputs(self, rows: list[Live], count: int) -> Any:
-        """The (count,) input tokens of a slot step: a row fed before takes the previous step's
-        token straight from the device; a new row (or one after a reset) its host token."""
-        host_tokens = [0] * count
-        from_host = [True] * count
-        previous = self.last_tokens
-        carried = 0 if previous is None else int(previous.shape[0])
-        for live in rows:
-            slot = live.slot
-            assert slot is not None
-            if live.fed and slot < carried:
-                from_host[slot] = False
-            else:
-                host_tokens[slot] = live.last_token
-        inputs = mx.array(host_tokens, dtype=mx.uint32)
-        if all(from_host):
-            return inputs
-        if carried >= count:
-            on_device = previous[:count]
-        else:
-            on_device = mx.concatenate([previous, mx.zeros((count - carried,), dtype=previous.dtype)])
-        return mx.where(mx.array(from_host), inputs, on_device.astype(mx.uint32))
-
-    def slot_call(self, rows: list[Live], inputs: Any, count: int, only: Any = None) -> Any:
-        """Build one model call over the first `count` slots and return its (count,) sampled
-        tokens (free slots in that range compute a throwaway row at position 0); or, given
-        `only` (an array of `rows`' slots), over just those rows, in that order."""
-        pool = self.pool
-        assert pool is not None
-        self.computing = ("decode", [live.request_id for live in rows])
-        if only is None:
-            offsets = [0] * count
-            samplers: list[PositionSampler | None] = [None] * count
-            for live in rows:
-                assert live.slot is not None
-                offsets[live.slot] = live.offset
-                samplers[live.slot] = None if live.sampler.plain_greedy else live.sampler
-            if self.compiled is not None:
-                return sample_rows(self.compiled(inputs, offsets), samplers)
-            layers, step_inputs = pool.step_layers(offsets, bucket=self.bucket), inputs
-        else:
-            slots = [live.slot for live in rows if live.slot is not None]
-            samplers = [None if live.sampler.plain_greedy else live.sampler for live in rows]
-            layers = pool.step_layers([live.offset for live in rows], slots, bucket=self.bucket)
-            step_inputs = inputs[only]
-        logits = self.model(step_inputs[:, None], cache=layers)[:, -1, :]
-        return sample_rows(logits, samplers)
-
-    def isolate(self, rows: list[Live], inputs: Any, count: int) -> tuple[Any, list[Live]]:
-        """Compute the step in ever smaller groups of rows; a row whose call raises alone, twice,
-        fails. Returns the (count,) tokens of the rows that computed, and those rows."""
-        tokens = mx.zeros((count,), dtype=mx.uint32)
-        survivors: list[Live] = []
-        culprits: list[tuple[Live, Exception]] = []
-        groups = [rows[: len(rows) // 2], rows[len(rows) // 2 :]] if len(rows) > 1 else [rows]
-        tried_alone: set[str] = set()
-        while groups:
-            group = groups.pop()
-            if not group:
-                continue
-            marks = [live.sampler.mark() for live in group]
-            try:
-                where = mx.array([live.slot for live in group], dtype=mx.int32)
-                tokens[where] = self.slot_call(group, inputs, count, only=where).astype(mx.uint32)
-            except Exception as exc:
-                rewind(group, marks)
-                if len(group) == 1 and group[0].request_id not in tried_alone:
-                    # Alone for the first time: a transient error gets its second chance here too.
-                    tried_alone.add(group[0].request_id)
-                    self.step_retries += 1
-                    groups.append(group)
-                elif len(group) == 1:
-                    culprits.append((group[0], exc))
-                else:
-                    groups += [group[: len(group) // 2], group[len(group) // 2 :]]
-            else:
-                survivors.extend(group)
-        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-        for live, raised in culprits:
-            self.fail_alone(live, raised, deliveries)
-        self.hand_out(deliveries)
-        return tokens, survivors
-
     def twice(self, call: Callable[[], _T], undo: Callable[[], None], what: str) -> _T:
         """`call()`; if it raises, undo what it changed and call once more (a transient error
         costs a retry, not a request). A second raise is undone too, then raised."""
@@ -810,7 +697,7 @@ class DeviceLoop:
         error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
         self.end(live, error, deliveries)
 
-    def build_prefills(self, work: Any, current: _InFlight) -> list[Any]:
+    def build_prefills(self, work: Any, current: InFlight) -> list[Any]:
         started = time.perf_counter()
         outputs = _StepOutputs(self.pipelined)
         tasks = [(self.waiting[w.request_id], w.units) for w in work]
@@ -969,7 +856,7 @@ class DeviceLoop:
         return fitted_groups, [(task, units_now[task.request_id]) for task, _ in tasks
                                if units_now.get(task.request_id, 0) > 0]
 
-    def capture_segments(self, task: PrefillTask, current: _InFlight) -> list[Any]:
+    def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
         """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
         units built since the last capture, cut out as their own arrays (evaluated with the step,
         handed to the sink when it is read back). Cached leading chunks go in the first capture."""
@@ -994,7 +881,7 @@ class DeviceLoop:
         task.streamed_units = task.done_units
         return arrays
 
-    def hand_segments(self, step: _InFlight) -> None:
+    def hand_segments(self, step: InFlight) -> None:
         """A read-back step's streamed pieces to their sinks (computed now), unless the request
         left meanwhile."""
         for task, where, pieces in step.segments:
@@ -1140,16 +1027,16 @@ class DeviceLoop:
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
         for live in rows:
             self.end(live, error, deliveries)
-        self.last_tokens = None
+        self.slots.last_tokens = None
         self.hand_out(deliveries)
 
-    def prefill_outputs(self, task: PrefillTask, current: _InFlight) -> list[Any]:
+    def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
         del self.waiting[task.request_id]
         current.finished_prefills.append(task)
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
 
-    def read_back(self, step: _InFlight) -> None:
+    def read_back(self, step: InFlight) -> None:
         """Wait for a step's results and hand them out (tokens, first tokens, failures)."""
         started = time.perf_counter()
         deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
@@ -1166,7 +1053,7 @@ class DeviceLoop:
             finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
             for task in step.finished_prefills:
                 self.unreserve(task.request_id)
-            self.last_tokens = None
+            self.slots.last_tokens = None
         else:
             self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
             for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
@@ -1238,99 +1125,10 @@ class DeviceLoop:
             group.ended.add(sampling.choice)
             if not group.arrived:  # nobody of it waits any more
                 del self.gathering[sampling.choice_group]
-        if live.slot is not None and self.pool is not None:
-            self.pool.give_back(live.slot)
-            live.slot = None
-        if live.batched and self.batch is not None:
-            self.batch.remove(live)
+        self.slots.leave(live)
+        self.batch.remove(live)
 
     # -- the other lanes -----------------------------------------------------------------------
-
-    def batch_step(self) -> None:
-        """One step of the batch lane. A step that raises is undone (every batch cache as it was,
-        each row's sampler rewound) and computed once more; if that raises too, every row leaves
-        the batch for one solo step of its own (where a row that keeps raising fails alone) and
-        the others then join the batch again."""
-        batch = self.batch
-        assert batch is not None
-        rows = list(batch.rows)
-        marks = [live.sampler.mark() for live in rows]
-        self.computing = ("decode", [live.request_id for live in rows])
-        checkpoint = batch.checkpoint()
-
-        def undo() -> None:
-            checkpoint.restore()
-            rewind(rows, marks)
-
-        try:
-            tokens = self.twice(batch.step, undo, f"a batch decode step of {len(rows)} rows")
-        except Exception:
-            self.split_batch()
-            return
-        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-        for live, token in zip(rows, tokens, strict=True):
-            live.last_token = token
-            item = self.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
-            self.hand_token(live, item, deliveries)
-        self.hand_out(deliveries)
-
-    def split_batch(self) -> None:
-        """Every row leaves the batch lane with its own cache, for the solo lane (one step there,
-        then back: `Live.rejoin`)."""
-        batch = self.batch
-        assert batch is not None
-        rows = list(batch.rows)
-        try:
-            taken = batch.split()
-        except Exception as exc:  # the batch's state itself is broken: nothing of it can be saved
-            logger.exception("a batch decode step failed and its rows could not be taken out")
-            error = engine_failed(f"batch decode step failed: {type(exc).__name__}: {exc}")
-            batch.clear()
-            deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-            for live in rows:
-                self.end(live, error, deliveries)
-            self.hand_out(deliveries)
-            return
-        logger.warning("a batch decode step of %d rows raised twice; each row steps alone", len(rows))
-        for live, cache in taken:
-            live.solo_cache = cache
-            live.rejoin = True
-
-    def solo_step(self, live: Live) -> None:
-        """One generate_step-style step for a single sequence; a step that raises is undone
-        and computed once more, and the request fails alone if it raises again."""
-        assert live.solo_cache is not None
-        deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-        self.computing = ("decode", [live.request_id])
-        checkpoint = Checkpoint(live.solo_cache)
-        mark = live.sampler.mark()
-
-        def undo() -> None:
-            checkpoint.restore()
-            live.sampler.reset(mark)
-
-        try:
-            token = self.twice(lambda: self.solo_call(live), undo, f"a solo decode step of {live.request_id}")
-        except Exception as raised:
-            self.fail_alone(live, raised, deliveries)
-            self.hand_out(deliveries)
-            return
-        live.last_token = token
-        item = self.count_token(live, token, read_logprobs(live.sampler.take_logprobs()))
-        if not self.hand_token(live, item, deliveries) and live.rejoin and self.batch is not None:
-            live.rejoin = False
-            cache, live.solo_cache = live.solo_cache, None
-            self.batch.insert(live, cache)
-        self.hand_out(deliveries)
-
-    def solo_call(self, live: Live) -> int:
-        assert live.solo_cache is not None
-        with mx.stream(generation_stream):
-            logits = self.model(mx.array([[live.last_token]]), cache=live.solo_cache)[:, -1, :]
-            self.quantize(live.solo_cache)
-            sampled = live.sampler.next_token(logits)
-            mx.eval(sampled, [c.state for c in live.solo_cache])
-        return int(sampled.item())
 
     def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool,
                  constrained: bool = False) -> str:
@@ -1361,20 +1159,11 @@ class DeviceLoop:
         needed = len(prompt) + live.remaining + 2
         live.limit = needed
         if lane == "slot":
-            assert self.pool is not None
-            slot = self.pool.take()
-            try:
-                self.copy_into_slot(slot, cache, len(prompt), needed)
-            except BaseException:
-                self.pool.give_back(slot)
-                raise
-            live.slot = slot
-            live.offset = len(prompt)
+            self.slots.enter(live, cache, len(prompt), needed)
             self.unreserve(live.request_id)  # its KV lives in the pool now
             if self.speculator is not None:
                 self.speculator.joined(live, prompt)
         elif lane == "batch":
-            assert self.batch is not None
             self.batch.insert(live, cache)
         else:
             live.solo_cache = cache
@@ -1442,23 +1231,6 @@ class DeviceLoop:
         now = time.monotonic()
         return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
 
-    def copy_into_slot(self, slot: int, cache: list[Any], prompt_tokens: int, needed: int) -> None:
-        """Copy a prompt's cache into its slot; a copy that raises is made once more (it writes
-        the same positions again), as a failed step is computed again."""
-        pool = self.pool
-        assert pool is not None
-        try:
-            pool.reserve(needed, cache)
-            pool.write_prompt(slot, cache, prompt_tokens)
-        except StatecoreError:
-            raise
-        except Exception as exc:
-            self.step_retries += 1
-            logger.warning("copying a cache into slot %d raised (%s: %s); copying it again",
-                           slot, type(exc).__name__, exc)
-            pool.reserve(needed, cache)
-            pool.write_prompt(slot, cache, prompt_tokens)
-
     def overloaded(self) -> StatecoreError | None:
         if len(self.live) >= self.settings.max_batch:
             return StatecoreError(ErrorInfo(
@@ -1509,9 +1281,9 @@ class DeviceLoop:
         self.live.clear()
         self.held.clear()
         self.reserved.clear()
-        self.batch = None
+        self.batch.clear()
         self.model = None
         self.pool = None
-        self.last_tokens = None
+        self.slots.last_tokens = None
         self.inflight = None
 

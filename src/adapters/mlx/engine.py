@@ -35,7 +35,7 @@ from adapters.kv import codec, frames
 from adapters.mlx import lockstep
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
-from adapters.mlx.device import DeviceLoop, Live, Settings, SlowStep
+from adapters.mlx.device import DeviceLoop, Settings, SlowStep
 from adapters.mlx.distributed import (
     LockstepLoop,
     TensorGroup,
@@ -67,6 +67,7 @@ from adapters.mlx.prefill import (
     warm_chunk_shapes,
 )
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
+from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
     EngineStatistics,

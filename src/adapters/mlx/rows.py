@@ -1,5 +1,7 @@
-"""A request decoding on the device thread (`Live`), as every lane holds it. MLX and trio only
-for the types it names; statecore and effects never import it.
+"""What the device loop and its lanes share: a request decoding (`Live`), as every lane holds it,
+and what a lane needs of the loop that holds it (`LaneHost`: the model, the retry rule, the
+delivery of tokens and endings), so that a lane module never imports the loop. MLX, mlx-lm and
+trio only for the types it names; statecore and effects never import it.
 
 A `Live` is in one lane at a time: the slot lane (`slot` set), the batch lane (`batched`), or the
 solo lane (`solo_cache` set); in none while a choice of n > 1 waits for its siblings.
@@ -7,16 +9,25 @@ solo lane (`solo_cache` set); in none while a choice of n > 1 waits for its sibl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import trio
 
+from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.jobs import StreamItem
 from adapters.mlx.sampling import PositionSampler, SamplerMark
+from adapters.mlx.slots import SlotPool
+from effects.engine_port import GeneratedToken
+from statecore.events import TokenLogprobs
 
-__all__ = ["Live", "rewind"]
+__all__ = ["Deliveries", "LaneHost", "Live", "rewind"]
+
+_T = TypeVar("_T")
+
+Deliveries = dict[trio.lowlevel.TrioToken, list[Any]]
+"""A step's stream items by the event loop they go to (one message per loop per step)."""
 
 
 @dataclass(eq=False)
@@ -38,6 +49,32 @@ class Live:
     limit: int = 0  # the most positions its cache may reach (prompt + max_tokens): what it attends at most
     prompt_tokens: int = 0
     conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
+
+
+class LaneHost(Protocol):
+    """What a lane needs of the device loop that holds it (`adapters.mlx.device.DeviceLoop`)."""
+
+    model: Any
+    computing: tuple[str, Sequence[str]]  # (stage, request ids) of the next model call: the test hook's
+    step_retries: int
+    pool: SlotPool | None
+    compiled: CompiledSlotStep | None
+    bucket: int
+
+    def twice(self, call: Callable[[], _T], undo: Callable[[], None], what: str) -> _T: ...
+
+    def quantize(self, cache: list[Any]) -> None: ...
+
+    def count_token(self, live: Live, token: int,
+                    logprobs: TokenLogprobs | None = None) -> GeneratedToken: ...
+
+    def hand_token(self, live: Live, item: GeneratedToken, deliveries: Deliveries) -> bool: ...
+
+    def end(self, live: Live, item: StreamItem, deliveries: Deliveries) -> None: ...
+
+    def fail_alone(self, live: Live, raised: Exception, deliveries: Deliveries) -> None: ...
+
+    def hand_out(self, deliveries: Deliveries) -> None: ...
 
 
 def rewind(rows: Sequence[Live], marks: Sequence[SamplerMark]) -> None:

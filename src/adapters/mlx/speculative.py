@@ -37,8 +37,9 @@ from adapters.mlx.slots import SlotPool
 from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
 
 if TYPE_CHECKING:
-    from adapters.mlx.device import DeviceLoop, Live
+    from adapters.mlx.device import DeviceLoop
     from adapters.mlx.draft_model import DraftModel
+    from adapters.mlx.rows import Live
 
 __all__ = ["Speculator"]
 
@@ -254,7 +255,7 @@ class Speculator:
         if self.draft is not None:
             for live, draft in zip(rows, drafts, strict=True):
                 self.draft.drafted(live.request_id, draft)
-        loop.last_tokens = None  # every slot row's next input is its host token
+        loop.slots.last_tokens = None  # every slot row's next input is its host token
         deliveries: dict[Any, list[Any]] = {}
         start = 0
         self.verify_steps += 1
