@@ -89,6 +89,7 @@ async def main(args: argparse.Namespace) -> int:
         summary: dict[str, Any] = {
             "model": str(args.model), "tokens": args.tokens,
             "rates": None if prefix is None else repr(prefix.rates),
+            "prefill_token_s": tiered._device.rates.prefill_token_s,  # the device loop's, what auto weighs
             "host_capacity_bytes": stats.prefix_host_capacity_bytes, "host_bytes": stats.prefix_host_bytes,
             "blocks_out": stats.prefix_host_out, "blocks_back": stats.prefix_host_back,
             "blocks_forgotten": stats.prefix_host_forgotten, "all_bits_equal": same,
