@@ -10,7 +10,8 @@ import trio
 from adapters.serve import handoff_modes
 from adapters.serve.handoff_modes import HandoffModes
 
-STREAMS = {"kv_stream": True}
+STREAMS: dict[str, object] = {"kv_stream": True}
+TAKES_NONE: dict[str, object] = {"kv_stream": False}
 
 
 async def test_a_node_not_heard_from_is_pulled_from_until_its_info_says_otherwise(
@@ -31,7 +32,7 @@ async def test_a_node_not_heard_from_is_pulled_from_until_its_info_says_otherwis
     monkeypatch.setattr(handoff_modes, "ASK_AGAIN_S", 0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(modes.run)
-        answers["tp"], answers["late"] = {"kv_stream": False}, STREAMS
+        answers["tp"], answers["late"] = TAKES_NONE, STREAMS
         await answered.wait()
         with trio.fail_after(5):
             while modes.unknown:

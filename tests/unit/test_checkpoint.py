@@ -38,7 +38,7 @@ def test_a_batch_cache_is_restored_through_its_public_state() -> None:
         row: Any = mlx_cache.KVCache()  # type: ignore[no-untyped-call]
         row.update_and_fetch(mx.ones((1, 2, length, 4)), mx.ones((1, 2, length, 4)))
         rows.append(row)
-    batch: Any = mlx_cache.BatchKVCache.merge(rows)
+    batch: Any = mlx_cache.BatchKVCache.merge(rows)  # type: ignore[no-untyped-call]
     checkpoint = Checkpoint([batch])
     before = batch.offset.tolist(), batch.size()
     first = batch.update_and_fetch(mx.full((2, 2, 1, 4), 2.0), mx.full((2, 2, 1, 4), 2.0))

@@ -25,7 +25,7 @@ GIB = 1 << 30
 
 
 def describe_device(monkeypatch: pytest.MonkeyPatch, info: dict[str, Any]) -> None:
-    monkeypatch.setattr(memory.mx, "device_info", lambda: info)
+    monkeypatch.setattr(mx, "device_info", lambda: info)
 
 
 def weights_of(tmp_path: Path, nbytes: int) -> Path:
@@ -82,6 +82,11 @@ def test_an_out_of_memory_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -
 def test_processes_sharing_a_device_bound_their_allocators(monkeypatch: pytest.MonkeyPatch) -> None:
     describe_device(monkeypatch, {"total_memory": 80 * GIB})
     limits: list[int] = []
-    monkeypatch.setattr(memory.mx, "set_memory_limit", lambda limit: limits.append(limit) or 0)
+
+    def set_memory_limit(limit: int) -> int:
+        limits.append(limit)
+        return 0
+
+    monkeypatch.setattr(mx, "set_memory_limit", set_memory_limit)
     assert memory.share_the_device(1) is None and limits == []  # alone: MLX's default stays
     assert memory.share_the_device(2) == limits[-1] == int(80 * GIB * memory.ALLOCATOR_FRACTION) // 2
