@@ -55,6 +55,9 @@ async def main():
         await engine.aclose()
 
 trio.run(main)
+sys.stdout.flush()
+import os
+os._exit(0)  # MLX's C++ teardown aborts a few percent of exits (src/adapters/serve/command.py)
 """
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -88,6 +89,7 @@ async def main(args: argparse.Namespace) -> int:
         summary: dict[str, Any] = {
             "model": str(args.model), "tokens": args.tokens,
             "rates": None if prefix is None else repr(prefix.rates),
+            "prefill_token_s": tiered._device.rates.prefill_token_s,  # the device loop's, what auto weighs
             "host_capacity_bytes": stats.prefix_host_capacity_bytes, "host_bytes": stats.prefix_host_bytes,
             "blocks_out": stats.prefix_host_out, "blocks_back": stats.prefix_host_back,
             "blocks_forgotten": stats.prefix_host_forgotten, "all_bits_equal": same,
@@ -126,4 +128,6 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    code = cli()
+    sys.stdout.flush()
+    os._exit(code)  # MLX's C++ teardown aborts a few percent of exits (src/adapters/serve/command.py)

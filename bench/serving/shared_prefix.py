@@ -1,7 +1,8 @@
 """Shared prefixes side by side: a system prompt many conversations start with, a document resent
 with a new question. mlx_lm.server (its prompt cache on), statecore single with its prefix cache,
 statecore single without it, and statecore single with 2,048-token chunks (the reuse granularity
-before chunks became 256-token blocks), one server at a time, the same client and BLAS for all.
+before chunks became 256-token blocks), and a local 1P1D cluster (`cluster`), one server at a time,
+the same client and BLAS for all.
 
 - **System prompt**: --conversations first turns at once, each the same --system-tokens system
   prompt, then a user message of --user-tokens of its own; --answer-tokens greedy tokens each.
@@ -50,8 +51,9 @@ from benchlib import (
     start_all,
 )
 
+# cluster: `statecore run`'s local 1P1D cluster (a router, a prefill node, a decode node)
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
-           "single_chunk256")
+           "single_chunk256", "cluster")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
@@ -142,7 +144,8 @@ def main() -> int:
     servers = []
     for name in names:
         flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name, [])]
-        (server,) = make_servers(model, args.out, ["mlx_lm" if name == "mlx_lm" else "single"], flags)
+        kind = name if name in ("mlx_lm", "cluster") else "single"
+        (server,) = make_servers(model, args.out, [kind], flags)
         server.name, server.log = name, args.out / f"{name}.log"
         servers.append(server)
     results: dict[str, Any] = {"model": str(model), "argv": sys.argv,

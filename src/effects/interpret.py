@@ -67,9 +67,9 @@ from statecore.policy import (
     attempt_failed,
     blames_peer,
     decoded_token,
+    first_token_ends,
     first_token_finish,
     first_token_is_last,
-    is_eos,
 )
 from statecore.routing import Route, RouteChoice
 
@@ -276,8 +276,8 @@ class EnginePerformer:
                                        self.engine.info.prefill_chunk_size)
         ctx.first_token = outcome.first_token
         ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-        first_eos = is_eos(outcome.first_token, self.engine.info.eos_token_ids,
-                           ignore_eos=ctx.sampling.ignore_eos)
+        first_eos = first_token_ends(outcome.first_token, self.engine.info.eos_token_ids,
+                                     ignore_eos=ctx.sampling.ignore_eos)
         if sink is not None:
             self._stream_out(ctx, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
                                                outcome.first_logprobs, outcome.cached_tokens))
@@ -341,8 +341,8 @@ class EnginePerformer:
             ctx.first_token_at = time.perf_counter()
             ctx.first_token = item.first_token
             ctx.cached_tokens = item.cached_tokens or 0
-            first_eos = is_eos(item.first_token, self.engine.info.eos_token_ids,
-                               ignore_eos=ctx.sampling.ignore_eos)
+            first_eos = first_token_ends(item.first_token, self.engine.info.eos_token_ids,
+                                         ignore_eos=ctx.sampling.ignore_eos)
             finish = first_token_finish(first_eos, hands_off=False)
             if finish is None:
                 await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))

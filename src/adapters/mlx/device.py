@@ -388,7 +388,8 @@ class DeviceLoop:
         self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
         if plain and s.prefix_cache_bytes > 0:
             self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
-                                      s.prefix_host_pull, room=self.prefix_room)
+                                      s.prefix_host_pull, room=self.prefix_room,
+                                      prefill_token_s=lambda: self.rates.prefill_token_s)
         if s.speculative != "off":
             self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                          self.draft_model)
@@ -895,7 +896,6 @@ class DeviceLoop:
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
         assert self.prefix is not None and task.cache is not None
-        self.prefix.prefill_computing(task.request_id)  # (its prefill rate decides host pulls)
         return self.prefix.keep(task.block_keys, chunk, task.cache)
 
     def forget_prefixes(self) -> None:
@@ -1064,8 +1064,6 @@ class DeviceLoop:
                 self.hand_token(owner, item, deliveries)
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
-                if self.prefix is not None:
-                    self.prefix.prefill_done(task.request_id, len(task.tokens) - task.cached_tokens)
                 nbytes = self.cache_bytes(task.cache)
                 self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
                 logprobs = read_logprobs(task.sampler.take_logprobs())

@@ -17,9 +17,10 @@ MLX's CUDA backend: `default_host_bytes`): a block evicted from the device is co
 bounded pool of host memory (numpy arrays, bf16 as its bits) instead of being forgotten. A
 prompt whose next blocks are there takes them back to the device when that is quicker than
 computing them (`host_pull`: auto decides by `statecore.routing.prefix_pull_pays`, the rule of
-`--prefix-pull`, on rates measured here: the host-to-device copies' bytes per second and this
-node's prefill tokens per second; always; never). A block that came back holds the very bytes
-the device computed, so the prompt's tokens are still a cache-less run's. Device thread only.
+`--prefix-pull`, on measured rates: the host-to-device copies' bytes per second, measured here,
+and the seconds a prefill token adds to a step, the device loop's `StepRates`; always; never).
+A block that came back holds the very bytes the device computed, so the prompt's tokens are
+still a cache-less run's. Device thread only.
 This module imports mlx, mlx_lm and numpy; never trio.
 """
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -44,7 +45,6 @@ __all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes"]
 HOST_PULL_MODES = ("auto", "always", "never")  # --prefix-host-pull, as --prefix-pull's
 _HOST_SHARE_OF_MEMORY = 8  # by default the host pool takes at most this fraction of the host's memory
 _HOST_TIMES_DEVICE = 4  # ... and at most this many times the device tier's capacity
-_PREFILLS_TIMED = 256  # prompts whose prefill clock runs at once at most (the oldest is dropped)
 
 _HostArray = tuple[np.ndarray[Any, Any], mx.Dtype]
 
@@ -75,16 +75,20 @@ def _to_device(held: _HostArray) -> Any:
 class PrefixCache:
     def __init__(self, chunk_size: int, capacity_bytes: int, host_bytes: int = 0,
                  host_pull: str = "auto", rates: PullRates | None = None,
-                 room: Callable[[], int] | None = None) -> None:
+                 room: Callable[[], int] | None = None,
+                 prefill_token_s: Callable[[], float | None] | None = None) -> None:
         """`room`: the device bytes KV admission leaves free beside the kept blocks now (the
         device loop's budget less what requests reserved, the slot pool and the blocks): blocks
         kept or coming back from the host never take more; older blocks leave the device for
-        them (None: only the capacity bounds them)."""
+        them (None: only the capacity bounds them). `prefill_token_s`: the seconds a prefill
+        token adds to a step, as the device loop measures it (None until measured: no host
+        block comes back under "auto" before then)."""
         if host_pull not in HOST_PULL_MODES:
             raise ValueError(f"host_pull must be one of {', '.join(HOST_PULL_MODES)}, not {host_pull!r}")
         self.chunk_size = chunk_size
         self.host_pull = host_pull
         self.room = room
+        self.prefill_token_s = prefill_token_s
         self.index = PrefixIndex(capacity_bytes, host_bytes)
         self._blocks: dict[bytes, list[tuple[Any, Any]]] = {}  # device: key -> per layer (keys, values)
         self._host: dict[bytes, list[tuple[_HostArray, _HostArray]]] = {}  # the host pool's copies
@@ -99,7 +103,6 @@ class PrefixCache:
         # what the host pulls weigh (statecore.routing.prefix_pull_pays): the copies have no
         # latency to speak of; the rates are this node's and outlive an emptied cache
         self.rates = PullRates(pull_latency_s=0.0) if rates is None else rates
-        self._prefill_started: OrderedDict[str, float] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +115,7 @@ class PrefixCache:
     def emptied(self) -> PrefixCache:
         """A new, empty cache of the same sizes (the measured rates kept: they are the node's)."""
         return PrefixCache(self.chunk_size, self.index.capacity_bytes, self.index.host_capacity_bytes,
-                           self.host_pull, self.rates, self.room)
+                           self.host_pull, self.rates, self.room, self.prefill_token_s)
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
@@ -208,21 +211,7 @@ class PrefixCache:
     def _host_pays(self, device_blocks: int, host_blocks: int) -> bool:
         if self.host_pull != "auto":
             return self.host_pull == "always"
+        seconds = None if self.prefill_token_s is None else self.prefill_token_s()
+        rates = replace(self.rates, prefill_tokens_per_s=1 / seconds if seconds else None)
         return prefix_pull_pays((device_blocks + host_blocks) * self.chunk_size,
-                                device_blocks * self.chunk_size, self.rates)
-
-    # -- this node's prefill rate, for `_host_pays` ---------------------------------------------
-
-    def prefill_computing(self, request_id: str) -> None:
-        """A chunk of the prompt was just built: its clock starts at the first."""
-        if request_id not in self._prefill_started:
-            self._prefill_started[request_id] = time.perf_counter()
-            if len(self._prefill_started) > _PREFILLS_TIMED:
-                self._prefill_started.popitem(last=False)
-
-    def prefill_done(self, request_id: str, computed_tokens: int) -> None:
-        """The prompt's first token was read back, `computed_tokens` of it computed here (a rate
-        counts from a whole chunk on, as `--prefix-pull`'s does)."""
-        started = self._prefill_started.pop(request_id, None)
-        if started is not None and computed_tokens >= self.chunk_size:
-            self.rates = self.rates.prefilled(computed_tokens, time.perf_counter() - started)
+                                device_blocks * self.chunk_size, rates)

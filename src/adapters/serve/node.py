@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -39,6 +40,7 @@ from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
 from adapters.kv.shm import ShmOutbox
 from adapters.metrics import Metrics
 from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
+from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
 from adapters.serve.logs import RequestLines, RetryLogged, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
@@ -461,16 +463,10 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         lines.routed(request_id, choice.route.value)
         return choice
 
-    # A node that says it takes no streamed handoff (tensor or pipeline parallel) is pulled from.
-    pulled_only = {node for node in prefill + decode
-                   if (doc := docs.get(node)) is not None and doc.get("kv_stream") is False}
-
-    def streams(prefill_node: str, decode_node: str) -> bool:
-        return args.kv_handoff == "stream" and not {prefill_node, decode_node} & pulled_only
-
+    modes = HandoffModes(docs, partial(_node_document, peers), stream=args.kv_handoff == "stream")
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
                                 prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
-                                route=route, streams=streams)
+                                route=route, streams=modes.streams)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, RetryLogged(performer), timeouts=_timeouts(args),
                                          name="router")
     log_transitions(runner, "router", every=args.log_transitions)
@@ -502,6 +498,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(peer_set.run)
+            await nursery.start(modes.run)
             if summaries is not None:
                 await nursery.start(summaries.run)
             await nursery.start(runner.run)
