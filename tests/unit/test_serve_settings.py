@@ -104,6 +104,15 @@ def test_the_memory_flags_reach_the_engine(given: list[str], engine_gets: bool |
     assert options["device_shared_by"] == 3
 
 
+@pytest.mark.parametrize(("role", "given", "engine_gets"), [
+    ("decode", [], None), ("single", [], 0.0), ("prefill", [], 0.0),
+    ("single", ["--step-target-ms", "50"], 50.0), ("decode", ["--step-target-ms", "0"], 0.0)])
+def test_the_step_target_is_on_by_default_on_decode_nodes_only(role: str, given: list[str],
+                                                                engine_gets: float | None) -> None:
+    options = engine_options(build_parser().parse_args(["run", "--role", role, *given]), role)
+    assert options["step_target_ms"] == engine_gets
+
+
 def test_a_local_cluster_tells_its_engine_nodes_they_share_one_device() -> None:
     default = build_parser().parse_args(["run"])
     assert shared_device_flags(default, None) == ["--device-shared-by", "2"]

@@ -1244,7 +1244,7 @@ class MlxEngine:
             "KV %d bytes + %d per token, "
             "budget %d bytes (%d set aside for %s)",
             info.name, ",".join(loaded.dtypes),
-            s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "mlx-lm batch",
+            s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "batch lane",
             device.attention if device.slot_lane else "-",
             "yes" if device.compiled is not None else "no", fused,
             info.can_travel,
