@@ -56,6 +56,20 @@ vs_mlx_lm() {
     --mix realish --concurrency 8,32 --no-parity --requests-per-slot "$2" --max-requests "$3" \
     --startup-timeout 120 --out "$OUT/$5" 2>&1 | quiet | tail -6
 }
+# handoff_overhead.py with the three engine nodes on GPU 0, each a third of it:
+# handoff_cost LIMIT_S OUT_NAME LINES ARGS...
+handoff_cost() {
+  local limit=$1 name=$2 lines=$3
+  shift 3
+  timeout "$limit" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 \
+    --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/$name" "$@" \
+    2>&1 | quiet | tail -"$lines"
+}
+# The engine alone on realish at 8, the allocator's memory traced: memory_trace LIMIT_S PERIOD_S LINES [ARG]
+memory_trace() {
+  timeout "$1" $PY bench/engine/engine_realish.py --model $M --concurrency 8 --seconds 14 --no-bare \
+    --memory-trace "$2" ${4:+"$4"} 2>&1 | grep -E "^memory|^\{|Error|error" | cut -c1-400 | tail -"$3"
+}
 case "${1:-vs-mlx-lm}" in
   vs-mlx-lm)
     machine; model_1b; model_second
@@ -150,39 +164,32 @@ case "${1:-vs-mlx-lm}" in
     # All three engine nodes on GPU 0: 2,000 and 8,000 tokens at concurrency 1, then 8,000-token
     # streamed handoffs into a decode node with 16 streams decoding.
     machine; model_1b
-    timeout "${STREAM_LIMIT:-280}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
-      --rounds 3 --max-tokens 12 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/stream.json" \
-      2>&1 | quiet | tail -12
-    timeout "${STALL_LIMIT:-250}" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 8000 \
-      --rounds 2 --max-tokens 12 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 \
-      --out "$OUT/stream_stall.json" 2>&1 | quiet | tail -8
+    handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12
+    handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
+      --background-streams 16
     ;;
   handoff-pull)
     # 128 / 2,000 / 8,000 tokens with 16 streams decoding on the decode node throughout.
     machine; model_1b
     timeout "${HANDOFF_LIMIT:-300}" $PY bench/handoff/handoff_http.py --model $M --lengths 128 2000 8000 \
-      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 \
-      --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
+      --per-length 3 --background-streams 16 --node-arg=--kv-memory-bytes=$NODE_KV \
+      --node-arg=--device-shared-by=3 --out "$OUT/handoff.json" 2>&1 | quiet | tail -24
     ;;
   essentials)
     machine; model_1b
     echo "== memory: the engine alone on realish at 8, default settings"
-    timeout 60 $PY bench/engine/engine_realish.py --model $M --concurrency 8 --seconds 14 --no-bare \
-      --memory-trace 4 2>&1 | grep -E "^memory|^\{|Error|error" | cut -c1-300 | tail -6
+    memory_trace 60 4 6
     echo "== vs-mlx-lm, the 1B shape"
     vs_mlx_lm $M 6 192 190 sbs
     echo "== handoff-cost at concurrency 1 (2,000 and 8,000 tokens)"
-    timeout 200 $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 --lengths 2000 8000 \
-      --rounds 2 --max-tokens 16 --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/stream.json" \
-      2>&1 | quiet | tail -12
+    handoff_cost 200 stream.json 12 --lengths 2000 8000 --rounds 2 --max-tokens 16
     ;;
   memory-growth)
     machine; model_1b
     for variant in "" "--engine-arg=prefill_chunk_size=2048" "--cache-limit-bytes=4294967296" \
         "--engine-arg=compile_decode=off"; do
       echo "== ${variant:-default}"
-      timeout "${VARIANT_LIMIT:-60}" $PY bench/engine/engine_realish.py --model $M --concurrency 8 --seconds 14 \
-        --no-bare --memory-trace 2 $variant 2>&1 | grep -E "^memory|^\{|Error|error" | cut -c1-400 | tail -14
+      memory_trace "${VARIANT_LIMIT:-60}" 2 14 "$variant"
     done
     ;;
   *)
