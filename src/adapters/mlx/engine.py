@@ -302,7 +302,6 @@ class MlxEngine:
                 f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
         if device_shared_by < 1:
             raise StatecoreError(client_error("device_shared_by must be >= 1"))
-        share_the_device(device_shared_by)
         memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
                   else kv_memory_bytes)
         if memory < 1:
@@ -343,6 +342,7 @@ class MlxEngine:
                             prefix_host_bytes=host_bytes if tensor is None else 0,
                             prefix_host_pull=prefix_host_pull)
         tune_cuda_backend()
+        share_the_device(device_shared_by)  # after every check: no refused load leaves it set
         engine = cls(Path(model_dir), settings, trust_remote_code, tensor)
         engine._draft_dir = None if draft_model is None else Path(draft_model)
         engine._adapter_dir = None if adapter_path is None else Path(adapter_path)

@@ -32,11 +32,11 @@ __all__ = [
     "activation_dtype_bytes",
     "default_kv_memory_bytes",
     "device_memory_bytes",
-    "out_of_memory_advice",
-    "share_the_device",
     "measure_kv_cost",
     "model_shape",
+    "out_of_memory_advice",
     "parameter_bytes",
+    "share_the_device",
     "state_bytes",
 ]
 
