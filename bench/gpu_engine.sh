@@ -62,8 +62,8 @@ handoff_cost() {
   local limit=$1 name=$2 lines=$3
   shift 3
   timeout "$limit" $PY bench/handoff/handoff_overhead.py --model $M --gpus 0 0 0 \
-    --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/$name" "$@" \
-    2>&1 | quiet | tail -"$lines"
+    --node-arg=--kv-memory-bytes=$NODE_KV --node-arg=--device-shared-by=3 --out "$OUT/$name" \
+    --logs "$OUT/logs-${name%.json}" "$@" 2>&1 | quiet | tail -"$lines"
 }
 # The engine alone on realish at 8, the allocator's memory traced: memory_trace LIMIT_S PERIOD_S LINES [ARG]
 memory_trace() {

@@ -4,9 +4,11 @@ Shape as meta-llama/Llama-3.2-1B's config.json: hidden 2048, 16 layers, 32 query
 64, MLP 8192, vocab 128,256, tied embeddings, llama3 RoPE scaling: 1.24 B parameters, 2.5 GB in
 bf16. Weights are drawn with `mx.random` on the default device (the GPU when MLX has one), seeded.
 The tokenizer is statecore's 512-token byte-level BPE (`support.tiny_models.build_tokenizer`); the
-embedding rows of its special tokens and of every id >= 512 are zero, so with tied embeddings their
-logits are 0 while real tokens' logits have a std of ~45: greedy decoding never emits EOS nor an id
-the tokenizer cannot decode, and every matmul keeps the real model's size.
+embedding rows of its special tokens, of every id >= 512 and of the 128 lone bytes that are no text
+by themselves (0x80-0xFF) are zero, so with tied embeddings their logits are 0 while the others'
+have a std of ~45: greedy decoding emits neither EOS nor an id whose text a streaming client never
+sees (held back as a partial UTF-8 sequence: a client counting streamed tokens would count too
+few), and every matmul keeps the real model's size.
 
     python3 bench/make_llama1b.py /tmp/llama1b            # on the GPU machine: a few seconds
     python3 bench/make_llama1b.py /tmp/small --hidden-size 256 --layers 2 --vocab 4096  # CPU test
@@ -62,7 +64,15 @@ def llama_1b_config(hidden: int, layers: int, vocab: int) -> dict[str, Any]:
     }
 
 
-def random_weights(config: dict[str, Any], seed: int) -> dict[str, mx.array]:
+def text_ids(tokenizer_dir: Path) -> list[int]:
+    """The ids below TOKENIZER_TOKENS, special ones aside, that decode to text by themselves."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return [i for i in range(len(SPECIAL_IDS), TOKENIZER_TOKENS) if "\ufffd" not in tokenizer.decode([i])]
+
+
+def random_weights(config: dict[str, Any], seed: int, emitted: list[int]) -> dict[str, mx.array]:
     from mlx_lm.models import llama
 
     model = llama.Model(llama.ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
@@ -77,8 +87,8 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, mx.array]:
             std = 1.0 if "embed" in name else 1.5 / math.sqrt(shape[-1])
             value = mx.random.normal(shape, dtype=mx.bfloat16, key=keys[i]) * std
             if "embed" in name:
-                rows = mx.arange(shape[0])[:, None]
-                keep = (rows >= len(SPECIAL_IDS)) & (rows < TOKENIZER_TOKENS)
+                keep = mx.zeros((shape[0], 1), dtype=mx.bool_)
+                keep[mx.array(emitted)] = True
                 value = mx.where(keep, value, mx.zeros_like(value))
         else:
             value = mx.ones(shape, dtype=mx.bfloat16)  # norm scales
@@ -101,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     config = llama_1b_config(args.hidden_size, args.layers, args.vocab)
-    weights = random_weights(config, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(args.out_dir, "bpe")
+    weights = random_weights(config, args.seed, text_ids(args.out_dir))
     mx.save_safetensors(str(args.out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (args.out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    build_tokenizer(args.out_dir, "bpe")
     params = sum(w.size for w in weights.values())
     print(f"wrote {args.out_dir}: {params / 1e9:.3f} B parameters on {mx.default_device()} "
           f"in {time.perf_counter() - start:.1f} s")

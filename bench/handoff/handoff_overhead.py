@@ -118,7 +118,10 @@ def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
 def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict[str, Node]:
     cpus = args.cpus or [None, None, None]
     gpus = args.gpus or [None, None, None]
-    common = ["--model", str(model), "--internal-token", token, *args.node_arg]
+    # no prefix cache: the streamed and the pulled setup send the same prompt to one prefill node,
+    # and the second would measure a hit instead of a prefill
+    common = ["--model", str(model), "--internal-token", token, "--prefix-cache-bytes=0",
+              *args.node_arg]
     engines = {role: start_on(Node(role, common, logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
     for i, node in enumerate(engines.values()):
