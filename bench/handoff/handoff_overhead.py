@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ class Sample:
     overlap: float | None = None
     stall_steps: float | None = None
     node_gap_s: float | None = None  # the decode node's own: first token passed on -> second out
+    # the overhead's two parts, streamed only: prefill done -> the first token reached the decode
+    # node, and the install (`Engine.install_segments`: queueing on the device thread included)
+    reach_s: float | None = None
+    install_s: float | None = None
 
     @property
     def gap_steps(self) -> float:
@@ -161,7 +166,8 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
 
 
 def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
-            background: BackgroundStreams | None) -> list[Sample]:
+            background: BackgroundStreams | None, handoff_records: dict[str, Any]) -> list[Sample]:
+    """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`."""
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
     windows: dict[str, tuple[float, float]] = {}
@@ -185,6 +191,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                     pending.append((setup, tokens, rid, ttft, arrivals))
         sent = records(client, servers["prefill"], token)
         got = records(client, servers["decode"], token)
+    handoff_records.update(prefill=sent, decode=got)
     gaps = background.gaps() if background is not None else []
     quiet_step = None
     for setup, tokens, rid, ttft, arrivals in pending:
@@ -197,9 +204,12 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                 raise SystemExit(f"{rid}: no handoff records (prefill {out}, decode {into})")
             done, joined = float(out["prefill_done_at"]), float(into["installed_at"])
             windows[rid] = (done, joined + 1.0)
+            reached = (None if into.get("first_token_s") is None else
+                       float(into["opened_at"]) + float(into["first_token_s"]) - done)
             sample = Sample(setup, tokens, rid, ttft, sample.second_gap_s, step,
                             prefill_s=float(out["prefill_s"]), overhead_s=joined - done,
-                            overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"))
+                            overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"),
+                            reach_s=reached, install_s=into.get("install_s"))
         samples.append(sample)
     if background is not None and gaps:
         busy = list(windows.values())
@@ -235,6 +245,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                     "overhead_ms": med(s.overhead_s or 0.0 for s in some) * 1e3,
                     "overhead_share": med((s.overhead_s or 0.0) / (s.prefill_s or 1.0) for s in some),
                     "overlap": med(s.overlap or 0.0 for s in some),
+                    "reach_ms": _median_ms(s.reach_s for s in some),
+                    "install_ms": _median_ms(s.install_s for s in some),
                     "node_gap_ms": med(s.node_gap_s for s in some if s.node_gap_s is not None) * 1e3
                     if any(s.node_gap_s is not None for s in some) else None,
                     "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
@@ -248,6 +260,11 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     return out
 
 
+def _median_ms(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) * 1e3 if known else None
+
+
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
     return "-" if value is None else format(value, fmt)
@@ -255,14 +272,16 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def print_table(summary: dict[str, Any]) -> None:
     print("\n| tokens | setup | TTFT ms | TTFT / single | prefill ms | overhead ms | overhead / prefill "
+          "| of it: 1st token reaches decode ms | install ms "
           "| 1st->2nd ms | in steps | decode node's 1st->2nd ms | step ms | KV before 1st token "
           "| stall steps (max) |")
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 15)
     for tokens, row in summary.items():
         for setup, m in row.items():
             print(f"| {tokens} | {setup} | {m['ttft_ms']:.1f} | {_cell(m, 'ttft_over_single', '.2f')} "
                   f"| {_cell(m, 'prefill_ms', '.1f')} | {_cell(m, 'overhead_ms', '.1f')} "
-                  f"| {_cell(m, 'overhead_share', '.3f')} "
+                  f"| {_cell(m, 'overhead_share', '.3f')} | {_cell(m, 'reach_ms', '.1f')} "
+                  f"| {_cell(m, 'install_ms', '.1f')} "
                   f"| {m['second_gap_ms']:.1f} | {m['gap_steps']:.2f} | {_cell(m, 'node_gap_ms', '.1f')} "
                   f"| {m['step_ms']:.1f} "
                   f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} |")
@@ -305,13 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
     servers: dict[str, Node] = {}
     background: BackgroundStreams | None = None
+    handoff_records: dict[str, Any] = {}
     try:
         servers = start(model, logs, token, args)
         if args.background_streams:
             background = BackgroundStreams(servers["stream"].url, pool[:32], args.background_streams,
                                            args.background_max_tokens)
             background.start()
-        samples = measure(args, servers, pool, token, background)
+        samples = measure(args, servers, pool, token, background, handoff_records)
     finally:
         if background is not None:
             background.stop()
@@ -323,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
-                                        "samples": [asdict(s) for s in samples]}, indent=2) + "\n")
+                                        "samples": [asdict(s) for s in samples],
+                                        "handoff_records": handoff_records}, indent=2) + "\n")
     return 0
 
 
