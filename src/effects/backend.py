@@ -5,8 +5,9 @@ machine and prefills locally; the router runs the router request machine over it
 Either way the front end sees one `Generation`: replies from the runner turned into
 `TokenOut` / `GenerationEnd` / `GenerationError`. Admission is the runner's
 (`statecore.policy.admission`); a stop string the front end matched reaches the core as the
-`StopMatched` event (`RunnerGeneration.stop`). This module may import `statecore` and
-trio; it must never import httpx, mlx or mlx_lm.
+`StopMatched` event (`RunnerGeneration.stop`). What the front end reads, stops and gives up is
+told to the runner's instruments as it happens (metrics time tokens as the client gets them).
+This module may import `statecore` and trio; it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class RunnerGeneration:
         return self._output(reply)
 
     def _output(self, reply: Reply) -> Output:
+        self.runner.instruments.reply_read(self.request_id, reply)
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
                 return TokenOut(token, logprobs)
@@ -90,20 +92,20 @@ class RunnerGeneration:
             case _:
                 assert_never(reply)
 
-    def _unfinished(self) -> GenerationError:
-        self._end()
-        return GenerationError(
-            ErrorInfo(Fault.BUG, Code.INTERNAL, "the request ended without a completion")
-        )
+    def _unfinished(self) -> Output:
+        return self._output(Reject(self.request_id, ErrorInfo(
+            Fault.BUG, Code.INTERNAL, "the request ended without a completion")))
 
     def _end(self) -> None:
         self._ended = True
         self.replies.close()  # nothing more is read; also when the iterator is never resumed
 
     async def stop(self) -> None:
+        self.runner.instruments.generation_stopped(self.request_id)
         await self.runner.post(self.request_id, StopMatched())
 
     async def cancel(self) -> None:
+        self.runner.instruments.generation_cancelled(self.request_id)
         await self.runner.post(self.request_id, ClientCancelled())
 
 
@@ -133,14 +135,19 @@ class RunnerBackend:
         return self.runner.ready()
 
     async def start(self, request: GenerationRequest) -> RunnerGeneration:
-        refused = self.runner.admission_error(self.max_live)
-        if refused is not None:
-            raise StatecoreError(refused)
-        await self.faults.at(Phase.INTAKE, request.request_id)
-        first_event, context = self._admit(request)
-        replies = await self.runner.open(
-            request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
-        )
+        try:
+            refused = self.runner.admission_error(self.max_live)
+            if refused is not None:
+                raise StatecoreError(refused)
+            await self.faults.at(Phase.INTAKE, request.request_id)
+            first_event, context = self._admit(request)
+            replies = await self.runner.open(
+                request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
+            )
+        except StatecoreError as exc:
+            self.runner.instruments.generation_refused(exc.info)
+            raise
+        self.runner.instruments.generation_started(request.request_id, len(request.prompt))
         await self.runner.post(request.request_id, first_event)
         return RunnerGeneration(self.runner, request.request_id, replies, context)
 

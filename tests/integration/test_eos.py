@@ -62,13 +62,18 @@ def test_ignore_eos_crosses_the_internal_wire() -> None:
 
 
 async def test_a_reply_that_is_only_eos_reports_one_completion_token(bpe_dir: Path) -> None:
-    backend = FakeBackend(fake_model_info(context_length=256))
-    backend.scripts.append([GenerationEnd("stop")])
+    engine = FakeEngine(eos_at=1)
+    performer = EnginePerformer(engine)
+    runner = NodeRunner(DECODE_REQUEST, performer)
     metrics = Metrics("single")
-    frontend = Frontend.load(bpe_dir, metrics.backend(backend))
+    metrics.watch(runner, engine=engine, handoffs=performer.handoffs)
+    frontend = Frontend.load(bpe_dir, local_backend(runner, performer))
     transport = httpx.ASGITransport(app=build_app(frontend))
-    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(transport=transport,
+                                                                base_url="http://node") as client:
+        await nursery.start(runner.run)
         reply = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        nursery.cancel_scope.cancel()
     body = reply.json()
     assert body["choices"][0]["text"] == "" and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 1

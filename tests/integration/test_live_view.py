@@ -23,7 +23,7 @@ from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
 from effects.ports import GenerationEnd, GenerationRequest
-from effects.runner import NodeRunner
+from effects.runner import Instrument, NodeRunner
 from statecore.events import DrainRequested
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST
@@ -34,13 +34,15 @@ class Node:
         self.performer = EnginePerformer(FakeEngine())
         self.runner = NodeRunner(DECODE_REQUEST, self.performer, name="single")
         self.hooked: list[tuple[object, ...]] = []
+        hooked = self.hooked
 
-        def earlier_hook(*args: object) -> None:  # the logger's place: set before the view's
-            self.hooked.append(args[:3])
+        class Earlier(Instrument):  # the logger's place: added before the view's
+            def transition(self, *args: object) -> None:
+                hooked.append(args[:3])
 
-        self.runner.on_transition = earlier_hook
+        self.runner.instruments.add(Earlier())
         self.metrics = Metrics("single")
-        self.backend = self.metrics.backend(local_backend(self.runner, self.performer))
+        self.backend = local_backend(self.runner, self.performer)
         self.metrics.watch(self.runner)
         self.live = LiveView("single", self.runner, self.metrics.registry)
 
