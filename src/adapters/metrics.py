@@ -192,7 +192,9 @@ class Metrics(Instrument):
             self.kv_bytes.labels(role, direction)
         self._timings: dict[RequestId, _Timing] = {}  # an engine node's requests, from admission
         self._reads: dict[RequestId, _Timing] = {}  # a front end's generations, from their start
-        self._pull_started: dict[RequestId, float] = {}  # a decode node's KV pulls under way
+        # a decode node's KV pulls under way, until their KvReceived is applied (it is posted before
+        # the pull's work ends, and applied after) or the request ends
+        self._pull_started: dict[RequestId, float] = {}
         self._pulled_installs: set[RequestId] = set()  # installs of a pulled payload under way
         self._engine: Engine | None = None  # an engine node's (what its events are read against)
         self._handoffs: HandoffLog | None = None
@@ -288,8 +290,6 @@ class Metrics(Instrument):
         pulled_install = rid in self._pulled_installs and isinstance(intent, InstallKv)
         if pulled_install:
             self._pulled_installs.discard(rid)
-        if isinstance(intent, FetchKv):
-            self._pull_started.pop(rid, None)
         if failure is not None:
             if isinstance(intent, FetchKv) or pulled_install:
                 code = failure.info.code.value if isinstance(failure, StatecoreError) else "internal"
