@@ -2,8 +2,8 @@
 
 A single node (and a decode node serving its own short prompts) runs the decode request
 machine and prefills locally; the router runs the router request machine over its peers.
-Either way the front end sees one `Generation`: replies from the runner turned into
-`TokenOut` / `GenerationEnd` / `GenerationError`. Admission is the runner's
+Either way the front end sees one `Generation`: the runner's replies (`RespondToken`,
+`Complete`, `Reject`) as the core made them. Admission is the runner's
 (`statecore.policy.admission`); a stop string the front end matched reaches the core as the
 `StopMatched` event (`RunnerGeneration.stop`). What the front end reads, stops and gives up is
 told to the runner's instruments as it happens (metrics time tokens as the client gets them).
@@ -19,14 +19,7 @@ import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
-from effects.ports import (
-    GenerationEnd,
-    GenerationError,
-    GenerationRequest,
-    ModelInfo,
-    Output,
-    TokenOut,
-)
+from effects.ports import GenerationRequest, ModelInfo, Output
 from effects.runner import NodeRunner, Reply
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, unsupported_cache
 from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, StopMatched
@@ -81,16 +74,13 @@ class RunnerGeneration:
     def _output(self, reply: Reply) -> Output:
         self.runner.instruments.reply_read(self.request_id, reply)
         match reply:
-            case RespondToken(token=token, logprobs=logprobs):
-                return TokenOut(token, logprobs)
-            case Complete(finish_reason=reason):
+            case RespondToken():
+                pass
+            case Complete() | Reject():
                 self._end()
-                return GenerationEnd(reason)
-            case Reject(error=error):
-                self._end()
-                return GenerationError(error)
             case _:
                 assert_never(reply)
+        return reply
 
     def _unfinished(self) -> Output:
         return self._output(Reject(self.request_id, ErrorInfo(

@@ -22,10 +22,11 @@ from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
-from effects.ports import GenerationEnd, GenerationRequest
+from effects.ports import GenerationRequest
 from effects.runner import Instrument, NodeRunner
 from statecore.events import DrainRequested
 from statecore.ids import RequestId
+from statecore.intents import Complete
 from statecore.table import DECODE_REQUEST
 
 
@@ -50,7 +51,7 @@ class Node:
         generation = await self.backend.start(
             GenerationRequest(RequestId(rid), (5, 6, 7), SamplingParams(max_tokens)))
         outputs = [out async for out in generation]
-        assert isinstance(outputs[-1], GenerationEnd)
+        assert isinstance(outputs[-1], Complete)
 
 
 @pytest.fixture

@@ -20,10 +20,11 @@ from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults
 from effects.interpret import EnginePerformer
-from effects.ports import Backend, GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
+from effects.ports import Backend, GenerationRequest, Output
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
 from statecore.table import DECODE_REQUEST
 
 MARKER = 999
@@ -76,10 +77,10 @@ async def node(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncIt
 
 async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
     outputs = await node.generate([3, 4, 5], max_tokens=5)
-    assert isinstance(outputs[-1], GenerationEnd)
-    assert sum(isinstance(o, TokenOut) for o in outputs) == 5
+    assert isinstance(outputs[-1], Complete)
+    assert sum(isinstance(o, RespondToken) for o in outputs) == 5
     failed = await node.generate([3, MARKER], max_tokens=5)
-    assert isinstance(failed[-1], GenerationError)
+    assert isinstance(failed[-1], Reject)
     m = node.metrics
     await settled(lambda: sample(m, "statecore:e2e_request_latency_seconds_count") == 2)
     assert sample(m, "statecore:generation_tokens_total") == 5
