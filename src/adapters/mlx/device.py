@@ -624,7 +624,9 @@ class DeviceLoop:
                 self.settings.max_num_batched_tokens, len(self.live),
                 oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
                 decode_only=self.handoff_joined or self.handoff_imminent(),
-                target_s=None if target_ms is None else target_ms / 1000, rates=self.rates)
+                target_s=None if target_ms is None else target_ms / 1000, rates=self.rates,
+                streamed_alone=len(self.waiting) == 1 and all(
+                    task.segment_sink is not None for task in self.waiting.values()))
             self.handoff_joined = False
             plan = plan_step(len(self.live), waiting, StepBudget(budget, self.settings.prefill_batch))
             current.prefill_tokens = plan.tokens - plan.decode_rows
