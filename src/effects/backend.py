@@ -21,10 +21,12 @@ from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
 from effects.ports import GenerationRequest, ModelInfo, Output
 from effects.runner import NodeRunner, Reply
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, unsupported_cache
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, StopMatched
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
+from statecore.policy import travel_refusal
+from statecore.routing import prefills_locally
 
 # replies a request can produce beyond its tokens: a completion or a rejection, plus slack
 _REPLY_SLACK = 4
@@ -170,9 +172,11 @@ def router_backend(
     need a handoff, with a typed error naming the class — never mid-stream."""
     def admit(request: GenerationRequest) -> tuple[Event, RoutedRequest]:
         info = model_info()
-        local = len(request.prompt) < local_prefill_below
-        if not local and not info.can_travel:
-            raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
+        refused = travel_refusal(len(request.prompt), local_prefill_below, can_travel=info.can_travel,
+                                 untravelable_classes=info.untravelable_classes)
+        if refused is not None:
+            raise StatecoreError(refused)
+        local = prefills_locally(len(request.prompt), local_prefill_below)
         return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling, local=local)
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
