@@ -56,7 +56,7 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondToken, StartDecode, StartPrefill
-from statecore.policy import STOP, first_token_ends
+from statecore.policy import counts_ending_token, first_token_ends
 from statecore.routing import Route as TurnRoute
 
 log = logging.getLogger("statecore.metrics")
@@ -339,7 +339,7 @@ class Metrics(Instrument):
             case RespondToken():
                 self.token(timing)
             case Complete(finish_reason=reason):
-                if reason == STOP:  # the EOS token, counted as usage.completion_tokens counts it
+                if counts_ending_token(reason):  # the EOS token, as usage.completion_tokens counts it
                     self.generation_tokens.inc()
                 self._read_all(request_id, observe=True)
             case Reject():

@@ -169,7 +169,7 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     if local_below == 0:  # every prompt through a prefill node: nothing overflows
         prefill_backlog = None
     best = choose_node(prompt_tokens, decode_candidates, load_tokens)
-    if best.cached_tokens > 0 and prompt_tokens - best.cached_tokens < local_below:
+    if best.cached_tokens > 0 and prefills_locally(prompt_tokens - best.cached_tokens, local_below):
         return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
     if prefills_locally(prompt_tokens, local_below):
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)

@@ -29,7 +29,7 @@ from statecore.errors import ErrorInfo
 from statecore.events import Event, RetryRequested
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import STOP
+from statecore.policy import STOP, counts_ending_token
 
 log = logging.getLogger("statecore")
 
@@ -165,7 +165,7 @@ class RequestLines(Instrument):
                 note.token()
             case Complete(finish_reason=reason):
                 note.finish = reason
-                note.completion_tokens += reason == STOP  # the EOS token, as usage counts it
+                note.completion_tokens += counts_ending_token(reason)  # the EOS token, as usage counts it
                 del self._notes[request_id]
             case Reject(error=error):
                 note.error = error.code.value
