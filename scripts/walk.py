@@ -87,7 +87,9 @@ class Walk:
         print(f"engine files: {sorted(f for f in self.files if f.startswith(ENGINE))}")
         crossing = sorted((a, b) for a, b in self.pairs if a.split("/")[0] != b.split("/")[0]
                           and not (a.startswith(ENGINE) or b.startswith(ENGINE)))
-        print(f"layer crossings (caller -> callee file pairs, engine left out): {len(crossing)}")
+        told = [(a, b) for a, b in crossing if a in OBSERVERS or b in OBSERVERS]
+        print(f"layer crossings (caller -> callee file pairs, engine left out): {len(crossing) - len(told)} "
+              f"on the request's path, {len(told)} to and from the observers")
         for a, b in crossing:
             print(f"  {a} -> {b}")
 
