@@ -32,6 +32,7 @@ from adapters.kv import codec
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
+from adapters.mlx.requests import EngineRequest, Held, Phase
 from adapters.mlx.sampling import PositionSampler
 from effects.engine_port import (
     Engine,
@@ -981,7 +982,7 @@ def waiting_keep_task(device: Any) -> PrefillTask:
     sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
     task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
                        prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
-    device.waiting[task.request_id] = task
+    device.requests.add(EngineRequest(task.request_id, Phase.KEEPING, task=task))
     return task
 
 
@@ -994,7 +995,7 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
     def admit_beside_a_keep_task() -> bool:
         device = engine._device
         task = waiting_keep_task(device)
-        device.reserved[task.request_id] = SMALL_BUDGET - 100_000
+        device.requests[task.request_id].reserved = SMALL_BUDGET - 100_000
         device.admit("r", 200_000, 100)  # fits only once the keep task is gone
         device.unreserve("r")
         return task.request_id not in device.waiting and task.request_id not in device.reserved
@@ -1033,8 +1034,9 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
     def refused_beside_a_keep_task() -> bool:
         device = engine._device
         task = waiting_keep_task(device)
-        device.reserved[task.request_id] = 10_000
-        device.reserved["live"] = budget - 20_000
+        device.requests[task.request_id].reserved = 10_000
+        device.requests.add(EngineRequest("live", Phase.HELD, reserved=budget - 20_000,
+                                          held=Held([], 1, 0)))
         try:
             device.admit("r", 30_000, 10)  # fits once "live" leaves, not for the keep task's room
         except StatecoreError as exc:
@@ -1043,8 +1045,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
             overloaded = False
         still_waiting = task.request_id in device.waiting and task.request_id in device.reserved
         for rid in ("r", "live", task.request_id):
-            device.unreserve(rid)
-        device.waiting.pop(task.request_id, None)
+            device.forget(rid)
         return overloaded and still_waiting
 
     assert await engine._call(refused_beside_a_keep_task)

@@ -69,6 +69,7 @@ from adapters.mlx.jobs import (
 from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
+from adapters.mlx.requests import ChoiceGroup, EngineRequest, Held, Phase, RequestTable
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, read_logprobs
 from adapters.mlx.slot_lane import SlotLane
@@ -102,7 +103,7 @@ from statecore.scheduling import (
     work_unit_tokens,
 )
 
-__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Settings", "SlowStep"]
+__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -192,27 +193,6 @@ class _StepOutputs:
 
 
 @dataclass(eq=False)
-class Held:
-    """A prefilled cache waiting for its export or its local decode."""
-
-    cache: list[Any]
-    prompt_tokens: int
-    nbytes: int
-    sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
-
-
-@dataclass(eq=False)
-class _Gathering:
-    """The choices of one request (n > 1) that reached a batched lane, waiting for the others."""
-
-    choices: int
-    seen: float  # time.monotonic() when a missing choice was last known to be on its way here
-    # choice -> (its row, its prompt's cache, the prompt, its lane)
-    arrived: dict[int, tuple[Live, list[Any], list[int], str]] = field(default_factory=dict)
-    ended: set[int] = field(default_factory=set)
-
-
-@dataclass(eq=False)
 class InFlight:
     """A step handed to the device; read back after the next one is built."""
 
@@ -270,10 +250,13 @@ class DeviceLoop:
         self.slots = SlotLane(self)  # rows of plain KVCache models, in `pool`
         self.batch = BatchLane(self)  # rows of the other batchable families
         self.solo = SoloLane(self)  # rows that step alone
-        self.held: dict[str, Held] = {}
-        self.live: dict[str, Live] = {}
-        self.waiting: dict[str, PrefillTask] = {}
-        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for a batched lane
+        # Every request's one record; the maps below are read-only views of it.
+        self.requests = RequestTable()
+        self.held = self.requests.held  # prefilled caches waiting for their export or decode
+        self.live = self.requests.live  # requests in the decoder (gathering choices included)
+        self.waiting = self.requests.waiting  # prompts and keep tasks with prefill work left
+        self.gathering = self.requests.gathering  # choices of n > 1 waiting for their siblings
+        self.choice_groups: dict[str, ChoiceGroup] = {}  # by choice group: what gathering choices share
         self.arrivals = 0
         self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
@@ -281,7 +264,6 @@ class DeviceLoop:
         self.running: Job[Any] | None = None  # the job being computed now
         self.cost = KvCost(0, 0, 0)
         self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
-        self.reserved: dict[str, int] = {}  # each request's own KV bytes (outside the slot pool)
         self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
         self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
@@ -425,19 +407,20 @@ class DeviceLoop:
 
     # -- KV memory -----------------------------------------------------------------------------
 
-    def admit(self, request_id: str, need: int, tokens: int) -> None:
-        """Reserve `need` bytes for the request's own KV cache (replacing what it had), or raise:
-        OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits. Kept
-        prefixes, then keep tasks, give way to it, as far as it needs, and only when that makes
-        it fit: a request refused anyway takes nothing from them."""
+    def admit(self, request_id: str, need: int, tokens: int) -> int:
+        """Make room for `need` bytes of the request's own KV cache (replacing what its record
+        reserves) and return it for the caller to put on the record, or raise: OVERLOADED when it
+        fits once others leave, KV_MEMORY_EXCEEDED when it never fits. Kept prefixes, then keep
+        tasks, give way to it, as far as it needs, and only when that makes it fit: a request
+        refused anyway takes nothing from them."""
         budget = self.settings.kv_memory_bytes
-        others = self.reserved_bytes - self.reserved.get(request_id, 0)
+        others = self.reserved_bytes - self.requests.reserved_by(request_id)
         verdict = kv_admission(need, others, self.pool_reserved, budget)  # every kept block gone
         if verdict is KvAdmission.LATER:
-            keeping = sum(self.reserved.get(rid, 0) for rid, task in self.waiting.items() if task.keeps_only)
+            keeping = sum(record.reserved for record in self.requests.in_phase(Phase.KEEPING))
             if kv_admission(need, others - keeping, self.pool_reserved, budget) is KvAdmission.FITS:
                 self.drop_keep_tasks()
-                others = self.reserved_bytes - self.reserved.get(request_id, 0)
+                others = self.reserved_bytes - self.requests.reserved_by(request_id)
                 verdict = KvAdmission.FITS
         if verdict is KvAdmission.FITS and self.prefix is not None:
             self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
@@ -449,7 +432,7 @@ class DeviceLoop:
                 f"KV memory is taken by live requests ({others:,} of {budget - self.pool_reserved:,} "
                 f"bytes); this one needs {need:,}: try again shortly",
             ))
-        self.reserved[request_id] = need
+        return need
 
     def prefix_room(self) -> int:
         """What the KV budget leaves beside requests' reservations, the slot pool's share and the
@@ -476,11 +459,21 @@ class DeviceLoop:
         ))
 
     @property
+    def reserved(self) -> dict[str, int]:
+        """Each request's own KV bytes (outside the slot pool): a view of the records."""
+        return self.requests.reserved
+
+    @property
     def reserved_bytes(self) -> int:
-        return sum(self.reserved.values())
+        return self.requests.reserved_bytes
 
     def unreserve(self, request_id: str) -> None:
-        self.reserved.pop(request_id, None)
+        self.requests.unreserve(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """A request leaves the engine (its prefill failed or was given up, a keep task is done or
+        dropped): its record, and with it its reservation, goes."""
+        self.requests.remove(request_id)
 
     def quantize(self, cache: list[Any]) -> None:
         if self.settings.kv_bits is None:
@@ -511,8 +504,7 @@ class DeviceLoop:
 
     def run(self) -> None:
         while True:
-            gathered = sum(len(group.arrived) for group in self.gathering.values())
-            busy = bool(len(self.live) > gathered or self.waiting or self.inflight)
+            busy = bool(len(self.live) > len(self.gathering) or self.waiting or self.inflight)
             # Choices waiting for each other wake the loop when their patience ends.
             jobs = self.take_jobs(wait=not busy, timeout=self.gathering_timeout())
             for job in jobs:
@@ -581,8 +573,7 @@ class DeviceLoop:
         """Prompts whose caller left before their prefill finished stop taking steps."""
         for rid in [rid for rid, task in self.waiting.items()
                     if not task.keeps_only and task.job.is_abandoned()]:
-            del self.waiting[rid]
-            self.unreserve(rid)
+            self.forget(rid)
 
     def account(self, what: str, started: float, calls: int = 1) -> None:
         calls_before, seconds = self.profile[what]
@@ -727,7 +718,7 @@ class DeviceLoop:
                                  len(members))
                 self.step_retries += 1
                 for task in members:
-                    task.restart()
+                    self.restart(task)
                 continue
             self.account("prefill_batched", started, len(members))
             for task in members:
@@ -746,8 +737,7 @@ class DeviceLoop:
                 if task.keeps_only:  # nobody waits for it: the conversation is just not kept
                     logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
                                    type(exc).__name__, exc)
-                    del self.waiting[task.request_id]
-                    self.unreserve(task.request_id)
+                    self.forget(task.request_id)
                     continue
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
@@ -755,22 +745,22 @@ class DeviceLoop:
                     self.step_retries += 1
                     logger.warning("prefill of %s raised (%s: %s); starting it again",
                                    task.request_id, type(exc).__name__, exc)
-                    task.restart()
+                    self.restart(task)
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
-                del self.waiting[task.request_id]
-                self.unreserve(task.request_id)
+                self.forget(task.request_id)
                 self.choice_ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             outputs.extend(self.capture_segments(task, current))
             if task.finished and task.keeps_only:
-                del self.waiting[task.request_id]  # its kept blocks are among the pieces
-                self.unreserve(task.request_id)
+                self.forget(task.request_id)  # its kept blocks are among the pieces
                 outputs.extend(pieces)
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
+                if not task.keeps_only:
+                    self.requests[task.request_id].phase = Phase.PREFILLING
                 outputs.extend(pieces)
         self.account("prefill_chunks", started)
         return outputs.arrays
@@ -820,8 +810,7 @@ class DeviceLoop:
         kept_room = room - decode - (0 if self.prefix is None else self.prefix.nbytes)
         for call in [call for call in calls if call[3].keeps_only and call[1][0] > kept_room]:
             calls.remove(call)
-            del self.waiting[call[3].request_id]
-            self.unreserve(call[3].request_id)
+            self.forget(call[3].request_id)
         if self.prefix is not None:
             # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
             if calls:
@@ -940,8 +929,7 @@ class DeviceLoop:
             task.cache = cache
             task.done_tokens = count * chunk
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
-        self.reserved[keep_id] = need
-        self.waiting[keep_id] = task
+        self.requests.add(EngineRequest(keep_id, Phase.KEEPING, reserved=need, task=task))
         self.conversations_kept += 1
         self.conversation_tokens_kept += len(tokens) - task.done_tokens
 
@@ -949,8 +937,7 @@ class DeviceLoop:
         """Forget every keep task not yet done (admission needs their memory); whether any was."""
         dropped = [rid for rid, task in self.waiting.items() if task.keeps_only]
         for rid in dropped:
-            del self.waiting[rid]
-            self.unreserve(rid)
+            self.forget(rid)
         return bool(dropped)
 
     def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:
@@ -1031,7 +1018,7 @@ class DeviceLoop:
         self.hand_out(deliveries)
 
     def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        del self.waiting[task.request_id]
+        self.requests[task.request_id].phase = Phase.PREFILLED
         current.finished_prefills.append(task)
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
@@ -1052,7 +1039,9 @@ class DeviceLoop:
                     self.end(owner, error, deliveries)
             finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
             for task in step.finished_prefills:
-                self.unreserve(task.request_id)
+                record = self.requests.get(task.request_id)
+                if record is not None and record.task is task:
+                    self.forget(task.request_id)
             self.slots.last_tokens = None
         else:
             self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
@@ -1065,7 +1054,8 @@ class DeviceLoop:
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
-                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
+                self.requests.hold(task.request_id, Held(task.cache, len(task.tokens), nbytes,
+                                                         task.sampler.sampling))
                 logprobs = read_logprobs(task.sampler.take_logprobs())
                 outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens,
                                          streamed=task.segment_sink is not None)
@@ -1113,20 +1103,26 @@ class DeviceLoop:
         deliveries.setdefault(live.token, []).append((live.send, item, True))
 
     def remove(self, live: Live) -> None:
-        if self.live.get(live.request_id) is live:
-            del self.live[live.request_id]
-            self.unreserve(live.request_id)
+        record = self.requests.get(live.request_id)
+        if record is not None and record.live is live:
+            self.requests.remove(live.request_id)  # its reservation with it
             if self.speculator is not None:
                 self.speculator.left(live.request_id)
-        sampling = live.sampler.sampling
-        group = self.gathering.get(sampling.choice_group) if sampling.choices > 1 else None
-        if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
-            del group.arrived[sampling.choice]
-            group.ended.add(sampling.choice)
-            if not group.arrived:  # nobody of it waits any more
-                del self.gathering[sampling.choice_group]
+            sampling = live.sampler.sampling
+            group = self.choice_groups.get(sampling.choice_group) if sampling.choices > 1 else None
+            if group is not None and record.phase is Phase.GATHERING:
+                group.ended.add(sampling.choice)
+                if not self.arrived(sampling.choice_group):  # nobody of it waits any more
+                    del self.choice_groups[sampling.choice_group]
         self.slots.leave(live)
         self.batch.remove(live)
+
+    def restart(self, task: PrefillTask) -> None:
+        """A prefill that raised starts again from its first chunk in a later step."""
+        task.restart()
+        record = self.requests.get(task.request_id)
+        if record is not None and record.phase is Phase.PREFILLING:
+            record.phase = Phase.WAITING
 
     # -- the other lanes -----------------------------------------------------------------------
 
@@ -1144,15 +1140,21 @@ class DeviceLoop:
             return "batch"
         return "solo"
 
-    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """Put a request with its prompt's cache into `lane` (the caller checked capacity); a
-        choice of n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
-        if lane != "solo" and live.sampler.sampling.choices > 1:
-            self.gather(live, cache, prompt, lane)
+    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str,
+             reserved: int | None = None) -> None:
+        """Put a request with its prompt's cache into `lane` (the caller checked capacity), its
+        record reserving `reserved` bytes from now (None: what it reserves already); a choice of
+        n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
+        if lane != "solo" and live.sampler.sampling.choices > 1 and self.gather(live):
+            record = self.requests.join(live, lane, (cache, prompt))
         else:
             self.enter(live, cache, prompt, lane)
-        self.live[live.request_id] = live
-        if self.gathering:
+            record = self.requests.join(live, lane, None)
+        if reserved is not None:
+            record.reserved = reserved
+        if lane == "slot" and record.phase is Phase.RUNNING:
+            record.reserved = 0  # its KV lives in the pool now
+        if self.choice_groups:
             self.release_choices()
 
     def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
@@ -1160,7 +1162,6 @@ class DeviceLoop:
         live.limit = needed
         if lane == "slot":
             self.slots.enter(live, cache, len(prompt), needed)
-            self.unreserve(live.request_id)  # its KV lives in the pool now
             if self.speculator is not None:
                 self.speculator.joined(live, prompt)
         elif lane == "batch":
@@ -1170,27 +1171,33 @@ class DeviceLoop:
 
     # -- the choices of one request (n > 1) in a batched lane ----------------------------------
 
-    def gather(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """A choice reaches its lane: it waits for the request's other choices, and enters with
-        them. One that comes after its siblings already decode here enters at once."""
+    def gather(self, live: Live) -> bool:
+        """A choice reaches its lane: whether it waits for the request's other choices, to enter
+        with them. One that comes after its siblings already decode here enters at once."""
         sampling = live.sampler.sampling
-        group = self.gathering.get(sampling.choice_group)
+        group = self.choice_groups.get(sampling.choice_group)
         if group is None:
             if any((other.batched or other.slot is not None)
                    and other.sampler.sampling.choice_group == sampling.choice_group
                    for other in self.live.values()):
-                self.enter(live, cache, prompt, lane)
-                return
-            group = self.gathering[sampling.choice_group] = _Gathering(sampling.choices, time.monotonic())
-        group.arrived[sampling.choice] = (live, cache, prompt, lane)
+                return False
+            group = ChoiceGroup(sampling.choices, time.monotonic())
+            self.choice_groups[sampling.choice_group] = group
         group.seen = time.monotonic()
+        return True
+
+    def arrived(self, group: str) -> dict[int, EngineRequest]:
+        """The gathering choices of a request, by choice."""
+        return {record.live.sampler.sampling.choice: record
+                for record in self.requests.in_phase(Phase.GATHERING)
+                if record.live is not None and record.live.sampler.sampling.choice_group == group}
 
     def choice_ended(self, sampling: SamplingParams | None) -> None:
         """A choice that will not decode here (it ended at its first token, failed, or was
         cancelled): its siblings stop waiting for it."""
         if sampling is None or sampling.choices <= 1:
             return
-        group = self.gathering.get(sampling.choice_group)
+        group = self.choice_groups.get(sampling.choice_group)
         if group is not None:
             group.ended.add(sampling.choice)
         self.release_choices()
@@ -1199,23 +1206,31 @@ class DeviceLoop:
         """Every request whose arrived choices may enter their lane now enters it: in one step, in
         choice order (in the slot lane each takes the lowest free slot, so the same ones)."""
         now = time.monotonic()
-        for key, group in list(self.gathering.items()):
-            missing = set(range(group.choices)) - set(group.arrived) - group.ended
+        for key, group in list(self.choice_groups.items()):
+            arrived = self.arrived(key)
+            missing = set(range(group.choices)) - set(arrived) - group.ended
             if missing and self.choices_on_their_way(key, missing):
                 group.seen = now
-            joining = joining_choices(group.choices, group.arrived, group.ended, now - group.seen,
+            joining = joining_choices(group.choices, arrived, group.ended, now - group.seen,
                                       CHOICE_PATIENCE_S)
             if not joining:
                 continue
-            del self.gathering[key]
+            del self.choice_groups[key]
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
             for choice in joining:
-                live, cache, prompt, lane = group.arrived[choice]
+                record = arrived[choice]
+                live, lane = record.live, record.lane
+                assert live is not None and lane is not None and record.arrived is not None
+                cache, prompt = record.arrived
                 try:
                     self.enter(live, cache, prompt, lane)
                 except Exception as exc:  # this choice fails (its slot's copy kept raising), nothing else
                     logger.exception("request %s could not enter the %s lane", live.request_id, lane)
                     self.end(live, as_statecore(exc), deliveries)
+                    continue
+                record.phase, record.arrived = Phase.RUNNING, None
+                if lane == "slot":
+                    record.reserved = 0  # its KV lives in the pool now
             self.hand_out(deliveries)
 
     def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
@@ -1226,10 +1241,10 @@ class DeviceLoop:
 
     def gathering_timeout(self) -> float | None:
         """Seconds until the first waiting request's patience ends (None: nobody waits)."""
-        if not self.gathering:
+        if not self.choice_groups:
             return None
         now = time.monotonic()
-        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
+        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.choice_groups.values()))
 
     def overloaded(self) -> StatecoreError | None:
         if len(self.live) >= self.settings.max_batch:
@@ -1241,19 +1256,22 @@ class DeviceLoop:
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
-        held = self.held.pop(request_id, None)
-        if held is not None and request_id not in self.live:
-            self.choice_ended(held.sampling)
-        self.unreserve(request_id)
-        task = self.waiting.pop(request_id, None)
-        if task is not None:
-            self.choice_ended(task.sampler.sampling)
-            self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
+        record = self.requests.get(request_id)
+        if record is None:
+            return
+        if record.phase is Phase.GATHERING or record.phase is Phase.RUNNING:
+            assert record.live is not None
+            self.remove(record.live)
+            post(record.live.token, deliver, [(record.live.send, None, True)])
+            return
+        self.requests.remove(request_id)
+        if record.phase is Phase.HELD:
+            self.choice_ended(record.sampling)
+        elif record.phase in (Phase.WAITING, Phase.PREFILLING):
+            assert record.task is not None
+            self.choice_ended(record.task.sampler.sampling)
+            self.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
-        leaving = self.live.get(request_id)
-        if leaving is not None:
-            self.remove(leaving)
-            post(leaving.token, deliver, [(leaving.send, None, True)])
 
     def die(self, error: StatecoreError) -> None:
         """Leave everything dead: fail the running and queued jobs, waiting prefills and live
@@ -1276,11 +1294,8 @@ class DeviceLoop:
                 post(task.job.token, task.job.done.set)
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
-        self.waiting.clear()
-        self.gathering.clear()
-        self.live.clear()
-        self.held.clear()
-        self.reserved.clear()
+        self.requests.clear()
+        self.choice_groups.clear()
         self.batch.clear()
         self.model = None
         self.pool = None
