@@ -1007,6 +1007,17 @@ class DeviceLoop:
         self.start_from_prefix(task, task.block_keys, again=True)
         return task.done_units > 0
 
+    def slot_tokens_in_flight(self) -> bool:
+        return self.inflight is not None and self.inflight.tokens is not None
+
+    def read_back_now(self) -> None:
+        previous, self.inflight = self.inflight, None
+        if previous is not None:
+            self.read_back(previous)
+
+    def slot_inputs_on_host(self) -> None:
+        self.slots.last_tokens = None
+
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
         logger.exception("a decode step failed for %d requests", len(rows))
