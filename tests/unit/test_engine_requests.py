@@ -10,28 +10,29 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.mlx.prefill import PrefillTask
-from adapters.mlx.requests import EngineRequest, Held, Phase, RequestTable
+from adapters.mlx.requests import EngineRequest, Held, RequestTable
 from adapters.mlx.rows import Live
+from statecore.engine_schedule import EnginePhase
 
 TASK = cast(PrefillTask, object())
 LIVE = cast(Live, SimpleNamespace(request_id="a"))
 HELD = Held([], 3, 100)
 
 # phase -> the views a record of it is in
-VIEWS: dict[Phase, set[str]] = {
-    Phase.WAITING: {"waiting"},
-    Phase.PREFILLING: {"waiting"},
-    Phase.KEEPING: {"waiting"},
-    Phase.PREFILLED: set(),
-    Phase.HELD: {"held"},
-    Phase.GATHERING: {"live", "gathering"},
-    Phase.RUNNING: {"live"},
+VIEWS: dict[EnginePhase, set[str]] = {
+    EnginePhase.WAITING: {"waiting"},
+    EnginePhase.PREFILLING: {"waiting"},
+    EnginePhase.KEEPING: {"waiting"},
+    EnginePhase.PREFILLED: set(),
+    EnginePhase.HELD: {"held"},
+    EnginePhase.GATHERING: {"live", "gathering"},
+    EnginePhase.RUNNING: {"live"},
 }
 
 
-def record(rid: str, phase: Phase, reserved: int = 0) -> EngineRequest:
-    fields: dict[str, Any] = {"task": TASK, "held": HELD if phase is Phase.HELD else None,
-                              "live": LIVE if phase in (Phase.GATHERING, Phase.RUNNING) else None}
+def record(rid: str, phase: EnginePhase, reserved: int = 0) -> EngineRequest:
+    fields: dict[str, Any] = {"task": TASK, "held": HELD if phase is EnginePhase.HELD else None,
+                              "live": LIVE if phase in (EnginePhase.GATHERING, EnginePhase.RUNNING) else None}
     return EngineRequest(rid, phase, reserved=reserved, **fields)
 
 
@@ -51,22 +52,22 @@ def test_holding_a_dropped_request_brings_it_back_without_a_reservation() -> Non
     (the caller's undo releases it)."""
     table = RequestTable()
     table.hold("r", HELD)
-    assert table["r"].phase is Phase.HELD and table.reserved_bytes == 0 and table.held["r"] is HELD
+    assert table["r"].phase is EnginePhase.HELD and table.reserved_bytes == 0 and table.held["r"] is HELD
 
 
 def test_joining_moves_a_request_to_the_end_and_drops_its_task_and_cache() -> None:
     table = RequestTable()
-    table.add(record("a", Phase.HELD, reserved=10))
-    table.add(record("b", Phase.WAITING, reserved=5))
+    table.add(record("a", EnginePhase.HELD, reserved=10))
+    table.add(record("b", EnginePhase.WAITING, reserved=5))
     joined = table.join(LIVE, "batch", None)
     assert [rid for rid, _ in table.items()] == ["b", "a"]
-    assert joined.phase is Phase.RUNNING and joined.lane == "batch" and joined.reserved == 10
+    assert joined.phase is EnginePhase.RUNNING and joined.lane == "batch" and joined.reserved == 10
     assert joined.task is None and joined.held is None and table.live["a"] is LIVE
 
 
-@given(st.lists(st.tuples(st.sampled_from(list(Phase)), st.integers(0, 1000), st.booleans()),
+@given(st.lists(st.tuples(st.sampled_from(list(EnginePhase)), st.integers(0, 1000), st.booleans()),
                 max_size=12))
-def test_the_views_and_reservations_follow_the_records(steps: list[tuple[Phase, int, bool]]) -> None:
+def test_the_views_and_reservations_follow_the_records(steps: list[tuple[EnginePhase, int, bool]]) -> None:
     """Whatever records come and go, each view holds exactly the records of its phases, in table
     order, and the reserved bytes are the records' sum."""
     table = RequestTable()

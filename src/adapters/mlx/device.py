@@ -1,8 +1,8 @@
 """The device loop: one thread that owns the model and every cache, and runs steps.
 
 Each step: drain the job queue (cancels, exports, joins take effect at once; new prompts queue as
-prefill tasks), ask the pure scheduler (`statecore.scheduling.plan_step`) what fits in the step's
-token budget, build that step's graph (every decoding row, then the planned prefill chunks), start
+prefill tasks), ask the pure scheduler (`statecore.engine_schedule.schedule`) for the step's plan
+(what fits its token budget and the KV memory), build that step's graph (every decoding row, then the planned prefill chunks), start
 it on the device with `mx.async_eval`, and only then read back the previous step's tokens and hand
 them out. Building step N+1 and delivering step N's tokens overlap the device computing step N;
 a row that ended in step N computes one throwaway token in step N+1.
@@ -43,7 +43,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -69,7 +68,7 @@ from adapters.mlx.jobs import (
 from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.requests import ChoiceGroup, EngineRequest, Held, Phase, RequestTable
+from adapters.mlx.requests import ChoiceGroup, EngineRequest, Held, RequestTable
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, read_logprobs
 from adapters.mlx.slot_lane import SlotLane
@@ -77,6 +76,15 @@ from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
+from statecore.engine_schedule import (
+    Budget,
+    Candidate,
+    EnginePhase,
+    Memory,
+    StepPlan,
+    choose_lane,
+    schedule,
+)
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
@@ -84,22 +92,13 @@ from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import (
     KvAdmission,
     ModelShape,
-    StepBudget,
     StepRates,
-    WaitingPrefill,
     activation_bytes,
-    batched_prefill_bytes,
     bucketed,
-    chunk_activation_bytes,
-    fit_activations,
     joining_choices,
     kv_admission,
     measured_step,
-    padding_groups,
-    plan_step,
     prefill_units,
-    prefill_work_bytes,
-    step_token_budget,
     work_unit_tokens,
 )
 
@@ -417,7 +416,7 @@ class DeviceLoop:
         others = self.reserved_bytes - self.requests.reserved_by(request_id)
         verdict = kv_admission(need, others, self.pool_reserved, budget)  # every kept block gone
         if verdict is KvAdmission.LATER:
-            keeping = sum(record.reserved for record in self.requests.in_phase(Phase.KEEPING))
+            keeping = sum(record.reserved for record in self.requests.in_phase(EnginePhase.KEEPING))
             if kv_admission(need, others - keeping, self.pool_reserved, budget) is KvAdmission.FITS:
                 self.drop_keep_tasks()
                 others = self.reserved_bytes - self.requests.reserved_by(request_id)
@@ -606,20 +605,9 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
-            for task in self.waiting.values():
-                self.look_again(task)  # blocks built since it arrived: the plan sees what is left
-            waiting = [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()]
-            oldest = min(waiting, key=lambda w: w.order, default=None)
-            target_ms = self.settings.step_target_ms
-            budget = step_token_budget(
-                self.settings.max_num_batched_tokens, len(self.live),
-                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
-                decode_only=self.handoff_joined or self.handoff_imminent(),
-                target_s=None if target_ms is None else target_ms / 1000, rates=self.rates)
-            self.handoff_joined = False
-            plan = plan_step(len(self.live), waiting, StepBudget(budget, self.settings.prefill_batch))
-            current.prefill_tokens = plan.tokens - plan.decode_rows
-            outputs.extend(self.build_prefills(plan.prefills, current))
+            plan = self.schedule()
+            current.prefill_tokens = plan.prefill_tokens
+            outputs.extend(self.build_prefills(plan, current))
             self.computing = ("", ())
             if outputs:
                 launching = time.perf_counter()
@@ -688,26 +676,59 @@ class DeviceLoop:
         error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
         self.end(live, error, deliveries)
 
-    def build_prefills(self, work: Any, current: InFlight) -> list[Any]:
+    def schedule(self) -> StepPlan:
+        """This step's plan (`statecore.engine_schedule.schedule`) from the records as they are."""
+        s = self.settings
+        for task in self.waiting.values():
+            self.look_again(task)  # blocks built since it arrived: the plan sees what is left
+        # A choice of n > 1 never shares a padded call: whether its siblings' prefills wait beside
+        # it is a matter of timing, and the rows of a padded call differ from a prompt's own call
+        # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
+        candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
+                                task.done_units, self.short_batching and task.is_short
+                                and task.sampler.sampling.choices == 1, task.keeps_only)
+                      for task in self.waiting.values()]
+        target_ms = s.step_target_ms
+        budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
+                        None if target_ms is None else target_ms / 1000, self.rates,
+                        decode_only=self.handoff_joined or self.handoff_imminent())
+        self.handoff_joined = False
+        memory = None
+        if s.prefill_memory_cap:
+            assert self.shape is not None
+            memory = Memory(s.kv_memory_bytes, 0 if self.pool is None else self.pool.nbytes,
+                            self.reserved_bytes, 0 if self.prefix is None else self.prefix.nbytes, self.shape,
+                            max((live.limit for live in self.live.values()), default=1), self.cost.per_token,
+                            ALLOCATION_STEP)
+        return schedule(len(self.live), candidates, budget, max_padding=s.max_padding, bucket=self.bucket,
+                        memory=memory)
+
+    def apply_memory_plan(self, plan: StepPlan) -> None:
+        """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
+        for request_id in plan.dropped_keeps:
+            self.forget(request_id)
+        if plan.evict_prefix_bytes and self.prefix is not None:
+            self.prefix.evict(plan.evict_prefix_bytes)
+        if plan.activation_estimate is None:
+            return
+        if plan.capped:
+            self.prefill_capped_steps += 1
+        if plan.over_budget:
+            if not self.activation_overruns:
+                logger.warning("a step's activations are estimated at %d bytes: beside the KV held, over "
+                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
+                               "counted in activation_overruns", plan.activation_estimate,
+                               self.settings.kv_memory_bytes)
+            self.activation_overruns += 1
+        self.activation_peak = max(self.activation_peak, plan.activation_estimate)
+
+    def build_prefills(self, plan: StepPlan, current: InFlight) -> list[Any]:
+        """Build the plan's prefill calls: its padded groups, then each prompt's units."""
         started = time.perf_counter()
         outputs = _StepOutputs(self.pipelined)
-        tasks = [(self.waiting[w.request_id], w.units) for w in work]
-        # Only prompts planned to finish this step: a batched call computes all of each prompt.
-        # Not a choice of n > 1: whether its siblings' prefills wait beside it is a matter of
-        # timing, and the rows of a padded call differ from a prompt's own call in their last bits
-        # (OpenBLAS); alone, a choice prefills as on any other node.
-        finishing = {w.request_id for w in work if w.finishes}
-        short = [task for task, _ in tasks
-                 if self.short_batching and task.is_short and task.request_id in finishing
-                 and task.sampler.sampling.choices == 1]
-        groups: list[list[PrefillTask]] = []
-        if len(short) > 1:
-            lengths = [len(task.tokens) for task in short]
-            groups = [[short[i] for i in group] for group in
-                      padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch)
-                      if len(group) > 1]
-        if self.settings.prefill_memory_cap and tasks:
-            groups, tasks = self.fit_prefills(groups, tasks)
+        self.apply_memory_plan(plan)
+        tasks = [(self.waiting[work.request_id], work.units) for work in plan.prefills]
+        groups = [[self.waiting[rid] for rid in group] for group in plan.groups]
         for members in groups:
             self.computing = ("prefill", [task.request_id for task in members])
             try:
@@ -760,90 +781,10 @@ class DeviceLoop:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
                 if not task.keeps_only:
-                    self.requests[task.request_id].phase = Phase.PREFILLING
+                    self.requests[task.request_id].phase = EnginePhase.PREFILLING
                 outputs.extend(pieces)
         self.account("prefill_chunks", started)
         return outputs.arrays
-
-    def fit_prefills(self, groups: list[list[PrefillTask]], tasks: list[tuple[PrefillTask, int]]
-                     ) -> tuple[list[list[PrefillTask]], list[tuple[PrefillTask, int]]]:
-        """Under a memory budget: of the planned prefill work, what fits beside the KV held and
-        reserved now and the decode rows' activations (`statecore.scheduling.fit_activations`).
-        A batched group keeps its oldest members (one left runs alone); a prompt keeps its first
-        units; the oldest planned prompt always advances, alone when even that is over (kept
-        prefix blocks are evicted first as far as that makes it fit). What is left out waits for
-        a later step, its place in line kept."""
-        shape = self.shape
-        assert shape is not None
-        planned = {task.request_id: units for task, units in tasks}
-        chunk_bytes = {task.request_id: chunk_activation_bytes(shape, task.chunks, self.bucket)
-                       for task, _ in tasks}
-
-        def alone(task: PrefillTask, units: int) -> int:
-            return prefill_work_bytes(chunk_bytes[task.request_id], task.units, task.done_units, units)
-
-        def batched(members: Sequence[PrefillTask]) -> int:
-            head = bucketed(max(len(task.tokens) - 1 for task in members), self.bucket)
-            return batched_prefill_bytes(shape, len(members), head, self.cost.per_token, ALLOCATION_STEP)
-
-        calls: list[tuple[int, list[int], list[PrefillTask] | None, PrefillTask]] = []
-        grouped: set[str] = set()
-        for group in groups:
-            oldest_first = sorted(group, key=lambda task: task.order)
-            first = oldest_first[0]
-            costs = [alone(first, planned[first.request_id])]
-            costs += [batched(oldest_first[:count]) for count in range(2, len(group) + 1)]
-            calls.append((first.order, list(accumulate(costs, max)), group, first))
-            grouped.update(task.request_id for task in group)
-        for task, units in tasks:
-            if task.request_id not in grouped:
-                costs = [alone(task, count) for count in range(1, units + 1)]
-                calls.append((task.order, list(accumulate(costs, max)), None, task))
-        calls.sort(key=lambda call: call[0])
-        rows = len(self.live)
-        decode = activation_bytes(shape, rows, 1, max((live.limit for live in self.live.values()), default=1),
-                                  sampled=True) if rows else 0
-        pool = 0 if self.pool is None else self.pool.nbytes
-        room = self.settings.kv_memory_bytes - pool - self.reserved_bytes
-        # A keep task is optional work: one whose next unit alone does not fit beside everything
-        # held (kept prefixes included) is dropped, never run over the budget nor evicting blocks.
-        kept_room = room - decode - (0 if self.prefix is None else self.prefix.nbytes)
-        for call in [call for call in calls if call[3].keeps_only and call[1][0] > kept_room]:
-            calls.remove(call)
-            self.forget(call[3].request_id)
-        if self.prefix is not None:
-            # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
-            if calls:
-                self.prefix.evict(calls[0][1][0] + decode - (room - self.prefix.nbytes))
-            room -= self.prefix.nbytes
-        kept = fit_activations([costs for _, costs, _, _ in calls], room - decode)
-        fitted_groups: list[list[PrefillTask]] = []
-        units_now: dict[str, int] = {}
-        estimate = decode
-        for (_, costs, batch, first), count in zip(calls, kept, strict=True):
-            if count:
-                estimate += costs[count - 1]
-            if batch is None:
-                units_now[first.request_id] = count
-                continue
-            chosen = {task.request_id for task in sorted(batch, key=lambda task: task.order)[:count]}
-            members = [task for task in batch if task.request_id in chosen]  # the group's own order
-            if len(members) > 1:
-                fitted_groups.append(members)
-            for task in members:
-                units_now[task.request_id] = planned[task.request_id]
-        if sum(kept) < sum(len(costs) for _, costs, _, _ in calls):
-            self.prefill_capped_steps += 1
-        if estimate > room:
-            if not self.activation_overruns:
-                logger.warning("a step's activations are estimated at %d bytes beside %d bytes of KV: over "
-                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
-                               "counted in activation_overruns", estimate,
-                               self.settings.kv_memory_bytes - room, self.settings.kv_memory_bytes)
-            self.activation_overruns += 1
-        self.activation_peak = max(self.activation_peak, estimate)
-        return fitted_groups, [(task, units_now[task.request_id]) for task, _ in tasks
-                               if units_now.get(task.request_id, 0) > 0]
 
     def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
         """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
@@ -929,7 +870,7 @@ class DeviceLoop:
             task.cache = cache
             task.done_tokens = count * chunk
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
-        self.requests.add(EngineRequest(keep_id, Phase.KEEPING, reserved=need, task=task))
+        self.requests.add(EngineRequest(keep_id, EnginePhase.KEEPING, reserved=need, task=task))
         self.conversations_kept += 1
         self.conversation_tokens_kept += len(tokens) - task.done_tokens
 
@@ -1029,7 +970,7 @@ class DeviceLoop:
         self.hand_out(deliveries)
 
     def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        self.requests[task.request_id].phase = Phase.PREFILLED
+        self.requests[task.request_id].phase = EnginePhase.PREFILLED
         current.finished_prefills.append(task)
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
@@ -1121,7 +1062,7 @@ class DeviceLoop:
                 self.speculator.left(live.request_id)
             sampling = live.sampler.sampling
             group = self.choice_groups.get(sampling.choice_group) if sampling.choices > 1 else None
-            if group is not None and record.phase is Phase.GATHERING:
+            if group is not None and record.phase is EnginePhase.GATHERING:
                 group.ended.add(sampling.choice)
                 if not self.arrived(sampling.choice_group):  # nobody of it waits any more
                     del self.choice_groups[sampling.choice_group]
@@ -1132,24 +1073,17 @@ class DeviceLoop:
         """A prefill that raised starts again from its first chunk in a later step."""
         task.restart()
         record = self.requests.get(task.request_id)
-        if record is not None and record.phase is Phase.PREFILLING:
-            record.phase = Phase.WAITING
+        if record is not None and record.phase is EnginePhase.PREFILLING:
+            record.phase = EnginePhase.WAITING
 
     # -- the other lanes -----------------------------------------------------------------------
 
-    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool,
-                 constrained: bool = False) -> str:
-        """Where a request decodes: "slot", "batch" or "solo"."""
-        needed = prompt_tokens + remaining + 2
-        if (self.pool is not None and all(type(c) is KVCache for c in cache)
-                and needed <= self.pool.max_capacity):
-            return "slot"
-        # A row under a grammar (response_format) waits on its grammar's mask before each draw:
-        # outside the slot lane it decodes solo, so that the rows of a batch keep their company.
-        del ignore_eos  # (every lane ends a row by `statecore.policy.token_finish`)
-        if batchable(cache) and not constrained:
-            return "batch"
-        return "solo"
+    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, constrained: bool) -> str:
+        """Where a request decodes (`statecore.engine_schedule.choose_lane`): "slot", "batch" or "solo"."""
+        return choose_lane(plain_kv=all(type(c) is KVCache for c in cache),
+                           needed_tokens=prompt_tokens + remaining + 2,
+                           slot_capacity=None if self.pool is None else self.pool.max_capacity,
+                           batchable=batchable(cache), constrained=constrained).value
 
     def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str,
              reserved: int | None = None) -> None:
@@ -1163,7 +1097,7 @@ class DeviceLoop:
             record = self.requests.join(live, lane, None)
         if reserved is not None:
             record.reserved = reserved
-        if lane == "slot" and record.phase is Phase.RUNNING:
+        if lane == "slot" and record.phase is EnginePhase.RUNNING:
             record.reserved = 0  # its KV lives in the pool now
         if self.choice_groups:
             self.release_choices()
@@ -1200,7 +1134,7 @@ class DeviceLoop:
     def arrived(self, group: str) -> dict[int, EngineRequest]:
         """The gathering choices of a request, by choice."""
         return {record.live.sampler.sampling.choice: record
-                for record in self.requests.in_phase(Phase.GATHERING)
+                for record in self.requests.in_phase(EnginePhase.GATHERING)
                 if record.live is not None and record.live.sampler.sampling.choice_group == group}
 
     def choice_ended(self, sampling: SamplingParams | None) -> None:
@@ -1239,7 +1173,7 @@ class DeviceLoop:
                     logger.exception("request %s could not enter the %s lane", live.request_id, lane)
                     self.end(live, as_statecore(exc), deliveries)
                     continue
-                record.phase, record.arrived = Phase.RUNNING, None
+                record.phase, record.arrived = EnginePhase.RUNNING, None
                 if lane == "slot":
                     record.reserved = 0  # its KV lives in the pool now
             self.hand_out(deliveries)
@@ -1270,15 +1204,15 @@ class DeviceLoop:
         record = self.requests.get(request_id)
         if record is None:
             return
-        if record.phase is Phase.GATHERING or record.phase is Phase.RUNNING:
+        if record.phase is EnginePhase.GATHERING or record.phase is EnginePhase.RUNNING:
             assert record.live is not None
             self.remove(record.live)
             post(record.live.token, deliver, [(record.live.send, None, True)])
             return
         self.requests.remove(request_id)
-        if record.phase is Phase.HELD:
+        if record.phase is EnginePhase.HELD:
             self.choice_ended(record.sampling)
-        elif record.phase in (Phase.WAITING, Phase.PREFILLING):
+        elif record.phase in (EnginePhase.WAITING, EnginePhase.PREFILLING):
             assert record.task is not None
             self.choice_ended(record.task.sampler.sampling)
             self.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(

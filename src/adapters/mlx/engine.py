@@ -67,7 +67,7 @@ from adapters.mlx.prefill import (
     warm_chunk_shapes,
 )
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
-from adapters.mlx.requests import EngineRequest, Phase
+from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
@@ -83,6 +83,7 @@ from effects.engine_port import (
     SegmentSink,
     no_prefix_cache,
 )
+from statecore.engine_schedule import EnginePhase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
 from statecore.prefix import conversation_block_keys
@@ -470,7 +471,7 @@ class MlxEngine:
             task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
                                segment_sink=segment_sink)
             device.start_from_prefix(task, keys)
-            device.requests.add(EngineRequest(request_id, Phase.WAITING, reserved=reserved, task=task))
+            device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
         job = Job(register, trio_token, undo=lambda _: self._device.drop(request_id),
@@ -987,7 +988,7 @@ class MlxEngine:
             if remaining == 0 or (first_token in device.eos and not sampling.ignore_eos):
                 # The first token already ended the request: an empty stream.
                 record = device.requests.get(request_id)
-                if record is not None and record.phase is Phase.HELD:
+                if record is not None and record.phase is EnginePhase.HELD:
                     device.requests.remove(request_id)
                 device.choice_ended(sampling)
                 post(token, deliver, [(send, None, True)])
@@ -995,7 +996,7 @@ class MlxEngine:
                 return
             # The grammar's state after the first token, which the prefill node drew under it.
             constraint = self._constraint(matcher, (first_token,))
-            lane = device.lane_for(cache, len(tokens), remaining, sampling.ignore_eos, constraint is not None)
+            lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
             reserved = None
             if lane != "slot":  # its cache grows to the whole request, outside the pool
                 total = len(tokens) + sampling.max_tokens

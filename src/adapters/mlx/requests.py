@@ -3,17 +3,17 @@
 A request the engine knows has exactly one record here, from its registration (a prompt queued
 for prefill, a keep task, a handed-off cache joining the decoder) until it leaves (it ended, was
 cancelled, released or failed): its phase, the lane it decodes in, the KV bytes it has reserved,
-and the device objects of its phase (its prefill task, its held cache, its decoding row). What the
-loop used to keep in separate maps (waiting prompts, held caches, decoding rows, reservations,
-choices gathering) are read-only views of this table (`RequestTable.waiting`, `held`, `live`,
-`reserved`, `gathering`), so no two of them can disagree. Only the device thread reads or changes
-it. MLX types only through the objects it holds; it must never import trio (but for the types of
-`Live`), statecore's callers or the engine.
+and the device objects of its phase (its prefill task, its held cache, its decoding row). The
+maps the loop reads (waiting prompts, held caches, decoding rows, reservations, choices
+gathering) are read-only views of this table (`RequestTable.waiting`, `held`, `live`,
+`reserved`, `gathering`), so no two of them can disagree. The phases are the core's
+(`statecore.engine_schedule.EnginePhase`). Only the device thread reads or changes it. MLX types
+only through the objects it holds; it must never import trio (but for the types of `Live`), the
+device loop or the engine.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,22 +21,13 @@ from typing import Any
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.rows import Live
 from effects.engine_port import SamplingParams
+from statecore.engine_schedule import EnginePhase
 
-__all__ = ["ChoiceGroup", "EngineRequest", "Held", "Phase", "RequestTable"]
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"  # its prompt is queued; no work unit computed yet (a cached start may count)
-    PREFILLING = "prefilling"  # some of its work units computed
-    PREFILLED = "prefilled"  # its last unit launched: its first token is read back with the step
-    HELD = "held"  # a prefilled cache waiting for its export or its local decode
-    GATHERING = "gathering"  # a choice of n > 1 at its batched lane, waiting for its siblings
-    RUNNING = "running"  # decoding in its lane
-    KEEPING = "keeping"  # a keep task: a finished conversation's whole chunks computed for the prefix cache
+__all__ = ["ChoiceGroup", "EngineRequest", "Held", "RequestTable"]
 
 
-PREFILL_PHASES = frozenset({Phase.WAITING, Phase.PREFILLING, Phase.KEEPING})
-DECODER_PHASES = frozenset({Phase.GATHERING, Phase.RUNNING})
+PREFILL_PHASES = frozenset({EnginePhase.WAITING, EnginePhase.PREFILLING, EnginePhase.KEEPING})
+DECODER_PHASES = frozenset({EnginePhase.GATHERING, EnginePhase.RUNNING})
 
 
 @dataclass(eq=False)
@@ -56,7 +47,7 @@ class EngineRequest:
     while it is in the decoder; `arrived` is what a gathering choice enters its lane with."""
 
     request_id: str
-    phase: Phase
+    phase: EnginePhase
     reserved: int = 0  # KV bytes set aside for its own cache (outside the slot pool)
     lane: str | None = None  # "slot", "batch" or "solo" once it joins the decoder
     task: PrefillTask | None = None
@@ -91,7 +82,7 @@ class ChoiceGroup:
 class _View(Mapping[str, Any]):
     """A read-only map of the table's records in some phases, by request id, in table order."""
 
-    def __init__(self, table: RequestTable, phases: frozenset[Phase], attribute: str) -> None:
+    def __init__(self, table: RequestTable, phases: frozenset[EnginePhase], attribute: str) -> None:
         self._table = table
         self._phases = phases
         self._attribute = attribute
@@ -121,9 +112,9 @@ class RequestTable:
     def __init__(self) -> None:
         self._records: dict[str, EngineRequest] = {}
         self.waiting: Mapping[str, PrefillTask] = _View(self, PREFILL_PHASES, "task")
-        self.held: Mapping[str, Held] = _View(self, frozenset({Phase.HELD}), "held")
+        self.held: Mapping[str, Held] = _View(self, frozenset({EnginePhase.HELD}), "held")
         self.live: Mapping[str, Live] = _View(self, DECODER_PHASES, "live")
-        self.gathering: Mapping[str, Live] = _View(self, frozenset({Phase.GATHERING}), "live")
+        self.gathering: Mapping[str, Live] = _View(self, frozenset({EnginePhase.GATHERING}), "live")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._records
@@ -143,7 +134,7 @@ class RequestTable:
     def records(self) -> list[EngineRequest]:
         return list(self._records.values())
 
-    def in_phase(self, *phases: Phase) -> list[EngineRequest]:
+    def in_phase(self, *phases: EnginePhase) -> list[EngineRequest]:
         return [record for record in self._records.values() if record.phase in phases]
 
     def add(self, record: EngineRequest) -> EngineRequest:
@@ -181,17 +172,19 @@ class RequestTable:
         without its reservation, as a held cache the caller releases)."""
         record = self._records.get(request_id)
         if record is None:
-            record = self.add(EngineRequest(request_id, Phase.HELD))
-        record.phase, record.held = Phase.HELD, held
+            record = self.add(EngineRequest(request_id, EnginePhase.HELD))
+        record.phase, record.held = EnginePhase.HELD, held
         return record
 
     def join(self, live: Live, lane: str, gathering: tuple[list[Any], list[int]] | None) -> EngineRequest:
         """A request enters the decoder (its lane, or first its siblings' gathering): its record,
         made when it has none (an installed cache), moves to the end; its held cache and prefill
         task are no longer its."""
-        record = self._records.pop(live.request_id, None) or EngineRequest(live.request_id, Phase.RUNNING)
+        record = self._records.pop(live.request_id, None)
+        if record is None:
+            record = EngineRequest(live.request_id, EnginePhase.RUNNING)
         self._records[live.request_id] = record
-        record.phase = Phase.RUNNING if gathering is None else Phase.GATHERING
+        record.phase = EnginePhase.RUNNING if gathering is None else EnginePhase.GATHERING
         record.live, record.lane, record.arrived = live, lane, gathering
         record.held = record.task = None
         return record
