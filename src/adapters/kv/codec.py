@@ -18,7 +18,6 @@ import inspect
 import json
 import math
 import re
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -28,6 +27,7 @@ import numpy as np
 from mlx_lm.models import cache as cache_module
 from pydantic import ValidationError
 
+from adapters.kv import checksum
 from adapters.kv.frames import (
     ALL_HEADS_VERSION,
     FORMAT_VERSION,
@@ -483,8 +483,8 @@ def validate_payload(
     bytes), end-frame total, checksum, header schema, fingerprint, layer count and classes,
     per-tensor dtype/shape/byte counts against the body. Every failure raises
     `StatecoreError` with KV_TOO_LARGE, KV_MALFORMED, KV_TRUNCATED, KV_CHECKSUM,
-    KV_WRONG_MODEL or UNSUPPORTED_CACHE. The checksum (zlib, which releases the GIL) is most of
-    the time for a large payload, so a decode node runs this in a worker thread and keeps its
+    KV_WRONG_MODEL or UNSUPPORTED_CACHE. The checksum (`adapters.kv.checksum`, on several cores)
+    is most of the time for a large payload, so a decode node runs this in a worker thread and keeps its
     device thread decoding meanwhile.
     """
     view = memoryview(payload).cast("B")
@@ -497,9 +497,7 @@ def validate_payload(
             Code.KV_TRUNCATED if short else Code.KV_MALFORMED,
             f"data frames hold {framing.data_bytes} bytes, the end frame declares {framing.declared_total}",
         )
-    crc = zlib.crc32(framing.header)
-    for start, stop in framing.data:
-        crc = zlib.crc32(view[start:stop], crc)
+    crc = checksum.crc32([framing.header, *(view[start:stop] for start, stop in framing.data)])
     if crc != framing.declared_crc:
         fail(Code.KV_CHECKSUM, f"checksum mismatch: {crc:#010x} != {framing.declared_crc:#010x}")
 

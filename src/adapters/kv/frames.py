@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Annotated, Final, Literal, NoReturn, TypeAlias, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from adapters.kv import checksum
 from effects.engine_port import KvBytes
 from statecore.errors import Code, StatecoreError, bug, peer_error
 
@@ -164,13 +164,10 @@ END_FRAME_BYTES: Final = _FRAME.size + _END.size
 
 def end_frame(tensors: HostTensors) -> bytes:
     """The end frame: the data byte count and the CRC-32 of the header and every data byte.
-    Bytes only, no MLX, so safe off the device thread (zlib releases the GIL over large
-    buffers); the checksum is most of an export's time."""
-    crc = zlib.crc32(tensors.header_bytes)
-    total = 0
-    for view in tensors.runs:
-        crc = zlib.crc32(view, crc)
-        total += len(view)
+    Bytes only, no MLX, so safe off the device thread; the checksum (`adapters.kv.checksum`,
+    on several cores) is most of an export's time."""
+    crc = checksum.crc32([tensors.header_bytes, *tensors.runs])
+    total = sum(len(view) for view in tensors.runs)
     return _FRAME.pack(_END_FRAME, _END.size) + _END.pack(total, crc)
 
 
