@@ -2,10 +2,11 @@
 
 Each step: drain the job queue (cancels, exports, joins take effect at once; new prompts queue as
 prefill tasks), ask the pure scheduler (`statecore.engine_schedule.schedule`) for the step's plan
-(what fits its token budget and the KV memory), build that step's graph (every decoding row, then the planned prefill chunks), start
-it on the device with `mx.async_eval`, and only then read back the previous step's tokens and hand
-them out. Building step N+1 and delivering step N's tokens overlap the device computing step N;
-a row that ended in step N computes one throwaway token in step N+1.
+(what fits its token budget and the KV memory), build that step's graph (every decoding row, then
+the planned prefill chunks), start it on the device with `mx.async_eval`, and only then read back
+the previous step's tokens and hand them out. Building step N+1 and delivering step N's tokens
+overlap the device computing step N; a row that ended in step N computes one throwaway token in
+step N+1.
 
 Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in the *slot lane*
 (`adapters.mlx.slots`): preallocated per-row KV, joining and leaving move no other row. Other
