@@ -48,6 +48,7 @@ from adapters.http.internal_wire import (
     output_line,
     prefix_source,
 )
+from adapters.http.segment_copies import CopyFinished, SegmentCopies
 from adapters.http.streaming import WatchedStream
 from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
@@ -412,52 +413,89 @@ class NodeApi:
     async def _stream_records(self, generation: RunnerGeneration,
                               items: trio.MemoryReceiveChannel[StreamItemOut], prompt_tokens: int,
                               shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
+        """The stream's records: each piece as it is computed (through shared memory: copied in
+        the background, `SegmentCopies`, its record written once the copy is done, in order),
+        the first token as soon as it is sampled, then the end once every piece went."""
         rid = generation.request_id
         ended = False
-        segments = 0
+        received = sent = 0
+        copies = None if shared is None else SegmentCopies(shared, rid)
+        more_items = True
         try:
             yield [kv_stream.preamble()]
             async with items:
-                async for item in items:
-                    match item:
+                while True:
+                    while copies is not None and (copied := copies.finished()) is not None:
+                        async for parts in self._piece_record(rid, *copied):
+                            yield parts
+                        sent += 1
+                    if not more_items and not copies:
+                        ended = True
+                        yield [kv_stream.end_record(prompt_tokens, sent)]
+                        break
+                    try:
+                        event = (await items.receive() if copies is None
+                                 else await copies.next_event(items, more_items=more_items))
+                    except trio.EndOfChannel:
+                        break
+                    match event:
+                        case CopyFinished():
+                            continue
                         case KvSegment():
-                            where = kv_stream.SegmentRange(item.start, item.stop,
-                                                           item.first_layer, item.end_layer)
-                            head = kv_stream.segment_head(where, item.payload.nbytes)
-                            damaged = None if segments else await self._damaged(rid, item.payload)
+                            damaged = None if received else await self._damaged(rid, event.payload)
+                            received += 1
                             if damaged is not None:  # tests only: a cut or flipped first piece
-                                yield [head, damaged]
-                                if len(damaged) < item.payload.nbytes:
+                                yield [self._piece_head(event), damaged]
+                                if len(damaged) < event.payload.nbytes:
                                     return  # cut: the stream ends here, without its end record
-                            elif shared is not None and (ref := await _put_shared(shared, rid, item)):
+                                sent += 1
+                            elif copies is not None:
                                 self._shared.add(rid)
-                                yield [kv_stream.shared_segment_record(where, ref.model_dump())]
+                                copies.start(event)
                             else:
-                                async for parts in payload_parts(item.payload, head=head):
+                                async for parts in self._piece_record(rid, event, None):
                                     yield parts
-                            segments += 1
-                            self.kv_served(item.payload.nbytes)
+                                sent += 1
                         case PrefillReply():
                             yield [kv_stream.document_record(kv_stream.FIRST_TOKEN,
-                                                             PrefillReplyBody.of(item).document())]
+                                                             PrefillReplyBody.of(event).document())]
                         case ErrorInfo():
                             ended = True
-                            yield [kv_stream.document_record(kv_stream.ERROR, error_json(item))]
+                            yield [kv_stream.document_record(kv_stream.ERROR, error_json(event))]
                             return
                         case None:
-                            ended = True
-                            yield [kv_stream.end_record(prompt_tokens, segments)]
-                            break
+                            more_items = False
             if not ended:  # the request ended here without its stream's end (cancelled, drained)
                 ended = True
                 yield [kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
                     Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))]
         finally:
+            if copies is not None:
+                await copies.settle()  # their regions exist before anyone releases them
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
             if self.runner.context(rid) is None:
                 self._release_later(rid)  # it ended before its last piece was put
+
+    @staticmethod
+    def _piece_head(segment: KvSegment) -> bytes:
+        where = kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer, segment.end_layer)
+        return kv_stream.segment_head(where, segment.payload.nbytes)
+
+    async def _piece_record(self, rid: RequestId, segment: KvSegment,
+                            ref: kv_shm.ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
+        """A piece's record: by reference to its copy in shared memory, or inline."""
+        if ref is not None:
+            where = kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer,
+                                           segment.end_layer)
+            yield [kv_stream.shared_segment_record(where, ref.model_dump())]
+        else:
+            if self.shm is not None and rid in self._shared:
+                log.warning("request %s: no room in shared memory; a piece goes over HTTP", rid)
+            async for parts in payload_parts(segment.payload, head=self._piece_head(segment)):
+                yield parts
+        self.kv_served(segment.payload.nbytes)
 
     def _release_shared(self, rid: RequestId) -> None:
         """The decode node is done with the request: its shared memory may be reused."""
@@ -610,25 +648,6 @@ class NodeApi:
             if not finished:  # the router went away mid-stream: free the slot now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
-
-
-async def _put_shared(shared: kv_shm.ShmOutbox, rid: RequestId, segment: KvSegment) -> kv_shm.ShmRef | None:
-    """A piece copied into shared memory (in a worker thread, its end frame included), or None
-    when the outbox has no room now: the piece then goes inline, over HTTP."""
-    def put() -> kv_shm.ShmRef:
-        pieces = [memoryview(piece) for piece in segment.payload.pieces]
-        if segment.payload.seal is not None:
-            pieces.append(memoryview(segment.payload.seal()))
-        return shared.put(rid, pieces)
-
-    try:
-        return await trio.to_thread.run_sync(put)
-    except StatecoreError as exc:
-        if exc.info.fault is not Fault.OVERLOADED:
-            raise
-        log.warning("request %s: no room in shared memory (%s); this piece goes over HTTP",
-                    rid, exc.info.message)
-        return None
 
 
 def _asks_cached_tokens(request: Request) -> bool:
