@@ -27,8 +27,9 @@ def test_combine_over_lengths_with_many_bits_set() -> None:
 def test_large_buffers_give_zlibs_value_from_any_start() -> None:
     rng = random.Random(3)
     # above the parallel threshold, in pieces that do not fall on the piece size
-    buffers = [rng.randbytes(5), memoryview(rng.randbytes(checksum.PIECE_BYTES + 11)),
-               rng.randbytes(checksum.PARALLEL_FROM_BYTES - checksum.PIECE_BYTES), b"", rng.randbytes(9)]
+    buffers: list[bytes | memoryview] = [
+        rng.randbytes(5), memoryview(rng.randbytes(checksum.PIECE_BYTES + 11)),
+        rng.randbytes(checksum.PARALLEL_FROM_BYTES - checksum.PIECE_BYTES), b"", rng.randbytes(9)]
     assert sum(len(b) for b in buffers) >= checksum.PARALLEL_FROM_BYTES
     for start in (0, 0xDEADBEEF):
         expected = start
@@ -38,5 +39,5 @@ def test_large_buffers_give_zlibs_value_from_any_start() -> None:
 
 
 def test_small_buffers_take_one_core_and_give_zlibs_value() -> None:
-    buffers = [b"statecore", b"", memoryview(b"KV")]
+    buffers: list[bytes | memoryview] = [b"statecore", b"", memoryview(b"KV")]
     assert checksum.crc32(buffers) == zlib.crc32(b"statecoreKV")
