@@ -470,8 +470,14 @@ class MlxEngine:
             sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
             task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
                                segment_sink=segment_sink)
-            device.start_from_prefix(task, keys)
+            # Its record (and so its reservation) first: the blocks its start takes back from the
+            # host tier fit what the budget leaves beside every reservation, its own included.
             device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
+            try:
+                device.start_from_prefix(task, keys)
+            except BaseException:
+                device.forget(request_id)
+                raise
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
         job = Job(register, trio_token, undo=lambda _: self._device.drop(request_id),
