@@ -32,6 +32,7 @@ from adapters.kv import codec
 from adapters.mlx import MlxEngine
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
+from adapters.mlx.requests import EngineRequest, Held
 from adapters.mlx.sampling import PositionSampler
 from effects.engine_port import (
     Engine,
@@ -41,11 +42,12 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
 )
+from statecore.engine_schedule import EnginePhase, StepPlan
+from statecore.engine_schedule import schedule as scheduled
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
-from statecore.scheduling import plan_step as scheduled
 from statecore.scheduling import prefill_units
 from support.tiny_models import (
     build_custom_cache_checkpoint,
@@ -981,7 +983,7 @@ def waiting_keep_task(device: Any) -> PrefillTask:
     sampler = PositionSampler(SamplingParams(max_tokens=1), 0, 2 * CHUNK, [])
     task = PrefillTask("k#keep", prompt_of(2 * CHUNK), sampler, 0, chunks,
                        prefill_units(chunks, device.layers, device.unit_tokens), keeps_only=True)
-    device.waiting[task.request_id] = task
+    device.requests.add(EngineRequest(task.request_id, EnginePhase.KEEPING, task=task))
     return task
 
 
@@ -994,7 +996,7 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
     def admit_beside_a_keep_task() -> bool:
         device = engine._device
         task = waiting_keep_task(device)
-        device.reserved[task.request_id] = SMALL_BUDGET - 100_000
+        device.requests[task.request_id].reserved = SMALL_BUDGET - 100_000
         device.admit("r", 200_000, 100)  # fits only once the keep task is gone
         device.unreserve("r")
         return task.request_id not in device.waiting and task.request_id not in device.reserved
@@ -1033,8 +1035,9 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
     def refused_beside_a_keep_task() -> bool:
         device = engine._device
         task = waiting_keep_task(device)
-        device.reserved[task.request_id] = 10_000
-        device.reserved["live"] = budget - 20_000
+        device.requests[task.request_id].reserved = 10_000
+        device.requests.add(EngineRequest("live", EnginePhase.HELD, reserved=budget - 20_000,
+                                          held=Held([], 1, 0)))
         try:
             device.admit("r", 30_000, 10)  # fits once "live" leaves, not for the keep task's room
         except StatecoreError as exc:
@@ -1043,8 +1046,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
             overloaded = False
         still_waiting = task.request_id in device.waiting and task.request_id in device.reserved
         for rid in ("r", "live", task.request_id):
-            device.unreserve(rid)
-        device.waiting.pop(task.request_id, None)
+            device.forget(rid)
         return overloaded and still_waiting
 
     assert await engine._call(refused_beside_a_keep_task)
@@ -1183,13 +1185,13 @@ async def test_a_step_target_slices_a_prompt_beside_a_stream_and_keeps_tokens_ex
     path = cached_checkpoint("llama")
     plans: list[tuple[int, int, int]] = []  # (budget tokens, decode rows, prefill tokens) per step
 
-    def recorded(decode_rows: int, waiting: Any, budget: Any) -> Any:
-        plan = scheduled(decode_rows, waiting, budget)
-        if waiting:
-            plans.append((budget.tokens, decode_rows, plan.tokens - decode_rows))
+    def recorded(decode_rows: int, candidates: Any, budget: Any, **options: Any) -> StepPlan:
+        plan = scheduled(decode_rows, candidates, budget, **options)
+        if candidates:
+            plans.append((plan.budget_tokens, decode_rows, plan.prefill_tokens))
         return plan
 
-    monkeypatch.setattr(device_module, "plan_step", recorded)
+    monkeypatch.setattr(device_module, "schedule", recorded)
     stream_sampling = SamplingParams(max_tokens=400, ignore_eos=True)
     stream_prompt, long = prompt_of(20, salt=4), prompt_of(200, salt=5)  # 13 chunks of 16, then the rest
     for target, sliced in ((0.001, True), (0.0, False)):
@@ -1228,13 +1230,13 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     path = cached_checkpoint("llama")
     plans: list[tuple[int, int, int]] = []  # (budget tokens, decode rows, prefill works) per step
 
-    def recorded(decode_rows: int, waiting: Any, budget: Any) -> Any:
-        plan = scheduled(decode_rows, waiting, budget)
-        if waiting:
-            plans.append((budget.tokens, decode_rows, len(plan.prefills)))
+    def recorded(decode_rows: int, candidates: Any, budget: Any, **options: Any) -> StepPlan:
+        plan = scheduled(decode_rows, candidates, budget, **options)
+        if candidates:
+            plans.append((plan.budget_tokens, decode_rows, len(plan.prefills)))
         return plan
 
-    monkeypatch.setattr(device_module, "plan_step", recorded)
+    monkeypatch.setattr(device_module, "schedule", recorded)
     # A chunk a step and no prefix cache: a streamed prompt leaves in several pieces (a step's
     # chunks, cached ones included, go as one).
     source = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 16, prefix_cache_bytes=0)

@@ -74,3 +74,38 @@ def test_the_walker_sees_a_forbidden_import(tmp_path: Path) -> None:
     sample = tmp_path / "m.py"
     sample.write_text("import trio\nfrom mlx_lm.models import cache\nfrom . import x\n")
     assert _imported_roots(sample) == {"trio", "mlx_lm"}
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """Each module of adapters.mlx and the modules of adapters.mlx it imports (those under
+    TYPE_CHECKING too: a circle there is still two modules that must change together)."""
+    package = SRC / "adapters" / "mlx"
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("adapters.mlx."):
+                imported.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "adapters.mlx":
+                imported.update(alias.name for alias in node.names)
+        graph[path.stem] = imported & {p.stem for p in package.glob("*.py")}
+    return graph
+
+
+def test_no_engine_module_imports_itself_through_others() -> None:
+    """The engine's modules form no import circle (the lanes and speculation see the device loop
+    through a Protocol, never by importing it)."""
+    graph = _engine_imports()
+    circles: list[list[str]] = []
+
+    def walk(module: str, path: list[str]) -> None:
+        for imported in sorted(graph.get(module, ())):
+            if imported == path[0]:
+                circles.append([*path, imported])
+            elif imported not in path and len(path) < len(graph):
+                walk(imported, [*path, imported])
+
+    for module in sorted(graph):
+        if module != "__init__":
+            walk(module, [module])
+    assert circles == []

@@ -1,11 +1,12 @@
 """The device loop: one thread that owns the model and every cache, and runs steps.
 
 Each step: drain the job queue (cancels, exports, joins take effect at once; new prompts queue as
-prefill tasks), ask the pure scheduler (`statecore.scheduling.plan_step`) what fits in the step's
-token budget, build that step's graph (every decoding row, then the planned prefill chunks), start
-it on the device with `mx.async_eval`, and only then read back the previous step's tokens and hand
-them out. Building step N+1 and delivering step N's tokens overlap the device computing step N;
-a row that ended in step N computes one throwaway token in step N+1.
+prefill tasks), ask the pure scheduler (`statecore.engine_schedule.schedule`) for the step's plan
+(what fits its token budget and the KV memory), build that step's graph (every decoding row, then
+the planned prefill chunks), start it on the device with `mx.async_eval`, and only then read back
+the previous step's tokens and hand them out. Building step N+1 and delivering step N's tokens
+overlap the device computing step N; a row that ended in step N computes one throwaway token in
+step N+1.
 
 Lanes. Models whose every layer is a plain `KVCache` (without kv_bits) decode in the *slot lane*
 (`adapters.mlx.slots`): preallocated per-row KV, joining and leaving move no other row. Other
@@ -43,7 +44,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -69,6 +69,7 @@ from adapters.mlx.jobs import (
 from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
+from adapters.mlx.requests import ChoiceGroup, EngineRequest, Held, RequestTable
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, read_logprobs
 from adapters.mlx.slot_lane import SlotLane
@@ -76,6 +77,15 @@ from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken, PrefillOutcome, SamplingParams
+from statecore.engine_schedule import (
+    Budget,
+    Candidate,
+    EnginePhase,
+    Memory,
+    StepPlan,
+    choose_lane,
+    schedule,
+)
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
@@ -83,26 +93,17 @@ from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import (
     KvAdmission,
     ModelShape,
-    StepBudget,
     StepRates,
-    WaitingPrefill,
     activation_bytes,
-    batched_prefill_bytes,
     bucketed,
-    chunk_activation_bytes,
-    fit_activations,
     joining_choices,
     kv_admission,
     measured_step,
-    padding_groups,
-    plan_step,
     prefill_units,
-    prefill_work_bytes,
-    step_token_budget,
     work_unit_tokens,
 )
 
-__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Held", "Settings", "SlowStep"]
+__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -192,27 +193,6 @@ class _StepOutputs:
 
 
 @dataclass(eq=False)
-class Held:
-    """A prefilled cache waiting for its export or its local decode."""
-
-    cache: list[Any]
-    prompt_tokens: int
-    nbytes: int
-    sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
-
-
-@dataclass(eq=False)
-class _Gathering:
-    """The choices of one request (n > 1) that reached a batched lane, waiting for the others."""
-
-    choices: int
-    seen: float  # time.monotonic() when a missing choice was last known to be on its way here
-    # choice -> (its row, its prompt's cache, the prompt, its lane)
-    arrived: dict[int, tuple[Live, list[Any], list[int], str]] = field(default_factory=dict)
-    ended: set[int] = field(default_factory=set)
-
-
-@dataclass(eq=False)
 class InFlight:
     """A step handed to the device; read back after the next one is built."""
 
@@ -270,10 +250,13 @@ class DeviceLoop:
         self.slots = SlotLane(self)  # rows of plain KVCache models, in `pool`
         self.batch = BatchLane(self)  # rows of the other batchable families
         self.solo = SoloLane(self)  # rows that step alone
-        self.held: dict[str, Held] = {}
-        self.live: dict[str, Live] = {}
-        self.waiting: dict[str, PrefillTask] = {}
-        self.gathering: dict[str, _Gathering] = {}  # choice group -> its choices waiting for a batched lane
+        # Every request's one record; the maps below are read-only views of it.
+        self.requests = RequestTable()
+        self.held = self.requests.held  # prefilled caches waiting for their export or decode
+        self.live = self.requests.live  # requests in the decoder (gathering choices included)
+        self.waiting = self.requests.waiting  # prompts and keep tasks with prefill work left
+        self.gathering = self.requests.gathering  # choices of n > 1 waiting for their siblings
+        self.choice_groups: dict[str, ChoiceGroup] = {}  # by choice group: what gathering choices share
         self.arrivals = 0
         self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
@@ -281,7 +264,6 @@ class DeviceLoop:
         self.running: Job[Any] | None = None  # the job being computed now
         self.cost = KvCost(0, 0, 0)
         self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
-        self.reserved: dict[str, int] = {}  # each request's own KV bytes (outside the slot pool)
         self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
         self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
@@ -425,19 +407,20 @@ class DeviceLoop:
 
     # -- KV memory -----------------------------------------------------------------------------
 
-    def admit(self, request_id: str, need: int, tokens: int) -> None:
-        """Reserve `need` bytes for the request's own KV cache (replacing what it had), or raise:
-        OVERLOADED when it fits once others leave, KV_MEMORY_EXCEEDED when it never fits. Kept
-        prefixes, then keep tasks, give way to it, as far as it needs, and only when that makes
-        it fit: a request refused anyway takes nothing from them."""
+    def admit(self, request_id: str, need: int, tokens: int) -> int:
+        """Make room for `need` bytes of the request's own KV cache (replacing what its record
+        reserves) and return it for the caller to put on the record, or raise: OVERLOADED when it
+        fits once others leave, KV_MEMORY_EXCEEDED when it never fits. Kept prefixes, then keep
+        tasks, give way to it, as far as it needs, and only when that makes it fit: a request
+        refused anyway takes nothing from them."""
         budget = self.settings.kv_memory_bytes
-        others = self.reserved_bytes - self.reserved.get(request_id, 0)
+        others = self.reserved_bytes - self.requests.reserved_by(request_id)
         verdict = kv_admission(need, others, self.pool_reserved, budget)  # every kept block gone
         if verdict is KvAdmission.LATER:
-            keeping = sum(self.reserved.get(rid, 0) for rid, task in self.waiting.items() if task.keeps_only)
+            keeping = sum(record.reserved for record in self.requests.in_phase(EnginePhase.KEEPING))
             if kv_admission(need, others - keeping, self.pool_reserved, budget) is KvAdmission.FITS:
                 self.drop_keep_tasks()
-                others = self.reserved_bytes - self.reserved.get(request_id, 0)
+                others = self.reserved_bytes - self.requests.reserved_by(request_id)
                 verdict = KvAdmission.FITS
         if verdict is KvAdmission.FITS and self.prefix is not None:
             self.prefix.evict(need + others + self.pool_reserved + self.prefix.nbytes - budget)
@@ -449,7 +432,7 @@ class DeviceLoop:
                 f"KV memory is taken by live requests ({others:,} of {budget - self.pool_reserved:,} "
                 f"bytes); this one needs {need:,}: try again shortly",
             ))
-        self.reserved[request_id] = need
+        return need
 
     def prefix_room(self) -> int:
         """What the KV budget leaves beside requests' reservations, the slot pool's share and the
@@ -476,11 +459,21 @@ class DeviceLoop:
         ))
 
     @property
+    def reserved(self) -> dict[str, int]:
+        """Each request's own KV bytes (outside the slot pool): a view of the records."""
+        return self.requests.reserved
+
+    @property
     def reserved_bytes(self) -> int:
-        return sum(self.reserved.values())
+        return self.requests.reserved_bytes
 
     def unreserve(self, request_id: str) -> None:
-        self.reserved.pop(request_id, None)
+        self.requests.unreserve(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """A request leaves the engine (its prefill failed or was given up, a keep task is done or
+        dropped): its record, and with it its reservation, goes."""
+        self.requests.remove(request_id)
 
     def quantize(self, cache: list[Any]) -> None:
         if self.settings.kv_bits is None:
@@ -511,8 +504,7 @@ class DeviceLoop:
 
     def run(self) -> None:
         while True:
-            gathered = sum(len(group.arrived) for group in self.gathering.values())
-            busy = bool(len(self.live) > gathered or self.waiting or self.inflight)
+            busy = bool(len(self.live) > len(self.gathering) or self.waiting or self.inflight)
             # Choices waiting for each other wake the loop when their patience ends.
             jobs = self.take_jobs(wait=not busy, timeout=self.gathering_timeout())
             for job in jobs:
@@ -581,8 +573,7 @@ class DeviceLoop:
         """Prompts whose caller left before their prefill finished stop taking steps."""
         for rid in [rid for rid, task in self.waiting.items()
                     if not task.keeps_only and task.job.is_abandoned()]:
-            del self.waiting[rid]
-            self.unreserve(rid)
+            self.forget(rid)
 
     def account(self, what: str, started: float, calls: int = 1) -> None:
         calls_before, seconds = self.profile[what]
@@ -615,22 +606,9 @@ class DeviceLoop:
                 self.account("decode_build", building)
                 calls, _ = self.profile["decode_rows"]
                 self.profile["decode_rows"] = (calls + len(slot_rows), 0.0)
-            for task in self.waiting.values():
-                self.look_again(task)  # blocks built since it arrived: the plan sees what is left
-            waiting = [WaitingPrefill(t.request_id, t.order, t.units_left) for t in self.waiting.values()]
-            oldest = min(waiting, key=lambda w: w.order, default=None)
-            target_ms = self.settings.step_target_ms
-            budget = step_token_budget(
-                self.settings.max_num_batched_tokens, len(self.live),
-                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
-                decode_only=self.handoff_joined or self.handoff_imminent(),
-                target_s=None if target_ms is None else target_ms / 1000, rates=self.rates,
-                streamed_alone=len(self.waiting) == 1 and all(
-                    task.segment_sink is not None for task in self.waiting.values()))
-            self.handoff_joined = False
-            plan = plan_step(len(self.live), waiting, StepBudget(budget, self.settings.prefill_batch))
-            current.prefill_tokens = plan.tokens - plan.decode_rows
-            outputs.extend(self.build_prefills(plan.prefills, current))
+            plan = self.schedule()
+            current.prefill_tokens = plan.prefill_tokens
+            outputs.extend(self.build_prefills(plan, current))
             self.computing = ("", ())
             if outputs:
                 launching = time.perf_counter()
@@ -699,26 +677,61 @@ class DeviceLoop:
         error = engine_failed(f"a decode step failed for this request: {type(raised).__name__}: {raised}")
         self.end(live, error, deliveries)
 
-    def build_prefills(self, work: Any, current: InFlight) -> list[Any]:
+    def schedule(self) -> StepPlan:
+        """This step's plan (`statecore.engine_schedule.schedule`) from the records as they are."""
+        s = self.settings
+        for task in self.waiting.values():
+            self.look_again(task)  # blocks built since it arrived: the plan sees what is left
+        # A choice of n > 1 never shares a padded call: whether its siblings' prefills wait beside
+        # it is a matter of timing, and the rows of a padded call differ from a prompt's own call
+        # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
+        candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
+                                task.done_units, self.short_batching and task.is_short
+                                and task.sampler.sampling.choices == 1, task.keeps_only)
+                      for task in self.waiting.values()]
+        target_ms = s.step_target_ms
+        budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
+                        None if target_ms is None else target_ms / 1000, self.rates,
+                        decode_only=self.handoff_joined or self.handoff_imminent(),
+                        streamed_alone=len(self.waiting) == 1 and all(
+                            task.segment_sink is not None for task in self.waiting.values()))
+        self.handoff_joined = False
+        memory = None
+        if s.prefill_memory_cap:
+            assert self.shape is not None
+            memory = Memory(s.kv_memory_bytes, 0 if self.pool is None else self.pool.nbytes,
+                            self.reserved_bytes, 0 if self.prefix is None else self.prefix.nbytes, self.shape,
+                            max((live.limit for live in self.live.values()), default=1), self.cost.per_token,
+                            ALLOCATION_STEP)
+        return schedule(len(self.live), candidates, budget, max_padding=s.max_padding, bucket=self.bucket,
+                        memory=memory)
+
+    def apply_memory_plan(self, plan: StepPlan) -> None:
+        """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
+        for request_id in plan.dropped_keeps:
+            self.forget(request_id)
+        if plan.evict_prefix_bytes and self.prefix is not None:
+            self.prefix.evict(plan.evict_prefix_bytes)
+        if plan.activation_estimate is None:
+            return
+        if plan.capped:
+            self.prefill_capped_steps += 1
+        if plan.over_budget:
+            if not self.activation_overruns:
+                logger.warning("a step's activations are estimated at %d bytes: beside the KV held, over "
+                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
+                               "counted in activation_overruns", plan.activation_estimate,
+                               self.settings.kv_memory_bytes)
+            self.activation_overruns += 1
+        self.activation_peak = max(self.activation_peak, plan.activation_estimate)
+
+    def build_prefills(self, plan: StepPlan, current: InFlight) -> list[Any]:
+        """Build the plan's prefill calls: its padded groups, then each prompt's units."""
         started = time.perf_counter()
         outputs = _StepOutputs(self.pipelined)
-        tasks = [(self.waiting[w.request_id], w.units) for w in work]
-        # Only prompts planned to finish this step: a batched call computes all of each prompt.
-        # Not a choice of n > 1: whether its siblings' prefills wait beside it is a matter of
-        # timing, and the rows of a padded call differ from a prompt's own call in their last bits
-        # (OpenBLAS); alone, a choice prefills as on any other node.
-        finishing = {w.request_id for w in work if w.finishes}
-        short = [task for task, _ in tasks
-                 if self.short_batching and task.is_short and task.request_id in finishing
-                 and task.sampler.sampling.choices == 1]
-        groups: list[list[PrefillTask]] = []
-        if len(short) > 1:
-            lengths = [len(task.tokens) for task in short]
-            groups = [[short[i] for i in group] for group in
-                      padding_groups(lengths, self.settings.max_padding, self.settings.prefill_batch)
-                      if len(group) > 1]
-        if self.settings.prefill_memory_cap and tasks:
-            groups, tasks = self.fit_prefills(groups, tasks)
+        self.apply_memory_plan(plan)
+        tasks = [(self.waiting[work.request_id], work.units) for work in plan.prefills]
+        groups = [[self.waiting[rid] for rid in group] for group in plan.groups]
         for members in groups:
             self.computing = ("prefill", [task.request_id for task in members])
             try:
@@ -729,7 +742,7 @@ class DeviceLoop:
                                  len(members))
                 self.step_retries += 1
                 for task in members:
-                    task.restart()
+                    self.restart(task)
                 continue
             self.account("prefill_batched", started, len(members))
             for task in members:
@@ -748,8 +761,7 @@ class DeviceLoop:
                 if task.keeps_only:  # nobody waits for it: the conversation is just not kept
                     logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
                                    type(exc).__name__, exc)
-                    del self.waiting[task.request_id]
-                    self.unreserve(task.request_id)
+                    self.forget(task.request_id)
                     continue
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
@@ -757,106 +769,25 @@ class DeviceLoop:
                     self.step_retries += 1
                     logger.warning("prefill of %s raised (%s: %s); starting it again",
                                    task.request_id, type(exc).__name__, exc)
-                    task.restart()
+                    self.restart(task)
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
-                del self.waiting[task.request_id]
-                self.unreserve(task.request_id)
+                self.forget(task.request_id)
                 self.choice_ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             outputs.extend(self.capture_segments(task, current))
             if task.finished and task.keeps_only:
-                del self.waiting[task.request_id]  # its kept blocks are among the pieces
-                self.unreserve(task.request_id)
+                self.forget(task.request_id)  # its kept blocks are among the pieces
                 outputs.extend(pieces)
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
+                if not task.keeps_only:
+                    self.requests[task.request_id].phase = EnginePhase.PREFILLING
                 outputs.extend(pieces)
         self.account("prefill_chunks", started)
         return outputs.arrays
-
-    def fit_prefills(self, groups: list[list[PrefillTask]], tasks: list[tuple[PrefillTask, int]]
-                     ) -> tuple[list[list[PrefillTask]], list[tuple[PrefillTask, int]]]:
-        """Under a memory budget: of the planned prefill work, what fits beside the KV held and
-        reserved now and the decode rows' activations (`statecore.scheduling.fit_activations`).
-        A batched group keeps its oldest members (one left runs alone); a prompt keeps its first
-        units; the oldest planned prompt always advances, alone when even that is over (kept
-        prefix blocks are evicted first as far as that makes it fit). What is left out waits for
-        a later step, its place in line kept."""
-        shape = self.shape
-        assert shape is not None
-        planned = {task.request_id: units for task, units in tasks}
-        chunk_bytes = {task.request_id: chunk_activation_bytes(shape, task.chunks, self.bucket)
-                       for task, _ in tasks}
-
-        def alone(task: PrefillTask, units: int) -> int:
-            return prefill_work_bytes(chunk_bytes[task.request_id], task.units, task.done_units, units)
-
-        def batched(members: Sequence[PrefillTask]) -> int:
-            head = bucketed(max(len(task.tokens) - 1 for task in members), self.bucket)
-            return batched_prefill_bytes(shape, len(members), head, self.cost.per_token, ALLOCATION_STEP)
-
-        calls: list[tuple[int, list[int], list[PrefillTask] | None, PrefillTask]] = []
-        grouped: set[str] = set()
-        for group in groups:
-            oldest_first = sorted(group, key=lambda task: task.order)
-            first = oldest_first[0]
-            costs = [alone(first, planned[first.request_id])]
-            costs += [batched(oldest_first[:count]) for count in range(2, len(group) + 1)]
-            calls.append((first.order, list(accumulate(costs, max)), group, first))
-            grouped.update(task.request_id for task in group)
-        for task, units in tasks:
-            if task.request_id not in grouped:
-                costs = [alone(task, count) for count in range(1, units + 1)]
-                calls.append((task.order, list(accumulate(costs, max)), None, task))
-        calls.sort(key=lambda call: call[0])
-        rows = len(self.live)
-        decode = activation_bytes(shape, rows, 1, max((live.limit for live in self.live.values()), default=1),
-                                  sampled=True) if rows else 0
-        pool = 0 if self.pool is None else self.pool.nbytes
-        room = self.settings.kv_memory_bytes - pool - self.reserved_bytes
-        # A keep task is optional work: one whose next unit alone does not fit beside everything
-        # held (kept prefixes included) is dropped, never run over the budget nor evicting blocks.
-        kept_room = room - decode - (0 if self.prefix is None else self.prefix.nbytes)
-        for call in [call for call in calls if call[3].keeps_only and call[1][0] > kept_room]:
-            calls.remove(call)
-            del self.waiting[call[3].request_id]
-            self.unreserve(call[3].request_id)
-        if self.prefix is not None:
-            # Kept prefixes give way to the oldest prompt's next work, as they do to admission.
-            if calls:
-                self.prefix.evict(calls[0][1][0] + decode - (room - self.prefix.nbytes))
-            room -= self.prefix.nbytes
-        kept = fit_activations([costs for _, costs, _, _ in calls], room - decode)
-        fitted_groups: list[list[PrefillTask]] = []
-        units_now: dict[str, int] = {}
-        estimate = decode
-        for (_, costs, batch, first), count in zip(calls, kept, strict=True):
-            if count:
-                estimate += costs[count - 1]
-            if batch is None:
-                units_now[first.request_id] = count
-                continue
-            chosen = {task.request_id for task in sorted(batch, key=lambda task: task.order)[:count]}
-            members = [task for task in batch if task.request_id in chosen]  # the group's own order
-            if len(members) > 1:
-                fitted_groups.append(members)
-            for task in members:
-                units_now[task.request_id] = planned[task.request_id]
-        if sum(kept) < sum(len(costs) for _, costs, _, _ in calls):
-            self.prefill_capped_steps += 1
-        if estimate > room:
-            if not self.activation_overruns:
-                logger.warning("a step's activations are estimated at %d bytes beside %d bytes of KV: over "
-                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
-                               "counted in activation_overruns", estimate,
-                               self.settings.kv_memory_bytes - room, self.settings.kv_memory_bytes)
-            self.activation_overruns += 1
-        self.activation_peak = max(self.activation_peak, estimate)
-        return fitted_groups, [(task, units_now[task.request_id]) for task, _ in tasks
-                               if units_now.get(task.request_id, 0) > 0]
 
     def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
         """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
@@ -942,8 +873,7 @@ class DeviceLoop:
             task.cache = cache
             task.done_tokens = count * chunk
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
-        self.reserved[keep_id] = need
-        self.waiting[keep_id] = task
+        self.requests.add(EngineRequest(keep_id, EnginePhase.KEEPING, reserved=need, task=task))
         self.conversations_kept += 1
         self.conversation_tokens_kept += len(tokens) - task.done_tokens
 
@@ -951,8 +881,7 @@ class DeviceLoop:
         """Forget every keep task not yet done (admission needs their memory); whether any was."""
         dropped = [rid for rid, task in self.waiting.items() if task.keeps_only]
         for rid in dropped:
-            del self.waiting[rid]
-            self.unreserve(rid)
+            self.forget(rid)
         return bool(dropped)
 
     def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:
@@ -1022,6 +951,17 @@ class DeviceLoop:
         self.start_from_prefix(task, task.block_keys, again=True)
         return task.done_units > 0
 
+    def slot_tokens_in_flight(self) -> bool:
+        return self.inflight is not None and self.inflight.tokens is not None
+
+    def read_back_now(self) -> None:
+        previous, self.inflight = self.inflight, None
+        if previous is not None:
+            self.read_back(previous)
+
+    def slot_inputs_on_host(self) -> None:
+        self.slots.last_tokens = None
+
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
         logger.exception("a decode step failed for %d requests", len(rows))
@@ -1033,7 +973,7 @@ class DeviceLoop:
         self.hand_out(deliveries)
 
     def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        del self.waiting[task.request_id]
+        self.requests[task.request_id].phase = EnginePhase.PREFILLED
         current.finished_prefills.append(task)
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
@@ -1054,7 +994,9 @@ class DeviceLoop:
                     self.end(owner, error, deliveries)
             finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
             for task in step.finished_prefills:
-                self.unreserve(task.request_id)
+                record = self.requests.get(task.request_id)
+                if record is not None and record.task is task:
+                    self.forget(task.request_id)
             self.slots.last_tokens = None
         else:
             self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
@@ -1067,7 +1009,8 @@ class DeviceLoop:
             for task, first in zip(step.finished_prefills, firsts, strict=True):
                 assert task.cache is not None
                 nbytes = self.cache_bytes(task.cache)
-                self.held[task.request_id] = Held(task.cache, len(task.tokens), nbytes, task.sampler.sampling)
+                self.requests.hold(task.request_id, Held(task.cache, len(task.tokens), nbytes,
+                                                         task.sampler.sampling))
                 logprobs = read_logprobs(task.sampler.take_logprobs())
                 outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens,
                                          streamed=task.segment_sink is not None)
@@ -1115,46 +1058,51 @@ class DeviceLoop:
         deliveries.setdefault(live.token, []).append((live.send, item, True))
 
     def remove(self, live: Live) -> None:
-        if self.live.get(live.request_id) is live:
-            del self.live[live.request_id]
-            self.unreserve(live.request_id)
+        record = self.requests.get(live.request_id)
+        if record is not None and record.live is live:
+            self.requests.remove(live.request_id)  # its reservation with it
             if self.speculator is not None:
                 self.speculator.left(live.request_id)
-        sampling = live.sampler.sampling
-        group = self.gathering.get(sampling.choice_group) if sampling.choices > 1 else None
-        if group is not None and group.arrived.get(sampling.choice, (None,))[0] is live:
-            del group.arrived[sampling.choice]
-            group.ended.add(sampling.choice)
-            if not group.arrived:  # nobody of it waits any more
-                del self.gathering[sampling.choice_group]
+            sampling = live.sampler.sampling
+            group = self.choice_groups.get(sampling.choice_group) if sampling.choices > 1 else None
+            if group is not None and record.phase is EnginePhase.GATHERING:
+                group.ended.add(sampling.choice)
+                if not self.arrived(sampling.choice_group):  # nobody of it waits any more
+                    del self.choice_groups[sampling.choice_group]
         self.slots.leave(live)
         self.batch.remove(live)
 
+    def restart(self, task: PrefillTask) -> None:
+        """A prefill that raised starts again from its first chunk in a later step."""
+        task.restart()
+        record = self.requests.get(task.request_id)
+        if record is not None and record.phase is EnginePhase.PREFILLING:
+            record.phase = EnginePhase.WAITING
+
     # -- the other lanes -----------------------------------------------------------------------
 
-    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, ignore_eos: bool,
-                 constrained: bool = False) -> str:
-        """Where a request decodes: "slot", "batch" or "solo"."""
-        needed = prompt_tokens + remaining + 2
-        if (self.pool is not None and all(type(c) is KVCache for c in cache)
-                and needed <= self.pool.max_capacity):
-            return "slot"
-        # A row under a grammar (response_format) waits on its grammar's mask before each draw:
-        # outside the slot lane it decodes solo, so that the rows of a batch keep their company.
-        del ignore_eos  # (every lane ends a row by `statecore.policy.token_finish`)
-        if batchable(cache) and not constrained:
-            return "batch"
-        return "solo"
+    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, constrained: bool) -> str:
+        """Where a request decodes (`statecore.engine_schedule.choose_lane`): "slot", "batch" or "solo"."""
+        return choose_lane(plain_kv=all(type(c) is KVCache for c in cache),
+                           needed_tokens=prompt_tokens + remaining + 2,
+                           slot_capacity=None if self.pool is None else self.pool.max_capacity,
+                           batchable=batchable(cache), constrained=constrained).value
 
-    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """Put a request with its prompt's cache into `lane` (the caller checked capacity); a
-        choice of n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
-        if lane != "solo" and live.sampler.sampling.choices > 1:
-            self.gather(live, cache, prompt, lane)
+    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str,
+             reserved: int | None = None) -> None:
+        """Put a request with its prompt's cache into `lane` (the caller checked capacity), its
+        record reserving `reserved` bytes from now (None: what it reserves already); a choice of
+        n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
+        if lane != "solo" and live.sampler.sampling.choices > 1 and self.gather(live):
+            record = self.requests.join(live, lane, (cache, prompt))
         else:
             self.enter(live, cache, prompt, lane)
-        self.live[live.request_id] = live
-        if self.gathering:
+            record = self.requests.join(live, lane, None)
+        if reserved is not None:
+            record.reserved = reserved
+        if lane == "slot" and record.phase is EnginePhase.RUNNING:
+            record.reserved = 0  # its KV lives in the pool now
+        if self.choice_groups:
             self.release_choices()
 
     def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
@@ -1162,7 +1110,6 @@ class DeviceLoop:
         live.limit = needed
         if lane == "slot":
             self.slots.enter(live, cache, len(prompt), needed)
-            self.unreserve(live.request_id)  # its KV lives in the pool now
             if self.speculator is not None:
                 self.speculator.joined(live, prompt)
         elif lane == "batch":
@@ -1172,27 +1119,33 @@ class DeviceLoop:
 
     # -- the choices of one request (n > 1) in a batched lane ----------------------------------
 
-    def gather(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
-        """A choice reaches its lane: it waits for the request's other choices, and enters with
-        them. One that comes after its siblings already decode here enters at once."""
+    def gather(self, live: Live) -> bool:
+        """A choice reaches its lane: whether it waits for the request's other choices, to enter
+        with them. One that comes after its siblings already decode here enters at once."""
         sampling = live.sampler.sampling
-        group = self.gathering.get(sampling.choice_group)
+        group = self.choice_groups.get(sampling.choice_group)
         if group is None:
             if any((other.batched or other.slot is not None)
                    and other.sampler.sampling.choice_group == sampling.choice_group
                    for other in self.live.values()):
-                self.enter(live, cache, prompt, lane)
-                return
-            group = self.gathering[sampling.choice_group] = _Gathering(sampling.choices, time.monotonic())
-        group.arrived[sampling.choice] = (live, cache, prompt, lane)
+                return False
+            group = ChoiceGroup(sampling.choices, time.monotonic())
+            self.choice_groups[sampling.choice_group] = group
         group.seen = time.monotonic()
+        return True
+
+    def arrived(self, group: str) -> dict[int, EngineRequest]:
+        """The gathering choices of a request, by choice."""
+        return {record.live.sampler.sampling.choice: record
+                for record in self.requests.in_phase(EnginePhase.GATHERING)
+                if record.live is not None and record.live.sampler.sampling.choice_group == group}
 
     def choice_ended(self, sampling: SamplingParams | None) -> None:
         """A choice that will not decode here (it ended at its first token, failed, or was
         cancelled): its siblings stop waiting for it."""
         if sampling is None or sampling.choices <= 1:
             return
-        group = self.gathering.get(sampling.choice_group)
+        group = self.choice_groups.get(sampling.choice_group)
         if group is not None:
             group.ended.add(sampling.choice)
         self.release_choices()
@@ -1201,23 +1154,31 @@ class DeviceLoop:
         """Every request whose arrived choices may enter their lane now enters it: in one step, in
         choice order (in the slot lane each takes the lowest free slot, so the same ones)."""
         now = time.monotonic()
-        for key, group in list(self.gathering.items()):
-            missing = set(range(group.choices)) - set(group.arrived) - group.ended
+        for key, group in list(self.choice_groups.items()):
+            arrived = self.arrived(key)
+            missing = set(range(group.choices)) - set(arrived) - group.ended
             if missing and self.choices_on_their_way(key, missing):
                 group.seen = now
-            joining = joining_choices(group.choices, group.arrived, group.ended, now - group.seen,
+            joining = joining_choices(group.choices, arrived, group.ended, now - group.seen,
                                       CHOICE_PATIENCE_S)
             if not joining:
                 continue
-            del self.gathering[key]
+            del self.choice_groups[key]
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
             for choice in joining:
-                live, cache, prompt, lane = group.arrived[choice]
+                record = arrived[choice]
+                live, lane = record.live, record.lane
+                assert live is not None and lane is not None and record.arrived is not None
+                cache, prompt = record.arrived
                 try:
                     self.enter(live, cache, prompt, lane)
                 except Exception as exc:  # this choice fails (its slot's copy kept raising), nothing else
                     logger.exception("request %s could not enter the %s lane", live.request_id, lane)
                     self.end(live, as_statecore(exc), deliveries)
+                    continue
+                record.phase, record.arrived = EnginePhase.RUNNING, None
+                if lane == "slot":
+                    record.reserved = 0  # its KV lives in the pool now
             self.hand_out(deliveries)
 
     def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
@@ -1228,10 +1189,10 @@ class DeviceLoop:
 
     def gathering_timeout(self) -> float | None:
         """Seconds until the first waiting request's patience ends (None: nobody waits)."""
-        if not self.gathering:
+        if not self.choice_groups:
             return None
         now = time.monotonic()
-        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.gathering.values()))
+        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.choice_groups.values()))
 
     def overloaded(self) -> StatecoreError | None:
         if len(self.live) >= self.settings.max_batch:
@@ -1243,19 +1204,22 @@ class DeviceLoop:
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
-        held = self.held.pop(request_id, None)
-        if held is not None and request_id not in self.live:
-            self.choice_ended(held.sampling)
-        self.unreserve(request_id)
-        task = self.waiting.pop(request_id, None)
-        if task is not None:
-            self.choice_ended(task.sampler.sampling)
-            self.finish(task.job, Outcome(error=StatecoreError(ErrorInfo(
+        record = self.requests.get(request_id)
+        if record is None:
+            return
+        if record.phase is EnginePhase.GATHERING or record.phase is EnginePhase.RUNNING:
+            assert record.live is not None
+            self.remove(record.live)
+            post(record.live.token, deliver, [(record.live.send, None, True)])
+            return
+        self.requests.remove(request_id)
+        if record.phase is EnginePhase.HELD:
+            self.choice_ended(record.sampling)
+        elif record.phase in (EnginePhase.WAITING, EnginePhase.PREFILLING):
+            assert record.task is not None
+            self.choice_ended(record.task.sampler.sampling)
+            self.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
-        leaving = self.live.get(request_id)
-        if leaving is not None:
-            self.remove(leaving)
-            post(leaving.token, deliver, [(leaving.send, None, True)])
 
     def die(self, error: StatecoreError) -> None:
         """Leave everything dead: fail the running and queued jobs, waiting prefills and live
@@ -1278,11 +1242,8 @@ class DeviceLoop:
                 post(task.job.token, task.job.done.set)
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
-        self.waiting.clear()
-        self.gathering.clear()
-        self.live.clear()
-        self.held.clear()
-        self.reserved.clear()
+        self.requests.clear()
+        self.choice_groups.clear()
         self.batch.clear()
         self.model = None
         self.pool = None

@@ -67,6 +67,7 @@ from adapters.mlx.prefill import (
     warm_chunk_shapes,
 )
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
+from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from effects.engine_port import (
@@ -82,6 +83,7 @@ from effects.engine_port import (
     SegmentSink,
     no_prefix_cache,
 )
+from statecore.engine_schedule import EnginePhase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
 from statecore.prefix import conversation_block_keys
@@ -463,13 +465,19 @@ class MlxEngine:
             device = self._device
             self._check_unused(request_id)
             keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
-            device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
+            reserved = device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
             device.arrivals += 1
             sampler = PositionSampler(sampling, seed, len(tokens), tokens, self._constraint(matcher, ()))
             task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
                                segment_sink=segment_sink)
-            device.start_from_prefix(task, keys)
-            device.waiting[request_id] = task
+            # Its record (and so its reservation) first: the blocks its start takes back from the
+            # host tier fit what the budget leaves beside every reservation, its own included.
+            device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
+            try:
+                device.start_from_prefix(task, keys)
+            except BaseException:
+                device.forget(request_id)
+                raise
             return None  # type: ignore[return-value]  # deferred: finished by the device loop
 
         job = Job(register, trio_token, undo=lambda _: self._device.drop(request_id),
@@ -572,9 +580,9 @@ class MlxEngine:
 
     def _release(self, request_id: str) -> int:
         device = self._device
-        held = device.held.pop(request_id, None)
-        if held is not None and request_id not in device.live:  # (decoding: it keeps its share)
-            device.unreserve(request_id)
+        held = device.held.get(request_id)
+        if held is not None:
+            device.requests.remove(request_id)  # its reservation with it
             device.choice_ended(held.sampling)  # it will not decode here
         self._publish()
         return 0 if held is None else held.nbytes
@@ -985,24 +993,25 @@ class MlxEngine:
             remaining = sampling.max_tokens - 1
             if remaining == 0 or (first_token in device.eos and not sampling.ignore_eos):
                 # The first token already ended the request: an empty stream.
-                device.held.pop(request_id, None)
-                device.unreserve(request_id)
+                record = device.requests.get(request_id)
+                if record is not None and record.phase is EnginePhase.HELD:
+                    device.requests.remove(request_id)
                 device.choice_ended(sampling)
                 post(token, deliver, [(send, None, True)])
                 self._publish()
                 return
             # The grammar's state after the first token, which the prefill node drew under it.
             constraint = self._constraint(matcher, (first_token,))
-            lane = device.lane_for(cache, len(tokens), remaining, sampling.ignore_eos, constraint is not None)
+            lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
+            reserved = None
             if lane != "slot":  # its cache grows to the whole request, outside the pool
                 total = len(tokens) + sampling.max_tokens
-                device.admit(request_id, device.cost.of(total), total)
+                reserved = device.admit(request_id, device.cost.of(total), total)
             sampler = PositionSampler(sampling, seed, len(tokens) + 1, [*tokens, first_token], constraint)
             live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
             if device.settings.keep_conversations and device.prefix is not None:
                 live.conversation = [*tokens, first_token]
-            device.join(live, cache, tokens, lane)
-            device.held.pop(request_id, None)
+            device.join(live, cache, tokens, lane, reserved)
             self._publish()
 
         return work
@@ -1120,7 +1129,7 @@ class MlxEngine:
 
     def _check_unused(self, request_id: str) -> None:
         device = self._device
-        if request_id in device.held or request_id in device.live or request_id in device.waiting:
+        if request_id in device.requests:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
 
     def _publish(self) -> None:

@@ -17,36 +17,57 @@ verify step with single steps must pass too, or speculation stays off (logged). 
 keys lie past the row's position, hidden by the mask and overwritten by its next steps. A row
 whose tries keep nothing waits longer before the next (`SpeculationPace`); while it waits it
 decodes in the ordinary, overlapped steps.
-This module imports mlx and mlx_lm; never trio, never the engine (the device loop is its caller).
+This module imports mlx and mlx_lm; never trio, never the engine nor the device loop (its caller,
+seen here only as a `SpeculationHost`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax, sample
 from adapters.mlx.slots import SlotPool
 from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
 
 if TYPE_CHECKING:
-    from adapters.mlx.device import DeviceLoop
     from adapters.mlx.draft_model import DraftModel
     from adapters.mlx.rows import Live
 
-__all__ = ["Speculator"]
+__all__ = ["SpeculationHost", "Speculator"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 _PROBE_TOKENS = 24  # the load check's prompt: a few positions, so attention reads real keys
 _EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
+
+
+class SpeculationHost(LaneHost, Protocol):
+    """What speculation needs of the device loop beside what a lane does."""
+
+    pipelined: bool
+    live: Mapping[str, Live]  # the requests in the decoder
+    gathering: Mapping[str, Live]  # choices of n > 1 waiting for their siblings
+
+    def slot_tokens_in_flight(self) -> bool:
+        """Whether the step on the device now decodes slot rows (its tokens not read back yet)."""
+        ...
+
+    def read_back_now(self) -> None:
+        """Read the step on the device back now, before the next is built."""
+        ...
+
+    def slot_inputs_on_host(self) -> None:
+        """Every slot row's next input is its host token (the device's last tokens are stale)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -83,7 +104,7 @@ class Speculator:
 
     # -- at load -------------------------------------------------------------------------------
 
-    def measure(self, loop: DeviceLoop) -> None:
+    def measure(self, loop: SpeculationHost) -> None:
         """Which row counts compute a row alike on this device and BLAS, and whether a verify
         step then equals single steps; sets `off_reason` when speculation cannot be exact here."""
         pool = loop.pool
@@ -143,7 +164,7 @@ class Speculator:
 
     # -- a step --------------------------------------------------------------------------------
 
-    def step(self, loop: DeviceLoop, rows: list[Live]) -> list[Live]:
+    def step(self, loop: SpeculationHost, rows: list[Live]) -> list[Live]:
         """Speculate for `rows` (the slot lane's) when they may; returns the rows the ordinary
         step still decodes (none when a verify step computed them)."""
         due = (self.off_reason is None and 0 < len(rows) == len(loop.live) <= self.max_rows
@@ -153,7 +174,7 @@ class Speculator:
         if not due:
             self.pass_step(rows)
             return rows
-        if loop.inflight is not None and loop.inflight.tokens is not None:
+        if loop.slot_tokens_in_flight():
             # Drafts continue from the latest token, still on the device: read it back now, unless
             # no draft could follow it anyway (the overlap of this step is kept then).
             if not any(self.rows[live.request_id].pace.due
@@ -161,8 +182,7 @@ class Speculator:
                 self.pass_step(rows)
                 return rows
             self.early_reads += 1
-            previous, loop.inflight = loop.inflight, None
-            loop.read_back(previous)
+            loop.read_back_now()
             rows = [live for live in loop.live.values() if live.slot is not None]
             if not rows or len(rows) != len(loop.live):
                 return rows
@@ -224,7 +244,7 @@ class Speculator:
             drafts.append(proposed)
         return drafts
 
-    def verify(self, loop: DeviceLoop, rows: list[Live], proposed: list[Any]) -> None:
+    def verify(self, loop: SpeculationHost, rows: list[Live], proposed: list[Any]) -> None:
         """One verify step over `rows` and their drafts, computed now; each row gets the tokens
         that stood and the one drawn after them."""
         pool = loop.pool
@@ -255,7 +275,7 @@ class Speculator:
         if self.draft is not None:
             for live, draft in zip(rows, drafts, strict=True):
                 self.draft.drafted(live.request_id, draft)
-        loop.slots.last_tokens = None  # every slot row's next input is its host token
+        loop.slot_inputs_on_host()
         deliveries: dict[Any, list[Any]] = {}
         start = 0
         self.verify_steps += 1
@@ -313,7 +333,7 @@ def _probe_prompt(model: Any) -> tuple[list[Any], int]:
     return cache, tokens[-1]
 
 
-def _fresh_pool(loop: DeviceLoop, pool: SlotPool, slots: int, cache: list[Any]) -> SlotPool:
+def _fresh_pool(loop: SpeculationHost, pool: SlotPool, slots: int, cache: list[Any]) -> SlotPool:
     """A small pool laid out as the node's, holding the probe prompt in slot 0."""
     probe = SlotPool(slots, pool.num_layers, 2 * _PROBE_TOKENS + 2 * slots)
     probe.attention = pool.attention
@@ -321,7 +341,7 @@ def _fresh_pool(loop: DeviceLoop, pool: SlotPool, slots: int, cache: list[Any]) 
     return probe
 
 
-def _probe_row(loop: DeviceLoop, pool: SlotPool, cache: list[Any], last: int, count: int) -> Any:
+def _probe_row(loop: SpeculationHost, pool: SlotPool, cache: list[Any], last: int, count: int) -> Any:
     """The probe row's log-probabilities from an ordinary step of `count` rows (the others free
     slots' throwaway rows at position 0)."""
     probe = _fresh_pool(loop, pool, count, cache)
@@ -333,7 +353,7 @@ def _probe_row(loop: DeviceLoop, pool: SlotPool, cache: list[Any], last: int, co
     return row
 
 
-def _verify_equals_single_steps(loop: DeviceLoop, pool: SlotPool, cache: list[Any], last: int,
+def _verify_equals_single_steps(loop: SpeculationHost, pool: SlotPool, cache: list[Any], last: int,
                                 drafts: int) -> bool:
     """A verify step of a lone row and `drafts` drafts against the same tokens fed one step at a
     time: every row's log-probabilities equal, bit for bit."""

@@ -1,0 +1,291 @@
+"""The engine's step, decided as data: `schedule(...) -> StepPlan` and `update(...)`, both pure.
+
+The device loop (`adapters.mlx.device`) runs one loop of three verbs: `schedule` what a step
+computes from what the engine holds, execute that plan on the device (build, launch, read back),
+and `update` the requests' progress with what it computed. This module is the first and the
+last: given the requests with prefill work left (`Candidate`), the decode rows, the step's token
+budget (`Budget`) and, under a memory budget, the KV memory as it stands (`Memory`), `schedule`
+decides the token budget of the step (`scheduling.step_token_budget`), which prompts advance by
+how many work units (`scheduling.plan_step`: decode rows first, then the oldest prompts' units),
+which short prompts share a padded call (`scheduling.padding_groups`), and what of that fits the
+memory beside the KV held (`scheduling.fit_activations`): which keep tasks give way, how many
+bytes of kept prefix blocks go, the activation estimate. `update` advances the prompts by the
+plan's units and says which finished. `choose_lane` decides where a request decodes. The
+executor performs a plan as it is; it decides nothing of its own.
+This module must never import trio, httpx, mlx or mlx_lm.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+
+from statecore.scheduling import (
+    ModelShape,
+    PrefillUnit,
+    PrefillWork,
+    StepBudget,
+    StepRates,
+    WaitingPrefill,
+    activation_bytes,
+    batched_prefill_bytes,
+    bucketed,
+    chunk_activation_bytes,
+    fit_activations,
+    padding_groups,
+    plan_step,
+    prefill_work_bytes,
+    step_token_budget,
+)
+
+__all__ = [
+    "Budget",
+    "Candidate",
+    "EnginePhase",
+    "Lane",
+    "Memory",
+    "StepPlan",
+    "choose_lane",
+    "schedule",
+    "update",
+]
+
+
+class EnginePhase(enum.Enum):
+    """Where a request is in the engine (one record per request holds it)."""
+
+    WAITING = "waiting"  # its prompt is queued; no work unit computed yet (a cached start may count)
+    PREFILLING = "prefilling"  # some of its work units computed
+    PREFILLED = "prefilled"  # its last unit launched: its first token is read back with the step
+    HELD = "held"  # a prefilled cache waiting for its export or its local decode
+    GATHERING = "gathering"  # a choice of n > 1 at its batched lane, waiting for its siblings
+    RUNNING = "running"  # decoding in its lane
+    KEEPING = "keeping"  # a keep task: a finished conversation's chunks computed for the prefix cache
+
+
+class Lane(enum.Enum):
+    SLOT = "slot"  # preallocated per-row KV (plain KVCache models)
+    BATCH = "batch"  # the other batchable cache families, rows padded to each other
+    SOLO = "solo"  # one call per request and step
+
+
+def choose_lane(*, plain_kv: bool, needed_tokens: int, slot_capacity: int | None, batchable: bool,
+                constrained: bool) -> Lane:
+    """Where a request decodes: the slot lane when its cache is plain KVCache and its whole
+    length (`needed_tokens`) fits a slot (`slot_capacity`, None: no slot pool); else the batch
+    lane when its cache classes batch, unless a grammar constrains it (a row under a grammar waits
+    on its mask before each draw: outside the slot lane it decodes solo, so that the rows of a
+    batch keep their company); else solo."""
+    if plain_kv and slot_capacity is not None and needed_tokens <= slot_capacity:
+        return Lane.SLOT
+    if batchable and not constrained:
+        return Lane.BATCH
+    return Lane.SOLO
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A request with prefill work left, as the scheduler sees it: its arrival `order` (FCFS; keep
+    tasks come after every prompt), its chunks and work units and how many are done, whether it
+    may share a padded call with other short prompts when it finishes in this step (`batchable`:
+    nothing computed, one chunk before its last token, one choice, a model that batches prefill),
+    and whether it is a keep task (optional work: it gives way to memory)."""
+
+    request_id: str
+    order: int
+    prompt_tokens: int
+    chunks: tuple[int, ...]
+    units: tuple[PrefillUnit, ...]
+    done_units: int = 0
+    batchable: bool = False
+    keeps_only: bool = False
+
+    @property
+    def units_left(self) -> tuple[int, ...]:
+        return tuple(unit.tokens for unit in self.units[self.done_units :])
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The step's token budget as configured (`tokens`, `prefill_rows`) and what sizes it: a
+    step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`,
+    `decode_only` (a handed-off request joined or is about to: no prefill this step) and
+    `streamed_alone` (the one prompt prefilling streams its KV to a decode node: slices that
+    travel while the rest computes)."""
+
+    tokens: int
+    prefill_rows: int
+    target_s: float | None = 0.0
+    rates: StepRates = field(default_factory=StepRates)
+    decode_only: bool = False
+    streamed_alone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """The KV memory as the step starts (under a memory budget): the node's `budget`, the slot
+    pool as allocated, the requests' reservations, the kept prefix blocks; what the model's calls
+    grow with (`shape`), the positions the longest decode row may attend, a cache position's
+    bytes and the batch cache's allocation step."""
+
+    budget: int
+    pool_bytes: int
+    reserved: int
+    prefix_bytes: int
+    shape: ModelShape
+    decode_attended: int
+    kv_per_token: int
+    cache_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step computes: every decode row; the prefill work of `prefills` (oldest first;
+    a request in a padded group runs all its units in that group's call); the padded groups of
+    short prompts (each in its own order); keep tasks that give way (`dropped_keeps`) and the
+    kept prefix bytes to free first (`evict_prefix_bytes`); under a memory budget the step's
+    activation estimate, whether the fit cut planned work (`capped`) and whether the estimate is
+    over the budget anyway (`over_budget`: the oldest prompt's lone unit)."""
+
+    budget_tokens: int
+    decode_rows: int
+    prefills: tuple[PrefillWork, ...] = ()
+    groups: tuple[tuple[str, ...], ...] = ()
+    dropped_keeps: tuple[str, ...] = ()
+    evict_prefix_bytes: int = 0
+    activation_estimate: int | None = None
+    capped: bool = False
+    over_budget: bool = False
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(work.tokens for work in self.prefills)
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + self.prefill_tokens
+
+
+def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, *, max_padding: float,
+             bucket: int = 0, memory: Memory | None = None) -> StepPlan:
+    """The step's plan (see the module's paragraph). Every decode row runs; the oldest prompt
+    advances unless the step is decode-only or the budget leaves no prefill row; nothing exceeds
+    the token budget; under a memory budget the plan's activations and the KV held stay within
+    it, except the oldest prompt's lone next unit (`over_budget`), and only keep tasks (never a
+    request) give way to memory."""
+    waiting = [WaitingPrefill(c.request_id, c.order, c.units_left) for c in candidates]
+    oldest = min(waiting, key=lambda w: w.order, default=None)
+    tokens = step_token_budget(budget.tokens, decode_rows,
+                               oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
+                               decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates,
+                               streamed_alone=budget.streamed_alone)
+    planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
+    by_id = {c.request_id: c for c in candidates}
+    # Only prompts planned to finish this step share a padded call: it computes all of each.
+    short = [by_id[work.request_id] for work in planned.prefills
+             if work.finishes and by_id[work.request_id].batchable]
+    groups: list[list[Candidate]] = []
+    if len(short) > 1:
+        lengths = [c.prompt_tokens for c in short]
+        groups = [[short[i] for i in group]
+                  for group in padding_groups(lengths, max_padding, budget.prefill_rows) if len(group) > 1]
+    plan = StepPlan(tokens, decode_rows, planned.prefills,
+                    tuple(tuple(c.request_id for c in group) for group in groups))
+    if memory is None or not planned.prefills:
+        return plan
+    return _fit_memory(plan, by_id, groups, memory, bucket)
+
+
+def _fit_memory(plan: StepPlan, by_id: dict[str, Candidate], groups: list[list[Candidate]], memory: Memory,
+                bucket: int) -> StepPlan:
+    """Of the planned prefill work, what fits beside the KV held and reserved and the decode
+    rows' activations. A padded group keeps its oldest members (one left runs alone); a prompt
+    keeps its first units; the oldest planned prompt always advances, alone when even that is
+    over (kept prefix blocks are freed first as far as that makes it fit). A keep task whose next
+    unit alone does not fit beside everything held is dropped. What is left out waits for a later
+    step, its place in line kept."""
+    shape = memory.shape
+    units = {work.request_id: work.units for work in plan.prefills}
+
+    def alone(candidate: Candidate, count: int) -> int:
+        chunk_bytes = chunk_activation_bytes(shape, candidate.chunks, bucket)
+        return prefill_work_bytes(chunk_bytes, candidate.units, candidate.done_units, count)
+
+    def batched(members: Sequence[Candidate]) -> int:
+        head = bucketed(max(c.prompt_tokens - 1 for c in members), bucket)
+        return batched_prefill_bytes(shape, len(members), head, memory.kv_per_token, memory.cache_step)
+
+    # (order, each prefix's cost, the group or None, its oldest candidate), oldest first
+    calls: list[tuple[int, list[int], list[Candidate] | None, Candidate]] = []
+    grouped: set[str] = set()
+    for group in groups:
+        oldest_first = sorted(group, key=lambda c: c.order)
+        first = oldest_first[0]
+        costs = [alone(first, units[first.request_id])]
+        costs += [batched(oldest_first[:count]) for count in range(2, len(group) + 1)]
+        calls.append((first.order, list(accumulate(costs, max)), group, first))
+        grouped.update(c.request_id for c in group)
+    for work in plan.prefills:
+        if work.request_id not in grouped:
+            candidate = by_id[work.request_id]
+            costs = [alone(candidate, count) for count in range(1, work.units + 1)]
+            calls.append((candidate.order, list(accumulate(costs, max)), None, candidate))
+    calls.sort(key=lambda call: call[0])
+    rows = plan.decode_rows
+    decode = activation_bytes(shape, rows, 1, memory.decode_attended, sampled=True) if rows else 0
+    room = memory.budget - memory.pool_bytes - memory.reserved
+    kept_room = room - decode - memory.prefix_bytes
+    dropped = [call for call in calls if call[3].keeps_only and call[1][0] > kept_room]
+    calls = [call for call in calls if call not in dropped]
+    # Kept prefixes give way to the oldest prompt's next work, as they do to admission; whole
+    # blocks go, so at least this much is freed (the fit assumes no more).
+    evict = max(0, calls[0][1][0] + decode - (room - memory.prefix_bytes)) if calls else 0
+    room -= max(0, memory.prefix_bytes - evict)
+    kept = fit_activations([costs for _, costs, _, _ in calls], room - decode)
+    fitted_groups: list[tuple[str, ...]] = []
+    units_now: dict[str, int] = {}
+    estimate = decode
+    for (_, costs, batch, first), count in zip(calls, kept, strict=True):
+        if count:
+            estimate += costs[count - 1]
+        if batch is None:
+            units_now[first.request_id] = count
+            continue
+        chosen = {c.request_id for c in sorted(batch, key=lambda c: c.order)[:count]}
+        members = [c.request_id for c in batch if c.request_id in chosen]  # the group's own order
+        if len(members) > 1:
+            fitted_groups.append(tuple(members))
+        for rid in members:
+            units_now[rid] = units[rid]
+    prefills = []
+    for work in plan.prefills:
+        count = units_now.get(work.request_id, 0)
+        if count:
+            candidate = by_id[work.request_id]
+            left = candidate.units_left
+            prefills.append(PrefillWork(work.request_id, count, sum(left[:count]), count == len(left)))
+    capped = sum(kept) < sum(len(costs) for _, costs, _, _ in calls)
+    return replace(plan, prefills=tuple(prefills), groups=tuple(fitted_groups),
+                   dropped_keeps=tuple(call[3].request_id for call in dropped), evict_prefix_bytes=evict,
+                   activation_estimate=estimate, capped=capped, over_budget=estimate > room)
+
+
+def update(candidates: Sequence[Candidate], plan: StepPlan) -> tuple[tuple[Candidate, ...], tuple[str, ...]]:
+    """The candidates after the plan ran as planned: each advanced by its planned units (a
+    dropped keep task gone); those whose last unit ran leave the candidates and are named in
+    `finished` (a prompt's first token is then read back; a keep task is done)."""
+    ran = {work.request_id: work.units for work in plan.prefills}
+    dropped = set(plan.dropped_keeps)
+    left: list[Candidate] = []
+    finished: list[str] = []
+    for candidate in candidates:
+        if candidate.request_id in dropped:
+            continue
+        done = candidate.done_units + ran.get(candidate.request_id, 0)
+        if done >= len(candidate.units):
+            finished.append(candidate.request_id)
+        else:
+            left.append(replace(candidate, done_units=done, batchable=candidate.batchable and done == 0))
+    return tuple(left), tuple(finished)

@@ -1,0 +1,174 @@
+"""The engine's step as data (statecore.engine_schedule): tables for exact plans (decode rows first,
+the oldest prompts' units, padded groups of short prompts, lanes), and hypothesis against the KV
+state for the properties the device loop relies on: the token budget is never exceeded, the
+memory budget never but by the oldest prompt's lone unit, only keep tasks give way to memory
+(no decode row, no request), and schedule -> update reaches every prompt's first token within a
+bounded number of steps (no starvation)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from statecore.engine_schedule import (
+    Budget,
+    Candidate,
+    Lane,
+    Memory,
+    StepPlan,
+    choose_lane,
+    schedule,
+    update,
+)
+from statecore.scheduling import (
+    STREAMED_SLICE_TOKENS,
+    ModelShape,
+    PrefillWork,
+    StepRates,
+    prefill_chunks,
+    prefill_units,
+)
+
+SHAPE = ModelShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, dtype_bytes=4)
+LAYERS = 4
+
+
+def prompt(rid: str, order: int, tokens: int, chunk: int = 16, unit: int = 64, done: int = 0,
+           batchable: bool = False, keeps_only: bool = False) -> Candidate:
+    chunks = prefill_chunks(tokens, chunk)
+    return Candidate(rid, order, tokens, chunks, prefill_units(chunks, LAYERS, unit), done, batchable,
+                     keeps_only)
+
+
+@pytest.mark.parametrize(
+    ("rows", "candidates", "budget", "expected"),
+    [
+        # nothing waits: every decode row, the configured budget
+        (3, [], Budget(100, 8), StepPlan(100, 3)),
+        # the oldest first, whatever order they come in; the budget less the rows is what prefill gets
+        (2, [prompt("b", 2, 17), prompt("a", 1, 17)], Budget(35, 8),
+         StepPlan(35, 2, (PrefillWork("a", 2, 17, True), PrefillWork("b", 1, 16, False)))),
+        # a handed-off request joined: decode rows alone
+        (2, [prompt("a", 1, 17)], Budget(100, 8, decode_only=True), StepPlan(2, 2)),
+        # short prompts finishing together share one padded call (in length order)
+        (0, [prompt("a", 1, 17, batchable=True), prompt("b", 2, 16, batchable=True)], Budget(100, 8),
+         StepPlan(100, 0, (PrefillWork("a", 2, 17, True), PrefillWork("b", 2, 16, True)), (("b", "a"),))),
+        # ... never one that does not finish in this step
+        (0, [prompt("a", 1, 17, batchable=True), prompt("b", 2, 17, batchable=True)], Budget(33, 8),
+         StepPlan(33, 0, (PrefillWork("a", 2, 17, True), PrefillWork("b", 1, 16, False)))),
+    ],
+)
+def test_schedule_table(rows: int, candidates: list[Candidate], budget: Budget, expected: StepPlan) -> None:
+    assert schedule(rows, candidates, budget, max_padding=0.5) == expected
+
+
+def test_a_step_target_leaves_prefill_what_the_measured_rates_allow() -> None:
+    """Beside streams, a target twice the floor at 1 ms a prefill token leaves 5 tokens: the
+    oldest prompt's next unit (a whole chunk of 16) still goes, and no more."""
+    rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
+    plan = schedule(4, [prompt("a", 1, 40)], Budget(100, 8, target_s=0.010, rates=rates), max_padding=0)
+    assert plan.budget_tokens == 4 + 16 and plan.prefills == (PrefillWork("a", 1, 16, False),)
+
+
+@pytest.mark.parametrize(
+    ("plain", "needed", "capacity", "batches", "constrained", "lane"),
+    [
+        (True, 100, 101, True, False, Lane.SLOT),
+        (True, 100, 101, True, True, Lane.SLOT),  # a grammar decodes in the slot lane as any row
+        (True, 102, 101, True, False, Lane.BATCH),  # too long for a slot
+        (True, 100, None, True, True, Lane.SOLO),  # no slot pool; a grammar keeps a batch's company
+        (False, 10, 101, False, False, Lane.SOLO),  # a cache that does not batch
+    ],
+)
+def test_choose_lane(plain: bool, needed: int, capacity: int | None, batches: bool, constrained: bool,
+                     lane: Lane) -> None:
+    assert choose_lane(plain_kv=plain, needed_tokens=needed, slot_capacity=capacity, batchable=batches,
+                       constrained=constrained) is lane
+
+
+def memory(budget: int, reserved: int = 0, prefix: int = 0) -> Memory:
+    return Memory(budget, 0, reserved, prefix, SHAPE, decode_attended=64, kv_per_token=32, cache_step=256)
+
+
+def test_a_keep_task_gives_way_and_kept_prefixes_are_freed_for_the_oldest_prompt() -> None:
+    candidates = [prompt("a", 1, 40), prompt("k#keep", 1 << 40, 48, keeps_only=True)]
+    whole = schedule(2, candidates, Budget(500, 8), max_padding=0)
+    assert [w.request_id for w in whole.prefills] == ["a", "k#keep"]
+    tight = schedule(2, candidates, Budget(500, 8), max_padding=0, memory=memory(4_000, prefix=3_000))
+    assert tight.dropped_keeps == ("k#keep",) and tight.evict_prefix_bytes > 0
+    assert [w.request_id for w in tight.prefills] == ["a"] and tight.decode_rows == 2
+
+
+candidate_lists = st.lists(
+    st.tuples(st.integers(1, 80), st.booleans(), st.booleans()), min_size=0, max_size=6,
+).map(lambda specs: [prompt(f"r{i}", (1 << 40) + i if keep else i, tokens, batchable=short and tokens <= 17,
+                            keeps_only=keep)
+                     for i, (tokens, short, keep) in enumerate(specs)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(0, 8), candidates=candidate_lists, tokens=st.integers(0, 200),
+       budget=st.integers(0, 100_000), reserved=st.integers(0, 10_000), prefix=st.integers(0, 10_000))
+def test_a_plan_keeps_the_budgets_and_changes_no_request_for_memory(
+        rows: int, candidates: list[Candidate], tokens: int, budget: int, reserved: int, prefix: int) -> None:
+    # the engine keeps its configured budget >= a full batch + its largest unit
+    configured = rows + 64 + tokens
+    held = memory(budget, reserved, prefix)
+    plan = schedule(rows, candidates, Budget(configured, 4), max_padding=0.5, memory=held)
+    by_id = {c.request_id: c for c in candidates}
+    assert plan.decode_rows == rows  # every decode row runs; none is ever evicted
+    assert plan.tokens <= max(plan.budget_tokens, rows) and plan.budget_tokens <= configured
+    assert all(by_id[rid].keeps_only for rid in plan.dropped_keeps)  # only keep tasks give way
+    assert not set(plan.dropped_keeps) & {w.request_id for w in plan.prefills}
+    assert all(0 < w.units <= len(by_id[w.request_id].units_left) for w in plan.prefills)
+    for group in plan.groups:
+        assert len(group) > 1 and all(by_id[rid].batchable for rid in group)
+    if plan.prefills:
+        assert plan.activation_estimate is not None
+        free = budget - reserved - max(0, prefix - plan.evict_prefix_bytes)
+        if plan.over_budget:  # only the oldest prompt's lone item goes over: its next unit, or
+            # (planned into a padded group) its whole short prompt, alone
+            (lone,) = plan.prefills
+            assert lone.request_id == min(candidates, key=lambda c: c.order).request_id
+            assert lone.units == 1 or by_id[lone.request_id].batchable
+            assert not plan.groups
+        else:
+            assert plan.activation_estimate <= free
+    requests = [c for c in candidates if not c.keeps_only]
+    if requests:  # the oldest request always advances (a keep task only after every request)
+        oldest_request = min(requests, key=lambda c: c.order)
+        assert any(w.request_id == oldest_request.request_id for w in plan.prefills)
+
+
+@settings(max_examples=100, deadline=None)
+@given(candidates=candidate_lists, rows=st.integers(0, 4), budget=st.integers(0, 20_000))
+def test_schedule_then_update_brings_every_prompt_to_its_first_token(
+        candidates: list[Candidate], rows: int, budget: int) -> None:
+    """No starvation: under any memory budget, steps of schedule -> update finish every request
+    within as many steps as it and the requests before it have units (keep tasks may give way)."""
+    waiting = list(candidates)
+    bound = sum(len(c.units) for c in candidates)
+    finished: set[str] = set()
+    for _ in range(bound):
+        if not waiting:
+            break
+        plan = schedule(rows, waiting, Budget(rows + 64, 4), max_padding=0.5, memory=memory(budget))
+        left, done = update(waiting, plan)
+        finished.update(done)
+        assert not set(plan.dropped_keeps) & {c.request_id for c in left}  # a dropped keep task is gone
+        waiting = list(left)
+    assert {c.request_id for c in candidates if not c.keeps_only} <= finished
+
+
+def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_computes() -> None:
+    """At 1 ms a prefill token a slice of STREAMED_SLICE_S is under STREAMED_SLICE_TOKENS: the
+    slice is that many tokens; unmeasured, or not streamed, the whole budget."""
+    rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
+    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, rates=rates, streamed_alone=True),
+                     max_padding=0)
+    assert alone.budget_tokens == STREAMED_SLICE_TOKENS and alone.prefill_tokens <= STREAMED_SLICE_TOKENS
+    unmeasured = Budget(4000, 8, streamed_alone=True)
+    assert schedule(0, [prompt("a", 1, 2000)], unmeasured, max_padding=0).budget_tokens == 4000
+    not_streamed = Budget(4000, 8, rates=rates)
+    assert schedule(0, [prompt("a", 1, 2000)], not_streamed, max_padding=0).budget_tokens == 4000
