@@ -29,7 +29,7 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import response_format_text
 from adapters.kv import codec
-from adapters.mlx import MlxEngine
+from adapters.mlx import MlxEngine, commands
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held
@@ -659,7 +659,8 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     # leaves nothing behind.
     from adapters.mlx.prefill import warm_chunk_shapes
 
-    assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 2
+    warmed = commands.Inspect(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK))
+    assert await bucketed._post(warmed) == 2
     assert await same_seeded_tokens(bucketed, plain)
 
 
@@ -1001,7 +1002,7 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
         device.unreserve("r")
         return task.request_id not in device.waiting and task.request_id not in device.reserved
 
-    assert await engine._call(admit_beside_a_keep_task)
+    assert await engine._post(commands.Inspect(admit_beside_a_keep_task))
 
 
 async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(open_engine: Opener) -> None:
@@ -1049,7 +1050,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
             device.forget(rid)
         return overloaded and still_waiting
 
-    assert await engine._call(refused_beside_a_keep_task)
+    assert await engine._post(commands.Inspect(refused_beside_a_keep_task))
 
 
 async def test_a_prompt_s_own_cached_blocks_give_way_last_to_its_admission(open_engine: Opener) -> None:
@@ -1635,7 +1636,7 @@ async def hold_device(engine: MlxEngine) -> threading.Event:
         running.set()
         gate.wait()
 
-    engine._submit_nowait(hold)
+    engine._submit_nowait(commands.Inspect(hold))
     while not running.is_set():
         await trio.sleep(0.005)
     return gate

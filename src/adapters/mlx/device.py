@@ -260,6 +260,8 @@ class DeviceLoop:
         self.arrivals = 0
         self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
+        # Performs a job's command (`adapters.mlx.performer.Performer.perform`, set by the engine)
+        self.perform: Callable[[Job[Any]], Any] = lambda job: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
         self.running: Job[Any] | None = None  # the job being computed now
         self.cost = KvCost(0, 0, 0)
@@ -538,7 +540,7 @@ class DeviceLoop:
         started = time.perf_counter()
         self.running = job
         try:
-            value = job.work()
+            value = self.perform(job)
         except Exception as exc:
             if not isinstance(exc, StatecoreError):
                 logger.exception("device job failed")
@@ -557,15 +559,16 @@ class DeviceLoop:
             abandoned = job.abandoned
         if abandoned:
             if result.error is None and job.undo is not None:
-                self.undo_abandoned(job, result.value)
+                self.undo_abandoned(job)
             return
         if job.done is not None:
             post(job.token, job.done.set)
 
-    def undo_abandoned(self, job: Job[Any], value: Any) -> None:
+    def undo_abandoned(self, job: Job[Any]) -> None:
+        """Perform the undo of a job whose caller left after it ran (a cancel, now)."""
         assert job.undo is not None
         try:
-            job.undo(value)
+            self.perform(Job(job.undo, None))
         except Exception:
             logger.exception("undoing an abandoned job failed")
 
