@@ -173,9 +173,11 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
     windows: dict[str, tuple[float, float]] = {}
     offset = 0
     with httpx.Client(timeout=args.request_timeout) as client:
-        for warm in SETUPS:  # every setup's first request (compilation, buffers) is not counted
+        # every setup's first request at each length is not counted: compiling its shapes (on a GPU,
+        # a first 8,000-token prompt took 4x the next one's time) and growing buffers
+        for warm, tokens in itertools.product(SETUPS, args.lengths):
             url = servers["single" if warm == "single" else warm].url
-            streamed(client, url, f"warm-{warm}", random.Random(-1).choices(pool, k=min(args.lengths)),
+            streamed(client, url, f"warm-{warm}-{tokens}", random.Random(-tokens).choices(pool, k=tokens),
                      args.max_tokens)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))

@@ -110,14 +110,17 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class Budget:
     """The step's token budget as configured (`tokens`, `prefill_rows`) and what sizes it: a
-    step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`, and
-    `decode_only` (a handed-off request joined or is about to: no prefill this step)."""
+    step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`,
+    `decode_only` (a handed-off request joined or is about to: no prefill this step) and
+    `streamed_alone` (the one prompt prefilling streams its KV to a decode node: slices that
+    travel while the rest computes)."""
 
     tokens: int
     prefill_rows: int
     target_s: float | None = 0.0
     rates: StepRates = field(default_factory=StepRates)
     decode_only: bool = False
+    streamed_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +179,8 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
     oldest = min(waiting, key=lambda w: w.order, default=None)
     tokens = step_token_budget(budget.tokens, decode_rows,
                                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
-                               decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates)
+                               decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates,
+                               streamed_alone=budget.streamed_alone)
     planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
     by_id = {c.request_id: c for c in candidates}
     # Only prompts planned to finish this step share a padded call: it computes all of each.

@@ -58,6 +58,7 @@ __all__ = [
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
+    "STREAMED_SLICE_TOKENS",
     "step_token_budget",
     "work_unit_tokens",
 ]
@@ -248,12 +249,21 @@ def work_unit_tokens(step_tokens: int, max_batch: int, chunk_size: int, layers: 
     return min(room, -(-chunk_size // layers)) if timed else room
 
 
+STREAMED_SLICE_TOKENS = 512
+"""A prefill step's tokens while its only prompt streams its KV to a decode node and nothing
+decodes: each step's piece travels while the next is computed, so when the first token is
+sampled only the last slice is left to move (a whole prompt in one step would leave all of it)."""
+
+
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
-                      target_s: float | None, rates: StepRates) -> int:
+                      target_s: float | None, rates: StepRates, streamed_alone: bool = False) -> int:
     """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
 
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
       second token waits for no prefill.
+    - no stream decoding and one prompt prefilling whose KV streams to a decode node
+      (`streamed_alone`): STREAMED_SLICE_TOKENS (at least its next unit), so its KV moves while
+      the rest is computed; with several prompts waiting, throughput first (as below).
     - no stream decoding: the whole `configured` budget; nobody waits between tokens.
     - streams decoding: the decode rows plus the prefill tokens that fit the step-time target at
       the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
@@ -266,6 +276,8 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
         raise ValueError("budgets, rows, units and the target are >= 0")
     if decode_only:
         return decode_rows
+    if decode_rows == 0 and streamed_alone:
+        return min(configured, max(oldest_unit, STREAMED_SLICE_TOKENS))
     if decode_rows == 0 or target_s == 0:
         return configured
     least = decode_rows + oldest_unit

@@ -21,7 +21,14 @@ from statecore.engine_schedule import (
     schedule,
     update,
 )
-from statecore.scheduling import ModelShape, PrefillWork, StepRates, prefill_chunks, prefill_units
+from statecore.scheduling import (
+    STREAMED_SLICE_TOKENS,
+    ModelShape,
+    PrefillWork,
+    StepRates,
+    prefill_chunks,
+    prefill_units,
+)
 
 SHAPE = ModelShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, dtype_bytes=4)
 LAYERS = 4
@@ -152,3 +159,9 @@ def test_schedule_then_update_brings_every_prompt_to_its_first_token(
         assert not set(plan.dropped_keeps) & {c.request_id for c in left}  # a dropped keep task is gone
         waiting = list(left)
     assert {c.request_id for c in candidates if not c.keeps_only} <= finished
+
+
+def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_computes() -> None:
+    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, streamed_alone=True), max_padding=0)
+    assert alone.budget_tokens == STREAMED_SLICE_TOKENS and alone.prefill_tokens <= STREAMED_SLICE_TOKENS
+    assert schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8), max_padding=0).budget_tokens == 4000

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore.scheduling import (
+    STREAMED_SLICE_TOKENS,
     KvAdmission,
     ModelShape,
     PrefillUnit,
@@ -157,6 +158,27 @@ def test_step_token_budget_table(configured: int, rows: int, oldest_unit: int, d
                                  target_s: float | None, rates: StepRates, expected: int) -> None:
     assert step_token_budget(configured, rows, oldest_unit, decode_only=decode_only, target_s=target_s,
                              rates=rates) == expected
+
+
+@pytest.mark.parametrize(
+    ("configured", "rows", "oldest_unit", "expected"),
+    [
+        # one streamed prompt alone: a slice a step, so its KV travels while the rest computes
+        (2052, 0, 256, STREAMED_SLICE_TOKENS),
+        # ... at least its next unit, at most the configured budget
+        (2052, 0, 1000, 1000),
+        (300, 0, 256, 300),
+        # streams decoding: the step-time rules as without it
+        (2052, 4, 8, 4 + 30),
+    ],
+)
+def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, rows: int, oldest_unit: int,
+                                                              expected: int) -> None:
+    assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None, rates=MEASURED,
+                             streamed_alone=True) == expected
+    if rows == 0:  # not streamed: the whole budget
+        assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
+                                 rates=MEASURED) == configured
 
 
 def test_step_token_budget_refuses_negative_inputs() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import trio
 
 from adapters.http.segment_copies import COPY_FINISHED, SegmentCopies
@@ -78,3 +79,27 @@ async def test_no_room_hands_the_piece_back_without_a_reference() -> None:
     assert await copies.next_event(items, more_items=False) is COPY_FINISHED
     taken = copies.finished()
     assert taken is not None and taken[1] is None  # no reference: the caller sends it inline
+
+
+async def test_an_item_taken_in_the_round_the_copy_ends_is_not_lost() -> None:
+    outbox = GatedOutbox()
+    copies = SegmentCopies(outbox, RequestId("r"))  # type: ignore[arg-type]
+    send, items = trio.open_memory_channel[str](1)
+    copies.start(piece(0, b"a"))
+    await send.send("first token")
+    copies._copies[0].done.set()  # both waits end in the first round
+    assert await copies.next_event(items, more_items=True) == "first token"
+    outbox.gate(b"a").set()
+    await copies.settle()
+
+
+async def test_a_closed_channel_ends_the_wait() -> None:
+    outbox = GatedOutbox()
+    copies = SegmentCopies(outbox, RequestId("r"))  # type: ignore[arg-type]
+    send, items = trio.open_memory_channel[str](1)
+    copies.start(piece(0, b"a"))
+    await send.aclose()
+    with pytest.raises(trio.EndOfChannel):
+        await copies.next_event(items, more_items=True)
+    outbox.gate(b"a").set()
+    await copies.settle()

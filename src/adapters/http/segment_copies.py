@@ -90,21 +90,29 @@ class SegmentCopies:
         if not more_items:
             await oldest.done.wait()
             return COPY_FINISHED
-        got: list[Item | CopyFinished] = []
+        got: list[Item] = []
+        ended = False
         async with trio.open_nursery() as nursery:
 
             async def receive() -> None:
-                got.append(await items.receive())  # cancel-safe: an item is taken or left
+                nonlocal ended
+                try:
+                    got.append(await items.receive())  # cancel-safe: an item is taken or left
+                except trio.EndOfChannel:
+                    ended = True
                 nursery.cancel_scope.cancel()
 
             async def copied() -> None:
                 await oldest.done.wait()
-                got.append(COPY_FINISHED)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(receive)
             nursery.start_soon(copied)
-        return got[0]
+        # Both may end in one round: the item taken then must not be lost (the copy's end is
+        # only a wake-up; `finished` finds it either way).
+        if ended:
+            raise trio.EndOfChannel
+        return got[0] if got else COPY_FINISHED
 
     async def settle(self) -> None:
         """Wait for every copy still running (their regions must exist before they are released)."""

@@ -695,7 +695,9 @@ class DeviceLoop:
         target_ms = s.step_target_ms
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, self.rates,
-                        decode_only=self.handoff_joined or self.handoff_imminent())
+                        decode_only=self.handoff_joined or self.handoff_imminent(),
+                        streamed_alone=len(self.waiting) == 1 and all(
+                            task.segment_sink is not None for task in self.waiting.values()))
         self.handoff_joined = False
         memory = None
         if s.prefill_memory_cap:
