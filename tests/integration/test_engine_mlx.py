@@ -1144,7 +1144,7 @@ async def test_prompts_that_arrive_together_compute_their_shared_system_prompt_o
         for rid in prompts:
             nursery.start_soon(conversation, rid)
         with trio.fail_after(30):
-            while cached._queue.qsize() < len(prompts):  # every one queued behind the gate
+            while cached._thread.queue.qsize() < len(prompts):  # every one queued behind the gate
                 await trio.sleep(0.01)
         gate.set()
     assert sorted(cached for cached, _ in got.values()) == [0, 64, 64, 64]
@@ -1636,7 +1636,7 @@ async def hold_device(engine: MlxEngine) -> threading.Event:
         running.set()
         gate.wait()
 
-    engine._submit_nowait(commands.Inspect(hold))
+    engine._thread.post_nowait(commands.Inspect(hold))
     while not running.is_set():
         await trio.sleep(0.005)
     return gate
@@ -1644,7 +1644,7 @@ async def hold_device(engine: MlxEngine) -> threading.Event:
 
 async def release_when_queued(engine: MlxEngine, gate: threading.Event, jobs: int) -> None:
     """Set `gate` once `jobs` jobs wait behind it (polled)."""
-    while engine._queue.qsize() < jobs:
+    while engine._thread.queue.qsize() < jobs:
         await trio.sleep(0.005)
     gate.set()
 

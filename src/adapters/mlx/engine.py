@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
-import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -33,29 +31,25 @@ import trio
 
 from adapters.kv import codec, frames
 from adapters.mlx import commands
-from adapters.mlx.attention import DECODE_ATTENTION_MODES
-from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.device import DeviceLoop, Settings, SlowStep
+from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
     TensorGroup,
     refuse_pipelined_handoff,
 )
-from adapters.mlx.fusion import FUSION_MODES
-from adapters.mlx.jobs import Crash, Job, Local, Stop, StreamItem, engine_failed, post
+from adapters.mlx.jobs import Local, StreamItem, engine_failed, post
+from adapters.mlx.limits import checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.memory import (
-    default_kv_memory_bytes,
     out_of_memory_advice,
     share_the_device,
 )
 from adapters.mlx.payloads import kv_cache, validate_and_build, validate_prefix, validate_segment
 from adapters.mlx.performer import ModelSource, Performer
 from adapters.mlx.prefill import (
-    default_shape_bucket,
     on_cuda,
     tune_cuda_backend,
 )
-from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -71,15 +65,12 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
-from statecore.scheduling import DEFAULT_CHUNK_TOKENS, default_step_tokens
+from statecore.scheduling import DEFAULT_CHUNK_TOKENS
 
-__all__ = ["PREFILL_MEMORY_CAP_MODES", "MlxEngine"]
+__all__ = ["MlxEngine"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
-_KV_BITS = (2, 3, 4, 5, 6, 8)
-_KV_GROUP_SIZES = (32, 64, 128)
-PREFILL_MEMORY_CAP_MODES = ("auto", "on", "off")  # --prefill-memory-cap
 _T = TypeVar("_T")
 
 
@@ -91,22 +82,19 @@ class MlxEngine:
         tensor = source.tensor
         self._tensor = tensor
         self._settings = settings
-        self._queue: queue.SimpleQueue[Job[Any] | Stop | Crash] = queue.SimpleQueue()
-        self._state_lock = threading.Lock()
-        self._alive = True
-        self._closed = False
+        self._thread = DeviceThread(self._die, partial(out_of_memory_advice,
+                                                       kv_memory_bytes=settings.kv_memory_bytes))
         # trio side: streams not yet taken by `stream()`.
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
         # trio side: a streamed handoff's pieces received so far, validated and built, by request
         self._arriving: dict[RequestId, list[tuple[int, int, list[Any]]]] = {}  # (first, end layer, caches)
-        self._device = (DeviceLoop(settings, self._queue, self._die) if tensor is None
-                        else LockstepLoop(settings, self._queue, self._die, tensor))
+        self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
+                        else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
         self._performer = Performer(self._device, settings, source)
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
         self._device.perform = self._performer.perform
-        self._thread = threading.Thread(target=self._thread_main, name="mlx-device", daemon=True)
-        self._thread.start()
+        self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -149,80 +137,8 @@ class MlxEngine:
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
 
-        Each step decodes every live request (at most `max_batch`) and prefills work units of
-        waiting prompts (a chunk's layers in slices of at most `max_num_batched_tokens` -
-        `max_batch` tokens' worth) until `max_num_batched_tokens` is spent, touching at most
-        `prefill_batch` prompts (default budget: `max_batch` + 2,048 tokens or a whole chunk if
-        larger, several chunks of a prompt per step; a smaller one, down to `max_batch` + chunk
-        size / layers, slices chunks by layers). While streams decode, `step_target_ms` sizes
-        each step's prefill from the rates the device loop measures of its own steps, so that a
-        step stays near the target (`statecore.scheduling.step_token_budget`: at least the oldest
-        prompt's next unit, at most the budget): None (default) = 4 times a step without prefill,
-        0 = off. A tensor- or pipeline-parallel instance runs without it (its ranks plan alike).
-        A chunk (`prefill_chunk_size`, default 256) is one prefill
-        call and the prefix cache's block.
-        Short prompts waiting together are prefilled in one padded call when the padding stays
-        within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
-        off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
-        the batch lane). `preallocate_slots` (default: on MLX's CUDA backend only)
-        allocates the slot pool at its full capacity at load (it is set aside from the budget
-        either way); otherwise it grows as rows need it, a copy of every row each time.
-
-        `kv_memory_bytes` (default: `memory.default_kv_memory_bytes`) bounds every KV cache together:
-        half of it at most is set aside for the slot layout; each other request reserves its
-        cache's worst case (prompt, or prompt + max_tokens once it decodes outside the slots)
-        before anything is allocated, and is refused (OVERLOADED, or KV_MEMORY_EXCEEDED when
-        it can never fit) otherwise. `decodes_locally` False (a prefill node) reserves only a
-        prompt's cache for its prefill, and sets nothing aside for a slot layout (it has none).
-
-        `prefill_memory_cap` ("auto": on when `kv_memory_bytes` is given; "on"; "off") caps each
-        step's prefill work so that the KV held and reserved now (the slot pool as allocated,
-        every reservation, kept prefixes) plus the step's estimated activations
-        (`statecore.scheduling.activation_bytes`: attention scores, a layer's intermediates,
-        logits, a batched call's batch cache) stay within `kv_memory_bytes`: batched short
-        prompts go in smaller groups, a long prompt's units wait. The oldest waiting prompt
-        always advances, alone when even its next unit is over (counted); decode rows always run.
-
-        `shape_bucket` (default: `default_shape_bucket()`, 128 on MLX's CUDA backend and 0 = off
-        elsewhere) pads prefill chunks, and rounds the slot lane's attended length, up to a
-        multiple of it, on plain KVCache models: the device meets a few shapes, not one per
-        prompt length. Like the chunk size it changes the computation's last bits, so it is part
-        of the model fingerprint.
-
-        `decode_attention` (slot lane): "auto" runs the rows' attention in statecore's own CUDA
-        kernel (`adapters.mlx.attention`: each row read in place up to its length, no mask) on
-        MLX's CUDA backend when its load-time self-check passes, else MLX's masked attention;
-        "kernel" requires the kernel (the load fails without it); "masked" never uses it;
-        "reference" routes through the kernel's contract in plain MLX ops (any backend: tests).
-
-        `compile_decode` (slot lane): "auto" traces the step's model call once per shape and
-        replays it (`adapters.mlx.compiled`) on MLX's CUDA backend, where building the graph from
-        Python is a large share of a step; "on" everywhere; "off" never.
-
-        `fuse_projections`: "auto" (on MLX's CUDA backend) computes each layer's query, key and
-        value projections, and its MLP's gate and up projections, as one matmul each
-        (`adapters.mlx.fusion`): fewer kernels to launch per step; "on" everywhere; "off" never.
-        Part of the fingerprint when it fuses.
-
-        `prefix_cache_bytes` (default: a quarter of `kv_memory_bytes`; 0 = off) keeps the KV of
-        whole prefill chunks (plain KVCache models) for prompts that start with the same tokens
-        (`adapters.mlx.prefix_cache`): they start after the cached chunks, with the same numbers.
-        The kept blocks give way to any request that needs their memory. `keep_conversations`
-        (nodes that decode, with the prefix cache on) keeps a finished request's prompt and
-        generated tokens' whole chunks too, computed again as prefill chunks after it ends, and a
-        handed-off prompt's as it is installed (`adapters.mlx.device`): a conversation's next
-        turn starts after them. `prefix_host_bytes` (default: on MLX's CUDA backend only, see
-        `adapters.mlx.prefix_cache.default_host_bytes`; 0 = off; always off on a tensor- or
-        pipeline-parallel instance, whose ranks must hold the same blocks) bounds a host-memory
-        tier that blocks leaving the device go to; `prefix_host_pull` (auto, always, never) says
-        when a prompt takes them back rather than computing them (auto: by measured rates).
-
-        `speculative` ("off", "ngram", "draft"): while at most `speculative_max_rows` requests
-        decode, each step drafts up to `num_draft_tokens` tokens per row, by prompt lookup or with
-        `draft_model` (a model directory of the same vocabulary; giving one turns "off" into
-        "draft"), and checks them in one verify step (`adapters.mlx.speculative`); greedy and
-        seeded rows emit exactly the tokens they emit without it. It stays off (logged) where the
-        load check finds that a verify step would not compute an ordinary step's numbers.
+        The device loop's settings are `adapters.mlx.limits.engine_settings`' (each argument
+        of this call that it takes: there they are documented and checked).
 
         `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
         applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
@@ -240,86 +156,25 @@ class MlxEngine:
         `tensor` (`adapters.mlx.distributed.join_group`): this process is one rank of a
         tensor-parallel instance; each rank loads its shard, and the ranks run in lockstep. On rank
         0 the engine is used as any other; on the others `load` returns at once and the device
-        thread replays rank 0's plans (the engine's port methods are not for them):
+        thread performs the commands of rank 0's plans (the engine's port methods are not for them):
         `follower_loop` is what `watch_follower` watches.
 
         A model dir whose config.json names a `model_file` (custom Python) is refused unless
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
         `info.can_travel` tells the serving roles whether handoffs are possible.
         """
-        if prefill_chunk_size < 1:
-            raise StatecoreError(client_error("prefill_chunk_size must be >= 1"))
-        if kv_bits is not None and kv_bits not in _KV_BITS:
-            raise StatecoreError(client_error(f"kv_bits must be one of {_KV_BITS} or None"))
-        if kv_group_size not in _KV_GROUP_SIZES:
-            raise StatecoreError(client_error(f"kv_group_size must be one of {_KV_GROUP_SIZES}"))
-        if max_batch < 1:
-            raise StatecoreError(client_error("max_batch must be >= 1"))
-        if prefill_batch < 1:
-            raise StatecoreError(client_error("prefill_batch must be >= 1"))
-        budget = (default_step_tokens(max_batch, prefill_chunk_size) if max_num_batched_tokens is None
-                  else max_num_batched_tokens)
-        if budget <= max_batch:
-            raise StatecoreError(client_error(
-                f"max_num_batched_tokens ({budget}) must be more than max_batch ({max_batch}): every "
-                "step decodes every row and must leave room for prefill"
-            ))
-        if not max_padding >= 0.0:
-            raise StatecoreError(client_error("max_padding must be >= 0"))
-        if max_slot_tokens < 1:
-            raise StatecoreError(client_error("max_slot_tokens must be >= 1"))
-        bucket = default_shape_bucket() if shape_bucket is None else shape_bucket
-        if bucket < 0:
-            raise StatecoreError(client_error("shape_bucket must be >= 0"))
-        if decode_attention not in DECODE_ATTENTION_MODES:
-            raise StatecoreError(client_error(
-                f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}"))
-        if compile_decode not in COMPILE_MODES:
-            raise StatecoreError(client_error(f"compile_decode must be one of {', '.join(COMPILE_MODES)}"))
-        if fuse_projections not in FUSION_MODES:
-            raise StatecoreError(client_error(
-                f"fuse_projections must be one of {', '.join(FUSION_MODES)}"))
-        if device_shared_by < 1:
-            raise StatecoreError(client_error("device_shared_by must be >= 1"))
-        memory = (default_kv_memory_bytes(model_dir, device_shared_by) if kv_memory_bytes is None
-                  else kv_memory_bytes)
-        if memory < 1:
-            raise StatecoreError(client_error("kv_memory_bytes must be >= 1"))
-        prefix_bytes = memory // 4 if prefix_cache_bytes is None else prefix_cache_bytes
-        if prefix_bytes < 0:
-            raise StatecoreError(client_error("prefix_cache_bytes must be >= 0"))
-        host_bytes = default_host_bytes(prefix_bytes) if prefix_host_bytes is None else prefix_host_bytes
-        if host_bytes < 0:
-            raise StatecoreError(client_error("prefix_host_bytes must be >= 0"))
-        if prefix_host_pull not in HOST_PULL_MODES:
-            raise StatecoreError(client_error(
-                f"prefix_host_pull must be one of {', '.join(HOST_PULL_MODES)}"))
-        if prefill_memory_cap not in PREFILL_MEMORY_CAP_MODES:
-            raise StatecoreError(client_error(
-                f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
-        capped = kv_memory_bytes is not None if prefill_memory_cap == "auto" else prefill_memory_cap == "on"
-        if draft_model is not None and speculative == "off":
-            speculative = "draft"
-        if speculative not in ("off", "ngram", "draft"):
-            raise StatecoreError(client_error("speculative must be off, ngram or draft"))
-        if (speculative == "draft") != (draft_model is not None):
-            raise StatecoreError(client_error(
-                "speculative 'draft' needs a draft model, and a draft model needs speculative 'draft'"))
-        if num_draft_tokens < 1 or speculative_max_rows < 1:
-            raise StatecoreError(client_error("num_draft_tokens and speculative_max_rows must be >= 1"))
-        if step_target_ms is not None and not step_target_ms >= 0:
-            raise StatecoreError(client_error("step_target_ms must be >= 0 (0: off)"))
-        settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
-                            max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
-                            prefix_bytes, compile_decode,
-                            on_cuda() if preallocate_slots is None else preallocate_slots, capped,
-                            fuse_projections,
-                            keep_conversations=keep_conversations and decodes_locally,
-                            speculative=speculative if decodes_locally and tensor is None else "off",
-                            num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
-                            step_target_ms=0.0 if tensor is not None else step_target_ms,
-                            prefix_host_bytes=host_bytes if tensor is None else 0,
-                            prefix_host_pull=prefix_host_pull)
+        settings = engine_settings(
+            model_dir, prefill_chunk_size=prefill_chunk_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            max_batch=max_batch, max_num_batched_tokens=max_num_batched_tokens, step_target_ms=step_target_ms,
+            prefill_batch=prefill_batch, max_padding=max_padding, max_slot_tokens=max_slot_tokens,
+            kv_memory_bytes=kv_memory_bytes, device_shared_by=device_shared_by,
+            decodes_locally=decodes_locally,
+            shape_bucket=shape_bucket, decode_attention=decode_attention, compile_decode=compile_decode,
+            fuse_projections=fuse_projections, preallocate_slots=preallocate_slots,
+            prefix_cache_bytes=prefix_cache_bytes, prefix_host_bytes=prefix_host_bytes,
+            prefix_host_pull=prefix_host_pull, prefill_memory_cap=prefill_memory_cap,
+            keep_conversations=keep_conversations, speculative=speculative, num_draft_tokens=num_draft_tokens,
+            speculative_max_rows=speculative_max_rows, draft_model=draft_model, tensor=tensor)
         tune_cuda_backend()
         share_the_device(device_shared_by)  # after every check: no refused load leaves it set
         engine = cls(ModelSource(Path(model_dir), trust_remote_code,
@@ -380,7 +235,15 @@ class MlxEngine:
 
     @property
     def device_thread(self) -> threading.Thread:
-        return self._thread
+        assert self._thread.thread is not None
+        return self._thread.thread
+
+    @property
+    def _running_info(self) -> ModelInfo:
+        """The model's info, for a call's checks: the device thread must be running."""
+        if not self._thread.alive:
+            raise engine_failed("the device thread is not running")
+        return self.info
 
     @property
     def info(self) -> ModelInfo:
@@ -395,7 +258,7 @@ class MlxEngine:
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         segments: SegmentSink | None = None,
     ) -> PrefillOutcome:
-        tokens = self._check_request(prompt, sampling)
+        tokens = checked_prompt(prompt, sampling, self._running_info)
         if self._pipelined and not self._settings.decodes_locally:  # a prefill node only hands off
             raise refuse_pipelined_handoff("hand off a prefilled cache")
         matcher = await self._matcher(sampling)
@@ -435,7 +298,7 @@ class MlxEngine:
                         seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
-        checked = self._check_prefix(tokens)
+        checked = checked_prefix(tokens, self._running_info)
         if self._tensor is not None:
             raise _refuse_prefix_move("send")
         tensors: frames.HostTensors = await self._post(commands.ExportPrefix(tuple(checked)))
@@ -443,7 +306,7 @@ class MlxEngine:
                         seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
-        checked = self._check_prefix(tokens)
+        checked = checked_prefix(tokens, self._running_info)
         if self._tensor is not None:
             raise _refuse_prefix_move("receive")
         if self._device.prefix is None:
@@ -456,21 +319,9 @@ class MlxEngine:
         kept: int = await self._post(commands.Keep(tuple(checked[:count])), Local(caches=caches))
         return kept
 
-    def _check_prefix(self, tokens: Sequence[int]) -> list[int]:
-        if not self._alive:
-            raise engine_failed("the device thread is not running")
-        checked = [self._check_token(t, "prefix token") for t in tokens]
-        if not checked:
-            raise StatecoreError(client_error("the prefix is empty"))
-        if len(checked) > self.info.context_length:
-            raise StatecoreError(client_error(
-                f"the prefix has {len(checked)} tokens; the context length is {self.info.context_length}",
-                Code.CONTEXT_LENGTH_EXCEEDED))
-        return checked
-
     async def release_held(self, request_id: RequestId) -> int:
         self._arriving.pop(request_id, None)
-        if not self._alive:
+        if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
             freed: int = await self._post(commands.Release(request_id))
@@ -479,8 +330,8 @@ class MlxEngine:
     async def decode_held(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams
     ) -> None:
-        tokens = self._check_request(prompt, sampling)
-        first_token = self._check_token(first_token, "first_token")
+        tokens = checked_prompt(prompt, sampling, self._running_info)
+        first_token = checked_token(first_token, "first_token", self.info)
         await self._start(commands.DecodeHeld(request_id, tuple(tokens), first_token, sampling))
 
     async def install(
@@ -491,8 +342,8 @@ class MlxEngine:
         first_token: int,
         sampling: SamplingParams,
     ) -> None:
-        tokens = self._check_request(prompt, sampling)
-        first_token = self._check_token(first_token, "first_token")
+        tokens = checked_prompt(prompt, sampling, self._running_info)
+        first_token = checked_token(first_token, "first_token", self.info)
         if self._pipelined:
             raise refuse_pipelined_handoff("install a handed-off cache")
         # Everything before the copy into the decoder runs in a worker thread, so a big handoff
@@ -533,8 +384,8 @@ class MlxEngine:
     ) -> None:
         pieces = self._arriving.pop(request_id, [])
         try:
-            tokens = self._check_request(prompt, sampling)
-            first_token = self._check_token(first_token, "first_token")
+            tokens = checked_prompt(prompt, sampling, self._running_info)
+            first_token = checked_token(first_token, "first_token", self.info)
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
                               Local(pieces=pieces))
         finally:
@@ -567,15 +418,15 @@ class MlxEngine:
         receive = self._streams.pop(request_id, None)
         if receive is not None:
             receive.close()
-        if not self._alive:
+        if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._post(commands.Cancel(request_id))
 
     def statistics(self) -> EngineStatistics:
         device = self._device
-        stalled = device.stalled_s() if self._alive else 0.0
-        return replace(self._performer.stats, device_thread_alive=self._alive, stalled_s=stalled,
+        stalled = device.stalled_s() if self._thread.alive else 0.0
+        return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
                        arriving=len(self._arriving),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
@@ -626,10 +477,8 @@ class MlxEngine:
         for receive in self._streams.values():
             receive.close()
         self._streams.clear()
-        self._stop_nowait()
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(partial(self._thread.join, join_timeout_s))
-        if self._thread.is_alive():
+        self._thread.stop_nowait()
+        if not await self._thread.join(join_timeout_s):
             logger.error("the device thread did not stop within %.1f s; leaving it behind", join_timeout_s)
 
     # -- fault injection -----------------------------------------------------------------------
@@ -637,40 +486,9 @@ class MlxEngine:
     def crash_device_thread(self) -> None:
         """Make the device loop itself raise (not a job): the engine must report itself dead.
         What the DEVICE_CRASH fault drives; a node wires it only when faults are armed."""
-        self._queue.put(Crash())
-
-    def _submit_nowait(self, command: commands.Command) -> None:
-        """Fire and forget; silently nothing if the device thread is gone."""
-        with self._state_lock:
-            if self._alive:
-                self._queue.put(Job(command, None))
+        self._thread.crash_nowait()
 
     # -- trio-side helpers ---------------------------------------------------------------------
-
-    def _check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> list[int]:
-        if not self._alive:
-            raise engine_failed("the device thread is not running")
-        tokens = [self._check_token(t, "prompt token") for t in prompt]
-        if not tokens:
-            raise StatecoreError(client_error("the prompt is empty"))
-        if len(tokens) > self.info.context_length:
-            raise StatecoreError(client_error(
-                f"the prompt has {len(tokens)} tokens; the context length is {self.info.context_length}",
-                Code.CONTEXT_LENGTH_EXCEEDED,
-            ))
-        if sampling.max_tokens < 1:
-            raise StatecoreError(client_error("max_tokens must be >= 1"))
-        if sampling.temperature < 0.0 or sampling.temperature != sampling.temperature:
-            raise StatecoreError(client_error("temperature must be >= 0"))
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise StatecoreError(client_error("top_p must be in (0, 1]"))
-        if sampling.top_k < 0:
-            raise StatecoreError(client_error("top_k must be >= 0"))
-        if sampling.response_format is not None and sampling.ignore_eos:
-            raise StatecoreError(client_error(
-                "ignore_eos cannot go with a response_format: the grammar ends the output with EOS",
-                param="ignore_eos"))
-        return tokens
 
     async def _matcher(self, sampling: SamplingParams) -> Any:
         """A fresh grammar matcher for a request with a response_format (None without one),
@@ -681,19 +499,6 @@ class MlxEngine:
         if grammars is None:
             raise engine_failed("the engine has no model loaded")
         return await trio.to_thread.run_sync(grammars.matcher, sampling.response_format)
-
-    def _check_token(self, token: object, what: str) -> int:
-        """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
-        try:
-            if isinstance(token, bool):
-                raise TypeError
-            value = operator.index(token)  # type: ignore[arg-type]
-        except TypeError:
-            raise StatecoreError(client_error(f"{what} {token!r} is not an integer")) from None
-        vocab = self.info.vocab_size
-        if not 0 <= value < vocab:
-            raise StatecoreError(client_error(f"{what} {value} is outside the vocabulary of {vocab}"))
-        return value
 
     async def _start(self, command: commands.DecodeHeld | commands.Install,
                      local: Local | None = None) -> None:
@@ -716,68 +521,18 @@ class MlxEngine:
             raise
 
     async def _post(self, command: commands.Command, local: Local | None = None) -> Any:
-        """Post `command` to the device thread and await its outcome without blocking trio."""
-        return await self._wait(Job(command, trio.lowlevel.current_trio_token(), trio.Event(), local))
-
-    async def _wait(self, job: Job[_T]) -> _T:
-        with self._state_lock:
-            if not self._alive:
-                raise engine_failed("the engine is closed" if self._closed else "the device thread has died")
-            self._queue.put(job)
-        assert job.done is not None
-        try:
-            await job.done.wait()
-        except BaseException:
-            with job.lock:
-                job.abandoned = True
-                result = job.outcome
-            undo = job.undo
-            if undo is not None and ((result is not None and result.error is None)
-                                     or (result is None and job.deferred)):
-                # A registered prefill is undone at once, not when its turn comes: what it
-                # reserved goes back with it (a no-op if it never registered).
-                self._submit_nowait(undo)
-            raise
-        assert job.outcome is not None
-        return job.outcome.unwrap()
+        return await self._thread.post(command, local)
 
     def _cancel_nowait(self, request_id: RequestId) -> None:
-        self._submit_nowait(commands.Cancel(request_id))
-
-    def _stop_nowait(self) -> None:
-        with self._state_lock:
-            if not self._alive:
-                return
-            self._closed = True
-            self._queue.put(Stop())
-
-    # -- device-thread side --------------------------------------------------------------------
-
-    def _thread_main(self) -> None:
-        try:
-            self._device.run()
-        except BaseException as exc:
-            logger.exception("the MLX device thread died")
-            if (advice := out_of_memory_advice(exc, self._settings.kv_memory_bytes)) is not None:
-                logger.error("%s", advice)
-            self._die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
-        else:
-            self._die(engine_failed("the engine is closed"))
+        self._thread.post_nowait(commands.Cancel(request_id))
 
     def abandon(self, reason: str) -> None:
         """Give up on a device thread that stopped making progress (the node's watchdog): every
-        waiting caller and live stream fails now with ENGINE_FAILED, as does every later call.
-        The thread is left to itself: nothing can interrupt it inside MLX."""
-        with self._state_lock:
-            if not self._alive:
-                return
-            self._alive = False
-        logger.error("abandoning the device thread: %s", reason)
-        self._die(engine_failed(f"the engine was abandoned: {reason}"))
+        waiting caller and live stream fails now with ENGINE_FAILED, as does every later call."""
+        self._thread.abandon(reason)
 
     def _die(self, error: StatecoreError) -> None:
-        with self._state_lock:
-            self._alive = False
+        """The device loop is gone: the statistics say so, and every caller and stream fails."""
         self._performer.stats = EngineStatistics(0, 0, 0, False, self._device.step_retries,
                                                  self._device.rows_isolated)
         self._device.die(error)

@@ -14,7 +14,6 @@ statecore and effects never import it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -444,11 +443,6 @@ class Performer:
             f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
         )
         return info
-
-
-def settings_record(settings: Settings) -> dict[str, Any]:
-    """Settings as the Load command carries them (plain values)."""
-    return dataclasses.asdict(settings)
 
 
 def _nowhere() -> trio.MemorySendChannel[StreamItem]:
