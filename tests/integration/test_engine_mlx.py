@@ -30,6 +30,7 @@ from mlx_lm.utils import load_tokenizer
 from adapters.grammar import response_format_text
 from adapters.kv import codec
 from adapters.mlx import MlxEngine, commands
+from adapters.mlx import choices as choices_module
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held
@@ -1935,11 +1936,11 @@ async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
     engine = await open_engine(cached_checkpoint(family))
     prompt = prompt_of(40)
     # Choice 1 never reaches this node (another one decodes it): choice 0 waits its patience out.
-    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 0.2)
+    monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 0.2)
     _, alone = await run_request(engine, RequestId("p"), prompt, choice_of("p", 0))
     assert len(alone) == 11 and alone[-1].finish_reason == "length"
     # Choice 1 ends at its first token (its held cache is released): nobody waits for it.
-    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 600.0)
+    monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 600.0)
     first = await engine.prefill(RequestId("e"), prompt, choice_of("e", 0))
     await engine.prefill(RequestId("e.1"), prompt, choice_of("e", 1))
     await engine.decode_held(RequestId("e"), prompt, first.first_token, choice_of("e", 0))

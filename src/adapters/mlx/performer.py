@@ -36,6 +36,7 @@ from adapters.mlx.fusion import fuse_projections
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Job, Local, StreamItem, deliver, post
 from adapters.mlx.loading import load_model, model_fingerprint
+from adapters.mlx.loop_setup import configure
 from adapters.mlx.memory import KvCost, measure_kv_cost, parameter_bytes, state_bytes
 from adapters.mlx.payloads import joined_segments, validate_and_build
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
@@ -168,7 +169,7 @@ class Performer:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
                 device.requests.remove(request_id)
-            device.choice_ended(sampling)
+            device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])
             self.publish()
             return
@@ -245,7 +246,7 @@ class Performer:
         held = device.held.get(request_id)
         if held is not None:
             device.requests.remove(request_id)  # its reservation with it
-            device.choice_ended(held.sampling)  # it will not decode here
+            device.choices.ended(held.sampling)  # it will not decode here
         self.publish()
         return 0 if held is None else held.nbytes
 
@@ -406,7 +407,7 @@ class Performer:
             drafting = load_model(source.draft_dir, trust_remote_code=source.trust_remote_code)
             check_draft_vocabulary(loaded.tokenizer, drafting.tokenizer)
             device.draft_model = DraftModel(drafting.model)
-        device.configure(loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
+        configure(device, loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
         # what this rank holds of the model (a shard on a tensor-parallel rank), and every rank's
         held = parameter_bytes(loaded.model)
         by_rank = (held,) if tensor is None else tuple(every_rank(tensor.group, held))
