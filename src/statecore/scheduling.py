@@ -29,6 +29,7 @@ This module must never import trio, httpx, mlx or mlx_lm.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -58,6 +59,7 @@ __all__ = [
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
+    "STREAMED_SLICE_S",
     "STREAMED_SLICE_TOKENS",
     "step_token_budget",
     "work_unit_tokens",
@@ -250,9 +252,15 @@ def work_unit_tokens(step_tokens: int, max_batch: int, chunk_size: int, layers: 
 
 
 STREAMED_SLICE_TOKENS = 512
-"""A prefill step's tokens while its only prompt streams its KV to a decode node and nothing
+"""The fewest tokens of a step while its only prompt streams its KV to a decode node and nothing
 decodes: each step's piece travels while the next is computed, so when the first token is
 sampled only the last slice is left to move (a whole prompt in one step would leave all of it)."""
+
+STREAMED_SLICE_S = 0.1
+"""...and the least time such a step should take at the measured rate: a step has a fixed cost
+(~10 ms of host work on a GPU), which slices of 512 tokens of a 1B model on an H200 paid 4-12
+times over (the prefill 1.5-1.9x longer); a step of 100 ms keeps it near a tenth. On a CPU a
+512-token slice already takes longer; on a fast GPU a 2,000-token prompt stays one step."""
 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
@@ -262,8 +270,9 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
       second token waits for no prefill.
     - no stream decoding and one prompt prefilling whose KV streams to a decode node
-      (`streamed_alone`): STREAMED_SLICE_TOKENS (at least its next unit), so its KV moves while
-      the rest is computed; with several prompts waiting, throughput first (as below).
+      (`streamed_alone`): a slice of at least STREAMED_SLICE_TOKENS and STREAMED_SLICE_S at the
+      measured rate (and its next unit), so its KV moves while the rest is computed; until a
+      rate is measured, and with several prompts waiting, the configured budget (as below).
     - no stream decoding: the whole `configured` budget; nobody waits between tokens.
     - streams decoding: the decode rows plus the prefill tokens that fit the step-time target at
       the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
@@ -277,7 +286,11 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
     if decode_only:
         return decode_rows
     if decode_rows == 0 and streamed_alone:
-        return min(configured, max(oldest_unit, STREAMED_SLICE_TOKENS))
+        per_token = rates.prefill_token_s
+        if per_token is None or per_token <= 0:
+            return configured  # unmeasured: slices could cost more than they save
+        worth = max(STREAMED_SLICE_TOKENS, math.ceil(STREAMED_SLICE_S / per_token))
+        return min(configured, max(oldest_unit, worth))
     if decode_rows == 0 or target_s == 0:
         return configured
     least = decode_rows + oldest_unit

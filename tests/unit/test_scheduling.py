@@ -160,25 +160,35 @@ def test_step_token_budget_table(configured: int, rows: int, oldest_unit: int, d
                              rates=rates) == expected
 
 
+SLOW_PREFILL = StepRates(excess_s=1.0, prefill_tokens=500.0)  # 2 ms a token: a CPU
+FAST_PREFILL = StepRates(excess_s=0.045, prefill_tokens=2000.0)  # 22.5 us a token: a 1B on a GPU
+
+
 @pytest.mark.parametrize(
-    ("configured", "rows", "oldest_unit", "expected"),
+    ("configured", "rows", "oldest_unit", "rates", "expected"),
     [
-        # one streamed prompt alone: a slice a step, so its KV travels while the rest computes
-        (2052, 0, 256, STREAMED_SLICE_TOKENS),
+        # one streamed prompt alone on a slow device: a slice a step, so its KV travels while the
+        # rest computes
+        (2052, 0, 256, SLOW_PREFILL, STREAMED_SLICE_TOKENS),
         # ... at least its next unit, at most the configured budget
-        (2052, 0, 1000, 1000),
-        (300, 0, 256, 300),
+        (2052, 0, 1000, SLOW_PREFILL, 1000),
+        (300, 0, 256, SLOW_PREFILL, 300),
+        # on a fast one, steps of STREAMED_SLICE_S at least (100 ms / 22.5 us: 4,445 tokens)
+        (8192, 0, 256, FAST_PREFILL, 4445),
+        (2052, 0, 256, FAST_PREFILL, 2052),
+        # no rate measured yet: the configured budget
+        (2052, 0, 256, StepRates(), 2052),
         # streams decoding: the step-time rules as without it
-        (2052, 4, 8, 4 + 30),
+        (2052, 4, 8, MEASURED, 4 + 30),
     ],
 )
 def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, rows: int, oldest_unit: int,
-                                                              expected: int) -> None:
-    assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None, rates=MEASURED,
+                                                              rates: StepRates, expected: int) -> None:
+    assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None, rates=rates,
                              streamed_alone=True) == expected
     if rows == 0:  # not streamed: the whole budget
         assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
-                                 rates=MEASURED) == configured
+                                 rates=rates) == configured
 
 
 def test_step_token_budget_refuses_negative_inputs() -> None:
