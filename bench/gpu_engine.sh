@@ -20,6 +20,7 @@
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
 #                      stall it causes a decode node with 16 streams
 #   handoff-pull       the HTTP pull per request against a raw loopback socket
+#   handoff-stages     a same-host handoff's stages one by one (device-to-host copy, CRC, build)
 #   essentials         one call's worth (~8 min): the allocator's memory under realish at 8 (does it
 #                      stay bounded?), vs-mlx-lm on the 1B shape, handoff-cost at concurrency 1
 #   memory-growth      the engine alone on realish at 8 with the allocator's memory traced: the
@@ -167,6 +168,10 @@ case "${1:-vs-mlx-lm}" in
     handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12
     handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
       --background-streams 16
+    ;;
+  handoff-stages)
+    machine
+    timeout "${STAGES_LIMIT:-150}" $PY bench/handoff/kv_copy_stages.py --tokens 2000 8000 --reps 3 2>&1 | tail -34
     ;;
   handoff-pull)
     # 128 / 2,000 / 8,000 tokens with 16 streams decoding on the decode node throughout.

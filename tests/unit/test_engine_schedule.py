@@ -162,6 +162,13 @@ def test_schedule_then_update_brings_every_prompt_to_its_first_token(
 
 
 def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_computes() -> None:
-    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, streamed_alone=True), max_padding=0)
+    """At 1 ms a prefill token a slice of STREAMED_SLICE_S is under STREAMED_SLICE_TOKENS: the
+    slice is that many tokens; unmeasured, or not streamed, the whole budget."""
+    rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
+    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, rates=rates, streamed_alone=True),
+                     max_padding=0)
     assert alone.budget_tokens == STREAMED_SLICE_TOKENS and alone.prefill_tokens <= STREAMED_SLICE_TOKENS
-    assert schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8), max_padding=0).budget_tokens == 4000
+    unmeasured = Budget(4000, 8, streamed_alone=True)
+    assert schedule(0, [prompt("a", 1, 2000)], unmeasured, max_padding=0).budget_tokens == 4000
+    not_streamed = Budget(4000, 8, rates=rates)
+    assert schedule(0, [prompt("a", 1, 2000)], not_streamed, max_padding=0).budget_tokens == 4000

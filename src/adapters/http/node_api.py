@@ -334,6 +334,12 @@ class NodeApi:
         refused = self.runner.admission_error(self.max_live)
         if refused is not None:
             raise StatecoreError(refused)
+        if self.lost_reason is not None or not self.engine.statistics().device_thread_alive:
+            # Between its device's death and its loop's end (it then exits) the node is a failed
+            # peer to whoever asks, not a bug of the request: the router tries another node.
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.ENGINE_FAILED, "this node's engine is lost ("
+                                           f"{self.lost_reason or 'its device thread is not running'}): "
+                                           "it is going down"))
         await self.faults.at(Phase.INTAKE, rid)
         replies = await self.runner.open(rid, capacity, context)
         return RunnerGeneration(self.runner, rid, replies, context)

@@ -144,8 +144,14 @@ class Performer:
                                   self.constraint(matcher, ()))
         task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
                            segment_sink=None if local is None else local.segment_sink)
-        device.start_from_prefix(task, keys)
+        # Its record (and so its reservation) first: the blocks its start takes back from the host
+        # tier fit what the budget leaves beside every reservation, its own included.
         device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
+        try:
+            device.start_from_prefix(task, keys)
+        except BaseException:
+            device.forget(request_id)
+            raise
 
     def join(self, command: commands.DecodeHeld | commands.Install, job: Job[Any],
              local: Local | None) -> None:
