@@ -29,7 +29,8 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import response_format_text
 from adapters.kv import codec
-from adapters.mlx import MlxEngine
+from adapters.mlx import MlxEngine, commands
+from adapters.mlx import choices as choices_module
 from adapters.mlx import device as device_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held
@@ -659,7 +660,8 @@ async def test_shape_buckets_keep_every_lane_exact(open_engine: Opener) -> None:
     # leaves nothing behind.
     from adapters.mlx.prefill import warm_chunk_shapes
 
-    assert await bucketed._call(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK)) == 2
+    warmed = commands.Inspect(lambda: warm_chunk_shapes(bucketed._device.model, 24, CHUNK))
+    assert await bucketed._post(warmed) == 2
     assert await same_seeded_tokens(bucketed, plain)
 
 
@@ -1001,7 +1003,7 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
         device.unreserve("r")
         return task.request_id not in device.waiting and task.request_id not in device.reserved
 
-    assert await engine._call(admit_beside_a_keep_task)
+    assert await engine._post(commands.Inspect(admit_beside_a_keep_task))
 
 
 async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(open_engine: Opener) -> None:
@@ -1049,7 +1051,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
             device.forget(rid)
         return overloaded and still_waiting
 
-    assert await engine._call(refused_beside_a_keep_task)
+    assert await engine._post(commands.Inspect(refused_beside_a_keep_task))
 
 
 async def test_a_prompt_s_own_cached_blocks_give_way_last_to_its_admission(open_engine: Opener) -> None:
@@ -1143,7 +1145,7 @@ async def test_prompts_that_arrive_together_compute_their_shared_system_prompt_o
         for rid in prompts:
             nursery.start_soon(conversation, rid)
         with trio.fail_after(30):
-            while cached._queue.qsize() < len(prompts):  # every one queued behind the gate
+            while cached._thread.queue.qsize() < len(prompts):  # every one queued behind the gate
                 await trio.sleep(0.01)
         gate.set()
     assert sorted(cached for cached, _ in got.values()) == [0, 64, 64, 64]
@@ -1635,7 +1637,7 @@ async def hold_device(engine: MlxEngine) -> threading.Event:
         running.set()
         gate.wait()
 
-    engine._submit_nowait(hold)
+    engine._thread.post_nowait(commands.Inspect(hold))
     while not running.is_set():
         await trio.sleep(0.005)
     return gate
@@ -1643,7 +1645,7 @@ async def hold_device(engine: MlxEngine) -> threading.Event:
 
 async def release_when_queued(engine: MlxEngine, gate: threading.Event, jobs: int) -> None:
     """Set `gate` once `jobs` jobs wait behind it (polled)."""
-    while engine._queue.qsize() < jobs:
+    while engine._thread.queue.qsize() < jobs:
         await trio.sleep(0.005)
     gate.set()
 
@@ -1934,11 +1936,11 @@ async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
     engine = await open_engine(cached_checkpoint(family))
     prompt = prompt_of(40)
     # Choice 1 never reaches this node (another one decodes it): choice 0 waits its patience out.
-    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 0.2)
+    monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 0.2)
     _, alone = await run_request(engine, RequestId("p"), prompt, choice_of("p", 0))
     assert len(alone) == 11 and alone[-1].finish_reason == "length"
     # Choice 1 ends at its first token (its held cache is released): nobody waits for it.
-    monkeypatch.setattr(device_module, "CHOICE_PATIENCE_S", 600.0)
+    monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 600.0)
     first = await engine.prefill(RequestId("e"), prompt, choice_of("e", 0))
     await engine.prefill(RequestId("e.1"), prompt, choice_of("e", 1))
     await engine.decode_held(RequestId("e"), prompt, first.first_token, choice_of("e", 0))

@@ -38,7 +38,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.mlx import MlxEngine
+from adapters.mlx import MlxEngine, commands
 from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.events import TokenLogprobs
@@ -364,7 +364,8 @@ async def run_program(engines: Engines, totals: Totals, program: tuple[Op, ...])
     await engines.cached.evict_prefixes(engines.capacity)
     prefix = engines.cached._device.prefix
     assert prefix is not None
-    await engines.cached._call(partial(prefix.evict_host, prefix.host_nbytes))  # (the device thread's)
+    # (on the device thread: the prefix cache is its)
+    await engines.cached._post(commands.Inspect(partial(prefix.evict_host, prefix.host_nbytes)))
     seen = [(*prefix, 2) for prefix in (PREFIXES[3], PREFIXES[2])]
     for prompt in seen:
         await alone(engines.cached, RequestId("warm"), prompt, SamplingParams(max_tokens=1))

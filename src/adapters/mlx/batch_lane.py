@@ -9,7 +9,7 @@ No private attribute of mlx-lm is read and no generator of mlx-lm runs: the lane
 with its own `PositionSampler` (`sample_rows`, as the slot lane does), so penalties, logprobs
 and seeded draws are the request's on every lane. A row's numbers depend on the rows beside it
 (the batch pads their caches to each other): the choices of one request join in one step, in
-choice order (`DeviceLoop.release_choices`). A step that raises is undone (every batch cache
+choice order (`adapters.mlx.choices`). A step that raises is undone (every batch cache
 through its public `state`, each row's sampler rewound) and computed once more; if that raises
 too, every row leaves with its own cache for one solo step (where a row that keeps raising fails
 alone) and rejoins after it.

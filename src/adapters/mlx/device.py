@@ -37,7 +37,6 @@ mlx_lm and trio (only for trio tokens); statecore and effects never import it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import time
@@ -51,8 +50,8 @@ import trio
 from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache
 
-from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.batch_lane import BatchLane, batchable
+from adapters.mlx.choices import ChoiceGathering
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
 from adapters.mlx.jobs import (
@@ -66,10 +65,10 @@ from adapters.mlx.jobs import (
     engine_failed,
     post,
 )
-from adapters.mlx.memory import ALLOCATION_STEP, KvCost, model_shape
-from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, run_short_batch, run_units
+from adapters.mlx.memory import ALLOCATION_STEP, KvCost
+from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
 from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.requests import ChoiceGroup, EngineRequest, Held, RequestTable
+from adapters.mlx.requests import EngineRequest, Held, RequestTable
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, read_logprobs
 from adapters.mlx.slot_lane import SlotLane
@@ -86,7 +85,7 @@ from statecore.engine_schedule import (
     choose_lane,
     schedule,
 )
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
 from statecore.prefix import conversation_block_keys, conversation_blocks
@@ -94,31 +93,24 @@ from statecore.scheduling import (
     KvAdmission,
     ModelShape,
     StepRates,
-    activation_bytes,
-    bucketed,
-    joining_choices,
     kv_admission,
     measured_step,
     prefill_units,
     work_unit_tokens,
 )
 
-__all__ = ["CHOICE_PATIENCE_S", "SLOW_STEP_S", "DeviceLoop", "Settings", "SlowStep"]
+__all__ = ["SLOW_STEP_S", "DeviceLoop", "Settings", "SlowStep"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 
 _T = TypeVar("_T")
-_MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the batch lane
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 # How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
 # soon as it is validated; a request that never does stops holding it back after this)
 HANDOFF_COMING_S = 2.0
 _SLOW_STEPS_KEPT = 32
 _KEEP_AFTER = 1 << 40  # keep tasks queue after every prompt (the scheduler takes the oldest first)
-# How long the batched lanes' arrived choices of a request wait for a missing one not seen on this
-# node (decoding elsewhere, or ended before it came here) before they join without it.
-CHOICE_PATIENCE_S = 2.0
 
 
 
@@ -206,25 +198,6 @@ class InFlight:
     segments: list[tuple[PrefillTask, tuple[int, int, int, int], list[Any]]] = field(default_factory=list)
 
 
-class _CheckedModel:
-    """The model with the test hook in its call (only when a test armed one, e.g. `--inject-fault
-    decode_call_once`): the hook sees the call's stage ("prefill" or "decode") and the requests
-    it computes, and may raise from inside the call."""
-
-    def __init__(self, model: Any, loop: DeviceLoop) -> None:
-        self._model = model
-        self._loop = loop
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hook = self._loop.model_call_hook
-        if hook is not None:
-            hook(*self._loop.computing)
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-
 class DeviceLoop:
     """All device-thread state. Only the device thread calls its methods (after `load`)."""
 
@@ -256,10 +229,12 @@ class DeviceLoop:
         self.live = self.requests.live  # requests in the decoder (gathering choices included)
         self.waiting = self.requests.waiting  # prompts and keep tasks with prefill work left
         self.gathering = self.requests.gathering  # choices of n > 1 waiting for their siblings
-        self.choice_groups: dict[str, ChoiceGroup] = {}  # by choice group: what gathering choices share
+        self.choices = ChoiceGathering(self)  # the choices of n > 1 waiting for each other
         self.arrivals = 0
         self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
+        # Performs a job's command (`adapters.mlx.performer.Performer.perform`, set by the engine)
+        self.perform: Callable[[Job[Any]], Any] = lambda job: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
         self.running: Job[Any] | None = None  # the job being computed now
         self.cost = KvCost(0, 0, 0)
@@ -316,94 +291,10 @@ class DeviceLoop:
         return (self.settings.kv_bits is None and not self.pipelined
                 and all(type(c) is KVCache for c in cache))
 
-    def configure(self, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
-                  probe_cache: list[Any], cost: KvCost) -> None:
-        s = self.settings
-        self.model = model if self.model_call_hook is None else _CheckedModel(model, self)
-        self.eos = eos
-        self.vocab_size = vocab_size
-        self.context_length = context_length
-        self.cost = cost
-        self.layers = len(probe_cache)
-        self.shape = model_shape(model, vocab_size, probe_cache)
-        one_layer = -(-s.prefill_chunk_size // self.layers)
-        if one_layer > self.step_room:
-            raise StatecoreError(client_error(
-                f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
-                f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
-                "least one layer of a chunk"))
-        if self.pipelined:
-            # A rank's layers wait on the previous rank's inside one model call: a step evaluates
-            # a whole chunk or nothing of it. Estimated activations would differ from rank to
-            # rank (their layers do), so no prefill is capped by them.
-            if s.prefill_chunk_size > self.step_room:
-                raise StatecoreError(client_error(
-                    f"a pipeline-parallel instance computes a whole prefill chunk per step: "
-                    f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch "
-                    f"+ prefill_chunk_size ({s.max_batch} + {s.prefill_chunk_size})"))
-            s = self.settings = dataclasses.replace(s, prefill_memory_cap=False)
-        plain = self.plain(probe_cache)
-        self.short_batching = plain and s.prefill_batch > 1
-        # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
-        self.bucket = s.shape_bucket if plain else 0
-        if plain and s.decodes_locally:
-            # The pool may grow to half the KV budget at most; that half is set aside for it. A
-            # prefill node never decodes a client's request: it keeps the whole budget for prompts.
-            fitting = (s.kv_memory_bytes // 2) // max(1, s.max_batch * cost.slot_per_token)
-            capacity = min(context_length, s.max_slot_tokens) + 1
-            if fitting < min(capacity, _MIN_SLOT_TOKENS):
-                logger.warning("a KV budget of %d bytes leaves no room for the slot layout; "
-                               "decoding in the batch lane", s.kv_memory_bytes)
-            else:
-                capacity = min(capacity, fitting)
-                self.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
-                self.pool_reserved = s.max_batch * capacity * cost.slot_per_token
-                self.pool.attention, self.attention = self.slot_attention(model, probe_cache)
-                if s.preallocate_slots:
-                    # Set aside from the budget anyway; allocated now, it never grows (a copy of
-                    # every row, and on the GPU new shapes) while streams decode.
-                    self.pool.reserve(capacity, probe_cache)
-                    mx.eval(self.pool.keys, self.pool.values)
-                if enabled_on_cuda(s.compile_decode):  # (a traced CPU step builds C++ per kernel)
-                    self.compiled = CompiledSlotStep(model, self.pool, self.bucket, self.call_hook)
-        self.slot_lane = self.pool is not None
-        self.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
-        if plain and s.prefix_cache_bytes > 0:
-            self.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
-                                      s.prefix_host_pull, room=self.prefix_room,
-                                      prefill_token_s=lambda: self.rates.prefill_token_s)
-        if s.speculative != "off":
-            self.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
-                                         self.draft_model)
-            self.speculator.measure(self)
-        if s.prefill_memory_cap:
-            # Even on an idle node a whole chunk has beside it only the budget less the slot pool
-            # as allocated now and its own prompt's KV: over that, every such chunk overruns.
-            whole = bucketed(s.prefill_chunk_size, self.bucket)
-            chunk = activation_bytes(self.shape, 1, whole, whole)
-            room = s.kv_memory_bytes - (0 if self.pool is None else self.pool.nbytes) - cost.of(whole)
-            if chunk > room:
-                logger.warning(
-                    "one whole prefill chunk's activations are estimated at %d bytes, more than the "
-                    "%d bytes the KV budget (%d) leaves beside it even on an idle node: every "
-                    "prompt of %d tokens or more will overrun the budget (engine_activation_overruns); "
-                    "a smaller --prefill-chunk-size bounds it (a chunk's attention scores grow with "
-                    "its size times the positions it attends)",
-                    chunk, max(0, room), s.kv_memory_bytes, s.prefill_chunk_size)
-
     def call_hook(self) -> None:
         """The test hook of a model call, for the traced step (whose model code does not run)."""
         if self.model_call_hook is not None:
             self.model_call_hook(*self.computing)
-
-    def slot_attention(self, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
-        _, kv_heads, _, dim = probe_cache[0].keys.shape
-        query_heads = getattr(getattr(model, "args", None), "num_attention_heads", None) or kv_heads
-        try:
-            return choose_attention(self.settings.decode_attention, query_heads, kv_heads, dim,
-                                    probe_cache[0].keys.dtype)
-        except ValueError as exc:
-            raise StatecoreError(client_error(str(exc))) from exc
 
     # -- KV memory -----------------------------------------------------------------------------
 
@@ -506,7 +397,7 @@ class DeviceLoop:
         while True:
             busy = bool(len(self.live) > len(self.gathering) or self.waiting or self.inflight)
             # Choices waiting for each other wake the loop when their patience ends.
-            jobs = self.take_jobs(wait=not busy, timeout=self.gathering_timeout())
+            jobs = self.take_jobs(wait=not busy, timeout=self.choices.timeout())
             for job in jobs:
                 if isinstance(job, Stop):
                     return
@@ -538,7 +429,7 @@ class DeviceLoop:
         started = time.perf_counter()
         self.running = job
         try:
-            value = job.work()
+            value = self.perform(job)
         except Exception as exc:
             if not isinstance(exc, StatecoreError):
                 logger.exception("device job failed")
@@ -557,15 +448,16 @@ class DeviceLoop:
             abandoned = job.abandoned
         if abandoned:
             if result.error is None and job.undo is not None:
-                self.undo_abandoned(job, result.value)
+                self.undo_abandoned(job)
             return
         if job.done is not None:
             post(job.token, job.done.set)
 
-    def undo_abandoned(self, job: Job[Any], value: Any) -> None:
+    def undo_abandoned(self, job: Job[Any]) -> None:
+        """Perform the undo of a job whose caller left after it ran (a cancel, now)."""
         assert job.undo is not None
         try:
-            job.undo(value)
+            self.perform(Job(job.undo, None))
         except Exception:
             logger.exception("undoing an abandoned job failed")
 
@@ -619,7 +511,7 @@ class DeviceLoop:
         if previous is not None:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
-        self.release_choices()
+        self.choices.release()
         if len(self.batch):
             self.batch.step()
         for live in self.solo.step([live for live in self.live.values() if live.solo_cache is not None]):
@@ -773,7 +665,7 @@ class DeviceLoop:
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
                 self.forget(task.request_id)
-                self.choice_ended(task.sampler.sampling)
+                self.choices.ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             outputs.extend(self.capture_segments(task, current))
@@ -1063,12 +955,7 @@ class DeviceLoop:
             self.requests.remove(live.request_id)  # its reservation with it
             if self.speculator is not None:
                 self.speculator.left(live.request_id)
-            sampling = live.sampler.sampling
-            group = self.choice_groups.get(sampling.choice_group) if sampling.choices > 1 else None
-            if group is not None and record.phase is EnginePhase.GATHERING:
-                group.ended.add(sampling.choice)
-                if not self.arrived(sampling.choice_group):  # nobody of it waits any more
-                    del self.choice_groups[sampling.choice_group]
+            self.choices.left(live, record)
         self.slots.leave(live)
         self.batch.remove(live)
 
@@ -1092,8 +979,8 @@ class DeviceLoop:
              reserved: int | None = None) -> None:
         """Put a request with its prompt's cache into `lane` (the caller checked capacity), its
         record reserving `reserved` bytes from now (None: what it reserves already); a choice of
-        n > 1 bound for a batched lane waits for its siblings first (`gather`)."""
-        if lane != "solo" and live.sampler.sampling.choices > 1 and self.gather(live):
+        n > 1 bound for a batched lane waits for its siblings first (`adapters.mlx.choices`)."""
+        if lane != "solo" and live.sampler.sampling.choices > 1 and self.choices.waits(live):
             record = self.requests.join(live, lane, (cache, prompt))
         else:
             self.enter(live, cache, prompt, lane)
@@ -1102,8 +989,8 @@ class DeviceLoop:
             record.reserved = reserved
         if lane == "slot" and record.phase is EnginePhase.RUNNING:
             record.reserved = 0  # its KV lives in the pool now
-        if self.choice_groups:
-            self.release_choices()
+        if self.choices.groups:
+            self.choices.release()
 
     def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
         needed = len(prompt) + live.remaining + 2
@@ -1116,83 +1003,6 @@ class DeviceLoop:
             self.batch.insert(live, cache)
         else:
             live.solo_cache = cache
-
-    # -- the choices of one request (n > 1) in a batched lane ----------------------------------
-
-    def gather(self, live: Live) -> bool:
-        """A choice reaches its lane: whether it waits for the request's other choices, to enter
-        with them. One that comes after its siblings already decode here enters at once."""
-        sampling = live.sampler.sampling
-        group = self.choice_groups.get(sampling.choice_group)
-        if group is None:
-            if any((other.batched or other.slot is not None)
-                   and other.sampler.sampling.choice_group == sampling.choice_group
-                   for other in self.live.values()):
-                return False
-            group = ChoiceGroup(sampling.choices, time.monotonic())
-            self.choice_groups[sampling.choice_group] = group
-        group.seen = time.monotonic()
-        return True
-
-    def arrived(self, group: str) -> dict[int, EngineRequest]:
-        """The gathering choices of a request, by choice."""
-        return {record.live.sampler.sampling.choice: record
-                for record in self.requests.in_phase(EnginePhase.GATHERING)
-                if record.live is not None and record.live.sampler.sampling.choice_group == group}
-
-    def choice_ended(self, sampling: SamplingParams | None) -> None:
-        """A choice that will not decode here (it ended at its first token, failed, or was
-        cancelled): its siblings stop waiting for it."""
-        if sampling is None or sampling.choices <= 1:
-            return
-        group = self.choice_groups.get(sampling.choice_group)
-        if group is not None:
-            group.ended.add(sampling.choice)
-        self.release_choices()
-
-    def release_choices(self) -> None:
-        """Every request whose arrived choices may enter their lane now enters it: in one step, in
-        choice order (in the slot lane each takes the lowest free slot, so the same ones)."""
-        now = time.monotonic()
-        for key, group in list(self.choice_groups.items()):
-            arrived = self.arrived(key)
-            missing = set(range(group.choices)) - set(arrived) - group.ended
-            if missing and self.choices_on_their_way(key, missing):
-                group.seen = now
-            joining = joining_choices(group.choices, arrived, group.ended, now - group.seen,
-                                      CHOICE_PATIENCE_S)
-            if not joining:
-                continue
-            del self.choice_groups[key]
-            deliveries: dict[trio.lowlevel.TrioToken, list[Any]] = {}
-            for choice in joining:
-                record = arrived[choice]
-                live, lane = record.live, record.lane
-                assert live is not None and lane is not None and record.arrived is not None
-                cache, prompt = record.arrived
-                try:
-                    self.enter(live, cache, prompt, lane)
-                except Exception as exc:  # this choice fails (its slot's copy kept raising), nothing else
-                    logger.exception("request %s could not enter the %s lane", live.request_id, lane)
-                    self.end(live, as_statecore(exc), deliveries)
-                    continue
-                record.phase, record.arrived = EnginePhase.RUNNING, None
-                if lane == "slot":
-                    record.reserved = 0  # its KV lives in the pool now
-            self.hand_out(deliveries)
-
-    def choices_on_their_way(self, group: str, choices: set[int]) -> bool:
-        """Whether one of a request's `choices` is prefilling here, or prefilled and held here."""
-        samplings = [task.sampler.sampling for task in self.waiting.values()]
-        samplings += [held.sampling for held in self.held.values() if held.sampling is not None]
-        return any(s.choice_group == group and s.choice in choices for s in samplings)
-
-    def gathering_timeout(self) -> float | None:
-        """Seconds until the first waiting request's patience ends (None: nobody waits)."""
-        if not self.choice_groups:
-            return None
-        now = time.monotonic()
-        return max(0.0, min(group.seen + CHOICE_PATIENCE_S - now for group in self.choice_groups.values()))
 
     def overloaded(self) -> StatecoreError | None:
         if len(self.live) >= self.settings.max_batch:
@@ -1214,10 +1024,10 @@ class DeviceLoop:
             return
         self.requests.remove(request_id)
         if record.phase is EnginePhase.HELD:
-            self.choice_ended(record.sampling)
+            self.choices.ended(record.sampling)
         elif record.phase in (EnginePhase.WAITING, EnginePhase.PREFILLING):
             assert record.task is not None
-            self.choice_ended(record.task.sampler.sampling)
+            self.choices.ended(record.task.sampler.sampling)
             self.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
 
@@ -1243,7 +1053,7 @@ class DeviceLoop:
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
         self.requests.clear()
-        self.choice_groups.clear()
+        self.choices.groups.clear()
         self.batch.clear()
         self.model = None
         self.pool = None

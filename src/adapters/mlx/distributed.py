@@ -3,10 +3,11 @@
 An instance of N ranks loads one shard of the model per rank (mlx-lm's `model.shard`); every model
 call then runs collectives across the ranks, so every rank must make the same calls in the same
 order. `LockstepLoop` is the device loop of each rank. On rank 0 (the node: HTTP, scheduler) it
-takes the jobs that arrived, broadcasts their commands (`adapters.lockstep.Plan`, bytes in a
-uint8 array summed over `mx.distributed`) and only then applies them and runs the step; on the
-other ranks it receives each plan, rebuilds the same jobs from the commands (`replay`), applies
-them and runs the same step with its own shard, its tokens going nowhere. Idle, rank 0 broadcasts
+takes the jobs that arrived, broadcasts their replicated commands (`adapters.mlx.lockstep.Plan`,
+bytes in a uint8 array summed over `mx.distributed`) and only then performs them and runs the
+step; on the other ranks it receives each plan, performs the very same commands (the same
+`perform` as rank 0's, without rank 0's local attachments) and runs the same step with its own
+shard, its tokens going nowhere. Idle, rank 0 broadcasts
 an empty plan every `heartbeat_s`, so a lost rank shows within a heartbeat and a waiting rank
 knows rank 0 is alive. MLX's collectives have no timeout: a rank that dies makes the others'
 collective raise ("connection to a peer was lost": the device thread dies, the node exits), one
@@ -47,7 +48,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from adapters.mlx import lockstep
+from adapters.mlx import commands, lockstep
 from adapters.mlx.device import DeviceLoop, InjectedCrash, Settings
 from adapters.mlx.jobs import Crash, Job, Stop
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -188,11 +189,9 @@ class LockstepLoop(DeviceLoop):
     """The device loop of one rank of a tensor-parallel instance (see the module's paragraph)."""
 
     def __init__(self, settings: Settings, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash],
-                 on_death: Callable[[StatecoreError], None], tensor: TensorGroup,
-                 replay: Callable[[lockstep.Command], Job[Any]]) -> None:
+                 on_death: Callable[[StatecoreError], None], tensor: TensorGroup) -> None:
         super().__init__(settings, queue_, on_death)
         self.tensor = tensor
-        self.replay = replay
         self.plans = 0  # plans broadcast (rank 0) or received (the others)
         self.stopped = False  # left the loop on rank 0's Stop
         self.loading = False  # replaying the load, as long as it takes (silence is not a stall)
@@ -210,12 +209,12 @@ class LockstepLoop(DeviceLoop):
             jobs = self.take_jobs(wait=not (self.live or self.waiting or self.inflight),
                                   timeout=self.tensor.heartbeat_s)
             taken: list[Job[Any]] = []
-            commands: list[lockstep.Command] = []
+            replicated: list[commands.Replicated] = []
             stop = False
             for job in jobs:
                 if isinstance(job, Stop):
                     stop = True
-                    commands.append(lockstep.Stop())
+                    replicated.append(commands.Stop())
                     break
                 if isinstance(job, Crash):
                     raise InjectedCrash("device loop crash injected by a test")
@@ -224,9 +223,9 @@ class LockstepLoop(DeviceLoop):
                 if job.is_abandoned():
                     continue
                 taken.append(job)
-                if job.command is not None:
-                    commands.append(job.command)
-            self.broadcast(lockstep.encode_plan(lockstep.Plan(tuple(commands))))
+                if isinstance(job.command, commands.REPLICATED):
+                    replicated.append(job.command)
+            self.broadcast(lockstep.encode_plan(lockstep.Plan(tuple(replicated))))
             self.progress_at = time.monotonic()
             for job in taken:
                 self.compute_job(job)
@@ -247,24 +246,20 @@ class LockstepLoop(DeviceLoop):
                     f"{self.state_digest()}, rank 0 {self.leader_state}: the ranks' model calls no "
                     "longer match")
             for command in plan.commands:
-                if isinstance(command, lockstep.Stop):
+                if isinstance(command, commands.Stop):
                     self.stopped = True
                     return
-                self.loading = isinstance(command, lockstep.Load)
-                self.compute_job(self.replay(command))
+                self.loading = isinstance(command, commands.Load)
+                self.compute_job(Job(command, None))
                 self.loading = False
                 self.progress_at = time.monotonic()
             self.step()
             self.progress_at = time.monotonic()
 
-    def undo_abandoned(self, job: Job[Any], value: Any) -> None:
-        if job.undo_command is None:
-            super().undo_abandoned(job, value)
-            return
+    def undo_abandoned(self, job: Job[Any]) -> None:
         undo = job.undo
         assert undo is not None
-        # Undone on every rank, in the next plan.
-        self.queue.put(Job(lambda: undo(value), None, command=job.undo_command))
+        self.queue.put(Job(undo, None))  # undone on every rank, in the next plan
 
     def drop_abandoned_waiting(self) -> None:
         """Not here: the caller's exit queues a Drop, which every rank applies in one plan."""

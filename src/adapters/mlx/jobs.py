@@ -1,10 +1,12 @@
 """How trio and the device thread talk: jobs in, outcomes and stream items out.
 
-A trio task posts a `Job` on the device thread's queue and waits on a `trio.Event`; the device
-thread sets it with `TrioToken.run_sync_soon`, which never blocks the device. A job whose caller
-was cancelled is `abandoned`: skipped if it has not run, undone if it has (so a cancellation never
-leaks a cache). Stream items (tokens, or one error) go out the same way, in one message per step
-and event loop. This module imports trio; it must never import mlx.
+A trio task posts a `Job` (a command of `adapters.mlx.commands`, and what only this process holds
+beside it: `Local`) on the device thread's queue and waits on a `trio.Event`; the device thread
+performs the command and sets the event with `TrioToken.run_sync_soon`, which never blocks the
+device. A job whose caller was cancelled is `abandoned`: skipped if it has not run, undone by its
+command's undo (`commands.undo_of`) if it has, so a cancellation never leaks a cache. Stream
+items (tokens, or one error) go out the same way, in one message per step and event loop. This
+module imports trio; it must never import mlx.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from adapters.mlx.lockstep import Command
+from adapters.mlx.commands import Cancel, Command, Prefill, undo_of
 from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = [
-    "Crash", "Job", "Outcome", "Stop", "StreamItem", "as_statecore", "deliver", "engine_failed", "post",
+    "Crash", "Job", "Local", "Outcome", "Stop", "StreamItem", "as_statecore", "deliver", "engine_failed",
+    "post",
 ]
 
 T = TypeVar("T")
@@ -41,25 +44,41 @@ class Outcome(Generic[T]):
 
 
 @dataclass(eq=False)
+class Local:
+    """What a command's caller holds beside its values, on this process only (a replayed command
+    on another rank of an instance has none): where the request's tokens go, its grammar matcher,
+    a streamed handoff's sink, the caches a handed-off payload (or its streamed pieces, by layer
+    range) was built into in a worker thread, and a sliced install's head range of each rank."""
+
+    send: trio.MemorySendChannel[StreamItem] | None = None
+    matcher: Any = None
+    segment_sink: Any = None
+    caches: list[Any] | None = None
+    pieces: list[tuple[int, int, list[Any]]] | None = None
+    ranges: list[tuple[int, int]] | None = None
+
+
+@dataclass(eq=False)
 class Job(Generic[T]):
-    """One unit of device work. `token` None: fire and forget (nobody waits), or a replayed job.
+    """One command for the device thread. `token` None: fire and forget (nobody waits), or a
+    replayed command. A prefill is *deferred*: performing it only registers the prompt, and the
+    device loop finishes the job when its first token is read back."""
 
-    A `deferred` job's `work` only registers what it asks for (a prefill task); the device loop
-    finishes the job later, when that work is computed.
-    """
-
-    work: Callable[[], T]
+    command: Command
     token: trio.lowlevel.TrioToken | None
-    undo: Callable[[T], None] | None = None
     done: trio.Event | None = None
+    local: Local | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     outcome: Outcome[T] | None = None
-    deferred: bool = False
-    # A tensor-parallel instance replays the job on its other ranks from these plain records
-    # (adapters.lockstep); None: the job changes nothing they hold (a read of rank 0's state).
-    command: Command | None = None
-    undo_command: Command | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return isinstance(self.command, Prefill)
+
+    @property
+    def undo(self) -> Cancel | None:
+        return undo_of(self.command)
 
     def is_abandoned(self) -> bool:
         with self.lock:

@@ -2,13 +2,14 @@
 
 Every rank of a sharded model must issue the same model calls in the same order (each call runs
 the shards' collectives), so the ranks run in lockstep: rank 0 (HTTP front end, scheduler)
-decides, and before each step broadcasts a `Plan`, the commands that apply before that step, in
-order; the other ranks apply the same commands to their own device loop and run the same step
-with their own shard, discarding its outputs. A command carries only plain values (request id,
-tokens, sampling parameters), never KV: each rank rebuilds the device work from it, and an
-installed payload's heads reach each rank point to point as its job runs
-(`adapters.mlx.distributed`). `encode_plan`/`decode_plan` are the bytes that travel: a JSON
-document of the commands after a small preamble. An empty plan encodes as no bytes (a heartbeat).
+decides, and before each step broadcasts a `Plan`, the replicated commands it performs before
+that step, in order (`adapters.mlx.commands`: the very values its facade posted); the other ranks
+perform the same commands on their own device loop and run the same step with their own shard,
+discarding its outputs. A command carries only plain values (request id, tokens, sampling
+parameters), never KV: an installed payload's heads reach each rank point to point as the
+command is performed (`adapters.mlx.distributed`). `encode_plan`/`decode_plan` are the bytes that
+travel: a JSON document of the commands after a small preamble. An empty plan encodes as no bytes
+(a heartbeat).
 This module is pure: it must never import mlx, trio or httpx.
 """
 
@@ -20,88 +21,30 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
+from adapters.mlx.commands import (
+    Cancel,
+    DecodeHeld,
+    Export,
+    ForgetPrefixes,
+    Install,
+    Load,
+    Prefill,
+    Release,
+    Replicated,
+    Stop,
+)
 from effects.engine_port import KvBytes, SamplingParams
 
-__all__ = [
-    "PLAN_VERSION", "Command", "Decode", "Drop", "Export", "ForgetPrefixes", "Load", "Plan", "Prefill",
-    "Release", "Stop", "decode_plan", "encode_plan",
-]
+__all__ = ["PLAN_VERSION", "Plan", "decode_plan", "encode_plan"]
 
-PLAN_VERSION: Final[int] = 2  # 2: no KV payload in a Decode command
+PLAN_VERSION: Final[int] = 3  # 3: the commands of adapters.mlx.commands (decode_held, install, cancel)
 _MAGIC: Final[bytes] = b"SCLP"
 _PREAMBLE = struct.Struct("<4sII")  # magic, version, header length
 
 
 @dataclass(frozen=True, slots=True)
-class Load:
-    """Load the model; `settings` are rank 0's engine settings (every rank must decide alike)."""
-
-    settings: dict[str, Any]
-    kind: str = "load"
-
-
-@dataclass(frozen=True, slots=True)
-class Prefill:
-    request_id: str
-    tokens: tuple[int, ...]
-    sampling: SamplingParams
-    kind: str = "prefill"
-
-
-@dataclass(frozen=True, slots=True)
-class Decode:
-    """Put a request into the decoder: from its held cache, or, `sliced`, from a payload rank 0
-    pulled, each rank receiving only its own heads from rank 0 as the job runs (point to point,
-    not in the plan)."""
-
-    request_id: str
-    tokens: tuple[int, ...]
-    first_token: int
-    sampling: SamplingParams
-    sliced: bool = False
-    kind: str = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """Cancel a request wherever it is (waiting, held or decoding), or undo a job's effect."""
-
-    request_id: str
-    kind: str = "drop"
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    request_id: str
-    kind: str = "release"
-
-
-@dataclass(frozen=True, slots=True)
-class Export:
-    """Gather a held cache's heads on rank 0 (every rank takes part in the collective)."""
-
-    request_id: str
-    kind: str = "export"
-
-
-@dataclass(frozen=True, slots=True)
-class ForgetPrefixes:
-    kind: str = "forget_prefixes"
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """The instance is closing: the other ranks leave their loop."""
-
-    kind: str = "stop"
-
-
-Command = Load | Prefill | Decode | Drop | Release | Export | ForgetPrefixes | Stop
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
-    commands: tuple[Command, ...] = ()
+    commands: tuple[Replicated, ...] = ()
 
 
 def encode_plan(plan: Plan) -> bytes:
@@ -110,7 +53,7 @@ def encode_plan(plan: Plan) -> bytes:
     header: list[dict[str, Any]] = []
     for command in plan.commands:
         fields = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
-        if isinstance(command, (Prefill, Decode)):
+        if isinstance(command, (Prefill, DecodeHeld, Install)):
             fields["sampling"] = dataclasses.asdict(command.sampling)
             fields["tokens"] = list(command.tokens)
         header.append(fields)
@@ -131,10 +74,10 @@ def decode_plan(data: KvBytes) -> Plan:
                          f"(magic {magic!r}, version {version})")
     offset = _PREAMBLE.size + header_len
     header = json.loads(bytes(view[_PREAMBLE.size:offset]))
-    commands: list[Command] = []
+    commands: list[Replicated] = []
     for fields in header:
         kind = fields.pop("kind")
-        if kind in ("prefill", "decode"):
+        if kind in ("prefill", "decode_held", "install"):
             fields["sampling"] = _sampling(fields["sampling"])
             fields["tokens"] = tuple(fields["tokens"])
         commands.append(_KINDS[kind](**fields))
@@ -150,6 +93,6 @@ def _sampling(fields: dict[str, Any]) -> SamplingParams:
 
 
 _KINDS: Final[dict[str, type[Any]]] = {
-    "load": Load, "prefill": Prefill, "decode": Decode, "drop": Drop, "release": Release,
-    "export": Export, "forget_prefixes": ForgetPrefixes, "stop": Stop,
+    "load": Load, "prefill": Prefill, "decode_held": DecodeHeld, "install": Install, "cancel": Cancel,
+    "release": Release, "export": Export, "forget_prefixes": ForgetPrefixes, "stop": Stop,
 }

@@ -15,7 +15,7 @@ device loop or the engine.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.mlx.prefill import PrefillTask
@@ -23,7 +23,7 @@ from adapters.mlx.rows import Live
 from effects.engine_port import SamplingParams
 from statecore.engine_schedule import EnginePhase
 
-__all__ = ["ChoiceGroup", "EngineRequest", "Held", "RequestTable"]
+__all__ = ["EngineRequest", "Held", "RequestTable"]
 
 
 PREFILL_PHASES = frozenset({EnginePhase.WAITING, EnginePhase.PREFILLING, EnginePhase.KEEPING})
@@ -66,17 +66,6 @@ class EngineRequest:
         if self.task is not None:
             return self.task.sampler.sampling
         return None if self.held is None else self.held.sampling
-
-
-@dataclass(eq=False)
-class ChoiceGroup:
-    """What the choices of one request (n > 1) share while some of them gather: how many there
-    are, when a missing one was last known to be on its way here, and which ended without coming
-    (the gathering ones are the records in phase GATHERING of this group)."""
-
-    choices: int
-    seen: float  # time.monotonic()
-    ended: set[int] = field(default_factory=set)
 
 
 class _View(Mapping[str, Any]):

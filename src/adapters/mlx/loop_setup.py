@@ -1,0 +1,142 @@
+"""Setting the device loop up for a loaded model (`configure`): the slot pool and its attention
+where the model's cache is plain KVCache and it decodes here, the shape bucket, the prefix cache,
+speculation, the test hook in every model call, and the checks of the step budget and the KV
+budget against the model's shape (a budget that cannot hold one layer of a chunk is refused; one
+whose whole chunk's activations will overrun it is warned of). The load
+(`adapters.mlx.performer`) calls it once, on the device thread. This module imports mlx; it must
+never import trio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from adapters.mlx.attention import DecodeAttention, choose_attention
+from adapters.mlx.compiled import CompiledSlotStep
+from adapters.mlx.device import DeviceLoop
+from adapters.mlx.memory import KvCost, model_shape
+from adapters.mlx.prefill import enabled_on_cuda
+from adapters.mlx.prefix_cache import PrefixCache
+from adapters.mlx.slots import SlotPool
+from adapters.mlx.speculative import Speculator
+from statecore.errors import StatecoreError, client_error
+from statecore.scheduling import activation_bytes, bucketed
+
+__all__ = ["configure", "slot_attention"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+_MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the batch lane
+
+
+class _CheckedModel:
+    """The model with the test hook in its call (only when a test armed one, e.g. `--inject-fault
+    decode_call_once`): the hook sees the call's stage ("prefill" or "decode") and the requests
+    it computes, and may raise from inside the call."""
+
+    def __init__(self, model: Any, loop: DeviceLoop) -> None:
+        self._model = model
+        self._loop = loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hook = self._loop.model_call_hook
+        if hook is not None:
+            hook(*self._loop.computing)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
+              probe_cache: list[Any], cost: KvCost) -> None:
+    """Set `loop` up for a loaded model: its lanes (a slot pool where the model's cache is plain
+    KVCache and it decodes here), its prefix cache, speculation, and the checks of its budgets
+    against the model's shape."""
+    s = loop.settings
+    loop.model = model if loop.model_call_hook is None else _CheckedModel(model, loop)
+    loop.eos = eos
+    loop.vocab_size = vocab_size
+    loop.context_length = context_length
+    loop.cost = cost
+    loop.layers = len(probe_cache)
+    loop.shape = model_shape(model, vocab_size, probe_cache)
+    one_layer = -(-s.prefill_chunk_size // loop.layers)
+    if one_layer > loop.step_room:
+        raise StatecoreError(client_error(
+            f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch + "
+            f"prefill_chunk_size / layers ({s.max_batch} + {one_layer}): a step evaluates at "
+            "least one layer of a chunk"))
+    if loop.pipelined:
+        # A rank's layers wait on the previous rank's inside one model call: a step evaluates
+        # a whole chunk or nothing of it. Estimated activations would differ from rank to
+        # rank (their layers do), so no prefill is capped by them.
+        if s.prefill_chunk_size > loop.step_room:
+            raise StatecoreError(client_error(
+                f"a pipeline-parallel instance computes a whole prefill chunk per step: "
+                f"max_num_batched_tokens ({s.max_num_batched_tokens}) must be at least max_batch "
+                f"+ prefill_chunk_size ({s.max_batch} + {s.prefill_chunk_size})"))
+        s = loop.settings = dataclasses.replace(s, prefill_memory_cap=False)
+    plain = loop.plain(probe_cache)
+    loop.short_batching = plain and s.prefill_batch > 1
+    # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
+    loop.bucket = s.shape_bucket if plain else 0
+    if plain and s.decodes_locally:
+        # The pool may grow to half the KV budget at most; that half is set aside for it. A
+        # prefill node never decodes a client's request: it keeps the whole budget for prompts.
+        fitting = (s.kv_memory_bytes // 2) // max(1, s.max_batch * cost.slot_per_token)
+        capacity = min(context_length, s.max_slot_tokens) + 1
+        if fitting < min(capacity, _MIN_SLOT_TOKENS):
+            logger.warning("a KV budget of %d bytes leaves no room for the slot layout; "
+                           "decoding in the batch lane", s.kv_memory_bytes)
+        else:
+            capacity = min(capacity, fitting)
+            loop.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
+            loop.pool_reserved = s.max_batch * capacity * cost.slot_per_token
+            loop.pool.attention, loop.attention = slot_attention(s.decode_attention, model, probe_cache)
+            if s.preallocate_slots:
+                # Set aside from the budget anyway; allocated now, it never grows (a copy of
+                # every row, and on the GPU new shapes) while streams decode.
+                loop.pool.reserve(capacity, probe_cache)
+                mx.eval(loop.pool.keys, loop.pool.values)
+            if enabled_on_cuda(s.compile_decode):  # (a traced CPU step builds C++ per kernel)
+                loop.compiled = CompiledSlotStep(model, loop.pool, loop.bucket, loop.call_hook)
+    loop.slot_lane = loop.pool is not None
+    loop.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
+    if plain and s.prefix_cache_bytes > 0:
+        loop.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
+                                  s.prefix_host_pull, room=loop.prefix_room,
+                                  prefill_token_s=lambda: loop.rates.prefill_token_s)
+    if s.speculative != "off":
+        loop.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
+                                     loop.draft_model)
+        loop.speculator.measure(loop)
+    if s.prefill_memory_cap:
+        # Even on an idle node a whole chunk has beside it only the budget less the slot pool
+        # as allocated now and its own prompt's KV: over that, every such chunk overruns.
+        whole = bucketed(s.prefill_chunk_size, loop.bucket)
+        chunk = activation_bytes(loop.shape, 1, whole, whole)
+        room = s.kv_memory_bytes - (0 if loop.pool is None else loop.pool.nbytes) - cost.of(whole)
+        if chunk > room:
+            logger.warning(
+                "one whole prefill chunk's activations are estimated at %d bytes, more than the "
+                "%d bytes the KV budget (%d) leaves beside it even on an idle node: every "
+                "prompt of %d tokens or more will overrun the budget (engine_activation_overruns); "
+                "a smaller --prefill-chunk-size bounds it (a chunk's attention scores grow with "
+                "its size times the positions it attends)",
+                chunk, max(0, room), s.kv_memory_bytes, s.prefill_chunk_size)
+
+
+def slot_attention(mode: str, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
+    """The slot lane's decode attention for this model (`adapters.mlx.attention.choose_attention`)."""
+    _, kv_heads, _, dim = probe_cache[0].keys.shape
+    query_heads = getattr(getattr(model, "args", None), "num_attention_heads", None) or kv_heads
+    try:
+        return choose_attention(mode, query_heads, kv_heads, dim,
+                                probe_cache[0].keys.dtype)
+    except ValueError as exc:
+        raise StatecoreError(client_error(str(exc))) from exc

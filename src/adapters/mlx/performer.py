@@ -1,0 +1,464 @@
+"""The device thread's side of the engine's commands: `Performer.perform(job)` does what a
+command of `adapters.mlx.commands` asks, on the device loop, and returns its outcome.
+
+The facade (`adapters.mlx.engine.MlxEngine`) checks a call's arguments in trio, builds what needs
+no device (a payload's caches, a grammar matcher) in worker threads, posts the command with those
+(`adapters.mlx.jobs.Local`) and awaits the outcome; this performs it. A rank > 0 of a tensor- or
+pipeline-parallel instance performs the very commands rank 0 broadcast, through this same
+function, without a `Local`: its tokens go nowhere, a grammar is compiled here, a sliced
+install's heads come from rank 0. It also holds what the load found (the model's `info`, its
+cache classes, its grammars) and the statistics snapshot it refreshes after each change. Only the
+device thread calls it. This module imports mlx, mlx-lm and trio (for the types of a stream);
+statecore and effects never import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, assert_never, cast
+
+import mlx.core as mx
+import trio
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from adapters.grammar import Grammars
+from adapters.kv import codec, frames
+from adapters.mlx import commands
+from adapters.mlx.device import DeviceLoop, Settings
+from adapters.mlx.distributed import LockstepLoop, TensorGroup, agree_max, every_rank
+from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
+from adapters.mlx.fusion import fuse_projections
+from adapters.mlx.grammar import TokenConstraint
+from adapters.mlx.jobs import Job, Local, StreamItem, deliver, post
+from adapters.mlx.loading import load_model, model_fingerprint
+from adapters.mlx.loop_setup import configure
+from adapters.mlx.memory import KvCost, measure_kv_cost, parameter_bytes, state_bytes
+from adapters.mlx.payloads import joined_segments, validate_and_build
+from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
+from adapters.mlx.requests import EngineRequest
+from adapters.mlx.rows import Live
+from adapters.mlx.sampling import PositionSampler, request_seed
+from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
+from statecore.engine_schedule import EnginePhase
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.policy import first_token_ends, first_token_is_last
+from statecore.prefix import conversation_block_keys
+from statecore.routing import summary_key
+from statecore.scheduling import prefill_chunks, prefill_units
+
+__all__ = ["ModelSource", "Performer"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What the load reads: the model directory, whether its custom code may run, a draft model
+    and an adapter to apply, and the instance this process is a rank of (None: alone)."""
+
+    model_dir: Path
+    trust_remote_code: bool = False
+    draft_dir: Path | None = None
+    adapter_dir: Path | None = None
+    tensor: TensorGroup | None = None
+
+
+class Performer:
+    """Performs each command on `device` (see the module's paragraph)."""
+
+    def __init__(self, device: DeviceLoop, settings: Settings, source: ModelSource) -> None:
+        self.device = device
+        self.settings = settings
+        self.source = source
+        self.info: ModelInfo | None = None  # set by the load
+        self.classes: list[str] = []  # each cache layer's class, as a payload must carry them
+        self.grammars: Grammars | None = None  # structured output: set by the load
+        self.stats = EngineStatistics(0, 0, 0, True)  # replaced whole (one atomic assignment)
+
+    def perform(self, job: Job[Any]) -> Any:
+        command, local = job.command, job.local
+        match command:
+            case commands.Load(settings):
+                return self.load(settings)
+            case commands.Prefill():
+                self.register(command, job, local)
+                return None
+            case commands.DecodeHeld() | commands.Install():
+                self.join(command, job, local)
+                return None
+            case commands.Cancel(request_id):
+                self.device.drop(request_id)
+                self.publish()
+                return None
+            case commands.Release(request_id):
+                return self.release(request_id)
+            case commands.Export(request_id):
+                return self.export(request_id)
+            case commands.ForgetPrefixes():
+                self.device.forget_prefixes()
+                self.device.forget_activation_counts()
+                self.publish()
+                return None
+            case commands.Keep(tokens):
+                assert local is not None and local.caches is not None
+                kept = self.device.keep_imported(tokens, local.caches)
+                self.publish()
+                return kept
+            case commands.ExportPrefix(tokens):
+                return self.export_prefix(tokens)
+            case commands.EvictPrefixes(nbytes):
+                return self.evict_prefixes(nbytes)
+            case commands.SummarizePrefixes():
+                prefix = self.device.prefix
+                assert prefix is not None
+                keys = tuple(summary_key(key) for key in prefix.index.cached_keys())
+                return PrefixSummary(prefix.chunk_size, prefix.index.version, keys)
+            case commands.Inspect(look):
+                return look()
+            case commands.Stop():
+                raise AssertionError("the loop handles Stop itself")
+            case _:
+                assert_never(command)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def register(self, command: commands.Prefill, job: Job[Any], local: Local | None) -> None:
+        """Admit a prompt's KV and queue its prefill (its job is finished when its first token
+        is read back)."""
+        device = self.device
+        request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
+        if request_id in device.requests:
+            raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
+        chunks = prefill_chunks(len(tokens), self.settings.prefill_chunk_size)
+        units = prefill_units(chunks, device.layers, device.unit_tokens)
+        keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
+        reserved = device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
+        device.arrivals += 1
+        matcher = self.matcher(sampling, local)
+        sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens), tokens,
+                                  self.constraint(matcher, ()))
+        task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
+                           segment_sink=None if local is None else local.segment_sink)
+        # Its record (and so its reservation) first: the blocks its start takes back from the host
+        # tier fit what the budget leaves beside every reservation, its own included.
+        device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
+        try:
+            device.start_from_prefix(task, keys)
+        except BaseException:
+            device.forget(request_id)
+            raise
+
+    def join(self, command: commands.DecodeHeld | commands.Install, job: Job[Any],
+             local: Local | None) -> None:
+        """Put a request into the decoder: its cache taken (validated: nothing changes before),
+        its lane chosen, its KV reserved where it grows outside the slot pool. A first token that
+        already ends it gives an empty stream."""
+        device = self.device
+        request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
+        first_token = command.first_token
+        send = local.send if local is not None and local.send is not None else _nowhere()
+        token = cast(trio.lowlevel.TrioToken, job.token)  # None (replayed): post() delivers nothing
+        if request_id in device.live:
+            raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
+        overloaded = device.overloaded()
+        if overloaded is not None:
+            raise overloaded
+        cache = self.take_cache(command, local)
+        remaining = sampling.max_tokens - 1
+        if (first_token_is_last(sampling.max_tokens)
+                or first_token_ends(first_token, device.eos, ignore_eos=sampling.ignore_eos)):
+            record = device.requests.get(request_id)
+            if record is not None and record.phase is EnginePhase.HELD:
+                device.requests.remove(request_id)
+            device.choices.ended(sampling)
+            post(token, deliver, [(send, None, True)])
+            self.publish()
+            return
+        # The grammar's state after the first token, which the prefill node drew under it.
+        constraint = self.constraint(self.matcher(sampling, local), (first_token,))
+        lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
+        reserved = None
+        if lane != "slot":  # its cache grows to the whole request, outside the pool
+            total = len(tokens) + sampling.max_tokens
+            reserved = device.admit(request_id, device.cost.of(total), total)
+        sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens) + 1,
+                                  [*tokens, first_token], constraint)
+        live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
+        if device.settings.keep_conversations and device.prefix is not None:
+            live.conversation = [*tokens, first_token]
+        device.join(live, cache, tokens, lane, reserved)
+        self.publish()
+
+    def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None) -> list[Any]:
+        """The cache a request decodes from: its held one, or a handed-off one (built from its
+        payload or streamed pieces; on an instance, each rank's own heads)."""
+        tokens = command.tokens
+        if isinstance(command, commands.DecodeHeld):
+            held = self.device.held.get(command.request_id)
+            if held is None:
+                raise not_held(command.request_id)
+            if held.prompt_tokens != len(tokens):
+                raise StatecoreError(client_error(
+                    f"request {command.request_id!r}: the held cache covers {held.prompt_tokens} "
+                    f"tokens, the prompt has {len(tokens)}"))
+            return held.cache
+        device = self.device
+        if local is None:  # a rank > 0 of a sliced install: its heads, from rank 0
+            assert isinstance(device, LockstepLoop) and command.sliced
+            payload = device.receive_slice()
+            caches = validate_and_build(payload, len(tokens), fingerprint=self.model_info.fingerprint,
+                                        classes=self.classes, heads=(device.tensor.rank, device.tensor.size))
+        elif local.pieces is not None:
+            caches = joined_segments(len(tokens), local.pieces, len(self.classes))
+        else:
+            assert local.caches is not None
+            caches = local.caches
+            if command.sliced:
+                assert local.ranges is not None
+                caches = self.hand_out_heads(caches, local.ranges, tokens)
+        # Its whole chunks kept for the conversation's next turn (on every rank alike); the next
+        # step decodes only: the request's second token waits for no prefill.
+        device.keep_installed(tokens, caches)
+        device.handoff_joined = True
+        return caches
+
+    def hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
+                       tokens: Sequence[int]) -> list[Any]:
+        """Rank 0 of a TP decode instance: each other rank's heads of an installed payload, sent to
+        it as a payload of that head range; rank 0 keeps its own."""
+        device = self.device
+        assert isinstance(device, LockstepLoop)
+        slices: list[list[bytes | memoryview]] = []
+        try:
+            for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
+                tensors = codec.host_tensors(caches, fingerprint=self.model_info.fingerprint,
+                                             token_count=len(tokens), heads=heads)
+                slices.append([*frames.unsealed_pieces(tensors), frames.end_frame(tensors)])
+        except BaseException:
+            # The other ranks wait for their slice: a byte that is no payload makes their command
+            # fail as this one does, so every rank still holds the same requests.
+            device.pass_on_slices([[b"\x00"]] * (len(ranges) - 1))
+            raise
+        device.pass_on_slices(slices)
+        return device.own_heads(caches)
+
+    def release(self, request_id: str) -> int:
+        device = self.device
+        held = device.held.get(request_id)
+        if held is not None:
+            device.requests.remove(request_id)  # its reservation with it
+            device.choices.ended(held.sampling)  # it will not decode here
+        self.publish()
+        return 0 if held is None else held.nbytes
+
+    def export(self, request_id: str) -> frames.HostTensors:
+        held = self.device.held.get(request_id)
+        if held is None:
+            raise not_held(request_id)
+        cache = held.cache
+        if isinstance(self.device, LockstepLoop):  # every rank's heads, gathered on each
+            cache = self.device.gather_heads(cache)
+        return codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
+                                  token_count=held.prompt_tokens)
+
+    # -- the prefix cache ----------------------------------------------------------------------
+
+    def export_prefix(self, tokens: Sequence[int]) -> frames.HostTensors:
+        """A fresh cache of the prefix cache's blocks of `tokens` (their concatenation; the blocks
+        themselves are never handed out), as host tensors."""
+        prefix = self.device.prefix
+        count, cache = (0, None) if prefix is None else prefix.start(
+            conversation_block_keys(tokens, prefix.chunk_size), counted=False)
+        if cache is None or prefix is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED,
+                                           "the prefix cache holds no whole block of these tokens"))
+        mx.eval([c.state for c in cache])
+        return codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
+                                  token_count=count * prefix.chunk_size)
+
+    def evict_prefixes(self, nbytes: int) -> int:
+        prefix = self.device.prefix
+        if prefix is None:
+            return 0
+        before = prefix.nbytes
+        prefix.evict(nbytes)
+        self.publish()
+        return before - prefix.nbytes
+
+    # -- grammars ------------------------------------------------------------------------------
+
+    def matcher(self, sampling: SamplingParams, local: Local | None) -> Any:
+        """The request's grammar matcher: its caller's, or compiled here for a replayed command."""
+        if local is not None:
+            return local.matcher
+        if sampling.response_format is None or self.grammars is None:
+            return None
+        return self.grammars.matcher(sampling.response_format)
+
+    def constraint(self, matcher: Any, generated: Sequence[int]) -> TokenConstraint | None:
+        """The request's grammar state after `generated` (None: free text)."""
+        if matcher is None:
+            return None
+        info = self.model_info
+        try:
+            return TokenConstraint(matcher, info.vocab_size, info.eos_token_ids, generated)
+        except RuntimeError as exc:
+            raise StatecoreError(client_error(f"the first token does not fit the response_format: {exc}",
+                                              param="response_format")) from exc
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        assert self.info is not None, "a command before the load"
+        return self.info
+
+    def publish(self) -> None:
+        """Refresh the statistics snapshot (one atomic assignment)."""
+        device = self.device
+        speculator, prefix = device.speculator, device.prefix
+        self.stats = EngineStatistics(
+            decoding=len(device.live),
+            held_caches=len(device.held),
+            held_bytes=sum(h.nbytes for h in device.held.values()),
+            device_thread_alive=True,
+            step_retries=device.step_retries,
+            rows_isolated=device.rows_isolated,
+            kv_reserved_bytes=device.reserved_bytes,
+            prefix_cache_bytes=0 if prefix is None else prefix.nbytes,
+            prefix_cache_hits=0 if prefix is None else prefix.hits,
+            prefix_tokens_reused=0 if prefix is None else prefix.tokens_reused,
+            prefix_cache_queries=0 if prefix is None else prefix.queries,
+            prefix_cache_evictions=0 if prefix is None else prefix.evictions,
+            prefix_host_bytes=0 if prefix is None else prefix.host_nbytes,
+            prefix_host_capacity_bytes=0 if prefix is None else prefix.index.host_capacity_bytes,
+            prefix_host_out=0 if prefix is None else prefix.host_out,
+            prefix_host_back=0 if prefix is None else prefix.host_back,
+            prefix_host_forgotten=0 if prefix is None else prefix.host_forgotten,
+            prefill_capped_steps=device.prefill_capped_steps,
+            activation_overruns=device.activation_overruns,
+            activation_estimate_peak_bytes=device.activation_peak,
+            conversations_kept=device.conversations_kept,
+            conversation_tokens_kept=device.conversation_tokens_kept,
+            speculative_steps=0 if speculator is None else speculator.verify_steps,
+            speculative_drafted=0 if speculator is None else speculator.drafted,
+            speculative_accepted=0 if speculator is None else speculator.accepted,
+            speculative_emitted=0 if speculator is None else speculator.emitted,
+        )
+
+    def cache_bytes(self, cache: list[Any]) -> int:
+        """What a held cache weighs: its live tensors, as the wire would carry them."""
+        if self.model_info.can_travel:
+            return codec.raw_tensor_bytes(cache)
+        return sum(int(getattr(c, "nbytes", 0)) for c in cache)
+
+    # -- the load ------------------------------------------------------------------------------
+
+    def load(self, settings: dict[str, Any]) -> ModelInfo:
+        """Load the model under rank 0's `settings` and measure what admission needs of it."""
+        s = self.settings = self.device.settings = Settings(**settings)
+        source, device = self.source, self.device
+        tensor = source.tensor
+        pipelined = tensor is not None and tensor.pipeline
+        group = None if tensor is None else tensor.group
+        loaded = load_model(source.model_dir, trust_remote_code=source.trust_remote_code,
+                            shard_group=None if pipelined else group,
+                            pipeline_group=group if pipelined else None, adapter_path=source.adapter_dir)
+        device.pipelined = pipelined
+        fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
+        device.model = loaded.model
+        # A one-token probe through the real prefill path: the cache classes as they travel
+        # (QuantizedKVCache when kv_bits is set) and the true vocabulary size.
+        try:
+            with mx.stream(generation_stream):
+                probe_cache: list[Any] = make_prompt_cache(loaded.model)
+                logits = loaded.model(mx.array([[0]]), cache=probe_cache)
+                device.quantize(probe_cache)
+                mx.eval(logits, [c.state for c in probe_cache])
+        except Exception as exc:
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
+                f"model {source.model_dir.name!r} cannot prefill with kv_bits={s.kv_bits}: "
+                f"{type(exc).__name__}: {exc}",
+            )) from exc
+        vocab_size = int(logits.shape[-1])
+        layers = tuple(codec.travel_report(probe_cache))
+        self.classes = [layer.class_name for layer in layers]
+        for layer in layers:
+            if layer.can_travel:
+                logger.debug("layer %d: %s can travel", layer.index, layer.class_name)
+            else:
+                logger.warning("layer %d: %s cannot travel: %s", layer.index, layer.class_name, layer.reason)
+
+        def probe(tokens: int) -> list[Any]:
+            with mx.stream(generation_stream):
+                cache: list[Any] = make_prompt_cache(loaded.model)
+                loaded.model(mx.array([[0] * tokens]), cache=cache)
+                device.quantize(cache)
+                mx.eval([c.state for c in cache])
+            return cache
+
+        travels = all(layer.can_travel for layer in layers)
+        cost = measure_kv_cost(probe, codec.raw_tensor_bytes if travels else state_bytes,
+                               probe_cache if device.plain(probe_cache) else None)
+        if pipelined:  # each rank holds other layers: admission decides alike on the largest
+            assert tensor is not None
+            cost = KvCost(*agree_max(tensor.group, [cost.fixed, cost.per_token, cost.slot_per_token]))
+        if source.draft_dir is not None and s.speculative == "draft":
+            drafting = load_model(source.draft_dir, trust_remote_code=source.trust_remote_code)
+            check_draft_vocabulary(loaded.tokenizer, drafting.tokenizer)
+            device.draft_model = DraftModel(drafting.model)
+        configure(device, loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
+        # what this rank holds of the model (a shard on a tensor-parallel rank), and every rank's
+        held = parameter_bytes(loaded.model)
+        by_rank = (held,) if tensor is None else tuple(every_rank(tensor.group, held))
+        self.grammars = Grammars(loaded.tokenizer, vocab_size, loaded.eos)
+        if device.bucket and mx.default_device() == mx.gpu:
+            started = time.perf_counter()
+            with mx.stream(generation_stream):
+                shapes = warm_chunk_shapes(loaded.model, device.bucket, s.prefill_chunk_size)
+            logger.info("warmed %d prefill shapes in %.1f s", shapes, time.perf_counter() - started)
+        info = self.info = ModelInfo(
+            name=source.model_dir.name,
+            fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
+                                          prefill_chunk_size=s.prefill_chunk_size,
+                                          shape_bucket=device.bucket, fused=fused > 0),
+            context_length=loaded.context_length,
+            vocab_size=vocab_size,
+            eos_token_ids=loaded.eos,
+            prefill_chunk_size=s.prefill_chunk_size,
+            layers=layers,
+            parameter_bytes_by_rank=by_rank,
+        )
+        logger.info(
+            "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s, "
+            "fused projection groups=%d): "
+            "can_travel=%s; "
+            "KV %d bytes + %d per token, "
+            "budget %d bytes (%d set aside for %s)",
+            info.name, ",".join(loaded.dtypes),
+            s.kv_bits, s.prefill_chunk_size, device.bucket, "slots" if device.slot_lane else "batch lane",
+            device.attention if device.slot_lane else "-",
+            "yes" if device.compiled is not None else "no", fused,
+            info.can_travel,
+            cost.fixed, cost.per_token, s.kv_memory_bytes, device.pool_reserved,
+            f"{s.max_batch} slots of {device.pool.max_capacity} positions" if device.pool else "no slots",
+        )
+        return info
+
+
+def _nowhere() -> trio.MemorySendChannel[StreamItem]:
+    """A replayed request's stream: its tokens go nowhere."""
+    send, _ = trio.open_memory_channel[StreamItem](0)
+    return send
+
+
+def not_held(request_id: str) -> StatecoreError:
+    return StatecoreError(
+        client_error(f"no prefilled cache is held for request {request_id!r}", Code.KV_NOT_FOUND)
+    )
