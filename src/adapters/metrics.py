@@ -1,4 +1,4 @@
-"""Prometheus metrics for one node: definitions, the hooks that feed them, and `/metrics`.
+"""Prometheus metrics for one node: definitions, the one observer that feeds them, and `/metrics`.
 
 Every node (single, prefill, decode, router) is its own process with its own
 `CollectorRegistry`, served at `GET /metrics` in Prometheus' text format; no multiprocess
@@ -6,16 +6,18 @@ directory is needed because no two processes ever share a registry. Names follow
 SGLang's style with the `statecore:` prefix, and every family carries a `role` label.
 
 What feeds them, all from the outside of the serving code (nothing here may ever raise into
-it: a failing observation is logged and dropped):
-- `Metrics.backend` wraps a front end's `Backend` (single node, router): time to first token,
-  inter-token latency and end-to-end latency as the client sees them, prompt and generation
-  tokens equal to the `usage` the client gets, and requests refused at intake.
-- `Metrics.performer` wraps an engine node's `Performer`: the KV pull (bytes, seconds,
-  failures), prompt tokens by source (`transferred` or `computed_locally`), and on prefill and
-  decode nodes the node's own token timings and counts.
-- `Metrics.watch` chains the runner's `on_transition` hook (requests by terminal state and
-  reason, KV lease expiries) and adds scrape-time collectors for live counts (requests
-  running and waiting, KV held, peer up/down as the router sees it).
+it: the runner logs and drops a failing observation):
+- `Metrics` is one instrument of the node's runner (`effects.runner.Instrument`, added by
+  `Metrics.watch`). On a front end (single node, router) it reads the generations as the client
+  gets them: time to first token, inter-token latency and end-to-end latency, prompt and
+  generation tokens equal to the `usage` the client gets, and requests refused at intake. On an
+  engine node it reads the events and work: the KV pull (bytes, seconds, failures), prompt
+  tokens by source (`transferred` or `computed_locally`), and on prefill and decode nodes the
+  node's own token timings and counts. Everywhere, requests by terminal state and reason and KV
+  lease expiries, from the transitions.
+- `Metrics.watch` also adds scrape-time collectors for live counts (requests running and
+  waiting, KV held, peer up/down as the router sees it) from the runner's, the engine's and the
+  peers' statistics.
 - `Metrics.instrument` adds an ASGI middleware that counts the KV bytes a prefill node serves.
 
 This is an adapter: it may import anything, and nothing in `statecore` or `effects` imports it.
@@ -25,9 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -45,29 +47,17 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from effects.engine_port import Engine
+from effects.handoffs import HandoffLog
 from effects.health import PeerSet
-from effects.interpret import EnginePerformer, NodeRequest
-from effects.ports import (
-    Backend,
-    Generation,
-    GenerationEnd,
-    GenerationError,
-    GenerationRequest,
-    ModelInfo,
-    Output,
-    TokenOut,
-)
+from effects.interpret import NodeRequest
 from effects.prefix_pull import PULL_OUTCOMES, PrefixPullStatistics
-from effects.runner import CleanupIntent, NodeRunner, Post, WorkIntent
+from effects.runner import Instrument, NodeRunner, Reply, WorkIntent
 from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
-from statecore.intents import FetchKv, InstallKv, StartDecode, StartPrefill
-from statecore.policy import STOP, first_token_ends
+from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondToken, StartDecode, StartPrefill
+from statecore.policy import counts_ending_token, first_token_ends
 from statecore.routing import Route as TurnRoute
-
-if TYPE_CHECKING:
-    from adapters.serve.logs import GenerationNote, RequestLines
 
 log = logging.getLogger("statecore.metrics")
 
@@ -107,7 +97,8 @@ def metrics_route(registry: CollectorRegistry) -> BaseRoute:
 
 
 def _safely(what: str, fn: Callable[[], None]) -> None:
-    """Run an observation; metrics never break serving."""
+    """Run an observation made outside the runner (the KV bytes served); metrics never break
+    serving. The runner's own hooks are guarded by the runner (`effects.runner.Instruments`)."""
     try:
         fn()
     except Exception:
@@ -122,8 +113,9 @@ class _Timing:
     last_token: float | None = None
 
 
-class Metrics:
-    """Every metric family of one node, in its own registry."""
+class Metrics(Instrument):
+    """Every metric family of one node, in its own registry, and the one observer that feeds
+    them (an instrument of the node's runner: `watch`)."""
 
     def __init__(self, role: str, *, registry: CollectorRegistry | None = None,
                  model_name: str | None = None) -> None:
@@ -198,7 +190,16 @@ class Metrics:
             self._by_source.labels(role, source)
         for direction in _KV_DIRECTIONS.get(role, ()):
             self.kv_bytes.labels(role, direction)
-        self._timings: dict[RequestId, _Timing] = {}
+        self._timings: dict[RequestId, _Timing] = {}  # an engine node's requests, from admission
+        self._reads: dict[RequestId, _Timing] = {}  # a front end's generations, from their start
+        # a decode node's KV pulls under way, until their KvReceived is applied (it is posted before
+        # the pull's work ends, and applied after) or the request ends
+        self._pull_started: dict[RequestId, float] = {}
+        self._pulled_installs: set[RequestId] = set()  # installs of a pulled payload under way
+        self._engine: Engine | None = None  # an engine node's (what its events are read against)
+        self._handoffs: HandoffLog | None = None
+        self._initial = ""
+        self._terminal: frozenset[str] = frozenset()
         self.model_name = model_name
 
     # -- serving -----------------------------------------------------------------------------
@@ -210,61 +211,152 @@ class Metrics:
         """Count the KV bytes this node serves (`GET /internal/kv/{id}` answered with 200)."""
         app.add_middleware(_KvServed, count=self.kv_bytes.labels(self.role, "served").inc)
 
-    # -- hooks -------------------------------------------------------------------------------
-
-    def backend(self, inner: Backend, lines: RequestLines | None = None) -> Backend:
-        """A front end's backend, timed and counted as the client sees it; what each generation
-        did is also noted for its request's log line (`lines`)."""
-        return _MeteredBackend(inner, self, lines)
-
     def kv_served(self, nbytes: int) -> None:
         """A streamed piece of KV sent (its payload bytes, however it travelled)."""
         _safely("kv served", lambda: self.kv_bytes.labels(self.role, "served").inc(nbytes))
 
-    def performer(self, inner: EnginePerformer) -> _MeteredPerformer:
-        """An engine node's performer: KV pulls, prompt sources, and the node's own tokens."""
-        return _MeteredPerformer(inner, self)
-
     def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,
-              peers: PeerSet | None = None, kv_buffer_bytes: Callable[[], int] | None = None,
+              handoffs: HandoffLog | None = None, peers: PeerSet | None = None,
+              kv_buffer_bytes: Callable[[], int] | None = None,
               prefix_pulls: Callable[[], PrefixPullStatistics] | None = None) -> None:
-        """Chain the runner's transition hook (keeping the one already set, e.g. the logger's)
-        and collect live counts from the runner, the engine and the peers at scrape time."""
-        previous = runner.on_transition
-        terminal = {phase.value for phase in runner.machine.terminal}
-        initial = runner.machine.initial.value
-
-        def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
-                          outcome: str | None) -> None:
-            if previous is not None:
-                previous(rid, old, new, event, error, outcome)
-            _safely("transition",
-                    lambda: self._transition(rid, old, new, outcome, error, initial, terminal))
-
-        runner.on_transition = on_transition
+        """Observe the runner (an instrument of it) and collect live counts from the runner, the
+        engine and the peers at scrape time. `engine` makes this an engine node's metrics (its
+        events and work are read; `handoffs` is its performer's record of each handoff)."""
+        self._initial = runner.machine.initial.value
+        self._terminal = frozenset(phase.value for phase in runner.machine.terminal)
+        self._engine = engine
+        self._handoffs = handoffs
+        runner.instruments.add(self)
         live = _LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes, prefix_pulls)
         self.registry.register(live)
         if self.front_end or engine is not None:
             self.registry.register(_VllmNames(self, live))
 
-    # -- observations ------------------------------------------------------------------------
+    # -- the runner's transitions ----------------------------------------------------------------
 
-    def _transition(self, rid: RequestId, old: str, new: str, outcome: str | None,
-                    error: ErrorInfo | None, initial: str, terminal: set[str]) -> None:
-        if old == initial and not self.front_end:
-            self._timings.setdefault(rid, _Timing(time.monotonic()))
-        if new not in terminal:
+    def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                   error: ErrorInfo | None, outcome: str | None) -> None:
+        if old == self._initial and not self.front_end:
+            self._timings.setdefault(request_id, _Timing(time.monotonic()))
+        if new not in self._terminal:
             return
+        self._pull_started.pop(request_id, None)
+        self._pulled_installs.discard(request_id)
         self.requests.labels(self.role, new, outcome or "unknown").inc()
         if new == "failed" and error is not None and error.code is Code.LEASE_EXPIRED:
             self.lease_expired.inc()
-        timing = self._timings.pop(rid, None)
+        timing = self._timings.pop(request_id, None)
         if timing is not None and new != "cancelled":
             self.e2e.observe(time.monotonic() - timing.start)
 
-    def rejected(self, error: ErrorInfo) -> None:
+    # -- an engine node's events and work ------------------------------------------------------
+
+    def applied(self, request_id: RequestId, event: Event, context: object) -> None:
+        if self._engine is None:
+            return
+        ctx = context if isinstance(context, NodeRequest) else None
+        if isinstance(event, KvReceived):
+            started = self._pull_started.pop(request_id, None)
+            self.kv_bytes.labels(self.role, "received").inc(event.nbytes)
+            if started is not None:
+                self.kv_seconds.observe(time.monotonic() - started)
+            self.prompt_source("transferred", len(ctx.prompt) if ctx is not None else 0)
+            return
+        if self.front_end or not isinstance(event, TokenGenerated | PrefillDone):
+            return
+        if isinstance(event, PrefillDone):
+            ignore_eos = ctx is not None and ctx.sampling.ignore_eos
+            if first_token_ends(event.first_token, self._engine.info.eos_token_ids, ignore_eos=ignore_eos):
+                return
+            # a streamed handoff's first token was computed on the prefill node, which counts it
+            if ctx is not None and ctx.streamed and ctx.stream_out is None:
+                return
+        self.engine_token(request_id)
+
+    def work_started(self, intent: WorkIntent, context: object) -> None:
+        if self._engine is None:
+            return
+        if isinstance(intent, FetchKv):
+            self._pull_started[intent.request_id] = time.monotonic()
+        # a pulled cache that fails to install (checksum, version, fingerprint) is a failed handoff
+        elif (isinstance(intent, InstallKv) and isinstance(context, NodeRequest)
+              and context.payload is not None):
+            self._pulled_installs.add(intent.request_id)
+
+    def work_ended(self, intent: WorkIntent, context: object, failure: Exception | None) -> None:
+        if self._engine is None:
+            return
+        rid = intent.request_id
+        pulled_install = rid in self._pulled_installs and isinstance(intent, InstallKv)
+        if pulled_install:
+            self._pulled_installs.discard(rid)
+        if failure is not None:
+            if isinstance(intent, FetchKv) or pulled_install:
+                code = failure.info.code.value if isinstance(failure, StatecoreError) else "internal"
+                self.kv_failures.labels(self.role, code).inc()
+            return
+        ctx = context if isinstance(context, NodeRequest) else None
+        if ctx is not None and ctx.stream_out is None and (ctx.streamed or ctx.prefill_url is not None):
+            self._observe_handoff(intent, rid, ctx.streamed)
+        if isinstance(intent, StartPrefill):
+            self.prompt_source("computed_locally", len(ctx.prompt) if ctx is not None else 0)
+
+    def _observe_handoff(self, intent: WorkIntent, rid: RequestId, streamed: bool) -> None:
+        """A decode node's handoff, from its record, as each part of it ends: a stream's by the
+        transport its pieces took (http, shm), a pulled one's as "pull"."""
+        if self._handoffs is None:
+            return
+        record = self._handoffs.record(rid)
+        transport = (record.transport or "http") if streamed else "pull"
+        role = self.role
+        if isinstance(intent, FetchKv) and record.stream_s is not None:
+            self.stream_bytes.labels(role, transport).inc(record.wire_bytes or 0)
+            self.stream_seconds.labels(role, transport).observe(record.stream_s)
+            if record.overlap is not None:
+                self.stream_overlap.labels(role, transport).observe(record.overlap)
+        elif isinstance(intent, InstallKv) and record.install_s is not None:
+            self.install_seconds.labels(role, transport).observe(record.install_s)
+        elif isinstance(intent, StartDecode) and record.first_to_second_s is not None:
+            self.first_to_second.labels(role, transport).observe(record.first_to_second_s)
+
+    # -- a front end's generations, as the client reads them --------------------------------------
+
+    def generation_started(self, request_id: RequestId, prompt_tokens: int) -> None:
+        if self.front_end:
+            self._reads[request_id] = _Timing(time.monotonic())
+            self.prompt_tokens.inc(prompt_tokens)
+
+    def generation_refused(self, error: ErrorInfo) -> None:
         """A request refused at intake, before the runner saw it (overloaded, draining, ...)."""
-        self.requests.labels(self.role, "rejected", error.code.value).inc()
+        if self.front_end:
+            self.requests.labels(self.role, "rejected", error.code.value).inc()
+
+    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+        timing = self._reads.get(request_id)
+        if timing is None:
+            return
+        match reply:
+            case RespondToken():
+                self.token(timing)
+            case Complete(finish_reason=reason):
+                if counts_ending_token(reason):  # the EOS token, as usage.completion_tokens counts it
+                    self.generation_tokens.inc()
+                self._read_all(request_id, observe=True)
+            case Reject():
+                self._read_all(request_id, observe=True)
+
+    def generation_stopped(self, request_id: RequestId) -> None:
+        self._read_all(request_id, observe=True)  # a stop string ended it: the client got its last output
+
+    def generation_cancelled(self, request_id: RequestId) -> None:
+        self._read_all(request_id, observe=False)
+
+    def _read_all(self, request_id: RequestId, *, observe: bool) -> None:
+        timing = self._reads.pop(request_id, None)
+        if timing is not None and observe:
+            self.e2e.observe(time.monotonic() - timing.start)
+
+    # -- observations ------------------------------------------------------------------------
 
     def token(self, timing: _Timing) -> None:
         now = time.monotonic()
@@ -285,181 +377,6 @@ class Metrics:
         self._by_source.labels(self.role, source).inc(tokens)
         if not self.front_end:
             self.prompt_tokens.inc(tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# The front end's view: a Backend wrapper
-
-
-class _MeteredBackend:
-    def __init__(self, inner: Backend, metrics: Metrics, lines: RequestLines | None = None) -> None:
-        self.inner = inner
-        self.metrics = metrics
-        self.lines = lines
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self.inner.model_info
-
-    def ready(self) -> bool:
-        return self.inner.ready()
-
-    async def start(self, request: GenerationRequest) -> Generation:
-        timing = _Timing(time.monotonic())
-        try:
-            generation = await self.inner.start(request)
-        except StatecoreError as exc:
-            info = exc.info
-            _safely("rejected", lambda: self.metrics.rejected(info))
-            raise
-        _safely("prompt", lambda: self.metrics.prompt_tokens.inc(len(request.prompt)))
-        note = self.lines.note(request.request_id, len(request.prompt)) if self.lines is not None else None
-        return _MeteredGeneration(generation, self.metrics, timing, note)
-
-
-class _MeteredGeneration:
-    def __init__(self, inner: Generation, metrics: Metrics, timing: _Timing,
-                 note: GenerationNote | None = None) -> None:
-        self.inner = inner
-        self.metrics = metrics
-        self.timing = timing
-        self.note = note
-        self.ended = False
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        async for output in self.inner:
-            self._observe(output)
-            yield output
-
-    def receive_nowait(self) -> Output | None:
-        output = self.inner.receive_nowait()
-        if output is not None:
-            self._observe(output)
-        return output
-
-    def _observe(self, output: Output) -> None:
-        note = self.note
-        match output:
-            case TokenOut():
-                _safely("token", lambda: self.metrics.token(self.timing))
-                if note is not None:
-                    note.token()
-            case GenerationEnd(finish_reason=reason):
-                if reason == STOP:  # the EOS token, counted as usage.completion_tokens counts it
-                    _safely("eos", self.metrics.generation_tokens.inc)
-                if note is not None:
-                    note.finish = reason
-                    note.completion_tokens += reason == STOP
-                self._end(observe=True)
-            case GenerationError(error=error):
-                if note is not None:
-                    note.error = error.code.value
-                self._end(observe=True)
-            case _:
-                assert_never(output)
-
-    def _end(self, *, observe: bool) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        if observe:
-            _safely("e2e", lambda: self.metrics.e2e.observe(time.monotonic() - self.timing.start))
-
-    async def stop(self) -> None:
-        self._end(observe=True)  # a stop string ended it: the client got its last output
-        if self.note is not None and self.note.finish is None:
-            self.note.finish = STOP
-        await self.inner.stop()
-
-    async def cancel(self) -> None:
-        self._end(observe=False)
-        if self.note is not None and self.note.finish is None:
-            self.note.finish = "cancelled"
-        await self.inner.cancel()
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.inner.cached_tokens
-
-
-# ---------------------------------------------------------------------------------------------
-# An engine node's view: a Performer wrapper
-
-
-class _MeteredPerformer:
-    """The runner's `Performer` for an engine node, observing what the inner one does."""
-
-    def __init__(self, inner: EnginePerformer, metrics: Metrics) -> None:
-        self.inner = inner
-        self.metrics = metrics
-
-    async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
-        rid = intent.request_id
-        ctx = context if isinstance(context, NodeRequest) else None
-        prompt = len(ctx.prompt) if ctx is not None else 0
-        # a pulled cache that fails to install (checksum, version, fingerprint) is a failed handoff
-        handoff = isinstance(intent, FetchKv) or (
-            isinstance(intent, InstallKv) and ctx is not None and ctx.payload is not None)
-        eos = self.inner.engine.info.eos_token_ids
-        ignore_eos = ctx is not None and ctx.sampling.ignore_eos
-        started = time.monotonic()
-        counts_tokens = not self.metrics.front_end
-
-        async def metered_post(event: Event) -> None:
-            first_eos = isinstance(event, PrefillDone) and first_token_ends(event.first_token, eos,
-                                                                             ignore_eos=ignore_eos)
-            # a streamed handoff's first token was computed on the prefill node, which counts it
-            computed_here = not (ctx is not None and ctx.streamed and ctx.stream_out is None)
-            if counts_tokens and (isinstance(event, TokenGenerated)
-                                  or (isinstance(event, PrefillDone) and not first_eos and computed_here)):
-                _safely("token", lambda: self.metrics.engine_token(rid))
-            elif isinstance(event, KvReceived):
-                def received(nbytes: int = event.nbytes) -> None:
-                    self.metrics.kv_bytes.labels(self.metrics.role, "received").inc(nbytes)
-                    self.metrics.kv_seconds.observe(time.monotonic() - started)
-                    self.metrics.prompt_source("transferred", prompt)
-
-                _safely("kv received", received)
-            await post(event)
-
-        try:
-            await self.inner.work(intent, context, metered_post)
-            if ctx is not None and ctx.stream_out is None and (ctx.streamed or ctx.prefill_url is not None):
-                _safely("kv handoff", lambda: self._observe_handoff(intent, rid, ctx.streamed))
-        except StatecoreError as exc:
-            if handoff:
-                code = exc.info.code.value
-                _safely("kv failure", lambda: self.metrics.kv_failures.labels(self.metrics.role, code).inc())
-            raise
-        except Exception:
-            if handoff:
-                _safely("kv failure",
-                        lambda: self.metrics.kv_failures.labels(self.metrics.role, "internal").inc())
-            raise
-        if isinstance(intent, StartPrefill):
-            _safely("prompt", lambda: self.metrics.prompt_source("computed_locally", prompt))
-
-    def _observe_handoff(self, intent: WorkIntent, rid: RequestId, streamed: bool) -> None:
-        """A decode node's handoff, from its record, as each part of it ends: a stream's by the
-        transport its pieces took (http, shm), a pulled one's as "pull"."""
-        record = self.inner.handoffs.record(rid)
-        transport = (record.transport or "http") if streamed else "pull"
-        m, role = self.metrics, self.metrics.role
-        if isinstance(intent, FetchKv) and record.stream_s is not None:
-            m.stream_bytes.labels(role, transport).inc(record.wire_bytes or 0)
-            m.stream_seconds.labels(role, transport).observe(record.stream_s)
-            if record.overlap is not None:
-                m.stream_overlap.labels(role, transport).observe(record.overlap)
-        elif isinstance(intent, InstallKv) and record.install_s is not None:
-            m.install_seconds.labels(role, transport).observe(record.install_s)
-        elif isinstance(intent, StartDecode) and record.first_to_second_s is not None:
-            m.first_to_second.labels(role, transport).observe(record.first_to_second_s)
-
-    async def cleanup(self, intent: CleanupIntent, context: object) -> None:
-        await self.inner.cleanup(intent, context)
-
-    def forget(self, request_id: RequestId, context: object) -> None:
-        self.inner.forget(request_id, context)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 A single node (and a decode node serving its own short prompts) runs the decode request
 machine and prefills locally; the router runs the router request machine over its peers.
-Either way the front end sees one `Generation`: replies from the runner turned into
-`TokenOut` / `GenerationEnd` / `GenerationError`. Admission is the runner's
+Either way the front end sees one `Generation`: the runner's replies (`RespondToken`,
+`Complete`, `Reject`) as the core made them. Admission is the runner's
 (`statecore.policy.admission`); a stop string the front end matched reaches the core as the
-`StopMatched` event (`RunnerGeneration.stop`). This module may import `statecore` and
-trio; it must never import httpx, mlx or mlx_lm.
+`StopMatched` event (`RunnerGeneration.stop`). What the front end reads, stops and gives up is
+told to the runner's instruments as it happens (metrics time tokens as the client gets them).
+This module may import `statecore` and trio; it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
-from effects.ports import (
-    GenerationEnd,
-    GenerationError,
-    GenerationRequest,
-    ModelInfo,
-    Output,
-    TokenOut,
-)
+from effects.ports import GenerationRequest, ModelInfo, Output
 from effects.runner import NodeRunner, Reply
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, unsupported_cache
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, StopMatched
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
+from statecore.policy import travel_refusal
+from statecore.routing import prefills_locally
 
 # replies a request can produce beyond its tokens: a completion or a rejection, plus slack
 _REPLY_SLACK = 4
@@ -78,32 +74,30 @@ class RunnerGeneration:
         return self._output(reply)
 
     def _output(self, reply: Reply) -> Output:
+        self.runner.instruments.reply_read(self.request_id, reply)
         match reply:
-            case RespondToken(token=token, logprobs=logprobs):
-                return TokenOut(token, logprobs)
-            case Complete(finish_reason=reason):
+            case RespondToken():
+                pass
+            case Complete() | Reject():
                 self._end()
-                return GenerationEnd(reason)
-            case Reject(error=error):
-                self._end()
-                return GenerationError(error)
             case _:
                 assert_never(reply)
+        return reply
 
-    def _unfinished(self) -> GenerationError:
-        self._end()
-        return GenerationError(
-            ErrorInfo(Fault.BUG, Code.INTERNAL, "the request ended without a completion")
-        )
+    def _unfinished(self) -> Output:
+        return self._output(Reject(self.request_id, ErrorInfo(
+            Fault.BUG, Code.INTERNAL, "the request ended without a completion")))
 
     def _end(self) -> None:
         self._ended = True
         self.replies.close()  # nothing more is read; also when the iterator is never resumed
 
     async def stop(self) -> None:
+        self.runner.instruments.generation_stopped(self.request_id)
         await self.runner.post(self.request_id, StopMatched())
 
     async def cancel(self) -> None:
+        self.runner.instruments.generation_cancelled(self.request_id)
         await self.runner.post(self.request_id, ClientCancelled())
 
 
@@ -133,14 +127,19 @@ class RunnerBackend:
         return self.runner.ready()
 
     async def start(self, request: GenerationRequest) -> RunnerGeneration:
-        refused = self.runner.admission_error(self.max_live)
-        if refused is not None:
-            raise StatecoreError(refused)
-        await self.faults.at(Phase.INTAKE, request.request_id)
-        first_event, context = self._admit(request)
-        replies = await self.runner.open(
-            request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
-        )
+        try:
+            refused = self.runner.admission_error(self.max_live)
+            if refused is not None:
+                raise StatecoreError(refused)
+            await self.faults.at(Phase.INTAKE, request.request_id)
+            first_event, context = self._admit(request)
+            replies = await self.runner.open(
+                request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
+            )
+        except StatecoreError as exc:
+            self.runner.instruments.generation_refused(exc.info)
+            raise
+        self.runner.instruments.generation_started(request.request_id, len(request.prompt))
         await self.runner.post(request.request_id, first_event)
         return RunnerGeneration(self.runner, request.request_id, replies, context)
 
@@ -173,9 +172,11 @@ def router_backend(
     need a handoff, with a typed error naming the class — never mid-stream."""
     def admit(request: GenerationRequest) -> tuple[Event, RoutedRequest]:
         info = model_info()
-        local = len(request.prompt) < local_prefill_below
-        if not local and not info.can_travel:
-            raise StatecoreError(unsupported_cache(list(info.untravelable_classes)))
+        refused = travel_refusal(len(request.prompt), local_prefill_below, can_travel=info.can_travel,
+                                 untravelable_classes=info.untravelable_classes)
+        if refused is not None:
+            raise StatecoreError(refused)
+        local = prefills_locally(len(request.prompt), local_prefill_below)
         return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling, local=local)
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)

@@ -24,18 +24,15 @@ from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.handoffs import HandoffLog, HandoffRecord
 from effects.ports import (
     DecodeCall,
+    DecodeMessage,
     Engine,
-    GenerationEnd,
-    GenerationError,
     KvBytes,
     KvPieces,
     KvSegment,
-    Output,
     Peers,
     PrefillReply,
     PrefixSource,
     SamplingParams,
-    TokenOut,
 )
 from effects.prefix_pull import PrefixPuller
 from effects.runner import CleanupIntent, Post, WorkIntent
@@ -596,7 +593,7 @@ class RouterPerformer:
         await post(FirstToken(reply.first_token, reply.logprobs))
 
     async def _relay(
-        self, ctx: RoutedRequest, messages: AsyncIterator[Output | PrefillReply], post: Post
+        self, ctx: RoutedRequest, messages: AsyncIterator[DecodeMessage], post: Post
     ) -> None:
         """Turn a decode node's messages into events (the first token, if it prefilled)."""
         async for message in messages:
@@ -605,13 +602,13 @@ class RouterPerformer:
                     await self._first(message, ctx, post)
                     if is_eos:
                         return
-                case TokenOut(token=token, logprobs=logprobs):
-                    await post(TokenGenerated(token, logprobs))
-                case GenerationEnd(finish_reason=reason):
-                    await post(Finished(reason))
+                case TokenGenerated():
+                    await post(message)
+                case Finished():
+                    await post(message)
                     return
-                case GenerationError(error=error):
-                    raise StatecoreError(error)
+                case ErrorInfo():
+                    raise StatecoreError(message)
         raise StatecoreError(
             ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the decode node's stream ended early")
         )

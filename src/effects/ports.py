@@ -3,8 +3,10 @@
 `Engine` (a model runtime, re-exported from `engine_port`), `Peers` (calls to other nodes),
 and `Backend` (what an OpenAI-style front end needs from whatever generates tokens: a local
 engine on a single node, or prefill and decode peers behind a router). Adapters implement
-them; `effects.fakes` has in-memory versions for tests. This module may import `statecore`
-and trio; it must never import httpx, mlx or mlx_lm.
+them; `effects.fakes` has in-memory versions for tests. A generation's outputs are the core's
+own reply intents (`RespondToken`, `Complete`, `Reject`), read as the core made them: a token
+has no other form between the core and the text. This module may import `statecore` and trio;
+it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from effects.engine_port import (
     SamplingParams,
 )
 from statecore.errors import ErrorInfo
-from statecore.events import TokenLogprobs
+from statecore.events import Finished, TokenGenerated, TokenLogprobs
 from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,27 +43,10 @@ class GenerationRequest:
     sampling: SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class TokenOut:
-    """A generated token. The EOS token is never sent: `GenerationEnd("stop")` is."""
-
-    token: int
-    logprobs: TokenLogprobs | None = None  # when the request asked for them
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationEnd:
-    # "stop": the engine generated an EOS token (it makes no text, but it is a generated token:
-    # usage counts it, as vLLM and mlx-lm do); "length": max_tokens reached
-    finish_reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationError:
-    error: ErrorInfo
-
-
-Output = TokenOut | GenerationEnd | GenerationError
+Output = RespondToken | Complete | Reject
+"""What a generation gives: a token (the EOS token never: `Complete("stop")` is sent instead; it
+makes no text, but usage counts it, as vLLM and mlx-lm do), its end (`Complete`: "stop" or
+"length") or its failure (`Reject`)."""
 
 
 class Generation(Protocol):
@@ -134,6 +120,10 @@ class PulledPrefix:
     transfer_s: float  # the request sent -> its last byte
 
 
+DecodeMessage = PrefillReply | TokenGenerated | Finished | ErrorInfo
+"""A line of a decode node's stream, read."""
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeCall:
     """What the router asks of a decode node."""
@@ -160,7 +150,11 @@ class Peers(Protocol):
         prefill node may pull it from there instead of computing it)."""
         ...
 
-    def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]: ...
+    def decode(self, node: str, call: DecodeCall) -> AsyncIterator[DecodeMessage]:
+        """The decode node's stream, each line as what it means here: the first token (when the
+        decode node prefilled), then each token and the end as the router's own events, or the
+        node's error."""
+        ...
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes: ...
 
@@ -198,12 +192,11 @@ class Peers(Protocol):
 __all__ = [
     "Backend",
     "DecodeCall",
+    "DecodeMessage",
     "Engine",
     "EngineStatistics",
     "GeneratedToken",
     "Generation",
-    "GenerationEnd",
-    "GenerationError",
     "GenerationRequest",
     "KvBytes",
     "KvPieces",
@@ -218,5 +211,4 @@ __all__ = [
     "PrefixSummary",
     "PulledPrefix",
     "SamplingParams",
-    "TokenOut",
 ]

@@ -10,8 +10,10 @@ everything). Cleanup intents run shielded, with a deadline, after a request's sc
 cancelled. Each live request has one `RequestEntry` here (its reply channel, work scopes,
 timer and the role's context; its phase is the core's record), made by `open` and forgotten
 in one place once its cleanup ran; the performer keeps nothing of its own. Only
-`TransportLost` or a finished drain stops the loop. This module may import `statecore` and
-trio; never httpx, mlx or mlx_lm.
+`TransportLost` or a finished drain stops the loop. Whoever watches a runner (metrics, logs,
+the live view) is an `Instrument` in its `instruments`, told of each transition, event, piece
+of work and reply read, never a wrapper around the performer or the backend. This module may
+import `statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, assert_never
 
@@ -59,7 +61,6 @@ P = TypeVar("P", bound=enum.Enum)
 log = logging.getLogger("statecore.runner")
 
 Post = Callable[[Event], Awaitable[None]]
-TransitionHook = Callable[[RequestId, str, str, str, ErrorInfo | None, str | None], None]
 WorkIntent = StartPrefill | StartDecode | FetchKv | InstallKv | SendKv
 CleanupIntent = ReleaseKv | StopDecoding | CancelRemote
 Reply = RespondToken | Complete | Reject
@@ -82,6 +83,95 @@ class Performer(Protocol):
     def forget(self, request_id: RequestId, context: object) -> None:
         """The request is over and its cleanup ran: let go of what the context still holds."""
         ...
+
+
+class Instrument:
+    """One observer of a runner (trio's `abc.Instrument` idea): every hook does nothing here, an
+    observer overrides those it needs. Hooks run on the loop, some per token: they must be cheap,
+    and one that raises is logged and passed over (`Instruments`), never raised into serving.
+
+    The runner calls `transition`, `applied` and the work hooks; the front end's generations
+    (`effects.backend`) call the `generation_*` and `reply_read` hooks, so that what a client
+    sees is timed as it reads it."""
+
+    def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                   error: ErrorInfo | None, outcome: str | None) -> None:
+        """A request changed phase; `outcome` is set when `new` is terminal, in the same words on
+        every node (`statecore.step.outcome_reason`)."""
+
+    def applied(self, request_id: RequestId, event: Event, context: object) -> None:
+        """An event is about to be applied to a request (`context`: the role's, None once the
+        runner dropped it)."""
+
+    def work_started(self, intent: WorkIntent, context: object) -> None:
+        """The performer starts a piece of work."""
+
+    def work_ended(self, intent: WorkIntent, context: object, failure: Exception | None) -> None:
+        """The performer's work returned (`failure` None) or raised; not called when cancelled."""
+
+    def generation_started(self, request_id: RequestId, prompt_tokens: int) -> None:
+        """The front end's backend admitted a generation."""
+
+    def generation_refused(self, error: ErrorInfo) -> None:
+        """The front end's backend refused a generation at intake."""
+
+    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+        """The front end took a reply of its generation (a token, the completion, the rejection)."""
+
+    def generation_stopped(self, request_id: RequestId) -> None:
+        """The front end matched a stop string: its generation ends normally."""
+
+    def generation_cancelled(self, request_id: RequestId) -> None:
+        """The front end gave its generation up (the client left, or it failed)."""
+
+
+class Instruments(Instrument):
+    """A runner's instruments, each told in the order added; a failing hook is logged, and the
+    others and serving go on."""
+
+    def __init__(self) -> None:
+        self._each: list[Instrument] = []
+
+    def add(self, instrument: Instrument) -> None:
+        self._each.append(instrument)
+
+    def __iter__(self) -> Iterator[Instrument]:
+        return iter(self._each)
+
+    def _tell(self, hook: str, call: Callable[[Instrument], None]) -> None:
+        for each in self._each:
+            try:
+                call(each)
+            except Exception:
+                log.exception("instrument %s: %s failed", type(each).__name__, hook)
+
+    def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                   error: ErrorInfo | None, outcome: str | None) -> None:
+        self._tell("transition", lambda each: each.transition(request_id, old, new, event, error, outcome))
+
+    def applied(self, request_id: RequestId, event: Event, context: object) -> None:
+        self._tell("applied", lambda each: each.applied(request_id, event, context))
+
+    def work_started(self, intent: WorkIntent, context: object) -> None:
+        self._tell("work_started", lambda each: each.work_started(intent, context))
+
+    def work_ended(self, intent: WorkIntent, context: object, failure: Exception | None) -> None:
+        self._tell("work_ended", lambda each: each.work_ended(intent, context, failure))
+
+    def generation_started(self, request_id: RequestId, prompt_tokens: int) -> None:
+        self._tell("generation_started", lambda each: each.generation_started(request_id, prompt_tokens))
+
+    def generation_refused(self, error: ErrorInfo) -> None:
+        self._tell("generation_refused", lambda each: each.generation_refused(error))
+
+    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+        self._tell("reply_read", lambda each: each.reply_read(request_id, reply))
+
+    def generation_stopped(self, request_id: RequestId) -> None:
+        self._tell("generation_stopped", lambda each: each.generation_stopped(request_id))
+
+    def generation_cancelled(self, request_id: RequestId) -> None:
+        self._tell("generation_cancelled", lambda each: each.generation_cancelled(request_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +226,7 @@ class NodeRunner(Generic[P]):
         self._outcomes: Counter[str] = Counter()
         self._live_tasks = 0
         self._bugs = 0
-        # (request, from, to, event, error, outcome): `outcome` is set when `to` is terminal, in
-        # the same words on every node (statecore.step.outcome_reason)
-        self.on_transition: TransitionHook | None = None
+        self.instruments = Instruments()
 
     # -- the public face -------------------------------------------------------------------
 
@@ -231,6 +319,10 @@ class NodeRunner(Generic[P]):
     # -- the loop body ---------------------------------------------------------------------
 
     async def _apply(self, envelope: Envelope) -> None:
+        if isinstance(envelope, ForRequest):
+            held = self._entries.get(envelope.request_id)
+            self.instruments.applied(envelope.request_id, envelope.event,
+                                     None if held is None else held.context)
         before = self._phases_touched_by(envelope)
         self.state, intents = loop_step(self.state, envelope)
         self._log_moves(envelope, before)
@@ -275,8 +367,7 @@ class NodeRunner(Generic[P]):
                 continue
             new = record.phase
             outcome = outcome_reason(self.machine, record) if self.machine.is_terminal(new) else None
-            if self.on_transition:
-                self.on_transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
+            self.instruments.transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)
             if self.machine.is_terminal(new):
                 self._outcomes[new.value] += 1
@@ -369,15 +460,20 @@ class NodeRunner(Generic[P]):
 
         async def work() -> None:
             with scope:
+                self.instruments.work_started(intent, held.context)
                 try:
                     await self.performer.work(intent, held.context, post)
                 except StatecoreError as exc:
+                    self.instruments.work_ended(intent, held.context, exc)
                     await self._post_failure(rid, exc.info)
                 except Exception as exc:
+                    self.instruments.work_ended(intent, held.context, exc)
                     log.exception("%s: %s failed in %s", self.name, rid, intent.kind.value)
                     await self._post_failure(
                         rid, ErrorInfo(Fault.BUG, Code.INTERNAL, f"internal error: {exc!r}")
                     )
+                else:
+                    self.instruments.work_ended(intent, held.context, None)
                 finally:
                     held.work.discard(scope)
 
@@ -445,6 +541,8 @@ class NodeRunner(Generic[P]):
 
 __all__ = [
     "CleanupIntent",
+    "Instrument",
+    "Instruments",
     "NodeRunner",
     "Performer",
     "Post",

@@ -1,6 +1,7 @@
 """Policy: the decisions the shell would otherwise make in several places, made once, purely.
 
-Admission (may a new request enter this loop now?), what a peer's failure means (retry on
+Admission (may a new request enter this loop now? may a routed one whose cache cannot travel?),
+what a peer's failure means (retry on
 another node, blame the node, or fail the request) and a routed request's retries
 (`RetryState`), what a request may ask (its context, a grammar's end), how a generation ends
 (EOS, length, the first token being the last, the finish reason a client reads) and which event
@@ -15,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from statecore.errors import Code, ErrorInfo, Fault
+from statecore.errors import Code, ErrorInfo, Fault, unsupported_cache
 from statecore.events import EngineFailed, EventKind, PeerFailed, TransportLost
 from statecore.ids import RequestId
 from statecore.intents import IntentKind
 from statecore.phases import LoopPhase
+from statecore.routing import prefills_locally
 from statecore.table import SERVING_LOOP
 
 # -- admission ----------------------------------------------------------------------------
@@ -40,6 +42,17 @@ def admission(loop_phase: LoopPhase, live: int, max_live: int | None = None) -> 
         return ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED,
                          f"too many requests in flight (limit {max_live}); retry shortly")
     return None
+
+
+def travel_refusal(prompt_tokens: int, local_below: int, *, can_travel: bool,
+                   untravelable_classes: Collection[str]) -> ErrorInfo | None:
+    """Why a routed request is refused at intake because its KV may have to leave the node that
+    computes it and the model's cache cannot (`unsupported_cache` naming the classes); None when
+    it may enter. A prompt its decode node prefills itself (`routing.prefills_locally`) never
+    travels; a longer one may, so it is refused before any node works on it, never mid-stream."""
+    if can_travel or prefills_locally(prompt_tokens, local_below):
+        return None
+    return unsupported_cache(list(untravelable_classes))
 
 
 # -- a peer's failure ---------------------------------------------------------------------
@@ -246,4 +259,5 @@ __all__ = [
     "reply_finish",
     "text_finish",
     "token_finish",
+    "travel_refusal",
 ]

@@ -40,7 +40,7 @@ from statecore.prefix import block_keys
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
-           "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
+           "prefills_locally", "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -137,6 +137,13 @@ class RouteChoice:
         return self.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX)
 
 
+def prefills_locally(prompt_tokens: int, local_below: int) -> bool:
+    """Whether a prompt is short enough that its decode node prefills it itself, whichever node
+    that is (`choose_route` may send a longer one there too: the rest after a prefix it holds, or
+    an overflow). `local_below` 0: never."""
+    return prompt_tokens < local_below
+
+
 def overflows(prompt_tokens: int, prefill_backlog: int | None, decode_node: RouteCandidate) -> bool:
     """Whether a prompt bound for a prefill node is prefilled on `decode_node` instead: every
     prefill node already has at least this prompt's worth of prefill queued (`prefill_backlog`,
@@ -162,9 +169,9 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     if local_below == 0:  # every prompt through a prefill node: nothing overflows
         prefill_backlog = None
     best = choose_node(prompt_tokens, decode_candidates, load_tokens)
-    if best.cached_tokens > 0 and prompt_tokens - best.cached_tokens < local_below:
+    if best.cached_tokens > 0 and prefills_locally(prompt_tokens - best.cached_tokens, local_below):
         return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
-    if prompt_tokens < local_below:
+    if prefills_locally(prompt_tokens, local_below):
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
     if best.cached_tokens > 0:
         if overflows(prompt_tokens, prefill_backlog, best):

@@ -1,7 +1,8 @@
 """A scripted in-memory `Backend` for front-end tests: each generation yields a given script.
 
-A script is a list of outputs (`TokenOut`, `GenerationEnd`, `GenerationError`), exceptions to raise
-from the iterator, and `HANG` (block until the front end stops or cancels the generation). The
+A script is a list of outputs (the core's replies: `replied`, `completed` and `rejected` write them under
+`SCRIPTED`, and a generation plays them as its own request's), exceptions to raise from the
+iterator, and `HANG` (block until the front end stops or cancels the generation). The
 fake records every request, stop and cancel so tests can assert on them. Outputs not behind an
 exception or `HANG` are "already waiting" (`receive_nowait`) unless `ready_ahead` is turned off.
 """
@@ -10,13 +11,39 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Final
 
 import trio
 
 from effects.ports import GenerationRequest, ModelInfo, Output
+from statecore.errors import ErrorInfo
+from statecore.events import TokenLogprobs
+from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
 
-__all__ = ["HANG", "FakeBackend", "FakeGeneration", "ScriptItem", "fake_model_info"]
+__all__ = ["HANG", "SCRIPTED", "FakeBackend", "FakeGeneration", "ScriptItem", "as_scripted", "completed",
+           "fake_model_info", "rejected", "replied"]
+
+SCRIPTED = RequestId("scripted")
+"""The request a script's outputs name: a generation plays them as its own request's."""
+
+
+def replied(t: int, logprobs: TokenLogprobs | None = None) -> RespondToken:
+    return RespondToken(SCRIPTED, t, logprobs)
+
+
+def completed(reason: str) -> Complete:
+    return Complete(SCRIPTED, reason)
+
+
+def rejected(error: ErrorInfo) -> Reject:
+    return Reject(SCRIPTED, error)
+
+
+def as_scripted(output: Output) -> Output:
+    """An output as a script writes it (under `SCRIPTED`), to compare with one."""
+    return replace(output, request_id=SCRIPTED)
 
 
 class _Hang:
@@ -74,7 +101,7 @@ class FakeGeneration:
                 raise item
             await trio.lowlevel.checkpoint()
             self.yielded += 1
-            yield item
+            yield replace(item, request_id=self.request.request_id)
 
     def receive_nowait(self) -> Output | None:
         if not self.ready_ahead or self._closed.is_set() or self._next >= len(self.script):
@@ -85,7 +112,7 @@ class FakeGeneration:
         self._next += 1
         self.yielded += 1
         self.taken_nowait += 1
-        return item
+        return replace(item, request_id=self.request.request_id)
 
     async def stop(self) -> None:
         self.stops += 1

@@ -18,11 +18,12 @@ from adapters.metrics import Metrics
 from effects.backend import local_backend
 from effects.fakes import EOS, FakeEngine
 from effects.interpret import EnginePerformer
-from effects.ports import GenerationEnd, GenerationRequest, Output, SamplingParams, TokenOut
+from effects.ports import GenerationRequest, Output, SamplingParams
 from effects.runner import NodeRunner
 from statecore.ids import RequestId
+from statecore.intents import Complete, RespondToken
 from statecore.table import DECODE_REQUEST
-from tests.integration.fake_backend import FakeBackend, fake_model_info
+from tests.integration.fake_backend import FakeBackend, as_scripted, completed, fake_model_info
 
 
 async def generate(eos_at: int, sampling: SamplingParams) -> list[Output]:
@@ -40,20 +41,20 @@ async def generate(eos_at: int, sampling: SamplingParams) -> list[Output]:
 
 async def test_eos_ends_a_generation_with_stop() -> None:
     outputs = await generate(3, SamplingParams(max_tokens=8))
-    assert [type(o) for o in outputs] == [TokenOut, TokenOut, GenerationEnd]
-    assert outputs[-1] == GenerationEnd("stop")
+    assert [type(o) for o in outputs] == [RespondToken, RespondToken, Complete]
+    assert as_scripted(outputs[-1]) == completed("stop")
 
 
 async def test_eos_as_the_first_token_ends_it_at_once() -> None:
-    assert await generate(1, SamplingParams(max_tokens=8)) == [GenerationEnd("stop")]
+    assert [as_scripted(o) for o in await generate(1, SamplingParams(max_tokens=8))] == [completed("stop")]
 
 
 @pytest.mark.parametrize("eos_at", [1, 3])
 async def test_ignore_eos_generates_through_eos_to_max_tokens(eos_at: int) -> None:
     outputs = await generate(eos_at, SamplingParams(max_tokens=6, ignore_eos=True))
-    tokens = [o.token for o in outputs if isinstance(o, TokenOut)]
+    tokens = [o.token for o in outputs if isinstance(o, RespondToken)]
     assert len(tokens) == 6 and tokens[eos_at - 1] == EOS
-    assert outputs[-1] == GenerationEnd("length")
+    assert as_scripted(outputs[-1]) == completed("length")
 
 
 def test_ignore_eos_crosses_the_internal_wire() -> None:
@@ -62,13 +63,18 @@ def test_ignore_eos_crosses_the_internal_wire() -> None:
 
 
 async def test_a_reply_that_is_only_eos_reports_one_completion_token(bpe_dir: Path) -> None:
-    backend = FakeBackend(fake_model_info(context_length=256))
-    backend.scripts.append([GenerationEnd("stop")])
+    engine = FakeEngine(eos_at=1)
+    performer = EnginePerformer(engine)
+    runner = NodeRunner(DECODE_REQUEST, performer)
     metrics = Metrics("single")
-    frontend = Frontend.load(bpe_dir, metrics.backend(backend))
+    metrics.watch(runner, engine=engine, handoffs=performer.handoffs)
+    frontend = Frontend.load(bpe_dir, local_backend(runner, performer))
     transport = httpx.ASGITransport(app=build_app(frontend))
-    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(transport=transport,
+                                                                base_url="http://node") as client:
+        await nursery.start(runner.run)
         reply = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        nursery.cancel_scope.cancel()
     body = reply.json()
     assert body["choices"][0]["text"] == "" and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 1
@@ -78,7 +84,7 @@ async def test_a_reply_that_is_only_eos_reports_one_completion_token(bpe_dir: Pa
 
 async def test_ignore_eos_reaches_the_backend(bpe_dir: Path) -> None:
     backend = FakeBackend(fake_model_info(context_length=256))
-    backend.scripts.append([GenerationEnd("length")])
+    backend.scripts.append([completed("length")])
     frontend = Frontend.load(bpe_dir, backend)
     transport = httpx.ASGITransport(app=build_app(frontend))
     async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:

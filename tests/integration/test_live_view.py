@@ -22,10 +22,11 @@ from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
-from effects.ports import GenerationEnd, GenerationRequest
-from effects.runner import NodeRunner
+from effects.ports import GenerationRequest
+from effects.runner import Instrument, NodeRunner
 from statecore.events import DrainRequested
 from statecore.ids import RequestId
+from statecore.intents import Complete
 from statecore.table import DECODE_REQUEST
 
 
@@ -34,13 +35,15 @@ class Node:
         self.performer = EnginePerformer(FakeEngine())
         self.runner = NodeRunner(DECODE_REQUEST, self.performer, name="single")
         self.hooked: list[tuple[object, ...]] = []
+        hooked = self.hooked
 
-        def earlier_hook(*args: object) -> None:  # the logger's place: set before the view's
-            self.hooked.append(args[:3])
+        class Earlier(Instrument):  # the logger's place: added before the view's
+            def transition(self, *args: object) -> None:
+                hooked.append(args[:3])
 
-        self.runner.on_transition = earlier_hook
+        self.runner.instruments.add(Earlier())
         self.metrics = Metrics("single")
-        self.backend = self.metrics.backend(local_backend(self.runner, self.performer))
+        self.backend = local_backend(self.runner, self.performer)
         self.metrics.watch(self.runner)
         self.live = LiveView("single", self.runner, self.metrics.registry)
 
@@ -48,7 +51,7 @@ class Node:
         generation = await self.backend.start(
             GenerationRequest(RequestId(rid), (5, 6, 7), SamplingParams(max_tokens)))
         outputs = [out async for out in generation]
-        assert isinstance(outputs[-1], GenerationEnd)
+        assert isinstance(outputs[-1], Complete)
 
 
 @pytest.fixture

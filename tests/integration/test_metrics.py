@@ -1,6 +1,6 @@
-"""Metrics hooks over a real runner and a fake engine: token counts and timings, requests by
-terminal state and reason, prompt sources, the chained transition hook, KV bytes served, and
-`/metrics` itself."""
+"""Metrics, one instrument of a real runner over a fake engine: token counts and timings,
+requests by terminal state and reason, prompt sources, another instrument beside it, KV bytes
+served, and `/metrics` itself."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults
 from effects.interpret import EnginePerformer
-from effects.ports import Backend, GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
-from effects.runner import NodeRunner, Timeouts
+from effects.ports import Backend, GenerationRequest, Output
+from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
 from statecore.table import DECODE_REQUEST
 
 MARKER = 999
@@ -46,18 +47,18 @@ class Node:
         self.metrics = Metrics(role)
         self.engine = FakeEngine(Faults(marker=MARKER, fail={"prefill"}))
         performer = EnginePerformer(self.engine)
-        self.runner = NodeRunner(DECODE_REQUEST, self.metrics.performer(performer),
-                                 timeouts=Timeouts(deadline_s=5.0), name=role)
+        self.runner = NodeRunner(DECODE_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0), name=role)
         self.logged: list[tuple[str, str, str | None]] = []
+        logged = self.logged
 
-        def log(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
-                outcome: str | None) -> None:
-            self.logged.append((old, new, error.code.value if error else None))
+        class Log(Instrument):
+            def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                           error: ErrorInfo | None, outcome: str | None) -> None:
+                logged.append((old, new, error.code.value if error else None))
 
-        self.runner.on_transition = log
-        self.metrics.watch(self.runner, engine=self.engine)
-        backend: Backend = local_backend(self.runner, performer)
-        self.backend = self.metrics.backend(backend) if self.metrics.front_end else backend
+        self.runner.instruments.add(Log())
+        self.metrics.watch(self.runner, engine=self.engine, handoffs=performer.handoffs)
+        self.backend: Backend = local_backend(self.runner, performer)
         self.count = 0
 
     async def generate(self, prompt: list[int], max_tokens: int) -> list[Output]:
@@ -76,10 +77,10 @@ async def node(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncIt
 
 async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
     outputs = await node.generate([3, 4, 5], max_tokens=5)
-    assert isinstance(outputs[-1], GenerationEnd)
-    assert sum(isinstance(o, TokenOut) for o in outputs) == 5
+    assert isinstance(outputs[-1], Complete)
+    assert sum(isinstance(o, RespondToken) for o in outputs) == 5
     failed = await node.generate([3, MARKER], max_tokens=5)
-    assert isinstance(failed[-1], GenerationError)
+    assert isinstance(failed[-1], Reject)
     m = node.metrics
     await settled(lambda: sample(m, "statecore:e2e_request_latency_seconds_count") == 2)
     assert sample(m, "statecore:generation_tokens_total") == 5

@@ -22,11 +22,19 @@ from starlette.routing import Route
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.http.api_keys import ApiKeys
-from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
+from statecore.intents import RespondToken
 from support.tiny_models import build_tokenizer
-from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
+from tests.integration.fake_backend import (
+    HANG,
+    FakeBackend,
+    ScriptItem,
+    completed,
+    fake_model_info,
+    rejected,
+    replied,
+)
 
 CONTEXT = 64
 MAX_BODY = 4096
@@ -64,7 +72,7 @@ async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
 def say(frontend: Frontend, text: str, end: str = "length") -> list[ScriptItem]:
     """The script of a backend that generates exactly `text`, then ends with `end`."""
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    return [*(TokenOut(int(t)) for t in ids), GenerationEnd(end)]
+    return [*(replied(int(t)) for t in ids), completed(end)]
 
 
 def events(body: str) -> list[Any]:
@@ -399,7 +407,7 @@ async def test_n_choices_stream_in_turn_with_their_own_finish_and_one_usage(
 async def test_one_failing_choice_fails_the_request_and_frees_the_others(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend, stream: bool
 ) -> None:
-    overloaded = GenerationError(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "full"))
+    overloaded = rejected(ErrorInfo(Fault.OVERLOADED, Code.OVERLOADED, "full"))
     backend.scripts.extend([[*say(frontend, "fine")[:-1], HANG], [overloaded]])
     response = await client.post("/v1/completions", json={"prompt": "Hi", "n": 2, "stream": stream})
     assert response.status_code == 429 and response.json()["error"]["code"] == "overloaded"
@@ -409,9 +417,9 @@ async def test_one_failing_choice_fails_the_request_and_frees_the_others(
 def with_logprobs(frontend: Frontend, text: str) -> list[ScriptItem]:
     """`say`, each token carrying a made-up logprob (-0.5 x its place) and two alternatives."""
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    tokens = [TokenOut(int(t), TokenLogprobs(-0.5 * i, ((int(t), -0.5 * i), (7, -9.0))))
+    tokens = [replied(int(t), TokenLogprobs(-0.5 * i, ((int(t), -0.5 * i), (7, -9.0))))
               for i, t in enumerate(ids)]
-    return [*tokens, GenerationEnd("length")]
+    return [*tokens, completed("length")]
 
 
 async def test_chat_logprobs_whole_and_streamed_are_openais_shape(
@@ -542,7 +550,7 @@ async def test_stop_strings(
     stream: bool,
 ) -> None:
     script = say(frontend, "Hello world and more")
-    assert [frontend.tokenizer.decode([t.token]) for t in script[:7] if isinstance(t, TokenOut)] == [
+    assert [frontend.tokenizer.decode([t.token]) for t in script[:7] if isinstance(t, RespondToken)] == [
         "H",
         "e",
         "ll",
@@ -594,7 +602,7 @@ async def test_stop_string_matched_in_the_final_flush(
     """The BPE detokenizer holds a trailing lone space until the end: a stop can match only then."""
     script = say(frontend, "Hello world ")
     last = script[-2]
-    assert isinstance(last, TokenOut) and frontend.tokenizer.decode([last.token]) == " "
+    assert isinstance(last, RespondToken) and frontend.tokenizer.decode([last.token]) == " "
     backend.scripts.append(script)
     response = await client.post("/v1/completions", json={"prompt": "Hi", "stop": "d "})
     choice = response.json()["choices"][0]
@@ -970,7 +978,7 @@ async def test_generation_error_non_streaming(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
     info = peer_error("the decode node went away")
-    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(info)])
+    backend.scripts.append([*say(frontend, "Hello")[:-1], rejected(info)])
     response = await client.post("/v1/completions", json={"prompt": "Hi"})
     assert response.status_code == 502
     assert response.json() == info.to_openai()
@@ -983,7 +991,7 @@ async def test_generation_error_mid_stream(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
     info = peer_error("the decode node went away")
-    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(info)])
+    backend.scripts.append([*say(frontend, "Hello")[:-1], rejected(info)])
     body = {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}}
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200
@@ -998,7 +1006,7 @@ async def test_generation_error_before_any_text_streaming_gets_its_status(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
     info = ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE, "this cache cannot travel")
-    backend.scripts.append([GenerationError(info)])
+    backend.scripts.append([rejected(info)])
     response = await client.post("/v1/chat/completions", json={"messages": _USER, "stream": True})
     assert response.status_code == 422
     assert response.json() == info.to_openai()
@@ -1035,7 +1043,7 @@ async def test_backend_ending_without_an_end_is_a_bug(
 async def test_immediate_end_streams_an_empty_completion(
     client: httpx.AsyncClient, backend: FakeBackend
 ) -> None:
-    backend.scripts.append([GenerationEnd("stop")])
+    backend.scripts.append([completed("stop")])
     response = await client.post("/v1/chat/completions", json={"messages": _USER, "stream": True})
     chunks = events(response.text)
     assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": ""}, {}]
@@ -1064,7 +1072,7 @@ async def test_models_lists_the_one_model(bpe_dir: Path, backend: FakeBackend) -
         body = (await c.get("/v1/models")).json()
         assert body["object"] == "list"
         assert [(m["id"], m["object"]) for m in body["data"]] == [("served-name", "model")]
-        backend.default_script = [GenerationEnd("stop")]
+        backend.default_script = [completed("stop")]
         ok = await c.post("/v1/completions", json={"prompt": "Hi", "model": "served-name"})
         assert ok.status_code == 200
         assert ok.json()["model"] == "served-name"

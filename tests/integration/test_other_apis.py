@@ -25,10 +25,17 @@ from starlette.applications import Starlette
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
-from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, fake_model_info
+from tests.integration.fake_backend import (
+    HANG,
+    FakeBackend,
+    ScriptItem,
+    completed,
+    fake_model_info,
+    rejected,
+    replied,
+)
 
 CONTEXT = 256
 SYSTEM = "Be brief."
@@ -76,7 +83,7 @@ def gpt(sdk_http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
     """The script of a backend that generates exactly `text`, then ends with `end`."""
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    return [*(TokenOut(int(t)) for t in ids), GenerationEnd(end)]
+    return [*(replied(int(t)) for t in ids), completed(end)]
 
 
 def tokens(frontend: Frontend, text: str) -> int:
@@ -106,7 +113,7 @@ def named_events(body: str) -> list[tuple[str, Any]]:
 
 async def chat_prompt(client: httpx.AsyncClient, backend: FakeBackend, body: dict[str, Any]) -> Any:
     """The prompt and sampling the backend gets for a chat completion `body`."""
-    backend.scripts.append([GenerationEnd("stop")])
+    backend.scripts.append([completed("stop")])
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return backend.last.request.prompt, backend.last.request.sampling
@@ -252,12 +259,12 @@ async def test_the_anthropic_client_raises_on_refusals_and_backend_errors(
     assert limited.value.body == {"type": "error", "error": {"type": "rate_limit_error",
                                                              "message": "the queue is full"}}
     backend.start_error = None
-    backend.scripts.append([GenerationError(peer_error("the decode node failed"))])
+    backend.scripts.append([rejected(peer_error("the decode node failed"))])
     with pytest.raises(anthropic.APIStatusError) as failed:
         await claude.messages.create(model="tiny", max_tokens=5, messages=HI)  # type: ignore[arg-type]
     assert failed.value.status_code == 502 and "decode node failed" in failed.value.message
     # a failure after the stream began: an `error` event, which the client raises
-    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    backend.scripts.append([*say(frontend, "Hello")[:-1], rejected(peer_error("lost mid-way"))])
     with pytest.raises(anthropic.APIStatusError, match="lost mid-way"):
         async with claude.messages.stream(model="tiny", max_tokens=5, messages=HI) as stream:  # type: ignore[arg-type]
             await stream.get_final_message()
@@ -266,7 +273,7 @@ async def test_the_anthropic_client_raises_on_refusals_and_backend_errors(
 async def test_a_mid_stream_failure_is_anthropics_error_event(
     client: httpx.AsyncClient, backend: FakeBackend, frontend: Frontend
 ) -> None:
-    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    backend.scripts.append([*say(frontend, "Hello")[:-1], rejected(peer_error("lost mid-way"))])
     response = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": HI,
                                                        "stream": True})
     assert response.status_code == 200
@@ -426,12 +433,12 @@ async def test_the_openai_client_raises_on_refusals_and_sees_a_failed_stream(
         await gpt.responses.create(model="tiny", input="Hi", max_output_tokens=0)
     with pytest.raises(openai.UnprocessableEntityError, match="previous_response_id"):
         await gpt.responses.create(model="tiny", input="Hi", previous_response_id="resp_1")
-    backend.scripts.append([GenerationError(peer_error("the decode node failed"))])
+    backend.scripts.append([rejected(peer_error("the decode node failed"))])
     with pytest.raises(openai.APIStatusError) as failed:
         await gpt.responses.create(model="tiny", input="Hi", stream=True)
     assert failed.value.status_code == 502
     # after the stream began: response.failed, with the error and what was made
-    backend.scripts.append([*say(frontend, "Hello")[:-1], GenerationError(peer_error("lost mid-way"))])
+    backend.scripts.append([*say(frontend, "Hello")[:-1], rejected(peer_error("lost mid-way"))])
     stream = await gpt.responses.create(model="tiny", input="Hi", stream=True)
     last = [event async for event in stream][-1]
     assert last.type == "response.failed"
@@ -663,8 +670,8 @@ LOGPROBS: Any = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
 def with_logprobs(frontend: Frontend, text: str) -> list[ScriptItem]:
     """`say`, each token carrying a made-up logprob (-0.25 x its place) and two alternatives."""
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    return [*(TokenOut(int(t), TokenLogprobs(-0.25 * i, ((int(t), -0.25 * i), (7, -9.5))))
-              for i, t in enumerate(ids)), GenerationEnd("stop")]
+    return [*(replied(int(t), TokenLogprobs(-0.25 * i, ((int(t), -0.25 * i), (7, -9.5))))
+              for i, t in enumerate(ids)), completed("stop")]
 
 
 def in_events(entries: list[Any]) -> list[Any]:
@@ -715,7 +722,7 @@ async def test_response_logprobs_are_the_chats_in_the_output_text_and_each_text_
     assert backend.last.request.sampling == sampling and sampling.logprobs == 0
     assert alone["top_logprobs"] == 0 and alone["output"][0]["content"][0]["logprobs"] == expected
     # a stream that fails on the way: response.failed has the text made so far, with its logprobs
-    backend.scripts.append([*with_logprobs(frontend, "Hello")[:-1], GenerationError(peer_error("lost"))])
+    backend.scripts.append([*with_logprobs(frontend, "Hello")[:-1], rejected(peer_error("lost"))])
     events = named_events((await client.post("/v1/responses", json={"input": "Hi", "stream": True,
                                                                     **LOGPROBS})).text)
     assert events[-1][0] == "response.failed"

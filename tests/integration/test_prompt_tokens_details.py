@@ -31,12 +31,14 @@ from adapters.mlx import MlxEngine
 from effects.backend import local_backend, router_backend
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer, RouterPerformer
-from effects.ports import GenerationEnd, GenerationRequest, PrefillReply, SamplingParams, TokenOut
+from effects.ports import GenerationRequest, PrefillReply, SamplingParams
 from effects.runner import NodeRunner, Timeouts
+from statecore.events import TokenGenerated
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 from support.tiny_models import cached_checkpoint
 from tests.integration.engines import close_engine, load_engine
+from tests.integration.fake_backend import as_scripted, completed
 
 CHUNK = 16  # the prefix cache keeps whole prefill chunks: small ones, so short prompts share some
 OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for i in range(6))
@@ -258,17 +260,18 @@ async def test_the_node_that_prefilled_tells_the_router_only_when_it_asks(fake_c
     fake_cluster.prefill.cached_tokens, fake_cluster.decode.cached_tokens = 32, 16
     prompt = list(range(1, 41))
     handed_off, cached = await fake_cluster.generate(prompt, details=True, rid="handed-off")
-    assert cached == 32 and handed_off[-1] == GenerationEnd("length")
+    assert cached == 32 and as_scripted(handed_off[-1]) == completed("length")
     local, cached = await fake_cluster.generate(prompt, details=True, local_prefill_below=100, rid="local")
-    assert cached == 16 and local[-1] == GenerationEnd("length")
+    assert cached == 16 and as_scripted(local[-1]) == completed("length")
     assert fake_cluster.hosts.queries == [("/internal/prefill", "cached_tokens=1"),
                                           ("/internal/decode", "cached_tokens=1"),
                                           ("/internal/decode", "cached_tokens=1")]
     # without the flag: the same outputs, nothing asked, nothing reported
     fake_cluster.hosts.queries.clear()
-    assert await fake_cluster.generate(prompt, details=False, rid="handed-off-2") == (handed_off, 0)
-    assert await fake_cluster.generate(prompt, details=False, local_prefill_below=100, rid="local-2") == (
-        local, 0)
+    again, cached = await fake_cluster.generate(prompt, details=False, rid="handed-off-2")
+    assert ([as_scripted(o) for o in again], cached) == ([as_scripted(o) for o in handed_off], 0)
+    again, cached = await fake_cluster.generate(prompt, details=False, local_prefill_below=100, rid="local-2")
+    assert ([as_scripted(o) for o in again], cached) == ([as_scripted(o) for o in local], 0)
     assert {query for _, query in fake_cluster.hosts.queries} == {""}
 
 
@@ -281,7 +284,7 @@ async def test_a_local_prefill_whose_first_token_ends_it_still_reports_its_cache
     for details, cached in ((True, 16), (False, 0)):
         outputs, reported = await fake_cluster.generate(prompt, details=details, local_prefill_below=100,
                                                         rid=f"eos-{details}")
-        assert (outputs, reported) == ([GenerationEnd("stop")], cached)
+        assert ([as_scripted(o) for o in outputs], reported) == ([completed("stop")], cached)
 
 
 def test_the_wire_carries_the_count_only_when_it_is_reported() -> None:
@@ -293,7 +296,7 @@ def test_the_wire_carries_the_count_only_when_it_is_reported() -> None:
     assert line == b'{"first_token":5,"is_eos":false,"cached_tokens":48}\n'
     assert parse_output_line(line) == PrefillReply(5, False, 0, None, 48)
     assert parse_output_line(b'{"first_token":5,"is_eos":false}') == PrefillReply(5, False, 0)
-    assert parse_output_line(b'{"token":5}') == TokenOut(5)
+    assert parse_output_line(b'{"token":5}') == TokenGenerated(5)
     assert not isinstance(parse_output_line(b'{"first_token":5,"is_eos":false,"cached_tokens":-1}'),
                           PrefillReply)
 

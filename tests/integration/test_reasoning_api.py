@@ -17,9 +17,8 @@ from openai import AsyncOpenAI
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from effects.ports import GenerationEnd, TokenOut
 from support.tiny_models import THINK_END
-from tests.integration.fake_backend import FakeBackend, ScriptItem
+from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
 from tests.integration.test_tool_calls_api import CALL, TOOLS
 
 ASK = [{"role": "user", "content": "What is two and two?"}]
@@ -45,7 +44,7 @@ def tokens(frontend: Frontend, text: str) -> list[int]:
 
 
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(TokenOut(t) for t in tokens(frontend, text)), GenerationEnd(end)]
+    return [*(replied(t) for t in tokens(frontend, text)), completed(end)]
 
 
 def prompt_text(frontend: Frontend, backend: FakeBackend) -> str:

@@ -18,9 +18,8 @@ from starlette.applications import Starlette
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from effects.ports import GenerationEnd, TokenOut
 from support.tiny_models import THINK_END
-from tests.integration.fake_backend import FakeBackend, ScriptItem
+from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
 
 ASK: Any = [{"role": "user", "content": "What is two and two?"}]
 THOUGHT = "Two and two: count them. That is four."
@@ -59,7 +58,7 @@ def tokens(frontend: Frontend, text: str) -> list[int]:
 
 
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(TokenOut(t) for t in tokens(frontend, text)), GenerationEnd(end)]
+    return [*(replied(t) for t in tokens(frontend, text)), completed(end)]
 
 
 def prompt_text(frontend: Frontend, backend: FakeBackend) -> str:
@@ -109,7 +108,7 @@ async def test_budget_tokens_caps_the_thinking(
     long_thought = tokens(thinking, THOUGHT)
     budget = 5
     assert len(long_thought) > budget
-    backend.scripts.extend([[*(TokenOut(t) for t in long_thought), GenerationEnd("length")],
+    backend.scripts.extend([[*(replied(t) for t in long_thought), completed("length")],
                             say(thinking, "Four.")])
     message = await claude.messages.with_raw_response.create(
         model="tiny", max_tokens=40, messages=ASK, thinking={"type": "enabled", "budget_tokens": budget},

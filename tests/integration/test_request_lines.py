@@ -45,12 +45,13 @@ def build(every_transition: bool = False) -> tuple[Starlette, Metrics, NodeRunne
     metrics = Metrics("single", model_name=MODEL)
     engine = FakeEngine()
     performer = EnginePerformer(engine)
-    runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, metrics.performer(performer),
+    runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer,
                                             timeouts=Timeouts(deadline_s=10.0), name="single")
     log_transitions(runner, "single", every=every_transition)
-    metrics.watch(runner, engine=engine)
+    metrics.watch(runner, engine=engine, handoffs=performer.handoffs)
     lines = RequestLines()
-    frontend = Frontend.load(demo_model_dir(), metrics.backend(local_backend(runner, performer), lines))
+    lines.watch(runner)
+    frontend = Frontend.load(demo_model_dir(), local_backend(runner, performer))
     app = build_app(frontend, extra_routes=[metrics.route()])
     lines.instrument(app)
     return app, metrics, runner

@@ -15,12 +15,14 @@ from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults, next_token
 from effects.faults import NO_FAULTS, Phase
 from effects.interpret import EnginePerformer
-from effects.ports import GenerationEnd, GenerationError, GenerationRequest, Output, TokenOut
+from effects.ports import GenerationRequest, Output
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import Code, StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.ids import RequestId
+from statecore.intents import Reject, RespondToken
 from statecore.table import DECODE_REQUEST
+from tests.integration.fake_backend import as_scripted, completed, replied
 
 MARKER = 999
 
@@ -73,8 +75,8 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 async def test_a_request_generates_the_predicted_tokens(node: Node) -> None:
     outputs = await node.generate([5, 6, 7], max_tokens=6)
-    assert outputs[:-1] == [TokenOut(t) for t in expected_tokens([5, 6, 7], 6)]
-    assert outputs[-1] == GenerationEnd("length")
+    assert [as_scripted(o) for o in outputs[:-1]] == [replied(t) for t in expected_tokens([5, 6, 7], 6)]
+    assert as_scripted(outputs[-1]) == completed("length")
     await node.wait_nothing_held()
 
 
@@ -88,12 +90,12 @@ async def test_one_failing_request_changes_no_other(node: Node) -> None:
         for i in range(6):
             n.start_soon(one, i, [i + 1, 2, 3] if i != 3 else [MARKER, 1])
     failed = results.pop(3)
-    assert isinstance(failed[-1], GenerationError)
+    assert isinstance(failed[-1], Reject)
     assert failed[-1].error.code is Code.INJECTED_FAULT
     for i, outputs in results.items():
-        assert outputs[-1] == GenerationEnd("length"), i
+        assert as_scripted(outputs[-1]) == completed("length"), i
     assert node.runner.ready()
-    assert (await node.generate([1, 2]))[-1] == GenerationEnd("length")  # the next one succeeds
+    assert as_scripted((await node.generate([1, 2]))[-1]) == completed("length")  # the next one succeeds
     await node.wait_nothing_held()
     assert node.runner.statistics().outcomes == {"done": 6, "failed": 1}
 
@@ -102,8 +104,8 @@ async def test_a_stalled_request_times_out_alone(nursery: trio.Nursery, autojump
     node = Node(nursery, Faults(marker=MARKER, stall={"prefill"}), Timeouts(deadline_s=3.0))
     await nursery.start(node.runner.run)
     outputs = await node.generate([MARKER])
-    assert isinstance(outputs[-1], GenerationError) and outputs[-1].error.code is Code.TIMEOUT
-    assert (await node.generate([4]))[-1] == GenerationEnd("length")
+    assert isinstance(outputs[-1], Reject) and outputs[-1].error.code is Code.TIMEOUT
+    assert as_scripted((await node.generate([4]))[-1]) == completed("length")
     await node.wait_nothing_held()
     assert node.runner.statistics().live_tasks == 0
 
@@ -113,7 +115,7 @@ async def test_client_cancel_frees_the_decoder_slot(node: Node) -> None:
     generation = await node.backend.start(request)
     seen = 0
     async for output in generation:
-        assert isinstance(output, TokenOut)
+        assert isinstance(output, RespondToken)
         seen += 1
         if seen == 3:
             await generation.cancel()
@@ -127,7 +129,7 @@ async def test_stop_ends_the_request_as_done(node: Node) -> None:
         GenerationRequest(RequestId("s1"), (1, 2), SamplingParams(10_000))
     )
     async for output in generation:
-        assert isinstance(output, TokenOut)
+        assert isinstance(output, RespondToken)
         await generation.stop()
         break
     await node.wait_nothing_held()
@@ -142,7 +144,7 @@ async def test_transport_lost_fails_live_requests_and_stops_the_loop(nursery: tr
     )
     await node.runner.post_loop(TransportLost("device thread died"))
     outputs = [out async for out in generation]
-    assert isinstance(outputs[-1], GenerationError)
+    assert isinstance(outputs[-1], Reject)
     assert outputs[-1].error.code is Code.TRANSPORT_LOST
     with trio.fail_after(5):
         await node.runner.wait_stopped()
@@ -157,7 +159,7 @@ async def test_drain_finishes_in_flight_requests_then_stops(nursery: trio.Nurser
     )
     await node.runner.post_loop(DrainRequested())
     outputs = [out async for out in generation]
-    assert outputs[-1] == GenerationEnd("length") and len(outputs) == 21
+    assert as_scripted(outputs[-1]) == completed("length") and len(outputs) == 21
     with trio.fail_after(5):
         await node.runner.wait_stopped()
     with pytest.raises(Exception, match="not accepting"):
@@ -171,7 +173,7 @@ async def test_one_entry_per_request_from_open_to_forget(node: Node) -> None:
         GenerationRequest(RequestId("e1"), (1, 2), SamplingParams(10_000))
     )
     first = await generation.__aiter__().__anext__()
-    assert isinstance(first, TokenOut)
+    assert isinstance(first, RespondToken)
     assert node.runner.statistics().entries == 1
     assert node.runner.context(RequestId("e1")) is generation.context
     with pytest.raises(StatecoreError, match="duplicate request id"):
@@ -180,7 +182,7 @@ async def test_one_entry_per_request_from_open_to_forget(node: Node) -> None:
     await generation.cancel()
     await node.wait_nothing_held()
     assert node.runner.context(RequestId("e1")) is None
-    assert (await node.generate([4, 5]))[-1] == GenerationEnd("length")  # the id space is free
+    assert as_scripted((await node.generate([4, 5]))[-1]) == completed("length")  # the id space is free
 
 
 def test_production_faults_are_a_no_op_port() -> None:

@@ -21,10 +21,9 @@ from starlette.applications import Starlette
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.sse import EVENTS_PER_WRITE
-from effects.ports import GenerationEnd, GenerationError, TokenOut
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
-from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem
+from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, completed, rejected, replied
 
 _USER = [{"role": "user", "content": "Hi"}]
 _TOOLS: list[Any] = [{"type": "function", "function": {
@@ -38,18 +37,18 @@ def _ids(frontend: Frontend, text: str) -> list[int]:
 
 
 def _say(text: str, end: str = "length") -> Callable[[Frontend], list[ScriptItem]]:
-    return lambda frontend: [*(TokenOut(t) for t in _ids(frontend, text)), GenerationEnd(end)]
+    return lambda frontend: [*(replied(t) for t in _ids(frontend, text)), completed(end)]
 
 
 def _with_logprobs(text: str) -> Callable[[Frontend], list[ScriptItem]]:
     return lambda frontend: [
-        *(TokenOut(t, TokenLogprobs(-0.5 * i, ((t, -0.5 * i), (7, -9.0))))
-          for i, t in enumerate(_ids(frontend, text))), GenerationEnd("length")]
+        *(replied(t, TokenLogprobs(-0.5 * i, ((t, -0.5 * i), (7, -9.0))))
+          for i, t in enumerate(_ids(frontend, text))), completed("length")]
 
 
 def _failing(text: str) -> Callable[[Frontend], list[ScriptItem]]:
-    return lambda frontend: [*(TokenOut(t) for t in _ids(frontend, text)),
-                             GenerationError(peer_error("the decode node went away"))]
+    return lambda frontend: [*(replied(t) for t in _ids(frontend, text)),
+                             rejected(peer_error("the decode node went away"))]
 
 
 # (name, path, body, scripts: one per choice)

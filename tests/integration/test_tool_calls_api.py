@@ -16,9 +16,8 @@ from openai import AsyncOpenAI
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from effects.ports import GenerationEnd, TokenOut
 from support.tiny_models import build_tokenizer
-from tests.integration.fake_backend import FakeBackend, ScriptItem
+from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
 
 TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -35,8 +34,8 @@ async def client(frontend: Frontend) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(TokenOut(int(t)) for t in frontend.tokenizer.encode(text, add_special_tokens=False)),
-            GenerationEnd(end)]
+    return [*(replied(int(t)) for t in frontend.tokenizer.encode(text, add_special_tokens=False)),
+            completed(end)]
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -186,5 +185,5 @@ async def test_a_model_without_tool_calling_refuses_tools(tmp_path: Path, backen
         response = await plain.post("/v1/chat/completions", json=chat())
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text
         assert "no tool calling" in response.json()["error"]["message"]
-        backend.default_script = [GenerationEnd("stop")]
+        backend.default_script = [completed("stop")]
         assert (await plain.post("/v1/chat/completions", json=chat(tool_choice="none"))).status_code == 200

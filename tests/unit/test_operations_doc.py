@@ -32,7 +32,7 @@ def test_every_metric_family_is_documented() -> None:
     async def probe(url: str) -> bool:
         return True
 
-    runner = NodeRunner(DECODE_REQUEST, metrics.performer(EnginePerformer(engine)))
+    runner = NodeRunner(DECODE_REQUEST, EnginePerformer(engine))
     metrics.watch(runner, engine=engine, peers=PeerSet({"decode": ["http://d"]}, probe),
                   kv_buffer_bytes=lambda: 0)
     names = {metric.name for metric in metrics.registry.collect()}

@@ -183,6 +183,22 @@ def test_a_retried_request_avoids_the_nodes_its_failed_attempts_used() -> None:
     assert not verdict.retry and after.tried == state.tried
 
 
+@pytest.mark.parametrize(("prompt", "can_travel", "refused"), [
+    (99, False, False),  # the decode node prefills it itself: nothing travels
+    (100, False, True),  # it may travel, and cannot
+    (100, True, False),
+])
+def test_a_routed_request_whose_cache_cannot_travel_is_refused_only_if_it_may_travel(
+    prompt: int, can_travel: bool, refused: bool
+) -> None:
+    error = policy.travel_refusal(prompt, 100, can_travel=can_travel, untravelable_classes=("OpaqueCache",))
+    assert (error is not None) == refused
+    if error is not None:
+        assert error.code is Code.UNSUPPORTED_CACHE and "OpaqueCache" in error.message
+    # local_below 0: every prompt goes through a prefill node
+    assert policy.travel_refusal(5, 0, can_travel=False, untravelable_classes=()) is not None
+
+
 def test_avoiding_keeps_every_node_when_nothing_else_is_left() -> None:
     assert avoiding(["a", "b", "c"], {"b"}) == ["a", "c"]
     assert avoiding(["a", "b"], {"a", "b"}) == ["a", "b"]

@@ -14,7 +14,7 @@ By idea, each module's first paragraph says more:
 | `chat_run` | one choice of a chat as the APIs served as a chat read it |
 | `frontend` | `Frontend`: the shared state and the verbs `prepare` and `start` |
 | `sse` | server-sent events' framing, the stream response |
-| `openai_render`, `openai_api` | OpenAI's answers and routes (chat, completions, models, health) |
+| `openai_api` | OpenAI's routes and answers (chat, completions, models, health) |
 | `tokenize_api` | vLLM's `/tokenize` and `/detokenize` |
 | `as_chat`, `messages_api`, `responses_api` | Messages' and Responses' answers and routes |
 | `app` | `build_app`: every route, API keys and CORS in one ASGI app |
@@ -38,7 +38,6 @@ __all__ = [
     "messages_bodies",
     "openai_api",
     "openai_bodies",
-    "openai_render",
     "prompts",
     "responses_api",
     "responses_bodies",

@@ -23,9 +23,10 @@ import trio
 
 from adapters.reasoning import ReasoningSplitter
 from adapters.tool_calls import ToolCall, ToolCallSplitter
-from effects.ports import Generation, GenerationEnd, GenerationError, Output, TokenOut
+from effects.ports import Generation, Output
 from statecore.errors import ErrorInfo, StatecoreError, bug
 from statecore.events import TokenLogprobs
+from statecore.intents import Complete, Reject, RespondToken
 from statecore.policy import LENGTH, counts_ending_token, reply_finish, text_finish
 
 __all__ = ["CANCEL_GRACE_S", "Finish", "LogprobsFormat", "Reply", "Run", "Step", "StopText", "ThinkBudget"]
@@ -193,7 +194,7 @@ class Run:
     async def _take(self, output: Output) -> Step | None:
         """One output in; the step it completes, if it does."""
         match output:
-            case TokenOut(token=token, logprobs=carried):
+            case RespondToken(token=token, logprobs=carried):
                 self._tokens += 1
                 if carried is not None:
                     self._logprobs.append((token, carried))
@@ -207,14 +208,14 @@ class Run:
                     if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
                         return await self._end_thinking(self._budget, text)
                 return self._step(text) if text.reasoning or text.content else None
-            case GenerationEnd(finish_reason=reason):
+            case Complete(finish_reason=reason):
                 self.finished = True
                 if counts_ending_token(reason):
                     self._tokens += 1
                 text = self._text.close()
                 return self._step(text, Finish(text_finish(reason, stop_string_matched=text.stopped),
                                                self._tokens))
-            case GenerationError(error=error):
+            case Reject(error=error):
                 self.finished = True
                 return Step("", error)
             case _:

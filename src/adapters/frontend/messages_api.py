@@ -19,6 +19,7 @@ from adapters.frontend.frontend import Frontend
 from adapters.frontend.messages_bodies import MessagesBody, anthropic_error, parse_messages
 from adapters.frontend.sse import named_event
 from statecore.errors import ErrorInfo
+from statecore.policy import LENGTH, TOOL_CALLS
 
 __all__ = ["MessagesApi"]
 
@@ -26,7 +27,7 @@ __all__ = ["MessagesApi"]
 def _stop_reason(end: ChatEnd) -> str:
     if end.stop_string is not None:
         return "stop_sequence"
-    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(end.reason, "end_turn")
+    return {LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}.get(end.reason, "end_turn")
 
 
 def _tool_use(call: CalledTool) -> dict[str, object]:

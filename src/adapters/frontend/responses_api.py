@@ -18,6 +18,7 @@ from adapters.frontend.frontend import Frontend
 from adapters.frontend.responses_bodies import ResponsesBody, openai_error, parse_responses
 from adapters.frontend.sse import named_event
 from statecore.errors import ErrorInfo
+from statecore.policy import LENGTH
 
 __all__ = ["ResponsesApi"]
 
@@ -35,7 +36,7 @@ def _reasoning_text(text: str) -> dict[str, object]:
 
 
 def _status(end: ChatEnd) -> str:
-    return "incomplete" if end.reason == "length" else "completed"
+    return "incomplete" if end.reason == LENGTH else "completed"
 
 
 class ResponsesApi:

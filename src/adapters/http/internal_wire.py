@@ -12,8 +12,7 @@ import json
 from pydantic import BaseModel, ConfigDict, Field
 
 from effects.ports import (
-    GenerationEnd,
-    GenerationError,
+    DecodeMessage,
     LayerTravel,
     ModelInfo,
     Output,
@@ -21,10 +20,10 @@ from effects.ports import (
     PrefixSource,
     PrefixSummary,
     SamplingParams,
-    TokenOut,
 )
 from statecore.errors import Code, ErrorInfo, Fault
-from statecore.events import TokenLogprobs
+from statecore.events import Finished, TokenGenerated, TokenLogprobs
+from statecore.intents import Complete, Reject, RespondToken
 
 TOKEN_HEADER = "x-statecore-token"
 REQUEST_ID_HEADER = "x-request-id"
@@ -215,41 +214,41 @@ def _logprobs_json(logprobs: TokenLogprobs | None) -> dict[str, object]:
 
 
 def output_line(item: Output | PrefillReply) -> bytes:
-    """One NDJSON line of a decode node's stream."""
+    """One NDJSON line of a decode node's stream: its request's replies as the core made them."""
     match item:
         case PrefillReply(first_token=first, is_eos=is_eos, logprobs=logprobs, cached_tokens=cached):
             doc: dict[str, object] = {"first_token": first, "is_eos": is_eos, **_logprobs_json(logprobs)}
             if cached is not None:
                 doc["cached_tokens"] = cached
-        case TokenOut(token=token, logprobs=logprobs):
+        case RespondToken(token=token, logprobs=logprobs):
             doc = {"token": token, **_logprobs_json(logprobs)}
-        case GenerationEnd(finish_reason=reason):
+        case Complete(finish_reason=reason):
             doc = {"finish_reason": reason}
-        case GenerationError(error=error):
+        case Reject(error=error):
             doc = error_json(error)
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
-def parse_output_line(line: bytes) -> Output | PrefillReply:
+def parse_output_line(line: bytes) -> DecodeMessage:
+    """A line of a decode node's stream as the router's own event (a token, the end), the first
+    token's reply, or the node's error."""
     try:
         doc = json.loads(line)
         carried = doc.get("logprobs")
         logprobs = None if carried is None else TokenLogprobs(
             float(carried[0]), tuple((int(token), float(lp)) for token, lp in carried[1]))
         if "token" in doc:
-            return TokenOut(int(doc["token"]), logprobs)
+            return TokenGenerated(int(doc["token"]), logprobs)
         if "first_token" in doc:
             cached = None if doc.get("cached_tokens") is None else int(doc["cached_tokens"])
             if cached is not None and cached < 0:
                 raise ValueError("negative cached_tokens")
             return PrefillReply(int(doc["first_token"]), bool(doc["is_eos"]), 0, logprobs, cached)
         if "finish_reason" in doc:
-            return GenerationEnd(str(doc["finish_reason"]))
-        return GenerationError(error_from_json(doc, 200))
+            return Finished(str(doc["finish_reason"]))
+        return error_from_json(doc, 200)
     except (ValueError, TypeError, KeyError):
-        return GenerationError(
-            ErrorInfo(Fault.PEER, Code.PEER_FAILED, "a decode node sent an unreadable line")
-        )
+        return ErrorInfo(Fault.PEER, Code.PEER_FAILED, "a decode node sent an unreadable line")
 
 
 def info_json(info: ModelInfo) -> dict[str, object]:

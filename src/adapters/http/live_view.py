@@ -38,7 +38,7 @@ from starlette.routing import BaseRoute, Route
 from adapters.http.streaming import WatchedStream
 from adapters.metrics import PREFIX
 from effects.health import PeerSet
-from effects.runner import NodeRunner
+from effects.runner import Instrument, NodeRunner
 from statecore.diagram import graph_data
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
@@ -127,11 +127,26 @@ def _static(name: str) -> bytes:
     return (files("adapters") / "ui" / name).read_bytes()
 
 
+class _Transitions(Instrument):
+    """A request's transitions as the page is sent them."""
+
+    def __init__(self, view: LiveView, machine: str) -> None:
+        self.view = view
+        self.machine = machine
+
+    def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                   error: ErrorInfo | None, outcome: str | None) -> None:
+        # `outcome`: the terminal reason in every node's words
+        reason = outcome or (error.code.value if error else None)
+        self.view._record(self.machine, request_id, old, new, event, reason)
+
+
 class LiveView:
     """What one node's page shows, and the routes that serve it.
 
     `run` (started in the node's nursery) samples the metrics and ends every stream once the
-    loop stops; the constructor chains the runner's (and the peers') change hooks."""
+    loop stops; the constructor adds its request transitions' observer to the runner's
+    instruments and chains the peers' change hook."""
 
     def __init__(self, role: str, runner: NodeRunner[Any], registry: CollectorRegistry, *,
                  peers: PeerSet | None = None, sample_interval_s: float = SAMPLE_INTERVAL_S) -> None:
@@ -157,18 +172,7 @@ class LiveView:
     # -- feeding -----------------------------------------------------------------------------
 
     def _chain_hooks(self) -> None:
-        previous = self.runner.on_transition
-        machine = self.runner.machine.name
-
-        # `outcome` (the terminal reason in every node's words) is passed when the runner has one
-        def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
-                          *outcome: str | None) -> None:
-            if previous is not None:
-                previous(rid, old, new, event, error, *outcome)
-            reason = next((o for o in outcome if o), None) or (error.code.value if error else None)
-            self._record(machine, rid, old, new, event, reason)
-
-        self.runner.on_transition = on_transition
+        self.runner.instruments.add(_Transitions(self, self.runner.machine.name))
         peers = self.peers
         if peers is None:
             return

@@ -59,13 +59,10 @@ from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest, StreamItemOut
 from effects.ports import (
     Engine,
-    GenerationEnd,
-    GenerationError,
     KvBytes,
     KvPieces,
     KvSegment,
     PrefillReply,
-    TokenOut,
 )
 from effects.runner import NodeRunner
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -636,19 +633,19 @@ class NodeApi:
                 if sent == 3 and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
                     return  # the stream to the router breaks off (tests only)
                 cached = context.cached_tokens if cached_tokens else None
-                if first and isinstance(output, TokenOut):
+                if first and isinstance(output, RespondToken):
                     first = False
                     yield output_line(PrefillReply(output.token, first_token_ends(output.token, eos_ids,
                                                                                   ignore_eos=ignore_eos),
                                                    0, output.logprobs, cached))
                     continue
-                if (first and cached is not None and output == GenerationEnd(STOP)
-                        and context.first_token is not None
+                if (first and cached is not None and isinstance(output, Complete)
+                        and output.finish_reason == STOP and context.first_token is not None
                         and first_token_ends(context.first_token, eos_ids, ignore_eos=ignore_eos)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue
-                finished = isinstance(output, GenerationEnd | GenerationError)
+                finished = isinstance(output, Complete | Reject)
                 yield output_line(output)
         finally:
             if not finished:  # the router went away mid-stream: free the slot now

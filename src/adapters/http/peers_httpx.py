@@ -50,11 +50,11 @@ from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
+    DecodeMessage,
     KvBytes,
     KvPieces,
     KvSegment,
     ModelInfo,
-    Output,
     PrefillReply,
     PrefixSource,
     PrefixSummary,
@@ -189,7 +189,7 @@ class HttpxPeers:
                 ) from exc
         return reply.reply()
 
-    async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[Output | PrefillReply]:
+    async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[DecodeMessage]:
         body = DecodeBody(
             request_id=call.request_id,
             prompt=list(call.prompt),

@@ -24,11 +24,12 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from effects.interpret import RouterPerformer
-from effects.runner import CleanupIntent, NodeRunner, Post, WorkIntent
+from effects.runner import Instrument, NodeRunner, Reply
 from statecore.errors import ErrorInfo
 from statecore.events import Event, RetryRequested
 from statecore.ids import RequestId
+from statecore.intents import Complete, Reject, RespondToken
+from statecore.policy import STOP, counts_ending_token
 
 log = logging.getLogger("statecore")
 
@@ -55,52 +56,46 @@ def setup_logging(args: argparse.Namespace, role: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per peer call is noise
 
 
-def log_transitions(runner: NodeRunner[Any], role: str, *, every: bool = False,
-                    in_local_cluster: bool = False) -> None:
+class TransitionLines(Instrument):
     """Each request transition as a DEBUG line (INFO with `every`). An engine node's request that
     ends is an INFO line too, unless the node belongs to a local cluster: its router's request
     line tells the client's side of it (single nodes and routers write `RequestLines`)."""
-    terminal = {phase.value for phase in runner.machine.terminal}
-    ends_at_info = role in ("prefill", "decode") and not in_local_cluster
 
-    def on_transition(rid: RequestId, old: str, new: str, event: str, error: ErrorInfo | None,
-                      outcome: str | None) -> None:
+    def __init__(self, role: str, terminal: frozenset[str], *, every: bool, in_local_cluster: bool) -> None:
+        self.role = role
+        self.terminal = terminal
+        self.every = every
+        self.ends_at_info = role in ("prefill", "decode") and not in_local_cluster
+
+    def transition(self, request_id: RequestId, old: str, new: str, event: str,
+                   error: ErrorInfo | None, outcome: str | None) -> None:
         # a failure names its code and message; any other end its reason (stop, length, ...)
         failed = error is not None and outcome == error.code.value
         said = (f" reason={outcome}: {error.message}" if failed and error else
                 f" reason={outcome}" if outcome else "")
-        fields = {"request_id": rid, "role": role, "from": old, "to": new, "event": event,
+        fields = {"request_id": request_id, "role": self.role, "from": old, "to": new, "event": event,
                   "reason": outcome}
-        level = logging.INFO if every or (ends_at_info and new in terminal) else logging.DEBUG
-        log.log(level, "request %s %s -> %s on %s%s", rid, old, new, event, said, extra={"fields": fields})
+        level = logging.INFO if self.every or (self.ends_at_info and new in self.terminal) else logging.DEBUG
+        log.log(level, "request %s %s -> %s on %s%s", request_id, old, new, event, said,
+                extra={"fields": fields})
 
-    runner.on_transition = on_transition
+
+def log_transitions(runner: NodeRunner[Any], role: str, *, every: bool = False,
+                    in_local_cluster: bool = False) -> None:
+    """Log the runner's transitions (`TransitionLines`)."""
+    terminal = frozenset(phase.value for phase in runner.machine.terminal)
+    runner.instruments.add(TransitionLines(role, terminal, every=every, in_local_cluster=in_local_cluster))
 
 
-class RetryLogged:
-    """The router's performer, with one INFO line for each retry the client never sees: which
-    request, and the failure that caused it."""
+class RetryLines(Instrument):
+    """The router's retries, one INFO line each, which the client never sees: which request,
+    and the failure that caused it."""
 
-    def __init__(self, inner: RouterPerformer) -> None:
-        self.inner = inner
-
-    async def work(self, intent: WorkIntent, context: object, post: Post) -> None:
-        rid = intent.request_id
-
-        async def logged_post(event: Event) -> None:
-            if isinstance(event, RetryRequested):
-                log.info("request %s: retrying on another node after %s: %s", rid,
-                         event.error.code.value, event.error.message,
-                         extra={"fields": {"request_id": rid, "retry_cause": event.error.code.value}})
-            await post(event)
-
-        await self.inner.work(intent, context, logged_post)
-
-    async def cleanup(self, intent: CleanupIntent, context: object) -> None:
-        await self.inner.cleanup(intent, context)
-
-    def forget(self, request_id: RequestId, context: object) -> None:
-        self.inner.forget(request_id, context)
+    def applied(self, request_id: RequestId, event: Event, context: object) -> None:
+        if isinstance(event, RetryRequested):
+            log.info("request %s: retrying on another node after %s: %s", request_id,
+                     event.error.code.value, event.error.message,
+                     extra={"fields": {"request_id": request_id, "retry_cause": event.error.code.value}})
 
 
 def quiet_peer_changes() -> None:
@@ -137,25 +132,54 @@ _LOGGED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 _ROUTES_KEPT = 4096
 
 
-class RequestLines:
+class RequestLines(Instrument):
     """Writes one INFO line per public API request when its response ends (`instrument`), from
-    what the front end's backend notes about each generation (`note`, called by
-    `Metrics.backend`) and, on a router, the route each request took (`routed`)."""
+    what it notes of each generation the front end reads (an instrument of the runner: `watch`)
+    and, on a router, the route each request took (`routed`)."""
 
     def __init__(self) -> None:
         self._routes: OrderedDict[str, str] = OrderedDict()
+        self._notes: dict[RequestId, GenerationNote] = {}  # generations being read now
 
     def instrument(self, app: Starlette) -> None:
         app.add_middleware(_RequestLineMiddleware, lines=self)
 
-    def note(self, request_id: str, prompt_tokens: int) -> GenerationNote | None:
-        """A generation admitted for the request being served now (None outside one)."""
+    def watch(self, runner: NodeRunner[Any]) -> None:
+        runner.instruments.add(self)
+
+    def generation_started(self, request_id: RequestId, prompt_tokens: int) -> None:
+        """A generation admitted for the request being served now (not noted outside one)."""
         notes = _NOTES.get()
         if notes is None:
-            return None
+            return
         note = GenerationNote(request_id, prompt_tokens, time.monotonic())
         notes.append(note)
-        return note
+        self._notes[request_id] = note
+
+    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+        note = self._notes.get(request_id)
+        if note is None:
+            return
+        match reply:
+            case RespondToken():
+                note.token()
+            case Complete(finish_reason=reason):
+                note.finish = reason
+                note.completion_tokens += counts_ending_token(reason)  # the EOS token, as usage counts it
+                del self._notes[request_id]
+            case Reject(error=error):
+                note.error = error.code.value
+                del self._notes[request_id]
+
+    def generation_stopped(self, request_id: RequestId) -> None:
+        note = self._notes.pop(request_id, None)
+        if note is not None and note.finish is None:
+            note.finish = STOP
+
+    def generation_cancelled(self, request_id: RequestId) -> None:
+        note = self._notes.pop(request_id, None)
+        if note is not None and note.finish is None:
+            note.finish = "cancelled"
 
     def routed(self, request_id: str, route: str) -> None:
         self._routes[request_id] = route
@@ -265,5 +289,5 @@ class _RequestLineMiddleware:
                 write()
 
 
-__all__ = ["GenerationNote", "RequestLines", "RetryLogged", "log_transitions", "quiet_peer_changes",
-           "setup_logging"]
+__all__ = ["GenerationNote", "RequestLines", "RetryLines", "TransitionLines", "log_transitions",
+           "quiet_peer_changes", "setup_logging"]

@@ -42,7 +42,7 @@ from adapters.metrics import Metrics
 from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
 from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
-from adapters.serve.logs import RequestLines, RetryLogged, log_transitions, quiet_peer_changes
+from adapters.serve.logs import RequestLines, RetryLines, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
 from effects.backend import local_backend, router_backend
 from effects.engine_port import EngineStatistics
@@ -307,11 +307,11 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                                 prefix_pull=prefix_pull)
     machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
     metrics = Metrics(role)
-    runner: NodeRunner[Any] = NodeRunner(machine, metrics.performer(performer), timeouts=_timeouts(args),
+    runner: NodeRunner[Any] = NodeRunner(machine, performer, timeouts=_timeouts(args),
                                          name=role)
     log_transitions(runner, role, every=args.log_transitions, in_local_cluster=_cluster_parent() is not None)
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
-    metrics.watch(runner, engine=engine, kv_buffer_bytes=kv_buffer_bytes,
+    metrics.watch(runner, engine=engine, handoffs=handoffs, kv_buffer_bytes=kv_buffer_bytes,
                   prefix_pulls=None if prefix_pull is None else prefix_pull.statistics)
     live = LiveView(role, runner, metrics.registry)
     warnings = _warn_if_exposed(listener, args.internal_token, role)
@@ -320,8 +320,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                   kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
     lines = RequestLines()
     if role == "single":
-        frontend = Frontend.load(model, metrics.backend(local_backend(runner, performer,
-                                                                      max_live=args.max_in_flight), lines),
+        lines.watch(runner)
+        frontend = Frontend.load(model, local_backend(runner, performer, max_live=args.max_in_flight),
                                  model_name=getattr(args, "served_model_name", None),
                                  prompt_tokens_details=args.enable_prompt_tokens_details)
         frontend.faults = faults
@@ -467,15 +467,16 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
                                 prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
                                 route=route, streams=modes.streams)
-    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, RetryLogged(performer), timeouts=_timeouts(args),
-                                         name="router")
+    runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router", every=args.log_transitions)
+    runner.instruments.add(RetryLines())
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
-    frontend = Frontend.load(model, metrics.backend(backend, lines),
+    lines.watch(runner)
+    frontend = Frontend.load(model, backend,
                              model_name=getattr(args, "served_model_name", None),
                              prompt_tokens_details=args.enable_prompt_tokens_details)
     frontend.faults = faults
