@@ -247,12 +247,18 @@ class NodeApi:
         """The engine (this node's transport) is lost: health says why from now on."""
         self.lost_reason = reason
 
+    def engine_lost(self) -> str | None:
+        """Why this node's engine is lost (its loop ends and the node exits soon), or None."""
+        if self.lost_reason is not None:
+            return self.lost_reason
+        if not self.engine.statistics().device_thread_alive:
+            return "the MLX device thread is not running"
+        return None
+
     async def health(self, request: Request) -> Response:
         details: dict[str, object] = {"warnings": self.warnings} if self.warnings else {}
-        if self.lost_reason is not None:
-            details["reason"] = self.lost_reason
-        elif not self.engine.statistics().device_thread_alive:
-            details["reason"] = "the MLX device thread is not running"
+        if (lost := self.engine_lost()) is not None:
+            details["reason"] = lost
         elif not self.runner.ready():
             phase = self.runner.statistics().phase.value
             details["reason"] = f"the serving loop is not accepting requests ({phase})"
@@ -331,12 +337,11 @@ class NodeApi:
         refused = self.runner.admission_error(self.max_live)
         if refused is not None:
             raise StatecoreError(refused)
-        if self.lost_reason is not None or not self.engine.statistics().device_thread_alive:
+        if (lost := self.engine_lost()) is not None:
             # Between its device's death and its loop's end (it then exits) the node is a failed
             # peer to whoever asks, not a bug of the request: the router tries another node.
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.ENGINE_FAILED, "this node's engine is lost ("
-                                           f"{self.lost_reason or 'its device thread is not running'}): "
-                                           "it is going down"))
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.ENGINE_FAILED,
+                                           f"this node's engine is lost ({lost}): it is going down"))
         await self.faults.at(Phase.INTAKE, rid)
         replies = await self.runner.open(rid, capacity, context)
         return RunnerGeneration(self.runner, rid, replies, context)
@@ -482,17 +487,17 @@ class NodeApi:
                 self._release_later(rid)  # it ended before its last piece was put
 
     @staticmethod
-    def _piece_head(segment: KvSegment) -> bytes:
-        where = kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer, segment.end_layer)
-        return kv_stream.segment_head(where, segment.payload.nbytes)
+    def _piece_range(segment: KvSegment) -> kv_stream.SegmentRange:
+        return kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer, segment.end_layer)
+
+    def _piece_head(self, segment: KvSegment) -> bytes:
+        return kv_stream.segment_head(self._piece_range(segment), segment.payload.nbytes)
 
     async def _piece_record(self, rid: RequestId, segment: KvSegment,
                             ref: kv_shm.ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A piece's record: by reference to its copy in shared memory, or inline."""
         if ref is not None:
-            where = kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer,
-                                           segment.end_layer)
-            yield [kv_stream.shared_segment_record(where, ref.model_dump())]
+            yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump())]
         else:
             if self.shm is not None and rid in self._shared:
                 log.warning("request %s: no room in shared memory; a piece goes over HTTP", rid)
