@@ -31,7 +31,7 @@ import trio
 
 from adapters.kv import codec, frames
 from adapters.mlx import commands
-from adapters.mlx.device import DeviceLoop, Settings, SlowStep
+from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
@@ -50,6 +50,8 @@ from adapters.mlx.prefill import (
     on_cuda,
     tune_cuda_backend,
 )
+from adapters.mlx.profile import SlowStep
+from adapters.mlx.settings import Settings
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -431,7 +433,7 @@ class MlxEngine:
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)
-                                         for kind, (calls, seconds) in device.profile.items()))
+                                         for kind, (calls, seconds) in device.profile.spent.items()))
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         prefix = self._device.prefix
@@ -462,11 +464,11 @@ class MlxEngine:
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
-        return dict(self._device.profile)
+        return dict(self._device.profile.spent)
 
     def slow_steps(self) -> list[SlowStep]:
         """The latest steps that took `SLOW_STEP_S` or more, oldest first (for benchmarks)."""
-        return list(self._device.slow_steps)
+        return list(self._device.profile.slow_steps)
 
     async def aclose(self, join_timeout_s: float | None = None) -> None:
         """Stop the device thread; every held cache and live request is dropped.

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
-from adapters.mlx.device import Settings
 from adapters.mlx.distributed import TensorGroup
 from adapters.mlx.fusion import FUSION_MODES
 from adapters.mlx.memory import default_kv_memory_bytes
 from adapters.mlx.prefill import default_shape_bucket, on_cuda
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
+from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import Code, StatecoreError, client_error
 from statecore.policy import context_overflow, grammar_end_conflict

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
 from adapters.mlx import commands
-from adapters.mlx.device import DeviceLoop, Settings
+from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop, TensorGroup, agree_max, every_rank
 from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
 from adapters.mlx.fusion import fuse_projections
@@ -43,6 +43,7 @@ from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
 from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
+from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -100,13 +101,13 @@ class Performer:
             case commands.Export(request_id):
                 return self.export(request_id)
             case commands.ForgetPrefixes():
-                self.device.forget_prefixes()
-                self.device.forget_activation_counts()
+                self.device.keeping.forget_prefixes()
+                self.device.executor.forget_activation_counts()
                 self.publish()
                 return None
             case commands.Keep(tokens):
                 assert local is not None and local.caches is not None
-                kept = self.device.keep_imported(tokens, local.caches)
+                kept = self.device.keeping.keep_imported(tokens, local.caches)
                 self.publish()
                 return kept
             case commands.ExportPrefix(tokens):
@@ -136,8 +137,9 @@ class Performer:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
         chunks = prefill_chunks(len(tokens), self.settings.prefill_chunk_size)
         units = prefill_units(chunks, device.layers, device.unit_tokens)
-        keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
-        reserved = device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
+        keys = device.keeping.touch_prefix(tokens)  # so that its own admission evicts them last
+        reservation = device.admission.prefill_reservation(len(tokens), sampling.max_tokens)
+        reserved = device.admission.admit(request_id, *reservation)
         device.arrivals += 1
         matcher = self.matcher(sampling, local)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens), tokens,
@@ -148,7 +150,7 @@ class Performer:
         # tier fit what the budget leaves beside every reservation, its own included.
         device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
         try:
-            device.start_from_prefix(task, keys)
+            device.keeping.start_from_prefix(task, keys)
         except BaseException:
             device.forget(request_id)
             raise
@@ -165,7 +167,7 @@ class Performer:
         token = cast(trio.lowlevel.TrioToken, job.token)  # None (replayed): post() delivers nothing
         if request_id in device.live:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
-        overloaded = device.overloaded()
+        overloaded = device.admission.overloaded()
         if overloaded is not None:
             raise overloaded
         cache = self.take_cache(command, local)
@@ -185,7 +187,7 @@ class Performer:
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
             total = len(tokens) + sampling.max_tokens
-            reserved = device.admit(request_id, device.cost.of(total), total)
+            reserved = device.admission.admit(request_id, device.cost.of(total), total)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens) + 1,
                                   [*tokens, first_token], constraint)
         live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
@@ -223,7 +225,7 @@ class Performer:
                 caches = self.hand_out_heads(caches, local.ranges, tokens)
         # Its whole chunks kept for the conversation's next turn (on every rank alike); the next
         # step decodes only: the request's second token waits for no prefill.
-        device.keep_installed(tokens, caches)
+        device.keeping.keep_installed(tokens, caches)
         device.handoff_joined = True
         return caches
 
@@ -329,7 +331,7 @@ class Performer:
             device_thread_alive=True,
             step_retries=device.step_retries,
             rows_isolated=device.rows_isolated,
-            kv_reserved_bytes=device.reserved_bytes,
+            kv_reserved_bytes=device.requests.reserved_bytes,
             prefix_cache_bytes=0 if prefix is None else prefix.nbytes,
             prefix_cache_hits=0 if prefix is None else prefix.hits,
             prefix_tokens_reused=0 if prefix is None else prefix.tokens_reused,
@@ -340,11 +342,11 @@ class Performer:
             prefix_host_out=0 if prefix is None else prefix.host_out,
             prefix_host_back=0 if prefix is None else prefix.host_back,
             prefix_host_forgotten=0 if prefix is None else prefix.host_forgotten,
-            prefill_capped_steps=device.prefill_capped_steps,
-            activation_overruns=device.activation_overruns,
-            activation_estimate_peak_bytes=device.activation_peak,
-            conversations_kept=device.conversations_kept,
-            conversation_tokens_kept=device.conversation_tokens_kept,
+            prefill_capped_steps=device.executor.prefill_capped_steps,
+            activation_overruns=device.executor.activation_overruns,
+            activation_estimate_peak_bytes=device.executor.activation_peak,
+            conversations_kept=device.keeping.conversations_kept,
+            conversation_tokens_kept=device.keeping.conversation_tokens_kept,
             speculative_steps=0 if speculator is None else speculator.verify_steps,
             speculative_drafted=0 if speculator is None else speculator.drafted,
             speculative_accepted=0 if speculator is None else speculator.accepted,
