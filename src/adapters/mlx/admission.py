@@ -16,6 +16,7 @@ from adapters.mlx.memory import KvCost
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.requests import RequestTable
 from adapters.mlx.settings import Settings
+from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
 from statecore.engine_schedule import EnginePhase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -33,6 +34,7 @@ class AdmissionHost(Protocol):
     prefix: PrefixCache | None
     keeping: PrefixKeeping
     pool: SlotPool | None
+    slots: SlotLane  # its staged slots count against max_batch
     pool_reserved: int
     cost: KvCost
 
@@ -99,11 +101,13 @@ class Admission:
         ))
 
     def overloaded(self) -> StatecoreError | None:
-        """OVERLOADED when the decoder holds `max_batch` requests already."""
-        decoding, max_batch = len(self.loop.live), self.loop.settings.max_batch
-        if decoding >= max_batch:
+        """Whether one more request may decode: every one decoding, or staged for its slot,
+        counts against --max-batch."""
+        decoding, arriving = len(self.loop.live), len(self.loop.slots.staged)
+        max_batch = self.loop.settings.max_batch
+        if decoding + arriving >= max_batch:
             return StatecoreError(ErrorInfo(
                 Fault.OVERLOADED, Code.OVERLOADED,
-                f"{decoding} requests are decoding (max_batch {max_batch})",
+                f"{decoding} requests are decoding and {arriving} arriving (max_batch {max_batch})",
             ))
         return None

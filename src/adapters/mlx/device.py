@@ -408,6 +408,7 @@ class DeviceLoop:
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
+        self.slots.staged.unstage(self.pool, request_id)
         record = self.requests.get(request_id)
         if record is None:
             return
