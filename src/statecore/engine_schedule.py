@@ -44,6 +44,7 @@ __all__ = [
     "Budget",
     "Candidate",
     "EnginePhase",
+    "Finish",
     "Lane",
     "Memory",
     "StepPlan",
@@ -63,6 +64,19 @@ class EnginePhase(enum.Enum):
     GATHERING = "gathering"  # a choice of n > 1 at its batched lane, waiting for its siblings
     RUNNING = "running"  # decoding in its lane
     KEEPING = "keeping"  # a keep task: a finished conversation's chunks computed for the prefix cache
+
+
+class Finish(enum.Enum):
+    """How a request left the engine: its record's last word (`STOP` and `LENGTH` are the
+    OpenAI finish reasons of `statecore.policy.token_finish`)."""
+
+    STOP = "stop"  # an end token (or its first token was one)
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # its caller cancelled, or left before its prefill finished
+    FAILED = "failed"  # its prefill or a decode step failed, or the engine died
+    RELEASED = "released"  # its held cache was released (exported, or not wanted)
+    KEPT = "kept"  # a keep task whose chunks are in the prefix cache
+    GAVE_WAY = "gave_way"  # a keep task dropped: a request needed its memory, or its call raised
 
 
 class Lane(enum.Enum):

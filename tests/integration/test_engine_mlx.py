@@ -44,7 +44,7 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
 )
-from statecore.engine_schedule import EnginePhase, StepPlan
+from statecore.engine_schedule import EnginePhase, Finish, StepPlan
 from statecore.engine_schedule import schedule as scheduled
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
@@ -1049,7 +1049,7 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
             overloaded = False
         still_waiting = task.request_id in device.waiting and task.request_id in device.requests.reserved
         for rid in ("r", "live", task.request_id):
-            device.forget(rid)
+            device.requests.remove(rid, Finish.CANCELLED)
         return overloaded and still_waiting
 
     assert await engine._post(commands.Inspect(refused_beside_a_keep_task))

@@ -68,10 +68,10 @@ from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from effects.engine_port import GeneratedToken
-from statecore.engine_schedule import EnginePhase, choose_lane
+from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
-from statecore.policy import STOP, token_finish
+from statecore.policy import LENGTH, STOP, token_finish
 from statecore.scheduling import ModelShape, StepRates, work_unit_tokens
 
 __all__ = ["DeviceLoop", "InjectedCrash"]
@@ -180,11 +180,6 @@ class DeviceLoop:
         if self.model_call_hook is not None:
             self.model_call_hook(*self.computing)
 
-    def forget(self, request_id: str) -> None:
-        """A request leaves the engine (its prefill failed or was given up, a keep task is done or
-        dropped): its record, and with it its reservation, goes."""
-        self.requests.remove(request_id)
-
     def quantize(self, cache: list[Any]) -> None:
         if self.settings.kv_bits is None:
             return
@@ -284,7 +279,7 @@ class DeviceLoop:
         """Prompts whose caller left before their prefill finished stop taking steps."""
         for rid in [rid for rid, task in self.waiting.items()
                     if not task.keeps_only and task.job.is_abandoned()]:
-            self.forget(rid)
+            self.requests.remove(rid, Finish.CANCELLED)
 
     def twice(self, call: Callable[[], _T], undo: Callable[[], None], what: str) -> _T:
         """`call()`; if it raises, undo what it changed and call once more (a transient error
@@ -354,15 +349,19 @@ class DeviceLoop:
             deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> None:
         """A request leaves the decoder with its last item (its conversation is kept when that
         item ends it normally)."""
-        self.remove(live)
+        finish = Finish.FAILED
+        if isinstance(item, GeneratedToken):
+            finish = Finish.LENGTH if item.finish_reason == LENGTH else Finish.STOP
+        self.remove(live, finish)
         if isinstance(item, GeneratedToken) and self.model is not None:
             self.keeping.keep_conversation(live)
         deliveries.setdefault(live.token, []).append((live.send, item, True))
 
-    def remove(self, live: Live) -> None:
+    def remove(self, live: Live, finish: Finish) -> None:
+        """A request leaves the decoder (its record, its reservation and its lane's row)."""
         record = self.requests.get(live.request_id)
         if record is not None and record.live is live:
-            self.requests.remove(live.request_id)  # its reservation with it
+            self.requests.remove(live.request_id, finish)
             if self.speculator is not None:
                 self.speculator.left(live.request_id)
             self.choices.left(live, record)
@@ -414,10 +413,10 @@ class DeviceLoop:
             return
         if record.phase is EnginePhase.GATHERING or record.phase is EnginePhase.RUNNING:
             assert record.live is not None
-            self.remove(record.live)
+            self.remove(record.live, Finish.CANCELLED)
             post(record.live.token, deliver, [(record.live.send, None, True)])
             return
-        self.requests.remove(request_id)
+        self.requests.remove(request_id, Finish.CANCELLED)
         if record.phase is EnginePhase.HELD:
             self.choices.ended(record.sampling)
         elif record.phase in (EnginePhase.WAITING, EnginePhase.PREFILLING):
@@ -447,7 +446,7 @@ class DeviceLoop:
                 post(task.job.token, task.job.done.set)
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
-        self.requests.clear()
+        self.requests.clear(Finish.FAILED)
         self.choices.groups.clear()
         self.batch.clear()
         self.model = None

@@ -38,7 +38,7 @@ from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import SpeculationHost, Speculator
 from effects.engine_port import PrefillOutcome
-from statecore.engine_schedule import Budget, Candidate, EnginePhase, Memory, StepPlan, schedule
+from statecore.engine_schedule import Budget, Candidate, EnginePhase, Finish, Memory, StepPlan, schedule
 from statecore.errors import StatecoreError
 from statecore.scheduling import ModelShape, StepRates, measured_step
 
@@ -105,8 +105,6 @@ class ExecutorHost(SpeculationHost, Protocol):
     def handoff_imminent(self) -> bool: ...
 
     def drop_abandoned_waiting(self) -> None: ...
-
-    def forget(self, request_id: str) -> None: ...
 
     def hand_out(self, deliveries: Deliveries,
                  finished: list[tuple[PrefillTask, Outcome[Any]]] = ...) -> None: ...
@@ -222,7 +220,7 @@ class StepExecutor:
         """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
         loop = self.loop
         for request_id in plan.dropped_keeps:
-            loop.forget(request_id)
+            loop.requests.remove(request_id, Finish.GAVE_WAY)
         if plan.evict_prefix_bytes and loop.prefix is not None:
             loop.prefix.evict(plan.evict_prefix_bytes)
         if plan.activation_estimate is None:
@@ -275,7 +273,7 @@ class StepExecutor:
                 if task.keeps_only:  # nobody waits for it: the conversation is just not kept
                     logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
                                    type(exc).__name__, exc)
-                    loop.forget(task.request_id)
+                    loop.requests.remove(task.request_id, Finish.GAVE_WAY)
                     continue
                 if not task.retried and not isinstance(exc, StatecoreError):
                     # Once more from its first token, in a later step: prefill is a pure function
@@ -286,13 +284,13 @@ class StepExecutor:
                     self.restart(task)
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
-                loop.forget(task.request_id)
+                loop.requests.remove(task.request_id, Finish.FAILED)
                 loop.choices.ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
             outputs.extend(self.capture_segments(task, current))
             if task.finished and task.keeps_only:
-                loop.forget(task.request_id)  # its kept blocks are among the pieces
+                loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
                 outputs.extend(pieces)
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
@@ -377,7 +375,7 @@ class StepExecutor:
             for task in step.finished_prefills:
                 record = loop.requests.get(task.request_id)
                 if record is not None and record.task is task:
-                    loop.forget(task.request_id)
+                    loop.requests.remove(task.request_id, Finish.FAILED)
             loop.slots.last_tokens = None
         else:
             self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first

@@ -33,7 +33,7 @@ from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler
 from adapters.mlx.settings import Settings
 from effects.engine_port import SamplingParams
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, Finish
 from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import KvAdmission, kv_admission, prefill_units
 
@@ -120,7 +120,7 @@ class PrefixKeeping:
         """Forget every keep task not yet done (admission needs their memory); whether any was."""
         dropped = [rid for rid, task in self.loop.waiting.items() if task.keeps_only]
         for rid in dropped:
-            self.loop.requests.remove(rid)
+            self.loop.requests.remove(rid, Finish.GAVE_WAY)
         return bool(dropped)
 
     def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:

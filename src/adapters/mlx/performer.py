@@ -45,7 +45,7 @@ from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.policy import first_token_ends, first_token_is_last
 from statecore.prefix import conversation_block_keys
@@ -155,7 +155,7 @@ class Performer:
         try:
             device.keeping.start_from_prefix(task, keys)
         except BaseException:
-            device.forget(request_id)
+            device.requests.remove(request_id, Finish.FAILED)
             raise
 
     def join(self, command: commands.DecodeHeld | commands.Install, job: Job[Any],
@@ -190,7 +190,8 @@ class Performer:
                 or first_token_ends(first_token, device.eos, ignore_eos=sampling.ignore_eos)):
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
-                device.requests.remove(request_id)
+                device.requests.remove(request_id, Finish.LENGTH if first_token_is_last(sampling.max_tokens)
+                                       else Finish.STOP)
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])
@@ -285,7 +286,7 @@ class Performer:
         device = self.device
         held = device.held.get(request_id)
         if held is not None:
-            device.requests.remove(request_id)  # its reservation with it
+            device.requests.remove(request_id, Finish.RELEASED)  # its reservation with it
             device.choices.ended(held.sampling)  # it will not decode here
         self.publish()
         return 0 if held is None else held.nbytes
