@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.slots import SlotPool
@@ -111,10 +112,12 @@ class StagedSlots:
         return pool.keys[0] is not None or (first_layer == 0 and len(caches) == pool.num_layers)
 
     def write(self, pool: SlotPool | None, entry: Staged, budget: int | None) -> int:
-        """Write `entry`'s queued pieces into its slot (lazily: they go with the next step), at
-        most `budget` bytes of them but always one (None: all); the bytes written."""
+        """Write `entry`'s queued pieces into its slot (started on the device at once, ahead of
+        the next step), at most `budget` bytes of them but always one (None: all); the bytes
+        written."""
         assert pool is not None
         written = 0
+        touched: set[int] = set()
         while entry.pending and (budget is None or written == 0 or written < budget):
             layer, start, keys, values = entry.pending[0]
             size = int(keys.nbytes) + int(values.nbytes)
@@ -126,6 +129,12 @@ class StagedSlots:
             pool.values[layer][entry.slot : entry.slot + 1, :, start:stop, :] = values
             entry.pending_bytes -= size
             written += size
+            touched.add(layer)
+        if touched:
+            # Started now, behind the step in flight: the copies (a host-to-device one on a GPU)
+            # overlap the wait for the next piece, not the step the request joins.
+            mx.async_eval([buffers[layer] for layer in sorted(touched)  # type: ignore[no-untyped-call]
+                           for buffers in (pool.keys, pool.values)])
         return written
 
     def write_some(self, pool: SlotPool | None, budget: int = STAGED_BYTES_PER_STEP) -> None:
