@@ -40,7 +40,13 @@ from adapters.mlx.speculative import SpeculationHost, Speculator
 from effects.engine_port import PrefillOutcome
 from statecore.engine_schedule import Budget, Candidate, EnginePhase, Finish, Memory, StepPlan, schedule
 from statecore.errors import StatecoreError
-from statecore.scheduling import ModelShape, StepRates, measured_step
+from statecore.scheduling import (
+    STREAMED_PIECE_BYTES,
+    ModelShape,
+    StepRates,
+    measured_step,
+    streamed_pieces,
+)
 
 __all__ = ["ExecutorHost", "InFlight", "StepExecutor"]
 
@@ -304,7 +310,8 @@ class StepExecutor:
     def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
         """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
         units built since the last capture, cut out as their own arrays (evaluated with the step,
-        handed to the sink when it is read back). Cached leading chunks go in the first capture."""
+        handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
+        (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture."""
         if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
             return []
         arrays: list[Any] = []
@@ -318,10 +325,16 @@ class StepExecutor:
             if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
                 start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
             ranges.append((start, stop, first, end))
-        for start, stop, first, end in ranges:
+        keys, values = task.cache[0].keys, task.cache[0].values
+        layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
+                             + values.shape[1] * values.shape[3] * values.dtype.size)
+        for where in [piece for step_range in ranges
+                      for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
+                                                   most_bytes=STREAMED_PIECE_BYTES)]:
+            start, stop, first, end = where
             pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
                       for buffer in (layer.keys, layer.values)]
-            current.segments.append((task, (start, stop, first, end), pieces))
+            current.segments.append((task, where, pieces))
             arrays.extend(pieces)
         task.streamed_units = task.done_units
         return arrays
