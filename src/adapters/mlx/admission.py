@@ -1,9 +1,10 @@
 """KV admission on the device thread: whether a request's own KV cache fits this node's budget now,
-later, or never (`statecore.scheduling.kv_admission` decides), and what gives way to it (kept
-prefix blocks, then keep tasks), as far as it needs and only when that makes it fit; what a new
-prompt reserves; the room the budget leaves for kept prefixes; the decoder's row limit. It reads
-the device loop's records and budgets and changes only the prefix cache's and the keep tasks'
-share; it must never import trio, and sees the loop only as an `AdmissionHost`.
+later, or never, and what gives way to it (kept prefix blocks, then keep tasks), as far as it
+needs and only when that makes it fit (`statecore.engine_schedule.admission` decides; this
+performs it); what a new prompt reserves; the room the budget leaves for kept prefixes; the
+decoder's row limit. It reads the device loop's records and budgets and changes only the prefix
+cache's and the keep tasks' share; it must never import trio, and sees the loop only as an
+`AdmissionHost`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from adapters.mlx.requests import RequestTable
 from adapters.mlx.settings import Settings
 from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, admission
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
-from statecore.scheduling import KvAdmission, kv_admission
+from statecore.scheduling import KvAdmission
 
 __all__ = ["Admission", "AdmissionHost"]
 
@@ -52,18 +53,17 @@ class Admission:
         tasks, give way to it, as far as it needs, and only when that makes it fit: a request
         refused anyway takes nothing from them."""
         loop = self.loop
-        requests, pool_reserved = loop.requests, loop.pool_reserved
+        requests, pool_reserved, prefix = loop.requests, loop.pool_reserved, loop.prefix
         budget = loop.settings.kv_memory_bytes
         others = requests.reserved_bytes - requests.reserved_by(request_id)
-        verdict = kv_admission(need, others, pool_reserved, budget)  # every kept block gone
-        if verdict is KvAdmission.LATER:
-            keeping = sum(record.reserved for record in requests.in_phase(EnginePhase.KEEPING))
-            if kv_admission(need, others - keeping, pool_reserved, budget) is KvAdmission.FITS:
-                loop.keeping.drop_keep_tasks()
-                others = requests.reserved_bytes - requests.reserved_by(request_id)
-                verdict = KvAdmission.FITS
-        if verdict is KvAdmission.FITS and loop.prefix is not None:
-            loop.prefix.evict(need + others + pool_reserved + loop.prefix.nbytes - budget)
+        keeping = sum(record.reserved for record in requests.in_phase(EnginePhase.KEEPING))
+        kept = 0 if prefix is None else prefix.nbytes
+        decided = admission(need, others, keeping, pool_reserved, kept, budget)
+        verdict = decided.verdict
+        if decided.drop_keep_tasks:
+            loop.keeping.drop_keep_tasks()
+        if verdict is KvAdmission.FITS and prefix is not None:
+            prefix.evict(decided.evict_prefix_bytes)
         if verdict is KvAdmission.NEVER:
             raise self.never_fits(need, tokens)
         if verdict is KvAdmission.LATER:

@@ -79,9 +79,6 @@ __all__ = ["DeviceLoop", "InjectedCrash"]
 logger = logging.getLogger("adapters.engine_mlx")
 
 _T = TypeVar("_T")
-# How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
-# soon as it is validated; a request that never does stops holding it back after this)
-HANDOFF_COMING_S = 2.0
 
 
 class InjectedCrash(Exception):
@@ -221,11 +218,6 @@ class DeviceLoop:
                 self.progress_at = time.monotonic()
             self.executor.step()
             self.progress_at = time.monotonic()
-
-    def handoff_imminent(self) -> bool:
-        """A handed-off request's last piece arrived within HANDOFF_COMING_S: it joins any moment."""
-        now = time.monotonic()
-        return any(now - since < HANDOFF_COMING_S for since in list(self.handoffs_coming.values()))
 
     def stalled_s(self) -> float:
         """Seconds the loop has been busy without finishing a job or a step (0 while it waits

@@ -38,7 +38,18 @@ from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import SpeculationHost, Speculator
 from effects.engine_port import PrefillOutcome
-from statecore.engine_schedule import Budget, Candidate, EnginePhase, Finish, Memory, StepPlan, schedule
+from statecore.engine_schedule import (
+    Budget,
+    Candidate,
+    EnginePhase,
+    Finish,
+    Memory,
+    PrefillFailure,
+    StepPlan,
+    decode_only,
+    prefill_failure,
+    schedule,
+)
 from statecore.errors import StatecoreError
 from statecore.scheduling import (
     STREAMED_PIECE_BYTES,
@@ -108,7 +119,7 @@ class ExecutorHost(SpeculationHost, Protocol):
     publish: Callable[[], None]
     cache_bytes: Callable[[list[Any]], int]
 
-    def handoff_imminent(self) -> bool: ...
+    handoffs_coming: dict[str, float]
 
     def drop_abandoned_waiting(self) -> None: ...
 
@@ -207,7 +218,8 @@ class StepExecutor:
         target_ms = s.step_target_ms
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
-                        decode_only=loop.handoff_joined or loop.handoff_imminent(),
+                        decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
+                                                time.monotonic()),
                         streamed_alone=len(loop.waiting) == 1 and all(
                             task.segment_sink is not None for task in loop.waiting.values()))
         loop.handoff_joined = False
@@ -276,14 +288,14 @@ class StepExecutor:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
                                    None if loop.prefix is None else loop.keeping.keep_chunk)
             except Exception as exc:
-                if task.keeps_only:  # nobody waits for it: the conversation is just not kept
+                failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
+                                          typed=isinstance(exc, StatecoreError))
+                if failure is PrefillFailure.GIVE_UP:
                     logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
                                    type(exc).__name__, exc)
                     loop.requests.remove(task.request_id, Finish.GAVE_WAY)
                     continue
-                if not task.retried and not isinstance(exc, StatecoreError):
-                    # Once more from its first token, in a later step: prefill is a pure function
-                    # of the prompt, so a transient error costs time, not the request.
+                if failure is PrefillFailure.RESTART:  # from its first token, in a later step
                     loop.step_retries += 1
                     logger.warning("prefill of %s raised (%s: %s); starting it again",
                                    task.request_id, type(exc).__name__, exc)
