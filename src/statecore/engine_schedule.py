@@ -21,7 +21,7 @@ This module must never import trio, httpx, mlx or mlx_lm.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
@@ -301,18 +301,22 @@ def _fit_memory(plan: StepPlan, by_id: dict[str, Candidate], groups: list[list[C
                    activation_estimate=estimate, capped=capped, over_budget=estimate > room)
 
 
-def update(candidates: Sequence[Candidate], plan: StepPlan) -> tuple[tuple[Candidate, ...], tuple[str, ...]]:
-    """The candidates after the plan ran as planned: each advanced by its planned units (a
-    dropped keep task gone); those whose last unit ran leave the candidates and are named in
-    `finished` (a prompt's first token is then read back; a keep task is done)."""
+def update(candidates: Sequence[Candidate], plan: StepPlan, built: Mapping[str, int] | None = None
+           ) -> tuple[tuple[Candidate, ...], tuple[str, ...]]:
+    """The candidates after the plan ran: each advanced by its planned units (a dropped keep task
+    gone), or to the units `built` says it has done where the executor built otherwise (a cached
+    start found during the step skipped units; a call that raised starts again from none); those
+    whose last unit ran leave the candidates and are named in `finished` (a prompt's first token
+    is then read back; a keep task is done)."""
     ran = {work.request_id: work.units for work in plan.prefills}
+    built = built or {}
     dropped = set(plan.dropped_keeps)
     left: list[Candidate] = []
     finished: list[str] = []
     for candidate in candidates:
         if candidate.request_id in dropped:
             continue
-        done = candidate.done_units + ran.get(candidate.request_id, 0)
+        done = built.get(candidate.request_id, candidate.done_units + ran.get(candidate.request_id, 0))
         if done >= len(candidate.units):
             finished.append(candidate.request_id)
         else:

@@ -169,6 +169,19 @@ def test_schedule_then_update_brings_every_prompt_to_its_first_token(
     assert {c.request_id for c in candidates if not c.keeps_only} <= finished
 
 
+def test_update_takes_what_was_built_where_it_differs_from_the_plan() -> None:
+    """A prompt that found cached blocks during the step is further along than planned; one whose
+    call raised starts again from none (and may share a padded call again); the rest ran as
+    planned."""
+    planned, skipped, raised = prompt("p", 0, 40), prompt("s", 1, 40), prompt("r", 2, 20, batchable=True)
+    plan = StepPlan(400, 0, (PrefillWork("p", 1, 16, False), PrefillWork("s", 1, 16, False),
+                             PrefillWork("r", len(raised.units), 20, True)))
+    left, finished = update([planned, skipped, raised], plan, {"s": len(skipped.units) - 1, "r": 0})
+    assert finished == ()
+    assert [(c.request_id, c.done_units, c.batchable) for c in left] == [
+        ("p", 1, False), ("s", len(skipped.units) - 1, False), ("r", 0, True)]
+
+
 def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_computes() -> None:
     """At 1 ms a prefill token a slice of STREAMED_SLICE_S is under STREAMED_SLICE_TOKENS: the
     slice is that many tokens; unmeasured, or not streamed, the whole budget."""

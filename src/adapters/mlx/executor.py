@@ -49,6 +49,7 @@ from statecore.engine_schedule import (
     decode_only,
     prefill_failure,
     schedule,
+    update,
 )
 from statecore.errors import StatecoreError
 from statecore.scheduling import (
@@ -166,9 +167,10 @@ class StepExecutor:
                     current = InFlight()
                 profile.account("decode_build", building)
                 profile.count("decode_rows", len(slot_rows))
-            plan = self.plan()
+            plan, candidates = self.plan()
             current.prefill_tokens = plan.prefill_tokens
             outputs.extend(self.build_prefills(plan, current))
+            self.advance(candidates, plan)
             loop.computing = ("", ())
             if outputs:
                 launching = time.perf_counter()
@@ -202,8 +204,9 @@ class StepExecutor:
         profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
         loop.publish()
 
-    def plan(self) -> StepPlan:
-        """This step's plan (`statecore.engine_schedule.schedule`) from the records as they are."""
+    def plan(self) -> tuple[StepPlan, list[Candidate]]:
+        """This step's plan (`statecore.engine_schedule.schedule`) from the records as they are,
+        and the candidates it was made from."""
         loop = self.loop
         s = loop.settings
         for task in loop.waiting.values():
@@ -232,7 +235,24 @@ class StepExecutor:
                             max((live.limit for live in loop.live.values()), default=1), loop.cost.per_token,
                             ALLOCATION_STEP)
         return schedule(len(loop.live), candidates, budget, max_padding=s.max_padding, bucket=loop.bucket,
-                        memory=memory)
+                        memory=memory), candidates
+
+    def advance(self, candidates: Sequence[Candidate], plan: StepPlan) -> None:
+        """The prompts' phases after the build, from their progress as `update` gives it (from
+        the units each has done as built): one that computed units and has more left is
+        prefilling, one whose call raised starts again waiting. Those that finished moved as they
+        were built (prefilled, or a done keep task gone), as did a failed one (gone)."""
+        loop = self.loop
+        left, _ = update(candidates, plan, {rid: task.done_units for rid, task in loop.waiting.items()})
+        planned = {work.request_id for work in plan.prefills}
+        for candidate in left:
+            record = loop.requests.get(candidate.request_id)
+            if record is None or record.phase not in (EnginePhase.WAITING, EnginePhase.PREFILLING):
+                continue  # gone, or a keep task (keeping until it is done)
+            if candidate.done_units == 0:
+                record.phase = EnginePhase.WAITING
+            elif candidate.request_id in planned:
+                record.phase = EnginePhase.PREFILLING
 
     def apply_memory_plan(self, plan: StepPlan) -> None:
         """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
@@ -272,7 +292,7 @@ class StepExecutor:
                                  len(members))
                 loop.step_retries += 1
                 for task in members:
-                    self.restart(task)
+                    task.restart()  # from its first chunk, in a later step
                 continue
             loop.profile.account("prefill_batched", started, len(members))
             for task in members:
@@ -299,7 +319,7 @@ class StepExecutor:
                     loop.step_retries += 1
                     logger.warning("prefill of %s raised (%s: %s); starting it again",
                                    task.request_id, type(exc).__name__, exc)
-                    self.restart(task)
+                    task.restart()
                     continue
                 logger.exception("prefill failed for %s", task.request_id)
                 loop.requests.remove(task.request_id, Finish.FAILED)
@@ -313,8 +333,6 @@ class StepExecutor:
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
-                if not task.keeps_only:
-                    loop.requests[task.request_id].phase = EnginePhase.PREFILLING
                 outputs.extend(pieces)
         loop.profile.account("prefill_chunks", started)
         return outputs.arrays
@@ -423,10 +441,3 @@ class StepExecutor:
         loop.profile.account("readback", started)
         loop.hand_out(deliveries, finished)
 
-    def restart(self, task: PrefillTask) -> None:
-        """A prefill that raised starts again from its first chunk in a later step."""
-        loop = self.loop
-        task.restart()
-        record = loop.requests.get(task.request_id)
-        if record is not None and record.phase is EnginePhase.PREFILLING:
-            record.phase = EnginePhase.WAITING
