@@ -166,6 +166,8 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "kv_bits": kv_bits,
         "kv_group_size": kv_group_size if kv_bits is not None else None,
         "prefill_chunk_size": prefill_chunk_size,
+        # a prefill block also ends after an end-of-turn token (statecore.prefix.block_bounds)
+        "block_ends": sorted(loaded.eos),
         **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
         **({"fused_projections": True} if fused else {}),  # one matmul rounds as three may not
         **({"adapter_sha256": loaded.adapter_sha256} if loaded.adapter_sha256 else {}),

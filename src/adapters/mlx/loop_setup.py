@@ -60,6 +60,9 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     s = loop.settings
     loop.model = model if loop.model_call_hook is None else _CheckedModel(model, loop)
     loop.eos = eos
+    # A chat message ends with an end-of-turn token: a block ends there too, so that prompts
+    # sharing a system prompt or a document share every block of it (statecore.prefix).
+    loop.block_ends = eos
     loop.vocab_size = vocab_size
     loop.context_length = context_length
     loop.cost = cost
@@ -110,7 +113,7 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     if plain and s.prefix_cache_bytes > 0:
         loop.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
                                   s.prefix_host_pull, room=loop.prefix_room,
-                                  prefill_token_s=lambda: loop.rates.prefill_token_s)
+                                  prefill_token_s=lambda: loop.rates.prefill_token_s, ends=loop.block_ends)
     if s.speculative != "off":
         loop.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                      loop.draft_model)
