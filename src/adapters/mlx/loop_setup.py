@@ -60,9 +60,6 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     s = loop.settings
     loop.model = model if loop.model_call_hook is None else _CheckedModel(model, loop)
     loop.eos = eos
-    # A chat message ends with an end-of-turn token: a block ends there too, so that prompts
-    # sharing a system prompt or a document share every block of it (statecore.prefix).
-    loop.block_ends = eos
     loop.vocab_size = vocab_size
     loop.context_length = context_length
     loop.cost = cost
@@ -85,6 +82,10 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
                 f"+ prefill_chunk_size ({s.max_batch} + {s.prefill_chunk_size})"))
         s = loop.settings = dataclasses.replace(s, prefill_memory_cap=False)
     plain = loop.plain(probe_cache)
+    # A chat message ends with an end-of-turn token: a prefill block ends there too, so that
+    # prompts sharing a system prompt or a document share every block of it (statecore.prefix).
+    # Only where blocks can be kept (plain KVCache): other caches' bits follow every cut.
+    loop.block_ends = eos if plain else frozenset()
     loop.short_batching = plain and s.prefill_batch > 1
     # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
     loop.bucket = s.shape_bucket if plain else 0
