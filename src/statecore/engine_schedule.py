@@ -59,6 +59,7 @@ __all__ = [
     "admission",
     "choose_lane",
     "decode_only",
+    "handoff_imminent",
     "prefill_failure",
     "schedule",
     "update",
@@ -372,8 +373,14 @@ def prefill_failure(*, keeps_only: bool, retried: bool, typed: bool) -> PrefillF
     return PrefillFailure.FAIL
 
 
+def handoff_imminent(arrived: Sequence[float], now: float) -> bool:
+    """A handed-off request whose last piece arrived (`arrived`: when, in seconds) less than
+    `HANDOFF_COMING_S` ago joins any moment (one that never does stops counting after that)."""
+    return any(now - since < HANDOFF_COMING_S for since in arrived)
+
+
 def decode_only(joined: bool, arrived: Sequence[float], now: float) -> bool:
     """Whether this step decodes only (no prefill work): a handed-off request joined since the
-    last step, or one whose last piece arrived (`arrived`: when, in seconds) less than
-    `HANDOFF_COMING_S` ago joins any moment, and its second token must wait for no prefill."""
-    return joined or any(now - since < HANDOFF_COMING_S for since in arrived)
+    last step, or one is about to (`handoff_imminent`), and its second token must wait for no
+    prefill."""
+    return joined or handoff_imminent(arrived, now)

@@ -258,11 +258,12 @@ STREAMED_SLICE_TOKENS = 512
 decodes: each step's piece travels while the next is computed, so when the first token is
 sampled only the last slice is left to move (a whole prompt in one step would leave all of it)."""
 
-STREAMED_SLICE_S = 0.1
-"""...and the least time such a step should take at the measured rate: a step has a fixed cost
-(~10 ms of host work on a GPU), which slices of 512 tokens of a 1B model on an H200 paid 4-12
-times over (the prefill 1.5-1.9x longer); a step of 100 ms keeps it near a tenth. On a CPU a
-512-token slice already takes longer; on a fast GPU a 2,000-token prompt stays one step."""
+STREAMED_SLICE_S = 0.5
+"""...and the least time such a step should take at the measured rate: a sliced step has a fixed
+cost, measured at ~50 ms on an H100 (an 8,000-token prompt of a 1B model in 5 slices took 1.8x
+its one-step prefill; fixed 512-token slices on an H200 made it 1.5-1.9x), so a slice of 500 ms
+keeps it near a tenth. On a CPU a 512-token slice already takes longer; on a fast GPU a 1B
+model's prompts of 8,000 tokens stay one step, their KV leaving in pieces after it."""
 
 
 STREAMED_PIECE_BYTES = 16 * 1024 * 1024

@@ -58,6 +58,15 @@ async def steps_pass(engine: MlxEngine, count: int) -> None:
             await trio.sleep(0.002)
 
 
+async def source_and_decode(opened: list[MlxEngine], max_batch: int) -> tuple[MlxEngine, MlxEngine]:
+    """A prefill engine that computes a chunk a step (a prompt streams in several pieces) and a
+    decode engine, both on the tiny llama."""
+    path = cached_checkpoint("llama")
+    options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=max_batch)
+    source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4, prefix_cache_bytes=0)
+    return source, await load_into(opened, path, **options)
+
+
 async def decoding(engine: MlxEngine, count: int) -> None:
     with trio.fail_after(60):
         while engine.statistics().decoding < count:
@@ -75,13 +84,10 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
     slow = budget == "a layer a step"
     if slow:
         monkeypatch.setattr(slot_lane, "STAGED_BYTES_PER_STEP", 1)  # each step writes one piece
-    path = cached_checkpoint("llama")
     async with opened_engines() as opened:
-        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=4)
-        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
-                                 prefix_cache_bytes=0)
-        decode = await load_into(opened, path, **options)
-        alone = await load_into(opened, path, **options)
+        source, decode = await source_and_decode(opened, max_batch=4)
+        alone = await load_into(opened, cached_checkpoint("llama"), prefill_chunk_size=CHUNK,
+                                step_target_ms=0.0, max_batch=4)
         newcomer = prompt_of(70, salt=3)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         long_run = replace(GREEDY, max_tokens=400)
@@ -125,12 +131,8 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
 async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> None:
     """Cancelled while its pieces arrive, or installed with a piece missing (a typed
     KV_TRUNCATED): its slot is free again and a later request decodes in it exactly."""
-    path = cached_checkpoint("llama")
     async with opened_engines() as opened:
-        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=2)
-        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
-                                 prefix_cache_bytes=0)
-        decode = await load_into(opened, path, **options)
+        source, decode = await source_and_decode(opened, max_batch=2)
         newcomer = prompt_of(70, salt=5)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         for piece in pieces[:-1]:
@@ -164,12 +166,8 @@ async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly
 ) -> None:
     """Pieces capped at one layer's share of a step: every step's KV leaves in one piece per
     layer, each staged into the slot as it comes; the tokens are the single node's."""
-    path = cached_checkpoint("llama")
     async with opened_engines() as opened:
-        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=2)
-        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
-                                 prefix_cache_bytes=0)
-        decode = await load_into(opened, path, **options)
+        source, decode = await source_and_decode(opened, max_batch=2)
         newcomer = prompt_of(70, salt=6)
         _, whole = await pieces_of(source, "whole", newcomer)
         layers = len(source.info.layers)

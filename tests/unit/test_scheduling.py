@@ -174,8 +174,9 @@ FAST_PREFILL = StepRates(excess_s=0.045, prefill_tokens=2000.0)  # 22.5 us a tok
         # ... at least its next unit, at most the configured budget
         (2052, 0, 1000, SLOW_PREFILL, 1000),
         (300, 0, 256, SLOW_PREFILL, 300),
-        # on a fast one, steps of STREAMED_SLICE_S at least (100 ms / 22.5 us: 4,445 tokens)
-        (8192, 0, 256, FAST_PREFILL, 4445),
+        # on a fast one, steps of STREAMED_SLICE_S at least (500 ms / 22.5 us: 22,223 tokens)
+        (32768, 0, 256, FAST_PREFILL, 22223),
+        (8192, 0, 256, FAST_PREFILL, 8192),
         (2052, 0, 256, FAST_PREFILL, 2052),
         # no rate measured yet: the configured budget
         (2052, 0, 256, StepRates(), 2052),

@@ -95,6 +95,8 @@ class DeviceLoop:
         self.on_death = on_death
         self.model: Any = None
         self.eos: frozenset[int] = frozenset()
+        # after these tokens a prefill block ends early (statecore.prefix.block_bounds): the eos ids
+        self.block_ends: frozenset[int] = frozenset()
         self.vocab_size = 0
         self.context_length = 0
         self.slot_lane = False

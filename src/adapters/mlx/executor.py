@@ -47,6 +47,7 @@ from statecore.engine_schedule import (
     PrefillFailure,
     StepPlan,
     decode_only,
+    handoff_imminent,
     prefill_failure,
     schedule,
     update,
@@ -143,8 +144,13 @@ class StepExecutor:
         self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
 
     def step(self) -> None:
-        """Build and start this step, then read back the previous one."""
+        """Build and start this step, then read back the previous one; while a handed-off
+        request is about to join, read the previous one back first (`settle`)."""
         loop, profile = self.loop, self.loop.profile
+        if loop.inflight is not None and handoff_imminent(list(loop.handoffs_coming.values()),
+                                                          time.monotonic()):
+            self.settle()
+            return
         started = time.perf_counter()
         spent_before = profile.seconds()
         traces_before = 0 if loop.compiled is None else loop.compiled.traces
@@ -202,6 +208,17 @@ class StepExecutor:
             loop.rates = measured_step(loop.rates, elapsed, sum(step.prefill_tokens for step in waited_for))
         traces = 0 if loop.compiled is None else loop.compiled.traces - traces_before
         profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
+        loop.publish()
+
+    def settle(self) -> None:
+        """Read the step on the device back before the next is built: the install of a request
+        whose last piece is arriving (a job) then comes before that next step, so the request's
+        second token is one step sooner, at the price of the host's build no longer overlapping
+        the device for the few steps until it joins."""
+        loop = self.loop
+        previous, loop.inflight = loop.inflight, None
+        assert previous is not None
+        self.read_back(previous)
         loop.publish()
 
     def plan(self) -> tuple[StepPlan, list[Candidate]]:

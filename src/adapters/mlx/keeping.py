@@ -34,7 +34,7 @@ from adapters.mlx.sampling import PositionSampler
 from adapters.mlx.settings import Settings
 from effects.engine_port import SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
-from statecore.prefix import conversation_block_keys, conversation_blocks
+from statecore.prefix import block_bounds, conversation_block_bounds, conversation_block_range
 from statecore.scheduling import KvAdmission, kv_admission, prefill_units
 
 __all__ = ["KeepingHost", "PrefixKeeping"]
@@ -53,6 +53,7 @@ class KeepingHost(Protocol):
     pool_reserved: int
     arrivals: int
     layers: int
+    block_ends: frozenset[int]  # after these tokens a prefill block ends early (statecore.prefix)
 
     @property
     def unit_tokens(self) -> int: ...
@@ -72,7 +73,8 @@ class PrefixKeeping:
         """A whole chunk just built: into the prefix cache."""
         prefix = self.loop.prefix
         assert prefix is not None and task.cache is not None
-        return prefix.keep(task.block_keys, chunk, task.cache)
+        start = task.chunk_start(chunk)
+        return prefix.keep(task.block_keys, chunk, task.cache, start, start + task.chunks[chunk])
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
@@ -88,20 +90,22 @@ class PrefixKeeping:
         prefix, conversation = loop.prefix, live.conversation
         if prefix is None or conversation is None:
             return
-        chunk = loop.settings.prefill_chunk_size
-        keys = conversation_block_keys(conversation, chunk)
+        chunk, ends = loop.settings.prefill_chunk_size, loop.block_ends
+        bounds = conversation_block_bounds(conversation, chunk, ends)
+        keys = prefix.conversation_keys_of(conversation)
         cached = prefix.index.cached(keys)
-        blocks = conversation_blocks(live.prompt_tokens, len(conversation), cached, chunk)
+        own_blocks = len(block_bounds(conversation[: live.prompt_tokens], chunk, ends))
+        blocks = conversation_block_range(own_blocks, len(bounds), cached)
         keep_id = f"{live.request_id}#keep"
         if not blocks or keep_id in loop.waiting:
             return
-        tokens = conversation[: blocks.stop * chunk]
+        tokens = conversation[: bounds[blocks.stop - 1]]
         need = loop.cost.of(len(tokens))
         fits = kv_admission(need, loop.requests.reserved_bytes + prefix.nbytes, loop.pool_reserved,
                             loop.settings.kv_memory_bytes)
         if fits is not KvAdmission.FITS:
             return
-        chunks = (chunk,) * blocks.stop
+        chunks = tuple(end - start for start, end in zip([0, *bounds], bounds[: blocks.stop], strict=False))
         loop.arrivals += 1
         sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
         task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + loop.arrivals, chunks,
@@ -110,7 +114,7 @@ class PrefixKeeping:
         count, cache = prefix.start(task.block_keys, counted=False)
         if cache is not None:
             task.cache = cache
-            task.done_tokens = count * chunk
+            task.done_tokens = cache[0].offset
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
         loop.requests.add(EngineRequest(keep_id, EnginePhase.KEEPING, reserved=need, task=task))
         self.conversations_kept += 1
@@ -134,9 +138,10 @@ class PrefixKeeping:
         if not self.loop.plain(cache):
             return
         keys = prefix.keys_of(tokens)
+        bounds = block_bounds(tokens, chunk, self.loop.block_ends)
         kept: list[Any] = []
-        for index in range(len(keys)):
-            kept.extend(prefix.keep(keys, index, cache))
+        for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
+            kept.extend(prefix.keep(keys, index, cache, start, end))
         if kept:
             mx.eval(kept)  # copies now: the installed cache itself goes on into a slot
 
@@ -148,13 +153,15 @@ class PrefixKeeping:
         prefix = self.loop.prefix
         if prefix is None or not self.loop.plain(cache):
             return 0
-        keys = conversation_block_keys(tokens, prefix.chunk_size)
+        keys = prefix.conversation_keys_of(tokens)
+        bounds = conversation_block_bounds(tokens, prefix.chunk_size, prefix.ends)
         kept: list[Any] = []
-        for index in range(len(keys)):
-            kept.extend(prefix.keep(keys, index, cache))
+        for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
+            kept.extend(prefix.keep(keys, index, cache, start, end))
         if kept:
             mx.eval(kept)  # copies now, so the imported cache can go
-        return prefix.index.cached(keys) * prefix.chunk_size
+        count = prefix.index.cached(keys)
+        return bounds[count - 1] if count else 0
 
     def touch_prefix(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys, its cached leading blocks made the most recently used: called
@@ -180,7 +187,7 @@ class PrefixKeeping:
         if cache is None:
             return
         task.cache = cache
-        task.done_tokens = task.cached_tokens = count * self.loop.settings.prefill_chunk_size
+        task.done_tokens = task.cached_tokens = cache[0].offset
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def look_again(self, task: PrefillTask) -> bool:
