@@ -35,12 +35,13 @@ from tests.e2e.harness import (
 pytestmark = pytest.mark.e2e
 
 STORY = "A small boat drifted past the harbour wall while the gulls argued over bread."
+TEMPLATE_ARGS = '{"date_string": "5 Dec 2026"}'  # the router's and the single node's, at start
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-2x2"),
-                          prefills=2, decodes=2)
+                          prefills=2, decodes=2, public_args=("--chat-template-args", TEMPLATE_ARGS))
     try:
         yield built
     finally:
@@ -81,6 +82,23 @@ def test_the_choices_of_one_request_decode_side_by_side_on_one_decode_node(clust
         after = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
         assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3], (before, after)
     assert_no_leaks(cluster.nodes)
+
+
+def test_the_start_s_template_args_make_the_same_prompt_on_the_router_and_a_single_node(
+        cluster: Cluster) -> None:
+    """`--chat-template-args` reach the tiny template's `date_string` on both, a request's
+    `chat_template_kwargs` go over them, and the chats' answers are byte-identical."""
+    for kwargs, date in (({}, "5 Dec 2026"), ({"chat_template_kwargs": {"date_string": "1 Jan"}}, "1 Jan")):
+        body = {"messages": [{"role": "user", "content": STORY}], **kwargs}
+        nodes = (cluster.single, cluster.router)
+        prompts = [post(node, "/tokenize", body).json()["tokens"] for node in nodes]
+        assert prompts[0] == prompts[1]
+        text = post(cluster.single, "/detokenize", {"tokens": prompts[0]}).json()["prompt"]
+        assert f"<date>{date}\n<user>\n{STORY}" in text, text
+        chat = {**body, "max_tokens": 8, "temperature": 0}
+        answers = [post(node, "/v1/chat/completions", chat) for node in nodes]
+        assert without_ids(answers[0].json()) == without_ids(answers[1].json())
+        assert answers[0].json()["usage"]["prompt_tokens"] == len(prompts[0])
 
 
 def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None:

@@ -36,8 +36,9 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   looked for in the answer only; `usage.completion_tokens_details.reasoning_tokens`. Another API
   may cap the thinking (`generation.ThinkBudget`: Anthropic's `budget_tokens`).
 - `chat_template_kwargs`: the template's extra variables, scalars only (not the names this module
-  passes itself); `reasoning_effort` is the template's own variable where it reads one, else
-  `enable_thinking`. What the template raises on is a 400 naming the field.
+  passes itself), over the node's `--chat-template-args` (`parse_template_args`);
+  `reasoning_effort` is the template's own variable where it reads one, else `enable_thinking`.
+  What the template raises on is a 400 naming the field.
 - `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
   (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
   them are left out; a newline and EOS never are.
@@ -84,7 +85,8 @@ from statecore.policy import grammar_end_conflict
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_CHOICES", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS",
            "MAX_TOP_LOGPROBS", "TEMPLATE_OWN_ARGUMENTS", "ChatBody", "CompletionBody", "Message", "Sampling",
-           "TemplateValue", "ToolChoice", "check_grammar_ends", "check_unsupported", "given", "stop_strings"]
+           "TemplateValue", "ToolChoice", "check_grammar_ends", "check_unsupported", "given",
+           "parse_template_args", "stop_strings"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
@@ -249,6 +251,31 @@ TEMPLATE_OWN_ARGUMENTS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's reasoning efforts
+
+
+def parse_template_args(text: str) -> dict[str, TemplateValue]:
+    """`--chat-template-args` (mlx_lm.server's flag): a JSON object of the chat template's extra
+    variables for every request, held to what a request's `chat_template_kwargs` may be (scalars,
+    none of the names the front end passes itself); ValueError says what is wrong."""
+    try:
+        given = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"must be a JSON object of template variables, not {type(given).__name__}")
+    nested = sorted(name for name, value in given.items()
+                    if value is not None and not isinstance(value, str | int | float | bool))
+    if nested:
+        raise ValueError(f"{', '.join(nested)}: a template variable must be a string, number, boolean "
+                         "or null")
+    taken = sorted(TEMPLATE_OWN_ARGUMENTS.intersection(given))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} is set by the server, not by a template argument")
+    return given
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class ChatBody(Sampling):

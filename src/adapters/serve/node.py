@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -31,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 from adapters.blas import blas_in_use
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
+from adapters.frontend.prompts import TemplateArgsRefused
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
 from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
@@ -50,7 +53,7 @@ from effects.faults import Faults
 from effects.handoffs import HandoffLog
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
-from effects.ports import ModelInfo
+from effects.ports import Backend, ModelInfo
 from effects.prefix_pull import PrefixPuller
 from effects.routing import PrefixSummaries
 from effects.runner import NodeRunner, Timeouts
@@ -321,9 +324,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     lines = RequestLines()
     if role == "single":
         lines.watch(runner)
-        frontend = Frontend.load(model, local_backend(runner, performer, max_live=args.max_in_flight),
-                                 model_name=getattr(args, "served_model_name", None),
-                                 prompt_tokens_details=args.enable_prompt_tokens_details)
+        frontend = _load_frontend(model, local_backend(runner, performer, max_live=args.max_in_flight), args)
         frontend.faults = faults
         frontend.warnings = warnings
         app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
@@ -476,9 +477,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     lines.watch(runner)
-    frontend = Frontend.load(model, backend,
-                             model_name=getattr(args, "served_model_name", None),
-                             prompt_tokens_details=args.enable_prompt_tokens_details)
+    frontend = _load_frontend(model, backend, args)
     frontend.faults = faults
     frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
 
@@ -512,6 +511,18 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     finally:
         await peers.aclose()
     return 0
+
+
+def _load_frontend(model: Path, backend: Backend, args: argparse.Namespace) -> Frontend:
+    """A single node's or the router's front end (the same flags make the same prompts on both);
+    `--chat-template-args` the template refuses end the start in one line."""
+    template_args = None if args.chat_template_args is None else json.loads(args.chat_template_args)
+    try:
+        return Frontend.load(model, backend, model_name=getattr(args, "served_model_name", None),
+                             prompt_tokens_details=args.enable_prompt_tokens_details,
+                             template_args=template_args)
+    except TemplateArgsRefused as exc:
+        raise SystemExit(f"statecore: {exc}") from None
 
 
 def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list[BaseRoute],
