@@ -323,9 +323,12 @@ class Engine(Protocol):
         error nothing is installed."""
         ...
 
-    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                              max_tokens: int) -> None:
         """Validate one streamed piece of a handed-off cache completely and keep it for
-        `install_segments` (raises on any error; nothing is kept then)."""
+        `install_segments` (raises on any error; nothing is kept then): where the engine can, it
+        is written into the room the request will decode in (`max_tokens` sizes that room), so
+        that the install copies nothing."""
         ...
 
     async def install_segments(

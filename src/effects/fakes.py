@@ -186,7 +186,8 @@ class FakeEngine:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake payload"))
         await self._begin(request_id, prompt, first_token, sampling)
 
-    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                              max_tokens: int) -> None:
         await trio.sleep(0)
         data = segment.payload.joined()
         if data[:4] != b"FAKE" or len(data) - 4 != segment.stop - segment.start:

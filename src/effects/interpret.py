@@ -326,7 +326,8 @@ class EnginePerformer:
                 received += item.payload.nbytes
                 segments += 1
                 try:
-                    await self.engine.receive_segment(rid, item, len(ctx.prompt))
+                    await self.engine.receive_segment(rid, item, len(ctx.prompt),
+                                                      max_tokens=ctx.sampling.max_tokens)
                 except StatecoreError as exc:  # a piece the prefill node sent: named after it
                     if exc.info.fault is not Fault.PEER:
                         raise

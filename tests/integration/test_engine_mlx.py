@@ -1269,7 +1269,8 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     outcome = await source.prefill(RequestId("piecewise"), newcomer, GREEDY, segments=pieces.append)
     assert len(pieces) > 1
     for piece in pieces[:-1]:
-        await decode.receive_segment(RequestId("piecewise"), piece, len(newcomer))
+        await decode.receive_segment(RequestId("piecewise"), piece, len(newcomer),
+                                     max_tokens=GREEDY.max_tokens)
     plans.clear()
     another = prompt_of(1500, salt=9)  # not the first one, whose chunks the prefix cache now holds
     async with trio.open_nursery() as nursery:
@@ -1277,7 +1278,8 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
         with trio.fail_after(60):
             while not plans:
                 await trio.sleep(0.01)
-            await decode.receive_segment(RequestId("piecewise"), pieces[-1], len(newcomer))
+            await decode.receive_segment(RequestId("piecewise"), pieces[-1], len(newcomer),
+                                         max_tokens=GREEDY.max_tokens)
             held_back = len(plans)
             while len(plans) < held_back + 2:  # two steps after the last piece, before the join
                 await trio.sleep(0.001)

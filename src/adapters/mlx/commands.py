@@ -22,8 +22,8 @@ from effects.engine_port import SamplingParams
 
 __all__ = [
     "REPLICATED", "Cancel", "Command", "DecodeHeld", "EvictPrefixes", "Export", "ExportPrefix",
-    "ForgetPrefixes", "Inspect", "Install", "Keep", "Load", "Prefill", "Release", "Replicated", "Stop",
-    "SummarizePrefixes", "undo_of",
+    "ForgetPrefixes", "Inspect", "Install", "Keep", "Load", "Prefill", "Release", "Replicated", "StagePiece",
+    "Stop", "SummarizePrefixes", "undo_of",
 ]
 
 
@@ -70,6 +70,21 @@ class Install:
     sampling: SamplingParams
     sliced: bool = False
     kind: str = "install"
+
+
+@dataclass(frozen=True, slots=True)
+class StagePiece:
+    """Write a streamed handoff's piece (its layers from `first_layer`, its tokens from `start`)
+    into the slot staged for the request, taking one at its first piece (`adapters.mlx.staging`);
+    the outcome says whether it staged (else the caller keeps the piece for the install).
+    `needed_tokens`: what the request's slot must hold (prompt, max_tokens and the step's two)."""
+
+    request_id: str
+    first_layer: int
+    start: int
+    prompt_tokens: int
+    needed_tokens: int
+    kind: str = "stage_piece"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,12 +168,13 @@ class Stop:
 
 Replicated = Load | Prefill | DecodeHeld | Install | Cancel | Release | Export | ForgetPrefixes | Stop
 REPLICATED = (Load, Prefill, DecodeHeld, Install, Cancel, Release, Export, ForgetPrefixes, Stop)
-Command = Replicated | Keep | ExportPrefix | EvictPrefixes | SummarizePrefixes | Inspect
+Command = Replicated | StagePiece | Keep | ExportPrefix | EvictPrefixes | SummarizePrefixes | Inspect
 
 
 def undo_of(command: Command) -> Cancel | None:
     """What undoes a command whose caller left before its outcome: a prefill or a join is
-    cancelled (so that nothing it took is leaked); the others need no undo."""
-    if isinstance(command, (Prefill, DecodeHeld, Install)):
+    cancelled (so that nothing it took is leaked), and so is a staged piece (its slot given back);
+    the others need no undo."""
+    if isinstance(command, (Prefill, DecodeHeld, Install, StagePiece)):
         return Cancel(command.request_id)
     return None

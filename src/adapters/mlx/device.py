@@ -1005,15 +1005,19 @@ class DeviceLoop:
             live.solo_cache = cache
 
     def overloaded(self) -> StatecoreError | None:
-        if len(self.live) >= self.settings.max_batch:
+        """Whether one more request may decode: every one decoding, or staged for its slot,
+        counts against --max-batch."""
+        if len(self.live) + len(self.slots.staged) >= self.settings.max_batch:
             return StatecoreError(ErrorInfo(
                 Fault.OVERLOADED, Code.OVERLOADED,
-                f"{len(self.live)} requests are decoding (max_batch {self.settings.max_batch})",
+                f"{len(self.live)} requests are decoding and {len(self.slots.staged)} arriving "
+                f"(max_batch {self.settings.max_batch})",
             ))
         return None
 
     def drop(self, request_id: str) -> None:
         """Cancel: leave the decoder and free everything held for the request. Idempotent."""
+        self.slots.staged.unstage(self.pool, request_id)
         record = self.requests.get(request_id)
         if record is None:
             return

@@ -364,7 +364,8 @@ class MlxEngine:
         await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling, sliced=True),
                           Local(caches=caches, ranges=ranges))
 
-    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int) -> None:
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                              max_tokens: int) -> None:
         if not self.streams_handoffs:
             raise StatecoreError(ErrorInfo(
                 Fault.PEER, Code.KV_MALFORMED,
@@ -377,6 +378,14 @@ class MlxEngine:
             validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
             classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
         await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
+        if request_id not in self._arriving:
+            # Into the request's slot as it comes, where the model's cache goes in slots: the
+            # install then copies nothing (`adapters.mlx.staging`); else kept for the install.
+            stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
+                                        needed_tokens=prompt_tokens + max_tokens + 1)
+            staged: bool = await self._post(stage, Local(caches=built))
+            if staged:
+                return
         self._arriving.setdefault(request_id, []).append((segment.first_layer, segment.end_layer, built))
 
     async def install_segments(
@@ -427,7 +436,7 @@ class MlxEngine:
         device = self._device
         stalled = device.stalled_s() if self._thread.alive else 0.0
         return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
-                       arriving=len(self._arriving),
+                       arriving=len(self._arriving) + len(device.slots.staged),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)

@@ -38,7 +38,7 @@ from adapters.mlx.jobs import Job, Local, StreamItem, deliver, post
 from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.loop_setup import configure
 from adapters.mlx.memory import KvCost, measure_kv_cost, parameter_bytes, state_bytes
-from adapters.mlx.payloads import joined_segments, validate_and_build
+from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
 from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
@@ -91,6 +91,9 @@ class Performer:
             case commands.DecodeHeld() | commands.Install():
                 self.join(command, job, local)
                 return None
+            case commands.StagePiece():
+                assert local is not None and local.caches is not None
+                return self.stage(command, local.caches)
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
                 self.publish()
@@ -159,15 +162,26 @@ class Performer:
         its lane chosen, its KV reserved where it grows outside the slot pool. A first token that
         already ends it gives an empty stream."""
         device = self.device
-        request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
-        first_token = command.first_token
+        request_id = command.request_id
         send = local.send if local is not None and local.send is not None else _nowhere()
         token = cast(trio.lowlevel.TrioToken, job.token)  # None (replayed): post() delivers nothing
         if request_id in device.live:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
-        overloaded = device.overloaded()
+        staged = request_id in device.slots.staged  # its slot is taken already: it counts there
+        overloaded = None if staged else device.overloaded()
         if overloaded is not None:
             raise overloaded
+        try:
+            self.join_with(command, job, local, send, token)
+        except BaseException:
+            device.slots.staged.unstage(device.pool, request_id)
+            raise
+
+    def join_with(self, command: commands.DecodeHeld | commands.Install, job: Job[Any], local: Local | None,
+                  send: trio.MemorySendChannel[StreamItem], token: trio.lowlevel.TrioToken) -> None:
+        device = self.device
+        request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
+        first_token = command.first_token
         cache = self.take_cache(command, local)
         remaining = sampling.max_tokens - 1
         if (first_token_is_last(sampling.max_tokens)
@@ -175,6 +189,7 @@ class Performer:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
                 device.requests.remove(request_id)
+            device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])
             self.publish()
@@ -182,6 +197,10 @@ class Performer:
         # The grammar's state after the first token, which the prefill node drew under it.
         constraint = self.constraint(self.matcher(sampling, local), (first_token,))
         lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
+        if lane != "slot" and request_id in device.slots.staged:  # another lane: its own copy
+            cache = [kv_cache(mx.contiguous(c.keys), mx.contiguous(c.values), len(tokens)) for c in cache]
+            mx.eval([array for c in cache for array in (c.keys, c.values)])
+            device.slots.staged.unstage(device.pool, request_id)
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
             total = len(tokens) + sampling.max_tokens
@@ -193,6 +212,16 @@ class Performer:
             live.conversation = [*tokens, first_token]
         device.join(live, cache, tokens, lane, reserved)
         self.publish()
+
+    def stage(self, command: commands.StagePiece, caches: list[Any]) -> bool:
+        """A streamed handoff's piece into its request's slot, where it can go there
+        (`adapters.mlx.staging`); whether it did."""
+        device = self.device
+        return device.slots.staged.stage(
+            device.pool, command.request_id, command.first_layer, command.start, caches,
+            command.prompt_tokens, command.needed_tokens,
+            room=command.request_id in device.slots.staged or device.overloaded() is None,
+            decoding=any(live.slot is not None for live in device.live.values()))
 
     def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None) -> list[Any]:
         """The cache a request decodes from: its held one, or a handed-off one (built from its
@@ -213,6 +242,9 @@ class Performer:
             payload = device.receive_slice()
             caches = validate_and_build(payload, len(tokens), fingerprint=self.model_info.fingerprint,
                                         classes=self.classes, heads=(device.tensor.rank, device.tensor.size))
+        elif command.request_id in device.slots.staged:  # its pieces are in its slot
+            device.slots.staged.ready(device.pool, command.request_id)
+            caches = device.slots.staged.views(device.pool, command.request_id)
         elif local.pieces is not None:
             caches = joined_segments(len(tokens), local.pieces, len(self.classes))
         else:

@@ -2,8 +2,9 @@
 (`adapters.mlx.slots`), decoding in one model call a step that the device loop launches with the
 rest of its step and reads back while the next is built.
 
-Joining copies a prompt's cache into a free slot and leaving gives the slot back: no other row's
-KV moves. A row fed once takes its next input straight from the previous step's tokens on the
+Joining copies a prompt's cache into a free slot (or takes the slot a streamed handoff's pieces
+were staged in: `adapters.mlx.staging`) and leaving gives the slot back: no other row's KV moves.
+A row fed once takes its next input straight from the previous step's tokens on the
 device (`last_tokens`). A step's call that raises while it is built changes nothing the next call
 reads (each row's new key and value land at its own position), so it is built once more; if that
 raises too, the rows are split in halves until each failing row stands alone and fails alone.
@@ -20,6 +21,7 @@ import mlx.core as mx
 
 from adapters.mlx.rows import Deliveries, LaneHost, Live, rewind
 from adapters.mlx.sampling import PositionSampler, sample_rows
+from adapters.mlx.staging import StagedSlots
 from statecore.errors import StatecoreError
 
 __all__ = ["SlotLane", "SlotStep"]
@@ -44,12 +46,19 @@ class SlotLane:
     def __init__(self, loop: LaneHost) -> None:
         self.loop = loop
         self.last_tokens: Any = None  # the previous step's (rows,) tokens, on the device
+        self.staged = StagedSlots()  # handed-off prompts written into their slots as pieces come
 
     def enter(self, live: Live, cache: list[Any], prompt_tokens: int, needed: int) -> None:
-        """Take a free slot and copy the prompt's cache into it; a copy that raises is made once
-        more (it writes the same positions again), as a failed step is computed again."""
+        """Take a free slot and copy the prompt's cache into it (or the slot its pieces were
+        staged in, as they stand); a copy that raises is made once more (it writes the same
+        positions again), as a failed step is computed again."""
         pool = self.loop.pool
         assert pool is not None
+        staged = self.staged.adopt(live.request_id)
+        if staged is not None:
+            live.slot = staged.slot
+            live.offset = prompt_tokens
+            return
         slot = pool.take()
         try:
             try:
@@ -78,6 +87,8 @@ class SlotLane:
         """Every slot row's token in one model call (built, not evaluated)."""
         loop, pool = self.loop, self.loop.pool
         assert pool is not None
+        if self.staged:
+            self.staged.write_some(pool)  # one step's share of the pieces staged meanwhile
         count = pool.rows([live.slot for live in rows if live.slot is not None])
         if loop.compiled is not None:
             count = loop.compiled.rows(count)
@@ -134,6 +145,7 @@ class SlotLane:
         loop.computing = ("decode", [live.request_id for live in rows])
         if only is None:
             offsets = [0] * count
+            self.staged.throwaway_offsets(offsets)
             samplers: list[PositionSampler | None] = [None] * count
             for live in rows:
                 assert live.slot is not None

@@ -70,7 +70,8 @@ class SlotPool:
     # -- contents ------------------------------------------------------------------------------
 
     def reserve(self, tokens: int, like: Sequence[Any]) -> None:
-        """Make room for `tokens` positions per slot (buffers shaped after `like`'s KVCache layers)."""
+        """Make room for `tokens` positions per slot (the first buffers shaped after `like`'s
+        KVCache layers, one per layer; later growth keeps their shapes)."""
         if tokens > self.max_capacity:
             raise ValueError(f"{tokens} positions exceed the slot capacity limit {self.max_capacity}")
         if tokens <= self.capacity and self.keys[0] is not None:
@@ -79,13 +80,15 @@ class SlotPool:
         while capacity < tokens:
             capacity *= 2
         capacity = min(capacity, self.max_capacity)
-        for index, layer in enumerate(like):
-            for buffers, sample in ((self.keys, layer.keys), (self.values, layer.values)):
-                _, heads, _, dim = sample.shape
-                old = buffers[index]
-                if old is None:
+        if self.keys[0] is None:  # the first: shaped after `like`, a cache of every layer
+            for index, layer in enumerate(like):
+                for buffers, sample in ((self.keys, layer.keys), (self.values, layer.values)):
+                    _, heads, _, dim = sample.shape
                     buffers[index] = mx.zeros((self.num_slots, heads, capacity, dim), dtype=sample.dtype)
-                else:
+        else:
+            for buffers in (self.keys, self.values):
+                for index, old in enumerate(buffers):
+                    _, heads, _, dim = old.shape
                     extra = mx.zeros((self.num_slots, heads, capacity - old.shape[2], dim), dtype=old.dtype)
                     buffers[index] = mx.concatenate([old, extra], axis=2)
         self.capacity = capacity

@@ -1,0 +1,179 @@
+"""A streamed handoff's KV written into its slot as the pieces arrive, before the request joins.
+
+On a decode node the pieces of a streamed handoff come while the prefill node still computes the
+prompt. For a model of plain KVCache layers each piece goes straight into a slot of the pool,
+taken for the request when its first piece comes: when the first token arrives the request joins
+the batch on the slot as it stands, with no copy of its whole cache on the step it joins (the
+install is spread over the steps in between). While rows decode, one step writes at most
+`STAGED_BYTES_PER_STEP` of staged KV (the copies go with that step), so that no running stream's
+step grows by more than one such copy; with nothing decoding a piece is written at once. A staged
+slot is no row: a step that covers it computes its throwaway token at the prompt's end, the
+position the request's own first step writes again, never over the KV already written. Where a
+request cannot stage (no pool, another cache class, no free slot, too long for a slot) its pieces
+are kept and joined at install, as before. This module imports mlx and mlx-lm; never trio.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import KVCache
+
+from adapters.mlx.slots import SlotPool
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+
+__all__ = ["STAGED_BYTES_PER_STEP", "Staged", "StagedSlots"]
+
+# One step's share of staged copies while rows decode: small beside a step's own traffic on a GPU
+# (a few milliseconds of host-to-device copy at the ~4 GB/s MLX reaches), a millisecond or two of
+# memcpy on a CPU.
+STAGED_BYTES_PER_STEP = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Staged:
+    """One request's slot while its pieces arrive: per layer, the tokens written or queued (in
+    order), and the writes still queued (layer, first token, keys, values)."""
+
+    slot: int
+    prompt_tokens: int
+    needed: int
+    covered: list[int]
+    pending: deque[tuple[int, int, Any, Any]] = field(default_factory=deque)
+    pending_bytes: int = 0
+
+
+def _malformed(message: str) -> StatecoreError:
+    return StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, message))
+
+
+class StagedSlots:
+    """The staged slots of one pool (device thread only)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Staged] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.entries
+
+    def stage(self, pool: SlotPool | None, request_id: str, first_layer: int, start: int,
+              caches: Sequence[Any], prompt_tokens: int, needed: int, *, room: bool, decoding: bool) -> bool:
+        """Queue a piece (layers from `first_layer`, tokens from `start`) into the request's slot,
+        taking one at its first piece when `room` allows; False when the request does not stage
+        (its pieces are then joined at install). Written at once when nothing is `decoding`."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            if not self._can_start(pool, first_layer, caches, needed, room=room):
+                return False
+            assert pool is not None
+            slot = pool.take()
+            try:
+                pool.reserve(needed, caches)
+            except BaseException:
+                pool.give_back(slot)
+                raise
+            entry = Staged(slot, prompt_tokens, needed, [0] * pool.num_layers)
+            self.entries[request_id] = entry
+        if prompt_tokens != entry.prompt_tokens:
+            raise _malformed(f"a KV piece for a prompt of {prompt_tokens} tokens; "
+                             f"it has {entry.prompt_tokens}")
+        for layer, cache in enumerate(caches, start=first_layer):
+            if not 0 <= layer < len(entry.covered):
+                raise _malformed(f"a KV piece names layer {layer}; the model has {len(entry.covered)}")
+            if type(cache) is not KVCache:
+                raise _malformed(f"layer {layer} of a KV piece is a {type(cache).__name__}, not a KVCache")
+            keys: Any = cache.keys
+            values: Any = cache.values
+            tokens = int(keys.shape[2])
+            if start != entry.covered[layer] or start + tokens > prompt_tokens:
+                raise _malformed(f"layer {layer}'s KV piece covers [{start}, {start + tokens}); "
+                                 f"{entry.covered[layer]} of {prompt_tokens} tokens came before it")
+            entry.covered[layer] = start + tokens
+            entry.pending.append((layer, start, keys, values))
+            entry.pending_bytes += int(keys.nbytes) + int(values.nbytes)
+        if not decoding:
+            self.write(pool, entry, None)
+        return True
+
+    def _can_start(self, pool: SlotPool | None, first_layer: int, caches: Sequence[Any], needed: int, *,
+                   room: bool) -> bool:
+        if pool is None or not room or not pool.free_slots or needed > pool.max_capacity:
+            return False
+        if any(type(cache) is not KVCache for cache in caches):
+            return False
+        # The pool's buffers are shaped after a first cache of every layer.
+        return pool.keys[0] is not None or (first_layer == 0 and len(caches) == pool.num_layers)
+
+    def write(self, pool: SlotPool | None, entry: Staged, budget: int | None) -> int:
+        """Write `entry`'s queued pieces into its slot (lazily: they go with the next step), at
+        most `budget` bytes of them but always one (None: all); the bytes written."""
+        assert pool is not None
+        written = 0
+        while entry.pending and (budget is None or written == 0 or written < budget):
+            layer, start, keys, values = entry.pending[0]
+            size = int(keys.nbytes) + int(values.nbytes)
+            if budget is not None and written and written + size > budget:
+                break
+            entry.pending.popleft()
+            stop = start + int(keys.shape[2])
+            pool.keys[layer][entry.slot : entry.slot + 1, :, start:stop, :] = keys
+            pool.values[layer][entry.slot : entry.slot + 1, :, start:stop, :] = values
+            entry.pending_bytes -= size
+            written += size
+        return written
+
+    def write_some(self, pool: SlotPool | None, budget: int = STAGED_BYTES_PER_STEP) -> None:
+        """One step's share of the queued writes, oldest request first."""
+        for entry in self.entries.values():
+            if budget <= 0:
+                return
+            budget -= self.write(pool, entry, budget)
+
+    def ready(self, pool: SlotPool | None, request_id: str) -> Staged:
+        """The request's slot, every queued piece written and every layer covering its prompt;
+        raises (the peer's fault) when pieces are missing."""
+        entry = self.entries[request_id]
+        self.write(pool, entry, None)
+        short = [layer for layer, tokens in enumerate(entry.covered) if tokens != entry.prompt_tokens]
+        if short:
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_TRUNCATED,
+                f"the KV pieces cover {entry.covered[short[0]]} of the prompt's {entry.prompt_tokens} "
+                f"tokens in layer {short[0]}"))
+        return entry
+
+    def views(self, pool: SlotPool | None, request_id: str) -> list[Any]:
+        """The staged prompt's cache as KVCache views of its slot (lazy: read only if used)."""
+        assert pool is not None
+        entry = self.entries[request_id]
+        slot, tokens = entry.slot, entry.prompt_tokens
+        caches: list[Any] = []
+        for keys, values in zip(pool.keys, pool.values, strict=True):
+            caches.append(KVCache.from_state(  # type: ignore[no-untyped-call]
+                (keys[slot : slot + 1, :, :tokens, :], values[slot : slot + 1, :, :tokens, :], tokens)))
+        return caches
+
+    def adopt(self, request_id: str) -> Staged | None:
+        """The staged slot a joining request takes as its row (it is no longer staged)."""
+        return self.entries.pop(request_id, None)
+
+    def unstage(self, pool: SlotPool | None, request_id: str) -> bool:
+        """Give a staged request's slot back (its pieces forgotten); whether it had one."""
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return False
+        if pool is not None:
+            pool.give_back(entry.slot)
+        return True
+
+    def throwaway_offsets(self, offsets: list[int]) -> None:
+        """A step's offsets for staged slots in its range: their prompt's end, not position 0."""
+        for entry in self.entries.values():
+            if entry.slot < len(offsets):
+                offsets[entry.slot] = entry.prompt_tokens

@@ -1,0 +1,144 @@
+"""A streamed handoff's pieces written into the request's slot as they arrive (`adapters.mlx.staging`),
+on real engines and a tiny llama: the tokens are the single node's, a staged slot lying among
+running rows is never written over by their steps, and a request that leaves, or whose pieces do
+not cover its prompt, gives its slot back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import trio
+
+from adapters.mlx import MlxEngine
+from effects.engine_port import KvSegment, SamplingParams
+from statecore.errors import Code, StatecoreError
+from statecore.ids import RequestId
+from support.tiny_models import cached_checkpoint
+from tests.integration.engines import load_into, opened_engines
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + 11 * salt) % 500 + 2 for i in range(n)]
+
+
+async def served(engine: MlxEngine, rid: str, prompt: Sequence[int],
+                 sampling: SamplingParams = GREEDY) -> list[int]:
+    outcome = await engine.prefill(RequestId(rid), prompt, sampling)
+    await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
+    return [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
+
+
+async def pieces_of(source: MlxEngine, rid: str, prompt: Sequence[int]) -> tuple[int, list[KvSegment]]:
+    """The first token and the streamed pieces of a prompt prefilled on `source` (a chunk a
+    step: several pieces), its held cache released."""
+    pieces: list[KvSegment] = []
+    outcome = await source.prefill(RequestId(rid), prompt, GREEDY, segments=pieces.append)
+    await source.release_held(RequestId(rid))
+    assert len(pieces) > 2
+    return outcome.first_token, pieces
+
+
+def staged(engine: MlxEngine) -> dict[str, Any]:
+    return engine._device.slots.staged.entries
+
+
+async def steps_pass(engine: MlxEngine, count: int) -> None:
+    """Wait until the engine's device loop has taken `count` more steps."""
+    before = engine._device.profile["step"][0]
+    with trio.fail_after(60):
+        while engine._device.profile["step"][0] < before + count:
+            await trio.sleep(0.002)
+
+
+async def decoding(engine: MlxEngine, count: int) -> None:
+    with trio.fail_after(60):
+        while engine.statistics().decoding < count:
+            await trio.sleep(0.005)
+
+
+async def test_pieces_staged_among_running_rows_decode_as_a_single_node() -> None:
+    """Rows in slots 0 and 2 decode while a handed-off prompt's pieces go into slot 1 over many of
+    their steps; each request's tokens are what one node computes alone."""
+    path = cached_checkpoint("llama")
+    async with opened_engines() as opened:
+        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=4)
+        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
+                                 prefix_cache_bytes=0)
+        decode = await load_into(opened, path, **options)
+        alone = await load_into(opened, path, **options)
+        newcomer = prompt_of(70, salt=3)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        long_run = replace(GREEDY, max_tokens=400)
+        rows = {name: prompt_of(20 + index, salt=index) for index, name in enumerate(("a", "b", "c"))}
+        results: dict[str, list[int]] = {}
+
+        async def run(name: str, sampling: SamplingParams) -> None:
+            results[name] = await served(decode, name, rows[name], sampling)
+
+        async with trio.open_nursery() as nursery:
+            for count, name in enumerate(rows, start=1):  # slots 0, 1, 2 in order of joining
+                nursery.start_soon(run, name, replace(GREEDY, max_tokens=40) if name == "b" else long_run)
+                await decoding(decode, count)
+            with trio.fail_after(60):  # "b" ends: slot 1 is free, between the running rows
+                while "b" not in results or decode.statistics().decoding != 2:
+                    await trio.sleep(0.005)
+            for piece in pieces:
+                await decode.receive_segment(RequestId("new"), piece, len(newcomer),
+                                             max_tokens=GREEDY.max_tokens)
+                assert staged(decode)["new"].slot == 1  # inside every step's range of rows
+                await steps_pass(decode, 3)  # the running rows' steps go on meanwhile
+            await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+            assert not staged(decode)
+            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            for name in ("a", "c"):
+                await decode.cancel(RequestId(name))
+        assert tokens == await served(alone, "new", newcomer)
+        for name in ("a", "c"):  # cut short: their tokens so far are the single node's
+            expected = await served(alone, name, rows[name], long_run)
+            assert len(results[name]) > 2 * len(pieces)
+            assert results[name] == expected[: len(results[name])]
+
+
+@pytest.mark.parametrize("ending", ["cancel", "missing piece"])
+async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> None:
+    """Cancelled while its pieces arrive, or installed with a piece missing (a typed
+    KV_TRUNCATED): its slot is free again and a later request decodes in it exactly."""
+    path = cached_checkpoint("llama")
+    async with opened_engines() as opened:
+        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=2)
+        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
+                                 prefix_cache_bytes=0)
+        decode = await load_into(opened, path, **options)
+        newcomer = prompt_of(70, salt=5)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        for piece in pieces[:-1]:
+            await decode.receive_segment(RequestId("new"), piece, len(newcomer),
+                                         max_tokens=GREEDY.max_tokens)
+        assert "new" in staged(decode)
+        if ending == "cancel":
+            await decode.cancel(RequestId("new"))
+        else:
+            with pytest.raises(StatecoreError) as raised:
+                await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+            assert raised.value.info.code is Code.KV_TRUNCATED
+        assert not staged(decode)
+        assert decode._device.pool is not None and decode._device.pool.free_slots == 2
+        # both slots serve again, the once staged one included
+        async with trio.open_nursery() as nursery:
+            got: dict[str, list[int]] = {}
+
+            async def run(name: str) -> None:
+                got[name] = await served(decode, name, prompt_of(30, salt=len(name)))
+
+            nursery.start_soon(run, "x")
+            nursery.start_soon(run, "yy")
+        assert decode.statistics().arriving == 0
+        for name, tokens in got.items():
+            assert tokens == await served(source, name + "-alone", prompt_of(30, salt=len(name)))
