@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from adapters.serve.listeners import open_listener
+from support.tiny_adapter import build_lora_adapter
 from support.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
 from tests.e2e.harness import (
     ROOT,
@@ -40,8 +41,11 @@ TEMPLATE_ARGS = '{"date_string": "5 Dec 2026"}'  # the router's and the single n
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # every engine node serves one LoRA adapter (`--adapters`), the router learns its name from them
+    adapter = build_lora_adapter(cached_checkpoint("llama"), tmp_path_factory.mktemp("adapter"))
     built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-2x2"),
-                          prefills=2, decodes=2, public_args=("--chat-template-args", TEMPLATE_ARGS))
+                          prefills=2, decodes=2, node_args=("--adapters", f"story={adapter}"),
+                          public_args=("--chat-template-args", TEMPLATE_ARGS))
     try:
         yield built
     finally:
@@ -99,6 +103,21 @@ def test_the_start_s_template_args_make_the_same_prompt_on_the_router_and_a_sing
         answers = [post(node, "/v1/chat/completions", chat) for node in nodes]
         assert without_ids(answers[0].json()) == without_ids(answers[1].json())
         assert answers[0].json()["usage"]["prompt_tokens"] == len(prompts[0])
+
+
+def test_a_request_s_adapter_answers_alike_through_the_cluster(cluster: Cluster) -> None:
+    """A request naming the nodes' adapter is prefilled and decoded with it on both nodes of a
+    handoff: the router's answer is the single node's, and not the base model's."""
+    for path, body in (("/v1/completions", {"prompt": STORY, "max_tokens": 10, "temperature": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": STORY}],
+                                                 "max_tokens": 10, "temperature": 0.7, "seed": 3})):
+        adapted = {**body, "adapters": "story"}
+        single, routed = (post(node, path, adapted) for node in (cluster.single, cluster.router))
+        assert single.status_code == routed.status_code == 200, (single.text, routed.text)
+        assert without_ids(routed.json()) == without_ids(single.json())
+        assert without_ids(post(cluster.single, path, body).json()) != without_ids(single.json())
+    refused = post(cluster.router, "/v1/completions", {"prompt": STORY, "adapters": "poem"})
+    assert refused.status_code == 400 and "'story'" in refused.json()["error"]["message"], refused.text
 
 
 def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None:

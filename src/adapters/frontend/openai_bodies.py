@@ -134,6 +134,7 @@ class Sampling(Strict):
     # mlx_lm.server's names and ranges (a context size of 0 turns its penalty off)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
+    adapters: str | None = Field(default=None, min_length=1)  # mlx_lm.server's: a LoRA adapter, by name
     xtc_threshold: float | None = Field(default=None, ge=0.0, le=0.5)  # mlx-lm's sampler refuses more
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=0.0)
@@ -304,7 +305,6 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": neutral(False),
     "suffix": neutral(""),
     "min_tokens": neutral(0),
-    "adapters": neutral(),  # mlx_lm.server's LoRA adapter per request
     "functions": neutral([]),
     "function_call": neutral("none"),
     "guided_json": neutral(),

@@ -212,6 +212,19 @@ class Prompts:
                                       param="tools"))
         return text
 
+    def adapter(self, name: str | None) -> str | None:
+        """`adapters` (mlx_lm.server's field, one name): a LoRA adapter the node serves
+        (`--adapters NAME=PATH`); another name is a 400 listing those it serves."""
+        if name is None:
+            return None
+        served = self._backend.model_info.adapters
+        if name not in served:
+            serves = (f"serves {', '.join(repr(n) for n in served)}" if served else
+                      "serves none (a node serves adapters named at start with --adapters NAME=PATH)")
+            raise Reject(client_error(f"adapters: no adapter is named {name!r}; this server {serves}",
+                                      param="adapters"))
+        return name
+
     def logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs in id order; an id must be a token of the model."""
         if not given:

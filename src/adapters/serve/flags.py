@@ -123,6 +123,16 @@ def _template_args(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _named_adapter(text: str) -> str:
+    """An argparse type: one `--adapters` entry, NAME=PATH (kept as given: a local cluster hands
+    it on)."""
+    name, equals, path = text.partition("=")
+    if not equals or not path or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PATH (a name of 1 to 64 of A-Z a-z 0-9 . _ -)")
+    return text
+
+
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
 
 
@@ -293,6 +303,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="apply an mlx-lm LoRA/DoRA adapter (a directory with adapter_config.json and "
                              "adapters.safetensors) to the model at load, as mlx-lm applies it; part of the "
                              "model fingerprint: every node of a cluster needs the same one")
+    engine.add_argument("--adapters", type=_named_adapter, nargs="+", action="extend", default=[],
+                        metavar="NAME=PATH",
+                        help="LoRA adapters (mlx-lm adapter directories) a request may name in its "
+                             "`adapters` field: its rows compute with that adapter, beside rows of other "
+                             "adapters and of the base model in the same batch; part of the model "
+                             "fingerprint: every node of a cluster needs the same set. Turns the prefix "
+                             "cache and the traced decode step off; not with --speculative or "
+                             "--adapter-path")
     engine.add_argument("--speculative", default="off", choices=("off", "ngram", "draft"),
                         help="decode and single nodes: speculative decoding while few requests decode "
                              "(--speculative-max-rows): ngram drafts tokens by prompt lookup (what followed "
