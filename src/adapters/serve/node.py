@@ -252,7 +252,7 @@ def step_target_ms(args: argparse.Namespace, role: str) -> float | None:
 
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
-    return dict(
+    options = dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -270,6 +270,30 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
         draft_model=args.draft_model if role != "prefill" else None, adapter_path=args.adapter_path,
     )
+    return {**options, **adapter_options(args, role)}
+
+
+def adapter_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """`--adapters` as `MlxEngine.load`'s `adapters`, and what they turn off: the prefix cache
+    (its blocks are keyed by tokens alone, not by the adapter that computed them) and keeping
+    conversations; refused with one line beside what they cannot serve with yet."""
+    if not args.adapters:
+        return {}
+    named = [(name, Path(path)) for name, _, path in (entry.partition("=") for entry in args.adapters)]
+    names = [name for name, _ in named]
+    doubled = sorted({name for name in names if names.count(name) > 1})
+    if doubled:
+        raise SystemExit(f"statecore: --adapters names {', '.join(doubled)} more than once")
+    if args.adapter_path is not None:
+        raise SystemExit("statecore: --adapters and --adapter-path together are not served: name the "
+                         "adapter for every request in --adapters instead, or apply one with --adapter-path")
+    if args.speculative != "off" or args.draft_model is not None:
+        raise SystemExit("statecore: --adapters with speculative decoding is not served yet: drop "
+                         "--speculative / --draft-model")
+    if args.prefix_cache_bytes:
+        log.warning("%s: --adapters turns the prefix cache off (its blocks are not keyed by adapter); "
+                    "--prefix-cache-bytes is ignored", role)
+    return {"adapters": tuple(named), "prefix_cache_bytes": 0, "keep_conversations": False}
 
 
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
@@ -465,9 +489,9 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         return choice
 
     modes = HandoffModes(docs, partial(_node_document, peers), stream=args.kv_handoff == "stream")
-    performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
+    performer = RouterPerformer(peers, peer_set.pick, route, in_flight=peer_set.in_flight,
                                 prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
-                                route=route, streams=modes.streams)
+                                streams=modes.streams)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router", every=args.log_transitions)
     runner.instruments.add(RetryLines())
