@@ -59,9 +59,11 @@ __all__ = [
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
+    "STREAMED_PIECE_BYTES",
     "STREAMED_SLICE_S",
     "STREAMED_SLICE_TOKENS",
     "step_token_budget",
+    "streamed_pieces",
     "work_unit_tokens",
 ]
 
@@ -256,11 +258,37 @@ STREAMED_SLICE_TOKENS = 512
 decodes: each step's piece travels while the next is computed, so when the first token is
 sampled only the last slice is left to move (a whole prompt in one step would leave all of it)."""
 
-STREAMED_SLICE_S = 0.1
-"""...and the least time such a step should take at the measured rate: a step has a fixed cost
-(~10 ms of host work on a GPU), which slices of 512 tokens of a 1B model on an H200 paid 4-12
-times over (the prefill 1.5-1.9x longer); a step of 100 ms keeps it near a tenth. On a CPU a
-512-token slice already takes longer; on a fast GPU a 2,000-token prompt stays one step."""
+STREAMED_SLICE_S = 0.5
+"""...and the least time such a step should take at the measured rate: a sliced step has a fixed
+cost, measured at ~50 ms on an H100 (an 8,000-token prompt of a 1B model in 5 slices took 1.8x
+its one-step prefill; fixed 512-token slices on an H200 made it 1.5-1.9x), so a slice of 500 ms
+keeps it near a tenth. On a CPU a 512-token slice already takes longer; on a fast GPU a 1B
+model's prompts of 8,000 tokens stay one step, their KV leaving in pieces after it."""
+
+
+STREAMED_PIECE_BYTES = 16 * 1024 * 1024
+"""The most KV bytes one streamed piece carries: a step's KV leaves in pieces of a few layers each,
+so that one piece's copy out of the device, its transfer, its check and its copy into the decode
+node's slot overlap the next piece's instead of following a whole step's KV one after another."""
+
+
+def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, layer_token_bytes: int,
+                    most_bytes: int = STREAMED_PIECE_BYTES) -> list[tuple[int, int, int, int]]:
+    """A step's KV of tokens [start, stop) and layers [first_layer, end_layer), as pieces
+    (start, stop, first layer, end layer) of at most `most_bytes` (`layer_token_bytes`: one
+    token's keys and values in one layer): by groups of whole layers, a layer's tokens split too
+    only when one layer alone is larger. In order: a layer's token ranges follow one another, the
+    layer groups of one token range ascend."""
+    if not (0 <= start < stop and 0 <= first_layer < end_layer) or layer_token_bytes <= 0 or most_bytes <= 0:
+        raise ValueError("a piece needs tokens, layers and sizes > 0")
+    tokens = stop - start
+    layers_per_piece = most_bytes // (tokens * layer_token_bytes)
+    if layers_per_piece >= 1:
+        return [(start, stop, layer, min(end_layer, layer + layers_per_piece))
+                for layer in range(first_layer, end_layer, layers_per_piece)]
+    tokens_per_piece = max(1, most_bytes // layer_token_bytes)
+    return [(first, min(stop, first + tokens_per_piece), layer, layer + 1)
+            for first in range(start, stop, tokens_per_piece) for layer in range(first_layer, end_layer)]
 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import trio
 
-from adapters.mlx import MlxEngine
+from adapters.mlx import MlxEngine, slot_lane
+from adapters.mlx import device as device_module
 from effects.engine_port import KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -57,22 +58,36 @@ async def steps_pass(engine: MlxEngine, count: int) -> None:
             await trio.sleep(0.002)
 
 
+async def source_and_decode(opened: list[MlxEngine], max_batch: int) -> tuple[MlxEngine, MlxEngine]:
+    """A prefill engine that computes a chunk a step (a prompt streams in several pieces) and a
+    decode engine, both on the tiny llama."""
+    path = cached_checkpoint("llama")
+    options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=max_batch)
+    source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4, prefix_cache_bytes=0)
+    return source, await load_into(opened, path, **options)
+
+
 async def decoding(engine: MlxEngine, count: int) -> None:
     with trio.fail_after(60):
         while engine.statistics().decoding < count:
             await trio.sleep(0.005)
 
 
-async def test_pieces_staged_among_running_rows_decode_as_a_single_node() -> None:
+@pytest.mark.parametrize("budget", ["a step's share", "a layer a step"])
+async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
+    budget: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows in slots 0 and 2 decode while a handed-off prompt's pieces go into slot 1 over many of
-    their steps; each request's tokens are what one node computes alone."""
-    path = cached_checkpoint("llama")
+    their steps; each request's tokens are what one node computes alone. With one layer's piece
+    written a step, the request joins before its pieces are all written and decodes once they
+    are."""
+    slow = budget == "a layer a step"
+    if slow:
+        monkeypatch.setattr(slot_lane, "STAGED_BYTES_PER_STEP", 1)  # each step writes one piece
     async with opened_engines() as opened:
-        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=4)
-        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
-                                 prefix_cache_bytes=0)
-        decode = await load_into(opened, path, **options)
-        alone = await load_into(opened, path, **options)
+        source, decode = await source_and_decode(opened, max_batch=4)
+        alone = await load_into(opened, cached_checkpoint("llama"), prefill_chunk_size=CHUNK,
+                                step_target_ms=0.0, max_batch=4)
         newcomer = prompt_of(70, salt=3)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         long_run = replace(GREEDY, max_tokens=400)
@@ -93,9 +108,15 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node() -> Non
                 await decode.receive_segment(RequestId("new"), piece, len(newcomer),
                                              max_tokens=GREEDY.max_tokens)
                 assert staged(decode)["new"].slot == 1  # inside every step's range of rows
-                await steps_pass(decode, 3)  # the running rows' steps go on meanwhile
+                if not slow:
+                    await steps_pass(decode, 3)  # the running rows' steps go on meanwhile
             await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
-            assert not staged(decode)
+            if slow:
+                entry = staged(decode)["new"]
+                assert entry.pending and entry.row is not None and entry.row.staging
+            else:  # its last piece, within a step's share, is written by the next step, which it joins
+                await steps_pass(decode, 1)
+                assert not staged(decode)
             tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
             for name in ("a", "c"):
                 await decode.cancel(RequestId(name))
@@ -110,12 +131,8 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node() -> Non
 async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> None:
     """Cancelled while its pieces arrive, or installed with a piece missing (a typed
     KV_TRUNCATED): its slot is free again and a later request decodes in it exactly."""
-    path = cached_checkpoint("llama")
     async with opened_engines() as opened:
-        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=2)
-        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
-                                 prefix_cache_bytes=0)
-        decode = await load_into(opened, path, **options)
+        source, decode = await source_and_decode(opened, max_batch=2)
         newcomer = prompt_of(70, salt=5)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         for piece in pieces[:-1]:
@@ -142,3 +159,26 @@ async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> No
         assert decode.statistics().arriving == 0
         for name, tokens in got.items():
             assert tokens == await served(source, name + "-alone", prompt_of(30, salt=len(name)))
+
+
+async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces capped at one layer's share of a step: every step's KV leaves in one piece per
+    layer, each staged into the slot as it comes; the tokens are the single node's."""
+    async with opened_engines() as opened:
+        source, decode = await source_and_decode(opened, max_batch=2)
+        newcomer = prompt_of(70, salt=6)
+        _, whole = await pieces_of(source, "whole", newcomer)
+        layers = len(source.info.layers)
+        one_layer = max(piece.payload.nbytes for piece in whole) // layers // 2
+        monkeypatch.setattr(device_module, "STREAMED_PIECE_BYTES", one_layer)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        assert len(pieces) >= layers * len(whole) > len(whole)
+        assert all(piece.end_layer - piece.first_layer == 1 for piece in pieces)
+        for piece in pieces:
+            await decode.receive_segment(RequestId("new"), piece, len(newcomer),
+                                         max_tokens=GREEDY.max_tokens)
+        await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+        tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        assert tokens == await served(source, "alone", newcomer)

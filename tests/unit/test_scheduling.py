@@ -37,6 +37,7 @@ from statecore.scheduling import (
     prefill_units,
     prefill_work_bytes,
     step_token_budget,
+    streamed_pieces,
 )
 
 
@@ -173,8 +174,9 @@ FAST_PREFILL = StepRates(excess_s=0.045, prefill_tokens=2000.0)  # 22.5 us a tok
         # ... at least its next unit, at most the configured budget
         (2052, 0, 1000, SLOW_PREFILL, 1000),
         (300, 0, 256, SLOW_PREFILL, 300),
-        # on a fast one, steps of STREAMED_SLICE_S at least (100 ms / 22.5 us: 4,445 tokens)
-        (8192, 0, 256, FAST_PREFILL, 4445),
+        # on a fast one, steps of STREAMED_SLICE_S at least (500 ms / 22.5 us: 22,223 tokens)
+        (32768, 0, 256, FAST_PREFILL, 22223),
+        (8192, 0, 256, FAST_PREFILL, 8192),
         (2052, 0, 256, FAST_PREFILL, 2052),
         # no rate measured yet: the configured budget
         (2052, 0, 256, StepRates(), 2052),
@@ -543,3 +545,26 @@ def test_joining_choices_join_all_arrived_at_once_or_none(choices: int, arrived:
     assert joining in ((), tuple(sorted(arrived)))
     if arrived and (len(arrived) + len(ended) == choices or waited >= 2.0):
         assert joining == tuple(sorted(arrived))  # never waits for nothing, never past its patience
+
+
+@given(start=st.integers(0, 5000), tokens=st.integers(1, 5000), first_layer=st.integers(0, 40),
+       layers=st.integers(1, 40), layer_token_bytes=st.integers(1, 1 << 16),
+       most_bytes=st.integers(1, 1 << 26))
+def test_streamed_pieces_cover_the_step_in_order_and_in_bounded_pieces(
+    start: int, tokens: int, first_layer: int, layers: int, layer_token_bytes: int, most_bytes: int
+) -> None:
+    stop, end_layer = start + tokens, first_layer + layers
+    pieces = streamed_pieces(start, stop, first_layer, end_layer, layer_token_bytes=layer_token_bytes,
+                             most_bytes=most_bytes)
+    covered: dict[int, int] = {layer: start for layer in range(first_layer, end_layer)}
+    for piece_start, piece_stop, piece_first, piece_end in pieces:
+        assert first_layer <= piece_first < piece_end <= end_layer
+        assert start <= piece_start < piece_stop <= stop
+        size = (piece_stop - piece_start) * (piece_end - piece_first) * layer_token_bytes
+        assert size <= max(most_bytes, layer_token_bytes)  # one token of one layer is the least piece
+        for layer in range(piece_first, piece_end):
+            assert covered[layer] == piece_start  # each layer's ranges follow one another
+            covered[layer] = piece_stop
+    assert set(covered.values()) == {stop}
+    if tokens * layers * layer_token_bytes <= most_bytes:
+        assert pieces == [(start, stop, first_layer, end_layer)]  # a small step stays one piece

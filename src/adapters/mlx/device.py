@@ -90,12 +90,14 @@ from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
 from statecore.prefix import conversation_block_keys, conversation_blocks
 from statecore.scheduling import (
+    STREAMED_PIECE_BYTES,
     KvAdmission,
     ModelShape,
     StepRates,
     kv_admission,
     measured_step,
     prefill_units,
+    streamed_pieces,
     work_unit_tokens,
 )
 
@@ -474,7 +476,11 @@ class DeviceLoop:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Build and start this step, then read back the previous one."""
+        """Build and start this step, then read back the previous one; while a handed-off
+        request is about to join, read the previous one back first (`settle`)."""
+        if self.inflight is not None and self.handoff_imminent():
+            self.settle()
+            return
         started = time.perf_counter()
         spent_before = {kind: seconds for kind, (_, seconds) in self.profile.items()}
         traces_before = 0 if self.compiled is None else self.compiled.traces
@@ -532,6 +538,16 @@ class DeviceLoop:
             self.rates = measured_step(self.rates, elapsed, sum(step.prefill_tokens for step in waited_for))
         if elapsed >= SLOW_STEP_S:
             self.note_slow_step(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces_before)
+        self.publish()
+
+    def settle(self) -> None:
+        """Read the step on the device back before the next is built: the install of a request
+        whose last piece is arriving (a job) then comes before that next step, so the request's
+        second token is one step sooner, at the price of the host's build no longer overlapping
+        the device for the few steps until it joins."""
+        previous, self.inflight = self.inflight, None
+        assert previous is not None
+        self.read_back(previous)
         self.publish()
 
     def note_slow_step(self, elapsed: float, rows: int, units: int, spent_before: dict[str, float],
@@ -684,7 +700,8 @@ class DeviceLoop:
     def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
         """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
         units built since the last capture, cut out as their own arrays (evaluated with the step,
-        handed to the sink when it is read back). Cached leading chunks go in the first capture."""
+        handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
+        (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture."""
         if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
             return []
         arrays: list[Any] = []
@@ -698,10 +715,16 @@ class DeviceLoop:
             if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
                 start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
             ranges.append((start, stop, first, end))
-        for start, stop, first, end in ranges:
+        keys, values = task.cache[0].keys, task.cache[0].values
+        layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
+                             + values.shape[1] * values.shape[3] * values.dtype.size)
+        for where in [piece for step_range in ranges
+                      for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
+                                                   most_bytes=STREAMED_PIECE_BYTES)]:
+            start, stop, first, end = where
             pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
                       for buffer in (layer.keys, layer.values)]
-            current.segments.append((task, (start, stop, first, end), pieces))
+            current.segments.append((task, where, pieces))
             arrays.extend(pieces)
         task.streamed_units = task.done_units
         return arrays

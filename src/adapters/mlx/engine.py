@@ -87,7 +87,9 @@ class MlxEngine:
         # trio side: streams not yet taken by `stream()`.
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
         # trio side: a streamed handoff's pieces received so far, validated and built, by request
-        self._arriving: dict[RequestId, list[tuple[int, int, list[Any]]]] = {}  # (first, end layer, caches)
+        # a streamed handoff's pieces not in a slot: (first, end layer, first token, caches)
+        self._arriving: dict[RequestId, list[tuple[int, int, int, list[Any]]]] = {}
+        self._last_pieces: dict[RequestId, tuple[int, int, int, list[Any]]] = {}  # its install stages it
         self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
                         else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
         self._performer = Performer(self._device, settings, source)
@@ -329,6 +331,7 @@ class MlxEngine:
 
     async def release_held(self, request_id: RequestId) -> int:
         self._arriving.pop(request_id, None)
+        self._last_pieces.pop(request_id, None)
         if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -379,27 +382,35 @@ class MlxEngine:
                 Fault.PEER, Code.KV_MALFORMED,
                 "this node installs whole payloads only (tensor or pipeline parallel)"))
         # Validated and built in a worker thread, as `install` does, while the stream goes on.
-        if segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes):
-            # the last piece: the request joins once the pieces are checked and installed
+        last = segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes)
+        if last:  # the request joins once the pieces are checked and installed
             self._device.handoffs_coming[request_id] = time.monotonic()
         built = await trio.to_thread.run_sync(partial(
             validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
             classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
         await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
+        piece = (segment.first_layer, segment.end_layer, segment.start, built)
         if request_id not in self._arriving:
             # Into the request's slot as it comes, where the model's cache goes in slots: the
             # install then copies nothing (`adapters.mlx.staging`); else kept for the install.
+            if last and request_id in self._device.slots.staged:
+                # The install job writes it: one wait for the device loop fewer before the join.
+                self._last_pieces[request_id] = piece
+                return
             stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
                                         needed_tokens=prompt_tokens + max_tokens + 1)
             staged: bool = await self._post(stage, Local(caches=built))
             if staged:
                 return
-        self._arriving.setdefault(request_id, []).append((segment.first_layer, segment.end_layer, built))
+        self._arriving.setdefault(request_id, []).append(piece)
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
     ) -> None:
         pieces = self._arriving.pop(request_id, [])
+        last = self._last_pieces.pop(request_id, None)
+        if last is not None:
+            pieces.append(last)
         try:
             tokens = checked_prompt(prompt, sampling, self._running_info)
             first_token = checked_token(first_token, "first_token", self.info)
@@ -431,6 +442,7 @@ class MlxEngine:
 
     async def cancel(self, request_id: RequestId) -> None:
         self._arriving.pop(request_id, None)
+        self._last_pieces.pop(request_id, None)
         self._device.handoffs_coming.pop(request_id, None)
         receive = self._streams.pop(request_id, None)
         if receive is not None:

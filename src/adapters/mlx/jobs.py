@@ -54,7 +54,7 @@ class Local:
     matcher: Any = None
     segment_sink: Any = None
     caches: list[Any] | None = None
-    pieces: list[tuple[int, int, list[Any]]] | None = None
+    pieces: list[tuple[int, int, int, list[Any]]] | None = None  # (first, end layer, first token, caches)
     ranges: list[tuple[int, int]] | None = None
 
 

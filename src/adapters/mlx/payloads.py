@@ -93,15 +93,15 @@ def validate_prefix(payload: KvBytes, most_tokens: int, *, fingerprint: str, cla
     return count, built
 
 
-def joined_segments(tokens: int, pieces: list[tuple[int, int, list[Any]]], layers: int) -> list[Any]:
-    """On the device thread: a streamed handoff's pieces (first layer, end layer, caches) as one
-    cache per layer of `tokens` positions (each layer's token ranges in order: the reader checked
-    they follow one another)."""
+def joined_segments(tokens: int, pieces: list[tuple[int, int, int, list[Any]]], layers: int) -> list[Any]:
+    """On the device thread: a streamed handoff's pieces (first layer, end layer, first token,
+    caches) as one cache per layer of `tokens` positions (each layer's token ranges in order: the
+    reader checked they follow one another)."""
     if len(pieces) == 1 and pieces[0][:2] == (0, layers):
-        return pieces[0][2]
+        return pieces[0][3]
     keys: list[list[Any]] = [[] for _ in range(layers)]
     values: list[list[Any]] = [[] for _ in range(layers)]
-    for first_layer, end_layer, built in pieces:
+    for first_layer, end_layer, _, built in pieces:
         for index, cache in zip(range(first_layer, end_layer), built, strict=True):
             keys[index].append(cache.keys)
             values[index].append(cache.values)

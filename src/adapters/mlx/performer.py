@@ -245,7 +245,12 @@ class Performer:
             caches = validate_and_build(payload, len(tokens), fingerprint=self.model_info.fingerprint,
                                         classes=self.classes, heads=(device.tensor.rank, device.tensor.size))
         elif command.request_id in device.slots.staged:  # its pieces are in its slot
-            device.slots.staged.ready(device.pool, command.request_id)
+            staged = device.slots.staged
+            for first_layer, _, start, built in local.pieces or ():  # its last, staged now
+                staged.stage(device.pool, command.request_id, first_layer, start, built, len(tokens),
+                             len(tokens) + command.sampling.max_tokens + 1, room=True, decoding=True)
+            decoding = any(live.slot is not None for live in device.live.values())
+            staged.ready(device.pool, command.request_id, decoding=decoding)
             caches = device.slots.staged.views(device.pool, command.request_id)
         elif local.pieces is not None:
             caches = joined_segments(len(tokens), local.pieces, len(self.classes))

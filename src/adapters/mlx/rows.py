@@ -43,6 +43,7 @@ class Live:
     slot: int | None = None
     offset: int = 0  # slot lane: positions in the slot's cache before the next input
     fed: bool = False  # slot lane: the first token went into a step (later inputs are on the device)
+    staging: bool = False  # slot lane: its staged KV is still being written; out of the steps until then
     batched: bool = False  # a row of the batch lane
     solo_cache: list[Any] | None = None
     rejoin: bool = False  # solo for now: its batch's step kept raising; back to the batch lane after one step

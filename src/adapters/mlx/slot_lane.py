@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from adapters.mlx.rows import Deliveries, LaneHost, Live, rewind
 from adapters.mlx.sampling import PositionSampler, sample_rows
-from adapters.mlx.staging import StagedSlots
+from adapters.mlx.staging import STAGED_BYTES_PER_STEP, StagedSlots
 from statecore.errors import StatecoreError
 
 __all__ = ["SlotLane", "SlotStep"]
@@ -54,7 +54,7 @@ class SlotLane:
         positions again), as a failed step is computed again."""
         pool = self.loop.pool
         assert pool is not None
-        staged = self.staged.adopt(live.request_id)
+        staged = self.staged.adopt(live)
         if staged is not None:
             live.slot = staged.slot
             live.offset = prompt_tokens
@@ -88,7 +88,11 @@ class SlotLane:
         loop, pool = self.loop, self.loop.pool
         assert pool is not None
         if self.staged:
-            self.staged.write_some(pool)  # one step's share of the pieces staged meanwhile
+            # One step's share of the pieces staged meanwhile; all of them when no row but those
+            # waiting for them would decode (nobody else's step to stretch).
+            alone = all(live.staging for live in rows)
+            self.staged.write_some(pool, None if alone else STAGED_BYTES_PER_STEP)
+            rows = [live for live in rows if not live.staging]
         count = pool.rows([live.slot for live in rows if live.slot is not None])
         if loop.compiled is not None:
             count = loop.compiled.rows(count)

@@ -159,8 +159,8 @@ class Speculator:
     def eligible(live: Live) -> bool:
         sampler = live.sampler
         sampling = sampler.sampling
-        return (live.slot is not None and sampler.constraint is None and not sampling.shapes_logits
-                and sampling.logprobs is None)
+        return (live.slot is not None and not live.staging and sampler.constraint is None
+                and not sampling.shapes_logits and sampling.logprobs is None)
 
     # -- a step --------------------------------------------------------------------------------
 

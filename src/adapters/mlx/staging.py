@@ -6,7 +6,9 @@ taken for the request when its first piece comes: when the first token arrives t
 the batch on the slot as it stands, with no copy of its whole cache on the step it joins (the
 install is spread over the steps in between). While rows decode, one step writes at most
 `STAGED_BYTES_PER_STEP` of staged KV (the copies go with that step), so that no running stream's
-step grows by more than one such copy; with nothing decoding a piece is written at once. A staged
+step grows by more than one such copy, and a request that joins with writes still queued decodes
+once they are done (its own second token waits rather than every stream); with nothing decoding
+a piece is written at once. A staged
 slot is no row: a step that covers it computes its throwaway token at the prompt's end, the
 position the request's own first step writes again, never over the KV already written. Where a
 request cannot stage (no pool, another cache class, no free slot, too long for a slot) its pieces
@@ -18,12 +20,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.slots import SlotPool
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+
+if TYPE_CHECKING:
+    from adapters.mlx.rows import Live
 
 __all__ = ["STAGED_BYTES_PER_STEP", "Staged", "StagedSlots"]
 
@@ -44,6 +50,7 @@ class Staged:
     covered: list[int]
     pending: deque[tuple[int, int, Any, Any]] = field(default_factory=deque)
     pending_bytes: int = 0
+    row: Live | None = None  # the request decoding on this slot, out of the steps until they are written
 
 
 def _malformed(message: str) -> StatecoreError:
@@ -111,10 +118,12 @@ class StagedSlots:
         return pool.keys[0] is not None or (first_layer == 0 and len(caches) == pool.num_layers)
 
     def write(self, pool: SlotPool | None, entry: Staged, budget: int | None) -> int:
-        """Write `entry`'s queued pieces into its slot (lazily: they go with the next step), at
-        most `budget` bytes of them but always one (None: all); the bytes written."""
+        """Write `entry`'s queued pieces into its slot (started on the device at once, ahead of
+        the next step), at most `budget` bytes of them but always one (None: all); the bytes
+        written."""
         assert pool is not None
         written = 0
+        touched: set[int] = set()
         while entry.pending and (budget is None or written == 0 or written < budget):
             layer, start, keys, values = entry.pending[0]
             size = int(keys.nbytes) + int(values.nbytes)
@@ -126,20 +135,34 @@ class StagedSlots:
             pool.values[layer][entry.slot : entry.slot + 1, :, start:stop, :] = values
             entry.pending_bytes -= size
             written += size
+            touched.add(layer)
+        if touched:
+            # Started now, behind the step in flight: the copies (a host-to-device one on a GPU)
+            # overlap the wait for the next piece, not the step the request joins.
+            mx.async_eval([buffers[layer] for layer in sorted(touched)  # type: ignore[no-untyped-call]
+                           for buffers in (pool.keys, pool.values)])
         return written
 
-    def write_some(self, pool: SlotPool | None, budget: int = STAGED_BYTES_PER_STEP) -> None:
-        """One step's share of the queued writes, oldest request first."""
-        for entry in self.entries.values():
-            if budget <= 0:
-                return
-            budget -= self.write(pool, entry, budget)
+    def write_some(self, pool: SlotPool | None, budget: int | None = STAGED_BYTES_PER_STEP) -> None:
+        """One step's share of the queued writes, oldest request first (None: all of them); a
+        joined request whose writes are done is no longer staged: it decodes from this step on."""
+        for request_id, entry in list(self.entries.items()):
+            if budget is not None and budget <= 0:
+                break
+            written = self.write(pool, entry, budget)
+            if budget is not None:
+                budget -= written
+            if entry.row is not None and not entry.pending:
+                entry.row.staging = False
+                del self.entries[request_id]
 
-    def ready(self, pool: SlotPool | None, request_id: str) -> Staged:
-        """The request's slot, every queued piece written and every layer covering its prompt;
-        raises (the peer's fault) when pieces are missing."""
+    def ready(self, pool: SlotPool | None, request_id: str, *, decoding: bool) -> Staged:
+        """The request's slot, every layer covering its prompt (raises, the peer's fault, when
+        pieces are missing); its queued writes all made now unless rows are `decoding` (then a
+        step's share at a time: it joins, and decodes once they are done)."""
         entry = self.entries[request_id]
-        self.write(pool, entry, None)
+        if not decoding:
+            self.write(pool, entry, None)
         short = [layer for layer, tokens in enumerate(entry.covered) if tokens != entry.prompt_tokens]
         if short:
             raise StatecoreError(ErrorInfo(
@@ -159,16 +182,26 @@ class StagedSlots:
                 (keys[slot : slot + 1, :, :tokens, :], values[slot : slot + 1, :, :tokens, :], tokens)))
         return caches
 
-    def adopt(self, request_id: str) -> Staged | None:
-        """The staged slot a joining request takes as its row (it is no longer staged)."""
-        return self.entries.pop(request_id, None)
+    def adopt(self, live: Live) -> Staged | None:
+        """The staged slot a joining request takes as its row: no longer staged, or, while its
+        writes are still queued, staged (and the row `staging`) until they are done (`write_some`)."""
+        entry = self.entries.get(live.request_id)
+        if entry is None:
+            return None
+        if entry.pending:
+            entry.row = live
+            live.staging = True
+        else:
+            del self.entries[live.request_id]
+        return entry
 
     def unstage(self, pool: SlotPool | None, request_id: str) -> bool:
-        """Give a staged request's slot back (its pieces forgotten); whether it had one."""
+        """Forget a staged request's pieces and give its slot back (a joined one's slot goes back
+        as its row leaves the lane); whether it had one."""
         entry = self.entries.pop(request_id, None)
         if entry is None:
             return False
-        if pool is not None:
+        if pool is not None and entry.row is None:
             pool.give_back(entry.slot)
         return True
 
