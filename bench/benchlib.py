@@ -255,6 +255,29 @@ async def completion_stream(
             yield texts, doc.get("usage") or None
 
 
+async def chat_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
+) -> AsyncIterator[tuple[list[str], dict[str, Any] | None]]:
+    """`completion_stream` for a streaming `/v1/chat/completions`: per `data:` document, its
+    choices' non-empty delta contents and its `usage`."""
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:200]
+            raise CompletionStreamError(f"HTTP {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            doc = json.loads(data)
+            if "error" in doc:
+                raise CompletionStreamError(f"stream error: {json.dumps(doc['error'])[:200]}")
+            texts = [text for choice in doc.get("choices") or []
+                     if (text := (choice.get("delta") or {}).get("content") or "")]
+            yield texts, doc.get("usage") or None
+
+
 # -- prompts and the load client -------------------------------------------------------------
 
 _WORDS_TEXT = (

@@ -16,6 +16,8 @@
 #                      (GPUS=0,1 on a 2-GPU machine; default 0,0: every node on GPU 0)
 #   long-prompt-ttft   a 2,000-token prompt's TTFT, cluster vs single, and where it goes (phases)
 #   multi-turn         conversations on a shared system prompt: mlx_lm.server, single, 1P2D
+#   prefix-reuse       chats on a shared system prompt and a resent document: cache / none /
+#                      mlx_lm.server; what message-end blocks and smaller chunks cost a cold prompt
 #   conversation-route where a conversation's next turn should prefill its new part
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
 #                      stall it causes a decode node with 16 streams
@@ -156,6 +158,22 @@ case "${1:-vs-mlx-lm}" in
       --servers ${MT_SERVERS:-mlx_lm,single,cluster_1p2d,single_nocache} --conversations ${MT_COUNTS:-8,32} \
       --turns 6 --system-tokens 1536 --answer-tokens 64 --statecore-arg=--kv-memory-bytes=8589934592 \
       --startup-timeout 180 --out "$OUT/multi_turn" 2>&1 | quiet | tail -30
+    ;;
+  prefix-reuse)
+    # Chats on a shared 1,000-token system prompt (32 first turns at once, two rounds) and a 3,700-token
+    # document asked a second question: statecore with / without its prefix cache and mlx_lm.server;
+    # then an 8,000-token cold prompt with a message end every 500 tokens (a block ends after each)
+    # against the same prompt without, and at 128- and 512-token chunks (what smaller blocks cost).
+    machine; model_1b
+    timeout "${PREFIX_LIMIT:-330}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
+      --servers mlx_lm,single,single_nocache --conversations 32 --rounds 2 --documents 3 \
+      --startup-timeout 120 --out "$OUT/shared_prefix" 2>&1 | quiet | tail -14
+    for every in 0 500; do
+      echo "== 8,000 tokens cold, an end-of-turn token every ${every} (0: none)"
+      timeout "${COLD_LIMIT:-120}" $PY bench/engine/long_cold.py --model $M --base-src src --tokens 8000 \
+        --rounds 2 --warm-first --blas bundled --message-every $every --chunks 128,512 \
+        --work "$OUT/long_cold_$every" 2>&1 | tail -1
+    done
     ;;
   conversation-route)
     # An 8,192-token start held by the decode node and a new part of 512 / 4,096 tokens.

@@ -44,6 +44,9 @@ async def main():
                                                      for i in range({tokens})], SamplingParams(max_tokens=1))
             await engine.release_held(RequestId("warm"))
         prompt = [(7 * i + 3 + 11 * {salt}) % 500 + 2 for i in range({tokens})]
+        if {every}:  # a chat's message ends: an end-of-turn token every so many tokens
+            end = min(engine.info.eos_token_ids)
+            prompt = [end if (i + 1) % {every} == 0 else token for i, token in enumerate(prompt)]
         started = time.perf_counter()
         outcome = await engine.prefill(RequestId("long"), prompt, SamplingParams(max_tokens=1))
         seconds = time.perf_counter() - started
@@ -75,9 +78,9 @@ def long_context_model(work: Path, tokens: int) -> Path:
 
 
 def prefill_once(src: Path, chunk: int | None, model: Path, tokens: int, salt: int, blas: str,
-                 warm_first: bool) -> dict[str, object]:
+                 warm_first: bool, every: int = 0) -> dict[str, object]:
     settings = {} if chunk is None else {"prefill_chunk_size": chunk}
-    code = _CHILD.format(src=str(src), model=str(model), tokens=tokens, salt=salt, blas=blas,
+    code = _CHILD.format(src=str(src), model=str(model), tokens=tokens, salt=salt, blas=blas, every=every,
                          settings=settings, warm_salts=[salt + 1000] if warm_first else [])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
@@ -99,6 +102,9 @@ def main() -> int:
     parser.add_argument("--warm-first", action="store_true",
                         help="prefill one prompt of the same length (other tokens) before the timed one: "
                              "on a GPU, what a serving node has met already (its attention shapes)")
+    parser.add_argument("--message-every", type=int, default=0,
+                        help="an end-of-turn token every N prompt tokens (a chat's messages; this "
+                             "checkout ends a prefill block after each): what those cuts cost")
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "results" / "long_cold")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,8 @@ def main() -> int:
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
         for side in order:
-            got = prefill_once(*sides[side], model, args.tokens, 100 + round_, args.blas, args.warm_first)
+            got = prefill_once(*sides[side], model, args.tokens, 100 + round_, args.blas, args.warm_first,
+                               args.message_every)
             seconds[side].append(float(got["seconds"]))  # type: ignore[arg-type]
             print(f"round {round_} {side}: {json.dumps(got)}", flush=True)
     ratios = {side: [round(a / b, 3) for a, b in zip(seconds[side], seconds["base"], strict=True)]

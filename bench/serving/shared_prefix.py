@@ -11,7 +11,9 @@ the same client and BLAS for all.
   rounds and in reverse in odd ones: a busy box's load then weighs on each server alike, and the
   per-round ratios show how much it moved.
 - **Document**: --documents rounds, each a new document of --document-tokens tokens asked one
-  question (cold), then asked another (warm), one request at a time. Prints cold and warm TTFT
+  question (cold), then asked another (warm), one request at a time.
+- `--api chat` (the default): the shared part is a system message and each request's own a user
+  message; `--api completions`: one text, the shared part then the request's own. Prints cold and warm TTFT
   p50 and the prompt tokens each warm request reports as cached (statecore reports them with
   `--enable-prompt-tokens-details`; mlx_lm.server reports none).
 
@@ -43,6 +45,7 @@ from benchlib import (
     ROOT,
     CompletionStreamError,
     PromptMaker,
+    chat_stream,
     completion_stream,
     default_model,
     load_tokenizer,
@@ -60,16 +63,23 @@ _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_chunk256": ["--prefill-chunk-size=256"]}
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: its TTFT and the cached prompt tokens its usage reports (a
+async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,
+              api: str) -> dict[str, Any]:
+    """One streamed request, a shared part then its own (chat: a system message, then a user
+    message; completions: one text): its TTFT and the cached prompt tokens its usage reports (a
     transport error or a refusal: no TTFT, and the error)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if api == "chat":
+        body["messages"] = [{"role": "system", "content": shared}, {"role": "user", "content": own}]
+    else:
+        body["prompt"] = shared + own
+    stream = chat_stream if api == "chat" else completion_stream
     started = time.perf_counter()
     ttft = None
     cached = None
     try:
-        async for texts, usage in completion_stream(client, url, body):
+        async for texts, usage in stream(client, url, body):
             if texts and ttft is None:
                 ttft = time.perf_counter() - started
             if usage:
@@ -83,10 +93,13 @@ async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespa
                             round_: int = 0) -> dict[str, Any]:
     salt = "" if round_ == 0 else f":{round_}"  # round 0's system prompt is the one earlier runs used
     system = maker.make(args.system_tokens, random.Random(f"shared-prefix:system{salt}"))
-    prompts = [system + "\nUser: " + maker.make(args.user_tokens, random.Random(f"{name}{salt}:{i}"))
-               + "\nAssistant:" for i in range(args.conversations)]
+    owns = [maker.make(args.user_tokens, random.Random(f"{name}{salt}:{i}"))
+            for i in range(args.conversations)]
+    if args.api == "completions":
+        owns = ["\nUser: " + own + "\nAssistant:" for own in owns]
     async with httpx.AsyncClient(timeout=1200) as client:
-        done = await asyncio.gather(*(one(client, url, p, args.answer_tokens) for p in prompts))
+        done = await asyncio.gather(*(one(client, url, system, own, args.answer_tokens, args.api)
+                                      for own in owns))
     ttfts = [d["ttft_s"] for d in done if d["ttft_s"] is not None]
     cached = [d["cached_tokens"] for d in done if d["cached_tokens"] is not None]
     return {"ok": len(ttfts), "failed": len(done) - len(ttfts),
@@ -105,8 +118,8 @@ async def document_run(url: str, maker: PromptMaker, args: argparse.Namespace, n
             document = maker.make(args.document_tokens, random.Random(f"{name}:document:{round_}"))
             for index, times in enumerate((cold, warm)):
                 question = maker.make(args.user_tokens, random.Random(f"{name}:q:{round_}:{index}"))
-                result = await one(client, url, document + "\nQuestion: " + question + "\nAnswer:",
-                                   args.answer_tokens)
+                own = question if args.api == "chat" else "\nQuestion: " + question + "\nAnswer:"
+                result = await one(client, url, document, own, args.answer_tokens, args.api)
                 if result["ttft_s"] is None:
                     raise SystemExit(f"{name}: a document request failed: {result}")
                 times.append(result["ttft_s"])
@@ -130,6 +143,10 @@ def main() -> int:
     parser.add_argument("--document-tokens", type=int, default=3700)
     parser.add_argument("--scenarios", default="system,document")
     parser.add_argument("--rounds", type=int, default=1, help="system prompt: rounds, each a new prompt")
+    parser.add_argument("--api", choices=["chat", "completions"], default="chat",
+                        help="chat: the shared part is a system message, each request's own a user "
+                             "message (the chat template ends each with an end-of-turn token); "
+                             "completions: one text, shared part then own")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"], default="auto")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_prefix")

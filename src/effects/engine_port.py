@@ -252,11 +252,13 @@ class EngineStatistics:
 class PrefixSummary:
     """What a node's prefix cache holds, for the router: the first bytes of every kept block's key
     (`statecore.routing.summary_key`), blocks of `block_tokens` prompt tokens (0: no prefix
-    cache), as of `version`."""
+    cache), ending early after a token of `block_ends` (`statecore.prefix.block_bounds`), as of
+    `version`."""
 
     block_tokens: int
     version: int
     keys: tuple[bytes, ...] = ()
+    block_ends: tuple[int, ...] = ()
 
 
 def no_prefix_cache(since: int | None) -> PrefixSummary | None:

@@ -67,6 +67,7 @@ class PrefixPuller:
         # this node's own prefix-cache summary, refreshed by version (an unchanged one is one
         # integer comparison on the engine's side)
         self._block_tokens = 0
+        self._block_ends: tuple[int, ...] = ()
         self._version: int | None = None
         self._own_keys: frozenset[bytes] = frozenset()
 
@@ -78,10 +79,11 @@ class PrefixPuller:
         summary = await self.engine.prefix_summary(self._version)
         if summary is not None:
             self._block_tokens, self._version = summary.block_tokens, summary.version
+            self._block_ends = summary.block_ends
             self._own_keys = frozenset(summary.keys)
         if self._block_tokens <= 0:
             return 0
-        return cached_prefix_tokens(prompt, self._block_tokens, self._own_keys)
+        return cached_prefix_tokens(prompt, self._block_tokens, self._own_keys, self._block_ends)
 
     async def before_prefill(self, request_id: str, prompt: Sequence[int], source: PrefixSource,
                              record: HandoffRecord | None = None) -> int:

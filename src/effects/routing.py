@@ -21,7 +21,7 @@ import trio
 
 from effects.engine_port import PrefixSummary
 from statecore.errors import StatecoreError
-from statecore.routing import held_prefix_tokens, prompt_summary_keys
+from statecore.routing import held_prefix_tokens, prompt_summary_blocks
 
 log = logging.getLogger("statecore.routing")
 
@@ -34,6 +34,12 @@ class _Held:
     version: int
     keys: frozenset[bytes]
     fetched_at: float
+    block_ends: tuple[int, ...] = ()
+
+    @property
+    def rule(self) -> tuple[int, tuple[int, ...]]:
+        """How the node cuts a prompt into blocks: its block size and block ends."""
+        return self.block_tokens, self.block_ends
 
 
 class PrefixSummaries:
@@ -62,17 +68,17 @@ class PrefixSummaries:
 
     def cached_tokens(self, nodes: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
         """Per node, the prompt's leading tokens its fresh summary says it holds (0 without one);
-        the prompt's block keys are hashed once per block size, not once per node."""
-        keys: dict[int, list[bytes]] = {}
+        the prompt's block keys are hashed once per block rule, not once per node."""
+        keys: dict[tuple[int, tuple[int, ...]], tuple[list[bytes], list[int]]] = {}
         cached: dict[str, int] = {}
         for node in nodes:
             if not self.fresh(node):
                 cached[node] = 0
                 continue
             held = self._held[node]
-            if held.block_tokens not in keys:
-                keys[held.block_tokens] = prompt_summary_keys(prompt, held.block_tokens)
-            cached[node] = held_prefix_tokens(keys[held.block_tokens], held.block_tokens, held.keys)
+            if held.rule not in keys:
+                keys[held.rule] = prompt_summary_blocks(prompt, held.block_tokens, held.block_ends)
+            cached[node] = held_prefix_tokens(*keys[held.rule], held.keys)
         return cached
 
     def expect(self, node: str, prompt: Sequence[int]) -> None:
@@ -81,18 +87,19 @@ class PrefixSummaries:
         if not self.fresh(node):
             return
         held = self._held[node]
-        keys = prompt_summary_keys(prompt, held.block_tokens)
+        keys, _ = prompt_summary_blocks(prompt, held.block_tokens, held.block_ends)
         self._held[node] = _Held(held.block_tokens, held.version, held.keys | frozenset(keys),
-                                 held.fetched_at)
+                                 held.fetched_at, held.block_ends)
 
     def record(self, node: str, summary: PrefixSummary | None) -> None:
         """A fetch's answer: a new summary, or None for "unchanged" (it is fresh again)."""
         now = self.clock()
         if summary is not None:
-            self._held[node] = _Held(summary.block_tokens, summary.version, frozenset(summary.keys), now)
+            self._held[node] = _Held(summary.block_tokens, summary.version, frozenset(summary.keys), now,
+                                     summary.block_ends)
         elif node in self._held:
             held = self._held[node]
-            self._held[node] = _Held(held.block_tokens, held.version, held.keys, now)
+            self._held[node] = _Held(held.block_tokens, held.version, held.keys, now, held.block_ends)
 
     async def refresh(self, node: str) -> None:
         held = self._held.get(node)

@@ -1,13 +1,19 @@
 """The prefix cache's policy: which computed prompt blocks a new prompt may reuse, and which to forget.
 
-A prompt is prefilled in fixed chunks (`statecore.scheduling.prefill_chunks`: prompt[:-1] in chunks
-of the node's chunk size, then the last token). The KV cache after k whole chunks depends only on
-those k * chunk tokens, and the chunks after them are the same calls whether or not the first k
-were computed now: so a block is one whole chunk, named by a key chained over every token before
-its end (`block_keys`), and a prompt whose first k blocks are cached starts at chunk k with the
-same numbers as from token 0. A cut anywhere else would change the calls (and so the last bits:
-a row's numbers depend on where its call ends, docs/engine.md); chunks are small (256 tokens by
-default) and a step computes several.
+A prompt is prefilled in chunks (`prompt_chunks`: prompt[:-1] cut into blocks, then the last
+token alone); each chunk is one model call, and a step computes several. A block ends every
+`chunk_size` tokens after the previous end, and right after every token of the node's *block
+ends* (the model's end-of-turn tokens, so a chat message's end, where prompts that share a
+system prompt or a document stop sharing, is a block's end): the cut points are a function of
+the tokens before them alone, the same on every node (the chunk size and the block ends are in
+the fingerprint), whether a block came from the cache or not. A prompt of at most one chunk
+before its last token is one call (short prompts are computed together in padded batches). The
+KV cache after k blocks depends only on their tokens and calls, and the calls after them are the
+same whether or not the first k were computed now: so a block is one chunk, named by a key
+chained over every block up to its end (`block_keys`: it names the tokens and where each block
+ends), and a prompt whose first k blocks are cached starts at chunk k with the same numbers as
+from token 0. A cut anywhere else would change the calls (and so the last bits: a row's numbers
+depend on where its call ends, docs/engine.md).
 `PrefixIndex` keeps the cached blocks' keys and sizes in two tiers: the device's (what a prompt
 starts from) and, where the device's memory is not the host's, a bounded host pool. Each tier
 has its own byte capacity and least-recently-used order; a block is in one tier at most; a
@@ -30,52 +36,108 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DEVICE", "HOST", "Moved", "PrefixIndex", "Tier", "block_keys", "conversation_block_keys",
-           "conversation_blocks"]
+__all__ = ["DEVICE", "HOST", "Moved", "PrefixIndex", "Tier", "block_bounds", "block_keys",
+           "conversation_block_bounds", "conversation_block_keys", "conversation_block_range",
+           "conversation_blocks", "prompt_chunks"]
 
 Tier = Literal["device", "host"]
 DEVICE: Tier = "device"
 HOST: Tier = "host"
 
 
-def block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
-    """The keys of the prompt's whole prefill chunks before its last token, in order: key i names
-    tokens[: (i + 1) * chunk_size] (a 16-byte BLAKE2b chained over the blocks)."""
+def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[int]:
+    """Where the prompt's blocks end before its last token, in order: `chunk_size` tokens after
+    the previous end, or right after a token of `ends`. A prompt of at most one chunk before its
+    last token has no early end (it is one call, and may be batched with others)."""
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be > 0")
+    head = len(tokens) - 1
+    return _bounds(tokens, head, chunk_size, ends if head > chunk_size else ())
+
+
+def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int]) -> list[int]:
+    """Block ends within tokens[:head] (at most `head`)."""
+    if not ends:
+        return list(range(chunk_size, head + 1, chunk_size))
+    bounds: list[int] = []
+    start = 0
+    for position, token in enumerate(tokens[:head], 1):
+        if token in ends or position - start == chunk_size:
+            bounds.append(position)
+            start = position
+    return bounds
+
+
+def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> tuple[int, ...]:
+    """The token counts of a prompt's prefill calls, in order: its blocks, the rest of
+    prompt[:-1] when it does not end a block, then the last token alone (its logits give the
+    first token). Without `ends`, `statecore.scheduling.prefill_chunks`."""
+    if not tokens:
+        raise ValueError("a prompt has at least one token")
+    head = len(tokens) - 1
+    bounds = block_bounds(tokens, chunk_size, ends)
+    if not bounds or bounds[-1] < head:
+        bounds.append(head)
+    sizes = [end - start for start, end in zip([0, *bounds], bounds, strict=False)]
+    return (*(size for size in sizes if size), 1)
+
+
+def _chained(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
     keys: list[bytes] = []
     parent = b""
-    for end in range(chunk_size, len(tokens), chunk_size):  # a block ends before the last token
-        block = array("I", tokens[end - chunk_size : end]).tobytes()
+    for start, end in zip([0, *bounds], bounds, strict=False):
+        block = array("I", tokens[start:end]).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         keys.append(parent)
     return keys
 
 
-def conversation_block_keys(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
-    """The keys of every whole chunk of a finished conversation, the last one included when it
-    ends exactly at the end: a next turn's prompt starts with all of `tokens` and goes on."""
-    return block_keys([*tokens, 0], chunk_size)  # one more token: block_keys stops before the last
+def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[bytes]:
+    """The keys of the prompt's blocks (`block_bounds`), in order: key i names the tokens up to
+    block i's end and where every block before it ends (a 16-byte BLAKE2b chained over the
+    blocks: the same tokens cut elsewhere are other blocks, whose numbers differ)."""
+    return _chained(tokens, block_bounds(tokens, chunk_size, ends))
+
+
+def conversation_block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()
+                              ) -> list[int]:
+    """Where the blocks of a finished conversation (or any prefix a later prompt goes on from)
+    end, its very end included when a block ends there: a next turn's prompt starts with all of
+    `tokens` and goes on. Cut as a longer prompt's are (early ends even within one chunk)."""
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be > 0")
+    return _bounds(tokens, len(tokens), chunk_size, ends)
+
+
+def conversation_block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()
+                            ) -> list[bytes]:
+    """The keys of a conversation's blocks (`conversation_block_bounds`)."""
+    return _chained(tokens, conversation_block_bounds(tokens, chunk_size, ends))
 
 
 def conversation_blocks(prompt_tokens: int, conversation_tokens: int, cached_blocks: int,
                         chunk_size: int) -> range:
-    """Which whole chunks of a finished request's conversation (prompt, then generated tokens)
-    to compute and keep, given that its first `cached_blocks` are cached: those after them, up to
-    the conversation's last whole chunk. None when some of the prompt's own blocks are not cached
-    (forgotten meanwhile, or the prompt came short-batched): keeping would then recompute the
-    prompt, which is prefill's work, not a turn's tail."""
+    """`conversation_block_range` for blocks of `chunk_size` tokens (no early ends)."""
     if chunk_size <= 0:
         raise ValueError("chunk_size must be > 0")
-    prompt_blocks = max(0, prompt_tokens - 1) // chunk_size
-    whole = max(0, conversation_tokens) // chunk_size
+    return conversation_block_range(max(0, prompt_tokens - 1) // chunk_size,
+                                    max(0, conversation_tokens) // chunk_size, cached_blocks)
+
+
+def conversation_block_range(prompt_blocks: int, conversation_blocks: int, cached_blocks: int) -> range:
+    """Which blocks of a finished request's conversation (prompt, then generated tokens) to
+    compute and keep, given that its first `cached_blocks` are cached: those after them, up to
+    its last (`conversation_blocks` in all; `prompt_blocks`: the prompt's own). None when some of
+    the prompt's own blocks are not cached (forgotten meanwhile, or the prompt came
+    short-batched): keeping would then recompute the prompt, which is prefill's work, not a
+    turn's tail."""
     if cached_blocks < prompt_blocks:
         return range(0)
-    return range(cached_blocks, whole)
-
-
+    return range(cached_blocks, conversation_blocks)
 
 
 @dataclass(frozen=True, slots=True)

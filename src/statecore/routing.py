@@ -35,12 +35,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from statecore.prefix import block_keys
+from statecore.prefix import block_bounds, block_keys
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
-           "prefills_locally", "prefix_pull_pays", "prompt_summary_keys", "route_cost", "summary_key"]
+           "prefills_locally", "prefix_pull_pays", "prompt_summary_blocks", "prompt_summary_keys",
+           "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -71,26 +72,36 @@ def summary_key(key: bytes) -> bytes:
     return key[:SUMMARY_KEY_BYTES]
 
 
-def prompt_summary_keys(prompt: Sequence[int], block_tokens: int) -> list[bytes]:
-    """The summary keys of the prompt's whole blocks of `block_tokens`, in order."""
-    return [summary_key(key) for key in block_keys(prompt, block_tokens)]
+def prompt_summary_keys(prompt: Sequence[int], block_tokens: int, ends: Collection[int] = ()) -> list[bytes]:
+    """The summary keys of the prompt's blocks (of `block_tokens`, ending early after a token of
+    `ends`: `statecore.prefix.block_bounds`), in order."""
+    return [summary_key(key) for key in block_keys(prompt, block_tokens, ends)]
 
 
-def held_prefix_tokens(keys: Sequence[bytes], block_tokens: int, held: Collection[bytes]) -> int:
-    """How many leading tokens of a prompt whose block summary keys are `keys` a node holding
-    `held` would not compute: whole leading blocks only, as the node reuses."""
+def prompt_summary_blocks(prompt: Sequence[int], block_tokens: int, ends: Collection[int] = ()
+                          ) -> tuple[list[bytes], list[int]]:
+    """The prompt's blocks as a node with this block size and these block ends cuts them: their
+    summary keys and where each ends."""
+    return prompt_summary_keys(prompt, block_tokens, ends), block_bounds(prompt, block_tokens, ends)
+
+
+def held_prefix_tokens(keys: Sequence[bytes], bounds: Sequence[int], held: Collection[bytes]) -> int:
+    """How many leading tokens of a prompt whose block summary keys are `keys` (its blocks ending
+    at `bounds`) a node holding `held` would not compute: whole leading blocks only, as the node
+    reuses."""
     count = 0
     for key in keys:
         if key not in held:
             break
         count += 1
-    return count * block_tokens
+    return bounds[count - 1] if count else 0
 
 
-def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collection[bytes]) -> int:
+def cached_prefix_tokens(prompt: Sequence[int], block_tokens: int, held: Collection[bytes],
+                         ends: Collection[int] = ()) -> int:
     """How many of the prompt's leading tokens a node holding blocks `held` (summary keys, of
-    `block_tokens` tokens each) would not compute."""
-    return held_prefix_tokens(prompt_summary_keys(prompt, block_tokens), block_tokens, held)
+    `block_tokens` tokens each, ending early after a token of `ends`) would not compute."""
+    return held_prefix_tokens(*prompt_summary_blocks(prompt, block_tokens, ends), held)
 
 
 def route_cost(prompt_tokens: int, candidate: RouteCandidate, load_tokens: int) -> int:

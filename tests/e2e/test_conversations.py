@@ -131,6 +131,40 @@ def test_a_seeded_next_turn_from_the_cache_matches_a_single_node(cluster: Cluste
     assert_no_leaks(cluster.nodes)
 
 
+def _chat(system: str, question: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": 12, **sampling}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 40, "seed": 23}],
+                         ids=["greedy", "seeded"])
+def test_chats_on_one_system_prompt_reuse_it_to_its_end_and_match_a_single_node(
+    cluster: Cluster, sampling: dict[str, Any]
+) -> None:
+    """A block ends after a message's end-of-turn token too: a second conversation on the same
+    system prompt, routed where the first one's KV went, takes the system prompt's blocks to its
+    end (not a multiple of the chunk), and its answer is the single node's without any hit, and
+    with the same hit there."""
+    seed = sampling.get("seed", 0)
+    system = " ".join(f"{seed} is rule {i}: answer the harbour master plainly." for i in range(10))
+    first = _chat(system, "Which ship came in first?", sampling)
+    second = _chat(system, "And the last?", sampling)
+    alone = post(cluster.single, "/v1/chat/completions", second)  # the cache-less run
+    assert alone.status_code == 200, alone.text
+    assert alone.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert post(cluster.router, "/v1/chat/completions", first).status_code == 200
+    routed = post(cluster.router, "/v1/chat/completions", second).json()
+    cached = routed["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > CHUNK and cached % CHUNK, routed["usage"]  # the system message's end
+    assert routed["choices"] == alone.json()["choices"]
+    # the single node, having served it once, now from its own cache (its whole prompt, this time
+    # past the user message's end too): the same answer
+    again = post(cluster.single, "/v1/chat/completions", second).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > cached
+    assert again["choices"] == alone.json()["choices"]
+    assert_no_leaks(cluster.nodes)
+
+
 # -- a fault on every route: exactly the node where it fired counts a failure ---------------------
 
 

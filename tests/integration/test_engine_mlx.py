@@ -49,7 +49,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
-from statecore.scheduling import prefill_units
+from statecore.scheduling import StepRates, prefill_units
 from support.tiny_models import (
     build_custom_cache_checkpoint,
     build_tiny_checkpoint,
@@ -826,6 +826,7 @@ async def test_the_load_warm_up_request_leaves_nothing_behind(open_engine: Opene
     assert stats == IDLE, stats
     full = engine.statistics()
     assert (full.prefix_cache_bytes, full.prefix_cache_queries, full.prefix_cache_hits) == (0, 0, 0)
+    assert engine._device.rates == StepRates()  # its traced steps are no measure of serving ones
     prompt = prompt_of(40, salt=4)
     assert await single(engine, RequestId("after"), prompt) == reference(cached_checkpoint("llama"), prompt)
 
@@ -908,6 +909,35 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
     evicted = tight.statistics().prefix_cache_evictions
     assert await single(tight, RequestId("lb"), long_b, eight) == reference(path, long_b, 8)
     assert tight.statistics().prefix_cache_evictions > evicted  # long_a's blocks gave way
+
+
+async def test_a_shared_system_message_is_reused_to_its_end_and_the_tokens_are_exact(
+    open_engine: Opener
+) -> None:
+    """A block also ends after an end-of-turn token (a chat message's end): prompts that start
+    with one system message share its blocks to its very end, here 41 tokens (16, 32, 41: not a
+    multiple of the chunk), and their tokens are the cache-less engine's to the bit, greedy and
+    seeded; the summary names the same blocks, and a conversation kept goes on from them."""
+    path = cached_checkpoint("llama")
+    cached = await open_engine(path, keep_conversations=True)
+    plain = await open_engine(path, prefix_cache_bytes=0)
+    end = min(cached.info.eos_token_ids)
+    system = [*prompt_of(40, salt=11), end]
+    first = [*system, *prompt_of(30, salt=12)]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=4)
+    for rid, sampling in (("g", GREEDY), ("s", seeded)):
+        reused, tokens = await prefilled_from_cache(cached, rid, first, sampling)
+        assert tokens == (await prefilled_from_cache(plain, rid, first, sampling))[1], rid
+    assert reused == 57  # the second time: every block of it (ending at 16, 32, 41 and 57)
+    await kept(cached)
+    for rid, sampling, salt in (("g2", GREEDY, 13), ("s2", seeded, 14)):
+        second = [*system, *prompt_of(25, salt=salt)]
+        reused, tokens = await prefilled_from_cache(cached, rid, second, sampling)
+        assert reused == 41 and tokens == (await prefilled_from_cache(plain, rid, second, sampling))[1], rid
+    summary = await cached.prefix_summary()
+    assert summary is not None and summary.block_ends == tuple(sorted(cached.info.eos_token_ids))
+    assert {summary_key(key) for key in block_keys(second, CHUNK, {end})[:3]} <= set(summary.keys)
+    await kept(cached)
 
 
 async def kept(engine: MlxEngine) -> EngineStatistics:

@@ -7,7 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statecore.prefix import Moved, PrefixIndex, block_keys, conversation_block_keys, conversation_blocks
+from statecore.prefix import (
+    Moved,
+    PrefixIndex,
+    block_bounds,
+    block_keys,
+    conversation_block_bounds,
+    conversation_block_keys,
+    conversation_blocks,
+    prompt_chunks,
+)
+from statecore.scheduling import prefill_chunks
 
 
 def test_a_block_is_a_whole_chunk_before_the_last_token_named_by_everything_before_it() -> None:
@@ -97,3 +107,53 @@ def test_keeping_never_recomputes_a_prompt_nor_goes_past_the_conversation(
 def test_conversation_blocks_refuses_a_chunk_of_nothing() -> None:
     with pytest.raises(ValueError, match="chunk_size"):
         conversation_blocks(10, 20, 0, 0)
+
+
+END = 0  # a message's last token in these tests
+
+
+def test_a_block_also_ends_after_a_message_end_and_the_blocks_go_on_from_there() -> None:
+    tokens = [*range(1, 21), END, *range(30, 70)]  # 61 tokens; a message ends at position 21
+    assert block_bounds(tokens, 16, {END}) == [16, 21, 37, 53]
+    assert prompt_chunks(tokens, 16, {END}) == (16, 5, 16, 16, 7, 1)
+    assert block_bounds(tokens, 16) == [16, 32, 48]  # without ends: every 16 tokens
+    # the same tokens cut elsewhere are other blocks: no key in common after the first cut
+    assert block_keys(tokens, 16, {END})[0] == block_keys(tokens, 16)[0]
+    assert set(block_keys(tokens, 16, {END})[1:]).isdisjoint(block_keys(tokens, 16))
+
+
+def test_a_prompt_of_one_chunk_is_one_call_whatever_its_message_ends() -> None:
+    tokens = [1, 2, END, 3, 4, END, 5, 6]
+    assert prompt_chunks(tokens, 16, {END}) == (7, 1)  # computed with other short prompts
+    assert block_bounds(tokens, 16, {END}) == []
+    # ... but as the start of a longer prompt (a conversation kept, a prefix exported) it is cut
+    assert conversation_block_bounds(tokens, 16, {END}) == [3, 6]
+
+
+def test_a_system_prompt_s_blocks_are_the_same_in_every_prompt_that_starts_with_it() -> None:
+    system = [*range(1, 41), END]  # a 41-token system message
+    first = block_keys([*system, *range(100, 130)], 16, {END})
+    second = block_keys([*system, *range(200, 260)], 16, {END})
+    assert first[:3] == second[:3]  # blocks ending at 16, 32 and 41: the whole system prompt
+    assert first[3] != second[3]
+    assert conversation_block_keys(system, 16, {END}) == first[:3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=120), st.lists(st.integers(0, 5), max_size=40),
+       st.integers(1, 24))
+def test_cuts_depend_only_on_the_tokens_before_them(tokens: list[int], more: list[int], chunk: int) -> None:
+    """What makes a kept block usable by a longer prompt: its blocks (past one chunk) are cut as
+    the shorter one's, and the chunks cover the prompt, one call at most `chunk` long, then the
+    last token alone."""
+    chunks = prompt_chunks(tokens, chunk, {END})
+    assert sum(chunks) == len(tokens) and chunks[-1] == 1
+    assert all(0 < size <= chunk for size in chunks[:-1])
+    assert prompt_chunks(tokens, chunk) == prefill_chunks(len(tokens), chunk)
+    bounds = block_bounds(tokens, chunk, {END})
+    longer = block_bounds([*tokens, *more], chunk, {END})
+    if len(tokens) - 1 > chunk:
+        assert longer[: len(bounds)] == bounds
+        assert block_keys([*tokens, *more], chunk, {END})[: len(bounds)] == block_keys(tokens, chunk, {END})
+        if bounds:  # a prompt's blocks are those of its start kept as a conversation
+            assert conversation_block_bounds(tokens[: bounds[-1]], chunk, {END}) == bounds

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import pytest
@@ -48,6 +48,14 @@ def test_a_gap_ends_the_cached_prefix_and_another_block_size_matches_nothing() -
     assert cached_prefix_tokens(PROMPT, 32, held(PROMPT, 6)) == 0
     other = [*PROMPT[:20], 999, *PROMPT[21:]]  # differs inside block 1
     assert cached_prefix_tokens(other, 16, held(PROMPT, 6)) == 16
+
+
+def test_a_summary_with_block_ends_scores_the_blocks_that_node_cuts() -> None:
+    # a message ends with token 7 at position 40: that node's blocks end at 16, 32, 41, 57, ...
+    prompt = [*range(8, 48), 7, *range(100, 160)]
+    keys = {summary_key(key) for key in block_keys(prompt, 16, {7})[:3]}
+    assert cached_prefix_tokens(prompt, 16, keys, {7}) == 41
+    assert cached_prefix_tokens(prompt, 16, keys) == 32  # cut without the ends: 32-48 is another block
 
 
 @pytest.mark.parametrize(("candidates", "load_tokens", "chosen"), [
@@ -160,15 +168,16 @@ def test_summaries_go_stale_and_an_unchanged_answer_refreshes_them() -> None:
 
 
 def test_the_prompt_is_hashed_once_per_block_size_for_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from statecore.routing import prompt_summary_keys as original
+    from statecore.routing import prompt_summary_blocks as original
 
     hashed: list[int] = []
 
-    def counted(prompt: Sequence[int], block_tokens: int) -> list[bytes]:
+    def counted(prompt: Sequence[int], block_tokens: int, ends: Collection[int] = ()
+                ) -> tuple[list[bytes], list[int]]:
         hashed.append(block_tokens)
-        return original(prompt, block_tokens)
+        return original(prompt, block_tokens, ends)
 
-    monkeypatch.setattr("effects.routing.prompt_summary_keys", counted)
+    monkeypatch.setattr("effects.routing.prompt_summary_blocks", counted)
     nodes = ["http://a", "http://b", "http://c"]
     answers = {"http://a": PrefixSummary(16, 1, tuple(held(PROMPT, 3))),
                "http://b": PrefixSummary(16, 1, tuple(held(PROMPT, 1))),

@@ -191,18 +191,20 @@ class PrefixSummaryBody(_Strict):
     version: int = Field(ge=0)
     keys: tuple[str, ...] = ()  # hex of each kept block's summary key
     unchanged: bool = False
+    block_ends: tuple[int, ...] = ()  # a block also ends after these tokens (statecore.prefix)
 
     @classmethod
     def of(cls, summary: PrefixSummary | None, since: int | None) -> PrefixSummaryBody:
         if summary is None:
             return cls(block_tokens=0, version=since or 0, unchanged=True)
         return cls(block_tokens=summary.block_tokens, version=summary.version,
-                   keys=tuple(key.hex() for key in summary.keys))
+                   keys=tuple(key.hex() for key in summary.keys), block_ends=summary.block_ends)
 
     def summary(self) -> PrefixSummary | None:
         if self.unchanged:
             return None
-        return PrefixSummary(self.block_tokens, self.version, tuple(bytes.fromhex(key) for key in self.keys))
+        return PrefixSummary(self.block_tokens, self.version, tuple(bytes.fromhex(key) for key in self.keys),
+                             self.block_ends)
 
 
 def error_json(error: ErrorInfo) -> dict[str, object]:

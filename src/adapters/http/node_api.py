@@ -78,7 +78,7 @@ from statecore.events import (
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
 from statecore.policy import FINISH_REASONS, STOP, first_token_ends
-from statecore.scheduling import prefill_chunks
+from statecore.prefix import prompt_chunks
 
 log = logging.getLogger("statecore.node_api")
 
@@ -410,7 +410,9 @@ class NodeApi:
                               prefix_from=prefix_source(body.prefix_from))
         info = self.engine.info
         # at most one piece per chunk and layer, then the first token and the end (or an error)
-        bound = len(prefill_chunks(len(body.prompt), info.prefill_chunk_size)) * max(1, len(info.layers)) + 3
+        # (a block ends early after an end-of-turn token: statecore.prefix.prompt_chunks)
+        chunks = prompt_chunks(body.prompt, info.prefill_chunk_size, info.eos_token_ids)
+        bound = len(chunks) * max(1, len(info.layers)) + 3
         items = self.performer.open_stream_out(context, bound)
         generation = await self._admit(rid, context, 4)
         await self.runner.post(rid, Admitted(len(body.prompt)))

@@ -88,7 +88,7 @@ from statecore.engine_schedule import (
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.policy import STOP, token_finish
-from statecore.prefix import conversation_block_keys, conversation_blocks
+from statecore.prefix import block_bounds, conversation_block_bounds, conversation_block_range
 from statecore.scheduling import (
     STREAMED_PIECE_BYTES,
     KvAdmission,
@@ -210,6 +210,8 @@ class DeviceLoop:
         self.on_death = on_death
         self.model: Any = None
         self.eos: frozenset[int] = frozenset()
+        # after these tokens a prefill block ends early (statecore.prefix.block_bounds): the eos ids
+        self.block_ends: frozenset[int] = frozenset()
         self.vocab_size = 0
         self.context_length = 0
         self.slot_lane = False
@@ -744,7 +746,8 @@ class DeviceLoop:
     def keep_chunk(self, task: PrefillTask, chunk: int) -> list[Any]:
         """A whole chunk just built: into the prefix cache."""
         assert self.prefix is not None and task.cache is not None
-        return self.prefix.keep(task.block_keys, chunk, task.cache)
+        start = task.chunk_start(chunk)
+        return self.prefix.keep(task.block_keys, chunk, task.cache, start, start + task.chunks[chunk])
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache, counters included (after the load's warm-up request)."""
@@ -764,20 +767,22 @@ class DeviceLoop:
         prefix, conversation = self.prefix, live.conversation
         if prefix is None or conversation is None:
             return
-        chunk = self.settings.prefill_chunk_size
-        keys = conversation_block_keys(conversation, chunk)
+        chunk, ends = self.settings.prefill_chunk_size, self.block_ends
+        bounds = conversation_block_bounds(conversation, chunk, ends)
+        keys = prefix.conversation_keys_of(conversation)
         cached = prefix.index.cached(keys)
-        blocks = conversation_blocks(live.prompt_tokens, len(conversation), cached, chunk)
+        own_blocks = len(block_bounds(conversation[: live.prompt_tokens], chunk, ends))
+        blocks = conversation_block_range(own_blocks, len(bounds), cached)
         keep_id = f"{live.request_id}#keep"
         if not blocks or keep_id in self.waiting:
             return
-        tokens = conversation[: blocks.stop * chunk]
+        tokens = conversation[: bounds[blocks.stop - 1]]
         need = self.cost.of(len(tokens))
         fits = kv_admission(need, self.reserved_bytes + prefix.nbytes, self.pool_reserved,
                             self.settings.kv_memory_bytes)
         if fits is not KvAdmission.FITS:
             return
-        chunks = (chunk,) * blocks.stop
+        chunks = tuple(end - start for start, end in zip([0, *bounds], bounds[: blocks.stop], strict=False))
         self.arrivals += 1
         sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
         task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + self.arrivals, chunks,
@@ -786,7 +791,7 @@ class DeviceLoop:
         count, cache = prefix.start(task.block_keys, counted=False)
         if cache is not None:
             task.cache = cache
-            task.done_tokens = count * chunk
+            task.done_tokens = cache[0].offset
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
         self.requests.add(EngineRequest(keep_id, EnginePhase.KEEPING, reserved=need, task=task))
         self.conversations_kept += 1
@@ -810,9 +815,10 @@ class DeviceLoop:
         if not self.plain(cache):
             return
         keys = prefix.keys_of(tokens)
+        bounds = block_bounds(tokens, chunk, self.block_ends)
         kept: list[Any] = []
-        for index in range(len(keys)):
-            kept.extend(prefix.keep(keys, index, cache))
+        for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
+            kept.extend(prefix.keep(keys, index, cache, start, end))
         if kept:
             mx.eval(kept)  # copies now: the installed cache itself goes on into a slot
 
@@ -824,13 +830,15 @@ class DeviceLoop:
         prefix = self.prefix
         if prefix is None or not self.plain(cache):
             return 0
-        keys = conversation_block_keys(tokens, prefix.chunk_size)
+        keys = prefix.conversation_keys_of(tokens)
+        bounds = conversation_block_bounds(tokens, prefix.chunk_size, prefix.ends)
         kept: list[Any] = []
-        for index in range(len(keys)):
-            kept.extend(prefix.keep(keys, index, cache))
+        for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
+            kept.extend(prefix.keep(keys, index, cache, start, end))
         if kept:
             mx.eval(kept)  # copies now, so the imported cache can go
-        return prefix.index.cached(keys) * prefix.chunk_size
+        count = prefix.index.cached(keys)
+        return bounds[count - 1] if count else 0
 
     def touch_prefix(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys, its cached leading blocks made the most recently used: called
@@ -854,7 +862,7 @@ class DeviceLoop:
         if cache is None:
             return
         task.cache = cache
-        task.done_tokens = task.cached_tokens = count * self.settings.prefill_chunk_size
+        task.done_tokens = task.cached_tokens = cache[0].offset
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def look_again(self, task: PrefillTask) -> bool:

@@ -65,6 +65,7 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
+from statecore.prefix import conversation_block_bounds
 from statecore.scheduling import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["MlxEngine"]
@@ -322,10 +323,13 @@ class MlxEngine:
         if self._device.prefix is None:
             return 0
         # Validated and rebuilt in a worker thread, as `install` does: the fingerprint (the chunk
-        # size among it) is what makes the blocks the ones this node's own chunks would compute.
+        # size and block ends among it) is what makes the blocks the ones this node's own chunks
+        # would compute.
+        bounds = conversation_block_bounds(checked, self._settings.prefill_chunk_size,
+                                           self._device.block_ends)
         count, caches = await trio.to_thread.run_sync(partial(
             validate_prefix, payload, len(checked), fingerprint=self.info.fingerprint,
-            classes=self._performer.classes, chunk=self._settings.prefill_chunk_size))
+            classes=self._performer.classes, bounds=frozenset(bounds)))
         kept: int = await self._post(commands.Keep(tuple(checked[:count])), Local(caches=caches))
         return kept
 

@@ -91,6 +91,10 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
                 f"+ prefill_chunk_size ({s.max_batch} + {s.prefill_chunk_size})"))
         s = loop.settings = dataclasses.replace(s, prefill_memory_cap=False)
     plain = loop.plain(probe_cache)
+    # A chat message ends with an end-of-turn token: a prefill block ends there too, so that
+    # prompts sharing a system prompt or a document share every block of it (statecore.prefix).
+    # Only where blocks can be kept (plain KVCache): other caches' bits follow every cut.
+    loop.block_ends = eos if plain else frozenset()
     loop.short_batching = plain and s.prefill_batch > 1
     # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
     loop.bucket = s.shape_bucket if plain else 0
@@ -120,7 +124,7 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     if plain and s.prefix_cache_bytes > 0:
         loop.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
                                   s.prefix_host_pull, room=loop.prefix_room,
-                                  prefill_token_s=lambda: loop.rates.prefill_token_s)
+                                  prefill_token_s=lambda: loop.rates.prefill_token_s, ends=loop.block_ends)
     if s.speculative != "off":
         loop.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                      loop.draft_model)

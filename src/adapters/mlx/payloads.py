@@ -11,7 +11,7 @@ mlx and mlx-lm; it must never import trio.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -79,13 +79,14 @@ def validate_segment(segment: KvSegment, prompt_tokens: int, *, fingerprint: str
 
 
 def validate_prefix(payload: KvBytes, most_tokens: int, *, fingerprint: str, classes: Sequence[str],
-                    chunk: int) -> tuple[int, list[Any]]:
+                    bounds: Collection[int]) -> tuple[int, list[Any]]:
     """Another node's prefix-cache blocks: (the tokens they cover, their caches). They must cover
-    whole blocks of `chunk` of the `most_tokens` asked for, every head of every layer."""
+    whole blocks of the `most_tokens` asked for (end where one of them ends: `bounds`,
+    `statecore.prefix.conversation_block_bounds`), every head of every layer."""
     validated = codec.validate_payload(payload, fingerprint=fingerprint, expected_classes=list(classes))
     count = validated.header.token_count
-    if not 0 < count <= most_tokens or count % chunk:
-        raise _malformed(f"a prefix payload must cover whole blocks of {chunk} of the {most_tokens} tokens "
+    if not 0 < count <= most_tokens or count not in bounds:
+        raise _malformed(f"a prefix payload must cover whole blocks of the {most_tokens} tokens "
                          f"asked for; it covers {count}")
     if any(layer.heads is not None for layer in validated.header.layers):
         raise _malformed("a prefix payload carries every head of every layer")

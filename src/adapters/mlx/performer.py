@@ -48,9 +48,9 @@ from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, Samp
 from statecore.engine_schedule import EnginePhase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.policy import first_token_ends, first_token_is_last
-from statecore.prefix import conversation_block_keys
+from statecore.prefix import prompt_chunks
 from statecore.routing import summary_key
-from statecore.scheduling import prefill_chunks, prefill_units
+from statecore.scheduling import StepRates, prefill_units
 
 __all__ = ["ModelSource", "Performer"]
 
@@ -107,6 +107,10 @@ class Performer:
             case commands.ForgetPrefixes():
                 self.device.forget_prefixes()
                 self.device.forget_activation_counts()
+                # The warm-up's steps traced and compiled: as rates they would make a fast
+                # device's streamed prompts look slow and slice them (H100: a 1B model's
+                # 2,000-token prefill 1.8x longer in three slices).
+                self.device.rates = StepRates()
                 self.publish()
                 return None
             case commands.Keep(tokens):
@@ -122,7 +126,8 @@ class Performer:
                 prefix = self.device.prefix
                 assert prefix is not None
                 keys = tuple(summary_key(key) for key in prefix.index.cached_keys())
-                return PrefixSummary(prefix.chunk_size, prefix.index.version, keys)
+                return PrefixSummary(prefix.chunk_size, prefix.index.version, keys,
+                                     tuple(sorted(prefix.ends)))
             case commands.Inspect(look):
                 return look()
             case commands.Stop():
@@ -139,7 +144,7 @@ class Performer:
         request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
         if request_id in device.requests:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
-        chunks = prefill_chunks(len(tokens), self.settings.prefill_chunk_size)
+        chunks = prompt_chunks(tokens, self.settings.prefill_chunk_size, device.block_ends)
         units = prefill_units(chunks, device.layers, device.unit_tokens)
         keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
         reserved = device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
@@ -311,14 +316,14 @@ class Performer:
         """A fresh cache of the prefix cache's blocks of `tokens` (their concatenation; the blocks
         themselves are never handed out), as host tensors."""
         prefix = self.device.prefix
-        count, cache = (0, None) if prefix is None else prefix.start(
-            conversation_block_keys(tokens, prefix.chunk_size), counted=False)
+        _, cache = (0, None) if prefix is None else prefix.start(
+            prefix.conversation_keys_of(tokens), counted=False)
         if cache is None or prefix is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED,
                                            "the prefix cache holds no whole block of these tokens"))
         mx.eval([c.state for c in cache])
         return codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
-                                  token_count=count * prefix.chunk_size)
+                                  token_count=cache[0].offset)
 
     def evict_prefixes(self, nbytes: int) -> int:
         prefix = self.device.prefix
@@ -469,6 +474,7 @@ class Performer:
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
                                           prefill_chunk_size=s.prefill_chunk_size,
                                           shape_bucket=device.bucket, fused=fused > 0,
+                                          block_ends=device.block_ends,
                                           adapters=None if served is None else served.fingerprint()),
             context_length=loaded.context_length,
             vocab_size=vocab_size,

@@ -1,16 +1,17 @@
 """The engine's prefix cache: the KV of whole prefill chunks, kept for prompts that start the same way.
 
-After a prompt's chunk of `chunk_size` tokens is built (`run_units`), its slice of every layer's
+After a prompt's block is built (`run_units`: a chunk, one call, of at most `chunk_size` tokens,
+ending early after a token of `ends`, `statecore.prefix.block_bounds`), its slice of every layer's
 keys and values is kept as one block (a contiguous copy, evaluated with the step), under the key
-that names every token up to its end (`statecore.prefix.block_keys`). A new prompt whose first
-blocks are cached starts from a cache made of them (concatenated, so the blocks themselves are
-never written) at its first uncached chunk: the calls after it are the ones it would have made
-from token 0, so its tokens are the same to the bit. A block is stored once, however many
-prompts share it. Plain `KVCache` models without kv_bits only (what the slot lane takes); the
-other families' state at a chunk boundary is not a slice of a cache (rotating windows, SSM
-state, chunked attention), so they are not cached. The device blocks count against the node's
-KV budget: `PrefixIndex` keeps them within `capacity` and admission evicts them before it
-refuses a request.
+that names every token up to its end and where each block ends (`statecore.prefix.block_keys`).
+A new prompt whose first blocks are cached starts from a cache made of them (concatenated, so
+the blocks themselves are never written) at its first uncached chunk: the calls after it are
+the ones it would have made from token 0, so its tokens are the same to the bit. A block is
+stored once, however many prompts share it. Plain `KVCache` models without kv_bits only (what
+the slot lane takes); the other families' state at a chunk boundary is not a slice of a cache
+(rotating windows, SSM state, chunked attention), so they are not cached. The device blocks
+count against the node's KV budget: `PrefixIndex` keeps them within `capacity` and admission
+evicts them before it refuses a request.
 
 The host tier (`host_bytes` > 0; by default only where the device's memory is not the host's,
 MLX's CUDA backend: `default_host_bytes`): a block evicted from the device is copied into a
@@ -37,7 +38,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.prefill import on_cuda
-from statecore.prefix import DEVICE, HOST, Moved, PrefixIndex, block_keys
+from statecore.prefix import DEVICE, HOST, Moved, PrefixIndex, block_keys, conversation_block_keys
 from statecore.routing import PullRates, prefix_pull_pays
 
 __all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes"]
@@ -76,8 +77,10 @@ class PrefixCache:
     def __init__(self, chunk_size: int, capacity_bytes: int, host_bytes: int = 0,
                  host_pull: str = "auto", rates: PullRates | None = None,
                  room: Callable[[], int] | None = None,
-                 prefill_token_s: Callable[[], float | None] | None = None) -> None:
-        """`room`: the device bytes KV admission leaves free beside the kept blocks now (the
+                 prefill_token_s: Callable[[], float | None] | None = None,
+                 ends: frozenset[int] = frozenset()) -> None:
+        """`ends`: the tokens after which a block ends early (the device loop's block ends).
+        `room`: the device bytes KV admission leaves free beside the kept blocks now (the
         device loop's budget less what requests reserved, the slot pool and the blocks): blocks
         kept or coming back from the host never take more; older blocks leave the device for
         them (None: only the capacity bounds them). `prefill_token_s`: the seconds a prefill
@@ -86,6 +89,7 @@ class PrefixCache:
         if host_pull not in HOST_PULL_MODES:
             raise ValueError(f"host_pull must be one of {', '.join(HOST_PULL_MODES)}, not {host_pull!r}")
         self.chunk_size = chunk_size
+        self.ends = ends
         self.host_pull = host_pull
         self.room = room
         self.prefill_token_s = prefill_token_s
@@ -115,24 +119,30 @@ class PrefixCache:
     def emptied(self) -> PrefixCache:
         """A new, empty cache of the same sizes (the measured rates kept: they are the node's)."""
         return PrefixCache(self.chunk_size, self.index.capacity_bytes, self.index.host_capacity_bytes,
-                           self.host_pull, self.rates, self.room, self.prefill_token_s)
+                           self.host_pull, self.rates, self.room, self.prefill_token_s, self.ends)
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
-        return block_keys(tokens, self.chunk_size)
+        return block_keys(tokens, self.chunk_size, self.ends)
+
+    def conversation_keys_of(self, tokens: Sequence[int]) -> list[bytes]:
+        """The keys of every block of `tokens` as a prefix of a longer prompt (its end included
+        when a block ends there): a conversation kept, a prefix exported or imported."""
+        return conversation_block_keys(tokens, self.chunk_size, self.ends)
 
     def start(self, keys: Sequence[bytes], counted: bool = True, again: bool = False
               ) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
-        them (None when none is); host blocks after the device's come back first when that
-        pays. Not `counted`: a conversation kept, not a prompt served; `again`: a prompt looked
-        up at arrival, looked up once more (a hit counts, not a query)."""
+        them (None when none is; its `offset`: the tokens they cover); host blocks after the
+        device's come back first when that pays. Not `counted`: a conversation kept, not a prompt
+        served; `again`: a prompt looked up at arrival, looked up once more (a hit counts, not a
+        query)."""
         if keys and counted and not again:
             self.queries += 1
         count = self.index.cached(keys)
         on_host = self.index.on_host(keys, count)
         if on_host:
-            if self._host_pays(count, on_host):
+            if self._host_pays(self._tokens(keys[:count]), self._tokens(keys[count : count + on_host])):
                 self._apply(self.index.promote(keys, count, self._room()))
                 count = self.index.cached(keys)
             elif counted:
@@ -145,27 +155,28 @@ class PrefixCache:
             own = KVCache()  # type: ignore[no-untyped-call]
             own.keys = mx.concatenate([self._blocks[key][layer][0] for key in keys[:count]], axis=2)
             own.values = mx.concatenate([self._blocks[key][layer][1] for key in keys[:count]], axis=2)
-            own.offset = count * self.chunk_size
+            own.offset = int(own.keys.shape[2])
             cache.append(own)
         if counted:
             self.hits += 1
-            self.tokens_reused += count * self.chunk_size
+            self.tokens_reused += cache[0].offset
         return count, cache
 
-    def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any]) -> list[Any]:
-        """Keep chunk `chunk` of the prompt whose block keys are `keys` (just built into `cache`)
-        on the device unless it is there already (a host copy gives way to it: a block is in one
-        tier); returns the arrays to evaluate with this step (none when nothing new is kept)."""
+    def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any], start: int, end: int
+             ) -> list[Any]:
+        """Keep chunk `chunk` of the prompt whose block keys are `keys` (just built into `cache`,
+        its tokens [start, end)) on the device unless it is there already (a host copy gives way
+        to it: a block is in one tier); returns the arrays to evaluate with this step (none when
+        nothing new is kept)."""
         if chunk >= len(keys) or self.index.on_device(keys[chunk]):
             return []
         parent = keys[chunk - 1] if chunk else None
         if parent is not None and not self.index.on_device(parent):
             return []  # its prefix left the device meanwhile: a block is kept only after its parent
-        start, end = chunk * self.chunk_size, (chunk + 1) * self.chunk_size
         block = [(mx.contiguous(layer.keys[..., start:end, :]),
                   mx.contiguous(layer.values[..., start:end, :])) for layer in cache]
         nbytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in block)
-        self.rates = self.rates.held(nbytes, self.chunk_size)
+        self.rates = self.rates.held(nbytes, end - start)
         self._host.pop(keys[chunk], None)
         self._blocks[keys[chunk]] = block
         self._apply(self.index.add(keys[chunk], parent, nbytes, self._room()))
@@ -205,13 +216,20 @@ class PrefixCache:
         if copied:  # the copies back, timed with whatever left the device for them
             self.rates = self.rates.pulled(copied, 0.0, time.perf_counter() - started)
 
+    def _tokens(self, keys: Sequence[bytes]) -> int:
+        """The tokens held blocks cover (each block's length, read off its first layer's keys)."""
+        held = 0
+        for key in keys:
+            device = self._blocks.get(key)
+            held += int(device[0][0].shape[2] if device is not None else self._host[key][0][0][0].shape[2])
+        return held
+
     def _room(self) -> int | None:
         return None if self.room is None else self.room()
 
-    def _host_pays(self, device_blocks: int, host_blocks: int) -> bool:
+    def _host_pays(self, device_tokens: int, host_tokens: int) -> bool:
         if self.host_pull != "auto":
             return self.host_pull == "always"
         seconds = None if self.prefill_token_s is None else self.prefill_token_s()
         rates = replace(self.rates, prefill_tokens_per_s=1 / seconds if seconds else None)
-        return prefix_pull_pays((device_blocks + host_blocks) * self.chunk_size,
-                                device_blocks * self.chunk_size, rates)
+        return prefix_pull_pays(device_tokens + host_tokens, device_tokens, rates)
