@@ -293,6 +293,7 @@ class Performer:
 
     def release(self, request_id: str) -> int:
         device = self.device
+        device.slots.staged.release(device.pool, request_id)  # pieces of a request that ended first
         held = device.held.get(request_id)
         if held is not None:
             device.requests.remove(request_id)  # its reservation with it
