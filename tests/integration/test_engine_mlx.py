@@ -49,7 +49,7 @@ from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
-from statecore.scheduling import prefill_units
+from statecore.scheduling import StepRates, prefill_units
 from support.tiny_models import (
     build_custom_cache_checkpoint,
     build_tiny_checkpoint,
@@ -826,6 +826,7 @@ async def test_the_load_warm_up_request_leaves_nothing_behind(open_engine: Opene
     assert stats == IDLE, stats
     full = engine.statistics()
     assert (full.prefix_cache_bytes, full.prefix_cache_queries, full.prefix_cache_hits) == (0, 0, 0)
+    assert engine._device.rates == StepRates()  # its traced steps are no measure of serving ones
     prompt = prompt_of(40, salt=4)
     assert await single(engine, RequestId("after"), prompt) == reference(cached_checkpoint("llama"), prompt)
 

@@ -114,7 +114,8 @@ class Export:
 
 @dataclass(frozen=True, slots=True)
 class ForgetPrefixes:
-    """Empty the prefix cache and the memory cap's counters (after the load's warm-up request)."""
+    """Empty the prefix cache, the memory cap's counters and the measured step rates (after the
+    load's warm-up request)."""
 
     kind: str = "forget_prefixes"
 
