@@ -21,7 +21,7 @@ import argparse
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,6 +42,7 @@ from effects.backend import local_backend, router_backend
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.runner import NodeRunner
+from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 SRC = str(Path(__file__).resolve().parent.parent / "src") + "/"
@@ -153,7 +154,10 @@ async def handoff(streamed: bool) -> Walk:
             api = NodeApi(role, engine, runner, performer, kv_stream=streamed)
             hosts.apps[role] = httpx.ASGITransport(app=Starlette(routes=[*api.routes(), metrics.route()]))
         urls = {"prefill": "http://prefill", "decode": "http://decode"}
-        router = RouterPerformer(HttpxPeers(transport=hosts), lambda role, *_: urls[role],
+        def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
+            return choose_route(len(prompt), [RouteCandidate(urls["decode"], 0)], 0, 0)  # a handoff
+
+        router = RouterPerformer(HttpxPeers(transport=hosts), lambda role, *_: urls[role], route,
                                  streams=lambda prefill, decode: streamed)
         runner = NodeRunner(ROUTER_REQUEST, router, name="router")
         log_transitions(runner, "router")

@@ -104,8 +104,11 @@ _TEMPLATE_CALLS_AND_END = (
     "{{ eos_token + '\\n' }}"
     "{% endfor %}"
 )
+# `date_string` (Llama 3's variable of that name, absent by default) gives `--chat-template-args`
+# something to show in the prompt
 _CHAT_TEMPLATE = (
-    "{{ bos_token }}" + _TEMPLATE_TOOLS +
+    "{{ bos_token }}{% if date_string is defined %}{{ '<date>' + date_string + '\\n' }}{% endif %}"
+    + _TEMPLATE_TOOLS +
     "{% for message in messages %}"
     "{{ '<' + message['role'] + '>\\n' + message['content'] }}" + _TEMPLATE_CALLS_AND_END +
     "{% if add_generation_prompt %}{{ '<assistant>\\n' }}{% endif %}"

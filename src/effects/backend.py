@@ -26,7 +26,6 @@ from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, S
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
 from statecore.policy import travel_refusal
-from statecore.routing import prefills_locally
 
 # replies a request can produce beyond its tokens: a completion or a rejection, plus slack
 _REPLY_SLACK = 4
@@ -176,8 +175,8 @@ def router_backend(
                                  untravelable_classes=info.untravelable_classes)
         if refused is not None:
             raise StatecoreError(refused)
-        local = prefills_locally(len(request.prompt), local_prefill_below)
-        return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling, local=local)
+        # where it prefills is decided per attempt, by the route (RouterPerformer._start)
+        return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling)
 
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 

@@ -99,6 +99,9 @@ class SamplingParams:
     choice_group: str = ""
     choice: int = 0
     choices: int = 1
+    # A LoRA adapter among those the node serves (`--adapters NAME=PATH`), by name: every model
+    # call computes this request's rows with it (adapters.mlx.lora_rows). None: the base model.
+    adapter: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +145,7 @@ class ModelInfo:
     # the model's parameter bytes each rank holds (one entry on a one-rank node; a tensor- or
     # pipeline-parallel instance's ranks each hold a share); a report, not part of the identity
     parameter_bytes_by_rank: tuple[int, ...] = field(default=(), compare=False)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name (`--adapters`), in order
 
     @property
     def can_travel(self) -> bool:

@@ -382,7 +382,9 @@ class RoutedRequest:
 
     prompt: tuple[int, ...]
     sampling: SamplingParams
-    local: bool  # prefill on the decode node
+    # this attempt prefills on its decode node: the attempt's route says (statecore.routing's
+    # choose_route, through the router's RoutePicker), nothing else
+    local: bool = False
     streamed: bool = False  # this attempt's KV streams from the prefill node as it is computed
     first_token: int | None = None
     prefill_node: str | None = None
@@ -411,12 +413,12 @@ class RouterPerformer:
         self,
         peers: Peers,
         pick: NodePicker,
+        route: RoutePicker,
         *,
         max_attempts: int = 3,
         in_flight: dict[str, int] | None = None,
         prefilling: dict[str, int] | None = None,
         on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
-        route: RoutePicker | None = None,
         streams: Callable[[str, str], bool] = lambda prefill, decode: False,
     ) -> None:
         self.peers = peers
@@ -425,8 +427,8 @@ class RouterPerformer:
         # prompt is computed (the decode node asks the prefill node); else the decode node pulls
         # the whole KV after the first token
         self.streams = streams
-        # With `route`, a prompt admitted for a prefill node is prefilled on a decode node
-        # instead when that node holds its start and the rest is short (statecore.routing).
+        # Each attempt's route: its decode node and whether that node prefills the prompt itself
+        # (short, or its start held there, or an overflow) or a prefill node does (statecore.routing).
         self.route = route
         self.max_attempts = max_attempts
         self.in_flight = in_flight if in_flight is not None else {}
@@ -514,15 +516,11 @@ class RouterPerformer:
         avoid = set(ctx.retry.tried)
         prefix_from: PrefixSource | None = None
         try:
-            if self.route is not None:
-                choice = self.route(avoid, ctx.prompt, nid)
-                ctx.local = choice.local
-                routed = choice.decode.node
-                if choice.route is Route.PREFILL_NODE_PREFIX:
-                    prefix_from = PrefixSource(routed, choice.held_tokens)
-            else:
-                local_prompt = ctx.prompt if ctx.local else None  # the decode node prefills it
-                routed = self.pick("decode", avoid, local_prompt, nid)
+            choice = self.route(avoid, ctx.prompt, nid)
+            ctx.local = choice.local
+            routed = choice.decode.node
+            if choice.route is Route.PREFILL_NODE_PREFIX:
+                prefix_from = PrefixSource(routed, choice.held_tokens)
             # every choice of one request decodes where its first one went (the same bytes)
             ctx.decode_node = self._take(self._siblings_decode_node(ctx) or routed)
             ctx.remote.append((ctx.decode_node, nid))

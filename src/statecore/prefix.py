@@ -25,7 +25,7 @@ recently used leaves to stay within its capacity. `promote` brings a prompt's ho
 to the device (the engine decides when that beats computing them). Every operation returns the
 moves it made (`Moved`), in order, for the engine to do the same with the arrays. A finished request's
 conversation (its prompt and every generated token) is what its next turn starts with:
-`conversation_blocks` says which of its whole chunks a node computes again, as prefill chunks,
+`conversation_block_range` says which of its blocks a node computes again, as prefill chunks,
 to keep them (decode computed those tokens one at a time, whose numbers are not a chunk's).
 The engine keeps the arrays (`adapters.mlx.prefix_cache`). This module must never import trio,
 httpx, mlx or mlx_lm.

@@ -150,15 +150,17 @@ def openai_client(node: Node) -> OpenAI:
 
 def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 1,
                   router_args: tuple[str, ...] = ("--force-disaggregation",),
-                  node_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()) -> Cluster:
-    """`node_args` go to every engine node, `decode_args` to the decode nodes only."""
+                  node_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+                  public_args: tuple[str, ...] = ()) -> Cluster:
+    """`node_args` go to every engine node, `decode_args` to the decode nodes only, `public_args`
+    to the single node and the router (the roles that serve the public API)."""
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--model", str(model), *node_args]
-    single = Node("single", common, logs / "single.log")
+    single = Node("single", [*common, *public_args], logs / "single.log")
     prefill = [Node("prefill", common, logs / f"prefill{i}.log") for i in range(prefills)]
     decode = [Node("decode", [*common, *decode_args], logs / f"decode{i}.log") for i in range(decodes)]
     start_nodes([single, *prefill, *decode])
-    front = router(model, logs / "router.log", prefill, decode, *router_args)
+    front = router(model, logs / "router.log", prefill, decode, *router_args, *public_args)
     start_nodes([front])
     return Cluster(single, front, prefill, decode)
 

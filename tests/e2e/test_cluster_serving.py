@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from adapters.serve.listeners import open_listener
+from support.tiny_adapter import build_lora_adapter
 from support.tiny_models import build_custom_cache_checkpoint, cached_checkpoint
 from tests.e2e.harness import (
     ROOT,
@@ -35,12 +36,16 @@ from tests.e2e.harness import (
 pytestmark = pytest.mark.e2e
 
 STORY = "A small boat drifted past the harbour wall while the gulls argued over bread."
+TEMPLATE_ARGS = '{"date_string": "5 Dec 2026"}'  # the router's and the single node's, at start
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # every engine node serves one LoRA adapter (`--adapters`), the router learns its name from them
+    adapter = build_lora_adapter(cached_checkpoint("llama"), tmp_path_factory.mktemp("adapter"))
     built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-2x2"),
-                          prefills=2, decodes=2)
+                          prefills=2, decodes=2, node_args=("--adapters", f"story={adapter}"),
+                          public_args=("--chat-template-args", TEMPLATE_ARGS))
     try:
         yield built
     finally:
@@ -81,6 +86,38 @@ def test_the_choices_of_one_request_decode_side_by_side_on_one_decode_node(clust
         after = [n.stats()["outcomes"].get("done", 0) for n in cluster.decode]
         assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3], (before, after)
     assert_no_leaks(cluster.nodes)
+
+
+def test_the_start_s_template_args_make_the_same_prompt_on_the_router_and_a_single_node(
+        cluster: Cluster) -> None:
+    """`--chat-template-args` reach the tiny template's `date_string` on both, a request's
+    `chat_template_kwargs` go over them, and the chats' answers are byte-identical."""
+    for kwargs, date in (({}, "5 Dec 2026"), ({"chat_template_kwargs": {"date_string": "1 Jan"}}, "1 Jan")):
+        body = {"messages": [{"role": "user", "content": STORY}], **kwargs}
+        nodes = (cluster.single, cluster.router)
+        prompts = [post(node, "/tokenize", body).json()["tokens"] for node in nodes]
+        assert prompts[0] == prompts[1]
+        text = post(cluster.single, "/detokenize", {"tokens": prompts[0]}).json()["prompt"]
+        assert f"<date>{date}\n<user>\n{STORY}" in text, text
+        chat = {**body, "max_tokens": 8, "temperature": 0}
+        answers = [post(node, "/v1/chat/completions", chat) for node in nodes]
+        assert without_ids(answers[0].json()) == without_ids(answers[1].json())
+        assert answers[0].json()["usage"]["prompt_tokens"] == len(prompts[0])
+
+
+def test_a_request_s_adapter_answers_alike_through_the_cluster(cluster: Cluster) -> None:
+    """A request naming the nodes' adapter is prefilled and decoded with it on both nodes of a
+    handoff: the router's answer is the single node's, and not the base model's."""
+    for path, body in (("/v1/completions", {"prompt": STORY, "max_tokens": 10, "temperature": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": STORY}],
+                                                 "max_tokens": 10, "temperature": 0.7, "seed": 3})):
+        adapted = {**body, "adapters": "story"}
+        single, routed = (post(node, path, adapted) for node in (cluster.single, cluster.router))
+        assert single.status_code == routed.status_code == 200, (single.text, routed.text)
+        assert without_ids(routed.json()) == without_ids(single.json())
+        assert without_ids(post(cluster.single, path, body).json()) != without_ids(single.json())
+    refused = post(cluster.router, "/v1/completions", {"prompt": STORY, "adapters": "poem"})
+    assert refused.status_code == 400 and "'story'" in refused.json()["error"]["message"], refused.text
 
 
 def test_stop_string_ends_the_text_through_the_cluster(cluster: Cluster) -> None:

@@ -7,7 +7,8 @@ step's activations and three blocks, so that admission and the prefill memory ca
 blocks on their own). Each program starts from the same full cache and runs its requests side by
 side: start a request whose prompt is one of a few shared prefixes (two to four blocks, three of
 them extending one another, and one that ends halfway through a block of another: a system
-prompt that is not a whole number of blocks) plus a tail of its own, greedy or seeded; evict kept
+prompt that is not a whole number of blocks, and one that ends with an end-of-turn token there,
+so that its last block ends with it) plus a tail of its own, greedy or seeded; evict kept
 blocks at that moment (`MlxEngine.evict_prefixes`, what admission runs); let the engine deliver a
 few tokens; wait for the oldest request to end. Every request that finishes must have the tokens
 and log-probabilities, to the bit, of the same request alone on an engine without a prefix cache
@@ -16,13 +17,13 @@ otherwise; whenever looked at, the kept bytes are whole blocks within the capaci
 program nothing is held, reserved or decoding, and the cache keeps exactly the arrays its index
 counts, whole prefixes only, and a prompt never starts after more than its shared prefix's whole
 blocks. Over the whole run blocks must have been evicted beside running requests, by the
-programs and by the engine itself, and prompts must have started from kept blocks, some of them
-at a block that is not where a step of the cache-less engine starts (its steps take four blocks
-from the first): the test cannot pass by testing nothing. It runs twice: without a host tier,
-and with one of four blocks (taken back on every hit, "always"), where every evicted block goes
-to the host pool and comes back: then the host copies are exactly what its index counts, never
-a block in both tiers, within its capacity, and blocks must have gone out, come back and been
-forgotten there.
+programs and by the engine itself, and prompts must have started from kept blocks, some of them at a
+block that is not where a step of the cache-less engine starts (its steps take four blocks from the
+first) and at a block that ends at a message's end: the test cannot pass by testing nothing. It runs
+twice: without a host tier, and with one of four blocks (taken back on every hit, "always"), where
+every evicted block goes to the host pool and comes back: then the host copies are exactly what its
+index counts, never a block in both tiers, within its capacity, and blocks must have gone out, come
+back and been forgotten there.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
+from statecore.prefix import block_bounds
 from statecore.scheduling import chunk_activation_bytes, prefill_chunks
 from support.tiny_models import cached_checkpoint
 from tests.integration.engines import load_engine
@@ -63,9 +65,11 @@ def tokens_of(n: int, salt: int) -> tuple[int, ...]:
 
 
 _BASE = tokens_of(64, salt=1)
-# The first three extend one another, so their blocks are parents and children; the last ends
-# halfway through the chain's third block (two whole blocks shared with it, then its own tokens).
-PREFIXES = (_BASE[:32], _BASE[:48], _BASE, tokens_of(48, salt=2), _BASE[:40])
+END = 1  # the tiny llama's eos id: a block also ends after it (a chat message's end)
+# The first three extend one another, so their blocks are parents and children; the fifth ends
+# halfway through the chain's third block (two whole blocks shared with it, then its own tokens);
+# the last is a system message of 41 tokens: its third block ends at its end-of-turn token.
+PREFIXES = (_BASE[:32], _BASE[:48], _BASE, tokens_of(48, salt=2), _BASE[:40], (*_BASE[:40], END))
 LONGEST_PROMPT = max(len(p) for p in PREFIXES) + LONGEST_TAIL
 assert LONGEST_PROMPT + MOST_TOKENS + 2 <= SLOT_TOKENS
 
@@ -119,7 +123,8 @@ Op = Start | Evict | Deliver | Finish
 
 starts = st.builds(
     Start,
-    prefix=st.integers(0, len(PREFIXES) - 1),
+    # the system message half the time, so that programs start it twice (a hit at its end)
+    prefix=st.integers(0, len(PREFIXES) - 1) | st.just(len(PREFIXES) - 1),
     tail=st.lists(st.integers(2, 511), min_size=1, max_size=LONGEST_TAIL).map(tuple),
     seed=st.none() | st.integers(0, 3),
     max_tokens=st.integers(1, MOST_TOKENS),
@@ -175,6 +180,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Engines]:
     try:
         device = cached._device
         assert device.slot_lane and device.pool_reserved == pool and device.settings.prefill_memory_cap
+        assert device.block_ends == {END}
         yield Engines(cached, plain, block, CAPACITY_BLOCKS * block)
     finally:
         trio.run(cached.aclose)
@@ -214,6 +220,7 @@ class Totals:
     engine_blocks: int = 0  # blocks the engine evicted during the programs (capacity, admission, the cap)
     hits: int = 0  # prompts that started from kept blocks
     hits_within_a_step: int = 0  # ... after a number of blocks at which no cache-less step starts
+    hits_at_a_message_end: int = 0  # ... after a block that ends at an end-of-turn token
 
 
 class Program:
@@ -239,7 +246,8 @@ class Program:
     def check_cache(self) -> None:
         stats = self.engines.cached.statistics()
         kept = stats.prefix_cache_bytes
-        assert kept <= self.engines.capacity and kept % self.engines.block == 0, kept
+        # whole blocks: a block is one chunk or ends earlier, at an end-of-turn token
+        assert kept <= self.engines.capacity and kept % (self.engines.block // CHUNK) == 0, kept
         # blocks coming back from the host tier never take what KV admission gave requests
         assert kept + stats.kv_reserved_bytes <= stats.kv_budget_bytes, stats
 
@@ -271,10 +279,12 @@ class Program:
         except StatecoreError as exc:
             assert exc.info.code is Code.OVERLOADED, exc
             return None
-        assert outcome.cached_tokens % CHUNK == 0 and outcome.cached_tokens <= shared, (outcome, start)
+        bounds = [0, *block_bounds(start.prompt, CHUNK, {END})]
+        assert outcome.cached_tokens in bounds and outcome.cached_tokens <= shared, (outcome, start)
         if outcome.cached_tokens:
             self.totals.hits += 1
-            self.totals.hits_within_a_step += (outcome.cached_tokens // CHUNK) % STEP_BLOCKS != 0
+            self.totals.hits_within_a_step += bounds.index(outcome.cached_tokens) % STEP_BLOCKS != 0
+            self.totals.hits_at_a_message_end += outcome.cached_tokens % CHUNK != 0
         tokens: list[Token] = [(outcome.first_token, outcome.first_logprobs)]
         self.token()
         try:
@@ -399,6 +409,7 @@ def test_eviction_under_pressure_never_changes_a_running_request(engines: Engine
     assert after.prefix_cache_evictions > before.prefix_cache_evictions
     assert after.prefix_cache_hits > before.prefix_cache_hits
     assert totals.hits_within_a_step > 0, totals
+    assert totals.hits_at_a_message_end > 0, totals
     assert totals.finished > totals.refused, totals
     if after.prefix_host_capacity_bytes:  # blocks went to the host, came back, and were forgotten there
         assert after.prefix_host_out and after.prefix_host_back and after.prefix_host_forgotten, after

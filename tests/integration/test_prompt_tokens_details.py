@@ -35,6 +35,7 @@ from effects.ports import GenerationRequest, PrefillReply, SamplingParams
 from effects.runner import NodeRunner, Timeouts
 from statecore.events import TokenGenerated
 from statecore.ids import RequestId
+from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 from support.tiny_models import cached_checkpoint
 from tests.integration.engines import close_engine, load_engine
@@ -229,7 +230,10 @@ class FakeCluster:
         peers = _WatchedPeers(transport=self.hosts, prompt_tokens_details=details)
         self.routers.append(peers)
         urls = {"prefill": "http://prefill", "decode": "http://decode"}
-        performer = RouterPerformer(peers, lambda role, *_: urls[role])
+        def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
+            return choose_route(len(prompt), [RouteCandidate(urls["decode"], 0)], local_prefill_below, 0)
+
+        performer = RouterPerformer(peers, lambda role, *_: urls[role], route)
         peers.prefilling = performer.prefilling
         self.performers.append(performer)
         runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))

@@ -15,8 +15,11 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from adapters.cli import build_parser
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
+from adapters.frontend.prompts import TemplateArgsRefused
+from adapters.serve.node import _load_frontend
 from support.tiny_models import THINK_END
 from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
 from tests.integration.test_tool_calls_api import CALL, TOOLS
@@ -206,3 +209,40 @@ async def test_a_grammar_writes_the_answer_from_the_first_token_so_nothing_is_th
         "messages": ASK, "max_tokens": 30, "response_format": {"type": "json_object"}})).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": '{"a": "<think>"}'}
     assert backend.last.request.sampling.response_format is not None
+
+
+async def test_the_node_s_template_args_go_under_the_request_s(thinking_dir: Path,
+                                                                backend: FakeBackend) -> None:
+    """`--chat-template-args` (here thinking off) reach every chat's template and /tokenize's;
+    a request's `chat_template_kwargs` and `reasoning_effort` are put over them."""
+    frontend = Frontend.load(thinking_dir, backend, template_args={"enable_thinking": False})
+    closed, opened = "<assistant>\n<think>\n\n</think>\n\n", "<assistant>\n<think>\n"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)),
+                                 base_url="http://node") as client:
+        for given, ends in (({}, closed), ({"chat_template_kwargs": {"enable_thinking": True}}, opened),
+                            ({"reasoning_effort": "high"}, opened)):
+            backend.scripts.append(say(frontend, "Four."))
+            response = await client.post("/v1/chat/completions",
+                                         json={"messages": ASK, "max_tokens": 9, **given})
+            assert response.status_code == 200, response.text
+            assert prompt_text(frontend, backend).endswith(ends), given
+            if "reasoning_effort" not in given:  # /tokenize takes no effort (vLLM's shape)
+                counted = await client.post("/tokenize", json={"messages": ASK, **given})
+                assert counted.json()["tokens"] == list(backend.last.request.prompt)
+        # the request's own arguments that the template refuses are still the request's fault
+        refused = await client.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 5, "chat_template_kwargs": {"enable_thinking": "yes"}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_template_args_the_template_refuses_are_refused_at_start(thinking_dir: Path, backend: FakeBackend,
+                                                                 frontend: Frontend) -> None:
+    with pytest.raises(TemplateArgsRefused, match="enable_thinking must be true or false"):
+        Frontend.load(thinking_dir, backend, template_args={"enable_thinking": "yes"})
+    # a node ends its start in one line
+    args = build_parser().parse_args(["run", "--chat-template-args", '{"enable_thinking": "yes"}'])
+    with pytest.raises(SystemExit, match=r"^statecore: --chat-template-args: the chat template refused"):
+        _load_frontend(thinking_dir, backend, args)
+    frontend.tokenizer.has_chat_template = False  # a model with no chat template at all
+    with pytest.raises(TemplateArgsRefused, match="no chat template"):
+        Frontend(frontend.tokenizer, backend, template_args={"enable_thinking": True})

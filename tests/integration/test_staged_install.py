@@ -127,10 +127,11 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
             assert results[name] == expected[: len(results[name])]
 
 
-@pytest.mark.parametrize("ending", ["cancel", "missing piece"])
+@pytest.mark.parametrize("ending", ["cancel", "missing piece", "release"])
 async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> None:
-    """Cancelled while its pieces arrive, or installed with a piece missing (a typed
-    KV_TRUNCATED): its slot is free again and a later request decodes in it exactly."""
+    """Cancelled while its pieces arrive, installed with a piece missing (a typed KV_TRUNCATED),
+    or released without an install (its first token ended it): its slot is free again and a
+    later request decodes in it exactly."""
     async with opened_engines() as opened:
         source, decode = await source_and_decode(opened, max_batch=2)
         newcomer = prompt_of(70, salt=5)
@@ -141,6 +142,8 @@ async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> No
         assert "new" in staged(decode)
         if ending == "cancel":
             await decode.cancel(RequestId("new"))
+        elif ending == "release":
+            await decode.release_held(RequestId("new"))
         else:
             with pytest.raises(StatecoreError) as raised:
                 await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)

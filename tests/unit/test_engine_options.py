@@ -25,5 +25,5 @@ def test_the_options_are_engine_settings_keywords_with_their_types() -> None:
 def test_load_takes_no_setting_of_its_own_beside_the_options() -> None:
     own = {name for name, parameter in inspect.signature(MlxEngine.load).parameters.items()
            if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert own == {"trust_remote_code", "adapter_path", "warm_request", "model_call_hook"}
+    assert own == {"trust_remote_code", "adapter_path", "adapters", "warm_request", "model_call_hook"}
     assert not own & set(EngineOptions.__annotations__)

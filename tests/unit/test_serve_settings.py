@@ -61,6 +61,9 @@ def test_a_default_cluster_hands_nothing_on() -> None:
     ["--request-deadline", "nan"], ["--drain-timeout", "-5"], ["--max-batch", "two"],
     ["--api-key", ""], ["--api-key", "two words"], ["--api-key", "a,b"], ["--api-key-protects", "docs"],
     ["--allowed-origins", "https://app.example/"], ["--allowed-origins", "app.example"],
+    ["--chat-template-args", "enable_thinking=false"], ["--chat-template-args", "[1]"],
+    ["--chat-template-args", '{"nested": {"a": 1}}'], ["--chat-template-args", '{"tokenize": false}'],
+    ["--chat-template-args", '{"x": NaN}'],
 ])
 def test_a_nonsense_setting_is_refused_when_parsed(flags: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -68,6 +71,16 @@ def test_a_nonsense_setting_is_refused_when_parsed(flags: list[str],
         build_parser().parse_args(["run", *flags])
     assert exit_.value.code == 2
     assert f"argument {flags[0]}" in capsys.readouterr().err
+
+
+def test_template_args_parse_to_json_that_a_local_cluster_hands_its_router_alone() -> None:
+    given = '{ "enable_thinking" : false, "n": 1.5 }'
+    args = build_parser().parse_args(["run", "--chat-template-args", given])
+    assert args.chat_template_args == '{"enable_thinking": false, "n": 1.5}'
+    assert _forwarded_serving_flags(args, "router") == ["--chat-template-args", args.chat_template_args]
+    assert _forwarded_serving_flags(args, "prefill") == _forwarded_serving_flags(args, "decode") == []
+    again = build_parser().parse_args(["run", "--role", "router", *_forwarded_serving_flags(args, "router")])
+    assert again.chat_template_args == args.chat_template_args
 
 
 def test_sane_settings_parse() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,7 +38,7 @@ from adapters.frontend.intake import (
     validation_error,
 )
 from adapters.frontend.jobs import Job, Kind, job_of
-from adapters.frontend.openai_bodies import ChatBody, CompletionBody, check_unsupported
+from adapters.frontend.openai_bodies import ChatBody, CompletionBody, TemplateValue, check_unsupported
 from adapters.frontend.prompts import Prompts
 from adapters.reasoning import ReasoningSplitter, ThinkMarkers
 from adapters.tool_calls import ToolCallSplitter
@@ -65,18 +65,21 @@ class Frontend:
         model_name: str | None = None,
         max_body_bytes: int = 4 << 20,
         prompt_tokens_details: bool = False,
+        template_args: Mapping[str, TemplateValue] | None = None,
     ) -> None:
         """`tokenizer` is an mlx-lm `TokenizerWrapper`; the model name defaults to the backend's.
         `prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`) reports the prompt tokens
         each prefill took from a prefix cache in usage (`prompt_tokens_details.cached_tokens`, the
-        Responses API's `input_tokens_details`, Messages' `cache_read_input_tokens`)."""
+        Responses API's `input_tokens_details`, Messages' `cache_read_input_tokens`).
+        `template_args` (`--chat-template-args`) go to the chat template of every chat, under the
+        request's own (`TemplateArgsRefused` when the template cannot take them)."""
         self.tokenizer = tokenizer
         self.backend = backend
         self.model_name = model_name if model_name is not None else backend.model_info.name
         self.max_body_bytes = max_body_bytes
         self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
-        self.prompts = Prompts(tokenizer, backend)
+        self.prompts = Prompts(tokenizer, backend, template_args)
         self.faults = Faults.none()  # tests only: see effects.faults
         self.warnings: list[str] = []  # start-up warnings, repeated in /health
 
@@ -93,6 +96,7 @@ class Frontend:
         model_name: str | None = None,
         max_body_bytes: int = 4 << 20,
         prompt_tokens_details: bool = False,
+        template_args: Mapping[str, TemplateValue] | None = None,
     ) -> Frontend:
         """Load only the tokenizer and chat template from `model_dir` (never the weights)."""
         from mlx_lm.utils import load_tokenizer
@@ -108,7 +112,7 @@ class Frontend:
             # "Token indices sequence length is longer than ..." warning only added a log line.
             inner.model_max_length = sys.maxsize
         return cls(tokenizer, backend, model_name=model_name, max_body_bytes=max_body_bytes,
-                   prompt_tokens_details=prompt_tokens_details)
+                   prompt_tokens_details=prompt_tokens_details, template_args=template_args)
 
     async def read_object(self, request: Request) -> dict[str, object]:
         """The body as a JSON object (within `max_body_bytes`)."""

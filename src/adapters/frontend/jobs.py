@@ -170,6 +170,7 @@ async def job_of(prompts: Prompts, kind: Kind, request_id: RequestId, body: Comp
         frequency_context_size=given(body.frequency_context_size, 20),
         logprobs=logprobs_of(body),
         response_format=response_format,
+        adapter=prompts.adapter(body.adapters),
     )
     return Job(
         kind=kind,

@@ -36,8 +36,9 @@ Defaults and limits (vLLM's where OpenAI leaves a choice):
   looked for in the answer only; `usage.completion_tokens_details.reasoning_tokens`. Another API
   may cap the thinking (`generation.ThinkBudget`: Anthropic's `budget_tokens`).
 - `chat_template_kwargs`: the template's extra variables, scalars only (not the names this module
-  passes itself); `reasoning_effort` is the template's own variable where it reads one, else
-  `enable_thinking`. What the template raises on is a 400 naming the field.
+  passes itself), over the node's `--chat-template-args` (`parse_template_args`);
+  `reasoning_effort` is the template's own variable where it reads one, else `enable_thinking`.
+  What the template raises on is a 400 naming the field.
 - `xtc_probability` / `xtc_threshold` (mlx-lm's XTC, threshold at most 0.5): when a draw's coin
   (keyed by seed and position) comes up, the tokens above the threshold but the least likely of
   them are left out; a newline and EOS never are.
@@ -84,7 +85,8 @@ from statecore.policy import grammar_end_conflict
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "MAX_CHOICES", "MAX_STOP_LENGTH", "MAX_STOP_STRINGS",
            "MAX_TOP_LOGPROBS", "TEMPLATE_OWN_ARGUMENTS", "ChatBody", "CompletionBody", "Message", "Sampling",
-           "TemplateValue", "ToolChoice", "check_grammar_ends", "check_unsupported", "given", "stop_strings"]
+           "TemplateValue", "ToolChoice", "check_grammar_ends", "check_unsupported", "given",
+           "parse_template_args", "stop_strings"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
@@ -132,6 +134,7 @@ class Sampling(Strict):
     # mlx_lm.server's names and ranges (a context size of 0 turns its penalty off)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
+    adapters: str | None = Field(default=None, min_length=1)  # mlx_lm.server's: a LoRA adapter, by name
     xtc_threshold: float | None = Field(default=None, ge=0.0, le=0.5)  # mlx-lm's sampler refuses more
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=0.0)
@@ -251,6 +254,31 @@ TEMPLATE_OWN_ARGUMENTS = frozenset({
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's reasoning efforts
 
 
+def parse_template_args(text: str) -> dict[str, TemplateValue]:
+    """`--chat-template-args` (mlx_lm.server's flag): a JSON object of the chat template's extra
+    variables for every request, held to what a request's `chat_template_kwargs` may be (scalars,
+    none of the names the front end passes itself); ValueError says what is wrong."""
+    try:
+        given = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"must be a JSON object of template variables, not {type(given).__name__}")
+    nested = sorted(name for name, value in given.items()
+                    if value is not None and not isinstance(value, str | int | float | bool))
+    if nested:
+        raise ValueError(f"{', '.join(nested)}: a template variable must be a string, number, boolean "
+                         "or null")
+    taken = sorted(TEMPLATE_OWN_ARGUMENTS.intersection(given))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} is set by the server, not by a template argument")
+    return given
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, TemplateValue] | None = None  # extra variables of the chat template
@@ -277,7 +305,6 @@ _UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": neutral(False),
     "suffix": neutral(""),
     "min_tokens": neutral(0),
-    "adapters": neutral(),  # mlx_lm.server's LoRA adapter per request
     "functions": neutral([]),
     "function_call": neutral("none"),
     "guided_json": neutral(),

@@ -21,6 +21,7 @@ from adapters.frontend.openai_bodies import (
     ChatBody,
     Message,
     Sampling,
+    TemplateValue,
     ToolChoice,
     check_grammar_ends,
 )
@@ -29,21 +30,45 @@ from adapters.reasoning import ThinkMarkers
 from effects.ports import Backend
 from statecore.errors import Code, ErrorInfo, Fault, client_error
 
-__all__ = ["Prompts"]
+__all__ = ["Prompts", "TemplateArgsRefused"]
+
+
+class TemplateArgsRefused(ValueError):
+    """The node's `--chat-template-args` cannot serve: the model has no chat template, or the
+    template raises on them (found at start, before anything serves)."""
 
 
 class Prompts:
-    """The tokenizer's side of the front end: `tokenizer` is an mlx-lm `TokenizerWrapper`."""
+    """The tokenizer's side of the front end: `tokenizer` is an mlx-lm `TokenizerWrapper`;
+    `template_args` (`--chat-template-args`) go to the chat template of every chat, under what a
+    request sets."""
 
-    def __init__(self, tokenizer: Any, backend: Backend) -> None:
+    def __init__(self, tokenizer: Any, backend: Backend,
+                 template_args: Mapping[str, TemplateValue] | None = None) -> None:
         self.tokenizer = tokenizer
         self._backend = backend
+        self.template_args = dict(template_args or {})
         self._tokenizing = trio.CapacityLimiter(1)
         self.think_markers = ThinkMarkers.of(tokenizer)  # a reasoning model's (adapters.reasoning)
         template = getattr(tokenizer, "chat_template", None)
         sources = template.values() if isinstance(template, dict) else [template]
         self._template_reads_effort = any(isinstance(source, str) and "reasoning_effort" in source
                                           for source in sources)
+        if self.template_args:
+            self._check_template_args()
+
+    def _check_template_args(self) -> None:
+        """The start's template arguments on a one-message chat: what the template raises on is
+        refused now, in one line, rather than in every chat's 400."""
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise TemplateArgsRefused("--chat-template-args: this model has no chat template")
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                               add_generation_prompt=True, tokenize=False,
+                                               **self.template_args)
+        except (TemplateError, TypeError, ValueError) as exc:
+            raise TemplateArgsRefused(f"--chat-template-args: the chat template refused them: "
+                                      f"{type(exc).__name__}: {exc}") from None
 
     async def run(self, work: Any, *args: Any) -> Any:
         """`work(*args)` on the tokenizing thread (one at a time)."""
@@ -79,18 +104,19 @@ class Prompts:
             tokenize=True,
             **({"tools": list(tools)} if tools else {}),
         )
+        # the request's variables over the node's (`--chat-template-args`), as mlx_lm.server merges them
         try:
-            ids = await trio.to_thread.run_sync(partial(apply, **(template_kwargs or {})),
-                                                limiter=self._tokenizing)
+            variables = {**self.template_args, **(template_kwargs or {})}
+            ids = await trio.to_thread.run_sync(partial(apply, **variables), limiter=self._tokenizing)
         except (TemplateError, TypeError, ValueError) as exc:
             if not template_kwargs:
                 if isinstance(exc, TemplateError):
                     raise Reject(client_error(f"messages: the chat template refused them: {exc}",
                                               param="messages")) from None
                 raise
-            # whose fault: the messages alone, or the arguments given with them
+            # whose fault: the messages alone (with the node's arguments), or the request's arguments
             try:
-                await trio.to_thread.run_sync(apply, limiter=self._tokenizing)
+                await trio.to_thread.run_sync(partial(apply, **self.template_args), limiter=self._tokenizing)
             except TemplateError:
                 raise Reject(client_error(f"messages: the chat template refused them: {exc}",
                                           param="messages")) from None
@@ -101,10 +127,10 @@ class Prompts:
 
     def template_kwargs(self, chat_template_kwargs: Mapping[str, Any] | None,
                         reasoning_effort: str | None = None) -> dict[str, Any]:
-        """The chat template's extra variables: `reasoning_effort` where the template reads it (else,
-        for a model with think markers, "none" turns the thinking off and any other effort on),
-        then the client's `chat_template_kwargs` over it; the names the front end gives the
-        template itself are refused."""
+        """The request's extra variables of the chat template: `reasoning_effort` where the template
+        reads it (else, for a model with think markers, "none" turns the thinking off and any other
+        effort on), then the client's `chat_template_kwargs` over it; the names the front end gives
+        the template itself are refused. `encode_chat` puts them over the node's `template_args`."""
         given = dict(chat_template_kwargs or {})
         taken = sorted(TEMPLATE_OWN_ARGUMENTS.intersection(given))
         if taken:
@@ -185,6 +211,19 @@ class Prompts:
             raise Reject(client_error(f"tools: the parameters cannot be enforced for tool_choice: {error}",
                                       param="tools"))
         return text
+
+    def adapter(self, name: str | None) -> str | None:
+        """`adapters` (mlx_lm.server's field, one name): a LoRA adapter the node serves
+        (`--adapters NAME=PATH`); another name is a 400 listing those it serves."""
+        if name is None:
+            return None
+        served = self._backend.model_info.adapters
+        if name not in served:
+            serves = (f"serves {', '.join(repr(n) for n in served)}" if served else
+                      "serves none (a node serves adapters named at start with --adapters NAME=PATH)")
+            raise Reject(client_error(f"adapters: no adapter is named {name!r}; this server {serves}",
+                                      param="adapters"))
+        return name
 
     def logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs in id order; an id must be a token of the model."""

@@ -64,6 +64,8 @@ class SamplingBody(_Strict):
     choice_group: str = Field(default="", max_length=200)
     choice: int = Field(default=0, ge=0)
     choices: int = Field(default=1, ge=1)
+    # sent only when set (`_without_base_adapter`): a node of an older version sees the same body
+    adapter: str | None = Field(default=None, min_length=1, max_length=64)
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:
@@ -107,7 +109,7 @@ class PrefillBody(_Strict):
 
     def document(self) -> dict[str, object]:
         unset = {name for name in ("prefix_from", "kv_shm") if not getattr(self, name)}
-        return self.model_dump(exclude=unset or None)
+        return _without_base_adapter(self.model_dump(exclude=unset or None))
 
 
 class PrefixKvBody(_Strict):
@@ -162,7 +164,15 @@ class DecodeBody(_Strict):
 
     def document(self) -> dict[str, object]:
         unset = {name for name in ("kv_stream", "prefix_from") if not getattr(self, name)}
-        return self.model_dump(exclude=unset or None)
+        return _without_base_adapter(self.model_dump(exclude=unset or None))
+
+
+def _without_base_adapter(document: dict[str, object]) -> dict[str, object]:
+    """A body's sampling without `adapter` when none is named (what older nodes expect)."""
+    sampling = document.get("sampling")
+    if isinstance(sampling, dict) and sampling.get("adapter") is None:
+        sampling.pop("adapter", None)
+    return document
 
 
 class ErrorBody(_Strict):
@@ -267,6 +277,7 @@ def info_json(info: ModelInfo) -> dict[str, object]:
             for lay in info.layers
         ],
         "parameter_bytes_by_rank": list(info.parameter_bytes_by_rank),
+        **({"adapters": list(info.adapters)} if info.adapters else {}),
     }
 
 
@@ -274,7 +285,9 @@ def info_from_json(doc: dict[str, object]) -> ModelInfo:
     layers = doc.get("layers")
     eos = doc.get("eos_token_ids")
     by_rank = doc.get("parameter_bytes_by_rank", [])
-    if not isinstance(layers, list) or not isinstance(eos, list) or not isinstance(by_rank, list):
+    adapters = doc.get("adapters", [])
+    if (not isinstance(layers, list) or not isinstance(eos, list) or not isinstance(by_rank, list)
+            or not isinstance(adapters, list)):
         raise ValueError("malformed model info")
     return ModelInfo(
         name=str(doc["name"]),
@@ -288,6 +301,7 @@ def info_from_json(doc: dict[str, object]) -> ModelInfo:
             for d in layers
         ),
         parameter_bytes_by_rank=tuple(int(b) for b in by_rank),
+        adapters=tuple(str(name) for name in adapters),
     )
 
 

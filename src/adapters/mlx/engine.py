@@ -108,6 +108,7 @@ class MlxEngine:
         *,
         trust_remote_code: bool = False,
         adapter_path: Path | None = None,
+        adapters: Sequence[tuple[str, Path]] = (),
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
         **options: Unpack[EngineOptions],
@@ -120,6 +121,10 @@ class MlxEngine:
         `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
         applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
         only between nodes with the same adapter.
+
+        `adapters` (name, directory): mlx-lm LoRA adapters a request may name
+        (`SamplingParams.adapter`), computed per row beside the base model
+        (`adapters.mlx.lora_rows`); their names and bytes are part of the fingerprint.
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -140,6 +145,8 @@ class MlxEngine:
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
         `info.can_travel` tells the serving roles whether handoffs are possible.
         """
+        if adapters and options.get("prefix_cache_bytes") is None:
+            options["prefix_cache_bytes"] = 0  # served without the prefix cache (adapters.mlx.loop_setup)
         settings = engine_settings(model_dir, **options)
         device_shared_by = options.get("device_shared_by", 1)
         draft_model, tensor = options.get("draft_model"), options.get("tensor")
@@ -147,7 +154,8 @@ class MlxEngine:
         share_the_device(device_shared_by)  # after every check: no refused load leaves it set
         engine = cls(ModelSource(Path(model_dir), trust_remote_code,
                                  None if draft_model is None else Path(draft_model),
-                                 None if adapter_path is None else Path(adapter_path), tensor), settings)
+                                 None if adapter_path is None else Path(adapter_path), tensor,
+                                 tuple((name, Path(path)) for name, path in adapters)), settings)
         engine._device.model_call_hook = model_call_hook
         if tensor is not None and tensor.rank > 0:
             return engine  # its load comes in rank 0's first plan

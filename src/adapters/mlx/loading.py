@@ -7,8 +7,9 @@ With a `pipeline_group` each rank keeps only its share of the layers (mlx-lm's
 With an `adapter_path` (`--adapter-path`, an mlx-lm LoRA/DoRA adapter directory) the adapter's
 layers are applied as mlx-lm applies them (not fused: the same numbers as mlx-lm with it).
 `model_fingerprint` is what two nodes must share to exchange KV: the engine's format version, the
-config's bytes, the parameter dtypes, kv_bits, the prefill chunk size, the BLAS in use and the
-adapter's bytes (when one is applied: a prompt's KV depends on it).
+config's bytes, the parameter dtypes, kv_bits, the prefill chunk size, the BLAS in use, the
+adapter's bytes (when one is applied: a prompt's KV depends on it) and the per-request adapters'
+names and bytes (`--adapters`).
 This module imports mlx and mlx_lm; it must never import trio.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +161,10 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
                       prefill_chunk_size: int, shape_bucket: int = 0, fused: bool = False,
-                      block_ends: frozenset[int] = frozenset()) -> str:
+                      block_ends: frozenset[int] = frozenset(),
+                      adapters: Mapping[str, str] | None = None) -> str:
+    """What two nodes must share to exchange KV (see the module's paragraph); `adapters` (name ->
+    digest of `--adapters`) too: a request's KV depends on its adapter and on what its name means."""
     fields = {
         "format_version": FORMAT_VERSION,
         "config_sha256": hashlib.sha256(loaded.config_bytes).hexdigest(),
@@ -172,6 +177,7 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
         **({"fused_projections": True} if fused else {}),  # one matmul rounds as three may not
         **({"adapter_sha256": loaded.adapter_sha256} if loaded.adapter_sha256 else {}),
+        **({"adapters": dict(adapters)} if adapters else {}),
         # Two BLAS libraries round float32 matmuls differently: nodes on different ones must
         # refuse each other's KV.
         "blas": blas_in_use(),

@@ -18,6 +18,7 @@ import mlx.core as mx
 from adapters.mlx.attention import DecodeAttention, choose_attention
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device import DeviceLoop
+from adapters.mlx.lora_rows import AdapterRows, AdapterSet
 from adapters.mlx.memory import KvCost, model_shape
 from adapters.mlx.prefill import enabled_on_cuda
 from adapters.mlx.prefix_cache import PrefixCache
@@ -53,12 +54,20 @@ class _CheckedModel:
 
 
 def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int, context_length: int,
-              probe_cache: list[Any], cost: KvCost) -> None:
+              probe_cache: list[Any], cost: KvCost, adapters: AdapterSet | None = None) -> None:
     """Set `loop` up for a loaded model: its lanes (a slot pool where the model's cache is plain
     KVCache and it decodes here), its prefix cache, speculation, and the checks of its budgets
-    against the model's shape."""
+    against the model's shape. With `adapters` (`--adapters`) every model call tells the adapters'
+    projections which rows take which adapter (`AdapterRows`); the traced slot step, which would
+    not, is off."""
     s = loop.settings
     loop.model = model if loop.model_call_hook is None else _CheckedModel(model, loop)
+    if adapters is not None:
+        if s.speculative != "off" or s.prefix_cache_bytes or s.keep_conversations:
+            raise StatecoreError(client_error(
+                "--adapters is served without speculative decoding and without the prefix cache"))
+        loop.model = AdapterRows(loop.model, adapters, lambda: loop.computing,
+                                 lambda request_id: _adapter_of(loop, request_id))
     loop.eos = eos
     loop.vocab_size = vocab_size
     loop.context_length = context_length
@@ -107,7 +116,8 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
                 # every row, and on the GPU new shapes) while streams decode.
                 loop.pool.reserve(capacity, probe_cache)
                 mx.eval(loop.pool.keys, loop.pool.values)
-            if enabled_on_cuda(s.compile_decode):  # (a traced CPU step builds C++ per kernel)
+            # (a traced CPU step builds C++ per kernel; a traced step would not tell rows' adapters)
+            if enabled_on_cuda(s.compile_decode) and adapters is None:
                 loop.compiled = CompiledSlotStep(model, loop.pool, loop.bucket, loop.call_hook)
     loop.slot_lane = loop.pool is not None
     loop.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
@@ -133,6 +143,12 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
                 "a smaller --prefill-chunk-size bounds it (a chunk's attention scores grow with "
                 "its size times the positions it attends)",
                 chunk, max(0, room), s.kv_memory_bytes, s.prefill_chunk_size)
+
+
+def _adapter_of(loop: DeviceLoop, request_id: str) -> str | None:
+    record = loop.requests.get(request_id)
+    sampling = None if record is None else record.sampling
+    return None if sampling is None else sampling.adapter
 
 
 def slot_attention(mode: str, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:

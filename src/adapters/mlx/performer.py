@@ -37,6 +37,7 @@ from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Job, Local, StreamItem, deliver, post
 from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.loop_setup import configure
+from adapters.mlx.lora_rows import serve_adapters
 from adapters.mlx.memory import KvCost, measure_kv_cost, parameter_bytes, state_bytes
 from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
@@ -67,6 +68,7 @@ class ModelSource:
     draft_dir: Path | None = None
     adapter_dir: Path | None = None
     tensor: TensorGroup | None = None
+    adapters: tuple[tuple[str, Path], ...] = ()  # `--adapters`: (name, directory), per request
 
 
 class Performer:
@@ -294,6 +296,7 @@ class Performer:
 
     def release(self, request_id: str) -> int:
         device = self.device
+        device.slots.staged.release(device.pool, request_id)  # pieces of a request that ended first
         held = device.held.get(request_id)
         if held is not None:
             device.requests.remove(request_id, Finish.RELEASED)  # its reservation with it
@@ -415,6 +418,7 @@ class Performer:
                             shard_group=None if pipelined else group,
                             pipeline_group=group if pipelined else None, adapter_path=source.adapter_dir)
         device.pipelined = pipelined
+        served = serve_adapters(loaded.model, source.adapters, tensor is not None)  # before fusing
         fused = fuse_projections(loaded.model) if enabled_on_cuda(s.fuse_projections) else 0
         device.model = loaded.model
         # A one-token probe through the real prefill path: the cache classes as they travel
@@ -458,7 +462,8 @@ class Performer:
             drafting = load_model(source.draft_dir, trust_remote_code=source.trust_remote_code)
             check_draft_vocabulary(loaded.tokenizer, drafting.tokenizer)
             device.draft_model = DraftModel(drafting.model)
-        configure(device, loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost)
+        configure(device, loaded.model, loaded.eos, vocab_size, loaded.context_length, probe_cache, cost,
+                  adapters=served)
         # what this rank holds of the model (a shard on a tensor-parallel rank), and every rank's
         held = parameter_bytes(loaded.model)
         by_rank = (held,) if tensor is None else tuple(every_rank(tensor.group, held))
@@ -473,13 +478,15 @@ class Performer:
             fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,
                                           prefill_chunk_size=s.prefill_chunk_size,
                                           shape_bucket=device.bucket, fused=fused > 0,
-                                          block_ends=device.block_ends),
+                                          block_ends=device.block_ends,
+                                          adapters=None if served is None else served.fingerprint()),
             context_length=loaded.context_length,
             vocab_size=vocab_size,
             eos_token_ids=loaded.eos,
             prefill_chunk_size=s.prefill_chunk_size,
             layers=layers,
             parameter_bytes_by_rank=by_rank,
+            adapters=() if served is None else served.names,
         )
         logger.info(
             "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s, "

@@ -56,7 +56,10 @@ class LaneHost(Protocol):
     """What a lane needs of the device loop that holds it (`adapters.mlx.device.DeviceLoop`)."""
 
     model: Any
-    computing: tuple[str, Sequence[str]]  # (stage, request ids) of the next model call: the test hook's
+    # (stage, the requests the next model call computes: one per row in its row order, "" for a row
+    # computed for nothing; a verify step lists each once for its several rows): the test hook's,
+    # and what tells per-request adapters their rows (lora_rows)
+    computing: tuple[str, Sequence[str]]
     step_retries: int
     pool: SlotPool | None
     compiled: CompiledSlotStep | None

@@ -148,6 +148,11 @@ class SlotLane:
         assert pool is not None
         loop.computing = ("decode", [live.request_id for live in rows])
         if only is None:
+            by_slot = [""] * count  # the call's rows are the first `count` slots ("": computed for nothing)
+            for live in rows:
+                assert live.slot is not None
+                by_slot[live.slot] = live.request_id
+            loop.computing = ("decode", by_slot)
             offsets = [0] * count
             self.staged.throwaway_offsets(offsets)
             samplers: list[PositionSampler | None] = [None] * count

@@ -205,6 +205,15 @@ class StagedSlots:
             pool.give_back(entry.slot)
         return True
 
+    def release(self, pool: SlotPool | None, request_id: str) -> bool:
+        """A request whose pieces came but which will not join (its first token ended it, or it
+        went elsewhere): its slot back; one that joined keeps its slot and writes. Whether it had
+        a staged slot to give back."""
+        entry = self.entries.get(request_id)
+        if entry is None or entry.row is not None:
+            return False
+        return self.unstage(pool, request_id)
+
     def throwaway_offsets(self, offsets: list[int]) -> None:
         """A step's offsets for staged slots in its range: their prompt's end, not position 0."""
         for entry in self.entries.values():

@@ -7,6 +7,7 @@ import anything; it starts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.frontend.openai_bodies import parse_template_args
 from adapters.http.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_key, parse_protects
 from adapters.http.peers_httpx import DEFAULT_KV_BUFFER_BYTES
 from adapters.model_source import ModelNotFound, resolve_model
@@ -109,6 +111,26 @@ def _protects(text: str) -> str:
         return ",".join(sorted(parse_protects(text)))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _template_args(text: str) -> str:
+    """An argparse type: `--chat-template-args`, a JSON object of the chat template's variables
+    (`parse_template_args`), kept as normalized JSON text (so that a local cluster hands it on as
+    given)."""
+    try:
+        return json.dumps(parse_template_args(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _named_adapter(text: str) -> str:
+    """An argparse type: one `--adapters` entry, NAME=PATH (kept as given: a local cluster hands
+    it on)."""
+    name, equals, path = text.partition("=")
+    if not equals or not path or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PATH (a name of 1 to 64 of A-Z a-z 0-9 . _ -)")
+    return text
 
 
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
@@ -281,6 +303,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="apply an mlx-lm LoRA/DoRA adapter (a directory with adapter_config.json and "
                              "adapters.safetensors) to the model at load, as mlx-lm applies it; part of the "
                              "model fingerprint: every node of a cluster needs the same one")
+    engine.add_argument("--adapters", type=_named_adapter, nargs="+", action="extend", default=[],
+                        metavar="NAME=PATH",
+                        help="LoRA adapters (mlx-lm adapter directories) a request may name in its "
+                             "`adapters` field: its rows compute with that adapter, beside rows of other "
+                             "adapters and of the base model in the same batch; part of the model "
+                             "fingerprint: every node of a cluster needs the same set. Turns the prefix "
+                             "cache and the traced decode step off; not with --speculative or "
+                             "--adapter-path")
     engine.add_argument("--speculative", default="off", choices=("off", "ngram", "draft"),
                         help="decode and single nodes: speculative decoding while few requests decode "
                              "(--speculative-max-rows): ngram drafts tokens by prompt lookup (what followed "
@@ -423,6 +453,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="seconds to finish in-flight requests on SIGTERM (default 30)")
     limits.add_argument("--max-in-flight", type=_whole(1), default=256,
                         help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
+    api.add_argument("--chat-template-args", type=_template_args, default=None, metavar="JSON",
+                     help="single, router: variables for the chat template of every chat, as a JSON "
+                          "object of strings, numbers, booleans and nulls (mlx_lm.server's flag, e.g. "
+                          "'{\"enable_thinking\": false}'); a request's chat_template_kwargs are put over "
+                          "them. Refused at start when the template raises on them")
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="single, router: report in usage the prompt tokens each request's prefill "
                           "took from a prefix cache (prompt_tokens_details.cached_tokens, as vLLM's "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -31,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 from adapters.blas import blas_in_use
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
+from adapters.frontend.prompts import TemplateArgsRefused
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
 from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
@@ -50,7 +53,7 @@ from effects.faults import Faults
 from effects.handoffs import HandoffLog
 from effects.health import PeerSet
 from effects.interpret import EnginePerformer, RouterPerformer
-from effects.ports import ModelInfo
+from effects.ports import Backend, ModelInfo
 from effects.prefix_pull import PrefixPuller
 from effects.routing import PrefixSummaries
 from effects.runner import NodeRunner, Timeouts
@@ -249,7 +252,7 @@ def step_target_ms(args: argparse.Namespace, role: str) -> float | None:
 
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
-    return dict(
+    options = dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -267,6 +270,30 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
         draft_model=args.draft_model if role != "prefill" else None, adapter_path=args.adapter_path,
     )
+    return {**options, **adapter_options(args, role)}
+
+
+def adapter_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """`--adapters` as `MlxEngine.load`'s `adapters`, and what they turn off: the prefix cache
+    (its blocks are keyed by tokens alone, not by the adapter that computed them) and keeping
+    conversations; refused with one line beside what they cannot serve with yet."""
+    if not args.adapters:
+        return {}
+    named = [(name, Path(path)) for name, _, path in (entry.partition("=") for entry in args.adapters)]
+    names = [name for name, _ in named]
+    doubled = sorted({name for name in names if names.count(name) > 1})
+    if doubled:
+        raise SystemExit(f"statecore: --adapters names {', '.join(doubled)} more than once")
+    if args.adapter_path is not None:
+        raise SystemExit("statecore: --adapters and --adapter-path together are not served: name the "
+                         "adapter for every request in --adapters instead, or apply one with --adapter-path")
+    if args.speculative != "off" or args.draft_model is not None:
+        raise SystemExit("statecore: --adapters with speculative decoding is not served yet: drop "
+                         "--speculative / --draft-model")
+    if args.prefix_cache_bytes:
+        log.warning("%s: --adapters turns the prefix cache off (its blocks are not keyed by adapter); "
+                    "--prefix-cache-bytes is ignored", role)
+    return {"adapters": tuple(named), "prefix_cache_bytes": 0, "keep_conversations": False}
 
 
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
@@ -321,9 +348,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     lines = RequestLines()
     if role == "single":
         lines.watch(runner)
-        frontend = Frontend.load(model, local_backend(runner, performer, max_live=args.max_in_flight),
-                                 model_name=getattr(args, "served_model_name", None),
-                                 prompt_tokens_details=args.enable_prompt_tokens_details)
+        frontend = _load_frontend(model, local_backend(runner, performer, max_live=args.max_in_flight), args)
         frontend.faults = faults
         frontend.warnings = warnings
         app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
@@ -464,9 +489,9 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         return choice
 
     modes = HandoffModes(docs, partial(_node_document, peers), stream=args.kv_handoff == "stream")
-    performer = RouterPerformer(peers, peer_set.pick, in_flight=peer_set.in_flight,
+    performer = RouterPerformer(peers, peer_set.pick, route, in_flight=peer_set.in_flight,
                                 prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
-                                route=route, streams=modes.streams)
+                                streams=modes.streams)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router", every=args.log_transitions)
     runner.instruments.add(RetryLines())
@@ -476,9 +501,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     lines.watch(runner)
-    frontend = Frontend.load(model, backend,
-                             model_name=getattr(args, "served_model_name", None),
-                             prompt_tokens_details=args.enable_prompt_tokens_details)
+    frontend = _load_frontend(model, backend, args)
     frontend.faults = faults
     frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
 
@@ -512,6 +535,18 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     finally:
         await peers.aclose()
     return 0
+
+
+def _load_frontend(model: Path, backend: Backend, args: argparse.Namespace) -> Frontend:
+    """A single node's or the router's front end (the same flags make the same prompts on both);
+    `--chat-template-args` the template refuses end the start in one line."""
+    template_args = None if args.chat_template_args is None else json.loads(args.chat_template_args)
+    try:
+        return Frontend.load(model, backend, model_name=getattr(args, "served_model_name", None),
+                             prompt_tokens_details=args.enable_prompt_tokens_details,
+                             template_args=template_args)
+    except TemplateArgsRefused as exc:
+        raise SystemExit(f"statecore: {exc}") from None
 
 
 def _public_app(frontend: Frontend, args: argparse.Namespace, extra_routes: list[BaseRoute],
