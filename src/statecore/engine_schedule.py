@@ -10,19 +10,23 @@ how many work units (`scheduling.plan_step`: decode rows first, then the oldest 
 which short prompts share a padded call (`scheduling.padding_groups`), and what of that fits the
 memory beside the KV held (`scheduling.fit_activations`): which keep tasks give way, how many
 bytes of kept prefix blocks go, the activation estimate. `update` advances the prompts by the
-plan's units and says which finished. `choose_lane` decides where a request decodes. The
-executor performs a plan as it is; it decides nothing of its own.
+plan's units and says which finished. The engine's other decisions are here too: where a request
+decodes (`choose_lane`), whether a request's KV is admitted and what gives way to it
+(`admission`), what a prefill whose call raised becomes (`prefill_failure`), and whether a step
+holds prefill back for a handed-off request about to join (`decode_only`). The executor performs
+what these say; it decides nothing of its own.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from statecore.scheduling import (
+    KvAdmission,
     ModelShape,
     PrefillUnit,
     PrefillWork,
@@ -34,6 +38,7 @@ from statecore.scheduling import (
     bucketed,
     chunk_activation_bytes,
     fit_activations,
+    kv_admission,
     padding_groups,
     plan_step,
     prefill_work_bytes,
@@ -41,16 +46,28 @@ from statecore.scheduling import (
 )
 
 __all__ = [
+    "HANDOFF_COMING_S",
+    "Admission",
     "Budget",
     "Candidate",
     "EnginePhase",
+    "Finish",
     "Lane",
     "Memory",
+    "PrefillFailure",
     "StepPlan",
+    "admission",
     "choose_lane",
+    "decode_only",
+    "handoff_imminent",
+    "prefill_failure",
     "schedule",
     "update",
 ]
+
+# How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
+# soon as it is validated; a request that never does stops holding it back after this)
+HANDOFF_COMING_S = 2.0
 
 
 class EnginePhase(enum.Enum):
@@ -63,6 +80,19 @@ class EnginePhase(enum.Enum):
     GATHERING = "gathering"  # a choice of n > 1 at its batched lane, waiting for its siblings
     RUNNING = "running"  # decoding in its lane
     KEEPING = "keeping"  # a keep task: a finished conversation's chunks computed for the prefix cache
+
+
+class Finish(enum.Enum):
+    """How a request left the engine: its record's last word (`STOP` and `LENGTH` are the
+    OpenAI finish reasons of `statecore.policy.token_finish`)."""
+
+    STOP = "stop"  # an end token (or its first token was one)
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # its caller cancelled, or left before its prefill finished
+    FAILED = "failed"  # its prefill or a decode step failed, or the engine died
+    RELEASED = "released"  # its held cache was released (exported, or not wanted)
+    KEPT = "kept"  # a keep task whose chunks are in the prefix cache
+    GAVE_WAY = "gave_way"  # a keep task dropped: a request needed its memory, or its call raised
 
 
 class Lane(enum.Enum):
@@ -272,20 +302,85 @@ def _fit_memory(plan: StepPlan, by_id: dict[str, Candidate], groups: list[list[C
                    activation_estimate=estimate, capped=capped, over_budget=estimate > room)
 
 
-def update(candidates: Sequence[Candidate], plan: StepPlan) -> tuple[tuple[Candidate, ...], tuple[str, ...]]:
-    """The candidates after the plan ran as planned: each advanced by its planned units (a
-    dropped keep task gone); those whose last unit ran leave the candidates and are named in
-    `finished` (a prompt's first token is then read back; a keep task is done)."""
+def update(candidates: Sequence[Candidate], plan: StepPlan, built: Mapping[str, int] | None = None
+           ) -> tuple[tuple[Candidate, ...], tuple[str, ...]]:
+    """The candidates after the plan ran: each advanced by its planned units (a dropped keep task
+    gone), or to the units `built` says it has done where the executor built otherwise (a cached
+    start found during the step skipped units; a call that raised starts again from none); those
+    whose last unit ran leave the candidates and are named in `finished` (a prompt's first token
+    is then read back; a keep task is done)."""
     ran = {work.request_id: work.units for work in plan.prefills}
+    built = built or {}
     dropped = set(plan.dropped_keeps)
     left: list[Candidate] = []
     finished: list[str] = []
     for candidate in candidates:
         if candidate.request_id in dropped:
             continue
-        done = candidate.done_units + ran.get(candidate.request_id, 0)
+        done = built.get(candidate.request_id, candidate.done_units + ran.get(candidate.request_id, 0))
         if done >= len(candidate.units):
             finished.append(candidate.request_id)
         else:
             left.append(replace(candidate, done_units=done, batchable=candidate.batchable and done == 0))
     return tuple(left), tuple(finished)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What admitting a request's KV comes to: the verdict (`scheduling.kv_admission`), whether
+    the keep tasks give way first (`drop_keep_tasks`), and the kept prefix bytes to free (at
+    least; 0 when none need go)."""
+
+    verdict: KvAdmission
+    drop_keep_tasks: bool = False
+    evict_prefix_bytes: int = 0
+
+
+def admission(need: int, others: int, keeping: int, pool_reserved: int, prefix_bytes: int,
+              budget: int) -> Admission:
+    """Admit `need` bytes of a request's own KV beside `others` reserved by the other requests
+    (`keeping` of them by keep tasks), the slot pool's `pool_reserved` and `prefix_bytes` of kept
+    prefix blocks, in `budget`. Kept prefixes give way to it, then keep tasks, as far as it needs
+    and only when that makes it fit: a request refused anyway takes nothing from them (the verdict
+    counts every kept block as gone)."""
+    verdict = kv_admission(need, others, pool_reserved, budget)
+    drop = False
+    if verdict is KvAdmission.LATER and kv_admission(need, others - keeping, pool_reserved,
+                                                     budget) is KvAdmission.FITS:
+        drop, others, verdict = True, others - keeping, KvAdmission.FITS
+    if verdict is not KvAdmission.FITS:
+        return Admission(verdict)
+    return Admission(verdict, drop, max(0, need + others + pool_reserved + prefix_bytes - budget))
+
+
+class PrefillFailure(enum.Enum):
+    """What a prefill whose call raised becomes."""
+
+    RESTART = "restart"  # once more from its first token, in a later step
+    FAIL = "fail"  # the request fails with the error
+    GIVE_UP = "give_up"  # a keep task: nobody waits for it, the conversation is just not kept
+
+
+def prefill_failure(*, keeps_only: bool, retried: bool, typed: bool) -> PrefillFailure:
+    """A keep task gives up; a prompt's first untyped error (`typed`: the engine's own
+    `StatecoreError`, a refusal that computing again would repeat) starts it again: prefill is a
+    pure function of the prompt, so a transient error costs time, not the request; a second
+    error, or a typed one, fails it."""
+    if keeps_only:
+        return PrefillFailure.GIVE_UP
+    if not retried and not typed:
+        return PrefillFailure.RESTART
+    return PrefillFailure.FAIL
+
+
+def handoff_imminent(arrived: Sequence[float], now: float) -> bool:
+    """A handed-off request whose last piece arrived (`arrived`: when, in seconds) less than
+    `HANDOFF_COMING_S` ago joins any moment (one that never does stops counting after that)."""
+    return any(now - since < HANDOFF_COMING_S for since in arrived)
+
+
+def decode_only(joined: bool, arrived: Sequence[float], now: float) -> bool:
+    """Whether this step decodes only (no prefill work): a handed-off request joined since the
+    last step, or one is about to (`handoff_imminent`), and its second token must wait for no
+    prefill."""
+    return joined or handoff_imminent(arrived, now)

@@ -31,7 +31,8 @@ from adapters.grammar import response_format_text
 from adapters.kv import codec
 from adapters.mlx import MlxEngine, commands
 from adapters.mlx import choices as choices_module
-from adapters.mlx import device as device_module
+from adapters.mlx import executor as executor_module
+from adapters.mlx import profile as profile_module
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held
 from adapters.mlx.sampling import PositionSampler
@@ -43,7 +44,7 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
 )
-from statecore.engine_schedule import EnginePhase, StepPlan
+from statecore.engine_schedule import EnginePhase, Finish, StepPlan
 from statecore.engine_schedule import schedule as scheduled
 from statecore.errors import Code, Fault, StatecoreError
 from statecore.ids import RequestId
@@ -417,7 +418,7 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
 
 def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row count of every batched prefill call from now on (the real call still runs)."""
-    from adapters.mlx import device
+    from adapters.mlx import executor
     from adapters.mlx.prefill import run_short_batch
 
     sizes: list[int] = []
@@ -426,7 +427,7 @@ def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(tasks))
         run_short_batch(model, tasks, bucket)
 
-    monkeypatch.setattr(device, "run_short_batch", recording)
+    monkeypatch.setattr(executor, "run_short_batch", recording)
     return sizes
 
 
@@ -836,7 +837,7 @@ async def test_a_slow_step_is_kept_with_where_its_time_went(
 ) -> None:
     """With the threshold at 0 every step counts as slow: the prefill's step lists its prefill
     unit and its prefill time, each decode step its row, and no part exceeds the step."""
-    monkeypatch.setattr(device_module, "SLOW_STEP_S", 0.0)
+    monkeypatch.setattr(profile_module, "SLOW_STEP_S", 0.0)
     engine = await open_engine(cached_checkpoint("llama"))
     tokens = await single(engine, RequestId("t"), prompt_of(40, salt=3), replace(GREEDY, max_tokens=8))
     assert len(tokens) == 8
@@ -1029,9 +1030,9 @@ async def test_a_waiting_keep_task_gives_way_to_a_request_that_needs_its_memory(
         device = engine._device
         task = waiting_keep_task(device)
         device.requests[task.request_id].reserved = SMALL_BUDGET - 100_000
-        device.admit("r", 200_000, 100)  # fits only once the keep task is gone
-        device.unreserve("r")
-        return task.request_id not in device.waiting and task.request_id not in device.reserved
+        device.admission.admit("r", 200_000, 100)  # fits only once the keep task is gone
+        device.requests.unreserve("r")
+        return task.request_id not in device.waiting and task.request_id not in device.requests.reserved
 
     assert await engine._post(commands.Inspect(admit_beside_a_keep_task))
 
@@ -1071,14 +1072,14 @@ async def test_a_request_refused_for_memory_takes_no_kept_block_nor_keep_task(op
         device.requests.add(EngineRequest("live", EnginePhase.HELD, reserved=budget - 20_000,
                                           held=Held([], 1, 0)))
         try:
-            device.admit("r", 30_000, 10)  # fits once "live" leaves, not for the keep task's room
+            device.admission.admit("r", 30_000, 10)  # fits once "live" leaves, not for the keep task's room
         except StatecoreError as exc:
             overloaded = exc.info.code is Code.OVERLOADED
         else:
             overloaded = False
-        still_waiting = task.request_id in device.waiting and task.request_id in device.reserved
+        still_waiting = task.request_id in device.waiting and task.request_id in device.requests.reserved
         for rid in ("r", "live", task.request_id):
-            device.forget(rid)
+            device.requests.remove(rid, Finish.CANCELLED)
         return overloaded and still_waiting
 
     assert await engine._post(commands.Inspect(refused_beside_a_keep_task))
@@ -1223,7 +1224,7 @@ async def test_a_step_target_slices_a_prompt_beside_a_stream_and_keeps_tokens_ex
             plans.append((plan.budget_tokens, decode_rows, plan.prefill_tokens))
         return plan
 
-    monkeypatch.setattr(device_module, "schedule", recorded)
+    monkeypatch.setattr(executor_module, "schedule", recorded)
     stream_sampling = SamplingParams(max_tokens=400, ignore_eos=True)
     stream_prompt, long = prompt_of(20, salt=4), prompt_of(200, salt=5)  # 13 chunks of 16, then the rest
     for target, sliced in ((0.001, True), (0.0, False)):
@@ -1268,7 +1269,7 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
             plans.append((plan.budget_tokens, decode_rows, len(plan.prefills)))
         return plan
 
-    monkeypatch.setattr(device_module, "schedule", recorded)
+    monkeypatch.setattr(executor_module, "schedule", recorded)
     # A chunk a step and no prefix cache: a streamed prompt leaves in several pieces (a step's
     # chunks, cached ones included, go as one).
     source = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + 16, prefix_cache_bytes=0)
@@ -1326,7 +1327,7 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One bad batch never fails its rows: each prompt is computed again on its own."""
-    from adapters.mlx import device
+    from adapters.mlx import executor
 
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
@@ -1334,7 +1335,7 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     def broken(model: Any, tasks: Any, bucket: int = 0) -> None:
         raise RuntimeError("injected: the batched call failed")
 
-    monkeypatch.setattr(device, "run_short_batch", broken)
+    monkeypatch.setattr(executor, "run_short_batch", broken)
     prompts = {RequestId(f"b{i}"): prompt_of(12 + i, salt=i) for i in range(3)}
     gate = await hold_device(engine)
     results: dict[RequestId, list[int]] = {}

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine, slot_lane
-from adapters.mlx import device as device_module
+from adapters.mlx import executor as executor_module
 from effects.engine_port import KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -52,9 +52,9 @@ def staged(engine: MlxEngine) -> dict[str, Any]:
 
 async def steps_pass(engine: MlxEngine, count: int) -> None:
     """Wait until the engine's device loop has taken `count` more steps."""
-    before = engine._device.profile["step"][0]
+    before = engine._device.profile.spent["step"][0]
     with trio.fail_after(60):
-        while engine._device.profile["step"][0] < before + count:
+        while engine._device.profile.spent["step"][0] < before + count:
             await trio.sleep(0.002)
 
 
@@ -175,7 +175,7 @@ async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly
         _, whole = await pieces_of(source, "whole", newcomer)
         layers = len(source.info.layers)
         one_layer = max(piece.payload.nbytes for piece in whole) // layers // 2
-        monkeypatch.setattr(device_module, "STREAMED_PIECE_BYTES", one_layer)
+        monkeypatch.setattr(executor_module, "STREAMED_PIECE_BYTES", one_layer)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         assert len(pieces) >= layers * len(whole) > len(whole)
         assert all(piece.end_layer - piece.first_layer == 1 for piece in pieces)

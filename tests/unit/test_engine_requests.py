@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held, RequestTable
 from adapters.mlx.rows import Live
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, Finish
 
 TASK = cast(PrefillTask, object())
 LIVE = cast(Live, SimpleNamespace(request_id="a"))
@@ -74,7 +74,7 @@ def test_the_views_and_reservations_follow_the_records(steps: list[tuple[EngineP
     for index, (phase, reserved, leaves) in enumerate(steps):
         rid = f"r{index % 5}"
         if leaves:
-            table.remove(rid)
+            table.remove(rid, Finish.CANCELLED)
         else:
             table.add(record(rid, phase, reserved))
         records = table.records()
@@ -83,3 +83,16 @@ def test_the_views_and_reservations_follow_the_records(steps: list[tuple[EngineP
             assert list(getattr(table, name)) == expected
         assert table.reserved_bytes == sum(r.reserved for r in records)
         assert table.reserved == {r.request_id: r.reserved for r in records if r.reserved}
+
+
+def test_a_request_leaves_with_its_finish_and_is_counted_by_it() -> None:
+    """Leaving is the one way out of the table and names how: the record that left says it, the
+    table counts it, and a request that had no record counts nothing."""
+    table = RequestTable()
+    table.add(record("a", EnginePhase.RUNNING, reserved=7))
+    table.add(record("b", EnginePhase.WAITING))
+    left = table.remove("a", Finish.LENGTH)
+    assert left is not None and left.finish is Finish.LENGTH and "a" not in table
+    assert table.remove("a", Finish.CANCELLED) is None
+    table.clear(Finish.FAILED)
+    assert len(table) == 0 and table.finished == {Finish.LENGTH: 1, Finish.FAILED: 1}

@@ -3,7 +3,8 @@ the oldest prompts' units, padded groups of short prompts, lanes), and hypothesi
 state for the properties the device loop relies on: the token budget is never exceeded, the
 memory budget never but by the oldest prompt's lone unit, only keep tasks give way to memory
 (no decode row, no request), and schedule -> update reaches every prompt's first token within a
-bounded number of steps (no starvation)."""
+bounded number of steps (no starvation); the engine's other decisions (admission and what gives
+way to it, a failed prefill's fate, a decode-only step) by table, admission also by hypothesis."""
 
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore.engine_schedule import (
+    HANDOFF_COMING_S,
+    Admission,
     Budget,
     Candidate,
     Lane,
     Memory,
+    PrefillFailure,
     StepPlan,
+    admission,
     choose_lane,
+    decode_only,
+    prefill_failure,
     schedule,
     update,
 )
 from statecore.scheduling import (
     STREAMED_SLICE_TOKENS,
+    KvAdmission,
     ModelShape,
     PrefillWork,
     StepRates,
@@ -161,6 +169,19 @@ def test_schedule_then_update_brings_every_prompt_to_its_first_token(
     assert {c.request_id for c in candidates if not c.keeps_only} <= finished
 
 
+def test_update_takes_what_was_built_where_it_differs_from_the_plan() -> None:
+    """A prompt that found cached blocks during the step is further along than planned; one whose
+    call raised starts again from none (and may share a padded call again); the rest ran as
+    planned."""
+    planned, skipped, raised = prompt("p", 0, 40), prompt("s", 1, 40), prompt("r", 2, 20, batchable=True)
+    plan = StepPlan(400, 0, (PrefillWork("p", 1, 16, False), PrefillWork("s", 1, 16, False),
+                             PrefillWork("r", len(raised.units), 20, True)))
+    left, finished = update([planned, skipped, raised], plan, {"s": len(skipped.units) - 1, "r": 0})
+    assert finished == ()
+    assert [(c.request_id, c.done_units, c.batchable) for c in left] == [
+        ("p", 1, False), ("s", len(skipped.units) - 1, False), ("r", 0, True)]
+
+
 def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_computes() -> None:
     """At 1 ms a prefill token a slice of STREAMED_SLICE_S is under STREAMED_SLICE_TOKENS: the
     slice is that many tokens; unmeasured, or not streamed, the whole budget."""
@@ -172,3 +193,58 @@ def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_comput
     assert schedule(0, [prompt("a", 1, 2000)], unmeasured, max_padding=0).budget_tokens == 4000
     not_streamed = Budget(4000, 8, rates=rates)
     assert schedule(0, [prompt("a", 1, 2000)], not_streamed, max_padding=0).budget_tokens == 4000
+
+
+FITS, LATER, NEVER = KvAdmission.FITS, KvAdmission.LATER, KvAdmission.NEVER
+
+
+@pytest.mark.parametrize(("need", "others", "keeping", "pool", "kept", "expected"), [
+    (10, 0, 0, 0, 0, Admission(FITS)),  # room: nothing gives way
+    (10, 50, 0, 20, 30, Admission(FITS, False, 10)),  # kept prefixes give way as far as it needs
+    (10, 50, 20, 45, 0, Admission(FITS, True, 0)),  # later, but fits once the keep tasks go
+    (10, 50, 4, 45, 30, Admission(LATER)),  # keep tasks would not make room: nothing gives way
+    (10, 0, 0, 95, 30, Admission(NEVER)),  # never fits beside the slot pool
+    (10, 50, 20, 20, 30, Admission(FITS, False, 10)),  # prefixes first: the keep tasks stay
+])
+def test_admission_table(need: int, others: int, keeping: int, pool: int, kept: int,
+                         expected: Admission) -> None:
+    assert admission(need, others, keeping, pool, kept, 100) == expected
+
+
+@given(need=st.integers(0, 200), others=st.integers(0, 200), keeping_share=st.floats(0, 1),
+       pool=st.integers(0, 200), kept=st.integers(0, 200), budget=st.integers(0, 400))
+def test_an_admitted_request_fits_and_a_refused_one_takes_nothing(
+        need: int, others: int, keeping_share: float, pool: int, kept: int, budget: int) -> None:
+    """Admitted, the request fits beside what stays (no more freed than that takes); refused,
+    no kept block nor keep task gives way to it."""
+    keeping = int(others * keeping_share)
+    decided = admission(need, others, keeping, pool, kept, budget)
+    if decided.verdict is not FITS:
+        assert decided == Admission(decided.verdict)
+        return
+    staying = others - (keeping if decided.drop_keep_tasks else 0)
+    assert need + staying + pool + kept - decided.evict_prefix_bytes <= budget
+    assert decided.evict_prefix_bytes == max(0, need + staying + pool + kept - budget)
+    assert not decided.drop_keep_tasks or need + others + pool > budget  # only when it must
+
+
+@pytest.mark.parametrize(("keeps_only", "retried", "typed", "expected"), [
+    (True, False, False, PrefillFailure.GIVE_UP),
+    (True, True, True, PrefillFailure.GIVE_UP),
+    (False, False, False, PrefillFailure.RESTART),
+    (False, True, False, PrefillFailure.FAIL),
+    (False, False, True, PrefillFailure.FAIL),
+])
+def test_prefill_failure_table(keeps_only: bool, retried: bool, typed: bool,
+                               expected: PrefillFailure) -> None:
+    assert prefill_failure(keeps_only=keeps_only, retried=retried, typed=typed) is expected
+
+
+@pytest.mark.parametrize(("joined", "arrived", "expected"), [
+    (False, [], False),
+    (True, [], True),
+    (False, [100.0 - HANDOFF_COMING_S / 2], True),
+    (False, [100.0 - HANDOFF_COMING_S], False),  # it never joined: prefill goes on
+])
+def test_decode_only_table(joined: bool, arrived: list[float], expected: bool) -> None:
+    assert decode_only(joined, arrived, 100.0) is expected

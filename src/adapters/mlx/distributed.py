@@ -49,8 +49,9 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx import commands, lockstep
-from adapters.mlx.device import DeviceLoop, InjectedCrash, Settings
+from adapters.mlx.device import DeviceLoop, InjectedCrash
 from adapters.mlx.jobs import Crash, Job, Stop
+from adapters.mlx.settings import Settings
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
 __all__ = [
@@ -233,7 +234,7 @@ class LockstepLoop(DeviceLoop):
             if stop:
                 self.stopped = True
                 return
-            self.step()
+            self.executor.step()
             self.progress_at = time.monotonic()
 
     def follow(self) -> None:
@@ -253,7 +254,7 @@ class LockstepLoop(DeviceLoop):
                 self.compute_job(Job(command, None))
                 self.loading = False
                 self.progress_at = time.monotonic()
-            self.step()
+            self.executor.step()
             self.progress_at = time.monotonic()
 
     def undo_abandoned(self, job: Job[Any]) -> None:

@@ -24,22 +24,21 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import mlx.core as mx
 import trio
 
 from adapters.kv import codec, frames
 from adapters.mlx import commands
-from adapters.mlx.device import DeviceLoop, Settings, SlowStep
+from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
-    TensorGroup,
     refuse_pipelined_handoff,
 )
 from adapters.mlx.jobs import Local, StreamItem, engine_failed, post
-from adapters.mlx.limits import checked_prefix, checked_prompt, checked_token, engine_settings
+from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
@@ -50,6 +49,8 @@ from adapters.mlx.prefill import (
     on_cuda,
     tune_cuda_backend,
 )
+from adapters.mlx.profile import SlowStep
+from adapters.mlx.settings import Settings
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -66,7 +67,6 @@ from effects.engine_port import (
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
 from statecore.prefix import conversation_block_bounds
-from statecore.scheduling import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["MlxEngine"]
 
@@ -106,43 +106,17 @@ class MlxEngine:
         cls,
         model_dir: Path,
         *,
-        prefill_chunk_size: int = DEFAULT_CHUNK_TOKENS,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
         trust_remote_code: bool = False,
-        max_batch: int = 32,
-        max_num_batched_tokens: int | None = None,
-        step_target_ms: float | None = None,
-        prefill_batch: int = 32,
-        max_padding: float = 0.25,
-        max_slot_tokens: int = 32768,
-        kv_memory_bytes: int | None = None,
-        device_shared_by: int = 1,
-        decodes_locally: bool = True,
-        shape_bucket: int | None = None,
-        decode_attention: str = "auto",
-        compile_decode: str = "auto",
-        fuse_projections: str = "auto",
-        preallocate_slots: bool | None = None,
-        prefix_cache_bytes: int | None = None,
-        prefix_host_bytes: int | None = None,
-        prefix_host_pull: str = "auto",
-        prefill_memory_cap: str = "auto",
-        keep_conversations: bool = False,
-        speculative: str = "off",
-        num_draft_tokens: int = 3,
-        speculative_max_rows: int = 1,
-        draft_model: Path | None = None,
         adapter_path: Path | None = None,
         adapters: Sequence[tuple[str, Path]] = (),
         warm_request: bool | None = None,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = None,
-        tensor: TensorGroup | None = None,
+        **options: Unpack[EngineOptions],
     ) -> MlxEngine:
         """Start the device thread and load `model_dir` on it (mlx_lm.utils.load).
 
-        The device loop's settings are `adapters.mlx.limits.engine_settings`' (each argument
-        of this call that it takes: there they are documented and checked).
+        `options` are the device loop's settings (`adapters.mlx.limits.EngineOptions`): they go to
+        `adapters.mlx.limits.engine_settings`, where they are documented, defaulted and checked.
 
         `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
         applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
@@ -171,20 +145,11 @@ class MlxEngine:
         trust_remote_code is True. A cache class that cannot travel is logged, not refused:
         `info.can_travel` tells the serving roles whether handoffs are possible.
         """
-        if adapters and prefix_cache_bytes is None:
-            prefix_cache_bytes = 0  # served without the prefix cache (adapters.mlx.loop_setup)
-        settings = engine_settings(
-            model_dir, prefill_chunk_size=prefill_chunk_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
-            max_batch=max_batch, max_num_batched_tokens=max_num_batched_tokens, step_target_ms=step_target_ms,
-            prefill_batch=prefill_batch, max_padding=max_padding, max_slot_tokens=max_slot_tokens,
-            kv_memory_bytes=kv_memory_bytes, device_shared_by=device_shared_by,
-            decodes_locally=decodes_locally,
-            shape_bucket=shape_bucket, decode_attention=decode_attention, compile_decode=compile_decode,
-            fuse_projections=fuse_projections, preallocate_slots=preallocate_slots,
-            prefix_cache_bytes=prefix_cache_bytes, prefix_host_bytes=prefix_host_bytes,
-            prefix_host_pull=prefix_host_pull, prefill_memory_cap=prefill_memory_cap,
-            keep_conversations=keep_conversations, speculative=speculative, num_draft_tokens=num_draft_tokens,
-            speculative_max_rows=speculative_max_rows, draft_model=draft_model, tensor=tensor)
+        if adapters and options.get("prefix_cache_bytes") is None:
+            options["prefix_cache_bytes"] = 0  # served without the prefix cache (adapters.mlx.loop_setup)
+        settings = engine_settings(model_dir, **options)
+        device_shared_by = options.get("device_shared_by", 1)
+        draft_model, tensor = options.get("draft_model"), options.get("tensor")
         tune_cuda_backend()
         share_the_device(device_shared_by)  # after every check: no refused load leaves it set
         engine = cls(ModelSource(Path(model_dir), trust_remote_code,
@@ -464,7 +429,7 @@ class MlxEngine:
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)
-                                         for kind, (calls, seconds) in device.profile.items()))
+                                         for kind, (calls, seconds) in device.profile.spent.items()))
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         prefix = self._device.prefix
@@ -495,11 +460,11 @@ class MlxEngine:
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
-        return dict(self._device.profile)
+        return dict(self._device.profile.spent)
 
     def slow_steps(self) -> list[SlowStep]:
         """The latest steps that took `SLOW_STEP_S` or more, oldest first (for benchmarks)."""
-        return list(self._device.slow_steps)
+        return list(self._device.profile.slow_steps)
 
     async def aclose(self, join_timeout_s: float | None = None) -> None:
         """Stop the device thread; every held cache and live request is dropped.

@@ -11,25 +11,67 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 from adapters.mlx.attention import DECODE_ATTENTION_MODES
 from adapters.mlx.compiled import COMPILE_MODES
-from adapters.mlx.device import Settings
 from adapters.mlx.distributed import TensorGroup
 from adapters.mlx.fusion import FUSION_MODES
 from adapters.mlx.memory import default_kv_memory_bytes
 from adapters.mlx.prefill import default_shape_bucket, on_cuda
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
+from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import Code, StatecoreError, client_error
 from statecore.policy import context_overflow, grammar_end_conflict
 from statecore.scheduling import DEFAULT_CHUNK_TOKENS, default_step_tokens
 
-__all__ = ["PREFILL_MEMORY_CAP_MODES", "checked_prefix", "checked_prompt", "checked_token", "engine_settings"]
+__all__ = [
+    "PREFILL_MEMORY_CAP_MODES",
+    "EngineOptions",
+    "checked_prefix",
+    "checked_prompt",
+    "checked_token",
+    "engine_settings",
+]
 
 _KV_BITS = (2, 3, 4, 5, 6, 8)
 _KV_GROUP_SIZES = (32, 64, 128)
 PREFILL_MEMORY_CAP_MODES = ("auto", "on", "off")  # --prefill-memory-cap
+
+
+class EngineOptions(TypedDict, total=False):
+    """The engine's settings as `MlxEngine.load` takes them (`**options`) and passes them on to
+    `engine_settings`, where each is documented, defaulted and checked (a test holds the two to the
+    same names and types)."""
+
+    prefill_chunk_size: int
+    kv_bits: int | None
+    kv_group_size: int
+    max_batch: int
+    max_num_batched_tokens: int | None
+    step_target_ms: float | None
+    prefill_batch: int
+    max_padding: float
+    max_slot_tokens: int
+    kv_memory_bytes: int | None
+    device_shared_by: int
+    decodes_locally: bool
+    shape_bucket: int | None
+    decode_attention: str
+    compile_decode: str
+    fuse_projections: str
+    preallocate_slots: bool | None
+    prefix_cache_bytes: int | None
+    prefix_host_bytes: int | None
+    prefix_host_pull: str
+    prefill_memory_cap: str
+    keep_conversations: bool
+    speculative: str
+    num_draft_tokens: int
+    speculative_max_rows: int
+    draft_model: Path | None
+    tensor: TensorGroup | None
 
 
 def engine_settings(

@@ -123,7 +123,7 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     loop.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
     if plain and s.prefix_cache_bytes > 0:
         loop.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
-                                  s.prefix_host_pull, room=loop.prefix_room,
+                                  s.prefix_host_pull, room=loop.admission.prefix_room,
                                   prefill_token_s=lambda: loop.rates.prefill_token_s, ends=loop.block_ends)
     if s.speculative != "off":
         loop.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,

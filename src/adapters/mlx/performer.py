@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
 from adapters.mlx import commands
-from adapters.mlx.device import DeviceLoop, Settings
+from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop, TensorGroup, agree_max, every_rank
 from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
 from adapters.mlx.fusion import fuse_projections
@@ -44,8 +44,9 @@ from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
 from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
+from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.policy import first_token_ends, first_token_is_last
 from statecore.prefix import prompt_chunks
@@ -105,8 +106,8 @@ class Performer:
             case commands.Export(request_id):
                 return self.export(request_id)
             case commands.ForgetPrefixes():
-                self.device.forget_prefixes()
-                self.device.forget_activation_counts()
+                self.device.keeping.forget_prefixes()
+                self.device.executor.forget_activation_counts()
                 # The warm-up's steps traced and compiled: as rates they would make a fast
                 # device's streamed prompts look slow and slice them (H100: a 1B model's
                 # 2,000-token prefill 1.8x longer in three slices).
@@ -115,7 +116,7 @@ class Performer:
                 return None
             case commands.Keep(tokens):
                 assert local is not None and local.caches is not None
-                kept = self.device.keep_imported(tokens, local.caches)
+                kept = self.device.keeping.keep_imported(tokens, local.caches)
                 self.publish()
                 return kept
             case commands.ExportPrefix(tokens):
@@ -146,8 +147,9 @@ class Performer:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
         chunks = prompt_chunks(tokens, self.settings.prefill_chunk_size, device.block_ends)
         units = prefill_units(chunks, device.layers, device.unit_tokens)
-        keys = device.touch_prefix(tokens)  # so that its own admission evicts them last
-        reserved = device.admit(request_id, *device.prefill_reservation(len(tokens), sampling.max_tokens))
+        keys = device.keeping.touch_prefix(tokens)  # so that its own admission evicts them last
+        reservation = device.admission.prefill_reservation(len(tokens), sampling.max_tokens)
+        reserved = device.admission.admit(request_id, *reservation)
         device.arrivals += 1
         matcher = self.matcher(sampling, local)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens), tokens,
@@ -158,9 +160,9 @@ class Performer:
         # tier fit what the budget leaves beside every reservation, its own included.
         device.requests.add(EngineRequest(request_id, EnginePhase.WAITING, reserved=reserved, task=task))
         try:
-            device.start_from_prefix(task, keys)
+            device.keeping.start_from_prefix(task, keys)
         except BaseException:
-            device.forget(request_id)
+            device.requests.remove(request_id, Finish.FAILED)
             raise
 
     def join(self, command: commands.DecodeHeld | commands.Install, job: Job[Any],
@@ -175,7 +177,7 @@ class Performer:
         if request_id in device.live:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
         staged = request_id in device.slots.staged  # its slot is taken already: it counts there
-        overloaded = None if staged else device.overloaded()
+        overloaded = None if staged else device.admission.overloaded()
         if overloaded is not None:
             raise overloaded
         try:
@@ -195,7 +197,8 @@ class Performer:
                 or first_token_ends(first_token, device.eos, ignore_eos=sampling.ignore_eos)):
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
-                device.requests.remove(request_id)
+                device.requests.remove(request_id, Finish.LENGTH if first_token_is_last(sampling.max_tokens)
+                                       else Finish.STOP)
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])
@@ -211,7 +214,7 @@ class Performer:
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
             total = len(tokens) + sampling.max_tokens
-            reserved = device.admit(request_id, device.cost.of(total), total)
+            reserved = device.admission.admit(request_id, device.cost.of(total), total)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens) + 1,
                                   [*tokens, first_token], constraint)
         live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
@@ -227,7 +230,7 @@ class Performer:
         return device.slots.staged.stage(
             device.pool, command.request_id, command.first_layer, command.start, caches,
             command.prompt_tokens, command.needed_tokens,
-            room=command.request_id in device.slots.staged or device.overloaded() is None,
+            room=command.request_id in device.slots.staged or device.admission.overloaded() is None,
             decoding=any(live.slot is not None for live in device.live.values()))
 
     def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None) -> list[Any]:
@@ -267,7 +270,7 @@ class Performer:
                 caches = self.hand_out_heads(caches, local.ranges, tokens)
         # Its whole chunks kept for the conversation's next turn (on every rank alike); the next
         # step decodes only: the request's second token waits for no prefill.
-        device.keep_installed(tokens, caches)
+        device.keeping.keep_installed(tokens, caches)
         device.handoff_joined = True
         return caches
 
@@ -296,7 +299,7 @@ class Performer:
         device.slots.staged.release(device.pool, request_id)  # pieces of a request that ended first
         held = device.held.get(request_id)
         if held is not None:
-            device.requests.remove(request_id)  # its reservation with it
+            device.requests.remove(request_id, Finish.RELEASED)  # its reservation with it
             device.choices.ended(held.sampling)  # it will not decode here
         self.publish()
         return 0 if held is None else held.nbytes
@@ -374,7 +377,7 @@ class Performer:
             device_thread_alive=True,
             step_retries=device.step_retries,
             rows_isolated=device.rows_isolated,
-            kv_reserved_bytes=device.reserved_bytes,
+            kv_reserved_bytes=device.requests.reserved_bytes,
             prefix_cache_bytes=0 if prefix is None else prefix.nbytes,
             prefix_cache_hits=0 if prefix is None else prefix.hits,
             prefix_tokens_reused=0 if prefix is None else prefix.tokens_reused,
@@ -385,11 +388,11 @@ class Performer:
             prefix_host_out=0 if prefix is None else prefix.host_out,
             prefix_host_back=0 if prefix is None else prefix.host_back,
             prefix_host_forgotten=0 if prefix is None else prefix.host_forgotten,
-            prefill_capped_steps=device.prefill_capped_steps,
-            activation_overruns=device.activation_overruns,
-            activation_estimate_peak_bytes=device.activation_peak,
-            conversations_kept=device.conversations_kept,
-            conversation_tokens_kept=device.conversation_tokens_kept,
+            prefill_capped_steps=device.executor.prefill_capped_steps,
+            activation_overruns=device.executor.activation_overruns,
+            activation_estimate_peak_bytes=device.executor.activation_peak,
+            conversations_kept=device.keeping.conversations_kept,
+            conversation_tokens_kept=device.keeping.conversation_tokens_kept,
             speculative_steps=0 if speculator is None else speculator.verify_steps,
             speculative_drafted=0 if speculator is None else speculator.drafted,
             speculative_accepted=0 if speculator is None else speculator.accepted,

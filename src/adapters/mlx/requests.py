@@ -3,7 +3,8 @@
 A request the engine knows has exactly one record here, from its registration (a prompt queued
 for prefill, a keep task, a handed-off cache joining the decoder) until it leaves (it ended, was
 cancelled, released or failed): its phase, the lane it decodes in, the KV bytes it has reserved,
-and the device objects of its phase (its prefill task, its held cache, its decoding row). The
+and the device objects of its phase (its prefill task, its held cache, its decoding row), and when it
+leaves, its finish (`statecore.engine_schedule.Finish`: the one way out, `remove`, names it). The
 maps the loop reads (waiting prompts, held caches, decoding rows, reservations, choices
 gathering) are read-only views of this table (`RequestTable.waiting`, `held`, `live`,
 `reserved`, `gathering`), so no two of them can disagree. The phases are the core's
@@ -14,6 +15,7 @@ device loop or the engine.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.rows import Live
 from effects.engine_port import SamplingParams
-from statecore.engine_schedule import EnginePhase
+from statecore.engine_schedule import EnginePhase, Finish
 
 __all__ = ["EngineRequest", "Held", "RequestTable"]
 
@@ -54,6 +56,7 @@ class EngineRequest:
     held: Held | None = None
     live: Live | None = None
     arrived: tuple[list[Any], list[int]] | None = None  # gathering: (its prompt's cache, the prompt)
+    finish: Finish | None = None  # how it left the table (set as it leaves)
 
     @property
     def units_done(self) -> int:
@@ -100,6 +103,7 @@ class RequestTable:
 
     def __init__(self) -> None:
         self._records: dict[str, EngineRequest] = {}
+        self.finished: Counter[Finish] = Counter()  # the records that left, by finish
         self.waiting: Mapping[str, PrefillTask] = _View(self, PREFILL_PHASES, "task")
         self.held: Mapping[str, Held] = _View(self, frozenset({EnginePhase.HELD}), "held")
         self.live: Mapping[str, Live] = _View(self, DECODER_PHASES, "live")
@@ -132,11 +136,19 @@ class RequestTable:
         self._records[record.request_id] = record
         return record
 
-    def remove(self, request_id: str) -> EngineRequest | None:
-        return self._records.pop(request_id, None)
+    def remove(self, request_id: str, finish: Finish) -> EngineRequest | None:
+        """The request leaves (its reservation with it): its record, with its finish, or None
+        when it had none."""
+        record = self._records.pop(request_id, None)
+        if record is not None:
+            record.finish = finish
+            self.finished[finish] += 1
+        return record
 
-    def clear(self) -> None:
-        self._records.clear()
+    def clear(self, finish: Finish) -> None:
+        """Every request leaves with `finish`."""
+        for request_id in list(self._records):
+            self.remove(request_id, finish)
 
     @property
     def reserved(self) -> dict[str, int]:

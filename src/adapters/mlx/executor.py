@@ -1,0 +1,460 @@
+"""The step's executor on the device thread: it performs the plan the pure scheduler gave
+(`statecore.engine_schedule.schedule`, asked in `plan` from the records as they are) and reads a
+step back. Building: what the plan frees first (keep tasks that give way, kept prefix blocks),
+then its padded groups of short prompts, then each prompt's work units (`adapters.mlx.prefill`);
+a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
+whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
+decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
+become held caches and answer their callers, and a step that fails on the device fails its own
+requests only. A prefill that raises starts again once, in a later step; a padded group that
+raises runs its prompts alone. This module imports mlx and trio (only for trio tokens); it sees
+the device loop only as an `ExecutorHost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from adapters.mlx.batch_lane import BatchLane
+from adapters.mlx.choices import ChoiceGathering
+from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
+from adapters.mlx.keeping import PrefixKeeping
+from adapters.mlx.memory import ALLOCATION_STEP, KvCost
+from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+from adapters.mlx.prefix_cache import PrefixCache
+from adapters.mlx.profile import DeviceProfile
+from adapters.mlx.requests import Held, RequestTable
+from adapters.mlx.rows import Deliveries, Live
+from adapters.mlx.sampling import read_logprobs
+from adapters.mlx.settings import Settings
+from adapters.mlx.slot_lane import SlotLane
+from adapters.mlx.solo_lane import SoloLane
+from adapters.mlx.speculative import SpeculationHost, Speculator
+from effects.engine_port import PrefillOutcome
+from statecore.engine_schedule import (
+    Budget,
+    Candidate,
+    EnginePhase,
+    Finish,
+    Memory,
+    PrefillFailure,
+    StepPlan,
+    decode_only,
+    handoff_imminent,
+    prefill_failure,
+    schedule,
+    update,
+)
+from statecore.errors import StatecoreError
+from statecore.scheduling import (
+    STREAMED_PIECE_BYTES,
+    ModelShape,
+    StepRates,
+    measured_step,
+    streamed_pieces,
+)
+
+__all__ = ["ExecutorHost", "InFlight", "StepExecutor"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+
+class _StepOutputs:
+    """The arrays a step's prefill calls evaluate. On a pipeline rank each call's are launched as
+    soon as it is built: its send/recv and all_gather then run in call order on every rank, which
+    one evaluation of several calls' graphs does not promise (MLX may order independent graphs
+    differently on each rank, and the ranks' graphs differ)."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.arrays: list[Any] = []
+
+    def extend(self, arrays: Sequence[Any]) -> None:
+        arrays = list(arrays)
+        if self.pipelined and arrays:
+            mx.async_eval(arrays)  # type: ignore[no-untyped-call]
+        self.arrays.extend(arrays)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A step handed to the device; read back after the next one is built."""
+
+    tokens: Any = None  # slot lane: (rows,) sampled tokens
+    owners: list[Live | None] = field(default_factory=list)
+    logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
+    finished_prefills: list[PrefillTask] = field(default_factory=list)
+    prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
+    failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
+    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer)
+    segments: list[tuple[PrefillTask, tuple[int, int, int, int], list[Any]]] = field(default_factory=list)
+
+
+class ExecutorHost(SpeculationHost, Protocol):
+    """What the executor needs of the device loop: its records, lanes and parts, and the step
+    on the device (`inflight`)."""
+
+    settings: Settings
+    requests: RequestTable
+    waiting: Mapping[str, PrefillTask]
+    prefix: PrefixCache | None
+    keeping: PrefixKeeping
+    choices: ChoiceGathering
+    slots: SlotLane
+    batch: BatchLane
+    solo: SoloLane
+    speculator: Speculator | None
+    profile: DeviceProfile
+    inflight: InFlight | None
+    short_batching: bool
+    shape: ModelShape | None
+    cost: KvCost
+    rates: StepRates
+    handoff_joined: bool
+    publish: Callable[[], None]
+    cache_bytes: Callable[[list[Any]], int]
+
+    handoffs_coming: dict[str, float]
+
+    def drop_abandoned_waiting(self) -> None: ...
+
+    def hand_out(self, deliveries: Deliveries,
+                 finished: list[tuple[PrefillTask, Outcome[Any]]] = ...) -> None: ...
+
+
+class StepExecutor:
+    """A device loop's step executor (see the module's paragraph), and the memory cap's counts."""
+
+    def __init__(self, loop: ExecutorHost) -> None:
+        self.loop = loop
+        self.prefill_capped_steps = 0  # steps whose planned prefill was cut to fit the memory budget
+        self.activation_overruns = 0  # steps estimated over the budget (the oldest prompt's unit alone)
+        self.activation_peak = 0  # the largest estimate of one step's activations so far (capped steps)
+
+    def forget_activation_counts(self) -> None:
+        """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
+        count serving traffic."""
+        self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
+
+    def step(self) -> None:
+        """Build and start this step, then read back the previous one; while a handed-off
+        request is about to join, read the previous one back first (`settle`)."""
+        loop, profile = self.loop, self.loop.profile
+        if loop.inflight is not None and handoff_imminent(list(loop.handoffs_coming.values()),
+                                                          time.monotonic()):
+            self.settle()
+            return
+        started = time.perf_counter()
+        spent_before = profile.seconds()
+        traces_before = 0 if loop.compiled is None else loop.compiled.traces
+        loop.drop_abandoned_waiting()
+        current = InFlight()
+        outputs: list[Any] = []
+        slot_rows = [live for live in loop.live.values() if live.slot is not None]
+        if loop.speculator is not None and slot_rows:  # a verify step may decode them instead
+            slot_rows = loop.speculator.step(loop, slot_rows)
+        with mx.stream(generation_stream):
+            if slot_rows:
+                building = time.perf_counter()
+                try:
+                    slot_step = loop.slots.build(slot_rows)
+                    current.tokens, current.owners = slot_step.tokens, slot_step.owners
+                    current.logprobs = slot_step.logprobs
+                    outputs.extend(slot_step.outputs)
+                except Exception as exc:
+                    self.fail_rows(slot_rows, exc)
+                    current = InFlight()
+                profile.account("decode_build", building)
+                profile.count("decode_rows", len(slot_rows))
+            plan, candidates = self.plan()
+            current.prefill_tokens = plan.prefill_tokens
+            outputs.extend(self.build_prefills(plan, current))
+            self.advance(candidates, plan)
+            loop.computing = ("", ())
+            if outputs:
+                launching = time.perf_counter()
+                mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                profile.account("launch", launching)
+        built = bool(outputs) or bool(current.failed_prefills)
+        previous, loop.inflight = loop.inflight, (current if built else None)
+        if previous is not None:
+            self.read_back(previous)
+        # Lanes that evaluate on their own: the batch lane, then the solo requests.
+        loop.choices.release()
+        if len(loop.batch):
+            loop.batch.step()
+        for live in loop.solo.step([live for live in loop.live.values() if live.solo_cache is not None]):
+            assert live.solo_cache is not None
+            loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
+        waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
+        if built and not loop.live and not loop.waiting:
+            # Nothing else will come: read this step back now rather than on the next one.
+            loop.inflight = None
+            self.read_back(current)
+            waited_for.append(current)
+        profile.account("step", started)
+        elapsed = time.perf_counter() - started
+        if waited_for or (not built and loop.live):
+            # A step's time is the device's for the step read back in it (its launch waits for the
+            # one before, its read-back for the rest); a step that built nothing (the lanes that
+            # evaluate on their own) is a step without prefill.
+            loop.rates = measured_step(loop.rates, elapsed, sum(step.prefill_tokens for step in waited_for))
+        traces = 0 if loop.compiled is None else loop.compiled.traces - traces_before
+        profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
+        loop.publish()
+
+    def settle(self) -> None:
+        """Read the step on the device back before the next is built: the install of a request
+        whose last piece is arriving (a job) then comes before that next step, so the request's
+        second token is one step sooner, at the price of the host's build no longer overlapping
+        the device for the few steps until it joins."""
+        loop = self.loop
+        previous, loop.inflight = loop.inflight, None
+        assert previous is not None
+        self.read_back(previous)
+        loop.publish()
+
+    def plan(self) -> tuple[StepPlan, list[Candidate]]:
+        """This step's plan (`statecore.engine_schedule.schedule`) from the records as they are,
+        and the candidates it was made from."""
+        loop = self.loop
+        s = loop.settings
+        for task in loop.waiting.values():
+            loop.keeping.look_again(task)  # blocks built since it arrived: the plan sees what is left
+        # A choice of n > 1 never shares a padded call: whether its siblings' prefills wait beside
+        # it is a matter of timing, and the rows of a padded call differ from a prompt's own call
+        # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
+        candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
+                                task.done_units, loop.short_batching and task.is_short
+                                and task.sampler.sampling.choices == 1, task.keeps_only)
+                      for task in loop.waiting.values()]
+        target_ms = s.step_target_ms
+        budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
+                        None if target_ms is None else target_ms / 1000, loop.rates,
+                        decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
+                                                time.monotonic()),
+                        streamed_alone=len(loop.waiting) == 1 and all(
+                            task.segment_sink is not None for task in loop.waiting.values()))
+        loop.handoff_joined = False
+        memory = None
+        if s.prefill_memory_cap:
+            assert loop.shape is not None
+            memory = Memory(s.kv_memory_bytes, 0 if loop.pool is None else loop.pool.nbytes,
+                            loop.requests.reserved_bytes, 0 if loop.prefix is None else loop.prefix.nbytes,
+                            loop.shape,
+                            max((live.limit for live in loop.live.values()), default=1), loop.cost.per_token,
+                            ALLOCATION_STEP)
+        return schedule(len(loop.live), candidates, budget, max_padding=s.max_padding, bucket=loop.bucket,
+                        memory=memory), candidates
+
+    def advance(self, candidates: Sequence[Candidate], plan: StepPlan) -> None:
+        """The prompts' phases after the build, from their progress as `update` gives it (from
+        the units each has done as built): one that computed units and has more left is
+        prefilling, one whose call raised starts again waiting. Those that finished moved as they
+        were built (prefilled, or a done keep task gone), as did a failed one (gone)."""
+        loop = self.loop
+        left, _ = update(candidates, plan, {rid: task.done_units for rid, task in loop.waiting.items()})
+        planned = {work.request_id for work in plan.prefills}
+        for candidate in left:
+            record = loop.requests.get(candidate.request_id)
+            if record is None or record.phase not in (EnginePhase.WAITING, EnginePhase.PREFILLING):
+                continue  # gone, or a keep task (keeping until it is done)
+            if candidate.done_units == 0:
+                record.phase = EnginePhase.WAITING
+            elif candidate.request_id in planned:
+                record.phase = EnginePhase.PREFILLING
+
+    def apply_memory_plan(self, plan: StepPlan) -> None:
+        """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
+        loop = self.loop
+        for request_id in plan.dropped_keeps:
+            loop.requests.remove(request_id, Finish.GAVE_WAY)
+        if plan.evict_prefix_bytes and loop.prefix is not None:
+            loop.prefix.evict(plan.evict_prefix_bytes)
+        if plan.activation_estimate is None:
+            return
+        if plan.capped:
+            self.prefill_capped_steps += 1
+        if plan.over_budget:
+            if not self.activation_overruns:
+                logger.warning("a step's activations are estimated at %d bytes: beside the KV held, over "
+                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
+                               "counted in activation_overruns", plan.activation_estimate,
+                               loop.settings.kv_memory_bytes)
+            self.activation_overruns += 1
+        self.activation_peak = max(self.activation_peak, plan.activation_estimate)
+
+    def build_prefills(self, plan: StepPlan, current: InFlight) -> list[Any]:
+        """Build the plan's prefill calls: its padded groups, then each prompt's units."""
+        loop = self.loop
+        started = time.perf_counter()
+        outputs = _StepOutputs(loop.pipelined)
+        self.apply_memory_plan(plan)
+        tasks = [(loop.waiting[work.request_id], work.units) for work in plan.prefills]
+        groups = [[loop.waiting[rid] for rid in group] for group in plan.groups]
+        for members in groups:
+            loop.computing = ("prefill", [task.request_id for task in members])
+            try:
+                run_short_batch(loop.model, members, loop.bucket)
+            except Exception:
+                # One prompt must not fail its neighbours: they run alone below.
+                logger.exception("a batched prefill of %d prompts failed; running them alone",
+                                 len(members))
+                loop.step_retries += 1
+                for task in members:
+                    task.restart()  # from its first chunk, in a later step
+                continue
+            loop.profile.account("prefill_batched", started, len(members))
+            for task in members:
+                outputs.extend(self.capture_segments(task, current))
+                outputs.extend(self.prefill_outputs(task, current))
+        for task, units in tasks:
+            if task.finished:
+                continue
+            if loop.keeping.look_again(task):  # blocks built earlier in this step
+                units = min(units, len(task.units) - task.done_units)
+            loop.computing = ("prefill", [task.request_id])
+            try:
+                pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
+                                   None if loop.prefix is None else loop.keeping.keep_chunk)
+            except Exception as exc:
+                failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
+                                          typed=isinstance(exc, StatecoreError))
+                if failure is PrefillFailure.GIVE_UP:
+                    logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
+                                   type(exc).__name__, exc)
+                    loop.requests.remove(task.request_id, Finish.GAVE_WAY)
+                    continue
+                if failure is PrefillFailure.RESTART:  # from its first token, in a later step
+                    loop.step_retries += 1
+                    logger.warning("prefill of %s raised (%s: %s); starting it again",
+                                   task.request_id, type(exc).__name__, exc)
+                    task.restart()
+                    continue
+                logger.exception("prefill failed for %s", task.request_id)
+                loop.requests.remove(task.request_id, Finish.FAILED)
+                loop.choices.ended(task.sampler.sampling)
+                current.failed_prefills.append((task, as_statecore(exc)))
+                continue
+            outputs.extend(self.capture_segments(task, current))
+            if task.finished and task.keeps_only:
+                loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
+                outputs.extend(pieces)
+            elif task.finished:
+                outputs.extend(self.prefill_outputs(task, current))
+            else:
+                outputs.extend(pieces)
+        loop.profile.account("prefill_chunks", started)
+        return outputs.arrays
+
+    def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
+        """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
+        units built since the last capture, cut out as their own arrays (evaluated with the step,
+        handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
+        (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture."""
+        if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
+            return []
+        arrays: list[Any] = []
+        units = task.units[task.streamed_units : task.done_units]
+        ranges: list[tuple[int, int, int, int]] = []
+        for chunk in sorted({unit.chunk for unit in units}):
+            mine = [unit for unit in units if unit.chunk == chunk]
+            first, end = mine[0].first_layer, mine[-1].end_layer
+            start = task.chunk_start(chunk)
+            stop = start + task.chunks[chunk]
+            if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
+                start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
+            ranges.append((start, stop, first, end))
+        keys, values = task.cache[0].keys, task.cache[0].values
+        layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
+                             + values.shape[1] * values.shape[3] * values.dtype.size)
+        for where in [piece for step_range in ranges
+                      for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
+                                                   most_bytes=STREAMED_PIECE_BYTES)]:
+            start, stop, first, end = where
+            pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
+                      for buffer in (layer.keys, layer.values)]
+            current.segments.append((task, where, pieces))
+            arrays.extend(pieces)
+        task.streamed_units = task.done_units
+        return arrays
+
+    def hand_segments(self, step: InFlight) -> None:
+        """A read-back step's streamed pieces to their sinks (computed now), unless the request
+        left meanwhile."""
+        for task, where, pieces in step.segments:
+            if task.job is None or task.job.is_abandoned():
+                continue
+            try:
+                task.segment_sink(where, pieces)
+            except Exception:  # the sink's failure is its request's (it hears of it at export)
+                logger.exception("handing a KV segment of %s out failed", task.request_id)
+                task.segment_sink = None
+
+    def fail_rows(self, rows: list[Live], exc: Exception) -> None:
+        """A step that could not be built fails its rows only; the loop goes on."""
+        loop = self.loop
+        logger.exception("a decode step failed for %d requests", len(rows))
+        error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
+        deliveries: Deliveries = {}
+        for live in rows:
+            loop.end(live, error, deliveries)
+        loop.slots.last_tokens = None
+        loop.hand_out(deliveries)
+
+    def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
+        loop = self.loop
+        loop.requests[task.request_id].phase = EnginePhase.PREFILLED
+        current.finished_prefills.append(task)
+        assert task.cache is not None
+        return [task.first, *(c.state for c in task.cache)]
+
+    def read_back(self, step: InFlight) -> None:
+        """Wait for a step's results and hand them out (tokens, first tokens, failures)."""
+        loop = self.loop
+        started = time.perf_counter()
+        deliveries: Deliveries = {}
+        finished: list[tuple[PrefillTask, Outcome[Any]]] = []
+        try:
+            tokens: list[int] = step.tokens.tolist() if step.tokens is not None else []
+            firsts = [int(task.first.item()) for task in step.finished_prefills]
+        except Exception as exc:
+            logger.exception("a step failed on the device; failing its requests")
+            error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
+            for owner in step.owners:
+                if owner is not None and loop.live.get(owner.request_id) is owner:
+                    loop.end(owner, error, deliveries)
+            finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
+            for task in step.finished_prefills:
+                record = loop.requests.get(task.request_id)
+                if record is not None and record.task is task:
+                    loop.requests.remove(task.request_id, Finish.FAILED)
+            loop.slots.last_tokens = None
+        else:
+            self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
+            for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
+                if owner is None or loop.live.get(owner.request_id) is not owner:
+                    continue  # a free slot's row, or a request that ended meanwhile
+                owner.last_token = token
+                item = loop.count_token(owner, token, read_logprobs(step.logprobs.get(slot)))
+                loop.hand_token(owner, item, deliveries)
+            for task, first in zip(step.finished_prefills, firsts, strict=True):
+                assert task.cache is not None
+                nbytes = loop.cache_bytes(task.cache)
+                loop.requests.hold(task.request_id, Held(task.cache, len(task.tokens), nbytes,
+                                                         task.sampler.sampling))
+                logprobs = read_logprobs(task.sampler.take_logprobs())
+                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens,
+                                         streamed=task.segment_sink is not None)
+                finished.append((task, Outcome(value=outcome)))
+        finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
+        loop.profile.account("readback", started)
+        loop.hand_out(deliveries, finished)
+
