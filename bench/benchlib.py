@@ -230,7 +230,30 @@ class CompletionStreamError(Exception):
     """The server refused a streaming completion (a non-200 status) or sent an `error` document."""
 
 
-async def completion_stream(
+async def _sse_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Mapping[str, str] | None,
+    text_of: Callable[[dict[str, Any]], str],
+) -> AsyncIterator[tuple[list[str], dict[str, Any] | None]]:
+    """POST a streaming request to `url` and yield, per `data:` document up to `[DONE]`, its
+    choices' non-empty texts (`text_of` a choice) and its `usage` (None when absent)."""
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:200]
+            raise CompletionStreamError(f"HTTP {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            doc = json.loads(data)
+            if "error" in doc:
+                raise CompletionStreamError(f"stream error: {json.dumps(doc['error'])[:200]}")
+            texts = [text for choice in doc.get("choices") or [] if (text := text_of(choice))]
+            yield texts, doc.get("usage") or None
+
+
+def completion_stream(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> AsyncIterator[tuple[list[str], dict[str, Any] | None]]:
     """POST a streaming `/v1/completions` and yield, per `data:` document up to `[DONE]`, its
@@ -238,44 +261,17 @@ async def completion_stream(
     a short message for a non-200 status or an error document; transport errors and bad JSON
     propagate as httpx / json exceptions. `headers`: extra request headers (e.g. X-Request-Id, so
     that the nodes' records can be joined with the client's timings)."""
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:200]
-            raise CompletionStreamError(f"HTTP {response.status_code}: {detail}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            doc = json.loads(data)
-            if "error" in doc:
-                raise CompletionStreamError(f"stream error: {json.dumps(doc['error'])[:200]}")
-            texts = [text for choice in doc.get("choices") or [] if (text := choice.get("text") or "")]
-            yield texts, doc.get("usage") or None
+    return _sse_stream(client, f"{url}/v1/completions", body, headers,
+                       lambda choice: choice.get("text") or "")
 
 
-async def chat_stream(
+def chat_stream(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> AsyncIterator[tuple[list[str], dict[str, Any] | None]]:
     """`completion_stream` for a streaming `/v1/chat/completions`: per `data:` document, its
     choices' non-empty delta contents and its `usage`."""
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:200]
-            raise CompletionStreamError(f"HTTP {response.status_code}: {detail}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            doc = json.loads(data)
-            if "error" in doc:
-                raise CompletionStreamError(f"stream error: {json.dumps(doc['error'])[:200]}")
-            texts = [text for choice in doc.get("choices") or []
-                     if (text := (choice.get("delta") or {}).get("content") or "")]
-            yield texts, doc.get("usage") or None
+    return _sse_stream(client, f"{url}/v1/chat/completions", body, headers,
+                       lambda choice: (choice.get("delta") or {}).get("content") or "")
 
 
 # -- prompts and the load client -------------------------------------------------------------
