@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.slots import SlotPool
@@ -118,9 +117,10 @@ class StagedSlots:
         return pool.keys[0] is not None or (first_layer == 0 and len(caches) == pool.num_layers)
 
     def write(self, pool: SlotPool | None, entry: Staged, budget: int | None) -> int:
-        """Write `entry`'s queued pieces into its slot (started on the device at once, ahead of
-        the next step), at most `budget` bytes of them but always one (None: all); the bytes
-        written."""
+        """Write `entry`'s queued pieces into its slot (lazily: they are evaluated with the next
+        step, on its stream; evaluated at once from a job, on another stream, each write copied
+        the whole pool buffer: a 450 ms install on the CPU), at most `budget` bytes of them but
+        always one (None: all); the bytes written."""
         assert pool is not None
         written = 0
         touched: set[int] = set()
@@ -136,11 +136,6 @@ class StagedSlots:
             entry.pending_bytes -= size
             written += size
             touched.add(layer)
-        if touched:
-            # Started now, behind the step in flight: the copies (a host-to-device one on a GPU)
-            # overlap the wait for the next piece, not the step the request joins.
-            mx.async_eval([buffers[layer] for layer in sorted(touched)  # type: ignore[no-untyped-call]
-                           for buffers in (pool.keys, pool.values)])
         return written
 
     def write_some(self, pool: SlotPool | None, budget: int | None = STAGED_BYTES_PER_STEP) -> None:
