@@ -39,7 +39,7 @@ from adapters.mlx.loading import load_model, model_fingerprint
 from adapters.mlx.loop_setup import configure
 from adapters.mlx.lora_rows import serve_adapters
 from adapters.mlx.memory import KvCost, measure_kv_cost, parameter_bytes, state_bytes
-from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
+from adapters.mlx.payloads import joined_segments, validate_and_build
 from adapters.mlx.prefill import PrefillTask, enabled_on_cuda, warm_chunk_shapes
 from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
@@ -207,10 +207,9 @@ class Performer:
         # The grammar's state after the first token, which the prefill node drew under it.
         constraint = self.constraint(self.matcher(sampling, local), (first_token,))
         lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
-        if lane != "slot" and request_id in device.slots.staged:  # another lane: its own copy
-            cache = [kv_cache(mx.contiguous(c.keys), mx.contiguous(c.values), len(tokens)) for c in cache]
-            mx.eval([array for c in cache for array in (c.keys, c.values)])
-            device.slots.staged.unstage(device.pool, request_id)
+        # A request stages only where its whole length fits a slot of plain KVCache layers
+        # (`adapters.mlx.staging`), which is where `lane_for` puts it.
+        assert lane == "slot" or request_id not in device.slots.staged
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
             total = len(tokens) + sampling.max_tokens
