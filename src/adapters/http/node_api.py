@@ -13,9 +13,10 @@ Every node: `GET /internal/info` (the model's fingerprint and per-layer cache tr
 `GET /internal/stats` (live counts for leak checks), `GET /internal/handoffs` (the recent KV
 handoffs' bytes and timings). When a shared token is configured, internal endpoints require it
 in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
-is the core's state machine: admission is the runner's (`statecore.policy.admission`), whether a
-KV pull is expected is the table's, and whether a first token ends its request is
-`statecore.policy.first_token_ends`. This module may import anything.
+is the core's state machine: admission is the runner's (`statecore.policy.admission`), a KV
+pull is an event whose answer is the table's (`SendKv`, or `RefuseKv` with KV_NOT_FOUND), and
+whether a first token ends its request is `statecore.policy.first_token_ends`. This module may
+import anything.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 from statecore.events import (
     Admitted,
     ClientCancelled,
-    EventKind,
     KvRequested,
     KvTaken,
     PrefillLocally,
@@ -545,25 +545,17 @@ class NodeApi:
         return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
-        """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
-        context = self.runner.context(rid)
-        # only a phase whose table edge takes a pull holds a KV to send (a pull at any other
-        # time is answered here, and leaves the request alone)
-        if not self.runner.expects(rid, EventKind.KV_REQUESTED) or not isinstance(context, NodeRequest):
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
-        receive = self.performer.open_kv_out(context)
-        await self.runner.post(rid, KvRequested())
-        with trio.move_on_after(KV_SEND_TIMEOUT_S):
-            try:
-                payload = await receive.receive()
-            except trio.EndOfChannel:
-                payload = ErrorInfo(
-                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent"
-                )
-            if isinstance(payload, ErrorInfo):
-                raise StatecoreError(payload)
-            damaged = await self._damaged(rid, payload)
-            return payload if damaged is None else damaged
+        """The held KV the decode node pulls (bytes: a damaged payload, tests only). The pull is
+        the core's `KvRequested` event; the core answers it (the KV once the request holds it,
+        else why not) and the performer delivers the answer to the pull waiting here."""
+        with self.performer.kv_pulls.waiting(rid) as pull:
+            await self.runner.post(rid, KvRequested())
+            with trio.move_on_after(KV_SEND_TIMEOUT_S):
+                payload = await pull.wait()
+                if isinstance(payload, ErrorInfo):
+                    raise StatecoreError(payload)
+                damaged = await self._damaged(rid, payload)
+                return payload if damaged is None else damaged
         raise StatecoreError(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
     def _note_raw_bytes(self, rid: RequestId, tail: KvBytes) -> None:
