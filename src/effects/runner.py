@@ -202,7 +202,7 @@ class RunnerStatistics:
 
 class RequestEntry:
     """Everything the shell keeps for one request, in one place: its reply sink, its work tasks'
-    scopes, its timer, and the role's context (prompt, sampling, chosen nodes, KV channels)."""
+    scopes, its timer, and the role's context (prompt, sampling, chosen nodes, a stream's pieces)."""
 
     def __init__(self, sink: trio.MemorySendChannel[Reply], context: object) -> None:
         self.sink = sink
