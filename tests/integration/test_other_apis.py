@@ -11,19 +11,15 @@ requests use httpx as the other front-end tests do. Both transports buffer a str
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
-import httpx2
 import openai
 import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
@@ -47,37 +43,6 @@ def backend() -> FakeBackend:
     return FakeBackend(fake_model_info(context_length=CONTEXT))
 
 
-@pytest.fixture
-def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(bpe_dir, backend)
-
-
-@pytest.fixture
-def app(frontend: Frontend) -> Starlette:
-    return build_app(frontend)
-
-
-@pytest.fixture
-async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
-        yield client
-
-
-@pytest.fixture
-async def sdk_http(app: Starlette) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://node") as http:
-        yield http
-
-
-@pytest.fixture
-def claude(sdk_http: httpx2.AsyncClient) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(api_key="none", base_url="http://node", http_client=sdk_http,
-                                    max_retries=0)
-
-
-@pytest.fixture
-def gpt(sdk_http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(api_key="none", base_url="http://node/v1", http_client=sdk_http, max_retries=0)
 
 
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:

@@ -7,13 +7,13 @@ a 400 naming them. The tokenizer is the tiny bpe one with think markers (`suppor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from starlette.applications import Starlette
 
 from adapters.cli import build_parser
 from adapters.frontend.app import build_app
@@ -36,10 +36,8 @@ def thinking(thinking_dir: Path, backend: FakeBackend) -> Frontend:
 
 
 @pytest.fixture
-async def client(thinking: Frontend) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(thinking)),
-                                 base_url="http://node") as client:
-        yield client
+def app(thinking: Frontend) -> Starlette:
+    return build_app(thinking)
 
 
 def tokens(frontend: Frontend, text: str) -> list[int]:

@@ -6,7 +6,6 @@ is cut, its end marker written for the model, and the answer goes on as a contin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +34,6 @@ def thinking(thinking_dir: Path, backend: FakeBackend) -> Frontend:
 @pytest.fixture
 def app(thinking: Frontend) -> Starlette:
     return build_app(thinking)
-
-
-@pytest.fixture
-async def http(app: Starlette) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://node") as http:
-        yield http
-
-
-@pytest.fixture
-def claude(http: httpx2.AsyncClient) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(api_key="none", base_url="http://node", http_client=http, max_retries=0)
-
-
-@pytest.fixture
-def gpt(http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(api_key="none", base_url="http://node/v1", http_client=http, max_retries=0)
 
 
 def tokens(frontend: Frontend, text: str) -> list[int]:
@@ -150,8 +133,8 @@ async def test_a_budget_that_leaves_no_room_ends_the_reply_at_max_tokens(
     ({"type": "sometimes"}, 400),
 ])
 async def test_what_thinking_cannot_be_is_refused(
-        http: httpx2.AsyncClient, thinking_config: dict[str, Any], status: int) -> None:
-    response = await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 20, "messages": ASK,
+        sdk_http: httpx2.AsyncClient, thinking_config: dict[str, Any], status: int) -> None:
+    response = await sdk_http.post("/v1/messages", json={"model": "tiny", "max_tokens": 20, "messages": ASK,
                                                      "thinking": thinking_config})
     assert response.status_code == status, response.text
     assert response.json()["type"] == "error"
@@ -219,15 +202,15 @@ async def test_reasoning_effort_none_turns_thinking_off_and_reasoning_items_go_b
 
 
 async def test_chat_template_kwargs_on_both_apis(
-        http: httpx2.AsyncClient, backend: FakeBackend, thinking: Frontend) -> None:
+        sdk_http: httpx2.AsyncClient, backend: FakeBackend, thinking: Frontend) -> None:
     backend.scripts.extend([say(thinking, "Four."), say(thinking, "Four.")])
     closed = "<think>\n\n</think>\n\n"
     kwargs = {"enable_thinking": False}
-    await http.post("/v1/responses", json={"input": "Hi", "chat_template_kwargs": kwargs})
+    await sdk_http.post("/v1/responses", json={"input": "Hi", "chat_template_kwargs": kwargs})
     assert prompt_text(thinking, backend).endswith(closed)
-    await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": ASK,
+    await sdk_http.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": ASK,
                                           "chat_template_kwargs": kwargs})
     assert prompt_text(thinking, backend).endswith(closed)
-    refused = await http.post("/v1/responses", json={"input": "Hi",
+    refused = await sdk_http.post("/v1/responses", json={"input": "Hi",
                                                      "chat_template_kwargs": {"enable_thinking": 1}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"

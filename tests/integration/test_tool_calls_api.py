@@ -6,7 +6,6 @@ and what cannot be served is a clear 4xx."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,13 +23,6 @@ TOOLS: list[Any] = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture
-async def client(frontend: Frontend) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)),
-                                 base_url="http://node") as client:
-        yield client
 
 
 def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:

@@ -360,8 +360,7 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                first_eos = first_token_ends(token, self.engine.info.eos_token_ids,
-                                             ignore_eos=context.sampling.ignore_eos)
+                first_eos = self._ends(token, context)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
@@ -616,13 +615,17 @@ class NodeApi:
                                          cached_tokens=_asks_cached_tokens(request)),
                              media_type="application/x-ndjson")
 
+    def _ends(self, first_token: int, context: NodeRequest) -> bool:
+        """Whether the request's first token ends it (`statecore.policy.first_token_ends`), for the
+        first token's wire record."""
+        return first_token_ends(first_token, self.engine.info.eos_token_ids,
+                                ignore_eos=context.sampling.ignore_eos)
+
     async def _lines(self, generation: RunnerGeneration, context: NodeRequest, *, first_is_prefill: bool,
                      cached_tokens: bool = False) -> AsyncGenerator[bytes, None]:
         """The decode stream's NDJSON lines. A local prefill's first token goes first as a prefill
         reply (with the prompt tokens it took from the prefix cache when the router asked: then a
         first token that is EOS, which ends the request at once, is sent as one too)."""
-        eos_ids = self.engine.info.eos_token_ids
-        ignore_eos = context.sampling.ignore_eos
         first = first_is_prefill
         finished = False
         sent = 0
@@ -634,13 +637,12 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, RespondToken):
                     first = False
-                    yield output_line(PrefillReply(output.token, first_token_ends(output.token, eos_ids,
-                                                                                  ignore_eos=ignore_eos),
-                                                   0, output.logprobs, cached))
+                    yield output_line(PrefillReply(output.token, self._ends(output.token, context), 0,
+                                                   output.logprobs, cached))
                     continue
                 if (first and cached is not None and isinstance(output, Complete)
                         and output.finish_reason == STOP and context.first_token is not None
-                        and first_token_ends(context.first_token, eos_ids, ignore_eos=ignore_eos)):
+                        and self._ends(context.first_token, context)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue
