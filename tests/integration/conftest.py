@@ -55,6 +55,12 @@ def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
 
 
 @pytest.fixture
+def thinking(thinking_dir: Path, backend: FakeBackend) -> Frontend:
+    """A front end over the reasoning tokenizer (`thinking_dir`)."""
+    return Frontend.load(thinking_dir, backend)
+
+
+@pytest.fixture
 def app(frontend: Frontend) -> Starlette:
     return build_app(frontend)
 
