@@ -138,7 +138,8 @@ class EnginePerformer:
         self.kv_pulls = KvPulls()
 
     def forget(self, request_id: RequestId, context: object) -> None:
-        self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
+        if request_id in self.kv_pulls.pending:
+            self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
         if isinstance(context, NodeRequest) and context.stream_out is not None:
             context.stream_out.close()  # so does a stream still sending
         for hook in self.on_forget:

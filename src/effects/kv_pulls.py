@@ -1,6 +1,6 @@
 """Where a prefill node's held KV meets the pulls waiting for it, by request id.
 
-A decode node's pull (`GET /internal/kv/{id}`) waits here (`waiting`) for the answer to the
+A decode node's pull (`GET /internal/kv/{id}`) waits here (`pull`) for the answer to the
 `KvRequested` event it posts; the core decides that answer, and the interpreter delivers it:
 the exported KV for the request's `SendKv`, the reason for its `RefuseKv`, and, when the request
 ends before either, that it ended. Nothing is kept in the request's context, and whether a pull
@@ -48,27 +48,28 @@ class KvPulls:
     pull of its request not yet answered (one `KvRequested` asks for one answer)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[RequestId, list[KvPull]] = {}
+        # the pulls waiting, by request (read it, never change it: `pull` and `answer` do)
+        self.pending: dict[RequestId, list[KvPull]] = {}
 
     @contextmanager
-    def waiting(self, request_id: RequestId) -> Iterator[KvPull]:
+    def pull(self, request_id: RequestId) -> Iterator[KvPull]:
         """A pull for the request, waiting from now (before its event is posted, so that no
         answer can come first) until the block ends."""
         pull = KvPull()
-        self._waiting.setdefault(request_id, []).append(pull)
+        self.pending.setdefault(request_id, []).append(pull)
         try:
             yield pull
         finally:
-            pulls = self._waiting.get(request_id, [])
+            pulls = self.pending.get(request_id, [])
             if pull in pulls:
                 pulls.remove(pull)
             if not pulls:
-                self._waiting.pop(request_id, None)
+                self.pending.pop(request_id, None)
 
     def answer(self, request_id: RequestId, answer: KvAnswer) -> bool:
         """Give the oldest pull of the request still waiting its answer; False when none waits
         (it gave up: its deadline passed, or its client went away)."""
-        for pull in self._waiting.get(request_id, []):
+        for pull in self.pending.get(request_id, []):
             if not pull.answered:
                 pull.answer(answer)
                 return True
@@ -82,7 +83,7 @@ class KvPulls:
 
     def __len__(self) -> int:
         """Pulls waiting now (for leak checks)."""
-        return sum(len(pulls) for pulls in self._waiting.values())
+        return sum(len(pulls) for pulls in self.pending.values())
 
 
 __all__ = ["KvAnswer", "KvPull", "KvPulls"]

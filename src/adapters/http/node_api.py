@@ -547,7 +547,7 @@ class NodeApi:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only). The pull is
         the core's `KvRequested` event; the core answers it (the KV once the request holds it,
         else why not) and the performer delivers the answer to the pull waiting here."""
-        with self.performer.kv_pulls.waiting(rid) as pull:
+        with self.performer.kv_pulls.pull(rid) as pull:
             await self.runner.post(rid, KvRequested())
             with trio.move_on_after(KV_SEND_TIMEOUT_S):
                 payload = await pull.wait()
