@@ -492,13 +492,15 @@ class NodeApi:
         return kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer, segment.end_layer)
 
     def _piece_head(self, segment: KvSegment) -> bytes:
-        return kv_stream.segment_head(self._piece_range(segment), segment.payload.nbytes)
+        return kv_stream.segment_head(self._piece_range(segment), segment.payload.nbytes,
+                                      last_step_started=segment.last_step_started)
 
     async def _piece_record(self, rid: RequestId, segment: KvSegment,
                             ref: kv_shm.ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A piece's record: by reference to its copy in shared memory, or inline."""
         if ref is not None:
-            yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump())]
+            yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump(),
+                                                 last_step_started=segment.last_step_started)]
         else:
             if self.shm is not None and rid in self._shared:
                 log.warning("request %s: no room in shared memory; a piece goes over HTTP", rid)

@@ -248,19 +248,20 @@ class MlxEngine:
         return outcome
 
     def _segment_sink(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken
-                      ) -> Callable[[tuple[int, int, int, int], list[Any]], None]:
+                      ) -> Callable[[tuple[int, int, int, int], list[Any], bool], None]:
         """On the device thread: a computed piece (its range; keys then values of each of its
         layers) framed as a wire payload over its own host memory, handed to `segments` in trio.
         The checksum is computed on its own thread while the pieces already travel."""
         fingerprint = self.info.fingerprint
 
-        def hand(where: tuple[int, int, int, int], arrays: list[Any]) -> None:
+        def hand(where: tuple[int, int, int, int], arrays: list[Any], last_step_started: bool) -> None:
             start, stop, first_layer, end_layer = where
             layers = [kv_cache(arrays[i], arrays[i + 1], stop - start) for i in range(0, len(arrays), 2)]
             tensors = codec.host_tensors(layers, fingerprint=fingerprint, token_count=stop - start)
             pieces = KvPieces(tuple(frames.unsealed_pieces(tensors)), seal_nbytes=frames.END_FRAME_BYTES,
                               seal=frames.end_frame_in_background(tensors))
-            post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces))
+            post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces,
+                                                 last_step_started))
 
         return hand
 
@@ -354,6 +355,8 @@ class MlxEngine:
         last = segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes)
         if last:  # the request joins once the pieces are checked and installed
             self._device.handoffs_coming[request_id] = time.monotonic()
+        elif segment.last_step_started:  # and its last pieces are being computed now
+            self._device.handoffs_expected.setdefault(request_id, time.monotonic())
         built = await trio.to_thread.run_sync(partial(
             validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
             classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
@@ -387,6 +390,7 @@ class MlxEngine:
                               Local(pieces=pieces))
         finally:
             self._device.handoffs_coming.pop(request_id, None)
+            self._device.handoffs_expected.pop(request_id, None)
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -413,6 +417,7 @@ class MlxEngine:
         self._arriving.pop(request_id, None)
         self._last_pieces.pop(request_id, None)
         self._device.handoffs_coming.pop(request_id, None)
+        self._device.handoffs_expected.pop(request_id, None)
         receive = self._streams.pop(request_id, None)
         if receive is not None:
             receive.close()

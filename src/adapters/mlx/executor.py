@@ -122,6 +122,7 @@ class ExecutorHost(SpeculationHost, Protocol):
     cache_bytes: Callable[[list[Any]], int]
 
     handoffs_coming: dict[str, float]
+    handoffs_expected: dict[str, float]
 
     def drop_abandoned_waiting(self) -> None: ...
 
@@ -236,10 +237,10 @@ class StepExecutor:
                                 and task.sampler.sampling.choices == 1, task.keeps_only)
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
+        handoffs = [*loop.handoffs_coming.values(), *loop.handoffs_expected.values()]
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
-                        decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
-                                                time.monotonic()),
+                        decode_only=decode_only(loop.handoff_joined, handoffs, time.monotonic()),
                         streamed_alone=len(loop.waiting) == 1 and all(
                             task.segment_sink is not None for task in loop.waiting.values()))
         loop.handoff_joined = False
@@ -388,12 +389,15 @@ class StepExecutor:
 
     def hand_segments(self, step: InFlight) -> None:
         """A read-back step's streamed pieces to their sinks (computed now), unless the request
-        left meanwhile."""
+        left meanwhile. A piece says whether the step computing its prompt's last pieces has
+        started: the next step was built before this one is read back, so a prompt whose units
+        are all built, and which this step did not finish, finishes in the step now running."""
         for task, where, pieces in step.segments:
             if task.job is None or task.job.is_abandoned():
                 continue
+            last_step_started = task.done_units >= len(task.units) and task not in step.finished_prefills
             try:
-                task.segment_sink(where, pieces)
+                task.segment_sink(where, pieces, last_step_started)
             except Exception:  # the sink's failure is its request's (it hears of it at export)
                 logger.exception("handing a KV segment of %s out failed", task.request_id)
                 task.segment_sink = None
