@@ -142,15 +142,16 @@ class Budget:
     """The step's token budget as configured (`tokens`, `prefill_rows`) and what sizes it: a
     step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`,
     `decode_only` (a handed-off request joined or is about to: no prefill this step) and
-    `streamed_alone` (the one prompt prefilling streams its KV to a decode node: slices that
-    travel while the rest computes)."""
+    `oldest_streams` (the oldest prompt prefilling streams its KV to a decode node: slices that
+    travel while the rest computes, and later prompts wait behind it rather than share the step
+    its first token comes from)."""
 
     tokens: int
     prefill_rows: int
     target_s: float | None = 0.0
     rates: StepRates = field(default_factory=StepRates)
     decode_only: bool = False
-    streamed_alone: bool = False
+    oldest_streams: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,7 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
     tokens = step_token_budget(budget.tokens, decode_rows,
                                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
                                decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates,
-                               streamed_alone=budget.streamed_alone)
+                               oldest_streams=budget.oldest_streams)
     planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
     by_id = {c.request_id: c for c in candidates}
     # Only prompts planned to finish this step share a padded call: it computes all of each.

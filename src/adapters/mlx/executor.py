@@ -179,13 +179,21 @@ class StepExecutor:
             outputs.extend(self.build_prefills(plan, current))
             self.advance(candidates, plan)
             loop.computing = ("", ())
-            if outputs:
+        built = bool(outputs) or bool(current.failed_prefills)
+        previous, loop.inflight = loop.inflight, (current if built else None)
+        # On the CPU a launch computes the step before it returns (MLX's CPU stream), so streamed
+        # pieces of the step before would wait for this whole step: they leave first. (Elsewhere
+        # the launch returns at once and they leave as soon as their step ends anyway.)
+        pieces_first = previous is not None and bool(previous.segments) and mx.default_device() == mx.cpu
+        if pieces_first:
+            assert previous is not None
+            self.read_back(previous)
+        if outputs:
+            with mx.stream(generation_stream):
                 launching = time.perf_counter()
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
                 profile.account("launch", launching)
-        built = bool(outputs) or bool(current.failed_prefills)
-        previous, loop.inflight = loop.inflight, (current if built else None)
-        if previous is not None:
+        if previous is not None and not pieces_first:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
@@ -238,11 +246,11 @@ class StepExecutor:
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
         handoffs = [*loop.handoffs_coming.values(), *loop.handoffs_expected.values()]
+        oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
                         decode_only=decode_only(loop.handoff_joined, handoffs, time.monotonic()),
-                        streamed_alone=len(loop.waiting) == 1 and all(
-                            task.segment_sink is not None for task in loop.waiting.values()))
+                        oldest_streams=oldest is not None and oldest.segment_sink is not None)
         loop.handoff_joined = False
         memory = None
         if s.prefill_memory_cap:
