@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from statecore.engine_schedule import (
     HANDOFF_COMING_S,
+    HANDOFF_EXPECTED_S,
     Admission,
     Budget,
     Candidate,
@@ -257,11 +258,15 @@ def test_prefill_failure_table(keeps_only: bool, retried: bool, typed: bool,
     assert prefill_failure(keeps_only=keeps_only, retried=retried, typed=typed) is expected
 
 
-@pytest.mark.parametrize(("joined", "arrived", "expected"), [
-    (False, [], False),
-    (True, [], True),
-    (False, [100.0 - HANDOFF_COMING_S / 2], True),
-    (False, [100.0 - HANDOFF_COMING_S], False),  # it never joined: prefill goes on
+@pytest.mark.parametrize(("joined", "arrived", "last_step", "expected"), [
+    (False, [], [], False),
+    (True, [], [], True),
+    (False, [100.0 - HANDOFF_COMING_S / 2], [], True),
+    (False, [100.0 - HANDOFF_COMING_S], [], False),  # it never joined: prefill goes on
+    # its prefill node computes its last pieces, for longer than a last piece is waited for
+    (False, [], [100.0 - HANDOFF_COMING_S * 2], True),
+    (False, [], [100.0 - HANDOFF_EXPECTED_S], False),  # that prefill node went quiet
 ])
-def test_decode_only_table(joined: bool, arrived: list[float], expected: bool) -> None:
-    assert decode_only(joined, arrived, 100.0) is expected
+def test_decode_only_table(joined: bool, arrived: list[float], last_step: list[float],
+                           expected: bool) -> None:
+    assert decode_only(joined, arrived, 100.0, last_step) is expected

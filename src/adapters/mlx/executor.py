@@ -245,11 +245,11 @@ class StepExecutor:
                                 and task.sampler.sampling.choices == 1, task.keeps_only)
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
-        handoffs = [*loop.handoffs_coming.values(), *loop.handoffs_expected.values()]
         oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
-                        decode_only=decode_only(loop.handoff_joined, handoffs, time.monotonic()),
+                        decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
+                                                time.monotonic(), list(loop.handoffs_expected.values())),
                         oldest_streams=oldest is not None and oldest.segment_sink is not None)
         loop.handoff_joined = False
         memory = None
