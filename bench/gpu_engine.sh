@@ -9,6 +9,9 @@
 #   vs-mlx-lm          statecore single vs mlx_lm.server on realish at 8 and 32, two model shapes
 #   engine-vs-bare     the engine alone vs the bare model at batch 32; 128x128 at 32 through the node
 #   where-time-goes    the engine alone by kind of device work, then the node under py-spy
+#   gil-cost           the engine alone and the node over HTTP on realish at 8 and 32, the node under
+#                      py-spy (--idle, then --gil at 32), and a process boundary's per-step round trip
+#                      (GIL_PART=1: the first half, 2: the second)
 #   long-prompt-stall  long prompts into 16 decoding streams: does the first one stall them?
 #   cuda-graphs        MLX's CUDA graphs off vs on, the engine alone, both shapes
 #   attention-kernel   the slot lane's attention kernel checked and timed against MLX's masked one
@@ -106,6 +109,24 @@ case "${1:-vs-mlx-lm}" in
     kill $FO
     timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
       --duration 15 --py-spy "$SPY" --out "$OUT/profile_http" 2>&1 | quiet | tail -60
+    ;;
+  gil-cost)
+    # What the GIL costs the node (through HTTP / the engine alone, same mix and concurrency; the
+    # node's threads sampled by py-spy: busy, then holding the GIL) and what a process boundary
+    # for the engine core would cost instead (bench/engine/core_channel.py). Two calls' worth.
+    machine; model_1b
+    if [ "${GIL_PART:-1}" = 1 ]; then
+      timeout 60 $PY bench/engine/core_channel.py --batch 8,32 --rounds 20000 --out "$OUT/channel.json" 2>&1 | tail -8
+      timeout 120 $PY bench/engine/engine_realish.py --model $M --concurrency 8,32 --seconds 12 --no-bare \
+        --out "$OUT/er.json" 2>&1 | grep -E "^\{" | cut -c1-400 | tail -4
+      timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+        --duration 15 --py-spy "$SPY" --out "$OUT/spy_idle_32" 2>&1 | quiet | tail -45
+    else
+      timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+        --duration 15 --gil --py-spy "$SPY" --out "$OUT/spy_gil_32" 2>&1 | quiet | tail -45
+      timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 8 \
+        --duration 15 --py-spy "$SPY" --out "$OUT/spy_idle_8" 2>&1 | quiet | tail -30
+    fi
     ;;
   long-prompt-stall)
     # Without the load's warm-up request, without it and without the prefix cache, the defaults.
