@@ -523,7 +523,7 @@ def worker_http_plane_server(nbytes: int) -> None:
     async def main() -> None:
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_plane, listener, handler)
+            await nursery.start(serve_plane, listener, handler, 1 << 20)
             _say(port=listener.socket.getsockname()[1], body_path="the node's KV plane (adapters.kv.plane)")
             await trio.to_thread.run_sync(sys.stdin.readline)  # "exit"
             nursery.cancel_scope.cancel()
