@@ -199,7 +199,8 @@ def measure(transport: str, batch: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="8,32")
     parser.add_argument("--rounds", type=int, default=20000)
     parser.add_argument("--transports", default="pipe+struct,mp.Pipe,shm+doorbell,shm+spin")
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpus": os.cpu_count(), "python": sys.version.split()[0], "results": results}, f, indent=1)
+            json.dump({"cpus": os.cpu_count(), "python": sys.version.split()[0], "results": results}, f,
+                      indent=1)
     return 0
 
 
