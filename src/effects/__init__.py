@@ -13,6 +13,7 @@ __all__ = [
     "handoffs",
     "health",
     "interpret",
+    "kv_pulls",
     "ports",
     "routing",
     "runner",

@@ -52,6 +52,9 @@ class KvSegment:
     first_layer: int
     end_layer: int
     payload: KvPieces
+    # the prefill node has started the step that computes the prompt's last pieces: the decode
+    # node keeps its steps free of prefill work until the request joins
+    last_step_started: bool = False
 
 
 # Called in trio, in order, with each piece of a streamed prefill's cache; never blocks.

@@ -22,12 +22,12 @@ import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.handoffs import HandoffLog, HandoffRecord
+from effects.kv_pulls import KvPulls
 from effects.ports import (
     DecodeCall,
     DecodeMessage,
     Engine,
     KvBytes,
-    KvPieces,
     KvSegment,
     Peers,
     PrefillReply,
@@ -35,7 +35,7 @@ from effects.ports import (
     SamplingParams,
 )
 from effects.prefix_pull import PrefixPuller
-from effects.runner import CleanupIntent, Post, WorkIntent
+from effects.runner import Answer, CleanupIntent, Post, WorkIntent
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 from statecore.events import (
     Dispatched,
@@ -83,7 +83,6 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
-    kv_out: trio.MemorySendChannel[KvPieces | ErrorInfo] | None = None  # set while a decode node pulls
     # A streamed handoff: on a prefill node, what its stream sends (pieces, then the first token,
     # then None: the end); on a decode node, `streamed` says the KV comes as a stream that this
     # node opens itself (to `prefill_url`, which then computes the prompt).
@@ -138,10 +137,13 @@ class EnginePerformer:
         self.handoffs = handoffs if handoffs is not None else HandoffLog("node")
         # told of every request this node forgets (its end): what adapters hold for it goes too
         self.on_forget: list[Callable[[RequestId], object]] = []
+        # a prefill node's pulls of held KV (`GET /internal/kv/{id}`) wait here for the answer
+        # the core gives their `KvRequested`: `SendKv`'s export, or `RefuseKv`'s reason
+        self.kv_pulls = KvPulls()
 
     def forget(self, request_id: RequestId, context: object) -> None:
-        if isinstance(context, NodeRequest) and context.kv_out is not None:
-            context.kv_out.close()  # a puller still waiting learns the request is gone
+        if request_id in self.kv_pulls.pending:
+            self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
         if isinstance(context, NodeRequest) and context.stream_out is not None:
             context.stream_out.close()  # so does a stream still sending
         for hook in self.on_forget:
@@ -161,12 +163,8 @@ class EnginePerformer:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 ctx.stream_out.send_nowait(item)
 
-    def open_kv_out(self, context: NodeRequest) -> trio.MemoryReceiveChannel[KvPieces | ErrorInfo]:
-        """A prefill node's puller waits here for the held KV (or why it cannot have it): the
-        request's `SendKv` sends it; the channel closes when the request is forgotten."""
-        send, receive = trio.open_memory_channel[KvPieces | ErrorInfo](1)
-        context.kv_out = send
-        return receive
+    def answer(self, intent: Answer) -> None:
+        self.kv_pulls.answer(intent.request_id, intent.error)
 
     def _crash_if_marked(self, rid: RequestId) -> None:
         """Tests only (the DEVICE_CRASH fault): kill the engine's device thread for this request,
@@ -238,22 +236,21 @@ class EnginePerformer:
                     ErrorInfo(Fault.BUG, Code.ENGINE_FAILED, "the decoder ended a stream early")
                 )
             case SendKv():
-                if ctx.kv_out is None:
-                    raise _bug("SendKv with nobody to send to")
                 try:
                     await self.faults.at(Phase.KV_ENCODE, rid)
                     started = time.perf_counter()
                     exported = await self.engine.export_held(rid)
                 except StatecoreError as exc:
-                    await ctx.kv_out.send(exc.info)  # the puller hears why; the request fails here
+                    self.kv_pulls.answer(rid, exc.info)  # the puller hears why; the request fails here
                     raise
                 except Exception as exc:  # a bug: the puller hears that too, not just "gone"
-                    await ctx.kv_out.send(bug(f"the prefill node failed to export the KV: {exc!r}"))
+                    self.kv_pulls.answer(rid, bug(f"the prefill node failed to export the KV: {exc!r}"))
                     raise
                 record = self.handoffs.record(rid)
                 record.encode_s = time.perf_counter() - started
                 record.wire_bytes = exported.nbytes
-                await ctx.kv_out.send(exported)
+                if not self.kv_pulls.answer(rid, exported):
+                    log.info("request %s: its KV was exported after its puller gave up", rid)
 
     async def _prefill(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
         """Prefill the prompt here (after pulling its start from the decode node holding it,
@@ -615,6 +612,10 @@ class RouterPerformer:
         raise StatecoreError(
             ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the decode node's stream ended early")
         )
+
+    def answer(self, intent: Answer) -> None:
+        # the router's table names no answer (nobody pulls KV from a router): a bug, logged
+        log.error("router: bug: %s for %s", intent.kind.value, intent.request_id)
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         if not isinstance(context, RoutedRequest):

@@ -29,7 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar, assert_never
 import trio
 
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Event, EventKind, LoopReady, Timer, TimerFired
+from statecore.events import Event, LoopReady, Timer, TimerFired
 from statecore.ids import RequestId
 from statecore.intents import (
     ArmTimer,
@@ -43,6 +43,7 @@ from statecore.intents import (
     LoopIntent,
     LoopIntentKind,
     PeerIntent,
+    RefuseKv,
     Reject,
     ReleaseKv,
     RespondToken,
@@ -64,6 +65,7 @@ Post = Callable[[Event], Awaitable[None]]
 WorkIntent = StartPrefill | StartDecode | FetchKv | InstallKv | SendKv
 CleanupIntent = ReleaseKv | StopDecoding | CancelRemote
 Reply = RespondToken | Complete | Reject
+Answer = RefuseKv  # a peer's question answered at once, whether or not the request is held
 
 # Envelopes waiting for the loop. Every producer is a request's own task or an HTTP handler,
 # so a full channel slows producers, never the loop itself.
@@ -79,6 +81,11 @@ class Performer(Protocol):
     async def work(self, intent: WorkIntent, context: object, post: Post) -> None: ...
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None: ...
+
+    def answer(self, intent: Answer) -> None:
+        """Answer a peer's question as the core decided (a refused KV pull), at once, on the
+        loop: it must not block, and the request may be one the runner does not hold."""
+        ...
 
     def forget(self, request_id: RequestId, context: object) -> None:
         """The request is over and its cleanup ran: let go of what the context still holds."""
@@ -195,7 +202,7 @@ class RunnerStatistics:
 
 class RequestEntry:
     """Everything the shell keeps for one request, in one place: its reply sink, its work tasks'
-    scopes, its timer, and the role's context (prompt, sampling, chosen nodes, KV channels)."""
+    scopes, its timer, and the role's context (prompt, sampling, chosen nodes, a stream's pieces)."""
 
     def __init__(self, sink: trio.MemorySendChannel[Reply], context: object) -> None:
         self.sink = sink
@@ -248,12 +255,6 @@ class NodeRunner(Generic[P]):
     def phase_of(self, request_id: RequestId) -> P | None:
         record = self.state.live.get(request_id)
         return record.phase if record else None
-
-    def expects(self, request_id: RequestId, kind: EventKind) -> bool:
-        """Whether the request is live and its table declares an edge for `kind` in its phase
-        now: what an endpoint asks before it starts work only that edge would use."""
-        record = self.state.live.get(request_id)
-        return record is not None and (record.phase, kind) in self.machine.declared
 
     def context(self, request_id: RequestId) -> object:
         """The role's context for a request the runner still keeps, else None."""
@@ -413,6 +414,8 @@ class NodeRunner(Generic[P]):
                 self._spawn_work(intent)
             case ReleaseKv() | StopDecoding() | CancelRemote():
                 self._spawn_cleanups(intent.request_id, [intent], forget=False)
+            case RefuseKv():
+                self.performer.answer(intent)
             case LoopIntent(kind=kind, detail=detail):
                 self._loop_intent(kind, detail)
             case PeerIntent():
@@ -540,6 +543,7 @@ class NodeRunner(Generic[P]):
 
 
 __all__ = [
+    "Answer",
     "CleanupIntent",
     "Instrument",
     "Instruments",

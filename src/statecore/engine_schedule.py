@@ -47,6 +47,7 @@ from statecore.scheduling import (
 
 __all__ = [
     "HANDOFF_COMING_S",
+    "HANDOFF_EXPECTED_S",
     "Admission",
     "Budget",
     "Candidate",
@@ -68,6 +69,10 @@ __all__ = [
 # How long steps hold prefill back for a handed-off request whose last piece arrived (it joins as
 # soon as it is validated; a request that never does stops holding it back after this)
 HANDOFF_COMING_S = 2.0
+# ... and for one whose prefill node has started the step computing its last pieces (that step
+# may take seconds on a slow device; the engine forgets the request at once when it joins, is
+# cancelled or fails: this only bounds a prefill node that went quiet)
+HANDOFF_EXPECTED_S = 30.0
 
 
 class EnginePhase(enum.Enum):
@@ -142,15 +147,16 @@ class Budget:
     """The step's token budget as configured (`tokens`, `prefill_rows`) and what sizes it: a
     step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`,
     `decode_only` (a handed-off request joined or is about to: no prefill this step) and
-    `streamed_alone` (the one prompt prefilling streams its KV to a decode node: slices that
-    travel while the rest computes)."""
+    `oldest_streams` (the oldest prompt prefilling streams its KV to a decode node: slices that
+    travel while the rest computes, and later prompts wait behind it rather than share the step
+    its first token comes from)."""
 
     tokens: int
     prefill_rows: int
     target_s: float | None = 0.0
     rates: StepRates = field(default_factory=StepRates)
     decode_only: bool = False
-    streamed_alone: bool = False
+    oldest_streams: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +216,7 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
     tokens = step_token_budget(budget.tokens, decode_rows,
                                oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
                                decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates,
-                               streamed_alone=budget.streamed_alone)
+                               oldest_streams=budget.oldest_streams)
     planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
     by_id = {c.request_id: c for c in candidates}
     # Only prompts planned to finish this step share a padded call: it computes all of each.
@@ -379,8 +385,12 @@ def handoff_imminent(arrived: Sequence[float], now: float) -> bool:
     return any(now - since < HANDOFF_COMING_S for since in arrived)
 
 
-def decode_only(joined: bool, arrived: Sequence[float], now: float) -> bool:
+def decode_only(joined: bool, arrived: Sequence[float], now: float, expected: Sequence[float] = ()) -> bool:
     """Whether this step decodes only (no prefill work): a handed-off request joined since the
-    last step, or one is about to (`handoff_imminent`), and its second token must wait for no
-    prefill."""
-    return joined or handoff_imminent(arrived, now)
+    last step, or one is about to (`handoff_imminent`), or its prefill node has started the step
+    computing its last pieces (`expected`: since when, in seconds; for HANDOFF_EXPECTED_S at
+    most), and its second token must wait for no prefill (a step of this node's own prefill can
+    be many decode steps long, and one started before the last piece arrives still runs when it
+    does)."""
+    return (joined or handoff_imminent(arrived, now)
+            or any(now - since < HANDOFF_EXPECTED_S for since in expected))

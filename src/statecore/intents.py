@@ -23,6 +23,7 @@ class IntentKind(enum.Enum):
     FETCH_KV = "fetch_kv"
     INSTALL_KV = "install_kv"
     SEND_KV = "send_kv"
+    REFUSE_KV = "refuse_kv"
     RELEASE_KV = "release_kv"
     STOP_DECODING = "stop_decoding"
     CANCEL_REMOTE = "cancel_remote"
@@ -75,6 +76,16 @@ class InstallKv:
 class SendKv:
     kind: ClassVar[IntentKind] = IntentKind.SEND_KV
     request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseKv:
+    """Answer a pull of a request's KV with why there is none to send (the request holds none
+    yet, or this node holds no such request): the request itself is left as it is."""
+
+    kind: ClassVar[IntentKind] = IntentKind.REFUSE_KV
+    request_id: RequestId
+    error: ErrorInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +223,7 @@ Intent = (
     | FetchKv
     | InstallKv
     | SendKv
+    | RefuseKv
     | ReleaseKv
     | StopDecoding
     | CancelRemote
@@ -237,6 +249,7 @@ __all__ = [
     "LoopIntentKind",
     "PeerIntent",
     "PeerIntentKind",
+    "RefuseKv",
     "Reject",
     "ReleaseKv",
     "RespondToken",

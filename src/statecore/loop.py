@@ -3,9 +3,11 @@
 `LoopState` holds the loop's own record and every live request's record. `loop_step` routes
 one envelope: a loop event goes through the loop's table (and, for `TransportLost`, to every
 live request too); a request event goes to that request alone, so one request's failure can
-change no other. A request that reaches a terminal phase leaves the live set and its outcome
-is counted; a draining loop with nothing live finishes its drain. Only `TransportLost` or a
-finished drain stops the loop. This module must never import trio, httpx, mlx or mlx_lm.
+change no other; an event for a request not live is absorbed, unless the machine's `absent`
+rule answers it (a KV pull for a request this node does not hold). A request that reaches a
+terminal phase leaves the live set and its outcome is counted; a draining loop with nothing
+live finishes its drain. Only `TransportLost` or a finished drain stops the loop. This module
+must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from statecore.ids import RequestId
 from statecore.intents import Intent, Reject
 from statecore.phases import LoopPhase
 from statecore.policy import admission
-from statecore.step import LoopRecord, RequestRecord, new_request, step_loop, step_request
+from statecore.step import LoopRecord, RequestRecord, new_request, step_absent, step_loop, step_request
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -107,8 +109,8 @@ def loop_step(state: LoopState[P], envelope: Envelope) -> tuple[LoopState[P], li
             state = _settle(state, new_request(state.machine, rid))
         case ForRequest(request_id=rid, event=event):
             record = state.live.get(rid)
-            if record is None:
-                return state, []  # late event for a finished or unknown request: absorbed
+            if record is None:  # a late event is absorbed; a question (a KV pull) is answered
+                return state, step_absent(state.machine, rid, event)
             moved, intents = step_request(state.machine, record, event)
             state = _settle(state, moved)
         case ForLoop(event=event):

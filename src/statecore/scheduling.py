@@ -292,15 +292,17 @@ def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, 
 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
-                      target_s: float | None, rates: StepRates, streamed_alone: bool = False) -> int:
+                      target_s: float | None, rates: StepRates, oldest_streams: bool = False) -> int:
     """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
 
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
       second token waits for no prefill.
-    - no stream decoding and one prompt prefilling whose KV streams to a decode node
-      (`streamed_alone`): a slice of at least STREAMED_SLICE_TOKENS and STREAMED_SLICE_S at the
-      measured rate (and its next unit), so its KV moves while the rest is computed; until a
-      rate is measured, and with several prompts waiting, the configured budget (as below).
+    - no stream decoding and the oldest prompt prefilling streams its KV to a decode node
+      (`oldest_streams`): a slice of at least STREAMED_SLICE_TOKENS and STREAMED_SLICE_S at the
+      measured rate (and its next unit), so its KV moves while the rest is computed, and a later
+      prompt takes only what is left of a slice (its whole chunk beside the oldest's last slice
+      would hold that prompt's first token back by its own time); until a rate is measured, the
+      configured budget (as below).
     - no stream decoding: the whole `configured` budget; nobody waits between tokens.
     - streams decoding: the decode rows plus the prefill tokens that fit the step-time target at
       the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
@@ -313,7 +315,7 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
         raise ValueError("budgets, rows, units and the target are >= 0")
     if decode_only:
         return decode_rows
-    if decode_rows == 0 and streamed_alone:
+    if decode_rows == 0 and oldest_streams:
         per_token = rates.prefill_token_s
         if per_token is None or per_token <= 0:
             return configured  # unmeasured: slices could cost more than they save

@@ -1,7 +1,8 @@
 """Machine specs as data: load `specs/*.toml`, render a machine as TOML, compare the two.
 
 A spec lists a machine's phases, initial and terminal phases, the rule for undeclared
-pairs, and every declared transition with its intents and failure code. The tables in
+pairs, what an event for a request the node does not hold asks for (`absent`), and every
+declared transition with its intents and failure code. The tables in
 `statecore.table` must agree with the specs exactly; the model-based tests use the specs as
 their oracle, so the specs are written and reviewed by hand and no command writes them from the
 tables (`render_toml` drafts one for a person to read). pydantic validates the files strictly.
@@ -39,6 +40,8 @@ class MachineSpec(BaseModel):
     initial: str
     terminal: tuple[str, ...]
     undeclared: str
+    # event -> the intents an event for a request the node does not hold asks for
+    absent: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     transition: tuple[TransitionSpec, ...]
 
     def key(self, t: TransitionSpec) -> tuple[str, str]:
@@ -74,6 +77,7 @@ def spec_from_machine(machine: Machine[Any]) -> MachineSpec:
         initial=machine.initial.value,
         terminal=tuple(p.value for p in phases if p in machine.terminal),
         undeclared=machine.undeclared.value,
+        absent={kind.value: tuple(i.value for i in intents) for kind, intents in machine.absent.items()},
         transition=tuple(transitions),
     )
 
@@ -103,6 +107,9 @@ def render_toml(spec: MachineSpec) -> str:
         f"terminal = {_list(spec.terminal)}",
         f"undeclared = {_quote(spec.undeclared)}",
     ]
+    if spec.absent:
+        rules = ", ".join(f"{event} = {_list(intents)}" for event, intents in spec.absent.items())
+        lines.append(f"absent = {{ {rules} }}")
     for t in spec.transition:
         lines += [
             "",
@@ -120,7 +127,7 @@ def render_toml(spec: MachineSpec) -> str:
 def compare(expected: MachineSpec, actual: MachineSpec) -> list[str]:
     """Every difference between a spec and a table, as readable lines (empty when equal)."""
     problems: list[str] = []
-    for attr in ("machine", "phases", "initial", "terminal", "undeclared"):
+    for attr in ("machine", "phases", "initial", "terminal", "undeclared", "absent"):
         if getattr(expected, attr) != getattr(actual, attr):
             problems.append(
                 f"{attr}: spec says {getattr(expected, attr)!r}, "

@@ -57,6 +57,7 @@ from statecore.intents import (
     IntentKind,
     LoopIntent,
     PeerIntent,
+    RefuseKv,
     Reject,
     ReleaseKv,
     RespondToken,
@@ -185,6 +186,10 @@ def _edge_error(edge: Edge[P], phase: P, event: Event) -> ErrorInfo:
     return ErrorInfo(_FAULTS.get(code, Fault.BUG), code, message)
 
 
+def _no_kv(rid: RequestId, why: str) -> ErrorInfo:
+    return ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid} ({why})")
+
+
 def _build_request_intent(
     kind: IntentKind, rid: RequestId, edge: Edge[P], phase: P, event: Event
 ) -> Intent:
@@ -199,6 +204,8 @@ def _build_request_intent(
             return InstallKv(rid)
         case IntentKind.SEND_KV:
             return SendKv(rid)
+        case IntentKind.REFUSE_KV:
+            return RefuseKv(rid, _no_kv(rid, f"it is in {phase.value}"))
         case IntentKind.RELEASE_KV:
             return ReleaseKv(rid)
         case IntentKind.STOP_DECODING:
@@ -231,6 +238,18 @@ def _build_request_intent(
             return Reject(rid, bug(misplaced, Code.ILLEGAL_TRANSITION))
         case _:
             assert_never(kind)
+
+
+def step_absent(machine: Machine[P], request_id: RequestId, event: Event) -> list[Intent]:
+    """An event for a request this node does not hold: what the machine's `absent` rule asks
+    (a KV pull is refused), else nothing (a late event is absorbed)."""
+    intents: list[Intent] = []
+    for kind in machine.absent.get(event.kind, ()):
+        if kind is IntentKind.REFUSE_KV:
+            intents.append(RefuseKv(request_id, _no_kv(request_id, "no such request here")))
+        else:  # an `absent` rule that names another intent: a table bug, reported not raised
+            intents.append(LoopIntent(IntentKind.REPORT_BUG, f"{kind.value} for an absent request"))
+    return intents
 
 
 def step_request(
@@ -295,6 +314,7 @@ __all__ = [
     "event_error",
     "new_request",
     "outcome_reason",
+    "step_absent",
     "step_loop",
     "step_peer",
     "step_request",

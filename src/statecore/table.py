@@ -66,6 +66,10 @@ class Machine(Generic[P]):
     # intents that free what a phase holds; prepended on every failure edge out of it
     cleanup: Mapping[P, tuple[IntentKind, ...]]
     declared: Mapping[tuple[P, EventKind], Edge[P]] = field(default_factory=dict)
+    # what an event for a request this node does not hold (never opened, or already ended) asks
+    # for: a question that must be answered whatever the request's fate; any other such event
+    # is absorbed
+    absent: Mapping[EventKind, tuple[IntentKind, ...]] = field(default_factory=dict)
 
     @cached_property
     def table(self) -> Mapping[tuple[P, EventKind], Edge[P]]:
@@ -110,6 +114,7 @@ def _request_machine(
     cleanup: Mapping[P, tuple[IntentKind, ...]],
     progress: Iterable[tuple[P, EventKind, Edge[P]]],
     timeout_code: Mapping[P, Code] | None = None,
+    absent: Mapping[EventKind, tuple[IntentKind, ...]] | None = None,
 ) -> Machine[P]:
     """A request machine: the progress edges, plus failure and cancellation from every
     non-terminal phase, each carrying that phase's cleanup intents."""
@@ -146,6 +151,7 @@ def _request_machine(
         undeclared=Undeclared.FAIL_REQUEST,
         cleanup=cleanup,
         declared=edges,
+        absent=absent or {},
     )
 
 
@@ -199,6 +205,10 @@ PREFILL_REQUEST: Machine[PrefillPhase] = _request_machine(
     progress=[
         (F.INTAKE, E.ADMITTED, Edge(F.PREFILL, (I.ARM_DEADLINE, I.START_PREFILL))),
         (F.PREFILL, E.PREFILL_DONE, Edge(F.HANDOFF, (I.ARM_LEASE, I.RESPOND_TOKEN))),
+        # a pull is answered in every phase: with the KV once it is held, else refused (a pull
+        # too early leaves the request alone); a pull for a request not held here is `absent`'s
+        (F.INTAKE, E.KV_REQUESTED, Edge(F.INTAKE, (I.REFUSE_KV,))),
+        (F.PREFILL, E.KV_REQUESTED, Edge(F.PREFILL, (I.REFUSE_KV,))),
         (F.HANDOFF, E.KV_REQUESTED, Edge(F.HANDOFF, (I.SEND_KV,))),
         (F.HANDOFF, E.KV_TAKEN, Edge(F.DONE, (I.CANCEL_TIMER, I.RELEASE_KV))),
         # the router's request ended at its first token (EOS, max_tokens 1, a stop string):
@@ -206,6 +216,7 @@ PREFILL_REQUEST: Machine[PrefillPhase] = _request_machine(
         (F.HANDOFF, E.STOP_MATCHED, Edge(F.DONE, (I.CANCEL_TIMER, I.RELEASE_KV))),
     ],
     timeout_code={F.HANDOFF: Code.LEASE_EXPIRED},
+    absent={E.KV_REQUESTED: (I.REFUSE_KV,)},
 )
 
 D = DecodePhase

@@ -202,6 +202,14 @@ def outcomes(url: str) -> dict[tuple[str, str], float]:
     return found
 
 
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a node's /metrics: the first of `name` whose labels include `labels`."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in {url}/metrics")
+
+
 def post(node: Node, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
     return httpx.post(f"{node.url}{path}", json=body, timeout=timeout)
 

@@ -26,7 +26,7 @@ import pytest
 from adapters.blas import child_pids
 from adapters.serve.flags import demo_model_dir
 from adapters.serve.listeners import free_port
-from tests.e2e.harness import ROOT, outcomes
+from tests.e2e.harness import ROOT, metric, outcomes
 
 pytestmark = pytest.mark.e2e
 
@@ -105,14 +105,6 @@ def readme_handoff_body() -> dict[str, object]:
     chosen: list[dict[str, object]] = [b for b in bodies if len(json.dumps(b)) > 300]
     assert chosen, "the README suggests no prompt long enough for a handoff"
     return chosen[0]
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {labels} not in {url}/metrics")
 
 
 def wait_idle(urls: list[str]) -> None:

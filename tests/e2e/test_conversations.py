@@ -22,7 +22,7 @@ import pytest
 
 from effects.faults import ENABLE_ENV
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, outcomes, post, start_cluster
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, metric, outcomes, post, start_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -51,13 +51,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield built
     finally:
         built.stop()
-
-
-def _metric(server: Node, name: str, **labels: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name}{labels} in /metrics")
 
 
 def _wait_for_blocks(router: Node, node: Node, blocks: int) -> None:
@@ -93,7 +86,7 @@ def _two_turns(built: Cluster, opening: str, sampling: dict[str, Any]) -> None:
     served, history, first_prompt_tokens = _first_turn(built, opening, sampling)
     hits = [node.stats()["prefix_cache_hits"] for node in built.decode]
     second_body = {"prompt": history + " And the fog?", "max_tokens": 12, **sampling}
-    routed_locally = _metric(built.router, "statecore:router_routes_total", route="prefix_hit_local")
+    routed_locally = metric(built.router.url, "statecore:router_routes_total", route="prefix_hit_local")
     second = post(built.router, "/v1/completions", second_body)
     assert second.status_code == 200, second.text
     # on the node that served the first turn (which got its prompt's KV from the prefill node), from its cache
@@ -101,7 +94,7 @@ def _two_turns(built: Cluster, opening: str, sampling: dict[str, Any]) -> None:
         int(node is served) for node in built.decode]
     first_blocks = (first_prompt_tokens - 1) // CHUNK * CHUNK
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_blocks
-    routes = _metric(built.router, "statecore:router_routes_total", route="prefix_hit_local")
+    routes = metric(built.router.url, "statecore:router_routes_total", route="prefix_hit_local")
     assert routes == routed_locally + 1
     # the single node never saw the first turn: no hit there, the same output
     alone = post(built.single, "/v1/completions", second_body)
@@ -119,9 +112,9 @@ def test_a_next_turn_goes_to_the_decode_node_holding_its_conversation_and_matche
     _two_turns(cluster, OPENING, {"temperature": 0})
     log = cluster.router.log.read_text()
     assert "route prefill_node" in log and "route prefix_hit_local" in log
-    assert _metric(cluster.router, "statecore:router_routes_total", route="prefill_node") >= 1
-    assert _metric(cluster.decode[0], "statecore:conversations_kept_total") + _metric(
-        cluster.decode[1], "statecore:conversations_kept_total") >= 1
+    assert metric(cluster.router.url, "statecore:router_routes_total", route="prefill_node") >= 1
+    assert metric(cluster.decode[0].url, "statecore:conversations_kept_total") + metric(
+        cluster.decode[1].url, "statecore:conversations_kept_total") >= 1
     assert_no_leaks(cluster.nodes)
 
 
@@ -221,11 +214,11 @@ def test_a_fault_in_a_kept_conversations_next_turn_fails_on_the_node_holding_it(
     opening = " ".join(f"The ferry to island {i} left the quay at seven." for i in range(9))
     served, history, _ = _first_turn(cluster, opening, {"temperature": 0})
     before = _failed(cluster)
-    routed_locally = _metric(cluster.router, "statecore:router_routes_total", route="prefix_hit_local")
+    routed_locally = metric(cluster.router.url, "statecore:router_routes_total", route="prefix_hit_local")
     response = _marked(cluster, {"prompt": history + " And then?", "max_tokens": 4},
                        "route-kept-inject-fault-prefill")
     _assert_fired(response, "decode")
-    routed = _metric(cluster.router, "statecore:router_routes_total", route="prefix_hit_local")
+    routed = metric(cluster.router.url, "statecore:router_routes_total", route="prefix_hit_local")
     assert routed == routed_locally + 1
     assert _moved(cluster, before) == [1, 0, *[int(node is served) for node in cluster.decode]]
 

@@ -18,7 +18,7 @@ import pytest
 
 from effects.faults import ENABLE_ENV
 from support.tiny_models import cached_checkpoint
-from tests.e2e.harness import Cluster, Node, assert_no_leaks, outcomes, post, start_cluster
+from tests.e2e.harness import Cluster, Node, assert_no_leaks, metric, outcomes, post, start_cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -40,13 +40,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield built
     finally:
         built.stop()
-
-
-def _metric(server: Node, name: str, **labels: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name}{labels} in /metrics")
 
 
 def _tokens(n: int, salt: int) -> list[int]:
@@ -77,14 +70,14 @@ def _two_turns(built: Cluster, salt: int, sampling: dict[str, Any]) -> None:
     (prefill,), router = built.prefill, built.router
     opening = _held_start(built, salt, sampling)
     body = {"prompt": [*opening, *_tokens(120, salt + 50)], "max_tokens": 16, **sampling}
-    routed = _metric(router, "statecore:router_routes_total", route="prefill_node_prefix")
-    pulled = _metric(prefill, "statecore:prefix_pulls_total", outcome="pulled")
-    tokens = _metric(prefill, "statecore:prefix_pull_tokens_total")
+    routed = metric(router.url, "statecore:router_routes_total", route="prefill_node_prefix")
+    pulled = metric(prefill.url, "statecore:prefix_pulls_total", outcome="pulled")
+    tokens = metric(prefill.url, "statecore:prefix_pull_tokens_total")
     second = post(router, "/v1/completions", body)
     assert second.status_code == 200, second.text
-    assert _metric(router, "statecore:router_routes_total", route="prefill_node_prefix") == routed + 1
-    assert _metric(prefill, "statecore:prefix_pulls_total", outcome="pulled") == pulled + 1
-    assert _metric(prefill, "statecore:prefix_pull_tokens_total") == tokens + 48
+    assert metric(router.url, "statecore:router_routes_total", route="prefill_node_prefix") == routed + 1
+    assert metric(prefill.url, "statecore:prefix_pulls_total", outcome="pulled") == pulled + 1
+    assert metric(prefill.url, "statecore:prefix_pull_tokens_total") == tokens + 48
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
     alone = post(built.single, "/v1/completions", body)
     assert alone.status_code == 200, alone.text
@@ -130,12 +123,12 @@ def test_a_pull_that_finds_nothing_costs_only_the_pull(cluster: Cluster) -> None
     sampling = {"max_tokens": 10}
     asked = httpx.post(f"{decode.url}/internal/prefix_kv", json={"tokens": prompt[:64]}, timeout=10)
     assert asked.status_code == 404 and asked.json()["error"]["code"] == "prefix_not_cached"
-    failed = _metric(prefill, "statecore:prefix_pulls_total", outcome="failed")
+    failed = metric(prefill.url, "statecore:prefix_pulls_total", outcome="failed")
     reply = httpx.post(f"{prefill.url}/internal/prefill", timeout=60, json={
         "request_id": "hinted", "prompt": prompt, "sampling": sampling,
         "prefix_from": {"url": decode.url, "tokens": 64}})
     assert reply.status_code == 200, reply.text
-    assert _metric(prefill, "statecore:prefix_pulls_total", outcome="failed") == failed + 1
+    assert metric(prefill.url, "statecore:prefix_pulls_total", outcome="failed") == failed + 1
     handed_off = _decoded(decode, {"request_id": "hinted", "prompt": prompt, "sampling": sampling,
                                    "first_token": reply.json()["first_token"], "prefill_url": prefill.url})
     alone = _decoded(cluster.single, {"request_id": "alone", "prompt": prompt, "sampling": sampling})
@@ -149,14 +142,14 @@ def test_a_fault_in_a_prefix_pulling_prefill_fails_on_the_prefill_node(cluster: 
     opening = _held_start(cluster, 40, {"temperature": 0})
     router, (prefill,) = cluster.router, cluster.prefill
     failed = [outcomes(node.url).get(("failed", "injected_fault"), 0) for node in (router, prefill)]
-    routed = _metric(router, "statecore:router_routes_total", route="prefill_node_prefix")
+    routed = metric(router.url, "statecore:router_routes_total", route="prefill_node_prefix")
     body = {"prompt": [*opening, *_tokens(120, 90)], "max_tokens": 4}
     response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120,
                           headers={"x-request-id": "route-pull-inject-fault-prefill"})
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert error["code"] == "injected_fault" and "at prefill on the prefill node" in error["message"], error
-    assert _metric(router, "statecore:router_routes_total", route="prefill_node_prefix") == routed + 1
+    assert metric(router.url, "statecore:router_routes_total", route="prefill_node_prefix") == routed + 1
     assert_no_leaks(cluster.nodes)
     now = [outcomes(node.url).get(("failed", "injected_fault"), 0) for node in (router, prefill)]
     assert [b - a for a, b in zip(failed, now, strict=True)] == [1, 1]

@@ -17,6 +17,7 @@ from tests.e2e.harness import (
     Cluster,
     Node,
     assert_no_leaks,
+    metric,
     post,
     router,
     start_cluster,
@@ -58,15 +59,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
         built.stop()
 
 
-def _metric(server: Node, name: str, **labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=5).text
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name}{{{wanted}}} in /metrics")
-
-
 def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(cluster: Routers) -> None:
     built, primer, _, _ = cluster
     first, second = built.prefill
@@ -87,10 +79,10 @@ def test_a_follow_up_goes_where_its_prefix_is_cached_and_matches_a_single_node(c
         "choices"][0]["text"]
     assert second.stats()["prefix_cache_hits"] == hits + 1 and first.stats()["prefix_cache_hits"] == 0
     assert second.stats()["prefix_cache_queries"] == queries + 1
-    assert _metric(second, "statecore:prefix_cache_queries_total") == queries + 1
-    assert _metric(built.router, "statecore:router_routed_total", node=second.url, basis="prefix",
+    assert metric(second.url, "statecore:prefix_cache_queries_total") == queries + 1
+    assert metric(built.router.url, "statecore:router_routed_total", node=second.url, basis="prefix",
                    node_role="prefill") == 1
-    assert _metric(built.router, "statecore:router_expected_cached_tokens_total", node=second.url) >= 16
+    assert metric(built.router.url, "statecore:router_expected_cached_tokens_total", node=second.url) >= 16
     assert "by prefix" in built.router.log.read_text()
     assert_no_leaks([*built.nodes, primer])
 
@@ -104,7 +96,7 @@ def test_with_prefix_routing_off_the_same_follow_up_goes_to_the_least_loaded_nod
         assert post(plain, "/v1/completions", follow).status_code == 200
         # the first node, least loaded on a tie, though only the second holds the opening
         assert [n.stats()["prefix_cache_hits"] for n in built.prefill] == reference
-        assert _metric(plain, "statecore:router_routed_total", node=built.prefill[0].url, basis="load",
+        assert metric(plain.url, "statecore:router_routed_total", node=built.prefill[0].url, basis="load",
                        node_role="prefill") == 1
     finally:
         assert plain.stop() == 0

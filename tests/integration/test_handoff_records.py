@@ -3,7 +3,9 @@
 transport (and once through `kv_pull` from a prefill node served on a real socket). After one
 handoff, `GET /internal/handoffs` on each node shows one record with the
 bytes and the timings that node measured; the endpoint wants the internal token; the ring stays
-bounded. Also: `kv_wire.declared_tensor_bytes` reads the raw tensor bytes off a real payload.
+bounded. Also: `kv_wire.declared_tensor_bytes` reads the raw tensor bytes off a real payload,
+and a pull of held KV is answered by the core whatever the request's phase (refused before the
+KV is held or for a request the node does not hold; told when the request ends while it waits).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from starlette.applications import Starlette
 from adapters.http.internal_wire import TOKEN_HEADER
 from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
-from effects.fakes import FakeEngine
+from effects.fakes import FakeEngine, Faults
+from effects.faults import NoFaults, Phase
 from effects.handoffs import HandoffLog
 from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
+from statecore.phases import PrefillPhase
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
 TOKEN = "s3cret"
@@ -105,6 +109,51 @@ async def test_each_node_records_its_side_of_a_handoff(pair: Pair) -> None:
 async def test_the_endpoint_wants_the_token(pair: Pair) -> None:
     denied = await pair.prefill.get("/internal/handoffs", headers={TOKEN_HEADER: "wrong"})
     assert denied.status_code == 401
+
+
+class StalledExport(NoFaults):
+    """Every export of held KV stalls (so a pull waits on it)."""
+
+    async def at(self, phase: Phase, request_id: RequestId | str) -> None:
+        if phase is Phase.KV_ENCODE:
+            await trio.sleep_forever()
+
+
+async def test_a_pull_is_answered_by_the_core_in_every_phase(nursery: trio.Nursery) -> None:
+    engine = FakeEngine(Faults(stall={"prefill"}))  # a prompt with the marker (999) never prefills
+    performer = EnginePerformer(engine, faults=StalledExport())
+    runner: NodeRunner[Any] = NodeRunner(PREFILL_REQUEST, performer, timeouts=Timeouts(deadline_s=30.0))
+    app = Starlette(routes=NodeApi("prefill", engine, runner, performer).routes())
+    await nursery.start(runner.run)
+    slow, held = RequestId("slow"), RequestId("held")
+
+    async def prefill(rid: str, prompt: list[int]) -> httpx.Response:
+        return await node.post("/internal/prefill", json={"request_id": rid, "prompt": prompt,
+                                                          "sampling": {"max_tokens": 4}})
+
+    async def pull_until_it_ends() -> None:
+        gone = await node.get(f"/internal/kv/{held}")
+        assert gone.status_code == 404 and "ended before its KV was sent" in gone.text, gone.text
+        done.set()
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://prefill") as node:
+        unknown = await node.get("/internal/kv/nobody")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "kv_not_found"
+        nursery.start_soon(prefill, slow, [1, 2, 999])
+        while runner.phase_of(slow) is not PrefillPhase.PREFILL:
+            await trio.sleep(0.001)
+        early = await node.get(f"/internal/kv/{slow}")
+        assert early.status_code == 404 and "it is in prefill" in early.text, early.text
+        assert runner.phase_of(slow) is PrefillPhase.PREFILL  # the refused pull left it alone
+        assert (await prefill(held, PROMPT)).status_code == 200
+        done = trio.Event()
+        nursery.start_soon(pull_until_it_ends)
+        while not len(performer.kv_pulls):
+            await trio.sleep(0.001)
+        for rid in (held, slow):
+            await node.post(f"/internal/cancel/{rid}")
+        await done.wait()
+    assert not len(performer.kv_pulls)
 
 
 def test_the_ring_keeps_the_newest_records() -> None:

@@ -57,18 +57,6 @@ def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
     return Frontend.load(bpe_dir, backend, max_body_bytes=MAX_BODY)
 
 
-@pytest.fixture
-def app(frontend: Frontend) -> Starlette:
-    return build_app(frontend)
-
-
-@pytest.fixture
-async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
-        yield client
-
-
 def say(frontend: Frontend, text: str, end: str = "length") -> list[ScriptItem]:
     """The script of a backend that generates exactly `text`, then ends with `end`."""
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)

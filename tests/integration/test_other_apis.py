@@ -11,19 +11,15 @@ requests use httpx as the other front-end tests do. Both transports buffer a str
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
-import httpx2
 import openai
 import pytest
 import trio
 from starlette.applications import Starlette
 
-from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
@@ -36,6 +32,7 @@ from tests.integration.fake_backend import (
     rejected,
     replied,
 )
+from tests.integration.scripted_text import say, token_ids
 
 CONTEXT = 256
 SYSTEM = "Be brief."
@@ -47,47 +44,6 @@ def backend() -> FakeBackend:
     return FakeBackend(fake_model_info(context_length=CONTEXT))
 
 
-@pytest.fixture
-def frontend(bpe_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(bpe_dir, backend)
-
-
-@pytest.fixture
-def app(frontend: Frontend) -> Starlette:
-    return build_app(frontend)
-
-
-@pytest.fixture
-async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
-        yield client
-
-
-@pytest.fixture
-async def sdk_http(app: Starlette) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://node") as http:
-        yield http
-
-
-@pytest.fixture
-def claude(sdk_http: httpx2.AsyncClient) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(api_key="none", base_url="http://node", http_client=sdk_http,
-                                    max_retries=0)
-
-
-@pytest.fixture
-def gpt(sdk_http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(api_key="none", base_url="http://node/v1", http_client=sdk_http, max_retries=0)
-
-
-def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    """The script of a backend that generates exactly `text`, then ends with `end`."""
-    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    return [*(replied(int(t)) for t in ids), completed(end)]
-
-
-def tokens(frontend: Frontend, text: str) -> int:
-    return len(frontend.tokenizer.encode(text, add_special_tokens=False))
 
 
 def no_ids(doc: Any) -> Any:
@@ -143,7 +99,7 @@ async def test_a_message_is_the_chat_of_system_and_messages(
     assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
     # the EOS token that ended it is counted, as the chat's completion_tokens counts it
     assert (message.usage.input_tokens, message.usage.output_tokens) == (
-        len(got.prompt), tokens(frontend, "Hello world") + 1)
+        len(got.prompt), len(token_ids(frontend, "Hello world")) + 1)
     chat = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]}, *messages]
     assert (got.prompt, got.sampling) == await chat_prompt(client, backend, {
         "messages": chat, "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 4})
@@ -311,7 +267,7 @@ async def test_a_response_is_the_chat_of_instructions_and_input(
     echoed = response.to_dict()  # nothing is stored, whatever `store` asked; metadata comes back
     assert (echoed["store"], echoed["metadata"], echoed["incomplete_details"]) == (False, {"k": "v"}, None)
     assert response.usage is not None
-    out = tokens(frontend, "Hello world") + 1
+    out = len(token_ids(frontend, "Hello world")) + 1
     assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (
         len(got.prompt), out, len(got.prompt) + out)
     chat = [{"role": "system", "content": SYSTEM}, items[0],
@@ -699,7 +655,7 @@ async def test_response_logprobs_are_the_chats_in_the_output_text_and_each_text_
     assert backend.last.request.sampling == sampling and sampling.logprobs == 2
     assert whole["top_logprobs"] == 2
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": expected}
-    assert whole["output"][0]["content"] == [part] and len(expected) == tokens(frontend, text)
+    assert whole["output"][0]["content"] == [part] and len(expected) == len(token_ids(frontend, text))
 
     events = named_events((await client.post("/v1/responses", json={"input": "Hi", "stream": True,
                                                                     **LOGPROBS})).text)
@@ -781,7 +737,7 @@ async def test_logprobs_of_text_held_back_for_a_tool_call_come_in_empty_deltas(
     assert backend.last.request.sampling == sampling
     assert [item["type"] for item in whole["output"]] == ["message", "function_call"]
     [part] = whole["output"][0]["content"]
-    assert part["logprobs"] == expected and len(expected) == tokens(frontend, reply)
+    assert part["logprobs"] == expected and len(expected) == len(token_ids(frontend, reply))
     streamed = await client.post("/v1/responses", json={**body, "stream": True}, headers=same)
     events = named_events(streamed.text)
     deltas = [data for name, data in events if name == "response.output_text.delta"]

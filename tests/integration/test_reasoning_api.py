@@ -7,13 +7,13 @@ a 400 naming them. The tokenizer is the tiny bpe one with think markers (`suppor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from starlette.applications import Starlette
 
 from adapters.cli import build_parser
 from adapters.frontend.app import build_app
@@ -21,7 +21,8 @@ from adapters.frontend.frontend import Frontend
 from adapters.frontend.prompts import TemplateArgsRefused
 from adapters.serve.node import _load_frontend
 from support.tiny_models import THINK_END
-from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
+from tests.integration.fake_backend import FakeBackend
+from tests.integration.scripted_text import prompt_text, say, token_ids
 from tests.integration.test_tool_calls_api import CALL, TOOLS
 
 ASK = [{"role": "user", "content": "What is two and two?"}]
@@ -31,27 +32,8 @@ REPLY = THOUGHT + THINK_END + ANSWER  # as the model writes it: the prompt opene
 
 
 @pytest.fixture
-def thinking(thinking_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(thinking_dir, backend)
-
-
-@pytest.fixture
-async def client(thinking: Frontend) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(thinking)),
-                                 base_url="http://node") as client:
-        yield client
-
-
-def tokens(frontend: Frontend, text: str) -> list[int]:
-    return [int(t) for t in frontend.tokenizer.encode(text, add_special_tokens=False)]
-
-
-def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(replied(t) for t in tokens(frontend, text)), completed(end)]
-
-
-def prompt_text(frontend: Frontend, backend: FakeBackend) -> str:
-    return str(frontend.tokenizer.decode(list(backend.last.request.prompt)))
+def app(thinking: Frontend) -> Starlette:
+    return build_app(thinking)
 
 
 async def test_the_thinking_comes_apart_from_the_answer(
@@ -63,8 +45,8 @@ async def test_the_thinking_comes_apart_from_the_answer(
     body = response.json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER,
                                              "reasoning_content": THOUGHT, "reasoning": THOUGHT}
-    thought_tokens = len(tokens(thinking, THOUGHT + THINK_END))
-    assert body["usage"]["completion_tokens"] == len(tokens(thinking, REPLY)) + 1  # and EOS
+    thought_tokens = len(token_ids(thinking, THOUGHT + THINK_END))
+    assert body["usage"]["completion_tokens"] == len(token_ids(thinking, REPLY)) + 1  # and EOS
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought_tokens}
 
 
@@ -88,7 +70,7 @@ async def test_streamed_through_the_openai_client_the_parts_are_the_unparsed_com
     raw = await sdk.completions.create(model="tiny", prompt=prompt, max_tokens=100)
     assert (reasoning, content) == (THOUGHT, ANSWER)
     assert reasoning + THINK_END + content == raw.choices[0].text
-    assert usage.completion_tokens_details.reasoning_tokens == len(tokens(thinking, THOUGHT + THINK_END))
+    assert usage.completion_tokens_details.reasoning_tokens == len(token_ids(thinking, THOUGHT + THINK_END))
 
 
 async def test_without_its_end_marker_the_whole_reply_is_thinking(

@@ -6,8 +6,6 @@ is cut, its end marker written for the model, and the answer goes on as a contin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -19,7 +17,8 @@ from starlette.applications import Starlette
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from support.tiny_models import THINK_END
-from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
+from tests.integration.fake_backend import FakeBackend, completed, replied
+from tests.integration.scripted_text import prompt_text, say, token_ids
 
 ASK: Any = [{"role": "user", "content": "What is two and two?"}]
 THOUGHT = "Two and two: count them. That is four."
@@ -28,41 +27,8 @@ REPLY = THOUGHT + THINK_END + ANSWER
 
 
 @pytest.fixture
-def thinking(thinking_dir: Path, backend: FakeBackend) -> Frontend:
-    return Frontend.load(thinking_dir, backend)
-
-
-@pytest.fixture
 def app(thinking: Frontend) -> Starlette:
     return build_app(thinking)
-
-
-@pytest.fixture
-async def http(app: Starlette) -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://node") as http:
-        yield http
-
-
-@pytest.fixture
-def claude(http: httpx2.AsyncClient) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(api_key="none", base_url="http://node", http_client=http, max_retries=0)
-
-
-@pytest.fixture
-def gpt(http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(api_key="none", base_url="http://node/v1", http_client=http, max_retries=0)
-
-
-def tokens(frontend: Frontend, text: str) -> list[int]:
-    return [int(t) for t in frontend.tokenizer.encode(text, add_special_tokens=False)]
-
-
-def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(replied(t) for t in tokens(frontend, text)), completed(end)]
-
-
-def prompt_text(frontend: Frontend, backend: FakeBackend) -> str:
-    return str(frontend.tokenizer.decode(list(backend.last.request.prompt)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +41,7 @@ async def test_messages_answer_with_a_thinking_block_whole_and_streamed(
     whole = await claude.messages.create(model="tiny", max_tokens=100, messages=ASK)
     assert [block.type for block in whole.content] == ["thinking", "text"]
     assert whole.content[0].thinking == THOUGHT and whole.content[1].text == ANSWER  # type: ignore[union-attr]
-    assert whole.usage.output_tokens == len(tokens(thinking, REPLY)) + 1
+    assert whole.usage.output_tokens == len(token_ids(thinking, REPLY)) + 1
     thoughts, texts, kinds = [], [], []
     async with claude.messages.stream(model="tiny", max_tokens=100, messages=ASK) as stream:
         async for event in stream:
@@ -105,7 +71,7 @@ async def test_thinking_disabled_closes_the_think_block_in_the_prompt(
 
 async def test_budget_tokens_caps_the_thinking(
         claude: anthropic.AsyncAnthropic, backend: FakeBackend, thinking: Frontend) -> None:
-    long_thought = tokens(thinking, THOUGHT)
+    long_thought = token_ids(thinking, THOUGHT)
     budget = 5
     assert len(long_thought) > budget
     backend.scripts.extend([[*(replied(t) for t in long_thought), completed("length")],
@@ -115,14 +81,14 @@ async def test_budget_tokens_caps_the_thinking(
         extra_headers={"x-request-id": "cap"})
     first, rest = backend.generations[-2:]
     assert first.stops == 1  # cut at the budget
-    end = tokens(thinking, THINK_END)
+    end = token_ids(thinking, THINK_END)
     assert rest.request.prompt == first.request.prompt + tuple(long_thought[:budget]) + tuple(end)
     assert rest.request.request_id == "cap.answer"
     assert rest.request.sampling.max_tokens == 40 - budget - len(end)
     body = await message.parse()
     assert body.content[0].thinking == thinking.tokenizer.decode(long_thought[:budget])  # type: ignore[union-attr]
     assert body.content[1].text == "Four."  # type: ignore[union-attr]
-    assert body.usage.output_tokens == budget + len(end) + len(tokens(thinking, "Four.")) + 1
+    assert body.usage.output_tokens == budget + len(end) + len(token_ids(thinking, "Four.")) + 1
 
 
 async def test_a_budget_that_is_never_reached_changes_nothing(
@@ -150,8 +116,8 @@ async def test_a_budget_that_leaves_no_room_ends_the_reply_at_max_tokens(
     ({"type": "sometimes"}, 400),
 ])
 async def test_what_thinking_cannot_be_is_refused(
-        http: httpx2.AsyncClient, thinking_config: dict[str, Any], status: int) -> None:
-    response = await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 20, "messages": ASK,
+        sdk_http: httpx2.AsyncClient, thinking_config: dict[str, Any], status: int) -> None:
+    response = await sdk_http.post("/v1/messages", json={"model": "tiny", "max_tokens": 20, "messages": ASK,
                                                      "thinking": thinking_config})
     assert response.status_code == status, response.text
     assert response.json()["type"] == "error"
@@ -191,7 +157,7 @@ async def test_responses_answer_with_a_reasoning_item_whole_and_streamed(
     assert reasoning.encrypted_content is None  # nothing is encrypted: the text is in the content
     assert whole.output_text == ANSWER
     assert whole.usage is not None
-    assert whole.usage.output_tokens_details.reasoning_tokens == len(tokens(thinking, THOUGHT + THINK_END))
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(token_ids(thinking, THOUGHT + THINK_END))
     assert whole.reasoning is not None and whole.reasoning.effort == "high"
     stream = await gpt.responses.create(model="tiny", input=ASK, stream=True)
     deltas, done = [], None
@@ -219,15 +185,15 @@ async def test_reasoning_effort_none_turns_thinking_off_and_reasoning_items_go_b
 
 
 async def test_chat_template_kwargs_on_both_apis(
-        http: httpx2.AsyncClient, backend: FakeBackend, thinking: Frontend) -> None:
+        sdk_http: httpx2.AsyncClient, backend: FakeBackend, thinking: Frontend) -> None:
     backend.scripts.extend([say(thinking, "Four."), say(thinking, "Four.")])
     closed = "<think>\n\n</think>\n\n"
     kwargs = {"enable_thinking": False}
-    await http.post("/v1/responses", json={"input": "Hi", "chat_template_kwargs": kwargs})
+    await sdk_http.post("/v1/responses", json={"input": "Hi", "chat_template_kwargs": kwargs})
     assert prompt_text(thinking, backend).endswith(closed)
-    await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": ASK,
+    await sdk_http.post("/v1/messages", json={"model": "tiny", "max_tokens": 9, "messages": ASK,
                                           "chat_template_kwargs": kwargs})
     assert prompt_text(thinking, backend).endswith(closed)
-    refused = await http.post("/v1/responses", json={"input": "Hi",
+    refused = await sdk_http.post("/v1/responses", json={"input": "Hi",
                                                      "chat_template_kwargs": {"enable_thinking": 1}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"

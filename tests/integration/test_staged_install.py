@@ -185,3 +185,29 @@ async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly
         await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
         tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
         assert tokens == await served(source, "alone", newcomer)
+
+
+async def test_the_pieces_sent_while_the_last_step_runs_say_so_and_the_decode_node_expects_the_join() -> None:
+    """The prefill engine's steps are pipelined (the next is built before one is read back), so
+    the pieces it hands out while the step computing the prompt's last chunk runs are flagged;
+    given one, the decode engine expects the request's join (its steps take no prefill work of
+    their own meanwhile) until the request is installed, or cancelled."""
+    async with opened_engines() as opened:
+        source, decode = await source_and_decode(opened, max_batch=2)
+        newcomer = prompt_of(70, salt=7)  # a chunk a step: 16, 32, 48, 64, then 70
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        assert [piece.last_step_started for piece in pieces] == [piece.stop == 64 for piece in pieces]
+        for ending in ("install", "cancel"):
+            for piece in pieces[:-1]:
+                await decode.receive_segment(RequestId(ending), piece, len(newcomer),
+                                             max_tokens=GREEDY.max_tokens)
+            assert set(decode._device.handoffs_expected) == {ending}
+            if ending == "cancel":
+                await decode.cancel(RequestId(ending))
+            else:
+                await decode.receive_segment(RequestId(ending), pieces[-1], len(newcomer),
+                                             max_tokens=GREEDY.max_tokens)
+                await decode.install_segments(RequestId(ending), newcomer, first_token, GREEDY)
+                tokens = [first_token] + [g.token async for g in decode.stream(RequestId(ending))]
+                assert tokens == await served(source, "alone", newcomer)
+            assert not decode._device.handoffs_expected

@@ -6,7 +6,6 @@ and what cannot be served is a clear 4xx."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,25 +16,14 @@ from openai import AsyncOpenAI
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from support.tiny_models import build_tokenizer
-from tests.integration.fake_backend import FakeBackend, ScriptItem, completed, replied
+from tests.integration.fake_backend import FakeBackend, completed
+from tests.integration.scripted_text import say
 
 TOOLS: list[Any] = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture
-async def client(frontend: Frontend) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)),
-                                 base_url="http://node") as client:
-        yield client
-
-
-def say(frontend: Frontend, text: str, end: str = "stop") -> list[ScriptItem]:
-    return [*(replied(int(t)) for t in frontend.tokenizer.encode(text, add_special_tokens=False)),
-            completed(end)]
 
 
 def chat(**extra: Any) -> dict[str, Any]:

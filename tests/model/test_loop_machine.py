@@ -46,7 +46,7 @@ from statecore.events import (
     TransportLost,
 )
 from statecore.ids import RequestId
-from statecore.intents import Intent, IntentKind, LoopIntent, PeerIntent, Reject
+from statecore.intents import Intent, IntentKind, LoopIntent, PeerIntent, RefuseKv, Reject
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
 from statecore.table import REQUEST_MACHINES, Machine
@@ -85,6 +85,8 @@ class LoopWithRequests(RuleBasedStateMachine):
                     self.stop_loops += kind is IntentKind.STOP_LOOP
                 case PeerIntent():
                     raise AssertionError(f"a peer intent from a request loop: {intent}")
+                case RefuseKv():  # an answer to a peer, the request left as it is (checked by the rules)
+                    pass
                 case _:
                     by_request.setdefault(intent.request_id, []).append(intent)
         for rid, mine in by_request.items():
@@ -172,11 +174,14 @@ class LoopWithRequests(RuleBasedStateMachine):
 
     @rule(rid=ids, event=events)
     def stray_event(self, rid: RequestId, event: Event) -> None:
-        """Any event for a request that is not live (settled, refused): absorbed, no intents."""
+        """Any event for a request that is not live (settled, refused): absorbed, unless the spec's
+        `absent` rule answers it (a KV pull refused), and nothing else moves."""
         if rid in self.state.live:
             return
         before = self.state.live
-        assert self.step(ForRequest(rid, event), event) == []
+        intents = self.step(ForRequest(rid, event), event)
+        assert [i.kind.value for i in intents] == list(self.spec.absent.get(event.kind.value, ()))
+        assert all(isinstance(i, RefuseKv) and i.request_id == rid for i in intents)
         assert self.state.live == before
 
     @rule(rid=consumes(ids))

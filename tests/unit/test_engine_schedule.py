@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from statecore.engine_schedule import (
     HANDOFF_COMING_S,
+    HANDOFF_EXPECTED_S,
     Admission,
     Budget,
     Candidate,
@@ -186,13 +187,30 @@ def test_a_lone_streamed_prompt_goes_in_slices_that_travel_while_the_rest_comput
     """At 1 ms a prefill token a slice of STREAMED_SLICE_S is under STREAMED_SLICE_TOKENS: the
     slice is that many tokens; unmeasured, or not streamed, the whole budget."""
     rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
-    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, rates=rates, streamed_alone=True),
+    alone = schedule(0, [prompt("a", 1, 2000)], Budget(4000, 8, rates=rates, oldest_streams=True),
                      max_padding=0)
     assert alone.budget_tokens == STREAMED_SLICE_TOKENS and alone.prefill_tokens <= STREAMED_SLICE_TOKENS
-    unmeasured = Budget(4000, 8, streamed_alone=True)
+    unmeasured = Budget(4000, 8, oldest_streams=True)
     assert schedule(0, [prompt("a", 1, 2000)], unmeasured, max_padding=0).budget_tokens == 4000
     not_streamed = Budget(4000, 8, rates=rates)
     assert schedule(0, [prompt("a", 1, 2000)], not_streamed, max_padding=0).budget_tokens == 4000
+
+
+def test_a_prompt_behind_a_streamed_one_waits_rather_than_share_the_step_of_its_first_token() -> None:
+    """The oldest prompt streams its KV and a second one arrives: steps stay slices of the
+    oldest's, the second taking only what the oldest leaves of one; not streamed, they share the
+    configured budget as before."""
+    rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
+    waiting = [prompt("old", 1, 2000, done=3), prompt("new", 2, 2000)]
+    sliced = schedule(0, waiting, Budget(4000, 8, rates=rates, oldest_streams=True), max_padding=0)
+    assert [work.request_id for work in sliced.prefills] == ["old"]
+    assert sliced.prefill_tokens <= STREAMED_SLICE_TOKENS
+    last = [prompt("old", 1, 2000, done=len(waiting[0].units) - 1), prompt("new", 2, 2000)]
+    finishing = schedule(0, last, Budget(4000, 8, rates=rates, oldest_streams=True), max_padding=0)
+    assert finishing.prefills[0].request_id == "old" and finishing.prefills[0].finishes
+    assert finishing.prefill_tokens <= STREAMED_SLICE_TOKENS  # the newcomer's share fits the slice
+    shared = schedule(0, waiting, Budget(4000, 8, rates=rates), max_padding=0)
+    assert [work.request_id for work in shared.prefills] == ["old", "new"]
 
 
 FITS, LATER, NEVER = KvAdmission.FITS, KvAdmission.LATER, KvAdmission.NEVER
@@ -240,11 +258,15 @@ def test_prefill_failure_table(keeps_only: bool, retried: bool, typed: bool,
     assert prefill_failure(keeps_only=keeps_only, retried=retried, typed=typed) is expected
 
 
-@pytest.mark.parametrize(("joined", "arrived", "expected"), [
-    (False, [], False),
-    (True, [], True),
-    (False, [100.0 - HANDOFF_COMING_S / 2], True),
-    (False, [100.0 - HANDOFF_COMING_S], False),  # it never joined: prefill goes on
+@pytest.mark.parametrize(("joined", "arrived", "last_step", "expected"), [
+    (False, [], [], False),
+    (True, [], [], True),
+    (False, [100.0 - HANDOFF_COMING_S / 2], [], True),
+    (False, [100.0 - HANDOFF_COMING_S], [], False),  # it never joined: prefill goes on
+    # its prefill node computes its last pieces, for longer than a last piece is waited for
+    (False, [], [100.0 - HANDOFF_COMING_S * 2], True),
+    (False, [], [100.0 - HANDOFF_EXPECTED_S], False),  # that prefill node went quiet
 ])
-def test_decode_only_table(joined: bool, arrived: list[float], expected: bool) -> None:
-    assert decode_only(joined, arrived, 100.0) is expected
+def test_decode_only_table(joined: bool, arrived: list[float], last_step: list[float],
+                           expected: bool) -> None:
+    assert decode_only(joined, arrived, 100.0, last_step) is expected

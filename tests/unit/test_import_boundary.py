@@ -109,3 +109,101 @@ def test_no_engine_module_imports_itself_through_others() -> None:
         if module != "__init__":
             walk(module, [module])
     assert circles == []
+
+
+def _modules() -> dict[str, Path]:
+    """Every module under src by its dotted name (a package by its own)."""
+    found: dict[str, Path] = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The module under src that `name` (a module, or a name in one) lives in, else None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _module_imports(path: Path, modules: dict[str, Path]) -> tuple[set[str], list[str]]:
+    """The src modules `path` imports when it loads (not under TYPE_CHECKING, not in a function),
+    and every private name it takes from another src module (`from m import _x`, or `m._x` on a
+    module it imported), wherever in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    loaded: set[str] = set()
+    private: list[str] = []
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                whole = f"{node.module}.{alias.name}"
+                if whole in modules:
+                    aliases[alias.asname or alias.name] = whole
+                elif alias.name.startswith("_") and _owner(node.module, modules):
+                    private.append(f"from {node.module} import {alias.name}")
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+              and isinstance(node.value, ast.Name) and node.value.id in aliases):
+            private.append(f"{aliases[node.value.id]}.{node.attr}")
+    for node in tree.body:  # what runs at import time
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        loaded.update(owner for name in names if (owner := _owner(name, modules)))
+    return loaded, private
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """A name that starts with `_` is its module's own: another module that needs it needs a
+    public name (tests may reach in; shipped code may not)."""
+    modules = _modules()
+    offenders = {name: private for name, path in sorted(modules.items())
+                 if (private := _module_imports(path, modules)[1])}
+    assert offenders == {}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles in `graph` (module -> the modules it imports), each as a path."""
+    state: dict[str, int] = {}  # 1: on the path now, 2: done
+    circles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                circles.append([*path[path.index(imported):], imported])
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return circles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import circle anywhere under src (imports at load time: a function's own import or one
+    under TYPE_CHECKING is not a circle at load, and is what breaks one when it must be)."""
+    modules = _modules()
+    graph = {name: _module_imports(path, modules)[0] - {name} for name, path in modules.items()}
+    assert sum(map(len, graph.values())) > len(modules)  # it sees the imports
+    assert _circles(graph) == []
+
+
+def test_the_checks_see_a_private_import_and_a_circle(tmp_path: Path) -> None:
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    modules["a"].write_text("from b import _hidden, shown\nimport b\nb._other()\n")
+    modules["b"].write_text("import a\n")
+    loaded, private = _module_imports(modules["a"], modules)
+    assert loaded == {"b"} and private == ["from b import _hidden", "b._other"]
+    assert _module_imports(modules["b"], modules)[0] == {"a"}
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == [["b", "c", "b"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

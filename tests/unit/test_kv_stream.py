@@ -1,5 +1,6 @@
-"""The KV stream (wire version 3): its records, the coverage checks, version refusals both ways,
-and the chunked body reader under record boundaries that do not line up with chunks."""
+"""The KV stream (wire version 4): its records, the last-step flag, the coverage checks, version
+refusals both ways, and the chunked body reader under record boundaries that do not line up with
+chunks."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def _payload(tokens: int, layers: int = 2) -> bytes:
     return b"".join(encode_cache(caches, fingerprint="fp", token_count=tokens))
 
 
-def _segment(start: int, stop: int, first: int, end: int) -> bytes:
+def _segment(start: int, stop: int, first: int, end: int, *, last_step_started: bool = False) -> bytes:
     payload = _payload(stop - start, end - first)
-    return kv_stream.segment_head(kv_stream.SegmentRange(start, stop, first, end), len(payload)) + payload
+    return kv_stream.segment_head(kv_stream.SegmentRange(start, stop, first, end), len(payload),
+                                  last_step_started=last_step_started) + payload
 
 
 def _reader(data: bytes) -> kv_stream.ReadInto:
@@ -72,7 +74,8 @@ def _stream(*records: bytes) -> bytes:
 
 async def test_pieces_by_token_and_layer_range_then_the_first_token_then_the_end() -> None:
     data = _stream(
-        _segment(0, 6, 0, 1), _segment(0, 6, 1, 2),  # chunk 0 in two layer slices
+        # chunk 0 in two layer slices; the step computing the rest started before the second went
+        _segment(0, 6, 0, 1), _segment(0, 6, 1, 2, last_step_started=True),
         kv_stream.document_record(kv_stream.FIRST_TOKEN,
                                   {"first_token": 7, "is_eos": False, "held_bytes": 0}),
         _segment(6, 7, 0, 2),  # the last token, every layer
@@ -83,6 +86,7 @@ async def test_pieces_by_token_and_layer_range_then_the_first_token_then_the_end
     assert [s.where for s in segments] == [kv_stream.SegmentRange(0, 6, 0, 1),
                                            kv_stream.SegmentRange(0, 6, 1, 2),
                                            kv_stream.SegmentRange(6, 7, 0, 2)]
+    assert [s.last_step_started for s in segments] == [False, True, False]
     # each piece is a whole version-1 payload that the codec validates on its own
     validated = validate_payload(segments[2].payload, fingerprint="fp", expected_classes=["KVCache"] * 2)
     assert validated.header.token_count == 1
@@ -111,10 +115,14 @@ async def test_an_old_reader_refuses_a_stream_and_a_stream_reader_refuses_an_old
     with pytest.raises(StatecoreError) as old:  # a version 1/2 reader given a stream
         validate_payload(_stream(kv_stream.end_record(0, 0)), fingerprint="fp")
     assert old.value.info.code is Code.KV_MALFORMED
-    assert "unsupported KV format version 3" in old.value.info.message
+    assert "unsupported KV format version 4" in old.value.info.message
     with pytest.raises(StatecoreError) as new:  # a stream reader given a version 1 payload
         await kv_stream.read_preamble(_reader(_payload(3)))
     assert new.value.info.code is Code.KV_MALFORMED and "stream version 1" in new.value.info.message
+    with pytest.raises(StatecoreError) as version_3:  # the records before the flags
+        await kv_stream.read_preamble(_reader(struct.pack("<8sH", MAGIC, 3)))
+    assert version_3.value.info.code is Code.KV_MALFORMED
+    assert "unsupported KV stream version 3" in version_3.value.info.message
     with pytest.raises(StatecoreError) as magic:
         await kv_stream.read_preamble(_reader(b"GET / HTTP/1.1\r\n"))
     assert magic.value.info.code is Code.KV_MALFORMED
@@ -124,6 +132,10 @@ async def test_unknown_records_oversized_pieces_and_bad_documents_are_typed_erro
     unknown = _stream(struct.pack("<cQ", b"Q", 0))
     with pytest.raises(StatecoreError, match="unknown KV stream record"):
         await _records(unknown, 2, 7)
+    flagged = bytearray(_stream(_segment(0, 7, 0, 2)))
+    flagged[kv_stream.PREAMBLE_BYTES + kv_stream.RECORD_HEAD_BYTES + 16] = 0x02  # a flag no reader knows
+    with pytest.raises(StatecoreError, match="unknown flags 0x2"):
+        await _records(bytes(flagged), 2, 7)
     big = _stream(_segment(0, 7, 0, 2))
     with pytest.raises(StatecoreError) as raised:
         await _records(big, 2, 7, max_bytes=64)
@@ -206,4 +218,4 @@ async def test_a_connection_lost_mid_chunk_is_not_a_cut_stream() -> None:
 
 
 def test_the_stream_magic_is_the_payload_magic() -> None:
-    assert kv_stream.preamble()[:8] == MAGIC and kv_stream.preamble()[8:] == b"\x03\x00"
+    assert kv_stream.preamble()[:8] == MAGIC and kv_stream.preamble()[8:] == b"\x04\x00"

@@ -187,7 +187,7 @@ FAST_PREFILL = StepRates(excess_s=0.045, prefill_tokens=2000.0)  # 22.5 us a tok
 def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, rows: int, oldest_unit: int,
                                                               rates: StepRates, expected: int) -> None:
     assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None, rates=rates,
-                             streamed_alone=True) == expected
+                             oldest_streams=True) == expected
     if rows == 0:  # not streamed: the whole budget
         assert step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
                                  rates=rates) == configured

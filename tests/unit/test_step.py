@@ -47,6 +47,7 @@ from statecore.intents import (
     IntentKind,
     LoopIntent,
     PeerIntent,
+    RefuseKv,
     Reject,
     ReleaseKv,
     RespondToken,
@@ -110,6 +111,9 @@ CASES = [
     Case(PREFILL_REQUEST, PrefillPhase.PREFILL, PrefillDone(9, 1024), PrefillPhase.HANDOFF,
          [ArmTimer(RID, Timer.KV_LEASE), RespondToken(RID, 9)]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvRequested(), PrefillPhase.HANDOFF, [SendKv(RID)]),
+    # a pull before the KV is held is answered, and the request goes on
+    Case(PREFILL_REQUEST, PrefillPhase.PREFILL, KvRequested(), PrefillPhase.PREFILL,
+         [RefuseKv(RID, ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, "no KV held for r1 (it is in prefill)"))]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvTaken(), PrefillPhase.DONE,
          [CancelTimer(RID), ReleaseKv(RID)]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, StopMatched("length"), PrefillPhase.DONE,
@@ -244,6 +248,22 @@ def test_the_loop_state_does_not_grow_with_requests_served() -> None:
         assert not state.live
     state, _ = loop_step(state, ForRequest(RequestId("gone"), ClientCancelled()))  # absorbed
     assert not state.settled and not state.live
+
+
+def test_a_kv_pull_for_a_request_not_held_is_refused_and_anything_else_absorbed() -> None:
+    """The prefill machine's `absent` rule: a pull for a request the node never had (or that
+    ended) gets its answer from the core; any other late event gets nothing."""
+    from statecore.loop import ForLoop, ForRequest, loop_step, new_loop
+
+    state, _ = loop_step(new_loop(PREFILL_REQUEST), ForLoop(LoopReady()))
+    gone = RequestId("gone")
+    after, intents = loop_step(state, ForRequest(gone, KvRequested()))
+    assert intents == [RefuseKv(gone, ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
+                                                "no KV held for gone (no such request here)"))]
+    assert after == state
+    assert loop_step(state, ForRequest(gone, KvTaken()))[1] == []
+    assert loop_step(loop_step(new_loop(DECODE_REQUEST), ForLoop(LoopReady()))[0],
+                     ForRequest(gone, KvRequested()))[1] == []  # only a prefill node holds KV to pull
 
 
 OUTCOMES: list[tuple[Machine[Any], enum.Enum, Event, str, str]] = [

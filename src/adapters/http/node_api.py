@@ -13,9 +13,10 @@ Every node: `GET /internal/info` (the model's fingerprint and per-layer cache tr
 `GET /internal/stats` (live counts for leak checks), `GET /internal/handoffs` (the recent KV
 handoffs' bytes and timings). When a shared token is configured, internal endpoints require it
 in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
-is the core's state machine: admission is the runner's (`statecore.policy.admission`), whether a
-KV pull is expected is the table's, and whether a first token ends its request is
-`statecore.policy.first_token_ends`. This module may import anything.
+is the core's state machine: admission is the runner's (`statecore.policy.admission`), a KV
+pull is an event whose answer is the table's (`SendKv`, or `RefuseKv` with KV_NOT_FOUND), and
+whether a first token ends its request is `statecore.policy.first_token_ends`. This module may
+import anything.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_erro
 from statecore.events import (
     Admitted,
     ClientCancelled,
-    EventKind,
     KvRequested,
     KvTaken,
     PrefillLocally,
@@ -360,8 +360,7 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                first_eos = first_token_ends(token, self.engine.info.eos_token_ids,
-                                             ignore_eos=context.sampling.ignore_eos)
+                first_eos = self._ends(token, context)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
@@ -493,13 +492,15 @@ class NodeApi:
         return kv_stream.SegmentRange(segment.start, segment.stop, segment.first_layer, segment.end_layer)
 
     def _piece_head(self, segment: KvSegment) -> bytes:
-        return kv_stream.segment_head(self._piece_range(segment), segment.payload.nbytes)
+        return kv_stream.segment_head(self._piece_range(segment), segment.payload.nbytes,
+                                      last_step_started=segment.last_step_started)
 
     async def _piece_record(self, rid: RequestId, segment: KvSegment,
                             ref: kv_shm.ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A piece's record: by reference to its copy in shared memory, or inline."""
         if ref is not None:
-            yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump())]
+            yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump(),
+                                                 last_step_started=segment.last_step_started)]
         else:
             if self.shm is not None and rid in self._shared:
                 log.warning("request %s: no room in shared memory; a piece goes over HTTP", rid)
@@ -545,25 +546,17 @@ class NodeApi:
         return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
-        """The held KV the decode node pulls (bytes: a damaged payload, tests only)."""
-        context = self.runner.context(rid)
-        # only a phase whose table edge takes a pull holds a KV to send (a pull at any other
-        # time is answered here, and leaves the request alone)
-        if not self.runner.expects(rid, EventKind.KV_REQUESTED) or not isinstance(context, NodeRequest):
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"no KV held for {rid}"))
-        receive = self.performer.open_kv_out(context)
-        await self.runner.post(rid, KvRequested())
-        with trio.move_on_after(KV_SEND_TIMEOUT_S):
-            try:
-                payload = await receive.receive()
-            except trio.EndOfChannel:
-                payload = ErrorInfo(
-                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent"
-                )
-            if isinstance(payload, ErrorInfo):
-                raise StatecoreError(payload)
-            damaged = await self._damaged(rid, payload)
-            return payload if damaged is None else damaged
+        """The held KV the decode node pulls (bytes: a damaged payload, tests only). The pull is
+        the core's `KvRequested` event; the core answers it (the KV once the request holds it,
+        else why not) and the performer delivers the answer to the pull waiting here."""
+        with self.performer.kv_pulls.pull(rid) as pull:
+            await self.runner.post(rid, KvRequested())
+            with trio.move_on_after(KV_SEND_TIMEOUT_S):
+                payload = await pull.wait()
+                if isinstance(payload, ErrorInfo):
+                    raise StatecoreError(payload)
+                damaged = await self._damaged(rid, payload)
+                return payload if damaged is None else damaged
         raise StatecoreError(ErrorInfo(Fault.PEER, Code.TIMEOUT, "the KV was not ready in time"))
 
     def _note_raw_bytes(self, rid: RequestId, tail: KvBytes) -> None:
@@ -624,13 +617,17 @@ class NodeApi:
                                          cached_tokens=_asks_cached_tokens(request)),
                              media_type="application/x-ndjson")
 
+    def _ends(self, first_token: int, context: NodeRequest) -> bool:
+        """Whether the request's first token ends it (`statecore.policy.first_token_ends`), for the
+        first token's wire record."""
+        return first_token_ends(first_token, self.engine.info.eos_token_ids,
+                                ignore_eos=context.sampling.ignore_eos)
+
     async def _lines(self, generation: RunnerGeneration, context: NodeRequest, *, first_is_prefill: bool,
                      cached_tokens: bool = False) -> AsyncGenerator[bytes, None]:
         """The decode stream's NDJSON lines. A local prefill's first token goes first as a prefill
         reply (with the prompt tokens it took from the prefix cache when the router asked: then a
         first token that is EOS, which ends the request at once, is sent as one too)."""
-        eos_ids = self.engine.info.eos_token_ids
-        ignore_eos = context.sampling.ignore_eos
         first = first_is_prefill
         finished = False
         sent = 0
@@ -642,13 +639,12 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, RespondToken):
                     first = False
-                    yield output_line(PrefillReply(output.token, first_token_ends(output.token, eos_ids,
-                                                                                  ignore_eos=ignore_eos),
-                                                   0, output.logprobs, cached))
+                    yield output_line(PrefillReply(output.token, self._ends(output.token, context), 0,
+                                                   output.logprobs, cached))
                     continue
                 if (first and cached is not None and isinstance(output, Complete)
                         and output.finish_reason == STOP and context.first_token is not None
-                        and first_token_ends(context.first_token, eos_ids, ignore_eos=ignore_eos)):
+                        and self._ends(context.first_token, context)):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue

@@ -318,7 +318,7 @@ class HttpxPeers:
                 case kv_stream.Segment(where=where, payload=payload):
                     coverage.add(where)
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((payload,)))
+                                    KvPieces((payload,)), record.last_step_started)
                 case kv_stream.SharedSegment(where=where, reference=reference):
                     if inbox is None:
                         raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
@@ -328,7 +328,7 @@ class HttpxPeers:
                     view = await trio.to_thread.run_sync(inbox.read, ref)
                     # the caller builds its arrays from the view before asking for the next piece
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((view,)))
+                                    KvPieces((view,)), record.last_step_started)
                     inbox.done(ref)  # raises when the region changed under the copy
                 case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
                     try:

@@ -1,22 +1,23 @@
-"""The KV stream (wire format version 3): a prompt's cache as it is computed, then its first token.
+"""The KV stream (wire format version 4): a prompt's cache as it is computed, then its first token.
 
 A prefill node that streams a handoff writes one stream per request: a preamble (the KV magic and
-version 3), then records. A *segment* record carries one piece of the cache, a token range of a
+version 4), then records. A *segment* record carries one piece of the cache, a token range of a
 layer range, as a complete version-1 payload of its own (header, data frames, end frame with its
 CRC-32: each piece keeps every guarantee of the wire format and is validated alone, before
-anything is built from it); a *first token* record the prompt's first token as the prefill
-sampled it; an *end* record the token count the segments must cover; an *error* record the
-prefill node's typed error, when the prefill fails mid-stream; a *shared segment* record a
-segment whose payload the reader maps from shared memory (nodes on one host), by reference. The
-decoder (`SegmentCoverage`)
-checks that the segments fit together: each layer's token ranges follow one another from 0
-without a gap or an overlap, and at the end every layer covers exactly the declared tokens.
+anything is built from it), and flags: whether the prefill node has started the step that
+computes the prompt's last pieces (so the decode node keeps its steps free for the join). A
+*first token* record holds the prompt's first token as the prefill sampled it; an *end* record
+the token count the segments must cover; an *error* record the prefill node's typed error, when
+the prefill fails mid-stream; a *shared segment* record a segment whose payload the reader maps
+from shared memory (nodes on one host), by reference. The decoder (`SegmentCoverage`) checks
+that the segments fit together: each layer's token ranges follow one another from 0 without a
+gap or an overlap, and at the end every layer covers exactly the declared tokens.
 
-Version 3 only frames; the pieces inside are version 1 (or 2). A reader of versions 1 and 2
-refuses a stream at its preamble ("unsupported KV format version 3"), and this reader refuses a
-stream whose preamble is not version 3. ``docs/wire-format.md`` documents the bytes. This module
-needs no MLX: it must never import mlx, mlx_lm or numpy; nothing in `statecore` or `effects` may
-import it.
+Version 4 only frames; the pieces inside are version 1 (or 2). A reader of versions 1 and 2
+refuses a stream at its preamble ("unsupported KV format version 4"), and this reader refuses a
+stream whose preamble is not version 4 (version 3, the same records without flags, included).
+``docs/wire-format.md`` documents the bytes. This module needs no MLX: it must never import mlx,
+mlx_lm or numpy; nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Final
 from adapters.kv.frames import MAGIC, fail
 from statecore.errors import Code
 
-STREAM_VERSION: Final[int] = 3
+STREAM_VERSION: Final[int] = 4
 _PREAMBLE: Final = struct.Struct("<8sH")  # magic, version (as every KV payload starts)
 _RECORD: Final = struct.Struct("<cQ")  # record kind, body length
-_RANGE: Final = struct.Struct("<IIII")  # tokens [start, stop), layers [first, end)
+_RANGE: Final = struct.Struct("<IIIII")  # tokens [start, stop), layers [first, end), flags
 _END: Final = struct.Struct("<QI")  # tokens covered, segments sent
 
 SEGMENT: Final = b"S"
@@ -41,6 +42,9 @@ SHARED_SEGMENT: Final = b"R"  # a segment whose payload lies in shared memory (a
 FIRST_TOKEN: Final = b"T"
 ERROR: Final = b"X"
 END: Final = b"Z"
+# A segment's flag: the prefill node has started the step that computes the prompt's last pieces
+LAST_STEP_STARTED: Final = 1
+_KNOWN_FLAGS: Final = LAST_STEP_STARTED
 MAX_DOCUMENT_BYTES: Final = 1 << 20  # a first-token or error record is a small JSON document
 PREAMBLE_BYTES: Final = _PREAMBLE.size
 RECORD_HEAD_BYTES: Final = _RECORD.size
@@ -68,18 +72,23 @@ class SegmentRange:
         return self.stop - self.start
 
 
-def segment_head(where: SegmentRange, payload_bytes: int) -> bytes:
-    """A segment record's head; the version-1 payload (`payload_bytes` long) follows it."""
-    return (_RECORD.pack(SEGMENT, _RANGE.size + payload_bytes)
-            + _RANGE.pack(where.start, where.stop, where.first_layer, where.end_layer))
+def _range(where: SegmentRange, last_step_started: bool) -> bytes:
+    return _RANGE.pack(where.start, where.stop, where.first_layer, where.end_layer,
+                       LAST_STEP_STARTED if last_step_started else 0)
 
 
-def shared_segment_record(where: SegmentRange, reference: dict[str, object]) -> bytes:
-    """A segment whose payload the reader maps from shared memory: its range, then the JSON
-    reference (`adapters.kv.shm.ShmRef`)."""
+def segment_head(where: SegmentRange, payload_bytes: int, *, last_step_started: bool = False) -> bytes:
+    """A segment record's head; the version-1 payload (`payload_bytes` long) follows it.
+    `last_step_started`: the step computing the prompt's last pieces is running."""
+    return _RECORD.pack(SEGMENT, _RANGE.size + payload_bytes) + _range(where, last_step_started)
+
+
+def shared_segment_record(where: SegmentRange, reference: dict[str, object], *,
+                          last_step_started: bool = False) -> bytes:
+    """A segment whose payload the reader maps from shared memory: its range and flags, then
+    the JSON reference (`adapters.kv.shm.ShmRef`)."""
     body = json.dumps(reference, separators=(",", ":")).encode()
-    return (_RECORD.pack(SHARED_SEGMENT, _RANGE.size + len(body))
-            + _RANGE.pack(where.start, where.stop, where.first_layer, where.end_layer) + body)
+    return _RECORD.pack(SHARED_SEGMENT, _RANGE.size + len(body)) + _range(where, last_step_started) + body
 
 
 def document_record(kind: bytes, document: dict[str, object]) -> bytes:
@@ -99,6 +108,7 @@ def end_record(tokens: int, segments: int) -> bytes:
 class Segment:
     where: SegmentRange
     payload: memoryview  # a complete version-1/2 payload; validated by the codec
+    last_step_started: bool = False  # the prompt's last pieces are being computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +117,7 @@ class SharedSegment:
 
     where: SegmentRange
     reference: object
+    last_step_started: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,21 +166,21 @@ async def read_record(read_into: ReadInto, take: TakeBuffer, max_segment_bytes: 
             fail(Code.KV_TOO_LARGE, f"a KV segment of {length} bytes exceeds {max_segment_bytes}")
         where = memoryview(bytearray(_RANGE.size))
         await read_into(where)
-        start, stop, first, end = _RANGE.unpack(where)
+        start, stop, first, end, flags = _RANGE.unpack(where)
         payload = take(length - _RANGE.size)
         await read_into(payload)
-        return Segment(SegmentRange(start, stop, first, end), payload)
+        return Segment(SegmentRange(start, stop, first, end), payload, _last_step_started(flags))
     if kind == SHARED_SEGMENT:
         if not _RANGE.size < length <= _RANGE.size + MAX_DOCUMENT_BYTES:
             fail(Code.KV_MALFORMED, f"a shared segment record of {length} bytes")
         body = memoryview(bytearray(length))
         await read_into(body)
-        start, stop, first, end = _RANGE.unpack_from(body)
+        start, stop, first, end, flags = _RANGE.unpack_from(body)
         try:
             reference = json.loads(bytes(body[_RANGE.size :]))
         except ValueError as exc:
             fail(Code.KV_MALFORMED, f"a shared segment's reference is not JSON: {exc}")
-        return SharedSegment(SegmentRange(start, stop, first, end), reference)
+        return SharedSegment(SegmentRange(start, stop, first, end), reference, _last_step_started(flags))
     if kind in (FIRST_TOKEN, ERROR):
         if length > MAX_DOCUMENT_BYTES:
             fail(Code.KV_MALFORMED, f"a {kind!r} record of {length} bytes exceeds the limit")
@@ -190,6 +201,12 @@ async def read_record(read_into: ReadInto, take: TakeBuffer, max_segment_bytes: 
         tokens, segments = _END.unpack(body)
         return StreamEnd(tokens, segments)
     fail(Code.KV_MALFORMED, f"unknown KV stream record kind {kind!r}")
+
+
+def _last_step_started(flags: int) -> bool:
+    if flags & ~_KNOWN_FLAGS:
+        fail(Code.KV_MALFORMED, f"a segment with unknown flags {flags:#x}")
+    return bool(flags & LAST_STEP_STARTED)
 
 
 class SegmentCoverage:

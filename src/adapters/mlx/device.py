@@ -145,6 +145,9 @@ class DeviceLoop:
         # long, and a step launched before the join still runs when the request joins)
         self.handoff_joined = False
         self.handoffs_coming: dict[str, float] = {}
+        # ... and one whose prefill node has started the step computing its last pieces (the
+        # stream's flag): no prefill work is started meanwhile either, but steps stay pipelined
+        self.handoffs_expected: dict[str, float] = {}
         self.rates = StepRates()  # what this node's steps took: what the step-time target sizes by
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
         self.draft_model: DraftModel | None = None  # --draft-model (set at load, before configure)

@@ -311,6 +311,8 @@ class MlxEngine:
         last = segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes)
         if last:  # the request joins once the pieces are checked and installed
             self._device.handoffs_coming[request_id] = time.monotonic()
+        elif segment.last_step_started:  # and its last pieces are being computed now
+            self._device.handoffs_expected.setdefault(request_id, time.monotonic())
         built = await trio.to_thread.run_sync(partial(
             validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
             classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
@@ -342,6 +344,7 @@ class MlxEngine:
                               Local(pieces=pieces))
         finally:
             self._device.handoffs_coming.pop(request_id, None)
+            self._device.handoffs_expected.pop(request_id, None)
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -367,6 +370,7 @@ class MlxEngine:
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
         self._device.handoffs_coming.pop(request_id, None)
+        self._device.handoffs_expected.pop(request_id, None)
         if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped

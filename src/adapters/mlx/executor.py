@@ -122,6 +122,7 @@ class ExecutorHost(SpeculationHost, Protocol):
     cache_bytes: Callable[[list[Any]], int]
 
     handoffs_coming: dict[str, float]
+    handoffs_expected: dict[str, float]
 
     def drop_abandoned_waiting(self) -> None: ...
 
@@ -178,13 +179,21 @@ class StepExecutor:
             outputs.extend(self.build_prefills(plan, current))
             self.advance(candidates, plan)
             loop.computing = ("", ())
-            if outputs:
+        built = bool(outputs) or bool(current.failed_prefills)
+        previous, loop.inflight = loop.inflight, (current if built else None)
+        # On the CPU a launch computes the step before it returns (MLX's CPU stream), so streamed
+        # pieces of the step before would wait for this whole step: they leave first. (Elsewhere
+        # the launch returns at once and they leave as soon as their step ends anyway.)
+        pieces_first = previous is not None and bool(previous.segments) and mx.default_device() == mx.cpu
+        if pieces_first:
+            assert previous is not None
+            self.read_back(previous)
+        if outputs:
+            with mx.stream(generation_stream):
                 launching = time.perf_counter()
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
                 profile.account("launch", launching)
-        built = bool(outputs) or bool(current.failed_prefills)
-        previous, loop.inflight = loop.inflight, (current if built else None)
-        if previous is not None:
+        if previous is not None and not pieces_first:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
@@ -236,12 +245,12 @@ class StepExecutor:
                                 and task.sampler.sampling.choices == 1, task.keeps_only)
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
+        oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
                         decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
-                                                time.monotonic()),
-                        streamed_alone=len(loop.waiting) == 1 and all(
-                            task.segment_sink is not None for task in loop.waiting.values()))
+                                                time.monotonic(), list(loop.handoffs_expected.values())),
+                        oldest_streams=oldest is not None and oldest.segment_sink is not None)
         loop.handoff_joined = False
         memory = None
         if s.prefill_memory_cap:
@@ -388,12 +397,15 @@ class StepExecutor:
 
     def hand_segments(self, step: InFlight) -> None:
         """A read-back step's streamed pieces to their sinks (computed now), unless the request
-        left meanwhile."""
+        left meanwhile. A piece says whether the step computing its prompt's last pieces has
+        started: the next step was built before this one is read back, so a prompt whose units
+        are all built, and which this step did not finish, finishes in the step now running."""
         for task, where, pieces in step.segments:
             if task.job is None or task.job.is_abandoned():
                 continue
+            last_step_started = task.done_units >= len(task.units) and task not in step.finished_prefills
             try:
-                task.segment_sink(where, pieces)
+                task.segment_sink(where, pieces, last_step_started)
             except Exception:  # the sink's failure is its request's (it hears of it at export)
                 logger.exception("handing a KV segment of %s out failed", task.request_id)
                 task.segment_sink = None

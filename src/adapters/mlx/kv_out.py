@@ -31,14 +31,16 @@ def pieces_of(tensors: frames.HostTensors) -> KvPieces:
 
 
 def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str
-                 ) -> Callable[[tuple[int, int, int, int], list[Any]], None]:
+                 ) -> Callable[[tuple[int, int, int, int], list[Any], bool], None]:
     """On the device thread: a computed piece (its range; keys then values of each of its
-    layers) framed as a wire payload over its own host memory, handed to `segments` in trio."""
+    layers; whether the prompt's last step has started) framed as a wire payload over its own
+    host memory, handed to `segments` in trio."""
 
-    def hand(where: tuple[int, int, int, int], arrays: list[Any]) -> None:
+    def hand(where: tuple[int, int, int, int], arrays: list[Any], last_step_started: bool) -> None:
         start, stop, first_layer, end_layer = where
         layers = [kv_cache(arrays[i], arrays[i + 1], stop - start) for i in range(0, len(arrays), 2)]
         tensors = codec.host_tensors(layers, fingerprint=fingerprint, token_count=stop - start)
-        post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces_of(tensors)))
+        post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces_of(tensors),
+                                             last_step_started))
 
     return hand
