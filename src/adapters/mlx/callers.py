@@ -50,8 +50,9 @@ class Callers:
 
     @property
     def arriving(self) -> int:
-        """Requests with pieces kept for their install."""
-        return sum(1 for caller in self._records.values() if caller.pieces or caller.last_piece)
+        """Requests with pieces kept for their install, not in a slot (one whose last piece waits
+        for its install job has the rest in its slot: the slots count it)."""
+        return sum(1 for caller in self._records.values() if caller.pieces)
 
     def keep_piece(self, request_id: str, piece: Piece, *, last: bool = False) -> None:
         caller = self._records.setdefault(request_id, Caller())
