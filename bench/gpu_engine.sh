@@ -110,8 +110,8 @@ case "${1:-vs-mlx-lm}" in
       --duration 15 --py-spy "$SPY" --out "$OUT/profile_http" 2>&1 | quiet | tail -60
     ;;
   gil-cost)
-    # What the GIL costs the node: the engine alone (engine_realish.py) and a single node through
-    # HTTP (serve_bench.py), realish at 32 and 8, each with its device time a step by kind (the
+    # What the GIL costs the node: the engine alone (engine_realish.py, at the node's GIL switch
+    # interval) and a single node through HTTP (serve_bench.py), realish at 32 and 8, each with its device time a step by kind (the
     # node's from /internal/stats); then what a process boundary for the engine core would cost
     # per step (core_channel.py). With py-spy staged (`stage.sh py-spy`) also the node's threads
     # sampled by py-spy --gil at 32.
@@ -120,7 +120,7 @@ case "${1:-vs-mlx-lm}" in
     U=http://127.0.0.1:18800
     for C in 32 8; do
       timeout 120 $PY bench/engine/engine_realish.py --model $M --concurrency $C --seconds 12 --no-bare \
-        --out "$OUT/er$C.json" > /dev/null 2>&1
+        --switch-interval 0.0005 --out "$OUT/er$C.json" > /dev/null 2>&1
       $PY -c "import json; r=json.load(open('$OUT/er$C.json'))['engine_c$C']; p=r['device_profile']; n=p['step'][0]; \
 print('engine alone $C:', round(r['tok_s']), 'tok/s', {k: round(1000*v[1]/n, 2) for k, v in p.items() if k != 'decode_rows'}, \
 'rows', round(p['decode_rows'][0]/n, 1))"
