@@ -9,6 +9,8 @@
 #   vs-mlx-lm          statecore single vs mlx_lm.server on realish at 8 and 32, two model shapes
 #   engine-vs-bare     the engine alone vs the bare model at batch 32; 128x128 at 32 through the node
 #   where-time-goes    the engine alone by kind of device work, then the node under py-spy
+#   gil-cost           the engine alone and the node over HTTP on realish at 32 and 8, each step's
+#                      device time by kind; a process boundary's per-step round trip
 #   long-prompt-stall  long prompts into 16 decoding streams: does the first one stall them?
 #   cuda-graphs        MLX's CUDA graphs off vs on, the engine alone, both shapes
 #   attention-kernel   the slot lane's attention kernel checked and timed against MLX's masked one
@@ -106,6 +108,45 @@ case "${1:-vs-mlx-lm}" in
     kill $FO
     timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
       --duration 15 --py-spy "$SPY" --out "$OUT/profile_http" 2>&1 | quiet | tail -60
+    ;;
+  gil-cost)
+    # What the GIL costs the node: the engine alone (engine_realish.py, at the node's GIL switch
+    # interval) and a single node through HTTP (serve_bench.py), realish at 32 and 8, each with its device time a step by kind (the
+    # node's from /internal/stats); then what a process boundary for the engine core would cost
+    # per step (core_channel.py). With py-spy staged (`stage.sh py-spy`) also the node's threads
+    # sampled by py-spy --gil at 32.
+    machine; model_1b
+    timeout 60 $PY bench/engine/core_channel.py --batch 8,32 --rounds 20000 --out "$OUT/channel.json" 2>&1 | tail -8
+    U=http://127.0.0.1:18800
+    for C in 32 8; do
+      timeout 120 $PY bench/engine/engine_realish.py --model $M --concurrency $C --seconds 12 --no-bare \
+        --switch-interval 0.0005 --out "$OUT/er$C.json" > /dev/null 2>&1
+      $PY -c "import json; r=json.load(open('$OUT/er$C.json'))['engine_c$C']; p=r['device_profile']; n=p['step'][0]; \
+print('engine alone $C:', round(r['tok_s']), 'tok/s', {k: round(1000*v[1]/n, 2) for k, v in p.items() if k != 'decode_rows'}, \
+'rows', round(p['decode_rows'][0]/n, 1))"
+    done
+    $PY -m adapters.cli run --role single --model $M --port 18800 --log-level WARNING > "$OUT/node.log" 2>&1 &
+    NODE=$!
+    $PY -c "import httpx, time
+for _ in range(150):
+    try:
+        if httpx.get('$U/health').status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(1)"
+    SB="$PY bench/clients/serve_bench.py --url $U --tokenizer $M --mix realish"
+    $SB --concurrency 32 --num-requests 64 --out /tmp/gil-warm > /dev/null 2>&1
+    for C in 32 8; do
+      $PY -c "import httpx; open('/tmp/s0.json', 'w').write(httpx.get('$U/internal/stats').text)"
+      $SB --concurrency $C --num-requests $((C * 24)) --out "$OUT/node$C" 2>&1 | quiet | tail -2
+      $PY -c "import httpx, json; a=json.load(open('/tmp/s0.json'))['device_time']; b=httpx.get('$U/internal/stats').json()['device_time']; \
+g={k: (b[k]['calls']-a.get(k, {'calls': 0})['calls'], b[k]['seconds']-a.get(k, {'seconds': 0})['seconds']) for k in b}; n=g['step'][0]; \
+print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decode_rows'}, 'rows', round(g['decode_rows'][0]/n, 1))"
+    done
+    kill $NODE
+    if [ -x "$SPY" ]; then
+      timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
+        --duration 15 --gil --py-spy "$SPY" --out "$OUT/spy_gil_32" 2>&1 | quiet | tail -45
+    fi
     ;;
   long-prompt-stall)
     # Without the load's warm-up request, without it and without the prefix cache, the defaults.

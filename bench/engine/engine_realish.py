@@ -33,17 +33,17 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str, Any],
-        on_measure: Any = None, warmup_s: float = 2.0) -> dict[str, Any]:
+        on_measure: Any = None, warmup_s: float = 2.0, mix: str = "realish") -> dict[str, Any]:
     """`on_measure` (if given) is called when the warm-up is over and the measured window starts."""
     import trio
-    from benchlib import Mix
+    from benchlib import parse_mix
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
     from statecore.ids import RequestId
 
     rng = random.Random(f"engine-realish:{concurrency}")
-    work = Mix("realish").lengths(4096, rng)
+    work = parse_mix(mix).lengths(4096, rng)
     gaps: list[float] = []
     ttfts: list[float] = []
     produced = [0]
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--mix", default="realish", help="'realish' or PxO (benchlib.parse_mix)")
     parser.add_argument("--engine-arg", action="append", default=[],
                         help="NAME=VALUE passed to MlxEngine.load (an int when it is one)")
     parser.add_argument("--switch-interval", type=float, default=None,
@@ -181,7 +182,8 @@ def main() -> None:
 
     results: dict[str, Any] = {"engine_args": engine_args}
     for c in (int(x) for x in args.concurrency.split(",")):
-        results[f"engine_c{c}"] = run(args.model, c, args.seconds, engine_args, warmup_s=args.warmup_seconds)
+        results[f"engine_c{c}"] = run(args.model, c, args.seconds, engine_args, warmup_s=args.warmup_seconds,
+                                      mix=args.mix)
         print(json.dumps(results[f"engine_c{c}"]), flush=True)
     if not args.no_bare:
         model = load(str(args.model))[0]

@@ -3,7 +3,8 @@
 Starts one prefill and one decode node, two routers in front of that same pair (one with
 `--kv-handoff stream`, one with `--kv-handoff pull`, both `--force-disaggregation`) and a single
 node, each engine process pinned to its own cores (`--cpus`: prefill, decode, single; the single
-node gets the prefill node's cores, so it has the hardware of one cluster node). It sends prompts
+node gets the prefill node's cores, so it has the hardware of one cluster node; the routers and
+this process, the clients, go there too, so the decode node's cores are its own). It sends prompts
 of each --lengths one at a time (concurrency 1), alternating single / stream / pull with a fresh
 prompt per round, streaming the answer (--max-tokens), and reports per setup and length, medians:
 
@@ -142,6 +143,9 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
         routers[mode].start()
     for node in routers.values():
         wait_healthy(node, 300)
+        # the routers (and this process, the clients: see main) beside the prefill node, whose
+        # core is idle once its prefill is done: the decode node's core is its own in the window
+        pin(node, cpus[0])
     return {**engines, **routers}
 
 
@@ -314,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cpus is None and args.gpus is None and (os.cpu_count() or 1) >= 2:
         args.cpus = ["0", "1", "0"]
+    if args.cpus is not None:
+        os.sched_setaffinity(0, parse_cpus(args.cpus[0]))  # the clients' threads inherit it
     model: Path = args.model or cached_checkpoint("llama", hidden_size=args.hidden_size,
                                                   num_layers=args.num_layers)
     started = dt.datetime.now(dt.UTC)

@@ -190,15 +190,15 @@ class Metrics(Instrument):
             self._by_source.labels(role, source)
         for direction in _KV_DIRECTIONS.get(role, ()):
             self.kv_bytes.labels(role, direction)
-        self._timings: dict[RequestId, _Timing] = {}  # an engine node's requests, from admission
         self._reads: dict[RequestId, _Timing] = {}  # a front end's generations, from their start
         # a decode node's KV pulls under way, until their KvReceived is applied (it is posted before
         # the pull's work ends, and applied after) or the request ends
         self._pull_started: dict[RequestId, float] = {}
         self._pulled_installs: set[RequestId] = set()  # installs of a pulled payload under way
         self._engine: Engine | None = None  # an engine node's (what its events are read against)
+        # an engine node's requests' clocks are their runner's records (`NodeRequest.opened_at`)
+        self._runner: NodeRunner[Any] | None = None
         self._handoffs: HandoffLog | None = None
-        self._initial = ""
         self._terminal: frozenset[str] = frozenset()
         self.model_name = model_name
 
@@ -222,10 +222,10 @@ class Metrics(Instrument):
         """Observe the runner (an instrument of it) and collect live counts from the runner, the
         engine and the peers at scrape time. `engine` makes this an engine node's metrics (its
         events and work are read; `handoffs` is its performer's record of each handoff)."""
-        self._initial = runner.machine.initial.value
         self._terminal = frozenset(phase.value for phase in runner.machine.terminal)
         self._engine = engine
         self._handoffs = handoffs
+        self._runner = runner
         runner.instruments.add(self)
         live = _LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes, prefix_pulls)
         self.registry.register(live)
@@ -236,8 +236,6 @@ class Metrics(Instrument):
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
                    error: ErrorInfo | None, outcome: str | None) -> None:
-        if old == self._initial and not self.front_end:
-            self._timings.setdefault(request_id, _Timing(time.monotonic()))
         if new not in self._terminal:
             return
         self._pull_started.pop(request_id, None)
@@ -245,9 +243,10 @@ class Metrics(Instrument):
         self.requests.labels(self.role, new, outcome or "unknown").inc()
         if new == "failed" and error is not None and error.code is Code.LEASE_EXPIRED:
             self.lease_expired.inc()
-        timing = self._timings.pop(request_id, None)
-        if timing is not None and new != "cancelled":
-            self.e2e.observe(time.monotonic() - timing.start)
+        # the runner still holds an ending request's record here (it forgets it after)
+        ctx = None if self.front_end or self._runner is None else self._runner.context(request_id)
+        if isinstance(ctx, NodeRequest) and new != "cancelled":
+            self.e2e.observe(time.monotonic() - ctx.opened_at)
 
     # -- an engine node's events and work ------------------------------------------------------
 
@@ -271,7 +270,8 @@ class Metrics(Instrument):
             # a decode node's streamed handoff: its first token was computed (and counted) on the prefill node
             if ctx is not None and ctx.streamed:
                 return
-        self.engine_token(request_id)
+        if ctx is not None:
+            self.engine_token(ctx)
 
     def work_started(self, intent: WorkIntent, context: object) -> None:
         if self._engine is None:
@@ -359,19 +359,22 @@ class Metrics(Instrument):
     # -- observations ------------------------------------------------------------------------
 
     def token(self, timing: _Timing) -> None:
-        now = time.monotonic()
-        if timing.last_token is None:
-            self.ttft.observe(now - timing.start)
-        else:
-            self.itl.observe(now - timing.last_token)
-        timing.last_token = now
-        self.generation_tokens.inc()
+        timing.last_token = self._token_at(timing.start, timing.last_token)
 
-    def engine_token(self, rid: RequestId) -> None:
-        """A token this (prefill or decode) node generated for a live request."""
-        timing = self._timings.get(rid)
-        if timing is not None:
-            self.token(timing)
+    def _token_at(self, start: float, last_token: float | None) -> float:
+        """A token out now, for a request started at `start` whose last token came at
+        `last_token`: its TTFT or inter-token latency observed; returns now."""
+        now = time.monotonic()
+        if last_token is None:
+            self.ttft.observe(now - start)
+        else:
+            self.itl.observe(now - last_token)
+        self.generation_tokens.inc()
+        return now
+
+    def engine_token(self, ctx: NodeRequest) -> None:
+        """A token this (prefill or decode) node generated for a live request (its runner's record)."""
+        ctx.last_token_at = self._token_at(ctx.opened_at, ctx.last_token_at)
 
     def prompt_source(self, source: str, tokens: int) -> None:
         self._by_source.labels(self.role, source).inc(tokens)

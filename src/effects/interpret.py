@@ -89,6 +89,10 @@ class NodeRequest:
     first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
+    # Its clock on this node (what the metrics read and stamp: the node keeps no other map of
+    # its requests' times): when it came in, and its latest token out.
+    opened_at: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
 
 
 def _bug(message: str) -> StatecoreError:

@@ -7,8 +7,10 @@ its loop (`adapters.mlx.device.DeviceLoop`), and awaits the outcome without bloc
 loop; a tensor- or pipeline-parallel instance's other ranks perform the same commands. `prefill`
 queues the prompt for the scheduler and returns when its last chunk has produced the first token;
 `decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after the
-first. A caller cancelled while its command waits gets it skipped; one cancelled after it ran gets
-its effect undone (`commands.undo_of`), so a cancellation never leaks a cache. An exception
+first. What trio keeps for a request between its calls (its stream until `stream` takes it, a
+streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. A
+caller cancelled while its command waits gets it skipped; one cancelled after it ran gets its
+effect undone (`commands.undo_of`), so a cancellation never leaks a cache. An exception
 escaping the device loop kills the engine: `statistics().device_thread_alive` turns False and
 every later call raises `ENGINE_FAILED` (`cancel` and `release_held` stay quiet no-ops). See docs/engine.md.
 This is an adapter: nothing in `statecore` or `effects` may import it.
@@ -29,28 +31,32 @@ from typing import Any, TypeVar, Unpack
 import mlx.core as mx
 import trio
 
-from adapters.kv import codec, frames
+from adapters.kv import frames
 from adapters.mlx import commands
+from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
     refuse_pipelined_handoff,
 )
-from adapters.mlx.jobs import Local, StreamItem, engine_failed, post
+from adapters.mlx.jobs import Local, engine_failed
+from adapters.mlx.kv_out import pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
+from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import kv_cache, validate_and_build, validate_prefix, validate_segment
-from adapters.mlx.performer import ModelSource, Performer
+from adapters.mlx.payloads import validate_and_build, validate_prefix, validate_segment
+from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
     tune_cuda_backend,
 )
 from adapters.mlx.profile import SlowStep
 from adapters.mlx.settings import Settings
+from adapters.mlx.warm_up import warm_serving_path
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -85,12 +91,8 @@ class MlxEngine:
         self._settings = settings
         self._thread = DeviceThread(self._die, partial(out_of_memory_advice,
                                                        kv_memory_bytes=settings.kv_memory_bytes))
-        # trio side: streams not yet taken by `stream()`.
-        self._streams: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
-        # trio side: a streamed handoff's pieces received so far, validated and built, by request
-        # a streamed handoff's pieces not in a slot: (first, end layer, first token, caches)
-        self._arriving: dict[RequestId, list[tuple[int, int, int, list[Any]]]] = {}
-        self._last_pieces: dict[RequestId, tuple[int, int, int, list[Any]]] = {}  # its install stages it
+        # trio side: each request's streams and pieces between its calls (`adapters.mlx.callers`)
+        self._callers = Callers()
         self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
                         else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
         self._performer = Performer(self._device, settings, source)
@@ -162,36 +164,12 @@ class MlxEngine:
         try:
             await engine._post(commands.Load(dataclasses.asdict(settings)))
             if (engine._device.bucket > 0 and on_cuda()) if warm_request is None else warm_request:
-                await engine._warm_serving_path()
+                await warm_serving_path(engine, settings.prefill_chunk_size,
+                                        partial(engine._post, commands.ForgetPrefixes()))
         except BaseException:
             await engine.aclose()
             raise
         return engine
-
-    async def _warm_serving_path(self) -> None:
-        """One request of two chunks and a token, prefilled and decoded a few tokens as any other,
-        then forgotten (the prefix cache starts empty again). On MLX's CUDA backend the first use
-        of a kind of work (a kernel compiled at run time, a cuBLASLt plan) costs up to ~0.5 s on
-        the host; paid here, it does not stall the streams decoding beside the first long prompt.
-        A model or budget too small for such a request is warmed as far as it goes."""
-        started = time.perf_counter()
-        info = self.info
-        length = max(1, min(2 * self._settings.prefill_chunk_size + 1, info.context_length - 8))
-        prompt = [1 + i % max(1, min(info.vocab_size - 1, 997)) for i in range(length)]
-        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
-        rid = RequestId("statecore-warm-up")
-        try:
-            outcome = await self.prefill(rid, prompt, sampling)
-            await self.decode_held(rid, prompt, outcome.first_token, sampling)
-            async for _ in self.stream(rid):
-                pass
-        except StatecoreError as exc:
-            logger.info("the load's warm-up request stopped early: %s", exc)
-            await self.cancel(rid)
-            await self.release_held(rid)
-        await self._post(commands.ForgetPrefixes())
-        logger.info("warmed the serving path with a %d-token request in %.1f s", length,
-                    time.perf_counter() - started)
 
     @property
     def _pipelined(self) -> bool:
@@ -242,45 +220,24 @@ class MlxEngine:
         # Pieces by token and layer range need a cache of plain KVCache layers that holds every
         # head (not a tensor-parallel rank's share): otherwise the whole cache goes at the end.
         cuts = self._device.streams_ranges and self.streams_handoffs
-        sink = self._segment_sink(segments, trio_token) if cuts and segments is not None else None
+        sink = (segment_sink(segments, trio_token, self.info.fingerprint) if cuts and segments is not None
+                else None)
         outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                    Local(matcher=matcher, segment_sink=sink))
         return outcome
-
-    def _segment_sink(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken
-                      ) -> Callable[[tuple[int, int, int, int], list[Any], bool], None]:
-        """On the device thread: a computed piece (its range; keys then values of each of its
-        layers) framed as a wire payload over its own host memory, handed to `segments` in trio.
-        The checksum is computed on its own thread while the pieces already travel."""
-        fingerprint = self.info.fingerprint
-
-        def hand(where: tuple[int, int, int, int], arrays: list[Any], last_step_started: bool) -> None:
-            start, stop, first_layer, end_layer = where
-            layers = [kv_cache(arrays[i], arrays[i + 1], stop - start) for i in range(0, len(arrays), 2)]
-            tensors = codec.host_tensors(layers, fingerprint=fingerprint, token_count=stop - start)
-            pieces = KvPieces(tuple(frames.unsealed_pieces(tensors)), seal_nbytes=frames.END_FRAME_BYTES,
-                              seal=frames.end_frame_in_background(tensors))
-            post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces,
-                                                 last_step_started))
-
-        return hand
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         if self._pipelined:
             raise refuse_pipelined_handoff("hand off a prefilled cache")
         tensors: frames.HostTensors = await self._post(commands.Export(request_id))
-        # The tensors are not copied: the pieces reference them. The checksum (the end frame)
-        # needs no MLX: a thread computes it while the pieces are already being sent.
-        return KvPieces(tuple(frames.unsealed_pieces(tensors)),
-                        seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
+        return pieces_of(tensors)  # not copied: the pieces reference the tensors
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
         checked = checked_prefix(tokens, self._running_info)
         if self._tensor is not None:
             raise _refuse_prefix_move("send")
         tensors: frames.HostTensors = await self._post(commands.ExportPrefix(tuple(checked)))
-        return KvPieces(tuple(frames.unsealed_pieces(tensors)),
-                        seal=frames.end_frame_in_background(tensors), seal_nbytes=frames.END_FRAME_BYTES)
+        return pieces_of(tensors)
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
         checked = checked_prefix(tokens, self._running_info)
@@ -300,8 +257,7 @@ class MlxEngine:
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
-        self._arriving.pop(request_id, None)
-        self._last_pieces.pop(request_id, None)
+        self._callers.forget_pieces(request_id)
         if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -362,27 +318,25 @@ class MlxEngine:
             classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
         await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
         piece = (segment.first_layer, segment.end_layer, segment.start, built)
-        if request_id not in self._arriving:
+        caller = self._callers.get(request_id)
+        if caller is None or not caller.pieces:
             # Into the request's slot as it comes, where the model's cache goes in slots: the
             # install then copies nothing (`adapters.mlx.staging`); else kept for the install.
             if last and request_id in self._device.slots.staged:
                 # The install job writes it: one wait for the device loop fewer before the join.
-                self._last_pieces[request_id] = piece
+                self._callers.keep_piece(request_id, piece, last=True)
                 return
             stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
                                         needed_tokens=prompt_tokens + max_tokens + 1)
             staged: bool = await self._post(stage, Local(caches=built))
             if staged:
                 return
-        self._arriving.setdefault(request_id, []).append(piece)
+        self._callers.keep_piece(request_id, piece)
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
     ) -> None:
-        pieces = self._arriving.pop(request_id, [])
-        last = self._last_pieces.pop(request_id, None)
-        if last is not None:
-            pieces.append(last)
+        pieces = self._callers.take_pieces(request_id)
         try:
             tokens = checked_prompt(prompt, sampling, self._running_info)
             first_token = checked_token(first_token, "first_token", self.info)
@@ -394,7 +348,7 @@ class MlxEngine:
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        receive = self._streams.pop(request_id, None)
+        receive = self._callers.take_stream(request_id)
         if receive is None:
             raise StatecoreError(ErrorInfo(
                 Fault.BUG, Code.INTERNAL,
@@ -414,13 +368,9 @@ class MlxEngine:
                 self._cancel_nowait(request_id)
 
     async def cancel(self, request_id: RequestId) -> None:
-        self._arriving.pop(request_id, None)
-        self._last_pieces.pop(request_id, None)
+        self._callers.drop(request_id)
         self._device.handoffs_coming.pop(request_id, None)
         self._device.handoffs_expected.pop(request_id, None)
-        receive = self._streams.pop(request_id, None)
-        if receive is not None:
-            receive.close()
         if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
@@ -430,7 +380,7 @@ class MlxEngine:
         device = self._device
         stalled = device.stalled_s() if self._thread.alive else 0.0
         return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
-                       arriving=len(self._arriving) + len(device.slots.staged),
+                       arriving=self._callers.arriving + len(device.slots.staged),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
                        device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
                        device_time=tuple((kind, calls, seconds)
@@ -477,9 +427,7 @@ class MlxEngine:
         Waits for the thread's current step (joining lets MLX's thread-local state go before
         exit), at most `join_timeout_s` when given: a stalled thread is left behind (it is a
         daemon, so the process can still exit)."""
-        for receive in self._streams.values():
-            receive.close()
-        self._streams.clear()
+        self._callers.close()
         self._thread.stop_nowait()
         if not await self._thread.join(join_timeout_s):
             logger.error("the device thread did not stop within %.1f s; leaving it behind", join_timeout_s)
@@ -509,16 +457,12 @@ class MlxEngine:
         request_id, sampling = RequestId(command.request_id), command.sampling
         local = local or Local()
         local.matcher = await self._matcher(sampling)
-        if request_id in self._streams:
-            raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
-        send, receive = trio.open_memory_channel[StreamItem](sampling.max_tokens)
+        send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
         local.send = send
-        self._streams[request_id] = receive
         try:
             await self._post(command, local)
         except BaseException:
-            if self._streams.get(request_id) is receive:
-                del self._streams[request_id]
+            self._callers.close_stream(request_id, only=receive)
             receive.close()
             send.close()
             raise

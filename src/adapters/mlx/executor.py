@@ -181,10 +181,15 @@ class StepExecutor:
             loop.computing = ("", ())
         built = bool(outputs) or bool(current.failed_prefills)
         previous, loop.inflight = loop.inflight, (current if built else None)
-        # On the CPU a launch computes the step before it returns (MLX's CPU stream), so streamed
-        # pieces of the step before would wait for this whole step: they leave first. (Elsewhere
-        # the launch returns at once and they leave as soon as their step ends anyway.)
-        pieces_first = previous is not None and bool(previous.segments) and mx.default_device() == mx.cpu
+        # On the CPU a launch computes the step before it returns (MLX's CPU stream): nothing runs
+        # behind the host's next build, so what a step hands out leaves as soon as it can. Streamed
+        # pieces of the step before leave ahead of this launch (after this build, which says
+        # whether the step that computes their prompt's last pieces has started), and a step that
+        # finished prompts is read back at once (their first tokens and last pieces would wait for
+        # the next step's build). Elsewhere the launch returns at once, and a step's results leave
+        # as soon as it ends.
+        on_cpu = mx.default_device() == mx.cpu
+        pieces_first = previous is not None and bool(previous.segments) and on_cpu
         if pieces_first:
             assert previous is not None
             self.read_back(previous)
@@ -203,8 +208,9 @@ class StepExecutor:
             assert live.solo_cache is not None
             loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
         waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
-        if built and not loop.live and not loop.waiting:
-            # Nothing else will come: read this step back now rather than on the next one.
+        if built and ((not loop.live and not loop.waiting) or (on_cpu and bool(current.finished_prefills))):
+            # Nothing else will come (or, on the CPU, first tokens are in it): read this step back
+            # now rather than on the next one.
             loop.inflight = None
             self.read_back(current)
             waited_for.append(current)

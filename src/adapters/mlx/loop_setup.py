@@ -3,7 +3,7 @@ where the model's cache is plain KVCache and it decodes here, the shape bucket, 
 speculation, the test hook in every model call, and the checks of the step budget and the KV
 budget against the model's shape (a budget that cannot hold one layer of a chunk is refused; one
 whose whole chunk's activations will overrun it is warned of). The load
-(`adapters.mlx.performer`) calls it once, on the device thread. This module imports mlx; it must
+(`adapters.mlx.load_on_device`) calls it once, on the device thread. This module imports mlx; it must
 never import trio.
 """
 

@@ -1,0 +1,122 @@
+"""The trio side's one record per request (`Caller`), beside the device thread's (`adapters.mlx.requests`).
+
+The device thread's record lives while the engine works on a request; what the request's caller in
+trio needs comes before it or outlives it: a streamed handoff's pieces, validated and built as they
+arrived, until its install; the stream its tokens arrive on, until `MlxEngine.stream` takes it (a
+request may finish before its caller reads a token). Each request has at most one `Caller` here,
+made by the first call that needs one and gone once nothing in it is left (its stream taken, its
+pieces installed, a cancel or a release), so the facade keeps no other map by request. Only trio
+reads or changes it; the device thread never sees it (an engine core in its own process would
+leave this in the front end's). It imports trio; it must never import mlx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from adapters.mlx.jobs import StreamItem
+from statecore.errors import StatecoreError, client_error
+
+__all__ = ["Caller", "Callers", "Piece"]
+
+# A streamed handoff's piece, built: (its first layer, its end layer, its first token, its caches).
+Piece = tuple[int, int, int, list[Any]]
+
+
+@dataclass(eq=False)
+class Caller:
+    """What trio keeps for one request between its calls (see the module's paragraph)."""
+
+    stream: trio.MemoryReceiveChannel[StreamItem] | None = None  # until `stream()` takes it
+    pieces: list[Piece] = field(default_factory=list)  # a streamed handoff's, kept for the install
+    last_piece: Piece | None = None  # the last one, which the install job writes into its slot
+
+    @property
+    def empty(self) -> bool:
+        return self.stream is None and not self.pieces and self.last_piece is None
+
+
+class Callers:
+    """Every request's `Caller`, by request id."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, Caller] = {}
+
+    def get(self, request_id: str) -> Caller | None:
+        return self._records.get(request_id)
+
+    @property
+    def arriving(self) -> int:
+        """Requests with pieces kept for their install, not in a slot (one whose last piece waits
+        for its install job has the rest in its slot: the slots count it)."""
+        return sum(1 for caller in self._records.values() if caller.pieces)
+
+    def keep_piece(self, request_id: str, piece: Piece, *, last: bool = False) -> None:
+        caller = self._records.setdefault(request_id, Caller())
+        if last:
+            caller.last_piece = piece
+        else:
+            caller.pieces.append(piece)
+
+    def take_pieces(self, request_id: str) -> list[Piece]:
+        """The request's pieces in order, for its install; none are kept after."""
+        caller = self._records.get(request_id)
+        if caller is None:
+            return []
+        pieces = caller.pieces + ([] if caller.last_piece is None else [caller.last_piece])
+        caller.pieces, caller.last_piece = [], None
+        self._tidy(request_id, caller)
+        return pieces
+
+    def forget_pieces(self, request_id: str) -> None:
+        caller = self._records.get(request_id)
+        if caller is not None:
+            caller.pieces, caller.last_piece = [], None
+            self._tidy(request_id, caller)
+
+    def open_stream(self, request_id: str, capacity: int
+                    ) -> tuple[trio.MemorySendChannel[StreamItem], trio.MemoryReceiveChannel[StreamItem]]:
+        """The request's token stream, kept until `take_stream` (refused while one is kept)."""
+        caller = self._records.setdefault(request_id, Caller())
+        if caller.stream is not None:
+            raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
+        send, receive = trio.open_memory_channel[StreamItem](capacity)
+        caller.stream = receive
+        return send, receive
+
+    def take_stream(self, request_id: str) -> trio.MemoryReceiveChannel[StreamItem] | None:
+        caller = self._records.get(request_id)
+        if caller is None or caller.stream is None:
+            return None
+        receive, caller.stream = caller.stream, None
+        self._tidy(request_id, caller)
+        return receive
+
+    def close_stream(self, request_id: str,
+                     only: trio.MemoryReceiveChannel[StreamItem] | None = None) -> None:
+        """Close the request's kept stream (`only`: when it is that one) and forget it."""
+        caller = self._records.get(request_id)
+        if caller is None or caller.stream is None or (only is not None and caller.stream is not only):
+            return
+        caller.stream.close()
+        caller.stream = None
+        self._tidy(request_id, caller)
+
+    def drop(self, request_id: str) -> None:
+        """The request is cancelled: its kept stream closed, its pieces forgotten."""
+        self.close_stream(request_id)
+        self.forget_pieces(request_id)
+
+    def close(self) -> None:
+        """The engine stops: every kept stream closed, every record forgotten."""
+        for caller in self._records.values():
+            if caller.stream is not None:
+                caller.stream.close()
+        self._records.clear()
+
+    def _tidy(self, request_id: str, caller: Caller) -> None:
+        if caller.empty and self._records.get(request_id) is caller:
+            del self._records[request_id]
