@@ -207,19 +207,22 @@ class StepExecutor:
         for live in loop.solo.step([live for live in loop.live.values() if live.solo_cache is not None]):
             assert live.solo_cache is not None
             loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
-        waited_for = [] if previous is None else [previous]  # the steps this one's time is the device's for
+        # The steps this one's time is the device's for: on the CPU the one its launch computed;
+        # elsewhere the one read back in it (its launch waits for the one before, its read-back
+        # for the rest), and this one too when it is read back at once.
+        waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
         if built and ((not loop.live and not loop.waiting) or (on_cpu and bool(current.finished_prefills))):
             # Nothing else will come (or, on the CPU, first tokens are in it): read this step back
             # now rather than on the next one.
             loop.inflight = None
             self.read_back(current)
-            waited_for.append(current)
+            if not on_cpu:
+                waited_for.append(current)
         profile.account("step", started)
         elapsed = time.perf_counter() - started
         if waited_for or (not built and loop.live):
-            # A step's time is the device's for the step read back in it (its launch waits for the
-            # one before, its read-back for the rest); a step that built nothing (the lanes that
-            # evaluate on their own) is a step without prefill.
+            # A step that built nothing (the lanes that evaluate on their own) is a step without
+            # prefill.
             loop.rates = measured_step(loop.rates, elapsed, sum(step.prefill_tokens for step in waited_for))
         traces = 0 if loop.compiled is None else loop.compiled.traces - traces_before
         profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
