@@ -267,8 +267,8 @@ class Metrics(Instrument):
             ignore_eos = ctx is not None and ctx.sampling.ignore_eos
             if first_token_ends(event.first_token, self._engine.info.eos_token_ids, ignore_eos=ignore_eos):
                 return
-            # a streamed handoff's first token was computed on the prefill node, which counts it
-            if ctx is not None and ctx.streamed and ctx.stream_out is None:
+            # a decode node's streamed handoff: its first token was computed (and counted) on the prefill node
+            if ctx is not None and ctx.streamed:
                 return
         if ctx is not None:
             self.engine_token(ctx)
@@ -296,7 +296,7 @@ class Metrics(Instrument):
                 self.kv_failures.labels(self.role, code).inc()
             return
         ctx = context if isinstance(context, NodeRequest) else None
-        if ctx is not None and ctx.stream_out is None and (ctx.streamed or ctx.prefill_url is not None):
+        if ctx is not None and (ctx.streamed or ctx.prefill_url is not None):
             self._observe_handoff(intent, rid, ctx.streamed)
         if isinstance(intent, StartPrefill):
             self.prompt_source("computed_locally", len(ctx.prompt) if ctx is not None else 0)

@@ -22,7 +22,7 @@ import trio
 
 from effects.faults import NO_FAULTS, FaultPort, Phase
 from effects.handoffs import HandoffLog, HandoffRecord
-from effects.kv_pulls import KvPulls
+from effects.kv_pulls import KvPulls, KvStreams
 from effects.ports import (
     DecodeCall,
     DecodeMessage,
@@ -83,11 +83,9 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
-    # A streamed handoff: on a prefill node, what its stream sends (pieces, then the first token,
-    # then None: the end); on a decode node, `streamed` says the KV comes as a stream that this
-    # node opens itself (to `prefill_url`, which then computes the prompt).
+    # a decode node's streamed handoff: the KV comes as a stream that this node opens itself (to
+    # `prefill_url`, which then computes the prompt); a prefill node's stream is `KvStreams`'s
     streamed: bool = False
-    stream_out: trio.MemorySendChannel[StreamItemOut] | None = None
     first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
@@ -95,11 +93,6 @@ class NodeRequest:
     # its requests' times): when it came in, and its latest token out.
     opened_at: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
-
-
-# What a prefill node's streamed handoff sends, in order: pieces of the cache, the first token,
-# then None (the end); or an error, which ends it.
-StreamItemOut = KvSegment | PrefillReply | ErrorInfo | None
 
 
 def _bug(message: str) -> StatecoreError:
@@ -140,28 +133,16 @@ class EnginePerformer:
         # a prefill node's pulls of held KV (`GET /internal/kv/{id}`) wait here for the answer
         # the core gives their `KvRequested`: `SendKv`'s export, or `RefuseKv`'s reason
         self.kv_pulls = KvPulls()
+        # a prefill node's streamed handoffs (`POST /internal/prefill_stream`) read here what its
+        # prefill computes for them: pieces, the first token, the end or an error
+        self.kv_streams = KvStreams()
 
     def forget(self, request_id: RequestId, context: object) -> None:
         if request_id in self.kv_pulls.pending:
             self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
-        if isinstance(context, NodeRequest) and context.stream_out is not None:
-            context.stream_out.close()  # so does a stream still sending
+        self.kv_streams.end(request_id)  # so does a stream still sending
         for hook in self.on_forget:
             hook(request_id)
-
-    def open_stream_out(self, context: NodeRequest, bound: int) -> trio.MemoryReceiveChannel[StreamItemOut]:
-        """A prefill node's streamed handoff reads what it sends here: `bound` is the most items
-        one prefill can produce (its pieces, the first token, the end), so the engine's hand-off of a
-        piece never waits."""
-        send, receive = trio.open_memory_channel[StreamItemOut](bound)
-        context.streamed = True
-        context.stream_out = send
-        return receive
-
-    def _stream_out(self, ctx: NodeRequest, item: StreamItemOut) -> None:
-        if ctx.stream_out is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                ctx.stream_out.send_nowait(item)
 
     def answer(self, intent: Answer) -> None:
         self.kv_pulls.answer(intent.request_id, intent.error)
@@ -177,16 +158,16 @@ class EnginePerformer:
         ctx = node_context(context)
         match intent:
             case StartPrefill():
-                if ctx.stream_out is None:
+                if not self.kv_streams.streams(rid):
                     await self._prefill(rid, ctx, post)
                     return
                 try:
                     await self._prefill(rid, ctx, post)
                 except StatecoreError as exc:
-                    self._stream_out(ctx, exc.info)  # the decode node hears why; the request fails here
+                    self.kv_streams.send(rid, exc.info)  # the decode node hears why; the request fails here
                     raise
                 except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
-                    self._stream_out(ctx, bug(f"the prefill node failed to stream the KV: {exc!r}"))
+                    self.kv_streams.send(rid, bug(f"the prefill node failed to stream the KV: {exc!r}"))
                     raise
             case FetchKv():
                 if self.peers is None or ctx.prefill_url is None:
@@ -264,7 +245,7 @@ class EnginePerformer:
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
                                                   self.handoffs.record(rid))
         started = time.perf_counter()
-        sink = None if ctx.stream_out is None else self._streamed_pieces(rid, ctx)
+        sink = self._streamed_pieces(rid) if self.kv_streams.streams(rid) else None
         outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
         if ctx.hands_off:
             record = self.handoffs.record(rid)
@@ -277,21 +258,21 @@ class EnginePerformer:
         first_eos = first_token_ends(outcome.first_token, self.engine.info.eos_token_ids,
                                      ignore_eos=ctx.sampling.ignore_eos)
         if sink is not None:
-            self._stream_out(ctx, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
-                                               outcome.first_logprobs, outcome.cached_tokens))
+            self.kv_streams.send(rid, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
+                                                   outcome.first_logprobs, outcome.cached_tokens))
             await self.faults.at(Phase.KV_ENCODE, rid)
             if not outcome.streamed:
                 started = time.perf_counter()
                 whole = await self.engine.export_held(rid)
                 self.handoffs.record(rid).encode_s = time.perf_counter() - started
                 sink(KvSegment(0, len(ctx.prompt), 0, len(self.engine.info.layers), whole))
-            self._stream_out(ctx, None)
+            self.kv_streams.send(rid, None)
         if (finish := first_token_finish(first_eos, hands_off=ctx.hands_off)) is not None:
             await post(Finished(finish))  # a local request whose first token ends it
         else:
             await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
 
-    def _streamed_pieces(self, rid: RequestId, ctx: NodeRequest) -> Callable[[KvSegment], None]:
+    def _streamed_pieces(self, rid: RequestId) -> Callable[[KvSegment], None]:
         """Where a streamed prefill's pieces go: the request's stream, counted in its record."""
         record = self.handoffs.record(rid)
         record.streamed = True
@@ -300,7 +281,7 @@ class EnginePerformer:
         def sent(segment: KvSegment) -> None:
             record.wire_bytes = (record.wire_bytes or 0) + segment.payload.nbytes
             record.segments = (record.segments or 0) + 1
-            self._stream_out(ctx, segment)
+            self.kv_streams.send(rid, segment)
 
         return sent
 

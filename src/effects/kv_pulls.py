@@ -1,25 +1,34 @@
-"""Where a prefill node's held KV meets the pulls waiting for it, by request id.
+"""Where a prefill node's KV meets the peers waiting for it, by request id: pulls of held KV and
+streamed handoffs.
 
-A decode node's pull (`GET /internal/kv/{id}`) waits here (`pull`) for the answer to the
+A decode node's pull (`GET /internal/kv/{id}`) waits in `KvPulls` for the answer to the
 `KvRequested` event it posts; the core decides that answer, and the interpreter delivers it:
 the exported KV for the request's `SendKv`, the reason for its `RefuseKv`, and, when the request
-ends before either, that it ended. Nothing is kept in the request's context, and whether a pull
-may have the KV is never asked here: it is the table's. This module may import `statecore` and
-trio; never httpx, mlx or mlx_lm.
+ends before either, that it ended. A decode node's streamed handoff (`POST
+/internal/prefill_stream`) reads from `KvStreams` what the interpreter delivers as the prefill
+computes it: the cache's pieces, the first token, the end (or the error that ends it); the
+request's end closes it. Nothing is kept in the request's context, and whether a pull may have
+the KV is never asked here: it is the table's. This module may import `statecore` and trio;
+never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import trio
 
-from effects.ports import KvPieces
-from statecore.errors import Code, ErrorInfo, Fault
+from effects.ports import KvPieces, KvSegment, PrefillReply
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.ids import RequestId
 
 KvAnswer = KvPieces | ErrorInfo
+
+# What a streamed handoff reads, in order: pieces of the cache as they are computed, the first
+# token, then None (the end); or an error, which ends it.
+StreamItem = KvSegment | PrefillReply | ErrorInfo | None
 
 
 class KvPull:
@@ -86,4 +95,46 @@ class KvPulls:
         return sum(len(pulls) for pulls in self.pending.values())
 
 
-__all__ = ["KvAnswer", "KvPull", "KvPulls"]
+class KvStreams:
+    """The streamed handoffs this node serves, one per request: what the interpreter sends for a
+    request goes to its stream's channel, which the stream reads until the request ends."""
+
+    def __init__(self) -> None:
+        # each stream's sending end, by request (read it, never change it: `open` and `end` do)
+        self.open_streams: dict[RequestId, trio.MemorySendChannel[StreamItem]] = {}
+
+    def open(self, request_id: RequestId, bound: int) -> trio.MemoryReceiveChannel[StreamItem]:
+        """A stream for the request, open from now (before the request is admitted, so that
+        nothing its prefill sends is lost) until the request ends (`end`). `bound` is the most
+        items one prefill sends (its pieces, the first token, the end), so a send never waits.
+        A request that has a stream already is refused."""
+        if request_id in self.open_streams:
+            raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
+        send, receive = trio.open_memory_channel[StreamItem](bound)
+        self.open_streams[request_id] = send
+        return receive
+
+    def streams(self, request_id: RequestId) -> bool:
+        """Whether a stream waits for the request's pieces (its prefill then cuts them out)."""
+        return request_id in self.open_streams
+
+    def send(self, request_id: RequestId, item: StreamItem) -> None:
+        """Hand the request's stream its next item; nothing when it has none or its reader left."""
+        send = self.open_streams.get(request_id)
+        if send is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait(item)
+
+    def end(self, request_id: RequestId) -> None:
+        """The request is over (or was never admitted): its stream reads what is left, then the
+        channel's end."""
+        send = self.open_streams.pop(request_id, None)
+        if send is not None:
+            send.close()
+
+    def __len__(self) -> int:
+        """Streams open now (for leak checks)."""
+        return len(self.open_streams)
+
+
+__all__ = ["KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem"]

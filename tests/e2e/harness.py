@@ -167,7 +167,7 @@ def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 
 
 LIVE_KEYS = ("live_requests", "live_tasks", "contexts")
 ENGINE_KEYS = ("decoding", "held_caches", "held_bytes", "kv_reserved_bytes", "kv_arriving",
-               "kv_shm_held_bytes")
+               "kv_shm_held_bytes", "kv_waiting")
 
 
 def assert_no_leaks(nodes: list[Node], timeout_s: float = 10.0) -> None:

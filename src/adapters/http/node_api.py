@@ -57,7 +57,8 @@ from adapters.kv.frames import declared_tensor_bytes
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
 from effects.backend import RunnerGeneration
 from effects.faults import Phase
-from effects.interpret import EnginePerformer, NodeRequest, StreamItemOut
+from effects.interpret import EnginePerformer, NodeRequest
+from effects.kv_pulls import StreamItem
 from effects.ports import (
     Engine,
     KvBytes,
@@ -291,6 +292,8 @@ class NodeApi:
             # shared memory held for streamed pieces not yet taken (a prefill node's)
             "kv_shm_held_bytes": 0 if self.shm is None else self.shm.statistics().held_bytes,
             "kv_plane_bodies": self.kv_plane_bodies,  # KV bodies sent on the KV plane's socket
+            # KV pulls and streamed handoffs waiting for a request's KV (a prefill node's)
+            "kv_waiting": len(self.performer.kv_pulls) + len(self.performer.kv_streams),
             "device_thread_alive": engine.device_thread_alive,
             "engine_step_retries": engine.step_retries,
             "engine_rows_isolated": engine.rows_isolated,
@@ -412,15 +415,21 @@ class NodeApi:
         # (a block ends early after an end-of-turn token: statecore.prefix.prompt_chunks)
         chunks = prompt_chunks(body.prompt, info.prefill_chunk_size, info.eos_token_ids)
         bound = len(chunks) * max(1, len(info.layers)) + 3
-        items = self.performer.open_stream_out(context, bound)
-        generation = await self._admit(rid, context, 4)
-        await self.runner.post(rid, Admitted(len(body.prompt)))
+        # the stream waits by request id for what the prefill sends it (`KvStreams`), from
+        # before the request is admitted until it ends
+        items = self.performer.kv_streams.open(rid, bound)
+        try:
+            generation = await self._admit(rid, context, 4)
+            await self.runner.post(rid, Admitted(len(body.prompt)))
+        except BaseException:
+            self.performer.kv_streams.end(rid)  # never admitted: nothing else would close it
+            raise
         shared = self.shm if body.kv_shm else None
         self.performer.handoffs.record(rid).transport = "http" if shared is None else "shm"
         return self._stream_records(generation, items, len(body.prompt), shared)
 
     async def _stream_records(self, generation: RunnerGeneration,
-                              items: trio.MemoryReceiveChannel[StreamItemOut], prompt_tokens: int,
+                              items: trio.MemoryReceiveChannel[StreamItem], prompt_tokens: int,
                               shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """The stream's records: each piece as it is computed (through shared memory: copied in
         the background, `SegmentCopies`, its record written once the copy is done, in order),
