@@ -182,15 +182,16 @@ class StepExecutor:
         built = bool(outputs) or bool(current.failed_prefills)
         previous, loop.inflight = loop.inflight, (current if built else None)
         # On the CPU a launch computes the step before it returns (MLX's CPU stream): nothing runs
-        # behind the host's next build, so what a step hands out leaves as soon as it can. Streamed
-        # pieces of the step before leave ahead of this launch (after this build, which says
-        # whether the step that computes their prompt's last pieces has started), and a step that
-        # finished prompts is read back at once (their first tokens and last pieces would wait for
-        # the next step's build). Elsewhere the launch returns at once, and a step's results leave
-        # as soon as it ends.
+        # behind the host's next build, so what a step hands out leaves as soon as it can. The step
+        # before is read back ahead of this launch (its tokens, and its streamed pieces, would
+        # otherwise wait for this whole step: a handed-off request's second token for a layer
+        # slice of a prompt), after this build (which says whether the step computing a streamed
+        # prompt's last pieces has started); a step that finished prompts is read back at once
+        # (their first tokens and last pieces would wait for the next step's build). Elsewhere the
+        # launch returns at once, and a step's results leave as soon as it ends.
         on_cpu = mx.default_device() == mx.cpu
-        pieces_first = previous is not None and bool(previous.segments) and on_cpu
-        if pieces_first:
+        read_first = previous is not None and on_cpu
+        if read_first:
             assert previous is not None
             self.read_back(previous)
         if outputs:
@@ -198,7 +199,7 @@ class StepExecutor:
                 launching = time.perf_counter()
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
                 profile.account("launch", launching)
-        if previous is not None and not pieces_first:
+        if previous is not None and not read_first:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
