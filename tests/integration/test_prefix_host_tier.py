@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from adapters.mlx import MlxEngine
-from adapters.mlx.prefix_cache import _to_device, _to_host
+from adapters.mlx.prefix_cache import to_device, to_host
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
@@ -107,7 +107,7 @@ async def test_never_computes_host_blocks_again_and_the_pool_stays_within_its_ca
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_a_block_s_bytes_survive_the_trip_to_the_host_and_back(dtype: mx.Dtype) -> None:
     array = (mx.arange(2 * 3 * 16 * 8, dtype=mx.float32).reshape(2, 3, 16, 8) / 7).astype(dtype)
-    back = _to_device(_to_host(array))
+    back = to_device(to_host(array))
     assert back.dtype == dtype and back.shape == array.shape
     assert back.view(mx.uint8).tolist() == array.view(mx.uint8).tolist()
 

@@ -19,7 +19,7 @@ from adapters.cli import build_parser
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.prompts import TemplateArgsRefused
-from adapters.serve.node import _load_frontend
+from adapters.serve.node import load_frontend
 from support.tiny_models import THINK_END
 from tests.integration.fake_backend import FakeBackend
 from tests.integration.scripted_text import prompt_text, say, token_ids
@@ -224,7 +224,7 @@ def test_template_args_the_template_refuses_are_refused_at_start(thinking_dir: P
     # a node ends its start in one line
     args = build_parser().parse_args(["run", "--chat-template-args", '{"enable_thinking": "yes"}'])
     with pytest.raises(SystemExit, match=r"^statecore: --chat-template-args: the chat template refused"):
-        _load_frontend(thinking_dir, backend, args)
+        load_frontend(thinking_dir, backend, args)
     frontend.tokenizer.has_chat_template = False  # a model with no chat template at all
     with pytest.raises(TemplateArgsRefused, match="no chat template"):
         Frontend(frontend.tokenizer, backend, template_args={"enable_thinking": True})

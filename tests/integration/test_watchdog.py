@@ -1,4 +1,4 @@
-"""The progress watchdog of an engine node (`adapters.serve.node._watch_engine`) over a fake engine
+"""The progress watchdog of an engine node (`adapters.serve.node.watch_engine`) over a fake engine
 whose reported stall is set by the test, on trio's autojump clock: below `--stall-timeout`
 nothing happens; past it the node says why in `/health` (503), and its loop stops on
 `TransportLost`, failing what was live; a dead device thread is lost the same way.
@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from adapters.http.node_api import NodeApi
-from adapters.serve.node import _watch_engine
+from adapters.serve.node import watch_engine
 from effects.engine_port import EngineStatistics
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
@@ -46,7 +46,7 @@ async def _watch(report: list[EngineStatistics], timeout_s: float
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
-            await _watch_engine(runner, lambda: report[-1], timeout_s, lose)
+            await watch_engine(runner, lambda: report[-1], timeout_s, lose)
 
     trio.lowlevel.spawn_system_task(run)
     await trio.sleep(0)

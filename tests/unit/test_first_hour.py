@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from adapters.cli import build_parser, main
-from adapters.serve.cluster import _forwarded_serving_flags
+from adapters.serve.cluster import forwarded_serving_flags
 from adapters.serve.flags import FLAG_GROUPS, ROLES, flags_for_other_roles, roles_reading
 from statecore.diagram import render
 from statecore.table import MACHINES
@@ -137,7 +137,7 @@ def test_a_flag_for_another_role_is_named_once() -> None:
 def test_a_local_cluster_hands_each_node_only_its_own_flags() -> None:
     args = build_parser().parse_args(["run", "--max-batch", "8", "--force-disaggregation", "--kv-lease", "5",
                                       "--prefix-pull", "never", "--keep-conversations", "off"])
-    by_role = {role: _forwarded_serving_flags(args, role) for role in ("prefill", "decode", "router")}
+    by_role = {role: forwarded_serving_flags(args, role) for role in ("prefill", "decode", "router")}
     assert by_role["router"] == ["--force-disaggregation", "--kv-lease", "5.0"]
     assert by_role["prefill"] == ["--max-batch", "8", "--prefix-pull", "never", "--kv-lease", "5.0"]
     assert by_role["decode"] == ["--max-batch", "8", "--keep-conversations", "off", "--kv-lease", "5.0"]

@@ -162,9 +162,21 @@ def _module_imports(path: Path, modules: dict[str, Path]) -> tuple[set[str], lis
 
 def test_no_private_name_is_imported_across_modules() -> None:
     """A name that starts with `_` is its module's own: another module that needs it needs a
-    public name (tests may reach in; shipped code may not)."""
+    public name."""
     modules = _modules()
     offenders = {name: private for name, path in sorted(modules.items())
+                 if (private := _module_imports(path, modules)[1])}
+    assert offenders == {}
+
+
+def test_no_test_imports_a_private_name_from_src() -> None:
+    """Tests and their support use what src makes public, as any client would: a private name a
+    test needs is one src should make public, or the test should go through the public surface."""
+    modules = _modules()
+    root = SRC.parent
+    files = [path for folder in ("tests", "support") for path in sorted((root / folder).rglob("*.py"))]
+    assert len(files) > 100  # it sees the tests
+    offenders = {str(path.relative_to(root)): private for path in files
                  if (private := _module_imports(path, modules)[1])}
     assert offenders == {}
 

@@ -15,7 +15,7 @@ from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.serve.listeners import open_listener
 from adapters.serve.logs import setup_logging
-from adapters.serve.node import _warn_if_exposed, exposure_warning, hypercorn_config
+from adapters.serve.node import exposure_warning, hypercorn_config, warn_if_exposed
 from tests.integration.fake_backend import FakeBackend
 
 
@@ -27,7 +27,7 @@ def test_a_loopback_node_or_one_with_a_token_says_nothing() -> None:
 
 def test_a_node_open_beyond_loopback_without_a_token_warns(caplog: pytest.LogCaptureFixture) -> None:
     with open_listener("0.0.0.0", 0) as wide, caplog.at_level(logging.WARNING, "statecore"):
-        warnings = _warn_if_exposed(wide, None, "decode")
+        warnings = warn_if_exposed(wide, None, "decode")
     assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and "--internal-token" in warnings[0]
     assert [r.getMessage() for r in caplog.records] == warnings
 

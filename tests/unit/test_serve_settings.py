@@ -9,9 +9,9 @@ import pytest
 
 from adapters.cli import build_parser
 from adapters.http.api_keys import keys_from
-from adapters.serve.cluster import _forwarded_serving_flags, engine_gpus, shared_device_flags
+from adapters.serve.cluster import engine_gpus, forwarded_serving_flags, shared_device_flags
 from adapters.serve.flags import resolve_api_keys
-from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval, engine_options
+from adapters.serve.node import ENGINE_SWITCH_INTERVAL, engine_options, switch_interval
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ from adapters.serve.node import ENGINE_SWITCH_INTERVAL, _switch_interval, engine
     ],
 )
 def test_switch_interval(raw: str | None, expected: float) -> None:
-    assert _switch_interval(raw) == expected
+    assert switch_interval(raw) == expected
 
 
 def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and_socket() -> None:
@@ -39,7 +39,7 @@ def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and
         "--api-key", "k3y", "--api-key-protects", "metrics, health", "--allowed-origins", "*",
         "--enable-prompt-tokens-details",
     ])
-    forwarded = _forwarded_serving_flags(args)
+    forwarded = forwarded_serving_flags(args)
     assert forwarded == [  # in the order the flags are declared
         "--force-disaggregation", "--api-key-protects", "health,metrics", "--allowed-origins", "*",
         "--kv-lease", "5.0", "--max-in-flight", "7", "--enable-prompt-tokens-details",
@@ -51,7 +51,7 @@ def test_a_local_cluster_hands_every_flag_set_to_its_children_but_the_secret_and
 
 
 def test_a_default_cluster_hands_nothing_on() -> None:
-    assert _forwarded_serving_flags(build_parser().parse_args(["run"])) == []
+    assert forwarded_serving_flags(build_parser().parse_args(["run"])) == []
 
 
 @pytest.mark.parametrize("flags", [
@@ -77,9 +77,9 @@ def test_template_args_parse_to_json_that_a_local_cluster_hands_its_router_alone
     given = '{ "enable_thinking" : false, "n": 1.5 }'
     args = build_parser().parse_args(["run", "--chat-template-args", given])
     assert args.chat_template_args == '{"enable_thinking": false, "n": 1.5}'
-    assert _forwarded_serving_flags(args, "router") == ["--chat-template-args", args.chat_template_args]
-    assert _forwarded_serving_flags(args, "prefill") == _forwarded_serving_flags(args, "decode") == []
-    again = build_parser().parse_args(["run", "--role", "router", *_forwarded_serving_flags(args, "router")])
+    assert forwarded_serving_flags(args, "router") == ["--chat-template-args", args.chat_template_args]
+    assert forwarded_serving_flags(args, "prefill") == forwarded_serving_flags(args, "decode") == []
+    again = build_parser().parse_args(["run", "--role", "router", *forwarded_serving_flags(args, "router")])
     assert again.chat_template_args == args.chat_template_args
 
 
@@ -132,7 +132,7 @@ def test_a_local_cluster_tells_its_engine_nodes_they_share_one_device() -> None:
     assert shared_device_flags(default, ("0", "1")) == []  # a GPU each: nothing shared
     given = build_parser().parse_args(["run", "--device-shared-by", "4"])
     assert shared_device_flags(given, None) == []  # forwarded as given instead
-    assert _forwarded_serving_flags(given, "decode") == ["--device-shared-by", "4"]
+    assert forwarded_serving_flags(given, "decode") == ["--device-shared-by", "4"]
 
 
 def fake_nvidia_smi(tmp_path: Path, listing: str) -> dict[str, str]:

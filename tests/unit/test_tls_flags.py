@@ -12,7 +12,7 @@ import pytest
 import trustme
 
 from adapters.cli import build_parser, main
-from adapters.serve.cluster import _forwarded_serving_flags
+from adapters.serve.cluster import forwarded_serving_flags
 from adapters.serve.listeners import listener_url, open_listener
 from adapters.serve.node import hypercorn_config
 from adapters.tls import TlsConfigError, TlsFiles, client_context, tls_files
@@ -108,7 +108,7 @@ def test_good_files_serve_https_and_name_the_node_https(pems: dict[str, str]) ->
 
 def test_a_local_cluster_hands_the_tls_flags_to_its_children(pems: dict[str, str]) -> None:
     flags = ["--tls-certfile", pems["cert"], "--tls-keyfile", pems["key"], "--tls-ca-file", pems["ca"]]
-    forwarded = _forwarded_serving_flags(build_parser().parse_args(["run", *flags]))
+    forwarded = forwarded_serving_flags(build_parser().parse_args(["run", *flags]))
     assert forwarded == flags
     child = build_parser().parse_args(["run", "--role", "decode", *forwarded])
     given = (child.tls_certfile, child.tls_keyfile, child.tls_ca_file)

@@ -41,7 +41,7 @@ from adapters.mlx.prefill import on_cuda
 from statecore.prefix import DEVICE, HOST, Moved, PrefixIndex, block_keys, conversation_block_keys
 from statecore.routing import PullRates, prefix_pull_pays
 
-__all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes"]
+__all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes", "to_device", "to_host"]
 
 HOST_PULL_MODES = ("auto", "always", "never")  # --prefix-host-pull, as --prefix-pull's
 _HOST_SHARE_OF_MEMORY = 8  # by default the host pool takes at most this fraction of the host's memory
@@ -60,14 +60,15 @@ def default_host_bytes(device_bytes: int) -> int:
     return min(_HOST_TIMES_DEVICE * device_bytes, physical // _HOST_SHARE_OF_MEMORY)
 
 
-def _to_host(array: Any) -> _HostArray:
+def to_host(array: Any) -> _HostArray:
     """A device array's bytes in host memory (bf16, which numpy lacks, as its 16-bit words)."""
     dtype = array.dtype
     bits = array.view(mx.uint16) if dtype == mx.bfloat16 else array
     return np.array(bits, copy=True), dtype
 
 
-def _to_device(held: _HostArray) -> Any:
+def to_device(held: _HostArray) -> Any:
+    """A host copy (`to_host`'s) back on the device, with its bytes and dtype as they were."""
     data, dtype = held
     array = mx.array(data)
     return array.view(dtype) if dtype == mx.bfloat16 else array
@@ -200,11 +201,11 @@ class PrefixCache:
         for moved in moves:
             key = moved.key
             if moved.to == HOST:
-                self._host[key] = [(_to_host(k), _to_host(v)) for k, v in self._blocks.pop(key)]
+                self._host[key] = [(to_host(k), to_host(v)) for k, v in self._blocks.pop(key)]
                 self.evictions += 1
                 self.host_out += 1
             elif moved.to == DEVICE:
-                arrays = [(_to_device(k), _to_device(v)) for k, v in self._host.pop(key)]
+                arrays = [(to_device(k), to_device(v)) for k, v in self._host.pop(key)]
                 mx.eval(arrays)
                 self._blocks[key] = arrays
                 copied += sum(int(k.nbytes) + int(v.nbytes) for k, v in arrays)

@@ -68,7 +68,7 @@ def wait_healthy(url: str, child: subprocess.Popen[bytes], timeout_s: float,
 _NOT_FORWARDED = frozenset({"listen_fd", "internal_token", "api_key"})
 
 
-def _forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) -> list[str]:
+def forwarded_serving_flags(args: argparse.Namespace, role: str | None = None) -> list[str]:
     """Every serving flag (`add_serving_flags`) set to other than its default, as arguments
     for a local cluster's children: what the user asked of the cluster reaches its nodes; with
     `role`, only the flags that role reads (`roles_reading`: a node warns of any other)."""
@@ -236,12 +236,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     exited: str | None = None
     try:
         for role in ("prefill", "decode"):
-            start(role, [*engine_flags, *_forwarded_serving_flags(args, role)])
+            start(role, [*engine_flags, *forwarded_serving_flags(args, role)])
         placement = "" if gpus is None else f" (prefill on GPU {gpus[0]}, decode on GPU {gpus[1]})"
         print(f"statecore: starting prefill and decode nodes{placement} ...", flush=True)
         if all(wait_healthy_or_stop(role, 600) for role in ("prefill", "decode")):
             start("router", ["--model", model, "--prefill", urls["prefill"], "--decode", urls["decode"],
-                             *_forwarded_serving_flags(args, "router")])
+                             *forwarded_serving_flags(args, "router")])
             if wait_healthy_or_stop("router", 120):
                 threshold = _router_threshold(local["router"], args.internal_token, verify)
                 served = getattr(args, "served_model_name", None) or Path(model).name

@@ -72,7 +72,7 @@ ENGINE_SWITCH_INTERVAL = 0.0005
 """sys.setswitchinterval for engine nodes (seconds; env STATECORE_SWITCH_INTERVAL overrides)."""
 
 
-def _switch_interval(raw: str | None) -> float:
+def switch_interval(raw: str | None) -> float:
     """STATECORE_SWITCH_INTERVAL as seconds; a value that is not a positive number is ignored,
     with one warning, rather than stopping the node."""
     if raw is None:
@@ -146,9 +146,9 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
     await runner.post_loop(DrainRequested())
 
 
-async def _watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
-                        stall_timeout_s: float, lost: Callable[[str], None],
-                        rank_lost: Callable[[], str | None] = lambda: None) -> None:
+async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
+                       stall_timeout_s: float, lost: Callable[[str], None],
+                       rank_lost: Callable[[], str | None] = lambda: None) -> None:
     """The engine is the node's transport: it is lost when its device thread dies, or when it
     has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
     cannot be interrupted, so only a restart gets the node back), or when `rank_lost` names a
@@ -223,7 +223,7 @@ def blas_words(blas: str) -> str:
             "gpu": "the GPU", "n/a": "the GPU"}.get(blas, blas)
 
 
-def _warn_if_exposed(listener: socket.socket, token: str | None, role: str) -> list[str]:
+def warn_if_exposed(listener: socket.socket, token: str | None, role: str) -> list[str]:
     """The start-up warnings that /health repeats in its details."""
     warning = exposure_warning(listener, token, role)
     if warning is None:
@@ -307,7 +307,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
-    sys.setswitchinterval(_switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
+    sys.setswitchinterval(switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
     try:
         engine = await MlxEngine.load(model, **engine_options(args, role),
                                       model_call_hook=faults.model_call_hook(), tensor=tensor)
@@ -341,14 +341,14 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     metrics.watch(runner, engine=engine, handoffs=handoffs, kv_buffer_bytes=kv_buffer_bytes,
                   prefix_pulls=None if prefix_pull is None else prefix_pull.statistics)
     live = LiveView(role, runner, metrics.registry)
-    warnings = _warn_if_exposed(listener, args.internal_token, role)
+    warnings = warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
                   kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
     lines = RequestLines()
     if role == "single":
         lines.watch(runner)
-        frontend = _load_frontend(model, local_backend(runner, performer, max_live=args.max_in_flight), args)
+        frontend = load_frontend(model, local_backend(runner, performer, max_live=args.max_in_flight), args)
         frontend.faults = faults
         frontend.warnings = warnings
         app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
@@ -365,7 +365,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 api.lose(reason)
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
-            nursery.start_soon(_watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+            nursery.start_soon(watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
                                *([] if tensor is None else [tensor.rank_lost]))
             if role == "prefill" and args.kv_port is not None and not args.tls.serves_https:
                 api.kv_port = await _start_kv_plane(nursery, api, listener, args.kv_port)
@@ -501,9 +501,9 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
     lines.watch(runner)
-    frontend = _load_frontend(model, backend, args)
+    frontend = load_frontend(model, backend, args)
     frontend.faults = faults
-    frontend.warnings = _warn_if_exposed(listener, args.internal_token, "router")
+    frontend.warnings = warn_if_exposed(listener, args.internal_token, "router")
 
     def stats() -> dict[str, object]:
         s = runner.statistics()
@@ -537,7 +537,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     return 0
 
 
-def _load_frontend(model: Path, backend: Backend, args: argparse.Namespace) -> Frontend:
+def load_frontend(model: Path, backend: Backend, args: argparse.Namespace) -> Frontend:
     """A single node's or the router's front end (the same flags make the same prompts on both);
     `--chat-template-args` the template refuses end the start in one line."""
     template_args = None if args.chat_template_args is None else json.loads(args.chat_template_args)
