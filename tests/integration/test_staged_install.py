@@ -149,6 +149,7 @@ async def test_a_staged_request_that_ends_gives_its_slot_back(ending: str) -> No
                 await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
             assert raised.value.info.code is Code.KV_TRUNCATED
         assert not staged(decode)
+        assert not decode._device.handoffs_expected  # nothing holds its prefill work back any more
         assert decode._device.pool is not None and decode._device.pool.free_slots == 2
         # both slots serve again, the once staged one included
         async with trio.open_nursery() as nursery:

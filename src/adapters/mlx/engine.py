@@ -258,6 +258,7 @@ class MlxEngine:
 
     async def release_held(self, request_id: RequestId) -> int:
         self._callers.forget_pieces(request_id)
+        self._stop_expecting(request_id)  # its first token ended it: it never joins
         if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -343,8 +344,7 @@ class MlxEngine:
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
                               Local(pieces=pieces))
         finally:
-            self._device.handoffs_coming.pop(request_id, None)
-            self._device.handoffs_expected.pop(request_id, None)
+            self._stop_expecting(request_id)
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -369,12 +369,16 @@ class MlxEngine:
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
-        self._device.handoffs_coming.pop(request_id, None)
-        self._device.handoffs_expected.pop(request_id, None)
+        self._stop_expecting(request_id)
         if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._post(commands.Cancel(request_id))
+
+    def _stop_expecting(self, request_id: RequestId) -> None:
+        """A handed-off request joined or will never join: steps stop holding prefill back for it."""
+        self._device.handoffs_coming.pop(request_id, None)
+        self._device.handoffs_expected.pop(request_id, None)
 
     def statistics(self) -> EngineStatistics:
         device = self._device
