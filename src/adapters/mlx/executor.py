@@ -190,16 +190,14 @@ class StepExecutor:
         # (their first tokens and last pieces would wait for the next step's build). Elsewhere the
         # launch returns at once, and a step's results leave as soon as it ends.
         on_cpu = mx.default_device() == mx.cpu
-        read_first = previous is not None and on_cpu
-        if read_first:
-            assert previous is not None
+        if previous is not None and on_cpu:
             self.read_back(previous)
         if outputs:
             with mx.stream(generation_stream):
                 launching = time.perf_counter()
                 mx.async_eval(outputs)  # type: ignore[no-untyped-call]
                 profile.account("launch", launching)
-        if previous is not None and not read_first:
+        if previous is not None and not on_cpu:
             self.read_back(previous)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
