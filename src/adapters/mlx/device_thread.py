@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import trio
 
 from adapters.mlx import commands
-from adapters.mlx.jobs import Crash, Job, Local, Stop, engine_failed
+from adapters.mlx.jobs import Crash, Job, Local, Stop, engine_failed, engine_lost
 from statecore.errors import StatecoreError
 
 __all__ = ["DeviceThread"]
@@ -58,7 +58,7 @@ class DeviceThread:
             logger.exception("the MLX device thread died")
             if (advice := self._advice(exc)) is not None:
                 logger.error("%s", advice)
-            self.die(engine_failed(f"the device thread died: {type(exc).__name__}: {exc}"))
+            self.die(engine_lost(f"the device thread died: {type(exc).__name__}: {exc}"))
         else:
             self.die(engine_failed("the engine is closed"))
 
@@ -76,7 +76,7 @@ class DeviceThread:
                 return
             self.alive = False
         logger.error("abandoning the device thread: %s", reason)
-        self.die(engine_failed(f"the engine was abandoned: {reason}"))
+        self.die(engine_lost(f"the engine was abandoned: {reason}"))
 
     async def post(self, command: commands.Command, local: Local | None = None) -> Any:
         """Post `command` to the device thread and await its outcome without blocking trio."""
@@ -85,7 +85,8 @@ class DeviceThread:
     async def wait(self, job: Job[_T]) -> _T:
         with self._lock:
             if not self.alive:
-                raise engine_failed("the engine is closed" if self._closed else "the device thread has died")
+                raise (engine_failed("the engine is closed") if self._closed
+                       else engine_lost("the device thread has died"))
             self.queue.put(job)
         assert job.done is not None
         try:

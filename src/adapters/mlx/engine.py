@@ -40,7 +40,7 @@ from adapters.mlx.distributed import (
     LockstepLoop,
     refuse_pipelined_handoff,
 )
-from adapters.mlx.jobs import Local, engine_failed
+from adapters.mlx.jobs import Local, engine_failed, engine_lost
 from adapters.mlx.kv_out import pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
@@ -196,7 +196,7 @@ class MlxEngine:
     def _running_info(self) -> ModelInfo:
         """The model's info, for a call's checks: the device thread must be running."""
         if not self._thread.alive:
-            raise engine_failed("the device thread is not running")
+            raise engine_lost("the device thread is not running")
         return self.info
 
     @property

@@ -97,6 +97,13 @@ def engine_failed(message: str) -> StatecoreError:
     return StatecoreError(ErrorInfo(Fault.BUG, Code.ENGINE_FAILED, message))
 
 
+def engine_lost(message: str) -> StatecoreError:
+    """The node's engine is gone (its device thread died or was abandoned): the node's transport,
+    not the request, failed, so a router retries the request elsewhere before its first token
+    (as it does when the node's connection drops, which follows a moment later)."""
+    return StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.ENGINE_FAILED, message))
+
+
 def as_statecore(exc: Exception) -> StatecoreError:
     if isinstance(exc, StatecoreError):
         return exc
