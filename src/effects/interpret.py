@@ -80,6 +80,9 @@ class NodeRequest:
     prompt: tuple[int, ...]
     sampling: SamplingParams
     first_token: int | None = None
+    # whether the first token ends the request (EOS: `statecore.policy.first_token_ends`), decided
+    # once, where the first token is known: by its prefill here, else by the prefill node's reply
+    ends_at_first_token: bool = False
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
@@ -255,8 +258,8 @@ class EnginePerformer:
                                        self.engine.info.prefill_chunk_size)
         ctx.first_token = outcome.first_token
         ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-        first_eos = first_token_ends(outcome.first_token, self.engine.info.eos_token_ids,
-                                     ignore_eos=ctx.sampling.ignore_eos)
+        ctx.ends_at_first_token = first_eos = first_token_ends(
+            outcome.first_token, self.engine.info.eos_token_ids, ignore_eos=ctx.sampling.ignore_eos)
         if sink is not None:
             self.kv_streams.send(rid, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
                                                    outcome.first_logprobs, outcome.cached_tokens))
@@ -321,9 +324,8 @@ class EnginePerformer:
             ctx.first_token_at = time.perf_counter()
             ctx.first_token = item.first_token
             ctx.cached_tokens = item.cached_tokens or 0
-            first_eos = first_token_ends(item.first_token, self.engine.info.eos_token_ids,
-                                         ignore_eos=ctx.sampling.ignore_eos)
-            finish = first_token_finish(first_eos, hands_off=False)
+            ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
+            finish = first_token_finish(item.is_eos, hands_off=False)
             if finish is None:
                 await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
         if ctx.first_token is None:

@@ -55,7 +55,6 @@ from statecore.intents import (
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
 from statecore.policy import admission, failure_event
-from statecore.step import outcome_reason
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -104,7 +103,7 @@ class Instrument:
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
                    error: ErrorInfo | None, outcome: str | None) -> None:
         """A request changed phase; `outcome` is set when `new` is terminal, in the same words on
-        every node (`statecore.step.outcome_reason`)."""
+        every node (`statecore.loop.LoopState.outcome`)."""
 
     def applied(self, request_id: RequestId, event: Event, context: object) -> None:
         """An event is about to be applied to a request (`context`: the role's, None once the
@@ -367,10 +366,10 @@ class NodeRunner(Generic[P]):
             if record is None or record.phase is old:
                 continue
             new = record.phase
-            outcome = outcome_reason(self.machine, record) if self.machine.is_terminal(new) else None
+            outcome = self.state.outcome(rid)  # set when the request ended in this step
             self.instruments.transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)
-            if self.machine.is_terminal(new):
+            if outcome is not None:
                 self._outcomes[new.value] += 1
 
     def _finish(self, rid: RequestId) -> RequestEntry | None:
