@@ -100,6 +100,28 @@ class RunnerGeneration:
         await self.runner.post(self.request_id, ClientCancelled())
 
 
+async def open_generation(
+    runner: NodeRunner[Any],
+    request_id: RequestId,
+    capacity: int,
+    context: NodeRequest | RoutedRequest,
+    *,
+    max_live: int | None,
+    faults: FaultPort,
+    refusal: ErrorInfo | None = None,
+) -> RunnerGeneration:
+    """The one door into a runner, for the front end's backend and the node API alike: the
+    loop's admission (`statecore.policy.admission`, `max_live` requests in flight at most), then
+    the caller's own `refusal` if it has one (a node whose engine is lost), then the request is
+    opened with room for `capacity` replies. A refusal raises StatecoreError."""
+    refused = runner.admission_error(max_live) or refusal
+    if refused is not None:
+        raise StatecoreError(refused)
+    await faults.at(Phase.INTAKE, request_id)
+    replies = await runner.open(request_id, capacity, context)
+    return RunnerGeneration(runner, request_id, replies, context)
+
+
 class RunnerBackend:
     """A `Backend` whose requests live in a `NodeRunner`."""
 
@@ -127,20 +149,16 @@ class RunnerBackend:
 
     async def start(self, request: GenerationRequest) -> RunnerGeneration:
         try:
-            refused = self.runner.admission_error(self.max_live)
-            if refused is not None:
-                raise StatecoreError(refused)
-            await self.faults.at(Phase.INTAKE, request.request_id)
             first_event, context = self._admit(request)
-            replies = await self.runner.open(
-                request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
-            )
+            generation = await open_generation(self.runner, request.request_id,
+                                               request.sampling.max_tokens + _REPLY_SLACK, context,
+                                               max_live=self.max_live, faults=self.faults)
         except StatecoreError as exc:
             self.runner.instruments.generation_refused(exc.info)
             raise
         self.runner.instruments.generation_started(request.request_id, len(request.prompt))
         await self.runner.post(request.request_id, first_event)
-        return RunnerGeneration(self.runner, request.request_id, replies, context)
+        return generation
 
 
 def local_backend(
@@ -181,4 +199,4 @@ def router_backend(
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 
 
-__all__ = ["RunnerBackend", "RunnerGeneration", "local_backend", "router_backend"]
+__all__ = ["RunnerBackend", "RunnerGeneration", "local_backend", "open_generation", "router_backend"]

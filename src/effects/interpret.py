@@ -143,7 +143,8 @@ class EnginePerformer:
     def forget(self, request_id: RequestId, context: object) -> None:
         if request_id in self.kv_pulls.pending:
             self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
-        self.kv_streams.end(request_id)  # so does a stream still sending
+        if request_id in self.kv_streams.open_streams:
+            self.kv_streams.end(request_id)  # so does a stream still sending
         for hook in self.on_forget:
             hook(request_id)
 
@@ -161,13 +162,11 @@ class EnginePerformer:
         ctx = node_context(context)
         match intent:
             case StartPrefill():
-                if not self.kv_streams.streams(rid):
-                    await self._prefill(rid, ctx, post)
-                    return
                 try:
                     await self._prefill(rid, ctx, post)
                 except StatecoreError as exc:
-                    self.kv_streams.send(rid, exc.info)  # the decode node hears why; the request fails here
+                    # a streamed handoff's decode node hears why (no stream: nothing); the request fails here
+                    self.kv_streams.send(rid, exc.info)
                     raise
                 except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
                     self.kv_streams.send(rid, bug(f"the prefill node failed to stream the KV: {exc!r}"))
@@ -248,7 +247,7 @@ class EnginePerformer:
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
                                                   self.handoffs.record(rid))
         started = time.perf_counter()
-        sink = self._streamed_pieces(rid) if self.kv_streams.streams(rid) else None
+        sink = self._streamed_pieces(rid) if rid in self.kv_streams.open_streams else None
         outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
         if ctx.hands_off:
             record = self.handoffs.record(rid)

@@ -106,7 +106,9 @@ class KvStreams:
     request goes to its stream's channel, which the stream reads until the request ends."""
 
     def __init__(self) -> None:
-        # each stream's sending end, by request (read it, never change it: `open` and `end` do)
+        # each stream's sending end, by request: a request in it has a stream waiting for its
+        # pieces (its prefill then cuts them out); read it, never change it (`open`, `send` and
+        # `end` do)
         self.open_streams: dict[RequestId, trio.MemorySendChannel[StreamItem]] = {}
 
     def open(self, request_id: RequestId, prompt_tokens: int, layers: int
@@ -122,10 +124,6 @@ class KvStreams:
         send, receive = trio.open_memory_channel[StreamItem](prompt_tokens * max(1, layers) + 2)
         self.open_streams[request_id] = send
         return receive
-
-    def streams(self, request_id: RequestId) -> bool:
-        """Whether a stream waits for the request's pieces (its prefill then cuts them out)."""
-        return request_id in self.open_streams
 
     def send(self, request_id: RequestId, item: StreamItem) -> None:
         """Hand the request's stream its next item; nothing when it has none or its reader left.

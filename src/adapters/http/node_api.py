@@ -56,7 +56,7 @@ from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
-from effects.backend import RunnerGeneration
+from effects.backend import RunnerGeneration, open_generation
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.kv_pulls import StreamItem
@@ -337,17 +337,16 @@ class NodeApi:
         return JSONResponse(self.performer.handoffs.snapshot())
 
     async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
-        refused = self.runner.admission_error(self.max_live)
-        if refused is not None:
-            raise StatecoreError(refused)
-        if (lost := self.engine_lost()) is not None:
-            # Between its device's death and its loop's end (it then exits) the node is a failed
-            # peer to whoever asks, not a bug of the request: the router tries another node.
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.ENGINE_FAILED,
-                                           f"this node's engine is lost ({lost}): it is going down"))
-        await self.faults.at(Phase.INTAKE, rid)
-        replies = await self.runner.open(rid, capacity, context)
-        return RunnerGeneration(self.runner, rid, replies, context)
+        return await open_generation(self.runner, rid, capacity, context, max_live=self.max_live,
+                                     faults=self.faults, refusal=self._lost_engine())
+
+    def _lost_engine(self) -> ErrorInfo | None:
+        """Between its device's death and its loop's end (it then exits) the node is a failed peer
+        to whoever asks, not a bug of the request: the router tries another node."""
+        if (lost := self.engine_lost()) is None:
+            return None
+        return ErrorInfo(Fault.PEER, Code.ENGINE_FAILED,
+                         f"this node's engine is lost ({lost}): it is going down")
 
     async def prefill(self, request: Request) -> Response:
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
