@@ -56,7 +56,6 @@ from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
-from effects.backend import RunnerGeneration, open_generation
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.kv_pulls import StreamItem
@@ -67,7 +66,7 @@ from effects.ports import (
     KvSegment,
     PrefillReply,
 )
-from effects.runner import NodeRunner
+from effects.runner import NodeRunner, RunnerGeneration, open_generation
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import (
     Admitted,
