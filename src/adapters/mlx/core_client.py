@@ -139,6 +139,7 @@ class ProcessEngine:
         process = subprocess.Popen([sys.executable, "-m", "adapters.mlx.core_process", str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
+        logger.info("started the engine core process (pid %d)", process.pid)
         try:
             mine.sendall(encode([Load(str(model_dir), options, fault_specs, logging.getLogger().level,
                                       switch_interval)]))
