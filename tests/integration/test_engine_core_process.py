@@ -91,7 +91,8 @@ async def decoded(engine: Engine, rid: str, prompt: list[int], first: int, sampl
     return [first] + [g.token async for g in engine.stream(RequestId(rid))]
 
 
-async def test_the_process_core_answers_as_the_thread_core(core: ProcessEngine, thread: MlxEngine) -> None:
+async def test_the_process_core_answers_as_the_thread_core_and_kv_crosses_it(core: ProcessEngine,
+                                                                           thread: MlxEngine) -> None:
     assert core.info == thread.info
     cases = [(f"r{i}", prompt_of(n, i), sampling)
              for i, (n, sampling) in enumerate([(9, GREEDY), (40, SEEDED), (23, GREEDY), (57, SEEDED)])]
@@ -115,10 +116,11 @@ async def test_the_process_core_answers_as_the_thread_core(core: ProcessEngine, 
             await engine.release_held(RequestId(f"b{rid}"))
     for rid, _, _ in cases:
         assert results[(id(core), rid)] == results[(id(thread), rid)], rid  # tokens and the KV's bytes
+    await kv_crosses_both_ways(core, thread)
 
 
-async def test_kv_crosses_the_process_boundary_whole_and_streamed_both_ways(
-        core: ProcessEngine, thread: MlxEngine) -> None:
+async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
+    """Whole and streamed, from the process core into the thread core and back."""
     prompt = prompt_of(70)
     expected = None
     for source, target in ((core, thread), (thread, core)):
@@ -146,7 +148,7 @@ async def test_kv_crosses_the_process_boundary_whole_and_streamed_both_ways(
     assert await core.import_prefix(exported, blocks) >= 0
 
 
-async def test_cancels_through_the_process_leave_nothing_held(core: ProcessEngine) -> None:
+async def test_cancels_leave_nothing_held_and_a_killed_core_fails_typed(core: ProcessEngine) -> None:
     prompt = prompt_of(10)
     outcome = await core.prefill(RequestId("c"), prompt, LONG)
     await core.decode_held(RequestId("c"), prompt, outcome.first_token, LONG)
@@ -173,10 +175,11 @@ async def test_cancels_through_the_process_leave_nothing_held(core: ProcessEngin
         if not scope.cancelled_caught:
             await core.release_held(rid)
         await idle(core)
+    await killed_mid_stream(core)
 
 
-async def test_a_killed_core_fails_its_requests_as_a_transport_fault_and_ends_the_loop(
-        core: ProcessEngine) -> None:
+async def killed_mid_stream(core: ProcessEngine) -> None:
+    """Its requests fail as a transport fault, and so does every later call; the node's loop ends."""
     runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, EnginePerformer(FakeEngine()), name="decode")
     reasons: list[str] = []
     prompt = prompt_of(10)
