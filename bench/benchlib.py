@@ -4,7 +4,8 @@ times the answers.
 - Servers: `Server` (one process on a free port, its log, its stop), `server_env` (the BLAS
   choice every server of a comparison gets), `make_servers` / `start_all` (mlx_lm.server, a
   statecore single node, a local cluster), `node_env` / `parse_cpus` (one engine node pinned to
-  cores or a GPU), `default_model` (the tiny llama), `context_length`, `gpu_placement`, `machine`.
+  cores or a GPU), `default_model` (the tiny llama), `context_length`, `with_context` (a longer
+  context for a tiny checkpoint), `gpu_placement`, `machine`.
 - Prompts: `PromptMaker` (text whose encoding has an exact number of tokens), `Mix` / `parse_mix`
   (`PxO` or `realish` lengths), `build_prompts`, `load_tokenizer` (a local directory, never the
   hub).
@@ -32,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -189,6 +191,29 @@ def context_length(model: Path) -> int | None:
     text_config = config.get("text_config") or {}
     value = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
     return int(value) if value else None
+
+
+def with_context(model: Path, tokens: int) -> Path:
+    """`model`, or when its context is shorter than `tokens` a sibling whose config says `tokens`
+    (the other files linked, not copied): the tiny checkpoints say 4,096, and a RoPE model runs
+    past it unchanged, which an 8,000-token handoff on the CPU needs."""
+    known = context_length(model)
+    if known is None or known >= tokens:
+        return model
+    longer = model.with_name(f"{model.name}-context{tokens}")
+    if not (longer / "config.json").exists():
+        staging = Path(tempfile.mkdtemp(prefix=longer.name, dir=model.parent))
+        for item in model.iterdir():
+            if item.name != "config.json":
+                (staging / item.name).symlink_to(item.resolve())
+        config = json.loads((model / "config.json").read_text())
+        config["max_position_embeddings"] = tokens
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        try:
+            staging.rename(longer)
+        except OSError:  # another process made it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return longer
 
 
 def gpu_placement() -> str | None:

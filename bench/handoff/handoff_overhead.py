@@ -19,7 +19,10 @@ prompt per round, streaming the answer (--max-tokens), and reports per setup and
 With --background-streams N, N streams decode on the decode node throughout (through the stream
 router, short prompts, restarted when they end), and each handoff's longest gap of theirs that
 overlaps [prefill done, joined the batch + 1 s] is reported in their median quiet step (target:
-the longest within one step of the median, i.e. <= 2 steps).
+the longest within one step of the median, i.e. <= 2 steps), and in their median step during the
+second after the join ("stall, joined steps"): the batch's usual step once the long request
+decodes in it, which is longer than the quiet one (its attention reads the long prompt), so that
+the first unit counts a bigger batch as a stall and the second does not.
 
     .venv/bin/python bench/handoff/handoff_overhead.py                          # CPU: 23 M llama, 2 cores
     .venv/bin/python bench/handoff/handoff_overhead.py --lengths 8000 --background-streams 16 \\
@@ -36,6 +39,7 @@ import contextlib
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import random
 import secrets
@@ -52,7 +56,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
 
-from benchlib import node_env, parse_cpus
+from benchlib import node_env, parse_cpus, with_context
 from handoff_http import (
     BackgroundStreams,
     machine,
@@ -82,7 +86,8 @@ class Sample:
     prefill_s: float | None = None
     overhead_s: float | None = None  # prefill done -> joined the decode node's batch
     overlap: float | None = None
-    stall_steps: float | None = None
+    stall_steps: float | None = None  # the longest gap in the window, in quiet steps
+    stall_joined_steps: float | None = None  # the same gap, in the batch's steps after the join
     node_gap_s: float | None = None  # the decode node's own: first token passed on -> second out
     # the overhead's two parts, streamed only: prefill done -> the first token reached the decode
     # node, and the install (`Engine.install_segments`: queueing on the device thread included)
@@ -224,9 +229,18 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
         if quiet_step:
             samples = [s if s.request_id not in windows else
                        Sample(**{**asdict(s), "stall_steps": stall_steps(gaps, windows[s.request_id],
-                                                                          quiet_step)})
+                                                                          quiet_step),
+                                 "stall_joined_steps": stall_steps(gaps, windows[s.request_id],
+                                                                   joined_step(gaps, windows[s.request_id]))})
                        for s in samples]
     return samples
+
+
+def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """The streams' median gap in the second after the join (`window` ends a second after it)."""
+    joined = window[1] - 1.0
+    after = [b - a for a, b in gaps if a >= joined and b <= window[1]]
+    return statistics.median(after) if after else math.inf
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -257,6 +271,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                     if any(s.node_gap_s is not None for s in some) else None,
                     "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
                                            default=None),
+                    "stall_joined_steps_max": max((s.stall_joined_steps for s in some
+                                                   if s.stall_joined_steps is not None), default=None),
                     "ttft_over_single": med(s.ttft_s for s in some) / row["single"]["ttft_s_raw"]
                     if "single" in row else None,
                 })
@@ -280,8 +296,8 @@ def print_table(summary: dict[str, Any]) -> None:
     print("\n| tokens | setup | TTFT ms | TTFT / single | prefill ms | overhead ms | overhead / prefill "
           "| of it: 1st token reaches decode ms | install ms "
           "| 1st->2nd ms | in steps | decode node's 1st->2nd ms | step ms | KV before 1st token "
-          "| stall steps (max) |")
-    print("|" + "---|" * 15)
+          "| stall steps (max) | stall, joined steps (max) |")
+    print("|" + "---|" * 16)
     for tokens, row in summary.items():
         for setup, m in row.items():
             print(f"| {tokens} | {setup} | {m['ttft_ms']:.1f} | {_cell(m, 'ttft_over_single', '.2f')} "
@@ -290,7 +306,8 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"| {_cell(m, 'install_ms', '.1f')} "
                   f"| {m['second_gap_ms']:.1f} | {m['gap_steps']:.2f} | {_cell(m, 'node_gap_ms', '.1f')} "
                   f"| {m['step_ms']:.1f} "
-                  f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} |")
+                  f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} "
+                  f"| {_cell(m, 'stall_joined_steps_max', '.2f')} |")
     print(f"\ntargets: overhead / prefill <= {OVERHEAD_TARGET} at >= 2,000 tokens; 1st->2nd <= "
           f"{GAP_TARGET_STEPS:g} steps; TTFT / single <= {TTFT_TARGET} (concurrency 1)")
 
@@ -320,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         args.cpus = ["0", "1", "0"]
     if args.cpus is not None:
         os.sched_setaffinity(0, parse_cpus(args.cpus[0]))  # the clients' threads inherit it
-    model: Path = args.model or cached_checkpoint("llama", hidden_size=args.hidden_size,
-                                                  num_layers=args.num_layers)
+    model: Path = args.model or with_context(
+        cached_checkpoint("llama", hidden_size=args.hidden_size, num_layers=args.num_layers),
+        max(args.lengths) + args.max_tokens + 64)
     started = dt.datetime.now(dt.UTC)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="handoff_overhead_"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ and as 1P1D / DP2 ratios:
 - the decode streams' gap between chunks inside the window: p50, p99, max;
 - the decode step: the median gap of the decode streams outside the window;
 - the long prompts' TTFT p50 / p99, and each handed-off prompt's gap between its first and its
-  second token, in seconds and in steps;
+  second token, in seconds, in decode steps (the streams' step outside the window) and in its own
+  steps (the median gap of its later tokens: the batch's step once it decodes in it, longer
+  than the streams' own, since its attention reads the whole long prompt);
 - output tokens/s (all requests' tokens over first sent -> last finished);
 - goodput as AIPerf and DistServe define it: requests/s (and the share of requests) meeting both
   a TTFT SLO and an ITL SLO, the ITL of a request being its mean gap ((last token - first) /
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import secrets
@@ -385,6 +388,16 @@ def second_token_gaps(run: RunTrace) -> list[float]:
     return [t.chunk_times[1] - t.chunk_times[0] for t in run.long if t.ok and len(t.chunk_times) > 1]
 
 
+def second_token_own_steps(run: RunTrace) -> list[float]:
+    """Each long prompt's first -> second token gap over the median gap of its later tokens."""
+    out = []
+    for t in run.long:
+        later = [b - a for a, b in itertools.pairwise(t.chunk_times[1:])] if t.ok else []
+        if later and statistics.median(later) > 0:
+            out.append((t.chunk_times[1] - t.chunk_times[0]) / statistics.median(later))
+    return out
+
+
 def run_metrics(run: RunTrace, slo: Slo, alone: Slo | None = None,
                 factors: Sequence[float] = ()) -> dict[str, float | int | None]:
     """One run's figures; goodput at `slo`, and the SLO attainment at each of `factors` times
@@ -410,6 +423,9 @@ def run_metrics(run: RunTrace, slo: Slo, alone: Slo | None = None,
     metrics["second_token_gap_median_steps"] = (statistics.median(second) / step
                                                 if second and step else None)
     metrics["second_token_gap_max_steps"] = max(second) / step if second and step else None
+    own = second_token_own_steps(run)
+    metrics["second_token_gap_median_own_steps"] = statistics.median(own) if own else None
+    metrics["second_token_gap_max_own_steps"] = max(own) if own else None
     every = [t for t in [*run.decode, *run.long] if t.ok]
     span = max(t.ended for t in every) - min(t.sent for t in every) if every else 0.0
     metrics["output_tok_s"] = sum(t.output_tokens for t in every) / span if span > 0 else None
@@ -564,6 +580,8 @@ ROWS = (
     ("second_token_gap_max_ms", "long 1st->2nd token, max (ms)", 0),
     ("second_token_gap_median_steps", "long 1st->2nd token, median (steps)", 1),
     ("second_token_gap_max_steps", "long 1st->2nd token, max (steps)", 1),
+    ("second_token_gap_median_own_steps", "long 1st->2nd, median (own steps)", 1),
+    ("second_token_gap_max_own_steps", "long 1st->2nd, max (own steps)", 1),
     ("output_tok_s", "output tokens/s", 1),
     ("goodput_rps", "goodput (req/s, mean ITL)", 3),
     ("attainment", "SLO attainment (mean ITL)", 2),

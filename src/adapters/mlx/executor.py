@@ -182,13 +182,14 @@ class StepExecutor:
         built = bool(outputs) or bool(current.failed_prefills)
         previous, loop.inflight = loop.inflight, (current if built else None)
         # On the CPU a launch computes the step before it returns (MLX's CPU stream): nothing runs
-        # behind the host's next build, so what a step hands out leaves as soon as it can. The step
-        # before is read back ahead of this launch (its tokens, and its streamed pieces, would
-        # otherwise wait for this whole step: a handed-off request's second token for a layer
-        # slice of a prompt), after this build (which says whether the step computing a streamed
-        # prompt's last pieces has started); a step that finished prompts is read back at once
-        # (their first tokens and last pieces would wait for the next step's build). Elsewhere the
-        # launch returns at once, and a step's results leave as soon as it ends.
+        # behind the host's next build, so what a step hands out leaves as soon as it can: at once,
+        # after its own launch (its tokens would otherwise wait for the next step's build, a
+        # fifth to a third of a CPU decode step), unless it streamed pieces of a prompt it did not
+        # finish: those say whether the step computing the prompt's last pieces has started, which
+        # the next build decides, so that step is read back after the next build, ahead of its
+        # launch (not after it: a handed-off request's second token would wait for a layer slice
+        # of a prompt). Elsewhere the launch returns at once, and a step's results leave as soon
+        # as it ends.
         on_cpu = mx.default_device() == mx.cpu
         if previous is not None and on_cpu:
             self.read_back(previous)
@@ -210,9 +211,10 @@ class StepExecutor:
         # elsewhere the one read back in it (its launch waits for the one before, its read-back
         # for the rest), and this one too when it is read back at once.
         waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
-        if built and ((not loop.live and not loop.waiting) or (on_cpu and bool(current.finished_prefills))):
-            # Nothing else will come (or, on the CPU, first tokens are in it): read this step back
-            # now rather than on the next one.
+        if built and ((not loop.live and not loop.waiting)
+                      or (on_cpu and (bool(current.finished_prefills) or not current.segments))):
+            # Nothing else will come (or, on the CPU, it is computed and no piece in it waits on
+            # the next build): read this step back now rather than on the next one.
             loop.inflight = None
             self.read_back(current)
             if not on_cpu:
