@@ -11,6 +11,8 @@
 #   where-time-goes    the engine alone by kind of device work, then the node under py-spy
 #   gil-cost           the engine alone and the node over HTTP on realish at 32 and 8, each step's
 #                      device time by kind; a process boundary's per-step round trip
+#   core-modes         which engine core by default: a single node with --engine-core thread vs
+#                      process, realish at 8 and 32, three alternating repeats (tokens/s, TTFT, ITL)
 #   long-prompt-stall  long prompts into 16 decoding streams: does the first one stall them?
 #   cuda-graphs        MLX's CUDA graphs off vs on, the engine alone, both shapes
 #   attention-kernel   the slot lane's attention kernel checked and timed against MLX's masked one
@@ -147,6 +149,14 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
       timeout 150 $PY bench/serving/profile_single.py --model $M --blas bundled --mix realish --concurrency 32 \
         --duration 15 --gil --py-spy "$SPY" --out "$OUT/spy_gil_32" 2>&1 | quiet | tail -45
     fi
+    ;;
+  core-modes)
+    # The default of --engine-core: the same prompts to a thread-core and a process-core single
+    # node on the 1B shape, alternating which goes first (issue 32: the process wins where its
+    # tokens/s ratio is above 1 and its TTFT is not worse).
+    machine; model_1b
+    timeout 560 $PY bench/engine/core_modes.py --model $M --blas bundled --concurrency 8,32 --repeats 3 \
+      --out "$OUT/core_modes" 2>&1 | tail -4
     ;;
   long-prompt-stall)
     # Without the load's warm-up request, without it and without the prefix cache, the defaults.

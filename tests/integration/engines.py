@@ -13,7 +13,7 @@ from typing import Any
 import trio
 
 from adapters.mlx import MlxEngine
-from effects.engine_port import SamplingParams
+from effects.engine_port import Engine, SamplingParams
 from statecore.ids import RequestId
 
 ENGINE_DEADLINE_S = 120.0  # generous: a loaded 2-core machine compiles and loads slowly
@@ -46,7 +46,7 @@ async def load_into(opened: list[MlxEngine], model_dir: Path, **kw: Any) -> MlxE
     return engine
 
 
-async def served_whole(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: SamplingParams
+async def served_whole(engine: Engine, rid: str, prompt: Sequence[int], sampling: SamplingParams
                        ) -> tuple[int, int, bytes, list[int]]:
     """(first token, cached tokens, the held KV's wire bytes, every token) of one request, prefilled
     and decoded on `engine`."""

@@ -40,7 +40,7 @@ from adapters.mlx.distributed import (
     LockstepLoop,
     refuse_pipelined_handoff,
 )
-from adapters.mlx.jobs import Local, engine_failed, engine_lost
+from adapters.mlx.jobs import Local, StreamSend, engine_failed, engine_lost
 from adapters.mlx.kv_out import pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
@@ -93,6 +93,7 @@ class MlxEngine:
                                                        kv_memory_bytes=settings.kv_memory_bytes))
         # trio side: each request's streams and pieces between its calls (`adapters.mlx.callers`)
         self._callers = Callers()
+        self.stream_sends: Callable[[RequestId], StreamSend] | None = None  # set by a core process
         self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
                         else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
         self._performer = Performer(self._device, settings, source)
@@ -461,6 +462,10 @@ class MlxEngine:
         request_id, sampling = RequestId(command.request_id), command.sampling
         local = local or Local()
         local.matcher = await self._matcher(sampling)
+        if self.stream_sends is not None:  # an engine core process: the items go to its node
+            local.send = self.stream_sends(request_id)
+            await self._post(command, local)
+            return
         send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
         local.send = send
         try:

@@ -15,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
@@ -24,12 +24,21 @@ from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = [
-    "Crash", "Job", "Local", "Outcome", "Stop", "StreamItem", "as_statecore", "deliver", "engine_failed",
-    "post",
+    "Crash", "Job", "Local", "Outcome", "Stop", "StreamItem", "StreamSend", "as_statecore", "deliver",
+    "engine_failed", "post",
 ]
 
 T = TypeVar("T")
 StreamItem = GeneratedToken | StatecoreError
+
+
+class StreamSend(Protocol):
+    """Where a request's stream items go, in trio: a `trio.MemorySendChannel` in a node, or, in
+    an engine core process, the channel to the node (`adapters.mlx.core_process`)."""
+
+    def send_nowait(self, value: StreamItem, /) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -50,7 +59,7 @@ class Local:
     a streamed handoff's sink, the caches a handed-off payload (or its streamed pieces, by layer
     range) was built into in a worker thread, and a sliced install's head range of each rank."""
 
-    send: trio.MemorySendChannel[StreamItem] | None = None
+    send: StreamSend | None = None
     matcher: Any = None
     segment_sink: Any = None
     caches: list[Any] | None = None
@@ -111,7 +120,7 @@ def as_statecore(exc: Exception) -> StatecoreError:
     return StatecoreError(ErrorInfo(Fault.BUG, Code.INTERNAL, message))
 
 
-def deliver(items: list[tuple[trio.MemorySendChannel[StreamItem], StreamItem | None, bool]]) -> None:
+def deliver(items: list[tuple[StreamSend, StreamItem | None, bool]]) -> None:
     """Runs in trio: push stream items and close finished streams. Never blocks."""
     for send, item, close in items:
         if item is not None:

@@ -27,7 +27,7 @@ from adapters.mlx import commands
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.grammar import TokenConstraint
-from adapters.mlx.jobs import Job, Local, StreamItem, deliver, post
+from adapters.mlx.jobs import Job, Local, StreamItem, StreamSend, deliver, post
 from adapters.mlx.load_on_device import ModelSource, load_on_device
 from adapters.mlx.payloads import joined_segments, validate_and_build
 from adapters.mlx.prefill import PrefillTask
@@ -167,7 +167,7 @@ class Performer:
             raise
 
     def join_with(self, command: commands.DecodeHeld | commands.Install, job: Job[Any], local: Local | None,
-                  send: trio.MemorySendChannel[StreamItem], token: trio.lowlevel.TrioToken) -> None:
+                  send: StreamSend, token: trio.lowlevel.TrioToken) -> None:
         device = self.device
         request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
         first_token = command.first_token

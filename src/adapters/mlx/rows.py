@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from adapters.mlx.compiled import CompiledSlotStep
-from adapters.mlx.jobs import StreamItem
+from adapters.mlx.jobs import StreamItem, StreamSend
 from adapters.mlx.sampling import PositionSampler, SamplerMark
 from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken
@@ -35,7 +35,7 @@ class Live:
     """A request in the decoder (see the module's paragraph)."""
 
     request_id: str
-    send: trio.MemorySendChannel[StreamItem]
+    send: StreamSend
     token: trio.lowlevel.TrioToken
     remaining: int  # tokens still to produce
     sampler: PositionSampler

@@ -56,6 +56,9 @@ def _run_role(args: argparse.Namespace) -> int:
         return trio.run(run_router, args, listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
     if args.tensor_parallel > 1 or args.pipeline_parallel > 1:
+        if args.engine_core == "process":
+            raise SystemExit("statecore: --engine-core process does not serve a tensor- or pipeline-parallel "
+                             "instance (its ranks run in lockstep on their device threads): drop one")
         from adapters.serve.tensor_parallel import run_tensor_parallel
 
         return _exit_now(run_tensor_parallel(args, role))

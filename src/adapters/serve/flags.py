@@ -426,6 +426,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="seconds a held KV waits (default 60)")
     limits.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
                         help="seconds a request may live (default 600)")
+    engine.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+                        help="engine nodes: where the engine core (the model, its KV and the device loop) "
+                             "runs: on a thread of the node's process, sharing its GIL with the HTTP front "
+                             "end, or in a process of its own, connected by a local socket and shared memory "
+                             "for KV (its death is the node's, as a dead device thread's is; not with "
+                             "--tensor-parallel or --pipeline-parallel) (default thread)")
     engine.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
                         help="engine nodes: seconds the engine may be busy without finishing a step "
                              "before the node counts as hung: its requests fail, /health turns 503 and "

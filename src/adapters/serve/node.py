@@ -300,6 +300,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                           tensor: Any = None) -> int:
     """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.serve.tensor_parallel)."""
     from adapters.mlx import MlxEngine
+    from adapters.mlx.core_client import ProcessEngine
 
     faults = Faults.parse(args.inject_fault, args.fault_marker, role)  # refused before the model loads
     model = args.model or demo_model_dir()
@@ -307,10 +308,17 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     # The device thread needs the GIL back as soon as each step's GPU work is done, but the HTTP
     # thread streaming tokens holds it for up to the switch interval (5 ms by default, longer
     # than a decode step): hand it over sooner.
-    sys.setswitchinterval(switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL")))
+    interval = switch_interval(os.environ.get("STATECORE_SWITCH_INTERVAL"))
+    sys.setswitchinterval(interval)
+    engine: MlxEngine | ProcessEngine
     try:
-        engine = await MlxEngine.load(model, **engine_options(args, role),
-                                      model_call_hook=faults.model_call_hook(), tensor=tensor)
+        if getattr(args, "engine_core", "thread") == "process" and tensor is None:
+            fault_specs = (tuple(args.inject_fault), args.fault_marker, role) if faults.armed else None
+            engine = await ProcessEngine.load(model, **engine_options(args, role), fault_specs=fault_specs,
+                                              switch_interval=interval)
+        else:
+            engine = await MlxEngine.load(model, **engine_options(args, role),
+                                          model_call_hook=faults.model_call_hook(), tensor=tensor)
     except StatecoreError as exc:  # the model or a setting cannot be used: say so, no traceback
         raise SystemExit(f"statecore: cannot load {model}: {exc.info.message}") from None
     for layer in engine.info.layers:

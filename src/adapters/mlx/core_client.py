@@ -1,0 +1,482 @@
+"""`ProcessEngine`: the Engine port in a node whose engine core runs in its own process.
+
+`--engine-core process` starts `adapters.mlx.core_process` as a child of the node and talks to it
+over a Unix socket pair (`adapters.mlx.core_wire`): each port call goes as a `Call` and the
+caller awaits its `Done` or `Raised`; a caller cancelled meanwhile sends `Abandon` (the core
+cancels the call, and its engine undoes what it did), and a call that completed anyway is undone
+from here (a cancel of its request), so a cancellation never leaks a cache. Tokens arrive one
+write per step; a reader thread hands each write to trio in one callback, which feeds the
+requests' streams (kept in `adapters.mlx.callers` until `stream()` takes them, as `MlxEngine`
+keeps its own). `statistics()` is the latest snapshot the core sent (with every outcome, and every
+tenth of a second). KV crosses in shared memory (`adapters.kv.shm`): a payload handed to the core
+is copied once into this node's region and freed when the call ends; a payload the core exports
+is read in place, as a view whose last reference going away sends `Free`. The core's death (its
+process exits, however) is the node's loss, typed as a dead device thread is: every waiting call
+and live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
+`statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
+watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
+pipeline-parallel instances are not served this way (refused at load). This module imports trio
+and numpy; it must never import mlx.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import trio
+
+from adapters.kv.shm import ShmInbox, ShmOutbox, ShmRef
+from adapters.mlx.callers import Callers
+from adapters.mlx.core_wire import (
+    NO_REPLY,
+    Abandon,
+    Call,
+    Crash,
+    Done,
+    Ended,
+    Free,
+    Item,
+    Load,
+    Loaded,
+    Raised,
+    Segment,
+    Snapshot,
+    Stop,
+    encode,
+    read_frame,
+)
+from adapters.mlx.jobs import StreamItem, engine_failed, engine_lost, post
+from effects.engine_port import (
+    EngineStatistics,
+    GeneratedToken,
+    KvBytes,
+    KvPieces,
+    KvSegment,
+    ModelInfo,
+    PrefillOutcome,
+    PrefixSummary,
+    SamplingParams,
+    SegmentSink,
+)
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.ids import RequestId
+
+__all__ = ["ProcessEngine"]
+
+logger = logging.getLogger("adapters.engine_core")
+
+# Calls whose caller left after the core performed them are undone by cancelling the request.
+UNDONE_BY_CANCEL: Final = frozenset({
+    "prefill", "decode_held", "install", "install_segments", "receive_segment",
+})
+LOAD_DEADLINE_S: Final = 600.0
+
+
+@dataclass(eq=False)
+class _Waiting:
+    call: Call
+    done: trio.Event
+    reply: Done | Raised | None = None
+    sink: SegmentSink | None = None
+
+
+class ProcessEngine:
+    """The Engine port over an engine core process. Build with `await ProcessEngine.load(...)`."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: Any, loaded: Loaded) -> None:
+        """Private: use `ProcessEngine.load`."""
+        self._process = process
+        self._sock = sock
+        self.info: ModelInfo = loaded.info
+        self._stats = loaded.statistics
+        self._token = trio.lowlevel.current_trio_token()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiting] = {}
+        self._abandoned: dict[int, Call] = {}
+        self._sends: dict[str, trio.MemorySendChannel[StreamItem]] = {}
+        self._callers = Callers()
+        self._send_lock = threading.Lock()
+        self._frees: collections.deque[ShmRef] = collections.deque()
+        self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
+        self._inbox = ShmInbox()
+        self._alive = True
+        self._closed = False
+        self._error: StatecoreError | None = None
+        self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    async def load(cls, model_dir: Path, *, fault_specs: tuple[tuple[str, ...], str, str] | None = None,
+                   switch_interval: float = 0.0005, **options: Any) -> ProcessEngine:
+        """Start the core process and load `model_dir` there with `MlxEngine.load`'s `options`;
+        `fault_specs` (specs, marker, role) arms the node's fault rules in the core (tests)."""
+        if options.get("tensor") is not None:
+            raise StatecoreError(ErrorInfo(
+                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                "--engine-core process does not serve a tensor- or pipeline-parallel instance: its "
+                "ranks run in lockstep on their device threads (use --engine-core thread)"))
+        options.pop("tensor", None)
+        if options.pop("model_call_hook", None) is not None:
+            raise StatecoreError(ErrorInfo(Fault.BUG, Code.INTERNAL,
+                                           "a model_call_hook cannot cross to the core: pass fault_specs"))
+        import socket
+
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        process = subprocess.Popen([sys.executable, "-m", "adapters.mlx.core_process", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        logger.info("started the engine core process (pid %d)", process.pid)
+        try:
+            mine.sendall(encode([Load(str(model_dir), options, fault_specs, logging.getLogger().level,
+                                      switch_interval)]))
+            with trio.fail_after(LOAD_DEADLINE_S):
+                first = await trio.to_thread.run_sync(read_frame, mine, abandon_on_cancel=True)
+        except BaseException:
+            process.kill()
+            mine.close()
+            raise
+        loaded = first[0] if first else None
+        if not isinstance(loaded, Loaded):
+            code = await trio.to_thread.run_sync(process.wait)
+            mine.close()
+            if isinstance(loaded, Raised):
+                raise StatecoreError(loaded.error)
+            raise engine_lost(f"the engine core process exited while loading (exit code {code})")
+        return cls(process, mine, loaded)
+
+    @property
+    def streams_handoffs(self) -> bool:
+        return True
+
+    @property
+    def core_pid(self) -> int:
+        """The core process's id (tests kill it)."""
+        return self._process.pid
+
+    # -- the Engine port -----------------------------------------------------------------------
+
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      segments: SegmentSink | None = None) -> PrefillOutcome:
+        outcome: PrefillOutcome = await self._call(
+            "prefill", request_id, tuple(prompt), sampling, sink=segments,
+            kwargs={"segments": True} if segments is not None else {})
+        return outcome
+
+    async def export_held(self, request_id: RequestId) -> KvPieces:
+        return self._as_pieces(await self._call("export_held", request_id))
+
+    async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
+        return self._as_pieces(await self._call("export_prefix", tuple(tokens)))
+
+    async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
+        shared = await self._share("prefix", (payload,))
+        try:
+            kept: int = await self._call("import_prefix", shared, tuple(tokens))
+        finally:
+            self._unshare(shared)
+        return kept
+
+    async def release_held(self, request_id: RequestId) -> int:
+        if not self._alive:
+            return 0
+        with trio.CancelScope(shield=True):  # quick, and must not be skipped
+            freed: int = await self._call("release_held", request_id)
+        return freed
+
+    async def decode_held(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                          sampling: SamplingParams) -> None:
+        await self._start("decode_held", request_id, sampling, tuple(prompt), first_token)
+
+    async def install(self, request_id: RequestId, payload: KvBytes, prompt: Sequence[int], first_token: int,
+                      sampling: SamplingParams) -> None:
+        shared = await self._share(request_id, (payload,))
+        try:
+            await self._start("install", request_id, sampling, shared, tuple(prompt), first_token)
+        finally:
+            self._unshare(shared)
+
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                              max_tokens: int) -> None:
+        pieces = segment.payload
+        shared = await self._share(request_id, pieces.pieces, pieces.seal)
+        piece = Segment(NO_REPLY, segment.start, segment.stop, segment.first_layer, segment.end_layer, shared,
+                        segment.last_step_started)
+        try:
+            await self._call("receive_segment", request_id, piece, prompt_tokens,
+                             kwargs={"max_tokens": max_tokens})
+        finally:
+            self._unshare(shared)
+
+    async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                               sampling: SamplingParams) -> None:
+        await self._start("install_segments", request_id, sampling, tuple(prompt), first_token)
+
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
+        """Tokens after the first one. Leaving early cancels the request."""
+        receive = self._callers.take_stream(request_id)
+        if receive is None:
+            raise StatecoreError(ErrorInfo(
+                Fault.BUG, Code.INTERNAL,
+                f"no stream for request {request_id!r} (never started, already taken, or cancelled)"))
+        finished = False
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, StatecoreError):
+                        finished = True
+                        raise StatecoreError(item.info) from item
+                    yield item
+            finished = True
+        finally:
+            if not finished and self._alive:
+                self._send([Call(NO_REPLY, "cancel", (request_id,))])
+
+    async def cancel(self, request_id: RequestId) -> None:
+        self._callers.drop(request_id)
+        send = self._sends.pop(request_id, None)
+        if send is not None:
+            send.close()
+        if not self._alive:
+            return
+        with trio.CancelScope(shield=True):  # within one step; must not be skipped
+            await self._call("cancel", request_id)
+
+    def statistics(self) -> EngineStatistics:
+        if not self._alive:
+            return EngineStatistics(0, 0, 0, False, self._stats.step_retries, self._stats.rows_isolated)
+        return self._stats
+
+    async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
+        summary: PrefixSummary | None = await self._call("prefix_summary", since)
+        return summary
+
+    async def evict_prefixes(self, nbytes: int) -> int:
+        freed: int = await self._call("evict_prefixes", nbytes)
+        return freed
+
+    async def aclose(self, join_timeout_s: float | None = None) -> None:
+        """Stop the core (it closes its engine) and wait for it to exit, at most `join_timeout_s`
+        when given (then it is killed)."""
+        self._callers.close()
+        was_alive = self._alive
+        self._closed = True
+        self._die(engine_failed("the engine is closed"))
+        if was_alive:
+            self._send([Stop()])
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(self._process.wait, join_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.error("the engine core did not stop within %.1f s; killing it", join_timeout_s)
+                self._process.kill()
+                await trio.to_thread.run_sync(self._process.wait)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._outbox.close()
+        self._inbox.close()
+
+    def crash_device_thread(self) -> None:
+        """The DEVICE_CRASH fault: the core's device loop raises."""
+        self._send([Crash()])
+
+    def abandon(self, reason: str) -> None:
+        """Give up on a core that stopped making progress (the node's watchdog): every waiting
+        caller and live stream fails now, and the process is killed."""
+        if not self._alive:
+            return
+        logger.error("abandoning the engine core: %s", reason)
+        self._die(engine_lost(f"the engine was abandoned: {reason}"))
+        with contextlib.suppress(OSError):
+            self._process.kill()
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    async def _start(self, method: str, request_id: RequestId, sampling: SamplingParams, *args: Any) -> None:
+        """Open the request's stream here, then put it into the core's decoder."""
+        send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
+        self._sends[request_id] = send
+        try:
+            await self._call(method, request_id, *args, sampling)
+        except BaseException:
+            self._callers.close_stream(request_id, only=receive)
+            if self._sends.get(request_id) is send:
+                del self._sends[request_id]
+            receive.close()
+            send.close()
+            raise
+
+    async def _call(self, method: str, *args: Any, sink: SegmentSink | None = None,
+                    kwargs: dict[str, Any] | None = None) -> Any:
+        if not self._alive:
+            raise self._dead()
+        call = Call(next(self._ids), method, args, kwargs or {})
+        waiting = _Waiting(call, trio.Event(), sink=sink)
+        self._waiting[call.call_id] = waiting
+        self._send([call])
+        try:
+            await waiting.done.wait()
+        except BaseException:
+            if self._waiting.pop(call.call_id, None) is not None and self._alive:
+                self._abandoned[call.call_id] = call
+                self._send([Abandon(call.call_id)])
+            elif isinstance(waiting.reply, Done):
+                self._undo(call, waiting.reply.value)
+            raise
+        reply = waiting.reply
+        if isinstance(reply, Done):
+            return reply.value
+        if reply is None:
+            raise self._dead()
+        raise StatecoreError(reply.error)
+
+    def _undo(self, call: Call, value: Any) -> None:
+        """A call done in the core after its caller left: give back what it took."""
+        if isinstance(value, ShmRef):
+            self._send([Free(value)])
+        if call.method in UNDONE_BY_CANCEL and self._alive:
+            self._send([Call(NO_REPLY, "cancel", (call.args[0],))])
+
+    def _send(self, messages: list[Any]) -> None:
+        while self._frees:
+            messages.append(Free(self._frees.popleft()))
+        try:
+            with self._send_lock:
+                self._sock.sendall(encode(messages))
+        except OSError:
+            pass  # the core is gone: the reader sees the end of its stream
+
+    def _dead(self) -> StatecoreError:
+        if self._closed:
+            return engine_failed("the engine is closed")
+        return self._error or engine_lost("the engine core process is gone")
+
+    # -- what the core sends -------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The reader thread: each frame to trio in one callback; the core's end after the last."""
+        while True:
+            try:
+                messages = read_frame(self._sock)
+            except (OSError, ValueError, EOFError):
+                messages = None
+            if messages is None:
+                break
+            post(self._token, self._dispatch, messages)
+        code = self._process.wait()
+        post(self._token, self._lost, code)
+
+    def _dispatch(self, messages: list[Any]) -> None:
+        for message in messages:
+            match message:
+                case Item(request_id=request_id, token=token):
+                    send = self._sends.get(request_id)
+                    if send is not None:
+                        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
+                                                 trio.ClosedResourceError):
+                            send.send_nowait(token)
+                case Ended(request_id=request_id, error=error):
+                    ended = self._sends.pop(request_id, None)
+                    if ended is not None:
+                        if error is not None:
+                            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
+                                                     trio.ClosedResourceError):
+                                ended.send_nowait(StatecoreError(error))
+                        ended.close()
+                case Done() | Raised():
+                    self._stats = message.statistics
+                    self._answer(message)
+                case Segment(call_id=call_id):
+                    waiting = self._waiting.get(call_id)
+                    if waiting is None or waiting.sink is None:
+                        if isinstance(message.payload, ShmRef):
+                            self._send([Free(message.payload)])
+                        continue
+                    waiting.sink(KvSegment(message.start, message.stop, message.first_layer,
+                                           message.end_layer, self._as_pieces(message.payload),
+                                           message.last_step_started))
+                case Snapshot(statistics=statistics):
+                    self._stats = statistics
+
+    def _answer(self, reply: Done | Raised) -> None:
+        waiting = self._waiting.pop(reply.call_id, None)
+        if waiting is not None:
+            waiting.reply = reply
+            waiting.done.set()
+            return
+        call = self._abandoned.pop(reply.call_id, None)
+        if call is not None and isinstance(reply, Done):
+            self._undo(call, reply.value)
+
+    def _lost(self, code: int) -> None:
+        if not self._closed:
+            logger.error("the engine core process exited (code %s)", code)
+        self._die(engine_lost(f"the engine core process exited (code {code})"))
+
+    def _die(self, error: StatecoreError) -> None:
+        """The core is gone: every waiting call and live stream fails with `error`."""
+        if not self._alive:
+            return
+        self._alive = False
+        self._error = error
+        for waiting in self._waiting.values():
+            waiting.done.set()  # no reply: `_call` raises `_dead()`
+        self._waiting.clear()
+        self._abandoned.clear()
+        for send in self._sends.values():
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait(error)
+            send.close()
+        self._sends.clear()
+
+    # -- KV in shared memory -------------------------------------------------------------------
+
+    async def _share(self, holder: str, pieces: Sequence[KvBytes], seal: Any = None) -> ShmRef | bytes:
+        """A payload handed to the core: copied once into this node's shared memory (inline
+        when every region is held)."""
+        def put() -> ShmRef | bytes:
+            parts = [*pieces, seal() if seal is not None else b""]
+            try:
+                return self._outbox.put(holder, [memoryview(part) for part in parts])
+            except StatecoreError as exc:
+                if exc.info.code is not Code.OVERLOADED:
+                    raise
+                return b"".join(parts)
+
+        return await trio.to_thread.run_sync(put)
+
+    def _unshare(self, shared: ShmRef | bytes) -> None:
+        if isinstance(shared, ShmRef):
+            self._outbox.free(shared)
+
+    def _as_pieces(self, payload: ShmRef | bytes) -> KvPieces:
+        """A payload the core exported, read in place: `Free` goes back once no view of it is left."""
+        if isinstance(payload, bytes):
+            return KvPieces((payload,))
+        view = self._inbox.read(payload)
+        array = np.frombuffer(view, dtype=np.uint8)
+        weakref.finalize(array, self._free_later, payload)
+        return KvPieces((array.data,))  # a view that keeps `array` alive
+
+    def _free_later(self, ref: ShmRef) -> None:
+        """Any thread (the last view may go anywhere): sent with the next message, or soon."""
+        self._frees.append(ref)
+        if self._alive:
+            post(self._token, self._flush_frees)
+
+    def _flush_frees(self) -> None:
+        if self._frees and self._alive:
+            self._send([])
