@@ -198,9 +198,9 @@ def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempP
     """The three processes, run once for the module over every case this session's tests of
     it ask for: the matrix and the join tests read the same results (a case that joins does its
     joins in the same decode process)."""
-    wanted: set[Case] = {item.callspec.params["case"] for item in request.session.items
+    wanted = {case for item in request.session.items
               if isinstance(item, pytest.Function) and item.module is request.module
-              and hasattr(item, "callspec")}
+              and hasattr(item, "callspec") and isinstance(case := item.callspec.params["case"], Case)}
     dirs: dict[Case, Path] = {}
     wall_s: list[float] = []
 
