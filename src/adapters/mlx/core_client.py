@@ -16,7 +16,8 @@ and live stream fails with `ENGINE_FAILED` as a transport fault, as does every l
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
 pipeline-parallel instances are not served this way (refused at load). This module imports trio
-and numpy; it must never import mlx.
+and numpy; it must never import mlx itself (nothing here touches the device; the package's
+`__init__` still loads mlx when the node imports it).
 """
 
 from __future__ import annotations
