@@ -150,7 +150,7 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
         wait_healthy(node, 300)
         # the routers (and this process, the clients: see main) beside the prefill node, whose
         # core is idle once its prefill is done: the decode node's core is its own in the window
-        pin(node, cpus[0])
+        pin(node, args.clients_cpus or cpus[0])
     return {**engines, **routers}
 
 
@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="taskset cores of the prefill, decode and single node (e.g. 0 1 0)")
     parser.add_argument("--gpus", nargs=3, metavar="GPU", default=None,
                         help="CUDA_VISIBLE_DEVICES of the prefill, decode and single node")
+    parser.add_argument("--clients-cpus", default=None, metavar="CORES",
+                        help="the routers' and the clients' cores (default: the prefill node's, idle "
+                             "once its prefill is done; but a pull's export, or the last pieces' "
+                             "copy, runs there in the window)")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
     parser.add_argument("--background-streams", type=int, default=0)
     parser.add_argument("--background-max-tokens", type=int, default=2000)
@@ -336,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpus is None and args.gpus is None and (os.cpu_count() or 1) >= 2:
         args.cpus = ["0", "1", "0"]
     if args.cpus is not None:
-        os.sched_setaffinity(0, parse_cpus(args.cpus[0]))  # the clients' threads inherit it
+        # the clients' threads inherit it
+        os.sched_setaffinity(0, parse_cpus(args.clients_cpus or args.cpus[0]))
     model: Path = args.model or with_context(
         cached_checkpoint("llama", hidden_size=args.hidden_size, num_layers=args.num_layers),
         max(args.lengths) + args.max_tokens + 64)
@@ -346,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_hex(16)
     pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
     print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
-          f"cpus {args.cpus} gpus {args.gpus}")
+          f"cpus {args.cpus} (routers, clients {args.clients_cpus or (args.cpus or [None])[0]}) "
+          f"gpus {args.gpus}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
     servers: dict[str, Node] = {}
     background: BackgroundStreams | None = None

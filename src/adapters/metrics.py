@@ -56,7 +56,7 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondToken, StartDecode, StartPrefill
-from statecore.policy import counts_ending_token, first_token_ends
+from statecore.policy import counts_ending_token
 from statecore.routing import Route as TurnRoute
 
 log = logging.getLogger("statecore.metrics")
@@ -264,8 +264,7 @@ class Metrics(Instrument):
         if self.front_end or not isinstance(event, TokenGenerated | PrefillDone):
             return
         if isinstance(event, PrefillDone):
-            ignore_eos = ctx is not None and ctx.sampling.ignore_eos
-            if first_token_ends(event.first_token, self._engine.info.eos_token_ids, ignore_eos=ignore_eos):
+            if ctx is not None and ctx.ends_at_first_token:  # EOS: not an output token
                 return
             # a decode node's streamed handoff: its first token was computed (and counted) on the prefill node
             if ctx is not None and ctx.streamed:

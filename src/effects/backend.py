@@ -5,99 +5,27 @@ machine and prefills locally; the router runs the router request machine over it
 Either way the front end sees one `Generation`: the runner's replies (`RespondToken`,
 `Complete`, `Reject`) as the core made them. Admission is the runner's
 (`statecore.policy.admission`); a stop string the front end matched reaches the core as the
-`StopMatched` event (`RunnerGeneration.stop`). What the front end reads, stops and gives up is
-told to the runner's instruments as it happens (metrics time tokens as the client gets them).
+`StopMatched` event (`effects.runner.RunnerGeneration.stop`). What the front end reads, stops
+and gives up is told to the runner's instruments as it happens (metrics time tokens as the client
+gets them).
 This module may import `statecore` and trio; it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any, assert_never
+from collections.abc import Callable
+from typing import Any
 
-import trio
-
-from effects.faults import NO_FAULTS, FaultPort, Phase
+from effects.faults import NO_FAULTS, FaultPort
 from effects.interpret import EnginePerformer, NodeRequest, RoutedRequest, RouterPerformer
-from effects.ports import GenerationRequest, ModelInfo, Output
-from effects.runner import NodeRunner, Reply
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
-from statecore.events import Admitted, ClientCancelled, Event, PrefillLocally, StopMatched
-from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from effects.ports import GenerationRequest, ModelInfo
+from effects.runner import NodeRunner, RunnerGeneration, open_generation
+from statecore.errors import StatecoreError
+from statecore.events import Admitted, Event, PrefillLocally
 from statecore.policy import travel_refusal
 
 # replies a request can produce beyond its tokens: a completion or a rejection, plus slack
 _REPLY_SLACK = 4
-
-
-class RunnerGeneration:
-    def __init__(
-        self,
-        runner: NodeRunner[Any],
-        request_id: RequestId,
-        replies: trio.MemoryReceiveChannel[Reply],
-        context: NodeRequest | RoutedRequest | None = None,
-    ) -> None:
-        self.runner = runner
-        self.request_id = request_id
-        self.replies = replies
-        # the role's context for the request (its prefill's cached tokens): held here too, since
-        # the runner drops its entry when the request ends, maybe before this is read
-        self.context = context
-        self._ended = False  # the last output (an end or an error) was given
-
-    @property
-    def cached_tokens(self) -> int:
-        return 0 if self.context is None else self.context.cached_tokens
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        async with self.replies:
-            while not self._ended:
-                try:
-                    reply = await self.replies.receive()
-                except trio.EndOfChannel:
-                    yield self._unfinished()
-                    return
-                yield self._output(reply)
-
-    def receive_nowait(self) -> Output | None:
-        if self._ended:
-            return None
-        try:
-            reply = self.replies.receive_nowait()
-        except trio.WouldBlock:
-            return None
-        except trio.EndOfChannel:
-            return self._unfinished()
-        return self._output(reply)
-
-    def _output(self, reply: Reply) -> Output:
-        self.runner.instruments.reply_read(self.request_id, reply)
-        match reply:
-            case RespondToken():
-                pass
-            case Complete() | Reject():
-                self._end()
-            case _:
-                assert_never(reply)
-        return reply
-
-    def _unfinished(self) -> Output:
-        return self._output(Reject(self.request_id, ErrorInfo(
-            Fault.BUG, Code.INTERNAL, "the request ended without a completion")))
-
-    def _end(self) -> None:
-        self._ended = True
-        self.replies.close()  # nothing more is read; also when the iterator is never resumed
-
-    async def stop(self) -> None:
-        self.runner.instruments.generation_stopped(self.request_id)
-        await self.runner.post(self.request_id, StopMatched())
-
-    async def cancel(self) -> None:
-        self.runner.instruments.generation_cancelled(self.request_id)
-        await self.runner.post(self.request_id, ClientCancelled())
 
 
 class RunnerBackend:
@@ -127,20 +55,16 @@ class RunnerBackend:
 
     async def start(self, request: GenerationRequest) -> RunnerGeneration:
         try:
-            refused = self.runner.admission_error(self.max_live)
-            if refused is not None:
-                raise StatecoreError(refused)
-            await self.faults.at(Phase.INTAKE, request.request_id)
             first_event, context = self._admit(request)
-            replies = await self.runner.open(
-                request.request_id, request.sampling.max_tokens + _REPLY_SLACK, context
-            )
+            generation = await open_generation(self.runner, request.request_id,
+                                               request.sampling.max_tokens + _REPLY_SLACK, context,
+                                               max_live=self.max_live, faults=self.faults)
         except StatecoreError as exc:
             self.runner.instruments.generation_refused(exc.info)
             raise
         self.runner.instruments.generation_started(request.request_id, len(request.prompt))
         await self.runner.post(request.request_id, first_event)
-        return RunnerGeneration(self.runner, request.request_id, replies, context)
+        return generation
 
 
 def local_backend(
@@ -181,4 +105,4 @@ def router_backend(
     return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
 
 
-__all__ = ["RunnerBackend", "RunnerGeneration", "local_backend", "router_backend"]
+__all__ = ["RunnerBackend", "local_backend", "router_backend"]

@@ -80,6 +80,9 @@ class NodeRequest:
     prompt: tuple[int, ...]
     sampling: SamplingParams
     first_token: int | None = None
+    # whether the first token ends the request (EOS: `statecore.policy.first_token_ends`), decided
+    # once, where the first token is known: by its prefill here, else by the prefill node's reply
+    ends_at_first_token: bool = False
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
@@ -140,7 +143,8 @@ class EnginePerformer:
     def forget(self, request_id: RequestId, context: object) -> None:
         if request_id in self.kv_pulls.pending:
             self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
-        self.kv_streams.end(request_id)  # so does a stream still sending
+        if request_id in self.kv_streams.open_streams:
+            self.kv_streams.end(request_id)  # so does a stream still sending
         for hook in self.on_forget:
             hook(request_id)
 
@@ -158,13 +162,11 @@ class EnginePerformer:
         ctx = node_context(context)
         match intent:
             case StartPrefill():
-                if not self.kv_streams.streams(rid):
-                    await self._prefill(rid, ctx, post)
-                    return
                 try:
                     await self._prefill(rid, ctx, post)
                 except StatecoreError as exc:
-                    self.kv_streams.send(rid, exc.info)  # the decode node hears why; the request fails here
+                    # a streamed handoff's decode node hears why (no stream: nothing); the request fails here
+                    self.kv_streams.send(rid, exc.info)
                     raise
                 except Exception as exc:  # a bug: the decode node hears that too, not just "gone"
                     self.kv_streams.send(rid, bug(f"the prefill node failed to stream the KV: {exc!r}"))
@@ -245,7 +247,7 @@ class EnginePerformer:
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
                                                   self.handoffs.record(rid))
         started = time.perf_counter()
-        sink = self._streamed_pieces(rid) if self.kv_streams.streams(rid) else None
+        sink = self._streamed_pieces(rid) if rid in self.kv_streams.open_streams else None
         outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
         if ctx.hands_off:
             record = self.handoffs.record(rid)
@@ -255,8 +257,8 @@ class EnginePerformer:
                                        self.engine.info.prefill_chunk_size)
         ctx.first_token = outcome.first_token
         ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-        first_eos = first_token_ends(outcome.first_token, self.engine.info.eos_token_ids,
-                                     ignore_eos=ctx.sampling.ignore_eos)
+        ctx.ends_at_first_token = first_eos = first_token_ends(
+            outcome.first_token, self.engine.info.eos_token_ids, ignore_eos=ctx.sampling.ignore_eos)
         if sink is not None:
             self.kv_streams.send(rid, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
                                                    outcome.first_logprobs, outcome.cached_tokens))
@@ -321,9 +323,8 @@ class EnginePerformer:
             ctx.first_token_at = time.perf_counter()
             ctx.first_token = item.first_token
             ctx.cached_tokens = item.cached_tokens or 0
-            first_eos = first_token_ends(item.first_token, self.engine.info.eos_token_ids,
-                                         ignore_eos=ctx.sampling.ignore_eos)
-            finish = first_token_finish(first_eos, hands_off=False)
+            ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
+            finish = first_token_finish(item.is_eos, hands_off=False)
             if finish is None:
                 await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
         if ctx.first_token is None:

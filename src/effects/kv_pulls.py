@@ -6,10 +6,11 @@ A decode node's pull (`GET /internal/kv/{id}`) waits in `KvPulls` for the answer
 the exported KV for the request's `SendKv`, the reason for its `RefuseKv`, and, when the request
 ends before either, that it ended. A decode node's streamed handoff (`POST
 /internal/prefill_stream`) reads from `KvStreams` what the interpreter delivers as the prefill
-computes it: the cache's pieces, the first token, the end (or the error that ends it); the
-request's end closes it. Nothing is kept in the request's context, and whether a pull may have
-the KV is never asked here: it is the table's. This module may import `statecore` and trio;
-never httpx, mlx or mlx_lm.
+computes it: the cache's pieces, the first token, the end (or the error that ends it); a
+request that ends first tells its stream so. Either waiter hears the same KV_NOT_FOUND when its
+request ends before its KV was sent (`ended_before_sent`, the one place that says it). Nothing is
+kept in the request's context, and whether a pull may have the KV is never asked here: it is the
+table's. This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ KvAnswer = KvPieces | ErrorInfo
 # What a streamed handoff reads, in order: pieces of the cache as they are computed, the first
 # token, then None (the end); or an error, which ends it.
 StreamItem = KvSegment | PrefillReply | ErrorInfo | None
+
+
+def ended_before_sent(request_id: RequestId) -> ErrorInfo:
+    """What a pull or a stream hears when its request ended before its KV was sent."""
+    return ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"request {request_id} ended before its KV was sent")
 
 
 class KvPull:
@@ -86,7 +92,7 @@ class KvPulls:
 
     def end(self, request_id: RequestId) -> None:
         """The request is over: every pull still waiting for it hears so."""
-        gone = ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND, f"request {request_id} ended before its KV was sent")
+        gone = ended_before_sent(request_id)
         while self.answer(request_id, gone):
             pass
 
@@ -100,34 +106,41 @@ class KvStreams:
     request goes to its stream's channel, which the stream reads until the request ends."""
 
     def __init__(self) -> None:
-        # each stream's sending end, by request (read it, never change it: `open` and `end` do)
+        # each stream's sending end, by request: a request in it has a stream waiting for its
+        # pieces (its prefill then cuts them out); read it, never change it (`open`, `send` and
+        # `end` do)
         self.open_streams: dict[RequestId, trio.MemorySendChannel[StreamItem]] = {}
 
-    def open(self, request_id: RequestId, bound: int) -> trio.MemoryReceiveChannel[StreamItem]:
-        """A stream for the request, open from now (before the request is admitted, so that
-        nothing its prefill sends is lost) until the request ends (`end`). `bound` is the most
-        items one prefill sends (its pieces, the first token, the end), so a send never waits.
-        A request that has a stream already is refused."""
+    def open(self, request_id: RequestId, prompt_tokens: int, layers: int
+             ) -> trio.MemoryReceiveChannel[StreamItem]:
+        """A stream for a prompt of `prompt_tokens` of a model of `layers` layers, open from now
+        (before the request is admitted, so that nothing its prefill sends is lost) until its
+        last item (the end, or an error) or the request's end (`end`). Its bound is the most items
+        one prefill can send, so a send never waits: every piece holds at least one token of one
+        layer, then come the first token and the last item. A request that has a stream already
+        is refused."""
         if request_id in self.open_streams:
             raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
-        send, receive = trio.open_memory_channel[StreamItem](bound)
+        send, receive = trio.open_memory_channel[StreamItem](prompt_tokens * max(1, layers) + 2)
         self.open_streams[request_id] = send
         return receive
 
-    def streams(self, request_id: RequestId) -> bool:
-        """Whether a stream waits for the request's pieces (its prefill then cuts them out)."""
-        return request_id in self.open_streams
-
     def send(self, request_id: RequestId, item: StreamItem) -> None:
-        """Hand the request's stream its next item; nothing when it has none or its reader left."""
+        """Hand the request's stream its next item; nothing when it has none or its reader left.
+        The last item (the end, None, or an error) closes the stream: nothing follows it."""
         send = self.open_streams.get(request_id)
         if send is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait(item)
+            if item is None or isinstance(item, ErrorInfo):
+                self._close(request_id)
 
     def end(self, request_id: RequestId) -> None:
-        """The request is over (or was never admitted): its stream reads what is left, then the
-        channel's end."""
+        """The request is over (or was never admitted): a stream still open reads what is left,
+        then that its request ended before its KV was sent."""
+        self.send(request_id, ended_before_sent(request_id))
+
+    def _close(self, request_id: RequestId) -> None:
         send = self.open_streams.pop(request_id, None)
         if send is not None:
             send.close()
@@ -137,4 +150,4 @@ class KvStreams:
         return len(self.open_streams)
 
 
-__all__ = ["KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem"]
+__all__ = ["KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem", "ended_before_sent"]

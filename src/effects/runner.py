@@ -12,8 +12,10 @@ timer and the role's context; its phase is the core's record), made by `open` an
 in one place once its cleanup ran; the performer keeps nothing of its own. Only
 `TransportLost` or a finished drain stops the loop. Whoever watches a runner (metrics, logs,
 the live view) is an `Instrument` in its `instruments`, told of each transition, event, piece
-of work and reply read, never a wrapper around the performer or the backend. This module may
-import `statecore` and trio; never httpx, mlx or mlx_lm.
+of work and reply read, never a wrapper around the performer or the backend. Requests come in
+through one door, `open_generation` (the loop's admission, then `open`), for the front end's
+backend and the node API alike, and are read as a `RunnerGeneration`. This module may import
+`statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, assert_never
 
 import trio
 
+from effects.faults import FaultPort, Phase
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Event, LoopReady, Timer, TimerFired
+from statecore.events import ClientCancelled, Event, LoopReady, StopMatched, Timer, TimerFired
 from statecore.ids import RequestId
 from statecore.intents import (
     ArmTimer,
@@ -55,7 +58,6 @@ from statecore.intents import (
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
 from statecore.policy import admission, failure_event
-from statecore.step import outcome_reason
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -98,13 +100,13 @@ class Instrument:
     and one that raises is logged and passed over (`Instruments`), never raised into serving.
 
     The runner calls `transition`, `applied` and the work hooks; the front end's generations
-    (`effects.backend`) call the `generation_*` and `reply_read` hooks, so that what a client
-    sees is timed as it reads it."""
+    (`effects.backend`, `RunnerGeneration`) call the `generation_*` and `reply_read` hooks, so
+    that what a client sees is timed as it reads it."""
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
                    error: ErrorInfo | None, outcome: str | None) -> None:
         """A request changed phase; `outcome` is set when `new` is terminal, in the same words on
-        every node (`statecore.step.outcome_reason`)."""
+        every node (`statecore.loop.LoopState.outcome`)."""
 
     def applied(self, request_id: RequestId, event: Event, context: object) -> None:
         """An event is about to be applied to a request (`context`: the role's, None once the
@@ -367,10 +369,10 @@ class NodeRunner(Generic[P]):
             if record is None or record.phase is old:
                 continue
             new = record.phase
-            outcome = outcome_reason(self.machine, record) if self.machine.is_terminal(new) else None
+            outcome = self.state.outcome(rid)  # set when the request ended in this step
             self.instruments.transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)
-            if self.machine.is_terminal(new):
+            if outcome is not None:
                 self._outcomes[new.value] += 1
 
     def _finish(self, rid: RequestId) -> RequestEntry | None:
@@ -542,6 +544,110 @@ class NodeRunner(Generic[P]):
         log.error("%s: bug: %s", self.name, detail)
 
 
+class RequestContext(Protocol):
+    """What a request's generation reads of the role's context for it (a node's `NodeRequest`, the
+    router's `RoutedRequest`)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens its prefill took from a prefix cache."""
+        ...
+
+
+class RunnerGeneration:
+    """One request's replies as the front end (the `Generation` port) and the node API read them,
+    each told to the runner's instruments; `stop` and `cancel` post the core's events."""
+
+    def __init__(
+        self,
+        runner: NodeRunner[Any],
+        request_id: RequestId,
+        replies: trio.MemoryReceiveChannel[Reply],
+        context: RequestContext | None = None,
+    ) -> None:
+        self.runner = runner
+        self.request_id = request_id
+        self.replies = replies
+        # the role's context for the request (its prefill's cached tokens): held here too, since
+        # the runner drops its entry when the request ends, maybe before this is read
+        self.context = context
+        self._ended = False  # the last output (an end or an error) was given
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.context is None else self.context.cached_tokens
+
+    async def __aiter__(self) -> AsyncIterator[Reply]:
+        async with self.replies:
+            while not self._ended:
+                try:
+                    reply = await self.replies.receive()
+                except trio.EndOfChannel:
+                    yield self._unfinished()
+                    return
+                yield self._output(reply)
+
+    def receive_nowait(self) -> Reply | None:
+        if self._ended:
+            return None
+        try:
+            reply = self.replies.receive_nowait()
+        except trio.WouldBlock:
+            return None
+        except trio.EndOfChannel:
+            return self._unfinished()
+        return self._output(reply)
+
+    def _output(self, reply: Reply) -> Reply:
+        self.runner.instruments.reply_read(self.request_id, reply)
+        match reply:
+            case RespondToken():
+                pass
+            case Complete() | Reject():
+                self._end()
+            case _:
+                assert_never(reply)
+        return reply
+
+    def _unfinished(self) -> Reply:
+        return self._output(Reject(self.request_id, ErrorInfo(
+            Fault.BUG, Code.INTERNAL, "the request ended without a completion")))
+
+    def _end(self) -> None:
+        self._ended = True
+        self.replies.close()  # nothing more is read; also when the iterator is never resumed
+
+    async def stop(self) -> None:
+        self.runner.instruments.generation_stopped(self.request_id)
+        await self.runner.post(self.request_id, StopMatched())
+
+    async def cancel(self) -> None:
+        self.runner.instruments.generation_cancelled(self.request_id)
+        await self.runner.post(self.request_id, ClientCancelled())
+
+
+async def open_generation(
+    runner: NodeRunner[Any],
+    request_id: RequestId,
+    capacity: int,
+    context: RequestContext,
+    *,
+    max_live: int | None,
+    faults: FaultPort,
+    refusal: ErrorInfo | None = None,
+) -> RunnerGeneration:
+    """The one door into a runner, for the front end's backend and the node API alike: the
+    loop's admission (`statecore.policy.admission`, `max_live` requests in flight at most), then
+    the caller's own `refusal` if it has one (a node whose engine is lost), then the request is
+    opened with room for `capacity` replies. A refusal raises StatecoreError."""
+    refused = runner.admission_error(max_live) or refusal
+    if refused is not None:
+        raise StatecoreError(refused)
+    await faults.at(Phase.INTAKE, request_id)
+    replies = await runner.open(request_id, capacity, context)
+    return RunnerGeneration(runner, request_id, replies, context)
+
+
 __all__ = [
     "Answer",
     "CleanupIntent",
@@ -551,8 +657,11 @@ __all__ = [
     "Performer",
     "Post",
     "Reply",
+    "RequestContext",
     "RequestEntry",
+    "RunnerGeneration",
     "RunnerStatistics",
     "Timeouts",
     "WorkIntent",
+    "open_generation",
 ]

@@ -23,7 +23,15 @@ from statecore.ids import RequestId
 from statecore.intents import Intent, Reject
 from statecore.phases import LoopPhase
 from statecore.policy import admission
-from statecore.step import LoopRecord, RequestRecord, new_request, step_absent, step_loop, step_request
+from statecore.step import (
+    LoopRecord,
+    RequestRecord,
+    new_request,
+    outcome_reason,
+    step_absent,
+    step_loop,
+    step_request,
+)
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -70,6 +78,12 @@ class LoopState(Generic[P]):
     @property
     def accepting(self) -> bool:
         return self.loop.phase is LoopPhase.SERVING
+
+    def outcome(self, request_id: RequestId) -> str | None:
+        """Why a request that reached a terminal phase in the last step ended, in the same words
+        on every node (`statecore.step.outcome_reason`); None for any other request."""
+        record = self.settled.get(request_id)
+        return None if record is None else outcome_reason(self.machine, record)
 
 
 def new_loop(machine: Machine[P]) -> LoopState[P]:

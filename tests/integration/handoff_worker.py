@@ -1,9 +1,11 @@
-"""The processes of the cross-process handoff tests: one model, every prompt, per invocation.
+"""The processes of the cross-process handoff tests: one mode, every case, per invocation.
 
-`python -m tests.integration.handoff_worker MODE WORK_DIR`, where WORK_DIR holds `spec.json`
-(a `Spec`: the model directory, kv_bits, chunk size, named prompts, greedy and seeded sampling
-and, for the batch test, neighbour prompts and the prompts that also join them). Each mode
-writes `<MODE>.json` into WORK_DIR:
+`python -m tests.integration.handoff_worker MODE WORK_DIR...`, where each WORK_DIR holds
+`spec.json` (a `Spec`: the model directory, kv_bits, chunk size, named prompts, greedy and seeded
+sampling and, for the batch test, neighbour prompts and the prompts that also join them): one
+case, one model. The cases run one after the other in the one process (a process start costs
+more than a tiny model's case), each with its own engines. Each mode writes `<MODE>.json` into
+each WORK_DIR, or `<MODE>.error` (the traceback) when that case failed, and goes on with the next:
 
 - `prefill`: one `MlxEngine`; every prompt is prefilled twice (greedy, seeded), exported and
   released. Payloads go to `<prompt>.<sampling>.kv`, first tokens and sizes to the JSON.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,7 +86,15 @@ class Spec:
 
 
 def read_result(work: Path, mode: str) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads((work / f"{mode}.json").read_text())
+    """One case's result in one mode; its failure (or a worker that died before it) as an
+    AssertionError that says which."""
+    error = work / f"{mode}.error"
+    if error.exists():
+        raise AssertionError(f"the {mode} worker failed on {work.name}:\n{error.read_text()}")
+    found = work / f"{mode}.json"
+    if not found.exists():
+        raise AssertionError(f"the {mode} worker left no result for {work.name} (see its log)")
+    result: dict[str, Any] = json.loads(found.read_text())
     return result
 
 
@@ -245,14 +256,18 @@ _RUNNERS = {"prefill": run_prefill, "decode": run_decode, "reference": run_refer
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 2 or argv[0] not in _RUNNERS:
-        print(
-            f"usage: python -m tests.integration.handoff_worker {'|'.join(MODES)} WORK_DIR", file=sys.stderr
-        )
+    if len(argv) < 2 or argv[0] not in _RUNNERS:
+        print(f"usage: python -m tests.integration.handoff_worker {'|'.join(MODES)} WORK_DIR...",
+              file=sys.stderr)
         return 2
-    mode, work = argv[0], Path(argv[1])
-    result = trio.run(_RUNNERS[mode], Spec.read(work), work)
-    (work / f"{mode}.json").write_text(json.dumps(result))
+    mode = argv[0]
+    for work in map(Path, argv[1:]):
+        try:
+            result = trio.run(_RUNNERS[mode], Spec.read(work), work)
+        except Exception:  # that case's failure; the next case still runs
+            (work / f"{mode}.error").write_text(traceback.format_exc())
+            continue
+        (work / f"{mode}.json").write_text(json.dumps(result))
     return 0
 
 

@@ -6,10 +6,11 @@ into a fresh engine and continues 32 tokens. Greedy tokens must equal mlx-lm's `
 (same `prefill_step_size`); seeded sampling must equal the same engine doing everything on one
 node. Then a handed-off request joining a decoder that already runs three others must produce
 the tokens it produces alone. The processes are `tests/integration/handoff_worker.py`: one
-invocation per (model, mode) covers every prompt, both samplings and, for the cases that also
-join, the joins (the same payloads installed again beside running neighbours), and the prefill
-and reference processes run side by side. Each case's processes run once (`handoff_of`); both
-tests read their results.
+invocation per mode covers every case this session runs (each case: one model, every prompt, both
+samplings and, for the cases that also join, the joins: the same payloads installed again beside
+running neighbours), and the prefill and reference processes run side by side, the decode process
+once the prefill one is done. They run once, for the first test that asks (`handoff_of`); every
+test reads their results.
 
 CHUNK is 256, so 257 tokens take one full chunk plus the last token, and 2,100 tokens nine chunks
 (the last one partial) plus the last token. Prompts are the tiny tokenizer's ids of CORPUS.
@@ -118,11 +119,11 @@ class Results:
     wall_s: float
 
 
-def _start(mode: str, work: Path) -> subprocess.Popen[bytes]:
+def _start(mode: str, work: Path, cases: list[Path]) -> subprocess.Popen[bytes]:
     log = (work / f"{mode}.log").open("wb")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.handoff_worker", mode, str(work)],
+            [sys.executable, "-m", "tests.integration.handoff_worker", mode, *map(str, cases)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -132,9 +133,9 @@ def _start(mode: str, work: Path) -> subprocess.Popen[bytes]:
         log.close()
 
 
-def _wait(mode: str, process: subprocess.Popen[bytes], work: Path) -> None:
+def _wait(mode: str, process: subprocess.Popen[bytes], work: Path, cases: int) -> None:
     try:
-        code = process.wait(timeout=WORKER_TIMEOUT_S)
+        code = process.wait(timeout=WORKER_TIMEOUT_S * cases)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -144,33 +145,36 @@ def _wait(mode: str, process: subprocess.Popen[bytes], work: Path) -> None:
         raise AssertionError(f"the {mode} worker exited {code}:\n{tail}")
 
 
-def run_handoff(spec: Spec, work: Path) -> Results:
-    """prefill and reference side by side; decode starts as soon as the payloads exist."""
+def run_handoffs(specs: dict[Path, Spec], work: Path) -> float:
+    """Every case's prefill and reference processes side by side; decode once the payloads
+    exist. Each case's results stay in its directory (a key of `specs`); the wall time back."""
     started = time.monotonic()
-    spec.write(work)
-    prefill = _start("prefill", work)
-    reference = _start("reference", work)
+    for case_dir, spec in specs.items():
+        spec.write(case_dir)
+    cases = list(specs)
+    prefill = _start("prefill", work, cases)
+    reference = _start("reference", work, cases)
     try:
-        _wait("prefill", prefill, work)
-        decode = _start("decode", work)
+        _wait("prefill", prefill, work, len(cases))
+        decode = _start("decode", work, cases)
         try:
-            _wait("decode", decode, work)
+            _wait("decode", decode, work, len(cases))
         finally:
             if decode.poll() is None:
                 decode.kill()
                 decode.wait()
-        _wait("reference", reference, work)
+        _wait("reference", reference, work, len(cases))
     finally:
         for process in (prefill, reference):
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    return Results(
-        read_result(work, "prefill"),
-        read_result(work, "decode"),
-        read_result(work, "reference"),
-        time.monotonic() - started,
-    )
+    return time.monotonic() - started
+
+
+def results_in(case_dir: Path, wall_s: float) -> Results:
+    return Results(read_result(case_dir, "prefill"), read_result(case_dir, "decode"),
+                   read_result(case_dir, "reference"), wall_s)
 
 
 def spec_for(model_dir: Path, case: Case) -> Spec:
@@ -189,16 +193,25 @@ def spec_for(model_dir: Path, case: Case) -> Spec:
 
 
 @pytest.fixture(scope="module")
-def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempPathFactory
-               ) -> Callable[[Case], Results]:
-    """Each case's three processes, run once for the module: the matrix and the join tests read
-    the same results (a case that joins does its joins in the same decode process)."""
-    done: dict[Case, Results] = {}
+def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> Callable[[Case], Results]:
+    """The three processes, run once for the module over every case this session's tests of
+    it ask for: the matrix and the join tests read the same results (a case that joins does its
+    joins in the same decode process)."""
+    wanted = {case for item in request.session.items
+              if isinstance(item, pytest.Function) and item.module is request.module
+              and hasattr(item, "callspec") and isinstance(case := item.callspec.params["case"], Case)}
+    dirs: dict[Case, Path] = {}
+    wall_s: list[float] = []
 
     def results(case: Case) -> Results:
-        if case not in done:
-            done[case] = run_handoff(spec_for(model_for(case), case), tmp_path_factory.mktemp(case.id))
-        return done[case]
+        if not dirs:
+            work = tmp_path_factory.mktemp("handoffs")
+            dirs.update({each: work / each.id for each in sorted(wanted | {case}, key=MATRIX.index)})
+            for case_dir in dirs.values():
+                case_dir.mkdir()
+            wall_s.append(run_handoffs({dirs[each]: spec_for(model_for(each), each) for each in dirs}, work))
+        return results_in(dirs[case], wall_s[0])
 
     return results
 
@@ -225,6 +238,8 @@ JOIN_CASES = [
 ]
 
 
+# the first test to run runs every case's processes (a few minutes on a loaded 2-core box)
+@pytest.mark.timeout(WORKER_TIMEOUT_S * 4)
 @pytest.mark.parametrize("case", MATRIX, ids=[case.id for case in MATRIX])
 def test_cross_process_handoff_matches_mlx_lm_and_one_node(
     case: Case, handoff_of: Callable[[Case], Results]
@@ -258,6 +273,7 @@ def test_cross_process_handoff_matches_mlx_lm_and_one_node(
 # Joining a running decoder
 
 
+@pytest.mark.timeout(WORKER_TIMEOUT_S * 4)
 @pytest.mark.parametrize("case", JOIN_CASES, ids=[case.id for case in JOIN_CASES])
 def test_cross_process_handoff_joining_three_running_requests_decodes_as_alone(
     case: Case, handoff_of: Callable[[Case], Results]

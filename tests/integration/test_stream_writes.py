@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from adapters.frontend.sse import EVENTS_PER_WRITE
+from adapters.http.streaming import EVENTS_PER_WRITE
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, completed, rejected, replied

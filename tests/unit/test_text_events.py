@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.jobs import Job, Kind
 from adapters.frontend.openai_api import chunk, text_event
-from adapters.frontend.sse import TEXT_MARK, TextEvent, data_event
+from adapters.http.streaming import TEXT_MARK, TextEvent, data_event
 from effects.ports import SamplingParams
 from statecore.ids import RequestId
 from tests.integration.fake_backend import FakeBackend

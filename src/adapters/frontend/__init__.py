@@ -13,15 +13,15 @@ By idea, each module's first paragraph says more:
 | `generation` | the generation driver every API shares: tokens in, text steps out |
 | `chat_run` | one choice of a chat as the APIs served as a chat read it |
 | `frontend` | `Frontend`: the shared state and the verbs `prepare` and `start` |
-| `sse` | server-sent events' framing, the stream response |
 | `openai_api` | OpenAI's routes and answers (chat, completions, models, health) |
 | `tokenize_api` | vLLM's `/tokenize` and `/detokenize` |
 | `as_chat`, `messages_api`, `responses_api` | Messages' and Responses' answers and routes |
 | `app` | `build_app`: every route, API keys and CORS in one ASGI app |
 
 Imports run down that table's dependencies, never back: the API modules import `frontend`,
-which imports none of them, and only `app` knows every API. May import anything; nothing in
-`statecore` or `effects` may import this package.
+which imports none of them, and only `app` knows every API. Server-sent events' framing and the
+stream response are `adapters.http.streaming`'s (the node API and the live view stream through
+it too). May import anything; nothing in `statecore` or `effects` may import this package.
 """
 
 # The package's modules (import them by name: nothing is re-exported here, so importing the
@@ -41,6 +41,5 @@ __all__ = [
     "prompts",
     "responses_api",
     "responses_bodies",
-    "sse",
     "tokenize_api",
 ]

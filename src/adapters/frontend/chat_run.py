@@ -16,7 +16,7 @@ from starlette.responses import Response
 from adapters.frontend.generation import Finish, LogprobsFormat, Reply, Run
 from adapters.frontend.intake import REQUEST_ID_HEADER, error_response
 from adapters.frontend.jobs import Job
-from adapters.frontend.sse import event_stream
+from adapters.http.streaming import event_stream
 from statecore.errors import ErrorInfo
 
 __all__ = ["CalledTool", "ChatEnd", "ChatRun", "ChatStep"]

@@ -17,7 +17,7 @@ from adapters.frontend.as_chat import advance, answer, arguments_object
 from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.messages_bodies import MessagesBody, anthropic_error, parse_messages
-from adapters.frontend.sse import named_event
+from adapters.http.streaming import named_event
 from statecore.errors import ErrorInfo
 from statecore.policy import LENGTH, TOOL_CALLS
 

@@ -9,8 +9,8 @@ become an SSE event `data: {"error": {...}}` followed by `data: [DONE]`. A clien
 (streaming or not) cancels its generation. The answers: the whole body, and the server-sent
 events of a stream (each choice's chunks in turn, its finish chunk as it ends, usage after the
 last, `data: [DONE]`). Text chunks without logprobs come from a template per choice
-(`sse.TextEvent`), so a stream behind its tokens costs one JSON encoding per choice. An adapter:
-nothing in `statecore` or `effects` may import it.
+(`adapters.http.streaming.TextEvent`), so a stream behind its tokens costs one JSON encoding per
+choice. An adapter: nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ from adapters.frontend.intake import (
     unless_body_unread,
 )
 from adapters.frontend.jobs import Job, Kind
-from adapters.frontend.sse import EVENTS_PER_WRITE, TEXT_MARK, TextEvent, data_event, event_stream
-from adapters.http.streaming import cancel_on_disconnect
+from adapters.http.streaming import (
+    EVENTS_PER_WRITE,
+    TEXT_MARK,
+    TextEvent,
+    cancel_on_disconnect,
+    data_event,
+    event_stream,
+)
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 from statecore.events import TokenLogprobs
 

@@ -16,7 +16,7 @@ from adapters.frontend.as_chat import Logprob, advance, answer
 from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.responses_bodies import ResponsesBody, openai_error, parse_responses
-from adapters.frontend.sse import named_event
+from adapters.http.streaming import named_event
 from statecore.errors import ErrorInfo
 from statecore.policy import LENGTH
 

@@ -15,8 +15,9 @@ handoffs' bytes and timings). When a shared token is configured, internal endpoi
 in the `X-Statecore-Token` header. Every request goes through the node's `NodeRunner`, so its life
 is the core's state machine: admission is the runner's (`statecore.policy.admission`), a KV
 pull is an event whose answer is the table's (`SendKv`, or `RefuseKv` with KV_NOT_FOUND), and
-whether a first token ends its request is `statecore.policy.first_token_ends`. This module may
-import anything.
+whether a first token ends its request is read from its context (`NodeRequest.ends_at_first_token`,
+which the performer set when the token was computed or received). This module may import
+anything.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
-from effects.backend import RunnerGeneration
 from effects.faults import Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.kv_pulls import StreamItem
@@ -66,7 +66,7 @@ from effects.ports import (
     KvSegment,
     PrefillReply,
 )
-from effects.runner import NodeRunner
+from effects.runner import NodeRunner, RunnerGeneration, open_generation
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import (
     Admitted,
@@ -78,8 +78,7 @@ from statecore.events import (
 )
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import FINISH_REASONS, STOP, first_token_ends
-from statecore.prefix import prompt_chunks
+from statecore.policy import FINISH_REASONS, STOP
 
 log = logging.getLogger("statecore.node_api")
 
@@ -337,17 +336,16 @@ class NodeApi:
         return JSONResponse(self.performer.handoffs.snapshot())
 
     async def _admit(self, rid: RequestId, context: NodeRequest, capacity: int) -> RunnerGeneration:
-        refused = self.runner.admission_error(self.max_live)
-        if refused is not None:
-            raise StatecoreError(refused)
-        if (lost := self.engine_lost()) is not None:
-            # Between its device's death and its loop's end (it then exits) the node is a failed
-            # peer to whoever asks, not a bug of the request: the router tries another node.
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.ENGINE_FAILED,
-                                           f"this node's engine is lost ({lost}): it is going down"))
-        await self.faults.at(Phase.INTAKE, rid)
-        replies = await self.runner.open(rid, capacity, context)
-        return RunnerGeneration(self.runner, rid, replies, context)
+        return await open_generation(self.runner, rid, capacity, context, max_live=self.max_live,
+                                     faults=self.faults, refusal=self._lost_engine())
+
+    def _lost_engine(self) -> ErrorInfo | None:
+        """Between its device's death and its loop's end (it then exits) the node is a failed peer
+        to whoever asks, not a bug of the request: the router tries another node."""
+        if (lost := self.engine_lost()) is None:
+            return None
+        return ErrorInfo(Fault.PEER, Code.ENGINE_FAILED,
+                         f"this node's engine is lost ({lost}): it is going down")
 
     async def prefill(self, request: Request) -> Response:
         body: PrefillBody = _validated(PrefillBody, await read_body(request))
@@ -363,10 +361,10 @@ class NodeApi:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondToken(token=token, logprobs=logprobs):
-                first_eos = self._ends(token, context)
                 held = self.engine.statistics().held_bytes
                 cached = context.cached_tokens if _asks_cached_tokens(request) else None
-                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=first_eos, held_bytes=held,
+                return JSONResponse(PrefillReplyBody(first_token=token, is_eos=context.ends_at_first_token,
+                                                     held_bytes=held,
                                                      logprobs=LogprobsBody.of(logprobs),
                                                      cached_tokens=cached).document())
             case Reject(error=error):
@@ -410,14 +408,9 @@ class NodeApi:
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
                               prefix_from=prefix_source(body.prefix_from))
-        info = self.engine.info
-        # at most one piece per chunk and layer, then the first token and the end (or an error)
-        # (a block ends early after an end-of-turn token: statecore.prefix.prompt_chunks)
-        chunks = prompt_chunks(body.prompt, info.prefill_chunk_size, info.eos_token_ids)
-        bound = len(chunks) * max(1, len(info.layers)) + 3
         # the stream waits by request id for what the prefill sends it (`KvStreams`), from
-        # before the request is admitted until it ends
-        items = self.performer.kv_streams.open(rid, bound)
+        # before the request is admitted until its last item
+        items = self.performer.kv_streams.open(rid, len(body.prompt), len(self.engine.info.layers))
         try:
             generation = await self._admit(rid, context, 4)
             await self.runner.post(rid, Admitted(len(body.prompt)))
@@ -483,10 +476,6 @@ class NodeApi:
                             return
                         case None:
                             more_items = False
-            if not ended:  # the request ended here without its stream's end (cancelled, drained)
-                ended = True
-                yield [kv_stream.document_record(kv_stream.ERROR, error_json(ErrorInfo(
-                    Fault.PEER, Code.KV_NOT_FOUND, f"request {rid} ended before its KV was sent")))]
         finally:
             if copies is not None:
                 await copies.settle()  # their regions exist before anyone releases them
@@ -626,12 +615,6 @@ class NodeApi:
                                          cached_tokens=_asks_cached_tokens(request)),
                              media_type="application/x-ndjson")
 
-    def _ends(self, first_token: int, context: NodeRequest) -> bool:
-        """Whether the request's first token ends it (`statecore.policy.first_token_ends`), for the
-        first token's wire record."""
-        return first_token_ends(first_token, self.engine.info.eos_token_ids,
-                                ignore_eos=context.sampling.ignore_eos)
-
     async def _lines(self, generation: RunnerGeneration, context: NodeRequest, *, first_is_prefill: bool,
                      cached_tokens: bool = False) -> AsyncGenerator[bytes, None]:
         """The decode stream's NDJSON lines. A local prefill's first token goes first as a prefill
@@ -648,12 +631,12 @@ class NodeApi:
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, RespondToken):
                     first = False
-                    yield output_line(PrefillReply(output.token, self._ends(output.token, context), 0,
+                    yield output_line(PrefillReply(output.token, context.ends_at_first_token, 0,
                                                    output.logprobs, cached))
                     continue
                 if (first and cached is not None and isinstance(output, Complete)
                         and output.finish_reason == STOP and context.first_token is not None
-                        and self._ends(context.first_token, context)):
+                        and context.ends_at_first_token):
                     finished = True
                     yield output_line(PrefillReply(context.first_token, True, 0, None, cached))
                     continue

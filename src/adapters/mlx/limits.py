@@ -1,9 +1,11 @@
 """What the engine accepts, checked before anything reaches the device thread: its settings
 (`engine_settings`, from `MlxEngine.load`'s arguments) and a request's arguments (`checked_prompt`,
-`checked_prefix`, `checked_token`), where what a request may ask is `statecore.policy`'s decision
-(the context length, a grammar that must end with EOS). A refusal is a client error
-(`StatecoreError` with its code). This module imports mlx only through what it calls to pick
-defaults (the backend, the host's memory); it must never import trio.
+`checked_prefix`, `checked_token`: token ids inside the vocabulary, sampling values in range). What
+a request may ask of the model (that it fits the context, that a grammar's end goes with neither
+stop strings nor `ignore_eos`) is not decided here: the front end asks `statecore.policy` once,
+before any engine (`adapters.frontend.jobs`), and peers only send what a front end accepted. A
+refusal is a client error (`StatecoreError` with its code). This module imports mlx only through
+what it calls to pick defaults (the backend, the host's memory); it must never import trio.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from adapters.mlx.prefill import default_shape_bucket, on_cuda
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
-from statecore.errors import Code, StatecoreError, client_error
-from statecore.policy import context_overflow, grammar_end_conflict
+from statecore.errors import StatecoreError, client_error
 from statecore.scheduling import DEFAULT_CHUNK_TOKENS, default_step_tokens
 
 __all__ = [
@@ -273,19 +274,11 @@ def checked_token(token: object, what: str, info: ModelInfo) -> int:
     return value
 
 
-def _fits_the_context(tokens: list[int], what: str, info: ModelInfo) -> None:
-    if context_overflow(len(tokens), None, info.context_length) is not None:
-        raise StatecoreError(client_error(
-            f"the {what} has {len(tokens)} tokens; the context length is {info.context_length}",
-            Code.CONTEXT_LENGTH_EXCEEDED))
-
-
 def checked_prompt(prompt: Sequence[int], sampling: SamplingParams, info: ModelInfo) -> list[int]:
     """A request's prompt as token ids, and its sampling parameters, checked."""
     tokens = [checked_token(t, "prompt token", info) for t in prompt]
     if not tokens:
         raise StatecoreError(client_error("the prompt is empty"))
-    _fits_the_context(tokens, "prompt", info)
     if sampling.max_tokens < 1:
         raise StatecoreError(client_error("max_tokens must be >= 1"))
     if sampling.temperature < 0.0 or sampling.temperature != sampling.temperature:
@@ -294,11 +287,6 @@ def checked_prompt(prompt: Sequence[int], sampling: SamplingParams, info: ModelI
         raise StatecoreError(client_error("top_p must be in (0, 1]"))
     if sampling.top_k < 0:
         raise StatecoreError(client_error("top_k must be >= 0"))
-    if sampling.response_format is not None and grammar_end_conflict(
-            has_stop_strings=False, ignore_eos=sampling.ignore_eos) is not None:
-        raise StatecoreError(client_error(
-            "ignore_eos cannot go with a response_format: the grammar ends the output with EOS",
-            param="ignore_eos"))
     return tokens
 
 
@@ -307,5 +295,4 @@ def checked_prefix(tokens: Sequence[int], info: ModelInfo) -> list[int]:
     checked = [checked_token(t, "prefix token", info) for t in tokens]
     if not checked:
         raise StatecoreError(client_error("the prefix is empty"))
-    _fits_the_context(checked, "prefix", info)
     return checked
