@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine
-from adapters.mlx.core_client import ProcessEngine
+from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import watch_engine
 from effects.engine_port import EngineStatistics, GeneratedToken, KvSegment, SamplingParams
 from effects.fakes import FakeEngine
@@ -192,7 +192,13 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
         with pytest.raises(StatecoreError) as failed:
             async for _ in core.stream(RequestId("k")):
                 seen += 1
-                if seen == 3:
+                if seen == 3:  # a core stopped whole (not only its device thread) reads as stalled
+                    os.kill(core.core_pid, signal.SIGSTOP)
+                    with trio.fail_after(10):
+                        while core.statistics().stalled_s <= SILENT_S:
+                            await trio.sleep(0.05)
+                    os.kill(core.core_pid, signal.SIGCONT)
+                if seen == 5:
                     os.kill(core.core_pid, signal.SIGKILL)
         assert (failed.value.info.fault, failed.value.info.code) == (Fault.TRANSPORT, Code.ENGINE_FAILED)
         assert seen < LONG.max_tokens - 1

@@ -16,7 +16,8 @@ and live stream fails with `ENGINE_FAILED` as a transport fault, as does every l
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
 pipeline-parallel instances are not served this way (refused at load). This module imports trio
-and numpy; it must never import mlx.
+and numpy; it must never import mlx itself (nothing here touches the device; the package's
+`__init__` still loads mlx when the node imports it).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -83,6 +85,9 @@ UNDONE_BY_CANCEL: Final = frozenset({
     "prefill", "decode_held", "install", "install_segments", "receive_segment",
 })
 LOAD_DEADLINE_S: Final = 600.0
+# The core sends its statistics every 0.1 s: silent for longer than this with work waiting, it is
+# stuck itself (not only its device thread), and the silence counts as its stall for the watchdog.
+SILENT_S: Final = 1.0
 
 
 @dataclass(eq=False)
@@ -115,6 +120,7 @@ class ProcessEngine:
         self._alive = True
         self._closed = False
         self._error: StatecoreError | None = None
+        self._heard_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
         self._reader.start()
 
@@ -258,6 +264,9 @@ class ProcessEngine:
     def statistics(self) -> EngineStatistics:
         if not self._alive:
             return EngineStatistics(0, 0, 0, False, self._stats.step_retries, self._stats.rows_isolated)
+        silent = time.monotonic() - self._heard_at
+        if silent > SILENT_S and (self._waiting or self._sends):
+            return replace(self._stats, stalled_s=max(self._stats.stalled_s, silent))
         return self._stats
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
@@ -380,6 +389,7 @@ class ProcessEngine:
         post(self._token, self._lost, code)
 
     def _dispatch(self, messages: list[Any]) -> None:
+        self._heard_at = time.monotonic()
         for message in messages:
             match message:
                 case Item(request_id=request_id, token=token):

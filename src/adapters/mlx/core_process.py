@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -299,4 +300,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Everything is closed; skip MLX's C++ static teardown, which was seen to abort in short-lived
+    # MLX processes (as `statecore run` does: adapters.serve.command._exit_now).
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
