@@ -154,9 +154,10 @@ class PeerSet:
                 for u in urls]
 
     def prefill_backlog(self, avoid: set[str]) -> int | None:
-        """The least prefill queued at an available prefill node (tokens; None: overflow is off,
-        or no prefill node is up)."""
-        urls = [u for u in self.roles.get("prefill", []) if u in self.available and u not in avoid]
+        """The least prefill queued at a prefill node this attempt may use, as `pick` would choose
+        among them (those it avoids left out unless nothing else is left: `avoiding`) (tokens;
+        None: overflow is off, or no prefill node is up)."""
+        urls = avoiding([u for u in self.roles.get("prefill", []) if u in self.available], avoid)
         if not self.overflow or not urls:
             return None
         return min(self.prefilling.get(u, 0) for u in urls)
