@@ -39,7 +39,6 @@ import contextlib
 import datetime as dt
 import itertools
 import json
-import math
 import os
 import random
 import secrets
@@ -230,17 +229,23 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
             samples = [s if s.request_id not in windows else
                        Sample(**{**asdict(s), "stall_steps": stall_steps(gaps, windows[s.request_id],
                                                                           quiet_step),
-                                 "stall_joined_steps": stall_steps(gaps, windows[s.request_id],
-                                                                   joined_step(gaps, windows[s.request_id]))})
+                                 "stall_joined_steps": joined_stall(gaps, windows[s.request_id])})
                        for s in samples]
     return samples
 
 
-def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float:
-    """The streams' median gap in the second after the join (`window` ends a second after it)."""
+def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float | None:
+    """The streams' median gap in the second after the join (`window` ends a second after it);
+    None when no gap fits in it (steps longer than that second)."""
     joined = window[1] - 1.0
     after = [b - a for a, b in gaps if a >= joined and b <= window[1]]
-    return statistics.median(after) if after else math.inf
+    return statistics.median(after) if after else None
+
+
+def joined_stall(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float | None:
+    """The longest gap in `window` in the streams' steps after the join (None: none measured)."""
+    step = joined_step(gaps, window)
+    return None if step is None else stall_steps(gaps, window, step)
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
