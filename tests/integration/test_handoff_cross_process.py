@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +115,6 @@ class Results:
     prefill: dict[str, Any]
     decode: dict[str, Any]
     reference: dict[str, Any]
-    wall_s: float
 
 
 def _start(mode: str, work: Path, cases: list[Path]) -> subprocess.Popen[bytes]:
@@ -145,10 +143,9 @@ def _wait(mode: str, process: subprocess.Popen[bytes], work: Path, cases: int) -
         raise AssertionError(f"the {mode} worker exited {code}:\n{tail}")
 
 
-def run_handoffs(specs: dict[Path, Spec], work: Path) -> float:
+def run_handoffs(specs: dict[Path, Spec], work: Path) -> None:
     """Every case's prefill and reference processes side by side; decode once the payloads
-    exist. Each case's results stay in its directory (a key of `specs`); the wall time back."""
-    started = time.monotonic()
+    exist. Each case's results stay in its directory (a key of `specs`)."""
     for case_dir, spec in specs.items():
         spec.write(case_dir)
     cases = list(specs)
@@ -169,12 +166,11 @@ def run_handoffs(specs: dict[Path, Spec], work: Path) -> float:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    return time.monotonic() - started
 
 
-def results_in(case_dir: Path, wall_s: float) -> Results:
+def results_in(case_dir: Path) -> Results:
     return Results(read_result(case_dir, "prefill"), read_result(case_dir, "decode"),
-                   read_result(case_dir, "reference"), wall_s)
+                   read_result(case_dir, "reference"))
 
 
 def spec_for(model_dir: Path, case: Case) -> Spec:
@@ -202,7 +198,6 @@ def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempP
               if isinstance(item, pytest.Function) and item.module is request.module
               and hasattr(item, "callspec") and isinstance(case := item.callspec.params["case"], Case)}
     dirs: dict[Case, Path] = {}
-    wall_s: list[float] = []
 
     def results(case: Case) -> Results:
         if not dirs:
@@ -210,8 +205,8 @@ def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempP
             dirs.update({each: work / each.id for each in sorted(wanted | {case}, key=MATRIX.index)})
             for case_dir in dirs.values():
                 case_dir.mkdir()
-            wall_s.append(run_handoffs({dirs[each]: spec_for(model_for(each), each) for each in dirs}, work))
-        return results_in(dirs[case], wall_s[0])
+            run_handoffs({dirs[each]: spec_for(model_for(each), each) for each in dirs}, work)
+        return results_in(dirs[case])
 
     return results
 
