@@ -393,8 +393,9 @@ def second_token_own_steps(run: RunTrace) -> list[float]:
     out = []
     for t in run.long:
         later = [b - a for a, b in itertools.pairwise(t.chunk_times[1:])] if t.ok else []
-        if later and statistics.median(later) > 0:
-            out.append((t.chunk_times[1] - t.chunk_times[0]) / statistics.median(later))
+        step = statistics.median(later) if later else 0.0
+        if step > 0:
+            out.append((t.chunk_times[1] - t.chunk_times[0]) / step)
     return out
 
 

@@ -25,7 +25,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = [
     "Crash", "Job", "Local", "Outcome", "Stop", "StreamItem", "StreamSend", "as_statecore", "deliver",
-    "engine_failed", "post",
+    "engine_failed", "engine_lost", "post",
 ]
 
 T = TypeVar("T")
