@@ -1215,9 +1215,9 @@ async def test_a_prompt_part_way_through_a_shared_document_skips_the_blocks_anot
                 parked.set()
                 gate.wait(30)
 
-    budget = dict(max_batch=4, max_num_batched_tokens=4 + 2 * CHUNK)  # two whole blocks a step
-    cached = await open_engine(path, model_call_hook=hook, **budget)
-    plain = await open_engine(path, prefix_cache_bytes=0, **budget)
+    steps = 4 + 2 * CHUNK  # beside a batch of 4, two whole blocks a step
+    cached = await open_engine(path, model_call_hook=hook, max_batch=4, max_num_batched_tokens=steps)
+    plain = await open_engine(path, prefix_cache_bytes=0, max_batch=4, max_num_batched_tokens=steps)
     document = prompt_of(6 * CHUNK, salt=7)  # six whole blocks
     prompts = {"a": [*document, *prompt_of(20, salt=1)], "b": [*document, *prompt_of(21, salt=2)]}
     samplings = {"a": GREEDY, "b": SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=3)}

@@ -285,6 +285,8 @@ def blocks_prompt(rid: str, order: int, keys: list[bytes], chunk: int = 16, unit
 
 
 SYSTEM = [b"s0", b"s1"]
+INSIDE_S1 = blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6)  # two of s1's four layer slices done
+AT_S1 = blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4, done=4)  # about to start s1
 
 
 @pytest.mark.parametrize(
@@ -292,27 +294,22 @@ SYSTEM = [b"s0", b"s1"]
     [
         # the other is inside s1 (two of its four layer slices done) and this step finishes it
         # first: the newcomer at s1 starts after it when built ...
-        ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6), blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4,
-                                                                                  done=4)],
-         Budget(200, 8), ()),
+        ([INSIDE_S1, AT_S1], Budget(200, 8), ()),
         # ... this step takes one more slice of it: the newcomer waits ...
-        ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6), blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4,
-                                                                                  done=4)],
-         Budget(4, 8), ("w",)),
+        ([INSIDE_S1, AT_S1], Budget(4, 8), ("w",)),
         # ... one not sharing it does not
-        ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6), blocks_prompt("x", 2, [b"x0", b"x1"], unit=4)],
-         Budget(200, 8), ()),
+        ([INSIDE_S1, blocks_prompt("x", 2, [b"x0", b"x1"], unit=4)], Budget(200, 8), ()),
         # both at s0, whole blocks: the older computes s0 and s1 first, the other starts after them
-        ([blocks_prompt("o", 1, [*SYSTEM, b"o"]), blocks_prompt("w", 2, [*SYSTEM, b"w"])], Budget(200, 8), ()),
+        ([blocks_prompt("o", 1, [*SYSTEM, b"o"]), blocks_prompt("w", 2, [*SYSTEM, b"w"])],
+         Budget(200, 8), ()),
         # both at s0 in layer slices, a budget for three slices: the older starts s0 and the other waits
         ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4), blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4)],
          Budget(12, 8), ("w",)),
         # a request never waits for a keep task (optional work, last in line) ...
         ([blocks_prompt("k#keep", 1 << 40, [*SYSTEM, b"k"], unit=4, done=6, keeps_only=True),
-          blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4, done=4)], Budget(200, 8), ()),
+          AT_S1], Budget(200, 8), ()),
         # ... and a keep task waits for a request
-        ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6),
-          blocks_prompt("k#keep", 1 << 40, [*SYSTEM, b"k"], unit=4, done=4, keeps_only=True)],
+        ([INSIDE_S1, blocks_prompt("k#keep", 1 << 40, [*SYSTEM, b"k"], unit=4, done=4, keeps_only=True)],
          Budget(4, 8), ("k#keep",)),
     ],
 )
@@ -325,8 +322,7 @@ def test_block_waits_table(candidates: list[Candidate], budget: Budget, waiting:
 def test_a_waiter_computes_the_block_itself_once_its_computer_is_gone() -> None:
     """No starvation: the prompt inside the block is cancelled (it leaves the candidates) or
     starts again from its first chunk (a call raised): the waiter computes the block."""
-    owner = blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6)
-    waiter = blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4, done=4)
+    owner, waiter = INSIDE_S1, AT_S1
     assert "w" in schedule(0, [owner, waiter], Budget(4, 8), max_padding=0).waiting_for_blocks
     alone = schedule(0, [waiter], Budget(4, 8), max_padding=0)
     assert alone.waiting_for_blocks == () and [work.request_id for work in alone.prefills] == ["w"]
