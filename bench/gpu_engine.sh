@@ -218,8 +218,8 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     machine; model_1b
     timeout "${PREFIX_LIMIT:-330}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
       --servers mlx_lm,single,single_nocache --conversations 32 --rounds 2 --documents 3 \
-      --startup-timeout 120 --out "$OUT/shared_prefix" 2>&1 | quiet | tail -14
-    # One process for every engine (a process's start is most of a cold prefill's cost on the GPU):
+      --startup-timeout 120 --out "$OUT/shared_prefix" 2>&1 | quiet | tail -18
+    # One process, an engine per chunk size for both rounds (a start costs more than a cold prefill):
     # a line per prefill as it ends, then the medians over 256-token chunks without message ends.
     echo "== 8,000 tokens cold, an end-of-turn token every 0 (none) / 500 tokens; chunks 256, 128, 512"
     timeout "${COLD_LIMIT:-90}" $PY bench/engine/long_cold.py --model $M --base-src src --tokens 8000 \

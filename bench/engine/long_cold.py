@@ -2,22 +2,23 @@
 
 Each round prefills one prompt of --tokens tokens that no engine has seen (its own salt) on an
 `MlxEngine` loaded with its defaults, from this checkout's `src/` and from --base-src (e.g. main's
-code unpacked with `git archive`; this checkout's own `src/` is no second side: the ratios are then
-over this checkout at its default chunk size), and at the other chunk sizes of --chunks, the sides
-taking turns, their order reversed from round to round. --message-every takes a comma list: each
-engine prefills a prompt for each (an end-of-turn token every so many tokens; 0: none).
+code unpacked with `git archive`; this checkout's own `src/` is no second side: the ratios are
+then over this checkout at its default chunk size), and at the other chunk sizes of --chunks.
+--message-every takes a comma list: each engine prefills a prompt for each (an end-of-turn token
+every so many tokens; 0: none).
 
-One process per source tree runs all of its sides and rounds, an engine loaded for each: a
-process's start (imports, the device's context, kernels compiled on first use: tens of seconds on
-a GPU) is paid once per tree, not once per prefill. With --warm-first each engine first prefills a
-prompt of the same length and message ends (other tokens), so the timed one meets no attention
-shape for the first time in its process. The model is the bench's tiny llama (hidden 256, 4
-layers) with its context raised to fit the prompt (a copy under --work), unless --model. Prints a
-line per prefill as it ends and, last, the median ratio over the base per side and message
-spacing.
+One process per source tree runs all of its sides and rounds, an engine loaded for each side (for
+each side and round with --reload, the sides then taking turns, their order reversed from round
+to round): a process's start (imports, the device's context, kernels compiled on first use: tens
+of seconds on a GPU) is paid once per tree, not once per prefill. With --warm-first each engine
+first prefills a prompt of the same length and message ends (other tokens), so the timed one
+meets no attention shape for the first time in its process. The model is the bench's tiny llama
+(hidden 256, 4 layers) with its context raised to fit the prompt (a copy under --work), unless
+--model. Prints a line per prefill as it ends and, last, the median ratio over the base per side
+and message spacing.
 
     git archive main src | tar -x -C /tmp/base
-    .venv/bin/python bench/engine/long_cold.py --base-src /tmp/base/src --tokens 8000 --rounds 3
+    .venv/bin/python bench/engine/long_cold.py --base-src /tmp/base/src --tokens 8000 --rounds 3 --reload
 
 Bench code: may import anything; nothing under src/ imports it.
 """
@@ -35,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # support/: the tiny checkpoints
 
-# One source tree's process: for each round, each of its sides (an engine with its settings) in
-# turn, each message spacing; a JSON line per timed prefill.
+# One source tree's process: for each (side, its engine's settings, rounds), an engine loaded, then
+# each round's prefill at each message spacing; a JSON line per timed prefill.
 _CHILD = """
 import json, sys, time
 sys.path.insert(0, {src!r})
@@ -55,11 +56,11 @@ def prompt_of(salt, every, end):
 
 async def main():
     warmed = set()
-    for round_, sides in enumerate({plan!r}):
-        for side, settings in sides:
-            engine = await MlxEngine.load({model!r}, prefix_cache_bytes=0, warm_request=False, **settings)
-            try:
-                end = min(engine.info.eos_token_ids)
+    for side, settings, rounds in {plan!r}:
+        engine = await MlxEngine.load({model!r}, prefix_cache_bytes=0, warm_request=False, **settings)
+        try:
+            end = min(engine.info.eos_token_ids)
+            for round_ in rounds:
                 for every in {everies!r}:
                     if {warm_first!r} and (side, every) not in warmed:  # the shapes the timed one meets
                         warmed.add((side, every))
@@ -74,8 +75,8 @@ async def main():
                     print(json.dumps({{"round": round_, "side": side, "every": every, "seconds": seconds,
                                       "first": outcome.first_token,
                                       "chunk": engine.info.prefill_chunk_size, "blas": blas}}), flush=True)
-            finally:
-                await engine.aclose()
+        finally:
+            await engine.aclose()
 
 trio.run(main)
 sys.stdout.flush()
@@ -97,8 +98,8 @@ def long_context_model(work: Path, tokens: int) -> Path:
     return target
 
 
-def run_tree(src: Path, plan: list[list[tuple[str, dict[str, int]]]], model: Path, tokens: int, blas: str,
-             warm_first: bool, everies: list[int]) -> list[dict[str, object]]:
+def run_tree(src: Path, plan: list[tuple[str, dict[str, int], list[int]]], model: Path, tokens: int,
+             blas: str, warm_first: bool, everies: list[int]) -> list[dict[str, object]]:
     """One source tree's process: its prefills' results, each printed as it ends."""
     code = _CHILD.format(src=str(src), plan=plan, model=str(model), tokens=tokens, blas=blas,
                          warm_first=warm_first, everies=everies)
@@ -135,6 +136,11 @@ def main() -> int:
     parser.add_argument("--message-every", default="0",
                         help="a comma list: an end-of-turn token every N prompt tokens (a chat's messages; "
                              "this checkout ends a prefill block after each; 0: none): what those cuts cost")
+    parser.add_argument("--reload", action="store_true",
+                        help="load each side's engine again every round, the sides taking turns, "
+                             "their order reversed from round to round (on a busy CPU: a drift in its "
+                             "load weighs on every side alike); default: one engine per side for all its "
+                             "rounds (a GPU's load takes seconds)")
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "results" / "long_cold")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -150,8 +156,11 @@ def main() -> int:
     results: list[dict[str, object]] = []
     for src in dict.fromkeys(src for src, _ in sides.values()):
         mine = [side for side, (tree, _) in sides.items() if tree == src]
-        plan = [[(side, sides[side][1]) for side in (mine if round_ % 2 == 0 else mine[::-1])]
-                for round_ in range(args.rounds)]
+        if args.reload:  # an engine per round and side, the sides taking turns
+            plan = [(side, sides[side][1], [round_]) for round_ in range(args.rounds)
+                    for side in (mine if round_ % 2 == 0 else mine[::-1])]
+        else:
+            plan = [(side, sides[side][1], list(range(args.rounds))) for side in mine]
         results += run_tree(src, plan, model, args.tokens, args.blas, args.warm_first, everies)
     seconds = {(str(r["side"]), int(r["every"]), int(r["round"])): float(r["seconds"])  # type: ignore[call-overload]
                for r in results}
