@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import trio
 
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
-from adapters.serve.node import watch_engine
+from adapters.serve.node import CORE_PROCESS, watch_engine
 from effects.engine_port import EngineStatistics, GeneratedToken, KvSegment, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
@@ -187,7 +188,8 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
     await core.decode_held(RequestId("k"), prompt, outcome.first_token, LONG)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        nursery.start_soon(watch_engine, runner, core.statistics, 0.0, reasons.append)
+        watch = partial(watch_engine, runner, core.statistics, 0.0, reasons.append, what=CORE_PROCESS)
+        nursery.start_soon(watch)
         seen = 0
         with pytest.raises(StatecoreError) as failed:
             async for _ in core.stream(RequestId("k")):
@@ -209,7 +211,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
         with trio.fail_after(10):
             while runner.statistics().phase is not LoopPhase.STOPPED:
                 await trio.sleep(0.02)
-        assert reasons
+        assert reasons == ["the engine core process died"]
     assert replace(core.statistics(), step_retries=0, rows_isolated=0) == EngineStatistics(0, 0, 0, False)
     await core.cancel(RequestId("k"))  # quiet no-ops once it is gone
     assert await core.release_held(RequestId("k")) == 0

@@ -210,6 +210,7 @@ class NodeApi:
         if shm is not None:
             performer.on_forget.append(self._release_later)
         self.kv_port: int | None = None  # the KV plane's port, once it listens (a prefill node's)
+        self.blas: str | None = None  # what the engine computes with, when its node knows (else MLX is asked)
         self.kv_plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
@@ -270,7 +271,7 @@ class NodeApi:
         shared: dict[str, object] = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
         if self.kv_port is not None:
             shared["kv_port"] = self.kv_port
-        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
+        return JSONResponse({**info_json(self.engine.info), "blas": self.blas or blas_in_use(),
                              "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 
     def statistics(self) -> dict[str, object]:

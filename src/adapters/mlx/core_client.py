@@ -16,8 +16,9 @@ and live stream fails with `ENGINE_FAILED` as a transport fault, as does every l
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
 pipeline-parallel instances are not served this way (refused at load). This module imports trio
-and numpy; it must never import mlx itself (nothing here touches the device; the package's
-`__init__` still loads mlx when the node imports it).
+and numpy; it must never import mlx (nothing here touches the device), nor import anything that
+does: a node whose core is a process never loads mlx (the package's `__init__` loads its names
+on first use).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class ProcessEngine:
         self._process = process
         self._sock = sock
         self.info: ModelInfo = loaded.info
+        self.blas = loaded.blas  # what the core's MLX computes with
         self._stats = loaded.statistics
         self._token = trio.lowlevel.current_trio_token()
         self._ids = itertools.count(1)

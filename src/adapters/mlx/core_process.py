@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import trio
 
+from adapters.blas import blas_in_use
 from adapters.kv.shm import ShmInbox, ShmOutbox, ShmRef
 from adapters.mlx.core_wire import (
     NO_REPLY,
@@ -283,7 +284,7 @@ async def serve(sock: socket.socket) -> int:
         return 1
     server = CoreServer(sock, engine)
     try:
-        server.send_now([Loaded(engine.info, engine.statistics())])
+        server.send_now([Loaded(engine.info, engine.statistics(), blas_in_use())])
         await server.run()
     finally:
         with trio.CancelScope(shield=True):

@@ -90,6 +90,7 @@ class Stop:
 class Loaded:
     info: ModelInfo
     statistics: EngineStatistics
+    blas: str  # what the core's MLX computes with (`adapters.blas.blas_in_use`): the node never loads mlx
 
 
 @dataclass(frozen=True, slots=True)
