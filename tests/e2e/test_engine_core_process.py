@@ -1,6 +1,7 @@
 """A prefill and a decode node whose engine cores run in their own processes (`--engine-core
 process`): through the router, a streamed handoff (its pieces through shared memory) and a pulled
-one answer byte for byte as a single node with its core on a thread (greedy and seeded, streamed
+one answer byte for byte as a single node with its core on a thread (the prefill node hands its
+core's shared memory on to the decode node, copying none of it) (greedy and seeded, streamed
 and not, and several requests batched); and when the decode node's core process is killed
 mid-stream the stream ends with a typed error and the node exits 3, as it does when its device
 thread dies. (That the process core answers as the thread core call by call, and moves KV both
@@ -54,6 +55,10 @@ def loaded_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
+def shm_regions(pid: int) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"statecore-kv-{pid}-*")]
+
+
 def answer(response: httpx.Response, stream: bool) -> Any:
     """The body without the fields allowed to differ; a stream's events in order."""
     assert response.status_code == 200, response.text
@@ -91,6 +96,10 @@ def test_process_cores_hand_off_as_a_thread_core_answers_and_a_dead_core_ends_a_
         records = httpx.get(f"{decode.url}/internal/handoffs", timeout=5).json()["records"]
         assert {(r["streamed"], r["transport"]) for r in records} == {(True, "shm"), (False, None)}, records
         assert_no_leaks([streamed, pulled, prefill, decode])
+        # the prefill node handed its core's regions on: it made none of its own but its probe
+        assert prefill.process is not None
+        assert [name for name in shm_regions(prefill.process.pid) if not name.endswith("-probe")] == []
+        assert shm_regions(core_pid(prefill))
         for node in (prefill, decode):  # the core loads mlx; the node itself never does
             assert node.process is not None
             assert "libmlx" not in loaded_libraries(node.process.pid), node.role

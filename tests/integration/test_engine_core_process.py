@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import trio
 
+from adapters.kv.shm import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import CORE_PROCESS, watch_engine
@@ -143,6 +144,20 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
         await source.release_held(rid)
         await target.install_segments(rid, prompt, outcome.first_token, GREEDY)
         assert [outcome.first_token] + [g.token async for g in target.stream(rid)] == expected
+    # pieces already in shared memory (the core's own, as a prefill node's core hands them on)
+    # go into the core by reference, with no copy on the node's side
+    rid = RequestId("by-reference")
+    pieces = []
+    outcome = await core.prefill(rid, prompt, GREEDY, segments=pieces.append)
+    assert all(isinstance(piece.payload.shared, ShmRef) for piece in pieces)
+    copies = core.copies_into_shared_memory()
+    into = RequestId("by-reference-in")
+    for piece in pieces:
+        await core.receive_segment(into, piece, len(prompt), max_tokens=GREEDY.max_tokens)
+    assert core.copies_into_shared_memory() == copies
+    await core.release_held(rid)
+    await core.install_segments(into, prompt, outcome.first_token, GREEDY)
+    assert [outcome.first_token] + [g.token async for g in core.stream(into)] == expected
     # a prefix's blocks leave the process core and come back into it
     blocks = prompt[:2 * CHUNK]
     exported = (await core.export_prefix(blocks)).joined()

@@ -8,10 +8,12 @@ device thread thus shares this process's GIL with nothing but this thin loop, ne
 node's HTTP work. Each step's stream items leave in one write: the device thread's delivery
 (`jobs.deliver`) hands them to `_ToNode`, and a flush scheduled behind it sends what gathered.
 KV leaves through shared memory (`adapters.kv.shm`: one copy into a region, the bytes' only copy
-here; the node frees it when the last view of it is gone) and arrives the same way (read in
-place from the node's region). The process ignores SIGINT and SIGTERM (its node drains and then
-stops it) and ends when its node does (end of stream on the socket). This is an adapter: nothing
-in `statecore` or `effects` may import it, and the node's modules start it, never import it.
+between the device and the decode node: a prefill node hands the region on as it lies; the node
+frees it when the last view of it is gone) and arrives the same way (read in place from the
+node's region, or from the prefill node's that the decode node was handed). The process ignores
+SIGINT and SIGTERM (its node drains and then stops it) and ends when its node does (end of
+stream on the socket). This is an adapter: nothing in `statecore` or `effects` may import it, and
+the node's modules start it, never import it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Final
 import trio
 
 from adapters.blas import blas_in_use
-from adapters.kv.shm import ShmInbox, ShmOutbox, ShmRef
+from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmOutbox, ShmRef
 from adapters.mlx.core_wire import (
     NO_REPLY,
     Abandon,
@@ -92,7 +94,7 @@ class _ToNode:
 class CoreServer:
     """One engine served over one socket (see the module's paragraph)."""
 
-    def __init__(self, sock: socket.socket, engine: MlxEngine) -> None:
+    def __init__(self, sock: socket.socket, engine: MlxEngine, shm_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._sock = sock
         self.engine = engine
         self._token = trio.lowlevel.current_trio_token()
@@ -100,7 +102,7 @@ class CoreServer:
         self._flush_posted = False
         self._send_lock = threading.Lock()
         self._scopes: dict[int, trio.CancelScope] = {}
-        self._outbox = ShmOutbox(checksum=False)  # the payloads carry their own checksums
+        self._outbox = ShmOutbox(max_bytes=shm_bytes, checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
         engine.stream_sends = partial(_ToNode, self)
 
@@ -282,7 +284,7 @@ async def serve(sock: socket.socket) -> int:
     except StatecoreError as exc:
         sock.sendall(encode([Raised(NO_REPLY, exc.info, EngineStatistics(0, 0, 0, False))]))
         return 1
-    server = CoreServer(sock, engine)
+    server = CoreServer(sock, engine, load.shm_bytes)
     try:
         server.send_now([Loaded(engine.info, engine.statistics(), blas_in_use())])
         await server.run()

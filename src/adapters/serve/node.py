@@ -324,7 +324,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         if getattr(args, "engine_core", "thread") == "process" and tensor is None:
             fault_specs = (tuple(args.inject_fault), args.fault_marker, role) if faults.armed else None
             engine = await ProcessEngine.load(model, **engine_options(args, role), fault_specs=fault_specs,
-                                              switch_interval=interval)
+                                              switch_interval=interval,
+                                              shm_bytes=getattr(args, "kv_shm_bytes", None) or KV_SHM_BYTES)
         else:
             from adapters.mlx.engine import MlxEngine
 
