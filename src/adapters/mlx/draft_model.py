@@ -31,6 +31,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 __all__ = ["DraftModel", "check_draft_vocabulary"]
 
 _FEED_CHUNK = 2048  # the most tokens one feeding call computes (a long prompt goes in several)
+_CHECK_TOKENS = 24  # the load check's prompt
 
 
 @dataclass(eq=False)
@@ -52,6 +53,14 @@ class DraftModel:
                 Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
                 "a draft model must keep a plain KV cache in every layer (its cache is cut back to "
                 f"the tokens that stood); this one keeps {sorted({type(c).__name__ for c in probe})}"))
+
+    def check(self) -> None:
+        """A short prompt and one step after it through the draft model, evaluated (the load
+        check): raises where this device cannot compute the calls drafting makes."""
+        cache: list[Any] = make_prompt_cache(self.model)
+        self.model(mx.array([[1 + (7 * i) % 97 for i in range(_CHECK_TOKENS)]]), cache=cache)
+        logits = self.model(mx.array([[1]]), cache=cache)[:, -1, :]
+        mx.eval(greedy_sampler(log_softmax(logits)))
 
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
