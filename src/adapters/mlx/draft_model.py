@@ -3,9 +3,10 @@ that guesses the next few tokens of a speculating row.
 
 Each row keeps its own cache in the draft model and the tokens it holds (`_DraftRow.fed`). To
 draft, the cache is first cut back to where it still agrees with the row's tokens (a verify step
-may have dropped drafts it held), the tokens it lacks are fed in one call (all of the prompt, the
-first time: the draft model's prefill happens on the node that decodes), and then each draft is
-drawn from the last position and fed back, one call per draft. A greedy row drafts the argmax; a
+may have dropped drafts it held), the tokens it lacks go in with the first draft's call (all of
+the prompt, the first time, its long ones' leading chunks before: the draft model's prefill
+happens on the node that decodes), and each draft is drawn from the last position and fed back,
+one call per draft, its computation started as it is drawn. A greedy row drafts the argmax; a
 seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
@@ -67,9 +68,9 @@ class DraftModel:
 
     def propose(self, request_id: str, prompt: Sequence[int], generated: Sequence[int], count: int,
                 sampler: PositionSampler) -> Any:
-        """`count` draft tokens after the row's tokens (`prompt`, then `generated`, its latest
-        token last), as a lazy (count,) array: they are evaluated with the verify step that
-        checks them, which then hands their values back (`drafted`)."""
+        """`count` (at least 1) draft tokens after the row's tokens (`prompt`, then `generated`,
+        its latest token last), as a (count,) array whose values the verify step that checks them
+        reads back, and hands back (`drafted`)."""
         row = self.rows.get(request_id)
         if row is None:
             row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
@@ -83,17 +84,22 @@ class DraftModel:
         for layer in row.cache:
             layer.trim(len(row.fed) - agree)
         del row.fed[agree:]
-        missing = history.since(agree)
-        for start in range(0, len(missing) - 1, _FEED_CHUNK):
-            part = missing[start : min(start + _FEED_CHUNK, len(missing) - 1)]
-            self.model(mx.array([part]), cache=row.cache)
+        missing = rest = history.since(agree)
+        while len(rest) > _FEED_CHUNK:  # a long prompt (a row's first try): in evaluated chunks
+            self.model(mx.array([rest[:_FEED_CHUNK]]), cache=row.cache)
             mx.eval([layer.state for layer in row.cache])
+            rest = rest[_FEED_CHUNK:]
+        # The tokens the cache lacks go in with the first draft's call (after a verify step that
+        # kept every draft, the last draft and the token after it): one call, no wait. Each
+        # draft starts computing as soon as it is drawn, while the next call is built.
         drafts: list[Any] = []
-        last: Any = mx.array([missing[-1]])
+        feed: Any = mx.array([rest])
         for i in range(count):
-            logits = self.model(last[None], cache=row.cache)[:, -1, :]
+            logits = self.model(feed, cache=row.cache)[:, -1, :]
             last = _draw(logits, sampler, i)
+            mx.async_eval(last)  # type: ignore[no-untyped-call]
             drafts.append(last)
+            feed = last[None]
         row.fed.extend(missing)
         return mx.concatenate(drafts).astype(mx.uint32)
 

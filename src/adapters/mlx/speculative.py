@@ -277,8 +277,9 @@ class Speculator:
                 drafts.append([])
                 continue
             if self.draft is not None:
-                proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
-                                              live.sampler)
+                with mx.stream(generation_stream):  # the verify step's stream: no wait between them
+                    proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
+                                                  live.sampler)
             else:
                 proposed = self.index(live).draft(wanted)
             room -= _count(proposed)
