@@ -278,7 +278,7 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     machine
     for compile in off on; do
       echo "== prompt lookup, --compile-decode $compile"
-      timeout "${SPEC_LIMIT:-120}" $PY bench/engine/speculative.py --hidden-size 2048 --layers 16 \
+      timeout "${SPEC_LIMIT:-110}" $PY bench/engine/speculative.py --hidden-size 2048 --layers 16 \
         --head-dim 64 --dtype bfloat16 --rounds 3 --tokens 200 --draft-tokens 3,5 --compile-decode $compile \
         --out "$OUT/speculative_compile_$compile.json" 2>&1 | tail -14
     done
@@ -289,7 +289,7 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
 from support.chain_model import build_chain_checkpoint as b; b(Path('$1'), hidden_size=$2, num_layers=$3, \
 dtype='bfloat16', head_dim=64)"
     done
-    timeout "${DRAFT_LIMIT:-150}" $PY bench/serving/side_by_side.py --model /tmp/chain-target-d64 --blas bundled \
+    timeout "${DRAFT_LIMIT:-140}" $PY bench/serving/side_by_side.py --model /tmp/chain-target-d64 --blas bundled \
       --servers mlx_lm,single --mix 64x128 --concurrency 1 --min-requests 4 --max-requests 4 --reps 3 \
       --no-parity --startup-timeout 120 --mlx-lm-arg=--draft-model=/tmp/chain-draft-d64 \
       --mlx-lm-arg=--num-draft-tokens=3 --statecore-arg=--draft-model=/tmp/chain-draft-d64 \
