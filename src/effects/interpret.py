@@ -59,14 +59,13 @@ from statecore.intents import (
     StopDecoding,
 )
 from statecore.policy import (
-    LENGTH,
     RetryState,
+    after_first_token,
     attempt_failed,
     blames_peer,
     decoded_token,
     first_token_ends,
     first_token_finish,
-    first_token_is_last,
 )
 from statecore.routing import Route, RouteChoice
 
@@ -182,8 +181,8 @@ class EnginePerformer:
             case InstallKv():
                 if ctx.first_token is None:
                     raise _bug("InstallKv before the first token")
-                if first_token_is_last(ctx.sampling.max_tokens):
-                    await post(Finished(LENGTH))
+                if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
+                    await post(Finished(finish))
                     return
                 await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is None and not ctx.streamed:
@@ -465,8 +464,8 @@ class RouterPerformer:
             case StartDecode():
                 if ctx.local or ctx.streamed:
                     return  # the decode node's stream, opened at StartPrefill, carries on
-                if first_token_is_last(ctx.sampling.max_tokens):
-                    await post(Finished(LENGTH))
+                if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
+                    await post(Finished(finish))
                     return
                 assert ctx.decode_node is not None and ctx.first_token is not None
                 call = DecodeCall(
