@@ -378,7 +378,7 @@ class Metrics(Instrument):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scrape-time collection and the KV-served middleware
+# Scrape-time collection
 
 
 def _per_role(family: type[CounterMetricFamily] | type[GaugeMetricFamily], role: str,
