@@ -207,8 +207,7 @@ class EnginePerformer:
                         self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
                     if produced == 3:  # a few tokens in, so the failure is mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
-                    send, finish = decoded_token(generated.is_eos, generated.finish_reason,
-                                                 ignore_eos=ctx.sampling.ignore_eos)
+                    send, finish = decoded_token(generated.finish_reason)
                     if send:
                         await post(TokenGenerated(generated.token, generated.logprobs))
                     if finish is not None:

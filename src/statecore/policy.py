@@ -171,14 +171,11 @@ def finish_before_decoding(first_token: int, eos_token_ids: Collection[int], *, 
     return after_first_token(max_tokens)
 
 
-def decoded_token(is_eos_token: bool, finish_reason: str | None, *,
-                  ignore_eos: bool) -> tuple[bool, str | None]:
-    """(send the token, how the generation ends after it) for a token out of the decoder: an
-    EOS token ends with "stop" and is not sent; any other is sent, then ends the generation
-    when the engine marked it the last."""
-    if is_eos_token and not ignore_eos:
-        return False, STOP
-    return True, finish_reason
+def decoded_token(finish_reason: str | None) -> tuple[bool, str | None]:
+    """(send the token, how the generation ends after it) for a token out of the decoder, whose
+    end the engine asked `token_finish`: an EOS token ("stop") ends the generation and is not
+    sent; any other is sent, then ends it when it was the last allowed ("length")."""
+    return finish_reason != STOP, finish_reason
 
 
 def counts_ending_token(finish_reason: str) -> bool:

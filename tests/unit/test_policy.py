@@ -94,9 +94,9 @@ def test_how_a_generation_ends() -> None:
     assert finish_before_decoding(7, eos, ignore_eos=False, max_tokens=1) == "stop"  # EOS first
     assert finish_before_decoding(7, eos, ignore_eos=True, max_tokens=1) == "length"
     assert finish_before_decoding(3, eos, ignore_eos=False, max_tokens=2) is None
-    assert decoded_token(True, "stop", ignore_eos=False) == (False, "stop")
-    assert decoded_token(False, "length", ignore_eos=False) == (True, "length")
-    assert decoded_token(False, None, ignore_eos=False) == (True, None)
+    assert decoded_token("stop") == (False, "stop")
+    assert decoded_token("length") == (True, "length")
+    assert decoded_token(None) == (True, None)
 
 
 def test_which_event_an_error_becomes() -> None:
