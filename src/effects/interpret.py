@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -301,30 +302,31 @@ class EnginePerformer:
     async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
                              stream: AsyncIterator[KvSegment | PrefillReply],
                              record: HandoffRecord, opened: float) -> None:
+        """Read the stream to its end while one task checks and keeps its pieces in order
+        (`_keep_pieces`): a piece takes milliseconds to check (its CRC, its arrays built), and a
+        first token read behind pieces still being checked goes on at once. The first failure,
+        the stream's or a piece's, ends both and is raised."""
         finish: str | None = None
         received = segments = before_first = 0
-        async for item in stream:
-            if isinstance(item, KvSegment):
-                received += item.payload.nbytes
-                segments += 1
-                try:
-                    await self.engine.receive_segment(rid, item, len(ctx.prompt),
-                                                      max_tokens=ctx.sampling.max_tokens)
-                except StatecoreError as exc:  # a piece the prefill node sent: named after it
-                    if exc.info.fault is not Fault.PEER:
-                        raise
-                    named = f"{ctx.prefill_url}: {exc.info.message}"
-                    raise StatecoreError(replace(exc.info, message=named)) from exc
-                continue
-            record.first_token_s = time.perf_counter() - opened
-            before_first = received
-            ctx.first_token_at = time.perf_counter()
-            ctx.first_token = item.first_token
-            ctx.cached_tokens = item.cached_tokens or 0
-            ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
-            finish = first_token_finish(item.is_eos, hands_off=False)
-            if finish is None:
-                await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
+        failures: list[Exception] = []
+        send_piece, pieces = trio.open_memory_channel[KvSegment](math.inf)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_pieces, rid, ctx, pieces, failures, nursery.cancel_scope)
+            try:
+                with send_piece:  # closed at the stream's end: the keeper then finishes the rest
+                    async for item in stream:
+                        if isinstance(item, KvSegment):
+                            received += item.payload.nbytes
+                            segments += 1
+                            send_piece.send_nowait(item)
+                            continue
+                        before_first = received
+                        finish = await self._first_token(item, ctx, record, opened, post)
+            except Exception as exc:  # raised below, unwrapped, once the keeper has stopped
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
         if ctx.first_token is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
                                            "the prefill node's stream ended without a first token"))
@@ -338,6 +340,40 @@ class EnginePerformer:
             await post(Finished(finish))
         else:
             await post(KvReceived(received))
+
+    @staticmethod
+    async def _first_token(item: PrefillReply, ctx: NodeRequest, record: HandoffRecord, opened: float,
+                           post: Post) -> str | None:
+        """The prefill node's first token, passed on at once; the finish it makes, if any."""
+        record.first_token_s = time.perf_counter() - opened
+        ctx.first_token_at = time.perf_counter()
+        ctx.first_token = item.first_token
+        ctx.cached_tokens = item.cached_tokens or 0
+        ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
+        finish = first_token_finish(item.is_eos, hands_off=False)
+        if finish is None:
+            await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
+        return finish
+
+    async def _keep_pieces(self, rid: RequestId, ctx: NodeRequest,
+                           pieces: trio.MemoryReceiveChannel[KvSegment], failures: list[Exception],
+                           scope: trio.CancelScope) -> None:
+        """Each piece of the stream, in order, checked and kept by the engine; a failure is
+        noted and cancels the reading (`_receive_items` raises it)."""
+        async with pieces:
+            async for segment in pieces:
+                try:
+                    await self.engine.receive_segment(rid, segment, len(ctx.prompt),
+                                                      max_tokens=ctx.sampling.max_tokens)
+                except Exception as exc:
+                    failures.append(exc)
+                    if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
+                        # a piece the prefill node sent: named after it
+                        named = f"{ctx.prefill_url}: {exc.info.message}"
+                        failures[-1] = StatecoreError(replace(exc.info, message=named))
+                        failures[-1].__cause__ = exc
+                    scope.cancel()
+                    return
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         rid = intent.request_id

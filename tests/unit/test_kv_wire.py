@@ -30,8 +30,10 @@ from adapters.kv.codec import (
     decode_cache,
     encode_cache,
     host_tensors,
+    kv_piece_tensors,
     raw_tensor_bytes,
     travel_report,
+    wire_view,
 )
 from adapters.kv.frames import (
     ALL_HEADS_VERSION,
@@ -392,6 +394,29 @@ def test_strided_and_fragmented_arrays_travel_exactly(dtype: str) -> None:
     ]:
         assert (a.dtype, a.shape) == (b.dtype, b.shape)
         assert np.array_equal(_bits(mx.contiguous(a)), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_streamed_piece_is_framed_as_its_layers_would_be(dtype: str) -> None:
+    """A streamed prefill's piece (wire views of plain KVCache layers, read without evaluating
+    anything) has the very header and bytes `host_tensors` gives those layers."""
+    rng = np.random.default_rng(9)
+    layers = []
+    for _ in range(3):
+        buffer = mx.array(rng.standard_normal((1, 2, 40, 16)).astype(np.float32)).astype(DTYPES[dtype])
+        layers.append((mx.contiguous(buffer[..., 8:29, :]), mx.contiguous(buffer[..., 11:32, :] * 2)))
+    caches = [C.KVCache.from_state((keys, values, 21)) for keys, values in layers]
+    views = [wire_view(array) for pair in layers for array in pair]
+    mx.eval(views)
+    piece = kv_piece_tensors(views, dtype=DTYPES[dtype], fingerprint=FP, token_count=21)
+    whole = host_tensors(caches, fingerprint=FP, token_count=21)
+    assert piece.header_bytes == whole.header_bytes
+    assert piece.version == whole.version
+    assert b"".join(bytes(run) for run in piece.runs) == b"".join(bytes(run) for run in whole.runs)
+    restored = decode_cache(b"".join(frame_payload(piece)), fingerprint=FP).caches
+    for (keys, values), cache in zip(layers, restored, strict=True):
+        assert np.array_equal(_bits(keys), _bits(cache.keys))
+        assert np.array_equal(_bits(values), _bits(cache.values))
 
 
 def test_chunk_size_does_not_change_the_decoded_cache() -> None:

@@ -331,7 +331,10 @@ def _byte_runs(array: Any) -> list[memoryview]:
     (blocks under 4 KiB) are compacted first.
     """
     wire = _DTYPES[_DTYPE_NAMES[array.dtype]][1]
-    host = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    return _host_runs(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array), wire)
+
+
+def _host_runs(host: np.ndarray[Any, Any], wire: np.dtype[Any]) -> list[memoryview]:
     if host.dtype != wire:  # big-endian hosts only
         host = host.astype(wire)
     if not host.flags.c_contiguous:
@@ -389,13 +392,7 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int,
     the range (version 2; every layer must be a plain `KVCache`); None: every head (version 1).
     The returned views keep their arrays alive, so the caches may be dropped meanwhile.
     """
-    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT:
-        raise StatecoreError(bug(f"fingerprint must be a str of at most {MAX_FINGERPRINT}"))
-    if isinstance(token_count, bool) or not 0 <= token_count < INT_BOUND:
-        raise StatecoreError(bug(f"token_count must be a non-negative int, got {token_count!r}"))
-    if not caches:
-        raise StatecoreError(unsupported_cache(["<no cache layers>"]))
-
+    _check_encode_args(fingerprint, token_count, len(caches))
     layers: list[dict[str, Any]] = []
     arrays: list[Any] = []
     refused: list[str] = []
@@ -416,15 +413,65 @@ def host_tensors(caches: Sequence[Any], *, fingerprint: str, token_count: int,
     if refused:
         raise StatecoreError(unsupported_cache(refused))
 
+    mx.eval(*arrays)
+    return HostTensors(_header_bytes(fingerprint, token_count, layers),
+                       [run for array in arrays for run in _byte_runs(array)],
+                       ALL_HEADS_VERSION if heads is None else FORMAT_VERSION)
+
+
+def wire_view(array: Any) -> Any:
+    """`array` with the bytes the wire carries (a bfloat16 array viewed as uint16: numpy has no
+    bfloat16), to be evaluated with it on the device, so that reading it on the host evaluates
+    nothing new (on a GPU a new array to evaluate waits for whatever the device runs now)."""
+    return array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+
+
+def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
+                     token_count: int) -> HostTensors:
+    """Plain `KVCache` layers of exactly `token_count` positions (keys then values of each, of
+    `dtype`, as `wire_view` made them, evaluated with their step) as `host_tensors` makes them of
+    the same layers: the same header and bytes, read on the device thread as a streamed prefill
+    hands its pieces out. It neither rebuilds each layer to check that it travels (a plain
+    KVCache does) nor evaluates anything."""
+    if len(arrays) % 2:
+        raise StatecoreError(bug(f"a KV piece takes keys and values per layer, got {len(arrays)} arrays"))
+    _check_encode_args(fingerprint, token_count, len(arrays) // 2)
+    name = _DTYPE_NAMES[dtype]
+    wire = _DTYPES[name][1]
+    mx.eval(*arrays)  # computed with their step: nothing left to compute, this only waits for it
+    layers: list[dict[str, Any]] = []
+    runs: list[memoryview] = []
+    for index in range(0, len(arrays), 2):
+        items: list[dict[str, Any]] = []
+        for array in arrays[index : index + 2]:
+            shape = [int(d) for d in array.shape]
+            nbytes = math.prod(shape) * wire.itemsize
+            items.append({"kind": "array", "dtype": name, "shape": shape, "nbytes": nbytes})
+            host = np.asarray(array)
+            if host.dtype.itemsize != wire.itemsize:
+                raise StatecoreError(bug(f"a KV piece's arrays are wire views of {name}, not {host.dtype}"))
+            runs.extend(_host_runs(host.view(wire), wire))
+        items.append({"kind": "int", "value": token_count})
+        layers.append({"class_name": "KVCache", "state": {"kind": "tuple", "items": items}})
+    return HostTensors(_header_bytes(fingerprint, token_count, layers), runs, ALL_HEADS_VERSION)
+
+
+def _check_encode_args(fingerprint: str, token_count: int, layer_count: int) -> None:
+    if not isinstance(fingerprint, str) or len(fingerprint) > MAX_FINGERPRINT:
+        raise StatecoreError(bug(f"fingerprint must be a str of at most {MAX_FINGERPRINT}"))
+    if isinstance(token_count, bool) or not 0 <= token_count < INT_BOUND:
+        raise StatecoreError(bug(f"token_count must be a non-negative int, got {token_count!r}"))
+    if not layer_count:
+        raise StatecoreError(unsupported_cache(["<no cache layers>"]))
+
+
+def _header_bytes(fingerprint: str, token_count: int, layers: list[dict[str, Any]]) -> bytes:
     header = {"fingerprint": fingerprint, "token_count": token_count, "layers": layers}
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise StatecoreError(unsupported_cache([layer["class_name"] for layer in layers]))
     HEADER_ADAPTER.validate_json(header_bytes)  # the encoder obeys the decoder's schema
-
-    mx.eval(*arrays)
-    return HostTensors(header_bytes, [run for array in arrays for run in _byte_runs(array)],
-                       ALL_HEADS_VERSION if heads is None else FORMAT_VERSION)
+    return header_bytes
 """Data bytes per frame of an engine export: large, since the frames are never copied."""
 
 
@@ -576,7 +623,9 @@ __all__ = [
     "decode_cache",
     "encode_cache",
     "host_tensors",
+    "kv_piece_tensors",
     "raw_tensor_bytes",
     "travel_report",
     "validate_payload",
+    "wire_view",
 ]

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from adapters.kv.codec import wire_view
 from adapters.mlx.batch_lane import BatchLane
 from adapters.mlx.choices import ChoiceGathering
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
@@ -83,6 +84,10 @@ class _StepOutputs:
         self.arrays.extend(arrays)
 
 
+# A streamed piece's tokens [start, stop) of layers [first, end).
+Range = tuple[int, int, int, int]
+
+
 @dataclass(eq=False)
 class InFlight:
     """A step handed to the device; read back after the next one is built."""
@@ -93,8 +98,9 @@ class InFlight:
     finished_prefills: list[PrefillTask] = field(default_factory=list)
     prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
-    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer)
-    segments: list[tuple[PrefillTask, tuple[int, int, int, int], list[Any]]] = field(default_factory=list)
+    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer as
+    # the wire carries them (`codec.wire_view`), their dtype)
+    segments: list[tuple[PrefillTask, Range, list[Any], Any]] = field(default_factory=list)
 
 
 class ExecutorHost(SpeculationHost, Protocol):
@@ -398,9 +404,9 @@ class StepExecutor:
                       for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
                                                    most_bytes=STREAMED_PIECE_BYTES)]:
             start, stop, first, end = where
-            pieces = [mx.contiguous(buffer[..., start:stop, :]) for layer in task.cache[first:end]
+            pieces = [wire_view(mx.contiguous(buffer[..., start:stop, :])) for layer in task.cache[first:end]
                       for buffer in (layer.keys, layer.values)]
-            current.segments.append((task, where, pieces))
+            current.segments.append((task, where, pieces, keys.dtype))
             arrays.extend(pieces)
         task.streamed_units = task.done_units
         return arrays
@@ -410,12 +416,12 @@ class StepExecutor:
         left meanwhile. A piece says whether the step computing its prompt's last pieces has
         started: the next step was built before this one is read back, so a prompt whose units
         are all built, and which this step did not finish, finishes in the step now running."""
-        for task, where, pieces in step.segments:
+        for task, where, pieces, dtype in step.segments:
             if task.job is None or task.job.is_abandoned():
                 continue
             last_step_started = task.done_units >= len(task.units) and task not in step.finished_prefills
             try:
-                task.segment_sink(where, pieces, last_step_started)
+                task.segment_sink(where, pieces, dtype, last_step_started)
             except Exception:  # the sink's failure is its request's (it hears of it at export)
                 logger.exception("handing a KV segment of %s out failed", task.request_id)
                 task.segment_sink = None

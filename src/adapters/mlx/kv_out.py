@@ -18,7 +18,6 @@ import trio
 
 from adapters.kv import codec, frames
 from adapters.mlx.jobs import post
-from adapters.mlx.payloads import kv_cache
 from effects.engine_port import KvPieces, KvSegment, SegmentSink
 
 __all__ = ["pieces_of", "segment_sink"]
@@ -31,15 +30,17 @@ def pieces_of(tensors: frames.HostTensors) -> KvPieces:
 
 
 def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str
-                 ) -> Callable[[tuple[int, int, int, int], list[Any], bool], None]:
+                 ) -> Callable[[tuple[int, int, int, int], list[Any], Any, bool], None]:
     """On the device thread: a computed piece (its range; keys then values of each of its
-    layers; whether the prompt's last step has started) framed as a wire payload over its own
-    host memory, handed to `segments` in trio."""
+    layers, evaluated as `codec.wire_view` made them; their dtype; whether the prompt's last step
+    has started) framed as a wire payload over its own host memory, handed to `segments` in
+    trio. Nothing is evaluated here: the device thread goes on to the next step at once."""
 
-    def hand(where: tuple[int, int, int, int], arrays: list[Any], last_step_started: bool) -> None:
+    def hand(where: tuple[int, int, int, int], arrays: list[Any], dtype: Any, last_step_started: bool
+             ) -> None:
         start, stop, first_layer, end_layer = where
-        layers = [kv_cache(arrays[i], arrays[i + 1], stop - start) for i in range(0, len(arrays), 2)]
-        tensors = codec.host_tensors(layers, fingerprint=fingerprint, token_count=stop - start)
+        tensors = codec.kv_piece_tensors(arrays, dtype=dtype, fingerprint=fingerprint,
+                                         token_count=stop - start)
         post(trio_token, segments, KvSegment(start, stop, first_layer, end_layer, pieces_of(tensors),
                                              last_step_started))
 
