@@ -241,11 +241,13 @@ class EngineStatistics:
     conversation_tokens_kept: int = 0
     # Speculative decoding (--speculative): verify steps computed, the draft tokens they checked,
     # those that stood (acceptance rate = accepted / drafted), and the tokens they emitted
-    # (tokens per verify step = emitted / steps).
+    # (tokens per verify step = emitted / steps); and why it is off ("" while it is on or was
+    # never asked for): its load check's verdict, or the verify step that failed on the device.
     speculative_steps: int = 0
     speculative_drafted: int = 0
     speculative_accepted: int = 0
     speculative_emitted: int = 0
+    speculative_off_reason: str = ""
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

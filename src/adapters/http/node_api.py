@@ -316,7 +316,8 @@ class NodeApi:
             "activation_estimate_peak_bytes": engine.activation_estimate_peak_bytes,
             "conversations_kept": engine.conversations_kept,
             "speculative": {"steps": engine.speculative_steps, "drafted": engine.speculative_drafted,
-                            "accepted": engine.speculative_accepted, "emitted": engine.speculative_emitted},
+                            "accepted": engine.speculative_accepted, "emitted": engine.speculative_emitted,
+                            "off_reason": engine.speculative_off_reason or None},
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},

@@ -67,6 +67,7 @@ class Performer:
                 loaded = load_on_device(self.device, self.source, Settings(**settings))
                 self.settings = self.device.settings  # rank 0's, as the load set them
                 self.info, self.classes, self.grammars = loaded.info, loaded.classes, loaded.grammars
+                self.publish()  # what the load set up (e.g. speculation's verdict) shows at once
                 return loaded.info
             case commands.Prefill():
                 self.register(command, job, local)
@@ -376,6 +377,7 @@ class Performer:
             speculative_drafted=0 if speculator is None else speculator.drafted,
             speculative_accepted=0 if speculator is None else speculator.accepted,
             speculative_emitted=0 if speculator is None else speculator.emitted,
+            speculative_off_reason="" if speculator is None else speculator.off_reason or "",
         )
 
     def cache_bytes(self, cache: list[Any]) -> int:
