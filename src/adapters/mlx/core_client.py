@@ -121,6 +121,8 @@ class ProcessEngine:
         self._callers = Callers()
         self._send_lock = threading.Lock()
         self._frees: collections.deque[ShmRef] = collections.deque()
+        self._outgoing: list[Any] = []  # queued for the core's next write (`_send`)
+        self._flush_posted = False
         self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
         self._alive = True
@@ -376,8 +378,20 @@ class ProcessEngine:
             self._send([Call(NO_REPLY, "cancel", (call.args[0],))])
 
     def _send(self, messages: list[Any]) -> None:
+        """Queue `messages` for the core (in trio, in order): everything queued in one pass of the
+        event loop (a burst of requests' calls) leaves in one write, read by the core at once."""
+        self._outgoing.extend(messages)
+        if not self._flush_posted:
+            self._flush_posted = True
+            post(self._token, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_posted = False
+        messages, self._outgoing = self._outgoing, []
         while self._frees:
             messages.append(Free(self._frees.popleft()))
+        if not messages:
+            return
         try:
             with self._send_lock:
                 self._sock.sendall(encode(messages))
@@ -505,4 +519,4 @@ class ProcessEngine:
 
     def _flush_frees(self) -> None:
         if self._frees and self._alive:
-            self._send([])
+            self._flush()

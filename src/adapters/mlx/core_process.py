@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -127,24 +128,38 @@ class CoreServer:
             pass  # the node is gone: the reader sees the end of the stream and stops us
 
     async def run(self) -> None:
-        incoming_send, incoming = trio.open_memory_channel[list[Any] | None](1)
-        reader = threading.Thread(target=self._read, args=(incoming_send,), name="core-reader", daemon=True)
-        reader.start()
+        stopped = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._snapshots)
-            async for messages in incoming:
-                if messages is None or not self._handle(messages, nursery):
-                    break
+
+            def handle(messages: list[Any] | None) -> None:
+                if stopped.is_set():
+                    return
+                try:
+                    going_on = messages is not None and self._handle(messages, nursery)
+                except Exception:  # a bug here must not take trio's run down with it
+                    logger.exception("the engine core failed to act on a frame")
+                    going_on = False
+                if not going_on:
+                    stopped.set()
+
+            reader = threading.Thread(target=self._read, args=(handle,), name="core-reader", daemon=True)
+            reader.start()
+            await stopped.wait()
             nursery.cancel_scope.cancel()
 
-    def _read(self, incoming: trio.MemorySendChannel[list[Any] | None]) -> None:
+    def _read(self, handle: Callable[[list[Any] | None], None]) -> None:
+        """Each frame to trio as it is read, without waiting for trio to take it: a burst of calls
+        is read at once, not one trio round trip after another (in a burst of 32 prefills that
+        cost p50 15 ms from a call's send to its start, 3 ms without). Unbounded, as the node's
+        calls are (its admission bounds them)."""
         while True:
             try:
                 messages = read_frame(self._sock)
             except (OSError, ValueError):
                 messages = None
             try:
-                trio.from_thread.run(incoming.send, messages, trio_token=self._token)
+                self._token.run_sync_soon(handle, messages)
             except trio.RunFinishedError:
                 return
             if messages is None:
