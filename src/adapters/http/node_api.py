@@ -209,9 +209,13 @@ class NodeApi:
         # earlier could be reused while it still maps the piece. A request that ended here
         # without that word keeps its regions for KV_SEND_TIMEOUT_S at most.
         self._shared: set[RequestId] = set()
+        # The pieces an engine core process put in shared memory and this node handed on as they
+        # lie: kept (so the core keeps their regions) until the request's regions are released.
+        self._handed_on: dict[RequestId, list[KvPieces]] = {}
         if shm is not None:
             performer.on_forget.append(self._release_later)
         self.kv_port: int | None = None  # the KV plane's port, once it listens (a prefill node's)
+        self.blas: str | None = None  # what the engine computes with, when its node knows (else MLX is asked)
         self.kv_plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
@@ -272,7 +276,7 @@ class NodeApi:
         shared: dict[str, object] = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
         if self.kv_port is not None:
             shared["kv_port"] = self.kv_port
-        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
+        return JSONResponse({**info_json(self.engine.info), "blas": self.blas or blas_in_use(),
                              "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 
     def statistics(self) -> dict[str, object]:
@@ -465,6 +469,8 @@ class NodeApi:
                                 sent += 1
                             elif copies is not None:
                                 self._shared.add(rid)
+                                if event.payload.shared is not None:
+                                    self._handed_on.setdefault(rid, []).append(event.payload)
                                 copies.start(event)
                             else:
                                 async for parts in self._piece_record(rid, event, None):
@@ -514,6 +520,7 @@ class NodeApi:
         if self.shm is not None and rid in self._shared:
             self._shared.discard(rid)
             self.shm.release(rid)
+            self._handed_on.pop(rid, None)  # the core frees their regions once the last view goes
 
     def _release_later(self, rid: RequestId) -> None:
         """A request ended here: its shared memory goes once the decode node says so, or after
