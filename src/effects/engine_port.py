@@ -70,8 +70,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    # vLLM's ignore_eos: an EOS token is an ordinary token (`GeneratedToken.is_eos` False, the
-    # stream goes on) and the request ends only at max_tokens, with finish_reason "length"
+    # vLLM's ignore_eos: an EOS token is an ordinary token (the stream goes on) and the request
+    # ends only at max_tokens, with finish_reason "length"
     ignore_eos: bool = False
     min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
     # XTC ("exclude top choices", mlx-lm's): with probability xtc_probability a draw leaves out every
@@ -181,11 +181,12 @@ class PrefillOutcome:
 
 @dataclass(frozen=True, slots=True)
 class GeneratedToken:
-    """One token out of the decoder. `finish_reason` is set on the last one only."""
+    """One token out of the decoder. `finish_reason` is set on the last one only: "stop" when
+    the token is EOS (`statecore.policy.token_finish`: never sent as text), "length" when it was
+    the last one allowed."""
 
     token: int
-    is_eos: bool = False
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens reached)
+    finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
 
 

@@ -41,7 +41,7 @@ __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATE
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
            "prefills_locally", "prefix_pull_pays", "prompt_summary_blocks", "prompt_summary_keys",
-           "route_cost", "spills", "summary_key"]
+           "route_cost", "summary_key"]
 
 DEFAULT_LOAD_TOKENS = 512
 """What one request in flight on a node weighs against prompt tokens it would not recompute."""
@@ -133,9 +133,6 @@ class Route(Enum):
     PREFILL_NODE_PREFIX = "prefill_node_prefix"
     # bound for a prefill node, on a decode node instead: the prefill nodes are busy (`overflows`)
     OVERFLOW = "overflow"
-    # bound for its decode node (short), on an idle prefill node instead: the decode node is
-    # already prefilling a prompt of its own (`spills`); its KV is handed off as PREFILL_NODE's
-    SPILL = "spill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +145,7 @@ class RouteChoice:
 
     @property
     def local(self) -> bool:
-        return self.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX, Route.SPILL)
+        return self.route not in (Route.PREFILL_NODE, Route.PREFILL_NODE_PREFIX)
 
 
 def prefills_locally(prompt_tokens: int, local_below: int) -> bool:
@@ -169,16 +166,6 @@ def overflows(prompt_tokens: int, prefill_backlog: int | None, decode_node: Rout
             and decode_node.prefilling == 0 and not decode_node.suspect)
 
 
-def spills(prefill_backlog: int | None, decode_node: RouteCandidate) -> bool:
-    """Whether a short prompt bound for `decode_node` (no start held there) goes to a prefill node
-    instead, the mirror of `overflows`: a prefill node has nothing queued (`prefill_backlog` 0,
-    the least of theirs; None: no prefill node to ask, or overflow off) while the decode node
-    already prefills a prompt of its own, behind which this one would wait there, its streams
-    sharing their steps with both. The bytes are the same on either node; a handoff costs a short
-    prompt little against a prefill it would otherwise queue for."""
-    return prefill_backlog == 0 and decode_node.prefilling > 0
-
-
 def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate], local_below: int,
                  load_tokens: int, prefill_backlog: int | None = None) -> RouteChoice:
     """The turn's route and decode node. The decode node is the cheapest by `choose_node` (new
@@ -187,8 +174,7 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     on it too; otherwise a prefill node takes the prompt: handing off to that cheapest node when
     it holds some of the prompt (the prefill node may pull those blocks), else to the least
     loaded; unless the prefill nodes are busy (`overflows`, given `prefill_backlog`): then that
-    decode node prefills it (OVERFLOW); and a short prompt goes to an idle prefill node when its
-    decode node is already prefilling (`spills`: SPILL). `local_below` 0: always a prefill node."""
+    decode node prefills it (OVERFLOW). `local_below` 0: always a prefill node."""
     if local_below < 0:
         raise ValueError("local_below must be >= 0")
     if local_below == 0:  # every prompt through a prefill node: nothing overflows
@@ -197,8 +183,6 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     if best.cached_tokens > 0 and prefills_locally(prompt_tokens - best.cached_tokens, local_below):
         return RouteChoice(Route.PREFIX_HIT_LOCAL, best, best.cached_tokens)
     if prefills_locally(prompt_tokens, local_below):
-        if spills(prefill_backlog, best):
-            return RouteChoice(Route.SPILL, best, 0)
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
     if best.cached_tokens > 0:
         if overflows(prompt_tokens, prefill_backlog, best):

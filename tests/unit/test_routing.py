@@ -27,7 +27,6 @@ from statecore.routing import (
     overflows,
     prefix_pull_pays,
     route_cost,
-    spills,
     summary_key,
 )
 
@@ -321,26 +320,6 @@ def test_a_busy_prefill_tier_overflows_to_an_idle_decode_node(
         assert overflows(prompt, backlog, choice.decode)
 
 
-@pytest.mark.parametrize(("prompt", "candidates", "backlog", "route", "node"), [
-    # the cheapest decode node prefills a prompt already, and a prefill node is idle: it goes there
-    (300, [RouteCandidate("a", 0, prefilling=700), RouteCandidate("b", 5)], 0, "spill", "a"),
-    # the prefill node has something queued: the decode node keeps it
-    (300, [RouteCandidate("a", 0, prefilling=700)], 1, "local", "a"),
-    # the decode node prefills nothing: it takes it at once
-    (300, [RouteCandidate("a", 0)], 0, "local", "a"),
-    # no prefill node to ask, or overflow off
-    (300, [RouteCandidate("a", 0, prefilling=700)], None, "local", "a"),
-    # the start held on the decode node: it computes only the rest there, as before
-    (300, [RouteCandidate("a", 0, cached_tokens=256, prefilling=700)], 0, "prefix_hit_local", "a"),
-])
-def test_a_short_prompt_spills_to_an_idle_prefill_node_off_a_prefilling_decode_node(
-    prompt: int, candidates: list[RouteCandidate], backlog: int | None, route: str, node: str,
-) -> None:
-    choice = choose_route(prompt, candidates, 500, 512, backlog)
-    assert (choice.route.value, choice.decode.node) == (route, node)
-    assert choice.local is (choice.route is not Route.SPILL)
-
-
 busy_candidate = st.builds(RouteCandidate, st.sampled_from("abcdef"), st.integers(0, 40), st.booleans(),
                            st.integers(0, 5000), st.sampled_from([0, 0, 1, 3000]))
 
@@ -353,13 +332,8 @@ def test_overflow_only_ever_moves_a_prefill_node_prompt_to_an_idle_decode_node(
 ) -> None:
     without = choose_route(prompt, candidates, local_below, 512)
     choice = choose_route(prompt, candidates, local_below, 512, backlog)
-    if choice.route is Route.SPILL:  # the mirror: a short prompt off a prefilling decode node
-        assert without.route is Route.LOCAL and choice.decode == without.decode
-        assert backlog == 0 and choice.decode.prefilling > 0 and choice.held_tokens == 0
-    elif without.local:  # prefix hits, and short prompts no prefill node is idle for, untouched
+    if without.local:  # short prompts and prefix hits are untouched
         assert choice == without
-        if without.route is Route.LOCAL:
-            assert not spills(backlog, without.decode)
     elif choice.route is Route.OVERFLOW:
         assert local_below > 0 and backlog is not None and backlog >= prompt
         assert choice.decode.prefilling == 0 and not choice.decode.suspect

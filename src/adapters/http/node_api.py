@@ -201,7 +201,9 @@ class NodeApi:
         self.role = role
         # a prefill node's shared memory for streamed pieces to decode nodes on this host
         self.shm = shm
-        self.kv_served = kv_served  # a streamed piece's payload bytes, once sent (the metrics)
+        # the metrics' count of KV served: a streamed piece's payload bytes, or a pulled payload's,
+        # once sent (through the HTTP port or the KV plane alike)
+        self.kv_served = kv_served
         # Requests with pieces in shared memory. A region is released when the decode node says it
         # is done with the request (its DELETE once installed, or its cancel): a region freed
         # earlier could be reused while it still maps the piece. A request that ended here
@@ -541,8 +543,18 @@ class NodeApi:
         answer and the KV plane's alike)."""
         payload = await self._kv_to_send(rid)
         if isinstance(payload, bytes):  # a damaged payload (tests only): no end frame to read
-            return payload_parts(KvPieces((payload,))), len(payload)
-        return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
+            return self._served(payload_parts(KvPieces((payload,))), len(payload)), len(payload)
+        parts = payload_parts(payload, lambda end: self._note_raw_bytes(rid, end))
+        return self._served(parts, payload.nbytes), payload.nbytes
+
+    async def _served(self, parts: AsyncGenerator[Sequence[KvBytes], None],
+                      nbytes: int) -> AsyncGenerator[Sequence[KvBytes], None]:
+        """`parts` as they are, the whole payload counted as KV served (`kv_served`) once its
+        last part was sent, whichever port carried it (as a streamed piece is)."""
+        async with contextlib.aclosing(parts):
+            async for buffers in parts:
+                yield buffers
+        self.kv_served(nbytes)
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only). The pull is

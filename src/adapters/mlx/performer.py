@@ -38,7 +38,7 @@ from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.policy import first_token_ends, first_token_is_last
+from statecore.policy import finish_before_decoding
 from statecore.prefix import prompt_chunks
 from statecore.routing import summary_key
 from statecore.scheduling import StepRates, prefill_units
@@ -174,12 +174,12 @@ class Performer:
         first_token = command.first_token
         cache = self.take_cache(command, local)
         remaining = sampling.max_tokens - 1
-        if (first_token_is_last(sampling.max_tokens)
-                or first_token_ends(first_token, device.eos, ignore_eos=sampling.ignore_eos)):
+        ended = finish_before_decoding(first_token, device.eos, ignore_eos=sampling.ignore_eos,
+                                       max_tokens=sampling.max_tokens)
+        if ended is not None:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
-                device.requests.remove(request_id, Finish.LENGTH if first_token_is_last(sampling.max_tokens)
-                                       else Finish.STOP)
+                device.requests.remove(request_id, Finish(ended))
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])

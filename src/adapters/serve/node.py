@@ -364,7 +364,6 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
                                 metrics.route(), *live.routes()])
-    metrics.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
