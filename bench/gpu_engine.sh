@@ -271,25 +271,28 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     ;;
   one-stream-speculation)
     # bench/engine/speculative.py on a chain model (the answer mostly follows a fixed chain of
-    # tokens: prompt lookup drafts it when the prompt holds it), bf16, hidden 2048 x 16 layers;
-    # its JSON says whether the load check left speculation on (load_checks.off_reason).
+    # tokens: prompt lookup drafts it when the prompt holds it), bf16, hidden 2048 x 16 layers,
+    # head dim 64 (32 query heads: MLX's CUDA attention kernels take 64 or 128, not the tiny
+    # checkpoints' 16); its JSON says whether the load check left speculation on
+    # (load_checks.off_reason).
     machine
     for compile in off on; do
       echo "== prompt lookup, --compile-decode $compile"
-      timeout "${SPEC_LIMIT:-200}" $PY bench/engine/speculative.py --hidden-size 2048 --layers 16 \
-        --dtype bfloat16 --rounds 3 --tokens 200 --draft-tokens 3,5 --compile-decode $compile \
+      timeout "${SPEC_LIMIT:-110}" $PY bench/engine/speculative.py --hidden-size 2048 --layers 16 \
+        --head-dim 64 --dtype bfloat16 --rounds 3 --tokens 200 --draft-tokens 3,5 --compile-decode $compile \
         --out "$OUT/speculative_compile_$compile.json" 2>&1 | tail -14
     done
     echo "== a draft model (hidden 256, 1 layer) for the same target: statecore single vs mlx_lm.server"
-    for spec in "/tmp/chain-target 2048 16" "/tmp/chain-draft 256 1"; do
+    for spec in "/tmp/chain-target-d64 2048 16" "/tmp/chain-draft-d64 256 1"; do
       set -- $spec
       [ -f "$1/config.json" ] || timeout 120 $PY -c "import sys; sys.path.insert(0, '.'); from pathlib import Path; \
-from support.chain_model import build_chain_checkpoint as b; b(Path('$1'), hidden_size=$2, num_layers=$3, dtype='bfloat16')"
+from support.chain_model import build_chain_checkpoint as b; b(Path('$1'), hidden_size=$2, num_layers=$3, \
+dtype='bfloat16', head_dim=64)"
     done
-    timeout "${DRAFT_LIMIT:-240}" $PY bench/serving/side_by_side.py --model /tmp/chain-target --blas bundled \
+    timeout "${DRAFT_LIMIT:-140}" $PY bench/serving/side_by_side.py --model /tmp/chain-target-d64 --blas bundled \
       --servers mlx_lm,single --mix 64x128 --concurrency 1 --min-requests 4 --max-requests 4 --reps 3 \
-      --no-parity --startup-timeout 120 --mlx-lm-arg=--draft-model=/tmp/chain-draft \
-      --mlx-lm-arg=--num-draft-tokens=3 --statecore-arg=--draft-model=/tmp/chain-draft \
+      --no-parity --startup-timeout 120 --mlx-lm-arg=--draft-model=/tmp/chain-draft-d64 \
+      --mlx-lm-arg=--num-draft-tokens=3 --statecore-arg=--draft-model=/tmp/chain-draft-d64 \
       --statecore-arg=--num-draft-tokens=3 --statecore-arg=--compile-decode=off \
       --out "$OUT/spec_draft" 2>&1 | quiet | tail -8
     ;;

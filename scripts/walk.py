@@ -151,7 +151,7 @@ async def handoff(streamed: bool) -> Walk:
             metrics = Metrics(role)
             metrics.watch(runner, engine=engine, handoffs=performer.handoffs)
             await nursery.start(runner.run)
-            api = NodeApi(role, engine, runner, performer, kv_stream=streamed)
+            api = NodeApi(role, engine, runner, performer, kv_stream=streamed, kv_served=metrics.kv_served)
             hosts.apps[role] = httpx.ASGITransport(app=Starlette(routes=[*api.routes(), metrics.route()]))
         urls = {"prefill": "http://prefill", "decode": "http://decode"}
         def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:

@@ -46,12 +46,15 @@ def chain(start: int, length: int) -> list[int]:
 
 
 def build_chain_checkpoint(out_dir: Path, *, strength: float = 6.0, layer_gain: float = 0.3,
-                           hidden_size: int = 64, num_layers: int = 2, dtype: str = "float32") -> Path:
+                           hidden_size: int = 64, num_layers: int = 2, dtype: str = "float32",
+                           head_dim: int = 16) -> Path:
     """The random llama of `build_tiny_checkpoint` with `strength` x a bigram table of the chain
     added to lm_head (row chain_next(t) gains token t's unit embedding direction), its layers'
     output projections scaled by `layer_gain` so that the token's own embedding leads the last
-    hidden state and the layers only sometimes overrule the table."""
-    build_tiny_checkpoint(out_dir, "llama", hidden_size=hidden_size, num_layers=num_layers, dtype=dtype)
+    hidden state and the layers only sometimes overrule the table. `head_dim`: its attention
+    heads' width (16; a GPU benchmark's 64 or 128, the widths MLX's CUDA kernels take)."""
+    build_tiny_checkpoint(out_dir, "llama", hidden_size=hidden_size, num_layers=num_layers, dtype=dtype,
+                          head_dim=head_dim)
     path = str(Path(out_dir) / "model.safetensors")
     weights = dict(mx.load(path).items())  # type: ignore[union-attr]
     for name in list(weights):

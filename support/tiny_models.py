@@ -334,19 +334,23 @@ def family_config(
     hidden_size: int = 64,
     num_layers: int = 2,
     vocab_size: int = TOKENIZER_VOCAB_SIZE,
+    head_dim: int = 16,
 ) -> dict[str, Any]:
     """The `config.json` of a tiny model of `family` (without dtype and token ids).
 
-    Head dims are 16, so hidden_size must be a multiple of 32. llama4 is given at least
-    `LLAMA4_MIN_LAYERS` layers whatever num_layers says.
+    Heads are `head_dim` wide (16 by default; MLX's CUDA attention kernels want 64 or 128) and
+    half as many key/value heads as query heads, so hidden_size must be a multiple of twice
+    head_dim (32 by default). llama4 is given at least `LLAMA4_MIN_LAYERS` layers whatever
+    num_layers says.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    if hidden_size < 32 or hidden_size % 32:
-        raise ValueError(f"hidden_size must be a positive multiple of 32, got {hidden_size}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even number (RoPE pairs), got {head_dim}")
+    if hidden_size < 2 * head_dim or hidden_size % (2 * head_dim):
+        raise ValueError(f"hidden_size must be a positive multiple of {2 * head_dim}, got {hidden_size}")
     if num_layers < 1:
         raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-    head_dim = 16
     heads = hidden_size // head_dim
     kv_heads = max(1, heads // 2)
     common: dict[str, Any] = {
@@ -557,9 +561,11 @@ def build_tiny_checkpoint(
     hidden_size: int = 64,
     num_layers: int = 2,
     thinking: bool = False,
+    head_dim: int = 16,
 ) -> Path:
     """Write a random `family` model that `mlx_lm.utils.load(out_dir)` loads; return out_dir.
-    `thinking`: with the reasoning model's tokenizer and template (`build_tokenizer`).
+    `thinking`: with the reasoning model's tokenizer and template (`build_tokenizer`);
+    `head_dim`: its attention heads' width (`family_config`).
 
     Same arguments give byte-identical files.
     """
@@ -569,7 +575,7 @@ def build_tiny_checkpoint(
         raise ValueError(f"unknown tokenizer {tokenizer!r}; expected one of {TOKENIZER_KINDS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = family_config(family, hidden_size=hidden_size, num_layers=num_layers)
+    config = family_config(family, hidden_size=hidden_size, num_layers=num_layers, head_dim=head_dim)
     ids = _token_ids(tokenizer)
     weights = _random_weights(family, config, seed=seed, dtype=dtype, special_ids=sorted(set(ids.values())))
     config |= {

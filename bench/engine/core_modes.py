@@ -46,9 +46,14 @@ KEYS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
 
 
 def node(model: Path, mode: str, out: Path, extra: list[str]) -> Server:
+    """One of the two nodes. They run side by side on one device (and one host's memory), so each
+    takes half of the default KV budget and MLX's allocator limit (`--device-shared-by 2`; on the
+    CPU too, where the halves still far exceed what the bench's prompts hold). A `--node-arg` of
+    the same flag comes later and wins."""
     port = free_port()
     argv = [sys.executable, "-m", "adapters.cli", "run", "--role", "single", "--model", str(model),
-            "--port", str(port), "--log-level", "WARNING", "--engine-core", mode, *extra]
+            "--port", str(port), "--log-level", "WARNING", "--engine-core", mode, "--device-shared-by",
+            str(len(MODES)), *extra]
     return Server(mode, argv, port, out / f"{mode}.log")
 
 

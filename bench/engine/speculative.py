@@ -12,6 +12,8 @@ ratio to the engine without speculation in the same round (median over rounds), 
 rate and tokens per verify step, and checks that every engine wrote the same tokens. The BLAS is
 this process's: run it once as is (MLX's bundled BLAS) and once with
 `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0` to see what the load check allows there.
+On a GPU give the model `--head-dim 64` (or 128): MLX's CUDA attention kernels take those widths,
+not the tiny checkpoints' default 16.
 
     .venv/bin/python bench/engine/speculative.py [--tokens 200] [--rounds 5] [--draft-tokens 3,5]
 
@@ -75,7 +77,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     model = build_chain_checkpoint(Path(tempfile.mkdtemp(prefix="chain-")), hidden_size=args.hidden_size,
                                    num_layers=args.layers, strength=args.strength, layer_gain=args.layer_gain,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, head_dim=args.head_dim)
     names = ["off", *(f"ngram-k{k}" for k in args.draft_tokens)]
     common = {"prefill_chunk_size": 256, "compile_decode": args.compile_decode}
     engines = {"off": await MlxEngine.load(model, **common)}
@@ -140,7 +142,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
     return {"blas": blas_in_use(), "load_average": os.getloadavg(), "device": str(mx.default_device()),
             "load_checks": checks,
-            "model": {"hidden_size": args.hidden_size, "layers": args.layers, "strength": args.strength,
+            "model": {"hidden_size": args.hidden_size, "layers": args.layers, "head_dim": args.head_dim,
+                      "strength": args.strength,
                       "layer_gain": args.layer_gain, "dtype": args.dtype},
             "tokens": args.tokens, "rounds": args.rounds, "mismatched_outputs": mismatches, "rows": rows}
 
@@ -153,6 +156,8 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[3, 5])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=16,
+                        help="attention heads' width (a GPU's: 64 or 128; hidden a multiple of twice it)")
     parser.add_argument("--strength", type=float, default=2.5, help="the chain's pull (support.chain_model)")
     parser.add_argument("--layer-gain", type=float, default=0.5, help="the layers' weight against the chain")
     parser.add_argument("--dtype", default="float32")

@@ -18,7 +18,8 @@ it: the runner logs and drops a failing observation):
 - `Metrics.watch` also adds scrape-time collectors for live counts (requests running and
   waiting, KV held, peer up/down as the router sees it) from the runner's, the engine's and the
   peers' statistics.
-- `Metrics.instrument` adds an ASGI middleware that counts the KV bytes a prefill node serves.
+- The node API tells `Metrics.kv_served` the KV bytes a prefill node sends (streamed pieces and
+  pulled payloads, by either port). Nothing here wraps a request's path: no middleware.
 
 This is an adapter: it may import anything, and nothing in `statecore` or `effects` imports it.
 """
@@ -40,11 +41,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from effects.engine_port import Engine
 from effects.handoffs import HandoffLog
@@ -207,12 +206,9 @@ class Metrics(Instrument):
     def route(self) -> BaseRoute:
         return metrics_route(self.registry)
 
-    def instrument(self, app: Starlette) -> None:
-        """Count the KV bytes this node serves (`GET /internal/kv/{id}` answered with 200)."""
-        app.add_middleware(_KvServed, count=self.kv_bytes.labels(self.role, "served").inc)
-
     def kv_served(self, nbytes: int) -> None:
-        """A streamed piece of KV sent (its payload bytes, however it travelled)."""
+        """KV sent: a streamed piece's or a pulled payload's bytes, however it travelled (the node
+        API tells it)."""
         _safely("kv served", lambda: self.kv_bytes.labels(self.role, "served").inc(nbytes))
 
     def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,
@@ -382,7 +378,7 @@ class Metrics(Instrument):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scrape-time collection and the KV-served middleware
+# Scrape-time collection
 
 
 def _per_role(family: type[CounterMetricFamily] | type[GaugeMetricFamily], role: str,
@@ -629,33 +625,6 @@ def _renamed(metric: Metric, name: str, model: str) -> Metric:
         copy.add_sample(name + sample.name.removeprefix(metric.name), {"model_name": model, **labels},
                         sample.value, sample.timestamp, sample.exemplar)
     return copy
-
-
-class _KvServed:
-    """ASGI middleware: add the body bytes of every `GET /internal/kv/...` answered with 200 (a
-    streamed handoff's pieces are counted by the node API as it sends them, whatever carried them)."""
-
-    def __init__(self, app: ASGIApp, count: Callable[[float], None]) -> None:
-        self.app = app
-        self.count = count
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "GET"
-                or not scope.get("path", "").startswith("/internal/kv/")):
-            await self.app(scope, receive, send)
-            return
-        status = 0
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body" and status == 200:
-                size = len(message.get("body", b""))
-                _safely("kv served", lambda: self.count(size))
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 __all__ = ["FRONT_END_ROLES", "PREFIX", "Metrics", "metrics_route"]

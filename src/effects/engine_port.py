@@ -32,6 +32,10 @@ class KvPieces:
     pieces: tuple[KvBytes, ...]
     seal: Callable[[], bytes] | None = None
     seal_nbytes: int = 0
+    # Where the whole payload (its end frame included) already lies in shared memory, when it
+    # does: an adapter's reference (`adapters.kv.shm.ShmRef`) that a KV transport or an engine
+    # core on this host hands on instead of copying the bytes. Valid while this value lives.
+    shared: object | None = None
 
     @property
     def nbytes(self) -> int:
@@ -70,8 +74,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    # vLLM's ignore_eos: an EOS token is an ordinary token (`GeneratedToken.is_eos` False, the
-    # stream goes on) and the request ends only at max_tokens, with finish_reason "length"
+    # vLLM's ignore_eos: an EOS token is an ordinary token (the stream goes on) and the request
+    # ends only at max_tokens, with finish_reason "length"
     ignore_eos: bool = False
     min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
     # XTC ("exclude top choices", mlx-lm's): with probability xtc_probability a draw leaves out every
@@ -181,11 +185,12 @@ class PrefillOutcome:
 
 @dataclass(frozen=True, slots=True)
 class GeneratedToken:
-    """One token out of the decoder. `finish_reason` is set on the last one only."""
+    """One token out of the decoder. `finish_reason` is set on the last one only: "stop" when
+    the token is EOS (`statecore.policy.token_finish`: never sent as text), "length" when it was
+    the last one allowed."""
 
     token: int
-    is_eos: bool = False
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens reached)
+    finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
 
 
@@ -240,11 +245,13 @@ class EngineStatistics:
     conversation_tokens_kept: int = 0
     # Speculative decoding (--speculative): verify steps computed, the draft tokens they checked,
     # those that stood (acceptance rate = accepted / drafted), and the tokens they emitted
-    # (tokens per verify step = emitted / steps).
+    # (tokens per verify step = emitted / steps); and why it is off ("" while it is on or was
+    # never asked for): its load check's verdict, or the verify step that failed on the device.
     speculative_steps: int = 0
     speculative_drafted: int = 0
     speculative_accepted: int = 0
     speculative_emitted: int = 0
+    speculative_off_reason: str = ""
     # The device thread's time since start by kind of work, as (kind, calls, seconds): a step,
     # building its decode graph, launching it, reading it back, prefill chunks, other jobs; and
     # decode rows counted (seconds 0), so rows per step = decode_rows calls / step calls.

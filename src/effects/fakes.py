@@ -30,7 +30,7 @@ from effects.engine_port import (
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
-from statecore.policy import STOP, token_finish
+from statecore.policy import token_finish
 
 EOS = 0
 
@@ -160,7 +160,7 @@ class FakeEngine:
             # the same decision the real engine's device loop asks for
             reason = token_finish(token, {EOS}, ignore_eos=sampling.ignore_eos,
                                   remaining=sampling.max_tokens - produced)
-            send.send_nowait(GeneratedToken(token, reason == STOP, reason))
+            send.send_nowait(GeneratedToken(token, reason))
             if reason is not None:
                 break
         self.decoding[request_id] = send

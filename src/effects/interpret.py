@@ -60,14 +60,13 @@ from statecore.intents import (
     StopDecoding,
 )
 from statecore.policy import (
-    LENGTH,
     RetryState,
+    after_first_token,
     attempt_failed,
     blames_peer,
     decoded_token,
     first_token_ends,
     first_token_finish,
-    first_token_is_last,
 )
 from statecore.routing import Route, RouteChoice
 
@@ -183,8 +182,8 @@ class EnginePerformer:
             case InstallKv():
                 if ctx.first_token is None:
                     raise _bug("InstallKv before the first token")
-                if first_token_is_last(ctx.sampling.max_tokens):
-                    await post(Finished(LENGTH))
+                if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
+                    await post(Finished(finish))
                     return
                 await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is None and not ctx.streamed:
@@ -209,8 +208,7 @@ class EnginePerformer:
                         self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
                     if produced == 3:  # a few tokens in, so the failure is mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
-                    send, finish = decoded_token(generated.is_eos, generated.finish_reason,
-                                                 ignore_eos=ctx.sampling.ignore_eos)
+                    send, finish = decoded_token(generated.finish_reason)
                     if send:
                         await post(TokenGenerated(generated.token, generated.logprobs))
                     if finish is not None:
@@ -501,8 +499,8 @@ class RouterPerformer:
             case StartDecode():
                 if ctx.local or ctx.streamed:
                     return  # the decode node's stream, opened at StartPrefill, carries on
-                if first_token_is_last(ctx.sampling.max_tokens):
-                    await post(Finished(LENGTH))
+                if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
+                    await post(Finished(finish))
                     return
                 assert ctx.decode_node is not None and ctx.first_token is not None
                 call = DecodeCall(

@@ -138,9 +138,13 @@ def token_finish(
     "stop" at EOS, "length" when it was the last allowed one, None when generation goes on."""
     if is_eos(token, eos_token_ids, ignore_eos=ignore_eos):
         return STOP
-    if remaining <= 0:
-        return LENGTH
-    return None
+    return length_finish(remaining)
+
+
+def length_finish(remaining: int) -> str | None:
+    """"length" once no token is allowed after the latest one (`remaining` of max_tokens left),
+    else None: the one place max_tokens ends a generation, whichever layer counts the tokens."""
+    return LENGTH if remaining <= 0 else None
 
 
 def first_token_finish(first_is_eos: bool, *, hands_off: bool) -> str | None:
@@ -150,20 +154,28 @@ def first_token_finish(first_is_eos: bool, *, hands_off: bool) -> str | None:
     return STOP if first_is_eos and not hands_off else None
 
 
-def first_token_is_last(max_tokens: int) -> bool:
-    """With `max_tokens` 1 the first token was the last: the request ends with "length" once it
-    is sent, and nothing is decoded."""
-    return max_tokens <= 1
+def after_first_token(max_tokens: int) -> str | None:
+    """How a request ends once its first token is sent: "length" when that token was the last
+    one allowed (`max_tokens` 1: nothing is decoded), else None."""
+    return length_finish(max_tokens - 1)
 
 
-def decoded_token(is_eos_token: bool, finish_reason: str | None, *,
-                  ignore_eos: bool) -> tuple[bool, str | None]:
-    """(send the token, how the generation ends after it) for a token out of the decoder: an
-    EOS token ends with "stop" and is not sent; any other is sent, then ends the generation
-    when the engine marked it the last."""
-    if is_eos_token and not ignore_eos:
-        return False, STOP
-    return True, finish_reason
+def finish_before_decoding(first_token: int, eos_token_ids: Collection[int], *, ignore_eos: bool,
+                           max_tokens: int) -> str | None:
+    """How a prefill's first token ends its request where it would join the decoder: "stop" when
+    it ends it as EOS (`first_token_ends`), "length" when it was the last allowed
+    (`after_first_token`), None when decoding goes on. The engine asks this once, for its own
+    record, where a caller brings it a request that has already ended."""
+    if first_token_ends(first_token, eos_token_ids, ignore_eos=ignore_eos):
+        return STOP
+    return after_first_token(max_tokens)
+
+
+def decoded_token(finish_reason: str | None) -> tuple[bool, str | None]:
+    """(send the token, how the generation ends after it) for a token out of the decoder, whose
+    end the engine asked `token_finish`: an EOS token ("stop") ends the generation and is not
+    sent; any other is sent, then ends it when it was the last allowed ("length")."""
+    return finish_reason != STOP, finish_reason
 
 
 def counts_ending_token(finish_reason: str) -> bool:
@@ -244,6 +256,7 @@ __all__ = [
     "PeerFailureVerdict",
     "RetryState",
     "admission",
+    "after_first_token",
     "attempt_failed",
     "blames_peer",
     "context_overflow",
@@ -251,10 +264,11 @@ __all__ = [
     "decoded_token",
     "failure_event",
     "first_token_ends",
+    "finish_before_decoding",
     "first_token_finish",
-    "first_token_is_last",
     "grammar_end_conflict",
     "is_eos",
+    "length_finish",
     "peer_failure",
     "reply_finish",
     "text_finish",

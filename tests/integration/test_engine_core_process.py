@@ -12,14 +12,16 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
 import trio
 
+from adapters.kv.shm import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
-from adapters.serve.node import watch_engine
+from adapters.serve.node import CORE_PROCESS, watch_engine
 from effects.engine_port import EngineStatistics, GeneratedToken, KvSegment, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
@@ -142,6 +144,20 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
         await source.release_held(rid)
         await target.install_segments(rid, prompt, outcome.first_token, GREEDY)
         assert [outcome.first_token] + [g.token async for g in target.stream(rid)] == expected
+    # pieces already in shared memory (the core's own, as a prefill node's core hands them on)
+    # go into the core by reference, with no copy on the node's side
+    rid = RequestId("by-reference")
+    pieces = []
+    outcome = await core.prefill(rid, prompt, GREEDY, segments=pieces.append)
+    assert all(isinstance(piece.payload.shared, ShmRef) for piece in pieces)
+    copies = core.copies_into_shared_memory()
+    into = RequestId("by-reference-in")
+    for piece in pieces:
+        await core.receive_segment(into, piece, len(prompt), max_tokens=GREEDY.max_tokens)
+    assert core.copies_into_shared_memory() == copies
+    await core.release_held(rid)
+    await core.install_segments(into, prompt, outcome.first_token, GREEDY)
+    assert [outcome.first_token] + [g.token async for g in core.stream(into)] == expected
     # a prefix's blocks leave the process core and come back into it
     blocks = prompt[:2 * CHUNK]
     exported = (await core.export_prefix(blocks)).joined()
@@ -187,7 +203,8 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
     await core.decode_held(RequestId("k"), prompt, outcome.first_token, LONG)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        nursery.start_soon(watch_engine, runner, core.statistics, 0.0, reasons.append)
+        watch = partial(watch_engine, runner, core.statistics, 0.0, reasons.append, what=CORE_PROCESS)
+        nursery.start_soon(watch)
         seen = 0
         with pytest.raises(StatecoreError) as failed:
             async for _ in core.stream(RequestId("k")):
@@ -209,7 +226,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
         with trio.fail_after(10):
             while runner.statistics().phase is not LoopPhase.STOPPED:
                 await trio.sleep(0.02)
-        assert reasons
+        assert reasons == ["the engine core process died"]
     assert replace(core.statistics(), step_retries=0, rows_isolated=0) == EngineStatistics(0, 0, 0, False)
     await core.cancel(RequestId("k"))  # quiet no-ops once it is gone
     assert await core.release_held(RequestId("k")) == 0

@@ -2220,8 +2220,8 @@ async def test_finish_reasons_eos_length_and_first_token(open_engine: Opener, tm
     await engine.decode_held(RequestId("eos"), prompt, outcome.first_token, GREEDY)
     items = await collect(engine, RequestId("eos"))
     assert [outcome.first_token] + [g.token for g in items] == expected[: stop_at + 1]
-    assert items[-1] == GeneratedToken(eos_token, is_eos=True, finish_reason="stop")
-    assert all(g.finish_reason is None and not g.is_eos for g in items[:-1])
+    assert items[-1] == GeneratedToken(eos_token, finish_reason="stop")
+    assert all(g.finish_reason is None for g in items[:-1])
 
     five = SamplingParams(max_tokens=5)  # stops before the EOS at stop_at >= 5
     outcome = await engine.prefill(RequestId("len"), prompt, five)

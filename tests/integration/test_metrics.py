@@ -5,16 +5,15 @@ served, and `/metrics` itself."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
+from adapters.http.node_api import NodeApi
 from adapters.metrics import Metrics
 from effects.backend import local_backend
 from effects.engine_port import SamplingParams
@@ -25,7 +24,7 @@ from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.table import DECODE_REQUEST
+from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
 MARKER = 999
 
@@ -122,24 +121,27 @@ async def test_prompt_tokens_are_counted_once_per_node(node: Node) -> None:
     assert sample(node.metrics, "statecore:prompt_tokens_total") == 4
 
 
-async def test_kv_bytes_served_and_the_metrics_route() -> None:
+async def test_kv_bytes_served_and_the_metrics_route(nursery: trio.Nursery) -> None:
+    """A prefill node's node API tells the metrics each pulled payload it sent (a refused pull
+    sends none), and `/metrics` shows it."""
     metrics = Metrics("prefill")
-
-    async def kv(request: Request) -> Response:
-        return Response(b"x" * 100, media_type="application/octet-stream")
-
-    async def missing(request: Request) -> Response:
-        return Response(b"nope", status_code=404)
-
-    app = Starlette(routes=[Route("/internal/kv/{rid}", kv, methods=["GET"]),
-                            Route("/internal/kv/{rid}/gone", missing, methods=["GET"]), metrics.route()])
-    metrics.instrument(app)
+    engine = FakeEngine()
+    performer = EnginePerformer(engine)
+    runner: NodeRunner[Any] = NodeRunner(PREFILL_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))
+    api = NodeApi("prefill", engine, runner, performer, kv_served=metrics.kv_served)
+    app = Starlette(routes=[*api.routes(), metrics.route()])
+    await nursery.start(runner.run)
+    prompt = list(range(1, 41))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
-        assert (await client.get("/internal/kv/a")).status_code == 200
-        assert (await client.get("/internal/kv/a/gone")).status_code == 404
+        held = await client.post("/internal/prefill", json={"request_id": "a", "prompt": prompt,
+                                                            "sampling": {"max_tokens": 4}})
+        assert held.status_code == 200, held.text
+        pulled = await client.get("/internal/kv/a")
+        assert pulled.status_code == 200 and len(pulled.content) == len(b"FAKE") + len(prompt)
+        assert (await client.get("/internal/kv/nobody")).status_code == 404
         response = await client.get("/metrics")
     assert response.status_code == 200
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     served = [s.value for s in families["statecore:kv_transfer_bytes"].samples
               if s.labels.get("direction") == "served" and s.name.endswith("_total")]
-    assert served == [100.0]
+    assert served == [float(len(pulled.content))]

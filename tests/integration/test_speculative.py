@@ -7,13 +7,19 @@ seeded, on one node and after a handoff."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import mlx.core as mx
 import pytest
 import trio
+from mlx_lm.models import llama
 
 from adapters.mlx import MlxEngine
+from adapters.mlx.attention import route_attention
+from adapters.mlx.speculative import PROBE_STAGE
 from effects.engine_port import SamplingParams
 from statecore.errors import StatecoreError
 from statecore.ids import RequestId
@@ -169,6 +175,94 @@ async def test_a_verify_step_that_raises_costs_a_token_s_time_not_the_request(ch
         prompt = edit_like(99, 5)
         assert await single(speculating, "f", prompt, GREEDY) == await single(plain, "p", prompt, GREEDY)
         assert raised == ["decode"] and speculating.statistics().speculative_accepted > 0
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)
+
+
+class FailingAttention:
+    """The llama's attention with, while `when()`, a term that raises when the device computes it
+    (an LU factorization of a singular matrix): a kernel that fails at launch, as MLX's masked
+    attention did for a verify row of head dim 16 on CUDA. The failure comes at evaluation,
+    after the step's graph (and the pool's lazy updates) were built."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
+        self.fired = 0
+        route_attention()  # routed first: the wrapper stands where the routed function stood
+        self.inner: Callable[..., Any] = llama.__dict__["scaled_dot_product_attention"]
+
+        def attention(*args: Any, **kwargs: Any) -> Any:
+            out = self.inner(*args, **kwargs)
+            if not when():
+                return out
+            self.fired += 1
+            failing = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu).sum()
+            return out + (0 * failing).astype(out.dtype)
+
+        attention.statecore_routed = True  # type: ignore[attr-defined]
+        monkeypatch.setattr(llama, "scaled_dot_product_attention", attention)
+
+
+def warnings_about_speculation(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "speculative decoding is off" in r.getMessage()]
+
+
+async def test_a_load_check_that_fails_on_the_device_leaves_the_node_serving_without_speculation(
+        chain_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    stages = [""]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        stages[0] = stage
+
+    failing = FailingAttention(monkeypatch, lambda: stages[0] == PROBE_STAGE)  # the load check's calls
+
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    with caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"):
+        speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram",
+                                        num_draft_tokens=4, model_call_hook=hook)
+    stages[0] = ""  # (not every model call meets the hook: the stage stays after the last probe)
+    try:
+        assert failing.fired
+        reason = speculating.statistics().speculative_off_reason
+        assert reason.startswith("the load check raised RuntimeError") and "LU factorization" in reason
+        assert warnings_about_speculation(caplog) == [f"speculative decoding is off: {reason}"]
+        for n, sampling in enumerate((GREEDY, SEEDED)):
+            prompt = edit_like(99, n)
+            expected = await single(plain, f"p{n}", prompt, sampling)
+            assert await single(speculating, f"s{n}", prompt, sampling) == expected
+        assert speculating.statistics().speculative_steps == 0
+        assert plain.statistics().speculative_off_reason == ""
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)
+
+
+async def test_a_verify_step_that_fails_on_the_device_fails_its_request_alone_and_speculation_turns_off(
+        chain_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The first verify step's attention fails when the device computes it: the pool's lazy
+    updates of every layer after it would raise in every later step, so that request fails,
+    the pool starts again empty and speculation turns off; the next requests are served as
+    without speculation."""
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram")
+    speculator = speculating._device.speculator
+    assert speculator is not None and speculator.off_reason is None
+    failing = FailingAttention(monkeypatch, lambda: speculator.verifying and speculator.off_reason is None)
+    try:
+        with (caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"),
+              pytest.raises(StatecoreError, match="LU factorization")):
+            await single(speculating, "f", edit_like(99, 5), GREEDY)
+        assert failing.fired
+        stats = speculating.statistics()
+        assert stats.speculative_off_reason.startswith("a verify step failed on the device (RuntimeError")
+        assert (stats.rows_isolated, stats.speculative_steps) == (1, 0)
+        assert len(warnings_about_speculation(caplog)) == 1
+        for n, sampling in enumerate((GREEDY, SEEDED)):
+            prompt = edit_like(40, n)
+            expected = await single(plain, f"p{n}", prompt, sampling)
+            assert await single(speculating, f"s{n}", prompt, sampling) == expected
+        assert speculating.statistics().speculative_steps == 0
     finally:
         await close_engine(speculating)
         await close_engine(plain)

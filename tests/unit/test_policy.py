@@ -15,12 +15,14 @@ from statecore.loop import ForLoop, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
 from statecore.policy import (
     admission,
+    after_first_token,
     blames_peer,
     decoded_token,
     failure_event,
+    finish_before_decoding,
     first_token_finish,
-    first_token_is_last,
     is_eos,
+    length_finish,
     peer_failure,
     token_finish,
 )
@@ -87,10 +89,14 @@ def test_how_a_generation_ends() -> None:
     assert first_token_finish(True, hands_off=False) == "stop"
     assert first_token_finish(True, hands_off=True) is None  # the router decides from is_eos
     assert first_token_finish(False, hands_off=False) is None
-    assert first_token_is_last(1) and not first_token_is_last(2)
-    assert decoded_token(True, "stop", ignore_eos=False) == (False, "stop")
-    assert decoded_token(False, "length", ignore_eos=False) == (True, "length")
-    assert decoded_token(False, None, ignore_eos=False) == (True, None)
+    assert after_first_token(1) == "length" and after_first_token(2) is None
+    assert length_finish(0) == "length" and length_finish(1) is None
+    assert finish_before_decoding(7, eos, ignore_eos=False, max_tokens=1) == "stop"  # EOS first
+    assert finish_before_decoding(7, eos, ignore_eos=True, max_tokens=1) == "length"
+    assert finish_before_decoding(3, eos, ignore_eos=False, max_tokens=2) is None
+    assert decoded_token("stop") == (False, "stop")
+    assert decoded_token("length") == (True, "length")
+    assert decoded_token(None) == (True, None)
 
 
 def test_which_event_an_error_becomes() -> None:

@@ -174,6 +174,18 @@ def test_larger_shapes_build() -> None:
         tm.family_config("gpt2")
 
 
+def test_the_head_dim_is_an_option(tmp_path: Path) -> None:
+    """A head dim MLX's CUDA attention kernels take (64) for a GPU benchmark's model; 16 stays the
+    default."""
+    assert tm.family_config("llama")["head_dim"] == 16
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tm.family_config("llama", hidden_size=192, head_dim=64)
+    path = tm.build_tiny_checkpoint(tmp_path, "llama", hidden_size=256, head_dim=64)
+    model, _ = load_model(path)
+    cache = prefill_then_step(model, list(range(3, 40)))
+    assert cache[0].keys.shape[1:] == (2, 256, 64)  # 4 query heads, 2 key/value heads of width 64
+
+
 def test_larger_model_runs(tmp_path: Path) -> None:
     path = tm.build_tiny_checkpoint(tmp_path, "falcon_h1", hidden_size=128, num_layers=4)
     model, tokenizer = load_model(path)

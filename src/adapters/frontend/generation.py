@@ -27,7 +27,7 @@ from effects.ports import Generation, Output
 from statecore.errors import ErrorInfo, StatecoreError, bug
 from statecore.events import TokenLogprobs
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import LENGTH, counts_ending_token, reply_finish, text_finish
+from statecore.policy import counts_ending_token, length_finish, reply_finish, text_finish
 
 __all__ = ["CANCEL_GRACE_S", "Finish", "LogprobsFormat", "Reply", "Run", "Step", "StopText", "ThinkBudget"]
 
@@ -230,11 +230,11 @@ class Run:
         self._tokens += len(budget.end_tokens)
         self._generated += budget.end_tokens
         step = TextPiece("".join(p.reasoning for p in pieces), "".join(p.content for p in pieces))
-        if self._tokens >= budget.max_tokens:
+        if (ended := length_finish(budget.max_tokens - self._tokens)) is not None:
             self.finished = True
             rest = self._text.close()
             return self._step(TextPiece(step.reasoning + rest.reasoning, step.content + rest.content),
-                              Finish(LENGTH, self._tokens))
+                              Finish(ended, self._tokens))
         try:
             self.generation = await budget.resume(tuple(self._generated), budget.max_tokens - self._tokens)
         except StatecoreError as exc:

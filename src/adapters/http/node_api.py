@@ -201,15 +201,21 @@ class NodeApi:
         self.role = role
         # a prefill node's shared memory for streamed pieces to decode nodes on this host
         self.shm = shm
-        self.kv_served = kv_served  # a streamed piece's payload bytes, once sent (the metrics)
+        # the metrics' count of KV served: a streamed piece's payload bytes, or a pulled payload's,
+        # once sent (through the HTTP port or the KV plane alike)
+        self.kv_served = kv_served
         # Requests with pieces in shared memory. A region is released when the decode node says it
         # is done with the request (its DELETE once installed, or its cancel): a region freed
         # earlier could be reused while it still maps the piece. A request that ended here
         # without that word keeps its regions for KV_SEND_TIMEOUT_S at most.
         self._shared: set[RequestId] = set()
+        # The pieces an engine core process put in shared memory and this node handed on as they
+        # lie: kept (so the core keeps their regions) until the request's regions are released.
+        self._handed_on: dict[RequestId, list[KvPieces]] = {}
         if shm is not None:
             performer.on_forget.append(self._release_later)
         self.kv_port: int | None = None  # the KV plane's port, once it listens (a prefill node's)
+        self.blas: str | None = None  # what the engine computes with, when its node knows (else MLX is asked)
         self.kv_plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
         # whether this node takes part in streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
@@ -270,7 +276,7 @@ class NodeApi:
         shared: dict[str, object] = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
         if self.kv_port is not None:
             shared["kv_port"] = self.kv_port
-        return JSONResponse({**info_json(self.engine.info), "blas": blas_in_use(),
+        return JSONResponse({**info_json(self.engine.info), "blas": self.blas or blas_in_use(),
                              "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 
     def statistics(self) -> dict[str, object]:
@@ -314,7 +320,8 @@ class NodeApi:
             "activation_estimate_peak_bytes": engine.activation_estimate_peak_bytes,
             "conversations_kept": engine.conversations_kept,
             "speculative": {"steps": engine.speculative_steps, "drafted": engine.speculative_drafted,
-                            "accepted": engine.speculative_accepted, "emitted": engine.speculative_emitted},
+                            "accepted": engine.speculative_accepted, "emitted": engine.speculative_emitted,
+                            "off_reason": engine.speculative_off_reason or None},
             "kv_receive_buffer_bytes": self.kv_buffer_bytes(),  # kept for reuse, not a leak
             "device_time": {kind: {"calls": calls, "seconds": round(seconds, 6)}
                             for kind, calls, seconds in engine.device_time},
@@ -462,6 +469,8 @@ class NodeApi:
                                 sent += 1
                             elif copies is not None:
                                 self._shared.add(rid)
+                                if event.payload.shared is not None:
+                                    self._handed_on.setdefault(rid, []).append(event.payload)
                                 copies.start(event)
                             else:
                                 async for parts in self._piece_record(rid, event, None):
@@ -511,6 +520,7 @@ class NodeApi:
         if self.shm is not None and rid in self._shared:
             self._shared.discard(rid)
             self.shm.release(rid)
+            self._handed_on.pop(rid, None)  # the core frees their regions once the last view goes
 
     def _release_later(self, rid: RequestId) -> None:
         """A request ended here: its shared memory goes once the decode node says so, or after
@@ -540,8 +550,18 @@ class NodeApi:
         answer and the KV plane's alike)."""
         payload = await self._kv_to_send(rid)
         if isinstance(payload, bytes):  # a damaged payload (tests only): no end frame to read
-            return payload_parts(KvPieces((payload,))), len(payload)
-        return payload_parts(payload, lambda end: self._note_raw_bytes(rid, end)), payload.nbytes
+            return self._served(payload_parts(KvPieces((payload,))), len(payload)), len(payload)
+        parts = payload_parts(payload, lambda end: self._note_raw_bytes(rid, end))
+        return self._served(parts, payload.nbytes), payload.nbytes
+
+    async def _served(self, parts: AsyncGenerator[Sequence[KvBytes], None],
+                      nbytes: int) -> AsyncGenerator[Sequence[KvBytes], None]:
+        """`parts` as they are, the whole payload counted as KV served (`kv_served`) once its
+        last part was sent, whichever port carried it (as a streamed piece is)."""
+        async with contextlib.aclosing(parts):
+            async for buffers in parts:
+                yield buffers
+        self.kv_served(nbytes)
 
     async def _kv_to_send(self, rid: RequestId) -> KvPieces | bytes:
         """The held KV the decode node pulls (bytes: a damaged payload, tests only). The pull is

@@ -326,9 +326,11 @@ class HttpxPeers:
                     coverage.add(where)
                     ref = kv_shm.parse_ref(reference)
                     view = await trio.to_thread.run_sync(inbox.read, ref)
-                    # the caller builds its arrays from the view before asking for the next piece
+                    # the caller builds its arrays from the view before asking for the next piece;
+                    # an engine core process reads the region itself (where it looks for regions)
+                    here = inbox.directory == kv_shm.default_directory()
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((view,)), record.last_step_started)
+                                    KvPieces((view,), shared=ref if here else None), record.last_step_started)
                     inbox.done(ref)  # raises when the region changed under the copy
                 case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
                     try:

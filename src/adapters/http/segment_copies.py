@@ -3,7 +3,8 @@ wait behind them.
 
 Copying a piece into shared memory (the device-to-host copy on a GPU, and its checksum) takes
 tens of milliseconds for a 2,000-token prompt of a 1B model, and the prompt's first token is
-sampled while the last pieces are still being copied. A prefill node's stream therefore starts
+sampled while the last pieces are still being copied (unless its engine core, in a process of
+its own, wrote them into shared memory already). A prefill node's stream therefore starts
 each piece's copy in a worker thread as the piece is computed, writes the pieces' records in
 order as their copies finish, and writes the first token's record as soon as it has it, ahead of
 pieces still in copy (the stream's format allows pieces after the first token: a reader checks
@@ -60,8 +61,15 @@ class SegmentCopies:
         return bool(self._copies)
 
     def start(self, segment: KvSegment) -> None:
-        """Begin copying `segment` (its end frame included) into shared memory."""
-        future = _pool.submit(_put, self._outbox, self._request_id, segment)
+        """Begin copying `segment` (its end frame included) into shared memory; a piece already
+        there (an engine core process wrote it: `KvPieces.shared`) is handed on as it lies, with
+        no copy (its caller keeps the piece alive until the decode node is done with it)."""
+        future: concurrent.futures.Future[kv_shm.ShmRef | None]
+        if isinstance(segment.payload.shared, kv_shm.ShmRef):
+            future = concurrent.futures.Future()
+            future.set_result(segment.payload.shared)
+        else:
+            future = _pool.submit(_put, self._outbox, self._request_id, segment)
         copy = _Copy(segment, future)
         future.add_done_callback(lambda _: self._wake(copy.done))
         self._copies.append(copy)

@@ -331,7 +331,10 @@ def _byte_runs(array: Any) -> list[memoryview]:
     (blocks under 4 KiB) are compacted first.
     """
     wire = _DTYPES[_DTYPE_NAMES[array.dtype]][1]
-    host = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    return _host_runs(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array), wire)
+
+
+def _host_runs(host: np.ndarray[Any, Any], wire: np.dtype[Any]) -> list[memoryview]:
     if host.dtype != wire:  # big-endian hosts only
         host = host.astype(wire)
     if not host.flags.c_contiguous:
@@ -426,7 +429,7 @@ def wire_view(array: Any) -> Any:
 def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
                      token_count: int) -> HostTensors:
     """Plain `KVCache` layers of exactly `token_count` positions (keys then values of each, of
-    `dtype`, as `wire_view` made them, evaluated and C-contiguous) as `host_tensors` makes them of
+    `dtype`, as `wire_view` made them, evaluated with their step) as `host_tensors` makes them of
     the same layers: the same header and bytes, read on the device thread as a streamed prefill
     hands its pieces out. It neither rebuilds each layer to check that it travels (a plain
     KVCache does) nor evaluates anything."""
@@ -435,6 +438,7 @@ def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
     _check_encode_args(fingerprint, token_count, len(arrays) // 2)
     name = _DTYPE_NAMES[dtype]
     wire = _DTYPES[name][1]
+    mx.eval(*arrays)  # computed with their step: nothing left to compute, this only waits for it
     layers: list[dict[str, Any]] = []
     runs: list[memoryview] = []
     for index in range(0, len(arrays), 2):
@@ -444,9 +448,9 @@ def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
             nbytes = math.prod(shape) * wire.itemsize
             items.append({"kind": "array", "dtype": name, "shape": shape, "nbytes": nbytes})
             host = np.asarray(array)
-            if host.dtype != wire or not host.flags.c_contiguous:
-                raise StatecoreError(bug(f"a KV piece's arrays are C-contiguous wire views of {name}"))
-            runs.append(_flat(host))
+            if host.dtype.itemsize != wire.itemsize:
+                raise StatecoreError(bug(f"a KV piece's arrays are wire views of {name}, not {host.dtype}"))
+            runs.extend(_host_runs(host.view(wire), wire))
         items.append({"kind": "int", "value": token_count})
         layers.append({"class_name": "KVCache", "state": {"kind": "tuple", "items": items}})
     return HostTensors(_header_bytes(fingerprint, token_count, layers), runs, ALL_HEADS_VERSION)

@@ -8,16 +8,21 @@ from here (a cancel of its request), so a cancellation never leaks a cache. Toke
 write per step; a reader thread hands each write to trio in one callback, which feeds the
 requests' streams (kept in `adapters.mlx.callers` until `stream()` takes them, as `MlxEngine`
 keeps its own). `statistics()` is the latest snapshot the core sent (with every outcome, and every
-tenth of a second). KV crosses in shared memory (`adapters.kv.shm`): a payload handed to the core
-is copied once into this node's region and freed when the call ends; a payload the core exports
-is read in place, as a view whose last reference going away sends `Free`. The core's death (its
+tenth of a second). KV crosses in shared memory (`adapters.kv.shm`): a payload the core exports
+is read in place, as a view whose last reference going away sends `Free`, and it names its region
+(`KvPieces.shared`), so a prefill node's shared-memory transport hands that very region on to the
+decode node (the core's copy into it is the payload's only one); a streamed piece that arrived
+in another node's region (`KvPieces.shared` again) goes to the core by reference, read there in
+place; any other payload handed to the core is copied once into this node's region and freed
+when the call ends. The core's death (its
 process exits, however) is the node's loss, typed as a dead device thread is: every waiting call
 and live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
 pipeline-parallel instances are not served this way (refused at load). This module imports trio
-and numpy; it must never import mlx itself (nothing here touches the device; the package's
-`__init__` still loads mlx when the node imports it).
+and numpy; it must never import mlx (nothing here touches the device), nor import anything that
+does: a node whose core is a process never loads mlx (the package's `__init__` loads its names
+on first use).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any, Final
 import numpy as np
 import trio
 
-from adapters.kv.shm import ShmInbox, ShmOutbox, ShmRef
+from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmOutbox, ShmRef
 from adapters.mlx.callers import Callers
 from adapters.mlx.core_wire import (
     NO_REPLY,
@@ -106,6 +111,7 @@ class ProcessEngine:
         self._process = process
         self._sock = sock
         self.info: ModelInfo = loaded.info
+        self.blas = loaded.blas  # what the core's MLX computes with
         self._stats = loaded.statistics
         self._token = trio.lowlevel.current_trio_token()
         self._ids = itertools.count(1)
@@ -115,6 +121,8 @@ class ProcessEngine:
         self._callers = Callers()
         self._send_lock = threading.Lock()
         self._frees: collections.deque[ShmRef] = collections.deque()
+        self._outgoing: list[Any] = []  # queued for the core's next write (`_send`)
+        self._flush_posted = False
         self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
         self._alive = True
@@ -126,9 +134,12 @@ class ProcessEngine:
 
     @classmethod
     async def load(cls, model_dir: Path, *, fault_specs: tuple[tuple[str, ...], str, str] | None = None,
-                   switch_interval: float = 0.0005, **options: Any) -> ProcessEngine:
+                   switch_interval: float = 0.0005, shm_bytes: int = DEFAULT_MAX_BYTES,
+                   **options: Any) -> ProcessEngine:
         """Start the core process and load `model_dir` there with `MlxEngine.load`'s `options`;
-        `fault_specs` (specs, marker, role) arms the node's fault rules in the core (tests)."""
+        `fault_specs` (specs, marker, role) arms the node's fault rules in the core (tests);
+        `shm_bytes` bounds the shared memory the core's exports take (a prefill node's
+        `--kv-shm-bytes`: its streamed pieces wait there for the decode node)."""
         if options.get("tensor") is not None:
             raise StatecoreError(ErrorInfo(
                 Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
@@ -148,7 +159,7 @@ class ProcessEngine:
         logger.info("started the engine core process (pid %d)", process.pid)
         try:
             mine.sendall(encode([Load(str(model_dir), options, fault_specs, logging.getLogger().level,
-                                      switch_interval)]))
+                                      switch_interval, shm_bytes)]))
             with trio.fail_after(LOAD_DEADLINE_S):
                 first = await trio.to_thread.run_sync(read_frame, mine, abandon_on_cancel=True)
         except BaseException:
@@ -167,6 +178,11 @@ class ProcessEngine:
     @property
     def streams_handoffs(self) -> bool:
         return True
+
+    def copies_into_shared_memory(self) -> int:
+        """How many payloads this node copied into its own shared memory for the core (those it
+        could not hand over by reference)."""
+        return self._outbox.statistics().puts
 
     @property
     def core_pid(self) -> int:
@@ -218,14 +234,16 @@ class ProcessEngine:
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                               max_tokens: int) -> None:
         pieces = segment.payload
-        shared = await self._share(request_id, pieces.pieces, pieces.seal)
+        handed_on = pieces.shared if isinstance(pieces.shared, ShmRef) else None
+        shared = handed_on or await self._share(request_id, pieces.pieces, pieces.seal)
         piece = Segment(NO_REPLY, segment.start, segment.stop, segment.first_layer, segment.end_layer, shared,
                         segment.last_step_started)
         try:
             await self._call("receive_segment", request_id, piece, prompt_tokens,
                              kwargs={"max_tokens": max_tokens})
         finally:
-            self._unshare(shared)
+            if handed_on is None:
+                self._unshare(shared)
 
     async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
                                sampling: SamplingParams) -> None:
@@ -360,8 +378,20 @@ class ProcessEngine:
             self._send([Call(NO_REPLY, "cancel", (call.args[0],))])
 
     def _send(self, messages: list[Any]) -> None:
+        """Queue `messages` for the core (in trio, in order): everything queued in one pass of the
+        event loop (a burst of requests' calls) leaves in one write, read by the core at once."""
+        self._outgoing.extend(messages)
+        if not self._flush_posted:
+            self._flush_posted = True
+            post(self._token, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_posted = False
+        messages, self._outgoing = self._outgoing, []
         while self._frees:
             messages.append(Free(self._frees.popleft()))
+        if not messages:
+            return
         try:
             with self._send_lock:
                 self._sock.sendall(encode(messages))
@@ -479,7 +509,7 @@ class ProcessEngine:
         view = self._inbox.read(payload)
         array = np.frombuffer(view, dtype=np.uint8)
         weakref.finalize(array, self._free_later, payload)
-        return KvPieces((array.data,))  # a view that keeps `array` alive
+        return KvPieces((array.data,), shared=payload)  # a view that keeps `array` alive
 
     def _free_later(self, ref: ShmRef) -> None:
         """Any thread (the last view may go anywhere): sent with the next message, or soon."""
@@ -489,4 +519,4 @@ class ProcessEngine:
 
     def _flush_frees(self) -> None:
         if self._frees and self._alive:
-            self._send([])
+            self._flush()

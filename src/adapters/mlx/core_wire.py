@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from adapters.kv.shm import ShmRef
+from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmRef
 from effects.engine_port import EngineStatistics, GeneratedToken, ModelInfo
 from statecore.errors import ErrorInfo
 
@@ -47,6 +47,7 @@ class Load:
     fault_specs: tuple[tuple[str, ...], str, str] | None = None  # (specs, marker, role)
     log_level: int = 20
     switch_interval: float = 0.0005
+    shm_bytes: int = DEFAULT_MAX_BYTES  # the core's shared memory for the KV it exports
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class Stop:
 class Loaded:
     info: ModelInfo
     statistics: EngineStatistics
+    blas: str  # what the core's MLX computes with (`adapters.blas.blas_in_use`): the node never loads mlx
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ from effects.engine_port import GeneratedToken
 from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
-from statecore.policy import LENGTH, STOP, token_finish
+from statecore.policy import LENGTH, token_finish
 from statecore.scheduling import ModelShape, StepRates, work_unit_tokens
 
 __all__ = ["DeviceLoop", "InjectedCrash"]
@@ -331,7 +331,7 @@ class DeviceLoop:
             live.conversation.append(token)
         finish = token_finish(token, self.eos, ignore_eos=live.sampler.sampling.ignore_eos,
                               remaining=live.remaining)
-        return GeneratedToken(token, is_eos=finish == STOP, finish_reason=finish, logprobs=logprobs)
+        return GeneratedToken(token, finish_reason=finish, logprobs=logprobs)
 
     def hand_token(self, live: Live, item: GeneratedToken,
                    deliveries: dict[trio.lowlevel.TrioToken, list[Any]]) -> bool:

@@ -3,9 +3,10 @@ that guesses the next few tokens of a speculating row.
 
 Each row keeps its own cache in the draft model and the tokens it holds (`_DraftRow.fed`). To
 draft, the cache is first cut back to where it still agrees with the row's tokens (a verify step
-may have dropped drafts it held), the tokens it lacks are fed in one call (all of the prompt, the
-first time: the draft model's prefill happens on the node that decodes), and then each draft is
-drawn from the last position and fed back, one call per draft. A greedy row drafts the argmax; a
+may have dropped drafts it held), the tokens it lacks go in with the first draft's call (all of
+the prompt, the first time, its long ones' leading chunks before: the draft model's prefill
+happens on the node that decodes), and each draft is drawn from the last position and fed back,
+one call per draft, its computation started as it is drawn. A greedy row drafts the argmax; a
 seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
@@ -31,6 +32,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 __all__ = ["DraftModel", "check_draft_vocabulary"]
 
 _FEED_CHUNK = 2048  # the most tokens one feeding call computes (a long prompt goes in several)
+_CHECK_TOKENS = 24  # the load check's prompt
 
 
 @dataclass(eq=False)
@@ -53,14 +55,22 @@ class DraftModel:
                 "a draft model must keep a plain KV cache in every layer (its cache is cut back to "
                 f"the tokens that stood); this one keeps {sorted({type(c).__name__ for c in probe})}"))
 
+    def check(self) -> None:
+        """A short prompt and one step after it through the draft model, evaluated (the load
+        check): raises where this device cannot compute the calls drafting makes."""
+        cache: list[Any] = make_prompt_cache(self.model)
+        self.model(mx.array([[1 + (7 * i) % 97 for i in range(_CHECK_TOKENS)]]), cache=cache)
+        logits = self.model(mx.array([[1]]), cache=cache)[:, -1, :]
+        mx.eval(greedy_sampler(log_softmax(logits)))
+
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
     def propose(self, request_id: str, prompt: Sequence[int], generated: Sequence[int], count: int,
                 sampler: PositionSampler) -> Any:
-        """`count` draft tokens after the row's tokens (`prompt`, then `generated`, its latest
-        token last), as a lazy (count,) array: they are evaluated with the verify step that
-        checks them, which then hands their values back (`drafted`)."""
+        """`count` (at least 1) draft tokens after the row's tokens (`prompt`, then `generated`,
+        its latest token last), as a (count,) array whose values the verify step that checks them
+        reads back, and hands back (`drafted`)."""
         row = self.rows.get(request_id)
         if row is None:
             row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
@@ -74,17 +84,22 @@ class DraftModel:
         for layer in row.cache:
             layer.trim(len(row.fed) - agree)
         del row.fed[agree:]
-        missing = history.since(agree)
-        for start in range(0, len(missing) - 1, _FEED_CHUNK):
-            part = missing[start : min(start + _FEED_CHUNK, len(missing) - 1)]
-            self.model(mx.array([part]), cache=row.cache)
+        missing = rest = history.since(agree)
+        while len(rest) > _FEED_CHUNK:  # a long prompt (a row's first try): in evaluated chunks
+            self.model(mx.array([rest[:_FEED_CHUNK]]), cache=row.cache)
             mx.eval([layer.state for layer in row.cache])
+            rest = rest[_FEED_CHUNK:]
+        # The tokens the cache lacks go in with the first draft's call (after a verify step that
+        # kept every draft, the last draft and the token after it): one call, no wait. Each
+        # draft starts computing as soon as it is drawn, while the next call is built.
         drafts: list[Any] = []
-        last: Any = mx.array([missing[-1]])
+        feed: Any = mx.array([rest])
         for i in range(count):
-            logits = self.model(last[None], cache=row.cache)[:, -1, :]
+            logits = self.model(feed, cache=row.cache)[:, -1, :]
             last = _draw(logits, sampler, i)
+            mx.async_eval(last)  # type: ignore[no-untyped-call]
             drafts.append(last)
+            feed = last[None]
         row.fed.extend(missing)
         return mx.concatenate(drafts).astype(mx.uint32)
 

@@ -38,7 +38,7 @@ from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.policy import first_token_ends, first_token_is_last
+from statecore.policy import finish_before_decoding
 from statecore.prefix import prompt_chunks
 from statecore.routing import summary_key
 from statecore.scheduling import StepRates, prefill_units
@@ -67,6 +67,7 @@ class Performer:
                 loaded = load_on_device(self.device, self.source, Settings(**settings))
                 self.settings = self.device.settings  # rank 0's, as the load set them
                 self.info, self.classes, self.grammars = loaded.info, loaded.classes, loaded.grammars
+                self.publish()  # what the load set up (e.g. speculation's verdict) shows at once
                 return loaded.info
             case commands.Prefill():
                 self.register(command, job, local)
@@ -173,12 +174,12 @@ class Performer:
         first_token = command.first_token
         cache = self.take_cache(command, local)
         remaining = sampling.max_tokens - 1
-        if (first_token_is_last(sampling.max_tokens)
-                or first_token_ends(first_token, device.eos, ignore_eos=sampling.ignore_eos)):
+        ended = finish_before_decoding(first_token, device.eos, ignore_eos=sampling.ignore_eos,
+                                       max_tokens=sampling.max_tokens)
+        if ended is not None:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
-                device.requests.remove(request_id, Finish.LENGTH if first_token_is_last(sampling.max_tokens)
-                                       else Finish.STOP)
+                device.requests.remove(request_id, Finish(ended))
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             post(token, deliver, [(send, None, True)])
@@ -376,6 +377,7 @@ class Performer:
             speculative_drafted=0 if speculator is None else speculator.drafted,
             speculative_accepted=0 if speculator is None else speculator.accepted,
             speculative_emitted=0 if speculator is None else speculator.emitted,
+            speculative_off_reason="" if speculator is None else speculator.off_reason or "",
         )
 
     def cache_bytes(self, cache: list[Any]) -> int:

@@ -104,7 +104,8 @@ class SlotPool:
                     bucket: int = 0) -> list[SlotStepLayer]:
         """The caches one decode step hands the model: row i is slot i (or `slots[i]` when a
         subset of slots is given, as when a failed step is retried in parts), writing at
-        offsets[i]. The whole leading range reads the buffers in place; a subset gathers its rows.
+        offsets[i]. The whole leading range reads the buffers in place; a subset gathers its rows,
+        and rows all of one slot (a verify step's) read that slot in place.
         With `bucket` the attended length is rounded up to a multiple of it (the mask hides the
         extra positions), so the GPU meets a few shapes rather than a new one every step."""
         rows = len(offsets)
@@ -115,8 +116,10 @@ class SlotPool:
             if len(slots) != rows:
                 raise ValueError("one offset per slot")
             slot_array = mx.array(list(slots), dtype=mx.int32)
+        one_slot = slots[0] if slots is not None and rows > 1 and len(set(slots)) == 1 else None
         return layers_over(self, mx.array(list(offsets), dtype=mx.int32), slot_array,
-                           self.attended_length(offsets, bucket), longest, gather=slots is not None)
+                           self.attended_length(offsets, bucket), longest, gather=slots is not None,
+                           one_slot=one_slot)
 
     def attended_length(self, offsets: Sequence[int], bucket: int) -> int:
         """The length a step over rows at `offsets` attends, rounded up to a multiple of `bucket`."""
@@ -134,7 +137,7 @@ class Buffers(Protocol):
 
 
 def layers_over(buffers: Buffers, positions: Any, slot_array: Any, length: int, longest: int,
-                gather: bool = False) -> list[SlotStepLayer]:
+                gather: bool = False, one_slot: int | None = None) -> list[SlotStepLayer]:
     """One step's layers over `buffers`: row i is slot `slot_array[i]`, writing at positions[i]
     and attending `length` positions (`longest` of them at most hold keys: the fused attention's
     bound, any value from the longest row's length up to `length`)."""
@@ -150,7 +153,7 @@ def layers_over(buffers: Buffers, positions: Any, slot_array: Any, length: int, 
         if heads not in head_index:
             head_index[heads] = mx.arange(heads)[None, :]
         layers.append(SlotStepLayer(buffers, index, positions, row_index, head_index[heads], mask, length,
-                                    gather=gather, reads=reads))
+                                    gather=gather, reads=reads, one_slot=one_slot))
     return layers
 
 
@@ -168,7 +171,8 @@ class SlotStepLayer:
     """One layer's cache as the model sees it during one decode step over the pool's first rows."""
 
     def __init__(self, pool: Buffers, index: int, positions: Any, row_index: Any, head_index: Any,
-                 mask: Any, length: int, gather: bool = False, reads: _Reads | None = None) -> None:
+                 mask: Any, length: int, gather: bool = False, reads: _Reads | None = None,
+                 one_slot: int | None = None) -> None:
         self._pool = pool
         self._index = index
         self.offset = positions  # per-row RoPE offsets (mx.fast.rope takes an array)
@@ -177,6 +181,7 @@ class SlotStepLayer:
         self._mask = mask
         self._length = length
         self._gather = gather
+        self._one_slot = one_slot
         self._reads = reads
         self.fused_attention = None if reads is None else self._attend
 
@@ -199,6 +204,12 @@ class SlotStepLayer:
         v = pool.values[i]
         v[where] = values[:, :, 0, :]
         pool.values[i] = v
+        if self._one_slot is not None:
+            # Every row reads the same slot: a broadcast view of it, not a copy per row (a
+            # 4-row verify step's copies cost up to a fifth of its time on the CPU).
+            one, shape = self._one_slot, (rows, k.shape[1], self._length, k.shape[3])
+            return (mx.broadcast_to(k[one : one + 1, :, : self._length, :], shape),
+                    mx.broadcast_to(v[one : one + 1, :, : self._length, :], shape))
         if self._gather:
             slots = self._rows[:, 0]
             return k[slots, :, : self._length, :], v[slots, :, : self._length, :]

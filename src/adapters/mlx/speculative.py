@@ -2,21 +2,21 @@
 what the target model would have drawn anyway.
 
 When at most `max_rows` requests decode (one by default) and each may speculate (no grammar, no
-logits shaping, no logprobs asked for), a step first reads the previous step back (a draft needs
-the latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.
-NgramIndex`) and, if any, computes one *verify step*: every row's last token and its drafts as
-rows of one slot-lane call, all in the row's own slot at consecutive positions (each row attends
-its slot up to its own position, so row i sees the keys the rows before it wrote). A draft
-stands while it equals the token the target draws at its position (the argmax; for a seeded row
-the draw keyed by (seed, position)), so a request emits the tokens it emits without
-speculation. Those tokens come from the verify step's logits, which equal an ordinary step's
-only when the call's row count picks the same kernels: `measure` finds at load which row counts
-compute a row alike (`statecore.speculation.row_classes`), and a verify step carries only as
-many drafts as keep it in the ordinary step's class (`draft_room`); a literal comparison of a
-verify step with single steps must pass too, or speculation stays off (logged). Rejected drafts'
-keys lie past the row's position, hidden by the mask and overwritten by its next steps. A row
-whose tries keep nothing waits longer before the next (`SpeculationPace`); while it waits it
-decodes in the ordinary, overlapped steps.
+logits shaping, no logprobs asked for), a step first reads the previous step back (a draft needs the
+latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.NgramIndex`)
+and, if any, computes one *verify step*: every row's last token and its drafts as rows of one
+slot-lane call, all in the row's own slot at consecutive positions (each row attends its slot up to
+its own position, so row i sees the keys the rows before it wrote). A draft stands while it equals
+the token the target draws at its position (the argmax; for a seeded row the draw keyed by (seed,
+position)), so a request emits the tokens it emits without speculation. Those tokens come from the
+verify step's logits, which equal an ordinary step's only when the call's row count picks the same
+kernels: `measure` finds at load which row counts compute a row alike
+(`statecore.speculation.row_classes`), and a verify step carries only as many drafts as keep it in
+the ordinary step's class (`draft_room`); a literal comparison of a verify step with single steps
+must pass too, or speculation stays off (logged; a check that raises turns it off as well: the node
+serves without it). Rejected drafts' keys lie past the row's position, hidden by the mask and
+overwritten by its next steps. A row whose tries keep nothing waits longer before the next
+(`SpeculationPace`); while it waits it decodes in the ordinary, overlapped steps.
 This module imports mlx and mlx_lm; never trio, never the engine nor the device loop (its caller,
 seen here only as a `SpeculationHost`).
 """
@@ -42,10 +42,11 @@ if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
     from adapters.mlx.rows import Live
 
-__all__ = ["SpeculationHost", "Speculator"]
+__all__ = ["PROBE_STAGE", "SpeculationHost", "Speculator"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
+PROBE_STAGE = "speculation_check"  # the stage the test hook sees in the load check's model calls
 _PROBE_TOKENS = 24  # the load check's prompt: a few positions, so attention reads real keys
 _EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
 
@@ -119,13 +120,29 @@ class Speculator:
             logger.warning("speculative decoding is off: %s", self.off_reason)
             return
         most = min(pool.num_slots, self.max_rows * (self.num_draft_tokens + 1) + _EXTRA_COUNTS)
-        with mx.stream(generation_stream):
-            cache, last = _probe_prompt(loop.model)
-            rows = [_probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
-            equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
-            self.classes = row_classes(equal)
-            room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
-            exact = room == 0 or _verify_equals_single_steps(loop, pool, cache, last, room)
+        loop.computing = (PROBE_STAGE, ())
+        try:
+            with mx.stream(generation_stream):
+                if self.draft is not None:
+                    self.draft.check()
+                cache, last = _probe_prompt(loop.model)
+                rows = [_probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
+                equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
+                self.classes = row_classes(equal)
+                room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
+                exact = room == 0 or _verify_equals_single_steps(loop, pool, cache, last, room)
+        except Exception as exc:
+            # A kernel this device cannot launch for a verify row's shapes (or the draft model's):
+            # the node serves without speculation rather than not at all. The probes ran in
+            # pools of their own: the node's is untouched.
+            self.classes = ()
+            what = "a verify step" if self.draft is None else "a verify step or the draft model"
+            self.off_reason = (f"the load check raised {type(exc).__name__}: {exc} (this device "
+                               f"cannot compute {what} for this model)")
+            logger.warning("speculative decoding is off: %s", self.off_reason)
+            return
+        finally:
+            loop.computing = ("", ())
         if not exact:
             self.off_reason = "a verify step's rows differ from single steps on this device (load check)"
         elif draft_room(self.classes, 1, 1, 1) == 0:
@@ -197,15 +214,39 @@ class Speculator:
             return rows
         try:
             self.verify(loop, rows, drafts)
-        except Exception as exc:  # the ordinary step decodes them instead; the rows wait a while
+        except Exception as exc:
+            return self.verify_raised(loop, rows, exc)
+        return []
+
+    def verify_raised(self, loop: SpeculationHost, rows: list[Live], exc: Exception) -> list[Live]:
+        """After a verify step raised. Raised while its graph was built (before the device ran
+        any of it), the ordinary step decodes the rows instead (a transient error costs a token's
+        time) and they wait a while before the next try. Raised on the device, the pool's
+        buffers are lost: their lazy updates raise again in every later step, or (where the
+        failed kernel ran on another stream) read back whatever the failure left. A verify step
+        runs only while its rows are all that decode, so its rows fail, the buffers start again
+        empty, and speculation turns off (a kernel that failed once on these shapes fails again)."""
+        for live in rows:
+            self.tried(live, 0)
+            if self.draft is not None:  # its cache may hold drafts whose values never came back
+                self.draft.forget(live.request_id)
+        loop.slot_inputs_on_host()
+        if not isinstance(exc, _FailedOnDevice):
             logger.warning("a verify step raised (%s: %s); decoding one token instead",
                            type(exc).__name__, exc)
-            for live in rows:
-                self.tried(live, 0)
-                if self.draft is not None:  # its cache may hold drafts whose values never came back
-                    self.draft.forget(live.request_id)
             return [live for live in loop.live.values() if live.slot is not None]
-        return []
+        raised = exc.raised
+        pool = loop.pool
+        assert pool is not None
+        _empty_buffers(pool)
+        self.off_reason = f"a verify step failed on the device ({type(raised).__name__}: {raised})"
+        logger.warning("speculative decoding is off: %s; its %d requests failed", self.off_reason, len(rows))
+        deliveries: dict[Any, list[Any]] = {}
+        for live in rows:
+            if loop.live.get(live.request_id) is live:
+                loop.fail_alone(live, raised, deliveries)
+        loop.hand_out(deliveries)
+        return [live for live in loop.live.values() if live.slot is not None]
 
     def pass_step(self, rows: Sequence[Live]) -> None:
         for live in rows:
@@ -236,8 +277,9 @@ class Speculator:
                 drafts.append([])
                 continue
             if self.draft is not None:
-                proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
-                                              live.sampler)
+                with mx.stream(generation_stream):  # the verify step's stream: no wait between them
+                    proposed = self.draft.propose(live.request_id, row.prompt, row.generated, wanted,
+                                                  live.sampler)
             else:
                 proposed = self.index(live).draft(wanted)
             room -= _count(proposed)
@@ -269,7 +311,10 @@ class Speculator:
                 self.verifying = False
                 loop.computing = ("", ())
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
-            mx.eval(drawn, pieces, pool.keys, pool.values)
+            try:
+                mx.eval(drawn, pieces, pool.keys, pool.values)
+            except Exception as exc:
+                raise _FailedOnDevice(exc) from exc
         tokens: list[int] = drawn.tolist()
         drafts = [draft if isinstance(draft, list) else draft.tolist() for draft in proposed]
         if self.draft is not None:
@@ -296,6 +341,24 @@ class Speculator:
                 if loop.hand_token(live, loop.count_token(live, token), deliveries):
                     break
         loop.hand_out(deliveries)
+
+
+class _FailedOnDevice(Exception):
+    """A verify step that raised while the device computed it (not while it was built)."""
+
+    def __init__(self, raised: Exception) -> None:
+        super().__init__(str(raised))
+        self.raised = raised
+
+
+def _empty_buffers(pool: SlotPool) -> None:
+    """Every layer's buffers replaced by empty ones of the same shape (what a failed step left in
+    them is not kept: not even its lazy graph)."""
+    for buffers in (pool.keys, pool.values):
+        for index, buffer in enumerate(buffers):
+            if buffer is not None:
+                buffers[index] = mx.zeros(buffer.shape, buffer.dtype)
+    mx.eval(pool.keys, pool.values)
 
 
 def _count(draft: Any) -> int:

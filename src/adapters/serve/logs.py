@@ -29,7 +29,7 @@ from statecore.errors import ErrorInfo
 from statecore.events import Event, RetryRequested
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import STOP, counts_ending_token
+from statecore.policy import counts_ending_token, text_finish
 
 log = logging.getLogger("statecore")
 
@@ -174,7 +174,7 @@ class RequestLines(Instrument):
     def generation_stopped(self, request_id: RequestId) -> None:
         note = self._notes.pop(request_id, None)
         if note is not None and note.finish is None:
-            note.finish = STOP
+            note.finish = text_finish(None, stop_string_matched=True)
 
     def generation_cancelled(self, request_id: RequestId) -> None:
         note = self._notes.pop(request_id, None)

@@ -1,9 +1,9 @@
 """A node process: one trio run of the engine (for single, prefill and decode) or the router's
 peer set, one `NodeRunner`, and the HTTP app on hypercorn's trio worker, with two watchers:
 SIGTERM/SIGINT ask the loop to drain (health goes non-200, in-flight requests finish, exit 0), and
-a dead MLX device thread is the node's `TransportLost` (health non-200 at once, exit 3). The
-router also runs its peer-health machines. With `--tls-certfile`/`--tls-keyfile` a node serves
-HTTPS, and with `--tls-ca-file` it verifies its https:// peers against that CA (`adapters.tls`).
+a dead MLX device thread (or engine core process) is the node's `TransportLost` (health non-200 at
+once, exit 3). The router also runs its peer-health machines. With `--tls-certfile`/`--tls-keyfile`
+a node serves HTTPS, and with `--tls-ca-file` it verifies its https:// peers against that CA (`adapters.tls`).
 This module may import anything.
 """
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 from hypercorn.config import Config
@@ -61,6 +61,9 @@ from statecore.errors import StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.routing import RouteChoice
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
+
+if TYPE_CHECKING:
+    from adapters.mlx.engine import MlxEngine
 
 log = logging.getLogger("statecore")
 
@@ -146,14 +149,20 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
     await runner.post_loop(DrainRequested())
 
 
+DEVICE_THREAD: Final = "the MLX device thread"
+CORE_PROCESS: Final = "the engine core process"
+
+
 async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
                        stall_timeout_s: float, lost: Callable[[str], None],
-                       rank_lost: Callable[[], str | None] = lambda: None) -> None:
-    """The engine is the node's transport: it is lost when its device thread dies, or when it
-    has been busy for `stall_timeout_s` (> 0) without finishing a step or a job (a hang: MLX
-    cannot be interrupted, so only a restart gets the node back), or when `rank_lost` names a
-    lost rank of its tensor-parallel instance. Either way every live request fails
-    (`transport_lost`), `/health` turns 503 with the reason, and the node exits 3."""
+                       rank_lost: Callable[[], str | None] = lambda: None, *,
+                       what: str = DEVICE_THREAD) -> None:
+    """The engine is the node's transport: it is lost when `what` runs it (its device thread, or
+    its core process) dies, or when it has been busy for `stall_timeout_s` (> 0) without
+    finishing a step or a job (a hang: MLX cannot be interrupted, so only a restart gets the
+    node back), or when `rank_lost` names a lost rank of its tensor-parallel instance. Either
+    way every live request fails (`transport_lost`), `/health` turns 503 with the reason, and
+    the node exits 3."""
     while True:
         now = stats()
         gone = rank_lost()
@@ -161,7 +170,7 @@ async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatis
             reason = gone
             break
         if not now.device_thread_alive:
-            reason = "the MLX device thread died"
+            reason = f"{what} died"
             break
         if stall_timeout_s > 0 and now.stalled_s > stall_timeout_s:
             reason = (f"the engine made no progress for {now.stalled_s:.1f} s with work live "
@@ -298,8 +307,8 @@ def adapter_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.socket,
                           tensor: Any = None) -> int:
-    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.serve.tensor_parallel)."""
-    from adapters.mlx import MlxEngine
+    """`tensor`: this node is rank 0 of a tensor-parallel instance (adapters.serve.tensor_parallel).
+    A node whose core is a process never imports mlx itself (the core reports what it computes with)."""
     from adapters.mlx.core_client import ProcessEngine
 
     faults = Faults.parse(args.inject_fault, args.fault_marker, role)  # refused before the model loads
@@ -315,12 +324,19 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         if getattr(args, "engine_core", "thread") == "process" and tensor is None:
             fault_specs = (tuple(args.inject_fault), args.fault_marker, role) if faults.armed else None
             engine = await ProcessEngine.load(model, **engine_options(args, role), fault_specs=fault_specs,
-                                              switch_interval=interval)
+                                              switch_interval=interval,
+                                              shm_bytes=getattr(args, "kv_shm_bytes", None) or KV_SHM_BYTES)
         else:
+            from adapters.mlx.engine import MlxEngine
+
             engine = await MlxEngine.load(model, **engine_options(args, role),
                                           model_call_hook=faults.model_call_hook(), tensor=tensor)
     except StatecoreError as exc:  # the model or a setting cannot be used: say so, no traceback
         raise SystemExit(f"statecore: cannot load {model}: {exc.info.message}") from None
+    if isinstance(engine, ProcessEngine):
+        runs_it, computes_with = CORE_PROCESS, engine.blas
+    else:
+        runs_it, computes_with = DEVICE_THREAD, blas_in_use()
     for layer in engine.info.layers:
         if not layer.can_travel:
             log.warning("layer %d: cache class %s cannot travel (%s)", layer.index, layer.class_name,
@@ -353,6 +369,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
                   kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
+    api.blas = computes_with
     lines = RequestLines()
     if role == "single":
         lines.watch(runner)
@@ -364,7 +381,6 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
                                 metrics.route(), *live.routes()])
-    metrics.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -373,18 +389,20 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 api.lose(reason)
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
-            nursery.start_soon(watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
-                               *([] if tensor is None else [tensor.rank_lost]))
+            rank_lost = [] if tensor is None else [tensor.rank_lost]
+            watch = partial(watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+                            *rank_lost, what=runs_it)
+            nursery.start_soon(watch)
             if role == "prefill" and args.kv_port is not None and not args.tls.serves_https:
                 api.kv_port = await _start_kv_plane(nursery, api, listener, args.kv_port)
             log.info("%s node serving on %s (MLX computes with: %s)", role,
-                     listener_url(listener, https=args.tls.serves_https), blas_words(blas_in_use()))
+                     listener_url(listener, https=args.tls.serves_https), blas_words(computes_with))
             await _serve(app, listener, runner, nursery, args.tls)
             nursery.cancel_scope.cancel()
         if api.lost_reason is None and not engine.statistics().device_thread_alive:
             # Died while draining (a tensor-parallel rank's launcher stops every rank when one
             # fails): still a loss, not a clean stop.
-            api.lose("the MLX device thread died")
+            api.lose(f"{runs_it} died")
         lost = api.lost_reason is not None
     finally:
         # A stalled device thread never finishes its step: do not wait for it.
