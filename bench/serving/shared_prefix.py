@@ -34,6 +34,7 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,34 @@ async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespa
     if args.api == "completions":
         owns = ["\nUser: " + own + "\nAssistant:" for own in owns]
     async with httpx.AsyncClient(timeout=1200) as client:
+        before = await prefix_counts(client, url, name)
         done = await asyncio.gather(*(one(client, url, system, own, args.answer_tokens, args.api)
                                       for own in owns))
+        after = await prefix_counts(client, url, name)
     ttfts = [d["ttft_s"] for d in done if d["ttft_s"] is not None]
     cached = [d["cached_tokens"] for d in done if d["cached_tokens"] is not None]
-    return {"ok": len(ttfts), "failed": len(done) - len(ttfts),
-            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
-            "ttft_p99_ms": round(1000 * (percentile(ttfts, 99) or 0), 1),
-            "cached_tokens_p50": statistics.median(cached) if cached else None}
+    record = {"ok": len(ttfts), "failed": len(done) - len(ttfts),
+              "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+              "ttft_p99_ms": round(1000 * (percentile(ttfts, 99) or 0), 1),
+              "cached_tokens_p50": statistics.median(cached) if cached else None,
+              # how many first turns computed the system prompt themselves (cached 0) and how many
+              # took it from the cache: what the TTFT is made of
+              "cached_tokens_counts": {str(k): v for k, v in sorted(Counter(cached).items())}}
+    if before is not None and after is not None:  # the engine's own counts over the round
+        record["prefix_counts"] = {key: after[key] - before[key] for key in after}
+    return record
+
+
+async def prefix_counts(client: httpx.AsyncClient, url: str, name: str) -> dict[str, int] | None:
+    """A statecore node's prefix-cache counters (`/internal/stats`); None for mlx_lm.server."""
+    if name.split(":")[-1].startswith("mlx_lm"):
+        return None
+    try:
+        stats = (await client.get(f"{url}/internal/stats", timeout=10)).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    keys = ("prefix_cache_queries", "prefix_cache_hits", "prefix_tokens_reused")
+    return {key.removeprefix("prefix_"): int(stats[key]) for key in keys if key in stats}
 
 
 async def document_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str

@@ -13,8 +13,11 @@ bytes of kept prefix blocks go, the activation estimate. `update` advances the p
 plan's units and says which finished. The engine's other decisions are here too: where a request
 decodes (`choose_lane`), whether a request's KV is admitted and what gives way to it
 (`admission`), what a prefill whose call raised becomes (`prefill_failure`), and whether a step
-holds prefill back for a handed-off request about to join (`decode_only`). The executor performs
-what these say; it decides nothing of its own.
+holds prefill back for a handed-off request about to join (`decode_only`). A prompt whose next
+prefix block another prompt is computing right now (started in an earlier step, or started and not
+finished earlier in this one: a block cut into layer slices) waits for it to be kept instead of
+computing it again (`block_waits`); one that another finishes earlier in the same step starts
+after it when built. The executor performs what these say; it decides nothing of its own.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
 
@@ -58,6 +61,7 @@ __all__ = [
     "PrefillFailure",
     "StepPlan",
     "admission",
+    "block_waits",
     "choose_lane",
     "decode_only",
     "handoff_imminent",
@@ -136,10 +140,23 @@ class Candidate:
     done_units: int = 0
     batchable: bool = False
     keeps_only: bool = False
+    block_keys: tuple[bytes, ...] = ()
 
     @property
     def units_left(self) -> tuple[int, ...]:
         return tuple(unit.tokens for unit in self.units[self.done_units :])
+
+    def block_at(self, done_units: int) -> bytes | None:
+        """The key of the block its unit `done_units` belongs to (None: no such unit, or a chunk
+        that is not kept, as its last token's)."""
+        if done_units >= len(self.units):
+            return None
+        chunk = self.units[done_units].chunk
+        return self.block_keys[chunk] if chunk < len(self.block_keys) else None
+
+    def first_unit_of(self, chunk: int) -> int:
+        """The index of chunk `chunk`'s first unit (its unit count past the last chunk)."""
+        return next((i for i, unit in enumerate(self.units) if unit.chunk >= chunk), len(self.units))
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +200,8 @@ class StepPlan:
     short prompts (each in its own order); keep tasks that give way (`dropped_keeps`) and the
     kept prefix bytes to free first (`evict_prefix_bytes`); under a memory budget the step's
     activation estimate, whether the fit cut planned work (`capped`) and whether the estimate is
-    over the budget anyway (`over_budget`: the oldest prompt's lone unit)."""
+    over the budget anyway (`over_budget`: the oldest prompt's lone unit); the prompts that wait
+    this step for a block another is computing (`waiting_for_blocks`, `block_waits`)."""
 
     budget_tokens: int
     decode_rows: int
@@ -194,6 +212,7 @@ class StepPlan:
     activation_estimate: int | None = None
     capped: bool = False
     over_budget: bool = False
+    waiting_for_blocks: tuple[str, ...] = ()
 
     @property
     def prefill_tokens(self) -> int:
@@ -210,14 +229,22 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
     advances unless the step is decode-only or the budget leaves no prefill row; nothing exceeds
     the token budget; under a memory budget the plan's activations and the KV held stay within
     it, except the oldest prompt's lone next unit (`over_budget`), and only keep tasks (never a
-    request) give way to memory."""
-    waiting = [WaitingPrefill(c.request_id, c.order, c.units_left) for c in candidates]
-    oldest = min(waiting, key=lambda w: w.order, default=None)
-    tokens = step_token_budget(budget.tokens, decode_rows,
-                               oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
-                               decode_only=budget.decode_only, target_s=budget.target_s, rates=budget.rates,
-                               oldest_streams=budget.oldest_streams)
-    planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
+    request) give way to memory. A prompt waiting for a block another computes (`block_waits`)
+    is left out; the oldest of the others advances."""
+    waits: set[str] = set()
+    while True:  # each pass leaves out the prompts that would start a block another is inside
+        ready = [c for c in candidates if c.request_id not in waits]
+        waiting = [WaitingPrefill(c.request_id, c.order, c.units_left) for c in ready]
+        oldest = min(waiting, key=lambda w: w.order, default=None)
+        tokens = step_token_budget(budget.tokens, decode_rows,
+                                   oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
+                                   decode_only=budget.decode_only, target_s=budget.target_s,
+                                   rates=budget.rates, oldest_streams=budget.oldest_streams)
+        planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
+        more = block_waits(candidates, {work.request_id: work.units for work in planned.prefills}) - waits
+        if not more:
+            break
+        waits |= more
     by_id = {c.request_id: c for c in candidates}
     # Only prompts planned to finish this step share a padded call: it computes all of each.
     short = [by_id[work.request_id] for work in planned.prefills
@@ -228,10 +255,55 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
         groups = [[short[i] for i in group]
                   for group in padding_groups(lengths, max_padding, budget.prefill_rows) if len(group) > 1]
     plan = StepPlan(tokens, decode_rows, planned.prefills,
-                    tuple(tuple(c.request_id for c in group) for group in groups))
+                    tuple(tuple(c.request_id for c in group) for group in groups),
+                    waiting_for_blocks=tuple(c.request_id for c in candidates if c.request_id in waits))
     if memory is None or not planned.prefills:
         return plan
     return _fit_memory(plan, by_id, groups, memory, bucket)
+
+
+def block_waits(candidates: Sequence[Candidate], planned: Mapping[str, int]) -> set[str]:
+    """The prompts that must not compute their next block now because another prompt is
+    computing it: it is *inside* that block (it computed some of the block's layer units, in an
+    earlier step or earlier in this one: `planned` gives each planned prompt's units this step,
+    in the order the step builds them, oldest first). A prompt whose next blocks another finishes
+    earlier in this step computes nothing of them: it starts after them when it is built (the
+    executor looks again), so it waits only if the block after them is one another is inside.
+    The block is kept when its last unit is built and the waiter starts after it, a step later;
+    a prompt that leaves (cancelled, failed) or starts again from its first chunk is inside
+    nothing, so whoever waited for it computes the block itself. A request never waits for a
+    keep task (optional work, scheduled last); a keep task waits for anyone."""
+    inside: dict[bytes, str] = {}  # block -> the prompt inside it (started, not finished)
+    for c in candidates:
+        key = c.block_at(c.done_units)
+        if key is not None and not c.units[c.done_units].starts_chunk:
+            inside.setdefault(key, c.request_id)
+    keeps = {c.request_id for c in candidates if c.keeps_only}
+    finished: set[bytes] = set()  # blocks whose last unit an earlier prompt builds this step
+    waits: set[str] = set()
+    by_id = {c.request_id: c for c in candidates}
+    ordered = [by_id[rid] for rid in planned] + [c for c in candidates if c.request_id not in planned]
+    for c in ordered:
+        done = c.done_units
+        if done < len(c.units) and c.units[done].starts_chunk:
+            while (key := c.block_at(done)) is not None and key in finished:
+                done = c.first_unit_of(c.units[done].chunk + 1)  # found kept when it is built
+            owner = inside.get(key) if key is not None and c.units[done].starts_chunk else None
+            if owner is not None and owner != c.request_id and (c.keeps_only or owner not in keeps):
+                waits.add(c.request_id)
+                continue
+        for index in range(done, min(done + planned.get(c.request_id, 0), len(c.units))):
+            key = c.block_at(index)
+            if key is None:
+                continue
+            ends = index + 1 == len(c.units) or c.units[index + 1].chunk != c.units[index].chunk
+            if ends:
+                finished.add(key)
+                if inside.get(key) == c.request_id:
+                    del inside[key]
+            else:
+                inside.setdefault(key, c.request_id)
+    return waits
 
 
 def _fit_memory(plan: StepPlan, by_id: dict[str, Candidate], groups: list[list[Candidate]], memory: Memory,

@@ -1196,6 +1196,48 @@ async def test_prompts_that_arrive_together_compute_their_shared_system_prompt_o
         assert tokens == (await prefilled_from_cache(plain, rid, prompts[rid], samplings[rid]))[1], rid
 
 
+async def test_a_prompt_part_way_through_a_shared_document_skips_the_blocks_another_keeps_meanwhile(
+    open_engine: Opener
+) -> None:
+    """A document longer than a step's budget: the first prompt computes it two blocks a step; a
+    second one arriving after its second step starts after the four blocks kept by then, and,
+    about to start its fifth, finds the blocks the first kept meanwhile and starts after those
+    too: every block of the document is computed once, and the tokens are still the cache-less
+    engine's, greedy and seeded."""
+    path = cached_checkpoint("llama")
+    gate, parked = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "prefill" and list(request_ids) == ["a"]:
+            calls.append("a")
+            if len(calls) == 3 and not gate.is_set():  # the first call of its second step
+                parked.set()
+                gate.wait(30)
+
+    steps = 4 + 2 * CHUNK  # beside a batch of 4, two whole blocks a step
+    cached = await open_engine(path, model_call_hook=hook, max_batch=4, max_num_batched_tokens=steps)
+    plain = await open_engine(path, prefix_cache_bytes=0, max_batch=4, max_num_batched_tokens=steps)
+    document = prompt_of(6 * CHUNK, salt=7)  # six whole blocks
+    prompts = {"a": [*document, *prompt_of(20, salt=1)], "b": [*document, *prompt_of(21, salt=2)]}
+    samplings = {"a": GREEDY, "b": SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=3)}
+    got: dict[str, tuple[int, list[int]]] = {}
+
+    async def request(rid: str) -> None:
+        got[rid] = await prefilled_from_cache(cached, rid, prompts[rid], samplings[rid])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, "a")
+        await trio.to_thread.run_sync(parked.wait, 30)
+        nursery.start_soon(request, "b")
+        await release_when_queued(cached, gate, 1)
+    assert got["a"][0] == 0 and got["b"][0] == 6 * CHUNK  # four at arrival, two found later
+    stats = cached.statistics()
+    assert (stats.prefix_cache_hits, stats.prefix_tokens_reused) == (1, 6 * CHUNK)
+    for rid in prompts:
+        assert got[rid][1] == (await prefilled_from_cache(plain, rid, prompts[rid], samplings[rid]))[1], rid
+
+
 async def test_a_chunk_evaluated_a_layer_per_step_keeps_every_token_exact(open_engine: Opener) -> None:
     """A budget smaller than a chunk slices each chunk's evaluation by layers over several steps
     (streams decode in between); the graph is the one call's, so tokens equal mlx-lm's, seeded ones

@@ -8,6 +8,8 @@ way to it, a failed prefill's fate, a decode-only step) by table, admission also
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -270,3 +272,130 @@ def test_prefill_failure_table(keeps_only: bool, retried: bool, typed: bool,
 def test_decode_only_table(joined: bool, arrived: list[float], last_step: list[float],
                            expected: bool) -> None:
     assert decode_only(joined, arrived, 100.0, last_step) is expected
+
+
+# -- prompts sharing prefix blocks: one computes a block, the others wait for it to be kept ----------
+
+def blocks_prompt(rid: str, order: int, keys: list[bytes], chunk: int = 16, unit: int = 64, done: int = 0,
+                  keeps_only: bool = False) -> Candidate:
+    """A prompt of whole chunks named `keys` (the prefix cache's blocks) and its last token."""
+    candidate = prompt(rid, order, chunk * len(keys) + 1, chunk, unit, done, keeps_only=keeps_only)
+    return Candidate(candidate.request_id, order, candidate.prompt_tokens, candidate.chunks, candidate.units,
+                     done, False, keeps_only, tuple(keys))
+
+
+SYSTEM = [b"s0", b"s1"]
+INSIDE_S1 = blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=6)  # two of s1's four layer slices done
+AT_S1 = blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4, done=4)  # about to start s1
+
+
+@pytest.mark.parametrize(
+    ("candidates", "budget", "waiting"),
+    [
+        # the other is inside s1 (two of its four layer slices done) and this step finishes it
+        # first: the newcomer at s1 starts after it when built ...
+        ([INSIDE_S1, AT_S1], Budget(200, 8), ()),
+        # ... this step takes one more slice of it: the newcomer waits ...
+        ([INSIDE_S1, AT_S1], Budget(4, 8), ("w",)),
+        # ... one not sharing it does not
+        ([INSIDE_S1, blocks_prompt("x", 2, [b"x0", b"x1"], unit=4)], Budget(200, 8), ()),
+        # both at s0, whole blocks: the older computes s0 and s1 first, the other starts after them
+        ([blocks_prompt("o", 1, [*SYSTEM, b"o"]), blocks_prompt("w", 2, [*SYSTEM, b"w"])],
+         Budget(200, 8), ()),
+        # both at s0 in layer slices, a budget for three slices: the older starts s0 and the other waits
+        ([blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4), blocks_prompt("w", 2, [*SYSTEM, b"w"], unit=4)],
+         Budget(12, 8), ("w",)),
+        # a request never waits for a keep task (optional work, last in line) ...
+        ([blocks_prompt("k#keep", 1 << 40, [*SYSTEM, b"k"], unit=4, done=6, keeps_only=True),
+          AT_S1], Budget(200, 8), ()),
+        # ... and a keep task waits for a request
+        ([INSIDE_S1, blocks_prompt("k#keep", 1 << 40, [*SYSTEM, b"k"], unit=4, done=4, keeps_only=True)],
+         Budget(4, 8), ("k#keep",)),
+    ],
+)
+def test_block_waits_table(candidates: list[Candidate], budget: Budget, waiting: tuple[str, ...]) -> None:
+    plan = schedule(0, candidates, budget, max_padding=0)
+    assert plan.waiting_for_blocks == waiting
+    assert not set(waiting) & {work.request_id for work in plan.prefills}
+
+
+def test_a_waiter_computes_the_block_itself_once_its_computer_is_gone() -> None:
+    """No starvation: the prompt inside the block is cancelled (it leaves the candidates) or
+    starts again from its first chunk (a call raised): the waiter computes the block."""
+    owner, waiter = INSIDE_S1, AT_S1
+    assert "w" in schedule(0, [owner, waiter], Budget(4, 8), max_padding=0).waiting_for_blocks
+    alone = schedule(0, [waiter], Budget(4, 8), max_padding=0)
+    assert alone.waiting_for_blocks == () and [work.request_id for work in alone.prefills] == ["w"]
+    again = blocks_prompt("o", 1, [*SYSTEM, b"o"], unit=4, done=0)  # it starts from s0 once more
+    assert schedule(0, [again, waiter], Budget(4, 8), max_padding=0).waiting_for_blocks == ()
+
+
+shared_prompts = st.tuples(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(1, 2)), min_size=1, max_size=6),
+    st.sampled_from([4, 8, 64]),
+).map(lambda spec: [blocks_prompt(f"r{i}", i, [f"f{family}:{j}".encode() for j in range(shared)]
+                                  + [f"r{i}:{j}".encode() for j in range(own)], unit=spec[1])
+                    for i, (family, shared, own) in enumerate(spec[0])])
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=shared_prompts, tokens=st.integers(16, 80), rows=st.integers(1, 4),
+       cancels=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 5)), max_size=3))
+def test_a_block_is_computed_once_while_its_computer_lives(
+        candidates: list[Candidate], tokens: int, rows: int, cancels: list[tuple[int, int]]) -> None:
+    """Against a model of the prefix cache (the blocks kept) and of the executor (every prompt
+    about to start a block skips the kept ones, when planned and again when built): no block is
+    started while another prompt is inside it or after it was kept; a prompt sharing no block
+    with another never waits; every prompt not cancelled reaches its first token (a waiter whose
+    computer is cancelled computes the block itself)."""
+    kept: set[bytes] = set()
+    inside: dict[bytes, str] = {}  # block -> the prompt that started it and has not finished it
+
+    def skip_kept(candidate: Candidate) -> Candidate:
+        done = candidate.done_units
+        if done >= len(candidate.units) or not candidate.units[done].starts_chunk:
+            return candidate
+        count = next((i for i, key in enumerate(candidate.block_keys) if key not in kept),
+                     len(candidate.block_keys))
+        if count <= candidate.units[done].chunk:
+            return candidate
+        return replace(candidate, done_units=candidate.first_unit_of(count))
+
+    waiting = list(candidates)
+    cancelled: set[str] = set()
+    finished: set[str] = set()
+    for step in range(sum(len(c.units) for c in candidates) + 1):
+        for at, index in cancels:
+            if at == step and waiting:
+                gone = waiting.pop(index % len(waiting))
+                cancelled.add(gone.request_id)
+                inside = {key: rid for key, rid in inside.items() if rid != gone.request_id}
+        if not waiting:
+            break
+        waiting = [skip_kept(c) for c in waiting]
+        plan = schedule(0, waiting, Budget(tokens, rows), max_padding=0)
+        for rid in plan.waiting_for_blocks:
+            waiter = next(c for c in waiting if c.request_id == rid)
+            assert any(set(waiter.block_keys) & set(c.block_keys) for c in waiting if c is not waiter)
+        by_id = {c.request_id: c for c in waiting}
+        built: dict[str, int] = {}
+        for work in plan.prefills:
+            candidate = skip_kept(by_id[work.request_id])
+            start = candidate.done_units
+            for index in range(start, min(start + work.units, len(candidate.units))):
+                key = candidate.block_at(index)
+                if key is None:
+                    continue
+                unit = candidate.units[index]
+                if unit.starts_chunk:
+                    assert key not in kept and inside.get(key, candidate.request_id) == candidate.request_id
+                    inside[key] = candidate.request_id
+                if index + 1 == len(candidate.units) or candidate.units[index + 1].chunk != unit.chunk:
+                    kept.add(key)
+                    inside.pop(key, None)
+            built[candidate.request_id] = min(start + work.units, len(candidate.units))
+        left, done = update(waiting, plan, {c.request_id: built.get(c.request_id, c.done_units)
+                                            for c in waiting})
+        finished.update(done)
+        waiting = list(left)
+    assert {c.request_id for c in candidates} - cancelled <= finished

@@ -258,7 +258,8 @@ class StepExecutor:
         # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
         candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
                                 task.done_units, loop.short_batching and task.is_short
-                                and task.sampler.sampling.choices == 1, task.keeps_only)
+                                and task.sampler.sampling.choices == 1, task.keeps_only,
+                                tuple(task.block_keys))
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
         oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)

@@ -3,8 +3,10 @@ and where a prompt starts from it.
 
 A prompt's whole chunks are kept as they are built (`keep_chunk`); a new prompt whose leading
 chunks are cached starts after them (`touch_prefix` before its admission, then
-`start_from_prefix`), and one that found none looks once more as its first unit is built
-(`look_again`: prompts that came together with one system prompt find what the first built).
+`start_from_prefix`), and looks again whenever it is about to start a block (`look_again`:
+prompts that came together with one system prompt or document skip what another has built
+since; the scheduler holds back one whose next block another is computing,
+`statecore.engine_schedule.block_waits`).
 Conversations (`Settings.keep_conversations`, decode and single nodes with a prefix cache): a
 request that ends normally leaves a *keep task* behind, a prefill task without a first token
 over its prompt and generated tokens' whole chunks, started from the cached ones
@@ -191,10 +193,27 @@ class PrefixKeeping:
         task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
 
     def look_again(self, task: PrefillTask) -> bool:
-        """A prompt that found no kept blocks at arrival and has not started looks again: prompts
-        that came together with one system prompt start after the blocks the first of them has
-        built since. Whether it starts later now."""
-        if task.done_units or not task.block_keys or task.retried or task.keeps_only:
+        """A prompt about to start a block looks again: prompts that came together with one
+        system prompt or document start after the blocks the first of them has built since, and
+        one that is part-way through its prompt skips the blocks another has kept meanwhile (its
+        own chunks are the same calls, so a cache of kept blocks holds its own numbers). Whether
+        it is further along now."""
+        if not task.block_keys or task.retried or task.keeps_only or task.finished:
             return False
-        self.start_from_prefix(task, task.block_keys, again=True)
-        return task.done_units > 0
+        unit = task.units[task.done_units]
+        if not unit.starts_chunk or unit.chunk >= len(task.block_keys):
+            return False  # inside a block (its layers' slices), or past the kept ones
+        if not task.done_units:
+            self.start_from_prefix(task, task.block_keys, again=True)
+            return task.done_units > 0
+        prefix = self.loop.prefix
+        if prefix is None or prefix.index.cached(task.block_keys) <= unit.chunk:
+            return False
+        count, cache = prefix.start(task.block_keys, again=True, already=task.done_tokens,
+                                    hit_before=task.cached_tokens > 0)
+        assert cache is not None and count > unit.chunk
+        task.cache = cache
+        task.done_tokens = cache[0].offset
+        task.cached_tokens += task.done_tokens - task.chunk_start(unit.chunk)
+        task.done_units = next(i for i, later in enumerate(task.units) if later.chunk == count)
+        return True

@@ -131,13 +131,15 @@ class PrefixCache:
         when a block ends there): a conversation kept, a prefix exported or imported."""
         return conversation_block_keys(tokens, self.chunk_size, self.ends)
 
-    def start(self, keys: Sequence[bytes], counted: bool = True, again: bool = False
-              ) -> tuple[int, list[Any] | None]:
+    def start(self, keys: Sequence[bytes], counted: bool = True, again: bool = False, already: int = 0,
+              hit_before: bool = False) -> tuple[int, list[Any] | None]:
         """How many leading blocks of a prompt's `keys` are cached, and a fresh cache holding
         them (None when none is; its `offset`: the tokens they cover); host blocks after the
         device's come back first when that pays. Not `counted`: a conversation kept, not a prompt
         served; `again`: a prompt looked up at arrival, looked up once more (a hit counts, not a
-        query)."""
+        query); `already`: the leading tokens the prompt holds (a prompt part-way through,
+        skipping blocks kept meanwhile: only the rest count as reused), `hit_before`: some of them
+        came from the cache (its hit is counted)."""
         if keys and counted and not again:
             self.queries += 1
         count = self.index.cached(keys)
@@ -159,8 +161,8 @@ class PrefixCache:
             own.offset = int(own.keys.shape[2])
             cache.append(own)
         if counted:
-            self.hits += 1
-            self.tokens_reused += cache[0].offset
+            self.hits += 0 if hit_before else 1
+            self.tokens_reused += cache[0].offset - already
         return count, cache
 
     def keep(self, keys: Sequence[bytes], chunk: int, cache: Sequence[Any], start: int, end: int
