@@ -39,7 +39,6 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from mlx_lm.models.cache import KVCache
 
 from adapters.http.segment_copies import SegmentCopies
 from adapters.kv import codec
@@ -48,21 +47,11 @@ from adapters.mlx.kv_out import pieces_of
 from effects.engine_port import KvPieces, KvSegment
 from statecore.ids import RequestId
 
-LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_copy_stages import HEAD_DIM, KV_HEADS, LAYERS, cache_of  # the same 1B-shaped cache
+
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 FINGERPRINT = "core-crossing"
-
-
-def cache_of(tokens: int) -> list[Any]:
-    layers = []
-    for _ in range(LAYERS):
-        keys = mx.random.normal((1, KV_HEADS, tokens, HEAD_DIM)).astype(mx.bfloat16)
-        values = mx.random.normal((1, KV_HEADS, tokens, HEAD_DIM)).astype(mx.bfloat16)
-        cache = KVCache()
-        cache.update_and_fetch(keys, values)
-        layers.append(cache)
-    mx.eval([a for c in layers for a in (c.keys, c.values)])
-    return layers
 
 
 def median_s(reps: int, work: Callable[[], Any]) -> float:
@@ -89,7 +78,7 @@ def through_segment_copies(outbox: ShmOutbox, segment: KvSegment) -> ShmRef | No
 
 def rows_for(mib: int, reps: int, before: bool) -> list[tuple[str, float, int]]:
     tokens = mib * (1 << 20) // TOKEN_BYTES
-    caches = cache_of(tokens)
+    caches = cache_of(tokens, seed=0)
     core_outbox = ShmOutbox(max_bytes=4 << 30, checksum=False)
     node_outbox = ShmOutbox(max_bytes=4 << 30, checksum=False)
     decode_node_outbox = ShmOutbox(max_bytes=4 << 30, checksum=False)
