@@ -366,12 +366,13 @@ class EnginePerformer:
                     await self.engine.receive_segment(rid, segment, len(ctx.prompt),
                                                       max_tokens=ctx.sampling.max_tokens)
                 except Exception as exc:
-                    failures.append(exc)
+                    failure = exc
                     if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
                         # a piece the prefill node sent: named after it
                         named = f"{ctx.prefill_url}: {exc.info.message}"
-                        failures[-1] = StatecoreError(replace(exc.info, message=named))
-                        failures[-1].__cause__ = exc
+                        failure = StatecoreError(replace(exc.info, message=named))
+                        failure.__cause__ = exc
+                    failures.append(failure)
                     scope.cancel()
                     return
 

@@ -231,13 +231,7 @@ def _describe(value: Any, arrays: list[Any], path: str, depth: int) -> dict[str,
         if name is None:
             raise _NotPlain(f"state holds an array of dtype {value.dtype} at {path}")
         arrays.append(value)
-        shape = [int(d) for d in value.shape]
-        return {
-            "kind": "array",
-            "dtype": name,
-            "shape": shape,
-            "nbytes": math.prod(shape) * _DTYPES[name][1].itemsize,
-        }
+        return _array_node(name, value.shape)
     if value is None:
         return {"kind": "none"}
     if isinstance(value, bool):  # before int: bool is an int subclass
@@ -254,6 +248,13 @@ def _describe(value: Any, arrays: list[Any], path: str, depth: int) -> dict[str,
         items = [_describe(v, arrays, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
         return {"kind": "list" if type(value) is list else "tuple", "items": items}
     raise _NotPlain(f"state holds a {type(value).__qualname__} at {path}")
+
+
+def _array_node(dtype_name: str, shape: Sequence[int]) -> dict[str, Any]:
+    """The header node of an array of this dtype (by its wire name) and shape."""
+    dims = [int(d) for d in shape]
+    return {"kind": "array", "dtype": dtype_name, "shape": dims,
+            "nbytes": math.prod(dims) * _DTYPES[dtype_name][1].itemsize}
 
 
 def _plan(cache: Any) -> tuple[str, dict[str, Any], list[Any]]:
@@ -444,9 +445,7 @@ def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
     for index in range(0, len(arrays), 2):
         items: list[dict[str, Any]] = []
         for array in arrays[index : index + 2]:
-            shape = [int(d) for d in array.shape]
-            nbytes = math.prod(shape) * wire.itemsize
-            items.append({"kind": "array", "dtype": name, "shape": shape, "nbytes": nbytes})
+            items.append(_array_node(name, array.shape))
             host = np.asarray(array)
             if host.dtype.itemsize != wire.itemsize:
                 raise StatecoreError(bug(f"a KV piece's arrays are wire views of {name}, not {host.dtype}"))
