@@ -39,6 +39,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -54,6 +55,7 @@ from adapters.mlx.core_wire import (
     Crash,
     Done,
     Ended,
+    FrameWriter,
     Free,
     Item,
     Load,
@@ -119,10 +121,9 @@ class ProcessEngine:
         self._abandoned: dict[int, Call] = {}
         self._sends: dict[str, trio.MemorySendChannel[StreamItem]] = {}
         self._callers = Callers()
-        self._send_lock = threading.Lock()
         self._frees: collections.deque[ShmRef] = collections.deque()
-        self._outgoing: list[Any] = []  # queued for the core's next write (`_send`)
-        self._flush_posted = False
+        # a burst of calls leaves in one write, with the frees due then
+        self._writer = FrameWriter(sock, partial(post, self._token), self._due_frees)
         self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
         self._alive = True
@@ -380,23 +381,13 @@ class ProcessEngine:
     def _send(self, messages: list[Any]) -> None:
         """Queue `messages` for the core (in trio, in order): everything queued in one pass of the
         event loop (a burst of requests' calls) leaves in one write, read by the core at once."""
-        self._outgoing.extend(messages)
-        if not self._flush_posted:
-            self._flush_posted = True
-            post(self._token, self._flush)
+        self._writer.queue(messages)
 
-    def _flush(self) -> None:
-        self._flush_posted = False
-        messages, self._outgoing = self._outgoing, []
+    def _due_frees(self) -> list[Any]:
+        frees: list[Any] = []
         while self._frees:
-            messages.append(Free(self._frees.popleft()))
-        if not messages:
-            return
-        try:
-            with self._send_lock:
-                self._sock.sendall(encode(messages))
-        except OSError:
-            pass  # the core is gone: the reader sees the end of its stream
+            frees.append(Free(self._frees.popleft()))
+        return frees
 
     def _dead(self) -> StatecoreError:
         if self._closed:
@@ -519,4 +510,4 @@ class ProcessEngine:
 
     def _flush_frees(self) -> None:
         if self._frees and self._alive:
-            self._flush()
+            self._writer.flush()

@@ -41,6 +41,7 @@ from adapters.mlx.core_wire import (
     Crash,
     Done,
     Ended,
+    FrameWriter,
     Free,
     Item,
     Load,
@@ -99,9 +100,7 @@ class CoreServer:
         self._sock = sock
         self.engine = engine
         self._token = trio.lowlevel.current_trio_token()
-        self._pending: list[Any] = []
-        self._flush_posted = False
-        self._send_lock = threading.Lock()
+        self._writer = FrameWriter(sock, partial(post, self._token))
         self._scopes: dict[int, trio.CancelScope] = {}
         self._outbox = ShmOutbox(max_bytes=shm_bytes, checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
@@ -109,23 +108,11 @@ class CoreServer:
 
     def push(self, message: Any) -> None:
         """Queue a message for the node; everything queued before the flush goes in one write."""
-        self._pending.append(message)
-        if not self._flush_posted:
-            self._flush_posted = True
-            post(self._token, self._flush)
+        self._writer.queue([message])
 
-    def _flush(self) -> None:
-        self._flush_posted = False
-        messages, self._pending = self._pending, []
-        if messages:
-            self.send_now(messages)
-
-    def send_now(self, messages: list[Any]) -> None:
-        try:
-            with self._send_lock:
-                self._sock.sendall(encode(messages))
-        except OSError:
-            pass  # the node is gone: the reader sees the end of the stream and stops us
+    def write_now(self, messages: list[Any]) -> None:
+        """Write `messages` to the node at once, from any thread (the load's answer)."""
+        self._writer.write(messages)
 
     async def run(self) -> None:
         stopped = trio.Event()
@@ -301,7 +288,7 @@ async def serve(sock: socket.socket) -> int:
         return 1
     server = CoreServer(sock, engine, load.shm_bytes)
     try:
-        server.send_now([Loaded(engine.info, engine.statistics(), blas_in_use())])
+        server.write_now([Loaded(engine.info, engine.statistics(), blas_in_use())])
         await server.run()
     finally:
         with trio.CancelScope(shield=True):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -28,7 +30,7 @@ from statecore.errors import ErrorInfo
 
 __all__ = [
     "Abandon", "Call", "Crash", "Done", "Ended", "Free", "Item", "Load", "Loaded", "Raised", "Segment",
-    "Snapshot", "Stop", "encode", "read_frame",
+    "FrameWriter", "Snapshot", "Stop", "encode", "read_frame",
 ]
 
 _LENGTH: Final = struct.Struct("<I")
@@ -177,3 +179,42 @@ def read_frame(sock: socket.socket) -> list[Any] | None:
         raise ValueError(f"an engine core frame of {nbytes} bytes")
     body = _read_exact(sock, nbytes)
     return None if body is None else decode(body)
+
+
+class FrameWriter:
+    """One end's writes to the other: messages queued in one pass of its event loop (a burst of
+    calls, a step's stream items) leave in one frame, read there at once. `soon` runs a callable
+    on the event loop after the current pass; `more` adds what else is due at each write (the
+    node's `Free`s). A write to a peer that is gone is dropped: the reader sees the end."""
+
+    def __init__(self, sock: socket.socket, soon: Callable[[Callable[[], None]], None],
+                 more: Callable[[], list[Any]] = list) -> None:
+        self._sock = sock
+        self._soon = soon
+        self._more = more
+        self._lock = threading.Lock()
+        self._queued: list[Any] = []
+        self._flush_posted = False
+
+    def queue(self, messages: list[Any]) -> None:
+        """Queue `messages` (on the event loop, in order) for the pass's one write."""
+        self._queued.extend(messages)
+        if not self._flush_posted:
+            self._flush_posted = True
+            self._soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what is queued (and `more`'s) now, if anything."""
+        self._flush_posted = False
+        messages, self._queued = self._queued, []
+        messages.extend(self._more())
+        if messages:
+            self.write(messages)
+
+    def write(self, messages: list[Any]) -> None:
+        """Write `messages` as one frame now, from any thread."""
+        try:
+            with self._lock:
+                self._sock.sendall(encode(messages))
+        except OSError:
+            pass  # the other end is gone: its reader's end of stream says so
