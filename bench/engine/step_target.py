@@ -177,6 +177,33 @@ def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_promp
     return trio.run(main)
 
 
+def measure(args: argparse.Namespace, model: Path, name: str, setup: dict[str, Any], rep: int,
+            barrier: Any) -> dict[str, float]:
+    """One setup's burst, then its realish run (under --side-by-side, each phase starts with the
+    other setups' at a barrier, so that they share the cores through the same phases)."""
+    from engine_realish import run as realish
+
+    if barrier is not None:
+        barrier.wait()
+    measured: dict[str, float] = {}
+    if not args.skip_burst:
+        measured = burst(model, setup, args.streams, args.long_prompt, args.long_requests, rep)
+    if args.skip_realish:
+        return measured
+    if barrier is not None:
+        barrier.wait()
+    with StepLog() as log:
+        mix = realish(model, args.concurrency, args.seconds, setup, on_measure=log.steps.clear)
+    if args.step_log is not None:
+        args.step_log.mkdir(parents=True, exist_ok=True)
+        with (args.step_log / f"realish-{rep}-{name}.jsonl").open("w") as out:
+            out.writelines(json.dumps(step) + "\n" for step in log.steps)
+        print(f"rep {rep} {name} realish steps: " + json.dumps(log.summary()), flush=True)
+    measured.update({"realish_tok_s": mix["tok_s"], "realish_gap_p99_ms": mix["gap_p99_ms"],
+                     "realish_ttft_p50_ms": mix["ttft_p50_ms"]})
+    return measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,6 +222,9 @@ def main() -> None:
     parser.add_argument("--floors", default="", help="more setups: the default target at these multiples "
                         "of the measured decode step (step_target_floors; comma-separated), e.g. 4: a "
                         "decode node's")
+    parser.add_argument("--side-by-side", action="store_true", help="run a repetition's setups at once, "
+                        "each in its own process on the same --cpus: a busy neighbour weighs on all alike "
+                        "(each runs slower than alone)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--step-log", type=Path, default=None, help="write each realish run's steps "
                         "(StepLog) to DIR/realish-<rep>-<setup>.jsonl and print their summary")
@@ -202,7 +232,6 @@ def main() -> None:
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     from benchlib import default_model, machine
-    from engine_realish import run as realish
 
     model = args.model or default_model()
     setups: dict[str, dict[str, Any]] = {"target": {"step_target_ms": args.target_ms},
@@ -210,23 +239,23 @@ def main() -> None:
     for floors in filter(None, args.floors.split(",")):
         setups[f"floors{floors}"] = {"step_target_ms": None, "step_target_floors": float(floors)}
     results: dict[str, dict[str, list[float]]] = {name: {} for name in setups}
+    loads: list[float] = []
     for rep in range(args.reps):
         order = list(setups) if rep % 2 == 0 else list(reversed(setups))
-        for name in order:
-            measured = ({} if args.skip_burst else
-                        burst(model, setups[name], args.streams, args.long_prompt, args.long_requests, rep))
-            if not args.skip_realish:
-                with StepLog() as log:
-                    mix = realish(model, args.concurrency, args.seconds, setups[name],
-                                  on_measure=log.steps.clear)
-                if args.step_log is not None:
-                    args.step_log.mkdir(parents=True, exist_ok=True)
-                    with (args.step_log / f"realish-{rep}-{name}.jsonl").open("w") as out:
-                        out.writelines(json.dumps(step) + "\n" for step in log.steps)
-                    print(f"rep {rep} {name} realish steps: " + json.dumps(log.summary()), flush=True)
-                measured.update({"realish_tok_s": mix["tok_s"], "realish_gap_p99_ms": mix["gap_p99_ms"],
-                                 "realish_ttft_p50_ms": mix["ttft_p50_ms"]})
-            print(f"rep {rep} {name} (load {os.getloadavg()[0]:.1f}): "
+        if args.side_by_side:
+            import multiprocessing
+
+            context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
+            barrier = context.Manager().Barrier(len(order))
+            with context.Pool(len(order)) as pool:
+                pending = {name: pool.apply_async(measure, (args, model, name, setups[name], rep, barrier))
+                           for name in order}
+                got = {name: result.get() for name, result in pending.items()}
+        else:
+            got = {name: measure(args, model, name, setups[name], rep, None) for name in order}
+        loads.append(os.getloadavg()[0])
+        for name, measured in got.items():
+            print(f"rep {rep} {name} (load {loads[-1]:.1f}): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), flush=True)
             for key, value in measured.items():
                 results[name].setdefault(key, []).append(float(value))
@@ -246,7 +275,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(
             {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
-             "load_avg": os.getloadavg(), "runs": results, "medians": medians, "over_fixed": ratios},
+             "load_avg": os.getloadavg(), "loads": loads, "runs": results, "medians": medians,
+             "over_fixed": ratios},
             indent=1))
 
 

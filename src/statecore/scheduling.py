@@ -206,13 +206,15 @@ STEP_TARGET_FLOOR_MULTIPLE = 16.0
 step the streams see). A step beside streams then gives waiting prompts 15/16 of its time and the
 streams' decode the rest, so a prompt's prefill takes about 1/15 longer than alone, while a
 stream's worst gap beside a long prompt stays 16 of its usual steps. A smaller multiple costs more
-than it seems: at 4 the prompts got 3/4 of the device, and on a mixed load, where a prompt waits
-for those before it, the quarter lost compounds (each waits longer for the ones before, which also
-took longer): on the CPU the realish mix's TTFT p50 rose 2-3x (docs/performance.md)."""
+than it seems: at 4 the prompts got 3/4 of the device (a step took one layer of a chunk), and on a
+mixed load, where a prompt waits for those before it, the quarter lost compounds: on the CPU the
+engine's mean wait for a first token rose 1.45x on the realish mix, against 1.06x at 16
+(docs/performance.md, "A long prompt beside streams")."""
 
 DECODE_NODE_FLOOR_MULTIPLE = 4.0
-"""... on a decode node: its streams' gaps are what it is for (most prompts are prefilled
-elsewhere; the few it prefills itself may take longer), so a stream waits at most 4 of its steps."""
+"""The multiple a decode node's serving command passes: its streams' gaps are what it is for, and
+most of its prompts are prefilled elsewhere, so a stream waits at most 4 of its steps and the
+few prompts it prefills itself take longer."""
 
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 

@@ -60,7 +60,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.errors import StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.routing import RouteChoice
-from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE, STEP_TARGET_FLOOR_MULTIPLE
+from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 if TYPE_CHECKING:
@@ -249,16 +249,28 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
+def step_target(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """The engine's `step_target_ms` and `step_target_floors` from the command line: the target as
+    given (ms), or as a multiple of the measured decode step (`--step-target-floors`), or by role:
+    a decode node's streams are shielded at 4 of their steps; single and prefill nodes run the
+    fixed budget (a prefill node has no streams; on a single node no target measured so far kept
+    the realish mix's TTFT p50: docs/performance.md, "A long prompt beside streams")."""
+    if args.step_target_ms is not None:
+        return {"step_target_ms": float(args.step_target_ms)}
+    if args.step_target_floors is not None:
+        return {"step_target_ms": None, "step_target_floors": float(args.step_target_floors)}
+    if role == "decode":
+        return {"step_target_ms": None, "step_target_floors": DECODE_NODE_FLOOR_MULTIPLE}
+    return {"step_target_ms": 0.0}
+
+
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """`MlxEngine.load`'s keywords from the command line (every rank of an instance passes the same)."""
     options = dict(
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        # None: the engine's default target, a multiple of its measured decode step (a prefill
-        # node has no streams to size a step for); a decode node's is smaller
-        step_target_ms=args.step_target_ms,
-        step_target_floors=DECODE_NODE_FLOOR_MULTIPLE if role == "decode" else STEP_TARGET_FLOOR_MULTIPLE,
+        **step_target(args, role),
         kv_memory_bytes=args.kv_memory_bytes,
         device_shared_by=args.device_shared_by,
         preallocate_slots={"auto": None, "on": True, "off": False}[args.preallocate_slots],
