@@ -531,7 +531,7 @@ def resolve_engine_core(args: argparse.Namespace) -> None:
 
 def mlx_cuda_installed() -> bool:
     """Whether MLX's CUDA backend (the `mlx-cuda-*` distribution) is installed beside mlx."""
-    return any(re.fullmatch(r"mlx[-_]cuda([-_].*)?", dist.metadata.get("Name", "") or "", re.IGNORECASE)
+    return any(re.fullmatch(r"mlx[-_]cuda([-_].*)?", dist.name or "", re.IGNORECASE)
                for dist in importlib.metadata.distributions())
 
 
