@@ -214,7 +214,7 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     # Chats on a shared 1,000-token system prompt (32 first turns at once, two rounds) and a 3,700-token
     # document asked a second question: statecore with / without its prefix cache and mlx_lm.server;
     # then an 8,000-token cold prompt with a message end every 500 tokens (a block ends after each)
-    # against the same prompt without, and at 128- and 512-token chunks (what smaller blocks cost).
+    # against the same prompt without, and at 256- and 512-token chunks (what smaller blocks cost).
     machine; model_1b
     timeout "${PREFIX_LIMIT:-420}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
       --servers mlx_lm,single,single_nocache,single_chunk256 --conversations 32 --rounds 2 --documents 3 \
