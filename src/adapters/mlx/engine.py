@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -33,6 +32,7 @@ import trio
 
 from adapters.kv import frames
 from adapters.mlx import commands
+from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_thread import DeviceThread
@@ -48,7 +48,7 @@ from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import validate_and_build, validate_prefix, validate_segment
+from adapters.mlx.payloads import validate_and_build, validate_prefix
 from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
@@ -80,7 +80,6 @@ logger = logging.getLogger("adapters.engine_mlx")
 
 _T = TypeVar("_T")
 
-
 class MlxEngine:
     """The Engine port over mlx-lm. Build with `await MlxEngine.load(model_dir, ...)`."""
 
@@ -100,6 +99,8 @@ class MlxEngine:
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
         self._device.perform = self._performer.perform
+        self._arriving = ArrivingPieces(self._callers, self._device, self._post,
+                                        lambda: (self._performer.classes, self.info.fingerprint))
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -304,36 +305,10 @@ class MlxEngine:
                           Local(caches=caches, ranges=ranges))
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
-                              max_tokens: int) -> None:
+                              max_tokens: int, index: int | None = None) -> None:
         if not self.streams_handoffs:
-            raise StatecoreError(ErrorInfo(
-                Fault.PEER, Code.KV_MALFORMED,
-                "this node installs whole payloads only (tensor or pipeline parallel)"))
-        # Validated and built in a worker thread, as `install` does, while the stream goes on.
-        last = segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes)
-        if last:  # the request joins once the pieces are checked and installed
-            self._device.handoffs_coming[request_id] = time.monotonic()
-        elif segment.last_step_started:  # and its last pieces are being computed now
-            self._device.handoffs_expected.setdefault(request_id, time.monotonic())
-        built = await trio.to_thread.run_sync(partial(
-            validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
-            classes=self._performer.classes, streams_ranges=self._device.streams_ranges))
-        await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing here
-        piece = (segment.first_layer, segment.end_layer, segment.start, built)
-        caller = self._callers.get(request_id)
-        if caller is None or not caller.pieces:
-            # Into the request's slot as it comes, where the model's cache goes in slots: the
-            # install then copies nothing (`adapters.mlx.staging`); else kept for the install.
-            if last and request_id in self._device.slots.staged:
-                # The install job writes it: one wait for the device loop fewer before the join.
-                self._callers.keep_piece(request_id, piece, last=True)
-                return
-            stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
-                                        needed_tokens=prompt_tokens + max_tokens + 1)
-            staged: bool = await self._post(stage, Local(caches=built))
-            if staged:
-                return
-        self._callers.keep_piece(request_id, piece)
+            raise refuse_pieces()
+        await self._arriving.receive(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,

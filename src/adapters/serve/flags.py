@@ -7,6 +7,7 @@ import anything; it starts nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -278,10 +279,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     router.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
                         help="router: what one request in flight on a node weighs against prompt tokens "
                              f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
-    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=DEFAULT_CHUNK_TOKENS,
+    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=None,
                         help="tokens per prefill call, and the prefix cache's block (prompts are reused in "
-                             "whole chunks); must be equal on every node (default "
-                             f"{DEFAULT_CHUNK_TOKENS})")
+                             "whole blocks; a block also ends at a chat message's end inside a prompt "
+                             "longer than one); must be equal on every node (default "
+                             f"{DEFAULT_CHUNK_TOKENS}; 2048 on MLX's CUDA backend, where smaller calls are "
+                             "bound by the host's kernel launches)")
     engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
@@ -429,12 +432,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="seconds a held KV waits (default 60)")
     limits.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
                         help="seconds a request may live (default 600)")
-    engine.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+    engine.add_argument("--engine-core", choices=["auto", "thread", "process"], default="auto",
                         help="engine nodes: where the engine core (the model, its KV and the device loop) "
                              "runs: on a thread of the node's process, sharing its GIL with the HTTP front "
                              "end, or in a process of its own, connected by a local socket and shared memory "
                              "for KV (its death is the node's, as a dead device thread's is; not with "
-                             "--tensor-parallel or --pipeline-parallel) (default thread)")
+                             "--tensor-parallel or --pipeline-parallel). auto: a process where MLX's CUDA "
+                             "backend is installed (measured faster there), a thread elsewhere and for "
+                             "tensor- or pipeline-parallel instances (default auto)")
     engine.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
                         help="engine nodes: seconds the engine may be busy without finishing a step "
                              "before the node counts as hung: its requests fail, /health turns 503 and "
@@ -516,6 +521,24 @@ def resolve_api_keys(args: argparse.Namespace) -> None:
     if protects and not keys:
         raise SystemExit(f"statecore: --api-key-protects needs --api-key (or {API_KEY_ENV})")
     args.api_keys = ApiKeys(keys, protects) if keys else None
+
+def resolve_engine_core(args: argparse.Namespace) -> None:
+    """`--engine-core auto` made `process` or `thread` for an engine node, without importing mlx
+    (a node whose core is a process never does): a process where MLX's CUDA backend is installed
+    (on the H100 the process core gave 1.15x / 1.30x a thread core's tokens/s on realish at 8 /
+    32, docs/performance.md), a thread elsewhere (on the CPU the two cores share the same few
+    cores) and for tensor- and pipeline-parallel instances (their ranks run on device threads)."""
+    if getattr(args, "engine_core", "thread") != "auto":
+        return
+    parallel = args.tensor_parallel > 1 or args.pipeline_parallel > 1
+    args.engine_core = "process" if not parallel and mlx_cuda_installed() else "thread"
+
+
+def mlx_cuda_installed() -> bool:
+    """Whether MLX's CUDA backend (the `mlx-cuda-*` distribution) is installed beside mlx."""
+    return any(re.fullmatch(r"mlx[-_]cuda([-_].*)?", dist.name or "", re.IGNORECASE)
+               for dist in importlib.metadata.distributions())
+
 
 def resolve_tls(args: argparse.Namespace) -> None:
     """`args.tls`: the checked TLS files (`adapters.tls.tls_files`); refused with one line, before
