@@ -208,18 +208,22 @@ def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, 
 
 @settings(max_examples=300, deadline=None)
 @given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(1, 32),
-       st.lists(st.integers(1, 64), min_size=1, max_size=60), st.integers(64, 4096))
+       st.lists(st.integers(1, 64), min_size=1, max_size=60), st.integers(64, 4096),
+       st.sampled_from([STEP_TARGET_FLOOR_MULTIPLE, DECODE_NODE_FLOOR_MULTIPLE]) | st.floats(1.0, 64.0))
 def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, per_token: float, rows: int,
-                                                                  units: list[int], room: int) -> None:
-    """Beside streams, under the default target and whatever the measured rates, the oldest prompt
-    advances; the step's prefill at the measured rate (a) overruns the target only by the oldest
-    prompt's one unit, and (b) when work is left that the target held back, takes all of the
-    target but the floor (15/16 of it), less one unit and a token of rounding: the prompts waiting
-    beside streams are never starved of the device."""
+                                                                  units: list[int], room: int,
+                                                                  floors: float) -> None:
+    """Beside streams, under the default target (`floors` times the measured floor) and whatever
+    the measured rates, the oldest prompt advances; the step's prefill at the measured rate (a)
+    overruns the target only by the oldest prompt's one unit, and (b) when work is left that the
+    target held back, takes all of the target but the floor ((floors - 1) / floors of it: 15/16 by
+    default), less one unit and a token of rounding: the prompts waiting beside streams are never
+    starved of the device."""
     rates = StepRates(floor_s=floor, excess_s=per_token * 100, prefill_tokens=100.0)
     configured = rows + max(room, max(units))
-    target = STEP_TARGET_FLOOR_MULTIPLE * floor
-    tokens = step_token_budget(configured, rows, units[0], decode_only=False, target_s=None, rates=rates)
+    target = floors * floor
+    tokens = step_token_budget(configured, rows, units[0], decode_only=False, target_s=None, rates=rates,
+                               target_floors=floors)
     plan = plan_step(rows, [WaitingPrefill("a", 0, tuple(units))], StepBudget(tokens, 8))
     assert plan.prefills and plan.tokens <= tokens <= configured
     work = plan.prefills[0]
@@ -228,9 +232,7 @@ def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, 
     assert floor + prefill_s <= target + slack or work.units == 1
     left = units[work.units :]
     if left and tokens < configured:
-        assert prefill_s >= (target - floor) - (left[0] + 1) * per_token - slack
-        assert prefill_s >= (STEP_TARGET_FLOOR_MULTIPLE - 1) / STEP_TARGET_FLOOR_MULTIPLE * target \
-            - (left[0] + 1) * per_token - slack
+        assert prefill_s >= (floors - 1) / floors * target - (left[0] + 1) * per_token - slack
 
 
 def test_step_token_budget_refuses_negative_inputs() -> None:
@@ -265,13 +267,14 @@ step_rates = st.builds(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 64), st.integers(1, 6),
        st.integers(0, 32), st.integers(1, 300), st.none() | st.floats(0.0, 2.0),
-       st.lists(st.tuples(step_rates, st.booleans()), min_size=1, max_size=20))
+       st.lists(st.tuples(step_rates, st.booleans()), min_size=1, max_size=20), st.floats(0.1, 64.0))
 def test_a_timed_budget_holds_and_starves_no_prompt(lengths: list[int], chunk: int, layers: int,
                                                     decode_rows: int, room: int, target_s: float | None,
-                                                    rates: list[tuple[StepRates, bool]]) -> None:
-    """Whatever the rates and the target, a step's plan stays within the configured budget, and
-    every step but a decode-only one advances the oldest prompt: the prompts all finish within
-    their units' count of such steps."""
+                                                    rates: list[tuple[StepRates, bool]],
+                                                    floors: float) -> None:
+    """Whatever the rates and the target (or the default target's multiple), a step's plan stays
+    within the configured budget, and every step but a decode-only one advances the oldest prompt:
+    the prompts all finish within their units' count of such steps."""
     unit_tokens = max(room, -(-chunk // layers))
     configured = 32 + unit_tokens  # the engine's rule: its largest batch plus its largest unit
     waiting = {f"r{i}": wait(f"r{i}", i, *(u.tokens for u in prefill_units(prefill_chunks(n, chunk), layers,
@@ -289,7 +292,7 @@ def test_a_timed_budget_holds_and_starves_no_prompt(lengths: list[int], chunk: i
         assert advancing <= total_units, "some prompt made no progress"
         oldest = min(waiting.values(), key=lambda w: w.order)
         tokens = step_token_budget(configured, decode_rows, oldest.units_left[0], decode_only=decode_only,
-                                   target_s=target_s, rates=measured)
+                                   target_s=target_s, rates=measured, target_floors=floors)
         assert decode_rows <= tokens <= configured
         plan = plan_step(decode_rows, list(waiting.values()), StepBudget(tokens, 8))
         assert plan.tokens <= tokens
