@@ -40,7 +40,6 @@ from effects.engine_port import (
     Engine,
     EngineStatistics,
     GeneratedToken,
-    KvSegment,
     PrefixSummary,
     SamplingParams,
 )
@@ -57,7 +56,7 @@ from support.tiny_models import (
     cached_checkpoint,
     is_degenerate,
 )
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import close_engine, load_engine, streamed_prefill
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -1348,8 +1347,7 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     assert results == {"long": reference(path, long), "new": reference(path, newcomer)}
 
     # Streamed: from its last piece on, steps hold the prefill back until the request joins.
-    pieces: list[KvSegment] = []
-    outcome = await source.prefill(RequestId("piecewise"), newcomer, GREEDY, segments=pieces.append)
+    outcome, pieces = await streamed_prefill(source, RequestId("piecewise"), newcomer, GREEDY)
     assert len(pieces) > 1
     for piece in pieces[:-1]:
         await decode.receive_segment(RequestId("piecewise"), piece, len(newcomer),

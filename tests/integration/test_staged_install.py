@@ -19,7 +19,7 @@ from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import load_into, opened_engines
+from tests.integration.engines import load_into, opened_engines, streamed_prefill
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24)
@@ -39,8 +39,7 @@ async def served(engine: MlxEngine, rid: str, prompt: Sequence[int],
 async def pieces_of(source: MlxEngine, rid: str, prompt: Sequence[int]) -> tuple[int, list[KvSegment]]:
     """The first token and the streamed pieces of a prompt prefilled on `source` (a chunk a
     step: several pieces), its held cache released."""
-    pieces: list[KvSegment] = []
-    outcome = await source.prefill(RequestId(rid), prompt, GREEDY, segments=pieces.append)
+    outcome, pieces = await streamed_prefill(source, RequestId(rid), prompt, GREEDY)
     await source.release_held(RequestId(rid))
     assert len(pieces) > 2
     return outcome.first_token, pieces

@@ -3,7 +3,7 @@ drives `adapters.mlx.prefix_cache.PrefixCache` as the device loop does.
 
 `test_prefix_tiers_model.py` checks the index's policy (which key goes where, least recently
 used first); this one checks the cache that carries the arrays, with nothing mocked: tiny real
-KV (two layers, one head, two dims; bf16, f16 or f32) in blocks of four tokens that also end
+KV (two layers, one key/value head or two, two dims; bf16, f16 or f32) in blocks of four tokens that also end
 after an end-of-turn token, a device tier and a host tier of a few blocks each (the host tier
 off sometimes), taken back always, never, or by the measured rule. The rules are the device
 loop's: prompts arrive (many share a system prompt, or a document up to any token, so that they
@@ -54,7 +54,7 @@ from statecore.prefix import DEVICE, HOST, Tier
 
 CHUNK = 4
 END = 0  # an end-of-turn token: a block also ends right after it
-LAYERS, HEADS, DIM = 2, 1, 2
+LAYERS, DIM = 2, 2
 DTYPES = {"bfloat16": (mx.bfloat16, mx.uint16), "float16": (mx.float16, mx.uint16),
           "float32": (mx.float32, mx.uint32)}
 MOST_REQUESTS = 4
@@ -139,10 +139,11 @@ def bits_of(array: Any, dtype: Any) -> np.ndarray[Any, Any]:
 class CachedBlocks(RuleBasedStateMachine):
     cache: PrefixCache
 
-    @initialize(dtype=st.sampled_from(sorted(DTYPES)), device_blocks=st.integers(2, 6),
-                host_blocks=st.sampled_from([1, 3, 8, 0]),
+    @initialize(dtype=st.sampled_from(sorted(DTYPES)), heads=st.sampled_from([1, 2]),
+                device_blocks=st.integers(2, 6), host_blocks=st.sampled_from([1, 3, 8, 0]),
                 pull=st.sampled_from([("always", None), ("auto", 1e3), ("never", None), ("auto", None)]))
-    def start(self, dtype: str, device_blocks: int, host_blocks: int, pull: tuple[str, float | None]) -> None:
+    def start(self, dtype: str, heads: int, device_blocks: int, host_blocks: int,
+              pull: tuple[str, float | None]) -> None:
         # MLX's buffer cache hands out a larger free buffer for a small array: off, so that the
         # bytes live are the arrays' own (restored at teardown)
         self.cache_limit = mx.set_cache_limit(0)
@@ -154,7 +155,7 @@ class CachedBlocks(RuleBasedStateMachine):
             SEEN.collected = True
         gc.disable()
         self.live_before = mx.get_active_memory()
-        self.dtype = dtype
+        self.dtype, self.heads = dtype, heads
         self.block = CHUNK * self.token_bytes
         self.room: int | None = None
         self.pull, seconds = pull
@@ -171,7 +172,7 @@ class CachedBlocks(RuleBasedStateMachine):
 
     @property
     def token_bytes(self) -> int:
-        return LAYERS * 2 * HEADS * DIM * DTYPES[self.dtype][0].size
+        return LAYERS * 2 * self.heads * DIM * DTYPES[self.dtype][0].size
 
     # -- the model's helpers -------------------------------------------------------------------
 
@@ -180,7 +181,8 @@ class CachedBlocks(RuleBasedStateMachine):
         self.nonce += 1
         rng = np.random.default_rng(self.nonce)
         dtype = DTYPES[self.dtype][0]
-        return [tuple(mx.array(rng.standard_normal((1, HEADS, tokens, DIM), dtype=np.float32)).astype(dtype)
+        shape = (1, self.heads, tokens, DIM)
+        return [tuple(mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
                       for _ in range(2)) for _ in range(LAYERS)]  # type: ignore[misc]
 
     def name_keys(self, keys: list[bytes], names: list[Name]) -> None:

@@ -52,22 +52,25 @@ def test_a_kept_block_holds_its_own_bytes_not_the_prompt_s_buffer(live_bytes: No
     assert mx.get_active_memory() - before == prefix.nbytes
 
 
-def test_a_block_evaluated_after_its_prompt_moved_on_holds_its_own_bytes(live_bytes: None) -> None:
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_block_evaluated_after_its_prompt_moved_on_holds_its_own_bytes(live_bytes: None,
+                                                                         heads: int) -> None:
     # Two blocks kept as they are built, their arrays left for a later step; the second leaves the
     # device (its copy to the host evaluates it first), then the step evaluates the first. By then
     # only the first block's slice held the prompt's older buffer: a copy of it may take that
-    # buffer over (MLX donates a lone input's buffer), where a gather writes a new one.
+    # buffer over (MLX donates a lone input's buffer), where a gather writes a new one (a strided
+    # slice's copy always does).
     before = mx.get_active_memory()
     keys = PrefixCache(CHUNK, 0).keys_of(TOKENS)
     prefix = PrefixCache(CHUNK, capacity_bytes=1 << 20, host_bytes=1 << 20)
     cache = [KVCache() for _ in range(2)]  # type: ignore[no-untyped-call]
     pending = []
     for chunk in range(2):
-        computed(cache, CHUNK, heads=1)
+        computed(cache, CHUNK, heads)
         pending.extend(prefix.keep(keys, chunk, cache, chunk * CHUNK, (chunk + 1) * CHUNK))
     prefix.evict(1)  # the second block, the least recently used leaf, to the host
     assert prefix.index.device_keys() == keys[:1] and prefix.index.host_keys() == keys[1:]
     mx.eval(pending)
     del cache, pending
     gc.collect()
-    assert mx.get_active_memory() - before == prefix.nbytes == 2 * 2 * CHUNK * 2 * 2
+    assert mx.get_active_memory() - before == prefix.nbytes == 2 * 2 * heads * CHUNK * 2 * 2
