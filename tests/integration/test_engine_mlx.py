@@ -57,6 +57,7 @@ from support.tiny_models import (
     cached_checkpoint,
     is_degenerate,
 )
+from tests.integration.device_faults import FailingAttention
 from tests.integration.engines import close_engine, load_engine
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
@@ -1564,6 +1565,46 @@ async def test_a_transient_error_first_seen_while_isolating_a_poisoned_row_fails
     assert isinstance(got.pop(poisoned), StatecoreError)
     assert fired and got == {rid: tokens for rid, tokens in expected.items() if rid != poisoned}
     assert engine.statistics().rows_isolated == 1
+
+
+async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_decodes_on_exactly(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third decode step of three rows fails when the device computes it (not while it is
+    built), leaving NaN where it wrote their keys and values: those rows fail, typed; a prompt
+    held meanwhile, and requests that come after, greedy and seeded, get the tokens of a node
+    that never failed (a0 takes f0's slot, shorter than f0 was, and attends past its own length
+    beside a1's longer row: masked, a NaN left there would still reach its values)."""
+    path = cached_checkpoint("llama")
+    failed_rows = {RequestId(f"f{i}"): prompt_of(50 + i, salt=i) for i in range(3)}
+    after = {RequestId("a0"): prompt_of(20, salt=5), RequestId("a1"): prompt_of(70, salt=6)}
+    sampling = {RequestId("a0"): GREEDY, RequestId("a1"): SEEDED}
+    held_prompt = prompt_of(27, salt=7)
+    clean = await open_engine(path)
+    expected = await run_together(clean, after, sampling)
+    expected_held = await single(clean, RequestId("h"), held_prompt, SEEDED)
+
+    armed, decode_calls, failing = [False], [0], [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if armed[0] and stage == "decode":
+            decode_calls[0] += 1
+        failing[0] = armed[0] and stage == "decode" and decode_calls[0] == 3
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    held = await engine.prefill(RequestId("h"), held_prompt, SEEDED)
+    armed[0] = True
+    got = await run_together(engine, failed_rows, GREEDY)
+    assert fault.fired and decode_calls[0] >= 3
+    for rid in failed_rows:
+        error = got[rid]
+        assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+        assert "LU factorization" in error.info.message
+    assert await run_together(engine, after, sampling) == expected
+    await engine.decode_held(RequestId("h"), held_prompt, held.first_token, SEEDED)
+    assert [held.first_token] + [g.token for g in await collect(engine, RequestId("h"))] == expected_held
+    assert engine.statistics().device_thread_alive
 
 
 async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raising_fails_alone(
