@@ -9,6 +9,7 @@ payloads and bad requests, a dead device thread. Every engine must end a test ho
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -1605,6 +1606,111 @@ async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_
     await engine.decode_held(RequestId("h"), held_prompt, held.first_token, SEEDED)
     assert [held.first_token] + [g.token for g in await collect(engine, RequestId("h"))] == expected_held
     assert engine.statistics().device_thread_alive
+
+
+def wire_pieces(pieces: Sequence[KvSegment]) -> list[tuple[int, int, int, int, bytes]]:
+    """Streamed pieces as (start, stop, first layer, end layer, payload), in order."""
+    return sorted((p.start, p.stop, p.first_layer, p.end_layer, bytes(p.payload.joined())) for p in pieces)
+
+
+async def test_a_row_that_joined_while_a_failing_step_ran_is_written_in_again_and_decodes_exactly(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """r's decode step fails on the device beside a unit of a streamed prompt s (so, on the CPU,
+    that step is read back only after the next is built), and j joins in between: the pool's
+    buffers are lost with j's prompt in them, so j is written in again from its prompt's cache and
+    decodes as on a node that never failed; r fails; s starts again, and its pieces (those of the
+    failed step streamed once it is computed again) are a clean node's."""
+    path = cached_checkpoint("llama")
+    first, joining, streamed = prompt_of(30, salt=1), prompt_of(25, salt=2), prompt_of(400, salt=3)
+    clean = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + CHUNK)
+    expected = await single(clean, RequestId("j"), joining, SEEDED)
+    clean_pieces: list[KvSegment] = []
+    expected_s = await clean.prefill(RequestId("s"), streamed, GREEDY, segments=clean_pieces.append)
+    await clean.release_held(RequestId("s"))
+    gate, fired = threading.Event(), [False]
+    failing = [False]
+    engines: list[MlxEngine] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        task = engines[0]._device.waiting.get("s") if engines else None
+        failing[0] = (stage == "decode" and "r" in request_ids and not fired[0]
+                      and task is not None and task.done_units > 0)
+        if failing[0]:
+            fired[0] = True
+            gate.wait(30)  # j's join is queued meanwhile: it comes before the next step
+
+    # One chunk of prefill a step: s takes many steps, beside r's.
+    engine = await open_engine(path, model_call_hook=hook, max_batch=4, max_num_batched_tokens=4 + CHUNK)
+    engines.append(engine)
+    FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    held = await engine.prefill(RequestId("j"), joining, SEEDED)
+    got: dict[str, list[int] | StatecoreError] = {}
+
+    async def run(rid: str, call: Callable[[], Awaitable[list[int]]]) -> None:
+        try:
+            got[rid] = await call()
+        except StatecoreError as exc:
+            got[rid] = exc
+
+    async def decode_j() -> list[int]:
+        await engine.decode_held(RequestId("j"), joining, held.first_token, SEEDED)
+        return [held.first_token] + [g.token for g in await collect(engine, RequestId("j"))]
+
+    pieces: list[KvSegment] = []
+
+    async def prefill_s() -> list[int]:
+        outcome = await engine.prefill(RequestId("s"), streamed, GREEDY, segments=pieces.append)
+        await engine.release_held(RequestId("s"))
+        return [outcome.first_token]
+
+    with caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "r", partial(single, engine, RequestId("r"), first,
+                                                 replace(GREEDY, max_tokens=200)))
+            with trio.fail_after(60):
+                while "r" not in engine._device.live:
+                    await trio.sleep(0.005)
+                nursery.start_soon(run, "s", prefill_s)
+                while not fired[0]:
+                    await trio.sleep(0.005)
+            nursery.start_soon(run, "j", decode_j)
+            await release_when_queued(engine, gate, 1)
+    error = got["r"]
+    assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+    assert got["j"] == expected and got["s"] == [expected_s.first_token]
+    assert wire_pieces(pieces) == wire_pieces(clean_pieces)
+    assert "the slot pool's buffers start again empty; 1 of 1 rows written in again" in caplog.messages
+
+
+async def test_a_prefill_step_that_fails_on_the_device_starts_its_prompt_again(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """p's first prefill call fails when the device computes it, leaving NaN in what it computed
+    (the blocks it kept among it): p starts again and gets a clean node's tokens, as does a later
+    prompt that starts like p (from the prefix cache); q's every prefill call fails: q fails."""
+    path = cached_checkpoint("llama")
+    prompt, longer, other = prompt_of(40, salt=3), [*prompt_of(40, salt=3), 9, 8, 7], prompt_of(35, salt=4)
+    clean = await open_engine(path)
+    expected = await single(clean, RequestId("c"), prompt, SEEDED)
+    expected_longer = await single(clean, RequestId("cl"), longer)
+    calls: dict[str, int] = {}
+    failing = [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            calls[rid] = calls.get(rid, 0) + 1
+        first_of_p = calls.get("p") == 1 and "p" in request_ids
+        failing[0] = stage == "prefill" and (first_of_p or "q" in request_ids)
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    assert await single(engine, RequestId("p"), prompt, SEEDED) == expected
+    assert fault.fired and engine.statistics().step_retries == 1
+    assert await single(engine, RequestId("l"), longer) == expected_longer
+    with pytest.raises(StatecoreError, match="LU factorization") as failed:
+        await single(engine, RequestId("q"), other)
+    assert failed.value.info.code is Code.ENGINE_FAILED
 
 
 async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raising_fails_alone(

@@ -325,6 +325,7 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
+        self.slots.read_back(live)  # its slot can no longer be written in again as it joined
         if self.speculator is not None:
             self.speculator.took(live, token)
         if live.conversation is not None:
