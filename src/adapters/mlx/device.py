@@ -71,7 +71,7 @@ from effects.engine_port import GeneratedToken
 from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
-from statecore.policy import LENGTH, token_finish
+from statecore.policy import token_finish
 from statecore.scheduling import ModelShape, StepRates, work_unit_tokens
 
 __all__ = ["DeviceLoop", "InjectedCrash"]
@@ -349,7 +349,8 @@ class DeviceLoop:
         item ends it normally)."""
         finish = Finish.FAILED
         if isinstance(item, GeneratedToken):
-            finish = Finish.LENGTH if item.finish_reason == LENGTH else Finish.STOP
+            assert item.finish_reason is not None  # the token that ends it says how
+            finish = Finish(item.finish_reason)
         self.remove(live, finish)
         if isinstance(item, GeneratedToken) and self.model is not None:
             self.keeping.keep_conversation(live)
