@@ -543,10 +543,11 @@ class NodeApi:
     async def prefix_kv(self, request: Request) -> Response:
         """The prefix cache's leading whole blocks of the posted tokens, in the KV wire format (a
         prefill node about to prefill a prompt that starts with them pulls them), or
-        PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
+        PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache. Counted as KV
+        served once sent, as a pulled payload is."""
         body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
         payload = await self.engine.export_prefix(body.tokens)
-        return kv_body(payload_parts(payload), payload.nbytes)
+        return kv_body(self._served(payload_parts(payload), payload.nbytes), payload.nbytes)
 
     async def send_kv(self, request: Request) -> Response:
         return kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
