@@ -1,5 +1,6 @@
 """A real failure on the device, for tests: a term that raises when MLX evaluates it (an LU
-factorization of a singular matrix), added to the attention of the llama model calls a test picks.
+factorization of a singular matrix), added to the attention of the model calls a test picks (of
+llama, or of another mlx-lm model module that calls mlx-lm's attention function).
 The failure comes at evaluation, after a step's graph (and the lazy updates of the caches it
 writes) was built, as a kernel that fails at launch does (MLX's masked attention did for a verify
 row of head dim 16 on CUDA): not a raise from Python while the graph is built."""
@@ -7,6 +8,7 @@ row of head dim 16 on CUDA): not a raise from Python while the graph is built.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -26,10 +28,10 @@ class FailingAttention:
     failed part-way leaves garbage; else the term is 0 whatever it left."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool], *,
-                 leaves_nan: bool = False) -> None:
+                 leaves_nan: bool = False, module: ModuleType = llama) -> None:
         self.fired = 0
         route_attention()  # routed first: the wrapper stands where the routed function stood
-        self.inner: Callable[..., Any] = llama.__dict__["scaled_dot_product_attention"]
+        self.inner: Callable[..., Any] = module.__dict__["scaled_dot_product_attention"]
 
         def attention(*args: Any, **kwargs: Any) -> Any:
             out = self.inner(*args, **kwargs)
@@ -41,4 +43,4 @@ class FailingAttention:
             return out + term.astype(out.dtype)
 
         attention.statecore_routed = True  # type: ignore[attr-defined]
-        monkeypatch.setattr(llama, "scaled_dot_product_attention", attention)
+        monkeypatch.setattr(module, "scaled_dot_product_attention", attention)

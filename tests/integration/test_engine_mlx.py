@@ -1787,6 +1787,32 @@ async def test_a_batch_generator_step_that_raises_part_way_fails_no_request(
     assert (stats.step_retries, stats.rows_isolated) == (1, 0)
 
 
+async def test_a_batch_generator_step_that_fails_on_the_device_once_fails_no_request(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch lane evaluates its step in the call: a step that fails on the device (leaving NaN
+    where it wrote) is undone from its checkpoint and computed again, as one that raises while it
+    is built; no request fails and every token is a clean node's."""
+    from mlx_lm.models import gemma3_text
+
+    path = cached_checkpoint("gemma3_text")
+    prompts = six_prompts("g")
+    expected = await run_together(await open_engine(path), prompts, SEEDED)
+    batched_decodes, failing = [0], [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and len(request_ids) > 1:
+            batched_decodes[0] += 1
+        failing[0] = stage == "decode" and len(request_ids) > 1 and batched_decodes[0] == 3
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True, module=gemma3_text)
+    assert await run_together(engine, prompts, SEEDED) == expected
+    assert fault.fired
+    stats = engine.statistics()
+    assert (stats.step_retries, stats.rows_isolated) == (1, 0)
+
+
 async def test_an_install_whose_copy_raises_once_still_decodes_exactly(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
