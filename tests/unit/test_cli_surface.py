@@ -5,6 +5,9 @@ prompt is refused without transformers' own warning."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import trio
 
 from adapters.cli import build_parser, main
 from adapters.frontend.frontend import Frontend
+from adapters.serve import flags as flags_module
 from adapters.serve.flags import demo_model_dir
 from tests.integration.fake_backend import FakeBackend
 
@@ -68,3 +72,30 @@ def test_a_too_long_prompt_logs_no_transformers_warning() -> None:
         transformers_log.removeHandler(handler)
     assert len(ids) > 512  # longer than the demo model's context: the front end refuses it later
     assert not [m for m in seen if "sequence length" in m], seen
+
+
+@pytest.mark.parametrize(("flags", "cuda", "core"), [
+    ([], False, "thread"),
+    ([], True, "process"),
+    (["--tensor-parallel", "2"], True, "thread"),
+    (["--pipeline-parallel", "2"], True, "thread"),
+    (["--engine-core", "thread"], True, "thread"),
+    (["--engine-core", "process"], False, "process"),
+])
+def test_the_engine_core_defaults_to_a_process_where_mlx_runs_on_cuda(
+        flags: list[str], cuda: bool, core: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flags_module, "mlx_cuda_installed", lambda: cuda)
+    args = build_parser().parse_args(["run", "--role", "single", *flags])
+    assert args.engine_core == (flags[1] if flags[:1] == ["--engine-core"] else "auto")
+    flags_module.resolve_engine_core(args)
+    assert args.engine_core == core
+
+
+def test_choosing_the_engine_core_imports_no_mlx() -> None:
+    # a node whose core is a process never imports mlx, the choice of core included
+    code = ("import sys; from adapters.serve.flags import mlx_cuda_installed; "
+            "print(type(mlx_cuda_installed()).__name__, 'mlx' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "PYTHONPATH": "src"})
+    assert done.stdout.split() == ["bool", "False"]

@@ -14,7 +14,13 @@ import trio
 
 from adapters.blas import apply_blas_choice
 from adapters.serve.cluster import run_cluster
-from adapters.serve.flags import resolve_api_keys, resolve_model_flag, resolve_tls, role_words
+from adapters.serve.flags import (
+    resolve_api_keys,
+    resolve_engine_core,
+    resolve_model_flag,
+    resolve_tls,
+    role_words,
+)
 from adapters.serve.listeners import listener_for
 from adapters.serve.logs import setup_logging
 from adapters.serve.node import hold_stop_signals, run_engine_node, run_router
@@ -55,6 +61,7 @@ def _run_role(args: argparse.Namespace) -> int:
         hold_stop_signals()
         return trio.run(run_router, args, listener_for(args))
     apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
+    resolve_engine_core(args)
     if args.tensor_parallel > 1 or args.pipeline_parallel > 1:
         if args.engine_core == "process":
             raise SystemExit("statecore: --engine-core process does not serve a tensor- or pipeline-parallel "

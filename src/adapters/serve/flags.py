@@ -7,6 +7,7 @@ import anything; it starts nothing.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -426,12 +427,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="seconds a held KV waits (default 60)")
     limits.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
                         help="seconds a request may live (default 600)")
-    engine.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+    engine.add_argument("--engine-core", choices=["auto", "thread", "process"], default="auto",
                         help="engine nodes: where the engine core (the model, its KV and the device loop) "
                              "runs: on a thread of the node's process, sharing its GIL with the HTTP front "
                              "end, or in a process of its own, connected by a local socket and shared memory "
                              "for KV (its death is the node's, as a dead device thread's is; not with "
-                             "--tensor-parallel or --pipeline-parallel) (default thread)")
+                             "--tensor-parallel or --pipeline-parallel). auto: a process where MLX's CUDA "
+                             "backend is installed (measured faster there), a thread elsewhere and for "
+                             "tensor- or pipeline-parallel instances (default auto)")
     engine.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
                         help="engine nodes: seconds the engine may be busy without finishing a step "
                              "before the node counts as hung: its requests fail, /health turns 503 and "
@@ -513,6 +516,24 @@ def resolve_api_keys(args: argparse.Namespace) -> None:
     if protects and not keys:
         raise SystemExit(f"statecore: --api-key-protects needs --api-key (or {API_KEY_ENV})")
     args.api_keys = ApiKeys(keys, protects) if keys else None
+
+def resolve_engine_core(args: argparse.Namespace) -> None:
+    """`--engine-core auto` made `process` or `thread` for an engine node, without importing mlx
+    (a node whose core is a process never does): a process where MLX's CUDA backend is installed
+    (on the H100 the process core gave 1.15x / 1.30x a thread core's tokens/s on realish at 8 /
+    32, docs/performance.md), a thread elsewhere (on the CPU the two cores share the same few
+    cores) and for tensor- and pipeline-parallel instances (their ranks run on device threads)."""
+    if getattr(args, "engine_core", "thread") != "auto":
+        return
+    parallel = args.tensor_parallel > 1 or args.pipeline_parallel > 1
+    args.engine_core = "process" if not parallel and mlx_cuda_installed() else "thread"
+
+
+def mlx_cuda_installed() -> bool:
+    """Whether MLX's CUDA backend (the `mlx-cuda-*` distribution) is installed beside mlx."""
+    return any(re.fullmatch(r"mlx[-_]cuda([-_].*)?", dist.name or "", re.IGNORECASE)
+               for dist in importlib.metadata.distributions())
+
 
 def resolve_tls(args: argparse.Namespace) -> None:
     """`args.tls`: the checked TLS files (`adapters.tls.tls_files`); refused with one line, before
