@@ -7,12 +7,13 @@ whose last unit is built adds its first token and cache to the step's outputs. R
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
 become held caches and answer their callers. A step that fails on the device fails its own
 requests only: its slot rows fail, the slot pool's buffers start again empty (the lane writes in
-again the rows it can: `SlotLane.lose`), and its prompts (finished or not) start again once, as a
-prefill that raises does, unless their pieces stream out (those fail); the step built after it,
-if any, reads nothing of the lost pool back and leaves those prompts out. A prefill that raises
-starts again once, in a later step; a padded group that raises runs its prompts alone. This
-module imports mlx and trio (only for trio tokens); it sees the device loop only as an
-`ExecutorHost`.
+again the rows it can: `SlotLane.lose`), and its prompts (finished or not) start again once, as
+a prefill that raises does (a streamed one sends the pieces that step held back once they are
+computed again); the step built after it, if any, reads nothing of the lost pool back and leaves
+those prompts out, and a prefix cache that either kept blocks into starts again empty. A prefill
+that raises starts again once, in a later step; a padded group that raises runs its prompts
+alone. This module imports mlx and trio (only for trio tokens); it sees the device loop only as
+an `ExecutorHost`.
 """
 
 from __future__ import annotations
@@ -358,6 +359,7 @@ class StepExecutor:
             for task in members:
                 outputs.extend(self.capture_segments(task, current))
                 outputs.extend(self.prefill_outputs(task, current))
+
         def keep_chunk(task: PrefillTask, chunk: int) -> list[Any]:
             kept = loop.keeping.keep_chunk(task, chunk)
             current.kept_blocks = current.kept_blocks or bool(kept)
