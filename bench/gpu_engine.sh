@@ -214,16 +214,17 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     # Chats on a shared 1,000-token system prompt (32 first turns at once, two rounds) and a 3,700-token
     # document asked a second question: statecore with / without its prefix cache and mlx_lm.server;
     # then an 8,000-token cold prompt with a message end every 500 tokens (a block ends after each)
-    # against the same prompt without, and at 128- and 512-token chunks (what smaller blocks cost).
+    # against the same prompt without, and at 256- and 512-token chunks (what smaller blocks cost).
     machine; model_1b
-    timeout "${PREFIX_LIMIT:-330}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
-      --servers mlx_lm,single,single_nocache --conversations 32 --rounds 2 --documents 3 \
+    timeout "${PREFIX_LIMIT:-420}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
+      --servers mlx_lm,single,single_nocache,single_chunk256 --conversations 32 --rounds 2 --documents 3 \
       --startup-timeout 120 --out "$OUT/shared_prefix" 2>&1 | quiet | tail -18
     # One process, an engine per chunk size for both rounds (a start costs more than a cold prefill):
-    # a line per prefill as it ends, then the medians over 256-token chunks without message ends.
-    echo "== 8,000 tokens cold, an end-of-turn token every 0 (none) / 500 tokens; chunks 256, 128, 512"
+    # a line per prefill as it ends, then the medians over the default chunk (2,048 on CUDA) without
+    # message ends.
+    echo "== 8,000 tokens cold, an end-of-turn token every 0 (none) / 500 tokens; chunks 2048 (the default), 256, 512"
     timeout "${COLD_LIMIT:-90}" $PY bench/engine/long_cold.py --model $M --base-src src --tokens 8000 \
-      --rounds 2 --warm-first --blas bundled --message-every 0,500 --chunks 128,512 \
+      --rounds 2 --warm-first --blas bundled --message-every 0,500 --chunks 256,512 \
       --work "$OUT/long_cold" 2>&1 | tail -13
     ;;
   conversation-route)

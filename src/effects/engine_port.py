@@ -340,11 +340,13 @@ class Engine(Protocol):
         ...
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
-                              max_tokens: int) -> None:
+                              max_tokens: int, index: int | None = None) -> None:
         """Validate one streamed piece of a handed-off cache completely and keep it for
         `install_segments` (raises on any error; nothing is kept then): where the engine can, it
         is written into the room the request will decode in (`max_tokens` sizes that room), so
-        that the install copies nothing."""
+        that the install copies nothing. Pieces may be received side by side: `index` (0, 1, ...
+        in the stream's order) is the order they are kept in, each after every earlier one, none
+        after one failed; without it, in the order of the calls (one after another)."""
         ...
 
     async def install_segments(

@@ -187,7 +187,7 @@ class FakeEngine:
         await self._begin(request_id, prompt, first_token, sampling)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
-                              max_tokens: int) -> None:
+                              max_tokens: int, index: int | None = None) -> None:
         await trio.sleep(0)
         data = segment.payload.joined()
         if data[:4] != b"FAKE" or len(data) - 4 != segment.stop - segment.start:

@@ -302,7 +302,7 @@ class EnginePerformer:
     async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
                              stream: AsyncIterator[KvSegment | PrefillReply],
                              record: HandoffRecord, opened: float) -> None:
-        """Read the stream to its end while one task checks and keeps its pieces in order
+        """Read the stream to its end while its pieces are checked side by side and kept in order
         (`_keep_pieces`): a piece takes milliseconds to check (its CRC, its arrays built), and a
         first token read behind pieces still being checked goes on at once. The first failure,
         the stream's or a piece's, ends both and is raised."""
@@ -358,23 +358,30 @@ class EnginePerformer:
     async def _keep_pieces(self, rid: RequestId, ctx: NodeRequest,
                            pieces: trio.MemoryReceiveChannel[KvSegment], failures: list[Exception],
                            scope: trio.CancelScope) -> None:
-        """Each piece of the stream, in order, checked and kept by the engine; a failure is
-        noted and cancels the reading (`_receive_items` raises it)."""
-        async with pieces:
+        """Each piece of the stream checked by the engine as it comes, beside the pieces before it
+        still being checked, and kept in the stream's order (`index`: the engine keeps a piece
+        after every earlier one, and none after one failed); a failure is noted and cancels the
+        reading (`_receive_items` raises it). Done when every piece is kept."""
+        async with pieces, trio.open_nursery() as checking:
+            index = 0
             async for segment in pieces:
-                try:
-                    await self.engine.receive_segment(rid, segment, len(ctx.prompt),
-                                                      max_tokens=ctx.sampling.max_tokens)
-                except Exception as exc:
-                    failure = exc
-                    if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
-                        # a piece the prefill node sent: named after it
-                        named = f"{ctx.prefill_url}: {exc.info.message}"
-                        failure = StatecoreError(replace(exc.info, message=named))
-                        failure.__cause__ = exc
-                    failures.append(failure)
-                    scope.cancel()
-                    return
+                checking.start_soon(self._keep_piece, rid, ctx, segment, index, failures, scope)
+                index += 1
+
+    async def _keep_piece(self, rid: RequestId, ctx: NodeRequest, segment: KvSegment, index: int,
+                          failures: list[Exception], scope: trio.CancelScope) -> None:
+        try:
+            await self.engine.receive_segment(rid, segment, len(ctx.prompt),
+                                              max_tokens=ctx.sampling.max_tokens, index=index)
+        except Exception as exc:
+            failure = exc
+            if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
+                # a piece the prefill node sent: named after it
+                named = f"{ctx.prefill_url}: {exc.info.message}"
+                failure = StatecoreError(replace(exc.info, message=named))
+                failure.__cause__ = exc
+            failures.append(failure)
+            scope.cancel()
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         rid = intent.request_id

@@ -14,8 +14,9 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine, slot_lane
+from adapters.mlx import engine as engine_module
 from adapters.mlx import executor as executor_module
-from effects.engine_port import KvSegment, SamplingParams
+from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
@@ -212,3 +213,56 @@ async def test_the_pieces_sent_while_the_last_step_runs_say_so_and_the_decode_no
                 tokens = [first_token] + [g.token async for g in decode.stream(RequestId(ending))]
                 assert tokens == await served(source, "alone", newcomer)
             assert not decode._device.handoffs_expected
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+async def test_pieces_received_side_by_side_are_kept_in_the_stream_s_order(
+    corrupt: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's pieces checked side by side (`index`), their calls started last piece first:
+    each is kept only after every earlier one (a slot takes a layer's tokens in order) and the
+    tokens are the single node's. A corrupt piece fails its call and every later one (typed),
+    keeps nothing after it, and the request's cancel gives everything back."""
+    monkeypatch.setattr(engine_module, "PIECE_CHECKS", 4)
+    async with opened_engines() as opened:
+        source, decode = await source_and_decode(opened, max_batch=2)
+        decode._piece_checks = trio.CapacityLimiter(4)
+        newcomer = prompt_of(70, salt=8)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        bad = 1
+        if corrupt:  # one byte of the second piece's arrays flipped: its checksum fails
+            data = bytearray(pieces[bad].payload.joined())
+            data[len(data) // 2] ^= 0xFF
+            pieces[bad] = replace(pieces[bad], payload=KvPieces((bytes(data),)))
+        outcomes: dict[int, BaseException | None] = {}
+
+        async def receive(index: int) -> None:
+            try:
+                await decode.receive_segment(RequestId("new"), pieces[index], len(newcomer),
+                                             max_tokens=GREEDY.max_tokens, index=index)
+            except StatecoreError as exc:
+                outcomes[index] = exc
+            else:
+                outcomes[index] = None
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for index in reversed(range(len(pieces))):
+                    nursery.start_soon(receive, index)
+                    await trio.sleep(0.01)  # the later pieces' calls are well under way first
+        if not corrupt:
+            assert set(outcomes.values()) == {None}
+            await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            assert tokens == await served(source, "alone", newcomer)
+            return
+        assert all(outcomes[index] is None for index in range(bad)), outcomes
+        failed = [outcomes[index] for index in range(bad, len(pieces))]
+        assert isinstance(failed[0], StatecoreError) and failed[0].info.code is Code.KV_CHECKSUM
+        assert all(isinstance(exc, StatecoreError) and exc.info.code is Code.KV_MALFORMED
+                   and "earlier" in exc.info.message for exc in failed[1:])
+        covered = staged(decode)["new"].covered
+        assert max(covered) <= pieces[bad - 1].stop  # nothing of the corrupt piece or after it
+        await decode.cancel(RequestId("new"))
+        assert not staged(decode) and decode._callers.get("new") is None
+        assert decode._device.pool is not None and decode._device.pool.free_slots == 2

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final, NoReturn
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, peer_error
@@ -68,6 +69,23 @@ _NONCE_BYTES: Final = 16
 
 ROUND_BYTES: Final = 1 << 20  # region capacities round up to this
 COPY_SLICE: Final = 4 << 20  # `put` copies this much at a time, letting other threads in between
+
+
+def copy_into(target: memoryview, sources: Sequence[memoryview]) -> None:
+    """`sources` one after another into `target` (bytes, the same total), copied by numpy, which
+    releases the GIL for the copy: a memoryview's slice assignment holds it for each memcpy, and
+    a prefill step's graph building on the device thread waited behind the copies (on an H100 a
+    2,048-token step's build took 15-18 ms beside them, 6.5 ms alone). COPY_SLICE at a time, so
+    the copy of a large piece does not hold one thread's turn either."""
+    into = np.frombuffer(target, dtype=np.uint8)
+    pos = 0
+    for source in sources:
+        data = np.frombuffer(source, dtype=np.uint8)
+        for start in range(0, len(data), COPY_SLICE):
+            part = data[start : start + COPY_SLICE]
+            np.copyto(into[pos : pos + len(part)], part)
+            pos += len(part)
+    del into  # no export of `target` outlives the copy
 DEFAULT_MAX_BYTES: Final = 2 << 30
 _MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page up front
 
@@ -317,7 +335,7 @@ class ShmOutbox:
     need plus ROUND_BYTES) or a new one, dropping least recently used idle regions to stay within
     `max_bytes`; `free` (the consumer sent the reference back) and `release` (the request ended)
     make regions idle again. Safe to call from several threads: `put`'s copy runs outside the
-    lock, COPY_SLICE bytes at a time, so other threads (the event loop) run between slices."""
+    lock and without the GIL (`copy_into`)."""
 
     def __init__(self, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  directory: str | os.PathLike[str] | None = None, checksum: bool = True) -> None:
@@ -360,12 +378,7 @@ class ShmOutbox:
             raise StatecoreError(bug(f"put takes C-contiguous buffers: {exc}")) from exc
         writer = self.reserve(request_id, sum(len(view) for view in views))
         try:
-            pos = 0
-            for view in views:
-                for start in range(0, len(view), COPY_SLICE):
-                    piece = view[start : start + COPY_SLICE]
-                    writer.view[pos : pos + len(piece)] = piece
-                    pos += len(piece)
+            copy_into(writer.view, views)
         except BaseException:
             writer.abort()
             raise

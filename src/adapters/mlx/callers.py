@@ -18,12 +18,49 @@ from typing import Any
 import trio
 
 from adapters.mlx.jobs import StreamItem
-from statecore.errors import StatecoreError, client_error
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
-__all__ = ["Caller", "Callers", "Piece"]
+__all__ = ["Caller", "Callers", "Piece", "PieceOrder"]
 
 # A streamed handoff's piece, built: (its first layer, its end layer, its first token, its caches).
 Piece = tuple[int, int, int, list[Any]]
+
+
+@dataclass(eq=False)
+class PieceOrder:
+    """A streamed handoff's pieces are checked side by side but kept in the stream's order (a
+    slot takes each layer's tokens in order): piece i is kept once pieces 0 to i-1 were, and no
+    piece after one that failed (or after the request's pieces were given up: all of them)."""
+
+    claimed: int = 0  # indices handed to callers that name none (they call one after another)
+    kept: int = 0
+    failed_at: int | None = None
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def claim(self) -> int:
+        self.claimed += 1
+        return self.claimed - 1
+
+    async def turn(self, index: int) -> None:
+        """Wait until every piece before `index` is kept; raise if one of them failed."""
+        await trio.lowlevel.checkpoint()  # a request cancelled meanwhile keeps nothing
+        while not self._fails(index) and self.kept < index:
+            await self.changed.wait()
+        if self._fails(index):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "an earlier KV piece of this handoff failed"))
+
+    def done(self, index: int, *, kept: bool) -> None:
+        """Piece `index` kept, or failed (-1: every piece given up)."""
+        if kept:
+            self.kept += 1
+        else:
+            self.failed_at = index if self.failed_at is None else min(self.failed_at, index)
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def _fails(self, index: int) -> bool:
+        return self.failed_at is not None and self.failed_at < index
 
 
 @dataclass(eq=False)
@@ -33,10 +70,11 @@ class Caller:
     stream: trio.MemoryReceiveChannel[StreamItem] | None = None  # until `stream()` takes it
     pieces: list[Piece] = field(default_factory=list)  # a streamed handoff's, kept for the install
     last_piece: Piece | None = None  # the last one, which the install job writes into its slot
+    order: PieceOrder | None = None  # a streamed handoff's, from its first piece to its install
 
     @property
     def empty(self) -> bool:
-        return self.stream is None and not self.pieces and self.last_piece is None
+        return self.stream is None and not self.pieces and self.last_piece is None and self.order is None
 
 
 class Callers:
@@ -54,6 +92,13 @@ class Callers:
         for its install job has the rest in its slot: the slots count it)."""
         return sum(1 for caller in self._records.values() if caller.pieces)
 
+    def piece_order(self, request_id: str) -> PieceOrder:
+        """The order the request's streamed pieces are kept in (made at its first piece)."""
+        caller = self._records.setdefault(request_id, Caller())
+        if caller.order is None:
+            caller.order = PieceOrder()
+        return caller.order
+
     def keep_piece(self, request_id: str, piece: Piece, *, last: bool = False) -> None:
         caller = self._records.setdefault(request_id, Caller())
         if last:
@@ -67,14 +112,17 @@ class Callers:
         if caller is None:
             return []
         pieces = caller.pieces + ([] if caller.last_piece is None else [caller.last_piece])
-        caller.pieces, caller.last_piece = [], None
+        caller.pieces, caller.last_piece, caller.order = [], None, None
         self._tidy(request_id, caller)
         return pieces
 
     def forget_pieces(self, request_id: str) -> None:
+        """The request's pieces forgotten; any piece still waiting for its turn fails."""
         caller = self._records.get(request_id)
         if caller is not None:
-            caller.pieces, caller.last_piece = [], None
+            if caller.order is not None:
+                caller.order.done(-1, kept=False)
+            caller.pieces, caller.last_piece, caller.order = [], None, None
             self._tidy(request_id, caller)
 
     def open_stream(self, request_id: str, capacity: int
@@ -115,6 +163,8 @@ class Callers:
         for caller in self._records.values():
             if caller.stream is not None:
                 caller.stream.close()
+            if caller.order is not None:
+                caller.order.done(-1, kept=False)
         self._records.clear()
 
     def _tidy(self, request_id: str, caller: Caller) -> None:

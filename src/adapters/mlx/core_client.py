@@ -233,7 +233,7 @@ class ProcessEngine:
             self._unshare(shared)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
-                              max_tokens: int) -> None:
+                              max_tokens: int, index: int | None = None) -> None:
         pieces = segment.payload
         handed_on = pieces.shared if isinstance(pieces.shared, ShmRef) else None
         shared = handed_on or await self._share(request_id, pieces.pieces, pieces.seal)
@@ -241,7 +241,7 @@ class ProcessEngine:
                         segment.last_step_started)
         try:
             await self._call("receive_segment", request_id, piece, prompt_tokens,
-                             kwargs={"max_tokens": max_tokens})
+                             kwargs={"max_tokens": max_tokens, "index": index})
         finally:
             if handed_on is None:
                 self._unshare(shared)

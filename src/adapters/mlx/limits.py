@@ -20,12 +20,12 @@ from adapters.mlx.compiled import COMPILE_MODES
 from adapters.mlx.distributed import TensorGroup
 from adapters.mlx.fusion import FUSION_MODES
 from adapters.mlx.memory import default_kv_memory_bytes
-from adapters.mlx.prefill import default_shape_bucket, on_cuda
+from adapters.mlx.prefill import default_chunk_tokens, default_shape_bucket, on_cuda
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import StatecoreError, client_error
-from statecore.scheduling import DEFAULT_CHUNK_TOKENS, default_step_tokens
+from statecore.scheduling import default_step_tokens
 
 __all__ = [
     "PREFILL_MEMORY_CAP_MODES",
@@ -46,7 +46,7 @@ class EngineOptions(TypedDict, total=False):
     `engine_settings`, where each is documented, defaulted and checked (a test holds the two to the
     same names and types)."""
 
-    prefill_chunk_size: int
+    prefill_chunk_size: int | None
     kv_bits: int | None
     kv_group_size: int
     max_batch: int
@@ -78,7 +78,7 @@ class EngineOptions(TypedDict, total=False):
 def engine_settings(
     model_dir: Path,
     *,
-    prefill_chunk_size: int = DEFAULT_CHUNK_TOKENS,
+    prefill_chunk_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     max_batch: int = 32,
@@ -119,8 +119,8 @@ def engine_settings(
     step stays near the target (`statecore.scheduling.step_token_budget`: at least the oldest
     prompt's next unit, at most the budget): None (default) = 4 times a step without prefill,
     0 = off. A tensor- or pipeline-parallel instance runs without it (its ranks plan alike).
-    A chunk (`prefill_chunk_size`, default 256) is one prefill
-    call and the prefix cache's block.
+    A chunk (`prefill_chunk_size`, default 256; 2,048 on MLX's CUDA backend:
+    `adapters.mlx.prefill.default_chunk_tokens`) is one prefill call and the prefix cache's block.
     Short prompts waiting together are prefilled in one padded call when the padding stays
     within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
     off). `max_slot_tokens` caps one decoding row's preallocated KV (longer requests decode in
@@ -184,6 +184,8 @@ def engine_settings(
     seeded rows emit exactly the tokens they emit without it. It stays off (logged) where the
     load check finds that a verify step would not compute an ordinary step's numbers.
     """
+    if prefill_chunk_size is None:
+        prefill_chunk_size = default_chunk_tokens()
     if prefill_chunk_size < 1:
         raise StatecoreError(client_error("prefill_chunk_size must be >= 1"))
     if kv_bits is not None and kv_bits not in _KV_BITS:

@@ -279,10 +279,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     router.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
                         help="router: what one request in flight on a node weighs against prompt tokens "
                              f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
-    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=DEFAULT_CHUNK_TOKENS,
+    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=None,
                         help="tokens per prefill call, and the prefix cache's block (prompts are reused in "
-                             "whole chunks); must be equal on every node (default "
-                             f"{DEFAULT_CHUNK_TOKENS})")
+                             "whole blocks; a block also ends at a chat message's end inside a prompt "
+                             "longer than one); must be equal on every node (default "
+                             f"{DEFAULT_CHUNK_TOKENS}; 2048 on MLX's CUDA backend, where smaller calls are "
+                             "bound by the host's kernel launches)")
     engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
