@@ -451,5 +451,6 @@ class DeviceLoop:
         self.model = None
         self.pool = None
         self.slots.last_tokens = None
+        self.slots.joined.clear()  # the prompt caches kept for rows that would be written in again
         self.inflight = None
 
