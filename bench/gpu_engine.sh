@@ -236,9 +236,18 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     ;;
   handoff-cost)
     # All three engine nodes on GPU 0: 2,000 and 8,000 tokens at concurrency 1, then 8,000-token
-    # streamed handoffs into a decode node with 16 streams decoding.
+    # streamed handoffs into a decode node with 16 streams decoding. TRACE=1: the first part with
+    # every process's step times (bench/step_trace), in $OUT/steps.tgz (one file: a call brings
+    # back a limited number of files).
     machine; model_1b
-    handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12
+    if [ "${TRACE:-0}" = 1 ]; then
+      rm -rf /tmp/steps
+      (export STEP_TRACE=/tmp/steps PYTHONPATH=$PWD/bench/step_trace:${PYTHONPATH:-}
+       handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12)
+      tar czf "$OUT/steps.tgz" -C /tmp steps
+    else
+      handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12
+    fi
     handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
       --background-streams 16
     ;;

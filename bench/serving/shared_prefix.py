@@ -17,7 +17,8 @@ the same client and BLAS for all.
   p50 and the prompt tokens each warm request reports as cached (statecore reports them with
   `--enable-prompt-tokens-details`; mlx_lm.server reports none).
 
-Every ratio is against mlx_lm.server and against statecore without its cache, from this run.
+Every ratio is against mlx_lm.server, against statecore without its cache and against statecore
+single with its default flags, from this run.
 
     .venv/bin/python bench/serving/shared_prefix.py --conversations 32 --documents 3
 
@@ -56,12 +57,15 @@ from benchlib import (
 )
 
 # cluster: `statecore run`'s local 1P1D cluster (a router, a prefill node, a decode node)
+# single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
+# that start from a cached system prompt then finish over several steps instead of all in one
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
-           "single_chunk256", "cluster")
+           "single_chunk256", "single_batch4", "single_batch8", "cluster")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
-          "single_chunk256": ["--prefill-chunk-size=256"]}
+          "single_chunk256": ["--prefill-chunk-size=256"], "single_batch4": ["--prefill-batch=4"],
+          "single_batch8": ["--prefill-batch=8"]}
 
 
 async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,
@@ -209,7 +213,7 @@ def main() -> int:
             server.stop()
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
-        for base in ("mlx_lm", "single_nocache"):
+        for base in ("mlx_lm", "single_nocache", "single"):
             for name, records in got.items():
                 if name == base or base not in got:
                     continue

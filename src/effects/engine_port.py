@@ -61,10 +61,6 @@ class KvSegment:
     last_step_started: bool = False
 
 
-# Called in trio, in order, with each piece of a streamed prefill's cache; never blocks.
-SegmentSink = Callable[[KvSegment], None]
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples. temperature 0 means greedy; seed None means unseeded."""
@@ -183,6 +179,12 @@ class PrefillOutcome:
     streamed: bool = False  # every piece of the cache went to the prefill's segment sink
 
 
+# Called in trio, in order, never blocking: with each piece of a streamed prefill's cache, and with
+# its outcome as soon as the first token is read back, ahead of the pieces of the step that
+# sampled it (`prefill` returns the same outcome after the last piece).
+SegmentSink = Callable[[KvSegment | PrefillOutcome], None]
+
+
 @dataclass(frozen=True, slots=True)
 class GeneratedToken:
     """One token out of the decoder. `finish_reason` is set on the last one only: "stop" when
@@ -293,7 +295,8 @@ class Engine(Protocol):
         """Prefill prompt[:-1] in fixed chunks, then the last token alone; sample the first
         token at position len(prompt). The cache stays held under `request_id`. With `segments`,
         each piece of the cache goes there as soon as it is computed, where the engine can cut
-        its cache so (`PrefillOutcome.streamed` says whether it did)."""
+        its cache so (`PrefillOutcome.streamed` says whether it did), and the outcome as soon as
+        the first token is known, where the engine can tell it before the last pieces."""
         ...
 
     async def export_held(self, request_id: RequestId) -> KvPieces:

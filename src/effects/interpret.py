@@ -31,9 +31,11 @@ from effects.ports import (
     KvBytes,
     KvSegment,
     Peers,
+    PrefillOutcome,
     PrefillReply,
     PrefixSource,
     SamplingParams,
+    SegmentSink,
 )
 from effects.prefix_pull import PrefixPuller
 from effects.runner import Answer, CleanupIntent, Post, WorkIntent
@@ -246,7 +248,8 @@ class EnginePerformer:
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
                                                   self.handoffs.record(rid))
         started = time.perf_counter()
-        sink = self._streamed_pieces(rid) if rid in self.kv_streams.open_streams else None
+        replied: list[PrefillOutcome] = []  # the first token, once told to the stream
+        sink = self._streamed_pieces(rid, ctx, replied) if rid in self.kv_streams.open_streams else None
         outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
         if ctx.hands_off:
             record = self.handoffs.record(rid)
@@ -254,13 +257,10 @@ class EnginePerformer:
         if self.prefix_pull is not None:
             self.prefix_pull.prefilled(outcome, time.perf_counter() - started,
                                        self.engine.info.prefill_chunk_size)
-        ctx.first_token = outcome.first_token
-        ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
-        ctx.ends_at_first_token = first_eos = first_token_ends(
-            outcome.first_token, self.engine.info.eos_token_ids, ignore_eos=ctx.sampling.ignore_eos)
+        first_eos = self._first_token_known(ctx, outcome)
         if sink is not None:
-            self.kv_streams.send(rid, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
-                                                   outcome.first_logprobs, outcome.cached_tokens))
+            if not replied:
+                self._reply(rid, outcome, first_eos)
             await self.faults.at(Phase.KV_ENCODE, rid)
             if not outcome.streamed:
                 started = time.perf_counter()
@@ -273,16 +273,35 @@ class EnginePerformer:
         else:
             await post(PrefillDone(outcome.first_token, outcome.held_bytes, outcome.first_logprobs))
 
-    def _streamed_pieces(self, rid: RequestId) -> Callable[[KvSegment], None]:
-        """Where a streamed prefill's pieces go: the request's stream, counted in its record."""
+    def _first_token_known(self, ctx: NodeRequest, outcome: PrefillOutcome) -> bool:
+        """The request's context told its first token; whether that token ends it (EOS)."""
+        ctx.first_token = outcome.first_token
+        ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
+        ctx.ends_at_first_token = first_eos = first_token_ends(
+            outcome.first_token, self.engine.info.eos_token_ids, ignore_eos=ctx.sampling.ignore_eos)
+        return first_eos
+
+    def _reply(self, rid: RequestId, outcome: PrefillOutcome, first_eos: bool) -> None:
+        self.kv_streams.send(rid, PrefillReply(outcome.first_token, first_eos, outcome.held_bytes,
+                                               outcome.first_logprobs, outcome.cached_tokens))
+
+    def _streamed_pieces(self, rid: RequestId, ctx: NodeRequest, replied: list[PrefillOutcome]
+                         ) -> SegmentSink:
+        """Where a streamed prefill's pieces go: the request's stream, counted in its record; its
+        first token goes there as soon as the engine tells it, ahead of the last pieces."""
         record = self.handoffs.record(rid)
         record.streamed = True
         record.segments = 0
 
-        def sent(segment: KvSegment) -> None:
-            record.wire_bytes = (record.wire_bytes or 0) + segment.payload.nbytes
+        def sent(item: KvSegment | PrefillOutcome) -> None:
+            if isinstance(item, PrefillOutcome):
+                if not replied:
+                    replied.append(item)
+                    self._reply(rid, item, self._first_token_known(ctx, item))
+                return
+            record.wire_bytes = (record.wire_bytes or 0) + item.payload.nbytes
             record.segments = (record.segments or 0) + 1
-            self.kv_streams.send(rid, segment)
+            self.kv_streams.send(rid, item)
 
         return sent
 

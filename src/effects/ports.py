@@ -27,6 +27,7 @@ from effects.engine_port import (
     PrefillOutcome,
     PrefixSummary,
     SamplingParams,
+    SegmentSink,
 )
 from statecore.errors import ErrorInfo
 from statecore.events import Finished, TokenGenerated, TokenLogprobs
@@ -211,4 +212,5 @@ __all__ = [
     "PrefixSummary",
     "PulledPrefix",
     "SamplingParams",
+    "SegmentSink",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 import trio
 
 from adapters.mlx import MlxEngine
-from effects.engine_port import Engine, SamplingParams
+from effects.engine_port import Engine, KvSegment, PrefillOutcome, SamplingParams
 from statecore.ids import RequestId
 
 ENGINE_DEADLINE_S = 120.0  # generous: a loaded 2-core machine compiles and loads slowly
@@ -55,3 +55,18 @@ async def served_whole(engine: Engine, rid: str, prompt: Sequence[int], sampling
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
     tokens = [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
     return outcome.first_token, outcome.cached_tokens, held, tokens
+
+
+async def streamed_prefill(engine: Engine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams
+                           ) -> tuple[PrefillOutcome, list[KvSegment]]:
+    """A prefill whose pieces stream to a sink: its outcome and pieces, checked to have told the
+    first token once, ahead of the last piece (the step that sampled it hands its pieces after),
+    as the outcome the prefill returns."""
+    items: list[KvSegment | PrefillOutcome] = []
+    outcome = await engine.prefill(rid, prompt, sampling, segments=items.append)
+    told = [index for index, item in enumerate(items) if isinstance(item, PrefillOutcome)]
+    pieces = [item for item in items if isinstance(item, KvSegment)]
+    if pieces and outcome.streamed:
+        assert len(told) == 1 and items[told[0]] == outcome, items
+        assert told[0] < len(items) - 1, "the first token came after the last piece"
+    return outcome, pieces

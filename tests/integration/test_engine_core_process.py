@@ -23,7 +23,7 @@ from adapters.kv.shm import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import watch_engine
-from effects.engine_port import EngineStatistics, GeneratedToken, KvSegment, SamplingParams
+from effects.engine_port import EngineStatistics, GeneratedToken, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner
@@ -32,7 +32,13 @@ from statecore.ids import RequestId
 from statecore.phases import LoopPhase
 from statecore.table import DECODE_REQUEST
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import ENGINE_DEADLINE_S, close_engine, load_engine, served_whole
+from tests.integration.engines import (
+    ENGINE_DEADLINE_S,
+    close_engine,
+    load_engine,
+    served_whole,
+    streamed_prefill,
+)
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=12)
@@ -137,8 +143,7 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
         assert tokens == expected
         # streamed: pieces as the prompt is computed, installed as they arrive
         rid = RequestId(f"s{id(source)}")
-        pieces: list[KvSegment] = []
-        outcome = await source.prefill(rid, prompt, GREEDY, segments=pieces.append)
+        outcome, pieces = await streamed_prefill(source, rid, prompt, GREEDY)
         assert pieces and pieces[-1].stop == len(prompt)
         for piece in pieces:
             await target.receive_segment(rid, piece, len(prompt), max_tokens=GREEDY.max_tokens)
@@ -148,8 +153,7 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
     # pieces already in shared memory (the core's own, as a prefill node's core hands them on)
     # go into the core by reference, with no copy on the node's side
     rid = RequestId("by-reference")
-    pieces = []
-    outcome = await core.prefill(rid, prompt, GREEDY, segments=pieces.append)
+    outcome, pieces = await streamed_prefill(core, rid, prompt, GREEDY)
     assert all(isinstance(piece.payload.shared, ShmRef) for piece in pieces)
     copies = core.copies_into_shared_memory()
     into = RequestId("by-reference-in")

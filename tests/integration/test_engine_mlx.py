@@ -59,7 +59,7 @@ from support.tiny_models import (
     is_degenerate,
 )
 from tests.integration.device_faults import FailingAttention
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import close_engine, load_engine, streamed_prefill
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -1350,8 +1350,7 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
     assert results == {"long": reference(path, long), "new": reference(path, newcomer)}
 
     # Streamed: from its last piece on, steps hold the prefill back until the request joins.
-    pieces: list[KvSegment] = []
-    outcome = await source.prefill(RequestId("piecewise"), newcomer, GREEDY, segments=pieces.append)
+    outcome, pieces = await streamed_prefill(source, RequestId("piecewise"), newcomer, GREEDY)
     assert len(pieces) > 1
     for piece in pieces[:-1]:
         await decode.receive_segment(RequestId("piecewise"), piece, len(newcomer),
@@ -1625,8 +1624,7 @@ async def test_a_row_that_joined_while_a_failing_step_ran_is_written_in_again_an
     first, joining, streamed = prompt_of(30, salt=1), prompt_of(25, salt=2), prompt_of(400, salt=3)
     clean = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + CHUNK)
     expected = await single(clean, RequestId("j"), joining, SEEDED)
-    clean_pieces: list[KvSegment] = []
-    expected_s = await clean.prefill(RequestId("s"), streamed, GREEDY, segments=clean_pieces.append)
+    expected_s, clean_pieces = await streamed_prefill(clean, RequestId("s"), streamed, GREEDY)
     await clean.release_held(RequestId("s"))
     gate, fired = threading.Event(), [False]
     failing = [False]
@@ -1660,7 +1658,8 @@ async def test_a_row_that_joined_while_a_failing_step_ran_is_written_in_again_an
     pieces: list[KvSegment] = []
 
     async def prefill_s() -> list[int]:
-        outcome = await engine.prefill(RequestId("s"), streamed, GREEDY, segments=pieces.append)
+        outcome, streamed_pieces = await streamed_prefill(engine, RequestId("s"), streamed, GREEDY)
+        pieces.extend(streamed_pieces)
         await engine.release_held(RequestId("s"))
         return [outcome.first_token]
 

@@ -14,13 +14,12 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine, slot_lane
-from adapters.mlx import engine as engine_module
 from adapters.mlx import executor as executor_module
 from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import load_into, opened_engines
+from tests.integration.engines import load_into, opened_engines, streamed_prefill
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24)
@@ -40,8 +39,7 @@ async def served(engine: MlxEngine, rid: str, prompt: Sequence[int],
 async def pieces_of(source: MlxEngine, rid: str, prompt: Sequence[int]) -> tuple[int, list[KvSegment]]:
     """The first token and the streamed pieces of a prompt prefilled on `source` (a chunk a
     step: several pieces), its held cache released."""
-    pieces: list[KvSegment] = []
-    outcome = await source.prefill(RequestId(rid), prompt, GREEDY, segments=pieces.append)
+    outcome, pieces = await streamed_prefill(source, RequestId(rid), prompt, GREEDY)
     await source.release_held(RequestId(rid))
     assert len(pieces) > 2
     return outcome.first_token, pieces
@@ -216,17 +214,14 @@ async def test_the_pieces_sent_while_the_last_step_runs_say_so_and_the_decode_no
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-async def test_pieces_received_side_by_side_are_kept_in_the_stream_s_order(
-    corrupt: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_pieces_received_side_by_side_are_kept_in_the_stream_s_order(corrupt: bool) -> None:
     """A stream's pieces checked side by side (`index`), their calls started last piece first:
     each is kept only after every earlier one (a slot takes a layer's tokens in order) and the
     tokens are the single node's. A corrupt piece fails its call and every later one (typed),
     keeps nothing after it, and the request's cancel gives everything back."""
-    monkeypatch.setattr(engine_module, "PIECE_CHECKS", 4)
     async with opened_engines() as opened:
         source, decode = await source_and_decode(opened, max_batch=2)
-        decode._piece_checks = trio.CapacityLimiter(4)
+        decode._arriving.checks = trio.CapacityLimiter(4)
         newcomer = prompt_of(70, salt=8)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         bad = 1

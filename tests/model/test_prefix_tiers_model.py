@@ -13,7 +13,9 @@ least recently used one that no device block extends, every block the host pool 
 least recently used leaf, a block leaves the device only when it is over capacity or asked to,
 and the blocks a request starts from are on the device when it takes them (none taken away by
 the promotion that brought them back). The run must have moved blocks to the host, back, and
-out of it: it cannot pass by testing nothing.
+out of it: it cannot pass by testing nothing. The cache that carries the arrays (blocks shared by
+many prompts, looked up and kept as the device loop does, their bits and live bytes) has its own
+model test, `test_prefix_cache_model.py`.
 """
 
 from __future__ import annotations

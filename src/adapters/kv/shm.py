@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final, NoReturn
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug, peer_error
@@ -77,6 +76,8 @@ def copy_into(target: memoryview, sources: Sequence[memoryview]) -> None:
     a prefill step's graph building on the device thread waited behind the copies (on an H100 a
     2,048-token step's build took 15-18 ms beside them, 6.5 ms alone). COPY_SLICE at a time, so
     the copy of a large piece does not hold one thread's turn either."""
+    import numpy as np  # here, not at the top: a router handles KV frames without numpy
+
     into = np.frombuffer(target, dtype=np.uint8)
     pos = 0
     for source in sources:

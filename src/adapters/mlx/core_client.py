@@ -55,6 +55,7 @@ from adapters.mlx.core_wire import (
     Crash,
     Done,
     Ended,
+    FirstToken,
     FrameWriter,
     Free,
     Item,
@@ -439,6 +440,10 @@ class ProcessEngine:
                     waiting.sink(KvSegment(message.start, message.stop, message.first_layer,
                                            message.end_layer, self._as_pieces(message.payload),
                                            message.last_step_started))
+                case FirstToken(call_id=call_id, outcome=outcome):
+                    waiting = self._waiting.get(call_id)
+                    if waiting is not None and waiting.sink is not None:
+                        waiting.sink(outcome)
                 case Snapshot(statistics=statistics):
                     self._stats = statistics
 

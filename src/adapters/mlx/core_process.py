@@ -41,6 +41,7 @@ from adapters.mlx.core_wire import (
     Crash,
     Done,
     Ended,
+    FirstToken,
     FrameWriter,
     Free,
     Item,
@@ -55,7 +56,7 @@ from adapters.mlx.core_wire import (
 )
 from adapters.mlx.engine import MlxEngine
 from adapters.mlx.jobs import StreamItem, as_statecore, post
-from effects.engine_port import EngineStatistics, KvPieces, KvSegment
+from effects.engine_port import EngineStatistics, KvPieces, KvSegment, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = ["main"]
@@ -218,14 +219,22 @@ class CoreServer:
 
     async def _streamed_prefill(self, call_id: int, args: list[Any]) -> Any:
         """A prefill whose pieces stream to a sink: each goes to the node as it comes, in order,
-        and the outcome after the last of them. Unbounded, and never blocking the sink: a
-        prompt's pieces are bounded by its chunks and layer slices."""
+        its first token at once (ahead of pieces still being put into shared memory), and the
+        outcome after the last piece. Unbounded, and never blocking the sink: a prompt's pieces
+        are bounded by its chunks and layer slices."""
         send, receive = trio.open_memory_channel[KvSegment](math.inf)
+
+        def sink(item: KvSegment | PrefillOutcome) -> None:
+            if isinstance(item, PrefillOutcome):
+                self.push(FirstToken(call_id, item))
+            else:
+                send.send_nowait(item)
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._forward_segments, call_id, str(args[0]), receive)
             try:
                 request_id, prompt, sampling = args
-                return await self.engine.prefill(request_id, prompt, sampling, segments=send.send_nowait)
+                return await self.engine.prefill(request_id, prompt, sampling, segments=sink)
             finally:
                 send.close()
 

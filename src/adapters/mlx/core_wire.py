@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmRef
-from effects.engine_port import EngineStatistics, GeneratedToken, ModelInfo
+from effects.engine_port import EngineStatistics, GeneratedToken, ModelInfo, PrefillOutcome
 from statecore.errors import ErrorInfo
 
 __all__ = [
-    "Abandon", "Call", "Crash", "Done", "Ended", "Free", "Item", "Load", "Loaded", "Raised", "Segment",
-    "FrameWriter", "Snapshot", "Stop", "encode", "read_frame",
+    "Abandon", "Call", "Crash", "Done", "Ended", "FirstToken", "Free", "Item", "Load", "Loaded", "Raised",
+    "Segment", "FrameWriter", "Snapshot", "Stop", "encode", "read_frame",
 ]
 
 _LENGTH: Final = struct.Struct("<I")
@@ -137,6 +137,15 @@ class Segment:
     end_layer: int
     payload: ShmRef | bytes
     last_step_started: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Prefill `call_id`'s outcome as soon as its first token is known, ahead of the pieces of its
+    last step (`effects.engine_port.SegmentSink`); its `Done` follows them."""
+
+    call_id: int
+    outcome: PrefillOutcome
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import mlx.core as mx
 import trio
 
 from adapters.kv import frames
 from adapters.mlx import commands
+from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_thread import DeviceThread
@@ -49,7 +48,7 @@ from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import validate_and_build, validate_prefix, validate_segment
+from adapters.mlx.payloads import validate_and_build, validate_prefix
 from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
@@ -81,14 +80,6 @@ logger = logging.getLogger("adapters.engine_mlx")
 
 _T = TypeVar("_T")
 
-# A streamed handoff's pieces checked at once (CRC, arrays built: ~8 ms a 16 MiB piece on the
-# H100's host, 9 on the CPU box), where the host has cores to spare beside the device thread and
-# the front end; one on a small host, where a second check would slow the running streams' steps.
-# Counted on the cores this process may use (a node pinned to one core checks one at a time).
-PIECE_CHECKS: Final = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
-                                 else (os.cpu_count() or 1) // 4))
-
-
 class MlxEngine:
     """The Engine port over mlx-lm. Build with `await MlxEngine.load(model_dir, ...)`."""
 
@@ -101,7 +92,6 @@ class MlxEngine:
                                                        kv_memory_bytes=settings.kv_memory_bytes))
         # trio side: each request's streams and pieces between its calls (`adapters.mlx.callers`)
         self._callers = Callers()
-        self._piece_checks = trio.CapacityLimiter(PIECE_CHECKS)
         self.stream_sends: Callable[[RequestId], StreamSend] | None = None  # set by a core process
         self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
                         else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
@@ -109,6 +99,8 @@ class MlxEngine:
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
         self._device.perform = self._performer.perform
+        self._arriving = ArrivingPieces(self._callers, self._device, self._post,
+                                        lambda: (self._performer.classes, self.info.fingerprint))
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -315,48 +307,8 @@ class MlxEngine:
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                               max_tokens: int, index: int | None = None) -> None:
         if not self.streams_handoffs:
-            raise StatecoreError(ErrorInfo(
-                Fault.PEER, Code.KV_MALFORMED,
-                "this node installs whole payloads only (tensor or pipeline parallel)"))
-        order = self._callers.piece_order(request_id)
-        if index is None:
-            index = order.claim()
-        last = segment.stop == prompt_tokens and segment.end_layer == len(self._performer.classes)
-        if last:  # the request joins once the pieces are checked and installed
-            self._device.handoffs_coming[request_id] = time.monotonic()
-        elif segment.last_step_started:  # and its last pieces are being computed now
-            self._device.handoffs_expected.setdefault(request_id, time.monotonic())
-        kept = False
-        try:
-            # Validated and built in a worker thread, as `install` does, beside other pieces of
-            # the stream (PIECE_CHECKS), while the stream goes on; kept in the stream's order.
-            built = await trio.to_thread.run_sync(partial(
-                validate_segment, segment, prompt_tokens, fingerprint=self.info.fingerprint,
-                classes=self._performer.classes, streams_ranges=self._device.streams_ranges),
-                limiter=self._piece_checks)
-            await order.turn(index)  # a request cancelled meanwhile keeps nothing here
-            await self._keep_segment(request_id, segment, prompt_tokens, max_tokens, built, last=last)
-            kept = True
-        finally:
-            order.done(index, kept=kept)
-
-    async def _keep_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
-                            max_tokens: int, built: list[Any], *, last: bool) -> None:
-        """A checked piece into the request's slot as it comes, where the model's cache goes in
-        slots: the install then copies nothing (`adapters.mlx.staging`); else kept for the install."""
-        piece = (segment.first_layer, segment.end_layer, segment.start, built)
-        caller = self._callers.get(request_id)
-        if caller is None or not caller.pieces:
-            if last and request_id in self._device.slots.staged:
-                # The install job writes it: one wait for the device loop fewer before the join.
-                self._callers.keep_piece(request_id, piece, last=True)
-                return
-            stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
-                                        needed_tokens=prompt_tokens + max_tokens + 1)
-            staged: bool = await self._post(stage, Local(caches=built))
-            if staged:
-                return
-        self._callers.keep_piece(request_id, piece)
+            raise refuse_pieces()
+        await self._arriving.receive(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,

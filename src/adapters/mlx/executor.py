@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -453,6 +453,26 @@ class StepExecutor:
                 logger.exception("handing a KV segment of %s out failed", task.request_id)
                 task.segment_sink = None
 
+    def prefill_outcome(self, task: PrefillTask, first: int) -> PrefillOutcome:
+        """A finished prompt's outcome, its first token read back."""
+        assert task.cache is not None
+        logprobs = read_logprobs(task.sampler.take_logprobs())
+        return PrefillOutcome(first, len(task.tokens), self.loop.cache_bytes(task.cache), logprobs,
+                              task.cached_tokens, streamed=task.segment_sink is not None)
+
+    def tell_first_tokens(self, step: InFlight, outcomes: list[PrefillOutcome]) -> None:
+        """A streamed prompt's first token to its sink ahead of the pieces of the step that
+        sampled it: reading those pieces out waits for the device (on a GPU each one is copied to
+        the host), and its caller passes the first token on at once."""
+        for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
+            if task.segment_sink is None or task.job is None or task.job.is_abandoned():
+                continue
+            try:
+                task.segment_sink.first_token(outcome)
+            except Exception:  # the sink's failure is its request's (it hears of it at export)
+                logger.exception("telling %s's first token failed", task.request_id)
+                task.segment_sink = None
+
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
         loop = self.loop
@@ -492,21 +512,21 @@ class StepExecutor:
         except Exception as exc:
             self.failed_on_device(step, exc, stale, deliveries, finished)
         else:
-            self.hand_segments(step)  # before the prefills' outcomes: the pieces go out first
+            outcomes = [self.prefill_outcome(task, first)
+                        for task, first in zip(step.finished_prefills, firsts, strict=True)]
+            self.tell_first_tokens(step, outcomes)
+            self.hand_segments(step)  # before the prefills' outcomes: their calls end after the pieces
             for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
                 if owner is None or loop.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
                 owner.last_token = token
                 item = loop.count_token(owner, token, read_logprobs(step.logprobs.get(slot)))
                 loop.hand_token(owner, item, deliveries)
-            for task, first in zip(step.finished_prefills, firsts, strict=True):
+            for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
                 assert task.cache is not None
-                nbytes = loop.cache_bytes(task.cache)
-                loop.requests.hold(task.request_id, Held(task.cache, len(task.tokens), nbytes,
+                loop.requests.hold(task.request_id, Held(task.cache, len(task.tokens), outcome.held_bytes,
                                                          task.sampler.sampling))
-                logprobs = read_logprobs(task.sampler.take_logprobs())
-                outcome = PrefillOutcome(first, len(task.tokens), nbytes, logprobs, task.cached_tokens,
-                                         streamed=task.segment_sink is not None)
+                outcome = replace(outcome, streamed=task.segment_sink is not None)  # its pieces all went
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         loop.profile.account("readback", started)

@@ -2,7 +2,7 @@
 
 After a prompt's block is built (`run_units`: a chunk, one call, of at most `chunk_size` tokens,
 ending early after a token of `ends`, `statecore.prefix.block_bounds`), its slice of every layer's
-keys and values is kept as one block (a contiguous copy, evaluated with the step), under the key
+keys and values is kept as one block (a copy in a buffer of its own, evaluated with the step), under the key
 that names every token up to its end and where each block ends (`statecore.prefix.block_keys`).
 A new prompt whose first blocks are cached starts from a cache made of them (concatenated, so
 the blocks themselves are never written) at its first uncached chunk: the calls after it are
@@ -58,6 +58,20 @@ def default_host_bytes(device_bytes: int) -> int:
         return 0
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(_HOST_TIMES_DEVICE * device_bytes, physical // _HOST_SHARE_OF_MEMORY)
+
+
+def _own_copy(array: Any, start: int, end: int) -> Any:
+    """A layer's keys or values at positions [start, end) (axis 2) in a buffer of their own (lazy:
+    evaluated with the step). A slice is a view of the prompt's whole buffer, and only a copy of a
+    strided one (several rows or heads: MLX's general copy) always writes a new buffer: a slice
+    that is already contiguous (one key/value head) `mx.contiguous` returns as it is, and any
+    plain copy of it takes over the input's buffer when nothing else holds that by then (MLX
+    donates it: the prompt's cache had moved on to a larger buffer before the step evaluated
+    the block). Either kept 256 positions and more alive for the block's counted bytes; a gather
+    writes a new buffer (and costs 2.5-4x a general copy on the CPU, so only where it must)."""
+    if array.shape[0] * array.shape[1] > 1 and end - start < array.shape[2]:
+        return mx.contiguous(array[..., start:end, :])
+    return mx.take(array, mx.arange(start, end), axis=2)
 
 
 def to_host(array: Any) -> _HostArray:
@@ -176,8 +190,7 @@ class PrefixCache:
         parent = keys[chunk - 1] if chunk else None
         if parent is not None and not self.index.on_device(parent):
             return []  # its prefix left the device meanwhile: a block is kept only after its parent
-        block = [(mx.contiguous(layer.keys[..., start:end, :]),
-                  mx.contiguous(layer.values[..., start:end, :])) for layer in cache]
+        block = [(_own_copy(layer.keys, start, end), _own_copy(layer.values, start, end)) for layer in cache]
         nbytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in block)
         self.rates = self.rates.held(nbytes, end - start)
         self._host.pop(keys[chunk], None)

@@ -1,0 +1,96 @@
+"""A streamed handoff's pieces arriving on a decode node: checked side by side, kept in order.
+
+Each piece of a streamed handoff is validated and built in a worker thread (framing, CRC-32,
+header, fingerprint, classes, token count; `adapters.mlx.payloads.validate_segment`) beside the
+pieces before it still being checked, up to PIECE_CHECKS at once, while the stream is read on;
+then kept in the stream's order (`callers.PieceOrder`: a slot takes each layer's tokens in
+order, and nothing is kept after a piece that failed): written into the request's slot where the
+model's cache goes in slots (`StagePiece`, `adapters.mlx.staging`), else kept for the install.
+It imports trio; mlx only through what it calls (the device thread builds nothing here).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, Final
+
+import trio
+
+from adapters.mlx import commands
+from adapters.mlx.callers import Callers
+from adapters.mlx.jobs import Local
+from adapters.mlx.payloads import validate_segment
+from effects.engine_port import KvSegment
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.ids import RequestId
+
+__all__ = ["PIECE_CHECKS", "ArrivingPieces"]
+
+# Pieces checked at once (CRC, arrays built: ~8 ms a 16 MiB piece on an H100's host, 9 on the CPU
+# box), where the host has cores to spare beside the device thread and the front end; one on a
+# small host, where a second check would slow the running streams' steps. Counted on the cores
+# this process may use (a node pinned to one core checks one at a time).
+PIECE_CHECKS: Final = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
+                                 else (os.cpu_count() or 1) // 4))
+
+
+class ArrivingPieces:
+    """The decode side of `Engine.receive_segment` for one engine (trio only)."""
+
+    def __init__(self, callers: Callers, device: Any, post: Callable[..., Awaitable[Any]],
+                 model: Callable[[], tuple[Sequence[str], str]]) -> None:
+        self._callers = callers
+        self._device = device  # the device loop: its expected joins, staged slots, cache ranges
+        self._post = post
+        self._model = model  # the loaded model's (cache classes, fingerprint)
+        self.checks = trio.CapacityLimiter(PIECE_CHECKS)
+
+    async def receive(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                      max_tokens: int, index: int | None) -> None:
+        """One piece checked and kept (`Engine.receive_segment`)."""
+        classes, fingerprint = self._model()
+        order = self._callers.piece_order(request_id)
+        if index is None:
+            index = order.claim()
+        last = segment.stop == prompt_tokens and segment.end_layer == len(classes)
+        if last:  # the request joins once the pieces are checked and installed
+            self._device.handoffs_coming[request_id] = time.monotonic()
+        elif segment.last_step_started:  # and its last pieces are being computed now
+            self._device.handoffs_expected.setdefault(request_id, time.monotonic())
+        kept = False
+        try:
+            built = await trio.to_thread.run_sync(partial(
+                validate_segment, segment, prompt_tokens, fingerprint=fingerprint,
+                classes=classes, streams_ranges=self._device.streams_ranges), limiter=self.checks)
+            await order.turn(index)  # a request cancelled meanwhile keeps nothing here
+            await self._keep(request_id, segment, prompt_tokens, max_tokens, built, last=last)
+            kept = True
+        finally:
+            order.done(index, kept=kept)
+
+    async def _keep(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
+                    max_tokens: int, built: list[Any], *, last: bool) -> None:
+        """A checked piece into the request's slot as it comes (the install then copies nothing),
+        else kept for the install: all of them once one could not be staged."""
+        piece = (segment.first_layer, segment.end_layer, segment.start, built)
+        caller = self._callers.get(request_id)
+        if caller is None or not caller.pieces:
+            if last and request_id in self._device.slots.staged:
+                # The install job writes it: one wait for the device loop fewer before the join.
+                self._callers.keep_piece(request_id, piece, last=True)
+                return
+            stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
+                                        needed_tokens=prompt_tokens + max_tokens + 1)
+            staged: bool = await self._post(stage, Local(caches=built))
+            if staged:
+                return
+        self._callers.keep_piece(request_id, piece)
+
+
+def refuse_pieces() -> StatecoreError:
+    """A tensor- or pipeline-parallel node's answer to a streamed piece."""
+    return StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                    "this node installs whole payloads only (tensor or pipeline parallel)"))
