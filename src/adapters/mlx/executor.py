@@ -5,10 +5,15 @@ then its padded groups of short prompts, then each prompt's work units (`adapter
 a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
 whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
-become held caches and answer their callers, and a step that fails on the device fails its own
-requests only. A prefill that raises starts again once, in a later step; a padded group that
-raises runs its prompts alone. This module imports mlx and trio (only for trio tokens); it sees
-the device loop only as an `ExecutorHost`.
+become held caches and answer their callers. A step that fails on the device fails its own
+requests only: its slot rows fail, the slot pool's buffers start again empty (the lane writes in
+again the rows it can: `SlotLane.lose`), and its prompts (finished or not) start again once, as
+a prefill that raises does (a streamed one sends the pieces that step held back once they are
+computed again); the step built after it, if any, reads nothing of the lost pool back and leaves
+those prompts out, and a prefix cache that either kept blocks into starts again empty. A prefill
+that raises starts again once, in a later step; a padded group that raises runs its prompts
+alone. This module imports mlx and trio (only for trio tokens); it sees the device loop only as
+an `ExecutorHost`.
 """
 
 from __future__ import annotations
@@ -95,7 +100,13 @@ class InFlight:
     tokens: Any = None  # slot lane: (rows,) sampled tokens
     owners: list[Live | None] = field(default_factory=list)
     logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
+    generation: int = 0  # the slot pool's buffers it wrote (`SlotPool.generation`)
+    slot_outputs: int = 0  # how many of the step's outputs, first in its list, are the slot step's
     finished_prefills: list[PrefillTask] = field(default_factory=list)
+    prefilling: list[PrefillTask] = field(default_factory=list)  # prompts it computed units of, unfinished
+    kept_blocks: bool = False  # it keeps prefix blocks (computed by the step)
+    streamed_from: dict[str, int] = field(default_factory=dict)  # request id -> its first unit streamed here
+    launch_raised: Exception | None = None  # its launch raised (a failure on the device seen at once)
     prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
     failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
     # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer as
@@ -174,6 +185,8 @@ class StepExecutor:
                     slot_step = loop.slots.build(slot_rows)
                     current.tokens, current.owners = slot_step.tokens, slot_step.owners
                     current.logprobs = slot_step.logprobs
+                    assert loop.pool is not None
+                    current.generation, current.slot_outputs = loop.pool.generation, len(slot_step.outputs)
                     outputs.extend(slot_step.outputs)
                 except Exception as exc:
                     self.fail_rows(slot_rows, exc)
@@ -199,10 +212,15 @@ class StepExecutor:
         on_cpu = mx.default_device() == mx.cpu
         if previous is not None and on_cpu:
             self.read_back(previous)
+            if self.stale(current):  # built on the pool the previous step lost: not computed
+                outputs = outputs[current.slot_outputs :]
         if outputs:
             with mx.stream(generation_stream):
                 launching = time.perf_counter()
-                mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                try:
+                    mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                except Exception as exc:  # a failure on the device that the launch met already
+                    current.launch_raised = exc
                 profile.account("launch", launching)
         if previous is not None and not on_cpu:
             self.read_back(previous)
@@ -341,6 +359,12 @@ class StepExecutor:
             for task in members:
                 outputs.extend(self.capture_segments(task, current))
                 outputs.extend(self.prefill_outputs(task, current))
+
+        def keep_chunk(task: PrefillTask, chunk: int) -> list[Any]:
+            kept = loop.keeping.keep_chunk(task, chunk)
+            current.kept_blocks = current.kept_blocks or bool(kept)
+            return kept
+
         for task, units in tasks:
             if task.finished:
                 continue
@@ -349,7 +373,7 @@ class StepExecutor:
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
-                                   None if loop.prefix is None else loop.keeping.keep_chunk)
+                                   None if loop.prefix is None else keep_chunk)
             except Exception as exc:
                 failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
                                           typed=isinstance(exc, StatecoreError))
@@ -376,6 +400,7 @@ class StepExecutor:
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
+                current.prefilling.append(task)
                 outputs.extend(pieces)
         loop.profile.account("prefill_chunks", started)
         return outputs.arrays
@@ -409,6 +434,7 @@ class StepExecutor:
                       for buffer in (layer.keys, layer.values)]
             current.segments.append((task, where, pieces, keys.dtype))
             arrays.extend(pieces)
+        current.streamed_from.setdefault(task.request_id, task.streamed_units)
         task.streamed_units = task.done_units
         return arrays
 
@@ -465,27 +491,26 @@ class StepExecutor:
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
 
+    def stale(self, step: InFlight) -> bool:
+        """Whether a step's slot part wrote buffers that the pool has lost since (its rows were
+        written in again or failed then: nothing of it is read back)."""
+        pool = self.loop.pool
+        return step.tokens is not None and (pool is None or step.generation != pool.generation)
+
     def read_back(self, step: InFlight) -> None:
         """Wait for a step's results and hand them out (tokens, first tokens, failures)."""
         loop = self.loop
         started = time.perf_counter()
         deliveries: Deliveries = {}
         finished: list[tuple[PrefillTask, Outcome[Any]]] = []
+        stale = self.stale(step)
         try:
-            tokens: list[int] = step.tokens.tolist() if step.tokens is not None else []
+            if step.launch_raised is not None:
+                raise step.launch_raised
+            tokens: list[int] = step.tokens.tolist() if step.tokens is not None and not stale else []
             firsts = [int(task.first.item()) for task in step.finished_prefills]
         except Exception as exc:
-            logger.exception("a step failed on the device; failing its requests")
-            error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
-            for owner in step.owners:
-                if owner is not None and loop.live.get(owner.request_id) is owner:
-                    loop.end(owner, error, deliveries)
-            finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
-            for task in step.finished_prefills:
-                record = loop.requests.get(task.request_id)
-                if record is not None and record.task is task:
-                    loop.requests.remove(task.request_id, Finish.FAILED)
-            loop.slots.last_tokens = None
+            self.failed_on_device(step, exc, stale, deliveries, finished)
         else:
             outcomes = [self.prefill_outcome(task, first)
                         for task, first in zip(step.finished_prefills, firsts, strict=True)]
@@ -507,3 +532,67 @@ class StepExecutor:
         loop.profile.account("readback", started)
         loop.hand_out(deliveries, finished)
 
+    def failed_on_device(self, step: InFlight, exc: Exception, stale: bool, deliveries: Deliveries,
+                         finished: list[tuple[PrefillTask, Outcome[Any]]]) -> None:
+        """A step that raised while the device computed it: what it computed is not to be
+        trusted, and neither is what was built on it (see the module's paragraph)."""
+        loop = self.loop
+        logger.exception("a step failed on the device; failing its requests")
+        raised = f"{type(exc).__name__}: {exc}"
+        if step.tokens is not None and not stale:
+            error = engine_failed(f"a decode step failed on the device: {raised}")
+            for owner in step.owners:
+                if owner is not None and loop.live.get(owner.request_id) is owner:
+                    loop.end(owner, error, deliveries)
+            lost = engine_failed(f"its KV was in the slot pool, which a decode step that failed on the "
+                                 f"device left unusable ({raised})")
+            rows = [live for live in loop.live.values() if live.slot is not None]
+            again = loop.slots.lose(rows, lost, deliveries)
+            logger.warning("the slot pool's buffers start again empty; %d of %d rows written in again",
+                           len(again), len(rows))
+        loop.slots.last_tokens = None
+        following = loop.inflight if loop.inflight is not step else None  # built after it, read back later
+        kept = [s.kept_blocks for s in (step, following) if s is not None]
+        if loop.prefix is not None and any(kept):
+            # Blocks it kept hold what it computed, and those kept by the step after it may hold
+            # what was computed from that: the prefix cache starts again empty.
+            logger.warning("a step that kept prefix blocks failed on the device: the prefix cache "
+                           "starts again empty")
+            loop.prefix = loop.prefix.emptied()
+        prompt_error = engine_failed(f"the step computing its prompt failed on the device: {raised}")
+        # Pieces that the step after it streamed never go out either (it leaves these prompts out).
+        streamed_from = {**({} if following is None else following.streamed_from), **step.streamed_from}
+        redone = {id(task) for task in [*step.finished_prefills, *step.prefilling]
+                  if self.prefill_lost(task, prompt_error, finished, streamed_from)}
+        if following is not None and redone:
+            following.finished_prefills = [t for t in following.finished_prefills if id(t) not in redone]
+            following.prefilling = [t for t in following.prefilling if id(t) not in redone]
+            following.segments = [segment for segment in following.segments if id(segment[0]) not in redone]
+
+    def prefill_lost(self, task: PrefillTask, error: StatecoreError,
+                     finished: list[tuple[PrefillTask, Outcome[Any]]],
+                     streamed_from: Mapping[str, int]) -> bool:
+        """A prompt whose units were in a step that failed on the device: it starts again
+        (`prefill_failure`: once; a keep task gives up; one that failed before fails), its
+        pieces streamed from where that step's began (they never went out; those before it did,
+        and are not sent again). Whether it was still the prompt's (not gone meanwhile)."""
+        loop = self.loop
+        record = loop.requests.get(task.request_id)
+        if record is None or record.task is not task:
+            return False
+        failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried, typed=False)
+        if task.request_id in streamed_from:
+            task.streamed_units = streamed_from[task.request_id]
+        if failure is PrefillFailure.GIVE_UP:
+            loop.requests.remove(task.request_id, Finish.GAVE_WAY)
+        elif failure is PrefillFailure.RESTART:
+            loop.step_retries += 1
+            logger.warning("prefill of %s was in a step that failed on the device; starting it again",
+                           task.request_id)
+            task.restart()
+            record.phase = EnginePhase.WAITING
+        else:
+            loop.requests.remove(task.request_id, Finish.FAILED)
+            loop.choices.ended(task.sampler.sampling)
+            finished.append((task, Outcome(error=error)))
+        return True
