@@ -43,7 +43,7 @@ from adapters.mlx.batch_lane import BatchLane, batchable
 from adapters.mlx.choices import ChoiceGathering
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
-from adapters.mlx.executor import InFlight, StepExecutor
+from adapters.mlx.executor import StepExecutor
 from adapters.mlx.jobs import (
     Crash,
     Job,
@@ -67,6 +67,7 @@ from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
+from adapters.mlx.step_host import InFlight
 from effects.engine_port import GeneratedToken
 from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError

@@ -5,44 +5,33 @@ then its padded groups of short prompts, then each prompt's work units (`adapter
 a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
 whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
-become held caches and answer their callers. A step that fails on the device fails its own
-requests only: its slot rows fail, the slot pool's buffers start again empty (the lane writes in
-again the rows it can: `SlotLane.lose`), and its prompts (finished or not) start again once, as
-a prefill that raises does (a streamed one sends the pieces that step held back once they are
-computed again); the step built after it, if any, reads nothing of the lost pool back and leaves
-those prompts out, and a prefix cache that either kept blocks into starts again empty. A prefill
-that raises starts again once, in a later step; a padded group that raises runs its prompts
-alone. This module imports mlx and trio (only for trio tokens); it sees the device loop only as
-an `ExecutorHost`.
+become held caches and answer their callers (a streamed prompt's first token ahead of its last
+step's pieces: `adapters.mlx.kv_out`). A step that fails on the device fails its own requests
+only (`adapters.mlx.device_failure`). A prefill that raises starts again once, in a later step;
+a padded group that raises runs its prompts alone. This module imports mlx and trio (only for
+trio tokens); it sees the device loop only as an `ExecutorHost`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from adapters.kv.codec import wire_view
-from adapters.mlx.batch_lane import BatchLane
-from adapters.mlx.choices import ChoiceGathering
+from adapters.mlx.device_failure import failed_on_device
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
-from adapters.mlx.keeping import PrefixKeeping
-from adapters.mlx.memory import ALLOCATION_STEP, KvCost
+from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
+from adapters.mlx.memory import ALLOCATION_STEP
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
-from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.profile import DeviceProfile
-from adapters.mlx.requests import Held, RequestTable
+from adapters.mlx.requests import Held
 from adapters.mlx.rows import Deliveries, Live
 from adapters.mlx.sampling import read_logprobs
-from adapters.mlx.settings import Settings
-from adapters.mlx.slot_lane import SlotLane
-from adapters.mlx.solo_lane import SoloLane
-from adapters.mlx.speculative import SpeculationHost, Speculator
+from adapters.mlx.step_host import ExecutorHost, InFlight
 from effects.engine_port import PrefillOutcome
 from statecore.engine_schedule import (
     Budget,
@@ -60,14 +49,10 @@ from statecore.engine_schedule import (
 )
 from statecore.errors import StatecoreError
 from statecore.scheduling import (
-    STREAMED_PIECE_BYTES,
-    ModelShape,
-    StepRates,
     measured_step,
-    streamed_pieces,
 )
 
-__all__ = ["ExecutorHost", "InFlight", "StepExecutor"]
+__all__ = ["StepExecutor"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -87,64 +72,6 @@ class _StepOutputs:
         if self.pipelined and arrays:
             mx.async_eval(arrays)  # type: ignore[no-untyped-call]
         self.arrays.extend(arrays)
-
-
-# A streamed piece's tokens [start, stop) of layers [first, end).
-Range = tuple[int, int, int, int]
-
-
-@dataclass(eq=False)
-class InFlight:
-    """A step handed to the device; read back after the next one is built."""
-
-    tokens: Any = None  # slot lane: (rows,) sampled tokens
-    owners: list[Live | None] = field(default_factory=list)
-    logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
-    generation: int = 0  # the slot pool's buffers it wrote (`SlotPool.generation`)
-    slot_outputs: int = 0  # how many of the step's outputs, first in its list, are the slot step's
-    finished_prefills: list[PrefillTask] = field(default_factory=list)
-    prefilling: list[PrefillTask] = field(default_factory=list)  # prompts it computed units of, unfinished
-    kept_blocks: bool = False  # it keeps prefix blocks (computed by the step)
-    streamed_from: dict[str, int] = field(default_factory=dict)  # request id -> its first unit streamed here
-    launch_raised: Exception | None = None  # its launch raised (a failure on the device seen at once)
-    prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
-    failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
-    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer as
-    # the wire carries them (`codec.wire_view`), their dtype)
-    segments: list[tuple[PrefillTask, Range, list[Any], Any]] = field(default_factory=list)
-
-
-class ExecutorHost(SpeculationHost, Protocol):
-    """What the executor needs of the device loop: its records, lanes and parts, and the step
-    on the device (`inflight`)."""
-
-    settings: Settings
-    requests: RequestTable
-    waiting: Mapping[str, PrefillTask]
-    prefix: PrefixCache | None
-    keeping: PrefixKeeping
-    choices: ChoiceGathering
-    slots: SlotLane
-    batch: BatchLane
-    solo: SoloLane
-    speculator: Speculator | None
-    profile: DeviceProfile
-    inflight: InFlight | None
-    short_batching: bool
-    shape: ModelShape | None
-    cost: KvCost
-    rates: StepRates
-    handoff_joined: bool
-    publish: Callable[[], None]
-    cache_bytes: Callable[[list[Any]], int]
-
-    handoffs_coming: dict[str, float]
-    handoffs_expected: dict[str, float]
-
-    def drop_abandoned_waiting(self) -> None: ...
-
-    def hand_out(self, deliveries: Deliveries,
-                 finished: list[tuple[PrefillTask, Outcome[Any]]] = ...) -> None: ...
 
 
 class StepExecutor:
@@ -357,7 +284,7 @@ class StepExecutor:
                 continue
             loop.profile.account("prefill_batched", started, len(members))
             for task in members:
-                outputs.extend(self.capture_segments(task, current))
+                outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
                 outputs.extend(self.prefill_outputs(task, current))
 
         def keep_chunk(task: PrefillTask, chunk: int) -> list[Any]:
@@ -393,7 +320,7 @@ class StepExecutor:
                 loop.choices.ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
-            outputs.extend(self.capture_segments(task, current))
+            outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
             if task.finished and task.keeps_only:
                 loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
                 outputs.extend(pieces)
@@ -405,73 +332,12 @@ class StepExecutor:
         loop.profile.account("prefill_chunks", started)
         return outputs.arrays
 
-    def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
-        units built since the last capture, cut out as their own arrays (evaluated with the step,
-        handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
-        (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture."""
-        if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
-            return []
-        arrays: list[Any] = []
-        units = task.units[task.streamed_units : task.done_units]
-        ranges: list[tuple[int, int, int, int]] = []
-        for chunk in sorted({unit.chunk for unit in units}):
-            mine = [unit for unit in units if unit.chunk == chunk]
-            first, end = mine[0].first_layer, mine[-1].end_layer
-            start = task.chunk_start(chunk)
-            stop = start + task.chunks[chunk]
-            if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
-                start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
-            ranges.append((start, stop, first, end))
-        keys, values = task.cache[0].keys, task.cache[0].values
-        layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
-                             + values.shape[1] * values.shape[3] * values.dtype.size)
-        for where in [piece for step_range in ranges
-                      for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
-                                                   most_bytes=STREAMED_PIECE_BYTES)]:
-            start, stop, first, end = where
-            pieces = [wire_view(mx.contiguous(buffer[..., start:stop, :])) for layer in task.cache[first:end]
-                      for buffer in (layer.keys, layer.values)]
-            current.segments.append((task, where, pieces, keys.dtype))
-            arrays.extend(pieces)
-        current.streamed_from.setdefault(task.request_id, task.streamed_units)
-        task.streamed_units = task.done_units
-        return arrays
-
-    def hand_segments(self, step: InFlight) -> None:
-        """A read-back step's streamed pieces to their sinks (computed now), unless the request
-        left meanwhile. A piece says whether the step computing its prompt's last pieces has
-        started: the next step was built before this one is read back, so a prompt whose units
-        are all built, and which this step did not finish, finishes in the step now running."""
-        for task, where, pieces, dtype in step.segments:
-            if task.job is None or task.job.is_abandoned():
-                continue
-            last_step_started = task.done_units >= len(task.units) and task not in step.finished_prefills
-            try:
-                task.segment_sink(where, pieces, dtype, last_step_started)
-            except Exception:  # the sink's failure is its request's (it hears of it at export)
-                logger.exception("handing a KV segment of %s out failed", task.request_id)
-                task.segment_sink = None
-
     def prefill_outcome(self, task: PrefillTask, first: int) -> PrefillOutcome:
         """A finished prompt's outcome, its first token read back."""
         assert task.cache is not None
         logprobs = read_logprobs(task.sampler.take_logprobs())
         return PrefillOutcome(first, len(task.tokens), self.loop.cache_bytes(task.cache), logprobs,
                               task.cached_tokens, streamed=task.segment_sink is not None)
-
-    def tell_first_tokens(self, step: InFlight, outcomes: list[PrefillOutcome]) -> None:
-        """A streamed prompt's first token to its sink ahead of the pieces of the step that
-        sampled it: reading those pieces out waits for the device (on a GPU each one is copied to
-        the host), and its caller passes the first token on at once."""
-        for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
-            if task.segment_sink is None or task.job is None or task.job.is_abandoned():
-                continue
-            try:
-                task.segment_sink.first_token(outcome)
-            except Exception:  # the sink's failure is its request's (it hears of it at export)
-                logger.exception("telling %s's first token failed", task.request_id)
-                task.segment_sink = None
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
@@ -510,12 +376,12 @@ class StepExecutor:
             tokens: list[int] = step.tokens.tolist() if step.tokens is not None and not stale else []
             firsts = [int(task.first.item()) for task in step.finished_prefills]
         except Exception as exc:
-            self.failed_on_device(step, exc, stale, deliveries, finished)
+            failed_on_device(loop, step, exc, stale, deliveries, finished)
         else:
             outcomes = [self.prefill_outcome(task, first)
                         for task, first in zip(step.finished_prefills, firsts, strict=True)]
-            self.tell_first_tokens(step, outcomes)
-            self.hand_segments(step)  # before the prefills' outcomes: their calls end after the pieces
+            tell_first_tokens(step.finished_prefills, outcomes)
+            hand_pieces(step.segments, step.finished_prefills)  # the prefills' calls end after them
             for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
                 if owner is None or loop.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
@@ -531,68 +397,3 @@ class StepExecutor:
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         loop.profile.account("readback", started)
         loop.hand_out(deliveries, finished)
-
-    def failed_on_device(self, step: InFlight, exc: Exception, stale: bool, deliveries: Deliveries,
-                         finished: list[tuple[PrefillTask, Outcome[Any]]]) -> None:
-        """A step that raised while the device computed it: what it computed is not to be
-        trusted, and neither is what was built on it (see the module's paragraph)."""
-        loop = self.loop
-        logger.exception("a step failed on the device; failing its requests")
-        raised = f"{type(exc).__name__}: {exc}"
-        if step.tokens is not None and not stale:
-            error = engine_failed(f"a decode step failed on the device: {raised}")
-            for owner in step.owners:
-                if owner is not None and loop.live.get(owner.request_id) is owner:
-                    loop.end(owner, error, deliveries)
-            lost = engine_failed(f"its KV was in the slot pool, which a decode step that failed on the "
-                                 f"device left unusable ({raised})")
-            rows = [live for live in loop.live.values() if live.slot is not None]
-            again = loop.slots.lose(rows, lost, deliveries)
-            logger.warning("the slot pool's buffers start again empty; %d of %d rows written in again",
-                           len(again), len(rows))
-        loop.slots.last_tokens = None
-        following = loop.inflight if loop.inflight is not step else None  # built after it, read back later
-        kept = [s.kept_blocks for s in (step, following) if s is not None]
-        if loop.prefix is not None and any(kept):
-            # Blocks it kept hold what it computed, and those kept by the step after it may hold
-            # what was computed from that: the prefix cache starts again empty.
-            logger.warning("a step that kept prefix blocks failed on the device: the prefix cache "
-                           "starts again empty")
-            loop.prefix = loop.prefix.emptied()
-        prompt_error = engine_failed(f"the step computing its prompt failed on the device: {raised}")
-        # Pieces that the step after it streamed never go out either (it leaves these prompts out).
-        streamed_from = {**({} if following is None else following.streamed_from), **step.streamed_from}
-        redone = {id(task) for task in [*step.finished_prefills, *step.prefilling]
-                  if self.prefill_lost(task, prompt_error, finished, streamed_from)}
-        if following is not None and redone:
-            following.finished_prefills = [t for t in following.finished_prefills if id(t) not in redone]
-            following.prefilling = [t for t in following.prefilling if id(t) not in redone]
-            following.segments = [segment for segment in following.segments if id(segment[0]) not in redone]
-
-    def prefill_lost(self, task: PrefillTask, error: StatecoreError,
-                     finished: list[tuple[PrefillTask, Outcome[Any]]],
-                     streamed_from: Mapping[str, int]) -> bool:
-        """A prompt whose units were in a step that failed on the device: it starts again
-        (`prefill_failure`: once; a keep task gives up; one that failed before fails), its
-        pieces streamed from where that step's began (they never went out; those before it did,
-        and are not sent again). Whether it was still the prompt's (not gone meanwhile)."""
-        loop = self.loop
-        record = loop.requests.get(task.request_id)
-        if record is None or record.task is not task:
-            return False
-        failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried, typed=False)
-        if task.request_id in streamed_from:
-            task.streamed_units = streamed_from[task.request_id]
-        if failure is PrefillFailure.GIVE_UP:
-            loop.requests.remove(task.request_id, Finish.GAVE_WAY)
-        elif failure is PrefillFailure.RESTART:
-            loop.step_retries += 1
-            logger.warning("prefill of %s was in a step that failed on the device; starting it again",
-                           task.request_id)
-            task.restart()
-            record.phase = EnginePhase.WAITING
-        else:
-            loop.requests.remove(task.request_id, Finish.FAILED)
-            loop.choices.ended(task.sampler.sampling)
-            finished.append((task, Outcome(error=error)))
-        return True
