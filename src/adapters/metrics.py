@@ -18,8 +18,9 @@ it: the runner logs and drops a failing observation):
 - `Metrics.watch` also adds scrape-time collectors for live counts (requests running and
   waiting, KV held, peer up/down as the router sees it) from the runner's, the engine's and the
   peers' statistics.
-- The node API tells `Metrics.kv_served` the KV bytes a prefill node sends (streamed pieces and
-  pulled payloads, by either port). Nothing here wraps a request's path: no middleware.
+- The node API tells `Metrics.kv_served` the KV bytes a node sends: a prefill node's streamed
+  pieces and pulled payloads (by either port), a decode node's prefix blocks that a prefill node
+  pulls (`/internal/prefix_kv`). Nothing here wraps a request's path: no middleware.
 
 This is an adapter: it may import anything, and nothing in `statecore` or `effects` imports it.
 """
@@ -69,7 +70,8 @@ _TOKEN_STREAM_ROLES = frozenset({"single", "decode", "router"})  # a prefill nod
 _HANDOFF_ROLES = frozenset({"prefill", "decode"})
 _DECODE_ROLES = frozenset({"decode"})
 _PREFILL_ROLES = frozenset({"prefill"})
-_KV_DIRECTIONS = {"prefill": ("served",), "decode": ("received",)}
+# a decode node also serves KV: the prefix blocks a prefill node pulls (`/internal/prefix_kv`)
+_KV_DIRECTIONS = {"prefill": ("served",), "decode": ("received", "served")}
 
 # No `<name>_created` series beside each counter and histogram: they double a scrape, and
 # dashboards (vLLM's, AIPerf's) never read them.
@@ -156,9 +158,9 @@ class Metrics(Instrument):
                                 "and reason (an error code, or the event that ended it).",
                                 ("state", "reason"))
         self.kv_bytes = counter("kv_transfer_bytes", "KV cache bytes moved between nodes: received "
-                                "(decode node) or served (prefill node); a stream's pieces by their "
-                                "payload bytes, over HTTP or shared memory alike.", ("direction",),
-                                _HANDOFF_ROLES)
+                                "(decode node) or served (prefill node: handoffs; decode node: prefix "
+                                "blocks pulled from it); a stream's pieces by their payload bytes, "
+                                "over HTTP or shared memory alike.", ("direction",), _HANDOFF_ROLES)
         self.kv_seconds = histogram("kv_transfer_seconds",
                                     "Time a decode node took to pull one request's KV cache.",
                                     KV_SECONDS_BUCKETS, roles=_DECODE_ROLES).labels(role)
@@ -207,8 +209,8 @@ class Metrics(Instrument):
         return metrics_route(self.registry)
 
     def kv_served(self, nbytes: int) -> None:
-        """KV sent: a streamed piece's or a pulled payload's bytes, however it travelled (the node
-        API tells it)."""
+        """KV sent: a streamed piece's, a pulled payload's or pulled prefix blocks' bytes, however
+        it travelled (the node API tells it)."""
         _safely("kv served", lambda: self.kv_bytes.labels(self.role, "served").inc(nbytes))
 
     def watch(self, runner: NodeRunner[Any], *, engine: Engine | None = None,

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import trio
 
+from adapters.http.node_api import CORE_PROCESS
 from adapters.kv.shm import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
-from adapters.serve.node import CORE_PROCESS, watch_engine
+from adapters.serve.node import watch_engine
 from effects.engine_port import EngineStatistics, GeneratedToken, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer

@@ -9,6 +9,7 @@ payloads and bad requests, a dead device thread. Every engine must end a test ho
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -40,6 +41,7 @@ from effects.engine_port import (
     Engine,
     EngineStatistics,
     GeneratedToken,
+    KvSegment,
     PrefixSummary,
     SamplingParams,
 )
@@ -56,6 +58,7 @@ from support.tiny_models import (
     cached_checkpoint,
     is_degenerate,
 )
+from tests.integration.device_faults import FailingAttention
 from tests.integration.engines import close_engine, load_engine, streamed_prefill
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
@@ -1564,6 +1567,151 @@ async def test_a_transient_error_first_seen_while_isolating_a_poisoned_row_fails
     assert engine.statistics().rows_isolated == 1
 
 
+async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_decodes_on_exactly(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third decode step of three rows fails when the device computes it (not while it is
+    built), leaving NaN where it wrote their keys and values: those rows fail, typed; a prompt
+    held meanwhile, and requests that come after, greedy and seeded, get the tokens of a node
+    that never failed (a0 takes f0's slot, shorter than f0 was, and attends past its own length
+    beside a1's longer row: masked, a NaN left there would still reach its values)."""
+    path = cached_checkpoint("llama")
+    failed_rows = {RequestId(f"f{i}"): prompt_of(50 + i, salt=i) for i in range(3)}
+    after = {RequestId("a0"): prompt_of(20, salt=5), RequestId("a1"): prompt_of(70, salt=6)}
+    sampling = {RequestId("a0"): GREEDY, RequestId("a1"): SEEDED}
+    held_prompt = prompt_of(27, salt=7)
+    clean = await open_engine(path)
+    expected = await run_together(clean, after, sampling)
+    expected_held = await single(clean, RequestId("h"), held_prompt, SEEDED)
+
+    armed, decode_calls, failing = [False], [0], [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if armed[0] and stage == "decode":
+            decode_calls[0] += 1
+        failing[0] = armed[0] and stage == "decode" and decode_calls[0] == 3
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    held = await engine.prefill(RequestId("h"), held_prompt, SEEDED)
+    armed[0] = True
+    got = await run_together(engine, failed_rows, GREEDY)
+    assert fault.fired and decode_calls[0] >= 3
+    for rid in failed_rows:
+        error = got[rid]
+        assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+        assert "LU factorization" in error.info.message
+    assert await run_together(engine, after, sampling) == expected
+    await engine.decode_held(RequestId("h"), held_prompt, held.first_token, SEEDED)
+    assert [held.first_token] + [g.token for g in await collect(engine, RequestId("h"))] == expected_held
+    assert engine.statistics().device_thread_alive
+
+
+def wire_pieces(pieces: Sequence[KvSegment]) -> list[tuple[int, int, int, int, bytes]]:
+    """Streamed pieces as (start, stop, first layer, end layer, payload), in order."""
+    return sorted((p.start, p.stop, p.first_layer, p.end_layer, bytes(p.payload.joined())) for p in pieces)
+
+
+async def test_a_row_that_joined_while_a_failing_step_ran_is_written_in_again_and_decodes_exactly(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """r's decode step fails on the device beside a unit of a streamed prompt s (so, on the CPU,
+    that step is read back only after the next is built), and j joins in between: the pool's
+    buffers are lost with j's prompt in them, so j is written in again from its prompt's cache and
+    decodes as on a node that never failed; r fails; s starts again, and its pieces (those of the
+    failed step streamed once it is computed again) are a clean node's."""
+    path = cached_checkpoint("llama")
+    first, joining, streamed = prompt_of(30, salt=1), prompt_of(25, salt=2), prompt_of(400, salt=3)
+    clean = await open_engine(path, max_batch=4, max_num_batched_tokens=4 + CHUNK)
+    expected = await single(clean, RequestId("j"), joining, SEEDED)
+    expected_s, clean_pieces = await streamed_prefill(clean, RequestId("s"), streamed, GREEDY)
+    await clean.release_held(RequestId("s"))
+    gate, fired = threading.Event(), [False]
+    failing = [False]
+    engines: list[MlxEngine] = []
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        task = engines[0]._device.waiting.get("s") if engines else None
+        failing[0] = (stage == "decode" and "r" in request_ids and not fired[0]
+                      and task is not None and task.done_units > 0)
+        if failing[0]:
+            fired[0] = True
+            gate.wait(30)  # j's join is queued meanwhile: it comes before the next step
+
+    # One chunk of prefill a step: s takes many steps, beside r's.
+    engine = await open_engine(path, model_call_hook=hook, max_batch=4, max_num_batched_tokens=4 + CHUNK)
+    engines.append(engine)
+    FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    held = await engine.prefill(RequestId("j"), joining, SEEDED)
+    got: dict[str, list[int] | StatecoreError] = {}
+
+    async def run(rid: str, call: Callable[[], Awaitable[list[int]]]) -> None:
+        try:
+            got[rid] = await call()
+        except StatecoreError as exc:
+            got[rid] = exc
+
+    async def decode_j() -> list[int]:
+        await engine.decode_held(RequestId("j"), joining, held.first_token, SEEDED)
+        return [held.first_token] + [g.token for g in await collect(engine, RequestId("j"))]
+
+    pieces: list[KvSegment] = []
+
+    async def prefill_s() -> list[int]:
+        outcome, streamed_pieces = await streamed_prefill(engine, RequestId("s"), streamed, GREEDY)
+        pieces.extend(streamed_pieces)
+        await engine.release_held(RequestId("s"))
+        return [outcome.first_token]
+
+    with caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "r", partial(single, engine, RequestId("r"), first,
+                                                 replace(GREEDY, max_tokens=200)))
+            with trio.fail_after(60):
+                while "r" not in engine._device.live:
+                    await trio.sleep(0.005)
+                nursery.start_soon(run, "s", prefill_s)
+                while not fired[0]:
+                    await trio.sleep(0.005)
+            nursery.start_soon(run, "j", decode_j)
+            await release_when_queued(engine, gate, 1)
+    error = got["r"]
+    assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+    assert got["j"] == expected and got["s"] == [expected_s.first_token]
+    assert wire_pieces(pieces) == wire_pieces(clean_pieces)
+    assert "the slot pool's buffers start again empty; 1 of 1 rows written in again" in caplog.messages
+
+
+async def test_a_prefill_step_that_fails_on_the_device_starts_its_prompt_again(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """p's first prefill call fails when the device computes it, leaving NaN in what it computed
+    (the blocks it kept among it): p starts again and gets a clean node's tokens, as does a later
+    prompt that starts like p (from the prefix cache); q's every prefill call fails: q fails."""
+    path = cached_checkpoint("llama")
+    prompt, longer, other = prompt_of(40, salt=3), [*prompt_of(40, salt=3), 9, 8, 7], prompt_of(35, salt=4)
+    clean = await open_engine(path)
+    expected = await single(clean, RequestId("c"), prompt, SEEDED)
+    expected_longer = await single(clean, RequestId("cl"), longer)
+    calls: dict[str, int] = {}
+    failing = [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            calls[rid] = calls.get(rid, 0) + 1
+        first_of_p = calls.get("p") == 1 and "p" in request_ids
+        failing[0] = stage == "prefill" and (first_of_p or "q" in request_ids)
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    assert await single(engine, RequestId("p"), prompt, SEEDED) == expected
+    assert fault.fired and engine.statistics().step_retries == 1
+    assert await single(engine, RequestId("l"), longer) == expected_longer
+    with pytest.raises(StatecoreError, match="LU factorization") as failed:
+        await single(engine, RequestId("q"), other)
+    assert failed.value.info.code is Code.ENGINE_FAILED
+
+
 async def test_a_prefill_that_raises_once_starts_again_and_one_that_keeps_raising_fails_alone(
     open_engine: Opener,
 ) -> None:
@@ -1634,6 +1782,32 @@ async def test_a_batch_generator_step_that_raises_part_way_fails_no_request(
     raise_part_way(engine, third_batched_decode)
     got = await run_together(engine, prompts, sampling)
     assert got == expected
+    stats = engine.statistics()
+    assert (stats.step_retries, stats.rows_isolated) == (1, 0)
+
+
+async def test_a_batch_generator_step_that_fails_on_the_device_once_fails_no_request(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch lane evaluates its step in the call: a step that fails on the device (leaving NaN
+    where it wrote) is undone from its checkpoint and computed again, as one that raises while it
+    is built; no request fails and every token is a clean node's."""
+    from mlx_lm.models import gemma3_text
+
+    path = cached_checkpoint("gemma3_text")
+    prompts = six_prompts("g")
+    expected = await run_together(await open_engine(path), prompts, SEEDED)
+    batched_decodes, failing = [0], [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if stage == "decode" and len(request_ids) > 1:
+            batched_decodes[0] += 1
+        failing[0] = stage == "decode" and len(request_ids) > 1 and batched_decodes[0] == 3
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True, module=gemma3_text)
+    assert await run_together(engine, prompts, SEEDED) == expected
+    assert fault.fired
     stats = engine.statistics()
     assert (stats.step_retries, stats.rows_isolated) == (1, 0)
 

@@ -145,3 +145,23 @@ async def test_kv_bytes_served_and_the_metrics_route(nursery: trio.Nursery) -> N
     served = [s.value for s in families["statecore:kv_transfer_bytes"].samples
               if s.labels.get("direction") == "served" and s.name.endswith("_total")]
     assert served == [float(len(pulled.content))]
+
+
+async def test_kv_bytes_of_a_prefix_pulled_from_a_node_are_served(nursery: trio.Nursery) -> None:
+    """A node's `/internal/prefix_kv` answer (kept prefix blocks another node pulls) counts as
+    KV served, as a pulled payload does; an answer of none counts nothing."""
+    metrics = Metrics("decode")
+    engine = FakeEngine()
+    engine.prefixes.add(tuple(range(1, 17)))
+    performer = EnginePerformer(engine)
+    runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))
+    api = NodeApi("decode", engine, runner, performer, kv_served=metrics.kv_served)
+    app = Starlette(routes=api.routes())
+    await nursery.start(runner.run)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as client:
+        missed = await client.post("/internal/prefix_kv", json={"tokens": [7, 8, 9]})
+        assert missed.status_code == 404
+        assert sample(metrics, "statecore:kv_transfer_bytes_total", direction="served") == 0
+        pulled = await client.post("/internal/prefix_kv", json={"tokens": list(range(1, 41))})
+    assert pulled.status_code == 200 and len(pulled.content) == len(b"FAKP") + 4 * 16
+    assert sample(metrics, "statecore:kv_transfer_bytes_total", direction="served") == len(pulled.content)

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
 import pytest
 import trio
-from mlx_lm.models import llama
 
 from adapters.mlx import MlxEngine
-from adapters.mlx.attention import route_attention
 from adapters.mlx.speculative import PROBE_STAGE
 from effects.engine_port import SamplingParams
 from statecore.errors import StatecoreError
 from statecore.ids import RequestId
 from support.chain_model import build_chain_checkpoint, chain
+from tests.integration.device_faults import FailingAttention
 from tests.integration.engines import close_engine, load_engine
 
 GREEDY = SamplingParams(max_tokens=80)
@@ -178,29 +175,6 @@ async def test_a_verify_step_that_raises_costs_a_token_s_time_not_the_request(ch
     finally:
         await close_engine(speculating)
         await close_engine(plain)
-
-
-class FailingAttention:
-    """The llama's attention with, while `when()`, a term that raises when the device computes it
-    (an LU factorization of a singular matrix): a kernel that fails at launch, as MLX's masked
-    attention did for a verify row of head dim 16 on CUDA. The failure comes at evaluation,
-    after the step's graph (and the pool's lazy updates) were built."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
-        self.fired = 0
-        route_attention()  # routed first: the wrapper stands where the routed function stood
-        self.inner: Callable[..., Any] = llama.__dict__["scaled_dot_product_attention"]
-
-        def attention(*args: Any, **kwargs: Any) -> Any:
-            out = self.inner(*args, **kwargs)
-            if not when():
-                return out
-            self.fired += 1
-            failing = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu).sum()
-            return out + (0 * failing).astype(out.dtype)
-
-        attention.statecore_routed = True  # type: ignore[attr-defined]
-        monkeypatch.setattr(llama, "scaled_dot_product_attention", attention)
 
 
 def warnings_about_speculation(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from adapters.mlx import MlxEngine, slot_lane
-from adapters.mlx import executor as executor_module
+from adapters.mlx import MlxEngine, kv_out, slot_lane
 from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -175,7 +174,7 @@ async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly
         _, whole = await pieces_of(source, "whole", newcomer)
         layers = len(source.info.layers)
         one_layer = max(piece.payload.nbytes for piece in whole) // layers // 2
-        monkeypatch.setattr(executor_module, "STREAMED_PIECE_BYTES", one_layer)
+        monkeypatch.setattr(kv_out, "STREAMED_PIECE_BYTES", one_layer)
         first_token, pieces = await pieces_of(source, "new", newcomer)
         assert len(pieces) >= layers * len(whole) > len(whole)
         assert all(piece.end_layer - piece.first_layer == 1 for piece in pieces)

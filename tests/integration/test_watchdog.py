@@ -14,7 +14,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from adapters.http.node_api import NodeApi
+from adapters.http.node_api import CORE_PROCESS, DEVICE_THREAD, NodeApi
 from adapters.serve.node import watch_engine
 from effects.engine_port import EngineStatistics
 from effects.fakes import FakeEngine
@@ -88,3 +88,18 @@ async def test_a_zero_timeout_never_fires_but_a_dead_thread_still_does(
         await _wait_stopped(runner)
     assert reasons == ["the MLX device thread died"]
     assert (await _health(api)).json()["reason"] == "the MLX device thread died"
+
+
+async def test_health_names_what_runs_the_engine_when_it_is_not_running() -> None:
+    """Before the watchdog has said why, `/health` says what is not running: the device thread,
+    or the engine core process of a node started with `--engine-core process`."""
+    dead = EngineStatistics(decoding=0, held_caches=0, held_bytes=0, device_thread_alive=False)
+    for runs_engine, said in ((DEVICE_THREAD, "the MLX device thread is not running"),
+                              (CORE_PROCESS, "the engine core process is not running")):
+        engine = FakeEngine()
+        engine.statistics = lambda: dead  # type: ignore[method-assign]
+        performer = EnginePerformer(engine)
+        runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer, name="decode")
+        api = NodeApi("decode", engine, runner, performer, runs_engine=runs_engine)
+        health = await _health(api)
+        assert health.status_code == 503 and health.json()["reason"] == said

@@ -20,6 +20,7 @@ from statecore.engine_schedule import (
     Admission,
     Budget,
     Candidate,
+    Finish,
     Lane,
     Memory,
     PrefillFailure,
@@ -31,6 +32,7 @@ from statecore.engine_schedule import (
     schedule,
     update,
 )
+from statecore.policy import FINISH_REASONS, LENGTH, STOP
 from statecore.scheduling import (
     STREAMED_SLICE_TOKENS,
     KvAdmission,
@@ -399,3 +401,9 @@ def test_a_block_is_computed_once_while_its_computer_lives(
         finished.update(done)
         waiting = list(left)
     assert {c.request_id for c in candidates} - cancelled <= finished
+
+
+def test_a_token_s_finish_reason_is_the_finish_of_its_request_s_record() -> None:
+    """The engine ends a request's record with `Finish(reason)` of the token that ended it."""
+    assert {Finish(reason) for reason in FINISH_REASONS} == {Finish.STOP, Finish.LENGTH}
+    assert (Finish(STOP), Finish(LENGTH)) == (Finish.STOP, Finish.LENGTH)

@@ -27,7 +27,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import trio
 from pydantic import ValidationError
@@ -180,6 +180,10 @@ async def _messages(parts: AsyncIterator[Sequence[KvBytes]]) -> AsyncGenerator[b
                 yield b"".join(batch)
 
 
+DEVICE_THREAD: Final = "the MLX device thread"  # what runs a node's engine by default
+CORE_PROCESS: Final = "the engine core process"  # ... with --engine-core process
+
+
 class NodeApi:
     """The internal routes of one engine-backed node."""
 
@@ -197,8 +201,10 @@ class NodeApi:
         kv_stream: bool = True,
         shm: kv_shm.ShmOutbox | None = None,
         kv_served: Callable[[int], None] = lambda nbytes: None,
+        runs_engine: str = DEVICE_THREAD,
     ) -> None:
         self.role = role
+        self.runs_engine = runs_engine  # what runs the engine (DEVICE_THREAD or CORE_PROCESS): what dies
         # a prefill node's shared memory for streamed pieces to decode nodes on this host
         self.shm = shm
         # the metrics' count of KV served: a streamed piece's payload bytes, or a pulled payload's,
@@ -258,7 +264,7 @@ class NodeApi:
         if self.lost_reason is not None:
             return self.lost_reason
         if not self.engine.statistics().device_thread_alive:
-            return "the MLX device thread is not running"
+            return f"{self.runs_engine} is not running"
         return None
 
     async def health(self, request: Request) -> Response:
@@ -537,10 +543,11 @@ class NodeApi:
     async def prefix_kv(self, request: Request) -> Response:
         """The prefix cache's leading whole blocks of the posted tokens, in the KV wire format (a
         prefill node about to prefill a prompt that starts with them pulls them), or
-        PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache."""
+        PREFIX_NOT_CACHED (404) when it holds none. Never a live request's cache. Counted as KV
+        served once sent, as a pulled payload is."""
         body: PrefixKvBody = _validated(PrefixKvBody, await read_body(request))
         payload = await self.engine.export_prefix(body.tokens)
-        return kv_body(payload_parts(payload), payload.nbytes)
+        return kv_body(self._served(payload_parts(payload), payload.nbytes), payload.nbytes)
 
     async def send_kv(self, request: Request) -> Response:
         return kv_body(*await self._kv_parts(RequestId(request.path_params["request_id"])))
@@ -673,4 +680,5 @@ def _asks_cached_tokens(request: Request) -> bool:
     return request.query_params.get(CACHED_TOKENS_PARAM) == "1"
 
 
-__all__ = ["MAX_INTERNAL_BODY", "NodeApi", "error_response", "guarded", "kv_body", "payload_parts"]
+__all__ = ["CORE_PROCESS", "DEVICE_THREAD", "MAX_INTERNAL_BODY", "NodeApi", "error_response", "guarded",
+           "kv_body", "payload_parts"]

@@ -43,7 +43,7 @@ from adapters.mlx.batch_lane import BatchLane, batchable
 from adapters.mlx.choices import ChoiceGathering
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
-from adapters.mlx.executor import InFlight, StepExecutor
+from adapters.mlx.executor import StepExecutor
 from adapters.mlx.jobs import (
     Crash,
     Job,
@@ -67,11 +67,12 @@ from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
+from adapters.mlx.step_host import InFlight
 from effects.engine_port import GeneratedToken
 from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
-from statecore.policy import LENGTH, token_finish
+from statecore.policy import token_finish
 from statecore.scheduling import ModelShape, StepRates, work_unit_tokens
 
 __all__ = ["DeviceLoop", "InjectedCrash"]
@@ -325,6 +326,7 @@ class DeviceLoop:
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
+        self.slots.read_back(live)  # its slot can no longer be written in again as it joined
         if self.speculator is not None:
             self.speculator.took(live, token)
         if live.conversation is not None:
@@ -348,7 +350,8 @@ class DeviceLoop:
         item ends it normally)."""
         finish = Finish.FAILED
         if isinstance(item, GeneratedToken):
-            finish = Finish.LENGTH if item.finish_reason == LENGTH else Finish.STOP
+            assert item.finish_reason is not None  # the token that ends it says how
+            finish = Finish(item.finish_reason)
         self.remove(live, finish)
         if isinstance(item, GeneratedToken) and self.model is not None:
             self.keeping.keep_conversation(live)
@@ -449,5 +452,6 @@ class DeviceLoop:
         self.model = None
         self.pool = None
         self.slots.last_tokens = None
+        self.slots.joined.clear()  # the prompt caches kept for rows that would be written in again
         self.inflight = None
 

@@ -5,39 +5,33 @@ then its padded groups of short prompts, then each prompt's work units (`adapter
 a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
 whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
-become held caches and answer their callers, and a step that fails on the device fails its own
-requests only. A prefill that raises starts again once, in a later step; a padded group that
-raises runs its prompts alone. This module imports mlx and trio (only for trio tokens); it sees
-the device loop only as an `ExecutorHost`.
+become held caches and answer their callers (a streamed prompt's first token ahead of its last
+step's pieces: `adapters.mlx.kv_out`). A step that fails on the device fails its own requests
+only (`adapters.mlx.device_failure`). A prefill that raises starts again once, in a later step;
+a padded group that raises runs its prompts alone. This module imports mlx and trio (only for
+trio tokens); it sees the device loop only as an `ExecutorHost`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from adapters.kv.codec import wire_view
-from adapters.mlx.batch_lane import BatchLane
-from adapters.mlx.choices import ChoiceGathering
+from adapters.mlx.device_failure import failed_on_device
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
-from adapters.mlx.keeping import PrefixKeeping
-from adapters.mlx.memory import ALLOCATION_STEP, KvCost
+from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
+from adapters.mlx.memory import ALLOCATION_STEP
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
-from adapters.mlx.prefix_cache import PrefixCache
-from adapters.mlx.profile import DeviceProfile
-from adapters.mlx.requests import Held, RequestTable
+from adapters.mlx.requests import Held
 from adapters.mlx.rows import Deliveries, Live
 from adapters.mlx.sampling import read_logprobs
-from adapters.mlx.settings import Settings
-from adapters.mlx.slot_lane import SlotLane
-from adapters.mlx.solo_lane import SoloLane
-from adapters.mlx.speculative import SpeculationHost, Speculator
+from adapters.mlx.step_host import ExecutorHost, InFlight
 from effects.engine_port import PrefillOutcome
 from statecore.engine_schedule import (
     Budget,
@@ -55,14 +49,10 @@ from statecore.engine_schedule import (
 )
 from statecore.errors import StatecoreError
 from statecore.scheduling import (
-    STREAMED_PIECE_BYTES,
-    ModelShape,
-    StepRates,
     measured_step,
-    streamed_pieces,
 )
 
-__all__ = ["ExecutorHost", "InFlight", "StepExecutor"]
+__all__ = ["StepExecutor"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -82,58 +72,6 @@ class _StepOutputs:
         if self.pipelined and arrays:
             mx.async_eval(arrays)  # type: ignore[no-untyped-call]
         self.arrays.extend(arrays)
-
-
-# A streamed piece's tokens [start, stop) of layers [first, end).
-Range = tuple[int, int, int, int]
-
-
-@dataclass(eq=False)
-class InFlight:
-    """A step handed to the device; read back after the next one is built."""
-
-    tokens: Any = None  # slot lane: (rows,) sampled tokens
-    owners: list[Live | None] = field(default_factory=list)
-    logprobs: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> its token's, lazily
-    finished_prefills: list[PrefillTask] = field(default_factory=list)
-    prefill_tokens: int = 0  # the prefill work it planned (what the step-time target measures)
-    failed_prefills: list[tuple[PrefillTask, StatecoreError]] = field(default_factory=list)
-    # streamed handoffs: (task, (start, stop, first layer, end layer), keys then values per layer as
-    # the wire carries them (`codec.wire_view`), their dtype)
-    segments: list[tuple[PrefillTask, Range, list[Any], Any]] = field(default_factory=list)
-
-
-class ExecutorHost(SpeculationHost, Protocol):
-    """What the executor needs of the device loop: its records, lanes and parts, and the step
-    on the device (`inflight`)."""
-
-    settings: Settings
-    requests: RequestTable
-    waiting: Mapping[str, PrefillTask]
-    prefix: PrefixCache | None
-    keeping: PrefixKeeping
-    choices: ChoiceGathering
-    slots: SlotLane
-    batch: BatchLane
-    solo: SoloLane
-    speculator: Speculator | None
-    profile: DeviceProfile
-    inflight: InFlight | None
-    short_batching: bool
-    shape: ModelShape | None
-    cost: KvCost
-    rates: StepRates
-    handoff_joined: bool
-    publish: Callable[[], None]
-    cache_bytes: Callable[[list[Any]], int]
-
-    handoffs_coming: dict[str, float]
-    handoffs_expected: dict[str, float]
-
-    def drop_abandoned_waiting(self) -> None: ...
-
-    def hand_out(self, deliveries: Deliveries,
-                 finished: list[tuple[PrefillTask, Outcome[Any]]] = ...) -> None: ...
 
 
 class StepExecutor:
@@ -174,6 +112,8 @@ class StepExecutor:
                     slot_step = loop.slots.build(slot_rows)
                     current.tokens, current.owners = slot_step.tokens, slot_step.owners
                     current.logprobs = slot_step.logprobs
+                    assert loop.pool is not None
+                    current.generation, current.slot_outputs = loop.pool.generation, len(slot_step.outputs)
                     outputs.extend(slot_step.outputs)
                 except Exception as exc:
                     self.fail_rows(slot_rows, exc)
@@ -199,10 +139,15 @@ class StepExecutor:
         on_cpu = mx.default_device() == mx.cpu
         if previous is not None and on_cpu:
             self.read_back(previous)
+            if self.stale(current):  # built on the pool the previous step lost: not computed
+                outputs = outputs[current.slot_outputs :]
         if outputs:
             with mx.stream(generation_stream):
                 launching = time.perf_counter()
-                mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                try:
+                    mx.async_eval(outputs)  # type: ignore[no-untyped-call]
+                except Exception as exc:  # a failure on the device that the launch met already
+                    current.launch_raised = exc
                 profile.account("launch", launching)
         if previous is not None and not on_cpu:
             self.read_back(previous)
@@ -340,8 +285,14 @@ class StepExecutor:
                 continue
             loop.profile.account("prefill_batched", started, len(members))
             for task in members:
-                outputs.extend(self.capture_segments(task, current))
+                outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
                 outputs.extend(self.prefill_outputs(task, current))
+
+        def keep_chunk(task: PrefillTask, chunk: int) -> list[Any]:
+            kept = loop.keeping.keep_chunk(task, chunk)
+            current.kept_blocks = current.kept_blocks or bool(kept)
+            return kept
+
         for task, units in tasks:
             if task.finished:
                 continue
@@ -350,7 +301,7 @@ class StepExecutor:
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
-                                   None if loop.prefix is None else loop.keeping.keep_chunk)
+                                   None if loop.prefix is None else keep_chunk)
             except Exception as exc:
                 failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
                                           typed=isinstance(exc, StatecoreError))
@@ -370,63 +321,17 @@ class StepExecutor:
                 loop.choices.ended(task.sampler.sampling)
                 current.failed_prefills.append((task, as_statecore(exc)))
                 continue
-            outputs.extend(self.capture_segments(task, current))
+            outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
             if task.finished and task.keeps_only:
                 loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
                 outputs.extend(pieces)
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))
             else:
+                current.prefilling.append(task)
                 outputs.extend(pieces)
         loop.profile.account("prefill_chunks", started)
         return outputs.arrays
-
-    def capture_segments(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
-        units built since the last capture, cut out as their own arrays (evaluated with the step,
-        handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
-        (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture."""
-        if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
-            return []
-        arrays: list[Any] = []
-        units = task.units[task.streamed_units : task.done_units]
-        ranges: list[tuple[int, int, int, int]] = []
-        for chunk in sorted({unit.chunk for unit in units}):
-            mine = [unit for unit in units if unit.chunk == chunk]
-            first, end = mine[0].first_layer, mine[-1].end_layer
-            start = task.chunk_start(chunk)
-            stop = start + task.chunks[chunk]
-            if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
-                start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
-            ranges.append((start, stop, first, end))
-        keys, values = task.cache[0].keys, task.cache[0].values
-        layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
-                             + values.shape[1] * values.shape[3] * values.dtype.size)
-        for where in [piece for step_range in ranges
-                      for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
-                                                   most_bytes=STREAMED_PIECE_BYTES)]:
-            start, stop, first, end = where
-            pieces = [wire_view(mx.contiguous(buffer[..., start:stop, :])) for layer in task.cache[first:end]
-                      for buffer in (layer.keys, layer.values)]
-            current.segments.append((task, where, pieces, keys.dtype))
-            arrays.extend(pieces)
-        task.streamed_units = task.done_units
-        return arrays
-
-    def hand_segments(self, step: InFlight) -> None:
-        """A read-back step's streamed pieces to their sinks (computed now), unless the request
-        left meanwhile. A piece says whether the step computing its prompt's last pieces has
-        started: the next step was built before this one is read back, so a prompt whose units
-        are all built, and which this step did not finish, finishes in the step now running."""
-        for task, where, pieces, dtype in step.segments:
-            if task.job is None or task.job.is_abandoned():
-                continue
-            last_step_started = task.done_units >= len(task.units) and task not in step.finished_prefills
-            try:
-                task.segment_sink(where, pieces, dtype, last_step_started)
-            except Exception:  # the sink's failure is its request's (it hears of it at export)
-                logger.exception("handing a KV segment of %s out failed", task.request_id)
-                task.segment_sink = None
 
     def prefill_outcome(self, task: PrefillTask, first: int) -> PrefillOutcome:
         """A finished prompt's outcome, its first token read back."""
@@ -434,19 +339,6 @@ class StepExecutor:
         logprobs = read_logprobs(task.sampler.take_logprobs())
         return PrefillOutcome(first, len(task.tokens), self.loop.cache_bytes(task.cache), logprobs,
                               task.cached_tokens, streamed=task.segment_sink is not None)
-
-    def tell_first_tokens(self, step: InFlight, outcomes: list[PrefillOutcome]) -> None:
-        """A streamed prompt's first token to its sink ahead of the pieces of the step that
-        sampled it: reading those pieces out waits for the device (on a GPU each one is copied to
-        the host), and its caller passes the first token on at once."""
-        for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
-            if task.segment_sink is None or task.job is None or task.job.is_abandoned():
-                continue
-            try:
-                task.segment_sink.first_token(outcome)
-            except Exception:  # the sink's failure is its request's (it hears of it at export)
-                logger.exception("telling %s's first token failed", task.request_id)
-                task.segment_sink = None
 
     def fail_rows(self, rows: list[Live], exc: Exception) -> None:
         """A step that could not be built fails its rows only; the loop goes on."""
@@ -466,32 +358,31 @@ class StepExecutor:
         assert task.cache is not None
         return [task.first, *(c.state for c in task.cache)]
 
+    def stale(self, step: InFlight) -> bool:
+        """Whether a step's slot part wrote buffers that the pool has lost since (its rows were
+        written in again or failed then: nothing of it is read back)."""
+        pool = self.loop.pool
+        return step.tokens is not None and (pool is None or step.generation != pool.generation)
+
     def read_back(self, step: InFlight) -> None:
         """Wait for a step's results and hand them out (tokens, first tokens, failures)."""
         loop = self.loop
         started = time.perf_counter()
         deliveries: Deliveries = {}
         finished: list[tuple[PrefillTask, Outcome[Any]]] = []
+        stale = self.stale(step)
         try:
-            tokens: list[int] = step.tokens.tolist() if step.tokens is not None else []
+            if step.launch_raised is not None:
+                raise step.launch_raised
+            tokens: list[int] = step.tokens.tolist() if step.tokens is not None and not stale else []
             firsts = [int(task.first.item()) for task in step.finished_prefills]
         except Exception as exc:
-            logger.exception("a step failed on the device; failing its requests")
-            error = engine_failed(f"a decode step failed: {type(exc).__name__}: {exc}")
-            for owner in step.owners:
-                if owner is not None and loop.live.get(owner.request_id) is owner:
-                    loop.end(owner, error, deliveries)
-            finished.extend((task, Outcome(error=error)) for task in step.finished_prefills)
-            for task in step.finished_prefills:
-                record = loop.requests.get(task.request_id)
-                if record is not None and record.task is task:
-                    loop.requests.remove(task.request_id, Finish.FAILED)
-            loop.slots.last_tokens = None
+            failed_on_device(loop, step, exc, stale, deliveries, finished)
         else:
             outcomes = [self.prefill_outcome(task, first)
                         for task, first in zip(step.finished_prefills, firsts, strict=True)]
-            self.tell_first_tokens(step, outcomes)
-            self.hand_segments(step)  # before the prefills' outcomes: their calls end after the pieces
+            tell_first_tokens(step.finished_prefills, outcomes)
+            hand_pieces(step.segments, step.finished_prefills)  # the prefills' calls end after them
             for slot, (owner, token) in enumerate(zip(step.owners, tokens, strict=False)):
                 if owner is None or loop.live.get(owner.request_id) is not owner:
                     continue  # a free slot's row, or a request that ended meanwhile
@@ -507,4 +398,3 @@ class StepExecutor:
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
         loop.profile.account("readback", started)
         loop.hand_out(deliveries, finished)
-

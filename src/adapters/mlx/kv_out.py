@@ -4,23 +4,37 @@ streamed prefill's pieces as each step computes them.
 The device thread copies a cache's tensors to host memory (`adapters.kv.codec.host_tensors`);
 `pieces_of` frames them as a KV wire payload over that very memory (no copy into one body) with
 its end frame's checksum computed in a background thread while the pieces already travel.
-`segment_sink` is what a streamed prefill hands each computed piece to, on the device thread: the
-piece framed so, posted to its caller's `SegmentSink` in trio, and its first token ahead of the
-last step's pieces. This module imports mlx-lm (a
-piece's caches) and trio (the post); statecore and effects never import it.
+On the device thread, for a streamed prefill: `capture_pieces` cuts the KV a step completes out
+as its own arrays (evaluated with the step); at read-back `tell_first_tokens` gives a finished
+prompt's outcome to its sink first, then `hand_pieces` the step's pieces; `segment_sink` is that
+sink, each piece framed so and posted to its caller's `SegmentSink` in trio. This module imports
+mlx (a piece's arrays) and trio (the post); statecore and effects never import it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import mlx.core as mx
 import trio
 
 from adapters.kv import codec, frames
+from adapters.kv.codec import wire_view
 from adapters.mlx.jobs import post
+from adapters.mlx.prefill import PrefillTask
 from effects.engine_port import KvPieces, KvSegment, PrefillOutcome, SegmentSink
+from statecore.scheduling import STREAMED_PIECE_BYTES, streamed_pieces
 
-__all__ = ["PieceHandout", "pieces_of", "segment_sink"]
+__all__ = ["Captured", "PieceHandout", "Range", "capture_pieces", "hand_pieces", "pieces_of", "segment_sink",
+           "tell_first_tokens"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+Range = tuple[int, int, int, int]  # a piece's tokens [start, stop) of layers [first, end)
+# a step's captured pieces: (their prompt, where, keys then values per layer as the wire carries
+# them (`codec.wire_view`), their dtype)
+Captured = list[tuple[PrefillTask, Range, list[Any], Any]]
 
 
 def pieces_of(tensors: frames.HostTensors) -> KvPieces:
@@ -58,3 +72,68 @@ def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fin
                  ) -> PieceHandout:
     """A streamed prefill's sink on the device thread, handing to `segments` in trio."""
     return PieceHandout(segments, trio_token, fingerprint)
+
+
+def capture_pieces(task: PrefillTask, captured: Captured, streamed_from: dict[str, int]) -> list[Any]:
+    """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
+    units built since the last capture, cut out as their own arrays (evaluated with the step,
+    handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
+    (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture.
+    `streamed_from` notes the first unit this step streams (a failed step's are sent again)."""
+    if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
+        return []
+    arrays: list[Any] = []
+    units = task.units[task.streamed_units : task.done_units]
+    ranges: list[Range] = []
+    for chunk in sorted({unit.chunk for unit in units}):
+        mine = [unit for unit in units if unit.chunk == chunk]
+        first, end = mine[0].first_layer, mine[-1].end_layer
+        start = task.chunk_start(chunk)
+        stop = start + task.chunks[chunk]
+        if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):
+            start = ranges.pop()[0]  # the chunks of one step go as one piece when they can
+        ranges.append((start, stop, first, end))
+    keys, values = task.cache[0].keys, task.cache[0].values
+    layer_token_bytes = (keys.shape[1] * keys.shape[3] * keys.dtype.size
+                         + values.shape[1] * values.shape[3] * values.dtype.size)
+    for where in [piece for step_range in ranges
+                  for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
+                                               most_bytes=STREAMED_PIECE_BYTES)]:
+        start, stop, first, end = where
+        pieces = [wire_view(mx.contiguous(buffer[..., start:stop, :])) for layer in task.cache[first:end]
+                  for buffer in (layer.keys, layer.values)]
+        captured.append((task, where, pieces, keys.dtype))
+        arrays.extend(pieces)
+    streamed_from.setdefault(task.request_id, task.streamed_units)
+    task.streamed_units = task.done_units
+    return arrays
+
+
+def tell_first_tokens(finished: list[PrefillTask], outcomes: list[PrefillOutcome]) -> None:
+    """A streamed prompt's first token to its sink ahead of the pieces of the step that sampled
+    it: reading those pieces out waits for the device (on a GPU each one is copied to the host),
+    and its caller passes the first token on at once."""
+    for task, outcome in zip(finished, outcomes, strict=True):
+        if task.segment_sink is None or task.job is None or task.job.is_abandoned():
+            continue
+        try:
+            task.segment_sink.first_token(outcome)
+        except Exception:  # the sink's failure is its request's (it hears of it at export)
+            logger.exception("telling %s's first token failed", task.request_id)
+            task.segment_sink = None
+
+
+def hand_pieces(captured: Captured, finished: list[PrefillTask]) -> None:
+    """A read-back step's streamed pieces to their sinks (computed now), unless the request left
+    meanwhile. A piece says whether the step computing its prompt's last pieces has started: the
+    next step was built before this one is read back, so a prompt whose units are all built, and
+    which this step did not finish (`finished`), finishes in the step now running."""
+    for task, where, pieces, dtype in captured:
+        if task.job is None or task.job.is_abandoned():
+            continue
+        last_step_started = task.done_units >= len(task.units) and task not in finished
+        try:
+            task.segment_sink(where, pieces, dtype, last_step_started)
+        except Exception:  # the sink's failure is its request's (it hears of it at export)
+            logger.exception("handing a KV segment of %s out failed", task.request_id)
+            task.segment_sink = None

@@ -8,6 +8,12 @@ A row fed once takes its next input straight from the previous step's tokens on 
 device (`last_tokens`). A step's call that raises while it is built changes nothing the next call
 reads (each row's new key and value land at its own position), so it is built once more; if that
 raises too, the rows are split in halves until each failing row stands alone and fails alone.
+A step that fails on the device (when it is evaluated, after its graph and the pool's lazy writes
+were built) leaves the pool's buffers unusable: its lazy writes raise again, or hold what its
+failed kernels left, NaN included, which even a masked read of a free position passes on. The
+buffers then start again empty (`lose`): the failed step's rows have failed already; a row that
+joined since and has no token yet is written in again from its prompt's cache, kept until a step
+of it is read back; any other row, and a handoff staged in the pool, fails.
 This module imports mlx; it must never import trio (but for the types of `Live`).
 """
 
@@ -20,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from adapters.mlx.rows import Deliveries, LaneHost, Live, rewind
-from adapters.mlx.sampling import PositionSampler, sample_rows
+from adapters.mlx.sampling import PositionSampler, SamplerMark, sample_rows
 from adapters.mlx.staging import STAGED_BYTES_PER_STEP, StagedSlots
 from statecore.errors import StatecoreError
 
@@ -40,6 +46,17 @@ class SlotStep:
     outputs: list[Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Joined:
+    """A row as it joined (its prompt's cache, where the row stood): kept until a step's token of
+    it is read back, to write it in again if the pool's buffers are lost before."""
+
+    live: Live
+    cache: list[Any]
+    prompt_tokens: int
+    mark: SamplerMark
+
+
 class SlotLane:
     """The slot lane's step over `loop.pool` (see the module's paragraph)."""
 
@@ -47,6 +64,7 @@ class SlotLane:
         self.loop = loop
         self.last_tokens: Any = None  # the previous step's (rows,) tokens, on the device
         self.staged = StagedSlots()  # handed-off prompts written into their slots as pieces come
+        self.joined: dict[str, _Joined] = {}  # rows without a token read back yet, by request id
 
     def enter(self, live: Live, cache: list[Any], prompt_tokens: int, needed: int) -> None:
         """Take a free slot and copy the prompt's cache into it (or the slot its pieces were
@@ -77,11 +95,49 @@ class SlotLane:
             raise
         live.slot = slot
         live.offset = prompt_tokens
+        self.joined[live.request_id] = _Joined(live, cache, prompt_tokens, live.sampler.mark())
 
     def leave(self, live: Live) -> None:
+        self.read_back(live)
         if live.slot is not None and self.loop.pool is not None:
             self.loop.pool.give_back(live.slot)
             live.slot = None
+
+    def read_back(self, live: Live) -> None:
+        """A token of `live` was read back (or it left): its joining cache is let go."""
+        joined = self.joined.get(live.request_id)
+        if joined is not None and joined.live is live:
+            del self.joined[live.request_id]
+
+    def lose(self, rows: list[Live], error: StatecoreError, deliveries: Deliveries) -> list[Live]:
+        """The pool's buffers are lost (a step that wrote them failed on the device; its own rows
+        have ended): they start again empty. Of `rows` (the slot rows left), one with no token
+        since it joined is written in again from its prompt's cache and decodes from its first
+        step as it would have; the others, and the handoffs staged in the pool, fail with
+        `error`. Returns the rows written in again."""
+        pool = self.loop.pool
+        assert pool is not None
+        pool.empty_buffers()
+        self.last_tokens = None
+        failing = self.staged.lose(error)
+        again: list[Live] = []
+        for live in rows:
+            joined = self.joined.get(live.request_id)
+            if live in failing or joined is None or joined.live is not live or live.slot is None:
+                failing.append(live)
+                continue
+            try:
+                pool.write_prompt(live.slot, joined.cache, joined.prompt_tokens)
+            except Exception:
+                logger.exception("writing %s's prompt into its slot again raised", live.request_id)
+                failing.append(live)
+                continue
+            live.offset, live.fed = joined.prompt_tokens, False
+            live.sampler.reset(joined.mark)
+            again.append(live)
+        for live in dict.fromkeys(failing):
+            self.loop.end(live, error, deliveries)
+        return again
 
     def build(self, rows: list[Live]) -> SlotStep:
         """Every slot row's token in one model call (built, not evaluated)."""

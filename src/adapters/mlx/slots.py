@@ -41,6 +41,7 @@ class SlotPool:
         self.keys: list[Any] = [None] * num_layers
         self.values: list[Any] = [None] * num_layers
         self.attention: DecodeAttention | None = None  # set: layers offer `fused_attention`
+        self.generation = 0  # how often the buffers were emptied: a step built before reads nothing back
         self._free = list(range(num_slots))
 
     # -- slots ---------------------------------------------------------------------------------
@@ -92,6 +93,20 @@ class SlotPool:
                     extra = mx.zeros((self.num_slots, heads, capacity - old.shape[2], dim), dtype=old.dtype)
                     buffers[index] = mx.concatenate([old, extra], axis=2)
         self.capacity = capacity
+
+    def empty_buffers(self) -> None:
+        """Every layer's buffers replaced by zeroed ones of the same shape, evaluated: after a step
+        that wrote them failed on the device, what they hold (its lazy writes, which may raise
+        again, and the values its failed kernels left) is not kept. Every slot's contents go with
+        them; `generation` counts it."""
+        for buffers in (self.keys, self.values):
+            for index, buffer in enumerate(buffers):
+                if buffer is not None:
+                    shape, dtype = buffer.shape, buffer.dtype
+                    buffers[index] = None  # let go of the old one before the new one is allocated
+                    buffers[index] = mx.zeros(shape, dtype)
+                    mx.eval(buffers[index])
+        self.generation += 1
 
     def write_prompt(self, slot: int, layers: Sequence[Any], tokens: int) -> None:
         """Copy a request's KVCache layers (covering `tokens` positions) into its slot."""

@@ -238,7 +238,7 @@ class Speculator:
         raised = exc.raised
         pool = loop.pool
         assert pool is not None
-        _empty_buffers(pool)
+        pool.empty_buffers()
         self.off_reason = f"a verify step failed on the device ({type(raised).__name__}: {raised})"
         logger.warning("speculative decoding is off: %s; its %d requests failed", self.off_reason, len(rows))
         deliveries: dict[Any, list[Any]] = {}
@@ -349,16 +349,6 @@ class _FailedOnDevice(Exception):
     def __init__(self, raised: Exception) -> None:
         super().__init__(str(raised))
         self.raised = raised
-
-
-def _empty_buffers(pool: SlotPool) -> None:
-    """Every layer's buffers replaced by empty ones of the same shape (what a failed step left in
-    them is not kept: not even its lazy graph)."""
-    for buffers in (pool.keys, pool.values):
-        for index, buffer in enumerate(buffers):
-            if buffer is not None:
-                buffers[index] = mx.zeros(buffer.shape, buffer.dtype)
-    mx.eval(pool.keys, pool.values)
 
 
 def _count(draft: Any) -> int:

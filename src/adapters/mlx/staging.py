@@ -50,6 +50,7 @@ class Staged:
     pending: deque[tuple[int, int, Any, Any]] = field(default_factory=deque)
     pending_bytes: int = 0
     row: Live | None = None  # the request decoding on this slot, out of the steps until they are written
+    lost: StatecoreError | None = None  # the pool's buffers were emptied: what it wrote is gone
 
 
 def _malformed(message: str) -> StatecoreError:
@@ -86,6 +87,8 @@ class StagedSlots:
                 raise
             entry = Staged(slot, prompt_tokens, needed, [0] * pool.num_layers)
             self.entries[request_id] = entry
+        if entry.lost is not None:
+            raise entry.lost
         if prompt_tokens != entry.prompt_tokens:
             raise _malformed(f"a KV piece for a prompt of {prompt_tokens} tokens; "
                              f"it has {entry.prompt_tokens}")
@@ -156,6 +159,8 @@ class StagedSlots:
         pieces are missing); its queued writes all made now unless rows are `decoding` (then a
         step's share at a time: it joins, and decodes once they are done)."""
         entry = self.entries[request_id]
+        if entry.lost is not None:
+            raise entry.lost
         if not decoding:
             self.write(pool, entry, None)
         short = [layer for layer, tokens in enumerate(entry.covered) if tokens != entry.prompt_tokens]
@@ -165,6 +170,22 @@ class StagedSlots:
                 f"the KV pieces cover {entry.covered[short[0]]} of the prompt's {entry.prompt_tokens} "
                 f"tokens in layer {short[0]}"))
         return entry
+
+    def lose(self, error: StatecoreError) -> list[Live]:
+        """The pool's buffers were emptied: every staged request's pieces are gone. One not joined
+        yet keeps its slot until it is unstaged, and its next piece or its install raises
+        `error`; those that joined (their writes still queued) are returned, no longer staged:
+        they fail, and their slots go back as they leave."""
+        joined = [entry.row for entry in self.entries.values() if entry.row is not None]
+        for request_id, entry in list(self.entries.items()):
+            entry.pending.clear()
+            entry.pending_bytes = 0
+            if entry.row is not None:
+                entry.row.staging = False
+                del self.entries[request_id]
+            else:
+                entry.lost = error
+        return joined
 
     def views(self, pool: SlotPool | None, request_id: str) -> list[Any]:
         """The staged prompt's cache as KVCache views of its slot (lazy: read only if used)."""

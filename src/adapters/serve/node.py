@@ -20,7 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config
@@ -36,7 +36,7 @@ from adapters.frontend.frontend import Frontend
 from adapters.frontend.prompts import TemplateArgsRefused
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
-from adapters.http.node_api import MAX_INTERNAL_BODY, NodeApi, guarded
+from adapters.http.node_api import CORE_PROCESS, DEVICE_THREAD, MAX_INTERNAL_BODY, NodeApi, guarded
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
 from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
@@ -148,10 +148,6 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
         await trio.sleep(0.5)
     log.warning("the local cluster's parent process is gone: draining")
     await runner.post_loop(DrainRequested())
-
-
-DEVICE_THREAD: Final = "the MLX device thread"
-CORE_PROCESS: Final = "the engine core process"
 
 
 async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
@@ -373,7 +369,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     warnings = warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
                   kv_buffer_bytes=kv_buffer_bytes or (lambda: 0), warnings=warnings,
-                  kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served)
+                  kv_stream=engine.streams_handoffs, shm=shm, kv_served=metrics.kv_served,
+                  runs_engine=runs_it)
     api.blas = computes_with
     lines = RequestLines()
     if role == "single":
