@@ -1,24 +1,30 @@
 """The step-time target (`--step-target-ms`) against a fixed step budget, on the engine alone.
 
 What it answers: when a long prompt arrives while streams decode, does sizing each step's prefill
-from the measured step rates (the default target: 4 steps without prefill) shrink the streams'
-worst gap, and what does it cost on the realish mix? Two setups, the same engine but for
-`step_target_ms`: *target* (the default, or --target-ms) and *fixed* (0: the configured budget,
-2,048 prefill tokens a step, every step). Each repetition runs both, alternating which goes first.
+from the measured step rates (the default target: 16 steps without prefill) shrink the streams'
+worst gap, and what does it cost on the realish mix? Setups, the same engine but for the target:
+*target* (the default, or --target-ms), *fixed* (`step_target_ms` 0: the configured budget, 2,048
+prefill tokens a step, every step), and with --floors one more per multiple (`floors4`: the
+default target at 4 decode steps, a decode node's). Each repetition runs them all, alternating
+the order.
 
 - burst: --streams greedy streams (64-token prompts, ignore_eos) decode; once each has streamed
   8 tokens, --long-requests prompts of --long-prompt tokens arrive one after another (each sent as
   the last one's first token came). For the streams' gaps between tokens inside that window it
   reports max and p99, and the long prompts' time to first token.
 - realish: `engine_realish.run` (closed-loop workers on `benchlib.Mix("realish")`) at
-  --concurrency for --seconds: output tokens/s and the gap p99.
+  --concurrency for --seconds (60 or more: the window opens with every worker's first prompt at
+  once, nothing decoding, the same in every setup): output tokens/s, TTFT p50 and the gap p99.
+  --step-log DIR writes its steps (`StepLog`: decode rows, prompts waiting and the oldest's wait,
+  the budget, the prefill tokens and units planned, the step's seconds, the rates) and prints a
+  summary of them.
 
-Then target / fixed ratios of each: the geometric mean over the repetitions of each repetition's
-ratio (the two setups of one repetition run back to back, so a busy neighbour weighs on both),
-with the smallest and largest. `--cpus` pins the process to those cores (the device thread
-inherits it): on a shared box one core per run is steadier.
+Then each setup over fixed: the geometric mean over the repetitions of each repetition's ratio
+(the setups of one repetition run back to back, so a busy neighbour weighs on all), with the
+smallest and largest. `--cpus` pins the process to those cores (the device thread inherits it):
+on a shared box one core per run is steadier. Each line gives the box's load as it ended.
 
-    .venv/bin/python bench/engine/step_target.py --cpus 1 --reps 3 --out /tmp/step_target
+    .venv/bin/python bench/engine/step_target.py --cpus 1 --reps 4 --seconds 60 --floors 4 --out /tmp/st
 
 Bench code: may import anything; nothing under src/ imports it.
 """
@@ -43,6 +49,69 @@ sys.path.insert(0, str(HERE))
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+class StepLog:
+    """Each step of the engine in this process, as the scheduler planned it and as it took: the
+    decode rows, the prompts waiting (and the oldest's wait), the budget, the prefill tokens and
+    units planned, the seconds the step took and the rates it was sized by. It wraps the executor's
+    `plan` and `measured_step` (bench code: nothing in src/ changes)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.first_seen: dict[str, float] = {}
+        self.pending: dict[str, Any] | None = None
+
+    def __enter__(self) -> StepLog:
+        from adapters.mlx import executor
+
+        self.module, self.plan = executor, executor.StepExecutor.plan
+        self.measured = vars(executor)["measured_step"]
+        log = self
+
+        def plan(executor_self: Any) -> Any:
+            made, candidates = log.plan(executor_self)
+            now = time.perf_counter()
+            for c in candidates:
+                log.first_seen.setdefault(c.request_id, now)
+            oldest = min(candidates, key=lambda c: c.order, default=None)
+            rates = executor_self.loop.rates
+            log.pending = {
+                "t": now, "rows": made.decode_rows, "waiting": len(candidates), "budget": made.budget_tokens,
+                "prefill": made.prefill_tokens, "units": sum(w.units for w in made.prefills),
+                "prompts": len(made.prefills), "finishing": sum(w.finishes for w in made.prefills),
+                "groups": len(made.groups),
+                "waiting_tokens": sum(sum(c.units_left) for c in candidates),
+                "oldest_wait_s": 0.0 if oldest is None else now - log.first_seen[oldest.request_id],
+                "floor_s": rates.floor_s, "token_s": rates.prefill_token_s}
+            return made, candidates
+
+        def measured(rates: Any, seconds: float, prefill_tokens: int) -> Any:
+            step = log.pending or {"t": time.perf_counter(), "rows": None}
+            log.pending = None
+            log.steps.append({**step, "seconds": seconds, "measured_prefill": prefill_tokens})
+            return log.measured(rates, seconds, prefill_tokens)
+
+        setattr(executor.StepExecutor, "plan", plan)  # noqa: B010 (a bench's patch, typed loosely)
+        setattr(executor, "measured_step", measured)  # noqa: B010
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        setattr(self.module.StepExecutor, "plan", self.plan)  # noqa: B010
+        setattr(self.module, "measured_step", self.measured)  # noqa: B010
+
+    def summary(self) -> dict[str, Any]:
+        steps = [s for s in self.steps if s.get("rows") is not None]
+        with_prefill = [s for s in steps if s["prefill"]]
+        total = sum(s["seconds"] for s in steps) or 1.0
+        return {"steps": len(steps), "with_prefill": len(with_prefill),
+                "prefill_time_share": sum(s["seconds"] for s in with_prefill) / total,
+                "prefill_tokens_p50": percentile([s["prefill"] for s in with_prefill], 0.5),
+                "step_ms_p50": 1000 * percentile([s["seconds"] for s in steps], 0.5),
+                "step_ms_p99": 1000 * percentile([s["seconds"] for s in steps], 0.99),
+                "rows_mean": statistics.fmean(s["rows"] for s in steps) if steps else 0.0,
+                "waiting_mean": statistics.fmean(s["waiting"] for s in steps) if steps else 0.0,
+                "oldest_wait_p50_s": percentile([s["oldest_wait_s"] for s in steps if s["waiting"]], 0.5)}
 
 
 def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_prompt: int,
@@ -108,6 +177,33 @@ def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_promp
     return trio.run(main)
 
 
+def measure(args: argparse.Namespace, model: Path, name: str, setup: dict[str, Any], rep: int,
+            barrier: Any) -> dict[str, float]:
+    """One setup's burst, then its realish run (under --side-by-side, each phase starts with the
+    other setups' at a barrier, so that they share the cores through the same phases)."""
+    from engine_realish import run as realish
+
+    if barrier is not None:
+        barrier.wait()
+    measured: dict[str, float] = {}
+    if not args.skip_burst:
+        measured = burst(model, setup, args.streams, args.long_prompt, args.long_requests, rep)
+    if args.skip_realish:
+        return measured
+    if barrier is not None:
+        barrier.wait()
+    with StepLog() as log:
+        mix = realish(model, args.concurrency, args.seconds, setup, on_measure=log.steps.clear)
+    if args.step_log is not None:
+        args.step_log.mkdir(parents=True, exist_ok=True)
+        with (args.step_log / f"realish-{rep}-{name}.jsonl").open("w") as out:
+            out.writelines(json.dumps(step) + "\n" for step in log.steps)
+        print(f"rep {rep} {name} realish steps: " + json.dumps(log.summary()), flush=True)
+    measured.update({"realish_tok_s": mix["tok_s"], "realish_gap_p99_ms": mix["gap_p99_ms"],
+                     "realish_ttft_p50_ms": mix["ttft_p50_ms"]})
+    return measured
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,40 +218,65 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--cpus", default=None, help="pin to these cores (comma-separated)")
     parser.add_argument("--skip-realish", action="store_true")
+    parser.add_argument("--skip-burst", action="store_true")
+    parser.add_argument("--floors", default="", help="more setups: the default target at these multiples "
+                        "of the measured decode step (step_target_floors; comma-separated), e.g. 4: a "
+                        "decode node's")
+    parser.add_argument("--side-by-side", action="store_true", help="run a repetition's setups at once, "
+                        "each in its own process on the same --cpus: a busy neighbour weighs on all alike "
+                        "(each runs slower than alone)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--step-log", type=Path, default=None, help="write each realish run's steps "
+                        "(StepLog) to DIR/realish-<rep>-<setup>.jsonl and print their summary")
     args = parser.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     from benchlib import default_model, machine
-    from engine_realish import run as realish
 
     model = args.model or default_model()
-    setups = {"target": {"step_target_ms": args.target_ms}, "fixed": {"step_target_ms": 0.0}}
+    setups: dict[str, dict[str, Any]] = {"target": {"step_target_ms": args.target_ms},
+                                         "fixed": {"step_target_ms": 0.0}}
+    for floors in filter(None, args.floors.split(",")):
+        setups[f"floors{floors}"] = {"step_target_ms": None, "step_target_floors": float(floors)}
     results: dict[str, dict[str, list[float]]] = {name: {} for name in setups}
+    loads: list[float] = []
     for rep in range(args.reps):
         order = list(setups) if rep % 2 == 0 else list(reversed(setups))
-        for name in order:
-            measured = burst(model, setups[name], args.streams, args.long_prompt, args.long_requests, rep)
-            if not args.skip_realish:
-                mix = realish(model, args.concurrency, args.seconds, setups[name])
-                measured.update({"realish_tok_s": mix["tok_s"], "realish_gap_p99_ms": mix["gap_p99_ms"],
-                                 "realish_ttft_p50_ms": mix["ttft_p50_ms"]})
-            print(f"rep {rep} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), flush=True)
+        if args.side_by_side:
+            import multiprocessing
+
+            context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
+            barrier = context.Manager().Barrier(len(order))
+            with context.Pool(len(order)) as pool:
+                pending = {name: pool.apply_async(measure, (args, model, name, setups[name], rep, barrier))
+                           for name in order}
+                got = {name: result.get() for name, result in pending.items()}
+        else:
+            got = {name: measure(args, model, name, setups[name], rep, None) for name in order}
+        loads.append(os.getloadavg()[0])
+        for name, measured in got.items():
+            print(f"rep {rep} {name} (load {loads[-1]:.1f}): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), flush=True)
             for key, value in measured.items():
                 results[name].setdefault(key, []).append(float(value))
     medians = {name: {k: statistics.median(v) for k, v in got.items()} for name, got in results.items()}
-    ratios: dict[str, dict[str, float]] = {}
-    for key, targets in results["target"].items():
-        paired = [t / f for t, f in zip(targets, results["fixed"][key], strict=True) if t > 0 and f > 0]
-        if paired:
-            ratios[key] = {"geomean": math.exp(statistics.fmean(math.log(r) for r in paired)),
-                           "min": min(paired), "max": max(paired)}
-    print(json.dumps({"medians": medians, "target_over_fixed": ratios}, indent=1))
+    ratios: dict[str, dict[str, dict[str, float]]] = {}  # setup -> measure -> over fixed
+    for name in setups:
+        if name == "fixed":
+            continue
+        for key, values in results[name].items():
+            paired = [t / f for t, f in zip(values, results["fixed"][key], strict=True) if t > 0 and f > 0]
+            if paired:
+                ratios.setdefault(name, {})[key] = {
+                    "geomean": math.exp(statistics.fmean(math.log(r) for r in paired)),
+                    "min": min(paired), "max": max(paired)}
+    print(json.dumps({"medians": medians, "over_fixed": ratios}, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(
             {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
-             "load_avg": os.getloadavg(), "runs": results, "medians": medians, "target_over_fixed": ratios},
+             "load_avg": os.getloadavg(), "loads": loads, "runs": results, "medians": medians,
+             "over_fixed": ratios},
             indent=1))
 
 

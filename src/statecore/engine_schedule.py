@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from statecore.scheduling import (
+    STEP_TARGET_FLOOR_MULTIPLE,
     KvAdmission,
     ModelShape,
     PrefillUnit,
@@ -162,7 +163,8 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class Budget:
     """The step's token budget as configured (`tokens`, `prefill_rows`) and what sizes it: a
-    step-time target (`target_s`: None = the default, 0 = off) at the measured `rates`,
+    step-time target (`target_s`: None = the default, `target_floors` times the measured step
+    without prefill; 0 = off) at the measured `rates`,
     `decode_only` (a handed-off request joined or is about to: no prefill this step) and
     `oldest_streams` (the oldest prompt prefilling streams its KV to a decode node: slices that
     travel while the rest computes, and later prompts wait behind it rather than share the step
@@ -172,6 +174,7 @@ class Budget:
     prefill_rows: int
     target_s: float | None = 0.0
     rates: StepRates = field(default_factory=StepRates)
+    target_floors: float = STEP_TARGET_FLOOR_MULTIPLE
     decode_only: bool = False
     oldest_streams: bool = False
 
@@ -239,7 +242,8 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
         tokens = step_token_budget(budget.tokens, decode_rows,
                                    oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
                                    decode_only=budget.decode_only, target_s=budget.target_s,
-                                   rates=budget.rates, oldest_streams=budget.oldest_streams)
+                                   rates=budget.rates, oldest_streams=budget.oldest_streams,
+                                   target_floors=budget.target_floors)
         planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
         more = block_waits(candidates, {work.request_id: work.units for work in planned.prefills}) - waits
         if not more:

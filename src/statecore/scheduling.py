@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_STEP_PREFILL_TOKENS",
+    "DECODE_NODE_FLOOR_MULTIPLE",
     "STEP_TARGET_FLOOR_MULTIPLE",
     "KvAdmission",
     "ModelShape",
@@ -200,10 +201,20 @@ def plan_step(decode_rows: int, waiting: Sequence[WaitingPrefill], budget: StepB
 
 # -- the step's budget: configured, or sized by a step-time target ---------------------------------
 
-STEP_TARGET_FLOOR_MULTIPLE = 4.0
+STEP_TARGET_FLOOR_MULTIPLE = 16.0
 """The step-time target when none is given: this many times a step without prefill (the decode
-step the streams see), so that a prompt arriving beside them makes a stream's worst gap a small
-multiple of its usual one."""
+step the streams see). A step beside streams then gives waiting prompts 15/16 of its time and the
+streams' decode the rest, so a prompt's prefill takes about 1/15 longer than alone, while a
+stream's worst gap beside a long prompt stays 16 of its usual steps. A smaller multiple costs more
+than it seems: at 4 the prompts got 3/4 of the device (a step took one layer of a chunk), and on a
+mixed load, where a prompt waits for those before it, the quarter lost compounds: on the CPU the
+engine's mean wait for a first token rose 1.45x on the realish mix, against 1.06x at 16
+(docs/performance.md, "A long prompt beside streams")."""
+
+DECODE_NODE_FLOOR_MULTIPLE = 4.0
+"""The multiple a decode node's serving command passes: its streams' gaps are what it is for, and
+most of its prompts are prefilled elsewhere, so a stream waits at most 4 of its steps and the
+few prompts it prefills itself take longer."""
 
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 
@@ -292,7 +303,8 @@ def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, 
 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
-                      target_s: float | None, rates: StepRates, oldest_streams: bool = False) -> int:
+                      target_s: float | None, rates: StepRates, oldest_streams: bool = False,
+                      target_floors: float = STEP_TARGET_FLOOR_MULTIPLE) -> int:
     """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
 
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
@@ -306,13 +318,15 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
     - no stream decoding: the whole `configured` budget; nobody waits between tokens.
     - streams decoding: the decode rows plus the prefill tokens that fit the step-time target at
       the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
-      `STEP_TARGET_FLOOR_MULTIPLE` times the measured floor), never less than the oldest waiting
+      `target_floors` times the measured floor), never less than the oldest waiting
       prompt's next unit (`oldest_unit`, 0 when none waits), so the oldest prompt always advances,
       and never more than `configured`. Until a rate is measured, that one unit.
     The engine keeps `configured` >= its largest decode batch + its largest unit.
     """
     if min(configured, decode_rows, oldest_unit) < 0 or (target_s is not None and not target_s >= 0):
         raise ValueError("budgets, rows, units and the target are >= 0")
+    if not target_floors > 0:
+        raise ValueError("the default target is a positive multiple of the floor")
     if decode_only:
         return decode_rows
     if decode_rows == 0 and oldest_streams:
@@ -327,7 +341,7 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
     floor, per_token = rates.floor_s, rates.prefill_token_s
     target = target_s
     if target is None and floor is not None:
-        target = STEP_TARGET_FLOOR_MULTIPLE * floor
+        target = target_floors * floor
     if target is None or per_token is None:
         return min(configured, least)
     room = target - (floor or 0.0)

@@ -5,7 +5,8 @@ first token within a bounded number of steps. Under a memory budget: the activat
 arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; nothing starves).
 The choices of one request join a batch together. The step's token budget (`step_token_budget`):
 a table of its cases, the moving rates it reads, and hypothesis for the bounds (never over the
-configured budget, always the oldest prompt's next unit, so nothing starves under any rates)."""
+configured budget, always the oldest prompt's next unit, so nothing starves under any rates; the
+default target leaves waiting prompts at least 15/16 of a step but for one unit's rounding)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore.scheduling import (
+    DECODE_NODE_FLOOR_MULTIPLE,
+    STEP_TARGET_FLOOR_MULTIPLE,
     STREAMED_SLICE_TOKENS,
     KvAdmission,
     ModelShape,
@@ -141,8 +144,8 @@ MEASURED = StepRates(floor_s=0.010, excess_s=0.050, prefill_tokens=50.0)
         # Nothing measured yet: the oldest prompt's next unit.
         (2052, 4, 256, False, None, StepRates(), 4 + 256),
         (2052, 4, 256, False, 0.050, StepRates(floor_s=0.010), 4 + 256),
-        # The default target, 4 floors (40 ms): 30 ms of prefill at 1 ms a token.
-        (2052, 4, 8, False, None, MEASURED, 4 + 30),
+        # The default target, 16 floors (160 ms): 150 ms of prefill at 1 ms a token.
+        (2052, 4, 8, False, None, MEASURED, 4 + 150),
         # A target of 510 ms: 500 tokens.
         (2052, 4, 8, False, 0.510, MEASURED, 4 + 500),
         # ... but never less than the oldest prompt's next unit,
@@ -159,6 +162,16 @@ def test_step_token_budget_table(configured: int, rows: int, oldest_unit: int, d
                                  target_s: float | None, rates: StepRates, expected: int) -> None:
     assert step_token_budget(configured, rows, oldest_unit, decode_only=decode_only, target_s=target_s,
                              rates=rates) == expected
+
+
+@pytest.mark.parametrize(("floors", "expected"), [
+    (STEP_TARGET_FLOOR_MULTIPLE, 4 + 150),  # 16 floors (160 ms): 150 ms of prefill at 1 ms a token
+    (DECODE_NODE_FLOOR_MULTIPLE, 4 + 30),  # a decode node's 4 (40 ms): 30 ms
+    (1.0, 4 + 8),  # no room beside the floor: the oldest prompt's next unit only
+])
+def test_the_default_target_is_a_multiple_of_the_measured_floor(floors: float, expected: int) -> None:
+    assert step_token_budget(2052, 4, 8, decode_only=False, target_s=None, rates=MEASURED,
+                             target_floors=floors) == expected
 
 
 SLOW_PREFILL = StepRates(excess_s=1.0, prefill_tokens=500.0)  # 2 ms a token: a CPU
@@ -181,7 +194,7 @@ FAST_PREFILL = StepRates(excess_s=0.045, prefill_tokens=2000.0)  # 22.5 us a tok
         # no rate measured yet: the configured budget
         (2052, 0, 256, StepRates(), 2052),
         # streams decoding: the step-time rules as without it
-        (2052, 4, 8, MEASURED, 4 + 30),
+        (2052, 4, 8, MEASURED, 4 + 150),
     ],
 )
 def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, rows: int, oldest_unit: int,
@@ -193,11 +206,42 @@ def test_a_prompt_streaming_its_kv_alone_is_computed_in_slices(configured: int, 
                                  rates=rates) == configured
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(1, 32),
+       st.lists(st.integers(1, 64), min_size=1, max_size=60), st.integers(64, 4096),
+       st.sampled_from([STEP_TARGET_FLOOR_MULTIPLE, DECODE_NODE_FLOOR_MULTIPLE]) | st.floats(1.0, 64.0))
+def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, per_token: float, rows: int,
+                                                                  units: list[int], room: int,
+                                                                  floors: float) -> None:
+    """Beside streams, under the default target (`floors` times the measured floor) and whatever
+    the measured rates, the oldest prompt advances; the step's prefill at the measured rate (a)
+    overruns the target only by the oldest prompt's one unit, and (b) when work is left that the
+    target held back, takes all of the target but the floor ((floors - 1) / floors of it: 15/16 by
+    default), less one unit and a token of rounding: the prompts waiting beside streams are never
+    starved of the device."""
+    rates = StepRates(floor_s=floor, excess_s=per_token * 100, prefill_tokens=100.0)
+    configured = rows + max(room, max(units))
+    target = floors * floor
+    tokens = step_token_budget(configured, rows, units[0], decode_only=False, target_s=None, rates=rates,
+                               target_floors=floors)
+    plan = plan_step(rows, [WaitingPrefill("a", 0, tuple(units))], StepBudget(tokens, 8))
+    assert plan.prefills and plan.tokens <= tokens <= configured
+    work = plan.prefills[0]
+    prefill_s = work.tokens * per_token
+    slack = 1e-9 * (1 + target)
+    assert floor + prefill_s <= target + slack or work.units == 1
+    left = units[work.units :]
+    if left and tokens < configured:
+        assert prefill_s >= (floors - 1) / floors * target - (left[0] + 1) * per_token - slack
+
+
 def test_step_token_budget_refuses_negative_inputs() -> None:
     with pytest.raises(ValueError):
         step_token_budget(100, 4, 8, decode_only=False, target_s=-1.0, rates=MEASURED)
     with pytest.raises(ValueError):
         step_token_budget(100, -1, 8, decode_only=False, target_s=None, rates=MEASURED)
+    with pytest.raises(ValueError):
+        step_token_budget(100, 4, 8, decode_only=False, target_s=None, rates=MEASURED, target_floors=0.0)
 
 
 def test_measured_step_moves_the_floor_and_the_rate() -> None:
@@ -223,13 +267,14 @@ step_rates = st.builds(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 64), st.integers(1, 6),
        st.integers(0, 32), st.integers(1, 300), st.none() | st.floats(0.0, 2.0),
-       st.lists(st.tuples(step_rates, st.booleans()), min_size=1, max_size=20))
+       st.lists(st.tuples(step_rates, st.booleans()), min_size=1, max_size=20), st.floats(0.1, 64.0))
 def test_a_timed_budget_holds_and_starves_no_prompt(lengths: list[int], chunk: int, layers: int,
                                                     decode_rows: int, room: int, target_s: float | None,
-                                                    rates: list[tuple[StepRates, bool]]) -> None:
-    """Whatever the rates and the target, a step's plan stays within the configured budget, and
-    every step but a decode-only one advances the oldest prompt: the prompts all finish within
-    their units' count of such steps."""
+                                                    rates: list[tuple[StepRates, bool]],
+                                                    floors: float) -> None:
+    """Whatever the rates and the target (or the default target's multiple), a step's plan stays
+    within the configured budget, and every step but a decode-only one advances the oldest prompt:
+    the prompts all finish within their units' count of such steps."""
     unit_tokens = max(room, -(-chunk // layers))
     configured = 32 + unit_tokens  # the engine's rule: its largest batch plus its largest unit
     waiting = {f"r{i}": wait(f"r{i}", i, *(u.tokens for u in prefill_units(prefill_chunks(n, chunk), layers,
@@ -247,7 +292,7 @@ def test_a_timed_budget_holds_and_starves_no_prompt(lengths: list[int], chunk: i
         assert advancing <= total_units, "some prompt made no progress"
         oldest = min(waiting.values(), key=lambda w: w.order)
         tokens = step_token_budget(configured, decode_rows, oldest.units_left[0], decode_only=decode_only,
-                                   target_s=target_s, rates=measured)
+                                   target_s=target_s, rates=measured, target_floors=floors)
         assert decode_rows <= tokens <= configured
         plan = plan_step(decode_rows, list(waiting.values()), StepBudget(tokens, 8))
         assert plan.tokens <= tokens

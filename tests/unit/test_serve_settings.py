@@ -12,6 +12,7 @@ from adapters.http.api_keys import keys_from
 from adapters.serve.cluster import engine_gpus, forwarded_serving_flags, shared_device_flags
 from adapters.serve.flags import resolve_api_keys
 from adapters.serve.node import ENGINE_SWITCH_INTERVAL, engine_options, switch_interval
+from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE
 
 
 @pytest.mark.parametrize(
@@ -117,13 +118,18 @@ def test_the_memory_flags_reach_the_engine(given: list[str], engine_gets: bool |
     assert options["device_shared_by"] == 3
 
 
-@pytest.mark.parametrize(("role", "given", "engine_gets"), [
-    ("decode", [], None), ("single", [], 0.0), ("prefill", [], 0.0),
-    ("single", ["--step-target-ms", "50"], 50.0), ("decode", ["--step-target-ms", "0"], 0.0)])
-def test_the_step_target_is_on_by_default_on_decode_nodes_only(role: str, given: list[str],
-                                                                engine_gets: float | None) -> None:
+@pytest.mark.parametrize(("role", "given", "ms", "floors"), [
+    ("decode", [], None, DECODE_NODE_FLOOR_MULTIPLE), ("single", [], 0.0, None), ("prefill", [], 0.0, None),
+    ("single", ["--step-target-ms", "50"], 50.0, None), ("decode", ["--step-target-ms", "0"], 0.0, None),
+    ("single", ["--step-target-floors", "16"], None, 16.0),
+    ("decode", ["--step-target-floors", "8", "--step-target-ms", "40"], 40.0, None)])
+def test_the_step_target_is_on_by_default_on_decode_nodes_only(role: str, given: list[str], ms: float | None,
+                                                                floors: float | None) -> None:
+    """A decode node's target is 4 of its measured decode steps; single and prefill nodes run the
+    fixed budget unless given a target, in ms or in such steps (ms wins)."""
     options = engine_options(build_parser().parse_args(["run", "--role", role, *given]), role)
-    assert options["step_target_ms"] == engine_gets
+    assert options["step_target_ms"] == ms
+    assert options.get("step_target_floors") == floors
 
 
 def test_a_local_cluster_tells_its_engine_nodes_they_share_one_device() -> None:

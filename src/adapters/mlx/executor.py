@@ -210,6 +210,7 @@ class StepExecutor:
         oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
         budget = Budget(s.max_num_batched_tokens, s.prefill_batch,
                         None if target_ms is None else target_ms / 1000, loop.rates,
+                        target_floors=s.step_target_floors,
                         decode_only=decode_only(loop.handoff_joined, list(loop.handoffs_coming.values()),
                                                 time.monotonic(), list(loop.handoffs_expected.values())),
                         oldest_streams=oldest is not None and oldest.segment_sink is not None)

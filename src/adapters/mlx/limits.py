@@ -25,7 +25,7 @@ from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import StatecoreError, client_error
-from statecore.scheduling import default_step_tokens
+from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE, default_step_tokens
 
 __all__ = [
     "PREFILL_MEMORY_CAP_MODES",
@@ -52,6 +52,7 @@ class EngineOptions(TypedDict, total=False):
     max_batch: int
     max_num_batched_tokens: int | None
     step_target_ms: float | None
+    step_target_floors: float
     prefill_batch: int
     max_padding: float
     max_slot_tokens: int
@@ -84,6 +85,7 @@ def engine_settings(
     max_batch: int = 32,
     max_num_batched_tokens: int | None = None,
     step_target_ms: float | None = None,
+    step_target_floors: float = STEP_TARGET_FLOOR_MULTIPLE,
     prefill_batch: int = 32,
     max_padding: float = 0.25,
     max_slot_tokens: int = 32768,
@@ -117,9 +119,10 @@ def engine_settings(
     size / layers, slices chunks by layers). While streams decode, `step_target_ms` sizes
     each step's prefill from the rates the device loop measures of its own steps, so that a
     step stays near the target (`statecore.scheduling.step_token_budget`: at least the oldest
-    prompt's next unit, at most the budget): None (default) = 4 times a step without prefill,
-    0 = off. A tensor- or pipeline-parallel instance runs without it (its ranks plan alike).
-    A chunk (`prefill_chunk_size`, default 256; 2,048 on MLX's CUDA backend:
+    prompt's next unit, at most the budget): None (default) = `step_target_floors` (default 16,
+    `statecore.scheduling.STEP_TARGET_FLOOR_MULTIPLE`) times a step without prefill, 0 = off. A
+    tensor- or pipeline-parallel instance runs without it (its ranks plan alike). A chunk
+    (`prefill_chunk_size`, default 256; 2,048 on MLX's CUDA backend:
     `adapters.mlx.prefill.default_chunk_tokens`) is one prefill call and the prefix cache's block.
     Short prompts waiting together are prefilled in one padded call when the padding stays
     within `max_padding` of their tokens (plain KVCache models; `prefill_batch` 1 turns it
@@ -248,6 +251,8 @@ def engine_settings(
         raise StatecoreError(client_error("num_draft_tokens and speculative_max_rows must be >= 1"))
     if step_target_ms is not None and not step_target_ms >= 0:
         raise StatecoreError(client_error("step_target_ms must be >= 0 (0: off)"))
+    if not step_target_floors > 0:
+        raise StatecoreError(client_error("step_target_floors must be > 0"))
     settings = Settings(prefill_chunk_size, kv_bits, kv_group_size, max_batch, budget, prefill_batch,
                         max_padding, max_slot_tokens, memory, decodes_locally, bucket, decode_attention,
                         prefix_bytes, compile_decode,
@@ -257,6 +262,7 @@ def engine_settings(
                         speculative=speculative if decodes_locally and tensor is None else "off",
                         num_draft_tokens=num_draft_tokens, speculative_max_rows=speculative_max_rows,
                         step_target_ms=0.0 if tensor is not None else step_target_ms,
+                        step_target_floors=step_target_floors,
                         prefix_host_bytes=host_bytes if tensor is None else 0,
                         prefix_host_pull=prefix_host_pull)
     return settings

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE
+
 __all__ = ["Settings"]
 
 
@@ -37,10 +39,11 @@ class Settings:
     num_draft_tokens: int = 3
     speculative_max_rows: int = 1
     # While streams decode, each step's prefill is sized to keep the step near this many ms
-    # (`statecore.scheduling.step_token_budget`): None = a multiple of the measured decode step,
-    # 0 = off (max_num_batched_tokens every step). Off on a lockstep instance: its ranks must
-    # plan alike, and each would measure its own times.
+    # (`statecore.scheduling.step_token_budget`): None = step_target_floors times the measured
+    # decode step, 0 = off (max_num_batched_tokens every step). Off on a lockstep instance: its
+    # ranks must plan alike, and each would measure its own times.
     step_target_ms: float | None = None
+    step_target_floors: float = STEP_TARGET_FLOOR_MULTIPLE  # None's target, in such steps
     # The prefix cache's host tier (adapters.mlx.prefix_cache): its capacity (0: off), and when a
     # host block comes back to the device rather than being computed
     prefix_host_bytes: int = 0

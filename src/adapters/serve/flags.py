@@ -347,7 +347,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "measures so that a step stays near MS milliseconds (at least the oldest "
                              "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
                              "stalls no stream for its whole prefill; 0 = off (default: decode nodes 4 times "
-                             "a step without prefill; single and prefill nodes off)")
+                             "a step without prefill, as measured; single and prefill nodes off)")
+    engine.add_argument("--step-target-floors", type=_whole(1), default=None, metavar="N",
+                        help="without --step-target-ms: the target is N times a step without prefill, as "
+                             "measured (on any role; default: decode nodes 4, single and prefill nodes off)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",

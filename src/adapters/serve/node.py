@@ -60,6 +60,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.errors import StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.routing import RouteChoice
+from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 if TYPE_CHECKING:
@@ -244,15 +245,19 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
     return Route("/internal/stats", guarded(token, handler), methods=["GET"])
 
 
-def step_target_ms(args: argparse.Namespace, role: str) -> float | None:
-    """`--step-target-ms` as given. By default on a decode node (None: the engine's multiple of
-    its measured decode step), whose streams it shields from the prompts it prefills itself
-    (short ones, the prefill tier's overflow); off (0) on single and prefill nodes: on the 2-core
-    CPU the target cut the streams' worst gap beside a 2,000-token prompt to 0.15x but cost the
-    realish mix at concurrency 8 0.70x of its tokens/s (docs/performance.md)."""
+def step_target(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """The engine's `step_target_ms` and `step_target_floors` from the command line: the target as
+    given (ms), or as a multiple of the measured decode step (`--step-target-floors`), or by role:
+    a decode node's streams are shielded at 4 of their steps; single and prefill nodes run the
+    fixed budget (a prefill node has no streams; on a single node no target measured so far kept
+    the realish mix's TTFT p50: docs/performance.md, "A long prompt beside streams")."""
     if args.step_target_ms is not None:
-        return float(args.step_target_ms)
-    return None if role == "decode" else 0.0
+        return {"step_target_ms": float(args.step_target_ms)}
+    if args.step_target_floors is not None:
+        return {"step_target_ms": None, "step_target_floors": float(args.step_target_floors)}
+    if role == "decode":
+        return {"step_target_ms": None, "step_target_floors": DECODE_NODE_FLOOR_MULTIPLE}
+    return {"step_target_ms": 0.0}
 
 
 def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
@@ -261,7 +266,7 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         prefill_chunk_size=args.prefill_chunk_size, kv_bits=args.kv_bits,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch,
         prefill_batch=args.prefill_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        step_target_ms=step_target_ms(args, role),
+        **step_target(args, role),
         kv_memory_bytes=args.kv_memory_bytes,
         device_shared_by=args.device_shared_by,
         preallocate_slots={"auto": None, "on": True, "off": False}[args.preallocate_slots],
