@@ -17,11 +17,11 @@ import trio
 from adapters.mlx import MlxEngine
 from adapters.mlx.speculative import PROBE_STAGE
 from effects.engine_port import SamplingParams
-from statecore.errors import StatecoreError
+from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
 from support.chain_model import build_chain_checkpoint, chain
 from tests.integration.device_faults import FailingAttention
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import close_engine, load_engine, streamed_prefill
 
 GREEDY = SamplingParams(max_tokens=80)
 SEEDED = SamplingParams(max_tokens=80, temperature=0.7, top_p=0.95, seed=7)
@@ -237,6 +237,39 @@ async def test_a_verify_step_that_fails_on_the_device_fails_its_request_alone_an
             expected = await single(plain, f"p{n}", prompt, sampling)
             assert await single(speculating, f"s{n}", prompt, sampling) == expected
         assert speculating.statistics().speculative_steps == 0
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)
+
+
+async def test_a_handoff_staged_in_the_pool_a_failed_verify_step_emptied_fails_typed(
+        chain_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handoff's pieces wait in a slot of the pool while a verify step fails on the device: the
+    pool starts again empty, so their KV is gone and the handoff's install fails typed (it never
+    decodes from what is left); the node goes on serving exactly."""
+    plain = await load_engine(chain_dir, prefill_chunk_size=16, max_batch=4, max_num_batched_tokens=4 + 16)
+    speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram")
+    speculator = speculating._device.speculator
+    assert speculator is not None and speculator.off_reason is None
+    try:
+        handed = edit_like(60, 7)
+        outcome, pieces = await streamed_prefill(plain, RequestId("h"), handed, GREEDY)
+        await plain.release_held(RequestId("h"))
+        for piece in pieces:
+            await speculating.receive_segment(RequestId("h"), piece, len(handed),
+                                              max_tokens=GREEDY.max_tokens)
+        assert "h" in speculating._device.slots.staged
+        FailingAttention(monkeypatch, lambda: speculator.verifying and speculator.off_reason is None)
+        with pytest.raises(StatecoreError, match="LU factorization"):
+            await single(speculating, "f", edit_like(99, 5), GREEDY)
+        with pytest.raises(StatecoreError) as lost:
+            await speculating.install_segments(RequestId("h"), handed, outcome.first_token, GREEDY)
+        assert lost.value.info.code is Code.ENGINE_FAILED and "slot pool" in lost.value.info.message
+        assert speculating._device.pool is not None
+        assert speculating._device.pool.free_slots == speculating._device.pool.num_slots
+        prompt = edit_like(40, 3)
+        expected = await single(plain, "ref", prompt, GREEDY)
+        assert await single(speculating, "after", prompt, GREEDY) == expected
     finally:
         await close_engine(speculating)
         await close_engine(plain)

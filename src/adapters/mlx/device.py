@@ -314,6 +314,9 @@ class DeviceLoop:
     def slot_inputs_on_host(self) -> None:
         self.slots.last_tokens = None
 
+    def staged_lost(self, error: StatecoreError) -> list[Live]:
+        return self.slots.staged.lose(error)
+
     def hand_out(self, deliveries: dict[trio.lowlevel.TrioToken, list[Any]],
                  finished: list[tuple[PrefillTask, Outcome[Any]]] = ()) -> None:  # type: ignore[assignment]
         """Publish the statistics first, so that a caller woken by its result sees them."""

@@ -33,9 +33,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from adapters.mlx.jobs import engine_failed
 from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax, sample
 from adapters.mlx.slots import SlotPool
+from statecore.errors import StatecoreError
 from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
 
 if TYPE_CHECKING:
@@ -68,6 +70,11 @@ class SpeculationHost(LaneHost, Protocol):
 
     def slot_inputs_on_host(self) -> None:
         """Every slot row's next input is its host token (the device's last tokens are stale)."""
+        ...
+
+    def staged_lost(self, error: StatecoreError) -> list[Live]:
+        """The pool's buffers were emptied: the handoffs staged there lose their pieces (their next
+        piece or install raises `error`); those already joined are returned, to fail."""
         ...
 
 
@@ -245,6 +252,13 @@ class Speculator:
         for live in rows:
             if loop.live.get(live.request_id) is live:
                 loop.fail_alone(live, raised, deliveries)
+        # Handoffs staged in the pool lost what was written there: they fail, typed, rather than
+        # decode from the emptied buffers.
+        lost = engine_failed(f"its KV was in the slot pool, which a verify step that failed on the device "
+                             f"left unusable ({type(raised).__name__}: {raised})")
+        for live in loop.staged_lost(lost):
+            if loop.live.get(live.request_id) is live:
+                loop.end(live, lost, deliveries)
         loop.hand_out(deliveries)
         return [live for live in loop.live.values() if live.slot is not None]
 
