@@ -244,18 +244,21 @@ async def test_a_verify_step_that_fails_on_the_device_fails_its_request_alone_an
 
 async def test_a_handoff_staged_in_the_pool_a_failed_verify_step_emptied_fails_typed(
         chain_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A handoff's pieces wait in a slot of the pool while a verify step fails on the device: the
-    pool starts again empty, so their KV is gone and the handoff's install fails typed (it never
-    decodes from what is left); the node goes on serving exactly."""
+    """A handoff's first pieces wait in a slot of the pool while a verify step fails on the device:
+    the pool starts again empty, so their KV is gone and the handoff's next piece fails typed (it
+    never decodes from what is left); its cancel gives the slot back and the node goes on serving
+    exactly."""
     plain = await load_engine(chain_dir, prefill_chunk_size=16, max_batch=4, max_num_batched_tokens=4 + 16)
     speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram")
     speculator = speculating._device.speculator
     assert speculator is not None and speculator.off_reason is None
     try:
         handed = edit_like(60, 7)
-        outcome, pieces = await streamed_prefill(plain, RequestId("h"), handed, GREEDY)
+        _, pieces = await streamed_prefill(plain, RequestId("h"), handed, GREEDY)
         await plain.release_held(RequestId("h"))
-        for piece in pieces:
+        early = [piece for piece in pieces if not piece.last_step_started][:2]
+        assert len(early) == 2 and early[-1].stop < len(handed)  # the join is not expected yet
+        for piece in early:
             await speculating.receive_segment(RequestId("h"), piece, len(handed),
                                               max_tokens=GREEDY.max_tokens)
         assert "h" in speculating._device.slots.staged
@@ -263,8 +266,10 @@ async def test_a_handoff_staged_in_the_pool_a_failed_verify_step_emptied_fails_t
         with pytest.raises(StatecoreError, match="LU factorization"):
             await single(speculating, "f", edit_like(99, 5), GREEDY)
         with pytest.raises(StatecoreError) as lost:
-            await speculating.install_segments(RequestId("h"), handed, outcome.first_token, GREEDY)
+            await speculating.receive_segment(RequestId("h"), pieces[len(early)], len(handed),
+                                              max_tokens=GREEDY.max_tokens)
         assert lost.value.info.code is Code.ENGINE_FAILED and "slot pool" in lost.value.info.message
+        await speculating.cancel(RequestId("h"))
         assert speculating._device.pool is not None
         assert speculating._device.pool.free_slots == speculating._device.pool.num_slots
         prompt = edit_like(40, 3)
