@@ -27,7 +27,7 @@ from effects.engine_port import KvSegment
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 
-__all__ = ["PIECE_CHECKS", "ArrivingPieces"]
+__all__ = ["PIECE_CHECKS", "ArrivingPieces", "refuse_pieces"]
 
 # Pieces checked at once (CRC, arrays built: ~8 ms a 16 MiB piece on an H100's host, 9 on the CPU
 # box), where the host has cores to spare beside the device thread and the front end; one on a
