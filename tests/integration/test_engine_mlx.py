@@ -2652,6 +2652,47 @@ async def test_dead_device_thread_fails_every_call(open_engine: Opener) -> None:
     await engine.cancel(RequestId("live"))  # cleanup stays quiet on a dead engine
 
 
+async def test_a_job_taken_with_the_crash_that_ends_the_loop_fails_with_it(open_engine: Opener) -> None:
+    """Jobs taken off the queue in one go with what ends the loop (here the crash; in a
+    tensor-parallel instance, a broadcast that fails or hangs) are never computed: their callers
+    fail with the loop rather than waiting on it forever (which kept a node from exiting)."""
+    engine = await open_engine(cached_checkpoint("llama"))
+    long = SamplingParams(max_tokens=500)
+    prompt = prompt_of(5)
+    outcome = await engine.prefill(RequestId("live"), prompt, long)
+    await engine.decode_held(RequestId("live"), prompt, outcome.first_token, long)
+    stream = engine.stream(RequestId("live"))
+    await stream.__anext__()
+    loop = engine._device
+    stepping, release = threading.Event(), threading.Event()
+    step = loop.executor.step
+
+    def held_step() -> None:
+        loop.executor.step = step  # once
+        stepping.set()
+        release.wait(30)
+        step()
+
+    loop.executor.step = held_step
+    await trio.to_thread.run_sync(stepping.wait, 30)
+    engine.crash_device_thread()  # queued ahead of the export below: both are taken at once
+
+    async def release_when_queued() -> None:
+        while loop.queue.qsize() < 2:
+            await trio.sleep(0.005)
+        release.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(release_when_queued)
+        with trio.fail_after(30), pytest.raises(StatecoreError) as caught:
+            await engine.export_held(RequestId("other"))
+    assert caught.value.info.fault is Fault.TRANSPORT and caught.value.info.code is Code.ENGINE_FAILED
+    assert not engine.statistics().device_thread_alive
+    with pytest.raises(StatecoreError):
+        async for _ in stream:
+            pass
+
+
 async def test_missing_model_dir_is_typed(open_engine: Opener, tmp_path: Path) -> None:
     with pytest.raises(StatecoreError) as caught:
         await open_engine(tmp_path / "nothing-here")

@@ -127,6 +127,9 @@ class DeviceLoop:
         self.perform: Callable[[Job[Any]], Any] = lambda job: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
         self.running: Job[Any] | None = None  # the job being computed now
+        # What the last take_jobs took off the queue: a job not yet computed when the loop dies
+        # (a Stop before it, a tensor-parallel broadcast that failed or hangs) fails with it.
+        self.taken: list[Job[Any] | Stop | Crash] = []
         self.cost = KvCost(0, 0, 0)
         self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
         self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
@@ -208,6 +211,7 @@ class DeviceLoop:
             try:
                 jobs.append(self.queue.get_nowait())
             except queue.Empty:
+                self.taken = jobs
                 return jobs
 
     def run(self) -> None:
@@ -435,6 +439,11 @@ class DeviceLoop:
         if running is not None and running.done is not None:
             running.outcome = Outcome(error=error)
             post(running.token, running.done.set)
+        for taken in self.taken:
+            if isinstance(taken, Job) and taken.done is not None and taken.outcome is None:
+                taken.outcome = Outcome(error=error)
+                post(taken.token, taken.done.set)
+        self.taken = []
         while True:
             try:
                 job = self.queue.get_nowait()
