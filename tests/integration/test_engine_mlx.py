@@ -2668,12 +2668,12 @@ async def test_a_job_taken_with_the_crash_that_ends_the_loop_fails_with_it(open_
     step = loop.executor.step
 
     def held_step() -> None:
-        loop.executor.step = step  # once
+        loop.executor.step = step  # once  # type: ignore[method-assign]
         stepping.set()
         release.wait(30)
         step()
 
-    loop.executor.step = held_step
+    loop.executor.step = held_step  # type: ignore[method-assign]
     await trio.to_thread.run_sync(stepping.wait, 30)
     engine.crash_device_thread()  # queued ahead of the export below: both are taken at once
 
