@@ -2668,7 +2668,7 @@ async def test_a_job_taken_with_the_crash_that_ends_the_loop_fails_with_it(open_
     step = loop.executor.step
 
     def held_step() -> None:
-        loop.executor.step = step  # once  # type: ignore[method-assign]
+        loop.executor.step = step  # type: ignore[method-assign]  # once
         stepping.set()
         release.wait(30)
         step()
