@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -137,15 +137,31 @@ def _spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
     return spans
 
 
-def _move(arrays: Sequence[Any], *, to_device: bool) -> None:
+def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None:
     runtime = _get()
     if runtime is None or not arrays:
         return
     try:
-        runtime.prefetch(_spans(arrays), to_device=to_device)
+        runtime.prefetch(_run_spans(arrays) if runs else _spans(arrays), to_device=to_device)
     except OSError as exc:
         runtime.failed = True
         logger.warning("moving KV memory in bulk failed (%s): pages move by faults from now on", exc)
+
+
+def _run_spans(runs: Sequence[Any]) -> list[tuple[int, int]]:
+    import numpy as np
+
+    spans = []
+    for run in runs:
+        view = np.frombuffer(run, dtype=np.uint8)
+        if view.nbytes:
+            spans.append((int(view.ctypes.data), int(view.nbytes)))
+    return spans
+
+
+def runs_to_host(runs: Sequence[memoryview]) -> None:
+    """`to_host` for arrays already seen as host byte runs (`frames.HostTensors.runs`)."""
+    _move(runs, to_device=False, runs=True)
 
 
 def to_host(arrays: Sequence[Any]) -> None:
