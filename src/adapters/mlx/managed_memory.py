@@ -6,10 +6,11 @@ into shared memory, or checksumming it), and the GPU reading an array the host b
 node writing a piece into its slot), each wait on faults that move a few KiB at a time.
 `to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in bulk
 (`cudaMemPrefetchAsync` on a stream of the calling thread's own, so that waiting for it never
-waits for the model's kernels), then wait for it. Where MLX does not run on CUDA, the runtime
-cannot be loaded, or `STATECORE_CUDA_PREFETCH=off`, they do nothing; a runtime error turns them
-off for the process (logged once): the pages then move by faults, as before, and nothing else
-changes (the bytes are the same either way). This module imports ctypes, numpy and mlx; never
+waits for the model's kernels), then wait for it. Only with `STATECORE_CUDA_PREFETCH=on` (off
+by default until it is measured on a GPU), and where MLX runs on CUDA and the runtime loads;
+elsewhere they do nothing. A runtime error turns them off for the process (logged once): the
+pages then move by faults, as before, and nothing else changes (the bytes are the same either
+way). This module imports ctypes, numpy and mlx; never
 trio.
 """
 
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -86,7 +87,7 @@ _probed = False
 def _load() -> _Runtime | None:
     import mlx.core as mx
 
-    if os.environ.get(PREFETCH_ENV, "auto") == "off":
+    if os.environ.get(PREFETCH_ENV, "off") != "on":
         return None
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
@@ -137,15 +138,31 @@ def _spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
     return spans
 
 
-def _move(arrays: Sequence[Any], *, to_device: bool) -> None:
+def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None:
     runtime = _get()
     if runtime is None or not arrays:
         return
     try:
-        runtime.prefetch(_spans(arrays), to_device=to_device)
+        runtime.prefetch(_run_spans(arrays) if runs else _spans(arrays), to_device=to_device)
     except OSError as exc:
         runtime.failed = True
         logger.warning("moving KV memory in bulk failed (%s): pages move by faults from now on", exc)
+
+
+def _run_spans(runs: Sequence[Any]) -> list[tuple[int, int]]:
+    import numpy as np
+
+    spans = []
+    for run in runs:
+        view = np.frombuffer(run, dtype=np.uint8)
+        if view.nbytes:
+            spans.append((int(view.ctypes.data), int(view.nbytes)))
+    return spans
+
+
+def runs_to_host(runs: Sequence[memoryview]) -> None:
+    """`to_host` for arrays already seen as host byte runs (`frames.HostTensors.runs`)."""
+    _move(runs, to_device=False, runs=True)
 
 
 def to_host(arrays: Sequence[Any]) -> None:
