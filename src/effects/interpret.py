@@ -626,14 +626,17 @@ class RouterPerformer:
         if self.on_peer_failure is not None and node is not None and blames_peer(error):
             self.on_peer_failure(node, error)
 
-    async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> None:
+    async def _first(self, reply: PrefillReply, ctx: RoutedRequest, post: Post) -> bool:
+        """Post the prefill's first token, or the request's end when that token ends it
+        (`first_token_finish`); True when it ended."""
         self._prefilling(ctx, None)
         ctx.cached_tokens = reply.cached_tokens or 0  # set before the first token's event
         if (finish := first_token_finish(reply.is_eos, hands_off=False)) is not None:
             await post(Finished(finish))
-            return
+            return True
         ctx.first_token = reply.first_token
         await post(FirstToken(reply.first_token, reply.logprobs))
+        return False
 
     async def _relay(
         self, ctx: RoutedRequest, messages: AsyncIterator[DecodeMessage], post: Post
@@ -641,9 +644,8 @@ class RouterPerformer:
         """Turn a decode node's messages into events (the first token, if it prefilled)."""
         async for message in messages:
             match message:
-                case PrefillReply(is_eos=is_eos):
-                    await self._first(message, ctx, post)
-                    if is_eos:
+                case PrefillReply():
+                    if await self._first(message, ctx, post):
                         return
                 case TokenGenerated():
                     await post(message)

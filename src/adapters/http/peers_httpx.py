@@ -6,10 +6,10 @@ StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's
 The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
 and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go through `kv_pull`
 instead (the body straight into one buffer) unless a transport was injected; their errors are
-mapped here too, to the same codes. https:// peers are verified against one
-`ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else the system
-store), for every call and the KV pulls alike; http:// peers stay plain. This module may import
-anything.
+mapped here too, to the same codes; a prefill node's KV plane and shared memory are found by
+`kv_sources`. https:// peers are verified against one `ssl.SSLContext`
+(`adapters.tls.client_context`: the node's `--tls-ca-file`, else the system store), for every
+call and the KV pulls alike; http:// peers stay plain. This module may import anything.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from typing import NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import h11
 import httpx
@@ -43,6 +42,7 @@ from adapters.http.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from adapters.http.kv_sources import KvSources
 from adapters.kv import pull as kv_pull
 from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
@@ -162,11 +162,9 @@ class HttpxPeers:
         self.max_kv_bytes = max_kv_bytes
         self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
         self.receive_buffers = kv_pull.ReceiveBuffers(kv_buffer_bytes)
-        # a decode node's streamed pieces: "auto" maps a prefill node's shared memory when its
-        # advert proves it is on this host, "http" never does, "shm" insists (KV_SHM_GONE if not)
-        self.kv_transport = kv_transport
-        self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
-        self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
+        # where a prefill node's KV is read from: its KV plane, its shared memory (`kv_transport`)
+        self.kv_sources = KvSources(self.info_document, direct=self._direct_kv, kv_transport=kv_transport,
+                                    connect_timeout_s=connect_timeout_s)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -212,15 +210,15 @@ class HttpxPeers:
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, layers: int,
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
-        inbox = await self._inbox(node)
+        inbox = await self.kv_sources.inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
                            prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None)
-        url = await self._on_plane(node, f"{node}/internal/prefill_stream")
+        url = await self.kv_sources.on_plane(node, f"{node}/internal/prefill_stream")
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
-        with _stream_errors(node), self._plane_watched(node):
+        with _stream_errors(node), self.kv_sources.plane_watched(node):
             if self._direct_kv and url.startswith(("http://", "https://")):
                 async with kv_pull.open_stream(url, self._headers, document,
                                                connect_timeout_s=self._connect_timeout_s,
@@ -234,71 +232,6 @@ class HttpxPeers:
             else:
                 async for item in self._stream_httpx(node, url, document, len(prompt), layers, inbox):
                     yield item
-
-    async def _on_plane(self, node: str, url: str) -> str:
-        """`url` moved to the node's KV plane (`adapters.kv.plane`) when it has one this node can
-        reach: plain http, KV bodies read directly (not through an injected transport), the port
-        in its /internal/info, a connection to it accepted. Probed once per node; a later
-        connection error (the node restarted elsewhere) makes the next call probe again."""
-        if not (self._direct_kv and url.startswith("http://")):
-            return url
-        if node not in self._planes:
-            self._planes[node] = await self._probe_plane(node)
-        port = self._planes[node]
-        if port is None:
-            return url
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
-
-    async def _probe_plane(self, node: str) -> int | None:
-        try:
-            port = (await self.info_document(node)).get("kv_port")
-        except StatecoreError:
-            return None
-        if not isinstance(port, int) or not 0 < port < 65536:
-            return None
-        try:
-            with trio.fail_after(self._connect_timeout_s):
-                probe = await trio.open_tcp_stream(urlsplit(node).hostname or "", port)
-        except (OSError, trio.TooSlowError):
-            log.warning("%s advertises a KV plane on port %d that cannot be reached: its KV comes "
-                        "through its HTTP port", node, port)
-            return None
-        await probe.aclose()
-        return port
-
-    @contextlib.contextmanager
-    def _plane_watched(self, node: str) -> Iterator[None]:
-        """A connection to the node's KV plane that fails makes the next call probe it again."""
-        try:
-            yield
-        except (OSError, trio.BrokenResourceError):
-            self._planes.pop(node, None)
-            raise
-        except StatecoreError as exc:
-            if exc.info.fault is Fault.TRANSPORT:
-                self._planes.pop(node, None)
-            raise
-
-    async def _inbox(self, node: str) -> kv_shm.ShmInbox | None:
-        """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
-        node's advert (its /internal/info) proves it is on this host; probed once per node."""
-        if self.kv_transport == "http":
-            return None
-        if node not in self._inboxes:
-            try:
-                advert = kv_shm.parse_advert((await self.info_document(node)).get("kv_shm"))
-            except StatecoreError:
-                advert = None
-            same = advert is not None and await trio.to_thread.run_sync(kv_shm.same_host, advert)
-            self._inboxes[node] = kv_shm.ShmInbox(advert.directory) if same and advert else None
-        inbox = self._inboxes[node]
-        if inbox is None and self.kv_transport == "shm":
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
-                                           f"{node} offers no shared memory this node can map "
-                                           "(--kv-transport shm)"))
-        return inbox
 
     def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
         """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
@@ -370,8 +303,8 @@ class HttpxPeers:
                     yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
-        url = await self._on_plane(node, f"{node}/internal/kv/{request_id}")
-        with self._plane_watched(node):
+        url = await self.kv_sources.on_plane(node, f"{node}/internal/kv/{request_id}")
+        with self.kv_sources.plane_watched(node):
             payload, head_s, last_byte_s = await self._pull(node, url)
         if self.handoffs is not None:
             record = self.handoffs.record(request_id)
