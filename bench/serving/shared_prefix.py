@@ -60,12 +60,15 @@ from benchlib import (
 # single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
 # that start from a cached system prompt then finish over several steps instead of all in one
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
-           "single_chunk256", "single_batch4", "single_batch8", "cluster")
+           "single_chunk256", "single_batch4", "single_batch8", "single_gpu", "single_gpu_nocache", "cluster")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
           "single_chunk256": ["--prefill-chunk-size=256"], "single_batch4": ["--prefill-batch=4"],
-          "single_batch8": ["--prefill-batch=8"]}
+          "single_batch8": ["--prefill-batch=8"],
+          # MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
+          "single_gpu": ["--prefill-chunk-size=2048", "--shape-bucket=128"],
+          "single_gpu_nocache": ["--prefill-chunk-size=2048", "--shape-bucket=128", "--prefix-cache-bytes=0"]}
 
 
 async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,

@@ -6,8 +6,11 @@ token alone); each chunk is one model call, and a step computes several. A block
 ends* (the model's end-of-turn tokens, so a chat message's end, where prompts that share a
 system prompt or a document stop sharing, is a block's end): the cut points are a function of
 the tokens before them alone, the same on every node (the chunk size and the block ends are in
-the fingerprint), whether a block came from the cache or not. A prompt of at most one chunk
-before its last token is one call (short prompts are computed together in padded batches). The
+the fingerprint), whether a block came from the cache or not, in a prompt of any length: a
+system prompt shared by first turns shorter than a chunk is a block of its own too. (With
+`short=False`, the rule before: a prompt of at most one chunk before its last token has no early
+end, so it is one call and may share a padded call with other short prompts, but nothing of it
+is ever reused; a node chooses it with `message_blocks` "long", part of its fingerprint.) The
 KV cache after k blocks depends only on their tokens and calls, and the calls after them are the
 same whether or not the first k were computed now: so a block is one chunk, named by a key
 chained over every block up to its end (`block_keys`: it names the tokens and where each block
@@ -49,14 +52,15 @@ DEVICE: Tier = "device"
 HOST: Tier = "host"
 
 
-def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[int]:
+def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+                 short: bool = True) -> list[int]:
     """Where the prompt's blocks end before its last token, in order: `chunk_size` tokens after
-    the previous end, or right after a token of `ends`. A prompt of at most one chunk before its
-    last token has no early end (it is one call, and may be batched with others)."""
+    the previous end, or right after a token of `ends`. `short` False: a prompt of at most one
+    chunk before its last token has no early end (it is one call, and may be batched with others)."""
     if chunk_size < 1:
         raise ValueError("chunk_size must be > 0")
     head = len(tokens) - 1
-    return _bounds(tokens, head, chunk_size, ends if head > chunk_size else ())
+    return _bounds(tokens, head, chunk_size, ends if short or head > chunk_size else ())
 
 
 def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int]) -> list[int]:
@@ -72,14 +76,15 @@ def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[
     return bounds
 
 
-def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> tuple[int, ...]:
+def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+                  short: bool = True) -> tuple[int, ...]:
     """The token counts of a prompt's prefill calls, in order: its blocks, the rest of
     prompt[:-1] when it does not end a block, then the last token alone (its logits give the
-    first token). Without `ends`, `statecore.scheduling.prefill_chunks`."""
+    first token). Without `ends`, `statecore.scheduling.prefill_chunks`; `short`: `block_bounds`."""
     if not tokens:
         raise ValueError("a prompt has at least one token")
     head = len(tokens) - 1
-    bounds = block_bounds(tokens, chunk_size, ends)
+    bounds = block_bounds(tokens, chunk_size, ends, short=short)
     if not bounds or bounds[-1] < head:
         bounds.append(head)
     sizes = [end - start for start, end in zip([0, *bounds], bounds, strict=False)]
@@ -96,11 +101,12 @@ def _chained(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
     return keys
 
 
-def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[bytes]:
+def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+               short: bool = True) -> list[bytes]:
     """The keys of the prompt's blocks (`block_bounds`), in order: key i names the tokens up to
     block i's end and where every block before it ends (a 16-byte BLAKE2b chained over the
     blocks: the same tokens cut elsewhere are other blocks, whose numbers differ)."""
-    return _chained(tokens, block_bounds(tokens, chunk_size, ends))
+    return _chained(tokens, block_bounds(tokens, chunk_size, ends, short=short))
 
 
 def conversation_block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()

@@ -100,6 +100,7 @@ class Opener(Protocol):
         prefix_cache_bytes: int | None = ...,
         prefill_memory_cap: str = ...,
         keep_conversations: bool = ...,
+        message_blocks: str = ...,
         warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -951,6 +952,40 @@ async def test_a_shared_system_message_is_reused_to_its_end_and_the_tokens_are_e
     assert summary is not None and summary.block_ends == tuple(sorted(cached.info.eos_token_ids))
     assert {summary_key(key) for key in block_keys(second, CHUNK, {end})[:3]} <= set(summary.keys)
     await kept(cached)
+
+
+async def test_at_the_gpu_s_chunk_and_bucket_a_system_prompt_shorter_than_a_chunk_is_reused(
+    open_engine: Opener
+) -> None:
+    """At MLX's CUDA defaults (2,048-token chunks, shapes padded to 128) a first turn is far
+    shorter than a chunk, yet its system message is a block of its own: a second conversation
+    on it starts at the message's end, on one engine and on a decode node that kept the first
+    one's handed-off KV, with the cache-less engine's tokens, greedy and seeded. With
+    message_blocks "long" (the rule before) the first turn is one call and nothing is reused."""
+    path = cached_checkpoint("llama")
+    gpu = partial(open_engine, path, prefill_chunk_size=2048, shape_bucket=128)
+    cached = await gpu()
+    plain = await gpu(prefix_cache_bytes=0)
+    prefill = await gpu(decodes_locally=False)
+    decode = await gpu(keep_conversations=True)
+    whole = await gpu(message_blocks="long")
+    end = min(cached.info.eos_token_ids)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=4)
+    for rid, sampling, salt in (("g", GREEDY, 12), ("s", seeded, 13)):
+        system = [*prompt_of(40, salt=salt), end]  # a new one each round: nothing of it kept yet
+        first, second = ([*system, *prompt_of(20 + own, salt=salt + own), end, *prompt_of(4, salt=99)]
+                         for own in (1, 2))  # a user message, then the assistant's header
+        assert (await prefilled_from_cache(cached, f"{rid}1", first, sampling))[0] == 0
+        reused, tokens = await prefilled_from_cache(cached, f"{rid}2", second, sampling)
+        expected = (await prefilled_from_cache(plain, rid, second, sampling))[1]
+        assert reused == len(system) and tokens == expected, rid
+        await handoff(prefill, decode, RequestId(f"{rid}1"), first, sampling)
+        reused, tokens = await prefilled_from_cache(decode, f"{rid}2", second, sampling)
+        assert reused == len(system) and tokens == expected, rid
+        await kept(decode)
+        await single(whole, RequestId(f"{rid}1"), first, sampling)
+        assert (await prefilled_from_cache(whole, f"{rid}2", second, sampling))[0] == 0
+    assert whole.info.fingerprint != cached.info.fingerprint  # its calls differ: no KV between them
 
 
 async def kept(engine: MlxEngine) -> EngineStatistics:

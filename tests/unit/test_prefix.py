@@ -122,12 +122,25 @@ def test_a_block_also_ends_after_a_message_end_and_the_blocks_go_on_from_there()
     assert set(block_keys(tokens, 16, {END})[1:]).isdisjoint(block_keys(tokens, 16))
 
 
-def test_a_prompt_of_one_chunk_is_one_call_whatever_its_message_ends() -> None:
+def test_a_prompt_shorter_than_a_chunk_is_cut_at_its_message_ends_too() -> None:
+    """A first turn on a shared system prompt, at 2,048-token chunks: the system message is a
+    block of its own, the same one a longer prompt or a kept conversation cuts."""
     tokens = [1, 2, END, 3, 4, END, 5, 6]
-    assert prompt_chunks(tokens, 16, {END}) == (7, 1)  # computed with other short prompts
-    assert block_bounds(tokens, 16, {END}) == []
+    assert prompt_chunks(tokens, 16, {END}) == (3, 3, 1, 1)
+    assert block_bounds(tokens, 16, {END}) == [3, 6]
+    assert conversation_block_bounds(tokens, 16, {END}) == [3, 6]
+    assert block_keys(tokens, 16, {END}) == conversation_block_keys(tokens[:6], 16, {END})
+
+
+def test_with_short_off_a_prompt_of_one_chunk_is_one_call_whatever_its_message_ends() -> None:
+    tokens = [1, 2, END, 3, 4, END, 5, 6]
+    assert prompt_chunks(tokens, 16, {END}, short=False) == (7, 1)  # computed with other short prompts
+    assert block_bounds(tokens, 16, {END}, short=False) == []
+    assert block_keys(tokens, 16, {END}, short=False) == []
     # ... but as the start of a longer prompt (a conversation kept, a prefix exported) it is cut
     assert conversation_block_bounds(tokens, 16, {END}) == [3, 6]
+    longer = [*tokens, *range(10, 30)]  # past one chunk: cut at its message ends either way
+    assert block_bounds(longer, 16, {END}, short=False) == block_bounds(longer, 16, {END}) == [3, 6, 22]
 
 
 def test_a_system_prompt_s_blocks_are_the_same_in_every_prompt_that_starts_with_it() -> None:
@@ -143,17 +156,19 @@ def test_a_system_prompt_s_blocks_are_the_same_in_every_prompt_that_starts_with_
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=120), st.lists(st.integers(0, 5), max_size=40),
        st.integers(1, 24))
 def test_cuts_depend_only_on_the_tokens_before_them(tokens: list[int], more: list[int], chunk: int) -> None:
-    """What makes a kept block usable by a longer prompt: its blocks (past one chunk) are cut as
-    the shorter one's, and the chunks cover the prompt, one call at most `chunk` long, then the
-    last token alone."""
-    chunks = prompt_chunks(tokens, chunk, {END})
-    assert sum(chunks) == len(tokens) and chunks[-1] == 1
-    assert all(0 < size <= chunk for size in chunks[:-1])
-    assert prompt_chunks(tokens, chunk) == prefill_chunks(len(tokens), chunk)
-    bounds = block_bounds(tokens, chunk, {END})
-    longer = block_bounds([*tokens, *more], chunk, {END})
-    if len(tokens) - 1 > chunk:
-        assert longer[: len(bounds)] == bounds
-        assert block_keys([*tokens, *more], chunk, {END})[: len(bounds)] == block_keys(tokens, chunk, {END})
-        if bounds:  # a prompt's blocks are those of its start kept as a conversation
-            assert conversation_block_bounds(tokens[: bounds[-1]], chunk, {END}) == bounds
+    """What makes a kept block usable by a longer prompt: its blocks are cut as the shorter
+    one's (with `short` off, only past one chunk), and the chunks cover the prompt, one call at
+    most `chunk` long, then the last token alone."""
+    for short in (True, False):
+        chunks = prompt_chunks(tokens, chunk, {END}, short=short)
+        assert sum(chunks) == len(tokens) and chunks[-1] == 1
+        assert all(0 < size <= chunk for size in chunks[:-1])
+        assert prompt_chunks(tokens, chunk, short=short) == prefill_chunks(len(tokens), chunk)
+        bounds = block_bounds(tokens, chunk, {END}, short=short)
+        longer = block_bounds([*tokens, *more], chunk, {END}, short=short)
+        if short or len(tokens) - 1 > chunk:
+            assert longer[: len(bounds)] == bounds
+            assert (block_keys([*tokens, *more], chunk, {END}, short=short)[: len(bounds)]
+                    == block_keys(tokens, chunk, {END}, short=short))
+            if bounds:  # a prompt's blocks are those of its start kept as a conversation
+                assert conversation_block_bounds(tokens[: bounds[-1]], chunk, {END}) == bounds

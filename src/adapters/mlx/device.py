@@ -98,6 +98,7 @@ class DeviceLoop:
         self.eos: frozenset[int] = frozenset()
         # after these tokens a prefill block ends early (statecore.prefix.block_bounds): the eos ids
         self.block_ends: frozenset[int] = frozenset()
+        self.short_blocks = True  # ... in prompts of at most one chunk too (Settings.message_blocks)
         self.vocab_size = 0
         self.context_length = 0
         self.slot_lane = False

@@ -48,3 +48,7 @@ class Settings:
     # host block comes back to the device rather than being computed
     prefix_host_bytes: int = 0
     prefix_host_pull: str = "auto"
+    # Where a prefill block ends after an end-of-turn token (statecore.prefix.block_bounds):
+    # "all": in every prompt; "long": only in prompts longer than a chunk (shorter ones are one
+    # call, and may share a padded call, but are never reused)
+    message_blocks: str = "all"
