@@ -30,11 +30,11 @@ it), and the blocks a lookup or a keep builds on stay on the device while it doe
 held are exactly what the index counts, whole prefixes only; MLX's own count of live bytes
 says the device blocks hold their counted bytes and no more (a block that shares a prompt's
 buffer keeps all of it alive), and that once everything is released nothing is left. The run
-must have matched within a block, at a message's end and in a prompt of one chunk, looked again, moved blocks out to the
-host, back and out of it, replaced a host copy, and released a full cache: it cannot pass by
-testing nothing. Blocks end after an END in prompts of at most one chunk too in most
-machines (`message_blocks` "all"), in others only in longer ones ("long"); the run must have
-hit such a block. Two to six seconds on the shared 2-core box.
+must have matched within a block, at a message's end and in a prompt of one chunk, looked
+again, moved blocks out to the host, back and out of it, replaced a host copy, and released a
+full cache: it cannot pass by testing nothing. Blocks end after an END in prompts of at most
+one chunk too in most machines (`message_blocks` "all"), in others only in longer ones
+("long"). Two to six seconds on the shared 2-core box.
 """
 
 from __future__ import annotations
