@@ -57,18 +57,26 @@ from benchlib import (
 )
 
 # cluster: `statecore run`'s local 1P1D cluster (a router, a prefill node, a decode node)
+# single_long*: --message-blocks long; single_gpu*: the same at MLX's CUDA defaults (on a GPU, where
+# they are the defaults anyway, the same as single*)
 # single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
 # that start from a cached system prompt then finish over several steps instead of all in one
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
-           "single_chunk256", "single_batch4", "single_batch8", "single_gpu", "single_gpu_nocache", "cluster")
+           "single_chunk256", "single_batch4", "single_batch8", "single_long", "single_long_nocache",
+           "single_gpu", "single_gpu_nocache", "single_gpu_long", "single_gpu_long_nocache", "cluster")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
           "single_chunk256": ["--prefill-chunk-size=256"], "single_batch4": ["--prefill-batch=4"],
           "single_batch8": ["--prefill-batch=8"],
-          # MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
-          "single_gpu": ["--prefill-chunk-size=2048", "--shape-bucket=128"],
-          "single_gpu_nocache": ["--prefill-chunk-size=2048", "--shape-bucket=128", "--prefix-cache-bytes=0"]}
+          # the rule before: a block ends at a message's end only in prompts longer than a chunk
+          # (a shorter one is one call, may share a padded call, and is never reused)
+          "single_long": ["--message-blocks=long"],
+          "single_long_nocache": ["--message-blocks=long", "--prefix-cache-bytes=0"]}
+# MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
+_GPU = ["--prefill-chunk-size=2048", "--shape-bucket=128"]
+_FLAGS.update({f"single_gpu{rest}": [*_GPU, *_FLAGS[f"single{rest}"]]
+               for rest in ("", "_nocache", "_long", "_long_nocache")})
 
 
 async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,
@@ -216,7 +224,8 @@ def main() -> int:
             server.stop()
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
-        for base in ("mlx_lm", "single_nocache", "single"):
+        for base in ("mlx_lm", "single_nocache", "single", "single_long_nocache", "single_gpu_nocache",
+                     "single_gpu", "single_gpu_long_nocache"):
             for name, records in got.items():
                 if name == base or base not in got:
                     continue
