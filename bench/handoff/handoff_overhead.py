@@ -154,12 +154,14 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
 
 
 def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
-             max_tokens: int) -> tuple[float, list[float]]:
-    """(seconds to the first token, every token's arrival after the request was sent)."""
+             max_tokens: int, texts: dict[str, str] | None = None) -> tuple[float, list[float]]:
+    """(seconds to the first token, every token's arrival after the request was sent); the
+    streamed text into `texts[request_id]`."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     sent = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     with client.stream("POST", f"{url}/v1/completions", json=body,
                        headers={"X-Request-Id": request_id}) as response:
         if response.status_code != 200:
@@ -168,6 +170,9 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
         for line in response.iter_lines():
             if line.startswith("data:") and '"text"' in line:
                 arrivals.append(time.perf_counter() - sent)
+                pieces.extend(choice.get("text", "") for choice in json.loads(line[5:])["choices"])
+    if texts is not None:
+        texts[request_id] = "".join(pieces)
     if len(arrivals) < 4:
         raise SystemExit(f"{request_id}: {len(arrivals)} tokens streamed; ask for more (--max-tokens)")
     return arrivals[0], arrivals
@@ -179,6 +184,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
     windows: dict[str, tuple[float, float]] = {}
+    texts: dict[str, str] = {}
     offset = 0
     with httpx.Client(timeout=args.request_timeout) as client:
         # every setup's first request at each length is not counted: compiling its shapes (on a GPU,
@@ -197,11 +203,16 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                 for setup in order:
                     rid = f"{setup}-{tokens}-{round_}"
                     url = servers["single" if setup == "single" else setup].url
-                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens)
+                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts)
                     pending.append((setup, tokens, rid, ttft, arrivals))
         sent = records(client, servers["prefill"], token)
         got = records(client, servers["decode"], token)
     handoff_records.update(prefill=sent, decode=got)
+    # greedy: every setup's answer to a prompt is the single node's, byte for byte
+    differ = [rid for rid, text in texts.items()
+              if not rid.startswith("single-") and text != texts["single-" + rid.split("-", 1)[1]]]
+    print(f"# outputs equal to the single node's: {len(texts) - len(differ)} of {len(texts)}"
+          + (f"; DIFFER: {differ}" if differ else ""))
     gaps = background.gaps() if background is not None else []
     quiet_step = None
     for setup, tokens, rid, ttft, arrivals in pending:

@@ -297,7 +297,9 @@ H = PeerPhase
 _GO_DOWN = Edge(H.DOWN, (I.MARK_UNAVAILABLE, I.ARM_COOLDOWN))
 _PEER_EDGES: dict[tuple[PeerPhase, EventKind], Edge[PeerPhase]] = {
     (H.UNKNOWN, E.PROBE_SUCCEEDED): Edge(H.UP, (I.MARK_AVAILABLE,)),
-    (H.UNKNOWN, E.PROBE_FAILED): _GO_DOWN,
+    # never seen up: a node still starting, probed again every interval rather than after a
+    # down node's cooldown (a router started beside its nodes routes within an interval of them)
+    (H.UNKNOWN, E.PROBE_FAILED): Edge(H.UNKNOWN),
     (H.UNKNOWN, E.TRANSPORT_LOST): _GO_DOWN,
     (H.UNKNOWN, E.TIMER_FIRED): Edge(H.UNKNOWN),
     (H.UP, E.PROBE_SUCCEEDED): Edge(H.UP),

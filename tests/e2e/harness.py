@@ -92,11 +92,26 @@ class Node:
         return self.process.returncode
 
 
-def start_nodes(nodes: list[Node]) -> None:
+def start_nodes(nodes: list[Node], timeout_s: float = 30.0) -> None:
+    """Start `nodes` and wait until each is healthy and every router among them sees each of its
+    peers started here up (a router's first probe may come while a peer still loads: a request
+    right after would find no healthy node until the next probe)."""
     for node in nodes:
         node.start()
     for node in nodes:
         node.wait_healthy()
+    started = {node.url for node in nodes}
+    deadline = time.monotonic() + timeout_s
+    for node in nodes:
+        if node.role != "router":
+            continue
+        while True:
+            peers: dict[str, str] = node.stats()["peers"]
+            if all(phase == "up" for url, phase in peers.items() if url in started):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"router: its peers are {peers} {timeout_s:.0f} s after they started")
+            time.sleep(0.05)
 
 
 def router(model: Path, log: Path, prefill: list[Node], decode: list[Node], *extra: str) -> Node:

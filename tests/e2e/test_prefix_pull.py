@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from effects.faults import ENABLE_ENV
+from statecore.routing import prompt_summary_keys
 from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, metric, outcomes, post, start_cluster
 
@@ -46,12 +47,21 @@ def _tokens(n: int, salt: int) -> list[int]:
     return [(7 * i + 3 + 11 * salt) % 400 + 5 for i in range(n)]
 
 
-def _wait_for_blocks(router: Node, node: Node, blocks: int) -> None:
-    """Until the router's pulled summary of `node` lists at least `blocks` blocks."""
+def _wait_until_router_sees(router: Node, node: Node, prompt: list[int], blocks: int) -> None:
+    """Until `node` keeps the first `blocks` blocks of `prompt` and the router's pulled summary
+    of it is at least that recent (a count of blocks could grow with an earlier request's blocks
+    summarized late, and the route then not see this prompt's)."""
     deadline = time.monotonic() + 20
-    while router.stats()["prefix_blocks"].get(node.url, 0) < blocks:
-        assert time.monotonic() < deadline, router.stats()["prefix_blocks"]
-        time.sleep(0.1)
+    while True:
+        summary = httpx.get(f"{node.url}/internal/prefix", timeout=5).json()
+        keys = prompt_summary_keys(prompt, summary["block_tokens"], summary["block_ends"])[:blocks]
+        if len(keys) == blocks and {key.hex() for key in keys} <= set(summary["keys"]):
+            break
+        assert time.monotonic() < deadline, f"{node.url} does not keep the prompt's {blocks} blocks"
+        time.sleep(0.05)
+    while router.stats()["prefix_versions"].get(node.url, -1) < summary["version"]:
+        assert time.monotonic() < deadline, router.stats()["prefix_versions"]
+        time.sleep(0.05)
 
 
 def _held_start(built: Cluster, salt: int, sampling: dict[str, Any]) -> list[int]:
@@ -59,10 +69,9 @@ def _held_start(built: Cluster, salt: int, sampling: dict[str, Any]) -> list[int
     once the router's summary of the decode node lists them."""
     (decode,), router = built.decode, built.router
     opening = _tokens(60, salt)
-    blocks_before = router.stats()["prefix_blocks"].get(decode.url, 0)
     first = post(router, "/v1/completions", {"prompt": opening, "max_tokens": 8, **sampling})
     assert first.status_code == 200, first.text
-    _wait_for_blocks(router, decode, blocks_before + 3)
+    _wait_until_router_sees(router, decode, opening, 3)
     return opening
 
 

@@ -2659,7 +2659,8 @@ async def test_custom_model_code_needs_trust_and_decodes_solo(open_engine: Opene
     assert tokens == reference(path, prompt, trust_remote_code=True)
 
 
-async def test_dead_device_thread_fails_every_call(open_engine: Opener) -> None:
+async def _one_stream_decoding(open_engine: Opener) -> tuple[MlxEngine, AsyncIterator[Any]]:
+    """An engine with request "live" (5 prompt tokens, 500 to come) decoding, its first token read."""
     engine = await open_engine(cached_checkpoint("llama"))
     long = SamplingParams(max_tokens=500)
     prompt = prompt_of(5)
@@ -2667,6 +2668,12 @@ async def test_dead_device_thread_fails_every_call(open_engine: Opener) -> None:
     await engine.decode_held(RequestId("live"), prompt, outcome.first_token, long)
     stream = engine.stream(RequestId("live"))
     await stream.__anext__()
+    return engine, stream
+
+
+async def test_dead_device_thread_fails_every_call(open_engine: Opener) -> None:
+    engine, stream = await _one_stream_decoding(open_engine)
+    prompt = prompt_of(5)
 
     engine.crash_device_thread()
     with pytest.raises(StatecoreError) as caught:
@@ -2691,13 +2698,7 @@ async def test_a_job_taken_with_the_crash_that_ends_the_loop_fails_with_it(open_
     """Jobs taken off the queue in one go with what ends the loop (here the crash; in a
     tensor-parallel instance, a broadcast that fails or hangs) are never computed: their callers
     fail with the loop rather than waiting on it forever (which kept a node from exiting)."""
-    engine = await open_engine(cached_checkpoint("llama"))
-    long = SamplingParams(max_tokens=500)
-    prompt = prompt_of(5)
-    outcome = await engine.prefill(RequestId("live"), prompt, long)
-    await engine.decode_held(RequestId("live"), prompt, outcome.first_token, long)
-    stream = engine.stream(RequestId("live"))
-    await stream.__anext__()
+    engine, stream = await _one_stream_decoding(open_engine)
     loop = engine._device
     stepping, release = threading.Event(), threading.Event()
     step = loop.executor.step

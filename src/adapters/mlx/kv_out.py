@@ -21,6 +21,7 @@ import trio
 
 from adapters.kv import codec, frames
 from adapters.kv.codec import wire_view
+from adapters.mlx import managed_memory
 from adapters.mlx.jobs import post
 from adapters.mlx.prefill import PrefillTask
 from effects.engine_port import KvPieces, KvSegment, PrefillOutcome, SegmentSink
@@ -128,6 +129,9 @@ def hand_pieces(captured: Captured, finished: list[PrefillTask]) -> None:
     meanwhile. A piece says whether the step computing its prompt's last pieces has started: the
     next step was built before this one is read back, so a prompt whose units are all built, and
     which this step did not finish (`finished`), finishes in the step now running."""
+    # On CUDA the host reads them next (a copy into shared memory, their checksum): their pages
+    # move to it in bulk now rather than by faults in the readers (`managed_memory`).
+    managed_memory.to_host([array for _, _, pieces, _ in captured for array in pieces])
     for task, where, pieces, dtype in captured:
         if task.job is None or task.job.is_abandoned():
             continue

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from adapters.kv import codec
+from adapters.mlx import managed_memory
 from adapters.mlx.distributed import rank_heads
 from effects.engine_port import KvBytes, KvSegment
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -28,6 +29,26 @@ __all__ = ["joined_segments", "kv_cache", "validate_and_build", "validate_prefix
 def kv_cache(keys: Any, values: Any, tokens: int) -> Any:
     """A plain KVCache over these arrays, holding `tokens` positions."""
     return KVCache.from_state((keys, values, tokens))  # type: ignore[no-untyped-call]
+
+
+def _built(validated: Any) -> list[Any]:
+    """A checked payload's caches, their memory on the device already where it is the host's until
+    the device reads it (`managed_memory.to_device`: here, in the worker thread that built them,
+    rather than by faults on the step that reads them)."""
+    built: list[Any] = codec.build_caches(validated).caches
+    managed_memory.to_device([array for cache in built for array in _arrays(cache)])
+    return built
+
+
+def _arrays(cache: Any) -> list[Any]:
+    """A built cache's buffers: a KV cache's keys and values as they are held (its `state` would
+    be new, lazy slices of them), else its state's arrays."""
+    from mlx.utils import tree_flatten
+
+    held = [getattr(cache, "keys", None), getattr(cache, "values", None)]
+    if all(isinstance(array, mx.array) for array in held):
+        return held
+    return [item[1] for item in tree_flatten(cache.state) if isinstance(item[1], mx.array)]
 
 
 def _malformed(message: str) -> StatecoreError:
@@ -54,8 +75,7 @@ def validate_and_build(payload: KvBytes, prompt_tokens: int, *, fingerprint: str
                 continue
             held, want = f"heads [{got.start}, {got.stop}) of {got.total}", f"heads {list(need)}"
         raise _malformed(f"layer {index} of the KV payload holds {held}, this node needs {want}")
-    built: list[Any] = codec.build_caches(validated).caches
-    return built
+    return _built(validated)
 
 
 def validate_segment(segment: KvSegment, prompt_tokens: int, *, fingerprint: str, classes: Sequence[str],
@@ -74,8 +94,7 @@ def validate_segment(segment: KvSegment, prompt_tokens: int, *, fingerprint: str
                          f"{validated.header.token_count}")
     if any(layer.heads is not None for layer in validated.header.layers):
         raise _malformed("a KV segment names a head range: a piece carries every head")
-    built: list[Any] = codec.build_caches(validated).caches
-    return built
+    return _built(validated)
 
 
 def validate_prefix(payload: KvBytes, most_tokens: int, *, fingerprint: str, classes: Sequence[str],
@@ -90,8 +109,7 @@ def validate_prefix(payload: KvBytes, most_tokens: int, *, fingerprint: str, cla
                          f"asked for; it covers {count}")
     if any(layer.heads is not None for layer in validated.header.layers):
         raise _malformed("a prefix payload carries every head of every layer")
-    built: list[Any] = codec.build_caches(validated).caches
-    return count, built
+    return count, _built(validated)
 
 
 def joined_segments(tokens: int, pieces: list[tuple[int, int, int, list[Any]]], layers: int) -> list[Any]:

@@ -23,7 +23,7 @@ import trio
 
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
-from adapters.mlx import commands
+from adapters.mlx import commands, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.grammar import TokenConstraint
@@ -292,8 +292,10 @@ class Performer:
         cache = held.cache
         if isinstance(self.device, LockstepLoop):  # every rank's heads, gathered on each
             cache = self.device.gather_heads(cache)
-        return codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
-                                  token_count=held.prompt_tokens)
+        tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
+                                     token_count=held.prompt_tokens)
+        managed_memory.runs_to_host(tensors.runs)  # read by the host next (on CUDA: in bulk now)
+        return tensors
 
     # -- the prefix cache ----------------------------------------------------------------------
 
@@ -307,8 +309,10 @@ class Performer:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.PREFIX_NOT_CACHED,
                                            "the prefix cache holds no whole block of these tokens"))
         mx.eval([c.state for c in cache])
-        return codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
-                                  token_count=cache[0].offset)
+        tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
+                                     token_count=cache[0].offset)
+        managed_memory.runs_to_host(tensors.runs)
+        return tensors
 
     def evict_prefixes(self, nbytes: int) -> int:
         prefix = self.device.prefix

@@ -1,0 +1,174 @@
+"""Moving a KV piece's memory between the GPU and the host in bulk, on MLX's CUDA backend.
+
+MLX's CUDA backend allocates every array as CUDA managed memory, which the driver moves page by
+page on first touch: the host reading KV that the GPU computed (a prefill node copying a piece
+into shared memory, or checksumming it), and the GPU reading an array the host built (a decode
+node writing a piece into its slot), each wait on faults that move a few KiB at a time.
+`to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in bulk
+(`cudaMemPrefetchAsync` on a stream of the calling thread's own, so that waiting for it never
+waits for the model's kernels), then wait for it. Where MLX does not run on CUDA, the runtime
+cannot be loaded, or `STATECORE_CUDA_PREFETCH=off`, they do nothing; a runtime error turns them
+off for the process (logged once): the pages then move by faults, as before, and nothing else
+changes (the bytes are the same either way). This module imports ctypes, numpy and mlx; never
+trio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "to_device", "to_host"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+PREFETCH_ENV: Final = "STATECORE_CUDA_PREFETCH"
+_NON_BLOCKING: Final = 1  # cudaStreamNonBlocking
+_LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType (CUDA 12.2 and later)
+_CPU_DEVICE_ID: Final = -1  # cudaCpuDeviceId (the CUDA 12 signature)
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Runtime:
+    """The CUDA runtime's prefetch, or None where it cannot be used (see the module's paragraph)."""
+
+    def __init__(self, library: ctypes.CDLL, version: int, device: int) -> None:
+        self.library = library
+        self.version = version
+        self.device = device
+        self.streams = threading.local()
+        self.failed = False
+
+    def stream(self) -> ctypes.c_void_p:
+        stream: ctypes.c_void_p | None = getattr(self.streams, "stream", None)
+        if stream is None:
+            stream = ctypes.c_void_p(0)
+            flags = ctypes.c_uint(_NON_BLOCKING)
+            self.check(self.library.cudaStreamCreateWithFlags(ctypes.byref(stream), flags),
+                       "cudaStreamCreateWithFlags")
+            self.streams.stream = stream
+        return stream
+
+    def prefetch(self, spans: Sequence[tuple[int, int]], *, to_device: bool) -> None:
+        stream = self.stream()
+        for pointer, size in spans:
+            span = (ctypes.c_void_p(pointer), ctypes.c_size_t(size))
+            if self.version >= 13000:
+                where = (_Location(_LOCATION_DEVICE, self.device) if to_device
+                         else _Location(_LOCATION_HOST, 0))
+                code = self.library.cudaMemPrefetchAsync(*span, where, ctypes.c_uint(0), stream)
+            else:
+                target = self.device if to_device else _CPU_DEVICE_ID
+                code = self.library.cudaMemPrefetchAsync(*span, ctypes.c_int(target), stream)
+            self.check(code, "cudaMemPrefetchAsync")
+        self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def check(self, code: int, call: str) -> None:
+        if code != 0:
+            raise OSError(f"{call} answered CUDA error {code}")
+
+
+_lock = threading.Lock()
+_runtime: _Runtime | None = None
+_probed = False
+
+
+def _load() -> _Runtime | None:
+    import mlx.core as mx
+
+    if os.environ.get(PREFETCH_ENV, "auto") == "off":
+        return None
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return None
+    names = ["libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart") or ""]
+    for site in sys.path:
+        names += sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"), recursive=True))
+    for name in filter(None, names):
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version, device = ctypes.c_int(0), ctypes.c_int(0)
+        if library.cudaRuntimeGetVersion(ctypes.byref(version)):
+            continue
+        if library.cudaGetDevice(ctypes.byref(device)):
+            continue
+        logger.info("KV pieces move between the GPU and the host in bulk (CUDA runtime %s, %d)",
+                    name, version.value)
+        return _Runtime(library, version.value, device.value)
+    logger.info("no CUDA runtime library to load: KV pieces move between the GPU and the host by faults")
+    return None
+
+
+def _get() -> _Runtime | None:
+    global _runtime, _probed
+    with _lock:
+        if not _probed:
+            _probed = True
+            _runtime = _load()
+        return None if _runtime is None or _runtime.failed else _runtime
+
+
+def enabled() -> bool:
+    """Whether `to_host` and `to_device` move anything here."""
+    return _get() is not None
+
+
+def _spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
+    """Each evaluated, contiguous array's (address, bytes); others are left to faults."""
+    import mlx.core as mx
+    import numpy as np
+
+    spans = []
+    for array in arrays:
+        view = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+        if view.flags.c_contiguous and view.nbytes:
+            spans.append((int(view.ctypes.data), int(view.nbytes)))
+    return spans
+
+
+def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None:
+    runtime = _get()
+    if runtime is None or not arrays:
+        return
+    try:
+        runtime.prefetch(_run_spans(arrays) if runs else _spans(arrays), to_device=to_device)
+    except OSError as exc:
+        runtime.failed = True
+        logger.warning("moving KV memory in bulk failed (%s): pages move by faults from now on", exc)
+
+
+def _run_spans(runs: Sequence[Any]) -> list[tuple[int, int]]:
+    import numpy as np
+
+    spans = []
+    for run in runs:
+        view = np.frombuffer(run, dtype=np.uint8)
+        if view.nbytes:
+            spans.append((int(view.ctypes.data), int(view.nbytes)))
+    return spans
+
+
+def runs_to_host(runs: Sequence[memoryview]) -> None:
+    """`to_host` for arrays already seen as host byte runs (`frames.HostTensors.runs`)."""
+    _move(runs, to_device=False, runs=True)
+
+
+def to_host(arrays: Sequence[Any]) -> None:
+    """Move evaluated arrays the GPU computed into host memory, and wait: the host reads them next."""
+    _move(arrays, to_device=False)
+
+
+def to_device(arrays: Sequence[Any]) -> None:
+    """Move evaluated arrays the host built into the GPU's memory, and wait: the GPU reads them next."""
+    _move(arrays, to_device=True)
