@@ -928,24 +928,32 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
 async def test_a_shared_system_message_is_reused_to_its_end_and_the_tokens_are_exact(
     open_engine: Opener
 ) -> None:
-    """A block also ends after an end-of-turn token (a chat message's end): prompts that start
-    with one system message share its blocks to its very end, here 41 tokens (16, 32, 41: not a
-    multiple of the chunk), and their tokens are the cache-less engine's to the bit, greedy and
-    seeded; the summary names the same blocks, and a conversation kept goes on from them."""
+    """A block also ends after an end-of-turn token (a chat message's end) but a prompt's last:
+    prompts that start with one system message, then a user message and the assistant's
+    header, share its blocks to its very end, here 41 tokens (16, 32, 41: not a multiple of the
+    chunk), and their tokens are the cache-less engine's to the bit, greedy and seeded; the
+    summary names the same blocks, and a conversation kept goes on from them."""
     path = cached_checkpoint("llama")
     cached = await open_engine(path, keep_conversations=True)
     plain = await open_engine(path, prefix_cache_bytes=0)
     end = min(cached.info.eos_token_ids)
     system = [*prompt_of(40, salt=11), end]
-    first = [*system, *prompt_of(30, salt=12)]
+    header = prompt_of(3, salt=15)
+
+    def chat(own: list[int]) -> list[int]:
+        return [*system, *own, end, *header]
+
+    first = chat(prompt_of(30, salt=12))
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=4)
     for rid, sampling in (("g", GREEDY), ("s", seeded)):
         reused, tokens = await prefilled_from_cache(cached, rid, first, sampling)
         assert tokens == (await prefilled_from_cache(plain, rid, first, sampling))[1], rid
-    assert reused == 57  # the second time: every block of it (ending at 16, 32, 41 and 57)
+    # the second time: every block of it, ending at 16, 32, 41, 57 and 73 (not at 72: the user
+    # message's end, its last)
+    assert reused == 73
     await kept(cached)
     for rid, sampling, salt in (("g2", GREEDY, 13), ("s2", seeded, 14)):
-        second = [*system, *prompt_of(25, salt=salt)]
+        second = chat(prompt_of(25, salt=salt))
         reused, tokens = await prefilled_from_cache(cached, rid, second, sampling)
         assert reused == 41 and tokens == (await prefilled_from_cache(plain, rid, second, sampling))[1], rid
     summary = await cached.prefix_summary()

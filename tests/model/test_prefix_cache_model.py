@@ -32,9 +32,9 @@ says the device blocks hold their counted bytes and no more (a block that shares
 buffer keeps all of it alive), and that once everything is released nothing is left. The run
 must have matched within a block, at a message's end and in a prompt of one chunk, looked
 again, moved blocks out to the host, back and out of it, replaced a host copy, and released a
-full cache: it cannot pass by testing nothing. Blocks end after an END in prompts of at most
-one chunk too in most machines (`message_blocks` "all"), in others only in longer ones
-("long"). Two to six seconds on the shared 2-core box.
+full cache: it cannot pass by testing nothing. Blocks end after every END but a prompt's last,
+in prompts of any length, in most machines (`message_blocks` "all"), and after every END in
+longer prompts only in others ("long"). Two to six seconds on the shared 2-core box.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.prefix_cache import PrefixCache
-from statecore.prefix import DEVICE, HOST, Tier
+from statecore.prefix import ALL, DEVICE, HOST, LONG, MessageBlocks, Tier
 
 CHUNK = 4
 END = 0  # an end-of-turn token: a block also ends right after it
@@ -73,24 +73,29 @@ prompts = st.builds(lambda document, cut, tail: (*document[:cut], *tail),
                     st.sampled_from(DOCUMENTS), st.integers(3, 20),
                     st.lists(st.sampled_from((END, 1, 2, 3)), max_size=6))
 SHORT_SYSTEM = (2, END)  # a system message shorter than a chunk
-# A first turn of at most one chunk on it: a block shorter than a chunk, then its own message.
-first_turns = st.builds(lambda own: (*SHORT_SYSTEM, *own),
-                        st.lists(st.sampled_from((END, 1, 2, 3)), min_size=1, max_size=3))
+# A first turn of at most one chunk on it: a block shorter than a chunk, then a message of its
+# own and a header.
+first_turns = st.builds(lambda own: (*SHORT_SYSTEM, *own, END, 3),
+                        st.lists(st.sampled_from((1, 2, 3)), max_size=1))
 rooms = st.none() | st.integers(0, 400)
 
 Name = tuple[tuple[int, ...], tuple[int, ...]]  # the model's block: the tokens up to its end, and every cut
 Bits = list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]  # per layer: keys' and values' bits
 
 
-def model_cuts(tokens: tuple[int, ...], whole: bool, short: bool) -> list[int]:
+def model_cuts(tokens: tuple[int, ...], whole: bool, rule: MessageBlocks) -> list[int]:
     """Where the blocks end: every CHUNK tokens and after every END, within the prompt before its
-    last token (with `short` off, no early end when that is one chunk or less), or a whole
-    conversation's tokens."""
+    last token (but its last END; rule LONG: every END, and none when that is one chunk or
+    less), or a whole conversation's tokens (every END)."""
     head = len(tokens) if whole else len(tokens) - 1
-    early = whole or short or head > CHUNK
+    ends = [position for position in range(1, head + 1) if tokens[position - 1] == END]
+    if not whole and rule == ALL:
+        ends = ends[:-1]
+    elif not whole and head <= CHUNK:
+        ends = []
     cuts: list[int] = []
     for position in range(1, head + 1):
-        if position - (cuts[-1] if cuts else 0) == CHUNK or (early and tokens[position - 1] == END):
+        if position - (cuts[-1] if cuts else 0) == CHUNK or position in ends:
             cuts.append(position)
     return cuts
 
@@ -150,9 +155,9 @@ class CachedBlocks(RuleBasedStateMachine):
     @initialize(dtype=st.sampled_from(sorted(DTYPES)), heads=st.sampled_from([1, 2]),
                 device_blocks=st.integers(2, 6), host_blocks=st.sampled_from([1, 3, 8, 0]),
                 pull=st.sampled_from([("always", None), ("auto", 1e3), ("never", None), ("auto", None)]),
-                short=st.sampled_from([True, True, False]))
+                rule=st.sampled_from([ALL, ALL, LONG]))
     def start(self, dtype: str, heads: int, device_blocks: int, host_blocks: int,
-              pull: tuple[str, float | None], short: bool) -> None:
+              pull: tuple[str, float | None], rule: MessageBlocks) -> None:
         # MLX's buffer cache hands out a larger free buffer for a small array: off, so that the
         # bytes live are the arrays' own (restored at teardown)
         self.cache_limit = mx.set_cache_limit(0)
@@ -164,14 +169,14 @@ class CachedBlocks(RuleBasedStateMachine):
             SEEN.collected = True
         gc.disable()
         self.live_before = mx.get_active_memory()
-        self.dtype, self.heads, self.short = dtype, heads, short  # short: message_blocks "all"
+        self.dtype, self.heads, self.rule = dtype, heads, rule
         self.block = CHUNK * self.token_bytes
         self.room: int | None = None
         self.pull, seconds = pull
         self.pays = self.pull == "always" or seconds is not None  # auto: a prefill token takes 1,000 s
         self.cache = PrefixCache(CHUNK, device_blocks * self.block, host_blocks * self.block, self.pull,
                                  room=lambda: UNBOUNDED if self.room is None else self.room,
-                                 prefill_token_s=lambda: seconds, ends=frozenset({END}), short=short)
+                                 prefill_token_s=lambda: seconds, ends=frozenset({END}), rule=rule)
         self.names: dict[bytes, Name] = {}
         self.stored: dict[Name, Bits] = {}
         self.tiers: dict[Name, Tier] = {}
@@ -368,7 +373,7 @@ class CachedBlocks(RuleBasedStateMachine):
     def admit(self, tokens: tuple[int, ...]) -> None:
         self.history.append(tokens)
         keys = self.cache.keys_of(tokens)
-        cuts = model_cuts(tokens, whole=False, short=self.short)
+        cuts = model_cuts(tokens, whole=False, rule=self.rule)
         request = Request(tokens, keys, names_of(tokens, cuts), cuts, [], [])
         self.name_keys(keys, request.names)
         self.cache.index.cached(keys)
@@ -431,7 +436,7 @@ class CachedBlocks(RuleBasedStateMachine):
         whole = (*tokens, *generated)
         self.history.append(whole)
         keys = self.cache.conversation_keys_of(whole)
-        cuts = model_cuts(whole, whole=True, short=self.short)
+        cuts = model_cuts(whole, whole=True, rule=self.rule)
         names = names_of(whole, cuts)
         self.name_keys(keys, names)
         if task:

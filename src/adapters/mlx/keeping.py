@@ -36,7 +36,13 @@ from adapters.mlx.sampling import PositionSampler
 from adapters.mlx.settings import Settings
 from effects.engine_port import SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
-from statecore.prefix import block_bounds, conversation_block_bounds, conversation_block_range, prompt_chunks
+from statecore.prefix import (
+    MessageBlocks,
+    block_bounds,
+    conversation_block_bounds,
+    conversation_block_range,
+    prompt_chunks,
+)
 from statecore.scheduling import KvAdmission, kv_admission, prefill_units
 
 __all__ = ["KeepingHost", "PrefixKeeping"]
@@ -56,7 +62,7 @@ class KeepingHost(Protocol):
     arrivals: int
     layers: int
     block_ends: frozenset[int]  # after these tokens a prefill block ends early (statecore.prefix)
-    short_blocks: bool  # ... in prompts of at most one chunk too
+    message_blocks: MessageBlocks  # ... by this rule
 
     @property
     def unit_tokens(self) -> int: ...
@@ -97,8 +103,14 @@ class PrefixKeeping:
         bounds = conversation_block_bounds(conversation, chunk, ends)
         keys = prefix.conversation_keys_of(conversation)
         cached = prefix.index.cached(keys)
-        own_blocks = len(block_bounds(conversation[: live.prompt_tokens], chunk, ends,
-                                      short=loop.short_blocks))
+        # The prompt's own blocks, as far as they are the conversation's (they part where the
+        # prompt's last message end, no block's end in the prompt, is one in the conversation)
+        own_blocks = 0
+        for own, kept_as in zip(block_bounds(conversation[: live.prompt_tokens], chunk, ends,
+                                             rule=loop.message_blocks), bounds, strict=False):
+            if own != kept_as:
+                break
+            own_blocks += 1
         blocks = conversation_block_range(own_blocks, len(bounds), cached)
         keep_id = f"{live.request_id}#keep"
         if not blocks or keep_id in loop.waiting:
@@ -140,12 +152,12 @@ class PrefixKeeping:
         chunk = loop.settings.prefill_chunk_size
         if prefix is None or not loop.settings.keep_conversations:
             return
-        if len(prompt_chunks(tokens, chunk, loop.block_ends, short=loop.short_blocks)) <= 2:
+        if len(prompt_chunks(tokens, chunk, loop.block_ends, rule=loop.message_blocks)) <= 2:
             return
         if not self.loop.plain(cache):
             return
         keys = prefix.keys_of(tokens)
-        bounds = block_bounds(tokens, chunk, loop.block_ends, short=loop.short_blocks)
+        bounds = block_bounds(tokens, chunk, loop.block_ends, rule=loop.message_blocks)
         kept: list[Any] = []
         for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
             kept.extend(prefix.keep(keys, index, cache, start, end))

@@ -287,10 +287,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "bound by the host's kernel launches)")
     engine.add_argument("--message-blocks", default="all", choices=("all", "long"),
                         help="where a prefill block also ends right after a chat message's end-of-turn "
-                             "token: all (in every prompt, so a shared system prompt is reused however "
-                             "short the prompts), long (only in prompts longer than a chunk: a shorter "
-                             "one is one call and may share a padded call with others, but is never "
-                             "reused); must be equal on every node (default all)")
+                             "token: all (after every one but the prompt's last, in every prompt, so a "
+                             "shared system prompt is reused however short the prompts), long (after "
+                             "every one, only in prompts longer than a chunk: a shorter one is one call "
+                             "and may share a padded call with others, but is never reused); must be "
+                             "equal on every node (default all)")
     engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
