@@ -6,10 +6,11 @@ into shared memory, or checksumming it), and the GPU reading an array the host b
 node writing a piece into its slot), each wait on faults that move a few KiB at a time.
 `to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in bulk
 (`cudaMemPrefetchAsync` on a stream of the calling thread's own, so that waiting for it never
-waits for the model's kernels), then wait for it. Where MLX does not run on CUDA, the runtime
-cannot be loaded, or `STATECORE_CUDA_PREFETCH=off`, they do nothing; a runtime error turns them
-off for the process (logged once): the pages then move by faults, as before, and nothing else
-changes (the bytes are the same either way). This module imports ctypes, numpy and mlx; never
+waits for the model's kernels), then wait for it. Only with `STATECORE_CUDA_PREFETCH=on` (off
+by default until it is measured on a GPU), and where MLX runs on CUDA and the runtime loads;
+elsewhere they do nothing. A runtime error turns them off for the process (logged once): the
+pages then move by faults, as before, and nothing else changes (the bytes are the same either
+way). This module imports ctypes, numpy and mlx; never
 trio.
 """
 
@@ -86,7 +87,7 @@ _probed = False
 def _load() -> _Runtime | None:
     import mlx.core as mx
 
-    if os.environ.get(PREFETCH_ENV, "auto") == "off":
+    if os.environ.get(PREFETCH_ENV, "off") != "on":
         return None
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
