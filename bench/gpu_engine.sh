@@ -20,6 +20,9 @@
 #                      (GPUS=0,1 on a 2-GPU machine; default 0,0: every node on GPU 0)
 #   long-prompt-ttft   a 2,000-token prompt's TTFT, cluster vs single, and where it goes (phases)
 #   multi-turn         conversations on a shared system prompt: mlx_lm.server, single, 1P2D
+#   prefix-rule        first turns and a document shorter than a chunk: a block at every message's end
+#                      (--message-blocks all) vs only in prompts longer than a chunk (long), cache / none;
+#                      then vs-mlx-lm on the 1B shape
 #   prefix-reuse       chats on a shared system prompt and a resent document: cache / none /
 #                      mlx_lm.server; what message-end blocks and smaller chunks cost a cold prompt
 #   conversation-route where a conversation's next turn should prefill its new part
@@ -226,6 +229,20 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     timeout "${COLD_LIMIT:-90}" $PY bench/engine/long_cold.py --model $M --base-src src --tokens 8000 \
       --rounds 2 --warm-first --blas bundled --message-every 0,500 --chunks 256,512 \
       --work "$OUT/long_cold" 2>&1 | tail -13
+    ;;
+  prefix-rule)
+    # Where a block ends after an end-of-turn token: in every prompt (--message-blocks all, the default)
+    # or only in prompts longer than a chunk (long, the rule before: a shorter chat prompt is one call
+    # and may share a padded call with others, and nothing of it is reused). 32 first turns at once on
+    # a 1,000-token system prompt (two rounds) and a 1,500-token document asked a second question (both
+    # shorter than a 2,048-token chunk), each rule with and without the prefix cache: the *_nocache
+    # pair is what cold chat prompts pay for losing their padded calls. Then realish against
+    # mlx_lm.server (raw completions, no end-of-turn token inside: no change expected).
+    machine; model_1b
+    timeout "${RULE_LIMIT:-420}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
+      --servers single,single_nocache,single_long,single_long_nocache --conversations 32 --rounds 2 \
+      --documents 3 --document-tokens 1500 --startup-timeout 120 --out "$OUT/prefix_rule" 2>&1 | quiet | tail -28
+    vs_mlx_lm $M 6 192 200 sbs_rule
     ;;
   conversation-route)
     # An 8,192-token start held by the decode node and a new part of 512 / 4,096 tokens.

@@ -56,16 +56,29 @@ from benchlib import (
     start_all,
 )
 
-# cluster: `statecore run`'s local 1P1D cluster (a router, a prefill node, a decode node)
+# cluster: `statecore run`'s local 1P1D cluster (a router, a prefill node, a decode node); cluster_gpu:
+# the same at MLX's CUDA defaults
+# single_long*: --message-blocks long; single_gpu*: the same at MLX's CUDA defaults (on a GPU, where
+# they are the defaults anyway, the same as single*)
 # single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
 # that start from a cached system prompt then finish over several steps instead of all in one
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
-           "single_chunk256", "single_batch4", "single_batch8", "cluster")
+           "single_chunk256", "single_batch4", "single_batch8", "single_long", "single_long_nocache",
+           "single_gpu", "single_gpu_nocache", "single_gpu_long", "single_gpu_long_nocache", "cluster",
+           "cluster_gpu")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
           "single_chunk256": ["--prefill-chunk-size=256"], "single_batch4": ["--prefill-batch=4"],
-          "single_batch8": ["--prefill-batch=8"]}
+          "single_batch8": ["--prefill-batch=8"],
+          # the rule before: a block ends at a message's end only in prompts longer than a chunk
+          # (a shorter one is one call, may share a padded call, and is never reused)
+          "single_long": ["--message-blocks=long"],
+          "single_long_nocache": ["--message-blocks=long", "--prefix-cache-bytes=0"]}
+# MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
+_GPU = ["--prefill-chunk-size=2048", "--shape-bucket=128"]
+_FLAGS.update({f"single_gpu{rest}": [*_GPU, *_FLAGS[f"single{rest}"]]
+               for rest in ("", "_nocache", "_long", "_long_nocache")}, cluster_gpu=_GPU)
 
 
 async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,
@@ -186,7 +199,7 @@ def main() -> int:
     servers = []
     for name in names:
         flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name, [])]
-        kind = name if name in ("mlx_lm", "cluster") else "single"
+        kind = name if name == "mlx_lm" else "cluster" if name.startswith("cluster") else "single"
         (server,) = make_servers(model, args.out, [kind], flags)
         server.name, server.log = name, args.out / f"{name}.log"
         servers.append(server)
@@ -213,7 +226,8 @@ def main() -> int:
             server.stop()
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
-        for base in ("mlx_lm", "single_nocache", "single"):
+        for base in ("mlx_lm", "single_nocache", "single", "single_long_nocache", "single_gpu_nocache",
+                     "single_gpu", "single_gpu_long_nocache"):
             for name, records in got.items():
                 if name == base or base not in got:
                     continue

@@ -3,12 +3,19 @@
 A prompt is prefilled in chunks (`prompt_chunks`: prompt[:-1] cut into blocks, then the last
 token alone); each chunk is one model call, and a step computes several. A block ends every
 `chunk_size` tokens after the previous end, and right after every token of the node's *block
-ends* (the model's end-of-turn tokens, so a chat message's end, where prompts that share a
-system prompt or a document stop sharing, is a block's end): the cut points are a function of
-the tokens before them alone, the same on every node (the chunk size and the block ends are in
-the fingerprint), whether a block came from the cache or not. A prompt of at most one chunk
-before its last token is one call (short prompts are computed together in padded batches). The
-KV cache after k blocks depends only on their tokens and calls, and the calls after them are the
+ends* (the model's end-of-turn tokens) but the prompt's last one: so a chat message's end, where
+prompts that share a system prompt or a document stop sharing, is a block's end, in a prompt of
+any length (a system prompt shared by first turns shorter than a chunk is a block of its own),
+while the message just sent, which no other prompt starts with, is computed with what follows
+it (the assistant's header) in one call; a prompt of one message is then one call, and may
+share a padded call with other short prompts. The message just sent ends a block in the
+conversation kept after the turn (`conversation_block_bounds`: every end-of-turn token) and in
+the next turn's prompt, where another message follows it. The cut points are a function of the
+tokens (the chunk size and the block ends are in the fingerprint), the same on every node,
+whether a block came from the cache or not. (Rule `LONG`, `message_blocks` "long", is the rule
+before: early ends only in a prompt longer than one chunk before its last token, after every
+end-of-turn token; a shorter prompt is one call and nothing of it is ever reused.) The KV
+cache after k blocks depends only on their tokens and calls, and the calls after them are the
 same whether or not the first k were computed now: so a block is one chunk, named by a key
 chained over every block up to its end (`block_keys`: it names the tokens and where each block
 ends), and a prompt whose first k blocks are cached starts at chunk k with the same numbers as
@@ -40,7 +47,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DEVICE", "HOST", "Moved", "PrefixIndex", "Tier", "block_bounds", "block_keys",
+__all__ = ["ALL", "DEVICE", "HOST", "LONG", "MESSAGE_BLOCKS", "MessageBlocks", "Moved", "PrefixIndex", "Tier",
+           "block_bounds", "block_keys",
            "conversation_block_bounds", "conversation_block_keys", "conversation_block_range",
            "conversation_blocks", "prompt_chunks"]
 
@@ -48,38 +56,51 @@ Tier = Literal["device", "host"]
 DEVICE: Tier = "device"
 HOST: Tier = "host"
 
+# Where an end-of-turn token ends a prompt's block (the module's paragraph): message_blocks
+MessageBlocks = Literal["all", "long"]
+ALL: MessageBlocks = "all"
+LONG: MessageBlocks = "long"
+MESSAGE_BLOCKS: tuple[MessageBlocks, ...] = (ALL, LONG)
 
-def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[int]:
+
+def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+                 rule: MessageBlocks = ALL) -> list[int]:
     """Where the prompt's blocks end before its last token, in order: `chunk_size` tokens after
-    the previous end, or right after a token of `ends`. A prompt of at most one chunk before its
-    last token has no early end (it is one call, and may be batched with others)."""
+    the previous end, or right after a token of `ends` other than the last one before the
+    prompt's last token (rule `LONG`: after every one, in a prompt of more than one chunk before
+    its last token only)."""
     if chunk_size < 1:
         raise ValueError("chunk_size must be > 0")
     head = len(tokens) - 1
-    return _bounds(tokens, head, chunk_size, ends if head > chunk_size else ())
+    if rule == LONG:
+        return _bounds(tokens, head, chunk_size, ends if head > chunk_size else ())
+    last = next((position for position in range(head, 0, -1) if tokens[position - 1] in ends), 0)
+    return _bounds(tokens, head, chunk_size, ends, skip=last)
 
 
-def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int]) -> list[int]:
-    """Block ends within tokens[:head] (at most `head`)."""
+def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int], skip: int = 0
+            ) -> list[int]:
+    """Block ends within tokens[:head] (at most `head`); none after the end-of-turn token at `skip`."""
     if not ends:
         return list(range(chunk_size, head + 1, chunk_size))
     bounds: list[int] = []
     start = 0
     for position, token in enumerate(tokens[:head], 1):
-        if token in ends or position - start == chunk_size:
+        if (token in ends and position != skip) or position - start == chunk_size:
             bounds.append(position)
             start = position
     return bounds
 
 
-def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> tuple[int, ...]:
+def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+                  rule: MessageBlocks = ALL) -> tuple[int, ...]:
     """The token counts of a prompt's prefill calls, in order: its blocks, the rest of
     prompt[:-1] when it does not end a block, then the last token alone (its logits give the
-    first token). Without `ends`, `statecore.scheduling.prefill_chunks`."""
+    first token). Without `ends`, `statecore.scheduling.prefill_chunks`; `rule`: `block_bounds`."""
     if not tokens:
         raise ValueError("a prompt has at least one token")
     head = len(tokens) - 1
-    bounds = block_bounds(tokens, chunk_size, ends)
+    bounds = block_bounds(tokens, chunk_size, ends, rule=rule)
     if not bounds or bounds[-1] < head:
         bounds.append(head)
     sizes = [end - start for start, end in zip([0, *bounds], bounds, strict=False)]
@@ -96,18 +117,20 @@ def _chained(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
     return keys
 
 
-def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()) -> list[bytes]:
+def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (), *,
+               rule: MessageBlocks = ALL) -> list[bytes]:
     """The keys of the prompt's blocks (`block_bounds`), in order: key i names the tokens up to
     block i's end and where every block before it ends (a 16-byte BLAKE2b chained over the
     blocks: the same tokens cut elsewhere are other blocks, whose numbers differ)."""
-    return _chained(tokens, block_bounds(tokens, chunk_size, ends))
+    return _chained(tokens, block_bounds(tokens, chunk_size, ends, rule=rule))
 
 
 def conversation_block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()
                               ) -> list[int]:
     """Where the blocks of a finished conversation (or any prefix a later prompt goes on from)
     end, its very end included when a block ends there: a next turn's prompt starts with all of
-    `tokens` and goes on. Cut as a longer prompt's are (early ends even within one chunk)."""
+    `tokens` and goes on. Cut as a longer prompt whose last message end comes after them is
+    (after every end-of-turn token, even within one chunk)."""
     if chunk_size < 1:
         raise ValueError("chunk_size must be > 0")
     return _bounds(tokens, len(tokens), chunk_size, ends)

@@ -150,10 +150,11 @@ def test_chats_on_one_system_prompt_reuse_it_to_its_end_and_match_a_single_node(
     cached = routed["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > CHUNK and cached % CHUNK, routed["usage"]  # the system message's end
     assert routed["choices"] == alone.json()["choices"]
-    # the single node, having served it once, now from its own cache (its whole prompt, this time
-    # past the user message's end too): the same answer
+    # the single node, having served it once, now from its own cache (every block of its prompt:
+    # the system message's, and any whole chunk after it; the user message's end is the prompt's
+    # last, no block's end): the same answer
     again = post(cluster.single, "/v1/chat/completions", second).json()
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > cached
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= cached
     assert again["choices"] == alone.json()["choices"]
     assert_no_leaks(cluster.nodes)
 

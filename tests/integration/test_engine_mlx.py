@@ -100,6 +100,7 @@ class Opener(Protocol):
         prefix_cache_bytes: int | None = ...,
         prefill_memory_cap: str = ...,
         keep_conversations: bool = ...,
+        message_blocks: str = ...,
         warm_request: bool | None = ...,
         model_call_hook: Callable[[str, Sequence[str]], None] | None = ...,
     ) -> Awaitable[MlxEngine]: ...
@@ -927,30 +928,72 @@ async def test_a_prompt_that_starts_like_an_earlier_one_reuses_its_chunks_and_it
 async def test_a_shared_system_message_is_reused_to_its_end_and_the_tokens_are_exact(
     open_engine: Opener
 ) -> None:
-    """A block also ends after an end-of-turn token (a chat message's end): prompts that start
-    with one system message share its blocks to its very end, here 41 tokens (16, 32, 41: not a
-    multiple of the chunk), and their tokens are the cache-less engine's to the bit, greedy and
-    seeded; the summary names the same blocks, and a conversation kept goes on from them."""
+    """A block also ends after an end-of-turn token (a chat message's end) but a prompt's last:
+    prompts that start with one system message, then a user message and the assistant's
+    header, share its blocks to its very end, here 41 tokens (16, 32, 41: not a multiple of the
+    chunk), and their tokens are the cache-less engine's to the bit, greedy and seeded; the
+    summary names the same blocks, and a conversation kept goes on from them."""
     path = cached_checkpoint("llama")
     cached = await open_engine(path, keep_conversations=True)
     plain = await open_engine(path, prefix_cache_bytes=0)
     end = min(cached.info.eos_token_ids)
     system = [*prompt_of(40, salt=11), end]
-    first = [*system, *prompt_of(30, salt=12)]
+    header = prompt_of(3, salt=15)
+
+    def chat(own: list[int]) -> list[int]:
+        return [*system, *own, end, *header]
+
+    first = chat(prompt_of(30, salt=12))
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=4)
     for rid, sampling in (("g", GREEDY), ("s", seeded)):
         reused, tokens = await prefilled_from_cache(cached, rid, first, sampling)
         assert tokens == (await prefilled_from_cache(plain, rid, first, sampling))[1], rid
-    assert reused == 57  # the second time: every block of it (ending at 16, 32, 41 and 57)
+    # the second time: every block of it, ending at 16, 32, 41, 57 and 73 (not at 72: the user
+    # message's end, its last)
+    assert reused == 73
     await kept(cached)
     for rid, sampling, salt in (("g2", GREEDY, 13), ("s2", seeded, 14)):
-        second = [*system, *prompt_of(25, salt=salt)]
+        second = chat(prompt_of(25, salt=salt))
         reused, tokens = await prefilled_from_cache(cached, rid, second, sampling)
         assert reused == 41 and tokens == (await prefilled_from_cache(plain, rid, second, sampling))[1], rid
     summary = await cached.prefix_summary()
     assert summary is not None and summary.block_ends == tuple(sorted(cached.info.eos_token_ids))
     assert {summary_key(key) for key in block_keys(second, CHUNK, {end})[:3]} <= set(summary.keys)
     await kept(cached)
+
+
+async def test_at_the_gpu_s_chunk_and_bucket_a_system_prompt_shorter_than_a_chunk_is_reused(
+    open_engine: Opener
+) -> None:
+    """At MLX's CUDA defaults (2,048-token chunks, shapes padded to 128) a first turn is far
+    shorter than a chunk, yet its system message is a block of its own: a second conversation
+    on it starts at the message's end, on one engine and on a decode node that kept the first
+    one's handed-off KV, with the cache-less engine's tokens, greedy and seeded. With
+    message_blocks "long" (the rule before) the first turn is one call and nothing is reused."""
+    path = cached_checkpoint("llama")
+    gpu = partial(open_engine, path, prefill_chunk_size=2048, shape_bucket=128)
+    cached = await gpu()
+    plain = await gpu(prefix_cache_bytes=0)
+    prefill = await gpu(decodes_locally=False)
+    decode = await gpu(keep_conversations=True)
+    whole = await gpu(message_blocks="long")
+    end = min(cached.info.eos_token_ids)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=4)
+    for rid, sampling, salt in (("g", GREEDY, 12), ("s", seeded, 13)):
+        system = [*prompt_of(40, salt=salt), end]  # a new one each round: nothing of it kept yet
+        first, second = ([*system, *prompt_of(20 + own, salt=salt + own), end, *prompt_of(4, salt=99)]
+                         for own in (1, 2))  # a user message, then the assistant's header
+        assert (await prefilled_from_cache(cached, f"{rid}1", first, sampling))[0] == 0
+        reused, tokens = await prefilled_from_cache(cached, f"{rid}2", second, sampling)
+        expected = (await prefilled_from_cache(plain, rid, second, sampling))[1]
+        assert reused == len(system) and tokens == expected, rid
+        await handoff(prefill, decode, RequestId(f"{rid}1"), first, sampling)
+        reused, tokens = await prefilled_from_cache(decode, f"{rid}2", second, sampling)
+        assert reused == len(system) and tokens == expected, rid
+        await kept(decode)
+        await single(whole, RequestId(f"{rid}1"), first, sampling)
+        assert (await prefilled_from_cache(whole, f"{rid}2", second, sampling))[0] == 0
+    assert whole.info.fingerprint != cached.info.fingerprint  # its calls differ: no KV between them
 
 
 async def kept(engine: MlxEngine) -> EngineStatistics:

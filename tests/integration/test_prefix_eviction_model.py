@@ -8,7 +8,8 @@ blocks on their own). Each program starts from the same full cache and runs its 
 side: start a request whose prompt is one of a few shared prefixes (two to four blocks, three of
 them extending one another, and one that ends halfway through a block of another: a system
 prompt that is not a whole number of blocks, and one that ends with an end-of-turn token there,
-so that its last block ends with it) plus a tail of its own, greedy or seeded; evict kept
+so that its last block ends with it) plus a tail of its own (after that system message, a user
+message and a header), greedy or seeded; evict kept
 blocks at that moment (`MlxEngine.evict_prefixes`, what admission runs); let the engine deliver a
 few tokens; wait for the oldest request to end. Every request that finishes must have the tokens
 and log-probabilities, to the bit, of the same request alone on an engine without a prefix cache
@@ -90,7 +91,10 @@ class Start:
 
     @property
     def prompt(self) -> tuple[int, ...]:
-        return PREFIXES[self.prefix] + self.tail
+        # On the system message a chat: the tail is a user message, then the assistant's header
+        # (the prompt's last message end ends no block; the system message's does).
+        chat = (END, 3) if PREFIXES[self.prefix][-1] == END else ()
+        return PREFIXES[self.prefix] + self.tail + chat
 
     @property
     def sampling(self) -> SamplingParams:

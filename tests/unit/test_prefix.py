@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecore.prefix import (
+    LONG,
+    MESSAGE_BLOCKS,
     Moved,
     PrefixIndex,
     block_bounds,
@@ -113,27 +115,47 @@ END = 0  # a message's last token in these tests
 
 
 def test_a_block_also_ends_after_a_message_end_and_the_blocks_go_on_from_there() -> None:
-    tokens = [*range(1, 21), END, *range(30, 70)]  # 61 tokens; a message ends at position 21
+    tokens = [*range(1, 21), END, *range(30, 60), END, *range(70, 80)]  # messages end at 21 and 52
+    # not at 52: the prompt's last message end (the message just sent, computed with what follows)
     assert block_bounds(tokens, 16, {END}) == [16, 21, 37, 53]
-    assert prompt_chunks(tokens, 16, {END}) == (16, 5, 16, 16, 7, 1)
+    assert prompt_chunks(tokens, 16, {END}) == (16, 5, 16, 16, 8, 1)
     assert block_bounds(tokens, 16) == [16, 32, 48]  # without ends: every 16 tokens
     # the same tokens cut elsewhere are other blocks: no key in common after the first cut
     assert block_keys(tokens, 16, {END})[0] == block_keys(tokens, 16)[0]
     assert set(block_keys(tokens, 16, {END})[1:]).isdisjoint(block_keys(tokens, 16))
+    # the rule before cut at every message end, in prompts past one chunk only
+    assert block_bounds(tokens, 16, {END}, rule=LONG) == [16, 21, 37, 52]
 
 
-def test_a_prompt_of_one_chunk_is_one_call_whatever_its_message_ends() -> None:
+def test_a_prompt_shorter_than_a_chunk_is_cut_at_its_message_ends_but_the_last() -> None:
+    """A first turn on a shared system prompt, at 2,048-token chunks: the system message is a
+    block of its own, the same one a longer prompt or a kept conversation cuts; the user message
+    goes with the assistant's header into one call."""
     tokens = [1, 2, END, 3, 4, END, 5, 6]
-    assert prompt_chunks(tokens, 16, {END}) == (7, 1)  # computed with other short prompts
-    assert block_bounds(tokens, 16, {END}) == []
-    # ... but as the start of a longer prompt (a conversation kept, a prefix exported) it is cut
+    assert prompt_chunks(tokens, 16, {END}) == (3, 4, 1)
+    assert block_bounds(tokens, 16, {END}) == [3]
+    assert block_keys(tokens, 16, {END}) == conversation_block_keys(tokens[:3], 16, {END})
+    # kept as a conversation, or as the start of its next turn, it is cut at the user message too
     assert conversation_block_bounds(tokens, 16, {END}) == [3, 6]
+    assert block_bounds([*tokens, 7, END, 8], 16, {END}) == [3, 6]
+    # a prompt of one message is one call (and may share a padded call with other short prompts)
+    assert prompt_chunks([1, 2, END, 5, 6], 16, {END}) == (4, 1)
+
+
+def test_the_rule_before_cuts_a_prompt_of_one_chunk_nowhere() -> None:
+    tokens = [1, 2, END, 3, 4, END, 5, 6]
+    assert prompt_chunks(tokens, 16, {END}, rule=LONG) == (7, 1)  # computed with other short prompts
+    assert block_bounds(tokens, 16, {END}, rule=LONG) == []
+    assert block_keys(tokens, 16, {END}, rule=LONG) == []
+    longer = [*tokens, *range(10, 30)]  # past one chunk: cut at every message end
+    assert block_bounds(longer, 16, {END}, rule=LONG) == [3, 6, 22]
+    assert block_bounds(longer, 16, {END}) == [3, 19]  # 6: its last message end
 
 
 def test_a_system_prompt_s_blocks_are_the_same_in_every_prompt_that_starts_with_it() -> None:
     system = [*range(1, 41), END]  # a 41-token system message
-    first = block_keys([*system, *range(100, 130)], 16, {END})
-    second = block_keys([*system, *range(200, 260)], 16, {END})
+    first = block_keys([*system, *range(100, 130), END, 7, 8], 16, {END})  # a user message, a header
+    second = block_keys([*system, *range(200, 260), END, 7, 8], 16, {END})
     assert first[:3] == second[:3]  # blocks ending at 16, 32 and 41: the whole system prompt
     assert first[3] != second[3]
     assert conversation_block_keys(system, 16, {END}) == first[:3]
@@ -143,17 +165,26 @@ def test_a_system_prompt_s_blocks_are_the_same_in_every_prompt_that_starts_with_
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=120), st.lists(st.integers(0, 5), max_size=40),
        st.integers(1, 24))
 def test_cuts_depend_only_on_the_tokens_before_them(tokens: list[int], more: list[int], chunk: int) -> None:
-    """What makes a kept block usable by a longer prompt: its blocks (past one chunk) are cut as
-    the shorter one's, and the chunks cover the prompt, one call at most `chunk` long, then the
-    last token alone."""
-    chunks = prompt_chunks(tokens, chunk, {END})
-    assert sum(chunks) == len(tokens) and chunks[-1] == 1
-    assert all(0 < size <= chunk for size in chunks[:-1])
-    assert prompt_chunks(tokens, chunk) == prefill_chunks(len(tokens), chunk)
+    """What makes a kept block usable by a longer prompt: the chunks cover the prompt, one call
+    at most `chunk` long, then the last token alone; a prompt's cuts before its last message end
+    are any longer prompt's; a kept conversation's cuts are those of a next turn that sends
+    another message. With rule LONG, a prompt of more than one chunk is cut as its start is."""
+    for rule in MESSAGE_BLOCKS:
+        chunks = prompt_chunks(tokens, chunk, {END}, rule=rule)
+        assert sum(chunks) == len(tokens) and chunks[-1] == 1
+        assert all(0 < size <= chunk for size in chunks[:-1])
+        assert prompt_chunks(tokens, chunk, rule=rule) == prefill_chunks(len(tokens), chunk)
     bounds = block_bounds(tokens, chunk, {END})
     longer = block_bounds([*tokens, *more], chunk, {END})
+    last_end = max((p for p, token in enumerate(tokens[:-1], 1) if token == END), default=0)
+    assert [b for b in bounds if b < last_end] == [b for b in longer if b < last_end]
+    next_turn = [*tokens, *more, END, 9]  # the conversation so far, then a message of its own
+    kept = conversation_block_bounds(tokens, chunk, {END})
+    assert block_bounds(next_turn, chunk, {END})[: len(kept)] == kept
+    assert block_keys(next_turn, chunk, {END})[: len(kept)] == conversation_block_keys(tokens, chunk, {END})
+    bounds = block_bounds(tokens, chunk, {END}, rule=LONG)
     if len(tokens) - 1 > chunk:
+        longer = block_bounds([*tokens, *more], chunk, {END}, rule=LONG)
         assert longer[: len(bounds)] == bounds
-        assert block_keys([*tokens, *more], chunk, {END})[: len(bounds)] == block_keys(tokens, chunk, {END})
         if bounds:  # a prompt's blocks are those of its start kept as a conversation
             assert conversation_block_bounds(tokens[: bounds[-1]], chunk, {END}) == bounds

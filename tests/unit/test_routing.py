@@ -51,8 +51,9 @@ def test_a_gap_ends_the_cached_prefix_and_another_block_size_matches_nothing() -
 
 
 def test_a_summary_with_block_ends_scores_the_blocks_that_node_cuts() -> None:
-    # a message ends with token 7 at position 40: that node's blocks end at 16, 32, 41, 57, ...
-    prompt = [*range(8, 48), 7, *range(100, 160)]
+    # a message ends with token 7 at position 41 (and the last at 102): that node's blocks end at
+    # 16, 32, 41, 57, ...
+    prompt = [*range(8, 48), 7, *range(100, 160), 7, 8]
     keys = {summary_key(key) for key in block_keys(prompt, 16, {7})[:3]}
     assert cached_prefix_tokens(prompt, 16, keys, {7}) == 41
     assert cached_prefix_tokens(prompt, 16, keys) == 32  # cut without the ends: 32-48 is another block

@@ -73,6 +73,7 @@ from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.policy import token_finish
+from statecore.prefix import ALL, MessageBlocks
 from statecore.scheduling import ModelShape, StepRates, work_unit_tokens
 
 __all__ = ["DeviceLoop", "InjectedCrash"]
@@ -98,6 +99,7 @@ class DeviceLoop:
         self.eos: frozenset[int] = frozenset()
         # after these tokens a prefill block ends early (statecore.prefix.block_bounds): the eos ids
         self.block_ends: frozenset[int] = frozenset()
+        self.message_blocks: MessageBlocks = ALL  # ... by this rule (Settings.message_blocks)
         self.vocab_size = 0
         self.context_length = 0
         self.slot_lane = False

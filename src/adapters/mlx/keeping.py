@@ -36,7 +36,13 @@ from adapters.mlx.sampling import PositionSampler
 from adapters.mlx.settings import Settings
 from effects.engine_port import SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
-from statecore.prefix import block_bounds, conversation_block_bounds, conversation_block_range
+from statecore.prefix import (
+    MessageBlocks,
+    block_bounds,
+    conversation_block_bounds,
+    conversation_block_range,
+    prompt_chunks,
+)
 from statecore.scheduling import KvAdmission, kv_admission, prefill_units
 
 __all__ = ["KeepingHost", "PrefixKeeping"]
@@ -56,6 +62,7 @@ class KeepingHost(Protocol):
     arrivals: int
     layers: int
     block_ends: frozenset[int]  # after these tokens a prefill block ends early (statecore.prefix)
+    message_blocks: MessageBlocks  # ... by this rule
 
     @property
     def unit_tokens(self) -> int: ...
@@ -96,7 +103,14 @@ class PrefixKeeping:
         bounds = conversation_block_bounds(conversation, chunk, ends)
         keys = prefix.conversation_keys_of(conversation)
         cached = prefix.index.cached(keys)
-        own_blocks = len(block_bounds(conversation[: live.prompt_tokens], chunk, ends))
+        # The prompt's own blocks, as far as they are the conversation's (they part where the
+        # prompt's last message end, no block's end in the prompt, is one in the conversation)
+        own_blocks = 0
+        for own, kept_as in zip(block_bounds(conversation[: live.prompt_tokens], chunk, ends,
+                                             rule=loop.message_blocks), bounds, strict=False):
+            if own != kept_as:
+                break
+            own_blocks += 1
         blocks = conversation_block_range(own_blocks, len(bounds), cached)
         keep_id = f"{live.request_id}#keep"
         if not blocks or keep_id in loop.waiting:
@@ -131,16 +145,19 @@ class PrefixKeeping:
 
     def keep_installed(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """A handed-off prompt's whole chunks into the prefix cache, as they arrived. Only prompts
-        of more than one chunk before their last token: a prefill node may compute a shorter one
-        in a padded batch, whose numbers are not the chunk call's."""
-        prefix, settings = self.loop.prefix, self.loop.settings
-        chunk = settings.prefill_chunk_size
-        if prefix is None or not settings.keep_conversations or len(tokens) - 1 <= chunk:
+        of more than two calls (a block, then more before the last token): a prefill node may
+        compute one of a call and the last token in a padded batch, whose numbers are not the
+        chunk call's."""
+        prefix, loop = self.loop.prefix, self.loop
+        chunk = loop.settings.prefill_chunk_size
+        if prefix is None or not loop.settings.keep_conversations:
+            return
+        if len(prompt_chunks(tokens, chunk, loop.block_ends, rule=loop.message_blocks)) <= 2:
             return
         if not self.loop.plain(cache):
             return
         keys = prefix.keys_of(tokens)
-        bounds = block_bounds(tokens, chunk, self.loop.block_ends)
+        bounds = block_bounds(tokens, chunk, loop.block_ends, rule=loop.message_blocks)
         kept: list[Any] = []
         for index, (start, end) in enumerate(zip([0, *bounds], bounds, strict=False)):
             kept.extend(prefix.keep(keys, index, cache, start, end))

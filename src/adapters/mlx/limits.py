@@ -25,6 +25,7 @@ from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.settings import Settings
 from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import StatecoreError, client_error
+from statecore.prefix import MESSAGE_BLOCKS
 from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE, default_step_tokens
 
 __all__ = [
@@ -69,6 +70,7 @@ class EngineOptions(TypedDict, total=False):
     prefix_host_pull: str
     prefill_memory_cap: str
     keep_conversations: bool
+    message_blocks: str
     speculative: str
     num_draft_tokens: int
     speculative_max_rows: int
@@ -102,6 +104,7 @@ def engine_settings(
     prefix_host_pull: str = "auto",
     prefill_memory_cap: str = "auto",
     keep_conversations: bool = False,
+    message_blocks: str = "all",
     speculative: str = "off",
     num_draft_tokens: int = 3,
     speculative_max_rows: int = 1,
@@ -179,6 +182,11 @@ def engine_settings(
     pipeline-parallel instance, whose ranks must hold the same blocks) bounds a host-memory
     tier that blocks leaving the device go to; `prefix_host_pull` (auto, always, never) says
     when a prompt takes them back rather than computing them (auto: by measured rates).
+    `message_blocks` ("all", "long"): a prefill block ends right after every end-of-turn token
+    but a prompt's last, in a prompt of any length ("all": a system prompt shared by first turns
+    shorter than a chunk is reused), or after every one in prompts longer than a chunk only
+    ("long", the rule before: a shorter chat prompt is one call and may share a padded call with
+    other short prompts, but nothing of it is reused). Part of the fingerprint.
 
     `speculative` ("off", "ngram", "draft"): while at most `speculative_max_rows` requests
     decode, each step drafts up to `num_draft_tokens` tokens per row, by prompt lookup or with
@@ -236,6 +244,10 @@ def engine_settings(
     if prefix_host_pull not in HOST_PULL_MODES:
         raise StatecoreError(client_error(
             f"prefix_host_pull must be one of {', '.join(HOST_PULL_MODES)}"))
+    rule = next((rule for rule in MESSAGE_BLOCKS if rule == message_blocks), None)
+    if rule is None:
+        raise StatecoreError(client_error(
+            f"message_blocks must be one of {', '.join(MESSAGE_BLOCKS)}"))
     if prefill_memory_cap not in PREFILL_MEMORY_CAP_MODES:
         raise StatecoreError(client_error(
             f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
@@ -264,7 +276,7 @@ def engine_settings(
                         step_target_ms=0.0 if tensor is not None else step_target_ms,
                         step_target_floors=step_target_floors,
                         prefix_host_bytes=host_bytes if tensor is None else 0,
-                        prefix_host_pull=prefix_host_pull)
+                        prefix_host_pull=prefix_host_pull, message_blocks=rule)
     return settings
 
 

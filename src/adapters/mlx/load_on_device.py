@@ -137,6 +137,7 @@ def load_on_device(device: DeviceLoop, source: ModelSource, settings: Settings) 
                                       prefill_chunk_size=s.prefill_chunk_size,
                                       shape_bucket=device.bucket, fused=fused > 0,
                                       block_ends=device.block_ends,
+                                      message_blocks=s.message_blocks,
                                       adapters=None if served is None else served.fingerprint()),
         context_length=loaded.context_length,
         vocab_size=vocab_size,

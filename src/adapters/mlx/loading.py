@@ -161,7 +161,7 @@ def load_model(model_dir: Path, *, trust_remote_code: bool, shard_group: Any = N
 
 def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size: int,
                       prefill_chunk_size: int, shape_bucket: int = 0, fused: bool = False,
-                      block_ends: frozenset[int] = frozenset(),
+                      block_ends: frozenset[int] = frozenset(), message_blocks: str = "all",
                       adapters: Mapping[str, str] | None = None) -> str:
     """What two nodes must share to exchange KV (see the module's paragraph); `adapters` (name ->
     digest of `--adapters`) too: a request's KV depends on its adapter and on what its name means."""
@@ -173,7 +173,7 @@ def model_fingerprint(loaded: LoadedModel, *, kv_bits: int | None, kv_group_size
         "kv_group_size": kv_group_size if kv_bits is not None else None,
         "prefill_chunk_size": prefill_chunk_size,
         # a prefill block also ends after these tokens (statecore.prefix.block_bounds)
-        **({"block_ends": sorted(block_ends)} if block_ends else {}),
+        **({"block_ends": sorted(block_ends), "message_blocks": message_blocks} if block_ends else {}),
         **({"shape_bucket": shape_bucket} if shape_bucket else {}),  # unchanged fingerprints when off
         **({"fused_projections": True} if fused else {}),  # one matmul rounds as three may not
         **({"adapter_sha256": loaded.adapter_sha256} if loaded.adapter_sha256 else {}),

@@ -95,6 +95,9 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     # prompts sharing a system prompt or a document share every block of it (statecore.prefix).
     # Only where blocks can be kept (plain KVCache): other caches' bits follow every cut.
     loop.block_ends = eos if plain else frozenset()
+    # In a prompt shorter than a chunk too (a first turn on a shared system prompt), unless
+    # message_blocks is "long": such a prompt is then one call, batchable, never reused.
+    loop.message_blocks = s.message_blocks
     loop.short_batching = plain and s.prefill_batch > 1
     # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
     loop.bucket = s.shape_bucket if plain else 0
@@ -124,7 +127,8 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     if plain and s.prefix_cache_bytes > 0:
         loop.prefix = PrefixCache(s.prefill_chunk_size, s.prefix_cache_bytes, s.prefix_host_bytes,
                                   s.prefix_host_pull, room=loop.admission.prefix_room,
-                                  prefill_token_s=lambda: loop.rates.prefill_token_s, ends=loop.block_ends)
+                                  prefill_token_s=lambda: loop.rates.prefill_token_s, ends=loop.block_ends,
+                                  rule=loop.message_blocks)
     if s.speculative != "off":
         loop.speculator = Speculator(s.speculative, s.num_draft_tokens, s.speculative_max_rows,
                                      loop.draft_model)

@@ -126,7 +126,8 @@ class Performer:
         request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
         if request_id in device.requests:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
-        chunks = prompt_chunks(tokens, self.settings.prefill_chunk_size, device.block_ends)
+        chunks = prompt_chunks(tokens, self.settings.prefill_chunk_size, device.block_ends,
+                               rule=device.message_blocks)
         units = prefill_units(chunks, device.layers, device.unit_tokens)
         keys = device.keeping.touch_prefix(tokens)  # so that its own admission evicts them last
         reservation = device.admission.prefill_reservation(len(tokens), sampling.max_tokens)

@@ -100,7 +100,7 @@ _CUDA_SHAPE_BUCKET = 128
 # run at 256 tokens (an H100, the Llama-3.2-1B shape: an 8,000-token cold prompt 0.20-0.22 s in
 # 256-token calls, 0.11-0.12 at 512, 0.08 at 1,024, 0.044-0.055 at 2,048), so whole 2,048-token
 # chunks there; a chat's shared system prompt or document is still a block of its own wherever a
-# message ends inside a prompt longer than a chunk. Elsewhere (the CPU, Metal) 256.
+# message ends (statecore.prefix: in a prompt shorter than a chunk too). Elsewhere (the CPU, Metal) 256.
 _CUDA_CHUNK_TOKENS = 2048
 _CUDA_ATTENTION_GRAPHS = 2048
 

@@ -38,7 +38,16 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.prefill import on_cuda
-from statecore.prefix import DEVICE, HOST, Moved, PrefixIndex, block_keys, conversation_block_keys
+from statecore.prefix import (
+    ALL,
+    DEVICE,
+    HOST,
+    MessageBlocks,
+    Moved,
+    PrefixIndex,
+    block_keys,
+    conversation_block_keys,
+)
 from statecore.routing import PullRates, prefix_pull_pays
 
 __all__ = ["HOST_PULL_MODES", "PrefixCache", "default_host_bytes", "to_device", "to_host"]
@@ -93,8 +102,9 @@ class PrefixCache:
                  host_pull: str = "auto", rates: PullRates | None = None,
                  room: Callable[[], int] | None = None,
                  prefill_token_s: Callable[[], float | None] | None = None,
-                 ends: frozenset[int] = frozenset()) -> None:
-        """`ends`: the tokens after which a block ends early (the device loop's block ends).
+                 ends: frozenset[int] = frozenset(), rule: MessageBlocks = ALL) -> None:
+        """`ends`: the tokens after which a block ends early (the device loop's block ends), by
+        `rule` (`statecore.prefix.block_bounds`).
         `room`: the device bytes KV admission leaves free beside the kept blocks now (the
         device loop's budget less what requests reserved, the slot pool and the blocks): blocks
         kept or coming back from the host never take more; older blocks leave the device for
@@ -105,6 +115,7 @@ class PrefixCache:
             raise ValueError(f"host_pull must be one of {', '.join(HOST_PULL_MODES)}, not {host_pull!r}")
         self.chunk_size = chunk_size
         self.ends = ends
+        self.rule = rule
         self.host_pull = host_pull
         self.room = room
         self.prefill_token_s = prefill_token_s
@@ -134,11 +145,12 @@ class PrefixCache:
     def emptied(self) -> PrefixCache:
         """A new, empty cache of the same sizes (the measured rates kept: they are the node's)."""
         return PrefixCache(self.chunk_size, self.index.capacity_bytes, self.index.host_capacity_bytes,
-                           self.host_pull, self.rates, self.room, self.prefill_token_s, self.ends)
+                           self.host_pull, self.rates, self.room, self.prefill_token_s, self.ends,
+                           self.rule)
 
     def keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The prompt's block keys: computed once per prompt, for `start` and every `keep`."""
-        return block_keys(tokens, self.chunk_size, self.ends)
+        return block_keys(tokens, self.chunk_size, self.ends, rule=self.rule)
 
     def conversation_keys_of(self, tokens: Sequence[int]) -> list[bytes]:
         """The keys of every block of `tokens` as a prefix of a longer prompt (its end included

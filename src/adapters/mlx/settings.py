@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from statecore.prefix import MessageBlocks
 from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE
 
 __all__ = ["Settings"]
@@ -48,3 +49,8 @@ class Settings:
     # host block comes back to the device rather than being computed
     prefix_host_bytes: int = 0
     prefix_host_pull: str = "auto"
+    # Where a prefill block ends after an end-of-turn token (statecore.prefix.block_bounds):
+    # "all": after every one but a prompt's last, in every prompt; "long": after every one, only
+    # in prompts longer than a chunk (shorter ones are one call, and may share a padded call, but
+    # are never reused)
+    message_blocks: MessageBlocks = "all"

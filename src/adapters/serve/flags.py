@@ -281,10 +281,17 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
     engine.add_argument("--prefill-chunk-size", type=_whole(1), default=None,
                         help="tokens per prefill call, and the prefix cache's block (prompts are reused in "
-                             "whole blocks; a block also ends at a chat message's end inside a prompt "
-                             "longer than one); must be equal on every node (default "
+                             "whole blocks; a block also ends at a chat message's end, see "
+                             "--message-blocks); must be equal on every node (default "
                              f"{DEFAULT_CHUNK_TOKENS}; 2048 on MLX's CUDA backend, where smaller calls are "
                              "bound by the host's kernel launches)")
+    engine.add_argument("--message-blocks", default="all", choices=("all", "long"),
+                        help="where a prefill block also ends right after a chat message's end-of-turn "
+                             "token: all (after every one but the prompt's last, in every prompt, so a "
+                             "shared system prompt is reused however short the prompts), long (after "
+                             "every one, only in prompts longer than a chunk: a shorter one is one call "
+                             "and may share a padded call with others, but is never reused); must be "
+                             "equal on every node (default all)")
     engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
