@@ -241,7 +241,7 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     machine; model_1b
     timeout "${RULE_LIMIT:-420}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
       --servers single,single_nocache,single_long,single_long_nocache --conversations 32 --rounds 2 \
-      --documents 3 --document-tokens 1500 --startup-timeout 120 --out "$OUT/prefix_rule" 2>&1 | quiet | tail -28
+      --documents 3 --document-tokens 1500 --startup-timeout 120 --device-shared-by 4 --out "$OUT/prefix_rule" 2>&1 | quiet | tail -28
     vs_mlx_lm $M 6 192 200 sbs_rule
     ;;
   conversation-route)

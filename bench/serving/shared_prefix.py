@@ -187,6 +187,9 @@ def main() -> int:
                              "completions: one text, shared part then own")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled", "defaults"], default="auto")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--device-shared-by", type=int, default=1,
+                        help="statecore's engine processes sharing one GPU (each node sizes its memory "
+                             "to its share: four single nodes on one H100 ran out of memory without it)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_prefix")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -199,6 +202,8 @@ def main() -> int:
     servers = []
     for name in names:
         flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name, [])]
+        if name != "mlx_lm" and args.device_shared_by > 1:
+            flags.append(f"--device-shared-by={args.device_shared_by}")
         kind = name if name == "mlx_lm" else "cluster" if name.startswith("cluster") else "single"
         (server,) = make_servers(model, args.out, [kind], flags)
         server.name, server.log = name, args.out / f"{name}.log"
