@@ -126,16 +126,10 @@ def enabled() -> bool:
 
 
 def _spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
-    """Each evaluated, contiguous array's (address, bytes); others are left to faults."""
-    import mlx.core as mx
-    import numpy as np
-
-    spans = []
-    for array in arrays:
-        view = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
-        if view.flags.c_contiguous and view.nbytes:
-            spans.append((int(view.ctypes.data), int(view.nbytes)))
-    return spans
+    """Each evaluated, contiguous array's (address, bytes), read through its buffer (no MLX op:
+    a worker thread builds and evaluates nothing); others are left to faults."""
+    views: list[memoryview] = [memoryview(array) for array in arrays]
+    return _run_spans([view for view in views if view.c_contiguous])
 
 
 def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None:
@@ -154,7 +148,7 @@ def _run_spans(runs: Sequence[Any]) -> list[tuple[int, int]]:
 
     spans = []
     for run in runs:
-        view = np.frombuffer(run, dtype=np.uint8)
+        view = np.frombuffer(memoryview(run).cast("B"), dtype=np.uint8)
         if view.nbytes:
             spans.append((int(view.ctypes.data), int(view.nbytes)))
     return spans
