@@ -1,12 +1,11 @@
-"""`adapters.mlx.managed_memory`: what it would move, and that it moves nothing where it must not
-(the CPU, or not asked for): the bulk moves themselves need MLX's CUDA backend
-(`bench/handoff/managed_prefetch.py` times them there)."""
+"""`adapters.mlx.managed_memory`: what it would move, and that it moves nothing on the CPU: the
+bulk moves themselves need MLX's CUDA backend (`bench/handoff/managed_prefetch.py` times them
+there)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from adapters.kv import codec
 from adapters.mlx import managed_memory
@@ -17,18 +16,12 @@ def test_spans_are_each_contiguous_arrays_own_bytes() -> None:
     whole = mx.arange(12, dtype=mx.float32)
     strided = mx.ones((4, 4))[:, :2]
     mx.eval(halves, whole, strided)
-    spans = managed_memory._spans([halves, whole, strided])
+    spans = managed_memory.spans([halves, whole, strided])
     assert spans == [(np.asarray(codec.wire_view(halves)).ctypes.data, 2 * 4 * 8 * 2),
                      (np.asarray(whole).ctypes.data, 12 * 4)]  # a strided view is left to faults
 
 
-@pytest.mark.parametrize("setting", [None, "on"])
-def test_nothing_moves_on_the_cpu_asked_or_not(setting: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    if setting is None:
-        monkeypatch.delenv(managed_memory.PREFETCH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(managed_memory.PREFETCH_ENV, setting)
-    monkeypatch.setattr(managed_memory, "_probed", False)
+def test_nothing_moves_on_the_cpu() -> None:
     arrays = [mx.ones((3, 5))]
     mx.eval(arrays)
     before = np.array(arrays[0])

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "spans", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -125,9 +125,10 @@ def enabled() -> bool:
     return _get() is not None
 
 
-def _spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
-    """Each evaluated, contiguous array's (address, bytes), read through its buffer (no MLX op:
-    a worker thread builds and evaluates nothing); others are left to faults."""
+def spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
+    """What a move of `arrays` moves: each evaluated, contiguous array's (address, bytes), read
+    through its buffer (no MLX op: a worker thread builds and evaluates nothing); others are left
+    to faults."""
     views: list[memoryview] = [memoryview(array) for array in arrays]
     return _run_spans([view for view in views if view.c_contiguous])
 
@@ -137,7 +138,7 @@ def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None
     if runtime is None or not arrays:
         return
     try:
-        runtime.prefetch(_run_spans(arrays) if runs else _spans(arrays), to_device=to_device)
+        runtime.prefetch(_run_spans(arrays) if runs else spans(arrays), to_device=to_device)
     except OSError as exc:
         runtime.failed = True
         logger.warning("moving KV memory in bulk failed (%s): pages move by faults from now on", exc)
