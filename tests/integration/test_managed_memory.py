@@ -28,5 +28,5 @@ def test_nothing_moves_on_the_cpu() -> None:
     assert not managed_memory.enabled()
     managed_memory.to_host(arrays)
     managed_memory.to_device(arrays)
-    managed_memory.runs_to_host([memoryview(np.asarray(arrays[0]).tobytes())])
+    managed_memory.to_host([memoryview(np.asarray(arrays[0]).tobytes())])
     assert np.array_equal(np.array(arrays[0]), before)

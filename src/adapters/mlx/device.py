@@ -202,6 +202,7 @@ class DeviceLoop:
         """Every job queued now; with `wait` (nothing to compute), first the next one to come, or
         none after `timeout` seconds (None: as long as it takes)."""
         jobs: list[Job[Any] | Stop | Crash] = []
+        self.taken = jobs  # (the last take's jobs, done now, are not held while this one waits)
         if wait:
             self.idle = True
             with contextlib.suppress(queue.Empty):
@@ -213,7 +214,6 @@ class DeviceLoop:
             try:
                 jobs.append(self.queue.get_nowait())
             except queue.Empty:
-                self.taken = jobs
                 return jobs
 
     def run(self) -> None:

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "runs_to_host", "spans", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "enabled", "spans", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -125,44 +125,35 @@ def enabled() -> bool:
     return _get() is not None
 
 
-def spans(arrays: Sequence[Any]) -> list[tuple[int, int]]:
-    """What a move of `arrays` moves: each evaluated, contiguous array's (address, bytes), read
-    through its buffer (no MLX op: a worker thread builds and evaluates nothing); others are left
-    to faults."""
-    views: list[memoryview] = [memoryview(array) for array in arrays]
-    return _run_spans([view for view in views if view.c_contiguous])
+def spans(buffers: Sequence[Any]) -> list[tuple[int, int]]:
+    """What a move of `buffers` (evaluated arrays, or host byte runs of them) moves: each
+    contiguous one's (address, bytes), read through its buffer (no MLX op: a worker thread builds
+    and evaluates nothing); others are left to faults."""
+    import numpy as np
+
+    found = []
+    for buffer in buffers:
+        view = memoryview(buffer)
+        if view.c_contiguous and view.nbytes:
+            found.append((int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data), view.nbytes))
+    return found
 
 
-def _move(arrays: Sequence[Any], *, to_device: bool, runs: bool = False) -> None:
+def _move(buffers: Sequence[Any], *, to_device: bool) -> None:
     runtime = _get()
-    if runtime is None or not arrays:
+    if runtime is None or not buffers:
         return
     try:
-        runtime.prefetch(_run_spans(arrays) if runs else spans(arrays), to_device=to_device)
+        runtime.prefetch(spans(buffers), to_device=to_device)
     except OSError as exc:
         runtime.failed = True
         logger.warning("moving KV memory in bulk failed (%s): pages move by faults from now on", exc)
 
 
-def _run_spans(runs: Sequence[Any]) -> list[tuple[int, int]]:
-    import numpy as np
-
-    spans = []
-    for run in runs:
-        view = np.frombuffer(memoryview(run).cast("B"), dtype=np.uint8)
-        if view.nbytes:
-            spans.append((int(view.ctypes.data), int(view.nbytes)))
-    return spans
-
-
-def runs_to_host(runs: Sequence[memoryview]) -> None:
-    """`to_host` for arrays already seen as host byte runs (`frames.HostTensors.runs`)."""
-    _move(runs, to_device=False, runs=True)
-
-
-def to_host(arrays: Sequence[Any]) -> None:
-    """Move evaluated arrays the GPU computed into host memory, and wait: the host reads them next."""
-    _move(arrays, to_device=False)
+def to_host(buffers: Sequence[Any]) -> None:
+    """Move evaluated arrays the GPU computed (or host byte runs of them, as
+    `frames.HostTensors.runs`) into host memory, and wait: the host reads them next."""
+    _move(buffers, to_device=False)
 
 
 def to_device(arrays: Sequence[Any]) -> None:

@@ -36,7 +36,8 @@ def _built(validated: Any) -> list[Any]:
     the device reads it (`managed_memory.to_device`: here, in the worker thread that built them,
     rather than by faults on the step that reads them)."""
     built: list[Any] = codec.build_caches(validated).caches
-    managed_memory.to_device([array for cache in built for array in _arrays(cache)])
+    if managed_memory.enabled():  # (a cache's `state` may build new arrays: not when nothing moves)
+        managed_memory.to_device([array for cache in built for array in _arrays(cache)])
     return built
 
 

@@ -294,7 +294,7 @@ class Performer:
             cache = self.device.gather_heads(cache)
         tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
                                      token_count=held.prompt_tokens)
-        managed_memory.runs_to_host(tensors.runs)  # read by the host next (on CUDA: in bulk now)
+        managed_memory.to_host(tensors.runs)  # read by the host next (on CUDA: in bulk now)
         return tensors
 
     # -- the prefix cache ----------------------------------------------------------------------
@@ -311,7 +311,7 @@ class Performer:
         mx.eval([c.state for c in cache])
         tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
                                      token_count=cache[0].offset)
-        managed_memory.runs_to_host(tensors.runs)
+        managed_memory.to_host(tensors.runs)
         return tensors
 
     def evict_prefixes(self, nbytes: int) -> int:
