@@ -2,7 +2,8 @@
 what the target model would have drawn anyway.
 
 When at most `max_rows` requests decode (one by default) and each may speculate (no grammar, no
-logits shaping, no logprobs asked for), a step first reads the previous step back (a draft needs the
+logits shaping, no logprobs asked for, no LoRA adapter named: the load check below measures the
+base model's calls), a step first reads the previous step back (a draft needs the
 latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.NgramIndex`)
 and, if any, computes one *verify step*: every row's last token and its drafts as rows of one
 slot-lane call, all in the row's own slot at consecutive positions (each row attends its slot up to
@@ -184,7 +185,7 @@ class Speculator:
         sampler = live.sampler
         sampling = sampler.sampling
         return (live.slot is not None and not live.staging and sampler.constraint is None
-                and not sampling.shapes_logits and sampling.logprobs is None)
+                and not sampling.shapes_logits and sampling.logprobs is None and sampling.adapter is None)
 
     # -- a step --------------------------------------------------------------------------------
 
