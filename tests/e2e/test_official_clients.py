@@ -312,6 +312,26 @@ def test_a_draft_model_on_the_decode_node_changes_no_token(cluster: Cluster, par
     assert cluster.single.stats()["speculative"]["steps"] == 0
 
 
+def test_a_request_s_num_draft_tokens(cluster: Cluster) -> None:
+    """`num_draft_tokens` (mlx_lm.server's, in `extra_body`) travels with the request to the
+    decode node: 0 decodes it without speculation, 1 checks one draft per verify step (the node's
+    3 is the most); the tokens are the single node's either way; -1 is a 400 naming the field."""
+    chat: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 30, "temperature": 0}
+    expected = same_on_both(cluster, lambda node: client(node).chat.completions.create(**chat).model_dump())
+    for asked in (0, 1):
+        before = speculated(cluster)
+        answer = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+            **chat, extra_body={"num_draft_tokens": asked}).model_dump())  # noqa: B023 (called at once)
+        assert answer == expected
+        after = speculated(cluster)
+        steps, drafted = after["steps"] - before["steps"], after["drafted"] - before["drafted"]
+        assert (steps > 0, drafted) == (asked > 0, steps * asked), (asked, before, after)
+    for node in (cluster.single, cluster.router):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(node).chat.completions.create(**chat, extra_body={"num_draft_tokens": -1})
+        assert refused.value.param == "num_draft_tokens"
+
+
 def test_nothing_is_left_behind(cluster: Cluster) -> None:
     assert_no_leaks(cluster.nodes)
     for node in (*cluster.prefill, *cluster.decode):

@@ -3,11 +3,13 @@ what the target model would have drawn anyway.
 
 When at most `max_rows` requests decode (one by default) and each may speculate (no grammar, no
 logits shaping, no logprobs asked for, no LoRA adapter named: the load check below measures the
-base model's calls), a step first reads the previous step back (a draft needs the
-latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.NgramIndex`)
-and, if any, computes one *verify step*: every row's last token and its drafts as rows of one
-slot-lane call, all in the row's own slot at consecutive positions (each row attends its slot up to
-its own position, so row i sees the keys the rows before it wrote). A draft stands while it equals
+base model's calls; not `num_draft_tokens` 0), a step first reads the previous step back (a
+draft needs the latest token), drafts tokens for each due row (up to the node's
+`num_draft_tokens`, or the request's where it asks for fewer) by prompt lookup
+(`statecore.speculation.NgramIndex`) or the draft model and, if any, computes one *verify
+step*: every row's last token and its drafts as rows of one slot-lane call, all in the row's own
+slot at consecutive positions (each row attends its slot up to its own position, so row i sees the
+keys the rows before it wrote). A draft stands while it equals
 the token the target draws at its position (the argmax; for a seeded row the draw keyed by (seed,
 position)), so a request emits the tokens it emits without speculation. Those tokens come from the
 verify step's logits, which equal an ordinary step's only when the call's row count picks the same
@@ -185,7 +187,8 @@ class Speculator:
         sampler = live.sampler
         sampling = sampler.sampling
         return (live.slot is not None and not live.staging and sampler.constraint is None
-                and not sampling.shapes_logits and sampling.logprobs is None and sampling.adapter is None)
+                and not sampling.shapes_logits and sampling.logprobs is None and sampling.adapter is None
+                and sampling.num_draft_tokens != 0)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -287,7 +290,9 @@ class Speculator:
         drafts: list[Any] = []
         for live in rows:
             row = self.rows[live.request_id]
-            wanted = min(self.num_draft_tokens, room, live.remaining - 1)
+            asked = live.sampler.sampling.num_draft_tokens  # the request's own cap, under the node's
+            most = self.num_draft_tokens if asked is None else min(asked, self.num_draft_tokens)
+            wanted = min(most, room, live.remaining - 1)
             if not row.pace.due or wanted <= 0:
                 drafts.append([])
                 continue
