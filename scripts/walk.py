@@ -93,6 +93,9 @@ class Walk:
               f"on the request's path, {len(told)} to and from the observers")
         for a, b in crossing:
             print(f"  {a} -> {b}")
+        every = [(a, b) for a, b in self.pairs if a.split("/")[0] != b.split("/")[0]]
+        print(f"everything counted (path, observers and engine): {len(self.files)} files, "
+              f"{len(every)} layer crossings")
 
 
 async def _chat_twice(app: Any, model: str, before_trace: Callable[[], None] = lambda: None) -> Walk:
