@@ -10,9 +10,10 @@ mapped here too, to the same codes. Where a decode node reads a prefill node's K
 `KvSources`' to know: the prefill node's KV plane (a socket of its own for KV bodies,
 `adapters.kv.plane`) when this node can reach it, and its shared memory (`adapters.kv.shm`) when
 its advert proves it is on this host, each probed once per prefill node from its /internal/info
-(a plane connection that fails makes the next call probe again). https:// peers are verified against one `ssl.SSLContext`
-(`adapters.tls.client_context`: the node's `--tls-ca-file`, else the system store), for every
-call and the KV pulls alike; http:// peers stay plain. This module may import anything.
+(a plane connection that fails makes the next call probe again). https:// peers are verified
+against one `ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else
+the system store), for every call and the KV pulls alike; http:// peers stay plain. This module
+may import anything.
 """
 
 from __future__ import annotations
