@@ -14,7 +14,6 @@ __all__ = [
     "internal_guard",
     "internal_wire",
     "kv_handoff",
-    "kv_sources",
     "live_view",
     "node_api",
     "node_requests",
