@@ -6,8 +6,9 @@ Two walks, as issue 35 asks: one streamed chat request on a single node (`single
 on the real MLX engine, wired as `statecore run` wires it), and one handoff through an in-process
 1P1D cluster (`handoff`: router, prefill and decode nodes over ASGI, fake engines; `--pull` for the
 pulled handoff), which also lists the HTTP calls between the nodes. The engine's own files
-(`adapters/mlx`, `effects/fakes.py`) are counted apart. A second request is the one traced, so
-that start-up and first-call work stays out.
+(`adapters/mlx`, `effects/fakes.py`) are counted apart; the last line counts everything (the
+request's path, the observers and the engine), which is how issue 35 counted the walks before.
+A second request is the one traced, so that start-up and first-call work stays out.
 
     .venv/bin/python scripts/walk.py single
     .venv/bin/python scripts/walk.py handoff [--pull]
@@ -93,6 +94,9 @@ class Walk:
               f"on the request's path, {len(told)} to and from the observers")
         for a, b in crossing:
             print(f"  {a} -> {b}")
+        every = [(a, b) for a, b in self.pairs if a.split("/")[0] != b.split("/")[0]]
+        print(f"everything counted (path, observers and engine): {len(self.files)} files, "
+              f"{len(every)} layer crossings")
 
 
 async def _chat_twice(app: Any, model: str, before_trace: Callable[[], None] = lambda: None) -> Walk:

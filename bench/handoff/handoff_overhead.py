@@ -130,8 +130,9 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
     gpus = args.gpus or [None, None, None]
     # no prefix cache: the streamed and the pulled setup send the same prompt to one prefill node,
     # and the second would measure a hit instead of a prefill
+    logging = ["--log-level", "INFO", "--log-transitions"] if args.transitions else []
     common = ["--model", str(model), "--internal-token", token, "--prefix-cache-bytes=0",
-              *args.node_arg]
+              *logging, *args.node_arg]
     engines = {role: start_on(Node(role, common, logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
     for i, node in enumerate(engines.values()):
@@ -142,7 +143,7 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
         routers[mode] = Node("router", ["--model", str(model), "--internal-token", token,
                                         "--force-disaggregation", "--kv-handoff", mode,
                                         "--prefill", engines["prefill"].url,
-                                        "--decode", engines["decode"].url],
+                                        "--decode", engines["decode"].url, *logging],
                              logs / f"router-{mode}.log")
         routers[mode].start()
     for node in routers.values():
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                              "once its prefill is done; but a pull's export, or the last pieces' "
                              "copy, runs there in the window)")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
+    parser.add_argument("--transitions", action="store_true",
+                        help="every node and router logs each request's transitions (INFO, ms stamps): "
+                             "bench/phase_times.py LOGS/*.log shows where a request's time went")
     parser.add_argument("--background-streams", type=int, default=0)
     parser.add_argument("--background-max-tokens", type=int, default=2000)
     parser.add_argument("--startup-timeout", type=float, default=900.0)

@@ -6,7 +6,9 @@ host built (the decode node's write into a slot), each move the pages by faults,
 time. This times both directions for a 1B-shaped cache (16 layers, 8 KV heads of 64, bf16: 32 KiB
 a token), plain and after a bulk prefetch of the same bytes, median of --reps:
 
-- `to host`: freshly computed arrays copied into a host buffer (numpy), as `ShmOutbox.put` does;
+- `to host`: freshly computed arrays copied into a host buffer (numpy), as `ShmOutbox.put` does:
+  read where they are (by faults), after a bulk prefetch, and copied out by the copy engine first
+  (`adapters.mlx.managed_memory.host_copies`, `STATECORE_CUDA_PREFETCH=copy`, which this sets);
 - `to device`: arrays built from host memory written into a slot buffer and evaluated, as a
   staged piece is.
 
@@ -30,6 +32,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+os.environ["STATECORE_CUDA_PREFETCH"] = "copy"  # before the product's module reads it
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+from adapters.mlx import managed_memory
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
 
@@ -114,6 +120,28 @@ def to_host(tokens: int, runtime: Runtime | None, seed: int) -> float:
     return time.perf_counter() - start
 
 
+def to_host_copied(tokens: int, seed: int) -> float:
+    """The copy engine's copies (the product's `host_copies`), then the same host copy."""
+    arrays = fresh_cache(tokens, seed)
+    views = [host_view(a) for a in arrays]
+    out = np.empty(sum(v.nbytes for v in views), dtype=np.uint8)
+    start = time.perf_counter()
+    copies = managed_memory.host_copies([codec_view(a) for a in arrays])
+    pos = 0
+    for c in copies:
+        flat = np.asarray(c).reshape(-1).view(np.uint8)
+        np.copyto(out[pos : pos + flat.nbytes], flat)
+        pos += flat.nbytes
+    elapsed = time.perf_counter() - start
+    if not np.array_equal(out[: views[0].nbytes], views[0].reshape(-1).view(np.uint8)):
+        raise RuntimeError("the copy engine's copy differs from the array")
+    return elapsed
+
+
+def codec_view(array: Any) -> Any:
+    return array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+
+
 def to_device(tokens: int, runtime: Runtime | None, seed: int, pool: list[Any]) -> float:
     rng = np.random.default_rng(seed)
     shape = (1, KV_HEADS, tokens, HEAD_DIM)
@@ -146,18 +174,19 @@ def main() -> None:
         runtime.open_stream()
     print(f"# device {mx.default_device()}; CUDA runtime {runtime.path} version {runtime.version}; "
           f"prefetch {'on' if usable else 'not available'}")
-    print("| tokens | MiB | to host plain ms | to host prefetched ms | ratio "
-          "| to device plain ms | to device prefetched ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens | MiB | to host plain ms | to host prefetched ms | ratio | to host copy engine ms "
+          "| ratio | to device plain ms | to device prefetched ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         slots = (4, KV_HEADS, max(args.tokens), HEAD_DIM)
         pool = [mx.zeros(slots, dtype=mx.bfloat16) for _ in range(2 * LAYERS)]
         mx.eval(pool)
-        rows: dict[str, list[float]] = {"hp": [], "hf": [], "dp": [], "df": []}
+        rows: dict[str, list[float]] = {"hp": [], "hf": [], "hc": [], "dp": [], "df": []}
         for rep in range(args.reps + 1):  # the first is a warm-up
             got = {"hp": to_host(tokens, None, rep), "dp": to_device(tokens, None, rep, pool)}
             if usable:
                 got["hf"] = to_host(tokens, runtime, rep + 100)
+                got["hc"] = to_host_copied(tokens, rep + 200)
                 got["df"] = to_device(tokens, runtime, rep + 100, pool)
             if rep:
                 for key, value in got.items():
@@ -165,6 +194,7 @@ def main() -> None:
         med = {k: statistics.median(v) if v else float("nan") for k, v in rows.items()}
         mib = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2 / (1 << 20)
         print(f"| {tokens} | {mib:.0f} | {med['hp']:.1f} | {med['hf']:.1f} | {med['hf'] / med['hp']:.2f} | "
+              f"{med['hc']:.1f} | {med['hc'] / med['hp']:.2f} | "
               f"{med['dp']:.1f} | {med['df']:.1f} | {med['df'] / med['dp']:.2f} |")
 
 

@@ -69,6 +69,7 @@ from statecore.intents import (
     peer_kind,
 )
 from statecore.phases import LoopPhase, PeerPhase
+from statecore.policy import STOP
 from statecore.table import PEER_HEALTH, SERVING_LOOP, Edge, Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -225,7 +226,7 @@ def _build_request_intent(
                 return Reject(rid, bug(missing, Code.ILLEGAL_TRANSITION))
             return RespondToken(rid, *carried)
         case IntentKind.COMPLETE:
-            return Complete(rid, _normal_end(event) or "stop")
+            return Complete(rid, _normal_end(event) or STOP)
         case IntentKind.REJECT:
             return Reject(rid, _edge_error(edge, phase, event))
         case (

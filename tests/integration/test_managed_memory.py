@@ -1,6 +1,6 @@
-"""`adapters.mlx.managed_memory`: what it would move, and that it moves nothing on the CPU: the
-bulk moves themselves need MLX's CUDA backend (`bench/handoff/managed_prefetch.py` times them
-there)."""
+"""`adapters.mlx.managed_memory`: what it would move, and that it moves or copies nothing on the CPU:
+the bulk moves and the copy engine's copies need MLX's CUDA backend
+(`bench/handoff/managed_prefetch.py` times them there)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,5 @@ def test_nothing_moves_on_the_cpu() -> None:
     managed_memory.to_device(arrays)
     managed_memory.to_host([memoryview(np.asarray(arrays[0]).tobytes())])
     assert np.array_equal(np.array(arrays[0]), before)
+    # nothing is copied out either: the host reads the arrays where they are
+    assert all(copy is array for copy, array in zip(managed_memory.host_copies(arrays), arrays, strict=True))

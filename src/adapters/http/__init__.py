@@ -1,6 +1,6 @@
 """HTTP: what nodes serve and how they call each other. API keys for the public API (which is
 `adapters.frontend`), the node's internal API (`node_api`, put together from `node_status`,
-`node_requests`, `kv_handoff` and `prefix_blocks`, each route behind `internal_guard`) and its wire
+`node_requests`, `kv_handoff` and `prefix_blocks`, each route guarded by `internal_wire`) and its wire
 models, the live view, streaming responses that notice a gone client, and the httpx client that
 calls peers (the KV itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
 
@@ -11,10 +11,8 @@ May import anything; nothing in `statecore` or `effects` may import this package
 # package stays free).
 __all__ = [
     "api_keys",
-    "internal_guard",
     "internal_wire",
     "kv_handoff",
-    "kv_sources",
     "live_view",
     "node_api",
     "node_requests",

@@ -1,15 +1,24 @@
-"""The JSON shapes nodes exchange on their internal endpoints, validated with pydantic.
+"""The nodes' internal endpoints as a contract: the JSON shapes they exchange, validated with
+pydantic, and what every internal route does before and after its own work (require the shared
+token when one is configured, read the body up to a limit, validate it, answer a
+`StatecoreError` as its JSON error).
 
-Shared by the server side (`adapters.http.node_api`) and the client side (`adapters.http.peers_httpx`)
-so the two can never drift. Token ids, sampling and errors travel as small JSON documents;
-KV bytes never do (they use `adapters.kv`). This module may import anything.
+The shapes are shared by the server side (`adapters.http.node_api` and the route groups it
+composes) and the client side (`adapters.http.peers_httpx`) so the two can never drift. Token
+ids, sampling and errors travel as small JSON documents; KV bytes never do (they use
+`adapters.kv`). This module may import anything.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from effects.ports import (
     DecodeMessage,
@@ -21,7 +30,7 @@ from effects.ports import (
     PrefixSummary,
     SamplingParams,
 )
-from statecore.errors import Code, ErrorInfo, Fault
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import Finished, TokenGenerated, TokenLogprobs
 from statecore.intents import Complete, Reject, RespondToken
 
@@ -309,11 +318,66 @@ def info_from_json(doc: dict[str, object]) -> ModelInfo:
     )
 
 
+# What every internal route does before and after its own work
+
+Handler = Callable[[Request], Awaitable[Response]]
+MAX_INTERNAL_BODY = 64 << 20
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def error_response(error: ErrorInfo) -> JSONResponse:
+    return JSONResponse(error_json(error), status_code=error.http_status)
+
+
+def token_refusal(token: str | None, given: str) -> ErrorInfo | None:
+    """Why a request that gave `given` as the internal token is refused (None: it is not)."""
+    if token is None or hmac.compare_digest(given.encode(), token.encode()):
+        return None
+    return ErrorInfo(Fault.CLIENT, Code.UNAUTHORIZED, "missing or wrong internal token")
+
+
+def guarded(token: str | None, handler: Handler) -> Handler:
+    """Require the shared token (when one is set) and map StatecoreError to its response."""
+
+    async def wrapped(request: Request) -> Response:
+        refused = token_refusal(token, request.headers.get(TOKEN_HEADER, ""))
+        if refused is not None:
+            return error_response(refused)
+        try:
+            return await handler(request)
+        except StatecoreError as exc:
+            return error_response(exc.info)
+
+    return wrapped
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused as soon as it grows past the limit (never buffered whole)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_INTERNAL_BODY:
+            raise StatecoreError(client_error("body too large", Code.BODY_TOO_LARGE))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def validated(model: type[Body], raw: bytes) -> Body:
+    """`raw` as `model`, or a client error naming the first problems."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise StatecoreError(client_error(f"invalid internal request: {exc.errors()[:3]}")) from exc
+
+
 __all__ = [
     "CACHED_TOKENS_PARAM",
+    "MAX_INTERNAL_BODY",
     "REQUEST_ID_HEADER",
     "TOKEN_HEADER",
     "DecodeBody",
+    "Handler",
     "PrefillBody",
     "PrefillReplyBody",
     "PrefixFromBody",
@@ -322,8 +386,13 @@ __all__ = [
     "SamplingBody",
     "error_from_json",
     "error_json",
+    "error_response",
+    "guarded",
     "info_from_json",
     "info_json",
     "output_line",
     "parse_output_line",
+    "read_body",
+    "token_refusal",
+    "validated",
 ]

@@ -22,8 +22,16 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from adapters.http.internal_guard import read_body, token_refusal, validated
-from adapters.http.internal_wire import TOKEN_HEADER, PrefillBody, PrefillReplyBody, error_json, prefix_source
+from adapters.http.internal_wire import (
+    TOKEN_HEADER,
+    PrefillBody,
+    PrefillReplyBody,
+    error_json,
+    prefix_source,
+    read_body,
+    token_refusal,
+    validated,
+)
 from adapters.http.node_status import NodeStatus
 from adapters.http.segment_copies import CopyFinished, SegmentCopies
 from adapters.http.streaming import WatchedStream

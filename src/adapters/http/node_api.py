@@ -2,7 +2,7 @@
 together from the parts that serve them. `node_status` (health, info, stats, handoffs, and whether
 the node takes a request now), `node_requests` (the router's prefill, decode and cancel),
 `kv_handoff` (a prefill node's held KV and streamed handoff, over HTTP and the KV plane),
-`prefix_blocks` (the prefix cache's summary and blocks); `internal_guard` gives each route the
+`prefix_blocks` (the prefix cache's summary and blocks); `internal_wire.guarded` gives each route the
 shared token check (`X-Statecore-Token`, when one is configured), the body limit and the error
 mapping. Prefill node: `/internal/prefill`, `/internal/prefill_stream`, `GET` / `DELETE
 /internal/kv/{id}`; decode and single nodes: `/internal/decode`, `/internal/prefix_kv`; every
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from adapters.http.internal_guard import MAX_INTERNAL_BODY, guarded
+from adapters.http.internal_wire import MAX_INTERNAL_BODY, guarded
 from adapters.http.kv_handoff import KvHandoff, SharedPieces
 from adapters.http.node_requests import NodeRequests
 from adapters.http.node_status import CORE_PROCESS, DEVICE_THREAD, NodeStatus

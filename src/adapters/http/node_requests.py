@@ -18,15 +18,17 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from adapters.http.internal_guard import error_response, read_body, validated
 from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
     DecodeBody,
     LogprobsBody,
     PrefillBody,
     PrefillReplyBody,
+    error_response,
     output_line,
     prefix_source,
+    read_body,
+    validated,
 )
 from adapters.http.node_status import NodeStatus
 from adapters.http.streaming import WatchedStream

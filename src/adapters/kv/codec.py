@@ -430,16 +430,17 @@ def wire_view(array: Any) -> Any:
 def kv_piece_tensors(arrays: Sequence[Any], *, dtype: Any, fingerprint: str,
                      token_count: int) -> HostTensors:
     """Plain `KVCache` layers of exactly `token_count` positions (keys then values of each, of
-    `dtype`, as `wire_view` made them, evaluated with their step) as `host_tensors` makes them of
-    the same layers: the same header and bytes, read on the device thread as a streamed prefill
-    hands its pieces out. It neither rebuilds each layer to check that it travels (a plain
-    KVCache does) nor evaluates anything."""
+    `dtype`, as `wire_view` made them, evaluated with their step, or host copies of those) as
+    `host_tensors` makes them of the same layers: the same header and bytes, read on the device
+    thread as a streamed prefill hands its pieces out. It neither rebuilds each layer to check
+    that it travels (a plain KVCache does) nor evaluates anything."""
     if len(arrays) % 2:
         raise StatecoreError(bug(f"a KV piece takes keys and values per layer, got {len(arrays)} arrays"))
     _check_encode_args(fingerprint, token_count, len(arrays) // 2)
     name = _DTYPE_NAMES[dtype]
     wire = _DTYPES[name][1]
-    mx.eval(*arrays)  # computed with their step: nothing left to compute, this only waits for it
+    # computed with their step: nothing left to compute, this only waits for it
+    mx.eval(*[array for array in arrays if isinstance(array, mx.array)])
     layers: list[dict[str, Any]] = []
     runs: list[memoryview] = []
     for index in range(0, len(arrays), 2):

@@ -60,6 +60,9 @@ class PieceHandout:
     def __call__(self, where: tuple[int, int, int, int], arrays: list[Any], dtype: Any,
                  last_step_started: bool) -> None:
         start, stop, first_layer, end_layer = where
+        mx.eval(*arrays)  # computed with their step: this only waits for it
+        # on CUDA with `copy`, the copy engine's copies in host memory, read from here on
+        arrays = managed_memory.host_copies(arrays)
         tensors = codec.kv_piece_tensors(arrays, dtype=dtype, fingerprint=self._fingerprint,
                                          token_count=stop - start)
         post(self._trio_token, self._segments, KvSegment(start, stop, first_layer, end_layer,

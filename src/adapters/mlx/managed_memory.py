@@ -3,15 +3,20 @@
 MLX's CUDA backend allocates every array as CUDA managed memory, which the driver moves page by
 page on first touch: the host reading KV that the GPU computed (a prefill node copying a piece
 into shared memory, or checksumming it), and the GPU reading an array the host built (a decode
-node writing a piece into its slot), each wait on faults that move a few KiB at a time.
-`to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in bulk
-(`cudaMemPrefetchAsync` on a stream of the calling thread's own, so that waiting for it never
-waits for the model's kernels), then wait for it. Only with `STATECORE_CUDA_PREFETCH=on` (off
-by default until it is measured on a GPU), and where MLX runs on CUDA and the runtime loads;
-elsewhere they do nothing. A runtime error turns them off for the process (logged once): the
-pages then move by faults, as before, and nothing else changes (the bytes are the same either
-way). This module imports ctypes, numpy and mlx; never
-trio.
+node writing a piece into its slot), each wait on faults that move a few KiB at a time, and the
+faults the host takes on pages the GPU holds hold up the kernels running meanwhile. With
+`STATECORE_CUDA_PREFETCH` (environment, every engine node):
+- `on`: `to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in bulk
+  (`cudaMemPrefetchAsync`);
+- `copy`: KV leaving the GPU is copied out by the copy engine instead (`host_copies`:
+  `cudaMemcpyAsync` into host memory of its own; the pages stay where they are), and KV arriving
+  is moved in bulk as with `on`;
+- `off` (the default until measured on a GPU): nothing here moves anything.
+Each on a stream of the calling thread's own, so that waiting for it never waits for the model's
+kernels. Only where MLX runs on CUDA and the runtime loads; elsewhere nothing moves. A runtime
+error turns the moves off for the process (logged once): pages then move by faults, as before,
+and nothing else changes (the bytes are the same either way). This module imports ctypes, numpy
+and mlx; never trio.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "spans", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "enabled", "host_copies", "spans", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -34,6 +39,8 @@ PREFETCH_ENV: Final = "STATECORE_CUDA_PREFETCH"
 _NON_BLOCKING: Final = 1  # cudaStreamNonBlocking
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType (CUDA 12.2 and later)
 _CPU_DEVICE_ID: Final = -1  # cudaCpuDeviceId (the CUDA 12 signature)
+_COPY_DEFAULT: Final = 4  # cudaMemcpyDefault: the direction from the (unified) addresses
+_MODES: Final = ("off", "on", "copy")
 
 
 class _Location(ctypes.Structure):
@@ -43,8 +50,9 @@ class _Location(ctypes.Structure):
 class _Runtime:
     """The CUDA runtime's prefetch, or None where it cannot be used (see the module's paragraph)."""
 
-    def __init__(self, library: ctypes.CDLL, version: int, device: int) -> None:
+    def __init__(self, library: ctypes.CDLL, version: int, device: int, mode: str) -> None:
         self.library = library
+        self.mode = mode
         self.version = version
         self.device = device
         self.streams = threading.local()
@@ -74,6 +82,15 @@ class _Runtime:
             self.check(code, "cudaMemPrefetchAsync")
         self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
+    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
+        """(destination, source, bytes) each, on the copy engine, and wait."""
+        stream = self.stream()
+        for target, source, size in pairs:
+            code = self.library.cudaMemcpyAsync(ctypes.c_void_p(target), ctypes.c_void_p(source),
+                                                ctypes.c_size_t(size), ctypes.c_int(_COPY_DEFAULT), stream)
+            self.check(code, "cudaMemcpyAsync")
+        self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
     def check(self, code: int, call: str) -> None:
         if code != 0:
             raise OSError(f"{call} answered CUDA error {code}")
@@ -87,7 +104,10 @@ _probed = False
 def _load() -> _Runtime | None:
     import mlx.core as mx
 
-    if os.environ.get(PREFETCH_ENV, "off") != "on":
+    mode = os.environ.get(PREFETCH_ENV, "off")
+    if mode not in _MODES:
+        logger.warning("%s=%s is none of %s: off", PREFETCH_ENV, mode, "|".join(_MODES))
+    if mode not in _MODES[1:]:
         return None
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
@@ -104,9 +124,9 @@ def _load() -> _Runtime | None:
             continue
         if library.cudaGetDevice(ctypes.byref(device)):
             continue
-        logger.info("KV pieces move between the GPU and the host in bulk (CUDA runtime %s, %d)",
-                    name, version.value)
-        return _Runtime(library, version.value, device.value)
+        logger.info("KV pieces move between the GPU and the host in bulk (%s: %s; CUDA runtime %s, %d)",
+                    PREFETCH_ENV, mode, name, version.value)
+        return _Runtime(library, version.value, device.value, mode)
     logger.info("no CUDA runtime library to load: KV pieces move between the GPU and the host by faults")
     return None
 
@@ -152,8 +172,37 @@ def _move(buffers: Sequence[Any], *, to_device: bool) -> None:
 
 def to_host(buffers: Sequence[Any]) -> None:
     """Move evaluated arrays the GPU computed (or host byte runs of them, as
-    `frames.HostTensors.runs`) into host memory, and wait: the host reads them next."""
-    _move(buffers, to_device=False)
+    `frames.HostTensors.runs`) into host memory, and wait: the host reads them next. (With
+    `copy`, nothing: `host_copies` reads them.)"""
+    runtime = _get()
+    if runtime is not None and runtime.mode == "on":
+        _move(buffers, to_device=False)
+
+
+def host_copies(buffers: Sequence[Any]) -> list[Any]:
+    """With `copy`: evaluated arrays the GPU computed (or byte runs of them) as numpy arrays of
+    their own host memory (the same shape, dtype and bytes), copied by the copy engine; otherwise,
+    or for a buffer that is not contiguous, the buffers themselves (the host then reads them where
+    they are, by faults on a GPU)."""
+    runtime = _get()
+    if runtime is None or runtime.mode != "copy" or not buffers:
+        return list(buffers)
+    import numpy as np
+
+    copies: list[Any] = list(buffers)
+    pairs = []
+    for index, buffer in enumerate(buffers):
+        view = np.asarray(buffer)  # the buffer's own memory (evaluated: nothing computed here)
+        if view.flags.c_contiguous and view.nbytes:
+            copies[index] = np.empty_like(view)
+            pairs.append((int(copies[index].ctypes.data), int(view.ctypes.data), view.nbytes))
+    try:
+        runtime.copy(pairs)
+    except OSError as exc:
+        runtime.failed = True
+        logger.warning("copying KV out of the GPU failed (%s): pages move by faults from now on", exc)
+        return list(buffers)
+    return copies
 
 
 def to_device(arrays: Sequence[Any]) -> None:

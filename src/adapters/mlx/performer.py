@@ -294,8 +294,7 @@ class Performer:
             cache = self.device.gather_heads(cache)
         tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
                                      token_count=held.prompt_tokens)
-        managed_memory.to_host(tensors.runs)  # read by the host next (on CUDA: in bulk now)
-        return tensors
+        return _read_by_the_host(tensors)
 
     # -- the prefix cache ----------------------------------------------------------------------
 
@@ -311,8 +310,7 @@ class Performer:
         mx.eval([c.state for c in cache])
         tensors = codec.host_tensors(cache, fingerprint=self.model_info.fingerprint,
                                      token_count=cache[0].offset)
-        managed_memory.to_host(tensors.runs)
-        return tensors
+        return _read_by_the_host(tensors)
 
     def evict_prefixes(self, nbytes: int) -> int:
         prefix = self.device.prefix
@@ -402,3 +400,14 @@ def not_held(request_id: str) -> StatecoreError:
     return StatecoreError(
         client_error(f"no prefilled cache is held for request {request_id!r}", Code.KV_NOT_FOUND)
     )
+
+
+def _read_by_the_host(tensors: frames.HostTensors) -> frames.HostTensors:
+    """An export's tensors as the host reads them next (framed, checksummed, copied out): on CUDA
+    moved to the host in bulk, or copied there by the copy engine (`managed_memory`)."""
+    managed_memory.to_host(tensors.runs)
+    runs = managed_memory.host_copies(tensors.runs)
+    if all(run is held for run, held in zip(runs, tensors.runs, strict=True)):  # (not ==: that reads them)
+        return tensors
+    copied = [memoryview(run).cast("B") for run in runs]
+    return frames.HostTensors(tensors.header_bytes, copied, tensors.version)
