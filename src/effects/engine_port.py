@@ -105,6 +105,10 @@ class SamplingParams:
     # A LoRA adapter among those the node serves (`--adapters NAME=PATH`), by name: every model
     # call computes this request's rows with it (adapters.mlx.lora_rows). None: the base model.
     adapter: str | None = None
+    # Speculative decoding's drafts for this request: at most this many a verify step (the node's
+    # --num-draft-tokens caps it; 0: the request never speculates). None: the node's number. It
+    # changes how fast the request decodes, never a token.
+    num_draft_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:

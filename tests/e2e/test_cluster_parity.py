@@ -205,6 +205,55 @@ def test_thinking_through_the_official_clients_with_a_budget(cluster: Cluster) -
     assert reasoned[0]["output"][0]["type"] == "reasoning"
 
 
+@LLAMA_CLUSTER
+def test_reasoning_in_chat_and_in_streamed_messages_through_the_official_clients(cluster: Cluster) -> None:
+    """On the reasoning model: the openai client's chat has the thinking in `reasoning_content`
+    (and `reasoning`) beside `content`, whole and in the streamed deltas; the anthropic client's
+    streamed thinking deltas make the thinking block its whole message has (cut at
+    `budget_tokens`); the same on the single node and the router."""
+    import anthropic
+
+    from tests.e2e.harness import openai_client
+
+    model = Path(cluster.single.args[cluster.single.args.index("--model") + 1]).name
+    chat: dict[str, Any] = {"model": model, "messages": ASK_LONG, "max_tokens": 32, "temperature": 0,
+                            "logit_bias": {"511": 10.0}}  # 511: "</think>", so that it answers too
+    nodes = (cluster.single, cluster.router)
+    whole = [without_ids(openai_client(node).chat.completions.create(**chat).model_dump()) for node in nodes]
+    assert whole[0] == whole[1]
+    message = whole[0]["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] and message["reasoning_content"]
+    assert message["content"]
+    for node in nodes:
+        reasoning = content = ""
+        for chunk in openai_client(node).chat.completions.create(**chat, stream=True):
+            for choice in chunk.choices:
+                extra = choice.delta.model_extra or {}
+                assert extra.get("reasoning") == extra.get("reasoning_content")
+                reasoning += extra.get("reasoning_content") or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == (message["reasoning_content"], message["content"])
+    capped: dict[str, Any] = {"model": model, "max_tokens": 30, "messages": ASK_LONG,
+                              "thinking": {"type": "enabled", "budget_tokens": 6},
+                              "extra_body": {"temperature": 0}}
+    finals = []
+    for node in nodes:
+        claude = anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=60.0)
+        thoughts, texts = "", ""
+        with claude.messages.stream(**capped) as stream:
+            for event in stream:
+                if event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    thoughts += event.delta.thinking
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    texts += event.delta.text
+            final = stream.get_final_message().model_dump()
+        assert [block["type"] for block in final["content"]] == ["thinking", "text"]
+        assert (thoughts, texts) == (final["content"][0]["thinking"], final["content"][1]["text"])
+        finals.append(without_ids(final))
+    assert finals[0] == finals[1]
+    assert finals[0]["content"] == without_ids(claude.messages.create(**capped).model_dump())["content"]
+
+
 def test_nothing_leaks_after_the_cases(cluster: Cluster) -> None:
     assert_no_leaks(cluster.nodes)
     for node in (*cluster.prefill, *cluster.decode):

@@ -1,6 +1,11 @@
 """The official `openai` and `anthropic` clients against a single node and a 1 prefill + 1 decode
 cluster on real processes: every served parameter and endpoint, whole and streamed, and the same
 answer from both where the output is deterministic (greedy, or seeded), ids and times aside.
+Every engine node serves a LoRA adapter (`--adapters story=...`, a request names it in
+`adapters`), and the decode node drafts with a draft model (`--draft-model`, the model itself, so
+its drafts stand): every case below that may speculate (no adapter named, no logprobs, no logits
+shaping, no grammar) runs through verify steps on the router's path and must still give the
+single node's bytes.
 
 The tiny random model never calls a tool by itself, so tools are checked here for what reaches
 the model (the same prompt on both paths, and a reply); parsing calls is tested on a scripted
@@ -14,8 +19,10 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 
+from support.tiny_adapter import build_lora_adapter
 from support.tiny_models import cached_checkpoint
 from tests.e2e.harness import Cluster, Node, assert_no_leaks, openai_client, start_cluster
 
@@ -39,7 +46,11 @@ MODEL = cached_checkpoint("llama").name  # the served name: the model directory'
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    built = start_cluster(cached_checkpoint("llama"), tmp_path_factory.mktemp("logs-clients"))
+    model = cached_checkpoint("llama")
+    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("adapter"))
+    built = start_cluster(model, tmp_path_factory.mktemp("logs-clients"),
+                          node_args=("--adapters", f"story={adapter}"),
+                          decode_args=("--draft-model", str(model), "--num-draft-tokens", "3"))
     try:
         yield built
     finally:
@@ -216,6 +227,109 @@ def test_messages_whole_and_streamed(cluster: Cluster) -> None:
         model=MODEL, system="Be brief.", messages=params["messages"]).model_dump())
     assert counted["input_tokens"] == whole["usage"]["input_tokens"]
     assert isinstance(json.loads(as_json["content"][0]["text"])["ok"], bool)
+
+
+def speculated(cluster: Cluster) -> dict[str, int]:
+    """The decode node's speculation counters (verify steps, drafts checked, drafts that stood)."""
+    counts: dict[str, int] = cluster.decode[0].stats()["speculative"]
+    return counts
+
+
+def test_a_request_s_adapter_through_the_openai_client(cluster: Cluster) -> None:
+    """`adapters` (mlx_lm.server's field, in `extra_body`) on chat and completions: the same answer
+    on the single node and through the cluster, and not the base model's; the decode node, which
+    speculates, decodes a request naming an adapter without it (and the base model's request
+    with it); a name the nodes do not serve is a 400 listing the one they do."""
+    chat: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 24, "temperature": 0}
+    before = speculated(cluster)
+    adapted = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+        **chat, extra_body={"adapters": "story"}).model_dump())
+    assert speculated(cluster) == before
+    base = same_on_both(cluster, lambda node: client(node).chat.completions.create(**chat).model_dump())
+    assert speculated(cluster)["steps"] > before["steps"]
+    assert adapted["choices"][0]["message"]["content"] != base["choices"][0]["message"]["content"]
+    completion = same_on_both(cluster, lambda node: client(node).completions.create(
+        model=MODEL, prompt=STORY, max_tokens=10, temperature=0.7, seed=3,
+        extra_body={"adapters": "story"}).model_dump())
+    assert completion["choices"][0]["text"]
+    for node in (cluster.single, cluster.router):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(node).completions.create(model=MODEL, prompt=STORY, max_tokens=4,
+                                            extra_body={"adapters": "poem"})
+        assert refused.value.param == "adapters" and "'story'" in refused.value.message
+
+
+def test_chat_template_kwargs_through_the_official_clients(cluster: Cluster) -> None:
+    """`chat_template_kwargs` (in `extra_body`) reach the template on chat, Responses and Messages
+    (the tiny template writes `date_string`): each prompt is what `/tokenize` makes of the same
+    messages and arguments, on the single node and through the cluster; an argument the server
+    passes itself is a 400 naming the field, in each API's error shape."""
+    kwargs = {"chat_template_kwargs": {"date_string": "1 Jan"}}
+    counted = same_on_both(cluster, lambda node: httpx.post(f"{node.url}/tokenize",
+                                                            json={"messages": USER, **kwargs}).json())
+    plain = same_on_both(cluster, lambda node: httpx.post(f"{node.url}/tokenize",
+                                                          json={"messages": USER}).json())
+    assert counted["count"] > plain["count"]
+    chat = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=4, temperature=0, extra_body=kwargs).model_dump())
+    response = same_on_both(cluster, lambda node: client(node).responses.create(
+        model=MODEL, input=STORY, max_output_tokens=4, temperature=0, extra_body=kwargs).model_dump())
+    message = same_on_both(cluster, lambda node: anthropic_client(node).messages.create(
+        model=MODEL, max_tokens=4, messages=USER, extra_body={"temperature": 0, **kwargs}).model_dump())
+    assert (chat["usage"]["prompt_tokens"], response["usage"]["input_tokens"],
+            message["usage"]["input_tokens"]) == (counted["count"],) * 3
+    refused = {"chat_template_kwargs": {"tokenize": False}}
+    for node in (cluster.single, cluster.router):
+        gpt = client(node)
+        with pytest.raises(openai.BadRequestError) as chat_error:
+            gpt.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, extra_body=refused)
+        with pytest.raises(openai.BadRequestError) as responses_error:
+            gpt.responses.create(model=MODEL, input=STORY, max_output_tokens=4, extra_body=refused)
+        assert chat_error.value.param == responses_error.value.param == "chat_template_kwargs"
+        with pytest.raises(anthropic.BadRequestError) as messages_error:
+            anthropic_client(node).messages.create(model=MODEL, max_tokens=4, messages=USER,
+                                                   extra_body=refused)
+        error: Any = messages_error.value.body
+        assert error["error"]["type"] == "invalid_request_error"
+        assert "chat_template_kwargs" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "seed": 11, "top_p": 0.9}],
+                         ids=["greedy", "seeded"])
+def test_a_draft_model_on_the_decode_node_changes_no_token(cluster: Cluster, params: dict[str, Any]) -> None:
+    """A chat through the cluster, whose decode node checks its draft model's guesses in verify
+    steps, whole and streamed: the single node's bytes (it decodes without speculation), and
+    drafts stood."""
+    before = speculated(cluster)
+    whole = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=30, **params).model_dump())
+    chunks = same_on_both(cluster, lambda node: dumped(client(node).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=30, stream=True, **params)))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"]
+    after = speculated(cluster)
+    assert after["steps"] > before["steps"] and after["accepted"] > before["accepted"], (before, after)
+    assert cluster.single.stats()["speculative"]["steps"] == 0
+
+
+def test_a_request_s_num_draft_tokens(cluster: Cluster) -> None:
+    """`num_draft_tokens` (mlx_lm.server's, in `extra_body`) travels with the request to the
+    decode node: 0 decodes it without speculation, 1 checks one draft per verify step (the node's
+    3 is the most); the tokens are the single node's either way; -1 is a 400 naming the field."""
+    chat: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 30, "temperature": 0}
+    expected = same_on_both(cluster, lambda node: client(node).chat.completions.create(**chat).model_dump())
+    for asked in (0, 1):
+        before = speculated(cluster)
+        answer = same_on_both(cluster, lambda node: client(node).chat.completions.create(
+            **chat, extra_body={"num_draft_tokens": asked}).model_dump())  # noqa: B023 (called at once)
+        assert answer == expected
+        after = speculated(cluster)
+        steps, drafted = after["steps"] - before["steps"], after["drafted"] - before["drafted"]
+        assert (steps > 0, drafted) == (asked > 0, steps * asked), (asked, before, after)
+    for node in (cluster.single, cluster.router):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(node).chat.completions.create(**chat, extra_body={"num_draft_tokens": -1})
+        assert refused.value.param == "num_draft_tokens"
 
 
 def test_nothing_is_left_behind(cluster: Cluster) -> None:

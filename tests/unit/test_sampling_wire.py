@@ -20,19 +20,22 @@ def test_every_sampling_field_crosses_the_wire_with_its_value() -> None:
                               repetition_context_size=7, presence_penalty=-0.4, presence_context_size=3,
                               frequency_penalty=0.9, frequency_context_size=64, logprobs=3,
                               response_format='{"type":"json_object"}', choice_group="r", choice=1,
-                              choices=3, adapter="x")
+                              choices=3, adapter="x", num_draft_tokens=2)
     defaults = SamplingParams(max_tokens=1)
     assert all(getattr(sampling, f.name) != getattr(defaults, f.name) for f in fields(SamplingParams))
     assert set(SamplingBody.model_fields) == {f.name for f in fields(SamplingParams)}
     crossed = SamplingBody.model_validate_json(SamplingBody.of(sampling).model_dump_json()).params()
     assert crossed == sampling
-    # a body names its adapter only when there is one: an older node sees the body it knows
-    for adapter in (None, "x"):
-        sampling_body = SamplingBody.of(SamplingParams(1, adapter=adapter))
+    # a body names its adapter and its draft count only when there are: an older node sees the
+    # body it knows
+    for adapter, drafts in ((None, None), ("x", 0)):
+        sampling_body = SamplingBody.of(SamplingParams(1, adapter=adapter, num_draft_tokens=drafts))
         body = PrefillBody(request_id="r", prompt=[1], sampling=sampling_body)
         sent = body.document()["sampling"]
         assert isinstance(sent, dict) and sent.get("adapter", "absent") == (adapter or "absent")
-        assert PrefillBody.model_validate(body.document()).sampling.adapter == adapter
+        assert sent.get("num_draft_tokens", "absent") == ("absent" if drafts is None else drafts)
+        crossed_body = PrefillBody.model_validate(body.document()).sampling
+        assert (crossed_body.adapter, crossed_body.num_draft_tokens) == (adapter, drafts)
 
 
 def test_internal_messages_are_strict() -> None:

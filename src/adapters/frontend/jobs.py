@@ -171,6 +171,7 @@ async def job_of(prompts: Prompts, kind: Kind, request_id: RequestId, body: Comp
         logprobs=logprobs_of(body),
         response_format=response_format,
         adapter=prompts.adapter(body.adapters),
+        num_draft_tokens=body.num_draft_tokens,
     )
     return Job(
         kind=kind,

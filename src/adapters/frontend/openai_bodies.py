@@ -135,6 +135,8 @@ class Sampling(Strict):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
     adapters: str | None = Field(default=None, min_length=1)  # mlx_lm.server's: a LoRA adapter, by name
+    # mlx_lm.server's: the most draft tokens a verify step checks for this request (0: none)
+    num_draft_tokens: int | None = Field(default=None, ge=0)
     xtc_threshold: float | None = Field(default=None, ge=0.0, le=0.5)  # mlx-lm's sampler refuses more
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=0.0)

@@ -75,6 +75,7 @@ class SamplingBody(_Strict):
     choices: int = Field(default=1, ge=1)
     # sent only when set (`_without_base_adapter`): a node of an older version sees the same body
     adapter: str | None = Field(default=None, min_length=1, max_length=64)
+    num_draft_tokens: int | None = Field(default=None, ge=0)  # sent only when set, as `adapter`
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> SamplingBody:
@@ -177,10 +178,13 @@ class DecodeBody(_Strict):
 
 
 def _without_base_adapter(document: dict[str, object]) -> dict[str, object]:
-    """A body's sampling without `adapter` when none is named (what older nodes expect)."""
+    """A body's sampling without `adapter` when none is named, and without `num_draft_tokens`
+    when the request gave none (what older nodes expect)."""
     sampling = document.get("sampling")
-    if isinstance(sampling, dict) and sampling.get("adapter") is None:
-        sampling.pop("adapter", None)
+    if isinstance(sampling, dict):
+        for name in ("adapter", "num_draft_tokens"):
+            if sampling.get(name) is None:
+                sampling.pop(name, None)
     return document
 
 

@@ -63,9 +63,8 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     s = loop.settings
     loop.model = model if loop.model_call_hook is None else _CheckedModel(model, loop)
     if adapters is not None:
-        if s.speculative != "off" or s.prefix_cache_bytes or s.keep_conversations:
-            raise StatecoreError(client_error(
-                "--adapters is served without speculative decoding and without the prefix cache"))
+        if s.prefix_cache_bytes or s.keep_conversations:
+            raise StatecoreError(client_error("--adapters is served without the prefix cache"))
         loop.model = AdapterRows(loop.model, adapters, lambda: loop.computing,
                                  lambda request_id: _adapter_of(loop, request_id))
     loop.eos = eos

@@ -2,11 +2,14 @@
 what the target model would have drawn anyway.
 
 When at most `max_rows` requests decode (one by default) and each may speculate (no grammar, no
-logits shaping, no logprobs asked for), a step first reads the previous step back (a draft needs the
-latest token), drafts tokens for each due row by prompt lookup (`statecore.speculation.NgramIndex`)
-and, if any, computes one *verify step*: every row's last token and its drafts as rows of one
-slot-lane call, all in the row's own slot at consecutive positions (each row attends its slot up to
-its own position, so row i sees the keys the rows before it wrote). A draft stands while it equals
+logits shaping, no logprobs asked for, no LoRA adapter named: the load check below measures the
+base model's calls; not `num_draft_tokens` 0), a step first reads the previous step back (a
+draft needs the latest token), drafts tokens for each due row (up to the node's
+`num_draft_tokens`, or the request's where it asks for fewer) by prompt lookup
+(`statecore.speculation.NgramIndex`) or the draft model and, if any, computes one *verify
+step*: every row's last token and its drafts as rows of one slot-lane call, all in the row's own
+slot at consecutive positions (each row attends its slot up to its own position, so row i sees the
+keys the rows before it wrote). A draft stands while it equals
 the token the target draws at its position (the argmax; for a seeded row the draw keyed by (seed,
 position)), so a request emits the tokens it emits without speculation. Those tokens come from the
 verify step's logits, which equal an ordinary step's only when the call's row count picks the same
@@ -109,6 +112,9 @@ class Speculator:
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
         self.verifying = False  # a verify step's model call is being built (a test hook reads it)
+        # The last verify step's tokens, handed out when the next one's model call is built (or
+        # at once when anything else comes first): see `hand_out_held`.
+        self.held: tuple[SpeculationHost, dict[Any, list[Any]]] | None = None
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -175,6 +181,7 @@ class Speculator:
             row.index.extend((token,))
 
     def left(self, request_id: str) -> None:
+        self.hand_out_held()  # its tokens before whatever ends it
         self.rows.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)
@@ -184,7 +191,8 @@ class Speculator:
         sampler = live.sampler
         sampling = sampler.sampling
         return (live.slot is not None and not live.staging and sampler.constraint is None
-                and not sampling.shapes_logits and sampling.logprobs is None)
+                and not sampling.shapes_logits and sampling.logprobs is None and sampling.adapter is None
+                and sampling.num_draft_tokens != 0)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -196,11 +204,13 @@ class Speculator:
                and all(live.request_id in self.rows for live in rows)
                and any(self.rows[live.request_id].pace.due for live in rows))
         if not due:
+            self.hand_out_held()
             self.pass_step(rows)
             return rows
         if loop.slot_tokens_in_flight():
             # Drafts continue from the latest token, still on the device: read it back now, unless
             # no draft could follow it anyway (the overlap of this step is kept then).
+            self.hand_out_held()
             if not any(self.rows[live.request_id].pace.due
                        and (self.draft is not None or self.index(live).may_draft_next()) for live in rows):
                 self.pass_step(rows)
@@ -216,14 +226,28 @@ class Speculator:
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
         drafts = self.propose(rows, room)
         if not any(_count(draft) for draft in drafts):
+            self.hand_out_held()
             for live in rows:
                 self.tried(live, 0)
             return rows
         try:
             self.verify(loop, rows, drafts)
         except Exception as exc:
+            self.hand_out_held()
             return self.verify_raised(loop, rows, exc)
         return []
+
+    def hand_out_held(self) -> None:
+        """Hand out the last verify step's tokens. A verify step's tokens wait until the next
+        one's model call is built, and leave while the device computes it: the host then serves
+        them (their text, the HTTP writes) while this thread waits on the device, rather than
+        beside the next drafts and the next call's build, which need the GIL too (on the CPU
+        a verify step's time is mostly that wait). Anything else that comes first hands them out
+        at once: a step that does not verify, a row that leaves."""
+        if self.held is not None:
+            loop, deliveries = self.held
+            self.held = None
+            loop.hand_out(deliveries)
 
     def verify_raised(self, loop: SpeculationHost, rows: list[Live], exc: Exception) -> list[Live]:
         """After a verify step raised. Raised while its graph was built (before the device ran
@@ -286,7 +310,9 @@ class Speculator:
         drafts: list[Any] = []
         for live in rows:
             row = self.rows[live.request_id]
-            wanted = min(self.num_draft_tokens, room, live.remaining - 1)
+            asked = live.sampler.sampling.num_draft_tokens  # the request's own cap, under the node's
+            most = self.num_draft_tokens if asked is None else min(asked, self.num_draft_tokens)
+            wanted = min(most, room, live.remaining - 1)
             if not row.pace.due or wanted <= 0:
                 drafts.append([])
                 continue
@@ -325,6 +351,7 @@ class Speculator:
                 self.verifying = False
                 loop.computing = ("", ())
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
+            self.hand_out_held()
             try:
                 mx.eval(drawn, pieces, pool.keys, pool.values)
             except Exception as exc:
@@ -354,7 +381,10 @@ class Speculator:
                 live.last_token = token
                 if loop.hand_token(live, loop.count_token(live, token), deliveries):
                     break
-        loop.hand_out(deliveries)
+        if all(loop.live.get(live.request_id) is live for live in rows):
+            self.held = (loop, deliveries)
+        else:  # a row ended: everything leaves now (the loop may have nothing more to step)
+            loop.hand_out(deliveries)
 
 
 class _FailedOnDevice(Exception):

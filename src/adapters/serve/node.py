@@ -298,9 +298,6 @@ def adapter_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
     if args.adapter_path is not None:
         raise SystemExit("statecore: --adapters and --adapter-path together are not served: name the "
                          "adapter for every request in --adapters instead, or apply one with --adapter-path")
-    if args.speculative != "off" or args.draft_model is not None:
-        raise SystemExit("statecore: --adapters with speculative decoding is not served yet: drop "
-                         "--speculative / --draft-model")
     if args.prefix_cache_bytes:
         log.warning("%s: --adapters turns the prefix cache off (its blocks are not keyed by adapter); "
                     "--prefix-cache-bytes is ignored", role)
