@@ -6,12 +6,16 @@ into shared memory, or checksumming it), and the GPU reading an array the host b
 node writing a piece into its slot), each wait on faults that move a few KiB at a time, and the
 faults the host takes on pages the GPU holds hold up the kernels running meanwhile. With
 `STATECORE_CUDA_PREFETCH` (environment, every engine node):
-- `on`, the default: `to_host` and `to_device` ask the CUDA runtime to move the arrays' pages in
-  bulk (`cudaMemPrefetchAsync`); on an H100 it halved the stall an 8,000-token handoff causes 16
-  decoding streams (docs/performance.md);
+- `arriving`, the default: `to_device` asks the CUDA runtime to move arriving KV's pages to the
+  GPU in bulk (`cudaMemPrefetchAsync`), in the worker thread that built it: on an H100 it halved
+  the stall an 8,000-token handoff causes 16 decoding streams (docs/performance.md); KV leaving
+  is read by faults;
+- `on`: `to_host` moves leaving KV's pages to the host in bulk too, on the prefill node's device
+  thread as a step's pieces are handed out (a long prompt's later steps wait for it: its TTFT
+  rose);
 - `copy`: KV leaving the GPU is copied out by the copy engine instead (`host_copies`:
-  `cudaMemcpyAsync` into host memory of its own, pageable: slower than the faults there), and KV
-  arriving is moved in bulk as with `on`;
+  `cudaMemcpyAsync` into host memory of its own, pageable: slower than the faults there), and
+  arriving KV moves as with `arriving`;
 - `off`: nothing here moves anything (the pages move by faults).
 Each on a stream of the calling thread's own, so that waiting for it never waits for the model's
 kernels. Only where MLX runs on CUDA and the runtime loads; elsewhere nothing moves. A runtime
@@ -41,7 +45,7 @@ _NON_BLOCKING: Final = 1  # cudaStreamNonBlocking
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType (CUDA 12.2 and later)
 _CPU_DEVICE_ID: Final = -1  # cudaCpuDeviceId (the CUDA 12 signature)
 _COPY_DEFAULT: Final = 4  # cudaMemcpyDefault: the direction from the (unified) addresses
-_MODES: Final = ("off", "on", "copy")
+_MODES: Final = ("off", "arriving", "on", "copy")
 
 
 class _Location(ctypes.Structure):
@@ -105,7 +109,7 @@ _probed = False
 def _load() -> _Runtime | None:
     import mlx.core as mx
 
-    mode = os.environ.get(PREFETCH_ENV, "on")
+    mode = os.environ.get(PREFETCH_ENV, "arriving")
     if mode not in _MODES:
         logger.warning("%s=%s is none of %s: off", PREFETCH_ENV, mode, "|".join(_MODES))
     if mode not in _MODES[1:]:
