@@ -112,9 +112,6 @@ class Speculator:
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
         self.verifying = False  # a verify step's model call is being built (a test hook reads it)
-        # The last verify step's tokens, handed out when the next one's model call is built (or
-        # at once when anything else comes first): see `hand_out_held`.
-        self.held: tuple[SpeculationHost, dict[Any, list[Any]]] | None = None
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -181,7 +178,6 @@ class Speculator:
             row.index.extend((token,))
 
     def left(self, request_id: str) -> None:
-        self.hand_out_held()  # its tokens before whatever ends it
         self.rows.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)
@@ -204,13 +200,11 @@ class Speculator:
                and all(live.request_id in self.rows for live in rows)
                and any(self.rows[live.request_id].pace.due for live in rows))
         if not due:
-            self.hand_out_held()
             self.pass_step(rows)
             return rows
         if loop.slot_tokens_in_flight():
             # Drafts continue from the latest token, still on the device: read it back now, unless
             # no draft could follow it anyway (the overlap of this step is kept then).
-            self.hand_out_held()
             if not any(self.rows[live.request_id].pace.due
                        and (self.draft is not None or self.index(live).may_draft_next()) for live in rows):
                 self.pass_step(rows)
@@ -226,28 +220,14 @@ class Speculator:
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
         drafts = self.propose(rows, room)
         if not any(_count(draft) for draft in drafts):
-            self.hand_out_held()
             for live in rows:
                 self.tried(live, 0)
             return rows
         try:
             self.verify(loop, rows, drafts)
         except Exception as exc:
-            self.hand_out_held()
             return self.verify_raised(loop, rows, exc)
         return []
-
-    def hand_out_held(self) -> None:
-        """Hand out the last verify step's tokens. A verify step's tokens wait until the next
-        one's model call is built, and leave while the device computes it: the host then serves
-        them (their text, the HTTP writes) while this thread waits on the device, rather than
-        beside the next drafts and the next call's build, which need the GIL too (on the CPU
-        a verify step's time is mostly that wait). Anything else that comes first hands them out
-        at once: a step that does not verify, a row that leaves."""
-        if self.held is not None:
-            loop, deliveries = self.held
-            self.held = None
-            loop.hand_out(deliveries)
 
     def verify_raised(self, loop: SpeculationHost, rows: list[Live], exc: Exception) -> list[Live]:
         """After a verify step raised. Raised while its graph was built (before the device ran
@@ -351,7 +331,6 @@ class Speculator:
                 self.verifying = False
                 loop.computing = ("", ())
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
-            self.hand_out_held()
             try:
                 mx.eval(drawn, pieces, pool.keys, pool.values)
             except Exception as exc:
@@ -381,10 +360,7 @@ class Speculator:
                 live.last_token = token
                 if loop.hand_token(live, loop.count_token(live, token), deliveries):
                     break
-        if all(loop.live.get(live.request_id) is live for live in rows):
-            self.held = (loop, deliveries)
-        else:  # a row ended: everything leaves now (the loop may have nothing more to step)
-            loop.hand_out(deliveries)
+        loop.hand_out(deliveries)
 
 
 class _FailedOnDevice(Exception):
