@@ -8,14 +8,14 @@ and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go 
 instead (the body straight into one buffer) unless a transport was injected; their errors are
 mapped here too, to the same codes. Every received KV body (a pull's, a streamed piece's) lands
 where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or the shared memory
-the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows. Where a decode node reads a prefill node's KV from is
-`KvSources`' to know: the prefill node's KV plane (a socket of its own for KV bodies,
-`adapters.kv.plane`) when this node can reach it, and its shared memory (`adapters.kv.shm`) when
-its advert proves it is on this host, each probed once per prefill node from its /internal/info
-(a plane connection that fails makes the next call probe again). https:// peers are verified
-against one `ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else
-the system store), for every call and the KV pulls alike; http:// peers stay plain. This module
-may import anything.
+the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
+Where a decode node reads a prefill node's KV from is `KvSources`' to know: the prefill node's KV
+plane (a socket of its own for KV bodies, `adapters.kv.plane`) when this node can reach it, and
+its shared memory (`adapters.kv.shm`) when its advert proves it is on this host, each probed once
+per prefill node from its /internal/info (a plane connection that fails makes the next call probe
+again). https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`:
+the node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
+peers stay plain. This module may import anything.
 """
 
 from __future__ import annotations

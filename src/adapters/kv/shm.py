@@ -10,6 +10,8 @@ validated (the region exists and its owner is alive, the range is inside it, the
 still holds the generation the reference names, the CRC-32 matches); the caller copies from the
 view into place, calls `ShmInbox.done` (which says whether the region changed while it was read)
 and sends the reference back, and the producer's `ShmOutbox.free` makes the region reusable.
+A node whose engine core is a process receives KV from the network straight into its own regions
+(`ShmLanding`: the buffers a receive fills), so handing the bytes to its core copies nothing.
 Regions are files in a tmpfs (`/dev/shm` on Linux; the temporary directory elsewhere) mapped with
 `mmap`, kept in an arena and reused, because a fresh region costs the kernel zeroing every page
 on first touch. Each region holds a 4 KiB header page (magic, generation, byte count, state) and
