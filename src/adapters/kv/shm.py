@@ -349,7 +349,10 @@ class ShmOutbox:
         self.directory = Path(directory) if directory is not None else default_directory()
         sweep_orphans(self.directory)
         self._stem = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self._lock = threading.Lock()
+        # reentrant: a landed view's finalizer (`ShmLanding`) gives its region back on whichever
+        # thread drops the view's last reference, garbage collection included, which may run in
+        # the middle of a locked section of this very thread
+        self._lock = threading.RLock()
         self._regions: dict[str, _Region] = {}
         self._numbers = itertools.count()
         self._counts = _Counts()
@@ -535,7 +538,7 @@ class ShmLanding:
     def __init__(self, outbox: ShmOutbox, fallback: Callable[[int], memoryview]) -> None:
         self._outbox = outbox
         self._fallback = fallback
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: as `ShmOutbox._lock`, for `_gone`
         self._landed: dict[int, _Landed] = {}  # by id() of the array the views are made from
         self._counts = [0, 0, 0]  # landed, fell back, claimed
 
