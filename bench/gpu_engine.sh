@@ -254,13 +254,16 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
   handoff-cost)
     # All three engine nodes on GPU 0: 2,000 and 8,000 tokens at concurrency 1, then 8,000-token
     # streamed handoffs into a decode node with 16 streams decoding. TRACE=1: the first part with
-    # every process's step times (bench/step_trace), in $OUT/steps.tgz (one file: a call brings
-    # back a limited number of files).
+    # every process's step times (bench/step_trace) and every node's transitions, in
+    # $OUT/steps.tgz (one file: a call brings back a limited number of files), and where each
+    # request's time went by node (phase_times): where a streamed first token waits.
     machine; model_1b
     if [ "${TRACE:-0}" = 1 ]; then
       rm -rf /tmp/steps
       (export STEP_TRACE=/tmp/steps PYTHONPATH=$PWD/bench/step_trace:${PYTHONPATH:-}
-       handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12)
+       handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12 \
+         --transitions)
+      $PY bench/phase_times.py "$OUT"/logs-stream/*.log --last 2 2>&1 | tail -40
       tar czf "$OUT/steps.tgz" -C /tmp steps
     else
       handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12

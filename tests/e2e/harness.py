@@ -96,10 +96,19 @@ def start_nodes(nodes: list[Node], timeout_s: float = 30.0) -> None:
     """Start `nodes` and wait until each is healthy and every router among them sees each of its
     peers started here up (a router's first probe may come while a peer still loads: a request
     right after would find no healthy node until the next probe)."""
-    for node in nodes:
-        node.start()
-    for node in nodes:
-        node.wait_healthy()
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_healthy()
+        _wait_routers_see_peers(nodes, timeout_s)
+    except BaseException:
+        for node in nodes:  # none of them is left running when one fails to start
+            node.stop()
+        raise
+
+
+def _wait_routers_see_peers(nodes: list[Node], timeout_s: float) -> None:
     started = {node.url for node in nodes}
     deadline = time.monotonic() + timeout_s
     for node in nodes:
@@ -176,7 +185,12 @@ def start_cluster(model: Path, logs: Path, *, prefills: int = 1, decodes: int = 
     decode = [Node("decode", [*common, *decode_args], logs / f"decode{i}.log") for i in range(decodes)]
     start_nodes([single, *prefill, *decode])
     front = router(model, logs / "router.log", prefill, decode, *router_args, *public_args)
-    start_nodes([front])
+    try:
+        start_nodes([front])
+    except BaseException:
+        for node in [single, *prefill, *decode]:  # started above: not left running
+            node.stop()
+        raise
     return Cluster(single, front, prefill, decode)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import falcon_h1, gemma3_text, llama, llama4, mamba2, qwen3_next
@@ -695,6 +695,8 @@ _json = st.recursive(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.lists(st.integers(0, 7), min_size=1, max_size=8), value=_json)
+# a KVCache's offset past its arrays: it was decoded, and then could not be sent on
+@example(path=[2, 0, 1, 1, 2, 1], value=2**31)
 def test_sealed_header_mutations_only_ever_raise_statecore_errors(path: list[int], value: Any) -> None:
     def mutate(doc: dict[str, Any]) -> None:
         node: Any = doc

@@ -585,7 +585,8 @@ def validate_payload(
 def build_caches(validated: ValidatedKv) -> DecodedKv:
     """The caches of a validated payload, as MLX arrays (on the thread that will use them).
 
-    A state that its cache class does not accept raises KV_MALFORMED; nothing half-built escapes.
+    A state that its cache class does not accept, or that describes a cache which could not travel
+    again, raises KV_MALFORMED; nothing half-built escapes.
     """
     header = validated.header
     names = tuple(layer.class_name for layer in header.layers)
@@ -605,6 +606,10 @@ def build_caches(validated: ValidatedKv) -> DecodedKv:
         if again != layer.state.model_dump():
             fail(Code.KV_MALFORMED, f"layer {i}: {layer.class_name} did not accept its state")
         built.append(cache)
+    # what is decoded must be a cache that travels: the state a class accepts may still describe
+    # none (a KVCache whose offset lies past its arrays: no node could read or send it on)
+    for refused in (travel for travel in travel_report(built) if not travel.can_travel):
+        fail(Code.KV_MALFORMED, f"layer {refused.index}: {refused.reason}")
     mx.eval([a for c in built for a in _arrays_of(c)])
     return DecodedKv(caches=built, token_count=header.token_count, class_names=names,
                      heads=tuple(layer.heads for layer in header.layers))
