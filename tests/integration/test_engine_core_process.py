@@ -19,11 +19,12 @@ import pytest
 import trio
 
 from adapters.http.node_api import CORE_PROCESS
-from adapters.kv.shm import ShmRef
+from adapters.kv.pull import ReceiveBuffers
+from adapters.kv.shm import ShmLanding, ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import watch_engine
-from effects.engine_port import EngineStatistics, GeneratedToken, SamplingParams
+from effects.engine_port import EngineStatistics, GeneratedToken, KvPieces, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner
@@ -128,17 +129,31 @@ async def test_the_process_core_answers_as_the_thread_core_and_kv_crosses_it(cor
     await kv_crosses_both_ways(core, thread)
 
 
+def received(landing: ShmLanding, payload: bytes) -> memoryview:
+    """`payload` as a receive over the network leaves it: in the buffer the node's peers took."""
+    view = landing.take(len(payload))
+    view[:] = payload
+    return view
+
+
 async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
-    """Whole and streamed, from the process core into the thread core and back."""
+    """Whole and streamed, from the process core into the thread core and back; into the process
+    core as a receive over the network leaves it: in the node's shared memory already, handed on
+    with no copy."""
     prompt = prompt_of(70)
     expected = None
+    landing = core.kv_landing(ReceiveBuffers(1 << 24).take)
+    copies = core.copies_into_shared_memory()
     for source, target in ((core, thread), (thread, core)):
         # whole: a pulled payload
         rid = RequestId(f"w{id(source)}")
         outcome = await source.prefill(rid, prompt, GREEDY)
         payload = (await source.export_held(rid)).joined()
         await source.release_held(rid)
-        tokens = await decoded(target, rid, prompt, outcome.first_token, GREEDY, payload)
+        arrived = received(landing, payload) if target is core else payload
+        del payload
+        tokens = await decoded(target, rid, prompt, outcome.first_token, GREEDY, arrived)
+        del arrived
         expected = expected or tokens
         assert tokens == expected
         # streamed: pieces as the prompt is computed, installed as they arrive
@@ -146,10 +161,16 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
         outcome, pieces = await streamed_prefill(source, rid, prompt, GREEDY)
         assert pieces and pieces[-1].stop == len(prompt)
         for piece in pieces:
+            if target is core:
+                piece = replace(piece, payload=KvPieces((received(landing, piece.payload.joined()),)))
             await target.receive_segment(rid, piece, len(prompt), max_tokens=GREEDY.max_tokens)
+        del piece
         await source.release_held(rid)
         await target.install_segments(rid, prompt, outcome.first_token, GREEDY)
         assert [outcome.first_token] + [g.token async for g in target.stream(rid)] == expected
+    assert core.copies_into_shared_memory() == copies  # nothing received was copied again
+    assert landing.statistics().claimed == 1 + len(pieces)
+    assert landing.statistics().held == 0  # each region went back when its call ended
     # pieces already in shared memory (the core's own, as a prefill node's core hands them on)
     # go into the core by reference, with no copy on the node's side
     rid = RequestId("by-reference")

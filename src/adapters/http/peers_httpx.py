@@ -6,14 +6,16 @@ StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's
 The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
 and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go through `kv_pull`
 instead (the body straight into one buffer) unless a transport was injected; their errors are
-mapped here too, to the same codes. Where a decode node reads a prefill node's KV from is
-`KvSources`' to know: the prefill node's KV plane (a socket of its own for KV bodies,
-`adapters.kv.plane`) when this node can reach it, and its shared memory (`adapters.kv.shm`) when
-its advert proves it is on this host, each probed once per prefill node from its /internal/info
-(a plane connection that fails makes the next call probe again). https:// peers are verified
-against one `ssl.SSLContext` (`adapters.tls.client_context`: the node's `--tls-ca-file`, else
-the system store), for every call and the KV pulls alike; http:// peers stay plain. This module
-may import anything.
+mapped here too, to the same codes. Every received KV body (a pull's, a streamed piece's) lands
+where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or the shared memory
+the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
+Where a decode node reads a prefill node's KV from is `KvSources`' to know: the prefill node's KV
+plane (a socket of its own for KV bodies, `adapters.kv.plane`) when this node can reach it, and
+its shared memory (`adapters.kv.shm`) when its advert proves it is on this host, each probed once
+per prefill node from its /internal/info (a plane connection that fails makes the next call probe
+again). https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`:
+the node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
+peers stay plain. This module may import anything.
 """
 
 from __future__ import annotations
@@ -251,6 +253,9 @@ class HttpxPeers:
         self.max_kv_bytes = max_kv_bytes
         self.handoffs = handoffs  # a decode node's log: each KV pull's timings land there
         self.receive_buffers = kv_pull.ReceiveBuffers(kv_buffer_bytes)
+        # where received KV bodies (a pull's, a stream's pieces) land: here, in process memory,
+        # unless the node's engine core reads shared memory (`ProcessEngine.kv_landing`)
+        self.landing: kv_pull.Landing = self.receive_buffers
         # where a prefill node's KV is read from: its KV plane, its shared memory (`kv_transport`)
         self.kv_sources = KvSources(self.info_document, direct=self._direct_kv, kv_transport=kv_transport,
                                     connect_timeout_s=connect_timeout_s)
@@ -334,8 +339,21 @@ class HttpxPeers:
         """A KV stream's records as the port's items; the stream's own checks on the way."""
         await kv_stream.read_preamble(read_into)
         coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
+        taken: list[memoryview] = []
+
+        def take(nbytes: int) -> memoryview:
+            taken.append(self.landing.take(nbytes))
+            return taken[-1]
+
         while True:
-            record = await kv_stream.read_record(read_into, self.receive_buffers.take, self.max_kv_bytes)
+            try:
+                record = await kv_stream.read_record(read_into, take, self.max_kv_bytes)
+            except BaseException:
+                for view in taken:  # a piece cut mid-body
+                    self.landing.give_back(view)
+                raise
+            finally:
+                taken.clear()
             match record:
                 case kv_stream.Segment(where=where, payload=payload):
                     coverage.add(where)
@@ -423,7 +441,7 @@ class HttpxPeers:
             with trio.fail_after(self._read_timeout_s):
                 pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
                                             connect_timeout_s=self._connect_timeout_s,
-                                            buffers=self.receive_buffers, ssl_context=self._ssl_context,
+                                            buffers=self.landing, ssl_context=self._ssl_context,
                                             json_body=json_body)
         except kv_pull.KvTooLarge as exc:
             raise StatecoreError(

@@ -8,7 +8,8 @@ loopback that ran at 15-20% of what the socket itself moves (bench/results/hando
 Here h11 (sans-IO) writes the request and parses the response head only; the body, whose length
 the head declares, is `recv_into` a preallocated buffer, so each byte is copied once out of the
 kernel, into a buffer kept from an earlier pull (`ReceiveBuffers`) so its pages are already
-mapped. One connection per pull (`Connection: close`): a pull is one large transfer, and a
+mapped (or, on a node whose engine core is a process, into the shared memory the core reads:
+`Landing`). One connection per pull (`Connection: close`): a pull is one large transfer, and a
 fresh loopback or LAN connection costs far less than the bytes it carries. An `https://` pull
 runs the same GET over trio's `SSLStream`, the peer's certificate verified against the caller's
 context (`adapters.tls.client_context`); its body comes out of the TLS layer a record at a time
@@ -29,6 +30,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import SplitResult, urlsplit
 
 import h11
@@ -44,6 +46,18 @@ MAX_ERROR_BODY = 1 << 20  # an error answer is a small JSON document; more is th
 # sees two references: the pool's list and the call's own argument.
 _ONLY_THE_POOL = 2
 _ROUND_BYTES = 1 << 20  # capacities round up to this, so nearby prompt lengths share buffers
+
+
+class Landing(Protocol):
+    """Where a received KV body lands: `take(length)` is a writable view of exactly `length` bytes
+    that the receive fills (`ReceiveBuffers`: process memory; `adapters.kv.shm.ShmLanding`: the
+    shared memory a node's engine core process reads, so handing the bytes on copies nothing)."""
+
+    def take(self, length: int) -> memoryview: ...
+
+    def give_back(self, view: memoryview) -> None:
+        """The receive into `view` (from `take`) failed: its memory may be reused now, though a
+        traceback may still refer to the view."""
 
 
 class ReceiveBuffers:
@@ -75,6 +89,9 @@ class ReceiveBuffers:
         view = memoryview(self._buffers[index])[:length]
         self._trim()
         return view
+
+    def give_back(self, view: memoryview) -> None:
+        """Nothing to do: a buffer is reused once no view of it is left."""
 
     @property
     def kept_bytes(self) -> int:
@@ -211,12 +228,13 @@ async def _connected(url: str, connect_timeout_s: float, ssl_context: ssl.SSLCon
 
 
 async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
-               connect_timeout_s: float, buffers: ReceiveBuffers,
+               connect_timeout_s: float, buffers: Landing,
                ssl_context: ssl.SSLContext | None = None, json_body: bytes | None = None) -> PulledKv:
     """GET `url` (http, or https verified against `ssl_context`: the system store when None)
     and return its status and whole body. A 200 answer may be up to `max_bytes`, and lands in one
     of `buffers`; any other answer up to MAX_ERROR_BODY (it is read for its error document).
-    `json_body`: POST it instead (a request for a prefix's blocks names their tokens)."""
+    `json_body`: POST it instead (a request for a prefix's blocks names their tokens). A body
+    whose receive fails gives its buffer back (`Landing.give_back`)."""
     started = time.perf_counter()
     async with _connected(url, connect_timeout_s, ssl_context) as (stream, parts, target):
         conn = h11.Connection(h11.CLIENT)
@@ -241,7 +259,12 @@ async def pull(url: str, headers: Sequence[tuple[str, str]], *, max_bytes: int,
         elif length > max_bytes:
             raise KvTooLarge(f"the answer declares {length} bytes, the limit is {max_bytes}")
         else:
-            body = await _receive_sized(stream, conn, buffers.take(length))
+            view = buffers.take(length)
+            try:
+                body = await _receive_sized(stream, conn, view)
+            except BaseException:
+                buffers.give_back(view)
+                raise
         last_byte = time.perf_counter()
     return PulledKv(response.status_code, body, head - started, last_byte - started)
 
@@ -344,5 +367,5 @@ async def open_stream(url: str, headers: Sequence[tuple[str, str]], json_body: b
         yield 200, StreamBody(stream, bytes(early), chunked=chunked, length=_content_length(response))
 
 
-__all__ = ["KvPullError", "KvStreamCut", "KvTooLarge", "PulledKv", "ReceiveBuffers", "StreamBody",
+__all__ = ["KvPullError", "KvStreamCut", "KvTooLarge", "Landing", "PulledKv", "ReceiveBuffers", "StreamBody",
            "open_stream", "pull"]

@@ -10,6 +10,8 @@ validated (the region exists and its owner is alive, the range is inside it, the
 still holds the generation the reference names, the CRC-32 matches); the caller copies from the
 view into place, calls `ShmInbox.done` (which says whether the region changed while it was read)
 and sends the reference back, and the producer's `ShmOutbox.free` makes the region reusable.
+A node whose engine core is a process receives KV from the network straight into its own regions
+(`ShmLanding`: the buffers a receive fills), so handing the bytes to its core copies nothing.
 Regions are files in a tmpfs (`/dev/shm` on Linux; the temporary directory elsewhere) mapped with
 `mmap`, kept in an arena and reused, because a fresh region costs the kernel zeroing every page
 on first touch. Each region holds a 4 KiB header page (magic, generation, byte count, state) and
@@ -43,7 +45,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final, NoReturn
@@ -347,7 +349,10 @@ class ShmOutbox:
         self.directory = Path(directory) if directory is not None else default_directory()
         sweep_orphans(self.directory)
         self._stem = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self._lock = threading.Lock()
+        # reentrant: a landed view's finalizer (`ShmLanding`) gives its region back on whichever
+        # thread drops the view's last reference, garbage collection included, which may run in
+        # the middle of a locked section of this very thread
+        self._lock = threading.RLock()
         self._regions: dict[str, _Region] = {}
         self._numbers = itertools.count()
         self._counts = _Counts()
@@ -496,6 +501,109 @@ class ShmOutbox:
         del self._regions[region.name]
         self._counts.dropped += 1
         _close_all({region.name: region}, [], self.directory)
+
+
+# --------------------------------------------------------------------------- landing
+
+
+RECEIVED: Final = "received"  # the holder of a landing's regions (no request is known at `take`)
+
+
+@dataclass(slots=True)
+class _Landed:
+    writer: ShmWriter
+    array: weakref.ref[object]  # the numpy array every view `take` handed out is made from
+    ref: ShmRef | None = None  # once claimed
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLandingStatistics:
+    landed: int  # receives that landed in shared memory
+    fell_back: int  # receives that landed in `fallback` (no room in shared memory)
+    claimed: int  # landed payloads handed on by reference (`claim`)
+    held: int  # landed regions some view still refers to
+
+
+class ShmLanding:
+    """Where KV bytes received over the network land on a node whose engine core reads them from
+    shared memory: `take(nbytes)` (the buffer a receive fills: `kv_pull`'s pull, a KV stream's
+    segment) is a writable view of a region of `outbox` reserved for it, so handing the received
+    payload to the core (`claim`: the reference to send instead of the bytes) copies nothing; the
+    receive is the bytes' only copy. When the outbox has no room (`overloaded`) the bytes land in
+    `fallback` (process memory) and the caller copies as before. A region goes back to the outbox
+    once the last view of it goes (a receive cut mid-body, a payload never handed on), unclaimed
+    or claimed, whichever comes first with the claimer's own `ShmOutbox.free` of the reference.
+    Used from one thread (the node's trio thread); the last view may go on any thread."""
+
+    def __init__(self, outbox: ShmOutbox, fallback: Callable[[int], memoryview]) -> None:
+        self._outbox = outbox
+        self._fallback = fallback
+        self._lock = threading.RLock()  # reentrant: as `ShmOutbox._lock`, for `_gone`
+        self._landed: dict[int, _Landed] = {}  # by id() of the array the views are made from
+        self._counts = [0, 0, 0]  # landed, fell back, claimed
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable view of exactly `nbytes` bytes for a receive to fill."""
+        import numpy as np  # here, not at the top: as `copy_into`
+
+        if nbytes <= 0:
+            return self._fallback(nbytes)
+        try:
+            writer = self._outbox.reserve(RECEIVED, nbytes)
+        except StatecoreError as exc:
+            if exc.info.code is not Code.OVERLOADED:
+                raise
+            self._counts[1] += 1
+            return self._fallback(nbytes)
+        array = np.frombuffer(writer.view, dtype=np.uint8)  # views of it keep it (and the region)
+        landed = _Landed(writer, weakref.ref(array))
+        with self._lock:
+            self._landed[id(array)] = landed
+            self._counts[0] += 1
+        weakref.finalize(array, self._gone, id(array), landed)
+        return array.data
+
+    def claim(self, payload: object) -> ShmRef | None:
+        """The reference to `payload`'s bytes when it is a whole view `take` handed out (then the
+        region is the caller's to `ShmOutbox.free` once the reader is done); None otherwise (it
+        landed in `fallback`, it is a part of a view, or it was claimed already)."""
+        if not isinstance(payload, memoryview):
+            return None
+        owner = payload.obj
+        with self._lock:
+            landed = self._landed.get(id(owner))
+            if (landed is None or landed.array() is not owner or landed.ref is not None
+                    or payload.nbytes != landed.writer.nbytes):
+                return None
+            landed.ref = landed.writer.commit()  # no checksum to compute for an outbox without one
+            self._counts[2] += 1
+            return landed.ref
+
+    def give_back(self, view: memoryview) -> None:
+        """The receive into `view` (from `take`) failed: its region goes back to the outbox now,
+        not when the last view goes (a traceback may keep one for a while)."""
+        owner = view.obj
+        with self._lock:
+            landed = self._landed.get(id(owner))
+            if landed is None or landed.array() is not owner or landed.ref is not None:
+                return
+        landed.writer.abort()
+
+    def statistics(self) -> ShmLandingStatistics:
+        with self._lock:
+            landed, fell_back, claimed = self._counts
+            return ShmLandingStatistics(landed, fell_back, claimed, len(self._landed))
+
+    def _gone(self, key: int, landed: _Landed) -> None:
+        """The last view of a landed region went: the region goes back (a no-op when the claimer
+        freed it already)."""
+        with self._lock:
+            if self._landed.get(key) is landed:
+                del self._landed[key]
+        if landed.ref is None:
+            landed.writer.abort()
+        else:
+            self._outbox.free(landed.ref)
 
 
 # --------------------------------------------------------------------------- consumer
@@ -676,11 +784,14 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "NAME_PATTERN",
     "PREFIX",
+    "RECEIVED",
     "ROUND_BYTES",
     "SHM_ADVERT_ADAPTER",
     "SHM_REF_ADAPTER",
     "ShmAdvert",
     "ShmInbox",
+    "ShmLanding",
+    "ShmLandingStatistics",
     "ShmOutbox",
     "ShmOutboxStatistics",
     "ShmRef",

@@ -13,8 +13,10 @@ is read in place, as a view whose last reference going away sends `Free`, and it
 (`KvPieces.shared`), so a prefill node's shared-memory transport hands that very region on to the
 decode node (the core's copy into it is the payload's only one); a streamed piece that arrived
 in another node's region (`KvPieces.shared` again) goes to the core by reference, read there in
-place; any other payload handed to the core is copied once into this node's region and freed
-when the call ends. The core's death (its
+place; a payload received over the network landed in this node's region already when the node's
+peers took their buffers from `kv_landing` (an `adapters.kv.shm.ShmLanding`), and goes by that
+reference, the receive its only copy; any other payload handed to the core is copied once into
+this node's region. Either region is freed when the call ends. The core's death (its
 process exits, however) is the node's loss, typed as a dead device thread is: every waiting call
 and live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
@@ -37,7 +39,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -46,7 +48,7 @@ from typing import Any, Final
 import numpy as np
 import trio
 
-from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmOutbox, ShmRef
+from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmLanding, ShmOutbox, ShmRef
 from adapters.mlx.callers import Callers
 from adapters.mlx.core_wire import (
     NO_REPLY,
@@ -127,6 +129,8 @@ class ProcessEngine:
         self._writer = FrameWriter(sock, partial(post, self._token), self._due_frees)
         self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
         self._inbox = ShmInbox()
+        self._landing: ShmLanding | None = None
+        self._copies = 0
         self._alive = True
         self._closed = False
         self._error: StatecoreError | None = None
@@ -184,7 +188,15 @@ class ProcessEngine:
     def copies_into_shared_memory(self) -> int:
         """How many payloads this node copied into its own shared memory for the core (those it
         could not hand over by reference)."""
-        return self._outbox.statistics().puts
+        return self._copies
+
+    def kv_landing(self, fallback: Callable[[int], memoryview]) -> ShmLanding:
+        """Where KV received for this engine should land (the node's peers' `landing`): a region
+        of this node's shared memory, which `install`, `receive_segment` and `import_prefix` hand
+        to the core by reference; `fallback` (process memory) when no region is free."""
+        if self._landing is None:
+            self._landing = ShmLanding(self._outbox, fallback)
+        return self._landing
 
     @property
     def core_pid(self) -> int:
@@ -481,8 +493,14 @@ class ProcessEngine:
     # -- KV in shared memory -------------------------------------------------------------------
 
     async def _share(self, holder: str, pieces: Sequence[KvBytes], seal: Any = None) -> ShmRef | bytes:
-        """A payload handed to the core: copied once into this node's shared memory (inline
-        when every region is held)."""
+        """A payload handed to the core: the region it was received into (`kv_landing`), else
+        copied once into this node's shared memory (inline when every region is held)."""
+        if self._landing is not None and len(pieces) == 1 and seal is None:
+            landed = self._landing.claim(pieces[0])
+            if landed is not None:
+                return landed
+        self._copies += 1
+
         def put() -> ShmRef | bytes:
             parts = [*pieces, seal() if seal is not None else b""]
             try:
