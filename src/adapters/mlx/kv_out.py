@@ -60,7 +60,6 @@ class PieceHandout:
     def __call__(self, where: tuple[int, int, int, int], arrays: list[Any], dtype: Any,
                  last_step_started: bool) -> None:
         start, stop, first_layer, end_layer = where
-        mx.eval(*arrays)  # computed with their step: this only waits for it
         # on CUDA with `copy`, the copy engine's copies in host memory, read from here on
         arrays = managed_memory.host_copies(arrays)
         tensors = codec.kv_piece_tensors(arrays, dtype=dtype, fingerprint=self._fingerprint,

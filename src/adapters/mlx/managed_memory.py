@@ -185,14 +185,17 @@ def to_host(buffers: Sequence[Any]) -> None:
 
 
 def host_copies(buffers: Sequence[Any]) -> list[Any]:
-    """With `copy`: evaluated arrays the GPU computed (or byte runs of them) as numpy arrays of
-    their own host memory (the same shape, dtype and bytes), copied by the copy engine; otherwise,
-    or for a buffer that is not contiguous, the buffers themselves (the host then reads them where
-    they are, by faults on a GPU)."""
+    """With `copy`: arrays the GPU computed (waited for here; or host byte runs of them) as numpy
+    arrays of their own host memory (the same shape, dtype and bytes), copied by the copy engine;
+    otherwise, or for a buffer that is not contiguous, the buffers themselves (the host then reads
+    them where they are, by faults on a GPU)."""
     runtime = _get()
     if runtime is None or runtime.mode != "copy" or not buffers:
         return list(buffers)
+    import mlx.core as mx
     import numpy as np
+
+    mx.eval(*[buffer for buffer in buffers if isinstance(buffer, mx.array)])  # computed: only waits
 
     copies: list[Any] = list(buffers)
     pairs = []
