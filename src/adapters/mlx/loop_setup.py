@@ -20,10 +20,11 @@ from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.lora_rows import AdapterRows, AdapterSet
 from adapters.mlx.memory import KvCost, model_shape
-from adapters.mlx.prefill import enabled_on_cuda
+from adapters.mlx.prefill import enabled_on_cuda, stack_row_counts
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.speculative import Speculator
+from statecore.engine_schedule import Stacking
 from statecore.errors import StatecoreError, client_error
 from statecore.scheduling import activation_bytes, bucketed
 
@@ -32,6 +33,8 @@ __all__ = ["configure", "slot_attention"]
 logger = logging.getLogger("adapters.engine_mlx")
 
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the batch lane
+_STACK_TOKENS = 128  # the longest prefill call (padded) that may be a row of a stacked call
+_STACK_MOST_ROWS = 64  # ... and the most rows a stacked call has (the load check is quadratic in it)
 
 
 class _CheckedModel:
@@ -100,6 +103,15 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     loop.short_batching = plain and s.prefill_batch > 1
     # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
     loop.bucket = s.shape_bucket if plain else 0
+    if plain and s.prefill_batch > 1 and enabled_on_cuda(s.prefill_stacking):
+        # Which row counts compute a row as its own call does (prefill.stack_row_counts): only
+        # those stack, so a stacked prompt's calls are still a cache-less run's to the bit.
+        tokens = max(loop.bucket, _STACK_TOKENS)
+        counts = stack_row_counts(model, min(s.prefill_batch, _STACK_MOST_ROWS), tokens, vocab_size)
+        loop.stacking = Stacking(counts, tokens) if counts else None
+        logger.info("stacked prefill calls: row counts computing a row as alone: %s (of 2..%d; calls "
+                    "of up to %d tokens)", list(counts) or "none", min(s.prefill_batch, _STACK_MOST_ROWS),
+                    tokens)
     if plain and s.decodes_locally:
         # The pool may grow to half the KV budget at most; that half is set aside for it. A
         # prefill node never decodes a client's request: it keeps the whole budget for prompts.

@@ -14,8 +14,17 @@ layer of it is evaluated.
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
 each row's positions and attention its own), then every last token at once; each row's cache is
 then cut out as a plain `KVCache`. Plain KVCache models without kv_bits only. Both may round their
-call's length up to a *shape bucket* (see `run_units`). This module imports mlx and mlx_lm; it
-must never import trio.
+call's length up to a *shape bucket* (see `run_units`).
+
+`run_stacked` computes several prompts' next chunk in one *stacked* call where each would make
+that call alone from the same cache position with the same padded length (a burst of first
+turns on one cached system prompt: their user messages, then their last tokens): the rows'
+caches stacked along the batch axis, each row's tokens padded at its end as its own call pads
+them, no mask beyond the causal one. A row's numbers are then its own call's wherever the device
+computes a row the same whatever the call's row count: `stack_row_counts` measures at load at
+which counts it does (on the CPU every count, with OpenBLAS and the bundled BLAS; on a GPU the
+matmul kernels may change with the row count), and only those counts are stacked. This module
+imports mlx and mlx_lm; it must never import trio.
 """
 
 from __future__ import annotations
@@ -34,11 +43,14 @@ from statecore.scheduling import DEFAULT_CHUNK_TOKENS, PrefillUnit, bucketed
 
 __all__ = [
     "PrefillTask",
+    "Stack",
     "default_shape_bucket",
     "enabled_on_cuda",
     "on_cuda",
+    "run_stacked",
     "run_units",
     "run_short_batch",
+    "stack_row_counts",
     "warm_chunk_shapes",
     "tune_cuda_backend",
 ]
@@ -65,12 +77,14 @@ class PrefillTask:
     # the cache once it is computed, (tokens, layers, its arrays: keys then values per layer).
     segment_sink: Any = field(default=None, repr=False)
     streamed_units: int = 0  # units whose KV went to the sink (or was captured for it)
+    stack: Stack | None = field(default=None, repr=False)  # the stacked call its cache is a row of
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk
         (computing the cached ones too)."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
         self.cached_tokens = 0
+        self.stack = None
         # What was streamed stays streamed: the same calls compute the same numbers again.
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
         self.sampler.restart(self.tokens)
@@ -233,3 +247,121 @@ def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -
         task.first = firsts[row : row + 1]
         task.done_units = len(task.units)
         task.done_tokens = len(task.tokens)
+
+
+@dataclass(eq=False)
+class Stack:
+    """A stacked call's cache, one row per prompt (`rows[i]` is the cache of the prompt in row i,
+    views of `layers`' row i): the next stacked call of the same prompts, in the same order and at
+    the same position, goes on from it instead of stacking their caches again."""
+
+    layers: list[Any]
+    rows: list[list[Any]]
+
+    def continues(self, tasks: Sequence[PrefillTask]) -> bool:
+        offset = self.layers[0].offset
+        return len(tasks) == len(self.rows) and all(
+            task.stack is self and task.cache is row and row[0].offset == offset
+            for task, row in zip(tasks, self.rows, strict=True))
+
+
+def _stacked_cache(model: Any, tasks: Sequence[PrefillTask], offset: int) -> list[Any]:
+    """One cache of the tasks' caches (each at `offset`) stacked along the batch axis."""
+    if offset == 0:
+        return make_prompt_cache(model)
+    layers = []
+    for index in range(len(tasks[0].cache or ())):
+        rows = [task.cache[index] for task in tasks if task.cache is not None]
+        stacked = KVCache()  # type: ignore[no-untyped-call]
+        stacked.keys = mx.concatenate([row.keys[..., :offset, :] for row in rows], axis=0)
+        stacked.values = mx.concatenate([row.values[..., :offset, :] for row in rows], axis=0)
+        stacked.offset = offset
+        layers.append(stacked)
+    return layers
+
+
+def run_stacked(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -> None:
+    """The tasks' next chunk in one stacked call, a row each (every task at the same position,
+    its chunk of the same padded length, one whole-chunk unit; plain KVCache layers). Each task
+    ends with its own cache (its row) and, where the chunk was its last, its first token."""
+    offset = tasks[0].done_tokens
+    sizes = [task.chunks[task.units[task.done_units].chunk] for task in tasks]
+    padded = bucketed(sizes[0], bucket) if sizes[0] > 1 else 1
+    for task, size in zip(tasks, sizes, strict=True):
+        unit = task.units[task.done_units]
+        if (task.done_tokens != offset or (bucketed(size, bucket) if size > 1 else 1) != padded
+                or not unit.starts_chunk or (task.cache is None and offset)):
+            raise ValueError("a stacked call's rows start at one position with one padded length")
+    previous = tasks[0].stack
+    layers = previous.layers if previous is not None and previous.continues(tasks) else (
+        _stacked_cache(model, tasks, offset))
+    pieces = mx.array([task.tokens[offset : offset + size] + [0] * (padded - size)
+                       for task, size in zip(tasks, sizes, strict=True)])
+    out = model(pieces, cache=layers)
+    if len(set(sizes)) == 1:
+        for layer in layers:
+            layer.trim(padded - sizes[0])
+    for row, task in enumerate(tasks):
+        if task.units[task.done_units].chunk == len(task.chunks) - 1 and not task.keeps_only:
+            # its own call's expression, on its row (a batched argmax would skip the sampler's step)
+            task.first = task.sampler.next_token(out[row : row + 1, -1, :])
+    stack = Stack(layers, [])
+    for row, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
+        cache = []
+        for layer in layers:
+            own = KVCache()  # type: ignore[no-untyped-call]
+            own.keys, own.values = layer.keys[row : row + 1], layer.values[row : row + 1]
+            own.offset = offset + size
+            cache.append(own)
+        stack.rows.append(cache)
+        task.cache, task.stack = cache, stack
+        task.done_tokens += size
+        task.done_units += 1
+
+
+_PROBE_PREFIX = 16  # the load check's cached tokens per row (attention reads real keys)
+
+
+def stack_row_counts(model: Any, most: int, tokens: int, vocab: int) -> tuple[int, ...]:
+    """The row counts, of 2..`most`, at which a stacked call computes every row exactly as the
+    row's own call does, both a call of `tokens` tokens and then a call of one (a prompt's last
+    token), each row from a cache of its own (other tokens in every row): the logits each call
+    samples from and every layer's keys and values. Run at load."""
+    if most < 2:
+        return ()
+
+    def tokens_of(row: int, count: int, salt: int) -> list[int]:
+        return [(row * 7919 + position * 104729 + salt) % vocab for position in range(count)]
+
+    def calls(rows: range, cache: list[Any]) -> list[Any]:
+        """Both calls over `rows` from `cache`: the first's last logits, the second's, the cache."""
+        head = model(mx.array([tokens_of(row, tokens, 2) for row in rows]), cache=cache)[:, -1, :]
+        last = model(mx.array([tokens_of(row, 1, 3) for row in rows]), cache=cache)[:, -1, :]
+        states = [(layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :])
+                  for layer in cache]
+        mx.eval(head, last, states)
+        return [head, last, *(array for pair in states for array in pair)]
+
+    prefixes: list[list[Any]] = []  # each row's cache after its prefix, per layer (keys, values)
+    alone: list[list[Any]] = []  # each row's calls computed alone
+    for row in range(most):
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens_of(row, _PROBE_PREFIX, 1)]), cache=cache)
+        prefixes.append([(layer.keys[..., :_PROBE_PREFIX, :], layer.values[..., :_PROBE_PREFIX, :])
+                         for layer in cache])
+        mx.eval(prefixes[-1])
+        alone.append(calls(range(row, row + 1), cache))
+    counts = []
+    for count in range(2, most + 1):
+        stacked = []
+        for index in range(len(prefixes[0])):
+            layer = KVCache()  # type: ignore[no-untyped-call]
+            layer.keys = mx.concatenate([prefixes[row][index][0] for row in range(count)], axis=0)
+            layer.values = mx.concatenate([prefixes[row][index][1] for row in range(count)], axis=0)
+            layer.offset = _PROBE_PREFIX
+            stacked.append(layer)
+        together = calls(range(count), stacked)
+        if all(bool(mx.array_equal(mine[row : row + 1], own).item())
+               for row in range(count) for mine, own in zip(together, alone[row], strict=True)):
+            counts.append(count)
+    return tuple(counts)
