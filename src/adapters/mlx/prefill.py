@@ -40,6 +40,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from adapters.mlx.sampling import PositionSampler, sample_rows
 from statecore.scheduling import DEFAULT_CHUNK_TOKENS, PrefillUnit, bucketed
+from statecore.speculation import row_classes
 
 __all__ = [
     "PrefillTask",
@@ -322,13 +323,16 @@ def run_stacked(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -> No
 _PROBE_PREFIX = 16  # the load check's cached tokens per row (attention reads real keys)
 
 
-def stack_row_counts(model: Any, most: int, tokens: int, vocab: int) -> tuple[int, ...]:
+def stack_row_counts(model: Any, most: int, tokens: int, vocab: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The row counts, of 2..`most`, at which a stacked call computes every row exactly as the
     row's own call does, both a call of `tokens` tokens and then a call of one (a prompt's last
     token), each row from a cache of its own (other tokens in every row): the logits each call
-    samples from and every layer's keys and values. Run at load."""
+    samples from and every layer's keys and values. Run at load. Also every count's class
+    (`statecore.speculation.row_classes`, by the first row, 1..`most`): where a row alone is in a
+    class of its own, which counts would still compute alike (for the log)."""
     if most < 2:
-        return ()
+        return (), (1,)
 
     def tokens_of(row: int, count: int, salt: int) -> list[int]:
         return [(row * 7919 + position * 104729 + salt) % vocab for position in range(count)]
@@ -342,6 +346,10 @@ def stack_row_counts(model: Any, most: int, tokens: int, vocab: int) -> tuple[in
         mx.eval(head, last, states)
         return [head, last, *(array for pair in states for array in pair)]
 
+    def same(one: list[Any], row: int, other: list[Any], other_row: int) -> bool:
+        return all(bool(mx.array_equal(mine[row : row + 1], theirs[other_row : other_row + 1]).item())
+                   for mine, theirs in zip(one, other, strict=True))
+
     prefixes: list[list[Any]] = []  # each row's cache after its prefix, per layer (keys, values)
     alone: list[list[Any]] = []  # each row's calls computed alone
     for row in range(most):
@@ -352,6 +360,7 @@ def stack_row_counts(model: Any, most: int, tokens: int, vocab: int) -> tuple[in
         mx.eval(prefixes[-1])
         alone.append(calls(range(row, row + 1), cache))
     counts = []
+    first_rows = [[array[:1] for array in alone[0]]]  # each count's first row
     for count in range(2, most + 1):
         stacked = []
         for index in range(len(prefixes[0])):
@@ -361,7 +370,8 @@ def stack_row_counts(model: Any, most: int, tokens: int, vocab: int) -> tuple[in
             layer.offset = _PROBE_PREFIX
             stacked.append(layer)
         together = calls(range(count), stacked)
-        if all(bool(mx.array_equal(mine[row : row + 1], own).item())
-               for row in range(count) for mine, own in zip(together, alone[row], strict=True)):
+        first_rows.append([array[:1] for array in together])
+        if all(same(together, row, alone[row], 0) for row in range(count)):
             counts.append(count)
-    return tuple(counts)
+    equal = [[same(a, 0, b, 0) for b in first_rows] for a in first_rows]
+    return tuple(counts), row_classes(equal)
