@@ -146,3 +146,31 @@ async def test_cold_prompts_of_one_length_stack_every_call_without_a_prefix_cach
     assert stacked.device_profile()["prefill_stacked"][0] == 3 * 4
     for rid, (_, tokens) in got.items():
         assert tokens == (await served(plain, rid, prompts[rid], samplings[rid]))[1], rid
+
+
+async def test_tails_of_one_padded_length_stack_and_their_last_tokens_go_alone(
+    engines: list[MlxEngine]
+) -> None:
+    """With a shape bucket, user messages of 10, 11 and 12 tokens (tails of 14-16 tokens, padded
+    to 16) are rows of one call, each trimmed to its own length after it; their last tokens stand
+    at three positions, so each is its own call; a tail padded to 24 computes alone. The tokens
+    are those of a cache-less engine with the same bucket."""
+    path = cached_checkpoint("llama")
+    calls = Calls()
+    load = partial(load_engine, path, prefill_chunk_size=CHUNK, step_target_ms=0.0, shape_bucket=8)
+    stacked = await load(prefill_stacking="on", prefill_batch=4, model_call_hook=calls)
+    engines.append(stacked)
+    engines.append(plain := await load(prefix_cache_bytes=0))
+    end = min(stacked.info.eos_token_ids)
+    system = [*prompt_of(40, salt=11), end]
+    header = prompt_of(3, salt=15)
+    assert (await served(stacked, "warm", [*system, *prompt_of(9, salt=1), end, *header], GREEDY))[0] == 0
+    prompts = {f"c{own}": [*system, *prompt_of(own, salt=own), end, *header] for own in (10, 11, 12, 13)}
+    samplings = {rid: GREEDY if i % 2 else SEEDED for i, rid in enumerate(prompts)}
+    got = await together(stacked, calls, prompts, samplings)
+    three = {"c10", "c11", "c12"}
+    assert all([set(call) for call in calls.of(rid)] == [three, {rid}] for rid in three), calls.prefill
+    assert calls.of("c13") == [("c13",), ("c13",)]
+    for rid, (cached, tokens) in got.items():
+        assert cached == len(system)
+        assert tokens == (await served(plain, rid, prompts[rid], samplings[rid]))[1], rid

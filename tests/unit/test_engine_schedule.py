@@ -428,7 +428,8 @@ def test_prompts_past_a_cached_block_stack_their_tails_and_last_tokens() -> None
     assert plan.prefills == schedule(0, [*hits, cold, lone], Budget(200, 8), max_padding=0).prefills
     # padded to a bucket of 8, tails of 3 and 5 tokens are one shape; a longer call than the
     # load check's never stacks; an adapter's rows stack with that adapter's only
-    odd = [prompt("a", 0, 20, done=1, blocks=1, stack_key=""), prompt("b", 1, 22, done=1, blocks=1, stack_key=""),
+    odd = [prompt("a", 0, 20, done=1, blocks=1, stack_key=""),
+           prompt("b", 1, 22, done=1, blocks=1, stack_key=""),
            prompt("c", 2, 20, done=1, blocks=1, stack_key="x")]
     plan = schedule(0, odd, Budget(200, 8), max_padding=0, bucket=8, stacking=STACKING)
     assert plan.stacks == (StackedCall(16, 8, ("a", "b"), (1, 1)),)
@@ -474,7 +475,8 @@ def test_a_stacked_call_holds_planned_whole_chunks_of_one_shape_past_the_blocks(
             c = by_id[rid]
             keys.add(c.stack_key)
             indices = [i for i, u in enumerate(c.units) if u.chunk == chunk]
-            assert len(indices) == 1 and c.done_units <= indices[0] < c.done_units + planned[rid]  # whole, planned
+            # a whole chunk, planned
+            assert len(indices) == 1 and c.done_units <= indices[0] < c.done_units + planned[rid]
             assert chunk >= len(c.block_keys) and sum(c.chunks[:chunk]) == call.offset
             size = c.chunks[chunk]
             assert (size if size == 1 or not bucket else -(-size // bucket) * bucket) == call.tokens <= 16

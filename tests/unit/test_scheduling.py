@@ -35,11 +35,11 @@ from statecore.scheduling import (
     kv_admission,
     measured_step,
     padding_groups,
-    stack_groups,
     plan_step,
     prefill_chunks,
     prefill_units,
     prefill_work_bytes,
+    stack_groups,
     step_token_budget,
     streamed_pieces,
 )
