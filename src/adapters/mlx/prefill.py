@@ -359,8 +359,14 @@ def stack_row_counts(model: Any, most: int, tokens: int, vocab: int
                          for layer in cache])
         mx.eval(prefixes[-1])
         alone.append(calls(range(row, row + 1), cache))
+    def first_row(arrays: list[Any]) -> list[Any]:
+        """Row 0 in buffers of its own (a slice would keep the whole call's buffers alive)."""
+        row = [mx.take(array, mx.array([0]), axis=0) for array in arrays]
+        mx.eval(row)
+        return row
+
     counts = []
-    first_rows = [[array[:1] for array in alone[0]]]  # each count's first row
+    first_rows = [first_row(alone[0])]  # each count's first row
     for count in range(2, most + 1):
         stacked = []
         for index in range(len(prefixes[0])):
@@ -370,7 +376,7 @@ def stack_row_counts(model: Any, most: int, tokens: int, vocab: int
             layer.offset = _PROBE_PREFIX
             stacked.append(layer)
         together = calls(range(count), stacked)
-        first_rows.append([array[:1] for array in together])
+        first_rows.append(first_row(together))
         if all(same(together, row, alone[row], 0) for row in range(count)):
             counts.append(count)
     equal = [[same(a, 0, b, 0) for b in first_rows] for a in first_rows]
