@@ -313,6 +313,8 @@ class StepExecutor:
                 units = min(units, len(task.units) - task.done_units)
             if task.request_id in first_stacked:  # its units before the stacked ones
                 units = max(0, self.first_unit_of(task, first_stacked[task.request_id]) - task.done_units)
+                if not units:
+                    continue
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
@@ -372,7 +374,8 @@ class StepExecutor:
                 done.add(id(call))
                 members = [loop.waiting[rid] for rid, own in zip(call.request_ids, call.chunks, strict=True)
                            if rid in loop.waiting and self.stands_at(loop.waiting[rid], own)]
-            members = [member for member in members if self.stands_at(member, chunk)]
+            members = [member for member in members
+                       if member.request_id in loop.waiting and self.stands_at(member, chunk)]
             if len(members) == 1:
                 loop.computing = ("prefill", [members[0].request_id])
                 try:
