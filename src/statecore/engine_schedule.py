@@ -206,11 +206,17 @@ class Memory:
 @dataclass(frozen=True, slots=True)
 class Stacking:
     """Where prompts' calls may share a stacked call: the row counts at which this device
-    computes every row of a call as that row's own call (measured at load; 1 is implied) and the
-    longest call (tokens, padded) that stacks (the load check's shape)."""
+    computes every row of a call as that row's own call (measured at load; 1 is implied), for
+    calls of several tokens (`counts`) and of one (`one_token_counts`: a prompt's last token,
+    whose lone call may take other kernels), and the longest call (tokens, padded) that stacks
+    (the load check's shape)."""
 
     counts: tuple[int, ...]
     most_tokens: int
+    one_token_counts: tuple[int, ...] = ()
+
+    def counts_for(self, tokens: int) -> tuple[int, ...]:
+        return self.one_token_counts if tokens == 1 else self.counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +345,13 @@ def stacked_calls(plan: StepPlan, by_id: Mapping[str, Candidate], bucket: int, s
             continue
         for chunk, offset, padded in stackable_units(candidate, work.units, bucket, stacking.most_tokens):
             calls.append((work.request_id, chunk, offset, padded, candidate.stack_key))
-    groups = stack_groups([(offset, padded, key) for _, _, offset, padded, key in calls], stacking.counts)
+    groups: list[list[int]] = []
+    for one_token in (False, True):  # each length measured on its own (Stacking.counts_for)
+        kind = [index for index, call in enumerate(calls) if (call[3] == 1) == one_token]
+        shapes = [(calls[i][2], calls[i][3], calls[i][4]) for i in kind]
+        groups += [[kind[i] for i in group]
+                   for group in stack_groups(shapes, stacking.counts_for(1 if one_token else 2))]
+    groups.sort(key=lambda group: (calls[group[0]][2], group[0]))
     return tuple(StackedCall(calls[group[0]][2], calls[group[0]][3], tuple(calls[i][0] for i in group),
                              tuple(calls[i][1] for i in group)) for group in groups)
 

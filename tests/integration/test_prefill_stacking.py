@@ -13,8 +13,10 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
+from mlx_lm.utils import load as mlx_lm_load
 
 from adapters.mlx import MlxEngine
+from adapters.mlx.prefill import stack_row_counts
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
@@ -174,3 +176,10 @@ async def test_tails_of_one_padded_length_stack_and_their_last_tokens_go_alone(
     for rid, (cached, tokens) in got.items():
         assert cached == len(system)
         assert tokens == (await served(plain, rid, prompts[rid], samplings[rid]))[1], rid
+
+
+def test_the_load_check_finds_every_row_count_alike_on_the_cpu() -> None:
+    """On the CPU (OpenBLAS or the bundled BLAS) a row computes the same in a stacked call of any
+    count, for a call of several tokens and a call of one: every count stacks, all one class."""
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
+    assert stack_row_counts(model, 4, 8, 500) == ((2, 3, 4), (2, 3, 4), (1, 1, 1, 1), (1, 1, 1, 1))

@@ -412,7 +412,7 @@ def test_a_token_s_finish_reason_is_the_finish_of_its_request_s_record() -> None
     assert (Finish(STOP), Finish(LENGTH)) == (Finish.STOP, Finish.LENGTH)
 
 
-STACKING = Stacking((2, 3, 4), most_tokens=16)
+STACKING = Stacking((2, 3, 4), most_tokens=16, one_token_counts=(2, 3, 4))
 
 
 def test_prompts_past_a_cached_block_stack_their_tails_and_last_tokens() -> None:
@@ -426,6 +426,15 @@ def test_prompts_past_a_cached_block_stack_their_tails_and_last_tokens() -> None
     assert plan.stacks == (StackedCall(16, 3, ("a", "b", "c", "d"), (1, 1, 1, 1)),
                            StackedCall(19, 1, ("a", "b", "c", "d"), (2, 2, 2, 2)))
     assert plan.prefills == schedule(0, [*hits, cold, lone], Budget(200, 8), max_padding=0).prefills
+    # where one-token calls compute a row alone differently (a matrix-vector product on CUDA), the
+    # last tokens go alone and the tails still stack; counts are measured per kind
+    everyone = [*hits, cold, lone]
+    gpu = Stacking((2, 3, 4), 16)
+    assert schedule(0, everyone, Budget(200, 8), max_padding=0, stacking=gpu).stacks == plan.stacks[:1]
+    pairs = Stacking((2,), 16, (2, 3, 4))
+    assert schedule(0, everyone, Budget(200, 8), max_padding=0, stacking=pairs).stacks == (
+        StackedCall(16, 3, ("a", "b"), (1, 1)), StackedCall(16, 3, ("c", "d"), (1, 1)),
+        StackedCall(19, 1, ("a", "b", "c", "d"), (2, 2, 2, 2)))
     # padded to a bucket of 8, tails of 3 and 5 tokens are one shape; a longer call than the
     # load check's never stacks; an adapter's rows stack with that adapter's only
     odd = [prompt("a", 0, 20, done=1, blocks=1, stack_key=""),

@@ -107,11 +107,13 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
         # Which row counts compute a row as its own call does (prefill.stack_row_counts): only
         # those stack, so a stacked prompt's calls are still a cache-less run's to the bit.
         tokens = max(loop.bucket, _STACK_TOKENS)
-        counts, classes = stack_row_counts(model, min(s.prefill_batch, _STACK_MOST_ROWS), tokens, vocab_size)
-        loop.stacking = Stacking(counts, tokens) if counts else None
-        logger.info("stacked prefill calls: row counts computing a row as alone: %s (of 2..%d; calls "
-                    "of up to %d tokens; each count's class of counts computing alike: %s)",
-                    list(counts) or "none", len(classes), tokens, list(classes))
+        most = min(s.prefill_batch, _STACK_MOST_ROWS)
+        counts, one_token, classes, one_token_classes = stack_row_counts(model, most, tokens, vocab_size)
+        loop.stacking = Stacking(counts, tokens, one_token) if counts or one_token else None
+        logger.info("stacked prefill calls: row counts computing a row as alone, of 2..%d: %s for calls "
+                    "of 2..%d tokens, %s for one-token calls (each count's class of counts computing "
+                    "alike: %s; one token: %s)", most, list(counts) or "none", tokens,
+                    list(one_token) or "none", list(classes), list(one_token_classes))
     if plain and s.decodes_locally:
         # The pool may grow to half the KV budget at most; that half is set aside for it. A
         # prefill node never decodes a client's request: it keeps the whole budget for prompts.

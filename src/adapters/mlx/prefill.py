@@ -324,60 +324,68 @@ _PROBE_PREFIX = 16  # the load check's cached tokens per row (attention reads re
 
 
 def stack_row_counts(model: Any, most: int, tokens: int, vocab: int
-                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """The row counts, of 2..`most`, at which a stacked call computes every row exactly as the
-    row's own call does, both a call of `tokens` tokens and then a call of one (a prompt's last
-    token), each row from a cache of its own (other tokens in every row): the logits each call
-    samples from and every layer's keys and values. Run at load. Also every count's class
-    (`statecore.speculation.row_classes`, by the first row, 1..`most`): where a row alone is in a
-    class of its own, which counts would still compute alike (for the log)."""
+    row's own call does: for a call of `tokens` tokens, and for a call of one (a prompt's last
+    token; on MLX's CUDA backend a lone one is a matrix-vector product, several rows a cuBLAS
+    matmul), each row from a cache of its own (other tokens in every row), comparing the logits
+    the call samples from and every layer's keys and values. Run at load. Then each count's
+    class for both (`statecore.speculation.row_classes`, by the first row, 1..`most`): where a
+    row alone is in a class of its own, which counts would still compute alike (for the log)."""
     if most < 2:
-        return (), (1,)
+        return (), (), (1,), (1,)
 
     def tokens_of(row: int, count: int, salt: int) -> list[int]:
         return [(row * 7919 + position * 104729 + salt) % vocab for position in range(count)]
 
-    def calls(rows: range, cache: list[Any]) -> list[Any]:
-        """Both calls over `rows` from `cache`: the first's last logits, the second's, the cache."""
-        head = model(mx.array([tokens_of(row, tokens, 2) for row in rows]), cache=cache)[:, -1, :]
-        last = model(mx.array([tokens_of(row, 1, 3) for row in rows]), cache=cache)[:, -1, :]
+    def stacked(caches: list[list[tuple[Any, Any]]]) -> list[Any]:
+        layers = []
+        for index in range(len(caches[0])):
+            layer = KVCache()  # type: ignore[no-untyped-call]
+            layer.keys = mx.concatenate([cache[index][0] for cache in caches], axis=0)
+            layer.values = mx.concatenate([cache[index][1] for cache in caches], axis=0)
+            layer.offset = int(layer.keys.shape[2])
+            layers.append(layer)
+        return layers
+
+    def call(rows: range, length: int, salt: int, cache: list[Any]
+             ) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """One call over `rows` from `cache`: its last logits and every layer's keys and values
+        (what it compares), and the cache after it (keys and values to its offset)."""
+        logits = model(mx.array([tokens_of(row, length, salt) for row in rows]), cache=cache)[:, -1, :]
         states = [(layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :])
                   for layer in cache]
-        mx.eval(head, last, states)
-        return [head, last, *(array for pair in states for array in pair)]
+        mx.eval(logits, states)
+        return [logits, *(array for pair in states for array in pair)], states
 
     def same(one: list[Any], row: int, other: list[Any], other_row: int) -> bool:
         return all(bool(mx.array_equal(mine[row : row + 1], theirs[other_row : other_row + 1]).item())
                    for mine, theirs in zip(one, other, strict=True))
 
-    prefixes: list[list[Any]] = []  # each row's cache after its prefix, per layer (keys, values)
-    alone: list[list[Any]] = []  # each row's calls computed alone
-    for row in range(most):
-        cache = make_prompt_cache(model)
-        model(mx.array([tokens_of(row, _PROBE_PREFIX, 1)]), cache=cache)
-        prefixes.append([(layer.keys[..., :_PROBE_PREFIX, :], layer.values[..., :_PROBE_PREFIX, :])
-                         for layer in cache])
-        mx.eval(prefixes[-1])
-        alone.append(calls(range(row, row + 1), cache))
     def first_row(arrays: list[Any]) -> list[Any]:
         """Row 0 in buffers of its own (a slice would keep the whole call's buffers alive)."""
         row = [mx.take(array, mx.array([0]), axis=0) for array in arrays]
         mx.eval(row)
         return row
 
-    counts = []
-    first_rows = [first_row(alone[0])]  # each count's first row
+    prefixes: list[list[tuple[Any, Any]]] = []  # each row's cache after its prefix
+    heads: list[list[tuple[Any, Any]]] = []  # ... and after its longer call
+    alone: list[tuple[list[Any], list[Any]]] = []  # each row's two calls computed alone
+    for row in range(most):
+        cache = make_prompt_cache(model)
+        _, prefix = call(range(row, row + 1), _PROBE_PREFIX, 1, cache)
+        head, after = call(range(row, row + 1), tokens, 2, cache)
+        last, _ = call(range(row, row + 1), 1, 3, cache)
+        prefixes.append(prefix)
+        heads.append(after)
+        alone.append((head, last))
+    counts: tuple[list[int], list[int]] = ([], [])
+    firsts: tuple[list[list[Any]], list[list[Any]]] = ([first_row(alone[0][0])], [first_row(alone[0][1])])
     for count in range(2, most + 1):
-        stacked = []
-        for index in range(len(prefixes[0])):
-            layer = KVCache()  # type: ignore[no-untyped-call]
-            layer.keys = mx.concatenate([prefixes[row][index][0] for row in range(count)], axis=0)
-            layer.values = mx.concatenate([prefixes[row][index][1] for row in range(count)], axis=0)
-            layer.offset = _PROBE_PREFIX
-            stacked.append(layer)
-        together = calls(range(count), stacked)
-        first_rows.append(first_row(together))
-        if all(same(together, row, alone[row], 0) for row in range(count)):
-            counts.append(count)
-    equal = [[same(a, 0, b, 0) for b in first_rows] for a in first_rows]
-    return tuple(counts), row_classes(equal)
+        for kind, (length, salt, start) in enumerate(((tokens, 2, prefixes), (1, 3, heads))):
+            together, _ = call(range(count), length, salt, stacked(start[:count]))
+            firsts[kind].append(first_row(together))
+            if all(same(together, row, alone[row][kind], 0) for row in range(count)):
+                counts[kind].append(count)
+    classes = [row_classes([[same(a, 0, b, 0) for b in rows] for a in rows]) for rows in firsts]
+    return tuple(counts[0]), tuple(counts[1]), classes[0], classes[1]
