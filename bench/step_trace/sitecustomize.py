@@ -28,7 +28,7 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
                               ("StepExecutor", "hand_segments"), ("StepExecutor", "build_prefills"),
                               ("StepExecutor", "capture_segments"), ("StepExecutor", "settle")],
     "adapters.kv.codec": [(None, "kv_piece_tensors")],
-    "adapters.kv.shm": [("ShmOutbox", "put"), ("ShmOutbox", "reserve")],
+    "adapters.kv.shm_outbox": [("ShmOutbox", "put"), ("ShmOutbox", "reserve")],
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],
     "adapters.mlx.engine": [("MlxEngine", "prefill"), ("MlxEngine", "install"),
                             ("MlxEngine", "receive_segment"), ("MlxEngine", "install_segments")],

@@ -11,7 +11,7 @@ where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or t
 the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
 Where a decode node reads a prefill node's KV from is `KvSources`' to know: the prefill node's KV
 plane (a socket of its own for KV bodies, `adapters.kv.plane`) when this node can reach it, and
-its shared memory (`adapters.kv.shm`) when its advert proves it is on this host, each probed once
+its shared memory (`adapters.kv.shm_inbox`) when its advert proves it is on this host, each probed once
 per prefill node from its /internal/info (a plane connection that fails makes the next call probe
 again). https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`:
 the node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
@@ -50,8 +50,9 @@ from adapters.http.internal_wire import (
     parse_output_line,
 )
 from adapters.kv import pull as kv_pull
-from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
+from adapters.kv.shm_inbox import ShmInbox, same_host
+from adapters.kv.shm_region import default_directory, parse_advert, parse_ref
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
@@ -150,7 +151,7 @@ class KvSources:
         # "http" never does, "shm" insists (KV_SHM_GONE if not)
         self.kv_transport = kv_transport
         self.connect_timeout_s = connect_timeout_s
-        self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
+        self._inboxes: dict[str, ShmInbox | None] = {}  # by prefill node, once probed
         self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
 
     async def on_plane(self, node: str, url: str) -> str:
@@ -199,18 +200,18 @@ class KvSources:
                 self._planes.pop(node, None)
             raise
 
-    async def inbox(self, node: str) -> kv_shm.ShmInbox | None:
+    async def inbox(self, node: str) -> ShmInbox | None:
         """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
         node's advert (its /internal/info) proves it is on this host; probed once per node."""
         if self.kv_transport == "http":
             return None
         if node not in self._inboxes:
             try:
-                advert = kv_shm.parse_advert((await self.info_document(node)).get("kv_shm"))
+                advert = parse_advert((await self.info_document(node)).get("kv_shm"))
             except StatecoreError:
                 advert = None
-            same = advert is not None and await trio.to_thread.run_sync(kv_shm.same_host, advert)
-            self._inboxes[node] = kv_shm.ShmInbox(advert.directory) if same and advert else None
+            same = advert is not None and await trio.to_thread.run_sync(same_host, advert)
+            self._inboxes[node] = ShmInbox(advert.directory) if same and advert else None
         inbox = self._inboxes[node]
         if inbox is None and self.kv_transport == "shm":
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
@@ -335,7 +336,7 @@ class HttpxPeers:
         return read
 
     async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int,
-                            inbox: kv_shm.ShmInbox | None) -> AsyncGenerator[KvSegment | PrefillReply, None]:
+                            inbox: ShmInbox | None) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         """A KV stream's records as the port's items; the stream's own checks on the way."""
         await kv_stream.read_preamble(read_into)
         coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
@@ -364,11 +365,11 @@ class HttpxPeers:
                         raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
                                                        "a piece in shared memory nobody asked for"))
                     coverage.add(where)
-                    ref = kv_shm.parse_ref(reference)
+                    ref = parse_ref(reference)
                     view = await trio.to_thread.run_sync(inbox.read, ref)
                     # the caller builds its arrays from the view before asking for the next piece;
                     # an engine core process reads the region itself (where it looks for regions)
-                    here = inbox.directory == kv_shm.default_directory()
+                    here = inbox.directory == default_directory()
                     yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
                                     KvPieces((view,), shared=ref if here else None), record.last_step_started)
                     inbox.done(ref)  # raises when the region changed under the copy
@@ -387,7 +388,7 @@ class HttpxPeers:
                     return
 
     async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int,
-                            inbox: kv_shm.ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
+                            inbox: ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
         """The stream through httpx (a test's injected transport): its bytes through a small
         buffer, read as `read_into` asks."""
         with transport_errors(node):

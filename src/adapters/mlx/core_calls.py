@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import trio
 
-from adapters.kv.shm import ShmRef
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.core_wire import NO_REPLY, Abandon, Call, Done, Free, Raised
 from effects.engine_port import SegmentSink
 from statecore.errors import StatecoreError

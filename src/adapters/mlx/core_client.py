@@ -37,7 +37,9 @@ from typing import Any, Final
 
 import trio
 
-from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmLanding, ShmRef
+from adapters.kv.shm_landing import ShmLanding
+from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.callers import Callers
 from adapters.mlx.core_calls import CoreCalls
 from adapters.mlx.core_kv import CoreKv

@@ -6,7 +6,7 @@ for a flush), and it names its region (`KvPieces.shared`), so a prefill node's s
 transport hands that very region on to the decode node (the core's copy into it is the payload's
 only one). A payload handed to the core (`share`) goes by reference when it already lies in this
 node's shared memory: it was received over the network into a region of `landing` (an
-`adapters.kv.shm.ShmLanding`: the receive its only copy); any other payload is copied once
+`adapters.kv.shm_landing.ShmLanding`: the receive its only copy); any other payload is copied once
 into this node's region (inline in the message when every region is held). The caller frees it
 (`unshare`) when its call ends. A streamed piece that arrived in another node's region is passed on
 by the caller as its reference, without coming here. This module imports numpy and trio (the copy
@@ -24,7 +24,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from adapters.kv.shm import ShmInbox, ShmLanding, ShmOutbox, ShmRef
+from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_landing import ShmLanding
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.core_wire import Free
 from effects.engine_port import KvBytes, KvPieces
 from statecore.errors import Code, StatecoreError
