@@ -1,20 +1,17 @@
 """`HttpxPeers`: the Peers port over httpx, node to node.
 
-Every transport failure is translated here, in one place (httpx's own
+Every transport failure of an httpx call is translated here, in one place (httpx's own
 map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
-The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
-and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go through `kv_pull`
-instead (the body straight into one buffer) unless a transport was injected; their errors are
-mapped here too, to the same codes. Every received KV body (a pull's, a streamed piece's) lands
+The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls,
+a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) and streamed handoffs
+go around httpx instead (`adapters.http.kv_receive`: where a prefill node's KV is read from, its
+KV plane or its shared memory, and the reads themselves, their errors typed to the same codes)
+unless a transport was injected. Every received KV body (a pull's, a streamed piece's) lands
 where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or the shared memory
 the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
-Where a decode node reads a prefill node's KV from is `KvSources`' to know: the prefill node's KV
-plane (a socket of its own for KV bodies, `adapters.kv.plane`) when this node can reach it, and
-its shared memory (`adapters.kv.shm_inbox`) when its advert proves it is on this host, each probed once
-per prefill node from its /internal/info (a plane connection that fails makes the next call probe
-again). https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`:
-the node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
+https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`: the
+node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
 peers stay plain. This module may import anything.
 """
 
@@ -22,18 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import replace
-from typing import NoReturn
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 
-import h11
 import httpx
 import pydantic
-import trio
 
 from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
@@ -49,17 +40,22 @@ from adapters.http.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from adapters.http.kv_receive import (
+    KvSources,
+    pull_direct,
+    raise_error_document,
+    read_stream,
+    stream_errors,
+    with_deadline,
+)
 from adapters.kv import pull as kv_pull
-from adapters.kv import stream as kv_stream
-from adapters.kv.shm_inbox import ShmInbox, same_host
-from adapters.kv.shm_region import default_directory, parse_advert, parse_ref
+from adapters.kv.shm_inbox import ShmInbox
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
     DecodeMessage,
     KvBytes,
-    KvPieces,
     KvSegment,
     ModelInfo,
     PrefillReply,
@@ -71,8 +67,6 @@ from effects.ports import (
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.policy import STOP
-
-log = logging.getLogger("statecore.peers")
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
@@ -103,121 +97,6 @@ async def _raise_for_error(node: str, response: httpx.Response) -> None:
         data = None
     info = error_from_json(data, response.status_code)
     raise StatecoreError(info)
-
-
-@contextlib.contextmanager
-def _stream_errors(node: str) -> Iterator[None]:
-    """A KV stream's failures as typed errors named after the node (so the router, hearing of it
-    through the decode node, blames the right one)."""
-    try:
-        yield
-    except StatecoreError as exc:
-        if node in exc.info.message:
-            raise
-        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
-    except kv_pull.KvStreamCut as exc:
-        raise StatecoreError(ErrorInfo(
-            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}")) from exc
-    except trio.TooSlowError as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
-    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-        raise StatecoreError(ErrorInfo(
-            Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
-
-
-def _raise_error_document(status: int, body: bytes) -> NoReturn:
-    """A peer's error answer (a small JSON document) as its typed error."""
-    try:
-        data: object = json.loads(body)  # an error document: small
-    except ValueError:
-        data = None
-    raise StatecoreError(error_from_json(data, status))
-
-
-InfoDocument = Callable[[str], Awaitable[dict[str, object]]]
-
-
-class KvSources:
-    """A decode node's knowledge of its prefill nodes' KV planes and shared memory (`HttpxPeers`'
-    own: where it reads KV from)."""
-
-    def __init__(self, info_document: InfoDocument, *, direct: bool, kv_transport: str,
-                 connect_timeout_s: float) -> None:
-        self.info_document = info_document  # a node's whole /internal/info
-        # KV bodies are read directly (`adapters.kv.pull`), not through a transport a test injected
-        self.direct = direct
-        # "auto" maps a prefill node's shared memory when its advert proves it is on this host,
-        # "http" never does, "shm" insists (KV_SHM_GONE if not)
-        self.kv_transport = kv_transport
-        self.connect_timeout_s = connect_timeout_s
-        self._inboxes: dict[str, ShmInbox | None] = {}  # by prefill node, once probed
-        self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
-
-    async def on_plane(self, node: str, url: str) -> str:
-        """`url` moved to the node's KV plane (`adapters.kv.plane`) when it has one this node can
-        reach: plain http, KV bodies read directly (not through an injected transport), the port
-        in its /internal/info, a connection to it accepted. Probed once per node; a later
-        connection error (the node restarted elsewhere) makes the next call probe again."""
-        if not (self.direct and url.startswith("http://")):
-            return url
-        if node not in self._planes:
-            self._planes[node] = await self._probe_plane(node)
-        port = self._planes[node]
-        if port is None:
-            return url
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
-
-    async def _probe_plane(self, node: str) -> int | None:
-        try:
-            port = (await self.info_document(node)).get("kv_port")
-        except StatecoreError:
-            return None
-        if not isinstance(port, int) or not 0 < port < 65536:
-            return None
-        try:
-            with trio.fail_after(self.connect_timeout_s):
-                probe = await trio.open_tcp_stream(urlsplit(node).hostname or "", port)
-        except (OSError, trio.TooSlowError):
-            log.warning("%s advertises a KV plane on port %d that cannot be reached: its KV comes "
-                        "through its HTTP port", node, port)
-            return None
-        await probe.aclose()
-        return port
-
-    @contextlib.contextmanager
-    def plane_watched(self, node: str) -> Iterator[None]:
-        """A connection to the node's KV plane that fails makes the next call probe it again."""
-        try:
-            yield
-        except (OSError, trio.BrokenResourceError):
-            self._planes.pop(node, None)
-            raise
-        except StatecoreError as exc:
-            if exc.info.fault is Fault.TRANSPORT:
-                self._planes.pop(node, None)
-            raise
-
-    async def inbox(self, node: str) -> ShmInbox | None:
-        """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
-        node's advert (its /internal/info) proves it is on this host; probed once per node."""
-        if self.kv_transport == "http":
-            return None
-        if node not in self._inboxes:
-            try:
-                advert = parse_advert((await self.info_document(node)).get("kv_shm"))
-            except StatecoreError:
-                advert = None
-            same = advert is not None and await trio.to_thread.run_sync(same_host, advert)
-            self._inboxes[node] = ShmInbox(advert.directory) if same and advert else None
-        inbox = self._inboxes[node]
-        if inbox is None and self.kv_transport == "shm":
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
-                                           f"{node} offers no shared memory this node can map "
-                                           "(--kv-transport shm)"))
-        return inbox
 
 
 class HttpxPeers:
@@ -313,79 +192,21 @@ class HttpxPeers:
             self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
-        with _stream_errors(node), self.kv_sources.plane_watched(node):
+        with stream_errors(node), self.kv_sources.plane_watched(node):
             if self._direct_kv and url.startswith(("http://", "https://")):
                 async with kv_pull.open_stream(url, self._headers, document,
                                                connect_timeout_s=self._connect_timeout_s,
                                                ssl_context=self._ssl_context) as (status, answer):
                     if not isinstance(answer, kv_pull.StreamBody):
-                        _raise_error_document(status, answer)
+                        raise_error_document(status, answer)
                     else:
-                        read_into = self._deadline(answer.read_into)
-                        async for item in self._stream_items(read_into, len(prompt), layers, inbox):
+                        read_into = with_deadline(answer.read_into, self._read_timeout_s)
+                        async for item in read_stream(read_into, len(prompt), layers, inbox, self.landing,
+                                                      self.max_kv_bytes):
                             yield item
             else:
                 async for item in self._stream_httpx(node, url, document, len(prompt), layers, inbox):
                     yield item
-
-    def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
-        """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
-        async def read(view: memoryview) -> None:
-            with trio.fail_after(self._read_timeout_s):
-                await read_into(view)
-        return read
-
-    async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int,
-                            inbox: ShmInbox | None) -> AsyncGenerator[KvSegment | PrefillReply, None]:
-        """A KV stream's records as the port's items; the stream's own checks on the way."""
-        await kv_stream.read_preamble(read_into)
-        coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
-        taken: list[memoryview] = []
-
-        def take(nbytes: int) -> memoryview:
-            taken.append(self.landing.take(nbytes))
-            return taken[-1]
-
-        while True:
-            try:
-                record = await kv_stream.read_record(read_into, take, self.max_kv_bytes)
-            except BaseException:
-                for view in taken:  # a piece cut mid-body
-                    self.landing.give_back(view)
-                raise
-            finally:
-                taken.clear()
-            match record:
-                case kv_stream.Segment(where=where, payload=payload):
-                    coverage.add(where)
-                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((payload,)), record.last_step_started)
-                case kv_stream.SharedSegment(where=where, reference=reference):
-                    if inbox is None:
-                        raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
-                                                       "a piece in shared memory nobody asked for"))
-                    coverage.add(where)
-                    ref = parse_ref(reference)
-                    view = await trio.to_thread.run_sync(inbox.read, ref)
-                    # the caller builds its arrays from the view before asking for the next piece;
-                    # an engine core process reads the region itself (where it looks for regions)
-                    here = inbox.directory == default_directory()
-                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((view,), shared=ref if here else None), record.last_step_started)
-                    inbox.done(ref)  # raises when the region changed under the copy
-                case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
-                    try:
-                        reply = PrefillReplyBody.model_validate_json(raw)
-                    except pydantic.ValidationError as exc:
-                        raise StatecoreError(ErrorInfo(
-                            Fault.PEER, Code.KV_MALFORMED,
-                            f"a malformed first token in the KV stream: {exc}")) from exc
-                    yield reply.reply()
-                case kv_stream.Document(value=value):  # the prefill node's error
-                    raise StatecoreError(error_from_json(value, 502))
-                case kv_stream.StreamEnd():
-                    coverage.finish(record)
-                    return
 
     async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int,
                             inbox: ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
@@ -407,7 +228,8 @@ class HttpxPeers:
                     view[:] = pending[: len(view)]
                     del pending[: len(view)]
 
-                async for item in self._stream_items(read_into, prompt_tokens, layers, inbox):
+                async for item in read_stream(read_into, prompt_tokens, layers, inbox, self.landing,
+                                              self.max_kv_bytes):
                     yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
@@ -432,33 +254,12 @@ class HttpxPeers:
         """A KV payload (GET, or POST of `json_body`): its bytes, seconds to the head and to the
         last byte; over kv_pull unless a test injected a transport."""
         if self._direct_kv and url.startswith(("http://", "https://")):
-            pulled = await self._pull_direct(node, url, json_body)
+            pulled = await pull_direct(node, url, self._headers, max_kv_bytes=self.max_kv_bytes,
+                                       connect_timeout_s=self._connect_timeout_s,
+                                       read_timeout_s=self._read_timeout_s, landing=self.landing,
+                                       ssl_context=self._ssl_context, json_body=json_body)
             return pulled.body, pulled.head_s, pulled.last_byte_s
         return await self._pull_httpx(node, url, json_body)
-
-    async def _pull_direct(self, node: str, url: str, json_body: bytes | None = None) -> kv_pull.PulledKv:
-        """The KV over kv_pull, its failures mapped as `transport_errors` maps httpx's."""
-        try:
-            with trio.fail_after(self._read_timeout_s):
-                pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
-                                            connect_timeout_s=self._connect_timeout_s,
-                                            buffers=self.landing, ssl_context=self._ssl_context,
-                                            json_body=json_body)
-        except kv_pull.KvTooLarge as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
-            ) from exc
-        except trio.TooSlowError as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out sending the KV")
-            ) from exc
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
-            ) from exc
-        if pulled.status >= 400:
-            _raise_error_document(pulled.status, bytes(pulled.body))
-        return pulled
 
     async def _pull_httpx(self, node: str, url: str, json_body: bytes | None = None
                           ) -> tuple[bytes, float, float]:
@@ -539,4 +340,4 @@ class HttpxPeers:
             return data
 
 
-__all__ = ["HttpxPeers", "InfoDocument", "KvSources", "transport_errors"]
+__all__ = ["HttpxPeers", "transport_errors"]
