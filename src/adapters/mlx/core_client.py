@@ -383,9 +383,8 @@ class ProcessEngine:
                         if isinstance(message.payload, ShmRef):
                             self._send([Free(message.payload)])
                         continue
-                    sink(KvSegment(message.start, message.stop, message.first_layer,
-                                           message.end_layer, self._kv.as_pieces(message.payload),
-                                           message.last_step_started))
+                    sink(KvSegment(message.start, message.stop, message.first_layer, message.end_layer,
+                                   self._kv.as_pieces(message.payload), message.last_step_started))
                 case FirstToken(call_id=call_id, outcome=outcome):
                     sink = self._calls.sink(call_id)
                     if sink is not None:
