@@ -1,8 +1,8 @@
 """Which roles of `statecore run` read which flags: the groups `--help` lists the flags under
 (`FlagGroup`: what they are for, and the roles that read them), each flag's readers
 (`roles_reading`), and one line for a flag given to a role that ignores it
-(`flags_for_other_roles`). This module imports the standard library only (nothing of the
-project: every module that declares or reads flags imports it); it starts nothing.
+(`flags_for_other_roles`). This module starts nothing; it must never import anything but the
+standard library (every module that declares or reads flags imports it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Argparse types for `statecore run`'s flags: each checks a flag's text (a whole number, a
 number of seconds, a port, an API key, an origin, ...) and refuses it with one line before
 anything loads; a value a local cluster hands on to its nodes is kept as normalized text. This
-module may import anything; it starts nothing.
+module starts nothing; it must never import mlx, nor anything that does (`statecore run --help`
+loads it).
 """
 
 from __future__ import annotations
