@@ -5,11 +5,15 @@ map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF 
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
 The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls,
 a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) and streamed handoffs
-go around httpx instead (`adapters.http.kv_receive`: where a prefill node's KV is read from, its
-KV plane or its shared memory, and the reads themselves, their errors typed to the same codes)
-unless a transport was injected. Every received KV body (a pull's, a streamed piece's) lands
-where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or the shared memory
-the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
+go around httpx instead (`adapters.http.kv_receive`: the reads, their errors typed to the same
+codes) unless a transport was injected. Where a decode node reads a prefill node's KV from is
+`KvSources`' to know: the prefill node's KV plane (a socket of its own for KV bodies,
+`adapters.kv.plane`) when this node can reach it, and its shared memory (`adapters.kv.shm_inbox`)
+when its advert proves it is on this host, each probed once per prefill node from its
+/internal/info (a plane connection that fails makes the next call probe again). Every received
+KV body (a pull's, a streamed piece's) lands where `HttpxPeers.landing` says: process memory
+(`kv_pull.ReceiveBuffers`), or the shared memory the node's engine core process reads
+(`ProcessEngine.kv_landing`), so that no copy follows.
 https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`: the
 node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
 peers stay plain. This module may import anything.
@@ -19,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pydantic
+import trio
 
 from adapters.http.internal_wire import (
     CACHED_TOKENS_PARAM,
@@ -41,7 +48,6 @@ from adapters.http.internal_wire import (
     parse_output_line,
 )
 from adapters.http.kv_receive import (
-    KvSources,
     pull_direct,
     raise_error_document,
     read_stream,
@@ -49,7 +55,8 @@ from adapters.http.kv_receive import (
     with_deadline,
 )
 from adapters.kv import pull as kv_pull
-from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_inbox import ShmInbox, same_host
+from adapters.kv.shm_region import parse_advert
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
@@ -67,6 +74,8 @@ from effects.ports import (
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 from statecore.policy import STOP
+
+log = logging.getLogger("statecore.peers")
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
@@ -97,6 +106,91 @@ async def _raise_for_error(node: str, response: httpx.Response) -> None:
         data = None
     info = error_from_json(data, response.status_code)
     raise StatecoreError(info)
+
+
+InfoDocument = Callable[[str], Awaitable[dict[str, object]]]
+
+
+class KvSources:
+    """A decode node's knowledge of its prefill nodes' KV planes and shared memory (`HttpxPeers`'
+    own: where it reads KV from)."""
+
+    def __init__(self, info_document: InfoDocument, *, direct: bool, kv_transport: str,
+                 connect_timeout_s: float) -> None:
+        self.info_document = info_document  # a node's whole /internal/info
+        # KV bodies are read directly (`adapters.kv.pull`), not through a transport a test injected
+        self.direct = direct
+        # "auto" maps a prefill node's shared memory when its advert proves it is on this host,
+        # "http" never does, "shm" insists (KV_SHM_GONE if not)
+        self.kv_transport = kv_transport
+        self.connect_timeout_s = connect_timeout_s
+        self._inboxes: dict[str, ShmInbox | None] = {}  # by prefill node, once probed
+        self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
+
+    async def on_plane(self, node: str, url: str) -> str:
+        """`url` moved to the node's KV plane (`adapters.kv.plane`) when it has one this node can
+        reach: plain http, KV bodies read directly (not through an injected transport), the port
+        in its /internal/info, a connection to it accepted. Probed once per node; a later
+        connection error (the node restarted elsewhere) makes the next call probe again."""
+        if not (self.direct and url.startswith("http://")):
+            return url
+        if node not in self._planes:
+            self._planes[node] = await self._probe_plane(node)
+        port = self._planes[node]
+        if port is None:
+            return url
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+
+    async def _probe_plane(self, node: str) -> int | None:
+        try:
+            port = (await self.info_document(node)).get("kv_port")
+        except StatecoreError:
+            return None
+        if not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        try:
+            with trio.fail_after(self.connect_timeout_s):
+                probe = await trio.open_tcp_stream(urlsplit(node).hostname or "", port)
+        except (OSError, trio.TooSlowError):
+            log.warning("%s advertises a KV plane on port %d that cannot be reached: its KV comes "
+                        "through its HTTP port", node, port)
+            return None
+        await probe.aclose()
+        return port
+
+    @contextlib.contextmanager
+    def plane_watched(self, node: str) -> Iterator[None]:
+        """A connection to the node's KV plane that fails makes the next call probe it again."""
+        try:
+            yield
+        except (OSError, trio.BrokenResourceError):
+            self._planes.pop(node, None)
+            raise
+        except StatecoreError as exc:
+            if exc.info.fault is Fault.TRANSPORT:
+                self._planes.pop(node, None)
+            raise
+
+    async def inbox(self, node: str) -> ShmInbox | None:
+        """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
+        node's advert (its /internal/info) proves it is on this host; probed once per node."""
+        if self.kv_transport == "http":
+            return None
+        if node not in self._inboxes:
+            try:
+                advert = parse_advert((await self.info_document(node)).get("kv_shm"))
+            except StatecoreError:
+                advert = None
+            same = advert is not None and await trio.to_thread.run_sync(same_host, advert)
+            self._inboxes[node] = ShmInbox(advert.directory) if same and advert else None
+        inbox = self._inboxes[node]
+        if inbox is None and self.kv_transport == "shm":
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
+                                           f"{node} offers no shared memory this node can map "
+                                           "(--kv-transport shm)"))
+        return inbox
 
 
 class HttpxPeers:
@@ -344,4 +438,4 @@ class HttpxPeers:
             return data
 
 
-__all__ = ["HttpxPeers", "transport_errors"]
+__all__ = ["HttpxPeers", "InfoDocument", "KvSources", "transport_errors"]
