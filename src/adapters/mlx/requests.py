@@ -48,8 +48,9 @@ class Held:
     def cut_to_prompt(self) -> None:
         """Forget the tokens after the first: the cache covers the prompt alone again (for a
         handoff, or a decode that starts from another first token)."""
-        for layer in self.cache:
-            layer.trim(max(0, len(self.drawn) - 1))
+        if len(self.drawn) > 1:  # (only plain KVCache layers draft)
+            for layer in self.cache:
+                layer.trim(len(self.drawn) - 1)
         self.drawn = ()
 
 
