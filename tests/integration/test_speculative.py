@@ -170,7 +170,6 @@ async def test_the_prompt_s_last_call_is_the_first_verify_step(chain_dir: Path) 
         assert (stats.speculative_steps, stats.speculative_drafted, stats.speculative_accepted,
                 stats.speculative_emitted) == (1, 4, 4, 5)
         assert (stats.decoding, stats.held_caches, stats.kv_reserved_bytes) == (0, 0, 0)
-        assert not speculating._device.speculator.prompt_indexes  # type: ignore[union-attr]  # its index went
     finally:
         await close_engine(speculating)
         await close_engine(plain)

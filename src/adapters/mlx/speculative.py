@@ -50,7 +50,14 @@ from adapters.mlx.slots import SlotPool
 from effects.engine_port import GeneratedToken, SamplingParams
 from statecore.errors import StatecoreError
 from statecore.policy import token_finish
-from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
+from statecore.speculation import (
+    NgramIndex,
+    SpeculationPace,
+    draft_room,
+    kept_drafts,
+    prompt_draft,
+    row_classes,
+)
 
 if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
@@ -119,7 +126,6 @@ class Speculator:
         self.classes: tuple[int, ...] = ()
         self.off_reason: str | None = None
         self.first_room = 0  # drafts a prompt's last call may carry (0: the last token goes alone)
-        self.prompt_indexes: dict[str, NgramIndex] = {}  # prompt lookup's, built for a first verify step
         # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
@@ -185,11 +191,7 @@ class Speculator:
     # -- rows ----------------------------------------------------------------------------------
 
     def joined(self, live: Live, prompt: Sequence[int]) -> None:
-        row = self.rows[live.request_id] = _Row(prompt, [live.last_token])
-        index = self.prompt_indexes.pop(live.request_id, None)  # its prompt's, from its first verify step
-        if index is not None and index.tokens == list(prompt[: len(index.tokens)]):
-            index.extend([*prompt[len(index.tokens) :], live.last_token])
-            row.index = index
+        self.rows[live.request_id] = _Row(prompt, [live.last_token])
 
     def took(self, live: Live, token: int) -> None:
         row = self.rows.get(live.request_id)
@@ -203,7 +205,6 @@ class Speculator:
         """A request left the decoder, or will never join it (its held cache went, or its prompt
         failed): its row and its draft model cache go."""
         self.rows.pop(request_id, None)
-        self.prompt_indexes.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)
 
@@ -235,10 +236,8 @@ class Speculator:
         return tuple(drawn[: kept + 1])
 
     def forget_gone(self, loop: SpeculationHost) -> None:
-        """What was kept for requests the loop no longer knows (a prompt that failed after its last
-        call drafted) goes."""
-        for request_id in [rid for rid in self.prompt_indexes if rid not in loop.requests]:
-            del self.prompt_indexes[request_id]
+        """Draft model caches of requests the loop no longer knows (a prompt that failed after its
+        last call drafted) go."""
         if self.draft is not None:
             for request_id in [rid for rid in self.draft.rows if rid not in loop.requests]:
                 self.draft.forget(request_id)
@@ -451,9 +450,7 @@ class FirstVerify:
         if speculator.draft is not None:
             drafted: Any = speculator.draft.propose(task.request_id, task.tokens, [], wanted, sampler)
             return drafted
-        # kept for its row in the decoder (`joined`): a long prompt's index is built once
-        index = speculator.prompt_indexes[task.request_id] = NgramIndex(tokens=task.tokens)
-        found = index.draft(wanted)
+        found = prompt_draft(task.tokens, wanted)  # the row's index's draft, without building it
         return mx.array(found, dtype=mx.uint32) if found else None
 
     def draws(self, task: PrefillTask, logits: Any) -> Any:
