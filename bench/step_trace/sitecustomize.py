@@ -32,7 +32,16 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],
     "adapters.mlx.engine": [("MlxEngine", "prefill"), ("MlxEngine", "install"),
                             ("MlxEngine", "receive_segment"), ("MlxEngine", "install_segments")],
-    "adapters.mlx.core_client": [("ProcessEngine", "receive_segment"), ("ProcessEngine", "install_segments")],
+    "adapters.mlx.core_client": [("ProcessEngine", "receive_segment"), ("ProcessEngine", "install_segments"),
+                                 ("ProcessEngine", "_dispatch"), ("ProcessEngine", "_share")],
+    # a streamed first token's way out of the prefill core and into the decode node
+    "adapters.mlx.kv_out": [(None, "tell_first_tokens"), (None, "hand_pieces"), ("PieceHandout", "__call__")],
+    "adapters.mlx.core_wire": [("FrameWriter", "write")],
+    "adapters.mlx.core_process": [("CoreServer", "_put"), ("CoreServer", "_incoming")],
+    "adapters.mlx.managed_memory": [(None, "to_host"), (None, "to_device")],
+    "adapters.kv.frames": [(None, "end_frame")],
+    "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
+    "adapters.mlx.arriving": [],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

@@ -153,6 +153,9 @@ class ModelInfo:
     # pipeline-parallel instance's ranks each hold a share); a report, not part of the identity
     parameter_bytes_by_rank: tuple[int, ...] = field(default=(), compare=False)
     adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name (`--adapters`), in order
+    # this engine sends and takes a streamed handoff's pieces in GPU memory, device to device, with
+    # another engine on this host (`prefill(device_pieces=True)`); a report, not the identity
+    device_pieces: bool = field(default=False, compare=False)
 
     @property
     def can_travel(self) -> bool:
@@ -294,13 +297,15 @@ class Engine(Protocol):
 
     async def prefill(
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        segments: SegmentSink | None = None,
+        segments: SegmentSink | None = None, device_pieces: bool = False,
     ) -> PrefillOutcome:
         """Prefill prompt[:-1] in fixed chunks, then the last token alone; sample the first
         token at position len(prompt). The cache stays held under `request_id`. With `segments`,
         each piece of the cache goes there as soon as it is computed, where the engine can cut
         its cache so (`PrefillOutcome.streamed` says whether it did), and the outcome as soon as
-        the first token is known, where the engine can tell it before the last pieces."""
+        the first token is known, where the engine can tell it before the last pieces.
+        `device_pieces`: the pieces' receiver takes them in GPU memory on this host
+        (`ModelInfo.device_pieces`), so a piece may stay there (held until the cache's release)."""
         ...
 
     async def export_held(self, request_id: RequestId) -> KvPieces:

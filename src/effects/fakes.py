@@ -98,7 +98,7 @@ class FakeEngine:
 
     async def prefill(
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        segments: SegmentSink | None = None,
+        segments: SegmentSink | None = None, device_pieces: bool = False,
     ) -> PrefillOutcome:
         """With `segments`, the fake payload goes there in two pieces, as the prompt's head and
         its last token (every layer each) would: b"FAKE", then one byte per token."""

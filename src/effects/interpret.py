@@ -87,6 +87,7 @@ class NodeRequest:
     ends_at_first_token: bool = False
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
+    device_pieces: bool = False  # a prefill node's streamed request: its receiver reads GPU memory here
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     # a decode node's streamed handoff: the KV comes as a stream that this node opens itself (to
     # `prefill_url`, which then computes the prompt); a prefill node's stream is `KvStreams`'s
@@ -250,7 +251,8 @@ class EnginePerformer:
         started = time.perf_counter()
         replied: list[PrefillOutcome] = []  # the first token, once told to the stream
         sink = self._streamed_pieces(rid, ctx, replied) if rid in self.kv_streams.open_streams else None
-        outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink)
+        outcome = await self.engine.prefill(rid, ctx.prompt, ctx.sampling, segments=sink,
+                                            device_pieces=ctx.device_pieces)
         if ctx.hands_off:
             record = self.handoffs.record(rid)
             record.prefill_s, record.prefill_done_at = time.perf_counter() - started, time.time()

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine, kv_out, slot_lane
+from adapters.mlx.device_pieces import DevicePiece, encode
 from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -260,3 +261,24 @@ async def test_pieces_received_side_by_side_are_kept_in_the_stream_s_order(corru
         await decode.cancel(RequestId("new"))
         assert not staged(decode) and decode._callers.get("new") is None
         assert decode._device.pool is not None and decode._device.pool.free_slots == 2
+
+
+async def test_a_piece_in_gpu_memory_reaching_a_node_that_reads_none_fails_that_request_alone() -> None:
+    """A device piece document (`adapters.mlx.device_pieces`: the piece stayed in the sender's GPU
+    memory) on a node whose engine cannot read another process's GPU memory (here MLX on the CPU)
+    fails its request typed; the node then serves the next request as a single node does."""
+    async with opened_engines() as opened:
+        source, decode = await source_and_decode(opened, max_batch=2)
+        prompt = prompt_of(40, salt=3)
+        _, pieces = await pieces_of(source, "p", prompt)
+        head = pieces[0]
+        layers = head.end_layer - head.first_layer
+        document = encode(DevicePiece("a" * 32, bytes(64), 0, decode.info.fingerprint, head.stop - head.start,
+                                      "float32", ((1, 1, head.stop - head.start, 8),) * (2 * layers)))
+        assert not decode.info.device_pieces
+        with pytest.raises(StatecoreError) as raised:
+            await decode.receive_segment(RequestId("d"), replace(head, payload=KvPieces((document,))),
+                                         len(prompt), max_tokens=GREEDY.max_tokens)
+        assert raised.value.info.code is Code.KV_MALFORMED and "GPU memory" in raised.value.info.message
+        await decode.cancel(RequestId("d"))
+        assert await served(decode, "next", prompt) == await served(source, "alone", prompt)

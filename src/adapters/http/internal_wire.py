@@ -116,9 +116,12 @@ class PrefillBody(_Strict):
     # /internal/prefill_stream only, sent only when set: the asking decode node maps this node's
     # shared memory (it checked the advert in /internal/info), so pieces may go by reference
     kv_shm: bool = False
+    # with kv_shm, sent only when set: the asking node's engine takes pieces in GPU memory on this
+    # host (`adapters.mlx.device_pieces`), so they may go device to device
+    kv_device: bool = False
 
     def document(self) -> dict[str, object]:
-        unset = {name for name in ("prefix_from", "kv_shm") if not getattr(self, name)}
+        unset = {name for name in ("prefix_from", "kv_shm", "kv_device") if not getattr(self, name)}
         return _without_base_adapter(self.model_dump(exclude=unset or None))
 
 

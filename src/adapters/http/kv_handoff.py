@@ -209,7 +209,8 @@ class KvHandoff:
         body = validated(PrefillBody, raw)
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
-                              prefix_from=prefix_source(body.prefix_from))
+                              prefix_from=prefix_source(body.prefix_from),
+                              device_pieces=body.kv_shm and body.kv_device)
         # the stream waits by request id for what the prefill sends it (`KvStreams`), from
         # before the request is admitted until its last item
         items = self.performer.kv_streams.open(rid, len(body.prompt), len(self.engine.info.layers))
@@ -220,7 +221,8 @@ class KvHandoff:
             self.performer.kv_streams.end(rid)  # never admitted: nothing else would close it
             raise
         shm = self.shared.shm if body.kv_shm else None
-        self.performer.handoffs.record(rid).transport = "http" if shm is None else "shm"
+        self.performer.handoffs.record(rid).transport = ("http" if shm is None else
+                                                         "gpu" if context.device_pieces else "shm")
         return self._stream_records(generation, items, len(body.prompt), shm)
 
     async def _stream_records(self, generation: RunnerGeneration,

@@ -256,6 +256,8 @@ class HttpxPeers:
         # where received KV bodies (a pull's, a stream's pieces) land: here, in process memory,
         # unless the node's engine core reads shared memory (`ProcessEngine.kv_landing`)
         self.landing: kv_pull.Landing = self.receive_buffers
+        # this node's engine takes a streamed handoff's pieces in GPU memory (`ModelInfo.device_pieces`)
+        self.takes_device_pieces = False
         # where a prefill node's KV is read from: its KV plane, its shared memory (`kv_transport`)
         self.kv_sources = KvSources(self.info_document, direct=self._direct_kv, kv_transport=kv_transport,
                                     connect_timeout_s=connect_timeout_s)
@@ -306,10 +308,12 @@ class HttpxPeers:
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         inbox = await self.kv_sources.inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None)
+                           prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None,
+                           kv_device=inbox is not None and self.takes_device_pieces)
         url = await self.kv_sources.on_plane(node, f"{node}/internal/prefill_stream")
         if self.handoffs is not None:
-            self.handoffs.record(request_id).transport = "http" if inbox is None else "shm"
+            self.handoffs.record(request_id).transport = ("http" if inbox is None else
+                                                          "gpu" if body.kv_device else "shm")
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
         with _stream_errors(node), self.kv_sources.plane_watched(node):

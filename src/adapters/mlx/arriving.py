@@ -21,6 +21,8 @@ import trio
 
 from adapters.mlx import commands
 from adapters.mlx.callers import Callers
+from adapters.mlx.device_pieces import enabled as device_pieces_enabled
+from adapters.mlx.device_pieces import is_device_piece, parse
 from adapters.mlx.jobs import Local
 from adapters.mlx.payloads import validate_segment
 from effects.engine_port import KvSegment
@@ -62,14 +64,34 @@ class ArrivingPieces:
             self._device.handoffs_expected.setdefault(request_id, time.monotonic())
         kept = False
         try:
-            built = await trio.to_thread.run_sync(partial(
-                validate_segment, segment, prompt_tokens, fingerprint=fingerprint,
-                classes=classes, streams_ranges=self._device.streams_ranges), limiter=self.checks)
+            if is_device_piece(segment.payload.pieces[0]):
+                built = await self._take_from_device(segment, fingerprint, classes)
+            else:
+                built = await trio.to_thread.run_sync(partial(
+                    validate_segment, segment, prompt_tokens, fingerprint=fingerprint,
+                    classes=classes, streams_ranges=self._device.streams_ranges), limiter=self.checks)
             await order.turn(index)  # a request cancelled meanwhile keeps nothing here
             await self._keep(request_id, segment, prompt_tokens, max_tokens, built, last=last)
             kept = True
         finally:
             order.done(index, kept=kept)
+
+    async def _take_from_device(self, segment: KvSegment, fingerprint: str, classes: Sequence[str]
+                                ) -> list[Any]:
+        """A piece that lies in the sender's GPU memory: its document checked here, its bytes
+        copied device to device into arrays of this engine's own, on the device thread (a copy
+        of a fraction of a millisecond: between two steps, not inside one)."""
+        if not device_pieces_enabled():
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "a KV piece in GPU memory: this node reads none"))
+        mine = classes[segment.first_layer : segment.end_layer]
+        if len(segment.payload.pieces) != 1 or any(name != "KVCache" for name in mine):
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           "a device piece for layers whose cache is not a plain KVCache"))
+        piece = parse(segment.payload.pieces[0], fingerprint=fingerprint,
+                      token_count=segment.stop - segment.start, layers=len(mine))
+        built: list[Any] = await self._post(commands.TakeDevicePiece(piece), Local())
+        return built
 
     async def _keep(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
                     max_tokens: int, built: list[Any], *, last: bool) -> None:

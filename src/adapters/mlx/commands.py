@@ -23,6 +23,7 @@ from effects.engine_port import SamplingParams
 __all__ = [
     "REPLICATED", "Cancel", "Command", "DecodeHeld", "EvictPrefixes", "Export", "ExportPrefix",
     "ForgetPrefixes", "Inspect", "Install", "Keep", "Load", "Prefill", "Release", "Replicated", "StagePiece",
+    "TakeDevicePiece",
     "Stop", "SummarizePrefixes", "undo_of",
 ]
 
@@ -85,6 +86,16 @@ class StagePiece:
     prompt_tokens: int
     needed_tokens: int
     kind: str = "stage_piece"
+
+
+@dataclass(frozen=True, slots=True)
+class TakeDevicePiece:
+    """Copy a streamed handoff's piece out of the sender's GPU memory into arrays of this engine's
+    own, and build its caches (`adapters.mlx.device_pieces.take`); `piece` is its checked
+    document (`DevicePiece`: where the bytes lie, their shapes; plain values, no KV)."""
+
+    piece: object
+    kind: str = "take_device_piece"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +180,8 @@ class Stop:
 
 Replicated = Load | Prefill | DecodeHeld | Install | Cancel | Release | Export | ForgetPrefixes | Stop
 REPLICATED = (Load, Prefill, DecodeHeld, Install, Cancel, Release, Export, ForgetPrefixes, Stop)
-Command = Replicated | StagePiece | Keep | ExportPrefix | EvictPrefixes | SummarizePrefixes | Inspect
+Command = (Replicated | StagePiece | TakeDevicePiece | Keep | ExportPrefix | EvictPrefixes | SummarizePrefixes
+           | Inspect)
 
 
 def undo_of(command: Command) -> Cancel | None:

@@ -206,10 +206,11 @@ class ProcessEngine:
     # -- the Engine port -----------------------------------------------------------------------
 
     async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                      segments: SegmentSink | None = None) -> PrefillOutcome:
+                      segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
+        streamed = {"segments": True, "device_pieces": device_pieces}
         outcome: PrefillOutcome = await self._call(
             "prefill", request_id, tuple(prompt), sampling, sink=segments,
-            kwargs={"segments": True} if segments is not None else {})
+            kwargs=streamed if segments is not None else {})
         return outcome
 
     async def export_held(self, request_id: RequestId) -> KvPieces:

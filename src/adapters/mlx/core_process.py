@@ -18,6 +18,7 @@ the node's modules start it, never import it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -214,10 +215,11 @@ class CoreServer:
                 args[1] = KvSegment(piece.start, piece.stop, piece.first_layer, piece.end_layer,
                                     KvPieces((await self._incoming(piece.payload),)), piece.last_step_started)
             case "prefill" if call.kwargs.get("segments"):
-                return await self._streamed_prefill(call.call_id, args)
+                device_pieces = bool(call.kwargs.get("device_pieces"))
+                return await self._streamed_prefill(call.call_id, args, device_pieces)
         return await getattr(engine, call.method)(*args, **call.kwargs)
 
-    async def _streamed_prefill(self, call_id: int, args: list[Any]) -> Any:
+    async def _streamed_prefill(self, call_id: int, args: list[Any], device_pieces: bool) -> Any:
         """A prefill whose pieces stream to a sink: each goes to the node as it comes, in order,
         its first token at once (ahead of pieces still being put into shared memory), and the
         outcome after the last piece. Unbounded, and never blocking the sink: a prompt's pieces
@@ -228,13 +230,17 @@ class CoreServer:
             if isinstance(item, PrefillOutcome):
                 self.push(FirstToken(call_id, item))
             else:
-                send.send_nowait(item)
+                # a piece the device thread handed out as its prefill was cancelled: nobody
+                # waits for it (raising here, in trio's callback, would end the core)
+                with contextlib.suppress(trio.ClosedResourceError):
+                    send.send_nowait(item)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._forward_segments, call_id, str(args[0]), receive)
             try:
                 request_id, prompt, sampling = args
-                return await self.engine.prefill(request_id, prompt, sampling, segments=sink)
+                return await self.engine.prefill(request_id, prompt, sampling, segments=sink,
+                                                 device_pieces=device_pieces)
             finally:
                 send.close()
 

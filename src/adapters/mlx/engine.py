@@ -35,6 +35,7 @@ from adapters.mlx import commands
 from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
+from adapters.mlx.device_pieces import release_held_pieces
 from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
@@ -212,7 +213,7 @@ class MlxEngine:
 
     async def prefill(
         self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        segments: SegmentSink | None = None,
+        segments: SegmentSink | None = None, device_pieces: bool = False,
     ) -> PrefillOutcome:
         tokens = checked_prompt(prompt, sampling, self._running_info)
         if self._pipelined and not self._settings.decodes_locally:  # a prefill node only hands off
@@ -222,8 +223,9 @@ class MlxEngine:
         # Pieces by token and layer range need a cache of plain KVCache layers that holds every
         # head (not a tensor-parallel rank's share): otherwise the whole cache goes at the end.
         cuts = self._device.streams_ranges and self.streams_handoffs
-        sink = (segment_sink(segments, trio_token, self.info.fingerprint) if cuts and segments is not None
-                else None)
+        sink = (segment_sink(segments, trio_token, self.info.fingerprint, request_id,
+                             device=device_pieces and self.info.device_pieces)
+                if cuts and segments is not None else None)
         outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                    Local(matcher=matcher, segment_sink=sink))
         return outcome
@@ -259,6 +261,7 @@ class MlxEngine:
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
+        release_held_pieces(request_id)  # its receiver took them (or never will)
         self._callers.forget_pieces(request_id)
         self._stop_expecting(request_id)  # its first token ended it: it never joins
         if not self._thread.alive:
@@ -344,6 +347,7 @@ class MlxEngine:
                 self._cancel_nowait(request_id)
 
     async def cancel(self, request_id: RequestId) -> None:
+        release_held_pieces(request_id)
         self._callers.drop(request_id)
         self._stop_expecting(request_id)
         if not self._thread.alive:

@@ -21,7 +21,7 @@ import trio
 
 from adapters.kv import codec, frames
 from adapters.kv.codec import wire_view
-from adapters.mlx import managed_memory
+from adapters.mlx import device_pieces, managed_memory
 from adapters.mlx.jobs import post
 from adapters.mlx.prefill import PrefillTask
 from effects.engine_port import KvPieces, KvSegment, PrefillOutcome, SegmentSink
@@ -31,6 +31,9 @@ __all__ = ["Captured", "PieceHandout", "Range", "capture_pieces", "hand_pieces",
            "tell_first_tokens"]
 
 logger = logging.getLogger("adapters.engine_mlx")
+
+# a piece's dtype as a device piece document names it (others go through the host)
+_DEVICE_DTYPES: dict[Any, str] = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
 
 Range = tuple[int, int, int, int]  # a piece's tokens [start, stop) of layers [first, end)
 # a step's captured pieces: (their prompt, where, keys then values per layer as the wire carries
@@ -52,29 +55,48 @@ class PieceHandout:
     back, ahead of the pieces of the step that sampled it. Nothing is evaluated here: the device
     thread goes on to the next step at once."""
 
-    def __init__(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str) -> None:
+    def __init__(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str,
+                 request_id: str, arena: device_pieces.DeviceArena | None) -> None:
         self._segments = segments
         self._trio_token = trio_token
         self._fingerprint = fingerprint
+        self._request_id = request_id
+        self._arena = arena  # the receiver takes pieces in GPU memory: they go device to device
 
     def __call__(self, where: tuple[int, int, int, int], arrays: list[Any], dtype: Any,
                  last_step_started: bool) -> None:
         start, stop, first_layer, end_layer = where
-        # on CUDA with `copy`, the copy engine's copies in host memory, read from here on
-        arrays = managed_memory.host_copies(arrays)
-        tensors = codec.kv_piece_tensors(arrays, dtype=dtype, fingerprint=self._fingerprint,
-                                         token_count=stop - start)
-        post(self._trio_token, self._segments, KvSegment(start, stop, first_layer, end_layer,
-                                                         pieces_of(tensors), last_step_started))
+        payload = self._on_device(arrays, dtype, stop - start)
+        if payload is None:
+            # on CUDA with `copy`, the copy engine's copies in host memory, read from here on
+            arrays = managed_memory.host_copies(arrays)
+            tensors = codec.kv_piece_tensors(arrays, dtype=dtype, fingerprint=self._fingerprint,
+                                             token_count=stop - start)
+            payload = pieces_of(tensors)
+        post(self._trio_token, self._segments, KvSegment(start, stop, first_layer, end_layer, payload,
+                                                         last_step_started))
+
+    def _on_device(self, arrays: list[Any], dtype: Any, token_count: int) -> KvPieces | None:
+        """The piece as a device piece document, its arrays copied into the arena (computed with
+        their step: this only waits for it); None when it goes the host's way."""
+        name = _DEVICE_DTYPES.get(dtype)
+        if self._arena is None or name is None:
+            return None
+        mx.eval(*arrays)
+        document = self._arena.put(self._request_id, arrays, dtype=name, fingerprint=self._fingerprint,
+                                   token_count=token_count)
+        return None if document is None else KvPieces((document,))
 
     def first_token(self, outcome: PrefillOutcome) -> None:
         post(self._trio_token, self._segments, outcome)
 
 
-def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str
-                 ) -> PieceHandout:
-    """A streamed prefill's sink on the device thread, handing to `segments` in trio."""
-    return PieceHandout(segments, trio_token, fingerprint)
+def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str,
+                 request_id: str, *, device: bool = False) -> PieceHandout:
+    """A streamed prefill's sink on the device thread, handing to `segments` in trio (`device`:
+    its pieces may stay in GPU memory, `adapters.mlx.device_pieces`)."""
+    return PieceHandout(segments, trio_token, fingerprint, request_id,
+                        device_pieces.arena() if device else None)
 
 
 def capture_pieces(task: PrefillTask, captured: Captured, streamed_from: dict[str, int]) -> list[Any]:

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from adapters.grammar import Grammars
 from adapters.kv import codec
+from adapters.mlx import device_pieces
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import TensorGroup, agree_max, every_rank
 from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
@@ -146,6 +147,7 @@ def load_on_device(device: DeviceLoop, source: ModelSource, settings: Settings) 
         layers=layers,
         parameter_bytes_by_rank=by_rank,
         adapters=() if served is None else served.names,
+        device_pieces=tensor is None and device_pieces.enabled(),
     )
     logger.info(
         "loaded %s (%s, kv_bits=%s, chunk=%d, shape bucket=%d, lane=%s, attention=%s, traced=%s, "

@@ -36,7 +36,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "enabled", "host_copies", "spans", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "cuda_runtime", "enabled", "host_copies", "spans", "to_device", "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -106,14 +106,11 @@ _runtime: _Runtime | None = None
 _probed = False
 
 
-def _load() -> _Runtime | None:
+def cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library MLX runs on here, loaded, or None where MLX does not run on CUDA
+    (or no runtime library answers)."""
     import mlx.core as mx
 
-    mode = os.environ.get(PREFETCH_ENV, "arriving")
-    if mode not in _MODES:
-        logger.warning("%s=%s is none of %s: off", PREFETCH_ENV, mode, "|".join(_MODES))
-    if mode not in _MODES[1:]:
-        return None
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
     names = ["libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart") or ""]
@@ -129,11 +126,26 @@ def _load() -> _Runtime | None:
             continue
         if library.cudaGetDevice(ctypes.byref(device)):
             continue
-        logger.info("KV pieces move between the GPU and the host in bulk (%s: %s; CUDA runtime %s, %d)",
-                    PREFETCH_ENV, mode, name, version.value)
-        return _Runtime(library, version.value, device.value, mode)
-    logger.info("no CUDA runtime library to load: KV pieces move between the GPU and the host by faults")
+        return library
     return None
+
+
+def _load() -> _Runtime | None:
+    mode = os.environ.get(PREFETCH_ENV, "arriving")
+    if mode not in _MODES:
+        logger.warning("%s=%s is none of %s: off", PREFETCH_ENV, mode, "|".join(_MODES))
+    if mode not in _MODES[1:]:
+        return None
+    library = cuda_runtime()
+    if library is None:
+        logger.info("no CUDA runtime here: KV pieces move between the GPU and the host by faults")
+        return None
+    version, device = ctypes.c_int(0), ctypes.c_int(0)
+    library.cudaRuntimeGetVersion(ctypes.byref(version))
+    library.cudaGetDevice(ctypes.byref(device))
+    logger.info("KV pieces move between the GPU and the host in bulk (%s: %s; CUDA runtime %d)",
+                PREFETCH_ENV, mode, version.value)
+    return _Runtime(library, version.value, device.value, mode)
 
 
 def _get() -> _Runtime | None:

@@ -23,13 +23,13 @@ import trio
 
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
-from adapters.mlx import commands, managed_memory
+from adapters.mlx import commands, device_pieces, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Job, Local, StreamItem, StreamSend, deliver, post
 from adapters.mlx.load_on_device import ModelSource, load_on_device
-from adapters.mlx.payloads import joined_segments, validate_and_build
+from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
@@ -79,6 +79,11 @@ class Performer:
             case commands.StagePiece():
                 assert local is not None and local.caches is not None
                 return self.stage(command, local.caches)
+            case commands.TakeDevicePiece(piece):
+                assert isinstance(piece, device_pieces.DevicePiece)
+                arrays = device_pieces.take(piece)
+                return [kv_cache(keys, values, piece.token_count)
+                        for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
                 self.forget_drafts(request_id)

@@ -349,6 +349,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                            ssl_context=client_context(args.tls.ca_file), kv_transport=args.kv_transport)
         if isinstance(engine, ProcessEngine):  # received KV lands where the core reads it
             peers.landing = engine.kv_landing(peers.receive_buffers.take)
+        peers.takes_device_pieces = engine.info.device_pieces
     shm = _kv_outbox(args) if role == "prefill" and tensor is None else None
     # a tensor- or pipeline-parallel prefill node does not take other nodes' blocks (its ranks
     # would each need their share): the router's hints are then ignored

@@ -1,0 +1,66 @@
+"""The device piece document (`adapters.mlx.device_pieces`): what a streamed handoff's piece that
+stays in GPU memory carries instead of its bytes, checked before anything is read, and the sending
+buffer's region bookkeeping. The copies themselves need CUDA (bench/handoff on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.kv import frames
+from adapters.mlx.device_pieces import MAGIC, DevicePiece, Regions, encode, is_device_piece, parse
+from statecore.errors import Code, StatecoreError
+
+FINGERPRINT = "fp-1"
+
+
+def piece(**changes: object) -> DevicePiece:
+    fields: dict[str, object] = dict(arena="a" * 32, handle=bytes(range(64)), offset=4096,
+                                     fingerprint=FINGERPRINT, token_count=16, dtype="bfloat16",
+                                     shapes=((1, 2, 16, 8),) * 4)
+    fields.update(changes)
+    return DevicePiece(**fields)  # type: ignore[arg-type]
+
+
+def test_a_document_round_trips_with_every_byte_of_its_handle() -> None:
+    sent = piece(handle=b"\x00" * 10 + bytes(range(54)))  # zero bytes inside the handle stay
+    got = parse(encode(sent), fingerprint=FINGERPRINT, token_count=16, layers=2)
+    assert got == sent
+    assert got.nbytes() == [1 * 2 * 16 * 8 * 2] * 4
+
+
+def test_kv_wire_bytes_are_not_a_device_piece() -> None:
+    assert is_device_piece(encode(piece()))
+    assert not is_device_piece(frames.MAGIC + b"rest of a payload")
+    assert not is_device_piece(b"")
+
+
+@pytest.mark.parametrize(("document", "code"), [
+    (MAGIC[:-1] + b"2" + encode(piece())[len(MAGIC):], Code.KV_MALFORMED),  # another version
+    (encode(piece())[:-3], Code.KV_MALFORMED),  # cut short
+    (MAGIC + b"\x02\x00\x00\x00{]", Code.KV_MALFORMED),  # not JSON
+    (encode(piece(fingerprint="another")), Code.KV_WRONG_MODEL),
+    (encode(piece(token_count=15)), Code.KV_MALFORMED),  # not the range's tokens
+    (encode(piece(shapes=((1, 2, 16, 8),) * 2)), Code.KV_MALFORMED),  # one layer, not two
+    (encode(piece(shapes=((1, 2, 15, 8),) * 4)), Code.KV_MALFORMED),  # arrays of other tokens
+    (encode(piece(dtype="int8")), Code.KV_MALFORMED),
+    (encode(piece(handle=b"short")), Code.KV_MALFORMED),
+])
+def test_a_bad_document_is_refused_typed_before_anything_is_read(document: bytes, code: Code) -> None:
+    with pytest.raises(StatecoreError) as raised:
+        parse(document, fingerprint=FINGERPRINT, token_count=16, layers=2)
+    assert raised.value.info.code is code
+
+
+def test_regions_are_held_per_request_and_merge_back_when_released() -> None:
+    regions = Regions(1000)
+    first = regions.reserve("a", 400)
+    second = regions.reserve("b", 400)
+    assert (first, second) == (0, 400)
+    assert regions.reserve("c", 300) is None  # 200 left
+    third = regions.reserve("a", 100)
+    assert third == 800 and regions.held_bytes() == 900
+    regions.release("a")  # both of a's, not b's
+    assert regions.held_bytes() == 400
+    regions.give_back("b", 400)
+    assert regions.free_runs() == [(0, 1000)]  # merged: a whole-buffer region fits again
+    assert regions.reserve("d", 1000) == 0
