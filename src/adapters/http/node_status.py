@@ -103,6 +103,8 @@ class NodeStatus:
         shared: dict[str, object] = {} if self.shm is None else {"kv_shm": self.shm.advert().model_dump()}
         if self.kv_port is not None:
             shared["kv_port"] = self.kv_port
+        if self.shm is not None and self.engine.info.device_pieces:
+            shared["kv_device"] = True  # streamed pieces may stay in GPU memory for who asks
         return JSONResponse({**info_json(self.engine.info), "blas": self.blas or blas_in_use(),
                              "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
 

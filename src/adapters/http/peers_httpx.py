@@ -151,6 +151,7 @@ class KvSources:
         self.kv_transport = kv_transport
         self.connect_timeout_s = connect_timeout_s
         self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
+        self.device_pieces: dict[str, bool] = {}  # by prefill node, probed with its inbox
         self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
 
     async def on_plane(self, node: str, url: str) -> str:
@@ -206,7 +207,10 @@ class KvSources:
             return None
         if node not in self._inboxes:
             try:
-                advert = kv_shm.parse_advert((await self.info_document(node)).get("kv_shm"))
+                info = await self.info_document(node)
+                advert = kv_shm.parse_advert(info.get("kv_shm"))
+                # it sends pieces in GPU memory (`adapters.mlx.device_pieces`) to whoever asks
+                self.device_pieces[node] = info.get("kv_device") is True
             except StatecoreError:
                 advert = None
             same = advert is not None and await trio.to_thread.run_sync(kv_shm.same_host, advert)
@@ -309,7 +313,8 @@ class HttpxPeers:
         inbox = await self.kv_sources.inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
                            prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None,
-                           kv_device=inbox is not None and self.takes_device_pieces)
+                           kv_device=(inbox is not None and self.takes_device_pieces
+                                      and self.kv_sources.device_pieces.get(node, False)))
         url = await self.kv_sources.on_plane(node, f"{node}/internal/prefill_stream")
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = ("http" if inbox is None else

@@ -60,7 +60,7 @@ from adapters.mlx.jobs import StreamItem, as_statecore, post
 from effects.engine_port import EngineStatistics, KvPieces, KvSegment, PrefillOutcome
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
-__all__ = ["main"]
+__all__ = ["main", "streamed_sink"]
 
 logger = logging.getLogger("adapters.engine_core")
 
@@ -93,6 +93,23 @@ class _ToNode:
         if not self._ended:
             self._ended = True
             self._server.push(Ended(self._request_id))
+
+
+def streamed_sink(call_id: int, push: Callable[[Any], None], pieces: trio.MemorySendChannel[KvSegment]
+                  ) -> Callable[[KvSegment | PrefillOutcome], None]:
+    """A streamed prefill's sink in the core (called in trio, posted by the device thread): the
+    first token to the node at once (`push`), each piece to `pieces` (put into shared memory in
+    order). A piece handed out after the prefill ended (it was cancelled) is dropped: nobody waits
+    for it, and raising in trio's callback would end the core."""
+
+    def sink(item: KvSegment | PrefillOutcome) -> None:
+        if isinstance(item, PrefillOutcome):
+            push(FirstToken(call_id, item))
+        else:
+            with contextlib.suppress(trio.ClosedResourceError):
+                pieces.send_nowait(item)
+
+    return sink
 
 
 class CoreServer:
@@ -225,16 +242,7 @@ class CoreServer:
         outcome after the last piece. Unbounded, and never blocking the sink: a prompt's pieces
         are bounded by its chunks and layer slices."""
         send, receive = trio.open_memory_channel[KvSegment](math.inf)
-
-        def sink(item: KvSegment | PrefillOutcome) -> None:
-            if isinstance(item, PrefillOutcome):
-                self.push(FirstToken(call_id, item))
-            else:
-                # a piece the device thread handed out as its prefill was cancelled: nobody
-                # waits for it (raising here, in trio's callback, would end the core)
-                with contextlib.suppress(trio.ClosedResourceError):
-                    send.send_nowait(item)
-
+        sink = streamed_sink(call_id, self.push, send)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._forward_segments, call_id, str(args[0]), receive)
             try:

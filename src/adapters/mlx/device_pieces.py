@@ -263,6 +263,7 @@ class DeviceArena:
         self.id = uuid.uuid4().hex
         self._base = 0
         self._handle = b""
+        self._failed = False  # the buffer could not be made: every piece goes through the host
 
     def _allocate(self) -> None:
         library = self._runtime.library
@@ -283,9 +284,16 @@ class DeviceArena:
         copied into a region held under `holder`; their document, or None when they cannot go
         so (no room, a CUDA error: the caller sends them the host's way)."""
         sizes = [int(array.nbytes) for array in arrays]
-        try:
-            if not self._base:
+        if self._failed:
+            return None
+        if not self._base:
+            try:
                 self._allocate()
+            except OSError as exc:
+                self._failed = True
+                logger.warning("no GPU buffer for streamed KV pieces (%s): they go through the host", exc)
+                return None
+        try:
             offset = self.regions.reserve(holder, sum(_aligned(size) for size in sizes))
             if offset is None:
                 return None
