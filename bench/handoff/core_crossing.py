@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from adapters.http.segment_copies import SegmentCopies
 from adapters.kv import codec
-from adapters.kv.shm import ShmInbox, ShmOutbox, ShmRef
+from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.kv_out import pieces_of
 from effects.engine_port import KvPieces, KvSegment
 from statecore.ids import RequestId

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from mlx_lm.models.cache import KVCache
 
 from adapters.kv import checksum, codec, frames
-from adapters.kv.shm import ShmInbox, ShmOutbox
+from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_outbox import ShmOutbox
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
 FINGERPRINT = "kv-copy-stages"

@@ -9,8 +9,8 @@ processes on 127.0.0.1:
 - same host, the reference: `shm raw`, the bytes between two processes through shared memory
   with nothing else (`copyto` into a mapped tmpfs file, a line over a pipe, `copyto` out: two
   copies, which any move between processes through shared memory makes);
-- `shm` (judged against `shm raw`): `adapters.kv.shm` end to end (the producer's `put` -> the
-  reference over a pipe -> the consumer's `read` -> `copyto` a numpy array: the one copy into
+- `shm` (judged against `shm raw`): `adapters.kv.shm_outbox`, `shm_inbox` end to end (the producer's
+  `put` -> the reference over a pipe -> the consumer's `read` -> `copyto` a numpy array: the one copy into
   place -> `done` -> `free`), with and without its CRC-32, and with a fresh outbox per transfer
   (no arena: every region new);
 - across hosts, the reference: a raw TCP loopback socket (`sendall` / `recv_into` a buffer
@@ -229,7 +229,8 @@ def measure_memcpy(nbytes: int, reps: int) -> Row:
 
 
 def worker_shm_producer(nbytes: int, checksum: bool, fresh: bool) -> None:
-    from adapters.kv.shm import ShmOutbox, parse_ref
+    from adapters.kv.shm_outbox import ShmOutbox
+    from adapters.kv.shm_region import parse_ref
 
     src = _payload(nbytes)
     directory = os.environ.get("TRANSPORT_EVAL_SHM_DIR")
@@ -307,7 +308,8 @@ def measure_shm_raw(nbytes: int, reps: int) -> Row:
 
 
 def measure_shm(nbytes: int, reps: int, *, checksum: bool, fresh: bool) -> Row:
-    from adapters.kv.shm import ShmInbox, parse_ref
+    from adapters.kv.shm_inbox import ShmInbox
+    from adapters.kv.shm_region import parse_ref
 
     producer = Worker(_worker_argv(sys.executable, "shm-producer", str(nbytes), str(int(checksum)),
                                    str(int(fresh))), env={"PYTHONPATH": str(ROOT / "src")})

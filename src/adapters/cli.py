@@ -13,17 +13,17 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from adapters.blas import BlasChoice, default_blas_choice, parse_blas_choice
-from adapters.serve.flags import (
+from adapters.serve.flag_roles import (
     CLUSTER,
     FLAG_GROUPS,
     ROLES,
     ROUTER,
     SERVE,
-    add_serving_flags,
     flag_group,
     flags_for_other_roles,
     roles_reading,
 )
+from adapters.serve.flags import add_serving_flags
 from statecore.diagram import render, render_markdown
 from statecore.spec import compare, load_spec, spec_from_machine
 from statecore.table import MACHINES

@@ -33,7 +33,7 @@ class KvPieces:
     seal: Callable[[], bytes] | None = None
     seal_nbytes: int = 0
     # Where the whole payload (its end frame included) already lies in shared memory, when it
-    # does: an adapter's reference (`adapters.kv.shm.ShmRef`) that a KV transport or an engine
+    # does: an adapter's reference (`adapters.kv.shm_region.ShmRef`) that a KV transport or an engine
     # core on this host hands on instead of copying the bytes. Valid while this value lives.
     shared: object | None = None
 

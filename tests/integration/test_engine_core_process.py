@@ -20,7 +20,8 @@ import trio
 
 from adapters.http.node_api import CORE_PROCESS
 from adapters.kv.pull import ReceiveBuffers
-from adapters.kv.shm import ShmLanding, ShmRef
+from adapters.kv.shm_landing import ShmLanding
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import watch_engine

@@ -1,4 +1,4 @@
-"""KV received over the network straight into a node's shared memory (`adapters.kv.shm.ShmLanding`,
+"""KV received over the network straight into a node's shared memory (`adapters.kv.shm_landing.ShmLanding`,
 a node whose engine core is a process): a pull over a real socket and a streamed piece land in a
 region and are handed on by reference with no copy; a receive cut mid-body gives its region back
 at once; a region whose views all go unclaimed goes back; with no room in shared memory the bytes
@@ -17,8 +17,11 @@ import trio
 
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv import pull as kv_pull
-from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
+from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_landing import ShmLanding
+from adapters.kv.shm_outbox import ROUND_BYTES, ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from effects.ports import KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -27,8 +30,8 @@ PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 
 
 @pytest.fixture
-def outbox() -> Iterator[kv_shm.ShmOutbox]:
-    box = kv_shm.ShmOutbox(checksum=False, max_bytes=4 * kv_shm.ROUND_BYTES)
+def outbox() -> Iterator[ShmOutbox]:
+    box = ShmOutbox(checksum=False, max_bytes=4 * ROUND_BYTES)
     try:
         yield box
     finally:
@@ -36,12 +39,12 @@ def outbox() -> Iterator[kv_shm.ShmOutbox]:
 
 
 @pytest.fixture
-def landing(outbox: kv_shm.ShmOutbox) -> kv_shm.ShmLanding:
-    return kv_shm.ShmLanding(outbox, kv_pull.ReceiveBuffers(1 << 24).take)
+def landing(outbox: ShmOutbox) -> ShmLanding:
+    return ShmLanding(outbox, kv_pull.ReceiveBuffers(1 << 24).take)
 
 
-def read(outbox: kv_shm.ShmOutbox, ref: kv_shm.ShmRef) -> bytes:
-    inbox = kv_shm.ShmInbox(outbox.directory)
+def read(outbox: ShmOutbox, ref: ShmRef) -> bytes:
+    inbox = ShmInbox(outbox.directory)
     try:
         data = bytes(inbox.read(ref))
         inbox.done(ref)
@@ -81,7 +84,7 @@ async def server(nursery: trio.Nursery) -> Server:
 
 
 async def test_a_pull_lands_in_shared_memory_and_a_cut_one_gives_its_region_back(
-        server: Server, outbox: kv_shm.ShmOutbox, landing: kv_shm.ShmLanding) -> None:
+        server: Server, outbox: ShmOutbox, landing: ShmLanding) -> None:
     server.answers.append((PAYLOAD, len(PAYLOAD)))
     pulled = await kv_pull.pull(server.url, [], max_bytes=1 << 24, connect_timeout_s=5, buffers=landing)
     assert isinstance(pulled.body, memoryview)
@@ -98,7 +101,7 @@ async def test_a_pull_lands_in_shared_memory_and_a_cut_one_gives_its_region_back
 
 
 def test_an_unclaimed_region_goes_back_with_its_last_view_and_no_room_lands_in_process_memory(
-        outbox: kv_shm.ShmOutbox, landing: kv_shm.ShmLanding) -> None:
+        outbox: ShmOutbox, landing: ShmLanding) -> None:
     view = landing.take(len(PAYLOAD))
     part = view[: len(PAYLOAD) // 2]
     assert landing.claim(part) is None  # a part of a landed payload is not the payload
@@ -108,7 +111,7 @@ def test_an_unclaimed_region_goes_back_with_its_last_view_and_no_room_lands_in_p
     gc.collect()
     assert outbox.statistics().held_regions == 0 and landing.statistics().held == 0
     # the outbox's budget held by requests: the bytes land in process memory, copied on as before
-    held = [outbox.reserve("other", kv_shm.ROUND_BYTES) for _ in range(4)]
+    held = [outbox.reserve("other", ROUND_BYTES) for _ in range(4)]
     fallback = landing.take(len(PAYLOAD))
     assert landing.claim(fallback) is None and landing.statistics().fell_back == 1
     for writer in held:
@@ -123,7 +126,7 @@ class _Body(httpx.AsyncByteStream):
         yield self.data
 
 
-def _stream_peers(data: bytes, landing: kv_shm.ShmLanding) -> HttpxPeers:
+def _stream_peers(data: bytes, landing: ShmLanding) -> HttpxPeers:
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/internal/info":
             return httpx.Response(200, json={})
@@ -136,7 +139,7 @@ def _stream_peers(data: bytes, landing: kv_shm.ShmLanding) -> HttpxPeers:
 
 @pytest.mark.parametrize("cut", [False, True])
 async def test_a_streamed_piece_lands_in_shared_memory_and_a_cut_one_gives_its_region_back(
-        outbox: kv_shm.ShmOutbox, landing: kv_shm.ShmLanding, cut: bool) -> None:
+        outbox: ShmOutbox, landing: ShmLanding, cut: bool) -> None:
     where = kv_stream.SegmentRange(0, 5, 0, 1)
     data = (kv_stream.preamble() + kv_stream.segment_head(where, len(PAYLOAD)) + PAYLOAD
             + kv_stream.end_record(5, 1))

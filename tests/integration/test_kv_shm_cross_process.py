@@ -1,4 +1,5 @@
-"""`adapters.kv.shm` across two processes: a producer in a child, the consumer here.
+"""Shared memory for KV (`adapters.kv.shm_outbox`, `shm_inbox`) across two processes: a producer in
+a child, the consumer here.
 
 The child (this file run as a script) makes a `ShmOutbox` in a directory of the test's own,
 puts a known payload, prints its advert and the reference as one JSON line, then serves
@@ -26,8 +27,9 @@ from typing import Any
 
 import pytest
 
-from adapters.kv import shm
-from adapters.kv.shm import ShmInbox, ShmOutbox, parse_advert, parse_ref, same_host, sweep_orphans
+from adapters.kv.shm_inbox import ShmInbox, same_host
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import default_directory, parse_advert, parse_ref, sweep_orphans
 from statecore.errors import Code, StatecoreError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +64,7 @@ def _child(directory: str) -> int:
 
 @pytest.fixture
 def where() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="statecore-test-", dir=shm.default_directory()))
+    path = Path(tempfile.mkdtemp(prefix="statecore-test-", dir=default_directory()))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -14,9 +14,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from adapters.http.peers_httpx import HttpxPeers
-from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.codec import encode_cache
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from effects.ports import KvSegment, PrefillReply, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
@@ -29,15 +30,15 @@ def _payload(tokens: int) -> bytes:
 
 
 @pytest.fixture
-def outbox() -> Iterator[kv_shm.ShmOutbox]:
-    box = kv_shm.ShmOutbox(checksum=False)
+def outbox() -> Iterator[ShmOutbox]:
+    box = ShmOutbox(checksum=False)
     try:
         yield box
     finally:
         box.close()
 
 
-def _stream(outbox: kv_shm.ShmOutbox, tokens: int = 5) -> tuple[bytes, kv_shm.ShmRef]:
+def _stream(outbox: ShmOutbox, tokens: int = 5) -> tuple[bytes, ShmRef]:
     ref = outbox.put("r1", [_payload(tokens)])
     where = kv_stream.SegmentRange(0, tokens, 0, 1)
     data = (kv_stream.preamble() + kv_stream.shared_segment_record(where, ref.model_dump())
@@ -57,7 +58,7 @@ class _Body(httpx.AsyncByteStream):
         yield self.data
 
 
-def _peers(data: bytes, offer: kv_shm.ShmOutbox | None,
+def _peers(data: bytes, offer: ShmOutbox | None,
            when_asked: Callable[[], object] = lambda: None) -> HttpxPeers:
     """Peers whose prefill node offers `offer`'s shared memory (None: none) and answers a
     streamed prefill with `data`, after `when_asked` ran (its memory changed after the offer)."""
@@ -77,7 +78,7 @@ def _items(peers: HttpxPeers) -> AsyncGenerator[KvSegment | PrefillReply, None]:
                                 layers=1)
 
 
-async def test_a_piece_in_shared_memory_is_read_in_place(outbox: kv_shm.ShmOutbox) -> None:
+async def test_a_piece_in_shared_memory_is_read_in_place(outbox: ShmOutbox) -> None:
     data, _ = _stream(outbox)
     peers = _peers(data, outbox)
     items = [item async for item in _items(peers)]
@@ -88,7 +89,7 @@ async def test_a_piece_in_shared_memory_is_read_in_place(outbox: kv_shm.ShmOutbo
 
 
 @pytest.mark.parametrize("how", ["released", "closed"])
-async def test_shared_memory_gone_before_the_read_is_a_typed_error(outbox: kv_shm.ShmOutbox,
+async def test_shared_memory_gone_before_the_read_is_a_typed_error(outbox: ShmOutbox,
                                                                    how: str) -> None:
     data, _ = _stream(outbox)
     # freed (the region may be reused), or unlinked (the prefill node stopped)
@@ -101,7 +102,7 @@ async def test_shared_memory_gone_before_the_read_is_a_typed_error(outbox: kv_sh
     assert raised.value.info.code is Code.KV_SHM_GONE
 
 
-async def test_a_region_reused_while_the_piece_was_read_is_a_typed_error(outbox: kv_shm.ShmOutbox) -> None:
+async def test_a_region_reused_while_the_piece_was_read_is_a_typed_error(outbox: ShmOutbox) -> None:
     data, _ = _stream(outbox)
     peers = _peers(data, outbox)
     items = _items(peers)
@@ -116,7 +117,7 @@ async def test_a_region_reused_while_the_piece_was_read_is_a_typed_error(outbox:
     assert raised.value.info.code is Code.KV_SHM_GONE
 
 
-async def test_a_shared_piece_nobody_asked_for_is_refused(outbox: kv_shm.ShmOutbox) -> None:
+async def test_a_shared_piece_nobody_asked_for_is_refused(outbox: ShmOutbox) -> None:
     data, _ = _stream(outbox)
     peers = _peers(data, offer=None)  # the prefill node offers no shared memory, yet sends a piece in it
     with pytest.raises(StatecoreError) as raised:

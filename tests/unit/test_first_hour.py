@@ -14,7 +14,7 @@ import pytest
 
 from adapters.cli import build_parser, main
 from adapters.serve.cluster import forwarded_serving_flags
-from adapters.serve.flags import FLAG_GROUPS, ROLES, flags_for_other_roles, roles_reading
+from adapters.serve.flag_roles import FLAG_GROUPS, ROLES, flags_for_other_roles, roles_reading
 from statecore.diagram import render
 from statecore.table import MACHINES
 

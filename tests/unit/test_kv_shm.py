@@ -1,4 +1,5 @@
-"""`adapters.kv.shm`: KV bytes through shared memory, validated, and nothing left behind.
+"""`adapters.kv.shm_outbox`, `shm_inbox` and `shm_region`: KV bytes through shared memory, validated
+and nothing left behind.
 
 One process plays both ends here (the cross-process cases, a producer killed or stopped by
 SIGTERM, are in tests/integration/test_kv_shm_cross_process.py). Each test gets its own
@@ -19,16 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapters.kv import shm
-from adapters.kv.shm import (
+from adapters.kv.shm_inbox import ShmInbox, same_host
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import (
     DATA_OFFSET,
     ShmAdvert,
-    ShmInbox,
-    ShmOutbox,
     ShmRef,
+    default_directory,
     parse_advert,
     parse_ref,
-    same_host,
     sweep_orphans,
 )
 from statecore.errors import Code, Fault, StatecoreError
@@ -38,7 +38,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def where() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="statecore-test-", dir=shm.default_directory()))
+    path = Path(tempfile.mkdtemp(prefix="statecore-test-", dir=default_directory()))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -99,7 +99,7 @@ def test_the_check_sees_a_private_attribute_of_a_src_object(tmp_path: Path) -> N
     sample = tmp_path / "test_sample.py"
     sample.write_text(
         "from adapters.http.peers_httpx import HttpxPeers\n"
-        "from adapters.kv import shm as kv_shm\n"
+        "from adapters.kv import shm_inbox as kv_shm\n"
         "from adapters.cli import build_parser\n"
         "from other import Thing\n"
         "async def test_a() -> None:\n"

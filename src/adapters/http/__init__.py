@@ -2,7 +2,8 @@
 `adapters.frontend`), the node's internal API (`node_api`, put together from `node_status`,
 `node_requests`, `kv_handoff` and `prefix_blocks`, each route guarded by `internal_wire`) and its wire
 models, the live view, streaming responses that notice a gone client, and the httpx client that
-calls peers (the KV itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
+calls peers (`peers_httpx`), beside the reads of a peer's KV that go around httpx (`kv_receive`;
+the KV itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
 
 May import anything; nothing in `statecore` or `effects` may import this package.
 """
@@ -13,6 +14,7 @@ __all__ = [
     "api_keys",
     "internal_wire",
     "kv_handoff",
+    "kv_receive",
     "live_view",
     "node_api",
     "node_requests",

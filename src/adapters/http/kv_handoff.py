@@ -35,10 +35,11 @@ from adapters.http.internal_wire import (
 from adapters.http.node_status import NodeStatus
 from adapters.http.segment_copies import CopyFinished, SegmentCopies
 from adapters.http.streaming import WatchedStream
-from adapters.kv import shm as kv_shm
 from adapters.kv import stream as kv_stream
 from adapters.kv.frames import declared_tensor_bytes
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from effects.faults import FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.kv_pulls import StreamItem
@@ -117,7 +118,7 @@ class SharedPieces:
     could be reused while it still maps the piece. A request that ended here without that word
     keeps its regions for KV_SEND_TIMEOUT_S at most."""
 
-    def __init__(self, shm: kv_shm.ShmOutbox | None, performer: EnginePerformer) -> None:
+    def __init__(self, shm: ShmOutbox | None, performer: EnginePerformer) -> None:
         self.shm = shm
         self._requests: set[RequestId] = set()
         # The pieces an engine core process put in shared memory and this node handed on as they
@@ -227,7 +228,7 @@ class KvHandoff:
 
     async def _stream_records(self, generation: RunnerGeneration,
                               items: trio.MemoryReceiveChannel[StreamItem], prompt_tokens: int,
-                              shared: kv_shm.ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
+                              shared: ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """The stream's records: each piece as it is computed (through shared memory: copied in
         the background, `SegmentCopies`, its record written once the copy is done, in order),
         the first token as soon as it is sampled, then the end once every piece went."""
@@ -298,7 +299,7 @@ class KvHandoff:
                                       last_step_started=segment.last_step_started)
 
     async def _piece_record(self, rid: RequestId, segment: KvSegment,
-                            ref: kv_shm.ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
+                            ref: ShmRef | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A piece's record: by reference to its copy in shared memory, or inline."""
         if ref is not None:
             yield [kv_stream.shared_segment_record(self._piece_range(segment), ref.model_dump(),

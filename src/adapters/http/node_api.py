@@ -25,8 +25,8 @@ from adapters.http.kv_handoff import KvHandoff, SharedPieces
 from adapters.http.node_requests import NodeRequests
 from adapters.http.node_status import CORE_PROCESS, DEVICE_THREAD, NodeStatus
 from adapters.http.prefix_blocks import PrefixBlocks
-from adapters.kv import shm as kv_shm
 from adapters.kv.plane import PlaneAnswer, PlaneRequest
+from adapters.kv.shm_outbox import ShmOutbox
 from effects.interpret import EnginePerformer
 from effects.ports import Engine
 from effects.runner import NodeRunner
@@ -48,7 +48,7 @@ class NodeApi:
         kv_buffer_bytes: Callable[[], int] = lambda: 0,
         warnings: list[str] | None = None,
         kv_stream: bool = True,
-        shm: kv_shm.ShmOutbox | None = None,
+        shm: ShmOutbox | None = None,
         kv_served: Callable[[int], None] = lambda nbytes: None,
         runs_engine: str = DEVICE_THREAD,
     ) -> None:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from adapters.blas import blas_in_use
 from adapters.http.internal_wire import info_json
-from adapters.kv import shm as kv_shm
+from adapters.kv.shm_outbox import ShmOutbox
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.ports import Engine
 from effects.runner import NodeRunner, RunnerGeneration, open_generation
@@ -42,7 +42,7 @@ class NodeStatus:
         kv_buffer_bytes: Callable[[], int],
         warnings: list[str],
         kv_stream: bool,
-        shm: kv_shm.ShmOutbox | None,
+        shm: ShmOutbox | None,
         runs_engine: str,
         kv_plane_bodies: Callable[[], int],
     ) -> None:

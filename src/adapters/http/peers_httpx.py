@@ -1,20 +1,21 @@
 """`HttpxPeers`: the Peers port over httpx, node to node.
 
-Every transport failure is translated here, in one place (httpx's own
+Every transport failure of an httpx call is translated here, in one place (httpx's own
 map_httpcore_exceptions pattern): `httpx.TransportError` and a peer's early EOF become a
 StatecoreError with Code.TRANSPORT_LOST; an HTTP error answer becomes the peer's typed error.
-The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls
-and a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) go through `kv_pull`
-instead (the body straight into one buffer) unless a transport was injected; their errors are
-mapped here too, to the same codes. Every received KV body (a pull's, a streamed piece's) lands
-where `HttpxPeers.landing` says: process memory (`kv_pull.ReceiveBuffers`), or the shared memory
-the node's engine core process reads (`ProcessEngine.kv_landing`), so that no copy follows.
-Where a decode node reads a prefill node's KV from is `KvSources`' to know: the prefill node's KV
-plane (a socket of its own for KV bodies, `adapters.kv.plane`) when this node can reach it, and
-its shared memory (`adapters.kv.shm`) when its advert proves it is on this host, each probed once
-per prefill node from its /internal/info (a plane connection that fails makes the next call probe
-again). https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`:
-the node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
+The client takes an injectable `transport=` so tests can use `httpx.MockTransport`. KV pulls,
+a prefill node's pulls of a decode node's cached prefix (`fetch_prefix`) and streamed handoffs
+go around httpx instead (`adapters.http.kv_receive`: the reads, their errors typed to the same
+codes) unless a transport was injected. Where a decode node reads a prefill node's KV from is
+`KvSources`' to know: the prefill node's KV plane (a socket of its own for KV bodies,
+`adapters.kv.plane`) when this node can reach it, and its shared memory (`adapters.kv.shm_inbox`)
+when its advert proves it is on this host, each probed once per prefill node from its
+/internal/info (a plane connection that fails makes the next call probe again). Every received
+KV body (a pull's, a streamed piece's) lands where `HttpxPeers.landing` says: process memory
+(`kv_pull.ReceiveBuffers`), or the shared memory the node's engine core process reads
+(`ProcessEngine.kv_landing`), so that no copy follows.
+https:// peers are verified against one `ssl.SSLContext` (`adapters.tls.client_context`: the
+node's `--tls-ca-file`, else the system store), for every call and the KV pulls alike; http://
 peers stay plain. This module may import anything.
 """
 
@@ -26,11 +27,8 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import replace
-from typing import NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
-import h11
 import httpx
 import pydantic
 import trio
@@ -49,16 +47,22 @@ from adapters.http.internal_wire import (
     info_from_json,
     parse_output_line,
 )
+from adapters.http.kv_receive import (
+    pull_direct,
+    raise_error_document,
+    read_stream,
+    stream_errors,
+    with_deadline,
+)
 from adapters.kv import pull as kv_pull
-from adapters.kv import shm as kv_shm
-from adapters.kv import stream as kv_stream
+from adapters.kv.shm_inbox import ShmInbox, same_host
+from adapters.kv.shm_region import parse_advert
 from adapters.tls import client_context
 from effects.handoffs import HandoffLog
 from effects.ports import (
     DecodeCall,
     DecodeMessage,
     KvBytes,
-    KvPieces,
     KvSegment,
     ModelInfo,
     PrefillReply,
@@ -104,36 +108,6 @@ async def _raise_for_error(node: str, response: httpx.Response) -> None:
     raise StatecoreError(info)
 
 
-@contextlib.contextmanager
-def _stream_errors(node: str) -> Iterator[None]:
-    """A KV stream's failures as typed errors named after the node (so the router, hearing of it
-    through the decode node, blames the right one)."""
-    try:
-        yield
-    except StatecoreError as exc:
-        if node in exc.info.message:
-            raise
-        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
-    except kv_pull.KvStreamCut as exc:
-        raise StatecoreError(ErrorInfo(
-            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}")) from exc
-    except trio.TooSlowError as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
-    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-        raise StatecoreError(ErrorInfo(
-            Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
-
-
-def _raise_error_document(status: int, body: bytes) -> NoReturn:
-    """A peer's error answer (a small JSON document) as its typed error."""
-    try:
-        data: object = json.loads(body)  # an error document: small
-    except ValueError:
-        data = None
-    raise StatecoreError(error_from_json(data, status))
-
-
 InfoDocument = Callable[[str], Awaitable[dict[str, object]]]
 
 
@@ -150,7 +124,7 @@ class KvSources:
         # "http" never does, "shm" insists (KV_SHM_GONE if not)
         self.kv_transport = kv_transport
         self.connect_timeout_s = connect_timeout_s
-        self._inboxes: dict[str, kv_shm.ShmInbox | None] = {}  # by prefill node, once probed
+        self._inboxes: dict[str, ShmInbox | None] = {}  # by prefill node, once probed
         self.device_pieces: dict[str, bool] = {}  # by prefill node, probed with its inbox
         self._planes: dict[str, int | None] = {}  # a prefill node's KV plane port, once probed
 
@@ -200,7 +174,7 @@ class KvSources:
                 self._planes.pop(node, None)
             raise
 
-    async def inbox(self, node: str) -> kv_shm.ShmInbox | None:
+    async def inbox(self, node: str) -> ShmInbox | None:
         """The prefill node's shared memory, mapped here, when `kv_transport` allows it and the
         node's advert (its /internal/info) proves it is on this host; probed once per node."""
         if self.kv_transport == "http":
@@ -208,13 +182,13 @@ class KvSources:
         if node not in self._inboxes:
             try:
                 info = await self.info_document(node)
-                advert = kv_shm.parse_advert(info.get("kv_shm"))
+                advert = parse_advert(info.get("kv_shm"))
                 # it sends pieces in GPU memory (`adapters.mlx.device_pieces`) to whoever asks
                 self.device_pieces[node] = info.get("kv_device") is True
             except StatecoreError:
                 advert = None
-            same = advert is not None and await trio.to_thread.run_sync(kv_shm.same_host, advert)
-            self._inboxes[node] = kv_shm.ShmInbox(advert.directory) if same and advert else None
+            same = advert is not None and await trio.to_thread.run_sync(same_host, advert)
+            self._inboxes[node] = ShmInbox(advert.directory) if same and advert else None
         inbox = self._inboxes[node]
         if inbox is None and self.kv_transport == "shm":
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
@@ -321,82 +295,24 @@ class HttpxPeers:
                                                           "gpu" if body.kv_device else "shm")
         document = json.dumps(body.document()).encode()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
-        with _stream_errors(node), self.kv_sources.plane_watched(node):
+        with stream_errors(node), self.kv_sources.plane_watched(node):
             if self._direct_kv and url.startswith(("http://", "https://")):
                 async with kv_pull.open_stream(url, self._headers, document,
                                                connect_timeout_s=self._connect_timeout_s,
                                                ssl_context=self._ssl_context) as (status, answer):
                     if not isinstance(answer, kv_pull.StreamBody):
-                        _raise_error_document(status, answer)
+                        raise_error_document(status, answer)
                     else:
-                        read_into = self._deadline(answer.read_into)
-                        async for item in self._stream_items(read_into, len(prompt), layers, inbox):
+                        read_into = with_deadline(answer.read_into, self._read_timeout_s)
+                        async for item in read_stream(read_into, len(prompt), layers, inbox, self.landing,
+                                                      self.max_kv_bytes):
                             yield item
             else:
                 async for item in self._stream_httpx(node, url, document, len(prompt), layers, inbox):
                     yield item
 
-    def _deadline(self, read_into: kv_stream.ReadInto) -> kv_stream.ReadInto:
-        """`read_into` that raises TooSlowError when one read takes longer than the read timeout."""
-        async def read(view: memoryview) -> None:
-            with trio.fail_after(self._read_timeout_s):
-                await read_into(view)
-        return read
-
-    async def _stream_items(self, read_into: kv_stream.ReadInto, prompt_tokens: int, layers: int,
-                            inbox: kv_shm.ShmInbox | None) -> AsyncGenerator[KvSegment | PrefillReply, None]:
-        """A KV stream's records as the port's items; the stream's own checks on the way."""
-        await kv_stream.read_preamble(read_into)
-        coverage = kv_stream.SegmentCoverage(layers, prompt_tokens)
-        taken: list[memoryview] = []
-
-        def take(nbytes: int) -> memoryview:
-            taken.append(self.landing.take(nbytes))
-            return taken[-1]
-
-        while True:
-            try:
-                record = await kv_stream.read_record(read_into, take, self.max_kv_bytes)
-            except BaseException:
-                for view in taken:  # a piece cut mid-body
-                    self.landing.give_back(view)
-                raise
-            finally:
-                taken.clear()
-            match record:
-                case kv_stream.Segment(where=where, payload=payload):
-                    coverage.add(where)
-                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((payload,)), record.last_step_started)
-                case kv_stream.SharedSegment(where=where, reference=reference):
-                    if inbox is None:
-                        raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
-                                                       "a piece in shared memory nobody asked for"))
-                    coverage.add(where)
-                    ref = kv_shm.parse_ref(reference)
-                    view = await trio.to_thread.run_sync(inbox.read, ref)
-                    # the caller builds its arrays from the view before asking for the next piece;
-                    # an engine core process reads the region itself (where it looks for regions)
-                    here = inbox.directory == kv_shm.default_directory()
-                    yield KvSegment(where.start, where.stop, where.first_layer, where.end_layer,
-                                    KvPieces((view,), shared=ref if here else None), record.last_step_started)
-                    inbox.done(ref)  # raises when the region changed under the copy
-                case kv_stream.Document(kind=kv_stream.FIRST_TOKEN, raw=raw):
-                    try:
-                        reply = PrefillReplyBody.model_validate_json(raw)
-                    except pydantic.ValidationError as exc:
-                        raise StatecoreError(ErrorInfo(
-                            Fault.PEER, Code.KV_MALFORMED,
-                            f"a malformed first token in the KV stream: {exc}")) from exc
-                    yield reply.reply()
-                case kv_stream.Document(value=value):  # the prefill node's error
-                    raise StatecoreError(error_from_json(value, 502))
-                case kv_stream.StreamEnd():
-                    coverage.finish(record)
-                    return
-
     async def _stream_httpx(self, node: str, url: str, document: bytes, prompt_tokens: int, layers: int,
-                            inbox: kv_shm.ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
+                            inbox: ShmInbox | None) -> AsyncIterator[KvSegment | PrefillReply]:
         """The stream through httpx (a test's injected transport): its bytes through a small
         buffer, read as `read_into` asks."""
         with transport_errors(node):
@@ -415,7 +331,8 @@ class HttpxPeers:
                     view[:] = pending[: len(view)]
                     del pending[: len(view)]
 
-                async for item in self._stream_items(read_into, prompt_tokens, layers, inbox):
+                async for item in read_stream(read_into, prompt_tokens, layers, inbox, self.landing,
+                                              self.max_kv_bytes):
                     yield item
 
     async def fetch_kv(self, node: str, request_id: RequestId) -> KvBytes:
@@ -440,33 +357,12 @@ class HttpxPeers:
         """A KV payload (GET, or POST of `json_body`): its bytes, seconds to the head and to the
         last byte; over kv_pull unless a test injected a transport."""
         if self._direct_kv and url.startswith(("http://", "https://")):
-            pulled = await self._pull_direct(node, url, json_body)
+            pulled = await pull_direct(node, url, self._headers, max_kv_bytes=self.max_kv_bytes,
+                                       connect_timeout_s=self._connect_timeout_s,
+                                       read_timeout_s=self._read_timeout_s, landing=self.landing,
+                                       ssl_context=self._ssl_context, json_body=json_body)
             return pulled.body, pulled.head_s, pulled.last_byte_s
         return await self._pull_httpx(node, url, json_body)
-
-    async def _pull_direct(self, node: str, url: str, json_body: bytes | None = None) -> kv_pull.PulledKv:
-        """The KV over kv_pull, its failures mapped as `transport_errors` maps httpx's."""
-        try:
-            with trio.fail_after(self._read_timeout_s):
-                pulled = await kv_pull.pull(url, self._headers, max_bytes=self.max_kv_bytes,
-                                            connect_timeout_s=self._connect_timeout_s,
-                                            buffers=self.landing, ssl_context=self._ssl_context,
-                                            json_body=json_body)
-        except kv_pull.KvTooLarge as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
-            ) from exc
-        except trio.TooSlowError as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out sending the KV")
-            ) from exc
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-            raise StatecoreError(
-                ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
-            ) from exc
-        if pulled.status >= 400:
-            _raise_error_document(pulled.status, bytes(pulled.body))
-        return pulled
 
     async def _pull_httpx(self, node: str, url: str, json_body: bytes | None = None
                           ) -> tuple[bytes, float, float]:

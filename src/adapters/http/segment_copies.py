@@ -23,7 +23,8 @@ from typing import Final, TypeVar
 
 import trio
 
-from adapters.kv import shm as kv_shm
+from adapters.kv.shm_outbox import ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from effects.engine_port import KvSegment
 from statecore.errors import Fault, StatecoreError
 from statecore.ids import RequestId
@@ -37,7 +38,7 @@ Item = TypeVar("Item")
 @dataclass(slots=True)
 class _Copy:
     segment: KvSegment
-    future: concurrent.futures.Future[kv_shm.ShmRef | None]
+    future: concurrent.futures.Future[ShmRef | None]
     done: trio.Event = field(default_factory=trio.Event)
 
 
@@ -51,7 +52,7 @@ COPY_FINISHED: Final = CopyFinished()
 class SegmentCopies:
     """One stream's pieces in copy, oldest first (see the module's paragraph)."""
 
-    def __init__(self, outbox: kv_shm.ShmOutbox, request_id: RequestId) -> None:
+    def __init__(self, outbox: ShmOutbox, request_id: RequestId) -> None:
         self._outbox = outbox
         self._request_id = request_id
         self._copies: collections.deque[_Copy] = collections.deque()
@@ -64,8 +65,8 @@ class SegmentCopies:
         """Begin copying `segment` (its end frame included) into shared memory; a piece already
         there (an engine core process wrote it: `KvPieces.shared`) is handed on as it lies, with
         no copy (its caller keeps the piece alive until the decode node is done with it)."""
-        future: concurrent.futures.Future[kv_shm.ShmRef | None]
-        if isinstance(segment.payload.shared, kv_shm.ShmRef):
+        future: concurrent.futures.Future[ShmRef | None]
+        if isinstance(segment.payload.shared, ShmRef):
             future = concurrent.futures.Future()
             future.set_result(segment.payload.shared)
         else:
@@ -78,7 +79,7 @@ class SegmentCopies:
         with contextlib.suppress(trio.RunFinishedError):  # shutting down: nobody waits any more
             self._trio_token.run_sync_soon(done.set)
 
-    def finished(self) -> tuple[KvSegment, kv_shm.ShmRef | None] | None:
+    def finished(self) -> tuple[KvSegment, ShmRef | None] | None:
         """The oldest piece and its reference (None: no room, it goes inline) when its copy is
         done; None while it is still copying. Raises what the copy raised."""
         if not self._copies or not self._copies[0].future.done():
@@ -130,7 +131,7 @@ class SegmentCopies:
                     await copy.done.wait()
 
 
-def _put(outbox: kv_shm.ShmOutbox, request_id: RequestId, segment: KvSegment) -> kv_shm.ShmRef | None:
+def _put(outbox: ShmOutbox, request_id: RequestId, segment: KvSegment) -> ShmRef | None:
     """A piece copied into shared memory, its end frame included (waiting for its checksum), or
     None when the outbox has no room now: the piece then goes inline."""
     pieces = [memoryview(piece) for piece in segment.payload.pieces]

@@ -50,7 +50,7 @@ _ROUND_BYTES = 1 << 20  # capacities round up to this, so nearby prompt lengths 
 
 class Landing(Protocol):
     """Where a received KV body lands: `take(length)` is a writable view of exactly `length` bytes
-    that the receive fills (`ReceiveBuffers`: process memory; `adapters.kv.shm.ShmLanding`: the
+    that the receive fills (`ReceiveBuffers`: process memory; `adapters.kv.shm_landing.ShmLanding`: the
     shared memory a node's engine core process reads, so handing the bytes on copies nothing)."""
 
     def take(self, length: int) -> memoryview: ...

@@ -38,7 +38,7 @@ _RANGE: Final = struct.Struct("<IIIII")  # tokens [start, stop), layers [first, 
 _END: Final = struct.Struct("<QI")  # tokens covered, segments sent
 
 SEGMENT: Final = b"S"
-SHARED_SEGMENT: Final = b"R"  # a segment whose payload lies in shared memory (adapters.kv.shm)
+SHARED_SEGMENT: Final = b"R"  # a segment whose payload lies in shared memory (adapters.kv.shm_region)
 FIRST_TOKEN: Final = b"T"
 ERROR: Final = b"X"
 END: Final = b"Z"
@@ -86,7 +86,7 @@ def segment_head(where: SegmentRange, payload_bytes: int, *, last_step_started: 
 def shared_segment_record(where: SegmentRange, reference: dict[str, object], *,
                           last_step_started: bool = False) -> bytes:
     """A segment whose payload the reader maps from shared memory: its range and flags, then
-    the JSON reference (`adapters.kv.shm.ShmRef`)."""
+    the JSON reference (`adapters.kv.shm_region.ShmRef`)."""
     body = json.dumps(reference, separators=(",", ":")).encode()
     return _RECORD.pack(SHARED_SEGMENT, _RANGE.size + len(body)) + _range(where, last_step_started) + body
 

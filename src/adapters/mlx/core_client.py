@@ -1,58 +1,50 @@
 """`ProcessEngine`: the Engine port in a node whose engine core runs in its own process.
 
 `--engine-core process` starts `adapters.mlx.core_process` as a child of the node and talks to it
-over a Unix socket pair (`adapters.mlx.core_wire`): each port call goes as a `Call` and the
-caller awaits its `Done` or `Raised`; a caller cancelled meanwhile sends `Abandon` (the core
-cancels the call, and its engine undoes what it did), and a call that completed anyway is undone
-from here (a cancel of its request), so a cancellation never leaks a cache. Tokens arrive one
+over a Unix socket pair (`adapters.mlx.core_wire`): each port call is a call to the core
+(`adapters.mlx.core_calls`: awaited, abandoned by a caller that leaves, undone when the core did
+it anyway, so a cancellation never leaks a cache). Tokens arrive one
 write per step; a reader thread hands each write to trio in one callback, which feeds the
 requests' streams (kept in `adapters.mlx.callers` until `stream()` takes them, as `MlxEngine`
 keeps its own). `statistics()` is the latest snapshot the core sent (with every outcome, and every
-tenth of a second). KV crosses in shared memory (`adapters.kv.shm`): a payload the core exports
-is read in place, as a view whose last reference going away sends `Free`, and it names its region
-(`KvPieces.shared`), so a prefill node's shared-memory transport hands that very region on to the
-decode node (the core's copy into it is the payload's only one); a streamed piece that arrived
-in another node's region (`KvPieces.shared` again) goes to the core by reference, read there in
-place; a payload received over the network landed in this node's region already when the node's
-peers took their buffers from `kv_landing` (an `adapters.kv.shm.ShmLanding`), and goes by that
-reference, the receive its only copy; any other payload handed to the core is copied once into
-this node's region. Either region is freed when the call ends. The core's death (its
+tenth of a second). KV crosses in shared memory (`adapters.mlx.core_kv`: read in place, handed
+over by reference, else copied once); a streamed piece that arrived in another node's region
+(`KvPieces.shared`) goes to the core as that reference, read there in place. The core's death (its
 process exits, however) is the node's loss, typed as a dead device thread is: every waiting call
 and live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
-pipeline-parallel instances are not served this way (refused at load). This module imports trio
-and numpy; it must never import mlx (nothing here touches the device), nor import anything that
+pipeline-parallel instances are not served this way (refused at load). This module imports
+trio; it must never import mlx (nothing here touches the device), nor import anything that
 does: a node whose core is a process never loads mlx (the package's `__init__` loads its names
 on first use).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
-import numpy as np
 import trio
 
-from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmLanding, ShmOutbox, ShmRef
+from adapters.kv.shm_landing import ShmLanding
+from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.callers import Callers
+from adapters.mlx.core_calls import CoreCalls
+from adapters.mlx.core_kv import CoreKv
 from adapters.mlx.core_wire import (
     NO_REPLY,
-    Abandon,
     Call,
     Crash,
     Done,
@@ -90,22 +82,10 @@ __all__ = ["ProcessEngine"]
 
 logger = logging.getLogger("adapters.engine_core")
 
-# Calls whose caller left after the core performed them are undone by cancelling the request.
-UNDONE_BY_CANCEL: Final = frozenset({
-    "prefill", "decode_held", "install", "install_segments", "receive_segment",
-})
 LOAD_DEADLINE_S: Final = 600.0
 # The core sends its statistics every 0.1 s: silent for longer than this with work waiting, it is
 # stuck itself (not only its device thread), and the silence counts as its stall for the watchdog.
 SILENT_S: Final = 1.0
-
-
-@dataclass(eq=False)
-class _Waiting:
-    call: Call
-    done: trio.Event
-    reply: Done | Raised | None = None
-    sink: SegmentSink | None = None
 
 
 class ProcessEngine:
@@ -119,18 +99,12 @@ class ProcessEngine:
         self.blas = loaded.blas  # what the core's MLX computes with
         self._stats = loaded.statistics
         self._token = trio.lowlevel.current_trio_token()
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, _Waiting] = {}
-        self._abandoned: dict[int, Call] = {}
+        self._calls = CoreCalls(self._send, self._dead)
         self._sends: dict[str, trio.MemorySendChannel[StreamItem]] = {}
         self._callers = Callers()
-        self._frees: collections.deque[ShmRef] = collections.deque()
+        self._kv = CoreKv(self._wake_for_frees)
         # a burst of calls leaves in one write, with the frees due then
-        self._writer = FrameWriter(sock, partial(post, self._token), self._due_frees)
-        self._outbox = ShmOutbox(checksum=False)  # payloads carry their own checksums
-        self._inbox = ShmInbox()
-        self._landing: ShmLanding | None = None
-        self._copies = 0
+        self._writer = FrameWriter(sock, partial(post, self._token), self._kv.due_frees)
         self._alive = True
         self._closed = False
         self._error: StatecoreError | None = None
@@ -188,15 +162,13 @@ class ProcessEngine:
     def copies_into_shared_memory(self) -> int:
         """How many payloads this node copied into its own shared memory for the core (those it
         could not hand over by reference)."""
-        return self._copies
+        return self._kv.copies
 
     def kv_landing(self, fallback: Callable[[int], memoryview]) -> ShmLanding:
         """Where KV received for this engine should land (the node's peers' `landing`): a region
         of this node's shared memory, which `install`, `receive_segment` and `import_prefix` hand
         to the core by reference; `fallback` (process memory) when no region is free."""
-        if self._landing is None:
-            self._landing = ShmLanding(self._outbox, fallback)
-        return self._landing
+        return self._kv.landing(fallback)
 
     @property
     def core_pid(self) -> int:
@@ -208,30 +180,30 @@ class ProcessEngine:
     async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                       segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
         streamed = {"segments": True, "device_pieces": device_pieces}
-        outcome: PrefillOutcome = await self._call(
+        outcome: PrefillOutcome = await self._calls.call(
             "prefill", request_id, tuple(prompt), sampling, sink=segments,
             kwargs=streamed if segments is not None else {})
         return outcome
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
-        return self._as_pieces(await self._call("export_held", request_id))
+        return self._kv.as_pieces(await self._calls.call("export_held", request_id))
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
-        return self._as_pieces(await self._call("export_prefix", tuple(tokens)))
+        return self._kv.as_pieces(await self._calls.call("export_prefix", tuple(tokens)))
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
-        shared = await self._share("prefix", (payload,))
+        shared = await self._kv.share("prefix", (payload,))
         try:
-            kept: int = await self._call("import_prefix", shared, tuple(tokens))
+            kept: int = await self._calls.call("import_prefix", shared, tuple(tokens))
         finally:
-            self._unshare(shared)
+            self._kv.unshare(shared)
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
         if not self._alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
-            freed: int = await self._call("release_held", request_id)
+            freed: int = await self._calls.call("release_held", request_id)
         return freed
 
     async def decode_held(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
@@ -240,25 +212,25 @@ class ProcessEngine:
 
     async def install(self, request_id: RequestId, payload: KvBytes, prompt: Sequence[int], first_token: int,
                       sampling: SamplingParams) -> None:
-        shared = await self._share(request_id, (payload,))
+        shared = await self._kv.share(request_id, (payload,))
         try:
             await self._start("install", request_id, sampling, shared, tuple(prompt), first_token)
         finally:
-            self._unshare(shared)
+            self._kv.unshare(shared)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                               max_tokens: int, index: int | None = None) -> None:
         pieces = segment.payload
         handed_on = pieces.shared if isinstance(pieces.shared, ShmRef) else None
-        shared = handed_on or await self._share(request_id, pieces.pieces, pieces.seal)
+        shared = handed_on or await self._kv.share(request_id, pieces.pieces, pieces.seal)
         piece = Segment(NO_REPLY, segment.start, segment.stop, segment.first_layer, segment.end_layer, shared,
                         segment.last_step_started)
         try:
-            await self._call("receive_segment", request_id, piece, prompt_tokens,
+            await self._calls.call("receive_segment", request_id, piece, prompt_tokens,
                              kwargs={"max_tokens": max_tokens, "index": index})
         finally:
             if handed_on is None:
-                self._unshare(shared)
+                self._kv.unshare(shared)
 
     async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
                                sampling: SamplingParams) -> None:
@@ -292,22 +264,22 @@ class ProcessEngine:
         if not self._alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
-            await self._call("cancel", request_id)
+            await self._calls.call("cancel", request_id)
 
     def statistics(self) -> EngineStatistics:
         if not self._alive:
             return EngineStatistics(0, 0, 0, False, self._stats.step_retries, self._stats.rows_isolated)
         silent = time.monotonic() - self._heard_at
-        if silent > SILENT_S and (self._waiting or self._sends):
+        if silent > SILENT_S and (self._calls.pending() or self._sends):
             return replace(self._stats, stalled_s=max(self._stats.stalled_s, silent))
         return self._stats
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
-        summary: PrefixSummary | None = await self._call("prefix_summary", since)
+        summary: PrefixSummary | None = await self._calls.call("prefix_summary", since)
         return summary
 
     async def evict_prefixes(self, nbytes: int) -> int:
-        freed: int = await self._call("evict_prefixes", nbytes)
+        freed: int = await self._calls.call("evict_prefixes", nbytes)
         return freed
 
     async def aclose(self, join_timeout_s: float | None = None) -> None:
@@ -328,8 +300,7 @@ class ProcessEngine:
                 await trio.to_thread.run_sync(self._process.wait)
         with contextlib.suppress(OSError):
             self._sock.close()
-        self._outbox.close()
-        self._inbox.close()
+        self._kv.close()
 
     def crash_device_thread(self) -> None:
         """The DEVICE_CRASH fault: the core's device loop raises."""
@@ -352,7 +323,7 @@ class ProcessEngine:
         send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
         self._sends[request_id] = send
         try:
-            await self._call(method, request_id, *args, sampling)
+            await self._calls.call(method, request_id, *args, sampling)
         except BaseException:
             self._callers.close_stream(request_id, only=receive)
             if self._sends.get(request_id) is send:
@@ -361,47 +332,10 @@ class ProcessEngine:
             send.close()
             raise
 
-    async def _call(self, method: str, *args: Any, sink: SegmentSink | None = None,
-                    kwargs: dict[str, Any] | None = None) -> Any:
-        if not self._alive:
-            raise self._dead()
-        call = Call(next(self._ids), method, args, kwargs or {})
-        waiting = _Waiting(call, trio.Event(), sink=sink)
-        self._waiting[call.call_id] = waiting
-        self._send([call])
-        try:
-            await waiting.done.wait()
-        except BaseException:
-            if self._waiting.pop(call.call_id, None) is not None and self._alive:
-                self._abandoned[call.call_id] = call
-                self._send([Abandon(call.call_id)])
-            elif isinstance(waiting.reply, Done):
-                self._undo(call, waiting.reply.value)
-            raise
-        reply = waiting.reply
-        if isinstance(reply, Done):
-            return reply.value
-        if reply is None:
-            raise self._dead()
-        raise StatecoreError(reply.error)
-
-    def _undo(self, call: Call, value: Any) -> None:
-        """A call done in the core after its caller left: give back what it took."""
-        if isinstance(value, ShmRef):
-            self._send([Free(value)])
-        if call.method in UNDONE_BY_CANCEL and self._alive:
-            self._send([Call(NO_REPLY, "cancel", (call.args[0],))])
-
     def _send(self, messages: list[Any]) -> None:
         """Queue `messages` for the core (in trio, in order): everything queued in one pass of the
         event loop (a burst of requests' calls) leaves in one write, read by the core at once."""
         self._writer.queue(messages)
-
-    def _due_frees(self) -> list[Any]:
-        frees: list[Any] = []
-        while self._frees:
-            frees.append(Free(self._frees.popleft()))
-        return frees
 
     def _dead(self) -> StatecoreError:
         if self._closed:
@@ -443,32 +377,21 @@ class ProcessEngine:
                         ended.close()
                 case Done() | Raised():
                     self._stats = message.statistics
-                    self._answer(message)
+                    self._calls.answer(message)
                 case Segment(call_id=call_id):
-                    waiting = self._waiting.get(call_id)
-                    if waiting is None or waiting.sink is None:
+                    sink = self._calls.sink(call_id)
+                    if sink is None:
                         if isinstance(message.payload, ShmRef):
                             self._send([Free(message.payload)])
                         continue
-                    waiting.sink(KvSegment(message.start, message.stop, message.first_layer,
-                                           message.end_layer, self._as_pieces(message.payload),
-                                           message.last_step_started))
+                    sink(KvSegment(message.start, message.stop, message.first_layer, message.end_layer,
+                                   self._kv.as_pieces(message.payload), message.last_step_started))
                 case FirstToken(call_id=call_id, outcome=outcome):
-                    waiting = self._waiting.get(call_id)
-                    if waiting is not None and waiting.sink is not None:
-                        waiting.sink(outcome)
+                    sink = self._calls.sink(call_id)
+                    if sink is not None:
+                        sink(outcome)
                 case Snapshot(statistics=statistics):
                     self._stats = statistics
-
-    def _answer(self, reply: Done | Raised) -> None:
-        waiting = self._waiting.pop(reply.call_id, None)
-        if waiting is not None:
-            waiting.reply = reply
-            waiting.done.set()
-            return
-        call = self._abandoned.pop(reply.call_id, None)
-        if call is not None and isinstance(reply, Done):
-            self._undo(call, reply.value)
 
     def _lost(self, code: int) -> None:
         if not self._closed:
@@ -481,57 +404,20 @@ class ProcessEngine:
             return
         self._alive = False
         self._error = error
-        for waiting in self._waiting.values():
-            waiting.done.set()  # no reply: `_call` raises `_dead()`
-        self._waiting.clear()
-        self._abandoned.clear()
+        self._calls.fail_all()
         for send in self._sends.values():
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait(error)
             send.close()
         self._sends.clear()
 
-    # -- KV in shared memory -------------------------------------------------------------------
+    # -- frees of exported payloads ------------------------------------------------------------
 
-    async def _share(self, holder: str, pieces: Sequence[KvBytes], seal: Any = None) -> ShmRef | bytes:
-        """A payload handed to the core: the region it was received into (`kv_landing`), else
-        copied once into this node's shared memory (inline when every region is held)."""
-        if self._landing is not None and len(pieces) == 1 and seal is None:
-            landed = self._landing.claim(pieces[0])
-            if landed is not None:
-                return landed
-        self._copies += 1
-
-        def put() -> ShmRef | bytes:
-            parts = [*pieces, seal() if seal is not None else b""]
-            try:
-                return self._outbox.put(holder, [memoryview(part) for part in parts])
-            except StatecoreError as exc:
-                if exc.info.code is not Code.OVERLOADED:
-                    raise
-                return b"".join(parts)
-
-        return await trio.to_thread.run_sync(put)
-
-    def _unshare(self, shared: ShmRef | bytes) -> None:
-        if isinstance(shared, ShmRef):
-            self._outbox.free(shared)
-
-    def _as_pieces(self, payload: ShmRef | bytes) -> KvPieces:
-        """A payload the core exported, read in place: `Free` goes back once no view of it is left."""
-        if isinstance(payload, bytes):
-            return KvPieces((payload,))
-        view = self._inbox.read(payload)
-        array = np.frombuffer(view, dtype=np.uint8)
-        weakref.finalize(array, self._free_later, payload)
-        return KvPieces((array.data,), shared=payload)  # a view that keeps `array` alive
-
-    def _free_later(self, ref: ShmRef) -> None:
-        """Any thread (the last view may go anywhere): sent with the next message, or soon."""
-        self._frees.append(ref)
+    def _wake_for_frees(self) -> None:
+        """Any thread (the last view of a payload may go anywhere): flush the frees soon."""
         if self._alive:
             post(self._token, self._flush_frees)
 
     def _flush_frees(self) -> None:
-        if self._frees and self._alive:
+        if self._kv.frees_due() and self._alive:
             self._writer.flush()

@@ -7,7 +7,7 @@ so a call the node gave up on (`Abandon`) is cancelled here and `MlxEngine`'s ow
 device thread thus shares this process's GIL with nothing but this thin loop, never with the
 node's HTTP work. Each step's stream items leave in one write: the device thread's delivery
 (`jobs.deliver`) hands them to `_ToNode`, and a flush scheduled behind it sends what gathered.
-KV leaves through shared memory (`adapters.kv.shm`: one copy into a region, the bytes' only copy
+KV leaves through shared memory (`adapters.kv.shm_outbox`: one copy into a region, the bytes' only copy
 between the device and the decode node: a prefill node hands the region on as it lies; the node
 frees it when the last view of it is gone) and arrives the same way (read in place from the
 node's region, or from the prefill node's that the decode node was handed). The process ignores
@@ -34,7 +34,9 @@ from typing import Any, Final
 import trio
 
 from adapters.blas import blas_in_use
-from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmInbox, ShmOutbox, ShmRef
+from adapters.kv.shm_inbox import ShmInbox
+from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES, ShmOutbox
+from adapters.kv.shm_region import ShmRef
 from adapters.mlx.core_wire import (
     NO_REPLY,
     Abandon,

@@ -7,7 +7,7 @@ message here, and nothing else crosses: port calls as values (`Call`), their out
 statistics snapshot taken as they ended (`Done`, `Raised`), each step's stream items in one write
 (`Item`, `Ended`), a streamed prefill's pieces (`Segment`), the statistics every tenth of a second
 (`Snapshot`). KV bytes never ride in a message: they are written once into shared memory
-(`adapters.kv.shm`) and a `ShmRef` crosses; the reader sends `Free` back when it is done. Errors
+(`adapters.kv.shm_outbox`) and a `ShmRef` crosses; the reader sends `Free` back when it is done. Errors
 cross as `ErrorInfo` (a `StatecoreError` does not pickle). A frame is a 4-byte length and a
 pickle of a list of messages: both ends are this node's own processes, started together, so the
 channel is as trusted as a thread's queue (pickle is never used on a socket a peer can reach).
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from adapters.kv.shm import DEFAULT_MAX_BYTES, ShmRef
+from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES
+from adapters.kv.shm_region import ShmRef
 from effects.engine_port import EngineStatistics, GeneratedToken, ModelInfo, PrefillOutcome
 from statecore.errors import ErrorInfo
 

@@ -7,8 +7,10 @@ its end frame's checksum computed in a background thread while the pieces alread
 On the device thread, for a streamed prefill: `capture_pieces` cuts the KV a step completes out
 as its own arrays (evaluated with the step); at read-back `tell_first_tokens` gives a finished
 prompt's outcome to its sink first, then `hand_pieces` the step's pieces; `segment_sink` is that
-sink, each piece framed so and posted to its caller's `SegmentSink` in trio. This module imports
-mlx (a piece's arrays) and trio (the post); statecore and effects never import it.
+sink, each piece framed so (or, where its receiver reads this host's GPU memory, copied device to
+device and sent as a device piece document: `adapters.mlx.device_pieces`) and posted to its
+caller's `SegmentSink` in trio. This module imports mlx (a piece's arrays) and trio (the post);
+statecore and effects never import it.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ class PieceHandout:
     """On the device thread: what a streamed prefill hands its caller in trio, in order. A piece
     (`__call__`: its range; keys then values of each of its layers, evaluated as `codec.wire_view`
     made them; their dtype; whether the prompt's last step has started) framed as a wire payload
-    over its own host memory; the outcome (`first_token`) as soon as the first token is read
-    back, ahead of the pieces of the step that sampled it. Nothing is evaluated here: the device
-    thread goes on to the next step at once."""
+    over its own host memory, or copied into the device arena (`arena`: a copy between device
+    buffers, the step's arrays being computed by now); the outcome (`first_token`) as soon as the
+    first token is read back, ahead of the pieces of the step that sampled it. Nothing new is
+    computed here: the device thread goes on to the next step at once."""
 
     def __init__(self, segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fingerprint: str,
                  request_id: str, arena: device_pieces.DeviceArena | None) -> None:

@@ -1,6 +1,7 @@
 """`statecore run`: the serving flags, a node process's wiring, the local cluster supervisor.
 
-`command` resolves the flags (`flags`) and starts the role asked for: a node (`node`: engine or
+`command` resolves the flags (`flags`; the roles that read each, `flag_roles`; their argparse
+types, `flag_types`) and starts the role asked for: a node (`node`: engine or
 router, its runner and HTTP app, its signal and engine watchers), or, with no role, a local
 cluster of child processes (`cluster`). `listeners` binds and hands down the sockets; `logs` sets
 up the log lines. May import anything; nothing in `statecore` or `effects` may import this package.
@@ -11,6 +12,8 @@ up the log lines. May import anything; nothing in `statecore` or `effects` may i
 __all__ = [
     "cluster",
     "command",
+    "flag_roles",
+    "flag_types",
     "flags",
     "listeners",
     "logs",

@@ -24,13 +24,8 @@ import httpx
 from adapters.blas import apply_blas_choice
 from adapters.http.api_keys import API_KEY_ENV, ApiKeys
 from adapters.http.internal_wire import TOKEN_HEADER
-from adapters.serve.flags import (
-    INTERNAL_TOKEN_ENV,
-    add_serving_flags,
-    demo_model_dir,
-    handoff_rule,
-    roles_reading,
-)
+from adapters.serve.flag_roles import roles_reading
+from adapters.serve.flags import INTERNAL_TOKEN_ENV, add_serving_flags, demo_model_dir, handoff_rule
 from adapters.serve.listeners import bind_or_exit, listener_for, listener_url
 from adapters.serve.node import LOCAL_CLUSTER_PARENT_ENV, blas_words
 from adapters.tls import TlsFiles, certificate_refused, client_context

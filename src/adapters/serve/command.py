@@ -14,13 +14,8 @@ import trio
 
 from adapters.blas import apply_blas_choice
 from adapters.serve.cluster import run_cluster
-from adapters.serve.flags import (
-    resolve_api_keys,
-    resolve_engine_core,
-    resolve_model_flag,
-    resolve_tls,
-    role_words,
-)
+from adapters.serve.flag_roles import role_words
+from adapters.serve.flags import resolve_api_keys, resolve_engine_core, resolve_model_flag, resolve_tls
 from adapters.serve.listeners import listener_for
 from adapters.serve.logs import setup_logging
 from adapters.serve.node import hold_stop_signals, run_engine_node, run_router

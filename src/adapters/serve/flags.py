@@ -1,25 +1,45 @@
-"""The flags of `statecore run` (`add_serving_flags`) and what they become once parsed: the
-model directory, the API keys and the TLS files, each refused with one line before anything loads.
-Also the demo model's place (`demo_model_dir`, shipped in `adapters/demo_model`). This module may
-import anything; it starts nothing.
+"""The flags of `statecore run` (`add_serving_flags`: each under the group of the roles that read
+it, `adapters.serve.flag_roles`, its text checked by `adapters.serve.flag_types`) and what they
+become once parsed: the model directory, the API keys, the engine core's kind and the TLS files,
+each refused with one line before anything loads; the router's local-prefill threshold. Also the
+demo model's place (`demo_model_dir`, shipped in `adapters/demo_model`). This module may import
+anything; it starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
-import math
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.frontend.openai_bodies import parse_template_args
-from adapters.http.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_key, parse_protects
+from adapters.http.api_keys import API_KEY_ENV, PROTECTABLE, ApiKeys, keys_from, parse_protects
 from adapters.http.peers_httpx import DEFAULT_KV_BUFFER_BYTES
 from adapters.model_source import ModelNotFound, resolve_model
+from adapters.serve.flag_roles import (
+    API,
+    ENGINE,
+    HANDOFF,
+    LIMITS,
+    LOGGING,
+    MEMORY,
+    PARALLEL,
+    ROUTER,
+    SECURITY,
+    SERVE,
+    flag_group,
+)
+from adapters.serve.flag_types import (
+    api_key,
+    kv_port,
+    named_adapter,
+    origins,
+    protects,
+    seconds,
+    template_args,
+    whole,
+)
 from adapters.tls import TlsConfigError, tls_files
 from effects.faults import DEFAULT_MARKER
 from effects.prefix_pull import PULL_MODES
@@ -31,49 +51,6 @@ INTERNAL_TOKEN_ENV = "STATECORE_INTERNAL_TOKEN"
 
 def demo_model_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "demo_model"
-
-
-def _kv_port(text: str) -> int | None:
-    """`--kv-port`: a port number, `auto` (0: any free port) or `off` (None)."""
-    if text == "off":
-        return None
-    if text == "auto":
-        return 0
-    port = _whole(1)(text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number")
-    return port
-
-
-def _whole(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= minimum (checked before anything loads)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below the least allowed, {minimum}")
-        return value
-
-    return parse
-
-
-def _seconds(*, zero_allowed: bool) -> Callable[[str], float]:
-    """An argparse type: a finite number of seconds, > 0 (or >= 0 where zero means "at once")."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
-            raise argparse.ArgumentTypeError(
-                f"{text} is not a usable number of seconds (must be {'>=' if zero_allowed else '>'} 0)")
-        return value
-
-    return parse
 
 
 LOCAL_PREFILL_BELOW_MAX = 1000
@@ -97,154 +74,12 @@ def handoff_rule(threshold: int) -> str:
             f"cache to a decode node; shorter ones prefill on the decode node")
 
 
-def _api_key(text: str) -> str:
-    """An argparse type: one usable API key (the error never repeats it)."""
-    try:
-        return parse_key(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _protects(text: str) -> str:
-    """An argparse type: a comma-separated list of PROTECTABLE names, kept as normalized text (so
-    that a local cluster hands it on as given)."""
-    try:
-        return ",".join(sorted(parse_protects(text)))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _template_args(text: str) -> str:
-    """An argparse type: `--chat-template-args`, a JSON object of the chat template's variables
-    (`parse_template_args`), kept as normalized JSON text (so that a local cluster hands it on as
-    given)."""
-    try:
-        return json.dumps(parse_template_args(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _named_adapter(text: str) -> str:
-    """An argparse type: one `--adapters` entry, NAME=PATH (kept as given: a local cluster hands
-    it on)."""
-    name, equals, path = text.partition("=")
-    if not equals or not path or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME=PATH (a name of 1 to 64 of A-Z a-z 0-9 . _ -)")
-    return text
-
-
-_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,]+")
-
-
-def _origins(text: str) -> str:
-    """An argparse type: `*` or comma-separated origins (`https://app.example.com:8443`: scheme,
-    host, port; no path, as browsers send them), kept as normalized text."""
-    origins = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in origins if o != "*" and not _ORIGIN.fullmatch(o)]
-    if not origins or bad:
-        raise argparse.ArgumentTypeError(
-            f"{bad[0] if bad else text!r} is not an origin: give `*` or scheme://host[:port] "
-            "without a path, comma-separated")
-    return ",".join(origins)
-
-
-ROLES = ("cluster", "single", "prefill", "decode", "router")
-"""`--role`'s choices; "cluster" (the default) is a local router + prefill + decode."""
-
-_ENGINE = frozenset({"cluster", "single", "prefill", "decode"})
-_PUBLIC = frozenset({"cluster", "single", "router"})
-_EVERY = frozenset(ROLES)
-
-
-@dataclass(frozen=True, slots=True)
-class FlagGroup:
-    """A part of `statecore run --help`: what its flags are for and which roles read them (a
-    local cluster reads what any of its nodes reads and hands each node its own)."""
-
-    title: str
-    roles: frozenset[str]
-    description: str = ""
-
-
-SERVE = FlagGroup("what to serve and where", _EVERY)
-CLUSTER = FlagGroup("local cluster (no --role)", frozenset({"cluster"}),
-                    "the prefill and decode nodes a local cluster starts on 127.0.0.1")
-ROUTER = FlagGroup("router: where each request goes", frozenset({"cluster", "router"}))
-API = FlagGroup("public API: keys, browsers, usage (single, router)", _PUBLIC)
-ENGINE = FlagGroup("engine: batching and compute (single, prefill, decode)", _ENGINE,
-                   "every node of a cluster needs the same values of the flags marked so")
-MEMORY = FlagGroup("engine: KV memory and the prefix cache (single, prefill, decode)", _ENGINE)
-HANDOFF = FlagGroup("KV handoff between nodes (prefill, decode)", frozenset({"cluster", "prefill", "decode"}))
-PARALLEL = FlagGroup("one instance over several processes (single, prefill, decode)", _ENGINE)
-SECURITY = FlagGroup("security between nodes (every role)", _EVERY)
-LIMITS = FlagGroup("time limits and admission (every role)", _EVERY)
-LOGGING = FlagGroup("logs (every role)", _EVERY)
-FLAG_GROUPS = (SERVE, CLUSTER, ROUTER, API, ENGINE, MEMORY, HANDOFF, PARALLEL, SECURITY, LIMITS, LOGGING)
-
-_ROLES_OF_FLAG = {
-    # flags whose roles are narrower than their group's
-    "prefill": frozenset({"router"}), "decode": frozenset({"router"}),  # a local cluster names its own
-    "trust_remote_code": _ENGINE, "blas": _ENGINE,
-    "keep_conversations": frozenset({"cluster", "single", "decode"}),
-    "speculative": frozenset({"cluster", "single", "decode"}),
-    "num_draft_tokens": frozenset({"cluster", "single", "decode"}),
-    "speculative_max_rows": frozenset({"cluster", "single", "decode"}),
-    "draft_model": frozenset({"cluster", "single", "decode"}),
-    "prefix_pull": frozenset({"cluster", "prefill"}),
-    "kv_shm_bytes": frozenset({"cluster", "prefill"}),
-    "preallocate_slots": frozenset({"cluster", "single", "decode"}),
-}
-
-
-def flag_group(parser: argparse.ArgumentParser, group: FlagGroup) -> argparse._ArgumentGroup:
-    """The parser's argument group for `group` (made on first use), so that `--help` lists each
-    flag under what it is for and the roles that read it."""
-    for existing in parser._action_groups:
-        if existing.title == group.title:
-            return existing
-    return parser.add_argument_group(group.title, group.description or None)
-
-
-def roles_reading(parser: argparse.ArgumentParser) -> dict[str, frozenset[str]]:
-    """Each flag's destination -> the roles that read it, from the groups it was declared in."""
-    by_title = {group.title: group.roles for group in FLAG_GROUPS}
-    roles: dict[str, frozenset[str]] = {}
-    for group in parser._action_groups:
-        for action in group._group_actions:
-            roles[action.dest] = _ROLES_OF_FLAG.get(action.dest, by_title.get(group.title or "", _EVERY))
-    return roles
-
-
-def role_words(role: str) -> str:
-    """A role as a start-up line names it."""
-    return {"cluster": "local cluster", "router": "router"}.get(role, f"{role} node")
-
-
-def flags_for_other_roles(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """One line for each flag given (set to other than its default) that `args.role` does not
-    read: it is ignored there, as before (a local cluster hands its nodes their own flags), but a
-    person who typed it should know."""
-    lines: list[str] = []
-    readers = roles_reading(parser)
-    for action in parser._actions:
-        roles = readers.get(action.dest, _EVERY)
-        if args.role in roles or getattr(args, action.dest, action.default) == action.default:
-            continue
-        flag = action.option_strings[0]
-        who = ", ".join(role_words(r) for r in ROLES if r in roles)
-        lines.append(f"{role_words(args.role)}: {flag} is read by the {who} only and is "
-                     f"ignored here; drop it, or start the role that reads it (statecore run --role "
-                     f"{args.role} --help lists this role's flags)")
-    return lines
-
-
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
     """Flags beyond the public contract in cli.py; all optional with sane defaults."""
     serve, router, api, engine, memory, handoff, parallel, security, limits, logging = (
         flag_group(run, group) for group in (SERVE, ROUTER, API, ENGINE, MEMORY, HANDOFF, PARALLEL, SECURITY,
                                              LIMITS, LOGGING))
-    router.add_argument("--local-prefill-below", type=_whole(0), default=None, metavar="TOKENS",
+    router.add_argument("--local-prefill-below", type=whole(0), default=None, metavar="TOKENS",
                         help="router: prompts shorter than this prefill on the decode node, longer ones "
                              "on a prefill node with a KV handoff (default: the model's context / 8, "
                              f"at most {LOCAL_PREFILL_BELOW_MAX})")
@@ -254,10 +89,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                          help="prefill and decode nodes: how a streamed handoff's pieces move: auto (shared "
                               "memory when the prefill node's advert shows it is on this host, else HTTP), "
                               "shm (shared memory or a kv_shm_gone error), http (never shared memory)")
-    handoff.add_argument("--kv-shm-bytes", type=_whole(1 << 20), default=None, metavar="BYTES",
+    handoff.add_argument("--kv-shm-bytes", type=whole(1 << 20), default=None, metavar="BYTES",
                          help="prefill nodes: the most shared memory held for pieces not yet taken "
                               "(default 2 GiB); a piece that finds no room goes over HTTP")
-    handoff.add_argument("--kv-port", type=_kv_port, default=0, metavar="PORT|auto|off",
+    handoff.add_argument("--kv-port", type=kv_port, default=0, metavar="PORT|auto|off",
                          help="prefill nodes: the port of the KV plane, a plain socket beside the HTTP port "
                               "that writes KV bodies (streamed pieces, pulled caches) to the socket as they "
                               "are; peers learn it from /internal/info and fall back to the HTTP port when "
@@ -276,10 +111,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     router.add_argument("--prefix-routing", choices=["on", "off"], default="on",
                         help="router: send a prompt to the node whose prefix cache holds the most of it, "
                              "weighed against load (on, the default), or to the least loaded node (off)")
-    router.add_argument("--route-load-tokens", type=_whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
+    router.add_argument("--route-load-tokens", type=whole(0), default=DEFAULT_LOAD_TOKENS, metavar="TOKENS",
                         help="router: what one request in flight on a node weighs against prompt tokens "
                              f"the node would not recompute (default {DEFAULT_LOAD_TOKENS})")
-    engine.add_argument("--prefill-chunk-size", type=_whole(1), default=None,
+    engine.add_argument("--prefill-chunk-size", type=whole(1), default=None,
                         help="tokens per prefill call, and the prefix cache's block (prompts are reused in "
                              "whole blocks; a block also ends at a chat message's end, see "
                              "--message-blocks); must be equal on every node (default "
@@ -292,7 +127,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "every one, only in prompts longer than a chunk: a shorter one is one call "
                              "and may share a padded call with others, but is never reused); must be "
                              "equal on every node (default all)")
-    engine.add_argument("--shape-bucket", type=_whole(0), default=None, metavar="TOKENS",
+    engine.add_argument("--shape-bucket", type=whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
                              "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
@@ -313,7 +148,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="apply an mlx-lm LoRA/DoRA adapter (a directory with adapter_config.json and "
                              "adapters.safetensors) to the model at load, as mlx-lm applies it; part of the "
                              "model fingerprint: every node of a cluster needs the same one")
-    engine.add_argument("--adapters", type=_named_adapter, nargs="+", action="extend", default=[],
+    engine.add_argument("--adapters", type=named_adapter, nargs="+", action="extend", default=[],
                         metavar="NAME=PATH",
                         help="LoRA adapters (mlx-lm adapter directories) a request may name in its "
                              "`adapters` field: its rows compute with that adapter, beside rows of other "
@@ -333,41 +168,41 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="decode and single nodes: a small model of the same tokenizer that drafts the "
                              "tokens speculative decoding checks (an mlx-lm model directory; plain KV "
                              "cache models)")
-    engine.add_argument("--num-draft-tokens", type=_whole(1), default=3, metavar="N",
+    engine.add_argument("--num-draft-tokens", type=whole(1), default=3, metavar="N",
                         help="with --speculative: the most draft tokens a row's verify step checks "
                              "(default 3)")
-    engine.add_argument("--speculative-max-rows", type=_whole(1), default=1, metavar="N",
+    engine.add_argument("--speculative-max-rows", type=whole(1), default=1, metavar="N",
                         help="with --speculative: speculate only while at most this many requests "
                              "decode (default 1: a lone stream)")
     engine.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache (4 or 8)")
-    engine.add_argument("--max-batch", type=_whole(1), default=32, help="decode batch size (default 32)")
-    engine.add_argument("--prefill-batch", type=_whole(1), default=32,
+    engine.add_argument("--max-batch", type=whole(1), default=32, help="decode batch size (default 32)")
+    engine.add_argument("--prefill-batch", type=whole(1), default=32,
                         help="most prompts advanced in one step; short prompts waiting together share one "
                              "padded model call; 1 = one at a time (default 32)")
-    engine.add_argument("--max-num-batched-tokens", type=_whole(1), default=None,
+    engine.add_argument("--max-num-batched-tokens", type=whole(1), default=None,
                         help="tokens one engine step may compute: every decoding row plus prefill work, "
                              "a chunk's layers in slices when the chunk does not fit (default: --max-batch "
                              f"+ {DEFAULT_STEP_PREFILL_TOKENS}, or + --prefill-chunk-size when larger; "
                              "minimum: --max-batch + chunk size / layers)")
-    engine.add_argument("--step-target-ms", type=_seconds(zero_allowed=True), default=None, metavar="MS",
+    engine.add_argument("--step-target-ms", type=seconds(zero_allowed=True), default=None, metavar="MS",
                         help="while streams decode, size each step's prefill from the step times this node "
                              "measures so that a step stays near MS milliseconds (at least the oldest "
                              "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
                              "stalls no stream for its whole prefill; 0 = off (default: decode nodes 4 times "
                              "a step without prefill, as measured; single and prefill nodes off)")
-    engine.add_argument("--step-target-floors", type=_whole(1), default=None, metavar="N",
+    engine.add_argument("--step-target-floors", type=whole(1), default=None, metavar="N",
                         help="without --step-target-ms: the target is N times a step without prefill, as "
                              "measured (on any role; default: decode nodes 4, single and prefill nodes off)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
-    api.add_argument("--api-key", type=_api_key, action="append", default=[], metavar="KEY",
+    api.add_argument("--api-key", type=api_key, action="append", default=[], metavar="KEY",
                      help="single, router: the public API (/v1/*, /tokenize, /detokenize) requires "
                           "'Authorization: Bearer KEY' or 'x-api-key: KEY' (401 otherwise); repeat for "
                           f"several; env {API_KEY_ENV} adds more, comma-separated")
-    api.add_argument("--api-key-protects", type=_protects, default="", metavar="LIST",
+    api.add_argument("--api-key-protects", type=protects, default="", metavar="LIST",
                      help=f"with --api-key: also require it on these paths, open by default "
                           f"(comma-separated of {', '.join(PROTECTABLE)})")
-    api.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+    api.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",
                      help="single, router: answer CORS for these browser origins (comma-separated, "
                           "* for any); default: no CORS headers")
     security.add_argument("--tls-certfile", default=None, metavar="PATH",
@@ -378,7 +213,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                           help="PEM CA bundle that https:// peers' certificates must chain to (the router's "
                                "calls, a decode node's KV pulls, a local cluster's health checks); default: "
                                "the system's store")
-    memory.add_argument("--kv-memory-bytes", type=_whole(1), default=None, metavar="BYTES",
+    memory.add_argument("--kv-memory-bytes", type=whole(1), default=None, metavar="BYTES",
                         help="engine nodes: what every KV cache together may take; each request reserves "
                              "its worst case before anything is allocated, and waits (429 with Retry-After) "
                              "or is refused (400 kv_memory_exceeded) otherwise (default: 40%% of the "
@@ -390,7 +225,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "it grows the buffers (a copy of every row that stalls the streams "
                              "decoding, once per doubling): auto (on MLX's CUDA backend), on, off "
                              "(default auto)")
-    memory.add_argument("--device-shared-by", type=_whole(1), default=1, metavar="N",
+    memory.add_argument("--device-shared-by", type=whole(1), default=1, metavar="N",
                         help="engine nodes: how many engine nodes share this node's device; the default "
                              "--kv-memory-bytes and MLX's allocator limit are divided among them "
                              "(`statecore run` passes 2 to its prefill and decode nodes on one device) "
@@ -400,12 +235,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "plus the step's estimated activations stay within --kv-memory-bytes (the "
                              "oldest prompt still advances, alone if it must): auto (on when "
                              "--kv-memory-bytes is given), on, off (default auto)")
-    memory.add_argument("--prefix-cache-bytes", type=_whole(0), default=None, metavar="BYTES",
+    memory.add_argument("--prefix-cache-bytes", type=whole(0), default=None, metavar="BYTES",
                         help="engine nodes: keep the KV of whole prefill chunks (plain-KV models) for "
                              "prompts that start with the same tokens, within this many bytes of the KV "
                              "budget; kept blocks give way to any request that needs the memory (default: "
                              "a quarter of --kv-memory-bytes; 0 = off)")
-    memory.add_argument("--prefix-host-bytes", type=_whole(0), default=None, metavar="BYTES",
+    memory.add_argument("--prefix-host-bytes", type=whole(0), default=None, metavar="BYTES",
                         help="engine nodes: a second tier of the prefix cache in host memory, within this "
                              "many bytes: blocks leaving the device are copied there instead of being "
                              "forgotten, and come back on a hit (default: on where the device's memory is "
@@ -429,15 +264,15 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "computing them: auto (when this node's measured prefill rate says moving "
                              "them is quicker), always (whenever it holds more than this node's own "
                              "cache), never (default auto)")
-    handoff.add_argument("--max-kv-bytes", type=_whole(1), default=1 << 34,
+    handoff.add_argument("--max-kv-bytes", type=whole(1), default=1 << 34,
                          help="decode, prefill: refuse a KV payload (a handoff, a pulled prefix) larger than "
                               "this (default 16 GiB)")
-    handoff.add_argument("--kv-buffer-bytes", type=_whole(0), default=DEFAULT_KV_BUFFER_BYTES,
+    handoff.add_argument("--kv-buffer-bytes", type=whole(0), default=DEFAULT_KV_BUFFER_BYTES,
                          help="decode, prefill: receive buffers kept for reuse by KV pulls, in bytes "
                               "(default 1 GiB; 0 = a fresh buffer per pull)")
-    limits.add_argument("--kv-lease", type=_seconds(zero_allowed=False), default=60.0,
+    limits.add_argument("--kv-lease", type=seconds(zero_allowed=False), default=60.0,
                         help="seconds a held KV waits (default 60)")
-    limits.add_argument("--request-deadline", type=_seconds(zero_allowed=False), default=600.0,
+    limits.add_argument("--request-deadline", type=seconds(zero_allowed=False), default=600.0,
                         help="seconds a request may live (default 600)")
     engine.add_argument("--engine-core", choices=["auto", "thread", "process"], default="auto",
                         help="engine nodes: where the engine core (the model, its KV and the device loop) "
@@ -447,17 +282,17 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "--tensor-parallel or --pipeline-parallel). auto: a process where MLX's CUDA "
                              "backend is installed (measured faster there), a thread elsewhere and for "
                              "tensor- or pipeline-parallel instances (default auto)")
-    engine.add_argument("--stall-timeout", type=_seconds(zero_allowed=True), default=180.0,
+    engine.add_argument("--stall-timeout", type=seconds(zero_allowed=True), default=180.0,
                         help="engine nodes: seconds the engine may be busy without finishing a step "
                              "before the node counts as hung: its requests fail, /health turns 503 and "
                              "it exits 3 for its supervisor to restart (default 180; 0 = never)")
-    parallel.add_argument("--tensor-parallel", type=_whole(1), default=1, metavar="N",
+    parallel.add_argument("--tensor-parallel", type=whole(1), default=1, metavar="N",
                           help="prefill, decode, single: run the instance as N processes (ranks), each with "
                                "its tensor-parallel shard of the model (mlx-lm's model.shard: llama, qwen2, "
                                "qwen3, ...), over MLX's distributed runtime; rank 0 serves HTTP. Without "
                                "--hostfile or MLX's launch environment the ranks start on this machine "
                                "(ring backend over 127.0.0.1) (default 1)")
-    parallel.add_argument("--pipeline-parallel", type=_whole(1), default=1, metavar="N",
+    parallel.add_argument("--pipeline-parallel", type=whole(1), default=1, metavar="N",
                           help="prefill, decode, single: run the instance as N ranks as --tensor-parallel "
                                "does, each holding a share of the model's layers (mlx-lm's pipeline: qwen2, "
                                "qwen3_moe, qwen3_next, qwen3_5, deepseek_v3, glm4_moe, ...; see "
@@ -470,11 +305,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
     parallel.add_argument("--hostfile", default=None, metavar="PATH",
                           help="with --tensor-parallel: start the ranks on these hosts through mlx.launch "
                                "--hostfile (its JSON host list; statecore at the same path on each)")
-    limits.add_argument("--drain-timeout", type=_seconds(zero_allowed=True), default=30.0,
+    limits.add_argument("--drain-timeout", type=seconds(zero_allowed=True), default=30.0,
                         help="seconds to finish in-flight requests on SIGTERM (default 30)")
-    limits.add_argument("--max-in-flight", type=_whole(1), default=256,
+    limits.add_argument("--max-in-flight", type=whole(1), default=256,
                         help="admission limit: requests beyond it get 429 with Retry-After (default 256)")
-    api.add_argument("--chat-template-args", type=_template_args, default=None, metavar="JSON",
+    api.add_argument("--chat-template-args", type=template_args, default=None, metavar="JSON",
                      help="single, router: variables for the chat template of every chat, as a JSON "
                           "object of strings, numbers, booleans and nulls (mlx_lm.server's flag, e.g. "
                           "'{\"enable_thinking\": false}'); a request's chat_template_kwargs are put over "

@@ -39,8 +39,8 @@ from adapters.http.live_view import LiveView
 from adapters.http.node_api import CORE_PROCESS, DEVICE_THREAD, MAX_INTERNAL_BODY, NodeApi, guarded
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.plane import serve_plane
-from adapters.kv.shm import DEFAULT_MAX_BYTES as KV_SHM_BYTES
-from adapters.kv.shm import ShmOutbox
+from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES as KV_SHM_BYTES
+from adapters.kv.shm_outbox import ShmOutbox
 from adapters.metrics import Metrics
 from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
 from adapters.serve.handoff_modes import HandoffModes
