@@ -293,6 +293,7 @@ class StepExecutor:
             current.kept_blocks = current.kept_blocks or bool(kept)
             return kept
 
+        carry = None if loop.speculator is None else loop.speculator.first_verify(loop)
         for task, units in tasks:
             if task.finished:
                 continue
@@ -301,7 +302,7 @@ class StepExecutor:
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
-                                   None if loop.prefix is None else keep_chunk)
+                                   None if loop.prefix is None else keep_chunk, carry)
             except Exception as exc:
                 failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
                                           typed=isinstance(exc, StatecoreError))
@@ -356,7 +357,8 @@ class StepExecutor:
         loop.requests[task.request_id].phase = EnginePhase.PREFILLED
         current.finished_prefills.append(task)
         assert task.cache is not None
-        return [task.first, *(c.state for c in task.cache)]
+        drawn = [] if task.drawn is None else [task.drawn]  # a first verify step's (speculative)
+        return [task.first, *drawn, *(c.state for c in task.cache)]
 
     def stale(self, step: InFlight) -> bool:
         """Whether a step's slot part wrote buffers that the pool has lost since (its rows were
@@ -376,6 +378,9 @@ class StepExecutor:
                 raise step.launch_raised
             tokens: list[int] = step.tokens.tolist() if step.tokens is not None and not stale else []
             firsts = [int(task.first.item()) for task in step.finished_prefills]
+            drawn = [() if task.drawn is None or loop.speculator is None
+                     else loop.speculator.first_verified(task, first)
+                     for task, first in zip(step.finished_prefills, firsts, strict=True)]
         except Exception as exc:
             failed_on_device(loop, step, exc, stale, deliveries, finished)
         else:
@@ -389,10 +394,10 @@ class StepExecutor:
                 owner.last_token = token
                 item = loop.count_token(owner, token, read_logprobs(step.logprobs.get(slot)))
                 loop.hand_token(owner, item, deliveries)
-            for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
+            for task, outcome, tokens_drawn in zip(step.finished_prefills, outcomes, drawn, strict=True):
                 assert task.cache is not None
                 loop.requests.hold(task.request_id, Held(task.cache, len(task.tokens), outcome.held_bytes,
-                                                         task.sampler.sampling))
+                                                         task.sampler.sampling, tokens_drawn))
                 outcome = replace(outcome, streamed=task.segment_sink is not None)  # its pieces all went
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)
