@@ -19,6 +19,7 @@ from adapters.mlx.speculative import PROBE_STAGE
 from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
+from statecore.prefix import prompt_chunks
 from support.chain_model import build_chain_checkpoint, chain
 from tests.integration.device_faults import FailingAttention
 from tests.integration.engines import close_engine, load_engine, streamed_prefill
@@ -53,6 +54,12 @@ def edit_like(start: int, salt: int = 0) -> list[int]:
     return [*filler, *chain(start, 60), *filler[:5], start]
 
 
+def ends_in_chain(start: int, salt: int = 0) -> list[int]:
+    """An edit-like prompt whose last tokens are the chain's first three: prompt lookup drafts the
+    answer from the prompt's last call on (the request's first verify step)."""
+    return [*edit_like(start, salt)[:-1], *chain(start, 3)]
+
+
 async def single(engine: MlxEngine, rid: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
@@ -72,8 +79,9 @@ async def handed_off(prefill: MlxEngine, decode: MlxEngine, rid: str, prompt: li
 async def test_a_speculating_row_emits_the_tokens_it_emits_without_speculation(
         engines: tuple[MlxEngine, MlxEngine], sampling: SamplingParams) -> None:
     plain, speculating = engines
-    for n, start in enumerate((40, 200)):
-        prompt = edit_like(start, n)
+    # the first: the last token alone, the verify steps after it; the second: the prompt's last
+    # call verifies the first drafts
+    for n, prompt in enumerate((edit_like(40, 0), ends_in_chain(200, 1))):
         expected = await single(plain, f"p{n}", prompt, sampling)
         assert await single(speculating, f"s{n}", prompt, sampling) == expected
     stats = speculating.statistics()
@@ -131,12 +139,66 @@ async def test_a_draft_model_s_guesses_change_no_token(chain_dir: Path, draft_di
                 assert await single(drafted, f"d{n}", prompt, sampling) == expected
             handed = await handed_off(plain, drafted, "h", edit_like(150, 2), sampling)
             assert handed == await single(plain, "ph", edit_like(150, 2), sampling)
+            # prefilled where the prompt's last call drafts: the handoff carries the prompt's cache
+            handed = await handed_off(drafted, plain, "h2", edit_like(150, 2), sampling)
+            assert handed == await single(plain, "ph2", edit_like(150, 2), sampling)
             stats = drafted.statistics()
             assert 0 < stats.speculative_accepted < stats.speculative_drafted
             assert not drafted._device.draft_model.rows  # type: ignore[union-attr]  # every row's cache let go
         finally:
             await close_engine(drafted)
     finally:
+        await close_engine(plain)
+
+
+async def test_the_prompt_s_last_call_is_the_first_verify_step(chain_dir: Path) -> None:
+    """As mlx-lm's speculative loop: the prompt's last token and the first drafts are one call
+    (its row 0 gives the first token), so a request of 1 + num_draft_tokens tokens whose drafts
+    all stand is answered by its prefill's calls alone, with the tokens it has without speculation."""
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram", num_draft_tokens=4,
+                                    model_call_hook=lambda stage, ids: calls.append((stage, tuple(ids))))
+    try:
+        prompt, sampling = ends_in_chain(40), SamplingParams(max_tokens=5)
+        expected = await single(plain, "p", prompt, sampling)
+        assert expected == chain(40, 8)[3:]  # what prompt lookup drafts: every draft stands
+        assert await single(speculating, "s", prompt, sampling) == expected
+        # prompt[:-1] in its chunks, then the last token with the drafts; not one decode step
+        assert [stage for stage, ids in calls if "s" in ids] == ["prefill"] * len(prompt_chunks(prompt, 16))
+        stats = speculating.statistics()
+        assert (stats.speculative_steps, stats.speculative_drafted, stats.speculative_accepted,
+                stats.speculative_emitted) == (1, 4, 4, 5)
+        assert (stats.decoding, stats.held_caches, stats.kv_reserved_bytes) == (0, 0, 0)
+    finally:
+        await close_engine(speculating)
+        await close_engine(plain)
+
+
+async def test_a_request_cancelled_between_its_first_verify_step_and_its_decode_leaves_nothing(
+        chain_dir: Path, draft_dir: Path) -> None:
+    """Its prompt's last call verified drafts (the draft model holds a cache for it, its held cache
+    covers the drafts that stood): cancelled then, or handed off and released, nothing of it stays,
+    and the next requests decode as without speculation."""
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    drafted = await load_engine(chain_dir, prefill_chunk_size=16, draft_model=draft_dir, num_draft_tokens=3)
+    try:
+        prompt = ends_in_chain(90, 4)
+        await drafted.prefill(RequestId("c"), prompt, GREEDY)
+        await drafted.prefill(RequestId("r"), prompt, GREEDY)
+        stats = drafted.statistics()
+        assert stats.speculative_steps == 2 and stats.held_caches == 2
+        assert set(drafted._device.draft_model.rows) == {"c", "r"}  # type: ignore[union-attr]
+        await drafted.cancel(RequestId("c"))
+        await drafted.export_held(RequestId("r"))
+        await drafted.release_held(RequestId("r"))
+        stats = drafted.statistics()
+        assert (stats.decoding, stats.held_caches, stats.held_bytes, stats.kv_reserved_bytes) == (0, 0, 0, 0)
+        assert not drafted._device.draft_model.rows  # type: ignore[union-attr]
+        assert stats.speculative_emitted == 2  # the two first tokens; the drafts that stood never went out
+        assert await single(drafted, "d", prompt, GREEDY) == await single(plain, "p", prompt, GREEDY)
+    finally:
+        await close_engine(drafted)
         await close_engine(plain)
 
 

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from statecore.speculation import MAX_PAUSE, NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
+from statecore.speculation import (
+    MAX_PAUSE,
+    NgramIndex,
+    SpeculationPace,
+    draft_room,
+    kept_drafts,
+    prompt_draft,
+    row_classes,
+)
 
 
 def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
@@ -78,3 +88,14 @@ def test_a_row_may_draft_after_its_next_token_only_if_its_last_token_came_before
     index.extend([5])
     assert index.may_draft_next()  # 5 came before (followed by 6)
     assert NgramIndex(max_n=2, min_n=1, tokens=[1]).may_draft_next()
+
+
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(0, 6), st.integers(1, 3), st.integers(0, 2))
+def test_a_prompt_s_draft_is_its_index_s(tokens: list[int], count: int, min_n: int, more: int) -> None:
+    """The search a prompt's last call drafts with finds what the row's index drafts (a small
+    alphabet: many earlier occurrences, overlapping ones; and tokens of one set byte each, whose
+    bytes hold other tokens' across token boundaries: [0x01000000, 0x01000000, 0] holds [1, 1])."""
+    max_n = min_n + more
+    assert prompt_draft(tokens, count, max_n, min_n) == NgramIndex(max_n, min_n, tokens).draft(count)
+    shifted = [0 if token == 0 else 1 << 8 * (token - 1) for token in tokens]
+    assert prompt_draft(shifted, count, max_n, min_n) == NgramIndex(max_n, min_n, shifted).draft(count)

@@ -204,14 +204,15 @@ class StepExecutor:
         # it is a matter of timing, and the rows of a padded call differ from a prompt's own call
         # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
         # The same holds for a stacked call (a row computes as alone only where measured so; a
-        # streamed prompt's pieces are cut from its own cache; keep tasks give way to memory).
+        # streamed prompt's pieces are cut from its own cache; keep tasks give way to memory; a
+        # speculating node's last calls may carry drafts, which a stacked call does not).
         candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
                                 task.done_units, loop.short_batching and task.is_short
                                 and task.sampler.sampling.choices == 1, task.keeps_only,
                                 tuple(task.block_keys),
                                 (task.sampler.sampling.adapter or "") if loop.stacking is not None
-                                and task.sampler.sampling.choices == 1 and not task.keeps_only
-                                and task.segment_sink is None else None)
+                                and loop.speculator is None and task.sampler.sampling.choices == 1
+                                and not task.keeps_only and task.segment_sink is None else None)
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
         oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
@@ -306,6 +307,7 @@ class StepExecutor:
         for call in plan.stacks:
             for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
                 first_stacked[rid] = min(chunk, first_stacked.get(rid, chunk))
+        carry = None if loop.speculator is None else loop.speculator.first_verify(loop)
         for task, units in tasks:
             if task.finished:
                 continue
@@ -318,7 +320,7 @@ class StepExecutor:
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
-                                   None if loop.prefix is None else keep_chunk)
+                                   None if loop.prefix is None else keep_chunk, carry)
             except Exception as exc:
                 self.prefill_raised(task, exc, current)
                 continue
@@ -455,7 +457,8 @@ class StepExecutor:
         loop.requests[task.request_id].phase = EnginePhase.PREFILLED
         current.finished_prefills.append(task)
         assert task.cache is not None
-        return [task.first, *(c.state for c in task.cache)]
+        drawn = [] if task.drawn is None else [task.drawn]  # a first verify step's (speculative)
+        return [task.first, *drawn, *(c.state for c in task.cache)]
 
     def stale(self, step: InFlight) -> bool:
         """Whether a step's slot part wrote buffers that the pool has lost since (its rows were
@@ -475,6 +478,9 @@ class StepExecutor:
                 raise step.launch_raised
             tokens: list[int] = step.tokens.tolist() if step.tokens is not None and not stale else []
             firsts = [int(task.first.item()) for task in step.finished_prefills]
+            drawn = [() if task.drawn is None or loop.speculator is None
+                     else loop.speculator.first_verified(task, first)
+                     for task, first in zip(step.finished_prefills, firsts, strict=True)]
         except Exception as exc:
             failed_on_device(loop, step, exc, stale, deliveries, finished)
         else:
@@ -488,10 +494,10 @@ class StepExecutor:
                 owner.last_token = token
                 item = loop.count_token(owner, token, read_logprobs(step.logprobs.get(slot)))
                 loop.hand_token(owner, item, deliveries)
-            for task, outcome in zip(step.finished_prefills, outcomes, strict=True):
+            for task, outcome, tokens_drawn in zip(step.finished_prefills, outcomes, drawn, strict=True):
                 assert task.cache is not None
                 loop.requests.hold(task.request_id, Held(task.cache, len(task.tokens), outcome.held_bytes,
-                                                         task.sampler.sampling))
+                                                         task.sampler.sampling, tokens_drawn))
                 outcome = replace(outcome, streamed=task.segment_sink is not None)  # its pieces all went
                 finished.append((task, Outcome(value=outcome)))
         finished.extend((task, Outcome(error=error)) for task, error in step.failed_prefills)

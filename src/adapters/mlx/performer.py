@@ -35,6 +35,7 @@ from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from adapters.mlx.settings import Settings
+from adapters.mlx.speculative import verified_items
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -85,6 +86,7 @@ class Performer:
                         for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
+                self.forget_drafts(request_id)
                 self.publish()
                 return None
             case commands.Release(request_id):
@@ -179,18 +181,29 @@ class Performer:
         request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
         first_token = command.first_token
         cache = self.take_cache(command, local)
-        remaining = sampling.max_tokens - 1
         ended = finish_before_decoding(first_token, device.eos, ignore_eos=sampling.ignore_eos,
                                        max_tokens=sampling.max_tokens)
+        # The tokens the prompt's last call verified after the first (speculative decoding's
+        # first verify step): they go out first, and the request decodes from the last of them.
+        after = self.verified_after(command, first_token) if ended is None else []
+        items = verified_items(after, sampling, device.eos)
+        if items and items[-1].finish_reason is not None:
+            ended = items[-1].finish_reason
         if ended is not None:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
                 device.requests.remove(request_id, Finish(ended))
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
-            post(token, deliver, [(send, None, True)])
+            self.forget_drafts(request_id, emitted=len(items))
+            post(token, deliver, [*((send, item, False) for item in items[:-1]),
+                                  (send, items[-1] if items else None, True)])
             self.publish()
             return
+        if items:
+            tokens = [*tokens, first_token, *(item.token for item in items[:-1])]
+            first_token = items[-1].token
+        remaining = sampling.max_tokens - 1 - len(items)
         # The grammar's state after the first token, which the prefill node drew under it.
         constraint = self.constraint(self.matcher(sampling, local), (first_token,))
         lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
@@ -199,15 +212,39 @@ class Performer:
         assert lane == "slot" or request_id not in device.slots.staged
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
-            total = len(tokens) + sampling.max_tokens
+            total = len(command.tokens) + sampling.max_tokens
             reserved = device.admission.admit(request_id, device.cost.of(total), total)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens) + 1,
                                   [*tokens, first_token], constraint)
-        live = Live(request_id, send, token, remaining, sampler, first_token, prompt_tokens=len(tokens))
+        live = Live(request_id, send, token, remaining, sampler, first_token,
+                    prompt_tokens=len(command.tokens))
         if device.settings.keep_conversations and device.prefix is not None:
             live.conversation = [*tokens, first_token]
         device.join(live, cache, tokens, lane, reserved)
+        if items:
+            post(token, deliver, [(send, item, False) for item in items])
+            if device.speculator is not None:
+                device.speculator.emitted += len(items)
         self.publish()
+
+    def verified_after(self, command: commands.DecodeHeld | commands.Install, first_token: int) -> list[int]:
+        """The tokens after the first that the held prompt's last call verified (none for an
+        install); a decode from another first token than that call's starts from the prompt."""
+        held = self.device.held.get(command.request_id) if isinstance(command, commands.DecodeHeld) else None
+        if held is None or not held.drawn:
+            return []
+        if held.drawn[0] != first_token:
+            held.cut_to_prompt()
+            return []
+        return list(held.drawn[1:])
+
+    def forget_drafts(self, request_id: str, emitted: int = 0) -> None:
+        """A request that will not decode here (any more): its draft model cache goes; `emitted`
+        tokens its prompt's last call verified were handed out."""
+        speculator = self.device.speculator
+        if speculator is not None:
+            speculator.left(request_id)
+            speculator.emitted += emitted
 
     def stage(self, command: commands.StagePiece, caches: list[Any]) -> bool:
         """A streamed handoff's piece into its request's slot, where it can go there
@@ -287,6 +324,7 @@ class Performer:
         if held is not None:
             device.requests.remove(request_id, Finish.RELEASED)  # its reservation with it
             device.choices.ended(held.sampling)  # it will not decode here
+            self.forget_drafts(request_id)
         self.publish()
         return 0 if held is None else held.nbytes
 
@@ -294,6 +332,7 @@ class Performer:
         held = self.device.held.get(request_id)
         if held is None:
             raise not_held(request_id)
+        held.cut_to_prompt()  # a handoff carries the prompt's cache (its decode node draws the rest)
         cache = held.cache
         if isinstance(self.device, LockstepLoop):  # every rank's heads, gathered on each
             cache = self.device.gather_heads(cache)

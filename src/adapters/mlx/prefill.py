@@ -8,7 +8,9 @@ Each chunk's evaluation is cut into work units (`statecore.scheduling.prefill_un
 builds a chunk's graph at its first unit (lazily) and hands the device loop the cache layers each
 unit evaluates, so a long chunk is computed a few layers per step; the graph is the one call's,
 so are the numbers. A built chunk is handed to the prefix cache at its last unit, once every
-layer of it is evaluated.
+layer of it is evaluated. Where the request will speculate, its last call may carry draft tokens
+after the prompt's last token (`LastCallDrafts`, speculative decoding's first verify step): row 0
+still gives the first token, the others the target's draws after each draft.
 
 `run_short_batch` computes several short prompts (each one chunk plus the last token) in one padded
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
@@ -33,7 +35,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -43,6 +45,7 @@ from statecore.scheduling import DEFAULT_CHUNK_TOKENS, PrefillUnit, bucketed
 from statecore.speculation import row_classes
 
 __all__ = [
+    "LastCallDrafts",
     "PrefillTask",
     "Stack",
     "default_shape_bucket",
@@ -79,11 +82,16 @@ class PrefillTask:
     segment_sink: Any = field(default=None, repr=False)
     streamed_units: int = 0  # units whose KV went to the sink (or was captured for it)
     stack: Stack | None = field(default=None, repr=False)  # the stacked call its cache is a row of
+    # Draft tokens its last call carried after the prompt's last token (a (k,) array), and the
+    # target's draws after each of them (lazily, then read back: `LastCallDrafts`); None: none.
+    drafts: Any = None
+    drawn: Any = None
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk
         (computing the cached ones too)."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
+        self.drafts = self.drawn = None
         self.cached_tokens = 0
         self.stack = None
         # What was streamed stays streamed: the same calls compute the same numbers again.
@@ -108,6 +116,19 @@ class PrefillTask:
     def is_short(self) -> bool:
         """Nothing computed yet, and all of it is one head chunk plus the last token."""
         return self.done_units == 0 and len(self.chunks) == 2 and not self.keeps_only
+
+
+class LastCallDrafts(Protocol):
+    """Draft tokens a prompt's last call may carry after its last token (speculative decoding:
+    `adapters.mlx.speculative`), so that the call is the request's first verify step."""
+
+    def drafts(self, task: PrefillTask) -> Any | None:
+        """The (k,) uint32 array of drafts the task's last call carries, or None: the last token alone."""
+        ...
+
+    def draws(self, task: PrefillTask, logits: Any) -> Any:
+        """The target's draws from the (k, vocab) logits of the draft rows (after the first token's)."""
+        ...
 
 
 _CUDA_SHAPE_BUCKET = 128
@@ -183,7 +204,8 @@ def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
 
 
 def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
-              bucket: int = 0, built: Callable[[PrefillTask, int], list[Any]] | None = None) -> list[Any]:
+              bucket: int = 0, built: Callable[[PrefillTask, int], list[Any]] | None = None,
+              carry: LastCallDrafts | None = None) -> list[Any]:
     """Build what the task's next `count` units need; return the arrays they evaluate this step.
 
     A unit that starts a chunk builds the chunk's whole graph (the last chunk's samples the first
@@ -192,7 +214,8 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
     positions are trimmed off the cache again: attention is causal, so no real position sees them,
     and the GPU meets a few chunk shapes instead of one per prompt length (MLX's CUDA attention
     builds a cuDNN graph per shape, tens of ms each). `built(task, chunk)` (the prefix cache) is
-    told of every chunk at its last unit and returns more arrays for the step to evaluate."""
+    told of every chunk at its last unit and returns more arrays for the step to evaluate. `carry`
+    may give the prompt's last call drafts to verify (never a padded call: that is one token)."""
     if task.cache is None:
         task.cache = make_prompt_cache(model)
     outputs: list[Any] = []
@@ -202,15 +225,23 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
             size = task.chunks[unit.chunk]
             start = task.done_tokens
             padding = bucketed(size, bucket) - size if size > 1 else 0
-            piece = mx.array([task.tokens[start : start + size] + [0] * padding])
+            last = unit.chunk == len(task.chunks) - 1 and not task.keeps_only
+            drafts = carry.drafts(task) if carry is not None and last and size == 1 else None
+            if drafts is None:
+                piece = mx.array([task.tokens[start : start + size] + [0] * padding])
+            else:
+                piece = mx.concatenate([mx.array(task.tokens[start:], dtype=mx.uint32), drafts])[None]
             out = model(piece, cache=task.cache)
             if padding:
                 for layer in task.cache:
                     layer.trim(padding)
             quantize(task.cache)
             task.done_tokens += size
-            if unit.chunk == len(task.chunks) - 1 and not task.keeps_only:
-                task.first = task.sampler.next_token(out[:, -1, :])
+            if last:
+                task.first = task.sampler.next_token(out[:, 0 if drafts is not None else -1, :])
+            if drafts is not None:
+                assert carry is not None
+                task.drafts, task.drawn = drafts, carry.draws(task, out[0, 1:, :])
         task.done_units += 1
         outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])
         if built is not None and unit.end_layer == len(task.cache):

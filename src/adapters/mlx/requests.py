@@ -40,6 +40,18 @@ class Held:
     prompt_tokens: int
     nbytes: int
     sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
+    # The tokens its prompt's last call emitted when that call verified drafts (the first token
+    # first, `adapters.mlx.speculative.FirstVerify`): the cache covers the prompt and all of them
+    # but the last. Empty: the first token alone, the cache the prompt's.
+    drawn: tuple[int, ...] = ()
+
+    def cut_to_prompt(self) -> None:
+        """Forget the tokens after the first: the cache covers the prompt alone again (for a
+        handoff, or a decode that starts from another first token)."""
+        if len(self.drawn) > 1:  # (only plain KVCache layers draft)
+            for layer in self.cache:
+                layer.trim(len(self.drawn) - 1)
+        self.drawn = ()
 
 
 @dataclass(eq=False)

@@ -20,6 +20,12 @@ must pass too, or speculation stays off (logged; a check that raises turns it of
 serves without it). Rejected drafts' keys lie past the row's position, hidden by the mask and
 overwritten by its next steps. A row whose tries keep nothing waits longer before the next
 (`SpeculationPace`); while it waits it decodes in the ordinary, overlapped steps.
+A request's first verify step is its prompt's last call (`FirstVerify`, as mlx-lm's speculative
+loop does it): the prompt's last token and the drafts (from the prompt) in one call on the
+prompt's own cache, whose row 0 gives the first token; the tokens that stood wait with the held
+cache for its decode (`Held.drawn`), and a cache handed off instead is cut back to the prompt.
+The load check compares that call with the last token alone and single steps after it (its
+rows, the last token's keys and values, a step after them), or the last token goes alone.
 This module imports mlx and mlx_lm; never trio, never the engine nor the device loop (its caller,
 seen here only as a `SpeculationHost`).
 """
@@ -27,27 +33,37 @@ seen here only as a `SpeculationHost`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.jobs import engine_failed
+from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax, sample
 from adapters.mlx.slots import SlotPool
+from effects.engine_port import GeneratedToken, SamplingParams
 from statecore.errors import StatecoreError
-from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts, row_classes
+from statecore.policy import token_finish
+from statecore.speculation import (
+    NgramIndex,
+    SpeculationPace,
+    draft_room,
+    kept_drafts,
+    prompt_draft,
+    row_classes,
+)
 
 if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
     from adapters.mlx.rows import Live
 
-__all__ = ["PROBE_STAGE", "SpeculationHost", "Speculator"]
+__all__ = ["PROBE_STAGE", "FirstVerify", "SpeculationHost", "Speculator", "verified_items"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -62,6 +78,7 @@ class SpeculationHost(LaneHost, Protocol):
     pipelined: bool
     live: Mapping[str, Live]  # the requests in the decoder
     gathering: Mapping[str, Live]  # choices of n > 1 waiting for their siblings
+    requests: Any  # every request the loop knows (`in` by request id)
 
     def slot_tokens_in_flight(self) -> bool:
         """Whether the step on the device now decodes slot rows (its tokens not read back yet)."""
@@ -108,6 +125,7 @@ class Speculator:
         self.rows: dict[str, _Row] = {}
         self.classes: tuple[int, ...] = ()
         self.off_reason: str | None = None
+        self.first_room = 0  # drafts a prompt's last call may carry (0: the last token goes alone)
         # verify steps computed, draft tokens they checked, drafts that stood, tokens emitted
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
@@ -141,6 +159,7 @@ class Speculator:
                 self.classes = row_classes(equal)
                 room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
                 exact = room == 0 or _verify_equals_single_steps(loop, pool, cache, last, room)
+                first_exact = exact and room > 0 and _last_call_equals_today(loop, pool, room)
         except Exception as exc:
             # A kernel this device cannot launch for a verify row's shapes (or the draft model's):
             # the node serves without speculation rather than not at all. The probes ran in
@@ -160,9 +179,14 @@ class Speculator:
                                "differently, so no verify step could be exact")
         if self.off_reason is not None:
             logger.warning("speculative decoding is off: %s", self.off_reason)
+            return
+        logger.info("speculative decoding (%s): a lone row's verify step carries up to %d draft "
+                    "tokens (row counts computing alike: %s)", self.mode, room, self.classes)
+        if first_exact:
+            self.first_room = room
         else:
-            logger.info("speculative decoding (%s): a lone row's verify step carries up to %d draft "
-                        "tokens (row counts computing alike: %s)", self.mode, room, self.classes)
+            logger.warning("a prompt's last call computes its rows differently with drafts on this "
+                           "device (load check): the last token goes alone, the first verify step after it")
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -178,9 +202,45 @@ class Speculator:
             row.index.extend((token,))
 
     def left(self, request_id: str) -> None:
+        """A request left the decoder, or will never join it (its held cache went, or its prompt
+        failed): its row and its draft model cache go."""
         self.rows.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)
+
+    # -- the prompt's last call: a request's first verify step -----------------------------------
+
+    def first_verify(self, loop: SpeculationHost) -> FirstVerify | None:
+        """What lets a prompt's last call carry drafts on this node now (None: it never does)."""
+        if self.off_reason is not None or self.first_room == 0:
+            return None
+        return FirstVerify(self, loop)
+
+    def first_verified(self, task: PrefillTask, first: int) -> tuple[int, ...]:
+        """A prompt's last call that carried drafts was read back (its first token `first`): the
+        tokens it emits, the first one first (those after it are the drafts that stood, then the
+        target's draw after them); its cache is cut back to the prompt and the drafts that stood."""
+        assert task.cache is not None
+        drafts: list[int] = task.drafts.tolist()
+        drawn = [first, *task.drawn.tolist()]
+        kept = kept_drafts(drafts, drawn)
+        for layer in task.cache:
+            layer.trim(len(drafts) - kept)
+        task.drafts = task.drawn = None
+        if self.draft is not None:
+            self.draft.drafted(task.request_id, drafts)
+        self.verify_steps += 1
+        self.drafted += len(drafts)
+        self.accepted += kept
+        self.emitted += 1  # the first token; the others as they are handed out (`verified_items`)
+        return tuple(drawn[: kept + 1])
+
+    def forget_gone(self, loop: SpeculationHost) -> None:
+        """Draft model caches of requests the loop no longer knows (a prompt that failed after its
+        last call drafted) go."""
+        if self.draft is not None:
+            for request_id in [rid for rid in self.draft.rows if rid not in loop.requests]:
+                self.draft.forget(request_id)
 
     @staticmethod
     def eligible(live: Live) -> bool:
@@ -363,6 +423,62 @@ class Speculator:
         loop.hand_out(deliveries)
 
 
+class FirstVerify:
+    """A prompt's last call as its request's first verify step (`adapters.mlx.prefill.LastCallDrafts`):
+    it carries drafts where the request will speculate, as a lone row would in a verify step."""
+
+    def __init__(self, speculator: Speculator, loop: SpeculationHost) -> None:
+        self.speculator = speculator
+        self.loop = loop
+
+    def drafts(self, task: PrefillTask) -> Any | None:
+        speculator, loop = self.speculator, self.loop
+        sampler = task.sampler
+        sampling = sampler.sampling
+        if (task.segment_sink is not None or len(task.tokens) < 2 or task.cache is None
+                or sampler.constraint is not None or sampling.shapes_logits or sampling.logprobs is not None
+                or sampling.adapter is not None or sampling.choices > 1
+                or len(loop.live) >= speculator.max_rows or loop.gathering
+                or not all(type(layer) is KVCache for layer in task.cache)):
+            return None
+        asked = sampling.num_draft_tokens
+        most = speculator.num_draft_tokens if asked is None else min(asked, speculator.num_draft_tokens)
+        wanted = min(most, speculator.first_room, sampling.max_tokens - 1)
+        if wanted <= 0:
+            return None
+        speculator.forget_gone(loop)
+        if speculator.draft is not None:
+            drafted: Any = speculator.draft.propose(task.request_id, task.tokens, [], wanted, sampler)
+            return drafted
+        found = prompt_draft(task.tokens, wanted)  # the row's index's draft, without building it
+        return mx.array(found, dtype=mx.uint32) if found else None
+
+    def draws(self, task: PrefillTask, logits: Any) -> Any:
+        """As `_draw` for the rows after a verify step's first: the first token was drawn already
+        (the sampler's position is the next one's)."""
+        sampler = task.sampler
+        if sampler.plain_greedy:
+            return greedy_sampler(log_softmax(logits))
+        return mx.concatenate([sample(log_softmax(logits[i : i + 1]), sampler.sampling, sampler.seed,
+                                      sampler.position + i) for i in range(logits.shape[0])])
+
+
+def verified_items(after_first: Sequence[int], sampling: SamplingParams, eos: Collection[int]
+                   ) -> list[GeneratedToken]:
+    """The stream items of the tokens a prompt's last call verified after the first one, counted
+    as the decoder counts its tokens (`statecore.policy.token_finish`): the one that ends the
+    request, if any, is the last."""
+    items: list[GeneratedToken] = []
+    remaining = sampling.max_tokens - 1
+    for token in after_first:
+        remaining -= 1
+        finish = token_finish(token, eos, ignore_eos=sampling.ignore_eos, remaining=remaining)
+        items.append(GeneratedToken(token, finish_reason=finish))
+        if finish is not None:
+            break
+    return items
+
+
 class _FailedOnDevice(Exception):
     """A verify step that raised while the device computed it (not while it was built)."""
 
@@ -397,6 +513,36 @@ def _draw(logits: Any, rows: Sequence[Live], counts: Sequence[int]) -> Any:
     return mx.concatenate(parts, axis=0)
 
 
+def _last_call_equals_today(loop: SpeculationHost, pool: SlotPool, drafts: int) -> bool:
+    """The probe prompt's last token and `drafts` drafts in one call on its prompt cache against
+    today's calls (the last token alone on that cache, then each draft as a lone row's slot step):
+    every row's log-probabilities, the last token's keys and values, and a slot step after them
+    (reading the keys the call wrote) equal, bit for bit."""
+    fed = [1 + (11 * i) % 89 for i in range(drafts)]
+    after = 5
+    alone, last = _probe_prompt(loop.model)
+    expected = [log_softmax(loop.model(mx.array([[last]]), cache=alone)[:, -1, :])[0]]
+    single = _fresh_pool(loop, pool, 1, alone, _PROBE_TOKENS)
+    for i, token in enumerate([*fed, after]):
+        layers = single.step_layers([_PROBE_TOKENS + i], bucket=loop.bucket)
+        logits = loop.model(mx.array([token], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
+        expected.append(log_softmax(logits)[0])
+        mx.eval(expected[-1], single.keys, single.values)
+    carried, _ = _probe_prompt(loop.model)
+    got = log_softmax(loop.model(mx.array([[last, *fed]]), cache=carried)[0])
+    mx.eval(got, [layer.state for layer in carried])
+    prompt = slice(0, _PROBE_TOKENS)
+    kv_alike = all(bool(mx.array_equal(a.keys[..., prompt, :], b.keys[..., prompt, :]).item())
+                   and bool(mx.array_equal(a.values[..., prompt, :], b.values[..., prompt, :]).item())
+                   for a, b in zip(alone, carried, strict=True))
+    then = _fresh_pool(loop, pool, 1, carried, _PROBE_TOKENS + drafts)
+    layers = then.step_layers([_PROBE_TOKENS + drafts], bucket=loop.bucket)
+    next_row = log_softmax(loop.model(mx.array([after], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :])[0]
+    mx.eval(next_row)
+    rows = [*(got[i] for i in range(drafts + 1)), next_row]
+    return kv_alike and all(bool(mx.array_equal(a, b).item()) for a, b in zip(rows, expected, strict=True))
+
+
 def _probe_prompt(model: Any) -> tuple[list[Any], int]:
     """A short prompt's cache (all but its last token) and that last token."""
     tokens = [1 + (7 * i) % 97 for i in range(_PROBE_TOKENS)]
@@ -406,11 +552,13 @@ def _probe_prompt(model: Any) -> tuple[list[Any], int]:
     return cache, tokens[-1]
 
 
-def _fresh_pool(loop: SpeculationHost, pool: SlotPool, slots: int, cache: list[Any]) -> SlotPool:
-    """A small pool laid out as the node's, holding the probe prompt in slot 0."""
-    probe = SlotPool(slots, pool.num_layers, 2 * _PROBE_TOKENS + 2 * slots)
+def _fresh_pool(loop: SpeculationHost, pool: SlotPool, slots: int, cache: list[Any],
+                tokens: int = _PROBE_TOKENS - 1) -> SlotPool:
+    """A small pool laid out as the node's, holding the probe prompt's `tokens` positions in slot 0."""
+    room = 2 * _PROBE_TOKENS + 2 * slots + max(0, tokens - _PROBE_TOKENS + 1)
+    probe = SlotPool(slots, pool.num_layers, room)
     probe.attention = pool.attention
-    probe.write_prompt(0, cache, _PROBE_TOKENS - 1)
+    probe.write_prompt(0, cache, tokens)
     return probe
 
 
