@@ -62,10 +62,13 @@ from benchlib import (
 # they are the defaults anyway, the same as single*)
 # single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
 # that start from a cached system prompt then finish over several steps instead of all in one
+# *_stack / *_nostack: --prefill-stacking on / off (the default, auto, is on with MLX's CUDA backend
+# only): first turns whose tails have one shape compute them as rows of stacked calls
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
            "single_chunk256", "single_batch4", "single_batch8", "single_long", "single_long_nocache",
-           "single_gpu", "single_gpu_nocache", "single_gpu_long", "single_gpu_long_nocache", "cluster",
-           "cluster_gpu")
+           "single_stack", "single_nostack", "single_nocache_stack", "single_nocache_nostack",
+           "single_gpu", "single_gpu_nocache", "single_gpu_long", "single_gpu_long_nocache",
+           "single_gpu_stack", "single_gpu_nocache_stack", "cluster", "cluster_gpu")
 _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_nokeep": ["--keep-conversations=off"],
           "single_chunk2048": ["--prefill-chunk-size=2048"], "single_chunk128": ["--prefill-chunk-size=128"],
@@ -74,11 +77,15 @@ _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           # the rule before: a block ends at a message's end only in prompts longer than a chunk
           # (a shorter one is one call, may share a padded call, and is never reused)
           "single_long": ["--message-blocks=long"],
-          "single_long_nocache": ["--message-blocks=long", "--prefix-cache-bytes=0"]}
+          "single_long_nocache": ["--message-blocks=long", "--prefix-cache-bytes=0"],
+          "single_stack": ["--prefill-stacking=on"], "single_nostack": ["--prefill-stacking=off"],
+          "single_nocache_stack": ["--prefix-cache-bytes=0", "--prefill-stacking=on"],
+          "single_nocache_nostack": ["--prefix-cache-bytes=0", "--prefill-stacking=off"]}
 # MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
 _GPU = ["--prefill-chunk-size=2048", "--shape-bucket=128"]
 _FLAGS.update({f"single_gpu{rest}": [*_GPU, *_FLAGS[f"single{rest}"]]
-               for rest in ("", "_nocache", "_long", "_long_nocache")}, cluster_gpu=_GPU)
+               for rest in ("", "_nocache", "_long", "_long_nocache", "_stack", "_nocache_stack")},
+              cluster_gpu=_GPU)
 
 
 async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_tokens: int,
@@ -143,7 +150,11 @@ async def prefix_counts(client: httpx.AsyncClient, url: str, name: str) -> dict[
     except (httpx.HTTPError, ValueError):
         return None
     keys = ("prefix_cache_queries", "prefix_cache_hits", "prefix_tokens_reused")
-    return {key.removeprefix("prefix_"): int(stats[key]) for key in keys if key in stats}
+    counts = {key.removeprefix("prefix_"): int(stats[key]) for key in keys if key in stats}
+    # the device loop's steps, and the prompts' rows computed in stacked calls (--prefill-stacking)
+    for kind, name in (("step", "steps"), ("prefill_stacked", "stacked_rows")):
+        counts[name] = int(stats.get("device_time", {}).get(kind, {}).get("calls", 0))
+    return counts
 
 
 async def document_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str
@@ -232,7 +243,7 @@ def main() -> int:
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
         for base in ("mlx_lm", "single_nocache", "single", "single_long_nocache", "single_gpu_nocache",
-                     "single_gpu", "single_gpu_long_nocache"):
+                     "single_gpu", "single_gpu_long_nocache", "single_nostack", "single_nocache_nostack"):
             for name, records in got.items():
                 if name == base or base not in got:
                     continue

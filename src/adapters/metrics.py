@@ -471,7 +471,8 @@ class _LiveCollector:
             ))
             seconds = CounterMetricFamily(PREFIX + "engine_device_seconds", "Device-thread time by kind "
                                           "of work (step, decode_build, launch, readback, prefill_chunks, "
-                                          "prefill_batched, other_job).", labels=["role", "kind"])
+                                          "prefill_batched, prefill_stacked, other_job).",
+                                          labels=["role", "kind"])
             calls = CounterMetricFamily(PREFIX + "engine_device_calls", "Device-thread calls by kind of "
                                         "work; decode_rows counts decoded rows (rows per step = "
                                         "decode_rows / step).", labels=["role", "kind"])

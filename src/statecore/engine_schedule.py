@@ -7,8 +7,9 @@ last: given the requests with prefill work left (`Candidate`), the decode rows, 
 budget (`Budget`) and, under a memory budget, the KV memory as it stands (`Memory`), `schedule`
 decides the token budget of the step (`scheduling.step_token_budget`), which prompts advance by
 how many work units (`scheduling.plan_step`: decode rows first, then the oldest prompts' units),
-which short prompts share a padded call (`scheduling.padding_groups`), and what of that fits the
-memory beside the KV held (`scheduling.fit_activations`): which keep tasks give way, how many
+which short prompts share a padded call (`scheduling.padding_groups`), which prompts' next calls
+of one shape share a stacked call (`scheduling.stack_groups`, `Stacking`), and what of that fits
+the memory beside the KV held (`scheduling.fit_activations`): which keep tasks give way, how many
 bytes of kept prefix blocks go, the activation estimate. `update` advances the prompts by the
 plan's units and says which finished. The engine's other decisions are here too: where a request
 decodes (`choose_lane`), whether a request's KV is admitted and what gives way to it
@@ -46,6 +47,7 @@ from statecore.scheduling import (
     padding_groups,
     plan_step,
     prefill_work_bytes,
+    stack_groups,
     step_token_budget,
 )
 
@@ -60,6 +62,8 @@ __all__ = [
     "Lane",
     "Memory",
     "PrefillFailure",
+    "StackedCall",
+    "Stacking",
     "StepPlan",
     "admission",
     "block_waits",
@@ -131,7 +135,9 @@ class Candidate:
     tasks come after every prompt), its chunks and work units and how many are done, whether it
     may share a padded call with other short prompts when it finishes in this step (`batchable`:
     nothing computed, one chunk before its last token, one choice, a model that batches prefill),
-    and whether it is a keep task (optional work: it gives way to memory)."""
+    and whether it is a keep task (optional work: it gives way to memory). `stack_key`: None when
+    its calls never share a stacked call (a keep task, a streamed handoff, a choice of n > 1),
+    else what the rows of one stacked call must share beside their shape (its adapter's name)."""
 
     request_id: str
     order: int
@@ -142,6 +148,7 @@ class Candidate:
     batchable: bool = False
     keeps_only: bool = False
     block_keys: tuple[bytes, ...] = ()
+    stack_key: str | None = None
 
     @property
     def units_left(self) -> tuple[int, ...]:
@@ -197,6 +204,35 @@ class Memory:
 
 
 @dataclass(frozen=True, slots=True)
+class Stacking:
+    """Where prompts' calls may share a stacked call: the row counts at which this device
+    computes every row of a call as that row's own call (measured at load; 1 is implied), for
+    calls of several tokens (`counts`) and of one (`one_token_counts`: a prompt's last token,
+    whose lone call may take other kernels), and the longest call (tokens, padded) that stacks
+    (the load check's shape)."""
+
+    counts: tuple[int, ...]
+    most_tokens: int
+    one_token_counts: tuple[int, ...] = ()
+
+    def counts_for(self, tokens: int) -> tuple[int, ...]:
+        return self.one_token_counts if tokens == 1 else self.counts
+
+
+@dataclass(frozen=True, slots=True)
+class StackedCall:
+    """One model call over several prompts' next chunk (a row each, oldest first): chunk
+    `chunks[i]` of `request_ids[i]`, every one starting at cache position `offset` and `tokens`
+    long once padded. The rows' numbers are their own calls' (`Stacking`), so a prompt's calls
+    are a cache-less run's whichever of them were stacked."""
+
+    offset: int
+    tokens: int
+    request_ids: tuple[str, ...]
+    chunks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """What one step computes: every decode row; the prefill work of `prefills` (oldest first;
     a request in a padded group runs all its units in that group's call); the padded groups of
@@ -204,7 +240,10 @@ class StepPlan:
     kept prefix bytes to free first (`evict_prefix_bytes`); under a memory budget the step's
     activation estimate, whether the fit cut planned work (`capped`) and whether the estimate is
     over the budget anyway (`over_budget`: the oldest prompt's lone unit); the prompts that wait
-    this step for a block another is computing (`waiting_for_blocks`, `block_waits`)."""
+    this step for a block another is computing (`waiting_for_blocks`, `block_waits`); the
+    stacked calls (`stacks`, by offset): a prompt in one computes its units before its first
+    stacked chunk alone, then every unit it has planned from there as a call of its own or a
+    row of a stacked call, in the order of their offsets."""
 
     budget_tokens: int
     decode_rows: int
@@ -216,6 +255,7 @@ class StepPlan:
     capped: bool = False
     over_budget: bool = False
     waiting_for_blocks: tuple[str, ...] = ()
+    stacks: tuple[StackedCall, ...] = ()
 
     @property
     def prefill_tokens(self) -> int:
@@ -227,13 +267,15 @@ class StepPlan:
 
 
 def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, *, max_padding: float,
-             bucket: int = 0, memory: Memory | None = None) -> StepPlan:
+             bucket: int = 0, memory: Memory | None = None, stacking: Stacking | None = None) -> StepPlan:
     """The step's plan (see the module's paragraph). Every decode row runs; the oldest prompt
     advances unless the step is decode-only or the budget leaves no prefill row; nothing exceeds
     the token budget; under a memory budget the plan's activations and the KV held stay within
     it, except the oldest prompt's lone next unit (`over_budget`), and only keep tasks (never a
     request) give way to memory. A prompt waiting for a block another computes (`block_waits`)
-    is left out; the oldest of the others advances."""
+    is left out; the oldest of the others advances. With `stacking` (and no memory budget: a
+    stacked call copies its rows' caches, which the estimate does not count) the planned calls
+    of one shape share stacked calls (`stacked_calls`)."""
     waits: set[str] = set()
     while True:  # each pass leaves out the prompts that would start a block another is inside
         ready = [c for c in candidates if c.request_id not in waits]
@@ -262,8 +304,56 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
                     tuple(tuple(c.request_id for c in group) for group in groups),
                     waiting_for_blocks=tuple(c.request_id for c in candidates if c.request_id in waits))
     if memory is None or not planned.prefills:
-        return plan
+        if stacking is None:
+            return plan
+        return replace(plan, stacks=stacked_calls(plan, by_id, bucket, stacking))
     return _fit_memory(plan, by_id, groups, memory, bucket)
+
+
+def stackable_units(candidate: Candidate, units: int, bucket: int, most_tokens: int
+                    ) -> list[tuple[int, int, int]]:
+    """The calls of a prompt's next `units` units that may be rows of stacked calls, as (chunk,
+    offset, padded length): the longest run of them at the end, each a whole chunk in one unit
+    (all its layers: a chunk in layer slices is one call over several steps), no prefix block
+    (a block is kept, or skipped, as it is built), at most `most_tokens` long once padded."""
+    calls: list[tuple[int, int, int]] = []
+    if candidate.stack_key is None:
+        return calls
+    starts = [0, *accumulate(candidate.chunks)]
+    first = candidate.done_units
+    for index in range(first + units - 1, first - 1, -1):
+        unit = candidate.units[index]
+        whole = unit.starts_chunk and (index + 1 == len(candidate.units)
+                                       or candidate.units[index + 1].chunk != unit.chunk)
+        size = candidate.chunks[unit.chunk]
+        padded = bucketed(size, bucket) if size > 1 else size
+        if not whole or unit.chunk < len(candidate.block_keys) or padded > most_tokens:
+            break
+        calls.append((unit.chunk, starts[unit.chunk], padded))
+    return calls[::-1]
+
+
+def stacked_calls(plan: StepPlan, by_id: Mapping[str, Candidate], bucket: int, stacking: Stacking
+                  ) -> tuple[StackedCall, ...]:
+    """The plan's calls that share stacked calls: of every planned prompt outside a padded group,
+    its `stackable_units`, grouped by shape (`scheduling.stack_groups`), oldest prompt first."""
+    grouped = {rid for group in plan.groups for rid in group}
+    calls: list[tuple[str, int, int, int, str]] = []  # (request, chunk, offset, padded, key)
+    for work in plan.prefills:
+        candidate = by_id[work.request_id]
+        if work.request_id in grouped or candidate.stack_key is None:
+            continue
+        for chunk, offset, padded in stackable_units(candidate, work.units, bucket, stacking.most_tokens):
+            calls.append((work.request_id, chunk, offset, padded, candidate.stack_key))
+    groups: list[list[int]] = []
+    for one_token in (False, True):  # each length measured on its own (Stacking.counts_for)
+        kind = [index for index, call in enumerate(calls) if (call[3] == 1) == one_token]
+        shapes = [(calls[i][2], calls[i][3], calls[i][4]) for i in kind]
+        groups += [[kind[i] for i in group]
+                   for group in stack_groups(shapes, stacking.counts_for(1 if one_token else 2))]
+    groups.sort(key=lambda group: (calls[group[0]][2], group[0]))
+    return tuple(StackedCall(calls[group[0]][2], calls[group[0]][3], tuple(calls[i][0] for i in group),
+                             tuple(calls[i][1] for i in group)) for group in groups)
 
 
 def block_waits(candidates: Sequence[Candidate], planned: Mapping[str, int]) -> set[str]:

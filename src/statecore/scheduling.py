@@ -21,7 +21,10 @@ model call's from the model's shape (`ModelShape`), `chunk_activation_bytes` /
 `fit_activations` keeps of the planned calls what fits beside the KV held (the oldest prompt
 always advances, alone if it must). `joining_choices` decides when the choices of one request
 (n > 1) join a batch whose rows are padded to each other (the batch lane): together, in choice
-order.
+order. `stack_groups` decides which prompts' next calls of one shape (the same cache offset and
+padded length) share one *stacked* call, a row each, where the device computes a row the same
+whatever the call's row count (measured at load): a burst of prompts that start from one cached
+system prompt then computes its tails in a few calls instead of one call each.
 The engine (`adapters.mlx`) performs the plan; nothing here touches a device.
 This module must never import trio, httpx, mlx or mlx_lm.
 """
@@ -57,6 +60,7 @@ __all__ = [
     "measured_step",
     "padding_groups",
     "plan_step",
+    "stack_groups",
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
@@ -373,6 +377,26 @@ def padding_groups(lengths: Sequence[int], max_waste: float, max_rows: int) -> l
     if current:
         groups.append(current)
     return groups
+
+
+def stack_groups(shapes: Sequence[tuple[int, int, str]], counts: Collection[int]) -> list[list[int]]:
+    """Group indices of `shapes` into stacked calls: `shapes[i]` is call i's (cache offset, padded
+    length, key: what else its rows must share, e.g. an adapter), in priority order (oldest
+    prompt first). A stacked call's rows have one shape and a row count in `counts` (the counts
+    at which the device computes every row as a call of that row alone does; 1 is implied), as
+    many rows a call as `counts` allows, oldest first; what is left over runs alone. Returns the
+    groups of two rows or more, by offset (a prompt's calls come one after another), then by
+    their first index; every index is in one group at most."""
+    allowed = sorted({count for count in counts if count >= 2}, reverse=True)
+    by_shape: dict[tuple[int, int, str], list[int]] = {}
+    for index, shape in enumerate(shapes):
+        by_shape.setdefault(shape, []).append(index)
+    groups: list[list[int]] = []
+    for members in by_shape.values():
+        while (size := next((count for count in allowed if count <= len(members)), 0)):
+            groups.append(members[:size])
+            members = members[size:]
+    return sorted(groups, key=lambda group: (shapes[group[0]][0], group[0]))
 
 
 class KvAdmission(enum.Enum):

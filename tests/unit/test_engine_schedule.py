@@ -24,6 +24,8 @@ from statecore.engine_schedule import (
     Lane,
     Memory,
     PrefillFailure,
+    StackedCall,
+    Stacking,
     StepPlan,
     admission,
     choose_lane,
@@ -48,10 +50,11 @@ LAYERS = 4
 
 
 def prompt(rid: str, order: int, tokens: int, chunk: int = 16, unit: int = 64, done: int = 0,
-           batchable: bool = False, keeps_only: bool = False) -> Candidate:
+           batchable: bool = False, keeps_only: bool = False, blocks: int = 0, stack_key: str | None = None
+           ) -> Candidate:
     chunks = prefill_chunks(tokens, chunk)
     return Candidate(rid, order, tokens, chunks, prefill_units(chunks, LAYERS, unit), done, batchable,
-                     keeps_only)
+                     keeps_only, tuple(bytes([i]) for i in range(blocks)), stack_key)
 
 
 @pytest.mark.parametrize(
@@ -407,3 +410,86 @@ def test_a_token_s_finish_reason_is_the_finish_of_its_request_s_record() -> None
     """The engine ends a request's record with `Finish(reason)` of the token that ended it."""
     assert {Finish(reason) for reason in FINISH_REASONS} == {Finish.STOP, Finish.LENGTH}
     assert (Finish(STOP), Finish(LENGTH)) == (Finish.STOP, Finish.LENGTH)
+
+
+STACKING = Stacking((2, 3, 4), most_tokens=16, one_token_counts=(2, 3, 4))
+
+
+def test_prompts_past_a_cached_block_stack_their_tails_and_last_tokens() -> None:
+    """Three prompts of 20 tokens past their cached first block (16 tokens), and a cold one whose
+    first chunk is a block: the four 3-token tails are one stacked call, the last tokens another;
+    the block is its prompt's own call; a prompt that may not stack (None) computes alone."""
+    hits = [prompt(rid, order, 20, done=1, blocks=1, stack_key="") for order, rid in enumerate("abc")]
+    cold = prompt("d", 3, 20, blocks=1, stack_key="")
+    lone = prompt("e", 4, 20, done=1, blocks=1)
+    plan = schedule(0, [*hits, cold, lone], Budget(200, 8), max_padding=0, stacking=STACKING)
+    assert plan.stacks == (StackedCall(16, 3, ("a", "b", "c", "d"), (1, 1, 1, 1)),
+                           StackedCall(19, 1, ("a", "b", "c", "d"), (2, 2, 2, 2)))
+    assert plan.prefills == schedule(0, [*hits, cold, lone], Budget(200, 8), max_padding=0).prefills
+    # where one-token calls compute a row alone differently (a matrix-vector product on CUDA), the
+    # last tokens go alone and the tails still stack; counts are measured per kind
+    everyone = [*hits, cold, lone]
+    gpu = Stacking((2, 3, 4), 16)
+    assert schedule(0, everyone, Budget(200, 8), max_padding=0, stacking=gpu).stacks == plan.stacks[:1]
+    pairs = Stacking((2,), 16, (2, 3, 4))
+    assert schedule(0, everyone, Budget(200, 8), max_padding=0, stacking=pairs).stacks == (
+        StackedCall(16, 3, ("a", "b"), (1, 1)), StackedCall(16, 3, ("c", "d"), (1, 1)),
+        StackedCall(19, 1, ("a", "b", "c", "d"), (2, 2, 2, 2)))
+    # padded to a bucket of 8, tails of 3 and 5 tokens are one shape; a longer call than the
+    # load check's never stacks; an adapter's rows stack with that adapter's only
+    odd = [prompt("a", 0, 20, done=1, blocks=1, stack_key=""),
+           prompt("b", 1, 22, done=1, blocks=1, stack_key=""),
+           prompt("c", 2, 20, done=1, blocks=1, stack_key="x")]
+    plan = schedule(0, odd, Budget(200, 8), max_padding=0, bucket=8, stacking=STACKING)
+    assert plan.stacks == (StackedCall(16, 8, ("a", "b"), (1, 1)),)
+    assert schedule(0, odd, Budget(200, 8), max_padding=0, bucket=32, stacking=STACKING).stacks == ()
+
+
+def test_a_chunk_in_layer_slices_or_a_budget_cut_stacks_nothing_before_it() -> None:
+    """Only the planned units' last run of whole chunks stacks: a prompt cut by the budget after
+    its tail stacks its tail; units that slice a chunk's layers stack nothing."""
+    cut = [prompt(rid, order, 20, done=1, blocks=1, stack_key="") for order, rid in enumerate("ab")]
+    plan = schedule(0, cut, Budget(7, 8), max_padding=0, stacking=STACKING)
+    assert [w.units for w in plan.prefills] == [2, 1]  # b's last token waits for the next step
+    assert plan.stacks == (StackedCall(16, 3, ("a", "b"), (1, 1)),)
+    sliced = [prompt(rid, order, 40, unit=4, stack_key="") for order, rid in enumerate("ab")]
+    plan = schedule(0, sliced, Budget(500, 8), max_padding=0, stacking=STACKING)
+    assert all(c.tokens == 1 for c in plan.stacks) and len(plan.stacks) == 1  # the last tokens only
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 3), st.sampled_from(["", "x", None])),
+                      max_size=8),
+       tokens=st.integers(1, 200), bucket=st.sampled_from([0, 8]), unit=st.sampled_from([4, 64]))
+def test_a_stacked_call_holds_planned_whole_chunks_of_one_shape_past_the_blocks(
+        specs: list[tuple[int, int, str | None]], tokens: int, bucket: int, unit: int) -> None:
+    candidates = []
+    for i, (length, blocks, key) in enumerate(specs):
+        chunks = prefill_chunks(length, 16)
+        blocks = min(blocks, len(chunks) - 1)
+        units = prefill_units(chunks, LAYERS, unit)
+        done = next(index for index, u in enumerate(units) if u.chunk == blocks)
+        candidates.append(Candidate(f"r{i}", i, length, chunks, units, done,
+                                    block_keys=tuple(bytes([b]) for b in range(blocks + 1)), stack_key=key))
+    plan = schedule(0, candidates, Budget(tokens + 64, 4), max_padding=0, bucket=bucket, stacking=STACKING)
+    assert replace(plan, stacks=()) == schedule(0, candidates, Budget(tokens + 64, 4), max_padding=0,
+                                                bucket=bucket)
+    by_id = {c.request_id: c for c in candidates}
+    planned = {w.request_id: w.units for w in plan.prefills}
+    seen: set[tuple[str, int]] = set()
+    for call in plan.stacks:
+        assert 2 <= len(call.request_ids) <= 4 and len(set(call.request_ids)) == len(call.request_ids)
+        keys = set()
+        for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
+            c = by_id[rid]
+            keys.add(c.stack_key)
+            indices = [i for i, u in enumerate(c.units) if u.chunk == chunk]
+            # a whole chunk, planned
+            assert len(indices) == 1 and c.done_units <= indices[0] < c.done_units + planned[rid]
+            assert chunk >= len(c.block_keys) and sum(c.chunks[:chunk]) == call.offset
+            size = c.chunks[chunk]
+            assert (size if size == 1 or not bucket else -(-size // bucket) * bucket) == call.tokens <= 16
+            assert (rid, chunk) not in seen
+            seen.add((rid, chunk))
+        assert len(keys) == 1 and None not in keys
+    assert [call.offset for call in plan.stacks] == sorted(call.offset for call in plan.stacks)

@@ -39,6 +39,7 @@ from statecore.scheduling import (
     prefill_chunks,
     prefill_units,
     prefill_work_bytes,
+    stack_groups,
     step_token_budget,
     streamed_pieces,
 )
@@ -613,3 +614,29 @@ def test_streamed_pieces_cover_the_step_in_order_and_in_bounded_pieces(
     assert set(covered.values()) == {stop}
     if tokens * layers * layer_token_bytes <= most_bytes:
         assert pieces == [(start, stop, first_layer, end_layer)]  # a small step stays one piece
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(0, 3), st.sampled_from([1, 8, 16]), st.sampled_from(["", "x"])),
+                       max_size=30),
+       counts=st.sets(st.integers(1, 8), max_size=8))
+def test_stacked_calls_share_one_shape_at_a_measured_count_and_leave_out_only_what_cannot_stack(
+        shapes: list[tuple[int, int, str]], counts: set[int]) -> None:
+    groups = stack_groups(shapes, counts)
+    grouped = [index for group in groups for index in group]
+    assert len(grouped) == len(set(grouped))  # one call at most
+    for group in groups:
+        assert len(group) in counts and len(group) >= 2
+        assert len({shapes[index] for index in group}) == 1 and group == sorted(group)  # oldest first
+    assert [shapes[group[0]][0] for group in groups] == sorted(shapes[group[0]][0] for group in groups)
+    smallest = min((count for count in counts if count >= 2), default=None)
+    for shape in set(shapes):
+        left = [i for i, other in enumerate(shapes) if other == shape and i not in grouped]
+        assert smallest is None or len(left) < smallest  # no call of a measured count was left out
+
+
+def test_stacked_calls_take_the_largest_measured_count_first() -> None:
+    one = (5, 16, "")
+    assert stack_groups([one] * 7, {2, 4}) == [[0, 1, 2, 3], [4, 5]]
+    assert stack_groups([one] * 3, set()) == []  # nothing measured alike: every call alone
+    assert stack_groups([(9, 1, ""), one, (9, 1, ""), one, (5, 16, "x")], {2, 3}) == [[1, 3], [0, 2]]

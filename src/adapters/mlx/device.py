@@ -69,7 +69,7 @@ from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from adapters.mlx.step_host import InFlight
 from effects.engine_port import GeneratedToken
-from statecore.engine_schedule import EnginePhase, Finish, choose_lane
+from statecore.engine_schedule import EnginePhase, Finish, Stacking, choose_lane
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.policy import token_finish
@@ -105,6 +105,7 @@ class DeviceLoop:
         self.slot_lane = False
         self.streams_ranges = False  # plain KVCache layers: a handoff streams by token and layer range
         self.short_batching = False
+        self.stacking: Stacking | None = None  # where prompts' calls share stacked calls (measured at load)
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
         self.pipelined = False  # a pipeline rank: its model holds a share of the layers

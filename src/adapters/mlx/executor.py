@@ -1,7 +1,8 @@
 """The step's executor on the device thread: it performs the plan the pure scheduler gave
 (`statecore.engine_schedule.schedule`, asked in `plan` from the records as they are) and reads a
 step back. Building: what the plan frees first (keep tasks that give way, kept prefix blocks),
-then its padded groups of short prompts, then each prompt's work units (`adapters.mlx.prefill`);
+then its padded groups of short prompts, then each prompt's work units (`adapters.mlx.prefill`),
+the calls the plan stacks as rows of one call (`run_stacked`) in the order of their positions;
 a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
 whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
@@ -27,7 +28,7 @@ from adapters.mlx.device_failure import failed_on_device
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
 from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
 from adapters.mlx.memory import ALLOCATION_STEP
-from adapters.mlx.prefill import PrefillTask, run_short_batch, run_units
+from adapters.mlx.prefill import PrefillTask, run_short_batch, run_stacked, run_units
 from adapters.mlx.requests import Held
 from adapters.mlx.rows import Deliveries, Live
 from adapters.mlx.sampling import read_logprobs
@@ -40,6 +41,7 @@ from statecore.engine_schedule import (
     Finish,
     Memory,
     PrefillFailure,
+    StackedCall,
     StepPlan,
     decode_only,
     handoff_imminent,
@@ -122,7 +124,7 @@ class StepExecutor:
                 profile.count("decode_rows", len(slot_rows))
             plan, candidates = self.plan()
             current.prefill_tokens = plan.prefill_tokens
-            outputs.extend(self.build_prefills(plan, current))
+            outputs.extend(self.build_prefills(plan, current, candidates))
             self.advance(candidates, plan)
             loop.computing = ("", ())
         built = bool(outputs) or bool(current.failed_prefills)
@@ -201,10 +203,16 @@ class StepExecutor:
         # A choice of n > 1 never shares a padded call: whether its siblings' prefills wait beside
         # it is a matter of timing, and the rows of a padded call differ from a prompt's own call
         # in their last bits (OpenBLAS); alone, a choice prefills as on any other node.
+        # The same holds for a stacked call (a row computes as alone only where measured so; a
+        # streamed prompt's pieces are cut from its own cache; keep tasks give way to memory; a
+        # speculating node's last calls may carry drafts, which a stacked call does not).
         candidates = [Candidate(task.request_id, task.order, len(task.tokens), task.chunks, task.units,
                                 task.done_units, loop.short_batching and task.is_short
                                 and task.sampler.sampling.choices == 1, task.keeps_only,
-                                tuple(task.block_keys))
+                                tuple(task.block_keys),
+                                (task.sampler.sampling.adapter or "") if loop.stacking is not None
+                                and loop.speculator is None and task.sampler.sampling.choices == 1
+                                and not task.keeps_only and task.segment_sink is None else None)
                       for task in loop.waiting.values()]
         target_ms = s.step_target_ms
         oldest = min(loop.waiting.values(), key=lambda task: task.order, default=None)
@@ -224,7 +232,7 @@ class StepExecutor:
                             max((live.limit for live in loop.live.values()), default=1), loop.cost.per_token,
                             ALLOCATION_STEP)
         return schedule(len(loop.live), candidates, budget, max_padding=s.max_padding, bucket=loop.bucket,
-                        memory=memory), candidates
+                        memory=memory, stacking=loop.stacking), candidates
 
     def advance(self, candidates: Sequence[Candidate], plan: StepPlan) -> None:
         """The prompts' phases after the build, from their progress as `update` gives it (from
@@ -263,8 +271,10 @@ class StepExecutor:
             self.activation_overruns += 1
         self.activation_peak = max(self.activation_peak, plan.activation_estimate)
 
-    def build_prefills(self, plan: StepPlan, current: InFlight) -> list[Any]:
-        """Build the plan's prefill calls: its padded groups, then each prompt's units."""
+    def build_prefills(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
+        """Build the plan's prefill calls: its padded groups, then each prompt's units; a prompt in
+        a stacked call computes its units before its first stacked chunk here, and the rest of
+        its planned units after every prompt's (`build_stacked`)."""
         loop = self.loop
         started = time.perf_counter()
         outputs = _StepOutputs(loop.pipelined)
@@ -293,34 +303,29 @@ class StepExecutor:
             current.kept_blocks = current.kept_blocks or bool(kept)
             return kept
 
+        first_stacked: dict[str, int] = {}  # a prompt in a stacked call -> its first stacked chunk
+        for call in plan.stacks:
+            for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
+                first_stacked[rid] = min(chunk, first_stacked.get(rid, chunk))
         carry = None if loop.speculator is None else loop.speculator.first_verify(loop)
         for task, units in tasks:
             if task.finished:
                 continue
             if loop.keeping.look_again(task):  # blocks built earlier in this step
                 units = min(units, len(task.units) - task.done_units)
+            if task.request_id in first_stacked:  # its units before the stacked ones
+                units = max(0, self.first_unit_of(task, first_stacked[task.request_id]) - task.done_units)
+                if not units:
+                    continue
             loop.computing = ("prefill", [task.request_id])
             try:
                 pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
                                    None if loop.prefix is None else keep_chunk, carry)
             except Exception as exc:
-                failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
-                                          typed=isinstance(exc, StatecoreError))
-                if failure is PrefillFailure.GIVE_UP:
-                    logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
-                                   type(exc).__name__, exc)
-                    loop.requests.remove(task.request_id, Finish.GAVE_WAY)
-                    continue
-                if failure is PrefillFailure.RESTART:  # from its first token, in a later step
-                    loop.step_retries += 1
-                    logger.warning("prefill of %s raised (%s: %s); starting it again",
-                                   task.request_id, type(exc).__name__, exc)
-                    task.restart()
-                    continue
-                logger.exception("prefill failed for %s", task.request_id)
-                loop.requests.remove(task.request_id, Finish.FAILED)
-                loop.choices.ended(task.sampler.sampling)
-                current.failed_prefills.append((task, as_statecore(exc)))
+                self.prefill_raised(task, exc, current)
+                continue
+            if task.request_id in first_stacked:
+                outputs.extend(pieces)  # the rest after every prompt's units (build_stacked)
                 continue
             outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
             if task.finished and task.keeps_only:
@@ -331,8 +336,103 @@ class StepExecutor:
             else:
                 current.prefilling.append(task)
                 outputs.extend(pieces)
+        if plan.stacks:
+            planned = {work.request_id: work.units for work in plan.prefills}
+            ends = {c.request_id: c.done_units + planned[c.request_id]
+                    for c in candidates if c.request_id in planned}
+            self.build_stacked(plan.stacks, [(task, first_stacked[task.request_id], ends[task.request_id])
+                                             for task, _ in tasks if task.request_id in first_stacked],
+                               current, outputs)
         loop.profile.account("prefill_chunks", started)
         return outputs.arrays
+
+    @staticmethod
+    def first_unit_of(task: PrefillTask, chunk: int) -> int:
+        return next((i for i, unit in enumerate(task.units) if unit.chunk >= chunk), len(task.units))
+
+    def build_stacked(self, stacks: Sequence[StackedCall], tasks: Sequence[tuple[PrefillTask, int, int]],
+                      current: InFlight, outputs: _StepOutputs) -> None:
+        """The planned units of the prompts in stacked calls (`tasks`: each prompt, its first
+        stacked chunk and the unit its planned units end before), from that chunk on (each a
+        whole chunk: one call), by position: a stacked call once, as a row of it
+        each of its prompts that stands at its chunk (one left computes alone), any other unit as
+        the prompt's own call. Then each prompt's first token and cache, or its state so far."""
+        loop = self.loop
+        by_member = {(rid, chunk): call for call in stacks
+                     for rid, chunk in zip(call.request_ids, call.chunks, strict=True)}
+        calls: list[tuple[int, int, PrefillTask, int]] = []  # (offset, order, task, chunk)
+        for task, first_chunk, end in tasks:
+            first = self.first_unit_of(task, first_chunk)
+            chunks = [task.units[index].chunk for index in range(first, min(end, len(task.units)))]
+            calls.extend((task.chunk_start(chunk), task.order, task, chunk) for chunk in chunks)
+        done: set[int] = set()
+        for _, _, task, chunk in sorted(calls, key=lambda call: call[:2]):
+            call = by_member.get((task.request_id, chunk))
+            if call is not None and id(call) in done:
+                continue
+            if call is None:
+                members = [task]
+            else:
+                done.add(id(call))
+                members = [loop.waiting[rid] for rid, own in zip(call.request_ids, call.chunks, strict=True)
+                           if rid in loop.waiting and self.stands_at(loop.waiting[rid], own)]
+            members = [member for member in members
+                       if member.request_id in loop.waiting and self.stands_at(member, chunk)]
+            if len(members) == 1:
+                loop.computing = ("prefill", [members[0].request_id])
+                try:
+                    run_units(loop.model, members[0], 1, loop.quantize, loop.bucket)
+                except Exception as exc:
+                    self.prefill_raised(members[0], exc, current)
+            elif members:
+                loop.computing = ("prefill", [member.request_id for member in members])
+                started = time.perf_counter()
+                try:
+                    run_stacked(loop.model, members, loop.bucket)
+                except Exception:
+                    # One prompt must not fail its neighbours: they start again, alone, later.
+                    logger.exception("a stacked prefill call of %d prompts failed; starting them again",
+                                     len(members))
+                    loop.step_retries += 1
+                    for member in members:
+                        member.restart()
+                    continue
+                loop.profile.account("prefill_stacked", started, len(members))
+        for task, _, _ in tasks:
+            if task.request_id not in loop.waiting or task.cache is None:
+                continue  # failed, or starts again
+            if task.finished:
+                outputs.extend(self.prefill_outputs(task, current))
+            else:
+                current.prefilling.append(task)
+                outputs.extend([layer.state for layer in task.cache])
+
+    @staticmethod
+    def stands_at(task: PrefillTask, chunk: int) -> bool:
+        """Whether the prompt's next unit starts chunk `chunk` (not restarted, not past it)."""
+        return (not task.finished and task.units[task.done_units].chunk == chunk
+                and task.units[task.done_units].starts_chunk and (task.cache is not None or chunk == 0))
+
+    def prefill_raised(self, task: PrefillTask, exc: Exception, current: InFlight) -> None:
+        """A prompt's call raised: a keep task gives up, a prompt starts again once, else fails."""
+        loop = self.loop
+        failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
+                                  typed=isinstance(exc, StatecoreError))
+        if failure is PrefillFailure.GIVE_UP:
+            logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
+                           type(exc).__name__, exc)
+            loop.requests.remove(task.request_id, Finish.GAVE_WAY)
+            return
+        if failure is PrefillFailure.RESTART:  # from its first token, in a later step
+            loop.step_retries += 1
+            logger.warning("prefill of %s raised (%s: %s); starting it again",
+                           task.request_id, type(exc).__name__, exc)
+            task.restart()
+            return
+        logger.exception("prefill failed for %s", task.request_id)
+        loop.requests.remove(task.request_id, Finish.FAILED)
+        loop.choices.ended(task.sampler.sampling)
+        current.failed_prefills.append((task, as_statecore(exc)))
 
     def prefill_outcome(self, task: PrefillTask, first: int) -> PrefillOutcome:
         """A finished prompt's outcome, its first token read back."""

@@ -71,6 +71,7 @@ class EngineOptions(TypedDict, total=False):
     prefill_memory_cap: str
     keep_conversations: bool
     message_blocks: str
+    prefill_stacking: str
     speculative: str
     num_draft_tokens: int
     speculative_max_rows: int
@@ -105,6 +106,7 @@ def engine_settings(
     prefill_memory_cap: str = "auto",
     keep_conversations: bool = False,
     message_blocks: str = "all",
+    prefill_stacking: str = "auto",
     speculative: str = "off",
     num_draft_tokens: int = 3,
     speculative_max_rows: int = 1,
@@ -187,6 +189,11 @@ def engine_settings(
     shorter than a chunk is reused), or after every one in prompts longer than a chunk only
     ("long", the rule before: a shorter chat prompt is one call and may share a padded call with
     other short prompts, but nothing of it is reused). Part of the fingerprint.
+    `prefill_stacking` (auto: on MLX's CUDA backend; on; off): prompts whose next prefill call
+    has one shape (a burst of first turns on one cached system prompt: their last message, then
+    their last token) compute it as rows of one call where the load check finds every row
+    computed as its own call (`adapters.mlx.prefill.run_stacked`): fewer calls, the same bits.
+    Off on a tensor- or pipeline-parallel instance and under the prefill memory cap.
 
     `speculative` ("off", "ngram", "draft"): while at most `speculative_max_rows` requests
     decode, each step drafts up to `num_draft_tokens` tokens per row, by prompt lookup or with
@@ -248,6 +255,8 @@ def engine_settings(
     if rule is None:
         raise StatecoreError(client_error(
             f"message_blocks must be one of {', '.join(MESSAGE_BLOCKS)}"))
+    if prefill_stacking not in ("auto", "on", "off"):
+        raise StatecoreError(client_error("prefill_stacking must be one of auto, on, off"))
     if prefill_memory_cap not in PREFILL_MEMORY_CAP_MODES:
         raise StatecoreError(client_error(
             f"prefill_memory_cap must be one of {', '.join(PREFILL_MEMORY_CAP_MODES)}"))
@@ -276,7 +285,8 @@ def engine_settings(
                         step_target_ms=0.0 if tensor is not None else step_target_ms,
                         step_target_floors=step_target_floors,
                         prefix_host_bytes=host_bytes if tensor is None else 0,
-                        prefix_host_pull=prefix_host_pull, message_blocks=rule)
+                        prefix_host_pull=prefix_host_pull, message_blocks=rule,
+                        prefill_stacking=prefill_stacking if tensor is None and not capped else "off")
     return settings
 
 

@@ -20,10 +20,11 @@ from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.lora_rows import AdapterRows, AdapterSet
 from adapters.mlx.memory import KvCost, model_shape
-from adapters.mlx.prefill import enabled_on_cuda
+from adapters.mlx.prefill import enabled_on_cuda, stack_row_counts
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.speculative import Speculator
+from statecore.engine_schedule import Stacking
 from statecore.errors import StatecoreError, client_error
 from statecore.scheduling import activation_bytes, bucketed
 
@@ -32,6 +33,8 @@ __all__ = ["configure", "slot_attention"]
 logger = logging.getLogger("adapters.engine_mlx")
 
 _MIN_SLOT_TOKENS = 64  # below this a slot pool is not worth having: rows decode in the batch lane
+_STACK_TOKENS = 128  # the longest prefill call (padded) that may be a row of a stacked call
+_STACK_MOST_ROWS = 64  # ... and the most rows a stacked call has (the load check is quadratic in it)
 
 
 class _CheckedModel:
@@ -100,6 +103,17 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     loop.short_batching = plain and s.prefill_batch > 1
     # Padding a chunk needs caches that can be trimmed back exactly: plain KVCache layers.
     loop.bucket = s.shape_bucket if plain else 0
+    if plain and s.prefill_batch > 1 and enabled_on_cuda(s.prefill_stacking):
+        # Which row counts compute a row as its own call does (prefill.stack_row_counts): only
+        # those stack, so a stacked prompt's calls are still a cache-less run's to the bit.
+        tokens = max(loop.bucket, _STACK_TOKENS)
+        most = min(s.prefill_batch, _STACK_MOST_ROWS)
+        counts, one_token, classes, one_token_classes = stack_row_counts(model, most, tokens, vocab_size)
+        loop.stacking = Stacking(counts, tokens, one_token) if counts or one_token else None
+        logger.info("stacked prefill calls: row counts computing a row as alone, of 2..%d: %s for calls "
+                    "of 2..%d tokens, %s for one-token calls (each count's class of counts computing "
+                    "alike: %s; one token: %s)", most, list(counts) or "none", tokens,
+                    list(one_token) or "none", list(classes), list(one_token_classes))
     if plain and s.decodes_locally:
         # The pool may grow to half the KV budget at most; that half is set aside for it. A
         # prefill node never decodes a client's request: it keeps the whole budget for prompts.

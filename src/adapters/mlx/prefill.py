@@ -16,8 +16,17 @@ still gives the first token, the others the target's draws after each draft.
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
 each row's positions and attention its own), then every last token at once; each row's cache is
 then cut out as a plain `KVCache`. Plain KVCache models without kv_bits only. Both may round their
-call's length up to a *shape bucket* (see `run_units`). This module imports mlx and mlx_lm; it
-must never import trio.
+call's length up to a *shape bucket* (see `run_units`).
+
+`run_stacked` computes several prompts' next chunk in one *stacked* call where each would make
+that call alone from the same cache position with the same padded length (a burst of first
+turns on one cached system prompt: their user messages, then their last tokens): the rows'
+caches stacked along the batch axis, each row's tokens padded at its end as its own call pads
+them, no mask beyond the causal one. A row's numbers are then its own call's wherever the device
+computes a row the same whatever the call's row count: `stack_row_counts` measures at load at
+which counts it does (on the CPU every count, with OpenBLAS and the bundled BLAS; on a GPU the
+matmul kernels may change with the row count), and only those counts are stacked. This module
+imports mlx and mlx_lm; it must never import trio.
 """
 
 from __future__ import annotations
@@ -33,15 +42,19 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from adapters.mlx.sampling import PositionSampler, sample_rows
 from statecore.scheduling import DEFAULT_CHUNK_TOKENS, PrefillUnit, bucketed
+from statecore.speculation import row_classes
 
 __all__ = [
     "LastCallDrafts",
     "PrefillTask",
+    "Stack",
     "default_shape_bucket",
     "enabled_on_cuda",
     "on_cuda",
+    "run_stacked",
     "run_units",
     "run_short_batch",
+    "stack_row_counts",
     "warm_chunk_shapes",
     "tune_cuda_backend",
 ]
@@ -68,6 +81,7 @@ class PrefillTask:
     # the cache once it is computed, (tokens, layers, its arrays: keys then values per layer).
     segment_sink: Any = field(default=None, repr=False)
     streamed_units: int = 0  # units whose KV went to the sink (or was captured for it)
+    stack: Stack | None = field(default=None, repr=False)  # the stacked call its cache is a row of
     # Draft tokens its last call carried after the prompt's last token (a (k,) array), and the
     # target's draws after each of them (lazily, then read back: `LastCallDrafts`); None: none.
     drafts: Any = None
@@ -79,6 +93,7 @@ class PrefillTask:
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
         self.drafts = self.drawn = None
         self.cached_tokens = 0
+        self.stack = None
         # What was streamed stays streamed: the same calls compute the same numbers again.
         self.sampler.position = len(self.tokens)  # the first token's draw, as on arrival
         self.sampler.restart(self.tokens)
@@ -264,3 +279,144 @@ def run_short_batch(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -
         task.first = firsts[row : row + 1]
         task.done_units = len(task.units)
         task.done_tokens = len(task.tokens)
+
+
+@dataclass(eq=False)
+class Stack:
+    """A stacked call's cache, one row per prompt (`rows[i]` is the cache of the prompt in row i,
+    views of `layers`' row i): the next stacked call of the same prompts, in the same order and at
+    the same position, goes on from it instead of stacking their caches again."""
+
+    layers: list[Any]
+    rows: list[list[Any]]
+
+    def continues(self, tasks: Sequence[PrefillTask]) -> bool:
+        offset = self.layers[0].offset
+        return len(tasks) == len(self.rows) and all(
+            task.stack is self and task.cache is row and row[0].offset == offset
+            for task, row in zip(tasks, self.rows, strict=True))
+
+
+def _stacked_cache(model: Any, tasks: Sequence[PrefillTask], offset: int) -> list[Any]:
+    """One cache of the tasks' caches (each at `offset`) stacked along the batch axis."""
+    if offset == 0:
+        return make_prompt_cache(model)
+    layers = []
+    for index in range(len(tasks[0].cache or ())):
+        rows = [task.cache[index] for task in tasks if task.cache is not None]
+        stacked = KVCache()  # type: ignore[no-untyped-call]
+        stacked.keys = mx.concatenate([row.keys[..., :offset, :] for row in rows], axis=0)
+        stacked.values = mx.concatenate([row.values[..., :offset, :] for row in rows], axis=0)
+        stacked.offset = offset
+        layers.append(stacked)
+    return layers
+
+
+def run_stacked(model: Any, tasks: Sequence[PrefillTask], bucket: int = 0) -> None:
+    """The tasks' next chunk in one stacked call, a row each (every task at the same position,
+    its chunk of the same padded length, one whole-chunk unit; plain KVCache layers). Each task
+    ends with its own cache (its row) and, where the chunk was its last, its first token."""
+    offset = tasks[0].done_tokens
+    sizes = [task.chunks[task.units[task.done_units].chunk] for task in tasks]
+    padded = bucketed(sizes[0], bucket) if sizes[0] > 1 else 1
+    for task, size in zip(tasks, sizes, strict=True):
+        unit = task.units[task.done_units]
+        if (task.done_tokens != offset or (bucketed(size, bucket) if size > 1 else 1) != padded
+                or not unit.starts_chunk or (task.cache is None and offset)):
+            raise ValueError("a stacked call's rows start at one position with one padded length")
+    previous = tasks[0].stack
+    layers = previous.layers if previous is not None and previous.continues(tasks) else (
+        _stacked_cache(model, tasks, offset))
+    pieces = mx.array([task.tokens[offset : offset + size] + [0] * (padded - size)
+                       for task, size in zip(tasks, sizes, strict=True)])
+    out = model(pieces, cache=layers)
+    if len(set(sizes)) == 1:
+        for layer in layers:
+            layer.trim(padded - sizes[0])
+    for row, task in enumerate(tasks):
+        if task.units[task.done_units].chunk == len(task.chunks) - 1 and not task.keeps_only:
+            # its own call's expression, on its row (a batched argmax would skip the sampler's step)
+            task.first = task.sampler.next_token(out[row : row + 1, -1, :])
+    stack = Stack(layers, [])
+    for row, (task, size) in enumerate(zip(tasks, sizes, strict=True)):
+        cache = []
+        for layer in layers:
+            own = KVCache()  # type: ignore[no-untyped-call]
+            own.keys, own.values = layer.keys[row : row + 1], layer.values[row : row + 1]
+            own.offset = offset + size
+            cache.append(own)
+        stack.rows.append(cache)
+        task.cache, task.stack = cache, stack
+        task.done_tokens += size
+        task.done_units += 1
+
+
+_PROBE_PREFIX = 16  # the load check's cached tokens per row (attention reads real keys)
+
+
+def stack_row_counts(model: Any, most: int, tokens: int, vocab: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The row counts, of 2..`most`, at which a stacked call computes every row exactly as the
+    row's own call does: for a call of `tokens` tokens, and for a call of one (a prompt's last
+    token; on MLX's CUDA backend a lone one is a matrix-vector product, several rows a cuBLAS
+    matmul), each row from a cache of its own (other tokens in every row), comparing the logits
+    the call samples from and every layer's keys and values. Run at load. Then each count's
+    class for both (`statecore.speculation.row_classes`, by the first row, 1..`most`): where a
+    row alone is in a class of its own, which counts would still compute alike (for the log)."""
+    if most < 2:
+        return (), (), (1,), (1,)
+
+    def tokens_of(row: int, count: int, salt: int) -> list[int]:
+        return [(row * 7919 + position * 104729 + salt) % vocab for position in range(count)]
+
+    def stacked(caches: list[list[tuple[Any, Any]]]) -> list[Any]:
+        layers = []
+        for index in range(len(caches[0])):
+            layer = KVCache()  # type: ignore[no-untyped-call]
+            layer.keys = mx.concatenate([cache[index][0] for cache in caches], axis=0)
+            layer.values = mx.concatenate([cache[index][1] for cache in caches], axis=0)
+            layer.offset = int(layer.keys.shape[2])
+            layers.append(layer)
+        return layers
+
+    def call(rows: range, length: int, salt: int, cache: list[Any]
+             ) -> tuple[list[Any], list[tuple[Any, Any]]]:
+        """One call over `rows` from `cache`: its last logits and every layer's keys and values
+        (what it compares), and the cache after it (keys and values to its offset)."""
+        logits = model(mx.array([tokens_of(row, length, salt) for row in rows]), cache=cache)[:, -1, :]
+        states = [(layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :])
+                  for layer in cache]
+        mx.eval(logits, states)
+        return [logits, *(array for pair in states for array in pair)], states
+
+    def same(one: list[Any], row: int, other: list[Any], other_row: int) -> bool:
+        return all(bool(mx.array_equal(mine[row : row + 1], theirs[other_row : other_row + 1]).item())
+                   for mine, theirs in zip(one, other, strict=True))
+
+    def first_row(arrays: list[Any]) -> list[Any]:
+        """Row 0 in buffers of its own (a slice would keep the whole call's buffers alive)."""
+        row = [mx.take(array, mx.array([0]), axis=0) for array in arrays]
+        mx.eval(row)
+        return row
+
+    prefixes: list[list[tuple[Any, Any]]] = []  # each row's cache after its prefix
+    heads: list[list[tuple[Any, Any]]] = []  # ... and after its longer call
+    alone: list[tuple[list[Any], list[Any]]] = []  # each row's two calls computed alone
+    for row in range(most):
+        cache = make_prompt_cache(model)
+        _, prefix = call(range(row, row + 1), _PROBE_PREFIX, 1, cache)
+        head, after = call(range(row, row + 1), tokens, 2, cache)
+        last, _ = call(range(row, row + 1), 1, 3, cache)
+        prefixes.append(prefix)
+        heads.append(after)
+        alone.append((head, last))
+    counts: tuple[list[int], list[int]] = ([], [])
+    firsts: tuple[list[list[Any]], list[list[Any]]] = ([first_row(alone[0][0])], [first_row(alone[0][1])])
+    for count in range(2, most + 1):
+        for kind, (length, salt, start) in enumerate(((tokens, 2, prefixes), (1, 3, heads))):
+            together, _ = call(range(count), length, salt, stacked(start[:count]))
+            firsts[kind].append(first_row(together))
+            if all(same(together, row, alone[row][kind], 0) for row in range(count)):
+                counts[kind].append(count)
+    classes = [row_classes([[same(a, 0, b, 0) for b in rows] for a in rows]) for rows in firsts]
+    return tuple(counts[0]), tuple(counts[1]), classes[0], classes[1]

@@ -18,8 +18,8 @@ logger = logging.getLogger("adapters.engine_mlx")
 SLOW_STEP_S = 0.1  # a step this long is kept in `slow_steps` with where its time went
 _SLOW_STEPS_KEPT = 32
 # The kinds of work timed: a whole step, then its parts ("decode_rows" counts rows, not seconds)
-KINDS = ("step", "decode_build", "decode_rows", "prefill_chunks", "prefill_batched", "launch", "readback",
-         "other_job")
+KINDS = ("step", "decode_build", "decode_rows", "prefill_chunks", "prefill_batched", "prefill_stacked",
+         "launch", "readback", "other_job")
 
 
 @dataclass(frozen=True, slots=True)

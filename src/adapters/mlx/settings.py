@@ -54,3 +54,6 @@ class Settings:
     # in prompts longer than a chunk (shorter ones are one call, and may share a padded call, but
     # are never reused)
     message_blocks: MessageBlocks = "all"
+    # Prompts' short prefill calls of one shape as rows of one stacked call, where the load check
+    # finds a row computed alike (adapters.mlx.prefill.run_stacked): auto (MLX's CUDA backend) | on | off
+    prefill_stacking: str = "off"

@@ -25,6 +25,7 @@ from adapters.mlx.settings import Settings
 from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import SpeculationHost, Speculator
+from statecore.engine_schedule import Stacking
 from statecore.errors import StatecoreError
 from statecore.scheduling import ModelShape, StepRates
 
@@ -68,6 +69,7 @@ class ExecutorHost(SpeculationHost, Protocol):
     profile: DeviceProfile
     inflight: InFlight | None
     short_batching: bool
+    stacking: Stacking | None
     shape: ModelShape | None
     cost: KvCost
     rates: StepRates

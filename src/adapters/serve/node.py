@@ -276,7 +276,7 @@ def engine_options(args: argparse.Namespace, role: str) -> dict[str, Any]:
         prefix_cache_bytes=args.prefix_cache_bytes, prefix_host_bytes=args.prefix_host_bytes,
         prefix_host_pull=args.prefix_host_pull, prefill_memory_cap=args.prefill_memory_cap,
         keep_conversations=role != "prefill" and args.keep_conversations == "on",
-        message_blocks=args.message_blocks,
+        message_blocks=args.message_blocks, prefill_stacking=args.prefill_stacking,
         speculative=args.speculative if role != "prefill" else "off",
         num_draft_tokens=args.num_draft_tokens, speculative_max_rows=args.speculative_max_rows,
         draft_model=args.draft_model if role != "prefill" else None, adapter_path=args.adapter_path,
