@@ -25,8 +25,8 @@
 #                      then vs-mlx-lm on the 1B shape
 #   prefix-reuse       chats on a shared system prompt and a resent document: cache / none /
 #                      mlx_lm.server; what message-end blocks and smaller chunks cost a cold prompt
-#   prefix-stacking    32 first turns at once on a shared system prompt: stacked prefill calls (the
-#                      CUDA default) vs a call per prompt (--prefill-stacking off), cache / none, 3 rounds;
+#   prefix-stacking    32 first turns at once on a shared system prompt: stacked prefill calls
+#                      (--prefill-stacking on) vs a call per prompt (off), cache / none, 3 rounds;
 #                      the load check's row classes from the node logs
 #   conversation-route where a conversation's next turn should prefill its new part
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
@@ -235,12 +235,12 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     ;;
   prefix-stacking)
     # Issue 31's first turns on the GPU: 32 at once on a 1,000-token system message, three rounds.
-    # single / single_nocache stack their calls of one shape (auto: on with CUDA) where the load
-    # check finds rows computed alike; *_nostack make a call per prompt. Target: single / single_nocache
-    # TTFT p50 <= 0.5. The node logs say at which row counts rows compute alike (none: nothing stacks).
+    # *_stack stack their calls of one shape where the load check finds rows computed alike;
+    # *_nostack make a call per prompt. Target: single_stack / single_nocache_stack TTFT p50 <= 0.5.
+    # The node logs say at which row counts rows compute alike (none: nothing stacks).
     machine; model_1b
     timeout "${STACK_LIMIT:-480}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
-      --servers single,single_nocache,single_nostack,single_nocache_nostack --conversations 32 --rounds 3 \
+      --servers single_stack,single_nocache_stack,single_nostack,single_nocache_nostack --conversations 32 --rounds 3 \
       --scenarios system --answer-tokens 8 --startup-timeout 180 --device-shared-by 4 \
       --out "$OUT/prefix_stacking" 2>&1 | quiet | tail -24
     grep -h "stacked prefill calls" "$OUT"/prefix_stacking/*.log | cut -c1-400 | head -4

@@ -62,8 +62,8 @@ from benchlib import (
 # they are the defaults anyway, the same as single*)
 # single_batchN: at most N prompts advance per step (`--prefill-batch`, 32 by default): first turns
 # that start from a cached system prompt then finish over several steps instead of all in one
-# *_stack / *_nostack: --prefill-stacking on / off (the default, auto, is on with MLX's CUDA backend
-# only): first turns whose tails have one shape compute them as rows of stacked calls
+# *_stack / *_nostack: --prefill-stacking on / off (off is the default; auto is on with MLX's CUDA
+# backend only): first turns whose tails have one shape compute them as rows of stacked calls
 SERVERS = ("mlx_lm", "single", "single_nocache", "single_nokeep", "single_chunk2048", "single_chunk128",
            "single_chunk256", "single_batch4", "single_batch8", "single_long", "single_long_nocache",
            "single_stack", "single_nostack", "single_nocache_stack", "single_nocache_nostack",

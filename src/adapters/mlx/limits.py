@@ -106,7 +106,7 @@ def engine_settings(
     prefill_memory_cap: str = "auto",
     keep_conversations: bool = False,
     message_blocks: str = "all",
-    prefill_stacking: str = "auto",
+    prefill_stacking: str = "off",
     speculative: str = "off",
     num_draft_tokens: int = 3,
     speculative_max_rows: int = 1,

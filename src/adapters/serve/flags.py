@@ -127,12 +127,12 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "every one, only in prompts longer than a chunk: a shorter one is one call "
                              "and may share a padded call with others, but is never reused); must be "
                              "equal on every node (default all)")
-    engine.add_argument("--prefill-stacking", default="auto", choices=("auto", "on", "off"),
+    engine.add_argument("--prefill-stacking", default="off", choices=("auto", "on", "off"),
                         help="compute prompts' short prefill calls of one shape (a burst of first turns "
                              "on one cached system prompt: their last message, then their last token) as "
                              "rows of one call, at the row counts the load check finds computing each row "
                              "as its own call (the same bits): auto (on MLX's CUDA backend), on, off "
-                             "(default auto)")
+                             "(default off: not yet measured on a GPU)")
     engine.add_argument("--shape-bucket", type=whole(0), default=None, metavar="TOKENS",
                         help="pad prefill chunks (and round decode's attended length) up to a multiple "
                              "of this, so the GPU meets few distinct shapes; must be equal on every node "
