@@ -39,14 +39,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.jobs import engine_failed
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax, sample
-from adapters.mlx.slots import SlotPool
+from adapters.mlx.speculation_probes import (
+    last_call_equals_today,
+    probe_prompt,
+    probe_row,
+    verify_equals_single_steps,
+)
 from effects.engine_port import GeneratedToken, SamplingParams
 from statecore.errors import StatecoreError
 from statecore.policy import token_finish
@@ -68,7 +73,6 @@ __all__ = ["PROBE_STAGE", "FirstVerify", "SpeculationHost", "Speculator", "verif
 logger = logging.getLogger("adapters.engine_mlx")
 
 PROBE_STAGE = "speculation_check"  # the stage the test hook sees in the load check's model calls
-_PROBE_TOKENS = 24  # the load check's prompt: a few positions, so attention reads real keys
 _EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
 
 
@@ -153,13 +157,13 @@ class Speculator:
             with mx.stream(generation_stream):
                 if self.draft is not None:
                     self.draft.check()
-                cache, last = _probe_prompt(loop.model)
-                rows = [_probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
+                cache, last = probe_prompt(loop.model)
+                rows = [probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
                 equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
                 self.classes = row_classes(equal)
                 room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
-                exact = room == 0 or _verify_equals_single_steps(loop, pool, cache, last, room)
-                first_exact = exact and room > 0 and _last_call_equals_today(loop, pool, room)
+                exact = room == 0 or verify_equals_single_steps(loop, pool, cache, last, room)
+                first_exact = exact and room > 0 and last_call_equals_today(loop, pool, room)
         except Exception as exc:
             # A kernel this device cannot launch for a verify row's shapes (or the draft model's):
             # the node serves without speculation rather than not at all. The probes ran in
@@ -511,84 +515,3 @@ def _draw(logits: Any, rows: Sequence[Live], counts: Sequence[int]) -> Any:
                                     sampler.position + i))
         start += count + 1
     return mx.concatenate(parts, axis=0)
-
-
-def _last_call_equals_today(loop: SpeculationHost, pool: SlotPool, drafts: int) -> bool:
-    """The probe prompt's last token and `drafts` drafts in one call on its prompt cache against
-    today's calls (the last token alone on that cache, then each draft as a lone row's slot step):
-    every row's log-probabilities, the last token's keys and values, and a slot step after them
-    (reading the keys the call wrote) equal, bit for bit."""
-    fed = [1 + (11 * i) % 89 for i in range(drafts)]
-    after = 5
-    alone, last = _probe_prompt(loop.model)
-    expected = [log_softmax(loop.model(mx.array([[last]]), cache=alone)[:, -1, :])[0]]
-    single = _fresh_pool(loop, pool, 1, alone, _PROBE_TOKENS)
-    for i, token in enumerate([*fed, after]):
-        layers = single.step_layers([_PROBE_TOKENS + i], bucket=loop.bucket)
-        logits = loop.model(mx.array([token], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
-        expected.append(log_softmax(logits)[0])
-        mx.eval(expected[-1], single.keys, single.values)
-    carried, _ = _probe_prompt(loop.model)
-    got = log_softmax(loop.model(mx.array([[last, *fed]]), cache=carried)[0])
-    mx.eval(got, [layer.state for layer in carried])
-    prompt = slice(0, _PROBE_TOKENS)
-    kv_alike = all(bool(mx.array_equal(a.keys[..., prompt, :], b.keys[..., prompt, :]).item())
-                   and bool(mx.array_equal(a.values[..., prompt, :], b.values[..., prompt, :]).item())
-                   for a, b in zip(alone, carried, strict=True))
-    then = _fresh_pool(loop, pool, 1, carried, _PROBE_TOKENS + drafts)
-    layers = then.step_layers([_PROBE_TOKENS + drafts], bucket=loop.bucket)
-    next_row = log_softmax(loop.model(mx.array([after], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :])[0]
-    mx.eval(next_row)
-    rows = [*(got[i] for i in range(drafts + 1)), next_row]
-    return kv_alike and all(bool(mx.array_equal(a, b).item()) for a, b in zip(rows, expected, strict=True))
-
-
-def _probe_prompt(model: Any) -> tuple[list[Any], int]:
-    """A short prompt's cache (all but its last token) and that last token."""
-    tokens = [1 + (7 * i) % 97 for i in range(_PROBE_TOKENS)]
-    cache: list[Any] = make_prompt_cache(model)
-    model(mx.array([tokens[:-1]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache, tokens[-1]
-
-
-def _fresh_pool(loop: SpeculationHost, pool: SlotPool, slots: int, cache: list[Any],
-                tokens: int = _PROBE_TOKENS - 1) -> SlotPool:
-    """A small pool laid out as the node's, holding the probe prompt's `tokens` positions in slot 0."""
-    room = 2 * _PROBE_TOKENS + 2 * slots + max(0, tokens - _PROBE_TOKENS + 1)
-    probe = SlotPool(slots, pool.num_layers, room)
-    probe.attention = pool.attention
-    probe.write_prompt(0, cache, tokens)
-    return probe
-
-
-def _probe_row(loop: SpeculationHost, pool: SlotPool, cache: list[Any], last: int, count: int) -> Any:
-    """The probe row's log-probabilities from an ordinary step of `count` rows (the others free
-    slots' throwaway rows at position 0)."""
-    probe = _fresh_pool(loop, pool, count, cache)
-    offsets = [_PROBE_TOKENS - 1] + [0] * (count - 1)
-    inputs = mx.array([last] + [0] * (count - 1), dtype=mx.uint32)
-    logits = loop.model(inputs[:, None], cache=probe.step_layers(offsets, bucket=loop.bucket))[:, -1, :]
-    row = log_softmax(logits)[0]
-    mx.eval(row)
-    return row
-
-
-def _verify_equals_single_steps(loop: SpeculationHost, pool: SlotPool, cache: list[Any], last: int,
-                                drafts: int) -> bool:
-    """A verify step of a lone row and `drafts` drafts against the same tokens fed one step at a
-    time: every row's log-probabilities equal, bit for bit."""
-    fed = [last] + [1 + (11 * i) % 89 for i in range(drafts)]
-    single = _fresh_pool(loop, pool, 1, cache)
-    expected = []
-    for i, token in enumerate(fed):
-        layers = single.step_layers([_PROBE_TOKENS - 1 + i], bucket=loop.bucket)
-        logits = loop.model(mx.array([token], dtype=mx.uint32)[:, None], cache=layers)[:, -1, :]
-        expected.append(log_softmax(logits)[0])
-        mx.eval(expected[-1], single.keys, single.values)
-    verify = _fresh_pool(loop, pool, 1, cache)
-    offsets = [_PROBE_TOKENS - 1 + i for i in range(len(fed))]
-    layers = verify.step_layers(offsets, [0] * len(fed), bucket=loop.bucket)
-    got = log_softmax(loop.model(mx.array(fed, dtype=mx.uint32)[:, None], cache=layers)[:, -1, :])
-    mx.eval(got)
-    return all(bool(mx.array_equal(got[i], want).item()) for i, want in enumerate(expected))
