@@ -143,6 +143,13 @@ class SharedPieces:
             self.shm.release(rid)
             self._handed_on.pop(rid, None)  # the core frees their regions once the last view goes
 
+    def settled(self, rid: RequestId) -> None:
+        """Every copy of `rid`'s pieces is done: where the decode node released the request while
+        one was under way, the region that copy put afterwards goes now (nothing else would free
+        it: the request is no longer held here)."""
+        if self.shm is not None and rid not in self._requests:
+            self.shm.release(rid)
+
     def release_later(self, rid: RequestId) -> None:
         """A request ended here: its shared memory goes once the decode node says so, or after
         KV_SEND_TIMEOUT_S (a decode node that never will: it died)."""
@@ -284,6 +291,7 @@ class KvHandoff:
         finally:
             if copies is not None:
                 await copies.settle()  # their regions exist before anyone releases them
+                self.shared.settled(rid)
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
                     await generation.cancel()
