@@ -136,9 +136,13 @@ def _load() -> _Runtime | None:
         logger.warning("%s=%s is none of %s: off", PREFETCH_ENV, mode, "|".join(_MODES))
     if mode not in _MODES[1:]:
         return None
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return None  # not on CUDA: no page moves between a GPU and the host
     library = cuda_runtime()
     if library is None:
-        logger.info("no CUDA runtime here: KV pieces move between the GPU and the host by faults")
+        logger.info("no CUDA runtime library loads: KV pieces move between the GPU and the host by faults")
         return None
     version, device = ctypes.c_int(0), ctypes.c_int(0)
     library.cudaRuntimeGetVersion(ctypes.byref(version))
