@@ -4,10 +4,11 @@ buffer's region bookkeeping. The copies themselves need CUDA (bench/handoff on a
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from adapters.kv import frames
-from adapters.mlx.device_pieces import MAGIC, DevicePiece, Regions, encode, is_device_piece, parse
+from adapters.mlx.device_pieces import MAGIC, DevicePiece, Regions, dtype_name, encode, is_device_piece, parse
 from statecore.errors import Code, StatecoreError
 
 FINGERPRINT = "fp-1"
@@ -64,3 +65,8 @@ def test_regions_are_held_per_request_and_merge_back_when_released() -> None:
     regions.give_back("b", 400)
     assert regions.free_runs() == [(0, 1000)]  # merged: a whole-buffer region fits again
     assert regions.reserve("d", 1000) == 0
+
+
+def test_a_piece_s_dtype_is_named_as_its_document_names_it_and_others_stay_on_the_host() -> None:
+    named = [dtype_name(dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32, mx.int8, mx.uint16)]
+    assert named == ["bfloat16", "float16", "float32", None, None]

@@ -35,8 +35,8 @@ from typing import Any, Final
 from adapters.mlx import managed_memory
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
-__all__ = ["DEVICE_ENV", "MAGIC", "DeviceArena", "DevicePiece", "Regions", "arena", "enabled", "encode",
-           "is_device_piece", "parse", "release_held_pieces", "take"]
+__all__ = ["DEVICE_ENV", "MAGIC", "DeviceArena", "DevicePiece", "Regions", "arena", "dtype_name", "enabled",
+           "encode", "is_device_piece", "parse", "release_held_pieces", "take"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -85,6 +85,12 @@ def _malformed(message: str) -> StatecoreError:
 
 def _aligned(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """An MLX dtype as a document names it, or None for one a device piece cannot carry."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return name if name in _DTYPES else None
 
 
 def is_device_piece(payload: Any) -> bool:
@@ -137,32 +143,14 @@ def parse(payload: Any, *, fingerprint: str, token_count: int, layers: int) -> D
     return piece
 
 
-class _Runtime:
-    """The CUDA runtime calls both sides make (one process-wide instance; see `_runtime`)."""
+class _Runtime(managed_memory.CudaCopies):
+    """The CUDA runtime calls both sides make (one process-wide instance; see `_runtime`): the
+    copies `managed_memory` makes, and the buffers other processes opened here."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.library = library
-        self.streams = threading.local()
+        super().__init__(library)
         self.opened: dict[str, int] = {}  # arena id -> its buffer's address here
         self.lock = threading.Lock()
-
-    def check(self, code: int, call: str) -> None:
-        if code != 0:
-            raise OSError(f"{call} answered CUDA error {code}")
-
-    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
-        """(destination, source, bytes) each, device to device, and wait."""
-        stream = getattr(self.streams, "stream", None)
-        if stream is None:
-            stream = ctypes.c_void_p(0)
-            self.check(self.library.cudaStreamCreateWithFlags(ctypes.byref(stream), ctypes.c_uint(1)),
-                       "cudaStreamCreateWithFlags")
-            self.streams.stream = stream
-        for target, source, size in pairs:
-            self.check(self.library.cudaMemcpyAsync(ctypes.c_void_p(target), ctypes.c_void_p(source),
-                                                    ctypes.c_size_t(size), ctypes.c_int(4), stream),
-                       "cudaMemcpyAsync")
-        self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
     def open(self, arena_id: str, handle: bytes) -> int:
         with self.lock:

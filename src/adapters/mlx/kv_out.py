@@ -34,9 +34,6 @@ __all__ = ["Captured", "PieceHandout", "Range", "capture_pieces", "hand_pieces",
 
 logger = logging.getLogger("adapters.engine_mlx")
 
-# a piece's dtype as a device piece document names it (others go through the host)
-_DEVICE_DTYPES: dict[Any, str] = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
-
 Range = tuple[int, int, int, int]  # a piece's tokens [start, stop) of layers [first, end)
 # a step's captured pieces: (their prompt, where, keys then values per layer as the wire carries
 # them (`codec.wire_view`), their dtype)
@@ -82,7 +79,7 @@ class PieceHandout:
     def _on_device(self, arrays: list[Any], dtype: Any, token_count: int) -> KvPieces | None:
         """The piece as a device piece document, its arrays copied into the arena (computed with
         their step: this only waits for it); None when it goes the host's way."""
-        name = _DEVICE_DTYPES.get(dtype)
+        name = device_pieces.dtype_name(dtype)
         if self._arena is None or name is None:
             return None
         mx.eval(*arrays)

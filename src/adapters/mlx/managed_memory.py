@@ -36,7 +36,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["PREFETCH_ENV", "cuda_runtime", "enabled", "host_copies", "spans", "to_device", "to_host"]
+__all__ = ["PREFETCH_ENV", "CudaCopies", "cuda_runtime", "enabled", "host_copies", "spans", "to_device",
+           "to_host"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -52,16 +53,14 @@ class _Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
-class _Runtime:
-    """The CUDA runtime's prefetch, or None where it cannot be used (see the module's paragraph)."""
+class CudaCopies:
+    """The CUDA runtime's copies (`copy`: device to host, host to device or device to device, the
+    direction from the unified addresses) on a stream of the calling thread's own, waited for:
+    what this module's moves and `adapters.mlx.device_pieces` share."""
 
-    def __init__(self, library: ctypes.CDLL, version: int, device: int, mode: str) -> None:
+    def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
-        self.mode = mode
-        self.version = version
-        self.device = device
         self.streams = threading.local()
-        self.failed = False
 
     def stream(self) -> ctypes.c_void_p:
         stream: ctypes.c_void_p | None = getattr(self.streams, "stream", None)
@@ -72,6 +71,30 @@ class _Runtime:
                        "cudaStreamCreateWithFlags")
             self.streams.stream = stream
         return stream
+
+    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
+        """(destination, source, bytes) each, on the copy engine, and wait."""
+        stream = self.stream()
+        for target, source, size in pairs:
+            code = self.library.cudaMemcpyAsync(ctypes.c_void_p(target), ctypes.c_void_p(source),
+                                                ctypes.c_size_t(size), ctypes.c_int(_COPY_DEFAULT), stream)
+            self.check(code, "cudaMemcpyAsync")
+        self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def check(self, code: int, call: str) -> None:
+        if code != 0:
+            raise OSError(f"{call} answered CUDA error {code}")
+
+
+class _Runtime(CudaCopies):
+    """The CUDA runtime's prefetch, or None where it cannot be used (see the module's paragraph)."""
+
+    def __init__(self, library: ctypes.CDLL, version: int, device: int, mode: str) -> None:
+        super().__init__(library)
+        self.mode = mode
+        self.version = version
+        self.device = device
+        self.failed = False
 
     def prefetch(self, spans: Sequence[tuple[int, int]], *, to_device: bool) -> None:
         stream = self.stream()
@@ -86,19 +109,6 @@ class _Runtime:
                 code = self.library.cudaMemPrefetchAsync(*span, ctypes.c_int(target), stream)
             self.check(code, "cudaMemPrefetchAsync")
         self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-
-    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
-        """(destination, source, bytes) each, on the copy engine, and wait."""
-        stream = self.stream()
-        for target, source, size in pairs:
-            code = self.library.cudaMemcpyAsync(ctypes.c_void_p(target), ctypes.c_void_p(source),
-                                                ctypes.c_size_t(size), ctypes.c_int(_COPY_DEFAULT), stream)
-            self.check(code, "cudaMemcpyAsync")
-        self.check(self.library.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-
-    def check(self, code: int, call: str) -> None:
-        if code != 0:
-            raise OSError(f"{call} answered CUDA error {code}")
 
 
 _lock = threading.Lock()
