@@ -286,12 +286,7 @@ class StepExecutor:
             try:
                 run_short_batch(loop.model, members, loop.bucket)
             except Exception:
-                # One prompt must not fail its neighbours: they run alone below.
-                logger.exception("a batched prefill of %d prompts failed; running them alone",
-                                 len(members))
-                loop.step_retries += 1
-                for task in members:
-                    task.restart()  # from its first chunk, in a later step
+                self.restart_group("a batched prefill", members)
                 continue
             loop.profile.account("prefill_batched", started, len(members))
             for task in members:
@@ -390,12 +385,7 @@ class StepExecutor:
                 try:
                     run_stacked(loop.model, members, loop.bucket)
                 except Exception:
-                    # One prompt must not fail its neighbours: they start again, alone, later.
-                    logger.exception("a stacked prefill call of %d prompts failed; starting them again",
-                                     len(members))
-                    loop.step_retries += 1
-                    for member in members:
-                        member.restart()
+                    self.restart_group("a stacked prefill call", members)
                     continue
                 loop.profile.account("prefill_stacked", started, len(members))
         for task, _, _ in tasks:
@@ -412,6 +402,15 @@ class StepExecutor:
         """Whether the prompt's next unit starts chunk `chunk` (not restarted, not past it)."""
         return (not task.finished and task.units[task.done_units].chunk == chunk
                 and task.units[task.done_units].starts_chunk and (task.cache is not None or chunk == 0))
+
+    def restart_group(self, what: str, members: list[PrefillTask]) -> None:
+        """One call of several prompts raised: one prompt must not fail its neighbours, so each
+        starts again from its first chunk in a later step (alone, unless it groups again); the
+        step counts a retry. Called in the handler (the traceback is logged)."""
+        logger.exception("%s of %d prompts failed; starting them again", what, len(members))
+        self.loop.step_retries += 1
+        for task in members:
+            task.restart()
 
     def prefill_raised(self, task: PrefillTask, exc: Exception, current: InFlight) -> None:
         """A prompt's call raised: a keep task gives up, a prompt starts again once, else fails."""
