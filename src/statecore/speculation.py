@@ -77,13 +77,18 @@ class NgramIndex:
                 continue
             start = self._ends[n].get(tuple(tokens[-n:]))
             if start is not None:
-                # Past the row's last token the copy goes on into what it has copied: a row that
-                # repeats a period drafts whole periods.
-                draft = tokens[start : start + count]
-                while len(draft) < count:
-                    draft.append(draft[len(draft) - (len(tokens) - start)])
-                return draft
+                return _what_followed(tokens, start, count)
         return []
+
+
+def _what_followed(tokens: Sequence[int], start: int, count: int) -> list[int]:
+    """`count` tokens from `start` on, the draft of an occurrence ending there: past the row's
+    last token the copy goes on into what it has copied (a row that repeats a period drafts whole
+    periods)."""
+    draft = list(tokens[start : start + count])
+    while len(draft) < count:
+        draft.append(draft[len(draft) - (len(tokens) - start)])
+    return draft
 
 
 def prompt_draft(tokens: Sequence[int], count: int, max_n: int = 3, min_n: int = 2) -> list[int]:
@@ -103,11 +108,7 @@ def prompt_draft(tokens: Sequence[int], count: int, max_n: int = 3, min_n: int =
         end = len(earlier)
         while (found := earlier.rfind(gram, 0, end)) >= 0:
             if found % width == 0:  # a match across token boundaries is no match
-                start = found // width + n
-                draft = list(tokens[start : start + count])
-                while len(draft) < count:
-                    draft.append(draft[len(draft) - (len(tokens) - start)])
-                return draft
+                return _what_followed(tokens, found // width + n, count)
             end = found + len(gram) - 1
     return []
 
