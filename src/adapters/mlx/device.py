@@ -170,7 +170,7 @@ class DeviceLoop:
         self.rates = StepRates()  # what this node's steps took: what the step-time target sizes by
         self.joins_early = joins_early()
         # Rows whose first token was counted while a handed-off prompt's chunks wait to be kept
-        # (`keep_joined`, once the step's tokens have left)
+        # (`keep_due`, once the step is done)
         self.keeps_due: list[Live] = []
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
         self.draft_model: DraftModel | None = None  # --draft-model (set at load, before configure)
@@ -246,6 +246,8 @@ class DeviceLoop:
                 self.run_job(job)
                 self.progress_at = time.monotonic()
             self.executor.step()
+            if self.keeps_due:
+                self.keep_due()
             self.progress_at = time.monotonic()
 
     def stalled_s(self) -> float:
@@ -348,6 +350,11 @@ class DeviceLoop:
             self.finish(task.job, outcome)
         for trio_token, items in deliveries.items():
             post(trio_token, deliver, items)
+
+    def keep_due(self) -> None:
+        """After a step: the handed-off prompts whose first token it counted are kept (outside the
+        step, whose time the step-time target measures: a decode step that carried a copy would
+        raise its floor)."""
         due, self.keeps_due = self.keeps_due, []
         for live in due:
             self.keep_joined(live)
