@@ -88,6 +88,8 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     device_pieces: bool = False  # a prefill node's streamed request: its receiver reads GPU memory here
+    # a prefill node's stream the router started: the decode node that will attach, as the router names it
+    attach_by: str | None = None
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     # a decode node's streamed handoff: the KV comes as a stream that this node opens itself (to
     # `prefill_url`, which then computes the prompt); a prefill node's stream is `KvStreams`'s
@@ -632,7 +634,7 @@ class RouterPerformer:
             async def prefill() -> None:
                 try:
                     reply = await self.peers.prefill(prefill_node, nid, ctx.prompt, ctx.sampling, prefix_from,
-                                                     kv_attach=True)
+                                                     attach_by=decode_node)
                 except StatecoreError as exc:
                     failures.append((prefill_node, exc))
                     nursery.cancel_scope.cancel()

@@ -124,9 +124,12 @@ class PrefillBody(_Strict):
     # On /internal/prefill_stream: the decode node attaches to that stream (nothing is prefilled
     # anew; `prompt` must be the started request's).
     kv_attach: bool = False
+    # with kv_attach on /internal/prefill: the decode node that will attach, as the router names it
+    # (the prefill node remembers whether that node took its pieces in GPU memory)
+    kv_attach_by: str | None = Field(default=None, min_length=1, max_length=2000)
 
     def document(self) -> dict[str, object]:
-        optional = ("prefix_from", "kv_shm", "kv_device", "kv_attach")
+        optional = ("prefix_from", "kv_shm", "kv_device", "kv_attach", "kv_attach_by")
         unset = {name for name in optional if not getattr(self, name)}
         return _without_base_adapter(self.model_dump(exclude=unset or None))
 

@@ -187,6 +187,9 @@ class KvHandoff:
         self.kv_served = kv_served
         self.faults: FaultPort = performer.faults
         self.plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
+        # by decode node (as routers name it): whether its last attach took pieces in GPU memory,
+        # so that a stream the router starts for it makes them so from its first piece
+        self._attached_on_device: dict[str, bool] = {}
 
     async def prefill_stream(self, request: Request) -> Response:
         """A streamed handoff through the ASGI server (`open_prefill_stream`); the KV plane
@@ -220,10 +223,15 @@ class KvHandoff:
         """A streamed handoff the router starts (`POST /internal/prefill` with `kv_attach`): the
         prompt is prefilled at once, its pieces wait for the decode node to attach
         (`open_prefill_stream`), and the answer is the first token as soon as it is sampled (with
-        the prompt tokens taken from the prefix cache when `cached_tokens`)."""
+        the prompt tokens taken from the prefix cache when `cached_tokens`). Its pieces stay in GPU
+        memory from the start where the decode node that will attach took them so last time
+        (`_attached_on_device`)."""
         rid = RequestId(body.request_id)
+        attach_by = body.kv_attach_by
+        on_device = attach_by is not None and self._attached_on_device.get(attach_by, False)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
-                              prefix_from=prefix_source(body.prefix_from))
+                              prefix_from=prefix_source(body.prefix_from), attach_by=attach_by,
+                              device_pieces=on_device)
         streams = self.performer.kv_streams
         streams.open_for_attach(rid, len(body.prompt), len(self.engine.info.layers))
         try:
@@ -267,16 +275,27 @@ class KvHandoff:
 
     async def _attach(self, rid: RequestId, body: PrefillBody) -> AsyncGenerator[Sequence[KvBytes], None]:
         """The decode node attaches to the stream of the prefill the router started
-        (`start_stream`): what the prefill sent so far waits in it. Its pieces from now on stay in
-        GPU memory where the decode node takes them so (`Engine.send_pieces_on_device`; those
-        already handed out went the host's way)."""
+        (`start_stream`): what the prefill sent so far waits in it. Where the decode node takes
+        pieces in GPU memory and they were not made so from the start, those from now on are
+        (`Engine.send_pieces_on_device`; those already handed out went the host's way). Pieces made
+        so for a decode node that cannot read them fail the request (KV_MALFORMED, retried where
+        no token was sent): that decode node is remembered, and its next request goes the host's way."""
         items = await self.performer.kv_streams.attach(rid, ATTACH_WAIT_S)
         context = self.runner.context(rid)
         if not isinstance(context, NodeRequest) or len(context.prompt) != len(body.prompt):
             items.close()
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
                                            f"request {rid} is not the prefill this decode node attaches to"))
-        if body.kv_shm and body.kv_device and self.engine.info.device_pieces:
+        takes_device = body.kv_shm and body.kv_device and self.engine.info.device_pieces
+        if context.attach_by is not None:
+            self._attached_on_device[context.attach_by] = takes_device
+        if context.device_pieces and not takes_device:
+            items.close()
+            await self.runner.post(rid, ClientCancelled())
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           f"request {rid}'s pieces are in GPU memory, which the decode node "
+                                           "that attached cannot read; its next request's will not be"))
+        if takes_device and not context.device_pieces:
             context.device_pieces = await self.engine.send_pieces_on_device(rid)
         shm = self.shared.shm if body.kv_shm else None
         record = self.performer.handoffs.record(rid)

@@ -245,10 +245,11 @@ class HttpxPeers:
 
     async def prefill(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        prefix_from: PrefixSource | None = None, *, kv_attach: bool = False,
+        prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
     ) -> PrefillReply:
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=PrefixFromBody.of(prefix_from), kv_attach=kv_attach)
+                           prefix_from=PrefixFromBody.of(prefix_from), kv_attach=attach_by is not None,
+                           kv_attach_by=attach_by)
         with transport_errors(node):
             response = await self.client.post(f"{node}/internal/prefill", json=body.document(),
                                               params=self._details)
