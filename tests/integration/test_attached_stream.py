@@ -7,11 +7,11 @@ on either node."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
-import pytest
 import trio
 
 from adapters.http.internal_wire import error_json
@@ -95,12 +95,15 @@ class _Routers:
         assert not self.nodes.prefill.held and not self.nodes.decode.held
 
 
-@pytest.fixture
-async def routers(nursery: trio.Nursery) -> AsyncIterator[_Routers]:
-    built = _Routers(await start_fake_nodes(nursery), nursery)
-    yield built
-    for peers in [built.nodes.peers, *built.peers]:
-        await peers.aclose()
+@contextlib.asynccontextmanager
+async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None) -> AsyncIterator[_Routers]:
+    """Both fake nodes (behind `hosts`) and the routers a test makes; every client closed after."""
+    built = _Routers(await start_fake_nodes(nursery, hosts), nursery)
+    try:
+        yield built
+    finally:
+        for peers in [built.nodes.peers, *built.peers]:
+            await peers.aclose()
 
 
 async def _settled(routers: _Routers) -> None:
@@ -108,64 +111,46 @@ async def _settled(routers: _Routers) -> None:
     with trio.fail_after(5):
         while any(routers.nodes.runners[role].statistics().live_requests for role in ("prefill", "decode")):
             await trio.sleep(0.01)
-
-
-async def test_the_router_started_stream_answers_as_the_other_ways(routers: _Routers) -> None:
-    answers = {way: [as_scripted(output) for output in await routers.generate(way, f"r-{way}")]
-               for way in WAYS}
-    assert answers["attached"] == answers["via-decode"] == answers["pulled"]
-    records = {record["request_id"]: record
-               for record in routers.nodes.performers["decode"].handoffs.snapshot()["records"]}
-    assert (records["r-attached"]["streamed"], records["r-attached"]["attached"]) == (True, True)
-    assert (records["r-via-decode"]["streamed"], records["r-via-decode"]["attached"]) == (True, False)
-    # the attached stream's prefill was asked by the router, with the decode node's call beside it
-    assert routers.nodes.hosts.queries.count(("/internal/prefill", "")) == 2  # attached, pulled
-    await _settled(routers)
     routers.assert_nothing_left()
+
+
+async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio.Nursery) -> None:
+    async with _routers(nursery) as routers:
+        answers = {way: [as_scripted(output) for output in await routers.generate(way, f"r-{way}")]
+                   for way in WAYS}
+        assert answers["attached"] == answers["via-decode"] == answers["pulled"]
+        records = {record["request_id"]: record
+                   for record in routers.nodes.performers["decode"].handoffs.snapshot()["records"]}
+        assert (records["r-attached"]["streamed"], records["r-attached"]["attached"]) == (True, True)
+        assert (records["r-via-decode"]["streamed"], records["r-via-decode"]["attached"]) == (True, False)
+        # the attached stream's prefill was asked by the router, with the decode node's call beside it
+        assert routers.nodes.hosts.queries.count(("/internal/prefill", "")) == 2  # attached, pulled
+        await _settled(routers)
 
 
 async def test_the_first_token_is_told_once_when_the_decode_node_brings_it_first(
         nursery: trio.Nursery) -> None:
-    late = _LateReplies()
-    nodes = await start_fake_nodes(nursery, late)
-    routers = _Routers(nodes, nursery)
-    try:
+    async with _routers(nursery, _LateReplies()) as routers:
         pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
         attached = [as_scripted(output) for output in await routers.generate("attached", "r-attached")]
         assert attached == pulled
         await _settled(routers)
-        routers.assert_nothing_left()
-    finally:
-        for peers in [nodes.peers, *routers.peers]:
-            await peers.aclose()
 
 
 async def test_a_prefill_that_fails_fails_the_attempt_alone(nursery: trio.Nursery) -> None:
-    nodes = await start_fake_nodes(nursery)
-    nodes.prefill.faults = Faults(fail={"prefill"})
-    routers = _Routers(nodes, nursery)
-    try:
+    async with _routers(nursery) as routers:
+        routers.nodes.prefill.faults = Faults(fail={"prefill"})
         outputs = await routers.generate("attached", "r-failed", [*PROMPT, Faults().marker])
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.INJECTED_FAULT
         await _settled(routers)
-        routers.assert_nothing_left()
-    finally:
-        for peers in [nodes.peers, *routers.peers]:
-            await peers.aclose()
 
 
 async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nursery) -> None:
     """The decode node's attach then finds no prefill: the router's cancel ends its wait at once."""
-    nodes = await start_fake_nodes(nursery, _PrefillEngineLost())
-    routers = _Routers(nodes, nursery)
-    try:
+    async with _routers(nursery, _PrefillEngineLost()) as routers:
         outputs = await routers.generate("attached", "r-lost")
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
         await _settled(routers)
-        routers.assert_nothing_left()
-    finally:
-        for peers in [nodes.peers, *routers.peers]:
-            await peers.aclose()
