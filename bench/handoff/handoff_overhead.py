@@ -1,11 +1,11 @@
 """What a handoff costs a request: streamed against pulled KV, and the cluster against one node.
 
-Starts one prefill and one decode node, two routers in front of that same pair (one with
-`--kv-handoff stream`, one with `--kv-handoff pull`, both `--force-disaggregation`) and a single
+Starts one prefill and one decode node, three routers in front of that same pair (`--kv-handoff
+stream`, `stream-via-decode` as the setup `chained`, and `pull`, all `--force-disaggregation`) and a single
 node, each engine process pinned to its own cores (`--cpus`: prefill, decode, single; the single
 node gets the prefill node's cores, so it has the hardware of one cluster node; the routers and
 this process, the clients, go there too, so the decode node's cores are its own). It sends prompts
-of each --lengths one at a time (concurrency 1), alternating single / stream / pull with a fresh
+of each --lengths one at a time (concurrency 1), alternating single / stream / chained / pull with a fresh
 prompt per round, streaming the answer (--max-tokens), and reports per setup and length, medians:
 
 - TTFT as the client sees it, and the cluster's over the single node's (target <= 1.10);
@@ -68,7 +68,10 @@ from tests.e2e.harness import Node
 
 from support.tiny_models import cached_checkpoint
 
-SETUPS = ("single", "stream", "pull")
+SETUPS = ("single", "stream", "chained", "pull")
+# each cluster setup's router: `chained` is the stream the decode node asks for (one hop more
+# before the prefill starts), `stream` the one the router starts itself
+HANDOFF_MODES = {"stream": "stream", "chained": "stream-via-decode", "pull": "pull"}
 OVERHEAD_TARGET = 0.10
 GAP_TARGET_STEPS = 3.0
 TTFT_TARGET = 1.10
@@ -139,13 +142,13 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
         wait_healthy(node, args.startup_timeout)
         pin(node, cpus[i])  # and the threads it started meanwhile
     routers: dict[str, Node] = {}
-    for mode in ("stream", "pull"):
-        routers[mode] = Node("router", ["--model", str(model), "--internal-token", token,
-                                        "--force-disaggregation", "--kv-handoff", mode,
-                                        "--prefill", engines["prefill"].url,
-                                        "--decode", engines["decode"].url, *logging],
-                             logs / f"router-{mode}.log")
-        routers[mode].start()
+    for setup, mode in HANDOFF_MODES.items():
+        routers[setup] = Node("router", ["--model", str(model), "--internal-token", token,
+                                         "--force-disaggregation", "--kv-handoff", mode,
+                                         "--prefill", engines["prefill"].url,
+                                         "--decode", engines["decode"].url, *logging],
+                              logs / f"router-{setup}.log")
+        routers[setup].start()
     for node in routers.values():
         wait_healthy(node, 300)
         # the routers (and this process, the clients: see main) beside the prefill node, whose

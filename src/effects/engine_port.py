@@ -308,6 +308,13 @@ class Engine(Protocol):
         (`ModelInfo.device_pieces`), so a piece may stay there (held until the cache's release)."""
         ...
 
+    async def send_pieces_on_device(self, request_id: RequestId) -> bool:
+        """A streamed prefill under way (`prefill(segments=...)`) learns that its receiver takes
+        pieces in GPU memory after all, as `device_pieces` says: the pieces not yet handed out may
+        stay there. Whether they will (False: no such prefill under way, or this engine sends
+        none so)."""
+        ...
+
     async def export_held(self, request_id: RequestId) -> KvPieces:
         """Encode the held cache in the KV wire format. The cache stays held."""
         ...

@@ -115,6 +115,9 @@ class FakeEngine:
         return PrefillOutcome(first, len(prompt), len(payload), cached_tokens=cached,
                               streamed=segments is not None)
 
+    async def send_pieces_on_device(self, request_id: RequestId) -> bool:
+        return False  # no GPU memory here
+
     def _longest_prefix(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
         found = [p for p in self.prefixes if len(p) <= len(tokens) and tuple(tokens[: len(p)]) == p]
         return max(found, key=len, default=None)

@@ -40,7 +40,8 @@ class HandoffRecord:
     prefix_pull_s: float | None = None  # the pull and the import into the prefix cache
     # a streamed handoff (the KV sent while the prompt is computed)
     streamed: bool = False
-    transport: str | None = None  # how the tensor bytes moved: "http" or "shm"
+    transport: str | None = None  # how the tensor bytes moved: "http", "shm" or "gpu"
+    attached: bool = False  # the router started the prefill; the decode node attached to its stream
     segments: int | None = None  # pieces sent (prefill) or received (decode)
     stream_s: float | None = None  # decode: stream opened -> its end (the prefill included)
     first_token_s: float | None = None  # decode: stream opened -> the first token arrived

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import trio
@@ -88,10 +88,13 @@ class NodeRequest:
     prefill_url: str | None = None  # pull the KV from here; None: the cache is local
     hands_off: bool = False  # a prefill node's request: the cache leaves, whatever the token
     device_pieces: bool = False  # a prefill node's streamed request: its receiver reads GPU memory here
+    # a prefill node's stream the router started: the decode node that will attach, as the router names it
+    attach_by: str | None = None
     payload: KvBytes | None = None  # a view of a receive buffer: dropped once installed
     # a decode node's streamed handoff: the KV comes as a stream that this node opens itself (to
     # `prefill_url`, which then computes the prompt); a prefill node's stream is `KvStreams`'s
     streamed: bool = False
+    kv_attach: bool = False  # a streamed handoff whose prefill the router started: attach to it
     first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
@@ -146,8 +149,8 @@ class EnginePerformer:
     def forget(self, request_id: RequestId, context: object) -> None:
         if request_id in self.kv_pulls.pending:
             self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
-        if request_id in self.kv_streams.open_streams:
-            self.kv_streams.end(request_id)  # so does a stream still sending
+        if request_id in self.kv_streams:
+            self.kv_streams.end(request_id)  # so does a stream still sending, or not yet attached to
         for hook in self.on_forget:
             hook(request_id)
 
@@ -313,10 +316,10 @@ class EnginePerformer:
         once, and post the KV received at the stream's end."""
         assert self.peers is not None and ctx.prefill_url is not None
         record = self.handoffs.record(rid)
-        record.streamed = True
+        record.streamed, record.attached = True, ctx.kv_attach
         opened = time.perf_counter()
         stream = self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling, ctx.prefix_from,
-                                           layers=len(self.engine.info.layers))
+                                           layers=len(self.engine.info.layers), attach=ctx.kv_attach)
         async with contextlib.aclosing(stream):
             await self._receive_items(rid, ctx, post, stream, record, opened)
 
@@ -440,6 +443,8 @@ class RoutedRequest:
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
     cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
     prefilling_on: str | None = None  # the node computing its prompt until the first token is back
+    # the node whose call failed the attempt, where two calls ran at once (`_attached`)
+    failed_on: str | None = None
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
         return self.retry.node_request_id(request_id)
@@ -466,6 +471,7 @@ class RouterPerformer:
         prefilling: dict[str, int] | None = None,
         on_peer_failure: Callable[[str, ErrorInfo], None] | None = None,
         streams: Callable[[str, str], bool] = lambda prefill, decode: False,
+        attaches: Callable[[str, str], bool] = lambda prefill, decode: False,
     ) -> None:
         self.peers = peers
         self.pick = pick
@@ -473,6 +479,9 @@ class RouterPerformer:
         # prompt is computed (the decode node asks the prefill node); else the decode node pulls
         # the whole KV after the first token
         self.streams = streams
+        # (prefill node, decode node) -> whether the router starts such a streamed handoff's
+        # prefill itself, the decode node attaching to its stream (one hop less before the prefill)
+        self.attaches = attaches
         # Each attempt's route: its decode node and whether that node prefills the prompt itself
         # (short, or its start held there, or an overflow) or a prefill node does (statecore.routing).
         self.route = route
@@ -555,7 +564,7 @@ class RouterPerformer:
         with trio.CancelScope(shield=True):
             await self._cancel_remote(ctx)  # a previous, failed attempt's leftovers
         self._release_nodes(ctx)
-        ctx.prefill_node = ctx.decode_node = None
+        ctx.prefill_node = ctx.decode_node = ctx.failed_on = None
         ctx.streamed = False
         ctx.retry = ctx.retry.started()
         nid = ctx.node_request_id(rid)
@@ -576,6 +585,9 @@ class RouterPerformer:
             ctx.streamed = ctx.prefill_node is not None and self.streams(ctx.prefill_node, ctx.decode_node)
             self._prefilling(ctx, ctx.decode_node if ctx.local else ctx.prefill_node)
             await post(Dispatched())
+            if ctx.streamed and self.attaches(ctx.prefill_node or "", ctx.decode_node):
+                await self._attached(ctx, nid, prefix_from, post)
+                return
             if ctx.local or ctx.streamed:
                 # the decode node prefills, or has the prefill node prefill and stream it the KV:
                 # either way the first token comes first on its stream
@@ -597,6 +609,51 @@ class RouterPerformer:
             raise
         await self._first(reply, ctx, post)
 
+    async def _attached(self, ctx: RoutedRequest, nid: RequestId, prefix_from: PrefixSource | None,
+                        post: Post) -> None:
+        """A streamed handoff the router starts itself: the prefill node is asked to prefill (its
+        answer, the first token, comes straight back here) while the decode node attaches to that
+        prefill's stream (`DecodeCall.kv_attach`), whose first token, the same, comes through it
+        too. Whichever comes first is posted, once. The first failure ends both calls
+        (`RoutedRequest.failed_on` names its node); so does a first token that ends the request."""
+        prefill_node, decode_node = ctx.prefill_node, ctx.decode_node
+        assert prefill_node is not None and decode_node is not None
+        told = trio.Lock()
+        ended = False  # the first token ended the request
+
+        async def first(reply: PrefillReply) -> bool:
+            nonlocal ended
+            async with told:
+                if ctx.first_token is None and not ended:
+                    ended = await self._first(reply, ctx, post)
+            return ended
+
+        failures: list[tuple[str, StatecoreError]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def prefill() -> None:
+                try:
+                    reply = await self.peers.prefill(prefill_node, nid, ctx.prompt, ctx.sampling, prefix_from,
+                                                     attach_by=decode_node)
+                except StatecoreError as exc:
+                    failures.append((prefill_node, exc))
+                    nursery.cancel_scope.cancel()
+                    return
+                if await first(reply):
+                    nursery.cancel_scope.cancel()  # nothing follows: the decode node's stream goes
+
+            nursery.start_soon(prefill)
+            call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, prefill_node, kv_stream=True,
+                              kv_attach=True)
+            try:
+                await self._relay(ctx, self.peers.decode(decode_node, call), post, first=first)
+            except StatecoreError as exc:
+                failures.append((decode_node, exc))
+            nursery.cancel_scope.cancel()  # the stream ended: the prefill node's answer is not needed
+        if failures:
+            ctx.failed_on, error = failures[0]
+            raise error
+
     def _siblings_decode_node(self, ctx: RoutedRequest) -> str | None:
         """Where another choice of the same client request (n > 1) decodes, unless this attempt
         avoids it: the choices decode side by side there, as on a single node, whose bytes they
@@ -617,6 +674,8 @@ class RouterPerformer:
     def _culprit(ctx: RoutedRequest, error: ErrorInfo) -> str | None:
         """The node a failed attempt's error points at: the one prefilling, unless the decode node
         prefilled, or a streamed handoff's decode node names no other node (its own failure)."""
+        if ctx.failed_on is not None:
+            return ctx.failed_on
         if ctx.local:
             return ctx.decode_node
         if ctx.streamed and ctx.prefill_node is not None and ctx.prefill_node not in error.message:
@@ -641,13 +700,15 @@ class RouterPerformer:
         return False
 
     async def _relay(
-        self, ctx: RoutedRequest, messages: AsyncIterator[DecodeMessage], post: Post
+        self, ctx: RoutedRequest, messages: AsyncIterator[DecodeMessage], post: Post,
+        first: Callable[[PrefillReply], Awaitable[bool]] | None = None,
     ) -> None:
-        """Turn a decode node's messages into events (the first token, if it prefilled)."""
+        """Turn a decode node's messages into events (the first token, if it prefilled or took a
+        streamed handoff, through `first` where another call may tell it too)."""
         async for message in messages:
             match message:
                 case PrefillReply():
-                    if await self._first(message, ctx, post):
+                    if await (self._first(message, ctx, post) if first is None else first(message)):
                         return
                 case TokenGenerated():
                     await post(message)

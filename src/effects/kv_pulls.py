@@ -7,7 +7,10 @@ the exported KV for the request's `SendKv`, the reason for its `RefuseKv`, and, 
 ends before either, that it ended. A decode node's streamed handoff (`POST
 /internal/prefill_stream`) reads from `KvStreams` what the interpreter delivers as the prefill
 computes it: the cache's pieces, the first token, the end (or the error that ends it); a
-request that ends first tells its stream so. Either waiter hears the same KV_NOT_FOUND when its
+request that ends first tells its stream so. A stream the router started (`POST /internal/prefill`
+with `kv_attach`) is opened before its decode node asks for it: its items wait in the channel until
+the decode node attaches (`attach`), and the router's call waits for its first token alone
+(`first_reply`). Either waiter hears the same KV_NOT_FOUND when its
 request ends before its KV was sent (`ended_before_sent`, the one place that says it). Nothing is
 kept in the request's context, and whether a pull may have the KV is never asked here: it is the
 table's. This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
@@ -101,6 +104,24 @@ class KvPulls:
         return sum(len(pulls) for pulls in self.pending.values())
 
 
+class _FirstReply:
+    """A router-started stream's first token (or why it will not come), for the router's call."""
+
+    def __init__(self) -> None:
+        self._told = trio.Event()
+        self.reply: PrefillReply | ErrorInfo | None = None
+
+    def tell(self, reply: PrefillReply | ErrorInfo) -> None:
+        if not self._told.is_set():
+            self.reply = reply
+            self._told.set()
+
+    async def wait(self) -> PrefillReply | ErrorInfo:
+        await self._told.wait()
+        assert self.reply is not None
+        return self.reply
+
+
 class KvStreams:
     """The streamed handoffs this node serves, one per request: what the interpreter sends for a
     request goes to its stream's channel, which the stream reads until the request ends."""
@@ -110,6 +131,10 @@ class KvStreams:
         # pieces (its prefill then cuts them out); read it, never change it (`open`, `send` and
         # `end` do)
         self.open_streams: dict[RequestId, trio.MemorySendChannel[StreamItem]] = {}
+        # router-started streams no decode node has attached to yet: their reading ends
+        self._unattached: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
+        self._first: dict[RequestId, _FirstReply] = {}  # router-started streams' first tokens
+        self._opened: dict[RequestId, trio.Event] = {}  # decode nodes that came first, waiting
 
     def open(self, request_id: RequestId, prompt_tokens: int, layers: int
              ) -> trio.MemoryReceiveChannel[StreamItem]:
@@ -119,15 +144,48 @@ class KvStreams:
         one prefill can send, so a send never waits: every piece holds at least one token of one
         layer, then come the first token and the last item. A request that has a stream already
         is refused."""
-        if request_id in self.open_streams:
+        if request_id in self.open_streams or request_id in self._unattached:
             raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
         send, receive = trio.open_memory_channel[StreamItem](prompt_tokens * max(1, layers) + 2)
         self.open_streams[request_id] = send
         return receive
 
+    def open_for_attach(self, request_id: RequestId, prompt_tokens: int, layers: int) -> None:
+        """A stream the router started: open as `open`, kept here until a decode node attaches."""
+        self._unattached[request_id] = self.open(request_id, prompt_tokens, layers)
+        self._first[request_id] = _FirstReply()
+        if (arrived := self._opened.pop(request_id, None)) is not None:
+            arrived.set()
+
+    async def attach(self, request_id: RequestId, wait_s: float) -> trio.MemoryReceiveChannel[StreamItem]:
+        """The reading end of the router-started stream of the request, for the decode node that
+        attaches to it (once); waits up to `wait_s` for the router's call to open it (the two calls
+        race). KV_NOT_FOUND when none opens, or it was attached to, or its request ended."""
+        if request_id not in self._unattached and request_id not in self.open_streams:
+            arrived = self._opened.setdefault(request_id, trio.Event())
+            with trio.move_on_after(wait_s):
+                await arrived.wait()
+            if self._opened.get(request_id) is arrived:
+                del self._opened[request_id]
+        receive = self._unattached.pop(request_id, None)
+        if receive is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
+                                           f"no prefill of request {request_id} waits for its decode node"))
+        return receive
+
+    async def first_reply(self, request_id: RequestId) -> PrefillReply | ErrorInfo:
+        """A router-started stream's first token, as soon as the prefill tells it (ahead of its
+        last pieces); or the error that ended the request first."""
+        first = self._first.get(request_id)
+        if first is None:
+            return ended_before_sent(request_id)
+        return await first.wait()
+
     def send(self, request_id: RequestId, item: StreamItem) -> None:
         """Hand the request's stream its next item; nothing when it has none or its reader left.
         The last item (the end, None, or an error) closes the stream: nothing follows it."""
+        if isinstance(item, PrefillReply | ErrorInfo) and (first := self._first.get(request_id)) is not None:
+            first.tell(item)
         send = self.open_streams.get(request_id)
         if send is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -137,17 +195,25 @@ class KvStreams:
 
     def end(self, request_id: RequestId) -> None:
         """The request is over (or was never admitted): a stream still open reads what is left,
-        then that its request ended before its KV was sent."""
+        then that its request ended before its KV was sent; one no decode node attached to goes."""
         self.send(request_id, ended_before_sent(request_id))
+        self._first.pop(request_id, None)
+        if (unattached := self._unattached.pop(request_id, None)) is not None:
+            unattached.close()
 
     def _close(self, request_id: RequestId) -> None:
         send = self.open_streams.pop(request_id, None)
         if send is not None:
             send.close()
 
+    def __contains__(self, request_id: RequestId) -> bool:
+        """Whether the request has a stream here, attached to or not, or a first token kept for
+        the router's call."""
+        return request_id in self.open_streams or request_id in self._unattached or request_id in self._first
+
     def __len__(self) -> int:
-        """Streams open now (for leak checks)."""
-        return len(self.open_streams)
+        """Streams open now, or waiting for their decode node (for leak checks)."""
+        return len(self.open_streams.keys() | self._unattached.keys())
 
 
 __all__ = ["KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem", "ended_before_sent"]

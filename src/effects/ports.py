@@ -138,6 +138,9 @@ class DecodeCall:
     # computed (and the first token), and passes the first token on as a local prefill does.
     kv_stream: bool = False
     prefix_from: PrefixSource | None = None  # the streamed prefill's hint (see Peers.prefill)
+    # with kv_stream: the router started the prefill itself (`Peers.prefill(attach_by=...)`); the
+    # decode node attaches to its stream instead of asking for the prefill
+    kv_attach: bool = False
 
 
 class Peers(Protocol):
@@ -145,10 +148,12 @@ class Peers(Protocol):
 
     async def prefill(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        prefix_from: PrefixSource | None = None,
+        prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
     ) -> PrefillReply:
         """`prefix_from`: the decode node the KV goes to holds the prompt's start (a hint: the
-        prefill node may pull it from there instead of computing it)."""
+        prefill node may pull it from there instead of computing it). `attach_by`: the KV streams
+        to that decode node, which attaches to the stream (`prefill_stream(attach=True)`) while
+        the prompt is computed; the reply comes as soon as the first token is sampled."""
         ...
 
     def decode(self, node: str, call: DecodeCall) -> AsyncIterator[DecodeMessage]:
@@ -161,11 +166,12 @@ class Peers(Protocol):
 
     def prefill_stream(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        prefix_from: PrefixSource | None = None, *, layers: int,
+        prefix_from: PrefixSource | None = None, *, layers: int, attach: bool = False,
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         """Ask a prefill node to prefill and stream the KV while it computes: its pieces in
         order (each a whole wire payload, not yet validated), and the first token among them;
-        `layers`: the model's, which the pieces must cover.
+        `layers`: the model's, which the pieces must cover. `attach`: the router started that
+        prefill (`prefill(attach_by=...)`); this stream reads it.
         The iterator ends when the stream's end record came and every layer's pieces covered the
         prompt; the prefill node's typed error, a broken stream or a malformed one raise. Close
         it where it is read (`contextlib.aclosing`): it holds the connection."""

@@ -193,22 +193,24 @@ LONG = " ".join(f"Buoy {i} rang as the tide turned over the sandbar." for i in r
 SHORT = "Fog at noon."  # prefilled on a decode node
 
 
-@pytest.mark.parametrize(("route", "prompt", "where", "router_and_prefill"), ids=["handoff", "local"],
-                         argvalues=[
-    # the decode node the router paired a handoff with, streaming its KV from the prefill node,
-    # hears why and fails its part with the same error: the message says where it fired
-    ("handoff", LONG, "prefill", [1, 1]),
-    ("local", SHORT, "decode", [1, 0]),
+@pytest.mark.parametrize(("route", "prompt", "where", "router_and_prefill", "decode_nodes"),
+                         ids=["handoff", "local"], argvalues=[
+    # the router started the handoff's prefill and hears why from the prefill node; the decode node
+    # it paired it with fails its part with the same error where its stream read it first, else the
+    # router's cancel ends it: at most one decode node counts it
+    ("handoff", LONG, "prefill", [1, 1], ([0, 0], [0, 1])),
+    ("local", SHORT, "decode", [1, 0], ([0, 1],)),
 ])
 def test_a_fault_in_a_prefill_fails_where_it_fired(cluster: Cluster, route: str, prompt: str, where: str,
-                                                   router_and_prefill: list[int]) -> None:
+                                                   router_and_prefill: list[int],
+                                                   decode_nodes: tuple[list[int], ...]) -> None:
     """A handoff's prefill fails on the prefill node, a short prompt's on the decode node that
-    prefilled it; one decode node counts it (the handoff's: the one it was paired with)."""
+    prefilled it (which counts it)."""
     before = _failed(cluster)
     response = _marked(cluster, {"prompt": prompt, "max_tokens": 4}, f"route-{route}-inject-fault-prefill")
     _assert_fired(response, where)
     moved = _moved(cluster, before)
-    assert moved[:2] == router_and_prefill and sorted(moved[2:]) == [0, 1], moved
+    assert moved[:2] == router_and_prefill and sorted(moved[2:]) in decode_nodes, moved
 
 
 def test_a_fault_in_a_kept_conversations_next_turn_fails_on_the_node_holding_it(cluster: Cluster) -> None:

@@ -37,23 +37,29 @@ PARITY = [
 
 
 def test_streamed_over_http_and_pulled_answers_are_the_single_nodes(tmp_path: Path) -> None:
+    """Each way a handoff goes: the stream the router starts (the default), the stream the decode
+    node asks for (`stream-via-decode`), and the pull."""
     model = cached_checkpoint("llama")
     cluster = start_cluster(model, tmp_path / "logs", node_args=("--kv-transport", "http"))
-    pull = router(model, tmp_path / "logs" / "router-pull.log", cluster.prefill, cluster.decode,
+    logs = tmp_path / "logs"
+    pull = router(model, logs / "router-pull.log", cluster.prefill, cluster.decode,
                   "--force-disaggregation", "--kv-handoff", "pull")
+    via_decode = router(model, logs / "router-via-decode.log", cluster.prefill, cluster.decode,
+                        "--force-disaggregation", "--kv-handoff", "stream-via-decode")
     try:
-        start_nodes([pull])
+        start_nodes([pull, via_decode])
         for body in PARITY:
             for stream in (False, True):
                 asked = {**body, "stream": stream}
                 single = post(cluster.single, "/v1/completions", asked)
-                for front in (cluster.router, pull):
+                for front in (cluster.router, via_decode, pull):
                     routed = post(front, "/v1/completions", asked)
                     assert routed.status_code == single.status_code == 200, routed.text
                     assert _answer(routed, stream) == _answer(single, stream), (front.args, asked)
         records = httpx.get(f"{cluster.decode[0].url}/internal/handoffs", timeout=5).json()["records"]
-        transports = {(r["streamed"], r["transport"]) for r in records}
-        assert transports == {(True, "http"), (False, None)}, transports  # both ways were taken
+        ways = {(r["streamed"], r["attached"], r["transport"]) for r in records}
+        # every way was taken
+        assert ways == {(True, True, "http"), (True, False, "http"), (False, False, None)}, ways
         # every KV body left on the prefill nodes' KV plane (the socket beside the HTTP port)
         for node in cluster.prefill:
             info = httpx.get(f"{node.url}/internal/info", timeout=5).json()
@@ -63,9 +69,10 @@ def test_streamed_over_http_and_pulled_answers_are_the_single_nodes(tmp_path: Pa
             unknown = httpx.get(f"{plane}/internal/kv/no-such-request", timeout=5)
             assert unknown.status_code == 404, unknown.text
             assert unknown.json()["error"]["code"] == "kv_not_found", unknown.text
-        assert_no_leaks([cluster.router, pull, *cluster.prefill, *cluster.decode])
+        assert_no_leaks([cluster.router, pull, via_decode, *cluster.prefill, *cluster.decode])
     finally:
         pull.stop()
+        via_decode.stop()
         cluster.stop()
 
 

@@ -51,3 +51,24 @@ async def test_pull_asked_for_pulls_from_every_node() -> None:
     modes = HandoffModes({"p": STREAMS, "d": None}, never, stream=False)
     assert not modes.streams("p", "p")
     await modes.run()
+
+
+async def test_the_router_starts_the_prefill_only_between_nodes_that_both_say_they_take_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    attach: dict[str, object] = {"kv_stream": True, "kv_attach": True}
+    answers: dict[str, dict[str, object] | None] = {"late": None}
+
+    async def ask(node: str) -> dict[str, object] | None:
+        return answers[node]
+
+    modes = HandoffModes({"p": attach, "d": attach, "old": STREAMS, "late": None}, ask, stream=True)
+    assert modes.attaches("p", "d") and modes.streams("p", "d")
+    assert modes.streams("p", "old") and not modes.attaches("p", "old")  # before kv_attach: it asks
+    assert not modes.attaches("p", "late")
+    via_decode = HandoffModes({"p": attach, "d": attach}, ask, stream=True, attach=False)
+    assert via_decode.streams("p", "d") and not via_decode.attaches("p", "d")
+    monkeypatch.setattr(handoff_modes, "ASK_AGAIN_S", 0.01)
+    answers["late"] = attach
+    with trio.fail_after(5):
+        await modes.run()
+    assert modes.attaches("late", "d")

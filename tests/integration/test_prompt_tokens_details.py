@@ -20,12 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from starlette.applications import Starlette
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import PrefillReplyBody, output_line, parse_output_line
-from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.mlx import MlxEngine
 from effects.backend import local_backend, router_backend
@@ -36,10 +34,11 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.events import TokenGenerated
 from statecore.ids import RequestId
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
-from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
+from statecore.table import DECODE_REQUEST, ROUTER_REQUEST
 from support.tiny_models import cached_checkpoint
 from tests.integration.engines import close_engine, load_engine
 from tests.integration.fake_backend import as_scripted, completed
+from tests.integration.fake_nodes import Hosts, start_fake_nodes
 
 CHUNK = 16  # the prefix cache keeps whole prefill chunks: small ones, so short prompts share some
 OPENING = " ".join(f"The lighthouse keeper counted ship number {i} at dawn." for i in range(6))
@@ -184,19 +183,6 @@ async def test_responses_and_messages_report_it_in_their_own_shapes(single: Sing
 # -- the cluster's wire, over fake engines ---------------------------------------------------------
 
 
-class _Hosts(httpx.AsyncBaseTransport):
-    """Each node's app by its URL's host; the query of every prefill and decode call kept."""
-
-    def __init__(self) -> None:
-        self.transports: dict[str, httpx.ASGITransport] = {}
-        self.queries: list[tuple[str, str]] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path in ("/internal/prefill", "/internal/decode"):
-            self.queries.append((request.url.path, request.url.query.decode()))
-        return await self.transports[request.url.host].handle_async_request(request)
-
-
 class _WatchedPeers(HttpxPeers):
     """The router's peers, noting what the router counted as being prefilled at each call."""
 
@@ -218,7 +204,7 @@ class _WatchedPeers(HttpxPeers):
 class FakeCluster:
     prefill: FakeEngine
     decode: FakeEngine
-    hosts: _Hosts
+    hosts: Hosts
     nursery: trio.Nursery
     routers: list[HttpxPeers]
     performers: list[RouterPerformer] = field(default_factory=list)
@@ -247,19 +233,10 @@ class FakeCluster:
 
 @pytest.fixture
 async def fake_cluster(nursery: trio.Nursery) -> AsyncIterator[FakeCluster]:
-    hosts = _Hosts()
-    engines = {"prefill": FakeEngine(), "decode": FakeEngine()}
-    node_peers = HttpxPeers(transport=hosts)  # the decode node's KV pulls
-    for role, engine in engines.items():
-        performer = EnginePerformer(engine, node_peers if role == "decode" else None)
-        machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
-        runner: NodeRunner[Any] = NodeRunner(machine, performer, timeouts=Timeouts(deadline_s=5.0), name=role)
-        await nursery.start(runner.run)
-        app = Starlette(routes=NodeApi(role, engine, runner, performer).routes())
-        hosts.transports[role] = httpx.ASGITransport(app=app)
-    built = FakeCluster(engines["prefill"], engines["decode"], hosts, nursery, [])
+    nodes = await start_fake_nodes(nursery)
+    built = FakeCluster(nodes.prefill, nodes.decode, nodes.hosts, nursery, [])
     yield built
-    for peers in [node_peers, *built.routers]:
+    for peers in [nodes.peers, *built.routers]:
         await peers.aclose()
 
 

@@ -119,9 +119,18 @@ class PrefillBody(_Strict):
     # with kv_shm, sent only when set: the asking node's engine takes pieces in GPU memory on this
     # host (`adapters.mlx.device_pieces`), so they may go device to device
     kv_device: bool = False
+    # Sent only when set. On /internal/prefill: the router starts a streamed handoff's prefill
+    # here, and its decode node will attach to the stream; the reply comes with the first token.
+    # On /internal/prefill_stream: the decode node attaches to that stream (nothing is prefilled
+    # anew; `prompt` must be the started request's).
+    kv_attach: bool = False
+    # with kv_attach on /internal/prefill: the decode node that will attach, as the router names it
+    # (the prefill node remembers whether that node took its pieces in GPU memory)
+    kv_attach_by: str | None = Field(default=None, min_length=1, max_length=2000)
 
     def document(self) -> dict[str, object]:
-        unset = {name for name in ("prefix_from", "kv_shm", "kv_device") if not getattr(self, name)}
+        optional = ("prefix_from", "kv_shm", "kv_device", "kv_attach", "kv_attach_by")
+        unset = {name for name in optional if not getattr(self, name)}
         return _without_base_adapter(self.model_dump(exclude=unset or None))
 
 
@@ -174,9 +183,12 @@ class DecodeBody(_Strict):
     # this node asks `prefill_url` to prefill and streams the KV from it as it is computed.
     kv_stream: bool = False
     prefix_from: PrefixFromBody | None = None
+    # with kv_stream, sent only when set: the router started the prefill on `prefill_url` itself;
+    # this node attaches to its stream (`PrefillBody.kv_attach`) instead of asking for it
+    kv_attach: bool = False
 
     def document(self) -> dict[str, object]:
-        unset = {name for name in ("kv_stream", "prefix_from") if not getattr(self, name)}
+        unset = {name for name in ("kv_stream", "prefix_from", "kv_attach") if not getattr(self, name)}
         return _without_base_adapter(self.model_dump(exclude=unset or None))
 
 

@@ -1,7 +1,9 @@
 """A prefill node's side of the KV handoff: the held KV a decode node pulls (`GET
 /internal/kv/{id}`, and `DELETE` once it is taken), the streamed handoff (`POST
 /internal/prefill_stream`: prefill, then each piece of the KV as it is computed, the first token
-among them), and the same two on the KV plane's socket (`KvHandoff.plane`). On one host a streamed
+among them; or, where the router started the prefill itself with `POST /internal/prefill` and
+`kv_attach`, the stream of that prefill, which the decode node attaches to), and the same two on
+the KV plane's socket (`KvHandoff.plane`). On one host a streamed
 piece goes through shared memory (`SharedPieces` holds its regions until the decode node is done
 with them). A pull is the core's `KvRequested` event: the table answers it (`SendKv`, or `RefuseKv`
 with KV_NOT_FOUND) and the performer delivers the answer to the pull waiting here. Every KV payload
@@ -15,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -27,6 +30,7 @@ from adapters.http.internal_wire import (
     PrefillBody,
     PrefillReplyBody,
     error_json,
+    error_response,
     prefix_source,
     read_body,
     token_refusal,
@@ -44,15 +48,18 @@ from effects.faults import FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest
 from effects.kv_pulls import StreamItem
 from effects.ports import Engine, KvBytes, KvPieces, KvSegment, PrefillReply
-from effects.runner import NodeRunner, RunnerGeneration
+from effects.runner import NodeRunner
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Admitted, KvRequested, KvTaken
+from statecore.events import Admitted, ClientCancelled, KvRequested, KvTaken
 from statecore.ids import RequestId
 
 log = logging.getLogger("statecore.node_api")
 
 KV_SEND_TIMEOUT_S = 60.0
 KV_PATH = "/internal/kv/"
+# How long a decode node's attach waits for the router's call that starts the prefill: the router
+# sends both at once, and the decode node's may come first.
+ATTACH_WAIT_S = 10.0
 
 KV_SEND_SLICE = 4 << 20
 """Bytes per ASGI body message of a KV payload (see `body_messages`)."""
@@ -180,6 +187,9 @@ class KvHandoff:
         self.kv_served = kv_served
         self.faults: FaultPort = performer.faults
         self.plane_bodies = 0  # KV bodies the plane answered (streams and pulls)
+        # by decode node (as routers name it): whether its last attach took pieces in GPU memory,
+        # so that a stream the router starts for it makes them so from its first piece
+        self._attached_on_device: dict[str, bool] = {}
 
     async def prefill_stream(self, request: Request) -> Response:
         """A streamed handoff through the ASGI server (`open_prefill_stream`); the KV plane
@@ -209,13 +219,43 @@ class KvHandoff:
         except StatecoreError as exc:
             return PlaneAnswer.document(exc.info.http_status, json.dumps(error_json(exc.info)).encode())
 
+    async def start_stream(self, body: PrefillBody, *, cached_tokens: bool) -> Response:
+        """A streamed handoff the router starts (`POST /internal/prefill` with `kv_attach`): the
+        prompt is prefilled at once, its pieces wait for the decode node to attach
+        (`open_prefill_stream`), and the answer is the first token as soon as it is sampled (with
+        the prompt tokens taken from the prefix cache when `cached_tokens`). Its pieces stay in GPU
+        memory from the start where the decode node that will attach took them so last time
+        (`_attached_on_device`)."""
+        rid = RequestId(body.request_id)
+        attach_by = body.kv_attach_by
+        on_device = attach_by is not None and self._attached_on_device.get(attach_by, False)
+        context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
+                              prefix_from=prefix_source(body.prefix_from), attach_by=attach_by,
+                              device_pieces=on_device)
+        streams = self.performer.kv_streams
+        streams.open_for_attach(rid, len(body.prompt), len(self.engine.info.layers))
+        try:
+            await self.status.admit(rid, context, 4)
+            await self.runner.post(rid, Admitted(len(body.prompt)))
+        except BaseException:
+            streams.end(rid)  # never admitted: nothing else would close it
+            raise
+        first = await streams.first_reply(rid)
+        if isinstance(first, ErrorInfo):
+            return error_response(first)
+        reply = PrefillReplyBody.of(first if cached_tokens else replace(first, cached_tokens=None))
+        return JSONResponse(reply.document())
+
     async def open_prefill_stream(self, raw: bytes) -> AsyncGenerator[Sequence[KvBytes], None]:
         """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
-        stream its KV as it is computed (`adapters.kv.stream`), the first token among it. The
-        request then waits in `handoff`, holding the cache, for the decode node's DELETE once it
-        installed the pieces (or its cancel, or the lease), as a pulled cache does."""
+        stream its KV as it is computed (`adapters.kv.stream`), the first token among it (or, with
+        `kv_attach`, the stream of the prefill the router started: `_attach`). The request then
+        waits in `handoff`, holding the cache, for the decode node's DELETE once it installed the
+        pieces (or its cancel, or the lease), as a pulled cache does."""
         body = validated(PrefillBody, raw)
         rid = RequestId(body.request_id)
+        if body.kv_attach:
+            return await self._attach(rid, body)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
                               prefix_from=prefix_source(body.prefix_from),
                               device_pieces=body.kv_shm and body.kv_device)
@@ -231,15 +271,49 @@ class KvHandoff:
         shm = self.shared.shm if body.kv_shm else None
         self.performer.handoffs.record(rid).transport = ("http" if shm is None else
                                                          "gpu" if context.device_pieces else "shm")
-        return self._stream_records(generation, items, len(body.prompt), shm)
+        return self._stream_records(rid, generation.cancel, items, len(body.prompt), shm)
 
-    async def _stream_records(self, generation: RunnerGeneration,
+    async def _attach(self, rid: RequestId, body: PrefillBody) -> AsyncGenerator[Sequence[KvBytes], None]:
+        """The decode node attaches to the stream of the prefill the router started
+        (`start_stream`): what the prefill sent so far waits in it. Where the decode node takes
+        pieces in GPU memory and they were not made so from the start, those from now on are
+        (`Engine.send_pieces_on_device`; those already handed out went the host's way). Pieces made
+        so for a decode node that cannot read them fail the request (KV_MALFORMED, retried where
+        no token was sent): that decode node is remembered, and its next request goes the host's way."""
+        items = await self.performer.kv_streams.attach(rid, ATTACH_WAIT_S)
+        context = self.runner.context(rid)
+        if not isinstance(context, NodeRequest) or len(context.prompt) != len(body.prompt):
+            items.close()
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
+                                           f"request {rid} is not the prefill this decode node attaches to"))
+        takes_device = body.kv_shm and body.kv_device and self.engine.info.device_pieces
+        if context.attach_by is not None:
+            self._attached_on_device[context.attach_by] = takes_device
+        if context.device_pieces and not takes_device:
+            items.close()
+            await self.runner.post(rid, ClientCancelled())
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                           f"request {rid}'s pieces are in GPU memory, which the decode node "
+                                           "that attached cannot read; its next request's will not be"))
+        if takes_device and not context.device_pieces:
+            context.device_pieces = await self.engine.send_pieces_on_device(rid)
+        shm = self.shared.shm if body.kv_shm else None
+        record = self.performer.handoffs.record(rid)
+        record.transport = "http" if shm is None else "gpu" if context.device_pieces else "shm"
+        record.attached = True
+
+        async def cancel() -> None:
+            await self.runner.post(rid, ClientCancelled())
+
+        return self._stream_records(rid, cancel, items, len(body.prompt), shm)
+
+    async def _stream_records(self, rid: RequestId, cancel: Callable[[], Awaitable[None]],
                               items: trio.MemoryReceiveChannel[StreamItem], prompt_tokens: int,
                               shared: ShmOutbox | None) -> AsyncGenerator[Sequence[KvBytes], None]:
         """The stream's records: each piece as it is computed (through shared memory: copied in
         the background, `SegmentCopies`, its record written once the copy is done, in order),
-        the first token as soon as it is sampled, then the end once every piece went."""
-        rid = generation.request_id
+        the first token as soon as it is sampled, then the end once every piece went. A stream
+        its decode node leaves early cancels the request (`cancel`)."""
         ended = False
         received = sent = 0
         copies = None if shared is None else SegmentCopies(shared, rid)
@@ -294,7 +368,7 @@ class KvHandoff:
                 self.shared.settled(rid)
             if not ended:  # the decode node went away mid-stream: free the prefill now
                 with trio.CancelScope(shield=True):
-                    await generation.cancel()
+                    await cancel()
             if self.runner.context(rid) is None:
                 self.shared.release_later(rid)  # it ended before its last piece was put
 
@@ -371,5 +445,5 @@ class KvHandoff:
         return JSONResponse({"released": rid})
 
 
-__all__ = ["KV_PATH", "KV_SEND_SLICE", "KV_SEND_TIMEOUT_S", "KvHandoff", "SharedPieces", "body_messages",
-           "counted", "kv_body", "payload_parts"]
+__all__ = ["ATTACH_WAIT_S", "KV_PATH", "KV_SEND_SLICE", "KV_SEND_TIMEOUT_S", "KvHandoff", "SharedPieces",
+           "body_messages", "counted", "kv_body", "payload_parts"]

@@ -12,7 +12,7 @@ received). This module may import anything.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from starlette.requests import Request
@@ -43,11 +43,18 @@ from statecore.intents import Complete, Reject, RespondToken
 from statecore.policy import FINISH_REASONS, STOP
 
 
+class StartStream(Protocol):
+    """`KvHandoff.start_stream`: a streamed handoff's prefill, started by the router."""
+
+    async def __call__(self, body: PrefillBody, *, cached_tokens: bool) -> Response: ...
+
+
 class NodeRequests:
     """The prefill, decode and cancel routes of one node."""
 
     def __init__(self, status: NodeStatus, engine: Engine, runner: NodeRunner[Any], faults: FaultPort, *,
-                 kv_stream: bool, ended: Callable[[RequestId], None] = lambda rid: None) -> None:
+                 kv_stream: bool, ended: Callable[[RequestId], None] = lambda rid: None,
+                 start_stream: StartStream | None = None) -> None:
         self.status = status  # the node's admission of requests
         self.engine = engine
         self.runner = runner
@@ -55,9 +62,16 @@ class NodeRequests:
         # whether this node takes streamed handoffs (not a tensor- or pipeline-parallel one)
         self.kv_stream = kv_stream
         self.ended = ended  # the router is done with a request here (a prefill node frees its shared memory)
+        # a prefill node's streamed handoff the router starts (`kv_attach`: `KvHandoff.start_stream`)
+        self.start_stream = start_stream
 
     async def prefill(self, request: Request) -> Response:
         body = validated(PrefillBody, await read_body(request))
+        if body.kv_attach:
+            if self.start_stream is None or not self.kv_stream:
+                raise StatecoreError(client_error("this node takes no streamed handoff (tensor or pipeline "
+                                                  "parallel): the router pulls the KV instead"))
+            return await self.start_stream(body, cached_tokens=asks_cached_tokens(request))
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
                               prefix_from=prefix_source(body.prefix_from))
@@ -106,7 +120,8 @@ class NodeRequests:
             first_token=None if local or streamed else body.first_token,
             prefill_url=None if local else body.prefill_url,
             streamed=streamed,
-            prefix_from=prefix_source(body.prefix_from),
+            kv_attach=streamed and body.kv_attach,
+            prefix_from=None if streamed and body.kv_attach else prefix_source(body.prefix_from),
         )
         generation = await self.status.admit(rid, context, body.sampling.max_tokens + 4)
         await self.runner.post(rid, PrefillLocally() if local else Admitted(len(body.prompt)))

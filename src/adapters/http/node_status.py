@@ -105,8 +105,10 @@ class NodeStatus:
             shared["kv_port"] = self.kv_port
         if self.shm is not None and self.engine.info.device_pieces:
             shared["kv_device"] = True  # streamed pieces may stay in GPU memory for who asks
+        streams = self.kv_stream and self.role in ("prefill", "decode")
+        # kv_attach: it takes a streamed handoff's prefill started by the router, and attaches to one
         return JSONResponse({**info_json(self.engine.info), "blas": self.blas or blas_in_use(),
-                             "kv_stream": self.kv_stream and self.role in ("prefill", "decode"), **shared})
+                             "kv_stream": streams, "kv_attach": streams, **shared})
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse(self.statistics())

@@ -245,10 +245,11 @@ class HttpxPeers:
 
     async def prefill(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        prefix_from: PrefixSource | None = None,
+        prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
     ) -> PrefillReply:
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=PrefixFromBody.of(prefix_from))
+                           prefix_from=PrefixFromBody.of(prefix_from), kv_attach=attach_by is not None,
+                           kv_attach_by=attach_by)
         with transport_errors(node):
             response = await self.client.post(f"{node}/internal/prefill", json=body.document(),
                                               params=self._details)
@@ -270,6 +271,7 @@ class HttpxPeers:
             prefill_url=call.prefill_url,
             kv_stream=call.kv_stream,
             prefix_from=PrefixFromBody.of(call.prefix_from),
+            kv_attach=call.kv_attach,
         )
         with transport_errors(node):
             async with self.client.stream(
@@ -282,11 +284,12 @@ class HttpxPeers:
 
     async def prefill_stream(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-        prefix_from: PrefixSource | None = None, *, layers: int,
+        prefix_from: PrefixSource | None = None, *, layers: int, attach: bool = False,
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         inbox = await self.kv_sources.inbox(node)
         body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
                            prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None,
+                           kv_attach=attach,
                            kv_device=(inbox is not None and self.takes_device_pieces
                                       and self.kv_sources.device_pieces.get(node, False)))
         url = await self.kv_sources.on_plane(node, f"{node}/internal/prefill_stream")

@@ -185,6 +185,10 @@ class ProcessEngine:
             kwargs=streamed if segments is not None else {})
         return outcome
 
+    async def send_pieces_on_device(self, request_id: RequestId) -> bool:
+        on_device: bool = await self._calls.call("send_pieces_on_device", request_id)
+        return on_device
+
     async def export_held(self, request_id: RequestId) -> KvPieces:
         return self._kv.as_pieces(await self._calls.call("export_held", request_id))
 

@@ -70,6 +70,7 @@ logger = logging.getLogger("adapters.engine_core")
 METHODS: Final = frozenset({
     "prefill", "export_held", "export_prefix", "import_prefix", "release_held", "decode_held", "install",
     "receive_segment", "install_segments", "cancel", "prefix_summary", "evict_prefixes",
+    "send_pieces_on_device",
 })
 SNAPSHOT_EVERY_S: Final = 0.1
 

@@ -42,7 +42,7 @@ from adapters.mlx.distributed import (
     refuse_pipelined_handoff,
 )
 from adapters.mlx.jobs import Local, StreamSend, engine_failed, engine_lost
-from adapters.mlx.kv_out import pieces_of, segment_sink
+from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
@@ -102,6 +102,7 @@ class MlxEngine:
         self._device.perform = self._performer.perform
         self._arriving = ArrivingPieces(self._callers, self._device, self._post,
                                         lambda: (self._performer.classes, self.info.fingerprint))
+        self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -226,9 +227,18 @@ class MlxEngine:
         sink = (segment_sink(segments, trio_token, self.info.fingerprint, request_id,
                              device=device_pieces and self.info.device_pieces)
                 if cuts and segments is not None else None)
-        outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
-                                                   Local(matcher=matcher, segment_sink=sink))
+        if sink is not None:
+            self._handouts[request_id] = sink
+        try:
+            outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
+                                                       Local(matcher=matcher, segment_sink=sink))
+        finally:
+            self._handouts.pop(request_id, None)
         return outcome
+
+    async def send_pieces_on_device(self, request_id: RequestId) -> bool:
+        handout = self._handouts.get(request_id)
+        return handout is not None and self.info.device_pieces and handout.on_device()
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         if self._pipelined:

@@ -76,6 +76,14 @@ class PieceHandout:
         post(self._trio_token, self._segments, KvSegment(start, stop, first_layer, end_layer, payload,
                                                          last_step_started))
 
+    def on_device(self) -> bool:
+        """From the next piece on, pieces stay in GPU memory (the receiver said so after the
+        prefill began: a streamed handoff the router started); False where they cannot. Called
+        from trio: the device thread reads `_arena` once per piece, either value is whole."""
+        if self._arena is None:
+            self._arena = device_pieces.arena()
+        return self._arena is not None
+
     def _on_device(self, arrays: list[Any], dtype: Any, token_count: int) -> KvPieces | None:
         """The piece as a device piece document, its arrays copied into the arena (computed with
         their step: this only waits for it); None when it goes the host's way."""

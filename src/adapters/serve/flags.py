@@ -98,11 +98,13 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                               "are; peers learn it from /internal/info and fall back to the HTTP port when "
                               "it cannot be reached (default auto: a free port on the listen address; off: "
                               "KV bodies go through the HTTP port, as they always do under TLS)")
-    router.add_argument("--kv-handoff", choices=["stream", "pull"], default="stream",
+    router.add_argument("--kv-handoff", choices=["stream", "stream-via-decode", "pull"], default="stream",
                         help="router: how a prompt's KV moves from its prefill node to its decode node: "
-                             "stream (the decode node learns of the request at once and receives each "
-                             "piece of the KV as the prefill node computes it; the default), or pull (the "
-                             "decode node fetches the whole KV after the first token)")
+                             "stream (the router starts the prefill and tells the decode node at once; it "
+                             "receives each piece of the KV as the prefill node computes it; the default), "
+                             "stream-via-decode (the same stream, but the decode node asks the prefill node "
+                             "to prefill: one hop more before the prefill starts), or pull (the decode node "
+                             "fetches the whole KV after the first token)")
     router.add_argument("--prefill-overflow", choices=["on", "off"], default="on",
                         help="router: when every prefill node already has at least a prompt's worth of "
                              "prefill queued, a decode node that is prefilling nothing itself takes the "

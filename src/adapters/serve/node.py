@@ -517,10 +517,11 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
         lines.routed(request_id, choice.route.value)
         return choice
 
-    modes = HandoffModes(docs, partial(_node_document, peers), stream=args.kv_handoff == "stream")
+    modes = HandoffModes(docs, partial(_node_document, peers), stream=args.kv_handoff != "pull",
+                         attach=args.kv_handoff == "stream")
     performer = RouterPerformer(peers, peer_set.pick, route, in_flight=peer_set.in_flight,
                                 prefilling=peer_set.prefilling, on_peer_failure=peer_set.report_failure,
-                                streams=modes.streams)
+                                streams=modes.streams, attaches=modes.attaches)
     runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=_timeouts(args), name="router")
     log_transitions(runner, "router", every=args.log_transitions)
     runner.instruments.add(RetryLines())

@@ -1,0 +1,156 @@
+"""A streamed handoff the router starts itself (`RouterPerformer(attaches=...)`): it posts the
+prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once, and the decode node
+attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
+pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
+(it is told once); a prefill that fails fails the attempt on the prefill node and leaves nothing
+on either node."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import trio
+
+from adapters.http.internal_wire import error_json
+from adapters.http.peers_httpx import HttpxPeers
+from effects.backend import router_backend
+from effects.fakes import Faults
+from effects.interpret import RouterPerformer
+from effects.ports import GenerationRequest, SamplingParams
+from effects.runner import NodeRunner, Timeouts
+from statecore.errors import Code, ErrorInfo, Fault
+from statecore.ids import RequestId
+from statecore.intents import Reject
+from statecore.routing import RouteCandidate, RouteChoice, choose_route
+from statecore.table import ROUTER_REQUEST
+from tests.integration.fake_backend import as_scripted
+from tests.integration.fake_nodes import FakeNodes, Hosts, start_fake_nodes
+
+PROMPT = list(range(1, 41))
+URLS = {"prefill": "http://prefill", "decode": "http://decode"}
+WAYS = ("attached", "via-decode", "pulled")
+
+
+class _LateReplies(Hosts):
+    """The router's `/internal/prefill` of an attached stream answers only after the decode node's
+    stream has ended: the first token reaches the router through the decode node first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_done = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/internal/decode":
+            self.decode_done.set()
+        elif request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await self.decode_done.wait()
+        return response
+
+
+class _PrefillEngineLost(Hosts):
+    """The prefill node answers the router's call as a node whose engine core process died does
+    (its transport lost, in words that name no node); the decode node's calls go through."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/prefill":
+            lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
+            return httpx.Response(lost.http_status, json=error_json(lost))
+        return await super().handle_async_request(request)
+
+
+class _Routers:
+    def __init__(self, nodes: FakeNodes, nursery: trio.Nursery) -> None:
+        self.nodes = nodes
+        self.nursery = nursery
+        self.peers: list[HttpxPeers] = []
+        self.failures: list[tuple[str, ErrorInfo]] = []
+
+    async def generate(self, way: str, rid: str, prompt: Sequence[int] = PROMPT) -> list[Any]:
+        """One request through a router of its own that hands off `way`: its outputs."""
+        peers = HttpxPeers(transport=self.nodes.hosts)
+        self.peers.append(peers)
+
+        def route(avoid: set[str], prompt: Sequence[int], request_id: str) -> RouteChoice:
+            return choose_route(len(prompt), [RouteCandidate(URLS["decode"], 0)], 0, 0)
+
+        performer = RouterPerformer(peers, lambda role, *_: URLS[role], route, max_attempts=1,
+                                    on_peer_failure=lambda node, error: self.failures.append((node, error)),
+                                    streams=lambda prefill, decode: way != "pulled",
+                                    attaches=lambda prefill, decode: way == "attached")
+        runner: NodeRunner[Any] = NodeRunner(ROUTER_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))
+        await self.nursery.start(runner.run)
+        backend = router_backend(runner, performer, lambda: self.nodes.prefill.info, local_prefill_below=0)
+        generation = await backend.start(GenerationRequest(RequestId(rid), tuple(prompt), SamplingParams(5)))
+        return [output async for output in generation]
+
+    def assert_nothing_left(self) -> None:
+        for role in ("prefill", "decode"):
+            performer = self.nodes.performers[role]
+            assert len(performer.kv_streams) == 0 and len(performer.kv_pulls) == 0, role
+            assert self.nodes.runners[role].statistics().live_requests == 0, role
+        assert not self.nodes.prefill.held and not self.nodes.decode.held
+
+
+@contextlib.asynccontextmanager
+async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None) -> AsyncIterator[_Routers]:
+    """Both fake nodes (behind `hosts`) and the routers a test makes; every client closed after."""
+    built = _Routers(await start_fake_nodes(nursery, hosts), nursery)
+    try:
+        yield built
+    finally:
+        for peers in [built.nodes.peers, *built.peers]:
+            await peers.aclose()
+
+
+async def _settled(routers: _Routers) -> None:
+    """The nodes' parts end a moment after the router's (the decode node's DELETE, the cancels)."""
+    with trio.fail_after(5):
+        while any(routers.nodes.runners[role].statistics().live_requests for role in ("prefill", "decode")):
+            await trio.sleep(0.01)
+    routers.assert_nothing_left()
+
+
+async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio.Nursery) -> None:
+    async with _routers(nursery) as routers:
+        answers = {way: [as_scripted(output) for output in await routers.generate(way, f"r-{way}")]
+                   for way in WAYS}
+        assert answers["attached"] == answers["via-decode"] == answers["pulled"]
+        records = {record["request_id"]: record
+                   for record in routers.nodes.performers["decode"].handoffs.snapshot()["records"]}
+        assert (records["r-attached"]["streamed"], records["r-attached"]["attached"]) == (True, True)
+        assert (records["r-via-decode"]["streamed"], records["r-via-decode"]["attached"]) == (True, False)
+        # the attached stream's prefill was asked by the router, with the decode node's call beside it
+        assert routers.nodes.hosts.queries.count(("/internal/prefill", "")) == 2  # attached, pulled
+        await _settled(routers)
+
+
+async def test_the_first_token_is_told_once_when_the_decode_node_brings_it_first(
+        nursery: trio.Nursery) -> None:
+    async with _routers(nursery, _LateReplies()) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        attached = [as_scripted(output) for output in await routers.generate("attached", "r-attached")]
+        assert attached == pulled
+        await _settled(routers)
+
+
+async def test_a_prefill_that_fails_fails_the_attempt_alone(nursery: trio.Nursery) -> None:
+    async with _routers(nursery) as routers:
+        routers.nodes.prefill.faults = Faults(fail={"prefill"})
+        outputs = await routers.generate("attached", "r-failed", [*PROMPT, Faults().marker])
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.INJECTED_FAULT
+        await _settled(routers)
+
+
+async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nursery) -> None:
+    """The decode node's attach then finds no prefill: the router's cancel ends its wait at once."""
+    async with _routers(nursery, _PrefillEngineLost()) as routers:
+        outputs = await routers.generate("attached", "r-lost")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
