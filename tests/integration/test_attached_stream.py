@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,8 +18,9 @@ import trio
 
 from adapters.http.internal_wire import error_json
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv.shm_outbox import ShmOutbox
 from effects.backend import router_backend
-from effects.fakes import Faults
+from effects.fakes import Faults, fake_info
 from effects.interpret import RouterPerformer
 from effects.ports import GenerationRequest, SamplingParams
 from effects.runner import NodeRunner, Timeouts
@@ -96,9 +99,11 @@ class _Routers:
 
 
 @contextlib.asynccontextmanager
-async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None) -> AsyncIterator[_Routers]:
-    """Both fake nodes (behind `hosts`) and the routers a test makes; every client closed after."""
-    built = _Routers(await start_fake_nodes(nursery, hosts), nursery)
+async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None,
+                   **nodes: Any) -> AsyncIterator[_Routers]:
+    """Both fake nodes (behind `hosts`; `nodes`: as `start_fake_nodes` takes) and the routers a
+    test makes; every client closed after."""
+    built = _Routers(await start_fake_nodes(nursery, hosts, **nodes), nursery)
     try:
         yield built
     finally:
@@ -154,3 +159,31 @@ async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nurse
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
         await _settled(routers)
+
+
+async def test_how_a_decode_node_takes_pieces_is_remembered_for_its_next_stream(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Where the decode node that attached took pieces in GPU memory, the prefill node makes the
+    next stream's pieces so from its start; a decode node that then cannot read them fails that
+    request (typed) and its next one goes the host's way again."""
+    outbox = ShmOutbox(checksum=False, max_bytes=16 << 20, directory=str(tmp_path))
+    cuda_like = replace(fake_info(), device_pieces=True)  # a prefill node that offers device pieces
+    try:
+        async with _routers(nursery, prefill_info=cuda_like, shm=outbox) as routers:
+            decode_peers = routers.nodes.peers
+            decode_peers.takes_device_pieces = True
+            pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+            first = [as_scripted(output) for output in await routers.generate("attached", "r-1")]
+            second = [as_scripted(output) for output in await routers.generate("attached", "r-2")]
+            decode_peers.takes_device_pieces = False  # as a decode node that cannot read them
+            refused = await routers.generate("attached", "r-3")
+            fourth = [as_scripted(output) for output in await routers.generate("attached", "r-4")]
+            assert first == second == fourth == pulled
+            assert isinstance(refused[-1], Reject) and refused[-1].error.code is Code.KV_MALFORMED, refused
+            sent = {record["request_id"]: record["transport"]
+                    for record in routers.nodes.performers["prefill"].handoffs.snapshot()["records"]}
+            # r-1 learns it at its attach; r-2 is made so from its start; r-4 after the refusal
+            assert (sent["r-1"], sent["r-2"], sent["r-4"]) == ("shm", "gpu", "shm"), sent
+            await _settled(routers)
+    finally:
+        outbox.close()
