@@ -29,7 +29,7 @@ from statecore.ids import RequestId
 from statecore.intents import Reject
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import ROUTER_REQUEST
-from tests.integration.fake_backend import as_scripted
+from tests.integration.fake_backend import as_scripted, completed
 from tests.integration.fake_nodes import FakeNodes, Hosts, start_fake_nodes
 
 PROMPT = list(range(1, 41))
@@ -90,12 +90,17 @@ class _Routers:
         generation = await backend.start(GenerationRequest(RequestId(rid), tuple(prompt), SamplingParams(5)))
         return [output async for output in generation]
 
-    def assert_nothing_left(self) -> None:
+    def left(self) -> list[str]:
+        """What either node still holds or waits for."""
+        found = []
         for role in ("prefill", "decode"):
-            performer = self.nodes.performers[role]
-            assert len(performer.kv_streams) == 0 and len(performer.kv_pulls) == 0, role
-            assert self.nodes.runners[role].statistics().live_requests == 0, role
-        assert not self.nodes.prefill.held and not self.nodes.decode.held
+            performer, runner = self.nodes.performers[role], self.nodes.runners[role]
+            if len(performer.kv_streams) or len(performer.kv_pulls) or runner.statistics().live_requests:
+                found.append(f"{role}: streams {len(performer.kv_streams)}, pulls {len(performer.kv_pulls)}, "
+                             f"live {runner.statistics().live_requests}")
+        found += [f"{role} holds {sorted(engine.held)}" for role, engine in
+                  (("prefill", self.nodes.prefill), ("decode", self.nodes.decode)) if engine.held]
+        return found
 
 
 @contextlib.asynccontextmanager
@@ -112,11 +117,12 @@ async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None,
 
 
 async def _settled(routers: _Routers) -> None:
-    """The nodes' parts end a moment after the router's (the decode node's DELETE, the cancels)."""
-    with trio.fail_after(5):
-        while any(routers.nodes.runners[role].statistics().live_requests for role in ("prefill", "decode")):
+    """Nothing is left on either node: their parts end a moment after the router's (the decode
+    node's DELETE, the cancels)."""
+    with trio.move_on_after(5):
+        while routers.left():
             await trio.sleep(0.01)
-    routers.assert_nothing_left()
+    assert not routers.left(), routers.left()
 
 
 async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio.Nursery) -> None:
@@ -187,3 +193,11 @@ async def test_how_a_decode_node_takes_pieces_is_remembered_for_its_next_stream(
             await _settled(routers)
     finally:
         outbox.close()
+
+
+async def test_a_first_token_that_ends_the_request_ends_both_calls(nursery: trio.Nursery) -> None:
+    async with _routers(nursery) as routers:
+        routers.nodes.prefill.eos_at = 1
+        outputs = [as_scripted(output) for output in await routers.generate("attached", "r-eos")]
+        assert outputs == [completed("stop")]
+        await _settled(routers)
