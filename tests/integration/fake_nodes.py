@@ -14,8 +14,10 @@ from starlette.applications import Starlette
 
 from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv.shm_outbox import ShmOutbox
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
+from effects.ports import ModelInfo
 from effects.runner import NodeRunner, Timeouts
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
@@ -43,11 +45,12 @@ class FakeNodes:
     runners: dict[str, NodeRunner[Any]]
 
 
-async def start_fake_nodes(nursery: trio.Nursery, hosts: Hosts | None = None) -> FakeNodes:
+async def start_fake_nodes(nursery: trio.Nursery, hosts: Hosts | None = None, *,
+                           prefill_info: ModelInfo | None = None, shm: ShmOutbox | None = None) -> FakeNodes:
     """Both nodes' runners started in `nursery`, their routes behind `hosts` (a new `Hosts` by
-    default)."""
+    default); the prefill node's engine says `prefill_info` and offers `shm` where given."""
     hosts = Hosts() if hosts is None else hosts
-    engines = {"prefill": FakeEngine(), "decode": FakeEngine()}
+    engines = {"prefill": FakeEngine(info=prefill_info), "decode": FakeEngine()}
     node_peers = HttpxPeers(transport=hosts)
     performers: dict[str, EnginePerformer] = {}
     runners: dict[str, NodeRunner[Any]] = {}
@@ -56,7 +59,8 @@ async def start_fake_nodes(nursery: trio.Nursery, hosts: Hosts | None = None) ->
         machine = PREFILL_REQUEST if role == "prefill" else DECODE_REQUEST
         runner: NodeRunner[Any] = NodeRunner(machine, performer, timeouts=Timeouts(deadline_s=5.0), name=role)
         await nursery.start(runner.run)
-        app = Starlette(routes=NodeApi(role, engine, runner, performer).routes())
+        api = NodeApi(role, engine, runner, performer, shm=shm if role == "prefill" else None)
+        app = Starlette(routes=api.routes())
         hosts.transports[role] = httpx.ASGITransport(app=app)
         performers[role], runners[role] = performer, runner
     return FakeNodes(engines["prefill"], engines["decode"], hosts, node_peers, performers, runners)

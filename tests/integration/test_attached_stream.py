@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,8 +18,9 @@ import trio
 
 from adapters.http.internal_wire import error_json
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv.shm_outbox import ShmOutbox
 from effects.backend import router_backend
-from effects.fakes import Faults
+from effects.fakes import Faults, fake_info
 from effects.interpret import RouterPerformer
 from effects.ports import GenerationRequest, SamplingParams
 from effects.runner import NodeRunner, Timeouts
@@ -26,7 +29,7 @@ from statecore.ids import RequestId
 from statecore.intents import Reject
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import ROUTER_REQUEST
-from tests.integration.fake_backend import as_scripted
+from tests.integration.fake_backend import as_scripted, completed
 from tests.integration.fake_nodes import FakeNodes, Hosts, start_fake_nodes
 
 PROMPT = list(range(1, 41))
@@ -87,18 +90,25 @@ class _Routers:
         generation = await backend.start(GenerationRequest(RequestId(rid), tuple(prompt), SamplingParams(5)))
         return [output async for output in generation]
 
-    def assert_nothing_left(self) -> None:
+    def left(self) -> list[str]:
+        """What either node still holds or waits for."""
+        found = []
         for role in ("prefill", "decode"):
-            performer = self.nodes.performers[role]
-            assert len(performer.kv_streams) == 0 and len(performer.kv_pulls) == 0, role
-            assert self.nodes.runners[role].statistics().live_requests == 0, role
-        assert not self.nodes.prefill.held and not self.nodes.decode.held
+            performer, runner = self.nodes.performers[role], self.nodes.runners[role]
+            if len(performer.kv_streams) or len(performer.kv_pulls) or runner.statistics().live_requests:
+                found.append(f"{role}: streams {len(performer.kv_streams)}, pulls {len(performer.kv_pulls)}, "
+                             f"live {runner.statistics().live_requests}")
+        found += [f"{role} holds {sorted(engine.held)}" for role, engine in
+                  (("prefill", self.nodes.prefill), ("decode", self.nodes.decode)) if engine.held]
+        return found
 
 
 @contextlib.asynccontextmanager
-async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None) -> AsyncIterator[_Routers]:
-    """Both fake nodes (behind `hosts`) and the routers a test makes; every client closed after."""
-    built = _Routers(await start_fake_nodes(nursery, hosts), nursery)
+async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None,
+                   **nodes: Any) -> AsyncIterator[_Routers]:
+    """Both fake nodes (behind `hosts`; `nodes`: as `start_fake_nodes` takes) and the routers a
+    test makes; every client closed after."""
+    built = _Routers(await start_fake_nodes(nursery, hosts, **nodes), nursery)
     try:
         yield built
     finally:
@@ -107,11 +117,12 @@ async def _routers(nursery: trio.Nursery, hosts: Hosts | None = None) -> AsyncIt
 
 
 async def _settled(routers: _Routers) -> None:
-    """The nodes' parts end a moment after the router's (the decode node's DELETE, the cancels)."""
-    with trio.fail_after(5):
-        while any(routers.nodes.runners[role].statistics().live_requests for role in ("prefill", "decode")):
+    """Nothing is left on either node: their parts end a moment after the router's (the decode
+    node's DELETE, the cancels)."""
+    with trio.move_on_after(5):
+        while routers.left():
             await trio.sleep(0.01)
-    routers.assert_nothing_left()
+    assert not routers.left(), routers.left()
 
 
 async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio.Nursery) -> None:
@@ -153,4 +164,40 @@ async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nurse
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+async def test_how_a_decode_node_takes_pieces_is_remembered_for_its_next_stream(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Where the decode node that attached took pieces in GPU memory, the prefill node makes the
+    next stream's pieces so from its start; a decode node that then cannot read them fails that
+    request (typed) and its next one goes the host's way again."""
+    outbox = ShmOutbox(checksum=False, max_bytes=16 << 20, directory=str(tmp_path))
+    cuda_like = replace(fake_info(), device_pieces=True)  # a prefill node that offers device pieces
+    try:
+        async with _routers(nursery, prefill_info=cuda_like, shm=outbox) as routers:
+            decode_peers = routers.nodes.peers
+            decode_peers.takes_device_pieces = True
+            pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+            first = [as_scripted(output) for output in await routers.generate("attached", "r-1")]
+            second = [as_scripted(output) for output in await routers.generate("attached", "r-2")]
+            decode_peers.takes_device_pieces = False  # as a decode node that cannot read them
+            refused = await routers.generate("attached", "r-3")
+            fourth = [as_scripted(output) for output in await routers.generate("attached", "r-4")]
+            assert first == second == fourth == pulled
+            assert isinstance(refused[-1], Reject) and refused[-1].error.code is Code.KV_MALFORMED, refused
+            sent = {record["request_id"]: record["transport"]
+                    for record in routers.nodes.performers["prefill"].handoffs.snapshot()["records"]}
+            # r-1 learns it at its attach; r-2 is made so from its start; r-4 after the refusal
+            assert (sent["r-1"], sent["r-2"], sent["r-4"]) == ("shm", "gpu", "shm"), sent
+            await _settled(routers)
+    finally:
+        outbox.close()
+
+
+async def test_a_first_token_that_ends_the_request_ends_both_calls(nursery: trio.Nursery) -> None:
+    async with _routers(nursery) as routers:
+        routers.nodes.prefill.eos_at = 1
+        outputs = [as_scripted(output) for output in await routers.generate("attached", "r-eos")]
+        assert outputs == [completed("stop")]
         await _settled(routers)

@@ -291,10 +291,12 @@ class KvHandoff:
             self._attached_on_device[context.attach_by] = takes_device
         if context.device_pieces and not takes_device:
             items.close()
+            unreadable = ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                   f"request {rid}'s pieces are in GPU memory, which the decode node that "
+                                   "attached cannot read; its next request's will not be")
+            self.performer.kv_streams.send(rid, unreadable)  # the router's call hears it too
             await self.runner.post(rid, ClientCancelled())
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
-                                           f"request {rid}'s pieces are in GPU memory, which the decode node "
-                                           "that attached cannot read; its next request's will not be"))
+            raise StatecoreError(unreadable)
         if takes_device and not context.device_pieces:
             context.device_pieces = await self.engine.send_pieces_on_device(rid)
         shm = self.shared.shm if body.kv_shm else None
