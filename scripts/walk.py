@@ -162,7 +162,8 @@ async def handoff(streamed: bool) -> Walk:
             return choose_route(len(prompt), [RouteCandidate(urls["decode"], 0)], 0, 0)  # a handoff
 
         router = RouterPerformer(HttpxPeers(transport=hosts), lambda role, *_: urls[role], route,
-                                 streams=lambda prefill, decode: streamed)
+                                 streams=lambda prefill, decode: streamed,
+                                 attaches=lambda prefill, decode: streamed)  # the default stream
         runner = NodeRunner(ROUTER_REQUEST, router, name="router")
         log_transitions(runner, "router")
         metrics = Metrics("router")
