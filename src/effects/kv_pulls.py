@@ -104,6 +104,11 @@ class KvPulls:
         return sum(len(pulls) for pulls in self.pending.values())
 
 
+# How long a router-started stream whose request ended unattached says why to a decode node that
+# attaches late (the router's cancel usually reaches that node first).
+GONE_KEPT_S = 10.0
+
+
 class _FirstReply:
     """A router-started stream's first token (or why it will not come), for the router's call."""
 
@@ -135,6 +140,10 @@ class KvStreams:
         self._unattached: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
         self._first: dict[RequestId, _FirstReply] = {}  # router-started streams' first tokens
         self._opened: dict[RequestId, trio.Event] = {}  # decode nodes that came first, waiting
+        # router-started streams whose request ended before a decode node attached: why (the error
+        # that ended it, else `ended_before_sent`), for a decode node that attaches later, until when
+        self._gone: dict[RequestId, tuple[ErrorInfo, float]] = {}
+        self._last_error: dict[RequestId, ErrorInfo] = {}  # an unattached stream's last item, an error
 
     def open(self, request_id: RequestId, prompt_tokens: int, layers: int
              ) -> trio.MemoryReceiveChannel[StreamItem]:
@@ -160,18 +169,30 @@ class KvStreams:
     async def attach(self, request_id: RequestId, wait_s: float) -> trio.MemoryReceiveChannel[StreamItem]:
         """The reading end of the router-started stream of the request, for the decode node that
         attaches to it (once); waits up to `wait_s` for the router's call to open it (the two calls
-        race). KV_NOT_FOUND when none opens, or it was attached to, or its request ended."""
-        if request_id not in self._unattached and request_id not in self.open_streams:
+        race). A request that ended before anyone attached raises why it ended (its error, as the
+        stream would have said it) for `wait_s` after; KV_NOT_FOUND when none opens, or it was
+        attached to."""
+        self._forget_gone()
+        if request_id not in self._unattached and request_id not in self.open_streams \
+                and request_id not in self._gone:
             arrived = self._opened.setdefault(request_id, trio.Event())
             with trio.move_on_after(wait_s):
                 await arrived.wait()
             if self._opened.get(request_id) is arrived:
                 del self._opened[request_id]
+        if (gone := self._gone.pop(request_id, None)) is not None:
+            raise StatecoreError(gone[0])
         receive = self._unattached.pop(request_id, None)
+        self._last_error.pop(request_id, None)
         if receive is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
                                            f"no prefill of request {request_id} waits for its decode node"))
         return receive
+
+    def _forget_gone(self) -> None:
+        now = trio.current_time()
+        for request_id in [rid for rid, (_, until) in self._gone.items() if until < now]:
+            del self._gone[request_id]
 
     async def first_reply(self, request_id: RequestId) -> PrefillReply | ErrorInfo:
         """A router-started stream's first token, as soon as the prefill tells it (ahead of its
@@ -188,6 +209,8 @@ class KvStreams:
             first.tell(item)
         send = self.open_streams.get(request_id)
         if send is not None:
+            if isinstance(item, ErrorInfo) and request_id in self._unattached:
+                self._last_error[request_id] = item
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait(item)
             if item is None or isinstance(item, ErrorInfo):
@@ -199,7 +222,11 @@ class KvStreams:
         self.send(request_id, ended_before_sent(request_id))
         self._first.pop(request_id, None)
         if (unattached := self._unattached.pop(request_id, None)) is not None:
-            unattached.close()
+            unattached.close()  # its pieces go; why it ended stays for a decode node still to come
+            why = self._last_error.pop(request_id, None) or ended_before_sent(request_id)
+            self._gone[request_id] = (why, trio.current_time() + GONE_KEPT_S)
+            if (arrived := self._opened.pop(request_id, None)) is not None:
+                arrived.set()
 
     def _close(self, request_id: RequestId) -> None:
         send = self.open_streams.pop(request_id, None)

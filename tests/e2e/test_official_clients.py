@@ -2,10 +2,10 @@
 cluster on real processes: every served parameter and endpoint, whole and streamed, and the same
 answer from both where the output is deterministic (greedy, or seeded), ids and times aside.
 Every engine node serves a LoRA adapter (`--adapters story=...`, a request names it in
-`adapters`), and the decode node drafts with a draft model (`--draft-model`, the model itself, so
-its drafts stand): every case below that may speculate (no adapter named, no logprobs, no logits
-shaping, no grammar) runs through verify steps on the router's path and must still give the
-single node's bytes.
+`adapters`; one more single node applies it to every request, `--adapter-path`), and the decode
+node drafts with a draft model (`--draft-model`, the model itself, so its drafts stand): every
+case below that may speculate (no adapter named, no logprobs, no logits shaping, no grammar)
+runs through verify steps on the router's path and must still give the single node's bytes.
 
 The tiny random model never calls a tool by itself, so tools are checked here for what reaches
 the model (the same prompt on both paths, and a reply); parsing calls is tested on a scripted
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -45,9 +46,27 @@ MODEL = cached_checkpoint("llama").name  # the served name: the model directory'
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_lora_adapter(cached_checkpoint("llama"), tmp_path_factory.mktemp("adapter"))
+
+
+@pytest.fixture(scope="module")
+def adapted_loading(tmp_path_factory: pytest.TempPathFactory, adapter: Path) -> Iterator[Node]:
+    """A single node applying the adapter to every request (`--adapter-path`, mlx_lm.server's
+    flag), started before the cluster so that it loads while the cluster does."""
+    node = Node("single", ["--model", str(cached_checkpoint("llama")), "--adapter-path", str(adapter)],
+                tmp_path_factory.mktemp("logs-adapted") / "single.log")
+    node.start()
+    try:
+        yield node
+    finally:
+        assert node.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, adapter: Path,
+            adapted_loading: Node) -> Iterator[Cluster]:
     model = cached_checkpoint("llama")
-    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("adapter"))
     built = start_cluster(model, tmp_path_factory.mktemp("logs-clients"),
                           node_args=("--adapters", f"story={adapter}"),
                           decode_args=("--draft-model", str(model), "--num-draft-tokens", "3"))
@@ -257,6 +276,41 @@ def test_a_request_s_adapter_through_the_openai_client(cluster: Cluster) -> None
             client(node).completions.create(model=MODEL, prompt=STORY, max_tokens=4,
                                             extra_body={"adapters": "poem"})
         assert refused.value.param == "adapters" and "'story'" in refused.value.message
+
+
+@pytest.fixture(scope="module")
+def adapted(adapted_loading: Node) -> Node:
+    adapted_loading.wait_healthy()
+    return adapted_loading
+
+
+def test_a_node_started_with_an_adapter_path_answers_as_mlx_lm_with_that_adapter(
+        cluster: Cluster, adapted: Node, adapter: Path) -> None:
+    """`--adapter-path` through the openai client: a greedy completion is the text of mlx-lm's own
+    tokens with the adapter applied (not the base model's), whole and streamed; a chat, greedy and
+    seeded, is what a request naming the same adapter (`adapters`) gets on a node serving it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load as mlx_lm_load
+
+    gpt = client(adapted)
+    ids = [(7 * i + 3) % 400 + 20 for i in range(40)]
+    model, tokenizer = mlx_lm_load(str(cached_checkpoint("llama")), adapter_path=str(adapter))[:2]
+    expected = [int(token) for token, _ in generate_step(mx.array(ids), model, max_tokens=24)]
+    whole = gpt.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0).model_dump()
+    streamed = "".join(chunk.choices[0].text for chunk in gpt.completions.create(
+        model=MODEL, prompt=ids, max_tokens=24, temperature=0, stream=True) if chunk.choices)
+    base = client(cluster.single).completions.create(model=MODEL, prompt=ids, max_tokens=24,
+                                                     temperature=0).model_dump()
+    assert whole["choices"][0]["text"] == streamed == tokenizer.decode(expected)
+    assert base["choices"][0]["text"] != streamed
+    for params in ({"temperature": 0}, {"temperature": 0.8, "seed": 11, "top_p": 0.9}):
+        chat: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 24, **params}
+        applied = client(adapted).chat.completions.create(**chat).model_dump()
+        named = client(cluster.single).chat.completions.create(
+            **chat, extra_body={"adapters": "story"}).model_dump()
+        assert stable(applied) == stable(named)
+    assert_no_leaks([adapted])
 
 
 def test_chat_template_kwargs_through_the_official_clients(cluster: Cluster) -> None:

@@ -87,3 +87,35 @@ async def test_a_failed_prefill_s_error_reaches_both_calls() -> None:
     assert await streams.first_reply(RID) == failed
     receive = await streams.attach(RID, wait_s=1)
     assert await _read_all(receive) == [failed]
+
+
+async def test_a_decode_node_that_attaches_after_the_request_failed_hears_why() -> None:
+    streams = KvStreams()
+    streams.open_for_attach(RID, 4, 2)
+    streams.send(RID, PIECE)
+    streams.send(RID, FIRST)
+    failed = ErrorInfo(Fault.BUG, Code.INJECTED_FAULT, "injected fault in kv_encode")
+    streams.send(RID, failed)
+    streams.end(RID)  # the request failed and ended before its decode node attached
+    assert len(streams) == 0 and RID not in streams  # its pieces are gone
+    with pytest.raises(StatecoreError) as late:
+        await streams.attach(RID, wait_s=5)
+    assert late.value.info == failed  # at once, not after the wait
+
+
+async def test_a_decode_node_waiting_when_the_request_ends_hears_it_at_once() -> None:
+    streams = KvStreams()
+    heard: list[ErrorInfo] = []
+
+    async def attach() -> None:
+        with pytest.raises(StatecoreError) as gone:
+            await streams.attach(RID, wait_s=30)
+        heard.append(gone.value.info)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attach)
+            await trio.testing.wait_all_tasks_blocked()
+            streams.open_for_attach(RID, 4, 2)
+            streams.end(RID)  # cancelled before anyone attached
+    assert [info.code for info in heard] == [Code.KV_NOT_FOUND]
