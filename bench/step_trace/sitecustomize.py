@@ -42,7 +42,14 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.managed_memory": [(None, "to_host"), (None, "to_device")],
     "adapters.kv.frames": [(None, "end_frame")],
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
-    "adapters.mlx.arriving": [],
+    "adapters.mlx.arriving": [("ArrivingPieces", "receive"), ("ArrivingPieces", "_keep")],
+    # a streamed handoff's join on a decode node: its pieces staged, its install, its first steps
+    "adapters.mlx.performer": [("Performer", "join"), ("Performer", "stage")],
+    "adapters.mlx.staging": [("StagedSlots", "stage"), ("StagedSlots", "write_some"),
+                             ("StagedSlots", "ready")],
+    "adapters.mlx.device": [("DeviceLoop", "keep_joined")],
+    "adapters.mlx.slot_lane": [("SlotLane", "enter"), ("SlotLane", "build")],
+    "adapters.mlx.slots": [("SlotPool", "reserve")],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

@@ -282,3 +282,121 @@ async def test_a_piece_in_gpu_memory_reaching_a_node_that_reads_none_fails_that_
         assert raised.value.info.code is Code.KV_MALFORMED and "GPU memory" in raised.value.info.message
         await decode.cancel(RequestId("d"))
         assert await served(decode, "next", prompt) == await served(source, "alone", prompt)
+
+
+@pytest.mark.parametrize("max_tokens", [24, 2])
+async def test_a_staged_prompt_is_kept_after_its_first_step_and_its_next_turn_is_exact(
+    max_tokens: int,
+) -> None:
+    """On a decode node that keeps conversations, a staged handoff's whole chunks go into the
+    prefix cache once its first decode step is read back, not on the step it joins (the copy
+    came before its second token); one that ends at that step keeps them too. Its tokens are the
+    single node's, and its next turn starts from the kept chunks with the single node's tokens."""
+    async with opened_engines() as opened:
+        source, _ = await source_and_decode(opened, max_batch=2)
+        decode = await load_into(opened, cached_checkpoint("llama"), prefill_chunk_size=CHUNK,
+                                 step_target_ms=0.0, max_batch=2, keep_conversations=True)
+        device = decode._device
+        counted_at_keep: list[int] = []  # the request's decode tokens counted when its chunks were kept
+        keep_installed = device.keeping.keep_installed
+
+        def recording(tokens: Sequence[int], cache: list[Any]) -> None:
+            live = device.live.get("new")
+            counted_at_keep.append(-1 if live is None else sampling.max_tokens - 1 - live.remaining)
+            keep_installed(tokens, cache)
+
+        device.keeping.keep_installed = recording  # type: ignore[method-assign]
+        sampling = replace(GREEDY, max_tokens=max_tokens)
+        newcomer = prompt_of(70, salt=9)  # blocks end at 16, 32, 48, 64
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        for piece in pieces:
+            await decode.receive_segment(RequestId("new"), piece, len(newcomer), max_tokens=max_tokens)
+        await decode.install_segments(RequestId("new"), newcomer, first_token, sampling)
+        tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        assert tokens == await served(source, "alone", newcomer, sampling)
+        assert counted_at_keep == [1]
+        assert decode.statistics().prefix_cache_bytes > 0
+        second = [*newcomer, *tokens, *prompt_of(5, salt=4)]
+        outcome = await decode.prefill(RequestId("next"), second, GREEDY)
+        assert outcome.cached_tokens >= 64
+        await decode.decode_held(RequestId("next"), second, outcome.first_token, GREEDY)
+        following = [outcome.first_token] + [g.token async for g in decode.stream(RequestId("next"))]
+        assert following == await served(source, "next-alone", second)
+
+
+async def test_a_handed_off_prompt_whose_keep_raises_still_decodes_exactly() -> None:
+    """Keeping a handed-off prompt's chunks is a saving, never the request's fate: a copy that
+    raises after its first step keeps nothing, and the request and its neighbour decode on as a
+    single node's."""
+    async with opened_engines() as opened:
+        source, _ = await source_and_decode(opened, max_batch=2)
+        decode = await load_into(opened, cached_checkpoint("llama"), prefill_chunk_size=CHUNK,
+                                 step_target_ms=0.0, max_batch=2, keep_conversations=True)
+
+        def raising(tokens: Sequence[int], cache: list[Any]) -> None:
+            raise RuntimeError("injected: the keep's copy failed")
+
+        decode._device.keeping.keep_installed = raising  # type: ignore[method-assign]
+        newcomer, neighbour = prompt_of(70, salt=10), prompt_of(30, salt=11)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        got: dict[str, list[int]] = {}
+
+        async def neighbour_row() -> None:
+            got["b"] = await served(decode, "b", neighbour)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(neighbour_row)
+            await decoding(decode, 1)
+            for piece in pieces:
+                await decode.receive_segment(RequestId("new"), piece, len(newcomer),
+                                             max_tokens=GREEDY.max_tokens)
+            await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+            got["new"] = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        assert got["new"] == await served(source, "alone", newcomer)
+        assert got["b"] == await served(source, "b-alone", neighbour)
+        prefix = decode._device.prefix
+        assert prefix is not None and prefix.index.cached(prefix.keys_of(newcomer)) == 0
+        assert decode._device.pool is not None and decode._device.pool.free_slots == 2
+
+
+async def test_on_the_cpu_a_slot_row_s_token_leaves_before_the_batch_lane_steps() -> None:
+    """A row in the slot lane beside one too long for a slot (the batch lane): on the CPU, where
+    a step's launch computes it, each slot step's token is handed out before the batch lane
+    computes its own step (a handed-off request's second token waited for it)."""
+    async with opened_engines() as opened:
+        engine = await load_into(opened, cached_checkpoint("llama"), prefill_chunk_size=CHUNK,
+                                 step_target_ms=0.0, max_batch=2, max_slot_tokens=128)
+        device = engine._device
+        long_run, short_run = replace(GREEDY, max_tokens=200), replace(GREEDY, max_tokens=24)
+        built = [0]  # slot steps built with the short row
+        behind: list[int] = []  # at each batch-lane step: its slot steps built less its tokens counted
+        build, batch_step = device.slots.build, device.batch.step
+
+        def counting_build(rows: list[Any]) -> Any:
+            built[0] += any(live.request_id == "short" for live in rows)
+            return build(rows)
+
+        def watching_step() -> None:
+            live = device.live.get("short")
+            if live is not None and live.slot is not None and built[0]:
+                behind.append(built[0] - (short_run.max_tokens - 1 - live.remaining))
+            batch_step()
+
+        device.slots.build = counting_build  # type: ignore[method-assign]
+        device.batch.step = watching_step  # type: ignore[method-assign]
+        got: dict[str, list[int]] = {}
+
+        async def run(name: str, prompt: list[int], sampling: SamplingParams) -> None:
+            got[name] = await served(engine, name, prompt, sampling)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "long", prompt_of(20, salt=12), long_run)
+            await decoding(engine, 1)
+            nursery.start_soon(run, "short", prompt_of(20, salt=13), short_run)
+            await decoding(engine, 2)
+            with trio.fail_after(60):
+                while "short" not in got:
+                    await trio.sleep(0.005)
+            await engine.cancel(RequestId("long"))
+        assert len(behind) >= 10 and set(behind) == {0}, behind
+        assert got["short"] == await served(engine, "short-again", prompt_of(20, salt=13), short_run)

@@ -153,6 +153,15 @@ class StepExecutor:
                 profile.account("launch", launching)
         if previous is not None and not on_cpu:
             self.read_back(previous)
+        # On the CPU, where the launch computed it, this step's tokens leave before the lanes that
+        # evaluate on their own compute theirs (a handed-off request decodes in the slot lane
+        # while streams too long for a slot decode in the batch lane: its second token waited for
+        # the batch's step, ~a step more).
+        computed = built and on_cpu and (bool(current.finished_prefills) or not current.segments)
+        read_early = computed and loop.joins_early
+        if read_early:
+            loop.inflight = None
+            self.read_back(current)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
         if len(loop.batch):
@@ -164,8 +173,7 @@ class StepExecutor:
         # elsewhere the one read back in it (its launch waits for the one before, its read-back
         # for the rest), and this one too when it is read back at once.
         waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
-        if built and ((not loop.live and not loop.waiting)
-                      or (on_cpu and (bool(current.finished_prefills) or not current.segments))):
+        if not read_early and built and ((not loop.live and not loop.waiting) or computed):
             # Nothing else will come (or, on the CPU, it is computed and no piece in it waits on
             # the next build): read this step back now rather than on the next one.
             loop.inflight = None

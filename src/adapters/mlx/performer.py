@@ -180,7 +180,11 @@ class Performer:
         device = self.device
         request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
         first_token = command.first_token
-        cache = self.take_cache(command, local)
+        # A handed-off prompt's chunks go into the prefix cache after its first step (`Live.keep_prompt`),
+        # except on an instance, whose ranks keep the same blocks on the same step
+        keeps_later = (isinstance(command, commands.Install) and device.joins_early
+                       and not isinstance(device, LockstepLoop))
+        cache = self.take_cache(command, local, keep=not keeps_later)
         ended = finish_before_decoding(first_token, device.eos, ignore_eos=sampling.ignore_eos,
                                        max_tokens=sampling.max_tokens)
         # The tokens the prompt's last call verified after the first (speculative decoding's
@@ -193,6 +197,8 @@ class Performer:
             record = device.requests.get(request_id)
             if record is not None and record.phase is EnginePhase.HELD:
                 device.requests.remove(request_id, Finish(ended))
+            if keeps_later:  # no step of it comes: kept now, its staged slot still its own
+                device.keeping.keep_installed(tokens, cache)
             device.slots.staged.unstage(device.pool, request_id)
             device.choices.ended(sampling)
             self.forget_drafts(request_id, emitted=len(items))
@@ -220,6 +226,8 @@ class Performer:
                     prompt_tokens=len(command.tokens))
         if device.settings.keep_conversations and device.prefix is not None:
             live.conversation = [*tokens, first_token]
+        if keeps_later:
+            live.keep_prompt = (list(command.tokens), None if lane == "slot" else cache)
         device.join(live, cache, tokens, lane, reserved)
         if items:
             post(token, deliver, [(send, item, False) for item in items])
@@ -256,9 +264,11 @@ class Performer:
             room=command.request_id in device.slots.staged or device.admission.overloaded() is None,
             decoding=any(live.slot is not None for live in device.live.values()))
 
-    def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None) -> list[Any]:
+    def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None, *,
+                   keep: bool = True) -> list[Any]:
         """The cache a request decodes from: its held one, or a handed-off one (built from its
-        payload or streamed pieces; on an instance, each rank's own heads)."""
+        payload or streamed pieces; on an instance, each rank's own heads), its whole chunks
+        kept now where `keep`."""
         tokens = command.tokens
         if isinstance(command, commands.DecodeHeld):
             held = self.device.held.get(command.request_id)
@@ -293,7 +303,8 @@ class Performer:
                 caches = self.hand_out_heads(caches, local.ranges, tokens)
         # Its whole chunks kept for the conversation's next turn (on every rank alike); the next
         # step decodes only: the request's second token waits for no prefill.
-        device.keeping.keep_installed(tokens, caches)
+        if keep:
+            device.keeping.keep_installed(tokens, caches)
         device.handoff_joined = True
         return caches
 

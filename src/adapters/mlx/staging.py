@@ -32,7 +32,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 if TYPE_CHECKING:
     from adapters.mlx.rows import Live
 
-__all__ = ["STAGED_BYTES_PER_STEP", "Staged", "StagedSlots"]
+__all__ = ["STAGED_BYTES_PER_STEP", "Staged", "StagedSlots", "slot_views"]
 
 # One step's share of staged copies while rows decode: small beside a step's own traffic on a GPU
 # (a few milliseconds of host-to-device copy at the ~4 GB/s MLX reaches), a millisecond or two of
@@ -53,6 +53,17 @@ class Staged:
     pending_bytes: int = 0
     row: Live | None = None  # the request decoding on this slot, out of the steps until they are written
     lost: StatecoreError | None = None  # the pool's buffers were emptied: what it wrote is gone
+
+
+def slot_views(pool: SlotPool, slot: int, tokens: int) -> list[Any]:
+    """A slot's first `tokens` positions as one KVCache per layer, views of the pool's buffers as
+    they are now (lazy: read only if used; a view kept past the next step would make that step
+    copy the whole buffer, which it could otherwise update in place)."""
+    caches: list[Any] = []
+    for keys, values in zip(pool.keys, pool.values, strict=True):
+        caches.append(KVCache.from_state(  # type: ignore[no-untyped-call]
+            (keys[slot : slot + 1, :, :tokens, :], values[slot : slot + 1, :, :tokens, :], tokens)))
+    return caches
 
 
 def _malformed(message: str) -> StatecoreError:
@@ -200,12 +211,7 @@ class StagedSlots:
         """The staged prompt's cache as KVCache views of its slot (lazy: read only if used)."""
         assert pool is not None
         entry = self.entries[request_id]
-        slot, tokens = entry.slot, entry.prompt_tokens
-        caches: list[Any] = []
-        for keys, values in zip(pool.keys, pool.values, strict=True):
-            caches.append(KVCache.from_state(  # type: ignore[no-untyped-call]
-                (keys[slot : slot + 1, :, :tokens, :], values[slot : slot + 1, :, :tokens, :], tokens)))
-        return caches
+        return slot_views(pool, entry.slot, entry.prompt_tokens)
 
     def adopt(self, live: Live) -> Staged | None:
         """The staged slot a joining request takes as its row: no longer staged, or, while its

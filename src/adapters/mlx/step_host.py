@@ -74,6 +74,7 @@ class ExecutorHost(SpeculationHost, Protocol):
     cost: KvCost
     rates: StepRates
     handoff_joined: bool
+    joins_early: bool  # on the CPU a step's slot rows are read back before the other lanes step
     publish: Callable[[], None]
     cache_bytes: Callable[[list[Any]], int]
 
