@@ -46,7 +46,7 @@ from adapters.kv.shm_outbox import ShmOutbox
 from adapters.kv.shm_region import ShmRef
 from effects.faults import FaultPort, Phase
 from effects.interpret import EnginePerformer, NodeRequest
-from effects.kv_pulls import StreamItem
+from effects.kv_pulls import StreamItem, ended_before_sent
 from effects.ports import Engine, KvBytes, KvPieces, KvSegment, PrefillReply
 from effects.runner import NodeRunner
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -170,6 +170,17 @@ class SharedPieces:
         trio.lowlevel.spawn_system_task(release_when_overdue)
 
 
+def _why_it_ended(rid: RequestId, items: trio.MemoryReceiveChannel[StreamItem]) -> ErrorInfo:
+    """The error a stream's request ended with (its last item), else that it ended before its
+    KV was sent; the stream is closed."""
+    why = ended_before_sent(rid)
+    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel), items:
+        while True:
+            if isinstance(item := items.receive_nowait(), ErrorInfo):
+                why = item
+    return why
+
+
 class KvHandoff:
     """A prefill node's KV routes: the pull, the streamed handoff, and both on the KV plane."""
 
@@ -282,7 +293,9 @@ class KvHandoff:
         no token was sent): that decode node is remembered, and its next request goes the host's way."""
         items = await self.performer.kv_streams.attach(rid, ATTACH_WAIT_S)
         context = self.runner.context(rid)
-        if not isinstance(context, NodeRequest) or len(context.prompt) != len(body.prompt):
+        if not isinstance(context, NodeRequest):  # it ended a moment ago: say why, as its stream would
+            raise StatecoreError(_why_it_ended(rid, items))
+        if len(context.prompt) != len(body.prompt):
             items.close()
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
                                            f"request {rid} is not the prefill this decode node attaches to"))
