@@ -32,7 +32,7 @@ from effects.faults import Faults as ArmedFaults
 from effects.interpret import EnginePerformer, RouterPerformer
 from effects.ports import GenerationRequest, SamplingParams
 from effects.runner import Instrument, NodeRunner, Timeouts
-from statecore.errors import Code, ErrorInfo, Fault
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import KvTaken
 from statecore.ids import RequestId
 from statecore.intents import Reject
@@ -285,6 +285,21 @@ async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_cli
         assert node.cancels.cancelled == [rid]
         if attached:  # the router's call hears that the request ended before its KV was sent
             assert await node.answer_statuses() == [404]
+
+
+async def test_a_decode_node_that_attaches_to_another_prompt_frees_the_prefill(nursery: trio.Nursery) -> None:
+    """It hears KV_NOT_FOUND, and the request whose stream it took is cancelled (nobody else can
+    attach to it), rather than holding its cache until the lease."""
+    prompt = [*PROMPT, Faults().marker]
+    rid = RequestId("r-other")
+    async with _prefill_node(nursery, FakeEngine(Faults(stall={"prefill"}))) as node:
+        nursery.start_soon(node.router_call, rid, prompt)
+        other = _prefill_body(rid, prompt[1:], kv_attach=True).model_dump_json().encode()
+        with pytest.raises(StatecoreError) as refused:
+            await node.handoff.open_prefill_stream(other)
+        assert refused.value.info.code is Code.KV_NOT_FOUND
+        assert node.cancels.cancelled == [rid]
+        assert await node.answer_statuses() == [404]
 
 
 async def test_a_decode_node_that_attaches_during_the_admission_waits_for_it(

@@ -197,29 +197,34 @@ class KvHandoff:
         (`Engine.send_pieces_on_device`; those already handed out went the host's way). Pieces made
         so for a decode node that cannot read them fail the request (KV_MALFORMED, retried where
         no token was sent): that decode node is remembered, and its next request goes the host's way.
-        Either way a request it leaves is cancelled by its generation (`start_stream`'s)."""
+        A request whose stream its decode node leaves, here or later, is cancelled by its
+        generation (`start_stream`'s): nobody else can attach to it."""
         attached = await self.performer.kv_streams.attach(rid, ATTACH_WAIT_S)
         items = attached.items
         context = self.runner.context(rid)
         if not isinstance(context, NodeRequest):  # it ended a moment ago: say why, as its stream would
             raise StatecoreError(_why_it_ended(rid, items))
-        if len(context.prompt) != len(body.prompt):
+        try:
+            if len(context.prompt) != len(body.prompt):
+                raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
+                                               f"request {rid} is not the prefill this decode node "
+                                               "attaches to"))
+            takes_device = body.kv_shm and body.kv_device and self.engine.info.device_pieces
+            if context.attach_by is not None:
+                self._attached_on_device[context.attach_by] = takes_device
+            if context.device_pieces and not takes_device:
+                unreadable = ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
+                                       f"request {rid}'s pieces are in GPU memory, which the decode node "
+                                       "that attached cannot read; its next request's will not be")
+                self.performer.kv_streams.send(rid, unreadable)  # the router's call hears it too
+                raise StatecoreError(unreadable)
+            if takes_device and not context.device_pieces:
+                context.device_pieces = await self.engine.send_pieces_on_device(rid)
+        except BaseException:
             items.close()
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
-                                           f"request {rid} is not the prefill this decode node attaches to"))
-        takes_device = body.kv_shm and body.kv_device and self.engine.info.device_pieces
-        if context.attach_by is not None:
-            self._attached_on_device[context.attach_by] = takes_device
-        if context.device_pieces and not takes_device:
-            items.close()
-            unreadable = ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
-                                   f"request {rid}'s pieces are in GPU memory, which the decode node that "
-                                   "attached cannot read; its next request's will not be")
-            self.performer.kv_streams.send(rid, unreadable)  # the router's call hears it too
-            await attached.cancel()
-            raise StatecoreError(unreadable)
-        if takes_device and not context.device_pieces:
-            context.device_pieces = await self.engine.send_pieces_on_device(rid)
+            with trio.CancelScope(shield=True):
+                await attached.cancel()
+            raise
         shm = self._pieces_through(rid, body, context)
         self.performer.handoffs.record(rid).attached = True
         return self.stream_records.records(rid, attached.cancel, items, len(body.prompt), shm)
