@@ -191,7 +191,8 @@ class EnginePerformer:
                 if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
                     await post(Finished(finish))
                     return
-                await self.faults.at(Phase.INSTALL, rid)
+                if self.faults.armed:
+                    await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is None and not ctx.streamed:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                     await post(KvInstalled())
@@ -212,7 +213,7 @@ class EnginePerformer:
                     produced += 1
                     if produced == 1 and ctx.first_token_at is not None:
                         self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
-                    if produced == 3:  # a few tokens in, so the failure is mid-stream
+                    if produced == 3 and self.faults.armed:  # a few tokens in: a failure mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
                     send, finish = decoded_token(generated.finish_reason)
                     if send:
@@ -225,7 +226,8 @@ class EnginePerformer:
                 )
             case SendKv():
                 try:
-                    await self.faults.at(Phase.KV_ENCODE, rid)
+                    if self.faults.armed:
+                        await self.faults.at(Phase.KV_ENCODE, rid)
                     started = time.perf_counter()
                     exported = await self.engine.export_held(rid)
                 except StatecoreError as exc:
@@ -246,7 +248,8 @@ class EnginePerformer:
         them (`_streamed_pieces`), then its first token, then what the engine could not cut into
         pieces (the whole cache of a family that travels whole), then its end."""
         self._crash_if_marked(rid)
-        await self.faults.at(Phase.PREFILL, rid)
+        if self.faults.armed:
+            await self.faults.at(Phase.PREFILL, rid)
         if ctx.prefix_from is not None and self.prefix_pull is not None:
             # never raises for the pull's own failures: the prefill then computes it all
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
@@ -266,7 +269,8 @@ class EnginePerformer:
         if sink is not None:
             if not replied:
                 self._reply(rid, outcome, first_eos)
-            await self.faults.at(Phase.KV_ENCODE, rid)
+            if self.faults.armed:
+                await self.faults.at(Phase.KV_ENCODE, rid)
             if not outcome.streamed:
                 started = time.perf_counter()
                 whole = await self.engine.export_held(rid)

@@ -643,7 +643,8 @@ async def open_generation(
     refused = runner.admission_error(max_live) or refusal
     if refused is not None:
         raise StatecoreError(refused)
-    await faults.at(Phase.INTAKE, request_id)
+    if faults.armed:
+        await faults.at(Phase.INTAKE, request_id)
     replies = await runner.open(request_id, capacity, context)
     return RunnerGeneration(runner, request_id, replies, context)
 

@@ -125,7 +125,8 @@ class Frontend:
                       data: dict[str, object] | None = None, think_budget: int | None = None) -> Job:
         """The request's job; `data` is its body when already read (another API's, as a chat's),
         with its thinking budget if it has one."""
-        await self.faults.at(Phase.TOKENIZE, request_id)
+        if self.faults.armed:
+            await self.faults.at(Phase.TOKENIZE, request_id)
         if data is None:
             data = await self.read_object(request)
         schema: type[CompletionBody | ChatBody] = CompletionBody if kind is Kind.COMPLETION else ChatBody
