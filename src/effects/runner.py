@@ -57,7 +57,7 @@ from statecore.intents import (
 )
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
-from statecore.policy import admission, failure_event
+from statecore.policy import admission, counts_ending_token, failure_event
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -124,8 +124,11 @@ class Instrument:
     def generation_refused(self, error: ErrorInfo) -> None:
         """The front end's backend refused a generation at intake."""
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
-        """The front end took a reply of its generation (a token, the completion, the rejection)."""
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
+        """The front end took a reply of its generation (a token, the completion, the rejection);
+        `generated` is what it adds to the generation's tokens as usage counts them: 1 for a
+        token, 1 for a completion whose ending token counts (EOS: `RunnerGeneration` asks
+        `statecore.policy.counts_ending_token` once for every observer), else 0."""
 
     def generation_stopped(self, request_id: RequestId) -> None:
         """The front end matched a stop string: its generation ends normally."""
@@ -173,8 +176,8 @@ class Instruments(Instrument):
     def generation_refused(self, error: ErrorInfo) -> None:
         self._tell("generation_refused", lambda each: each.generation_refused(error))
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
-        self._tell("reply_read", lambda each: each.reply_read(request_id, reply))
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
+        self._tell("reply_read", lambda each: each.reply_read(request_id, reply, generated))
 
     def generation_stopped(self, request_id: RequestId) -> None:
         self._tell("generation_stopped", lambda each: each.generation_stopped(request_id))
@@ -599,14 +602,18 @@ class RunnerGeneration:
         return self._output(reply)
 
     def _output(self, reply: Reply) -> Reply:
-        self.runner.instruments.reply_read(self.request_id, reply)
         match reply:
             case RespondToken():
-                pass
-            case Complete() | Reject():
-                self._end()
+                generated = 1
+            case Complete(finish_reason=reason):
+                generated = int(counts_ending_token(reason))
+            case Reject():
+                generated = 0
             case _:
                 assert_never(reply)
+        self.runner.instruments.reply_read(self.request_id, reply, generated)
+        if not isinstance(reply, RespondToken):
+            self._end()
         return reply
 
     def _unfinished(self) -> Reply:
