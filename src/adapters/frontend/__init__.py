@@ -6,11 +6,11 @@ By idea, each module's first paragraph says more:
 
 | module | what |
 | --- | --- |
-| `intake` | reading any request: body limit, JSON, request id, validation errors, error answers |
+| `intake` | refusing any request: strict bodies, `Reject`, validation errors, error answers |
 | `openai_bodies`, `messages_bodies`, `responses_bodies` | each API's request models and validation |
 | `prompts` | the tokenizer's side: prompts, the chat template, tools, forced calls |
 | `generation` | the generation driver every API shares: tokens in, text steps out |
-| `frontend` | `Job` (a body as the job it asks for) and `Frontend`: `prepare` (body to job), `start` |
+| `frontend` | `Job` (a body as the job it asks for); `Frontend`: reading a request, `prepare`, `start` |
 | `chat_run` | one choice of a chat as the APIs served as a chat start and read it |
 | `openai_api` | OpenAI's routes and answers (chat, completions, models, health) |
 | `tokenize_api` | vLLM's `/tokenize` and `/detokenize` |

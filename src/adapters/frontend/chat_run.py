@@ -18,13 +18,12 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from adapters.frontend.frontend import Frontend, Job, Kind
+from adapters.frontend.frontend import Frontend, Job, Kind, request_id_of
 from adapters.frontend.generation import Finish, LogprobsFormat, Reply, Run
 from adapters.frontend.intake import (
     REQUEST_ID_HEADER,
     Reject,
     error_response,
-    request_id_of,
     unless_body_unread,
     validation_error,
 )

@@ -3,9 +3,11 @@ for, and a job its runs. `Job` is a validated, tokenized request (`job_of`: the 
 ids, the sampling parameters with every default filled in, the stop strings, the constraint (a
 response_format, a forced tool call), the tools offered, the thinking and its cap, how many
 choices; whether it fits the model's context is `statecore.policy.context_overflow`'s decision,
-asked here). `Frontend` holds the tokenizer and model name and the body limit, and the two verbs
-every API of the public surface uses: `prepare` (read and validate a chat or completion body into
-a `Job`) and `start` (start each choice's generation as a `Run`). The APIs served as a chat
+asked here). `Frontend` holds the tokenizer and model name and the body limit, reads a request for
+every API alike (`read_object`: the body within its limit, as a JSON object, labelled as JSON;
+`check_model`; `request_id_of`: its `X-Request-Id`), and has the two verbs every API of the public
+surface uses: `prepare` (read and validate a chat or completion body into a `Job`) and `start`
+(start each choice's generation as a `Run`). The APIs served as a chat
 (Messages, Responses) start theirs through `chat_run.start_chat`.
 
 Both the single node and the router serve through it: on a single node the backend is the local
@@ -20,8 +22,11 @@ of the per-API modules (they import it); nothing in `statecore` or `effects` may
 from __future__ import annotations
 
 import enum
+import json
+import re
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,9 +36,8 @@ import trio
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from adapters.frontend import intake
 from adapters.frontend.generation import LogprobsFormat, Reply, Run, StopText, ThinkBudget
-from adapters.frontend.intake import Reject, validation_error
+from adapters.frontend.intake import REQUEST_ID_HEADER, Reject, validation_error
 from adapters.frontend.openai_bodies import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatBody,
@@ -55,7 +59,7 @@ from statecore.errors import Code, ErrorInfo, Fault, client_error
 from statecore.ids import RequestId
 from statecore.policy import context_overflow
 
-__all__ = ["Frontend", "Job", "Kind", "job_of"]
+__all__ = ["Frontend", "Job", "Kind", "job_of", "request_id_of"]
 
 class Kind(enum.Enum):
     COMPLETION = "text_completion"
@@ -260,6 +264,35 @@ async def response_format_of(body: Sampling, stops: Sequence[str], offers_tools:
     return text
 
 
+# -- reading a request, for every API alike ------------------------------------------------------
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+# What a JSON body may be labelled: JSON itself, nothing, or curl's default for `-d`
+# (application/x-www-form-urlencoded), which many a `curl -d '{...}'` sends without meaning it.
+_JSON_MEDIA_TYPES = ("application/json", "application/x-www-form-urlencoded")
+
+
+def request_id_of(request: Request) -> tuple[RequestId, ErrorInfo | None]:
+    """The request's id: its `X-Request-Id` header, else a fresh one (also when the header is bad,
+    which the error says)."""
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
+        info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
+        return RequestId(uuid.uuid4().hex), info
+    return RequestId(incoming if incoming is not None else uuid.uuid4().hex), None
+
+
+def _check_media_type(content_type: str | None) -> None:
+    """Refuse a body labelled as something other than JSON (text/plain, multipart/form-data, ...)
+    with 415, rather than read it as JSON anyway."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media and media not in _JSON_MEDIA_TYPES and not media.endswith("+json"):
+        raise Reject(ErrorInfo(Fault.CLIENT, Code.UNSUPPORTED_MEDIA_TYPE,
+                               f"the request body is labelled {media}: send JSON with "
+                               "'Content-Type: application/json'"))
+
+
 class Frontend:
     """The front end over one `Backend`: tokenizer, model name, backend, limits."""
 
@@ -321,11 +354,39 @@ class Frontend:
                    prompt_tokens_details=prompt_tokens_details, template_args=template_args)
 
     async def read_object(self, request: Request) -> dict[str, object]:
-        """The body as a JSON object (within `max_body_bytes`)."""
-        return await intake.read_object(request, self.max_body_bytes)
+        """The body as a JSON object, labelled as JSON, within `max_body_bytes`."""
+        _check_media_type(request.headers.get("content-type"))
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise Reject(client_error(f"the request body is not valid JSON: {exc}",
+                                      Code.INVALID_JSON)) from None
+        if not isinstance(data, dict):
+            raise Reject(client_error("the request body must be a JSON object"))
+        return data
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_large = ErrorInfo(Fault.CLIENT, Code.BODY_TOO_LARGE,
+                              f"the request body exceeds {self.max_body_bytes} bytes")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise Reject(too_large)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise Reject(too_large)
+            chunks.append(chunk)
+        request.state.body_read = True  # read whole (`intake.unless_body_unread`)
+        return b"".join(chunks)
 
     def check_model(self, model: str | None) -> None:
-        intake.check_model(model, self.model_name)
+        """A body's `model` names the one model this server serves, or nothing."""
+        if model is not None and model != self.model_name:
+            raise Reject(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND, f"the model {model!r} does not "
+                                   f"exist; this server serves {self.model_name!r}", "model"))
 
     async def prepare(self, request: Request, kind: Kind, request_id: RequestId,
                       data: dict[str, object] | None = None, think_budget: int | None = None) -> Job:

@@ -22,13 +22,12 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from adapters.frontend.frontend import Frontend, Job, Kind
+from adapters.frontend.frontend import Frontend, Job, Kind, request_id_of
 from adapters.frontend.generation import Finish, Run, Step
 from adapters.frontend.intake import (
     REQUEST_ID_HEADER,
     Reject,
     error_response,
-    request_id_of,
     unless_body_unread,
 )
 from adapters.http.streaming import (
