@@ -25,11 +25,10 @@ from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv import stream as kv_stream
 from adapters.kv.shm_outbox import ShmOutbox
-from effects.backend import router_backend
 from effects.fakes import FakeEngine, Faults, fake_info
 from effects.faults import DEFAULT_MARKER, NO_FAULTS, FaultPort, Phase, Rule
 from effects.faults import Faults as ArmedFaults
-from effects.interpret import EnginePerformer, RouterPerformer
+from effects.interpret import EnginePerformer, RouterPerformer, router_backend
 from effects.ports import GenerationRequest, SamplingParams
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
