@@ -17,19 +17,22 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message
 
 from adapters.http.internal_wire import PrefillBody, SamplingBody, error_json
 from adapters.http.kv_handoff import KvHandoff
 from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv import stream as kv_stream
+from adapters.kv.plane import PlaneRequest
 from adapters.kv.shm_outbox import ShmOutbox
 from effects.fakes import FakeEngine, Faults, fake_info
 from effects.faults import DEFAULT_MARKER, NO_FAULTS, FaultPort, Phase, Rule
 from effects.faults import Faults as ArmedFaults
 from effects.interpret import EnginePerformer, RouterPerformer, router_backend
-from effects.ports import GenerationRequest, SamplingParams
+from effects.ports import GenerationRequest, PrefillOutcome, SamplingParams, SegmentSink
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import KvTaken
@@ -71,6 +74,64 @@ class _PrefillEngineLost(Hosts):
             lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
             return httpx.Response(lost.http_status, json=error_json(lost))
         return await super().handle_async_request(request)
+
+
+class _UnansweredPrefill(Hosts):
+    """The router's `/internal/prefill` of an attached stream reaches the prefill node, but its
+    answer never reaches the router (until the router gives the call up): whatever the prefill
+    node says, the router hears it through the decode node first."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await trio.sleep_forever()
+        return response
+
+
+class _EngineCoreLost(FakeEngine):
+    """A prefill node whose engine core process died: its prefill fails as a lost transport, in
+    words that name no node, and the stream tells its decode node so."""
+
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
+        lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
+        raise StatecoreError(lost)
+
+
+class _PrefillCallDropsLate(Hosts):
+    """The router's `/internal/prefill` of an attached stream loses its connection once the first
+    token came through the decode node's stream, which holds its next lines until the router
+    has heard of the drop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_told = trio.Event()  # the router asked for the line after the first token's
+        self.dropped = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/internal/decode":
+            lines = (await response.aread()).splitlines(keepends=True)
+            return httpx.Response(response.status_code, stream=_HeldAfterFirstToken(lines, self))
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await self.first_told.wait()
+            self.dropped.set()
+            raise httpx.ReadError("the connection dropped", request=request)
+        return response
+
+
+class _HeldAfterFirstToken(httpx.AsyncByteStream):
+    def __init__(self, lines: list[bytes], hosts: _PrefillCallDropsLate) -> None:
+        self.lines = lines
+        self.hosts = hosts
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for line in self.lines:
+            yield line
+            if b'"first_token"' in line:  # the router relayed it: it asks for more
+                self.hosts.first_told.set()
+                await self.hosts.dropped.wait()
+                await trio.testing.wait_all_tasks_blocked()  # the router's call heard the drop
 
 
 class _Routers:
@@ -172,6 +233,31 @@ async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nurse
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+async def test_a_prefill_node_that_fails_is_blamed_when_its_decode_node_tells_it_first(
+        nursery: trio.Nursery) -> None:
+    """The decode node's call fails first, relaying the prefill node's error from the stream: the
+    prefill node is the one blamed (and avoided by a retry), not the decode node that told it."""
+    async with _routers(nursery, _UnansweredPrefill(), prefill_engine=_EngineCoreLost()) as routers:
+        outputs = await routers.generate("attached", "r-core-lost")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+async def test_a_prefill_call_that_fails_after_the_first_token_leaves_the_stream_going(
+        nursery: trio.Nursery) -> None:
+    """Once the first token came through the decode node, the prefill node's part is done: the
+    router's own call to it losing its connection then ends nothing (the decode node's DELETE
+    frees the prefill node's cache)."""
+    async with _routers(nursery, _PrefillCallDropsLate()) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        attached = [as_scripted(output) for output in await routers.generate("attached", "r-dropped")]
+        assert attached == pulled
+        assert routers.failures == []
         await _settled(routers)
 
 
@@ -283,6 +369,49 @@ async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_cli
         await records.aclose()  # the decode node went away
         assert node.cancels.cancelled == [rid]
         if attached:  # the router's call hears that the request ended before its KV was sent
+            assert await node.answer_statuses() == [404]
+
+
+async def _never_disconnects() -> Message:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _send_fails(message: Message) -> None:
+    raise trio.BrokenResourceError("the decode node left")
+
+
+@pytest.mark.parametrize("port", ["http", "plane"])
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "asked-by-the-decode-node"])
+async def test_a_decode_node_that_leaves_before_the_first_record_cancels_its_request(
+        nursery: trio.Nursery, port: str, attached: bool) -> None:
+    """The stream's answer ends before its first record was asked for (the response's start
+    could not be sent, or the plane's head could not be written): its request is cancelled all
+    the same, rather than holding its cache until the router's cancel or the lease."""
+    engine = FakeEngine(Faults(stall={"prefill"}))  # the stream stays open until left
+    prompt = [*PROMPT, Faults().marker]
+    rid = RequestId("r-unstarted")
+    async with _prefill_node(nursery, engine) as node:
+        if attached:
+            nursery.start_soon(node.router_call, rid, prompt)
+        body = _prefill_body(rid, prompt, kv_attach=attached).model_dump_json().encode()
+        if port == "plane":
+            answer = await node.handoff.plane(PlaneRequest("POST", "/internal/prefill_stream", {}, body))
+            assert answer.status == 200
+            async with contextlib.aclosing(answer.parts):  # type: ignore[type-var]
+                pass  # as the plane closes it when the answer's head could not be written
+        else:
+            scope = {"type": "http", "method": "POST", "path": "/internal/prefill_stream", "headers": []}
+
+            async def receive() -> Message:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            response = await node.handoff.prefill_stream(Request(scope, receive))
+            with pytest.raises(BaseExceptionGroup) as left:
+                await response(scope, _never_disconnects, _send_fails)
+            assert left.group_contains(trio.BrokenResourceError)
+        assert node.cancels.cancelled == [rid]
+        if attached:
             assert await node.answer_statuses() == [404]
 
 

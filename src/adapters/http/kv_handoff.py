@@ -35,6 +35,7 @@ from adapters.http.internal_wire import (
 from adapters.http.kv_send import (
     KV_SEND_TIMEOUT_S,
     SharedPieces,
+    StreamBody,
     StreamRecords,
     body_messages,
     counted,
@@ -102,7 +103,10 @@ class KvHandoff:
         """A streamed handoff through the ASGI server (`open_prefill_stream`); the KV plane
         (`plane`) serves the same stream on the socket directly."""
         records = await self.open_prefill_stream(await read_body(request))
-        return WatchedStream(body_messages(records), media_type="application/octet-stream")
+        # closed here too: a stream whose response ended before its first body message was made
+        # never started `body_messages`, whose own close would close it
+        return WatchedStream(body_messages(records), media_type="application/octet-stream",
+                             on_close=records.aclose)
 
     async def plane(self, request: PlaneRequest) -> PlaneAnswer:
         """The KV routes as the KV plane (`adapters.kv.plane`) serves them: a prefill node's
@@ -148,7 +152,7 @@ class KvHandoff:
         reply = PrefillReplyBody.of(first if cached_tokens else replace(first, cached_tokens=None))
         return JSONResponse(reply.document())
 
-    async def open_prefill_stream(self, raw: bytes) -> AsyncGenerator[Sequence[KvBytes], None]:
+    async def open_prefill_stream(self, raw: bytes) -> StreamBody:
         """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
         stream its KV as it is computed (`adapters.kv.stream`), the first token among it (or, with
         `kv_attach`, the stream of the prefill the router started: `_attach`). The request then
@@ -190,7 +194,7 @@ class KvHandoff:
                                                          "gpu" if context.device_pieces else "shm")
         return shm
 
-    async def _attach(self, rid: RequestId, body: PrefillBody) -> AsyncGenerator[Sequence[KvBytes], None]:
+    async def _attach(self, rid: RequestId, body: PrefillBody) -> StreamBody:
         """The decode node attaches to the stream of the prefill the router started
         (`start_stream`): what the prefill sent so far waits in it. Where the decode node takes
         pieces in GPU memory and they were not made so from the start, those from now on are
