@@ -54,7 +54,7 @@ from effects.kv_pulls import StreamItem, ended_before_sent
 from effects.ports import Engine, KvBytes, KvPieces
 from effects.runner import NodeRunner, RunnerGeneration
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Admitted, KvRequested, KvTaken
+from statecore.events import KvRequested, KvTaken
 from statecore.ids import RequestId
 
 KV_PATH = "/internal/kv/"
@@ -176,11 +176,9 @@ class KvHandoff:
         before the request is admitted, so that nothing its prefill sends is lost), then the
         request admitted: what the opening gave, and the request's generation (its `cancel` ends
         it as its decode node leaving does). A request never admitted has its stream ended."""
-        prompt_tokens = len(context.prompt)
-        opened = open_stream(rid, prompt_tokens, len(self.engine.info.layers))
+        opened = open_stream(rid, len(context.prompt), len(self.engine.info.layers))
         try:
-            generation = await self.status.admit(rid, context, 4)
-            await self.runner.post(rid, Admitted(prompt_tokens))
+            generation = await self.status.admit_prefill(rid, context)
         except BaseException:
             self.performer.kv_streams.end(rid)  # never admitted: nothing else would close it
             raise
