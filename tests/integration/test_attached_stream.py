@@ -2,8 +2,10 @@
 prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once, and the decode node
 attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
 pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
-(it is told once); a prefill that fails fails the attempt on the prefill node and leaves nothing
-on either node."""
+(it is told once); a prefill that fails fails the attempt on the prefill node (whichever call
+tells the router first) and leaves nothing on either node; the router's call to the prefill node
+failing once the first token came through the decode node ends nothing. A decode node that leaves
+its stream, however early, cancels the prefill."""
 
 from __future__ import annotations
 
@@ -226,22 +228,17 @@ async def test_a_prefill_that_fails_fails_the_attempt_alone(nursery: trio.Nurser
         await _settled(routers)
 
 
-async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nursery) -> None:
-    """The decode node's attach then finds no prefill: the router's cancel ends its wait at once."""
-    async with _routers(nursery, _PrefillEngineLost()) as routers:
+@pytest.mark.parametrize("told_first_by", ["prefill", "decode"])
+async def test_a_prefill_node_that_fails_is_the_one_blamed(nursery: trio.Nursery, told_first_by: str) -> None:
+    """Whichever call tells the router first: the prefill node refusing the router's call (the
+    decode node's attach then finds no prefill: the router's cancel ends its wait at once), or its
+    prefill failing, which the decode node's call relays from the stream before the router's
+    own call answers. The prefill node is the one blamed (and avoided by a retry), never the decode
+    node that told it."""
+    hosts = _PrefillEngineLost() if told_first_by == "prefill" else _UnansweredPrefill()
+    engine = None if told_first_by == "prefill" else _EngineCoreLost()
+    async with _routers(nursery, hosts, prefill_engine=engine) as routers:
         outputs = await routers.generate("attached", "r-lost")
-        assert isinstance(outputs[-1], Reject), outputs
-        assert outputs[-1].error.code is Code.TRANSPORT_LOST
-        assert [node for node, _ in routers.failures] == [URLS["prefill"]]
-        await _settled(routers)
-
-
-async def test_a_prefill_node_that_fails_is_blamed_when_its_decode_node_tells_it_first(
-        nursery: trio.Nursery) -> None:
-    """The decode node's call fails first, relaying the prefill node's error from the stream: the
-    prefill node is the one blamed (and avoided by a retry), not the decode node that told it."""
-    async with _routers(nursery, _UnansweredPrefill(), prefill_engine=_EngineCoreLost()) as routers:
-        outputs = await routers.generate("attached", "r-core-lost")
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
@@ -350,28 +347,6 @@ def _prefill_body(rid: str, prompt: Sequence[int], *, kv_attach: bool = False) -
                        kv_attach=kv_attach)
 
 
-@pytest.mark.parametrize("attached", [True, False], ids=["attached", "asked-by-the-decode-node"])
-async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_client(
-        nursery: trio.Nursery, attached: bool) -> None:
-    """Whether the router started the stream or the decode node asked for it, a decode node that
-    leaves it mid-prefill cancels the request through its generation: the runner's instruments
-    hear the cancel, as they hear a front end's client leaving."""
-    engine = FakeEngine(Faults(stall={"prefill"}))  # the stream stays open until left
-    prompt = [*PROMPT, Faults().marker]
-    rid = RequestId("r-left")
-    async with _prefill_node(nursery, engine) as node:
-        if attached:
-            nursery.start_soon(node.router_call, rid, prompt)
-        body = _prefill_body(rid, prompt, kv_attach=attached)
-        records = await node.handoff.open_prefill_stream(body.model_dump_json().encode())
-        assert await anext(records) == [kv_stream.preamble()]
-        assert node.cancels.cancelled == []
-        await records.aclose()  # the decode node went away
-        assert node.cancels.cancelled == [rid]
-        if attached:  # the router's call hears that the request ended before its KV was sent
-            assert await node.answer_statuses() == [404]
-
-
 async def _never_disconnects() -> Message:
     await trio.sleep_forever()
     raise AssertionError("unreachable")
@@ -381,37 +356,47 @@ async def _send_fails(message: Message) -> None:
     raise trio.BrokenResourceError("the decode node left")
 
 
-@pytest.mark.parametrize("port", ["http", "plane"])
+async def _leave(node: _PrefillNode, body: bytes, when: str) -> None:
+    """The decode node asks for the stream (`body`), then leaves it `when`."""
+    if when == "mid-prefill":
+        records = await node.handoff.open_prefill_stream(body)
+        assert await anext(records) == [kv_stream.preamble()]
+        assert node.cancels.cancelled == []
+        await records.aclose()
+    elif when == "before-the-plane-head":
+        answer = await node.handoff.plane(PlaneRequest("POST", "/internal/prefill_stream", {}, body))
+        assert answer.status == 200
+        async with contextlib.aclosing(answer.parts):  # type: ignore[type-var]
+            pass  # as the plane closes it when the answer's head could not be written
+    else:  # before the HTTP response's start could be sent
+        scope = {"type": "http", "method": "POST", "path": "/internal/prefill_stream", "headers": []}
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        response = await node.handoff.prefill_stream(Request(scope, receive))
+        with pytest.raises(BaseExceptionGroup) as left:
+            await response(scope, _never_disconnects, _send_fails)
+        assert left.group_contains(trio.BrokenResourceError)
+
+
+@pytest.mark.parametrize("when", ["mid-prefill", "before-the-http-start", "before-the-plane-head"])
 @pytest.mark.parametrize("attached", [True, False], ids=["attached", "asked-by-the-decode-node"])
-async def test_a_decode_node_that_leaves_before_the_first_record_cancels_its_request(
-        nursery: trio.Nursery, port: str, attached: bool) -> None:
-    """The stream's answer ends before its first record was asked for (the response's start
-    could not be sent, or the plane's head could not be written): its request is cancelled all
-    the same, rather than holding its cache until the router's cancel or the lease."""
+async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_client(
+        nursery: trio.Nursery, attached: bool, when: str) -> None:
+    """Whether the router started the stream or the decode node asked for it, a decode node that
+    leaves it, mid-prefill or before its first record was asked for, cancels the request through
+    its generation (rather than its cache being held until the router's cancel or the lease): the
+    runner's instruments hear the cancel, as they hear a front end's client leaving."""
     engine = FakeEngine(Faults(stall={"prefill"}))  # the stream stays open until left
     prompt = [*PROMPT, Faults().marker]
-    rid = RequestId("r-unstarted")
+    rid = RequestId("r-left")
     async with _prefill_node(nursery, engine) as node:
         if attached:
             nursery.start_soon(node.router_call, rid, prompt)
-        body = _prefill_body(rid, prompt, kv_attach=attached).model_dump_json().encode()
-        if port == "plane":
-            answer = await node.handoff.plane(PlaneRequest("POST", "/internal/prefill_stream", {}, body))
-            assert answer.status == 200
-            async with contextlib.aclosing(answer.parts):  # type: ignore[type-var]
-                pass  # as the plane closes it when the answer's head could not be written
-        else:
-            scope = {"type": "http", "method": "POST", "path": "/internal/prefill_stream", "headers": []}
-
-            async def receive() -> Message:
-                return {"type": "http.request", "body": body, "more_body": False}
-
-            response = await node.handoff.prefill_stream(Request(scope, receive))
-            with pytest.raises(BaseExceptionGroup) as left:
-                await response(scope, _never_disconnects, _send_fails)
-            assert left.group_contains(trio.BrokenResourceError)
+        await _leave(node, _prefill_body(rid, prompt, kv_attach=attached).model_dump_json().encode(), when)
         assert node.cancels.cancelled == [rid]
-        if attached:
+        if attached:  # the router's call hears that the request ended before its KV was sent
             assert await node.answer_statuses() == [404]
 
 
