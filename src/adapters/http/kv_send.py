@@ -6,8 +6,8 @@ went. A streamed handoff leaves as records (`StreamRecords`, in `adapters.kv.str
 each piece as it is computed, inline or through shared memory (`SharedPieces` holds its regions
 until the decode node is done with them), the first token as soon as it is sampled, then the end;
 a decode node that leaves early cancels the request, also one that leaves before the first record
-was asked for (`StreamBody`). Transfer faults (tests only) are injected
-here (`damaged`). This module may import anything.
+was asked for (`StreamBody`). Transfer faults (tests only) are injected here (`damaged`). This
+module may import anything.
 """
 
 from __future__ import annotations
