@@ -39,9 +39,8 @@ from adapters.metrics import Metrics
 from adapters.mlx.engine import MlxEngine
 from adapters.serve.flags import demo_model_dir
 from adapters.serve.logs import RequestLines, log_transitions
-from effects.backend import local_backend, router_backend
 from effects.fakes import FakeEngine
-from effects.interpret import EnginePerformer, RouterPerformer
+from effects.interpret import EnginePerformer, RouterPerformer, local_backend, router_backend
 from effects.runner import NodeRunner
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST

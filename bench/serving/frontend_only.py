@@ -27,11 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.serve.flags import demo_model_dir
-from effects.backend import local_backend
 from effects.engine_port import GeneratedToken
 from effects.fakes import FakeEngine
 from effects.faults import Faults
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.runner import NodeRunner
 from statecore.ids import RequestId
 from statecore.table import DECODE_REQUEST

@@ -40,6 +40,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.core_wire": [("FrameWriter", "write")],
     "adapters.mlx.core_process": [("CoreServer", "_put"), ("CoreServer", "_incoming")],
     "adapters.mlx.managed_memory": [(None, "to_host"), (None, "to_device")],
+    # pieces that stay in GPU memory: the sender's copy into its arena, the receiver's copy out
+    "adapters.mlx.device_pieces": [("DeviceArena", "put"), (None, "take")],
     "adapters.kv.frames": [(None, "end_frame")],
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
     "adapters.mlx.arriving": [("ArrivingPieces", "receive"), ("ArrivingPieces", "_keep")],

@@ -56,7 +56,6 @@ from statecore.errors import Code, ErrorInfo, StatecoreError
 from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
 from statecore.ids import RequestId
 from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondToken, StartDecode, StartPrefill
-from statecore.policy import counts_ending_token
 from statecore.routing import Route as TurnRoute
 
 log = logging.getLogger("statecore.metrics")
@@ -328,16 +327,15 @@ class Metrics(Instrument):
         if self.front_end:
             self.requests.labels(self.role, "rejected", error.code.value).inc()
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
         timing = self._reads.get(request_id)
         if timing is None:
             return
         match reply:
             case RespondToken():
                 self.token(timing)
-            case Complete(finish_reason=reason):
-                if counts_ending_token(reason):  # the EOS token, as usage.completion_tokens counts it
-                    self.generation_tokens.inc()
+            case Complete():
+                self.generation_tokens.inc(generated)  # the EOS token, as usage.completion_tokens counts it
                 self._read_all(request_id, observe=True)
             case Reject():
                 self._read_all(request_id, observe=True)

@@ -6,7 +6,6 @@ May import `statecore` and trio; never httpx, mlx or mlx_lm.
 # The package's public modules (import them by name: nothing is re-exported here, so importing
 # the package stays free).
 __all__ = [
-    "backend",
     "engine_port",
     "fakes",
     "faults",

@@ -11,9 +11,10 @@ there first), e.g. `inject-fault-install-7`. A tag followed by `.choice<i>` mark
 i > 0 of an n > 1 request (the node's id `<request id>.<i>`), e.g. `inject-fault-prefill.choice1`. An injected
 error says where it fired: "injected fault at prefill on the decode node".
 
-The code that serves requests sees only the `FaultPort`: production runs `NO_FAULTS`, whose every
-check is a no-op; `Faults.parse` builds the armed one only behind the switch above. This module
-may import `statecore` and trio; never httpx, mlx or mlx_lm.
+The code that serves requests sees only the `FaultPort`, and asks it nothing unless it is `armed`
+(a plain attribute): production runs `NO_FAULTS`, never armed, so serving never steps in here;
+`Faults.parse` builds the armed one only behind the switch above. This module may import
+`statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -59,11 +60,14 @@ ModelCallHook = Callable[[str, Sequence[str]], None]
 
 
 class FaultPort(Protocol):
-    """Where serving code may be made to fail on purpose (tests only). Every method is cheap
-    and does nothing for a request that is not marked."""
+    """Where serving code may be made to fail on purpose (tests only). Callers check `armed`
+    first and ask nothing when it is False; every method is cheap and does nothing for a request
+    that is not marked."""
 
     @property
-    def armed(self) -> bool: ...
+    def armed(self) -> bool:
+        """Whether any check can fire (read on every request; `NO_FAULTS`' is a plain False)."""
+        ...
 
     def applies(self, phase: Phase, request_id: str) -> bool:
         """A fail rule for `phase` matches this request."""
@@ -79,11 +83,9 @@ class FaultPort(Protocol):
 
 
 class NoFaults:
-    """The production `FaultPort`: nothing is ever injected."""
+    """The production `FaultPort`: nothing is ever injected, so nothing is ever asked of it."""
 
-    @property
-    def armed(self) -> bool:
-        return False
+    armed = False
 
     def applies(self, phase: Phase, request_id: str) -> bool:
         return False

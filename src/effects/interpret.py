@@ -5,9 +5,11 @@
 alone. Each request's context (prompt, sampling, chosen nodes) lives in the runner's entry for
 it and is handed to every call; the performer keeps no map of its own. How a generation ends
 and what a peer's failure means are `statecore.policy`'s answers; fault injection is the
-`FaultPort` (a no-op in production). Outcomes come back as events; a StatecoreError raised here
-fails only its own request. This module may import `statecore`
-and trio; it must never import httpx, mlx or mlx_lm.
+`FaultPort` (never asked in production: not armed). Outcomes come back as events; a
+StatecoreError raised here fails only its own request. The front end's backend over each role's
+runner is made here too (`local_backend`, `router_backend`: how a generation is admitted, the
+role's context for it). This module may import `statecore` and trio; it must never import
+httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import trio
 
@@ -28,8 +31,10 @@ from effects.ports import (
     DecodeCall,
     DecodeMessage,
     Engine,
+    GenerationRequest,
     KvBytes,
     KvSegment,
+    ModelInfo,
     Peers,
     PrefillOutcome,
     PrefillReply,
@@ -38,15 +43,18 @@ from effects.ports import (
     SegmentSink,
 )
 from effects.prefix_pull import PrefixPuller
-from effects.runner import Answer, CleanupIntent, Post, WorkIntent
+from effects.runner import Answer, CleanupIntent, NodeRunner, Post, RunnerBackend, WorkIntent
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, bug
 from statecore.events import (
+    Admitted,
     Dispatched,
+    Event,
     Finished,
     FirstToken,
     KvInstalled,
     KvReceived,
     PrefillDone,
+    PrefillLocally,
     RetryRequested,
     TokenGenerated,
 )
@@ -69,6 +77,7 @@ from statecore.policy import (
     decoded_token,
     first_token_ends,
     first_token_finish,
+    travel_refusal,
 )
 from statecore.routing import Route, RouteChoice
 
@@ -191,7 +200,8 @@ class EnginePerformer:
                 if (finish := after_first_token(ctx.sampling.max_tokens)) is not None:
                     await post(Finished(finish))
                     return
-                await self.faults.at(Phase.INSTALL, rid)
+                if self.faults.armed:
+                    await self.faults.at(Phase.INSTALL, rid)
                 if ctx.payload is None and not ctx.streamed:
                     await self.engine.decode_held(rid, ctx.prompt, ctx.first_token, ctx.sampling)
                     await post(KvInstalled())
@@ -212,7 +222,7 @@ class EnginePerformer:
                     produced += 1
                     if produced == 1 and ctx.first_token_at is not None:
                         self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
-                    if produced == 3:  # a few tokens in, so the failure is mid-stream
+                    if produced == 3 and self.faults.armed:  # a few tokens in: a failure mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
                     send, finish = decoded_token(generated.finish_reason)
                     if send:
@@ -225,7 +235,8 @@ class EnginePerformer:
                 )
             case SendKv():
                 try:
-                    await self.faults.at(Phase.KV_ENCODE, rid)
+                    if self.faults.armed:
+                        await self.faults.at(Phase.KV_ENCODE, rid)
                     started = time.perf_counter()
                     exported = await self.engine.export_held(rid)
                 except StatecoreError as exc:
@@ -246,7 +257,8 @@ class EnginePerformer:
         them (`_streamed_pieces`), then its first token, then what the engine could not cut into
         pieces (the whole cache of a family that travels whole), then its end."""
         self._crash_if_marked(rid)
-        await self.faults.at(Phase.PREFILL, rid)
+        if self.faults.armed:
+            await self.faults.at(Phase.PREFILL, rid)
         if ctx.prefix_from is not None and self.prefix_pull is not None:
             # never raises for the pull's own failures: the prefill then computes it all
             await self.prefix_pull.before_prefill(rid, ctx.prompt, ctx.prefix_from,
@@ -266,7 +278,8 @@ class EnginePerformer:
         if sink is not None:
             if not replied:
                 self._reply(rid, outcome, first_eos)
-            await self.faults.at(Phase.KV_ENCODE, rid)
+            if self.faults.armed:
+                await self.faults.at(Phase.KV_ENCODE, rid)
             if not outcome.streamed:
                 started = time.perf_counter()
                 whole = await self.engine.export_held(rid)
@@ -736,6 +749,48 @@ class RouterPerformer:
                 pass
 
 
+# -- the front end's backend over each role's runner -----------------------------------------
+
+
+def local_backend(
+    runner: NodeRunner[Any], performer: EnginePerformer, *, max_live: int = 256
+) -> RunnerBackend:
+    """A single node (or a decode node serving its own short prompts): every request prefills and
+    decodes here."""
+
+    def admit(request: GenerationRequest) -> tuple[Event, NodeRequest]:
+        return PrefillLocally(), NodeRequest(request.prompt, request.sampling)
+
+    return RunnerBackend(
+        runner, lambda: performer.engine.info, admit, max_live=max_live, faults=performer.faults
+    )
+
+
+def router_backend(
+    runner: NodeRunner[Any],
+    performer: RouterPerformer,
+    model_info: Callable[[], ModelInfo],
+    *,
+    local_prefill_below: int,
+    max_live: int = 256,
+    faults: FaultPort = NO_FAULTS,
+) -> RunnerBackend:
+    """The router: short prompts prefill on the decode node, long ones on a prefill node.
+
+    A model whose cache cannot travel is refused at intake for every request that would
+    need a handoff, with a typed error naming the class — never mid-stream."""
+    def admit(request: GenerationRequest) -> tuple[Event, RoutedRequest]:
+        info = model_info()
+        refused = travel_refusal(len(request.prompt), local_prefill_below, can_travel=info.can_travel,
+                                 untravelable_classes=info.untravelable_classes)
+        if refused is not None:
+            raise StatecoreError(refused)
+        # where it prefills is decided per attempt, by the route (RouterPerformer._start)
+        return Admitted(len(request.prompt)), RoutedRequest(request.prompt, request.sampling)
+
+    return RunnerBackend(runner, model_info, admit, max_live=max_live, faults=faults)
+
+
 __all__ = [
     "EnginePerformer",
     "NodePicker",
@@ -743,5 +798,7 @@ __all__ = [
     "RoutePicker",
     "RoutedRequest",
     "RouterPerformer",
+    "local_backend",
     "node_context",
+    "router_backend",
 ]

@@ -14,7 +14,7 @@ in one place once its cleanup ran; the performer keeps nothing of its own. Only
 the live view) is an `Instrument` in its `instruments`, told of each transition, event, piece
 of work and reply read, never a wrapper around the performer or the backend. Requests come in
 through one door, `open_generation` (the loop's admission, then `open`), for the front end's
-backend and the node API alike, and are read as a `RunnerGeneration`. This module may import
+backend (`RunnerBackend`) and the node API alike, and are read as a `RunnerGeneration`. This module may import
 `statecore` and trio; never httpx, mlx or mlx_lm.
 """
 
@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar, assert_never
 import trio
 
 from effects.faults import FaultPort, Phase
+from effects.ports import GenerationRequest, ModelInfo
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import ClientCancelled, Event, LoopReady, StopMatched, Timer, TimerFired
 from statecore.ids import RequestId
@@ -57,7 +58,7 @@ from statecore.intents import (
 )
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
-from statecore.policy import admission, failure_event
+from statecore.policy import admission, counts_ending_token, failure_event
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -100,7 +101,7 @@ class Instrument:
     and one that raises is logged and passed over (`Instruments`), never raised into serving.
 
     The runner calls `transition`, `applied` and the work hooks; the front end's generations
-    (`effects.backend`, `RunnerGeneration`) call the `generation_*` and `reply_read` hooks, so
+    (`RunnerBackend`, `RunnerGeneration`) call the `generation_*` and `reply_read` hooks, so
     that what a client sees is timed as it reads it."""
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
@@ -124,8 +125,11 @@ class Instrument:
     def generation_refused(self, error: ErrorInfo) -> None:
         """The front end's backend refused a generation at intake."""
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
-        """The front end took a reply of its generation (a token, the completion, the rejection)."""
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
+        """The front end took a reply of its generation (a token, the completion, the rejection);
+        `generated` is what it adds to the generation's tokens as usage counts them: 1 for a
+        token, 1 for a completion whose ending token counts (EOS: `RunnerGeneration` asks
+        `statecore.policy.counts_ending_token` once for every observer), else 0."""
 
     def generation_stopped(self, request_id: RequestId) -> None:
         """The front end matched a stop string: its generation ends normally."""
@@ -173,8 +177,8 @@ class Instruments(Instrument):
     def generation_refused(self, error: ErrorInfo) -> None:
         self._tell("generation_refused", lambda each: each.generation_refused(error))
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
-        self._tell("reply_read", lambda each: each.reply_read(request_id, reply))
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
+        self._tell("reply_read", lambda each: each.reply_read(request_id, reply, generated))
 
     def generation_stopped(self, request_id: RequestId) -> None:
         self._tell("generation_stopped", lambda each: each.generation_stopped(request_id))
@@ -599,14 +603,18 @@ class RunnerGeneration:
         return self._output(reply)
 
     def _output(self, reply: Reply) -> Reply:
-        self.runner.instruments.reply_read(self.request_id, reply)
         match reply:
             case RespondToken():
-                pass
-            case Complete() | Reject():
-                self._end()
+                generated = 1
+            case Complete(finish_reason=reason):
+                generated = int(counts_ending_token(reason))
+            case Reject():
+                generated = 0
             case _:
                 assert_never(reply)
+        self.runner.instruments.reply_read(self.request_id, reply, generated)
+        if not isinstance(reply, RespondToken):
+            self._end()
         return reply
 
     def _unfinished(self) -> Reply:
@@ -643,9 +651,57 @@ async def open_generation(
     refused = runner.admission_error(max_live) or refusal
     if refused is not None:
         raise StatecoreError(refused)
-    await faults.at(Phase.INTAKE, request_id)
+    if faults.armed:
+        await faults.at(Phase.INTAKE, request_id)
     replies = await runner.open(request_id, capacity, context)
     return RunnerGeneration(runner, request_id, replies, context)
+
+
+# replies a request can produce beyond its tokens: a completion or a rejection, plus slack
+_REPLY_SLACK = 4
+
+
+class RunnerBackend:
+    """The front end's `Backend` over a runner: `admit` gives a generation's first event and the
+    role's context for it (a single node prefills locally, the router routes it; a refusal raises
+    StatecoreError), then it comes in through the one door, `open_generation`, and is read as a
+    `RunnerGeneration`. `effects.interpret`'s `local_backend` and `router_backend` make one per
+    role."""
+
+    def __init__(
+        self,
+        runner: NodeRunner[Any],
+        model_info: Callable[[], ModelInfo],
+        admit: Callable[[GenerationRequest], tuple[Event, RequestContext]],
+        *,
+        max_live: int = 256,
+        faults: FaultPort,
+    ) -> None:
+        self.runner = runner
+        self._model_info = model_info
+        self._admit = admit
+        self.max_live = max_live
+        self.faults = faults
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info()
+
+    def ready(self) -> bool:
+        return self.runner.ready()
+
+    async def start(self, request: GenerationRequest) -> RunnerGeneration:
+        try:
+            first_event, context = self._admit(request)
+            generation = await open_generation(self.runner, request.request_id,
+                                               request.sampling.max_tokens + _REPLY_SLACK, context,
+                                               max_live=self.max_live, faults=self.faults)
+        except StatecoreError as exc:
+            self.runner.instruments.generation_refused(exc.info)
+            raise
+        self.runner.instruments.generation_started(request.request_id, len(request.prompt))
+        await self.runner.post(request.request_id, first_event)
+        return generation
 
 
 __all__ = [
@@ -659,6 +715,7 @@ __all__ = [
     "Reply",
     "RequestContext",
     "RequestEntry",
+    "RunnerBackend",
     "RunnerGeneration",
     "RunnerStatistics",
     "Timeouts",

@@ -64,6 +64,7 @@ __all__ = [
     "prefill_chunks",
     "prefill_units",
     "prefill_work_bytes",
+    "DEVICE_PIECE_BYTES",
     "STREAMED_PIECE_BYTES",
     "STREAMED_SLICE_S",
     "STREAMED_SLICE_TOKENS",
@@ -285,6 +286,13 @@ STREAMED_PIECE_BYTES = 16 * 1024 * 1024
 """The most KV bytes one streamed piece carries: a step's KV leaves in pieces of a few layers each,
 so that one piece's copy out of the device, its transfer, its check and its copy into the decode
 node's slot overlap the next piece's instead of following a whole step's KV one after another."""
+
+DEVICE_PIECE_BYTES = 256 * 1024 * 1024
+"""...and a piece that stays in GPU memory (a device piece): its copies are device to device (64 MiB,
+a 2,000-token chunk of a 1B model, in a fraction of a millisecond on an H100), so there is nothing
+to overlap, and each piece's fixed costs (its document's trip, a job on each node's device thread)
+would only add up; a quarter of the default device buffer (`STATECORE_KV_DEVICE_BYTES`), so that a
+piece still fits beside the ones not yet taken."""
 
 
 def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, layer_token_bytes: int,

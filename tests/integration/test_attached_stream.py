@@ -19,9 +19,8 @@ import trio
 from adapters.http.internal_wire import error_json
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv.shm_outbox import ShmOutbox
-from effects.backend import router_backend
 from effects.fakes import Faults, fake_info
-from effects.interpret import RouterPerformer
+from effects.interpret import RouterPerformer, router_backend
 from effects.ports import GenerationRequest, SamplingParams
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import Code, ErrorInfo, Fault

@@ -15,9 +15,8 @@ from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import SamplingBody
 from adapters.metrics import Metrics
-from effects.backend import local_backend
 from effects.fakes import EOS, FakeEngine
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.ports import GenerationRequest, Output, SamplingParams
 from effects.runner import NodeRunner
 from statecore.ids import RequestId

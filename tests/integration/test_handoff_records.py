@@ -114,6 +114,8 @@ async def test_the_endpoint_wants_the_token(pair: Pair) -> None:
 class StalledExport(NoFaults):
     """Every export of held KV stalls (so a pull waits on it)."""
 
+    armed = True  # serving asks a fault port nothing unless it is armed
+
     async def at(self, phase: Phase, request_id: RequestId | str) -> None:
         if phase is Phase.KV_ENCODE:
             await trio.sleep_forever()

@@ -18,10 +18,9 @@ from starlette.testclient import TestClient
 
 from adapters.http.live_view import LiveView, read_totals, sample_between
 from adapters.metrics import Metrics
-from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.ports import GenerationRequest
 from effects.runner import Instrument, NodeRunner
 from statecore.events import DrainRequested

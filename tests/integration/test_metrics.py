@@ -15,10 +15,9 @@ from starlette.applications import Starlette
 
 from adapters.http.node_api import NodeApi
 from adapters.metrics import Metrics
-from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.ports import Backend, GenerationRequest, Output
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo

@@ -26,9 +26,8 @@ from adapters.frontend.frontend import Frontend
 from adapters.http.internal_wire import PrefillReplyBody, output_line, parse_output_line
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.mlx import MlxEngine
-from effects.backend import local_backend, router_backend
 from effects.fakes import FakeEngine
-from effects.interpret import EnginePerformer, RouterPerformer
+from effects.interpret import EnginePerformer, RouterPerformer, local_backend, router_backend
 from effects.ports import GenerationRequest, PrefillReply, SamplingParams
 from effects.runner import NodeRunner, Timeouts
 from statecore.events import TokenGenerated

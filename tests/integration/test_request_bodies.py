@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.mlx import MlxEngine
-from effects.backend import local_backend
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.runner import NodeRunner
 from statecore.table import DECODE_REQUEST
 from support.tiny_models import cached_checkpoint

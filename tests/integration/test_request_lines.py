@@ -24,9 +24,8 @@ from adapters.frontend.frontend import Frontend
 from adapters.metrics import Metrics
 from adapters.serve.flags import demo_model_dir
 from adapters.serve.logs import RequestLines, log_transitions
-from effects.backend import local_backend
 from effects.fakes import FakeEngine
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.runner import NodeRunner, Timeouts
 from statecore.table import DECODE_REQUEST
 

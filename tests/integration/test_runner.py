@@ -10,11 +10,10 @@ import trio
 import trio.testing
 
 from effects import faults as fault_injection
-from effects.backend import local_backend
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults, next_token
 from effects.faults import NO_FAULTS, Phase
-from effects.interpret import EnginePerformer
+from effects.interpret import EnginePerformer, local_backend
 from effects.ports import GenerationRequest, Output
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import Code, StatecoreError

@@ -12,8 +12,7 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from adapters.frontend.frontend import Frontend
-from adapters.frontend.jobs import Job, Kind
+from adapters.frontend.frontend import Frontend, Job, Kind
 from adapters.frontend.openai_api import chunk, text_event
 from adapters.http.streaming import TEXT_MARK, TextEvent, data_event
 from effects.ports import SamplingParams

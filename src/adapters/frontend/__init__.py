@@ -6,13 +6,12 @@ By idea, each module's first paragraph says more:
 
 | module | what |
 | --- | --- |
-| `intake` | reading any request: body limit, JSON, request id, validation errors, error answers |
+| `intake` | refusing any request: strict bodies, `Reject`, validation errors, error answers |
 | `openai_bodies`, `messages_bodies`, `responses_bodies` | each API's request models and validation |
 | `prompts` | the tokenizer's side: prompts, the chat template, tools, forced calls |
-| `jobs` | a validated body as the job it asks for (sampling, stops, context) |
 | `generation` | the generation driver every API shares: tokens in, text steps out |
-| `chat_run` | one choice of a chat as the APIs served as a chat read it |
-| `frontend` | `Frontend`: the shared state and the verbs `prepare` and `start` |
+| `frontend` | `Job` (a body as the job it asks for); `Frontend`: reading a request, `prepare`, `start` |
+| `chat_run` | one choice of a chat as the APIs served as a chat start and read it |
 | `openai_api` | OpenAI's routes and answers (chat, completions, models, health) |
 | `tokenize_api` | vLLM's `/tokenize` and `/detokenize` |
 | `as_chat`, `messages_api`, `responses_api` | Messages' and Responses' answers and routes |
@@ -33,7 +32,6 @@ __all__ = [
     "frontend",
     "generation",
     "intake",
-    "jobs",
     "messages_api",
     "messages_bodies",
     "openai_api",

@@ -3,7 +3,7 @@ they do not serve yet, naming the chat's fields as their own clients wrote them,
 onto the chat's, telling a union's branches apart by `type`, and answering as
 /v1/chat/completions does (a whole body, or a stream that starts with the first text so that an
 early failure keeps its own status). Each request is mapped onto the chat body it means and
-started by `Frontend.start_chat`. An adapter: it imports the front end's chat run and nothing of
+started by `chat_run.start_chat`. An adapter: it imports the front end's chat run and nothing of
 the per-API modules; nothing in `statecore` or `effects` may import it.
 """
 

@@ -1,30 +1,46 @@
-"""One choice of a chat as the APIs served as chats (Messages, Responses) read it: its text steps
-with the tool calls split off and the logprobs shaped as the chat's, how it ended, and its answers
-(an error in the API's own shape, an SSE response that cancels the generation when the client
-leaves). The caller only shapes the answer. An adapter: it imports the generation driver and the
-job; nothing in `statecore` or `effects` may import it.
+"""One choice of a chat as the APIs served as chats (Messages, Responses) read it: how such a
+request starts (`start_chat`: mapped onto the /v1/chat/completions body it means, then prepared
+and started as a chat by the `Frontend`) or is counted (`count_chat`), its text steps with the
+tool calls split off and the logprobs shaped as the chat's, how it ended, and its answers (an
+error in the API's own shape, an SSE response that cancels the generation when the client
+leaves). The caller only shapes the answer. An adapter: it imports the front end's core and the
+generation driver; nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from adapters.frontend.frontend import Frontend, Job, Kind, request_id_of
 from adapters.frontend.generation import Finish, LogprobsFormat, Reply, Run
-from adapters.frontend.intake import REQUEST_ID_HEADER, error_response
-from adapters.frontend.jobs import Job
+from adapters.frontend.intake import (
+    REQUEST_ID_HEADER,
+    Reject,
+    error_response,
+    unless_body_unread,
+    validation_error,
+)
+from adapters.frontend.openai_bodies import ChatBody
 from adapters.http.streaming import event_stream
-from statecore.errors import ErrorInfo
+from statecore.errors import ErrorInfo, StatecoreError, bug
 
-__all__ = ["CalledTool", "ChatEnd", "ChatRun", "ChatStep"]
+__all__ = ["CalledTool", "ChatEnd", "ChatRun", "ChatStep", "count_chat", "start_chat"]
+
+logger = logging.getLogger(__name__)
+
+_Parsed = TypeVar("_Parsed")
 
 
 @dataclass(frozen=True, slots=True)
 class ChatEnd:
-    """How a chat started by `Frontend.start_chat` ended."""
+    """How a chat started by `start_chat` ended."""
 
     reason: str  # "stop" (EOS or a stop string), "length" (max_tokens) or "tool_calls"
     completion_tokens: int  # counts the EOS token, as /v1/chat/completions' usage does
@@ -56,7 +72,7 @@ class ChatStep:
 
 
 class ChatRun:
-    """One generation of a chat started by `Frontend.start_chat`: its text comes out as
+    """One generation of a chat started by `start_chat`: its text comes out as
     /v1/chat/completions sends it (stop strings applied, tool calls split off when the chat
     offered tools); the caller only shapes the answer."""
 
@@ -111,3 +127,63 @@ class ChatRun:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+async def start_chat(
+    frontend: Frontend,
+    request: Request,
+    parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
+    error_body: Callable[[ErrorInfo], object],
+    think_budget: Callable[[_Parsed], int | None] = lambda _: None,
+) -> tuple[ChatRun, _Parsed] | Response:
+    """Start another API's request (`messages_api`, `responses_api`) as the /v1/chat/completions
+    body that `parse` maps its JSON body to, with whatever else `parse` keeps of it. Everything
+    but the shapes is the chat's: request id, body limit, validation, template, stop strings,
+    admission, backend. `parse` may raise pydantic's ValidationError or StatecoreError; a refusal
+    comes back as the answer to send, its body `error_body(info)`. `think_budget` reads the cap on
+    the thinking (Anthropic's `budget_tokens`) from what `parse` kept, when the API has one."""
+    request_id, bad = request_id_of(request)
+    try:
+        if bad is not None:
+            raise Reject(bad)
+        try:
+            chat, parsed = parse(await frontend.read_object(request))
+        except ValidationError as exc:
+            raise Reject(validation_error(exc)) from None
+        job = await frontend.prepare(request, Kind.CHAT, request_id, chat, think_budget(parsed))
+        [run] = await frontend.start(job)
+    except (Reject, StatecoreError) as exc:
+        return unless_body_unread(request, error_response(exc.info, request_id, error_body(exc.info)))
+    except ClientDisconnect:
+        return Response(status_code=499, headers={REQUEST_ID_HEADER: request_id})
+    except Exception:
+        logger.exception("request %s: unexpected error before generation", request_id)
+        info = bug("internal error while starting the request")
+        return unless_body_unread(request, error_response(info, request_id, error_body(info)))
+    return ChatRun(job, run, frontend.reply(job, 0), frontend.logprobs_format(job), error_body,
+                   details=frontend.prompt_tokens_details), parsed
+
+
+async def count_chat(
+    frontend: Frontend,
+    request: Request,
+    parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
+    error_body: Callable[[ErrorInfo], object],
+) -> int | Response:
+    """How many prompt tokens another API's body is, mapped by `parse` to a chat body as
+    `start_chat` maps it (template, tools), without generating; or the refusal to send."""
+    try:
+        try:
+            chat, _ = parse(await frontend.read_object(request))
+            body = ChatBody.model_validate(chat)
+        except ValidationError as exc:
+            raise Reject(validation_error(exc)) from None
+        frontend.check_model(body.model)
+        prompts = frontend.prompts
+        return len(await prompts.encode_chat(
+            body.messages, prompts.tools(body),
+            prompts.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)))
+    except (Reject, StatecoreError) as exc:
+        return unless_body_unread(request, error_response(exc.info, body=error_body(exc.info)))
+    except ClientDisconnect:
+        return Response(status_code=499)

@@ -1,57 +1,296 @@
-"""The front end's shared core, one per node over one `Backend`: the tokenizer and model name,
-the body limit, and the two verbs every API of the public surface uses, `prepare` (read and
-validate a chat or completion body into a `Job`) and `start` (start each choice's generation as
-a `Run`), plus `start_chat` / `count_chat` for the APIs served as a chat (Messages, Responses).
+"""The front end's shared core, one per node over one `Backend`: a body becomes the job it asks
+for, and a job its runs. `Job` is a validated, tokenized request (`job_of`: the prompt's token
+ids, the sampling parameters with every default filled in, the stop strings, the constraint (a
+response_format, a forced tool call), the tools offered, the thinking and its cap, how many
+choices; whether it fits the model's context is `statecore.policy.context_overflow`'s decision,
+asked here). `Frontend` holds the tokenizer and model name and the body limit, reads a request for
+every API alike (`read_object`: the body within its limit, as a JSON object, labelled as JSON;
+`check_model`; `request_id_of`: its `X-Request-Id`), and has the two verbs every API of the public
+surface uses: `prepare` (read and validate a chat or completion body into a `Job`) and `start`
+(start each choice's generation as a `Run`). The APIs served as a chat
+(Messages, Responses) start theirs through `chat_run.start_chat`.
 
 Both the single node and the router serve through it: on a single node the backend is the local
 engine, on the router it is prefill and decode peers. The backend only ever yields token ids;
 everything a client sees is made by the front end, so the output through the cluster is
 byte-identical to a single node's by construction. The routes and their answers live in the
 per-API modules (`openai_api`, `tokenize_api`, `messages_api`, `responses_api`) and `app`
-assembles them. An adapter: it imports nothing of the per-API modules (they import it);
-nothing in `statecore` or `effects` may import it.
+assembles them. An adapter: it imports the bodies, `prompts`, the generation driver and nothing
+of the per-API modules (they import it); nothing in `statecore` or `effects` may import it.
 """
 
 from __future__ import annotations
 
-import logging
+import enum
+import json
+import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+import trio
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.requests import Request
 
-from adapters.frontend import intake
-from adapters.frontend.chat_run import ChatRun
 from adapters.frontend.generation import LogprobsFormat, Reply, Run, StopText, ThinkBudget
-from adapters.frontend.intake import (
-    REQUEST_ID_HEADER,
-    Reject,
-    error_response,
-    request_id_of,
-    unless_body_unread,
-    validation_error,
+from adapters.frontend.intake import REQUEST_ID_HEADER, Reject, validation_error
+from adapters.frontend.openai_bodies import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatBody,
+    CompletionBody,
+    Sampling,
+    TemplateValue,
+    check_grammar_ends,
+    check_unsupported,
+    given,
+    stop_strings,
 )
-from adapters.frontend.jobs import Job, Kind, job_of
-from adapters.frontend.openai_bodies import ChatBody, CompletionBody, TemplateValue, check_unsupported
 from adapters.frontend.prompts import Prompts
-from adapters.reasoning import ReasoningSplitter, ThinkMarkers
+from adapters.grammar import format_error, refused, response_format_text
+from adapters.reasoning import ReasoningSplitter, ThinkMarkers, opens_thinking
 from adapters.tool_calls import ToolCallSplitter
 from effects.faults import Faults, Phase
-from effects.ports import Backend, Generation, GenerationRequest
-from statecore.errors import ErrorInfo, StatecoreError, bug
+from effects.ports import Backend, Generation, GenerationRequest, SamplingParams
+from statecore.errors import Code, ErrorInfo, Fault, client_error
 from statecore.ids import RequestId
+from statecore.policy import context_overflow
 
-__all__ = ["Frontend"]
+__all__ = ["Frontend", "Job", "Kind", "job_of", "request_id_of"]
 
-logger = logging.getLogger(__name__)
+class Kind(enum.Enum):
+    COMPLETION = "text_completion"
+    CHAT = "chat.completion"
 
-_Parsed = TypeVar("_Parsed")
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A validated, tokenized request."""
+
+    kind: Kind
+    request_id: RequestId
+    created: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    choices: int = 1  # n: each choice is a generation of its own (a row of its own in the batch)
+    tools: tuple[dict[str, Any], ...] = ()  # offered to the model: its replies are split into text and calls
+    quiet_stops: tuple[str, ...] = ()  # the server's own stop strings (not reported as the client's)
+    # a chat of a model with think markers: whether its reply starts inside the thinking (the
+    # prompt opened it); None: no reasoning is split off (completions, a model without markers)
+    thinking: bool | None = None
+    think_budget: int | None = None  # at most this many tokens of thinking (Anthropic's budget_tokens)
+
+    def choice_request(self, index: int) -> GenerationRequest:
+        """Choice 0 is the request itself; choice i > 0 runs as `<request id>.<i>`, with seed + i
+        when a seed was given (else its seed derives from that id): both are the same on every
+        node, so the cluster's choices equal a single node's. With n > 1 each one says which
+        choice of the request it is, so that the engine decodes them side by side."""
+        if self.choices == 1:
+            return GenerationRequest(self.request_id, self.prompt, self.sampling)
+        grouped = replace(self.sampling, choice_group=self.request_id, choice=index, choices=self.choices)
+        if index == 0:
+            return GenerationRequest(self.request_id, self.prompt, grouped)
+        seed = None if self.sampling.seed is None else (self.sampling.seed + index) % 2**64
+        return GenerationRequest(RequestId(f"{self.request_id}.{index}"), self.prompt,
+                                 replace(grouped, seed=seed))
+
+    @property
+    def response_id(self) -> str:
+        prefix = "cmpl-" if self.kind is Kind.COMPLETION else "chatcmpl-"
+        return prefix + self.request_id
+
+    def usage(self, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int = 0
+              ) -> dict[str, Any]:
+        """Usage; with `cached_tokens` (prompt tokens details on) also `prompt_tokens_details`;
+        a chat of a reasoning model also `completion_tokens_details.reasoning_tokens` (OpenAI's)."""
+        prompt_tokens = len(self.prompt)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if self.thinking is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
+
+async def job_of(prompts: Prompts, kind: Kind, request_id: RequestId, body: CompletionBody | ChatBody,
+                 context_length: int, think_budget: int | None = None) -> Job:
+    """The job `body` asks for, with its thinking budget if another API gave one; a refusal is a
+    `Reject`."""
+    stream = bool(body.stream)
+    if body.stream_options is not None and not stream:
+        raise Reject(client_error("stream_options is only allowed when stream is true",
+                                  param="stream_options"))
+    stops = stop_strings(body.stop)
+    offers_tools = isinstance(body, ChatBody) and bool(body.tools) and body.tool_choice != "none"
+    response_format = await response_format_of(body, stops, offers_tools) or await prompts.forced_call(
+        body, stops)
+
+    thinking: bool | None = None
+    if isinstance(body, CompletionBody):
+        prompt = await prompts.encode_prompt(body.prompt)
+        max_tokens = body.max_tokens
+    else:
+        tools = prompts.tools(body)
+        template_kwargs = prompts.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)
+        prompt = await prompts.encode_chat(body.messages, tools, template_kwargs)
+        # a grammar (response_format, a forced call) writes the answer from the first token:
+        # nothing in it is thinking, whatever the prompt opened
+        if prompts.think_markers is not None and response_format is None:
+            thinking = opens_thinking(prompt, prompts.think_markers)
+        both = (body.max_tokens, body.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise Reject(client_error("max_tokens and max_completion_tokens disagree",
+                                      param="max_completion_tokens"))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+
+    room = context_length - len(prompt)
+    overflow = context_overflow(len(prompt), max_tokens, context_length)
+    if overflow == "prompt":
+        raise Reject(
+            client_error(
+                f"the prompt has {len(prompt)} tokens, which leaves no room in this model's "
+                f"context of {context_length} tokens",
+                Code.CONTEXT_LENGTH_EXCEEDED,
+                "prompt" if kind is Kind.COMPLETION else "messages",
+            )
+        )
+    if overflow == "max_tokens":
+        raise Reject(
+            client_error(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together "
+                f"more than this model's context of {context_length} tokens",
+                Code.CONTEXT_LENGTH_EXCEEDED,
+                "max_tokens",
+            )
+        )
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if kind is Kind.COMPLETION else room
+    top_k = body.top_k if body.top_k is not None else 0
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=max(top_k, 0),
+        seed=body.seed,
+        ignore_eos=bool(body.ignore_eos),
+        min_p=body.min_p or 0.0,
+        **prompts.xtc(body),
+        logit_bias=prompts.logit_bias(body.logit_bias),
+        repetition_penalty=body.repetition_penalty or 0.0,
+        repetition_context_size=given(body.repetition_context_size, 20),
+        presence_penalty=body.presence_penalty or 0.0,
+        presence_context_size=given(body.presence_context_size, 20),
+        frequency_penalty=body.frequency_penalty or 0.0,
+        frequency_context_size=given(body.frequency_context_size, 20),
+        logprobs=logprobs_of(body),
+        response_format=response_format,
+        adapter=prompts.adapter(body.adapters),
+        num_draft_tokens=body.num_draft_tokens,
+    )
+    return Job(
+        kind=kind,
+        request_id=request_id,
+        created=int(time.time()),
+        prompt=prompt,
+        sampling=sampling,
+        stops=stops,
+        stream=stream,
+        include_usage=stream and body.stream_options is not None and body.stream_options.include_usage,
+        choices=body.n or 1,
+        tools=tools if isinstance(body, ChatBody) else (),
+        quiet_stops=prompts.one_call_only(body, tools if isinstance(body, ChatBody) else (),
+                                        response_format),
+        thinking=thinking,
+        think_budget=checked_budget(prompts, think_budget, max_tokens, thinking),
+    )
+
+
+def checked_budget(prompts: Prompts, budget: int | None, max_tokens: int, thinking: bool | None
+                   ) -> int | None:
+    """A thinking budget (Anthropic's `budget_tokens`): under max_tokens, as Anthropic wants it,
+    and only for a model with think markers."""
+    if budget is None:
+        return None
+    if prompts.think_markers is None:
+        raise Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                               "thinking: this model has no think markers that mlx-lm knows, so "
+                               "its thinking cannot be told apart or capped", "thinking"))
+    if thinking is None:
+        raise Reject(client_error("thinking: a structured output or forced tool call is written from "
+                                  "the first token, so there is no thinking to cap", param="thinking"))
+    if budget >= max_tokens:
+        raise Reject(client_error(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                  f"({max_tokens})", param="thinking.budget_tokens"))
+    return budget
+
+
+def logprobs_of(body: CompletionBody | ChatBody) -> int | None:
+    """How many alternatives each token's logprobs list (None: no logprobs)."""
+    if isinstance(body, CompletionBody):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise Reject(client_error("top_logprobs needs logprobs: true", param="top_logprobs"))
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+async def response_format_of(body: Sampling, stops: Sequence[str], offers_tools: bool) -> str | None:
+    """A non-text `response_format` as the constraint's canonical text (None: free text),
+    checked by llguidance here, before any engine; what would break the JSON is refused."""
+    given = body.response_format
+    if given is None or given.type == "text":
+        return None
+    check_grammar_ends(body, stops, "the JSON that response_format asks for")
+    if offers_tools:
+        raise Reject(ErrorInfo(Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
+                               "response_format with tools: the grammar would keep the model from "
+                               "calling a tool", "response_format"))
+    schema = given.json_schema.schema_ if given.json_schema is not None else None
+    try:
+        text = response_format_text(given.type, schema)
+    except ValueError as exc:  # NaN or Infinity in the schema: not JSON
+        raise Reject(refused(str(exc)).info) from None
+    error = await trio.to_thread.run_sync(format_error, text)
+    if error is not None:
+        raise Reject(refused(error).info)
+    return text
+
+
+# -- reading a request, for every API alike ------------------------------------------------------
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+# What a JSON body may be labelled: JSON itself, nothing, or curl's default for `-d`
+# (application/x-www-form-urlencoded), which many a `curl -d '{...}'` sends without meaning it.
+_JSON_MEDIA_TYPES = ("application/json", "application/x-www-form-urlencoded")
+
+
+def request_id_of(request: Request) -> tuple[RequestId, ErrorInfo | None]:
+    """The request's id: its `X-Request-Id` header, else a fresh one (also when the header is bad,
+    which the error says)."""
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
+        info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
+        return RequestId(uuid.uuid4().hex), info
+    return RequestId(incoming if incoming is not None else uuid.uuid4().hex), None
+
+
+def _check_media_type(content_type: str | None) -> None:
+    """Refuse a body labelled as something other than JSON (text/plain, multipart/form-data, ...)
+    with 415, rather than read it as JSON anyway."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media and media not in _JSON_MEDIA_TYPES and not media.endswith("+json"):
+        raise Reject(ErrorInfo(Fault.CLIENT, Code.UNSUPPORTED_MEDIA_TYPE,
+                               f"the request body is labelled {media}: send JSON with "
+                               "'Content-Type: application/json'"))
 
 
 class Frontend:
@@ -115,17 +354,46 @@ class Frontend:
                    prompt_tokens_details=prompt_tokens_details, template_args=template_args)
 
     async def read_object(self, request: Request) -> dict[str, object]:
-        """The body as a JSON object (within `max_body_bytes`)."""
-        return await intake.read_object(request, self.max_body_bytes)
+        """The body as a JSON object, labelled as JSON, within `max_body_bytes`."""
+        _check_media_type(request.headers.get("content-type"))
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise Reject(client_error(f"the request body is not valid JSON: {exc}",
+                                      Code.INVALID_JSON)) from None
+        if not isinstance(data, dict):
+            raise Reject(client_error("the request body must be a JSON object"))
+        return data
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_large = ErrorInfo(Fault.CLIENT, Code.BODY_TOO_LARGE,
+                              f"the request body exceeds {self.max_body_bytes} bytes")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise Reject(too_large)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise Reject(too_large)
+            chunks.append(chunk)
+        request.state.body_read = True  # read whole (`intake.unless_body_unread`)
+        return b"".join(chunks)
 
     def check_model(self, model: str | None) -> None:
-        intake.check_model(model, self.model_name)
+        """A body's `model` names the one model this server serves, or nothing."""
+        if model is not None and model != self.model_name:
+            raise Reject(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND, f"the model {model!r} does not "
+                                   f"exist; this server serves {self.model_name!r}", "model"))
 
     async def prepare(self, request: Request, kind: Kind, request_id: RequestId,
                       data: dict[str, object] | None = None, think_budget: int | None = None) -> Job:
         """The request's job; `data` is its body when already read (another API's, as a chat's),
         with its thinking budget if it has one."""
-        await self.faults.at(Phase.TOKENIZE, request_id)
+        if self.faults.armed:
+            await self.faults.at(Phase.TOKENIZE, request_id)
         if data is None:
             data = await self.read_object(request)
         schema: type[CompletionBody | ChatBody] = CompletionBody if kind is Kind.COMPLETION else ChatBody
@@ -183,62 +451,3 @@ class Frontend:
 
     def logprobs_format(self, job: Job) -> LogprobsFormat:
         return LogprobsFormat(self.tokenizer, job.kind is Kind.CHAT, job.sampling.logprobs)
-
-    # -- for the other APIs ------------------------------------------------------------------
-
-    async def start_chat(
-        self,
-        request: Request,
-        parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
-        error_body: Callable[[ErrorInfo], object],
-        think_budget: Callable[[_Parsed], int | None] = lambda _: None,
-    ) -> tuple[ChatRun, _Parsed] | Response:
-        """Start another API's request (`messages_api`, `responses_api`) as the /v1/chat/completions body that
-        `parse` maps its JSON body to, with whatever else `parse` keeps of it. Everything but the
-        shapes is the chat's: request id, body limit, validation, template, stop strings, admission,
-        backend. `parse` may raise pydantic's ValidationError or StatecoreError; a refusal comes
-        back as the answer to send, its body `error_body(info)`. `think_budget` reads the cap on the
-        thinking (Anthropic's `budget_tokens`) from what `parse` kept, when the API has one."""
-        request_id, bad = request_id_of(request)
-        try:
-            if bad is not None:
-                raise Reject(bad)
-            try:
-                chat, parsed = parse(await self.read_object(request))
-            except ValidationError as exc:
-                raise Reject(validation_error(exc)) from None
-            job = await self.prepare(request, Kind.CHAT, request_id, chat, think_budget(parsed))
-            [run] = await self.start(job)
-        except (Reject, StatecoreError) as exc:
-            return unless_body_unread(request, error_response(exc.info, request_id, error_body(exc.info)))
-        except ClientDisconnect:
-            return Response(status_code=499, headers={REQUEST_ID_HEADER: request_id})
-        except Exception:
-            logger.exception("request %s: unexpected error before generation", request_id)
-            info = bug("internal error while starting the request")
-            return unless_body_unread(request, error_response(info, request_id, error_body(info)))
-        return ChatRun(job, run, self.reply(job, 0), self.logprobs_format(job), error_body,
-                       details=self.prompt_tokens_details), parsed
-
-    async def count_chat(
-        self,
-        request: Request,
-        parse: Callable[[dict[str, object]], tuple[dict[str, object], _Parsed]],
-        error_body: Callable[[ErrorInfo], object],
-    ) -> int | Response:
-        """How many prompt tokens another API's body is, mapped by `parse` to a chat body as
-        `start_chat` maps it (template, tools), without generating; or the refusal to send."""
-        try:
-            try:
-                chat, _ = parse(await self.read_object(request))
-                body = ChatBody.model_validate(chat)
-            except ValidationError as exc:
-                raise Reject(validation_error(exc)) from None
-            self.check_model(body.model)
-            return len(await self.prompts.encode_chat(
-                body.messages, self.prompts.tools(body),
-                self.prompts.template_kwargs(body.chat_template_kwargs, body.reasoning_effort)))
-        except (Reject, StatecoreError) as exc:
-            return unless_body_unread(request, error_response(exc.info, body=error_body(exc.info)))
-        except ClientDisconnect:
-            return Response(status_code=499)

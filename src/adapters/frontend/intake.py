@@ -1,18 +1,15 @@
-"""Reading a request of the public API, for every API alike: the body within its size limit, as
-a JSON object, labelled as JSON; the request id (`X-Request-Id`); pydantic's validation errors as
-one 400 naming the fields as the client wrote them; and an error as an answer (its status, the
-`Retry-After` of a 429 or 503, `Connection: close` when the body was left unread).
-
-`Reject` is how an answer decided while reading travels up to the endpoint. An adapter: it
-imports starlette and pydantic and no other module of the front end; nothing in `statecore` or
-`effects` may import it.
+"""How the public API refuses a request, for every API alike: the strict bodies (`Strict`,
+`Exact`), `Reject` (how an answer decided while reading travels up to the endpoint), pydantic's
+validation errors as one 400 naming the fields as the client wrote them, and an error as an answer
+(its status, the request id, the `Retry-After` of a 429 or 503, `Connection: close` when the body
+was left unread). Reading a request (its body, its id) is the `Frontend`'s. An adapter: it imports
+starlette and pydantic and no other module of the front end; nothing in `statecore` or `effects`
+may import it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -20,15 +17,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from statecore.errors import Code, ErrorInfo, Fault, client_error
-from statecore.ids import RequestId
+from statecore.errors import Code, ErrorInfo, Fault
 
-__all__ = ["REQUEST_ID_HEADER", "RETRY_AFTER_S", "Exact", "Reject", "Strict", "check_model", "error_response",
-           "neutral", "parsed", "read_object", "request_id_of", "unless_body_unread", "validation_error"]
+__all__ = ["REQUEST_ID_HEADER", "RETRY_AFTER_S", "Exact", "Reject", "Strict", "error_response", "neutral",
+           "parsed", "unless_body_unread", "validation_error"]
 
 REQUEST_ID_HEADER = "X-Request-Id"
 RETRY_AFTER_S = 1
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_ERRORS_SHOWN = 3
 
 
@@ -50,58 +45,6 @@ class Reject(Exception):
     def __init__(self, info: ErrorInfo) -> None:
         super().__init__(info.message)
         self.info = info
-
-
-# What a JSON body may be labelled: JSON itself, nothing, or curl's default for `-d`
-# (application/x-www-form-urlencoded), which many a `curl -d '{...}'` sends without meaning it.
-_JSON_MEDIA_TYPES = ("application/json", "application/x-www-form-urlencoded")
-
-
-def _check_media_type(content_type: str | None) -> None:
-    """Refuse a body labelled as something other than JSON (text/plain, multipart/form-data, ...)
-    with 415, rather than read it as JSON anyway."""
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media and media not in _JSON_MEDIA_TYPES and not media.endswith("+json"):
-        raise Reject(ErrorInfo(Fault.CLIENT, Code.UNSUPPORTED_MEDIA_TYPE,
-                               f"the request body is labelled {media}: send JSON with "
-                               "'Content-Type: application/json'"))
-
-
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    too_large = ErrorInfo(Fault.CLIENT, Code.BODY_TOO_LARGE,
-                          f"the request body exceeds {max_body_bytes} bytes")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise Reject(too_large)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise Reject(too_large)
-        chunks.append(chunk)
-    request.state.body_read = True
-    return b"".join(chunks)
-
-
-async def read_object(request: Request, max_body_bytes: int) -> dict[str, object]:
-    """The body as a JSON object (within `max_body_bytes`)."""
-    _check_media_type(request.headers.get("content-type"))
-    raw = await _read_body(request, max_body_bytes)
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise Reject(client_error(f"the request body is not valid JSON: {exc}", Code.INVALID_JSON)) from None
-    if not isinstance(data, dict):
-        raise Reject(client_error("the request body must be a JSON object"))
-    return data
-
-
-def check_model(model: str | None, served: str) -> None:
-    """A body's `model` names the one model this server serves, or nothing."""
-    if model is not None and model != served:
-        raise Reject(ErrorInfo(Fault.CLIENT, Code.MODEL_NOT_FOUND, f"the model {model!r} does not "
-                               f"exist; this server serves {served!r}", "model"))
 
 
 def _same(value: object, neutral: object) -> bool:
@@ -171,13 +114,3 @@ def error_response(info: ErrorInfo, request_id: str | None = None, body: object 
         headers["Retry-After"] = str(RETRY_AFTER_S)
     return JSONResponse(info.to_openai() if body is None else body, status_code=info.http_status,
                         headers=headers or None)
-
-
-def request_id_of(request: Request) -> tuple[RequestId, ErrorInfo | None]:
-    """The request's id: its `X-Request-Id` header, else a fresh one (also when the header is bad,
-    which the error says)."""
-    incoming = request.headers.get(REQUEST_ID_HEADER)
-    if incoming is not None and not _REQUEST_ID_RE.fullmatch(incoming):
-        info = client_error(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of A-Z a-z 0-9 . _ -")
-        return RequestId(uuid.uuid4().hex), info
-    return RequestId(incoming if incoming is not None else uuid.uuid4().hex), None

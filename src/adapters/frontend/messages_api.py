@@ -1,7 +1,7 @@
 """Anthropic's Messages API's answers: the message (text, `thinking` and `tool_use` blocks, stop
 reason, usage) and the stream's named events (message_start, content blocks and their deltas,
 message_delta, message_stop; a failure on the way an `error` event), over a chat started by
-`Frontend.start_chat` from the body `messages_bodies` maps. An adapter: nothing in `statecore`
+`chat_run.start_chat` from the body `messages_bodies` maps. An adapter: nothing in `statecore`
 or `effects` may import it.
 """
 
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.frontend.as_chat import advance, answer, arguments_object
-from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep
+from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep, count_chat, start_chat
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.messages_bodies import MessagesBody, anthropic_error, parse_messages
 from adapters.http.streaming import named_event
@@ -58,8 +58,8 @@ class MessagesApi:
         self.frontend = frontend
 
     async def messages(self, request: Request) -> Response:
-        started = await self.frontend.start_chat(request, parse_messages, anthropic_error,
-                                                 think_budget=lambda body: body.think_budget)
+        started = await start_chat(self.frontend, request, parse_messages, anthropic_error,
+                                   think_budget=lambda body: body.think_budget)
         if isinstance(started, Response):
             return started
         run, body = started
@@ -71,8 +71,8 @@ class MessagesApi:
     async def count_tokens(self, request: Request) -> Response:
         """`POST /v1/messages/count_tokens`: the prompt tokens the same body would be (no
         `max_tokens` needed), as the chat template encodes it with its tools."""
-        counted = await self.frontend.count_chat(
-            request, lambda data: parse_messages({"max_tokens": 1, **data}), anthropic_error)
+        counted = await count_chat(
+            self.frontend, request, lambda data: parse_messages({"max_tokens": 1, **data}), anthropic_error)
         if isinstance(counted, Response):
             return counted
         return JSONResponse({"input_tokens": counted})

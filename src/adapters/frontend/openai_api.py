@@ -1,7 +1,7 @@
 """OpenAI's routes and answers: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 server-sent events, or not), `GET /v1/models`, `GET /v1/models/{id}` and `GET /health` (200 only
 while `backend.ready()`). What the API accepts and how it answers is `docs/api.md`'s; the bodies
-are `openai_bodies`, the job `jobs`, the generation `generation`.
+are `openai_bodies`, the job `frontend.Job`, the generation `generation`.
 
 A streaming response waits for every choice's first step (or the end) before it sends its
 headers, so that a failure before any output still gets its own HTTP status; later failures
@@ -22,16 +22,14 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from adapters.frontend.frontend import Frontend
+from adapters.frontend.frontend import Frontend, Job, Kind, request_id_of
 from adapters.frontend.generation import Finish, Run, Step
 from adapters.frontend.intake import (
     REQUEST_ID_HEADER,
     Reject,
     error_response,
-    request_id_of,
     unless_body_unread,
 )
-from adapters.frontend.jobs import Job, Kind
 from adapters.http.streaming import (
     EVENTS_PER_WRITE,
     TEXT_MARK,

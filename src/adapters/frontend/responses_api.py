@@ -1,7 +1,7 @@
 """OpenAI's Responses API's answers: the response object (reasoning items, the output message with
 its logprobs when `include` asked for them, function call items, status, usage, the request's
 settings echoed) and the stream's named events, each with its sequence number, over a chat
-started by `Frontend.start_chat` from the body `responses_bodies` maps. An adapter: nothing in
+started by `chat_run.start_chat` from the body `responses_bodies` maps. An adapter: nothing in
 `statecore` or `effects` may import it.
 """
 
@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from adapters.frontend.as_chat import Logprob, advance, answer
-from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep
+from adapters.frontend.chat_run import CalledTool, ChatEnd, ChatRun, ChatStep, start_chat
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.responses_bodies import ResponsesBody, openai_error, parse_responses
 from adapters.http.streaming import named_event
@@ -46,7 +46,7 @@ class ResponsesApi:
         self.frontend = frontend
 
     async def responses(self, request: Request) -> Response:
-        started = await self.frontend.start_chat(request, parse_responses, openai_error)
+        started = await start_chat(self.frontend, request, parse_responses, openai_error)
         if isinstance(started, Response):
             return started
         run, body = started

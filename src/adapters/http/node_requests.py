@@ -140,7 +140,8 @@ class NodeRequests:
         try:
             async for output in generation:
                 sent += 1
-                if sent == 3 and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
+                if sent == 3 and self.faults.armed \
+                        and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
                     return  # the stream to the router breaks off (tests only)
                 cached = context.cached_tokens if cached_tokens else None
                 if first and isinstance(output, RespondToken):

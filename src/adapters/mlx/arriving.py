@@ -21,8 +21,8 @@ import trio
 
 from adapters.mlx import commands
 from adapters.mlx.callers import Callers
+from adapters.mlx.device_pieces import DevicePiece, is_device_piece, parse
 from adapters.mlx.device_pieces import enabled as device_pieces_enabled
-from adapters.mlx.device_pieces import is_device_piece, parse
 from adapters.mlx.jobs import Local
 from adapters.mlx.payloads import validate_segment
 from effects.engine_port import KvSegment
@@ -65,22 +65,42 @@ class ArrivingPieces:
         kept = False
         try:
             if is_device_piece(segment.payload.pieces[0]):
-                built = await self._take_from_device(segment, fingerprint, classes)
+                piece = self._checked_device_piece(segment, fingerprint, classes)
+                await order.turn(index)  # a request cancelled meanwhile takes nothing here
+                await self._take_from_device(request_id, segment, prompt_tokens, max_tokens, piece)
             else:
                 built = await trio.to_thread.run_sync(partial(
                     validate_segment, segment, prompt_tokens, fingerprint=fingerprint,
                     classes=classes, streams_ranges=self._device.streams_ranges), limiter=self.checks)
-            await order.turn(index)  # a request cancelled meanwhile keeps nothing here
-            await self._keep(request_id, segment, prompt_tokens, max_tokens, built, last=last)
+                await order.turn(index)  # a request cancelled meanwhile keeps nothing here
+                await self._keep(request_id, segment, prompt_tokens, max_tokens, built, last=last)
             kept = True
         finally:
             order.done(index, kept=kept)
 
-    async def _take_from_device(self, segment: KvSegment, fingerprint: str, classes: Sequence[str]
-                                ) -> list[Any]:
-        """A piece that lies in the sender's GPU memory: its document checked here, its bytes
-        copied device to device into arrays of this engine's own, on the device thread (a copy
-        of a fraction of a millisecond: between two steps, not inside one)."""
+    async def _take_from_device(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
+                                max_tokens: int, piece: DevicePiece) -> None:
+        """A piece that lies in the sender's GPU memory, in the stream's order: its bytes copied
+        device to device into arrays of this engine's own, on the device thread (a copy of a
+        fraction of a millisecond: between two steps, not inside one), and written into the
+        request's slot by that same job; kept for the install where it cannot be."""
+        caller = self._callers.get(request_id)
+        stage = None if caller is not None and caller.pieces else self._stage_command(
+            request_id, segment, prompt_tokens, max_tokens)
+        built: list[Any] | None = await self._post(commands.TakeDevicePiece(piece, stage), Local())
+        if built is not None:
+            piece_kept = (segment.first_layer, segment.end_layer, segment.start, built)
+            self._callers.keep_piece(request_id, piece_kept)
+
+    @staticmethod
+    def _stage_command(request_id: RequestId, segment: KvSegment, prompt_tokens: int,
+                       max_tokens: int) -> commands.StagePiece:
+        return commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
+                                   needed_tokens=prompt_tokens + max_tokens + 1)
+
+    @staticmethod
+    def _checked_device_piece(segment: KvSegment, fingerprint: str, classes: Sequence[str]) -> DevicePiece:
+        """A device piece's document, checked here (framing, version, fingerprint, shapes)."""
         if not device_pieces_enabled():
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
                                            "a KV piece in GPU memory: this node reads none"))
@@ -88,10 +108,8 @@ class ArrivingPieces:
         if len(segment.payload.pieces) != 1 or any(name != "KVCache" for name in mine):
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
                                            "a device piece for layers whose cache is not a plain KVCache"))
-        piece = parse(segment.payload.pieces[0], fingerprint=fingerprint,
-                      token_count=segment.stop - segment.start, layers=len(mine))
-        built: list[Any] = await self._post(commands.TakeDevicePiece(piece), Local())
-        return built
+        return parse(segment.payload.pieces[0], fingerprint=fingerprint,
+                     token_count=segment.stop - segment.start, layers=len(mine))
 
     async def _keep(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
                     max_tokens: int, built: list[Any], *, last: bool) -> None:
@@ -104,8 +122,7 @@ class ArrivingPieces:
                 # The install job writes it: one wait for the device loop fewer before the join.
                 self._callers.keep_piece(request_id, piece, last=True)
                 return
-            stage = commands.StagePiece(request_id, segment.first_layer, segment.start, prompt_tokens,
-                                        needed_tokens=prompt_tokens + max_tokens + 1)
+            stage = self._stage_command(request_id, segment, prompt_tokens, max_tokens)
             staged: bool = await self._post(stage, Local(caches=built))
             if staged:
                 return

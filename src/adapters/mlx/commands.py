@@ -78,13 +78,16 @@ class StagePiece:
     """Write a streamed handoff's piece (its layers from `first_layer`, its tokens from `start`)
     into the slot staged for the request, taking one at its first piece (`adapters.mlx.staging`);
     the outcome says whether it staged (else the caller keeps the piece for the install).
-    `needed_tokens`: what the request's slot must hold (prompt, max_tokens and the step's two)."""
+    `needed_tokens`: what the request's slot must hold (prompt, max_tokens and the step's two).
+    `in_device_memory`: its arrays lie in the device's own memory (copied device to device), so
+    their write is not paced while rows decode (`adapters.mlx.staging`)."""
 
     request_id: str
     first_layer: int
     start: int
     prompt_tokens: int
     needed_tokens: int
+    in_device_memory: bool = False
     kind: str = "stage_piece"
 
 
@@ -92,9 +95,12 @@ class StagePiece:
 class TakeDevicePiece:
     """Copy a streamed handoff's piece out of the sender's GPU memory into arrays of this engine's
     own, and build its caches (`adapters.mlx.device_pieces.take`); `piece` is its checked
-    document (`DevicePiece`: where the bytes lie, their shapes; plain values, no KV)."""
+    document (`DevicePiece`: where the bytes lie, their shapes; plain values, no KV). With
+    `stage`, the same job writes them into the request's slot (one wait for the device loop a
+    piece, not two); the outcome is then None when they staged, else the caches to keep."""
 
     piece: object
+    stage: StagePiece | None = None
     kind: str = "take_device_piece"
 
 

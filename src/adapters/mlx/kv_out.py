@@ -27,7 +27,7 @@ from adapters.mlx import device_pieces, managed_memory
 from adapters.mlx.jobs import post
 from adapters.mlx.prefill import PrefillTask
 from effects.engine_port import KvPieces, KvSegment, PrefillOutcome, SegmentSink
-from statecore.scheduling import STREAMED_PIECE_BYTES, streamed_pieces
+from statecore.scheduling import DEVICE_PIECE_BYTES, STREAMED_PIECE_BYTES, streamed_pieces
 
 __all__ = ["Captured", "PieceHandout", "Range", "capture_pieces", "hand_pieces", "pieces_of", "segment_sink",
            "tell_first_tokens"]
@@ -76,6 +76,10 @@ class PieceHandout:
         post(self._trio_token, self._segments, KvSegment(start, stop, first_layer, end_layer, payload,
                                                          last_step_started))
 
+    def most_piece_bytes(self) -> int:
+        """How large a piece this sink takes: a whole step's KV while pieces stay in GPU memory."""
+        return DEVICE_PIECE_BYTES if self._arena is not None else STREAMED_PIECE_BYTES
+
     def on_device(self) -> bool:
         """From the next piece on, pieces stay in GPU memory (the receiver said so after the
         prefill began: a streamed handoff the router started); False where they cannot. Called
@@ -110,8 +114,9 @@ def segment_sink(segments: SegmentSink, trio_token: trio.lowlevel.TrioToken, fin
 def capture_pieces(task: PrefillTask, captured: Captured, streamed_from: dict[str, int]) -> list[Any]:
     """A streamed handoff's pieces whose KV this step completes: per chunk, the layers of the
     units built since the last capture, cut out as their own arrays (evaluated with the step,
-    handed to the sink when it is read back), in pieces of at most STREAMED_PIECE_BYTES
-    (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the first capture.
+    handed to the sink when it is read back), in pieces of at most the sink's
+    `most_piece_bytes` (`statecore.scheduling.streamed_pieces`). Cached leading chunks go in the
+    first capture.
     `streamed_from` notes the first unit this step streams (a failed step's are sent again)."""
     if task.segment_sink is None or task.cache is None or task.streamed_units >= task.done_units:
         return []
@@ -131,7 +136,7 @@ def capture_pieces(task: PrefillTask, captured: Captured, streamed_from: dict[st
                          + values.shape[1] * values.shape[3] * values.dtype.size)
     for where in [piece for step_range in ranges
                   for piece in streamed_pieces(*step_range, layer_token_bytes=layer_token_bytes,
-                                               most_bytes=STREAMED_PIECE_BYTES)]:
+                                               most_bytes=task.segment_sink.most_piece_bytes())]:
         start, stop, first, end = where
         pieces = [wire_view(mx.contiguous(buffer[..., start:stop, :])) for layer in task.cache[first:end]
                   for buffer in (layer.keys, layer.values)]

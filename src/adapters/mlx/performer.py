@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, assert_never, cast
 
 import mlx.core as mx
@@ -79,11 +80,14 @@ class Performer:
             case commands.StagePiece():
                 assert local is not None and local.caches is not None
                 return self.stage(command, local.caches)
-            case commands.TakeDevicePiece(piece):
+            case commands.TakeDevicePiece(piece, stage):
                 assert isinstance(piece, device_pieces.DevicePiece)
                 arrays = device_pieces.take(piece)
-                return [kv_cache(keys, values, piece.token_count)
-                        for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
+                caches = [kv_cache(keys, values, piece.token_count)
+                          for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
+                if stage is not None and self.stage(replace(stage, in_device_memory=True), caches):
+                    return None
+                return caches
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
                 self.forget_drafts(request_id)
@@ -262,7 +266,8 @@ class Performer:
             device.pool, command.request_id, command.first_layer, command.start, caches,
             command.prompt_tokens, command.needed_tokens,
             room=command.request_id in device.slots.staged or device.admission.overloaded() is None,
-            decoding=any(live.slot is not None for live in device.live.values()))
+            decoding=any(live.slot is not None for live in device.live.values()),
+            in_device_memory=command.in_device_memory)
 
     def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None, *,
                    keep: bool = True) -> list[Any]:

@@ -29,7 +29,7 @@ from statecore.errors import ErrorInfo
 from statecore.events import Event, RetryRequested
 from statecore.ids import RequestId
 from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import counts_ending_token, text_finish
+from statecore.policy import text_finish
 
 log = logging.getLogger("statecore")
 
@@ -156,7 +156,7 @@ class RequestLines(Instrument):
         notes.append(note)
         self._notes[request_id] = note
 
-    def reply_read(self, request_id: RequestId, reply: Reply) -> None:
+    def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
         note = self._notes.get(request_id)
         if note is None:
             return
@@ -165,7 +165,7 @@ class RequestLines(Instrument):
                 note.token()
             case Complete(finish_reason=reason):
                 note.finish = reason
-                note.completion_tokens += counts_ending_token(reason)  # the EOS token, as usage counts it
+                note.completion_tokens += generated  # the EOS token, as usage counts it
                 del self._notes[request_id]
             case Reject(error=error):
                 note.error = error.code.value

@@ -47,12 +47,11 @@ from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
 from adapters.serve.logs import RequestLines, RetryLines, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
-from effects.backend import local_backend, router_backend
 from effects.engine_port import EngineStatistics
 from effects.faults import Faults
 from effects.handoffs import HandoffLog
 from effects.health import PeerSet
-from effects.interpret import EnginePerformer, RouterPerformer
+from effects.interpret import EnginePerformer, RouterPerformer, local_backend, router_backend
 from effects.ports import Backend, ModelInfo
 from effects.prefix_pull import PrefixPuller
 from effects.routing import PrefixSummaries
