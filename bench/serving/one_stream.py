@@ -12,9 +12,15 @@ medians of tokens/s (max_tokens over the request's whole time), time to first te
 per token after it, and each round's ratio to mlx_lm.server (their median is the figure: a ratio
 of neighbours, not of two medians). It also says whether every server returned the same text.
 
-    .venv/bin/python bench/serving/one_stream.py --model TARGET --draft-model DRAFT --rounds 12
+    .venv/bin/python bench/serving/one_stream.py --rounds 24     # the chain model and its draft
     git archive main src | tar -x -C /tmp/base && .venv/bin/python bench/serving/one_stream.py \\
-        --model TARGET --draft-model DRAFT --base-src /tmp/base/src
+        --base-src /tmp/base/src                                     # ... and main's node beside
+    .venv/bin/python bench/serving/one_stream.py --model TARGET --draft-model DRAFT
+
+With no `--model` the target is a chain model (`support.chain_model`: a random llama, hidden 2048 x
+2 layers, float32, whose next token mostly follows a fixed chain) and the draft model one of
+hidden 256 x 1 layer built the same way, so drafts often stand; both are built once under
+~/.cache/statecore/one_stream. `--no-draft`: both servers decode without a draft model.
 
 Bench code: it may import anything, and nothing under src/ may import it.
 """
@@ -39,7 +45,6 @@ from benchlib import (
     ROOT,
     PromptMaker,
     Server,
-    default_model,
     load_tokenizer,
     machine,
     server_env,
@@ -89,9 +94,11 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="target model dir (default: the tiny llama)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="target model dir (default: the chain model)")
     parser.add_argument("--draft-model", type=Path, default=None,
-                        help="both servers draft with it (default: none)")
+                        help="both servers draft with it (default: the chain draft model with no --model)")
+    parser.add_argument("--no-draft", action="store_true", help="both servers decode without a draft model")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -104,10 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "one_stream")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    model = args.model or default_model()
+    model, draft_model = args.model, args.draft_model
+    if model is None:
+        model, chain_draft = chain_models()
+        draft_model = draft_model or chain_draft
+    if args.no_draft:
+        draft_model = None
     args.out.mkdir(parents=True, exist_ok=True)
-    drafting = [] if args.draft_model is None else [
-        "--draft-model", str(args.draft_model), "--num-draft-tokens", str(args.num_draft_tokens)]
+    drafting = [] if draft_model is None else [
+        "--draft-model", str(draft_model), "--num-draft-tokens", str(args.num_draft_tokens)]
     py = sys.executable
     wanted = [("mlx_lm", None), ("statecore", ROOT / "src")]
     if args.base_src is not None:
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             argv_ = [py, "-m", "adapters.cli", "run", "--role", "single", "--model", str(model),
                      "--port", str(port), "--log-level", "WARNING", *drafting, *args.statecore_arg]
         servers.append(Server(name, argv_, port, args.out / f"{name}.log"))
-    meta: dict[str, Any] = {"machine": machine(), "model": str(model), "draft_model": str(args.draft_model),
+    meta: dict[str, Any] = {"machine": machine(), "model": str(model), "draft_model": str(draft_model),
                             "num_draft_tokens": args.num_draft_tokens, "prompt_tokens": args.prompt_tokens,
                             "max_tokens": args.max_tokens, "rounds": args.rounds,
                             "base_src": str(args.base_src), "statecore_args": args.statecore_arg}
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     summary = summarize(results)
     print(f"\n{args.rounds} rounds of {args.prompt_tokens}x{args.max_tokens}, greedy, "
-          f"{'draft model ' + str(args.draft_model) if args.draft_model else 'no draft model'}; "
+          f"{'draft model ' + str(draft_model) if draft_model else 'no draft model'}; "
           f"load {meta['load_before']} -> {meta['load_after']}")
     for name, row in summary["servers"].items():
         print(f"  {name:9s} tok/s p50 {row['tok_s_p50']:7.2f} (mean {row['tok_s_mean']:.2f})  TTFT p50 "
@@ -173,6 +185,20 @@ def main(argv: list[str] | None = None) -> int:
                                                       indent=2, default=str))
     print(f"results: {args.out / 'results.json'}")
     return 0
+
+
+def chain_models() -> tuple[Path, Path]:
+    """The chain model (hidden 2048 x 2 layers) and its draft model (256 x 1), built once."""
+    from support.chain_model import build_chain_checkpoint
+
+    home = Path.home() / ".cache" / "statecore" / "one_stream"
+    built = []
+    for name, hidden, layers in (("target-2048x2", 2048, 2), ("draft-256x1", 256, 1)):
+        path = home / name
+        if not (path / "config.json").exists():
+            build_chain_checkpoint(path, hidden_size=hidden, num_layers=layers)
+        built.append(path)
+    return built[0], built[1]
 
 
 def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
