@@ -17,7 +17,7 @@ processes on 127.0.0.1:
   written before), and tuned variants (`MSG_WAITALL`; the bytes striped over 2 and 4
   connections);
 - `http`: the project's KV pull (`adapters.kv.pull.pull` into `ReceiveBuffers`) from a hypercorn
-  (trio) + starlette server answering with the node's own body path (`kv_handoff.kv_body`), and
+  (trio) + starlette server answering with the node's own body path (`kv_send.kv_body`), and
   (`http tuned`) the same pull from a bare socket server that writes the head and `sendall`s the
   payload's own memory: how much of the gap is the server's body path, and (`http plane`) the same
   pull from the node's KV plane (`adapters.kv.plane`, the body path nodes use beside hypercorn);
@@ -443,9 +443,9 @@ def worker_http_server(nbytes: int) -> None:
     from effects.engine_port import KvPieces
 
     try:
-        from adapters.http.kv_handoff import kv_body, payload_parts  # the node's own body path
+        from adapters.http.kv_send import kv_body, payload_parts  # the node's own body path
 
-        body_path = "adapters.http.kv_handoff.kv_body"
+        body_path = "adapters.http.kv_send.kv_body"
     except ImportError:  # renamed by a rewrite: serve the bytes in 4 MiB messages as it did
         kv_body = None  # type: ignore[assignment]
         body_path = "starlette StreamingResponse, 4 MiB messages"
@@ -510,10 +510,10 @@ def worker_http_bare_server(nbytes: int) -> None:
 
 def worker_http_plane_server(nbytes: int) -> None:
     """The node's KV plane (`adapters.kv.plane`) answering with the node's own body parts
-    (`kv_handoff.payload_parts`: the payload's memory as it is, then its end frame)."""
+    (`kv_send.payload_parts`: the payload's memory as it is, then its end frame)."""
     import trio
 
-    from adapters.http.kv_handoff import payload_parts
+    from adapters.http.kv_send import payload_parts
     from adapters.kv.plane import PlaneAnswer, PlaneRequest, serve_plane
     from effects.engine_port import KvPieces
 

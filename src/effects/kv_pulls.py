@@ -9,8 +9,9 @@ ends before either, that it ended. A decode node's streamed handoff (`POST
 computes it: the cache's pieces, the first token, the end (or the error that ends it); a
 request that ends first tells its stream so. A stream the router started (`POST /internal/prefill`
 with `kv_attach`) is opened before its decode node asks for it: its items wait in the channel until
-the decode node attaches (`attach`), and the router's call waits for its first token alone
-(`first_reply`). Either waiter hears the same KV_NOT_FOUND when its
+its request is admitted (`ready_for_attach`, with how to cancel it) and the decode node attaches
+(`attach`), and the router's call waits for its first token alone (`first_reply`). Either waiter
+hears the same KV_NOT_FOUND when its
 request ends before its KV was sent (`ended_before_sent`, the one place that says it). Nothing is
 kept in the request's context, and whether a pull may have the KV is never asked here: it is the
 table's. This module may import `statecore` and trio; never httpx, mlx or mlx_lm.
@@ -19,8 +20,9 @@ table's. This module may import `statecore` and trio; never httpx, mlx or mlx_lm
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import trio
 
@@ -33,6 +35,10 @@ KvAnswer = KvPieces | ErrorInfo
 # What a streamed handoff reads, in order: pieces of the cache as they are computed, the first
 # token, then None (the end); or an error, which ends it.
 StreamItem = KvSegment | PrefillReply | ErrorInfo | None
+
+# Ends a request as its client leaving does (its generation's `cancel`, which the runner's
+# instruments hear).
+Cancel = Callable[[], Awaitable[None]]
 
 
 def ended_before_sent(request_id: RequestId) -> ErrorInfo:
@@ -127,6 +133,23 @@ class _FirstReply:
         return self.reply
 
 
+@dataclass(slots=True)
+class _Unattached:
+    """A router-started stream no decode node has attached to yet."""
+
+    items: trio.MemoryReceiveChannel[StreamItem]  # its reading end: what the prefill sent waits in it
+    cancel: Cancel | None = None  # its request's, once admitted: only then may a decode node attach
+    last_error: ErrorInfo | None = None  # its last item, where that was an error
+
+
+@dataclass(frozen=True, slots=True)
+class AttachedStream:
+    """A router-started stream as the decode node that attached to it reads it."""
+
+    items: trio.MemoryReceiveChannel[StreamItem]
+    cancel: Cancel  # the request's generation's: a decode node that leaves early ends it so
+
+
 class KvStreams:
     """The streamed handoffs this node serves, one per request: what the interpreter sends for a
     request goes to its stream's channel, which the stream reads until the request ends."""
@@ -136,14 +159,13 @@ class KvStreams:
         # pieces (its prefill then cuts them out); read it, never change it (`open`, `send` and
         # `end` do)
         self.open_streams: dict[RequestId, trio.MemorySendChannel[StreamItem]] = {}
-        # router-started streams no decode node has attached to yet: their reading ends
-        self._unattached: dict[RequestId, trio.MemoryReceiveChannel[StreamItem]] = {}
+        self._unattached: dict[RequestId, _Unattached] = {}  # router-started streams, until attached to
         self._first: dict[RequestId, _FirstReply] = {}  # router-started streams' first tokens
-        self._opened: dict[RequestId, trio.Event] = {}  # decode nodes that came first, waiting
+        # decode nodes that came before their stream could be attached to, waiting
+        self._attach_waits: dict[RequestId, trio.Event] = {}
         # router-started streams whose request ended before a decode node attached: why (the error
         # that ended it, else `ended_before_sent`), for a decode node that attaches later, until when
         self._gone: dict[RequestId, tuple[ErrorInfo, float]] = {}
-        self._last_error: dict[RequestId, ErrorInfo] = {}  # an unattached stream's last item, an error
 
     def open(self, request_id: RequestId, prompt_tokens: int, layers: int
              ) -> trio.MemoryReceiveChannel[StreamItem]:
@@ -160,34 +182,52 @@ class KvStreams:
         return receive
 
     def open_for_attach(self, request_id: RequestId, prompt_tokens: int, layers: int) -> None:
-        """A stream the router started: open as `open`, kept here until a decode node attaches."""
-        self._unattached[request_id] = self.open(request_id, prompt_tokens, layers)
+        """A stream the router started: open as `open`, kept here until a decode node attaches,
+        which it may once its request is admitted (`ready_for_attach`)."""
+        self._unattached[request_id] = _Unattached(self.open(request_id, prompt_tokens, layers))
         self._first[request_id] = _FirstReply()
-        if (arrived := self._opened.pop(request_id, None)) is not None:
-            arrived.set()
 
-    async def attach(self, request_id: RequestId, wait_s: float) -> trio.MemoryReceiveChannel[StreamItem]:
-        """The reading end of the router-started stream of the request, for the decode node that
-        attaches to it (once); waits up to `wait_s` for the router's call to open it (the two calls
-        race). A request that ended before anyone attached raises why it ended (its error, as the
-        stream would have said it) for `wait_s` after; KV_NOT_FOUND when none opens, or it was
-        attached to."""
+    def ready_for_attach(self, request_id: RequestId, cancel: Cancel) -> None:
+        """The router-started stream's request was admitted (`cancel` ends it as its client
+        leaving does): its decode node may attach from now."""
+        waiting = self._unattached.get(request_id)
+        if waiting is not None:
+            waiting.cancel = cancel
+            self._wake_attach(request_id)
+
+    async def attach(self, request_id: RequestId, wait_s: float) -> AttachedStream:
+        """The router-started stream of the request, for the decode node that attaches to it
+        (once); waits up to `wait_s` for its request to be admitted (the router's call that opens
+        it and the decode node's race). A request that ended before anyone attached raises why it
+        ended (its error, as the stream would have said it) for `wait_s` after; KV_NOT_FOUND when
+        none is admitted in time, or it was attached to."""
         self._forget_gone()
-        if request_id not in self._unattached and request_id not in self.open_streams \
-                and request_id not in self._gone:
-            arrived = self._opened.setdefault(request_id, trio.Event())
+        if not self._attach_answerable(request_id):
+            arrived = self._attach_waits.setdefault(request_id, trio.Event())
             with trio.move_on_after(wait_s):
                 await arrived.wait()
-            if self._opened.get(request_id) is arrived:
-                del self._opened[request_id]
+            if self._attach_waits.get(request_id) is arrived:
+                del self._attach_waits[request_id]
         if (gone := self._gone.pop(request_id, None)) is not None:
             raise StatecoreError(gone[0])
-        receive = self._unattached.pop(request_id, None)
-        self._last_error.pop(request_id, None)
-        if receive is None:
+        waiting = self._unattached.get(request_id)
+        if waiting is None or waiting.cancel is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_NOT_FOUND,
                                            f"no prefill of request {request_id} waits for its decode node"))
-        return receive
+        del self._unattached[request_id]
+        return AttachedStream(waiting.items, waiting.cancel)
+
+    def _attach_answerable(self, request_id: RequestId) -> bool:
+        """Whether an attach to the request's stream is answered at once: it may be attached to,
+        or it ended, or it is open and no longer waits for its decode node (attached to already,
+        or asked for by its decode node)."""
+        if (waiting := self._unattached.get(request_id)) is not None:
+            return waiting.cancel is not None
+        return request_id in self._gone or request_id in self.open_streams
+
+    def _wake_attach(self, request_id: RequestId) -> None:
+        if (arrived := self._attach_waits.pop(request_id, None)) is not None:
+            arrived.set()
 
     def _forget_gone(self) -> None:
         now = trio.current_time()
@@ -209,8 +249,8 @@ class KvStreams:
             first.tell(item)
         send = self.open_streams.get(request_id)
         if send is not None:
-            if isinstance(item, ErrorInfo) and request_id in self._unattached:
-                self._last_error[request_id] = item
+            if isinstance(item, ErrorInfo) and (waiting := self._unattached.get(request_id)) is not None:
+                waiting.last_error = item
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 send.send_nowait(item)
             if item is None or isinstance(item, ErrorInfo):
@@ -221,12 +261,11 @@ class KvStreams:
         then that its request ended before its KV was sent; one no decode node attached to goes."""
         self.send(request_id, ended_before_sent(request_id))
         self._first.pop(request_id, None)
-        if (unattached := self._unattached.pop(request_id, None)) is not None:
-            unattached.close()  # its pieces go; why it ended stays for a decode node still to come
-            why = self._last_error.pop(request_id, None) or ended_before_sent(request_id)
+        if (waiting := self._unattached.pop(request_id, None)) is not None:
+            waiting.items.close()  # its pieces go; why it ended stays for a decode node still to come
+            why = waiting.last_error or ended_before_sent(request_id)
             self._gone[request_id] = (why, trio.current_time() + GONE_KEPT_S)
-            if (arrived := self._opened.pop(request_id, None)) is not None:
-                arrived.set()
+            self._wake_attach(request_id)
 
     def _close(self, request_id: RequestId) -> None:
         send = self.open_streams.pop(request_id, None)
@@ -243,4 +282,5 @@ class KvStreams:
         return len(self.open_streams.keys() | self._unattached.keys())
 
 
-__all__ = ["KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem", "ended_before_sent"]
+__all__ = ["AttachedStream", "Cancel", "KvAnswer", "KvPull", "KvPulls", "KvStreams", "StreamItem",
+           "ended_before_sent"]

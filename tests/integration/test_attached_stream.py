@@ -9,25 +9,34 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
+import trio.testing
+from starlette.responses import Response
 
-from adapters.http.internal_wire import error_json
+from adapters.http.internal_wire import PrefillBody, SamplingBody, error_json
+from adapters.http.kv_handoff import KvHandoff
+from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
+from adapters.kv import stream as kv_stream
 from adapters.kv.shm_outbox import ShmOutbox
-from effects.fakes import Faults, fake_info
-from effects.interpret import RouterPerformer, router_backend
+from effects.fakes import FakeEngine, Faults, fake_info
+from effects.faults import DEFAULT_MARKER, NO_FAULTS, FaultPort, Phase, Rule
+from effects.faults import Faults as ArmedFaults
+from effects.interpret import EnginePerformer, RouterPerformer, router_backend
 from effects.ports import GenerationRequest, SamplingParams
-from effects.runner import NodeRunner, Timeouts
-from statecore.errors import Code, ErrorInfo, Fault
+from effects.runner import Instrument, NodeRunner, Timeouts
+from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
+from statecore.events import KvTaken
 from statecore.ids import RequestId
 from statecore.intents import Reject
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
-from statecore.table import ROUTER_REQUEST
+from statecore.table import PREFILL_REQUEST, ROUTER_REQUEST
 from tests.integration.fake_backend import as_scripted, completed
 from tests.integration.fake_nodes import FakeNodes, Hosts, start_fake_nodes
 
@@ -200,3 +209,111 @@ async def test_a_first_token_that_ends_the_request_ends_both_calls(nursery: trio
         outputs = [as_scripted(output) for output in await routers.generate("attached", "r-eos")]
         assert outputs == [completed("stop")]
         await _settled(routers)
+
+
+# -- one prefill node's routes called directly: how a stream's decode node leaving, or attaching
+# early, reaches the request
+
+class _Cancels(Instrument):
+    """The generations a runner's instruments heard given up."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[RequestId] = []
+
+    def generation_cancelled(self, request_id: RequestId) -> None:
+        self.cancelled.append(request_id)
+
+
+@dataclass
+class _PrefillNode:
+    handoff: KvHandoff  # its KV routes
+    runner: NodeRunner[Any]
+    cancels: _Cancels  # what its runner's instruments heard
+    answered: list[Response] = field(default_factory=list)  # the router's calls' answers
+
+    async def router_call(self, rid: RequestId, prompt: Sequence[int]) -> None:
+        """The router's `/internal/prefill` with `kv_attach`, its answer kept."""
+        self.answered.append(await self.handoff.start_stream(_prefill_body(rid, prompt), cached_tokens=False))
+
+    async def answer_statuses(self) -> list[int]:
+        """The router's call's answer once it came (its status)."""
+        with trio.move_on_after(5):
+            while not self.answered:
+                await trio.sleep(0.01)
+        return [response.status_code for response in self.answered]
+
+
+@contextlib.asynccontextmanager
+async def _prefill_node(nursery: trio.Nursery, engine: FakeEngine,
+                        faults: FaultPort = NO_FAULTS) -> AsyncIterator[_PrefillNode]:
+    """A prefill node over `engine`; nothing is left on it after the block."""
+    performer = EnginePerformer(engine, None, faults=faults)
+    runner: NodeRunner[Any] = NodeRunner(PREFILL_REQUEST, performer, timeouts=Timeouts(deadline_s=60.0))
+    cancels = _Cancels()
+    runner.instruments.add(cancels)
+    await nursery.start(runner.run)
+    yield _PrefillNode(NodeApi("prefill", engine, runner, performer).kv_handoff, runner, cancels)
+    with trio.move_on_after(5):
+        while len(performer.kv_streams) or runner.statistics().live_requests:
+            await trio.sleep(0.01)
+    assert (len(performer.kv_streams), runner.statistics().live_requests) == (0, 0)
+
+
+def _prefill_body(rid: str, prompt: Sequence[int], *, kv_attach: bool = False) -> PrefillBody:
+    return PrefillBody(request_id=rid, prompt=list(prompt), sampling=SamplingBody(max_tokens=5),
+                       kv_attach=kv_attach)
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "asked-by-the-decode-node"])
+async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_client(
+        nursery: trio.Nursery, attached: bool) -> None:
+    """Whether the router started the stream or the decode node asked for it, a decode node that
+    leaves it mid-prefill cancels the request through its generation: the runner's instruments
+    hear the cancel, as they hear a front end's client leaving."""
+    engine = FakeEngine(Faults(stall={"prefill"}))  # the stream stays open until left
+    prompt = [*PROMPT, Faults().marker]
+    rid = RequestId("r-left")
+    async with _prefill_node(nursery, engine) as node:
+        if attached:
+            nursery.start_soon(node.router_call, rid, prompt)
+        body = _prefill_body(rid, prompt, kv_attach=attached)
+        records = await node.handoff.open_prefill_stream(body.model_dump_json().encode())
+        assert await anext(records) == [kv_stream.preamble()]
+        assert node.cancels.cancelled == []
+        await records.aclose()  # the decode node went away
+        assert node.cancels.cancelled == [rid]
+        if attached:  # the router's call hears that the request ended before its KV was sent
+            assert await node.answer_statuses() == [404]
+
+
+async def test_a_decode_node_that_attaches_to_another_prompt_frees_the_prefill(nursery: trio.Nursery) -> None:
+    """It hears KV_NOT_FOUND, and the request whose stream it took is cancelled (nobody else can
+    attach to it), rather than holding its cache until the lease."""
+    prompt = [*PROMPT, Faults().marker]
+    rid = RequestId("r-other")
+    async with _prefill_node(nursery, FakeEngine(Faults(stall={"prefill"}))) as node:
+        nursery.start_soon(node.router_call, rid, prompt)
+        other = _prefill_body(rid, prompt[1:], kv_attach=True).model_dump_json().encode()
+        with pytest.raises(StatecoreError) as refused:
+            await node.handoff.open_prefill_stream(other)
+        assert refused.value.info.code is Code.KV_NOT_FOUND
+        assert node.cancels.cancelled == [rid]
+        assert await node.answer_statuses() == [404]
+
+
+async def test_a_decode_node_that_attaches_during_the_admission_waits_for_it(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    """The router's call opens the stream, then admits the request (here slowly): a decode node
+    that attaches in between waits for the admission and reads the whole stream, rather than
+    hearing that the request ended."""
+    rid = RequestId(f"r-{DEFAULT_MARKER}-slow-{Phase.INTAKE.value}")
+    slow_intake = ArmedFaults((Rule(Phase.INTAKE, slow_s=1.0),))
+    async with _prefill_node(nursery, FakeEngine(), slow_intake) as node:
+        nursery.start_soon(node.router_call, rid, PROMPT)
+        await trio.testing.wait_all_tasks_blocked()  # the router's call waits in its admission
+        attach = _prefill_body(rid, PROMPT, kv_attach=True).model_dump_json().encode()
+        records = [parts async for parts in await node.handoff.open_prefill_stream(attach)]
+        assert records[-1] == [kv_stream.end_record(len(PROMPT), 2)]  # both pieces of the fake prefill
+        await node.runner.post(rid, KvTaken())  # the decode node's DELETE once installed
+        assert await node.answer_statuses() == [200]
+        assert node.cancels.cancelled == []

@@ -1,4 +1,4 @@
-"""A prefill node's streamed pieces in shared memory (`adapters.http.kv_handoff.SharedPieces`): a
+"""A prefill node's streamed pieces in shared memory (`adapters.http.kv_send.SharedPieces`): a
 region a copy put after the decode node released the request is freed once the copies settle (it
 was held forever before: CI saw 1 MiB held on a prefill node after an untyped fault)."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from adapters.http.kv_handoff import SharedPieces
+from adapters.http.kv_send import SharedPieces
 from adapters.kv.shm_outbox import ShmOutbox
 from effects.engine_port import KvPieces
 from statecore.ids import RequestId

@@ -1,6 +1,7 @@
 """HTTP: what nodes serve and how they call each other. API keys for the public API (which is
 `adapters.frontend`), the node's internal API (`node_api`, put together from `node_status`,
-`node_requests`, `kv_handoff` and `prefix_blocks`, each route guarded by `internal_wire`) and its wire
+`node_requests`, `kv_handoff` and `prefix_blocks`, each route guarded by `internal_wire`; how a
+prefill node's KV leaves it, a payload's body or a stream's records, is `kv_send`'s) and its wire
 models, the live view, streaming responses that notice a gone client, and the httpx client that
 calls peers (`peers_httpx`), beside the reads of a peer's KV that go around httpx (`kv_receive`;
 the KV itself travels through `adapters.kv` (`pull`, `frames`, `codec`)).
@@ -15,6 +16,7 @@ __all__ = [
     "internal_wire",
     "kv_handoff",
     "kv_receive",
+    "kv_send",
     "live_view",
     "node_api",
     "node_requests",

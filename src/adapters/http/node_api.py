@@ -21,7 +21,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from adapters.http.internal_wire import MAX_INTERNAL_BODY, guarded
-from adapters.http.kv_handoff import KvHandoff, SharedPieces
+from adapters.http.kv_handoff import KvHandoff
+from adapters.http.kv_send import SharedPieces
 from adapters.http.node_requests import NodeRequests
 from adapters.http.node_status import CORE_PROCESS, DEVICE_THREAD, NodeStatus
 from adapters.http.prefix_blocks import PrefixBlocks

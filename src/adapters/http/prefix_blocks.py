@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from adapters.http.internal_wire import PrefixKvBody, PrefixSummaryBody, error_response, read_body, validated
-from adapters.http.kv_handoff import counted, kv_body, payload_parts
+from adapters.http.kv_send import counted, kv_body, payload_parts
 from effects.ports import Engine
 from statecore.errors import client_error
 

@@ -101,6 +101,9 @@ class StepExecutor:
         started = time.perf_counter()
         spent_before = profile.seconds()
         traces_before = 0 if loop.compiled is None else loop.compiled.traces
+        # a handed-off request joined since the last step: this step computes its second token
+        # (the plan below clears the flag)
+        carries_join = loop.handoff_joined and loop.joins_early
         loop.drop_abandoned_waiting()
         current = InFlight()
         outputs: list[Any] = []
@@ -158,7 +161,11 @@ class StepExecutor:
         # while streams too long for a slot decode in the batch lane: its second token waited for
         # the batch's step, ~a step more).
         computed = built and on_cpu and (bool(current.finished_prefills) or not current.segments)
-        read_early = computed and loop.joins_early
+        # Elsewhere the step that carries a joined request's second token is read back at once,
+        # not after the next step's build and launch: that token would otherwise wait a whole
+        # host step more (on an H100 a 1B model's decode step is host-bound, ~5 ms of build and
+        # launch), once per join, while the next build overlaps nothing for that one step.
+        read_early = (computed and loop.joins_early) or (built and carries_join and not on_cpu)
         if read_early:
             loop.inflight = None
             self.read_back(current)
@@ -173,6 +180,8 @@ class StepExecutor:
         # elsewhere the one read back in it (its launch waits for the one before, its read-back
         # for the rest), and this one too when it is read back at once.
         waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
+        if read_early and not on_cpu:
+            waited_for.append(current)
         if not read_early and built and ((not loop.live and not loop.waiting) or computed):
             # Nothing else will come (or, on the CPU, it is computed and no piece in it waits on
             # the next build): read this step back now rather than on the next one.
