@@ -196,8 +196,6 @@ class Metrics(Instrument):
         self._pull_started: dict[RequestId, float] = {}
         self._pulled_installs: set[RequestId] = set()  # installs of a pulled payload under way
         self._engine: Engine | None = None  # an engine node's (what its events are read against)
-        # an engine node's requests' clocks are their runner's records (`NodeRequest.opened_at`)
-        self._runner: NodeRunner[Any] | None = None
         self._handoffs: HandoffLog | None = None
         self._terminal: frozenset[str] = frozenset()
         self.model_name = model_name
@@ -222,7 +220,6 @@ class Metrics(Instrument):
         self._terminal = frozenset(phase.value for phase in runner.machine.terminal)
         self._engine = engine
         self._handoffs = handoffs
-        self._runner = runner
         runner.instruments.add(self)
         live = _LiveCollector(self.role, runner, engine, peers, kv_buffer_bytes, prefix_pulls)
         self.registry.register(live)
@@ -232,7 +229,7 @@ class Metrics(Instrument):
     # -- the runner's transitions ----------------------------------------------------------------
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                   error: ErrorInfo | None, outcome: str | None) -> None:
+                   error: ErrorInfo | None, outcome: str | None, context: object) -> None:
         if new not in self._terminal:
             return
         self._pull_started.pop(request_id, None)
@@ -240,10 +237,9 @@ class Metrics(Instrument):
         self.requests.labels(self.role, new, outcome or "unknown").inc()
         if new == "failed" and error is not None and error.code is Code.LEASE_EXPIRED:
             self.lease_expired.inc()
-        # the runner still holds an ending request's record here (it forgets it after)
-        ctx = None if self.front_end or self._runner is None else self._runner.context(request_id)
-        if isinstance(ctx, NodeRequest) and new != "cancelled":
-            self.e2e.observe(time.monotonic() - ctx.opened_at)
+        # an engine node's requests' clocks are their runner's records (`NodeRequest.opened_at`)
+        if not self.front_end and isinstance(context, NodeRequest) and new != "cancelled":
+            self.e2e.observe(time.monotonic() - context.opened_at)
 
     # -- an engine node's events and work ------------------------------------------------------
 

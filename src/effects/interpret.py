@@ -158,8 +158,10 @@ class EnginePerformer:
     def forget(self, request_id: RequestId, context: object) -> None:
         if request_id in self.kv_pulls.pending:
             self.kv_pulls.end(request_id)  # a puller still waiting learns the request is gone
-        if request_id in self.kv_streams:
-            self.kv_streams.end(request_id)  # so does a stream still sending, or not yet attached to
+        # so does a stream still sending, or not yet attached to: only a prefill node's requests
+        # (their cache leaves: `hands_off`) have one
+        if isinstance(context, NodeRequest) and context.hands_off and request_id in self.kv_streams:
+            self.kv_streams.end(request_id)
         for hook in self.on_forget:
             hook(request_id)
 

@@ -105,9 +105,10 @@ class Instrument:
     that what a client sees is timed as it reads it."""
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                   error: ErrorInfo | None, outcome: str | None) -> None:
+                   error: ErrorInfo | None, outcome: str | None, context: object) -> None:
         """A request changed phase; `outcome` is set when `new` is terminal, in the same words on
-        every node (`statecore.loop.LoopState.outcome`)."""
+        every node (`statecore.loop.LoopState.outcome`); `context` is the role's (None for a
+        request opened without one), still held when the request ends."""
 
     def applied(self, request_id: RequestId, event: Event, context: object) -> None:
         """An event is about to be applied to a request (`context`: the role's, None once the
@@ -159,8 +160,9 @@ class Instruments(Instrument):
                 log.exception("instrument %s: %s failed", type(each).__name__, hook)
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                   error: ErrorInfo | None, outcome: str | None) -> None:
-        self._tell("transition", lambda each: each.transition(request_id, old, new, event, error, outcome))
+                   error: ErrorInfo | None, outcome: str | None, context: object) -> None:
+        self._tell("transition",
+                   lambda each: each.transition(request_id, old, new, event, error, outcome, context))
 
     def applied(self, request_id: RequestId, event: Event, context: object) -> None:
         self._tell("applied", lambda each: each.applied(request_id, event, context))
@@ -374,7 +376,8 @@ class NodeRunner(Generic[P]):
                 continue
             new = record.phase
             outcome = self.state.outcome(rid)  # set when the request ended in this step
-            self.instruments.transition(rid, old.value, new.value, event.kind.value, record.error, outcome)
+            self.instruments.transition(rid, old.value, new.value, event.kind.value, record.error, outcome,
+                                        self.context(rid))
             log.debug("%s %s: %s -> %s on %s", self.name, rid, old.value, new.value, event.kind.value)
             if outcome is not None:
                 self._outcomes[new.value] += 1

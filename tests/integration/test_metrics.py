@@ -51,7 +51,7 @@ class Node:
 
         class Log(Instrument):
             def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                           error: ErrorInfo | None, outcome: str | None) -> None:
+                           error: ErrorInfo | None, outcome: str | None, context: object) -> None:
                 logged.append((old, new, error.code.value if error else None))
 
         self.runner.instruments.add(Log())

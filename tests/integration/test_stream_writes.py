@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from starlette.applications import Starlette
+from starlette.types import Message, Scope
 
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
-from adapters.http.streaming import EVENTS_PER_WRITE
+from adapters.http.streaming import EVENTS_PER_WRITE, WatchedStream
 from statecore.errors import peer_error
 from statecore.events import TokenLogprobs
 from tests.integration.fake_backend import HANG, FakeBackend, ScriptItem, completed, rejected, replied
@@ -163,3 +165,33 @@ async def test_events_are_not_held_while_the_backend_works(
     assert has_the_text(sent)
     assert backend.last.taken_nowait > 0
     assert backend.last.cancels == 1
+
+
+async def test_the_head_waits_for_the_first_chunk_and_leaves_with_it() -> None:
+    """A stream's head is sent once its first chunk is made, right before it (no task of the
+    event loop runs between them), not while the chunk is still being made."""
+    made = trio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        await made.wait()
+        yield b"data: one\n\n"
+        yield b"data: two\n\n"
+
+    async def receive() -> Message:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(dict(message))
+
+    response = WatchedStream(chunks(), media_type="text/event-stream")
+    async with trio.open_nursery() as nursery:
+        scope: Scope = {"type": "http"}
+        nursery.start_soon(response, scope, receive, send)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sent == []
+        made.set()
+    assert [(m["type"], m.get("body")) for m in sent] == [
+        ("http.response.start", None), ("http.response.body", b"data: one\n\n"),
+        ("http.response.body", b"data: two\n\n"), ("http.response.body", b"")]

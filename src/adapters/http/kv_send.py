@@ -98,6 +98,8 @@ async def counted(parts: AsyncGenerator[Sequence[KvBytes], None], nbytes: int,
 async def damaged(faults: FaultPort, rid: RequestId, pieces: KvPieces) -> bytes | None:
     """A payload as an injected transfer fault leaves it (tests only): cut after the header's
     first bytes, cut mid-body, or one byte flipped. None when no fault applies."""
+    if not faults.armed:
+        return None
     phases = (Phase.SEND_HEADER, Phase.MID_BODY, Phase.CHECKSUM)
     fault = next((phase for phase in phases if faults.applies(phase, rid)), None)
     if fault is None:

@@ -135,7 +135,7 @@ class _Transitions(Instrument):
         self.machine = machine
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                   error: ErrorInfo | None, outcome: str | None) -> None:
+                   error: ErrorInfo | None, outcome: str | None, context: object) -> None:
         # `outcome`: the terminal reason in every node's words
         reason = outcome or (error.code.value if error else None)
         self.view._record(self.machine, request_id, old, new, event, reason)

@@ -77,10 +77,16 @@ class WatchedStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with cancel_on_disconnect(receive) as watch:
+                # The first chunk is made before the head goes, so the two leave together: sent
+                # first, the head let the event loop run other tasks before the first chunk
+                # was even made (the first token's text waited ~1-2 ms behind it).
+                first = await anext(self._chunks, None)
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                async for chunk in self._chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if first is not None:
+                    await send({"type": "http.response.body", "body": first, "more_body": True})
+                    async for chunk in self._chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if not watch.disconnected:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -5,7 +5,8 @@ header, fingerprint, classes, token count; `adapters.mlx.payloads.validate_segme
 pieces before it still being checked, up to PIECE_CHECKS at once, while the stream is read on;
 then kept in the stream's order (`callers.PieceOrder`: a slot takes each layer's tokens in
 order, and nothing is kept after a piece that failed): written into the request's slot where the
-model's cache goes in slots (`StagePiece`, `adapters.mlx.staging`), else kept for the install.
+model's cache goes in slots (`StagePiece`, `adapters.mlx.staging`; a piece in the sender's GPU
+memory is copied out and staged by one job, `TakeDevicePiece`), else kept for the install.
 It imports trio; mlx only through what it calls (the device thread builds nothing here).
 """
 

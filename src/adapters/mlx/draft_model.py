@@ -3,10 +3,12 @@ that guesses the next few tokens of a speculating row.
 
 Each row keeps its own cache in the draft model and the tokens it holds (`_DraftRow.fed`). To
 draft, the cache is first cut back to where it still agrees with the row's tokens (a verify step
-may have dropped drafts it held), the tokens it lacks go in with the first draft's call (all of
-the prompt, the first time, its long ones' leading chunks before: the draft model's prefill
-happens on the node that decodes), and each draft is drawn from the last position and fed back,
-one call per draft, its computation started as it is drawn. A greedy row drafts the argmax; a
+may have dropped drafts it held), the tokens it lacks go in with the first draft's call (after a
+verify step, the one or two it lacks; the first time, the prompt's last token, its other tokens
+in a call before whose logits nobody reads, as generate_step prefills, and a long one's leading
+chunks before that: the draft model's prefill happens on the node that decodes), and each draft
+is drawn from the last position and fed back, one call per draft, its computation started as it
+is drawn. A greedy row drafts the argmax; a
 seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
@@ -33,6 +35,9 @@ __all__ = ["DraftModel", "check_draft_vocabulary"]
 
 _FEED_CHUNK = 2048  # the most tokens one feeding call computes (a long prompt goes in several)
 _CHECK_TOKENS = 24  # the load check's prompt
+# Fed with the first draft's call up to this many tokens (a verify step's last draft and the
+# token after it); more (a prompt) go in a call of their own first.
+_HEAD_AFTER = 2
 
 
 @dataclass(eq=False)
@@ -89,6 +94,12 @@ class DraftModel:
             self.model(mx.array([rest[:_FEED_CHUNK]]), cache=row.cache)
             mx.eval([layer.state for layer in row.cache])
             rest = rest[_FEED_CHUNK:]
+        if len(rest) > _HEAD_AFTER:
+            # A prompt (a row's first try): all but its last token go in as a call of their own
+            # whose logits nobody reads, so only their keys and values are computed (as
+            # generate_step prefills), not the last layer's attention and MLP for every row.
+            self.model(mx.array([rest[:-1]]), cache=row.cache)
+            rest = rest[-1:]
         # The tokens the cache lacks go in with the first draft's call (after a verify step that
         # kept every draft, the last draft and the token after it): one call, no wait. Each
         # draft starts computing as soon as it is drawn, while the next call is built.

@@ -36,12 +36,11 @@ from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_pieces import release_held_pieces
-from adapters.mlx.device_thread import DeviceThread
 from adapters.mlx.distributed import (
     LockstepLoop,
     refuse_pipelined_handoff,
 )
-from adapters.mlx.jobs import Local, StreamSend, engine_failed, engine_lost
+from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
 from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
@@ -103,6 +102,9 @@ class MlxEngine:
         self._arriving = ArrivingPieces(self._callers, self._device, self._post,
                                         lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
+        # whether this engine ever streamed a prefill's pieces (only then may GPU memory hold some
+        # of a request's: a node that never hands off never asks `device_pieces`)
+        self._streamed_pieces = False
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -229,6 +231,7 @@ class MlxEngine:
                 if cuts and segments is not None else None)
         if sink is not None:
             self._handouts[request_id] = sink
+            self._streamed_pieces = True
         try:
             outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                        Local(matcher=matcher, segment_sink=sink))
@@ -271,7 +274,8 @@ class MlxEngine:
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
-        release_held_pieces(request_id)  # its receiver took them (or never will)
+        if self._streamed_pieces:
+            release_held_pieces(request_id)  # its receiver took them (or never will)
         self._callers.forget_pieces(request_id)
         self._stop_expecting(request_id)  # its first token ended it: it never joins
         if not self._thread.alive:
@@ -357,7 +361,8 @@ class MlxEngine:
                 self._cancel_nowait(request_id)
 
     async def cancel(self, request_id: RequestId) -> None:
-        release_held_pieces(request_id)
+        if self._streamed_pieces:
+            release_held_pieces(request_id)
         self._callers.drop(request_id)
         self._stop_expecting(request_id)
         if not self._thread.alive:

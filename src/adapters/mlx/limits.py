@@ -3,7 +3,7 @@
 `checked_prefix`, `checked_token`: token ids inside the vocabulary, sampling values in range). What
 a request may ask of the model (that it fits the context, that a grammar's end goes with neither
 stop strings nor `ignore_eos`) is not decided here: the front end asks `statecore.policy` once,
-before any engine (`adapters.frontend.jobs`), and peers only send what a front end accepted. A
+before any engine (`adapters.frontend.frontend.job_of`), and peers only send what a front end accepted. A
 refusal is a client error (`StatecoreError` with its code). This module imports mlx only through
 what it calls to pick defaults (the backend, the host's memory); it must never import trio.
 """

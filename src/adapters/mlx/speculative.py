@@ -134,6 +134,8 @@ class Speculator:
         self.verify_steps = self.drafted = self.accepted = self.emitted = 0
         self.early_reads = 0  # steps that read the previous one back before building (a try)
         self.verifying = False  # a verify step's model call is being built (a test hook reads it)
+        # A verify step's tokens, held until the next verify step's computation starts (`hold`).
+        self.held: tuple[SpeculationHost, dict[Any, list[Any]]] | None = None
 
     # -- at load -------------------------------------------------------------------------------
 
@@ -207,7 +209,9 @@ class Speculator:
 
     def left(self, request_id: str) -> None:
         """A request left the decoder, or will never join it (its held cache went, or its prompt
-        failed): its row and its draft model cache go."""
+        failed): its row and its draft model cache go (tokens held for it go out first, ahead of
+        whatever ends it)."""
+        self.hand_out_held()
         self.rows.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)
@@ -264,6 +268,7 @@ class Speculator:
                and all(live.request_id in self.rows for live in rows)
                and any(self.rows[live.request_id].pace.due for live in rows))
         if not due:
+            self.hand_out_held()
             self.pass_step(rows)
             return rows
         if loop.slot_tokens_in_flight():
@@ -271,6 +276,7 @@ class Speculator:
             # no draft could follow it anyway (the overlap of this step is kept then).
             if not any(self.rows[live.request_id].pace.due
                        and (self.draft is not None or self.index(live).may_draft_next()) for live in rows):
+                self.hand_out_held()
                 self.pass_step(rows)
                 return rows
             self.early_reads += 1
@@ -284,6 +290,7 @@ class Speculator:
         room = draft_room(self.classes, reference, len(rows), self.num_draft_tokens * len(rows))
         drafts = self.propose(rows, room)
         if not any(_count(draft) for draft in drafts):
+            self.hand_out_held()
             for live in rows:
                 self.tried(live, 0)
             return rows
@@ -301,6 +308,7 @@ class Speculator:
         failed kernel ran on another stream) read back whatever the failure left. A verify step
         runs only while its rows are all that decode, so its rows fail, the buffers start again
         empty, and speculation turns off (a kernel that failed once on these shapes fails again)."""
+        self.hand_out_held()
         for live in rows:
             self.tried(live, 0)
             if self.draft is not None:  # its cache may hold drafts whose values never came back
@@ -395,6 +403,7 @@ class Speculator:
                 self.verifying = False
                 loop.computing = ("", ())
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
+            self.hand_out_held()
             try:
                 mx.eval(drawn, pieces, pool.keys, pool.values)
             except Exception as exc:
@@ -408,6 +417,7 @@ class Speculator:
         deliveries: dict[Any, list[Any]] = {}
         start = 0
         self.verify_steps += 1
+        ended = False
         for live, draft in zip(rows, drafts, strict=True):
             mine = tokens[start : start + len(draft) + 1]
             start += len(draft) + 1
@@ -423,8 +433,24 @@ class Speculator:
                 live.offset += 1
                 live.last_token = token
                 if loop.hand_token(live, loop.count_token(live, token), deliveries):
+                    ended = True
                     break
-        loop.hand_out(deliveries)
+        if ended:
+            loop.hand_out(deliveries)
+        else:
+            self.held = (loop, deliveries)
+
+    def hand_out_held(self) -> None:
+        """The tokens of the last verify step, if they are still held: a step whose rows all go on
+        holds its tokens until the next one's computation starts, since handing them out wakes
+        the event loop, whose work on them (the responses' text and writes) would otherwise
+        share the interpreter with the next step's drafts and build; while the device computes,
+        the interpreter is free. A row that ends, any step that is not the next verify step, a
+        row leaving and a failure hand them out first."""
+        held, self.held = self.held, None
+        if held is not None:
+            loop, deliveries = held
+            loop.hand_out(deliveries)
 
 
 class FirstVerify:

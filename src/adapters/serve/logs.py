@@ -68,7 +68,7 @@ class TransitionLines(Instrument):
         self.ends_at_info = role in ("prefill", "decode") and not in_local_cluster
 
     def transition(self, request_id: RequestId, old: str, new: str, event: str,
-                   error: ErrorInfo | None, outcome: str | None) -> None:
+                   error: ErrorInfo | None, outcome: str | None, context: object) -> None:
         # a failure names its code and message; any other end its reason (stop, length, ...)
         failed = error is not None and outcome == error.code.value
         said = (f" reason={outcome}: {error.message}" if failed and error else

@@ -1,0 +1,228 @@
+"""One stream, request by request: a statecore single node against mlx_lm.server, both with the
+same draft model (`--draft-model`) or both without, greedy, at concurrency 1.
+
+Starts mlx_lm.server and a single node (and, with `--base-src`, a second single node running
+another source tree: a before), all in the same environment (so the same BLAS). Each round is
+one fresh prompt of `--prompt-tokens` tokens (so mlx_lm.server's prompt cache never hits), sent
+to every server in turn as a streamed completion of `--max-tokens` tokens (`ignore_eos`), the
+order rotating from round to round; requests never overlap, so the servers share the machine
+alike and a busy box weighs on neighbours of a round alike. Per request the client stamps the
+response headers, the first body byte, the first text and the end; per server it reports the
+medians of tokens/s (max_tokens over the request's whole time), time to first text, the time
+per token after it, and each round's ratio to mlx_lm.server (their median is the figure: a ratio
+of neighbours, not of two medians). It also says whether every server returned the same text.
+
+    .venv/bin/python bench/serving/one_stream.py --rounds 24     # the chain model and its draft
+    git archive main src | tar -x -C /tmp/base && .venv/bin/python bench/serving/one_stream.py \\
+        --base-src /tmp/base/src                                     # ... and main's node beside
+    .venv/bin/python bench/serving/one_stream.py --model TARGET --draft-model DRAFT
+
+With no `--model` the target is a chain model (`support.chain_model`: a random llama, hidden 2048 x
+2 layers, float32, whose next token mostly follows a fixed chain) and the draft model one of
+hidden 256 x 1 layer built the same way, so drafts often stand; both are built once under
+~/.cache/statecore/one_stream. `--no-draft`: both servers decode without a draft model.
+
+Bench code: it may import anything, and nothing under src/ may import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: benchlib
+
+from benchlib import (
+    ROOT,
+    PromptMaker,
+    Server,
+    load_tokenizer,
+    machine,
+    server_env,
+)
+
+from adapters.blas import blas_of_process_tree
+from adapters.serve.listeners import free_port
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+
+
+def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion, stamped from the moment it is sent: headers, first body byte,
+    first text, end (seconds); its text."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    client.get(f"{url}/v1/models")  # a stale keep-alive connection fails here, not in the timed request
+    texts: list[str] = []
+    first_byte = first_text = None
+    sent = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        headers = time.perf_counter() - sent
+        response.raise_for_status()
+        pending = b""
+        for chunk in response.iter_raw():
+            if first_byte is None:
+                first_byte = time.perf_counter() - sent
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if not line.startswith(b"data: {"):
+                    continue
+                doc = json.loads(line[6:])
+                text = "".join(choice.get("text") or "" for choice in doc.get("choices") or [])
+                if text:
+                    if first_text is None:
+                        first_text = time.perf_counter() - sent
+                    texts.append(text)
+    end = time.perf_counter() - sent
+    if first_text is None:
+        raise SystemExit(f"{url}: a stream with no text")
+    return {"headers_s": headers, "first_byte_s": first_byte, "ttft_s": first_text, "end_s": end,
+            "tok_s": max_tokens / end, "tpot_s": (end - first_text) / max(1, max_tokens - 1),
+            "text": "".join(texts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="target model dir (default: the chain model)")
+    parser.add_argument("--draft-model", type=Path, default=None,
+                        help="both servers draft with it (default: the chain draft model with no --model)")
+    parser.add_argument("--no-draft", action="store_true", help="both servers decode without a draft model")
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--base-src", type=Path, default=None,
+                        help="also a single node running this src/ tree (e.g. main's, for a before)")
+    parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
+    parser.add_argument("--statecore-arg", action="append", default=[],
+                        help="an extra flag for the single nodes")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "one_stream")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    model, draft_model = args.model, args.draft_model
+    if model is None:
+        model, chain_draft = chain_models()
+        draft_model = draft_model or chain_draft
+    if args.no_draft:
+        draft_model = None
+    args.out.mkdir(parents=True, exist_ok=True)
+    drafting = [] if draft_model is None else [
+        "--draft-model", str(draft_model), "--num-draft-tokens", str(args.num_draft_tokens)]
+    py = sys.executable
+    wanted = [("mlx_lm", None), ("statecore", ROOT / "src")]
+    if args.base_src is not None:
+        wanted.append(("base", args.base_src.resolve()))
+    servers: list[Server] = []
+    for name, src in wanted:
+        port = free_port()
+        if src is None:
+            argv_ = [py, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1",
+                     "--port", str(port), "--log-level", "WARNING", *drafting]
+        else:
+            argv_ = [py, "-m", "adapters.cli", "run", "--role", "single", "--model", str(model),
+                     "--port", str(port), "--log-level", "WARNING", *drafting, *args.statecore_arg]
+        servers.append(Server(name, argv_, port, args.out / f"{name}.log"))
+    meta: dict[str, Any] = {"machine": machine(), "model": str(model), "draft_model": str(draft_model),
+                            "num_draft_tokens": args.num_draft_tokens, "prompt_tokens": args.prompt_tokens,
+                            "max_tokens": args.max_tokens, "rounds": args.rounds,
+                            "base_src": str(args.base_src), "statecore_args": args.statecore_arg}
+    try:
+        for server, (_, src) in zip(servers, wanted, strict=True):
+            env, blas = server_env(args.blas, "mlx_lm" if src is None else "single")
+            if src is not None:
+                env["PYTHONPATH"] = os.pathsep.join([str(src), *env["PYTHONPATH"].split(os.pathsep)[1:]])
+            meta["blas"] = blas
+            server.start(env)
+        for server in servers:
+            server.wait_ready(args.startup_timeout)
+        meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+        maker = PromptMaker(load_tokenizer(model))
+        rng = random.Random(time.time_ns())
+        results: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+        meta["load_before"] = load_average()
+        with httpx.Client(timeout=600) as client:
+            for server in servers:  # warm: the first request of a process pays for lazy setup
+                for _ in range(2):
+                    one_request(client, server.url, maker.make(args.prompt_tokens, rng), 8)
+            for round_ in range(args.rounds):
+                prompt = maker.make(args.prompt_tokens, rng)
+                shift = round_ % len(servers)
+                for server in servers[shift:] + servers[:shift]:
+                    result = one_request(client, server.url, prompt, args.max_tokens)
+                    result["round"] = round_
+                    results[server.name].append(result)
+                print(f"round {round_ + 1}/{args.rounds} (load {load_average()}): " + ", ".join(
+                    f"{name} {runs[-1]['tok_s']:.2f} tok/s" for name, runs in results.items()), flush=True)
+        meta["load_after"] = load_average()
+    finally:
+        for server in servers:
+            server.stop()
+    summary = summarize(results)
+    print(f"\n{args.rounds} rounds of {args.prompt_tokens}x{args.max_tokens}, greedy, "
+          f"{'draft model ' + str(draft_model) if draft_model else 'no draft model'}; "
+          f"load {meta['load_before']} -> {meta['load_after']}")
+    for name, row in summary["servers"].items():
+        print(f"  {name:9s} tok/s p50 {row['tok_s_p50']:7.2f} (mean {row['tok_s_mean']:.2f})  TTFT p50 "
+              f"{row['ttft_ms_p50']:7.1f} ms  TPOT p50 {row['tpot_ms_p50']:6.2f} ms  "
+              f"headers {row['headers_ms_p50']:6.1f} ms  first byte {row['first_byte_ms_p50']:6.1f} ms")
+    for name, row in summary["ratios"].items():
+        print(f"  {name} / mlx_lm per round: tok/s p50 {row['tok_s_p50']:.4f} (mean {row['tok_s_mean']:.4f}, "
+              f"{row['rounds_at_least_1']}/{args.rounds} rounds >= 1), TTFT p50 {row['ttft_p50']:.4f}")
+    print(f"  same text on every server: {summary['same_text']}")
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "requests": results},
+                                                      indent=2, default=str))
+    print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+def chain_models() -> tuple[Path, Path]:
+    """The chain model (hidden 2048 x 2 layers) and its draft model (256 x 1), built once."""
+    from support.chain_model import build_chain_checkpoint
+
+    home = Path.home() / ".cache" / "statecore" / "one_stream"
+    built = []
+    for name, hidden, layers in (("target-2048x2", 2048, 2), ("draft-256x1", 256, 1)):
+        path = home / name
+        if not (path / "config.json").exists():
+            build_chain_checkpoint(path, hidden_size=hidden, num_layers=layers)
+        built.append(path)
+    return built[0], built[1]
+
+
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def p50(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float:
+        return statistics.median(run[key] for run in runs) * scale
+
+    servers = {name: {"tok_s_p50": p50(runs, "tok_s"),
+                      "tok_s_mean": statistics.mean(run["tok_s"] for run in runs),
+                      "ttft_ms_p50": p50(runs, "ttft_s", 1000), "tpot_ms_p50": p50(runs, "tpot_s", 1000),
+                      "headers_ms_p50": p50(runs, "headers_s", 1000),
+                      "first_byte_ms_p50": p50(runs, "first_byte_s", 1000)}
+               for name, runs in results.items()}
+    reference = results["mlx_lm"]
+    ratios = {}
+    for name, runs in results.items():
+        if name == "mlx_lm":
+            continue
+        tok = [ours["tok_s"] / theirs["tok_s"] for ours, theirs in zip(runs, reference, strict=True)]
+        ttft = [ours["ttft_s"] / theirs["ttft_s"] for ours, theirs in zip(runs, reference, strict=True)]
+        ratios[name] = {"tok_s_p50": statistics.median(tok), "tok_s_mean": statistics.mean(tok),
+                        "rounds_at_least_1": sum(r >= 1 for r in tok), "ttft_p50": statistics.median(ttft)}
+    texts = [[run["text"] for run in runs] for runs in results.values()]
+    return {"servers": servers, "ratios": ratios, "same_text": all(t == texts[0] for t in texts)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
