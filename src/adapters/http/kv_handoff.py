@@ -103,8 +103,8 @@ class KvHandoff:
         """A streamed handoff through the ASGI server (`open_prefill_stream`); the KV plane
         (`plane`) serves the same stream on the socket directly."""
         records = await self.open_prefill_stream(await read_body(request))
-        # closed here too: a stream whose response ended before its first body message was made
-        # never started `body_messages`, whose own close would close it
+        # closed here too, however early the response ended: `body_messages` closes it only once
+        # it was started itself
         return WatchedStream(body_messages(records), media_type="application/octet-stream",
                              on_close=records.aclose)
 
