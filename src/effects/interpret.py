@@ -458,7 +458,8 @@ class RoutedRequest:
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
     cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
     prefilling_on: str | None = None  # the node computing its prompt until the first token is back
-    # the node whose call failed the attempt, where two calls ran at once (`_attached`)
+    # the prefill node, where its own call failed a router-started stream first (the decode
+    # node's failure is told apart as on any streamed handoff: `_culprit`)
     failed_on: str | None = None
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
@@ -601,7 +602,7 @@ class RouterPerformer:
             self._prefilling(ctx, ctx.decode_node if ctx.local else ctx.prefill_node)
             await post(Dispatched())
             if ctx.streamed and self.attaches(ctx.prefill_node or "", ctx.decode_node):
-                await self._attached(ctx, nid, prefix_from, post)
+                await self._start_attached_stream(ctx, nid, prefix_from, post)
                 return
             if ctx.local or ctx.streamed:
                 # the decode node prefills, or has the prefill node prefill and stream it the KV:
@@ -624,13 +625,16 @@ class RouterPerformer:
             raise
         await self._first(reply, ctx, post)
 
-    async def _attached(self, ctx: RoutedRequest, nid: RequestId, prefix_from: PrefixSource | None,
-                        post: Post) -> None:
+    async def _start_attached_stream(self, ctx: RoutedRequest, nid: RequestId,
+                                     prefix_from: PrefixSource | None, post: Post) -> None:
         """A streamed handoff the router starts itself: the prefill node is asked to prefill (its
         answer, the first token, comes straight back here) while the decode node attaches to that
         prefill's stream (`DecodeCall.kv_attach`), whose first token, the same, comes through it
-        too. Whichever comes first is posted, once. The first failure ends both calls
-        (`RoutedRequest.failed_on` names its node); so does a first token that ends the request."""
+        too. Whichever comes first is posted, once. The first failure ends both calls, and the
+        node it points at is the one blamed (`RoutedRequest.failed_on`), whichever call heard it
+        first; so does a first token that ends the request. Once the first token was told, the
+        prefill node's part is done: its call failing then ends nothing (the decode node streams
+        on, and frees the prefill node's cache with its DELETE, or the lease does)."""
         prefill_node, decode_node = ctx.prefill_node, ctx.decode_node
         assert prefill_node is not None and decode_node is not None
         told = trio.Lock()
@@ -643,7 +647,7 @@ class RouterPerformer:
                     ended = await self._first(reply, ctx, post)
             return ended
 
-        failures: list[tuple[str, StatecoreError]] = []
+        failures: list[tuple[str | None, StatecoreError]] = []
         async with trio.open_nursery() as nursery:
 
             async def prefill() -> None:
@@ -651,6 +655,8 @@ class RouterPerformer:
                     reply = await self.peers.prefill(prefill_node, nid, ctx.prompt, ctx.sampling, prefix_from,
                                                      attach_by=decode_node)
                 except StatecoreError as exc:
+                    if ctx.first_token is not None:
+                        return  # told already (through the decode node): its stream carries on
                     failures.append((prefill_node, exc))
                     nursery.cancel_scope.cancel()
                     return
@@ -663,7 +669,9 @@ class RouterPerformer:
             try:
                 await self._relay(ctx, self.peers.decode(decode_node, call), post, first=first)
             except StatecoreError as exc:
-                failures.append((decode_node, exc))
+                # its own failure, or the prefill node's that its stream told it: `_culprit`
+                # tells them apart as on any streamed handoff (by the node its error names)
+                failures.append((None, exc))
             nursery.cancel_scope.cancel()  # the stream ended: the prefill node's answer is not needed
         if failures:
             ctx.failed_on, error = failures[0]

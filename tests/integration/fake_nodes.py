@@ -46,11 +46,14 @@ class FakeNodes:
 
 
 async def start_fake_nodes(nursery: trio.Nursery, hosts: Hosts | None = None, *,
-                           prefill_info: ModelInfo | None = None, shm: ShmOutbox | None = None) -> FakeNodes:
+                           prefill_info: ModelInfo | None = None, shm: ShmOutbox | None = None,
+                           prefill_engine: FakeEngine | None = None) -> FakeNodes:
     """Both nodes' runners started in `nursery`, their routes behind `hosts` (a new `Hosts` by
-    default); the prefill node's engine says `prefill_info` and offers `shm` where given."""
+    default); the prefill node's engine is `prefill_engine` (a new `FakeEngine` by default), says
+    `prefill_info` and offers `shm` where given."""
     hosts = Hosts() if hosts is None else hosts
-    engines = {"prefill": FakeEngine(info=prefill_info), "decode": FakeEngine()}
+    prefill = FakeEngine(info=prefill_info) if prefill_engine is None else prefill_engine
+    engines = {"prefill": prefill, "decode": FakeEngine()}
     node_peers = HttpxPeers(transport=hosts)
     performers: dict[str, EnginePerformer] = {}
     runners: dict[str, NodeRunner[Any]] = {}

@@ -2,8 +2,10 @@
 prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once, and the decode node
 attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
 pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
-(it is told once); a prefill that fails fails the attempt on the prefill node and leaves nothing
-on either node."""
+(it is told once); a prefill that fails fails the attempt on the prefill node (whichever call
+tells the router first) and leaves nothing on either node; the router's call to the prefill node
+failing once the first token came through the decode node ends nothing. A decode node that leaves
+its stream, however early, cancels the prefill."""
 
 from __future__ import annotations
 
@@ -17,19 +19,22 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message
 
 from adapters.http.internal_wire import PrefillBody, SamplingBody, error_json
 from adapters.http.kv_handoff import KvHandoff
 from adapters.http.node_api import NodeApi
 from adapters.http.peers_httpx import HttpxPeers
 from adapters.kv import stream as kv_stream
+from adapters.kv.plane import PlaneRequest
 from adapters.kv.shm_outbox import ShmOutbox
 from effects.fakes import FakeEngine, Faults, fake_info
 from effects.faults import DEFAULT_MARKER, NO_FAULTS, FaultPort, Phase, Rule
 from effects.faults import Faults as ArmedFaults
 from effects.interpret import EnginePerformer, RouterPerformer, router_backend
-from effects.ports import GenerationRequest, SamplingParams
+from effects.ports import GenerationRequest, PrefillOutcome, SamplingParams, SegmentSink
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import KvTaken
@@ -71,6 +76,64 @@ class _PrefillEngineLost(Hosts):
             lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
             return httpx.Response(lost.http_status, json=error_json(lost))
         return await super().handle_async_request(request)
+
+
+class _UnansweredPrefill(Hosts):
+    """The router's `/internal/prefill` of an attached stream reaches the prefill node, but its
+    answer never reaches the router (until the router gives the call up): whatever the prefill
+    node says, the router hears it through the decode node first."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await trio.sleep_forever()
+        return response
+
+
+class _EngineCoreLost(FakeEngine):
+    """A prefill node whose engine core process died: its prefill fails as a lost transport, in
+    words that name no node, and the stream tells its decode node so."""
+
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
+                      segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
+        lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
+        raise StatecoreError(lost)
+
+
+class _PrefillCallDropsLate(Hosts):
+    """The router's `/internal/prefill` of an attached stream loses its connection once the first
+    token came through the decode node's stream, which holds its next lines until the router
+    has heard of the drop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_told = trio.Event()  # the router asked for the line after the first token's
+        self.dropped = trio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path == "/internal/decode":
+            lines = (await response.aread()).splitlines(keepends=True)
+            return httpx.Response(response.status_code, stream=_HeldAfterFirstToken(lines, self))
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await self.first_told.wait()
+            self.dropped.set()
+            raise httpx.ReadError("the connection dropped", request=request)
+        return response
+
+
+class _HeldAfterFirstToken(httpx.AsyncByteStream):
+    def __init__(self, lines: list[bytes], hosts: _PrefillCallDropsLate) -> None:
+        self.lines = lines
+        self.hosts = hosts
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for line in self.lines:
+            yield line
+            if b'"first_token"' in line:  # the router relayed it: it asks for more
+                self.hosts.first_told.set()
+                await self.hosts.dropped.wait()
+                await trio.testing.wait_all_tasks_blocked()  # the router's call heard the drop
 
 
 class _Routers:
@@ -165,13 +228,33 @@ async def test_a_prefill_that_fails_fails_the_attempt_alone(nursery: trio.Nurser
         await _settled(routers)
 
 
-async def test_a_prefill_node_that_refuses_is_the_one_blamed(nursery: trio.Nursery) -> None:
-    """The decode node's attach then finds no prefill: the router's cancel ends its wait at once."""
-    async with _routers(nursery, _PrefillEngineLost()) as routers:
+@pytest.mark.parametrize("told_first_by", ["prefill", "decode"])
+async def test_a_prefill_node_that_fails_is_the_one_blamed(nursery: trio.Nursery, told_first_by: str) -> None:
+    """Whichever call tells the router first: the prefill node refusing the router's call (the
+    decode node's attach then finds no prefill: the router's cancel ends its wait at once), or its
+    prefill failing, which the decode node's call relays from the stream before the router's
+    own call answers. The prefill node is the one blamed (and avoided by a retry), never the decode
+    node that told it."""
+    hosts = _PrefillEngineLost() if told_first_by == "prefill" else _UnansweredPrefill()
+    engine = None if told_first_by == "prefill" else _EngineCoreLost()
+    async with _routers(nursery, hosts, prefill_engine=engine) as routers:
         outputs = await routers.generate("attached", "r-lost")
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+async def test_a_prefill_call_that_fails_after_the_first_token_leaves_the_stream_going(
+        nursery: trio.Nursery) -> None:
+    """Once the first token came through the decode node, the prefill node's part is done: the
+    router's own call to it losing its connection then ends nothing (the decode node's DELETE
+    frees the prefill node's cache)."""
+    async with _routers(nursery, _PrefillCallDropsLate()) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        attached = [as_scripted(output) for output in await routers.generate("attached", "r-dropped")]
+        assert attached == pulled
+        assert routers.failures == []
         await _settled(routers)
 
 
@@ -264,23 +347,54 @@ def _prefill_body(rid: str, prompt: Sequence[int], *, kv_attach: bool = False) -
                        kv_attach=kv_attach)
 
 
+async def _never_disconnects() -> Message:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _send_fails(message: Message) -> None:
+    raise trio.BrokenResourceError("the decode node left")
+
+
+async def _leave(node: _PrefillNode, body: bytes, when: str) -> None:
+    """The decode node asks for the stream (`body`), then leaves it `when`."""
+    if when == "mid-prefill":
+        records = await node.handoff.open_prefill_stream(body)
+        assert await anext(records) == [kv_stream.preamble()]
+        assert node.cancels.cancelled == []
+        await records.aclose()
+    elif when == "before-the-plane-head":
+        answer = await node.handoff.plane(PlaneRequest("POST", "/internal/prefill_stream", {}, body))
+        assert answer.status == 200
+        async with contextlib.aclosing(answer.parts):  # type: ignore[type-var]
+            pass  # as the plane closes it when the answer's head could not be written
+    else:  # before the HTTP response's start could be sent
+        scope = {"type": "http", "method": "POST", "path": "/internal/prefill_stream", "headers": []}
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        response = await node.handoff.prefill_stream(Request(scope, receive))
+        with pytest.raises(BaseExceptionGroup) as left:
+            await response(scope, _never_disconnects, _send_fails)
+        assert left.group_contains(trio.BrokenResourceError)
+
+
+@pytest.mark.parametrize("when", ["mid-prefill", "before-the-http-start", "before-the-plane-head"])
 @pytest.mark.parametrize("attached", [True, False], ids=["attached", "asked-by-the-decode-node"])
 async def test_a_decode_node_that_leaves_a_stream_cancels_its_request_as_its_client(
-        nursery: trio.Nursery, attached: bool) -> None:
+        nursery: trio.Nursery, attached: bool, when: str) -> None:
     """Whether the router started the stream or the decode node asked for it, a decode node that
-    leaves it mid-prefill cancels the request through its generation: the runner's instruments
-    hear the cancel, as they hear a front end's client leaving."""
+    leaves it, mid-prefill or before its first record was asked for, cancels the request through
+    its generation (rather than its cache being held until the router's cancel or the lease): the
+    runner's instruments hear the cancel, as they hear a front end's client leaving."""
     engine = FakeEngine(Faults(stall={"prefill"}))  # the stream stays open until left
     prompt = [*PROMPT, Faults().marker]
     rid = RequestId("r-left")
     async with _prefill_node(nursery, engine) as node:
         if attached:
             nursery.start_soon(node.router_call, rid, prompt)
-        body = _prefill_body(rid, prompt, kv_attach=attached)
-        records = await node.handoff.open_prefill_stream(body.model_dump_json().encode())
-        assert await anext(records) == [kv_stream.preamble()]
-        assert node.cancels.cancelled == []
-        await records.aclose()  # the decode node went away
+        await _leave(node, _prefill_body(rid, prompt, kv_attach=attached).model_dump_json().encode(), when)
         assert node.cancels.cancelled == [rid]
         if attached:  # the router's call hears that the request ended before its KV was sent
             assert await node.answer_statuses() == [404]

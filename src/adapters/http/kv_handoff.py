@@ -35,6 +35,7 @@ from adapters.http.internal_wire import (
 from adapters.http.kv_send import (
     KV_SEND_TIMEOUT_S,
     SharedPieces,
+    StreamBody,
     StreamRecords,
     body_messages,
     counted,
@@ -53,7 +54,7 @@ from effects.kv_pulls import StreamItem, ended_before_sent
 from effects.ports import Engine, KvBytes, KvPieces
 from effects.runner import NodeRunner, RunnerGeneration
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Admitted, KvRequested, KvTaken
+from statecore.events import KvRequested, KvTaken
 from statecore.ids import RequestId
 
 KV_PATH = "/internal/kv/"
@@ -102,7 +103,10 @@ class KvHandoff:
         """A streamed handoff through the ASGI server (`open_prefill_stream`); the KV plane
         (`plane`) serves the same stream on the socket directly."""
         records = await self.open_prefill_stream(await read_body(request))
-        return WatchedStream(body_messages(records), media_type="application/octet-stream")
+        # closed here too, however early the response ended: `body_messages` closes it only once
+        # it was started itself
+        return WatchedStream(body_messages(records), media_type="application/octet-stream",
+                             on_close=records.aclose)
 
     async def plane(self, request: PlaneRequest) -> PlaneAnswer:
         """The KV routes as the KV plane (`adapters.kv.plane`) serves them: a prefill node's
@@ -148,7 +152,7 @@ class KvHandoff:
         reply = PrefillReplyBody.of(first if cached_tokens else replace(first, cached_tokens=None))
         return JSONResponse(reply.document())
 
-    async def open_prefill_stream(self, raw: bytes) -> AsyncGenerator[Sequence[KvBytes], None]:
+    async def open_prefill_stream(self, raw: bytes) -> StreamBody:
         """A streamed handoff, asked by the decode node the router chose: prefill the prompt and
         stream its KV as it is computed (`adapters.kv.stream`), the first token among it (or, with
         `kv_attach`, the stream of the prefill the router started: `_attach`). The request then
@@ -172,11 +176,9 @@ class KvHandoff:
         before the request is admitted, so that nothing its prefill sends is lost), then the
         request admitted: what the opening gave, and the request's generation (its `cancel` ends
         it as its decode node leaving does). A request never admitted has its stream ended."""
-        prompt_tokens = len(context.prompt)
-        opened = open_stream(rid, prompt_tokens, len(self.engine.info.layers))
+        opened = open_stream(rid, len(context.prompt), len(self.engine.info.layers))
         try:
-            generation = await self.status.admit(rid, context, 4)
-            await self.runner.post(rid, Admitted(prompt_tokens))
+            generation = await self.status.admit_prefill(rid, context)
         except BaseException:
             self.performer.kv_streams.end(rid)  # never admitted: nothing else would close it
             raise
@@ -190,7 +192,7 @@ class KvHandoff:
                                                          "gpu" if context.device_pieces else "shm")
         return shm
 
-    async def _attach(self, rid: RequestId, body: PrefillBody) -> AsyncGenerator[Sequence[KvBytes], None]:
+    async def _attach(self, rid: RequestId, body: PrefillBody) -> StreamBody:
         """The decode node attaches to the stream of the prefill the router started
         (`start_stream`): what the prefill sent so far waits in it. Where the decode node takes
         pieces in GPU memory and they were not made so from the start, those from now on are

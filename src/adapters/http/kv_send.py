@@ -5,8 +5,9 @@ checksum is computed, in ASGI messages of a fixed size, counted as KV served onc
 went. A streamed handoff leaves as records (`StreamRecords`, in `adapters.kv.stream`'s format):
 each piece as it is computed, inline or through shared memory (`SharedPieces` holds its regions
 until the decode node is done with them), the first token as soon as it is sampled, then the end;
-a decode node that leaves early cancels the request. Transfer faults (tests only) are injected
-here (`damaged`). This module may import anything.
+a decode node that leaves early cancels the request, also one that leaves before the first record
+was asked for (`StreamBody`). Transfer faults (tests only) are injected here (`damaged`). This
+module may import anything.
 """
 
 from __future__ import annotations
@@ -163,6 +164,32 @@ class SharedPieces:
         trio.lowlevel.spawn_system_task(release_when_overdue)
 
 
+class StreamBody:
+    """A stream's records as a port sends them: closing it ends the stream however early. Closed
+    before its first record was asked for (the answer's start could not be sent), it cancels its
+    request itself: its records' generator never ran, and an unstarted generator's close runs
+    none of its cleanup (the cancel of a request its decode node left)."""
+
+    def __init__(self, records: AsyncGenerator[Sequence[KvBytes], None], cancel: Cancel) -> None:
+        self._records = records
+        self._cancel = cancel
+        self._started = False
+
+    def __aiter__(self) -> StreamBody:
+        return self
+
+    async def __anext__(self) -> Sequence[KvBytes]:
+        self._started = True
+        return await anext(self._records)
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._started = True
+            with trio.CancelScope(shield=True):
+                await self._cancel()
+        await self._records.aclose()
+
+
 class StreamRecords:
     """A prefill node's streamed handoffs as the records it sends (`records`)."""
 
@@ -173,9 +200,15 @@ class StreamRecords:
         self.faults = faults
         self.kv_served = kv_served  # the metrics' count of KV served: each piece's bytes, once sent
 
-    async def records(self, rid: RequestId, cancel: Cancel, items: trio.MemoryReceiveChannel[StreamItem],
-                      prompt_tokens: int, shared: ShmOutbox | None
-                      ) -> AsyncGenerator[Sequence[KvBytes], None]:
+    def records(self, rid: RequestId, cancel: Cancel, items: trio.MemoryReceiveChannel[StreamItem],
+                prompt_tokens: int, shared: ShmOutbox | None) -> StreamBody:
+        """The stream's records (`_records`), its request cancelled however early its decode node
+        leaves it."""
+        return StreamBody(self._records(rid, cancel, items, prompt_tokens, shared), cancel)
+
+    async def _records(self, rid: RequestId, cancel: Cancel, items: trio.MemoryReceiveChannel[StreamItem],
+                       prompt_tokens: int, shared: ShmOutbox | None
+                       ) -> AsyncGenerator[Sequence[KvBytes], None]:
         """The stream's records: each piece as it is computed (through shared memory: copied in
         the background, `SegmentCopies`, its record written once the copy is done, in order),
         the first token as soon as it is sampled, then the end once every piece went. A stream
@@ -261,5 +294,5 @@ def _piece_head(segment: KvSegment) -> bytes:
                                   last_step_started=segment.last_step_started)
 
 
-__all__ = ["KV_SEND_SLICE", "KV_SEND_TIMEOUT_S", "SharedPieces", "StreamRecords", "body_messages", "counted",
-           "damaged", "kv_body", "payload_parts"]
+__all__ = ["KV_SEND_SLICE", "KV_SEND_TIMEOUT_S", "SharedPieces", "StreamBody", "StreamRecords",
+           "body_messages", "counted", "damaged", "kv_body", "payload_parts"]

@@ -75,8 +75,7 @@ class NodeRequests:
         rid = RequestId(body.request_id)
         context = NodeRequest(tuple(body.prompt), body.sampling.params(), hands_off=True,
                               prefix_from=prefix_source(body.prefix_from))
-        generation = await self.status.admit(rid, context, 4)
-        await self.runner.post(rid, Admitted(len(body.prompt)))
+        generation = await self.status.admit_prefill(rid, context)
         try:
             reply = await generation.replies.receive()
         except trio.EndOfChannel:

@@ -22,6 +22,7 @@ from effects.interpret import EnginePerformer, NodeRequest
 from effects.ports import Engine
 from effects.runner import NodeRunner, RunnerGeneration, open_generation
 from statecore.errors import Code, ErrorInfo, Fault
+from statecore.events import Admitted
 from statecore.ids import RequestId
 
 DEVICE_THREAD: Final = "the MLX device thread"  # what runs a node's engine by default
@@ -79,6 +80,13 @@ class NodeStatus:
         as a failed peer while the engine is lost (`lost_engine`)."""
         return await open_generation(self.runner, rid, capacity, context, max_live=self.max_live,
                                      faults=self.performer.faults, refusal=self.lost_engine())
+
+    async def admit_prefill(self, rid: RequestId, context: NodeRequest) -> RunnerGeneration:
+        """A prefill node's request admitted (`admit`: its outputs are the first token, or why
+        not) and its prefill started (`Admitted`)."""
+        generation = await self.admit(rid, context, 4)
+        await self.runner.post(rid, Admitted(len(context.prompt)))
+        return generation
 
     def lost_engine(self) -> ErrorInfo | None:
         """Between its device's death and its loop's end (it then exits) the node is a failed peer
