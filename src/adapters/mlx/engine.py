@@ -102,9 +102,6 @@ class MlxEngine:
         self._arriving = ArrivingPieces(self._callers, self._device, self._post,
                                         lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
-        # whether this engine ever streamed a prefill's pieces (only then may GPU memory hold some
-        # of a request's: a node that never hands off never asks `device_pieces`)
-        self._streamed_pieces = False
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -231,7 +228,6 @@ class MlxEngine:
                 if cuts and segments is not None else None)
         if sink is not None:
             self._handouts[request_id] = sink
-            self._streamed_pieces = True
         try:
             outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                        Local(matcher=matcher, segment_sink=sink))
@@ -274,8 +270,7 @@ class MlxEngine:
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
-        if self._streamed_pieces:
-            release_held_pieces(request_id)  # its receiver took them (or never will)
+        release_held_pieces(request_id)  # its receiver took them (or never will)
         self._callers.forget_pieces(request_id)
         self._stop_expecting(request_id)  # its first token ended it: it never joins
         if not self._thread.alive:
@@ -361,8 +356,7 @@ class MlxEngine:
                 self._cancel_nowait(request_id)
 
     async def cancel(self, request_id: RequestId) -> None:
-        if self._streamed_pieces:
-            release_held_pieces(request_id)
+        release_held_pieces(request_id)
         self._callers.drop(request_id)
         self._stop_expecting(request_id)
         if not self._thread.alive:
