@@ -166,9 +166,12 @@ class StepExecutor:
         # host step more (on an H100 a 1B model's decode step is host-bound, ~5 ms of build and
         # launch), once per join, while the next build overlaps nothing for that one step.
         read_early = (computed and loop.joins_early) or (built and carries_join and not on_cpu)
+        # The steps this one's time is the device's for: on the CPU the one its launch computed;
+        # elsewhere the one read back in it (its launch waits for the one before, its read-back
+        # for the rest), and this one too when it is read back now (`read_now`).
+        waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
         if read_early:
-            loop.inflight = None
-            self.read_back(current)
+            self.read_now(current, waited_for, on_cpu)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
         if len(loop.batch):
@@ -176,19 +179,10 @@ class StepExecutor:
         for live in loop.solo.step([live for live in loop.live.values() if live.solo_cache is not None]):
             assert live.solo_cache is not None
             loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
-        # The steps this one's time is the device's for: on the CPU the one its launch computed;
-        # elsewhere the one read back in it (its launch waits for the one before, its read-back
-        # for the rest), and this one too when it is read back at once.
-        waited_for = ([current] if built else []) if on_cpu else ([] if previous is None else [previous])
-        if read_early and not on_cpu:
-            waited_for.append(current)
         if not read_early and built and ((not loop.live and not loop.waiting) or computed):
             # Nothing else will come (or, on the CPU, it is computed and no piece in it waits on
             # the next build): read this step back now rather than on the next one.
-            loop.inflight = None
-            self.read_back(current)
-            if not on_cpu:
-                waited_for.append(current)
+            self.read_now(current, waited_for, on_cpu)
         profile.account("step", started)
         elapsed = time.perf_counter() - started
         if waited_for or (not built and loop.live):
@@ -198,6 +192,15 @@ class StepExecutor:
         traces = 0 if loop.compiled is None else loop.compiled.traces - traces_before
         profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
         loop.publish()
+
+    def read_now(self, step: InFlight, waited_for: list[InFlight], on_cpu: bool) -> None:
+        """Read `step` back in the call that launched it, not the next: nothing is left in flight,
+        and off the CPU (where the launch returned at once) that call's time is the device's for
+        `step` too."""
+        self.loop.inflight = None
+        self.read_back(step)
+        if not on_cpu:
+            waited_for.append(step)
 
     def settle(self) -> None:
         """Read the step on the device back before the next is built: the install of a request
