@@ -67,6 +67,21 @@ class _LateReplies(Hosts):
         return response
 
 
+class _PrefillWrittenSlowly(Hosts):
+    """The router's `/internal/prefill` of an attached stream is written only once every other
+    task waits: the calls in the order they arrived, and when that one was written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    async def sent(self, request: httpx.Request) -> None:
+        self.order.append(request.url.path)
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await trio.testing.wait_all_tasks_blocked()
+            self.order.append("written")
+
+
 class _PrefillEngineLost(Hosts):
     """The prefill node answers the router's call as a node whose engine core process died does
     (its transport lost, in words that name no node); the decode node's calls go through."""
@@ -98,6 +113,16 @@ class _EngineCoreLost(FakeEngine):
                       segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
         lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
         raise StatecoreError(lost)
+
+
+class _DecodeEngineCoreLost(FakeEngine):
+    """A decode node whose engine core process died as it installed a streamed handoff's KV: its
+    own failure, in words that name the prefill node the KV came from."""
+
+    async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                               sampling: SamplingParams) -> None:
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       f"the engine core process died installing {URLS['prefill']}'s KV"))
 
 
 class _PrefillCallDropsLate(Hosts):
@@ -210,6 +235,21 @@ async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio
         await _settled(routers)
 
 
+async def test_the_prefill_nodes_call_is_written_before_the_decode_nodes_is_made(
+        nursery: trio.Nursery) -> None:
+    """The first token waits on the prefill, not on the decode node's call: that call (its body
+    encoded, then sent) starts only once the prefill node's request is written."""
+    hosts = _PrefillWrittenSlowly()
+    async with _routers(nursery, hosts) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        hosts.order.clear()
+        attached = [as_scripted(output) for output in await routers.generate("attached", "r-attached")]
+        assert attached == pulled
+        calls = [step for step in hosts.order if step in ("/internal/prefill", "written", "/internal/decode")]
+        assert calls == ["/internal/prefill", "written", "/internal/decode"]
+        await _settled(routers)
+
+
 async def test_the_first_token_is_told_once_when_the_decode_node_brings_it_first(
         nursery: trio.Nursery) -> None:
     async with _routers(nursery, _LateReplies()) as routers:
@@ -245,16 +285,30 @@ async def test_a_prefill_node_that_fails_is_the_one_blamed(nursery: trio.Nursery
         await _settled(routers)
 
 
+@pytest.mark.parametrize("way", ["attached", "via-decode"])
+async def test_a_decode_node_that_fails_itself_is_the_one_blamed_whatever_its_words_name(
+        nursery: trio.Nursery, way: str) -> None:
+    """Blame follows where the error comes from (`ErrorInfo.origin`), not the node its message
+    names: the decode node's own failure names the prefill node, and the decode node is blamed."""
+    async with _routers(nursery, decode_engine=_DecodeEngineCoreLost()) as routers:
+        outputs = await routers.generate(way, f"r-{way}")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["decode"]]
+        await _settled(routers)
+
+
 async def test_a_prefill_call_that_fails_after_the_first_token_leaves_the_stream_going(
         nursery: trio.Nursery) -> None:
     """Once the first token came through the decode node, the prefill node's part is done: the
     router's own call to it losing its connection then ends nothing (the decode node's DELETE
-    frees the prefill node's cache)."""
+    frees the prefill node's cache), but peer health hears that the prefill node failed a call."""
     async with _routers(nursery, _PrefillCallDropsLate()) as routers:
         pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
         attached = [as_scripted(output) for output in await routers.generate("attached", "r-dropped")]
         assert attached == pulled
-        assert routers.failures == []
+        assert [(node, error.code) for node, error in routers.failures] == [
+            (URLS["prefill"], Code.TRANSPORT_LOST)]
         await _settled(routers)
 
 
