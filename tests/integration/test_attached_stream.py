@@ -3,9 +3,11 @@ prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once,
 attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
 pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
 (it is told once); a prefill that fails fails the attempt on the prefill node (whichever call
-tells the router first) and leaves nothing on either node; the router's call to the prefill node
-failing once the first token came through the decode node ends nothing. A decode node that leaves
-its stream, however early, cancels the prefill."""
+tells the router first) and leaves nothing on either node, and blame goes where an error comes
+from, whatever its words name; the router's call to the prefill node failing once the first token
+came through the decode node ends nothing (peer health hears of it); the decode node's call is made
+once the prefill node's is written. A decode node that leaves its stream, however early, cancels
+the prefill."""
 
 from __future__ import annotations
 
