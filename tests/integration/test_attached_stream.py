@@ -1,6 +1,6 @@
 """A streamed handoff the router starts itself (`RouterPerformer(attaches=...)`): it posts the
-prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once, and the decode node
-attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
+prefill node (`/internal/prefill` with `kv_attach`), then the decode node, which attaches to that
+prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
 pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
 (it is told once); a prefill that fails fails the attempt on the prefill node (whichever call
 tells the router first) and leaves nothing on either node, and blame goes where an error comes
