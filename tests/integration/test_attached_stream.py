@@ -95,6 +95,15 @@ class _PrefillEngineLost(Hosts):
         return await super().handle_async_request(request)
 
 
+class _PullLost(Hosts):
+    """The decode node's pull of a handed-off KV loses its connection to the prefill node."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path.startswith("/internal/kv/"):
+            raise httpx.ReadError("the connection dropped", request=request)
+        return await super().handle_async_request(request)
+
+
 class _UnansweredPrefill(Hosts):
     """The router's `/internal/prefill` of an attached stream reaches the prefill node, but its
     answer never reaches the router (until the router gives the call up): whatever the prefill
@@ -281,6 +290,17 @@ async def test_a_prefill_node_that_fails_is_the_one_blamed(nursery: trio.Nursery
     engine = None if told_first_by == "prefill" else _EngineCoreLost()
     async with _routers(nursery, hosts, prefill_engine=engine) as routers:
         outputs = await routers.generate("attached", "r-lost")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+async def test_a_pulled_kv_lost_on_its_way_blames_the_prefill_node(nursery: trio.Nursery) -> None:
+    """The decode node's pull loses the prefill node after the first token: the request fails
+    (typed), and the prefill node is blamed, not the decode node whose call told the router."""
+    async with _routers(nursery, _PullLost()) as routers:
+        outputs = await routers.generate("pulled", "r-pull-lost")
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["prefill"]]
