@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from adapters.mlx.device_failure import failed_on_device
+from adapters.mlx.first_verify import first_verify
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
 from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
 from adapters.mlx.memory import ALLOCATION_STEP
@@ -322,7 +323,7 @@ class StepExecutor:
         for call in plan.stacks:
             for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
                 first_stacked[rid] = min(chunk, first_stacked.get(rid, chunk))
-        carry = None if loop.speculator is None else loop.speculator.first_verify(loop)
+        carry = first_verify(loop.speculator, loop)
         for task, units in tasks:
             if task.finished:
                 continue

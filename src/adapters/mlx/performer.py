@@ -27,6 +27,7 @@ from adapters.kv import codec, frames
 from adapters.mlx import commands, device_pieces, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
+from adapters.mlx.first_verify import verified_items
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Job, Local, StreamItem, StreamSend, deliver, post
 from adapters.mlx.load_on_device import ModelSource, load_on_device
@@ -36,7 +37,6 @@ from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from adapters.mlx.settings import Settings
-from adapters.mlx.speculative import verified_items
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
