@@ -5,7 +5,8 @@ checks that statecore's single node and cluster give identical greedy text, then
 (mix, concurrency) cell against each server in turn, alternating the order between repetitions,
 with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) that are the same
 for every server within a repetition. Prints a table and the ratios that the targets are stated
-in, and writes results.json and results.png under --out.
+in, and writes results.json and results.png under --out. With `--base-src DIR` a fourth server,
+`base`, is a single node running DIR (another checkout's src/): a before and after in one run.
 
     .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
@@ -95,14 +96,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+_RATIOS = (("output_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT50"), ("itl_p99_ms", "ITL99"))
+
+
+def _ratios(cell: dict[str, list[RunResult]], a: str, b: str) -> str:
+    """`a` / `b` per metric the targets name, from the medians of the reps."""
+    return " ".join(_fmt(_ratio(median_metric(cell[a], key), median_metric(cell[b], key)), 7, 2)
+                    for key, _ in _RATIOS)
+
+
 def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str]) -> str:
+    pairs = [(a, b) for a, b in (("single", "mlx_lm"), ("cluster", "single"), ("base", "mlx_lm"),
+                                 ("single", "base")) if a in names and b in names]
     lines = []
     head = f"{'mix':9s} {'conc':>4s} | " + " | ".join(
-        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms TPOT50 ms fail" for n in names)
-    if "mlx_lm" in names and "single" in names:
-        head += " | tok/s s/m  TTFT s/m"
-    if "cluster" in names and "single" in names:
-        head += "  TTFT c/s"
+        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms  ITL99 ms TPOT50 ms fail" for n in names)
+    for a, b in pairs:
+        head += f" | {a[0]}/{b[0]}: " + " ".join(f"{label:>7s}" for _, label in _RATIOS)
     lines.append(head)
     for mix, c in cells:
         cell = {n: [r for r in runs if r.server == n and r.mix == mix.name and r.concurrency == c]
@@ -114,18 +124,11 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
             parts.append(f"{_fmt(median_metric(sel, 'output_tok_s'), 13)} "
                          f"{_fmt(median_metric(sel, 'ttft_p50_ms'), 9)} "
                          f"{_fmt(median_metric(sel, 'itl_p50_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'itl_p99_ms'), 9)} "
                          f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} {fails:4d}")
         line = f"{mix.name:9s} {c:4d} | " + " | ".join(parts)
-        if "mlx_lm" in names and "single" in names:
-            tok = _ratio(median_metric(cell["single"], "output_tok_s"),
-                         median_metric(cell["mlx_lm"], "output_tok_s"))
-            ttft = _ratio(median_metric(cell["single"], "ttft_p50_ms"),
-                          median_metric(cell["mlx_lm"], "ttft_p50_ms"))
-            line += f" | {_fmt(tok, 9, 2)} {_fmt(ttft, 9, 2)}"
-        if "cluster" in names and "single" in names:
-            ct = _ratio(median_metric(cell["cluster"], "ttft_p50_ms"),
-                        median_metric(cell["single"], "ttft_p50_ms"))
-            line += f"  {_fmt(ct, 9, 2)}"
+        for a, b in pairs:
+            line += f" | {' ' * 5}{_ratios(cell, a, b)}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -164,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--statecore-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment setting for the statecore servers only (repeatable), e.g. "
                         "MLX_USE_CUDA_GRAPHS=1; mlx_lm.server keeps the environment as it is")
+    parser.add_argument("--base-src", type=Path, default=None,
+                        help="also a single node running this src/ tree (e.g. main's at a commit, for a "
+                        "before in the same run): the server 'base'")
     parser.add_argument("--no-parity", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -183,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"reps {args.reps}  out {args.out}", flush=True)
 
     servers = make_servers(model, args.out, names, args.statecore_arg, args.mlx_lm_arg)
+    base = None
+    if args.base_src is not None:  # a single node as `single` is, on another src/ tree
+        (base,) = make_servers(model, args.out, ["single"], args.statecore_arg)
+        base.name, base.log = "base", args.out / "base.log"
+        servers.append(base)
+        names.append("base")
     runs: list[RunResult] = []
     if bad := [setting for setting in args.statecore_env if "=" not in setting]:
         raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")
@@ -190,7 +202,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     t0 = time.monotonic()
     try:
-        start_all(servers, args.blas, args.startup_timeout, meta, args.statecore_env)
+        if base is not None:
+            env = server_env(args.blas, "single")[0]
+            env["PYTHONPATH"] = os.pathsep.join([str(args.base_src.resolve()),
+                                                 *env["PYTHONPATH"].split(os.pathsep)[1:]])
+            for setting in args.statecore_env:
+                name, value = setting.split("=", 1)
+                env[name] = value
+            base.start(env)
+            meta["base_src"] = str(args.base_src)
+        start_all([s for s in servers if s is not base], args.blas, args.startup_timeout, meta,
+                  args.statecore_env)
+        if base is not None:
+            base.wait_ready(args.startup_timeout)
         print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
