@@ -6,7 +6,8 @@ checks that statecore's single node and cluster give identical greedy text, then
 with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) that are the same
 for every server within a repetition. Prints a table and the ratios that the targets are stated
 in, and writes results.json and results.png under --out. With `--base-src DIR` a fourth server,
-`base`, is a single node running DIR (another checkout's src/): a before and after in one run.
+`base`, is a single node running DIR (another checkout's src/, or this one's with `--base-arg`
+flags): a before and after, or a flag's A/B, in one run.
 
     .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
@@ -56,6 +57,8 @@ from benchlib import (
     summarize,
 )
 
+from adapters.blas import child_pids
+
 
 async def _greedy_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
     async with httpx.AsyncClient(timeout=600) as client:
@@ -83,6 +86,23 @@ def parity(servers: list[Server], maker: PromptMaker) -> dict[str, Any]:
     return report
 
 
+def cpu_seconds(server: Server) -> float:
+    """User + system CPU seconds a server's process tree has used so far (/proc): a run's share is
+    the work it cost, whatever else the box was doing meanwhile."""
+    assert server.proc is not None
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [server.proc.pid]
+    while pending:
+        pid = pending.pop()
+        pending += child_pids(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def median_metric(runs: list[RunResult], key: str) -> float | None:
     vals = [float(v) for r in runs if (v := r.metrics.get(key)) is not None]
     return statistics.median(vals) if vals else None
@@ -96,7 +116,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-_RATIOS = (("output_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT50"), ("itl_p99_ms", "ITL99"))
+_RATIOS = (("output_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT50"), ("itl_p99_ms", "ITL99"),
+           ("cpu_ms_per_token", "CPU/tok"))
 
 
 def _ratios(cell: dict[str, list[RunResult]], a: str, b: str) -> str:
@@ -110,7 +131,7 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
                                  ("single", "base")) if a in names and b in names]
     lines = []
     head = f"{'mix':9s} {'conc':>4s} | " + " | ".join(
-        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms  ITL99 ms TPOT50 ms fail" for n in names)
+        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms  ITL99 ms TPOT50 ms CPU ms/tok fail" for n in names)
     for a, b in pairs:
         head += f" | {a[0]}/{b[0]}: " + " ".join(f"{label:>7s}" for _, label in _RATIOS)
     lines.append(head)
@@ -125,7 +146,8 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
                          f"{_fmt(median_metric(sel, 'ttft_p50_ms'), 9)} "
                          f"{_fmt(median_metric(sel, 'itl_p50_ms'), 9)} "
                          f"{_fmt(median_metric(sel, 'itl_p99_ms'), 9)} "
-                         f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} {fails:4d}")
+                         f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'cpu_ms_per_token'), 10)} {fails:4d}")
         line = f"{mix.name:9s} {c:4d} | " + " | ".join(parts)
         for a, b in pairs:
             line += f" | {' ' * 5}{_ratios(cell, a, b)}"
@@ -170,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-src", type=Path, default=None,
                         help="also a single node running this src/ tree (e.g. main's at a commit, for a "
                         "before in the same run): the server 'base'")
+    parser.add_argument("--base-arg", action="append", default=[],
+                        help="extra flag for 'base' only (repeatable; with --base-src src, a flag's A/B in "
+                        "one run), e.g. --base-arg=--keep-conversations=off")
     parser.add_argument("--no-parity", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -191,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers = make_servers(model, args.out, names, args.statecore_arg, args.mlx_lm_arg)
     base = None
     if args.base_src is not None:  # a single node as `single` is, on another src/ tree
-        (base,) = make_servers(model, args.out, ["single"], args.statecore_arg)
+        (base,) = make_servers(model, args.out, ["single"], [*args.statecore_arg, *args.base_arg])
         base.name, base.log = "base", args.out / "base.log"
         servers.append(base)
         names.append("base")
@@ -210,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name, value = setting.split("=", 1)
                 env[name] = value
             base.start(env)
-            meta["base_src"] = str(args.base_src)
+            meta["base_src"], meta["base_args"] = str(args.base_src), args.base_arg
         start_all([s for s in servers if s is not base], args.blas, args.startup_timeout, meta,
                   args.statecore_env)
         if base is not None:
@@ -244,15 +269,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompts = build_prompts(maker, mix, n, seed=1000 * rep + c)
                 order = servers if rep % 2 == 0 else servers[::-1]
                 for s in order:
+                    cpu_before, load_before = cpu_seconds(s), os.getloadavg()[0]
                     results, wall = asyncio.run(run_load(
                         s.url, prompts, concurrency=c, progress=f"{s.name} {mix.name} c={c} rep {rep}"))
-                    run = RunResult(s.name, mix.name, c, None, n, wall, summarize(results, wall),
-                                    sorted({r.error for r in results if r.error})[:5], {"rep": rep})
+                    metrics = summarize(results, wall)
+                    tokens = sum(r.output_tokens for r in results if r.ok)
+                    metrics["cpu_ms_per_token"] = 1000 * (cpu_seconds(s) - cpu_before) / max(tokens, 1)
+                    run = RunResult(s.name, mix.name, c, None, n, wall, metrics,
+                                    sorted({r.error for r in results if r.error})[:5],
+                                    {"rep": rep, "load": [load_before, os.getloadavg()[0]]})
                     runs.append(run)
                     m = run.metrics
                     print(f"  {s.name:8s} {mix.name:9s} c={c:<3d} rep {rep}: "
                           f"{_fmt(m['output_tok_s'] and float(m['output_tok_s']))} tok/s  TTFT p50 "
-                          f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  failed {m['failed']}",
+                          f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  ITL p99 "
+                          f"{_fmt(m['itl_p99_ms'] and float(m['itl_p99_ms']))} ms  CPU "
+                          f"{float(m['cpu_ms_per_token'] or 0):.1f} ms/token  failed {m['failed']}  load "
+                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}",
                           flush=True)
                     (args.out / "results.json").write_text(json.dumps(
                         {"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
