@@ -28,6 +28,9 @@ log = logging.getLogger("statecore.routing")
 FetchSummary = Callable[[str, int | None], Awaitable[PrefixSummary | None]]  # (node, since) -> summary
 
 
+BlockRule = tuple[int, tuple[int, ...]]  # a node's block size and block ends
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     block_tokens: int
@@ -37,7 +40,7 @@ class _Held:
     block_ends: tuple[int, ...] = ()
 
     @property
-    def rule(self) -> tuple[int, tuple[int, ...]]:
+    def rule(self) -> BlockRule:
         """How the node cuts a prompt into blocks: its block size and block ends."""
         return self.block_tokens, self.block_ends
 
@@ -51,6 +54,20 @@ class PrefixSummaries:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self._held: dict[str, _Held] = {}
+        # per block rule, the last prompt asked about and its blocks (`_blocks`)
+        self._last: dict[BlockRule, tuple[tuple[int, ...], tuple[list[bytes], list[int]]]] = {}
+
+    def _blocks(self, prompt: Sequence[int], held: _Held) -> tuple[list[bytes], list[int]]:
+        """The prompt's block keys and ends under the node's rule (`prompt_summary_blocks`). Routing
+        one request asks for them up to four times (the decode nodes, the prefill nodes, what the
+        chosen ones are then expected to hold), on its first token's path: the last prompt's are
+        kept per rule."""
+        tokens = prompt if isinstance(prompt, tuple) else tuple(prompt)
+        last = self._last.get(held.rule)
+        if last is None or (last[0] is not tokens and last[0] != tokens):
+            last = tokens, prompt_summary_blocks(tokens, held.block_tokens, held.block_ends)
+            self._last[held.rule] = last
+        return last[1]
 
     def fresh(self, node: str) -> bool:
         held = self._held.get(node)
@@ -69,16 +86,13 @@ class PrefixSummaries:
     def cached_tokens(self, nodes: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
         """Per node, the prompt's leading tokens its fresh summary says it holds (0 without one);
         the prompt's block keys are hashed once per block rule, not once per node."""
-        keys: dict[tuple[int, tuple[int, ...]], tuple[list[bytes], list[int]]] = {}
         cached: dict[str, int] = {}
         for node in nodes:
             if not self.fresh(node):
                 cached[node] = 0
                 continue
             held = self._held[node]
-            if held.rule not in keys:
-                keys[held.rule] = prompt_summary_blocks(prompt, held.block_tokens, held.block_ends)
-            cached[node] = held_prefix_tokens(*keys[held.rule], held.keys)
+            cached[node] = held_prefix_tokens(*self._blocks(prompt, held), held.keys)
         return cached
 
     def expect(self, node: str, prompt: Sequence[int]) -> None:
@@ -87,7 +101,7 @@ class PrefixSummaries:
         if not self.fresh(node):
             return
         held = self._held[node]
-        keys, _ = prompt_summary_blocks(prompt, held.block_tokens, held.block_ends)
+        keys, _ = self._blocks(prompt, held)
         self._held[node] = _Held(held.block_tokens, held.version, held.keys | frozenset(keys),
                                  held.fetched_at, held.block_ends)
 

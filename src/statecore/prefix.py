@@ -74,19 +74,41 @@ def block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] =
     head = len(tokens) - 1
     if rule == LONG:
         return _bounds(tokens, head, chunk_size, ends if head > chunk_size else ())
-    last = next((position for position in range(head, 0, -1) if tokens[position - 1] in ends), 0)
-    return _bounds(tokens, head, chunk_size, ends, skip=last)
+    after_ends = _after_ends(tokens, head, ends)
+    return _cut(head, chunk_size, after_ends[:-1] if after_ends else after_ends)
 
 
-def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int], skip: int = 0
-            ) -> list[int]:
-    """Block ends within tokens[:head] (at most `head`); none after the end-of-turn token at `skip`."""
-    if not ends:
-        return list(range(chunk_size, head + 1, chunk_size))
+def _bounds(tokens: Sequence[int], head: int, chunk_size: int, ends: Collection[int]) -> list[int]:
+    """Block ends within tokens[:head] (at most `head`)."""
+    return _cut(head, chunk_size, _after_ends(tokens, head, ends))
+
+
+def _after_ends(tokens: Sequence[int], head: int, ends: Collection[int]) -> list[int]:
+    """The positions right after each token of `ends` in tokens[:head], in order. Found by
+    `Sequence.index` (a C scan) rather than a Python loop over every token: the router computes
+    these for each prompt it routes, on its first token's path (~1.5 ms a pass at 8,000 tokens)."""
+    found: list[int] = []
+    for end in set(ends):
+        at = 0
+        while True:
+            try:
+                at = tokens.index(end, at, head) + 1
+            except ValueError:
+                break
+            found.append(at)
+    return sorted(found)
+
+
+def _cut(head: int, chunk_size: int, after_ends: Sequence[int]) -> list[int]:
+    """Block ends up to `head`: at each of `after_ends`, and `chunk_size` tokens after the
+    previous end wherever no end-of-turn comes sooner."""
     bounds: list[int] = []
     start = 0
-    for position, token in enumerate(tokens[:head], 1):
-        if (token in ends and position != skip) or position - start == chunk_size:
+    for position in (*after_ends, head + 1):
+        while position - start > chunk_size:
+            start += chunk_size
+            bounds.append(start)
+        if position <= head:
             bounds.append(position)
             start = position
     return bounds
@@ -107,7 +129,8 @@ def prompt_chunks(tokens: Sequence[int], chunk_size: int, ends: Collection[int] 
     return (*(size for size in sizes if size), 1)
 
 
-def _chained(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
+def keys_at(tokens: Sequence[int], bounds: Sequence[int]) -> list[bytes]:
+    """The keys of the blocks of `tokens` that end at `bounds` (`block_keys`)."""
     keys: list[bytes] = []
     parent = b""
     for start, end in zip([0, *bounds], bounds, strict=False):
@@ -122,7 +145,7 @@ def block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = (
     """The keys of the prompt's blocks (`block_bounds`), in order: key i names the tokens up to
     block i's end and where every block before it ends (a 16-byte BLAKE2b chained over the
     blocks: the same tokens cut elsewhere are other blocks, whose numbers differ)."""
-    return _chained(tokens, block_bounds(tokens, chunk_size, ends, rule=rule))
+    return keys_at(tokens, block_bounds(tokens, chunk_size, ends, rule=rule))
 
 
 def conversation_block_bounds(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()
@@ -139,7 +162,7 @@ def conversation_block_bounds(tokens: Sequence[int], chunk_size: int, ends: Coll
 def conversation_block_keys(tokens: Sequence[int], chunk_size: int, ends: Collection[int] = ()
                             ) -> list[bytes]:
     """The keys of a conversation's blocks (`conversation_block_bounds`)."""
-    return _chained(tokens, conversation_block_bounds(tokens, chunk_size, ends))
+    return keys_at(tokens, conversation_block_bounds(tokens, chunk_size, ends))
 
 
 def conversation_blocks(prompt_tokens: int, conversation_tokens: int, cached_blocks: int,

@@ -35,7 +35,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from statecore.prefix import block_bounds, block_keys
+from statecore.prefix import block_bounds, block_keys, keys_at
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
@@ -82,7 +82,8 @@ def prompt_summary_blocks(prompt: Sequence[int], block_tokens: int, ends: Collec
                           ) -> tuple[list[bytes], list[int]]:
     """The prompt's blocks as a node with this block size and these block ends cuts them: their
     summary keys and where each ends."""
-    return prompt_summary_keys(prompt, block_tokens, ends), block_bounds(prompt, block_tokens, ends)
+    bounds = block_bounds(prompt, block_tokens, ends)
+    return [summary_key(key) for key in keys_at(prompt, bounds)], bounds
 
 
 def held_prefix_tokens(keys: Sequence[bytes], bounds: Sequence[int], held: Collection[bytes]) -> int:

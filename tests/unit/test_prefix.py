@@ -188,3 +188,31 @@ def test_cuts_depend_only_on_the_tokens_before_them(tokens: list[int], more: lis
         assert longer[: len(bounds)] == bounds
         if bounds:  # a prompt's blocks are those of its start kept as a conversation
             assert conversation_block_bounds(tokens[: bounds[-1]], chunk, {END}) == bounds
+
+
+def _cut_token_by_token(tokens: list[int], head: int, chunk: int, ends: set[int], skip: int = 0) -> list[int]:
+    """Block ends as the rule says them, one token at a time: after a token of `ends` (not the one
+    ending at `skip`), or `chunk` tokens after the previous end."""
+    bounds, start = [], 0
+    for position, token in enumerate(tokens[:head], 1):
+        if (token in ends and position != skip) or position - start == chunk:
+            bounds.append(position)
+            start = position
+    return bounds
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 6), min_size=1, max_size=80), chunk=st.integers(1, 12),
+       ends=st.sets(st.integers(0, 6), max_size=3), rule=st.sampled_from(MESSAGE_BLOCKS))
+def test_block_ends_are_found_as_the_token_by_token_rule_finds_them(tokens: list[int], chunk: int,
+                                                                   ends: set[int], rule: str) -> None:
+    head = len(tokens) - 1
+    if rule == LONG:
+        expected = _cut_token_by_token(tokens, head, chunk, ends if head > chunk else set())
+    else:
+        last = max((p for p, token in enumerate(tokens[:head], 1) if token in ends), default=0)
+        expected = _cut_token_by_token(tokens, head, chunk, ends, skip=last)
+    assert block_bounds(tokens, chunk, ends, rule=rule) == expected  # type: ignore[arg-type]
+    assert block_bounds(tuple(tokens), chunk, ends, rule=rule) == expected  # type: ignore[arg-type]
+    whole = _cut_token_by_token(tokens, len(tokens), chunk, ends)
+    assert conversation_block_bounds(tokens, chunk, ends) == whole

@@ -192,6 +192,13 @@ def test_the_prompt_is_hashed_once_per_block_size_for_every_node(monkeypatch: py
         trio.run(summaries.refresh, node)
     assert summaries.cached_tokens(nodes, PROMPT) == {"http://a": 48, "http://b": 16, "http://c": 0}
     assert sorted(hashed) == [16, 32]
+    # routing one request asks again (the other role's nodes, what the chosen one will hold): the
+    # same prompt is not hashed again, another one is
+    summaries.expect("http://b", list(PROMPT))
+    assert summaries.cached_tokens(nodes, tuple(PROMPT))["http://b"] == 96
+    assert sorted(hashed) == [16, 32]
+    assert summaries.cached_tokens(["http://a"], [*PROMPT[:-1], 7])["http://a"] == 48
+    assert sorted(hashed) == [16, 16, 32]
 
 
 def test_a_node_without_a_prefix_cache_counts_as_holding_nothing() -> None:

@@ -3,12 +3,13 @@ a field the wire dropped would make the decode node sample differently from a si
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 import pytest
 from pydantic import ValidationError
 
-from adapters.http.internal_wire import PrefillBody, SamplingBody
+from adapters.http.internal_wire import DecodeBody, PrefillBody, SamplingBody
 from effects.engine_port import SamplingParams
 
 
@@ -31,10 +32,10 @@ def test_every_sampling_field_crosses_the_wire_with_its_value() -> None:
     for adapter, drafts in ((None, None), ("x", 0)):
         sampling_body = SamplingBody.of(SamplingParams(1, adapter=adapter, num_draft_tokens=drafts))
         body = PrefillBody(request_id="r", prompt=[1], sampling=sampling_body)
-        sent = body.document()["sampling"]
+        sent = json.loads(body.encoded())["sampling"]
         assert isinstance(sent, dict) and sent.get("adapter", "absent") == (adapter or "absent")
         assert sent.get("num_draft_tokens", "absent") == ("absent" if drafts is None else drafts)
-        crossed_body = PrefillBody.model_validate(body.document()).sampling
+        crossed_body = PrefillBody.model_validate_json(body.encoded()).sampling
         assert (crossed_body.adapter, crossed_body.num_draft_tokens) == (adapter, drafts)
 
 
@@ -48,3 +49,22 @@ def test_internal_messages_are_strict() -> None:
                 '{"request_id": "r", "prompt": [1], "sampling": {"max_tokens": 3}, "extra": 1}'):
         with pytest.raises(ValidationError):
             PrefillBody.model_validate_json(bad)
+
+
+def test_prompt_bodies_send_optional_fields_only_when_set() -> None:
+    """A node of an older version refuses unknown fields: a body the router writes without a
+    handoff hint names none of them, and one built unvalidated (as the router builds it) encodes
+    as a validated one."""
+    sampling = SamplingBody.of(SamplingParams(4))
+    plain = PrefillBody.model_construct(request_id="r", prompt=[1, 2], sampling=sampling)
+    assert json.loads(plain.encoded()) == {"request_id": "r", "prompt": [1, 2],
+                                           "sampling": json.loads(sampling.model_dump_json(
+                                               exclude={"adapter", "num_draft_tokens"}))}
+    attached = PrefillBody.model_construct(request_id="r", prompt=[1, 2], sampling=sampling, kv_attach=True,
+                                           kv_attach_by="http://d:1")
+    assert attached.encoded() == PrefillBody.model_validate_json(attached.encoded()).encoded()
+    assert {"kv_attach", "kv_attach_by"} <= json.loads(attached.encoded()).keys()
+    decode = DecodeBody.model_construct(request_id="r", prompt=[3], sampling=sampling, first_token=7)
+    assert set(json.loads(decode.encoded())) == {"request_id", "prompt", "sampling", "first_token",
+                                                 "prefill_url"}
+    assert DecodeBody.model_validate_json(decode.encoded()).first_token == 7

@@ -22,7 +22,6 @@ peers stay plain. This module may import anything.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import ssl
 import time
@@ -79,6 +78,7 @@ log = logging.getLogger("statecore.peers")
 
 DEFAULT_MAX_KV_BYTES = 1 << 34
 DEFAULT_KV_BUFFER_BYTES = 1 << 30  # receive buffers a decode node keeps for reuse
+_JSON = {"content-type": "application/json"}  # a body sent already encoded
 
 
 @contextlib.contextmanager
@@ -247,12 +247,15 @@ class HttpxPeers:
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
     ) -> PrefillReply:
-        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=PrefixFromBody.of(prefix_from), kv_attach=attach_by is not None,
-                           kv_attach_by=attach_by)
+        # built unvalidated (`model_construct`): the values are the core's own, typed; the node
+        # validates what arrives (a long prompt's ids validated here too cost ~0.7 ms at 8,000)
+        body = PrefillBody.model_construct(request_id=request_id, prompt=list(prompt),
+                                           sampling=SamplingBody.of(sampling),
+                                           prefix_from=PrefixFromBody.of(prefix_from),
+                                           kv_attach=attach_by is not None, kv_attach_by=attach_by)
         with transport_errors(node):
-            response = await self.client.post(f"{node}/internal/prefill", json=body.document(),
-                                              params=self._details)
+            response = await self.client.post(f"{node}/internal/prefill", content=body.encoded(),
+                                              headers=_JSON, params=self._details)
             await _raise_for_error(node, response)
             try:
                 reply = PrefillReplyBody.model_validate_json(response.content)
@@ -263,7 +266,7 @@ class HttpxPeers:
         return reply.reply()
 
     async def decode(self, node: str, call: DecodeCall) -> AsyncIterator[DecodeMessage]:
-        body = DecodeBody(
+        body = DecodeBody.model_construct(  # unvalidated, as `prefill`'s
             request_id=call.request_id,
             prompt=list(call.prompt),
             sampling=SamplingBody.of(call.sampling),
@@ -275,7 +278,8 @@ class HttpxPeers:
         )
         with transport_errors(node):
             async with self.client.stream(
-                "POST", f"{node}/internal/decode", json=body.document(), params=self._details
+                "POST", f"{node}/internal/decode", content=body.encoded(), headers=_JSON,
+                params=self._details,
             ) as response:
                 await _raise_for_error(node, response)
                 async for line in response.aiter_lines():
@@ -287,16 +291,16 @@ class HttpxPeers:
         prefix_from: PrefixSource | None = None, *, layers: int, attach: bool = False,
     ) -> AsyncGenerator[KvSegment | PrefillReply, None]:
         inbox = await self.kv_sources.inbox(node)
-        body = PrefillBody(request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
-                           prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None,
-                           kv_attach=attach,
-                           kv_device=(inbox is not None and self.takes_device_pieces
-                                      and self.kv_sources.device_pieces.get(node, False)))
+        body = PrefillBody.model_construct(  # unvalidated, as `prefill`'s
+            request_id=request_id, prompt=list(prompt), sampling=SamplingBody.of(sampling),
+            prefix_from=PrefixFromBody.of(prefix_from), kv_shm=inbox is not None, kv_attach=attach,
+            kv_device=(inbox is not None and self.takes_device_pieces
+                       and self.kv_sources.device_pieces.get(node, False)))
         url = await self.kv_sources.on_plane(node, f"{node}/internal/prefill_stream")
         if self.handoffs is not None:
             self.handoffs.record(request_id).transport = ("http" if inbox is None else
                                                           "gpu" if body.kv_device else "shm")
-        document = json.dumps(body.document()).encode()
+        document = body.encoded()
         # No cancel scope may span a yield of this generator: each read has its own deadline.
         with stream_errors(node), self.kv_sources.plane_watched(node):
             if self._direct_kv and url.startswith(("http://", "https://")):
