@@ -1,15 +1,15 @@
 """Role performers: how each role carries out the core's work intents through ports.
 
-`EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and
-`Peers` to pull KV from a prefill node, or read its stream: `StreamReceiver`); `RouterPerformer`
-serves the router through `Peers` alone. Each request's context (prompt, sampling, chosen nodes) lives in the runner's entry for
-it and is handed to every call; the performer keeps no map of its own. How a generation ends
-and what a peer's failure means are `statecore.policy`'s answers; fault injection is the
-`FaultPort` (never asked in production: not armed). Outcomes come back as events; a
-StatecoreError raised here fails only its own request. The front end's backend over each role's
-runner is made here too (`local_backend`, `router_backend`: how a generation is admitted, the
-role's context for it). This module may import `statecore` and trio; it must never import
-httpx, mlx or mlx_lm.
+`EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and `Peers`
+to pull KV from a prefill node, or read its stream: `StreamReceiver`); `RouterPerformer` serves
+the router through `Peers` alone. Each request's context (prompt, sampling, chosen nodes) lives
+in the runner's entry for it and is handed to every call; the performer keeps no map of its own.
+How a generation ends and what a peer's failure means are `statecore.policy`'s answers; fault
+injection is the `FaultPort` (never asked in production: not armed). Outcomes come back as
+events; a StatecoreError raised here fails only its own request. The front end's backend over
+each role's runner is made here too (`local_backend`, `router_backend`: how a generation is
+admitted, the role's context for it). This module may import `statecore` and trio; it must never
+import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
