@@ -5,7 +5,9 @@ checks that statecore's single node and cluster give identical greedy text, then
 (mix, concurrency) cell against each server in turn, alternating the order between repetitions,
 with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) that are the same
 for every server within a repetition. Prints a table and the ratios that the targets are stated
-in, and writes results.json and results.png under --out.
+in, and writes results.json and results.png under --out. With `--base-src DIR` a fourth server,
+`base`, is a single node running DIR (another checkout's src/, or this one's with `--base-arg`
+flags): a before and after, or a flag's A/B, in one run.
 
     .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
@@ -55,6 +57,8 @@ from benchlib import (
     summarize,
 )
 
+from adapters.blas import child_pids
+
 
 async def _greedy_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
     async with httpx.AsyncClient(timeout=600) as client:
@@ -82,6 +86,23 @@ def parity(servers: list[Server], maker: PromptMaker) -> dict[str, Any]:
     return report
 
 
+def cpu_seconds(server: Server) -> float:
+    """User + system CPU seconds a server's process tree has used so far (/proc): a run's share is
+    the work it cost, whatever else the box was doing meanwhile."""
+    assert server.proc is not None
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [server.proc.pid]
+    while pending:
+        pid = pending.pop()
+        pending += child_pids(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def median_metric(runs: list[RunResult], key: str) -> float | None:
     vals = [float(v) for r in runs if (v := r.metrics.get(key)) is not None]
     return statistics.median(vals) if vals else None
@@ -95,14 +116,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+_RATIOS = (("output_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT50"), ("itl_p99_ms", "ITL99"),
+           ("cpu_ms_per_token", "CPU/tok"))
+
+
+def _ratios(cell: dict[str, list[RunResult]], a: str, b: str) -> str:
+    """`a` / `b` per metric the targets name, from the medians of the reps."""
+    return " ".join(_fmt(_ratio(median_metric(cell[a], key), median_metric(cell[b], key)), 7, 2)
+                    for key, _ in _RATIOS)
+
+
 def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str]) -> str:
+    pairs = [(a, b) for a, b in (("single", "mlx_lm"), ("cluster", "single"), ("base", "mlx_lm"),
+                                 ("single", "base")) if a in names and b in names]
     lines = []
     head = f"{'mix':9s} {'conc':>4s} | " + " | ".join(
-        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms TPOT50 ms fail" for n in names)
-    if "mlx_lm" in names and "single" in names:
-        head += " | tok/s s/m  TTFT s/m"
-    if "cluster" in names and "single" in names:
-        head += "  TTFT c/s"
+        f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms  ITL99 ms TPOT50 ms CPU ms/tok fail" for n in names)
+    for a, b in pairs:
+        head += f" | {a[0]}/{b[0]}: " + " ".join(f"{label:>7s}" for _, label in _RATIOS)
     lines.append(head)
     for mix, c in cells:
         cell = {n: [r for r in runs if r.server == n and r.mix == mix.name and r.concurrency == c]
@@ -114,18 +145,12 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
             parts.append(f"{_fmt(median_metric(sel, 'output_tok_s'), 13)} "
                          f"{_fmt(median_metric(sel, 'ttft_p50_ms'), 9)} "
                          f"{_fmt(median_metric(sel, 'itl_p50_ms'), 9)} "
-                         f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} {fails:4d}")
+                         f"{_fmt(median_metric(sel, 'itl_p99_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'tpot_p50_ms'), 9)} "
+                         f"{_fmt(median_metric(sel, 'cpu_ms_per_token'), 10)} {fails:4d}")
         line = f"{mix.name:9s} {c:4d} | " + " | ".join(parts)
-        if "mlx_lm" in names and "single" in names:
-            tok = _ratio(median_metric(cell["single"], "output_tok_s"),
-                         median_metric(cell["mlx_lm"], "output_tok_s"))
-            ttft = _ratio(median_metric(cell["single"], "ttft_p50_ms"),
-                          median_metric(cell["mlx_lm"], "ttft_p50_ms"))
-            line += f" | {_fmt(tok, 9, 2)} {_fmt(ttft, 9, 2)}"
-        if "cluster" in names and "single" in names:
-            ct = _ratio(median_metric(cell["cluster"], "ttft_p50_ms"),
-                        median_metric(cell["single"], "ttft_p50_ms"))
-            line += f"  {_fmt(ct, 9, 2)}"
+        for a, b in pairs:
+            line += f" | {' ' * 5}{_ratios(cell, a, b)}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -164,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--statecore-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment setting for the statecore servers only (repeatable), e.g. "
                         "MLX_USE_CUDA_GRAPHS=1; mlx_lm.server keeps the environment as it is")
+    parser.add_argument("--base-src", type=Path, default=None,
+                        help="also a single node running this src/ tree (e.g. main's at a commit, for a "
+                        "before in the same run): the server 'base'")
+    parser.add_argument("--base-arg", action="append", default=[],
+                        help="extra flag for 'base' only (repeatable; with --base-src src, a flag's A/B in "
+                        "one run), e.g. --base-arg=--keep-conversations=off")
     parser.add_argument("--no-parity", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -183,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"reps {args.reps}  out {args.out}", flush=True)
 
     servers = make_servers(model, args.out, names, args.statecore_arg, args.mlx_lm_arg)
+    base = None
+    if args.base_src is not None:  # a single node as `single` is, on another src/ tree
+        (base,) = make_servers(model, args.out, ["single"], [*args.statecore_arg, *args.base_arg])
+        base.name, base.log = "base", args.out / "base.log"
+        servers.append(base)
+        names.append("base")
     runs: list[RunResult] = []
     if bad := [setting for setting in args.statecore_env if "=" not in setting]:
         raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")
@@ -190,7 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     t0 = time.monotonic()
     try:
-        start_all(servers, args.blas, args.startup_timeout, meta, args.statecore_env)
+        if base is not None:
+            env = server_env(args.blas, "single")[0]
+            env["PYTHONPATH"] = os.pathsep.join([str(args.base_src.resolve()),
+                                                 *env["PYTHONPATH"].split(os.pathsep)[1:]])
+            for setting in args.statecore_env:
+                name, value = setting.split("=", 1)
+                env[name] = value
+            base.start(env)
+            meta["base_src"], meta["base_args"] = str(args.base_src), args.base_arg
+        start_all([s for s in servers if s is not base], args.blas, args.startup_timeout, meta,
+                  args.statecore_env)
+        if base is not None:
+            base.wait_ready(args.startup_timeout)
         print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
@@ -220,15 +269,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompts = build_prompts(maker, mix, n, seed=1000 * rep + c)
                 order = servers if rep % 2 == 0 else servers[::-1]
                 for s in order:
+                    cpu_before, load_before = cpu_seconds(s), os.getloadavg()[0]
                     results, wall = asyncio.run(run_load(
                         s.url, prompts, concurrency=c, progress=f"{s.name} {mix.name} c={c} rep {rep}"))
-                    run = RunResult(s.name, mix.name, c, None, n, wall, summarize(results, wall),
-                                    sorted({r.error for r in results if r.error})[:5], {"rep": rep})
+                    metrics = summarize(results, wall)
+                    tokens = sum(r.output_tokens for r in results if r.ok)
+                    metrics["cpu_ms_per_token"] = 1000 * (cpu_seconds(s) - cpu_before) / max(tokens, 1)
+                    run = RunResult(s.name, mix.name, c, None, n, wall, metrics,
+                                    sorted({r.error for r in results if r.error})[:5],
+                                    {"rep": rep, "load": [load_before, os.getloadavg()[0]]})
                     runs.append(run)
                     m = run.metrics
                     print(f"  {s.name:8s} {mix.name:9s} c={c:<3d} rep {rep}: "
                           f"{_fmt(m['output_tok_s'] and float(m['output_tok_s']))} tok/s  TTFT p50 "
-                          f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  failed {m['failed']}",
+                          f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  ITL p99 "
+                          f"{_fmt(m['itl_p99_ms'] and float(m['itl_p99_ms']))} ms  CPU "
+                          f"{float(m['cpu_ms_per_token'] or 0):.1f} ms/token  failed {m['failed']}  load "
+                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}",
                           flush=True)
                     (args.out / "results.json").write_text(json.dumps(
                         {"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))

@@ -49,9 +49,11 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.performer": [("Performer", "join"), ("Performer", "stage")],
     "adapters.mlx.staging": [("StagedSlots", "stage"), ("StagedSlots", "write_some"),
                              ("StagedSlots", "ready")],
-    "adapters.mlx.device": [("DeviceLoop", "keep_joined")],
+    "adapters.mlx.keeping": [("PrefixKeeping", "keep_joined")],
     "adapters.mlx.slot_lane": [("SlotLane", "enter"), ("SlotLane", "build")],
     "adapters.mlx.slots": [("SlotPool", "reserve")],
+    # the traced slot step's call: long where a new shape (rows, attended length) is traced
+    "adapters.mlx.compiled": [("CompiledSlotStep", "__call__")],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

@@ -68,7 +68,6 @@ from adapters.mlx.slot_lane import SlotLane
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
-from adapters.mlx.staging import slot_views
 from adapters.mlx.step_host import InFlight
 from effects.engine_port import GeneratedToken
 from statecore.engine_schedule import EnginePhase, Finish, Stacking, choose_lane
@@ -169,9 +168,6 @@ class DeviceLoop:
         self.handoffs_expected: dict[str, float] = {}
         self.rates = StepRates()  # what this node's steps took: what the step-time target sizes by
         self.joins_early = joins_early()
-        # Rows whose first token was counted while a handed-off prompt's chunks wait to be kept
-        # (`keep_due`, once the step is done)
-        self.keeps_due: list[Live] = []
         self.speculator: Speculator | None = None  # speculative decoding, when on (set at load)
         self.draft_model: DraftModel | None = None  # --draft-model (set at load, before configure)
         self.admission = Admission(self)  # whether a request's KV fits, and what gives way to it
@@ -246,8 +242,8 @@ class DeviceLoop:
                 self.run_job(job)
                 self.progress_at = time.monotonic()
             self.executor.step()
-            if self.keeps_due:
-                self.keep_due()
+            if self.keeping.due:
+                self.keeping.keep_due()
             self.progress_at = time.monotonic()
 
     def stalled_s(self) -> float:
@@ -351,38 +347,12 @@ class DeviceLoop:
         for trio_token, items in deliveries.items():
             post(trio_token, deliver, items)
 
-    def keep_due(self) -> None:
-        """After a step: the handed-off prompts whose first token it counted are kept (outside the
-        step, whose time the step-time target measures: a decode step that carried a copy would
-        raise its floor)."""
-        due, self.keeps_due = self.keeps_due, []
-        for live in due:
-            self.keep_joined(live)
-
-    def keep_joined(self, live: Live) -> None:
-        """A handed-off prompt's whole chunks into the prefix cache (`keeping.keep_installed`), after
-        its first step rather than on the step it joins, where the copy (5-17 ms for 2,000 tokens
-        of the 23 M llama on the CPU) came before its second token. A slot row's are read from its
-        slot, whose prompt positions no step writes. Keeping is a saving, never a request's fate:
-        a copy that raises is logged and nothing is kept."""
-        pending, live.keep_prompt = live.keep_prompt, None
-        if pending is None or self.model is None:
-            return
-        tokens, cache = pending
-        try:
-            if cache is None:
-                assert self.pool is not None and live.slot is not None
-                cache = slot_views(self.pool, live.slot, len(tokens))
-            self.keeping.keep_installed(tokens, cache)
-        except Exception:
-            logger.exception("keeping the handed-off prompt of %s raised; not kept", live.request_id)
-
     def count_token(self, live: Live, token: int, logprobs: TokenLogprobs | None = None) -> GeneratedToken:
         """Count one token; how it ends the request is `statecore.policy.token_finish`'s."""
         live.remaining -= 1
         self.slots.read_back(live)  # its slot can no longer be written in again as it joined
         if live.keep_prompt is not None:
-            self.keeps_due.append(live)
+            self.keeping.due.append(live)
         if self.speculator is not None:
             self.speculator.took(live, token)
         if live.conversation is not None:
@@ -417,7 +387,7 @@ class DeviceLoop:
         """A request leaves the decoder (its record, its reservation and its lane's row)."""
         if live.keep_prompt is not None:  # its prompt's chunks, kept while its slot is still its own
             if finish in (Finish.STOP, Finish.LENGTH):
-                self.keep_joined(live)
+                self.keeping.keep_joined(live)
             live.keep_prompt = None
         record = self.requests.get(live.request_id)
         if record is not None and record.live is live:
@@ -512,7 +482,7 @@ class DeviceLoop:
         for live in self.live.values():
             post(live.token, deliver, [(live.send, error, True)])
         self.requests.clear(Finish.FAILED)
-        self.keeps_due = []
+        self.keeping.due = []
         self.choices.groups.clear()
         self.batch.clear()
         self.model = None

@@ -1,8 +1,9 @@
 """The step's executor on the device thread: it performs the plan the pure scheduler gave
 (`statecore.engine_schedule.schedule`, asked in `plan` from the records as they are) and reads a
-step back. Building: what the plan frees first (keep tasks that give way, kept prefix blocks),
-then its padded groups of short prompts, then each prompt's work units (`adapters.mlx.prefill`),
-the calls the plan stacks as rows of one call (`run_stacked`) in the order of their positions;
+step back. Building: what the plan frees first (keep tasks that give way, kept prefix blocks:
+`adapters.mlx.step_memory`), then its padded groups of short prompts, then each prompt's work
+units (`adapters.mlx.prefill`), the calls the plan stacks as rows of one call (`run_stacked`) in
+the order of their positions;
 a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
 whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
 decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
@@ -25,21 +26,21 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from adapters.mlx.device_failure import failed_on_device
+from adapters.mlx.first_verify import first_verify
 from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
 from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
-from adapters.mlx.memory import ALLOCATION_STEP
 from adapters.mlx.prefill import PrefillTask, run_short_batch, run_stacked, run_units
 from adapters.mlx.requests import Held
 from adapters.mlx.rows import Deliveries, Live
 from adapters.mlx.sampling import read_logprobs
 from adapters.mlx.step_host import ExecutorHost, InFlight
+from adapters.mlx.step_memory import StepMemory
 from effects.engine_port import PrefillOutcome
 from statecore.engine_schedule import (
     Budget,
     Candidate,
     EnginePhase,
     Finish,
-    Memory,
     PrefillFailure,
     StackedCall,
     StepPlan,
@@ -77,18 +78,11 @@ class _StepOutputs:
 
 
 class StepExecutor:
-    """A device loop's step executor (see the module's paragraph), and the memory cap's counts."""
+    """A device loop's step executor (see the module's paragraph)."""
 
     def __init__(self, loop: ExecutorHost) -> None:
         self.loop = loop
-        self.prefill_capped_steps = 0  # steps whose planned prefill was cut to fit the memory budget
-        self.activation_overruns = 0  # steps estimated over the budget (the oldest prompt's unit alone)
-        self.activation_peak = 0  # the largest estimate of one step's activations so far (capped steps)
-
-    def forget_activation_counts(self) -> None:
-        """The prefill memory cap's counters back to 0 (after the load's warm-up request): they
-        count serving traffic."""
-        self.prefill_capped_steps = self.activation_overruns = self.activation_peak = 0
+        self.memory = StepMemory(loop)  # the prefill memory cap: what a plan frees, and its counts
 
     def step(self) -> None:
         """Build and start this step, then read back the previous one; while a handed-off
@@ -243,16 +237,8 @@ class StepExecutor:
                                                 time.monotonic(), list(loop.handoffs_expected.values())),
                         oldest_streams=oldest is not None and oldest.segment_sink is not None)
         loop.handoff_joined = False
-        memory = None
-        if s.prefill_memory_cap:
-            assert loop.shape is not None
-            memory = Memory(s.kv_memory_bytes, 0 if loop.pool is None else loop.pool.nbytes,
-                            loop.requests.reserved_bytes, 0 if loop.prefix is None else loop.prefix.nbytes,
-                            loop.shape,
-                            max((live.limit for live in loop.live.values()), default=1), loop.cost.per_token,
-                            ALLOCATION_STEP)
         return schedule(len(loop.live), candidates, budget, max_padding=s.max_padding, bucket=loop.bucket,
-                        memory=memory, stacking=loop.stacking), candidates
+                        memory=self.memory.now(), stacking=loop.stacking), candidates
 
     def advance(self, candidates: Sequence[Candidate], plan: StepPlan) -> None:
         """The prompts' phases after the build, from their progress as `update` gives it (from
@@ -271,26 +257,6 @@ class StepExecutor:
             elif candidate.request_id in planned:
                 record.phase = EnginePhase.PREFILLING
 
-    def apply_memory_plan(self, plan: StepPlan) -> None:
-        """What the plan frees for its prefill (keep tasks, kept prefix blocks), and its counts."""
-        loop = self.loop
-        for request_id in plan.dropped_keeps:
-            loop.requests.remove(request_id, Finish.GAVE_WAY)
-        if plan.evict_prefix_bytes and loop.prefix is not None:
-            loop.prefix.evict(plan.evict_prefix_bytes)
-        if plan.activation_estimate is None:
-            return
-        if plan.capped:
-            self.prefill_capped_steps += 1
-        if plan.over_budget:
-            if not self.activation_overruns:
-                logger.warning("a step's activations are estimated at %d bytes: beside the KV held, over "
-                               "the budget of %d bytes (the oldest prompt's prefill runs alone); "
-                               "counted in activation_overruns", plan.activation_estimate,
-                               loop.settings.kv_memory_bytes)
-            self.activation_overruns += 1
-        self.activation_peak = max(self.activation_peak, plan.activation_estimate)
-
     def build_prefills(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
         """Build the plan's prefill calls: its padded groups, then each prompt's units; a prompt in
         a stacked call computes its units before its first stacked chunk here, and the rest of
@@ -298,7 +264,7 @@ class StepExecutor:
         loop = self.loop
         started = time.perf_counter()
         outputs = _StepOutputs(loop.pipelined)
-        self.apply_memory_plan(plan)
+        self.memory.apply(plan)
         tasks = [(loop.waiting[work.request_id], work.units) for work in plan.prefills]
         groups = [[loop.waiting[rid] for rid in group] for group in plan.groups]
         for members in groups:
@@ -322,7 +288,7 @@ class StepExecutor:
         for call in plan.stacks:
             for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
                 first_stacked[rid] = min(chunk, first_stacked.get(rid, chunk))
-        carry = None if loop.speculator is None else loop.speculator.first_verify(loop)
+        carry = first_verify(loop.speculator, loop)
         for task, units in tasks:
             if task.finished:
                 continue

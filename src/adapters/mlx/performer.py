@@ -27,6 +27,7 @@ from adapters.kv import codec, frames
 from adapters.mlx import commands, device_pieces, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
+from adapters.mlx.first_verify import verified_items
 from adapters.mlx.grammar import TokenConstraint
 from adapters.mlx.jobs import Job, Local, StreamItem, StreamSend, deliver, post
 from adapters.mlx.load_on_device import ModelSource, load_on_device
@@ -36,7 +37,6 @@ from adapters.mlx.requests import EngineRequest
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from adapters.mlx.settings import Settings
-from adapters.mlx.speculative import verified_items
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
@@ -99,7 +99,7 @@ class Performer:
                 return self.export(request_id)
             case commands.ForgetPrefixes():
                 self.device.keeping.forget_prefixes()
-                self.device.executor.forget_activation_counts()
+                self.device.executor.memory.forget_counts()
                 # The warm-up's steps traced and compiled: as rates they would make a fast
                 # device's streamed prompts look slow and slice them (H100: a 1B model's
                 # 2,000-token prefill 1.8x longer in three slices).
@@ -431,9 +431,9 @@ class Performer:
             prefix_host_out=0 if prefix is None else prefix.host_out,
             prefix_host_back=0 if prefix is None else prefix.host_back,
             prefix_host_forgotten=0 if prefix is None else prefix.host_forgotten,
-            prefill_capped_steps=device.executor.prefill_capped_steps,
-            activation_overruns=device.executor.activation_overruns,
-            activation_estimate_peak_bytes=device.executor.activation_peak,
+            prefill_capped_steps=device.executor.memory.prefill_capped_steps,
+            activation_overruns=device.executor.memory.activation_overruns,
+            activation_estimate_peak_bytes=device.executor.memory.activation_peak,
             conversations_kept=device.keeping.conversations_kept,
             conversation_tokens_kept=device.keeping.conversation_tokens_kept,
             speculative_steps=0 if speculator is None else speculator.verify_steps,

@@ -41,7 +41,7 @@ class Held:
     nbytes: int
     sampling: SamplingParams | None = None  # the request's (a choice of n > 1 is waited for)
     # The tokens its prompt's last call emitted when that call verified drafts (the first token
-    # first, `adapters.mlx.speculative.FirstVerify`): the cache covers the prompt and all of them
+    # first, `adapters.mlx.first_verify.FirstVerify`): the cache covers the prompt and all of them
     # but the last. Empty: the first token alone, the cache the prompt's.
     drawn: tuple[int, ...] = ()
 

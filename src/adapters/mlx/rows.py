@@ -51,7 +51,7 @@ class Live:
     prompt_tokens: int = 0
     conversation: list[int] | None = None  # prompt and tokens so far, when it is kept at its end
     # A handed-off prompt whose whole chunks go into the prefix cache once its first step is read
-    # back, not on the step it joins (`DeviceLoop.keep_joined`): its tokens, and its cache outside
+    # back, not on the step it joins (`PrefixKeeping.keep_joined`): its tokens, and its cache outside
     # the slot lane (a slot row's is read from its slot then)
     keep_prompt: tuple[list[int], list[Any] | None] | None = None
 

@@ -20,12 +20,10 @@ must pass too, or speculation stays off (logged; a check that raises turns it of
 serves without it). Rejected drafts' keys lie past the row's position, hidden by the mask and
 overwritten by its next steps. A row whose tries keep nothing waits longer before the next
 (`SpeculationPace`); while it waits it decodes in the ordinary, overlapped steps.
-A request's first verify step is its prompt's last call (`FirstVerify`, as mlx-lm's speculative
-loop does it): the prompt's last token and the drafts (from the prompt) in one call on the
-prompt's own cache, whose row 0 gives the first token; the tokens that stood wait with the held
-cache for its decode (`Held.drawn`), and a cache handed off instead is cut back to the prompt.
-The load check compares that call with the last token alone and single steps after it (its
-rows, the last token's keys and values, a step after them), or the last token goes alone.
+A request's first verify step is its prompt's last call (`adapters.mlx.first_verify`); a cache
+handed off instead is cut back to the prompt. The load check compares that call with the last
+token alone and single steps after it (its rows, the last token's keys and values, a step after
+them), or the last token goes alone.
 This module imports mlx and mlx_lm; never trio, never the engine nor the device loop (its caller,
 seen here only as a `SpeculationHost`).
 """
@@ -33,13 +31,12 @@ seen here only as a `SpeculationHost`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from adapters.mlx.jobs import engine_failed
@@ -52,15 +49,12 @@ from adapters.mlx.speculation_probes import (
     probe_row,
     verify_equals_single_steps,
 )
-from effects.engine_port import GeneratedToken, SamplingParams
 from statecore.errors import StatecoreError
-from statecore.policy import token_finish
 from statecore.speculation import (
     NgramIndex,
     SpeculationPace,
     draft_room,
     kept_drafts,
-    prompt_draft,
     row_classes,
 )
 
@@ -68,7 +62,7 @@ if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
     from adapters.mlx.rows import Live
 
-__all__ = ["PROBE_STAGE", "FirstVerify", "SpeculationHost", "Speculator", "verified_items"]
+__all__ = ["PROBE_STAGE", "SpeculationHost", "Speculator"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -217,12 +211,6 @@ class Speculator:
             self.draft.forget(request_id)
 
     # -- the prompt's last call: a request's first verify step -----------------------------------
-
-    def first_verify(self, loop: SpeculationHost) -> FirstVerify | None:
-        """What lets a prompt's last call carry drafts on this node now (None: it never does)."""
-        if self.off_reason is not None or self.first_room == 0:
-            return None
-        return FirstVerify(self, loop)
 
     def first_verified(self, task: PrefillTask, first: int) -> tuple[int, ...]:
         """A prompt's last call that carried drafts was read back (its first token `first`): the
@@ -451,62 +439,6 @@ class Speculator:
         if held is not None:
             loop, deliveries = held
             loop.hand_out(deliveries)
-
-
-class FirstVerify:
-    """A prompt's last call as its request's first verify step (`adapters.mlx.prefill.LastCallDrafts`):
-    it carries drafts where the request will speculate, as a lone row would in a verify step."""
-
-    def __init__(self, speculator: Speculator, loop: SpeculationHost) -> None:
-        self.speculator = speculator
-        self.loop = loop
-
-    def drafts(self, task: PrefillTask) -> Any | None:
-        speculator, loop = self.speculator, self.loop
-        sampler = task.sampler
-        sampling = sampler.sampling
-        if (task.segment_sink is not None or len(task.tokens) < 2 or task.cache is None
-                or sampler.constraint is not None or sampling.shapes_logits or sampling.logprobs is not None
-                or sampling.adapter is not None or sampling.choices > 1
-                or len(loop.live) >= speculator.max_rows or loop.gathering
-                or not all(type(layer) is KVCache for layer in task.cache)):
-            return None
-        asked = sampling.num_draft_tokens
-        most = speculator.num_draft_tokens if asked is None else min(asked, speculator.num_draft_tokens)
-        wanted = min(most, speculator.first_room, sampling.max_tokens - 1)
-        if wanted <= 0:
-            return None
-        speculator.forget_gone(loop)
-        if speculator.draft is not None:
-            drafted: Any = speculator.draft.propose(task.request_id, task.tokens, [], wanted, sampler)
-            return drafted
-        found = prompt_draft(task.tokens, wanted)  # the row's index's draft, without building it
-        return mx.array(found, dtype=mx.uint32) if found else None
-
-    def draws(self, task: PrefillTask, logits: Any) -> Any:
-        """As `_draw` for the rows after a verify step's first: the first token was drawn already
-        (the sampler's position is the next one's)."""
-        sampler = task.sampler
-        if sampler.plain_greedy:
-            return greedy_sampler(log_softmax(logits))
-        return mx.concatenate([sample(log_softmax(logits[i : i + 1]), sampler.sampling, sampler.seed,
-                                      sampler.position + i) for i in range(logits.shape[0])])
-
-
-def verified_items(after_first: Sequence[int], sampling: SamplingParams, eos: Collection[int]
-                   ) -> list[GeneratedToken]:
-    """The stream items of the tokens a prompt's last call verified after the first one, counted
-    as the decoder counts its tokens (`statecore.policy.token_finish`): the one that ends the
-    request, if any, is the last."""
-    items: list[GeneratedToken] = []
-    remaining = sampling.max_tokens - 1
-    for token in after_first:
-        remaining -= 1
-        finish = token_finish(token, eos, ignore_eos=sampling.ignore_eos, remaining=remaining)
-        items.append(GeneratedToken(token, finish_reason=finish))
-        if finish is not None:
-            break
-    return items
 
 
 class _FailedOnDevice(Exception):
