@@ -178,7 +178,8 @@ class StreamReceiver:
             raise failures[0]
         if ctx.first_token is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
-                                           "the prefill node's stream ended without a first token"))
+                                           "the prefill node's stream ended without a first token",
+                                           origin=ctx.prefill_url))
         # the prefill node holds the cache (and any shared memory) until this node says it has
         # taken it: the RELEASE_KV once installed, as a pulled cache
         record.wire_bytes = received
@@ -225,9 +226,9 @@ class StreamReceiver:
         except Exception as exc:
             failure = exc
             if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
-                # a piece the prefill node sent: named after it
+                # a piece the prefill node sent: the error comes from it
                 named = f"{ctx.prefill_url}: {exc.info.message}"
-                failure = StatecoreError(replace(exc.info, message=named))
+                failure = StatecoreError(replace(exc.info, message=named, origin=ctx.prefill_url))
                 failure.__cause__ = exc
             failures.append(failure)
             scope.cancel()
@@ -470,9 +471,6 @@ class RoutedRequest:
     remote: list[tuple[str, RequestId]] = field(default_factory=list)
     cached_tokens: int = 0  # of the prompt, taken from a prefix cache by the node that prefilled it
     prefilling_on: str | None = None  # the node computing its prompt until the first token is back
-    # the prefill node, where its own call failed a router-started stream first (the decode
-    # node's failure is told apart as on any streamed handoff: `_culprit`)
-    failed_on: str | None = None
 
     def node_request_id(self, request_id: RequestId) -> RequestId:
         return self.retry.node_request_id(request_id)
@@ -575,7 +573,7 @@ class RouterPerformer:
                 try:
                     await self._relay(ctx, self.peers.decode(ctx.decode_node, call), post)
                 except StatecoreError as exc:
-                    self._blame(ctx.decode_node, exc.info)
+                    self._blame(self._culprit(ctx, exc.info), exc.info)
                     raise
             case FetchKv() | InstallKv() | SendKv():
                 raise _bug(f"{intent.kind.value} is not a router intent")
@@ -592,7 +590,7 @@ class RouterPerformer:
         with trio.CancelScope(shield=True):
             await self._cancel_remote(ctx)  # a previous, failed attempt's leftovers
         self._release_nodes(ctx)
-        ctx.prefill_node = ctx.decode_node = ctx.failed_on = None
+        ctx.prefill_node = ctx.decode_node = None
         ctx.streamed = False
         ctx.retry = ctx.retry.started()
         nid = ctx.node_request_id(rid)
@@ -640,17 +638,20 @@ class RouterPerformer:
     async def _start_attached_stream(self, ctx: RoutedRequest, nid: RequestId,
                                      prefix_from: PrefixSource | None, post: Post) -> None:
         """A streamed handoff the router starts itself: the prefill node is asked to prefill (its
-        answer, the first token, comes straight back here) while the decode node attaches to that
-        prefill's stream (`DecodeCall.kv_attach`), whose first token, the same, comes through it
-        too. Whichever comes first is posted, once. The first failure ends both calls, and the
-        node it points at is the one blamed (`RoutedRequest.failed_on`), whichever call heard it
-        first; so does a first token that ends the request. Once the first token was told, the
-        prefill node's part is done: its call failing then ends nothing (the decode node streams
-        on, and frees the prefill node's cache with its DELETE, or the lease does)."""
+        answer, the first token, comes straight back here), and once that call's request is
+        written (it starts the prefill: the first token waits on it, not on the decode node's
+        call) the decode node attaches to that prefill's stream (`DecodeCall.kv_attach`), whose
+        first token, the same, comes through it too. Whichever comes first is posted, once. The
+        first failure ends both calls (the node it comes from is the one blamed: `_culprit`);
+        so does a first token that ends the request. Once the first token was told, the prefill
+        node's part is done: its call failing then ends nothing (the decode node streams on, and
+        frees the prefill node's cache with its DELETE, or the lease), though peer health hears
+        of it."""
         prefill_node, decode_node = ctx.prefill_node, ctx.decode_node
         assert prefill_node is not None and decode_node is not None
         told = trio.Lock()
         ended = False  # the first token ended the request
+        prefill_sent = trio.Event()  # its request written, or the call over
 
         async def first(reply: PrefillReply) -> bool:
             nonlocal ended
@@ -659,35 +660,36 @@ class RouterPerformer:
                     ended = await self._first(reply, ctx, post)
             return ended
 
-        failures: list[tuple[str | None, StatecoreError]] = []
+        failures: list[StatecoreError] = []
         async with trio.open_nursery() as nursery:
 
             async def prefill() -> None:
                 try:
                     reply = await self.peers.prefill(prefill_node, nid, ctx.prompt, ctx.sampling, prefix_from,
-                                                     attach_by=decode_node)
+                                                     attach_by=decode_node, on_sent=prefill_sent.set)
                 except StatecoreError as exc:
-                    if ctx.first_token is not None:
-                        return  # told already (through the decode node): its stream carries on
-                    failures.append((prefill_node, exc))
+                    if ctx.first_token is not None:  # told already (through the decode node)
+                        self._blame(self._culprit(ctx, exc.info), exc.info)
+                        return
+                    failures.append(exc)
                     nursery.cancel_scope.cancel()
                     return
+                finally:
+                    prefill_sent.set()
                 if await first(reply):
                     nursery.cancel_scope.cancel()  # nothing follows: the decode node's stream goes
 
             nursery.start_soon(prefill)
+            await prefill_sent.wait()
             call = DecodeCall(nid, ctx.prompt, ctx.sampling, None, prefill_node, kv_stream=True,
                               kv_attach=True)
             try:
                 await self._relay(ctx, self.peers.decode(decode_node, call), post, first=first)
-            except StatecoreError as exc:
-                # its own failure, or the prefill node's that its stream told it: `_culprit`
-                # tells them apart as on any streamed handoff (by the node its error names)
-                failures.append((None, exc))
+            except StatecoreError as exc:  # its own failure, or the prefill node's that it relays
+                failures.append(exc)
             nursery.cancel_scope.cancel()  # the stream ended: the prefill node's answer is not needed
         if failures:
-            ctx.failed_on, error = failures[0]
-            raise error
+            raise failures[0]
 
     def _siblings_decode_node(self, ctx: RoutedRequest) -> str | None:
         """Where another choice of the same client request (n > 1) decodes, unless this attempt
@@ -707,15 +709,10 @@ class RouterPerformer:
 
     @staticmethod
     def _culprit(ctx: RoutedRequest, error: ErrorInfo) -> str | None:
-        """The node a failed attempt's error points at: the one prefilling, unless the decode node
-        prefilled, or a streamed handoff's decode node names no other node (its own failure)."""
-        if ctx.failed_on is not None:
-            return ctx.failed_on
-        if ctx.local:
-            return ctx.decode_node
-        if ctx.streamed and ctx.prefill_node is not None and ctx.prefill_node not in error.message:
-            return ctx.decode_node
-        return ctx.prefill_node
+        """The node a failed attempt's error comes from (`ErrorInfo.origin`: the node called, or
+        the one whose error it passed on), when it is one the attempt used; else none (no node
+        was reached: the route found none)."""
+        return error.origin if error.origin in (ctx.prefill_node, ctx.decode_node) else None
 
     def _blame(self, node: str | None, error: ErrorInfo) -> None:
         """Tell peer health that this node failed, when the policy blames it."""
@@ -752,9 +749,8 @@ class RouterPerformer:
                     return
                 case ErrorInfo():
                     raise StatecoreError(message)
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the decode node's stream ended early")
-        )
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       "the decode node's stream ended early", origin=ctx.decode_node))
 
     def answer(self, intent: Answer) -> None:
         # the router's table names no answer (nobody pulls KV from a router): a bug, logged

@@ -11,7 +11,7 @@ it must never import httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -144,16 +144,20 @@ class DecodeCall:
 
 
 class Peers(Protocol):
-    """Calls to other nodes. Transport failures raise StatecoreError with TRANSPORT_LOST."""
+    """Calls to other nodes. Transport failures raise StatecoreError with TRANSPORT_LOST. Every
+    error a call raises or yields comes from the node called (`ErrorInfo.origin`), unless that
+    node passed on another's (whose origin it names)."""
 
     async def prefill(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
+        on_sent: Callable[[], object] | None = None,
     ) -> PrefillReply:
         """`prefix_from`: the decode node the KV goes to holds the prompt's start (a hint: the
         prefill node may pull it from there instead of computing it). `attach_by`: the KV streams
         to that decode node, which attaches to the stream (`prefill_stream(attach=True)`) while
-        the prompt is computed; the reply comes as soon as the first token is sampled."""
+        the prompt is computed; the reply comes as soon as the first token is sampled.
+        `on_sent`: told once the call's request has been written (where the transport says so)."""
         ...
 
     def decode(self, node: str, call: DecodeCall) -> AsyncIterator[DecodeMessage]:

@@ -4,13 +4,15 @@ Every failure a request can meet is one of these values. In the core they travel
 inside `Failed` phases and `Reject` intents; only the shell raises them (as `StatecoreError`).
 Kinds follow h11's local/remote split and trio's closed/broken split: the client's fault
 (4xx), a peer's fault, our own bug, or a lost transport. Codes are stable, machine-readable
-strings that clients may match on. This module must never import trio, httpx, mlx or mlx_lm.
+strings that clients may match on. A failure that crosses from one node to another also says
+which node it comes from (`ErrorInfo.origin`), so that the node hearing of it last blames the
+right one. This module must never import trio, httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class Fault(enum.Enum):
@@ -105,6 +107,15 @@ class ErrorInfo:
     code: Code
     message: str
     param: str | None = None  # the request field at fault, when one is (OpenAI's `param`)
+    # The node it comes from, as the node holding this value names that node (its URL): set where
+    # the error first reaches another node (`came_from`), or where a node finds a fault in what a
+    # peer sent. None: not known, or made on this node and not yet sent anywhere.
+    origin: str | None = None
+
+    def came_from(self, node: str) -> ErrorInfo:
+        """This error as it reaches this node from `node`: it comes from there, unless it already
+        names the node it comes from (one further away, `node` only passing it on)."""
+        return self if self.origin is not None else replace(self, origin=node)
 
     @property
     def http_status(self) -> int:

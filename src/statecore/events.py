@@ -215,6 +215,7 @@ class TransportLost:
 
     kind: ClassVar[EventKind] = EventKind.TRANSPORT_LOST
     detail: str = ""
+    origin: str | None = None  # the node whose connection it was, where known (`ErrorInfo.origin`)
 
 
 @dataclass(frozen=True, slots=True)

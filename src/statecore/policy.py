@@ -240,7 +240,7 @@ def failure_event(error: ErrorInfo) -> TransportLost | PeerFailed | EngineFailed
     its own (wsproto's `receive_data(None)`), a peer's or a connection's fault is the peer's,
     anything else (our bug, a refused or failed engine call) is the engine's."""
     if error.code is Code.TRANSPORT_LOST:
-        return TransportLost(error.message)
+        return TransportLost(error.message, error.origin)
     if error.fault in (Fault.PEER, Fault.TRANSPORT):
         return PeerFailed(error)
     return EngineFailed(error)

@@ -182,9 +182,12 @@ def _edge_error(edge: Edge[P], phase: P, event: Event) -> ErrorInfo:
     code = edge.code or Code.INTERNAL
     template = _MESSAGES.get(code, "request failed while {phase}")
     message = template.format(phase=str(phase.value), event=event.kind.value)
-    if isinstance(event, TransportLost) and event.detail:
-        message = f"{message}: {event.detail}"  # which transport, and why (e.g. a hung engine)
-    return ErrorInfo(_FAULTS.get(code, Fault.BUG), code, message)
+    origin = None
+    if isinstance(event, TransportLost):
+        origin = event.origin
+        if event.detail:
+            message = f"{message}: {event.detail}"  # which transport, and why (e.g. a hung engine)
+    return ErrorInfo(_FAULTS.get(code, Fault.BUG), code, message, origin=origin)
 
 
 def _no_kv(rid: RequestId, why: str) -> ErrorInfo:

@@ -84,6 +84,15 @@ def _answer(response: httpx.Response, stream: bool) -> Any:
             for line in response.text.splitlines() if line.startswith("data: ")]
 
 
+def _wait_until_arriving(decode: Node, timeout_s: float = 20.0) -> None:
+    """The decode node keeps a streamed handoff's pieces (`kv_arriving`): it attached to the
+    stream and took its first piece, which may come after the first token reached the client."""
+    deadline = time.monotonic() + timeout_s
+    while (arriving := decode.stats()["kv_arriving"]) != 1:
+        assert time.monotonic() < deadline, f"kv_arriving {arriving}, not 1"
+        time.sleep(0.05)
+
+
 def _shm_regions(pid: int) -> list[str]:
     return [p.name for p in Path("/dev/shm").glob(f"statecore-kv-{pid}-*")]
 
@@ -107,10 +116,11 @@ def test_a_prefill_node_lost_mid_stream_fails_that_request_alone(
                     continue
                 events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
                 if victim is None and len(events) == 1:
-                    # the first token came through the decode node: the pieces are in, the
-                    # stream's end is not; lose the prefill node that streams them
+                    # the first token is out (from the prefill node's answer to the router, or
+                    # through the decode node), the stream's end is not: once the decode node
+                    # keeps its pieces, lose the prefill node that streams them
                     victim = next(node for node in cluster.prefill if node.stats()["live_requests"] == 1)
-                    assert cluster.decode[0].stats()["kv_arriving"] == 1
+                    _wait_until_arriving(cluster.decode[0])
                     assert victim.process is not None
                     pid = victim.process.pid
                     if transport == "shm":

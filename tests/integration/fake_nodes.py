@@ -23,7 +23,9 @@ from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
 
 class Hosts(httpx.AsyncBaseTransport):
-    """Each node's app by its URL's host; the query of every prefill and decode call kept."""
+    """Each node's app by its URL's host; the query of every prefill and decode call kept. A
+    request's `trace` extension is told that its body was sent as it reaches the app, as httpcore
+    tells it once the body is written (`sent`: a subclass may hold that back)."""
 
     def __init__(self) -> None:
         self.transports: dict[str, httpx.ASGITransport] = {}
@@ -32,7 +34,13 @@ class Hosts(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path in ("/internal/prefill", "/internal/decode"):
             self.queries.append((request.url.path, request.url.query.decode()))
+        await self.sent(request)
+        if (trace := request.extensions.get("trace")) is not None:
+            await trace("http11.send_request_body.complete", {"return_value": None})
         return await self.transports[request.url.host].handle_async_request(request)
+
+    async def sent(self, request: httpx.Request) -> None:
+        """Before the request's body counts as written."""
 
 
 @dataclass
@@ -47,13 +55,14 @@ class FakeNodes:
 
 async def start_fake_nodes(nursery: trio.Nursery, hosts: Hosts | None = None, *,
                            prefill_info: ModelInfo | None = None, shm: ShmOutbox | None = None,
-                           prefill_engine: FakeEngine | None = None) -> FakeNodes:
+                           prefill_engine: FakeEngine | None = None,
+                           decode_engine: FakeEngine | None = None) -> FakeNodes:
     """Both nodes' runners started in `nursery`, their routes behind `hosts` (a new `Hosts` by
-    default); the prefill node's engine is `prefill_engine` (a new `FakeEngine` by default), says
-    `prefill_info` and offers `shm` where given."""
+    default); each node's engine is `prefill_engine` or `decode_engine` (a new `FakeEngine` by
+    default); the prefill node's says `prefill_info` and offers `shm` where given."""
     hosts = Hosts() if hosts is None else hosts
     prefill = FakeEngine(info=prefill_info) if prefill_engine is None else prefill_engine
-    engines = {"prefill": prefill, "decode": FakeEngine()}
+    engines = {"prefill": prefill, "decode": FakeEngine() if decode_engine is None else decode_engine}
     node_peers = HttpxPeers(transport=hosts)
     performers: dict[str, EnginePerformer] = {}
     runners: dict[str, NodeRunner[Any]] = {}

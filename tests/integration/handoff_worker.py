@@ -24,12 +24,13 @@ imports mlx, mlx_lm and trio, and nothing in `src` may import it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,22 +185,33 @@ async def _join_running(
     first_token: int,
     sampling: SamplingParams,
 ) -> dict[str, Any]:
-    """The neighbours decode; the handed-off request joins them; everyone runs to its end."""
+    """The neighbours decode; the handed-off request joins them; everyone runs to its end. A
+    neighbour decodes on until the request has joined, however long its payload's check takes (a
+    loaded box's can outlast a hundred steps), as long as the joining request's own length allows
+    (so that it needs no more room than the joining request: the lane it decodes in stays the
+    one it takes alone wherever the joining request's is a slot), and leaves once it has its own
+    `max_tokens`: those are what it makes alone (no later token changes them)."""
     neighbours: dict[str, list[int]] = {}
     warmed = [trio.Event() for _ in spec.neighbours]
+    joined = trio.Event()
 
     async def run_neighbour(i: int) -> None:
         nid = RequestId(f"neighbour{i}")
         n_prompt, n_sampling = spec.neighbours[i]
-        outcome = await engine.prefill(nid, n_prompt, n_sampling)
-        await engine.decode_held(nid, n_prompt, outcome.first_token, n_sampling)
+        most = max(n_sampling.max_tokens, len(prompt) + sampling.max_tokens - len(n_prompt))
+        waiting = replace(n_sampling, max_tokens=most)
+        outcome = await engine.prefill(nid, n_prompt, waiting)
+        await engine.decode_held(nid, n_prompt, outcome.first_token, waiting)
         tokens = [outcome.first_token]
-        async for item in engine.stream(nid):
-            tokens.append(item.token)
-            if len(tokens) == NEIGHBOUR_WARMUP:
-                warmed[i].set()
+        async with contextlib.aclosing(engine.stream(nid)) as stream:  # left early: cancelled
+            async for item in stream:
+                tokens.append(item.token)
+                if len(tokens) == NEIGHBOUR_WARMUP:
+                    warmed[i].set()
+                if len(tokens) >= n_sampling.max_tokens and joined.is_set():
+                    break
         warmed[i].set()  # (a neighbour shorter than the warm-up would hang the test otherwise)
-        neighbours[nid] = tokens
+        neighbours[nid] = tokens[:n_sampling.max_tokens]
 
     async with trio.open_nursery() as nursery:
         for i in range(len(spec.neighbours)):
@@ -208,6 +220,7 @@ async def _join_running(
             await event.wait()
         await engine.install(rid, payload, prompt, first_token, sampling)
         decoding_at_join = engine.statistics().decoding
+        joined.set()
         tokens = await _collect(engine, rid, first_token)
     return {"tokens": tokens, "decoding_at_join": decoding_at_join, "neighbours": neighbours}
 

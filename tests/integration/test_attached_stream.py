@@ -1,11 +1,13 @@
 """A streamed handoff the router starts itself (`RouterPerformer(attaches=...)`): it posts the
-prefill node (`/internal/prefill` with `kv_attach`) and the decode node at once, and the decode node
-attaches to that prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
+prefill node (`/internal/prefill` with `kv_attach`), then the decode node, which attaches to that
+prefill's stream. Over fake engines in process (`fake_nodes`): the answers are the
 pulled handoff's and the decode-node-asked stream's, whichever call brings the first token first
 (it is told once); a prefill that fails fails the attempt on the prefill node (whichever call
-tells the router first) and leaves nothing on either node; the router's call to the prefill node
-failing once the first token came through the decode node ends nothing. A decode node that leaves
-its stream, however early, cancels the prefill."""
+tells the router first) and leaves nothing on either node, and blame goes where an error comes
+from, whatever its words name; the router's call to the prefill node failing once the first token
+came through the decode node ends nothing (peer health hears of it); the decode node's call is made
+once the prefill node's is written. A decode node that leaves its stream, however early, cancels
+the prefill."""
 
 from __future__ import annotations
 
@@ -67,6 +69,21 @@ class _LateReplies(Hosts):
         return response
 
 
+class _PrefillWrittenSlowly(Hosts):
+    """The router's `/internal/prefill` of an attached stream is written only once every other
+    task waits: the calls in the order they arrived, and when that one was written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    async def sent(self, request: httpx.Request) -> None:
+        self.order.append(request.url.path)
+        if request.url.path == "/internal/prefill" and b'"kv_attach"' in request.content:
+            await trio.testing.wait_all_tasks_blocked()
+            self.order.append("written")
+
+
 class _PrefillEngineLost(Hosts):
     """The prefill node answers the router's call as a node whose engine core process died does
     (its transport lost, in words that name no node); the decode node's calls go through."""
@@ -75,6 +92,15 @@ class _PrefillEngineLost(Hosts):
         if request.url.path == "/internal/prefill":
             lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
             return httpx.Response(lost.http_status, json=error_json(lost))
+        return await super().handle_async_request(request)
+
+
+class _PullLost(Hosts):
+    """The decode node's pull of a handed-off KV loses its connection to the prefill node."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path.startswith("/internal/kv/"):
+            raise httpx.ReadError("the connection dropped", request=request)
         return await super().handle_async_request(request)
 
 
@@ -98,6 +124,16 @@ class _EngineCoreLost(FakeEngine):
                       segments: SegmentSink | None = None, device_pieces: bool = False) -> PrefillOutcome:
         lost = ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "the engine core process is gone")
         raise StatecoreError(lost)
+
+
+class _DecodeEngineCoreLost(FakeEngine):
+    """A decode node whose engine core process died as it installed a streamed handoff's KV: its
+    own failure, in words that name the prefill node the KV came from."""
+
+    async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                               sampling: SamplingParams) -> None:
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       f"the engine core process died installing {URLS['prefill']}'s KV"))
 
 
 class _PrefillCallDropsLate(Hosts):
@@ -210,6 +246,21 @@ async def test_the_router_started_stream_answers_as_the_other_ways(nursery: trio
         await _settled(routers)
 
 
+async def test_the_prefill_nodes_call_is_written_before_the_decode_nodes_is_made(
+        nursery: trio.Nursery) -> None:
+    """The first token waits on the prefill, not on the decode node's call: that call (its body
+    encoded, then sent) starts only once the prefill node's request is written."""
+    hosts = _PrefillWrittenSlowly()
+    async with _routers(nursery, hosts) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        hosts.order.clear()
+        attached = [as_scripted(output) for output in await routers.generate("attached", "r-attached")]
+        assert attached == pulled
+        calls = [step for step in hosts.order if step in ("/internal/prefill", "written", "/internal/decode")]
+        assert calls == ["/internal/prefill", "written", "/internal/decode"]
+        await _settled(routers)
+
+
 async def test_the_first_token_is_told_once_when_the_decode_node_brings_it_first(
         nursery: trio.Nursery) -> None:
     async with _routers(nursery, _LateReplies()) as routers:
@@ -245,16 +296,41 @@ async def test_a_prefill_node_that_fails_is_the_one_blamed(nursery: trio.Nursery
         await _settled(routers)
 
 
+async def test_a_pulled_kv_lost_on_its_way_blames_the_prefill_node(nursery: trio.Nursery) -> None:
+    """The decode node's pull loses the prefill node after the first token: the request fails
+    (typed), and the prefill node is blamed, not the decode node whose call told the router."""
+    async with _routers(nursery, _PullLost()) as routers:
+        outputs = await routers.generate("pulled", "r-pull-lost")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["prefill"]]
+        await _settled(routers)
+
+
+@pytest.mark.parametrize("way", ["attached", "via-decode"])
+async def test_a_decode_node_that_fails_itself_is_the_one_blamed_whatever_its_words_name(
+        nursery: trio.Nursery, way: str) -> None:
+    """Blame follows where the error comes from (`ErrorInfo.origin`), not the node its message
+    names: the decode node's own failure names the prefill node, and the decode node is blamed."""
+    async with _routers(nursery, decode_engine=_DecodeEngineCoreLost()) as routers:
+        outputs = await routers.generate(way, f"r-{way}")
+        assert isinstance(outputs[-1], Reject), outputs
+        assert outputs[-1].error.code is Code.TRANSPORT_LOST
+        assert [node for node, _ in routers.failures] == [URLS["decode"]]
+        await _settled(routers)
+
+
 async def test_a_prefill_call_that_fails_after_the_first_token_leaves_the_stream_going(
         nursery: trio.Nursery) -> None:
     """Once the first token came through the decode node, the prefill node's part is done: the
     router's own call to it losing its connection then ends nothing (the decode node's DELETE
-    frees the prefill node's cache)."""
+    frees the prefill node's cache), but peer health hears that the prefill node failed a call."""
     async with _routers(nursery, _PrefillCallDropsLate()) as routers:
         pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
         attached = [as_scripted(output) for output in await routers.generate("attached", "r-dropped")]
         assert attached == pulled
-        assert routers.failures == []
+        assert [(node, error.code) for node, error in routers.failures] == [
+            (URLS["prefill"], Code.TRANSPORT_LOST)]
         await _settled(routers)
 
 

@@ -215,9 +215,10 @@ def handoff_of(model_for: Callable[[Case], Path], tmp_path_factory: pytest.TempP
 # The matrix, and the cases that also join a running decoder
 
 JOIN_LENGTHS = (33, 2100)
-# (start in the corpus ids, length, sampling): greedy and seeded neighbours, long enough to be
-# still decoding when the install comes (on a loaded box a 2,100-token payload's check took longer
-# than 44 of their steps: it joined none)
+# (start in the corpus ids, length, sampling): greedy and seeded neighbours; each decodes on until
+# the handed-off request has joined (`handoff_worker._join_running`: on a loaded box a 2,100-token
+# payload's check took longer than 92 of their steps), and its first `max_tokens` are compared with
+# what it makes alone
 NEIGHBOURS = (
     (300, 5, SamplingParams(max_tokens=96)),
     (500, 40, SamplingParams(max_tokens=96, temperature=0.7, seed=5)),

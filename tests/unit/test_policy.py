@@ -102,6 +102,9 @@ def test_how_a_generation_ends() -> None:
 def test_which_event_an_error_becomes() -> None:
     lost = failure_event(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone"))
     assert lost == TransportLost("gone")
+    # where the lost connection was a peer's, the request's error still says which (its origin)
+    assert failure_event(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, "gone", origin="http://p")) == \
+        TransportLost("gone", "http://p")
     assert isinstance(failure_event(_error(Fault.PEER)), PeerFailed)
     assert isinstance(failure_event(_error(Fault.TRANSPORT, Code.TIMEOUT)), PeerFailed)
     for fault in (Fault.BUG, Fault.OVERLOADED, Fault.CLIENT, Fault.UNSUPPORTED):

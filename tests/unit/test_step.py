@@ -137,6 +137,13 @@ CASES = [
          [CancelTimer(RID), StopDecoding(RID), Reject(RID, ErrorInfo(
              Fault.TRANSPORT, Code.TRANSPORT_LOST,
              "a connection this request depended on was lost while it was decoding: peer EOF"))]),
+    # a peer's lost connection: the request's error says which node it comes from
+    Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, TransportLost("stream cut", "http://p"),
+         DecodePhase.FAILED,
+         [CancelTimer(RID), CancelRemote(RID), Reject(RID, ErrorInfo(
+             Fault.TRANSPORT, Code.TRANSPORT_LOST,
+             "a connection this request depended on was lost while it was receiving_kv: stream cut",
+             origin="http://p"))]),
     Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, PeerFailed(PEER), DecodePhase.FAILED,
          [CancelTimer(RID), CancelRemote(RID), Reject(RID, PEER)]),
     Case(DECODE_REQUEST, DecodePhase.DECODING, ClientCancelled(), DecodePhase.CANCELLED,

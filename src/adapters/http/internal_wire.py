@@ -235,15 +235,24 @@ class PrefixSummaryBody(_Strict):
 
 
 def error_json(error: ErrorInfo) -> dict[str, object]:
+    """A node's error document: OpenAI's body with the fault beside the code, and, beside the
+    body, the node the error comes from where it is known (`ErrorInfo.origin`: a node passing on
+    another's error). Outside the body, so that a reader that knows no origin reads the rest."""
     body = error.to_openai()
-    return {"error": {**body["error"], "fault": error.fault.value}}
+    document: dict[str, object] = {"error": {**body["error"], "fault": error.fault.value}}
+    if error.origin is not None:
+        document["origin"] = error.origin
+    return document
 
 
 def error_from_json(data: object, status: int) -> ErrorInfo:
-    """An ErrorInfo from a peer's error body; anything unreadable is the peer's fault."""
+    """An ErrorInfo from a peer's error body (no `origin`: not known); anything unreadable is the
+    peer's fault."""
     try:
         body = ErrorBody.model_validate(data["error"] if isinstance(data, dict) else None)  # strs only
-        return ErrorInfo(Fault(body.fault), Code(body.code), body.message, body.param)
+        origin = data.get("origin") if isinstance(data, dict) else None
+        return ErrorInfo(Fault(body.fault), Code(body.code), body.message, body.param,
+                         origin if isinstance(origin, str) and origin else None)
     except (ValueError, KeyError, TypeError):
         return ErrorInfo(Fault.PEER, Code.PEER_FAILED, f"peer answered HTTP {status}")
 

@@ -38,32 +38,34 @@ __all__ = ["pull_direct", "raise_error_document", "read_stream", "stream_errors"
 
 @contextlib.contextmanager
 def stream_errors(node: str) -> Iterator[None]:
-    """A KV stream's failures as typed errors named after the node (so the router, hearing of it
-    through the decode node, blames the right one)."""
+    """A KV stream's failures as typed errors that come from the node (`ErrorInfo.origin`: so the
+    router, hearing of one through the decode node, blames the right node), their words naming it."""
     try:
         yield
     except StatecoreError as exc:
-        if node in exc.info.message:
+        if exc.info.origin is not None:
             raise
-        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}")) from exc
+        raise StatecoreError(replace(exc.info, message=f"{node}: {exc.info.message}", origin=node)) from exc
     except kv_pull.KvStreamCut as exc:
         raise StatecoreError(ErrorInfo(
-            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}")) from exc
+            Fault.PEER, Code.KV_TRUNCATED, f"the KV stream from {node} was cut: {exc}", origin=node)) from exc
     except trio.TooSlowError as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV")) from exc
-    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
         raise StatecoreError(ErrorInfo(
-            Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the KV stream from {node}: {exc!r}")) from exc
+            Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out streaming the KV", origin=node)) from exc
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       f"lost the KV stream from {node}: {exc!r}", origin=node)) from exc
 
 
-def raise_error_document(status: int, body: bytes) -> NoReturn:
-    """A peer's error answer (a small JSON document) as its typed error."""
+def raise_error_document(status: int, body: bytes, node: str | None = None) -> NoReturn:
+    """A peer's error answer (a small JSON document) as its typed error, which comes from `node`
+    where given (unless it names a node further away)."""
     try:
         data: object = json.loads(body)  # an error document: small
     except ValueError:
         data = None
-    raise StatecoreError(error_from_json(data, status))
+    error = error_from_json(data, status)
+    raise StatecoreError(error if node is None else error.came_from(node))
 
 
 def with_deadline(read_into: kv_stream.ReadInto, seconds: float) -> kv_stream.ReadInto:
@@ -133,7 +135,7 @@ async def pull_direct(node: str, url: str, headers: Sequence[tuple[str, str]], *
                       connect_timeout_s: float, read_timeout_s: float, landing: kv_pull.Landing,
                       ssl_context: ssl.SSLContext, json_body: bytes | None = None) -> kv_pull.PulledKv:
     """A KV payload (GET, or POST of `json_body`) over `adapters.kv.pull`, straight into one
-    buffer of `landing`, its failures typed as `stream_errors` types a stream's."""
+    buffer of `landing`, its failures typed as `stream_errors` types a stream's (coming from `node`)."""
     try:
         with trio.fail_after(read_timeout_s):
             pulled = await kv_pull.pull(url, headers, max_bytes=max_kv_bytes,
@@ -141,17 +143,14 @@ async def pull_direct(node: str, url: str, headers: Sequence[tuple[str, str]], *
                                         buffers=landing, ssl_context=ssl_context,
                                         json_body=json_body)
     except kv_pull.KvTooLarge as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}")
-        ) from exc
+        raise StatecoreError(ErrorInfo(
+            Fault.PEER, Code.KV_TOO_LARGE, f"KV from {node} exceeds the limit: {exc}", origin=node)) from exc
     except trio.TooSlowError as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out sending the KV")
-        ) from exc
+        raise StatecoreError(ErrorInfo(
+            Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out sending the KV", origin=node)) from exc
     except (OSError, trio.BrokenResourceError, h11.ProtocolError, kv_pull.KvPullError) as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
-        ) from exc
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       f"lost the connection to {node}: {exc!r}", origin=node)) from exc
     if pulled.status >= 400:
-        raise_error_document(pulled.status, bytes(pulled.body))
+        raise_error_document(pulled.status, bytes(pulled.body), node)
     return pulled

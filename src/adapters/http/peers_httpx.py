@@ -83,17 +83,34 @@ _JSON = {"content-type": "application/json"}  # a body sent already encoded
 
 @contextlib.contextmanager
 def transport_errors(node: str) -> Iterator[None]:
-    """Map httpx's transport failures to TRANSPORT_LOST, naming the node."""
+    """Map httpx's transport failures to TRANSPORT_LOST, naming the node. Every error of a call
+    to `node` comes from it (`ErrorInfo.came_from`): the call is where it first reaches this node."""
     try:
         yield
+    except StatecoreError as exc:
+        if exc.info.origin is not None:
+            raise
+        raise StatecoreError(exc.info.came_from(node)) from exc
     except httpx.TimeoutException as exc:
         raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out: {exc!r}")
+            ErrorInfo(Fault.TRANSPORT, Code.TIMEOUT, f"{node} timed out: {exc!r}", origin=node)
         ) from exc
     except (httpx.TransportError, httpx.StreamError) as exc:
-        raise StatecoreError(
-            ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST, f"lost the connection to {node}: {exc!r}")
-        ) from exc
+        raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
+                                       f"lost the connection to {node}: {exc!r}", origin=node)) from exc
+
+
+def _told_when_sent(on_sent: Callable[[], object] | None) -> dict[str, object] | None:
+    """A request's extensions that tell `on_sent` once its body has been written: httpcore's
+    `trace` extension (a transport a test injects may tell it the same way)."""
+    if on_sent is None:
+        return None
+
+    async def trace(event: str, info: dict[str, object]) -> None:
+        if event.endswith("send_request_body.complete"):
+            on_sent()
+
+    return {"trace": trace}
 
 
 async def _raise_for_error(node: str, response: httpx.Response) -> None:
@@ -246,6 +263,7 @@ class HttpxPeers:
     async def prefill(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
         prefix_from: PrefixSource | None = None, *, attach_by: str | None = None,
+        on_sent: Callable[[], object] | None = None,
     ) -> PrefillReply:
         # built unvalidated (`model_construct`): the values are the core's own, typed; the node
         # validates what arrives (a long prompt's ids validated here too cost ~0.7 ms at 8,000)
@@ -255,7 +273,8 @@ class HttpxPeers:
                                            kv_attach=attach_by is not None, kv_attach_by=attach_by)
         with transport_errors(node):
             response = await self.client.post(f"{node}/internal/prefill", content=body.encoded(),
-                                              headers=_JSON, params=self._details)
+                                              headers=_JSON, params=self._details,
+                                              extensions=_told_when_sent(on_sent))
             await _raise_for_error(node, response)
             try:
                 reply = PrefillReplyBody.model_validate_json(response.content)
@@ -284,7 +303,9 @@ class HttpxPeers:
                 await _raise_for_error(node, response)
                 async for line in response.aiter_lines():
                     if line:
-                        yield parse_output_line(line.encode())
+                        message = parse_output_line(line.encode())
+                        # the node's error comes from it, unless it passes on another's
+                        yield message.came_from(node) if isinstance(message, ErrorInfo) else message
 
     async def prefill_stream(
         self, node: str, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
