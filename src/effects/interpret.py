@@ -1,15 +1,15 @@
 """Role performers: how each role carries out the core's work intents through ports.
 
-`EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and
-`Peers` to pull KV from a prefill node); `RouterPerformer` serves the router through `Peers`
-alone. Each request's context (prompt, sampling, chosen nodes) lives in the runner's entry for
-it and is handed to every call; the performer keeps no map of its own. How a generation ends
-and what a peer's failure means are `statecore.policy`'s answers; fault injection is the
-`FaultPort` (never asked in production: not armed). Outcomes come back as events; a
-StatecoreError raised here fails only its own request. The front end's backend over each role's
-runner is made here too (`local_backend`, `router_backend`: how a generation is admitted, the
-role's context for it). This module may import `statecore` and trio; it must never import
-httpx, mlx or mlx_lm.
+`EnginePerformer` serves prefill, decode and single nodes through the `Engine` port (and `Peers`
+to pull KV from a prefill node, or read its stream: `StreamReceiver`); `RouterPerformer` serves
+the router through `Peers` alone. Each request's context (prompt, sampling, chosen nodes) lives
+in the runner's entry for it and is handed to every call; the performer keeps no map of its own.
+How a generation ends and what a peer's failure means are `statecore.policy`'s answers; fault
+injection is the `FaultPort` (never asked in production: not armed). Outcomes come back as
+events; a StatecoreError raised here fails only its own request. The front end's backend over
+each role's runner is made here too (`local_backend`, `router_backend`: how a generation is
+admitted, the role's context for it). This module may import `statecore` and trio; it must never
+import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -124,6 +124,115 @@ def node_context(context: object) -> NodeRequest:
     return context
 
 
+class StreamReceiver:
+    """A decode node's streamed handoff, read to its end: the prefill node's stream opened, each
+    piece checked by the engine and kept in the stream's order while the stream is read on, the
+    first token passed on at once, the handoff's figures in its record. One per handoff, made by
+    `EnginePerformer` for a `FetchKv` of a streamed request."""
+
+    def __init__(self, engine: Engine, peers: Peers, handoffs: HandoffLog) -> None:
+        self.engine = engine
+        self.peers = peers
+        self.handoffs = handoffs
+
+    async def receive(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
+        """Open the stream to the prefill node (which computes the prompt now), validate and keep
+        each piece as it arrives, pass the first token on at once, and post the KV received at the
+        stream's end."""
+        assert ctx.prefill_url is not None
+        record = self.handoffs.record(rid)
+        record.streamed, record.attached = True, ctx.kv_attach
+        opened = time.perf_counter()
+        stream = self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling, ctx.prefix_from,
+                                           layers=len(self.engine.info.layers), attach=ctx.kv_attach)
+        async with contextlib.aclosing(stream):
+            await self._receive_items(rid, ctx, post, stream, record, opened)
+
+    async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
+                             stream: AsyncIterator[KvSegment | PrefillReply],
+                             record: HandoffRecord, opened: float) -> None:
+        """Read the stream to its end while its pieces are checked side by side and kept in order
+        (`_keep_pieces`): a piece takes milliseconds to check (its CRC, its arrays built), and a
+        first token read behind pieces still being checked goes on at once. The first failure,
+        the stream's or a piece's, ends both and is raised."""
+        finish: str | None = None
+        received = segments = before_first = 0
+        failures: list[Exception] = []
+        send_piece, pieces = trio.open_memory_channel[KvSegment](math.inf)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_pieces, rid, ctx, pieces, failures, nursery.cancel_scope)
+            try:
+                with send_piece:  # closed at the stream's end: the keeper then finishes the rest
+                    async for item in stream:
+                        if isinstance(item, KvSegment):
+                            received += item.payload.nbytes
+                            segments += 1
+                            send_piece.send_nowait(item)
+                            continue
+                        before_first = received
+                        finish = await self._first_token(item, ctx, record, opened, post)
+            except Exception as exc:  # raised below, unwrapped, once the keeper has stopped
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
+        if ctx.first_token is None:
+            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
+                                           "the prefill node's stream ended without a first token"))
+        # the prefill node holds the cache (and any shared memory) until this node says it has
+        # taken it: the RELEASE_KV once installed, as a pulled cache
+        record.wire_bytes = received
+        record.segments = segments
+        record.stream_s = time.perf_counter() - opened
+        record.overlap = before_first / received if received else 0.0
+        if finish is not None:
+            await post(Finished(finish))
+        else:
+            await post(KvReceived(received))
+
+    @staticmethod
+    async def _first_token(item: PrefillReply, ctx: NodeRequest, record: HandoffRecord, opened: float,
+                           post: Post) -> str | None:
+        """The prefill node's first token, passed on at once; the finish it makes, if any."""
+        record.first_token_s = time.perf_counter() - opened
+        ctx.first_token_at = time.perf_counter()
+        ctx.first_token = item.first_token
+        ctx.cached_tokens = item.cached_tokens or 0
+        ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
+        finish = first_token_finish(item.is_eos, hands_off=False)
+        if finish is None:
+            await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
+        return finish
+
+    async def _keep_pieces(self, rid: RequestId, ctx: NodeRequest,
+                           pieces: trio.MemoryReceiveChannel[KvSegment], failures: list[Exception],
+                           scope: trio.CancelScope) -> None:
+        """Each piece of the stream checked by the engine as it comes, beside the pieces before it
+        still being checked, and kept in the stream's order (`index`: the engine keeps a piece
+        after every earlier one, and none after one failed); a failure is noted and cancels the
+        reading (`_receive_items` raises it). Done when every piece is kept."""
+        async with pieces, trio.open_nursery() as checking:
+            index = 0
+            async for segment in pieces:
+                checking.start_soon(self._keep_piece, rid, ctx, segment, index, failures, scope)
+                index += 1
+
+    async def _keep_piece(self, rid: RequestId, ctx: NodeRequest, segment: KvSegment, index: int,
+                          failures: list[Exception], scope: trio.CancelScope) -> None:
+        try:
+            await self.engine.receive_segment(rid, segment, len(ctx.prompt),
+                                              max_tokens=ctx.sampling.max_tokens, index=index)
+        except Exception as exc:
+            failure = exc
+            if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
+                # a piece the prefill node sent: named after it
+                named = f"{ctx.prefill_url}: {exc.info.message}"
+                failure = StatecoreError(replace(exc.info, message=named))
+                failure.__cause__ = exc
+            failures.append(failure)
+            scope.cancel()
+
+
 class EnginePerformer:
     """Prefill, decode and single nodes: work through the local engine."""
 
@@ -192,7 +301,7 @@ class EnginePerformer:
                 if self.peers is None or ctx.prefill_url is None:
                     raise _bug("FetchKv without a prefill node")
                 if ctx.streamed:
-                    await self._receive_stream(rid, ctx, post)
+                    await StreamReceiver(self.engine, self.peers, self.handoffs).receive(rid, ctx, post)
                     return
                 ctx.payload = await self.peers.fetch_kv(ctx.prefill_url, rid)
                 await post(KvReceived(len(ctx.payload)))
@@ -324,103 +433,6 @@ class EnginePerformer:
             self.kv_streams.send(rid, item)
 
         return sent
-
-    async def _receive_stream(self, rid: RequestId, ctx: NodeRequest, post: Post) -> None:
-        """A decode node's streamed handoff: open the stream to the prefill node (which computes
-        the prompt now), validate and keep each piece as it arrives, pass the first token on at
-        once, and post the KV received at the stream's end."""
-        assert self.peers is not None and ctx.prefill_url is not None
-        record = self.handoffs.record(rid)
-        record.streamed, record.attached = True, ctx.kv_attach
-        opened = time.perf_counter()
-        stream = self.peers.prefill_stream(ctx.prefill_url, rid, ctx.prompt, ctx.sampling, ctx.prefix_from,
-                                           layers=len(self.engine.info.layers), attach=ctx.kv_attach)
-        async with contextlib.aclosing(stream):
-            await self._receive_items(rid, ctx, post, stream, record, opened)
-
-    async def _receive_items(self, rid: RequestId, ctx: NodeRequest, post: Post,
-                             stream: AsyncIterator[KvSegment | PrefillReply],
-                             record: HandoffRecord, opened: float) -> None:
-        """Read the stream to its end while its pieces are checked side by side and kept in order
-        (`_keep_pieces`): a piece takes milliseconds to check (its CRC, its arrays built), and a
-        first token read behind pieces still being checked goes on at once. The first failure,
-        the stream's or a piece's, ends both and is raised."""
-        finish: str | None = None
-        received = segments = before_first = 0
-        failures: list[Exception] = []
-        send_piece, pieces = trio.open_memory_channel[KvSegment](math.inf)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._keep_pieces, rid, ctx, pieces, failures, nursery.cancel_scope)
-            try:
-                with send_piece:  # closed at the stream's end: the keeper then finishes the rest
-                    async for item in stream:
-                        if isinstance(item, KvSegment):
-                            received += item.payload.nbytes
-                            segments += 1
-                            send_piece.send_nowait(item)
-                            continue
-                        before_first = received
-                        finish = await self._first_token(item, ctx, record, opened, post)
-            except Exception as exc:  # raised below, unwrapped, once the keeper has stopped
-                failures.append(exc)
-                nursery.cancel_scope.cancel()
-        if failures:
-            raise failures[0]
-        if ctx.first_token is None:
-            raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
-                                           "the prefill node's stream ended without a first token"))
-        # the prefill node holds the cache (and any shared memory) until this node says it has
-        # taken it: the RELEASE_KV once installed, as a pulled cache
-        record.wire_bytes = received
-        record.segments = segments
-        record.stream_s = time.perf_counter() - opened
-        record.overlap = before_first / received if received else 0.0
-        if finish is not None:
-            await post(Finished(finish))
-        else:
-            await post(KvReceived(received))
-
-    @staticmethod
-    async def _first_token(item: PrefillReply, ctx: NodeRequest, record: HandoffRecord, opened: float,
-                           post: Post) -> str | None:
-        """The prefill node's first token, passed on at once; the finish it makes, if any."""
-        record.first_token_s = time.perf_counter() - opened
-        ctx.first_token_at = time.perf_counter()
-        ctx.first_token = item.first_token
-        ctx.cached_tokens = item.cached_tokens or 0
-        ctx.ends_at_first_token = item.is_eos  # the prefill node's word, as the router takes it
-        finish = first_token_finish(item.is_eos, hands_off=False)
-        if finish is None:
-            await post(PrefillDone(item.first_token, item.held_bytes, item.logprobs))
-        return finish
-
-    async def _keep_pieces(self, rid: RequestId, ctx: NodeRequest,
-                           pieces: trio.MemoryReceiveChannel[KvSegment], failures: list[Exception],
-                           scope: trio.CancelScope) -> None:
-        """Each piece of the stream checked by the engine as it comes, beside the pieces before it
-        still being checked, and kept in the stream's order (`index`: the engine keeps a piece
-        after every earlier one, and none after one failed); a failure is noted and cancels the
-        reading (`_receive_items` raises it). Done when every piece is kept."""
-        async with pieces, trio.open_nursery() as checking:
-            index = 0
-            async for segment in pieces:
-                checking.start_soon(self._keep_piece, rid, ctx, segment, index, failures, scope)
-                index += 1
-
-    async def _keep_piece(self, rid: RequestId, ctx: NodeRequest, segment: KvSegment, index: int,
-                          failures: list[Exception], scope: trio.CancelScope) -> None:
-        try:
-            await self.engine.receive_segment(rid, segment, len(ctx.prompt),
-                                              max_tokens=ctx.sampling.max_tokens, index=index)
-        except Exception as exc:
-            failure = exc
-            if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
-                # a piece the prefill node sent: named after it
-                named = f"{ctx.prefill_url}: {exc.info.message}"
-                failure = StatecoreError(replace(exc.info, message=named))
-                failure.__cause__ = exc
-            failures.append(failure)
-            scope.cancel()
 
     async def cleanup(self, intent: CleanupIntent, context: object) -> None:
         rid = intent.request_id

@@ -8,8 +8,9 @@ request (`statecore.policy.failure_event` names it) and never reaches the nurser
 request cannot end the loop (trio's strict exception groups would otherwise cancel
 everything). Cleanup intents run shielded, with a deadline, after a request's scope is
 cancelled. Each live request has one `RequestEntry` here (its reply channel, work scopes,
-timer and the role's context; its phase is the core's record), made by `open` and forgotten
-in one place once its cleanup ran; the performer keeps nothing of its own. Only
+timer and the role's context; its phase is the core's record) in the runner's `RequestEntries`,
+made by `open` and forgotten in one place once its cleanup ran; the performer keeps nothing of
+its own. Only
 `TransportLost` or a finished drain stops the loop. Whoever watches a runner (metrics, logs,
 the live view) is an `Instrument` in its `instruments`, told of each transition, event, piece
 of work and reply read, never a wrapper around the performer or the backend. Requests come in
@@ -219,6 +220,67 @@ class RequestEntry:
         self.timer: trio.CancelScope | None = None
 
 
+class RequestEntries:
+    """A runner's entries, one per request from `open` until its cleanup ran: `finish` takes an
+    ended request's entry out (its tasks and timer cancelled, its replies closed: the id is free
+    again) and `forgotten` counts it gone once its cleanup has run. Only the loop's task changes it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[RequestId, RequestEntry] = {}
+        self._forgetting = 0  # entries of ended requests whose cleanup has not run yet
+
+    def __contains__(self, request_id: RequestId) -> bool:
+        return request_id in self._entries
+
+    def __len__(self) -> int:
+        """Entries kept: live requests' and those of ended ones still cleaning up."""
+        return len(self._entries) + self._forgetting
+
+    def get(self, request_id: RequestId) -> RequestEntry | None:
+        return self._entries.get(request_id)
+
+    def open(self, request_id: RequestId, capacity: int, context: object) -> trio.MemoryReceiveChannel[Reply]:
+        """A new request's entry and the channel its replies arrive on; an id still kept is refused."""
+        if request_id in self._entries:
+            raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
+        send, receive = trio.open_memory_channel[Reply](capacity)
+        self._entries[request_id] = RequestEntry(send, context)
+        return receive
+
+    def finish(self, request_id: RequestId) -> RequestEntry | None:
+        """The request left the loop: cancel its tasks and timer, close its replies, and take its
+        entry out (the id is free again); it is forgotten once its cleanup has run."""
+        held = self._entries.pop(request_id, None)
+        if held is None:
+            return None
+        self._forgetting += 1
+        for scope in held.work:
+            scope.cancel()
+        if held.timer is not None:
+            held.timer.cancel()
+        held.sink.close()
+        return held
+
+    def forgotten(self) -> None:
+        """A finished request's cleanup has run."""
+        self._forgetting -= 1
+
+    def reply(self, request_id: RequestId, intent: Reply) -> None:
+        held = self._entries.get(request_id)
+        if held is None:
+            return
+        # the reader may be gone or hopelessly behind; the request then ends through
+        # ClientCancelled, and the loop never waits on it
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            held.sink.send_nowait(intent)
+
+    def cancel_timer(self, request_id: RequestId) -> None:
+        held = self._entries.get(request_id)
+        if held and held.timer:
+            held.timer.cancel()
+            held.timer = None
+
+
 class NodeRunner(Generic[P]):
     def __init__(
         self,
@@ -234,8 +296,7 @@ class NodeRunner(Generic[P]):
         self.name = name
         self.state: LoopState[P] = new_loop(machine)
         self._send, self._receive = trio.open_memory_channel[Envelope](ENVELOPE_CHANNEL_SIZE)
-        self._entries: dict[RequestId, RequestEntry] = {}
-        self._forgetting = 0  # entries of ended requests whose cleanup has not run yet
+        self._entries = RequestEntries()
         self._nursery: trio.Nursery | None = None
         self._stopped = trio.Event()
         self._outcomes: Counter[str] = Counter()
@@ -256,7 +317,7 @@ class NodeRunner(Generic[P]):
             live_tasks=self._live_tasks,
             outcomes=dict(self._outcomes),
             bugs=self._bugs,
-            entries=len(self._entries) + self._forgetting,
+            entries=len(self._entries),
             live_phases=tuple(sorted(phases.items())),
         )
 
@@ -282,10 +343,7 @@ class NodeRunner(Generic[P]):
 
         `capacity` must bound every reply the request can produce (max_tokens + 2), so the
         loop never blocks on a slow client. An id the runner still keeps is refused here."""
-        if request_id in self._entries:
-            raise StatecoreError(client_error(f"duplicate request id {request_id!r}"))
-        send, receive = trio.open_memory_channel[Reply](capacity)
-        self._entries[request_id] = RequestEntry(send, context)
+        receive = self._entries.open(request_id, capacity, context)
         await self._send.send(OpenRequest(request_id))
         return receive
 
@@ -346,7 +404,7 @@ class NodeRunner(Generic[P]):
         ended = [rid for rid in self.state.settled if rid in self._entries]
         if isinstance(envelope, OpenRequest) and envelope.request_id not in self.state.live:
             ended.append(envelope.request_id)
-        finished = {rid: self._finish(rid) for rid in ended}  # terminal, or rejected at the door
+        finished = {rid: self._entries.finish(rid) for rid in ended}  # terminal, or rejected at the door
         for rid in {*cleanups, *finished}:
             self._spawn_cleanups(rid, cleanups.get(rid, []), forget=rid in finished,
                                  entry=finished.get(rid))
@@ -382,20 +440,6 @@ class NodeRunner(Generic[P]):
             if outcome is not None:
                 self._outcomes[new.value] += 1
 
-    def _finish(self, rid: RequestId) -> RequestEntry | None:
-        """The request left the loop: cancel its tasks and timer, close its replies, and take its
-        entry out (the id is free again); it is forgotten once its cleanup has run."""
-        held = self._entries.pop(rid, None)
-        if held is None:
-            return None
-        self._forgetting += 1
-        for scope in held.work:
-            scope.cancel()
-        if held.timer is not None:
-            held.timer.cancel()
-        held.sink.close()
-        return held
-
     def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(self._counted, fn)
@@ -411,14 +455,11 @@ class NodeRunner(Generic[P]):
     def _perform(self, intent: Intent) -> None:
         match intent:
             case RespondToken(request_id=rid) | Complete(request_id=rid) | Reject(request_id=rid):
-                self._reply(rid, intent)
+                self._entries.reply(rid, intent)
             case ArmTimer(request_id=rid, timer=timer):
                 self._arm(rid, timer)
             case CancelTimer(request_id=rid):
-                held = self._entries.get(rid)
-                if held and held.timer:
-                    held.timer.cancel()
-                    held.timer = None
+                self._entries.cancel_timer(rid)
             case StartPrefill() | StartDecode() | FetchKv() | InstallKv() | SendKv():
                 self._spawn_work(intent)
             case ReleaseKv() | StopDecoding() | CancelRemote():
@@ -431,15 +472,6 @@ class NodeRunner(Generic[P]):
                 self._bug(f"peer intent {intent.kind.value} reached a node runner")
             case _:
                 assert_never(intent)
-
-    def _reply(self, rid: RequestId, intent: Reply) -> None:
-        held = self._entries.get(rid)
-        if held is None:
-            return
-        # the reader may be gone or hopelessly behind; the request then ends through
-        # ClientCancelled, and the loop never waits on it
-        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            held.sink.send_nowait(intent)
 
     def _arm(self, rid: RequestId, timer: Timer) -> None:
         held = self._entries.get(rid)
@@ -497,7 +529,7 @@ class NodeRunner(Generic[P]):
     def _spawn_cleanups(self, rid: RequestId, intents: list[CleanupIntent], *, forget: bool,
                         entry: RequestEntry | None = None) -> None:
         """Run cleanup intents in order, shielded, each under a deadline; then, for a finished
-        request (`entry`: what `_finish` took out), forget it."""
+        request (`entry`: what `RequestEntries.finish` took out), forget it."""
         if entry is None:
             entry = self._entries.get(rid)
         context = None if entry is None else entry.context
@@ -521,7 +553,7 @@ class NodeRunner(Generic[P]):
         """The one place a request is forgotten: its cleanup ran; the role lets go of what its
         context still holds."""
         if counted:
-            self._forgetting -= 1
+            self._entries.forgotten()
         self.performer.forget(rid, None if entry is None else entry.context)
 
     def _loop_intent(self, kind: LoopIntentKind, detail: str) -> None:

@@ -218,7 +218,9 @@ class TieredIndex(RuleBasedStateMachine):
                 assert self.tiers[parent] == DEVICE, "a device block whose parent left the device"
 
 
-TieredIndex.TestCase.settings = settings(max_examples=60, stateful_step_count=40)
+# derandomized: `test_the_run_moved_blocks_every_way` checks what this run covered, which a random run
+# missed about 1 in 12 times
+TieredIndex.TestCase.settings = settings(max_examples=60, stateful_step_count=40, derandomize=True)
 test_tiered_prefix_index = TieredIndex.TestCase
 
 
