@@ -1,4 +1,4 @@
-"""A prompt's token ids are checked before anything computes them (`adapters.mlx.engine.checked_tokens`):
+"""A prompt's token ids are checked before anything computes them (`adapters.mlx.limits.checked_tokens`):
 plain ints in the vocabulary pass as they are, numpy integers become ints, and anything else is refused
 with a client error naming the first token at fault, whichever way the check finds it."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.mlx.engine import checked_token, checked_tokens
+from adapters.mlx.limits import checked_token, checked_tokens
 from effects.engine_port import ModelInfo
 from statecore.errors import Fault, StatecoreError
 

@@ -1,21 +1,20 @@
 """`MlxEngine`: the Engine port over mlx / mlx-lm, driven from trio, computed on one device thread.
 
-Every async method checks its arguments in trio (pure Python, `checked_prompt` and its kin below:
-token ids inside the vocabulary, sampling values in range; what a request may ask of the model, to
-fit its context say, the front end asks `statecore.policy` once, and peers only send what a front
-end accepted), builds what needs no device in worker threads (a payload's caches, a grammar), then
-posts the call as a command (`adapters.mlx.commands`) to the device thread, which performs it
+Every async method checks its arguments in trio (pure Python, `adapters.mlx.limits.checked_prompt` and
+its kin: token ids inside the vocabulary, sampling values in range; what a request may ask of the model,
+to fit its context say, the front end asks `statecore.policy` once, and peers only send what a front end
+accepted), builds what needs no device in worker threads (a payload's caches, a grammar), then posts the
+call as a command (`adapters.mlx.commands`) to the device thread, which performs it
 (`adapters.mlx.performer`) on its loop (`adapters.mlx.device.DeviceLoop`), and awaits the outcome
-without blocking the event loop; a tensor- or pipeline-parallel instance's other ranks perform the
-same commands. `prefill` queues the prompt for the scheduler and returns when its last chunk has
-produced the first token; `decode_held` and `install` put a cache into the decoder; `stream` yields
-the tokens after the first. What trio keeps for a request between its calls (its stream until
-`stream` takes it, a streamed handoff's pieces until the install) is its one record in
-`adapters.mlx.callers`. A caller cancelled while its command waits gets it skipped; one cancelled
-after it ran gets its effect undone (`commands.undo_of`), so a cancellation never leaks a cache. An
-exception escaping the device loop kills the engine: `statistics().device_thread_alive` turns False
-and every later call raises `ENGINE_FAILED` (`cancel` and `release_held` stay quiet no-ops). See
-docs/engine.md.
+without blocking the event loop; a tensor- or pipeline-parallel instance's other ranks perform the same
+commands. `prefill` queues the prompt for the scheduler and returns when its last chunk has produced the
+first token; `decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after
+the first. What trio keeps for a request between its calls (its stream until `stream` takes it, a
+streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. A caller
+cancelled while its command waits gets it skipped; one cancelled after it ran gets its effect undone
+(`commands.undo_of`), so a cancellation never leaks a cache. An exception escaping the device loop kills
+the engine: `statistics().device_thread_alive` turns False and every later call raises `ENGINE_FAILED`
+(`cancel` and `release_held` stay quiet no-ops). See docs/engine.md.
 This is an adapter: nothing in `statecore` or `effects` may import it.
 """
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
@@ -46,7 +44,7 @@ from adapters.mlx.distributed import (
 )
 from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
 from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
-from adapters.mlx.limits import EngineOptions, engine_settings
+from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
     out_of_memory_advice,
@@ -492,54 +490,3 @@ def _refuse_prefix_move(what: str) -> StatecoreError:
         f"a tensor- or pipeline-parallel instance does not {what} prefix-cache blocks: its ranks hold "
         "shares of each cache (the wire carries whole layers), so they would need a gather first"))
 
-
-# A request's arguments at the engine's door; a refusal is a client error.
-
-
-def checked_token(token: object, what: str, info: ModelInfo) -> int:
-    """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
-    try:
-        if isinstance(token, bool):
-            raise TypeError
-        value = operator.index(token)  # type: ignore[arg-type]
-    except TypeError:
-        raise StatecoreError(client_error(f"{what} {token!r} is not an integer")) from None
-    vocab = info.vocab_size
-    if not 0 <= value < vocab:
-        raise StatecoreError(client_error(f"{what} {value} is outside the vocabulary of {vocab}"))
-    return value
-
-
-def checked_tokens(tokens: Sequence[int], what: str, info: ModelInfo) -> list[int]:
-    """Token ids as Python ints inside the vocabulary (`checked_token` each). Plain ints in range,
-    the usual case, are found so by C-level passes (a type set, min, max): a token at a time cost
-    ~1.3 ms of every 8,000-token prompt's first token; anything else is checked a token at a time,
-    whose error names the first token at fault."""
-    checked = list(tokens)
-    if checked and set(map(type, checked)) == {int} and min(checked) >= 0 and max(checked) < info.vocab_size:
-        return checked
-    return [checked_token(token, what, info) for token in checked]
-
-
-def checked_prompt(prompt: Sequence[int], sampling: SamplingParams, info: ModelInfo) -> list[int]:
-    """A request's prompt as token ids, and its sampling parameters, checked."""
-    tokens = checked_tokens(prompt, "prompt token", info)
-    if not tokens:
-        raise StatecoreError(client_error("the prompt is empty"))
-    if sampling.max_tokens < 1:
-        raise StatecoreError(client_error("max_tokens must be >= 1"))
-    if sampling.temperature < 0.0 or sampling.temperature != sampling.temperature:
-        raise StatecoreError(client_error("temperature must be >= 0"))
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise StatecoreError(client_error("top_p must be in (0, 1]"))
-    if sampling.top_k < 0:
-        raise StatecoreError(client_error("top_k must be >= 0"))
-    return tokens
-
-
-def checked_prefix(tokens: Sequence[int], info: ModelInfo) -> list[int]:
-    """A prefix's tokens (another node's prefix-cache blocks of a prompt), checked."""
-    checked = checked_tokens(tokens, "prefix token", info)
-    if not checked:
-        raise StatecoreError(client_error("the prefix is empty"))
-    return checked
