@@ -35,7 +35,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from statecore.prefix import block_bounds, block_keys, keys_at
+from statecore.prefix import block_bounds, keys_at
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
            "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
@@ -75,7 +75,7 @@ def summary_key(key: bytes) -> bytes:
 def prompt_summary_keys(prompt: Sequence[int], block_tokens: int, ends: Collection[int] = ()) -> list[bytes]:
     """The summary keys of the prompt's blocks (of `block_tokens`, ending early after a token of
     `ends`: `statecore.prefix.block_bounds`), in order."""
-    return [summary_key(key) for key in block_keys(prompt, block_tokens, ends)]
+    return prompt_summary_blocks(prompt, block_tokens, ends)[0]
 
 
 def prompt_summary_blocks(prompt: Sequence[int], block_tokens: int, ends: Collection[int] = ()
