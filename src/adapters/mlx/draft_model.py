@@ -12,7 +12,12 @@ is drawn. A greedy row drafts the argmax; a
 seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
-the coupling changes how often drafts stand, never what a request emits). Only models whose every
+the coupling changes how often drafts stand, never what a request emits). Once a verify step
+is launched, each of its rows' next drafts are drawn behind it (`draft_ahead`), as if every draft
+stands and the target draws after them what the draft model guesses: where that comes true, the
+next verify step takes them at once (only the first call's token is read first), so the draft
+model's calls run while the host reads the step back and hands its tokens out rather than
+between two verify steps; else what they fed is cut back as any draft that fell. Only models whose every
 layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
 budget: they are a small model's, for the few rows that speculate.
 This module imports mlx and mlx_lm; never trio, never the engine.
@@ -55,6 +60,7 @@ class _Ahead:
     next verify step's drafts."""
 
     drawn: Any  # a lazy (count + 1,) array
+    guess: Any  # drawn[0] alone (lazy): the first call's, read without waiting for the others
     last: int | None = None  # the verify step's last draft, once read back (`drafted`)
 
 
@@ -162,7 +168,7 @@ class DraftModel:
             mx.async_eval(token)  # type: ignore[no-untyped-call]
             drawn.append(token)
             feed = token[None]
-        row.ahead = _Ahead(mx.concatenate(drawn).astype(mx.uint32))
+        row.ahead = _Ahead(mx.concatenate(drawn).astype(mx.uint32), drawn[0])
 
     def _take_ahead(self, row: _DraftRow, history: _Tokens, length: int, count: int) -> Any | None:
         """The drafts `draft_ahead` drew, where the row's tokens since are what it guessed (its
@@ -170,21 +176,22 @@ class DraftModel:
         what it fed counted as guesses (`propose` cuts them back)."""
         ahead, row.ahead = row.ahead, None
         assert ahead is not None and ahead.last is not None
-        drawn: list[int] = ahead.drawn.tolist()
-        last = ahead.last
+        last, size = ahead.last, int(ahead.drawn.shape[0])
         start = len(row.fed)
-        guessed_stood = all(row.fed[i] == history[i] for i in range(start - row.guessed, start))
-        if (guessed_stood and length == start + 2 and history[start] == last and history[start + 1] == drawn[0]
-                and count <= len(drawn) - 1):
-            self.ahead_taken += 1
-            row.fed.extend((last, drawn[0]))
-            row.guessed = 0
-            extra = len(drawn) - 1 - count  # fed past the drafts handed out now: cut off
-            if extra:
-                for layer in row.cache:
-                    layer.trim(extra)
-            return ahead.drawn[1 : 1 + count]
+        if (length == start + 2 and count <= size - 1 and history[start] == last
+                and all(row.fed[i] == history[i] for i in range(start - row.guessed, start))):
+            guess = int(ahead.guess.item())  # the first call's token: the others may still compute
+            if history[start + 1] == guess:
+                self.ahead_taken += 1
+                row.fed.extend((last, guess))
+                row.guessed = 0
+                extra = size - 1 - count  # fed past the drafts handed out now: cut off
+                if extra:
+                    for layer in row.cache:
+                        layer.trim(extra)
+                return ahead.drawn[1 : 1 + count]
         self.ahead_missed += 1
+        drawn: list[int] = ahead.drawn.tolist()
         row.fed.extend((last, *drawn[:-1]))
         row.guessed += len(drawn)
         return None
