@@ -13,12 +13,12 @@ seeded row draws each draft with the key of the position it guesses (`sampling.s
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
 the coupling changes how often drafts stand, never what a request emits). Once a verify step
-is launched, each of its rows' next drafts are drawn behind it (`draft_ahead`), as if every draft
-stands and the target draws after them what the draft model guesses: where that comes true, the
-next verify step takes them at once (only the first call's token is read first), so the draft
-model's calls run while the host reads the step back and hands its tokens out rather than
-between two verify steps; else what they fed is cut back as any draft that fell. Only models whose every
-layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
+is launched, each of its rows' next drafts are drawn beside it (`draft_ahead`, on a stream of
+their own), as if every draft stands and the target draws after them what the draft model
+guesses: where that comes true, the next verify step takes them at once (only the first call's
+token is read first), so the draft model's calls run while the verify step computes rather than
+between two verify steps; else what they fed is cut back as any draft that fell. Only models
+whose every layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
 budget: they are a small model's, for the few rows that speculate.
 This module imports mlx and mlx_lm; never trio, never the engine.
 """
@@ -72,6 +72,9 @@ class DraftModel:
         self.rows: dict[str, _DraftRow] = {}
         # verify steps whose drafts were drawn ahead and stood as guessed, and those that did not
         self.ahead_taken = self.ahead_missed = 0
+        # `draft_ahead`'s stream: beside the verify step's, not behind it (on MLX's CPU backend a
+        # launch behind a queued step waits for most of it, and so would the device thread)
+        self.ahead_stream = mx.new_stream(mx.default_device())
         probe: list[Any] = make_prompt_cache(model)
         if not all(type(layer) is KVCache for layer in probe):
             raise StatecoreError(ErrorInfo(
@@ -156,19 +159,20 @@ class DraftModel:
         steps, where drafts stand at all), `propose` hands out the next drafts at once, drawn while
         the device computed the verify step rather than after it; else the cache is cut back to
         the row's tokens as after any draft that fell. Called after the verify step is launched,
-        so its calls queue behind it."""
+        and its calls run beside it, on a stream of their own."""
         row = self.rows.get(request_id)
         if row is None or row.ahead is not None or count < 1:
             return
         drawn: list[Any] = []
         feed: Any = last[None]
-        for i in range(count + 1):
-            logits = self.model(feed, cache=row.cache)[:, -1, :]
-            token = _draw(logits, sampler, checked + i)  # the position it guesses: past the drafts
-            mx.async_eval(token)  # type: ignore[no-untyped-call]
-            drawn.append(token)
-            feed = token[None]
-        row.ahead = _Ahead(mx.concatenate(drawn).astype(mx.uint32), drawn[0])
+        with mx.stream(self.ahead_stream):
+            for i in range(count + 1):
+                logits = self.model(feed, cache=row.cache)[:, -1, :]
+                token = _draw(logits, sampler, checked + i)  # the position it guesses: past the drafts
+                mx.async_eval(token)  # type: ignore[no-untyped-call]
+                drawn.append(token)
+                feed = token[None]
+            row.ahead = _Ahead(mx.concatenate(drawn).astype(mx.uint32), drawn[0])
 
     def _take_ahead(self, row: _DraftRow, history: _Tokens, length: int, count: int) -> Any | None:
         """The drafts `draft_ahead` drew, where the row's tokens since are what it guessed (its
