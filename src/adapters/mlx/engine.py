@@ -44,18 +44,19 @@ from adapters.mlx.distributed import (
 )
 from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
 from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
-from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
+from adapters.mlx.limits import EngineOptions, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import validate_and_build, validate_prefix
+from adapters.mlx.payloads import validate_and_build
 from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
     tune_cuda_backend,
 )
+from adapters.mlx.prefix_port import PrefixPort
 from adapters.mlx.profile import SlowStep
 from adapters.mlx.settings import Settings
 from adapters.mlx.warm_up import warm_serving_path
@@ -70,11 +71,9 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
     SegmentSink,
-    no_prefix_cache,
 )
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.errors import StatecoreError
 from statecore.ids import RequestId
-from statecore.prefix import conversation_block_bounds
 
 __all__ = ["MlxEngine"]
 
@@ -104,6 +103,8 @@ class MlxEngine:
         self._arriving = ArrivingPieces(self._callers, self._device, self._post,
                                         lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
+        self._prefixes = PrefixPort(self._thread, self._device, self._performer, settings,
+                                    lambda: self._running_info, parallel=tensor is not None)
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -248,28 +249,10 @@ class MlxEngine:
         return pieces_of(tensors)  # not copied: the pieces reference the tensors
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
-        checked = checked_prefix(tokens, self._running_info)
-        if self._tensor is not None:
-            raise _refuse_prefix_move("send")
-        tensors: frames.HostTensors = await self._post(commands.ExportPrefix(tuple(checked)))
-        return pieces_of(tensors)
+        return await self._prefixes.export_prefix(tokens)
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
-        checked = checked_prefix(tokens, self._running_info)
-        if self._tensor is not None:
-            raise _refuse_prefix_move("receive")
-        if self._device.prefix is None:
-            return 0
-        # Validated and rebuilt in a worker thread, as `install` does: the fingerprint (the chunk
-        # size and block ends among it) is what makes the blocks the ones this node's own chunks
-        # would compute.
-        bounds = conversation_block_bounds(checked, self._settings.prefill_chunk_size,
-                                           self._device.block_ends)
-        count, caches = await trio.to_thread.run_sync(partial(
-            validate_prefix, payload, len(checked), fingerprint=self.info.fingerprint,
-            classes=self._performer.classes, bounds=frozenset(bounds)))
-        kept: int = await self._post(commands.Keep(tuple(checked[:count])), Local(caches=caches))
-        return kept
+        return await self._prefixes.import_prefix(payload, tokens)
 
     async def release_held(self, request_id: RequestId) -> int:
         release_held_pieces(request_id)  # its receiver took them (or never will)
@@ -336,26 +319,9 @@ class MlxEngine:
         finally:
             self._stop_expecting(request_id)
 
-    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
+    def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        receive = self._callers.take_stream(request_id)
-        if receive is None:
-            raise StatecoreError(ErrorInfo(
-                Fault.BUG, Code.INTERNAL,
-                f"no stream for request {request_id!r} (never started, already taken, or cancelled)",
-            ))
-        finished = False
-        try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, StatecoreError):
-                        finished = True
-                        raise StatecoreError(item.info) from item
-                    yield item
-            finished = True
-        finally:
-            if not finished:
-                self._cancel_nowait(request_id)
+        return self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
 
     async def cancel(self, request_id: RequestId) -> None:
         release_held_pieces(request_id)
@@ -382,31 +348,11 @@ class MlxEngine:
                                          for kind, (calls, seconds) in device.profile.spent.items()))
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
-        prefix = self._device.prefix
-        if prefix is None:
-            return no_prefix_cache(since)
-        if since is not None and since == prefix.index.version:  # an int read: no device job
-            return None
-
-        summary: PrefixSummary = await self._post(commands.SummarizePrefixes())
-        return summary
+        return await self._prefixes.prefix_summary(since)
 
     async def evict_prefixes(self, nbytes: int) -> int:
-        """Forget kept prefix-cache blocks until at least `nbytes` are freed or none is left, the
-        way admission does when a request needs their memory (least recently used first, a block
-        only after every block that extends it), between two steps; returns the bytes freed. A
-        running request keeps the cache it made from them, so it goes on unchanged. For whoever
-        wants that memory back now. Refused on a tensor-parallel instance: its ranks must keep
-        the same blocks, and no lockstep command tells them to forget any."""
-        if nbytes < 0:
-            raise StatecoreError(client_error("nbytes must be >= 0"))
-        if self._tensor is not None:
-            raise StatecoreError(ErrorInfo(
-                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
-                "a tensor- or pipeline-parallel instance evicts prefix-cache blocks only for its "
-                "requests: its ranks must forget the same blocks"))
-        freed: int = await self._post(commands.EvictPrefixes(nbytes))
-        return freed
+        """Forget kept prefix-cache blocks until `nbytes` are freed (`PrefixPort.evict_prefixes`)."""
+        return await self._prefixes.evict_prefixes(nbytes)
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
@@ -456,15 +402,8 @@ class MlxEngine:
             local.send = self.stream_sends(request_id)
             await self._post(command, local)
             return
-        send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
-        local.send = send
-        try:
+        with self._callers.opening_stream(request_id, sampling.max_tokens) as local.send:
             await self._post(command, local)
-        except BaseException:
-            self._callers.close_stream(request_id, only=receive)
-            receive.close()
-            send.close()
-            raise
 
     async def _post(self, command: commands.Command, local: Local | None = None) -> Any:
         return await self._thread.post(command, local)
@@ -482,11 +421,4 @@ class MlxEngine:
         self._performer.stats = EngineStatistics(0, 0, 0, False, self._device.step_retries,
                                                  self._device.rows_isolated)
         self._device.die(error)
-
-
-def _refuse_prefix_move(what: str) -> StatecoreError:
-    return StatecoreError(ErrorInfo(
-        Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
-        f"a tensor- or pipeline-parallel instance does not {what} prefix-cache blocks: its ranks hold "
-        "shares of each cache (the wire carries whole layers), so they would need a gather first"))
 
