@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -240,9 +241,12 @@ class ProcessEngine:
                                sampling: SamplingParams) -> None:
         await self._start("install_segments", request_id, sampling, tuple(prompt), first_token)
 
-    def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        return self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
+            async for token in tokens:
+                yield token
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)

@@ -9,8 +9,11 @@ call as a command (`adapters.mlx.commands`) to the device thread, which performs
 without blocking the event loop; a tensor- or pipeline-parallel instance's other ranks perform the same
 commands. `prefill` queues the prompt for the scheduler and returns when its last chunk has produced the
 first token; `decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after
-the first. What trio keeps for a request between its calls (its stream until `stream` takes it, a
-streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. A caller
+the first. What trio keeps for a request between its calls (its stream until `stream` reads it, a
+streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. Two ideas
+of the port live beside this facade, which hands their calls on: KV arriving from another node is
+built and checked in `adapters.mlx.arriving`, and the prefix cache's calls (its summary, its blocks
+leaving and arriving, eviction) are `adapters.mlx.prefix_port`'s. A caller
 cancelled while its command waits gets it skipped; one cancelled after it ran gets its effect undone
 (`commands.undo_of`), so a cancellation never leaks a cache. An exception escaping the device loop kills
 the engine: `statistics().device_thread_alive` turns False and every later call raises `ENGINE_FAILED`
@@ -24,6 +27,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -34,7 +38,7 @@ import trio
 
 from adapters.kv import frames
 from adapters.mlx import commands
-from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
+from adapters.mlx.arriving import ArrivingKv
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_pieces import release_held_pieces
@@ -50,7 +54,6 @@ from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import validate_and_build
 from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
@@ -100,8 +103,8 @@ class MlxEngine:
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
         self._device.perform = self._performer.perform
-        self._arriving = ArrivingPieces(self._callers, self._device, self._post,
-                                        lambda: (self._performer.classes, self.info.fingerprint))
+        self._arriving = ArrivingKv(self._callers, self._device, self._post,
+                                    lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
         self._prefixes = PrefixPort(self._thread, self._device, self._performer, settings,
                                     lambda: self._running_info, parallel=tensor is not None)
@@ -125,14 +128,8 @@ class MlxEngine:
 
         `options` are the device loop's settings (`adapters.mlx.limits.EngineOptions`): they go to
         `adapters.mlx.limits.engine_settings`, where they are documented, defaulted and checked.
-
-        `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
-        applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
-        only between nodes with the same adapter.
-
-        `adapters` (name, directory): mlx-lm LoRA adapters a request may name
-        (`SamplingParams.adapter`), computed per row beside the base model
-        (`adapters.mlx.lora_rows`); their names and bytes are part of the fingerprint.
+        `trust_remote_code`, `adapter_path`, `adapters` and `draft_model` say what the load reads
+        (`adapters.mlx.load_on_device.ModelSource`, where each is described).
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -148,10 +145,6 @@ class MlxEngine:
         0 the engine is used as any other; on the others `load` returns at once and the device
         thread performs the commands of rank 0's plans (the engine's port methods are not for them):
         `follower_loop` is what `watch_follower` watches.
-
-        A model dir whose config.json names a `model_file` (custom Python) is refused unless
-        trust_remote_code is True. A cache class that cannot travel is logged, not refused:
-        `info.can_travel` tells the serving roles whether handoffs are possible.
         """
         if adapters and options.get("prefix_cache_bytes") is None:
             options["prefix_cache_bytes"] = 0  # served without the prefix cache (adapters.mlx.loop_setup)
@@ -271,40 +264,18 @@ class MlxEngine:
         first_token = checked_token(first_token, "first_token", self.info)
         await self._start(commands.DecodeHeld(request_id, tuple(tokens), first_token, sampling))
 
-    async def install(
-        self,
-        request_id: RequestId,
-        payload: KvBytes,
-        prompt: Sequence[int],
-        first_token: int,
-        sampling: SamplingParams,
-    ) -> None:
+    async def install(self, request_id: RequestId, payload: KvBytes, prompt: Sequence[int], first_token: int,
+                      sampling: SamplingParams) -> None:
         tokens = checked_prompt(prompt, sampling, self._running_info)
         first_token = checked_token(first_token, "first_token", self.info)
         if self._pipelined:
             raise refuse_pipelined_handoff("install a handed-off cache")
-        # Everything before the copy into the decoder runs in a worker thread, so a big handoff
-        # never stalls the decode batch: framing, checksum and header checks, then the arrays
-        # themselves (made from host memory, no lazy computation: no device stream is involved).
-        caches = await trio.to_thread.run_sync(partial(
-            validate_and_build, payload, len(tokens), fingerprint=self.info.fingerprint,
-            classes=self._performer.classes))
-        device = self._device
-        if not isinstance(device, LockstepLoop) or device.tensor.size == 1:
-            await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
-                              Local(caches=caches))
-            return
-        # A tensor-parallel instance: the other ranks get their own heads from rank 0 as the
-        # command is performed. Whether the cache splits is asked here, before any rank waits for
-        # its slice.
-        ranges = device.head_ranges(caches)
-        await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling, sliced=True),
-                          Local(caches=caches, ranges=ranges))
+        built = await self._arriving.built_payload(payload, len(tokens))
+        await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling,
+                                           sliced=built.ranges is not None), built)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                               max_tokens: int, index: int | None = None) -> None:
-        if not self.streams_handoffs:
-            raise refuse_pieces()
         await self._arriving.receive(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
 
     async def install_segments(
@@ -319,9 +290,12 @@ class MlxEngine:
         finally:
             self._stop_expecting(request_id)
 
-    def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        return self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
+            async for token in tokens:
+                yield token
 
     async def cancel(self, request_id: RequestId) -> None:
         release_held_pieces(request_id)
