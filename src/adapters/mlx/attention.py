@@ -25,6 +25,7 @@ import mlx.core as mx
 
 __all__ = [
     "DECODE_ATTENTION_MODES",
+    "KERNEL_CHUNK",
     "DecodeAttention",
     "check_kernel",
     "choose_attention",
@@ -43,6 +44,7 @@ DecodeAttention = Callable[[Any, Any, Any, Any, Any, float, int], Any]
 DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "reference")
 
 _CHUNK = 512  # key positions per thread block: long rows spread over more blocks
+KERNEL_CHUNK = _CHUNK  # the kernel's grid changes only every this many attended positions
 _WARPS = 16  # warps per block; warp w takes every _WARPS-th position of the chunk
 
 # NVRTC has no math.h, so no INFINITY.
