@@ -248,9 +248,7 @@ class MlxEngine:
         return await self._prefixes.import_prefix(payload, tokens)
 
     async def release_held(self, request_id: RequestId) -> int:
-        release_held_pieces(request_id)  # its receiver took them (or never will)
-        self._callers.forget_pieces(request_id)
-        self._stop_expecting(request_id)  # its first token ended it: it never joins
+        self._end_handoff(request_id)  # its receiver took the KV (or never will), or it never joins
         if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -288,7 +286,7 @@ class MlxEngine:
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
                               Local(pieces=pieces))
         finally:
-            self._stop_expecting(request_id)
+            self._end_handoff(request_id)
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -298,16 +296,21 @@ class MlxEngine:
                 yield token
 
     async def cancel(self, request_id: RequestId) -> None:
-        release_held_pieces(request_id)
-        self._callers.drop(request_id)
-        self._stop_expecting(request_id)
+        self._callers.close_stream(request_id)
+        self._end_handoff(request_id)
         if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._post(commands.Cancel(request_id))
 
-    def _stop_expecting(self, request_id: RequestId) -> None:
-        """A handed-off request joined or will never join: steps stop holding prefill back for it."""
+    def _end_handoff(self, request_id: RequestId) -> None:
+        """What a handoff of the request left here goes: the regions its pieces hold in GPU memory
+        for their receiver (only an engine that sends such pieces holds any), the pieces it received
+        for an install, and the steps' holding prefill back for its join."""
+        info = self._performer.info
+        if info is not None and info.device_pieces:
+            release_held_pieces(request_id)
+        self._callers.forget_pieces(request_id)
         self._device.handoffs_coming.pop(request_id, None)
         self._device.handoffs_expected.pop(request_id, None)
 
