@@ -103,6 +103,21 @@ def cpu_seconds(server: Server) -> float:
     return total
 
 
+def wait_quiet(server: Server, most_s: float = 180.0, busy_share: float = 0.05) -> float:
+    """Seconds until the server's processes used less than `busy_share` of a core over a second
+    (at most `most_s`): work a server leaves for after a run (a node's keep tasks run on idle
+    capacity) is then done before the next server's run starts, and counted in this run's CPU."""
+    started = time.monotonic()
+    before = cpu_seconds(server)
+    while time.monotonic() - started < most_s:
+        time.sleep(1.0)
+        now = cpu_seconds(server)
+        if now - before < busy_share:
+            break
+        before = now
+    return time.monotonic() - started
+
+
 def median_metric(runs: list[RunResult], key: str) -> float | None:
     vals = [float(v) for r in runs if (v := r.metrics.get(key)) is not None]
     return statistics.median(vals) if vals else None
@@ -273,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results, wall = asyncio.run(run_load(
                         s.url, prompts, concurrency=c, progress=f"{s.name} {mix.name} c={c} rep {rep}"))
                     metrics = summarize(results, wall)
+                    metrics["quiet_after_s"] = wait_quiet(s)
                     tokens = sum(r.output_tokens for r in results if r.ok)
                     metrics["cpu_ms_per_token"] = 1000 * (cpu_seconds(s) - cpu_before) / max(tokens, 1)
                     run = RunResult(s.name, mix.name, c, None, n, wall, metrics,
@@ -285,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  ITL p99 "
                           f"{_fmt(m['itl_p99_ms'] and float(m['itl_p99_ms']))} ms  CPU "
                           f"{float(m['cpu_ms_per_token'] or 0):.1f} ms/token  failed {m['failed']}  load "
-                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}",
+                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}; quiet after "
+                          f"{float(m['quiet_after_s'] or 0):.0f} s",
                           flush=True)
                     (args.out / "results.json").write_text(json.dumps(
                         {"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
