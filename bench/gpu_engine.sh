@@ -67,8 +67,11 @@ p=r['device_profile']; print(round(r['tok_s']), 'tok/s gap p99', round(r['gap_p9
 round(p['decode_rows'][0]/max(p['step'][0],1),1))" 2>&1 | tail -1
 }
 # side_by_side on realish at 8 and 32 for one shape: vs_mlx_lm MODEL REQUESTS_PER_SLOT MAX_REQUESTS LIMIT_S NAME
+# Both servers stay up for the whole run: on an 80 GB H100 the node's default KV share (32 GiB) beside
+# mlx_lm.server's growing cache ran both out of memory (2026-12-07), so the node takes half the device.
 vs_mlx_lm() {
   timeout "$4" $PY bench/serving/side_by_side.py --model "$1" --blas bundled --reps 1 --servers mlx_lm,single \
+    --statecore-arg=--device-shared-by=2 \
     --mix realish --concurrency 8,32 --no-parity --requests-per-slot "$2" --max-requests "$3" \
     --startup-timeout 120 --out "$OUT/$5" 2>&1 | quiet | tail -6
 }
@@ -237,11 +240,12 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     # Issue 31's first turns on the GPU: 32 at once on a 1,000-token system message, three rounds.
     # *_stack stack their calls of one shape where the load check finds rows computed alike;
     # *_nostack make a call per prompt. Target: single_stack / single_nocache_stack TTFT p50 <= 0.5.
-    # The node logs say at which row counts rows compute alike (none: nothing stacks).
+    # The node logs say at which row counts rows compute alike (none: nothing stacks). Four nodes at a
+    # quarter of an H100 each ran it out of memory while loading (2026-12-07): a fifth each.
     machine; model_1b
     timeout "${STACK_LIMIT:-480}" $PY bench/serving/shared_prefix.py --model $M --blas bundled \
       --servers single_stack,single_nocache_stack,single_nostack,single_nocache_nostack --conversations 32 --rounds 3 \
-      --scenarios system --answer-tokens 8 --startup-timeout 180 --device-shared-by 4 \
+      --scenarios system --answer-tokens 8 --startup-timeout 180 --device-shared-by 5 \
       --out "$OUT/prefix_stacking" 2>&1 | quiet | tail -24
     grep -h "stacked prefill calls" "$OUT"/prefix_stacking/*.log | cut -c1-400 | head -4
     ;;

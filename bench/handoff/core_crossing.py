@@ -1,7 +1,7 @@
 """What a streamed piece of KV costs to cross from a prefill node's engine core process (`--engine-core
 process`) to a decode node through shared memory, per payload size: the bytes copied and the time
 of each copy, with the nodes copying as they did before they handed the core's region on
-(`--before`) and as they do now.
+(the rows `before`) and as they do now (`now`), both in every run.
 
 The piece is a 1B-shaped cache (Llama-3.2-1B: 16 layers, 8 KV heads of 64, bf16: 32 KiB a token)
 framed as the core frames it (`kv_out.pieces_of` over `codec.host_tensors`), then:

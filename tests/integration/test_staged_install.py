@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from adapters.mlx import MlxEngine, kv_out, slot_lane
+from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device_pieces import DevicePiece, encode
 from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
@@ -124,6 +125,59 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
             expected = await served(alone, name, rows[name], long_run)
             assert len(results[name]) > 2 * len(pieces)
             assert results[name] == expected[: len(results[name])]
+
+
+async def test_a_staged_request_s_join_is_traced_ahead_so_no_step_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compile_decode` on: a handed-off prompt longer than the running row attends over a length
+    no step has traced; its first staged piece traces that shape (`CompiledSlotStep.prepare`), so
+    neither the steps covering its staged slot nor the step it joins trace anything (a trace is
+    the streams' longest gap on a GPU). Its tokens and the running row's are the single node's."""
+    traced_in_steps: list[int] = []
+    original = CompiledSlotStep.__call__
+
+    def watching(self: CompiledSlotStep, tokens: Any, offsets: Sequence[int]) -> Any:
+        before = self.traces
+        logits = original(self, tokens, offsets)
+        if self.traces > before:
+            traced_in_steps.append(max(offsets))
+        return logits
+
+    async with opened_engines() as opened:
+        path = cached_checkpoint("llama")
+        options: dict[str, Any] = dict(prefill_chunk_size=CHUNK, step_target_ms=0.0, max_batch=4,
+                                       shape_bucket=16)
+        source = await load_into(opened, path, **options, max_num_batched_tokens=CHUNK + 4,
+                                 prefix_cache_bytes=0)
+        decode = await load_into(opened, path, **options, compile_decode="on")
+        alone = await load_into(opened, path, **options)
+        compiled = decode._device.compiled
+        assert compiled is not None
+        newcomer = prompt_of(200, salt=5)  # attends 256 positions; the running row fewer than 128
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        running = prompt_of(20, salt=1)
+        short_run = replace(GREEDY, max_tokens=90)
+        results: dict[str, list[int]] = {}
+
+        async def run() -> None:
+            results["a"] = await served(decode, "a", running, short_run)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            await decoding(decode, 1)
+            await steps_pass(decode, 2)  # its own shape is traced by now
+            monkeypatch.setattr(CompiledSlotStep, "__call__", watching)
+            traces = compiled.traces
+            for piece in pieces:
+                await decode.receive_segment(RequestId("new"), piece, len(newcomer),
+                                             max_tokens=GREEDY.max_tokens)
+            assert compiled.traces == traces + 1  # by the first piece's staging, not by a step
+            await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
+            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        assert traced_in_steps == []
+        assert tokens == await served(alone, "new", newcomer)
+        assert results["a"] == await served(alone, "a", running, short_run)
 
 
 @pytest.mark.parametrize("ending", ["cancel", "missing piece", "release"])

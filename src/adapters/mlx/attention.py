@@ -6,8 +6,9 @@ fused kernel for a masked one-token query: it falls back to separate matmul, mas
 kernels, about 2 ms of a 7 ms batch-32 step on the H200 (docs/performance.md). Here a kernel of our
 own (`mx.fast.cuda_kernel`) reads each row's slot in place and stops at its length: the keys are
 split into chunks of `_CHUNK` positions, one thread block per (row, query head, chunk) keeps a
-running max and sum (exp2, float32), and a second kernel merges the chunks (when every row fits
-in one chunk, the block writes the result itself: one launch per layer). `route_attention`
+running max and sum (exp2, float32; a chunk past its row's length leaves an empty part at once),
+and a second kernel merges the chunks (when every row fits in one chunk, the block writes the
+result itself: one launch per layer). `route_attention`
 points mlx-lm's attention at it for caches that offer `fused_attention`; every other cache goes
 to mlx-lm's own function unchanged. `reference_attention` is the same contract in plain MLX ops:
 the load-time self-check compares the kernel against it, and CPU tests route through it. This
@@ -25,6 +26,7 @@ import mlx.core as mx
 
 __all__ = [
     "DECODE_ATTENTION_MODES",
+    "KERNEL_CHUNK",
     "DecodeAttention",
     "check_kernel",
     "choose_attention",
@@ -43,6 +45,7 @@ DecodeAttention = Callable[[Any, Any, Any, Any, Any, float, int], Any]
 DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "reference")
 
 _CHUNK = 512  # key positions per thread block: long rows spread over more blocks
+KERNEL_CHUNK = _CHUNK  # the kernel's grid changes only every this many attended positions
 _WARPS = 16  # warps per block; warp w takes every _WARPS-th position of the chunk
 
 # NVRTC has no math.h, so no INFINITY.
@@ -50,7 +53,7 @@ _HEADER = """
 #define NEG_INF (__int_as_float(0xff800000))
 """
 
-_BLOCK_SOURCE = """
+_BLOCK_HEAD = """
     constexpr int PER_LANE = D / 32;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -62,7 +65,22 @@ _BLOCK_SOURCE = """
     const int capacity = keys_shape[2];
     const int length = lengths[row];
     const size_t part = (size_t(row) * HQ + head) * chunks + chunk;
+"""
 
+# Several chunks: a chunk past its row's length leaves an empty part (the merge skips it) at once,
+# not after the block's reduction: beside one long row (a handed-off prompt joining short
+# streams) most of the grid's blocks are such.
+_PARTIAL_SKIP = """
+    if (chunk * CHUNK >= length) {
+        if (threadIdx.x == 0) {
+            part_max[part] = NEG_INF;
+            part_sum[part] = 0.0f;
+        }
+        return;
+    }
+"""
+
+_BLOCK_BODY = """
     float q[PER_LANE];
     float acc[PER_LANE];
     const float scale_log2 = scale[0] * 1.4426950408889634f;
@@ -202,7 +220,8 @@ def _kernel(name: str) -> Any:
         outputs = {"direct": ["output"], "partial": ["part_max", "part_sum", "part_acc"], "merge": ["output"]}
         inputs = (["part_max", "part_sum", "part_acc"] if name == "merge"
                   else ["queries", "keys", "values", "slots", "lengths", "scale"])
-        source = {"direct": _BLOCK_SOURCE + _DIRECT_EPILOGUE, "partial": _BLOCK_SOURCE + _PARTIAL_EPILOGUE,
+        source = {"direct": _BLOCK_HEAD + _BLOCK_BODY + _DIRECT_EPILOGUE,
+                  "partial": _BLOCK_HEAD + _PARTIAL_SKIP + _BLOCK_BODY + _PARTIAL_EPILOGUE,
                   "merge": _MERGE_SOURCE}[name]
         _kernels[name] = mx.fast.cuda_kernel(name=f"statecore_slot_attention_{name}", input_names=inputs,
                                              output_names=outputs[name], source=source, header=_HEADER)

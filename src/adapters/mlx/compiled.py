@@ -6,7 +6,11 @@ replays the recorded graph in one call, with MLX's elementwise fusion. The shape
 count, the attended length and the pool's capacity, so the row count is rounded up to a multiple
 of `ROW_BUCKET` (free slots in the range compute a throwaway row, as holes already do) and the
 attended length up to the shape bucket: a serving run meets a few dozen shapes, each traced
-once (`traces` counts them). The pool's buffers go in as inputs and come back as outputs, and
+once (`traces` counts them). With the CUDA attention kernel the length only sets how many
+512-position chunks its grid has, so it is rounded up to a whole chunk: lengths within one chunk
+share one trace. A shape a coming handoff will need is traced ahead (`prepare`, when its first
+piece is staged): a trace is 9-18 ms of host time on an H100, and on the step a request joins it
+was the running streams' longest gap. The pool's buffers go in as inputs and come back as outputs, and
 nothing else holds the old ones, so MLX still writes the new keys and values in place. The
 model's Python never runs on a replay, so a test's model-call hook is called here, on every call.
 This module imports mlx; never trio, never the engine.
@@ -19,8 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
-from adapters.mlx.attention import DecodeAttention
+from adapters.mlx.attention import KERNEL_CHUNK, DecodeAttention, kernel_attention
 from adapters.mlx.slots import SlotPool, layers_over
 from statecore.scheduling import bucketed
 
@@ -49,7 +54,7 @@ class CompiledSlotStep:
                  before_call: Callable[[], None] | None = None) -> None:
         self._model = model
         self._pool = pool
-        self._bucket = max(bucket, TRACE_BUCKET)
+        self._bucket = max(bucket, KERNEL_CHUNK if pool.attention is kernel_attention else TRACE_BUCKET)
         self._before_call = before_call
         self._steps: OrderedDict[tuple[int, int, int], Callable[..., Any]] = OrderedDict()
         self.traces = 0  # shapes traced so far (each costs one ordinary graph build)
@@ -70,6 +75,21 @@ class CompiledSlotStep:
         pool.keys[:] = outputs[1 : 1 + layers]
         pool.values[:] = outputs[1 + layers :]
         return outputs[0]
+
+    def prepare(self, used: int, longest_offset: int) -> bool:
+        """Trace, without computing it, the step over `used` leading slots whose longest row
+        writes at `longest_offset`, unless that shape is traced already; whether it traced. The
+        traced call's outputs are dropped unevaluated: nothing is written."""
+        rows = self.rows(used)
+        length = self._pool.attended_length([longest_offset], self._bucket)
+        if (rows, length, self._pool.capacity) in self._steps:
+            return False
+        pool = self._pool
+        step = self._step(rows, length)
+        with mx.stream(generation_stream):  # a trace keeps the stream it was made on: the steps'
+            step(mx.zeros((rows,), dtype=mx.uint32), mx.zeros((rows,), dtype=mx.int32), *pool.keys,
+                 *pool.values)
+        return True
 
     def _step(self, rows: int, length: int) -> Callable[..., Any]:
         key = (rows, length, self._pool.capacity)

@@ -262,12 +262,17 @@ class Performer:
         """A streamed handoff's piece into its request's slot, where it can go there
         (`adapters.mlx.staging`); whether it did."""
         device = self.device
-        return device.slots.staged.stage(
+        first = command.request_id not in device.slots.staged
+        staged: bool = device.slots.staged.stage(
             device.pool, command.request_id, command.first_layer, command.start, caches,
             command.prompt_tokens, command.needed_tokens,
-            room=command.request_id in device.slots.staged or device.admission.overloaded() is None,
+            room=not first or device.admission.overloaded() is None,
             decoding=any(live.slot is not None for live in device.live.values()),
             in_device_memory=command.in_device_memory)
+        if staged and first:  # the step it joins will trace nothing new
+            slot = device.slots.staged.entries[command.request_id].slot
+            device.slots.prepare_join(slot, command.prompt_tokens, device.live.values())
+        return staged
 
     def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None, *,
                    keep: bool = True) -> list[Any]:

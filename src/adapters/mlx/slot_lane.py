@@ -20,6 +20,7 @@ This module imports mlx; it must never import trio (but for the types of `Live`)
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,20 @@ class SlotLane:
         for live in dict.fromkeys(failing):
             self.loop.end(live, error, deliveries)
         return again
+
+    def prepare_join(self, slot: int, prompt_tokens: int, live: Iterable[Live]) -> None:
+        """Trace now the shape of the step a request joining on `slot` after a prompt of
+        `prompt_tokens` will take beside the `live` rows in slots (`CompiledSlotStep.prepare`),
+        rather than on the step it joins."""
+        compiled = self.loop.compiled
+        if compiled is None:
+            return
+        rows = [row for row in live if row.slot is not None]
+        used = max([slot, *(row.slot for row in rows if row.slot is not None)]) + 1
+        try:
+            compiled.prepare(used, max([prompt_tokens, *(row.offset for row in rows)]))
+        except Exception:  # the step that meets the shape traces it, and answers for what raises
+            logger.debug("tracing a coming join's step ahead failed", exc_info=True)
 
     def build(self, rows: list[Live]) -> SlotStep:
         """Every slot row's token in one model call (built, not evaluated)."""
