@@ -226,10 +226,11 @@ SINGLE_NODE_CPU_FLOOR_MULTIPLE = 2.0
 """The multiple a single node's serving command passes on the CPU. There a step of the fixed
 budget beside streams is seconds long (2,048 tokens of a 23 M model in bf16: ~20 s), and a burst
 of prompts arriving together made every stream that had started wait whole such steps: realish
-at 32, a stream's gap p99 34-56x mlx_lm.server's. At 2 a step gives its prefill about the decode
-step's time (and at least one unit, a layer of a chunk: on that CPU a unit outlasts the decode
-step of 8 rows), so a prompt's prefill beside streams takes about twice as long, and a stream
-waits about its decode step plus a unit (docs/performance.md, "Serving on the CPU")."""
+at 32, a stream's gap p99 34-88x mlx_lm.server's. At 2 a step gives its prefill about the decode
+step's time and at least one unit, a layer of a chunk (on that CPU a unit outlasts the decode step
+of 32 rows): a stream waits its decode step plus a unit (3.6-6.7x mlx_lm.server's gap p99 at 32),
+and a prompt beside 30 streams gets ~3/5 of a step (TTFT p50 1.6-2.3x the fixed budget's, 0.65-0.85x
+mlx_lm.server's), in the same run (docs/performance.md, "Serving on the CPU")."""
 
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 
