@@ -44,7 +44,7 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.device_pieces": [("DeviceArena", "put"), (None, "take")],
     "adapters.kv.frames": [(None, "end_frame")],
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
-    "adapters.mlx.arriving": [("ArrivingPieces", "receive"), ("ArrivingPieces", "_keep")],
+    "adapters.mlx.arriving": [("ArrivingKv", "receive"), ("ArrivingKv", "_keep")],
     # a streamed handoff's join on a decode node: its pieces staged, its install, its first steps
     "adapters.mlx.performer": [("Performer", "join"), ("Performer", "stage")],
     "adapters.mlx.staging": [("StagedSlots", "stage"), ("StagedSlots", "write_some"),

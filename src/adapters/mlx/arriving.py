@@ -1,4 +1,10 @@
-"""A streamed handoff's pieces arriving on a decode node: checked side by side, kept in order.
+"""KV arriving on a decode node: a pulled payload built whole, or a streamed handoff's pieces
+checked side by side and kept in order.
+
+A pulled payload (`Engine.install`) is validated and built in a worker thread (framing, checksum,
+header, then the arrays themselves, made from host memory: no device stream is involved), so a
+big handoff never stalls the decode batch; on a tensor-parallel instance rank 0 also asks here
+which KV heads each rank takes, before any rank waits for its slice.
 
 Each piece of a streamed handoff is validated and built in a worker thread (framing, CRC-32,
 header, fingerprint, classes, token count; `adapters.mlx.payloads.validate_segment`) beside the
@@ -24,13 +30,14 @@ from adapters.mlx import commands
 from adapters.mlx.callers import Callers
 from adapters.mlx.device_pieces import DevicePiece, is_device_piece, parse
 from adapters.mlx.device_pieces import enabled as device_pieces_enabled
+from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.jobs import Local
-from adapters.mlx.payloads import validate_segment
-from effects.engine_port import KvSegment
+from adapters.mlx.payloads import validate_and_build, validate_segment
+from effects.engine_port import KvBytes, KvSegment
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
 
-__all__ = ["PIECE_CHECKS", "ArrivingPieces", "refuse_pieces"]
+__all__ = ["PIECE_CHECKS", "ArrivingKv"]
 
 # Pieces checked at once (CRC, arrays built: ~8 ms a 16 MiB piece on an H100's host, 9 on the CPU
 # box), where the host has cores to spare beside the device thread and the front end; one on a
@@ -40,8 +47,8 @@ PIECE_CHECKS: Final = max(1, min(4, len(os.sched_getaffinity(0)) // 4 if hasattr
                                  else (os.cpu_count() or 1) // 4))
 
 
-class ArrivingPieces:
-    """The decode side of `Engine.receive_segment` for one engine (trio only)."""
+class ArrivingKv:
+    """The decode side of `Engine.install` and `Engine.receive_segment` for one engine (trio only)."""
 
     def __init__(self, callers: Callers, device: Any, post: Callable[..., Awaitable[Any]],
                  model: Callable[[], tuple[Sequence[str], str]]) -> None:
@@ -51,9 +58,23 @@ class ArrivingPieces:
         self._model = model  # the loaded model's (cache classes, fingerprint)
         self.checks = trio.CapacityLimiter(PIECE_CHECKS)
 
+    async def built_payload(self, payload: KvBytes, prompt_tokens: int) -> Local:
+        """A pulled payload's caches (and each rank's head range on a tensor-parallel instance)."""
+        classes, fingerprint = self._model()
+        caches = await trio.to_thread.run_sync(partial(
+            validate_and_build, payload, prompt_tokens, fingerprint=fingerprint, classes=classes))
+        device = self._device
+        split = isinstance(device, LockstepLoop) and device.tensor.size > 1
+        return Local(caches=caches, ranges=device.head_ranges(caches) if split else None)
+
     async def receive(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                       max_tokens: int, index: int | None) -> None:
-        """One piece checked and kept (`Engine.receive_segment`)."""
+        """One piece checked and kept (`Engine.receive_segment`); refused by a tensor- or
+        pipeline-parallel instance, which installs whole payloads only."""
+        if isinstance(self._device, LockstepLoop):
+            raise StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED,
+                "this node installs whole payloads only (tensor or pipeline parallel)"))
         classes, fingerprint = self._model()
         order = self._callers.piece_order(request_id)
         if index is None:
@@ -129,8 +150,3 @@ class ArrivingPieces:
                 return
         self._callers.keep_piece(request_id, piece)
 
-
-def refuse_pieces() -> StatecoreError:
-    """A tensor- or pipeline-parallel node's answer to a streamed piece."""
-    return StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
-                                    "this node installs whole payloads only (tensor or pipeline parallel)"))

@@ -2,8 +2,10 @@
 
 The device thread's record lives while the engine works on a request; what the request's caller in
 trio needs comes before it or outlives it: a streamed handoff's pieces, validated and built as they
-arrived, until its install; the stream its tokens arrive on, until `MlxEngine.stream` takes it (a
-request may finish before its caller reads a token). Each request has at most one `Caller` here,
+arrived, until its install; the stream its tokens arrive on, from the call that starts its decoding
+(`opening_stream`) until the port's `stream` reads it (`stream`: a request may finish before its
+caller reads a token). Both Engine ports that keep streams in trio (`MlxEngine`, `ProcessEngine`)
+keep them here. Each request has at most one `Caller` here,
 made by the first call that needs one and gone once nothing in it is left (its stream taken, its
 pieces installed, a cancel or a release), so the facade keeps no other map by request. Only trio
 reads or changes it; the device thread never sees it (an engine core in its own process would
@@ -12,12 +14,15 @@ leave this in the front end's). It imports trio; it must never import mlx.
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from adapters.mlx.jobs import StreamItem
+from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
 __all__ = ["Caller", "Callers", "Piece", "PieceOrder"]
@@ -125,23 +130,48 @@ class Callers:
             caller.pieces, caller.last_piece, caller.order = [], None, None
             self._tidy(request_id, caller)
 
-    def open_stream(self, request_id: str, capacity: int
-                    ) -> tuple[trio.MemorySendChannel[StreamItem], trio.MemoryReceiveChannel[StreamItem]]:
-        """The request's token stream, kept until `take_stream` (refused while one is kept)."""
+    @contextmanager
+    def opening_stream(self, request_id: str, capacity: int) -> Iterator[trio.MemorySendChannel[StreamItem]]:
+        """The request's token stream, opened for the call that starts its decoding (refused while
+        one is kept) and kept for `stream`; closed and forgotten again when that call fails."""
         caller = self._records.setdefault(request_id, Caller())
         if caller.stream is not None:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
         send, receive = trio.open_memory_channel[StreamItem](capacity)
         caller.stream = receive
-        return send, receive
+        try:
+            yield send
+        except BaseException:
+            self.close_stream(request_id, only=receive)
+            receive.close()
+            send.close()
+            raise
 
-    def take_stream(self, request_id: str) -> trio.MemoryReceiveChannel[StreamItem] | None:
+    async def stream(self, request_id: str, cancel_nowait: Callable[[], None]
+                     ) -> AsyncGenerator[GeneratedToken, None]:
+        """The request's tokens after the first, from its kept stream (taken here: read once); an
+        error the engine sent ends it, raised; a reader that leaves before the end cancels the
+        request (`cancel_nowait`)."""
         caller = self._records.get(request_id)
-        if caller is None or caller.stream is None:
-            return None
-        receive, caller.stream = caller.stream, None
+        receive = None if caller is None else caller.stream
+        if caller is None or receive is None:
+            raise StatecoreError(ErrorInfo(
+                Fault.BUG, Code.INTERNAL,
+                f"no stream for request {request_id!r} (never started, already taken, or cancelled)"))
+        caller.stream = None
         self._tidy(request_id, caller)
-        return receive
+        finished = False
+        try:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, StatecoreError):
+                        finished = True
+                        raise StatecoreError(item.info) from item
+                    yield item
+            finished = True
+        finally:
+            if not finished:
+                cancel_nowait()
 
     def close_stream(self, request_id: str,
                      only: trio.MemoryReceiveChannel[StreamItem] | None = None) -> None:

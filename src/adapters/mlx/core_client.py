@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -242,23 +243,10 @@ class ProcessEngine:
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        receive = self._callers.take_stream(request_id)
-        if receive is None:
-            raise StatecoreError(ErrorInfo(
-                Fault.BUG, Code.INTERNAL,
-                f"no stream for request {request_id!r} (never started, already taken, or cancelled)"))
-        finished = False
-        try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, StatecoreError):
-                        finished = True
-                        raise StatecoreError(item.info) from item
-                    yield item
-            finished = True
-        finally:
-            if not finished and self._alive:
-                self._send([Call(NO_REPLY, "cancel", (request_id,))])
+        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
+            async for token in tokens:
+                yield token
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
@@ -324,17 +312,18 @@ class ProcessEngine:
 
     async def _start(self, method: str, request_id: RequestId, sampling: SamplingParams, *args: Any) -> None:
         """Open the request's stream here, then put it into the core's decoder."""
-        send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
-        self._sends[request_id] = send
-        try:
-            await self._calls.call(method, request_id, *args, sampling)
-        except BaseException:
-            self._callers.close_stream(request_id, only=receive)
-            if self._sends.get(request_id) is send:
-                del self._sends[request_id]
-            receive.close()
-            send.close()
-            raise
+        with self._callers.opening_stream(request_id, sampling.max_tokens) as send:
+            self._sends[request_id] = send
+            try:
+                await self._calls.call(method, request_id, *args, sampling)
+            except BaseException:
+                if self._sends.get(request_id) is send:
+                    del self._sends[request_id]
+                raise
+
+    def _cancel_nowait(self, request_id: RequestId) -> None:
+        if self._alive:
+            self._send([Call(NO_REPLY, "cancel", (request_id,))])
 
     def _send(self, messages: list[Any]) -> None:
         """Queue `messages` for the core (in trio, in order): everything queued in one pass of the

@@ -9,8 +9,11 @@ call as a command (`adapters.mlx.commands`) to the device thread, which performs
 without blocking the event loop; a tensor- or pipeline-parallel instance's other ranks perform the same
 commands. `prefill` queues the prompt for the scheduler and returns when its last chunk has produced the
 first token; `decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after
-the first. What trio keeps for a request between its calls (its stream until `stream` takes it, a
-streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. A caller
+the first. What trio keeps for a request between its calls (its stream until `stream` reads it, a
+streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. Two ideas
+of the port live beside this facade, which hands their calls on: KV arriving from another node is
+built and checked in `adapters.mlx.arriving`, and the prefix cache's calls (its summary, its blocks
+leaving and arriving, eviction) are `adapters.mlx.prefix_port`'s. A caller
 cancelled while its command waits gets it skipped; one cancelled after it ran gets its effect undone
 (`commands.undo_of`), so a cancellation never leaks a cache. An exception escaping the device loop kills
 the engine: `statistics().device_thread_alive` turns False and every later call raises `ENGINE_FAILED`
@@ -24,6 +27,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -34,7 +38,7 @@ import trio
 
 from adapters.kv import frames
 from adapters.mlx import commands
-from adapters.mlx.arriving import ArrivingPieces, refuse_pieces
+from adapters.mlx.arriving import ArrivingKv
 from adapters.mlx.callers import Callers
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.device_pieces import release_held_pieces
@@ -44,18 +48,18 @@ from adapters.mlx.distributed import (
 )
 from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
 from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
-from adapters.mlx.limits import EngineOptions, checked_prefix, checked_prompt, checked_token, engine_settings
+from adapters.mlx.limits import EngineOptions, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
     out_of_memory_advice,
     share_the_device,
 )
-from adapters.mlx.payloads import validate_and_build, validate_prefix
 from adapters.mlx.performer import Performer
 from adapters.mlx.prefill import (
     on_cuda,
     tune_cuda_backend,
 )
+from adapters.mlx.prefix_port import PrefixPort
 from adapters.mlx.profile import SlowStep
 from adapters.mlx.settings import Settings
 from adapters.mlx.warm_up import warm_serving_path
@@ -70,11 +74,9 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
     SegmentSink,
-    no_prefix_cache,
 )
-from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.errors import StatecoreError
 from statecore.ids import RequestId
-from statecore.prefix import conversation_block_bounds
 
 __all__ = ["MlxEngine"]
 
@@ -101,9 +103,11 @@ class MlxEngine:
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
         self._device.perform = self._performer.perform
-        self._arriving = ArrivingPieces(self._callers, self._device, self._post,
-                                        lambda: (self._performer.classes, self.info.fingerprint))
+        self._arriving = ArrivingKv(self._callers, self._device, self._post,
+                                    lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
+        self._prefixes = PrefixPort(self._thread, self._device, self._performer, settings,
+                                    lambda: self._running_info, parallel=tensor is not None)
         self._thread.start(self._device.run)
 
     # -- construction --------------------------------------------------------------------------
@@ -124,14 +128,8 @@ class MlxEngine:
 
         `options` are the device loop's settings (`adapters.mlx.limits.EngineOptions`): they go to
         `adapters.mlx.limits.engine_settings`, where they are documented, defaulted and checked.
-
-        `adapter_path`: an mlx-lm adapter directory (adapter_config.json, adapters.safetensors),
-        applied at load as mlx-lm applies it; its bytes are part of the fingerprint, so KV moves
-        only between nodes with the same adapter.
-
-        `adapters` (name, directory): mlx-lm LoRA adapters a request may name
-        (`SamplingParams.adapter`), computed per row beside the base model
-        (`adapters.mlx.lora_rows`); their names and bytes are part of the fingerprint.
+        `trust_remote_code`, `adapter_path`, `adapters` and `draft_model` say what the load reads
+        (`adapters.mlx.load_on_device.ModelSource`, where each is described).
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
         MLX's CUDA backend) sends one request of two chunks and a token through the serving path
@@ -147,10 +145,6 @@ class MlxEngine:
         0 the engine is used as any other; on the others `load` returns at once and the device
         thread performs the commands of rank 0's plans (the engine's port methods are not for them):
         `follower_loop` is what `watch_follower` watches.
-
-        A model dir whose config.json names a `model_file` (custom Python) is refused unless
-        trust_remote_code is True. A cache class that cannot travel is logged, not refused:
-        `info.can_travel` tells the serving roles whether handoffs are possible.
         """
         if adapters and options.get("prefix_cache_bytes") is None:
             options["prefix_cache_bytes"] = 0  # served without the prefix cache (adapters.mlx.loop_setup)
@@ -248,33 +242,13 @@ class MlxEngine:
         return pieces_of(tensors)  # not copied: the pieces reference the tensors
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
-        checked = checked_prefix(tokens, self._running_info)
-        if self._tensor is not None:
-            raise _refuse_prefix_move("send")
-        tensors: frames.HostTensors = await self._post(commands.ExportPrefix(tuple(checked)))
-        return pieces_of(tensors)
+        return await self._prefixes.export_prefix(tokens)
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
-        checked = checked_prefix(tokens, self._running_info)
-        if self._tensor is not None:
-            raise _refuse_prefix_move("receive")
-        if self._device.prefix is None:
-            return 0
-        # Validated and rebuilt in a worker thread, as `install` does: the fingerprint (the chunk
-        # size and block ends among it) is what makes the blocks the ones this node's own chunks
-        # would compute.
-        bounds = conversation_block_bounds(checked, self._settings.prefill_chunk_size,
-                                           self._device.block_ends)
-        count, caches = await trio.to_thread.run_sync(partial(
-            validate_prefix, payload, len(checked), fingerprint=self.info.fingerprint,
-            classes=self._performer.classes, bounds=frozenset(bounds)))
-        kept: int = await self._post(commands.Keep(tuple(checked[:count])), Local(caches=caches))
-        return kept
+        return await self._prefixes.import_prefix(payload, tokens)
 
     async def release_held(self, request_id: RequestId) -> int:
-        release_held_pieces(request_id)  # its receiver took them (or never will)
-        self._callers.forget_pieces(request_id)
-        self._stop_expecting(request_id)  # its first token ended it: it never joins
+        self._end_handoff(request_id)  # its receiver took the KV (or never will), or it never joins
         if not self._thread.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
@@ -288,40 +262,18 @@ class MlxEngine:
         first_token = checked_token(first_token, "first_token", self.info)
         await self._start(commands.DecodeHeld(request_id, tuple(tokens), first_token, sampling))
 
-    async def install(
-        self,
-        request_id: RequestId,
-        payload: KvBytes,
-        prompt: Sequence[int],
-        first_token: int,
-        sampling: SamplingParams,
-    ) -> None:
+    async def install(self, request_id: RequestId, payload: KvBytes, prompt: Sequence[int], first_token: int,
+                      sampling: SamplingParams) -> None:
         tokens = checked_prompt(prompt, sampling, self._running_info)
         first_token = checked_token(first_token, "first_token", self.info)
         if self._pipelined:
             raise refuse_pipelined_handoff("install a handed-off cache")
-        # Everything before the copy into the decoder runs in a worker thread, so a big handoff
-        # never stalls the decode batch: framing, checksum and header checks, then the arrays
-        # themselves (made from host memory, no lazy computation: no device stream is involved).
-        caches = await trio.to_thread.run_sync(partial(
-            validate_and_build, payload, len(tokens), fingerprint=self.info.fingerprint,
-            classes=self._performer.classes))
-        device = self._device
-        if not isinstance(device, LockstepLoop) or device.tensor.size == 1:
-            await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
-                              Local(caches=caches))
-            return
-        # A tensor-parallel instance: the other ranks get their own heads from rank 0 as the
-        # command is performed. Whether the cache splits is asked here, before any rank waits for
-        # its slice.
-        ranges = device.head_ranges(caches)
-        await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling, sliced=True),
-                          Local(caches=caches, ranges=ranges))
+        built = await self._arriving.built_payload(payload, len(tokens))
+        await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling,
+                                           sliced=built.ranges is not None), built)
 
     async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
                               max_tokens: int, index: int | None = None) -> None:
-        if not self.streams_handoffs:
-            raise refuse_pieces()
         await self._arriving.receive(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
 
     async def install_segments(
@@ -334,40 +286,31 @@ class MlxEngine:
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
                               Local(pieces=pieces))
         finally:
-            self._stop_expecting(request_id)
+            self._end_handoff(request_id)
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
-        receive = self._callers.take_stream(request_id)
-        if receive is None:
-            raise StatecoreError(ErrorInfo(
-                Fault.BUG, Code.INTERNAL,
-                f"no stream for request {request_id!r} (never started, already taken, or cancelled)",
-            ))
-        finished = False
-        try:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, StatecoreError):
-                        finished = True
-                        raise StatecoreError(item.info) from item
-                    yield item
-            finished = True
-        finally:
-            if not finished:
-                self._cancel_nowait(request_id)
+        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
+            async for token in tokens:
+                yield token
 
     async def cancel(self, request_id: RequestId) -> None:
-        release_held_pieces(request_id)
-        self._callers.drop(request_id)
-        self._stop_expecting(request_id)
+        self._callers.close_stream(request_id)
+        self._end_handoff(request_id)
         if not self._thread.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._post(commands.Cancel(request_id))
 
-    def _stop_expecting(self, request_id: RequestId) -> None:
-        """A handed-off request joined or will never join: steps stop holding prefill back for it."""
+    def _end_handoff(self, request_id: RequestId) -> None:
+        """What a handoff of the request left here goes: the regions its pieces hold in GPU memory
+        for their receiver (only an engine that sends such pieces holds any), the pieces it received
+        for an install, and the steps' holding prefill back for its join."""
+        info = self._performer.info
+        if info is not None and info.device_pieces:
+            release_held_pieces(request_id)
+        self._callers.forget_pieces(request_id)
         self._device.handoffs_coming.pop(request_id, None)
         self._device.handoffs_expected.pop(request_id, None)
 
@@ -382,31 +325,11 @@ class MlxEngine:
                                          for kind, (calls, seconds) in device.profile.spent.items()))
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
-        prefix = self._device.prefix
-        if prefix is None:
-            return no_prefix_cache(since)
-        if since is not None and since == prefix.index.version:  # an int read: no device job
-            return None
-
-        summary: PrefixSummary = await self._post(commands.SummarizePrefixes())
-        return summary
+        return await self._prefixes.prefix_summary(since)
 
     async def evict_prefixes(self, nbytes: int) -> int:
-        """Forget kept prefix-cache blocks until at least `nbytes` are freed or none is left, the
-        way admission does when a request needs their memory (least recently used first, a block
-        only after every block that extends it), between two steps; returns the bytes freed. A
-        running request keeps the cache it made from them, so it goes on unchanged. For whoever
-        wants that memory back now. Refused on a tensor-parallel instance: its ranks must keep
-        the same blocks, and no lockstep command tells them to forget any."""
-        if nbytes < 0:
-            raise StatecoreError(client_error("nbytes must be >= 0"))
-        if self._tensor is not None:
-            raise StatecoreError(ErrorInfo(
-                Fault.UNSUPPORTED, Code.UNSUPPORTED_PARAMETER,
-                "a tensor- or pipeline-parallel instance evicts prefix-cache blocks only for its "
-                "requests: its ranks must forget the same blocks"))
-        freed: int = await self._post(commands.EvictPrefixes(nbytes))
-        return freed
+        """Forget kept prefix-cache blocks until `nbytes` are freed (`PrefixPort.evict_prefixes`)."""
+        return await self._prefixes.evict_prefixes(nbytes)
 
     def device_profile(self) -> dict[str, tuple[int, float]]:
         """Device-thread time so far by kind of work: {kind: (calls, seconds)} (for benchmarks)."""
@@ -456,15 +379,8 @@ class MlxEngine:
             local.send = self.stream_sends(request_id)
             await self._post(command, local)
             return
-        send, receive = self._callers.open_stream(request_id, sampling.max_tokens)
-        local.send = send
-        try:
+        with self._callers.opening_stream(request_id, sampling.max_tokens) as local.send:
             await self._post(command, local)
-        except BaseException:
-            self._callers.close_stream(request_id, only=receive)
-            receive.close()
-            send.close()
-            raise
 
     async def _post(self, command: commands.Command, local: Local | None = None) -> Any:
         return await self._thread.post(command, local)
@@ -482,11 +398,4 @@ class MlxEngine:
         self._performer.stats = EngineStatistics(0, 0, 0, False, self._device.step_retries,
                                                  self._device.rows_isolated)
         self._device.die(error)
-
-
-def _refuse_prefix_move(what: str) -> StatecoreError:
-    return StatecoreError(ErrorInfo(
-        Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
-        f"a tensor- or pipeline-parallel instance does not {what} prefix-cache blocks: its ranks hold "
-        "shares of each cache (the wire carries whole layers), so they would need a gather first"))
 

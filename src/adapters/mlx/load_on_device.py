@@ -45,15 +45,22 @@ logger = logging.getLogger("adapters.engine_mlx")
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """What the load reads: the model directory, whether its custom code may run, a draft model
-    and an adapter to apply, and the instance this process is a rank of (None: alone)."""
+    """What the load reads (`MlxEngine.load`'s arguments of the same meaning): the model directory,
+    whether its custom code may run (a config.json naming a `model_file`, custom Python, is refused
+    unless `trust_remote_code`), a draft model, an mlx-lm adapter to apply (`adapter_dir`: its
+    adapter_config.json and adapters.safetensors, applied at load as mlx-lm applies it), the LoRA
+    adapters a request may name (`adapters`, `--adapters`: (name, directory); `SamplingParams.adapter`,
+    computed per row beside the base model, `adapters.mlx.lora_rows`), and the instance this process
+    is a rank of (None: alone). The adapters' names and bytes are part of the fingerprint, so KV
+    moves only between nodes with the same ones. A cache class that cannot travel is logged, not
+    refused: `ModelInfo.can_travel` tells the serving roles whether handoffs are possible."""
 
     model_dir: Path
     trust_remote_code: bool = False
     draft_dir: Path | None = None
     adapter_dir: Path | None = None
     tensor: TensorGroup | None = None
-    adapters: tuple[tuple[str, Path], ...] = ()  # `--adapters`: (name, directory), per request
+    adapters: tuple[tuple[str, Path], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
