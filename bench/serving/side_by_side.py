@@ -7,7 +7,9 @@ with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) t
 for every server within a repetition. Prints a table and the ratios that the targets are stated
 in, and writes results.json and results.png under --out. With `--base-src DIR` a fourth server,
 `base`, is a single node running DIR (another checkout's src/, or this one's with `--base-arg`
-flags): a before and after, or a flag's A/B, in one run.
+flags): a before and after, or a flag's A/B, in one run. After each run the script waits for the
+server to go quiet (`wait_quiet`): work a node leaves for idle capacity (keep tasks) then counts in
+that run's CPU and does not slow the next server's run.
 
     .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
