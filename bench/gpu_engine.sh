@@ -287,8 +287,10 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     else
       handoff_cost "${STREAM_LIMIT:-280}" stream.json 12 --lengths 2000 8000 --rounds 3 --max-tokens 12
     fi
+    # The decode node with 16 GiB of KV: its 32 slots hold 8,192 positions (at 8 GiB, 4,096: the
+    # 8,000-token prompt would decode in the batch lane, which evaluates on its own each step).
     handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
-      --background-streams 16
+      --background-streams 16 --decode-arg=--kv-memory-bytes=17179869184
     ;;
   handoff-stages)
     machine

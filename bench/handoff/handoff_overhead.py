@@ -26,7 +26,8 @@ the first unit counts a bigger batch as a stall and the second does not.
 
     .venv/bin/python bench/handoff/handoff_overhead.py                          # CPU: 23 M llama, 2 cores
     .venv/bin/python bench/handoff/handoff_overhead.py --lengths 8000 --background-streams 16 \\
-        --max-tokens 8 --gpus 0 0 0 --model /tmp/llama1b                  # the GPU stall cell
+        --max-tokens 8 --gpus 0 0 0 --model /tmp/llama1b \\
+        --decode-arg=--kv-memory-bytes=17179869184             # the GPU stall cell (slots of 8,192)
 
 Bench code: it may import anything (handoff_http's loopback and background streams, the e2e
 harness's node launcher), and nothing under src/ may import it.
@@ -136,7 +137,8 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
     logging = ["--log-level", "INFO", "--log-transitions"] if args.transitions else []
     common = ["--model", str(model), "--internal-token", token, "--prefix-cache-bytes=0",
               *logging, *args.node_arg]
-    engines = {role: start_on(Node(role, common, logs / f"{role}.log"), cpus[i], gpus[i])
+    engines = {role: start_on(Node(role, [*common, *(args.decode_arg if role == "decode" else [])],
+                                   logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
     for i, node in enumerate(engines.values()):
         wait_healthy(node, args.startup_timeout)
@@ -350,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                              "once its prefill is done; but a pull's export, or the last pieces' "
                              "copy, runs there in the window)")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
+    parser.add_argument("--decode-arg", action="append", default=[],
+                        help="extra flag for the decode node only, after --node-arg's (e.g. a KV "
+                             "budget whose slots hold the longest prompt: with 8 GiB, 32 slots hold "
+                             "4,096 positions, and a longer prompt decodes in the batch lane)")
     parser.add_argument("--transitions", action="store_true",
                         help="every node and router logs each request's transitions (INFO, ms stamps): "
                              "bench/phase_times.py LOGS/*.log shows where a request's time went")

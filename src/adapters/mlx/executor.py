@@ -168,14 +168,21 @@ class StepExecutor:
             self.read_now(current, waited_for, on_cpu)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
+        solo_rows = [live for live in loop.live.values() if live.solo_cache is not None]
+        evaluated_alone = bool(len(loop.batch) or solo_rows)
         if len(loop.batch):
             loop.batch.step()
-        for live in loop.solo.step([live for live in loop.live.values() if live.solo_cache is not None]):
+        for live in loop.solo.step(solo_rows):
             assert live.solo_cache is not None
             loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
-        if not read_early and built and ((not loop.live and not loop.waiting) or computed):
-            # Nothing else will come (or, on the CPU, it is computed and no piece in it waits on
-            # the next build): read this step back now rather than on the next one.
+        # Off the CPU, a lane that evaluated on its own waited for the device, and this step's
+        # launch ran before it: its tokens are ready now, not after the next build and launch (a
+        # prompt longer than a slot decoding in the batch lane held every slot row's tokens back a
+        # whole step, each step).
+        waited = evaluated_alone and not on_cpu and not current.segments
+        if not read_early and built and ((not loop.live and not loop.waiting) or computed or waited):
+            # Nothing else will come (or it is computed, and no piece in it waits on the next
+            # build): read this step back now rather than on the next one.
             self.read_now(current, waited_for, on_cpu)
         profile.account("step", started)
         elapsed = time.perf_counter() - started
