@@ -7,7 +7,9 @@ with fresh prompts per repetition (so mlx_lm.server's prompt cache never hits) t
 for every server within a repetition. Prints a table and the ratios that the targets are stated
 in, and writes results.json and results.png under --out. With `--base-src DIR` a fourth server,
 `base`, is a single node running DIR (another checkout's src/, or this one's with `--base-arg`
-flags): a before and after, or a flag's A/B, in one run.
+flags): a before and after, or a flag's A/B, in one run. After each run the script waits for the
+server to go quiet (`wait_quiet`): work a node leaves for idle capacity (keep tasks) then counts in
+that run's CPU and does not slow the next server's run.
 
     .venv/bin/python bench/serving/side_by_side.py                  # CPU default, ~5-10 min on 2 cores
 
@@ -101,6 +103,21 @@ def cpu_seconds(server: Server) -> float:
             continue  # gone meanwhile
         total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
+
+
+def wait_quiet(server: Server, most_s: float = 180.0, busy_share: float = 0.05) -> float:
+    """Seconds until the server's processes used less than `busy_share` of a core over a second
+    (at most `most_s`): work a server leaves for after a run (a node's keep tasks run on idle
+    capacity) is then done before the next server's run starts, and counted in this run's CPU."""
+    started = time.monotonic()
+    before = cpu_seconds(server)
+    while time.monotonic() - started < most_s:
+        time.sleep(1.0)
+        now = cpu_seconds(server)
+        if now - before < busy_share:
+            break
+        before = now
+    return time.monotonic() - started
 
 
 def median_metric(runs: list[RunResult], key: str) -> float | None:
@@ -273,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results, wall = asyncio.run(run_load(
                         s.url, prompts, concurrency=c, progress=f"{s.name} {mix.name} c={c} rep {rep}"))
                     metrics = summarize(results, wall)
+                    metrics["quiet_after_s"] = wait_quiet(s)
                     tokens = sum(r.output_tokens for r in results if r.ok)
                     metrics["cpu_ms_per_token"] = 1000 * (cpu_seconds(s) - cpu_before) / max(tokens, 1)
                     run = RunResult(s.name, mix.name, c, None, n, wall, metrics,
@@ -285,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{_fmt(m['ttft_p50_ms'] and float(m['ttft_p50_ms']))} ms  ITL p99 "
                           f"{_fmt(m['itl_p99_ms'] and float(m['itl_p99_ms']))} ms  CPU "
                           f"{float(m['cpu_ms_per_token'] or 0):.1f} ms/token  failed {m['failed']}  load "
-                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}",
+                          f"{run.extra['load'][0]:.1f} -> {run.extra['load'][1]:.1f}; quiet after "
+                          f"{float(m['quiet_after_s'] or 0):.0f} s",
                           flush=True)
                     (args.out / "results.json").write_text(json.dumps(
                         {"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))

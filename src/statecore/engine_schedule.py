@@ -175,7 +175,8 @@ class Budget:
     `decode_only` (a handed-off request joined or is about to: no prefill this step) and
     `oldest_streams` (the oldest prompt prefilling streams its KV to a decode node: slices that
     travel while the rest computes, and later prompts wait behind it rather than share the step
-    its first token comes from)."""
+    its first token comes from). When only keep tasks wait, the step's budget is sized as
+    optional work (`scheduling.step_token_budget`): under a target, only the room it leaves."""
 
     tokens: int
     prefill_rows: int
@@ -285,7 +286,8 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
                                    oldest.units_left[0] if oldest is not None and oldest.units_left else 0,
                                    decode_only=budget.decode_only, target_s=budget.target_s,
                                    rates=budget.rates, oldest_streams=budget.oldest_streams,
-                                   target_floors=budget.target_floors)
+                                   target_floors=budget.target_floors,
+                                   optional_only=bool(ready) and all(c.keeps_only for c in ready))
         planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
         more = block_waits(candidates, {work.request_id: work.units for work in planned.prefills}) - waits
         if not more:

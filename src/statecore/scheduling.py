@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_STEP_PREFILL_TOKENS",
     "DECODE_NODE_FLOOR_MULTIPLE",
+    "SINGLE_NODE_CPU_FLOOR_MULTIPLE",
     "STEP_TARGET_FLOOR_MULTIPLE",
     "KvAdmission",
     "ModelShape",
@@ -221,6 +222,16 @@ DECODE_NODE_FLOOR_MULTIPLE = 4.0
 most of its prompts are prefilled elsewhere, so a stream waits at most 4 of its steps and the
 few prompts it prefills itself take longer."""
 
+SINGLE_NODE_CPU_FLOOR_MULTIPLE = 2.0
+"""The multiple a single node's serving command passes on the CPU. There a step of the fixed
+budget beside streams is seconds long (2,048 tokens of a 23 M model in bf16: ~20 s), and a burst
+of prompts arriving together made every stream that had started wait whole such steps: realish
+at 32, a stream's gap p99 34-88x mlx_lm.server's. At 2 a step gives its prefill about the decode
+step's time and at least one unit, a layer of a chunk (on that CPU a unit outlasts the decode step
+of 32 rows): a stream waits its decode step plus a unit (3.6-6.7x mlx_lm.server's gap p99 at 32),
+and a prompt beside 30 streams gets ~3/5 of a step (TTFT p50 1.6-2.3x the fixed budget's, 0.65-0.85x
+mlx_lm.server's), in the same run (docs/performance.md, "Serving on the CPU")."""
+
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 
 
@@ -316,7 +327,7 @@ def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
                       target_s: float | None, rates: StepRates, oldest_streams: bool = False,
-                      target_floors: float = STEP_TARGET_FLOOR_MULTIPLE) -> int:
+                      target_floors: float = STEP_TARGET_FLOOR_MULTIPLE, optional_only: bool = False) -> int:
     """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
 
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
@@ -333,6 +344,11 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
       `target_floors` times the measured floor), never less than the oldest waiting
       prompt's next unit (`oldest_unit`, 0 when none waits), so the oldest prompt always advances,
       and never more than `configured`. Until a rate is measured, that one unit.
+    - only optional work waits (`optional_only`: keep tasks, which nobody waits for) and a target
+      is on: what fits the target and no more, so optional work takes only capacity the streams
+      leave (beside streams no unit is forced: a stream's step never outgrows the target for
+      it); with no stream decoding, at least its next unit (idle capacity), so that a prompt
+      arriving meanwhile waits a target's step, not a whole configured budget.
     The engine keeps `configured` >= its largest decode batch + its largest unit.
     """
     if min(configured, decode_rows, oldest_unit) < 0 or (target_s is not None and not target_s >= 0):
@@ -347,9 +363,9 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
             return configured  # unmeasured: slices could cost more than they save
         worth = max(STREAMED_SLICE_TOKENS, math.ceil(STREAMED_SLICE_S / per_token))
         return min(configured, max(oldest_unit, worth))
-    if decode_rows == 0 or target_s == 0:
+    if target_s == 0 or (decode_rows == 0 and not optional_only):
         return configured
-    least = decode_rows + oldest_unit
+    least = decode_rows + (0 if optional_only and decode_rows else oldest_unit)
     floor, per_token = rates.floor_s, rates.prefill_token_s
     target = target_s
     if target is None and floor is not None:

@@ -87,6 +87,23 @@ def test_a_step_target_leaves_prefill_what_the_measured_rates_allow() -> None:
     assert plan.budget_tokens == 4 + 16 and plan.prefills == (PrefillWork("a", 1, 16, False),)
 
 
+def test_a_keep_task_takes_only_capacity_the_streams_leave() -> None:
+    """Under a target of 2 floors at 1 ms a prefill token a step beside streams has 5 tokens of
+    room: a prompt's next unit (a chunk of 16) goes anyway, a keep task's waits; with nothing
+    decoding the keep task advances, a unit at a time (5 tokens fit)."""
+    rates = StepRates(floor_s=0.005, excess_s=0.016, prefill_tokens=16.0)
+    budget = Budget(100, 8, target_s=None, rates=rates, target_floors=2.0)
+    keep = prompt("k#keep", 1 << 40, 40, keeps_only=True)
+    beside = schedule(4, [keep], budget, max_padding=0)
+    assert beside.budget_tokens == 4 + 5 and beside.prefills == ()
+    with_prompt = schedule(4, [prompt("a", 1, 40), keep], budget, max_padding=0)
+    assert with_prompt.prefills == (PrefillWork("a", 1, 16, False),)
+    idle = schedule(0, [keep], budget, max_padding=0)
+    assert idle.budget_tokens == 16 and idle.prefills == (PrefillWork("k#keep", 1, 16, False),)
+    fixed = schedule(4, [keep], replace(budget, target_s=0.0), max_padding=0)
+    assert fixed.prefills == (PrefillWork("k#keep", 4, 40, True),)
+
+
 @pytest.mark.parametrize(
     ("plain", "needed", "capacity", "batches", "constrained", "lane"),
     [

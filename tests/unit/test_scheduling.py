@@ -6,7 +6,8 @@ arithmetic, and the cap (never exceeded but by the oldest prompt's unit alone; n
 The choices of one request join a batch together. The step's token budget (`step_token_budget`):
 a table of its cases, the moving rates it reads, and hypothesis for the bounds (never over the
 configured budget, always the oldest prompt's next unit, so nothing starves under any rates; the
-default target leaves waiting prompts at least 15/16 of a step but for one unit's rounding)."""
+default target leaves waiting prompts at least 15/16 of a step but for one unit's rounding;
+optional work, keep tasks, never outgrows the target beside streams and advances when idle)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from statecore.scheduling import (
     DECODE_NODE_FLOOR_MULTIPLE,
+    SINGLE_NODE_CPU_FLOOR_MULTIPLE,
     STEP_TARGET_FLOOR_MULTIPLE,
     STREAMED_SLICE_TOKENS,
     KvAdmission,
@@ -173,6 +175,52 @@ def test_step_token_budget_table(configured: int, rows: int, oldest_unit: int, d
 def test_the_default_target_is_a_multiple_of_the_measured_floor(floors: float, expected: int) -> None:
     assert step_token_budget(2052, 4, 8, decode_only=False, target_s=None, rates=MEASURED,
                              target_floors=floors) == expected
+
+
+@pytest.mark.parametrize(
+    ("rows", "oldest_unit", "target_s", "rates", "expected"),
+    [
+        # beside streams only what the target leaves: 2 floors (20 ms) leave 10 tokens at 1 ms a token,
+        (4, 8, None, MEASURED, 4 + 10),
+        # ... and no unit is forced: one that does not fit waits (a prompt's would go)
+        (4, 64, None, MEASURED, 4 + 10),
+        # nothing measured yet: no optional work beside streams
+        (4, 8, None, StepRates(), 4),
+        (4, 8, None, StepRates(floor_s=0.010), 4),
+        # no stream decoding (idle capacity): what fits the target, at least the next unit
+        (0, 8, None, MEASURED, 10),
+        (0, 64, None, MEASURED, 64),
+        (0, 64, None, StepRates(), 64),
+        # the target off: the configured budget, as for any prompt
+        (4, 64, 0.0, MEASURED, 2052),
+        (0, 64, 0.0, MEASURED, 2052),
+    ],
+)
+def test_optional_work_takes_what_the_target_leaves(rows: int, oldest_unit: int, target_s: float | None,
+                                                    rates: StepRates, expected: int) -> None:
+    assert step_token_budget(2052, rows, oldest_unit, decode_only=False, target_s=target_s, rates=rates,
+                             target_floors=SINGLE_NODE_CPU_FLOOR_MULTIPLE, optional_only=True) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(0, 32), st.integers(1, 600),
+       st.integers(64, 4096), st.floats(1.0, 64.0))
+def test_optional_work_never_lengthens_a_streams_step_and_advances_when_idle(
+        floor: float, per_token: float, rows: int, unit: int, room: int, floors: float) -> None:
+    """Whatever the measured rates: beside streams, a step whose only waiting work is optional (keep
+    tasks) stays within the target at the measured rate (no unit forced); with nothing decoding
+    it takes at least that work's next unit, and more only as far as the target allows."""
+    rates = StepRates(floor_s=floor, excess_s=per_token * 100, prefill_tokens=100.0)
+    configured = rows + max(room, unit)
+    tokens = step_token_budget(configured, rows, unit, decode_only=False, target_s=None, rates=rates,
+                               target_floors=floors, optional_only=True)
+    assert rows <= tokens <= configured
+    prefill_s = (tokens - rows) * per_token
+    slack = 1e-9 * (1 + floors * floor)
+    if rows:
+        assert floor + prefill_s <= floors * floor + slack
+    else:
+        assert tokens >= unit and (tokens == unit or floor + prefill_s <= floors * floor + slack)
 
 
 SLOW_PREFILL = StepRates(excess_s=1.0, prefill_tokens=500.0)  # 2 ms a token: a CPU

@@ -9,10 +9,11 @@ import pytest
 
 from adapters.cli import build_parser
 from adapters.http.api_keys import keys_from
+from adapters.serve import node
 from adapters.serve.cluster import engine_gpus, forwarded_serving_flags, shared_device_flags
 from adapters.serve.flags import resolve_api_keys
 from adapters.serve.node import ENGINE_SWITCH_INTERVAL, engine_options, switch_interval
-from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE
+from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE, SINGLE_NODE_CPU_FLOOR_MULTIPLE
 
 
 @pytest.mark.parametrize(
@@ -118,15 +119,21 @@ def test_the_memory_flags_reach_the_engine(given: list[str], engine_gets: bool |
     assert options["device_shared_by"] == 3
 
 
-@pytest.mark.parametrize(("role", "given", "ms", "floors"), [
-    ("decode", [], None, DECODE_NODE_FLOOR_MULTIPLE), ("single", [], 0.0, None), ("prefill", [], 0.0, None),
-    ("single", ["--step-target-ms", "50"], 50.0, None), ("decode", ["--step-target-ms", "0"], 0.0, None),
-    ("single", ["--step-target-floors", "16"], None, 16.0),
-    ("decode", ["--step-target-floors", "8", "--step-target-ms", "40"], 40.0, None)])
-def test_the_step_target_is_on_by_default_on_decode_nodes_only(role: str, given: list[str], ms: float | None,
-                                                                floors: float | None) -> None:
-    """A decode node's target is 4 of its measured decode steps; single and prefill nodes run the
-    fixed budget unless given a target, in ms or in such steps (ms wins)."""
+@pytest.mark.parametrize(("role", "given", "cuda", "ms", "floors"), [
+    ("decode", [], False, None, DECODE_NODE_FLOOR_MULTIPLE),
+    ("decode", [], True, None, DECODE_NODE_FLOOR_MULTIPLE),
+    ("single", [], False, None, SINGLE_NODE_CPU_FLOOR_MULTIPLE), ("single", [], True, 0.0, None),
+    ("prefill", [], False, 0.0, None),
+    ("single", ["--step-target-ms", "50"], False, 50.0, None),
+    ("decode", ["--step-target-ms", "0"], True, 0.0, None),
+    ("single", ["--step-target-floors", "16"], True, None, 16.0),
+    ("decode", ["--step-target-floors", "8", "--step-target-ms", "40"], False, 40.0, None)])
+def test_the_step_target_by_role_and_backend(role: str, given: list[str], cuda: bool, ms: float | None,
+                                             floors: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode node's target is 4 of its measured decode steps, a single node's on the CPU 2; a
+    single node on MLX's CUDA backend and a prefill node run the fixed budget unless given a
+    target, in ms or in such steps (ms wins)."""
+    monkeypatch.setattr(node, "mlx_cuda_installed", lambda: cuda)
     options = engine_options(build_parser().parse_args(["run", "--role", role, *given]), role)
     assert options["step_target_ms"] == ms
     assert options.get("step_target_floors") == floors

@@ -132,10 +132,7 @@ class MlxEngine:
         (`adapters.mlx.load_on_device.ModelSource`, where each is described).
 
         `warm_request` (default: where prefill shapes are warmed at load, i.e. with a shape bucket on
-        MLX's CUDA backend) sends one request of two chunks and a token through the serving path
-        at the end of the load, then forgets it: every kind of work a long prompt brings (its
-        chunks, the prefix cache's copies, its row in the slot pool, the traced step at a long
-        length) has then run once before the first client's request.
+        MLX's CUDA backend) runs `adapters.mlx.warm_up`'s request at the end of the load.
 
         `model_call_hook` (tests: `Faults.model_call_hook`) runs inside every model call with its
         stage ("prefill" or "decode") and the request ids it computes, and may raise.

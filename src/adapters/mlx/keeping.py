@@ -13,10 +13,12 @@ over its prompt and generated tokens' whole chunks, started from the cached ones
 (`statecore.prefix.conversation_blocks`): it computes the chunks after the prompt's kept blocks
 as any prompt would and keeps them, so the next turn finds the whole conversation cached with
 the numbers a cache-less prefill of it gives. It gives way to requests: scheduled after every
-waiting prompt, and, though it reserves its KV like one, dropped when admission needs the
-memory. A handed-off prompt's whole chunks are kept as they are installed (the prefill node computed
-the same calls: same fingerprint, chunk size and bucket; after its first step is read back,
-`keep_joined`), and another node's kept blocks as they are imported. This module imports mlx; it
+waiting prompt, under a step-time target given only the room the target leaves beside streams
+(`statecore.scheduling.step_token_budget`'s optional work: on the CPU mostly idle capacity), and,
+though it reserves its KV like one, dropped when admission needs the memory. A handed-off
+prompt's whole chunks are kept as they are installed (the prefill node computed the same calls:
+same fingerprint, chunk size and bucket; after its first step is read back, `keep_joined`), and
+another node's kept blocks as they are imported. This module imports mlx; it
 must never import trio, and sees the device loop only as a `KeepingHost`.
 """
 

@@ -3,7 +3,9 @@ then forgotten.
 
 On MLX's CUDA backend the first use of a kind of work (a kernel compiled at run time, a cuBLASLt
 plan) costs up to ~0.5 s on the host; paid at the load, it does not stall the streams decoding
-beside the first long prompt. The request goes through the Engine port as any other (prefilled,
+beside the first long prompt: every kind of work a long prompt brings (its chunks, the prefix
+cache's copies, its row in the slot pool, the traced step at a long length) has run once before
+the first client's request. The request goes through the Engine port as any other (prefilled,
 decoded a few tokens, its stream read to its end); then the engine forgets what it left (the
 prefix cache's blocks, the step rates its traced steps would skew). It sees the engine only through
 the port; it must never import mlx.

@@ -196,11 +196,14 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="while streams decode, size each step's prefill from the step times this node "
                              "measures so that a step stays near MS milliseconds (at least the oldest "
                              "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
-                             "stalls no stream for its whole prefill; 0 = off (default: decode nodes 4 times "
-                             "a step without prefill, as measured; single and prefill nodes off)")
+                             "stalls no stream for its whole prefill; keep tasks (--keep-conversations) take "
+                             "only the room it leaves; 0 = off (default: decode nodes 4 times a step without "
+                             "prefill, as measured; single nodes 2 times on the CPU, off on MLX's CUDA "
+                             "backend; prefill nodes off)")
     engine.add_argument("--step-target-floors", type=whole(1), default=None, metavar="N",
                         help="without --step-target-ms: the target is N times a step without prefill, as "
-                             "measured (on any role; default: decode nodes 4, single and prefill nodes off)")
+                             "measured (on any role; default: decode nodes 4, single nodes 2 on the CPU and "
+                             "off on MLX's CUDA backend, prefill nodes off)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")
     api.add_argument("--api-key", type=api_key, action="append", default=[], metavar="KEY",
@@ -265,7 +268,8 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                         help="decode and single nodes: when a request ends normally, compute its prompt and "
                              "generated tokens' whole prefill chunks again and keep them in the prefix "
                              "cache, so the conversation's next turn prefills only its new part (on, the "
-                             "default, when the prefix cache is on)")
+                             "default, when the prefix cache is on); under a step-time target this work "
+                             "takes only the room the target leaves beside streams")
     memory.add_argument("--prefix-pull", choices=PULL_MODES, default="auto",
                         help="prefill nodes: when the router says the decode node a prompt hands off to "
                              "holds its start in its prefix cache, pull those blocks from it instead of "

@@ -42,7 +42,13 @@ from adapters.kv.plane import serve_plane
 from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES as KV_SHM_BYTES
 from adapters.kv.shm_outbox import ShmOutbox
 from adapters.metrics import Metrics
-from adapters.serve.flags import INTERNAL_TOKEN_ENV, demo_model_dir, handoff_rule, local_prefill_below
+from adapters.serve.flags import (
+    INTERNAL_TOKEN_ENV,
+    demo_model_dir,
+    handoff_rule,
+    local_prefill_below,
+    mlx_cuda_installed,
+)
 from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
 from adapters.serve.logs import RequestLines, RetryLines, log_transitions, quiet_peer_changes
@@ -59,7 +65,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.errors import StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.routing import RouteChoice
-from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE
+from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE, SINGLE_NODE_CPU_FLOOR_MULTIPLE
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
 if TYPE_CHECKING:
@@ -247,15 +253,18 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
 def step_target(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """The engine's `step_target_ms` and `step_target_floors` from the command line: the target as
     given (ms), or as a multiple of the measured decode step (`--step-target-floors`), or by role:
-    a decode node's streams are shielded at 4 of their steps; single and prefill nodes run the
-    fixed budget (a prefill node has no streams; on a single node no target measured so far kept
-    the realish mix's TTFT p50: docs/performance.md, "A long prompt beside streams")."""
+    a decode node's streams are shielded at 4 of their steps, a single node's on the CPU at 2
+    (there a fixed budget's step beside streams lasts seconds); a single node on MLX's CUDA
+    backend (its steps of the fixed budget take milliseconds; the target is not measured there)
+    and a prefill node (no streams) run the fixed budget."""
     if args.step_target_ms is not None:
         return {"step_target_ms": float(args.step_target_ms)}
     if args.step_target_floors is not None:
         return {"step_target_ms": None, "step_target_floors": float(args.step_target_floors)}
     if role == "decode":
         return {"step_target_ms": None, "step_target_floors": DECODE_NODE_FLOOR_MULTIPLE}
+    if role == "single" and not mlx_cuda_installed():
+        return {"step_target_ms": None, "step_target_floors": SINGLE_NODE_CPU_FLOOR_MULTIPLE}
     return {"step_target_ms": 0.0}
 
 
