@@ -1045,6 +1045,22 @@ async def test_a_finished_conversation_is_kept_whole_and_its_next_turn_is_exact(
     await kept(keeping)
 
 
+async def test_a_keep_task_counts_once_it_has_computed(open_engine: Opener) -> None:
+    """`conversations_kept` counts keep tasks done, not queued: one whose calls raise gives up
+    (a keep task is nobody's request) and counts nothing; the request it followed is untouched."""
+    path = cached_checkpoint("llama")
+
+    def failing_keeps(stage: str, ids: Sequence[str]) -> None:
+        if any(rid.endswith("#keep") for rid in ids):
+            raise RuntimeError("a keep task's call fails")
+
+    engine = await open_engine(path, keep_conversations=True, model_call_hook=failing_keeps)
+    first = prompt_of(40, salt=6)
+    assert await single(engine, RequestId("t1"), first) == reference(path, first)
+    stats = await kept(engine)
+    assert (stats.conversations_kept, stats.conversation_tokens_kept) == (0, 0)
+
+
 async def test_a_handed_off_prompt_is_kept_as_installed_and_its_next_turn_is_exact(
     open_engine: Opener
 ) -> None:

@@ -318,6 +318,7 @@ class StepExecutor:
             outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
             if task.finished and task.keeps_only:
                 loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
+                loop.keeping.kept(task)
                 outputs.extend(pieces)
             elif task.finished:
                 outputs.extend(self.prefill_outputs(task, current))

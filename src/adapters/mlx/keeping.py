@@ -142,11 +142,16 @@ class PrefixKeeping:
         count, cache = prefix.start(task.block_keys, counted=False)
         if cache is not None:
             task.cache = cache
-            task.done_tokens = cache[0].offset
+            task.done_tokens = task.cached_tokens = cache[0].offset
             task.done_units = next(i for i, unit in enumerate(task.units) if unit.chunk == count)
         loop.requests.add(EngineRequest(keep_id, EnginePhase.KEEPING, reserved=need, task=task))
+
+    def kept(self, task: PrefillTask) -> None:
+        """A keep task done: its conversation's chunks are in the prefix cache. Counted now, not
+        when it was queued: a queued one gives way to admission or waits for the capacity the
+        streams leave, and may never compute."""
         self.conversations_kept += 1
-        self.conversation_tokens_kept += len(tokens) - task.done_tokens
+        self.conversation_tokens_kept += len(task.tokens) - task.cached_tokens
 
     def drop_keep_tasks(self) -> bool:
         """Forget every keep task not yet done (admission needs their memory); whether any was."""
