@@ -54,6 +54,12 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.slots": [("SlotPool", "reserve")],
     # the traced slot step's call: long where a new shape (rows, attended length) is traced
     "adapters.mlx.compiled": [("CompiledSlotStep", "__call__")],
+    # speculative decoding: a verify step, its drafts, a prompt's last call with drafts
+    "adapters.mlx.speculative": [("Speculator", "step"), ("Speculator", "propose"), ("Speculator", "verify"),
+                                 ("Speculator", "hand_out_held")],
+    "adapters.mlx.draft_model": [("DraftModel", "propose")],
+    "adapters.mlx.first_verify": [("FirstVerify", "drafts")],
+    "adapters.mlx.device": [("DeviceLoop", "take_jobs"), ("DeviceLoop", "hand_out")],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

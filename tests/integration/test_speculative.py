@@ -11,10 +11,14 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import trio
+from mlx_lm.utils import load as mlx_lm_load
 
 from adapters.mlx import MlxEngine
+from adapters.mlx.draft_model import DraftModel
+from adapters.mlx.sampling import PositionSampler
 from adapters.mlx.speculative import PROBE_STAGE
 from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
@@ -126,6 +130,38 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_chain_checkpoint(tmp_path_factory.mktemp("draft"), num_layers=1)
 
 
+@pytest.mark.parametrize("take", [3, 2])
+def test_drafts_drawn_ahead_are_what_the_row_s_tokens_give(draft_dir: Path, take: int) -> None:
+    """Drafts drawn ahead of a verify step that then keeps every draft and draws the guessed
+    token are the drafts the row's tokens give a fresh cache (fewer where fewer are asked: the
+    cache is cut back to them), and the row's cache then holds what `propose` would have left."""
+    model = mlx_lm_load(str(draft_dir))[0]
+    prompt = edit_like(60)
+    sampler = PositionSampler(GREEDY, 0, len(prompt))
+    ahead, fresh = DraftModel(model), DraftModel(model)
+    first = ahead.propose("r", prompt, [], 3, sampler)
+    ahead.draft_ahead("r", first[-1:], 3, sampler, 3)
+    drafts: list[int] = first.tolist()
+    ahead.drafted("r", drafts)
+    guess = int(ahead.rows["r"].ahead.drawn[0].item())  # type: ignore[union-attr]
+    generated = [*drafts, guess]  # every draft stood and the target drew the guess
+    taken = ahead.propose("r", prompt, generated, take, sampler).tolist()
+    assert (ahead.ahead_taken, ahead.ahead_missed) == (1, 0)
+    assert taken == fresh.propose("f", prompt, generated, take, sampler).tolist()
+    ahead.drafted("r", taken)
+    fresh.drafted("f", taken)
+    row, fresh_row = ahead.rows["r"], fresh.rows["f"]
+    assert (row.fed, row.guessed) == (fresh_row.fed, fresh_row.guessed)
+    assert [layer.offset for layer in row.cache] == [layer.offset for layer in fresh_row.cache]
+    # a guess that did not come true: its feeds are cut back, the drafts drawn afresh
+    ahead.draft_ahead("r", mx.array(taken[-1:], dtype=mx.uint32), take, sampler, take)
+    ahead.drafted("r", taken)
+    wrong = [*generated, *taken[:-1], (taken[-1] + 1) % 400 + 9]
+    again = ahead.propose("r", prompt, wrong, take, sampler).tolist()
+    assert ahead.ahead_missed == 1
+    assert again == DraftModel(model).propose("g", prompt, wrong, take, sampler).tolist()
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_a_draft_model_s_guesses_change_no_token(chain_dir: Path, draft_dir: Path,
                                                          sampling: SamplingParams) -> None:
@@ -144,7 +180,12 @@ async def test_a_draft_model_s_guesses_change_no_token(chain_dir: Path, draft_di
             assert handed == await single(plain, "ph2", edit_like(150, 2), sampling)
             stats = drafted.statistics()
             assert 0 < stats.speculative_accepted < stats.speculative_drafted
-            assert not drafted._device.draft_model.rows  # type: ignore[union-attr]  # every row's cache let go
+            draft_model = drafted._device.draft_model
+            assert draft_model is not None
+            assert not draft_model.rows  # every row's cache let go
+            # drafts drawn while verify steps computed: taken where they were guessed right, cut
+            # back where a draft fell
+            assert draft_model.ahead_taken > 0 and draft_model.ahead_missed > 0
         finally:
             await close_engine(drafted)
     finally:

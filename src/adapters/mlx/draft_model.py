@@ -12,8 +12,13 @@ is drawn. A greedy row drafts the argmax; a
 seeded row draws each draft with the key of the position it guesses (`sampling.sample`), the key
 the target draws that position with, so the two draws share their noise and agree as often as
 the two models do (the verify step keeps a draft only where it equals the target's own draw, so
-the coupling changes how often drafts stand, never what a request emits). Only models whose every
-layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
+the coupling changes how often drafts stand, never what a request emits). Once a verify step
+is launched, each of its rows' next drafts are drawn beside it (`draft_ahead`, on a stream of
+their own), as if every draft stands and the target draws after them what the draft model
+guesses: where that comes true, the next verify step takes them at once (only the first call's
+token is read first), so the draft model's calls run while the verify step computes rather than
+between two verify steps; else what they fed is cut back as any draft that fell. Only models
+whose every layer is a plain `KVCache` can draft (they can be cut back). Its caches are not part of the KV
 budget: they are a small model's, for the few rows that speculate.
 This module imports mlx and mlx_lm; never trio, never the engine.
 """
@@ -45,6 +50,18 @@ class _DraftRow:
     cache: list[Any]
     fed: list[int] = field(default_factory=list)  # the tokens the cache holds, in order
     guessed: int = 0  # how many of the last `fed` are drafts (all before them are the row's tokens)
+    ahead: _Ahead | None = None  # drafts drawn while a verify step computed (`draft_ahead`)
+
+
+@dataclass(eq=False, slots=True)
+class _Ahead:
+    """What `draft_ahead` drew: it fed the verify step's last draft, then each of `drawn` but its
+    last; `drawn[0]` guesses the token the verify step draws after its drafts, the rest are the
+    next verify step's drafts."""
+
+    drawn: Any  # a lazy (count + 1,) array
+    guess: Any  # drawn[0] alone (lazy): the first call's, read without waiting for the others
+    last: int | None = None  # the verify step's last draft, once read back (`drafted`)
 
 
 class DraftModel:
@@ -53,6 +70,11 @@ class DraftModel:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.rows: dict[str, _DraftRow] = {}
+        # verify steps whose drafts were drawn ahead and stood as guessed, and those that did not
+        self.ahead_taken = self.ahead_missed = 0
+        # `draft_ahead`'s stream: beside the verify step's, not behind it (on MLX's CPU backend a
+        # launch behind a queued step waits for most of it, and so would the device thread)
+        self.ahead_stream = mx.new_stream(mx.default_device())
         probe: list[Any] = make_prompt_cache(model)
         if not all(type(layer) is KVCache for layer in probe):
             raise StatecoreError(ErrorInfo(
@@ -80,9 +102,15 @@ class DraftModel:
         if row is None:
             row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
         length = len(prompt) + len(generated)
+        history = _Tokens(prompt, generated)
+        if row.ahead is not None and row.ahead.last is None:  # its verify step never read back
+            row = self.rows[request_id] = _DraftRow(make_prompt_cache(self.model))
+        if row.ahead is not None:
+            ready = self._take_ahead(row, history, length, count)
+            if ready is not None:
+                return ready
         # Only the drafts fed last time can disagree with the row's tokens: compare those.
         agree = len(row.fed) - row.guessed
-        history = _Tokens(prompt, generated)
         while agree < min(len(row.fed), length) and row.fed[agree] == history[agree]:
             agree += 1
         agree = min(agree, length - 1)  # the latest token is always fed: its logits draft
@@ -120,6 +148,57 @@ class DraftModel:
         if row is not None:
             row.fed.extend(proposed[:-1])
             row.guessed = len(proposed) - 1
+            if row.ahead is not None and proposed:
+                row.ahead.last = proposed[-1]
+
+    def draft_ahead(self, request_id: str, last: Any, count: int, sampler: PositionSampler,
+                    checked: int) -> None:
+        """While a verify step of the row's `checked` drafts (`last`, a lazy (1,) array, the last
+        of them) computes: feed `last` and draw `count` + 1 tokens, as if every draft stands and
+        the target draws after them what the draft model does. Where that comes true (most
+        steps, where drafts stand at all), `propose` hands out the next drafts at once, drawn while
+        the device computed the verify step rather than after it; else the cache is cut back to
+        the row's tokens as after any draft that fell. Called after the verify step is launched,
+        and its calls run beside it, on a stream of their own."""
+        row = self.rows.get(request_id)
+        if row is None or row.ahead is not None or count < 1:
+            return
+        drawn: list[Any] = []
+        feed: Any = last[None]
+        with mx.stream(self.ahead_stream):
+            for i in range(count + 1):
+                logits = self.model(feed, cache=row.cache)[:, -1, :]
+                token = _draw(logits, sampler, checked + i)  # the position it guesses: past the drafts
+                mx.async_eval(token)  # type: ignore[no-untyped-call]
+                drawn.append(token)
+                feed = token[None]
+            row.ahead = _Ahead(mx.concatenate(drawn).astype(mx.uint32), drawn[0])
+
+    def _take_ahead(self, row: _DraftRow, history: _Tokens, length: int, count: int) -> Any | None:
+        """The drafts `draft_ahead` drew, where the row's tokens since are what it guessed (its
+        cache then holds them and the drafts but the last, as after `propose`); else None, with
+        what it fed counted as guesses (`propose` cuts them back)."""
+        ahead, row.ahead = row.ahead, None
+        assert ahead is not None and ahead.last is not None
+        last, size = ahead.last, int(ahead.drawn.shape[0])
+        start = len(row.fed)
+        if (length == start + 2 and count <= size - 1 and history[start] == last
+                and all(row.fed[i] == history[i] for i in range(start - row.guessed, start))):
+            guess = int(ahead.guess.item())  # the first call's token: the others may still compute
+            if history[start + 1] == guess:
+                self.ahead_taken += 1
+                row.fed.extend((last, guess))
+                row.guessed = 0
+                extra = size - 1 - count  # fed past the drafts handed out now: cut off
+                if extra:
+                    for layer in row.cache:
+                        layer.trim(extra)
+                return ahead.drawn[1 : 1 + count]
+        self.ahead_missed += 1
+        drawn: list[int] = ahead.drawn.tolist()
+        row.fed.extend((last, *drawn[:-1]))
+        row.guessed += len(drawn)
+        return None
 
 
 class _Tokens:

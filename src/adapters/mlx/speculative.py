@@ -393,6 +393,9 @@ class Speculator:
             drawn = _draw(logits, rows, [_count(draft) for draft in proposed])
             self.hand_out_held()
             try:
+                if self.draft is not None:
+                    mx.async_eval(drawn, pieces, pool.keys, pool.values)  # type: ignore[no-untyped-call]
+                    self.draft_ahead(rows, proposed)
                 mx.eval(drawn, pieces, pool.keys, pool.values)
             except Exception as exc:
                 raise _FailedOnDevice(exc) from exc
@@ -427,6 +430,20 @@ class Speculator:
             loop.hand_out(deliveries)
         else:
             self.held = (loop, deliveries)
+
+    def draft_ahead(self, rows: Sequence[Live], proposed: Sequence[Any]) -> None:
+        """With a verify step launched: each of its rows' next drafts, drawn as if all its drafts
+        stand and the target draws after them what the draft model does
+        (`adapters.mlx.draft_model.DraftModel.draft_ahead`), so that where they do the next verify
+        step starts without waiting for the draft model. Only for a row that will draft again
+        after this step (as many drafts as now, within what it may still emit)."""
+        assert self.draft is not None
+        for live, draft in zip(rows, proposed, strict=True):
+            checked = _count(draft)
+            after = live.remaining - checked - 1  # what it may still emit if every draft stands
+            count = min(checked, after - 1)
+            if checked and count > 0:
+                self.draft.draft_ahead(live.request_id, draft[-1:], count, live.sampler, checked)
 
     def hand_out_held(self) -> None:
         """The tokens of the last verify step, if they are still held: a step whose rows all go on
