@@ -168,10 +168,11 @@ class StepExecutor:
             self.read_now(current, waited_for, on_cpu)
         # Lanes that evaluate on their own: the batch lane, then the solo requests.
         loop.choices.release()
-        solo_rows = [live for live in loop.live.values() if live.solo_cache is not None]
-        evaluated_alone = bool(len(loop.batch) or solo_rows)
-        if len(loop.batch):
+        batch_stepped = bool(len(loop.batch))
+        if batch_stepped:
             loop.batch.step()
+        # after the batch's step: a batch that raised twice splits into solo rows, which step now
+        solo_rows = [live for live in loop.live.values() if live.solo_cache is not None]
         for live in loop.solo.step(solo_rows):
             assert live.solo_cache is not None
             loop.batch.insert(live, live.solo_cache)  # its one solo step after a split is done
@@ -179,7 +180,7 @@ class StepExecutor:
         # launch ran before it: its tokens are ready now, not after the next build and launch (a
         # prompt longer than a slot decoding in the batch lane held every slot row's tokens back a
         # whole step, each step).
-        waited = evaluated_alone and not on_cpu and not current.segments
+        waited = (batch_stepped or bool(solo_rows)) and not on_cpu and not current.segments
         if not read_early and built and ((not loop.live and not loop.waiting) or computed or waited):
             # Nothing else will come (or it is computed, and no piece in it waits on the next
             # build): read this step back now rather than on the next one.
