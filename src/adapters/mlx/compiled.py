@@ -81,12 +81,10 @@ class CompiledSlotStep:
         """Trace, without computing it, the step over `used` leading slots whose longest row
         writes at `longest_offset`, unless that shape is traced already; whether it traced. The
         traced call's outputs are dropped unevaluated: nothing is written."""
-        rows = self.rows(used)
-        length = self._pool.attended_length([longest_offset], self._bucket)
-        if (rows, length, self._pool.capacity) in self._steps:
+        pool, rows, traces = self._pool, self.rows(used), self.traces
+        step = self._step(rows, pool.attended_length([longest_offset], self._bucket))
+        if self.traces == traces:  # a shape met before: traced already
             return False
-        pool = self._pool
-        step = self._step(rows, length)
         with mx.stream(generation_stream):  # a trace keeps the stream it was made on: the steps'
             step(mx.zeros((rows,), dtype=mx.uint32), mx.zeros((rows,), dtype=mx.int32), *pool.keys,
                  *pool.values)

@@ -144,13 +144,13 @@ class SlotLane:
         """Trace now the shape of the step a request joining on `slot` after a prompt of
         `prompt_tokens` will take beside the `live` rows in slots (`CompiledSlotStep.prepare`),
         rather than on the step it joins."""
-        compiled = self.loop.compiled
-        if compiled is None:
+        compiled, pool = self.loop.compiled, self.loop.pool
+        if compiled is None or pool is None:
             return
-        rows = [row for row in live if row.slot is not None]
-        used = max([slot, *(row.slot for row in rows if row.slot is not None)]) + 1
+        placed = [(row.slot, row.offset) for row in live if row.slot is not None]
         try:
-            compiled.prepare(used, max([prompt_tokens, *(row.offset for row in rows)]))
+            compiled.prepare(pool.rows([slot, *(taken for taken, _ in placed)]),
+                             max([prompt_tokens, *(offset for _, offset in placed)]))
         except Exception:  # the step that meets the shape traces it, and answers for what raises
             logger.debug("tracing a coming join's step ahead failed", exc_info=True)
 
