@@ -290,15 +290,14 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     # The decode node with 16 GiB of KV: its 32 slots hold 8,192 positions (at 8 GiB, 4,096: the
     # 8,000-token prompt would decode in the batch lane, which evaluates on its own each step).
     # TRACE=1 traces it too, into $OUT/steps_stall.tgz (the slot path's stall was never traced).
+    stall=(handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12
+           --background-streams 16 --decode-arg=--kv-memory-bytes=17179869184)
     if [ "${TRACE:-0}" = 1 ]; then
       rm -rf /tmp/steps_stall
-      (export STEP_TRACE=/tmp/steps_stall PYTHONPATH=$PWD/bench/step_trace:${PYTHONPATH:-}
-       handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
-         --background-streams 16 --decode-arg=--kv-memory-bytes=17179869184)
+      (export STEP_TRACE=/tmp/steps_stall PYTHONPATH=$PWD/bench/step_trace:${PYTHONPATH:-}; "${stall[@]}")
       tar czf "$OUT/steps_stall.tgz" -C /tmp steps_stall
     else
-      handoff_cost "${STALL_LIMIT:-250}" stream_stall.json 8 --lengths 8000 --rounds 2 --max-tokens 12 \
-        --background-streams 16 --decode-arg=--kv-memory-bytes=17179869184
+      "${stall[@]}"
     fi
     ;;
   handoff-stages)
