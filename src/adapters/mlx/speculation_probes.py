@@ -5,7 +5,7 @@ agree to the bit before speculation serves: an ordinary step at each row count (
 compute a row alike), a verify step against the same tokens fed one step at a time, and the
 prompt's last call carrying drafts against the last token alone and single steps after it. Each
 runs on a small pool laid out as the node's, never the node's own. This module imports mlx and
-mlx_lm; never trio, never the device loop (seen as a `SpeculationHost`).
+mlx_lm; never trio, never the device loop (seen as a `LaneHost`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from statecore.speculation import draft_room, row_classes
 
 if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
-    from adapters.mlx.speculative import SpeculationHost
 
 __all__ = ["PROBE_STAGE", "PROBE_TOKENS", "LoadCheck", "last_call_equals_today", "load_check",
            "probe_prompt", "probe_row", "verify_equals_single_steps"]
@@ -47,13 +46,13 @@ class LoadCheck:
     off_reason: str | None = None
 
 
-def load_check(loop: SpeculationHost, mode: str, max_rows: int, num_draft_tokens: int,
+def load_check(loop: LaneHost, pipelined: bool, mode: str, max_rows: int, num_draft_tokens: int,
                draft: DraftModel | None) -> LoadCheck:
     """Which row counts compute a row alike on this device and BLAS, and whether a verify step
-    then equals single steps (else, or where the node cannot speculate at all, the reason it is
-    off, logged). A check that raises (a kernel this device cannot launch for a verify row's
-    shapes, or the draft model's) turns speculation off: the node serves without it rather than
-    not at all."""
+    then equals single steps (else, or where the node cannot speculate at all, `pipelined` for a
+    pipeline- or tensor-parallel instance, the reason it is off, logged). A check that raises (a
+    kernel this device cannot launch for a verify row's shapes, or the draft model's) turns
+    speculation off: the node serves without it rather than not at all."""
     pool = loop.pool
     off: str | None = None
     if pool is None:
@@ -61,7 +60,7 @@ def load_check(loop: SpeculationHost, mode: str, max_rows: int, num_draft_tokens
     elif loop.compiled is not None:
         off = ("the traced decode step (--compile-decode) computes other bits than a verify step; "
                "speculation needs --compile-decode off")
-    elif loop.pipelined:
+    elif pipelined:
         off = "pipeline- and tensor-parallel instances do not speculate"
     if off is not None or pool is None:
         return _off(off or "")

@@ -122,7 +122,7 @@ class Speculator:
     def measure(self, loop: SpeculationHost) -> None:
         """The load check (`adapters.mlx.speculation_probes.load_check`): which row counts compute
         a row alike, how many drafts a prompt's last call may carry, or why speculation is off."""
-        found = load_check(loop, self.mode, self.max_rows, self.num_draft_tokens, self.draft)
+        found = load_check(loop, loop.pipelined, self.mode, self.max_rows, self.num_draft_tokens, self.draft)
         self.classes, self.first_room, self.off_reason = found.classes, found.first_room, found.off_reason
 
     # -- rows ----------------------------------------------------------------------------------
