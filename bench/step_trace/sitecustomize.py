@@ -59,7 +59,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
                                  ("Speculator", "hand_out_held")],
     "adapters.mlx.draft_model": [("DraftModel", "propose")],
     "adapters.mlx.first_verify": [("FirstVerify", "drafts")],
-    "adapters.mlx.device": [("DeviceLoop", "take_jobs"), ("DeviceLoop", "hand_out")],
+    "adapters.mlx.device": [("DeviceLoop", "hand_out")],
+    "adapters.mlx.jobs": [("Inbox", "take")],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

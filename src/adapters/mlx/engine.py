@@ -97,12 +97,12 @@ class MlxEngine:
         # trio side: each request's streams and pieces between its calls (`adapters.mlx.callers`)
         self._callers = Callers()
         self.stream_sends: Callable[[RequestId], StreamSend] | None = None  # set by a core process
-        self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
-                        else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
+        self._device = (DeviceLoop(settings, self._thread.queue) if tensor is None
+                        else LockstepLoop(settings, self._thread.queue, tensor))
         self._performer = Performer(self._device, settings, source)
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
-        self._device.perform = self._performer.perform
+        self._device.inbox.perform = self._performer.perform
         self._arriving = ArrivingKv(self._callers, self._device, self._post,
                                     lambda: (self._performer.classes, self.info.fingerprint))
         self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
@@ -313,7 +313,7 @@ class MlxEngine:
 
     def statistics(self) -> EngineStatistics:
         device = self._device
-        stalled = device.stalled_s() if self._thread.alive else 0.0
+        stalled = device.inbox.stalled_s() if self._thread.alive else 0.0
         return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
                        arriving=self._callers.arriving + len(device.slots.staged),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
