@@ -140,3 +140,25 @@ def test_a_failed_start_or_a_cancel_forgets_a_fed_stream() -> None:
     assert callers.get("r") is None and not callers.feeding
     with pytest.raises(trio.ClosedResourceError):
         send.send_nowait(GeneratedToken(1))
+
+
+class _Handout:
+    def __init__(self, on_device: bool) -> None:
+        self._on_device = on_device
+
+    def on_device(self) -> bool:
+        return self._on_device
+
+
+def test_a_streamed_prefill_s_handout_is_asked_only_while_its_prefill_runs() -> None:
+    callers = Callers()
+    with callers.handing_out("r", None):  # no handout (a prefill that hands off nothing): nothing kept
+        assert callers.get("r") is None and not callers.pieces_on_device("r")
+    with callers.handing_out("r", _Handout(True)), callers.handing_out("s", _Handout(False)):
+        assert callers.pieces_on_device("r") and not callers.pieces_on_device("s")
+    assert not callers.pieces_on_device("r") and callers.get("r") is None and callers.get("s") is None
+    with callers.opening_stream("r", 4) as send, callers.handing_out("r", _Handout(True)):
+        pass
+    assert callers.get("r") is not None and not callers.pieces_on_device("r")  # its stream is still kept
+    callers.close()
+    send.close()

@@ -1,7 +1,8 @@
 """The trio side's one record per request (`Caller`), beside the device thread's (`adapters.mlx.requests`).
 
 The device thread's record lives while the engine works on a request; what the request's caller in
-trio needs comes before it or outlives it: a streamed handoff's pieces, validated and built as they
+trio needs comes before it or outlives it: a streamed prefill's handout while the prefill runs (asked
+whether its pieces go in GPU memory), a streamed handoff's pieces, validated and built as they
 arrived, until its install; the stream its tokens arrive on, from the call that starts its decoding
 (`opening_stream`) until the port's `stream` reads it (`stream`: a request may finish before its
 caller reads a token), and, where its items come to trio in an engine core process's frames
@@ -20,7 +21,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -28,10 +29,17 @@ from adapters.mlx.jobs import StreamItem
 from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
-__all__ = ["Caller", "Callers", "Piece", "PieceOrder"]
+__all__ = ["Caller", "Callers", "Handout", "Piece", "PieceOrder"]
 
 # A streamed handoff's piece, built: (its first layer, its end layer, its first token, its caches).
 Piece = tuple[int, int, int, list[Any]]
+
+
+class Handout(Protocol):
+    """A streamed prefill's sink on the device thread (`adapters.mlx.kv_out.PieceHandout`), as trio
+    asks it."""
+
+    def on_device(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -80,11 +88,12 @@ class Caller:
     pieces: list[Piece] = field(default_factory=list)  # a streamed handoff's, kept for the install
     last_piece: Piece | None = None  # the last one, which the install job writes into its slot
     order: PieceOrder | None = None  # a streamed handoff's, from its first piece to its install
+    handout: Handout | None = None  # a streamed prefill's sink, while its prefill runs
 
     @property
     def empty(self) -> bool:
         return (self.stream is None and self.feed is None and not self.pieces and self.last_piece is None
-                and self.order is None)
+                and self.order is None and self.handout is None)
 
 
 class Callers:
@@ -139,6 +148,24 @@ class Callers:
                 caller.order.done(-1, kept=False)
             caller.pieces, caller.last_piece, caller.order = [], None, None
             self._tidy(request_id, caller)
+
+    @contextmanager
+    def handing_out(self, request_id: str, handout: Handout | None) -> Iterator[None]:
+        """The request's streamed prefill keeps `handout` while it runs (None: nothing to keep)."""
+        caller = None if handout is None else self._records.setdefault(request_id, Caller())
+        if caller is not None:
+            caller.handout = handout
+        try:
+            yield
+        finally:
+            if caller is not None:
+                caller.handout = None
+                self._tidy(request_id, caller)
+
+    def pieces_on_device(self, request_id: str) -> bool:
+        """Whether the request's streamed prefill, running now, sends its pieces in GPU memory."""
+        caller = self._records.get(request_id)
+        return caller is not None and caller.handout is not None and caller.handout.on_device()
 
     @contextmanager
     def opening_stream(self, request_id: str, capacity: int, *, fed_here: bool = False

@@ -47,7 +47,7 @@ from adapters.mlx.distributed import (
     refuse_pipelined_handoff,
 )
 from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
-from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
+from adapters.mlx.kv_out import pieces_of, segment_sink
 from adapters.mlx.limits import EngineOptions, checked_prompt, checked_token, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
@@ -105,7 +105,6 @@ class MlxEngine:
         self._device.inbox.perform = self._performer.perform
         self._arriving = ArrivingKv(self._callers, self._device, self._post,
                                     lambda: (self._performer.classes, self.info.fingerprint))
-        self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
         self._prefixes = PrefixPort(self._thread, self._device, self._performer, settings,
                                     lambda: self._running_info, parallel=tensor is not None)
         self._thread.start(self._device.run)
@@ -219,18 +218,13 @@ class MlxEngine:
         sink = (segment_sink(segments, trio_token, self.info.fingerprint, request_id,
                              device=device_pieces and self.info.device_pieces)
                 if cuts and segments is not None else None)
-        if sink is not None:
-            self._handouts[request_id] = sink
-        try:
+        with self._callers.handing_out(request_id, sink):
             outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                        Local(matcher=matcher, segment_sink=sink))
-        finally:
-            self._handouts.pop(request_id, None)
         return outcome
 
     async def send_pieces_on_device(self, request_id: RequestId) -> bool:
-        handout = self._handouts.get(request_id)
-        return handout is not None and self.info.device_pieces and handout.on_device()
+        return self.info.device_pieces and self._callers.pieces_on_device(request_id)
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         if self._pipelined:
