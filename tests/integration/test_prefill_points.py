@@ -32,7 +32,8 @@ CHUNK = 16
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=11)
 
 
-def _prefilled(model: Any, prompt: list[int], inner: int, sampling: SamplingParams) -> tuple[PrefillTask, int]:
+def _prefilled(model: Any, prompt: list[int], inner: int,
+               sampling: SamplingParams) -> tuple[PrefillTask, int]:
     """The prompt prefilled a unit per `mx.eval` (single-layer units, cut at `inner` points a
     layer); the task and how many arrays its units evaluated beyond their layers' states."""
     layers = len(make_prompt_cache(model))

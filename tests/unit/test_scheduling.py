@@ -112,7 +112,8 @@ def test_prefill_units_at_inner_points_table(chunks: tuple[int, ...], layers: in
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 5000), st.integers(1, 2048), st.integers(1, 40), st.integers(1, 4096), st.integers(0, 3))
+@given(st.integers(1, 5000), st.integers(1, 2048), st.integers(1, 40), st.integers(1, 4096),
+       st.integers(0, 3))
 def test_prefill_units_walk_the_graph_in_order(prompt: int, chunk: int, layers: int, unit_tokens: int,
                                                inner: int) -> None:
     """Every unit evaluates points of the graph after all it needs: in each chunk the layers'
