@@ -52,7 +52,7 @@ def _prefilled(model: Any, prompt: list[int], inner: int,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_chunk_evaluated_at_inner_points_keeps_every_bit(family: str) -> None:
-    model, _ = mlx_lm_load(str(cached_checkpoint(family)))
+    model = mlx_lm_load(str(cached_checkpoint(family)))[0]
     layers = len(make_prompt_cache(model))
     inner = mark_inner_points(model, layers)
     # attention output and the MLP's gate projection, where every layer has them
@@ -68,7 +68,8 @@ def test_a_chunk_evaluated_at_inner_points_keeps_every_bit(family: str) -> None:
         assert len(pointed.units) == len(layered.units) + 3 * ((layers - 1) * inner - (1 if inner else 0))
         assert layered.cache is not None and pointed.cache is not None
         for mine, theirs in zip(pointed.cache, layered.cache, strict=True):
-            ours, others = tree_flatten(mine.state), tree_flatten(theirs.state)
+            ours: list[tuple[str, Any]] = tree_flatten(mine.state)  # type: ignore[assignment]
+            others: list[tuple[str, Any]] = tree_flatten(theirs.state)  # type: ignore[assignment]
             assert [name for name, _ in ours] == [name for name, _ in others]
             for (_, a), (_, b) in zip(ours, others, strict=True):
                 same = mx.array_equal(a, b).item() if isinstance(a, mx.array) else a == b
@@ -79,7 +80,7 @@ def test_a_chunk_evaluated_at_inner_points_keeps_every_bit(family: str) -> None:
 def test_unmarked_calls_hand_out_nothing() -> None:
     """A marked model called outside a recording prefill (a decode step) computes as before and
     records nothing; marking twice marks once."""
-    model, _ = mlx_lm_load(str(cached_checkpoint("llama")))
+    model = mlx_lm_load(str(cached_checkpoint("llama")))[0]
     layers = len(make_prompt_cache(model))
     tokens = mx.array([prompt_of(9)])
     before = model(tokens, cache=make_prompt_cache(model))
