@@ -42,6 +42,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.managed_memory": [(None, "to_host"), (None, "to_device")],
     # pieces that stay in GPU memory: the sender's copy into its arena, the receiver's copy out
     "adapters.mlx.device_pieces": [("DeviceArena", "put"), (None, "take")],
+    # the receiver's read kernel queued (its work goes with the next step), and the wait before an install
+    "adapters.mlx.device_read": [(None, "read"), ("Reads", "settle")],
     "adapters.kv.frames": [(None, "end_frame")],
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
     "adapters.mlx.arriving": [("ArrivingKv", "receive"), ("ArrivingKv", "_keep")],

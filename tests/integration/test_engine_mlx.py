@@ -30,7 +30,7 @@ from mlx_lm.utils import load_tokenizer
 
 from adapters.grammar import response_format_text
 from adapters.kv import codec
-from adapters.mlx import MlxEngine, commands
+from adapters.mlx import MlxEngine, commands, slots
 from adapters.mlx import choices as choices_module
 from adapters.mlx import executor as executor_module
 from adapters.mlx import profile as profile_module
@@ -1663,6 +1663,51 @@ async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_
     assert await run_together(engine, after, sampling) == expected
     await engine.decode_held(RequestId("h"), held_prompt, held.first_token, SEEDED)
     assert [held.first_token] + [g.token for g in await collect(engine, RequestId("h"))] == expected_held
+    assert engine.statistics().device_thread_alive
+
+
+async def test_a_slot_pool_that_cannot_be_allocated_again_fails_its_rows_and_the_node_decodes_on(
+    open_engine: Opener, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, and the pool's buffers cannot be allocated again after the failed step (the
+    device out of memory, as when another process holds it): the rows fail, typed, the device
+    thread lives (it died of this on an H100 beside mlx_lm.server), and the requests after it get
+    a clean node's tokens (the next to join allocates the pool)."""
+    path = cached_checkpoint("llama")
+    failed_rows = {RequestId(f"f{i}"): prompt_of(40 + i, salt=i) for i in range(3)}
+    after = {RequestId("a0"): prompt_of(20, salt=5), RequestId("a1"): prompt_of(70, salt=6)}
+    sampling = {RequestId("a0"): GREEDY, RequestId("a1"): SEEDED}
+    clean = await open_engine(path)
+    expected = await run_together(clean, after, sampling)
+
+    armed, decode_calls, failing = [False], [0], [False]
+
+    def hook(stage: str, request_ids: Sequence[str]) -> None:
+        if armed[0] and stage == "decode":
+            decode_calls[0] += 1
+        failing[0] = armed[0] and stage == "decode" and decode_calls[0] == 3
+
+    engine = await open_engine(path, model_call_hook=hook)
+    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    refused = [0]
+
+    def out_of_memory(shape: Any, dtype: Any) -> Any:  # from the failed step on, while armed
+        if fault.fired and armed[0]:
+            refused[0] += 1
+            raise RuntimeError("[cuda::malloc] out of memory (a test's)")
+        return mx.zeros(shape, dtype)
+
+    monkeypatch.setattr(slots, "zeroed", out_of_memory)
+    armed[0] = True
+    with caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"):
+        got = await run_together(engine, failed_rows, GREEDY)
+    assert fault.fired and refused[0] >= 1
+    for rid in failed_rows:
+        error = got[rid]
+        assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
+    assert any("could not be allocated again" in message for message in caplog.messages)
+    armed[0] = False
+    assert await run_together(engine, after, sampling) == expected
     assert engine.statistics().device_thread_alive
 
 

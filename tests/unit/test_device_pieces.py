@@ -1,6 +1,7 @@
 """The device piece document (`adapters.mlx.device_pieces`): what a streamed handoff's piece that
 stays in GPU memory carries instead of its bytes, checked before anything is read, and the sending
-buffer's region bookkeeping. The copies themselves need CUDA (bench/handoff on a GPU)."""
+buffer's region bookkeeping, and how a read region lands as the piece's arrays. The copies and the
+read kernel themselves need CUDA (bench/handoff on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import mlx.core as mx
 import pytest
 
 from adapters.kv import frames
-from adapters.mlx.device_pieces import MAGIC, DevicePiece, Regions, dtype_name, encode, is_device_piece, parse
+from adapters.mlx.device_pieces import (
+    MAGIC,
+    DevicePiece,
+    Regions,
+    dtype_name,
+    encode,
+    is_device_piece,
+    landed_arrays,
+    parse,
+    region_bytes,
+)
+from adapters.mlx.device_read import Reads, read
 from statecore.errors import Code, StatecoreError
 
 FINGERPRINT = "fp-1"
@@ -70,3 +82,44 @@ def test_regions_are_held_per_request_and_merge_back_when_released() -> None:
 def test_a_piece_s_dtype_is_named_as_its_document_names_it_and_others_stay_on_the_host() -> None:
     named = [dtype_name(dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32, mx.int8, mx.uint16)]
     assert named == ["bfloat16", "float16", "float32", None, None]
+
+
+def test_a_read_region_s_bytes_land_as_the_arrays_put_laid_out() -> None:
+    """What the receiving kernel reads (the region's bytes, each array aligned in turn) comes back
+    as the piece's arrays, bit for bit, in every dtype a piece carries."""
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        arrays = [mx.random.normal((1, 2, 16, 8), key=mx.random.key(seed)).astype(dtype) for seed in range(4)]
+        name = dtype_name(dtype)
+        assert name is not None
+        sent = piece(dtype=name)
+        sizes = [int(array.nbytes) for array in arrays]
+        assert sent.nbytes() == sizes
+        region = mx.zeros((region_bytes(sizes),), dtype=mx.uint8)
+        offset = 0
+        for array, size in zip(arrays, sizes, strict=True):  # laid out as `DeviceArena.put` copies them
+            region[offset : offset + size] = array.reshape(-1).view(mx.uint8)
+            offset += -(-size // 512) * 512
+        landed = landed_arrays(region, sent)
+        assert [got.dtype for got in landed] == [dtype] * 4
+        assert all(got.shape == array.shape and mx.array_equal(got, array).item()
+                   for got, array in zip(landed, arrays, strict=True))
+
+
+def test_reads_are_settled_at_the_install_and_forgotten_on_a_cancel() -> None:
+    reads = Reads()
+    first, second = mx.arange(8) + 1, mx.arange(8) + 2  # unevaluated, as a kernel's read is
+    reads.add("r1", first)
+    reads.add("r1", second)
+    reads.add("r2", mx.arange(4))
+    assert len(reads) == 2
+    reads.settle("r1")
+    reads.forget("r2")
+    assert len(reads) == 0
+    reads.settle("r1")  # nothing pending: nothing to do
+
+
+def test_a_device_read_is_refused_off_its_unit() -> None:
+    with pytest.raises(ValueError, match="16-byte units"):
+        read(4096, 100)
+    with pytest.raises(ValueError, match="16-byte units"):
+        read(4100, 128)

@@ -101,6 +101,7 @@ class TakeDevicePiece:
 
     piece: object
     stage: StagePiece | None = None
+    request_id: str = ""  # whose piece: its read is settled before the request's install is answered
     kind: str = "take_device_piece"
 
 

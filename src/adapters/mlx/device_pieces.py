@@ -10,12 +10,14 @@ until its cache is released or cancelled; what travels instead of the KV bytes i
 document*: `MAGIC`, then a JSON object naming the buffer (its IPC handle), the region, the arrays'
 shapes and dtype, the model's fingerprint and the token count. The decode side parses and checks
 the document (`parse`, in a worker thread: framing, version, fingerprint, shapes against the
-range), then on its device thread (`take`) allocates the arrays, copies the region into them
-device to device and builds the piece's caches. A device piece carries no checksum: it never
-crosses a wire, only one GPU's memory (or NVLink between two). Whoever cannot read GPU memory
-refuses the document, typed (`KV_MALFORMED`); a sender whose buffer is full, or whose CUDA call
-fails, sends that piece the host's way instead. `STATECORE_KV_DEVICE` (`auto`, the default, or
-`off`) and `STATECORE_KV_DEVICE_BYTES` (the buffer, 1 GiB by default) are the operator's knobs.
+range), then on its device thread (`take`) reads the region into arrays of its own by a kernel
+computed with its next step (`adapters.mlx.device_read`; nothing waited for there), settled before
+the request's install is answered, and builds the piece's caches. A device piece carries no
+checksum: it never crosses a wire, only one GPU's memory (or NVLink between two). Whoever cannot
+read GPU memory refuses the document, typed (`KV_MALFORMED`); a sender whose buffer is full, or
+whose CUDA call fails, sends that piece the host's way instead. `STATECORE_KV_DEVICE` (`auto`, the
+default, or `off`) and `STATECORE_KV_DEVICE_BYTES` (the buffer, 1 GiB by default) are the operator's
+knobs.
 This module imports ctypes, numpy and mlx; never trio or httpx.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -36,7 +39,8 @@ from adapters.mlx import managed_memory
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = ["DEVICE_ENV", "MAGIC", "DeviceArena", "DevicePiece", "Regions", "arena", "dtype_name", "enabled",
-           "encode", "is_device_piece", "parse", "release_held_pieces", "take"]
+           "encode", "is_device_piece", "landed_arrays", "parse", "region_bytes", "release_held_pieces",
+           "take"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
@@ -282,7 +286,7 @@ class DeviceArena:
                 logger.warning("no GPU buffer for streamed KV pieces (%s): they go through the host", exc)
                 return None
         try:
-            offset = self.regions.reserve(holder, sum(_aligned(size) for size in sizes))
+            offset = self.regions.reserve(holder, region_bytes(sizes))
             if offset is None:
                 return None
             sources = managed_memory.spans(arrays)
@@ -323,14 +327,53 @@ def release_held_pieces(holder: str) -> None:
         _arena.regions.release(holder)
 
 
-def take(piece: DevicePiece) -> list[Any]:
-    """On the receiving device thread: the piece's arrays (keys then values per layer), allocated
-    here and copied from the sender's region device to device."""
-    import mlx.core as mx
+def take(piece: DevicePiece) -> tuple[list[Any], Any | None]:
+    """On the receiving device thread: the piece's arrays (keys then values per layer), views of
+    one array a kernel reads from the sender's region (`adapters.mlx.device_read`: unevaluated,
+    computed with the next step; returned second, for the engine to settle before the install
+    is answered), or where that kernel is not usable allocated here and copied by the runtime,
+    waited for (second None)."""
+    from adapters.mlx import device_read
 
     runtime = _runtime()
     if runtime is None:
         raise _malformed("a KV piece in another process's GPU memory, and this node reads none")
+    sizes = piece.nbytes()
+    try:
+        at = runtime.open(piece.arena, piece.handle) + piece.offset
+        if device_read.usable(managed_memory.spans):
+            landing = device_read.read(at, region_bytes(sizes))
+            return landed_arrays(landing, piece), landing
+        return _copied(runtime, piece, at, sizes), None
+    except OSError as exc:  # the sender's buffer gone (its process ended), or unreachable from here
+        raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
+                                       f"a KV piece in GPU memory could not be read: {exc}")) from exc
+
+
+def region_bytes(sizes: Sequence[int]) -> int:
+    """What a piece of arrays of `sizes` bytes takes of the buffer (each array aligned)."""
+    return sum(_aligned(size) for size in sizes)
+
+
+def landed_arrays(landing: Any, piece: DevicePiece) -> list[Any]:
+    """The piece's arrays as views of `landing`, its region's bytes (flat uint8) as `put` laid
+    them out: each array's bytes in turn, each aligned."""
+    import mlx.core as mx
+
+    dtype = getattr(mx, piece.dtype)
+    arrays, offset = [], 0
+    for shape, size in zip(piece.shapes, piece.nbytes(), strict=True):
+        item = size // math.prod(shape)
+        raw = landing[offset : offset + size].reshape(*shape[:-1], shape[-1] * item)
+        arrays.append(raw.view(dtype))
+        offset += _aligned(size)
+    return arrays
+
+
+def _copied(runtime: _Runtime, piece: DevicePiece, at: int, sizes: list[int]) -> list[Any]:
+    """The piece's arrays allocated here and copied from `at` by the runtime, waited for."""
+    import mlx.core as mx
+
     # bfloat16 lands as uint16 (its buffer is read through numpy, which has no bfloat16), then
     # is viewed back: the same bytes
     landing = mx.uint16 if piece.dtype == "bfloat16" else getattr(mx, piece.dtype)
@@ -340,16 +383,11 @@ def take(piece: DevicePiece) -> list[Any]:
     if len(targets) != len(arrays):
         raise StatecoreError(ErrorInfo(Fault.BUG, Code.INTERNAL,
                                        "a device piece's arrays are not contiguous"))
-    try:
-        at = runtime.open(piece.arena, piece.handle) + piece.offset
-        pairs = []
-        for (target, size), expected in zip(targets, piece.nbytes(), strict=True):
-            if size != expected:
-                raise _malformed("a device piece's arrays are not the size its shapes say")
-            pairs.append((target, at, size))
-            at += _aligned(size)
-        runtime.copy(pairs)
-    except OSError as exc:  # the sender's buffer gone (its process ended), or unreachable from here
-        raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_SHM_GONE,
-                                       f"a KV piece in GPU memory could not be read: {exc}")) from exc
+    pairs = []
+    for (target, size), expected in zip(targets, sizes, strict=True):
+        if size != expected:
+            raise _malformed("a device piece's arrays are not the size its shapes say")
+        pairs.append((target, at, size))
+        at += _aligned(size)
+    runtime.copy(pairs)
     return [array.view(mx.bfloat16) for array in arrays] if piece.dtype == "bfloat16" else arrays

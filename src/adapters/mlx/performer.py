@@ -24,7 +24,7 @@ import trio
 
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
-from adapters.mlx import commands, device_pieces, managed_memory
+from adapters.mlx import commands, device_pieces, device_read, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.first_verify import verified_items
@@ -61,6 +61,7 @@ class Performer:
         self.classes: list[str] = []  # each cache layer's class, as a payload must carry them
         self.grammars: Grammars | None = None  # structured output: set by the load
         self.stats = EngineStatistics(0, 0, 0, True)  # replaced whole (one atomic assignment)
+        self.reads = device_read.Reads()  # device pieces read lazily, settled at their install
 
     def perform(self, job: Job[Any]) -> Any:
         command, local = job.command, job.local
@@ -80,9 +81,11 @@ class Performer:
             case commands.StagePiece():
                 assert local is not None and local.caches is not None
                 return self.stage(command, local.caches)
-            case commands.TakeDevicePiece(piece, stage):
+            case commands.TakeDevicePiece(piece, stage, request_id):
                 assert isinstance(piece, device_pieces.DevicePiece)
-                arrays = device_pieces.take(piece)
+                arrays, landing = device_pieces.take(piece)
+                if landing is not None:
+                    self.reads.add(request_id, landing)
                 caches = [kv_cache(keys, values, piece.token_count)
                           for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
                 if stage is not None and self.stage(replace(stage, in_device_memory=True), caches):
@@ -90,6 +93,7 @@ class Performer:
                 return caches
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
+                self.reads.forget(request_id)
                 self.forget_drafts(request_id)
                 self.publish()
                 return None
@@ -165,6 +169,9 @@ class Performer:
         already ends it gives an empty stream."""
         device = self.device
         request_id = command.request_id
+        # Its pieces read from the sender's GPU memory are done before the install is answered
+        # (the sender frees their regions then); a step has computed them already, as a rule.
+        self.reads.settle(request_id)
         send = local.send if local is not None and local.send is not None else _nowhere()
         token = cast(trio.lowlevel.TrioToken, job.token)  # None (replayed): post() delivers nothing
         if request_id in device.live:

@@ -115,16 +115,22 @@ class SlotLane:
         have ended): they start again empty. Of `rows` (the slot rows left), one with no token
         since it joined is written in again from its prompt's cache and decodes from its first
         step as it would have; the others, and the handoffs staged in the pool, fail with
-        `error`. Returns the rows written in again."""
+        `error`; all of them where the new buffers could not be allocated (the device out of
+        memory), which leaves the pool unallocated until a request joins. Returns the rows written
+        in again."""
         pool = self.loop.pool
         assert pool is not None
-        pool.empty_buffers()
+        allocated = pool.empty_buffers()
+        if not allocated:
+            logger.warning("the slot pool's buffers could not be allocated again (the device is out of "
+                           "memory): its %d rows fail; the next request to join allocates them", len(rows))
         self.last_tokens = None
         failing = self.staged.lose(error)
         again: list[Live] = []
         for live in rows:
             joined = self.joined.get(live.request_id)
-            if live in failing or joined is None or joined.live is not live or live.slot is None:
+            if (not allocated or live in failing or joined is None or joined.live is not live
+                    or live.slot is None):
                 failing.append(live)
                 continue
             try:

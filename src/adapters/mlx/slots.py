@@ -25,9 +25,14 @@ import mlx.core as mx
 from adapters.mlx.attention import DecodeAttention
 from statecore.scheduling import bucketed
 
-__all__ = ["Buffers", "SlotPool", "SlotStepLayer", "layers_over"]
+__all__ = ["Buffers", "SlotPool", "SlotStepLayer", "layers_over", "zeroed"]
 
 _FIRST_CAPACITY = 256
+
+
+def zeroed(shape: Any, dtype: Any) -> Any:
+    """A zeroed buffer (unevaluated): every allocation of the pool's (a test makes one fail)."""
+    return mx.zeros(shape, dtype)
 
 
 class SlotPool:
@@ -85,28 +90,42 @@ class SlotPool:
             for index, layer in enumerate(like):
                 for buffers, sample in ((self.keys, layer.keys), (self.values, layer.values)):
                     _, heads, _, dim = sample.shape
-                    buffers[index] = mx.zeros((self.num_slots, heads, capacity, dim), dtype=sample.dtype)
+                    buffers[index] = zeroed((self.num_slots, heads, capacity, dim), sample.dtype)
         else:
             for buffers in (self.keys, self.values):
                 for index, old in enumerate(buffers):
                     _, heads, _, dim = old.shape
-                    extra = mx.zeros((self.num_slots, heads, capacity - old.shape[2], dim), dtype=old.dtype)
+                    extra = zeroed((self.num_slots, heads, capacity - old.shape[2], dim), old.dtype)
                     buffers[index] = mx.concatenate([old, extra], axis=2)
         self.capacity = capacity
 
-    def empty_buffers(self) -> None:
+    def empty_buffers(self) -> bool:
         """Every layer's buffers replaced by zeroed ones of the same shape, evaluated: after a step
         that wrote them failed on the device, what they hold (its lazy writes, which may raise
         again, and the values its failed kernels left) is not kept. Every slot's contents go with
-        them; `generation` counts it."""
-        for buffers in (self.keys, self.values):
-            for index, buffer in enumerate(buffers):
-                if buffer is not None:
-                    shape, dtype = buffer.shape, buffer.dtype
-                    buffers[index] = None  # let go of the old one before the new one is allocated
-                    buffers[index] = mx.zeros(shape, dtype)
-                    mx.eval(buffers[index])
+        them; `generation` counts it. False where the new ones could not be allocated (the device
+        out of memory: another process may hold it): the pool is then as before its first
+        request, unallocated, and the next request to join allocates it again."""
+        kept = [[None if buffer is None else (buffer.shape, buffer.dtype) for buffer in buffers]
+                for buffers in (self.keys, self.values)]
+        self._unallocated()  # let go of the old ones before the new ones are allocated
         self.generation += 1
+        try:
+            for buffers, shapes in zip((self.keys, self.values), kept, strict=True):
+                for index, shape in enumerate(shapes):
+                    if shape is not None:
+                        buffers[index] = zeroed(*shape)
+                        mx.eval(buffers[index])
+        except RuntimeError:  # how MLX says the device is out of memory
+            self._unallocated()
+            self.capacity = 0
+            mx.clear_cache()  # what MLX keeps of freed buffers goes back to the device
+            return False
+        return True
+
+    def _unallocated(self) -> None:
+        self.keys[:] = [None] * self.num_layers
+        self.values[:] = [None] * self.num_layers
 
     def write_prompt(self, slot: int, layers: Sequence[Any], tokens: int) -> None:
         """Copy a request's KVCache layers (covering `tokens` positions) into its slot."""
