@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--side-by-side", action="store_true", help="run a repetition's setups at once, "
                         "each in its own process on the same --cpus: a busy neighbour weighs on all alike "
                         "(each runs slower than alone)")
+    parser.add_argument("--only", default="", help="run only these setups (comma-separated names, e.g. "
+                        "floors2,floors4-layers); fixed always runs")
     parser.add_argument("--layer-units", action="store_true", help="also each target setup with units "
                         "of whole layers (`-layers`), as before a unit could stop inside a layer")
     parser.add_argument("--out", type=Path, default=None)
@@ -252,6 +254,9 @@ def main() -> None:
     if args.layer_units:
         setups.update({f"{name}-layers": {**setup, "whole_layers": True}
                        for name, setup in list(setups.items()) if name != "fixed"})
+    if args.only:
+        keep = {"fixed", *args.only.split(",")}
+        setups = {name: setup for name, setup in setups.items() if name in keep}
     results: dict[str, dict[str, list[float]]] = {name: {} for name in setups}
     loads: list[float] = []
     for rep in range(args.reps):
