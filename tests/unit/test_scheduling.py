@@ -255,7 +255,7 @@ def test_the_default_target_is_a_multiple_of_the_measured_floor(floors: float, e
 def test_optional_work_takes_what_the_target_leaves(rows: int, oldest_unit: int, target_s: float | None,
                                                     rates: StepRates, expected: int) -> None:
     assert step_token_budget(2052, rows, oldest_unit, decode_only=False, target_s=target_s, rates=rates,
-                             target_floors=2.0, optional_only=True) == expected
+                             target_floors=SINGLE_NODE_CPU_FLOOR_MULTIPLE, optional_only=True) == expected
 
 
 @settings(max_examples=300, deadline=None)

@@ -198,11 +198,11 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "prompt's next slice, at most --max-num-batched-tokens): a long prompt arriving "
                              "stalls no stream for its whole prefill; keep tasks (--keep-conversations) take "
                              "only the room it leaves; 0 = off (default: decode nodes 4 times a step without "
-                             "prefill, as measured; single nodes 4 times on the CPU, off on MLX's CUDA "
+                             "prefill, as measured; single nodes 2 times on the CPU, off on MLX's CUDA "
                              "backend; prefill nodes off)")
     engine.add_argument("--step-target-floors", type=whole(1), default=None, metavar="N",
                         help="without --step-target-ms: the target is N times a step without prefill, as "
-                             "measured (on any role; default: decode nodes 4, single nodes 4 on the CPU and "
+                             "measured (on any role; default: decode nodes 4, single nodes 2 on the CPU and "
                              "off on MLX's CUDA backend, prefill nodes off)")
     security.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                           help="shared secret for internal endpoints (env STATECORE_INTERNAL_TOKEN)")

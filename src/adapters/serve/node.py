@@ -253,7 +253,7 @@ def _stats_route(token: str | None, stats: Any) -> BaseRoute:
 def step_target(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """The engine's `step_target_ms` and `step_target_floors` from the command line: the target as
     given (ms), or as a multiple of the measured decode step (`--step-target-floors`), or by role:
-    a decode node's streams are shielded at 4 of their steps, a single node's on the CPU at 4 too
+    a decode node's streams are shielded at 4 of their steps, a single node's on the CPU at 2
     (there a fixed budget's step beside streams lasts seconds); a single node on MLX's CUDA
     backend (its steps of the fixed budget take milliseconds; the target is not measured there)
     and a prefill node (no streams) run the fixed budget."""
