@@ -136,7 +136,8 @@ def prefill_units(chunks: Sequence[int], layers: int, unit_tokens: int, inner_po
     layer k's unit evaluates what its inner points left of layer k - 1 and its own keys and values.
     The first layer's keys and values (the embedding and a projection) go with layer 0's first
     inner point, and the last layer has none (nothing after its keys and values is needed unless
-    the chunk samples, and a chunk of one token is one unit). Every unit is worth the same share."""
+    the chunk samples, and a chunk of one token is one unit). Each point is worth an equal share of
+    the chunk's tokens, so its units are worth the chunk (as its whole-layer units are)."""
     if layers < 1 or unit_tokens < 1 or inner_points < 0:
         raise ValueError("a model has at least one layer and a unit at least one token")
     units: list[PrefillUnit] = []
@@ -155,8 +156,9 @@ def prefill_units(chunks: Sequence[int], layers: int, unit_tokens: int, inner_po
 def _inner_units(chunk: int, size: int, layers: int, inner_points: int) -> list[PrefillUnit]:
     """A chunk's units at every inner point: layer 0 with its first point, then in graph order
     each point alone, each layer's keys and values after its layer before's points."""
-    share = -(-size // (layers * (1 + inner_points)))
-    units = [PrefillUnit(chunk, 0, 1, share, (0,))]
+    points = layers + (layers - 1) * inner_points
+    share = -(-size // points)
+    units = [PrefillUnit(chunk, 0, 1, -(-2 * size // points), (0,))]
     units += [PrefillUnit(chunk, 1, 1, share, (point,)) for point in range(1, inner_points)]
     for layer in range(1, layers):
         units.append(PrefillUnit(chunk, layer, layer + 1, share))

@@ -92,12 +92,12 @@ def test_prefill_units_table(chunks: tuple[int, ...], layers: int, unit_tokens: 
     [
         # Single-layer units stop at each layer's 2 inner points: layer 0's keys and values with
         # its first point, its second alone, then layer 1's (layer 0's rest), layer 1's points,
-        # layer 2's; the last layer has none. 256 tokens over 3 x 3 pieces: 29 each.
-        ((256, 1), 3, 86, 2, [(0, 0, 1, 29, (0,)), (0, 1, 1, 29, (1,)), (0, 1, 2, 29, ()),
-                              (0, 2, 2, 29, (2,)), (0, 2, 2, 29, (3,)), (0, 2, 3, 29, ()),
+        # layer 2's; the last layer has none. 256 tokens over 7 points: 37 each (the first unit 2).
+        ((256, 1), 3, 86, 2, [(0, 0, 1, 74, (0,)), (0, 1, 1, 37, (1,)), (0, 1, 2, 37, ()),
+                              (0, 2, 2, 37, (2,)), (0, 2, 2, 37, (3,)), (0, 2, 3, 37, ()),
                               (1, 0, 3, 1, ())]),
-        # One point a layer.
-        ((16, 1), 2, 8, 1, [(0, 0, 1, 4, (0,)), (0, 1, 2, 4, ()), (1, 0, 2, 1, ())]),
+        # One point a layer: 3 points of 16 tokens.
+        ((16, 1), 2, 8, 1, [(0, 0, 1, 11, (0,)), (0, 1, 2, 6, ()), (1, 0, 2, 1, ())]),
         # Units of several layers are not cut: the points only split single-layer units.
         ((1535, 1), 6, 512, 2, [(0, 0, 2, 512, ()), (0, 2, 4, 512, ()), (0, 4, 6, 512, ()),
                                 (1, 0, 6, 1, ())]),
@@ -140,6 +140,8 @@ def test_prefill_units_walk_the_graph_in_order(prompt: int, chunk: int, layers: 
         assert split == (single_layer and layers > 1 and inner > 0)
         if split:
             assert len(mine) == len(expected) - 1  # one point a unit, layer 0's two together
+            # worth the chunk's tokens, as its whole-layer units are (each rounded up)
+            assert chunks[index] <= sum(u.tokens for u in mine) <= chunks[index] + len(mine)
 
 
 @settings(max_examples=300, deadline=None)
