@@ -32,8 +32,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],
     "adapters.mlx.engine": [("MlxEngine", "prefill"), ("MlxEngine", "install"),
                             ("MlxEngine", "receive_segment"), ("MlxEngine", "install_segments")],
-    "adapters.mlx.core_client": [("ProcessEngine", "receive_segment"), ("ProcessEngine", "install_segments"),
-                                 ("ProcessEngine", "_dispatch")],
+    "adapters.mlx.core_client": [("ProcessEngine", "receive_segment"), ("ProcessEngine", "install_segments")],
+    "adapters.mlx.core_link": [("CoreLink", "_dispatch")],
     "adapters.mlx.core_kv": [("CoreKv", "share")],
     # a streamed first token's way out of the prefill core and into the decode node
     "adapters.mlx.kv_out": [(None, "tell_first_tokens"), (None, "hand_pieces"), ("PieceHandout", "__call__")],
@@ -61,7 +61,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
                                  ("Speculator", "hand_out_held")],
     "adapters.mlx.draft_model": [("DraftModel", "propose")],
     "adapters.mlx.first_verify": [("FirstVerify", "drafts")],
-    "adapters.mlx.device": [("DeviceLoop", "take_jobs"), ("DeviceLoop", "hand_out")],
+    "adapters.mlx.device": [("DeviceLoop", "hand_out")],
+    "adapters.mlx.jobs": [("Inbox", "take")],
     "mlx.core": [(None, "async_eval"), (None, "eval")],
 }
 

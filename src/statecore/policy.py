@@ -3,7 +3,8 @@
 Admission (may a new request enter this loop now? may a routed one whose cache cannot travel?),
 what a peer's failure means (retry on
 another node, blame the node, or fail the request) and a routed request's retries
-(`RetryState`), what a request may ask (its context, a grammar's end), how a generation ends
+(`RetryState`), what a request may ask (its context, a grammar's end, token ids inside the
+vocabulary, sampling values an engine takes), how a generation ends
 (EOS, length, the first token being the last, the finish reason a client reads) and which event
 an error becomes. Effects and adapters ask these functions and decide nothing themselves; the
 tables in `statecore.table` stay the only place a phase moves. Admission reads the serving
@@ -13,8 +14,9 @@ httpx, mlx or mlx_lm.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import SupportsIndex, cast
 
 from statecore.errors import Code, ErrorInfo, Fault, unsupported_cache
 from statecore.events import EngineFailed, EventKind, PeerFailed, TransportLost
@@ -230,6 +232,49 @@ def grammar_end_conflict(*, has_stop_strings: bool, ignore_eos: bool) -> str | N
     if ignore_eos:
         return "ignore_eos"
     return None
+
+
+def token_ids(tokens: Sequence[object], vocab_size: int, what: str) -> list[int] | str:
+    """`tokens` as token ids (Python ints; numpy integers welcome) inside the vocabulary
+    [0, vocab_size), or why they are refused (a str, `what` its subject), naming the first token
+    at fault: not an integer (a bool is none) or outside. Plain ints in range, the usual case, are
+    found so by C-level passes (a type set, min, max): a token at a time cost ~1.3 ms of every
+    8,000-token prompt's first token."""
+    ids = list(tokens)
+    if ids and set(map(type, ids)) == {int}:
+        plain = cast(list[int], ids)
+        if min(plain) >= 0 and max(plain) < vocab_size:
+            return plain
+    checked: list[int] = []
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, SupportsIndex):
+            return f"{what} {token!r} is not an integer"
+        value = token.__index__()
+        if not 0 <= value < vocab_size:
+            return f"{what} {value} is outside the vocabulary [0, {vocab_size})"
+        checked.append(value)
+    return checked
+
+
+def engine_request(prompt: Sequence[object], vocab_size: int, *, max_tokens: int, temperature: float,
+                   top_p: float, top_k: int) -> list[int] | str:
+    """What an engine takes of a request: its prompt as token ids (`token_ids`), or why it is
+    refused (an empty prompt, sampling values out of range). What the request may ask of the model
+    (`context_overflow`) the front end asks once; peers only send what a front end accepted."""
+    ids = token_ids(prompt, vocab_size, "prompt token")
+    if isinstance(ids, str):
+        return ids
+    if not ids:
+        return "the prompt is empty"
+    if max_tokens < 1:
+        return "max_tokens must be >= 1"
+    if temperature < 0.0 or temperature != temperature:
+        return "temperature must be >= 0"
+    if not 0.0 < top_p <= 1.0:
+        return "top_p must be in (0, 1]"
+    if top_k < 0:
+        return "top_k must be >= 0"
+    return ids
 
 
 # -- which event an error becomes ---------------------------------------------------------

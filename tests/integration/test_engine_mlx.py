@@ -2783,7 +2783,7 @@ async def test_a_job_taken_with_the_crash_that_ends_the_loop_fails_with_it(open_
     engine.crash_device_thread()  # queued ahead of the export below: both are taken at once
 
     async def release_when_queued() -> None:
-        while loop.queue.qsize() < 2:
+        while loop.inbox.queue.qsize() < 2:
             await trio.sleep(0.005)
         release.set()
 

@@ -94,3 +94,71 @@ def test_a_failed_start_closes_only_its_own_stream() -> None:
     callers.close()
     assert callers.get("r") is None
     again.close()
+
+
+async def test_a_fed_stream_takes_items_until_its_end_and_the_record_goes_after_both_ends() -> None:
+    callers, cancelled = Callers(), []
+    with callers.opening_stream("r", 4, fed_here=True):
+        pass
+    callers.feed("r", GeneratedToken(1))
+    assert callers.feeding
+    stream = callers.stream("r", lambda: cancelled.append("r"))
+    assert await stream.__anext__() == GeneratedToken(1)
+    assert callers.get("r") is not None  # read, but still fed
+    callers.feed("r", GeneratedToken(2))
+    callers.end_feed("r")
+    assert [item async for item in stream] == [GeneratedToken(2)]
+    assert callers.get("r") is None and not callers.feeding and cancelled == []
+    callers.feed("r", GeneratedToken(3))  # after its end: nothing, nothing kept
+    assert callers.get("r") is None
+
+
+async def test_a_fed_stream_ends_with_the_error_its_source_died_of() -> None:
+    callers = Callers()
+    for rid in ("r", "s"):
+        with callers.opening_stream(rid, 4, fed_here=True):
+            pass
+    callers.end_feed("s", StatecoreError(client_error("s failed alone")))
+    callers.fail_feeds(StatecoreError(client_error("the core is gone")))
+    assert not callers.feeding
+    for rid, message in (("r", "the core is gone"), ("s", "s failed alone")):
+        with pytest.raises(StatecoreError, match=message):
+            await callers.stream(rid, lambda: None).__anext__()
+    assert callers.get("r") is None and callers.get("s") is None
+
+
+def test_a_failed_start_or_a_cancel_forgets_a_fed_stream() -> None:
+    callers = Callers()
+    with pytest.raises(RuntimeError), callers.opening_stream("r", 4, fed_here=True) as send:
+        raise RuntimeError("the start failed")
+    assert callers.get("r") is None and not callers.feeding
+    with pytest.raises(trio.ClosedResourceError):
+        send.send_nowait(GeneratedToken(1))
+    with callers.opening_stream("r", 4, fed_here=True) as send:
+        pass
+    callers.drop("r")
+    assert callers.get("r") is None and not callers.feeding
+    with pytest.raises(trio.ClosedResourceError):
+        send.send_nowait(GeneratedToken(1))
+
+
+class _Handout:
+    def __init__(self, on_device: bool) -> None:
+        self._on_device = on_device
+
+    def on_device(self) -> bool:
+        return self._on_device
+
+
+def test_a_streamed_prefill_s_handout_is_asked_only_while_its_prefill_runs() -> None:
+    callers = Callers()
+    with callers.handing_out("r", None):  # no handout (a prefill that hands off nothing): nothing kept
+        assert callers.get("r") is None and not callers.pieces_on_device("r")
+    with callers.handing_out("r", _Handout(True)), callers.handing_out("s", _Handout(False)):
+        assert callers.pieces_on_device("r") and not callers.pieces_on_device("s")
+    assert not callers.pieces_on_device("r") and callers.get("r") is None and callers.get("s") is None
+    with callers.opening_stream("r", 4) as send, callers.handing_out("r", _Handout(True)):
+        pass
+    assert callers.get("r") is not None and not callers.pieces_on_device("r")  # its stream is still kept
+    callers.close()
+    send.close()

@@ -29,6 +29,7 @@ from adapters.grammar import format_error, tool_call_text
 from adapters.reasoning import ThinkMarkers
 from effects.ports import Backend
 from statecore.errors import Code, ErrorInfo, Fault, client_error
+from statecore.policy import token_ids
 
 __all__ = ["Prompts", "TemplateArgsRefused"]
 
@@ -78,12 +79,10 @@ class Prompts:
         if not prompt:
             raise Reject(client_error("prompt must not be empty", param="prompt"))
         if isinstance(prompt, list):
-            vocab = self._backend.model_info.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise Reject(client_error(
-                    f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"))
-            return tuple(prompt)
+            ids = token_ids(prompt, self._backend.model_info.vocab_size, "prompt: token id")
+            if isinstance(ids, str):
+                raise Reject(client_error(ids, param="prompt"))
+            return tuple(ids)
         ids = await self.run(self.tokenizer.encode, prompt)
         return tuple(int(t) for t in ids)
 
@@ -233,7 +232,7 @@ class Prompts:
         biases: dict[int, float] = {}
         for key, bias in given.items():
             token = int(key) if key.strip().isdigit() else -1
-            if not 0 <= token < vocab:
+            if isinstance(token_ids((token,), vocab, "logit_bias"), str):
                 raise Reject(client_error(f"logit_bias: {key!r} is not a token id of this model "
                                           f"(0 to {vocab - 1})", param="logit_bias"))
             biases[token] = bias

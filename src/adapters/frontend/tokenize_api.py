@@ -17,6 +17,7 @@ from adapters.frontend.frontend import Frontend
 from adapters.frontend.intake import Exact, Reject, error_response, parsed, unless_body_unread
 from adapters.frontend.openai_bodies import Message, TemplateValue
 from statecore.errors import client_error
+from statecore.policy import token_ids
 
 __all__ = ["TokenizeApi"]
 
@@ -80,11 +81,9 @@ class TokenizeApi:
         try:
             body = parsed(Detokenize, await self.frontend.read_object(request))
             self.frontend.check_model(body.model)
-            vocab = self.frontend.backend.model_info.vocab_size
-            bad = [t for t in body.tokens if not 0 <= t < vocab]
-            if bad:
-                raise Reject(client_error(
-                    f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"))
+            ids = token_ids(body.tokens, self.frontend.backend.model_info.vocab_size, "tokens: token id")
+            if isinstance(ids, str):
+                raise Reject(client_error(ids, param="tokens"))
             decode = partial(self.frontend.tokenizer.decode, body.tokens)
             text = await self.frontend.prompts.run(decode)
         except Reject as exc:

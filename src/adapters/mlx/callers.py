@@ -1,11 +1,14 @@
 """The trio side's one record per request (`Caller`), beside the device thread's (`adapters.mlx.requests`).
 
 The device thread's record lives while the engine works on a request; what the request's caller in
-trio needs comes before it or outlives it: a streamed handoff's pieces, validated and built as they
+trio needs comes before it or outlives it: a streamed prefill's handout while the prefill runs (asked
+whether its pieces go in GPU memory), a streamed handoff's pieces, validated and built as they
 arrived, until its install; the stream its tokens arrive on, from the call that starts its decoding
 (`opening_stream`) until the port's `stream` reads it (`stream`: a request may finish before its
-caller reads a token). Both Engine ports that keep streams in trio (`MlxEngine`, `ProcessEngine`)
-keep them here. Each request has at most one `Caller` here,
+caller reads a token), and, where its items come to trio in an engine core process's frames
+(`ProcessEngine`), the stream's sending end until its last item (`feed`, `end_feed`). Both Engine
+ports that keep streams in trio (`MlxEngine`, `ProcessEngine`) keep them here. Each request has at
+most one `Caller` here,
 made by the first call that needs one and gone once nothing in it is left (its stream taken, its
 pieces installed, a cancel or a release), so the facade keeps no other map by request. Only trio
 reads or changes it; the device thread never sees it (an engine core in its own process would
@@ -14,10 +17,11 @@ leave this in the front end's). It imports trio; it must never import mlx.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -25,10 +29,17 @@ from adapters.mlx.jobs import StreamItem
 from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 
-__all__ = ["Caller", "Callers", "Piece", "PieceOrder"]
+__all__ = ["Caller", "Callers", "Handout", "Piece", "PieceOrder"]
 
 # A streamed handoff's piece, built: (its first layer, its end layer, its first token, its caches).
 Piece = tuple[int, int, int, list[Any]]
+
+
+class Handout(Protocol):
+    """A streamed prefill's sink on the device thread (`adapters.mlx.kv_out.PieceHandout`), as trio
+    asks it."""
+
+    def on_device(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -73,13 +84,16 @@ class Caller:
     """What trio keeps for one request between its calls (see the module's paragraph)."""
 
     stream: trio.MemoryReceiveChannel[StreamItem] | None = None  # until `stream()` takes it
+    feed: trio.MemorySendChannel[StreamItem] | None = None  # kept where trio feeds it: until the last item
     pieces: list[Piece] = field(default_factory=list)  # a streamed handoff's, kept for the install
     last_piece: Piece | None = None  # the last one, which the install job writes into its slot
     order: PieceOrder | None = None  # a streamed handoff's, from its first piece to its install
+    handout: Handout | None = None  # a streamed prefill's sink, while its prefill runs
 
     @property
     def empty(self) -> bool:
-        return self.stream is None and not self.pieces and self.last_piece is None and self.order is None
+        return (self.stream is None and self.feed is None and not self.pieces and self.last_piece is None
+                and self.order is None and self.handout is None)
 
 
 class Callers:
@@ -96,6 +110,11 @@ class Callers:
         """Requests with pieces kept for their install, not in a slot (one whose last piece waits
         for its install job has the rest in its slot: the slots count it)."""
         return sum(1 for caller in self._records.values() if caller.pieces)
+
+    @property
+    def feeding(self) -> bool:
+        """Whether a stream kept with its sending end waits for items."""
+        return any(caller.feed is not None for caller in self._records.values())
 
     def piece_order(self, request_id: str) -> PieceOrder:
         """The order the request's streamed pieces are kept in (made at its first piece)."""
@@ -131,21 +150,68 @@ class Callers:
             self._tidy(request_id, caller)
 
     @contextmanager
-    def opening_stream(self, request_id: str, capacity: int) -> Iterator[trio.MemorySendChannel[StreamItem]]:
+    def handing_out(self, request_id: str, handout: Handout | None) -> Iterator[None]:
+        """The request's streamed prefill keeps `handout` while it runs (None: nothing to keep)."""
+        caller = None if handout is None else self._records.setdefault(request_id, Caller())
+        if caller is not None:
+            caller.handout = handout
+        try:
+            yield
+        finally:
+            if caller is not None:
+                caller.handout = None
+                self._tidy(request_id, caller)
+
+    def pieces_on_device(self, request_id: str) -> bool:
+        """Whether the request's streamed prefill, running now, sends its pieces in GPU memory."""
+        caller = self._records.get(request_id)
+        return caller is not None and caller.handout is not None and caller.handout.on_device()
+
+    @contextmanager
+    def opening_stream(self, request_id: str, capacity: int, *, fed_here: bool = False
+                       ) -> Iterator[trio.MemorySendChannel[StreamItem]]:
         """The request's token stream, opened for the call that starts its decoding (refused while
-        one is kept) and kept for `stream`; closed and forgotten again when that call fails."""
+        one is kept) and kept for `stream`; `fed_here`: its sending end is kept too, for `feed`.
+        Closed and forgotten again when that call fails."""
         caller = self._records.setdefault(request_id, Caller())
         if caller.stream is not None:
             raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
         send, receive = trio.open_memory_channel[StreamItem](capacity)
         caller.stream = receive
+        if fed_here:
+            caller.feed = send
         try:
             yield send
         except BaseException:
+            if caller.feed is send:
+                caller.feed = None
             self.close_stream(request_id, only=receive)
             receive.close()
             send.close()
+            self._tidy(request_id, caller)
             raise
+
+    def feed(self, request_id: str, item: StreamItem) -> None:
+        """One item for the request's kept stream (nothing when it has ended or its reader left)."""
+        caller = self._records.get(request_id)
+        if caller is not None and caller.feed is not None:
+            _send_quietly(caller.feed, item)
+
+    def end_feed(self, request_id: str, error: StatecoreError | None = None) -> None:
+        """The request's stream has had its last item (`error`: it ended with it): closed."""
+        caller = self._records.get(request_id)
+        if caller is None or caller.feed is None:
+            return
+        if error is not None:
+            _send_quietly(caller.feed, error)
+        caller.feed.close()
+        caller.feed = None
+        self._tidy(request_id, caller)
+
+    def fail_feeds(self, error: StatecoreError) -> None:
+        """The items' source is gone: every kept stream ends with `error`."""
+        for request_id in [rid for rid, caller in self._records.items() if caller.feed is not None]:
+            self.end_feed(request_id, error)
 
     async def stream(self, request_id: str, cancel_nowait: Callable[[], None]
                      ) -> AsyncGenerator[GeneratedToken, None]:
@@ -184,8 +250,9 @@ class Callers:
         self._tidy(request_id, caller)
 
     def drop(self, request_id: str) -> None:
-        """The request is cancelled: its kept stream closed, its pieces forgotten."""
+        """The request is cancelled: its kept stream (both ends) closed, its pieces forgotten."""
         self.close_stream(request_id)
+        self.end_feed(request_id)
         self.forget_pieces(request_id)
 
     def close(self) -> None:
@@ -193,6 +260,8 @@ class Callers:
         for caller in self._records.values():
             if caller.stream is not None:
                 caller.stream.close()
+            if caller.feed is not None:
+                caller.feed.close()
             if caller.order is not None:
                 caller.order.done(-1, kept=False)
         self._records.clear()
@@ -200,3 +269,10 @@ class Callers:
     def _tidy(self, request_id: str, caller: Caller) -> None:
         if caller.empty and self._records.get(request_id) is caller:
             del self._records[request_id]
+
+
+def _send_quietly(send: trio.MemorySendChannel[StreamItem], item: StreamItem) -> None:
+    # WouldBlock cannot happen (the bound is max_tokens); the others mean the reader is gone, and
+    # its stream's exit already asked for a cancel.
+    with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+        send.send_nowait(item)

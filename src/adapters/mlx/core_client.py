@@ -2,22 +2,21 @@
 
 `--engine-core process` starts `adapters.mlx.core_process` as a child of the node and talks to it
 over a Unix socket pair (`adapters.mlx.core_wire`): each port call is a call to the core
-(`adapters.mlx.core_calls`: awaited, abandoned by a caller that leaves, undone when the core did
-it anyway, so a cancellation never leaks a cache). Tokens arrive one
-write per step; a reader thread hands each write to trio in one callback, which feeds the
-requests' streams (kept in `adapters.mlx.callers` until `stream()` takes them, as `MlxEngine`
-keeps its own). `statistics()` is the latest snapshot the core sent (with every outcome, and every
-tenth of a second). KV crosses in shared memory (`adapters.mlx.core_kv`: read in place, handed
-over by reference, else copied once); a streamed piece that arrived in another node's region
+(`adapters.mlx.core_calls`: awaited, abandoned by a caller that leaves, undone when the core did it
+anyway, so a cancellation never leaks a cache). Tokens arrive one write per step; the node's end of
+the socket (`adapters.mlx.core_link`) hands each write to trio in one callback, which feeds the
+requests' streams (kept in `adapters.mlx.callers` until `stream()` takes them, as `MlxEngine` keeps
+its own). `statistics()` is the latest snapshot the core sent (with every outcome, and every tenth
+of a second). KV crosses in shared memory (`adapters.mlx.core_kv`: read in place, handed over by
+reference, else copied once); a streamed piece that arrived in another node's region
 (`KvPieces.shared`) goes to the core as that reference, read there in place. The core's death (its
-process exits, however) is the node's loss, typed as a dead device thread is: every waiting call
-and live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
+process exits, however) is the node's loss, typed as a dead device thread is: every waiting call and
+live stream fails with `ENGINE_FAILED` as a transport fault, as does every later call, and
 `statistics().device_thread_alive` turns False so `watch_engine` ends the node's loop. The
 watchdog's `abandon` kills the process (which a thread never could be). Tensor- and
-pipeline-parallel instances are not served this way (refused at load). This module imports
-trio; it must never import mlx (nothing here touches the device), nor import anything that
-does: a node whose core is a process never loads mlx (the package's `__init__` loads its names
-on first use).
+pipeline-parallel instances are not served this way (refused at load). This module imports trio; it
+must never import mlx (nothing here touches the device), nor import anything that does: a node whose
+core is a process never loads mlx (the package's `__init__` loads its names on first use).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -42,28 +40,20 @@ from adapters.kv.shm_landing import ShmLanding
 from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES
 from adapters.kv.shm_region import ShmRef
 from adapters.mlx.callers import Callers
-from adapters.mlx.core_calls import CoreCalls
-from adapters.mlx.core_kv import CoreKv
+from adapters.mlx.core_link import CoreLink
 from adapters.mlx.core_wire import (
     NO_REPLY,
     Call,
     Crash,
-    Done,
-    Ended,
-    FirstToken,
-    FrameWriter,
-    Free,
-    Item,
     Load,
     Loaded,
     Raised,
     Segment,
-    Snapshot,
     Stop,
     encode,
     read_frame,
 )
-from adapters.mlx.jobs import StreamItem, engine_failed, engine_lost, post
+from adapters.mlx.jobs import engine_failed, engine_lost
 from effects.engine_port import (
     EngineStatistics,
     GeneratedToken,
@@ -94,24 +84,12 @@ class ProcessEngine:
 
     def __init__(self, process: subprocess.Popen[bytes], sock: Any, loaded: Loaded) -> None:
         """Private: use `ProcessEngine.load`."""
-        self._process = process
-        self._sock = sock
         self.info: ModelInfo = loaded.info
         self.blas = loaded.blas  # what the core's MLX computes with
-        self._stats = loaded.statistics
-        self._token = trio.lowlevel.current_trio_token()
-        self._calls = CoreCalls(self._send, self._dead)
-        self._sends: dict[str, trio.MemorySendChannel[StreamItem]] = {}
         self._callers = Callers()
-        self._kv = CoreKv(self._wake_for_frees)
-        # a burst of calls leaves in one write, with the frees due then
-        self._writer = FrameWriter(sock, partial(post, self._token), self._kv.due_frees)
-        self._alive = True
-        self._closed = False
-        self._error: StatecoreError | None = None
-        self._heard_at = time.monotonic()
-        self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
-        self._reader.start()
+        self._link = CoreLink(process, sock, loaded, self._callers)
+        self._calls = self._link.calls
+        self._kv = self._link.kv
 
     @classmethod
     async def load(cls, model_dir: Path, *, fault_specs: tuple[tuple[str, ...], str, str] | None = None,
@@ -174,7 +152,7 @@ class ProcessEngine:
     @property
     def core_pid(self) -> int:
         """The core process's id (tests kill it)."""
-        return self._process.pid
+        return self._link.process.pid
 
     # -- the Engine port -----------------------------------------------------------------------
 
@@ -205,7 +183,7 @@ class ProcessEngine:
         return kept
 
     async def release_held(self, request_id: RequestId) -> int:
-        if not self._alive:
+        if not self._link.alive:
             return 0
         with trio.CancelScope(shield=True):  # quick, and must not be skipped
             freed: int = await self._calls.call("release_held", request_id)
@@ -250,21 +228,19 @@ class ProcessEngine:
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
-        send = self._sends.pop(request_id, None)
-        if send is not None:
-            send.close()
-        if not self._alive:
+        if not self._link.alive:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._calls.call("cancel", request_id)
 
     def statistics(self) -> EngineStatistics:
-        if not self._alive:
-            return EngineStatistics(0, 0, 0, False, self._stats.step_retries, self._stats.rows_isolated)
-        silent = time.monotonic() - self._heard_at
-        if silent > SILENT_S and (self._calls.pending() or self._sends):
-            return replace(self._stats, stalled_s=max(self._stats.stalled_s, silent))
-        return self._stats
+        stats = self._link.statistics
+        if not self._link.alive:
+            return EngineStatistics(0, 0, 0, False, stats.step_retries, stats.rows_isolated)
+        silent = time.monotonic() - self._link.heard_at
+        if silent > SILENT_S and (self._calls.pending() or self._callers.feeding):
+            return replace(stats, stalled_s=max(stats.stalled_s, silent))
+        return stats
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         summary: PrefixSummary | None = await self._calls.call("prefix_summary", since)
@@ -277,140 +253,43 @@ class ProcessEngine:
     async def aclose(self, join_timeout_s: float | None = None) -> None:
         """Stop the core (it closes its engine) and wait for it to exit, at most `join_timeout_s`
         when given (then it is killed)."""
+        link = self._link
+        was_alive = link.alive
+        link.closed = True
+        link.die(engine_failed("the engine is closed"))
         self._callers.close()
-        was_alive = self._alive
-        self._closed = True
-        self._die(engine_failed("the engine is closed"))
         if was_alive:
-            self._send([Stop()])
+            link.send([Stop()])
         with trio.CancelScope(shield=True):
             try:
-                await trio.to_thread.run_sync(self._process.wait, join_timeout_s)
+                await trio.to_thread.run_sync(link.process.wait, join_timeout_s)
             except subprocess.TimeoutExpired:
                 logger.error("the engine core did not stop within %.1f s; killing it", join_timeout_s)
-                self._process.kill()
-                await trio.to_thread.run_sync(self._process.wait)
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        self._kv.close()
+                link.process.kill()
+                await trio.to_thread.run_sync(link.process.wait)
+        link.close_socket()
 
     def crash_device_thread(self) -> None:
         """The DEVICE_CRASH fault: the core's device loop raises."""
-        self._send([Crash()])
+        self._link.send([Crash()])
 
     def abandon(self, reason: str) -> None:
         """Give up on a core that stopped making progress (the node's watchdog): every waiting
         caller and live stream fails now, and the process is killed."""
-        if not self._alive:
+        if not self._link.alive:
             return
         logger.error("abandoning the engine core: %s", reason)
-        self._die(engine_lost(f"the engine was abandoned: {reason}"))
+        self._link.die(engine_lost(f"the engine was abandoned: {reason}"))
         with contextlib.suppress(OSError):
-            self._process.kill()
+            self._link.process.kill()
 
     # -- calls ---------------------------------------------------------------------------------
 
     async def _start(self, method: str, request_id: RequestId, sampling: SamplingParams, *args: Any) -> None:
-        """Open the request's stream here, then put it into the core's decoder."""
-        with self._callers.opening_stream(request_id, sampling.max_tokens) as send:
-            self._sends[request_id] = send
-            try:
-                await self._calls.call(method, request_id, *args, sampling)
-            except BaseException:
-                if self._sends.get(request_id) is send:
-                    del self._sends[request_id]
-                raise
+        """Open the request's stream here (fed by the core's items), then put it into the core's decoder."""
+        with self._callers.opening_stream(request_id, sampling.max_tokens, fed_here=True):
+            await self._calls.call(method, request_id, *args, sampling)
 
     def _cancel_nowait(self, request_id: RequestId) -> None:
-        if self._alive:
-            self._send([Call(NO_REPLY, "cancel", (request_id,))])
-
-    def _send(self, messages: list[Any]) -> None:
-        """Queue `messages` for the core (in trio, in order): everything queued in one pass of the
-        event loop (a burst of requests' calls) leaves in one write, read by the core at once."""
-        self._writer.queue(messages)
-
-    def _dead(self) -> StatecoreError:
-        if self._closed:
-            return engine_failed("the engine is closed")
-        return self._error or engine_lost("the engine core process is gone")
-
-    # -- what the core sends -------------------------------------------------------------------
-
-    def _read(self) -> None:
-        """The reader thread: each frame to trio in one callback; the core's end after the last."""
-        while True:
-            try:
-                messages = read_frame(self._sock)
-            except (OSError, ValueError, EOFError):
-                messages = None
-            if messages is None:
-                break
-            post(self._token, self._dispatch, messages)
-        code = self._process.wait()
-        post(self._token, self._lost, code)
-
-    def _dispatch(self, messages: list[Any]) -> None:
-        self._heard_at = time.monotonic()
-        for message in messages:
-            match message:
-                case Item(request_id=request_id, token=token):
-                    send = self._sends.get(request_id)
-                    if send is not None:
-                        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
-                                                 trio.ClosedResourceError):
-                            send.send_nowait(token)
-                case Ended(request_id=request_id, error=error):
-                    ended = self._sends.pop(request_id, None)
-                    if ended is not None:
-                        if error is not None:
-                            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
-                                                     trio.ClosedResourceError):
-                                ended.send_nowait(StatecoreError(error))
-                        ended.close()
-                case Done() | Raised():
-                    self._stats = message.statistics
-                    self._calls.answer(message)
-                case Segment(call_id=call_id):
-                    sink = self._calls.sink(call_id)
-                    if sink is None:
-                        if isinstance(message.payload, ShmRef):
-                            self._send([Free(message.payload)])
-                        continue
-                    sink(KvSegment(message.start, message.stop, message.first_layer, message.end_layer,
-                                   self._kv.as_pieces(message.payload), message.last_step_started))
-                case FirstToken(call_id=call_id, outcome=outcome):
-                    sink = self._calls.sink(call_id)
-                    if sink is not None:
-                        sink(outcome)
-                case Snapshot(statistics=statistics):
-                    self._stats = statistics
-
-    def _lost(self, code: int) -> None:
-        if not self._closed:
-            logger.error("the engine core process exited (code %s)", code)
-        self._die(engine_lost(f"the engine core process exited (code {code})"))
-
-    def _die(self, error: StatecoreError) -> None:
-        """The core is gone: every waiting call and live stream fails with `error`."""
-        if not self._alive:
-            return
-        self._alive = False
-        self._error = error
-        self._calls.fail_all()
-        for send in self._sends.values():
-            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                send.send_nowait(error)
-            send.close()
-        self._sends.clear()
-
-    # -- frees of exported payloads ------------------------------------------------------------
-
-    def _wake_for_frees(self) -> None:
-        """Any thread (the last view of a payload may go anywhere): flush the frees soon."""
-        if self._alive:
-            post(self._token, self._flush_frees)
-
-    def _flush_frees(self) -> None:
-        if self._kv.frees_due() and self._alive:
-            self._writer.flush()
+        if self._link.alive:
+            self._link.send([Call(NO_REPLY, "cancel", (request_id,))])

@@ -1,7 +1,8 @@
 """The device loop: one thread that owns the model and every cache, and runs steps.
 
-Each turn of the loop drains the job queue (each job's command performed: cancels, exports,
-joins take effect at once; new prompts queue as prefill tasks), then runs one step
+Each turn of the loop drains the job queue (`adapters.mlx.jobs.Inbox`: each job's command
+performed; cancels, exports, joins take effect at once; new prompts queue as prefill tasks), then
+runs one step
 (`adapters.mlx.executor`: the pure scheduler's plan built, started with `mx.async_eval`, and the
 previous step read back meanwhile). Building step N+1 and delivering step N's tokens overlap the
 device computing step N; a row that ended in step N computes one throwaway token in step N+1.
@@ -27,7 +28,6 @@ imports mlx, mlx_lm and trio (only for trio tokens); statecore and effects never
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -47,11 +47,11 @@ from adapters.mlx.draft_model import DraftModel
 from adapters.mlx.executor import StepExecutor
 from adapters.mlx.jobs import (
     Crash,
+    Inbox,
     Job,
     Outcome,
     Stop,
     StreamItem,
-    as_statecore,
     deliver,
     engine_failed,
     post,
@@ -101,11 +101,9 @@ class InjectedCrash(Exception):
 class DeviceLoop:
     """All device-thread state. Only the device thread calls its methods (after `load`)."""
 
-    def __init__(self, settings: Settings, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash],
-                 on_death: Callable[[StatecoreError], None]) -> None:
+    def __init__(self, settings: Settings, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash]) -> None:
         self.settings = settings
-        self.queue = queue_
-        self.on_death = on_death
+        self.inbox = Inbox(queue_)  # the jobs: taken, performed, finished (or undone), failed at death
         self.model: Any = None
         self.eos: frozenset[int] = frozenset()
         # after these tokens a prefill block ends early (statecore.prefix.block_bounds): the eos ids
@@ -138,17 +136,9 @@ class DeviceLoop:
         self.arrivals = 0
         self.inflight: InFlight | None = None
         self.publish: Callable[[], None] = lambda: None
-        # Performs a job's command (`adapters.mlx.performer.Performer.perform`, set by the engine)
-        self.perform: Callable[[Job[Any]], Any] = lambda job: None
         self.cache_bytes: Callable[[list[Any]], int] = lambda cache: 0
-        self.running: Job[Any] | None = None  # the job being computed now
-        # What the last take_jobs took off the queue: a job not yet computed when the loop dies
-        # (a Stop before it, a tensor-parallel broadcast that failed or hangs) fails with it.
-        self.taken: list[Job[Any] | Stop | Crash] = []
         self.cost = KvCost(0, 0, 0)
         self.pool_reserved = 0  # bytes the slot pool may grow to, set aside from the KV budget
-        self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
-        self.progress_at = time.monotonic()  # the last finished job or step
         self.step_retries = 0  # model calls computed again after one raised
         self.rows_isolated = 0  # requests failed alone because their row's model call kept raising
         self.shape: ModelShape | None = None  # what a step's activations grow with (set at load)
@@ -218,88 +208,28 @@ class DeviceLoop:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def take_jobs(self, *, wait: bool, timeout: float | None) -> list[Job[Any] | Stop | Crash]:
-        """Every job queued now; with `wait` (nothing to compute), first the next one to come, or
-        none after `timeout` seconds (None: as long as it takes)."""
-        jobs: list[Job[Any] | Stop | Crash] = []
-        self.taken = jobs  # (the last take's jobs, done now, are not held while this one waits)
-        if wait:
-            self.idle = True
-            with contextlib.suppress(queue.Empty):
-                jobs.append(self.queue.get(timeout=timeout))
-            # progress_at before idle: a reader that sees busy also sees a fresh start time.
-            self.progress_at = time.monotonic()
-            self.idle = False
-        while True:
-            try:
-                jobs.append(self.queue.get_nowait())
-            except queue.Empty:
-                return jobs
-
     def run(self) -> None:
+        inbox = self.inbox
         while True:
             busy = bool(len(self.live) > len(self.gathering) or self.waiting or self.inflight)
             # Choices waiting for each other wake the loop when their patience ends.
-            jobs = self.take_jobs(wait=not busy, timeout=self.choices.timeout())
-            for job in jobs:
+            for job in inbox.take(wait=not busy, timeout=self.choices.timeout()):
                 if isinstance(job, Stop):
                     return
                 if isinstance(job, Crash):
                     raise InjectedCrash("device loop crash injected by a test")
-                self.run_job(job)
-                self.progress_at = time.monotonic()
+                if not job.is_abandoned():
+                    self.compute_job(job)
+                inbox.progress_at = time.monotonic()
             self.executor.step()
             if self.keeping.due:
                 self.keeping.keep_due()
-            self.progress_at = time.monotonic()
-
-    def stalled_s(self) -> float:
-        """Seconds the loop has been busy without finishing a job or a step (0 while it waits
-        for work). Read from any thread: the watchdog's one input."""
-        if self.idle:
-            return 0.0
-        return max(0.0, time.monotonic() - self.progress_at)
-
-    def run_job(self, job: Job[Any]) -> None:
-        if job.is_abandoned():
-            return
-        self.compute_job(job)
+            inbox.progress_at = time.monotonic()
 
     def compute_job(self, job: Job[Any]) -> None:
         started = time.perf_counter()
-        self.running = job
-        try:
-            value = self.perform(job)
-        except Exception as exc:
-            if not isinstance(exc, StatecoreError):
-                logger.exception("device job failed")
-            self.finish(job, Outcome(error=as_statecore(exc)))
-        else:
-            if not job.deferred:
-                self.finish(job, Outcome(value=value))
-        finally:
-            self.running = None
+        self.inbox.compute(job)
         self.profile.account("other_job", started)
-
-    def finish(self, job: Job[Any], result: Outcome[Any]) -> None:
-        """Hand a computed job its outcome, or undo it when its caller is gone."""
-        with job.lock:
-            job.outcome = result
-            abandoned = job.abandoned
-        if abandoned:
-            if result.error is None and job.undo is not None:
-                self.undo_abandoned(job)
-            return
-        if job.done is not None:
-            post(job.token, job.done.set)
-
-    def undo_abandoned(self, job: Job[Any]) -> None:
-        """Perform the undo of a job whose caller left after it ran (a cancel, now)."""
-        assert job.undo is not None
-        try:
-            self.perform(Job(job.undo, None))
-        except Exception:
-            logger.exception("undoing an abandoned job failed")
 
     def drop_abandoned_waiting(self) -> None:
         """Prompts whose caller left before their prefill finished stop taking steps."""
@@ -350,7 +280,7 @@ class DeviceLoop:
         """Publish the statistics first, so that a caller woken by its result sees them."""
         self.publish()
         for task, outcome in finished:
-            self.finish(task.job, outcome)
+            self.inbox.finish(task.job, outcome)
         for trio_token, items in deliveries.items():
             post(trio_token, deliver, items)
 
@@ -459,29 +389,13 @@ class DeviceLoop:
         elif record.phase in (EnginePhase.WAITING, EnginePhase.PREFILLING):
             assert record.task is not None
             self.choices.ended(record.task.sampler.sampling)
-            self.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(
+            self.inbox.finish(record.task.job, Outcome(error=StatecoreError(ErrorInfo(
                 Fault.CANCELLED, Code.CANCELLED, f"request {request_id!r} was cancelled"))))
 
     def die(self, error: StatecoreError) -> None:
         """Leave everything dead: fail the running and queued jobs, waiting prefills and live
         streams. Also called from trio when the watchdog abandons a stalled thread."""
-        running = self.running
-        if running is not None and running.done is not None:
-            running.outcome = Outcome(error=error)
-            post(running.token, running.done.set)
-        for taken in self.taken:
-            if isinstance(taken, Job) and taken.done is not None and taken.outcome is None:
-                taken.outcome = Outcome(error=error)
-                post(taken.token, taken.done.set)
-        self.taken = []
-        while True:
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(job, Job) and job.done is not None:
-                job.outcome = Outcome(error=error)
-                post(job.token, job.done.set)
+        self.inbox.fail_all(error)
         for task in self.waiting.values():
             if task.job is not None and task.job.done is not None:
                 task.job.outcome = Outcome(error=error)

@@ -170,7 +170,7 @@ def watch_follower(loop: LockstepLoop, thread: threading.Thread, stall_timeout_s
     for `stall_timeout_s` (> 0), or the local launcher (`parent`) is gone."""
     while thread.is_alive():
         thread.join(0.2)
-        silent = time.monotonic() - loop.progress_at
+        silent = time.monotonic() - loop.inbox.progress_at
         if stall_timeout_s > 0 and silent > stall_timeout_s and not loop.loading:
             logger.error("rank %d: no plan from rank 0 for %.1f s (--stall-timeout %g): exiting %d",
                          loop.tensor.rank, silent, stall_timeout_s, EXIT_RANK_LOST)
@@ -190,8 +190,9 @@ class LockstepLoop(DeviceLoop):
     """The device loop of one rank of a tensor-parallel instance (see the module's paragraph)."""
 
     def __init__(self, settings: Settings, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash],
-                 on_death: Callable[[StatecoreError], None], tensor: TensorGroup) -> None:
-        super().__init__(settings, queue_, on_death)
+                 tensor: TensorGroup) -> None:
+        super().__init__(settings, queue_)
+        self.inbox.undo_in_order = True  # a job abandoned after its plan went is undone in a later one
         self.tensor = tensor
         self.plans = 0  # plans broadcast (rank 0) or received (the others)
         self.stopped = False  # left the loop on rank 0's Stop
@@ -207,7 +208,7 @@ class LockstepLoop(DeviceLoop):
     def lead(self) -> None:
         while True:
             # Idle, an empty plan goes out every heartbeat.
-            jobs = self.take_jobs(wait=not (self.live or self.waiting or self.inflight),
+            jobs = self.inbox.take(wait=not (self.live or self.waiting or self.inflight),
                                   timeout=self.tensor.heartbeat_s)
             taken: list[Job[Any]] = []
             replicated: list[commands.Replicated] = []
@@ -220,27 +221,27 @@ class LockstepLoop(DeviceLoop):
                 if isinstance(job, Crash):
                     raise InjectedCrash("device loop crash injected by a test")
                 # Decided here for every rank: a job abandoned after this point still runs
-                # (its undo then travels in a later plan, `undo_abandoned`).
+                # (its undo then travels in a later plan: `Inbox.undo_in_order`).
                 if job.is_abandoned():
                     continue
                 taken.append(job)
                 if isinstance(job.command, commands.REPLICATED):
                     replicated.append(job.command)
             self.broadcast(lockstep.encode_plan(lockstep.Plan(tuple(replicated))))
-            self.progress_at = time.monotonic()
+            self.inbox.progress_at = time.monotonic()
             for job in taken:
                 self.compute_job(job)
-                self.progress_at = time.monotonic()
+                self.inbox.progress_at = time.monotonic()
             if stop:
                 self.stopped = True
                 return
             self.executor.step()
-            self.progress_at = time.monotonic()
+            self.inbox.progress_at = time.monotonic()
 
     def follow(self) -> None:
         while True:
             plan = lockstep.decode_plan(self.broadcast(None))
-            self.progress_at = time.monotonic()
+            self.inbox.progress_at = time.monotonic()
             if self.leader_state != self.state_digest():
                 raise DivergedRanks(
                     f"rank {self.tensor.rank} holds (live, waiting, held, arrivals) "
@@ -253,14 +254,9 @@ class LockstepLoop(DeviceLoop):
                 self.loading = isinstance(command, commands.Load)
                 self.compute_job(Job(command, None))
                 self.loading = False
-                self.progress_at = time.monotonic()
+                self.inbox.progress_at = time.monotonic()
             self.executor.step()
-            self.progress_at = time.monotonic()
-
-    def undo_abandoned(self, job: Job[Any]) -> None:
-        undo = job.undo
-        assert undo is not None
-        self.queue.put(Job(undo, None))  # undone on every rank, in the next plan
+            self.inbox.progress_at = time.monotonic()
 
     def drop_abandoned_waiting(self) -> None:
         """Not here: the caller's exit queues a Drop, which every rank applies in one plan."""

@@ -1,23 +1,24 @@
 """`MlxEngine`: the Engine port over mlx / mlx-lm, driven from trio, computed on one device thread.
 
-Every async method checks its arguments in trio (pure Python, `adapters.mlx.limits.checked_prompt` and
-its kin: token ids inside the vocabulary, sampling values in range; what a request may ask of the model,
-to fit its context say, the front end asks `statecore.policy` once, and peers only send what a front end
-accepted), builds what needs no device in worker threads (a payload's caches, a grammar), then posts the
-call as a command (`adapters.mlx.commands`) to the device thread, which performs it
-(`adapters.mlx.performer`) on its loop (`adapters.mlx.device.DeviceLoop`), and awaits the outcome
-without blocking the event loop; a tensor- or pipeline-parallel instance's other ranks perform the same
-commands. `prefill` queues the prompt for the scheduler and returns when its last chunk has produced the
-first token; `decode_held` and `install` put a cache into the decoder; `stream` yields the tokens after
-the first. What trio keeps for a request between its calls (its stream until `stream` reads it, a
-streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. Two ideas
-of the port live beside this facade, which hands their calls on: KV arriving from another node is
-built and checked in `adapters.mlx.arriving`, and the prefix cache's calls (its summary, its blocks
-leaving and arriving, eviction) are `adapters.mlx.prefix_port`'s. A caller
-cancelled while its command waits gets it skipped; one cancelled after it ran gets its effect undone
-(`commands.undo_of`), so a cancellation never leaks a cache. An exception escaping the device loop kills
-the engine: `statistics().device_thread_alive` turns False and every later call raises `ENGINE_FAILED`
-(`cancel` and `release_held` stay quiet no-ops). See docs/engine.md.
+Every async method checks its arguments in trio (`checked_prompt`, `checked_token`: what
+`statecore.policy.engine_request` and `token_ids` take, token ids inside the vocabulary and sampling
+values in range; what a request may ask of the model, to fit its context say, the front end asks
+`statecore.policy` once, and peers only send what a front end accepted), builds what needs no device in
+worker threads (a payload's caches, a grammar), then posts the call as a command
+(`adapters.mlx.commands`) to the device thread, which performs it (`adapters.mlx.performer`) on its loop
+(`adapters.mlx.device.DeviceLoop`), and awaits the outcome without blocking the event loop; a tensor- or
+pipeline-parallel instance's other ranks perform the same commands. `prefill` queues the prompt for the
+scheduler and returns when its last chunk has produced the first token; `decode_held` and `install` put
+a cache into the decoder; `stream` yields the tokens after the first. What trio keeps for a request
+between its calls (its stream until `stream` reads it, a streamed prefill's handout while it runs, a
+streamed handoff's pieces until the install) is its one record in `adapters.mlx.callers`. Two ideas of
+the port live beside this facade, which hands their calls on: KV arriving from another node is built and
+checked in `adapters.mlx.arriving`, and the prefix cache's calls (its summary, its blocks leaving and
+arriving, eviction) are `adapters.mlx.prefix_port`'s. A caller cancelled while its command waits gets it
+skipped; one cancelled after it ran gets its effect undone (`commands.undo_of`), so a cancellation never
+leaks a cache. An exception escaping the device loop kills the engine:
+`statistics().device_thread_alive` turns False and every later call raises `ENGINE_FAILED` (`cancel` and
+`release_held` stay quiet no-ops). See docs/engine.md.
 This is an adapter: nothing in `statecore` or `effects` may import it.
 """
 
@@ -47,8 +48,8 @@ from adapters.mlx.distributed import (
     refuse_pipelined_handoff,
 )
 from adapters.mlx.jobs import DeviceThread, Local, StreamSend, engine_failed, engine_lost
-from adapters.mlx.kv_out import PieceHandout, pieces_of, segment_sink
-from adapters.mlx.limits import EngineOptions, checked_prompt, checked_token, engine_settings
+from adapters.mlx.kv_out import pieces_of, segment_sink
+from adapters.mlx.limits import EngineOptions, engine_settings
 from adapters.mlx.load_on_device import ModelSource
 from adapters.mlx.memory import (
     out_of_memory_advice,
@@ -75,14 +76,35 @@ from effects.engine_port import (
     SamplingParams,
     SegmentSink,
 )
-from statecore.errors import StatecoreError
+from statecore.errors import StatecoreError, client_error
 from statecore.ids import RequestId
+from statecore.policy import engine_request, token_ids
 
-__all__ = ["MlxEngine"]
+__all__ = ["MlxEngine", "checked_prompt", "checked_token"]
 
 logger = logging.getLogger("adapters.engine_mlx")
 
 _T = TypeVar("_T")
+
+
+def checked_prompt(prompt: Sequence[int], sampling: SamplingParams, info: ModelInfo) -> list[int]:
+    """A request's prompt as token ids, taken with its sampling values by
+    `statecore.policy.engine_request`; its refusal raised as a client error."""
+    return _taken(engine_request(prompt, info.vocab_size, max_tokens=sampling.max_tokens,
+                                 temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k))
+
+
+def checked_token(token: int, what: str, info: ModelInfo) -> int:
+    """A token id as a Python int inside the vocabulary (`statecore.policy.token_ids`)."""
+    return _taken(token_ids((token,), info.vocab_size, what))[0]
+
+
+def _taken(checked: list[int] | str) -> list[int]:
+    if isinstance(checked, str):
+        raise StatecoreError(client_error(checked))
+    return checked
+
 
 class MlxEngine:
     """The Engine port over mlx-lm. Build with `await MlxEngine.load(model_dir, ...)`."""
@@ -97,15 +119,14 @@ class MlxEngine:
         # trio side: each request's streams and pieces between its calls (`adapters.mlx.callers`)
         self._callers = Callers()
         self.stream_sends: Callable[[RequestId], StreamSend] | None = None  # set by a core process
-        self._device = (DeviceLoop(settings, self._thread.queue, self._thread.die) if tensor is None
-                        else LockstepLoop(settings, self._thread.queue, self._thread.die, tensor))
+        self._device = (DeviceLoop(settings, self._thread.queue) if tensor is None
+                        else LockstepLoop(settings, self._thread.queue, tensor))
         self._performer = Performer(self._device, settings, source)
         self._device.publish = self._performer.publish
         self._device.cache_bytes = self._performer.cache_bytes
-        self._device.perform = self._performer.perform
+        self._device.inbox.perform = self._performer.perform
         self._arriving = ArrivingKv(self._callers, self._device, self._post,
                                     lambda: (self._performer.classes, self.info.fingerprint))
-        self._handouts: dict[RequestId, PieceHandout] = {}  # streamed prefills under way, by request
         self._prefixes = PrefixPort(self._thread, self._device, self._performer, settings,
                                     lambda: self._running_info, parallel=tensor is not None)
         self._thread.start(self._device.run)
@@ -219,18 +240,13 @@ class MlxEngine:
         sink = (segment_sink(segments, trio_token, self.info.fingerprint, request_id,
                              device=device_pieces and self.info.device_pieces)
                 if cuts and segments is not None else None)
-        if sink is not None:
-            self._handouts[request_id] = sink
-        try:
+        with self._callers.handing_out(request_id, sink):
             outcome: PrefillOutcome = await self._post(commands.Prefill(request_id, tuple(tokens), sampling),
                                                        Local(matcher=matcher, segment_sink=sink))
-        finally:
-            self._handouts.pop(request_id, None)
         return outcome
 
     async def send_pieces_on_device(self, request_id: RequestId) -> bool:
-        handout = self._handouts.get(request_id)
-        return handout is not None and self.info.device_pieces and handout.on_device()
+        return self.info.device_pieces and self._callers.pieces_on_device(request_id)
 
     async def export_held(self, request_id: RequestId) -> KvPieces:
         if self._pipelined:
@@ -313,7 +329,7 @@ class MlxEngine:
 
     def statistics(self) -> EngineStatistics:
         device = self._device
-        stalled = device.stalled_s() if self._thread.alive else 0.0
+        stalled = device.inbox.stalled_s() if self._thread.alive else 0.0
         return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
                        arriving=self._callers.arriving + len(device.slots.staged),
                        kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,

@@ -9,7 +9,9 @@ device. A job whose caller was cancelled is `abandoned`: skipped if it has not r
 command's undo (`commands.undo_of`) if it has (a registered prefill at once), so a cancellation
 never leaks a cache. Stream items (tokens, or one error) go out the same way, in one message per
 step and event loop. Once the thread dies, is abandoned by the watchdog or the engine closes,
-every later post raises ENGINE_FAILED. This module imports trio; it must never import mlx.
+every later post raises ENGINE_FAILED. `Inbox` is the device thread's end of the queue: jobs
+taken, performed, finished or undone, failed when the loop dies, and the watchdog's one reading of
+the loop's progress. This module imports trio; it must never import mlx.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,8 +33,8 @@ from effects.engine_port import GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 
 __all__ = [
-    "Crash", "DeviceThread", "Job", "Local", "Outcome", "Stop", "StreamItem", "StreamSend", "as_statecore",
-    "deliver", "engine_failed", "engine_lost", "post",
+    "Crash", "DeviceThread", "Inbox", "Job", "Local", "Outcome", "Stop", "StreamItem", "StreamSend",
+    "as_statecore", "deliver", "engine_failed", "engine_lost", "post",
 ]
 
 logger = logging.getLogger("adapters.engine_mlx")
@@ -247,3 +250,106 @@ class DeviceThread:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(partial(thread.join, timeout_s))
         return not thread.is_alive()
+
+
+class Inbox:
+    """The device thread's end of the job queue. Only the device thread calls it, but for
+    `stalled_s` (any thread) and `fail_all` (also trio's, when the watchdog abandons the thread)."""
+
+    def __init__(self, queue_: queue.SimpleQueue[Job[Any] | Stop | Crash]) -> None:
+        self.queue = queue_
+        # Performs a job's command (`adapters.mlx.performer.Performer.perform`, set by the engine)
+        self.perform: Callable[[Job[Any]], Any] = lambda job: None
+        # A lockstep instance's ranks undo a job whose caller left in a later plan, all of them:
+        # its undo is queued then, not performed at once.
+        self.undo_in_order = False
+        self.running: Job[Any] | None = None  # the job being computed now
+        # What the last `take` took off the queue: a job not yet computed when the loop dies
+        # (a Stop before it, a tensor-parallel broadcast that failed or hangs) fails with it.
+        self.taken: list[Job[Any] | Stop | Crash] = []
+        self.idle = False  # waiting for a job with nothing live (the watchdog's "not stalled")
+        self.progress_at = time.monotonic()  # the last finished job or step
+
+    def take(self, *, wait: bool, timeout: float | None) -> list[Job[Any] | Stop | Crash]:
+        """Every job queued now; with `wait` (nothing to compute), first the next one to come, or
+        none after `timeout` seconds (None: as long as it takes)."""
+        jobs: list[Job[Any] | Stop | Crash] = []
+        self.taken = jobs  # (the last take's jobs, done now, are not held while this one waits)
+        if wait:
+            self.idle = True
+            with contextlib.suppress(queue.Empty):
+                jobs.append(self.queue.get(timeout=timeout))
+            # progress_at before idle: a reader that sees busy also sees a fresh start time.
+            self.progress_at = time.monotonic()
+            self.idle = False
+        while True:
+            try:
+                jobs.append(self.queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has been busy without finishing a job or a step (0 while it waits
+        for work). Read from any thread: the watchdog's one input."""
+        if self.idle:
+            return 0.0
+        return max(0.0, time.monotonic() - self.progress_at)
+
+    def compute(self, job: Job[Any]) -> None:
+        """Perform the job's command; its outcome to its caller (a prefill's comes with its first
+        token: the steps finish it)."""
+        self.running = job
+        try:
+            value = self.perform(job)
+        except Exception as exc:
+            if not isinstance(exc, StatecoreError):
+                logger.exception("device job failed")
+            self.finish(job, Outcome(error=as_statecore(exc)))
+        else:
+            if not job.deferred:
+                self.finish(job, Outcome(value=value))
+        finally:
+            self.running = None
+
+    def finish(self, job: Job[Any], result: Outcome[Any]) -> None:
+        """Hand a computed job its outcome, or undo it when its caller is gone."""
+        with job.lock:
+            job.outcome = result
+            abandoned = job.abandoned
+        if abandoned:
+            if result.error is None and job.undo is not None:
+                self._undo(job)
+            return
+        if job.done is not None:
+            post(job.token, job.done.set)
+
+    def _undo(self, job: Job[Any]) -> None:
+        """Perform the undo of a job whose caller left after it ran (a cancel, now)."""
+        assert job.undo is not None
+        if self.undo_in_order:
+            self.queue.put(Job(job.undo, None))
+            return
+        try:
+            self.perform(Job(job.undo, None))
+        except Exception:
+            logger.exception("undoing an abandoned job failed")
+
+    def fail_all(self, error: StatecoreError) -> None:
+        """The loop is dead: the running job, those taken and those still queued fail with `error`."""
+        running = self.running
+        if running is not None and running.done is not None:
+            running.outcome = Outcome(error=error)
+            post(running.token, running.done.set)
+        for taken in self.taken:
+            if isinstance(taken, Job) and taken.done is not None and taken.outcome is None:
+                taken.outcome = Outcome(error=error)
+                post(taken.token, taken.done.set)
+        self.taken = []
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job) and job.done is not None:
+                job.outcome = Outcome(error=error)
+                post(job.token, job.done.set)

@@ -1,17 +1,13 @@
-"""What the engine accepts, checked before anything reaches the device thread: its settings
-(`engine_settings`, from `MlxEngine.load`'s arguments: `EngineOptions`, documented, defaulted and
-checked here) and a request's arguments (`checked_prompt`, `checked_prefix`, `checked_token`: token
-ids inside the vocabulary, sampling values in range), which `MlxEngine` asks at its door. What a
-request may ask of the model (that it fits the context) is not decided here: the front end asks
-`statecore.policy` once, and peers only send what a front end accepted. A refusal is a client
-error (`StatecoreError` with its code). This module imports mlx only through what it calls to pick
+"""The engine's settings, checked before anything reaches the device thread: `engine_settings`,
+from `MlxEngine.load`'s arguments (`EngineOptions`, documented, defaulted and checked here). A
+request's arguments are not checked here: `statecore.policy` decides what an engine takes of one
+(`engine_request`, `token_ids`), which `MlxEngine` asks at its door. A refusal is a client error
+(`StatecoreError` with its code). This module imports mlx only through what it calls to pick
 defaults (the backend, the host's memory); it must never import trio.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
@@ -23,7 +19,6 @@ from adapters.mlx.memory import default_kv_memory_bytes
 from adapters.mlx.prefill import default_chunk_tokens, default_shape_bucket, on_cuda
 from adapters.mlx.prefix_cache import HOST_PULL_MODES, default_host_bytes
 from adapters.mlx.settings import Settings
-from effects.engine_port import ModelInfo, SamplingParams
 from statecore.errors import StatecoreError, client_error
 from statecore.prefix import MESSAGE_BLOCKS
 from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE, default_step_tokens
@@ -31,10 +26,6 @@ from statecore.scheduling import STEP_TARGET_FLOOR_MULTIPLE, default_step_tokens
 __all__ = [
     "PREFILL_MEMORY_CAP_MODES",
     "EngineOptions",
-    "checked_prefix",
-    "checked_prompt",
-    "checked_token",
-    "checked_tokens",
     "engine_settings",
 ]
 
@@ -292,52 +283,3 @@ def engine_settings(
 
 
 # A request's arguments at the engine's door (`MlxEngine` checks each call's); a refusal is a client error.
-
-
-def checked_token(token: object, what: str, info: ModelInfo) -> int:
-    """A token id as a Python int (numpy integers welcome), inside the vocabulary."""
-    try:
-        if isinstance(token, bool):
-            raise TypeError
-        value = operator.index(token)  # type: ignore[arg-type]
-    except TypeError:
-        raise StatecoreError(client_error(f"{what} {token!r} is not an integer")) from None
-    vocab = info.vocab_size
-    if not 0 <= value < vocab:
-        raise StatecoreError(client_error(f"{what} {value} is outside the vocabulary of {vocab}"))
-    return value
-
-
-def checked_tokens(tokens: Sequence[int], what: str, info: ModelInfo) -> list[int]:
-    """Token ids as Python ints inside the vocabulary (`checked_token` each). Plain ints in range,
-    the usual case, are found so by C-level passes (a type set, min, max): a token at a time cost
-    ~1.3 ms of every 8,000-token prompt's first token; anything else is checked a token at a time,
-    whose error names the first token at fault."""
-    checked = list(tokens)
-    if checked and set(map(type, checked)) == {int} and min(checked) >= 0 and max(checked) < info.vocab_size:
-        return checked
-    return [checked_token(token, what, info) for token in checked]
-
-
-def checked_prompt(prompt: Sequence[int], sampling: SamplingParams, info: ModelInfo) -> list[int]:
-    """A request's prompt as token ids, and its sampling parameters, checked."""
-    tokens = checked_tokens(prompt, "prompt token", info)
-    if not tokens:
-        raise StatecoreError(client_error("the prompt is empty"))
-    if sampling.max_tokens < 1:
-        raise StatecoreError(client_error("max_tokens must be >= 1"))
-    if sampling.temperature < 0.0 or sampling.temperature != sampling.temperature:
-        raise StatecoreError(client_error("temperature must be >= 0"))
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise StatecoreError(client_error("top_p must be in (0, 1]"))
-    if sampling.top_k < 0:
-        raise StatecoreError(client_error("top_k must be >= 0"))
-    return tokens
-
-
-def checked_prefix(tokens: Sequence[int], info: ModelInfo) -> list[int]:
-    """A prefix's tokens (another node's prefix-cache blocks of a prompt), checked."""
-    checked = checked_tokens(tokens, "prefix token", info)
-    if not checked:
-        raise StatecoreError(client_error("the prefix is empty"))
-    return checked

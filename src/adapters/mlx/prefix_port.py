@@ -21,12 +21,12 @@ from adapters.mlx import commands
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.jobs import DeviceThread, Local
 from adapters.mlx.kv_out import pieces_of
-from adapters.mlx.limits import checked_prefix
 from adapters.mlx.payloads import validate_prefix
 from adapters.mlx.performer import Performer
 from adapters.mlx.settings import Settings
 from effects.engine_port import KvBytes, KvPieces, ModelInfo, PrefixSummary, no_prefix_cache
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.policy import token_ids
 from statecore.prefix import conversation_block_bounds
 
 __all__ = ["PrefixPort"]
@@ -46,7 +46,7 @@ class PrefixPort:
         self._parallel = parallel
 
     async def export_prefix(self, tokens: Sequence[int]) -> KvPieces:
-        checked = checked_prefix(tokens, self._running_info())
+        checked = _checked_prefix(tokens, self._running_info())
         if self._parallel:
             raise _refuse_prefix_move("send")
         tensors: frames.HostTensors = await self._thread.post(commands.ExportPrefix(tuple(checked)))
@@ -54,7 +54,7 @@ class PrefixPort:
 
     async def import_prefix(self, payload: KvBytes, tokens: Sequence[int]) -> int:
         info = self._running_info()
-        checked = checked_prefix(tokens, info)
+        checked = _checked_prefix(tokens, info)
         if self._parallel:
             raise _refuse_prefix_move("receive")
         if self._device.prefix is None:
@@ -102,3 +102,12 @@ def _refuse_prefix_move(what: str) -> StatecoreError:
         Fault.UNSUPPORTED, Code.UNSUPPORTED_CACHE,
         f"a tensor- or pipeline-parallel instance does not {what} prefix-cache blocks: its ranks hold "
         "shares of each cache (the wire carries whole layers), so they would need a gather first"))
+
+
+def _checked_prefix(tokens: Sequence[int], info: ModelInfo) -> list[int]:
+    """A prefix's tokens (another node's blocks of a prompt) as `statecore.policy.token_ids` takes
+    them; a refusal, or no token, raised as a client error."""
+    checked = token_ids(tokens, info.vocab_size, "prefix token")
+    if isinstance(checked, str) or not checked:
+        raise StatecoreError(client_error(checked if isinstance(checked, str) else "the prefix is empty"))
+    return checked
