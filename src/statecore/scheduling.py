@@ -261,9 +261,10 @@ budget beside streams is seconds long (2,048 tokens of a 23 M model in bf16: ~20
 of prompts arriving together made every stream that had started wait whole such steps: realish
 at 32, a stream's gap p99 34-88x mlx_lm.server's. At 2 a step gives its prefill about the decode
 step's time and at least one unit; with units inside a layer (`prefill_units`' inner points) that
-holds (the 23 M llama in float32, realish: gap p99 0.22-0.52x mlx_lm.server's, TTFT p50 0.37-0.93x).
-At 4 TTFT p50 was 0.69x 2's at 8 and 1.04x at 32, but the gap p99 1.27-1.34x, and at 32 820-1126 ms
-against whole-layer units at 2's 560-584 in another run (docs/performance.md, "Serving on the CPU")."""
+holds (the 23 M llama in float32, realish, medians of 2 reps: gap p99 0.22-0.52x mlx_lm.server's,
+TTFT p50 0.30-0.93x). At 4 TTFT p50 was 0.69x 2's at 8 and 1.04x at 32, but the gap p99 1.27-1.34x,
+and at 32 820-1126 ms against whole-layer units at 2's 560-584 in another run (docs/performance.md,
+"Serving on the CPU")."""
 
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 
