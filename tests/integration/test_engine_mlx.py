@@ -1626,6 +1626,19 @@ async def test_a_transient_error_first_seen_while_isolating_a_poisoned_row_fails
     assert engine.statistics().rows_isolated == 1
 
 
+class ThirdDecodeStepFails:
+    """A model call hook: once `armed`, the third decode step's call is `failing` (for
+    `FailingAttention`)."""
+
+    def __init__(self) -> None:
+        self.armed, self.decode_calls, self.failing = False, 0, False
+
+    def hook(self, stage: str, request_ids: Sequence[str]) -> None:
+        if self.armed and stage == "decode":
+            self.decode_calls += 1
+        self.failing = self.armed and stage == "decode" and self.decode_calls == 3
+
+
 async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_decodes_on_exactly(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1643,19 +1656,13 @@ async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_
     expected = await run_together(clean, after, sampling)
     expected_held = await single(clean, RequestId("h"), held_prompt, SEEDED)
 
-    armed, decode_calls, failing = [False], [0], [False]
-
-    def hook(stage: str, request_ids: Sequence[str]) -> None:
-        if armed[0] and stage == "decode":
-            decode_calls[0] += 1
-        failing[0] = armed[0] and stage == "decode" and decode_calls[0] == 3
-
-    engine = await open_engine(path, model_call_hook=hook)
-    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    third = ThirdDecodeStepFails()
+    engine = await open_engine(path, model_call_hook=third.hook)
+    fault = FailingAttention(monkeypatch, lambda: third.failing, leaves_nan=True)
     held = await engine.prefill(RequestId("h"), held_prompt, SEEDED)
-    armed[0] = True
+    third.armed = True
     got = await run_together(engine, failed_rows, GREEDY)
-    assert fault.fired and decode_calls[0] >= 3
+    assert fault.fired and third.decode_calls >= 3
     for rid in failed_rows:
         error = got[rid]
         assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
@@ -1680,25 +1687,19 @@ async def test_a_slot_pool_that_cannot_be_allocated_again_fails_its_rows_and_the
     clean = await open_engine(path)
     expected = await run_together(clean, after, sampling)
 
-    armed, decode_calls, failing = [False], [0], [False]
-
-    def hook(stage: str, request_ids: Sequence[str]) -> None:
-        if armed[0] and stage == "decode":
-            decode_calls[0] += 1
-        failing[0] = armed[0] and stage == "decode" and decode_calls[0] == 3
-
-    engine = await open_engine(path, model_call_hook=hook)
-    fault = FailingAttention(monkeypatch, lambda: failing[0], leaves_nan=True)
+    third = ThirdDecodeStepFails()
+    engine = await open_engine(path, model_call_hook=third.hook)
+    fault = FailingAttention(monkeypatch, lambda: third.failing, leaves_nan=True)
     refused = [0]
 
     def out_of_memory(shape: Any, dtype: Any) -> Any:  # from the failed step on, while armed
-        if fault.fired and armed[0]:
+        if fault.fired and third.armed:
             refused[0] += 1
             raise RuntimeError("[cuda::malloc] out of memory (a test's)")
         return mx.zeros(shape, dtype)
 
     monkeypatch.setattr(slots, "zeroed", out_of_memory)
-    armed[0] = True
+    third.armed = True
     with caplog.at_level(logging.WARNING, logger="adapters.engine_mlx"):
         got = await run_together(engine, failed_rows, GREEDY)
     assert fault.fired and refused[0] >= 1
@@ -1706,7 +1707,7 @@ async def test_a_slot_pool_that_cannot_be_allocated_again_fails_its_rows_and_the
         error = got[rid]
         assert isinstance(error, StatecoreError) and error.info.code is Code.ENGINE_FAILED, error
     assert any("could not be allocated again" in message for message in caplog.messages)
-    armed[0] = False
+    third.armed = False
     assert await run_together(engine, after, sampling) == expected
     assert engine.statistics().device_thread_alive
 

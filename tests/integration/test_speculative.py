@@ -19,7 +19,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from adapters.mlx import MlxEngine
 from adapters.mlx.draft_model import DraftModel
 from adapters.mlx.sampling import PositionSampler
-from adapters.mlx.speculative import PROBE_STAGE
+from adapters.mlx.speculation_probes import PROBE_STAGE
 from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId

@@ -1,27 +1,104 @@
-"""The load check's probes for speculative decoding (`adapters.mlx.speculative.Speculator.measure`):
-a short prompt's cache, and the model's calls on it computed two ways that must agree to the bit
-before speculation serves: an ordinary step at each row count (which counts compute a row alike),
-a verify step against the same tokens fed one step at a time, and the prompt's last call carrying
-drafts against the last token alone and single steps after it. Each runs on a small pool laid out
-as the node's. This module imports mlx and mlx_lm; never trio, never the device loop (seen as a
-`LaneHost`).
+"""The load check of speculative decoding (`load_check`, which `Speculator.measure` runs): whether
+speculation can be exact on this device and BLAS, and how many drafts a verify step may carry. Its
+probes: a short prompt's cache, and the model's calls on it computed two ways that must
+agree to the bit before speculation serves: an ordinary step at each row count (which counts
+compute a row alike), a verify step against the same tokens fed one step at a time, and the
+prompt's last call carrying drafts against the last token alone and single steps after it. Each
+runs on a small pool laid out as the node's, never the node's own. This module imports mlx and
+mlx_lm; never trio, never the device loop (seen as a `LaneHost`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax
 from adapters.mlx.slots import SlotPool
+from statecore.speculation import draft_room, row_classes
 
-__all__ = ["PROBE_TOKENS", "last_call_equals_today", "probe_prompt", "probe_row",
-           "verify_equals_single_steps"]
+if TYPE_CHECKING:
+    from adapters.mlx.draft_model import DraftModel
 
+__all__ = ["PROBE_STAGE", "PROBE_TOKENS", "LoadCheck", "last_call_equals_today", "load_check",
+           "probe_prompt", "probe_row", "verify_equals_single_steps"]
+
+logger = logging.getLogger("adapters.engine_mlx")
+
+PROBE_STAGE = "speculation_check"  # the stage the test hook sees in the load check's model calls
 PROBE_TOKENS = 24  # the probe prompt: a few positions, so attention reads real keys
+_EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheck:
+    """What the load check found: the row counts computing a row alike (`row_classes`), the drafts
+    a prompt's last call may carry (0: the last token goes alone), or why speculation is off."""
+
+    classes: tuple[int, ...] = ()
+    first_room: int = 0
+    off_reason: str | None = None
+
+
+def load_check(loop: LaneHost, pipelined: bool, mode: str, max_rows: int, num_draft_tokens: int,
+               draft: DraftModel | None) -> LoadCheck:
+    """Which row counts compute a row alike on this device and BLAS, and whether a verify step
+    then equals single steps (else, or where the node cannot speculate at all, `pipelined` for a
+    pipeline- or tensor-parallel instance, the reason it is off, logged). A check that raises (a
+    kernel this device cannot launch for a verify row's shapes, or the draft model's) turns
+    speculation off: the node serves without it rather than not at all."""
+    pool = loop.pool
+    off: str | None = None
+    if pool is None:
+        off = "the model decodes outside the slot layout (speculation runs in it only)"
+    elif loop.compiled is not None:
+        off = ("the traced decode step (--compile-decode) computes other bits than a verify step; "
+               "speculation needs --compile-decode off")
+    elif pipelined:
+        off = "pipeline- and tensor-parallel instances do not speculate"
+    if off is not None or pool is None:
+        return _off(off or "")
+    most = min(pool.num_slots, max_rows * (num_draft_tokens + 1) + _EXTRA_COUNTS)
+    loop.computing = (PROBE_STAGE, ())
+    try:
+        with mx.stream(generation_stream):
+            if draft is not None:
+                draft.check()
+            cache, last = probe_prompt(loop.model)
+            rows = [probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
+            equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
+            classes = row_classes(equal)
+            room = draft_room(classes, 1, 1, num_draft_tokens)
+            exact = room == 0 or verify_equals_single_steps(loop, pool, cache, last, room)
+            first_exact = exact and room > 0 and last_call_equals_today(loop, pool, room)
+    except Exception as exc:
+        what = "a verify step" if draft is None else "a verify step or the draft model"
+        return _off(f"the load check raised {type(exc).__name__}: {exc} (this device cannot compute "
+                    f"{what} for this model)")
+    finally:
+        loop.computing = ("", ())
+    if not exact:
+        return _off("a verify step's rows differ from single steps on this device (load check)")
+    if draft_room(classes, 1, 1, 1) == 0:
+        return _off("on this device and BLAS a step of two rows computes a lone row's numbers "
+                    "differently, so no verify step could be exact")
+    logger.info("speculative decoding (%s): a lone row's verify step carries up to %d draft "
+                "tokens (row counts computing alike: %s)", mode, room, classes)
+    if not first_exact:
+        logger.warning("a prompt's last call computes its rows differently with drafts on this "
+                       "device (load check): the last token goes alone, the first verify step after it")
+    return LoadCheck(classes, room if first_exact else 0)
+
+
+def _off(reason: str) -> LoadCheck:
+    logger.warning("speculative decoding is off: %s", reason)
+    return LoadCheck(off_reason=reason)
 
 
 def last_call_equals_today(loop: LaneHost, pool: SlotPool, drafts: int) -> bool:

@@ -43,31 +43,17 @@ from adapters.mlx.jobs import engine_failed
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.rows import LaneHost
 from adapters.mlx.sampling import log_softmax, sample
-from adapters.mlx.speculation_probes import (
-    last_call_equals_today,
-    probe_prompt,
-    probe_row,
-    verify_equals_single_steps,
-)
+from adapters.mlx.speculation_probes import load_check
 from statecore.errors import StatecoreError
-from statecore.speculation import (
-    NgramIndex,
-    SpeculationPace,
-    draft_room,
-    kept_drafts,
-    row_classes,
-)
+from statecore.speculation import NgramIndex, SpeculationPace, draft_room, kept_drafts
 
 if TYPE_CHECKING:
     from adapters.mlx.draft_model import DraftModel
     from adapters.mlx.rows import Live
 
-__all__ = ["PROBE_STAGE", "SpeculationHost", "Speculator"]
+__all__ = ["SpeculationHost", "Speculator"]
 
 logger = logging.getLogger("adapters.engine_mlx")
-
-PROBE_STAGE = "speculation_check"  # the stage the test hook sees in the load check's model calls
-_EXTRA_COUNTS = 8  # row counts measured past the largest verify step (a row in a higher slot)
 
 
 class SpeculationHost(LaneHost, Protocol):
@@ -134,59 +120,10 @@ class Speculator:
     # -- at load -------------------------------------------------------------------------------
 
     def measure(self, loop: SpeculationHost) -> None:
-        """Which row counts compute a row alike on this device and BLAS, and whether a verify
-        step then equals single steps; sets `off_reason` when speculation cannot be exact here."""
-        pool = loop.pool
-        if pool is None:
-            self.off_reason = "the model decodes outside the slot layout (speculation runs in it only)"
-        elif loop.compiled is not None:
-            self.off_reason = ("the traced decode step (--compile-decode) computes other bits than "
-                               "a verify step; speculation needs --compile-decode off")
-        elif loop.pipelined:
-            self.off_reason = "pipeline- and tensor-parallel instances do not speculate"
-        if self.off_reason is not None or pool is None:
-            logger.warning("speculative decoding is off: %s", self.off_reason)
-            return
-        most = min(pool.num_slots, self.max_rows * (self.num_draft_tokens + 1) + _EXTRA_COUNTS)
-        loop.computing = (PROBE_STAGE, ())
-        try:
-            with mx.stream(generation_stream):
-                if self.draft is not None:
-                    self.draft.check()
-                cache, last = probe_prompt(loop.model)
-                rows = [probe_row(loop, pool, cache, last, count) for count in range(1, most + 1)]
-                equal = [[bool(mx.array_equal(a, b).item()) for b in rows] for a in rows]
-                self.classes = row_classes(equal)
-                room = draft_room(self.classes, 1, 1, self.num_draft_tokens)
-                exact = room == 0 or verify_equals_single_steps(loop, pool, cache, last, room)
-                first_exact = exact and room > 0 and last_call_equals_today(loop, pool, room)
-        except Exception as exc:
-            # A kernel this device cannot launch for a verify row's shapes (or the draft model's):
-            # the node serves without speculation rather than not at all. The probes ran in
-            # pools of their own: the node's is untouched.
-            self.classes = ()
-            what = "a verify step" if self.draft is None else "a verify step or the draft model"
-            self.off_reason = (f"the load check raised {type(exc).__name__}: {exc} (this device "
-                               f"cannot compute {what} for this model)")
-            logger.warning("speculative decoding is off: %s", self.off_reason)
-            return
-        finally:
-            loop.computing = ("", ())
-        if not exact:
-            self.off_reason = "a verify step's rows differ from single steps on this device (load check)"
-        elif draft_room(self.classes, 1, 1, 1) == 0:
-            self.off_reason = ("on this device and BLAS a step of two rows computes a lone row's numbers "
-                               "differently, so no verify step could be exact")
-        if self.off_reason is not None:
-            logger.warning("speculative decoding is off: %s", self.off_reason)
-            return
-        logger.info("speculative decoding (%s): a lone row's verify step carries up to %d draft "
-                    "tokens (row counts computing alike: %s)", self.mode, room, self.classes)
-        if first_exact:
-            self.first_room = room
-        else:
-            logger.warning("a prompt's last call computes its rows differently with drafts on this "
-                           "device (load check): the last token goes alone, the first verify step after it")
+        """The load check (`adapters.mlx.speculation_probes.load_check`): which row counts compute
+        a row alike, how many drafts a prompt's last call may carry, or why speculation is off."""
+        found = load_check(loop, loop.pipelined, self.mode, self.max_rows, self.num_draft_tokens, self.draft)
+        self.classes, self.first_room, self.off_reason = found.classes, found.first_room, found.off_reason
 
     # -- rows ----------------------------------------------------------------------------------
 
