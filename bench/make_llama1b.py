@@ -12,6 +12,7 @@ few), and every matmul keeps the real model's size.
 
     python3 bench/make_llama1b.py /tmp/llama1b            # on the GPU machine: a few seconds
     python3 bench/make_llama1b.py /tmp/small --hidden-size 256 --layers 2 --vocab 4096  # CPU test
+    python3 bench/make_llama1b.py /tmp/cpu23m --hidden-size 512 --layers 6 --vocab 512 --dtype float32
 
 Bench code: may import anything; nothing under src/ imports it.
 """
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the weights' type (float32: what a CPU user runs; bf16 is slow on a CPU)")
     args = parser.parse_args(argv)
     from support.tiny_models import build_tokenizer
 
@@ -114,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out_dir, "bpe")
     weights = random_weights(config, args.seed, text_ids(args.out_dir))
+    if args.dtype != "bfloat16":  # drawn in bf16 either way: the same numbers, widened
+        config["torch_dtype"] = args.dtype
+        weights = {name: value.astype(getattr(mx, args.dtype)) for name, value in weights.items()}
     mx.save_safetensors(str(args.out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (args.out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     params = sum(w.size for w in weights.values())

@@ -5,8 +5,9 @@ from the measured step rates (the default target: 16 steps without prefill) shri
 worst gap, and what does it cost on the realish mix? Setups, the same engine but for the target:
 *target* (the default, or --target-ms), *fixed* (`step_target_ms` 0: the configured budget, 2,048
 prefill tokens a step, every step), and with --floors one more per multiple (`floors4`: the
-default target at 4 decode steps, a decode node's). Each repetition runs them all, alternating
-the order.
+default target at 4 decode steps, a decode node's). With --layer-units, each target setup once
+more with units of whole layers (`-layers`: the model's inner points left unmarked, as before a
+unit could stop inside a layer). Each repetition runs them all, alternating the order.
 
 - burst: --streams greedy streams (64-token prompts, ignore_eos) decode; once each has streamed
   8 tokens, --long-requests prompts of --long-prompt tokens arrive one after another (each sent as
@@ -183,17 +184,25 @@ def measure(args: argparse.Namespace, model: Path, name: str, setup: dict[str, A
     other setups' at a barrier, so that they share the cores through the same phases)."""
     from engine_realish import run as realish
 
+    from adapters.mlx import loop_setup
+
+    setup, marked = dict(setup), vars(loop_setup)["mark_inner_points"]
+    if setup.pop("whole_layers", False):  # the units of whole layers: no inner point marked
+        setattr(loop_setup, "mark_inner_points", lambda model, layers: 0)  # noqa: B010 (a bench's patch)
     if barrier is not None:
         barrier.wait()
     measured: dict[str, float] = {}
-    if not args.skip_burst:
-        measured = burst(model, setup, args.streams, args.long_prompt, args.long_requests, rep)
-    if args.skip_realish:
-        return measured
-    if barrier is not None:
-        barrier.wait()
-    with StepLog() as log:
-        mix = realish(model, args.concurrency, args.seconds, setup, on_measure=log.steps.clear)
+    try:
+        if not args.skip_burst:
+            measured = burst(model, setup, args.streams, args.long_prompt, args.long_requests, rep)
+        if args.skip_realish:
+            return measured
+        if barrier is not None:
+            barrier.wait()
+        with StepLog() as log:
+            mix = realish(model, args.concurrency, args.seconds, setup, on_measure=log.steps.clear)
+    finally:
+        setattr(loop_setup, "mark_inner_points", marked)  # noqa: B010
     if args.step_log is not None:
         args.step_log.mkdir(parents=True, exist_ok=True)
         with (args.step_log / f"realish-{rep}-{name}.jsonl").open("w") as out:
@@ -225,6 +234,10 @@ def main() -> None:
     parser.add_argument("--side-by-side", action="store_true", help="run a repetition's setups at once, "
                         "each in its own process on the same --cpus: a busy neighbour weighs on all alike "
                         "(each runs slower than alone)")
+    parser.add_argument("--only", default="", help="run only these setups (comma-separated names, e.g. "
+                        "floors2,floors4-layers); fixed always runs")
+    parser.add_argument("--layer-units", action="store_true", help="also each target setup with units "
+                        "of whole layers (`-layers`), as before a unit could stop inside a layer")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--step-log", type=Path, default=None, help="write each realish run's steps "
                         "(StepLog) to DIR/realish-<rep>-<setup>.jsonl and print their summary")
@@ -238,6 +251,12 @@ def main() -> None:
                                          "fixed": {"step_target_ms": 0.0}}
     for floors in filter(None, args.floors.split(",")):
         setups[f"floors{floors}"] = {"step_target_ms": None, "step_target_floors": float(floors)}
+    if args.layer_units:
+        setups.update({f"{name}-layers": {**setup, "whole_layers": True}
+                       for name, setup in list(setups.items()) if name != "fixed"})
+    if args.only:
+        keep = {"fixed", *args.only.split(",")}
+        setups = {name: setup for name, setup in setups.items() if name in keep}
     results: dict[str, dict[str, list[float]]] = {name: {} for name in setups}
     loads: list[float] = []
     for rep in range(args.reps):

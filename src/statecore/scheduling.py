@@ -108,31 +108,64 @@ def prefill_chunks(prompt_tokens: int, chunk_size: int) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class PrefillUnit:
     """One piece of a prompt's prefill: chunk `chunk`'s layers [first_layer, end_layer), worth
-    `tokens` (the chunk's tokens times the share of the layers, rounded up)."""
+    `tokens` (the chunk's tokens times the share of the layers, rounded up). A unit finer than a
+    layer also evaluates `inner`: points inside the chunk's layers (indices into their list in
+    the graph's order, `inner_points` per layer), after its layers; a unit of inner points only
+    completes no layer (first_layer == end_layer)."""
 
     chunk: int
     first_layer: int
     end_layer: int
     tokens: int
+    inner: tuple[int, ...] = ()
 
     @property
     def starts_chunk(self) -> bool:
         return self.first_layer == 0
 
 
-def prefill_units(chunks: Sequence[int], layers: int, unit_tokens: int) -> tuple[PrefillUnit, ...]:
+def prefill_units(chunks: Sequence[int], layers: int, unit_tokens: int, inner_points: int = 0
+                  ) -> tuple[PrefillUnit, ...]:
     """Each chunk's layers in slices of at most `unit_tokens` worth (at least one layer a slice,
-    as equal as the layers allow); a chunk that fits is one unit of all its layers."""
-    if layers < 1 or unit_tokens < 1:
+    as equal as the layers allow); a chunk that fits is one unit of all its layers.
+
+    With `inner_points` (points inside each layer where its evaluation may stop: the model's
+    attention output, the MLP's first projection; `adapters.mlx.prefill.mark_inner_points`), a
+    chunk whose slices would be single layers is cut at those points too: a unit each, a layer's
+    keys and values being the last point of its work (they need the whole layer before it), so
+    layer k's unit evaluates what its inner points left of layer k - 1 and its own keys and values.
+    The first layer's keys and values (the embedding and a projection) go with layer 0's first
+    inner point, and the last layer has none (nothing after its keys and values is needed unless
+    the chunk samples, and a chunk of one token is one unit). Each point is worth an equal share of
+    the chunk's tokens, so its units are worth the chunk (as its whole-layer units are)."""
+    if layers < 1 or unit_tokens < 1 or inner_points < 0:
         raise ValueError("a model has at least one layer and a unit at least one token")
     units: list[PrefillUnit] = []
     for index, size in enumerate(chunks):
         per_unit = max(1, min(layers, (unit_tokens * layers) // size))
+        if per_unit == 1 and layers > 1 and inner_points:
+            units.extend(_inner_units(index, size, layers, inner_points))
+            continue
         pieces = -(-layers // per_unit)
         for piece in range(pieces):
             first, end = piece * layers // pieces, (piece + 1) * layers // pieces
             units.append(PrefillUnit(index, first, end, -(-size * (end - first) // layers)))
     return tuple(units)
+
+
+def _inner_units(chunk: int, size: int, layers: int, inner_points: int) -> list[PrefillUnit]:
+    """A chunk's units at every inner point: layer 0 with its first point, then in graph order
+    each point alone, each layer's keys and values after its layer before's points."""
+    points = layers + (layers - 1) * inner_points
+    share = -(-size // points)
+    units = [PrefillUnit(chunk, 0, 1, -(-2 * size // points), (0,))]
+    units += [PrefillUnit(chunk, 1, 1, share, (point,)) for point in range(1, inner_points)]
+    for layer in range(1, layers):
+        units.append(PrefillUnit(chunk, layer, layer + 1, share))
+        if layer + 1 < layers:
+            units += [PrefillUnit(chunk, layer + 1, layer + 1, share, (layer * inner_points + point,))
+                      for point in range(inner_points)]
+    return units
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,10 +260,11 @@ SINGLE_NODE_CPU_FLOOR_MULTIPLE = 2.0
 budget beside streams is seconds long (2,048 tokens of a 23 M model in bf16: ~20 s), and a burst
 of prompts arriving together made every stream that had started wait whole such steps: realish
 at 32, a stream's gap p99 34-88x mlx_lm.server's. At 2 a step gives its prefill about the decode
-step's time and at least one unit, a layer of a chunk (on that CPU a unit outlasts the decode step
-of 32 rows): a stream waits its decode step plus a unit (3.6-6.7x mlx_lm.server's gap p99 at 32),
-and a prompt beside 30 streams gets ~3/5 of a step (TTFT p50 1.6-2.3x the fixed budget's, 0.65-0.85x
-mlx_lm.server's), in the same run (docs/performance.md, "Serving on the CPU")."""
+step's time and at least one unit; with units inside a layer (`prefill_units`' inner points) that
+holds (the 23 M llama in float32, realish, medians of 2 reps: gap p99 0.22-0.52x mlx_lm.server's,
+TTFT p50 0.30-0.93x). At 4 TTFT p50 was 0.69x 2's at 8 and 1.04x at 32, but the gap p99 1.27-1.34x,
+and at 32 820-1126 ms against whole-layer units at 2's 560-584 in another run (docs/performance.md,
+"Serving on the CPU")."""
 
 _RATE_WEIGHT = 0.2  # each new step's share of the moving averages: about the last five steps count
 

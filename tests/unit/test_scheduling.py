@@ -84,6 +84,64 @@ def test_bucketed_rounds_up_to_a_multiple(tokens: int, bucket: int, expected: in
 def test_prefill_units_table(chunks: tuple[int, ...], layers: int, unit_tokens: int,
                              expected: list[tuple[int, int, int, int]]) -> None:
     assert prefill_units(chunks, layers, unit_tokens) == tuple(PrefillUnit(*u) for u in expected)
+    assert prefill_units(chunks, layers, unit_tokens, 0) == prefill_units(chunks, layers, unit_tokens)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "layers", "unit_tokens", "inner", "expected"),
+    [
+        # Single-layer units stop at each layer's 2 inner points: layer 0's keys and values with
+        # its first point, its second alone, then layer 1's (layer 0's rest), layer 1's points,
+        # layer 2's; the last layer has none. 256 tokens over 7 points: 37 each (the first unit 2).
+        ((256, 1), 3, 86, 2, [(0, 0, 1, 74, (0,)), (0, 1, 1, 37, (1,)), (0, 1, 2, 37, ()),
+                              (0, 2, 2, 37, (2,)), (0, 2, 2, 37, (3,)), (0, 2, 3, 37, ()),
+                              (1, 0, 3, 1, ())]),
+        # One point a layer: 3 points of 16 tokens.
+        ((16, 1), 2, 8, 1, [(0, 0, 1, 11, (0,)), (0, 1, 2, 6, ()), (1, 0, 2, 1, ())]),
+        # Units of several layers are not cut: the points only split single-layer units.
+        ((1535, 1), 6, 512, 2, [(0, 0, 2, 512, ()), (0, 2, 4, 512, ()), (0, 4, 6, 512, ()),
+                                (1, 0, 6, 1, ())]),
+        # A model of one layer has no point before its last keys and values.
+        ((16, 1), 1, 4, 2, [(0, 0, 1, 16, ()), (1, 0, 1, 1, ())]),
+    ],
+)
+def test_prefill_units_at_inner_points_table(chunks: tuple[int, ...], layers: int, unit_tokens: int,
+                                             inner: int, expected: list[tuple[int, int, int, int,
+                                                                              tuple[int, ...]]]) -> None:
+    assert prefill_units(chunks, layers, unit_tokens, inner) == tuple(PrefillUnit(*u) for u in expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 2048), st.integers(1, 40), st.integers(1, 4096),
+       st.integers(0, 3))
+def test_prefill_units_walk_the_graph_in_order(prompt: int, chunk: int, layers: int, unit_tokens: int,
+                                               inner: int) -> None:
+    """Every unit evaluates points of the graph after all it needs: in each chunk the layers'
+    keys and values once each, in order, every inner point of a layer but the last once, after its
+    layer's keys and values and before the next layer's; a chunk of single-layer units stops at
+    every point, one point a unit (layer 0's keys and values go with its first point)."""
+    chunks = prefill_chunks(prompt, chunk)
+    units = prefill_units(chunks, layers, unit_tokens, inner)
+    for index in range(len(chunks)):
+        mine = [u for u in units if u.chunk == index]
+        walked: list[tuple[str, int]] = []
+        for unit in mine:
+            walked += [("kv", layer) for layer in range(unit.first_layer, unit.end_layer)]
+            walked += [("inner", point) for point in unit.inner]
+            assert unit.tokens >= 1
+        split = any(u.inner for u in mine)
+        expected: list[tuple[str, int]] = []
+        for layer in range(layers):
+            expected.append(("kv", layer))
+            if split and layer + 1 < layers:
+                expected += [("inner", layer * inner + point) for point in range(inner)]
+        assert walked == expected
+        single_layer = max(1, min(layers, (unit_tokens * layers) // chunks[index])) == 1
+        assert split == (single_layer and layers > 1 and inner > 0)
+        if split:
+            assert len(mine) == len(expected) - 1  # one point a unit, layer 0's two together
+            # worth the chunk's tokens, as its whole-layer units are (each rounded up)
+            assert chunks[index] <= sum(u.tokens for u in mine) <= chunks[index] + len(mine)
 
 
 @settings(max_examples=300, deadline=None)

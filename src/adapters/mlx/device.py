@@ -117,6 +117,7 @@ class DeviceLoop:
         self.stacking: Stacking | None = None  # where prompts' calls share stacked calls (measured at load)
         self.bucket = 0  # the shape bucket in use (Settings.shape_bucket on plain KVCache models)
         self.layers = 1  # cache layers of the model: what a prefill work unit slices
+        self.inner_points = 0  # ... and the points inside each that a unit may stop at (timed units)
         self.pipelined = False  # a pipeline rank: its model holds a share of the layers
         self.pool: SlotPool | None = None
         self.compiled: CompiledSlotStep | None = None  # the slot lane's traced model call, when on
@@ -177,7 +178,13 @@ class DeviceLoop:
         whose streams it protects)."""
         s = self.settings
         return work_unit_tokens(s.max_num_batched_tokens, s.max_batch, s.prefill_chunk_size, self.layers,
-                                timed=s.step_target_ms != 0 and s.decodes_locally and not self.pipelined)
+                                timed=self.timed_units)
+
+    @property
+    def timed_units(self) -> bool:
+        """Whether a step-time target sizes this node's steps: its units are as fine as the model allows."""
+        s = self.settings
+        return s.step_target_ms != 0 and s.decodes_locally and not self.pipelined
 
     def plain(self, cache: list[Any]) -> bool:
         """A model whose every layer is a plain KVCache (without kv_bits): the slot layout's. Never

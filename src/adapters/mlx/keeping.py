@@ -70,6 +70,7 @@ class KeepingHost(Protocol):
     pool_reserved: int
     arrivals: int
     layers: int
+    inner_points: int  # points inside a layer a unit may stop at (`prefill_units`)
     block_ends: frozenset[int]  # after these tokens a prefill block ends early (statecore.prefix)
     message_blocks: MessageBlocks  # ... by this rule
 
@@ -136,8 +137,9 @@ class PrefixKeeping:
         chunks = tuple(end - start for start, end in zip([0, *bounds], bounds[: blocks.stop], strict=False))
         loop.arrivals += 1
         sampler = PositionSampler(SamplingParams(max_tokens=1), 0, len(tokens), tokens)
-        task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + loop.arrivals, chunks,
-                           prefill_units(chunks, loop.layers, loop.unit_tokens), keeps_only=True)
+        units = prefill_units(chunks, loop.layers, loop.unit_tokens, loop.inner_points)
+        task = PrefillTask(keep_id, tokens, sampler, _KEEP_AFTER + loop.arrivals, chunks, units,
+                           keeps_only=True)
         task.block_keys = keys[: blocks.stop]
         count, cache = prefix.start(task.block_keys, counted=False)
         if cache is not None:

@@ -126,6 +126,8 @@ def capture_pieces(task: PrefillTask, captured: Captured, streamed_from: dict[st
     for chunk in sorted({unit.chunk for unit in units}):
         mine = [unit for unit in units if unit.chunk == chunk]
         first, end = mine[0].first_layer, mine[-1].end_layer
+        if first == end:
+            continue  # units inside a layer only (`PrefillUnit.inner`): no layer's KV is complete
         start = task.chunk_start(chunk)
         stop = start + task.chunks[chunk]
         if ranges and ranges[-1][1] == start and ranges[-1][2:] == (first, end):

@@ -20,7 +20,7 @@ from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.lora_rows import AdapterRows, AdapterSet
 from adapters.mlx.memory import KvCost, model_shape
-from adapters.mlx.prefill import enabled_on_cuda, stack_row_counts
+from adapters.mlx.prefill import enabled_on_cuda, mark_inner_points, stack_row_counts
 from adapters.mlx.prefix_cache import PrefixCache
 from adapters.mlx.slots import SlotPool
 from adapters.mlx.speculative import Speculator
@@ -75,6 +75,9 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
     loop.context_length = context_length
     loop.cost = cost
     loop.layers = len(probe_cache)
+    # Under a step-time target a unit may stop inside a layer (a layer of a chunk can outlast a
+    # decode step on a CPU): the model's layers hand out those points as a chunk's call is built.
+    loop.inner_points = mark_inner_points(model, loop.layers) if loop.timed_units else 0
     loop.shape = model_shape(model, vocab_size, probe_cache)
     one_layer = -(-s.prefill_chunk_size // loop.layers)
     if one_layer > loop.step_room:

@@ -143,7 +143,7 @@ class Performer:
             raise StatecoreError(client_error(f"request {request_id!r} is already in use"))
         chunks = prompt_chunks(tokens, self.settings.prefill_chunk_size, device.block_ends,
                                rule=device.message_blocks)
-        units = prefill_units(chunks, device.layers, device.unit_tokens)
+        units = prefill_units(chunks, device.layers, device.unit_tokens, device.inner_points)
         keys = device.keeping.touch_prefix(tokens)  # so that its own admission evicts them last
         reservation = device.admission.prefill_reservation(len(tokens), sampling.max_tokens)
         reserved = device.admission.admit(request_id, *reservation)

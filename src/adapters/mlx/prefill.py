@@ -7,10 +7,14 @@ calls mlx-lm's `generate_step` makes, in the same order, on the task's own `make
 Each chunk's evaluation is cut into work units (`statecore.scheduling.prefill_units`): `run_units`
 builds a chunk's graph at its first unit (lazily) and hands the device loop the cache layers each
 unit evaluates, so a long chunk is computed a few layers per step; the graph is the one call's,
-so are the numbers. A built chunk is handed to the prefix cache at its last unit, once every
-layer of it is evaluated. Where the request will speculate, its last call may carry draft tokens
-after the prompt's last token (`LastCallDrafts`, speculative decoding's first verify step): row 0
-still gives the first token, the others the target's draws after each draft.
+so are the numbers. Under a step-time target a unit may be finer than a layer: `mark_inner_points`
+has the model's layers hand out points of their graph as the chunk's call builds it (a layer's
+attention output, its MLP's first projection), and such a unit evaluates one of them: still
+nodes of the one call's graph, evaluated in its order, so every bit is the call's. A built
+chunk is handed to the prefix cache at its last unit, once every layer of it is evaluated.
+Where the request will speculate, its last call may carry draft tokens after the prompt's last
+token (`LastCallDrafts`, speculative decoding's first verify step): row 0 still gives the first
+token, the others the target's draws after each draft.
 
 `run_short_batch` computes several short prompts (each one chunk plus the last token) in one padded
 call pair: left-padded heads through mlx-lm's `BatchKVCache` (its per-row offsets and masks keep
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -50,6 +55,7 @@ __all__ = [
     "Stack",
     "default_shape_bucket",
     "enabled_on_cuda",
+    "mark_inner_points",
     "on_cuda",
     "run_stacked",
     "run_units",
@@ -86,11 +92,15 @@ class PrefillTask:
     # target's draws after each of them (lazily, then read back: `LastCallDrafts`); None: none.
     drafts: Any = None
     drawn: Any = None
+    # The inner points of the chunk being built (`mark_inner_points`), lazily, until its units
+    # evaluate them; None where its units evaluate whole layers.
+    points: list[Any] | None = field(default=None, repr=False)
 
     def restart(self) -> None:
         """Forget what was computed: the next step starts the prompt again from its first chunk
         (computing the cached ones too)."""
         self.cache, self.first, self.done_units, self.done_tokens = None, None, 0, 0
+        self.points = None
         self.drafts = self.drawn = None
         self.cached_tokens = 0
         self.stack = None
@@ -203,13 +213,63 @@ def warm_chunk_shapes(model: Any, bucket: int, chunk_size: int) -> int:
     return 2 * len(sizes)
 
 
+# Where a chunk's call is being built to be evaluated in inner points: the points its layers
+# hand out, in the graph's order (`mark_inner_points`); None in every other call.
+_RECORDING: ContextVar[list[Any] | None] = ContextVar("inner_points", default=None)
+_INNER_POINTS = (("self_attn",), ("mlp", "gate_proj"))  # each layer's, where every layer has it
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """`cls` whose calls also hand their output to the recording call's list, if any."""
+    if cls not in _RECORDING_CLASSES:
+        call: Callable[..., Any] = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = call(self, *args, **kwargs)
+            if (points := _RECORDING.get()) is not None:
+                points.append(out)
+            return out
+
+        recording = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+        _RECORDING_CLASSES[cls] = recording
+    return _RECORDING_CLASSES[cls]
+
+
+def mark_inner_points(model: Any, layers: int) -> int:
+    """Have each of the model's `layers` layers hand out points of a prefill call's graph inside
+    it: its attention's output, and its MLP's first projection's (llama-like MLPs), those every
+    layer has. Each marked module's class becomes a subclass whose call also appends its output
+    to the list of the call being recorded (`run_units`); in every other call it does nothing,
+    and the module's weights, parameter names and computation stay as they were. Returns the
+    points per layer (0: none, e.g. where the model's layers are not `model.layers`)."""
+    found = getattr(model, "layers", None)
+    if not isinstance(found, list) or len(found) != layers:
+        return 0
+    marked = []
+    for path in _INNER_POINTS:
+        modules = []
+        for layer in found:
+            for name in path:
+                layer = layer.get(name) if isinstance(layer, dict) else None
+            modules.append(layer)
+        if all(callable(module) and isinstance(module, dict) for module in modules):
+            marked.append(modules)
+    for modules in marked:
+        for module in modules:
+            if type(module) not in _RECORDING_CLASSES.values():
+                module.__class__ = _recording_class(type(module))
+    return len(marked)
+
+
 def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[list[Any]], None],
               bucket: int = 0, built: Callable[[PrefillTask, int], list[Any]] | None = None,
               carry: LastCallDrafts | None = None) -> list[Any]:
     """Build what the task's next `count` units need; return the arrays they evaluate this step.
 
     A unit that starts a chunk builds the chunk's whole graph (the last chunk's samples the first
-    token); every unit returns its layers' cache states. With `bucket` (plain KVCache layers only)
+    token); every unit returns its layers' cache states, and its inner points (`PrefillUnit.inner`,
+    recorded as the graph is built). With `bucket` (plain KVCache layers only)
     a chunk of several tokens is padded at its end to a multiple of `bucket` and the padding's
     positions are trimmed off the cache again: attention is causal, so no real position sees them,
     and the GPU meets a few chunk shapes instead of one per prompt length (MLX's CUDA attention
@@ -231,7 +291,13 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
                 piece = mx.array([task.tokens[start : start + size] + [0] * padding])
             else:
                 piece = mx.concatenate([mx.array(task.tokens[start:], dtype=mx.uint32), drafts])[None]
-            out = model(piece, cache=task.cache)
+            points: list[Any] | None = [] if unit.inner else None
+            recording = _RECORDING.set(points)
+            try:
+                out = model(piece, cache=task.cache)
+            finally:
+                _RECORDING.reset(recording)
+            task.points = points
             if padding:
                 for layer in task.cache:
                     layer.trim(padding)
@@ -244,10 +310,18 @@ def run_units(model: Any, task: PrefillTask, count: int, quantize: Callable[[lis
                 task.drafts, task.drawn = drafts, carry.draws(task, out[0, 1:, :])
         task.done_units += 1
         outputs.extend(layer.state for layer in task.cache[unit.first_layer : unit.end_layer])
-        if built is not None and unit.end_layer == len(task.cache):
-            # Told at the chunk's last unit, not its first: what `built` evaluates (a copy of the
-            # chunk's every layer) would compute the whole chunk in its first unit's step.
-            outputs.extend(built(task, unit.chunk))
+        if task.points is not None:
+            # Each point once (the step evaluates it; later units' arrays hold it as an input).
+            for index in unit.inner:
+                if index < len(task.points):
+                    outputs.append(task.points[index])
+                    task.points[index] = None
+        if unit.end_layer == len(task.cache):
+            task.points = None
+            if built is not None:
+                # Told at the chunk's last unit, not its first: what `built` evaluates (a copy of the
+                # chunk's every layer) would compute the whole chunk in its first unit's step.
+                outputs.extend(built(task, unit.chunk))
     return outputs
 
 
