@@ -109,7 +109,7 @@ class ArrivingKv:
         caller = self._callers.get(request_id)
         stage = None if caller is not None and caller.pieces else self._stage_command(
             request_id, segment, prompt_tokens, max_tokens)
-        take = commands.TakeDevicePiece(piece, stage, request_id)
+        take = commands.TakeDevicePiece(piece, request_id, stage)
         built: list[Any] | None = await self._post(take, Local())
         if built is not None:
             piece_kept = (segment.first_layer, segment.end_layer, segment.start, built)

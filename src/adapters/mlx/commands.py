@@ -93,15 +93,15 @@ class StagePiece:
 
 @dataclass(frozen=True, slots=True)
 class TakeDevicePiece:
-    """Copy a streamed handoff's piece out of the sender's GPU memory into arrays of this engine's
+    """Read a streamed handoff's piece out of the sender's GPU memory into arrays of this engine's
     own, and build its caches (`adapters.mlx.device_pieces.take`); `piece` is its checked
     document (`DevicePiece`: where the bytes lie, their shapes; plain values, no KV). With
     `stage`, the same job writes them into the request's slot (one wait for the device loop a
     piece, not two); the outcome is then None when they staged, else the caches to keep."""
 
     piece: object
+    request_id: str  # whose piece: its read is settled before the request's install is answered
     stage: StagePiece | None = None
-    request_id: str = ""  # whose piece: its read is settled before the request's install is answered
     kind: str = "take_device_piece"
 
 

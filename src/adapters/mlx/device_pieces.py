@@ -341,7 +341,7 @@ def take(piece: DevicePiece) -> tuple[list[Any], Any | None]:
     sizes = piece.nbytes()
     try:
         at = runtime.open(piece.arena, piece.handle) + piece.offset
-        if device_read.usable(managed_memory.spans):
+        if device_read.usable():
             landing = device_read.read(at, region_bytes(sizes))
             return landed_arrays(landing, piece), landing
         return _copied(runtime, piece, at, sizes), None

@@ -23,6 +23,8 @@ from typing import Any, Final
 
 import mlx.core as mx
 
+from adapters.mlx.managed_memory import spans
+
 __all__ = ["UNIT_BYTES", "Reads", "read", "usable"]
 
 logger = logging.getLogger("adapters.engine_mlx")
@@ -65,17 +67,16 @@ def read(address: int, nbytes: int) -> Any:
     return landing
 
 
-def usable(spans: Any) -> bool:
-    """Whether `read` copies right here (checked once a process, on a buffer of its own whose
-    address `spans` reads: `adapters.mlx.managed_memory.spans`)."""
+def usable() -> bool:
+    """Whether `read` copies right here (checked once a process, on a buffer of its own)."""
     global _usable
     with _lock:
         if _usable is None:
-            _usable = _check(spans)
+            _usable = _check()
         return _usable
 
 
-def _check(spans: Any) -> bool:
+def _check() -> bool:
     try:
         # as large as a piece's arrays are (the allocator's large buffers), and not a whole number of blocks
         expected = mx.random.randint(0, 256, ((1 << 20) + 64,), key=mx.random.key(11)).astype(mx.uint8)

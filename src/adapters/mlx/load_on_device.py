@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from adapters.grammar import Grammars
 from adapters.kv import codec
-from adapters.mlx import device_pieces, device_read, managed_memory
+from adapters.mlx import device_pieces, device_read
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import TensorGroup, agree_max, every_rank
 from adapters.mlx.draft_model import DraftModel, check_draft_vocabulary
@@ -141,7 +141,7 @@ def load_on_device(device: DeviceLoop, source: ModelSource, settings: Settings) 
         logger.info("warmed %d prefill shapes in %.1f s", shapes, time.perf_counter() - started)
     pieces = tensor is None and device_pieces.enabled()
     if pieces:  # the kernel that reads them built and checked now, not on a handoff's first piece
-        device_read.usable(managed_memory.spans)
+        device_read.usable()
     info = ModelInfo(
         name=source.model_dir.name,
         fingerprint=model_fingerprint(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size,

@@ -81,7 +81,7 @@ class Performer:
             case commands.StagePiece():
                 assert local is not None and local.caches is not None
                 return self.stage(command, local.caches)
-            case commands.TakeDevicePiece(piece, stage, request_id):
+            case commands.TakeDevicePiece(piece, request_id, stage):
                 assert isinstance(piece, device_pieces.DevicePiece)
                 arrays, landing = device_pieces.take(piece)
                 if landing is not None:
