@@ -26,8 +26,8 @@ from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.ports import Generation, Output
 from statecore.errors import ErrorInfo, StatecoreError, bug
 from statecore.events import TokenLogprobs
-from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import counts_ending_token, length_finish, reply_finish, text_finish
+from statecore.intents import Complete, Reject, RespondTokens
+from statecore.policy import length_finish, reply_finish, text_finish
 
 __all__ = ["CANCEL_GRACE_S", "Finish", "LogprobsFormat", "Reply", "Run", "Step", "StopText", "ThinkBudget"]
 
@@ -123,6 +123,14 @@ class StopText:
         return text[: len(text) - keep], False
 
 
+def _joined(pieces: Sequence[TextPiece]) -> TextPiece:
+    """Several tokens' text as one piece (the thinking before the content, as it is written)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return TextPiece("".join(p.reasoning for p in pieces), "".join(p.content for p in pieces),
+                     any(p.stopped for p in pieces))
+
+
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: str
@@ -194,24 +202,11 @@ class Run:
     async def _take(self, output: Output) -> Step | None:
         """One output in; the step it completes, if it does."""
         match output:
-            case RespondToken(token=token, logprobs=carried):
-                self._tokens += 1
-                if carried is not None:
-                    self._logprobs.append((token, carried))
-                text = self._text.add(token)
-                if text.stopped:
-                    await self.generation.stop()
-                    self.finished = True
-                    return self._step(text, Finish(text_finish(None, stop_string_matched=True), self._tokens))
-                if self._budget is not None:
-                    self._generated.append(token)
-                    if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
-                        return await self._end_thinking(self._budget, text)
-                return self._step(text) if text.reasoning or text.content else None
-            case Complete(finish_reason=reason):
+            case RespondTokens(tokens=tokens, logprobs=carried):
+                return await self._take_tokens(tokens, carried)
+            case Complete(finish_reason=reason, ending_tokens=ending):
                 self.finished = True
-                if counts_ending_token(reason):
-                    self._tokens += 1
+                self._tokens += ending  # an ending EOS, as the core counts it
                 text = self._text.close()
                 return self._step(text, Finish(text_finish(reason, stop_string_matched=text.stopped),
                                                self._tokens))
@@ -220,6 +215,30 @@ class Run:
                 return Step("", error)
             case _:
                 assert_never(output)
+
+    async def _take_tokens(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
+                           ) -> Step | None:
+        """A step's tokens in their order: the step their text completes, if it does; where one of
+        them ends the reply (a stop string, the thinking budget spent) the tokens after it are
+        not taken, as if they had never come."""
+        pieces: list[TextPiece] = []
+        for at, token in enumerate(tokens):
+            self._tokens += 1
+            if logprobs is not None:
+                self._logprobs.append((token, logprobs[at]))
+            text = self._text.add(token)
+            pieces.append(text)
+            if text.stopped:
+                await self.generation.stop()
+                self.finished = True
+                return self._step(_joined(pieces), Finish(text_finish(None, stop_string_matched=True),
+                                                          self._tokens))
+            if self._budget is not None:
+                self._generated.append(token)
+                if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
+                    return await self._end_thinking(self._budget, _joined(pieces))
+        text = _joined(pieces)
+        return self._step(text) if text.reasoning or text.content else None
 
     async def _end_thinking(self, budget: ThinkBudget, text: TextPiece) -> Step:
         """The thinking budget is spent: stop, write the end marker for the model, and go on with

@@ -55,8 +55,8 @@ from adapters.mlx.core_wire import (
 )
 from adapters.mlx.jobs import engine_failed, engine_lost
 from effects.engine_port import (
+    Decoded,
     EngineStatistics,
-    GeneratedToken,
     KvBytes,
     KvPieces,
     KvSegment,
@@ -219,12 +219,12 @@ class ProcessEngine:
                                sampling: SamplingParams) -> None:
         await self._start("install_segments", request_id, sampling, tuple(prompt), first_token)
 
-    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
-        """Tokens after the first one. Leaving early cancels the request."""
-        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
-        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
-            async for token in tokens:
-                yield token
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[Decoded, None]:
+        """Tokens after the first one, a step's as one value. Leaving early cancels the request."""
+        steps = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(steps):  # a reader that leaves closes it now: the request is cancelled
+            async for step in steps:
+                yield step
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
