@@ -5,8 +5,8 @@ and `Backend` (what an OpenAI-style front end needs from whatever generates toke
 engine on a single node, or prefill and decode peers behind a router). Adapters implement
 them; `effects.fakes` has in-memory versions for tests. A generation's outputs are the core's
 own reply intents (`RespondTokens`, `Complete`, `Reject`), read as the core made them: a decode
-step's tokens are one value from the engine's stream (the core's `TokensGenerated`) to the text. This module may import `statecore` and trio;
-it must never import httpx, mlx or mlx_lm.
+step's tokens are one value from the engine's stream (the core's `TokensGenerated`) to the text.
+This module may import `statecore` and trio; it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations

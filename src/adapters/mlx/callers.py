@@ -28,6 +28,7 @@ import trio
 from adapters.mlx.jobs import StreamItem
 from effects.engine_port import Decoded, GeneratedToken, decoded, ready_after
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.events import Finished
 
 __all__ = ["Caller", "Callers", "Handout", "Piece", "PieceOrder"]
 
@@ -232,11 +233,14 @@ class Callers:
             async with receive:
                 async for first in receive:
                     items = ready_after(first, receive, _ends_stream)
-                    for event in decoded([item for item in items if isinstance(item, GeneratedToken)]):
+                    events = decoded([item for item in items if isinstance(item, GeneratedToken)])
+                    for event in events:
                         yield event
                     if isinstance(error := items[-1], StatecoreError):
                         finished = True
                         raise StatecoreError(error.info) from error
+                    if events and isinstance(events[-1], Finished):
+                        break  # its end: nothing after it is the request's
             finished = True
         finally:
             if not finished:
