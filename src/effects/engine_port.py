@@ -246,6 +246,16 @@ def ready_after(first: _Item, receive: trio.MemoryReceiveChannel[_Item],
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLiveness:
+    """Whether what runs the engine (its device thread, or its core process) is alive, and the
+    seconds it has been busy without finishing a step or a job (0 while idle): all the node's
+    progress watchdog asks, ten times a second, without building a whole `EngineStatistics`."""
+
+    alive: bool
+    stalled_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A frozen snapshot of what the engine holds right now (for leak checks and metrics)."""
 
@@ -433,6 +443,10 @@ class Engine(Protocol):
 
     def statistics(self) -> EngineStatistics: ...
 
+    def liveness(self) -> EngineLiveness:
+        """`statistics()`'s `device_thread_alive` and `stalled_s` alone, cheaply (never blocks)."""
+        ...
+
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         """The prefix cache's summary, or None when it is unchanged since version `since`."""
         ...
@@ -447,6 +461,7 @@ __all__ = [
     "KvSegment",
     "SegmentSink",
     "Engine",
+    "EngineLiveness",
     "EngineStatistics",
     "Decoded",
     "GeneratedToken",

@@ -16,6 +16,7 @@ import trio
 
 from effects.engine_port import (
     Decoded,
+    EngineLiveness,
     EngineStatistics,
     GeneratedToken,
     KvBytes,
@@ -235,6 +236,10 @@ class FakeEngine:
         if send is not None:
             send.close()
         self._streams.pop(request_id, None)
+
+    def liveness(self) -> EngineLiveness:
+        stats = self.statistics()  # (a test may set `statistics` to say otherwise)
+        return EngineLiveness(stats.device_thread_alive, stats.stalled_s)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(

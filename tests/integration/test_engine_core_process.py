@@ -231,7 +231,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
     await core.decode_held(RequestId("k"), prompt, outcome.first_token, LONG)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        watch = partial(watch_engine, runner, core.statistics, 0.0, reasons.append, what=CORE_PROCESS)
+        watch = partial(watch_engine, runner, core.liveness, 0.0, reasons.append, what=CORE_PROCESS)
         nursery.start_soon(watch)
         seen = 0
         with pytest.raises(StatecoreError) as failed:
@@ -240,7 +240,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
                 if seen == 3:  # a core stopped whole (not only its device thread) reads as stalled
                     os.kill(core.core_pid, signal.SIGSTOP)
                     with trio.fail_after(10):
-                        while core.statistics().stalled_s <= SILENT_S:
+                        while core.liveness().stalled_s <= SILENT_S:
                             await trio.sleep(0.05)
                     os.kill(core.core_pid, signal.SIGCONT)
                 if seen == 5:

@@ -56,6 +56,7 @@ from adapters.mlx.core_wire import (
 from adapters.mlx.jobs import engine_failed, engine_lost
 from effects.engine_port import (
     Decoded,
+    EngineLiveness,
     EngineStatistics,
     KvBytes,
     KvPieces,
@@ -232,6 +233,15 @@ class ProcessEngine:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._calls.call("cancel", request_id)
+
+    def liveness(self) -> EngineLiveness:
+        if not self._link.alive:
+            return EngineLiveness(False)
+        stalled = self._link.statistics.stalled_s
+        silent = time.monotonic() - self._link.heard_at
+        if silent > SILENT_S and (self._calls.pending() or self._callers.feeding):
+            stalled = max(stalled, silent)
+        return EngineLiveness(True, stalled)
 
     def statistics(self) -> EngineStatistics:
         stats = self._link.statistics

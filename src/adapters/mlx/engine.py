@@ -66,6 +66,7 @@ from adapters.mlx.settings import Settings
 from adapters.mlx.warm_up import warm_serving_path
 from effects.engine_port import (
     Decoded,
+    EngineLiveness,
     EngineStatistics,
     KvBytes,
     KvPieces,
@@ -326,6 +327,10 @@ class MlxEngine:
         self._callers.forget_pieces(request_id)
         self._device.handoffs_coming.pop(request_id, None)
         self._device.handoffs_expected.pop(request_id, None)
+
+    def liveness(self) -> EngineLiveness:
+        alive = self._thread.alive
+        return EngineLiveness(alive, self._device.inbox.stalled_s() if alive else 0.0)
 
     def statistics(self) -> EngineStatistics:
         device = self._device
