@@ -70,8 +70,9 @@ async def test_a_steps_tokens_come_once_in_their_order_as_one_reply(
     assert (end.finish_reason, end.ending_tokens) == (("stop", 1) if ends_on_eos else ("length", 0))
 
 
-async def client_reads(bpe_dir: Path, step_tokens: int, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(the text, the finish and usage) a client reads of a completion, streamed or not."""
+async def client_reads(bpe_dir: Path, step_tokens: int, body: dict[str, Any]) -> list[Any]:
+    """What a client reads of a completion: its body, or its stream's events (ids and times
+    left out), whatever a decode step gives."""
     engine = FakeEngine(step_tokens=step_tokens)
     performer = EnginePerformer(engine)
     runner = NodeRunner(DECODE_REQUEST, performer)
@@ -83,36 +84,33 @@ async def client_reads(bpe_dir: Path, step_tokens: int, body: dict[str, Any]) ->
         reply = await client.post("/v1/completions", json=body)
         nursery.cancel_scope.cancel()
     assert reply.status_code == 200, reply.text
-    if not body.get("stream"):
-        choice = reply.json()["choices"][0]
-        return choice["text"], {"finish": choice["finish_reason"], "usage": reply.json()["usage"]}
-    text, end = "", {}
-    for line in reply.text.splitlines():
-        if not line.startswith("data: {"):
-            continue
-        chunk = json.loads(line.removeprefix("data: "))
-        for choice in chunk["choices"]:
-            text += choice["text"]
-            if choice["finish_reason"] is not None:
-                end["finish"] = choice["finish_reason"]
-        if chunk.get("usage"):
-            end["usage"] = chunk["usage"]
-    return text, end
+    docs = [reply.json()] if not body.get("stream") else [
+        json.loads(line.removeprefix("data: ")) for line in reply.text.splitlines()
+        if line.startswith("data: {")]
+    return [{key: value for key, value in doc.items() if key not in ("id", "created")} for doc in docs]
+
+
+def text_of(read: list[Any]) -> str:
+    return "".join(choice["text"] for doc in read for choice in doc["choices"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_client_reads_the_same_whatever_a_step_gives(bpe_dir: Path, stream: bool) -> None:
-    body: dict[str, Any] = {"prompt": "hello", "max_tokens": 14, "stream": stream,
-                            "stream_options": {"include_usage": True}} if stream else {
-        "prompt": "hello", "max_tokens": 14}
+    """The same body, or the same events one by one (a token's text its own event), when a step
+    gives several tokens as when it gives one; also when a stop string ends inside a step."""
+    body: dict[str, Any] = {"prompt": "hello", "max_tokens": 14}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     one = await client_reads(bpe_dir, 1, body)
-    assert one[0] and one[1]["finish"] == "length" and one[1]["usage"]["completion_tokens"] == 14
+    assert text_of(one) and one[-1]["usage"]["completion_tokens"] == 14
+    if stream:
+        assert len(one) > 8  # an event per token (a few tokens' text held back to the next)
     for step_tokens in (2, 3, 5):
         assert await client_reads(bpe_dir, step_tokens, body) == one
-    # a stop string that ends inside a step: the text stops before it, the tokens after it are not
-    # counted, as when each token came alone
-    stop = one[0][len(one[0]) // 2:][:2]
+    text = text_of(one)
+    stop = text[len(text) // 2:][:2]
     stopped = await client_reads(bpe_dir, 1, {**body, "stop": stop})
-    assert stopped[0] == one[0][: one[0].index(stop)] and stopped[1]["finish"] == "stop"
+    assert text_of(stopped) == text[: text.index(stop)]
+    assert stopped[-2 if stream else -1]["choices"][0]["finish_reason"] == "stop"
     for step_tokens in (3, 5):
         assert await client_reads(bpe_dir, step_tokens, {**body, "stop": stop}) == stopped

@@ -15,6 +15,7 @@ import it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, assert_never
@@ -123,14 +124,6 @@ class StopText:
         return text[: len(text) - keep], False
 
 
-def _joined(pieces: Sequence[TextPiece]) -> TextPiece:
-    """Several tokens' text as one piece (the thinking before the content, as it is written)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    return TextPiece("".join(p.reasoning for p in pieces), "".join(p.content for p in pieces),
-                     any(p.stopped for p in pieces))
-
-
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: str
@@ -174,9 +167,15 @@ class Run:
         self._tokens = 0
         self._generated: list[int] = []  # kept only while a thinking budget may need them
         self._logprobs: list[tuple[int, TokenLogprobs]] = []  # of the tokens the next step consumes
+        # steps a decode step's tokens made beyond the one given: each token's text is a step of
+        # its own, as if the tokens had come one by one (a client's events do not depend on how
+        # many tokens a step gave), given before any output is read again
+        self._made: deque[Step] = deque()
 
     async def advance(self) -> Step:
         """The next step with some text, or the last step."""
+        if self._made:
+            return self._made.popleft()
         assert not self.finished
         while True:
             try:
@@ -192,6 +191,8 @@ class Run:
         """`advance` from the outputs already waiting only: None when they run out before a
         step is whole (what they gave is kept for the next one). It never waits for the
         backend (it may await telling it a stop string matched)."""
+        if self._made:
+            return self._made.popleft()
         assert not self.finished
         while (output := self.generation.receive_nowait()) is not None:
             step = await self._take(output)
@@ -218,27 +219,31 @@ class Run:
 
     async def _take_tokens(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
                            ) -> Step | None:
-        """A step's tokens in their order: the step their text completes, if it does; where one of
-        them ends the reply (a stop string, the thinking budget spent) the tokens after it are
-        not taken, as if they had never come."""
-        pieces: list[TextPiece] = []
+        """A step's tokens in their order, each one's text its own step (the first returned, the
+        others given next); where one of them ends the reply (a stop string, the thinking budget
+        spent) the tokens after it are not taken, as if they had never come."""
+        made: list[Step] = []
         for at, token in enumerate(tokens):
             self._tokens += 1
             if logprobs is not None:
                 self._logprobs.append((token, logprobs[at]))
             text = self._text.add(token)
-            pieces.append(text)
             if text.stopped:
                 await self.generation.stop()
                 self.finished = True
-                return self._step(_joined(pieces), Finish(text_finish(None, stop_string_matched=True),
-                                                          self._tokens))
+                made.append(self._step(text, Finish(text_finish(None, stop_string_matched=True), self._tokens)))
+                break
             if self._budget is not None:
                 self._generated.append(token)
                 if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
-                    return await self._end_thinking(self._budget, _joined(pieces))
-        text = _joined(pieces)
-        return self._step(text) if text.reasoning or text.content else None
+                    made.append(await self._end_thinking(self._budget, text))
+                    break
+            if text.reasoning or text.content:
+                made.append(self._step(text))
+        if not made:
+            return None
+        self._made.extend(made[1:])
+        return made[0]
 
     async def _end_thinking(self, budget: ThinkBudget, text: TextPiece) -> Step:
         """The thinking budget is spent: stop, write the end marker for the model, and go on with
