@@ -231,7 +231,8 @@ class Run:
             if text.stopped:
                 await self.generation.stop()
                 self.finished = True
-                made.append(self._step(text, Finish(text_finish(None, stop_string_matched=True), self._tokens)))
+                ended = Finish(text_finish(None, stop_string_matched=True), self._tokens)
+                made.append(self._step(text, ended))
                 break
             if self._budget is not None:
                 self._generated.append(token)
