@@ -7,12 +7,13 @@ handed-off one (a payload built in a worker thread, streamed pieces joined by la
 pieces already staged in its slot as they arrived, `adapters.mlx.staging`; on a tensor-parallel
 instance each rank's own heads, handed out by rank 0). The cache is taken and checked before
 anything changes; a first token (or the tokens a prompt's last call verified after it) that
-already ends the request gives it a short stream and no row; otherwise its lane is chosen, its
-KV reserved where it grows outside the slot pool, and its row entered (`DeviceLoop.join`). A
+already ends the request gives it a short stream and no row; otherwise its lane is chosen
+(`statecore.engine_schedule.choose_lane`), its KV reserved where it grows outside the slot pool,
+and its row entered (`DeviceLoop.enter`), or it waits for its siblings (n > 1). A
 piece read lazily from the sender's GPU memory (`adapters.mlx.device_read`) is settled before
 its install is answered, since the sender frees the region then. Built by the performer once the
 model is loaded, from what the load found. This module imports mlx-lm and trio only through
-what it calls and for the types of a stream; statecore and effects never import it.
+what it calls, for the types of a stream and a cache; statecore and effects never import it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from dataclasses import replace
 from typing import Any, cast
 
 import trio
+from mlx_lm.models.cache import KVCache
 
 from adapters.kv import codec, frames
 from adapters.mlx import commands, device_pieces, device_read
+from adapters.mlx.batch_lane import batchable
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
 from adapters.mlx.first_verify import verified_items
@@ -34,7 +37,7 @@ from adapters.mlx.load_on_device import Loaded
 from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
 from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
-from statecore.engine_schedule import EnginePhase, Finish
+from statecore.engine_schedule import EnginePhase, Finish, choose_lane
 from statecore.errors import Code, StatecoreError, client_error
 from statecore.policy import finish_before_decoding
 
@@ -144,9 +147,12 @@ class Joining:
         remaining = sampling.max_tokens - 1 - len(items)
         # The grammar's state after the first token, which the prefill node drew under it.
         constraint = constraint_after(matcher, self.loaded.info, (first_token,))
-        lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
+        lane = choose_lane(plain_kv=all(type(c) is KVCache for c in cache),
+                           needed_tokens=len(tokens) + remaining + 2,
+                           slot_capacity=None if device.pool is None else device.pool.max_capacity,
+                           batchable=batchable(cache), constrained=constraint is not None).value
         # A request stages only where its whole length fits a slot of plain KVCache layers
-        # (`adapters.mlx.staging`), which is where `lane_for` puts it.
+        # (`adapters.mlx.staging`), which is where `choose_lane` puts it.
         assert lane == "slot" or request_id not in device.slots.staged
         reserved = None
         if lane != "slot":  # its cache grows to the whole request, outside the pool
@@ -160,12 +166,30 @@ class Joining:
             live.conversation = [*tokens, first_token]
         if keeps_later:
             live.keep_prompt = (list(command.tokens), None if lane == "slot" else cache)
-        device.join(live, cache, tokens, lane, reserved)
+        self.into_lane(live, cache, tokens, lane, reserved)
         if items:
             post(token, deliver, [(send, item, False) for item in items])
             if device.speculator is not None:
                 device.speculator.emitted += len(items)
         device.publish()
+
+    def into_lane(self, live: Live, cache: list[Any], prompt: list[int], lane: str,
+                  reserved: int | None) -> None:
+        """Put a request with its prompt's cache into `lane` (capacity was checked), its record
+        reserving `reserved` bytes from now (None: what it reserves already); a choice of n > 1
+        bound for a batched lane waits for its siblings first (`adapters.mlx.choices`)."""
+        device = self.device
+        if lane != "solo" and live.sampler.sampling.choices > 1 and device.choices.waits(live):
+            record = device.requests.join(live, lane, (cache, prompt))
+        else:
+            device.enter(live, cache, prompt, lane)
+            record = device.requests.join(live, lane, None)
+        if reserved is not None:
+            record.reserved = reserved
+        if lane == "slot" and record.phase is EnginePhase.RUNNING:
+            record.reserved = 0  # its KV lives in the pool now
+        if device.choices.groups:
+            device.choices.release()
 
     def verified_after(self, command: commands.DecodeHeld | commands.Install, first_token: int) -> list[int]:
         """The tokens after the first that the held prompt's last call verified (none for an

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, assert_never
 
 import mlx.core as mx
@@ -257,6 +258,21 @@ class Performer:
             speculative_emitted=0 if speculator is None else speculator.emitted,
             speculative_off_reason="" if speculator is None else speculator.off_reason or "",
         )
+
+    def statistics(self, alive: bool, stalled_s: float, arriving: int) -> EngineStatistics:
+        """The snapshot with what the trio side knows beside it (whether the thread is alive, how
+        long it has stalled, pieces arriving in trio) and what may be read from any thread."""
+        device = self.device
+        return replace(self.stats, device_thread_alive=alive, stalled_s=stalled_s,
+                       arriving=arriving + len(device.slots.staged),
+                       kv_budget_bytes=device.settings.kv_memory_bytes - device.pool_reserved,
+                       device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
+                       device_time=tuple((kind, calls, seconds)
+                                         for kind, (calls, seconds) in device.profile.spent.items()))
+
+    def dead(self) -> None:
+        """The device thread is gone: the snapshot says so."""
+        self.stats = EngineStatistics(0, 0, 0, False, self.device.step_retries, self.device.rows_isolated)
 
     def cache_bytes(self, cache: list[Any]) -> int:
         """What a held cache weighs: its live tensors, as the wire would carry them."""
