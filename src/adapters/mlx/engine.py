@@ -289,13 +289,16 @@ class MlxEngine:
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
+        pieces: int | None = None,
     ) -> None:
-        pieces = self._callers.take_pieces(request_id)
         try:
+            if pieces is not None:
+                await self._arriving.all_kept(request_id, pieces)
+            kept = self._callers.take_pieces(request_id)
             tokens = checked_prompt(prompt, sampling, self._running_info)
             first_token = checked_token(first_token, "first_token", self.info)
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
-                              Local(pieces=pieces))
+                              Local(pieces=kept))
         finally:
             self._end_handoff(request_id)
 
