@@ -58,13 +58,6 @@ class ArrivingKv:
         self._model = model  # the loaded model's (cache classes, fingerprint)
         self.checks = trio.CapacityLimiter(PIECE_CHECKS)
 
-    def forget(self, request_id: RequestId) -> None:
-        """The request's handoff ended here (installed, cancelled or never to be): the pieces kept
-        for its install go, and the steps hold prefill work back for it no more."""
-        self._callers.forget_pieces(request_id)
-        self._device.handoffs_coming.pop(request_id, None)
-        self._device.handoffs_expected.pop(request_id, None)
-
     async def built_payload(self, payload: KvBytes, prompt_tokens: int) -> Local:
         """A pulled payload's caches (and each rank's head range on a tensor-parallel instance)."""
         classes, fingerprint = self._model()

@@ -324,7 +324,9 @@ class MlxEngine:
         info = self._performer.info
         if info is not None and info.device_pieces:
             release_held_pieces(request_id)
-        self._arriving.forget(request_id)
+        self._callers.forget_pieces(request_id)
+        self._device.handoffs_coming.pop(request_id, None)
+        self._device.handoffs_expected.pop(request_id, None)
 
     def statistics(self) -> EngineStatistics:
         alive = self._thread.alive
