@@ -8,7 +8,10 @@ on the real MLX engine, wired as `statecore run` wires it), and one handoff thro
 pulled handoff), which also lists the HTTP calls between the nodes. The engine's own files
 (`adapters/mlx`, `effects/fakes.py`) are counted apart; the last line counts everything (the
 request's path, the observers and the engine), which is how issue 35 counted the walks before.
-A second request is the one traced, so that start-up and first-call work stays out.
+The MLX engine's device thread starts at the load, before the trace, and is not traced: of the
+engine, `single` counts the files its trio side enters (the device thread's are the same for
+every request; docs/engine.md's package table names them). A second request is the one traced,
+so that start-up and first-call work stays out.
 
     .venv/bin/python scripts/walk.py single
     .venv/bin/python scripts/walk.py handoff [--pull]
