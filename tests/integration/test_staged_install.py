@@ -498,7 +498,7 @@ async def test_an_install_asked_while_the_last_pieces_are_checked_waits_for_them
                     nursery.start_soon(receive, index)
         if not corrupt:
             assert installed == [None]
-            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
             assert tokens == await served(source, "alone", newcomer)
             return
         failure = installed[0]
