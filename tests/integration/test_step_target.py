@@ -42,7 +42,7 @@ async def beside_a_stream(engine: MlxEngine, prompts: dict[RequestId, list[int]]
 
 async def test_prompts_waiting_beside_a_stream_keep_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     path = cached_checkpoint("llama")
-    seen: list[tuple[int, int]] = []  # (decode rows, prompts waiting) of each step sized by the default target
+    seen: list[tuple[int, int]] = []  # (decode rows, prompts waiting) of each step under the default target
 
     def recorded(decode_rows: int, candidates: Any, budget: Budget, **options: Any) -> StepPlan:
         if decode_rows and budget.target_s is None and not budget.decode_only:
@@ -57,7 +57,8 @@ async def test_prompts_waiting_beside_a_stream_keep_their_tokens(monkeypatch: py
         prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (45, 70, 90)}
         greedy = await beside_a_stream(timed, prompts, SamplingParams(max_tokens=24))
         assert greedy[RequestId("stream")] == reference(path, prompt_of(20, salt=4), STREAM.max_tokens)
-        assert {rid: greedy[rid] for rid in prompts} == {rid: reference(path, p, 24) for rid, p in prompts.items()}
+        expected = {rid: reference(path, prompt, 24) for rid, prompt in prompts.items()}
+        assert {rid: greedy[rid] for rid in prompts} == expected
         assert any(waiting >= 2 for _, waiting in seen)  # the rule met several prompts waiting beside rows
         seeded = await beside_a_stream(timed, prompts, SEEDED)
         assert seeded == await beside_a_stream(fixed, prompts, SEEDED)

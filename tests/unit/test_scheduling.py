@@ -356,8 +356,9 @@ def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, 
 ])
 def test_the_default_target_grows_with_the_prompts_waiting_per_row(rows: int, waiting: int,
                                                                     expected: int) -> None:
-    assert step_token_budget(2052, rows, 8, decode_only=False, target_s=None, rates=MEASURED,
-                             target_floors=SINGLE_NODE_CPU_FLOOR_MULTIPLE, waiting_prompts=waiting) == expected
+    floors = SINGLE_NODE_CPU_FLOOR_MULTIPLE
+    assert step_token_budget(2052, rows, 8, decode_only=False, target_s=None, rates=MEASURED, target_floors=floors,
+                             waiting_prompts=waiting) == expected
 
 
 @pytest.mark.parametrize("target_s", [0.0, 0.050])
@@ -369,8 +370,8 @@ def test_a_given_target_ignores_the_prompts_waiting(target_s: float) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(1, 32), st.integers(0, 32), st.integers(1, 600),
-       st.integers(64, 4096), st.floats(1.0, 16.0))
+@given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(1, 32), st.integers(0, 32),
+       st.integers(1, 600), st.integers(64, 4096), st.floats(1.0, 16.0))
 def test_more_prompts_waiting_never_shrink_a_step(floor: float, per_token: float, rows: int, waiting: int,
                                                    oldest_unit: int, room: int, floors: float) -> None:
     """Under the default target a step's budget never falls as more prompts wait, stays within
@@ -378,12 +379,13 @@ def test_more_prompts_waiting_never_shrink_a_step(floor: float, per_token: float
     the target of `floors` floors."""
     rates = StepRates(floor_s=floor, excess_s=per_token * 100, prefill_tokens=100.0)
     configured = rows + max(room, oldest_unit)
-    budgets = [step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None, rates=rates,
-                                 target_floors=floors, waiting_prompts=count) for count in (waiting, waiting + 1)]
+    budgets = [step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
+                                 rates=rates, target_floors=floors, waiting_prompts=count)
+               for count in (waiting, waiting + 1)]
     assert rows + oldest_unit <= budgets[0] <= budgets[1] <= configured
     if waiting == 0:
-        assert budgets[0] == step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
-                                               rates=rates, target_floors=floors)
+        assert budgets[0] == step_token_budget(configured, rows, oldest_unit, decode_only=False,
+                                               target_s=None, rates=rates, target_floors=floors)
 
 
 def test_step_token_budget_refuses_negative_inputs() -> None:
