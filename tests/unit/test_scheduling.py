@@ -357,8 +357,8 @@ def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, 
 def test_the_default_target_grows_with_the_prompts_waiting_per_row(rows: int, waiting: int,
                                                                     expected: int) -> None:
     floors = SINGLE_NODE_CPU_FLOOR_MULTIPLE
-    assert step_token_budget(2052, rows, 8, decode_only=False, target_s=None, rates=MEASURED, target_floors=floors,
-                             waiting_prompts=waiting) == expected
+    assert step_token_budget(2052, rows, 8, decode_only=False, target_s=None, rates=MEASURED,
+                             target_floors=floors, waiting_prompts=waiting) == expected
 
 
 @pytest.mark.parametrize("target_s", [0.0, 0.050])
