@@ -287,8 +287,7 @@ def schedule(decode_rows: int, candidates: Sequence[Candidate], budget: Budget, 
                                    decode_only=budget.decode_only, target_s=budget.target_s,
                                    rates=budget.rates, oldest_streams=budget.oldest_streams,
                                    target_floors=budget.target_floors,
-                                   optional_only=bool(ready) and all(c.keeps_only for c in ready),
-                                   waiting_prompts=sum(1 for c in ready if not c.keeps_only))
+                                   optional_only=bool(ready) and all(c.keeps_only for c in ready))
         planned = plan_step(decode_rows, waiting, StepBudget(tokens, budget.prefill_rows))
         more = block_waits(candidates, {work.request_id: work.units for work in planned.prefills}) - waits
         if not more:

@@ -361,8 +361,7 @@ def streamed_pieces(start: int, stop: int, first_layer: int, end_layer: int, *, 
 
 def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, decode_only: bool,
                       target_s: float | None, rates: StepRates, oldest_streams: bool = False,
-                      target_floors: float = STEP_TARGET_FLOOR_MULTIPLE, optional_only: bool = False,
-                      waiting_prompts: int = 0) -> int:
+                      target_floors: float = STEP_TARGET_FLOOR_MULTIPLE, optional_only: bool = False) -> int:
     """The tokens one step may compute (`StepBudget.tokens`): the one place that decides it.
 
     - `decode_only` (a handed-off request joined, or is about to): the decode rows alone, so its
@@ -378,13 +377,7 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
       the measured rates (`target_s`: seconds, 0 = off (the configured budget), None = the default,
       `target_floors` times the measured floor), never less than the oldest waiting
       prompt's next unit (`oldest_unit`, 0 when none waits), so the oldest prompt always advances,
-      and never more than `configured`. Until a rate is measured, that one unit. The default
-      target grows with the prompts waiting for their first token (`waiting_prompts`, keep tasks
-      not counted) per decoding row: `target_floors` times the floor times (rows + waiting) /
-      rows. A step's decode costs the CPU nearly as much for one row as for eight (a 23 M llama
-      in float32: 22 against 34 ms), so while few rows decode and prompts wait, each step that
-      keeps them waiting is mostly wasted; the few streams then wait longer, the many prompts
-      less, and as the batch fills the target falls back to `target_floors` floors.
+      and never more than `configured`. Until a rate is measured, that one unit.
     - only optional work waits (`optional_only`: keep tasks, which nobody waits for) and a target
       is on: what fits the target and no more, so optional work takes only capacity the streams
       leave (beside streams no unit is forced: a stream's step never outgrows the target for
@@ -392,8 +385,7 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
       arriving meanwhile waits a target's step, not a whole configured budget.
     The engine keeps `configured` >= its largest decode batch + its largest unit.
     """
-    if (min(configured, decode_rows, oldest_unit, waiting_prompts) < 0
-            or (target_s is not None and not target_s >= 0)):
+    if min(configured, decode_rows, oldest_unit) < 0 or (target_s is not None and not target_s >= 0):
         raise ValueError("budgets, rows, units and the target are >= 0")
     if not target_floors > 0:
         raise ValueError("the default target is a positive multiple of the floor")
@@ -411,8 +403,7 @@ def step_token_budget(configured: int, decode_rows: int, oldest_unit: int, *, de
     floor, per_token = rates.floor_s, rates.prefill_token_s
     target = target_s
     if target is None and floor is not None:
-        waiting_per_row = waiting_prompts / decode_rows if decode_rows else 0.0
-        target = target_floors * floor * (1.0 + waiting_per_row)
+        target = target_floors * floor
     if target is None or per_token is None:
         return min(configured, least)
     room = target - (floor or 0.0)

@@ -1,6 +1,7 @@
-"""The default step-time target while prompts wait beside few decoding rows
-(`scheduling.step_token_budget`'s `waiting_prompts`): the steps grow, the tokens do not change.
-Greedy tokens are mlx-lm's, seeded ones those of an engine without a target."""
+"""The default step-time target (`step_target_floors` times the measured floor, as a single node
+on the CPU runs it) while prompts arrive beside a decoding stream: each prompt's units go a few a
+step beside the stream, and no token changes. Greedy tokens are mlx-lm's, seeded ones those of
+an engine without a target."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ async def test_prompts_waiting_beside_a_stream_keep_their_tokens(monkeypatch: py
         assert greedy[RequestId("stream")] == reference(path, prompt_of(20, salt=4), STREAM.max_tokens)
         expected = {rid: reference(path, prompt, 24) for rid, prompt in prompts.items()}
         assert {rid: greedy[rid] for rid in prompts} == expected
-        assert any(waiting >= 2 for _, waiting in seen)  # the rule met several prompts waiting beside rows
+        assert any(waiting >= 2 for _, waiting in seen)  # several prompts waited beside the rows
         seeded = await beside_a_stream(timed, prompts, SEEDED)
         assert seeded == await beside_a_stream(fixed, prompts, SEEDED)
     finally:

@@ -104,20 +104,6 @@ def test_a_keep_task_takes_only_capacity_the_streams_leave() -> None:
     assert fixed.prefills == (PrefillWork("k#keep", 4, 40, True),)
 
 
-def test_the_default_target_counts_the_prompts_waiting_but_no_keep_task() -> None:
-    """Two rows, a target of 2 floors of 250 ms at 62.5 ms a prefill token: one prompt waiting
-    makes it 750 ms (8 tokens beside the rows), two 1 s (12); a keep task waiting beside them
-    changes nothing (nobody waits for its first token)."""
-    rates = StepRates(floor_s=0.25, excess_s=1.0, prefill_tokens=16.0)
-    budget = Budget(100, 8, target_s=None, rates=rates, target_floors=2.0)
-    one = schedule(2, [prompt("a", 1, 40, unit=1)], budget, max_padding=0)
-    two = schedule(2, [prompt("a", 1, 40, unit=1), prompt("b", 2, 40, unit=1)], budget, max_padding=0)
-    keep = prompt("k#keep", 1 << 40, 40, keeps_only=True, unit=1)
-    with_keep = schedule(2, [prompt("a", 1, 40, unit=1), prompt("b", 2, 40, unit=1), keep], budget,
-                         max_padding=0)
-    assert (one.budget_tokens, two.budget_tokens, with_keep.budget_tokens) == (2 + 8, 2 + 12, 2 + 12)
-
-
 @pytest.mark.parametrize(
     ("plain", "needed", "capacity", "batches", "constrained", "lane"),
     [

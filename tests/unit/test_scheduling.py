@@ -342,52 +342,6 @@ def test_the_default_target_leaves_waiting_prompts_most_of_a_step(floor: float, 
         assert prefill_s >= (floors - 1) / floors * target - (left[0] + 1) * per_token - slack
 
 
-@pytest.mark.parametrize(("rows", "waiting", "expected"), [
-    # 2 floors (20 ms): 10 ms of prefill at 1 ms a token, as with no prompt counted,
-    (4, 0, 4 + 10),
-    # and with 4 prompts waiting beside 4 rows, the target doubles (40 ms): 30 ms of prefill;
-    (4, 4, 4 + 30),
-    # 1 row and 7 prompts: 16 floors (160 ms): 150 ms;
-    (1, 7, 1 + 150),
-    # a full batch and one prompt: 2.25 floors (22.5 ms): 12 ms (rounded down);
-    (8, 1, 8 + 12),
-    # 32 rows and one prompt: 20.6 ms, 10 ms.
-    (32, 1, 32 + 10),
-])
-def test_the_default_target_grows_with_the_prompts_waiting_per_row(rows: int, waiting: int,
-                                                                    expected: int) -> None:
-    floors = SINGLE_NODE_CPU_FLOOR_MULTIPLE
-    assert step_token_budget(2052, rows, 8, decode_only=False, target_s=None, rates=MEASURED,
-                             target_floors=floors, waiting_prompts=waiting) == expected
-
-
-@pytest.mark.parametrize("target_s", [0.0, 0.050])
-def test_a_given_target_ignores_the_prompts_waiting(target_s: float) -> None:
-    """Only the default target grows: one set in ms is the operator's bound on a step."""
-    alone = step_token_budget(2052, 2, 8, decode_only=False, target_s=target_s, rates=MEASURED)
-    assert step_token_budget(2052, 2, 8, decode_only=False, target_s=target_s, rates=MEASURED,
-                             waiting_prompts=6) == alone
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.floats(0.001, 0.5), st.floats(1e-6, 0.01), st.integers(1, 32), st.integers(0, 32),
-       st.integers(1, 600), st.integers(64, 4096), st.floats(1.0, 16.0))
-def test_more_prompts_waiting_never_shrink_a_step(floor: float, per_token: float, rows: int, waiting: int,
-                                                   oldest_unit: int, room: int, floors: float) -> None:
-    """Under the default target a step's budget never falls as more prompts wait, stays within
-    the configured budget and at least the oldest prompt's next unit, and with none waiting is
-    the target of `floors` floors."""
-    rates = StepRates(floor_s=floor, excess_s=per_token * 100, prefill_tokens=100.0)
-    configured = rows + max(room, oldest_unit)
-    budgets = [step_token_budget(configured, rows, oldest_unit, decode_only=False, target_s=None,
-                                 rates=rates, target_floors=floors, waiting_prompts=count)
-               for count in (waiting, waiting + 1)]
-    assert rows + oldest_unit <= budgets[0] <= budgets[1] <= configured
-    if waiting == 0:
-        assert budgets[0] == step_token_budget(configured, rows, oldest_unit, decode_only=False,
-                                               target_s=None, rates=rates, target_floors=floors)
-
-
 def test_step_token_budget_refuses_negative_inputs() -> None:
     with pytest.raises(ValueError):
         step_token_budget(100, 4, 8, decode_only=False, target_s=-1.0, rates=MEASURED)
