@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -76,13 +76,8 @@ class PrefillBuild:
         tasks = [(loop.waiting[work.request_id], work.units) for work in plan.prefills]
         groups = [[loop.waiting[rid] for rid in group] for group in plan.groups]
         for members in groups:
-            loop.computing = ("prefill", [task.request_id for task in members])
-            try:
-                run_short_batch(loop.model, members, loop.bucket)
-            except Exception:
-                self.restart_group("a batched prefill", members)
+            if not self.run_group(run_short_batch, members, "a batched prefill", "prefill_batched"):
                 continue
-            loop.profile.account("prefill_batched", started, len(members))
             for task in members:
                 outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
                 outputs.extend(self.prefill_outputs(task, current))
@@ -175,14 +170,7 @@ class PrefillBuild:
                 except Exception as exc:
                     self.prefill_raised(members[0], exc, current)
             elif members:
-                loop.computing = ("prefill", [member.request_id for member in members])
-                started = time.perf_counter()
-                try:
-                    run_stacked(loop.model, members, loop.bucket)
-                except Exception:
-                    self.restart_group("a stacked prefill call", members)
-                    continue
-                loop.profile.account("prefill_stacked", started, len(members))
+                self.run_group(run_stacked, members, "a stacked prefill call", "prefill_stacked")
         for task, _, _ in tasks:
             if task.request_id not in loop.waiting or task.cache is None:
                 continue  # failed, or starts again
@@ -197,6 +185,21 @@ class PrefillBuild:
         """Whether the prompt's next unit starts chunk `chunk` (not restarted, not past it)."""
         return (not task.finished and task.units[task.done_units].chunk == chunk
                 and task.units[task.done_units].starts_chunk and (task.cache is not None or chunk == 0))
+
+    def run_group(self, call: Callable[[Any, list[PrefillTask], int], None], members: list[PrefillTask],
+                  what: str, kind: str) -> bool:
+        """One call of several prompts (`run_short_batch`, `run_stacked`), timed as `kind`; whether
+        it was built (if it raised, each of its prompts starts again: `restart_group`)."""
+        loop = self.loop
+        loop.computing = ("prefill", [task.request_id for task in members])
+        started = time.perf_counter()
+        try:
+            call(loop.model, members, loop.bucket)
+        except Exception:
+            self.restart_group(what, members)
+            return False
+        loop.profile.account(kind, started, len(members))
+        return True
 
     def restart_group(self, what: str, members: list[PrefillTask]) -> None:
         """One call of several prompts raised: one prompt must not fail its neighbours, so each
