@@ -48,7 +48,7 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
     "adapters.mlx.arriving": [("ArrivingKv", "receive"), ("ArrivingKv", "_keep")],
     # a streamed handoff's join on a decode node: its pieces staged, its install, its first steps
-    "adapters.mlx.performer": [("Performer", "join"), ("Performer", "stage")],
+    "adapters.mlx.joining": [("Joining", "join"), ("Joining", "stage")],
     "adapters.mlx.staging": [("StagedSlots", "stage"), ("StagedSlots", "write_some"),
                              ("StagedSlots", "ready")],
     "adapters.mlx.keeping": [("PrefixKeeping", "keep_joined")],

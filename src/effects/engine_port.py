@@ -374,9 +374,13 @@ class Engine(Protocol):
         prompt: Sequence[int],
         first_token: int,
         sampling: SamplingParams,
+        pieces: int | None = None,
     ) -> None:
         """Insert the pieces received for the request into the running decoder, as `install`
-        does with a whole payload."""
+        does with a whole payload. With `pieces` (how many were handed to `receive_segment`) it
+        may be asked while the last of them are still being checked: it waits until they are
+        kept, then installs at once (the decode node's handoff saves a round trip), and raises
+        what failed if one of them did."""
         ...
 
     def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:

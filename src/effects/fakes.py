@@ -81,6 +81,7 @@ class FakeEngine:
         self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
         self._streams: dict[RequestId, trio.MemoryReceiveChannel[GeneratedToken]] = {}
         self._cancelled: set[RequestId] = set()
+        self._piece_came = trio.Event()  # set (and replaced) as a streamed piece is kept or given up
 
     @property
     def info(self) -> ModelInfo:
@@ -196,10 +197,21 @@ class FakeEngine:
         if data[:4] != b"FAKE" or len(data) - 4 != segment.stop - segment.start:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "not a fake segment"))
         self.arriving.setdefault(request_id, []).append((segment.start, segment.stop))
+        self._pieces_changed()
+
+    def _pieces_changed(self) -> None:
+        self._piece_came.set()
+        self._piece_came = trio.Event()
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
+        pieces: int | None = None,
     ) -> None:
+        # asked while its last pieces are still being checked: it waits for them, as the real one
+        while pieces is not None and len(self.arriving.get(request_id, [])) < pieces:
+            if request_id in self._cancelled:
+                raise StatecoreError(ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "cancelled"))
+            await self._piece_came.wait()
         covered = sum(stop - start for start, stop in self.arriving.pop(request_id, []))
         if covered != len(prompt):
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED, "segments miss tokens"))
@@ -219,6 +231,8 @@ class FakeEngine:
 
     async def cancel(self, request_id: RequestId) -> None:
         self.arriving.pop(request_id, None)
+        self._cancelled.add(request_id)
+        self._pieces_changed()
         send = self.decoding.pop(request_id, None)
         if send is not None:
             send.close()

@@ -104,6 +104,9 @@ class NodeRequest:
     # `prefill_url`, which then computes the prompt); a prefill node's stream is `KvStreams`'s
     streamed: bool = False
     kv_attach: bool = False  # a streamed handoff whose prefill the router started: attach to it
+    # a streamed handoff read to its end: how many pieces went to the engine (an install asked
+    # while the last are still checked waits for them: `Engine.install_segments`)
+    kv_pieces: int | None = None
     first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
@@ -174,22 +177,33 @@ class StreamReceiver:
             except Exception as exc:  # raised below, unwrapped, once the keeper has stopped
                 failures.append(exc)
                 nursery.cancel_scope.cancel()
+            if not failures and finish is None and ctx.first_token is not None:
+                # Every piece is with the engine: the install may be asked now, beside the last
+                # pieces' checks (it waits for them), not one round trip after them. A piece that
+                # fails still fails the request, from here.
+                ctx.kv_pieces = segments
+                self._stream_read(record, received, segments, before_first, opened)
+                await post(KvReceived(received))
         if failures:
             raise failures[0]
         if ctx.first_token is None:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED,
                                            "the prefill node's stream ended without a first token",
                                            origin=ctx.prefill_url))
-        # the prefill node holds the cache (and any shared memory) until this node says it has
-        # taken it: the RELEASE_KV once installed, as a pulled cache
+        if finish is not None:  # the first token ended the request: nothing to install
+            self._stream_read(record, received, segments, before_first, opened)
+            await post(Finished(finish))
+
+    @staticmethod
+    def _stream_read(record: HandoffRecord, received: int, segments: int, before_first: int,
+                     opened: float) -> None:
+        """The stream's figures, once it was read to its end. The prefill node holds the cache
+        (and any shared memory) until this node says it has taken it: the RELEASE_KV once
+        installed, as a pulled cache."""
         record.wire_bytes = received
         record.segments = segments
         record.stream_s = time.perf_counter() - opened
         record.overlap = before_first / received if received else 0.0
-        if finish is not None:
-            await post(Finished(finish))
-        else:
-            await post(KvReceived(received))
 
     @staticmethod
     async def _first_token(item: PrefillReply, ctx: NodeRequest, record: HandoffRecord, opened: float,
@@ -224,14 +238,19 @@ class StreamReceiver:
             await self.engine.receive_segment(rid, segment, len(ctx.prompt),
                                               max_tokens=ctx.sampling.max_tokens, index=index)
         except Exception as exc:
-            failure = exc
-            if isinstance(exc, StatecoreError) and exc.info.fault is Fault.PEER:
-                # a piece the prefill node sent: the error comes from it
-                named = f"{ctx.prefill_url}: {exc.info.message}"
-                failure = StatecoreError(replace(exc.info, message=named, origin=ctx.prefill_url))
-                failure.__cause__ = exc
-            failures.append(failure)
+            failures.append(from_prefill_node(exc, ctx))
             scope.cancel()
+
+
+def from_prefill_node(exc: Exception, ctx: NodeRequest) -> Exception:
+    """A streamed piece's failure as the engine raised it (checking it, or an install waiting for
+    it): a peer's fault comes from the prefill node that sent the piece, and says so."""
+    if not isinstance(exc, StatecoreError) or exc.info.fault is not Fault.PEER:
+        return exc
+    named = f"{ctx.prefill_url}: {exc.info.message}"
+    failure = StatecoreError(replace(exc.info, message=named, origin=ctx.prefill_url))
+    failure.__cause__ = exc
+    return failure
 
 
 class EnginePerformer:
@@ -323,8 +342,14 @@ class EnginePerformer:
                 if ctx.payload is not None:
                     payload, ctx.payload = ctx.payload, None
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
-                else:
+                elif ctx.kv_pieces is None:
                     await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
+                else:  # asked beside the last pieces' checks: a piece's failure is the prefill node's
+                    try:
+                        await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling,
+                                                           pieces=ctx.kv_pieces)
+                    except Exception as exc:
+                        raise from_prefill_node(exc, ctx) from exc
                 record = self.handoffs.record(rid)
                 record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 await post(KvInstalled())

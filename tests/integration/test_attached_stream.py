@@ -36,7 +36,7 @@ from effects.fakes import FakeEngine, Faults, fake_info
 from effects.faults import DEFAULT_MARKER, NO_FAULTS, FaultPort, Phase, Rule
 from effects.faults import Faults as ArmedFaults
 from effects.interpret import EnginePerformer, RouterPerformer, router_backend
-from effects.ports import GenerationRequest, PrefillOutcome, SamplingParams, SegmentSink
+from effects.ports import GenerationRequest, KvSegment, PrefillOutcome, SamplingParams, SegmentSink
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import KvTaken
@@ -131,9 +131,31 @@ class _DecodeEngineCoreLost(FakeEngine):
     own failure, in words that name the prefill node the KV came from."""
 
     async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
-                               sampling: SamplingParams) -> None:
+                               sampling: SamplingParams, pieces: int | None = None) -> None:
         raise StatecoreError(ErrorInfo(Fault.TRANSPORT, Code.TRANSPORT_LOST,
                                        f"the engine core process died installing {URLS['prefill']}'s KV"))
+
+
+class _LastPieceHeldUntilInstall(FakeEngine):
+    """A decode node whose last piece's check ends only once the install was asked: a node that
+    asked it only after every piece was kept would wait forever."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.install_asked = trio.Event()
+        self.waited: list[int] = []  # the pieces whose check waited for the install
+
+    async def receive_segment(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int, *,
+                              max_tokens: int, index: int | None = None) -> None:
+        if segment.stop == prompt_tokens:
+            self.waited.append(segment.stop)
+            await self.install_asked.wait()
+        await super().receive_segment(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
+
+    async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                               sampling: SamplingParams, pieces: int | None = None) -> None:
+        self.install_asked.set()
+        await super().install_segments(request_id, prompt, first_token, sampling, pieces=pieces)
 
 
 class _PrefillCallDropsLate(Hosts):
@@ -317,6 +339,22 @@ async def test_a_decode_node_that_fails_itself_is_the_one_blamed_whatever_its_wo
         assert isinstance(outputs[-1], Reject), outputs
         assert outputs[-1].error.code is Code.TRANSPORT_LOST
         assert [node for node, _ in routers.failures] == [URLS["decode"]]
+        await _settled(routers)
+
+
+async def test_a_decode_node_asks_the_install_as_its_stream_ends_not_after_the_last_piece_s_check(
+        nursery: trio.Nursery) -> None:
+    """The decode node asks its engine to install as soon as the stream has ended (every piece
+    handed to the engine), beside the last piece's check, which the install waits for: one round
+    trip fewer between the prefill's end and the join. The answers are the pulled handoff's."""
+    engine = _LastPieceHeldUntilInstall()
+    async with _routers(nursery, decode_engine=engine) as routers:
+        pulled = [as_scripted(output) for output in await routers.generate("pulled", "r-pulled")]
+        for way in ("attached", "via-decode"):
+            with trio.fail_after(10):
+                streamed = [as_scripted(output) for output in await routers.generate(way, f"r-{way}")]
+            assert streamed == pulled
+        assert engine.waited == [len(PROMPT), len(PROMPT)]  # each stream's last piece waited
         await _settled(routers)
 
 

@@ -6,12 +6,14 @@ not cover its prompt, gives its slot back.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from adapters.mlx import MlxEngine, kv_out, slot_lane
 from adapters.mlx.compiled import CompiledSlotStep
@@ -454,3 +456,53 @@ async def test_on_the_cpu_a_slot_row_s_token_leaves_before_the_batch_lane_steps(
             await engine.cancel(RequestId("long"))
         assert len(behind) >= 10 and set(behind) == {0}, behind
         assert got["short"] == await served(engine, "short-again", prompt_of(20, salt=13), short_run)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+async def test_an_install_asked_while_the_last_pieces_are_checked_waits_for_them(corrupt: bool) -> None:
+    """`install_segments(pieces=N)`, asked as a decode node's stream ends, before its last pieces'
+    checks are done (as `effects.interpret.StreamReceiver` asks it): the install starts once they
+    are kept and the tokens are the single node's; a corrupt last piece fails the install with
+    that piece's own error (its checksum), and the request's cancel gives everything back."""
+    async with opened_engines() as opened:
+        source, decode = await source_and_decode(opened, max_batch=2)
+        decode._arriving.checks = trio.CapacityLimiter(4)
+        newcomer = prompt_of(70, salt=9)
+        first_token, pieces = await pieces_of(source, "new", newcomer)
+        if corrupt:  # one byte of the last piece's arrays flipped: its checksum fails
+            data = bytearray(pieces[-1].payload.joined())
+            data[len(data) // 2] ^= 0xFF
+            pieces[-1] = replace(pieces[-1], payload=KvPieces((bytes(data),)))
+        installed: list[BaseException | None] = []
+
+        async def install() -> None:
+            try:
+                await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY,
+                                              pieces=len(pieces))
+            except StatecoreError as exc:
+                installed.append(exc)
+            else:
+                installed.append(None)
+
+        async def receive(index: int) -> None:
+            with contextlib.suppress(StatecoreError):
+                await decode.receive_segment(RequestId("new"), pieces[index], len(newcomer),
+                                             max_tokens=GREEDY.max_tokens, index=index)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(install)  # asked first: no piece's call has started yet
+                await trio.testing.wait_all_tasks_blocked()
+                assert not installed
+                for index in range(len(pieces)):
+                    nursery.start_soon(receive, index)
+        if not corrupt:
+            assert installed == [None]
+            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            assert tokens == await served(source, "alone", newcomer)
+            return
+        failure = installed[0]
+        assert isinstance(failure, StatecoreError) and failure.info.code is Code.KV_CHECKSUM
+        await decode.cancel(RequestId("new"))
+        assert not staged(decode) and decode._callers.get("new") is None
+        assert decode._device.pool is not None and decode._device.pool.free_slots == 2

@@ -77,3 +77,54 @@ async def test_giving_the_pieces_up_fails_the_ones_waiting_and_forgets_the_order
 def test_callers_that_name_no_index_are_kept_in_the_order_of_their_calls() -> None:
     order = PieceOrder()
     assert [order.claim() for _ in range(3)] == [0, 1, 2]
+
+
+async def test_an_install_asked_before_the_last_pieces_are_kept_waits_for_them() -> None:
+    """`kept_all`: the install a decode node asks as its stream ends starts once every piece it
+    named is kept, not before, whatever order their checks end in."""
+    order = PieceOrder()
+    waited: list[int] = []
+
+    async def install() -> None:
+        await order.kept_all(3)
+        waited.append(order.kept)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(install)
+        await trio.testing.wait_all_tasks_blocked()
+        for index in (0, 1):
+            order.done(index, kept=True)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not waited
+        order.done(2, kept=True)
+    assert waited == [3]
+
+
+async def test_an_install_waiting_for_a_piece_that_fails_raises_that_piece_s_error() -> None:
+    """The install raises the failed piece's own error (its code and words, so the request fails
+    as the piece's check failed it, whichever of the two the node hears first); a failure after
+    the pieces it waits for does not concern it; pieces given up fail it too."""
+    corrupt = StatecoreError(ErrorInfo(Fault.PEER, Code.KV_CHECKSUM, "a corrupt piece"))
+    order = PieceOrder()
+    order.done(0, kept=True)
+    order.done(2, kept=False, failure=StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED, "later")))
+    order.done(1, kept=False, failure=corrupt)  # the earliest failure is the one an install raises
+    with pytest.raises(StatecoreError) as raised:
+        await order.kept_all(3)
+    assert raised.value is corrupt
+
+    past = PieceOrder()
+    past.done(0, kept=True)
+    past.done(1, kept=False, failure=corrupt)  # not one of the pieces the install waits for
+    await past.kept_all(1)
+
+    callers = Callers()
+    given_up = callers.piece_order("r")
+    async with trio.open_nursery() as nursery:
+        async def install() -> None:
+            with pytest.raises(StatecoreError) as raised:
+                await given_up.kept_all(2)
+            assert raised.value.info.code is Code.KV_MALFORMED
+        nursery.start_soon(install)
+        await trio.testing.wait_all_tasks_blocked()
+        callers.forget_pieces("r")  # the request ended: its handoff's pieces are given up

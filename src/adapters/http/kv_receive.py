@@ -19,6 +19,7 @@ import json
 import ssl
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import NoReturn
 
 import h11
@@ -28,6 +29,7 @@ import trio
 from adapters.http.internal_wire import PrefillReplyBody, error_from_json
 from adapters.kv import pull as kv_pull
 from adapters.kv import stream as kv_stream
+from adapters.kv.blocking import run_blocking
 from adapters.kv.shm_inbox import ShmInbox
 from adapters.kv.shm_region import default_directory, parse_ref
 from effects.ports import KvPieces, KvSegment, PrefillReply
@@ -109,7 +111,7 @@ async def read_stream(read_into: kv_stream.ReadInto, prompt_tokens: int, layers:
                                                    "a piece in shared memory nobody asked for"))
                 coverage.add(where)
                 ref = parse_ref(reference)
-                view = await trio.to_thread.run_sync(inbox.read, ref)
+                view = await run_blocking(partial(inbox.read, ref), ref.nbytes)
                 # the caller builds its arrays from the view before asking for the next piece;
                 # an engine core process reads the region itself (where it looks for regions)
                 here = inbox.directory == default_directory()

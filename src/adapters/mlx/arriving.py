@@ -58,6 +58,13 @@ class ArrivingKv:
         self._model = model  # the loaded model's (cache classes, fingerprint)
         self.checks = trio.CapacityLimiter(PIECE_CHECKS)
 
+    def forget(self, request_id: RequestId) -> None:
+        """The request's handoff ended here (installed, cancelled or never to be): the pieces kept
+        for its install go, and the steps hold prefill work back for it no more."""
+        self._callers.forget_pieces(request_id)
+        self._device.handoffs_coming.pop(request_id, None)
+        self._device.handoffs_expected.pop(request_id, None)
+
     async def built_payload(self, payload: KvBytes, prompt_tokens: int) -> Local:
         """A pulled payload's caches (and each rank's head range on a tensor-parallel instance)."""
         classes, fingerprint = self._model()
@@ -85,6 +92,7 @@ class ArrivingKv:
         elif segment.last_step_started:  # and its last pieces are being computed now
             self._device.handoffs_expected.setdefault(request_id, time.monotonic())
         kept = False
+        failure: StatecoreError | None = None  # its error, for an install that waits for it
         try:
             if is_device_piece(segment.payload.pieces[0]):
                 piece = self._checked_device_piece(segment, fingerprint, classes)
@@ -97,8 +105,19 @@ class ArrivingKv:
                 await order.turn(index)  # a request cancelled meanwhile keeps nothing here
                 await self._keep(request_id, segment, prompt_tokens, max_tokens, built, last=last)
             kept = True
+        except StatecoreError as exc:
+            failure = exc
+            raise
         finally:
-            order.done(index, kept=kept)
+            order.done(index, kept=kept, failure=failure)
+
+    async def all_kept(self, request_id: RequestId, pieces: int) -> None:
+        """Wait until the request's first `pieces` pieces are kept: an install may be asked while
+        the last ones are still being checked (`Engine.install_segments`), and starts once they
+        are; raises if one of them failed or the request's handoff ended meanwhile."""
+        # the order is made here when no piece's call has started yet (an engine core process
+        # may start the install's call first when both came in one frame)
+        await self._callers.piece_order(request_id).kept_all(pieces)
 
     async def _take_from_device(self, request_id: RequestId, segment: KvSegment, prompt_tokens: int,
                                 max_tokens: int, piece: DevicePiece) -> None:

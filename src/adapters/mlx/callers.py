@@ -51,6 +51,7 @@ class PieceOrder:
     claimed: int = 0  # indices handed to callers that name none (they call one after another)
     kept: int = 0
     failed_at: int | None = None
+    failure: StatecoreError | None = None  # the first failed piece's error (an install raises it)
     changed: trio.Event = field(default_factory=trio.Event)
 
     def claim(self) -> int:
@@ -66,12 +67,23 @@ class PieceOrder:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_MALFORMED,
                                            "an earlier KV piece of this handoff failed"))
 
-    def done(self, index: int, *, kept: bool) -> None:
-        """Piece `index` kept, or failed (-1: every piece given up)."""
+    async def kept_all(self, count: int) -> None:
+        """Wait until the first `count` pieces are kept (an install asked while the last ones are
+        still being checked); raise the failed piece's error if one of them failed, or a generic
+        one if the pieces were given up."""
+        await trio.lowlevel.checkpoint()
+        while not self._fails(count) and self.kept < count:
+            await self.changed.wait()
+        if self._fails(count):
+            raise self.failure or StatecoreError(ErrorInfo(
+                Fault.PEER, Code.KV_MALFORMED, "the handoff's KV pieces were given up before its install"))
+
+    def done(self, index: int, *, kept: bool, failure: StatecoreError | None = None) -> None:
+        """Piece `index` kept, or failed (`failure`: its error; -1: every piece given up)."""
         if kept:
             self.kept += 1
-        else:
-            self.failed_at = index if self.failed_at is None else min(self.failed_at, index)
+        elif self.failed_at is None or index < self.failed_at:
+            self.failed_at, self.failure = index, failure
         self.changed.set()
         self.changed = trio.Event()
 

@@ -216,8 +216,9 @@ class ProcessEngine:
                 self._kv.unshare(shared)
 
     async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
-                               sampling: SamplingParams) -> None:
-        await self._start("install_segments", request_id, sampling, tuple(prompt), first_token)
+                               sampling: SamplingParams, pieces: int | None = None) -> None:
+        await self._start("install_segments", request_id, sampling, tuple(prompt), first_token,
+                          kwargs={"pieces": pieces})
 
     async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
         """Tokens after the first one. Leaving early cancels the request."""
@@ -285,10 +286,11 @@ class ProcessEngine:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    async def _start(self, method: str, request_id: RequestId, sampling: SamplingParams, *args: Any) -> None:
+    async def _start(self, method: str, request_id: RequestId, sampling: SamplingParams, *args: Any,
+                     kwargs: dict[str, Any] | None = None) -> None:
         """Open the request's stream here (fed by the core's items), then put it into the core's decoder."""
         with self._callers.opening_stream(request_id, sampling.max_tokens, fed_here=True):
-            await self._calls.call(method, request_id, *args, sampling)
+            await self._calls.call(method, request_id, *args, sampling, kwargs=kwargs or {})
 
     def _cancel_nowait(self, request_id: RequestId) -> None:
         if self._link.alive:

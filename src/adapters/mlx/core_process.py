@@ -34,6 +34,7 @@ from typing import Any, Final
 import trio
 
 from adapters.blas import blas_in_use
+from adapters.kv.blocking import run_blocking
 from adapters.kv.shm_inbox import ShmInbox
 from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES, ShmOutbox
 from adapters.kv.shm_region import ShmRef
@@ -259,14 +260,16 @@ class CoreServer:
                                 segments: trio.MemoryReceiveChannel[KvSegment]) -> None:
         async with segments:
             async for segment in segments:
-                payload = await trio.to_thread.run_sync(self._put, request_id, segment.payload)
+                # a device piece's document is put on this thread (no seal: the bytes are all there)
+                small = segment.payload.nbytes if segment.payload.seal is None else None
+                payload = await run_blocking(partial(self._put, request_id, segment.payload), small)
                 self.push(Segment(call_id, segment.start, segment.stop, segment.first_layer,
                                   segment.end_layer, payload, segment.last_step_started))
 
     async def _incoming(self, payload: ShmRef | bytes) -> memoryview | bytes:
         if isinstance(payload, bytes):
             return payload
-        return await trio.to_thread.run_sync(self._inbox.read, payload)
+        return await run_blocking(partial(self._inbox.read, payload), payload.nbytes)
 
     async def _outgoing(self, value: Any, call: Call) -> Any:
         if not isinstance(value, KvPieces):

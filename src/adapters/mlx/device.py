@@ -40,7 +40,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache
 
 from adapters.mlx.admission import Admission
-from adapters.mlx.batch_lane import BatchLane, batchable
+from adapters.mlx.batch_lane import BatchLane
 from adapters.mlx.choices import ChoiceGathering
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.draft_model import DraftModel
@@ -70,7 +70,7 @@ from adapters.mlx.solo_lane import SoloLane
 from adapters.mlx.speculative import Speculator
 from adapters.mlx.step_host import InFlight
 from effects.engine_port import GeneratedToken
-from statecore.engine_schedule import EnginePhase, Finish, Stacking, choose_lane
+from statecore.engine_schedule import EnginePhase, Finish, Stacking
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.events import TokenLogprobs
 from statecore.policy import token_finish
@@ -334,31 +334,6 @@ class DeviceLoop:
             self.choices.left(live, record)
         self.slots.leave(live)
         self.batch.remove(live)
-
-
-    def lane_for(self, cache: list[Any], prompt_tokens: int, remaining: int, constrained: bool) -> str:
-        """Where a request decodes (`statecore.engine_schedule.choose_lane`): "slot", "batch" or "solo"."""
-        return choose_lane(plain_kv=all(type(c) is KVCache for c in cache),
-                           needed_tokens=prompt_tokens + remaining + 2,
-                           slot_capacity=None if self.pool is None else self.pool.max_capacity,
-                           batchable=batchable(cache), constrained=constrained).value
-
-    def join(self, live: Live, cache: list[Any], prompt: list[int], lane: str,
-             reserved: int | None = None) -> None:
-        """Put a request with its prompt's cache into `lane` (the caller checked capacity), its
-        record reserving `reserved` bytes from now (None: what it reserves already); a choice of
-        n > 1 bound for a batched lane waits for its siblings first (`adapters.mlx.choices`)."""
-        if lane != "solo" and live.sampler.sampling.choices > 1 and self.choices.waits(live):
-            record = self.requests.join(live, lane, (cache, prompt))
-        else:
-            self.enter(live, cache, prompt, lane)
-            record = self.requests.join(live, lane, None)
-        if reserved is not None:
-            record.reserved = reserved
-        if lane == "slot" and record.phase is EnginePhase.RUNNING:
-            record.reserved = 0  # its KV lives in the pool now
-        if self.choices.groups:
-            self.choices.release()
 
     def enter(self, live: Live, cache: list[Any], prompt: list[int], lane: str) -> None:
         needed = len(prompt) + live.remaining + 2

@@ -29,12 +29,10 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
-import mlx.core as mx
 import trio
 
 from adapters.kv import frames
@@ -291,13 +289,16 @@ class MlxEngine:
 
     async def install_segments(
         self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
+        pieces: int | None = None,
     ) -> None:
-        pieces = self._callers.take_pieces(request_id)
         try:
+            if pieces is not None:
+                await self._arriving.all_kept(request_id, pieces)
+            kept = self._callers.take_pieces(request_id)
             tokens = checked_prompt(prompt, sampling, self._running_info)
             first_token = checked_token(first_token, "first_token", self.info)
             await self._start(commands.Install(request_id, tuple(tokens), first_token, sampling),
-                              Local(pieces=pieces))
+                              Local(pieces=kept))
         finally:
             self._end_handoff(request_id)
 
@@ -323,19 +324,12 @@ class MlxEngine:
         info = self._performer.info
         if info is not None and info.device_pieces:
             release_held_pieces(request_id)
-        self._callers.forget_pieces(request_id)
-        self._device.handoffs_coming.pop(request_id, None)
-        self._device.handoffs_expected.pop(request_id, None)
+        self._arriving.forget(request_id)
 
     def statistics(self) -> EngineStatistics:
-        device = self._device
-        stalled = device.inbox.stalled_s() if self._thread.alive else 0.0
-        return replace(self._performer.stats, device_thread_alive=self._thread.alive, stalled_s=stalled,
-                       arriving=self._callers.arriving + len(device.slots.staged),
-                       kv_budget_bytes=self._settings.kv_memory_bytes - device.pool_reserved,
-                       device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
-                       device_time=tuple((kind, calls, seconds)
-                                         for kind, (calls, seconds) in device.profile.spent.items()))
+        alive = self._thread.alive
+        return self._performer.statistics(alive, self._device.inbox.stalled_s() if alive else 0.0,
+                                          self._callers.arriving)
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         return await self._prefixes.prefix_summary(since)
@@ -408,7 +402,6 @@ class MlxEngine:
 
     def _die(self, error: StatecoreError) -> None:
         """The device loop is gone: the statistics say so, and every caller and stream fails."""
-        self._performer.stats = EngineStatistics(0, 0, 0, False, self._device.step_retries,
-                                                 self._device.rows_isolated)
+        self._performer.dead()
         self._device.die(error)
 

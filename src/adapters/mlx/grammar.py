@@ -10,7 +10,8 @@ A drawn token stays on the device (`drew`) and is read back and consumed only wh
 is needed: in the slot lane that is while the next step is built, so a batch with a constrained
 row waits there for the previous step instead of building beside it; the other rows' tokens do
 not change. `mark` / `reset` undo what a failed call consumed (llguidance's rollback); `restart`
-goes back to the grammar's start (a prefill computed again). This module imports mlx and numpy
+goes back to the grammar's start (a prefill computed again). `constraint_after` builds a request's
+constraint, a first token that does not fit being the client's error. This module imports mlx and numpy
 and calls llguidance through the matcher it is given; it must never import trio.
 """
 
@@ -22,7 +23,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["ConstraintMark", "TokenConstraint"]
+from effects.engine_port import ModelInfo
+from statecore.errors import StatecoreError, client_error
+
+__all__ = ["ConstraintMark", "TokenConstraint", "constraint_after"]
 
 ConstraintMark = tuple[int, Any]  # (tokens consumed, the last draw not yet consumed)
 
@@ -81,3 +85,14 @@ class TokenConstraint:
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"token {token} does not fit the grammar: {self._matcher.get_error()}")
         self._consumed += 1
+
+
+def constraint_after(matcher: Any, info: ModelInfo, generated: Sequence[int]) -> TokenConstraint | None:
+    """A request's grammar state after `generated` (None: free text, no matcher)."""
+    if matcher is None:
+        return None
+    try:
+        return TokenConstraint(matcher, info.vocab_size, info.eos_token_ids, generated)
+    except RuntimeError as exc:
+        raise StatecoreError(client_error(f"the first token does not fit the response_format: {exc}",
+                                          param="response_format")) from exc

@@ -6,10 +6,13 @@ no device (a payload's caches, a grammar matcher) in worker threads, posts the c
 (`adapters.mlx.jobs.Local`) and awaits the outcome; this performs it. A rank > 0 of a tensor- or
 pipeline-parallel instance performs the very commands rank 0 broadcast, through this same
 function, without a `Local`: its tokens go nowhere, a grammar is compiled here, a sliced
-install's heads come from rank 0. It also holds what the load found (the model's `info`, its
-cache classes, its grammars) and the statistics snapshot it refreshes after each change. Only the
-device thread calls it. This module imports mlx, mlx-lm and trio (for the types of a stream);
-statecore and effects never import it.
+install's heads come from rank 0. Here: the load, a prompt's admission, a held cache's release and
+export, the prefix cache's commands; a request's join into the decoder and a streamed handoff's
+pieces before it are `adapters.mlx.joining`'s. It also holds what the load found (the model's
+`info`, its cache classes, its grammars), the device pieces read lazily until their install
+(`adapters.mlx.device_read.Reads`) and the statistics snapshot it refreshes after each change.
+Only the device thread calls it. This module imports mlx and mlx-lm; statecore and effects never
+import it.
 """
 
 from __future__ import annotations
@@ -17,30 +20,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, assert_never, cast
+from typing import Any, assert_never
 
 import mlx.core as mx
-import trio
 
 from adapters.grammar import Grammars
 from adapters.kv import codec, frames
-from adapters.mlx import commands, device_pieces, device_read, managed_memory
+from adapters.mlx import commands, device_read, managed_memory
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.distributed import LockstepLoop
-from adapters.mlx.first_verify import verified_items
-from adapters.mlx.grammar import TokenConstraint
-from adapters.mlx.jobs import Job, Local, StreamItem, StreamSend, deliver, post
+from adapters.mlx.grammar import constraint_after
+from adapters.mlx.jobs import Job, Local
+from adapters.mlx.joining import Joining, forget_drafts, not_held
 from adapters.mlx.load_on_device import ModelSource, load_on_device
-from adapters.mlx.payloads import joined_segments, kv_cache, validate_and_build
 from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest
-from adapters.mlx.rows import Live
 from adapters.mlx.sampling import PositionSampler, request_seed
 from adapters.mlx.settings import Settings
 from effects.engine_port import EngineStatistics, ModelInfo, PrefixSummary, SamplingParams
 from statecore.engine_schedule import EnginePhase, Finish
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.policy import finish_before_decoding
 from statecore.prefix import prompt_chunks
 from statecore.routing import summary_key
 from statecore.scheduling import StepRates, prefill_units
@@ -62,6 +61,7 @@ class Performer:
         self.grammars: Grammars | None = None  # structured output: set by the load
         self.stats = EngineStatistics(0, 0, 0, True)  # replaced whole (one atomic assignment)
         self.reads = device_read.Reads()  # device pieces read lazily, settled at their install
+        self._joining: Joining | None = None  # set by the load
 
     def perform(self, job: Job[Any]) -> Any:
         command, local = job.command, job.local
@@ -70,31 +70,24 @@ class Performer:
                 loaded = load_on_device(self.device, self.source, Settings(**settings))
                 self.settings = self.device.settings  # rank 0's, as the load set them
                 self.info, self.classes, self.grammars = loaded.info, loaded.classes, loaded.grammars
+                self._joining = Joining(self.device, loaded, self.reads)
                 self.publish()  # what the load set up (e.g. speculation's verdict) shows at once
                 return loaded.info
             case commands.Prefill():
                 self.register(command, job, local)
                 return None
             case commands.DecodeHeld() | commands.Install():
-                self.join(command, job, local)
+                self.joining.join(command, job, local, self.matcher(command.sampling, local))
                 return None
             case commands.StagePiece():
                 assert local is not None and local.caches is not None
-                return self.stage(command, local.caches)
-            case commands.TakeDevicePiece(piece, request_id, stage):
-                assert isinstance(piece, device_pieces.DevicePiece)
-                arrays, landing = device_pieces.take(piece)
-                if landing is not None:
-                    self.reads.add(request_id, landing)
-                caches = [kv_cache(keys, values, piece.token_count)
-                          for keys, values in zip(arrays[::2], arrays[1::2], strict=True)]
-                if stage is not None and self.stage(replace(stage, in_device_memory=True), caches):
-                    return None
-                return caches
+                return self.joining.stage(command, local.caches)
+            case commands.TakeDevicePiece():
+                return self.joining.take_device_piece(command)
             case commands.Cancel(request_id):
                 self.device.drop(request_id)
                 self.reads.forget(request_id)
-                self.forget_drafts(request_id)
+                forget_drafts(self.device, request_id)
                 self.publish()
                 return None
             case commands.Release(request_id):
@@ -150,7 +143,7 @@ class Performer:
         device.arrivals += 1
         matcher = self.matcher(sampling, local)
         sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens), tokens,
-                                  self.constraint(matcher, ()))
+                                  constraint_after(matcher, self.model_info, ()))
         task = PrefillTask(request_id, tokens, sampler, device.arrivals, chunks, units, job=job,
                            segment_sink=None if local is None else local.segment_sink)
         # Its record (and so its reservation) first: the blocks its start takes back from the host
@@ -162,189 +155,6 @@ class Performer:
             device.requests.remove(request_id, Finish.FAILED)
             raise
 
-    def join(self, command: commands.DecodeHeld | commands.Install, job: Job[Any],
-             local: Local | None) -> None:
-        """Put a request into the decoder: its cache taken (validated: nothing changes before),
-        its lane chosen, its KV reserved where it grows outside the slot pool. A first token that
-        already ends it gives an empty stream."""
-        device = self.device
-        request_id = command.request_id
-        # Its pieces read from the sender's GPU memory are done before the install is answered
-        # (the sender frees their regions then); a step has computed them already, as a rule.
-        self.reads.settle(request_id)
-        send = local.send if local is not None and local.send is not None else _nowhere()
-        token = cast(trio.lowlevel.TrioToken, job.token)  # None (replayed): post() delivers nothing
-        if request_id in device.live:
-            raise StatecoreError(client_error(f"request {request_id!r} is already decoding"))
-        staged = request_id in device.slots.staged  # its slot is taken already: it counts there
-        overloaded = None if staged else device.admission.overloaded()
-        if overloaded is not None:
-            raise overloaded
-        try:
-            self.join_with(command, job, local, send, token)
-        except BaseException:
-            device.slots.staged.unstage(device.pool, request_id)
-            raise
-
-    def join_with(self, command: commands.DecodeHeld | commands.Install, job: Job[Any], local: Local | None,
-                  send: StreamSend, token: trio.lowlevel.TrioToken) -> None:
-        device = self.device
-        request_id, tokens, sampling = command.request_id, list(command.tokens), command.sampling
-        first_token = command.first_token
-        # A handed-off prompt's chunks go into the prefix cache after its first step (`Live.keep_prompt`),
-        # except on an instance, whose ranks keep the same blocks on the same step
-        keeps_later = (isinstance(command, commands.Install) and device.joins_early
-                       and not isinstance(device, LockstepLoop))
-        cache = self.take_cache(command, local, keep=not keeps_later)
-        ended = finish_before_decoding(first_token, device.eos, ignore_eos=sampling.ignore_eos,
-                                       max_tokens=sampling.max_tokens)
-        # The tokens the prompt's last call verified after the first (speculative decoding's
-        # first verify step): they go out first, and the request decodes from the last of them.
-        after = self.verified_after(command, first_token) if ended is None else []
-        items = verified_items(after, sampling, device.eos)
-        if items and items[-1].finish_reason is not None:
-            ended = items[-1].finish_reason
-        if ended is not None:
-            record = device.requests.get(request_id)
-            if record is not None and record.phase is EnginePhase.HELD:
-                device.requests.remove(request_id, Finish(ended))
-            if keeps_later:  # no step of it comes: kept now, its staged slot still its own
-                device.keeping.keep_installed(tokens, cache)
-            device.slots.staged.unstage(device.pool, request_id)
-            device.choices.ended(sampling)
-            self.forget_drafts(request_id, emitted=len(items))
-            post(token, deliver, [*((send, item, False) for item in items[:-1]),
-                                  (send, items[-1] if items else None, True)])
-            self.publish()
-            return
-        if items:
-            tokens = [*tokens, first_token, *(item.token for item in items[:-1])]
-            first_token = items[-1].token
-        remaining = sampling.max_tokens - 1 - len(items)
-        # The grammar's state after the first token, which the prefill node drew under it.
-        constraint = self.constraint(self.matcher(sampling, local), (first_token,))
-        lane = device.lane_for(cache, len(tokens), remaining, constraint is not None)
-        # A request stages only where its whole length fits a slot of plain KVCache layers
-        # (`adapters.mlx.staging`), which is where `lane_for` puts it.
-        assert lane == "slot" or request_id not in device.slots.staged
-        reserved = None
-        if lane != "slot":  # its cache grows to the whole request, outside the pool
-            total = len(command.tokens) + sampling.max_tokens
-            reserved = device.admission.admit(request_id, device.cost.of(total), total)
-        sampler = PositionSampler(sampling, request_seed(request_id, sampling), len(tokens) + 1,
-                                  [*tokens, first_token], constraint)
-        live = Live(request_id, send, token, remaining, sampler, first_token,
-                    prompt_tokens=len(command.tokens))
-        if device.settings.keep_conversations and device.prefix is not None:
-            live.conversation = [*tokens, first_token]
-        if keeps_later:
-            live.keep_prompt = (list(command.tokens), None if lane == "slot" else cache)
-        device.join(live, cache, tokens, lane, reserved)
-        if items:
-            post(token, deliver, [(send, item, False) for item in items])
-            if device.speculator is not None:
-                device.speculator.emitted += len(items)
-        self.publish()
-
-    def verified_after(self, command: commands.DecodeHeld | commands.Install, first_token: int) -> list[int]:
-        """The tokens after the first that the held prompt's last call verified (none for an
-        install); a decode from another first token than that call's starts from the prompt."""
-        held = self.device.held.get(command.request_id) if isinstance(command, commands.DecodeHeld) else None
-        if held is None or not held.drawn:
-            return []
-        if held.drawn[0] != first_token:
-            held.cut_to_prompt()
-            return []
-        return list(held.drawn[1:])
-
-    def forget_drafts(self, request_id: str, emitted: int = 0) -> None:
-        """A request that will not decode here (any more): its draft model cache goes; `emitted`
-        tokens its prompt's last call verified were handed out."""
-        speculator = self.device.speculator
-        if speculator is not None:
-            speculator.left(request_id)
-            speculator.emitted += emitted
-
-    def stage(self, command: commands.StagePiece, caches: list[Any]) -> bool:
-        """A streamed handoff's piece into its request's slot, where it can go there
-        (`adapters.mlx.staging`); whether it did."""
-        device = self.device
-        first = command.request_id not in device.slots.staged
-        staged: bool = device.slots.staged.stage(
-            device.pool, command.request_id, command.first_layer, command.start, caches,
-            command.prompt_tokens, command.needed_tokens,
-            room=not first or device.admission.overloaded() is None,
-            decoding=any(live.slot is not None for live in device.live.values()),
-            in_device_memory=command.in_device_memory)
-        if staged and first:  # the step it joins will trace nothing new
-            slot = device.slots.staged.entries[command.request_id].slot
-            device.slots.prepare_join(slot, command.prompt_tokens, device.live.values())
-        return staged
-
-    def take_cache(self, command: commands.DecodeHeld | commands.Install, local: Local | None, *,
-                   keep: bool = True) -> list[Any]:
-        """The cache a request decodes from: its held one, or a handed-off one (built from its
-        payload or streamed pieces; on an instance, each rank's own heads), its whole chunks
-        kept now where `keep`."""
-        tokens = command.tokens
-        if isinstance(command, commands.DecodeHeld):
-            held = self.device.held.get(command.request_id)
-            if held is None:
-                raise not_held(command.request_id)
-            if held.prompt_tokens != len(tokens):
-                raise StatecoreError(client_error(
-                    f"request {command.request_id!r}: the held cache covers {held.prompt_tokens} "
-                    f"tokens, the prompt has {len(tokens)}"))
-            return held.cache
-        device = self.device
-        if local is None:  # a rank > 0 of a sliced install: its heads, from rank 0
-            assert isinstance(device, LockstepLoop) and command.sliced
-            payload = device.receive_slice()
-            caches = validate_and_build(payload, len(tokens), fingerprint=self.model_info.fingerprint,
-                                        classes=self.classes, heads=(device.tensor.rank, device.tensor.size))
-        elif command.request_id in device.slots.staged:  # its pieces are in its slot
-            staged = device.slots.staged
-            for first_layer, _, start, built in local.pieces or ():  # its last, staged now
-                staged.stage(device.pool, command.request_id, first_layer, start, built, len(tokens),
-                             len(tokens) + command.sampling.max_tokens + 1, room=True, decoding=True)
-            decoding = any(live.slot is not None for live in device.live.values())
-            staged.ready(device.pool, command.request_id, decoding=decoding)
-            caches = device.slots.staged.views(device.pool, command.request_id)
-        elif local.pieces is not None:
-            caches = joined_segments(len(tokens), local.pieces, len(self.classes))
-        else:
-            assert local.caches is not None
-            caches = local.caches
-            if command.sliced:
-                assert local.ranges is not None
-                caches = self.hand_out_heads(caches, local.ranges, tokens)
-        # Its whole chunks kept for the conversation's next turn (on every rank alike); the next
-        # step decodes only: the request's second token waits for no prefill.
-        if keep:
-            device.keeping.keep_installed(tokens, caches)
-        device.handoff_joined = True
-        return caches
-
-    def hand_out_heads(self, caches: list[Any], ranges: list[tuple[int, int]],
-                       tokens: Sequence[int]) -> list[Any]:
-        """Rank 0 of a TP decode instance: each other rank's heads of an installed payload, sent to
-        it as a payload of that head range; rank 0 keeps its own."""
-        device = self.device
-        assert isinstance(device, LockstepLoop)
-        slices: list[list[bytes | memoryview]] = []
-        try:
-            for heads in ranges[1:]:  # views of the cache's own buffers: copied once, into the send
-                tensors = codec.host_tensors(caches, fingerprint=self.model_info.fingerprint,
-                                             token_count=len(tokens), heads=heads)
-                slices.append([*frames.unsealed_pieces(tensors), frames.end_frame(tensors)])
-        except BaseException:
-            # The other ranks wait for their slice: a byte that is no payload makes their command
-            # fail as this one does, so every rank still holds the same requests.
-            device.pass_on_slices([[b"\x00"]] * (len(ranges) - 1))
-            raise
-        device.pass_on_slices(slices)
-        return device.own_heads(caches)
-
     def release(self, request_id: str) -> int:
         device = self.device
         device.slots.staged.release(device.pool, request_id)  # pieces of a request that ended first
@@ -352,7 +162,7 @@ class Performer:
         if held is not None:
             device.requests.remove(request_id, Finish.RELEASED)  # its reservation with it
             device.choices.ended(held.sampling)  # it will not decode here
-            self.forget_drafts(request_id)
+            forget_drafts(self.device, request_id)
         self.publish()
         return 0 if held is None else held.nbytes
 
@@ -403,23 +213,17 @@ class Performer:
             return None
         return self.grammars.matcher(sampling.response_format)
 
-    def constraint(self, matcher: Any, generated: Sequence[int]) -> TokenConstraint | None:
-        """The request's grammar state after `generated` (None: free text)."""
-        if matcher is None:
-            return None
-        info = self.model_info
-        try:
-            return TokenConstraint(matcher, info.vocab_size, info.eos_token_ids, generated)
-        except RuntimeError as exc:
-            raise StatecoreError(client_error(f"the first token does not fit the response_format: {exc}",
-                                              param="response_format")) from exc
-
     # -- statistics ----------------------------------------------------------------------------
 
     @property
     def model_info(self) -> ModelInfo:
         assert self.info is not None, "a command before the load"
         return self.info
+
+    @property
+    def joining(self) -> Joining:
+        assert self._joining is not None, "a join before the load"
+        return self._joining
 
     def publish(self) -> None:
         """Refresh the statistics snapshot (one atomic assignment)."""
@@ -455,23 +259,26 @@ class Performer:
             speculative_off_reason="" if speculator is None else speculator.off_reason or "",
         )
 
+    def statistics(self, alive: bool, stalled_s: float, arriving: int) -> EngineStatistics:
+        """The snapshot with what the trio side knows beside it (whether the thread is alive, how
+        long it has stalled, pieces arriving in trio) and what may be read from any thread."""
+        device = self.device
+        return replace(self.stats, device_thread_alive=alive, stalled_s=stalled_s,
+                       arriving=arriving + len(device.slots.staged),
+                       kv_budget_bytes=device.settings.kv_memory_bytes - device.pool_reserved,
+                       device_memory_bytes=mx.get_active_memory(), device_peak_bytes=mx.get_peak_memory(),
+                       device_time=tuple((kind, calls, seconds)
+                                         for kind, (calls, seconds) in device.profile.spent.items()))
+
+    def dead(self) -> None:
+        """The device thread is gone: the snapshot says so."""
+        self.stats = EngineStatistics(0, 0, 0, False, self.device.step_retries, self.device.rows_isolated)
+
     def cache_bytes(self, cache: list[Any]) -> int:
         """What a held cache weighs: its live tensors, as the wire would carry them."""
         if self.model_info.can_travel:
             return codec.raw_tensor_bytes(cache)
         return sum(int(getattr(c, "nbytes", 0)) for c in cache)
-
-
-def _nowhere() -> trio.MemorySendChannel[StreamItem]:
-    """A replayed request's stream: its tokens go nowhere."""
-    send, _ = trio.open_memory_channel[StreamItem](0)
-    return send
-
-
-def not_held(request_id: str) -> StatecoreError:
-    return StatecoreError(
-        client_error(f"no prefilled cache is held for request {request_id!r}", Code.KV_NOT_FOUND)
-    )
 
 
 def _read_by_the_host(tensors: frames.HostTensors) -> frames.HostTensors:
