@@ -42,12 +42,12 @@ def _timed(kind: str, build_started: float, outputs: list[Any], size: int) -> No
 
 def instrument() -> None:
     """Wrap the device loop's pieces so that each is evaluated and timed alone."""
-    import adapters.mlx.executor as executor
+    import adapters.mlx.prefill_build as prefill_build  # where the step's prefill calls are made
     from adapters.mlx.slot_lane import SlotLane
 
     original_slot = SlotLane.build
-    original_units = executor.run_units
-    original_short = executor.run_short_batch
+    original_units = prefill_build.run_units
+    original_short = prefill_build.run_short_batch
     original_copy = SlotLane.enter
 
     def build_slot_step(self: Any, rows: list[Any], current: Any) -> list[Any]:
@@ -78,8 +78,8 @@ def instrument() -> None:
         _timed("copy_into_slot", started, [*pool.keys, *pool.values], prompt_tokens)
 
     SlotLane.build = build_slot_step  # type: ignore[method-assign]
-    executor.run_units = run_units  # type: ignore[assignment]
-    executor.run_short_batch = run_short_batch  # type: ignore[assignment]
+    prefill_build.run_units = run_units  # type: ignore[assignment]
+    prefill_build.run_short_batch = run_short_batch  # type: ignore[assignment]
     SlotLane.enter = copy_into_slot  # type: ignore[method-assign]
 
 

@@ -25,8 +25,8 @@ from typing import Any, TextIO
 # module -> (class or None for a module function, function name)
 TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.executor": [("StepExecutor", "step"), ("StepExecutor", "read_back"),
-                              ("StepExecutor", "hand_segments"), ("StepExecutor", "build_prefills"),
-                              ("StepExecutor", "capture_segments"), ("StepExecutor", "settle")],
+                              ("StepExecutor", "settle")],
+    "adapters.mlx.prefill_build": [("PrefillBuild", "build")],
     "adapters.kv.codec": [(None, "kv_piece_tensors")],
     "adapters.kv.shm_outbox": [("ShmOutbox", "put"), ("ShmOutbox", "reserve")],
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],

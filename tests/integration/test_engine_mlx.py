@@ -423,7 +423,7 @@ async def test_short_prompts_waiting_together_are_batched_and_exact(open_engine:
 
 def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row count of every batched prefill call from now on (the real call still runs)."""
-    from adapters.mlx import executor
+    from adapters.mlx import prefill_build
     from adapters.mlx.prefill import run_short_batch
 
     sizes: list[int] = []
@@ -432,7 +432,7 @@ def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(tasks))
         run_short_batch(model, tasks, bucket)
 
-    monkeypatch.setattr(executor, "run_short_batch", recording)
+    monkeypatch.setattr(prefill_build, "run_short_batch", recording)
     return sizes
 
 
@@ -1441,7 +1441,7 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     open_engine: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One bad batch never fails its rows: each prompt is computed again on its own."""
-    from adapters.mlx import executor
+    from adapters.mlx import prefill_build
 
     path = cached_checkpoint("llama")
     engine = await open_engine(path)
@@ -1449,7 +1449,7 @@ async def test_a_failing_prefill_batch_is_retried_one_by_one(
     def broken(model: Any, tasks: Any, bucket: int = 0) -> None:
         raise RuntimeError("injected: the batched call failed")
 
-    monkeypatch.setattr(executor, "run_short_batch", broken)
+    monkeypatch.setattr(prefill_build, "run_short_batch", broken)
     prompts = {RequestId(f"b{i}"): prompt_of(12 + i, salt=i) for i in range(3)}
     gate = await hold_device(engine)
     results: dict[RequestId, list[int]] = {}

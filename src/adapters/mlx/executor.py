@@ -1,17 +1,13 @@
 """The step's executor on the device thread: it performs the plan the pure scheduler gave
-(`statecore.engine_schedule.schedule`, asked in `plan` from the records as they are) and reads a
-step back. Building: what the plan frees first (keep tasks that give way, kept prefix blocks:
-`adapters.mlx.step_memory`), then its padded groups of short prompts, then each prompt's work
-units (`adapters.mlx.prefill`), the calls the plan stacks as rows of one call (`run_stacked`) in
-the order of their positions;
-a streamed handoff's pieces that the step completes are cut out as their own arrays; a prompt
-whose last unit is built adds its first token and cache to the step's outputs. Reading back: the
-decoding rows' tokens go to their streams, the streamed pieces to their sinks, finished prefills
-become held caches and answer their callers (a streamed prompt's first token ahead of its last
-step's pieces: `adapters.mlx.kv_out`). A step that fails on the device fails its own requests
-only (`adapters.mlx.device_failure`). A prefill that raises starts again once, in a later step;
-a padded group that raises runs its prompts alone. This module imports mlx and trio (only for
-trio tokens); it sees the device loop only as an `ExecutorHost`.
+(`statecore.engine_schedule.schedule`, asked in `plan` from the records as they are), launches
+the step (the slot lane's decode call, then the plan's prefill calls, built by
+`adapters.mlx.prefill_build`) and reads a step back: the decoding rows' tokens go to their
+streams, the streamed pieces to their sinks, finished prefills become held caches and answer
+their callers (a streamed prompt's first token ahead of its last step's pieces:
+`adapters.mlx.kv_out`). Which step is read back when (at once on the CPU, where the launch
+computes it; after the next build elsewhere) is decided in `step`. A step that fails on the
+device fails its own requests only (`adapters.mlx.device_failure`). This module imports mlx and
+trio (only for trio tokens); it sees the device loop only as an `ExecutorHost`.
 """
 
 from __future__ import annotations
@@ -26,10 +22,10 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from adapters.mlx.device_failure import failed_on_device
-from adapters.mlx.first_verify import first_verify
-from adapters.mlx.jobs import Outcome, as_statecore, engine_failed
-from adapters.mlx.kv_out import capture_pieces, hand_pieces, tell_first_tokens
-from adapters.mlx.prefill import PrefillTask, run_short_batch, run_stacked, run_units
+from adapters.mlx.jobs import Outcome, engine_failed
+from adapters.mlx.kv_out import hand_pieces, tell_first_tokens
+from adapters.mlx.prefill import PrefillTask
+from adapters.mlx.prefill_build import PrefillBuild
 from adapters.mlx.requests import Held
 from adapters.mlx.rows import Deliveries, Live
 from adapters.mlx.sampling import read_logprobs
@@ -40,17 +36,12 @@ from statecore.engine_schedule import (
     Budget,
     Candidate,
     EnginePhase,
-    Finish,
-    PrefillFailure,
-    StackedCall,
     StepPlan,
     decode_only,
     handoff_imminent,
-    prefill_failure,
     schedule,
     update,
 )
-from statecore.errors import StatecoreError
 from statecore.scheduling import (
     measured_step,
 )
@@ -60,29 +51,13 @@ __all__ = ["StepExecutor"]
 logger = logging.getLogger("adapters.engine_mlx")
 
 
-class _StepOutputs:
-    """The arrays a step's prefill calls evaluate. On a pipeline rank each call's are launched as
-    soon as it is built: its send/recv and all_gather then run in call order on every rank, which
-    one evaluation of several calls' graphs does not promise (MLX may order independent graphs
-    differently on each rank, and the ranks' graphs differ)."""
-
-    def __init__(self, pipelined: bool) -> None:
-        self.pipelined = pipelined
-        self.arrays: list[Any] = []
-
-    def extend(self, arrays: Sequence[Any]) -> None:
-        arrays = list(arrays)
-        if self.pipelined and arrays:
-            mx.async_eval(arrays)  # type: ignore[no-untyped-call]
-        self.arrays.extend(arrays)
-
-
 class StepExecutor:
     """A device loop's step executor (see the module's paragraph)."""
 
     def __init__(self, loop: ExecutorHost) -> None:
         self.loop = loop
         self.memory = StepMemory(loop)  # the prefill memory cap: what a plan frees, and its counts
+        self.prefills = PrefillBuild(loop, self.memory)  # the plan's prefill calls
 
     def step(self) -> None:
         """Build and start this step, then read back the previous one; while a handed-off
@@ -121,7 +96,7 @@ class StepExecutor:
                 profile.count("decode_rows", len(slot_rows))
             plan, candidates = self.plan()
             current.prefill_tokens = plan.prefill_tokens
-            outputs.extend(self.build_prefills(plan, current, candidates))
+            outputs.extend(self.prefills.build(plan, current, candidates))
             self.advance(candidates, plan)
             loop.computing = ("", ())
         built = bool(outputs) or bool(current.failed_prefills)
@@ -265,169 +240,6 @@ class StepExecutor:
             elif candidate.request_id in planned:
                 record.phase = EnginePhase.PREFILLING
 
-    def build_prefills(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
-        """Build the plan's prefill calls: its padded groups, then each prompt's units; a prompt in
-        a stacked call computes its units before its first stacked chunk here, and the rest of
-        its planned units after every prompt's (`build_stacked`)."""
-        loop = self.loop
-        started = time.perf_counter()
-        outputs = _StepOutputs(loop.pipelined)
-        self.memory.apply(plan)
-        tasks = [(loop.waiting[work.request_id], work.units) for work in plan.prefills]
-        groups = [[loop.waiting[rid] for rid in group] for group in plan.groups]
-        for members in groups:
-            loop.computing = ("prefill", [task.request_id for task in members])
-            try:
-                run_short_batch(loop.model, members, loop.bucket)
-            except Exception:
-                self.restart_group("a batched prefill", members)
-                continue
-            loop.profile.account("prefill_batched", started, len(members))
-            for task in members:
-                outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
-                outputs.extend(self.prefill_outputs(task, current))
-
-        def keep_chunk(task: PrefillTask, chunk: int) -> list[Any]:
-            kept = loop.keeping.keep_chunk(task, chunk)
-            current.kept_blocks = current.kept_blocks or bool(kept)
-            return kept
-
-        first_stacked: dict[str, int] = {}  # a prompt in a stacked call -> its first stacked chunk
-        for call in plan.stacks:
-            for rid, chunk in zip(call.request_ids, call.chunks, strict=True):
-                first_stacked[rid] = min(chunk, first_stacked.get(rid, chunk))
-        carry = first_verify(loop.speculator, loop)
-        for task, units in tasks:
-            if task.finished:
-                continue
-            if loop.keeping.look_again(task):  # blocks built earlier in this step
-                units = min(units, len(task.units) - task.done_units)
-            if task.request_id in first_stacked:  # its units before the stacked ones
-                units = max(0, self.first_unit_of(task, first_stacked[task.request_id]) - task.done_units)
-                if not units:
-                    continue
-            loop.computing = ("prefill", [task.request_id])
-            try:
-                pieces = run_units(loop.model, task, units, loop.quantize, loop.bucket,
-                                   None if loop.prefix is None else keep_chunk, carry)
-            except Exception as exc:
-                self.prefill_raised(task, exc, current)
-                continue
-            if task.request_id in first_stacked:
-                outputs.extend(pieces)  # the rest after every prompt's units (build_stacked)
-                continue
-            outputs.extend(capture_pieces(task, current.segments, current.streamed_from))
-            if task.finished and task.keeps_only:
-                loop.requests.remove(task.request_id, Finish.KEPT)  # its kept blocks are among the pieces
-                loop.keeping.kept(task)
-                outputs.extend(pieces)
-            elif task.finished:
-                outputs.extend(self.prefill_outputs(task, current))
-            else:
-                current.prefilling.append(task)
-                outputs.extend(pieces)
-        if plan.stacks:
-            planned = {work.request_id: work.units for work in plan.prefills}
-            ends = {c.request_id: c.done_units + planned[c.request_id]
-                    for c in candidates if c.request_id in planned}
-            self.build_stacked(plan.stacks, [(task, first_stacked[task.request_id], ends[task.request_id])
-                                             for task, _ in tasks if task.request_id in first_stacked],
-                               current, outputs)
-        loop.profile.account("prefill_chunks", started)
-        return outputs.arrays
-
-    @staticmethod
-    def first_unit_of(task: PrefillTask, chunk: int) -> int:
-        return next((i for i, unit in enumerate(task.units) if unit.chunk >= chunk), len(task.units))
-
-    def build_stacked(self, stacks: Sequence[StackedCall], tasks: Sequence[tuple[PrefillTask, int, int]],
-                      current: InFlight, outputs: _StepOutputs) -> None:
-        """The planned units of the prompts in stacked calls (`tasks`: each prompt, its first
-        stacked chunk and the unit its planned units end before), from that chunk on (each a
-        whole chunk: one call), by position: a stacked call once, as a row of it
-        each of its prompts that stands at its chunk (one left computes alone), any other unit as
-        the prompt's own call. Then each prompt's first token and cache, or its state so far."""
-        loop = self.loop
-        by_member = {(rid, chunk): call for call in stacks
-                     for rid, chunk in zip(call.request_ids, call.chunks, strict=True)}
-        calls: list[tuple[int, int, PrefillTask, int]] = []  # (offset, order, task, chunk)
-        for task, first_chunk, end in tasks:
-            first = self.first_unit_of(task, first_chunk)
-            chunks = [task.units[index].chunk for index in range(first, min(end, len(task.units)))]
-            calls.extend((task.chunk_start(chunk), task.order, task, chunk) for chunk in chunks)
-        done: set[int] = set()
-        for _, _, task, chunk in sorted(calls, key=lambda call: call[:2]):
-            call = by_member.get((task.request_id, chunk))
-            if call is not None and id(call) in done:
-                continue
-            if call is None:
-                members = [task]
-            else:
-                done.add(id(call))
-                members = [loop.waiting[rid] for rid, own in zip(call.request_ids, call.chunks, strict=True)
-                           if rid in loop.waiting and self.stands_at(loop.waiting[rid], own)]
-            members = [member for member in members
-                       if member.request_id in loop.waiting and self.stands_at(member, chunk)]
-            if len(members) == 1:
-                loop.computing = ("prefill", [members[0].request_id])
-                try:
-                    run_units(loop.model, members[0], 1, loop.quantize, loop.bucket)
-                except Exception as exc:
-                    self.prefill_raised(members[0], exc, current)
-            elif members:
-                loop.computing = ("prefill", [member.request_id for member in members])
-                started = time.perf_counter()
-                try:
-                    run_stacked(loop.model, members, loop.bucket)
-                except Exception:
-                    self.restart_group("a stacked prefill call", members)
-                    continue
-                loop.profile.account("prefill_stacked", started, len(members))
-        for task, _, _ in tasks:
-            if task.request_id not in loop.waiting or task.cache is None:
-                continue  # failed, or starts again
-            if task.finished:
-                outputs.extend(self.prefill_outputs(task, current))
-            else:
-                current.prefilling.append(task)
-                outputs.extend([layer.state for layer in task.cache])
-
-    @staticmethod
-    def stands_at(task: PrefillTask, chunk: int) -> bool:
-        """Whether the prompt's next unit starts chunk `chunk` (not restarted, not past it)."""
-        return (not task.finished and task.units[task.done_units].chunk == chunk
-                and task.units[task.done_units].starts_chunk and (task.cache is not None or chunk == 0))
-
-    def restart_group(self, what: str, members: list[PrefillTask]) -> None:
-        """One call of several prompts raised: one prompt must not fail its neighbours, so each
-        starts again from its first chunk in a later step (alone, unless it groups again); the
-        step counts a retry. Called in the handler (the traceback is logged)."""
-        logger.exception("%s of %d prompts failed; starting them again", what, len(members))
-        self.loop.step_retries += 1
-        for task in members:
-            task.restart()
-
-    def prefill_raised(self, task: PrefillTask, exc: Exception, current: InFlight) -> None:
-        """A prompt's call raised: a keep task gives up, a prompt starts again once, else fails."""
-        loop = self.loop
-        failure = prefill_failure(keeps_only=task.keeps_only, retried=task.retried,
-                                  typed=isinstance(exc, StatecoreError))
-        if failure is PrefillFailure.GIVE_UP:
-            logger.warning("keeping %s raised (%s: %s); not kept", task.request_id,
-                           type(exc).__name__, exc)
-            loop.requests.remove(task.request_id, Finish.GAVE_WAY)
-            return
-        if failure is PrefillFailure.RESTART:  # from its first token, in a later step
-            loop.step_retries += 1
-            logger.warning("prefill of %s raised (%s: %s); starting it again",
-                           task.request_id, type(exc).__name__, exc)
-            task.restart()
-            return
-        logger.exception("prefill failed for %s", task.request_id)
-        loop.requests.remove(task.request_id, Finish.FAILED)
-        loop.choices.ended(task.sampler.sampling)
-        current.failed_prefills.append((task, as_statecore(exc)))
-
     def prefill_outcome(self, task: PrefillTask, first: int) -> PrefillOutcome:
         """A finished prompt's outcome, its first token read back."""
         assert task.cache is not None
@@ -445,14 +257,6 @@ class StepExecutor:
             loop.end(live, error, deliveries)
         loop.slots.last_tokens = None
         loop.hand_out(deliveries)
-
-    def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
-        loop = self.loop
-        loop.requests[task.request_id].phase = EnginePhase.PREFILLED
-        current.finished_prefills.append(task)
-        assert task.cache is not None
-        drawn = [] if task.drawn is None else [task.drawn]  # a first verify step's (speculative)
-        return [task.first, *drawn, *(c.state for c in task.cache)]
 
     def stale(self, step: InFlight) -> bool:
         """Whether a step's slot part wrote buffers that the pool has lost since (its rows were
