@@ -104,10 +104,13 @@ class ArrivingKv:
         finally:
             order.done(index, kept=kept, failure=failure)
 
-    async def all_kept(self, request_id: RequestId, pieces: int) -> None:
-        """Wait until the request's first `pieces` pieces are kept: an install may be asked while
-        the last ones are still being checked (`Engine.install_segments`), and starts once they
-        are; raises if one of them failed or the request's handoff ended meanwhile."""
+    async def all_kept(self, request_id: RequestId, pieces: int | None) -> None:
+        """Wait until the request's first `pieces` pieces are kept (None: no wait): an install may
+        be asked while the last ones are still being checked (`Engine.install_segments`), and
+        starts once they are; raises if one of them failed or the request's handoff ended
+        meanwhile."""
+        if pieces is None:
+            return
         # the order is made here when no piece's call has started yet (an engine core process
         # may start the install's call first when both came in one frame)
         await self._callers.piece_order(request_id).kept_all(pieces)

@@ -288,13 +288,10 @@ class MlxEngine:
                               max_tokens: int, index: int | None = None) -> None:
         await self._arriving.receive(request_id, segment, prompt_tokens, max_tokens=max_tokens, index=index)
 
-    async def install_segments(
-        self, request_id: RequestId, prompt: Sequence[int], first_token: int, sampling: SamplingParams,
-        pieces: int | None = None,
-    ) -> None:
+    async def install_segments(self, request_id: RequestId, prompt: Sequence[int], first_token: int,
+                               sampling: SamplingParams, pieces: int | None = None) -> None:
         try:
-            if pieces is not None:
-                await self._arriving.all_kept(request_id, pieces)
+            await self._arriving.all_kept(request_id, pieces)
             kept = self._callers.take_pieces(request_id)
             tokens = checked_prompt(prompt, sampling, self._running_info)
             first_token = checked_token(first_token, "first_token", self.info)
