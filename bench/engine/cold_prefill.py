@@ -45,6 +45,7 @@ def main() -> None:
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     arrivals: list[float] = []  # every stream token's arrival time
@@ -58,8 +59,9 @@ def main() -> None:
             sampling = SamplingParams(max_tokens=400, ignore_eos=True)
             outcome = await engine.prefill(rid, prompt, sampling)
             await engine.decode_held(rid, prompt, outcome.first_token, sampling)
-            async for _ in engine.stream(rid):
-                arrivals.append(time.perf_counter())
+            async for step in engine.stream(rid):
+                if isinstance(step, TokensGenerated):  # (not the end)
+                    arrivals.append(time.perf_counter())
 
     async def long_prompt(engine: MlxEngine, tokens: int, salt: int) -> dict[str, Any]:
         pool = engine._device.pool

@@ -123,6 +123,7 @@ def engine_rate(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, v
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     prompts = _prompts(batch, prompt_len, vocab_hi, 500 + batch)
@@ -136,7 +137,9 @@ def engine_rate(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, v
         await engine.decode_held(rid, prompts[index], outcome.first_token, sampling)
         n = 1
         last = time.perf_counter()
-        async for _ in engine.stream(rid):
+        async for step in engine.stream(rid):
+            if not isinstance(step, TokensGenerated):
+                continue  # the end
             now = time.perf_counter()
             if index == 0:
                 gaps.append(now - last)
@@ -176,6 +179,7 @@ def engine_closed_loop(model_dir: Path, batch: int, prompt_len: int, max_tokens:
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     prompts = _prompts(batch * 64, prompt_len, vocab_hi, 900 + batch)
@@ -193,11 +197,13 @@ def engine_closed_loop(model_dir: Path, batch: int, prompt_len: int, max_tokens:
             await engine.decode_held(rid, prompt, outcome.first_token, sampling)
             last = time.perf_counter()
             produced[0] += 1
-            async for _ in engine.stream(rid):
+            async for step in engine.stream(rid):
+                if not isinstance(step, TokensGenerated):
+                    continue  # the end
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
-                produced[0] += 1
+                produced[0] += len(step.tokens)
 
     async def run() -> dict[str, Any]:
         engine = await MlxEngine.load(model_dir, max_batch=max(32, batch))

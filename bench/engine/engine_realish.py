@@ -40,6 +40,7 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     rng = random.Random(f"engine-realish:{concurrency}")
@@ -62,11 +63,13 @@ def run(model_dir: Path, concurrency: int, seconds: float, engine_args: dict[str
             await engine.decode_held(rid, prompt, outcome.first_token, sampling)
             produced[0] += 1
             last = time.perf_counter()
-            async for _ in engine.stream(rid):
+            async for step in engine.stream(rid):
+                if not isinstance(step, TokensGenerated):
+                    continue  # the end
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
-                produced[0] += 1
+                produced[0] += len(step.tokens)
 
     async def main() -> dict[str, Any]:
         engine = await MlxEngine.load(model_dir, **engine_args)

@@ -58,13 +58,15 @@ async def decode_one(engine: Any, rid: str, prompt: list[int], tokens: int
                      ) -> tuple[float, float, list[int]]:
     """(wall seconds, this process's CPU seconds, tokens) of one request's decode."""
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     started, cpu = time.perf_counter(), time.process_time()
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    out = [item.token async for item in engine.stream(RequestId(rid))]
+    out = [token async for step in engine.stream(RequestId(rid)) if isinstance(step, TokensGenerated)
+           for token in step.tokens]
     return time.perf_counter() - started, time.process_time() - cpu, [outcome.first_token, *out]
 
 

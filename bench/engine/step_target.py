@@ -121,6 +121,7 @@ def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_promp
 
     from adapters.mlx import MlxEngine
     from effects.engine_port import SamplingParams
+    from statecore.events import TokensGenerated
     from statecore.ids import RequestId
 
     stream_sampling = SamplingParams(max_tokens=1500, ignore_eos=True)
@@ -146,11 +147,13 @@ def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_promp
                 outcome = await engine.prefill(rid, prompt, stream_sampling)
                 await engine.decode_held(rid, prompt, outcome.first_token, stream_sampling)
                 last = time.perf_counter()
-                async for _ in engine.stream(rid):
+                async for step in engine.stream(rid):
+                    if not isinstance(step, TokensGenerated):
+                        continue  # the end
                     now = time.perf_counter()
                     gaps.append((now, now - last))
                     last = now
-                    streaming[index] += 1
+                    streaming[index] += len(step.tokens)
                     if min(streaming) >= 8:
                         ready.set()
 

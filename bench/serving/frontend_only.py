@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.serve.flags import demo_model_dir
-from effects.engine_port import GeneratedToken
+from effects.engine_port import Decoded, decoded
 from effects.fakes import FakeEngine
 from effects.faults import Faults
 from effects.interpret import EnginePerformer, local_backend
@@ -56,7 +56,7 @@ class SteppedEngine(FakeEngine):
             tick, self._tick = self._tick, trio.Event()
             tick.set()
 
-    async def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
+    async def stream(self, request_id: RequestId) -> AsyncIterator[Decoded]:
         receive = self._streams.get(request_id)
         if receive is None:
             return
@@ -69,7 +69,8 @@ class SteppedEngine(FakeEngine):
                 if token.finish_reason is not None:
                     self.decoding.pop(request_id, None)
                     self._streams.pop(request_id, None)
-                yield token
+                for event in decoded([token]):
+                    yield event
 
 
 async def serve_frontend(port: int, step_ms: float | None) -> None:

@@ -53,9 +53,9 @@ from effects.interpret import NodeRequest
 from effects.prefix_pull import PULL_OUTCOMES, PrefixPullStatistics
 from effects.runner import Instrument, NodeRunner, Reply, WorkIntent
 from statecore.errors import Code, ErrorInfo, StatecoreError
-from statecore.events import Event, KvReceived, PrefillDone, TokenGenerated
+from statecore.events import Event, KvReceived, PrefillDone, TokensGenerated
 from statecore.ids import RequestId
-from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondToken, StartDecode, StartPrefill
+from statecore.intents import Complete, FetchKv, InstallKv, Reject, RespondTokens, StartDecode, StartPrefill
 from statecore.routing import Route as TurnRoute
 
 log = logging.getLogger("statecore.metrics")
@@ -254,7 +254,7 @@ class Metrics(Instrument):
                 self.kv_seconds.observe(time.monotonic() - started)
             self.prompt_source("transferred", len(ctx.prompt) if ctx is not None else 0)
             return
-        if self.front_end or not isinstance(event, TokenGenerated | PrefillDone):
+        if self.front_end or not isinstance(event, TokensGenerated | PrefillDone):
             return
         if isinstance(event, PrefillDone):
             if ctx is not None and ctx.ends_at_first_token:  # EOS: not an output token
@@ -263,7 +263,7 @@ class Metrics(Instrument):
             if ctx is not None and ctx.streamed:
                 return
         if ctx is not None:
-            self.engine_token(ctx)
+            self.engine_token(ctx, len(event.tokens) if isinstance(event, TokensGenerated) else 1)
 
     def work_started(self, intent: WorkIntent, context: object) -> None:
         if self._engine is None:
@@ -328,8 +328,8 @@ class Metrics(Instrument):
         if timing is None:
             return
         match reply:
-            case RespondToken():
-                self.token(timing)
+            case RespondTokens():
+                self.token(timing, generated)
             case Complete():
                 self.generation_tokens.inc(generated)  # the EOS token, as usage.completion_tokens counts it
                 self._read_all(request_id, observe=True)
@@ -349,23 +349,27 @@ class Metrics(Instrument):
 
     # -- observations ------------------------------------------------------------------------
 
-    def token(self, timing: _Timing) -> None:
-        timing.last_token = self._token_at(timing.start, timing.last_token)
+    def token(self, timing: _Timing, tokens: int = 1) -> None:
+        timing.last_token = self._tokens_at(timing.start, timing.last_token, tokens)
 
-    def _token_at(self, start: float, last_token: float | None) -> float:
-        """A token out now, for a request started at `start` whose last token came at
-        `last_token`: its TTFT or inter-token latency observed; returns now."""
+    def _tokens_at(self, start: float, last_token: float | None, tokens: int) -> float:
+        """`tokens` out now together (a step's), for a request started at `start` whose last token
+        came at `last_token`: the first's TTFT or inter-token latency observed, the others' as 0
+        (they came with it); returns now."""
         now = time.monotonic()
         if last_token is None:
             self.ttft.observe(now - start)
         else:
             self.itl.observe(now - last_token)
-        self.generation_tokens.inc()
+        for _ in range(tokens - 1):
+            self.itl.observe(0.0)
+        self.generation_tokens.inc(tokens)
         return now
 
-    def engine_token(self, ctx: NodeRequest) -> None:
-        """A token this (prefill or decode) node generated for a live request (its runner's record)."""
-        ctx.last_token_at = self._token_at(ctx.opened_at, ctx.last_token_at)
+    def engine_token(self, ctx: NodeRequest, tokens: int = 1) -> None:
+        """Tokens this (prefill or decode) node generated together for a live request (its
+        runner's record)."""
+        ctx.last_token_at = self._tokens_at(ctx.opened_at, ctx.last_token_at, tokens)
 
     def prompt_source(self, source: str, tokens: int) -> None:
         self._by_source.labels(self.role, source).inc(tokens)

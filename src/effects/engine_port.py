@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from statecore.events import TokenLogprobs
+import trio
+
+from statecore.events import Finished, TokenLogprobs, TokensGenerated
 from statecore.ids import RequestId
+from statecore.policy import decoded_tokens
+
+_Item = TypeVar("_Item")
 
 # A KV payload as it arrives: a decode node receives into reusable buffers and passes a view of
 # one. Whoever takes one reads it within the call and keeps no reference after returning, so the
@@ -194,13 +199,60 @@ SegmentSink = Callable[[KvSegment | PrefillOutcome], None]
 
 @dataclass(frozen=True, slots=True)
 class GeneratedToken:
-    """One token out of the decoder. `finish_reason` is set on the last one only: "stop" when
-    the token is EOS (`statecore.policy.token_finish`: never sent as text), "length" when it was
-    the last one allowed."""
+    """One token as a decoder hands it out to its request's stream, inside an engine (its device
+    thread's item): `finish_reason` is set on the last one only, "stop" when the token is EOS
+    (`statecore.policy.token_finish`), "length" when it was the last one allowed. What the
+    port's `Engine.stream` yields is the core's own event, made of these by `decoded`."""
 
     token: int
     finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None
+
+
+Decoded = TokensGenerated | Finished  # what `Engine.stream` yields
+
+
+def decoded(items: Sequence[GeneratedToken]) -> list[Decoded]:
+    """A decoder's tokens for one request, read together (a step's, or several steps' when the
+    reader was behind), as the core's events: one `TokensGenerated` with those sent
+    (`statecore.policy.decoded_tokens`: an ending EOS is not), then `Finished` when the last
+    ended the generation. Nothing after an ending token is taken."""
+    ending = next((at for at, item in enumerate(items) if item.finish_reason is not None), None)
+    taken = items if ending is None else items[: ending + 1]
+    sent, finish = decoded_tokens([item.token for item in taken],
+                                  None if ending is None else taken[-1].finish_reason)
+    events: list[Decoded] = []
+    if sent:
+        logprobs = tuple(lp for item in taken[:sent] if (lp := item.logprobs) is not None)
+        events.append(TokensGenerated(tuple(item.token for item in taken[:sent]),
+                                      logprobs if len(logprobs) == sent else None))
+    if finish is not None:
+        events.append(Finished(finish))
+    return events
+
+
+def ready_after(first: _Item, receive: trio.MemoryReceiveChannel[_Item],
+                last: Callable[[_Item], bool]) -> list[_Item]:
+    """`first` and the items already waiting behind it on `receive`, up to the first for which
+    `last` holds (never waits): a decode step's items come in one hand-out, so a reader takes
+    them as one value instead of waking once each."""
+    items = [first]
+    while not last(items[-1]):
+        try:
+            items.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLiveness:
+    """Whether what runs the engine (its device thread, or its core process) is alive, and the
+    seconds it has been busy without finishing a step or a job (0 while idle): all the node's
+    progress watchdog asks, ten times a second, without building a whole `EngineStatistics`."""
+
+    alive: bool
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,8 +435,10 @@ class Engine(Protocol):
         what failed if one of them did."""
         ...
 
-    def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
-        """Tokens after the first one, until EOS or max_tokens; then the iterator ends."""
+    def stream(self, request_id: RequestId) -> AsyncIterator[Decoded]:
+        """The tokens after the first one as the core's events (`decoded`): each value a decode
+        step's tokens (several steps' when the reader is behind), then `Finished` when EOS or
+        max_tokens ends the generation; then the iterator ends."""
         ...
 
     async def cancel(self, request_id: RequestId) -> None:
@@ -392,6 +446,10 @@ class Engine(Protocol):
         ...
 
     def statistics(self) -> EngineStatistics: ...
+
+    def liveness(self) -> EngineLiveness:
+        """`statistics()`'s `device_thread_alive` and `stalled_s` alone, cheaply (never blocks)."""
+        ...
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         """The prefix cache's summary, or None when it is unchanged since version `since`."""
@@ -407,11 +465,15 @@ __all__ = [
     "KvSegment",
     "SegmentSink",
     "Engine",
+    "EngineLiveness",
     "EngineStatistics",
+    "Decoded",
     "GeneratedToken",
     "LayerTravel",
     "ModelInfo",
     "PrefillOutcome",
     "PrefixSummary",
     "SamplingParams",
+    "decoded",
+    "ready_after",
 ]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import trio
 
 from effects.engine_port import (
+    Decoded,
+    EngineLiveness,
     EngineStatistics,
     GeneratedToken,
     KvBytes,
@@ -26,6 +28,7 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
     SegmentSink,
+    decoded,
     no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
@@ -64,12 +67,15 @@ def next_token(history: Sequence[int]) -> int:
 
 class FakeEngine:
     """`eos_at`: the n-th generated token (1: the one prefill samples) is EOS, for tests of how
-    a generation ends on it; the engine honours `SamplingParams.ignore_eos` as the port says."""
+    a generation ends on it; the engine honours `SamplingParams.ignore_eos` as the port says.
+    `step_tokens`: the tokens a decode step gives a request (a verify step's several), read as
+    one value as the port says."""
 
     def __init__(self, faults: Faults | None = None, info: ModelInfo | None = None,
-                 eos_at: int | None = None) -> None:
+                 eos_at: int | None = None, step_tokens: int = 1) -> None:
         self.faults = faults or Faults()
         self.eos_at = eos_at
+        self.step_tokens = step_tokens
         self.cached_tokens = 0  # what every prefill reports it took from a prefix cache
         # prompt starts "kept" (exported from here, or imported): a prefill starting with one
         # reports its length as cached, if more than `cached_tokens`
@@ -217,17 +223,24 @@ class FakeEngine:
             raise StatecoreError(ErrorInfo(Fault.PEER, Code.KV_TRUNCATED, "segments miss tokens"))
         await self._begin(request_id, prompt, first_token, sampling)
 
-    async def stream(self, request_id: RequestId) -> AsyncIterator[GeneratedToken]:
+    async def stream(self, request_id: RequestId) -> AsyncIterator[Decoded]:
         receive = self._streams.get(request_id)
         if receive is None:
             return
         async with receive:
-            async for token in receive:
+            async for first in receive:
                 await trio.sleep(0.001)  # a decode step takes time
-                if token.finish_reason is not None:  # the decoder frees a finished slot itself
+                step = [first]
+                while len(step) < self.step_tokens and step[-1].finish_reason is None:
+                    try:
+                        step.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                if step[-1].finish_reason is not None:  # the decoder frees a finished slot itself
                     self.decoding.pop(request_id, None)
                     self._streams.pop(request_id, None)
-                yield token
+                for event in decoded(step):
+                    yield event
 
     async def cancel(self, request_id: RequestId) -> None:
         self.arriving.pop(request_id, None)
@@ -237,6 +250,10 @@ class FakeEngine:
         if send is not None:
             send.close()
         self._streams.pop(request_id, None)
+
+    def liveness(self) -> EngineLiveness:
+        stats = self.statistics()  # (a test may set `statistics` to say otherwise)
+        return EngineLiveness(stats.device_thread_alive, stats.stalled_s)
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(

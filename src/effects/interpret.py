@@ -56,7 +56,7 @@ from statecore.events import (
     PrefillDone,
     PrefillLocally,
     RetryRequested,
-    TokenGenerated,
+    TokensGenerated,
 )
 from statecore.ids import RequestId
 from statecore.intents import (
@@ -74,7 +74,6 @@ from statecore.policy import (
     after_first_token,
     attempt_failed,
     blames_peer,
-    decoded_token,
     first_token_ends,
     first_token_finish,
     travel_refusal,
@@ -354,18 +353,15 @@ class EnginePerformer:
                 record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 await post(KvInstalled())
             case StartDecode():
-                produced = 0
-                async for generated in self.engine.stream(rid):
-                    produced += 1
-                    if produced == 1 and ctx.first_token_at is not None:
+                steps = 0
+                async for decoded in self.engine.stream(rid):  # the core's own events, a step's tokens as one
+                    steps += 1
+                    if steps == 1 and ctx.first_token_at is not None:
                         self.handoffs.record(rid).first_to_second_s = time.perf_counter() - ctx.first_token_at
-                    if produced == 3 and self.faults.armed:  # a few tokens in: a failure mid-stream
+                    if steps == 3 and self.faults.armed:  # a few steps in: a failure mid-stream
                         await self.faults.at(Phase.DECODE_STEP, rid)
-                    send, finish = decoded_token(generated.finish_reason)
-                    if send:
-                        await post(TokenGenerated(generated.token, generated.logprobs))
-                    if finish is not None:
-                        await post(Finished(finish))
+                    await post(decoded)
+                    if isinstance(decoded, Finished):
                         return
                 raise StatecoreError(
                     ErrorInfo(Fault.BUG, Code.ENGINE_FAILED, "the decoder ended a stream early")
@@ -767,7 +763,7 @@ class RouterPerformer:
                 case PrefillReply():
                     if await (self._first(message, ctx, post) if first is None else first(message)):
                         return
-                case TokenGenerated():
+                case TokensGenerated():
                     await post(message)
                 case Finished():
                     await post(message)

@@ -4,9 +4,9 @@
 and `Backend` (what an OpenAI-style front end needs from whatever generates tokens: a local
 engine on a single node, or prefill and decode peers behind a router). Adapters implement
 them; `effects.fakes` has in-memory versions for tests. A generation's outputs are the core's
-own reply intents (`RespondToken`, `Complete`, `Reject`), read as the core made them: a token
-has no other form between the core and the text. This module may import `statecore` and trio;
-it must never import httpx, mlx or mlx_lm.
+own reply intents (`RespondTokens`, `Complete`, `Reject`), read as the core made them: a decode
+step's tokens are one value from the engine's stream (the core's `TokensGenerated`) to the text.
+This module may import `statecore` and trio; it must never import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from effects.engine_port import (
     SegmentSink,
 )
 from statecore.errors import ErrorInfo
-from statecore.events import Finished, TokenGenerated, TokenLogprobs
+from statecore.events import Finished, TokenLogprobs, TokensGenerated
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.intents import Complete, Reject, RespondTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +44,9 @@ class GenerationRequest:
     sampling: SamplingParams
 
 
-Output = RespondToken | Complete | Reject
-"""What a generation gives: a token (the EOS token never: `Complete("stop")` is sent instead; it
-makes no text, but usage counts it, as vLLM and mlx-lm do), its end (`Complete`: "stop" or
+Output = RespondTokens | Complete | Reject
+"""What a generation gives: its tokens, a step's together (the EOS token never: `Complete("stop")`
+is sent instead; it makes no text, but usage counts it, as vLLM and mlx-lm do), its end (`Complete`: "stop" or
 "length") or its failure (`Reject`)."""
 
 
@@ -121,7 +121,7 @@ class PulledPrefix:
     transfer_s: float  # the request sent -> its last byte
 
 
-DecodeMessage = PrefillReply | TokenGenerated | Finished | ErrorInfo
+DecodeMessage = PrefillReply | TokensGenerated | Finished | ErrorInfo
 """A line of a decode node's stream, read."""
 
 

@@ -51,7 +51,7 @@ from statecore.intents import (
     RefuseKv,
     Reject,
     ReleaseKv,
-    RespondToken,
+    RespondTokens,
     SendKv,
     StartDecode,
     StartPrefill,
@@ -59,7 +59,7 @@ from statecore.intents import (
 )
 from statecore.loop import Envelope, ForLoop, ForRequest, LoopState, OpenRequest, loop_step, new_loop
 from statecore.phases import LoopPhase
-from statecore.policy import admission, counts_ending_token, failure_event
+from statecore.policy import admission, failure_event
 from statecore.table import Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -68,7 +68,7 @@ log = logging.getLogger("statecore.runner")
 Post = Callable[[Event], Awaitable[None]]
 WorkIntent = StartPrefill | StartDecode | FetchKv | InstallKv | SendKv
 CleanupIntent = ReleaseKv | StopDecoding | CancelRemote
-Reply = RespondToken | Complete | Reject
+Reply = RespondTokens | Complete | Reject
 Answer = RefuseKv  # a peer's question answered at once, whether or not the request is held
 
 # Envelopes waiting for the loop. Every producer is a request's own task or an HTTP handler,
@@ -129,9 +129,9 @@ class Instrument:
 
     def reply_read(self, request_id: RequestId, reply: Reply, generated: int) -> None:
         """The front end took a reply of its generation (a token, the completion, the rejection);
-        `generated` is what it adds to the generation's tokens as usage counts them: 1 for a
-        token, 1 for a completion whose ending token counts (EOS: `RunnerGeneration` asks
-        `statecore.policy.counts_ending_token` once for every observer), else 0."""
+        `generated` is what it adds to the generation's tokens as usage counts them: a step's
+        tokens, 1 for a completion whose ending token counts (EOS: the core's
+        `Complete.ending_tokens`), else 0."""
 
     def generation_stopped(self, request_id: RequestId) -> None:
         """The front end matched a stop string: its generation ends normally."""
@@ -454,7 +454,7 @@ class NodeRunner(Generic[P]):
 
     def _perform(self, intent: Intent) -> None:
         match intent:
-            case RespondToken(request_id=rid) | Complete(request_id=rid) | Reject(request_id=rid):
+            case RespondTokens(request_id=rid) | Complete(request_id=rid) | Reject(request_id=rid):
                 self._entries.reply(rid, intent)
             case ArmTimer(request_id=rid, timer=timer):
                 self._arm(rid, timer)
@@ -639,16 +639,16 @@ class RunnerGeneration:
 
     def _output(self, reply: Reply) -> Reply:
         match reply:
-            case RespondToken():
-                generated = 1
-            case Complete(finish_reason=reason):
-                generated = int(counts_ending_token(reason))
+            case RespondTokens(tokens=tokens):
+                generated = len(tokens)
+            case Complete(ending_tokens=ending):
+                generated = ending
             case Reject():
                 generated = 0
             case _:
                 assert_never(reply)
         self.runner.instruments.reply_read(self.request_id, reply, generated)
-        if not isinstance(reply, RespondToken):
+        if not isinstance(reply, RespondTokens):
             self._end()
         return reply
 

@@ -116,10 +116,15 @@ class DecodeStarted:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenGenerated:
+class TokensGenerated:
+    """A decode step's tokens for one request (a verify step's several, else one), in order, as
+    they are sent: one event per step, not per token. `logprobs` is one per token when the request
+    asked for them, else None. The engine's stream yields this very value (`effects.engine_port`);
+    an EOS that ends the generation is not among the tokens (`statecore.policy.decoded_tokens`)."""
+
     kind: ClassVar[EventKind] = EventKind.TOKEN
-    token: int
-    logprobs: TokenLogprobs | None = None
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +264,7 @@ Event = (
     | PrefillDone
     | FirstToken
     | DecodeStarted
-    | TokenGenerated
+    | TokensGenerated
     | Finished
     | StopMatched
     | RetryRequested
@@ -288,7 +293,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PrefillDone,
     FirstToken,
     DecodeStarted,
-    TokenGenerated,
+    TokensGenerated,
     Finished,
     StopMatched,
     RetryRequested,
@@ -339,7 +344,7 @@ __all__ = [
     "StopMatched",
     "Timer",
     "TimerFired",
-    "TokenGenerated",
+    "TokensGenerated",
     "TokenLogprobs",
     "TransportLost",
 ]

@@ -134,18 +134,27 @@ class CancelTimer:
 
 
 @dataclass(frozen=True, slots=True)
-class RespondToken:
+class RespondTokens:
+    """Send a request's tokens to whoever reads its replies: the first token alone, then each
+    decode step's tokens together (`statecore.events.TokensGenerated`); `logprobs` one per token
+    when asked, else None."""
+
     kind: ClassVar[IntentKind] = IntentKind.RESPOND_TOKEN
     request_id: RequestId
-    token: int
-    logprobs: TokenLogprobs | None = None
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Complete:
+    """End the request normally, as `finish_reason` says; `ending_tokens` is what the end adds to
+    the generation's tokens as usage counts them without sending any (1 for an ending EOS:
+    `statecore.policy.counts_ending_token`, asked here once for every reader), else 0."""
+
     kind: ClassVar[IntentKind] = IntentKind.COMPLETE
     request_id: RequestId
     finish_reason: str
+    ending_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +238,7 @@ Intent = (
     | CancelRemote
     | ArmTimer
     | CancelTimer
-    | RespondToken
+    | RespondTokens
     | Complete
     | Reject
     | LoopIntent
@@ -252,7 +261,7 @@ __all__ = [
     "RefuseKv",
     "Reject",
     "ReleaseKv",
-    "RespondToken",
+    "RespondTokens",
     "SendKv",
     "StartDecode",
     "StartPrefill",

@@ -173,11 +173,14 @@ def finish_before_decoding(first_token: int, eos_token_ids: Collection[int], *, 
     return after_first_token(max_tokens)
 
 
-def decoded_token(finish_reason: str | None) -> tuple[bool, str | None]:
-    """(send the token, how the generation ends after it) for a token out of the decoder, whose
-    end the engine asked `token_finish`: an EOS token ("stop") ends the generation and is not
-    sent; any other is sent, then ends it when it was the last allowed ("length")."""
-    return finish_reason != STOP, finish_reason
+def decoded_tokens(tokens: Sequence[int], finish_reason: str | None) -> tuple[int, str | None]:
+    """(how many of `tokens` are sent, how the generation ends after them) for tokens out of the
+    decoder in order (a step's, or several steps' read together), the last of which ended the
+    generation as `finish_reason` says (the engine asked `token_finish` of each; a generation
+    ends at its last token, so only that one can say how): an EOS ("stop") ends it and is not
+    sent; any other token is sent, the last one then ending it when it was the last allowed
+    ("length")."""
+    return (len(tokens) - 1 if finish_reason == STOP else len(tokens)), finish_reason
 
 
 def counts_ending_token(finish_reason: str) -> bool:
@@ -306,7 +309,7 @@ __all__ = [
     "blames_peer",
     "context_overflow",
     "counts_ending_token",
-    "decoded_token",
+    "decoded_tokens",
     "failure_event",
     "first_token_ends",
     "finish_before_decoding",

@@ -41,8 +41,8 @@ from statecore.events import (
     StopMatched,
     Timer,
     TimerFired,
-    TokenGenerated,
     TokenLogprobs,
+    TokensGenerated,
     TransportLost,
 )
 from statecore.ids import PeerId, RequestId
@@ -60,7 +60,7 @@ from statecore.intents import (
     RefuseKv,
     Reject,
     ReleaseKv,
-    RespondToken,
+    RespondTokens,
     SendKv,
     StartDecode,
     StartPrefill,
@@ -69,7 +69,7 @@ from statecore.intents import (
     peer_kind,
 )
 from statecore.phases import LoopPhase, PeerPhase
-from statecore.policy import STOP
+from statecore.policy import STOP, counts_ending_token
 from statecore.table import PEER_HEALTH, SERVING_LOOP, Edge, Machine
 
 P = TypeVar("P", bound=enum.Enum)
@@ -112,7 +112,7 @@ def event_error(event: Event) -> ErrorInfo | None:
             return error
         case (
             Admitted() | Dispatched() | PrefillDone() | FirstToken() | DecodeStarted()
-            | TokenGenerated() | Finished() | StopMatched() | PrefillLocally() | KvRequested()
+            | TokensGenerated() | Finished() | StopMatched() | PrefillLocally() | KvRequested()
             | KvTaken() | KvReceived() | KvInstalled() | ClientCancelled() | TimerFired()
             | TransportLost() | RequestOpened() | LoopReady() | DrainRequested() | DrainComplete()
             | ProbeSucceeded() | ProbeFailed()
@@ -146,12 +146,14 @@ def outcome_reason(machine: Machine[P], record: RequestRecord[P]) -> str:
     return record.finish_reason or HANDED_OFF
 
 
-def _token_of(event: Event) -> tuple[int, TokenLogprobs | None] | None:
+def _tokens_of(event: Event) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...] | None] | None:
+    """The tokens an event carries, with their logprobs (None: not asked), in the form a reply
+    sends them: a step's tokens as they came, a first token alone."""
     match event:
-        case FirstToken(token=token, logprobs=logprobs) | TokenGenerated(token=token, logprobs=logprobs):
-            return token, logprobs
-        case PrefillDone(first_token=token, logprobs=logprobs):
-            return token, logprobs
+        case TokensGenerated(tokens=tokens, logprobs=logprobs):
+            return tokens, logprobs
+        case FirstToken(token=token, logprobs=logprobs) | PrefillDone(first_token=token, logprobs=logprobs):
+            return (token,), None if logprobs is None else (logprobs,)
         case _:
             return None
 
@@ -223,13 +225,14 @@ def _build_request_intent(
         case IntentKind.CANCEL_TIMER:
             return CancelTimer(rid)
         case IntentKind.RESPOND_TOKEN:
-            carried = _token_of(event)
+            carried = _tokens_of(event)
             if carried is None:  # a table edge names RESPOND_TOKEN on a token-less event
                 missing = f"no token in '{event.kind.value}' at {phase.value}"
                 return Reject(rid, bug(missing, Code.ILLEGAL_TRANSITION))
-            return RespondToken(rid, *carried)
+            return RespondTokens(rid, *carried)
         case IntentKind.COMPLETE:
-            return Complete(rid, _normal_end(event) or STOP)
+            reason = _normal_end(event) or STOP
+            return Complete(rid, reason, int(counts_ending_token(reason)))
         case IntentKind.REJECT:
             return Reject(rid, _edge_error(edge, phase, event))
         case (
@@ -273,7 +276,7 @@ def step_request(
     finish = event.finish_reason if isinstance(event, Finished) else record.finish_reason
     if isinstance(event, StopMatched) and machine.is_terminal(edge.target):
         finish = event.finish_reason
-    tokens = record.tokens_out + sum(isinstance(i, RespondToken) for i in intents)
+    tokens = record.tokens_out + sum(len(i.tokens) for i in intents if isinstance(i, RespondTokens))
     moved = replace(
         record, phase=edge.target, error=error, finish_reason=finish, tokens_out=tokens
     )

@@ -20,7 +20,8 @@ from effects.ports import GenerationRequest, ModelInfo, Output
 from statecore.errors import ErrorInfo
 from statecore.events import TokenLogprobs
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.intents import Complete, Reject, RespondTokens
+from statecore.policy import counts_ending_token
 
 __all__ = ["HANG", "SCRIPTED", "FakeBackend", "FakeGeneration", "ScriptItem", "as_scripted", "completed",
            "fake_model_info", "rejected", "replied"]
@@ -29,12 +30,13 @@ SCRIPTED = RequestId("scripted")
 """The request a script's outputs name: a generation plays them as its own request's."""
 
 
-def replied(t: int, logprobs: TokenLogprobs | None = None) -> RespondToken:
-    return RespondToken(SCRIPTED, t, logprobs)
+def replied(t: int, logprobs: TokenLogprobs | None = None) -> RespondTokens:
+    return RespondTokens(SCRIPTED, (t,), None if logprobs is None else (logprobs,))
 
 
 def completed(reason: str) -> Complete:
-    return Complete(SCRIPTED, reason)
+    """The end the core would send (an ending EOS counted as it counts it)."""
+    return Complete(SCRIPTED, reason, int(counts_ending_token(reason)))
 
 
 def rejected(error: ErrorInfo) -> Reject:

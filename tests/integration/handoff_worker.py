@@ -41,6 +41,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
+from statecore.events import TokensGenerated
 from statecore.ids import RequestId
 
 __all__ = ["MODES", "SAMPLINGS", "Spec", "main", "read_result"]
@@ -108,7 +109,8 @@ async def _open(spec: Spec) -> MlxEngine:
 
 
 async def _collect(engine: MlxEngine, rid: RequestId, first_token: int) -> list[int]:
-    return [first_token] + [g.token async for g in engine.stream(rid)]
+    return [first_token] + [token async for step in engine.stream(rid)
+                            if isinstance(step, TokensGenerated) for token in step.tokens]
 
 
 async def _assert_idle(engine: MlxEngine) -> None:
@@ -205,8 +207,9 @@ async def _join_running(
         tokens = [outcome.first_token]
         async with contextlib.aclosing(engine.stream(nid)) as stream:  # left early: cancelled
             async for item in stream:
-                tokens.append(item.token)
-                if len(tokens) == NEIGHBOUR_WARMUP:
+                if isinstance(item, TokensGenerated):
+                    tokens += item.tokens
+                if len(tokens) >= NEIGHBOUR_WARMUP:
                     warmed[i].set()
                 if len(tokens) >= n_sampling.max_tokens and joined.is_set():
                     break

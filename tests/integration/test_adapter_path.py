@@ -16,7 +16,7 @@ from statecore.errors import StatecoreError
 from statecore.ids import RequestId
 from support.tiny_adapter import build_lora_adapter
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import close_engine, load_engine, sent_tokens
 
 CHUNK = 16
 PROMPT = [(7 * i + 3) % 500 + 2 for i in range(40)]
@@ -45,7 +45,7 @@ async def test_an_adapter_gives_mlx_lm_s_answers_with_it_and_its_own_fingerprint
             for name, engine in (("base", base), ("adapted", adapted)):
                 outcome = await engine.prefill(RequestId(name), PROMPT, sampling)
                 await engine.decode_held(RequestId(name), PROMPT, outcome.first_token, sampling)
-                tokens[name] = [outcome.first_token] + [t.token async for t in engine.stream(RequestId(name))]
+                tokens[name] = [outcome.first_token] + await sent_tokens(engine.stream(RequestId(name)))
             assert tokens["adapted"] == mlx_lm_tokens(adapter_dir, 24)
             assert tokens["base"] == mlx_lm_tokens(None, 24)
             assert tokens["adapted"] != tokens["base"]

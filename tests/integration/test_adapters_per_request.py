@@ -19,7 +19,7 @@ from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_adapter import build_lora_adapter
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import load_into, opened_engines
+from tests.integration.engines import load_into, opened_engines, sent_tokens
 from tests.integration.fake_backend import FakeBackend, completed, fake_model_info, replied
 
 CHUNK = 16
@@ -44,7 +44,7 @@ async def tokens_of(engine: MlxEngine, requests: list[Request]) -> dict[str, lis
     tokens: dict[str, list[int]] = {}
 
     async def decode(name: str, prompt: list[int], sampling: SamplingParams) -> None:
-        tokens[name] = [firsts[name]] + [t.token async for t in engine.stream(RequestId(name))]
+        tokens[name] = [firsts[name]] + await sent_tokens(engine.stream(RequestId(name)))
 
     for name, prompt, sampling in requests:
         await engine.decode_held(RequestId(name), prompt, firsts[name], sampling)

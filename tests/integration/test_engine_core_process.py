@@ -25,7 +25,7 @@ from adapters.kv.shm_region import ShmRef
 from adapters.mlx import MlxEngine
 from adapters.mlx.core_client import SILENT_S, ProcessEngine
 from adapters.serve.node import watch_engine
-from effects.engine_port import EngineStatistics, GeneratedToken, KvPieces, SamplingParams
+from effects.engine_port import Decoded, EngineStatistics, KvPieces, SamplingParams
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner
@@ -38,6 +38,7 @@ from tests.integration.engines import (
     ENGINE_DEADLINE_S,
     close_engine,
     load_engine,
+    sent_tokens,
     served_whole,
     streamed_prefill,
 )
@@ -99,7 +100,7 @@ async def decoded(engine: Engine, rid: str, prompt: list[int], first: int, sampl
         await engine.decode_held(RequestId(rid), prompt, first, sampling)
     else:
         await engine.install(RequestId(rid), payload, prompt, first, sampling)
-    return [first] + [g.token async for g in engine.stream(RequestId(rid))]
+    return [first] + await sent_tokens(engine.stream(RequestId(rid)))
 
 
 async def test_the_process_core_answers_as_the_thread_core_and_kv_crosses_it(core: ProcessEngine,
@@ -168,7 +169,7 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
         del piece
         await source.release_held(rid)
         await target.install_segments(rid, prompt, outcome.first_token, GREEDY)
-        assert [outcome.first_token] + [g.token async for g in target.stream(rid)] == expected
+        assert [outcome.first_token] + await sent_tokens(target.stream(rid)) == expected
     assert core.copies_into_shared_memory() == copies  # nothing received was copied again
     assert landing.statistics().claimed == 1 + len(pieces)
     assert landing.statistics().held == 0  # each region went back when its call ended
@@ -184,7 +185,7 @@ async def kv_crosses_both_ways(core: ProcessEngine, thread: MlxEngine) -> None:
     assert core.copies_into_shared_memory() == copies
     await core.release_held(rid)
     await core.install_segments(into, prompt, outcome.first_token, GREEDY)
-    assert [outcome.first_token] + [g.token async for g in core.stream(into)] == expected
+    assert [outcome.first_token] + await sent_tokens(core.stream(into)) == expected
     # a prefix's blocks leave the process core and come back into it
     blocks = prompt[:2 * CHUNK]
     exported = (await core.export_prefix(blocks)).joined()
@@ -195,7 +196,7 @@ async def test_cancels_leave_nothing_held_and_a_killed_core_fails_typed(core: Pr
     prompt = prompt_of(10)
     outcome = await core.prefill(RequestId("c"), prompt, LONG)
     await core.decode_held(RequestId("c"), prompt, outcome.first_token, LONG)
-    seen: list[GeneratedToken] = []
+    seen: list[Decoded] = []
     async for item in core.stream(RequestId("c")):
         seen.append(item)
         if len(seen) == 3:
@@ -230,7 +231,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
     await core.decode_held(RequestId("k"), prompt, outcome.first_token, LONG)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        watch = partial(watch_engine, runner, core.statistics, 0.0, reasons.append, what=CORE_PROCESS)
+        watch = partial(watch_engine, runner, core.liveness, 0.0, reasons.append, what=CORE_PROCESS)
         nursery.start_soon(watch)
         seen = 0
         with pytest.raises(StatecoreError) as failed:
@@ -239,7 +240,7 @@ async def killed_mid_stream(core: ProcessEngine) -> None:
                 if seen == 3:  # a core stopped whole (not only its device thread) reads as stalled
                     os.kill(core.core_pid, signal.SIGSTOP)
                     with trio.fail_after(10):
-                        while core.statistics().stalled_s <= SILENT_S:
+                        while core.liveness().stalled_s <= SILENT_S:
                             await trio.sleep(0.05)
                     os.kill(core.core_pid, signal.SIGCONT)
                 if seen == 5:

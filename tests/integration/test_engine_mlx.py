@@ -38,9 +38,9 @@ from adapters.mlx.prefill import PrefillTask
 from adapters.mlx.requests import EngineRequest, Held
 from adapters.mlx.sampling import PositionSampler
 from effects.engine_port import (
+    Decoded,
     Engine,
     EngineStatistics,
-    GeneratedToken,
     KvSegment,
     PrefixSummary,
     SamplingParams,
@@ -48,6 +48,7 @@ from effects.engine_port import (
 from statecore.engine_schedule import EnginePhase, Finish, StepPlan
 from statecore.engine_schedule import schedule as scheduled
 from statecore.errors import Code, Fault, StatecoreError
+from statecore.events import TokensGenerated
 from statecore.ids import RequestId
 from statecore.prefix import block_keys
 from statecore.routing import summary_key
@@ -59,7 +60,7 @@ from support.tiny_models import (
     is_degenerate,
 )
 from tests.integration.device_faults import FailingAttention
-from tests.integration.engines import close_engine, load_engine, streamed_prefill
+from tests.integration.engines import Streamed, close_engine, load_engine, streamed, streamed_prefill
 
 CHUNK = 16  # small, so that prompts of 33 and 257 tokens take several prefill chunks
 GREEDY = SamplingParams(max_tokens=32)
@@ -169,8 +170,8 @@ def reference(
     return [int(token) for token, _ in steps]
 
 
-async def collect(engine: MlxEngine, rid: RequestId) -> list[GeneratedToken]:
-    return [item async for item in engine.stream(rid)]
+async def collect(engine: MlxEngine, rid: RequestId) -> Streamed:
+    return await streamed(engine.stream(rid))
 
 
 async def handoff(
@@ -187,7 +188,7 @@ async def handoff(
     payload = (await prefill.export_held(rid)).joined()
     assert await prefill.release_held(rid) == outcome.held_bytes
     await decode.install(rid, payload, prompt, outcome.first_token, sampling)
-    return [outcome.first_token] + [g.token for g in await collect(decode, rid)]
+    return [outcome.first_token, *(await collect(decode, rid)).tokens]
 
 
 async def single(
@@ -196,7 +197,7 @@ async def single(
     """One node: prefill, then decode the held cache locally."""
     outcome = await engine.prefill(rid, prompt, sampling)
     await engine.decode_held(rid, prompt, outcome.first_token, sampling)
-    return [outcome.first_token] + [g.token for g in await collect(engine, rid)]
+    return [outcome.first_token, *(await collect(engine, rid)).tokens]
 
 
 async def same_seeded_tokens(one: MlxEngine, other: MlxEngine) -> bool:
@@ -357,8 +358,9 @@ async def test_handoff_joins_running_batch_unchanged(open_engine: Opener) -> Non
         await decode_node.decode_held(rid, prompt, outcome.first_token, long)
         tokens = [outcome.first_token]
         async for item in decode_node.stream(rid):
-            tokens.append(item.token)
-            if len(tokens) == 4:
+            if isinstance(item, TokensGenerated):
+                tokens += item.tokens
+            if len(tokens) >= 4:
                 started[rid].set()
         results[rid] = tokens
 
@@ -1011,7 +1013,7 @@ async def prefilled_from_cache(engine: MlxEngine, rid: str, prompt: Sequence[int
     """One node's request, and how many of its prompt tokens came from the prefix cache."""
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    generated = [g.token for g in await collect(engine, RequestId(rid))]
+    generated = (await collect(engine, RequestId(rid))).tokens
     return outcome.cached_tokens, [outcome.first_token, *generated]
 
 
@@ -1402,7 +1404,7 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
             while not plans:  # the long prompt is being prefilled, a layer a step
                 await trio.sleep(0.01)
         await decode.install(RequestId("new"), payload, newcomer, outcome.first_token, GREEDY)
-        results["new"] = [outcome.first_token] + [g.token for g in await collect(decode, RequestId("new"))]
+        results["new"] = [outcome.first_token, *(await collect(decode, RequestId("new"))).tokens]
     decode_only = [plan for plan in plans if plan[0] == plan[1]]
     assert len(decode_only) == 1 and decode_only[0][2] == 0, plans
     assert plans.index(decode_only[0]) < len(plans) - 1  # the prompt went on after it
@@ -1428,7 +1430,7 @@ async def test_the_step_after_a_handed_off_request_joins_decodes_only(
                 await trio.sleep(0.001)
         assert all(budget == rows and works == 0 for budget, rows, works in plans[held_back:held_back + 2])
         await decode.install_segments(RequestId("piecewise"), newcomer, outcome.first_token, GREEDY)
-        tokens = [outcome.first_token] + [g.token for g in await collect(decode, RequestId("piecewise"))]
+        tokens = [outcome.first_token, *(await collect(decode, RequestId("piecewise"))).tokens]
     await source.release_held(RequestId("piecewise"))
     assert tokens == reference(path, newcomer)
     assert results["long"] == reference(path, another)  # it went on after the join
@@ -1498,7 +1500,7 @@ async def run_together(engine: MlxEngine, prompts: dict[RequestId, list[int]],
 
     async def stream(rid: RequestId) -> None:
         try:
-            got[rid] = [first[rid]] + [g.token for g in await collect(engine, rid)]
+            got[rid] = [first[rid], *(await collect(engine, rid)).tokens]
         except StatecoreError as exc:
             got[rid] = exc
 
@@ -1669,7 +1671,7 @@ async def test_a_slot_step_that_fails_on_the_device_fails_its_rows_and_the_node_
         assert "LU factorization" in error.info.message
     assert await run_together(engine, after, sampling) == expected
     await engine.decode_held(RequestId("h"), held_prompt, held.first_token, SEEDED)
-    assert [held.first_token] + [g.token for g in await collect(engine, RequestId("h"))] == expected_held
+    assert [held.first_token, *(await collect(engine, RequestId("h"))).tokens] == expected_held
     assert engine.statistics().device_thread_alive
 
 
@@ -1758,7 +1760,7 @@ async def test_a_row_that_joined_while_a_failing_step_ran_is_written_in_again_an
 
     async def decode_j() -> list[int]:
         await engine.decode_held(RequestId("j"), joining, held.first_token, SEEDED)
-        return [held.first_token] + [g.token for g in await collect(engine, RequestId("j"))]
+        return [held.first_token, *(await collect(engine, RequestId("j"))).tokens]
 
     pieces: list[KvSegment] = []
 
@@ -2132,7 +2134,7 @@ async def test_shaped_sampling_through_a_handoff_equals_one_node(
 
 
 async def run_request(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                      decode: MlxEngine | None = None) -> tuple[Any, list[GeneratedToken]]:
+                      decode: MlxEngine | None = None) -> tuple[Any, Streamed]:
     """(the prefill's outcome, every token after the first); with `decode`, decoded there after a
     handoff, else where it was prefilled."""
     outcome = await engine.prefill(rid, prompt, sampling)
@@ -2149,7 +2151,7 @@ async def logprobs_of(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], 
                       decode: MlxEngine | None = None) -> list[tuple[int, Any]]:
     """(token, its TokenLogprobs) for every token, the first from the prefill."""
     outcome, rest = await run_request(engine, rid, prompt, sampling, decode)
-    return [(outcome.first_token, outcome.first_logprobs), *((g.token, g.logprobs) for g in rest)]
+    return [(outcome.first_token, outcome.first_logprobs), *zip(rest.tokens, rest.logprobs, strict=True)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama4"])
@@ -2237,7 +2239,7 @@ async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], 
             for c in order:
                 nursery.start_soon(prefill, c)
             await release_when_queued(engine, gate, len(order))
-    rest: dict[int, list[GeneratedToken]] = {}
+    rest: dict[int, Streamed] = {}
 
     async def drain(choice: int) -> None:
         rest[choice] = await collect(target, rids[choice])
@@ -2253,8 +2255,8 @@ async def choices_decoded(engine: MlxEngine, group: str, prompt: Sequence[int], 
             nursery.start_soon(drain, c)
             if c != order[-1]:
                 await steps_taken_or_gathering(target, steps_apart)
-    return [[(firsts[c].first_token, firsts[c].first_logprobs), *((g.token, g.logprobs) for g in rest[c])]
-            for c in sorted(order)]
+    return [[(firsts[c].first_token, firsts[c].first_logprobs),
+             *zip(rest[c].tokens, rest[c].logprobs, strict=True)] for c in sorted(order)]
 
 
 # llama: a prompt of one chunk (short prompts waiting together may share a padded prefill call);
@@ -2300,7 +2302,7 @@ async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
     # Choice 1 never reaches this node (another one decodes it): choice 0 waits its patience out.
     monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 0.2)
     _, alone = await run_request(engine, RequestId("p"), prompt, choice_of("p", 0))
-    assert len(alone) == 11 and alone[-1].finish_reason == "length"
+    assert len(alone.tokens) == 11 and alone.finish == "length"
     # Choice 1 ends at its first token (its held cache is released): nobody waits for it.
     monkeypatch.setattr(choices_module, "CHOICE_PATIENCE_S", 600.0)
     first = await engine.prefill(RequestId("e"), prompt, choice_of("e", 0))
@@ -2309,7 +2311,7 @@ async def test_a_choice_waits_for_its_siblings_only_while_they_may_come(
     assert engine._device.gathering  # choice 1 is held here: on its way
     await engine.release_held(RequestId("e.1"))
     with trio.fail_after(60):
-        assert len(await collect(engine, RequestId("e"))) == 11
+        assert len((await collect(engine, RequestId("e"))).tokens) == 11
     # Cancelled while it waits: it leaves, and holds nothing.
     first = await engine.prefill(RequestId("c"), prompt, choice_of("c", 0))
     await engine.decode_held(RequestId("c"), prompt, first.first_token, choice_of("c", 0))
@@ -2340,15 +2342,15 @@ PROMPTS = {JSON_SCHEMA: prompt_of(30, salt=5), JSON_OBJECT: prompt_of(30)}
 
 async def finished(engine: MlxEngine, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                    decode: MlxEngine | None = None) -> tuple[list[int], str | None]:
-    """Every token and the finish reason; with `decode`, decoded there after a handoff."""
+    """Every token sent and the finish reason; with `decode`, decoded there after a handoff."""
     outcome, items = await run_request(engine, rid, prompt, sampling, decode)
-    return [outcome.first_token] + [g.token for g in items], items[-1].finish_reason if items else None
+    return [outcome.first_token, *items.tokens], items.finish
 
 
 def json_of(path: Path, tokens: Sequence[int], eos: frozenset[int]) -> object:
-    """The output's text (its EOS left out), parsed as JSON."""
-    assert tokens[-1] in eos and not eos & set(tokens[:-1])
-    return json.loads(load_tokenizer(path).decode(list(tokens[:-1])))  # type: ignore[no-untyped-call]
+    """The output's text, parsed as JSON (its ending EOS is never sent)."""
+    assert not eos & set(tokens)
+    return json.loads(load_tokenizer(path).decode(list(tokens)))  # type: ignore[no-untyped-call]
 
 
 # llama decodes constrained rows in the slot lane, gemma3 (mlx-lm's batch generator) in the solo lane.
@@ -2370,7 +2372,7 @@ async def test_structured_output_parses_validates_and_is_the_same_after_a_handof
             handed = await finished(prefill_node, RequestId("a"), prompt, constrained, decode=decode_node)
             assert handed == (alone, "stop")
         free, _ = await finished(prefill_node, RequestId("f"), prompt, sampling)
-        assert free[: len(alone) - 1] != alone[:-1]  # the grammar made the difference
+        assert free[: len(alone)] != alone  # the grammar made the difference
     # A first token the grammar refuses is a client error, and the cache stays held for a good one.
     prompt, schema_bound = PROMPTS[JSON_SCHEMA], replace(GREEDY, response_format=JSON_SCHEMA)
     outcome = await prefill_node.prefill(RequestId("b"), prompt, schema_bound)
@@ -2378,7 +2380,7 @@ async def test_structured_output_parses_validates_and_is_the_same_after_a_handof
         await prefill_node.decode_held(RequestId("b"), prompt, 9, schema_bound)
     assert caught.value.info.fault is Fault.CLIENT and caught.value.info.param == "response_format"
     await prefill_node.decode_held(RequestId("b"), prompt, outcome.first_token, schema_bound)
-    rest = [g.token for g in await collect(prefill_node, RequestId("b"))]
+    rest = (await collect(prefill_node, RequestId("b"))).tokens
     assert bounded_answer(json_of(path, [outcome.first_token, *rest], eos))
 
 
@@ -2496,26 +2498,24 @@ async def test_finish_reasons_eos_length_and_first_token(open_engine: Opener, tm
     outcome = await engine.prefill(RequestId("eos"), prompt, GREEDY)
     await engine.decode_held(RequestId("eos"), prompt, outcome.first_token, GREEDY)
     items = await collect(engine, RequestId("eos"))
-    assert [outcome.first_token] + [g.token for g in items] == expected[: stop_at + 1]
-    assert items[-1] == GeneratedToken(eos_token, finish_reason="stop")
-    assert all(g.finish_reason is None for g in items[:-1])
+    assert [outcome.first_token, *items.tokens] == expected[:stop_at]  # the EOS ends it, unsent
+    assert items.finish == "stop"
 
     five = SamplingParams(max_tokens=5)  # stops before the EOS at stop_at >= 5
     outcome = await engine.prefill(RequestId("len"), prompt, five)
     await engine.decode_held(RequestId("len"), prompt, outcome.first_token, five)
     items = await collect(engine, RequestId("len"))
-    assert [g.token for g in items] == expected[1:5]
-    assert [g.finish_reason for g in items] == [None, None, None, "length"]
+    assert (items.tokens, items.finish) == (expected[1:5], "length")
 
     one = SamplingParams(max_tokens=1)
     outcome = await engine.prefill(RequestId("one"), prompt, one)
     await engine.decode_held(RequestId("one"), prompt, outcome.first_token, one)
-    assert await collect(engine, RequestId("one")) == []
+    assert (await collect(engine, RequestId("one"))).tokens == []
 
     # A first token that is EOS: nothing more to decode.
     await engine.prefill(RequestId("first"), prompt, GREEDY)
     await engine.decode_held(RequestId("first"), prompt, eos_token, GREEDY)
-    assert await collect(engine, RequestId("first")) == []
+    assert (await collect(engine, RequestId("first"))).tokens == []
     assert holdings(engine) == IDLE
 
 
@@ -2531,15 +2531,15 @@ async def test_cancel_frees_the_slot_and_ends_the_stream(open_engine: Opener) ->
     outcome = await engine.prefill(rid, prompt, long)
     await engine.decode_held(rid, prompt, outcome.first_token, long)
     assert engine.statistics().decoding == 1
-    seen: list[GeneratedToken] = []
+    seen: list[Decoded] = []
     async for item in engine.stream(rid):
         seen.append(item)
         if len(seen) == 3:
             await engine.cancel(rid)
             assert holdings(engine) == IDLE
-    # The stream ends after what was already buffered, long before max_tokens.
+    # The stream ends after what was already buffered, long before max_tokens, and never says finished.
     assert 3 <= len(seen) < long.max_tokens - 1
-    assert seen[-1].finish_reason is None
+    assert all(isinstance(item, TokensGenerated) for item in seen)
     await engine.cancel(rid)  # idempotent
     assert holdings(engine) == IDLE
 
@@ -2638,7 +2638,7 @@ async def test_bad_payloads_are_rejected_and_change_nothing(open_engine: Opener)
 
     # The good payload still installs, and decodes right.
     await decode_node.install(RequestId("good"), payload, prompt, outcome.first_token, GREEDY)
-    got = [outcome.first_token] + [g.token for g in await collect(decode_node, RequestId("good"))]
+    got = [outcome.first_token, *(await collect(decode_node, RequestId("good"))).tokens]
     assert got == reference(path, prompt)
     await decode_node.cancel(RequestId("run"))
 
@@ -2725,7 +2725,7 @@ async def test_custom_model_code_needs_trust_and_decodes_solo(open_engine: Opene
         await engine.export_held(rid)
     assert caught.value.info.code is Code.UNSUPPORTED_CACHE
     await engine.decode_held(rid, prompt, outcome.first_token, GREEDY)
-    tokens = [outcome.first_token] + [g.token for g in await collect(engine, rid)]
+    tokens = [outcome.first_token, *(await collect(engine, rid)).tokens]
     assert tokens == reference(path, prompt, trust_remote_code=True)
 
 

@@ -20,7 +20,7 @@ from effects.interpret import EnginePerformer, local_backend
 from effects.ports import GenerationRequest, Output, SamplingParams
 from effects.runner import NodeRunner
 from statecore.ids import RequestId
-from statecore.intents import Complete, RespondToken
+from statecore.intents import Complete, RespondTokens
 from statecore.table import DECODE_REQUEST
 from tests.integration.fake_backend import FakeBackend, as_scripted, completed, fake_model_info
 
@@ -40,7 +40,7 @@ async def generate(eos_at: int, sampling: SamplingParams) -> list[Output]:
 
 async def test_eos_ends_a_generation_with_stop() -> None:
     outputs = await generate(3, SamplingParams(max_tokens=8))
-    assert [type(o) for o in outputs] == [RespondToken, RespondToken, Complete]
+    assert [type(o) for o in outputs] == [RespondTokens, RespondTokens, Complete]
     assert as_scripted(outputs[-1]) == completed("stop")
 
 
@@ -51,7 +51,7 @@ async def test_eos_as_the_first_token_ends_it_at_once() -> None:
 @pytest.mark.parametrize("eos_at", [1, 3])
 async def test_ignore_eos_generates_through_eos_to_max_tokens(eos_at: int) -> None:
     outputs = await generate(eos_at, SamplingParams(max_tokens=6, ignore_eos=True))
-    tokens = [o.token for o in outputs if isinstance(o, RespondToken)]
+    tokens = [t for o in outputs if isinstance(o, RespondTokens) for t in o.tokens]
     assert len(tokens) == 6 and tokens[eos_at - 1] == EOS
     assert as_scripted(outputs[-1]) == completed("length")
 

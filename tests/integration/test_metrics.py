@@ -22,7 +22,7 @@ from effects.ports import Backend, GenerationRequest, Output
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.intents import Complete, Reject, RespondTokens
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
 MARKER = 999
@@ -76,7 +76,7 @@ async def node(request: pytest.FixtureRequest, nursery: trio.Nursery) -> AsyncIt
 async def test_tokens_timings_and_outcomes_are_counted(node: Node) -> None:
     outputs = await node.generate([3, 4, 5], max_tokens=5)
     assert isinstance(outputs[-1], Complete)
-    assert sum(isinstance(o, RespondToken) for o in outputs) == 5
+    assert sum(isinstance(o, RespondTokens) for o in outputs) == 5
     failed = await node.generate([3, MARKER], max_tokens=5)
     assert isinstance(failed[-1], Reject)
     m = node.metrics

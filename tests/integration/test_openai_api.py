@@ -24,7 +24,7 @@ from adapters.frontend.frontend import Frontend
 from adapters.http.api_keys import ApiKeys
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, peer_error
 from statecore.events import TokenLogprobs
-from statecore.intents import RespondToken
+from statecore.intents import RespondTokens
 from support.tiny_models import build_tokenizer
 from tests.integration.fake_backend import (
     HANG,
@@ -538,7 +538,7 @@ async def test_stop_strings(
     stream: bool,
 ) -> None:
     script = say(frontend, "Hello world and more")
-    assert [frontend.tokenizer.decode([t.token]) for t in script[:7] if isinstance(t, RespondToken)] == [
+    assert [frontend.tokenizer.decode([t.tokens[0]]) for t in script[:7] if isinstance(t, RespondTokens)] == [
         "H",
         "e",
         "ll",
@@ -590,7 +590,7 @@ async def test_stop_string_matched_in_the_final_flush(
     """The BPE detokenizer holds a trailing lone space until the end: a stop can match only then."""
     script = say(frontend, "Hello world ")
     last = script[-2]
-    assert isinstance(last, RespondToken) and frontend.tokenizer.decode([last.token]) == " "
+    assert isinstance(last, RespondTokens) and frontend.tokenizer.decode(list(last.tokens)) == " "
     backend.scripts.append(script)
     response = await client.post("/v1/completions", json={"prompt": "Hi", "stop": "d "})
     choice = response.json()["choices"][0]

@@ -20,7 +20,7 @@ from adapters.mlx.prefill import stack_row_counts
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine
+from tests.integration.engines import close_engine, load_engine, sent_tokens
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=8)
@@ -44,7 +44,7 @@ async def served(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: S
     """One request on one node: the prompt tokens it took from the prefix cache, and its tokens."""
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    generated = [item.token async for item in engine.stream(RequestId(rid))]
+    generated = await sent_tokens(engine.stream(RequestId(rid)))
     return outcome.cached_tokens, [outcome.first_token, *generated]
 
 

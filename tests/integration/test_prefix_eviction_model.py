@@ -43,12 +43,12 @@ from hypothesis import strategies as st
 from adapters.mlx import MlxEngine, commands
 from effects.engine_port import SamplingParams
 from statecore.errors import Code, StatecoreError
-from statecore.events import TokenLogprobs
+from statecore.events import TokenLogprobs, TokensGenerated
 from statecore.ids import RequestId
 from statecore.prefix import block_bounds
 from statecore.scheduling import chunk_activation_bytes, prefill_chunks
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import load_engine
+from tests.integration.engines import load_engine, streamed
 
 CHUNK = 16
 MAX_BATCH = 4
@@ -195,8 +195,8 @@ async def alone(engine: MlxEngine, rid: RequestId, prompt: tuple[int, ...], samp
                 ) -> list[Token]:
     outcome = await engine.prefill(rid, prompt, sampling)
     await engine.decode_held(rid, prompt, outcome.first_token, sampling)
-    return [(outcome.first_token, outcome.first_logprobs),
-            *[(item.token, item.logprobs) async for item in engine.stream(rid)]]
+    rest = await streamed(engine.stream(rid))
+    return [(outcome.first_token, outcome.first_logprobs), *zip(rest.tokens, rest.logprobs, strict=True)]
 
 
 def _shared(prompt: tuple[int, ...], other: tuple[int, ...]) -> int:
@@ -298,8 +298,10 @@ class Program:
             await engine.release_held(rid)
             return None
         async for item in engine.stream(rid):
-            tokens.append((item.token, item.logprobs))
-            self.token()
+            if isinstance(item, TokensGenerated):
+                for at, token in enumerate(item.tokens):
+                    tokens.append((token, None if item.logprobs is None else item.logprobs[at]))
+                    self.token()
         return tokens
 
     def token(self) -> None:

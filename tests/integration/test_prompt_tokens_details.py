@@ -30,7 +30,7 @@ from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer, RouterPerformer, local_backend, router_backend
 from effects.ports import GenerationRequest, PrefillReply, SamplingParams
 from effects.runner import NodeRunner, Timeouts
-from statecore.events import TokenGenerated
+from statecore.events import TokensGenerated
 from statecore.ids import RequestId
 from statecore.routing import RouteCandidate, RouteChoice, choose_route
 from statecore.table import DECODE_REQUEST, ROUTER_REQUEST
@@ -279,7 +279,7 @@ def test_the_wire_carries_the_count_only_when_it_is_reported() -> None:
     assert line == b'{"first_token":5,"is_eos":false,"cached_tokens":48}\n'
     assert parse_output_line(line) == PrefillReply(5, False, 0, None, 48)
     assert parse_output_line(b'{"first_token":5,"is_eos":false}') == PrefillReply(5, False, 0)
-    assert parse_output_line(b'{"token":5}') == TokenGenerated(5)
+    assert parse_output_line(b'{"token":5}') == TokensGenerated((5,))
     assert not isinstance(parse_output_line(b'{"first_token":5,"is_eos":false,"cached_tokens":-1}'),
                           PrefillReply)
 

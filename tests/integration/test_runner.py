@@ -19,7 +19,7 @@ from effects.runner import NodeRunner, Timeouts
 from statecore.errors import Code, StatecoreError
 from statecore.events import DrainRequested, TransportLost
 from statecore.ids import RequestId
-from statecore.intents import Reject, RespondToken
+from statecore.intents import Reject, RespondTokens
 from statecore.table import DECODE_REQUEST
 from tests.integration.fake_backend import as_scripted, completed, replied
 
@@ -114,7 +114,7 @@ async def test_client_cancel_frees_the_decoder_slot(node: Node) -> None:
     generation = await node.backend.start(request)
     seen = 0
     async for output in generation:
-        assert isinstance(output, RespondToken)
+        assert isinstance(output, RespondTokens)
         seen += 1
         if seen == 3:
             await generation.cancel()
@@ -128,7 +128,7 @@ async def test_stop_ends_the_request_as_done(node: Node) -> None:
         GenerationRequest(RequestId("s1"), (1, 2), SamplingParams(10_000))
     )
     async for output in generation:
-        assert isinstance(output, RespondToken)
+        assert isinstance(output, RespondTokens)
         await generation.stop()
         break
     await node.wait_nothing_held()
@@ -172,7 +172,7 @@ async def test_one_entry_per_request_from_open_to_forget(node: Node) -> None:
         GenerationRequest(RequestId("e1"), (1, 2), SamplingParams(10_000))
     )
     first = await generation.__aiter__().__anext__()
-    assert isinstance(first, RespondToken)
+    assert isinstance(first, RespondTokens)
     assert node.runner.statistics().entries == 1
     assert node.runner.context(RequestId("e1")) is generation.context
     with pytest.raises(StatecoreError, match="duplicate request id"):

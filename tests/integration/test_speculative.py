@@ -26,7 +26,7 @@ from statecore.ids import RequestId
 from statecore.prefix import prompt_chunks
 from support.chain_model import build_chain_checkpoint, chain
 from tests.integration.device_faults import FailingAttention
-from tests.integration.engines import close_engine, load_engine, streamed_prefill
+from tests.integration.engines import close_engine, load_engine, sent_tokens, streamed_prefill
 
 GREEDY = SamplingParams(max_tokens=80)
 SEEDED = SamplingParams(max_tokens=80, temperature=0.7, top_p=0.95, seed=7)
@@ -67,7 +67,7 @@ def ends_in_chain(start: int, salt: int = 0) -> list[int]:
 async def single(engine: MlxEngine, rid: str, prompt: list[int], sampling: SamplingParams) -> list[int]:
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    return [outcome.first_token] + [item.token async for item in engine.stream(RequestId(rid))]
+    return [outcome.first_token] + await sent_tokens(engine.stream(RequestId(rid)))
 
 
 async def handed_off(prefill: MlxEngine, decode: MlxEngine, rid: str, prompt: list[int],
@@ -76,7 +76,7 @@ async def handed_off(prefill: MlxEngine, decode: MlxEngine, rid: str, prompt: li
     payload = (await prefill.export_held(RequestId(rid))).joined()
     await prefill.release_held(RequestId(rid))
     await decode.install(RequestId(rid), payload, prompt, outcome.first_token, sampling)
-    return [outcome.first_token] + [item.token async for item in decode.stream(RequestId(rid))]
+    return [outcome.first_token] + await sent_tokens(decode.stream(RequestId(rid)))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

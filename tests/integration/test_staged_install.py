@@ -22,7 +22,7 @@ from effects.engine_port import KvPieces, KvSegment, SamplingParams
 from statecore.errors import Code, StatecoreError
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import load_into, opened_engines, streamed_prefill
+from tests.integration.engines import load_into, opened_engines, sent_tokens, streamed_prefill
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24)
@@ -36,7 +36,7 @@ async def served(engine: MlxEngine, rid: str, prompt: Sequence[int],
                  sampling: SamplingParams = GREEDY) -> list[int]:
     outcome = await engine.prefill(RequestId(rid), prompt, sampling)
     await engine.decode_held(RequestId(rid), prompt, outcome.first_token, sampling)
-    return [outcome.first_token] + [g.token async for g in engine.stream(RequestId(rid))]
+    return [outcome.first_token] + await sent_tokens(engine.stream(RequestId(rid)))
 
 
 async def pieces_of(source: MlxEngine, rid: str, prompt: Sequence[int]) -> tuple[int, list[KvSegment]]:
@@ -119,7 +119,7 @@ async def test_pieces_staged_among_running_rows_decode_as_a_single_node(
             else:  # its last piece, within a step's share, is written by the next step, which it joins
                 await steps_pass(decode, 1)
                 assert not staged(decode)
-            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
             for name in ("a", "c"):
                 await decode.cancel(RequestId(name))
         assert tokens == await served(alone, "new", newcomer)
@@ -176,7 +176,7 @@ async def test_a_staged_request_s_join_is_traced_ahead_so_no_step_traces(
                                              max_tokens=GREEDY.max_tokens)
             assert compiled.traces == traces + 1  # by the first piece's staging, not by a step
             await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
-            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
         assert traced_in_steps == []
         assert tokens == await served(alone, "new", newcomer)
         assert results["a"] == await served(alone, "a", running, short_run)
@@ -239,7 +239,7 @@ async def test_a_step_s_kv_leaves_in_pieces_of_a_few_layers_and_installs_exactly
             await decode.receive_segment(RequestId("new"), piece, len(newcomer),
                                          max_tokens=GREEDY.max_tokens)
         await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
-        tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
         assert tokens == await served(source, "alone", newcomer)
 
 
@@ -264,7 +264,7 @@ async def test_the_pieces_sent_while_the_last_step_runs_say_so_and_the_decode_no
                 await decode.receive_segment(RequestId(ending), pieces[-1], len(newcomer),
                                              max_tokens=GREEDY.max_tokens)
                 await decode.install_segments(RequestId(ending), newcomer, first_token, GREEDY)
-                tokens = [first_token] + [g.token async for g in decode.stream(RequestId(ending))]
+                tokens = [first_token] + await sent_tokens(decode.stream(RequestId(ending)))
                 assert tokens == await served(source, "alone", newcomer)
             assert not decode._device.handoffs_expected
 
@@ -304,7 +304,7 @@ async def test_pieces_received_side_by_side_are_kept_in_the_stream_s_order(corru
         if not corrupt:
             assert set(outcomes.values()) == {None}
             await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
-            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
             assert tokens == await served(source, "alone", newcomer)
             return
         assert all(outcomes[index] is None for index in range(bad)), outcomes
@@ -368,7 +368,7 @@ async def test_a_staged_prompt_is_kept_after_its_first_step_and_its_next_turn_is
         for piece in pieces:
             await decode.receive_segment(RequestId("new"), piece, len(newcomer), max_tokens=max_tokens)
         await decode.install_segments(RequestId("new"), newcomer, first_token, sampling)
-        tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+        tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
         assert tokens == await served(source, "alone", newcomer, sampling)
         assert counted_at_keep == [1]
         assert decode.statistics().prefix_cache_bytes > 0
@@ -376,7 +376,7 @@ async def test_a_staged_prompt_is_kept_after_its_first_step_and_its_next_turn_is
         outcome = await decode.prefill(RequestId("next"), second, GREEDY)
         assert outcome.cached_tokens >= 64
         await decode.decode_held(RequestId("next"), second, outcome.first_token, GREEDY)
-        following = [outcome.first_token] + [g.token async for g in decode.stream(RequestId("next"))]
+        following = [outcome.first_token] + await sent_tokens(decode.stream(RequestId("next")))
         assert following == await served(source, "next-alone", second)
 
 
@@ -407,7 +407,7 @@ async def test_a_handed_off_prompt_whose_keep_raises_still_decodes_exactly() -> 
                 await decode.receive_segment(RequestId("new"), piece, len(newcomer),
                                              max_tokens=GREEDY.max_tokens)
             await decode.install_segments(RequestId("new"), newcomer, first_token, GREEDY)
-            got["new"] = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            got["new"] = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
         assert got["new"] == await served(source, "alone", newcomer)
         assert got["b"] == await served(source, "b-alone", neighbour)
         prefix = decode._device.prefix
@@ -498,7 +498,7 @@ async def test_an_install_asked_while_the_last_pieces_are_checked_waits_for_them
                     nursery.start_soon(receive, index)
         if not corrupt:
             assert installed == [None]
-            tokens = [first_token] + [g.token async for g in decode.stream(RequestId("new"))]
+            tokens = [first_token] + await sent_tokens(decode.stream(RequestId("new")))
             assert tokens == await served(source, "alone", newcomer)
             return
         failure = installed[0]

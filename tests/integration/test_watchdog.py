@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from adapters.http.node_api import CORE_PROCESS, DEVICE_THREAD, NodeApi
 from adapters.serve.node import watch_engine
-from effects.engine_port import EngineStatistics
+from effects.engine_port import EngineLiveness, EngineStatistics
 from effects.fakes import FakeEngine
 from effects.interpret import EnginePerformer
 from effects.runner import NodeRunner
@@ -30,7 +30,7 @@ async def _health(api: NodeApi) -> httpx.Response:
         return await client.get("/health")
 
 
-async def _watch(report: list[EngineStatistics], timeout_s: float
+async def _watch(report: list[EngineLiveness], timeout_s: float
                  ) -> tuple[NodeApi, NodeRunner[Any], list[str]]:
     """A decode node's loop and API with the watchdog reading `report[-1]`, in the background."""
     engine = FakeEngine()
@@ -59,7 +59,7 @@ async def _wait_stopped(runner: NodeRunner[Any]) -> None:
 
 
 async def test_a_stall_past_the_timeout_loses_the_engine(autojump_clock: trio.abc.Clock) -> None:
-    busy = EngineStatistics(decoding=2, held_caches=0, held_bytes=0, device_thread_alive=True)
+    busy = EngineLiveness(alive=True)
     report = [busy]
     api, runner, reasons = await _watch(report, timeout_s=5.0)
     report.append(replace(busy, stalled_s=4.9))  # a slow step, not a hang
@@ -77,13 +77,12 @@ async def test_a_stall_past_the_timeout_loses_the_engine(autojump_clock: trio.ab
 async def test_a_zero_timeout_never_fires_but_a_dead_thread_still_does(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    stalled = EngineStatistics(decoding=1, held_caches=0, held_bytes=0, device_thread_alive=True,
-                               stalled_s=3600.0)
+    stalled = EngineLiveness(alive=True, stalled_s=3600.0)
     report = [stalled]
     api, runner, reasons = await _watch(report, timeout_s=0.0)
     await trio.sleep(60)
     assert reasons == [] and runner.statistics().phase is not LoopPhase.STOPPED
-    report.append(replace(stalled, device_thread_alive=False))
+    report.append(replace(stalled, alive=False))
     with trio.fail_after(1):
         await _wait_stopped(runner)
     assert reasons == ["the MLX device thread died"]

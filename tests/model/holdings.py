@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from statecore.events import Event, Finished, TimerFired
-from statecore.intents import Complete, Intent, IntentKind, Reject, RespondToken
+from statecore.intents import Complete, Intent, IntentKind, Reject, RespondTokens
 
 TIMER, KV, REMOTE, ROW = "timer", "kv", "remote", "row"
 # What a request may hold in each phase, by machine (any phase not named: nothing). A timer is
@@ -83,15 +83,15 @@ class Walk:
     def reply_problem(self, machine: str, phase: str) -> str | None:
         """Why the replies of a request that settled in `phase` are wrong (None: they are right):
         `failed` gets one Reject, `done` one Complete (a prefill node's answer is its first token:
-        one RespondToken, no Complete), `cancelled` none; a reply is the last intent."""
-        replies = Counter(type(i) for i in self.intents if isinstance(i, Complete | Reject | RespondToken))
+        one RespondTokens, no Complete), `cancelled` none; a reply is the last intent."""
+        replies = Counter(type(i) for i in self.intents if isinstance(i, Complete | Reject | RespondTokens))
         got = (replies[Reject], replies[Complete])
         if phase == "failed":
             want = (1, 0)
         elif phase == "done":
             want = (0, 0) if machine == "request_prefill" else (0, 1)
-            if machine == "request_prefill" and replies[RespondToken] != 1:
-                return f"{replies[RespondToken]} first tokens"
+            if machine == "request_prefill" and replies[RespondTokens] != 1:
+                return f"{replies[RespondTokens]} first tokens"
         else:
             want = (0, 0)
         if got != want:

@@ -35,7 +35,7 @@ from statecore.events import (
     StopMatched,
     Timer,
     TimerFired,
-    TokenGenerated,
+    TokensGenerated,
     TransportLost,
 )
 from statecore.spec import MachineSpec, load_spec
@@ -53,7 +53,7 @@ EVENTS_BY_KIND: dict[EventKind, st.SearchStrategy[Event]] = {
     EventKind.PREFILL_DONE: st.builds(PrefillDone, tokens, st.integers(0, 1 << 30)),
     EventKind.FIRST_TOKEN: st.builds(FirstToken, tokens),
     EventKind.DECODE_STARTED: st.just(DecodeStarted()),
-    EventKind.TOKEN: st.builds(TokenGenerated, tokens),
+    EventKind.TOKEN: st.builds(TokensGenerated, st.lists(tokens, min_size=1, max_size=4).map(tuple)),
     EventKind.FINISHED: st.builds(Finished, st.sampled_from(["stop", "length"])),
     EventKind.STOP_MATCHED: st.builds(StopMatched, st.sampled_from(["stop", "length"])),
     EventKind.RETRY: st.builds(RetryRequested, errors),
@@ -97,7 +97,7 @@ SAMPLE_EVENTS: dict[type[Event], Event] = {
     type(e): e
     for e in (
         Admitted(3), Rejected(_ERROR), Dispatched(), PrefillDone(1, 10), FirstToken(1),
-        DecodeStarted(), TokenGenerated(2), Finished("stop"), StopMatched(),
+        DecodeStarted(), TokensGenerated((2,)), Finished("stop"), StopMatched(),
         RetryRequested(_ERROR), PrefillLocally(), KvRequested(), KvTaken(), KvReceived(10),
         KvInstalled(), PeerFailed(_ERROR), EngineFailed(_ERROR), ClientCancelled(),
         TimerFired(Timer.DEADLINE), TransportLost(), RequestOpened(), LoopReady(), DrainRequested(),

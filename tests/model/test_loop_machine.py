@@ -13,7 +13,7 @@ from the tables, follows it. Invariants:
   it held), and a settled request holds nothing: every timer cancelled (or fired), every cache
   and row released, every remote part cancelled or ended by the peer itself;
 - a settled request got exactly one reply: `failed` one Reject, `done` one Complete (on a
-  prefill node, whose answer is its first token, one RespondToken and no Complete), `cancelled`
+  prefill node, whose answer is its first token, one RespondTokens and no Complete), `cancelled`
   none; the reply is the last intent it got; a request refused at intake gets one Reject;
 - the loop stops if and only if `TransportLost` or a finished drain was seen, and says so with
   exactly one stop_loop intent.

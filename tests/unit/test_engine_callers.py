@@ -10,6 +10,7 @@ import trio
 from adapters.mlx.callers import Callers
 from effects.engine_port import GeneratedToken
 from statecore.errors import StatecoreError, client_error
+from statecore.events import Finished, TokenLogprobs, TokensGenerated
 
 
 def piece(start: int) -> tuple[int, int, int, list[object]]:
@@ -23,7 +24,8 @@ async def test_a_stream_is_kept_until_read_and_then_the_record_is_gone() -> None
         pass  # a second start of r is refused while r's stream is kept
     send.send_nowait(GeneratedToken(7))
     send.close()
-    assert [item async for item in callers.stream("r", lambda: cancelled.append("r"))] == [GeneratedToken(7)]
+    read = [item async for item in callers.stream("r", lambda: cancelled.append("r"))]
+    assert read == [TokensGenerated((7,))]
     assert callers.get("r") is None and cancelled == []
     with pytest.raises(StatecoreError, match="no stream for request 'r'"):
         await callers.stream("r", lambda: cancelled.append("r")).__anext__()
@@ -35,7 +37,7 @@ async def test_an_error_the_engine_sent_ends_the_stream_raised() -> None:
         send.send_nowait(GeneratedToken(1))
         send.send_nowait(StatecoreError(client_error("the engine said no")))
     stream = callers.stream("r", lambda: cancelled.append("r"))
-    assert await stream.__anext__() == GeneratedToken(1)
+    assert await stream.__anext__() == TokensGenerated((1,))
     with pytest.raises(StatecoreError, match="the engine said no"):
         await stream.__anext__()
     assert cancelled == []  # it ended: nothing to cancel
@@ -46,9 +48,51 @@ async def test_a_reader_that_leaves_early_cancels_the_request() -> None:
     with callers.opening_stream("r", 4) as send:
         send.send_nowait(GeneratedToken(1))
     stream = callers.stream("r", lambda: cancelled.append("r"))
-    assert await stream.__anext__() == GeneratedToken(1)
+    assert await stream.__anext__() == TokensGenerated((1,))
     await stream.aclose()
     assert cancelled == ["r"] and callers.get("r") is None
+    send.close()
+
+
+LP = [TokenLogprobs(-float(n)) for n in range(6)]
+
+
+@pytest.mark.parametrize(("step", "read"), [
+    # a verify step's tokens, handed out together: one value, in their order, logprobs beside them
+    ([GeneratedToken(3, None, LP[0]), GeneratedToken(9, None, LP[1]), GeneratedToken(4, None, LP[2])],
+     [TokensGenerated((3, 9, 4), (LP[0], LP[1], LP[2]))]),
+    # an ending EOS is not sent: the step's other tokens are, then the end
+    ([GeneratedToken(5), GeneratedToken(6), GeneratedToken(2, "stop")],
+     [TokensGenerated((5, 6)), Finished("stop")]),
+    ([GeneratedToken(2, "stop")], [Finished("stop")]),
+    # the last allowed token is sent, then the end
+    ([GeneratedToken(5), GeneratedToken(5, "length")], [TokensGenerated((5, 5)), Finished("length")]),
+    # logprobs missing for one: none are claimed
+    ([GeneratedToken(1, None, LP[0]), GeneratedToken(8)], [TokensGenerated((1, 8))]),
+])
+async def test_a_steps_tokens_are_read_as_one_value_in_their_order(
+    step: list[GeneratedToken], read: list[object]
+) -> None:
+    callers = Callers()
+    with callers.opening_stream("r", 8) as send:
+        for item in step:
+            send.send_nowait(item)
+    if step[-1].finish_reason is None:
+        send.close()
+    assert [item async for item in callers.stream("r", lambda: None)] == read
+
+
+async def test_steps_handed_out_apart_are_read_apart_and_nothing_after_the_end() -> None:
+    callers = Callers()
+    with callers.opening_stream("r", 8) as send:
+        send.send_nowait(GeneratedToken(1))
+        send.send_nowait(GeneratedToken(2))
+    stream = callers.stream("r", lambda: None)
+    assert await stream.__anext__() == TokensGenerated((1, 2))
+    send.send_nowait(GeneratedToken(3))
+    send.send_nowait(GeneratedToken(4, "length"))
+    send.send_nowait(GeneratedToken(5))  # (an engine never sends past an end: not taken)
+    assert [item async for item in stream] == [TokensGenerated((3, 4)), Finished("length")]
     send.close()
 
 
@@ -103,11 +147,11 @@ async def test_a_fed_stream_takes_items_until_its_end_and_the_record_goes_after_
     callers.feed("r", GeneratedToken(1))
     assert callers.feeding
     stream = callers.stream("r", lambda: cancelled.append("r"))
-    assert await stream.__anext__() == GeneratedToken(1)
+    assert await stream.__anext__() == TokensGenerated((1,))
     assert callers.get("r") is not None  # read, but still fed
     callers.feed("r", GeneratedToken(2))
     callers.end_feed("r")
-    assert [item async for item in stream] == [GeneratedToken(2)]
+    assert [item async for item in stream] == [TokensGenerated((2,))]
     assert callers.get("r") is None and not callers.feeding and cancelled == []
     callers.feed("r", GeneratedToken(3))  # after its end: nothing, nothing kept
     assert callers.get("r") is None

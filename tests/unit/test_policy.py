@@ -17,7 +17,7 @@ from statecore.policy import (
     admission,
     after_first_token,
     blames_peer,
-    decoded_token,
+    decoded_tokens,
     failure_event,
     finish_before_decoding,
     first_token_finish,
@@ -94,9 +94,11 @@ def test_how_a_generation_ends() -> None:
     assert finish_before_decoding(7, eos, ignore_eos=False, max_tokens=1) == "stop"  # EOS first
     assert finish_before_decoding(7, eos, ignore_eos=True, max_tokens=1) == "length"
     assert finish_before_decoding(3, eos, ignore_eos=False, max_tokens=2) is None
-    assert decoded_token("stop") == (False, "stop")
-    assert decoded_token("length") == (True, "length")
-    assert decoded_token(None) == (True, None)
+    # a step's tokens: an ending EOS is not sent, a "length" ending token is; only the last ends it
+    assert decoded_tokens([5, 6, 2], "stop") == (2, "stop")
+    assert decoded_tokens([2], "stop") == (0, "stop")
+    assert decoded_tokens([5, 6, 7], "length") == (3, "length")
+    assert decoded_tokens([5, 6], None) == (2, None)
 
 
 def test_which_event_an_error_becomes() -> None:

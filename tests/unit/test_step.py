@@ -32,7 +32,8 @@ from statecore.events import (
     StopMatched,
     Timer,
     TimerFired,
-    TokenGenerated,
+    TokenLogprobs,
+    TokensGenerated,
     TransportLost,
 )
 from statecore.ids import PeerId, RequestId
@@ -50,7 +51,7 @@ from statecore.intents import (
     RefuseKv,
     Reject,
     ReleaseKv,
-    RespondToken,
+    RespondTokens,
     SendKv,
     StartDecode,
     StartPrefill,
@@ -87,16 +88,16 @@ CASES = [
     Case(ROUTER_REQUEST, RouterPhase.INTAKE, Admitted(5), RouterPhase.ROUTED,
          [ArmTimer(RID, Timer.DEADLINE), StartPrefill(RID)]),
     Case(ROUTER_REQUEST, RouterPhase.PREFILLING, FirstToken(42), RouterPhase.HANDING_OFF,
-         [RespondToken(RID, 42), StartDecode(RID)]),
-    Case(ROUTER_REQUEST, RouterPhase.DECODING, TokenGenerated(7), RouterPhase.DECODING,
-         [RespondToken(RID, 7)]),
+         [RespondTokens(RID, (42,)), StartDecode(RID)]),
+    Case(ROUTER_REQUEST, RouterPhase.DECODING, TokensGenerated((7,)), RouterPhase.DECODING,
+         [RespondTokens(RID, (7,))]),
     Case(ROUTER_REQUEST, RouterPhase.DECODING, Finished("length"), RouterPhase.DONE,
          [CancelTimer(RID), Complete(RID, "length")]),
     Case(ROUTER_REQUEST, RouterPhase.DECODING, StopMatched(), RouterPhase.DONE,
-         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop")]),
+         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop", 1)]),
     # the first token ends it: the nodes hear it was a normal end, not a cancellation
     Case(ROUTER_REQUEST, RouterPhase.PREFILLING, Finished("stop"), RouterPhase.DONE,
-         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop")]),
+         [CancelTimer(RID), CancelRemote(RID, "stop"), Complete(RID, "stop", 1)]),
     Case(ROUTER_REQUEST, RouterPhase.PREFILLING, RetryRequested(PEER), RouterPhase.ROUTED,
          [StartPrefill(RID)]),
     # router: failure and cancellation free what the phase holds
@@ -109,7 +110,7 @@ CASES = [
     Case(PREFILL_REQUEST, PrefillPhase.INTAKE, Admitted(3), PrefillPhase.PREFILL,
          [ArmTimer(RID, Timer.DEADLINE), StartPrefill(RID)]),
     Case(PREFILL_REQUEST, PrefillPhase.PREFILL, PrefillDone(9, 1024), PrefillPhase.HANDOFF,
-         [ArmTimer(RID, Timer.KV_LEASE), RespondToken(RID, 9)]),
+         [ArmTimer(RID, Timer.KV_LEASE), RespondTokens(RID, (9,))]),
     Case(PREFILL_REQUEST, PrefillPhase.HANDOFF, KvRequested(), PrefillPhase.HANDOFF, [SendKv(RID)]),
     # a pull before the KV is held is answered, and the request goes on
     Case(PREFILL_REQUEST, PrefillPhase.PREFILL, KvRequested(), PrefillPhase.PREFILL,
@@ -149,7 +150,7 @@ CASES = [
     Case(DECODE_REQUEST, DecodePhase.DECODING, ClientCancelled(), DecodePhase.CANCELLED,
          [CancelTimer(RID), StopDecoding(RID)]),
     Case(DECODE_REQUEST, DecodePhase.RECEIVING_KV, StopMatched(), DecodePhase.DONE,
-         [CancelTimer(RID), ReleaseKv(RID), Complete(RID, "stop")]),
+         [CancelTimer(RID), ReleaseKv(RID), Complete(RID, "stop", 1)]),
 ]
 
 
@@ -165,11 +166,41 @@ def test_step_request(case: Case) -> None:
     assert intents == case.intents
 
 
+# The token path: a decode step's tokens are one event and one reply, in their order, logprobs
+# beside them; a first token goes alone; the count of tokens out grows by a step's tokens; an
+# ending EOS (never among the tokens) is counted once, by the completion.
+STEP_LOGPROBS = (TokenLogprobs(-0.5, ((7, -0.5), (3, -1.5))), TokenLogprobs(-1.0), TokenLogprobs(-2.0))
+TOKEN_PATH = [
+    (DECODE_REQUEST, DecodePhase.DECODING, TokensGenerated((7, 8, 9), STEP_LOGPROBS), DecodePhase.DECODING,
+     [RespondTokens(RID, (7, 8, 9), STEP_LOGPROBS)], 3),
+    (DECODE_REQUEST, DecodePhase.DECODING, TokensGenerated((9, 7)), DecodePhase.DECODING,
+     [RespondTokens(RID, (9, 7))], 2),
+    (ROUTER_REQUEST, RouterPhase.HANDING_OFF, TokensGenerated((4, 5, 6, 4)), RouterPhase.DECODING,
+     [RespondTokens(RID, (4, 5, 6, 4))], 4),
+    (DECODE_REQUEST, DecodePhase.PREFILLING_LOCALLY, PrefillDone(9, 10, STEP_LOGPROBS[0]),
+     DecodePhase.INSTALLING, [RespondTokens(RID, (9,), STEP_LOGPROBS[:1]), InstallKv(RID)], 1),
+    (ROUTER_REQUEST, RouterPhase.PREFILLING, FirstToken(42), RouterPhase.HANDING_OFF,
+     [RespondTokens(RID, (42,)), StartDecode(RID)], 1),
+    (DECODE_REQUEST, DecodePhase.DECODING, Finished("stop"), DecodePhase.DONE,
+     [CancelTimer(RID), Complete(RID, "stop", 1)], 0),
+    (DECODE_REQUEST, DecodePhase.DECODING, Finished("length"), DecodePhase.DONE,
+     [CancelTimer(RID), Complete(RID, "length", 0)], 0),
+]
+
+
+@pytest.mark.parametrize(("machine", "phase", "event", "target", "intents", "tokens"), TOKEN_PATH)
+def test_the_token_path(machine: Any, phase: Any, event: Event, target: Any, intents: list[Any],
+                        tokens: int) -> None:
+    record = RequestRecord(RID, phase, tokens_out=5)
+    moved, made = step_request(machine, record, event)
+    assert (moved.phase, made, moved.tokens_out) == (target, intents, 5 + tokens)
+
+
 def test_failure_records_the_error_and_terminal_absorbs() -> None:
     record = RequestRecord(RID, RouterPhase.DECODING)
     failed, _ = step_request(ROUTER_REQUEST, record, PeerFailed(PEER))
     assert failed.error == PEER
-    again, intents = step_request(ROUTER_REQUEST, failed, TokenGenerated(3))
+    again, intents = step_request(ROUTER_REQUEST, failed, TokensGenerated((3,)))
     assert again == failed and intents == []
 
 

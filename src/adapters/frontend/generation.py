@@ -15,6 +15,7 @@ import it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, assert_never
@@ -26,8 +27,8 @@ from adapters.tool_calls import ToolCall, ToolCallSplitter
 from effects.ports import Generation, Output
 from statecore.errors import ErrorInfo, StatecoreError, bug
 from statecore.events import TokenLogprobs
-from statecore.intents import Complete, Reject, RespondToken
-from statecore.policy import counts_ending_token, length_finish, reply_finish, text_finish
+from statecore.intents import Complete, Reject, RespondTokens
+from statecore.policy import length_finish, reply_finish, text_finish
 
 __all__ = ["CANCEL_GRACE_S", "Finish", "LogprobsFormat", "Reply", "Run", "Step", "StopText", "ThinkBudget"]
 
@@ -166,9 +167,15 @@ class Run:
         self._tokens = 0
         self._generated: list[int] = []  # kept only while a thinking budget may need them
         self._logprobs: list[tuple[int, TokenLogprobs]] = []  # of the tokens the next step consumes
+        # steps a decode step's tokens made beyond the one given: each token's text is a step of
+        # its own, as if the tokens had come one by one (a client's events do not depend on how
+        # many tokens a step gave), given before any output is read again
+        self._made: deque[Step] = deque()
 
     async def advance(self) -> Step:
         """The next step with some text, or the last step."""
+        if self._made:
+            return self._made.popleft()
         assert not self.finished
         while True:
             try:
@@ -184,6 +191,8 @@ class Run:
         """`advance` from the outputs already waiting only: None when they run out before a
         step is whole (what they gave is kept for the next one). It never waits for the
         backend (it may await telling it a stop string matched)."""
+        if self._made:
+            return self._made.popleft()
         assert not self.finished
         while (output := self.generation.receive_nowait()) is not None:
             step = await self._take(output)
@@ -194,24 +203,11 @@ class Run:
     async def _take(self, output: Output) -> Step | None:
         """One output in; the step it completes, if it does."""
         match output:
-            case RespondToken(token=token, logprobs=carried):
-                self._tokens += 1
-                if carried is not None:
-                    self._logprobs.append((token, carried))
-                text = self._text.add(token)
-                if text.stopped:
-                    await self.generation.stop()
-                    self.finished = True
-                    return self._step(text, Finish(text_finish(None, stop_string_matched=True), self._tokens))
-                if self._budget is not None:
-                    self._generated.append(token)
-                    if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
-                        return await self._end_thinking(self._budget, text)
-                return self._step(text) if text.reasoning or text.content else None
-            case Complete(finish_reason=reason):
+            case RespondTokens(tokens=tokens, logprobs=carried):
+                return await self._take_tokens(tokens, carried)
+            case Complete(finish_reason=reason, ending_tokens=ending):
                 self.finished = True
-                if counts_ending_token(reason):
-                    self._tokens += 1
+                self._tokens += ending  # an ending EOS, as the core counts it
                 text = self._text.close()
                 return self._step(text, Finish(text_finish(reason, stop_string_matched=text.stopped),
                                                self._tokens))
@@ -220,6 +216,35 @@ class Run:
                 return Step("", error)
             case _:
                 assert_never(output)
+
+    async def _take_tokens(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprobs] | None
+                           ) -> Step | None:
+        """A step's tokens in their order, each one's text its own step (the first returned, the
+        others given next); where one of them ends the reply (a stop string, the thinking budget
+        spent) the tokens after it are not taken, as if they had never come."""
+        made: list[Step] = []
+        for at, token in enumerate(tokens):
+            self._tokens += 1
+            if logprobs is not None:
+                self._logprobs.append((token, logprobs[at]))
+            text = self._text.add(token)
+            if text.stopped:
+                await self.generation.stop()
+                self.finished = True
+                ended = Finish(text_finish(None, stop_string_matched=True), self._tokens)
+                made.append(self._step(text, ended))
+                break
+            if self._budget is not None:
+                self._generated.append(token)
+                if self._text.thinking and self._text.reasoning_tokens >= self._budget.tokens:
+                    made.append(await self._end_thinking(self._budget, text))
+                    break
+            if text.reasoning or text.content:
+                made.append(self._step(text))
+        if not made:
+            return None
+        self._made.extend(made[1:])
+        return made[0]
 
     async def _end_thinking(self, budget: ThinkBudget, text: TextPiece) -> Step:
         """The thinking budget is spent: stop, write the end marker for the model, and go on with

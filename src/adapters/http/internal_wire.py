@@ -31,8 +31,8 @@ from effects.ports import (
     SamplingParams,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
-from statecore.events import Finished, TokenGenerated, TokenLogprobs
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.events import Finished, TokenLogprobs, TokensGenerated
+from statecore.intents import Complete, Reject, RespondTokens
 
 TOKEN_HEADER = "x-statecore-token"
 REQUEST_ID_HEADER = "x-request-id"
@@ -261,6 +261,10 @@ def _logprobs_json(logprobs: TokenLogprobs | None) -> dict[str, object]:
     return {} if logprobs is None else {"logprobs": [logprobs.logprob, logprobs.top]}
 
 
+def _logprobs(carried: list[Any]) -> TokenLogprobs:
+    return TokenLogprobs(float(carried[0]), tuple((int(token), float(lp)) for token, lp in carried[1]))
+
+
 def output_line(item: Output | PrefillReply) -> bytes:
     """One NDJSON line of a decode node's stream: its request's replies as the core made them."""
     match item:
@@ -268,8 +272,12 @@ def output_line(item: Output | PrefillReply) -> bytes:
             doc: dict[str, object] = {"first_token": first, "is_eos": is_eos, **_logprobs_json(logprobs)}
             if cached is not None:
                 doc["cached_tokens"] = cached
-        case RespondToken(token=token, logprobs=logprobs):
-            doc = {"token": token, **_logprobs_json(logprobs)}
+        case RespondTokens(tokens=(token,), logprobs=logprobs):  # one token: the line older routers read
+            doc = {"token": token, **_logprobs_json(None if logprobs is None else logprobs[0])}
+        case RespondTokens(tokens=tokens, logprobs=logprobs):  # a step's tokens, one line
+            doc = {"tokens": list(tokens)}
+            if logprobs is not None:
+                doc["logprobs"] = [[lp.logprob, lp.top] for lp in logprobs]
         case Complete(finish_reason=reason):
             doc = {"finish_reason": reason}
         case Reject(error=error):
@@ -283,10 +291,15 @@ def parse_output_line(line: bytes) -> DecodeMessage:
     try:
         doc = json.loads(line)
         carried = doc.get("logprobs")
-        logprobs = None if carried is None else TokenLogprobs(
-            float(carried[0]), tuple((int(token), float(lp)) for token, lp in carried[1]))
+        if "tokens" in doc:
+            tokens = tuple(int(token) for token in doc["tokens"])
+            several = None if carried is None else tuple(_logprobs(each) for each in carried)
+            if not tokens or (several is not None and len(several) != len(tokens)):
+                raise ValueError("a step's tokens and their logprobs do not match")
+            return TokensGenerated(tokens, several)
+        logprobs = None if carried is None else _logprobs(carried)
         if "token" in doc:
-            return TokenGenerated(int(doc["token"]), logprobs)
+            return TokensGenerated((int(doc["token"]),), None if logprobs is None else (logprobs,))
         if "first_token" in doc:
             cached = None if doc.get("cached_tokens") is None else int(doc["cached_tokens"])
             if cached is not None and cached < 0:

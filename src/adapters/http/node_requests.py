@@ -39,7 +39,7 @@ from effects.runner import NodeRunner, RunnerGeneration
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import Admitted, ClientCancelled, PrefillLocally, StopMatched
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.intents import Complete, Reject, RespondTokens
 from statecore.policy import FINISH_REASONS, STOP
 
 
@@ -82,16 +82,17 @@ class NodeRequests:
             # cancelled before its first token (a cancellation sends no rejection)
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
-            case RespondToken(token=token, logprobs=logprobs):
+            case RespondTokens(tokens=(token,), logprobs=logprobs):  # the first token, alone
                 held = self.engine.statistics().held_bytes
+                first_logprobs = None if logprobs is None else logprobs[0]
                 cached = context.cached_tokens if asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=context.ends_at_first_token,
                                                      held_bytes=held,
-                                                     logprobs=LogprobsBody.of(logprobs),
+                                                     logprobs=LogprobsBody.of(first_logprobs),
                                                      cached_tokens=cached).document())
             case Reject(error=error):
                 return error_response(error)
-            case Complete():
+            case Complete() | RespondTokens():
                 return error_response(ErrorInfo(Fault.BUG, Code.INTERNAL, "prefill completed early"))
 
     async def cancel(self, request: Request) -> Response:
@@ -143,10 +144,11 @@ class NodeRequests:
                         and self.faults.applies(Phase.STREAM_OUT, generation.request_id):
                     return  # the stream to the router breaks off (tests only)
                 cached = context.cached_tokens if cached_tokens else None
-                if first and isinstance(output, RespondToken):
+                if first and isinstance(output, RespondTokens):
                     first = False
-                    yield output_line(PrefillReply(output.token, context.ends_at_first_token, 0,
-                                                   output.logprobs, cached))
+                    first_logprobs = None if output.logprobs is None else output.logprobs[0]
+                    yield output_line(PrefillReply(output.tokens[0], context.ends_at_first_token, 0,
+                                                   first_logprobs, cached))
                     continue
                 if (first and cached is not None and isinstance(output, Complete)
                         and output.finish_reason == STOP and context.first_token is not None

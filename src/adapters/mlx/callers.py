@@ -26,8 +26,9 @@ from typing import Any, Protocol
 import trio
 
 from adapters.mlx.jobs import StreamItem
-from effects.engine_port import GeneratedToken
+from effects.engine_port import Decoded, GeneratedToken, decoded, ready_after
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
+from statecore.events import Finished
 
 __all__ = ["Caller", "Callers", "Handout", "Piece", "PieceOrder"]
 
@@ -226,8 +227,9 @@ class Callers:
             self.end_feed(request_id, error)
 
     async def stream(self, request_id: str, cancel_nowait: Callable[[], None]
-                     ) -> AsyncGenerator[GeneratedToken, None]:
-        """The request's tokens after the first, from its kept stream (taken here: read once); an
+                     ) -> AsyncGenerator[Decoded, None]:
+        """The request's tokens after the first, from its kept stream (taken here: read once), as
+        the core's events: a step's tokens, handed out together, read as one (`decoded`); an
         error the engine sent ends it, raised; a reader that leaves before the end cancels the
         request (`cancel_nowait`)."""
         caller = self._records.get(request_id)
@@ -241,11 +243,16 @@ class Callers:
         finished = False
         try:
             async with receive:
-                async for item in receive:
-                    if isinstance(item, StatecoreError):
+                async for first in receive:
+                    items = ready_after(first, receive, _ends_stream)
+                    events = decoded([item for item in items if isinstance(item, GeneratedToken)])
+                    for event in events:
+                        yield event
+                    if isinstance(error := items[-1], StatecoreError):
                         finished = True
-                        raise StatecoreError(item.info) from item
-                    yield item
+                        raise StatecoreError(error.info) from error
+                    if events and isinstance(events[-1], Finished):
+                        break  # its end: nothing after it is the request's
             finished = True
         finally:
             if not finished:
@@ -281,6 +288,10 @@ class Callers:
     def _tidy(self, request_id: str, caller: Caller) -> None:
         if caller.empty and self._records.get(request_id) is caller:
             del self._records[request_id]
+
+
+def _ends_stream(item: StreamItem) -> bool:
+    return isinstance(item, StatecoreError) or item.finish_reason is not None
 
 
 def _send_quietly(send: trio.MemorySendChannel[StreamItem], item: StreamItem) -> None:

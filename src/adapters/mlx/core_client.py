@@ -55,8 +55,9 @@ from adapters.mlx.core_wire import (
 )
 from adapters.mlx.jobs import engine_failed, engine_lost
 from effects.engine_port import (
+    Decoded,
+    EngineLiveness,
     EngineStatistics,
-    GeneratedToken,
     KvBytes,
     KvPieces,
     KvSegment,
@@ -220,12 +221,12 @@ class ProcessEngine:
         await self._start("install_segments", request_id, sampling, tuple(prompt), first_token,
                           kwargs={"pieces": pieces})
 
-    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
-        """Tokens after the first one. Leaving early cancels the request."""
-        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
-        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
-            async for token in tokens:
-                yield token
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[Decoded, None]:
+        """Tokens after the first one, a step's as one value. Leaving early cancels the request."""
+        steps = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(steps):  # a reader that leaves closes it now: the request is cancelled
+            async for step in steps:
+                yield step
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.drop(request_id)
@@ -233,6 +234,15 @@ class ProcessEngine:
             return
         with trio.CancelScope(shield=True):  # within one step; must not be skipped
             await self._calls.call("cancel", request_id)
+
+    def liveness(self) -> EngineLiveness:
+        if not self._link.alive:
+            return EngineLiveness(False)
+        stalled = self._link.statistics.stalled_s
+        silent = time.monotonic() - self._link.heard_at
+        if silent > SILENT_S and (self._calls.pending() or self._callers.feeding):
+            stalled = max(stalled, silent)
+        return EngineLiveness(True, stalled)
 
     def statistics(self) -> EngineStatistics:
         stats = self._link.statistics

@@ -63,8 +63,9 @@ from adapters.mlx.profile import SlowStep
 from adapters.mlx.settings import Settings
 from adapters.mlx.warm_up import warm_serving_path
 from effects.engine_port import (
+    Decoded,
+    EngineLiveness,
     EngineStatistics,
-    GeneratedToken,
     KvBytes,
     KvPieces,
     KvSegment,
@@ -299,12 +300,12 @@ class MlxEngine:
         finally:
             self._end_handoff(request_id)
 
-    async def stream(self, request_id: RequestId) -> AsyncGenerator[GeneratedToken, None]:
-        """Tokens after the first one. Leaving early cancels the request."""
-        tokens = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
-        async with aclosing(tokens):  # a reader that leaves closes it now: the request is cancelled
-            async for token in tokens:
-                yield token
+    async def stream(self, request_id: RequestId) -> AsyncGenerator[Decoded, None]:
+        """Tokens after the first one, a step's as one value. Leaving early cancels the request."""
+        steps = self._callers.stream(request_id, partial(self._cancel_nowait, request_id))
+        async with aclosing(steps):  # a reader that leaves closes it now: the request is cancelled
+            async for step in steps:
+                yield step
 
     async def cancel(self, request_id: RequestId) -> None:
         self._callers.close_stream(request_id)
@@ -324,6 +325,10 @@ class MlxEngine:
         self._callers.forget_pieces(request_id)
         self._device.handoffs_coming.pop(request_id, None)
         self._device.handoffs_expected.pop(request_id, None)
+
+    def liveness(self) -> EngineLiveness:
+        alive = self._thread.alive
+        return EngineLiveness(alive, self._device.inbox.stalled_s() if alive else 0.0)
 
     def statistics(self) -> EngineStatistics:
         alive = self._thread.alive

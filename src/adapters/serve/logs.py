@@ -28,7 +28,7 @@ from effects.runner import Instrument, NodeRunner, Reply
 from statecore.errors import ErrorInfo
 from statecore.events import Event, RetryRequested
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondToken
+from statecore.intents import Complete, Reject, RespondTokens
 from statecore.policy import text_finish
 
 log = logging.getLogger("statecore")
@@ -120,10 +120,10 @@ class GenerationNote:
     finish: str | None = None
     error: str | None = None
 
-    def token(self) -> None:
+    def tokens(self, count: int) -> None:
         if self.first_token_s is None:
             self.first_token_s = time.monotonic() - self.started
-        self.completion_tokens += 1
+        self.completion_tokens += count
 
 
 _NOTES: ContextVar[list[GenerationNote] | None] = ContextVar("statecore_request_notes", default=None)
@@ -161,8 +161,8 @@ class RequestLines(Instrument):
         if note is None:
             return
         match reply:
-            case RespondToken():
-                note.token()
+            case RespondTokens():
+                note.tokens(generated)
             case Complete(finish_reason=reason):
                 note.finish = reason
                 note.completion_tokens += generated  # the EOS token, as usage counts it

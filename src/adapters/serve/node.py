@@ -53,7 +53,7 @@ from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
 from adapters.serve.logs import RequestLines, RetryLines, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
-from effects.engine_port import EngineStatistics
+from effects.engine_port import EngineLiveness
 from effects.faults import Faults
 from effects.handoffs import HandoffLog
 from effects.health import PeerSet
@@ -155,7 +155,7 @@ async def _watch_parent(runner: NodeRunner[Any], parent: int) -> None:
     await runner.post_loop(DrainRequested())
 
 
-async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatistics],
+async def watch_engine(runner: NodeRunner[Any], liveness: Callable[[], EngineLiveness],
                        stall_timeout_s: float, lost: Callable[[str], None],
                        rank_lost: Callable[[], str | None] = lambda: None, *,
                        what: str = DEVICE_THREAD) -> None:
@@ -166,12 +166,12 @@ async def watch_engine(runner: NodeRunner[Any], stats: Callable[[], EngineStatis
     way every live request fails (`transport_lost`), `/health` turns 503 with the reason, and
     the node exits 3."""
     while True:
-        now = stats()
+        now = liveness()  # ten times a second: not a whole `statistics()` snapshot
         gone = rank_lost()
         if gone is not None:
             reason = gone
             break
-        if not now.device_thread_alive:
+        if not now.alive:
             reason = f"{what} died"
             break
         if stall_timeout_s > 0 and now.stalled_s > stall_timeout_s:
@@ -401,7 +401,7 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
                 engine.abandon(reason)  # nothing may wait on a hung thread, the drain included
 
             rank_lost = [] if tensor is None else [tensor.rank_lost]
-            watch = partial(watch_engine, runner, engine.statistics, args.stall_timeout, lose_engine,
+            watch = partial(watch_engine, runner, engine.liveness, args.stall_timeout, lose_engine,
                             *rank_lost, what=runs_it)
             nursery.start_soon(watch)
             if role == "prefill" and args.kv_port is not None and not args.tls.serves_https:
