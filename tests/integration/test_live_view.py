@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import Metric
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from adapters.http import live_view
 from adapters.http.live_view import LiveView, read_totals, sample_between
 from adapters.metrics import Metrics
 from effects.engine_port import SamplingParams
@@ -147,25 +148,29 @@ def test_static_files_and_graph_are_served_from_the_node_alone() -> None:
 
 
 class _FailsOnce:
-    """A collector that raises on its first scrape only."""
+    """`read_totals`, raising on its second call only (a collector of the read series broken once;
+    the first call is the reading at start)."""
 
     def __init__(self) -> None:
+        self.calls = 0
         self.failed = False
 
-    def collect(self) -> list[Metric]:
-        if not self.failed:
+    def __call__(self, registry: CollectorRegistry, role: str) -> Any:
+        self.calls += 1
+        if self.calls == 2:
             self.failed = True
             raise RuntimeError("a broken collector")
-        return []
+        return read_totals(registry, role)
 
 
 async def test_a_failing_metrics_read_costs_a_point_not_the_node(
-        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     node = Node()
     await nursery.start(node.runner.run)
     broken = _FailsOnce()
+    monkeypatch.setattr(live_view, "read_totals", broken)
     await nursery.start(node.live.run)  # its first reading, at start, works
-    node.metrics.registry.register(broken)
     await _wait_for(lambda: node.live.samples, "a sample after the failed reading")
     assert broken.failed
     assert node.live.samples[0].seq == 1

@@ -103,7 +103,9 @@ def read_totals(registry: CollectorRegistry, role: str) -> _Totals:
         PREFIX + "kv_transfer_bytes_total": "kv_bytes",  # received and served alike
     }
     totals = dict.fromkeys(wanted.values(), 0.0)
-    for family in registry.collect():
+    # only the collectors of these series: the whole registry (every histogram's buckets, the
+    # engine's gauges) is what a scrape reads, and this runs every second, watched or not
+    for family in registry.restricted_registry(list(wanted)).collect():
         for sample in family.samples:
             field = wanted.get(sample.name)
             if field is not None and sample.labels.get("role") == role:
