@@ -316,11 +316,9 @@ class MlxEngine:
             await self._post(commands.Cancel(request_id))
 
     def _end_handoff(self, request_id: RequestId) -> None:
-        """What a handoff of the request left here goes: the regions its pieces hold in GPU memory
-        for their receiver (only an engine that sends such pieces holds any), the pieces it received
-        for an install, and the steps' holding prefill back for its join."""
-        info = self._performer.info
-        if info is not None and info.device_pieces:
+        """What a handoff of the request left here goes: its pieces' regions in GPU memory (only a
+        sender of such pieces holds any), the pieces kept for an install, prefill held back for it."""
+        if (info := self._performer.info) is not None and info.device_pieces:
             release_held_pieces(request_id)
         self._callers.forget_pieces(request_id)
         self._device.handoffs_coming.pop(request_id, None)
@@ -331,9 +329,8 @@ class MlxEngine:
         return EngineLiveness(alive, self._device.inbox.stalled_s() if alive else 0.0)
 
     def statistics(self) -> EngineStatistics:
-        alive = self._thread.alive
-        return self._performer.statistics(alive, self._device.inbox.stalled_s() if alive else 0.0,
-                                          self._callers.arriving)
+        live = self.liveness()
+        return self._performer.statistics(live.alive, live.stalled_s, self._callers.arriving)
 
     async def prefix_summary(self, since: int | None = None) -> PrefixSummary | None:
         return await self._prefixes.prefix_summary(since)
