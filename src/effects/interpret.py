@@ -341,14 +341,15 @@ class EnginePerformer:
                 if ctx.payload is not None:
                     payload, ctx.payload = ctx.payload, None
                     await self.engine.install(rid, payload, ctx.prompt, ctx.first_token, ctx.sampling)
-                elif ctx.kv_pieces is None:
-                    await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling)
-                else:  # asked beside the last pieces' checks: a piece's failure is the prefill node's
+                else:  # a stream's, asked beside its last pieces' checks: their failure is the prefill node's
                     try:
                         await self.engine.install_segments(rid, ctx.prompt, ctx.first_token, ctx.sampling,
                                                            pieces=ctx.kv_pieces)
                     except Exception as exc:
-                        raise from_prefill_node(exc, ctx) from exc
+                        named = from_prefill_node(exc, ctx)
+                        if named is exc:
+                            raise
+                        raise named from exc
                 record = self.handoffs.record(rid)
                 record.install_s, record.installed_at = time.perf_counter() - started, time.time()
                 await post(KvInstalled())
