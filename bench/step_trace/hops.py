@@ -87,10 +87,16 @@ def main() -> None:
     rows: dict[bool, list[list[float | None]]] = {True: [], False: []}
     print("| handoff | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
+    # every read-back tells its step's finished prompts (maybe none): a prompt's handoff is the
+    # last telling before its join, not the earlier steps of a long prompt
+    last_before: dict[float, tuple[float, bool, list[float | None]]] = {}
     for told_at in told:
         streamed, row = hops(calls, told_at)
-        if row[-2] is None:
+        joined = row[-2]
+        if joined is None:
             continue  # no join followed: a warm-up's or a request that ended at its first token
+        last_before[round(told_at + joined / 1000, 6)] = (told_at, streamed, row)
+    for told_at, streamed, row in sorted(last_before.values()):
         rows[streamed].append(row)
         if args.rows:
             print(f"| {'stream' if streamed else 'pull'} {told_at:.3f} | "
