@@ -8,8 +8,11 @@ Each round is one fresh prompt of `--prompt-tokens` tokens (so mlx_lm.server's p
 hits) per workload, sent to every server in turn as a streamed completion of `--max-tokens`
 tokens (`ignore_eos`), the order rotating from round to round; requests never overlap, so the
 servers share the machine alike and a busy box weighs on neighbours of a round alike. `chat`: the
-prompt does not hold the answer. `edit`: the chat prompt, the answer every server gave it, then
-the chat prompt again (the prompt holds the answer, as a code edit's holds most of the new file).
+prompt does not hold the answer. `edit` (a chain model's, as the default and the GPU's targets
+are): the chat prompt's tokens, the chain after its last token, then the chat prompt's tokens
+again, so the prompt holds the answer as a code edit's holds most of the new file; the single
+nodes take it as token ids, mlx_lm.server (text only) as their text, which it encodes anew (a
+random model's text does not encode back to its tokens: its answer may then differ).
 Per request the client stamps the response headers, the first body byte, the first and second
 texts and the end; per server and workload it reports the medians of tokens/s (max_tokens over the
 request's whole time), time to first text, the gap from the first text to the second, the time per
@@ -70,7 +73,7 @@ VARIANTS = {"draft": [], "ngram": ["--speculative", "ngram"], "off": []}  # a dr
 WORKLOADS = ("chat", "edit")
 
 
-def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def one_request(client: httpx.Client, url: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     """One streamed completion, stamped from the moment it is sent: headers, first body byte,
     first and second text, end (seconds); its text."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
@@ -188,18 +191,17 @@ def main(argv: list[str] | None = None) -> int:
                     one_request(client, server.url, maker.make(args.prompt_tokens, rng), 8)
             for round_ in range(args.rounds):
                 chat = maker.make(args.prompt_tokens, rng)
-                answer = None
                 shift = round_ % len(servers)
                 for workload in workloads:
-                    if workload == "edit" and answer is None:  # the chat answer, asked of mlx_lm.server
-                        answer = one_request(client, servers[0].url, chat, args.max_tokens)["text"]
-                    prompt = chat if workload == "chat" else f"{chat}{answer}\n\n{chat}"
+                    ids = None if workload == "chat" else edit_prompt(maker.tokenizer.encode(chat),
+                                                                      args.max_tokens)
                     for server in servers[shift:] + servers[:shift]:
+                        prompt: str | list[int] = chat
+                        if ids is not None:
+                            prompt = maker.tokenizer.decode(ids) if server.name == "mlx_lm" else ids
                         result = one_request(client, server.url, prompt, args.max_tokens)
                         result["round"] = round_
                         results[workload][server.name].append(result)
-                    if workload == "chat":
-                        answer = results[workload]["mlx_lm"][-1]["text"]
                     load = load_average()
                     meta["round_loads"].append({"round": round_, "workload": workload, "load": load})
                     print(f"round {round_ + 1}/{args.rounds} {workload} (load {load}): " + ", ".join(
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:22s} per round: tok/s p50 {row['tok_s_p50']:.3f} (min {row['tok_s_min']:.3f}, "
                   f"{row['rounds_at_least_1']}/{args.rounds} >= 1), TTFT p50 {row['ttft_p50']:.3f}, "
                   f"1st->2nd p50 {row['second_gap_p50']:.3f}")
-        print(f"  same text on every server: {summary[workload]['same_text']}")
+        print(f"  same text on every server: {summary[workload]['same_text']} (statecore's nodes: "
+              f"{summary[workload]['same_text_nodes']})")
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "requests": results},
                                                       indent=2, default=str))
     print(f"results: {args.out / 'results.json'}")
@@ -242,6 +245,14 @@ def chain_models() -> tuple[Path, Path]:
             build_chain_checkpoint(path, hidden_size=hidden, num_layers=layers)
         built.append(path)
     return built[0], built[1]
+
+
+def edit_prompt(chat: list[int], max_tokens: int) -> list[int]:
+    """A prompt that holds its answer, for a chain model: the chat prompt's tokens, the chain after
+    its last token (what the model mostly writes there), then the chat prompt's tokens again."""
+    from support.chain_model import chain
+
+    return [*chat, *chain(chat[-1], max_tokens + 32)[1:], *chat]
 
 
 def pairs_of(names: list[str]) -> list[tuple[str, str]]:
@@ -279,7 +290,9 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "tok_s_each": tok, "rounds_at_least_1": sum(r >= 1 for r in tok),
             "ttft_p50": statistics.median(ttft), "second_gap_p50": statistics.median(gap)}
     texts = [[run["text"] for run in runs] for runs in results.values()]
-    return {"servers": servers, "ratios": ratios, "same_text": all(t == texts[0] for t in texts)}
+    nodes = [[run["text"] for run in runs] for name, runs in results.items() if name != "mlx_lm"]
+    return {"servers": servers, "ratios": ratios, "same_text": all(t == texts[0] for t in texts),
+            "same_text_nodes": all(t == nodes[0] for t in nodes)}
 
 
 if __name__ == "__main__":
