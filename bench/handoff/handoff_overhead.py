@@ -405,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
                                         "samples": [asdict(s) for s in samples],
-                                        "handoff_records": handoff_records}, indent=2) + "\n")
+                                        "handoff_records": handoff_records,
+                                        # each background stream's token arrivals (wall clock; NaN
+                                        # between two of its requests): where a stall fell
+                                        "background_arrivals": background.arrivals if background else []},
+                                       indent=2) + "\n")
     return 0
 
 
