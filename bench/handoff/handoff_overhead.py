@@ -67,6 +67,7 @@ from handoff_http import (
 )
 from tests.e2e.harness import Node
 
+from adapters.heap import freeze_startup_heap
 from support.tiny_models import cached_checkpoint
 
 SETUPS = ("single", "stream", "chained", "pull")
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             background = BackgroundStreams(servers["stream"].url, pool[:32], args.background_streams,
                                            args.background_max_tokens)
             background.start()
+        # this process's own full collections (its imports: ~120,000 objects, ~80 ms a pass on
+        # the CPU box) would stall the clients' threads and read as the streams' gaps
+        freeze_startup_heap()
         samples = measure(args, servers, pool, token, background, handoff_records)
     finally:
         if background is not None:
@@ -405,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
                                         "samples": [asdict(s) for s in samples],
-                                        "handoff_records": handoff_records}, indent=2) + "\n")
+                                        "handoff_records": handoff_records,
+                                        # each background stream's token arrivals (wall clock; NaN
+                                        # between two of its requests): where a stall fell
+                                        "background_arrivals": background.arrivals if background else []},
+                                       indent=2) + "\n")
     return 0
 
 
