@@ -11,7 +11,8 @@ the node API's requests (a cluster's path) join at once, and a request still dec
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,21 @@ class JoinLog(FakeEngine):
         await super().decode_held(request_id, prompt, first_token, sampling)
 
 
-async def test_the_join_waits_for_the_reader_to_take_the_first_token() -> None:
-    log: list[str] = []
+@asynccontextmanager
+async def single_node(log: list[str]) -> AsyncIterator[tuple[JoinLog, EnginePerformer, NodeRunner[Any]]]:
+    """A single node's runner over a `JoinLog` engine, running until the block ends."""
     engine = JoinLog(log)
     performer = EnginePerformer(engine)
     runner = NodeRunner(DECODE_REQUEST, performer)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
+        yield engine, performer, runner
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_join_waits_for_the_reader_to_take_the_first_token() -> None:
+    log: list[str] = []
+    async with single_node(log) as (engine, performer, runner):
         generation = await local_backend(runner, performer).start(
             GenerationRequest(RequestId("r"), (3, 4, 5), SamplingParams(max_tokens=6)))
         replies = aiter(generation)
@@ -59,7 +68,6 @@ async def test_the_join_waits_for_the_reader_to_take_the_first_token() -> None:
         await trio.testing.wait_all_tasks_blocked()  # everything else that could run has run
         assert log == [] and RequestId("r") in engine.held  # the reader holds the first token: no join
         rest = [reply async for reply in replies]  # the reader comes back: the join goes
-        nursery.cancel_scope.cancel()
     assert log == ["join"]
     assert [len(r.tokens) for r in rest if isinstance(r, RespondTokens)] == [1] * 5
     assert isinstance(rest[-1], Complete) and rest[-1].finish_reason == "length"
@@ -68,11 +76,7 @@ async def test_the_join_waits_for_the_reader_to_take_the_first_token() -> None:
 async def test_a_node_api_request_joins_without_waiting_for_its_reader() -> None:
     """The node API's requests (a decode node serving a router's short prompt) join as before."""
     log: list[str] = []
-    engine = JoinLog(log)
-    performer = EnginePerformer(engine)
-    runner = NodeRunner(DECODE_REQUEST, performer)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runner.run)
+    async with single_node(log) as (_, performer, runner):
         rid = RequestId("r")
         sampling = SamplingParams(max_tokens=6)
         generation = await open_generation(runner, rid, 10, NodeRequest((3, 4, 5), sampling),
@@ -81,7 +85,6 @@ async def test_a_node_api_request_joins_without_waiting_for_its_reader() -> None
         first = await anext(aiter(generation))
         assert isinstance(first, RespondTokens)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
     assert log == ["join"]
 
 
@@ -89,9 +92,6 @@ async def test_the_first_token_is_written_before_the_join(bpe_dir: Path) -> None
     """Through the HTTP front end, streamed: the first token's event is written (a body message
     the client receives) before the engine is asked to join the request."""
     log: list[str] = []
-    performer = EnginePerformer(JoinLog(log))
-    runner = NodeRunner(DECODE_REQUEST, performer)
-    app = build_app(Frontend.load(bpe_dir, local_backend(runner, performer)))
     received = False
 
     async def receive() -> dict[str, Any]:
@@ -117,11 +117,10 @@ async def test_the_first_token_is_written_before_the_join(bpe_dir: Path) -> None
         "headers": [(b"content-type", b"application/json"), (b"host", b"node")],
         "client": ("127.0.0.1", 1234), "server": ("127.0.0.1", 8000),
     }
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runner.run)
+    async with single_node(log) as (_, performer, runner):
+        app = build_app(Frontend.load(bpe_dir, local_backend(runner, performer)))
         with trio.fail_after(10):
             await app(scope, receive, send)
-        nursery.cancel_scope.cancel()
     assert "join" in log and log.index("join") > 0, log  # a text event went out before the join
     assert log[0].startswith("text ")
     assert len([entry for entry in log if entry != "join"]) >= 2  # and the stream went on after it
