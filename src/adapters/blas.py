@@ -300,7 +300,7 @@ def apply_blas_choice(choice: BlasChoice, *, may_reexec: bool = True,
         case KeepProcess(blas=blas, note=note):
             threads = blas_threads(len(os.sched_getaffinity(0)), environ) if blas == "openblas" else None
             if threads is not None and may_reexec and set_openblas_threads(threads):
-                log.info("OpenBLAS computes with %d thread(s): a core is left to the node's Python", threads)
+                log.debug("OpenBLAS computes with %d thread(s): a core is left to the node's Python", threads)
             if note:
                 log.warning("%s", note)
             elif blas == "n/a" and choice != "auto":
