@@ -67,6 +67,7 @@ from handoff_http import (
 )
 from tests.e2e.harness import Node
 
+from adapters.heap import freeze_startup_heap
 from support.tiny_models import cached_checkpoint
 
 SETUPS = ("single", "stream", "chained", "pull")
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             background = BackgroundStreams(servers["stream"].url, pool[:32], args.background_streams,
                                            args.background_max_tokens)
             background.start()
+        # this process's own full collections (its imports: ~120,000 objects, ~80 ms a pass on
+        # the CPU box) would stall the clients' threads and read as the streams' gaps
+        freeze_startup_heap()
         samples = measure(args, servers, pool, token, background, handoff_records)
     finally:
         if background is not None:
