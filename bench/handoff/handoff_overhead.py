@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import itertools
 import json
 import os
@@ -392,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             background = BackgroundStreams(servers["stream"].url, pool[:32], args.background_streams,
                                            args.background_max_tokens)
             background.start()
+        # this process's own full collections (its imports: ~120,000 objects, ~80 ms a pass on
+        # the CPU box) would stall the clients' threads and read as the streams' gaps (plain gc,
+        # not adapters.heap: the nodes may run an older src/ that has none)
+        gc.collect()
+        gc.freeze()
         samples = measure(args, servers, pool, token, background, handoff_records)
     finally:
         if background is not None:
@@ -405,7 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
                                         "samples": [asdict(s) for s in samples],
-                                        "handoff_records": handoff_records}, indent=2) + "\n")
+                                        "handoff_records": handoff_records,
+                                        # each background stream's token arrivals (wall clock; NaN
+                                        # between two of its requests): where a stall fell
+                                        "background_arrivals": background.arrivals if background else []},
+                                       indent=2) + "\n")
     return 0
 
 

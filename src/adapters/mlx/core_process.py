@@ -34,6 +34,7 @@ from typing import Any, Final
 import trio
 
 from adapters.blas import blas_in_use
+from adapters.heap import freeze_startup_heap
 from adapters.kv.blocking import run_blocking
 from adapters.kv.shm_inbox import ShmInbox
 from adapters.kv.shm_outbox import DEFAULT_MAX_BYTES, ShmOutbox
@@ -316,6 +317,7 @@ async def serve(sock: socket.socket) -> int:
         sock.sendall(encode([Raised(NO_REPLY, exc.info, EngineStatistics(0, 0, 0, False))]))
         return 1
     server = CoreServer(sock, engine, load.shm_bytes)
+    freeze_startup_heap()  # before its first step: a full collection stalls the device thread
     try:
         server.write_now([Loaded(engine.info, engine.statistics(), blas_in_use())])
         await server.run()

@@ -34,6 +34,7 @@ from adapters.blas import blas_in_use
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.frontend.prompts import TemplateArgsRefused
+from adapters.heap import freeze_startup_heap
 from adapters.http.internal_wire import info_from_json, info_json
 from adapters.http.live_view import LiveView
 from adapters.http.node_api import CORE_PROCESS, DEVICE_THREAD, MAX_INTERNAL_BODY, NodeApi, guarded
@@ -206,6 +207,7 @@ async def _serve(app: Starlette, listener: socket.socket, runner: NodeRunner[Any
     parent = _cluster_parent()
     if parent is not None:
         nursery.start_soon(_watch_parent, runner, parent)
+    log.debug("startup heap frozen: %d objects", freeze_startup_heap())
     await serve(app, config, shutdown_trigger=runner.wait_stopped)  # type: ignore[arg-type]
 
 
