@@ -7,7 +7,9 @@ worst gap, and what does it cost on the realish mix? Setups, the same engine but
 prefill tokens a step, every step), and with --floors one more per multiple (`floors4`: the
 default target at 4 decode steps, a decode node's). With --layer-units, each target setup once
 more with units of whole layers (`-layers`: the model's inner points left unmarked, as before a
-unit could stop inside a layer). Each repetition runs them all, alternating the order.
+unit could stop inside a layer). With --blas-threads N (OpenBLAS preloaded), each target setup once
+more with OpenBLAS on N threads (`-tN`: a node's count, `adapters.blas.blas_threads`), the rest on
+the process's own. Each repetition runs them all, alternating the order.
 
 - burst: --streams greedy streams (64-token prompts, ignore_eos) decode; once each has streamed
   8 tokens, --long-requests prompts of --long-prompt tokens arrive one after another (each sent as
@@ -181,17 +183,35 @@ def burst(model_dir: Path, engine_args: dict[str, Any], streams: int, long_promp
     return trio.run(main)
 
 
+def openblas_threads() -> int | None:
+    """The threads the OpenBLAS in this process computes with (None: none is loaded)."""
+    import ctypes
+
+    try:
+        getter = ctypes.CDLL(None).openblas_get_num_threads
+    except AttributeError:
+        return None
+    getter.restype = ctypes.c_int
+    return int(getter())
+
+
 def measure(args: argparse.Namespace, model: Path, name: str, setup: dict[str, Any], rep: int,
             barrier: Any) -> dict[str, float]:
     """One setup's burst, then its realish run (under --side-by-side, each phase starts with the
     other setups' at a barrier, so that they share the cores through the same phases)."""
     from engine_realish import run as realish
 
+    from adapters.blas import set_openblas_threads
     from adapters.mlx import loop_setup
 
     setup, marked = dict(setup), vars(loop_setup)["mark_inner_points"]
     if setup.pop("whole_layers", False):  # the units of whole layers: no inner point marked
         setattr(loop_setup, "mark_inner_points", lambda model, layers: 0)  # noqa: B010 (a bench's patch)
+    threads, threads_before = setup.pop("blas_threads", None), openblas_threads()
+    if threads is not None:
+        if threads_before is None:
+            raise SystemExit("--blas-threads: no OpenBLAS in this process (LD_PRELOAD it)")
+        set_openblas_threads(threads)
     if barrier is not None:
         barrier.wait()
     measured: dict[str, float] = {}
@@ -206,6 +226,8 @@ def measure(args: argparse.Namespace, model: Path, name: str, setup: dict[str, A
             mix = realish(model, args.concurrency, args.seconds, setup, on_measure=log.steps.clear)
     finally:
         setattr(loop_setup, "mark_inner_points", marked)  # noqa: B010
+        if threads is not None and threads_before is not None:
+            set_openblas_threads(threads_before)
     if args.step_log is not None:
         args.step_log.mkdir(parents=True, exist_ok=True)
         with (args.step_log / f"realish-{rep}-{name}.jsonl").open("w") as out:
@@ -241,6 +263,9 @@ def main() -> None:
                         "floors2,floors4-layers); fixed always runs")
     parser.add_argument("--layer-units", action="store_true", help="also each target setup with units "
                         "of whole layers (`-layers`), as before a unit could stop inside a layer")
+    parser.add_argument("--blas-threads", type=int, default=None, help="also each target setup with "
+                        "OpenBLAS on this many threads (`-tN`; a node's count: adapters.blas.blas_threads), "
+                        "the others on the process's own; needs OpenBLAS preloaded")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--step-log", type=Path, default=None, help="write each realish run's steps "
                         "(StepLog) to DIR/realish-<rep>-<setup>.jsonl and print their summary")
@@ -256,6 +281,9 @@ def main() -> None:
         setups[f"floors{floors}"] = {"step_target_ms": None, "step_target_floors": float(floors)}
     if args.layer_units:
         setups.update({f"{name}-layers": {**setup, "whole_layers": True}
+                       for name, setup in list(setups.items()) if name != "fixed"})
+    if args.blas_threads is not None:
+        setups.update({f"{name}-t{args.blas_threads}": {**setup, "blas_threads": args.blas_threads}
                        for name, setup in list(setups.items()) if name != "fixed"})
     if args.only:
         keep = {"fixed", *args.only.split(",")}

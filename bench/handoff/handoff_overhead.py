@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import itertools
 import json
 import os
@@ -67,7 +68,6 @@ from handoff_http import (
 )
 from tests.e2e.harness import Node
 
-from adapters.heap import freeze_startup_heap
 from support.tiny_models import cached_checkpoint
 
 SETUPS = ("single", "stream", "chained", "pull")
@@ -394,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                                            args.background_max_tokens)
             background.start()
         # this process's own full collections (its imports: ~120,000 objects, ~80 ms a pass on
-        # the CPU box) would stall the clients' threads and read as the streams' gaps
-        freeze_startup_heap()
+        # the CPU box) would stall the clients' threads and read as the streams' gaps (plain gc,
+        # not adapters.heap: the nodes may run an older src/ that has none)
+        gc.collect()
+        gc.freeze()
         samples = measure(args, servers, pool, token, background, handoff_records)
     finally:
         if background is not None:

@@ -5,7 +5,9 @@ OpenBLAS preloaded with `LD_PRELOAD` interposes it and makes prefill ~3-11x fast
 linker reads `LD_PRELOAD` only when a process starts, so `apply_blas_choice` re-executes the
 process (same pid, same command line) with it set, before mlx is imported. The two BLAS differ in
 the last bits of float32 results, so every node of a cluster must use the same one: `blas_in_use`
-names it for /internal/info and for the engine's model fingerprint. Everything but `blas_in_use`
+names it for /internal/info and for the engine's model fingerprint. A node leaves one core to its
+Python threads (`blas_threads`): OpenBLAS's idle workers spin for a while after each call, and
+on a small box they took the core the step's build and the front end needed. Everything but `blas_in_use`
 is plain stdlib and must never import mlx (it runs before mlx loads, and in the router, which
 only needs a tokenizer); `blas_in_use` imports mlx lazily.
 """
@@ -239,6 +241,38 @@ def decide_blas_here(choice: BlasChoice, environ: Mapping[str, str] = os.environ
     )
 
 
+THREAD_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def blas_threads(cores: int, environ: Mapping[str, str]) -> int | None:
+    """How many threads OpenBLAS computes an engine node's matmuls with: one fewer than the `cores`
+    the process may run on, at least one; None where the environment already says (OpenBLAS read
+    it when it loaded). Why: OpenBLAS's idle workers spin (~0.1 s) after each call, and MLX's
+    compute thread calls it all the time, so with as many threads as cores the node's Python (the
+    step's build, the front end) waits for a core: on 2 shared cores the engine alone made
+    1.8-2.8x the tokens/s with one thread (docs/performance.md, "Serving on the CPU"). The count
+    changes the last bits of large matmuls, so the nodes of a cluster need as many cores each as
+    they need the same BLAS."""
+    if any(environ.get(name, "").strip() for name in THREAD_ENVS):
+        return None
+    return max(1, cores - 1)
+
+
+def set_openblas_threads(count: int) -> bool:
+    """Have the OpenBLAS loaded in this process compute with `count` threads, and a child that
+    loads it (an engine core) too; False where no OpenBLAS answers."""
+    import ctypes
+
+    try:
+        setter = ctypes.CDLL(None).openblas_set_num_threads
+    except (AttributeError, OSError):
+        return False
+    setter.argtypes, setter.restype = [ctypes.c_int], None
+    setter(count)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(count)
+    return True
+
+
 def reexec_with_preload(ld_preload: str, argv: Sequence[str] | None = None) -> NoReturn:
     """Replace this process by its own command line (`sys.orig_argv`: interpreter flags, `-m`
     and a launcher script survive) with `LD_PRELOAD` set; the pid stays the same."""
@@ -264,6 +298,9 @@ def apply_blas_choice(choice: BlasChoice, *, may_reexec: bool = True,
     decision = decide_blas_here(choice, environ)
     match decision:
         case KeepProcess(blas=blas, note=note):
+            threads = blas_threads(len(os.sched_getaffinity(0)), environ) if blas == "openblas" else None
+            if threads is not None and may_reexec and set_openblas_threads(threads):
+                log.debug("OpenBLAS computes with %d thread(s): a core is left to the node's Python", threads)
             if note:
                 log.warning("%s", note)
             elif blas == "n/a" and choice != "auto":
@@ -333,11 +370,14 @@ __all__ = [
     "KeepProcess",
     "ReexecProcess",
     "RefuseBlas",
+    "THREAD_ENVS",
     "apply_blas_choice",
     "blas_in_use",
+    "blas_threads",
     "blas_of_process_tree",
     "cpu_blas_applies",
     "decide_blas",
+    "set_openblas_threads",
     "decide_blas_here",
     "default_blas_choice",
     "find_openblas",

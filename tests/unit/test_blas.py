@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +11,13 @@ import pytest
 
 from adapters.blas import (
     INSTALL_HINT,
+    THREAD_ENVS,
     BlasChoice,
     BlasDecision,
     KeepProcess,
     ReexecProcess,
     RefuseBlas,
+    blas_threads,
     decide_blas,
     default_blas_choice,
     is_system_openblas,
@@ -125,3 +128,32 @@ def test_the_cli_reaches_the_blas_step_before_mlx_loads() -> None:
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(("cores", "environ", "threads"), [
+    (2, {}, 1),  # the CPU box: the node's Python keeps a core
+    (1, {}, 1),  # a node pinned to one core: never zero
+    (16, {}, 15),
+    (2, {"OPENBLAS_NUM_THREADS": "2"}, None),  # the user's count, read by OpenBLAS at load, stands
+    (2, {"OMP_NUM_THREADS": "4"}, None),
+    (2, {"GOTO_NUM_THREADS": "1"}, None),
+    (2, {"OPENBLAS_NUM_THREADS": " "}, 1),  # an empty setting says nothing
+])
+def test_blas_threads(cores: int, environ: dict[str, str], threads: int | None) -> None:
+    assert blas_threads(cores, environ) == threads
+
+
+@pytest.mark.skipif(not LIB.exists(), reason="needs the system OpenBLAS (apt-get install libopenblas0)")
+def test_a_node_sets_openblas_threads_and_its_children_inherit_them() -> None:
+    # In a process with OpenBLAS preloaded (as a node runs), the choice sets the threads it computes
+    # with, and a child that loads OpenBLAS (an engine core) starts with as many.
+    probe = ("import ctypes, os, subprocess, sys; from adapters.blas import apply_blas_choice; "
+             "assert apply_blas_choice('auto') == 'openblas'; "
+             "get = 'import ctypes; print(ctypes.CDLL(None).openblas_get_num_threads())'; "
+             "child = subprocess.run([sys.executable, '-c', get], capture_output=True, text=True); "
+             "print(ctypes.CDLL(None).openblas_get_num_threads(), child.stdout.strip())")
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENVS}
+    env["LD_PRELOAD"] = str(LIB)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    expected = blas_threads(len(os.sched_getaffinity(0)), {})
+    assert out.stdout.split() == [str(expected), str(expected)], out.stderr

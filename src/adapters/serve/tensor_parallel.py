@@ -103,6 +103,7 @@ def _pipeline_refusal(args: argparse.Namespace) -> str | None:
 
 
 def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
+    from adapters.heap import freeze_startup_heap
     from adapters.mlx import MlxEngine
     from adapters.mlx.distributed import PARENT_ENV, watch_follower
     from adapters.serve.flags import demo_model_dir
@@ -115,6 +116,7 @@ def _follow(args: argparse.Namespace, role: str, tensor: TensorGroup) -> int:
     parent = os.environ.get(PARENT_ENV)
     model = args.model or demo_model_dir()
     engine = trio.run(partial(MlxEngine.load, model, **engine_options(args, role), tensor=tensor))
+    freeze_startup_heap()  # a full collection would stall its device thread, and so every rank's step
     code = watch_follower(engine.follower_loop, engine.device_thread, args.stall_timeout,
                           int(parent) if parent and parent.isdigit() else None)
     log.log(logging.INFO if code == 0 else logging.ERROR, "rank %d exiting %d", tensor.rank, code)
