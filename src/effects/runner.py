@@ -15,8 +15,11 @@ its own. Only
 the live view) is an `Instrument` in its `instruments`, told of each transition, event, piece
 of work and reply read, never a wrapper around the performer or the backend. Requests come in
 through one door, `open_generation` (the loop's admission, then `open`), for the front end's
-backend (`RunnerBackend`) and the node API alike, and are read as a `RunnerGeneration`. This module may import
-`statecore` and trio; never httpx, mlx or mlx_lm.
+backend (`RunnerBackend`) and the node API alike, and are read as a `RunnerGeneration`. A front end's
+request of one choice joins the decoder (`InstallKv`) only once its reader comes back for more after the
+first token (`RequestEntry.first_read`): the token's write then never shares the interpreter with the
+join and the first decode step's build on the engine's thread. This module may import `statecore` and
+trio; never httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -218,6 +221,9 @@ class RequestEntry:
         self.context = context
         self.work: set[trio.CancelScope] = set()
         self.timer: trio.CancelScope | None = None
+        # set once its reader, having taken the first token, waits for more: its `InstallKv`
+        # (the join) waits for it; None: it joins at once (the node API's and grouped choices)
+        self.first_read: trio.Event | None = None
 
 
 class RequestEntries:
@@ -346,6 +352,21 @@ class NodeRunner(Generic[P]):
         receive = self._entries.open(request_id, capacity, context)
         await self._send.send(OpenRequest(request_id))
         return receive
+
+    def join_after_first_read(self, request_id: RequestId) -> None:
+        """The request's `InstallKv` waits until its reader, having taken the first token, comes
+        back for more (`first_token_read`): on one host the first token's write then goes out
+        before the join and the next step's build take the interpreter. Asked before its first
+        event is posted."""
+        held = self._entries.get(request_id)
+        if held is not None:
+            held.first_read = trio.Event()
+
+    def first_token_read(self, request_id: RequestId) -> None:
+        """The request's reader took its first token and waits for more: its join may go."""
+        held = self._entries.get(request_id)
+        if held is not None and held.first_read is not None:
+            held.first_read.set()
 
     async def post(self, request_id: RequestId, event: Event) -> None:
         envelope = ForRequest(request_id, event)
@@ -504,6 +525,8 @@ class NodeRunner(Generic[P]):
 
         async def work() -> None:
             with scope:
+                if isinstance(intent, InstallKv) and held.first_read is not None:
+                    await held.first_read.wait()
                 self.instruments.work_started(intent, held.context)
                 try:
                     await self.performer.work(intent, held.context, post)
@@ -611,6 +634,8 @@ class RunnerGeneration:
         # the runner drops its entry when the request ends, maybe before this is read
         self.context = context
         self._ended = False  # the last output (an end or an error) was given
+        self._first_out = False  # its first token was given: the next wait for more says so once
+        self._told_first = False
 
     @property
     def cached_tokens(self) -> int:
@@ -619,6 +644,10 @@ class RunnerGeneration:
     async def __aiter__(self) -> AsyncIterator[Reply]:
         async with self.replies:
             while not self._ended:
+                if self._first_out and not self._told_first:
+                    # the reader is done with the first token (its write returned): the join may go
+                    self._told_first = True
+                    self.runner.first_token_read(self.request_id)
                 try:
                     reply = await self.replies.receive()
                 except trio.EndOfChannel:
@@ -641,6 +670,7 @@ class RunnerGeneration:
         match reply:
             case RespondTokens(tokens=tokens):
                 generated = len(tokens)
+                self._first_out = True
             case Complete(ending_tokens=ending):
                 generated = ending
             case Reject():
@@ -734,6 +764,8 @@ class RunnerBackend:
         except StatecoreError as exc:
             self.runner.instruments.generation_refused(exc.info)
             raise
+        if request.sampling.choices == 1:  # a grouped choice's join waits for its siblings' instead
+            self.runner.join_after_first_read(request.request_id)
         self.runner.instruments.generation_started(request.request_id, len(request.prompt))
         await self.runner.post(request.request_id, first_event)
         return generation

@@ -222,7 +222,9 @@ async def test_a_request_cancelled_between_its_first_verify_step_and_its_decode_
     covers the drafts that stood): cancelled then, or handed off and released, nothing of it stays,
     and the next requests decode as without speculation."""
     plain = await load_engine(chain_dir, prefill_chunk_size=16)
-    drafted = await load_engine(chain_dir, prefill_chunk_size=16, draft_model=draft_dir, num_draft_tokens=3)
+    # two rows may speculate: the second prompt's last call drafts beside the first one held
+    drafted = await load_engine(chain_dir, prefill_chunk_size=16, draft_model=draft_dir, num_draft_tokens=3,
+                                speculative_max_rows=2)
     try:
         prompt = ends_in_chain(90, 4)
         await drafted.prefill(RequestId("c"), prompt, GREEDY)
@@ -238,6 +240,30 @@ async def test_a_request_cancelled_between_its_first_verify_step_and_its_decode_
         assert not drafted._device.draft_model.rows  # type: ignore[union-attr]
         assert stats.speculative_emitted == 2  # the two first tokens; the drafts that stood never went out
         assert await single(drafted, "d", prompt, GREEDY) == await single(plain, "p", prompt, GREEDY)
+    finally:
+        await close_engine(drafted)
+        await close_engine(plain)
+
+
+async def test_a_prompt_beside_a_held_one_drafts_nothing_and_both_decode_as_without(
+        chain_dir: Path, draft_dir: Path) -> None:
+    """A prompt's last call carries drafts only where its request is all the loop knows (one row
+    speculates): a second prompt prefilled while the first is held (its first token not yet
+    written, or its join not yet asked) goes alone, and both decode the tokens they decode without
+    speculation."""
+    plain = await load_engine(chain_dir, prefill_chunk_size=16)
+    drafted = await load_engine(chain_dir, prefill_chunk_size=16, draft_model=draft_dir, num_draft_tokens=3)
+    try:
+        prompt = ends_in_chain(90, 4)
+        first = await drafted.prefill(RequestId("a"), prompt, GREEDY)
+        assert drafted.statistics().speculative_steps == 1  # alone: its last call drafted
+        second = await drafted.prefill(RequestId("b"), prompt, GREEDY)
+        assert drafted.statistics().speculative_steps == 1  # beside a held one: none
+        expected = await single(plain, "p", prompt, GREEDY)
+        for rid, outcome in (("a", first), ("b", second)):
+            await drafted.decode_held(RequestId(rid), prompt, outcome.first_token, GREEDY)
+        for rid, outcome in (("a", first), ("b", second)):
+            assert [outcome.first_token, *await sent_tokens(drafted.stream(RequestId(rid)))] == expected
     finally:
         await close_engine(drafted)
         await close_engine(plain)

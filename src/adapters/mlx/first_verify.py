@@ -36,7 +36,10 @@ def first_verify(speculator: Speculator | None, loop: SpeculationHost) -> FirstV
 
 class FirstVerify:
     """A prompt's last call as its request's first verify step (`adapters.mlx.prefill.LastCallDrafts`):
-    it carries drafts where the request will speculate, as a lone row would in a verify step."""
+    it carries drafts where the request will speculate, as a lone row would in a verify step: where
+    the loop knows no more requests than speculate together (`max_rows`, this one counted), not
+    only decoding ones, since prompts prefilled beside it, or held until their first token is
+    written (`effects.runner.NodeRunner.join_after_first_read`), join the decoder with it."""
 
     def __init__(self, speculator: Speculator, loop: SpeculationHost) -> None:
         self.speculator = speculator
@@ -49,7 +52,7 @@ class FirstVerify:
         if (task.segment_sink is not None or len(task.tokens) < 2 or task.cache is None
                 or sampler.constraint is not None or sampling.shapes_logits or sampling.logprobs is not None
                 or sampling.adapter is not None or sampling.choices > 1
-                or len(loop.live) >= speculator.max_rows or loop.gathering
+                or len(loop.requests) > speculator.max_rows or loop.gathering
                 or not all(type(layer) is KVCache for layer in task.cache)):
             return None
         asked = sampling.num_draft_tokens
