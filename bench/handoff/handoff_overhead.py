@@ -66,6 +66,8 @@ from handoff_http import (
     stall_steps,
     wait_healthy,
 )
+from hop_gaps import by_hop, node_hops
+from hop_gaps import table as hop_table
 from tests.e2e.harness import Node
 
 from support.tiny_models import cached_checkpoint
@@ -186,11 +188,12 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
 
 
 def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
-            background: BackgroundStreams | None, handoff_records: dict[str, Any]) -> list[Sample]:
-    """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`."""
+            background: BackgroundStreams | None, handoff_records: dict[str, Any],
+            windows: dict[str, tuple[float, float]]) -> list[Sample]:
+    """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`,
+    each handoff's window (prefill done -> a second after the join) into `windows`."""
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
-    windows: dict[str, tuple[float, float]] = {}
     texts: dict[str, str] = {}
     offset = 0
     with httpx.Client(timeout=args.request_timeout) as client:
@@ -250,6 +253,30 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                                  "stall_joined_steps": joined_stall(gaps, windows[s.request_id])})
                        for s in samples]
     return samples
+
+
+def token_times(node: Node, token: str, since: float) -> dict[str, Any]:
+    """The node's `GET /internal/token_times?since=` body ({} from a node too old to have it)."""
+    response = httpx.get(f"{node.url}/internal/token_times", params={"since": since},
+                         headers={"X-Statecore-Token": token}, timeout=60)
+    return response.json() if response.status_code == 200 else {}
+
+
+def hop_figures(servers: dict[str, Node], token: str, background: BackgroundStreams,
+                windows: dict[str, tuple[float, float]], since: float) -> dict[str, Any]:
+    """The background streams' gaps at each hop (`hop_gaps`): the decode node's loop and writer,
+    the stream router's loop and writer, the client; inside and outside the handoff windows."""
+    decode = token_times(servers["decode"], token, since)
+    router = token_times(servers["stream"], token, since)
+    if not decode or not router:
+        print("# a node has no /internal/token_times (an older src/): no per-hop gaps")
+        return {}
+    client = {rid: list(times) for rid, times in background.by_request.items()}
+    oldest = min((t[0] for t in decode.get("applied", {}).values() if t), default=since)
+    if oldest > since + 60:
+        print(f"# the decode node's ring starts {oldest - since:.0f} s into the run: the earliest gaps are "
+              "missing from the per-hop figures")
+    return by_hop(node_hops(decode, router, client, client), list(windows.values()))
 
 
 def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float | None:
@@ -387,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Node] = {}
     background: BackgroundStreams | None = None
     handoff_records: dict[str, Any] = {}
+    windows: dict[str, tuple[float, float]] = {}
+    hops: dict[str, Any] = {}
     try:
         servers = start(model, logs, token, args)
         if args.background_streams:
@@ -398,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         # not adapters.heap: the nodes may run an older src/ that has none)
         gc.collect()
         gc.freeze()
-        samples = measure(args, servers, pool, token, background, handoff_records)
+        since = time.time()
+        samples = measure(args, servers, pool, token, background, handoff_records, windows)
+        if background is not None:
+            hops = hop_figures(servers, token, background, windows, since)
     finally:
         if background is not None:
             background.stop()
@@ -406,12 +438,18 @@ def main(argv: list[str] | None = None) -> int:
             node.stop()
     summary = summarize(samples)
     print_table(summary)
+    if hops:
+        print("\nthe background streams' gaps per hop, in the decode engine's step "
+              "(GET /internal/token_times; in = overlapping a handoff window, prefill done -> joined + 1 s):")
+        print(hop_table(hops))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
                                         "samples": [asdict(s) for s in samples],
                                         "handoff_records": handoff_records,
+                                        # the streams' gaps per hop (bench/handoff/hop_gaps.py)
+                                        "hops": hops, "windows": windows,
                                         # each background stream's token arrivals (wall clock; NaN
                                         # between two of its requests): where a stall fell
                                         "background_arrivals": background.arrivals if background else []},
