@@ -99,6 +99,11 @@ class Sample:
     # node, and the install (`Engine.install_segments`: queueing on the device thread included)
     reach_s: float | None = None
     install_s: float | None = None
+    # a pull's parts: the prefill node's export (device-thread queueing included), the decode
+    # node's GET to the response head (the export inside it) and head to the last byte
+    encode_s: float | None = None
+    first_byte_s: float | None = None
+    body_s: float | None = None
 
     @property
     def gap_steps(self) -> float:
@@ -112,6 +117,16 @@ def pin(node: Node, cores: str | None) -> None:
     for task in Path(f"/proc/{node.process.pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
             os.sched_setaffinity(int(task.name), parse_cpus(cores))
+
+
+def renice(node: Node, nice: int) -> None:
+    """Every thread of the node's process at `nice` (Linux keeps a nice value per thread; threads
+    it starts later inherit their starter's)."""
+    if not nice or node.process is None:
+        return
+    for task in Path(f"/proc/{node.process.pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
 def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
@@ -144,8 +159,10 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
                                    logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
     for i, node in enumerate(engines.values()):
+        renice(node, args.engine_nice)
         wait_healthy(node, args.startup_timeout)
         pin(node, cpus[i])  # and the threads it started meanwhile
+        renice(node, args.engine_nice)
     routers: dict[str, Node] = {}
     for setup, mode in HANDOFF_MODES.items():
         routers[setup] = Node("router", ["--model", str(model), "--internal-token", token,
@@ -240,7 +257,8 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
             sample = Sample(setup, tokens, rid, ttft, sample.second_gap_s, step,
                             prefill_s=float(out["prefill_s"]), overhead_s=joined - done,
                             overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"),
-                            reach_s=reached, install_s=into.get("install_s"))
+                            reach_s=reached, install_s=into.get("install_s"), encode_s=out.get("encode_s"),
+                            first_byte_s=into.get("first_byte_s"), body_s=into.get("body_s"))
         samples.append(sample)
     if background is not None and gaps:
         busy = list(windows.values())
@@ -317,6 +335,15 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                     "overlap": med(s.overlap or 0.0 for s in some),
                     "reach_ms": _median_ms(s.reach_s for s in some),
                     "install_ms": _median_ms(s.install_s for s in some),
+                    "encode_ms": _median_ms(s.encode_s for s in some),
+                    "first_byte_ms": _median_ms(s.first_byte_s for s in some),
+                    "body_ms": _median_ms(s.body_s for s in some),
+                    # the overhead less the GET and the install: the first token's way to the
+                    # router and the decode node, the decode node's admission, the waits between
+                    "relay_ms": _median_ms(None if s.first_byte_s is None or s.body_s is None
+                                           or s.install_s is None or s.overhead_s is None
+                                           else s.overhead_s - s.first_byte_s - s.body_s - s.install_s
+                                           for s in some),
                     "node_gap_ms": med(s.node_gap_s for s in some if s.node_gap_s is not None) * 1e3
                     if any(s.node_gap_s is not None for s in some) else None,
                     "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
@@ -358,6 +385,15 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"| {m['step_ms']:.1f} "
                   f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} "
                   f"| {_cell(m, 'stall_joined_steps_max', '.2f')} |")
+    for tokens, row in summary.items():
+        pull = row.get("pull")
+        if pull and pull.get("first_byte_ms") is not None:
+            print(f"\npull, {tokens} tokens, medians (ms): overhead {pull['overhead_ms']:.1f} = GET to "
+                  f"its head {pull['first_byte_ms']:.1f} (the export {_cell(pull, 'encode_ms', '.1f')} in "
+                  f"it) + body "
+                  f"{pull['body_ms']:.1f} + install {_cell(pull, 'install_ms', '.1f')} + the rest "
+                  f"{_cell(pull, 'relay_ms', '.1f')} (the first token to the router and on to the decode "
+                  "node, its admission, the waits between)")
     print(f"\ntargets: overhead / prefill <= {OVERHEAD_TARGET} at >= 2,000 tokens; 1st->2nd <= "
           f"{GAP_TARGET_STEPS:g} steps; TTFT / single <= {TTFT_TARGET} (concurrency 1)")
 
@@ -379,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the routers' and the clients' cores (default: the prefill node's, idle "
                              "once its prefill is done; but a pull's export, or the last pieces' "
                              "copy, runs there in the window)")
+    parser.add_argument("--engine-nice", type=int, default=0, metavar="N",
+                        help="every engine node's threads at this nice value (the routers and the "
+                             "clients stay at 0): whether the streams' delivery on a shared core "
+                             "needs the front end ahead of the engines")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
     parser.add_argument("--decode-arg", action="append", default=[],
                         help="extra flag for the decode node only, after --node-arg's (e.g. a KV "
@@ -409,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
     print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
           f"cpus {args.cpus} (routers, clients {args.clients_cpus or (args.cpus or [None])[0]}) "
-          f"gpus {args.gpus}")
+          f"gpus {args.gpus}; engine nodes at nice {args.engine_nice}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
     servers: dict[str, Node] = {}
     background: BackgroundStreams | None = None
