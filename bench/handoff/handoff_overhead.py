@@ -66,7 +66,7 @@ from handoff_http import (
     stall_steps,
     wait_healthy,
 )
-from hop_gaps import by_hop, node_hops
+from hop_gaps import by_hop, node_hops, within
 from hop_gaps import table as hop_table
 from tests.e2e.harness import Node
 
@@ -119,10 +119,10 @@ def pin(node: Node, cores: str | None) -> None:
             os.sched_setaffinity(int(task.name), parse_cpus(cores))
 
 
-def renice(node: Node, nice: int) -> None:
+def renice(node: Node, nice: int, *, force: bool = False) -> None:
     """Every thread of the node's process at `nice` (Linux keeps a nice value per thread; threads
-    it starts later inherit their starter's)."""
-    if not nice or node.process is None:
+    it starts later inherit their starter's); 0 leaves it as it is unless `force`."""
+    if (not nice and not force) or node.process is None:
         return
     for task in Path(f"/proc/{node.process.pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -206,9 +206,11 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
 
 def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
             background: BackgroundStreams | None, handoff_records: dict[str, Any],
-            windows: dict[str, tuple[float, float]]) -> list[Sample]:
+            windows: dict[str, tuple[float, float]], spans: dict[int, list[tuple[float, float]]]
+            ) -> list[Sample]:
     """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`,
-    each handoff's window (prefill done -> a second after the join) into `windows`."""
+    each handoff's window (prefill done -> a second after the join) into `windows`, each round's
+    span (wall clock) into `spans` by the engine nodes' nice value in it."""
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
     texts: dict[str, str] = {}
@@ -222,6 +224,11 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                      args.max_tokens)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
+            alternate = args.engine_nice_alternate
+            nice = alternate if alternate and round_ % 2 else args.engine_nice
+            for role in ("prefill", "decode", "single"):
+                renice(servers[role], nice, force=bool(args.engine_nice_alternate))
+            began = time.time()
             for tokens in args.lengths:
                 offset += 1
                 # fresh per round, the same for each setup; drawn from the corpus's ids at random, not
@@ -232,6 +239,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                     url = servers["single" if setup == "single" else setup].url
                     ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts)
                     pending.append((setup, tokens, rid, ttft, arrivals))
+            spans.setdefault(nice, []).append((began, time.time()))
         sent = records(client, servers["prefill"], token)
         got = records(client, servers["decode"], token)
     handoff_records.update(prefill=sent, decode=got)
@@ -280,10 +288,10 @@ def token_times(node: Node, token: str, since: float) -> dict[str, Any]:
     return response.json() if response.status_code == 200 else {}
 
 
-def hop_figures(servers: dict[str, Node], token: str, background: BackgroundStreams,
-                windows: dict[str, tuple[float, float]], since: float) -> dict[str, Any]:
-    """The background streams' gaps at each hop (`hop_gaps`): the decode node's loop and writer,
-    the stream router's loop and writer, the client; inside and outside the handoff windows."""
+def hop_times(servers: dict[str, Node], token: str, background: BackgroundStreams,
+              since: float) -> dict[str, dict[str, list[float]]]:
+    """The background streams' tokens at each hop (`hop_gaps.node_hops`): the decode node's loop
+    and writer, the stream router's loop and writer, the client."""
     decode = token_times(servers["decode"], token, since)
     router = token_times(servers["stream"], token, since)
     if not decode or not router:
@@ -294,7 +302,7 @@ def hop_figures(servers: dict[str, Node], token: str, background: BackgroundStre
     if oldest > since + 60:
         print(f"# the decode node's ring starts {oldest - since:.0f} s into the run: the earliest gaps are "
               "missing from the per-hop figures")
-    return by_hop(node_hops(decode, router, client, client), list(windows.values()))
+    return node_hops(decode, router, client, client)
 
 
 def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float | None:
@@ -419,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every engine node's threads at this nice value (the routers and the "
                              "clients stay at 0): whether the streams' delivery on a shared core "
                              "needs the front end ahead of the engines")
+    parser.add_argument("--engine-nice-alternate", type=int, default=0, metavar="N",
+                        help="odd rounds with the engine nodes at nice N, even ones at --engine-nice: "
+                             "the per-hop gaps for each, in one run (give an even --rounds)")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
     parser.add_argument("--decode-arg", action="append", default=[],
                         help="extra flag for the decode node only, after --node-arg's (e.g. a KV "
@@ -455,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     background: BackgroundStreams | None = None
     handoff_records: dict[str, Any] = {}
     windows: dict[str, tuple[float, float]] = {}
-    hops: dict[str, Any] = {}
+    hops: dict[str, Any] = {}  # by the engine nodes' nice value
+    spans: dict[int, list[tuple[float, float]]] = {}
     try:
         servers = start(model, logs, token, args)
         if args.background_streams:
@@ -468,9 +480,14 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         since = time.time()
-        samples = measure(args, servers, pool, token, background, handoff_records, windows)
+        samples = measure(args, servers, pool, token, background, handoff_records, windows, spans)
         if background is not None:
-            hops = hop_figures(servers, token, background, windows, since)
+            times = hop_times(servers, token, background, since)
+            # per nice value of the engine nodes when they alternate, else the whole run
+            for nice, stretches in spans.items() if len(spans) > 1 else [(args.engine_nice, [])]:
+                rows = by_hop(within(times, stretches) if stretches else times, list(windows.values()))
+                if rows:
+                    hops[str(nice)] = rows
     finally:
         if background is not None:
             background.stop()
@@ -478,10 +495,11 @@ def main(argv: list[str] | None = None) -> int:
             node.stop()
     summary = summarize(samples)
     print_table(summary)
-    if hops:
-        print("\nthe background streams' gaps per hop, in the decode engine's step "
-              "(GET /internal/token_times; in = overlapping a handoff window, prefill done -> joined + 1 s):")
-        print(hop_table(hops))
+    for nice, rows in hops.items():
+        print(f"\nthe background streams' gaps per hop, engine nodes at nice {nice}, in the decode "
+              "engine's step (GET /internal/token_times; in = overlapping a handoff window, prefill done "
+              "-> joined + 1 s):")
+        print(hop_table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
@@ -489,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "samples": [asdict(s) for s in samples],
                                         "handoff_records": handoff_records,
                                         # the streams' gaps per hop (bench/handoff/hop_gaps.py)
-                                        "hops": hops, "windows": windows,
+                                        "hops": hops, "windows": windows, "spans": spans,
                                         # each background stream's token arrivals (wall clock; NaN
                                         # between two of its requests): where a stall fell
                                         "background_arrivals": background.arrivals if background else []},

@@ -115,6 +115,22 @@ def node_hops(decode: Mapping[str, Mapping[str, Sequence[float]]],
     return out
 
 
+def within(hops: Mapping[str, Mapping[str, Sequence[float]]], spans: Sequence[Window]
+           ) -> dict[str, dict[str, list[float]]]:
+    """The hops' moments that lie in one of `spans` (time stretches, e.g. the rounds run at one
+    setting): a gap then joins two tokens of one stretch, never two stretches."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for hop, times in hops.items():
+        kept: dict[str, list[float]] = {}
+        for rid, moments in times.items():
+            for i, (start, end) in enumerate(spans):
+                inside = [t for t in moments if start <= t <= end]
+                if inside:
+                    kept[f"{rid}@{i}"] = inside
+        out[hop] = kept
+    return out
+
+
 def table(rows: Mapping[str, Mapping[str, float | int | None]]) -> str:
     """The figures as a markdown table, one row per hop."""
 

@@ -78,3 +78,11 @@ def test_node_hops_drop_the_prefills_first_token_where_it_is_written() -> None:
     assert hops == {"decode applied": {"r": [2.0, 3.0]}, "decode read": {"r": [2.1, 3.1]},
                     "router applied": {"r": [2.2, 3.2]}, "router read": {"r": [2.3, 3.3]},
                     "client": {"r": [2.4, 3.4]}}
+
+
+def test_within_keeps_each_stretch_apart() -> None:
+    hops = {"client": {"r": [1.0, 2.0, 3.0, 7.0, 8.0, 12.0]}}
+    kept = hop_gaps.within(hops, [(0.0, 2.5), (6.0, 9.0)])
+    assert kept == {"client": {"r@0": [1.0, 2.0], "r@1": [7.0, 8.0]}}
+    # the 5 s between the stretches is no gap of either
+    assert max(b - a for a, b in hop_gaps.gaps_of(kept["client"])) == 1.0
