@@ -119,6 +119,17 @@ def pin(node: Node, cores: str | None) -> None:
             os.sched_setaffinity(int(task.name), parse_cpus(cores))
 
 
+def beside_clients(args: argparse.Namespace) -> list[str]:
+    """The engine nodes that share a core with the routers and the clients (all of them when
+    unpinned): those --engine-nice puts behind them. A node on cores of its own keeps nice 0: on a
+    shared box a lower priority would lend its core to other people's processes."""
+    if args.cpus is None:
+        return ["prefill", "decode", "single"]
+    clients = parse_cpus(args.clients_cpus or args.cpus[0])
+    return [role for role, cores in zip(("prefill", "decode", "single"), args.cpus, strict=True)
+            if parse_cpus(cores) & clients]
+
+
 def renice(node: Node, nice: int, *, force: bool = False) -> None:
     """Every thread of the node's process at `nice` (Linux keeps a nice value per thread; threads
     it starts later inherit their starter's); 0 leaves it as it is unless `force`."""
@@ -158,11 +169,12 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
     engines = {role: start_on(Node(role, [*common, *(args.decode_arg if role == "decode" else [])],
                                    logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
-    for i, node in enumerate(engines.values()):
-        renice(node, args.engine_nice)
+    for i, (role, node) in enumerate(engines.items()):
+        nice = args.engine_nice if role in beside_clients(args) else 0
+        renice(node, nice)
         wait_healthy(node, args.startup_timeout)
         pin(node, cpus[i])  # and the threads it started meanwhile
-        renice(node, args.engine_nice)
+        renice(node, nice)
     routers: dict[str, Node] = {}
     for setup, mode in HANDOFF_MODES.items():
         routers[setup] = Node("router", ["--model", str(model), "--internal-token", token,
@@ -226,7 +238,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
             alternate = args.engine_nice_alternate
             nice = alternate if alternate and round_ % 2 else args.engine_nice
-            for role in ("prefill", "decode", "single"):
+            for role in beside_clients(args):
                 renice(servers[role], nice, force=bool(args.engine_nice_alternate))
             began = time.time()
             for tokens in args.lengths:
@@ -424,9 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                              "once its prefill is done; but a pull's export, or the last pieces' "
                              "copy, runs there in the window)")
     parser.add_argument("--engine-nice", type=int, default=0, metavar="N",
-                        help="every engine node's threads at this nice value (the routers and the "
-                             "clients stay at 0): whether the streams' delivery on a shared core "
-                             "needs the front end ahead of the engines")
+                        help="the threads of the engine nodes on the routers' and the clients' cores "
+                             "at this nice value (they stay at 0): whether the streams' delivery on "
+                             "a shared core needs the front end ahead of the engines")
     parser.add_argument("--engine-nice-alternate", type=int, default=0, metavar="N",
                         help="odd rounds with the engine nodes at nice N, even ones at --engine-nice: "
                              "the per-hop gaps for each, in one run (give an even --rounds)")
