@@ -192,12 +192,14 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
 
 
 def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
-             max_tokens: int, texts: dict[str, str] | None = None) -> tuple[float, list[float]]:
+             max_tokens: int, texts: dict[str, str] | None = None,
+             waits: list[tuple[float, float]] | None = None) -> tuple[float, list[float]]:
     """(seconds to the first token, every token's arrival after the request was sent); the
-    streamed text into `texts[request_id]`."""
+    streamed text into `texts[request_id]`, the wait for its first token (wall clock: its prefill,
+    on the routers' and clients' core with the default pinning) into `waits`."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
-    sent = time.perf_counter()
+    sent, sent_wall = time.perf_counter(), time.time()
     arrivals: list[float] = []
     pieces: list[str] = []
     with client.stream("POST", f"{url}/v1/completions", json=body,
@@ -211,6 +213,8 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
                 pieces.extend(choice.get("text", "") for choice in json.loads(line[5:])["choices"])
     if texts is not None:
         texts[request_id] = "".join(pieces)
+    if waits is not None and arrivals:
+        waits.append((sent_wall, sent_wall + arrivals[0]))
     if len(arrivals) < 4:
         raise SystemExit(f"{request_id}: {len(arrivals)} tokens streamed; ask for more (--max-tokens)")
     return arrivals[0], arrivals
@@ -218,11 +222,12 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
 
 def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
             background: BackgroundStreams | None, handoff_records: dict[str, Any],
-            windows: dict[str, tuple[float, float]], spans: dict[int, list[tuple[float, float]]]
-            ) -> list[Sample]:
+            windows: dict[str, tuple[float, float]], spans: dict[int, list[tuple[float, float]]],
+            waits: list[tuple[float, float]]) -> list[Sample]:
     """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`,
     each handoff's window (prefill done -> a second after the join) into `windows`, each round's
-    span (wall clock) into `spans` by the engine nodes' nice value in it."""
+    span (wall clock) into `spans` by the engine nodes' nice value in it, each prompt's wait for
+    its first token (warm-ups too) into `waits`."""
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
     texts: dict[str, str] = {}
@@ -233,7 +238,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
         for warm, tokens in itertools.product(SETUPS, args.lengths):
             url = servers["single" if warm == "single" else warm].url
             streamed(client, url, f"warm-{warm}-{tokens}", random.Random(-tokens).choices(pool, k=tokens),
-                     args.max_tokens)
+                     args.max_tokens, waits=waits)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
             alternate = args.engine_nice_alternate
@@ -249,7 +254,7 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                 for setup in order:
                     rid = f"{setup}-{tokens}-{round_}"
                     url = servers["single" if setup == "single" else setup].url
-                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts)
+                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts, waits)
                     pending.append((setup, tokens, rid, ttft, arrivals))
             spans.setdefault(nice, []).append((began, time.time()))
         sent = records(client, servers["prefill"], token)
@@ -480,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     windows: dict[str, tuple[float, float]] = {}
     hops: dict[str, Any] = {}  # by the engine nodes' nice value
     spans: dict[int, list[tuple[float, float]]] = {}
+    waits: list[tuple[float, float]] = []  # each prompt's prefill (and handoff): sent -> first token
+    hop_moments: dict[str, dict[str, list[float]]] = {}  # the background streams' tokens at each hop
     try:
         servers = start(model, logs, token, args)
         if args.background_streams:
@@ -492,12 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         since = time.time()
-        samples = measure(args, servers, pool, token, background, handoff_records, windows, spans)
+        samples = measure(args, servers, pool, token, background, handoff_records, windows, spans, waits)
         if background is not None:
             times = hop_times(servers, token, background, since)
+            hop_moments.update(times)
             # per nice value of the engine nodes when they alternate, else the whole run
             for nice, stretches in spans.items() if len(spans) > 1 else [(args.engine_nice, [])]:
-                rows = by_hop(within(times, stretches) if stretches else times, list(windows.values()))
+                rows = by_hop(within(times, stretches) if stretches else times, list(windows.values()),
+                              waits)
                 if rows:
                     hops[str(nice)] = rows
     finally:
@@ -519,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "samples": [asdict(s) for s in samples],
                                         "handoff_records": handoff_records,
                                         # the streams' gaps per hop (bench/handoff/hop_gaps.py)
-                                        "hops": hops, "windows": windows, "spans": spans,
+                                        "hops": hops, "windows": windows, "spans": spans, "waits": waits,
+                                        "hop_moments": hop_moments,
                                         # each background stream's token arrivals (wall clock; NaN
                                         # between two of its requests): where a stall fell
                                         "background_arrivals": background.arrivals if background else []},

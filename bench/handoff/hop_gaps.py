@@ -50,13 +50,19 @@ def step_outside(gaps: Sequence[Gap], windows: Sequence[Window]) -> float | None
     return statistics.median(quiet) if quiet else None
 
 
-def figures(gaps: Sequence[Gap], windows: Sequence[Window], step_s: float) -> dict[str, float | int | None]:
+def figures(gaps: Sequence[Gap], windows: Sequence[Window], step_s: float,
+            busy: Sequence[Window] = ()) -> dict[str, float | int | None]:
     """p99 and max of the gaps inside the windows (overlapping one) and outside all of them, in
-    `step_s`, and how many there were."""
+    `step_s`, and how many there were; and of those outside, the ones overlapping a `busy` span
+    (e.g. a prefill computing on the clients' core) apart from the rest ("busy", "idle")."""
     inside = [b - a for a, b in gaps if overlaps((a, b), windows)]
-    outside = [b - a for a, b in gaps if not overlaps((a, b), windows)]
-    out: dict[str, float | int | None] = {"n_in": len(inside), "n_out": len(outside)}
-    for name, values in (("in", inside), ("out", outside)):
+    outside = [(a, b) for a, b in gaps if not overlaps((a, b), windows)]
+    groups = {"in": inside, "out": [b - a for a, b in outside]}
+    if busy:
+        groups["busy"] = [b - a for a, b in outside if overlaps((a, b), busy)]
+        groups["idle"] = [b - a for a, b in outside if not overlaps((a, b), busy)]
+    out: dict[str, float | int | None] = {f"n_{name}": len(values) for name, values in groups.items()}
+    for name, values in groups.items():
         out[f"p99_{name}"] = percentile(values, 99) / step_s if values else None
         out[f"max_{name}"] = max(values) / step_s if values else None
     return out
@@ -74,8 +80,8 @@ def joined_stall(gaps: Sequence[Gap], window: Window, after_join_s: float = 1.0)
     return longest / step
 
 
-def by_hop(hops: Mapping[str, Mapping[str, Sequence[float]]], windows: Sequence[Window]
-           ) -> dict[str, dict[str, float | int | None]]:
+def by_hop(hops: Mapping[str, Mapping[str, Sequence[float]]], windows: Sequence[Window],
+           busy: Sequence[Window] = ()) -> dict[str, dict[str, float | int | None]]:
     """Per hop (`HOPS`' names, those given), `figures` in the decode engine's median step outside
     the windows ("decode applied"; else the first hop given), and the median and max over the
     windows of `joined_stall`."""
@@ -86,7 +92,7 @@ def by_hop(hops: Mapping[str, Mapping[str, Sequence[float]]], windows: Sequence[
     if not step:
         return out
     for hop in [h for h in HOPS if h in gaps] + [h for h in gaps if h not in HOPS]:
-        row = figures(gaps[hop], windows, step)
+        row = figures(gaps[hop], windows, step, busy)
         row["step_ms"] = step * 1e3
         stalls = [s for s in (joined_stall(gaps[hop], w) for w in windows) if s is not None]
         row["joined_stall_median"] = statistics.median(stalls) if stalls else None
@@ -137,12 +143,17 @@ def table(rows: Mapping[str, Mapping[str, float | int | None]]) -> str:
     def cell(value: float | int | None, fmt: str = ".2f") -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| hop | gaps in / out | p99 in | max in | p99 out | max out | joined stall median / max |",
-             "|---|---|---|---|---|---|---|"]
+    split = any("p99_busy" in r for r in rows.values())
+    lines = ["| hop | gaps in / out | p99 in | max in | p99 out | max out "
+             + ("| out, a prefill on the clients' core: p99 / max | out, none: p99 / max " if split else "")
+             + "| joined stall median / max |",
+             "|---|---|---|---|---|---|" + ("---|---|" if split else "") + "---|"]
     for hop, r in rows.items():
         lines.append(f"| {hop} | {r['n_in']} / {r['n_out']} | {cell(r['p99_in'])} | {cell(r['max_in'])} "
                      f"| {cell(r['p99_out'])} | {cell(r['max_out'])} "
-                     f"| {cell(r['joined_stall_median'])} / {cell(r['joined_stall_max'])} |")
+                     + (f"| {cell(r.get('p99_busy'))} / {cell(r.get('max_busy'))} "
+                        f"| {cell(r.get('p99_idle'))} / {cell(r.get('max_idle'))} " if split else "")
+                     + f"| {cell(r['joined_stall_median'])} / {cell(r['joined_stall_max'])} |")
     step = next(iter(rows.values()))["step_ms"] if rows else None
     lines.append(f"(in the decode engine's median step outside the windows: {cell(step, '.1f')} ms)")
     return "\n".join(lines)

@@ -86,3 +86,14 @@ def test_within_keeps_each_stretch_apart() -> None:
     assert kept == {"client": {"r@0": [1.0, 2.0], "r@1": [7.0, 8.0]}}
     # the 5 s between the stretches is no gap of either
     assert max(b - a for a, b in hop_gaps.gaps_of(kept["client"])) == 1.0
+
+
+def test_gaps_outside_the_windows_are_split_by_the_busy_spans() -> None:
+    # steps of 0.1 s; a 0.3 s gap during a prefill span [0.5, 1.0], a 0.2 s one after it
+    moments = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8, 0.9, 1.1, 1.2, 1.4, 1.5, 1.6]
+    gaps = hop_gaps.gaps_of({"r": [round(m, 3) for m in moments]})
+    row = hop_gaps.figures(gaps, [], 0.1, busy=[(0.5, 1.0)])
+    assert row["n_busy"] == 3 and row["n_idle"] == len(gaps) - 3  # (0.5, 0.8), (0.8, 0.9), (0.9, 1.1)
+    assert row["max_busy"] == pytest.approx(3.0)
+    assert row["max_idle"] == pytest.approx(2.0)
+    assert "p99_busy" not in hop_gaps.figures(gaps, [], 0.1)
