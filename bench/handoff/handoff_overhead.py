@@ -24,6 +24,16 @@ second after the join ("stall, joined steps"): the batch's usual step once the l
 decodes in it, which is longer than the quiet one (its attention reads the long prompt), so that
 the first unit counts a bigger batch as a stall and the second does not.
 
+Where those gaps are made: after the run every node's `GET /internal/token_times` gives the same
+streams' tokens at each hop (the decode node's loop applying a step's tokens, its writer taking the
+line; the stream router's loop and writer; the client), and `hop_gaps.py` reports, per hop, p99 and
+max of their gaps inside the windows and outside them (those outside split by whether a prompt was
+waiting for its first token, i.e. prefilling on the clients' core), in the decode engine's step, and
+each window's stall in joined steps. `--engine-nice-alternate N` runs odd rounds with the engine
+nodes beside the clients at nice N and reports the hops for each value. A pull's overhead is also
+given in its parts, from the two nodes' records: the GET to its head (the export in it), the body,
+the install, and the rest (the first token's way through the router, the decode node's admission).
+
     .venv/bin/python bench/handoff/handoff_overhead.py                          # CPU: 23 M llama, 2 cores
     .venv/bin/python bench/handoff/handoff_overhead.py --lengths 8000 --background-streams 16 \\
         --max-tokens 8 --gpus 0 0 0 --model /tmp/llama1b \\
