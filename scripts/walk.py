@@ -23,6 +23,7 @@ This file is a tool, not part of the package; it imports the package as any clie
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from collections import Counter
@@ -198,6 +199,10 @@ def main() -> None:
     args = parser.parse_args()
     walk = trio.run(single) if args.walk == "single" else trio.run(handoff, not args.pull)
     walk.report()
+    sys.stdout.flush()
+    # without interpreter teardown: MLX's C++ static teardown aborts now and then after the engine
+    # closed ("terminate called without an active exception"), as `statecore run` avoids too
+    os._exit(0)
 
 
 if __name__ == "__main__":

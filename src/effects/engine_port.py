@@ -2,23 +2,20 @@
 
 The interpreter and the HTTP adapters talk to an engine only through this port; the MLX
 implementation lives in `adapters.mlx`, and `effects.fakes` has an in-memory one for
-tests. Everything here is plain data plus one Protocol. This module may import `statecore`
-and trio; it must never import httpx, mlx or mlx_lm.
+tests. Everything here is plain data, one Protocol, and `decoded` (a decoder's tokens as the
+core's events). This module may import `statecore` and trio; it must never import httpx, mlx or
+mlx_lm.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
-
-import trio
+from typing import Protocol
 
 from statecore.events import Finished, TokenLogprobs, TokensGenerated
 from statecore.ids import RequestId
 from statecore.policy import decoded_tokens
-
-_Item = TypeVar("_Item")
 
 # A KV payload as it arrives: a decode node receives into reusable buffers and passes a view of
 # one. Whoever takes one reads it within the call and keeps no reference after returning, so the
@@ -229,20 +226,6 @@ def decoded(items: Sequence[GeneratedToken]) -> list[Decoded]:
     if finish is not None:
         events.append(Finished(finish))
     return events
-
-
-def ready_after(first: _Item, receive: trio.MemoryReceiveChannel[_Item],
-                last: Callable[[_Item], bool]) -> list[_Item]:
-    """`first` and the items already waiting behind it on `receive`, up to the first for which
-    `last` holds (never waits): a decode step's items come in one hand-out, so a reader takes
-    them as one value instead of waking once each."""
-    items = [first]
-    while not last(items[-1]):
-        try:
-            items.append(receive.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel):
-            break
-    return items
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,5 +458,4 @@ __all__ = [
     "PrefixSummary",
     "SamplingParams",
     "decoded",
-    "ready_after",
 ]

@@ -108,6 +108,7 @@ class NodeRequest:
     kv_pieces: int | None = None
     first_token_at: float | None = None  # decode: when a streamed handoff's first token was passed on
     cached_tokens: int = 0  # of the prompt, taken from the prefix cache by the prefill here
+    held_bytes: int = 0  # the cache its prefill here holds (a prefill node's reply says it)
     prefix_from: PrefixSource | None = None  # a prefill node's hint: the decode node holds the start
     # Its clock on this node (what the metrics read and stamp: the node keeps no other map of
     # its requests' times): when it came in, and its latest token out.
@@ -429,6 +430,7 @@ class EnginePerformer:
         """The request's context told its first token; whether that token ends it (EOS)."""
         ctx.first_token = outcome.first_token
         ctx.cached_tokens = outcome.cached_tokens  # set before anyone hears of the prefill
+        ctx.held_bytes = outcome.held_bytes
         ctx.ends_at_first_token = first_eos = first_token_ends(
             outcome.first_token, self.engine.info.eos_token_ids, ignore_eos=ctx.sampling.ignore_eos)
         return first_eos

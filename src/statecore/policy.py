@@ -215,13 +215,20 @@ def first_token_ends(first_token: int, eos_token_ids: Collection[int], *, ignore
 # -- what a request may ask ---------------------------------------------------------------
 
 
+def context_room(prompt_tokens: int, context_length: int) -> int:
+    """How many tokens the model's context leaves for a request's answer after its prompt (the
+    front end's default `max_tokens`; below 1: `context_overflow` names the prompt)."""
+    return context_length - prompt_tokens
+
+
 def context_overflow(prompt_tokens: int, max_tokens: int | None, context_length: int) -> str | None:
     """Which part of a request does not fit the model's context: "prompt" when the prompt leaves
     no room for one generated token, "max_tokens" when the prompt and `max_tokens` (None: not
     given) together exceed it; None when it fits."""
-    if context_length - prompt_tokens < 1:
+    room = context_room(prompt_tokens, context_length)
+    if room < 1:
         return "prompt"
-    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
+    if max_tokens is not None and max_tokens > room:
         return "max_tokens"
     return None
 
@@ -308,6 +315,7 @@ __all__ = [
     "attempt_failed",
     "blames_peer",
     "context_overflow",
+    "context_room",
     "counts_ending_token",
     "decoded_tokens",
     "failure_event",

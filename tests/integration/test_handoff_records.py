@@ -158,6 +158,23 @@ async def test_a_pull_is_answered_by_the_core_in_every_phase(nursery: trio.Nurse
     assert not len(performer.kv_pulls)
 
 
+async def test_a_prefill_reply_says_the_bytes_its_own_cache_holds(nursery: trio.Nursery) -> None:
+    engine = FakeEngine()
+    performer = EnginePerformer(engine)
+    runner: NodeRunner[Any] = NodeRunner(PREFILL_REQUEST, performer, timeouts=Timeouts(deadline_s=30.0))
+    app = Starlette(routes=NodeApi("prefill", engine, runner, performer).routes())
+    await nursery.start(runner.run)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://prefill") as node:
+        for rid, prompt in (("first", list(range(1, 40))), ("second", [1, 2, 3])):
+            reply = await node.post("/internal/prefill", json={"request_id": rid, "prompt": prompt,
+                                                                "sampling": {"max_tokens": 4}})
+            assert reply.status_code == 200, reply.text
+            # the request's own cache, not every cache the node holds (the first one is held too)
+            assert reply.json()["held_bytes"] == len(engine.held[RequestId(rid)]) == len(prompt)
+        for rid in ("first", "second"):
+            await node.post(f"/internal/cancel/{rid}")
+
+
 def test_the_ring_keeps_the_newest_records() -> None:
     log = HandoffLog("decode", capacity=2)
     for rid in ("a", "b", "c"):

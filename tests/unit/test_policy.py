@@ -150,6 +150,8 @@ def test_admission_is_read_off_the_loop_table(monkeypatch: pytest.MonkeyPatch) -
 def test_the_context_names_what_does_not_fit(prompt: int, max_tokens: int | None, context: int,
                                              overflow: str | None) -> None:
     assert policy.context_overflow(prompt, max_tokens, context) == overflow
+    # the room the same question measures: what a request without max_tokens may generate
+    assert policy.context_room(prompt, context) == context - prompt
 
 
 @pytest.mark.parametrize(("stops", "ignore_eos", "conflict"), [

@@ -1,14 +1,14 @@
-"""The front end's shared core, one per node over one `Backend`: a body becomes the job it asks
-for, and a job its runs. `Job` is a validated, tokenized request (`job_of`: the prompt's token
-ids, the sampling parameters with every default filled in, the stop strings, the constraint (a
-response_format, a forced tool call), the tools offered, the thinking and its cap, how many
-choices; whether it fits the model's context is `statecore.policy.context_overflow`'s decision,
-asked here). `Frontend` holds the tokenizer and model name and the body limit, reads a request for
-every API alike (`read_object`: the body within its limit, as a JSON object, labelled as JSON;
-`check_model`; `request_id_of`: its `X-Request-Id`), and has the two verbs every API of the public
-surface uses: `prepare` (read and validate a chat or completion body into a `Job`) and `start`
-(start each choice's generation as a `Run`). The APIs served as a chat
-(Messages, Responses) start theirs through `chat_run.start_chat`.
+"""The front end's shared core, one per node over one `Backend`: a body becomes the job it asks for,
+and a job its runs. `Job` is a validated, tokenized request (`job_of`: the prompt's token ids, the
+sampling parameters with every default filled in, the stop strings, the constraint (a
+response_format, a forced tool call), the tools offered, the thinking and its cap, how many choices;
+whether it fits the model's context, and the room it leaves for the answer, are
+`statecore.policy.context_overflow`'s and `context_room`'s, asked here). `Frontend` holds the
+tokenizer and model name and the body limit, reads a request for every API alike (`read_object`: the
+body within its limit, as a JSON object, labelled as JSON; `check_model`; `request_id_of`: its
+`X-Request-Id`), and has the two verbs every API of the public surface uses: `prepare` (read and
+validate a chat or completion body into a `Job`) and `start` (start each choice's generation as a
+`Run`). The APIs served as a chat (Messages, Responses) start theirs through `chat_run.start_chat`.
 
 Both the single node and the router serve through it: on a single node the backend is the local
 engine, on the router it is prefill and decode peers. The backend only ever yields token ids;
@@ -57,7 +57,7 @@ from effects.faults import Faults, Phase
 from effects.ports import Backend, Generation, GenerationRequest, SamplingParams
 from statecore.errors import Code, ErrorInfo, Fault, client_error
 from statecore.ids import RequestId
-from statecore.policy import context_overflow
+from statecore.policy import context_overflow, context_room
 
 __all__ = ["Frontend", "Job", "Kind", "job_of", "request_id_of"]
 
@@ -153,7 +153,7 @@ async def job_of(prompts: Prompts, kind: Kind, request_id: RequestId, body: Comp
                                       param="max_completion_tokens"))
         max_tokens = body.max_completion_tokens or body.max_tokens
 
-    room = context_length - len(prompt)
+    room = context_room(len(prompt), context_length)
     overflow = context_overflow(len(prompt), max_tokens, context_length)
     if overflow == "prompt":
         raise Reject(

@@ -62,7 +62,7 @@ class NodeApi:
         shared = SharedPieces(shm, performer)
         self.kv_handoff = KvHandoff(self.status, engine, runner, performer, shared, token=token,
                                     kv_served=kv_served)
-        self.requests = NodeRequests(self.status, engine, runner, performer.faults, kv_stream=kv_stream,
+        self.requests = NodeRequests(self.status, runner, performer.faults, kv_stream=kv_stream,
                                      ended=shared.release, start_stream=self.kv_handoff.start_stream)
         self.prefix_blocks = PrefixBlocks(engine, kv_served)
 

@@ -34,7 +34,7 @@ from adapters.http.node_status import NodeStatus
 from adapters.http.streaming import WatchedStream
 from effects.faults import FaultPort, Phase
 from effects.interpret import NodeRequest
-from effects.ports import Engine, PrefillReply
+from effects.ports import PrefillReply
 from effects.runner import NodeRunner, RunnerGeneration
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import Admitted, ClientCancelled, PrefillLocally, StopMatched
@@ -52,11 +52,10 @@ class StartStream(Protocol):
 class NodeRequests:
     """The prefill, decode and cancel routes of one node."""
 
-    def __init__(self, status: NodeStatus, engine: Engine, runner: NodeRunner[Any], faults: FaultPort, *,
+    def __init__(self, status: NodeStatus, runner: NodeRunner[Any], faults: FaultPort, *,
                  kv_stream: bool, ended: Callable[[RequestId], None] = lambda rid: None,
                  start_stream: StartStream | None = None) -> None:
         self.status = status  # the node's admission of requests
-        self.engine = engine
         self.runner = runner
         self.faults = faults
         # whether this node takes streamed handoffs (not a tensor- or pipeline-parallel one)
@@ -83,11 +82,10 @@ class NodeRequests:
             reply = Reject(rid, ErrorInfo(Fault.CANCELLED, Code.CANCELLED, "the prefill was cancelled"))
         match reply:
             case RespondTokens(tokens=(token,), logprobs=logprobs):  # the first token, alone
-                held = self.engine.statistics().held_bytes
                 first_logprobs = None if logprobs is None else logprobs[0]
                 cached = context.cached_tokens if asks_cached_tokens(request) else None
                 return JSONResponse(PrefillReplyBody(first_token=token, is_eos=context.ends_at_first_token,
-                                                     held_bytes=held,
+                                                     held_bytes=context.held_bytes,
                                                      logprobs=LogprobsBody.of(first_logprobs),
                                                      cached_tokens=cached).document())
             case Reject(error=error):

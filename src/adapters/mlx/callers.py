@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import trio
 
 from adapters.mlx.jobs import StreamItem
-from effects.engine_port import Decoded, GeneratedToken, decoded, ready_after
+from effects.engine_port import Decoded, GeneratedToken, decoded
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import Finished
 
@@ -244,7 +244,7 @@ class Callers:
         try:
             async with receive:
                 async for first in receive:
-                    items = ready_after(first, receive, _ends_stream)
+                    items = _ready_after(first, receive)
                     events = decoded([item for item in items if isinstance(item, GeneratedToken)])
                     for event in events:
                         yield event
@@ -288,6 +288,19 @@ class Callers:
     def _tidy(self, request_id: str, caller: Caller) -> None:
         if caller.empty and self._records.get(request_id) is caller:
             del self._records[request_id]
+
+
+def _ready_after(first: StreamItem, receive: trio.MemoryReceiveChannel[StreamItem]) -> list[StreamItem]:
+    """`first` and the items already waiting behind it, up to one that ends the stream (an error,
+    or a token that ends its request), never waiting: a decode step's items come in one hand-out,
+    so the reader takes them as one value instead of waking once each."""
+    items = [first]
+    while not _ends_stream(items[-1]):
+        try:
+            items.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return items
 
 
 def _ends_stream(item: StreamItem) -> bool:
