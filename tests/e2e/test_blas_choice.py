@@ -6,6 +6,7 @@ install hint instead, and `auto` must fall back to the bundled BLAS.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,8 @@ import pytest
 
 from adapters.blas import (
     INSTALL_HINT,
+    SHORT_SPIN,
+    SPIN_ENV,
     blas_of_process_tree,
     find_openblas,
     mapped_blas,
@@ -23,6 +26,11 @@ from tests.e2e.harness import Node
 pytestmark = pytest.mark.e2e
 
 OPENBLAS = find_openblas()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def _reported_blas(node: Node) -> str:
@@ -67,5 +75,11 @@ def test_cluster_engine_nodes_share_one_blas(tmp_path: Path) -> None:
         blas = blas_of_process_tree(cluster.process.pid)
         assert sorted(name.split()[0] for name in blas) == ["decode", "prefill"], blas
         assert set(blas.values()) == {"bundled" if OPENBLAS is None else "openblas"}, blas
+        if OPENBLAS is not None:  # the two share the box's cores, and their idle workers sleep at once
+            share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+            for name in blas:
+                environ = _environ(int(name.split("pid ")[1].rstrip(")")))
+                settings = (environ.get("OPENBLAS_NUM_THREADS"), environ.get(SPIN_ENV))
+                assert settings == (share, SHORT_SPIN), name
     finally:
         assert cluster.stop() == 0, cluster.tail()
