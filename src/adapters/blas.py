@@ -5,12 +5,12 @@ OpenBLAS preloaded with `LD_PRELOAD` interposes it and makes prefill ~3-11x fast
 linker reads `LD_PRELOAD` only when a process starts, so `apply_blas_choice` re-executes the
 process (same pid, same command line) with it set, before mlx is imported. The two BLAS differ in
 the last bits of float32 results, so every node of a cluster must use the same one: `blas_in_use`
-names it for /internal/info and for the engine's model fingerprint. OpenBLAS's thread count
-(`blas_thread_env`): a node computes on the cores of its affinity mask, a local cluster splits the
-box's cores among its two engine nodes, and an idle OpenBLAS worker sleeps at once instead of
-spinning ~0.1 s after each call, where it took the core the node's Python needed (the environment's
-own settings win). One thread and several round large matmuls differently, so the fingerprint
-carries which (`blas_in_use`). Everything but `blas_in_use`
+names it for /internal/info and for the engine's model fingerprint. OpenBLAS's threads
+(`blas_thread_env`): a node computes on its share of the cores of its affinity mask (a local
+cluster's two engine nodes share the box's) less the one its Python keeps, and an idle OpenBLAS
+worker sleeps at once instead of spinning ~0.1 s after each call (the environment's own settings
+win). One thread and several round large matmuls differently, so the fingerprint says which
+(`blas_in_use`). Everything but `blas_in_use`
 is plain stdlib and must never import mlx (it runs before mlx loads, and in the router, which
 only needs a tokenizer); `blas_in_use` imports mlx lazily.
 """
@@ -276,16 +276,18 @@ SHORT_SPIN = "4"
 
 
 def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> int | None:
-    """How many threads OpenBLAS computes an engine node's matmuls with: the `cores` the process
-    may run on, shared among the `engine_nodes` started together on them (a local cluster's two),
-    at least one; None where the environment already says (OpenBLAS reads it when it loads).
-    Measured on 2 shared cores (docs/performance.md, "OpenBLAS's threads"): with idle workers that
-    sleep at once (`SHORT_SPIN`), a thread per core decodes one stream ~1.7x faster than one
-    thread and is no slower at 8 or 32 streams; it was the spin, not the thread, that took the
-    node's Python's core."""
+    """How many threads OpenBLAS computes an engine node's matmuls with: its share of the `cores`
+    the process may run on (shared among the `engine_nodes` started on them together, a local
+    cluster's two) less one, which the node's Python keeps (the step's build, the front end); at
+    least one. None where the environment already says (OpenBLAS reads it when it loads).
+    Measured on the 2-core box (docs/performance.md, "OpenBLAS's threads"): at load 7-17, one
+    thread against two made 1.2-2.3x the tokens/s at 8 and 32 streams, the engine alone and
+    through HTTP, and the idle workers' short spin (`SHORT_SPIN`) did not save the second thread:
+    a worker that waits for a core holds up the whole call. On a quiet box one stream decodes
+    ~1.7x faster on two (docs/operations.md says how to ask for them)."""
     if any(environ.get(name, "").strip() for name in THREAD_ENVS):
         return None
-    return max(1, cores // max(1, engine_nodes))
+    return max(1, cores // max(1, engine_nodes) - 1)
 
 
 def blas_thread_env(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> dict[str, str]:
