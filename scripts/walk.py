@@ -8,10 +8,11 @@ on the real MLX engine, wired as `statecore run` wires it), and one handoff thro
 pulled handoff), which also lists the HTTP calls between the nodes. The engine's own files
 (`adapters/mlx`, `effects/fakes.py`) are counted apart; the last line counts everything (the
 request's path, the observers and the engine), which is how issue 35 counted the walks before.
-The MLX engine's device thread starts at the load, before the trace, and is not traced: of the
-engine, `single` counts the files its trio side enters (the device thread's are the same for
-every request; docs/engine.md's package table names them). A second request is the one traced,
-so that start-up and first-call work stays out.
+Each crossing names the functions it enters, so a detour shows where it is. The MLX engine's
+device thread starts at the load, before the trace, and is not traced: of the engine, `single`
+counts the files its trio side enters (the device thread's are the same for every request;
+docs/engine.md's package table names them). A second request is the one traced, so that start-up
+and first-call work stays out.
 
     .venv/bin/python scripts/walk.py single
     .venv/bin/python scripts/walk.py handoff [--pull]
@@ -60,6 +61,7 @@ class Walk:
     def __init__(self) -> None:
         self.files: Counter[str] = Counter()
         self.pairs: Counter[tuple[str, str]] = Counter()
+        self.entered: dict[tuple[str, str], set[str]] = {}  # each pair's callee functions
 
     def hook(self, frame: FrameType, event: str, arg: object) -> None:
         if event != "call" or not frame.f_code.co_filename.startswith(SRC):
@@ -70,7 +72,9 @@ class Walk:
         while caller is not None and not caller.f_code.co_filename.startswith(SRC):
             caller = caller.f_back
         if caller is not None and caller.f_code.co_filename[len(SRC):] != callee:
-            self.pairs[(caller.f_code.co_filename[len(SRC):], callee)] += 1
+            pair = (caller.f_code.co_filename[len(SRC):], callee)
+            self.pairs[pair] += 1
+            self.entered.setdefault(pair, set()).add(frame.f_code.co_qualname)
 
     def __enter__(self) -> Walk:
         threading.setprofile(self.hook)  # the device thread too
@@ -79,7 +83,7 @@ class Walk:
 
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
     def report(self) -> None:
         own = [f for f in self.files if not f.startswith(ENGINE)]
@@ -95,8 +99,12 @@ class Walk:
         print(f"layer crossings (caller -> callee file pairs, engine left out): {len(crossing) - len(told)} "
               f"on the request's path, {len(told)} to and from the observers")
         for a, b in crossing:
-            print(f"  {a} -> {b}")
-        every = [(a, b) for a, b in self.pairs if a.split("/")[0] != b.split("/")[0]]
+            print(f"  {a} -> {b}  ({', '.join(sorted(self.entered[(a, b)]))})")
+        every = sorted((a, b) for a, b in self.pairs if a.split("/")[0] != b.split("/")[0])
+        print("layer crossings to and from the engine:")
+        for a, b in every:
+            if (a, b) not in crossing:
+                print(f"  {a} -> {b}  ({', '.join(sorted(self.entered[(a, b)]))})")
         print(f"everything counted (path, observers and engine): {len(self.files)} files, "
               f"{len(every)} layer crossings")
 

@@ -78,7 +78,7 @@ from statecore.policy import (
     first_token_finish,
     travel_refusal,
 )
-from statecore.routing import Route, RouteChoice
+from statecore.routing import Route, RouteChoice, avoiding
 
 log = logging.getLogger("statecore.interpret")
 
@@ -715,19 +715,18 @@ class RouterPerformer:
 
     def _siblings_decode_node(self, ctx: RoutedRequest) -> str | None:
         """Where another choice of the same client request (n > 1) decodes, unless this attempt
-        avoids it: the choices decode side by side there, as on a single node, whose bytes they
-        then are (a batched row's last bits depend on the rows beside it)."""
+        avoids it (`routing.avoiding`, with the route's pick to fall back on: none here): the
+        choices decode side by side there, as on a single node, whose bytes they then are (a
+        batched row's last bits depend on the rows beside it)."""
         sampling = ctx.sampling
         if sampling.choices <= 1 or not sampling.choice_group:
             return None
         group = self.choice_groups.setdefault(sampling.choice_group, [])
         if not any(other is ctx for other in group):
             group.append(ctx)
-        for other in group:
-            node = other.decode_node
-            if other is not ctx and node is not None and node not in ctx.retry.tried:
-                return node
-        return None
+        siblings = [node for other in group if other is not ctx and (node := other.decode_node) is not None]
+        kept = avoiding(siblings, ctx.retry.tried, otherwise=())
+        return kept[0] if kept else None
 
     @staticmethod
     def _culprit(ctx: RoutedRequest, error: ErrorInfo) -> str | None:

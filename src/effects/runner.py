@@ -616,6 +616,15 @@ class RequestContext(Protocol):
         ...
 
 
+class _FirstToken(enum.Enum):
+    """Where a generation stands with its first token: not given yet; given (the reader's next wait
+    for more tells the runner so, once: `NodeRunner.first_token_read`); told."""
+
+    AHEAD = enum.auto()
+    GIVEN = enum.auto()
+    TOLD = enum.auto()
+
+
 class RunnerGeneration:
     """One request's replies as the front end (the `Generation` port) and the node API read them,
     each told to the runner's instruments; `stop` and `cancel` post the core's events."""
@@ -634,8 +643,7 @@ class RunnerGeneration:
         # the runner drops its entry when the request ends, maybe before this is read
         self.context = context
         self._ended = False  # the last output (an end or an error) was given
-        self._first_out = False  # its first token was given: the next wait for more says so once
-        self._told_first = False
+        self._first = _FirstToken.AHEAD
 
     @property
     def cached_tokens(self) -> int:
@@ -644,9 +652,9 @@ class RunnerGeneration:
     async def __aiter__(self) -> AsyncIterator[Reply]:
         async with self.replies:
             while not self._ended:
-                if self._first_out and not self._told_first:
+                if self._first is _FirstToken.GIVEN:
                     # the reader is done with the first token (its write returned): the join may go
-                    self._told_first = True
+                    self._first = _FirstToken.TOLD
                     self.runner.first_token_read(self.request_id)
                 try:
                     reply = await self.replies.receive()
@@ -670,7 +678,8 @@ class RunnerGeneration:
         match reply:
             case RespondTokens(tokens=tokens):
                 generated = len(tokens)
-                self._first_out = True
+                if self._first is _FirstToken.AHEAD:
+                    self._first = _FirstToken.GIVEN
             case Complete(ending_tokens=ending):
                 generated = ending
             case Reject():

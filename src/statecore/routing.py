@@ -60,11 +60,13 @@ class RouteCandidate:
     prefilling: int = 0  # prompt tokens the router sent it to prefill whose first token is not back
 
 
-def avoiding(nodes: Sequence[str], avoid: Collection[str]) -> list[str]:
-    """`nodes` but those in `avoid` (the nodes a retried request's failed attempts used), or all
-    of `nodes` when that would leave none: a node that failed this request once serves it better
-    than a refusal does."""
-    return [node for node in nodes if node not in avoid] or list(nodes)
+def avoiding(nodes: Sequence[str], avoid: Collection[str], otherwise: Sequence[str] | None = None
+             ) -> list[str]:
+    """`nodes` but those in `avoid` (the nodes a retried request's failed attempts used), or, when
+    that would leave none, `otherwise`: by default all of `nodes` (a node that failed this request
+    once serves it better than a refusal does); where the caller has a pick of its own to fall
+    back on, none."""
+    return [node for node in nodes if node not in avoid] or list(nodes if otherwise is None else otherwise)
 
 
 def summary_key(key: bytes) -> bytes:

@@ -702,6 +702,22 @@ async def test_routed_decode_attention_reads_each_row_in_place_and_keeps_tokens_
         await open_engine(path, decode_attention="fast")
 
 
+async def test_exact_rows_decode_each_row_as_alone(open_engine: Opener) -> None:
+    """`decode_attention="rows"` (the CPU's choice where masked attention's bits follow the longest
+    row): each row attends in a call of its own over its own length; rows of different lengths
+    decoding together give mlx-lm's greedy tokens and the masked engine's seeded ones, and a
+    traced step is not used with it (its lengths are not known when it is traced)."""
+    path = cached_checkpoint("llama")
+    rows = await open_engine(path, decode_attention="rows", compile_decode="on")
+    masked = await open_engine(path, decode_attention="masked")
+    assert rows._device.pool is not None and rows._device.pool.exact_rows
+    assert rows._device.compiled is None and rows._device.attention.startswith("exact rows")
+    prompts = {RequestId(f"p{n}"): prompt_of(n, salt=n) for n in (5, 33, 70)}
+    results = await all_at_once(partial(single, rows), prompts)
+    assert results == {rid: reference(path, prompt) for rid, prompt in prompts.items()}
+    assert await same_seeded_tokens(rows, masked)
+
+
 @pytest.mark.parametrize("attention", ["reference", "masked"])
 async def test_a_traced_decode_step_is_replayed_with_the_same_tokens(
     open_engine: Opener, attention: str

@@ -95,6 +95,26 @@ async def test_a_speculating_row_emits_the_tokens_it_emits_without_speculation(
     assert plain.statistics().speculative_steps == 0
 
 
+async def test_with_exact_rows_the_verify_step_s_rows_are_ordinary_steps(chain_dir: Path) -> None:
+    """`decode_attention="rows"`: a verify step's rows each attend over exactly their own length,
+    as the ordinary steps they stand for; the load check passes and the tokens are the plain
+    engine's, greedy and seeded."""
+    plain = await load_engine(chain_dir, prefill_chunk_size=16, decode_attention="rows")
+    try:
+        speculating = await load_engine(chain_dir, prefill_chunk_size=16, speculative="ngram",
+                                        num_draft_tokens=4, decode_attention="rows")
+        try:
+            for sampling in (GREEDY, SEEDED):
+                prompt = edit_like(40, 3)
+                expected = await single(plain, f"p{sampling.seed}", prompt, sampling)
+                assert await single(speculating, f"s{sampling.seed}", prompt, sampling) == expected
+            assert speculating.statistics().speculative_accepted > 0
+        finally:
+            await close_engine(speculating)
+    finally:
+        await close_engine(plain)
+
+
 async def test_a_handed_off_request_speculates_on_the_decode_node_with_a_single_node_s_tokens(
         engines: tuple[MlxEngine, MlxEngine]) -> None:
     plain, speculating = engines

@@ -214,3 +214,11 @@ def test_avoiding_keeps_every_node_when_nothing_else_is_left() -> None:
     assert avoiding(["a", "b", "c"], {"b"}) == ["a", "c"]
     assert avoiding(["a", "b"], {"a", "b"}) == ["a", "b"]
     assert avoiding([], {"a"}) == []
+
+
+def test_avoiding_falls_back_on_the_callers_own_pick_when_it_has_one() -> None:
+    # a choice of n > 1 follows its siblings' decode nodes only where this attempt does not avoid
+    # them; else nothing, and the caller takes the route's pick
+    assert avoiding(["a", "b"], {"a"}, otherwise=()) == ["b"]
+    assert avoiding(["a", "b"], {"a", "b"}, otherwise=()) == []
+    assert avoiding(["a", "b"], {"a", "b"}, otherwise=["c"]) == ["c"]

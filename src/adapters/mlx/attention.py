@@ -11,26 +11,35 @@ and a second kernel merges the chunks (when every row fits in one chunk, the blo
 result itself: one launch per layer). `route_attention`
 points mlx-lm's attention at it for caches that offer `fused_attention`; every other cache goes
 to mlx-lm's own function unchanged. `reference_attention` is the same contract in plain MLX ops:
-the load-time self-check compares the kernel against it, and CPU tests route through it. This
-module imports mlx and mlx_lm's model base; never trio, never the engine.
+the load-time self-check compares the kernel against it, and CPU tests route through it.
+Off CUDA, MLX's masked attention over the batch's longest row is the fast way, but where its bits
+follow that padded length (float32 under OpenBLAS: the weighted sum of the values reduces over
+every attended position, padding included, in blocks that move with the length) a row's tokens
+would depend on which other rows share its step; `masked_matches_alone` finds that out at load,
+and `exact_rows_attention` then gives each row its own call over exactly its own length: the bits
+it has alone, as in mlx-lm's own decoding. This module imports mlx and mlx_lm's model base; never
+trio, never the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 __all__ = [
     "DECODE_ATTENTION_MODES",
     "KERNEL_CHUNK",
+    "AttentionChoice",
     "DecodeAttention",
     "check_kernel",
     "choose_attention",
+    "exact_rows_attention",
     "kernel_attention",
+    "masked_matches_alone",
     "reference_attention",
     "route_attention",
 ]
@@ -42,7 +51,7 @@ logger = logging.getLogger(__name__)
 # (rows,) int32 arrays, longest the largest length (known on the host).
 DecodeAttention = Callable[[Any, Any, Any, Any, Any, float, int], Any]
 
-DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "reference")
+DECODE_ATTENTION_MODES = ("auto", "kernel", "masked", "rows", "reference")
 
 _CHUNK = 512  # key positions per thread block: long rows spread over more blocks
 KERNEL_CHUNK = _CHUNK  # the kernel's grid changes only every this many attended positions
@@ -279,6 +288,42 @@ def reference_attention(queries: Any, keys: Any, values: Any, slots: Any, length
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
+def exact_rows_attention(queries: Any, keys: Any, values: Any, rows: Sequence[tuple[int, int]],
+                         scale: float) -> Any:
+    """Each row's query over its own slot up to its own length, one call a row and no mask:
+    `rows` holds each row's (slot, length), known on the host. A row's bits are those of its
+    attention alone, whatever the other rows' lengths."""
+    each = [mx.fast.scaled_dot_product_attention(
+        queries[row : row + 1], keys[slot : slot + 1, :, :length, :], values[slot : slot + 1, :, :length, :],
+        scale=scale) for row, (slot, length) in enumerate(rows)]
+    return each[0] if len(each) == 1 else mx.concatenate(each, axis=0)
+
+
+# (length, padded length) pairs the load check tries: short and long rows, padded by one position
+# and by many, across the block sizes a BLAS uses
+_PADDINGS = ((7, 8), (41, 57), (100, 2048), (1003, 1008), (1003, 2048))
+
+
+def masked_matches_alone(query_heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
+    """Whether MLX's masked attention over a padded length gives a row the bits of its attention
+    alone, for a model of these shapes on this device and BLAS (a few lengths and paddings tried)."""
+    q_key, k_key, v_key = mx.random.split(mx.random.key(11), 3)
+    longest = max(padded for _, padded in _PADDINGS)
+    queries = mx.random.normal((1, query_heads, 1, dim), key=q_key).astype(dtype)
+    keys = mx.random.normal((1, kv_heads, longest, dim), key=k_key).astype(dtype)
+    values = mx.random.normal((1, kv_heads, longest, dim), key=v_key).astype(dtype)
+    scale = dim ** -0.5
+    for length, padded in _PADDINGS:
+        alone = mx.fast.scaled_dot_product_attention(queries, keys[:, :, :length], values[:, :, :length],
+                                                     scale=scale)
+        mask = (mx.arange(padded) < length)[None, None, None, :]
+        masked = mx.fast.scaled_dot_product_attention(queries, keys[:, :, :padded], values[:, :, :padded],
+                                                      scale=scale, mask=mask)
+        if not mx.array_equal(alone, masked).item():
+            return False
+    return True
+
+
 def check_kernel(query_heads: int, kv_heads: int, dim: int, dtype: Any) -> str | None:
     """Run the kernel once against `reference_attention` on random ragged rows shaped like the
     model's; None when they agree, else why the kernel must not be used."""
@@ -343,22 +388,42 @@ def route_attention() -> int:
     return count
 
 
-def choose_attention(mode: str, query_heads: int, kv_heads: int, dim: int, dtype: Any) -> tuple[
-        DecodeAttention | None, str]:
+class AttentionChoice(NamedTuple):
+    """The slot lane's decode attention: a pool attention (None: not one), whether each row
+    attends in a call of its own (`exact_rows_attention`), and a phrase for the load log."""
+
+    attention: DecodeAttention | None
+    exact_rows: bool
+    phrase: str
+
+
+_ROWS = "exact rows (MLX, a call a row)"
+
+
+def choose_attention(mode: str, query_heads: int, kv_heads: int, dim: int, dtype: Any) -> AttentionChoice:
     """The slot lane's attention for `mode` (DECODE_ATTENTION_MODES) and a model of these
-    shapes, and a phrase for the load log; raises ValueError when "kernel" cannot be had."""
+    shapes; raises ValueError when "kernel" cannot be had. `auto`: the kernel on CUDA where its
+    check passes; on the CPU MLX's masked attention where it gives each row its bits alone
+    (`masked_matches_alone`), else exact rows; on Metal masked (a call a row would be a launch
+    each)."""
     if mode == "masked":
-        return None, "masked (MLX)"
+        return AttentionChoice(None, False, "masked (MLX)")
     if mode == "reference":
         route_attention()
-        return reference_attention, "reference (MLX ops)"
+        return AttentionChoice(reference_attention, False, "reference (MLX ops)")
+    if mode == "rows":
+        route_attention()
+        return AttentionChoice(None, True, _ROWS)
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     why_not = check_kernel(query_heads, kv_heads, dim, dtype) if on_cuda else "needs MLX's CUDA backend"
     if why_not is None:
         route_attention()
-        return kernel_attention, "statecore kernel"
+        return AttentionChoice(kernel_attention, False, "statecore kernel")
     if mode == "kernel":
         raise ValueError(f"decode_attention kernel cannot be used: {why_not}")
     if on_cuda:
         logger.warning("the slot lane's attention kernel is not used (%s); masked attention instead", why_not)
-    return None, "masked (MLX)"
+    elif mx.default_device() == mx.cpu and not masked_matches_alone(query_heads, kv_heads, dim, dtype):
+        route_attention()
+        return AttentionChoice(None, True, _ROWS + ": masked attention's bits follow the longest row here")
+    return AttentionChoice(None, False, "masked (MLX)")

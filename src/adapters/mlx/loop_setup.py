@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from adapters.mlx.attention import DecodeAttention, choose_attention
+from adapters.mlx.attention import AttentionChoice, choose_attention
 from adapters.mlx.compiled import CompiledSlotStep
 from adapters.mlx.device import DeviceLoop
 from adapters.mlx.lora_rows import AdapterRows, AdapterSet
@@ -129,14 +129,16 @@ def configure(loop: DeviceLoop, model: Any, eos: frozenset[int], vocab_size: int
             capacity = min(capacity, fitting)
             loop.pool = SlotPool(s.max_batch, len(probe_cache), capacity)
             loop.pool_reserved = s.max_batch * capacity * cost.slot_per_token
-            loop.pool.attention, loop.attention = slot_attention(s.decode_attention, model, probe_cache)
+            choice = slot_attention(s.decode_attention, model, probe_cache)
+            loop.pool.attention, loop.pool.exact_rows, loop.attention = choice
             if s.preallocate_slots:
                 # Set aside from the budget anyway; allocated now, it never grows (a copy of
                 # every row, and on the GPU new shapes) while streams decode.
                 loop.pool.reserve(capacity, probe_cache)
                 mx.eval(loop.pool.keys, loop.pool.values)
-            # (a traced CPU step builds C++ per kernel; a traced step would not tell rows' adapters)
-            if enabled_on_cuda(s.compile_decode) and adapters is None:
+            # (a traced CPU step builds C++ per kernel; a traced step would not tell rows' adapters,
+            # nor attend each row over its own length: its lengths are not known when it is traced)
+            if enabled_on_cuda(s.compile_decode) and adapters is None and not choice.exact_rows:
                 loop.compiled = CompiledSlotStep(model, loop.pool, loop.bucket, loop.call_hook)
     loop.slot_lane = loop.pool is not None
     loop.streams_ranges = plain  # a streamed handoff's cache can go in token and layer ranges
@@ -171,7 +173,7 @@ def _adapter_of(loop: DeviceLoop, request_id: str) -> str | None:
     return None if sampling is None else sampling.adapter
 
 
-def slot_attention(mode: str, model: Any, probe_cache: list[Any]) -> tuple[DecodeAttention | None, str]:
+def slot_attention(mode: str, model: Any, probe_cache: list[Any]) -> AttentionChoice:
     """The slot lane's decode attention for this model (`adapters.mlx.attention.choose_attention`)."""
     _, kv_heads, _, dim = probe_cache[0].keys.shape
     query_heads = getattr(getattr(model, "args", None), "num_attention_heads", None) or kv_heads

@@ -11,8 +11,10 @@ sees as a layer's cache during one decode step: mlx-lm's attention calls `update
 `make_mask`, and RoPE reads the per-row `offset` array. With a pool `attention`
 (`adapters.mlx.attention`) each layer also offers `fused_attention`: the rows' attention read in
 place from the pool's buffers up to each row's length, no mask and no gather (the masked views
-are still built, lazily, for models whose attention is not routed). This module imports mlx;
-never trio.
+are still built, lazily, for models whose attention is not routed); with `exact_rows` each row
+attends in a call of its own over exactly its own length (`attention.exact_rows_attention`: where
+masked attention's bits would follow the longest row, a row's tokens then never depend on which
+others share its step). This module imports mlx; never trio.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from adapters.mlx.attention import DecodeAttention
+from adapters.mlx.attention import DecodeAttention, exact_rows_attention
 from statecore.scheduling import bucketed
 
 __all__ = ["Buffers", "SlotPool", "SlotStepLayer", "layers_over", "zeroed"]
@@ -46,6 +48,7 @@ class SlotPool:
         self.keys: list[Any] = [None] * num_layers
         self.values: list[Any] = [None] * num_layers
         self.attention: DecodeAttention | None = None  # set: layers offer `fused_attention`
+        self.exact_rows = False  # set: each row attends in a call of its own (host-known lengths)
         self.generation = 0  # how often the buffers were emptied: a step built before reads nothing back
         self._free = list(range(num_slots))
 
@@ -151,9 +154,12 @@ class SlotPool:
                 raise ValueError("one offset per slot")
             slot_array = mx.array(list(slots), dtype=mx.int32)
         one_slot = slots[0] if slots is not None and rows > 1 and len(set(slots)) == 1 else None
+        exact = None
+        if self.exact_rows:  # each row's (slot, length), its length counting the token it adds
+            exact = [(slot, offset + 1) for slot, offset in zip(slots or range(rows), offsets, strict=True)]
         return layers_over(self, mx.array(list(offsets), dtype=mx.int32), slot_array,
                            self.attended_length(offsets, bucket), longest, gather=slots is not None,
-                           one_slot=one_slot)
+                           one_slot=one_slot, exact=exact)
 
     def attended_length(self, offsets: Sequence[int], bucket: int) -> int:
         """The length a step over rows at `offsets` attends, rounded up to a multiple of `bucket`."""
@@ -171,10 +177,12 @@ class Buffers(Protocol):
 
 
 def layers_over(buffers: Buffers, positions: Any, slot_array: Any, length: int, longest: int,
-                gather: bool = False, one_slot: int | None = None) -> list[SlotStepLayer]:
+                gather: bool = False, one_slot: int | None = None,
+                exact: Sequence[tuple[int, int]] | None = None) -> list[SlotStepLayer]:
     """One step's layers over `buffers`: row i is slot `slot_array[i]`, writing at positions[i]
     and attending `length` positions (`longest` of them at most hold keys: the fused attention's
-    bound, any value from the longest row's length up to `length`)."""
+    bound, any value from the longest row's length up to `length`); with `exact` (each row's slot
+    and length, on the host) each row attends in a call of its own instead."""
     # Row i may see positions 0..positions[i] (its history and the token it adds now).
     mask = (mx.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
     row_index = slot_array[:, None]
@@ -187,7 +195,7 @@ def layers_over(buffers: Buffers, positions: Any, slot_array: Any, length: int, 
         if heads not in head_index:
             head_index[heads] = mx.arange(heads)[None, :]
         layers.append(SlotStepLayer(buffers, index, positions, row_index, head_index[heads], mask, length,
-                                    gather=gather, reads=reads, one_slot=one_slot))
+                                    gather=gather, reads=reads, one_slot=one_slot, exact=exact))
     return layers
 
 
@@ -206,7 +214,7 @@ class SlotStepLayer:
 
     def __init__(self, pool: Buffers, index: int, positions: Any, row_index: Any, head_index: Any,
                  mask: Any, length: int, gather: bool = False, reads: _Reads | None = None,
-                 one_slot: int | None = None) -> None:
+                 one_slot: int | None = None, exact: Sequence[tuple[int, int]] | None = None) -> None:
         self._pool = pool
         self._index = index
         self.offset = positions  # per-row RoPE offsets (mx.fast.rope takes an array)
@@ -217,7 +225,9 @@ class SlotStepLayer:
         self._gather = gather
         self._one_slot = one_slot
         self._reads = reads
-        self.fused_attention = None if reads is None else self._attend
+        self._exact = exact
+        self.fused_attention = (self._attend_rows if exact is not None
+                                else None if reads is None else self._attend)
 
     def _attend(self, queries: Any, scale: float) -> Any:
         # Called after update_and_fetch: the pool's buffers hold this step's keys and values.
@@ -226,6 +236,12 @@ class SlotStepLayer:
         pool, i = self._pool, self._index
         return reads.attention(queries, pool.keys[i], pool.values[i], reads.slots, reads.lengths, scale,
                                reads.longest)
+
+    def _attend_rows(self, queries: Any, scale: float) -> Any:
+        # Called after update_and_fetch, as `_attend`.
+        assert self._exact is not None
+        pool, i = self._pool, self._index
+        return exact_rows_attention(queries, pool.keys[i], pool.values[i], self._exact, scale)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         pool, i = self._pool, self._index

@@ -145,7 +145,7 @@ def _fresh_pool(loop: LaneHost, pool: SlotPool, slots: int, cache: list[Any],
     """A small pool laid out as the node's, holding the probe prompt's `tokens` positions in slot 0."""
     room = 2 * PROBE_TOKENS + 2 * slots + max(0, tokens - PROBE_TOKENS + 1)
     probe = SlotPool(slots, pool.num_layers, room)
-    probe.attention = pool.attention
+    probe.attention, probe.exact_rows = pool.attention, pool.exact_rows
     probe.write_prompt(0, cache, tokens)
     return probe
 

@@ -141,9 +141,10 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "(default: 128 on MLX's CUDA backend, 0 = off elsewhere)")
     engine.add_argument("--decode-attention", default="auto", metavar="MODE",
                         help="the decode batch's attention (plain-KV models): auto (statecore's CUDA "
-                             "kernel on MLX's CUDA backend when its load-time self-check passes, else "
-                             "MLX's masked attention), kernel (required), masked, reference (MLX ops; "
-                             "tests) (default auto)")
+                             "kernel on MLX's CUDA backend when its load-time self-check passes; on the "
+                             "CPU MLX's masked attention where it gives each row its bits alone, else a "
+                             "call a row), kernel (required), masked, rows (a call a row, each over its "
+                             "own length), reference (MLX ops; tests) (default auto)")
     engine.add_argument("--compile-decode", default="auto", choices=("auto", "on", "off"),
                         help="trace the decode batch's model call once per shape and replay it "
                              "(mx.compile; plain-KV models): auto (on MLX's CUDA backend), on, off "
