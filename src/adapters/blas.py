@@ -281,7 +281,7 @@ def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) 
     cluster's two) less one, which the node's Python keeps (the step's build, the front end); at
     least one. None where the environment already says (OpenBLAS reads it when it loads).
     Measured on the 2-core box under load (docs/performance.md, "What limits it"): two threads
-    against one made 0.47-0.81x the tokens/s at 32 streams through HTTP, 0.43-0.91x on the engine
+    against one made 0.47-0.81x the tokens/s at 32 streams through HTTP, 0.22-0.91x on the engine
     alone at 1 and 8, 0.74x one stream with a draft (1.13-1.28x at 8 through HTTP), whether idle
     workers slept at once or spun: a call waits for whichever worker has no core. On a quiet box
     one stream decodes ~1.7x faster on two (docs/operations.md: how to ask for them)."""
