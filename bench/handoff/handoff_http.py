@@ -191,6 +191,8 @@ class BackgroundStreams:
     def __init__(self, router: str, prompt: list[int], count: int, max_tokens: int) -> None:
         self.router, self.prompt, self.max_tokens = router, prompt, max_tokens
         self.arrivals: list[list[float]] = [[] for _ in range(count)]
+        # the same arrivals by request id (the nodes' `/internal/token_times` name them so)
+        self.by_request: dict[str, list[float]] = {}
         self.done = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
 
@@ -213,15 +215,19 @@ class BackgroundStreams:
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=900) as client:
             while not self.done.is_set():
+                rid = f"bg{index}-{time.monotonic_ns()}"
+                mine = self.by_request.setdefault(rid, [])
                 with client.stream("POST", f"{self.router}/v1/completions", json=body,
-                                   headers={"X-Request-Id": f"bg{index}-{time.monotonic_ns()}"}) as response:
+                                   headers={"X-Request-Id": rid}) as response:
                     if response.status_code != 200:
                         raise SystemExit(f"background stream {index}: HTTP {response.status_code}")
                     for line in response.iter_lines():
                         if self.done.is_set():
                             return
                         if line.startswith("data:") and '"text"' in line:
-                            self.arrivals[index].append(time.time())
+                            now = time.time()
+                            self.arrivals[index].append(now)
+                            mine.append(now)
                 # a new request: its first token waits for a prefill, not a step of the batch
                 self.arrivals[index].append(float("nan"))
 

@@ -24,6 +24,16 @@ second after the join ("stall, joined steps"): the batch's usual step once the l
 decodes in it, which is longer than the quiet one (its attention reads the long prompt), so that
 the first unit counts a bigger batch as a stall and the second does not.
 
+Where those gaps are made: after the run every node's `GET /internal/token_times` gives the same
+streams' tokens at each hop (the decode node's loop applying a step's tokens, its writer taking the
+line; the stream router's loop and writer; the client), and `hop_gaps.py` reports, per hop, p99 and
+max of their gaps inside the windows and outside them (those outside split by whether a prompt was
+waiting for its first token, i.e. prefilling on the clients' core), in the decode engine's step, and
+each window's stall in joined steps. `--engine-nice-alternate N` runs odd rounds with the engine
+nodes beside the clients at nice N and reports the hops for each value. A pull's overhead is also
+given in its parts, from the two nodes' records: the GET to its head (the export in it), the body,
+the install, and the rest (the first token's way through the router, the decode node's admission).
+
     .venv/bin/python bench/handoff/handoff_overhead.py                          # CPU: 23 M llama, 2 cores
     .venv/bin/python bench/handoff/handoff_overhead.py --lengths 8000 --background-streams 16 \\
         --max-tokens 8 --gpus 0 0 0 --model /tmp/llama1b \\
@@ -66,6 +76,8 @@ from handoff_http import (
     stall_steps,
     wait_healthy,
 )
+from hop_gaps import by_hop, node_hops, within
+from hop_gaps import table as hop_table
 from tests.e2e.harness import Node
 
 from support.tiny_models import cached_checkpoint
@@ -97,6 +109,11 @@ class Sample:
     # node, and the install (`Engine.install_segments`: queueing on the device thread included)
     reach_s: float | None = None
     install_s: float | None = None
+    # a pull's parts: the prefill node's export (device-thread queueing included), the decode
+    # node's GET to the response head (the export inside it) and head to the last byte
+    encode_s: float | None = None
+    first_byte_s: float | None = None
+    body_s: float | None = None
 
     @property
     def gap_steps(self) -> float:
@@ -110,6 +127,27 @@ def pin(node: Node, cores: str | None) -> None:
     for task in Path(f"/proc/{node.process.pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
             os.sched_setaffinity(int(task.name), parse_cpus(cores))
+
+
+def beside_clients(args: argparse.Namespace) -> list[str]:
+    """The engine nodes that share a core with the routers and the clients (all of them when
+    unpinned): those --engine-nice puts behind them. A node on cores of its own keeps nice 0: on a
+    shared box a lower priority would lend its core to other people's processes."""
+    if args.cpus is None:
+        return ["prefill", "decode", "single"]
+    clients = parse_cpus(args.clients_cpus or args.cpus[0])
+    return [role for role, cores in zip(("prefill", "decode", "single"), args.cpus, strict=True)
+            if parse_cpus(cores) & clients]
+
+
+def renice(node: Node, nice: int, *, force: bool = False) -> None:
+    """Every thread of the node's process at `nice` (Linux keeps a nice value per thread; threads
+    it starts later inherit their starter's); 0 leaves it as it is unless `force`."""
+    if (not nice and not force) or node.process is None:
+        return
+    for task in Path(f"/proc/{node.process.pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
 def start_on(node: Node, cores: str | None, gpu: str | None) -> Node:
@@ -141,9 +179,12 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
     engines = {role: start_on(Node(role, [*common, *(args.decode_arg if role == "decode" else [])],
                                    logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
-    for i, node in enumerate(engines.values()):
+    for i, (role, node) in enumerate(engines.items()):
+        nice = args.engine_nice if role in beside_clients(args) else 0
+        renice(node, nice)
         wait_healthy(node, args.startup_timeout)
         pin(node, cpus[i])  # and the threads it started meanwhile
+        renice(node, nice)
     routers: dict[str, Node] = {}
     for setup, mode in HANDOFF_MODES.items():
         routers[setup] = Node("router", ["--model", str(model), "--internal-token", token,
@@ -161,12 +202,14 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
 
 
 def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
-             max_tokens: int, texts: dict[str, str] | None = None) -> tuple[float, list[float]]:
+             max_tokens: int, texts: dict[str, str] | None = None,
+             waits: list[tuple[float, float]] | None = None) -> tuple[float, list[float]]:
     """(seconds to the first token, every token's arrival after the request was sent); the
-    streamed text into `texts[request_id]`."""
+    streamed text into `texts[request_id]`, the wait for its first token (wall clock: its prefill,
+    on the routers' and clients' core with the default pinning) into `waits`."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
-    sent = time.perf_counter()
+    sent, sent_wall = time.perf_counter(), time.time()
     arrivals: list[float] = []
     pieces: list[str] = []
     with client.stream("POST", f"{url}/v1/completions", json=body,
@@ -180,17 +223,23 @@ def streamed(client: httpx.Client, url: str, request_id: str, prompt: list[int],
                 pieces.extend(choice.get("text", "") for choice in json.loads(line[5:])["choices"])
     if texts is not None:
         texts[request_id] = "".join(pieces)
+    if waits is not None and arrivals:
+        waits.append((sent_wall, sent_wall + arrivals[0]))
     if len(arrivals) < 4:
         raise SystemExit(f"{request_id}: {len(arrivals)} tokens streamed; ask for more (--max-tokens)")
     return arrivals[0], arrivals
 
 
 def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int], token: str,
-            background: BackgroundStreams | None, handoff_records: dict[str, Any]) -> list[Sample]:
-    """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`."""
+            background: BackgroundStreams | None, handoff_records: dict[str, Any],
+            windows: dict[str, tuple[float, float]], spans: dict[int, list[tuple[float, float]]],
+            waits: list[tuple[float, float]]) -> list[Sample]:
+    """The samples; both nodes' handoff records (`GET /internal/handoffs`) into `handoff_records`,
+    each handoff's window (prefill done -> a second after the join) into `windows`, each round's
+    span (wall clock) into `spans` by the engine nodes' nice value in it, each prompt's wait for
+    its first token (warm-ups too) into `waits`."""
     samples: list[Sample] = []
     pending: list[tuple[str, int, str, float, list[float]]] = []
-    windows: dict[str, tuple[float, float]] = {}
     texts: dict[str, str] = {}
     offset = 0
     with httpx.Client(timeout=args.request_timeout) as client:
@@ -199,9 +248,14 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
         for warm, tokens in itertools.product(SETUPS, args.lengths):
             url = servers["single" if warm == "single" else warm].url
             streamed(client, url, f"warm-{warm}-{tokens}", random.Random(-tokens).choices(pool, k=tokens),
-                     args.max_tokens)
+                     args.max_tokens, waits=waits)
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else tuple(reversed(SETUPS))
+            alternate = args.engine_nice_alternate
+            nice = alternate if alternate and round_ % 2 else args.engine_nice
+            for role in beside_clients(args):
+                renice(servers[role], nice, force=bool(args.engine_nice_alternate))
+            began = time.time()
             for tokens in args.lengths:
                 offset += 1
                 # fresh per round, the same for each setup; drawn from the corpus's ids at random, not
@@ -210,8 +264,9 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                 for setup in order:
                     rid = f"{setup}-{tokens}-{round_}"
                     url = servers["single" if setup == "single" else setup].url
-                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts)
+                    ttft, arrivals = streamed(client, url, rid, prompt, args.max_tokens, texts, waits)
                     pending.append((setup, tokens, rid, ttft, arrivals))
+            spans.setdefault(nice, []).append((began, time.time()))
         sent = records(client, servers["prefill"], token)
         got = records(client, servers["decode"], token)
     handoff_records.update(prefill=sent, decode=got)
@@ -237,7 +292,8 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
             sample = Sample(setup, tokens, rid, ttft, sample.second_gap_s, step,
                             prefill_s=float(out["prefill_s"]), overhead_s=joined - done,
                             overlap=into.get("overlap"), node_gap_s=into.get("first_to_second_s"),
-                            reach_s=reached, install_s=into.get("install_s"))
+                            reach_s=reached, install_s=into.get("install_s"), encode_s=out.get("encode_s"),
+                            first_byte_s=into.get("first_byte_s"), body_s=into.get("body_s"))
         samples.append(sample)
     if background is not None and gaps:
         busy = list(windows.values())
@@ -250,6 +306,30 @@ def measure(args: argparse.Namespace, servers: dict[str, Node], pool: list[int],
                                  "stall_joined_steps": joined_stall(gaps, windows[s.request_id])})
                        for s in samples]
     return samples
+
+
+def token_times(node: Node, token: str, since: float) -> dict[str, Any]:
+    """The node's `GET /internal/token_times?since=` body ({} from a node too old to have it)."""
+    response = httpx.get(f"{node.url}/internal/token_times", params={"since": since},
+                         headers={"X-Statecore-Token": token}, timeout=60)
+    return response.json() if response.status_code == 200 else {}
+
+
+def hop_times(servers: dict[str, Node], token: str, background: BackgroundStreams,
+              since: float) -> dict[str, dict[str, list[float]]]:
+    """The background streams' tokens at each hop (`hop_gaps.node_hops`): the decode node's loop
+    and writer, the stream router's loop and writer, the client."""
+    decode = token_times(servers["decode"], token, since)
+    router = token_times(servers["stream"], token, since)
+    if not decode or not router:
+        print("# a node has no /internal/token_times (an older src/): no per-hop gaps")
+        return {}
+    client = {rid: list(times) for rid, times in background.by_request.items()}
+    oldest = min((t[0] for t in decode.get("applied", {}).values() if t), default=since)
+    if oldest > since + 60:
+        print(f"# the decode node's ring starts {oldest - since:.0f} s into the run: the earliest gaps are "
+              "missing from the per-hop figures")
+    return node_hops(decode, router, client, client)
 
 
 def joined_step(gaps: list[tuple[float, float]], window: tuple[float, float]) -> float | None:
@@ -290,6 +370,15 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
                     "overlap": med(s.overlap or 0.0 for s in some),
                     "reach_ms": _median_ms(s.reach_s for s in some),
                     "install_ms": _median_ms(s.install_s for s in some),
+                    "encode_ms": _median_ms(s.encode_s for s in some),
+                    "first_byte_ms": _median_ms(s.first_byte_s for s in some),
+                    "body_ms": _median_ms(s.body_s for s in some),
+                    # the overhead less the GET and the install: the first token's way to the
+                    # router and the decode node, the decode node's admission, the waits between
+                    "relay_ms": _median_ms(None if s.first_byte_s is None or s.body_s is None
+                                           or s.install_s is None or s.overhead_s is None
+                                           else s.overhead_s - s.first_byte_s - s.body_s - s.install_s
+                                           for s in some),
                     "node_gap_ms": med(s.node_gap_s for s in some if s.node_gap_s is not None) * 1e3
                     if any(s.node_gap_s is not None for s in some) else None,
                     "stall_steps_max": max((s.stall_steps for s in some if s.stall_steps is not None),
@@ -331,6 +420,15 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"| {m['step_ms']:.1f} "
                   f"| {_cell(m, 'overlap', '.2f')} | {_cell(m, 'stall_steps_max', '.2f')} "
                   f"| {_cell(m, 'stall_joined_steps_max', '.2f')} |")
+    for tokens, row in summary.items():
+        pull = row.get("pull")
+        if pull and pull.get("first_byte_ms") is not None:
+            print(f"\npull, {tokens} tokens, medians (ms): overhead {pull['overhead_ms']:.1f} = GET to "
+                  f"its head {pull['first_byte_ms']:.1f} (the export {_cell(pull, 'encode_ms', '.1f')} in "
+                  f"it) + body "
+                  f"{pull['body_ms']:.1f} + install {_cell(pull, 'install_ms', '.1f')} + the rest "
+                  f"{_cell(pull, 'relay_ms', '.1f')} (the first token to the router and on to the decode "
+                  "node, its admission, the waits between)")
     print(f"\ntargets: overhead / prefill <= {OVERHEAD_TARGET} at >= 2,000 tokens; 1st->2nd <= "
           f"{GAP_TARGET_STEPS:g} steps; TTFT / single <= {TTFT_TARGET} (concurrency 1)")
 
@@ -352,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the routers' and the clients' cores (default: the prefill node's, idle "
                              "once its prefill is done; but a pull's export, or the last pieces' "
                              "copy, runs there in the window)")
+    parser.add_argument("--engine-nice", type=int, default=0, metavar="N",
+                        help="the threads of the engine nodes on the routers' and the clients' cores "
+                             "at this nice value (they stay at 0): whether the streams' delivery on "
+                             "a shared core needs the front end ahead of the engines")
+    parser.add_argument("--engine-nice-alternate", type=int, default=0, metavar="N",
+                        help="odd rounds with the engine nodes at nice N, even ones at --engine-nice: "
+                             "the per-hop gaps for each, in one run (give an even --rounds)")
     parser.add_argument("--node-arg", action="append", default=[], help="extra flag for every engine node")
     parser.add_argument("--decode-arg", action="append", default=[],
                         help="extra flag for the decode node only, after --node-arg's (e.g. a KV "
@@ -382,11 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     pool = sorted(set(prompt_pool(model, 4096)))  # the corpus's distinct ids
     print(f"# handoff overhead: model {model}; lengths {args.lengths}; {args.rounds} rounds; "
           f"cpus {args.cpus} (routers, clients {args.clients_cpus or (args.cpus or [None])[0]}) "
-          f"gpus {args.gpus}")
+          f"gpus {args.gpus}; engine nodes at nice {args.engine_nice}")
     print(f"# {machine()}; {started:%Y-%m-%d %H:%M} UTC; logs {logs}")
     servers: dict[str, Node] = {}
     background: BackgroundStreams | None = None
     handoff_records: dict[str, Any] = {}
+    windows: dict[str, tuple[float, float]] = {}
+    hops: dict[str, Any] = {}  # by the engine nodes' nice value
+    spans: dict[int, list[tuple[float, float]]] = {}
+    waits: list[tuple[float, float]] = []  # each prompt's prefill (and handoff): sent -> first token
+    hop_moments: dict[str, dict[str, list[float]]] = {}  # the background streams' tokens at each hop
     try:
         servers = start(model, logs, token, args)
         if args.background_streams:
@@ -398,7 +508,17 @@ def main(argv: list[str] | None = None) -> int:
         # not adapters.heap: the nodes may run an older src/ that has none)
         gc.collect()
         gc.freeze()
-        samples = measure(args, servers, pool, token, background, handoff_records)
+        since = time.time()
+        samples = measure(args, servers, pool, token, background, handoff_records, windows, spans, waits)
+        if background is not None:
+            times = hop_times(servers, token, background, since)
+            hop_moments.update(times)
+            # per nice value of the engine nodes when they alternate, else the whole run
+            for nice, stretches in spans.items() if len(spans) > 1 else [(args.engine_nice, [])]:
+                rows = by_hop(within(times, stretches) if stretches else times, list(windows.values()),
+                              waits)
+                if rows:
+                    hops[str(nice)] = rows
     finally:
         if background is not None:
             background.stop()
@@ -406,12 +526,20 @@ def main(argv: list[str] | None = None) -> int:
             node.stop()
     summary = summarize(samples)
     print_table(summary)
+    for nice, rows in hops.items():
+        print(f"\nthe background streams' gaps per hop, engine nodes at nice {nice}, in the decode "
+              "engine's step (GET /internal/token_times; in = overlapping a handoff window, prefill done "
+              "-> joined + 1 s):")
+        print(hop_table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine(), "date": started.isoformat(), "argv": sys.argv,
                                         "model": str(model), "summary": summary,
                                         "samples": [asdict(s) for s in samples],
                                         "handoff_records": handoff_records,
+                                        # the streams' gaps per hop (bench/handoff/hop_gaps.py)
+                                        "hops": hops, "windows": windows, "spans": spans, "waits": waits,
+                                        "hop_moments": hop_moments,
                                         # each background stream's token arrivals (wall clock; NaN
                                         # between two of its requests): where a stall fell
                                         "background_arrivals": background.arrivals if background else []},

@@ -234,6 +234,9 @@ class Trace:
     output_tokens: int = 0
     error: str | None = None
     cut: bool = False  # a decode stream the bench ended (closed) after the window
+    # a decode stream's tokens on its engine node (its loop applying each step's tokens, from
+    # `GET /internal/token_times`), on the same clock: where the client's gaps were made
+    engine_times: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -348,6 +351,26 @@ def decode_gaps(run: RunTrace) -> list[tuple[float, float]]:
             for a, b in zip(t.chunk_times, t.chunk_times[1:], strict=False)]
 
 
+def engine_gaps(run: RunTrace) -> list[tuple[float, float]]:
+    """(moment, gap) of every decode step's tokens after a decode stream's second on its engine node
+    (the first is its prefill's), all streams; none where the nodes had no `/internal/token_times`."""
+    return [(b, b - a) for t in run.decode for a, b in zip(t.engine_times, t.engine_times[1:], strict=False)]
+
+
+def read_engine_times(run: RunTrace, decoders: Sequence[Server], token: str) -> None:
+    """Each decode stream's `engine_times` from the engine nodes it may have decoded on."""
+    applied: dict[str, list[float]] = {}
+    for server in decoders:
+        response = httpx.get(f"{server.url}/internal/token_times", headers={TOKEN_HEADER: token},
+                             params={"since": run.started + run.wall_minus_perf}, timeout=30)
+        if response.status_code != 200:
+            continue  # an older src/ without it
+        for rid, moments in response.json().get("applied", {}).items():
+            applied.setdefault(rid, []).extend(moments)
+    for t in run.decode:
+        t.engine_times = sorted(moment - run.wall_minus_perf for moment in applied.get(t.request_id, []))
+
+
 def step_s(run: RunTrace) -> float | None:
     """The decode step: the median gap of the decode streams whose ending chunk falls outside
     the window (before the first long prompt, after the last one finished)."""
@@ -411,6 +434,14 @@ def run_metrics(run: RunTrace, slo: Slo, alone: Slo | None = None,
         metrics[f"gap_window_{name}_ms"] = None if v is None else v * MS
     metrics["gap_window_max_ms"] = max(window) * MS if window else None
     metrics["gap_window_count"] = len(window)
+    # the same streams' gaps where the engine made them (the decode node's loop applying a step)
+    engine = engine_gaps(run)
+    inside = [gap for end, gap in engine if run.window_start <= end <= run.window_end]
+    outside = [gap for end, gap in engine if not run.window_start <= end <= run.window_end]
+    engine_p99 = percentile(inside, 99)
+    metrics["engine_gap_window_p99_ms"] = None if engine_p99 is None else engine_p99 * MS
+    metrics["engine_gap_window_max_ms"] = max(inside) * MS if inside else None
+    metrics["engine_step_ms"] = statistics.median(outside) * MS if outside else None
     step = step_s(run)
     metrics["step_ms"] = None if step is None else step * MS
     ok_long = [t for t in run.long if t.ok]
@@ -530,7 +561,7 @@ def trace_json(run: RunTrace) -> dict[str, Any]:
         return {"request_id": t.request_id, "kind": t.kind, "prompt_tokens": t.prompt_tokens,
                 "max_tokens": t.max_tokens, "output_tokens": t.output_tokens, "error": t.error,
                 "sent": rel(t.sent), "ended": rel(t.ended), "cut": t.cut,
-                "chunks": [rel(c) for c in t.chunk_times]}
+                "chunks": [rel(c) for c in t.chunk_times], "engine": [rel(c) for c in t.engine_times]}
 
     return {"window": [rel(run.window_start), rel(run.window_end)],
             "started_wall": run.started + run.wall_minus_perf,
@@ -542,7 +573,8 @@ def trace_from_json(setup: str, rep: int, doc: dict[str, Any]) -> RunTrace:
 
     def one(t: dict[str, Any]) -> Trace:
         return Trace(t["request_id"], t["kind"], t["prompt_tokens"], t["max_tokens"], t["sent"], t["ended"],
-                     list(t["chunks"]), t["output_tokens"], t["error"], t.get("cut", t["kind"] == "decode"))
+                     list(t["chunks"]), t["output_tokens"], t["error"], t.get("cut", t["kind"] == "decode"),
+                     list(t.get("engine", [])))
 
     start, end = doc["window"]
     return RunTrace(setup, rep, 0.0, float(doc["started_wall"]), start, end,
@@ -574,6 +606,9 @@ ROWS = (
     ("gap_window_p99_ms", "stream gap p99 in window (ms)", 1),
     ("gap_window_max_ms", "stream gap max in window (ms)", 1),
     ("gap_window_p50_ms", "stream gap p50 in window (ms)", 1),
+    ("engine_gap_window_p99_ms", "engine's stream gap p99 in window (ms)", 1),
+    ("engine_gap_window_max_ms", "engine's stream gap max in window (ms)", 1),
+    ("engine_step_ms", "engine's step: gap p50 outside (ms)", 1),
     ("step_ms", "step: stream gap p50 outside (ms)", 1),
     ("ttft_long_p50_ms", "long TTFT p50 (ms)", 0),
     ("ttft_long_p99_ms", "long TTFT p99 (ms)", 0),
@@ -655,8 +690,10 @@ def run_line(m: dict[str, Any], moved: dict[str, dict[str, float]]) -> str:
     nodes = "; ".join(f"{n}: " + ", ".join(f"{k.removeprefix('prompt_tokens_')} {v:.0f}"
                                             for k, v in sorted(c.items()) if k.startswith("prompt_tokens_"))
                       for n, c in moved.items())
-    return (f"gap in window p99/max {num('gap_window_p99_ms')}/{num('gap_window_max_ms')} ms, step "
-            f"{num('step_ms', 1)} ms; long TTFT p50 {num('ttft_long_p50_ms')} ms; 1st->2nd "
+    return (f"gap in window p99/max {num('gap_window_p99_ms')}/{num('gap_window_max_ms')} ms (engine's "
+            f"{num('engine_gap_window_p99_ms')}/{num('engine_gap_window_max_ms')}), step "
+            f"{num('step_ms', 1)} ms (engine's {num('engine_step_ms', 1)}); long TTFT p50 "
+            f"{num('ttft_long_p50_ms')} ms; 1st->2nd "
             f"{num('second_token_gap_median_ms')} ms ({num('second_token_gap_median_steps', 1)} steps); "
             f"{num('output_tok_s', 1)} tok/s; good {m['good']}/{m['requests']} (strict {m['good_strict']}); "
             f"window {num('window_s', 1)} s, streams covering it {m['decode_streams_covering_window']}; "
@@ -949,6 +986,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             long_interval_s=args.long_interval,
                                             timeout_s=args.request_timeout, tail_s=tail))
                 moved = delta(node_counters(setup.engines), before)
+                read_engine_times(run, setup.decoders, token)
                 metrics = run_metrics(run, slo, alone, args.slo_scales)
                 long_tokens = sum(t.prompt_tokens for t in run.long if t.ok)
                 problem = check_routing(setup, moved, long_tokens)

@@ -13,8 +13,9 @@ the node does not make that hop): the first token written to the stream (the pre
 end); the last piece handed out by the prefill's device thread; then, after it, that piece put into
 the prefill core's shared memory (an engine core process's) and its record written to the stream by
 the prefill node's front end; on the decode node, the last piece handed to its engine (front end),
-reaching the engine core process, taken or staged; the install asked by the front end; the join; and
-the decode's first step after it.
+reaching the engine core process, taken or staged; the install asked by the front end; a pull's
+export asked and done on the prefill node, and its payload checked and built on the decode node;
+the join; and the decode's first step after it.
 
 Bench code: may import anything; nothing under src/ imports it.
 """
@@ -31,6 +32,7 @@ WINDOW_S = 0.5  # a handoff's hops all come this soon after its first token (one
 JOINS = ("Joining.join", "Performer.join")  # the join's name now, and before adapters.mlx.joining
 STAGES = ("Joining.stage", "Performer.stage", "device_pieces.take", "StagedSlots.stage")
 PREFILL, DECODE = ("prefill", "prefill-core"), ("decode", "decode-core")
+EXPORTS = ("MlxEngine.export_held", "ProcessEngine.export_held")
 # (column, names, roles, which: the first after the last piece was handed out, or the last before the
 # join; its start or end)
 HOPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str, str], ...] = (
@@ -44,15 +46,20 @@ HOPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...], str, str], ...] = (
     ("staged", STAGES, DECODE, "last", "end"),
     ("install asked", ("ProcessEngine.install_segments", "MlxEngine.install_segments",
                        "ProcessEngine.install", "MlxEngine.install"), ("decode",), "last", "start"),
+    # a pull: the prefill node's export (its device thread copies the cache out), the payload
+    # checked and built on the decode node (inside its install)
+    ("export asked", EXPORTS, ("prefill",), "first", "start"),
+    ("exported", EXPORTS, ("prefill",), "first", "end"),
+    ("built", ("ArrivingKv.built_payload",), DECODE, "last", "end"),
 )
 COLUMNS = (*(hop[0] for hop in HOPS), "joined", "first step")
 
 Call = tuple[str, float, float, str, str]  # name, start s, ms, thread, role
 
 
-def hops(calls: list[Call], told_at: float) -> tuple[bool, list[float | None]]:
+def hops(calls: list[Call], told_at: float, window_s: float = WINDOW_S) -> tuple[bool, list[float | None]]:
     """One handoff's hops after `told_at` (seconds), and whether its pieces were streamed."""
-    window = [call for call in calls if told_at <= call[1] <= told_at + WINDOW_S]
+    window = [call for call in calls if told_at <= call[1] <= told_at + window_s]
     joined = next((call[1] for call in window if call[0] in JOINS and call[4] in DECODE), None)
     if joined is None:
         return False, [None] * len(COLUMNS)
@@ -79,6 +86,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
     parser.add_argument("--rows", action="store_true", help="every handoff's row, not only the medians")
+    parser.add_argument("--window-ms", type=float, default=WINDOW_S * 1000,
+                        help="how long after its first token a handoff's hops may come (a loaded box: more)")
     args = parser.parse_args()
     processes = read(args.directory)
     calls: list[Call] = sorted(((name, start, ms, thread, role) for role, found in processes.values()
@@ -91,7 +100,7 @@ def main() -> None:
     # last telling before its join, not the earlier steps of a long prompt
     last_before: dict[float, tuple[float, bool, list[float | None]]] = {}
     for told_at in told:
-        streamed, row = hops(calls, told_at)
+        streamed, row = hops(calls, told_at, args.window_ms / 1000)
         joined = row[-2]
         if joined is None:
             continue  # no join followed: a warm-up's or a request that ended at its first token

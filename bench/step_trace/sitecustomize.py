@@ -31,7 +31,8 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.kv.shm_outbox": [("ShmOutbox", "put"), ("ShmOutbox", "reserve")],
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],
     "adapters.mlx.engine": [("MlxEngine", "prefill"), ("MlxEngine", "install"),
-                            ("MlxEngine", "receive_segment"), ("MlxEngine", "install_segments")],
+                            ("MlxEngine", "receive_segment"), ("MlxEngine", "install_segments"),
+                            ("MlxEngine", "export_held")],
     "adapters.mlx.core_client": [("ProcessEngine", "receive_segment"), ("ProcessEngine", "install_segments")],
     "adapters.mlx.core_link": [("CoreLink", "_dispatch")],
     "adapters.mlx.core_kv": [("CoreKv", "share")],
@@ -46,7 +47,9 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.device_read": [(None, "read"), ("Reads", "settle")],
     "adapters.kv.frames": [(None, "end_frame")],
     "adapters.kv.stream": [(None, "document_record"), (None, "shared_segment_record"), (None, "read_record")],
-    "adapters.mlx.arriving": [("ArrivingKv", "receive"), ("ArrivingKv", "_keep")],
+    # a pulled payload checked and built on the decode node (its install's first part)
+    "adapters.mlx.arriving": [("ArrivingKv", "receive"), ("ArrivingKv", "_keep"),
+                              ("ArrivingKv", "built_payload")],
     # a streamed handoff's join on a decode node: its pieces staged, its install, its first steps
     "adapters.mlx.joining": [("Joining", "join"), ("Joining", "stage")],
     "adapters.mlx.staging": [("StagedSlots", "stage"), ("StagedSlots", "write_some"),

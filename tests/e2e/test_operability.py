@@ -258,3 +258,29 @@ def test_a_local_cluster_hands_its_flags_to_every_node(tmp_path: Path) -> None:
     finally:
         assert cluster.stop() == 0, cluster.tail()
 
+
+
+def test_token_times_name_a_streams_tokens_where_they_passed(cluster: Cluster) -> None:
+    """`GET /internal/token_times` on the decode node and the router: a streamed request's decoded
+    tokens, applied then read on each, in the order they travelled (the decode node's line before
+    the router read it)."""
+    rid = f"times-{uuid.uuid4().hex[:12]}"
+    since = time.time()
+    with httpx.stream("POST", f"{cluster.router.url}/v1/completions", timeout=60,
+                      headers={"X-Request-Id": rid},
+                      json={"prompt": STORY, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as response:
+        assert response.status_code == 200
+        chunks = [line for line in response.iter_lines() if line.startswith("data:") and '"text"' in line]
+    assert chunks
+    decode, router = ({k: v.get(rid, []) for k, v in httpx.get(
+        f"{node.url}/internal/token_times", params={"since": since}, timeout=5.0).json().items()
+        if isinstance(v, dict)} for node in (cluster.decode[0], cluster.router))
+    # the first token is the prefill's: no decode step applies it; the router writes it, and the
+    # decode node too where it took a streamed handoff (a pulled one's reached the router directly)
+    assert len(decode["applied"]) == len(router["applied"]) == 7
+    assert len(router["read"]) == 8
+    first = len(decode["read"]) - 7
+    assert first in (0, 1), decode
+    for i, applied in enumerate(decode["applied"]):
+        assert applied <= decode["read"][i + first] <= router["applied"][i] <= router["read"][i + 1]

@@ -54,6 +54,7 @@ from adapters.serve.handoff_modes import HandoffModes
 from adapters.serve.listeners import listener_url
 from adapters.serve.logs import RequestLines, RetryLines, log_transitions, quiet_peer_changes
 from adapters.tls import TlsFiles, certificate_refused, client_context
+from adapters.token_times import TokenTimes
 from effects.engine_port import EngineLiveness
 from effects.faults import Faults
 from effects.handoffs import HandoffLog
@@ -377,6 +378,8 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
     kv_buffer_bytes = (lambda: peers.receive_buffers.kept_bytes) if peers is not None else None
     metrics.watch(runner, engine=engine, handoffs=handoffs, kv_buffer_bytes=kv_buffer_bytes,
                   prefix_pulls=None if prefix_pull is None else prefix_pull.statistics)
+    token_times = TokenTimes()
+    runner.instruments.add(token_times)
     live = LiveView(role, runner, metrics.registry)
     warnings = warn_if_exposed(listener, args.internal_token, role)
     api = NodeApi(role, engine, runner, performer, token=args.internal_token, max_live=args.max_in_flight,
@@ -390,11 +393,12 @@ async def run_engine_node(args: argparse.Namespace, role: str, listener: socket.
         frontend = load_frontend(model, local_backend(runner, performer, max_live=args.max_in_flight), args)
         frontend.faults = faults
         frontend.warnings = warnings
-        app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes()], api.health)
+        app = _public_app(frontend, args, [*api.routes(), metrics.route(), *live.routes(),
+                                           token_times.route(args.internal_token)], api.health)
         lines.instrument(app)
     else:
         app = Starlette(routes=[Route("/health", api.health, methods=["GET"]), *api.routes(),
-                                metrics.route(), *live.routes()])
+                                metrics.route(), *live.routes(), token_times.route(args.internal_token)])
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
@@ -538,6 +542,8 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     runner.instruments.add(RetryLines())
     metrics = Metrics("router")
     metrics.watch(runner, peers=peer_set)
+    token_times = TokenTimes()
+    runner.instruments.add(token_times)
     live = LiveView("router", runner, metrics.registry, peers=peer_set)
     backend = router_backend(runner, performer, lambda: info, local_prefill_below=threshold,
                              max_live=args.max_in_flight, faults=faults)
@@ -558,7 +564,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
                 "model": info_json(info)["name"], "local_prefill_below": threshold}
 
     app = _public_app(frontend, args, [_stats_route(args.internal_token, stats), metrics.route(),
-                                       *live.routes()])
+                                       *live.routes(), token_times.route(args.internal_token)])
     lines.instrument(app)
     try:
         async with trio.open_nursery() as nursery:
