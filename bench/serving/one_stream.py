@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--base-src", type=Path, default=None,
                         help="also single nodes running this src/ tree (e.g. main's, for a before)")
+    parser.add_argument("--env-variant", action="append", default=[], metavar="LABEL:NAME=VALUE,...",
+                        help="also this tree's nodes with these environment settings on top, named "
+                             "LABEL-<variant> (repeatable), e.g. t1:OPENBLAS_NUM_THREADS=1")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     parser.add_argument("--statecore-arg", action="append", default=[],
                         help="an extra flag for the single nodes")
@@ -147,12 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     drafting = [] if draft_model is None else [
         "--draft-model", str(draft_model), "--num-draft-tokens", str(args.num_draft_tokens)]
     py = sys.executable
-    trees = [("sc", ROOT / "src")]
+    trees: list[tuple[str, Path, dict[str, str]]] = [("sc", ROOT / "src", {})]
     if args.base_src is not None:
-        trees.append(("base", args.base_src.resolve()))
+        trees.append(("base", args.base_src.resolve(), {}))
+    for text in args.env_variant:
+        label, _, settings = text.partition(":")
+        pairs = [setting.partition("=") for setting in settings.split(",") if setting]
+        if not label.isidentifier() or label in ("sc", "base", "mlx_lm") or not pairs or not all(
+                name and sep for name, sep, _ in pairs):
+            parser.error(f"--env-variant takes LABEL:NAME=VALUE[,NAME=VALUE...], not {text!r}")
+        trees.append((label, ROOT / "src", {name: value for name, _, value in pairs}))
     wanted: list[tuple[str, Path | None, list[str]]] = [("mlx_lm", None, drafting)]
     wanted += [(f"{tree}-{variant}", src, [*(drafting if variant == "draft" else VARIANTS[variant])])
-               for tree, src in trees for variant in variants]
+               for tree, src, _ in trees for variant in variants]
+    tree_env = {f"{tree}-{variant}": env for tree, _, env in trees for variant in variants}
     servers: list[Server] = []
     for name, src, flags in wanted:
         port = free_port()
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                             "num_draft_tokens": args.num_draft_tokens, "prompt_tokens": args.prompt_tokens,
                             "max_tokens": args.max_tokens, "rounds": args.rounds, "variants": variants,
                             "workloads": workloads, "base_src": str(args.base_src),
-                            "statecore_args": args.statecore_arg, "round_loads": []}
+                            "statecore_args": args.statecore_arg, "env_variants": args.env_variant,
+                            "round_loads": []}
     # a `timeout` (SIGTERM) ends the run through the `finally` below: the servers stop too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             env, blas = server_env(args.blas, "mlx_lm" if src is None else "single")
             if src is not None:
                 env["PYTHONPATH"] = os.pathsep.join([str(src), *env["PYTHONPATH"].split(os.pathsep)[1:]])
+                env.update(tree_env[server.name])
             meta["blas"] = blas
             server.start(env)
         for server in servers:
@@ -257,7 +270,8 @@ def edit_prompt(chat: list[int], max_tokens: int) -> list[int]:
 
 def pairs_of(names: list[str]) -> list[tuple[str, str]]:
     """The ratios reported: each node against mlx_lm.server, a tree's speculation against its own
-    decoding without it, and this tree's variants against the base tree's."""
+    decoding without it, and this tree's variants against the base tree's and against this tree's
+    with another environment (`--env-variant`)."""
     pairs = [(name, "mlx_lm") for name in names if name != "mlx_lm"]
     for name in names:
         tree, _, variant = name.partition("-")
@@ -265,6 +279,8 @@ def pairs_of(names: list[str]) -> list[tuple[str, str]]:
             pairs.append((name, f"{tree}-off"))
         if tree == "sc" and f"base-{variant}" in names:
             pairs.append((name, f"base-{variant}"))
+        if tree not in ("sc", "base", "mlx_lm") and f"sc-{variant}" in names:
+            pairs.append((name, f"sc-{variant}"))
     return pairs
 
 

@@ -5,6 +5,8 @@ choice), warms it, then runs py-spy against its pid for --duration seconds while
 bench/clients/serve_bench.py's load generator keeps --concurrency streaming requests in flight. Writes
 py-spy's raw collapsed stacks (profile.txt, flamegraph.pl's input), and prints the top
 functions by own ("self") samples and by inclusive samples, per thread, to stdout and top.txt.
+Then the CPU each of the node's threads used over the whole load (/proc/<pid>/task: the trio event
+loop is the main thread), per output token.
 
     .venv/bin/python bench/serving/profile_single.py --model DIR --concurrency 32 --duration 20
 
@@ -130,6 +132,36 @@ def device_time_report(before: dict[str, tuple[int, float]], after: dict[str, tu
     return "\n".join(lines)
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """{tid: (thread name, user + system CPU seconds so far)} of a process (/proc)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        found[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def thread_cpu_report(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], pid: int,
+                      tokens: int) -> str:
+    """CPU per thread over the load (the main thread is trio's event loop), and per output token."""
+    used = sorted(((after[t][1] - before.get(t, ("", 0.0))[1], t, after[t][0]) for t in after), reverse=True)
+    lines = [f"CPU per thread over the load ({tokens} output tokens): seconds, ms per token"]
+    for seconds, tid, name in used:
+        if seconds >= 0.05:
+            role = "event loop (main thread)" if tid == pid else name
+            lines.append(f"  {role:28s} {seconds:8.2f} s {1000 * seconds / max(tokens, 1):7.3f} ms")
+    total = sum(seconds for seconds, _, _ in used)
+    lines.append(f"  {'all threads':28s} {total:8.2f} s {1000 * total / max(tokens, 1):7.3f} ms")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native", action="store_true",
                         help="py-spy --native: C/C++ frames too (where MLX's own calls spend their "
                              "time); pauses the node at each sample, so use a low --rate")
+    parser.add_argument("--busy-only", action="store_true",
+                        help="py-spy without --idle: only samples of threads that are running")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment setting for the node (repeatable), e.g. OPENBLAS_NUM_THREADS=1")
     parser.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto")
     spy_default = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     parser.add_argument("--py-spy", default=spy_default, help="the py-spy executable")
@@ -160,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     args.out.mkdir(parents=True, exist_ok=True)
     env, blas = server_env(args.blas)
+    env.update(setting.split("=", 1) for setting in args.env)
     maker = PromptMaker(load_tokenizer(model))
     (server,) = make_servers(model, args.out, ["single"], args.statecore_arg)
     server.start(env)
@@ -172,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         assert server.proc is not None
         raw = args.out / "profile.txt"
         spy = [args.py_spy, "record", "--pid", str(server.proc.pid), "--duration", str(args.duration),
-               "--rate", str(args.rate), "--idle", "--threads"]
+               "--rate", str(args.rate), "--threads", *([] if args.busy_only else ["--idle"])]
         spy += ["--gil"] if args.gil else []
         # Native frames need the process paused at each sample (it perturbs; keep the rate low).
         spy += ["--native"] if args.native else ["--nonblocking"]
@@ -186,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             result.update(summarize(results, wall))
 
         loader = threading.Thread(target=load)
+        cpu_before = thread_cpu(server.proc.pid)
         loader.start()
         time.sleep(3)  # let the batch fill, then sample
         try:
@@ -195,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             done.set()  # send nothing more; in-flight requests finish
             loader.join()
-        summary = top_functions(raw, args.duration * args.rate) + "\n" + device
+        tokens = int(str(result.get("output_tokens") or 0))
+        cpu = thread_cpu_report(cpu_before, thread_cpu(server.proc.pid), server.proc.pid, tokens)
+        summary = top_functions(raw, args.duration * args.rate) + "\n" + device + "\n" + cpu
         header = (f"model {model} BLAS {blas}; load: {mix.name} at "
                   f"concurrency {args.concurrency}; output {result.get('output_tok_s')} tok/s; "
                   f"py-spy {args.duration} s at {args.rate} Hz{' (GIL holder only)' if args.gil else ''}\n")

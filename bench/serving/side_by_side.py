@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ from benchlib import (
     summarize,
 )
 
-from adapters.blas import child_pids
+from adapters.blas import blas_of_process_tree, child_pids
 
 
 async def _greedy_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
@@ -143,14 +143,16 @@ def _ratios(cell: dict[str, list[RunResult]], a: str, b: str) -> str:
                     for key, _ in _RATIOS)
 
 
-def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str]) -> str:
+def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str],
+          variants: Sequence[Variant] = ()) -> str:
     pairs = [(a, b) for a, b in (("single", "mlx_lm"), ("cluster", "single"), ("base", "mlx_lm"),
                                  ("single", "base")) if a in names and b in names]
+    pairs += [(v.label, b) for v in variants for b in ("mlx_lm", v.kind) if b in names]
     lines = []
     head = f"{'mix':9s} {'conc':>4s} | " + " | ".join(
         f"{n:>7s} tok/s  TTFT50 ms  ITL50 ms  ITL99 ms TPOT50 ms CPU ms/tok fail" for n in names)
     for a, b in pairs:
-        head += f" | {a[0]}/{b[0]}: " + " ".join(f"{label:>7s}" for _, label in _RATIOS)
+        head += f" | {a}/{b}: " + " ".join(f"{label:>7s}" for _, label in _RATIOS)
     lines.append(head)
     for mix, c in cells:
         cell = {n: [r for r in runs if r.server == n and r.mix == mix.name and r.concurrency == c]
@@ -170,6 +172,28 @@ def table(runs: list[RunResult], cells: list[tuple[Mix, int]], names: list[str])
             line += f" | {' ' * 5}{_ratios(cell, a, b)}"
         lines.append(line)
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One more statecore server of this tree (`kind`: single or cluster), named `label`, with
+    `env` on top of the others' environment: an environment setting's A/B in one run."""
+
+    label: str
+    kind: str
+    env: dict[str, str]
+
+
+def parse_variant(text: str) -> Variant:
+    """LABEL=KIND:NAME=VALUE[,NAME=VALUE...], e.g. t2=single:OPENBLAS_NUM_THREADS=2."""
+    label, _, rest = text.partition("=")
+    kind, _, settings = rest.partition(":")
+    pairs = [setting.partition("=") for setting in settings.split(",") if setting]
+    if (not label.isidentifier() or label in SERVERS or label == "base" or kind not in ("single", "cluster")
+            or not pairs or any(not name or not sep for name, sep, _ in pairs)):
+        raise argparse.ArgumentTypeError(
+            f"--variant takes LABEL=single:NAME=VALUE[,NAME=VALUE...] (or cluster:...), not {text!r}")
+    return Variant(label, kind, {name: value for name, _, value in pairs})
 
 
 def _int_list(text: str) -> list[int]:
@@ -212,6 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-arg", action="append", default=[],
                         help="extra flag for 'base' only (repeatable; with --base-src src, a flag's A/B in "
                         "one run), e.g. --base-arg=--keep-conversations=off")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        metavar="LABEL=KIND:NAME=VALUE,...",
+                        help="one more single node or cluster of this tree named LABEL, with these "
+                        "environment settings on top (repeatable), e.g. t2=single:OPENBLAS_NUM_THREADS=2: "
+                        "reported against mlx_lm.server and against its KIND")
     parser.add_argument("--no-parity", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "side_by_side")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -237,6 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         base.name, base.log = "base", args.out / "base.log"
         servers.append(base)
         names.append("base")
+    variants: list[Variant] = args.variant
+    for variant in variants:
+        (server,) = make_servers(model, args.out, [variant.kind], args.statecore_arg)
+        server.name, server.log = variant.label, args.out / f"{variant.label}.log"
+        servers.append(server)
+        names.append(variant.label)
+    if len(set(names)) < len(names):
+        raise SystemExit(f"two servers share a name: {names}")
     runs: list[RunResult] = []
     if bad := [setting for setting in args.statecore_env if "=" not in setting]:
         raise SystemExit(f"--statecore-env takes NAME=VALUE, not {bad}")
@@ -253,10 +290,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env[name] = value
             base.start(env)
             meta["base_src"], meta["base_args"] = str(args.base_src), args.base_arg
-        start_all([s for s in servers if s is not base], args.blas, args.startup_timeout, meta,
-                  args.statecore_env)
-        if base is not None:
-            base.wait_ready(args.startup_timeout)
+        by_label = {v.label: v for v in variants}
+        for s in servers:
+            if s.name in by_label:
+                env = server_env(args.blas, by_label[s.name].kind)[0]
+                env.update(setting.split("=", 1) for setting in args.statecore_env)
+                env.update(by_label[s.name].env)
+                s.start(env)
+        start_all([s for s in servers if s is not base and s.name not in by_label], args.blas,
+                  args.startup_timeout, meta, args.statecore_env)
+        for s in servers:
+            if s is base or s.name in by_label:
+                s.wait_ready(args.startup_timeout)
+        meta["blas_used"] = {s.name: blas_of_process_tree(s.proc.pid) for s in servers if s.proc}
+        meta["variants"] = [asdict(v) for v in variants]
         print(f"BLAS in use (/proc/<pid>/maps): {meta['blas_used']}", flush=True)
         meta["startup_s"] = time.monotonic() - t0
         print(f"servers ready in {meta['startup_s']:.0f} s: "
@@ -312,13 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in servers:
             s.stop()
     meta["wall_s"] = time.monotonic() - t0
-    text = table(runs, cells, names)
+    text = table(runs, cells, names, variants)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]},
                                                       indent=1))
     (args.out / "table.txt").write_text(text + "\n")
     plot_runs(runs, args.out / "results.png", f"{Path(model).name} BLAS={blas} (median of reps)")
     print("\n" + text)
-    print(f"\nratios: s/m = statecore single / mlx_lm.server; c/s = cluster / single. "
+    print(f"\nratios: single/mlx_lm = statecore single / mlx_lm.server, and so on (medians of the reps). "
           f"Total {meta['wall_s']:.0f} s. Wrote {args.out}/results.json, table.txt, results.png")
     return 0
 

@@ -5,9 +5,12 @@ OpenBLAS preloaded with `LD_PRELOAD` interposes it and makes prefill ~3-11x fast
 linker reads `LD_PRELOAD` only when a process starts, so `apply_blas_choice` re-executes the
 process (same pid, same command line) with it set, before mlx is imported. The two BLAS differ in
 the last bits of float32 results, so every node of a cluster must use the same one: `blas_in_use`
-names it for /internal/info and for the engine's model fingerprint. A node leaves one core to its
-Python threads (`blas_threads`): OpenBLAS's idle workers spin for a while after each call, and
-on a small box they took the core the step's build and the front end needed. Everything but `blas_in_use`
+names it for /internal/info and for the engine's model fingerprint. OpenBLAS's threads
+(`blas_thread_env`): a node computes on its share of the cores of its affinity mask (a local
+cluster's two engine nodes share the box's) less the one its Python keeps, and an idle OpenBLAS
+worker sleeps at once instead of spinning ~0.1 s after each call (the environment's own settings
+win). One thread and several round large matmuls differently, so the fingerprint says which
+(`blas_in_use`). Everything but `blas_in_use`
 is plain stdlib and must never import mlx (it runs before mlx loads, and in the router, which
 only needs a tokenizer); `blas_in_use` imports mlx lazily.
 """
@@ -142,16 +145,33 @@ def cpu_blas_applies() -> bool:
 
 @functools.cache
 def blas_in_use() -> str:
-    """What MLX's matmuls run on in this process: "openblas", "bundled" (the reference BLAS of
-    the Linux CPU wheel), "accelerate" (macOS CPU) or "gpu". Imports mlx. Fold it into the
-    model fingerprint: results differ in the last bits between these."""
+    """What MLX's matmuls run on in this process: "openblas" (on several threads),
+    "openblas-1thread", "bundled" (the reference BLAS of the Linux CPU wheel), "accelerate"
+    (macOS CPU) or "gpu". Imports mlx. Fold it into the model fingerprint: results differ in the
+    last bits between these (OpenBLAS on one thread and on several: a 700-token prompt's logits
+    differ; two, three and four threads agree)."""
     import mlx.core as mx
 
     if mx.default_device().type == mx.gpu:
         return "gpu"
     if sys.platform == "darwin":
         return "accelerate"
-    return "openblas" if system_openblas_mapped() else "bundled"
+    if not system_openblas_mapped():
+        return "bundled"
+    return "openblas-1thread" if openblas_threads_now() == 1 else "openblas"
+
+
+def openblas_threads_now() -> int | None:
+    """The thread count of the OpenBLAS loaded in this process (None where none answers)."""
+    import ctypes
+
+    try:
+        getter = ctypes.CDLL(None).openblas_get_num_threads
+    except (AttributeError, OSError):
+        return None
+    getter.argtypes, getter.restype = [], ctypes.c_int
+    count: int = getter()
+    return count
 
 
 # The decision before mlx loads: a pure function of what the process sees.
@@ -199,10 +219,13 @@ def decide_blas(
     openblas_mapped: bool,
     reexecuted: bool,
     ld_preload: str,
+    openblas_settled: bool = True,
 ) -> BlasDecision:
     """What to do about the BLAS at start. `openblas`: the system library found (None: none);
     `openblas_mapped`: a system OpenBLAS is already in the process (LD_PRELOAD at start);
-    `reexecuted`: this process already re-executed itself once (never loop)."""
+    `reexecuted`: this process already re-executed itself once (never loop); `openblas_settled`:
+    the environment already holds what OpenBLAS must load with (`blas_thread_env`), else a process
+    that preloaded it starts again to load it with that."""
     if not applies:
         return KeepProcess("n/a")
     if choice == "bundled":
@@ -214,7 +237,9 @@ def decide_blas(
         kept = [e for e in _preload_entries(ld_preload) if not is_system_openblas(e)]
         return ReexecProcess("bundled", " ".join(kept))
     if openblas_mapped:
-        return KeepProcess("openblas")
+        if openblas_settled or reexecuted:
+            return KeepProcess("openblas")
+        return ReexecProcess("openblas", ld_preload)
     if openblas is None:
         if choice == "openblas":
             return RefuseBlas(f"--blas openblas: no system OpenBLAS found (install it: {INSTALL_HINT})")
@@ -228,7 +253,8 @@ def decide_blas(
     return ReexecProcess("openblas", " ".join([str(openblas), *_preload_entries(ld_preload)]))
 
 
-def decide_blas_here(choice: BlasChoice, environ: Mapping[str, str] = os.environ) -> BlasDecision:
+def decide_blas_here(choice: BlasChoice, environ: Mapping[str, str] = os.environ,
+                     openblas_settled: bool = True) -> BlasDecision:
     """`decide_blas` with this process's facts."""
     applies = cpu_blas_applies()
     return decide_blas(
@@ -238,24 +264,42 @@ def decide_blas_here(choice: BlasChoice, environ: Mapping[str, str] = os.environ
         openblas_mapped=applies and system_openblas_mapped(),
         reexecuted=environ.get(REEXEC_MARKER_ENV) == str(os.getpid()),
         ld_preload=environ.get("LD_PRELOAD", ""),
+        openblas_settled=openblas_settled,
     )
 
 
 THREAD_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+SPIN_ENV = "OPENBLAS_THREAD_TIMEOUT"
+# OpenBLAS's floor for SPIN_ENV (log2 of the cycles an idle worker spins before it sleeps): 16
+# cycles, so a worker sleeps as soon as it has nothing to do. Its default, 28, spins ~0.1 s.
+SHORT_SPIN = "4"
 
 
-def blas_threads(cores: int, environ: Mapping[str, str]) -> int | None:
-    """How many threads OpenBLAS computes an engine node's matmuls with: one fewer than the `cores`
-    the process may run on, at least one; None where the environment already says (OpenBLAS read
-    it when it loaded). Why: OpenBLAS's idle workers spin (~0.1 s) after each call, and MLX's
-    compute thread calls it all the time, so with as many threads as cores the node's Python (the
-    step's build, the front end) waits for a core: on 2 shared cores the engine alone made
-    1.8-2.8x the tokens/s with one thread (docs/performance.md, "Serving on the CPU"). The count
-    changes the last bits of large matmuls, so the nodes of a cluster need as many cores each as
-    they need the same BLAS."""
+def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> int | None:
+    """How many threads OpenBLAS computes an engine node's matmuls with: its share of the `cores`
+    the process may run on (shared among the `engine_nodes` started on them together, a local
+    cluster's two) less one, which the node's Python keeps (the step's build, the front end); at
+    least one. None where the environment already says (OpenBLAS reads it when it loads).
+    Measured on the 2-core box under load (docs/performance.md, "What limits it"): two threads
+    against one made 0.47-0.81x the tokens/s at 32 streams through HTTP, 0.22-0.91x on the engine
+    alone at 1 and 8, 0.74x one stream with a draft (1.13-1.28x at 8 through HTTP), whether idle
+    workers slept at once or spun: a call waits for whichever worker has no core. On a quiet box
+    one stream decodes ~1.7x faster on two (docs/operations.md: how to ask for them)."""
     if any(environ.get(name, "").strip() for name in THREAD_ENVS):
         return None
-    return max(1, cores - 1)
+    return max(1, cores // max(1, engine_nodes) - 1)
+
+
+def blas_thread_env(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> dict[str, str]:
+    """What an engine node's OpenBLAS should load with, of what `environ` does not say already:
+    its thread count (`blas_threads`) and idle workers that sleep at once (`SHORT_SPIN`)."""
+    settings = {}
+    threads = blas_threads(cores, environ, engine_nodes)
+    if threads is not None:
+        settings["OPENBLAS_NUM_THREADS"] = str(threads)
+    if not environ.get(SPIN_ENV, "").strip():
+        settings[SPIN_ENV] = SHORT_SPIN
+    return settings
 
 
 def set_openblas_threads(count: int) -> bool:
@@ -273,10 +317,12 @@ def set_openblas_threads(count: int) -> bool:
     return True
 
 
-def reexec_with_preload(ld_preload: str, argv: Sequence[str] | None = None) -> NoReturn:
+def reexec_with_preload(ld_preload: str, argv: Sequence[str] | None = None,
+                        settings: Mapping[str, str] | None = None) -> NoReturn:
     """Replace this process by its own command line (`sys.orig_argv`: interpreter flags, `-m`
-    and a launcher script survive) with `LD_PRELOAD` set; the pid stays the same."""
-    env = dict(os.environ)
+    and a launcher script survive) with `LD_PRELOAD` set and `settings` added to its environment;
+    the pid stays the same."""
+    env = {**os.environ, **(settings or {})}
     if ld_preload:
         env["LD_PRELOAD"] = ld_preload
     else:
@@ -290,17 +336,16 @@ def reexec_with_preload(ld_preload: str, argv: Sequence[str] | None = None) -> N
 
 
 def apply_blas_choice(choice: BlasChoice, *, may_reexec: bool = True,
-                      environ: Mapping[str, str] = os.environ) -> str:
+                      environ: Mapping[str, str] = os.environ, engine_nodes: int = 1) -> str:
     """Call before mlx is imported. Returns the BLAS the process will use ("openblas",
-    "bundled", "n/a"), re-executes the process when that takes a preload (`may_reexec`; a
-    process that only starts others passes False and hands them the returned value), or exits
-    with a clear message when the choice cannot be honoured."""
-    decision = decide_blas_here(choice, environ)
+    "bundled", "n/a"), re-executes the process when that takes a preload or OpenBLAS's settings
+    (`blas_thread_env`, for `engine_nodes` on this process's cores: a node's `--device-shared-by`)
+    (`may_reexec`; a process that only starts others passes False and hands them the returned
+    value), or exits with a clear message when the choice cannot be honoured."""
+    settings = blas_thread_env(len(os.sched_getaffinity(0)), environ, engine_nodes)
+    decision = decide_blas_here(choice, environ, openblas_settled=not settings or not may_reexec)
     match decision:
         case KeepProcess(blas=blas, note=note):
-            threads = blas_threads(len(os.sched_getaffinity(0)), environ) if blas == "openblas" else None
-            if threads is not None and may_reexec and set_openblas_threads(threads):
-                log.debug("OpenBLAS computes with %d thread(s): a core is left to the node's Python", threads)
             if note:
                 log.warning("%s", note)
             elif blas == "n/a" and choice != "auto":
@@ -310,8 +355,9 @@ def apply_blas_choice(choice: BlasChoice, *, may_reexec: bool = True,
         case ReexecProcess(blas=blas, ld_preload=ld_preload):
             if not may_reexec:
                 return blas
-            log.debug("re-executing with LD_PRELOAD=%r for --blas %s", ld_preload, choice)
-            reexec_with_preload(ld_preload)
+            log.debug("re-executing with LD_PRELOAD=%r and %s for --blas %s", ld_preload,
+                      settings if blas == "openblas" else "nothing else", choice)
+            reexec_with_preload(ld_preload, settings=settings if blas == "openblas" else None)
         case RefuseBlas(message=message):
             raise SystemExit(f"statecore: {message}")
         case _:
@@ -374,6 +420,10 @@ __all__ = [
     "apply_blas_choice",
     "blas_in_use",
     "blas_threads",
+    "blas_thread_env",
+    "openblas_threads_now",
+    "SHORT_SPIN",
+    "SPIN_ENV",
     "blas_of_process_tree",
     "cpu_blas_applies",
     "decide_blas",

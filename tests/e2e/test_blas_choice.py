@@ -6,6 +6,7 @@ install hint instead, and `auto` must fall back to the bundled BLAS.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,10 @@ import pytest
 
 from adapters.blas import (
     INSTALL_HINT,
+    SHORT_SPIN,
+    SPIN_ENV,
     blas_of_process_tree,
+    blas_threads,
     find_openblas,
     mapped_blas,
     system_openblas_mapped,
@@ -23,6 +27,11 @@ from tests.e2e.harness import Node
 pytestmark = pytest.mark.e2e
 
 OPENBLAS = find_openblas()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def _reported_blas(node: Node) -> str:
@@ -52,7 +61,8 @@ def test_openblas_and_bundled_single_nodes(tmp_path: Path, monkeypatch: pytest.M
             openblas.wait_healthy()
             # the same pid as started: the re-exec replaced the process image, not the process
             assert system_openblas_mapped(openblas.process.pid), mapped_blas(openblas.process.pid)
-            assert _reported_blas(openblas) == "openblas"
+            one = blas_threads(len(os.sched_getaffinity(0)), {}) == 1  # and the fingerprint says so
+            assert _reported_blas(openblas) == ("openblas-1thread" if one else "openblas")
     finally:
         assert bundled.stop() == 0
         openblas.stop()
@@ -67,5 +77,11 @@ def test_cluster_engine_nodes_share_one_blas(tmp_path: Path) -> None:
         blas = blas_of_process_tree(cluster.process.pid)
         assert sorted(name.split()[0] for name in blas) == ["decode", "prefill"], blas
         assert set(blas.values()) == {"bundled" if OPENBLAS is None else "openblas"}, blas
+        if OPENBLAS is not None:  # the two share the box's cores, and their idle workers sleep at once
+            share = str(blas_threads(len(os.sched_getaffinity(0)), {}, engine_nodes=2))
+            for name in blas:
+                environ = _environ(int(name.split("pid ")[1].rstrip(")")))
+                settings = (environ.get("OPENBLAS_NUM_THREADS"), environ.get(SPIN_ENV))
+                assert settings == (share, SHORT_SPIN), name
     finally:
         assert cluster.stop() == 0, cluster.tail()

@@ -11,12 +11,15 @@ import pytest
 
 from adapters.blas import (
     INSTALL_HINT,
+    SHORT_SPIN,
+    SPIN_ENV,
     THREAD_ENVS,
     BlasChoice,
     BlasDecision,
     KeepProcess,
     ReexecProcess,
     RefuseBlas,
+    blas_thread_env,
     blas_threads,
     decide_blas,
     default_blas_choice,
@@ -51,9 +54,9 @@ def test_flag_env_default_and_refusal(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _decide(choice: BlasChoice, *, applies: bool = True, openblas: Path | None = LIB, mapped: bool = False,
-            reexecuted: bool = False, ld_preload: str = "") -> BlasDecision:
+            reexecuted: bool = False, ld_preload: str = "", settled: bool = True) -> BlasDecision:
     return decide_blas(choice, applies=applies, openblas=openblas, openblas_mapped=mapped,
-                       reexecuted=reexecuted, ld_preload=ld_preload)
+                       reexecuted=reexecuted, ld_preload=ld_preload, openblas_settled=settled)
 
 
 @pytest.mark.parametrize("choice", ["auto", "openblas", "bundled"])
@@ -66,6 +69,11 @@ def test_off_linux_cpu_nothing_happens(choice: BlasChoice) -> None:
 def test_openblas_wanted(choice: BlasChoice) -> None:
     assert _decide(choice, ld_preload="libfoo.so") == ReexecProcess("openblas", f"{LIB} libfoo.so")
     assert _decide(choice, mapped=True) == KeepProcess("openblas")  # already preloaded: no re-exec
+    # preloaded before OpenBLAS's settings were in the environment: load it again with them, once
+    again = ReexecProcess("openblas", str(LIB))
+    assert _decide(choice, mapped=True, settled=False, ld_preload=str(LIB)) == again
+    assert _decide(choice, mapped=True, settled=False, reexecuted=True) == KeepProcess("openblas")
+    assert _decide("bundled", settled=False) == KeepProcess("bundled")  # nothing of OpenBLAS's to settle
 
 
 def test_openblas_missing() -> None:
@@ -130,30 +138,62 @@ def test_the_cli_reaches_the_blas_step_before_mlx_loads() -> None:
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize(("cores", "environ", "threads"), [
-    (2, {}, 1),  # the CPU box: the node's Python keeps a core
-    (1, {}, 1),  # a node pinned to one core: never zero
-    (16, {}, 15),
-    (2, {"OPENBLAS_NUM_THREADS": "2"}, None),  # the user's count, read by OpenBLAS at load, stands
-    (2, {"OMP_NUM_THREADS": "4"}, None),
-    (2, {"GOTO_NUM_THREADS": "1"}, None),
-    (2, {"OPENBLAS_NUM_THREADS": " "}, 1),  # an empty setting says nothing
+@pytest.mark.parametrize(("cores", "nodes", "environ", "threads"), [
+    (2, 1, {}, 1),  # the CPU box: the node's Python keeps a core
+    (1, 1, {}, 1),  # a node pinned to one core: never zero
+    (16, 1, {}, 15),
+    (4, 2, {}, 1),  # a local cluster's two engine nodes: two cores each, one for OpenBLAS
+    (16, 2, {}, 7),
+    (2, 2, {}, 1),
+    (1, 2, {}, 1),
+    (2, 1, {"OPENBLAS_NUM_THREADS": "2"}, None),  # the user's count, read by OpenBLAS at load, stands
+    (2, 2, {"OMP_NUM_THREADS": "4"}, None),
+    (2, 1, {"GOTO_NUM_THREADS": "1"}, None),
+    (3, 1, {"OPENBLAS_NUM_THREADS": " "}, 2),  # an empty setting says nothing
 ])
-def test_blas_threads(cores: int, environ: dict[str, str], threads: int | None) -> None:
-    assert blas_threads(cores, environ) == threads
+def test_blas_threads(cores: int, nodes: int, environ: dict[str, str], threads: int | None) -> None:
+    assert blas_threads(cores, environ, nodes) == threads
+
+
+@pytest.mark.parametrize(("environ", "settings"), [
+    ({}, {"OPENBLAS_NUM_THREADS": "3", SPIN_ENV: SHORT_SPIN}),
+    ({SPIN_ENV: "20"}, {"OPENBLAS_NUM_THREADS": "3"}),  # the user's spin stands
+    ({"OPENBLAS_NUM_THREADS": "1"}, {SPIN_ENV: SHORT_SPIN}),  # so does the user's count: the spin still goes
+    ({"OMP_NUM_THREADS": "2", SPIN_ENV: "28"}, {}),
+])
+def test_blas_thread_env_adds_what_the_environment_does_not_say(environ: dict[str, str],
+                                                                settings: dict[str, str]) -> None:
+    assert blas_thread_env(4, environ) == settings
+
+
+_PROBE = ("import ctypes, os, subprocess, sys; from adapters.blas import apply_blas_choice; "
+          "assert apply_blas_choice('auto') == 'openblas'; "
+          "get = 'import ctypes, os; print(ctypes.CDLL(None).openblas_get_num_threads(), "
+          "os.environ.get(\"OPENBLAS_THREAD_TIMEOUT\"))'; "
+          "child = subprocess.run([sys.executable, '-c', get], capture_output=True, text=True); "
+          "print(ctypes.CDLL(None).openblas_get_num_threads(), os.environ.get('OPENBLAS_THREAD_TIMEOUT'), "
+          "os.environ.get('STATECORE_BLAS_REEXEC_PID') == str(os.getpid()), child.stdout.strip())")
 
 
 @pytest.mark.skipif(not LIB.exists(), reason="needs the system OpenBLAS (apt-get install libopenblas0)")
-def test_a_node_sets_openblas_threads_and_its_children_inherit_them() -> None:
-    # In a process with OpenBLAS preloaded (as a node runs), the choice sets the threads it computes
-    # with, and a child that loads OpenBLAS (an engine core) starts with as many.
-    probe = ("import ctypes, os, subprocess, sys; from adapters.blas import apply_blas_choice; "
-             "assert apply_blas_choice('auto') == 'openblas'; "
-             "get = 'import ctypes; print(ctypes.CDLL(None).openblas_get_num_threads())'; "
-             "child = subprocess.run([sys.executable, '-c', get], capture_output=True, text=True); "
-             "print(ctypes.CDLL(None).openblas_get_num_threads(), child.stdout.strip())")
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENVS}
+@pytest.mark.parametrize("one_core", [False, True])
+def test_a_node_loads_openblas_on_its_cores_with_idle_workers_asleep_and_its_children_inherit(
+        one_core: bool) -> None:
+    # A process started with OpenBLAS already preloaded (as benches and some operators start a node)
+    # loads it again, once, with its settings: a thread per core of its affinity mask but one, and
+    # idle workers that sleep at once. A child that loads OpenBLAS (an engine core) starts the same.
+    cores = sorted(os.sched_getaffinity(0))[:1] if one_core else sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_ENVS, SPIN_ENV)}
     env["LD_PRELOAD"] = str(LIB)
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
-    expected = blas_threads(len(os.sched_getaffinity(0)), {})
-    assert out.stdout.split() == [str(expected), str(expected)], out.stderr
+    out = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c", _PROBE],
+                         capture_output=True, text=True, check=True, env=env)
+    threads = str(max(1, len(cores) - 1))
+    assert out.stdout.split() == [threads, SHORT_SPIN, "True", threads, SHORT_SPIN], out.stderr
+
+
+@pytest.mark.skipif(not LIB.exists(), reason="needs the system OpenBLAS (apt-get install libopenblas0)")
+def test_the_environment_s_openblas_settings_stand() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_ENVS, SPIN_ENV)}
+    env.update(LD_PRELOAD=str(LIB), OPENBLAS_NUM_THREADS="1", OPENBLAS_THREAD_TIMEOUT="28")
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["1", "28", "False", "1", "28"], out.stderr  # no re-exec either

@@ -55,7 +55,9 @@ def _run_role(args: argparse.Namespace) -> int:
     if role == "router":
         hold_stop_signals()
         return trio.run(run_router, args, listener_for(args))
-    apply_blas_choice(args.blas)  # may re-execute this process with the system OpenBLAS preloaded
+    # may re-execute this process with the system OpenBLAS preloaded; the nodes sharing this
+    # device (a local cluster's two) share its cores among their OpenBLAS threads
+    apply_blas_choice(args.blas, engine_nodes=getattr(args, "device_shared_by", 1))
     resolve_engine_core(args)
     if args.tensor_parallel > 1 or args.pipeline_parallel > 1:
         if args.engine_core == "process":

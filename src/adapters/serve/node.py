@@ -232,7 +232,8 @@ def exposure_warning(listener: socket.socket, token: str | None, role: str) -> s
 
 def blas_words(blas: str) -> str:
     """What MLX computes with, for the start-up lines."""
-    return {"openblas": "the system OpenBLAS", "bundled": "MLX's bundled reference BLAS (slow; "
+    return {"openblas": "the system OpenBLAS", "openblas-1thread": "the system OpenBLAS on one thread",
+            "bundled": "MLX's bundled reference BLAS (slow; "
             "apt-get install libopenblas0 for ~10x faster prefill)", "accelerate": "Accelerate",
             "gpu": "the GPU", "n/a": "the GPU"}.get(blas, blas)
 
