@@ -7,7 +7,7 @@ process (same pid, same command line) with it set, before mlx is imported. The t
 the last bits of float32 results, so every node of a cluster must use the same one: `blas_in_use`
 names it for /internal/info and for the engine's model fingerprint. OpenBLAS's threads
 (`blas_thread_env`): a node computes on its share of the cores of its affinity mask (a local
-cluster's two engine nodes share the box's) less the one its Python keeps, and an idle OpenBLAS
+cluster's two engine nodes share the box's), and an idle OpenBLAS
 worker sleeps at once instead of spinning ~0.1 s after each call (the environment's own settings
 win). One thread and several round large matmuls differently, so the fingerprint says which
 (`blas_in_use`). Everything but `blas_in_use`
@@ -278,16 +278,15 @@ SHORT_SPIN = "4"
 def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> int | None:
     """How many threads OpenBLAS computes an engine node's matmuls with: its share of the `cores`
     the process may run on (shared among the `engine_nodes` started on them together, a local
-    cluster's two) less one, which the node's Python keeps (the step's build, the front end); at
-    least one. None where the environment already says (OpenBLAS reads it when it loads).
-    Measured on the 2-core box under load (docs/performance.md, "What limits it"): two threads
-    against one made 0.47-0.81x the tokens/s at 32 streams through HTTP, 0.22-0.91x on the engine
-    alone at 1 and 8, 0.74x one stream with a draft (1.13-1.28x at 8 through HTTP), whether idle
-    workers slept at once or spun: a call waits for whichever worker has no core. On a quiet box
-    one stream decodes ~1.7x faster on two (docs/operations.md: how to ask for them)."""
+    cluster's two); at least one. None where the environment already says (OpenBLAS reads it
+    when it loads). Measured on the 2-core box (docs/performance.md, "What limits it"): quiet,
+    two threads whose idle workers sleep against one made 1.36-1.40x one stream's tokens/s with a
+    draft, 1.18x at 8 streams and 1.25x at 32 through HTTP; on a box other work keeps busy one
+    won (a call waits for whichever worker has no core): there the operator sets
+    `OPENBLAS_NUM_THREADS=1` (docs/operations.md)."""
     if any(environ.get(name, "").strip() for name in THREAD_ENVS):
         return None
-    return max(1, cores // max(1, engine_nodes) - 1)
+    return max(1, cores // max(1, engine_nodes))
 
 
 def blas_thread_env(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> dict[str, str]:

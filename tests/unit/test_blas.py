@@ -139,25 +139,25 @@ def test_the_cli_reaches_the_blas_step_before_mlx_loads() -> None:
 
 
 @pytest.mark.parametrize(("cores", "nodes", "environ", "threads"), [
-    (2, 1, {}, 1),  # the CPU box: the node's Python keeps a core
-    (1, 1, {}, 1),  # a node pinned to one core: never zero
-    (16, 1, {}, 15),
-    (4, 2, {}, 1),  # a local cluster's two engine nodes: two cores each, one for OpenBLAS
-    (16, 2, {}, 7),
+    (2, 1, {}, 2),  # the CPU box: a node alone on it computes on both cores
+    (1, 1, {}, 1),  # a node pinned to one core
+    (16, 1, {}, 16),
+    (4, 2, {}, 2),  # a local cluster's two engine nodes: two cores each
+    (16, 2, {}, 8),
     (2, 2, {}, 1),
-    (1, 2, {}, 1),
+    (1, 2, {}, 1),  # never zero
     (2, 1, {"OPENBLAS_NUM_THREADS": "2"}, None),  # the user's count, read by OpenBLAS at load, stands
     (2, 2, {"OMP_NUM_THREADS": "4"}, None),
     (2, 1, {"GOTO_NUM_THREADS": "1"}, None),
-    (3, 1, {"OPENBLAS_NUM_THREADS": " "}, 2),  # an empty setting says nothing
+    (3, 1, {"OPENBLAS_NUM_THREADS": " "}, 3),  # an empty setting says nothing
 ])
 def test_blas_threads(cores: int, nodes: int, environ: dict[str, str], threads: int | None) -> None:
     assert blas_threads(cores, environ, nodes) == threads
 
 
 @pytest.mark.parametrize(("environ", "settings"), [
-    ({}, {"OPENBLAS_NUM_THREADS": "3", SPIN_ENV: SHORT_SPIN}),
-    ({SPIN_ENV: "20"}, {"OPENBLAS_NUM_THREADS": "3"}),  # the user's spin stands
+    ({}, {"OPENBLAS_NUM_THREADS": "4", SPIN_ENV: SHORT_SPIN}),
+    ({SPIN_ENV: "20"}, {"OPENBLAS_NUM_THREADS": "4"}),  # the user's spin stands
     ({"OPENBLAS_NUM_THREADS": "1"}, {SPIN_ENV: SHORT_SPIN}),  # so does the user's count: the spin still goes
     ({"OMP_NUM_THREADS": "2", SPIN_ENV: "28"}, {}),
 ])
@@ -180,14 +180,14 @@ _PROBE = ("import ctypes, os, subprocess, sys; from adapters.blas import apply_b
 def test_a_node_loads_openblas_on_its_cores_with_idle_workers_asleep_and_its_children_inherit(
         one_core: bool) -> None:
     # A process started with OpenBLAS already preloaded (as benches and some operators start a node)
-    # loads it again, once, with its settings: a thread per core of its affinity mask but one, and
+    # loads it again, once, with its settings: a thread per core of its affinity mask, and
     # idle workers that sleep at once. A child that loads OpenBLAS (an engine core) starts the same.
     cores = sorted(os.sched_getaffinity(0))[:1] if one_core else sorted(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k not in (*THREAD_ENVS, SPIN_ENV)}
     env["LD_PRELOAD"] = str(LIB)
     out = subprocess.run(["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-c", _PROBE],
                          capture_output=True, text=True, check=True, env=env)
-    threads = str(max(1, len(cores) - 1))
+    threads = str(len(cores))
     assert out.stdout.split() == [threads, SHORT_SPIN, "True", threads, SHORT_SPIN], out.stderr
 
 
