@@ -71,7 +71,7 @@ class NodeStatus:
         """Why this node's engine is lost (its loop ends and the node exits soon), or None."""
         if self.lost_reason is not None:
             return self.lost_reason
-        if not self.engine.statistics().device_thread_alive:
+        if not self.engine.liveness().alive:  # asked on every admission: the cheap question
             return f"{self.runs_engine} is not running"
         return None
 
