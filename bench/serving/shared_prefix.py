@@ -106,7 +106,7 @@ async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_to
         body["prompt"] = shared + own
     stream = chat_stream if api == "chat" else completion_stream
     started = time.perf_counter()
-    sent_unix = time.time()
+    sent_unix, sent_mono = time.time(), time.monotonic()
     ttft = None
     cached = None
     try:
@@ -118,7 +118,8 @@ async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_to
     except (httpx.HTTPError, CompletionStreamError) as exc:
         return {"ttft_s": None, "cached_tokens": None, "error": f"{type(exc).__name__}: {exc}"[:200]}
     # wall-clock moments, to line a request up with a node's logs and traces (--timeline)
-    return {"ttft_s": ttft, "cached_tokens": cached, "sent_unix": sent_unix,
+    # (and on the monotonic clock, a step trace's: bench/step_trace/first_turns.py)
+    return {"ttft_s": ttft, "cached_tokens": cached, "sent_unix": sent_unix, "sent_mono": sent_mono,
             "first_unix": None if ttft is None else sent_unix + ttft}
 
 
@@ -147,8 +148,8 @@ async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespa
     if before is not None and after is not None:  # the engine's own counts over the round
         record["prefix_counts"] = {key: after[key] - before[key] for key in after}
     if args.timeline:
-        record["requests"] = [{key: d.get(key) for key in ("sent_unix", "first_unix", "cached_tokens")}
-                              for d in done]
+        record["requests"] = [{key: d.get(key) for key in ("sent_unix", "sent_mono", "ttft_s", "first_unix",
+                                                          "cached_tokens")} for d in done]
     return record
 
 
@@ -255,6 +256,7 @@ def main() -> int:
             if server.name.startswith(BASE):
                 server.wait_ready(args.startup_timeout)
         results["base_src"] = None if args.base_src is None else str(args.base_src)
+        results["ports"] = {server.name: server.port for server in servers}  # a trace's processes by port
         for scenario in args.scenarios.split(","):
             rounds = args.rounds if scenario == "system" else 1
             for round_ in range(rounds):
