@@ -40,6 +40,7 @@ from statecore.engine_schedule import (
     StackedCall,
     StepPlan,
     prefill_failure,
+    update,
 )
 from statecore.errors import StatecoreError
 
@@ -83,8 +84,11 @@ class PrefillBuild:
         """Build the plan's prefill calls: its padded groups, then each prompt's units; a prompt in
         a stacked call computes its units before its first stacked chunk here, and the rest of
         its planned units after every prompt's (`build_stacked`). `early`: first tokens are read
-        back as the step goes (the module's paragraph); the last prompt's still with the step."""
-        self.early = early and self.read_early is not None
+        back as the step goes (the module's paragraph), where the plan finishes several prompts;
+        the last one's still with the step."""
+        _, finishing = update(candidates, plan)
+        keeps = {c.request_id for c in candidates if c.keeps_only}
+        self.early = early and self.read_early is not None and len(set(finishing) - keeps) > 1
         try:
             return self.build_calls(plan, current, candidates)
         finally:
