@@ -8,10 +8,9 @@ its first token already. The tokens are still a cache-less engine's, greedy and 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 
-import pytest
 import trio
 import trio.testing
 
@@ -19,7 +18,7 @@ from adapters.mlx import MlxEngine
 from effects.engine_port import SamplingParams
 from statecore.ids import RequestId
 from support.tiny_models import cached_checkpoint
-from tests.integration.engines import close_engine, load_engine, sent_tokens
+from tests.integration.engines import load_into, opened_engines, sent_tokens
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=6)
@@ -29,14 +28,6 @@ ANSWERED_WAIT_S = 10  # how long the last call waits to see the first prompt ans
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + 3 + 11 * salt) % 500 + 2 for i in range(n)]
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[MlxEngine]]:
-    opened: list[MlxEngine] = []
-    yield opened
-    for engine in opened:
-        await close_engine(engine)
 
 
 class Watch:
@@ -73,14 +64,19 @@ async def served(engine: MlxEngine, rid: str, prompt: Sequence[int], sampling: S
     return outcome.cached_tokens, [outcome.first_token, *generated]
 
 
-async def test_first_turns_finishing_in_one_step_are_answered_as_it_goes(engines: list[MlxEngine]) -> None:
+async def test_first_turns_finishing_in_one_step_are_answered_as_it_goes() -> None:
+    async with opened_engines() as engines:
+        await first_turns_answered_as_the_step_goes(engines)
+
+
+async def first_turns_answered_as_the_step_goes(engines: list[MlxEngine]) -> None:
     path = cached_checkpoint("llama")
     prompts_count = 5
     last = f"c{prompts_count - 1}"
     watch = Watch(last)
-    load = partial(load_engine, path, prefill_chunk_size=CHUNK, step_target_ms=0.0)
-    engines.append(cached := await load(model_call_hook=watch))
-    engines.append(plain := await load(prefix_cache_bytes=0))
+    load = partial(load_into, engines, path, prefill_chunk_size=CHUNK, step_target_ms=0.0)
+    cached = await load(model_call_hook=watch)
+    plain = await load(prefix_cache_bytes=0)
     end = min(cached.info.eos_token_ids)
     system = [*prompt_of(40, salt=11), end]  # a block ends after it: kept by the first turn
 
