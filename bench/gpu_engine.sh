@@ -25,6 +25,9 @@
 #                      then vs-mlx-lm on the 1B shape
 #   prefix-reuse       chats on a shared system prompt and a resent document: cache / none /
 #                      mlx_lm.server; what message-end blocks and smaller chunks cost a cold prompt
+#   prefix-first-turns  32 first turns at once on a cached system prompt, 3 rounds: single / no cache
+#                      (target 0.5), with BASE_SRC=DIR also that checkout's node (base_single); step by
+#                      step from a step trace (first tokens seen, build / launch / read back)
 #   prefix-stacking    32 first turns at once on a shared system prompt: stacked prefill calls
 #                      (--prefill-stacking on) vs a call per prompt (off), cache / none, 3 rounds;
 #                      the load check's row classes from the node logs
@@ -235,6 +238,20 @@ print('node $C:', {k: round(1000*v[1]/n, 2) for k, v in g.items() if k != 'decod
     timeout "${COLD_LIMIT:-90}" $PY bench/engine/long_cold.py --model $M --base-src src --tokens 8000 \
       --rounds 2 --warm-first --blas bundled --message-every 0,500 --chunks 256,512 \
       --work "$OUT/long_cold" 2>&1 | tail -13
+    ;;
+  prefix-first-turns)
+    # Issue 31's first turns on the GPU: 32 at once on a 1,000-token system message, three rounds,
+    # each node alone on a third of the card (order reversed each round). BASE_SRC=DIR (a checkout's
+    # src, e.g. main before a change: `git archive REV src | tar -x -C DIR/..`) adds base_single, that
+    # tree's node, for a same-run before. Then each round step by step (step_trace/first_turns.py).
+    machine; model_1b
+    servers=single,single_nocache; base=()
+    if [ -n "${BASE_SRC:-}" ]; then servers=single,base_single,single_nocache; base=(--base-src "$BASE_SRC"); fi
+    STEP_TRACE="$OUT/first_turns_trace" PYTHONPATH="bench/step_trace:${PYTHONPATH:-}" timeout "${TURNS_LIMIT:-230}" \
+      $PY bench/serving/shared_prefix.py --model $M --blas bundled --servers "$servers" ${base[@]+"${base[@]}"} \
+      --conversations 32 --rounds 3 --scenarios system --answer-tokens 8 --device-shared-by 3 --timeline \
+      --startup-timeout 150 --out "$OUT/first_turns" 2>&1 | quiet | tail -14
+    $PY bench/step_trace/first_turns.py "$OUT/first_turns/results.json" "$OUT/first_turns_trace" | cut -c1-200 | head -70
     ;;
   prefix-stacking)
     # Issue 31's first turns on the GPU: 32 at once on a 1,000-token system message, three rounds.
