@@ -176,7 +176,8 @@ def start(model: Path, logs: Path, token: str, args: argparse.Namespace) -> dict
     logging = ["--log-level", "INFO", "--log-transitions"] if args.transitions else []
     common = ["--model", str(model), "--internal-token", token, "--prefix-cache-bytes=0",
               *logging, *args.node_arg]
-    engines = {role: start_on(Node(role, [*common, *(args.decode_arg if role == "decode" else [])],
+    own = {"decode": args.decode_arg, "prefill": args.prefill_arg}
+    engines = {role: start_on(Node(role, [*common, *own.get(role, [])],
                                    logs / f"{role}.log"), cpus[i], gpus[i])
                for i, role in enumerate(("prefill", "decode", "single"))}
     for i, (role, node) in enumerate(engines.items()):
@@ -462,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra flag for the decode node only, after --node-arg's (e.g. a KV "
                              "budget whose slots hold the longest prompt: with 8 GiB, 32 slots hold "
                              "4,096 positions, and a longer prompt decodes in the batch lane)")
+    parser.add_argument("--prefill-arg", action="append", default=[],
+                        help="extra flag for the prefill node only, after --node-arg's (e.g. a step budget "
+                             "that slices its chunks, so that a decode node on the same GPU steps between)")
     parser.add_argument("--transitions", action="store_true",
                         help="every node and router logs each request's transitions (INFO, ms stamps): "
                              "bench/phase_times.py LOGS/*.log shows where a request's time went")

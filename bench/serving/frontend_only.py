@@ -27,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from adapters.frontend.app import build_app
 from adapters.frontend.frontend import Frontend
 from adapters.serve.flags import demo_model_dir
-from effects.engine_port import Decoded, decoded
+from effects.engine_port import Decoded
 from effects.fakes import FakeEngine
 from effects.faults import Faults
 from effects.interpret import EnginePerformer, local_backend
 from effects.runner import NodeRunner
 from statecore.ids import RequestId
+from statecore.policy import decoded
 from statecore.table import DECODE_REQUEST
 
 
@@ -62,14 +63,14 @@ class SteppedEngine(FakeEngine):
             return
         step = self.steps  # the step this stream's next token comes from
         async with receive:
-            async for token in receive:
+            async for tokens in receive:  # a step's (one token each: `step_tokens` 1)
                 while self.steps <= step:
                     await self._tick.wait()
                 step += 1
-                if token.finish_reason is not None:
+                if tokens[-1].finish_reason is not None:
                     self.decoding.pop(request_id, None)
                     self._streams.pop(request_id, None)
-                for event in decoded([token]):
+                for event in decoded(tokens):
                     yield event
 
 

@@ -153,7 +153,17 @@ class _TracingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _extra(spec: str) -> None:
+    """`STEP_TRACE_EXTRA`: more functions to time, `module:Class.function` or `module:function`,
+    comma-separated (a one-off question's hops without editing the fixed list)."""
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        module, _, name = item.partition(":")
+        owner, _, attribute = name.rpartition(".")
+        TRACED.setdefault(module, []).append((owner or None, attribute))
+
+
 if os.environ.get("STEP_TRACE"):
+    _extra(os.environ.get("STEP_TRACE_EXTRA", ""))
     sys.meta_path.insert(0, _TracingFinder(os.environ["STEP_TRACE"]))
     if sys.argv and sys.argv[0]:  # a script or module run (its argv is set by now), not a bare interpreter
         _open(os.environ["STEP_TRACE"])

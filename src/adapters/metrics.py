@@ -296,9 +296,9 @@ class Metrics(Instrument):
     def _observe_handoff(self, intent: WorkIntent, rid: RequestId, streamed: bool) -> None:
         """A decode node's handoff, from its record, as each part of it ends: a stream's by the
         transport its pieces took (http, shm), a pulled one's as "pull"."""
-        if self._handoffs is None:
+        record = None if self._handoffs is None else self._handoffs.get(rid)
+        if record is None:  # none, or the ring no longer holds it: nothing to observe
             return
-        record = self._handoffs.record(rid)
         transport = (record.transport or "http") if streamed else "pull"
         role = self.role
         if isinstance(intent, FetchKv) and record.stream_s is not None:

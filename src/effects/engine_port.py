@@ -2,9 +2,10 @@
 
 The interpreter and the HTTP adapters talk to an engine only through this port; the MLX
 implementation lives in `adapters.mlx`, and `effects.fakes` has an in-memory one for
-tests. Everything here is plain data, one Protocol, and `decoded` (a decoder's tokens as the
-core's events). This module may import `statecore` and trio; it must never import httpx, mlx or
-mlx_lm.
+tests. Everything here is plain data and one Protocol; a decoder's token (`GeneratedToken`) and
+the events a step of them makes (`decoded`) are the core's (`statecore.events`, `statecore.policy`),
+named here as the port's vocabulary. This module may import `statecore` and trio; it must never
+import httpx, mlx or mlx_lm.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from statecore.events import Finished, TokenLogprobs, TokensGenerated
+from statecore.events import Finished, GeneratedToken, TokenLogprobs, TokensGenerated
 from statecore.ids import RequestId
-from statecore.policy import decoded_tokens
 
 # A KV payload as it arrives: a decode node receives into reusable buffers and passes a view of
 # one. Whoever takes one reads it within the call and keeps no reference after returning, so the
@@ -194,38 +194,7 @@ class PrefillOutcome:
 SegmentSink = Callable[[KvSegment | PrefillOutcome], None]
 
 
-@dataclass(frozen=True, slots=True)
-class GeneratedToken:
-    """One token as a decoder hands it out to its request's stream, inside an engine (its device
-    thread's item): `finish_reason` is set on the last one only, "stop" when the token is EOS
-    (`statecore.policy.token_finish`), "length" when it was the last one allowed. What the
-    port's `Engine.stream` yields is the core's own event, made of these by `decoded`."""
-
-    token: int
-    finish_reason: str | None = None
-    logprobs: TokenLogprobs | None = None
-
-
-Decoded = TokensGenerated | Finished  # what `Engine.stream` yields
-
-
-def decoded(items: Sequence[GeneratedToken]) -> list[Decoded]:
-    """A decoder's tokens for one request, read together (a step's, or several steps' when the
-    reader was behind), as the core's events: one `TokensGenerated` with those sent
-    (`statecore.policy.decoded_tokens`: an ending EOS is not), then `Finished` when the last
-    ended the generation. Nothing after an ending token is taken."""
-    ending = next((at for at, item in enumerate(items) if item.finish_reason is not None), None)
-    taken = items if ending is None else items[: ending + 1]
-    sent, finish = decoded_tokens([item.token for item in taken],
-                                  None if ending is None else taken[-1].finish_reason)
-    events: list[Decoded] = []
-    if sent:
-        logprobs = tuple(lp for item in taken[:sent] if (lp := item.logprobs) is not None)
-        events.append(TokensGenerated(tuple(item.token for item in taken[:sent]),
-                                      logprobs if len(logprobs) == sent else None))
-    if finish is not None:
-        events.append(Finished(finish))
-    return events
+Decoded = TokensGenerated | Finished  # what `Engine.stream` yields (`statecore.policy.decoded`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,9 +388,9 @@ class Engine(Protocol):
         ...
 
     def stream(self, request_id: RequestId) -> AsyncIterator[Decoded]:
-        """The tokens after the first one as the core's events (`decoded`): each value a decode
-        step's tokens (several steps' when the reader is behind), then `Finished` when EOS or
-        max_tokens ends the generation; then the iterator ends."""
+        """The tokens after the first one as the core's events (`statecore.policy.decoded`): each
+        value a decode step's tokens (several steps' when the reader is behind), then `Finished`
+        when EOS or max_tokens ends the generation; then the iterator ends."""
         ...
 
     async def cancel(self, request_id: RequestId) -> None:
@@ -457,5 +426,4 @@ __all__ = [
     "PrefillOutcome",
     "PrefixSummary",
     "SamplingParams",
-    "decoded",
 ]

@@ -28,12 +28,11 @@ from effects.engine_port import (
     PrefixSummary,
     SamplingParams,
     SegmentSink,
-    decoded,
     no_prefix_cache,
 )
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.ids import RequestId
-from statecore.policy import token_finish
+from statecore.policy import decoded, token_finish
 
 EOS = 0
 
@@ -69,7 +68,7 @@ class FakeEngine:
     """`eos_at`: the n-th generated token (1: the one prefill samples) is EOS, for tests of how
     a generation ends on it; the engine honours `SamplingParams.ignore_eos` as the port says.
     `step_tokens`: the tokens a decode step gives a request (a verify step's several), read as
-    one value as the port says."""
+    one value as the port says: a request's stream carries its steps, each its tokens."""
 
     def __init__(self, faults: Faults | None = None, info: ModelInfo | None = None,
                  eos_at: int | None = None, step_tokens: int = 1) -> None:
@@ -84,8 +83,8 @@ class FakeEngine:
         self._info = info or fake_info()
         self.held: dict[RequestId, bytes] = {}
         self.arriving: dict[RequestId, list[tuple[int, int]]] = {}  # streamed pieces' token ranges
-        self.decoding: dict[RequestId, trio.MemorySendChannel[GeneratedToken]] = {}
-        self._streams: dict[RequestId, trio.MemoryReceiveChannel[GeneratedToken]] = {}
+        self.decoding: dict[RequestId, trio.MemorySendChannel[list[GeneratedToken]]] = {}
+        self._streams: dict[RequestId, trio.MemoryReceiveChannel[list[GeneratedToken]]] = {}
         self._cancelled: set[RequestId] = set()
         self._piece_came = trio.Event()  # set (and replaced) as a streamed piece is kept or given up
 
@@ -162,15 +161,19 @@ class FakeEngine:
         self, request_id: RequestId, prompt: Sequence[int], first: int, sampling: SamplingParams
     ) -> None:
         await self._phase("install", prompt)
-        send, receive = trio.open_memory_channel[GeneratedToken](sampling.max_tokens + 1)
+        send, receive = trio.open_memory_channel[list[GeneratedToken]](sampling.max_tokens + 1)
         history = [*prompt, first]
+        step: list[GeneratedToken] = []
         for produced in range(2, sampling.max_tokens + 1):
             token = EOS if produced == self.eos_at else next_token(history)
             history.append(token)
             # the same decision the real engine's device loop asks for
             reason = token_finish(token, {EOS}, ignore_eos=sampling.ignore_eos,
                                   remaining=sampling.max_tokens - produced)
-            send.send_nowait(GeneratedToken(token, reason))
+            step.append(GeneratedToken(token, reason))
+            if reason is not None or len(step) == self.step_tokens:
+                send.send_nowait(step)
+                step = []
             if reason is not None:
                 break
         self.decoding[request_id] = send
@@ -228,14 +231,8 @@ class FakeEngine:
         if receive is None:
             return
         async with receive:
-            async for first in receive:
+            async for step in receive:
                 await trio.sleep(0.001)  # a decode step takes time
-                step = [first]
-                while len(step) < self.step_tokens and step[-1].finish_reason is None:
-                    try:
-                        step.append(receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
                 if step[-1].finish_reason is not None:  # the decoder frees a finished slot itself
                     self.decoding.pop(request_id, None)
                     self._streams.pop(request_id, None)

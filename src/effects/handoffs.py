@@ -58,7 +58,8 @@ class HandoffLog:
     """The last `capacity` handoffs a node took part in, oldest first.
 
     `record(request_id)` opens a record or returns the open one, so the pieces of one handoff
-    measured in different places (the HTTP client, the performer) land in one record. When full,
+    measured in different places (the HTTP client, the performer) land in one record; a reader
+    that only looks asks `get`. When full,
     opening a new record drops the oldest: memory stays bounded whatever the traffic.
     """
 
@@ -80,6 +81,12 @@ class HandoffLog:
         while len(self._records) > self.capacity:
             self._records.popitem(last=False)
         return opened
+
+    def get(self, request_id: str) -> HandoffRecord | None:
+        """The request's record, if the ring still holds one, without opening one: what a reader
+        asks (opening one for it would count a handoff that never happened and push out a newer
+        record)."""
+        return self._records.get(request_id)
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-ready copy: the role, the counts, and the records oldest first."""

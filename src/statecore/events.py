@@ -90,6 +90,18 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class GeneratedToken:
+    """Not an event: one token as a decoder hands it out to its request's stream, inside an engine
+    (its device thread's item). `finish_reason` is set on the last one only, "stop" when the token
+    is EOS (`statecore.policy.token_finish`), "length" when it was the last one allowed. The
+    engine's stream yields the events `statecore.policy.decoded` makes of a step's worth."""
+
+    token: int
+    finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillDone:
     """The engine prefilled the prompt and sampled the first token; the cache is held."""
 
@@ -119,8 +131,8 @@ class DecodeStarted:
 class TokensGenerated:
     """A decode step's tokens for one request (a verify step's several, else one), in order, as
     they are sent: one event per step, not per token. `logprobs` is one per token when the request
-    asked for them, else None. The engine's stream yields this very value (`effects.engine_port`);
-    an EOS that ends the generation is not among the tokens (`statecore.policy.decoded_tokens`)."""
+    asked for them, else None. The engine's stream yields this very value (`effects.engine_port`),
+    made by `statecore.policy.decoded`: an EOS that ends the generation is not among the tokens."""
 
     kind: ClassVar[EventKind] = EventKind.TOKEN
     tokens: tuple[int, ...]
@@ -328,6 +340,7 @@ __all__ = [
     "EventKind",
     "Finished",
     "FirstToken",
+    "GeneratedToken",
     "KvInstalled",
     "KvReceived",
     "KvRequested",

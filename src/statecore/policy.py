@@ -19,7 +19,15 @@ from dataclasses import dataclass, replace
 from typing import SupportsIndex, cast
 
 from statecore.errors import Code, ErrorInfo, Fault, unsupported_cache
-from statecore.events import EngineFailed, EventKind, PeerFailed, TransportLost
+from statecore.events import (
+    EngineFailed,
+    EventKind,
+    Finished,
+    GeneratedToken,
+    PeerFailed,
+    TokensGenerated,
+    TransportLost,
+)
 from statecore.ids import RequestId
 from statecore.intents import IntentKind
 from statecore.phases import LoopPhase
@@ -183,6 +191,25 @@ def decoded_tokens(tokens: Sequence[int], finish_reason: str | None) -> tuple[in
     return (len(tokens) - 1 if finish_reason == STOP else len(tokens)), finish_reason
 
 
+def decoded(items: Sequence[GeneratedToken]) -> list[TokensGenerated | Finished]:
+    """A decoder's tokens for one request, read together (a step's, or several steps' when the
+    reader was behind), as the core's events: one `TokensGenerated` with those sent
+    (`decoded_tokens`: an ending EOS is not), then `Finished` when the last ended the generation.
+    Nothing after an ending token is taken."""
+    ending = next((at for at, item in enumerate(items) if item.finish_reason is not None), None)
+    taken = items if ending is None else items[: ending + 1]
+    sent, finish = decoded_tokens([item.token for item in taken],
+                                  None if ending is None else taken[-1].finish_reason)
+    events: list[TokensGenerated | Finished] = []
+    if sent:
+        logprobs = tuple(lp for item in taken[:sent] if (lp := item.logprobs) is not None)
+        events.append(TokensGenerated(tuple(item.token for item in taken[:sent]),
+                                      logprobs if len(logprobs) == sent else None))
+    if finish is not None:
+        events.append(Finished(finish))
+    return events
+
+
 def counts_ending_token(finish_reason: str) -> bool:
     """Whether the token that ended a generation counts as generated although it makes no text:
     EOS does ("stop" from the engine), as vLLM and mlx-lm count it."""
@@ -317,6 +344,7 @@ __all__ = [
     "context_overflow",
     "context_room",
     "counts_ending_token",
+    "decoded",
     "decoded_tokens",
     "failure_event",
     "first_token_ends",

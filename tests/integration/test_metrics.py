@@ -17,12 +17,13 @@ from adapters.http.node_api import NodeApi
 from adapters.metrics import Metrics
 from effects.engine_port import SamplingParams
 from effects.fakes import FakeEngine, Faults
-from effects.interpret import EnginePerformer, local_backend
+from effects.handoffs import HandoffLog
+from effects.interpret import EnginePerformer, NodeRequest, local_backend
 from effects.ports import Backend, GenerationRequest, Output
 from effects.runner import Instrument, NodeRunner, Timeouts
 from statecore.errors import ErrorInfo
 from statecore.ids import RequestId
-from statecore.intents import Complete, Reject, RespondTokens
+from statecore.intents import Complete, Reject, RespondTokens, StartDecode
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST
 
 MARKER = 999
@@ -164,3 +165,26 @@ async def test_kv_bytes_of_a_prefix_pulled_from_a_node_are_served(nursery: trio.
         pulled = await client.post("/internal/prefix_kv", json={"tokens": list(range(1, 41))})
     assert pulled.status_code == 200 and len(pulled.content) == len(b"FAKP") + 4 * 16
     assert sample(metrics, "statecore:kv_transfer_bytes_total", direction="served") == len(pulled.content)
+
+
+def test_a_handoff_is_observed_from_its_record_and_no_record_is_opened_for_it() -> None:
+    """A decode node's handoff metrics read the handoff's record as its work ends; a request
+    whose record the ring no longer holds (or never held) is not observed, and reading it opens
+    no record: `GET /internal/handoffs` counts only the handoffs that happened."""
+    metrics = Metrics("decode")
+    engine = FakeEngine()
+    log = HandoffLog("decode", capacity=1)
+    performer = EnginePerformer(engine, handoffs=log)
+    runner: NodeRunner[Any] = NodeRunner(DECODE_REQUEST, performer, timeouts=Timeouts(deadline_s=5.0))
+    metrics.watch(runner, engine=engine, handoffs=log)
+    pulled = NodeRequest((1, 2, 3), SamplingParams(4), prefill_url="http://prefill")
+    name = "statecore:kv_first_to_second_token_seconds_count"
+
+    log.record("held").first_to_second_s = 0.25
+    metrics.work_ended(StartDecode(RequestId("held")), pulled, None)
+    assert sample(metrics, name, transport="pull") == 1
+
+    metrics.work_ended(StartDecode(RequestId("gone")), pulled, None)
+    assert sample(metrics, name, transport="pull") == 1
+    assert log.total == 1
+    assert [r["request_id"] for r in log.snapshot()["records"]] == ["held"]

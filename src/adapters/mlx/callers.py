@@ -26,9 +26,10 @@ from typing import Any, Protocol
 import trio
 
 from adapters.mlx.jobs import StreamItem
-from effects.engine_port import Decoded, GeneratedToken, decoded
+from effects.engine_port import Decoded, GeneratedToken
 from statecore.errors import Code, ErrorInfo, Fault, StatecoreError, client_error
 from statecore.events import Finished
+from statecore.policy import decoded
 
 __all__ = ["Caller", "Callers", "Handout", "Piece", "PieceOrder"]
 
