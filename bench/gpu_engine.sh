@@ -28,7 +28,7 @@
 #   prefix-stacking    32 first turns at once on a shared system prompt: stacked prefill calls
 #                      (--prefill-stacking on) vs a call per prompt (off), cache / none, 3 rounds;
 #                      the load check's row classes from the node logs
-#   conversation-route where a conversation's next turn should prefill its new part
+#   conversation-route  where a conversation's next turn should prefill its new part
 #   handoff-cost       a handoff's cost at concurrency 1: streamed vs pulled vs one node, and the
 #                      stall it causes a decode node with 16 streams
 #   handoff-pull       the HTTP pull per request against a raw loopback socket

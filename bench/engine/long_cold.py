@@ -10,7 +10,9 @@ every so many tokens; 0: none).
 One process per source tree runs all of its sides and rounds, an engine loaded for each side (for
 each side and round with --reload, the sides then taking turns, their order reversed from round
 to round): a process's start (imports, the device's context, kernels compiled on first use: tens
-of seconds on a GPU) is paid once per tree, not once per prefill. With --warm-first each engine
+of seconds on a GPU) is paid once per tree, not once per prefill. With --alternate-trees a process
+per tree and round instead, the trees taking turns: on a shared box whose load moves over minutes
+the trees' prefills of one round are then minutes apart at most. With --warm-first each engine
 first prefills a prompt of the same length and message ends (other tokens), so the timed one
 meets no attention shape for the first time in its process. The model is the bench's tiny llama
 (hidden 256, 4 layers) with its context raised to fit the prompt (a copy under --work), unless
@@ -136,6 +138,10 @@ def main() -> int:
     parser.add_argument("--message-every", default="0",
                         help="a comma list: an end-of-turn token every N prompt tokens (a chat's messages; "
                              "this checkout ends a prefill block after each; 0: none): what those cuts cost")
+    parser.add_argument("--alternate-trees", action="store_true",
+                        help="a process per source tree and round, the trees taking turns (this, base; then "
+                             "base, this): on a shared box whose load moves over minutes, each round's ratio "
+                             "compares prefills minutes apart at most, not a whole tree's rounds apart")
     parser.add_argument("--reload", action="store_true",
                         help="load each side's engine again every round, the sides taking turns, "
                              "their order reversed from round to round (on a busy CPU: a drift in its "
@@ -154,7 +160,13 @@ def main() -> int:
         sides[f"this@{chunk}"] = (this_src, {"prefill_chunk_size": chunk})
     base = "base" if "base" in sides else "this"
     results: list[dict[str, object]] = []
-    for src in dict.fromkeys(src for src, _ in sides.values()):
+    trees = list(dict.fromkeys(src for src, _ in sides.values()))
+    if args.alternate_trees:  # a process per tree and round, the trees taking turns
+        for round_ in range(args.rounds):
+            for src in trees if round_ % 2 == 0 else trees[::-1]:
+                plan = [(side, sides[side][1], [round_]) for side, (tree, _) in sides.items() if tree == src]
+                results += run_tree(src, plan, model, args.tokens, args.blas, args.warm_first, everies)
+    for src in [] if args.alternate_trees else trees:
         mine = [side for side, (tree, _) in sides.items() if tree == src]
         if args.reload:  # an engine per round and side, the sides taking turns
             plan = [(side, sides[side][1], [round_]) for round_ in range(args.rounds)

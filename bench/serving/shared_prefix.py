@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -53,6 +54,7 @@ from benchlib import (
     load_tokenizer,
     make_servers,
     percentile,
+    server_env,
     start_all,
 )
 
@@ -81,8 +83,11 @@ _FLAGS = {"single": [], "single_nocache": ["--prefix-cache-bytes=0"],
           "single_stack": ["--prefill-stacking=on"], "single_nostack": ["--prefill-stacking=off"],
           "single_nocache_stack": ["--prefix-cache-bytes=0", "--prefill-stacking=on"],
           "single_nocache_nostack": ["--prefix-cache-bytes=0", "--prefill-stacking=off"]}
-# MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes
-_GPU = ["--prefill-chunk-size=2048", "--shape-bucket=128"]
+# MLX's CUDA defaults on any device: whole 2,048-token chunks, padded to 128-token shapes, no
+# step-time target (a single node's is off on a GPU; on the CPU it would spread the cache-less
+# prompts' prefill over many more steps than a GPU's node makes)
+_GPU = ["--prefill-chunk-size=2048", "--shape-bucket=128", "--step-target-ms=0"]
+BASE = "base_"  # base_NAME: server NAME on --base-src's tree (a same-run A/B against another checkout)
 _FLAGS.update({f"single_gpu{rest}": [*_GPU, *_FLAGS[f"single{rest}"]]
                for rest in ("", "_nocache", "_long", "_long_nocache", "_stack", "_nocache_stack")},
               cluster_gpu=_GPU)
@@ -101,6 +106,7 @@ async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_to
         body["prompt"] = shared + own
     stream = chat_stream if api == "chat" else completion_stream
     started = time.perf_counter()
+    sent_unix, sent_mono = time.time(), time.monotonic()
     ttft = None
     cached = None
     try:
@@ -111,7 +117,10 @@ async def one(client: httpx.AsyncClient, url: str, shared: str, own: str, max_to
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     except (httpx.HTTPError, CompletionStreamError) as exc:
         return {"ttft_s": None, "cached_tokens": None, "error": f"{type(exc).__name__}: {exc}"[:200]}
-    return {"ttft_s": ttft, "cached_tokens": cached}
+    # wall-clock moments, to line a request up with a node's logs and traces (--timeline)
+    # (and on the monotonic clock, a step trace's: bench/step_trace/first_turns.py)
+    return {"ttft_s": ttft, "cached_tokens": cached, "sent_unix": sent_unix, "sent_mono": sent_mono,
+            "first_unix": None if ttft is None else sent_unix + ttft}
 
 
 async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespace, name: str,
@@ -138,6 +147,9 @@ async def system_prompt_run(url: str, maker: PromptMaker, args: argparse.Namespa
               "cached_tokens_counts": {str(k): v for k, v in sorted(Counter(cached).items())}}
     if before is not None and after is not None:  # the engine's own counts over the round
         record["prefix_counts"] = {key: after[key] - before[key] for key in after}
+    if args.timeline:
+        record["requests"] = [{key: d.get(key) for key in ("sent_unix", "sent_mono", "ttft_s", "first_unix",
+                                                          "cached_tokens")} for d in done]
     return record
 
 
@@ -201,21 +213,30 @@ def main() -> int:
     parser.add_argument("--device-shared-by", type=int, default=1,
                         help="statecore's engine processes sharing one GPU (each node sizes its memory "
                              "to its share: four single nodes on one H100 ran out of memory without it)")
+    parser.add_argument("--base-src", type=Path, default=None,
+                        help=f"another checkout's src/ (e.g. main's): {BASE}NAME servers run NAME from it")
+    parser.add_argument("--timeline", action="store_true",
+                        help="system prompt: keep each request's wall-clock send and first-token moments")
+    parser.add_argument("--statecore-arg", action="append", default=[],
+                        help="an extra flag for every statecore server (repeatable), e.g. --log-transitions")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "shared_prefix")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     names = [n for n in args.servers.split(",") if n]
-    if unknown := set(names) - set(SERVERS):
+    if any(n.startswith(BASE) for n in names) and args.base_src is None:
+        raise SystemExit(f"{BASE}NAME servers need --base-src")
+    if unknown := {n.removeprefix(BASE) for n in names} - set(SERVERS):
         raise SystemExit(f"unknown servers {sorted(unknown)}")
     model = args.model or default_model()
     args.out.mkdir(parents=True, exist_ok=True)
     maker = PromptMaker(load_tokenizer(model))
     servers = []
     for name in names:
-        flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name, [])]
+        flags = ["--enable-prompt-tokens-details", *_FLAGS.get(name.removeprefix(BASE), []),
+                 *(args.statecore_arg if name != "mlx_lm" else [])]
         if name != "mlx_lm" and args.device_shared_by > 1:
             flags.append(f"--device-shared-by={args.device_shared_by}")
-        kind = name if name == "mlx_lm" else "cluster" if name.startswith("cluster") else "single"
+        kind = name if name == "mlx_lm" else "cluster" if "cluster" in name else "single"
         (server,) = make_servers(model, args.out, [kind], flags)
         server.name, server.log = name, args.out / f"{name}.log"
         servers.append(server)
@@ -223,7 +244,19 @@ def main() -> int:
                                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     scenarios = {"system": system_prompt_run, "document": document_run}
     try:
-        start_all(servers, args.blas, args.startup_timeout, results)
+        for server in servers:  # base_NAME: the same server on --base-src's tree
+            if server.name.startswith(BASE):
+                env = server_env(args.blas, "single")[0]
+                env["PYTHONPATH"] = os.pathsep.join([str(args.base_src.resolve()),
+                                                     *env["PYTHONPATH"].split(os.pathsep)[1:]])
+                server.start(env)
+        start_all([s for s in servers if not s.name.startswith(BASE)], args.blas, args.startup_timeout,
+                  results)
+        for server in servers:
+            if server.name.startswith(BASE):
+                server.wait_ready(args.startup_timeout)
+        results["base_src"] = None if args.base_src is None else str(args.base_src)
+        results["ports"] = {server.name: server.port for server in servers}  # a trace's processes by port
         for scenario in args.scenarios.split(","):
             rounds = args.rounds if scenario == "system" else 1
             for round_ in range(rounds):
@@ -242,7 +275,8 @@ def main() -> int:
             server.stop()
     for scenario, key in (("system", "ttft_p50_ms"), ("document", "warm_ttft_p50_ms")):
         got = results.get(scenario, {})
-        for base in ("mlx_lm", "single_nocache", "single", "single_long_nocache", "single_gpu_nocache",
+        for base in ("mlx_lm", "single_nocache", "single", f"{BASE}single", f"{BASE}single_gpu",
+                     "single_long_nocache", "single_gpu_nocache",
                      "single_gpu", "single_gpu_long_nocache", "single_nostack", "single_nocache_nostack"):
             for name, records in got.items():
                 if name == base or base not in got:

@@ -27,6 +27,12 @@ TRACED: dict[str, list[tuple[str | None, str]]] = {
     "adapters.mlx.executor": [("StepExecutor", "step"), ("StepExecutor", "read_back"),
                               ("StepExecutor", "settle")],
     "adapters.mlx.prefill_build": [("PrefillBuild", "build")],
+    # a prompt's arrival on the device thread, its cached start, each of its calls (first turns:
+    # bench/step_trace/first_turns.py)
+    "adapters.mlx.performer": [("Performer", "register")],
+    "adapters.mlx.prefix_cache": [("PrefixCache", "start")],
+    "adapters.mlx.prefill": [(None, "run_units")],
+    "adapters.frontend.prompts": [("Prompts", "encode_chat")],
     "adapters.kv.codec": [(None, "kv_piece_tensors")],
     "adapters.kv.shm_outbox": [("ShmOutbox", "put"), ("ShmOutbox", "reserve")],
     "adapters.mlx.payloads": [(None, "validate_segment"), (None, "validate_and_build")],

@@ -28,6 +28,7 @@ from statecore.phases import PeerPhase
 from statecore.policy import blames_peer
 from statecore.routing import (
     DEFAULT_LOAD_TOKENS,
+    Overflow,
     Route,
     RouteCandidate,
     RouteChoice,
@@ -52,7 +53,7 @@ class PeerSet:
         cooldown_s: float = 3.0,
         summaries: PrefixSummaries | None = None,
         load_tokens: int = DEFAULT_LOAD_TOKENS,
-        overflow: bool = True,
+        overflow: Overflow = Overflow.IDLE,
     ) -> None:
         self.roles = {role: list(urls) for role, urls in nodes.items()}
         self.records = {
@@ -61,7 +62,7 @@ class PeerSet:
         self.available: set[str] = set()
         self.in_flight: dict[str, int] = {}
         # prompt tokens sent to each node to prefill whose first token is not back (the router's
-        # performer keeps it); with `overflow`, a busy prefill tier sends prompts to decode nodes
+        # performer keeps it); a busy prefill tier sends prompts to decode nodes as `overflow` allows
         self.prefilling: dict[str, int] = {}
         self.overflow = overflow
         self.probe = probe
@@ -158,7 +159,7 @@ class PeerSet:
         among them (those it avoids left out unless nothing else is left: `avoiding`) (tokens;
         None: overflow is off, or no prefill node is up)."""
         urls = avoiding([u for u in self.roles.get("prefill", []) if u in self.available], avoid)
-        if not self.overflow or not urls:
+        if self.overflow is Overflow.OFF or not urls:
             return None
         return min(self.prefilling.get(u, 0) for u in urls)
 
@@ -168,7 +169,7 @@ class PeerSet:
         it is short, or on a prefill node (told where the start is when a decode node holds it)."""
         candidates = self._candidates(self._available("decode", avoid), prompt)
         choice = choose_route(len(prompt), candidates, local_below, self.load_tokens,
-                              self.prefill_backlog(avoid))
+                              self.prefill_backlog(avoid), self.overflow)
         self.routes[choice.route.value] += 1
         node = choice.decode
         # chosen for what it holds: it prefills the rest, or a prefill node may pull its blocks

@@ -38,7 +38,7 @@ from enum import Enum
 from statecore.prefix import block_bounds, keys_at
 
 __all__ = ["DEFAULT_LOAD_TOKENS", "DEFAULT_PULL_BYTES_PER_S", "DEFAULT_PULL_LATENCY_S",
-           "SUMMARY_KEY_BYTES", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
+           "SUMMARY_KEY_BYTES", "Overflow", "PullRates", "Route", "RouteCandidate", "RouteChoice", "avoiding",
            "cached_prefix_tokens", "choose_node", "choose_route", "held_prefix_tokens", "overflows",
            "prefills_locally", "prefix_pull_pays", "prompt_summary_blocks", "prompt_summary_keys",
            "route_cost", "summary_key"]
@@ -158,26 +158,49 @@ def prefills_locally(prompt_tokens: int, local_below: int) -> bool:
     return prompt_tokens < local_below
 
 
-def overflows(prompt_tokens: int, prefill_backlog: int | None, decode_node: RouteCandidate) -> bool:
+class Overflow(Enum):
+    """Where a prompt bound for a busy prefill tier may be prefilled instead (`--prefill-overflow`).
+    IDLE, the default: only on a decode node with nothing in flight, whose steps no stream shares;
+    a decode node's streams are what disaggregation protects, and a long prefill beside them stalls
+    them as it would on a single node, or more (a decode node's step-time target is 4 of its steps,
+    a single node's 2 on the CPU): at equal hardware on the CPU, 1P1D against two single nodes
+    (bench/serving/disagg_equal.py), overflow onto a decoding node made the streams' gap p99 in the
+    window 0.64-1.44x (llama) and 1.35-2.78x (qwen3) the single nodes', against 0.16-0.63x and
+    0.73x without it (docs/performance.md). ON: onto any decode node prefilling nothing of its own
+    (its streams share their steps with the prompt, in layer slices). OFF: never."""
+
+    ON = "on"
+    IDLE = "idle"
+    OFF = "off"
+
+
+def overflows(prompt_tokens: int, prefill_backlog: int | None, decode_node: RouteCandidate,
+              overflow: Overflow = Overflow.IDLE) -> bool:
     """Whether a prompt bound for a prefill node is prefilled on `decode_node` instead: every
     prefill node already has at least this prompt's worth of prefill queued (`prefill_backlog`,
     the least of theirs; None: no prefill node to ask), so the prompt would wait there about as
-    long as it takes to compute, and the decode node prefills nothing itself now. One such prompt
-    at a time per decode node: its own streams share their steps with it (in layer slices, see
+    long as it takes to compute, and the decode node prefills nothing itself now (and, under
+    `Overflow.IDLE`, has nothing in flight). One such prompt at a time per decode node; where it
+    has streams (`Overflow.ON`) they share their steps with it (in layer slices, see
     `prefill_units`), so the prompt takes somewhat longer there than alone, but it starts at once."""
+    if overflow is Overflow.OFF:
+        return False
     return (prefill_backlog is not None and prefill_backlog >= prompt_tokens
-            and decode_node.prefilling == 0 and not decode_node.suspect)
+            and decode_node.prefilling == 0 and not decode_node.suspect
+            and (overflow is Overflow.ON or decode_node.in_flight == 0))
 
 
 def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate], local_below: int,
-                 load_tokens: int, prefill_backlog: int | None = None) -> RouteChoice:
+                 load_tokens: int, prefill_backlog: int | None = None,
+                 overflow: Overflow = Overflow.IDLE) -> RouteChoice:
     """The turn's route and decode node. The decode node is the cheapest by `choose_node` (new
     prefill work plus load); if it holds some of the prompt and the rest is shorter than
     `local_below`, it prefills that rest itself; a prompt shorter than `local_below` is prefilled
     on it too; otherwise a prefill node takes the prompt: handing off to that cheapest node when
     it holds some of the prompt (the prefill node may pull those blocks), else to the least
     loaded; unless the prefill nodes are busy (`overflows`, given `prefill_backlog`): then that
-    decode node prefills it (OVERFLOW). `local_below` 0: always a prefill node."""
+    decode node prefills it (OVERFLOW, as `overflow` allows). `local_below` 0: always a prefill
+    node."""
     if local_below < 0:
         raise ValueError("local_below must be >= 0")
     if local_below == 0:  # every prompt through a prefill node: nothing overflows
@@ -188,11 +211,11 @@ def choose_route(prompt_tokens: int, decode_candidates: Sequence[RouteCandidate]
     if prefills_locally(prompt_tokens, local_below):
         return RouteChoice(Route.LOCAL, best, best.cached_tokens)
     if best.cached_tokens > 0:
-        if overflows(prompt_tokens, prefill_backlog, best):
+        if overflows(prompt_tokens, prefill_backlog, best, overflow):
             return RouteChoice(Route.OVERFLOW, best, best.cached_tokens)
         return RouteChoice(Route.PREFILL_NODE_PREFIX, best, best.cached_tokens)
     unsummarized = [replace(c, cached_tokens=0) for c in decode_candidates]
-    idle = [c for c in unsummarized if overflows(prompt_tokens, prefill_backlog, c)]
+    idle = [c for c in unsummarized if overflows(prompt_tokens, prefill_backlog, c, overflow)]
     if idle:
         return RouteChoice(Route.OVERFLOW, choose_node(prompt_tokens, idle, load_tokens), best.cached_tokens)
     return RouteChoice(Route.PREFILL_NODE, choose_node(prompt_tokens, unsummarized, load_tokens),

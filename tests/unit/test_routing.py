@@ -18,6 +18,7 @@ from statecore.errors import Code, ErrorInfo, Fault, StatecoreError
 from statecore.prefix import block_keys
 from statecore.routing import (
     DEFAULT_PULL_BYTES_PER_S,
+    Overflow,
     PullRates,
     Route,
     RouteCandidate,
@@ -317,15 +318,37 @@ def test_the_route_is_local_exactly_when_the_uncached_rest_is_below_the_threshol
     (2000, [RouteCandidate("a", 0), RouteCandidate("b", 0, cached_tokens=1024, prefilling=10)], 500, 2000,
      "prefill_node_prefix", "b"),
 ])
-def test_a_busy_prefill_tier_overflows_to_an_idle_decode_node(
+def test_a_busy_prefill_tier_overflows_to_a_decode_node_prefilling_nothing(
     prompt: int, candidates: list[RouteCandidate], local_below: int, backlog: int | None, route: str,
     node: str,
 ) -> None:
-    choice = choose_route(prompt, candidates, local_below, 512, backlog)
+    choice = choose_route(prompt, candidates, local_below, 512, backlog, Overflow.ON)
     assert (choice.route.value, choice.decode.node) == (route, node)
     assert choice.local is (choice.route is Route.OVERFLOW)
     if choice.route is Route.OVERFLOW:
-        assert overflows(prompt, backlog, choice.decode)
+        assert overflows(prompt, backlog, choice.decode, Overflow.ON)
+    # off: never; idle (the default): the same unless the node it went to has requests in flight
+    assert not choose_route(prompt, candidates, local_below, 512, backlog, Overflow.OFF).local or \
+        prompt < local_below or any(c.cached_tokens for c in candidates)
+    idle = choose_route(prompt, candidates, local_below, 512, backlog)
+    if choice.route is Route.OVERFLOW and choice.decode.in_flight == 0:
+        assert idle.route is Route.OVERFLOW
+
+
+@pytest.mark.parametrize(("candidates", "route", "node"), [
+    # every decode node decodes something: the prompt waits for the prefill tier
+    ([RouteCandidate("a", 2), RouteCandidate("b", 1)], "prefill_node", "b"),
+    # the one with nothing in flight takes it, though another is less loaded by the tokens' measure
+    ([RouteCandidate("a", 1), RouteCandidate("b", 0)], "overflow", "b"),
+    # a node holding the prompt's start but decoding: a prefill node pulls from it
+    ([RouteCandidate("a", 0), RouteCandidate("b", 1, cached_tokens=1200)], "prefill_node_prefix", "b"),
+])
+def test_by_default_a_prompt_overflows_only_onto_a_decode_node_with_nothing_in_flight(
+    candidates: list[RouteCandidate], route: str, node: str,
+) -> None:
+    choice = choose_route(2000, candidates, 500, 512, 4000)
+    assert (choice.route.value, choice.decode.node) == (route, node)
+    assert choose_route(2000, candidates, 500, 512, 4000, Overflow.ON).route is Route.OVERFLOW
 
 
 busy_candidate = st.builds(RouteCandidate, st.sampled_from("abcdef"), st.integers(0, 40), st.booleans(),
@@ -334,23 +357,26 @@ busy_candidate = st.builds(RouteCandidate, st.sampled_from("abcdef"), st.integer
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 5000), st.lists(busy_candidate, min_size=1, max_size=8), st.integers(0, 3000),
-       st.none() | st.integers(0, 10000))
+       st.none() | st.integers(0, 10000), st.sampled_from(list(Overflow)))
 def test_overflow_only_ever_moves_a_prefill_node_prompt_to_an_idle_decode_node(
-    prompt: int, candidates: list[RouteCandidate], local_below: int, backlog: int | None
+    prompt: int, candidates: list[RouteCandidate], local_below: int, backlog: int | None, overflow: Overflow
 ) -> None:
     without = choose_route(prompt, candidates, local_below, 512)
-    choice = choose_route(prompt, candidates, local_below, 512, backlog)
+    choice = choose_route(prompt, candidates, local_below, 512, backlog, overflow)
     if without.local:  # short prompts and prefix hits are untouched
         assert choice == without
     elif choice.route is Route.OVERFLOW:
+        assert overflow is not Overflow.OFF
         assert local_below > 0 and backlog is not None and backlog >= prompt
         assert choice.decode.prefilling == 0 and not choice.decode.suspect
+        assert overflow is Overflow.ON or choice.decode.in_flight == 0
     else:
         assert choice == without
         # kept on a prefill node although the tier is busy: no decode node it could have gone to
-        if local_below > 0 and backlog is not None and backlog >= prompt:
+        if local_below > 0 and backlog is not None and backlog >= prompt and overflow is not Overflow.OFF:
             eligible = candidates if without.route is Route.PREFILL_NODE else [without.decode]
-            assert not any(c.prefilling == 0 and not c.suspect for c in eligible)
+            assert not any(c.prefilling == 0 and not c.suspect
+                           and (overflow is Overflow.ON or c.in_flight == 0) for c in eligible)
 
 
 def test_the_router_counts_the_prefill_each_node_computes_until_the_first_token() -> None:
@@ -367,7 +393,7 @@ def test_the_router_counts_the_prefill_each_node_computes_until_the_first_token(
     assert peers.route(set(), long, "r2", 500).route is Route.PREFILL_NODE
     # p avoided (a retry): no backlog known, no overflow
     assert peers.route({"http://p"}, long, "r3", 500).route is Route.PREFILL_NODE
-    off = PeerSet({"prefill": ["http://p"], "decode": ["http://d"]}, probe, overflow=False)
+    off = PeerSet({"prefill": ["http://p"], "decode": ["http://d"]}, probe, overflow=Overflow.OFF)
     off.available.update(["http://p", "http://d"])
     off.prefilling["http://p"] = 9000
     assert off.route(set(), long, "r4", 500).route is Route.PREFILL_NODE

@@ -57,7 +57,7 @@ class StepExecutor:
     def __init__(self, loop: ExecutorHost) -> None:
         self.loop = loop
         self.memory = StepMemory(loop)  # the prefill memory cap: what a plan frees, and its counts
-        self.prefills = PrefillBuild(loop, self.memory)  # the plan's prefill calls
+        self.prefills = PrefillBuild(loop, self.memory, self.read_early)  # the plan's prefill calls
 
     def step(self) -> None:
         """Build and start this step, then read back the previous one; while a handed-off
@@ -96,7 +96,7 @@ class StepExecutor:
                 profile.count("decode_rows", len(slot_rows))
             plan, candidates = self.plan()
             current.prefill_tokens = plan.prefill_tokens
-            outputs.extend(self.prefills.build(plan, current, candidates))
+            outputs.extend(self.prefills.build(plan, current, candidates, self.first_tokens_early()))
             self.advance(candidates, plan)
             loop.computing = ("", ())
         built = bool(outputs) or bool(current.failed_prefills)
@@ -169,6 +169,27 @@ class StepExecutor:
         traces = 0 if loop.compiled is None else loop.compiled.traces - traces_before
         profile.step_ended(elapsed, len(slot_rows), len(plan.prefills), spent_before, traces)
         loop.publish()
+
+    def first_tokens_early(self) -> bool:
+        """Whether this step's finished prompts are read back as it goes (`adapters.mlx.prefill_build`:
+        early first tokens): not on a tensor- or pipeline-parallel rank (their launches keep the
+        plan's order), nor on the CPU behind a step not yet read back (its tokens would wait for
+        this one's prefill, which a CPU launch computes)."""
+        loop = self.loop
+        lockstep = getattr(loop, "tensor", None) is not None
+        behind = loop.inflight is not None and mx.default_device() == mx.cpu
+        return not (loop.pipelined or lockstep or behind)
+
+    def read_early(self, tasks: list[PrefillTask]) -> bool:
+        """Read finished prompts back before their step ends and answer them (their arrays were
+        launched). False, reading nothing, where one raised: the step's own read-back meets it."""
+        try:
+            for task in tasks:
+                task.first.item()
+        except Exception:
+            return False
+        self.read_back(InFlight(finished_prefills=list(tasks)))
+        return True
 
     def read_now(self, step: InFlight, waited_for: list[InFlight], on_cpu: bool) -> None:
         """Read `step` back in the call that launched it, not the next: nothing is left in flight,

@@ -5,9 +5,16 @@ work units (`adapters.mlx.prefill`), the calls the plan stacks as rows of one ca
 completes are cut out as their own arrays; a prompt whose last unit is built adds its first token
 and cache to the step's outputs. A prefill that raises starts again once, in a later step (a keep
 task gives up); a padded group or stacked call that raises starts each of its prompts again
-alone. Nothing here evaluates (but a pipeline rank's launches in call order): the executor
-(`adapters.mlx.executor`) launches what this returns with the step's decode. This module imports
-mlx; never trio.
+alone. Nothing here evaluates (but a pipeline rank's launches in call order, and early first
+tokens): the executor (`adapters.mlx.executor`) launches what this returns with the step's decode.
+*Early first tokens*: where the executor asks for them, a prompt that finishes in the step is
+launched as soon as its calls are built, and the prompts launched before it are read back and
+answered then (`read_early`), not when the whole step ends: a burst of first turns on a cached
+system prompt finishes in one step of many short calls (their tails), whose first tokens all
+left at its end, so the median waited for nearly all of them (on a GPU, where a short call costs
+the host about as much as a long one, as long as the cache-less prompts, one a step, took to get
+half of theirs out). The same arrays are evaluated, in the same calls: only when they are read
+changes. This module imports mlx; never trio.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from statecore.engine_schedule import (
     StackedCall,
     StepPlan,
     prefill_failure,
+    update,
 )
 from statecore.errors import StatecoreError
 
@@ -62,13 +70,32 @@ class _StepOutputs:
 class PrefillBuild:
     """A device loop's prefill calls of one step (see the module's paragraph)."""
 
-    def __init__(self, loop: ExecutorHost, memory: StepMemory) -> None:
+    def __init__(self, loop: ExecutorHost, memory: StepMemory,
+                 read_early: Callable[[list[PrefillTask]], bool] | None = None) -> None:
         self.loop = loop
         self.memory = memory  # the prefill memory cap: what the plan frees before its calls
-    def build(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
+        # Reads finished prompts back and answers them now (the executor's); False where one raised
+        self.read_early = read_early
+        self.early = False  # this step's prompts answer early (`build`'s argument)
+        self.launched: list[PrefillTask] = []  # finished in this step, launched, not read back yet
+
+    def build(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate],
+              early: bool = False) -> list[Any]:
         """Build the plan's prefill calls: its padded groups, then each prompt's units; a prompt in
         a stacked call computes its units before its first stacked chunk here, and the rest of
-        its planned units after every prompt's (`build_stacked`)."""
+        its planned units after every prompt's (`build_stacked`). `early`: first tokens are read
+        back as the step goes (the module's paragraph), where the plan finishes several prompts;
+        the last one's still with the step."""
+        _, finishing = update(candidates, plan)
+        keeps = {c.request_id for c in candidates if c.keeps_only}
+        self.early = early and self.read_early is not None and len(set(finishing) - keeps) > 1
+        try:
+            return self.build_calls(plan, current, candidates)
+        finally:
+            current.finished_prefills.extend(self.launched)  # read back with the step
+            self.launched = []
+
+    def build_calls(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
         loop = self.loop
         started = time.perf_counter()
         outputs = _StepOutputs(loop.pipelined)
@@ -235,7 +262,20 @@ class PrefillBuild:
     def prefill_outputs(self, task: PrefillTask, current: InFlight) -> list[Any]:
         loop = self.loop
         loop.requests[task.request_id].phase = EnginePhase.PREFILLED
-        current.finished_prefills.append(task)
         assert task.cache is not None
         drawn = [] if task.drawn is None else [task.drawn]  # a first verify step's (speculative)
-        return [task.first, *drawn, *(c.state for c in task.cache)]
+        arrays = [task.first, *drawn, *(c.state for c in task.cache)]
+        # A streamed prompt's first token goes out with its last pieces, which the step holds
+        if not self.early or task.segment_sink is not None:
+            current.finished_prefills.append(task)
+            return arrays
+        try:
+            mx.async_eval(arrays)  # type: ignore[no-untyped-call]
+        except Exception:  # the step's own launch meets it again and fails what it must
+            current.finished_prefills.append(task)
+            return arrays
+        # Those launched before it are computed by now, or nearly: the host built this one meanwhile
+        earlier, self.launched = self.launched, [task]
+        if earlier and self.read_early is not None and not self.read_early(earlier):
+            current.finished_prefills.extend(earlier)  # one raised: the step's read-back fails it
+        return arrays  # launched already: the step's launch finds them evaluated or on their way

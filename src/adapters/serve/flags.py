@@ -105,11 +105,13 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
                              "stream-via-decode (the same stream, but the decode node asks the prefill node "
                              "to prefill: one hop more before the prefill starts), or pull (the decode node "
                              "fetches the whole KV after the first token)")
-    router.add_argument("--prefill-overflow", choices=["on", "off"], default="on",
+    router.add_argument("--prefill-overflow", choices=["idle", "on", "off"], default="idle",
                         help="router: when every prefill node already has at least a prompt's worth of "
-                             "prefill queued, a decode node that is prefilling nothing itself takes the "
-                             "prompt (its streams share their steps with it, in layer slices); off: long "
-                             "prompts always wait for a prefill node. --force-disaggregation turns it off")
+                             "prefill queued, a decode node with nothing in flight takes the prompt (idle, "
+                             "the default: no stream shares its steps with it); on: also a decode node "
+                             "whose streams are decoding, if it is prefilling nothing itself (they share "
+                             "their steps with the prompt, in layer slices); off: long prompts always wait "
+                             "for a prefill node. --force-disaggregation turns it off")
     router.add_argument("--prefix-routing", choices=["on", "off"], default="on",
                         help="router: send a prompt to the node whose prefix cache holds the most of it, "
                              "weighed against load (on, the default), or to the least loaded node (off)")

@@ -66,7 +66,7 @@ from effects.routing import PrefixSummaries
 from effects.runner import NodeRunner, Timeouts
 from statecore.errors import StatecoreError
 from statecore.events import DrainRequested, TransportLost
-from statecore.routing import RouteChoice
+from statecore.routing import Overflow, RouteChoice
 from statecore.scheduling import DECODE_NODE_FLOOR_MULTIPLE, SINGLE_NODE_CPU_FLOOR_MULTIPLE
 from statecore.table import DECODE_REQUEST, PREFILL_REQUEST, ROUTER_REQUEST
 
@@ -521,7 +521,7 @@ async def run_router(args: argparse.Namespace, listener: socket.socket) -> int:
     routes_by_prefix = args.prefix_routing == "on"
     summaries = PrefixSummaries(prefill + decode, peers.prefix_summary) if routes_by_prefix else None
     peer_set = PeerSet({"prefill": prefill, "decode": decode}, peers.health, summaries=summaries,
-                       load_tokens=args.route_load_tokens, overflow=args.prefill_overflow == "on")
+                       load_tokens=args.route_load_tokens, overflow=Overflow(args.prefill_overflow))
     threshold = 0 if args.force_disaggregation else local_prefill_below(args.local_prefill_below,
                                                                        info.context_length)
 
