@@ -14,11 +14,13 @@ again, so the prompt holds the answer as a code edit's holds most of the new fil
 nodes take it as token ids, mlx_lm.server (text only) as their text, which it encodes anew (a
 random model's text does not encode back to its tokens: its answer may then differ).
 Per request the client stamps the response headers, the first body byte, the first and second
-texts and the end; per server and workload it reports the medians of tokens/s (max_tokens over the
-request's whole time), time to first text, the gap from the first text to the second, the time per
-token after the first, and each round's ratios (their median is the figure: a ratio of neighbours,
-not of two medians) to mlx_lm.server, to the same tree without speculation, and to the base
-tree's same variant. It also says whether every server returned the same text, and the load
+texts and the end, and reads the server's CPU (its process tree's, /proc) before and after; per
+server and workload it reports the medians of tokens/s (max_tokens over the request's whole time),
+time to first text, the gap from the first text to the second, the time per token after the first,
+the CPU a token took (every thread's, the BLAS workers' too: what a request costs, which a busy
+box stretches less than its wall time), and each round's ratios (their median is the figure: a
+ratio of neighbours, not of two medians) to mlx_lm.server, to the same tree without speculation,
+and to the base tree's same variant. It also says whether every server returned the same text, and the load
 average beside every round.
 
     .venv/bin/python bench/serving/one_stream.py --rounds 4     # the chain model and its draft
@@ -60,6 +62,7 @@ from benchlib import (
     machine,
     server_env,
 )
+from side_by_side import cpu_seconds
 
 from adapters.blas import blas_of_process_tree
 from adapters.serve.listeners import free_port
@@ -212,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         prompt: str | list[int] = chat
                         if ids is not None:
                             prompt = maker.tokenizer.decode(ids) if server.name == "mlx_lm" else ids
+                        cpu_before = cpu_seconds(server)
                         result = one_request(client, server.url, prompt, args.max_tokens)
+                        result["cpu_s"] = cpu_seconds(server) - cpu_before
                         result["round"] = round_
                         results[workload][server.name].append(result)
                     load = load_average()
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
-    summary = {workload: summarize(results[workload]) for workload in workloads}
+    summary = {workload: summarize(results[workload], args.max_tokens) for workload in workloads}
     print(f"\n{args.rounds} rounds of {args.prompt_tokens}x{args.max_tokens}, greedy, "
           f"{'draft model ' + str(draft_model) if draft_model else 'no draft model'}; "
           f"load {meta['load_before']} -> {meta['load_after']}")
@@ -233,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in summary[workload]["servers"].items():
             print(f"  {name:10s} tok/s p50 {row['tok_s_p50']:7.2f} (mean {row['tok_s_mean']:.2f})  TTFT p50 "
                   f"{row['ttft_ms_p50']:7.1f} ms  1st->2nd p50 {row['second_gap_ms_p50']:6.1f} ms  TPOT p50 "
-                  f"{row['tpot_ms_p50']:6.2f} ms  first byte {row['first_byte_ms_p50']:6.1f} ms")
+                  f"{row['tpot_ms_p50']:6.2f} ms  first byte {row['first_byte_ms_p50']:6.1f} ms  CPU a token "
+                  f"{row['cpu_ms_per_token_p50']:6.2f} ms")
         for name, row in summary[workload]["ratios"].items():
             print(f"  {name:22s} per round: tok/s p50 {row['tok_s_p50']:.3f} (min {row['tok_s_min']:.3f}, "
                   f"{row['rounds_at_least_1']}/{args.rounds} >= 1), TTFT p50 {row['ttft_p50']:.3f}, "
-                  f"1st->2nd p50 {row['second_gap_p50']:.3f}")
+                  f"1st->2nd p50 {row['second_gap_p50']:.3f}, CPU a token p50 {row['cpu_p50']:.3f}")
         print(f"  same text on every server: {summary[workload]['same_text']} (statecore's nodes: "
               f"{summary[workload]['same_text_nodes']})")
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "requests": results},
@@ -284,7 +290,7 @@ def pairs_of(names: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(results: dict[str, list[dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
     def p50(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> float:
         return float(statistics.median(run[key] for run in runs)) * scale
 
@@ -293,7 +299,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                       "ttft_ms_p50": p50(runs, "ttft_s", 1000), "tpot_ms_p50": p50(runs, "tpot_s", 1000),
                       "second_gap_ms_p50": p50(runs, "second_gap_s", 1000),
                       "headers_ms_p50": p50(runs, "headers_s", 1000),
-                      "first_byte_ms_p50": p50(runs, "first_byte_s", 1000)}
+                      "first_byte_ms_p50": p50(runs, "first_byte_s", 1000),
+                      "cpu_ms_per_token_p50": p50(runs, "cpu_s", 1000) / max_tokens}
                for name, runs in results.items()}
     ratios = {}
     for name, other in pairs_of(list(results)):
@@ -301,10 +308,12 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         tok = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)]
         ttft = [a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs, strict=True)]
         gap = [a["second_gap_s"] / b["second_gap_s"] for a, b in zip(ours, theirs, strict=True)]
+        cpu = [a["cpu_s"] / b["cpu_s"] for a, b in zip(ours, theirs, strict=True)]
         ratios[f"{name} / {other}"] = {
             "tok_s_p50": statistics.median(tok), "tok_s_mean": statistics.mean(tok), "tok_s_min": min(tok),
             "tok_s_each": tok, "rounds_at_least_1": sum(r >= 1 for r in tok),
-            "ttft_p50": statistics.median(ttft), "second_gap_p50": statistics.median(gap)}
+            "ttft_p50": statistics.median(ttft), "second_gap_p50": statistics.median(gap),
+            "cpu_p50": statistics.median(cpu)}
     texts = [[run["text"] for run in runs] for runs in results.values()]
     nodes = [[run["text"] for run in runs] for name, runs in results.items() if name != "mlx_lm"]
     return {"servers": servers, "ratios": ratios, "same_text": all(t == texts[0] for t in texts),
