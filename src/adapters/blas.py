@@ -270,9 +270,11 @@ def decide_blas_here(choice: BlasChoice, environ: Mapping[str, str] = os.environ
 
 THREAD_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 SPIN_ENV = "OPENBLAS_THREAD_TIMEOUT"
-# OpenBLAS's floor for SPIN_ENV (log2 of the cycles an idle worker spins before it sleeps): 16
-# cycles, so a worker sleeps as soon as it has nothing to do. Its default, 28, spins ~0.1 s.
-SHORT_SPIN = "4"
+# log2 of the TSC cycles an idle OpenBLAS worker spins (yielding) before it sleeps: 2^24, ~6 ms at
+# 2.6 GHz, so a worker stays awake across a step's matmuls and the host's work between two steps
+# (asleep at once, 4, each matmul waited for its worker to be woken and scheduled), and sleeps
+# when the node idles; OpenBLAS's default, 28, spins ~0.1 s after every call.
+SHORT_SPIN = "24"
 
 
 def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> int | None:
@@ -291,7 +293,7 @@ def blas_threads(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) 
 
 def blas_thread_env(cores: int, environ: Mapping[str, str], engine_nodes: int = 1) -> dict[str, str]:
     """What an engine node's OpenBLAS should load with, of what `environ` does not say already:
-    its thread count (`blas_threads`) and idle workers that sleep at once (`SHORT_SPIN`)."""
+    its thread count (`blas_threads`) and idle workers that sleep after a short spin (`SHORT_SPIN`)."""
     settings = {}
     threads = blas_threads(cores, environ, engine_nodes)
     if threads is not None:

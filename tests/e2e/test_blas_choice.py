@@ -77,7 +77,7 @@ def test_cluster_engine_nodes_share_one_blas(tmp_path: Path) -> None:
         blas = blas_of_process_tree(cluster.process.pid)
         assert sorted(name.split()[0] for name in blas) == ["decode", "prefill"], blas
         assert set(blas.values()) == {"bundled" if OPENBLAS is None else "openblas"}, blas
-        if OPENBLAS is not None:  # the two share the box's cores, and their idle workers sleep at once
+        if OPENBLAS is not None:  # the two share the cores; idle workers sleep after a short spin
             share = str(blas_threads(len(os.sched_getaffinity(0)), {}, engine_nodes=2))
             for name in blas:
                 environ = _environ(int(name.split("pid ")[1].rstrip(")")))

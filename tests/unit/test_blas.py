@@ -177,11 +177,11 @@ _PROBE = ("import ctypes, os, subprocess, sys; from adapters.blas import apply_b
 
 @pytest.mark.skipif(not LIB.exists(), reason="needs the system OpenBLAS (apt-get install libopenblas0)")
 @pytest.mark.parametrize("one_core", [False, True])
-def test_a_node_loads_openblas_on_its_cores_with_idle_workers_asleep_and_its_children_inherit(
+def test_a_node_loads_openblas_on_its_cores_with_a_short_idle_spin_and_its_children_inherit(
         one_core: bool) -> None:
     # A process started with OpenBLAS already preloaded (as benches and some operators start a node)
     # loads it again, once, with its settings: a thread per core of its affinity mask, and
-    # idle workers that sleep at once. A child that loads OpenBLAS (an engine core) starts the same.
+    # idle workers that sleep after a short spin. A child that loads OpenBLAS (an engine core) too.
     cores = sorted(os.sched_getaffinity(0))[:1] if one_core else sorted(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k not in (*THREAD_ENVS, SPIN_ENV)}
     env["LD_PRELOAD"] = str(LIB)
