@@ -163,11 +163,12 @@ class Overflow(Enum):
     IDLE, the default: only on a decode node with nothing in flight, whose steps no stream shares;
     a decode node's streams are what disaggregation protects, and a long prefill beside them stalls
     them as it would on a single node, or more (a decode node's step-time target is 4 of its steps,
-    a single node's 2 on the CPU): at equal hardware on the CPU, 1P1D against two single nodes
-    (bench/serving/disagg_equal.py), overflow onto a decoding node made the streams' gap p99 in the
-    window 0.64-1.44x (llama) and 1.35-2.78x (qwen3) the single nodes', against 0.16-0.63x and
-    0.73x without it (docs/performance.md). ON: onto any decode node prefilling nothing of its own
-    (its streams share their steps with the prompt, in layer slices). OFF: never."""
+    a single node's 2 on the CPU): at equal hardware on a quiet CPU box, 1P1D against two single
+    nodes (bench/serving/disagg_equal.py), overflow onto a decoding node made the streams' gap p99
+    in the window 1.56x (llama) and 2.75x (qwen3) the single nodes', against 0.67x and 0.68x (the
+    engine's) without it, long prompts' TTFT 0.50-0.56x against 0.74-0.75x (docs/performance.md).
+    ON: onto any decode node prefilling nothing of its own (its streams share their steps with the
+    prompt, in layer slices). OFF: never."""
 
     ON = "on"
     IDLE = "idle"
