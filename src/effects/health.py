@@ -157,9 +157,10 @@ class PeerSet:
     def prefill_backlog(self, avoid: set[str]) -> int | None:
         """The least prefill queued at a prefill node this attempt may use, as `pick` would choose
         among them (those it avoids left out unless nothing else is left: `avoiding`) (tokens;
-        None: overflow is off, or no prefill node is up)."""
+        None: no prefill node is up). Whether a backlog sends a prompt elsewhere is
+        `statecore.routing.overflows`'s to say, under `self.overflow`."""
         urls = avoiding([u for u in self.roles.get("prefill", []) if u in self.available], avoid)
-        if self.overflow is Overflow.OFF or not urls:
+        if not urls:
             return None
         return min(self.prefilling.get(u, 0) for u in urls)
 

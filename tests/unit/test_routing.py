@@ -328,8 +328,8 @@ def test_a_busy_prefill_tier_overflows_to_a_decode_node_prefilling_nothing(
     if choice.route is Route.OVERFLOW:
         assert overflows(prompt, backlog, choice.decode, Overflow.ON)
     # off: never; idle (the default): the same unless the node it went to has requests in flight
-    assert not choose_route(prompt, candidates, local_below, 512, backlog, Overflow.OFF).local or \
-        prompt < local_below or any(c.cached_tokens for c in candidates)
+    off = choose_route(prompt, candidates, local_below, 512, backlog, Overflow.OFF)
+    assert off.route is not Route.OVERFLOW
     idle = choose_route(prompt, candidates, local_below, 512, backlog)
     if choice.route is Route.OVERFLOW and choice.decode.in_flight == 0:
         assert idle.route is Route.OVERFLOW
