@@ -86,14 +86,19 @@ class PrefillBuild:
         its planned units after every prompt's (`build_stacked`). `early`: first tokens are read
         back as the step goes (the module's paragraph), where the plan finishes several prompts;
         the last one's still with the step."""
-        _, finishing = update(candidates, plan)
-        keeps = {c.request_id for c in candidates if c.keeps_only}
-        self.early = early and self.read_early is not None and len(set(finishing) - keeps) > 1
+        self.early = early and self.read_early is not None and self.finishes_several(candidates, plan)
         try:
             return self.build_calls(plan, current, candidates)
         finally:
             current.finished_prefills.extend(self.launched)  # read back with the step
             self.launched = []
+
+    @staticmethod
+    def finishes_several(candidates: Sequence[Candidate], plan: StepPlan) -> bool:
+        """Whether the plan finishes more than one prompt (keep tasks answer nobody)."""
+        _, finishing = update(candidates, plan)
+        keeps = {c.request_id for c in candidates if c.keeps_only}
+        return len(set(finishing) - keeps) > 1
 
     def build_calls(self, plan: StepPlan, current: InFlight, candidates: Sequence[Candidate]) -> list[Any]:
         loop = self.loop
